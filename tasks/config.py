@@ -1,0 +1,229 @@
+"""Typed run configuration: YAML file < dotted CLI overrides; unknown keys are errors.
+
+    cfg = load_config("configs/tiny.yaml", ["train.lr=1e-3", "run.iterations=5"])
+
+One model per stage (GenerateConfig, RewardConfig, TrainConfig, PublishConfig) plus the shared parts
+(run, model, data, store, tracking). Names follow TRL where TRL has the concept.
+Relative paths in a config file resolve against that file's folder; paths given as overrides against the
+current directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tasks.errors import UserError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    """What this training run is called and how long it lasts."""
+
+    name: str = Field("rlflow-demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+                      description="Run name: the store prefix and MLflow run name. Same name = resume.")
+    iterations: int = Field(10, ge=1, le=1_000_000, description="Iterations of generate → reward → train → publish.")
+    seed: int = Field(0, ge=0, description="Seeds prompt order, sampling and initialisation.")
+
+
+class ModelConfig(Section):
+    """The starting policy."""
+
+    name_or_path: str = Field("builtin:tiny-lm", description="Hub id, local folder, or builtin:tiny-lm.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for training.")
+
+
+class DataConfig(Section):
+    """Prompts: a JSON/JSONL/CSV/Parquet file or a hub dataset, loaded with `datasets`."""
+
+    path: str = Field(..., description="Local data file, or a hub dataset id.")
+    name: str | None = Field(None, description="Hub dataset configuration name (e.g. 'main' for gsm8k).")
+    split: str = Field("train", description="Split to train on.")
+    prompt_column: str = Field("prompt", description="Column holding the prompt: a string, or a list of chat messages.")
+    shuffle: bool = Field(True, description="Visit prompts in a seeded random order (each epoch reshuffled).")
+
+
+class GenerateConfig(Section):
+    """Sampling completions from the current policy."""
+
+    engine: Literal["hf"] = Field("hf", description="Generation engine: hf (transformers).")
+    prompts_per_iteration: int = Field(16, ge=1, description="Prompts sampled per iteration (groups).")
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (the GRPO group size).")
+    max_prompt_length: int = Field(512, ge=1, description="Prompts longer than this (tokens) are left-truncated.")
+    max_completion_length: int = Field(256, ge=1, description="Maximum new tokens per completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer divides logits by it too).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    batch_size: int = Field(64, ge=1, description="Prompts per generate() call (memory knob, not semantics).")
+
+
+class RewardFunction(Section):
+    """One reward function `module:function` with TRL's signature f(completions, **columns) -> list[float]."""
+
+    fn: str = Field(..., pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="Import path module:function.")
+    weight: float = Field(1.0, description="Weight in the combined reward.")
+
+
+class RewardConfig(Section):
+    """Scoring completions."""
+
+    functions: list[RewardFunction] = Field(..., min_length=1, description="Reward functions and their weights.")
+
+
+class TrainConfig(Section):
+    """The GRPO update."""
+
+    engine: Literal["torch"] = Field("torch", description="Training engine: torch (single device).")
+    loss_type: Literal["dapo", "grpo"] = Field("dapo", description="dapo: global token mean; grpo: per-sequence mean.")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the starting policy (k3 estimator); 0 = none.")
+    epsilon: float = Field(0.2, gt=0, description="Lower clip range of the importance ratio.")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clip range; None = epsilon (TRL's fallback).")
+    num_iterations: int = Field(1, ge=1, description="Optimiser passes over each generated batch (TRL's μ).")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage std normalisation.")
+    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward (gradient accumulation).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
+
+
+class PublishConfig(Section):
+    """Making a trained policy visible."""
+
+    register_model: bool = Field(True, description="Register each published policy as an MLflow model version.")
+    registered_model_name: str | None = Field(None, description="MLflow registered model name; None = run.name.")
+
+
+class StoreConfig(Section):
+    """Where artifacts live: file:// or a local path, or s3://bucket/prefix."""
+
+    uri: str = Field("file://./rlflow-store", description="Store root; each run writes under <uri>/<run.name>/.")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto...); None = AWS.")
+    region: str | None = Field(None, description="S3 region; None = boto3's default chain.")
+    multipart_chunk_mb: int = Field(16, ge=5, description="Multipart part size in MiB (S3 minimum is 5).")
+    max_concurrency: int = Field(8, ge=1, description="Parallel part transfers per file.")
+    # Credentials never live here: boto3 reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE.
+
+    @field_validator("uri")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if "://" in v and not v.startswith(("file://", "s3://")):
+            raise ValueError("expected file://PATH, s3://BUCKET[/PREFIX] or a local path")
+        if v.startswith("s3://") and not v[5:].strip("/"):
+            raise ValueError("s3:// URI needs a bucket name")
+        return v
+
+
+class TrackingConfig(Section):
+    """MLflow."""
+
+    uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (sqlite:///..., http://host:5000).")
+    experiment: str = Field("rlflow", description="MLflow experiment name.")
+    sample_completions: int = Field(8, ge=0, description="Completions per iteration logged to the samples table.")
+
+
+class Config(Section):
+    """A whole run. Sections left out take their defaults."""
+
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig
+    generate: GenerateConfig = GenerateConfig()
+    reward: RewardConfig
+    train: TrainConfig = TrainConfig()
+    publish: PublishConfig = PublishConfig()
+    store: StoreConfig = StoreConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    def section_hash(self, *sections: str) -> str:
+        """Fingerprint of some sections: a stage's outputs are reused only if its inputs hash the same."""
+        blob = json.dumps({s: getattr(self, s).model_dump(mode="json") for s in sections}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+_PATH_FIELDS = (("data", "path"), ("model", "name_or_path"))
+
+
+def _parse_value(raw: str) -> Any:
+    """An override value is YAML: `3` is an int, `[1, 2]` a list, `{"fn": ...}` a mapping, else a string."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise UserError(f"override {key}: {p} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _resolve_relative(tree: dict, base: Path) -> None:
+    """Relative paths written in a config file are relative to that file, if such a path exists there."""
+    for section, key in _PATH_FIELDS:
+        value = tree.get(section, {}).get(key) if isinstance(tree.get(section), dict) else None
+        if isinstance(value, str) and not value.startswith(("/", "builtin:")) and "://" not in value:
+            candidate = base / value
+            if candidate.exists():
+                tree[section][key] = str(candidate.resolve())
+    # store.uri stays relative to the working directory: that is where the user runs from.
+
+
+def _format_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"]) or "config"
+    got = e.get("input")
+    if e["type"] == "extra_forbidden":
+        return f"config: unknown key {loc!r}"
+    if e["type"] == "missing":
+        return f"config: {loc}: required field is missing"
+    shown = json.dumps(got, default=str) if not isinstance(got, dict) else "a mapping"
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return f"config: {loc}: {e['msg'].lower()}, got {shown}"
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict | None = None) -> Config:
+    """Read YAML, apply `key=value` overrides, validate. Raises UserError with a one-line message."""
+    tree: dict = dict(base or {})
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config: file not found: {path}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise UserError(f"config: {path}{where}: not valid YAML") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"config: {path}: expected a mapping of sections at the top level")
+        _resolve_relative(loaded, p.parent)
+        tree.update(loaded)
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"override {item!r}: expected key=value (e.g. train.lr=1e-6)")
+        key, raw = item.split("=", 1)
+        if not key or not all(part.isidentifier() for part in key.split(".")):
+            raise UserError(f"override {item!r}: expected a dotted key such as train.lr")
+        _set_dotted(tree, key.strip(), _parse_value(raw))
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise UserError(_format_error(err)) from None

@@ -1,0 +1,69 @@
+"""Prompts: loading a dataset with `datasets`, checking its columns, and the seeded order prompts are visited in.
+
+The order is a pure function of (seed, position): iteration i takes positions
+[(i-1)·P, i·P) of an endless stream of per-epoch permutations, so any stage on any machine picks the same
+prompts for the same iteration, and the data cursor saved with a checkpoint is just that position.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from tasks.errors import UserError
+
+_LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: str, name: str | None, split: str):
+    import datasets
+
+    datasets.disable_progress_bars()
+    suffix = Path(path).suffix.lower()
+    try:
+        if Path(path).exists():
+            if suffix not in _LOCAL_FORMATS:
+                raise UserError(f"data.path: {path}: expected a .json/.jsonl/.csv/.parquet file")
+            return datasets.load_dataset(_LOCAL_FORMATS[suffix], data_files={split: path}, split=split)
+        return datasets.load_dataset(path, name, split=split)
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many types for a bad path/split; the user sees one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"data.path: cannot load {path!r} split {split!r}: {msg[:200]}") from None
+
+
+def load_prompts(cfg):
+    """The training split, checked: the prompt column exists and holds strings or chat message lists."""
+    ds = _load(cfg.data.path, cfg.data.name, cfg.data.split)
+    col = cfg.data.prompt_column
+    if col not in ds.column_names:
+        raise UserError(f"data.prompt_column: column {col!r} not in {cfg.data.path} (columns: {ds.column_names})")
+    if len(ds) == 0:
+        raise UserError(f"data.path: {cfg.data.path} split {cfg.data.split!r} has no rows")
+    for i, value in enumerate(ds[col][:1000]):
+        if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(m, dict) for m in value))):
+            raise UserError(f"data: row {i} column {col!r}: expected a string or a list of chat messages, "
+                            f"got {type(value).__name__}")
+    return ds
+
+
+def indices(n_rows: int, seed: int, start: int, count: int, shuffle: bool = True) -> list[int]:
+    """Row indices at stream positions [start, start+count)."""
+    out = []
+    for pos in range(start, start + count):
+        epoch, offset = divmod(pos, n_rows)
+        if shuffle:
+            perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
+            out.append(int(perm[offset]))
+        else:
+            out.append(offset)
+    return out
+
+
+def cursor(iteration: int, prompts_per_iteration: int) -> int:
+    """Stream position of the first prompt of `iteration` (1-based)."""
+    return (iteration - 1) * prompts_per_iteration

@@ -1,0 +1,134 @@
+"""Loading policies (hub id, local folder, builtin, or a store folder) and computing token logprobs.
+
+The one function both sides of RL must agree on lives here: `completion_logprobs` computes what the
+trainer thinks the policy's logprob of each sampled token is, with the same temperature the generator used.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import torch
+
+from tasks import layout, tiny_model
+from tasks.errors import UserError
+from tasks.store import Store
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@functools.lru_cache(maxsize=8)
+def _open_store(store_cfg_json: str) -> Store:
+    from tasks.config import StoreConfig
+
+    return Store.open(StoreConfig.model_validate_json(store_cfg_json))
+
+
+def open_store(cfg) -> Store:
+    """One Store per store config in this process (a boto3 client is not free to build)."""
+    return _open_store(cfg.store.model_dump_json())
+
+
+def device_for(cfg) -> torch.device:
+    want = cfg.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want)
+
+
+def local_folder(store: Store, key: str) -> Path:
+    """Download (or reuse) a complete store folder into the local cache, verified."""
+    digest = hashlib.sha256(store.uri(key).encode()).hexdigest()[:16]
+    dest = tiny_model.cache_root() / "store" / digest
+    store.get_folder(key, dest)
+    return dest
+
+
+def policy_path(cfg, policy: str) -> str:
+    """`base` -> the configured starting model; otherwise a store key of a policy or checkpoint model."""
+    if policy == layout.BASE:
+        return base_path(cfg)
+    return str(local_folder(open_store(cfg), policy))
+
+
+def base_path(cfg) -> str:
+    path = tiny_model.resolve(cfg.model.name_or_path)
+    looks_local = path.startswith(("/", "./", "../", "~")) or Path(path).exists()
+    if looks_local and not (Path(path).expanduser() / "config.json").exists():
+        raise UserError(f"model.name_or_path: {path}: no config.json (expected a saved model folder)")
+    return path
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise UserError(f"model.name_or_path: cannot load tokenizer from {path!r}: {str(e).splitlines()[0][:200]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str, dtype: str = "float32", device: torch.device | str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
+    except OSError as e:
+        raise UserError(f"model.name_or_path: cannot load model from {path!r}: {str(e).splitlines()[0][:200]}") from None
+    return model.to(device)
+
+
+def encode_prompt(tokenizer, prompt, max_length: int) -> list[int]:
+    """A string is tokenised as is; a list of chat messages goes through the tokenizer's chat template."""
+    if isinstance(prompt, list):
+        if not tokenizer.chat_template:
+            raise UserError("data.prompt_column: chat-message prompts need a tokenizer with a chat template")
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return list(ids)[-max_length:]
+
+
+def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
+    """[left-padded prompt | right-padded completion] with attention mask, position ids and completion mask.
+
+    Shapes: ids, attention (B, Lp+Lc); completion_mask (B, Lc). Position ids count real tokens only, so a
+    left-padded row sees the same positions as it did unpadded in the generator.
+    """
+    B = len(prompts)
+    Lp = max(len(p) for p in prompts)
+    Lc = max(max(len(c) for c in completions), 1)
+    ids = torch.full((B, Lp + Lc), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, Lp + Lc), dtype=torch.long)
+    cmask = torch.zeros((B, Lc), dtype=torch.float32)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        ids[b, Lp - len(p):Lp] = torch.tensor(p, dtype=torch.long)
+        attn[b, Lp - len(p):Lp] = 1
+        if c:
+            ids[b, Lp:Lp + len(c)] = torch.tensor(c, dtype=torch.long)
+            attn[b, Lp:Lp + len(c)] = 1
+            cmask[b, :len(c)] = 1
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    return ids, attn, positions, cmask
+
+
+def completion_logprobs(model, ids, attn, positions, n_completion: int, temperature: float,
+                        with_entropy: bool = False):
+    """Logprob of each completion token under `model`: (B, Lc) float32, and optionally entropy (B, Lc)."""
+    device = next(model.parameters()).device
+    out = model(input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=positions.to(device),
+                logits_to_keep=n_completion + 1)
+    logits = out.logits[:, :-1].float() / temperature            # (B, Lc, V): logits at t predict token t+1
+    targets = ids[:, -n_completion:].to(device)                   # (B, Lc)
+    logp = torch.log_softmax(logits, dim=-1)
+    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return token_logp, None
+    entropy = -(logp.exp() * logp).sum(-1)
+    return token_logp, entropy

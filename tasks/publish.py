@@ -1,0 +1,50 @@
+"""Stage 4 — publish: make iteration N's weights the policy that generate and users read.
+
+    python -m tasks.publish --config configs/tiny.yaml --iteration 3 [--mlflow-run-id ID]
+
+Copies the checkpoint's model folder (safetensors + config + tokenizer) to the immutable
+`<run>/policy/vN`, writes its manifest last, then moves `<run>/policy/LATEST` forward, then registers the
+folder as a version of the MLflow registered model (`models:/NAME/latest` names the newest). Each step is idempotent, so a publish
+killed anywhere and run again completes what is missing and repeats nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tasks import layout
+from tasks.errors import UserError
+from tasks.models import local_folder, open_store
+from tasks.stage import fingerprint, result, reuse, stage_cli
+
+
+def publish(cfg, iteration: int, mlflow_run_id: str | None = None) -> dict:
+    """Publish iteration `iteration`'s trained weights; returns {key, uri, metrics}."""
+    store = open_store(cfg)
+    run = cfg.run.name
+    key = layout.policy(run, iteration)
+    src = layout.checkpoint(run, iteration)
+    src_manifest = store.manifest(src)
+    if src_manifest is None:
+        raise UserError(f"iteration {iteration}: no complete checkpoint at {store.uri(src)}; run train first")
+    fp = fingerprint(cfg, (), iteration=iteration, checkpoint=src_manifest["files"][layout.CKPT_STATE]["sha256"])
+    done = reuse(store, key, fp)
+    if done is None:
+        t0 = time.perf_counter()
+        model_dir = local_folder(store, src) / layout.CKPT_MODEL
+        size = sum(f["size"] for rel, f in src_manifest["files"].items() if rel.startswith(layout.CKPT_MODEL + "/"))
+        metrics = {"publish/bytes": float(size)}
+        manifest = store.put_folder(key, model_dir, meta={"fingerprint": fp, "iteration": iteration, "source": src,
+                                                          "metrics": metrics})
+        metrics["publish/seconds"] = time.perf_counter() - t0
+        done = result(store, key, manifest)
+        done["metrics"] = metrics
+    store.advance_pointer(layout.latest(run, "policy"), key)
+    if cfg.publish.register_model and mlflow_run_id:
+        from tasks.tracking import register_policy
+        done["model_version"] = register_policy(cfg, mlflow_run_id, done["uri"], iteration)
+    return done
+
+
+if __name__ == "__main__":
+    stage_cli(publish, "publish", takes_tracking=True)

@@ -1,0 +1,137 @@
+"""Stage 2 — reward: score every completion with the configured reward functions.
+
+    python -m tasks.reward --config configs/tiny.yaml --iteration 3
+
+A reward function has TRL's signature and is named by import path with a weight:
+
+    def successor_reward(completions: list[str], **columns) -> list[float | None]: ...
+    reward.functions: [{fn: "tasks.rewards.demo:successor_reward", weight: 1.0}]
+
+Dataset columns (other than the prompt) arrive as keyword lists, plus `prompts` and `completion_ids`.
+`None` means "not applicable". The module is importable from the current directory. Reads
+`<run>/iter-N/rollouts`, writes `<run>/iter-N/rewards` with per-function scores and the weighted sum.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from tasks import layout, rollout
+from tasks.advantage import combine
+from tasks.errors import UserError
+from tasks.models import open_store
+from tasks.stage import fingerprint, reuse, result, stage_cli
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned something unusable; the message names the function."""
+
+
+def load_functions(cfg) -> list[tuple[str, Callable, float]]:
+    """Import every configured function: [(name, fn, weight)]. A bad path is a user error."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # user reward modules live next to where they run rlflow
+    out = []
+    for i, spec in enumerate(cfg.reward.functions):
+        module_name, _, attr = spec.fn.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:
+            raise UserError(f"reward.functions[{i}].fn: cannot import module {module_name!r}: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            raise UserError(f"reward.functions[{i}].fn: {module_name!r} has no function {attr!r}")
+        out.append((attr, fn, spec.weight))
+    names = [n for n, _, _ in out]
+    if len(set(names)) != len(names):
+        raise UserError(f"reward.functions: two functions share a name ({names}); names key the scores")
+    return out
+
+
+def score(functions, records: list[rollout.Rollout]) -> dict[str, list[float | None]]:
+    """Call each function once on the whole batch; validate what it returns."""
+    completions = [r.completion for r in records]
+    columns: dict[str, list] = {k: [r.columns.get(k) for r in records] for k in (records[0].columns if records else {})}
+    columns["prompts"] = [r.prompt for r in records]
+    columns["completion_ids"] = [r.completion_ids for r in records]
+    scores = {}
+    for name, fn, _ in functions:
+        try:
+            values = fn(completions, **columns)
+        except Exception as e:
+            raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        values = list(values) if values is not None else []
+        if len(values) != len(records):
+            raise RewardFunctionError(f"reward function {name!r} returned {len(values)} scores for {len(records)} completions")
+        clean = []
+        for j, v in enumerate(values):
+            if v is None:
+                clean.append(None)
+                continue
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                raise RewardFunctionError(f"reward function {name!r} returned {type(v).__name__} for completion {j}") from None
+            if not math.isfinite(v):
+                raise RewardFunctionError(f"reward function {name!r} returned {v} for completion {j}")
+            clean.append(v)
+        scores[name] = clean
+    return scores
+
+
+def reward(cfg, iteration: int) -> dict:
+    """Score iteration `iteration`'s rollouts; returns {key, uri, metrics}."""
+    store = open_store(cfg)
+    key = layout.rewards(cfg.run.name, iteration)
+    src = layout.rollouts(cfg.run.name, iteration)
+    src_manifest = store.manifest(src)
+    if src_manifest is None:
+        raise UserError(f"iteration {iteration}: no complete rollouts at {store.uri(src)}; run generate first")
+    fp = fingerprint(cfg, ("reward",), iteration=iteration, rollouts=src_manifest["files"][rollout.FILE]["sha256"])
+    if (done := reuse(store, key, fp)) is not None:
+        return done
+
+    t0 = time.perf_counter()
+    functions = load_functions(cfg)
+    with tempfile.TemporaryDirectory(prefix="rlflow-reward-") as tmp:
+        store.get_folder(src, Path(tmp))
+        records = rollout.read(Path(tmp))
+        scores = score(functions, records)
+        weights = {name: w for name, _, w in functions}
+        for j, r in enumerate(records):
+            r.rewards = {name: scores[name][j] for name in scores}
+        totals = combine([r.rewards for r in records], weights)
+        for r, t in zip(records, totals.tolist()):
+            r.reward = None if math.isnan(t) else t
+        present = [r.reward for r in records if r.reward is not None]
+        metrics = {"reward/mean": sum(present) / max(len(present), 1),
+                   "reward/std": _std(present),
+                   "reward/missing_share": 1 - len(present) / len(records),
+                   "reward/seconds": time.perf_counter() - t0}
+        for name, vals in scores.items():
+            got = [v for v in vals if v is not None]
+            metrics[f"reward/{name}/mean"] = sum(got) / max(len(got), 1)
+        out = Path(tmp) / "out"
+        out.mkdir()
+        rollout.write(records, out)
+        manifest = store.put_folder(key, out, meta={"fingerprint": fp, "metrics": metrics})
+    return result(store, key, manifest)
+
+
+def _std(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+if __name__ == "__main__":
+    stage_cli(reward, "reward")

@@ -1,0 +1,44 @@
+"""The record stages exchange: one completion of one prompt, as a JSON line.
+
+generate writes them (reward fields empty); reward fills `rewards` (per function, None = not applicable or
+failed) and `reward` (the weighted combination); train reads them. Token ids and the generator's behaviour
+logprobs travel with the text so the trainer never re-tokenises and can measure the policy mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Rollout:
+    group: int                  # prompt's position in this iteration's batch; completions of a group share it
+    row: int                    # dataset row index
+    prompt: Any                 # the prompt as in the dataset (string or chat messages)
+    prompt_ids: list[int]
+    completion: str
+    completion_ids: list[int]   # includes the EOS token when the completion stopped on its own
+    logprobs: list[float]       # behaviour logprob of each completion token (after temperature)
+    truncated: bool             # hit max_completion_length without EOS
+    columns: dict[str, Any] = field(default_factory=dict)   # the dataset row's other columns (reward kwargs)
+    rewards: dict[str, float | None] = field(default_factory=dict)
+    reward: float | None = None
+
+
+FILE = "rollouts.jsonl"
+
+
+def write(rollouts: list[Rollout], folder: Path) -> Path:
+    path = Path(folder) / FILE
+    with open(path, "w") as f:
+        for r in rollouts:
+            f.write(json.dumps(asdict(r)) + "\n")
+    return path
+
+
+def read(folder: Path) -> list[Rollout]:
+    with open(Path(folder) / FILE) as f:
+        return [Rollout(**json.loads(line)) for line in f if line.strip()]

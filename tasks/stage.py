@@ -1,0 +1,62 @@
+"""What every stage shares: the input fingerprint, reuse of a complete output, its result, and its CLI.
+
+A stage is `stage(config, iteration, ...) -> {"key", "uri", "metrics"}`, pure over the store: when its output
+folder is complete and was made from the same inputs (same fingerprint), it returns that folder without
+recomputing. An output made from *different* inputs under the same run name is a user error: silently
+mixing two configs in one run would corrupt it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+
+from tasks.errors import UserError
+
+
+def fingerprint(cfg, sections: tuple[str, ...], **inputs) -> str:
+    blob = json.dumps({"config": cfg.section_hash(*sections), "seed": cfg.run.seed, **inputs}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def reuse(store, key: str, fp: str) -> dict | None:
+    manifest = store.manifest(key)
+    if manifest is None:
+        return None
+    if manifest.get("meta", {}).get("fingerprint") != fp:
+        raise UserError(f"run: {store.uri(key)} was made from a different config or input; "
+                        f"resume with the same config or choose a new run.name")
+    return result(store, key, manifest)
+
+
+def result(store, key: str, manifest: dict) -> dict:
+    return {"key": key, "uri": store.uri(key), "metrics": manifest.get("meta", {}).get("metrics", {})}
+
+
+def stage_cli(fn, name: str, takes_policy: bool = False, takes_tracking: bool = False) -> None:
+    """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY]`; prints the result JSON."""
+    from tasks.config import load_config
+
+    ap = argparse.ArgumentParser(prog=f"python -m tasks.{name}", description=fn.__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--iteration", type=int, required=True)
+    if takes_policy:
+        ap.add_argument("--policy", default="base", help="'base' or the store key of a published policy")
+    if takes_tracking:
+        ap.add_argument("--mlflow-run-id", default=None)
+    args = ap.parse_args()
+    try:
+        cfg = load_config(args.config, args.override)
+        kwargs = {}
+        if takes_policy:
+            kwargs["policy"] = args.policy
+        if takes_tracking:
+            kwargs["mlflow_run_id"] = args.mlflow_run_id
+        out = fn(cfg, args.iteration, **kwargs)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(out))

@@ -1,0 +1,299 @@
+"""The store: the only way stages talk. `file://` (default) or `s3://` (boto3; any S3-compatible endpoint).
+
+Contract (docs/DESIGN): an artifact is a folder under `<root>/<run>/`; it is complete only when its
+MANIFEST.json (every file's size and sha256, plus the stage's metadata) exists, and the manifest is written
+last. Readers verify sizes and checksums and refuse a folder with a missing, truncated or altered file,
+naming it. A pointer (`policy/LATEST`) is replaced only after the manifest it names exists.
+
+    store = Store.open(cfg.store)               # one per run root
+    uri = store.put_folder("run/policy/v000003", local_dir, meta={...})
+    manifest = store.get_folder("run/policy/v000003", dest_dir)   # verified
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from tasks.errors import UserError
+
+MANIFEST = "MANIFEST.json"
+_HASH_CHUNK = 8 << 20
+
+
+class IncompleteArtifact(Exception):
+    """A folder without a valid manifest, or with a file that does not match it."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _local_files(folder: Path) -> Iterator[tuple[str, Path]]:
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            yield p.relative_to(folder).as_posix(), p
+
+
+class Store:
+    """Base: folder-level logic (manifests, verification, pointers) over a few byte-level primitives."""
+
+    root: str  # URI of the store root, e.g. file:///abs/path or s3://bucket/prefix
+
+    # ---- primitives each backend implements
+    def _put_file(self, key: str, src: Path) -> None: raise NotImplementedError
+    def _get_file(self, key: str, dest: Path) -> None: raise NotImplementedError
+    def _put_bytes(self, key: str, data: bytes) -> None: raise NotImplementedError
+    def _get_bytes(self, key: str) -> bytes | None: raise NotImplementedError
+    def _list(self, prefix: str) -> list[str]: raise NotImplementedError
+    def check(self) -> None: """Raise UserError if the store cannot be reached."""
+
+    @staticmethod
+    def open(cfg) -> "Store":
+        """Factory from a StoreConfig (or a bare URI string)."""
+        uri = cfg if isinstance(cfg, str) else cfg.uri
+        if uri.startswith("s3://"):
+            return S3Store(uri, cfg if not isinstance(cfg, str) else None)
+        return FileStore(uri[len("file://"):] if uri.startswith("file://") else uri)
+
+    def uri(self, key: str) -> str:
+        return f"{self.root.rstrip('/')}/{key}"
+
+    # ---- folders
+    def manifest(self, key: str) -> dict | None:
+        """The folder's manifest, or None if the folder is not complete (no manifest yet)."""
+        raw = self._get_bytes(f"{key}/{MANIFEST}")
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise IncompleteArtifact(f"{self.uri(key)}/{MANIFEST}: not valid JSON") from None
+
+    def put_folder(self, key: str, folder: Path, meta: dict[str, Any] | None = None) -> dict:
+        """Upload every file of `folder`, then the manifest (last). Returns the manifest."""
+        folder = Path(folder)
+        files = {rel: {"size": p.stat().st_size, "sha256": sha256_file(p)} for rel, p in _local_files(folder)}
+        manifest = {"format": 1, "created": time.time(), "files": files, "meta": meta or {}}
+        self._write_folder(key, folder, files, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        return manifest
+
+    def _write_folder(self, key: str, folder: Path, files: dict, manifest: bytes) -> None:
+        for rel in files:
+            self._put_file(f"{key}/{rel}", folder / rel)
+        self._put_bytes(f"{key}/{MANIFEST}", manifest)
+
+    def get_folder(self, key: str, dest: Path) -> dict:
+        """Download a complete folder into `dest` and verify each file against the manifest."""
+        manifest = self.manifest(key)
+        if manifest is None:
+            raise IncompleteArtifact(f"{self.uri(key)}: incomplete artifact (no {MANIFEST})")
+        dest = Path(dest)
+        for rel, want in manifest["files"].items():
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not (target.exists() and target.stat().st_size == want["size"] and sha256_file(target) == want["sha256"]):
+                try:
+                    self._get_file(f"{key}/{rel}", target)
+                except FileNotFoundError:
+                    raise IncompleteArtifact(f"{self.uri(key)}/{rel}: missing (listed in {MANIFEST})") from None
+            _verify(target, want, f"{self.uri(key)}/{rel}")
+        return manifest
+
+    def verify(self, key: str) -> dict:
+        """Check a folder in place (downloads to a temporary folder for remote stores)."""
+        with tempfile.TemporaryDirectory(prefix="rlflow-verify-") as tmp:
+            return self.get_folder(key, Path(tmp))
+
+    def get_json(self, key: str, name: str) -> Any:
+        """Read one small JSON file of a complete folder, verified against the manifest."""
+        manifest = self.manifest(key)
+        if manifest is None:
+            raise IncompleteArtifact(f"{self.uri(key)}: incomplete artifact (no {MANIFEST})")
+        raw = self._get_bytes(f"{key}/{name}")
+        want = manifest["files"].get(name)
+        where = f"{self.uri(key)}/{name}"
+        if raw is None or want is None:
+            raise IncompleteArtifact(f"{where}: missing")
+        if len(raw) != want["size"] or hashlib.sha256(raw).hexdigest() != want["sha256"]:
+            raise IncompleteArtifact(f"{where}: does not match {MANIFEST} (truncated or altered)")
+        return json.loads(raw)
+
+    # ---- pointers
+    def set_pointer(self, key: str, target: str) -> None:
+        """Point `key` (e.g. run/policy/LATEST) at folder `target`; refused unless target is complete."""
+        if self.manifest(target) is None:
+            raise IncompleteArtifact(f"refusing to point {key} at incomplete {self.uri(target)}")
+        self._put_bytes(key, json.dumps({"target": target, "updated": time.time()}).encode())
+
+    def advance_pointer(self, key: str, target: str) -> None:
+        """Move a pointer forward only: versions are zero-padded, so a later one sorts after an earlier one."""
+        current = self.get_pointer(key)
+        if current is None or current < target:
+            self.set_pointer(key, target)
+
+    def get_pointer(self, key: str) -> str | None:
+        raw = self._get_bytes(key)
+        return json.loads(raw)["target"] if raw else None
+
+    def list_folders(self, prefix: str) -> list[str]:
+        """Immediate child folder names under prefix (complete or not)."""
+        return sorted({k[len(prefix):].lstrip("/").split("/", 1)[0] for k in self._list(prefix.rstrip("/") + "/")
+                       if "/" in k[len(prefix):].lstrip("/")})
+
+
+def _verify(path: Path, want: dict, where: str) -> None:
+    size = path.stat().st_size
+    if size != want["size"]:
+        raise IncompleteArtifact(f"{where}: size {size} != {want['size']} in {MANIFEST} (truncated or altered)")
+    if sha256_file(path) != want["sha256"]:
+        raise IncompleteArtifact(f"{where}: sha256 does not match {MANIFEST} (altered)")
+
+
+class FileStore(Store):
+    """A local folder. Folders are staged under a temporary name and renamed into place, manifest included."""
+
+    def __init__(self, path: str):
+        self.path = Path(path).expanduser().absolute()
+        self.root = f"file://{self.path}"
+
+    def check(self) -> None:
+        probe = self.path
+        while not probe.exists():
+            probe = probe.parent
+        if not os.access(probe, os.W_OK):
+            raise UserError(f"store.uri: {self.path} is not writable")
+
+    def _p(self, key: str) -> Path:
+        return self.path / key
+
+    def _write_folder(self, key, folder, files, manifest):
+        final = self._p(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
+        try:
+            for rel in files:
+                (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(folder / rel, staging / rel)
+            (staging / MANIFEST).write_bytes(manifest)
+            if final.exists():  # an incomplete leftover of a killed writer; a complete one is never replaced
+                if (final / MANIFEST).exists():
+                    raise FileExistsError(f"{self.uri(key)} already complete")
+                shutil.rmtree(final)
+            os.rename(staging, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _put_file(self, key, src):
+        dst = self._p(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+
+    def _get_file(self, key, dest):
+        shutil.copyfile(self._p(key), dest)
+
+    def _put_bytes(self, key, data):
+        dst = self._p(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+
+    def _get_bytes(self, key):
+        try:
+            return self._p(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def _list(self, prefix):
+        base = self._p(prefix)
+        if not base.is_dir():
+            return []
+        return [f"{prefix}{p.relative_to(base).as_posix()}" for p in base.rglob("*") if p.is_file()
+                and not any(part.startswith(".") and ".partial-" in part for part in p.relative_to(base).parts)]
+
+
+class S3Store(Store):
+    """S3 or any S3-compatible server. Large files go through boto3's transfer manager (multipart, parallel).
+
+    Objects are written under their final keys; a folder is invisible to readers until its manifest, the last
+    PUT, exists. Each PUT is atomic, so a killed upload leaves at most a folder without a manifest, which every
+    reader refuses and the next writer overwrites.
+    """
+
+    def __init__(self, uri: str, cfg=None):
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config as BotoConfig
+
+        self.root = uri.rstrip("/")
+        bucket_and_prefix = uri[len("s3://"):].strip("/")
+        self.bucket, _, self.prefix = bucket_and_prefix.partition("/")
+        endpoint = getattr(cfg, "endpoint_url", None)
+        self.client = boto3.client(
+            "s3", endpoint_url=endpoint, region_name=getattr(cfg, "region", None),
+            config=BotoConfig(retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=32))
+        chunk = (getattr(cfg, "multipart_chunk_mb", 16) or 16) << 20
+        self.transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
+                                       max_concurrency=getattr(cfg, "max_concurrency", 8) or 8)
+        self.endpoint = endpoint
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def check(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        where = f"{self.root}" + (f" at {self.endpoint}" if self.endpoint else "")
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "?")
+            what = {"404": "bucket does not exist", "403": "access denied (check AWS credentials)"}.get(code, code)
+            raise UserError(f"store.uri: {where}: {what}") from None
+        except BotoCoreError as e:
+            raise UserError(f"store.uri: cannot reach {where}: {type(e).__name__}") from None
+
+    def _put_file(self, key, src):
+        self.client.upload_file(str(src), self.bucket, self._k(key), Config=self.transfer)
+
+    def _get_file(self, key, dest):
+        from botocore.exceptions import ClientError
+
+        tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            self.client.download_file(self.bucket, self._k(key), str(tmp), Config=self.transfer)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                raise FileNotFoundError(key) from None
+            raise
+        os.replace(tmp, dest)
+
+    def _put_bytes(self, key, data):
+        self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
+
+    def _get_bytes(self, key):
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            return None
+
+    def _list(self, prefix):
+        out = []
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._k(prefix)):
+            out += [o["Key"][strip:] for o in page.get("Contents", [])]
+        return out

@@ -1,0 +1,102 @@
+"""A tiny causal LM built offline, so that tests and the demo use the real `from_pretrained` path.
+
+    python -m tasks.tiny_model build /tmp/tiny-lm
+
+A config `model.name_or_path: builtin:tiny-lm` resolves to a folder built here once (deterministic, seeded)
+under the local cache; everything after that loads it exactly like a hub model.
+
+Shape choices (why): a character-level vocabulary (~100 tokens) keeps the output layer small so a random
+model can find rewarded tokens by sampling; hidden 64 with 2 heads gives head_dim 32, the smallest vLLM's
+CPU attention accepts (16 fails); 2 layers is enough to condition on the prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import string
+import sys
+import tempfile
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+# Printable ASCII without the vertical whitespace: every character of the demo task is one token.
+CHARACTERS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+
+# name -> architecture knobs. Add a size here, not a new code path.
+BUILTINS: dict[str, dict] = {
+    "tiny-lm": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2, max_position_embeddings=256),
+}
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def build_tokenizer():
+    """Character-level fast tokenizer: a BPE model with no merges splits text into single characters."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build(path: str | Path, name: str = "tiny-lm", seed: int = 0) -> Path:
+    """Write a randomly initialised model + tokenizer to `path` with `save_pretrained`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=True, **BUILTINS[name])
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RLFLOW_CACHE", Path.home() / ".cache" / "rlflow"))
+
+
+def resolve(name_or_path: str) -> str:
+    """`builtin:NAME` -> a local folder (built on first use); anything else is returned unchanged."""
+    if not name_or_path.startswith(BUILTIN_PREFIX):
+        return name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX):]
+    if name not in BUILTINS:
+        from tasks.errors import UserError
+        raise UserError(f"model.name_or_path: unknown builtin model {name!r}; expected one of {sorted(BUILTINS)}")
+    spec = json.dumps({"name": name, **BUILTINS[name], "vocab": SPECIAL_TOKENS + CHARACTERS}, sort_keys=True)
+    target = cache_root() / "models" / f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
+    if not (target / "config.json").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+        build(tmp, name)
+        try:
+            os.rename(tmp, target)  # atomic: a concurrent builder may have won; then keep theirs
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "build":
+        sys.exit("usage: python -m tasks.tiny_model build PATH")
+    print(build(sys.argv[2]))

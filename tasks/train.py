@@ -1,0 +1,194 @@
+"""Stage 3 — train: one GRPO update on this iteration's scored rollouts.
+
+    python -m tasks.train --config configs/tiny.yaml --iteration 3
+
+Reads `<run>/iter-N/rewards` and the previous checkpoint (`<run>/trainer/ckpt-(N-1)`, or the base model for
+N = 1); writes `<run>/trainer/ckpt-N` = model + optimizer state + RNG state + data cursor, then moves
+`trainer/LATEST`. Engine: torch (one device). The loss and the advantages are the pure functions in
+tasks/loss.py and tasks/advantage.py; this file only batches, steps and saves.
+
+With num_iterations = 1 the update is on-policy: the ratio is exp(logp - logp.detach()) = 1 and only the
+gradient flows (TRL does the same). With num_iterations > 1, "old" logprobs are computed once before the
+first pass and the later passes are clipped against them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tasks import data, layout, rollout
+from tasks.advantage import group_advantages
+from tasks.errors import UserError
+from tasks.loss import aggregate, clip_stats, per_token_loss
+from tasks.models import (base_path, completion_logprobs, device_for, load_model, load_tokenizer,
+                          local_folder, open_store, pad_batch)
+from tasks.stage import fingerprint, reuse, result, stage_cli
+
+OPTIMIZER, RNG, STATE, MODEL_DIR = layout.CKPT_OPTIMIZER, layout.CKPT_RNG, layout.CKPT_STATE, layout.CKPT_MODEL
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _micro_batches(records, size: int):
+    for start in range(0, len(records), size):
+        yield start, records[start:start + size]
+
+
+def train(cfg, iteration: int) -> dict:
+    """Update the policy on iteration `iteration`'s scored rollouts; returns {key, uri, metrics}."""
+    store = open_store(cfg)
+    run, tc = cfg.run.name, cfg.train
+    key = layout.checkpoint(run, iteration)
+    src = layout.rewards(run, iteration)
+    src_manifest = store.manifest(src)
+    if src_manifest is None:
+        raise UserError(f"iteration {iteration}: no complete rewards at {store.uri(src)}; run reward first")
+    prev = layout.checkpoint(run, iteration - 1) if iteration > 1 else None
+    prev_manifest = store.manifest(prev) if prev else None
+    if prev and prev_manifest is None:
+        raise UserError(f"iteration {iteration}: previous checkpoint {store.uri(prev)} is missing; train in order")
+    fp = fingerprint(cfg, ("model", "train"), iteration=iteration,
+                     rewards=src_manifest["files"][rollout.FILE]["sha256"],
+                     previous=prev_manifest["files"][STATE]["sha256"] if prev_manifest else layout.BASE)
+    if (done := reuse(store, key, fp)) is not None:
+        store.advance_pointer(layout.latest(run, "trainer"), key)  # a kill may have come between the two
+        return done
+
+    t0 = time.perf_counter()
+    device = device_for(cfg)
+    if prev:
+        folder = local_folder(store, prev)
+        model_path = str(folder / MODEL_DIR)
+    else:
+        folder, model_path = None, base_path(cfg)
+    tokenizer = load_tokenizer(model_path)
+    model = load_model(model_path, cfg.model.dtype, device).train()
+    ref_model = load_model(base_path(cfg), cfg.model.dtype, device).eval().requires_grad_(False) if tc.beta > 0 else None
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
+                                  betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
+    if folder is not None:
+        optimizer.load_state_dict(torch.load(folder / OPTIMIZER, map_location=device, weights_only=True))
+        _set_rng_state(torch.load(folder / RNG, weights_only=False))
+        step = json.loads((folder / STATE).read_text())["step"]
+    else:
+        torch.manual_seed(cfg.run.seed)
+        random.seed(cfg.run.seed)
+        step = 0
+
+    with tempfile.TemporaryDirectory(prefix="rlflow-train-") as tmp:
+        store.get_folder(src, Path(tmp))
+        records = rollout.read(Path(tmp))
+    rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
+    advantages = group_advantages(rewards, cfg.generate.num_generations, tc.scale_rewards)   # (N,)
+
+    batches = []   # per micro-batch: padded tensors, built once and reused by every pass
+    for start, chunk in _micro_batches(records, tc.micro_batch_size):
+        ids, attn, pos, mask = pad_batch([r.prompt_ids for r in chunk], [r.completion_ids for r in chunk],
+                                         tokenizer.pad_token_id)
+        behaviour = torch.zeros_like(mask)
+        for b, r in enumerate(chunk):
+            behaviour[b, :len(r.logprobs)] = torch.tensor(r.logprobs)
+        batches.append(dict(ids=ids, attn=attn, pos=pos, mask=mask.to(device), behaviour=behaviour.to(device),
+                            adv=advantages[start:start + len(chunk)].to(device)))
+    num_tokens = float(sum(b["mask"].sum() for b in batches))
+    num_seqs = len(records)
+
+    def logprobs_of(m, b, entropy=False):
+        return completion_logprobs(m, b["ids"], b["attn"], b["pos"], b["mask"].shape[1], cfg.generate.temperature,
+                                   with_entropy=entropy)
+
+    with torch.no_grad():
+        for b in batches:
+            if ref_model is not None:
+                b["ref"] = logprobs_of(ref_model, b)[0]
+            if tc.num_iterations > 1:
+                b["old"] = logprobs_of(model, b)[0]
+
+    sums = dict(loss=0.0, kl_ref=0.0, mismatch_kl=0.0, entropy=0.0, clip_low_sum=0.0, clip_high_sum=0.0,
+                ratio_max=0.0, ratio_min=math.inf, grad_norm=0.0)
+    for pass_ in range(tc.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        loss_total, clip = 0.0, {"clip_low_sum": 0.0, "clip_high_sum": 0.0}
+        for b in batches:
+            logp, entropy = logprobs_of(model, b, entropy=True)
+            old = b.get("old", logp.detach())
+            ptl, ratio, kl = per_token_loss(logp, old, b["adv"], tc.epsilon, tc.epsilon_high,
+                                            ref_logp=b.get("ref"), beta=tc.beta)
+            loss = aggregate(ptl, b["mask"], tc.loss_type, num_tokens, num_seqs)
+            loss.backward()
+            loss_total += float(loss.detach())
+            m = b["mask"]
+            for k, v in clip_stats(ratio.detach(), b["adv"], m, tc.epsilon, tc.epsilon_high).items():
+                if k in clip:
+                    clip[k] += v
+            if pass_ == 0:
+                sums["entropy"] += float((entropy.detach() * m).sum())
+                d = b["behaviour"] - logp.detach()          # generator vs trainer, same weights on pass 0
+                sums["mismatch_kl"] += float(((torch.exp(d) - d - 1) * m).sum())
+                if kl is not None:
+                    sums["kl_ref"] += float((kl.detach() * m).sum())
+            real = ratio.detach()[m.bool()]
+            if real.numel():
+                sums["ratio_max"] = max(sums["ratio_max"], float(real.max()))
+                sums["ratio_min"] = min(sums["ratio_min"], float(real.min()))
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
+        optimizer.step()
+        step += 1
+        sums["loss"], sums["grad_norm"] = loss_total, float(grad_norm)
+        sums["clip_low_sum"], sums["clip_high_sum"] = clip["clip_low_sum"], clip["clip_high_sum"]
+
+    seconds = time.perf_counter() - t0
+    present = rewards[~torch.isnan(rewards)]
+    metrics = {
+        "train/loss": sums["loss"],
+        "train/grad_norm": sums["grad_norm"],
+        "train/entropy": sums["entropy"] / num_tokens,
+        "train/mismatch_kl": sums["mismatch_kl"] / num_tokens,
+        "train/clip_low": sums["clip_low_sum"] / num_tokens,
+        "train/clip_high": sums["clip_high_sum"] / num_tokens,
+        "train/clip_fraction": (sums["clip_low_sum"] + sums["clip_high_sum"]) / num_tokens,
+        "train/ratio_min": sums["ratio_min"] if math.isfinite(sums["ratio_min"]) else 1.0,
+        "train/ratio_max": sums["ratio_max"],
+        "train/advantage_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
+        "train/reward_mean": float(present.mean()) if present.numel() else 0.0,
+        "train/tokens_per_s": num_tokens * tc.num_iterations / max(seconds, 1e-9),
+        "train/seconds": seconds,
+    }
+    if tc.beta > 0:
+        metrics["train/kl_ref"] = sums["kl_ref"] / num_tokens
+
+    with tempfile.TemporaryDirectory(prefix="rlflow-ckpt-") as tmp:
+        out = Path(tmp)
+        model.save_pretrained(out / MODEL_DIR)
+        tokenizer.save_pretrained(out / MODEL_DIR)
+        torch.save(optimizer.state_dict(), out / OPTIMIZER)
+        torch.save(_rng_state(), out / RNG)
+        (out / STATE).write_text(json.dumps({
+            "iteration": iteration, "step": step,
+            "data_cursor": data.cursor(iteration + 1, cfg.generate.prompts_per_iteration)}))
+        manifest = store.put_folder(key, out, meta={"fingerprint": fp, "metrics": metrics, "iteration": iteration})
+    store.advance_pointer(layout.latest(run, "trainer"), key)
+    return result(store, key, manifest)
+
+
+if __name__ == "__main__":
+    stage_cli(train, "train")
