@@ -243,9 +243,13 @@ class S3Store(Store):
         bucket_and_prefix = uri[len("s3://"):].strip("/")
         self.bucket, _, self.prefix = bucket_and_prefix.partition("/")
         endpoint = getattr(cfg, "endpoint_url", None)
-        self.client = boto3.client(
-            "s3", endpoint_url=endpoint, region_name=getattr(cfg, "region", None),
-            config=BotoConfig(retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=32))
+        def client(attempts: int):
+            return boto3.client("s3", endpoint_url=endpoint, region_name=getattr(cfg, "region", None),
+                                config=BotoConfig(retries={"max_attempts": attempts, "mode": "standard"},
+                                                  connect_timeout=10, max_pool_connections=32))
+
+        self.client = client(5)          # transient faults are retried with back-off
+        self._probe = client(1)          # check(): a wrong endpoint should fail in seconds, not after retries
         chunk = (getattr(cfg, "multipart_chunk_mb", 16) or 16) << 20
         self.transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
                                        max_concurrency=getattr(cfg, "max_concurrency", 8) or 8)
@@ -259,7 +263,7 @@ class S3Store(Store):
 
         where = f"{self.root}" + (f" at {self.endpoint}" if self.endpoint else "")
         try:
-            self.client.head_bucket(Bucket=self.bucket)
+            self._probe.head_bucket(Bucket=self.bucket)
         except ClientError as e:
             code = e.response.get("Error", {}).get("Code", "?")
             what = {"404": "bucket does not exist", "403": "access denied (check AWS credentials)"}.get(code, code)
