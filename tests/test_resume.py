@@ -1,0 +1,113 @@
+"""Resume: a run killed (SIGKILL, the whole process group) in the middle of a stage and started again ends
+with exactly `run.iterations` iterations, none repeated, none skipped, and the same result as a run that was
+never interrupted. The store never holds a folder that a reader accepts without a valid manifest."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks import layout
+from tasks.store import MANIFEST, IncompleteArtifact, Store
+from tests.conftest import TINY, read_summary, run_cli
+
+pytestmark = pytest.mark.slow
+
+GATED_REWARD = '''
+import os, time
+from tasks.rewards.demo import successor_reward
+
+def gated(completions, answer, **kwargs):
+    """Blocks while the gate file exists, so the test can kill the run inside the reward stage."""
+    gate = os.environ.get("GATE_FILE")
+    if gate and os.path.exists(gate):
+        open(gate + ".entered", "w").close()
+        time.sleep(600)
+    return successor_reward(completions, answer)
+'''
+
+ARGS = ["-o", "run.name=resume", "-o", "run.iterations=3", "-o", "generate.prompts_per_iteration=4",
+        "-o", "generate.num_generations=4", "-o", 'reward.functions=[{"fn": "gated_reward:gated"}]']
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early ({proc.returncode}): {proc.stderr.read()}")
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {path}")
+        time.sleep(0.05)
+
+
+def _start(cwd: Path, prefect_api: str, extra_env: dict) -> subprocess.Popen:
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, **extra_env}
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY), *ARGS, "--summary-json", "s.json"],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path):
+    for d in ("killed", "clean"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "gated_reward.py").write_text(GATED_REWARD)
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    store_dir = killed / "rlflow-store" / "resume"
+    gate = tmp_path / "gate"
+
+    # Kill 1: inside iteration 2's reward stage (the reward function is blocked on the gate).
+    proc = _start(killed, prefect_api, {"GATE_FILE": str(gate)})
+    _wait_for(store_dir / "policy" / "v000001" / MANIFEST, proc)
+    gate.touch()
+    _wait_for(Path(str(gate) + ".entered"), proc)
+    _kill(proc)
+    assert not (store_dir / "iter-000002" / "rewards").exists()
+
+    # Kill 2: restarted, killed again as soon as iteration 3's rollouts exist (in reward/train of iteration 3).
+    gate.unlink()
+    proc = _start(killed, prefect_api, {"GATE_FILE": str(gate)})
+    _wait_for(store_dir / "iter-000003" / "rollouts" / MANIFEST, proc)
+    _kill(proc)
+
+    # Restart to the end, and an uninterrupted run of the same config beside it.
+    done = run_cli(["run", str(TINY), *ARGS, "--summary-json", "s.json"], killed, prefect_api)
+    assert done.returncode == 0, done.stderr
+    ref = run_cli(["run", str(TINY), *ARGS, "--summary-json", "s.json"], clean, prefect_api)
+    assert ref.returncode == 0, ref.stderr
+
+    got, want = read_summary(killed / "s.json"), read_summary(clean / "s.json")
+    assert got["iterations_completed"] == 3 and len(got["reward_mean"]) == 3
+    assert got["reward_mean"] == want["reward_mean"]             # same prompts, samples and updates
+
+    store = Store.open(str(killed / "rlflow-store"))
+    assert store.get_pointer(layout.latest("resume", "policy")) == layout.policy("resume", 3)
+    assert store.list_folders("resume/policy") == ["v000001", "v000002", "v000003"]
+    assert store.list_folders("resume/trainer") == ["ckpt-000001", "ckpt-000002", "ckpt-000003"]
+    state = store.get_json(layout.checkpoint("resume", 3), "state.json")
+    assert state["step"] == 3                                     # one optimizer step per iteration, none repeated
+    # Every folder is either complete and verified, or refused by readers.
+    for folder in [p for p in store_dir.rglob("*") if p.is_dir() and not any(c.is_dir() for c in p.iterdir())
+                   and p.name != "model"]:
+        key = folder.relative_to(killed / "rlflow-store").as_posix()
+        if (folder / MANIFEST).exists():
+            store.verify(key)
+        else:
+            with pytest.raises(IncompleteArtifact):
+                store.verify(key)
+
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"sqlite:///{killed}/mlflow.db")
+    steps = [m.step for m in client.get_metric_history(got["mlflow_run_id"], "reward/mean")]
+    assert steps == [1, 2, 3]                                      # each iteration logged once
+    assert len(client.search_runs([client.get_experiment_by_name("rlflow").experiment_id])) == 1
