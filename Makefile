@@ -1,0 +1,29 @@
+# Two entry points (README): `make demo` and `make test`. Both build .venv from nothing first.
+# torch is installed alone and pinned first: torch==2.13.0 resolves to the local CPU wheel on our machines;
+# any looser spec (or letting another package pull it) downloads the multi-GB CUDA build.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/pip install -qq --disable-pip-version-check
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -c constraints.txt -e '.[test]'
+	touch $@
+
+demo: setup              ## tiny model, CPU, local store, sqlite MLflow, Prefect without a server (~1-2 min)
+	$(BIN)/rlflow run configs/tiny.yaml --summary-json rlflow-runs/tiny-demo/summary.json
+
+test: setup              ## every test, the slow end-to-end ones included (real S3/Prefect/MLflow servers)
+	$(BIN)/python -m pytest -q tests
+
+bench: setup             ## flow overhead vs a bare loop; results go in docs/benchmarks.md
+	$(BIN)/python bench/flow_overhead.py
+
+clean:
+	rm -rf $(VENV) rlflow-store rlflow-runs mlflow.db mlruns

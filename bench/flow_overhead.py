@@ -1,0 +1,82 @@
+"""Flow overhead: the same iterations through the Prefect flow (with store and MLflow) versus the stage
+functions called in a bare Python loop (same store, no Prefect, no MLflow), side by side in one process.
+
+    python bench/flow_overhead.py [--iterations 40] [--repeats 2]
+
+Prints both wall times and the ratio. The Prefect API (ephemeral, or PREFECT_API_URL) is warmed up before
+timing: its one-time start is reported separately, not counted as per-run overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_FLOW_RUNS_LEVEL", "CRITICAL")
+os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_TASK_RUNS_LEVEL", "CRITICAL")
+
+from tasks import layout  # noqa: E402
+from tasks.config import load_config  # noqa: E402
+from tasks.generate import generate  # noqa: E402
+from tasks.publish import publish  # noqa: E402
+from tasks.reward import reward  # noqa: E402
+from tasks.train import train  # noqa: E402
+
+
+def bare_loop(cfg) -> list[float]:
+    out = []
+    for it in range(1, cfg.run.iterations + 1):
+        generate(cfg, it, layout.BASE if it == 1 else layout.policy(cfg.run.name, it - 1))
+        out.append(reward(cfg, it)["metrics"]["reward/mean"])
+        train(cfg, it)
+        publish(cfg, it)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=40, help="demo size: configs/tiny.yaml's 40")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="rlflow-bench-"))
+    os.chdir(work)
+
+    def cfg(name: str):
+        return load_config(ROOT / "configs" / "tiny.yaml", [f"run.name={name}", f"run.iterations={args.iterations}",
+                                                            f"tracking.uri=sqlite:///{work}/mlflow.db"])
+
+    from flows.training import train_flow
+
+    t0 = time.perf_counter()
+    train_flow(cfg("warmup").model_copy(update={"run": cfg("warmup").run.model_copy(update={"iterations": 1})}))
+    warm = time.perf_counter() - t0
+    bare_loop(cfg("warmup-bare").model_copy(update={"run": cfg("warmup-bare").run.model_copy(update={"iterations": 1})}))
+
+    flow_t, bare_t = [], []
+    for r in range(args.repeats):
+        t0 = time.perf_counter()
+        a = train_flow(cfg(f"flow-{r}"))["reward_mean"]
+        flow_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        b = bare_loop(cfg(f"bare-{r}"))
+        bare_t.append(time.perf_counter() - t0)
+        assert a == b, "flow and bare loop must do the same work"
+    f, b = statistics.median(flow_t), statistics.median(bare_t)
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}")
+    print(f"iterations per run: {args.iterations}; repeats: {args.repeats}; first flow (Prefect start + 1 iter): {warm:.1f}s")
+    print(f"prefect flow + store + mlflow: {f:.2f}s  ({f / args.iterations * 1000:.0f} ms/iteration)  runs: {flow_t}")
+    print(f"bare loop + store:             {b:.2f}s  ({b / args.iterations * 1000:.0f} ms/iteration)  runs: {bare_t}")
+    print(f"ratio flow/bare: {f / b:.3f}  (overhead {100 * (f / b - 1):+.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
