@@ -227,3 +227,28 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         return Config.model_validate(tree)
     except ValidationError as err:
         raise UserError(_format_error(err)) from None
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md, generated from the models above (tests/test_config_docs.py keeps it in sync)."""
+    lines = ["# Configuration reference", "",
+             "Generated from `tasks/config.py` by `python -m tasks.config > docs/configuration.md`.",
+             "A config file sets only what differs from these defaults; `-o section.key=value` overrides on the "
+             "command line. Unknown keys are errors.", ""]
+    for section, field in Config.model_fields.items():
+        model = field.annotation
+        lines += [f"## `{section}` — {model.__doc__.strip().splitlines()[0]}", "",
+                  "| key | type | default | meaning |", "|---|---|---|---|"]
+        for name, f in model.model_fields.items():
+            typ = str(f.annotation).replace("typing.", "").replace("__main__.", "").replace("tasks.config.", "").replace("<class '", "").replace("'>", "").replace("|", "\\|")
+            default = "required" if f.is_required() else f"`{json.dumps(f.default, default=str)}`"
+            symbols = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
+            bounds = ", ".join(f"{symbols[k]} {getattr(m, k)}" for m in f.metadata for k in symbols if hasattr(m, k))
+            lines.append(f"| `{section}.{name}` | {typ} | {default} | {f.description or ''}"
+                         f"{f' ({bounds})' if bounds else ''} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())
