@@ -55,6 +55,7 @@ def cmd_run(args) -> int:
     summary = train_flow(cfg)
     public = {k: summary[k] for k in ("run", "iterations_completed", "reward_mean", "policy_uri", "mlflow_run_id")}
     if args.summary_json:
+        Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary_json).write_text(json.dumps(public, indent=2))
     print(f"\ndone: {summary['iterations_completed']} iterations, mean reward "
           f"{summary['reward_mean'][0]:.3f} -> {summary['reward_mean'][-1]:.3f}")

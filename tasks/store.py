@@ -187,10 +187,10 @@ class FileStore(Store):
                 (staging / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(folder / rel, staging / rel)
             (staging / MANIFEST).write_bytes(manifest)
-            if final.exists():  # an incomplete leftover of a killed writer; a complete one is never replaced
-                if (final / MANIFEST).exists():
-                    raise FileExistsError(f"{self.uri(key)} already complete")
-                shutil.rmtree(final)
+            if (final / MANIFEST).exists():
+                return  # another writer completed it first; complete folders are immutable, theirs stands
+            if final.exists():
+                shutil.rmtree(final)  # an incomplete leftover (e.g. copied in by hand); never a complete one
             os.rename(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

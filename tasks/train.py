@@ -142,7 +142,9 @@ def train(cfg, iteration: int) -> dict:
                     clip[k] += v
             if pass_ == 0:
                 sums["entropy"] += float((entropy.detach() * m).sum())
-                d = b["behaviour"] - logp.detach()          # generator vs trainer, same weights on pass 0
+                # KL(generator ‖ trainer) on the generator's own samples, k3 with r = π/μ; on pass 0 both
+                # hold the same weights, so this measures engine/numerics mismatch alone.
+                d = logp.detach() - b["behaviour"]
                 sums["mismatch_kl"] += float(((torch.exp(d) - d - 1) * m).sum())
                 if kl is not None:
                     sums["kl_ref"] += float((kl.detach() * m).sum())
