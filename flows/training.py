@@ -47,22 +47,6 @@ def preflight(cfg: Config) -> None:
     load_tokenizer(base_path(cfg))
 
 
-def _samples(cfg: Config, rewards_key: str) -> list[dict]:
-    """A few completions of this iteration for the MLflow table."""
-    n = cfg.tracking.sample_completions
-    if n == 0:
-        return []
-    import tempfile
-    from tasks import rollout
-
-    with tempfile.TemporaryDirectory() as tmp:
-        open_store(cfg).get_folder(rewards_key, Path(tmp))
-        records = rollout.read(Path(tmp))
-    step = max(len(records) // n, 1)
-    return [{"prompt": str(r.prompt), "completion": r.completion, "reward": r.reward,
-             **{f"reward/{k}": v for k, v in r.rewards.items()}} for r in records[::step][:n]]
-
-
 class Progress:
     """A progress bar with one line per iteration on a terminal; plain lines elsewhere (CI, Prefect workers)."""
 
@@ -110,13 +94,13 @@ def train_flow(config: Config) -> dict:
             g = generate_task(cfg, it, policy)
             r = reward_task(cfg, it)
             t = train_task(cfg, it)
-            p = publish_task(cfg, it, run_id)
+            p = publish_task(cfg, it)
             published = p
             reward_means.append(r["metrics"]["reward/mean"])
             if it > already_logged:
                 metrics = {**g["metrics"], **r["metrics"], **t["metrics"], **p["metrics"],
                            "iteration/seconds": time.perf_counter() - t0}
-                tracker.log_iteration(it, metrics, _samples(cfg, r["key"]))
+                tracker.log_iteration(it, metrics, r["samples"], policy_uri=p["uri"])
                 progress.line(f"iter {it:>4}/{cfg.run.iterations}  reward {r['metrics']['reward/mean']:.3f}  "
                               f"loss {t['metrics']['train/loss']:+.4f}  {time.perf_counter() - t0:5.2f}s")
                 log.info("iteration %d: reward %.3f loss %.4f", it, r["metrics"]["reward/mean"], t["metrics"]["train/loss"])
@@ -125,6 +109,7 @@ def train_flow(config: Config) -> dict:
         tracker.finish("FAILED")
         raise
     progress.close()
+    tracker.drain()
     curve = tracker.log_reward_curve(reward_means, Path("rlflow-runs") / cfg.run.name)
     tracker.finish()
     return {
@@ -134,6 +119,6 @@ def train_flow(config: Config) -> dict:
         "policy_uri": published["uri"],
         "mlflow_run_id": run_id,
         "mlflow": tracker.run_url(),
-        "model_version": published.get("model_version"),
+        "model_version": tracker.model_version(published["uri"]),
         "reward_curve": str(curve.absolute()),
     }

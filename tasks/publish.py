@@ -3,8 +3,8 @@
     python -m tasks.publish --config configs/tiny.yaml --iteration 3 [--mlflow-run-id ID]
 
 Copies the checkpoint's model folder (safetensors + config + tokenizer) to the immutable
-`<run>/policy/vN`, writes its manifest last, then moves `<run>/policy/LATEST` forward, then registers the
-folder as a version of the MLflow registered model (`models:/NAME/latest` names the newest). Each step is idempotent, so a publish
+`<run>/policy/vN`, writes its manifest last, then moves `<run>/policy/LATEST` forward; given an MLflow run id (the stage CLI's --mlflow-run-id)
+it also registers the folder as a version of the MLflow registered model (`models:/NAME/latest` names the newest). Each step is idempotent, so a publish
 killed anywhere and run again completes what is missing and repeats nothing.
 """
 

@@ -97,7 +97,7 @@ def reward(cfg, iteration: int) -> dict:
         raise UserError(f"iteration {iteration}: no complete rollouts at {store.uri(src)}; run generate first")
     fp = fingerprint(cfg, ("reward",), iteration=iteration, rollouts=src_manifest["files"][rollout.FILE]["sha256"])
     if (done := reuse(store, key, fp)) is not None:
-        return done
+        return {**done, "samples": store.manifest(key)["meta"].get("samples", [])}
 
     t0 = time.perf_counter()
     functions = load_functions(cfg)
@@ -119,11 +119,15 @@ def reward(cfg, iteration: int) -> dict:
         for name, vals in scores.items():
             got = [v for v in vals if v is not None]
             metrics[f"reward/{name}/mean"] = sum(got) / max(len(got), 1)
+        n = cfg.tracking.sample_completions
+        step = max(len(records) // max(n, 1), 1)
+        samples = [{"prompt": str(r.prompt), "completion": r.completion, "reward": r.reward,
+                    **{f"reward/{k}": v for k, v in r.rewards.items()}} for r in records[::step][:n]]
         out = Path(tmp) / "out"
         out.mkdir()
         rollout.write(records, out)
-        manifest = store.put_folder(key, out, meta={"fingerprint": fp, "metrics": metrics})
-    return result(store, key, manifest)
+        manifest = store.put_folder(key, out, meta={"fingerprint": fp, "metrics": metrics, "samples": samples})
+    return {**result(store, key, manifest), "samples": manifest["meta"]["samples"]}
 
 
 def _std(xs: list[float]) -> float:
