@@ -1,7 +1,7 @@
 """Flow overhead: the same iterations through the Prefect flow (with store and MLflow) versus the stage
 functions called in a bare Python loop (same store, no Prefect, no MLflow), side by side in one process.
 
-    python bench/flow_overhead.py [--iterations 40] [--repeats 2]
+    python bench/flow_overhead.py [--iterations 60] [--repeats 2] [-o key=value]...
 
 Prints both wall times and the ratio. The Prefect API (ephemeral, or PREFECT_API_URL) is warmed up before
 timing: its one-time start is reported separately, not counted as per-run overhead.
@@ -44,14 +44,16 @@ def bare_loop(cfg) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iterations", type=int, default=40, help="demo size: configs/tiny.yaml's 40")
+    ap.add_argument("--iterations", type=int, default=60, help="demo size: configs/tiny.yaml's 60")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("-o", "--override", action="append", default=[], help="config override, e.g. a bigger batch")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rlflow-bench-"))
     os.chdir(work)
 
     def cfg(name: str):
-        return load_config(ROOT / "configs" / "tiny.yaml", [f"run.name={name}", f"run.iterations={args.iterations}",
+        return load_config(ROOT / "configs" / "tiny.yaml", [*args.override, f"run.name={name}",
+                                                            f"run.iterations={args.iterations}",
                                                             f"tracking.uri=sqlite:///{work}/mlflow.db"])
 
     from flows.training import train_flow
@@ -72,6 +74,7 @@ def main() -> None:
         assert a == b, "flow and bare loop must do the same work"
     f, b = statistics.median(flow_t), statistics.median(bare_t)
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}")
+    print(f"overrides: {args.override or 'none (demo size)'}")
     print(f"iterations per run: {args.iterations}; repeats: {args.repeats}; first flow (Prefect start + 1 iter): {warm:.1f}s")
     print(f"prefect flow + store + mlflow: {f:.2f}s  ({f / args.iterations * 1000:.0f} ms/iteration)  runs: {flow_t}")
     print(f"bare loop + store:             {b:.2f}s  ({b / args.iterations * 1000:.0f} ms/iteration)  runs: {bare_t}")

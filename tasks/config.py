@@ -128,6 +128,8 @@ class TrackingConfig(Section):
     uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (sqlite:///..., http://host:5000).")
     experiment: str = Field("rlflow", description="MLflow experiment name.")
     sample_completions: int = Field(8, ge=0, description="Completions per iteration logged to the samples table.")
+    flush_seconds: float = Field(5.0, ge=0, description="Send metrics/samples/model versions at most this often "
+                                 "(s); 0 = every iteration. Batching keeps a remote server off the training path.")
 
 
 class Config(Section):

@@ -42,41 +42,88 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
 
 
 class Tracker:
-    """The MLflow side of one training run."""
+    """The MLflow side of one training run.
+
+    `log_iteration` only appends to a pending buffer; a worker thread flushes it at most every
+    `tracking.flush_seconds` (and on `drain`/`finish`): model versions first, then the iterations' sample
+    tables in one artifact upload, then every metric in one `log_batch` — the resume marker goes last.
+    """
 
     def __init__(self, cfg, store_root: str):
         self.cfg = cfg
         self.client = _client(cfg.tracking.uri)
         self.store_root = store_root
         self.run_id: str | None = None
+        self.model_name = cfg.publish.registered_model_name or cfg.run.name
+        self._registered: dict[str, str] = {}      # policy URI -> model version, for this MLflow run
+        self._lock = threading.Lock()
+        self._pending: list[tuple[int, dict, list | None, str | None]] = []
+        self._last_flush = time.monotonic()
         self._jobs: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
         self._failure: BaseException | None = None
 
-    def _submit(self, fn, *args) -> None:
+    # ---- background flushing
+    def _check(self) -> None:
         if self._failure is not None:
             raise RuntimeError(f"MLflow logging failed: {self._failure}") from self._failure
+
+    def _request_flush(self) -> None:
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="rlflow-tracking", daemon=True)
             self._worker.start()
-        self._jobs.put((fn, args))
+        self._last_flush = time.monotonic()
+        self._jobs.put(None)
 
     def _work(self) -> None:
         while True:
-            fn, args = self._jobs.get()
+            self._jobs.get()
             try:
                 if self._failure is None:
-                    fn(*args)
-            except BaseException as e:  # surfaced by the next _submit or by drain()
+                    self._flush()
+            except BaseException as e:  # surfaced by the next log_iteration or by drain()
                 self._failure = e
             finally:
                 self._jobs.task_done()
 
+    def _flush(self) -> None:
+        from mlflow.entities import Metric
+
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        for iteration, _, _, policy_uri in pending:
+            if policy_uri and self.cfg.publish.register_model and policy_uri not in self._registered:
+                self._registered[policy_uri] = register_policy(self.cfg, self.run_id, policy_uri, iteration,
+                                                               self.client, checked=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            for iteration, _, samples, _ in pending:
+                if samples:  # mlflow.log_table's format, written directly (log_table re-lists artifacts per call)
+                    cols = list(samples[0])
+                    (Path(tmp) / f"iter-{iteration:06d}.json").write_text(
+                        json.dumps({"columns": cols, "data": [[s.get(c) for c in cols] for s in samples]}))
+            if any(Path(tmp).iterdir()):
+                self.client.log_artifacts(self.run_id, tmp, "samples")
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, it) for it, metrics, _, _ in pending for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+
+    def log_iteration(self, iteration: int, metrics: dict[str, float], samples: list[dict] | None = None,
+                      policy_uri: str | None = None) -> None:
+        """Queue an iteration's metrics, sample table and model version; returns at once."""
+        self._check()
+        with self._lock:
+            self._pending.append((iteration, dict(metrics), samples, policy_uri))
+        if time.monotonic() - self._last_flush >= self.cfg.tracking.flush_seconds:
+            self._request_flush()
+
     def drain(self) -> None:
-        """Wait for queued tracking work; raise if any of it failed."""
+        """Flush everything pending and wait for it; raise if tracking failed."""
+        self._request_flush()
         self._jobs.join()
-        if self._failure is not None:
-            raise RuntimeError(f"MLflow logging failed: {self._failure}") from self._failure
+        self._check()
 
     def start(self) -> str:
         """Find this run's MLflow run (same run name and store) or create it; log the resolved config."""
@@ -101,6 +148,10 @@ class Tracker:
                                          tags={TAG_RUN: cfg.run.name, TAG_STORE: self.store_root})
             self.run_id, logged = run.info.run_id, {}
         params = {k: v[:6000] for k, v in _flatten(cfg.model_dump(mode="json")).items() if k not in logged}
+        if cfg.publish.register_model:
+            ensure_registered_model(self.client, self.model_name)
+            for mv in self.client.search_model_versions(f"name = '{self.model_name}' and run_id = '{self.run_id}'"):
+                self._registered[mv.tags.get("rlflow.policy_uri", mv.source)] = str(mv.version)
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100])
@@ -109,32 +160,6 @@ class Tracker:
     def last_logged_iteration(self) -> int:
         history = self.client.get_metric_history(self.run_id, CURVE_METRIC)
         return max((m.step for m in history), default=0)
-
-    def log_iteration(self, iteration: int, metrics: dict[str, float], samples: list[dict] | None = None,
-                      policy_uri: str | None = None) -> None:
-        """Queue an iteration's tracking: model version first, then samples, then metrics (the resume marker)."""
-        if policy_uri and self.cfg.publish.register_model:
-            self._submit(register_policy, self.cfg, self.run_id, policy_uri, iteration)
-        if samples:
-            self._submit(self._log_samples, iteration, samples)
-        self._submit(self._log_metrics, iteration, dict(metrics))
-
-    def _log_metrics(self, iteration: int, metrics: dict[str, float]) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, iteration) for k, v in metrics.items()]
-        for i in range(0, len(batch), 1000):
-            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
-
-    def _log_samples(self, iteration: int, samples: list[dict]) -> None:
-        """The table format of mlflow.log_table ({"columns", "data"}), written directly: log_table re-lists
-        the run's artifacts on every call, which cost 60 ms an iteration on the demo."""
-        columns = list(samples[0])
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / f"iter-{iteration:06d}.json"
-            path.write_text(json.dumps({"columns": columns, "data": [[s.get(c) for c in columns] for s in samples]}))
-            self.client.log_artifact(self.run_id, str(path), "samples")
 
     def log_reward_curve(self, rewards: list[float], out_dir: Path) -> Path:
         import matplotlib
@@ -163,10 +188,8 @@ class Tracker:
             self.client.set_terminated(self.run_id, status=status)
 
     def model_version(self, policy_uri: str) -> str | None:
-        """The registered model version of a published policy (None when registration is off)."""
-        if not self.cfg.publish.register_model:
-            return None
-        return _find_version(self.client, self.cfg.publish.registered_model_name or self.cfg.run.name, policy_uri)
+        """The registered model version of a published policy (after drain; None when registration is off)."""
+        return self._registered.get(policy_uri)
 
     def run_url(self) -> str:
         uri = self.cfg.tracking.uri
@@ -176,18 +199,26 @@ class Tracker:
         return f"{uri} run {self.run_id} (view: mlflow ui --backend-store-uri {uri})"
 
 
-def register_policy(cfg, run_id: str, policy_uri: str, iteration: int) -> str:
-    """Register `policy_uri` as a model version of `publish.registered_model_name` (idempotent by URI)."""
+def ensure_registered_model(client, name: str) -> None:
     from mlflow.exceptions import MlflowException
 
-    client = _client(cfg.tracking.uri)
-    name = cfg.publish.registered_model_name or cfg.run.name
     try:
         client.create_registered_model(name)
     except MlflowException as e:
         if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code):
             raise
-    version = _find_version(client, name, policy_uri)
+
+
+def register_policy(cfg, run_id: str, policy_uri: str, iteration: int, client=None, checked: bool = False) -> str:
+    """Register `policy_uri` as a model version of `publish.registered_model_name`, once per URI.
+
+    `checked=True`: the caller already knows this URI is not registered (the Tracker reads the run's versions
+    once at start), which saves a registry search per iteration."""
+    name = cfg.publish.registered_model_name or cfg.run.name
+    if client is None:          # standalone (stage CLI): make sure the registered model exists
+        client = _client(cfg.tracking.uri)
+        ensure_registered_model(client, name)
+    version = None if checked else _find_version(client, name, policy_uri)
     if version is None:
         version = client.create_model_version(
             name, source=policy_uri, run_id=run_id,
