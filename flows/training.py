@@ -105,10 +105,10 @@ def train_flow(config: Config) -> dict:
                               f"loss {t['metrics']['train/loss']:+.4f}  {time.perf_counter() - t0:5.2f}s")
                 log.info("iteration %d: reward %.3f loss %.4f", it, r["metrics"]["reward/mean"], t["metrics"]["train/loss"])
     except BaseException:
-        progress.close()
-        tracker.finish("FAILED")
+        tracker.finish("FAILED")   # keeps what was logged; never masks the error that got us here
         raise
-    progress.close()
+    finally:
+        progress.close()
     tracker.drain()
     curve = tracker.log_reward_curve(reward_means, Path("rlflow-runs") / cfg.run.name)
     tracker.finish()

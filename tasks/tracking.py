@@ -182,10 +182,14 @@ class Tracker:
         return path
 
     def finish(self, status: str = "FINISHED") -> None:
+        """Flush and close the MLflow run. With status FAILED, tracking errors are swallowed: the caller is
+        already raising the error that matters."""
         try:
             self.drain()
-        finally:
             self.client.set_terminated(self.run_id, status=status)
+        except Exception:
+            if status == "FINISHED":
+                raise
 
     def model_version(self, policy_uri: str) -> str | None:
         """The registered model version of a published policy (after drain; None when registration is off)."""
