@@ -81,14 +81,30 @@ class TrainConfig(Section):
     """The GRPO update."""
 
     engine: Literal["torch"] = Field("torch", description="Training engine: torch (single device).")
-    loss_type: Literal["dapo", "grpo"] = Field("dapo", description="dapo: global token mean; grpo: per-sequence mean.")
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"] = Field(
+        "dapo", description="Objective and aggregation, as TRL defines them (see tasks/loss.py).")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance weight per token, or per sequence (GSPO).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     beta: float = Field(0.0, ge=0, description="KL coefficient against the starting policy (k3 estimator); 0 = none.")
     epsilon: float = Field(0.2, gt=0, description="Lower clip range of the importance ratio.")
-    epsilon_high: float | None = Field(None, gt=0, description="Upper clip range; None = epsilon (TRL's fallback).")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clip range; None = epsilon (TRL's fallback), "
+                                       "or 5.0 for cispo, where it caps the weight itself.")
+    use_bias_correction_kl: bool = Field(True, description="Multiply the KL term by the importance weight (TRL's "
+                                         "default since DeepSeek-V3.2: an unbiased reverse-KL gradient).")
+    delta: float | None = Field(None, gt=1, description="Two-sided clipping: cap the unclipped weight at delta.")
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: gate temperature for positive advantages.")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: gate temperature for non-positive advantages.")
+    importance_sampling_correction: bool = Field(
+        True, description="Weight the loss by π_old/μ against the generator's behaviour logprobs (truncated IS).")
+    importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "token_truncate", description="Per token or per sequence; truncate caps the weight, mask drops it.")
+    importance_sampling_cap: float = Field(3.0, gt=0, description="Cap on the behaviour importance weight.")
+    mask_truncated_completions: bool = Field(False, description="Exclude completions that hit the length limit "
+                                             "from the loss.")
     num_iterations: int = Field(1, ge=1, description="Optimiser passes over each generated batch (TRL's μ).")
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage std normalisation.")
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward (gradient accumulation).")

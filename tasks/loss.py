@@ -1,49 +1,112 @@
-"""The GRPO clipped surrogate, as TRL's GRPOTrainer._compute_loss defines it. Pure: tensors in, loss out.
+"""The GRPO family of losses, as TRL's GRPOTrainer._compute_loss (TRL 1.16) defines them. Pure functions:
+tensors and the train config in, loss and statistics out. tests/test_trl_parity.py checks them against TRL.
 
-Per token t of completion i (A_i its advantage, r = π/π_old):
-    ℓ_it = -min(r·A_i, clip(r, 1-ε, 1+ε_high)·A_i) + β·k3(π_ref ‖ π)
-Aggregation by loss_type:
-    dapo  Σ_it ℓ_it·m_it / Σ_it m_it             (token mean over the whole batch: long answers not diluted)
-    grpo  mean_i (Σ_t ℓ_it·m_it / Σ_t m_it)      (per-sequence mean, then mean over sequences)
-Callers split the batch into micro-batches and pass the *whole batch's* normaliser, so accumulated
-gradients equal the full-batch gradient exactly.
+Per token t of completion i, with A_i its advantage and w the importance weight π/π_old — per token
+(`importance_sampling_level: token`) or the geometric mean over the sequence (`sequence`, GSPO):
+    grpo/dapo/bnpo/dr_grpo  ℓ = -min(w·A, clip(w, 1-ε, 1+ε_high)·A)      (w capped at δ first if `delta`)
+    cispo                   ℓ = -sg(min(w, ε_high))·A·log π               (clips the weight, keeps the gradient)
+    sapo                    ℓ = -σ(τ·(w-1))·4/τ·A                         (τ = τ_pos if A > 0 else τ_neg)
+then ℓ ·= ρ (truncated importance weight π_old/μ against the generator's behaviour policy μ, if given), and
+ℓ += β·k3(π_ref ‖ π) with k3 = exp(ref - logp) - (ref - logp) - 1, times w if `use_bias_correction_kl`.
+Aggregation over the *whole batch* (micro-batching is a memory knob, never a change of objective):
+    grpo, sapo         mean over sequences of the per-sequence token mean
+    dapo, bnpo, cispo  token mean over the batch
+    dr_grpo            token sum / (sequences · max_completion_length)
+With one micro-batch per step this is exactly TRL's loss; across micro-batches TRL's bnpo/grpo/dr_grpo
+normalise per micro-batch, which rlflow deliberately does not (bnpo and dapo therefore coincide here).
 """
 
 from __future__ import annotations
 
 import torch
 
+CLIPPED_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
 
-def per_token_loss(logp, old_logp, advantages, epsilon: float, epsilon_high: float | None,
-                   ref_logp=None, beta: float = 0.0):
-    """logp, old_logp, ref_logp: (B, T); advantages: (B,). Returns (loss (B, T), ratio (B, T), kl or None)."""
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
-    adv = advantages.unsqueeze(1)
-    loss = -torch.min(ratio * adv, clipped * adv)
+
+def epsilon_high(tc) -> float:
+    """TRL's fallback: epsilon_high = epsilon. For cispo ε_high is a cap on the weight itself, not 1+ε, so
+    the fallback would cap at 0.2; rlflow defaults it to 5.0, ScaleRL's recommendation (TRL's docs too)."""
+    if tc.epsilon_high is not None:
+        return tc.epsilon_high
+    return 5.0 if tc.loss_type == "cispo" else tc.epsilon
+
+
+def importance_weights(logp, old_logp, mask, level: str):
+    """log w: (B, T) per token, or (B, 1) for the sequence (mean of token log-ratios over real tokens)."""
+    log_ratio = logp - old_logp
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    raise ValueError(f"importance_sampling_level: {level!r}")
+
+
+def per_token_loss(logp, old_logp, advantages, mask, tc, ref_logp=None, is_ratio=None):
+    """logp, old_logp, ref_logp, mask: (B, T); advantages: (B,); is_ratio: (B, T), (B, 1) or None.
+    Returns (loss (B, T), w (B, T) or (B, 1), kl (B, T) or None)."""
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    coef_1 = torch.exp(importance_weights(logp, old_logp, mask, tc.importance_sampling_level))
+    w = coef_1
+    high = epsilon_high(tc)
     kl = None
-    if beta != 0.0:
-        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1   # k3: unbiased, non-negative
-        loss = loss + beta * kl
-    return loss, ratio, kl
+    if tc.beta != 0.0:
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+        if tc.use_bias_correction_kl:   # samples came from π_old: reweight so the KL gradient is unbiased
+            kl = kl * coef_1
+    if tc.loss_type == "cispo":
+        loss = -torch.clamp(coef_1, max=high).detach() * adv * logp
+    elif tc.loss_type in CLIPPED_TYPES:
+        coef_2 = torch.clamp(coef_1, 1 - tc.epsilon, 1 + high)
+        if tc.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=tc.delta)
+        loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    elif tc.loss_type == "sapo":
+        tau = torch.where(adv > 0, tc.sapo_temperature_pos, tc.sapo_temperature_neg)
+        loss = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
+    else:
+        raise ValueError(f"loss_type: {tc.loss_type!r}")
+    if is_ratio is not None:
+        loss = loss * is_ratio
+    if kl is not None:
+        loss = loss + tc.beta * kl
+    return loss, w, kl
 
 
-def aggregate(loss, mask, loss_type: str, num_tokens: float, num_sequences: int):
-    """Reduce (B, T) per-token losses of a micro-batch to its share of the full-batch loss."""
-    if loss_type == "dapo":
-        return (loss * mask).sum() / max(num_tokens, 1.0)
-    if loss_type == "grpo":
+def aggregate(loss, mask, loss_type: str, num_tokens: float, num_sequences: int, max_completion_length: int):
+    """A micro-batch's share of the full-batch loss (see the module docstring). loss, mask: (b, T)."""
+    if loss_type in ("grpo", "sapo"):
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / num_sequences
+    if loss_type in ("dapo", "bnpo", "cispo"):
+        return (loss * mask).sum() / max(num_tokens, 1.0)
+    if loss_type == "dr_grpo":
+        return (loss * mask).sum() / (num_sequences * max_completion_length)
     raise ValueError(f"loss_type: {loss_type!r}")
 
 
-def clip_stats(ratio, advantages, mask, epsilon: float, epsilon_high: float | None) -> dict[str, float]:
-    """Share of tokens where the clip was active, low side (A<0) and high side (A>0), as TRL logs them."""
-    eps_high = epsilon if epsilon_high is None else epsilon_high
+def behaviour_correction(old_logp, behaviour_logp, mask, mode: str, cap: float):
+    """Truncated importance sampling against the generator (TRL's vllm_importance_sampling_*):
+    ρ = π_old/μ per token or per sequence; `*_truncate` caps it at `cap`, `*_mask` zeroes what exceeds it."""
+    diff = torch.nan_to_num((old_logp - behaviour_logp) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, max=cap)
+    if mode.endswith("mask"):
+        return ratio.masked_fill(ratio > cap, 0.0)
+    raise ValueError(f"importance_sampling_mode: {mode!r}")
+
+
+def clip_stats(w, advantages, mask, tc) -> dict[str, float]:
+    """Token counts where the clip was active, low side (A<0) and high side (A>0), as TRL logs them."""
     adv = advantages.unsqueeze(1)
-    low = ((ratio < 1 - epsilon) & (adv < 0)).float()
-    high = ((ratio > 1 + eps_high) & (adv > 0)).float()
-    n = mask.sum().clamp(min=1.0)
-    return {"clip_low_sum": float((low * mask).sum()), "clip_high_sum": float((high * mask).sum()),
-            "tokens": float(n)}
+    high = epsilon_high(tc)
+    if tc.loss_type == "cispo":
+        low_hit = torch.zeros_like(w, dtype=torch.bool)
+        high_hit = (w > high) & (adv > 0)
+    else:
+        low_hit = (w < 1 - tc.epsilon) & (adv < 0)
+        high_hit = (w > 1 + high) & (adv > 0)
+    low = (low_hit.float().expand_as(mask) * mask).sum()
+    hi = (high_hit.float().expand_as(mask) * mask).sum()
+    return {"clip_low_sum": float(low), "clip_high_sum": float(hi)}

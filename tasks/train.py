@@ -26,7 +26,7 @@ import torch
 from tasks import data, layout, rollout
 from tasks.advantage import group_advantages
 from tasks.errors import UserError
-from tasks.loss import aggregate, clip_stats, per_token_loss
+from tasks.loss import aggregate, behaviour_correction, clip_stats, per_token_loss
 from tasks.models import (base_path, completion_logprobs, device_for, load_model, load_tokenizer,
                           local_folder, open_store, pad_batch)
 from tasks.stage import fingerprint, reuse, result, stage_cli
@@ -107,10 +107,14 @@ def train(cfg, iteration: int) -> dict:
         behaviour = torch.zeros_like(mask)
         for b, r in enumerate(chunk):
             behaviour[b, :len(r.logprobs)] = torch.tensor(r.logprobs)
+            if tc.mask_truncated_completions and r.truncated:
+                mask[b] = 0.0
         batches.append(dict(ids=ids, attn=attn, pos=pos, mask=mask.to(device), behaviour=behaviour.to(device),
                             adv=advantages[start:start + len(chunk)].to(device)))
     num_tokens = float(sum(b["mask"].sum() for b in batches))
     num_seqs = len(records)
+    max_len = cfg.generate.max_completion_length
+    needs_old = tc.num_iterations > 1 or tc.importance_sampling_correction
 
     def logprobs_of(m, b, entropy=False):
         return completion_logprobs(m, b["ids"], b["attn"], b["pos"], b["mask"].shape[1], cfg.generate.temperature,
@@ -120,26 +124,29 @@ def train(cfg, iteration: int) -> dict:
         for b in batches:
             if ref_model is not None:
                 b["ref"] = logprobs_of(ref_model, b)[0]
-            if tc.num_iterations > 1:
+            if needs_old:   # the trainer's logprobs before this iteration's first step: π_old
                 b["old"] = logprobs_of(model, b)[0]
+            if tc.importance_sampling_correction:
+                b["is_ratio"] = behaviour_correction(b["old"], b["behaviour"], b["mask"],
+                                                     tc.importance_sampling_mode, tc.importance_sampling_cap)
 
     sums = dict(loss=0.0, kl_ref=0.0, mismatch_kl=0.0, entropy=0.0, clip_low_sum=0.0, clip_high_sum=0.0,
-                ratio_max=0.0, ratio_min=math.inf, grad_norm=0.0)
+                ratio_max=0.0, ratio_min=math.inf, grad_norm=0.0, is_ratio_sum=0.0, is_ratio_min=math.inf)
     for pass_ in range(tc.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss_total, clip = 0.0, {"clip_low_sum": 0.0, "clip_high_sum": 0.0}
         for b in batches:
             logp, entropy = logprobs_of(model, b, entropy=True)
-            old = b.get("old", logp.detach())
-            ptl, ratio, kl = per_token_loss(logp, old, b["adv"], tc.epsilon, tc.epsilon_high,
-                                            ref_logp=b.get("ref"), beta=tc.beta)
-            loss = aggregate(ptl, b["mask"], tc.loss_type, num_tokens, num_seqs)
+            old = b["old"] if tc.num_iterations > 1 else logp.detach()   # on-policy: ratio 1, gradient only
+            ptl, ratio, kl = per_token_loss(logp, old, b["adv"], b["mask"], tc, ref_logp=b.get("ref"),
+                                            is_ratio=b.get("is_ratio"))
+            loss = aggregate(ptl, b["mask"], tc.loss_type, num_tokens, num_seqs, max_len)
             loss.backward()
             loss_total += float(loss.detach())
             m = b["mask"]
-            for k, v in clip_stats(ratio.detach(), b["adv"], m, tc.epsilon, tc.epsilon_high).items():
-                if k in clip:
-                    clip[k] += v
+            for k, v in clip_stats(ratio.detach(), b["adv"], m, tc).items():
+                clip[k] += v
+            ratio = ratio.detach().expand_as(m)
             if pass_ == 0:
                 sums["entropy"] += float((entropy.detach() * m).sum())
                 # KL(generator ‖ trainer) on the generator's own samples, k3 with r = π/μ; on pass 0 both
@@ -148,6 +155,11 @@ def train(cfg, iteration: int) -> dict:
                 sums["mismatch_kl"] += float(((torch.exp(d) - d - 1) * m).sum())
                 if kl is not None:
                     sums["kl_ref"] += float((kl.detach() * m).sum())
+                if "is_ratio" in b:
+                    rho = b["is_ratio"].expand_as(m)[m.bool()]
+                    if rho.numel():
+                        sums["is_ratio_sum"] += float(rho.sum())
+                        sums["is_ratio_min"] = min(sums["is_ratio_min"], float(rho.min()))
             real = ratio.detach()[m.bool()]
             if real.numel():
                 sums["ratio_max"] = max(sums["ratio_max"], float(real.max()))
@@ -160,14 +172,15 @@ def train(cfg, iteration: int) -> dict:
 
     seconds = time.perf_counter() - t0
     present = rewards[~torch.isnan(rewards)]
+    denom = max(num_tokens, 1.0)   # every completion may be masked (mask_truncated_completions)
     metrics = {
         "train/loss": sums["loss"],
         "train/grad_norm": sums["grad_norm"],
-        "train/entropy": sums["entropy"] / num_tokens,
-        "train/mismatch_kl": sums["mismatch_kl"] / num_tokens,
-        "train/clip_low": sums["clip_low_sum"] / num_tokens,
-        "train/clip_high": sums["clip_high_sum"] / num_tokens,
-        "train/clip_fraction": (sums["clip_low_sum"] + sums["clip_high_sum"]) / num_tokens,
+        "train/entropy": sums["entropy"] / denom,
+        "train/mismatch_kl": sums["mismatch_kl"] / denom,
+        "train/clip_low": sums["clip_low_sum"] / denom,
+        "train/clip_high": sums["clip_high_sum"] / denom,
+        "train/clip_fraction": (sums["clip_low_sum"] + sums["clip_high_sum"]) / denom,
         "train/ratio_min": sums["ratio_min"] if math.isfinite(sums["ratio_min"]) else 1.0,
         "train/ratio_max": sums["ratio_max"],
         "train/advantage_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
@@ -176,7 +189,10 @@ def train(cfg, iteration: int) -> dict:
         "train/seconds": seconds,
     }
     if tc.beta > 0:
-        metrics["train/kl_ref"] = sums["kl_ref"] / num_tokens
+        metrics["train/kl_ref"] = sums["kl_ref"] / denom
+    if tc.importance_sampling_correction:
+        metrics["train/is_ratio_mean"] = sums["is_ratio_sum"] / denom
+        metrics["train/is_ratio_min"] = sums["is_ratio_min"] if math.isfinite(sums["is_ratio_min"]) else 1.0
 
     with tempfile.TemporaryDirectory(prefix="rlflow-ckpt-") as tmp:
         out = Path(tmp)

@@ -10,7 +10,7 @@ import torch
 
 from tasks import layout
 from tasks.advantage import combine, group_advantages
-from tasks.config import load_config
+from tasks.config import TrainConfig, load_config
 from tasks.generate import generate
 from tasks.loss import aggregate, per_token_loss
 from tasks.models import completion_logprobs, load_model, pad_batch, base_path
@@ -40,18 +40,20 @@ def test_loss_aggregation():
     logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.25, 0.25, 0.25]]))
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     adv = torch.tensor([1.0, -1.0])
-    loss, ratio, kl = per_token_loss(logp, logp.detach(), adv, 0.2, None)
+    loss, ratio, kl = per_token_loss(logp, logp.detach(), adv, mask, TrainConfig())
     assert torch.equal(ratio, torch.ones_like(ratio)) and kl is None
-    assert float(aggregate(loss, mask, "dapo", 5.0, 2)) == pytest.approx((-2 + 3) / 5)
-    assert float(aggregate(loss, mask, "grpo", 5.0, 2)) == pytest.approx((-1 + 1) / 2)
+    assert float(aggregate(loss, mask, "dapo", 5.0, 2, 3)) == pytest.approx((-2 + 3) / 5)
+    assert float(aggregate(loss, mask, "grpo", 5.0, 2, 3)) == pytest.approx((-1 + 1) / 2)
+    assert float(aggregate(loss, mask, "dr_grpo", 5.0, 2, 3)) == pytest.approx((-2 + 3) / (2 * 3))
     # Clipping: a ratio above 1+eps with positive advantage stops contributing gradient.
     new = logp + 0.5
-    loss, ratio, _ = per_token_loss(new.requires_grad_(), logp, torch.tensor([1.0, 1.0]), 0.2, 0.28)
+    loss, ratio, _ = per_token_loss(new.requires_grad_(), logp, torch.tensor([1.0, 1.0]), mask,
+                                    TrainConfig(epsilon_high=0.28))
     loss.sum().backward()
     assert torch.all(new.grad == 0)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"])
 def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
     cfg = load_config(TINY, [])
     model = load_model(base_path(cfg))
@@ -66,8 +68,8 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
         for s in range(0, 8, micro):
             ids, attn, pos, mask = pad_batch(prompts[s:s + micro], comps[s:s + micro], 0)
             logp, _ = completion_logprobs(model, ids, attn, pos, mask.shape[1], 1.0)
-            loss, _, _ = per_token_loss(logp, logp.detach(), adv[s:s + micro], 0.2, None)
-            aggregate(loss, mask, loss_type, total_tokens, 8).backward()
+            loss, _, _ = per_token_loss(logp, logp.detach(), adv[s:s + micro], mask, TrainConfig(loss_type=loss_type))
+            aggregate(loss, mask, loss_type, total_tokens, 8, 4).backward()
         return [p.grad.clone() for p in model.parameters()]
 
     for a, b in zip(grads(8), grads(3)):
