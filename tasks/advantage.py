@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 
-def combine(rewards: list[dict[str, float | None]], weights: dict[str, float]) -> torch.Tensor:
-    """Weighted sum over reward functions, missing scores skipped; NaN where every score is missing. (N,)"""
+def combine(rewards: list[dict[str, float | None]], weights: dict[str, float], how: str = "sum") -> torch.Tensor:
+    """Weighted sum (TRL's nansum) or mean over the reward functions that scored each completion;
+    NaN where every score is missing. (N,)"""
     out = torch.full((len(rewards),), float("nan"))
     for i, scores in enumerate(rewards):
         present = [weights[name] * s for name, s in scores.items() if s is not None]
         if present:
-            out[i] = sum(present)
+            out[i] = sum(present) if how == "sum" else sum(present) / len(present)
     return out
 
 

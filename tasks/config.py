@@ -75,6 +75,8 @@ class RewardConfig(Section):
     """Scoring completions."""
 
     functions: list[RewardFunction] = Field(..., min_length=1, description="Reward functions and their weights.")
+    aggregate: Literal["sum", "mean"] = Field("sum", description="Combine weighted scores by sum (TRL) or mean "
+                                              "over the functions that scored the completion.")
 
 
 class TrainConfig(Section):

@@ -108,7 +108,7 @@ def reward(cfg, iteration: int) -> dict:
         weights = {name: w for name, _, w in functions}
         for j, r in enumerate(records):
             r.rewards = {name: scores[name][j] for name in scores}
-        totals = combine([r.rewards for r in records], weights)
+        totals = combine([r.rewards for r in records], weights, cfg.reward.aggregate)
         for r, t in zip(records, totals.tolist()):
             r.reward = None if math.isnan(t) else t
         present = [r.reward for r in records if r.reward is not None]

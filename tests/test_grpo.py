@@ -12,7 +12,7 @@ from tasks import layout
 from tasks.advantage import combine, group_advantages
 from tasks.config import TrainConfig, load_config
 from tasks.generate import generate
-from tasks.loss import aggregate, per_token_loss
+from tasks.loss import aggregate, behaviour_correction, per_token_loss
 from tasks.models import completion_logprobs, load_model, pad_batch, base_path
 from tasks.reward import reward
 from tasks.train import train
@@ -34,6 +34,25 @@ def test_missing_rewards_get_zero_advantage_and_leave_group_stats():
     assert r[0] == 1.0 and math.isnan(r[1]) and r[2] == 2.0
     adv = group_advantages(r, 3, "none")
     assert adv.tolist() == [-0.5, 0.0, 0.5]
+
+
+def test_reward_aggregate_mean_averages_the_functions_that_scored():
+    scores = [{"a": 1.0, "b": 0.0}, {"a": None, "b": 1.0}]
+    assert combine(scores, {"a": 1.0, "b": 2.0}, "mean").tolist() == [0.5, 2.0]
+    assert combine(scores, {"a": 1.0, "b": 2.0}, "sum").tolist() == [1.0, 2.0]
+
+
+def test_behaviour_correction_truncates_or_masks_per_token_or_sequence():
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.9, 0.9]]))
+    beh = torch.log(torch.tensor([[0.1, 0.5, 0.5], [0.9, 0.45, 0.9]]))   # generator put less mass on some tokens
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    tok = behaviour_correction(old, beh, mask, "token_truncate", 3.0)
+    assert torch.allclose(tok, torch.tensor([[3.0, 1.0, 1.0], [1.0, 2.0, 1.0]]))          # 5.0 capped at 3
+    assert torch.allclose(behaviour_correction(old, beh, mask, "token_mask", 3.0),
+                          torch.tensor([[0.0, 1.0, 1.0], [1.0, 2.0, 1.0]]))              # 5.0 dropped
+    seq = behaviour_correction(old, beh, mask, "sequence_truncate", 3.0)
+    assert seq.shape == (2, 1) and torch.allclose(seq, torch.tensor([[3.0], [2.0]]))
+    assert torch.allclose(behaviour_correction(old, beh, mask, "sequence_mask", 3.0), torch.tensor([[0.0], [2.0]]))
 
 
 def test_loss_aggregation():
