@@ -28,7 +28,8 @@ from tasks.data import load_prompts
 from tasks.generate import generate
 from tasks.models import base_path, load_tokenizer, open_store
 from tasks.publish import publish
-from tasks.reward import load_functions, reward
+from tasks.reward import reward
+from tasks.scoring import load_functions
 from tasks.tracking import Tracker
 from tasks.train import train
 

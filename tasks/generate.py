@@ -15,73 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from tasks import data, layout, rollout
 from tasks.models import encode_prompt, load_model, load_tokenizer, open_store, policy_path, device_for
 from tasks.rollout import Rollout
+from tasks.sampling import hf_generate
 from tasks.stage import fingerprint, reuse, result, stage_cli
-
-
-class _SampleAndRecord:
-    """Logits processor placed last: applies temperature/top-p itself, then remembers the log-softmax so
-    the next call (which sees the token just sampled) can record that token's logprob. One step of
-    (N, vocab) is held at a time, never the whole (steps, N, vocab) score history."""
-
-    def __init__(self, temperature: float, top_p: float):
-        from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
-
-        self.warpers = [TemperatureLogitsWarper(temperature)]
-        if top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(top_p))
-        self.prev: torch.Tensor | None = None
-        self.steps: list[torch.Tensor] = []
-
-    def _collect(self, input_ids):
-        if self.prev is not None:
-            self.steps.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1).float().cpu())
-
-    def __call__(self, input_ids, scores):
-        self._collect(input_ids)
-        for w in self.warpers:
-            scores = w(input_ids, scores)
-        self.prev = torch.log_softmax(scores.float(), dim=-1)
-        return scores
-
-    def finish(self, sequences) -> torch.Tensor:
-        self._collect(sequences)
-        return torch.stack(self.steps, dim=1)  # (N, steps)
-
-
-def _hf_generate(model, tokenizer, prompt_ids: list[list[int]], cfg, seed: int):
-    """-> per completion: (prompt index, completion ids incl. EOS, logprobs, truncated)."""
-    from transformers import GenerationConfig, LogitsProcessorList
-
-    g = cfg.generate
-    device = next(model.parameters()).device
-    eos = tokenizer.eos_token_id
-    gen_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=g.max_completion_length,
-                               num_return_sequences=g.num_generations, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=eos)
-    torch.manual_seed(seed)
-    out = []
-    for start in range(0, len(prompt_ids), g.batch_size):
-        chunk = prompt_ids[start:start + g.batch_size]
-        L = max(len(p) for p in chunk)
-        ids = torch.tensor([[tokenizer.pad_token_id] * (L - len(p)) + p for p in chunk], device=device)
-        attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk], device=device)
-        recorder = _SampleAndRecord(g.temperature, g.top_p)
-        with torch.no_grad():
-            seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg,
-                                  logits_processor=LogitsProcessorList([recorder]))
-        logps = recorder.finish(seqs)
-        completions = seqs[:, L:].cpu()
-        for n in range(completions.shape[0]):
-            toks = completions[n].tolist()
-            stop = toks.index(eos) + 1 if eos in toks else None
-            toks = toks[:stop] if stop else toks
-            out.append((start + n // g.num_generations, toks, logps[n, :len(toks)].tolist(), stop is None))
-    return out
 
 
 def generate(cfg, iteration: int, policy: str = layout.BASE) -> dict:
@@ -104,7 +42,9 @@ def generate(cfg, iteration: int, policy: str = layout.BASE) -> dict:
     prompt_ids = [encode_prompt(tokenizer, p, cfg.generate.max_prompt_length) for p in prompts]
 
     t_gen = time.perf_counter()
-    samples = _hf_generate(model, tokenizer, prompt_ids, cfg, seed=cfg.run.seed * 1_000_003 + iteration)
+    gc = cfg.generate
+    samples = hf_generate(model, tokenizer, prompt_ids, gc.num_generations, gc.max_completion_length, gc.temperature,
+                          gc.top_p, gc.batch_size, seed=cfg.run.seed * 1_000_003 + iteration)
     gen_seconds = time.perf_counter() - t_gen
 
     records = []
