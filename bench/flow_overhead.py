@@ -26,6 +26,7 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_TASK_RUNS_LEVEL", "CRITI
 
 from tasks import layout  # noqa: E402
 from tasks.config import load_config  # noqa: E402
+from tasks.evaluate import evaluate  # noqa: E402
 from tasks.generate import generate  # noqa: E402
 from tasks.publish import publish  # noqa: E402
 from tasks.reward import reward  # noqa: E402
@@ -39,6 +40,8 @@ def bare_loop(cfg) -> list[float]:
         out.append(reward(cfg, it)["metrics"]["reward/mean"])
         train(cfg, it)
         publish(cfg, it)
+        if cfg.eval.every and (it % cfg.eval.every == 0 or it == cfg.run.iterations):
+            evaluate(cfg, it)
     return out
 
 

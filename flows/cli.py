@@ -62,6 +62,8 @@ def cmd_run(args) -> int:
     print(f"  MLflow run:       {summary['mlflow']}")
     print(f"  published policy: {summary['policy_uri']}" +
           (f" (model version {summary['model_version']})" if summary.get("model_version") else ""))
+    if summary.get("best_policy"):
+        print(f"  best (eval):      {summary['best_policy']}")
     print(f"  reward curve:     {summary['reward_curve']}")
     return 0
 

@@ -9,8 +9,10 @@ Read top to bottom:
   3. for each iteration, the four stage tasks; each returns at once if its output already exists in the
      store from the same inputs, so a run killed anywhere and started again ends with exactly
      `run.iterations` iterations, none repeated, none skipped;
-  4. metrics of each iteration are logged once (iterations already in MLflow are not logged again);
-  5. at the end: reward curve plot, summary.
+  4. every `eval.every` iterations the published policy is scored on held-out prompts; policy/BEST follows
+     the best of them;
+  5. metrics of each iteration are logged once (iterations already in MLflow are not logged again);
+  6. at the end: reward curve plot, summary.
 Stages meet only in the store; this file passes keys, never tensors.
 """
 
@@ -25,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks import layout
 from tasks.config import Config
 from tasks.data import load_prompts
+from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.models import base_path, load_tokenizer, open_store
 from tasks.publish import publish
@@ -38,12 +41,15 @@ generate_task = task(generate, name="generate", task_run_name="generate[iter {it
 reward_task = task(reward, name="reward", task_run_name="reward[iter {iteration}]", cache_policy=NO_CACHE)
 train_task = task(train, name="train", task_run_name="train[iter {iteration}]", cache_policy=NO_CACHE)
 publish_task = task(publish, name="publish", task_run_name="publish[iter {iteration}]", cache_policy=NO_CACHE)
+evaluate_task = task(evaluate, name="evaluate", task_run_name="evaluate[iter {iteration}]", cache_policy=NO_CACHE)
 
 
 def preflight(cfg: Config) -> None:
     """Raise UserError for any input mistake; writes nothing."""
     open_store(cfg).check()
     load_prompts(cfg)
+    if cfg.eval.every:
+        load_prompts(cfg, split="eval")
     load_functions(cfg)
     load_tokenizer(base_path(cfg))
 
@@ -97,9 +103,12 @@ def train_flow(config: Config) -> dict:
             t = train_task(cfg, it)
             p = publish_task(cfg, it)
             published = p
+            e = {"metrics": {}}
+            if cfg.eval.every and (it % cfg.eval.every == 0 or it == cfg.run.iterations):
+                e = evaluate_task(cfg, it)
             reward_means.append(r["metrics"]["reward/mean"])
             if it > already_logged:
-                metrics = {**g["metrics"], **r["metrics"], **t["metrics"], **p["metrics"],
+                metrics = {**g["metrics"], **r["metrics"], **t["metrics"], **p["metrics"], **e["metrics"],
                            "iteration/seconds": time.perf_counter() - t0}
                 tracker.log_iteration(it, metrics, r["samples"], policy_uri=p["uri"])
                 progress.line(f"iter {it:>4}/{cfg.run.iterations}  reward {r['metrics']['reward/mean']:.3f}  "
@@ -121,5 +130,6 @@ def train_flow(config: Config) -> dict:
         "mlflow_run_id": run_id,
         "mlflow": tracker.run_url(),
         "model_version": tracker.model_version(published["uri"]),
+        "best_policy": store.get_pointer(layout.best(cfg.run.name)),
         "reward_curve": str(curve.absolute()),
     }

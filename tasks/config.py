@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.errors import UserError
 
@@ -120,6 +120,27 @@ class PublishConfig(Section):
     registered_model_name: str | None = Field(None, description="MLflow registered model name; None = run.name.")
 
 
+class EvalConfig(Section):
+    """Scoring published policies on held-out prompts, and keeping the best one (policy/BEST)."""
+
+    every: int = Field(0, ge=0, description="Evaluate every N iterations (and after the last); 0 = never.")
+    path: str | None = Field(None, description="Held-out data file or hub id; None = data.path.")
+    name: str | None = Field(None, description="Hub dataset configuration name; None = data.name.")
+    split: str = Field("test", description="Held-out split.")
+    max_prompts: int = Field(64, ge=1, description="Evaluate on the first N rows of the split.")
+    num_generations: int = Field(4, ge=1, description="Samples per prompt (n of pass@k).")
+    k: int = Field(1, ge=1, description="k of pass@k (unbiased estimator over num_generations samples).")
+    pass_threshold: float = Field(1.0, description="A completion passes when its combined reward is at least this.")
+    temperature: float | None = Field(None, gt=0, description="Sampling temperature; None = generate.temperature.")
+    metric: Literal["reward_mean", "pass_at_k"] = Field("reward_mean", description="What BEST maximises.")
+
+    @model_validator(mode="after")
+    def _k_le_n(self):
+        if self.k > self.num_generations:
+            raise ValueError(f"k ({self.k}) must be <= num_generations ({self.num_generations})")
+        return self
+
+
 class StoreConfig(Section):
     """Where artifacts live: file:// or a local path, or s3://bucket/prefix."""
 
@@ -160,6 +181,7 @@ class Config(Section):
     reward: RewardConfig
     train: TrainConfig = TrainConfig()
     publish: PublishConfig = PublishConfig()
+    eval: EvalConfig = EvalConfig()
     store: StoreConfig = StoreConfig()
     tracking: TrackingConfig = TrackingConfig()
 
@@ -171,7 +193,7 @@ class Config(Section):
 
 # --------------------------------------------------------------------------------------------- loading
 
-_PATH_FIELDS = (("data", "path"), ("model", "name_or_path"))
+_PATH_FIELDS = (("data", "path"), ("model", "name_or_path"), ("eval", "path"))
 
 
 def _parse_value(raw: str) -> Any:

@@ -36,14 +36,19 @@ def _load(path: str, name: str | None, split: str):
         raise UserError(f"data.path: cannot load {path!r} split {split!r}: {msg[:200]}") from None
 
 
-def load_prompts(cfg):
-    """The training split, checked: the prompt column exists and holds strings or chat message lists."""
-    ds = _load(cfg.data.path, cfg.data.name, cfg.data.split)
+def load_prompts(cfg, split: str = "train"):
+    """The training split (or, with split="eval", the held-out one), checked: the prompt column exists and
+    holds strings or chat message lists."""
+    if split == "eval":
+        path, name, sp, field = cfg.eval.path or cfg.data.path, cfg.eval.name or cfg.data.name, cfg.eval.split, "eval.path"
+    else:
+        path, name, sp, field = cfg.data.path, cfg.data.name, cfg.data.split, "data.path"
+    ds = _load(path, name, sp)
     col = cfg.data.prompt_column
     if col not in ds.column_names:
-        raise UserError(f"data.prompt_column: column {col!r} not in {cfg.data.path} (columns: {ds.column_names})")
+        raise UserError(f"data.prompt_column: column {col!r} not in {path} (columns: {ds.column_names})")
     if len(ds) == 0:
-        raise UserError(f"data.path: {cfg.data.path} split {cfg.data.split!r} has no rows")
+        raise UserError(f"{field}: {path} split {sp!r} has no rows")
     for i, value in enumerate(ds[col][:1000]):
         if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(m, dict) for m in value))):
             raise UserError(f"data: row {i} column {col!r}: expected a string or a list of chat messages, "

@@ -36,3 +36,13 @@ CKPT_MODEL = "model"            # save_pretrained weights + config + tokenizer: 
 CKPT_OPTIMIZER = "optimizer.pt"
 CKPT_RNG = "rng.pt"
 CKPT_STATE = "state.json"       # {"iteration", "step", "data_cursor"}
+
+
+def evaluation(run: str, iteration: int) -> str:
+    """evaluate's output for policy vN: scored held-out completions + metrics."""
+    return f"{run}/eval/v{iteration:06d}"
+
+
+def best(run: str) -> str:
+    """Pointer to the published policy with the best evaluation metric so far."""
+    return f"{run}/policy/BEST"

@@ -1,0 +1,107 @@
+"""Stage 5 (optional) — evaluate: score a published policy on held-out prompts, and keep the best policy.
+
+    python -m tasks.evaluate --config configs/tiny.yaml --iteration 10
+
+Reads `<run>/policy/vN`; samples `eval.num_generations` completions for each of the first `eval.max_prompts`
+rows of the held-out split; scores them with the run's reward functions; writes `<run>/eval/vN` (scored
+completions; metrics eval/reward_mean and eval/pass_at_K in the manifest); then points `<run>/policy/BEST` at
+vN if its `eval.metric` beats the current best's. Idempotent like every stage: a complete `<run>/eval/vN`
+from the same inputs is reused, and the BEST decision is simply taken again.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from pathlib import Path
+
+from tasks import data, layout, rollout
+from tasks.advantage import combine
+from tasks.errors import UserError
+from tasks.models import device_for, encode_prompt, load_model, load_tokenizer, open_store, policy_path
+from tasks.rollout import Rollout
+from tasks.sampling import hf_generate
+from tasks.scoring import load_functions, score
+from tasks.stage import fingerprint, result, reuse, stage_cli
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c passing (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def _metric_name(cfg) -> str:
+    return "eval/reward_mean" if cfg.eval.metric == "reward_mean" else f"eval/pass_at_{cfg.eval.k}"
+
+
+def _update_best(store, cfg, iteration: int, metrics: dict) -> None:
+    run, name = cfg.run.name, _metric_name(cfg)
+    current = store.get_pointer(layout.best(run))
+    if current is not None:
+        best_iter = int(current.rsplit("/v", 1)[1])
+        if best_iter == iteration:
+            return
+        best = store.manifest(layout.evaluation(run, best_iter))
+        if best is not None and best["meta"]["metrics"][name] >= metrics[name]:
+            return                                   # ties keep the earlier policy
+    store.set_pointer(layout.best(run), layout.policy(run, iteration))
+
+
+def evaluate(cfg, iteration: int) -> dict:
+    """Evaluate published policy v`iteration`; returns {key, uri, metrics}."""
+    store = open_store(cfg)
+    ec = cfg.eval
+    key = layout.evaluation(cfg.run.name, iteration)
+    policy = layout.policy(cfg.run.name, iteration)
+    pm = store.manifest(policy)
+    if pm is None:
+        raise UserError(f"iteration {iteration}: no published policy at {store.uri(policy)}; run publish first")
+    fp = fingerprint(cfg, ("eval", "reward", "data"), iteration=iteration,
+                     policy=sorted((k, v["sha256"]) for k, v in pm["files"].items()))
+    done = reuse(store, key, fp)
+    if done is None:
+        t0 = time.perf_counter()
+        functions = load_functions(cfg)
+        ds = data.load_prompts(cfg, split="eval")
+        rows = list(range(min(ec.max_prompts, len(ds))))
+        path = policy_path(cfg, policy)
+        tokenizer = load_tokenizer(path)
+        model = load_model(path, cfg.model.dtype, device_for(cfg)).eval()
+        prompts = [ds[r][cfg.data.prompt_column] for r in rows]
+        prompt_ids = [encode_prompt(tokenizer, p, cfg.generate.max_prompt_length) for p in prompts]
+        samples = hf_generate(model, tokenizer, prompt_ids, ec.num_generations, cfg.generate.max_completion_length,
+                              ec.temperature or cfg.generate.temperature, cfg.generate.top_p, cfg.generate.batch_size,
+                              seed=cfg.run.seed * 1_000_003 + 500_000_000 + iteration)
+        records = []
+        for group, ids, logps, truncated in samples:
+            row = ds[rows[group]]
+            records.append(Rollout(group=group, row=rows[group], prompt=prompts[group], prompt_ids=prompt_ids[group],
+                                   completion=tokenizer.decode(ids, skip_special_tokens=True), completion_ids=ids,
+                                   logprobs=logps, truncated=truncated,
+                                   columns={k: v for k, v in row.items() if k != cfg.data.prompt_column}))
+        scores = score(functions, records)
+        weights = {name: w for name, _, w in functions}
+        for j, r in enumerate(records):
+            r.rewards = {name: scores[name][j] for name in scores}
+        totals = combine([r.rewards for r in records], weights, cfg.reward.aggregate).tolist()
+        for r, t in zip(records, totals):
+            r.reward = None if math.isnan(t) else t
+        passed = [0] * len(rows)
+        for r in records:
+            passed[r.group] += int(r.reward is not None and r.reward >= ec.pass_threshold)
+        present = [r.reward for r in records if r.reward is not None]
+        metrics = {"eval/reward_mean": sum(present) / max(len(present), 1),
+                   f"eval/pass_at_{ec.k}": sum(pass_at_k(ec.num_generations, c, ec.k) for c in passed) / len(rows),
+                   "eval/prompts": float(len(rows)), "eval/seconds": time.perf_counter() - t0}
+        with tempfile.TemporaryDirectory(prefix="rlflow-eval-") as tmp:
+            rollout.write(records, Path(tmp))
+            done = result(store, key, store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "metrics": metrics}))
+    _update_best(store, cfg, iteration, done["metrics"])
+    return done
+
+
+if __name__ == "__main__":
+    stage_cli(evaluate, "evaluate")

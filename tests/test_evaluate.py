@@ -1,0 +1,52 @@
+"""Evaluation: unbiased pass@k, held-out scoring every eval.every iterations, and policy/BEST following the
+best evaluated policy."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from tasks import layout
+from tasks.config import load_config
+from tasks.errors import UserError
+from tasks.evaluate import pass_at_k
+from tasks.store import Store
+from tests.conftest import TINY
+
+
+@pytest.mark.parametrize("n,c,k", [(4, 0, 1), (4, 1, 1), (4, 2, 2), (5, 3, 2), (6, 6, 3), (3, 1, 3)])
+def test_pass_at_k_is_the_probability_a_random_k_subset_has_a_pass(n, c, k):
+    outcomes = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    brute = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+    assert math.isclose(pass_at_k(n, c, k), brute)
+
+
+def test_k_above_n_is_a_user_error():
+    with pytest.raises(UserError, match="eval"):
+        load_config(TINY, ["eval.k=5", "eval.num_generations=4"])
+
+
+@pytest.mark.slow
+def test_flow_evaluates_and_keeps_the_best(prefect_api, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(TINY, ["run.name=ev", "run.iterations=5", "generate.prompts_per_iteration=8", "train.lr=1e-2",
+                             "eval.every=2", "eval.num_generations=4", "eval.k=2", "eval.split=test",
+                             f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.sample_completions=0"])
+    from flows.training import train_flow
+
+    summary = train_flow(cfg)
+    store = Store.open(cfg.store)
+    evaluated = store.list_folders("ev/eval")
+    assert evaluated == ["v000002", "v000004", "v000005"]              # every 2, and after the last
+    scores = {int(v[1:]): store.manifest(f"ev/eval/{v}")["meta"]["metrics"] for v in evaluated}
+    assert all(set(m) >= {"eval/reward_mean", "eval/pass_at_2"} for m in scores.values())
+    best = max(sorted(scores), key=lambda i: (scores[i]["eval/reward_mean"], -i))
+    assert store.get_pointer(layout.best("ev")) == layout.policy("ev", best) == summary["best_policy"]
+    store.verify(layout.evaluation("ev", 5))
+
+    from mlflow.tracking import MlflowClient
+    history = MlflowClient(cfg.tracking.uri).get_metric_history(summary["mlflow_run_id"], "eval/pass_at_2")
+    assert [m.step for m in history] == [2, 4, 5]
