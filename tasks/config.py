@@ -109,6 +109,11 @@ class TrainConfig(Section):
                                              "from the loss.")
     num_iterations: int = Field(1, ge=1, description="Optimiser passes over each generated batch (TRL's μ).")
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage std normalisation.")
+    lora_r: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapter is "
+                        "trained, checkpointed and published.")
+    lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
+    lora_target_modules: list[str] | str = Field("all-linear", description="Modules that get adapters (peft syntax).")
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward (gradient accumulation).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from tasks import data, layout, rollout
 from tasks.advantage import combine
 from tasks.errors import UserError
-from tasks.models import device_for, encode_prompt, load_model, load_tokenizer, open_store, policy_path
+from tasks.models import device_for, encode_prompt, load_policy, load_tokenizer, open_store, policy_path
 from tasks.rollout import Rollout
 from tasks.sampling import hf_generate
 from tasks.scoring import load_functions, score
@@ -69,7 +69,7 @@ def evaluate(cfg, iteration: int) -> dict:
         rows = list(range(min(ec.max_prompts, len(ds))))
         path = policy_path(cfg, policy)
         tokenizer = load_tokenizer(path)
-        model = load_model(path, cfg.model.dtype, device_for(cfg)).eval()
+        model = load_policy(cfg, path, device_for(cfg)).eval()
         prompts = [ds[r][cfg.data.prompt_column] for r in rows]
         prompt_ids = [encode_prompt(tokenizer, p, cfg.generate.max_prompt_length) for p in prompts]
         samples = hf_generate(model, tokenizer, prompt_ids, ec.num_generations, cfg.generate.max_completion_length,

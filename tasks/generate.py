@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from tasks import data, layout, rollout
-from tasks.models import encode_prompt, load_model, load_tokenizer, open_store, policy_path, device_for
+from tasks.models import encode_prompt, load_policy, load_tokenizer, open_store, policy_path, device_for
 from tasks.rollout import Rollout
 from tasks.sampling import hf_generate
 from tasks.stage import fingerprint, reuse, result, stage_cli
@@ -37,7 +37,7 @@ def generate(cfg, iteration: int, policy: str = layout.BASE) -> dict:
     rows = data.indices(len(ds), cfg.run.seed, start, P, cfg.data.shuffle)
     path = policy_path(cfg, policy)
     tokenizer = load_tokenizer(path)
-    model = load_model(path, cfg.model.dtype, device_for(cfg)).eval()
+    model = load_policy(cfg, path, device_for(cfg)).eval()
     prompts = [ds[r][cfg.data.prompt_column] for r in rows]
     prompt_ids = [encode_prompt(tokenizer, p, cfg.generate.max_prompt_length) for p in prompts]
 

@@ -83,6 +83,27 @@ def load_model(path: str, dtype: str = "float32", device: torch.device | str = "
     return model.to(device)
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def load_policy(cfg, path: str, device, trainable: bool = False):
+    """A full model folder, or a LoRA adapter folder (peft) applied to the configured base model."""
+    if not (Path(path) / ADAPTER_CONFIG).exists():
+        return load_model(path, cfg.model.dtype, device)
+    from peft import PeftModel
+
+    base = load_model(base_path(cfg), cfg.model.dtype, device)
+    return PeftModel.from_pretrained(base, path, is_trainable=trainable)
+
+
+def add_lora(model, tc):
+    """Wrap a base model with fresh LoRA adapters (B = 0: the wrapped model starts equal to the base)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=tc.lora_r, lora_alpha=tc.lora_alpha, lora_dropout=tc.lora_dropout,
+                                            target_modules=tc.lora_target_modules, task_type="CAUSAL_LM"))
+
+
 def encode_prompt(tokenizer, prompt, max_length: int) -> list[int]:
     """A string is tokenised as is; a list of chat messages goes through the tokenizer's chat template."""
     if isinstance(prompt, list):

@@ -27,8 +27,8 @@ from tasks import data, layout, rollout
 from tasks.advantage import group_advantages
 from tasks.errors import UserError
 from tasks.loss import aggregate, behaviour_correction, clip_stats, per_token_loss
-from tasks.models import (base_path, completion_logprobs, device_for, load_model, load_tokenizer,
-                          local_folder, open_store, pad_batch)
+from tasks.models import (add_lora, base_path, completion_logprobs, device_for, load_model, load_policy,
+                          load_tokenizer, local_folder, open_store, pad_batch)
 from tasks.stage import fingerprint, reuse, result, stage_cli
 
 OPTIMIZER, RNG, STATE, MODEL_DIR = layout.CKPT_OPTIMIZER, layout.CKPT_RNG, layout.CKPT_STATE, layout.CKPT_MODEL
@@ -81,8 +81,20 @@ def train(cfg, iteration: int) -> dict:
     else:
         folder, model_path = None, base_path(cfg)
     tokenizer = load_tokenizer(model_path)
-    model = load_model(model_path, cfg.model.dtype, device).train()
-    ref_model = load_model(base_path(cfg), cfg.model.dtype, device).eval().requires_grad_(False) if tc.beta > 0 else None
+    if folder is not None:
+        model = load_policy(cfg, model_path, device, trainable=True)
+    else:
+        torch.manual_seed(cfg.run.seed)          # before add_lora: adapter init draws from it
+        random.seed(cfg.run.seed)
+        model = load_model(model_path, cfg.model.dtype, device)
+        if tc.lora_r:
+            model = add_lora(model, tc)
+    model.train()
+    lora = tc.lora_r > 0
+    # The reference policy is the starting weights: with LoRA, the same model with its adapter disabled.
+    ref_model = None
+    if tc.beta > 0 and not lora:
+        ref_model = load_model(base_path(cfg), cfg.model.dtype, device).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
                                   betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
     if folder is not None:
@@ -90,8 +102,6 @@ def train(cfg, iteration: int) -> dict:
         _set_rng_state(torch.load(folder / RNG, weights_only=False))
         step = json.loads((folder / STATE).read_text())["step"]
     else:
-        torch.manual_seed(cfg.run.seed)
-        random.seed(cfg.run.seed)
         step = 0
 
     with tempfile.TemporaryDirectory(prefix="rlflow-train-") as tmp:
@@ -124,6 +134,9 @@ def train(cfg, iteration: int) -> dict:
         for b in batches:
             if ref_model is not None:
                 b["ref"] = logprobs_of(ref_model, b)[0]
+            elif tc.beta > 0 and lora:
+                with model.disable_adapter():
+                    b["ref"] = logprobs_of(model, b)[0]
             if needs_old:   # the trainer's logprobs before this iteration's first step: π_old
                 b["old"] = logprobs_of(model, b)[0]
             if tc.importance_sampling_correction:
