@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 from tasks import data, layout, rollout
-from tasks.advantage import combine
 from tasks.errors import UserError
 from tasks.models import device_for, encode_prompt, load_policy, load_tokenizer, open_store, policy_path
 from tasks.rollout import Rollout
 from tasks.sampling import hf_generate
-from tasks.scoring import load_functions, score
+from tasks.scoring import load_functions, score_records
 from tasks.stage import fingerprint, result, reuse, stage_cli
 
 
@@ -82,13 +81,7 @@ def evaluate(cfg, iteration: int) -> dict:
                                    completion=tokenizer.decode(ids, skip_special_tokens=True), completion_ids=ids,
                                    logprobs=logps, truncated=truncated,
                                    columns={k: v for k, v in row.items() if k != cfg.data.prompt_column}))
-        scores = score(functions, records)
-        weights = {name: w for name, _, w in functions}
-        for j, r in enumerate(records):
-            r.rewards = {name: scores[name][j] for name in scores}
-        totals = combine([r.rewards for r in records], weights, cfg.reward.aggregate).tolist()
-        for r, t in zip(records, totals):
-            r.reward = None if math.isnan(t) else t
+        score_records(functions, records, cfg.reward.aggregate)
         passed = [0] * len(rows)
         for r in records:
             passed[r.group] += int(r.reward is not None and r.reward >= ec.pass_threshold)

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 from tasks import layout, rollout
-from tasks.advantage import combine
 from tasks.errors import UserError
 from tasks.models import open_store
-from tasks.scoring import load_functions, score
+from tasks.scoring import load_functions, score_records
 from tasks.stage import fingerprint, reuse, result, stage_cli
 
 
@@ -44,13 +43,7 @@ def reward(cfg, iteration: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="rlflow-reward-") as tmp:
         store.get_folder(src, Path(tmp))
         records = rollout.read(Path(tmp))
-        scores = score(functions, records)
-        weights = {name: w for name, _, w in functions}
-        for j, r in enumerate(records):
-            r.rewards = {name: scores[name][j] for name in scores}
-        totals = combine([r.rewards for r in records], weights, cfg.reward.aggregate)
-        for r, t in zip(records, totals.tolist()):
-            r.reward = None if math.isnan(t) else t
+        scores = score_records(functions, records, cfg.reward.aggregate)
         present = [r.reward for r in records if r.reward is not None]
         metrics = {"reward/mean": sum(present) / max(len(present), 1),
                    "reward/std": _std(present),

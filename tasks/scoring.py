@@ -10,6 +10,7 @@ import sys
 from typing import Callable
 
 from tasks import rollout
+from tasks.advantage import combine
 from tasks.errors import UserError
 
 
@@ -67,4 +68,16 @@ def score(functions, records: list[rollout.Rollout]) -> dict[str, list[float | N
                 raise RewardFunctionError(f"reward function {name!r} returned {v} for completion {j}")
             clean.append(v)
         scores[name] = clean
+    return scores
+
+
+def score_records(functions, records: list[rollout.Rollout], aggregate: str) -> dict[str, list[float | None]]:
+    """Score `records` in place: per-function scores in `.rewards`, the combined reward in `.reward`
+    (None where no function scored it). Returns the per-function scores."""
+    scores = score(functions, records)
+    for j, r in enumerate(records):
+        r.rewards = {name: scores[name][j] for name in scores}
+    totals = combine([r.rewards for r in records], {name: w for name, _, w in functions}, aggregate).tolist()
+    for r, t in zip(records, totals):
+        r.reward = None if math.isnan(t) else t
     return scores
