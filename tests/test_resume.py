@@ -96,9 +96,15 @@ def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path):
     assert store.list_folders("resume/trainer") == ["ckpt-000001", "ckpt-000002", "ckpt-000003"]
     state = store.get_json(layout.checkpoint("resume", 3), "state.json")
     assert state["step"] == 3                                     # one optimizer step per iteration, none repeated
-    # Every folder is either complete and verified, or refused by readers.
-    for folder in [p for p in store_dir.rglob("*") if p.is_dir() and not any(c.is_dir() for c in p.iterdir())
-                   and p.name != "model"]:
+    # Every artifact folder is either complete and verified, or refused by readers. A kill can also leave a
+    # hidden staging folder (`.<name>.partial-*`, maybe with a half-written manifest): no key names it, it is
+    # never listed, and only a complete one is ever renamed into place.
+    artifacts = [p for p in store_dir.rglob("*") if p.is_dir() and not any(c.is_dir() for c in p.iterdir())
+                 and p.name != "model"]
+    staging = [p for p in artifacts if ".partial-" in p.name]
+    for p in staging:
+        assert p.name not in store.list_folders(p.parent.relative_to(killed / "rlflow-store").as_posix())
+    for folder in [p for p in artifacts if p not in staging]:
         key = folder.relative_to(killed / "rlflow-store").as_posix()
         if (folder / MANIFEST).exists():
             store.verify(key)
