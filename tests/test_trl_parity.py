@@ -95,3 +95,74 @@ def test_loss_and_gradient_equal_trl(trl_trainer, case):
         theirs, their_grad = _trl_loss(trl_trainer, tc, *tensors)
         assert torch.allclose(ours, theirs, atol=1e-6, rtol=1e-6), (float(ours), float(theirs))
         assert torch.allclose(our_grad, their_grad, atol=1e-6, rtol=1e-6)
+
+
+# ---- advantages: TRL's _generate_and_score_completions, generation replaced by fixed completions ----------
+
+N_GROUPS, GROUP = 3, 4
+WEIGHTS = {"correct": 1.0, "format": 0.5}
+
+
+def _reward_table(seed: int) -> list[dict[str, float | None]]:
+    """Two reward functions; some scores missing (None), one completion with every score missing, one group
+    with a single scored completion, one group with equal rewards (std 0)."""
+    g = torch.Generator().manual_seed(seed)
+    table = []
+    for i in range(N_GROUPS * GROUP):
+        correct = float(torch.randint(0, 2, (1,), generator=g))
+        fmt = round(float(torch.rand(1, generator=g)), 3)
+        table.append({"correct": correct, "format": None if i % 5 == 3 else fmt})
+    table[1] = {"correct": None, "format": None}                         # unscorable
+    for i in range(4, 8):                                                 # group 1: equal rewards
+        table[i] = {"correct": 1.0, "format": 0.25}
+    for i in range(9, 12):                                                # group 2: one scored completion
+        table[i] = {"correct": None, "format": None}
+    return table
+
+
+@pytest.fixture(scope="module")
+def trl_scoring_trainer(tmp_path_factory):
+    from datasets import Dataset
+    from tasks.tiny_model import build
+    from trl import GRPOConfig, GRPOTrainer
+
+    table_ref: dict[str, list] = {"table": []}
+
+    def correct(completions, **kw):
+        return [table_ref["table"][int(c)]["correct"] for c in completions]
+
+    def format(completions, **kw):  # noqa: A001 - the reward function's name is its metric name
+        return [table_ref["table"][int(c)]["format"] for c in completions]
+
+    tmp = tmp_path_factory.mktemp("trl-adv")
+    path = build(tmp / "tiny")
+    n = N_GROUPS * GROUP
+    args = GRPOConfig(output_dir=str(tmp / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=n,
+                      num_generations=GROUP, max_completion_length=3, beta=0.0, report_to=[], loss_type="dapo",
+                      reward_weights=[WEIGHTS["correct"], WEIGHTS["format"]])
+    trainer = GRPOTrainer(model=str(path), args=args, reward_funcs=[correct, format],
+                          train_dataset=Dataset.from_dict({"prompt": ["a=", "b=", "c="]}))
+    trainer.model.train()
+
+    def fixed_generation(prompts):
+        # prompt ids, completion ids (ending in EOS), no tool mask, completion texts = row index, no logprobs
+        eos = trainer.eos_token_ids[0]
+        return ([[5, 6]] * n, [[7, 8, eos]] * n, None, [str(i) for i in range(n)], None, {}, None, None)
+
+    trainer._generate = fixed_generation
+    return trainer, table_ref
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_trl(trl_scoring_trainer, scale):
+    from tasks.advantage import combine, group_advantages
+
+    trainer, table_ref = trl_scoring_trainer
+    trainer.scale_rewards = scale
+    for seed in range(3):
+        table_ref["table"] = _reward_table(seed)
+        inputs = [{"prompt": "abc"[i // GROUP] + "="} for i in range(N_GROUPS * GROUP)]
+        theirs = trainer._generate_and_score_completions(inputs)["advantages"]
+        ours = group_advantages(combine(table_ref["table"], WEIGHTS, "sum"), GROUP, scale)
+        assert torch.allclose(ours, theirs, atol=1e-6), (ours, theirs)
+        assert ours[1] == 0 and (ours[8:] == 0).all()    # unscorable row; a group with one scored completion
