@@ -144,7 +144,7 @@ def train(cfg, iteration: int) -> dict:
                                                      tc.importance_sampling_mode, tc.importance_sampling_cap)
 
     sums = dict(loss=0.0, kl_ref=0.0, mismatch_kl=0.0, entropy=0.0, clip_low_sum=0.0, clip_high_sum=0.0,
-                ratio_max=0.0, ratio_min=math.inf, grad_norm=0.0, is_ratio_sum=0.0, is_ratio_min=math.inf)
+                ratio_max=0.0, ratio_min=math.inf, ratio_sum=0.0, grad_norm=0.0, is_ratio_sum=0.0, is_ratio_min=math.inf)
     for pass_ in range(tc.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss_total, clip = 0.0, {"clip_low_sum": 0.0, "clip_high_sum": 0.0}
@@ -174,6 +174,7 @@ def train(cfg, iteration: int) -> dict:
                         sums["is_ratio_sum"] += float(rho.sum())
                         sums["is_ratio_min"] = min(sums["is_ratio_min"], float(rho.min()))
             real = ratio.detach()[m.bool()]
+            sums["ratio_sum"] += float(real.sum())
             if real.numel():
                 sums["ratio_max"] = max(sums["ratio_max"], float(real.max()))
                 sums["ratio_min"] = min(sums["ratio_min"], float(real.min()))
@@ -193,7 +194,8 @@ def train(cfg, iteration: int) -> dict:
         "train/mismatch_kl": sums["mismatch_kl"] / denom,
         "train/clip_low": sums["clip_low_sum"] / denom,
         "train/clip_high": sums["clip_high_sum"] / denom,
-        "train/clip_fraction": (sums["clip_low_sum"] + sums["clip_high_sum"]) / denom,
+        "train/clip_region": (sums["clip_low_sum"] + sums["clip_high_sum"]) / denom,   # TRL's region_mean
+        "train/ratio_mean": sums["ratio_sum"] / (denom * tc.num_iterations) if num_tokens else 1.0,
         "train/ratio_min": sums["ratio_min"] if math.isfinite(sums["ratio_min"]) else 1.0,
         "train/ratio_max": sums["ratio_max"],
         "train/advantage_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,

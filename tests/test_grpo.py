@@ -118,4 +118,6 @@ def test_train_with_reference_kl_and_several_passes(tmp_path):
     m = train(cfg, 1)["metrics"]
     assert m["train/kl_ref"] >= 0 and m["train/mismatch_kl"] < 1e-3      # same weights: only numerics differ
     assert m["train/ratio_max"] > 1.0 or m["train/ratio_min"] < 1.0        # passes 2-3 are off the old policy
-    assert 0.0 <= m["train/clip_fraction"] <= 1.0
+    assert 0.0 <= m["train/clip_region"] <= 1.0
+    assert m["train/ratio_min"] <= m["train/ratio_mean"] <= m["train/ratio_max"]
+    assert m["train/clip_region"] == m["train/clip_low"] + m["train/clip_high"]

@@ -85,7 +85,7 @@ def test_mlflow_metrics_params_and_model_version(two_iterations, tmp_path):
     assert run.info.status == "FINISHED"
     assert run.data.params["train.loss_type"] == "dapo" and run.data.params["run.iterations"] == "2"
     for metric in ("reward/mean", "reward/std", "reward/successor_reward/mean", "reward/stops_reward/mean",
-                   "train/loss", "train/mismatch_kl", "train/clip_fraction", "generate/completion_length",
+                   "train/loss", "train/mismatch_kl", "train/clip_region", "generate/completion_length",
                    "generate/tokens_per_s", "generate/seconds", "train/seconds", "iteration/seconds"):
         history = client.get_metric_history(run.info.run_id, metric)
         assert [m.step for m in history] == [1, 2], metric
