@@ -53,6 +53,93 @@ def _micro_batches(records, size: int):
         yield start, records[start:start + size]
 
 
+def prepare_batches(records, advantages: torch.Tensor, pad_token_id: int, cfg, device) -> list[dict]:
+    """Pad the scored rollouts into micro-batches once; every optimiser pass reuses them."""
+    tc = cfg.train
+    batches = []   # per micro-batch: padded tensors, built once and reused by every pass
+    for start, chunk in _micro_batches(records, tc.micro_batch_size):
+        ids, attn, pos, mask = pad_batch([r.prompt_ids for r in chunk], [r.completion_ids for r in chunk],
+                                         pad_token_id)
+        behaviour = torch.zeros_like(mask)
+        for b, r in enumerate(chunk):
+            behaviour[b, :len(r.logprobs)] = torch.tensor(r.logprobs)
+            if tc.mask_truncated_completions and r.truncated:
+                mask[b] = 0.0
+        batches.append(dict(ids=ids, attn=attn, pos=pos, mask=mask.to(device), behaviour=behaviour.to(device),
+                            adv=advantages[start:start + len(chunk)].to(device)))
+    return batches
+
+
+def optimise(model, optimizer, batches: list[dict], cfg, ref_model=None, lora: bool = False) -> dict:
+    """tc.num_iterations optimiser steps over the whole batch (gradients accumulated over micro-batches,
+    normalised over the whole batch). Returns summed statistics for the metrics."""
+    tc = cfg.train
+    num_tokens = float(sum(b["mask"].sum() for b in batches))
+    num_seqs = sum(len(b["ids"]) for b in batches)
+    max_len = cfg.generate.max_completion_length
+    needs_old = tc.num_iterations > 1 or tc.importance_sampling_correction
+
+    def logprobs_of(m, b, entropy=False):
+        return completion_logprobs(m, b["ids"], b["attn"], b["pos"], b["mask"].shape[1], cfg.generate.temperature,
+                                   with_entropy=entropy)
+
+    with torch.no_grad():
+        for b in batches:
+            if ref_model is not None:
+                b["ref"] = logprobs_of(ref_model, b)[0]
+            elif tc.beta > 0 and lora:
+                with model.disable_adapter():
+                    b["ref"] = logprobs_of(model, b)[0]
+            if needs_old:   # the trainer's logprobs before this iteration's first step: π_old
+                b["old"] = logprobs_of(model, b)[0]
+            if tc.importance_sampling_correction:
+                b["is_ratio"] = behaviour_correction(b["old"], b["behaviour"], b["mask"],
+                                                     tc.importance_sampling_mode, tc.importance_sampling_cap)
+
+    sums = dict(loss=0.0, kl_ref=0.0, mismatch_kl=0.0, entropy=0.0, clip_low_sum=0.0, clip_high_sum=0.0,
+                ratio_max=0.0, ratio_min=math.inf, ratio_sum=0.0, grad_norm=0.0, is_ratio_sum=0.0,
+                is_ratio_min=math.inf)
+    for pass_ in range(tc.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        loss_total, clip = 0.0, {"clip_low_sum": 0.0, "clip_high_sum": 0.0}
+        for b in batches:
+            logp, entropy = logprobs_of(model, b, entropy=True)
+            old = b["old"] if tc.num_iterations > 1 else logp.detach()   # on-policy: ratio 1, gradient only
+            ptl, ratio, kl = per_token_loss(logp, old, b["adv"], b["mask"], tc, ref_logp=b.get("ref"),
+                                            is_ratio=b.get("is_ratio"))
+            loss = aggregate(ptl, b["mask"], tc.loss_type, num_tokens, num_seqs, max_len)
+            loss.backward()
+            loss_total += float(loss.detach())
+            m = b["mask"]
+            for k, v in clip_stats(ratio.detach(), b["adv"], m, tc).items():
+                clip[k] += v
+            ratio = ratio.detach().expand_as(m)
+            if pass_ == 0:
+                sums["entropy"] += float((entropy.detach() * m).sum())
+                # KL(generator ‖ trainer) on the generator's own samples, k3 with r = π/μ; on pass 0 both
+                # hold the same weights, so this measures engine/numerics mismatch alone.
+                d = logp.detach() - b["behaviour"]
+                sums["mismatch_kl"] += float(((torch.exp(d) - d - 1) * m).sum())
+                if kl is not None:
+                    sums["kl_ref"] += float((kl.detach() * m).sum())
+                if "is_ratio" in b:
+                    rho = b["is_ratio"].expand_as(m)[m.bool()]
+                    if rho.numel():
+                        sums["is_ratio_sum"] += float(rho.sum())
+                        sums["is_ratio_min"] = min(sums["is_ratio_min"], float(rho.min()))
+            real = ratio.detach()[m.bool()]
+            sums["ratio_sum"] += float(real.sum())
+            if real.numel():
+                sums["ratio_max"] = max(sums["ratio_max"], float(real.max()))
+                sums["ratio_min"] = min(sums["ratio_min"], float(real.min()))
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
+        optimizer.step()
+        sums["loss"], sums["grad_norm"] = loss_total, float(grad_norm)
+        sums["clip_low_sum"], sums["clip_high_sum"] = clip["clip_low_sum"], clip["clip_high_sum"]
+    sums["num_tokens"] = num_tokens
+    return sums
+
+
 def train(cfg, iteration: int) -> dict:
     """Update the policy on iteration `iteration`'s scored rollouts; returns {key, uri, metrics}."""
     store = open_store(cfg)
@@ -110,80 +197,10 @@ def train(cfg, iteration: int) -> dict:
     rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
     advantages = group_advantages(rewards, cfg.generate.num_generations, tc.scale_rewards)   # (N,)
 
-    batches = []   # per micro-batch: padded tensors, built once and reused by every pass
-    for start, chunk in _micro_batches(records, tc.micro_batch_size):
-        ids, attn, pos, mask = pad_batch([r.prompt_ids for r in chunk], [r.completion_ids for r in chunk],
-                                         tokenizer.pad_token_id)
-        behaviour = torch.zeros_like(mask)
-        for b, r in enumerate(chunk):
-            behaviour[b, :len(r.logprobs)] = torch.tensor(r.logprobs)
-            if tc.mask_truncated_completions and r.truncated:
-                mask[b] = 0.0
-        batches.append(dict(ids=ids, attn=attn, pos=pos, mask=mask.to(device), behaviour=behaviour.to(device),
-                            adv=advantages[start:start + len(chunk)].to(device)))
-    num_tokens = float(sum(b["mask"].sum() for b in batches))
-    num_seqs = len(records)
-    max_len = cfg.generate.max_completion_length
-    needs_old = tc.num_iterations > 1 or tc.importance_sampling_correction
-
-    def logprobs_of(m, b, entropy=False):
-        return completion_logprobs(m, b["ids"], b["attn"], b["pos"], b["mask"].shape[1], cfg.generate.temperature,
-                                   with_entropy=entropy)
-
-    with torch.no_grad():
-        for b in batches:
-            if ref_model is not None:
-                b["ref"] = logprobs_of(ref_model, b)[0]
-            elif tc.beta > 0 and lora:
-                with model.disable_adapter():
-                    b["ref"] = logprobs_of(model, b)[0]
-            if needs_old:   # the trainer's logprobs before this iteration's first step: π_old
-                b["old"] = logprobs_of(model, b)[0]
-            if tc.importance_sampling_correction:
-                b["is_ratio"] = behaviour_correction(b["old"], b["behaviour"], b["mask"],
-                                                     tc.importance_sampling_mode, tc.importance_sampling_cap)
-
-    sums = dict(loss=0.0, kl_ref=0.0, mismatch_kl=0.0, entropy=0.0, clip_low_sum=0.0, clip_high_sum=0.0,
-                ratio_max=0.0, ratio_min=math.inf, ratio_sum=0.0, grad_norm=0.0, is_ratio_sum=0.0, is_ratio_min=math.inf)
-    for pass_ in range(tc.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        loss_total, clip = 0.0, {"clip_low_sum": 0.0, "clip_high_sum": 0.0}
-        for b in batches:
-            logp, entropy = logprobs_of(model, b, entropy=True)
-            old = b["old"] if tc.num_iterations > 1 else logp.detach()   # on-policy: ratio 1, gradient only
-            ptl, ratio, kl = per_token_loss(logp, old, b["adv"], b["mask"], tc, ref_logp=b.get("ref"),
-                                            is_ratio=b.get("is_ratio"))
-            loss = aggregate(ptl, b["mask"], tc.loss_type, num_tokens, num_seqs, max_len)
-            loss.backward()
-            loss_total += float(loss.detach())
-            m = b["mask"]
-            for k, v in clip_stats(ratio.detach(), b["adv"], m, tc).items():
-                clip[k] += v
-            ratio = ratio.detach().expand_as(m)
-            if pass_ == 0:
-                sums["entropy"] += float((entropy.detach() * m).sum())
-                # KL(generator ‖ trainer) on the generator's own samples, k3 with r = π/μ; on pass 0 both
-                # hold the same weights, so this measures engine/numerics mismatch alone.
-                d = logp.detach() - b["behaviour"]
-                sums["mismatch_kl"] += float(((torch.exp(d) - d - 1) * m).sum())
-                if kl is not None:
-                    sums["kl_ref"] += float((kl.detach() * m).sum())
-                if "is_ratio" in b:
-                    rho = b["is_ratio"].expand_as(m)[m.bool()]
-                    if rho.numel():
-                        sums["is_ratio_sum"] += float(rho.sum())
-                        sums["is_ratio_min"] = min(sums["is_ratio_min"], float(rho.min()))
-            real = ratio.detach()[m.bool()]
-            sums["ratio_sum"] += float(real.sum())
-            if real.numel():
-                sums["ratio_max"] = max(sums["ratio_max"], float(real.max()))
-                sums["ratio_min"] = min(sums["ratio_min"], float(real.min()))
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
-        optimizer.step()
-        step += 1
-        sums["loss"], sums["grad_norm"] = loss_total, float(grad_norm)
-        sums["clip_low_sum"], sums["clip_high_sum"] = clip["clip_low_sum"], clip["clip_high_sum"]
-
+    batches = prepare_batches(records, advantages, tokenizer.pad_token_id, cfg, device)
+    sums = optimise(model, optimizer, batches, cfg, ref_model=ref_model, lora=lora)
+    step += tc.num_iterations
+    num_tokens = sums["num_tokens"]
     seconds = time.perf_counter() - t0
     present = rewards[~torch.isnan(rewards)]
     denom = max(num_tokens, 1.0)   # every completion may be masked (mask_truncated_completions)
