@@ -37,7 +37,7 @@ class RunConfig(Section):
 class ModelConfig(Section):
     """The starting policy."""
 
-    name_or_path: str = Field("builtin:tiny-lm", description="Hub id, local folder, or builtin:tiny-lm.")
+    name_or_path: str = Field("builtin:tiny-lm", description="Hub id, local folder, or builtin:tiny-lm / builtin:small-lm.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for training.")
 
 

@@ -122,19 +122,19 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
     Shapes: ids, attention (B, Lp+Lc); completion_mask (B, Lc). Position ids count real tokens only, so a
     left-padded row sees the same positions as it did unpadded in the generator.
     """
-    B = len(prompts)
     Lp = max(len(p) for p in prompts)
     Lc = max(max(len(c) for c in completions), 1)
-    ids = torch.full((B, Lp + Lc), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, Lp + Lc), dtype=torch.long)
-    cmask = torch.zeros((B, Lc), dtype=torch.float32)
-    for b, (p, c) in enumerate(zip(prompts, completions)):
-        ids[b, Lp - len(p):Lp] = torch.tensor(p, dtype=torch.long)
-        attn[b, Lp - len(p):Lp] = 1
-        if c:
-            ids[b, Lp:Lp + len(c)] = torch.tensor(c, dtype=torch.long)
-            attn[b, Lp:Lp + len(c)] = 1
-            cmask[b, :len(c)] = 1
+    # Rows are built as Python lists and converted once: per-row tensor writes cost more than the step itself
+    # at small sizes.
+    rows, attn_rows, cmask_rows = [], [], []
+    for p, c in zip(prompts, completions):
+        lp, lc = Lp - len(p), Lc - len(c)
+        rows.append([pad_id] * lp + list(p) + list(c) + [pad_id] * lc)
+        attn_rows.append([0] * lp + [1] * (len(p) + len(c)) + [0] * lc)
+        cmask_rows.append([1.0] * len(c) + [0.0] * lc)
+    ids = torch.tensor(rows, dtype=torch.long)
+    attn = torch.tensor(attn_rows, dtype=torch.long)
+    cmask = torch.tensor(cmask_rows, dtype=torch.float32)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     return ids, attn, positions, cmask
 

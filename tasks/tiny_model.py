@@ -30,6 +30,9 @@ CHARACTERS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
 BUILTINS: dict[str, dict] = {
     "tiny-lm": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
                     num_key_value_heads=2, max_position_embeddings=256),
+    # For benchmarks and engines that need more than a toy (vLLM wants head_dim >= 32): ~3M parameters.
+    "small-lm": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=4, max_position_embeddings=512),
 }
 
 CHAT_TEMPLATE = (

@@ -60,14 +60,19 @@ def prepare_batches(records, advantages: torch.Tensor, pad_token_id: int, cfg, d
     for start, chunk in _micro_batches(records, tc.micro_batch_size):
         ids, attn, pos, mask = pad_batch([r.prompt_ids for r in chunk], [r.completion_ids for r in chunk],
                                          pad_token_id)
-        behaviour = torch.zeros_like(mask)
-        for b, r in enumerate(chunk):
-            behaviour[b, :len(r.logprobs)] = torch.tensor(r.logprobs)
-            if tc.mask_truncated_completions and r.truncated:
-                mask[b] = 0.0
+        width = mask.shape[1]
+        behaviour = torch.tensor([list(r.logprobs) + [0.0] * (width - len(r.logprobs)) for r in chunk],
+                                 dtype=torch.float32)
+        if tc.mask_truncated_completions:
+            mask = mask * torch.tensor([[0.0 if r.truncated else 1.0] for r in chunk])
         batches.append(dict(ids=ids, attn=attn, pos=pos, mask=mask.to(device), behaviour=behaviour.to(device),
                             adv=advantages[start:start + len(chunk)].to(device)))
     return batches
+
+
+def _is_ratio(old, b, tc):
+    return behaviour_correction(old, b["behaviour"], b["mask"], tc.importance_sampling_mode,
+                                tc.importance_sampling_cap)
 
 
 def optimise(model, optimizer, batches: list[dict], cfg, ref_model=None, lora: bool = False) -> dict:
@@ -77,7 +82,9 @@ def optimise(model, optimizer, batches: list[dict], cfg, ref_model=None, lora: b
     num_tokens = float(sum(b["mask"].sum() for b in batches))
     num_seqs = sum(len(b["ids"]) for b in batches)
     max_len = cfg.generate.max_completion_length
-    needs_old = tc.num_iterations > 1 or tc.importance_sampling_correction
+    # π_old needs its own forward only when there are several passes; with one pass it is the pass's own
+    # logprobs, detached (same weights, same inputs), so the IS weight is computed from those.
+    needs_old = tc.num_iterations > 1
 
     def logprobs_of(m, b, entropy=False):
         return completion_logprobs(m, b["ids"], b["attn"], b["pos"], b["mask"].shape[1], cfg.generate.temperature,
@@ -92,9 +99,8 @@ def optimise(model, optimizer, batches: list[dict], cfg, ref_model=None, lora: b
                     b["ref"] = logprobs_of(model, b)[0]
             if needs_old:   # the trainer's logprobs before this iteration's first step: π_old
                 b["old"] = logprobs_of(model, b)[0]
-            if tc.importance_sampling_correction:
-                b["is_ratio"] = behaviour_correction(b["old"], b["behaviour"], b["mask"],
-                                                     tc.importance_sampling_mode, tc.importance_sampling_cap)
+            if tc.importance_sampling_correction and needs_old:
+                b["is_ratio"] = _is_ratio(b["old"], b, tc)
 
     sums = dict(loss=0.0, kl_ref=0.0, mismatch_kl=0.0, entropy=0.0, clip_low_sum=0.0, clip_high_sum=0.0,
                 ratio_max=0.0, ratio_min=math.inf, ratio_sum=0.0, grad_norm=0.0, is_ratio_sum=0.0,
@@ -104,7 +110,9 @@ def optimise(model, optimizer, batches: list[dict], cfg, ref_model=None, lora: b
         loss_total, clip = 0.0, {"clip_low_sum": 0.0, "clip_high_sum": 0.0}
         for b in batches:
             logp, entropy = logprobs_of(model, b, entropy=True)
-            old = b["old"] if tc.num_iterations > 1 else logp.detach()   # on-policy: ratio 1, gradient only
+            old = b["old"] if needs_old else logp.detach()   # on-policy: ratio 1, gradient only
+            if tc.importance_sampling_correction and not needs_old:
+                b["is_ratio"] = _is_ratio(old, b, tc)
             ptl, ratio, kl = per_token_loss(logp, old, b["adv"], b["mask"], tc, ref_logp=b.get("ref"),
                                             is_ratio=b.get("is_ratio"))
             loss = aggregate(ptl, b["mask"], tc.loss_type, num_tokens, num_seqs, max_len)
