@@ -22,8 +22,10 @@ demo: setup              ## tiny model, CPU, local store, sqlite MLflow, Prefect
 test: setup              ## every test, the slow end-to-end ones included (real S3/Prefect/MLflow servers)
 	$(BIN)/python -m pytest -q tests
 
-bench: setup             ## flow overhead vs a bare loop; results go in docs/benchmarks.md
+bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/flow_overhead.py
+	$(BIN)/python bench/train_step_vs_trl.py
+	$(BIN)/python bench/learning_curve_vs_trl.py
 
 clean:
 	rm -rf $(VENV) rlflow-store rlflow-runs mlflow.db mlruns
