@@ -54,22 +54,26 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rlflow-bench-"))
     os.chdir(work)
 
-    def cfg(name: str):
-        return load_config(ROOT / "configs" / "tiny.yaml", [*args.override, f"run.name={name}",
-                                                            f"run.iterations={args.iterations}",
-                                                            f"tracking.uri=sqlite:///{work}/mlflow.db"])
+    config = str(ROOT / "configs" / "tiny.yaml")
+
+    def overrides(name: str, iterations: int = args.iterations) -> list[str]:
+        return [*args.override, f"run.name={name}", f"run.iterations={iterations}",
+                f"tracking.uri=sqlite:///{work}/mlflow.db"]
+
+    def cfg(name: str, iterations: int = args.iterations):
+        return load_config(config, overrides(name, iterations))
 
     from flows.training import train_flow
 
     t0 = time.perf_counter()
-    train_flow(cfg("warmup").model_copy(update={"run": cfg("warmup").run.model_copy(update={"iterations": 1})}))
+    train_flow(config, overrides("warmup", 1))
     warm = time.perf_counter() - t0
-    bare_loop(cfg("warmup-bare").model_copy(update={"run": cfg("warmup-bare").run.model_copy(update={"iterations": 1})}))
+    bare_loop(cfg("warmup-bare", 1))
 
     flow_t, bare_t = [], []
     for r in range(args.repeats):
         t0 = time.perf_counter()
-        a = train_flow(cfg(f"flow-{r}"))["reward_mean"]
+        a = train_flow(config, overrides(f"flow-{r}"))["reward_mean"]
         flow_t.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         b = bare_loop(cfg(f"bare-{r}"))

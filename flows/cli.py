@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from tasks.errors import UserError
+from tasks.errors import UserError, cause_of
 
 
 def _quiet_prefect() -> None:
@@ -32,27 +32,19 @@ def _quiet_prefect() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
-def _user_error(exc: BaseException) -> UserError | None:
-    """The UserError behind `exc`, also when Prefect or a chain of exceptions wraps it."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, UserError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
 def cmd_run(args) -> int:
     from tasks.config import load_config
 
-    cfg = load_config(args.config, args.override)
+    from tasks.stage import parse_overrides_json
+
+    overrides = parse_overrides_json(args.overrides_json) + args.override
+    load_config(args.config, overrides)       # a bad config is one line and exit 2, before Prefect starts
     _quiet_prefect()
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     from flows.training import train_flow
 
-    summary = train_flow(cfg)
+    summary = train_flow(args.config, overrides)
     public = {k: summary[k] for k in ("run", "iterations_completed", "reward_mean", "policy_uri", "mlflow_run_id")}
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
@@ -64,6 +56,8 @@ def cmd_run(args) -> int:
           (f" (model version {summary['model_version']})" if summary.get("model_version") else ""))
     if summary.get("best_policy"):
         print(f"  best (eval):      {summary['best_policy']}")
+    if summary.get("cost_usd"):
+        print(f"  cost:             {summary['cost_usd']:.4f} USD")
     print(f"  reward curve:     {summary['reward_curve']}")
     return 0
 
@@ -75,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
     run.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                      help="dotted config override, e.g. -o train.lr=1e-6 (repeatable)")
+    run.add_argument("--overrides-json", default="[]", metavar="JSON",
+                     help="overrides as a JSON list (what recipes and deployments pass)")
     run.add_argument("--summary-json", metavar="PATH", help="write a JSON summary of the run here")
     args = ap.parse_args(argv)
     try:
@@ -82,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - the exit code contract is decided here
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        user = _user_error(e)
+        user = cause_of(e, UserError)
         if user is not None:
             print(f"error: {user}", file=sys.stderr)
             return 2

@@ -1,47 +1,96 @@
 """The training loop: N iterations of generate → reward → train → publish, as a Prefect flow.
 
-    rlflow run configs/tiny.yaml                   # the CLI calls train_flow(config)
+    rlflow run configs/tiny.yaml                   # the CLI calls train_flow("configs/tiny.yaml", overrides)
+    prefect deployment run rlflow-train/nightly    # a deployment passes the same two parameters
 
 Read top to bottom:
-  1. preflight: everything a user can get wrong is checked before the first byte is written
-     (store reachable, dataset + prompt column, reward functions import, model folder);
-  2. one MLflow run per rlflow run (found again on resume);
-  3. for each iteration, the four stage tasks; each returns at once if its output already exists in the
-     store from the same inputs, so a run killed anywhere and started again ends with exactly
-     `run.iterations` iterations, none repeated, none skipped;
-  4. every `eval.every` iterations the published policy is scored on held-out prompts; policy/BEST follows
-     the best of them;
-  5. metrics of each iteration are logged once (iterations already in MLflow are not logged again);
-  6. at the end: reward curve plot, summary.
+  1. the config is loaded from its path plus dotted overrides (the flow's parameters), then preflight:
+     everything a user can get wrong is checked before the first byte is written (store reachable, dataset +
+     prompt column, reward functions import, model folder, launcher needs);
+  2. one writer per run name: the flow takes the run's lease in the store (tasks/lease.py);
+  3. one MLflow run per rlflow run (found again on resume);
+  4. for each iteration, the stage tasks, each on its launcher (inline / local subprocess / SkyPilot,
+     flows/launch.py); a stage returns at once if its output already exists in the store from the same inputs,
+     so a run killed anywhere and started again ends with exactly `run.iterations` iterations, none repeated,
+     none skipped. Infrastructure failures are retried with back-off; user errors fail the flow at once;
+  5. every `eval.every` iterations the published policy is scored on held-out prompts; policy/BEST and the
+     MLflow alias `champion` follow the best of them;
+  6. metrics (with cost) of each iteration are logged once; the Prefect dashboard gets a report, a samples
+     table and links per iteration;
+  7. at the end: reward curve plot, clusters torn down, lease released, summary.
 Stages meet only in the store; this file passes keys, never tensors.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import time
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
 
+from flows.launch import InfraError, Launchers, stage_env
 from tasks import layout
-from tasks.config import Config
+from tasks.config import Config, load_config
 from tasks.data import load_prompts
+from tasks.errors import UserError, cause_of
 from tasks.evaluate import evaluate
 from tasks.generate import generate
+from tasks.lease import Lease, LeaseLost
 from tasks.models import base_path, load_tokenizer, open_store
 from tasks.publish import publish
 from tasks.reward import reward
 from tasks.scoring import load_functions
-from tasks.tracking import Tracker
+from tasks.tracking import Tracker, champion_policy_uri
 from tasks.train import train
 
-# Stage results are small dicts of keys and metrics; the store is the cache, so Prefect's is off.
-generate_task = task(generate, name="generate", task_run_name="generate[iter {iteration}]", cache_policy=NO_CACHE)
-reward_task = task(reward, name="reward", task_run_name="reward[iter {iteration}]", cache_policy=NO_CACHE)
-train_task = task(train, name="train", task_run_name="train[iter {iteration}]", cache_policy=NO_CACHE)
-publish_task = task(publish, name="publish", task_run_name="publish[iter {iteration}]", cache_policy=NO_CACHE)
-evaluate_task = task(evaluate, name="evaluate", task_run_name="evaluate[iter {iteration}]", cache_policy=NO_CACHE)
+STAGE_FUNCTIONS = {"generate": generate, "reward": reward, "train": train, "publish": publish, "evaluate": evaluate}
+OUTPUT_KEY = {"generate": layout.rollouts, "reward": layout.rewards, "train": layout.checkpoint,
+              "publish": layout.policy, "evaluate": layout.evaluation}
+
+
+def retryable(task, task_run, state) -> bool:
+    """Prefect retry condition: retry infrastructure failures, never a user's mistake or a lost lease."""
+    exc = state.data if isinstance(state.data, BaseException) else None
+    return cause_of(exc, (UserError, LeaseLost)) is None
+
+
+class Run:
+    """What the stage tasks share within one flow run."""
+
+    def __init__(self, cfg: Config, config_path: str, overrides: list[str], lease: Lease):
+        self.cfg, self.config_path, self.overrides, self.lease = cfg, config_path, overrides, lease
+        self.store = open_store(cfg)
+        self.launchers = Launchers(cfg)
+
+
+@task(name="stage", task_run_name="{stage}[iter {iteration}]", cache_policy=NO_CACHE)
+def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None) -> dict:
+    """Run one stage where the config says; return its result (keys, metrics) read from the store."""
+    ctx.lease.check()
+    cfg, log = ctx.cfg, get_run_logger()
+    launcher = ctx.launchers.for_stage(stage)
+    t0 = time.perf_counter()
+    ran = None
+    if launcher.mode != "inline":
+        env = stage_env(ctx.config_path, ctx.overrides, iteration, policy)
+        ran = launcher.run(stage, iteration, env, log.info)
+        if ctx.store.manifest(OUTPUT_KEY[stage](cfg.run.name, iteration)) is None:
+            raise InfraError(f"{stage}[iter {iteration}]: the {launcher.mode} job succeeded but its output "
+                             f"{ctx.store.uri(OUTPUT_KEY[stage](cfg.run.name, iteration))} is missing")
+    args = (policy,) if stage == "generate" else ()
+    out = STAGE_FUNCTIONS[stage](cfg, iteration, *args)    # remote: finds the output and returns it
+    seconds = ran.seconds if ran is not None else time.perf_counter() - t0
+    hourly = ran.hourly_usd if ran is not None and ran.hourly_usd is not None else cfg.cost.hourly_usd.get(stage, 0.0)
+    out["metrics"] = {**out["metrics"], f"cost/{stage}_usd": seconds * hourly / 3600,
+                      f"time/{stage}_seconds": seconds}
+    return out
 
 
 def preflight(cfg: Config) -> None:
@@ -52,6 +101,17 @@ def preflight(cfg: Config) -> None:
         load_prompts(cfg, split="eval")
     load_functions(cfg)
     load_tokenizer(base_path(cfg))
+    modes = Launchers(cfg).modes()
+    if "sky" in modes and not cfg.store.uri.startswith("s3://"):
+        raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "
+                        f"(s3://...), not a local folder")
+    if modes - {"inline"}:
+        from flows.launch import _recipe
+        from tasks.config import STAGES
+
+        for stage in STAGES:
+            if cfg.launcher.mode_of(stage) != "inline":
+                _recipe(cfg, stage)
 
 
 class Progress:
@@ -79,17 +139,88 @@ class Progress:
             self.bar.stop()
 
 
-@flow(name="rlflow-train", flow_run_name="{config.run.name}", log_prints=False)
-def train_flow(config: Config) -> dict:
-    """Run (or resume) `config.run.iterations` iterations of generate → reward → train → publish."""
-    cfg = config
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:60] or "run"
+
+
+def _dashboard(cfg, it: int, metrics: dict, samples: list[dict], policy_uri: str, mlflow_url: str) -> None:
+    """The iteration as the Prefect dashboard shows it: a report, a samples table, links."""
+    slug = _slug(cfg.run.name)
+    rows = [("reward (mean)", "reward/mean"), ("loss", "train/loss"), ("KL to reference", "train/kl_ref"),
+            ("mismatch KL", "train/mismatch_kl"), ("clip region", "train/clip_region"),
+            ("completion length", "generate/completion_length"), (cfg.eval.metric_key(), cfg.eval.metric_key())]
+    lines = [f"### {cfg.run.name} — iteration {it}/{cfg.run.iterations}", "", "| metric | value |", "|---|---:|"]
+    lines += [f"| {label} | {metrics[k]:.4g} |" for label, k in rows if k in metrics]
+    lines += ["", "| stage | seconds | cost (USD) |", "|---|---:|---:|"]
+    for stage in STAGE_FUNCTIONS:
+        if f"time/{stage}_seconds" in metrics:
+            lines.append(f"| {stage} | {metrics[f'time/{stage}_seconds']:.2f} | {metrics[f'cost/{stage}_usd']:.4f} |")
+    lines.append(f"| **iteration** | {metrics['iteration/seconds']:.2f} | {metrics['cost/iteration_usd']:.4f} |")
+    lines += ["", f"Run cost so far: **{metrics['cost_usd']:.4f} USD**. Policy: `{policy_uri}`"]
+    create_markdown_artifact(key=f"{slug}-report", markdown="\n".join(lines), description=f"iteration {it}")
+    table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()} for s in samples]
+    if table:
+        create_table_artifact(key=f"{slug}-samples", table=table, description=f"sample completions, iteration {it}")
+    create_link_artifact(key=f"{slug}-policy", link=policy_uri, link_text=f"policy v{it}",
+                         description=f"published policy, iteration {it}")
+    if it == 1 or not mlflow_url.startswith("http"):
+        create_link_artifact(key=f"{slug}-mlflow", link=mlflow_url.split(" ")[0], link_text="MLflow run",
+                             description="metrics, samples, model versions")
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    return f"{Path(params.get('config', 'run')).stem}" + (f" {' '.join(params['overrides'])}"
+                                                         if params.get("overrides") else "")
+
+
+@flow(name="rlflow-train", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
+def train_flow(config: str, overrides: list[str] | None = None,
+               start_from: Literal["config", "champion"] = "config",
+               run_name_suffix: Literal["none", "date"] = "none") -> dict:
+    """Run (or resume) a training run: `config` is a YAML path (relative to the working directory, the
+    repository root), `overrides` dotted `key=value` strings. `start_from: champion` starts from the policy
+    behind the registered model's `champion` alias (when there is one); `run_name_suffix: date` appends
+    today's UTC date to run.name, so a nightly schedule makes one run per night."""
     log = get_run_logger()
+    overrides = list(overrides or [])
+    cfg = load_config(config, overrides)
+    if run_name_suffix == "date":
+        base_name = cfg.run.name
+        overrides.append(f"run.name={base_name}-{datetime.now(timezone.utc):%Y%m%d}")
+        if cfg.publish.registered_model_name is None:    # all nights share one registered model (and champion)
+            overrides.append(f"publish.registered_model_name={base_name}")
+        cfg = load_config(config, overrides)
+    if start_from == "champion" and (uri := champion_policy_uri(cfg)):
+        log.info("starting from the champion policy %s", uri)
+        overrides.append(f"model.name_or_path={uri}")
+        cfg = load_config(config, overrides)
     preflight(cfg)
     store = open_store(cfg)
+    config_path = os.path.relpath(config) if not os.path.relpath(config).startswith("..") else str(config)
+    from prefect.runtime import flow_run
+
+    lease = Lease(store, cfg.run.name, cfg.run.lease_seconds, flow_run_id=flow_run.id).acquire()
+    ctx = Run(cfg, config_path, overrides, lease)
+    try:
+        return _iterations(ctx, log)
+    finally:
+        ctx.launchers.close(log.info)
+        lease.release()
+
+
+def _iterations(ctx: Run, log) -> dict:
+    cfg, store = ctx.cfg, ctx.store
     tracker = Tracker(cfg, store.root)
     run_id = tracker.start()
     already_logged = tracker.last_logged_iteration()
+    cost_so_far = tracker.last_value("cost_usd")
     log.info("run %s: store %s, MLflow run %s", cfg.run.name, store.uri(cfg.run.name), run_id)
+    stage = run_stage.with_options(retries=cfg.launcher.retries, retry_condition_fn=retryable,
+                                   retry_delay_seconds=exponential_backoff(cfg.launcher.retry_backoff_seconds)
+                                   if cfg.launcher.retry_backoff_seconds else 0)
 
     reward_means: list[float] = []
     published = None
@@ -98,22 +229,30 @@ def train_flow(config: Config) -> dict:
         for it in range(1, cfg.run.iterations + 1):
             t0 = time.perf_counter()
             policy = layout.BASE if it == 1 else layout.policy(cfg.run.name, it - 1)
-            g = generate_task(cfg, it, policy)
-            r = reward_task(cfg, it)
-            t = train_task(cfg, it)
-            p = publish_task(cfg, it)
+            g = stage("generate", it, ctx, policy)
+            r = stage("reward", it, ctx)
+            t = stage("train", it, ctx)
+            p = stage("publish", it, ctx)
             published = p
             e = {"metrics": {}}
             if cfg.eval.every and (it % cfg.eval.every == 0 or it == cfg.run.iterations):
-                e = evaluate_task(cfg, it)
+                e = stage("evaluate", it, ctx)
             reward_means.append(r["metrics"]["reward/mean"])
             if it > already_logged:
                 metrics = {**g["metrics"], **r["metrics"], **t["metrics"], **p["metrics"], **e["metrics"],
                            "iteration/seconds": time.perf_counter() - t0}
+                metrics["cost/iteration_usd"] = sum(v for k, v in metrics.items()
+                                                    if k.startswith("cost/") and k.endswith("_usd"))
+                cost_so_far += metrics["cost/iteration_usd"]
+                metrics["cost_usd"] = cost_so_far
                 tracker.log_iteration(it, metrics, r["samples"], policy_uri=p["uri"])
+                every = cfg.tracking.dashboard_every
+                if (every and it % every == 0) or it == cfg.run.iterations:
+                    _dashboard(cfg, it, metrics, r["samples"], p["uri"], tracker.run_url())
                 progress.line(f"iter {it:>4}/{cfg.run.iterations}  reward {r['metrics']['reward/mean']:.3f}  "
                               f"loss {t['metrics']['train/loss']:+.4f}  {time.perf_counter() - t0:5.2f}s")
-                log.info("iteration %d: reward %.3f loss %.4f", it, r["metrics"]["reward/mean"], t["metrics"]["train/loss"])
+                log.info("iteration %d: reward %.3f loss %.4f", it, r["metrics"]["reward/mean"],
+                         t["metrics"]["train/loss"])
     except BaseException:
         tracker.finish("FAILED")   # keeps what was logged; never masks the error that got us here
         raise
@@ -131,5 +270,7 @@ def train_flow(config: Config) -> dict:
         "mlflow": tracker.run_url(),
         "model_version": tracker.model_version(published["uri"]),
         "best_policy": store.get_pointer(layout.best(cfg.run.name)),
+        "champion": champion_policy_uri(cfg) if cfg.publish.register_model else None,
+        "cost_usd": cost_so_far,
         "reward_curve": str(curve.absolute()),
     }

@@ -32,6 +32,8 @@ class RunConfig(Section):
                       description="Run name: the store prefix and MLflow run name. Same name = resume.")
     iterations: int = Field(10, ge=1, le=1_000_000, description="Iterations of generate → reward → train → publish.")
     seed: int = Field(0, ge=0, description="Seeds prompt order, sampling and initialisation.")
+    lease_seconds: float = Field(120.0, ge=5, description="One writer per run name: a flow holds a lease in the "
+                                 "store, renewed every third of this; a crashed writer's lease expires after it.")
 
 
 class ModelConfig(Section):
@@ -137,7 +139,12 @@ class EvalConfig(Section):
     k: int = Field(1, ge=1, description="k of pass@k (unbiased estimator over num_generations samples).")
     pass_threshold: float = Field(1.0, description="A completion passes when its combined reward is at least this.")
     temperature: float | None = Field(None, gt=0, description="Sampling temperature; None = generate.temperature.")
-    metric: Literal["reward_mean", "pass_at_k"] = Field("reward_mean", description="What BEST maximises.")
+    metric: Literal["reward_mean", "pass_at_k"] = Field("reward_mean", description="What BEST and the MLflow "
+                                                        "`champion` alias maximise.")
+
+    def metric_key(self) -> str:
+        """The logged metric BEST and champion compare ('@' is not allowed in MLflow metric names)."""
+        return "eval/reward_mean" if self.metric == "reward_mean" else f"eval/pass_at_{self.k}"
 
     @model_validator(mode="after")
     def _k_le_n(self):
@@ -174,6 +181,47 @@ class TrackingConfig(Section):
     sample_completions: int = Field(8, ge=0, description="Completions per iteration logged to the samples table.")
     flush_seconds: float = Field(5.0, ge=0, description="Send metrics/samples/model versions at most this often "
                                  "(s); 0 = every iteration. Batching keeps a remote server off the training path.")
+    dashboard_every: int = Field(1, ge=0, description="Prefect artifacts (report, samples table, links) every N "
+                                 "iterations and after the last; 0 = only after the last.")
+
+
+STAGES = ("generate", "reward", "train", "publish", "evaluate")
+LauncherMode = Literal["inline", "local", "sky"]
+
+
+class LauncherConfig(Section):
+    """Where each stage runs. The same config runs with any launcher; only this section changes."""
+
+    mode: LauncherMode = Field("inline", description="inline: in the flow's process; local: a subprocess "
+                               "running the stage recipe's `run` (sky/<stage>.yaml) exactly as SkyPilot would; "
+                               "sky: on SkyPilot clusters (launched once per flow run, reused by exec).")
+    stages: dict[Literal["generate", "reward", "train", "publish", "evaluate"], LauncherMode] = Field(
+        {}, description="Per-stage mode overriding `mode`, e.g. {train: sky}.")
+    recipes: str = Field("sky", description="Folder of the stage recipes (<stage>.yaml), relative to the "
+                         "working directory (the repository root).")
+    retries: int = Field(3, ge=0, le=20, description="Retries of a stage after an infrastructure failure "
+                         "(killed process, preempted or vanished cluster, store error); user errors are "
+                         "never retried.")
+    retry_backoff_seconds: float = Field(10.0, ge=0, description="First retry delay; doubles at each retry.")
+    sky_python: str | None = Field(None, description="Python of the SkyPilot environment (the `sky` launcher "
+                                   "calls the SDK there); None = .venv-sky/bin/python, else `python3`.")
+    cluster_prefix: str = Field("rlflow", pattern=r"^[a-z][a-z0-9-]{0,30}$",
+                                description="SkyPilot cluster names: <prefix>-<run>-<recipe>.")
+    idle_minutes_to_autostop: int = Field(10, ge=1, description="SkyPilot autostop of idle clusters.")
+    down: bool = Field(True, description="Tear the clusters down when the flow ends (else autostop only).")
+    managed_jobs: bool = Field(False, description="Run sky stages as SkyPilot managed jobs (sky.jobs.launch): "
+                               "SkyPilot itself recovers a preempted spot job.")
+
+    def mode_of(self, stage: str) -> str:
+        return self.stages.get(stage, self.mode)
+
+
+class CostConfig(Section):
+    """Prices for the cost metric (cost_usd = stage seconds x hourly price)."""
+
+    hourly_usd: dict[Literal["generate", "reward", "train", "publish", "evaluate"], float] = Field(
+        {}, description="Hourly price per stage when SkyPilot's catalog cannot tell (inline/local: the price "
+                        "of this machine); missing stages cost 0.")
 
 
 class Config(Section):
@@ -189,6 +237,8 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     store: StoreConfig = StoreConfig()
     tracking: TrackingConfig = TrackingConfig()
+    launcher: LauncherConfig = LauncherConfig()
+    cost: CostConfig = CostConfig()
 
     def section_hash(self, *sections: str) -> str:
         """Fingerprint of some sections: a stage's outputs are reused only if its inputs hash the same."""

@@ -13,3 +13,14 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(message.strip().splitlines()[0] if message.strip() else "invalid input")
+
+
+def cause_of(exc: BaseException | None, kinds) -> BaseException | None:
+    """The exception of type `kinds` behind `exc`, also when Prefect or a chain of exceptions wraps it."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kinds):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None

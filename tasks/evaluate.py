@@ -32,12 +32,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
-def _metric_name(cfg) -> str:
-    return "eval/reward_mean" if cfg.eval.metric == "reward_mean" else f"eval/pass_at_{cfg.eval.k}"
-
-
 def _update_best(store, cfg, iteration: int, metrics: dict) -> None:
-    run, name = cfg.run.name, _metric_name(cfg)
+    run, name = cfg.run.name, cfg.eval.metric_key()
     current = store.get_pointer(layout.best(run))
     if current is not None:
         best_iter = int(current.rsplit("/v", 1)[1])

@@ -54,6 +54,17 @@ def policy_path(cfg, policy: str) -> str:
 
 
 def base_path(cfg) -> str:
+    """The starting model as a local folder or hub id. A URI inside the store (a published policy, e.g.
+    the champion of an earlier run) is fetched, verified, into the local cache."""
+    store = open_store(cfg)
+    if cfg.model.name_or_path.startswith(store.root.rstrip("/") + "/"):
+        key = cfg.model.name_or_path[len(store.root.rstrip("/")) + 1:]
+        if store.manifest(key) is None:
+            raise UserError(f"model.name_or_path: {cfg.model.name_or_path}: no complete folder there")
+        return str(local_folder(store, key))
+    if cfg.model.name_or_path.startswith("s3://"):
+        raise UserError(f"model.name_or_path: {cfg.model.name_or_path}: an s3:// model must lie under store.uri "
+                        f"({store.root})")
     path = tiny_model.resolve(cfg.model.name_or_path)
     looks_local = path.startswith(("/", "./", "../", "~")) or Path(path).exists()
     if looks_local and not (Path(path).expanduser() / "config.json").exists():

@@ -14,8 +14,9 @@ from tasks.advantage import combine
 from tasks.errors import UserError
 
 
-class RewardFunctionError(RuntimeError):
-    """A reward function raised or returned something unusable; the message names the function."""
+class RewardFunctionError(UserError):
+    """A reward function raised or returned something unusable; the message names the function. It is the
+    user's code, so a retry would not help: a user error (exit 2, never retried)."""
 
 
 def load_functions(cfg) -> list[tuple[str, Callable, float]]:

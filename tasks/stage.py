@@ -35,6 +35,19 @@ def result(store, key: str, manifest: dict) -> dict:
     return {"key": key, "uri": store.uri(key), "metrics": manifest.get("meta", {}).get("metrics", {})}
 
 
+USER_ERROR = "RLFLOW_USER_ERROR: "
+
+
+def parse_overrides_json(text: str) -> list[str]:
+    try:
+        items = json.loads(text or "[]")
+    except ValueError:
+        raise UserError(f"--overrides-json: expected a JSON list of 'key=value' strings, got {text!r}") from None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise UserError(f"--overrides-json: expected a JSON list of 'key=value' strings, got {text!r}")
+    return items
+
+
 def stage_cli(fn, name: str, takes_policy: bool = False, takes_tracking: bool = False) -> None:
     """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY]`; prints the result JSON."""
     from tasks.config import load_config
@@ -42,6 +55,8 @@ def stage_cli(fn, name: str, takes_policy: bool = False, takes_tracking: bool = 
     ap = argparse.ArgumentParser(prog=f"python -m tasks.{name}", description=fn.__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--overrides-json", default="[]", metavar="JSON",
+                    help='overrides as a JSON list (what recipes pass), e.g. \'["train.lr=1e-6"]\'')
     ap.add_argument("--iteration", type=int, required=True)
     if takes_policy:
         ap.add_argument("--policy", default="base", help="'base' or the store key of a published policy")
@@ -49,7 +64,7 @@ def stage_cli(fn, name: str, takes_policy: bool = False, takes_tracking: bool = 
         ap.add_argument("--mlflow-run-id", default=None)
     args = ap.parse_args()
     try:
-        cfg = load_config(args.config, args.override)
+        cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
         kwargs = {}
         if takes_policy:
             kwargs["policy"] = args.policy
@@ -57,6 +72,7 @@ def stage_cli(fn, name: str, takes_policy: bool = False, takes_tracking: bool = 
             kwargs["mlflow_run_id"] = args.mlflow_run_id
         out = fn(cfg, args.iteration, **kwargs)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # The second line lets a launcher tell a user error from a crash when only the log comes back.
+        print(f"error: {e}\n{USER_ERROR}{e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(out))

@@ -57,6 +57,14 @@ class Store:
     def _put_bytes(self, key: str, data: bytes) -> None: raise NotImplementedError
     def _get_bytes(self, key: str) -> bytes | None: raise NotImplementedError
     def _list(self, prefix: str) -> list[str]: raise NotImplementedError
+
+    # Compare-and-swap on one small object (the run lease): `tag` identifies the version read.
+    def read_tagged(self, key: str) -> tuple[bytes | None, str | None]: raise NotImplementedError
+    def write_if(self, key: str, data: bytes, tag: str | None) -> str | None:
+        """Write only if the object is still at version `tag` (None: only if it does not exist).
+        Returns the new version's tag, or None if the condition failed."""
+        raise NotImplementedError
+    def delete_if(self, key: str, tag: str) -> bool: raise NotImplementedError
     def check(self) -> None: """Raise UserError if the store cannot be reached."""
 
     @staticmethod
@@ -225,6 +233,40 @@ class FileStore(Store):
         return [f"{prefix}{p.relative_to(base).as_posix()}" for p in base.rglob("*") if p.is_file()
                 and not any(part.startswith(".") and ".partial-" in part for part in p.relative_to(base).parts)]
 
+    def _locked(self, key):
+        import contextlib
+        import fcntl
+
+        @contextlib.contextmanager
+        def cm():
+            lock = self._p(key).with_name(f".{self._p(key).name}.lock")
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            with open(lock, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+        return cm()
+
+    def read_tagged(self, key):
+        data = self._get_bytes(key)
+        return data, (hashlib.sha256(data).hexdigest() if data is not None else None)
+
+    def write_if(self, key, data, tag):
+        with self._locked(key):
+            if self.read_tagged(key)[1] != tag:
+                return None
+            self._put_bytes(key, data)
+            return hashlib.sha256(data).hexdigest()
+
+    def delete_if(self, key, tag):
+        with self._locked(key):
+            if self.read_tagged(key)[1] != tag:
+                return False
+            self._p(key).unlink(missing_ok=True)
+            return True
+
 
 class S3Store(Store):
     """S3 or any S3-compatible server. Large files go through boto3's transfer manager (multipart, parallel).
@@ -294,6 +336,31 @@ class S3Store(Store):
             return self.client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"].read()
         except self.client.exceptions.NoSuchKey:
             return None
+
+    def read_tagged(self, key):
+        try:
+            obj = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
+        except self.client.exceptions.NoSuchKey:
+            return None, None
+        return obj["Body"].read(), obj["ETag"]
+
+    def write_if(self, key, data, tag):
+        from botocore.exceptions import ClientError
+
+        cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        try:      # S3 conditional writes: exactly one of two racing writers succeeds
+            return self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data, **cond)["ETag"]
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict",
+                                                             "412", "409"):
+                return None
+            raise
+
+    def delete_if(self, key, tag):
+        if self.read_tagged(key)[1] != tag:
+            return False
+        self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
+        return True
 
     def _list(self, prefix):
         out = []

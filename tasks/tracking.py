@@ -93,10 +93,13 @@ class Tracker:
             pending, self._pending = self._pending, []
         if not pending:
             return
-        for iteration, _, _, policy_uri in pending:
+        key = self.cfg.eval.metric_key()
+        for iteration, metrics, _, policy_uri in pending:
             if policy_uri and self.cfg.publish.register_model and policy_uri not in self._registered:
                 self._registered[policy_uri] = register_policy(self.cfg, self.run_id, policy_uri, iteration,
                                                                self.client, checked=True)
+            if policy_uri in self._registered and key in metrics:
+                promote_if_better(self.client, self.model_name, self._registered[policy_uri], key, metrics[key])
         with tempfile.TemporaryDirectory() as tmp:
             for iteration, _, samples, _ in pending:
                 if samples:  # mlflow.log_table's format, written directly (log_table re-lists artifacts per call)
@@ -156,6 +159,11 @@ class Tracker:
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100])
         return self.run_id
+
+    def last_value(self, metric: str) -> float:
+        """The metric's value at the highest step logged so far (0.0 if never): running totals resume."""
+        history = self.client.get_metric_history(self.run_id, metric)
+        return max(history, key=lambda m: (m.step, m.timestamp)).value if history else 0.0
 
     def last_logged_iteration(self) -> int:
         history = self.client.get_metric_history(self.run_id, CURVE_METRIC)
@@ -227,8 +235,44 @@ def register_policy(cfg, run_id: str, policy_uri: str, iteration: int, client=No
         version = client.create_model_version(
             name, source=policy_uri, run_id=run_id,
             tags={"rlflow.policy_uri": policy_uri, "rlflow.iteration": str(iteration)}).version
-    # No alias to set: MLflow reserves `latest`, and `models:/<name>/latest` always names the newest version.
+    # No `latest` alias: MLflow reserves that name, and `models:/<name>/latest` already names the newest
+    # version. The evaluation gate moves `champion` (promote_if_better).
     return str(version)
+
+
+CHAMPION = "champion"
+
+
+def promote_if_better(client, name: str, version: str, metric: str, value: float) -> bool:
+    """Tag the version with its evaluation; move alias `champion` to it if it beats the current champion on
+    the same metric (or there is none). Ties keep the champion. Returns whether it moved."""
+    from mlflow.exceptions import MlflowException
+
+    client.set_model_version_tag(name, version, f"rlflow.{metric}", repr(float(value)))
+    try:
+        champ = client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        champ = None
+    if champ is not None:
+        if str(champ.version) == str(version):
+            return False
+        theirs = champ.tags.get(f"rlflow.{metric}")
+        if theirs is not None and float(theirs) >= float(value):
+            return False
+    client.set_registered_model_alias(name, CHAMPION, version)
+    return True
+
+
+def champion_policy_uri(cfg) -> str | None:
+    """Store URI of the policy behind `models:/<name>@champion`, or None when there is no champion."""
+    from mlflow.exceptions import MlflowException
+
+    name = cfg.publish.registered_model_name or cfg.run.name
+    try:
+        mv = _client(cfg.tracking.uri).get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None
+    return mv.tags.get("rlflow.policy_uri") or mv.source
 
 
 def _find_version(client, name: str, policy_uri: str) -> str | None:

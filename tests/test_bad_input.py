@@ -75,8 +75,8 @@ def test_a_reward_function_that_raises_is_named(prefect_api, tmp_path):
     (tmp_path / "broken.py").write_text("def boom(completions, **kw):\n    raise ValueError('bad answer format')\n")
     out = run_cli(["run", str(TINY), "-o", "run.iterations=1", "-o", 'reward.functions=[{"fn": "broken:boom"}]'],
                   tmp_path, prefect_api)
-    assert out.returncode == 1
-    assert "reward function 'boom' raised ValueError: bad answer format" in out.stderr
+    assert out.returncode == 2                  # the user's code: one line, never retried
+    assert out.stderr.strip().splitlines()[-1] == "error: reward function 'boom' raised ValueError: bad answer format"
 
 
 def test_overrides_parse_as_yaml_values():

@@ -32,12 +32,13 @@ def test_k_above_n_is_a_user_error():
 @pytest.mark.slow
 def test_flow_evaluates_and_keeps_the_best(prefect_api, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(TINY, ["run.name=ev", "run.iterations=5", "generate.prompts_per_iteration=8", "train.lr=1e-2",
-                             "eval.every=2", "eval.num_generations=4", "eval.k=2", "eval.split=test",
-                             f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.sample_completions=0"])
+    overrides = ["run.name=ev", "run.iterations=5", "generate.prompts_per_iteration=8", "train.lr=1e-2",
+                 "eval.every=2", "eval.num_generations=4", "eval.k=2", "eval.split=test",
+                 f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.sample_completions=0"]
+    cfg = load_config(TINY, overrides)
     from flows.training import train_flow
 
-    summary = train_flow(cfg)
+    summary = train_flow(str(TINY), overrides)
     store = Store.open(cfg.store)
     evaluated = store.list_folders("ev/eval")
     assert evaluated == ["v000002", "v000004", "v000005"]              # every 2, and after the last

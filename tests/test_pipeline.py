@@ -25,16 +25,17 @@ def two_iterations(prefect_api, s3_endpoint, tmp_path_factory):
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=bucket)
     mp = pytest.MonkeyPatch()
     mp.chdir(tmp_path)
-    cfg = load_config(TINY, [
+    overrides = [
         "run.name=e2e", "run.iterations=2", f"store.uri=s3://{bucket}/runs", f"store.endpoint_url={s3_endpoint}",
         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "generate.prompts_per_iteration=4",
         "generate.num_generations=4",
         'reward.functions=[{"fn": "tasks.rewards.demo:successor_reward", "weight": 1.0},'
-        ' {"fn": "tasks.rewards.demo:stops_reward", "weight": 0.5}]'])
+        ' {"fn": "tasks.rewards.demo:stops_reward", "weight": 0.5}]']
+    cfg = load_config(TINY, overrides)
     from flows.training import train_flow
 
     try:
-        yield cfg, train_flow(cfg)
+        yield cfg, train_flow(str(TINY), overrides)
     finally:
         mp.undo()
 

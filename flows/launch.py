@@ -1,0 +1,211 @@
+"""Where a stage runs: `inline` (this process), `local` (a subprocess running the stage recipe's `run`, as
+SkyPilot would run it), `sky` (a SkyPilot cluster or managed job). Same contract for all three:
+
+    launcher.run(stage, iteration, env) -> Ran(seconds, hourly_usd)
+
+raises `UserError` when the stage rejected its input (exit code 2: never retried) and `InfraError` for
+anything the infrastructure did (killed process, preempted or vanished cluster, non-zero exit): the flow
+retries those with back-off. A remote stage's result is read back from the store by the flow (the stage
+function finds its own output's manifest and returns it without recomputing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tasks.errors import UserError
+
+from tasks.stage import USER_ERROR  # noqa: E402  the line a stage CLI prints before exit 2
+ROOT = Path(__file__).resolve().parents[1]
+BRIDGE = Path(__file__).with_name("sky_bridge.py")
+# Stages that share a machine kind share a cluster: evaluate generates; publish follows train.
+CLUSTER_OF = {"generate": "gen", "evaluate": "gen", "reward": "reward", "train": "train", "publish": "train"}
+
+
+class InfraError(RuntimeError):
+    """A failure of the machinery, not of the user's input: worth retrying."""
+
+
+@dataclass
+class Ran:
+    seconds: float
+    hourly_usd: float | None = None     # price of the machine it ran on, when known
+
+
+def _recipe(cfg, stage: str) -> Path:
+    path = Path(cfg.launcher.recipes) / f"{stage}.yaml"
+    if not path.is_file():
+        raise UserError(f"launcher.recipes: no recipe {path} for stage {stage!r} (run from the repository root)")
+    return path
+
+
+def stage_env(cfg_path: str, overrides: list[str], iteration: int, policy: str | None = None) -> dict[str, str]:
+    env = {"CONFIG": str(cfg_path), "OVERRIDES": json.dumps(list(overrides)), "ITERATION": str(iteration)}
+    if policy is not None:
+        env["POLICY"] = policy
+    return env
+
+
+def _pump(stream, sink, last: list[str]) -> None:
+    for line in iter(stream.readline, ""):
+        sink(line.rstrip("\n"))
+        last.append(line)
+        del last[:-50]
+
+
+def run_logged(argv: list[str], env: dict, cwd: Path, log) -> tuple[int, list[str]]:
+    """Run, streaming merged stdout/stderr lines to `log`; returns (exit code, last lines)."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1)
+    last: list[str] = []
+    pump = threading.Thread(target=_pump, args=(proc.stdout, log, last), daemon=True)
+    pump.start()
+    code = proc.wait()
+    pump.join(timeout=10)
+    return code, last
+
+
+def _user_error_in(lines: list[str]) -> str | None:
+    for line in reversed(lines):
+        if USER_ERROR in line:
+            return line.split(USER_ERROR, 1)[1].strip()
+    return None
+
+
+class Inline:
+    mode = "inline"
+
+    def run(self, stage, iteration, env, log) -> Ran:   # the flow calls the stage function itself
+        return Ran(0.0)
+
+    def close(self, log) -> None:
+        pass
+
+
+class Local:
+    """Run the recipe's `run` in a subprocess with the recipe's envs, the flow's values for them, and the
+    recipe's secrets from this environment: what a SkyPilot node would execute, on this machine. `setup`
+    is not run (this machine is already set up)."""
+
+    mode = "local"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def run(self, stage, iteration, env, log) -> Ran:
+        recipe = yaml.safe_load(_recipe(self.cfg, stage).read_text())
+        envs = {k: str(v) for k, v in (recipe.get("envs") or {}).items() if v is not None}
+        envs.update(env)
+        secrets = {k: os.environ[k] for k in (recipe.get("secrets") or {}) if k in os.environ}
+        full = {**os.environ, **envs, **secrets, "SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "127.0.0.1",
+                "SKYPILOT_NUM_NODES": "1", "PYTHONUNBUFFERED": "1",
+                # the recipe says `python`: make it this environment's Python
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        t0 = time.perf_counter()
+        code, last = run_logged(["bash", "-c", recipe["run"]], full, Path.cwd(), log)
+        seconds = time.perf_counter() - t0
+        if code == 0:
+            return Ran(seconds)
+        if code == 2 and (msg := _user_error_in(last)):
+            raise UserError(msg)
+        raise InfraError(f"{stage}[iter {iteration}]: local stage process exited with {code}"
+                         + (" (killed)" if code < 0 or code in (137, 143) else "") + f": {''.join(last[-3:]).strip()}")
+
+    def close(self, log) -> None:
+        pass
+
+
+class Sky:
+    """Clusters launched once per flow run (idle autostop), each stage sent with `sky exec`; a vanished or
+    preempted cluster is launched again on the retry; managed-job mode hands recovery to SkyPilot. The SDK
+    runs in SkyPilot's own environment through flows/sky_bridge.py."""
+
+    mode = "sky"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.launched: set[str] = set()
+        lc = cfg.launcher
+        self.python = lc.sky_python or (str(ROOT / ".venv-sky" / "bin" / "python")
+                                        if (ROOT / ".venv-sky" / "bin" / "python").exists() else "python3")
+
+    def cluster(self, stage: str) -> str:
+        name = f"{self.cfg.launcher.cluster_prefix}-{self.cfg.run.name}-{CLUSTER_OF[stage]}".lower()
+        return "".join(c if c.isalnum() or c == "-" else "-" for c in name)[:60]
+
+    def _bridge(self, args: list[str], log) -> dict:
+        code, last = run_logged([self.python, str(BRIDGE), *args], dict(os.environ), Path.cwd(), log)
+        for line in reversed(last):
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    break
+        raise InfraError(f"SkyPilot bridge ({shlex.join(args[:3])}) failed with exit code {code}: "
+                         f"{''.join(last[-3:]).strip()}")
+
+    def run(self, stage, iteration, env, log) -> Ran:
+        lc = self.cfg.launcher
+        recipe = str(_recipe(self.cfg, stage))
+        envs = [f"--env={k}={v}" for k, v in env.items()]
+        t0 = time.perf_counter()
+        if lc.managed_jobs:
+            out = self._bridge(["job", "--name", f"{self.cluster(stage)}-{stage}-{iteration}", "--recipe", recipe,
+                                *envs], log)
+        else:
+            cluster = self.cluster(stage)
+            launch = cluster not in self.launched
+            out = self._bridge(["run", "--cluster", cluster, "--recipe", recipe, "--idle-minutes",
+                                str(lc.idle_minutes_to_autostop), *(["--launch"] if launch else []), *envs], log)
+            self.launched.add(cluster)
+            if out.get("cluster_missing"):
+                self.launched.discard(cluster)        # the retry launches it again
+                raise InfraError(f"{stage}[iter {iteration}]: cluster {cluster} is gone (preempted or torn "
+                                 f"down): {out.get('error') or 'job did not finish'}")
+        seconds = time.perf_counter() - t0
+        if out.get("user_error"):
+            raise UserError(out["user_error"])
+        if out.get("exit_code") != 0:
+            raise InfraError(f"{stage}[iter {iteration}]: SkyPilot job failed (exit code {out.get('exit_code')})")
+        return Ran(seconds, out.get("hourly_usd"))
+
+    def close(self, log) -> None:
+        if not self.cfg.launcher.down:
+            return
+        for cluster in sorted(self.launched):
+            try:
+                self._bridge(["down", "--cluster", cluster], log)
+            except InfraError as e:
+                log(f"teardown of {cluster} failed: {e}")
+        self.launched.clear()
+
+
+class Launchers:
+    """One launcher per mode in use, picked per stage by `launcher.mode` / `launcher.stages`."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self._by_mode = {"inline": Inline(), "local": Local(cfg), "sky": Sky(cfg)}
+
+    def for_stage(self, stage: str):
+        return self._by_mode[self.cfg.launcher.mode_of(stage)]
+
+    def modes(self) -> set[str]:
+        from tasks.config import STAGES
+
+        return {self.cfg.launcher.mode_of(s) for s in STAGES}
+
+    def close(self, log) -> None:
+        for launcher in self._by_mode.values():
+            launcher.close(log)

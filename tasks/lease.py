@@ -1,0 +1,123 @@
+"""One writer per run name: a lease object `<run>/LEASE.json` in the store.
+
+A flow run takes the lease before writing anything and renews it from a background thread every third of
+`run.lease_seconds`; it gives it back at the end. A second flow run for the same run name finds a live lease
+and stops with one line saying who holds it. A writer that crashed (SIGKILL, lost machine) cannot give the
+lease back: it expires after `run.lease_seconds`, and the next run takes it over — at once when the holder
+was a process on this same machine that no longer exists, or the same Prefect flow run (a flow retry).
+
+Taking and renewing are compare-and-swap writes (S3 conditional PUT: If-None-Match / If-Match; a file lock
+for the local store), so of two flows racing for a free lease exactly one wins. Different run names have
+different prefixes and different leases: they never touch each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+
+from tasks.errors import UserError
+
+LEASE = "LEASE.json"
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+class LeaseLost(RuntimeError):
+    """Our lease expired and another writer took it: stop writing."""
+
+
+class Lease:
+    def __init__(self, store, run: str, seconds: float, flow_run_id: str | None = None):
+        self.store, self.run, self.seconds = store, run, seconds
+        self.key = f"{run}/{LEASE}"
+        self.owner = uuid.uuid4().hex
+        self.host, self.pid, self.flow_run_id = socket.gethostname(), os.getpid(), flow_run_id
+        self.holder = f"{self.host} pid {self.pid}" + (f", flow run {flow_run_id}" if flow_run_id else "")
+        self._tag: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost: str | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps({"owner": self.owner, "holder": self.holder, "host": self.host, "pid": self.pid,
+                           "flow_run_id": self.flow_run_id, "expires_at": time.time() + self.seconds}).encode()
+
+    def _stale(self, cur: dict) -> bool:
+        if cur.get("owner") == self.owner or cur.get("expires_at", 0) <= time.time():
+            return True
+        if self.flow_run_id and cur.get("flow_run_id") == self.flow_run_id:
+            return True                                    # our own flow run, retried
+        if cur.get("host") == self.host and isinstance(cur.get("pid"), int) and cur["pid"] != self.pid:
+            try:
+                os.kill(cur["pid"], 0)
+            except ProcessLookupError:
+                return True                                # its process on this machine is gone
+            except PermissionError:
+                return False
+        return False
+
+    def acquire(self) -> "Lease":
+        for _ in range(5):           # a lost race re-reads and decides again
+            data, tag = self.store.read_tagged(self.key)
+            if data is not None:
+                try:
+                    cur = json.loads(data)
+                except ValueError:
+                    cur = {"owner": "?", "holder": "?", "expires_at": 0}
+                if not self._stale(cur):
+                    raise UserError(
+                        f"run.name {self.run!r}: another flow run is writing this run ({cur.get('holder')}, lease "
+                        f"valid until {_when(cur['expires_at'])}); wait for it to end or use another run.name")
+            body = self._record()
+            if (new := self.store.write_if(self.key, body, tag)) is not None:
+                self._tag = new
+                self._thread = threading.Thread(target=self._renew_loop, daemon=True, name="rlflow-lease")
+                self._thread.start()
+                return self
+        raise UserError(f"run.name {self.run!r}: could not take the run's lease (contended); try again")
+
+    def renew(self) -> None:
+        body = self._record()
+        new = self.store.write_if(self.key, body, self._tag)
+        if new is None:
+            self.lost = f"run {self.run!r}: the lease was taken over by another flow run"
+            raise LeaseLost(self.lost)
+        self._tag = new
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.seconds / 3):
+            try:
+                self.renew()
+            except LeaseLost:
+                return
+            except Exception:   # a transient store error: the next tick tries again before expiry
+                continue
+
+    def check(self) -> None:
+        """Raise if the lease was lost; the flow calls this before each stage."""
+        if self.lost:
+            raise LeaseLost(self.lost)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+        if self._tag and not self.lost:
+            try:
+                self.store.delete_if(self.key, self._tag)
+            except Exception:
+                pass            # it expires on its own
+
+    def __enter__(self) -> "Lease":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

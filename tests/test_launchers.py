@@ -1,0 +1,232 @@
+"""Where stages run: the recipes in sky/ (validated by SkyPilot itself), the `local` launcher (each stage is
+the recipe's own `run` in a subprocess), and the `sky` launcher at its boundary to the SkyPilot SDK (a fake
+cloud that runs jobs on this machine: tests/fake_sky). Retries: infrastructure failures are retried and the
+run still ends with exactly N iterations; user errors are not retried."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.config import load_config
+from tests.conftest import ROOT, TINY
+
+RECIPES = sorted((ROOT / "sky").glob("*.yaml"))
+SKY_PYTHON = ROOT / ".venv-sky" / "bin" / "python"
+
+
+def test_every_recipe_validates_with_skypilot():
+    """SkyPilot's own parser (offline): resources, envs, secrets, num_nodes — what `sky launch` would read."""
+    assert {p.stem for p in RECIPES} >= {"generate", "reward", "train", "publish", "evaluate", "pipeline"}
+    if not SKY_PYTHON.exists():
+        pytest.fail(f"{SKY_PYTHON} missing: `make setup` creates SkyPilot's environment")
+    code = ("import sys, json, sky\n"
+            "out = {}\n"
+            "for p in sys.argv[1:]:\n"
+            "    t = sky.Task.from_yaml(p)\n"
+            "    out[p] = dict(name=t.name, nodes=t.num_nodes, run=t.run, envs=sorted(t.envs),\n"
+            "                  spot=sorted({bool(r.use_spot) for r in t.resources}))\n"
+            "print(json.dumps(out))\n")
+    proc = subprocess.run([str(SKY_PYTHON), "-c", code, *map(str, RECIPES)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tasks = {Path(k).stem: v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    for stage in ("generate", "reward", "train", "publish", "evaluate"):
+        assert f"python -m tasks.{stage} " in tasks[stage]["run"]          # the recipe runs the stage's own CLI
+        assert {"CONFIG", "OVERRIDES", "ITERATION"} <= set(tasks[stage]["envs"])
+        assert tasks[stage]["spot"] == [True]
+    assert tasks["pipeline"]["spot"] == [False]                              # the orchestrator must outlive preemptions
+    for path in RECIPES:                                                     # credentials are never in a file
+        assert "AWS_SECRET_ACCESS_KEY: null" in path.read_text() or "AWS_SECRET_ACCESS_KEY" not in path.read_text()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_validates(path):
+    cfg = load_config(path, [])
+    assert cfg.run.iterations >= 1
+
+
+# ---------------------------------------------------------------------------------------------- local launcher
+
+KILLER = '''
+import os, signal
+from pathlib import Path
+
+def reward(completions, **kw):
+    """Kills its own stage process the first {n} times it runs (a lost machine), then scores 0.5."""
+    marker = Path(os.environ["KILL_DIR"]) / "kills"
+    done = int(marker.read_text()) if marker.exists() else 0
+    if done < {n}:
+        marker.write_text(str(done + 1))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [0.5] * len(completions)
+
+def wrong_length(completions, **kw):
+    calls = Path(os.environ["KILL_DIR"]) / "calls"
+    calls.write_text(str(int(calls.read_text()) + 1 if calls.exists() else 1))
+    return [1.0]
+'''
+
+
+def _small(tmp_path, name: str, extra: list[str] = ()) -> list[str]:
+    return [f"run.name={name}", "run.iterations=2", "generate.prompts_per_iteration=2", "generate.num_generations=2",
+            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.sample_completions=2",
+            f"launcher.recipes={ROOT / 'sky'}", "launcher.retry_backoff_seconds=0", *extra]
+
+
+@pytest.fixture
+def killer_module(tmp_path, monkeypatch):
+    mod = tmp_path / "mods"
+    mod.mkdir()
+    (mod / "flaky_reward.py").write_text(KILLER.replace("{n}", "2"))
+    monkeypatch.setenv("PYTHONPATH", f"{mod}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("KILL_DIR", str(tmp_path))
+    monkeypatch.syspath_prepend(str(mod))
+    return mod
+
+
+@pytest.mark.slow
+def test_local_launcher_runs_the_recipes_and_survives_two_kills(prefect_api, tmp_path, monkeypatch, killer_module):
+    """Every stage is its recipe's `run` in a subprocess; the reward process is SIGKILLed twice in this flow
+    run; the retries (with the store's reuse) still end with exactly 2 iterations."""
+    from flows.training import train_flow
+    from tasks.store import Store
+
+    monkeypatch.chdir(tmp_path)
+    overrides = _small(tmp_path, "local", ["launcher.mode=local", f"store.uri={tmp_path}/store",
+                                           'reward.functions=[{"fn": "flaky_reward:reward"}]'])
+    summary = train_flow(str(TINY), overrides)
+    assert (tmp_path / "kills").read_text() == "2"
+    assert summary["iterations_completed"] == 2 and summary["reward_mean"] == [0.5, 0.5]
+    store = Store.open(load_config(TINY, overrides).store)
+    assert store.list_folders("local/policy") == ["v000001", "v000002"]
+    assert store.get_pointer("local/policy/LATEST") == "local/policy/v000002"
+
+
+@pytest.mark.slow
+def test_local_launcher_does_not_retry_a_user_error(prefect_api, tmp_path, monkeypatch, killer_module):
+    from flows.training import train_flow
+    from tasks.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    overrides = _small(tmp_path, "usererr", ["launcher.mode=local", "launcher.retries=3",
+                                             f"store.uri={tmp_path}/store",
+                                             'reward.functions=[{"fn": "flaky_reward:wrong_length"}]'])
+    with pytest.raises(UserError, match="wrong_length"):
+        train_flow(str(TINY), overrides)
+    assert (tmp_path / "calls").read_text() == "1"                 # one attempt: no retry
+    assert not (tmp_path / "store" / "usererr" / "iter-000001" / "rewards").exists()
+
+
+# ---------------------------------------------------------------------------------------------- sky launcher
+
+@pytest.fixture
+def fake_cloud(tmp_path, monkeypatch):
+    """The SkyPilot SDK replaced by tests/fake_sky, for the bridge process only."""
+    state = tmp_path / "cloud"
+    state.mkdir()
+    wrapper = tmp_path / "sky-python"
+    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT / 'tests' / 'fake_sky'}{os.pathsep}$PYTHONPATH "
+                       f"PATH={Path(sys.executable).parent}{os.pathsep}$PATH exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("FAKE_SKY_DIR", str(state))
+
+    class Cloud:
+        python = str(wrapper)
+
+        def scenario(self, **kw):
+            (state / "scenario.json").write_text(json.dumps(kw))
+
+        def calls(self):
+            path = state / "calls.jsonl"
+            return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    return Cloud()
+
+
+def _sky(tmp_path, s3_endpoint, bucket, cloud, name, extra=()):
+    return _small(tmp_path, name, ["launcher.mode=sky", f"launcher.sky_python={cloud.python}",
+                                   f"store.uri=s3://{bucket}/runs", f"store.endpoint_url={s3_endpoint}",
+                                   "run.iterations=1", *extra])
+
+
+@pytest.mark.slow
+def test_sky_launcher_launches_once_execs_after_and_tears_down(prefect_api, tmp_path, monkeypatch, s3_endpoint,
+                                                                 bucket, fake_cloud):
+    from flows.training import train_flow
+
+    monkeypatch.chdir(tmp_path)
+    summary = train_flow(str(TINY), _sky(tmp_path, s3_endpoint, bucket, fake_cloud, "sky1",
+                                         ["run.iterations=2", "eval.every=2", "eval.max_prompts=2"]))
+    assert summary["iterations_completed"] == 2
+    calls = fake_cloud.calls()
+    launches = [c for c in calls if c["call"] == "launch"]
+    assert sorted(c["cluster"] for c in launches) == ["rlflow-sky1-gen", "rlflow-sky1-reward", "rlflow-sky1-train"]
+    execs = [(c["task"], c["envs"]["ITERATION"]) for c in calls if c["call"] == "exec"]
+    assert ("rlflow-generate", "2") in execs and ("rlflow-evaluate", "2") in execs
+    assert all(c["secrets"] == ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"] for c in launches)  # from the env
+    assert all(json.loads(c["envs"]["OVERRIDES"]) for c in launches)        # the flow's overrides travel
+    downs = sorted(c["cluster"] for c in calls if c["call"] == "down")
+    assert downs == sorted(c["cluster"] for c in launches)                  # torn down at the end
+    assert summary["cost_usd"] > 0                                         # priced from the launched resources
+
+
+@pytest.mark.slow
+def test_sky_launcher_relaunches_a_vanished_cluster_and_retries_a_failed_job(prefect_api, tmp_path, monkeypatch,
+                                                                              s3_endpoint, bucket, fake_cloud):
+    from flows.training import train_flow
+
+    monkeypatch.chdir(tmp_path)
+    fake_cloud.scenario(vanish={"train": 1}, fail={"reward": 1})
+    summary = train_flow(str(TINY), _sky(tmp_path, s3_endpoint, bucket, fake_cloud, "sky2"))
+    assert summary["iterations_completed"] == 1
+    calls = fake_cloud.calls()
+    train_launches = [c for c in calls if c["call"] == "launch" and c["cluster"] == "rlflow-sky2-train"]
+    assert len(train_launches) == 2                                         # launched again after it vanished
+    reward_jobs = [c for c in calls if c.get("task") == "rlflow-reward" and c["call"] in ("launch", "exec")]
+    assert len(reward_jobs) == 2                                            # a failed job is retried
+
+
+@pytest.mark.slow
+def test_sky_launcher_gives_up_after_retries_and_still_tears_down(prefect_api, tmp_path, monkeypatch, s3_endpoint,
+                                                                   bucket, fake_cloud):
+    from flows.launch import InfraError
+    from flows.training import train_flow
+
+    monkeypatch.chdir(tmp_path)
+    fake_cloud.scenario(fail={"generate": 10})
+    with pytest.raises(InfraError, match="exit code 100"):
+        train_flow(str(TINY), _sky(tmp_path, s3_endpoint, bucket, fake_cloud, "sky3", ["launcher.retries=2"]))
+    calls = fake_cloud.calls()
+    assert len([c for c in calls if c.get("task") == "rlflow-generate"]) == 3   # 1 + 2 retries
+    assert [c["cluster"] for c in calls if c["call"] == "down"] == ["rlflow-sky3-gen"]
+
+
+@pytest.mark.slow
+def test_sky_launcher_user_error_is_not_retried(prefect_api, tmp_path, monkeypatch, s3_endpoint, bucket,
+                                                fake_cloud, killer_module):
+    from flows.training import train_flow
+    from tasks.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="wrong_length"):
+        train_flow(str(TINY), _sky(tmp_path, s3_endpoint, bucket, fake_cloud, "sky4",
+                                   ['reward.functions=[{"fn": "flaky_reward:wrong_length"}]']))
+    assert (tmp_path / "calls").read_text() == "1"
+    assert len([c for c in fake_cloud.calls() if c.get("task") == "rlflow-reward"]) == 1
+
+
+def test_sky_launcher_needs_a_shared_store(tmp_path):
+    from flows.training import preflight
+    from tasks.errors import UserError
+
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "launcher.mode=sky",
+                             f"launcher.recipes={ROOT / 'sky'}"])
+    with pytest.raises(UserError, match="store.uri: .*s3://"):
+        preflight(cfg)

@@ -1,0 +1,106 @@
+"""One writer per run name: the run lease in the store (file and S3), and through the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import boto3
+import pytest
+
+from tasks.errors import UserError
+from tasks.lease import Lease
+from tasks.store import FileStore, S3Store
+from tests.conftest import TINY, read_summary, run_cli, s3_overrides
+
+
+@pytest.fixture(params=["file", "s3"])
+def store(request, tmp_path, s3_endpoint):
+    if request.param == "file":
+        return FileStore(str(tmp_path / "store"))
+    name = f"lease-{time.time_ns()}"
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
+    return S3Store(f"s3://{name}/runs", type("C", (), {"endpoint_url": s3_endpoint})())
+
+
+def _foreign(store, run: str, expires_in: float, host="elsewhere", pid=1) -> None:
+    """A lease held by a flow on another machine."""
+    store.write_if(f"{run}/LEASE.json", json.dumps({"owner": "other", "holder": f"{host} pid {pid}", "host": host,
+                                                   "pid": pid, "expires_at": time.time() + expires_in}).encode(),
+                   store.read_tagged(f"{run}/LEASE.json")[1])
+
+
+def test_a_live_lease_refuses_a_second_writer_and_names_the_holder(store):
+    _foreign(store, "r", 60)
+    with pytest.raises(UserError, match=r"run.name 'r': another flow run is writing this run \(elsewhere pid 1"):
+        Lease(store, "r", 60).acquire()
+
+
+def test_an_expired_lease_is_taken_over_and_the_old_holder_learns_it(store):
+    old = Lease(store, "r", 60).acquire()
+    old._stop.set()                                   # the old holder stops renewing (a hung machine)
+    _foreign(store, "r", -1)                          # ... and its lease has expired
+    new = Lease(store, "r", 60).acquire()
+    with pytest.raises(Exception, match="taken over"):
+        old.renew()
+    new.release()
+    assert store.read_tagged("r/LEASE.json")[0] is None
+
+
+def test_a_dead_process_on_this_machine_does_not_block(store):
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _foreign(store, "r", 600, host=socket.gethostname(), pid=dead.pid)
+    Lease(store, "r", 60).acquire().release()
+
+
+def test_exactly_one_of_racing_writers_wins(store):
+    results = []
+
+    def take():
+        try:
+            results.append(Lease(store, "race", 60).acquire())
+        except UserError:
+            results.append(None)
+
+    threads = [threading.Thread(target=take) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [r for r in results if r is not None]
+    assert len(winners) == 1
+    winners[0].release()
+
+
+def test_run_names_have_separate_leases(store):
+    a, b = Lease(store, "a", 60).acquire(), Lease(store, "b", 60).acquire()
+    a.release(), b.release()
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_second_run_of_the_same_name_and_runs_another_name_beside_it(prefect_api, s3_endpoint, bucket,
+                                                                                   tmp_path):
+    store = S3Store(f"s3://{bucket}/runs", type("C", (), {"endpoint_url": s3_endpoint})())
+    _foreign(store, "busy", 300)
+    small = ["-o", "run.iterations=1", "-o", "generate.prompts_per_iteration=2", "-o", "generate.num_generations=2"]
+    out = run_cli(["run", str(TINY), *s3_overrides(s3_endpoint, bucket), "-o", "run.name=busy", *small],
+                  tmp_path, prefect_api)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("error: run.name 'busy': another flow run is writing this run")
+    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=bucket)["Contents"]]
+    assert keys == ["runs/busy/LEASE.json"]            # nothing written under the busy run
+
+    out = run_cli(["run", str(TINY), *s3_overrides(s3_endpoint, bucket), "-o", "run.name=free", *small,
+                   "--summary-json", str(tmp_path / "s.json")], tmp_path, prefect_api)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert read_summary(tmp_path / "s.json")["iterations_completed"] == 1
+    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=bucket)["Contents"]]
+    assert "runs/busy/LEASE.json" in keys and not any(k.startswith("runs/busy/") and k != "runs/busy/LEASE.json"
+                                                      for k in keys)
+    assert not any(k == "runs/free/LEASE.json" for k in keys)   # released at the end
