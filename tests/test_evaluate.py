@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 
@@ -51,3 +52,35 @@ def test_flow_evaluates_and_keeps_the_best(prefect_api, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
     history = MlflowClient(cfg.tracking.uri).get_metric_history(summary["mlflow_run_id"], "eval/pass_at_2")
     assert [m.step for m in history] == [2, 4, 5]
+    # the promotion gate: MLflow's `champion` alias is on the best evaluated policy's model version
+    client = MlflowClient(cfg.tracking.uri)
+    champion = client.get_model_version_by_alias("ev", "champion")
+    assert champion.tags["rlflow.policy_uri"] == store.uri(layout.policy("ev", best))
+    assert float(champion.tags["rlflow.eval/reward_mean"]) == scores[best]["eval/reward_mean"]
+
+    # a nightly-style run starts from that champion, under a dated run name, in the same registered model
+    nightly = ["run.name=ev", "run.iterations=1", "generate.prompts_per_iteration=8", "eval.every=1",
+               "eval.num_generations=4", "eval.split=test", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+               "tracking.sample_completions=0"]
+    night = train_flow(str(TINY), nightly, start_from="champion", run_name_suffix="date")
+    assert re.fullmatch(r"ev-\d{8}", night["run"])
+    params = client.get_run(night["mlflow_run_id"]).data.params
+    assert params["model.name_or_path"] == champion.tags["rlflow.policy_uri"]
+    assert params["publish.registered_model_name"] == "ev"
+
+
+def test_promotion_gate_moves_champion_only_on_improvement(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from tasks.tracking import ensure_registered_model, promote_if_better
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/m.db", registry_uri=f"sqlite:///{tmp_path}/m.db")
+    ensure_registered_model(client, "m")
+    versions = [client.create_model_version("m", source=f"file:///p/v{i}").version for i in range(4)]
+    metric = "eval/reward_mean"
+    assert promote_if_better(client, "m", versions[0], metric, 0.3)          # none yet: promoted
+    assert not promote_if_better(client, "m", versions[1], metric, 0.2)      # worse
+    assert not promote_if_better(client, "m", versions[2], metric, 0.3)      # a tie keeps the champion
+    assert client.get_model_version_by_alias("m", "champion").version == versions[0]
+    assert promote_if_better(client, "m", versions[3], metric, 0.5)
+    assert client.get_model_version_by_alias("m", "champion").version == versions[3]
