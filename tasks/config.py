@@ -51,6 +51,8 @@ class DataConfig(Section):
     split: str = Field("train", description="Split to train on.")
     prompt_column: str = Field("prompt", description="Column holding the prompt: a string, or a list of chat messages.")
     shuffle: bool = Field(True, description="Visit prompts in a seeded random order (each epoch reshuffled).")
+    system_prompt: str | None = Field(None, description="If set, a string prompt becomes chat messages "
+                                      "[system, user] rendered with the model's chat template.")
 
 
 class GenerateConfig(Section):

@@ -72,3 +72,12 @@ def indices(n_rows: int, seed: int, start: int, count: int, shuffle: bool = True
 def cursor(iteration: int, prompts_per_iteration: int) -> int:
     """Stream position of the first prompt of `iteration` (1-based)."""
     return (iteration - 1) * prompts_per_iteration
+
+
+def prompt_of(cfg, row: dict):
+    """The prompt of a dataset row as the generator sees it: the prompt column, wrapped in chat messages with
+    `data.system_prompt` when that is set and the column holds plain text."""
+    prompt = row[cfg.data.prompt_column]
+    if cfg.data.system_prompt is not None and isinstance(prompt, str):
+        return [{"role": "system", "content": cfg.data.system_prompt}, {"role": "user", "content": prompt}]
+    return prompt

@@ -65,7 +65,7 @@ def evaluate(cfg, iteration: int) -> dict:
         path = policy_path(cfg, policy)
         tokenizer = load_tokenizer(path)
         model = load_policy(cfg, path, device_for(cfg)).eval()
-        prompts = [ds[r][cfg.data.prompt_column] for r in rows]
+        prompts = [data.prompt_of(cfg, ds[r]) for r in rows]
         prompt_ids = [encode_prompt(tokenizer, p, cfg.generate.max_prompt_length) for p in prompts]
         samples = hf_generate(model, tokenizer, prompt_ids, ec.num_generations, cfg.generate.max_completion_length,
                               ec.temperature or cfg.generate.temperature, cfg.generate.top_p, cfg.generate.batch_size,

@@ -38,7 +38,7 @@ def generate(cfg, iteration: int, policy: str = layout.BASE) -> dict:
     path = policy_path(cfg, policy)
     tokenizer = load_tokenizer(path)
     model = load_policy(cfg, path, device_for(cfg)).eval()
-    prompts = [ds[r][cfg.data.prompt_column] for r in rows]
+    prompts = [data.prompt_of(cfg, ds[r]) for r in rows]
     prompt_ids = [encode_prompt(tokenizer, p, cfg.generate.max_prompt_length) for p in prompts]
 
     t_gen = time.perf_counter()
