@@ -203,6 +203,8 @@ def train_flow(config: str, overrides: list[str] | None = None,
     from prefect.runtime import flow_run
 
     lease = Lease(store, cfg.run.name, cfg.run.lease_seconds, flow_run_id=flow_run.id).acquire()
+    if removed := store.clean_staging(cfg.run.name):     # we are the only writer now: a crash's leftovers go
+        log.info("removed %d half-written staging folder(s) left by an interrupted run", removed)
     ctx = Run(cfg, config_path, overrides, lease)
     try:
         return _iterations(ctx, log)

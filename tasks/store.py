@@ -65,6 +65,11 @@ class Store:
         Returns the new version's tag, or None if the condition failed."""
         raise NotImplementedError
     def delete_if(self, key: str, tag: str) -> bool: raise NotImplementedError
+
+    def clean_staging(self, prefix: str) -> int:
+        """Remove what killed writers left half-written under `prefix` (invisible to readers either way).
+        Only the holder of the run's lease calls this. Returns how many were removed."""
+        return 0
     def check(self) -> None: """Raise UserError if the store cannot be reached."""
 
     @staticmethod
@@ -232,6 +237,13 @@ class FileStore(Store):
             return []
         return [f"{prefix}{p.relative_to(base).as_posix()}" for p in base.rglob("*") if p.is_file()
                 and not any(part.startswith(".") and ".partial-" in part for part in p.relative_to(base).parts)]
+
+    def clean_staging(self, prefix):
+        base = self._p(prefix)
+        stale = [p for p in base.rglob(".*.partial-*") if p.is_dir()] if base.is_dir() else []
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+        return len(stale)
 
     def _locked(self, key):
         import contextlib

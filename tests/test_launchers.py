@@ -230,3 +230,19 @@ def test_sky_launcher_needs_a_shared_store(tmp_path):
                              f"launcher.recipes={ROOT / 'sky'}"])
     with pytest.raises(UserError, match="store.uri: .*s3://"):
         preflight(cfg)
+
+
+@pytest.mark.slow
+def test_sky_launcher_managed_jobs_mode(prefect_api, tmp_path, monkeypatch, s3_endpoint, bucket, fake_cloud):
+    """launcher.managed_jobs: every stage is a SkyPilot managed job (SkyPilot recovers spot preemptions); no
+    clusters of our own to launch or tear down."""
+    from flows.training import train_flow
+
+    monkeypatch.chdir(tmp_path)
+    summary = train_flow(str(TINY), _sky(tmp_path, s3_endpoint, bucket, fake_cloud, "sky5",
+                                         ["launcher.managed_jobs=true", "eval.every=0"]))
+    assert summary["iterations_completed"] == 1
+    calls = fake_cloud.calls()
+    assert [c["task"] for c in calls if c["call"] == "jobs.launch"] == \
+        ["rlflow-generate", "rlflow-reward", "rlflow-train", "rlflow-publish"]
+    assert not [c for c in calls if c["call"] in ("launch", "exec", "down")]

@@ -102,8 +102,7 @@ def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path):
     artifacts = [p for p in store_dir.rglob("*") if p.is_dir() and not any(c.is_dir() for c in p.iterdir())
                  and p.name != "model"]
     staging = [p for p in artifacts if ".partial-" in p.name]
-    for p in staging:
-        assert p.name not in store.list_folders(p.parent.relative_to(killed / "rlflow-store").as_posix())
+    assert staging == []              # the resumed run (the lease holder) removed what the kills left half-written
     for folder in [p for p in artifacts if p not in staging]:
         key = folder.relative_to(killed / "rlflow-store").as_posix()
         if (folder / MANIFEST).exists():

@@ -105,3 +105,17 @@ def test_unreachable_or_missing_bucket_is_a_user_error(s3_endpoint):
         Store.open(StoreConfig(uri="s3://no-such-bucket", endpoint_url=s3_endpoint)).check()
     with pytest.raises(UserError, match="cannot reach"):
         Store.open(StoreConfig(uri="s3://b", endpoint_url="http://127.0.0.1:9")).check()
+
+
+def test_clean_staging_removes_only_hidden_half_written_folders(tmp_path):
+    from tasks.store import FileStore
+
+    store = FileStore(str(tmp_path / "s"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a")
+    store.put_folder("run/iter-000001/rollouts", src)
+    (tmp_path / "s" / "run" / "iter-000002" / ".rollouts.partial-1234abcd").mkdir(parents=True)
+    assert store.clean_staging("run") == 1
+    assert not (tmp_path / "s" / "run" / "iter-000002" / ".rollouts.partial-1234abcd").exists()
+    store.verify("run/iter-000001/rollouts")

@@ -51,9 +51,9 @@ def _scenario() -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _call(name: str, **kw) -> None:
+def _call(call: str, **kw) -> None:
     with open(_DIR / "calls.jsonl", "a") as f:
-        f.write(json.dumps({"call": name, **kw}) + "\n")
+        f.write(json.dumps({"call": call, **kw}) + "\n")
 
 
 class Task:
