@@ -107,7 +107,8 @@ def test_deploy_registers_nightly_and_manual_with_schedule_and_schema(server, pr
 def test_deployment_run_with_overrides_completes_and_fills_the_dashboard(server, project, tmp_path):
     overrides = ["run.name=deployed", "run.iterations=2", "generate.prompts_per_iteration=2",
                  "generate.num_generations=2", f"store.uri={tmp_path}/store",
-                 f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "eval.every=0"]
+                 f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "eval.every=0",
+                 "tracking.dashboard_every=1"]
     out = _prefect(["deployment", "run", "rlflow-train/manual", "--param", f"overrides={json.dumps(overrides)}",
                     "--param", "config=configs/tiny.yaml"], server, project)
     assert out.returncode == 0, out.stdout + out.stderr
