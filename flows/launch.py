@@ -1,5 +1,6 @@
-"""Where a stage runs: `inline` (this process), `local` (a subprocess running the stage recipe's `run`, as
-SkyPilot would run it), `sky` (a SkyPilot cluster or managed job). Same contract for all three:
+"""Where a stage runs: `inline` (this process: the flow calls the stage function, no launcher), `local` (a
+subprocess running the stage recipe's `run`, as SkyPilot would run it), `sky` (a SkyPilot cluster or managed
+job). Same contract for both launchers:
 
     launcher.run(stage, iteration, env) -> Ran(seconds, hourly_usd)
 
@@ -42,7 +43,7 @@ class Ran:
     hourly_usd: float | None = None     # price of the machine it ran on, when known
 
 
-def _recipe(cfg, stage: str) -> Path:
+def recipe_path(cfg, stage: str) -> Path:
     path = Path(cfg.launcher.recipes) / f"{stage}.yaml"
     if not path.is_file():
         raise UserError(f"launcher.recipes: no recipe {path} for stage {stage!r} (run from the repository root)")
@@ -82,16 +83,6 @@ def _user_error_in(lines: list[str]) -> str | None:
     return None
 
 
-class Inline:
-    mode = "inline"
-
-    def run(self, stage, iteration, env, log) -> Ran:   # the flow calls the stage function itself
-        return Ran(0.0)
-
-    def close(self, log) -> None:
-        pass
-
-
 class Local:
     """Run the recipe's `run` in a subprocess with the recipe's envs, the flow's values for them, and the
     recipe's secrets from this environment: what a SkyPilot node would execute, on this machine. `setup`
@@ -103,7 +94,7 @@ class Local:
         self.cfg = cfg
 
     def run(self, stage, iteration, env, log) -> Ran:
-        recipe = yaml.safe_load(_recipe(self.cfg, stage).read_text())
+        recipe = yaml.safe_load(recipe_path(self.cfg, stage).read_text())
         envs = {k: str(v) for k, v in (recipe.get("envs") or {}).items() if v is not None}
         envs.update(env)
         secrets = {k: os.environ[k] for k in (recipe.get("secrets") or {}) if k in os.environ}
@@ -157,7 +148,7 @@ class Sky:
 
     def run(self, stage, iteration, env, log) -> Ran:
         lc = self.cfg.launcher
-        recipe = str(_recipe(self.cfg, stage))
+        recipe = str(recipe_path(self.cfg, stage))
         envs = [f"--env={k}={v}" for k, v in env.items()]
         t0 = time.perf_counter()
         if lc.managed_jobs:
@@ -192,19 +183,15 @@ class Sky:
 
 
 class Launchers:
-    """One launcher per mode in use, picked per stage by `launcher.mode` / `launcher.stages`."""
+    """The launcher of each stage, by `launcher.mode` / `launcher.stages`; None for inline stages (the flow
+    calls the stage function itself)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self._by_mode = {"inline": Inline(), "local": Local(cfg), "sky": Sky(cfg)}
+        self._by_mode = {"local": Local(cfg), "sky": Sky(cfg)}
 
     def for_stage(self, stage: str):
-        return self._by_mode[self.cfg.launcher.mode_of(stage)]
-
-    def modes(self) -> set[str]:
-        from tasks.config import STAGES
-
-        return {self.cfg.launcher.mode_of(s) for s in STAGES}
+        return self._by_mode.get(self.cfg.launcher.mode_of(stage))
 
     def close(self, log) -> None:
         for launcher in self._by_mode.values():

@@ -35,7 +35,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from flows.launch import InfraError, Launchers, stage_env
+from flows.launch import InfraError, Launchers, recipe_path, stage_env
 from tasks import layout
 from tasks.config import Config, load_config
 from tasks.data import load_prompts
@@ -78,12 +78,13 @@ def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None) -
     launcher = ctx.launchers.for_stage(stage)
     t0 = time.perf_counter()
     ran = None
-    if launcher.mode != "inline":
+    if launcher is not None:
         env = stage_env(ctx.config_path, ctx.overrides, iteration, policy)
         ran = launcher.run(stage, iteration, env, log.info)
-        if ctx.store.manifest(OUTPUT_KEY[stage](cfg.run.name, iteration)) is None:
+        key = OUTPUT_KEY[stage](cfg.run.name, iteration)
+        if ctx.store.manifest(key) is None:
             raise InfraError(f"{stage}[iter {iteration}]: the {launcher.mode} job succeeded but its output "
-                             f"{ctx.store.uri(OUTPUT_KEY[stage](cfg.run.name, iteration))} is missing")
+                             f"{ctx.store.uri(key)} is missing")
     args = (policy,) if stage == "generate" else ()
     out = STAGE_FUNCTIONS[stage](cfg, iteration, *args)    # remote: finds the output and returns it
     seconds = ran.seconds if ran is not None else time.perf_counter() - t0
@@ -101,17 +102,12 @@ def preflight(cfg: Config) -> None:
         load_prompts(cfg, split="eval")
     load_functions(cfg)
     load_tokenizer(base_path(cfg))
-    modes = Launchers(cfg).modes()
-    if "sky" in modes and not cfg.store.uri.startswith("s3://"):
+    remote = cfg.launcher.remote_stages()
+    if any(cfg.launcher.mode_of(s) == "sky" for s in remote) and not cfg.store.uri.startswith("s3://"):
         raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "
                         f"(s3://...), not a local folder")
-    if modes - {"inline"}:
-        from flows.launch import _recipe
-        from tasks.config import STAGES
-
-        for stage in STAGES:
-            if cfg.launcher.mode_of(stage) != "inline":
-                _recipe(cfg, stage)
+    for stage in remote:
+        recipe_path(cfg, stage)
 
 
 class Progress:
@@ -143,7 +139,7 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:60] or "run"
 
 
-def _dashboard(cfg, it: int, metrics: dict, samples: list[dict], policy_uri: str, mlflow_url: str) -> None:
+def _dashboard(cfg, it: int, metrics: dict, samples: list[dict], policy_uri: str) -> None:
     """The iteration as the Prefect dashboard shows it: a report, a samples table, links."""
     slug = _slug(cfg.run.name)
     rows = [("reward (mean)", "reward/mean"), ("loss", "train/loss"), ("KL to reference", "train/kl_ref"),
@@ -163,9 +159,6 @@ def _dashboard(cfg, it: int, metrics: dict, samples: list[dict], policy_uri: str
         create_table_artifact(key=f"{slug}-samples", table=table, description=f"sample completions, iteration {it}")
     create_link_artifact(key=f"{slug}-policy", link=policy_uri, link_text=f"policy v{it}",
                          description=f"published policy, iteration {it}")
-    if it == 1 or not mlflow_url.startswith("http"):
-        create_link_artifact(key=f"{slug}-mlflow", link=mlflow_url.split(" ")[0], link_text="MLflow run",
-                             description="metrics, samples, model versions")
 
 
 def _flow_run_name() -> str:
@@ -199,7 +192,8 @@ def train_flow(config: str, overrides: list[str] | None = None,
         cfg = load_config(config, overrides)
     preflight(cfg)
     store = open_store(cfg)
-    config_path = os.path.relpath(config) if not os.path.relpath(config).startswith("..") else str(config)
+    rel = os.path.relpath(config)
+    config_path = rel if not rel.startswith("..") else str(config)   # what the stage machines' workdir holds
     from prefect.runtime import flow_run
 
     lease = Lease(store, cfg.run.name, cfg.run.lease_seconds, flow_run_id=flow_run.id).acquire()
@@ -219,6 +213,9 @@ def _iterations(ctx: Run, log) -> dict:
     run_id = tracker.start()
     already_logged = tracker.last_logged_iteration()
     cost_so_far = tracker.last_value("cost_usd")
+    mlflow_url = tracker.run_url()
+    create_link_artifact(key=f"{_slug(cfg.run.name)}-mlflow", link=mlflow_url.split(" ")[0],
+                         link_text="MLflow run", description="metrics, samples, model versions")  # once per run
     log.info("run %s: store %s, MLflow run %s", cfg.run.name, store.uri(cfg.run.name), run_id)
     stage = run_stage.with_options(retries=cfg.launcher.retries, retry_condition_fn=retryable,
                                    retry_delay_seconds=exponential_backoff(cfg.launcher.retry_backoff_seconds)
@@ -250,7 +247,7 @@ def _iterations(ctx: Run, log) -> dict:
                 tracker.log_iteration(it, metrics, r["samples"], policy_uri=p["uri"])
                 every = cfg.tracking.dashboard_every
                 if (every and it % every == 0) or it == cfg.run.iterations:
-                    _dashboard(cfg, it, metrics, r["samples"], p["uri"], tracker.run_url())
+                    _dashboard(cfg, it, metrics, r["samples"], p["uri"])
                 progress.line(f"iter {it:>4}/{cfg.run.iterations}  reward {r['metrics']['reward/mean']:.3f}  "
                               f"loss {t['metrics']['train/loss']:+.4f}  {time.perf_counter() - t0:5.2f}s")
                 log.info("iteration %d: reward %.3f loss %.4f", it, r["metrics"]["reward/mean"],
@@ -269,7 +266,7 @@ def _iterations(ctx: Run, log) -> dict:
         "reward_mean": reward_means,
         "policy_uri": published["uri"],
         "mlflow_run_id": run_id,
-        "mlflow": tracker.run_url(),
+        "mlflow": mlflow_url,
         "model_version": tracker.model_version(published["uri"]),
         "best_policy": store.get_pointer(layout.best(cfg.run.name)),
         "champion": champion_policy_uri(cfg) if cfg.publish.register_model else None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -187,7 +187,8 @@ class TrackingConfig(Section):
                                  "iterations and after the last; 0 = only after the last.")
 
 
-STAGES = ("generate", "reward", "train", "publish", "evaluate")
+Stage = Literal["generate", "reward", "train", "publish", "evaluate"]
+STAGES: tuple[str, ...] = get_args(Stage)
 LauncherMode = Literal["inline", "local", "sky"]
 
 
@@ -197,7 +198,7 @@ class LauncherConfig(Section):
     mode: LauncherMode = Field("inline", description="inline: in the flow's process; local: a subprocess "
                                "running the stage recipe's `run` (sky/<stage>.yaml) exactly as SkyPilot would; "
                                "sky: on SkyPilot clusters (launched once per flow run, reused by exec).")
-    stages: dict[Literal["generate", "reward", "train", "publish", "evaluate"], LauncherMode] = Field(
+    stages: dict[Stage, LauncherMode] = Field(
         {}, description="Per-stage mode overriding `mode`, e.g. {train: sky}.")
     recipes: str = Field("sky", description="Folder of the stage recipes (<stage>.yaml), relative to the "
                          "working directory (the repository root).")
@@ -217,11 +218,15 @@ class LauncherConfig(Section):
     def mode_of(self, stage: str) -> str:
         return self.stages.get(stage, self.mode)
 
+    def remote_stages(self) -> list[str]:
+        """Stages that run outside the flow's process (local subprocess or SkyPilot)."""
+        return [s for s in STAGES if self.mode_of(s) != "inline"]
+
 
 class CostConfig(Section):
     """Prices for the cost metric (cost_usd = stage seconds x hourly price)."""
 
-    hourly_usd: dict[Literal["generate", "reward", "train", "publish", "evaluate"], float] = Field(
+    hourly_usd: dict[Stage, float] = Field(
         {}, description="Hourly price per stage when SkyPilot's catalog cannot tell (inline/local: the price "
                         "of this machine); missing stages cost 0.")
 

@@ -115,9 +115,3 @@ class Lease:
                 self.store.delete_if(self.key, self._tag)
             except Exception:
                 pass            # it expires on its own
-
-    def __enter__(self) -> "Lease":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()

@@ -12,6 +12,8 @@ naming it. A pointer (`policy/LATEST`) is replaced only after the manifest it na
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -245,21 +247,17 @@ class FileStore(Store):
             shutil.rmtree(p, ignore_errors=True)
         return len(stale)
 
+    @contextlib.contextmanager
     def _locked(self, key):
-        import contextlib
-        import fcntl
-
-        @contextlib.contextmanager
-        def cm():
-            lock = self._p(key).with_name(f".{self._p(key).name}.lock")
-            lock.parent.mkdir(parents=True, exist_ok=True)
-            with open(lock, "a") as f:
-                fcntl.flock(f, fcntl.LOCK_EX)
-                try:
-                    yield
-                finally:
-                    fcntl.flock(f, fcntl.LOCK_UN)
-        return cm()
+        """Serialise compare-and-swap on `key` across processes on this machine (a sidecar lock file)."""
+        lock = self._p(key).with_name(f".{self._p(key).name}.lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def read_tagged(self, key):
         data = self._get_bytes(key)

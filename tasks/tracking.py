@@ -54,7 +54,7 @@ class Tracker:
         self.client = _client(cfg.tracking.uri)
         self.store_root = store_root
         self.run_id: str | None = None
-        self.model_name = cfg.publish.registered_model_name or cfg.run.name
+        self.model_name = registered_model_name(cfg)
         self._registered: dict[str, str] = {}      # policy URI -> model version, for this MLflow run
         self._lock = threading.Lock()
         self._pending: list[tuple[int, dict, list | None, str | None]] = []
@@ -211,6 +211,11 @@ class Tracker:
         return f"{uri} run {self.run_id} (view: mlflow ui --backend-store-uri {uri})"
 
 
+def registered_model_name(cfg) -> str:
+    """The MLflow registered model a run's policies become versions of."""
+    return cfg.publish.registered_model_name or cfg.run.name
+
+
 def ensure_registered_model(client, name: str) -> None:
     from mlflow.exceptions import MlflowException
 
@@ -226,7 +231,7 @@ def register_policy(cfg, run_id: str, policy_uri: str, iteration: int, client=No
 
     `checked=True`: the caller already knows this URI is not registered (the Tracker reads the run's versions
     once at start), which saves a registry search per iteration."""
-    name = cfg.publish.registered_model_name or cfg.run.name
+    name = registered_model_name(cfg)
     if client is None:          # standalone (stage CLI): make sure the registered model exists
         client = _client(cfg.tracking.uri)
         ensure_registered_model(client, name)
@@ -267,7 +272,7 @@ def champion_policy_uri(cfg) -> str | None:
     """Store URI of the policy behind `models:/<name>@champion`, or None when there is no champion."""
     from mlflow.exceptions import MlflowException
 
-    name = cfg.publish.registered_model_name or cfg.run.name
+    name = registered_model_name(cfg)
     try:
         mv = _client(cfg.tracking.uri).get_model_version_by_alias(name, CHAMPION)
     except MlflowException:
