@@ -55,24 +55,11 @@ import yaml
 
 from tasks import layout
 from tasks.errors import UserError
-from tasks.models import base_path, device_for, load_model, load_tokenizer
+from tasks.models import base_path, device_for, load_model, load_tokenizer, rng_state, set_rng_state
 from tasks.stage import USER_ERROR
 
 STATE, MODEL_DIR = layout.CKPT_STATE, layout.CKPT_MODEL
 
-
-def _rng_state() -> dict:     # as tasks/train.py's (this module must not import the stage, the workers' __main__)
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _check_installed() -> None:
@@ -208,7 +195,7 @@ class DeepSpeedEngine:
                                            load_lr_scheduler_states=False)
                 rng = resume / "engine" / layout.CKPT_RNG_RANK.format(rank=self.rank)
                 if rng.exists():
-                    _set_rng_state(torch.load(rng, weights_only=False))
+                    set_rng_state(torch.load(rng, weights_only=False))
                 self.global_step = state["step"]
         except BaseException:
             self.close()
@@ -286,7 +273,7 @@ class DeepSpeedEngine:
         self.model.save_checkpoint(str(local), tag=tag)
         rng = local / layout.CKPT_RNG_RANK.format(rank=self.rank)
         rng.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(_rng_state(), rng)
+        torch.save(rng_state(), rng)
         weights = self._gather_16bit()
         if self.rank == 0:
             self._write_model(out / MODEL_DIR, weights)

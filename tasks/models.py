@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import random
 from pathlib import Path
 
 import torch
@@ -166,3 +167,18 @@ def completion_logprobs(model, ids, attn, positions, n_completion: int, temperat
         return token_logp, None
     entropy = -(logp.exp() * logp).sum(-1)
     return token_logp, entropy
+
+
+def rng_state() -> dict:
+    """Every random stream training draws from (saved with a checkpoint, so a resume continues them)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -37,24 +37,11 @@ from tasks.advantage import group_advantages
 from tasks.errors import UserError
 from tasks.loss import aggregate, behaviour_correction, clip_stats, per_token_loss
 from tasks.models import (add_lora, base_path, completion_logprobs, device_for, load_model, load_policy,
-                          load_tokenizer, local_folder, open_store, pad_batch)
+                          load_tokenizer, local_folder, open_store, pad_batch, rng_state, set_rng_state)
 from tasks.stage import fingerprint, reuse, result, stage_cli
 
 OPTIMIZER, RNG, STATE, MODEL_DIR = layout.CKPT_OPTIMIZER, layout.CKPT_RNG, layout.CKPT_STATE, layout.CKPT_MODEL
 
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class TorchEngine:
@@ -110,7 +97,7 @@ class TorchEngine:
         step = 0
         if folder is not None:
             optimizer.load_state_dict(torch.load(folder / OPTIMIZER, map_location=device, weights_only=True))
-            _set_rng_state(torch.load(folder / RNG, weights_only=False))
+            set_rng_state(torch.load(folder / RNG, weights_only=False))
             step = json.loads((folder / STATE).read_text())["step"]
         return cls(model, optimizer, cfg, ref_model=ref_model, lora=lora, tokenizer=tokenizer, step=step)
 
@@ -143,7 +130,7 @@ class TorchEngine:
         self.model.save_pretrained(out / MODEL_DIR)
         self.tokenizer.save_pretrained(out / MODEL_DIR)
         torch.save(self.optimizer.state_dict(), out / OPTIMIZER)
-        torch.save(_rng_state(), out / RNG)
+        torch.save(rng_state(), out / RNG)
         return {}
 
     def close(self) -> None:
