@@ -48,7 +48,7 @@ from tasks.publish import publish
 from tasks.reward import reward
 from tasks.scoring import load_functions
 from tasks.tracking import Tracker, champion_policy_uri
-from tasks.train import train
+from tasks.train import clean_engine_state, train
 from tasks.vllm_server import stop_server
 
 STAGE_FUNCTIONS = {"generate": generate, "reward": reward, "train": train, "publish": publish, "evaluate": evaluate}
@@ -205,15 +205,26 @@ def train_flow(config: str, overrides: list[str] | None = None,
     from prefect.runtime import flow_run
 
     lease = Lease(store, cfg.run.name, cfg.run.lease_seconds, flow_run_id=flow_run.id).acquire()
-    if removed := store.clean_staging(cfg.run.name):     # we are the only writer now: a crash's leftovers go
-        log.info("removed %d half-written staging folder(s) left by an interrupted run", removed)
+    _clean(store, cfg.run.name, log)                     # we are the only writer now: a crash's leftovers go
     ctx = Run(cfg, config_path, overrides, lease)
     try:
         return _iterations(ctx, log)
     finally:
         ctx.launchers.close(log.info)
         stop_server(cfg, log.info)      # generate.mode: server keeps a vLLM server alive until here
+        if not lease.lost:
+            try:                        # what retried train attempts of this flow run left
+                _clean(store, cfg.run.name, log)
+            except Exception as e:      # never hides the run's own outcome; the next flow run tries again
+                log.warning("cleaning the store after the run failed: %s", e)
         lease.release()
+
+
+def _clean(store, run: str, log) -> None:
+    if removed := store.clean_staging(run):
+        log.info("removed %d half-written staging folder(s) left by an interrupted run", removed)
+    if removed := clean_engine_state(store, run):
+        log.info("removed %d deepspeed checkpoint attempt(s) that no committed checkpoint names", removed)
 
 
 def _iterations(ctx: Run, log) -> dict:

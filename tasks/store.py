@@ -60,6 +60,8 @@ class Store:
     def _put_bytes(self, key: str, data: bytes) -> None: raise NotImplementedError
     def _get_bytes(self, key: str) -> bytes | None: raise NotImplementedError
     def _list(self, prefix: str) -> list[str]: raise NotImplementedError
+    def _delete(self, key: str) -> None: raise NotImplementedError
+    def _delete_prefix(self, prefix: str) -> None: raise NotImplementedError
 
     # Compare-and-swap on one small object (the run lease): `tag` identifies the version read.
     def read_tagged(self, key: str) -> tuple[bytes | None, str | None]: raise NotImplementedError
@@ -194,6 +196,12 @@ class Store:
         raw = self._get_bytes(key)
         return json.loads(raw)["target"] if raw else None
 
+    def delete_folder(self, key: str) -> None:
+        """Remove a folder, complete or not: its manifest first, so readers never see a complete folder with
+        files missing. Only the run's lease holder, or a stage deleting what only it can name, calls this."""
+        self._delete(f"{key}/{MANIFEST}")
+        self._delete_prefix(f"{key}/")
+
     def list_folders(self, prefix: str) -> list[str]:
         """Immediate child folder names under prefix (complete or not)."""
         return sorted({k[len(prefix):].lstrip("/").split("/", 1)[0] for k in self._list(prefix.rstrip("/") + "/")
@@ -285,6 +293,16 @@ class FileStore(Store):
             return []
         return [f"{prefix}{p.relative_to(base).as_posix()}" for p in base.rglob("*") if p.is_file()
                 and not any(part.startswith(".") and ".partial-" in part for part in p.relative_to(base).parts)]
+
+    def _delete(self, key):
+        self._p(key).unlink(missing_ok=True)
+
+    def _delete_prefix(self, prefix):
+        base = self._p(prefix.rstrip("/"))
+        if base.is_dir():     # renamed out of sight first: a reader sees the folder whole or not at all
+            hidden = base.with_name(f".{base.name}.partial-{uuid.uuid4().hex[:8]}")
+            os.rename(base, hidden)
+            shutil.rmtree(hidden, ignore_errors=True)
 
     def clean_staging(self, prefix):
         base = self._p(prefix)
@@ -430,6 +448,15 @@ class S3Store(Store):
             return False
         self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
         return True
+
+    def _delete(self, key):
+        self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
+
+    def _delete_prefix(self, prefix):
+        keys = [self._k(k) for k in self._list(prefix)]
+        for i in range(0, len(keys), 1000):                   # DeleteObjects takes up to 1000 keys a request
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]],
+                                                                    "Quiet": True})
 
     def _list(self, prefix):
         out = []

@@ -323,6 +323,30 @@ def train(cfg, iteration: int) -> dict:
     return result(store, key, manifest) if engine.rank == 0 else reuse(store, key, fp)
 
 
+def clean_engine_state(store, run: str) -> int:
+    """Remove the deepspeed node folders that no committed checkpoint names: those of attempts killed (or beaten
+    by another attempt) before their ckpt-N was committed. Folders of iteration N go only once ckpt-N is
+    complete: a committed checkpoint is immutable, so an attempt it does not name can never be needed, while
+    before that a running attempt may still be writing its own. Returns how many attempt folders went."""
+    base, removed, named = f"{run}/trainer-state", 0, {}
+    for name in store.list_folders(base):                       # ckpt-000042-<attempt>
+        head, _, attempt = name.partition("-")[2].partition("-")
+        if not (head.isdigit() and attempt):
+            continue
+        iteration = int(head)
+        if iteration not in named:
+            ckpt = layout.checkpoint(run, iteration)
+            named[iteration] = (None if store.manifest(ckpt) is None else
+                                {p.rsplit("/", 1)[0] for p in store.get_json(ckpt, STATE).get("engine_state", [])})
+        folder = f"{base}/{name}"
+        if named[iteration] is None or folder in named[iteration]:
+            continue
+        for node in store.list_folders(folder):
+            store.delete_folder(f"{folder}/{node}")
+        removed += 1
+    return removed
+
+
 def _metrics(sums: dict, rewards, advantages, tc, seconds: float) -> dict:
     num_tokens = sums["num_tokens"]
     present = rewards[~torch.isnan(rewards)]

@@ -141,3 +141,36 @@ def test_copy_folder_in_place(kind, tmp_path, s3_endpoint, bucket):
     out = tmp_path / "out"
     store.get_folder("run/policy", out)              # verified against the manifest
     assert (out / "weights.bin").read_bytes() == big and not (out / "optimizer.pt").exists()
+
+
+def test_clean_engine_state_drops_only_attempts_a_committed_checkpoint_does_not_name(store, tmp_path):
+    """DeepSpeed node folders are named per attempt; a killed attempt's (complete or half-written) folders
+    go once its iteration's checkpoint is committed without them, and never before."""
+    from tasks import layout
+    from tasks.train import clean_engine_state
+
+    src = _folder(tmp_path)
+    def node(it, attempt, n, complete=True):
+        key = layout.engine_state("run", it, attempt, n)
+        if complete:
+            store.put_folder(key, src)
+        else:
+            store._put_file(f"{key}/a.bin", src / "a.bin")      # a kill before the manifest
+        return key
+
+    kept = [node(1, "good", 0), node(1, "good", 1)]
+    killed = [node(1, "dead", 0), node(1, "dead", 1, complete=False)]
+    running = [node(2, "running", 0, complete=False)]           # no ckpt-2 yet: maybe still being written
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / layout.CKPT_STATE).write_text(json.dumps({"iteration": 1, "engine_state": kept}))
+    store.put_folder(layout.checkpoint("run", 1), ckpt)
+
+    assert clean_engine_state(store, "run") == 1
+    assert [store.manifest(k) is not None for k in kept] == [True, True]
+    assert store.list_folders("run/trainer-state") == ["ckpt-000001-good", "ckpt-000002-running"]
+    assert store._list(running[0] + "/") == [running[0] + "/a.bin"]
+    assert not any(store._list(k + "/") for k in killed)
+    assert clean_engine_state(store, "run") == 0
+    for k in kept:
+        store.verify(k)
