@@ -110,6 +110,15 @@ def preflight(cfg: Config) -> None:
         from tasks import sandbox
 
         sandbox.runner(cfg.reward.sandbox)     # bubblewrap asked for and not working here: one line, exit 2
+    sampling = ["generate"] + (["evaluate"] if cfg.eval.every else [])
+    if cfg.generate.engine == "vllm" and any(cfg.launcher.mode_of(s) != "sky" for s in sampling):
+        from tasks.vllm_worker import check_installed
+
+        check_installed(cfg)                    # the recipes install vllm on their clusters; here it must be
+    if cfg.train.engine == "deepspeed" and cfg.launcher.mode_of("train") != "sky":
+        from tasks.deepspeed_engine import check_installed
+
+        check_installed()
     remote = cfg.launcher.remote_stages()
     if any(cfg.launcher.mode_of(s) == "sky" for s in remote) and not cfg.store.uri.startswith("s3://"):
         raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "

@@ -79,6 +79,10 @@ class GenerateConfig(Section):
                                     "(make setup, sky/generate.yaml) if it exists, else this Python.")
     server_start_timeout: float = Field(900.0, gt=0, le=7200, description="server mode: seconds a new vLLM "
                                         "server may take to load the model and answer /health.")
+    server_idle_timeout: float = Field(7200.0, ge=0, le=7 * 86400, description="server mode: a server that no "
+                                       "generate has used for this many seconds stops itself (0 = never), so a flow "
+                                       "killed before its teardown does not leave it holding the machine; keep it "
+                                       "above an iteration's reward + train + publish time.")
     sleep_when_idle: bool = Field(False, description="server mode, GPU only: put the server to sleep after each "
                                   "generate (weights to CPU memory, KV cache freed) so a trainer on the same GPU "
                                   "gets the memory; it wakes up before the next generate.")
@@ -92,9 +96,12 @@ class GenerateConfig(Section):
                             "vLLM schedules its own batches.")
 
     @model_validator(mode="after")
-    def _server_needs_vllm(self):
+    def _server_mode(self):
         if self.mode == "server" and self.engine != "vllm":
             raise ValueError("mode: server needs engine: vllm")
+        if self.server_idle_timeout and self.server_idle_timeout <= self.server_start_timeout:
+            raise ValueError(f"server_idle_timeout ({self.server_idle_timeout:g}) must exceed server_start_timeout "
+                             f"({self.server_start_timeout:g}), or be 0 (never)")
         return self
 
 

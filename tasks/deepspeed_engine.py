@@ -62,7 +62,7 @@ STATE, MODEL_DIR = layout.CKPT_STATE, layout.CKPT_MODEL
 
 
 
-def _check_installed() -> None:
+def check_installed() -> None:
     if importlib.util.find_spec("deepspeed") is None:
         raise UserError("train.engine: deepspeed is not installed here; pip install -e '.[deepspeed]'")
 
@@ -80,7 +80,7 @@ class DeepSpeedEngine:
         on this node, wait for them, return True (the checkpoint is then in the store)."""
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             return False
-        _check_installed()
+        check_installed()
         device = device_for(cfg)
         nproc = cfg.train.num_processes or (torch.cuda.device_count() if device.type == "cuda" else 1)
         nnodes = int(os.environ.get("NNODES") or 1)
@@ -123,7 +123,7 @@ class DeepSpeedEngine:
         device = device_for(cfg)
         if device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        _check_installed()
+        check_installed()
         import deepspeed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)   # its INFO lines repeat the config for every process

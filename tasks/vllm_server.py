@@ -17,7 +17,10 @@ makes it load the new weights in place. Per stage run:
   4. sample  one /v1/completions request per prompt (its own seed), all in flight at once: token ids in,
              token ids and processed (after temperature / top-p) logprobs out;
   5. stop    the flow's end (flows/training.py) terminates the server's process group; a cluster teardown
-             does the same on a SkyPilot cluster.
+             does the same on a SkyPilot cluster. A flow killed before its teardown (SIGKILL, a lost pipeline
+             VM) leaves the server to its watchdog (`watch` below, in the server's process group): it stops
+             the server once no generate has used it for generate.server_idle_timeout seconds, or once the
+             state file no longer names it.
 
 The dev endpoints used (collective_rpc, reset_prefix_cache, weight version, sleep) need VLLM_SERVER_DEV_MODE=1,
 so the server listens on 127.0.0.1 only.
@@ -28,14 +31,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tasks.vllm_worker import engine_args, model_of, on_gpu, request_seeds, vllm_python, worker_env
+from tasks.vllm_worker import (check_installed, engine_args, model_of, on_gpu, request_seeds, vllm_python,
+                               worker_env)
 
 SERVED = "policy"          # the served model name of full weights; an adapter is served under its own label
 
@@ -80,6 +86,7 @@ class VLLMServer:
         sampling_seconds = time.perf_counter() - t1
         if cfg.generate.sleep_when_idle:
             server.post("/sleep", params={"level": 1})     # weights to CPU memory, KV cache freed
+        os.utime(server.path)                              # used now: its idle time starts here
         return samples, {"load_seconds": load_seconds, "sampling_seconds": sampling_seconds}
 
 
@@ -109,12 +116,14 @@ class Server:
         if state_path.exists():
             server = cls(state_path, json.loads(state_path.read_text()))
             if server.state["key"] == key and server.healthy():
+                os.utime(state_path)          # in use from now: its watchdog must not stop it mid-generate
                 return server
             server.stop()                     # crashed, hung, or made for another config: start afresh
         return cls.start(cfg, state_path, python, args, key, label)
 
     @classmethod
     def start(cls, cfg, state_path: Path, python: str, args: dict, key: str, label: str) -> "Server":
+        check_installed(cfg)                   # no vllm there: one line, not "the server did not come up"
         state_path.parent.mkdir(parents=True, exist_ok=True)
         port = _free_port()
         log = state_path.with_suffix(".log")
@@ -123,7 +132,9 @@ class Server:
                 "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
                 "--worker-extension-cls", "tasks.vllm_worker.WorkerExtension"]
         env = worker_env(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", LOG=str(log))
-        pid = _spawn_detached(argv, env)
+        idle = cfg.generate.server_idle_timeout
+        watch = [python, "-m", "tasks.vllm_server", "watch", str(state_path), str(idle), "30"] if idle else None
+        pid = _spawn_detached(argv, env, watch)
         server = cls(state_path, {"pid": pid, "pgid": os.getpgid(pid), "port": port, "key": key,
                                   "lora": bool(args.get("enable_lora")), "sleeps": bool(args.get("enable_sleep_mode")),
                                   "label": None, "adapter": None, "log": str(log), "started": time.time()})
@@ -150,24 +161,9 @@ class Server:
             return False
 
     def stop(self) -> None:
-        """SIGTERM the server's processes (API server, engine core, workers: one process group), SIGKILL after
-        30 s. Only processes of that group that are vLLM's are signalled, in case the group id was reused."""
-        pgid = self.state.get("pgid")
-        for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)):
-            if pgid and not Path("/proc").is_dir():     # (no /proc, e.g. macOS: the whole group)
-                try:
-                    os.killpg(pgid, sig)
-                except ProcessLookupError:
-                    pass
-            pids = _vllm_members(pgid) if pgid else []
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + wait
-            while pids and any(_alive(p) for p in pids) and time.monotonic() < deadline:
-                time.sleep(0.2)
+        """Stop the server's processes (API server, engine core, workers, watchdog: one process group) and
+        forget it."""
+        _terminate_group(self.state.get("pgid"))
         self.http.close()
         self.path.unlink(missing_ok=True)
 
@@ -264,15 +260,70 @@ def _flags(args: dict) -> list[str]:
     return out
 
 
-def _spawn_detached(argv: list[str], env: dict) -> int:
+def _spawn_detached(argv: list[str], env: dict, watch: list[str] | None = None) -> int:
     """Start argv in a session of its own and not as our child: `sh` forks it and exits at once. The stage
     process exiting does not stop it, and neither does the end of a SkyPilot job, which kills the job's
-    process tree (SkyPilot's subprocess daemon) but not what left that tree. Returns its pid."""
-    sh = subprocess.Popen(["sh", "-c", '"$@" >>"$LOG" 2>&1 </dev/null & echo $!', "sh", *argv], env=env,
+    process tree (SkyPilot's subprocess daemon) but not what left that tree. `watch` (a command, given the
+    server's pid as its last argument) starts beside it in the same process group. Returns argv's pid."""
+    script = '"$@" >>"$LOG" 2>&1 </dev/null & P=$!; echo $P'
+    if watch:
+        script += '; eval "exec $WATCH $P" >>"$LOG" 2>&1 </dev/null &'
+        env = {**env, "WATCH": shlex.join(watch)}
+    sh = subprocess.Popen(["sh", "-c", script, "sh", *argv], env=env,
                           stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    pid = int(sh.stdout.read().strip())
+    pid = int(sh.stdout.readline().strip())
     sh.wait()
     return pid
+
+
+def _terminate_group(pgid: int | None) -> None:
+    """SIGTERM the vLLM processes of process group `pgid`, SIGKILL after 30 s. Only processes of that group
+    that are vLLM's (or its watchdog) are signalled, in case the group id was reused; never this process."""
+    if not pgid:
+        return
+    for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)):
+        if not Path("/proc").is_dir():                  # (no /proc, e.g. macOS: the whole group)
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+        pids = [p for p in _vllm_members(pgid) if p != os.getpid()]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while pids and any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def watch(state_path: Path, idle_seconds: float, poll: float, pid: int) -> str:
+    """The server's watchdog (its own process, in the server's group): returns once the server has exited,
+    after stopping it if the state file no longer names it (the run forgot it, or started another) or if no
+    generate has used it (the state file's mtime) for `idle_seconds`. The stage writes the state file just
+    after starting us: until it has named the server once, a missing file only counts after `idle_seconds`.
+    Returns why it ended."""
+    started, named_once = time.time(), False
+    while _alive(pid):
+        time.sleep(poll)
+        try:
+            used, named = state_path.stat().st_mtime, json.loads(state_path.read_text()).get("pid")
+        except (OSError, ValueError):
+            used, named = None, None
+        named_once = named_once or named == pid
+        if named != pid and (named_once or named is not None or time.time() - started > idle_seconds):
+            why = "the run's state file no longer names it"
+        elif named == pid and time.time() - used > idle_seconds:
+            why = f"no generate used it for {idle_seconds:.0f} s (generate.server_idle_timeout)"
+        else:
+            continue
+        print(f"rlflow watchdog: stopping vLLM server pid {pid}: {why}", flush=True)
+        if named == pid:
+            state_path.unlink(missing_ok=True)      # first: a stage starting now starts a new server
+        _terminate_group(os.getpgid(0))
+        return why
+    return "the server exited"
 
 
 def _alive(pid: int) -> bool:
@@ -306,3 +357,9 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+if __name__ == "__main__":     # python -m tasks.vllm_server watch STATE_PATH IDLE_SECONDS POLL_SECONDS SERVER_PID
+    if len(sys.argv) != 6 or sys.argv[1] != "watch":
+        sys.exit("usage: python -m tasks.vllm_server watch STATE_PATH IDLE_SECONDS POLL_SECONDS SERVER_PID")
+    watch(Path(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))

@@ -45,6 +45,22 @@ def vllm_python(cfg) -> str:
     return str(local) if local.exists() else sys.executable
 
 
+def check_installed(cfg) -> str:
+    """The vLLM interpreter, or one UserError line if it is missing or has no vllm. Looks the module up without
+    importing it (importing vllm takes seconds): for the flow's preflight and both vLLM engines."""
+    from tasks.errors import UserError
+
+    python = vllm_python(cfg)
+    if os.sep in python and not Path(python).exists():
+        raise UserError(f"generate.vllm_python: {python} does not exist (make setup builds .venv-vllm)")
+    probe = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise UserError(f"generate.engine: vllm: {python} has no vllm; make setup builds .venv-vllm, a GPU machine "
+                        f"needs `pip install vllm`")
+    return python
+
+
 def worker_env(**extra: str) -> dict[str, str]:
     """This checkout's `tasks` first on the path (the vLLM environment may have another rlflow installed)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -144,9 +160,7 @@ class VLLMOffline:
                    "prompts": prompt_ids, "seeds": request_seeds(seed, len(prompt_ids)),
                    "sampling": {"n": n, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
                                 "stop_token_ids": [tokenizer.eos_token_id]}}
-        python = vllm_python(cfg)
-        if not Path(python).exists() and os.sep in python:
-            raise UserError(f"generate.vllm_python: {python} does not exist (make setup builds .venv-vllm)")
+        python = check_installed(cfg)
         with tempfile.TemporaryDirectory(prefix="rlflow-vllm-") as tmp:
             req, res, log = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "worker.log"
             req.write_text(json.dumps(request))

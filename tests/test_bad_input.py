@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import boto3
@@ -93,6 +94,11 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                           "model.name_or_path: " + str(no_chat) + ": its tokenizer has no chat template"),
         "system prompt, no chat template": (["run", str(TINY), "-o", "data.system_prompt=Answer.",
                                             "-o", f"model.name_or_path={no_chat}"], "has no chat template"),
+        # engines
+        "vllm engine, no vllm": (["run", str(TINY), "-o", "generate.engine=vllm", "-o",
+                                  f"generate.vllm_python={sys.executable}"], f"generate.engine: vllm: {sys.executable} has no vllm"),
+        "vllm python missing": (["run", str(TINY), "-o", "generate.engine=vllm", "-o", f"generate.vllm_python={tmp}/py"],
+                                f"generate.vllm_python: {tmp}/py does not exist"),
         # store and launchers
         "store scheme": (["run", str(TINY), "-o", "store.uri=gs://bucket"], "store.uri"),
         "s3 model outside the store": (["run", str(TINY), "-o", "model.name_or_path=s3://elsewhere/model"],

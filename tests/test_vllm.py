@@ -18,6 +18,7 @@ import json
 import math
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,6 +166,18 @@ def _gone(pid: int) -> bool:
     return open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] == "Z"
 
 
+def _watchdogs(run: str) -> list[int]:
+    """Live watchdog processes of run `run`'s server (tasks.vllm_server watch <state file> ...)."""
+    out, needle = [], f"tasks.vllm_server watch {state_dir() / run}.json "
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode() and not _gone(int(proc.name)):
+                out.append(int(proc.name))
+        except OSError:
+            continue
+    return out
+
+
 def test_server_mode_flow_reloads_in_place_and_stops_the_server(prefect_api, tmp_path, monkeypatch):
     """The flow with generate (and evaluate) run by the `local` launcher, i.e. as separate stage processes, as
     on a cluster: the server started by iteration 1's process outlives it, iteration 2 reloads policy v1 into
@@ -202,7 +215,7 @@ def test_server_mode_flow_reloads_in_place_and_stops_the_server(prefect_api, tmp
 
     assert not (state_dir() / "server.json").exists()          # the flow stopped it
     pid = int(text.split("(APIServer pid=", 1)[1].split(")", 1)[0])
-    assert _gone(pid)
+    assert _gone(pid) and not _watchdogs("server")             # and its watchdog
 
 
 def test_server_swaps_lora_adapters_and_restarts_after_a_crash(tmp_path):
@@ -221,10 +234,11 @@ def test_server_swaps_lora_adapters_and_restarts_after_a_crash(tmp_path):
         os.killpg(live["pgid"], signal.SIGKILL)             # the server dies between iterations
         third = _iteration(cfg, 3)                          # restarted, base + adapter v2 loaded, verified
         restarted = _state(cfg)
+        assert len(_watchdogs(cfg.run.name)) == 1           # the killed group's watchdog died with it
         assert restarted["pid"] != live["pid"] and restarted["label"].startswith("v000002-")
         v2 = policy_path(cfg, layout.policy(cfg.run.name, 2))
         assert _max_diff(cfg, v2, _records(cfg, 3))[0] < TOL
         assert third["train/mismatch_kl"] < 1e-8
     finally:
         stop_server(cfg)
-    assert _gone(restarted["pid"])
+    assert _gone(restarted["pid"]) and not _watchdogs(cfg.run.name)
