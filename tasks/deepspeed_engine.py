@@ -29,7 +29,9 @@ Checkpoint, for iteration N (tasks/layout.py):
                                              processes, 'latest', DeepSpeed's zero_to_fp32.py) + rng/rank-R.pt;
                                              uploaded by the node's first process, listed in state.json
 Every node saves to its own local disk, so several nodes need no shared filesystem; a resume downloads
-every node's folder on every node (whichever process gets which rank next time finds its shard).
+every node's folder on every node (whichever process gets which rank next time finds its shard). A resume on
+another number of processes (a spot replacement with another GPU count) first converts the shards into
+DeepSpeed's universal checkpoint (`to_universal`), which any process count loads.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -149,18 +152,21 @@ class DeepSpeedEngine:
         dtype = "bfloat16" if self.bf16 else "float32"
         self._hf_config = None
         try:
-            state = None
+            state, universal = None, False
             if prev:
                 resume = self.scratch / "resume"
                 self._on_node_leader(lambda: self._download(prev, resume))
                 state = json.loads((resume / "ckpt" / STATE).read_text())
                 self._check_resumable(state, prev)
+                universal = state["world_size"] != self.world_size     # its shards are cut for another count
+                if universal:
+                    self._on_node_leader(lambda: to_universal(resume / "engine", state["tag"]))
                 model_path = str(resume / "ckpt" / MODEL_DIR)
             else:
                 self._on_node_leader(lambda: base_path(cfg))   # one download/build per node, then cached
                 model_path = base_path(cfg)
             self.tokenizer = load_tokenizer(model_path)
-            config = self._ds_config()
+            config = self._ds_config(universal)
             if tc.zero_stage == 3:   # from_pretrained then creates each weight already partitioned (zero.Init)
                 from transformers.integrations import HfDeepSpeedConfig
                 self._hf_config = HfDeepSpeedConfig(config)
@@ -191,22 +197,27 @@ class DeepSpeedEngine:
                 self.ref_model = ref
             self.global_step = 0
             if state is not None:
-                self.model.load_checkpoint(str(resume / "engine"), tag=state["tag"], load_optimizer_states=True,
+                tag = universal_tag(state["tag"]) if universal else state["tag"]
+                self.model.load_checkpoint(str(resume / "engine"), tag=tag, load_optimizer_states=True,
                                            load_lr_scheduler_states=False)
                 rng = resume / "engine" / layout.CKPT_RNG_RANK.format(rank=self.rank)
                 if rng.exists():
                     set_rng_state(torch.load(rng, weights_only=False))
+                else:                # a process the checkpoint did not have (more processes than before)
+                    torch.manual_seed(cfg.run.seed * 1_000_003 + state["step"] * 1024 + self.rank)
+                    random.seed(cfg.run.seed * 1_000_003 + state["step"] * 1024 + self.rank)
                 self.global_step = state["step"]
         except BaseException:
             self.close()
             raise
 
-    def _ds_config(self) -> dict:
+    def _ds_config(self, universal: bool) -> dict:
         tc = self.cfg.train
         zero: dict = {"stage": tc.zero_stage}
         if tc.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": self.device.type == "cuda"}
         return {
+            "checkpoint": {"load_universal": universal},   # resuming from another process count (to_universal)
             "train_micro_batch_size_per_gpu": tc.micro_batch_size,
             "gradient_accumulation_steps": 1,          # bookkeeping only: accumulation is ours (see below)
             "managed_gradient_accumulation": False,    # backward() per micro-batch, step() once per pass
@@ -223,10 +234,6 @@ class DeepSpeedEngine:
         if state.get("engine", "torch") != "deepspeed":
             raise UserError(f"train.engine: {where} was written by the {state.get('engine', 'torch')} engine; "
                             f"keep one engine for a whole run, or start a new run.name")
-        if state["world_size"] != self.world_size:
-            raise UserError(f"train.num_processes: {where} holds the ZeRO shards of {state['world_size']} "
-                            f"processes, this run has {self.world_size} (nodes x processes per node); resume "
-                            f"with {state['world_size']}")
         if state["zero_stage"] != tc.zero_stage:
             raise UserError(f"train.zero_stage: {where} was written at ZeRO stage {state['zero_stage']}; "
                             f"resume with train.zero_stage={state['zero_stage']}")
@@ -354,6 +361,29 @@ class DeepSpeedEngine:
         if self.local_rank == 0:
             fn()
         self.barrier()
+
+
+def universal_tag(tag: str) -> str:
+    return f"{tag}-universal"
+
+
+def to_universal(engine_dir: Path, tag: str) -> None:
+    """Convert the ZeRO shards of checkpoint `tag` (saved by another number of processes) into DeepSpeed's
+    universal checkpoint `universal_tag(tag)` beside it: one folder of fp32 weights and Adam moments per
+    parameter, which any number of processes can load (`"checkpoint": {"load_universal": true}`). Runs
+    DeepSpeed's own converter in a process of its own (it starts worker pools)."""
+    out = universal_tag(tag)
+    t0 = time.perf_counter()
+    argv = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(engine_dir / tag),
+            "--output_folder", str(engine_dir / out), "--inject_missing_state",
+            "--num_extract_workers", str(max(1, min(8, os.cpu_count() or 1))), "--num_merge_workers", "2"]
+    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        tail = " | ".join(line.strip() for line in (proc.stdout + proc.stderr).splitlines()[-15:] if line.strip())
+        raise RuntimeError(f"deepspeed universal checkpoint conversion of {tag} failed: {tail[-1500:]}")
+    print(f"train: the checkpoint's ZeRO shards were cut for another number of processes; converted {tag} to "
+          f"DeepSpeed's universal checkpoint in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def _run_streaming(argv: list[str], env: dict) -> tuple[int, str | None, list[str]]:

@@ -9,7 +9,10 @@ Every setting trains iterations 1 and 2 with two optimiser passes per iteration 
     loss of an uninterrupted run: the torch engine's, and with one process a DeepSpeed engine that trains
     both iterations without checkpointing in between (exactly);
   - the published policy v2 holds the trainer's weights in bf16, loads through from_pretrained and gives the
-    trainer's logprobs up to bf16 rounding.
+    trainer's logprobs up to bf16 rounding;
+  - iteration 3 (iteration 2's data again) resumes on another number of processes than wrote ckpt-2: 2 -> 1 at
+    ZeRO 1 and 3, 1 -> 2 at ZeRO 2, through DeepSpeed's universal checkpoint; it must equal the torch engine's
+    uninterrupted iteration 3.
 The three ZeRO stages use three loss types (dapo, grpo, dr_grpo), whose normalisers are the whole batch's
 token count, sequence count and sequence count x length: on two processes they must be all-reduced.
 9 completions, micro-batch 2: one process runs 5 micro-batches; with two, process 0 takes 5 completions
@@ -59,6 +62,8 @@ COMMON = [f"run.name={RUN}", "generate.prompts_per_iteration=3", "generate.num_g
           'reward.functions=[{"fn": "tasks.rewards.demo:stops_reward"}]']
 LOSS_OF_STAGE = {1: "dapo", 2: "grpo", 3: "dr_grpo"}
 METRIC_TOL = dict(rel=1e-5, abs=1e-7)
+METRIC_KEYS = ("train/loss", "train/grad_norm", "train/kl_ref", "train/entropy", "train/ratio_mean",
+               "train/mismatch_kl", "train/clip_region")
 WEIGHT_ATOL = 1e-5
 LOGPROB_ATOL = 0.01
 
@@ -120,11 +125,12 @@ _torch_runs: dict[str, dict] = {}
 
 
 def _torch_reference(loss_type: str, rollouts: dict, tmp_path_factory) -> dict:
-    """The torch engine on the same rollouts: metrics per iteration and the weights after iteration 2."""
+    """The torch engine on the same rollouts, uninterrupted: metrics of iterations 1-3 (3 repeats 2's data),
+    the weights after iterations 2 and 3."""
     if loss_type not in _torch_runs:
         tmp = tmp_path_factory.mktemp(f"torch-{loss_type}")
-        cfg = _config(tmp, rollouts, [f"train.loss_type={loss_type}"])
-        metrics = [train(cfg, it)["metrics"] for it in (1, 2)]
+        cfg = _config(tmp, rollouts, [f"train.loss_type={loss_type}"], iterations=(1, 2, 3))
+        metrics = [train(cfg, it)["metrics"] for it in (1, 2, 3)]
         publish(cfg, 2)
         store = Store.open(cfg.store)
         store.get_folder(layout.checkpoint(RUN, 2), tmp / "ckpt")
@@ -132,7 +138,10 @@ def _torch_reference(loss_type: str, rollouts: dict, tmp_path_factory) -> dict:
         with safe_open(tmp / "published" / "model.safetensors", "pt") as f:
             published_keys = set(f.keys())
         weights = load_model(str(tmp / "ckpt" / "model")).state_dict()
-        _torch_runs[loss_type] = dict(metrics=metrics, weights=weights, published_keys=published_keys)
+        store.get_folder(layout.checkpoint(RUN, 3), tmp / "ckpt3")
+        weights3 = load_model(str(tmp / "ckpt3" / "model")).state_dict()
+        _torch_runs[loss_type] = dict(metrics=metrics, weights=weights, weights3=weights3,
+                                      published_keys=published_keys)
     return _torch_runs[loss_type]
 
 
@@ -158,8 +167,7 @@ def _check_against_torch(cfg, metrics: list[dict], ref: dict, rollouts, tmp_path
     store = Store.open(cfg.store)
     for got, want in zip(metrics, ref["metrics"]):
         assert set(got) == set(want)                                   # the same train/* metrics
-        for k in ("train/loss", "train/grad_norm", "train/kl_ref", "train/entropy", "train/ratio_mean",
-                  "train/mismatch_kl", "train/clip_region"):
+        for k in METRIC_KEYS:
             assert got[k] == pytest.approx(want[k], **METRIC_TOL), k
     assert metrics[1]["train/kl_ref"] > 0 and metrics[1]["train/grad_norm"] > 0.05   # not a vacuous comparison
 
@@ -188,13 +196,30 @@ def _check_against_torch(cfg, metrics: list[dict], ref: dict, rollouts, tmp_path
     return fp32
 
 
+def _check_resumed_on(tmp_path: Path, extra: list[str], processes: int, ref: dict) -> None:
+    """Iteration 3 on `processes` processes from iteration 2's checkpoint, written by another number of processes
+    (a spot replacement with another GPU count): DeepSpeed's universal checkpoint re-cuts the ZeRO shards,
+    optimizer states included, so the update equals the uninterrupted torch run's. Lost Adam moments or step
+    counts would move the weights by ~lr = 1e-3, far above WEIGHT_ATOL."""
+    cfg = load_config(TINY, [*COMMON, f"store.uri={tmp_path}/store", *extra, f"train.num_processes={processes}"])
+    metrics = train(cfg, 3)["metrics"]
+    for k in METRIC_KEYS:
+        assert metrics[k] == pytest.approx(ref["metrics"][2][k], **METRIC_TOL), k
+    store = Store.open(cfg.store)
+    state = store.get_json(layout.checkpoint(RUN, 3), layout.CKPT_STATE)
+    assert (state["step"], state["world_size"]) == (6, processes)
+    fp32 = _fp32_weights(store, 3, tmp_path / "fp32-3")
+    for name, want in ref["weights3"].items():
+        assert (fp32[name] - want).abs().max() <= WEIGHT_ATOL, name
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_one_process_matches_torch_resumes_exactly_and_publishes_16bit(stage, rollouts, tmp_path, tmp_path_factory,
-                                                                       as_worker):
+                                                                       as_worker, monkeypatch):
     loss_type = LOSS_OF_STAGE[stage]
     ref = _torch_reference(loss_type, rollouts, tmp_path_factory)
     extra = ["train.engine=deepspeed", f"train.zero_stage={stage}", f"train.loss_type={loss_type}"]
-    cfg = _config(tmp_path, rollouts, extra)
+    cfg = _config(tmp_path, rollouts, extra, iterations=(1, 2, 3))
     metrics = [train(cfg, it)["metrics"] for it in (1, 2)]
     fp32 = _check_against_torch(cfg, metrics, ref, rollouts, tmp_path, processes=1)
 
@@ -219,6 +244,11 @@ def test_one_process_matches_torch_resumes_exactly_and_publishes_16bit(stage, ro
     finally:
         engine.close()
 
+    if stage == 2:      # one process's shards resume on two (the stage starts torchrun: not a worker any more)
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(var)
+        _check_resumed_on(tmp_path, extra, 2, ref)
+
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_two_processes_match_one_and_the_torch_engine(stage, rollouts, tmp_path, tmp_path_factory):
@@ -235,11 +265,13 @@ def test_two_processes_match_one_and_the_torch_engine(stage, rollouts, tmp_path,
     shards = store.manifest(store.get_json(layout.checkpoint(RUN, 2), layout.CKPT_STATE)["engine_state"][0])
     assert {"rng/rank-00000.pt", "rng/rank-00001.pt"} <= set(shards["files"])
     assert sum("optim_states" in f for f in shards["files"]) == 2         # one ZeRO shard per process
-    if stage == 1:   # a worker's user error stays a user error: 2 processes' shards cannot resume on 1
-        one = load_config(TINY, [*COMMON, f"store.uri={tmp_path}/store", *extra[:-1], "train.num_processes=1"])
-        with pytest.raises(UserError, match="train.num_processes: .* 2 processes"):
-            train(one, 3)
+    if stage == 1:   # a worker's user error stays a user error: a checkpoint of ZeRO stage 1 resumed at stage 2
+        other = load_config(TINY, [*COMMON, f"store.uri={tmp_path}/store", *extra, "train.zero_stage=2"])
+        with pytest.raises(UserError, match="train.zero_stage: .* ZeRO stage 1"):
+            train(other, 3)
         assert store.manifest(layout.checkpoint(RUN, 3)) is None
+    if stage != 2:   # two processes' shards resume on one
+        _check_resumed_on(tmp_path, extra[:-1], 1, ref)
 
 
 def test_two_nodes(rollouts, tmp_path, tmp_path_factory):
