@@ -327,23 +327,24 @@ def clean_engine_state(store, run: str) -> int:
     """Remove the deepspeed node folders that no committed checkpoint names: those of attempts killed (or beaten
     by another attempt) before their ckpt-N was committed. Folders of iteration N go only once ckpt-N is
     complete: a committed checkpoint is immutable, so an attempt it does not name can never be needed, while
-    before that a running attempt may still be writing its own. Returns how many attempt folders went."""
-    base, removed, named = f"{run}/trainer-state", 0, {}
+    before that a running attempt may still be writing its own. An iteration with one attempt has nothing to
+    remove (its checkpoint, if committed, names it), so only iterations with several cost a read: the flow runs
+    this at every start without reading every checkpoint of a long run. Returns how many attempt folders went."""
+    base, removed, attempts = f"{run}/trainer-state", 0, {}
     for name in store.list_folders(base):                       # ckpt-000042-<attempt>
         head, _, attempt = name.partition("-")[2].partition("-")
-        if not (head.isdigit() and attempt):
+        if head.isdigit() and attempt:
+            attempts.setdefault(int(head), []).append(f"{base}/{name}")
+    for iteration, folders in attempts.items():
+        ckpt = layout.checkpoint(run, iteration)
+        if len(folders) < 2 or store.manifest(ckpt) is None:
             continue
-        iteration = int(head)
-        if iteration not in named:
-            ckpt = layout.checkpoint(run, iteration)
-            named[iteration] = (None if store.manifest(ckpt) is None else
-                                {p.rsplit("/", 1)[0] for p in store.get_json(ckpt, STATE).get("engine_state", [])})
-        folder = f"{base}/{name}"
-        if named[iteration] is None or folder in named[iteration]:
-            continue
-        for node in store.list_folders(folder):
-            store.delete_folder(f"{folder}/{node}")
-        removed += 1
+        named = {p.rsplit("/", 1)[0] for p in store.get_json(ckpt, STATE).get("engine_state", [])}
+        for folder in folders:
+            if folder not in named:
+                for node in store.list_folders(folder):
+                    store.delete_folder(f"{folder}/{node}")
+                removed += 1
     return removed
 
 
