@@ -204,8 +204,9 @@ class DeepSpeedEngine:
                 if rng.exists():
                     set_rng_state(torch.load(rng, weights_only=False))
                 else:                # a process the checkpoint did not have (more processes than before)
-                    torch.manual_seed(cfg.run.seed * 1_000_003 + state["step"] * 1024 + self.rank)
-                    random.seed(cfg.run.seed * 1_000_003 + state["step"] * 1024 + self.rank)
+                    seed = cfg.run.seed * 1_000_003 + state["step"] * 1024 + self.rank
+                    torch.manual_seed(seed)
+                    random.seed(seed)
                 self.global_step = state["step"]
         except BaseException:
             self.close()
