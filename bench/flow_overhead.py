@@ -24,8 +24,8 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
 os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_FLOW_RUNS_LEVEL", "CRITICAL")
 os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_TASK_RUNS_LEVEL", "CRITICAL")
 
-from tasks import layout  # noqa: E402
-from tasks.config import load_config  # noqa: E402
+from tasks.core import layout  # noqa: E402
+from tasks.core.config import Config, load_config  # noqa: E402
 from tasks.evaluate import evaluate  # noqa: E402
 from tasks.generate import generate  # noqa: E402
 from tasks.publish import publish  # noqa: E402
@@ -33,7 +33,7 @@ from tasks.reward import reward  # noqa: E402
 from tasks.train import train  # noqa: E402
 
 
-def bare_loop(cfg) -> list[float]:
+def bare_loop(cfg: Config) -> list[float]:
     out = []
     for it in range(1, cfg.run.iterations + 1):
         generate(cfg, it, layout.BASE if it == 1 else layout.policy(cfg.run.name, it - 1))
@@ -82,7 +82,8 @@ def main() -> None:
     f, b = statistics.median(flow_t), statistics.median(bare_t)
     print(f"machine: {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}")
     print(f"overrides: {args.override or 'none (demo size)'}")
-    print(f"iterations per run: {args.iterations}; repeats: {args.repeats}; first flow (Prefect start + 1 iter): {warm:.1f}s")
+    print(f"iterations per run: {args.iterations}; repeats: {args.repeats}; "
+          f"first flow (Prefect start + 1 iter): {warm:.1f}s")
     print(f"prefect flow + store + mlflow: {f:.2f}s  ({f / args.iterations * 1000:.0f} ms/iteration)  runs: {flow_t}")
     print(f"bare loop + store:             {b:.2f}s  ({b / args.iterations * 1000:.0f} ms/iteration)  runs: {bare_t}")
     print(f"ratio flow/bare: {f / b:.3f}  (overhead {100 * (f / b - 1):+.1f}%)")

@@ -8,7 +8,7 @@ Both sides get the same prompt token ids (the stage's own data + tokenisation), 
 settings, and load the model from disk:
 - hf:     the generate stage (store, manifests, dataset, tokenisation, model load, our logprob-recording
           sampler) vs `AutoModelForCausalLM.from_pretrained` + `model.generate` in this process.
-- vllm:   the generate stage in offline mode (it runs tasks/vllm_worker.py under the vLLM environment's
+- vllm:   the generate stage in offline mode (it runs tasks/engines/vllm_worker.py under the vLLM environment's
           Python) vs a bare script in that environment: `vllm.LLM(same engine args)` + `LLM.generate`; the
           bare side's clock stops when its samples are printed (its interpreter teardown is not counted).
           Also compared: sampling alone (the worker's generate call vs the bare generate call).
@@ -39,12 +39,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from tasks import data, layout  # noqa: E402
-from tasks.config import load_config  # noqa: E402
+from tasks.core import data, layout  # noqa: E402
+from tasks.core.config import Config, load_config  # noqa: E402
+from tasks.core.models import base_path, encode_prompt, load_tokenizer  # noqa: E402
+from tasks.core.store import open_store  # noqa: E402
+from tasks.engines.sampling import sampling_engine  # noqa: E402
+from tasks.engines.vllm_offline import engine_args, request_seeds, worker_env  # noqa: E402
 from tasks.generate import generate  # noqa: E402
-from tasks.models import base_path, encode_prompt, load_tokenizer, open_store  # noqa: E402
-from tasks.vllm_server import stop_server  # noqa: E402
-from tasks.vllm_worker import engine_args, request_seeds, worker_env  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
@@ -74,7 +75,7 @@ if __name__ == "__main__":
 '''
 
 
-def stage_prompts(cfg, iteration: int) -> tuple[list[list[int]], object]:
+def stage_prompts(cfg: Config, iteration: int) -> tuple[list[list[int]], object]:
     """The prompt ids the generate stage builds for this iteration (same rows, same tokenisation)."""
     ds = data.load_prompts(cfg)
     P = cfg.generate.prompts_per_iteration
@@ -83,7 +84,7 @@ def stage_prompts(cfg, iteration: int) -> tuple[list[list[int]], object]:
     return [encode_prompt(tok, data.prompt_of(cfg, ds[r]), cfg.generate.max_prompt_length) for r in rows], tok
 
 
-def stage_run(cfg, iteration: int, policy: str = layout.BASE) -> dict:
+def stage_run(cfg: Config, iteration: int, policy: str = layout.BASE) -> dict:
     t0 = time.perf_counter()
     m = generate(cfg, iteration, policy)["metrics"]
     wall = time.perf_counter() - t0
@@ -92,7 +93,7 @@ def stage_run(cfg, iteration: int, policy: str = layout.BASE) -> dict:
             "load": m["generate/load_seconds"]}
 
 
-def bare_hf(cfg, iteration: int) -> dict:
+def bare_hf(cfg: Config, iteration: int) -> dict:
     """from_pretrained + model.generate with the same batches, seed and sampling settings."""
     from transformers import AutoModelForCausalLM
 
@@ -119,7 +120,7 @@ def bare_hf(cfg, iteration: int) -> dict:
     return {"wall": t2 - t0, "tokens": tokens, "sampling": t2 - t1}
 
 
-def bare_vllm(cfg, iteration: int, work: Path) -> dict:
+def bare_vllm(cfg: Config, iteration: int, work: Path) -> dict:
     """A plain vLLM script in the vLLM environment: same engine arguments, prompts, seeds, sampling."""
     gc = cfg.generate
     t0 = time.perf_counter()
@@ -149,14 +150,14 @@ def bare_vllm(cfg, iteration: int, work: Path) -> dict:
             "warm": warm}
 
 
-def bare_http(cfg, iteration: int) -> dict:
+def bare_http(cfg: Config, iteration: int) -> dict:
     """Plain HTTP to the run's server: one /v1/completions request per prompt, all in flight, the same bodies
     the stage sends (prompt ids, n, seeds, sampling settings, logprobs)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
-    from tasks.vllm_server import SERVED, state_dir
+    from tasks.engines.vllm_server import SERVED, state_dir
 
     gc = cfg.generate
     t0 = time.perf_counter()
@@ -180,7 +181,7 @@ def bare_http(cfg, iteration: int) -> dict:
     return {"wall": t2 - t0, "tokens": tokens, "sampling": t2 - t1}
 
 
-def publish_copy(cfg, version: int, seed: int) -> str:
+def publish_copy(cfg: Config, version: int, seed: int) -> str:
     """A new full-weights policy in the store (the base model, perturbed): what publish would write."""
     from transformers import AutoModelForCausalLM
 
@@ -276,7 +277,7 @@ def main() -> None:
                 bare.append(bare_http(c, it))                           # the same requests, plain HTTP
                 assert warm[-1]["tokens"] == bare[-1]["tokens"], "same seeds: the same samples on both sides"
         finally:
-            stop_server(c)
+            sampling_engine(c).stop()
         report("vllm server (warm) vs bare HTTP to the same server", warm, bare)
         if offline_start is not None:
             server_rate = med(warm, "tokens") / best(warm, "sampling")
@@ -285,7 +286,8 @@ def main() -> None:
                   f"{server_rate / (offline_tokens / offline_warm):.3f}")
         reload_s, start_s = min(reloads), first["load"]
         print(f"server: fresh start (spawn -> /health, base loaded) {start_s:.1f} s; in-place reload of a new "
-              f"policy (reload + prefix-cache reset + version check) {reload_s:.3f} s  runs {[round(x, 3) for x in reloads]}")
+              f"policy (reload + prefix-cache reset + version check) {reload_s:.3f} s  "
+              f"runs {[round(x, 3) for x in reloads]}")
         print(f"server: reload / fresh server start = {reload_s / start_s:.4f} ({start_s / reload_s:.0f}x faster)")
         if offline_start is not None:
             print(f"server: reload / offline engine start = {reload_s / offline_start:.4f} "

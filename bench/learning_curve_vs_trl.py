@@ -28,13 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tasks import layout  # noqa: E402
-from tasks.config import load_config  # noqa: E402
+from tasks.core import layout  # noqa: E402
+from tasks.core.builtin_models import resolve  # noqa: E402
+from tasks.core.config import load_config  # noqa: E402
 from tasks.generate import generate  # noqa: E402
 from tasks.publish import publish  # noqa: E402
 from tasks.reward import reward  # noqa: E402
 from tasks.rewards.demo import successor_reward  # noqa: E402
-from tasks.tiny_model import resolve  # noqa: E402
 from tasks.train import train  # noqa: E402
 
 CONFIG = ROOT / "configs" / "tiny.yaml"

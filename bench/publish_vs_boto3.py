@@ -66,8 +66,8 @@ def main() -> None:
 
     import boto3
 
-    from tasks.config import StoreConfig
-    from tasks.store import Store
+    from tasks.core.config import StoreConfig
+    from tasks.core.store import Store
 
     proc, endpoint = start_moto()
     try:

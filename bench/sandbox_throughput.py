@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tasks import sandbox  # noqa: E402
-from tasks.config import SandboxConfig  # noqa: E402
+from tasks.core.config import SandboxConfig  # noqa: E402
 from tasks.rewards import code as code_rewards  # noqa: E402
+from tasks.scoring import sandbox  # noqa: E402
 
 SUM = [("1 2\n", "3"), ("10 -4\n", "6"), ("100000 23\n", "100023")]
 WORDS = [("hello big world\n", "world big hello"), ("a\n", "a"), ("x y\n", "y x")]

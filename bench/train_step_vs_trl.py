@@ -27,12 +27,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from tasks.advantage import group_advantages  # noqa: E402
-from tasks.config import load_config  # noqa: E402
-from tasks.models import load_model, load_tokenizer  # noqa: E402
-from tasks.rollout import Rollout  # noqa: E402
-from tasks.tiny_model import build  # noqa: E402
-from tasks.train import TorchEngine, optimise, prepare_batches  # noqa: E402
+from tasks.algorithms.advantage import group_advantages  # noqa: E402
+from tasks.algorithms.batching import prepare_batches  # noqa: E402
+from tasks.core.builtin_models import build  # noqa: E402
+from tasks.core.config import load_config  # noqa: E402
+from tasks.core.models import load_model, load_tokenizer  # noqa: E402
+from tasks.core.rollout import Rollout  # noqa: E402
+from tasks.engines.torch_engine import TorchEngine  # noqa: E402
+from tasks.train import optimise  # noqa: E402
 
 
 def scored_completions(tokenizer, n_prompts: int, group: int, length: int, seed: int = 0) -> list[Rollout]:
@@ -111,7 +113,7 @@ def main() -> None:
 
     def our_step(name):
         model, opt, cfg, ref = ours[name]
-        batches = prepare_batches(records, advantages, tokenizer.pad_token_id, cfg, torch.device("cpu"))
+        batches = prepare_batches(records, advantages, tokenizer.pad_token_id, cfg.train, torch.device("cpu"))
         optimise(TorchEngine(model, opt, cfg, ref_model=ref), batches, cfg)
 
     # TRL: GRPOTrainer's own model, optimizer, loss and backward, on the same completions
@@ -119,7 +121,8 @@ def main() -> None:
                        num_generations=args.generations, max_completion_length=args.length, beta=args.beta,
                        loss_type=args.loss_type, learning_rate=lr, lr_scheduler_type="constant",
                        weight_decay=0.0, max_grad_norm=1.0, report_to=[], logging_strategy="no")
-    trainer = GRPOTrainer(model=str(path), args=targs, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+    trainer = GRPOTrainer(model=str(path), args=targs,
+                          reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                           train_dataset=Dataset.from_dict({"prompt": ["a="] * args.prompts}))
     trainer.create_optimizer()
     trainer.model.train()

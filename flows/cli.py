@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from tasks.errors import UserError, cause_of
+from tasks.core.errors import UserError, cause_of
 
 
 def _quiet_prefect() -> None:
@@ -33,9 +33,8 @@ def _quiet_prefect() -> None:
 
 
 def cmd_run(args) -> int:
-    from tasks.config import load_config
-
-    from tasks.stage import parse_overrides_json
+    from tasks.core.config import load_config
+    from tasks.core.stage import parse_overrides_json
 
     overrides = parse_overrides_json(args.overrides_json) + args.override
     load_config(args.config, overrides)       # a bad config is one line and exit 2, before Prefect starts

@@ -15,19 +15,21 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from tasks.errors import UserError
+from tasks.core.errors import UserError
+from tasks.core.paths import sibling_python
+from tasks.core.processes import stream
 
-from tasks.stage import USER_ERROR  # noqa: E402  the line a stage CLI prints before exit 2
-ROOT = Path(__file__).resolve().parents[1]
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
 BRIDGE = Path(__file__).with_name("sky_bridge.py")
 # Stages that share a machine kind share a cluster: evaluate generates; publish follows train.
 CLUSTER_OF = {"generate": "gen", "evaluate": "gen", "reward": "reward", "train": "train", "publish": "train"}
@@ -43,7 +45,7 @@ class Ran:
     hourly_usd: float | None = None     # price of the machine it ran on, when known
 
 
-def recipe_path(cfg, stage: str) -> Path:
+def recipe_path(cfg: Config, stage: str) -> Path:
     path = Path(cfg.launcher.recipes) / f"{stage}.yaml"
     if not path.is_file():
         raise UserError(f"launcher.recipes: no recipe {path} for stage {stage!r} (run from the repository root)")
@@ -57,32 +59,6 @@ def stage_env(cfg_path: str, overrides: list[str], iteration: int, policy: str |
     return env
 
 
-def _pump(stream, sink, last: list[str]) -> None:
-    for line in iter(stream.readline, ""):
-        sink(line.rstrip("\n"))
-        last.append(line)
-        del last[:-50]
-
-
-def run_logged(argv: list[str], env: dict, cwd: Path, log) -> tuple[int, list[str]]:
-    """Run, streaming merged stdout/stderr lines to `log`; returns (exit code, last lines)."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1)
-    last: list[str] = []
-    pump = threading.Thread(target=_pump, args=(proc.stdout, log, last), daemon=True)
-    pump.start()
-    code = proc.wait()
-    pump.join(timeout=10)
-    return code, last
-
-
-def _user_error_in(lines: list[str]) -> str | None:
-    for line in reversed(lines):
-        if USER_ERROR in line:
-            return line.split(USER_ERROR, 1)[1].strip()
-    return None
-
-
 class Local:
     """Run the recipe's `run` in a subprocess with the recipe's envs, the flow's values for them, and the
     recipe's secrets from this environment: what a SkyPilot node would execute, on this machine. `setup`
@@ -90,10 +66,10 @@ class Local:
 
     mode = "local"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
 
-    def run(self, stage, iteration, env, log) -> Ran:
+    def run(self, stage: str, iteration: int, env: dict[str, str], log) -> Ran:
         recipe = yaml.safe_load(recipe_path(self.cfg, stage).read_text())
         envs = {k: str(v) for k, v in (recipe.get("envs") or {}).items() if v is not None}
         envs.update(env)
@@ -103,14 +79,15 @@ class Local:
                 # the recipe says `python`: make it this environment's Python
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         t0 = time.perf_counter()
-        code, last = run_logged(["bash", "-c", recipe["run"]], full, Path.cwd(), log)
+        ran = stream(["bash", "-c", recipe["run"]], full, log, cwd=Path.cwd())
         seconds = time.perf_counter() - t0
-        if code == 0:
+        if ran.code == 0:
             return Ran(seconds)
-        if code == 2 and (msg := _user_error_in(last)):
-            raise UserError(msg)
-        raise InfraError(f"{stage}[iter {iteration}]: local stage process exited with {code}"
-                         + (" (killed)" if code < 0 or code in (137, 143) else "") + f": {''.join(last[-3:]).strip()}")
+        if ran.code == 2 and ran.user_error:
+            raise UserError(ran.user_error)
+        killed = " (killed)" if ran.code < 0 or ran.code in (137, 143) else ""
+        raise InfraError(f"{stage}[iter {iteration}]: local stage process exited with {ran.code}{killed}: "
+                         + "\n".join(ran.last[-3:]).strip())
 
     def close(self, log) -> None:
         pass
@@ -123,30 +100,28 @@ class Sky:
 
     mode = "sky"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self.launched: set[str] = set()
-        lc = cfg.launcher
-        self.python = lc.sky_python or (str(ROOT / ".venv-sky" / "bin" / "python")
-                                        if (ROOT / ".venv-sky" / "bin" / "python").exists() else "python3")
+        self.python = cfg.launcher.sky_python or sibling_python(".venv-sky") or "python3"
 
     def cluster(self, stage: str) -> str:
         name = f"{self.cfg.launcher.cluster_prefix}-{self.cfg.run.name}-{CLUSTER_OF[stage]}".lower()
         return "".join(c if c.isalnum() or c == "-" else "-" for c in name)[:60]
 
     def _bridge(self, args: list[str], log) -> dict:
-        code, last = run_logged([self.python, str(BRIDGE), *args], dict(os.environ), Path.cwd(), log)
-        for line in reversed(last):
+        ran = stream([self.python, str(BRIDGE), *args], dict(os.environ), log, cwd=Path.cwd())
+        for line in reversed(ran.last):
             line = line.strip()
             if line.startswith("{"):
                 try:
                     return json.loads(line)
                 except ValueError:
                     break
-        raise InfraError(f"SkyPilot bridge ({shlex.join(args[:3])}) failed with exit code {code}: "
-                         f"{''.join(last[-3:]).strip()}")
+        raise InfraError(f"SkyPilot bridge ({shlex.join(args[:3])}) failed with exit code {ran.code}: "
+                         + "\n".join(ran.last[-3:]).strip())
 
-    def run(self, stage, iteration, env, log) -> Ran:
+    def run(self, stage: str, iteration: int, env: dict[str, str], log) -> Ran:
         lc = self.cfg.launcher
         recipe = str(recipe_path(self.cfg, stage))
         envs = [f"--env={k}={v}" for k, v in env.items()]
@@ -186,7 +161,7 @@ class Launchers:
     """The launcher of each stage, by `launcher.mode` / `launcher.stages`; None for inline stages (the flow
     calls the stage function itself)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self._by_mode = {"local": Local(cfg), "sky": Sky(cfg)}
 

@@ -1,6 +1,7 @@
 """The `sky` launcher's hands on the SkyPilot SDK. Runs under the SkyPilot environment's Python (SkyPilot pins
 click and uvicorn below what the rest of rlflow needs, so it lives in its own venv, `.venv-sky`), imports only
-`sky` and the standard library, and answers with one JSON line on stdout after the job's logs.
+`sky`, the standard library and tasks/core/errors.py (standard library only), and answers with one JSON line
+on stdout after the job's logs.
 
     python flows/sky_bridge.py run  --cluster C --recipe sky/train.yaml [--env K=V]... [--launch]
                                     [--idle-minutes 10]
@@ -21,8 +22,10 @@ import argparse
 import io
 import json
 import sys
+from pathlib import Path
 
-USER_ERROR = "RLFLOW_USER_ERROR: "
+sys.path.append(str(Path(__file__).resolve().parents[1]))     # this checkout's `tasks` (not installed here)
+from tasks.core.errors import user_error_in  # noqa: E402
 
 
 class Tee(io.TextIOBase):
@@ -37,8 +40,7 @@ class Tee(io.TextIOBase):
         self._buf += s
         *lines, self._buf = self._buf.split("\n")
         for line in lines:
-            if USER_ERROR in line:
-                self.user_error = line.split(USER_ERROR, 1)[1].strip()
+            self.user_error = user_error_in(line) or self.user_error
         return len(s)
 
     def flush(self):

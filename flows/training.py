@@ -6,8 +6,8 @@
 Read top to bottom:
   1. the config is loaded from its path plus dotted overrides (the flow's parameters), then preflight:
      everything a user can get wrong is checked before the first byte is written (store reachable, dataset +
-     prompt column, reward functions import, model folder, launcher needs);
-  2. one writer per run name: the flow takes the run's lease in the store (tasks/lease.py);
+     prompt column, reward functions import, model folder, engines installed, launcher needs);
+  2. one writer per run name: the flow takes the run's lease in the store (tasks/core/lease.py);
   3. one MLflow run per rlflow run (found again on resume);
   4. for each iteration, the stage tasks, each on its launcher (inline / local subprocess / SkyPilot,
      flows/launch.py); a stage returns at once if its output already exists in the store from the same inputs,
@@ -16,40 +16,41 @@ Read top to bottom:
   5. every `eval.every` iterations the published policy is scored on held-out prompts; policy/BEST and the
      MLflow alias `champion` follow the best of them;
   6. metrics (with cost) of each iteration are logged once; the Prefect dashboard gets a report, a samples
-     table and links per iteration;
-  7. at the end: reward curve plot, clusters torn down, lease released, summary.
+     table and links per iteration (flows/dashboard.py);
+  7. at the end: reward curve plot, clusters torn down, the vLLM server stopped, lease released, summary.
 Stages meet only in the store; this file passes keys, never tensors.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
+from flows.dashboard import Progress, post_iteration, post_mlflow_link
 from flows.launch import InfraError, Launchers, recipe_path, stage_env
-from tasks import layout
-from tasks.config import Config, load_config
-from tasks.data import load_prompts
-from tasks.errors import UserError, cause_of
+from tasks.core import layout
+from tasks.core.config import Config, load_config
+from tasks.core.data import load_prompts
+from tasks.core.errors import UserError, cause_of
+from tasks.core.lease import Lease, LeaseLost
+from tasks.core.models import base_path, load_tokenizer
+from tasks.core.store import Store, open_store
+from tasks.core.tracking import Tracker, champion_policy_uri
+from tasks.engines.sampling import sampling_engine
+from tasks.engines.training import training_engine
 from tasks.evaluate import evaluate
 from tasks.generate import generate
-from tasks.lease import Lease, LeaseLost
-from tasks.models import base_path, load_tokenizer, open_store
 from tasks.publish import publish
 from tasks.reward import reward
-from tasks.scoring import load_functions
-from tasks.tracking import Tracker, champion_policy_uri
-from tasks.train import clean_engine_state, train
-from tasks.vllm_server import stop_server
+from tasks.scoring.functions import load_functions
+from tasks.train import train
 
 STAGE_FUNCTIONS = {"generate": generate, "reward": reward, "train": train, "publish": publish, "evaluate": evaluate}
 OUTPUT_KEY = {"generate": layout.rollouts, "reward": layout.rewards, "train": layout.checkpoint,
@@ -107,75 +108,20 @@ def preflight(cfg: Config) -> None:
         raise UserError(f"model.name_or_path: {path}: its tokenizer has no chat template, but the prompts are chat "
                         f"messages (data.prompt_column / data.system_prompt)")
     if cfg.reward.sandbox.isolation == "bubblewrap" and cfg.launcher.mode_of("reward") != "sky":
-        from tasks import sandbox
+        from tasks.scoring import sandbox
 
         sandbox.runner(cfg.reward.sandbox)     # bubblewrap asked for and not working here: one line, exit 2
-    sampling = ["generate"] + (["evaluate"] if cfg.eval.every else [])
-    if cfg.generate.engine == "vllm" and any(cfg.launcher.mode_of(s) != "sky" for s in sampling):
-        from tasks.vllm_worker import check_installed
-
-        check_installed(cfg)                    # the recipes install vllm on their clusters; here it must be
-    if cfg.train.engine == "deepspeed" and cfg.launcher.mode_of("train") != "sky":
-        from tasks.deepspeed_engine import check_installed
-
-        check_installed()
+    # The recipes install the engines on their clusters; a stage that runs here needs them here.
+    if any(cfg.launcher.mode_of(s) != "sky" for s in ["generate"] + (["evaluate"] if cfg.eval.every else [])):
+        sampling_engine(cfg).check_installed(cfg)
+    if cfg.launcher.mode_of("train") != "sky":
+        training_engine(cfg).check_installed(cfg)
     remote = cfg.launcher.remote_stages()
     if any(cfg.launcher.mode_of(s) == "sky" for s in remote) and not cfg.store.uri.startswith("s3://"):
         raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "
                         f"(s3://...), not a local folder")
     for stage in remote:
         recipe_path(cfg, stage)
-
-
-class Progress:
-    """A progress bar with one line per iteration on a terminal; plain lines elsewhere (CI, Prefect workers)."""
-
-    def __init__(self, total: int, start: int):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
-
-        self.console = Console(stderr=False)
-        self.bar = None
-        if self.console.is_terminal:
-            self.bar = Bar(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                           console=self.console, transient=True)
-            self.task = self.bar.add_task("iterations", total=total, completed=start)
-            self.bar.start()
-
-    def line(self, text: str) -> None:
-        (self.bar.console if self.bar else self.console).print(text, highlight=False)
-        if self.bar:
-            self.bar.advance(self.task)
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.stop()
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:60] or "run"
-
-
-def _dashboard(cfg, it: int, metrics: dict, samples: list[dict], policy_uri: str) -> None:
-    """The iteration as the Prefect dashboard shows it: a report, a samples table, links."""
-    slug = _slug(cfg.run.name)
-    rows = [("reward (mean)", "reward/mean"), ("loss", "train/loss"), ("KL to reference", "train/kl_ref"),
-            ("mismatch KL", "train/mismatch_kl"), ("clip region", "train/clip_region"),
-            ("completion length", "generate/completion_length"), (cfg.eval.metric_key(), cfg.eval.metric_key())]
-    lines = [f"### {cfg.run.name} — iteration {it}/{cfg.run.iterations}", "", "| metric | value |", "|---|---:|"]
-    lines += [f"| {label} | {metrics[k]:.4g} |" for label, k in rows if k in metrics]
-    lines += ["", "| stage | seconds | cost (USD) |", "|---|---:|---:|"]
-    for stage in STAGE_FUNCTIONS:
-        if f"time/{stage}_seconds" in metrics:
-            lines.append(f"| {stage} | {metrics[f'time/{stage}_seconds']:.2f} | {metrics[f'cost/{stage}_usd']:.4f} |")
-    lines.append(f"| **iteration** | {metrics['iteration/seconds']:.2f} | {metrics['cost/iteration_usd']:.4f} |")
-    lines += ["", f"Run cost so far: **{metrics['cost_usd']:.4f} USD**. Policy: `{policy_uri}`"]
-    create_markdown_artifact(key=f"{slug}-report", markdown="\n".join(lines), description=f"iteration {it}")
-    table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()} for s in samples]
-    if table:
-        create_table_artifact(key=f"{slug}-samples", table=table, description=f"sample completions, iteration {it}")
-    create_link_artifact(key=f"{slug}-policy", link=policy_uri, link_text=f"policy v{it}",
-                         description=f"published policy, iteration {it}")
 
 
 def _flow_run_name() -> str:
@@ -214,26 +160,26 @@ def train_flow(config: str, overrides: list[str] | None = None,
     from prefect.runtime import flow_run
 
     lease = Lease(store, cfg.run.name, cfg.run.lease_seconds, flow_run_id=flow_run.id).acquire()
-    _clean(store, cfg.run.name, log)                     # we are the only writer now: a crash's leftovers go
+    _clean(cfg, store, log)                              # we are the only writer now: a crash's leftovers go
     ctx = Run(cfg, config_path, overrides, lease)
     try:
         return _iterations(ctx, log)
     finally:
         ctx.launchers.close(log.info)
-        stop_server(cfg, log.info)      # generate.mode: server keeps a vLLM server alive until here
+        sampling_engine(cfg).stop(log.info)   # generate.mode: server keeps a vLLM server alive until here
         if not lease.lost:
             try:                        # what retried train attempts of this flow run left
-                _clean(store, cfg.run.name, log)
+                _clean(cfg, store, log)
             except Exception as e:      # never hides the run's own outcome; the next flow run tries again
                 log.warning("cleaning the store after the run failed: %s", e)
         lease.release()
 
 
-def _clean(store, run: str, log) -> None:
-    if removed := store.clean_staging(run):
+def _clean(cfg: Config, store: Store, log) -> None:
+    if removed := store.clean_staging(cfg.run.name):
         log.info("removed %d half-written staging folder(s) left by an interrupted run", removed)
-    if removed := clean_engine_state(store, run):
-        log.info("removed %d deepspeed checkpoint attempt(s) that no committed checkpoint names", removed)
+    if removed := training_engine(cfg).clean(store, cfg.run.name):
+        log.info("removed %d %s checkpoint attempt(s) that no committed checkpoint names", removed, cfg.train.engine)
 
 
 def _iterations(ctx: Run, log) -> dict:
@@ -243,8 +189,7 @@ def _iterations(ctx: Run, log) -> dict:
     already_logged = tracker.last_logged_iteration()
     cost_so_far = tracker.last_value("cost_usd")
     mlflow_url = tracker.run_url()
-    create_link_artifact(key=f"{_slug(cfg.run.name)}-mlflow", link=mlflow_url.split(" ")[0],
-                         link_text="MLflow run", description="metrics, samples, model versions")  # once per run
+    post_mlflow_link(cfg, mlflow_url)
     log.info("run %s: store %s, MLflow run %s", cfg.run.name, store.uri(cfg.run.name), run_id)
     stage = run_stage.with_options(retries=cfg.launcher.retries, retry_condition_fn=retryable,
                                    retry_delay_seconds=exponential_backoff(cfg.launcher.retry_backoff_seconds)
@@ -276,7 +221,7 @@ def _iterations(ctx: Run, log) -> dict:
                 tracker.log_iteration(it, metrics, r["samples"], policy_uri=p["uri"])
                 every = cfg.tracking.dashboard_every
                 if (every and it % every == 0) or it == cfg.run.iterations:
-                    _dashboard(cfg, it, metrics, r["samples"], p["uri"])
+                    post_iteration(cfg, it, metrics, r["samples"], p["uri"])
                 progress.line(f"iter {it:>4}/{cfg.run.iterations}  reward {r['metrics']['reward/mean']:.3f}  "
                               f"loss {t['metrics']['train/loss']:+.4f}  {time.perf_counter() - t0:5.2f}s")
                 log.info("iteration %d: reward %.3f loss %.4f", it, r["metrics"]["reward/mean"],

@@ -15,14 +15,16 @@ import math
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tasks import data, layout, rollout
-from tasks.errors import UserError
-from tasks.models import encode_prompt, load_tokenizer, open_store, policy_path
-from tasks.rollout import Rollout
-from tasks.sampling import engine_for
-from tasks.scoring import load_functions, score_records
-from tasks.stage import fingerprint, result, reuse, stage_cli
+from tasks.core import data, layout, rollout
+from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
+from tasks.core.store import Store, open_store
+from tasks.engines.sampling import SamplingParams, sample_rollouts
+from tasks.scoring.functions import load_functions, score_records
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -32,7 +34,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
-def _update_best(store, cfg, iteration: int, metrics: dict) -> None:
+def _update_best(store: Store, cfg: Config, iteration: int, metrics: dict) -> None:
     run, name = cfg.run.name, cfg.eval.metric_key()
     current = store.get_pointer(layout.best(run))
     if current is not None:
@@ -45,15 +47,13 @@ def _update_best(store, cfg, iteration: int, metrics: dict) -> None:
     store.set_pointer(layout.best(run), layout.policy(run, iteration))
 
 
-def evaluate(cfg, iteration: int) -> dict:
+def evaluate(cfg: Config, iteration: int) -> dict:
     """Evaluate published policy v`iteration`; returns {key, uri, metrics}."""
     store = open_store(cfg)
     ec = cfg.eval
     key = layout.evaluation(cfg.run.name, iteration)
     policy = layout.policy(cfg.run.name, iteration)
-    pm = store.manifest(policy)
-    if pm is None:
-        raise UserError(f"iteration {iteration}: no published policy at {store.uri(policy)}; run publish first")
+    pm = require_input(store, policy, iteration, "published policy", "publish")
     fp = fingerprint(cfg, ("eval", "reward", "data"), iteration=iteration,
                      policy=sorted((k, v["sha256"]) for k, v in pm["files"].items()))
     done = reuse(store, key, fp)
@@ -62,21 +62,10 @@ def evaluate(cfg, iteration: int) -> dict:
         functions = load_functions(cfg)
         ds = data.load_prompts(cfg, split="eval")
         rows = list(range(min(ec.max_prompts, len(ds))))
-        path = policy_path(cfg, policy)
-        tokenizer = load_tokenizer(path)
-        prompts = [data.prompt_of(cfg, ds[r]) for r in rows]
-        prompt_ids = [encode_prompt(tokenizer, p, cfg.generate.max_prompt_length) for p in prompts]
-        samples, _ = engine_for(cfg).generate(
-            policy, path, tokenizer, prompt_ids, n=ec.num_generations,
-            max_new_tokens=cfg.generate.max_completion_length, temperature=ec.temperature or cfg.generate.temperature,
-            top_p=cfg.generate.top_p, seed=cfg.run.seed * 1_000_003 + 500_000_000 + iteration)
-        records = []
-        for group, ids, logps, truncated in samples:
-            row = ds[rows[group]]
-            records.append(Rollout(group=group, row=rows[group], prompt=prompts[group], prompt_ids=prompt_ids[group],
-                                   completion=tokenizer.decode(ids, skip_special_tokens=True), completion_ids=ids,
-                                   logprobs=logps, truncated=truncated,
-                                   columns={k: v for k, v in row.items() if k != cfg.data.prompt_column}))
+        records, _ = sample_rollouts(cfg, ds, rows, policy, SamplingParams(
+            n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
+            temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
+            seed=cfg.run.seed * 1_000_003 + 500_000_000 + iteration))
         score_records(functions, records, cfg.reward.aggregate)
         passed = [0] * len(rows)
         for r in records:

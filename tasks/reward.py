@@ -9,9 +9,9 @@ A reward function has TRL's signature and is named by import path with a weight:
 
 Dataset columns (other than the prompt) arrive as keyword lists, plus `prompts` and `completion_ids`.
 `None` means "not applicable". The module is importable from the current directory. Functions run in a
-worker process with a timeout (tasks/scoring.py): one that raises, hangs or returns garbage scores nothing for
-the batch and is counted in `reward/<fn>/errors`, or fails the stage with `reward.strict: true`. Reads
-`<run>/iter-N/rollouts`, writes `<run>/iter-N/rewards` with per-function scores and the weighted sum.
+worker process with a timeout (tasks/scoring/functions.py): one that raises, hangs or returns garbage scores
+nothing for the batch and is counted in `reward/<fn>/errors`, or fails the stage with `reward.strict: true`.
+Reads `<run>/iter-N/rollouts`, writes `<run>/iter-N/rewards` with per-function scores and the weighted sum.
 """
 
 from __future__ import annotations
@@ -20,22 +20,23 @@ import math
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tasks import layout, rollout
-from tasks.errors import UserError
-from tasks.models import open_store
-from tasks.scoring import load_functions, score_records
-from tasks.stage import fingerprint, reuse, result, stage_cli
+from tasks.core import layout, rollout
+from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
+from tasks.core.store import open_store
+from tasks.scoring.functions import load_functions, score_records
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
 
 
-def reward(cfg, iteration: int) -> dict:
+def reward(cfg: Config, iteration: int) -> dict:
     """Score iteration `iteration`'s rollouts; returns {key, uri, metrics}."""
     store = open_store(cfg)
     key = layout.rewards(cfg.run.name, iteration)
     src = layout.rollouts(cfg.run.name, iteration)
-    src_manifest = store.manifest(src)
-    if src_manifest is None:
-        raise UserError(f"iteration {iteration}: no complete rollouts at {store.uri(src)}; run generate first")
+    src_manifest = require_input(store, src, iteration, "rollouts", "generate")
     fp = fingerprint(cfg, ("reward",), iteration=iteration, rollouts=src_manifest["files"][rollout.FILE]["sha256"])
     if (done := reuse(store, key, fp)) is not None:
         return {**done, "samples": store.manifest(key)["meta"].get("samples", [])}

@@ -28,7 +28,7 @@ Verdicts are made here, on the host; expected outputs never enter the sandbox:
   True. MBPP's asserts are almost all of the first kind.
 So printing "all tests passed", exiting with 0 before the tests, patching the harness, writing fake results
 into its pipe or returning an always-equal object all score 0: the only thing that counts is a plain value
-or stdout judged here. Each test runs in a process of its own; see tasks/sandbox.py and docs/sandbox.md.
+or stdout judged here. Each test runs in a process of its own; see tasks/scoring/sandbox.py and docs/sandbox.md.
 
 Per completion a reason is recorded (TRL's `log_extra("code_reason", ...)`): "passed 3/3", "wrong answer
 (passed 1/3)", "timeout (passed 0/3)", "memory limit ...", "runtime error: ZeroDivisionError: ... ",
@@ -44,10 +44,10 @@ import math
 import operator
 import re
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from tasks import sandbox
+from tasks.scoring import sandbox
 
 
 @dataclass

@@ -12,17 +12,6 @@ from __future__ import annotations
 import torch
 
 
-def combine(rewards: list[dict[str, float | None]], weights: dict[str, float], how: str = "sum") -> torch.Tensor:
-    """Weighted sum (TRL's nansum) or mean over the reward functions that scored each completion;
-    NaN where every score is missing. (N,)"""
-    out = torch.full((len(rewards),), float("nan"))
-    for i, scores in enumerate(rewards):
-        present = [weights[name] * s for name, s in scores.items() if s is not None]
-        if present:
-            out[i] = sum(present) if how == "sum" else sum(present) / len(present)
-    return out
-
-
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
     """rewards (N,) with NaN for missing, N = groups · group_size, grouped contiguously -> advantages (N,)."""
     grouped = rewards.view(-1, group_size)                                  # (G, n)

@@ -1,8 +1,9 @@
-"""Reward functions: importing them by path and calling them safely on a batch. Shared by the reward and
-evaluate stages. A function has TRL's signature f(completions, **columns) -> list[float | None].
+"""Reward functions: importing them by path, calling them safely on a batch, and combining their scores.
+Shared by the reward and evaluate stages. A function has TRL's signature
+f(completions, **columns) -> list[float | None].
 
 A reward function is the user's code and may misbehave: raise, hang, return the wrong count, a non-number or
-NaN. The functions run in one worker process (tasks/reward_worker.py), started on first use and kept for the
+NaN. The functions run in one worker process (tasks/scoring/worker.py), started on first use and kept for the
 life of this process, so that:
   - a call still running after `reward.timeout_seconds` is killed with its worker (a fresh one starts for
     the next call) instead of stalling the iteration;
@@ -23,16 +24,22 @@ import logging
 import math
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tasks import rollout
-from tasks.advantage import combine
-from tasks.errors import UserError
-from tasks.reward_worker import _HEADER, receive, send
+import torch
+
+from tasks.core.errors import UserError
+from tasks.core.paths import REPO_ROOT
+from tasks.core.processes import kill_group
+from tasks.scoring.worker import _HEADER, receive, send
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+    from tasks.core.rollout import Rollout
 
 log = logging.getLogger("rlflow.reward")
 
@@ -63,7 +70,7 @@ class Scored:
     metrics: dict[str, float] = field(default_factory=dict)  # log_metric means
 
 
-def load_functions(cfg) -> RewardFunctions:
+def load_functions(cfg: Config) -> RewardFunctions:
     """Import every configured function here too: a bad path is a user error naming the entry."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # user reward modules live next to where they run rlflow
@@ -87,10 +94,10 @@ def load_functions(cfg) -> RewardFunctions:
 
 
 class _Worker:
-    """One `python -m tasks.reward_worker` process with the functions imported."""
+    """One `python -m tasks.scoring.worker` process with the functions imported."""
 
     def __init__(self, setup: dict):
-        self.proc = subprocess.Popen([sys.executable, "-m", "tasks.reward_worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tasks.scoring.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, start_new_session=True, cwd=setup["cwd"],
                                      env={**os.environ, "PYTHONPATH": _pythonpath(setup["cwd"])})
         send(self.proc.stdin, setup)
@@ -120,23 +127,12 @@ class _Worker:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)   # the worker and anything it started
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
+        kill_group(self.proc)          # the worker and anything it started
 
 
 def _pythonpath(cwd: str) -> str:
     """The worker must import `tasks` (this package) and the user's modules next to `cwd`."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.pathsep.join(p for p in (here, cwd, os.environ.get("PYTHONPATH", "")) if p)
+    return os.pathsep.join(p for p in (str(REPO_ROOT), cwd, os.environ.get("PYTHONPATH", "")) if p)
 
 
 _workers: dict[str, _Worker] = {}
@@ -163,7 +159,7 @@ def _close_workers() -> None:
     _workers.clear()
 
 
-def score(functions: RewardFunctions, records: list[rollout.Rollout]) -> Scored:
+def score(functions: RewardFunctions, records: list[Rollout]) -> Scored:
     """Call each function once on the whole batch (in the worker), with the failure rules above."""
     completions = [r.completion for r in records]
     columns: dict[str, list] = {k: [r.columns.get(k) for r in records] for k in (records[0].columns if records else {})}
@@ -209,7 +205,7 @@ def _phrase(message: str) -> str:
     return f"raised {message}"
 
 
-def score_records(functions: RewardFunctions, records: list[rollout.Rollout], aggregate: str) -> Scored:
+def score_records(functions: RewardFunctions, records: list[Rollout], aggregate: str) -> Scored:
     """Score `records` in place: per-function scores in `.rewards`, the combined reward in `.reward`
     (None where no function scored it), logged columns in `.extra`. Returns what happened."""
     scored = score(functions, records)
@@ -220,3 +216,14 @@ def score_records(functions: RewardFunctions, records: list[rollout.Rollout], ag
     for r, t in zip(records, totals):
         r.reward = None if math.isnan(t) else t
     return scored
+
+
+def combine(rewards: list[dict[str, float | None]], weights: dict[str, float], how: str = "sum") -> torch.Tensor:
+    """Weighted sum (TRL's nansum) or mean over the reward functions that scored each completion;
+    NaN where every score is missing. (N,)"""
+    out = torch.full((len(rewards),), float("nan"))
+    for i, scores in enumerate(rewards):
+        present = [weights[name] * s for name, s in scores.items() if s is not None]
+        if present:
+            out[i] = sum(present) if how == "sum" else sum(present) / len(present)
+    return out

@@ -1,6 +1,7 @@
 """The deepspeed training engine (`train.engine: deepspeed`): ZeRO stage 1, 2 or 3 over torch.distributed
 processes, one per GPU (or CPU processes with gloo), on one node or several. tasks/train.py drives it through
-the same calls as its torch engine; the GRPO math, batching and metrics stay there.
+the same calls as the torch engine (tasks/engines/training.py: TrainingEngine); the GRPO math, batching and
+metrics stay there.
 
 What runs where:
     flow or `python -m tasks.train` (no RANK in the environment)
@@ -21,7 +22,7 @@ whole-batch gradient. Accumulation is caller-owned (`managed_gradient_accumulati
 micro-batch, one `engine.step()` per optimiser pass (clipping by `gradient_clipping` = train.max_grad_norm,
 then AdamW); so a shard's micro-batch count is free, as long as every process runs the same number.
 
-Checkpoint, for iteration N (tasks/layout.py):
+Checkpoint, for iteration N (tasks/core/layout.py):
     <run>/trainer/ckpt-N                     process 0: model/ (config, tokenizer, bf16 safetensors: what
                                              publish ships) + state.json, its manifest written last of all
     <run>/trainer-state/ckpt-N-<attempt>/node-K
@@ -36,14 +37,12 @@ DeepSpeed's universal checkpoint (`to_universal`), which any process count loads
 
 from __future__ import annotations
 
-import collections
 import copy
 import importlib.util
 import json
 import logging
 import math
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -52,38 +51,44 @@ import time
 import uuid
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
 
-from tasks import layout
-from tasks.errors import UserError
-from tasks.models import base_path, device_for, load_model, load_tokenizer, rng_state, set_rng_state
-from tasks.stage import USER_ERROR
+from tasks.core import layout
+from tasks.core.errors import UserError
+from tasks.core.models import base_path, device_for, load_model, load_tokenizer
+from tasks.core.processes import stream
+from tasks.engines.training import rng_state, seed_all, set_rng_state
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+    from tasks.core.store import Store
 
 STATE, MODEL_DIR = layout.CKPT_STATE, layout.CKPT_MODEL
 
 
-
-def check_installed() -> None:
-    if importlib.util.find_spec("deepspeed") is None:
-        raise UserError("train.engine: deepspeed is not installed here; pip install -e '.[deepspeed]'")
-
-
 class DeepSpeedEngine:
-    """One worker process of a ZeRO data-parallel group (see the module docstring)."""
+    """One worker process of a ZeRO data-parallel group (see the module docstring; tasks/engines/training.py:
+    TrainingEngine)."""
 
     lora = False   # refused by TrainConfig: the deepspeed engine trains full weights
 
+    @classmethod
+    def check_installed(cls, cfg: Config) -> None:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise UserError("train.engine: deepspeed is not installed here; pip install -e '.[deepspeed]'")
+
     # ------------------------------------------------------------------ launching (the stage's own process)
 
-    @staticmethod
-    def launch(cfg, iteration: int) -> bool:
+    @classmethod
+    def launch(cls, cfg: Config, iteration: int) -> bool:
         """Inside torchrun (RANK and WORLD_SIZE set): train here, return False. Otherwise start the workers
         on this node, wait for them, return True (the checkpoint is then in the store)."""
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             return False
-        check_installed()
+        cls.check_installed(cfg)
         device = device_for(cfg)
         nproc = cfg.train.num_processes or (torch.cuda.device_count() if device.type == "cuda" else 1)
         nnodes = int(os.environ.get("NNODES") or 1)
@@ -107,26 +112,26 @@ class DeepSpeedEngine:
             config = Path(tmp) / "config.yaml"     # the resolved config: same fingerprint in every worker
             config.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
             argv += ["-m", "tasks.train", "--config", str(config), "--iteration", str(iteration)]
-            code, user_error, last = _run_streaming(argv, env)
-        if code == 0:
+            ran = stream(argv, env, sink=lambda line: print(line, file=sys.stderr, flush=True))
+        if ran.code == 0:
             return True
-        if user_error:
-            raise UserError(user_error)
-        raise RuntimeError(f"train[iter {iteration}]: deepspeed workers (torchrun) exited with {code}: "
-                           + " | ".join(line.strip() for line in last if line.strip())[-1500:])
+        if ran.user_error:
+            raise UserError(ran.user_error)
+        raise RuntimeError(f"train[iter {iteration}]: deepspeed workers (torchrun) exited with {ran.code}: "
+                           + " | ".join(line.strip() for line in ran.last[-20:] if line.strip())[-1500:])
 
     # ------------------------------------------------------------------ one worker
 
     @classmethod
-    def open(cls, cfg, store, prev: str | None) -> "DeepSpeedEngine":
-        return cls(cfg, store, prev)
+    def open(cls, cfg: Config, store: Store, previous: str | None) -> DeepSpeedEngine:
+        return cls(cfg, store, previous)
 
-    def __init__(self, cfg, store, prev: str | None):
+    def __init__(self, cfg: Config, store: Store, prev: str | None):
         self.cfg, self.store, tc = cfg, store, cfg.train
         device = device_for(cfg)
         if device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        check_installed()
+        self.check_installed(cfg)
         import deepspeed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)   # its INFO lines repeat the config for every process
@@ -171,8 +176,7 @@ class DeepSpeedEngine:
                 from transformers.integrations import HfDeepSpeedConfig
                 self._hf_config = HfDeepSpeedConfig(config)
             if state is None:
-                torch.manual_seed(cfg.run.seed)
-                random.seed(cfg.run.seed)
+                seed_all(cfg.run.seed)
             # Weights load in the compute dtype (DeepSpeed keeps fp32 master copies in the optimizer); on resume
             # load_checkpoint below replaces them with the checkpoint's exact fp32 state.
             model = load_model(model_path, dtype, device)
@@ -204,9 +208,7 @@ class DeepSpeedEngine:
                 if rng.exists():
                     set_rng_state(torch.load(rng, weights_only=False))
                 else:                # a process the checkpoint did not have (more processes than before)
-                    seed = cfg.run.seed * 1_000_003 + state["step"] * 1024 + self.rank
-                    torch.manual_seed(seed)
-                    random.seed(seed)
+                    seed_all(cfg.run.seed * 1_000_003 + state["step"] * 1024 + self.rank)
                 self.global_step = state["step"]
         except BaseException:
             self.close()
@@ -244,6 +246,31 @@ class DeepSpeedEngine:
         state = json.loads((dest / "ckpt" / STATE).read_text())
         for part in state.get("engine_state", []):      # every node's shards, into one tree
             self.store.get_folder(part, dest / "engine")
+
+    @staticmethod
+    def clean(store: Store, run: str) -> int:
+        """Remove the deepspeed node folders that no committed checkpoint names: those of attempts killed (or beaten
+        by another attempt) before their ckpt-N was committed. Folders of iteration N go only once ckpt-N is
+        complete: a committed checkpoint is immutable, so an attempt it does not name can never be needed, while
+        before that a running attempt may still be writing its own. An iteration with one attempt has nothing to
+        remove (its checkpoint, if committed, names it), so only iterations with several cost a read: the flow runs
+        this at every start without reading every checkpoint of a long run. Returns how many attempt folders went."""
+        base, removed, attempts = f"{run}/trainer-state", 0, {}
+        for name in store.list_folders(base):                       # ckpt-000042-<attempt>
+            head, _, attempt = name.partition("-")[2].partition("-")
+            if head.isdigit() and attempt:
+                attempts.setdefault(int(head), []).append(f"{base}/{name}")
+        for iteration, folders in attempts.items():
+            ckpt = layout.checkpoint(run, iteration)
+            if len(folders) < 2 or store.manifest(ckpt) is None:
+                continue
+            named = {p.rsplit("/", 1)[0] for p in store.get_json(ckpt, STATE).get("engine_state", [])}
+            for folder in folders:
+                if folder not in named:
+                    for node in store.list_folders(folder):
+                        store.delete_folder(f"{folder}/{node}")
+                    removed += 1
+        return removed
 
     # ------------------------------------------------------------------ the calls tasks/train.py makes
 
@@ -385,21 +412,3 @@ def to_universal(engine_dir: Path, tag: str) -> None:
         raise RuntimeError(f"deepspeed universal checkpoint conversion of {tag} failed: {tail[-1500:]}")
     print(f"train: the checkpoint's ZeRO shards were cut for another number of processes; converted {tag} to "
           f"DeepSpeed's universal checkpoint in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-
-
-def _run_streaming(argv: list[str], env: dict) -> tuple[int, str | None, list[str]]:
-    """Run, copying the merged output to our stderr; returns (exit code, the first user-error line's message,
-    the last lines)."""
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    user_error, last = None, collections.deque(maxlen=20)
-    try:
-        for line in proc.stdout:
-            sys.stderr.write(line)
-            last.append(line)
-            if user_error is None and USER_ERROR in line:
-                user_error = line.split(USER_ERROR, 1)[1].strip()
-        return proc.wait(), user_error, list(last)
-    finally:
-        if proc.poll() is None:     # we were interrupted: do not leave workers behind
-            proc.terminate()
-            proc.wait()

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tasks.errors import UserError
+from tasks.core.errors import UserError
 
 
 class Section(BaseModel):
@@ -39,7 +39,8 @@ class RunConfig(Section):
 class ModelConfig(Section):
     """The starting policy."""
 
-    name_or_path: str = Field("builtin:tiny-lm", description="Hub id, local folder, or builtin:tiny-lm / builtin:small-lm.")
+    name_or_path: str = Field("builtin:tiny-lm",
+                              description="Hub id, local folder, or builtin:tiny-lm / builtin:small-lm.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for training.")
 
 
@@ -75,8 +76,8 @@ class GenerateConfig(Section):
     enforce_eager: bool | None = Field(None, description="vllm: skip torch.compile / CUDA graphs (faster start, "
                                        "slower decoding). None = eager on CPU, compiled on a GPU.")
     vllm_python: str | None = Field(None, description="Python of the environment that has vllm (its pins clash "
-                                    "with Prefect's); None = .venv-vllm/bin/python under the working directory "
-                                    "(make setup, sky/generate.yaml) if it exists, else this Python.")
+                                    "with Prefect's); None = .venv-vllm/bin/python in the working directory, else in "
+                                    "the repository root (make setup, sky/generate.yaml), else this Python.")
     server_start_timeout: float = Field(900.0, gt=0, le=7200, description="server mode: seconds a new vLLM "
                                         "server may take to load the model and answer /health.")
     server_idle_timeout: float = Field(7200.0, ge=0, le=7 * 86400, description="server mode: a server that no "
@@ -115,17 +116,19 @@ class RewardFunction(Section):
 
 
 class SandboxConfig(Section):
-    """Running model-written code for code rewards (tasks/sandbox.py; threat model in docs/sandbox.md)."""
+    """Running model-written code for code rewards (tasks/scoring/sandbox.py; threat model in docs/sandbox.md)."""
 
     isolation: Literal["auto", "bubblewrap", "rlimits"] = Field(
         "auto", description="auto: bubblewrap namespaces when they work here, else rlimits with a warning; "
-                            "bubblewrap: required (an error if unusable); rlimits: limits, empty env, private dir only.")
+                            "bubblewrap: required (an error if unusable); rlimits: limits, empty env, private dir "
+                            "only.")
     bwrap: str = Field("bwrap", description="The bubblewrap binary: a name on PATH or a path.")
     python: str | None = Field(None, description="Interpreter that runs the code; None = /usr/bin/python3 when it "
                                "exists, else this Python. It must be readable by an unprivileged user.")
     timeout_seconds: float = Field(10.0, gt=0, le=600, description="Wall clock per completion, all its tests "
                                    "together (s); then everything it started is killed.")
-    cpu_seconds: int = Field(10, ge=1, le=600, description="CPU time per test process, all its threads (RLIMIT_CPU, s).")
+    cpu_seconds: int = Field(10, ge=1, le=600,
+                             description="CPU time per test process, all its threads (RLIMIT_CPU, s).")
     memory_mb: int = Field(1024, ge=64, le=65536, description="Address space per process (RLIMIT_AS, MiB).")
     file_size_mb: int = Field(16, ge=0, le=65536, description="Largest file the code may write (RLIMIT_FSIZE, MiB).")
     max_processes: int = Field(32, ge=1, le=4096, description="Processes + threads the code may have at once "
@@ -159,7 +162,7 @@ class TrainConfig(Section):
         "torch", description="Training engine: torch (one process, one device) or deepspeed (ZeRO 1-3 over "
                              "several processes, GPUs or nodes; pip install -e '.[deepspeed]').")
     loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"] = Field(
-        "dapo", description="Objective and aggregation, as TRL defines them (see tasks/loss.py).")
+        "dapo", description="Objective and aggregation, as TRL defines them (see tasks/algorithms/loss.py).")
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token", description="Importance weight per token, or per sequence (GSPO).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
@@ -294,7 +297,8 @@ class LauncherConfig(Section):
                          "never retried.")
     retry_backoff_seconds: float = Field(10.0, ge=0, description="First retry delay; doubles at each retry.")
     sky_python: str | None = Field(None, description="Python of the SkyPilot environment (the `sky` launcher "
-                                   "calls the SDK there); None = .venv-sky/bin/python, else `python3`.")
+                                   "calls the SDK there); None = .venv-sky/bin/python in the working directory, "
+                                   "else in the repository root (make setup), else `python3`.")
     cluster_prefix: str = Field("rlflow", pattern=r"^[a-z][a-z0-9-]{0,30}$",
                                 description="SkyPilot cluster names: <prefix>-<run>-<recipe>.")
     idle_minutes_to_autostop: int = Field(10, ge=1, description="SkyPilot autostop of idle clusters.")
@@ -423,7 +427,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 def reference_markdown() -> str:
     """docs/configuration.md, generated from the models above (tests/test_config_docs.py keeps it in sync)."""
     lines = ["# Configuration reference", "",
-             "Generated from `tasks/config.py` by `python -m tasks.config > docs/configuration.md`.",
+             "Generated from `tasks/core/config.py` by `python -m tasks.core.config > docs/configuration.md`.",
              "A config file sets only what differs from these defaults; `-o section.key=value` overrides on the "
              "command line. Unknown keys are errors.", ""]
     symbols = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
@@ -437,7 +441,10 @@ def reference_markdown() -> str:
                 nested.append((f"{prefix}.{name}", f.annotation))      # its own table below
                 lines.append(f"| `{prefix}.{name}` | section | | {f.description or ''} (see `{prefix}.{name}`) |")
                 continue
-            typ = str(f.annotation).replace("typing.", "").replace("__main__.", "").replace("tasks.config.", "").replace("<class '", "").replace("'>", "").replace("|", "\\|")
+            typ = str(f.annotation)
+            for noise in ("typing.", "__main__.", "tasks.core.config.", "<class '", "'>"):
+                typ = typ.replace(noise, "")
+            typ = typ.replace("|", "\\|")
             default = "required" if f.is_required() else f"`{json.dumps(f.default, default=str)}`"
             bounds = ", ".join(f"{symbols[k]} {getattr(m, k)}" for m in f.metadata for k in symbols if hasattr(m, k))
             lines.append(f"| `{prefix}.{name}` | {typ} | {default} | {f.description or ''}"

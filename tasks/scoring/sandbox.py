@@ -1,13 +1,13 @@
 """Running untrusted Python (code a model wrote) with the strongest isolation this machine offers.
 
-    from tasks import sandbox
+    from tasks.scoring import sandbox
     sandbox.configure(cfg.reward.sandbox)            # once per process (the reward stage does it)
     runner = sandbox.runner()                        # probes bubblewrap once, then reuses the answer
     run = runner.run("print(int(input()) * 2)", [sandbox.Test(stdin="21\\n")])
     run.isolation, run.tests[0].stdout               # ('bubblewrap', '42\\n')
     runs = runner.map([(code, tests, setup), ...])   # a bounded pool of sandboxes, results in order
 
-    python -m tasks.sandbox                          # which isolation is active here, and why
+    python -m tasks.scoring.sandbox                  # which isolation is active here, and why
 
 Isolation levels (`reward.sandbox.isolation`, reported in every Run and as the `code/isolation_*` metrics):
 - `bubblewrap`: new user, pid, network, ipc, uts and cgroup namespaces (no network at all, only a private
@@ -19,7 +19,7 @@ Isolation levels (`reward.sandbox.isolation`, reported in every Run and as the `
   the network stay reachable. Not root and no bubblewrap: the code runs as our own user, which is weaker
   still (it can signal our processes and read our files).
 
-Inside, a trusted harness (HARNESS below) starts first, then runs each test in a child process of its own:
+Inside, a trusted harness (tasks/scoring/harness.py) starts first, then runs each test in a child process of its own:
 fork, fresh stdio (the test's input on stdin from a memfd, stdout/stderr to pipes), rlimits (CPU seconds,
 address space, file size, processes, open files), then the model's code. The harness is not dumpable, so
 the code, although it runs as the same user, cannot read its memory or reach its file descriptors. It sends
@@ -47,8 +47,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tasks.errors import UserError
+from tasks.core.errors import UserError
+from tasks.core.processes import kill_group
+
+if TYPE_CHECKING:
+    from tasks.core.config import SandboxConfig
 
 log = logging.getLogger(__name__)
 
@@ -104,282 +110,15 @@ class Limits:
     tmpfs_mb: int = 64
 
     @classmethod
-    def of(cls, cfg) -> "Limits":
+    def of(cls, cfg: SandboxConfig) -> Limits:
         return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
 
 # ------------------------------------------------------------------------------------------ the harness
-# Runs inside the sandbox as `python -I -c HARNESS rlflow-sandbox`. Kept to the standard library and to
-# Python 3.8+, since it runs on whatever interpreter `reward.sandbox.python` names.
+# tasks/scoring/harness.py runs inside the sandbox as `python -I -c HARNESS rlflow-sandbox`; it is a real file
+# (linted, readable), sent as text because the sandbox cannot see this checkout.
 
-HARNESS = r'''
-import binascii, builtins, ctypes, io, marshal, os, resource, select, signal, sys, time
-
-PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
-
-
-def main():
-    req = marshal.loads(sys.stdin.buffer.read())
-    deadline = time.monotonic() + req["timeout"]
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)     # same uid as the code, but no /proc/<us>/{fd,mem}, no ptrace
-    if not req["kill_all"]:
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)   # orphans of the code come back to us, to be killed
-    for i, test in enumerate(req["tests"]):
-        if time.monotonic() >= deadline:
-            send(req["fd"], "T %d 0 - - 1 0 - - -" % i)
-            continue
-        send(req["fd"], run_test(i, test, req, deadline))
-        sweep(req["kill_all"])
-    send(req["fd"], "D")
-
-
-def send(fd, line):
-    data = (line + "\n").encode()
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def b64(data):
-    return binascii.b2a_base64(bytes(data), newline=False).decode() if data else "-"
-
-
-def run_test(i, test, req, deadline):
-    """Fork a child for one test; one line back: T i ran exit signal timeout limit stdout stderr values."""
-    stdin = os.memfd_create("stdin")
-    data = (test["stdin"] or "").encode()
-    while data:
-        data = data[os.write(stdin, data):]
-    os.lseek(stdin, 0, os.SEEK_SET)
-    pipes = {"stdout": os.pipe(), "stderr": os.pipe()}
-    if test["exprs"] is not None:
-        pipes["values"] = os.pipe()
-    pid = fork()
-    if pid == 0:
-        try:
-            os.setsid()
-            os.dup2(stdin, 0)
-            os.dup2(pipes["stdout"][1], 1)
-            os.dup2(pipes["stderr"][1], 2)
-            if "values" in pipes:
-                os.dup2(pipes["values"][1], 3)
-            os.closerange(4 if "values" in pipes else 3, 1 << 16)   # our result pipe too
-            limit(req["limits"])
-            child(req["code"], req["setup"], test["exprs"])
-        finally:
-            os._exit(112)
-    os.close(stdin)
-    for r, w in pipes.values():
-        os.close(w)
-    got, st = collect(pid, dict((k, r) for k, (r, w) in pipes.items()), req["limits"]["output"], deadline)
-    exit_code = os.WEXITSTATUS(st["status"]) if os.WIFEXITED(st["status"]) else "-"
-    sig = os.WTERMSIG(st["status"]) if os.WIFSIGNALED(st["status"]) else "-"
-    values = b64(got["values"]) if "values" in got else "-"
-    return "T %d 1 %s %s %d %d %s %s %s" % (i, exit_code, sig, st["timeout"], st["limit"], b64(got["stdout"]),
-                                            b64(got["stderr"][-2000:]), values)
-
-
-def fork():
-    for attempt in range(50):          # the previous test's processes may still be dying (RLIMIT_NPROC)
-        try:
-            return os.fork()
-        except BlockingIOError:
-            time.sleep(0.01)
-    return os.fork()
-
-
-def collect(pid, fds, cap, deadline):
-    """Read the child's pipes until it exits (then drain what is already there), its deadline, or a pipe
-    passes `cap` bytes. Processes it left holding the pipes do not hold us up: they are killed next."""
-    got = dict((k, bytearray()) for k in fds)
-    names = dict((fd, k) for k, fd in fds.items())
-    pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None     # Python >= 3.9
-    st = {"timeout": 0, "limit": 0, "status": None}
-    while st["status"] is None and not st["limit"]:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            st["timeout"] = 1
-            break
-        watch = list(names) + ([pidfd] if pidfd is not None else [])
-        for fd in select.select(watch, [], [], left if pidfd is not None else min(left, 0.02))[0]:
-            if fd != pidfd:
-                read_into(fd, names, got, cap, st)
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            st["status"] = status
-    for fd in list(names):
-        os.set_blocking(fd, False)
-        try:
-            while fd in names and not st["limit"]:
-                read_into(fd, names, got, cap, st)
-        except BlockingIOError:
-            pass
-    kill_group(pid)
-    if st["status"] is None:
-        st["status"] = os.waitpid(pid, 0)[1]
-    for fd in names:
-        os.close(fd)
-    if pidfd is not None:
-        os.close(pidfd)
-    return got, st
-
-
-def read_into(fd, names, got, cap, st):
-    chunk = os.read(fd, 65536)
-    if not chunk:
-        os.close(fd)
-        del names[fd]
-        return
-    buf = got[names[fd]]
-    buf += chunk
-    if len(buf) > cap:
-        del buf[cap:]
-        st["limit"] = 1
-
-
-def kill_group(pid):
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def sweep(kill_all):
-    """Kill everything the test left behind (daemons included) before the next test starts."""
-    if kill_all:   # our own pid namespace, or a uid of our own: -1 is every process but us (and pid 1)
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except OSError:
-            pass
-    else:          # same uid as the host: only our descendants (we are their subreaper)
-        for _ in range(100):
-            kids = descendants(os.getpid())
-            if not kids:
-                break
-            for p in kids:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except OSError:
-                    pass
-            reap()
-    reap()
-
-
-def descendants(root):
-    parent = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open("/proc/%s/stat" % name) as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if fields[0] != "Z":
-                    parent[int(name)] = int(fields[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    out, frontier = [], {root}
-    while frontier:
-        frontier = set(p for p, pp in parent.items() if pp in frontier and p != root)
-        out += frontier
-    return out
-
-
-def reap():
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return
-        except ChildProcessError:
-            return
-
-
-def limit(lim):
-    mb = 1 << 20
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu"], lim["cpu"] + 1))      # SIGXCPU, then SIGKILL
-    resource.setrlimit(resource.RLIMIT_AS, (lim["memory_mb"] * mb,) * 2)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (lim["file_size_mb"] * mb,) * 2)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"],) * 2)
-    resource.setrlimit(resource.RLIMIT_NPROC, (lim["processes"],) * 2)
-
-
-def child(code, setup, exprs):
-    """Become `python solution.py`: fresh stdio, a __main__ namespace, the code; then the expressions, whose
-    values go to fd 3 as lines `ok|error <base64>`."""
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
-                                                 encoding="utf-8", newline="\n")
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
-                                                   encoding="utf-8", errors="backslashreplace", newline="\n")
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                                   errors="backslashreplace", newline="\n", write_through=True)
-    sys.argv = ["solution.py"]
-    ns = {"__name__": "__main__", "__builtins__": builtins}
-    status = 0
-    try:
-        exec(compile(code, "solution.py", "exec"), ns)
-        if exprs is not None:
-            if setup:
-                exec(compile(setup, "test_setup.py", "exec"), ns)
-            lines = [evaluate(e, ns) for e in exprs]
-            data = "".join("%s %s\n" % (kind, b64(text.encode("utf-8", "backslashreplace")))
-                           for kind, text in lines).encode()
-            while data:
-                data = data[os.write(3, data):]
-    except SystemExit as e:
-        status = exit_status(e.code)
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        status = 1
-    try:
-        sys.stdout.flush()
-    except BaseException:
-        status = status or 120
-    os._exit(status)
-
-
-def exit_status(code):
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
-
-
-def evaluate(expr, ns):
-    try:
-        return "ok", encode(eval(compile(expr, "test.py", "eval"), ns), 0)
-    except Exception as e:
-        return "error", ("%s: %s" % (type(e).__name__, e))[:300]
-
-
-PLAIN = (type(None), bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict)
-
-
-def encode(x, depth, _type=type, _repr=repr, _float=float):
-    """A Python literal for a value made only of exact built-in types; anything else (a subclass, an object
-    with its own __eq__) is an error. The host parses it back with ast.literal_eval."""
-    t = _type(x)
-    if depth > 50:
-        raise ValueError("value nested too deeply")
-    if t not in PLAIN:
-        raise TypeError("returned a %s, not a built-in value" % t.__name__)
-    if t is float:
-        if x != x:
-            raise ValueError("returned nan")
-        return _repr(x) if x not in (_float("inf"), _float("-inf")) else ("1e999" if x > 0 else "-1e999")
-    if t in (list, tuple):
-        inner = ", ".join(encode(v, depth + 1) for v in x)
-        return "[%s]" % inner if t is list else "(%s%s)" % (inner, "," if len(x) == 1 else "")
-    if t in (set, frozenset):
-        return "{%s}" % ", ".join(encode(v, depth + 1) for v in x) if x else "set()"
-    if t is dict:
-        return "{%s}" % ", ".join("%s: %s" % (encode(k, depth + 1), encode(v, depth + 1)) for k, v in x.items())
-    return _repr(x)
-
-
-main()
-'''
+HARNESS = (Path(__file__).parent / "harness.py").read_text()
 
 
 # ------------------------------------------------------------------------------------------ the host side
@@ -416,7 +155,7 @@ class Runner:
         uid = uid_for_slot(slot) if os.geteuid() == 0 else None
         workdir = None if self.isolation == "bubblewrap" else _private_dir(uid)
         chan_r, chan_w = os.pipe()
-        request = marshal.dumps({       # marshal: the harness reads it without importing json (8 ms)
+        request = marshal.dumps({       # marshal: the harness reads it without importing json
             "code": code, "setup": setup, "fd": chan_w, "timeout": float(self.limits.timeout_seconds),
             "kill_all": self.isolation == "bubblewrap" or uid is not None,
             "tests": [{"stdin": t.stdin, "exprs": t.exprs} for t in tests],
@@ -443,7 +182,7 @@ class Runner:
                 os.close(chan_w)
             os.close(chan_r)
             if proc is not None:
-                _kill_group(proc)
+                kill_group(proc)
             if uid is not None:
                 sweep_uid(uid)
             if workdir is not None:
@@ -661,21 +400,6 @@ def sweep_uid(uid: int) -> None:
                 pass
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:        # once reaped, its pid (= its group id) may belong to someone else
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-    for stream in (proc.stdin, proc.stderr):
-        if stream is not None and not stream.closed:
-            stream.close()
-
-
 def _private_dir(uid: int | None) -> str:
     path = tempfile.mkdtemp(prefix="rlflow-sbx-")
     if uid is not None:
@@ -731,20 +455,20 @@ _lock = threading.Lock()
 _warned = False
 
 
-def configure(sandbox_config) -> None:
-    """Use these settings (a tasks.config.SandboxConfig) for every later `runner()` in this process."""
+def configure(sandbox_config: SandboxConfig) -> None:
+    """Use these settings (a tasks.core.config.SandboxConfig) for every later `runner()` in this process."""
     global _config
     with _lock:
         _config = sandbox_config
 
 
-def runner(sandbox_config=None) -> Runner:
+def runner(sandbox_config: SandboxConfig | None = None) -> Runner:
     """The runner for the configured (or given, or default) settings; probed once per process and setting."""
     global _warned
     if sandbox_config is None:
         sandbox_config = _config
     if sandbox_config is None:
-        from tasks.config import SandboxConfig
+        from tasks.core.config import SandboxConfig
         sandbox_config = SandboxConfig()
     key = sandbox_config.model_dump_json()
     with _lock:
@@ -761,7 +485,7 @@ def runner(sandbox_config=None) -> Runner:
         return _runners[key]
 
 
-def _build(cfg) -> tuple[Runner, str]:
+def _build(cfg: SandboxConfig) -> tuple[Runner, str]:
     """The strongest runner that works: (runner, why bubblewrap is not used)."""
     python = resolve_python(cfg.python)
     limits = Limits.of(cfg)

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tasks.errors import UserError
+from tasks.core.errors import UserError
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -36,11 +40,12 @@ def _load(path: str, name: str | None, split: str, field: str = "data.path"):
         raise UserError(f"{field}: cannot load {path!r} split {split!r}: {msg[:200]}") from None
 
 
-def load_prompts(cfg, split: str = "train"):
+def load_prompts(cfg: Config, split: str = "train"):
     """The training split (or, with split="eval", the held-out one), checked: the prompt column exists and
     holds strings or chat message lists."""
     if split == "eval":
-        path, name, sp, field = cfg.eval.path or cfg.data.path, cfg.eval.name or cfg.data.name, cfg.eval.split, "eval.path"
+        path, name, sp, field = (cfg.eval.path or cfg.data.path, cfg.eval.name or cfg.data.name, cfg.eval.split,
+                                 "eval.path")
     else:
         path, name, sp, field = cfg.data.path, cfg.data.name, cfg.data.split, "data.path"
     ds = _load(path, name, sp, field)
@@ -74,7 +79,7 @@ def cursor(iteration: int, prompts_per_iteration: int) -> int:
     return (iteration - 1) * prompts_per_iteration
 
 
-def prompt_of(cfg, row: dict):
+def prompt_of(cfg: Config, row: dict):
     """The prompt of a dataset row as the generator sees it: the prompt column, wrapped in chat messages with
     `data.system_prompt` when that is set and the column holds plain text."""
     prompt = row[cfg.data.prompt_column]

@@ -5,7 +5,7 @@ MANIFEST.json (every file's size and sha256, plus the stage's metadata) exists, 
 last. Readers verify sizes and checksums and refuse a folder with a missing, truncated or altered file,
 naming it. A pointer (`policy/LATEST`) is replaced only after the manifest it names exists.
 
-    store = Store.open(cfg.store)               # one per run root
+    store = open_store(cfg)                     # one per store config (and working directory) per process
     uri = store.put_folder("run/policy/v000003", local_dir, meta={...})
     manifest = store.get_folder("run/policy/v000003", dest_dir)   # verified
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -21,11 +22,15 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any
 
-from tasks.errors import UserError
+from tasks.core.errors import UserError
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config, StoreConfig
 
 MANIFEST = "MANIFEST.json"
 _HASH_CHUNK = 8 << 20
@@ -78,7 +83,7 @@ class Store:
     def check(self) -> None: """Raise UserError if the store cannot be reached."""
 
     @staticmethod
-    def open(cfg) -> "Store":
+    def open(cfg: StoreConfig | str) -> Store:
         """Factory from a StoreConfig (or a bare URI string)."""
         uri = cfg if isinstance(cfg, str) else cfg.uri
         if uri.startswith("s3://"):
@@ -152,7 +157,8 @@ class Store:
         for rel, want in manifest["files"].items():
             target = dest / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            if not (target.exists() and target.stat().st_size == want["size"] and sha256_file(target) == want["sha256"]):
+            same = target.exists() and target.stat().st_size == want["size"] and sha256_file(target) == want["sha256"]
+            if not same:
                 try:
                     self._get_file(f"{key}/{rel}", target)
                 except FileNotFoundError:
@@ -392,8 +398,8 @@ class S3Store(Store):
 
     def _copy_files(self, src, dst, pairs):
         """Server-side copies: no bytes through this machine. One CopyObject per file up to S3's 5 GB limit
-        (a single request; boto3's multipart UploadPartCopy took 3x an upload's time against moto's server here,
-        one CopyObject 0.46x: docs/benchmarks.md), a managed multipart copy above it."""
+        (a single request, much faster than boto3's multipart UploadPartCopy: docs/benchmarks.md), a managed
+        multipart copy above it."""
         sizes = {rel: e["size"] for rel, e in (self.manifest(src) or {"files": {}})["files"].items()}
         for rel, src_rel in pairs.items():
             source = {"Bucket": self.bucket, "Key": self._k(f"{src}/{src_rel}")}
@@ -464,3 +470,16 @@ class S3Store(Store):
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._k(prefix)):
             out += [o["Key"][strip:] for o in page.get("Contents", [])]
         return out
+
+
+@functools.lru_cache(maxsize=8)
+def _open_store(store_cfg_json: str, cwd: str) -> Store:
+    from tasks.core.config import StoreConfig
+
+    return Store.open(StoreConfig.model_validate_json(store_cfg_json))
+
+
+def open_store(cfg: Config) -> Store:
+    """The run's store. One Store per store config (and working directory: a relative file store resolves
+    against it) in this process: a boto3 client is not free to build."""
+    return _open_store(cfg.store.model_dump_json(), os.getcwd())

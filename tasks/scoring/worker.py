@@ -1,6 +1,6 @@
 """The process reward functions run in, so that one that hangs can be killed without killing the stage.
 
-    python -m tasks.reward_worker          # started by tasks/scoring.py, spoken to over stdin/stdout
+    python -m tasks.scoring.worker         # started by tasks/scoring/functions.py, spoken to over stdin/stdout
 
 Protocol: length-prefixed pickles. The parent sends the setup once
 `{"functions": [{"fn": "mod:f", "kwargs": {...}}, ...], "cwd": ..., "sandbox": {...}}`, the worker answers
@@ -112,8 +112,8 @@ def main() -> None:
             module_name, _, attr = spec["fn"].partition(":")
             functions.append((getattr(importlib.import_module(module_name), attr), spec.get("kwargs") or {}))
         if setup.get("sandbox") is not None:
-            from tasks import sandbox
-            from tasks.config import SandboxConfig
+            from tasks.core.config import SandboxConfig
+            from tasks.scoring import sandbox
 
             sandbox.configure(SandboxConfig.model_validate(setup["sandbox"]))
             if setup["sandbox"]["isolation"] == "bubblewrap":

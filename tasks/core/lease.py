@@ -20,8 +20,13 @@ import threading
 import time
 import uuid
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
-from tasks.errors import UserError
+from tasks.core.errors import UserError
+from tasks.core.processes import alive
+
+if TYPE_CHECKING:
+    from tasks.core.store import Store
 
 LEASE = "LEASE.json"
 
@@ -35,7 +40,7 @@ class LeaseLost(RuntimeError):
 
 
 class Lease:
-    def __init__(self, store, run: str, seconds: float, flow_run_id: str | None = None):
+    def __init__(self, store: Store, run: str, seconds: float, flow_run_id: str | None = None):
         self.store, self.run, self.seconds = store, run, seconds
         self.key = f"{run}/{LEASE}"
         self.owner = uuid.uuid4().hex
@@ -56,15 +61,10 @@ class Lease:
         if self.flow_run_id and cur.get("flow_run_id") == self.flow_run_id:
             return True                                    # our own flow run, retried
         if cur.get("host") == self.host and isinstance(cur.get("pid"), int) and cur["pid"] != self.pid:
-            try:
-                os.kill(cur["pid"], 0)
-            except ProcessLookupError:
-                return True                                # its process on this machine is gone
-            except PermissionError:
-                return False
+            return not alive(cur["pid"])                   # its process on this machine is gone
         return False
 
-    def acquire(self) -> "Lease":
+    def acquire(self) -> Lease:
         for _ in range(5):           # a lost race re-reads and decides again
             data, tag = self.store.read_tagged(self.key)
             if data is not None:

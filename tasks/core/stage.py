@@ -1,6 +1,7 @@
-"""What every stage shares: the input fingerprint, reuse of a complete output, its result, and its CLI.
+"""What every stage shares: its input check, the input fingerprint, reuse of a complete output, its result,
+and its command line.
 
-A stage is `stage(config, iteration, ...) -> {"key", "uri", "metrics"}`, pure over the store: when its output
+A stage is `stage(cfg, iteration, ...) -> {"key", "uri", "metrics"}`, pure over the store: when its output
 folder is complete and was made from the same inputs (same fingerprint), it returns that folder without
 recomputing. An output made from *different* inputs under the same run name is a user error: silently
 mixing two configs in one run would corrupt it.
@@ -12,16 +13,30 @@ import argparse
 import hashlib
 import json
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from tasks.errors import UserError
+from tasks.core.errors import UserError, user_error_line
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+    from tasks.core.store import Store
 
 
-def fingerprint(cfg, sections: tuple[str, ...], **inputs) -> str:
+def require_input(store: Store, key: str, iteration: int, what: str, stage: str) -> dict:
+    """The manifest of a stage's input folder; a missing one is the user's mistake (stages run out of order)."""
+    manifest = store.manifest(key)
+    if manifest is None:
+        raise UserError(f"iteration {iteration}: no complete {what} at {store.uri(key)}; run {stage} first")
+    return manifest
+
+
+def fingerprint(cfg: Config, sections: tuple[str, ...], **inputs) -> str:
     blob = json.dumps({"config": cfg.section_hash(*sections), "seed": cfg.run.seed, **inputs}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def reuse(store, key: str, fp: str) -> dict | None:
+def reuse(store: Store, key: str, fp: str) -> dict | None:
     manifest = store.manifest(key)
     if manifest is None:
         return None
@@ -31,11 +46,8 @@ def reuse(store, key: str, fp: str) -> dict | None:
     return result(store, key, manifest)
 
 
-def result(store, key: str, manifest: dict) -> dict:
+def result(store: Store, key: str, manifest: dict) -> dict:
     return {"key": key, "uri": store.uri(key), "metrics": manifest.get("meta", {}).get("metrics", {})}
-
-
-USER_ERROR = "RLFLOW_USER_ERROR: "
 
 
 def parse_overrides_json(text: str) -> list[str]:
@@ -48,9 +60,9 @@ def parse_overrides_json(text: str) -> list[str]:
     return items
 
 
-def stage_cli(fn, name: str, takes_policy: bool = False, takes_tracking: bool = False) -> None:
+def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, takes_tracking: bool = False) -> None:
     """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY]`; prints the result JSON."""
-    from tasks.config import load_config
+    from tasks.core.config import load_config
 
     ap = argparse.ArgumentParser(prog=f"python -m tasks.{name}", description=fn.__doc__)
     ap.add_argument("--config", required=True)
@@ -73,6 +85,6 @@ def stage_cli(fn, name: str, takes_policy: bool = False, takes_tracking: bool = 
         out = fn(cfg, args.iteration, **kwargs)
     except UserError as e:
         # The second line lets a launcher tell a user error from a crash when only the log comes back.
-        print(f"error: {e}\n{USER_ERROR}{e}", file=sys.stderr)
+        print(user_error_line(e), file=sys.stderr)
         sys.exit(2)
     print(json.dumps(out))

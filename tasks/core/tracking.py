@@ -17,8 +17,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tasks.errors import UserError
+from tasks.core.errors import UserError
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
 
 TAG_RUN, TAG_STORE = "rlflow.run", "rlflow.store"
 CURVE_METRIC = "reward/mean"
@@ -49,7 +53,7 @@ class Tracker:
     tables in one artifact upload, then every metric in one `log_batch` — the resume marker goes last.
     """
 
-    def __init__(self, cfg, store_root: str):
+    def __init__(self, cfg: Config, store_root: str):
         self.cfg = cfg
         self.client = _client(cfg.tracking.uri)
         self.store_root = store_root
@@ -211,7 +215,7 @@ class Tracker:
         return f"{uri} run {self.run_id} (view: mlflow ui --backend-store-uri {uri})"
 
 
-def registered_model_name(cfg) -> str:
+def registered_model_name(cfg: Config) -> str:
     """The MLflow registered model a run's policies become versions of."""
     return cfg.publish.registered_model_name or cfg.run.name
 
@@ -226,7 +230,8 @@ def ensure_registered_model(client, name: str) -> None:
             raise
 
 
-def register_policy(cfg, run_id: str, policy_uri: str, iteration: int, client=None, checked: bool = False) -> str:
+def register_policy(cfg: Config, run_id: str, policy_uri: str, iteration: int, client=None,
+                    checked: bool = False) -> str:
     """Register `policy_uri` as a model version of `publish.registered_model_name`, once per URI.
 
     `checked=True`: the caller already knows this URI is not registered (the Tracker reads the run's versions
@@ -268,7 +273,7 @@ def promote_if_better(client, name: str, version: str, metric: str, value: float
     return True
 
 
-def champion_policy_uri(cfg) -> str | None:
+def champion_policy_uri(cfg: Config) -> str | None:
     """Store URI of the policy behind `models:/<name>@champion`, or None when there is no champion."""
     from mlflow.exceptions import MlflowException
 

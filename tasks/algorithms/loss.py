@@ -18,12 +18,17 @@ normalise per micro-batch, which rlflow deliberately does not (bnpo and dapo the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from tasks.core.config import TrainConfig
 
 CLIPPED_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
 
 
-def epsilon_high(tc) -> float:
+def epsilon_high(tc: TrainConfig) -> float:
     """TRL's fallback: epsilon_high = epsilon. For cispo ε_high is a cap on the weight itself, not 1+ε, so
     the fallback would cap at 0.2; rlflow defaults it to 5.0, ScaleRL's recommendation (TRL's docs too)."""
     if tc.epsilon_high is not None:
@@ -41,7 +46,7 @@ def importance_weights(logp, old_logp, mask, level: str):
     raise ValueError(f"importance_sampling_level: {level!r}")
 
 
-def per_token_loss(logp, old_logp, advantages, mask, tc, ref_logp=None, is_ratio=None):
+def per_token_loss(logp, old_logp, advantages, mask, tc: TrainConfig, ref_logp=None, is_ratio=None):
     """logp, old_logp, ref_logp, mask: (B, T); advantages: (B,); is_ratio: (B, T), (B, 1) or None.
     Returns (loss (B, T), w (B, T) or (B, 1), kl (B, T) or None)."""
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
@@ -97,7 +102,7 @@ def behaviour_correction(old_logp, behaviour_logp, mask, mode: str, cap: float):
     raise ValueError(f"importance_sampling_mode: {mode!r}")
 
 
-def clip_stats(w, advantages, mask, tc) -> dict[str, float]:
+def clip_stats(w, advantages, mask, tc: TrainConfig) -> dict[str, float]:
     """Token counts where the clip was active, low side (A<0) and high side (A>0), as TRL logs them."""
     adv = advantages.unsqueeze(1)
     high = epsilon_high(tc)

@@ -1,9 +1,10 @@
-"""A tiny causal LM built offline, so that tests and the demo use the real `from_pretrained` path.
+"""Builtin models: small causal LMs built offline, so that tests, benchmarks and the demo use the real
+`from_pretrained` path without a model hub.
 
-    python -m tasks.tiny_model build /tmp/tiny-lm
+    python -m tasks.core.builtin_models build /tmp/tiny-lm
 
-A config `model.name_or_path: builtin:tiny-lm` resolves to a folder built here once (deterministic, seeded)
-under the local cache; everything after that loads it exactly like a hub model.
+A config `model.name_or_path: builtin:tiny-lm` (or `builtin:small-lm`) resolves to a folder built here once
+(deterministic, seeded) under the local cache; everything after that loads it exactly like a hub model.
 
 Shape choices (why): a character-level vocabulary (~100 tokens) keeps the output layer small so a random
 model can find rewarded tokens by sampling; hidden 64 with 2 heads gives head_dim 32, the smallest vLLM's
@@ -20,6 +21,9 @@ import string
 import sys
 import tempfile
 from pathlib import Path
+
+from tasks.core.errors import UserError
+from tasks.core.paths import cache_root
 
 BUILTIN_PREFIX = "builtin:"
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
@@ -74,17 +78,12 @@ def build(path: str | Path, name: str = "tiny-lm", seed: int = 0) -> Path:
     return path
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("RLFLOW_CACHE", Path.home() / ".cache" / "rlflow"))
-
-
 def resolve(name_or_path: str) -> str:
     """`builtin:NAME` -> a local folder (built on first use); anything else is returned unchanged."""
     if not name_or_path.startswith(BUILTIN_PREFIX):
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX):]
     if name not in BUILTINS:
-        from tasks.errors import UserError
         raise UserError(f"model.name_or_path: unknown builtin model {name!r}; expected one of {sorted(BUILTINS)}")
     spec = json.dumps({"name": name, **BUILTINS[name], "vocab": SPECIAL_TOKENS + CHARACTERS}, sort_keys=True)
     target = cache_root() / "models" / f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
@@ -101,5 +100,5 @@ def resolve(name_or_path: str) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "build":
-        sys.exit("usage: python -m tasks.tiny_model build PATH")
+        sys.exit("usage: python -m tasks.core.builtin_models build PATH")
     print(build(sys.argv[2]))

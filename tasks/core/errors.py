@@ -1,9 +1,18 @@
-"""The two kinds of failure a user sees.
+"""The two kinds of failure a user sees, and how a user error crosses a process boundary.
 
 `UserError`: the user's input is wrong (config, data, reward path, store URI). One line naming the field or
 row and what was expected; exit code 2; never retried; raised before anything is written to the store.
 Anything else is an internal or infrastructure error: exit code 1, with a traceback.
+
+A stage that runs in another process (a local subprocess, torchrun's workers, a SkyPilot job) reports a user
+error as one line `RLFLOW_USER_ERROR: <message>` before it exits 2; whoever streams its output turns that line
+back into a UserError (`user_error_in`). Standard library only: the SkyPilot bridge imports this in its own
+environment.
 """
+
+from __future__ import annotations
+
+USER_ERROR = "RLFLOW_USER_ERROR: "
 
 
 class UserError(Exception):
@@ -24,3 +33,13 @@ def cause_of(exc: BaseException | None, kinds) -> BaseException | None:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def user_error_line(error: UserError) -> str:
+    """What a stage process prints on stderr before exit 2: the message, then the marker line."""
+    return f"error: {error}\n{USER_ERROR}{error}"
+
+
+def user_error_in(line: str) -> str | None:
+    """The user error a line of a stage's output reports, or None."""
+    return line.split(USER_ERROR, 1)[1].strip() if USER_ERROR in line else None

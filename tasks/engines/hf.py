@@ -1,52 +1,45 @@
-"""Sampling completions: the engine factory the generate and evaluate stages share, and the `hf` engine.
+"""The `hf` sampling engine: transformers' `generate` in this process, on the CPU or one GPU.
 
-    engine = engine_for(cfg)          # hf | vllm offline (tasks/vllm_worker.py) | vllm server (tasks/vllm_server.py)
-    samples, seconds = engine.generate(policy, path, tokenizer, prompt_ids, n=..., max_new_tokens=...,
-                                       temperature=..., top_p=..., seed=...)
-
-Every engine returns the same samples, one per completion: (prompt index, completion ids including the EOS
-token when it stopped on its own, behaviour logprob of each of those tokens, truncated), and `seconds`
-{"load_seconds": model load / engine start / weight reload, "sampling_seconds": sampling alone}. The stages
-never branch on the engine. The sampled tokens' logprobs are taken after temperature/top-p, i.e. from the
-distribution actually sampled from, which is what importance ratios need.
+The policy is loaded for each call (a full model, or base + LoRA adapter). transformers runs user logits
+processors *before* its own temperature/top-p warpers, so sampling is asked for at temperature 1 / top-p 1 and
+one last processor of ours applies both and records the log-softmax the token was drawn from (the behaviour
+logprob), one step at a time.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
+from tasks.core.models import device_for, load_policy
+from tasks.engines.sampling import Sample, Sampled, SamplingParams
 
-def engine_for(cfg):
-    """The generation engine `generate.engine` / `generate.mode` name."""
-    if cfg.generate.engine == "hf":
-        return HFEngine(cfg)
-    if cfg.generate.mode == "server":
-        from tasks.vllm_server import VLLMServer
-
-        return VLLMServer(cfg)
-    from tasks.vllm_worker import VLLMOffline
-
-    return VLLMOffline(cfg)
+if TYPE_CHECKING:
+    from tasks.core.config import Config
 
 
 class HFEngine:
-    """transformers in this process: the policy is loaded for each call (base + adapter for LoRA)."""
+    """transformers in this process (tasks/engines/sampling.py: SamplingEngine)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
 
-    def generate(self, policy: str, path: str, tokenizer, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
-                 temperature: float, top_p: float, seed: int):
-        from tasks.models import device_for, load_policy
+    @classmethod
+    def check_installed(cls, cfg: Config) -> None:
+        """transformers is rlflow's own dependency: nothing to check."""
 
+    def generate(self, policy: str, path: str, tokenizer, prompt_ids: list[list[int]],
+                 params: SamplingParams) -> Sampled:
         t0 = time.perf_counter()
         model = load_policy(self.cfg, path, device_for(self.cfg)).eval()
         t1 = time.perf_counter()
-        samples = hf_generate(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, top_p,
-                              self.cfg.generate.batch_size, seed)
-        return samples, {"load_seconds": t1 - t0, "sampling_seconds": time.perf_counter() - t1}
+        samples = hf_generate(model, tokenizer, prompt_ids, params, self.cfg.generate.batch_size)
+        return Sampled(samples, load_seconds=t1 - t0, sampling_seconds=time.perf_counter() - t1)
+
+    def stop(self, log=print) -> None:
+        """Nothing outlives a call."""
 
 
 class _SampleAndRecord:
@@ -79,11 +72,13 @@ class _SampleAndRecord:
         return torch.stack(self.steps, dim=1)  # (N, steps)
 
 
-def hf_generate(model, tokenizer, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
-                top_p: float, batch_size: int, seed: int):
-    """n samples per prompt -> per completion: (prompt index, completion ids incl. EOS, logprobs, truncated)."""
+def hf_generate(model, tokenizer, prompt_ids: list[list[int]], params: SamplingParams,
+                batch_size: int) -> list[Sample]:
+    """params.n samples per prompt, `batch_size` prompts per `model.generate` call."""
     from transformers import GenerationConfig, LogitsProcessorList
 
+    n, temperature, top_p, seed = params.n, params.temperature, params.top_p, params.seed
+    max_new_tokens = params.max_new_tokens
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     gen_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
@@ -105,5 +100,5 @@ def hf_generate(model, tokenizer, prompt_ids: list[list[int]], n: int, max_new_t
             toks = completions[j].tolist()
             stop = toks.index(eos) + 1 if eos in toks else None
             toks = toks[:stop] if stop else toks
-            out.append((start + j // n, toks, logps[j, :len(toks)].tolist(), stop is None))
+            out.append(Sample(start + j // n, toks, logps[j, :len(toks)].tolist(), truncated=stop is None))
     return out

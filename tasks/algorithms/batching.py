@@ -1,0 +1,93 @@
+"""Scored rollouts as padded micro-batches: built once per iteration, reused by every optimiser pass.
+
+A micro-batch is a memory knob, never a change of objective: the loss is normalised by the whole batch's
+token and sequence counts (tasks/algorithms/loss.py), so the accumulated gradient is the full batch's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tasks.core.config import TrainConfig
+    from tasks.core.rollout import Rollout
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward's worth of completions."""
+
+    ids: torch.Tensor                  # (b, Lp+Lc) long: [left-padded prompt | right-padded completion]
+    attention: torch.Tensor            # (b, Lp+Lc) long
+    positions: torch.Tensor            # (b, Lp+Lc) long: real tokens counted only, as the generator saw them
+    mask: torch.Tensor                 # (b, Lc) float: 1 on completion tokens that enter the loss
+    behaviour: torch.Tensor            # (b, Lc) float: the generator's logprob of each token (μ), 0 on padding
+    advantages: torch.Tensor           # (b,)
+    rows: int                          # completions in it (0: a weightless micro-batch, see shard_batches)
+    ref: torch.Tensor | None = None    # (b, Lc) the reference policy's logprobs (beta > 0)
+    old: torch.Tensor | None = None    # (b, Lc) π_old: the logprobs before this iteration's first step
+
+    @property
+    def width(self) -> int:
+        """Lc: completion tokens per row, padding included."""
+        return self.mask.shape[1]
+
+
+def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
+    """[left-padded prompt | right-padded completion] with attention mask, position ids and completion mask.
+
+    Shapes: ids, attention (B, Lp+Lc); completion_mask (B, Lc). Position ids count real tokens only, so a
+    left-padded row sees the same positions as it did unpadded in the generator.
+    """
+    Lp = max(len(p) for p in prompts)
+    Lc = max(max(len(c) for c in completions), 1)
+    # Rows are built as Python lists and converted once: per-row tensor writes cost more than the step itself
+    # at small sizes.
+    rows, attn_rows, cmask_rows = [], [], []
+    for p, c in zip(prompts, completions):
+        lp, lc = Lp - len(p), Lc - len(c)
+        rows.append([pad_id] * lp + list(p) + list(c) + [pad_id] * lc)
+        attn_rows.append([0] * lp + [1] * (len(p) + len(c)) + [0] * lc)
+        cmask_rows.append([1.0] * len(c) + [0.0] * lc)
+    ids = torch.tensor(rows, dtype=torch.long)
+    attn = torch.tensor(attn_rows, dtype=torch.long)
+    cmask = torch.tensor(cmask_rows, dtype=torch.float32)
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    return ids, attn, positions, cmask
+
+
+def prepare_batches(records: list[Rollout], advantages: torch.Tensor, pad_token_id: int, tc: TrainConfig,
+                    device: torch.device | str) -> list[MicroBatch]:
+    """Pad the scored rollouts into micro-batches of `tc.micro_batch_size` (advantages: (N,), one per record)."""
+    batches = []
+    for start in range(0, len(records), tc.micro_batch_size):
+        chunk = records[start:start + tc.micro_batch_size]
+        ids, attn, pos, mask = pad_batch([r.prompt_ids for r in chunk], [r.completion_ids for r in chunk],
+                                         pad_token_id)
+        width = mask.shape[1]
+        behaviour = torch.tensor([list(r.logprobs) + [0.0] * (width - len(r.logprobs)) for r in chunk],
+                                 dtype=torch.float32)
+        if tc.mask_truncated_completions:
+            mask = mask * torch.tensor([[0.0 if r.truncated else 1.0] for r in chunk])
+        batches.append(MicroBatch(ids=ids, attention=attn, positions=pos, mask=mask.to(device),
+                                  behaviour=behaviour.to(device),
+                                  advantages=advantages[start:start + len(chunk)].to(device), rows=len(chunk)))
+    return batches
+
+
+def shard_batches(records: list[Rollout], advantages: torch.Tensor, pad_token_id: int, tc: TrainConfig,
+                  device: torch.device | str, rank: int, world_size: int) -> list[MicroBatch]:
+    """This process's micro-batches: a contiguous shard of ceil(N / world_size) completions, padded with
+    weightless micro-batches (mask 0, no rows) to the count of the largest shard: every process must run
+    the same number of forwards and backwards, since ZeRO gathers and reduces inside them."""
+    size = -(-len(records) // world_size)
+    lo, hi = min(rank * size, len(records)), min((rank + 1) * size, len(records))
+    batches = prepare_batches(records[lo:hi], advantages[lo:hi], pad_token_id, tc, device)
+    while len(batches) < -(-size // tc.micro_batch_size):
+        empty = prepare_batches(records[:1], torch.zeros(1), pad_token_id, tc, device)[0]
+        batches.append(dataclasses.replace(empty, mask=torch.zeros_like(empty.mask), rows=0))
+    return batches

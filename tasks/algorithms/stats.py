@@ -1,0 +1,113 @@
+"""What an update did, as TRL's GRPOTrainer logs it: loss, grad norm, entropy, clip shares, importance ratios,
+KL to the reference, and the generator/trainer mismatch. Sums over tokens are kept while the micro-batches
+run and reduced over processes once at the end; `metrics` turns them into per-token means.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from tasks.algorithms.loss import clip_stats
+
+if TYPE_CHECKING:
+    from tasks.algorithms.batching import MicroBatch
+    from tasks.core.config import TrainConfig
+
+
+class Reducer(Protocol):
+    """Element-wise reductions over the training processes (a training engine; identity with one process)."""
+
+    def sum(self, values: list[float]) -> list[float]: ...
+    def max(self, values: list[float]) -> list[float]: ...
+    def min(self, values: list[float]) -> list[float]: ...
+
+
+@dataclass
+class UpdateStats:
+    loss: float = 0.0               # the last pass's loss (this process's share until reduced)
+    grad_norm: float = 0.0          # the last pass's gradient norm, before clipping (over all processes)
+    clip_low_sum: float = 0.0       # the last pass: tokens where the clip was active, A < 0
+    clip_high_sum: float = 0.0      # the last pass: tokens where the clip was active, A > 0
+    ratio_sum: float = 0.0          # every pass: π/π_old summed over tokens
+    ratio_max: float = 0.0
+    ratio_min: float = math.inf
+    entropy: float = 0.0            # first pass, summed over tokens
+    mismatch_kl: float = 0.0        # first pass: k3 KL(generator ‖ trainer) on the generator's samples
+    kl_ref: float = 0.0             # first pass: the loss's KL term to the reference (beta > 0)
+    is_ratio_sum: float = 0.0       # first pass: the behaviour importance weight π_old/μ
+    is_ratio_min: float = math.inf
+    num_tokens: float = 0.0         # tokens in the loss, over all processes
+
+    def start_pass(self) -> None:
+        self.loss, self.clip_low_sum, self.clip_high_sum = 0.0, 0.0, 0.0
+
+    def add(self, b: MicroBatch, loss: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor,
+            ratio: torch.Tensor, kl: torch.Tensor | None, is_ratio: torch.Tensor | None, tc: TrainConfig,
+            first_pass: bool) -> None:
+        """One micro-batch's forward: its aggregated loss, its logprobs (B, T) and entropy (B, T), the
+        importance weight (B, T) or (B, 1), the KL term (B, T) and the behaviour weight."""
+        m = b.mask
+        self.loss += float(loss.detach())
+        clip = clip_stats(ratio.detach(), b.advantages, m, tc)
+        self.clip_low_sum += clip["clip_low_sum"]
+        self.clip_high_sum += clip["clip_high_sum"]
+        if first_pass:
+            self.entropy += float((entropy.detach() * m).sum())
+            # KL(generator ‖ trainer) on the generator's own samples, k3 with r = π/μ; on pass 0 both hold the
+            # same weights, so this measures engine/numerics mismatch alone.
+            d = logp.detach() - b.behaviour
+            self.mismatch_kl += float(((torch.exp(d) - d - 1) * m).sum())
+            if kl is not None:
+                self.kl_ref += float((kl.detach() * m).sum())
+            if is_ratio is not None:
+                rho = is_ratio.expand_as(m)[m.bool()]
+                if rho.numel():
+                    self.is_ratio_sum += float(rho.sum())
+                    self.is_ratio_min = min(self.is_ratio_min, float(rho.min()))
+        real = ratio.detach().expand_as(m)[m.bool()]
+        self.ratio_sum += float(real.sum())
+        if real.numel():
+            self.ratio_max = max(self.ratio_max, float(real.max()))
+            self.ratio_min = min(self.ratio_min, float(real.min()))
+
+    def reduce(self, over: Reducer, num_tokens: float) -> UpdateStats:
+        """Sums, maxima and minima over every process."""
+        summed = ("loss", "kl_ref", "mismatch_kl", "entropy", "clip_low_sum", "clip_high_sum", "ratio_sum",
+                  "is_ratio_sum")
+        for name, value in zip(summed, over.sum([getattr(self, k) for k in summed])):
+            setattr(self, name, value)
+        self.ratio_max, = over.max([self.ratio_max])
+        self.ratio_min, self.is_ratio_min = over.min([self.ratio_min, self.is_ratio_min])
+        self.num_tokens = num_tokens
+        return self
+
+    def metrics(self, rewards: torch.Tensor, advantages: torch.Tensor, tc: TrainConfig, seconds: float) -> dict:
+        """The train/* metrics of an iteration: rewards (N,) with NaN for missing, advantages (N,)."""
+        present = rewards[~torch.isnan(rewards)]
+        denom = max(self.num_tokens, 1.0)   # every completion may be masked (mask_truncated_completions)
+        metrics = {
+            "train/loss": self.loss,
+            "train/grad_norm": self.grad_norm,
+            "train/entropy": self.entropy / denom,
+            "train/mismatch_kl": self.mismatch_kl / denom,
+            "train/clip_low": self.clip_low_sum / denom,
+            "train/clip_high": self.clip_high_sum / denom,
+            "train/clip_region": (self.clip_low_sum + self.clip_high_sum) / denom,   # TRL's region_mean
+            "train/ratio_mean": self.ratio_sum / (denom * tc.num_iterations) if self.num_tokens else 1.0,
+            "train/ratio_min": self.ratio_min if math.isfinite(self.ratio_min) else 1.0,
+            "train/ratio_max": self.ratio_max,
+            "train/advantage_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
+            "train/reward_mean": float(present.mean()) if present.numel() else 0.0,
+            "train/tokens_per_s": self.num_tokens * tc.num_iterations / max(seconds, 1e-9),
+            "train/seconds": seconds,
+        }
+        if tc.beta > 0:
+            metrics["train/kl_ref"] = self.kl_ref / denom
+        if tc.importance_sampling_correction:
+            metrics["train/is_ratio_mean"] = self.is_ratio_sum / denom
+            metrics["train/is_ratio_min"] = self.is_ratio_min if math.isfinite(self.is_ratio_min) else 1.0
+        return metrics

@@ -1,0 +1,119 @@
+"""Loading policies: a hub id, a local folder, a builtin model, or a folder in the store (a published policy, a
+checkpoint's model), as a full model or a LoRA adapter on the configured base; and their tokenizers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tasks.core import builtin_models, layout
+from tasks.core.errors import UserError
+from tasks.core.paths import cache_root
+from tasks.core.store import Store, open_store
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config, TrainConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_for(cfg: Config) -> torch.device:
+    want = cfg.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want)
+
+
+def local_folder(store: Store, key: str) -> Path:
+    """Download (or reuse) a complete store folder into the local cache, verified."""
+    digest = hashlib.sha256(store.uri(key).encode()).hexdigest()[:16]
+    dest = cache_root() / "store" / digest
+    store.get_folder(key, dest)
+    return dest
+
+
+def policy_path(cfg: Config, policy: str) -> str:
+    """`base` -> the configured starting model; otherwise a store key of a policy or checkpoint model."""
+    if policy == layout.BASE:
+        return base_path(cfg)
+    return str(local_folder(open_store(cfg), policy))
+
+
+def base_path(cfg: Config) -> str:
+    """The starting model as a local folder or hub id. A URI inside the store (a published policy, e.g.
+    the champion of an earlier run) is fetched, verified, into the local cache."""
+    store = open_store(cfg)
+    if cfg.model.name_or_path.startswith(store.root.rstrip("/") + "/"):
+        key = cfg.model.name_or_path[len(store.root.rstrip("/")) + 1:]
+        if store.manifest(key) is None:
+            raise UserError(f"model.name_or_path: {cfg.model.name_or_path}: no complete folder there")
+        return str(local_folder(store, key))
+    if cfg.model.name_or_path.startswith("s3://"):
+        raise UserError(f"model.name_or_path: {cfg.model.name_or_path}: an s3:// model must lie under store.uri "
+                        f"({store.root})")
+    path = builtin_models.resolve(cfg.model.name_or_path)
+    looks_local = path.startswith(("/", "./", "../", "~")) or Path(path).exists()
+    if looks_local and not (Path(path).expanduser() / "config.json").exists():
+        raise UserError(f"model.name_or_path: {path}: no config.json (expected a saved model folder)")
+    return path
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise UserError(f"model.name_or_path: cannot load tokenizer from {path!r}: "
+                        f"{str(e).splitlines()[0][:200]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str, dtype: str = "float32", device: torch.device | str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
+    except OSError as e:
+        raise UserError(f"model.name_or_path: cannot load model from {path!r}: "
+                        f"{str(e).splitlines()[0][:200]}") from None
+    return model.to(device)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def load_policy(cfg: Config, path: str, device: torch.device | str, trainable: bool = False):
+    """A full model folder, or a LoRA adapter folder (peft) applied to the configured base model."""
+    if not (Path(path) / ADAPTER_CONFIG).exists():
+        return load_model(path, cfg.model.dtype, device)
+    from peft import PeftModel
+
+    base = load_model(base_path(cfg), cfg.model.dtype, device)
+    return PeftModel.from_pretrained(base, path, is_trainable=trainable)
+
+
+def add_lora(model, tc: TrainConfig):
+    """Wrap a base model with fresh LoRA adapters (B = 0: the wrapped model starts equal to the base)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=tc.lora_r, lora_alpha=tc.lora_alpha, lora_dropout=tc.lora_dropout,
+                                            target_modules=tc.lora_target_modules, task_type="CAUSAL_LM"))
+
+
+def encode_prompt(tokenizer, prompt, max_length: int) -> list[int]:
+    """A string is tokenised as is; a list of chat messages goes through the tokenizer's chat template."""
+    if isinstance(prompt, list):
+        if not tokenizer.chat_template:
+            raise UserError("data.prompt_column: chat-message prompts need a tokenizer with a chat template")
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return list(ids)[-max_length:]

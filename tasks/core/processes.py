@@ -1,0 +1,79 @@
+"""Child processes: streaming one's output while spotting a user-error line, killing a process group, and
+"is this pid alive". Shared by the launchers, the DeepSpeed launcher, the reward worker, the sandbox, the
+vLLM server and the lease. Standard library only.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.core.errors import user_error_in
+
+
+@dataclass
+class Streamed:
+    code: int                     # the process's exit code (negative: killed by that signal)
+    user_error: str | None        # the message of the first `RLFLOW_USER_ERROR:` line it printed
+    last: list[str]               # its last lines (without line ends)
+
+
+def stream(argv: list[str], env: dict[str, str], sink: Callable[[str], object], cwd: str | Path | None = None,
+           keep: int = 50) -> Streamed:
+    """Run argv with stdout and stderr merged, passing each line (without its line end) to `sink` as it comes.
+    If we are interrupted (an exception, Ctrl-C) the process is terminated, never left behind."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1)
+    user_error, last = None, collections.deque(maxlen=keep)
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            sink(line)
+            last.append(line)
+            if user_error is None:
+                user_error = user_error_in(line)
+        return Streamed(proc.wait(), user_error, list(last))
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+        proc.stdout.close()
+
+
+def kill_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """SIGKILL the process group of `proc` (started with start_new_session=True: it and everything it started),
+    reap it and close our ends of its pipes."""
+    if proc.poll() is None:        # once reaped, its pid (= its group id) may belong to someone else
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None and not pipe.closed:
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a process of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return True

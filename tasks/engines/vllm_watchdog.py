@@ -1,0 +1,88 @@
+"""The vLLM server's watchdog: a process started beside the server, in its process group, that stops the
+server once the run has forgotten it or no generate has used it for a while (a flow killed before its
+teardown must not leave a server holding the machine). Standard library only: it runs under the vLLM
+environment's interpreter, where it should not cost a torch import.
+
+    python -m tasks.engines.vllm_watchdog STATE_PATH IDLE_SECONDS POLL_SECONDS SERVER_PID
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from tasks.core.processes import alive
+
+
+def watch(state_path: Path, idle_seconds: float, poll: float, pid: int) -> str:
+    """The server's watchdog (its own process, in the server's group): returns once the server has exited,
+    after stopping it if the state file no longer names it (the run forgot it, or started another) or if no
+    generate has used it (the state file's mtime) for `idle_seconds`. The stage writes the state file just
+    after starting us: until it has named the server once, a missing file only counts after `idle_seconds`.
+    Returns why it ended."""
+    started, named_once = time.time(), False
+    while alive(pid):
+        time.sleep(poll)
+        try:
+            used, named = state_path.stat().st_mtime, json.loads(state_path.read_text()).get("pid")
+        except (OSError, ValueError):
+            used, named = None, None
+        named_once = named_once or named == pid
+        if named != pid and (named_once or named is not None or time.time() - started > idle_seconds):
+            why = "the run's state file no longer names it"
+        elif named == pid and time.time() - used > idle_seconds:
+            why = f"no generate used it for {idle_seconds:.0f} s (generate.server_idle_timeout)"
+        else:
+            continue
+        print(f"rlflow watchdog: stopping vLLM server pid {pid}: {why}", flush=True)
+        if named == pid:
+            state_path.unlink(missing_ok=True)      # first: a stage starting now starts a new server
+        terminate_group(os.getpgid(0))
+        return why
+    return "the server exited"
+
+
+def terminate_group(pgid: int | None) -> None:
+    """SIGTERM the vLLM processes of process group `pgid`, SIGKILL after 30 s. Only processes of that group
+    that are vLLM's (or its watchdog) are signalled, in case the group id was reused; never this process."""
+    if not pgid:
+        return
+    for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)):
+        if not Path("/proc").is_dir():                  # (no /proc, e.g. macOS: the whole group)
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+        pids = [p for p in vllm_members(pgid) if p != os.getpid()]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while pids and any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def vllm_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` whose command line is vLLM's (`... vllm ... serve`, VLLM::*)."""
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (proc / "stat").read_text().rsplit(") ", 1)[1].split()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").lower()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z" and "vllm" in cmdline:
+            out.append(int(proc.name))
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 5:
+        sys.exit("usage: python -m tasks.engines.vllm_watchdog STATE_PATH IDLE_SECONDS POLL_SECONDS SERVER_PID")
+    watch(Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))

