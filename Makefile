@@ -1,4 +1,5 @@
 # Two entry points (README): `make demo` and `make test`. Both build .venv from nothing first.
+# `make test-fast` (the tier that needs no server and no engine) and `make lint` are for the edit-test loop.
 # torch is installed alone and pinned first: torch==2.13.0 resolves to the local CPU wheel on our machines;
 # any looser spec (or letting another package pull it) downloads the multi-GB CUDA build.
 PYTHON ?= python3
@@ -6,7 +7,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip install -qq --disable-pip-version-check
 
-.PHONY: setup demo test bench clean
+# Tiers: tests/conftest.py and the markers in pyproject.toml.
+FAST := not slow and not server and not drill and not vllm and not deepspeed and not gpu
+
+.PHONY: setup demo lint test test-fast bench clean
 
 setup: $(VENV)/.ready .venv-sky/.ready .venv-vllm/.ready
 
@@ -42,8 +46,14 @@ $(VENV)/.ready: pyproject.toml constraints.txt
 demo: setup              ## tiny model, CPU, local store, sqlite MLflow, Prefect without a server (~1-2 min)
 	$(BIN)/rlflow run configs/tiny.yaml --summary-json rlflow-runs/tiny-demo/summary.json
 
-test: setup              ## every test, the slow end-to-end ones included (real S3/Prefect/MLflow servers)
+lint: $(VENV)/.ready      ## ruff (config in pyproject.toml)
+	$(BIN)/ruff check .
+
+test: setup lint         ## lint, then every test, the slow end-to-end ones included (what CI runs)
 	$(BIN)/python -m pytest -q tests
+
+test-fast: $(VENV)/.ready lint   ## lint, then the tests that need no server and no engine
+	$(BIN)/python -m pytest -q tests -m "$(FAST)"
 
 bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/flow_overhead.py

@@ -1,11 +1,23 @@
 """Real servers on 127.0.0.1 for the whole session: an S3-compatible server (moto in server mode) and a
 Prefect API (prefect_test_harness). MLflow runs on sqlite in each test's folder. The tiny model is built
-offline into a session cache and loaded through `from_pretrained` like any hub model."""
+offline into a session cache and loaded through `from_pretrained` like any hub model.
+
+Tiers (markers, registered in pyproject.toml; `make test-fast` deselects all but the unmarked):
+  slow        end-to-end runs: flows, stage subprocesses, many seconds each
+  server      needs a server a fixture starts (moto S3, Prefect): set here from the fixtures a test uses
+  drill       fault drills: processes killed mid-run, then resumed
+  vllm, deepspeed, bubblewrap, gpu
+              needs that engine / sandbox / device. Skipped where it is missing, except in CI (CI=true), where
+              a missing vLLM environment, DeepSpeed or bubblewrap fails the test instead of silently dropping
+              the engine or security tests; gpu tests are skipped without a GPU everywhere.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -15,6 +27,68 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+SERVER_FIXTURES = {"s3_endpoint", "bucket", "prefect_api", "s3_with_auth"}
+# The checkout's own output folders (the demo's): tests write under their tmp_path, never here.
+CHECKOUT_OUTPUTS = [ROOT / "rlflow-runs", ROOT / "rlflow-store", ROOT / "mlflow.db", ROOT / "mlruns"]
+
+
+def _have_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# marker: (is it here?, what is missing, how to get it, required in CI)
+REQUIRES = {
+    "vllm": (VLLM_PYTHON.exists, f"the vLLM environment ({VLLM_PYTHON})", "make setup builds it", True),
+    "deepspeed": (lambda: importlib.util.find_spec("deepspeed") is not None, "deepspeed",
+                  "make setup installs it (.[test])", True),
+    "bubblewrap": (lambda: shutil.which("bwrap") is not None, "bubblewrap",
+                   "make setup installs it (apt-get install bubblewrap)", True),
+    "gpu": (_have_gpu, "a CUDA GPU", "run on a GPU machine", False),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    for name, (here, what, how, in_ci) in REQUIRES.items():
+        if item.get_closest_marker(name) is not None and not here():
+            if IN_CI and in_ci:
+                pytest.fail(f"{what} is missing in CI ({how}): the {name} tests must run there", pytrace=False)
+            pytest.skip(f"{what} is missing ({how})")
+
+
+def _outputs() -> dict[str, float]:
+    found = {}
+    for path in CHECKOUT_OUTPUTS:
+        for p in [path, *(path.rglob("*") if path.is_dir() else [])]:
+            if p.exists():
+                found[str(p)] = p.stat().st_mtime
+    return found
+
+
+def pytest_sessionstart(session):
+    session.config._rlflow_outputs = _outputs()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_rlflow_outputs", None)
+    if before is None:
+        return
+    changed = sorted(p for p, mtime in _outputs().items() if before.get(p) != mtime)
+    if changed:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"tests wrote into the checkout's own output folders: {changed[:5]}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 # Fake credentials for the local S3 server; set before boto3 is imported anywhere.
 os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")

@@ -11,8 +11,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tasks.config import load_config
-from tasks.errors import UserError
+from tasks.core.config import load_config
+from tasks.core.errors import UserError
 from tests.conftest import TINY, run_cli, s3_overrides
 
 pytestmark = pytest.mark.slow
@@ -22,10 +22,10 @@ def _model_without_chat_template(tmp: Path) -> Path:
     """The tiny model with its chat template removed: chat prompts cannot be rendered with it."""
     import shutil
 
-    from tasks import tiny_model
+    from tasks.core import builtin_models
 
     dest = tmp / "no-chat-model"
-    shutil.copytree(tiny_model.resolve("builtin:tiny-lm"), dest)
+    shutil.copytree(builtin_models.resolve("builtin:tiny-lm"), dest)
     (dest / "chat_template.jinja").unlink(missing_ok=True)
     tok_cfg = dest / "tokenizer_config.json"
     tok_cfg.write_text(json.dumps({k: v for k, v in json.loads(tok_cfg.read_text()).items() if k != "chat_template"}))
@@ -121,7 +121,7 @@ def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_pa
         outs = dict(zip(cases, pool.map(lambda item: run_cli(item[1][0], tmp_path / "cwd" / item[0], prefect_api),
                                         cases.items())))
     failures = []
-    for name, (args, expected) in cases.items():
+    for name, (_, expected) in cases.items():
         out = outs[name]
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         ok = out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from tasks.config import reference_markdown
+from tasks.core.config import reference_markdown
 
 
 def test_configuration_reference_is_current():
     doc = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-    assert doc.read_text() == reference_markdown() + "\n", "run: python -m tasks.config > docs/configuration.md"
+    assert doc.read_text() == reference_markdown() + "\n", "run: python -m tasks.core.config > docs/configuration.md"

@@ -40,20 +40,21 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tasks import layout, rollout
-from tasks.advantage import group_advantages
-from tasks.config import load_config
-from tasks.errors import UserError
+from tasks.algorithms.advantage import group_advantages
+from tasks.algorithms.batching import pad_batch, shard_batches
+from tasks.algorithms.logprobs import completion_logprobs
+from tasks.core import layout, rollout
+from tasks.core.config import load_config
+from tasks.core.errors import UserError
+from tasks.core.models import base_path, load_model
+from tasks.core.store import Store
 from tasks.generate import generate
-from tasks.models import base_path, completion_logprobs, load_model, pad_batch
 from tasks.publish import publish
 from tasks.reward import reward
-from tasks.store import Store
-from tasks.train import optimise, shard_batches, train
+from tasks.train import optimise, train
 from tests.conftest import ROOT, TINY
 
-pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
 RUN = "ds"
 COMMON = [f"run.name={RUN}", "generate.prompts_per_iteration=3", "generate.num_generations=3",
@@ -226,7 +227,7 @@ def test_one_process_matches_torch_resumes_exactly_and_publishes_16bit(stage, ro
     # Uninterrupted: one engine trains both iterations, no checkpoint in between. The resumed run equals it.
     import deepspeed
 
-    from tasks.deepspeed_engine import DeepSpeedEngine
+    from tasks.engines.deepspeed_engine import DeepSpeedEngine
 
     engine = DeepSpeedEngine.open(cfg, Store.open(cfg.store), None)
     try:
@@ -234,9 +235,9 @@ def test_one_process_matches_torch_resumes_exactly_and_publishes_16bit(stage, ro
             records = rollout.read(rollouts[it])
             adv = group_advantages(torch.tensor([r.reward for r in records]), cfg.generate.num_generations,
                                    cfg.train.scale_rewards)
-            sums = optimise(engine, shard_batches(records, adv, engine.tokenizer.pad_token_id, cfg, engine.device,
-                                                  0, 1), cfg)
-        assert (sums["loss"], sums["grad_norm"]) == (metrics[1]["train/loss"], metrics[1]["train/grad_norm"])
+            stats = optimise(engine, shard_batches(records, adv, engine.tokenizer.pad_token_id, cfg.train,
+                                                   engine.device, 0, 1), cfg)
+        assert (stats.loss, stats.grad_norm) == (metrics[1]["train/loss"], metrics[1]["train/grad_norm"])
         params = dict(engine.model.module.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values())):
             for name, p in params.items():

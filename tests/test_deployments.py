@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -47,7 +46,7 @@ def server(tmp_path_factory):
             break
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError((home / "server.log").read_text()[-3000:])
+                raise RuntimeError((home / "server.log").read_text()[-3000:]) from None
             time.sleep(0.5)
     else:
         proc.kill()

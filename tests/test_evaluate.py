@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from tasks import layout
-from tasks.config import load_config
-from tasks.errors import UserError
+from tasks.core import layout
+from tasks.core.config import load_config
+from tasks.core.errors import UserError
+from tasks.core.store import Store
 from tasks.evaluate import pass_at_k
-from tasks.store import Store
 from tests.conftest import TINY
 
 
@@ -72,7 +72,7 @@ def test_flow_evaluates_and_keeps_the_best(prefect_api, tmp_path, monkeypatch):
 def test_promotion_gate_moves_champion_only_on_improvement(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from tasks.tracking import ensure_registered_model, promote_if_better
+    from tasks.core.tracking import ensure_registered_model, promote_if_better
 
     client = MlflowClient(f"sqlite:///{tmp_path}/m.db", registry_uri=f"sqlite:///{tmp_path}/m.db")
     ensure_registered_model(client, "m")

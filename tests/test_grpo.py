@@ -8,13 +8,17 @@ import math
 import pytest
 import torch
 
-from tasks import layout
-from tasks.advantage import combine, group_advantages
-from tasks.config import TrainConfig, load_config
+from tasks.algorithms.advantage import group_advantages
+from tasks.algorithms.batching import pad_batch
+from tasks.algorithms.logprobs import completion_logprobs
+from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_loss
+from tasks.core import layout
+from tasks.core.config import TrainConfig, load_config
+from tasks.core.models import base_path, load_model
 from tasks.generate import generate
-from tasks.loss import aggregate, behaviour_correction, per_token_loss
-from tasks.models import completion_logprobs, load_model, pad_batch, base_path
+from tasks.publish import publish
 from tasks.reward import reward
+from tasks.scoring.functions import combine
 from tasks.train import train
 from tests.conftest import TINY
 
@@ -116,8 +120,14 @@ def test_train_with_reference_kl_and_several_passes(tmp_path):
     generate(cfg, 1, layout.BASE)
     reward(cfg, 1)
     m = train(cfg, 1)["metrics"]
-    assert m["train/kl_ref"] >= 0 and m["train/mismatch_kl"] < 1e-3      # same weights: only numerics differ
+    assert m["train/kl_ref"] == pytest.approx(0.0, abs=1e-7)             # pass 1 of iteration 1: policy = reference
+    assert m["train/mismatch_kl"] < 1e-3                                   # same weights: only numerics differ
     assert m["train/ratio_max"] > 1.0 or m["train/ratio_min"] < 1.0        # passes 2-3 are off the old policy
+    publish(cfg, 1)
+    generate(cfg, 2, layout.policy("kl", 1))
+    reward(cfg, 2)
+    m2 = train(cfg, 2)["metrics"]
+    assert m2["train/kl_ref"] > 1e-6                # three steps of lr 1e-2 later the policy left the reference
     assert 0.0 <= m["train/clip_region"] <= 1.0
     assert m["train/ratio_min"] <= m["train/ratio_mean"] <= m["train/ratio_max"]
     assert m["train/clip_region"] == m["train/clip_low"] + m["train/clip_high"]

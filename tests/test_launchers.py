@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_config
+from tasks.core.config import load_config
+from tasks.scoring.functions import load_functions
 from tests.conftest import ROOT, TINY
 
 RECIPES = sorted((ROOT / "sky").glob("*.yaml"))
@@ -47,9 +48,16 @@ def test_every_recipe_validates_with_skypilot():
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_config_validates(path):
+def test_every_config_validates_and_names_what_exists(path):
+    """Beyond the schema: its reward functions import, its local data files exist, its stage recipes exist."""
     cfg = load_config(path, [])
-    assert cfg.run.iterations >= 1
+    functions = load_functions(cfg)
+    assert functions.names == [spec.fn.split(":")[1] for spec in cfg.reward.functions]
+    for data_path in (cfg.data.path, cfg.eval.path):
+        if data_path and (data_path.startswith("/") or data_path.endswith((".jsonl", ".json", ".csv", ".parquet"))):
+            assert Path(data_path).is_file(), data_path
+    for stage in cfg.launcher.remote_stages():
+        assert (ROOT / cfg.launcher.recipes / f"{stage}.yaml").is_file(), stage
 
 
 # ---------------------------------------------------------------------------------------------- local launcher
@@ -60,7 +68,7 @@ from pathlib import Path
 
 def reward(completions, **kw):
     """Kills its stage process the first {n} times it runs (a lost machine), then scores 0.5. Reward functions
-    run in the stage's reward worker (tasks/reward_worker.py): the stage process is the worker's parent."""
+    run in the stage's reward worker (tasks/scoring/worker.py): the stage process is the worker's parent."""
     marker = Path(os.environ["KILL_DIR"]) / "kills"
     done = int(marker.read_text()) if marker.exists() else 0
     if done < {n}:
@@ -93,11 +101,12 @@ def killer_module(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.drill
 def test_local_launcher_runs_the_recipes_and_survives_two_kills(prefect_api, tmp_path, monkeypatch, killer_module):
     """Every stage is its recipe's `run` in a subprocess; the reward process is SIGKILLed twice in this flow
     run; the retries (with the store's reuse) still end with exactly 2 iterations."""
     from flows.training import train_flow
-    from tasks.store import Store
+    from tasks.core.store import Store
 
     monkeypatch.chdir(tmp_path)
     overrides = _small(tmp_path, "local", ["launcher.mode=local", f"store.uri={tmp_path}/store",
@@ -113,7 +122,7 @@ def test_local_launcher_runs_the_recipes_and_survives_two_kills(prefect_api, tmp
 @pytest.mark.slow
 def test_local_launcher_does_not_retry_a_user_error(prefect_api, tmp_path, monkeypatch, killer_module):
     from flows.training import train_flow
-    from tasks.errors import UserError
+    from tasks.core.errors import UserError
 
     monkeypatch.chdir(tmp_path)
     overrides = _small(tmp_path, "usererr", ["launcher.mode=local", "launcher.retries=3",
@@ -214,7 +223,7 @@ def test_sky_launcher_gives_up_after_retries_and_still_tears_down(prefect_api, t
 def test_sky_launcher_user_error_is_not_retried(prefect_api, tmp_path, monkeypatch, s3_endpoint, bucket,
                                                 fake_cloud, killer_module):
     from flows.training import train_flow
-    from tasks.errors import UserError
+    from tasks.core.errors import UserError
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match="wrong_length"):
@@ -226,7 +235,7 @@ def test_sky_launcher_user_error_is_not_retried(prefect_api, tmp_path, monkeypat
 
 def test_sky_launcher_needs_a_shared_store(tmp_path):
     from flows.training import preflight
-    from tasks.errors import UserError
+    from tasks.core.errors import UserError
 
     cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "launcher.mode=sky",
                              f"launcher.recipes={ROOT / 'sky'}"])

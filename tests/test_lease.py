@@ -11,16 +11,17 @@ import time
 import boto3
 import pytest
 
-from tasks.errors import UserError
-from tasks.lease import Lease
-from tasks.store import FileStore, S3Store
+from tasks.core.errors import UserError
+from tasks.core.lease import Lease
+from tasks.core.store import FileStore, S3Store
 from tests.conftest import TINY, read_summary, run_cli, s3_overrides
 
 
-@pytest.fixture(params=["file", "s3"])
-def store(request, tmp_path, s3_endpoint):
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.server)])
+def store(request, tmp_path):
     if request.param == "file":
         return FileStore(str(tmp_path / "store"))
+    s3_endpoint = request.getfixturevalue("s3_endpoint")
     name = f"lease-{time.time_ns()}"
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
     return S3Store(f"s3://{name}/runs", type("C", (), {"endpoint_url": s3_endpoint})())
@@ -50,13 +51,35 @@ def test_an_expired_lease_is_taken_over_and_the_old_holder_learns_it(store):
     assert store.read_tagged("r/LEASE.json")[0] is None
 
 
-def test_a_dead_process_on_this_machine_does_not_block(store):
+def _holder(store, run: str) -> str | None:
+    data = store.read_tagged(f"{run}/LEASE.json")[0]
+    return json.loads(data)["owner"] if data else None
+
+
+def test_a_dead_process_on_this_machine_does_not_block_and_a_live_one_does(store):
     import socket
 
+    here = socket.gethostname()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    _foreign(store, "r", 600, host=socket.gethostname(), pid=dead.pid)
-    Lease(store, "r", 60).acquire().release()
+    _foreign(store, "r", 600, host=here, pid=dead.pid)
+    lease = Lease(store, "r", 60).acquire()
+    assert _holder(store, "r") == lease.owner                   # taken over at once, not after 600 s
+    lease.release()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])    # exited, never reaped: not a writer either
+    time.sleep(0.5)
+    _foreign(store, "z", 600, host=here, pid=zombie.pid)
+    Lease(store, "z", 60).acquire().release()
+    zombie.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _foreign(store, "l", 600, host=here, pid=live.pid)
+        with pytest.raises(UserError, match="another flow run is writing this run"):
+            Lease(store, "l", 60).acquire()
+        assert _holder(store, "l") == "other"
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_exactly_one_of_racing_writers_wins(store):
@@ -80,7 +103,12 @@ def test_exactly_one_of_racing_writers_wins(store):
 
 def test_run_names_have_separate_leases(store):
     a, b = Lease(store, "a", 60).acquire(), Lease(store, "b", 60).acquire()
-    a.release(), b.release()
+    assert (_holder(store, "a"), _holder(store, "b")) == (a.owner, b.owner)
+    with pytest.raises(UserError, match="run.name 'a': another flow run"):
+        Lease(store, "a", 60).acquire()
+    a.release()
+    assert (_holder(store, "a"), _holder(store, "b")) == (None, b.owner)      # releasing one leaves the other
+    b.release()
 
 
 @pytest.mark.slow

@@ -8,14 +8,14 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from tasks import layout
-from tasks.config import load_config
+from tasks.core import layout
+from tasks.core.config import load_config
+from tasks.core.models import base_path, load_model
+from tasks.core.paths import cache_root
+from tasks.core.store import Store
 from tasks.generate import generate
-from tasks.models import base_path, load_model
 from tasks.publish import publish
 from tasks.reward import reward
-from tasks.store import Store
-from tasks.tiny_model import cache_root
 from tasks.train import train
 from tests.conftest import TINY
 
@@ -52,7 +52,7 @@ def test_only_the_adapter_trains_and_is_published(tmp_path):
     assert adapter and all("lora_" in k for k in adapter)
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())   # it moved from 0
     base = load_model(base_path(cfg)).state_dict()
-    from tasks.models import load_policy
+    from tasks.core.models import load_policy
     loaded = load_policy(cfg, str(tmp_path / "pub"), "cpu").merge_and_unload().state_dict()
     changed = [k for k in base if not torch.equal(base[k], loaded[k])]
     assert changed and all(k.endswith(("proj.weight",)) for k in changed)   # only adapted linears differ

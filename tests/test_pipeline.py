@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from tasks import layout
-from tasks.config import load_config
-from tasks.store import Store
+from tasks.core import layout
+from tasks.core.config import load_config
+from tasks.core.store import Store
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,8 @@ def test_artifacts_manifests_and_pointers(two_iterations, tmp_path):
     assert summary["iterations_completed"] == 2 and len(summary["reward_mean"]) == 2
     assert summary["policy_uri"] == store.uri(layout.policy(run, 2))
     for it in (1, 2):
-        for key in (layout.rollouts(run, it), layout.rewards(run, it), layout.checkpoint(run, it), layout.policy(run, it)):
+        for key in (layout.rollouts(run, it), layout.rewards(run, it), layout.checkpoint(run, it),
+                    layout.policy(run, it)):
             store.verify(key)                                  # every file matches its manifest
     assert store.get_pointer(layout.latest(run, "policy")) == layout.policy(run, 2)
     assert store.get_pointer(layout.latest(run, "trainer")) == layout.checkpoint(run, 2)
@@ -56,7 +57,8 @@ def test_artifacts_manifests_and_pointers(two_iterations, tmp_path):
     assert len(scored) == 4 * 4
     first = scored[0]
     assert set(first["rewards"]) == {"successor_reward", "stops_reward"}     # per-function scores kept
-    assert first["reward"] == pytest.approx(first["rewards"]["successor_reward"] + 0.5 * first["rewards"]["stops_reward"])
+    rewards = first["rewards"]
+    assert first["reward"] == pytest.approx(rewards["successor_reward"] + 0.5 * rewards["stops_reward"])
     assert len(first["logprobs"]) == len(first["completion_ids"]) and all(lp <= 0 for lp in first["logprobs"])
     assert first["truncated"] == (len(first["completion_ids"]) == cfg.generate.max_completion_length
                                   and first["completion_ids"][-1] != 2)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks import layout
-from tasks.store import MANIFEST, IncompleteArtifact, Store
+from tasks.core import layout
+from tasks.core.store import MANIFEST, IncompleteArtifact, Store
 from tests.conftest import TINY, read_summary, run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.drill]
 
 GATED_REWARD = '''
 import os, time

@@ -4,18 +4,16 @@ scores for that batch, are counted, and fail the stage only with reward.strict; 
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
-from tasks.config import load_config
-from tasks.errors import UserError
+from tasks.core.config import load_config
+from tasks.core.errors import UserError
+from tasks.core.rollout import Rollout
 from tasks.rewards.math_answer import math_answer_reward
-from tasks.rollout import Rollout
-from tasks.scoring import RewardFunctionError, load_functions, score_records
+from tasks.scoring.functions import RewardFunctionError, load_functions, score_records
 from tests.conftest import TINY, run_cli
 
 BAD = textwrap.dedent('''

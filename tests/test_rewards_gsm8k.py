@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.config import load_config
-from tasks.data import prompt_of
+from tasks.core.config import load_config
+from tasks.core.data import prompt_of
 from tasks.rewards.gsm8k import boxed_format_reward, extract_answer, gsm8k_reward, reference_answer
 from tests.conftest import ROOT
 

@@ -1,4 +1,4 @@
-"""The code sandbox (tasks/sandbox.py) and the code reward (tasks/rewards/code.py) against hostile completions.
+"""The code sandbox (tasks/scoring/sandbox.py) and the code reward (tasks/rewards/code.py) against hostile completions.
 
 Every hostile program scores 0 with a recorded reason, sees none of our secrets, reaches neither our files nor
 the network, and leaves no process or file behind. Where a leak is possible in principle, the test is built
@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import textwrap
 import time
 import uuid
@@ -20,15 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks import sandbox
-from tasks.config import SandboxConfig
-from tasks.errors import UserError
+from tasks.core.config import SandboxConfig
+from tasks.core.errors import UserError
 from tasks.rewards import code as code_rewards
+from tasks.scoring import sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
-HAVE_BWRAP = shutil.which("bwrap") is not None
-needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed (`make setup` installs it: "
-                                                         "apt-get install bubblewrap); the rlimits fallback is tested")
 IS_ROOT = os.geteuid() == 0
 TOKEN = uuid.uuid4().hex[:12]
 SECRETS = {"AWS_SECRET_ACCESS_KEY": f"aws-secret-{TOKEN}", "AWS_ACCESS_KEY_ID": f"AKIA{TOKEN.upper()}",
@@ -136,6 +134,7 @@ def hostile_cases(ctx: dict) -> dict[str, tuple[str, dict]]:
             print("never the answer")""", DOUBLE),
         "socket_localhost": (f"""
             import socket
+import subprocess
             s = socket.socket()
             s.settimeout(2)
             try:
@@ -385,8 +384,6 @@ def leftovers() -> list[str]:
 def hostile(tmp_path_factory, s3_endpoint):
     """Run every hostile case in one parallel judge() call, with secrets in our environment and a fake HOME;
     returns (verdicts by name, context, what was left behind afterwards)."""
-    if not HAVE_BWRAP:
-        pytest.skip("bubblewrap is not installed (`make setup` installs it: apt-get install bubblewrap)")
     home = tmp_path_factory.mktemp("home")
     (home / ".aws").mkdir()
     credentials = home / ".aws" / "credentials"
@@ -407,6 +404,8 @@ def hostile(tmp_path_factory, s3_endpoint):
            "port": listener.getsockname()[1], "s3": s3_endpoint, "expected_token": f"EXPECTED-{TOKEN}"}
     cases = hostile_cases(ctx)
     home_before = sorted(p.relative_to(home) for p in home.rglob("*"))
+    # A process of ours that code killing "everything it can see" (kill -1, our group, our parent) would hit.
+    sentinel = subprocess.Popen(["sleep", "600"])
     sandbox.configure(SandboxConfig(isolation="bubblewrap", **TEST_LIMITS))
     t0 = time.monotonic()
     try:
@@ -423,9 +422,13 @@ def hostile(tmp_path_factory, s3_endpoint):
         except BlockingIOError:
             connection = None
         home_after = sorted(p.relative_to(home) for p in home.rglob("*"))
+        sentinel_state = Path(f"/proc/{sentinel.pid}/stat").read_text().rsplit(") ", 1)[1][0]   # R, S, T, Z...
         yield {"verdicts": dict(zip(cases, verdicts)), "ctx": ctx, "left": left, "seconds": seconds,
-               "connection": connection, "home_changed": home_before != home_after}
+               "connection": connection, "home_changed": home_before != home_after,
+               "sentinel": sentinel_state if sentinel.poll() is None else f"exited {sentinel.returncode}"}
     finally:
+        sentinel.kill()
+        sentinel.wait()
         sandbox.configure(None)
         listener.close()
         for path in ctx["escape_files"]:
@@ -436,7 +439,7 @@ HOSTILE = list(hostile_cases({"credentials": "", "credentials_text": "", "shadow
                               "escape_files": ["", "", ""], "port": 0, "s3": "", "expected_token": ""}))
 
 
-@needs_bwrap
+@pytest.mark.bubblewrap
 @pytest.mark.slow
 @pytest.mark.parametrize("name", HOSTILE)
 def test_hostile_completion_scores_zero_and_leaves_nothing(hostile, name):
@@ -452,10 +455,10 @@ def test_hostile_completion_scores_zero_and_leaves_nothing(hostile, name):
     assert not hostile["home_changed"]
     for path in hostile["ctx"]["escape_files"]:
         assert not Path(path).exists(), f"{name}: wrote {path}"
-    assert os.getpid() > 0 and os.getpgid(0) > 0             # we (and our process group) are alive
+    assert hostile["sentinel"] in ("S", "R"), f"a process of ours was killed or stopped: {hostile['sentinel']}"
 
 
-@needs_bwrap
+@pytest.mark.bubblewrap
 @pytest.mark.slow
 def test_hostile_batch_costs_only_its_timeouts(hostile):
     """35+ programs, ~8 of them running into the 3 s wall clock, on 2 workers: the batch takes about
@@ -465,7 +468,7 @@ def test_hostile_batch_costs_only_its_timeouts(hostile):
     assert hostile["seconds"] < budget, (hostile["seconds"], timed_out)
 
 
-@needs_bwrap
+@pytest.mark.bubblewrap
 @pytest.mark.slow
 def test_hostile_reasons_name_what_happened(hostile):
     reason = {name: v.reason for name, v in hostile["verdicts"].items()}
@@ -636,7 +639,7 @@ def test_auto_without_bubblewrap_falls_back_to_rlimits_and_says_so(caplog, monke
     assert any("isolation is rlimits, not bubblewrap" in m for m in caplog.messages)
 
 
-@needs_bwrap
+@pytest.mark.bubblewrap
 def test_bubblewrap_is_active_when_installed():
     assert sandbox.runner(SandboxConfig(**TEST_LIMITS)).isolation == "bubblewrap"
 

@@ -1,4 +1,4 @@
-"""Server mode's watchdog (tasks/vllm_server.py `watch`), with real processes and a stand-in for `vllm serve`
+"""Server mode's watchdog (tasks/engines/vllm_watchdog.py), with real processes and a stand-in for `vllm serve`
 (a sleeping python whose command line says vllm, started detached exactly as the real server is): a flow
 killed before its teardown must not leave the server running forever. The real server's start, reload and
 stop are in tests/test_vllm.py."""
@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.vllm_server import Server, _alive, _spawn_detached, _vllm_members
-from tasks.vllm_worker import worker_env
+from tasks.core.processes import alive as _alive
+from tasks.engines.vllm_offline import worker_env
+from tasks.engines.vllm_server import Server, _spawn_detached
+from tasks.engines.vllm_watchdog import vllm_members as _vllm_members
 
 IDLE = 2.0
 
@@ -24,7 +26,7 @@ def _start(tmp_path: Path, idle: float = IDLE, state_after: float = 0.0) -> tupl
     seconds later)."""
     state_path = tmp_path / "run.json"
     argv = [sys.executable, "-c", "import time; time.sleep(120)", "--stand-in-for-vllm"]
-    watch = [sys.executable, "-m", "tasks.vllm_server", "watch", str(state_path), str(idle), "0.2"]
+    watch = [sys.executable, "-m", "tasks.engines.vllm_watchdog", str(state_path), str(idle), "0.2"]
     pid = _spawn_detached(argv, worker_env(LOG=str(tmp_path / "server.log")), watch)
     state = {"pid": pid, "pgid": os.getpgid(pid), "port": 1}
     if state_after:
@@ -97,8 +99,8 @@ def test_stopping_the_server_stops_its_watchdog(tmp_path):
 
 @pytest.mark.parametrize("idle, start, ok", [(0, 900, True), (7200, 900, True), (600, 900, False)])
 def test_idle_timeout_must_outlast_a_start(idle, start, ok):
-    from tasks.config import load_config
-    from tasks.errors import UserError
+    from tasks.core.config import load_config
+    from tasks.core.errors import UserError
     from tests.conftest import TINY
 
     overrides = [f"generate.server_idle_timeout={idle}", f"generate.server_start_timeout={start}"]

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import StoreConfig
-from tasks.errors import UserError
-from tasks.store import MANIFEST, IncompleteArtifact, Store
+from tasks.core.config import StoreConfig
+from tasks.core.errors import UserError
+from tasks.core.store import MANIFEST, IncompleteArtifact, Store
 
 
-@pytest.fixture(params=["file", "s3"])
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.server)])
 def store(request, tmp_path):
     if request.param == "file":
         return Store.open(f"file://{tmp_path / 'store'}")
@@ -109,7 +109,7 @@ def test_unreachable_or_missing_bucket_is_a_user_error(s3_endpoint):
 
 
 def test_clean_staging_removes_only_hidden_half_written_folders(tmp_path):
-    from tasks.store import FileStore
+    from tasks.core.store import FileStore
 
     store = FileStore(str(tmp_path / "s"))
     src = tmp_path / "src"
@@ -122,12 +122,14 @@ def test_clean_staging_removes_only_hidden_half_written_folders(tmp_path):
     store.verify("run/iter-000001/rollouts")
 
 
-@pytest.mark.parametrize("kind", ["file", "s3"])
-def test_copy_folder_in_place(kind, tmp_path, s3_endpoint, bucket):
+@pytest.mark.parametrize("kind", ["file", pytest.param("s3", marks=pytest.mark.server)])
+def test_copy_folder_in_place(kind, tmp_path, request):
     """publish copies a checkpoint's model/ into a policy folder without downloading it (S3: server-side)."""
-
-    cfg = StoreConfig(uri=str(tmp_path / "store")) if kind == "file" else \
-        StoreConfig(uri=f"s3://{bucket}/p", endpoint_url=s3_endpoint, multipart_chunk_mb=5)
+    if kind == "s3":
+        endpoint, bucket = request.getfixturevalue("s3_endpoint"), request.getfixturevalue("bucket")
+        cfg = StoreConfig(uri=f"s3://{bucket}/p", endpoint_url=endpoint, multipart_chunk_mb=5)
+    else:
+        cfg = StoreConfig(uri=str(tmp_path / "store"))
     store = Store.open(cfg)
     src = tmp_path / "src"
     (src / "model").mkdir(parents=True)
@@ -143,11 +145,11 @@ def test_copy_folder_in_place(kind, tmp_path, s3_endpoint, bucket):
     assert (out / "weights.bin").read_bytes() == big and not (out / "optimizer.pt").exists()
 
 
-def test_clean_engine_state_drops_only_attempts_a_committed_checkpoint_does_not_name(store, tmp_path):
+def test_deepspeed_clean_drops_only_attempts_a_committed_checkpoint_does_not_name(store, tmp_path):
     """DeepSpeed node folders are named per attempt; a killed attempt's (complete or half-written) folders
     go once its iteration's checkpoint is committed without them, and never before."""
-    from tasks import layout
-    from tasks.train import clean_engine_state
+    from tasks.core import layout
+    from tasks.engines.deepspeed_engine import DeepSpeedEngine
 
     src = _folder(tmp_path)
     def node(it, attempt, n, complete=True):
@@ -166,11 +168,11 @@ def test_clean_engine_state_drops_only_attempts_a_committed_checkpoint_does_not_
     (ckpt / layout.CKPT_STATE).write_text(json.dumps({"iteration": 1, "engine_state": kept}))
     store.put_folder(layout.checkpoint("run", 1), ckpt)
 
-    assert clean_engine_state(store, "run") == 1
+    assert DeepSpeedEngine.clean(store, "run") == 1
     assert [store.manifest(k) is not None for k in kept] == [True, True]
     assert store.list_folders("run/trainer-state") == ["ckpt-000001-good", "ckpt-000002-running"]
     assert store._list(running[0] + "/") == [running[0] + "/a.bin"]
     assert not any(store._list(k + "/") for k in killed)
-    assert clean_engine_state(store, "run") == 0
+    assert DeepSpeedEngine.clean(store, "run") == 0
     for k in kept:
         store.verify(k)

