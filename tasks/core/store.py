@@ -1,6 +1,6 @@
 """The store: the only way stages talk. `file://` (default) or `s3://` (boto3; any S3-compatible endpoint).
 
-Contract (docs/DESIGN): an artifact is a folder under `<root>/<run>/`; it is complete only when its
+Contract (docs/design-notes.md): an artifact is a folder under `<root>/<run>/`; it is complete only when its
 MANIFEST.json (every file's size and sha256, plus the stage's metadata) exists, and the manifest is written
 last. Readers verify sizes and checksums and refuse a folder with a missing, truncated or altered file,
 naming it. A pointer (`policy/LATEST`) is replaced only after the manifest it names exists.
