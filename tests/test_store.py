@@ -176,3 +176,30 @@ def test_deepspeed_clean_drops_only_attempts_a_committed_checkpoint_does_not_nam
     assert DeepSpeedEngine.clean(store, "run") == 0
     for k in kept:
         store.verify(k)
+
+
+@pytest.mark.parametrize("kind", ["file", pytest.param("s3", marks=pytest.mark.server)])
+def test_a_folder_written_here_is_read_here_without_a_download(kind, tmp_path, request, monkeypatch):
+    """Write-through: what a stage wrote (and publish copied) on this machine, a later stage here reads from
+    the local disk, verified against the manifest; a file store hands out its own folder."""
+    if kind == "s3":
+        endpoint, bucket = request.getfixturevalue("s3_endpoint"), request.getfixturevalue("bucket")
+        store = Store.open(StoreConfig(uri=f"s3://{bucket}/w", endpoint_url=endpoint))
+    else:
+        store = Store.open(str(tmp_path / "store"))
+    src = tmp_path / "src"
+    (src / "model").mkdir(parents=True)
+    (src / "model" / "weights.bin").write_bytes(os.urandom(1 << 16))
+    (src / "optimizer.pt").write_bytes(b"opt")
+    store.put_folder("run/ckpt", src, keep_local=lambda rel: rel.startswith("model/"))
+    store.copy_folder("run/ckpt", "run/policy", prefix="model/")
+    downloads = []
+    monkeypatch.setattr(store, "_get_file", lambda key, dest: downloads.append(key))
+    folder = store.local("run/policy")
+    assert (folder / "weights.bin").read_bytes() == (src / "model" / "weights.bin").read_bytes()
+    assert downloads == []
+    if kind == "file":
+        assert folder == tmp_path / "store" / "run" / "policy"
+    (folder / "weights.bin").write_bytes(b"tampered")
+    with pytest.raises(IncompleteArtifact, match="weights.bin"):
+        store.local("run/policy")           # checked every time: a changed byte is refused, named

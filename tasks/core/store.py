@@ -22,12 +22,13 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import UserError
+from tasks.core.paths import cache_root
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, StoreConfig
@@ -46,6 +47,32 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+# Files this machine hashed (or wrote with a known hash) are remembered by identity: device, inode, size and
+# modification time. A reader of the same, unchanged file takes the remembered hash instead of reading
+# gigabytes again; any write to the file changes its modification time, and so its identity.
+def _identity(path: Path) -> Path:
+    st = os.stat(path)
+    return cache_root() / "known-files" / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def remember_sha256(path: Path, sha: str) -> None:
+    known = _identity(path)
+    known.parent.mkdir(parents=True, exist_ok=True)
+    tmp = known.with_name(f".{known.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(sha)
+    os.replace(tmp, known)
+
+
+def known_sha256(path: Path) -> str:
+    """The file's sha256: remembered for this exact file (see above), else computed and remembered."""
+    try:
+        return _identity(path).read_text()
+    except OSError:
+        sha = sha256_file(path)
+        remember_sha256(path, sha)
+        return sha
 
 
 def _local_files(folder: Path) -> Iterator[tuple[str, Path]]:
@@ -104,8 +131,12 @@ class Store:
         except json.JSONDecodeError:
             raise IncompleteArtifact(f"{self.uri(key)}/{MANIFEST}: not valid JSON") from None
 
-    def put_folder(self, key: str, folder: Path, meta: dict[str, Any] | None = None) -> dict:
-        """Upload every file of `folder`, then the manifest (last). Returns the manifest.
+    def put_folder(self, key: str, folder: Path, meta: dict[str, Any] | None = None,
+                   keep_local: Callable[[str], bool] | None = None, give_up: bool = False) -> dict:
+        """Upload every file of `folder`, then the manifest (last). Returns the manifest. `keep_local(rel)`:
+        which files to keep in this machine's cache too (`local`), so a later stage here reads them without a
+        download (write-through; a file store is local anyway). `give_up`: the caller never writes to these
+        files again (a temporary folder), so a file store may link them in instead of copying.
 
         Checksums are computed on a thread while the files upload (both read the same pages from the OS
         cache), so a large policy costs its upload time, not upload + a hashing pass (docs/benchmarks.md)."""
@@ -113,10 +144,14 @@ class Store:
         paths = dict(_local_files(folder))
         with ThreadPoolExecutor(1, thread_name_prefix="rlflow-sha256") as pool:
             digests = pool.map(sha256_file, paths.values())
-            staged = self._write_files(key, folder, list(paths))
+            staged = self._write_files(key, folder, list(paths), give_up)
             files = {rel: {"size": p.stat().st_size, "sha256": d} for (rel, p), d in zip(paths.items(), digests)}
+        for rel, p in paths.items():                        # what we just hashed, we know
+            remember_sha256(p, files[rel]["sha256"])
         manifest = {"format": 1, "created": time.time(), "files": files, "meta": meta or {}}
         self._commit_folder(key, staged, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        if keep_local is not None and not isinstance(self, FileStore):
+            _link_files({rel: folder / rel for rel in files if keep_local(rel)}, self.local_cache(key), give_up)
         return manifest
 
     def copy_folder(self, src: str, dst: str, prefix: str = "", meta: dict[str, Any] | None = None) -> dict:
@@ -130,10 +165,14 @@ class Store:
         staged = self._copy_files(src, dst, {rel: prefix + rel for rel in files})
         manifest = {"format": 1, "created": time.time(), "files": files, "meta": meta or {}}
         self._commit_folder(dst, staged, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        cached = self.local_cache(src)
+        if not isinstance(self, FileStore) and cached.is_dir():    # the source is here: so is the copy
+            _link_files({rel: cached / (prefix + rel) for rel in files
+                         if (cached / (prefix + rel)).is_file()}, self.local_cache(dst))
         return manifest
 
     # Writing a folder is: put its files (possibly in a staging place), then commit it with its manifest.
-    def _write_files(self, key: str, folder: Path, rels: list[str]):
+    def _write_files(self, key: str, folder: Path, rels: list[str], give_up: bool = False):
         for rel in rels:
             self._put_file(f"{key}/{rel}", folder / rel)
         return key
@@ -143,7 +182,7 @@ class Store:
             for rel, src_rel in pairs.items():
                 (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
                 self._get_file(f"{src}/{src_rel}", Path(tmp) / rel)
-            return self._write_files(dst, Path(tmp), list(pairs))
+            return self._write_files(dst, Path(tmp), list(pairs), give_up=True)
 
     def _commit_folder(self, key: str, staged, manifest: bytes) -> None:
         self._put_bytes(f"{key}/{MANIFEST}", manifest)
@@ -157,14 +196,25 @@ class Store:
         for rel, want in manifest["files"].items():
             target = dest / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            same = target.exists() and target.stat().st_size == want["size"] and sha256_file(target) == want["sha256"]
-            if not same:
-                try:
-                    self._get_file(f"{key}/{rel}", target)
-                except FileNotFoundError:
-                    raise IncompleteArtifact(f"{self.uri(key)}/{rel}: missing (listed in {MANIFEST})") from None
+            if target.exists() and target.stat().st_size == want["size"] and known_sha256(target) == want["sha256"]:
+                continue                                    # here already (a cache), and verified
+            try:
+                self._get_file(f"{key}/{rel}", target)
+            except FileNotFoundError:
+                raise IncompleteArtifact(f"{self.uri(key)}/{rel}: missing (listed in {MANIFEST})") from None
             _verify(target, want, f"{self.uri(key)}/{rel}")
         return manifest
+
+    def local(self, key: str) -> Path:
+        """A complete folder on this machine's disk, verified against its manifest. A file store's own folder
+        (nothing copied); for a remote store a copy in the local cache, where files already there (written or
+        read on this machine before, see `put_folder(keep_local=True)`) are checked, not downloaded again."""
+        self.get_folder(key, self.local_cache(key))
+        return self.local_cache(key)
+
+    def local_cache(self, key: str) -> Path:
+        """Where `local` keeps a remote folder on this machine (by the folder's URI)."""
+        return cache_root() / "store" / hashlib.sha256(self.uri(key).encode()).hexdigest()[:16]
 
     def verify(self, key: str) -> dict:
         """Check a folder in place (downloads to a temporary folder for remote stores)."""
@@ -214,11 +264,27 @@ class Store:
                        if "/" in k[len(prefix):].lstrip("/")})
 
 
+def _link_files(sources: dict[str, Path], dest: Path, link: bool = True) -> None:
+    """Hard-link (`link`: the sources never change again; else, or across file systems, copy) files into a
+    cache folder; what `local` finds there is still checked."""
+    for rel, src in sources.items():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            if not link:
+                raise OSError
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, target)
+
+
 def _verify(path: Path, want: dict, where: str) -> None:
     size = path.stat().st_size
     if size != want["size"]:
         raise IncompleteArtifact(f"{where}: size {size} != {want['size']} in {MANIFEST} (truncated or altered)")
-    if sha256_file(path) != want["sha256"]:
+    if known_sha256(path) != want["sha256"]:
         raise IncompleteArtifact(f"{where}: sha256 does not match {MANIFEST} (altered)")
 
 
@@ -239,19 +305,37 @@ class FileStore(Store):
     def _p(self, key: str) -> Path:
         return self.path / key
 
-    def _write_files(self, key, folder, rels):
-        return self._stage(key, {rel: folder / rel for rel in rels})
+    def local(self, key: str) -> Path:
+        """The store's own folder, verified in place: a file store is on this machine already."""
+        manifest = self.manifest(key)
+        if manifest is None:
+            raise IncompleteArtifact(f"{self.uri(key)}: incomplete artifact (no {MANIFEST})")
+        for rel, want in manifest["files"].items():
+            if not self._p(f"{key}/{rel}").is_file():
+                raise IncompleteArtifact(f"{self.uri(key)}/{rel}: missing (listed in {MANIFEST})")
+            _verify(self._p(f"{key}/{rel}"), want, f"{self.uri(key)}/{rel}")
+        return self._p(key)
+
+    def _write_files(self, key, folder, rels, give_up=False):
+        return self._stage(key, {rel: folder / rel for rel in rels}, link=give_up)
 
     def _copy_files(self, src, dst, pairs):
-        return self._stage(dst, {rel: self._p(f"{src}/{src_rel}") for rel, src_rel in pairs.items()})
+        # A complete folder's files never change (writers replace, never modify): the copy can share them.
+        return self._stage(dst, {rel: self._p(f"{src}/{src_rel}") for rel, src_rel in pairs.items()}, link=True)
 
-    def _stage(self, key: str, sources: dict[str, Path]) -> Path:
+    def _stage(self, key: str, sources: dict[str, Path], link: bool = False) -> Path:
         final = self._p(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
         try:
             for rel, src in sources.items():
                 (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                if link:
+                    try:
+                        os.link(src, staging / rel)
+                        continue
+                    except OSError:                 # another file system
+                        pass
                 shutil.copyfile(src, staging / rel)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
