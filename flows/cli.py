@@ -1,6 +1,7 @@
 """`rlflow` — the command line.
 
     rlflow run CONFIG [-o key=value]... [--summary-json PATH]
+    rlflow export CONFIG VERSION DIR [-o key=value]...    # a published policy as a folder from_pretrained loads
 
 Exit codes: 0 success; 2 a user error (one line on stderr naming the field or row); 1 an internal error.
 Prefect runs without a server (ephemeral) unless PREFECT_API_URL is set; then the run shows in that UI.
@@ -61,6 +62,56 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """VERSION: N, latest, best, or an MLflow model version (models:/NAME/3, models:/NAME@champion)."""
+    from tasks.core import layout
+    from tasks.core.config import load_config
+    from tasks.core.policy import export
+    from tasks.core.stage import parse_overrides_json
+    from tasks.core.store import open_store
+
+    cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
+    store, run, version = open_store(cfg), cfg.run.name, args.version
+    if version.isdigit():
+        key = layout.policy(run, int(version))
+    elif version in ("latest", "best"):
+        key = store.get_pointer(layout.latest(run, "policy") if version == "latest" else layout.best(run))
+        if key is None:
+            raise UserError(f"VERSION: run {run!r} has no {version} policy in {store.uri(run)}")
+    elif version.startswith("models:/"):
+        key = _mlflow_policy(cfg, store, version)
+    else:
+        raise UserError(f"VERSION: expected a number, latest, best or models:/NAME/VERSION, got {version!r}")
+    if store.manifest(key) is None:
+        raise UserError(f"VERSION: no published policy at {store.uri(key)}")
+    dest = Path(args.dir)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UserError(f"DIR: {dest} exists and is not an empty folder")
+    print(export(store, key, dest))
+    return 0
+
+
+def _mlflow_policy(cfg, store, uri: str) -> str:
+    """The store key of the policy an MLflow model version (models:/NAME/VERSION or models:/NAME@ALIAS) names."""
+    from mlflow.exceptions import MlflowException
+
+    from tasks.core.tracking import _client
+
+    name, _, rest = uri[len("models:/"):].partition("/")
+    if "@" in name:
+        name, alias = name.split("@", 1)
+    client = _client(cfg.tracking.uri)
+    try:
+        mv = client.get_model_version_by_alias(name, alias) if "@" in uri else client.get_model_version(name, rest)
+    except MlflowException as e:
+        raise UserError(f"VERSION: {uri}: {str(e).splitlines()[0][:200]}") from None
+    source = mv.tags.get("rlflow.policy_uri") or mv.source
+    root = store.root.rstrip("/") + "/"
+    if not source.startswith(root):
+        raise UserError(f"VERSION: {uri} names {source}, which is not in store.uri ({store.root})")
+    return source[len(root):]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rlflow", description="RL post-training as a scheduled, resumable pipeline.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -71,9 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--overrides-json", default="[]", metavar="JSON",
                      help="overrides as a JSON list (what recipes and deployments pass)")
     run.add_argument("--summary-json", metavar="PATH", help="write a JSON summary of the run here")
+    exp = sub.add_parser("export", help="write a published policy as a plain folder (from_pretrained loads it)")
+    exp.add_argument("config", help="the run's config (its store, run.name and tracking.uri)")
+    exp.add_argument("version", help="N, latest, best, or an MLflow model version: models:/NAME/3, "
+                     "models:/NAME@champion")
+    exp.add_argument("dir", help="a new (or empty) folder")
+    exp.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                     help="dotted config override, e.g. -o run.name=other (repeatable)")
+    exp.add_argument("--overrides-json", default="[]", metavar="JSON")
     args = ap.parse_args(argv)
     try:
-        return cmd_run(args)
+        return cmd_run(args) if args.command == "run" else cmd_export(args)
     except BaseException as e:  # noqa: BLE001 - the exit code contract is decided here
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

@@ -35,7 +35,7 @@ from prefect.tasks import exponential_backoff
 
 from flows.dashboard import Progress, post_iteration, post_mlflow_link
 from flows.launch import InfraError, Launchers, recipe_path, stage_env
-from tasks.core import layout
+from tasks.core import layout, retention
 from tasks.core.config import Config, load_config
 from tasks.core.data import load_prompts
 from tasks.core.errors import UserError, cause_of
@@ -165,6 +165,8 @@ def train_flow(config: str, overrides: list[str] | None = None,
     try:
         return _iterations(ctx, log)
     finally:
+        if not lease.lost:
+            _finish_trainer(ctx, log)   # train.mode: resident: a full checkpoint, before any cluster goes
         ctx.launchers.close(log.info)
         sampling_engine(cfg).stop(log.info)   # generate.mode: server keeps a vLLM server alive until here
         if not lease.lost:
@@ -175,11 +177,44 @@ def train_flow(config: str, overrides: list[str] | None = None,
         lease.release()
 
 
+def _finish_trainer(ctx: Run, log) -> None:
+    """Stop the resident trainer after a full checkpoint of its last iteration: here (inline and local
+    launchers share this machine) or on the train cluster (sky). Never raises: the run's outcome stands, and a
+    trainer left behind stops itself after train.idle_timeout."""
+    cfg = ctx.cfg
+    if not cfg.resident_trainer:
+        return
+    try:
+        if cfg.launcher.mode_of("train") != "sky":
+            out = train(cfg, 0, finish=True)
+        else:
+            sky = ctx.launchers.for_stage("train")
+            if sky.cluster("train") not in sky.launched:      # no train step ran on a cluster of this flow run
+                return
+            env = {**stage_env(ctx.config_path, ctx.overrides, 0), "FINISH": "1"}
+            sky.run("train", 0, env, log.info)
+            out = {"finished": "on the train cluster"}
+        if out["finished"] is not None:
+            log.info("resident trainer stopped after a full checkpoint of iteration %s", out["finished"])
+    except Exception as e:
+        log.warning("stopping the resident trainer failed: %s", e)
+
+
 def _clean(cfg: Config, store: Store, log) -> None:
+    """What only the lease holder may delete: half-written staging folders, orphaned engine state, and what
+    store.keep does not keep (tasks/core/retention.py)."""
     if removed := store.clean_staging(cfg.run.name):
         log.info("removed %d half-written staging folder(s) left by an interrupted run", removed)
     if removed := training_engine(cfg).clean(store, cfg.run.name):
         log.info("removed %d %s checkpoint attempt(s) that no committed checkpoint names", removed, cfg.train.engine)
+    try:
+        champion = champion_policy_uri(cfg) if cfg.publish.register_model else None
+    except Exception as e:        # without knowing the champion, no policy may go
+        log.warning("retention skipped: the MLflow champion could not be read (%s)", e)
+        return
+    protected = {champion[len(store.root.rstrip("/")) + 1:]} if champion else set()
+    if removed := retention.apply(store, cfg, protected):
+        log.info("removed %d checkpoint/policy folder(s) that store.keep does not keep", removed)
 
 
 def _iterations(ctx: Run, log) -> dict:
@@ -197,9 +232,15 @@ def _iterations(ctx: Run, log) -> dict:
 
     reward_means: list[float] = []
     published = None
+    # Iterations before the newest published one that MLflow has too are done: not walked again (their older
+    # checkpoints may be gone, store.keep), only their rewards read back for the curve.
+    latest = store.get_pointer(layout.latest(cfg.run.name, "policy"))
+    done = min(int(latest.rsplit("/v", 1)[1]) - 1 if latest else 0, already_logged, cfg.run.iterations - 1)
     progress = Progress(cfg.run.iterations, already_logged)
     try:
-        for it in range(1, cfg.run.iterations + 1):
+        for it in range(1, done + 1):
+            reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
+        for it in range(done + 1, cfg.run.iterations + 1):
             t0 = time.perf_counter()
             policy = layout.BASE if it == 1 else layout.policy(cfg.run.name, it - 1)
             g = stage("generate", it, ctx, policy)

@@ -48,6 +48,7 @@ def generate(cfg: Config, iteration: int, policy: str = layout.BASE) -> dict:
         "generate/truncated_share": sum(r.truncated for r in records) / len(records),
         "generate/tokens_per_s": n_tokens / max(sampled.sampling_seconds, 1e-9),
         "generate/load_seconds": sampled.load_seconds,      # model load, engine start or weight reload
+        "generate/sampling_seconds": sampled.sampling_seconds,
         "generate/seconds": time.perf_counter() - t0,
     }
     with tempfile.TemporaryDirectory(prefix="rlflow-generate-") as tmp:

@@ -100,7 +100,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def rlflow_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("rlflow-cache")
     os.environ["RLFLOW_CACHE"] = str(cache)
-    return cache
+    yield cache
+    from tasks.engines.resident import _stop
+
+    for state in (cache / "trainer").glob("*.json"):    # resident trainers a failed test left running
+        try:
+            _stop(state, json.loads(state.read_text()))
+        except (OSError, ValueError):
+            pass
 
 
 @pytest.fixture(scope="session")

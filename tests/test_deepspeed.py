@@ -43,6 +43,7 @@ from safetensors import safe_open
 from tasks.algorithms.advantage import group_advantages
 from tasks.algorithms.batching import pad_batch, shard_batches
 from tasks.algorithms.logprobs import completion_logprobs
+from tasks.algorithms.update import optimise
 from tasks.core import layout, rollout
 from tasks.core.config import load_config
 from tasks.core.errors import UserError
@@ -51,7 +52,7 @@ from tasks.core.store import Store
 from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
-from tasks.train import optimise, train
+from tasks.train import train
 from tests.conftest import ROOT, TINY
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]

@@ -59,7 +59,8 @@ def test_only_the_adapter_trains_and_is_published(tmp_path):
 
 
 def test_resume_with_lora_and_several_passes_is_exact(tmp_path):
-    extra = ["train.num_iterations=3"]
+    """Process mode: each iteration restores from the previous full checkpoint, also on a fresh machine."""
+    extra = ["train.num_iterations=3", "train.mode=process"]
     straight = _cfg(tmp_path / "a", "r", extra)
     for it in (1, 2, 3):
         _iteration(straight, it)
@@ -72,3 +73,28 @@ def test_resume_with_lora_and_several_passes_is_exact(tmp_path):
     b = Store.open(resumed.store).manifest(layout.checkpoint("r", 3))["files"]
     for name in ("model/adapter_model.safetensors", "optimizer.pt"):
         assert a[name]["sha256"] == b[name]["sha256"], name
+
+
+def test_a_resident_lora_trainer_killed_midway_publishes_what_process_mode_does(tmp_path, monkeypatch):
+    """Resident mode keeps the adapter and its optimizer in memory, writes lean (adapter-only) checkpoints and
+    full ones every 2; killed before iteration 3's write, it restores full-2 and replays: same adapters."""
+    extra = ["train.num_iterations=2", "train.checkpoint_every=2"]
+    process = _cfg(tmp_path / "p", "lp", [*extra, "train.mode=process"])
+    resident = _cfg(tmp_path / "r", "lr", [*extra, "train.mode=resident"])
+    monkeypatch.setenv("RLFLOW_DRILL", "lean-write:3")
+    monkeypatch.setenv("RLFLOW_DRILL_ONCE", str(tmp_path / "drilled"))
+    for it in (1, 2, 3, 4):
+        _iteration(process, it)
+        generate(resident, it, layout.BASE if it == 1 else layout.policy("lr", it - 1))
+        reward(resident, it)
+        try:
+            train(resident, it)
+        except RuntimeError:                    # the trainer died: what the flow's retry does
+            train(resident, it)
+        publish(resident, it)
+    assert (tmp_path / "drilled").exists()
+    for it in (1, 2, 3, 4):
+        a, b = (Store.open(c.store).manifest(layout.policy(c.run.name, it))["files"]["adapter_model.safetensors"]
+                for c in (process, resident))
+        assert a["sha256"] == b["sha256"], it
+    assert train(resident, 0, finish=True)["finished"] == 4

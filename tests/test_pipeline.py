@@ -63,10 +63,13 @@ def test_artifacts_manifests_and_pointers(two_iterations, tmp_path):
     assert first["truncated"] == (len(first["completion_ids"]) == cfg.generate.max_completion_length
                                   and first["completion_ids"][-1] != 2)
 
-    ckpt = store.manifest(layout.checkpoint(run, 2))
-    assert {"optimizer.pt", "rng.pt", "state.json", "model/model.safetensors"} <= set(ckpt["files"])
-    state = store.get_json(layout.checkpoint(run, 2), "state.json")
-    assert state == {"iteration": 2, "step": 2, "data_cursor": 8}
+    # train.mode auto = resident here: ckpt-N is lean (the policy); the flow's end wrote a full checkpoint.
+    assert set(store.manifest(layout.checkpoint(run, 2))["files"]) == {"state.json", *(
+        f"model/{f}" for f in store.manifest(layout.policy(run, 2))["files"])}
+    full = store.manifest(layout.full_checkpoint(run, 2))
+    assert {"optimizer.pt", "rng.pt", "state.json", "model/model.safetensors"} <= set(full["files"])
+    for key in (layout.checkpoint(run, 2), layout.full_checkpoint(run, 2)):
+        assert store.get_json(key, "state.json") == {"iteration": 2, "step": 2, "data_cursor": 8}
 
     # The published policy loads through from_pretrained and equals the trainer's weights.
     from transformers import AutoModelForCausalLM

@@ -93,7 +93,9 @@ def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path):
     store = Store.open(str(killed / "rlflow-store"))
     assert store.get_pointer(layout.latest("resume", "policy")) == layout.policy("resume", 3)
     assert store.list_folders("resume/policy") == ["v000001", "v000002", "v000003"]
-    assert store.list_folders("resume/trainer") == ["ckpt-000001", "ckpt-000002", "ckpt-000003"]
+    # train.mode auto = resident: lean ckpt-N, a full checkpoint when the flow ended; store.keep: the newest two
+    # ckpt-N (a resume's needs) and full checkpoints (checkpoints_last 2).
+    assert store.list_folders("resume/trainer") == ["ckpt-000002", "ckpt-000003", "full-000003"]
     state = store.get_json(layout.checkpoint("resume", 3), "state.json")
     assert state["step"] == 3                                     # one optimizer step per iteration, none repeated
     # Every artifact folder is either complete and verified, or refused by readers. A kill can also leave a

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from tasks.core.processes import alive as _alive
+from tasks.core.processes import spawn_detached as _spawn_detached
 from tasks.engines.vllm_offline import worker_env
-from tasks.engines.vllm_server import Server, _spawn_detached
+from tasks.engines.vllm_server import Server
 from tasks.engines.vllm_watchdog import vllm_members as _vllm_members
 
 IDLE = 2.0

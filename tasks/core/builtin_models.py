@@ -37,6 +37,10 @@ BUILTINS: dict[str, dict] = {
     # For benchmarks and engines that need more than a toy (vLLM wants head_dim >= 32): ~3M parameters.
     "small-lm": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=4, max_position_embeddings=512),
+    # For benchmarks of what scales with model size (checkpoints, publishes, loads): 12 layers x 16.8M = ~201M
+    # parameters, 0.8 GB in fp32.
+    "medium-lm": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+                      num_key_value_heads=16, max_position_embeddings=512),
 }
 
 CHAT_TEMPLATE = (

@@ -25,6 +25,11 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# A field that changes how a result is computed, not the result (tested bit-identical): left out of the
+# fingerprints, so a run may switch it between two flow runs without "made from a different config".
+HOW_NOT_WHAT = {"fingerprint": False}
+
+
 class RunConfig(Section):
     """What this training run is called and how long it lasts."""
 
@@ -40,7 +45,7 @@ class ModelConfig(Section):
     """The starting policy."""
 
     name_or_path: str = Field("builtin:tiny-lm",
-                              description="Hub id, local folder, or builtin:tiny-lm / builtin:small-lm.")
+                              description="Hub id, local folder, or builtin:tiny-lm / small-lm / medium-lm.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for training.")
 
 
@@ -161,6 +166,22 @@ class TrainConfig(Section):
     engine: Literal["torch", "deepspeed"] = Field(
         "torch", description="Training engine: torch (one process, one device) or deepspeed (ZeRO 1-3 over "
                              "several processes, GPUs or nodes; pip install -e '.[deepspeed]').")
+    mode: Literal["auto", "process", "resident"] = Field(
+        "auto", json_schema_extra=HOW_NOT_WHAT,
+        description="process: each train stage run loads the newest full checkpoint and writes a full one; "
+                    "resident: one trainer process per run keeps model, optimizer and RNG in memory across "
+                    "iterations, writes the policy every iteration and a full checkpoint every checkpoint_every "
+                    "iterations (and when the flow ends); a lost trainer resumes exactly by replaying the stored "
+                    "iterations after the newest full checkpoint. auto: resident with the torch engine, process "
+                    "with deepspeed (a resident DeepSpeed group is not built yet). Both give the same weights.")
+    checkpoint_every: int = Field(10, ge=1, le=1_000_000, json_schema_extra=HOW_NOT_WHAT,
+                                  description="resident: a full checkpoint (model + optimizer + RNG + data "
+                                  "cursor) every N iterations, written in the background; a resume replays at "
+                                  "most N - 1 iterations.")
+    idle_timeout: float = Field(7200.0, ge=0, le=7 * 86400, json_schema_extra=HOW_NOT_WHAT,
+                                description="resident: a trainer no train stage has used for this many seconds "
+                                "writes a full checkpoint and exits (0 = never), so a flow killed before its "
+                                "teardown does not leave it holding the machine.")
     loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"] = Field(
         "dapo", description="Objective and aggregation, as TRL defines them (see tasks/algorithms/loss.py).")
     importance_sampling_level: Literal["token", "sequence"] = Field(
@@ -209,6 +230,9 @@ class TrainConfig(Section):
     def _engine_supports(self):
         if self.lora_r and self.engine == "deepspeed":
             raise ValueError("lora_r > 0 needs engine: torch (the deepspeed engine trains full weights only)")
+        if self.mode == "resident" and self.engine == "deepspeed":
+            raise ValueError("mode: resident needs engine: torch for now (a resident DeepSpeed group is not "
+                             "built yet); use mode: process (or auto) with deepspeed")
         return self
 
 
@@ -216,6 +240,15 @@ class PublishConfig(Section):
     """Making a trained policy visible."""
 
     register_model: bool = Field(True, description="Register each published policy as an MLflow model version.")
+    anchor_every: int = Field(10, ge=1, le=1_000_000, description="Every N-th policy is published whole; the "
+                              "ones between as a sparse delta against the last whole one when that is smaller "
+                              "(bf16 policies at RL learning rates). 1 = every policy whole. LoRA adapters are "
+                              "always whole.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of the published weights (what the generators load). auto: bfloat16 when a "
+                            "full model trains in float32 on a GPU, and always with the deepspeed engine; else "
+                            "model.dtype. The trainer keeps its own weights exactly (a full checkpoint stores them "
+                            "beside the published ones when the dtypes differ).")
     registered_model_name: str | None = Field(None, description="MLflow registered model name; None = run.name.")
 
 
@@ -245,6 +278,21 @@ class EvalConfig(Section):
         return self
 
 
+class KeepConfig(Section):
+    """Retention: which of a run's checkpoints and policies are kept.
+
+    The run's lease holder deletes the rest at the start and the end of each flow run, manifest first. Never
+    deleted: anything a resume needs (the newest checkpoint and the one before it, every checkpoint after the
+    newest full one), rollouts and rewards, evaluated policies, the policies LATEST and BEST name, the MLflow
+    champion, the whole policies deltas are built on (tasks/core/retention.py)."""
+
+    checkpoints_last: int = Field(2, ge=0, description="Newest full checkpoints kept (0 = all).")
+    checkpoints_every: int = Field(0, ge=0, description="Also keep the full checkpoint of every N-th iteration "
+                                   "(0 = none).")
+    policies_last: int = Field(0, ge=0, description="Newest published policies kept (0 = all).")
+    policies_every: int = Field(0, ge=0, description="Also keep the policy of every N-th iteration (0 = none).")
+
+
 class StoreConfig(Section):
     """Where artifacts live: file:// or a local path, or s3://bucket/prefix."""
 
@@ -253,6 +301,7 @@ class StoreConfig(Section):
     region: str | None = Field(None, description="S3 region; None = boto3's default chain.")
     multipart_chunk_mb: int = Field(16, ge=5, description="Multipart part size in MiB (S3 minimum is 5).")
     max_concurrency: int = Field(8, ge=1, description="Parallel part transfers per file.")
+    keep: KeepConfig = Field(KeepConfig(), description="Retention of checkpoints and policies.")
     # Credentials never live here: boto3 reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE.
 
     @field_validator("uri")
@@ -338,10 +387,40 @@ class Config(Section):
     launcher: LauncherConfig = LauncherConfig()
     cost: CostConfig = CostConfig()
 
+    @property
+    def resident_trainer(self) -> bool:
+        """Whether a resident trainer trains this run: train.mode, with auto resolved (resident with the torch
+        engine, unless the train stage runs as SkyPilot managed jobs, whose cluster ends with each job)."""
+        if self.train.mode != "auto":
+            return self.train.mode == "resident"
+        return self.train.engine == "torch" and not self._managed_train()
+
+    def _managed_train(self) -> bool:
+        return self.launcher.managed_jobs and self.launcher.mode_of("train") == "sky"
+
+    @model_validator(mode="after")
+    def _resident_needs_a_lasting_machine(self):
+        if self.train.mode == "resident" and self._managed_train():
+            raise ValueError("train.mode: resident needs a train machine that outlives a job; with "
+                             "launcher.managed_jobs each sky stage gets a cluster of its own: use train.mode process "
+                             "(or auto)")
+        return self
+
     def section_hash(self, *sections: str) -> str:
-        """Fingerprint of some sections: a stage's outputs are reused only if its inputs hash the same."""
-        blob = json.dumps({s: getattr(self, s).model_dump(mode="json") for s in sections}, sort_keys=True)
+        """Fingerprint of some sections: a stage's outputs are reused only if its inputs hash the same. Fields
+        marked HOW_NOT_WHAT are left out."""
+        blob = json.dumps({s: _what(getattr(self, s)) for s in sections}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _what(section: Section) -> dict:
+    dumped = section.model_dump(mode="json")
+    for name, field in type(section).model_fields.items():
+        if field.json_schema_extra == HOW_NOT_WHAT:
+            dumped.pop(name)
+        elif isinstance(getattr(section, name), Section):
+            dumped[name] = _what(getattr(section, name))
+    return dumped
 
 
 # --------------------------------------------------------------------------------------------- loading

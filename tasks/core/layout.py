@@ -2,8 +2,10 @@
 
     <run>/iter-000042/rollouts     generate's output
     <run>/iter-000042/rewards      reward's output (rollouts + scores)
-    <run>/trainer/ckpt-000042      model + optimizer + RNG + data cursor after iteration 42
-    <run>/trainer/LATEST           pointer to the newest complete checkpoint
+    <run>/trainer/ckpt-000042      after iteration 42: model + optimizer + RNG + data cursor (process mode), or
+                                   the policy alone (resident mode: lean)
+    <run>/trainer/full-000040      resident mode: a full checkpoint every train.checkpoint_every iterations
+    <run>/trainer/LATEST           pointer to the newest complete ckpt-N
     <run>/trainer-state/ckpt-000042-<attempt>/node-000
                                    deepspeed engine: one node's ZeRO shards (its own manifest, written before
                                    ckpt-000042's, which lists them in state.json)
@@ -23,7 +25,13 @@ def rewards(run: str, iteration: int) -> str:
 
 
 def checkpoint(run: str, iteration: int) -> str:
+    """train's output for iteration N: a full checkpoint (process mode) or the policy alone (resident mode)."""
     return f"{run}/trainer/ckpt-{iteration:06d}"
+
+
+def full_checkpoint(run: str, iteration: int) -> str:
+    """A resident trainer's full checkpoint after iteration N (every train.checkpoint_every, and at the end)."""
+    return f"{run}/trainer/full-{iteration:06d}"
 
 
 def engine_state(run: str, iteration: int, attempt: str, node: int) -> str:
@@ -41,7 +49,8 @@ def latest(run: str, kind: str) -> str:
     return f"{run}/{kind}/LATEST"
 
 # Inside a trainer checkpoint folder.
-CKPT_MODEL = "model"            # save_pretrained weights + config + tokenizer: what publish ships
+CKPT_MODEL = "model"            # the policy (save_pretrained, publish.dtype) + config + tokenizer: what publish ships
+CKPT_WEIGHTS = "weights.safetensors"   # the trainer's exact weights, when model/ holds them in another dtype
 CKPT_OPTIMIZER = "optimizer.pt"
 CKPT_RNG = "rng.pt"
 CKPT_STATE = "state.json"       # {"iteration", "step", "data_cursor"} (+ deepspeed: engine, shards, layout)

@@ -4,7 +4,6 @@ checkpoint's model), as a full model or a LoRA adapter on the configured base; a
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,13 +11,13 @@ import torch
 
 from tasks.core import builtin_models, layout
 from tasks.core.errors import UserError
-from tasks.core.paths import cache_root
+from tasks.core.policy import materialize
 from tasks.core.store import Store, open_store
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, TrainConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def device_for(cfg: Config) -> torch.device:
@@ -28,19 +27,28 @@ def device_for(cfg: Config) -> torch.device:
     return torch.device(want)
 
 
+def policy_dtype(cfg: Config) -> str:
+    """The dtype of published weights (publish.dtype; see its description for `auto`)."""
+    if cfg.publish.dtype != "auto":
+        return cfg.publish.dtype
+    if cfg.train.engine == "deepspeed":
+        return "bfloat16"
+    full_fp32_on_gpu = cfg.model.dtype == "float32" and not cfg.train.lora_r and device_for(cfg).type == "cuda"
+    return "bfloat16" if full_fp32_on_gpu else cfg.model.dtype
+
+
 def local_folder(store: Store, key: str) -> Path:
-    """Download (or reuse) a complete store folder into the local cache, verified."""
-    digest = hashlib.sha256(store.uri(key).encode()).hexdigest()[:16]
-    dest = cache_root() / "store" / digest
-    store.get_folder(key, dest)
-    return dest
+    """A complete store folder on this machine, verified (Store.local: a file store's own folder, else the
+    local cache, downloading only what is not there yet)."""
+    return store.local(key)
 
 
 def policy_path(cfg: Config, policy: str) -> str:
-    """`base` -> the configured starting model; otherwise a store key of a policy or checkpoint model."""
+    """`base` -> the configured starting model; otherwise a store key of a policy or checkpoint model (a delta
+    policy is rebuilt whole: tasks/core/policy.py)."""
     if policy == layout.BASE:
         return base_path(cfg)
-    return str(local_folder(open_store(cfg), policy))
+    return str(materialize(open_store(cfg), policy))
 
 
 def base_path(cfg: Config) -> str:
@@ -51,7 +59,7 @@ def base_path(cfg: Config) -> str:
         key = cfg.model.name_or_path[len(store.root.rstrip("/")) + 1:]
         if store.manifest(key) is None:
             raise UserError(f"model.name_or_path: {cfg.model.name_or_path}: no complete folder there")
-        return str(local_folder(store, key))
+        return str(materialize(store, key))
     if cfg.model.name_or_path.startswith("s3://"):
         raise UserError(f"model.name_or_path: {cfg.model.name_or_path}: an s3:// model must lie under store.uri "
                         f"({store.root})")
@@ -79,7 +87,7 @@ def load_model(path: str, dtype: str = "float32", device: torch.device | str = "
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     except OSError as e:
         raise UserError(f"model.name_or_path: cannot load model from {path!r}: "
                         f"{str(e).splitlines()[0][:200]}") from None

@@ -1,12 +1,13 @@
-"""Child processes: streaming one's output while spotting a user-error line, killing a process group, and
-"is this pid alive". Shared by the launchers, the DeepSpeed launcher, the reward worker, the sandbox, the
-vLLM server and the lease. Standard library only.
+"""Child processes: streaming one's output while spotting a user-error line, killing a process group, "is this
+pid alive", and starting a process that outlives its caller. Shared by the launchers, the DeepSpeed launcher,
+the reward worker, the sandbox, the vLLM server, the resident trainer and the lease. Standard library only.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import shlex
 import signal
 import subprocess
 from collections.abc import Callable
@@ -77,3 +78,20 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1] != "Z"
     except OSError:
         return True
+
+
+def spawn_detached(argv: list[str], env: dict[str, str], watch: list[str] | None = None) -> int:
+    """Start argv in a session of its own and not as our child: `sh` forks it and exits at once. The stage
+    process exiting does not stop it, and neither does the end of a SkyPilot job, which kills the job's
+    process tree (SkyPilot's subprocess daemon) but not what left that tree. Its output is appended to
+    env["LOG"]. `watch` (a command, given the process's pid as its last argument) starts beside it in the same
+    process group. Returns argv's pid. (The vLLM server and the resident trainer live like this.)"""
+    script = '"$@" >>"$LOG" 2>&1 </dev/null & P=$!; echo $P'
+    if watch:
+        script += '; eval "exec $WATCH $P" >>"$LOG" 2>&1 </dev/null &'
+        env = {**env, "WATCH": shlex.join(watch)}
+    sh = subprocess.Popen(["sh", "-c", script, "sh", *argv], env=env,
+                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    pid = int(sh.stdout.readline().strip())
+    sh.wait()
+    return pid

@@ -60,7 +60,8 @@ def parse_overrides_json(text: str) -> list[str]:
     return items
 
 
-def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, takes_tracking: bool = False) -> None:
+def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, takes_tracking: bool = False,
+              takes_finish: bool = False) -> None:
     """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY]`; prints the result JSON."""
     from tasks.core.config import load_config
 
@@ -74,6 +75,9 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
         ap.add_argument("--policy", default="base", help="'base' or the store key of a published policy")
     if takes_tracking:
         ap.add_argument("--mlflow-run-id", default=None)
+    if takes_finish:
+        ap.add_argument("--finish", action="store_true", help="stop the run's resident trainer here, after a "
+                        "full checkpoint of its last iteration (what the flow does when it ends)")
     args = ap.parse_args()
     try:
         cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
@@ -82,6 +86,8 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
             kwargs["policy"] = args.policy
         if takes_tracking:
             kwargs["mlflow_run_id"] = args.mlflow_run_id
+        if takes_finish and args.finish:
+            kwargs["finish"] = True
         out = fn(cfg, args.iteration, **kwargs)
     except UserError as e:
         # The second line lets a launcher tell a user error from a crash when only the log comes back.

@@ -58,7 +58,7 @@ import yaml
 
 from tasks.core import layout
 from tasks.core.errors import UserError
-from tasks.core.models import base_path, device_for, load_model, load_tokenizer
+from tasks.core.models import DTYPES, base_path, device_for, load_model, load_tokenizer, policy_dtype
 from tasks.core.processes import stream
 from tasks.engines.training import rng_state, seed_all, set_rng_state
 
@@ -300,6 +300,25 @@ class DeepSpeedEngine:
     def barrier(self) -> None:
         torch.distributed.barrier()
 
+    def save_policy(self, out: Path) -> None:
+        """Every process takes part in the gather; process 0 writes the policy folder (publish.dtype)."""
+        weights = self._gather_16bit()
+        if self.rank == 0:
+            self._write_model(out, weights)
+
+    def snapshot(self, iteration: int):
+        """A full checkpoint taken now (collective: ZeRO saves on every process), handed over later: the node
+        folders are in the store already, the model folder waits on local disk."""
+        held = Path(tempfile.mkdtemp(prefix="rlflow-ds-snapshot-", dir=self.scratch))
+        extra = self.save(held, iteration)
+
+        def files(out: Path) -> dict:
+            for path in held.iterdir():
+                shutil.move(str(path), out / path.name)
+            shutil.rmtree(held, ignore_errors=True)
+            return extra
+        return files
+
     def save(self, out: Path, iteration: int) -> dict:
         """Every process: its shards to this node's disk, then to the store (one upload per node); process 0
         also writes the 16-bit model folder into `out`. Returns what state.json adds."""
@@ -325,29 +344,31 @@ class DeepSpeedEngine:
                 "nodes": self.nodes, "tag": tag, "engine_state": parts}
 
     def _gather_16bit(self) -> dict | None:
-        """The full weights in bf16 on process 0 (None elsewhere), gathered one module's parameters at a time:
-        memory is the bf16 copy plus one module's full parameters, never a second fp32 model. ZeRO 1/2 keep
+        """The full weights in publish.dtype (bf16 unless set) on process 0 (None elsewhere), gathered one
+        module's parameters at a time: memory is that copy plus one module's full parameters, never a second
+        fp32 model. ZeRO 1/2 keep
         whole weights on every process, and GatheredParameters is then a no-op. A parameter shared by two
         modules (tied embeddings) is kept once, under its first name, as save_pretrained does."""
         import deepspeed
 
         out, seen = ({} if self.rank == 0 else None), set()
+        dtype = DTYPES[policy_dtype(self.cfg)]
         for prefix, module in self.model.module.named_modules():
             params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
             seen.update(id(p) for _, p in params)
             with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
                 if out is not None:           # the other processes only take part in the gather
                     for name, p in params:
-                        out[prefix + "." * bool(prefix) + name] = p.detach().to("cpu", torch.bfloat16, copy=True)
+                        out[prefix + "." * bool(prefix) + name] = p.detach().to("cpu", dtype, copy=True)
             if out is not None:
                 for name, b in module.named_buffers(recurse=False):
                     if name not in module._non_persistent_buffers_set:
                         b = b.detach().to("cpu", copy=True)
-                        out[prefix + "." * bool(prefix) + name] = b.to(torch.bfloat16) if b.is_floating_point() else b
+                        out[prefix + "." * bool(prefix) + name] = b.to(dtype) if b.is_floating_point() else b
         return out
 
     def _write_model(self, folder: Path, weights: dict) -> None:
-        """What save_pretrained writes, in bf16: safetensors (5 GB shards + index when larger), config,
+        """What save_pretrained writes, in publish.dtype: safetensors (5 GB shards + index when larger), config,
         generation config, tokenizer."""
         from huggingface_hub import save_torch_state_dict
 
@@ -355,7 +376,7 @@ class DeepSpeedEngine:
         save_torch_state_dict(weights, folder, max_shard_size="5GB")
         module = self.model.module
         config = copy.deepcopy(module.config)
-        config.dtype = torch.bfloat16
+        config.dtype = DTYPES[policy_dtype(self.cfg)]
         config.save_pretrained(folder)
         if module.can_generate() and getattr(module, "generation_config", None) is not None:
             module.generation_config.save_pretrained(folder)

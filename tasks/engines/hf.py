@@ -1,6 +1,8 @@
 """The `hf` sampling engine: transformers' `generate` in this process, on the CPU or one GPU.
 
-The policy is loaded for each call (a full model, or base + LoRA adapter). transformers runs user logits
+The policy of each call is a full model or base + LoRA adapter. A process keeps the last full model it
+loaded, and a next policy of the same architecture (the same config.json) is loaded into it in place, weights
+only: what an inline flow's generate does every iteration. transformers runs user logits
 processors *before* its own temperature/top-p warpers, so sampling is asked for at temperature 1 / top-p 1 and
 one last processor of ours applies both and records the log-softmax the token was drawn from (the behaviour
 logprob), one step at a time.
@@ -8,12 +10,14 @@ logprob), one step at a time.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from tasks.core.models import device_for, load_policy
+from tasks.core.models import ADAPTER_CONFIG, device_for, load_policy
 from tasks.engines.sampling import Sample, Sampled, SamplingParams
 
 if TYPE_CHECKING:
@@ -33,13 +37,46 @@ class HFEngine:
     def generate(self, policy: str, path: str, tokenizer, prompt_ids: list[list[int]],
                  params: SamplingParams) -> Sampled:
         t0 = time.perf_counter()
-        model = load_policy(self.cfg, path, device_for(self.cfg)).eval()
+        model = _load(self.cfg, path)
         t1 = time.perf_counter()
         samples = hf_generate(model, tokenizer, prompt_ids, params, self.cfg.generate.batch_size)
         return Sampled(samples, load_seconds=t1 - t0, sampling_seconds=time.perf_counter() - t1)
 
     def stop(self, log=print) -> None:
         """Nothing outlives a call."""
+
+
+_kept: dict = {}          # the last full model this process loaded, with the key of its architecture
+
+
+def _load(cfg: Config, path: str):
+    """The policy at `path`, evaluating: into the kept model, in place, when it has the same architecture."""
+    from safetensors.torch import load_file
+
+    folder, device = Path(path), device_for(cfg)
+    if (folder / ADAPTER_CONFIG).exists() or not (folder / "config.json").is_file():
+        return load_policy(cfg, path, device).eval()                 # adapters, hub ids: as they come
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)        # (the weights' dtype; we load in ours)
+    key = (json.dumps(config, sort_keys=True), cfg.model.dtype, str(device))
+    model = _kept.get(key)
+    if model is None:
+        _kept.clear()
+        model = _kept[key] = load_policy(cfg, path, device).eval()
+        return model
+    state = model.state_dict()
+    shards = [load_file(shard, device=str(device)) for shard in sorted(folder.glob("*.safetensors"))]
+    names = {name for weights in shards for name in weights}
+    covered = {state[name].untyped_storage().data_ptr() for name in names if name in state}
+    if names - state.keys() or {t.untyped_storage().data_ptr() for t in state.values()} - covered:
+        _kept.clear()                      # a tensor we do not have, or one the folder does not set: afresh
+        model = _kept[key] = load_policy(cfg, path, device).eval()
+        return model
+    with torch.no_grad():
+        for weights in shards:
+            for name, tensor in weights.items():
+                state[name].copy_(tensor)
+    return model
 
 
 class _SampleAndRecord:

@@ -1,22 +1,37 @@
 """The torch training engine (`train.engine: torch`, the default): one process, one device.
 
-AdamW and `clip_grad_norm_`; a checkpoint is the model folder (save_pretrained: what publish ships),
-optimizer.pt and rng.pt. With `train.lora_r` the model is a peft model and only the adapter is trained,
-checkpointed and published; the KL reference is then the same model with its adapter disabled.
+AdamW and `clip_grad_norm_`. A full checkpoint is the model folder (save_pretrained in publish.dtype: what
+publish ships), the exact weights in weights.safetensors when publish.dtype is not the training dtype,
+optimizer.pt and rng.pt; a lean one is the model folder alone. With `train.lora_r` the model is a peft model
+and only the adapter is trained, checkpointed and published; the KL reference is then the same model with its
+adapter disabled.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from tasks.core import layout
 from tasks.core.errors import UserError
-from tasks.core.models import add_lora, base_path, device_for, load_model, load_policy, load_tokenizer, local_folder
+from tasks.core.models import (
+    DTYPES,
+    add_lora,
+    base_path,
+    device_for,
+    load_model,
+    load_policy,
+    load_tokenizer,
+    local_folder,
+    policy_dtype,
+)
 from tasks.engines.training import rng_state, seed_all, set_rng_state
 
 if TYPE_CHECKING:
@@ -65,6 +80,8 @@ class TorchEngine:
         tokenizer = load_tokenizer(model_path)
         if folder is not None:
             model = load_policy(cfg, model_path, device, trainable=True)
+            if (folder / layout.CKPT_WEIGHTS).exists():       # model/ holds the policy in publish.dtype
+                _load_exact(model, load_file(folder / layout.CKPT_WEIGHTS, device=str(device)))
         else:
             seed_all(cfg.run.seed)                   # before add_lora: adapter init draws from it
             model = load_model(model_path, cfg.model.dtype, device)
@@ -116,12 +133,87 @@ class TorchEngine:
         pass
 
     def save(self, out: Path, iteration: int) -> dict:
-        """Model folder + optimizer + RNG into `out`; returns what state.json adds (nothing)."""
-        self.model.save_pretrained(out / layout.CKPT_MODEL)
-        self.tokenizer.save_pretrained(out / layout.CKPT_MODEL)
-        torch.save(self.optimizer.state_dict(), out / layout.CKPT_OPTIMIZER)
-        torch.save(rng_state(), out / layout.CKPT_RNG)
+        """A full checkpoint into `out`; returns what state.json adds (nothing)."""
+        return self._write_full(out, self._weights(), self.optimizer.state_dict(), rng_state())
+
+    def snapshot(self, iteration: int) -> Callable[[Path], dict]:
+        """Copies (on the CPU) of the weights, the optimizer state and the RNG, taken now; training may go on
+        while the returned function writes them as `save` would."""
+        weights, optim = _copy(self._weights()), _copy(self.optimizer.state_dict())
+        rng = rng_state()
+        return lambda out: self._write_full(out, weights, optim, rng)
+
+    def save_policy(self, out: Path) -> None:
+        """The policy alone (a lean checkpoint's model/)."""
+        self._write_policy(out, self._weights())
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the model: every tensor, or with LoRA the adapter's."""
+        state = self.model.state_dict()
+        return {k: v for k, v in state.items() if "lora_" in k} if self.lora else state
+
+    def _write_policy(self, out: Path, weights: dict[str, torch.Tensor]) -> None:
+        dtype = policy_dtype(self.cfg)
+        if dtype == self.cfg.model.dtype:
+            self.model.save_pretrained(out, state_dict=weights)
+        else:                    # the same tensors in publish.dtype, and a config that says so
+            cast = _copy(weights, DTYPES[dtype])
+            self.model.save_pretrained(out, state_dict=cast)
+            config = json.loads((out / "config.json").read_text())
+            config["dtype"] = dtype
+            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        self.tokenizer.save_pretrained(out)
+
+    def _write_full(self, out: Path, weights: dict, optim: dict, rng: dict) -> dict:
+        self._write_policy(out / layout.CKPT_MODEL, weights)
+        if policy_dtype(self.cfg) != self.cfg.model.dtype:       # the trainer's own weights, exactly
+            save_file(_unique(weights), out / layout.CKPT_WEIGHTS)
+        torch.save(optim, out / layout.CKPT_OPTIMIZER)
+        torch.save(rng, out / layout.CKPT_RNG)
         return {}
 
     def close(self) -> None:
         pass
+
+
+def _copy(tree, dtype: torch.dtype | None = None):
+    """A copy of a state dict (nested dicts and lists of tensors) on the CPU, floating tensors in `dtype` if
+    given; tensors that share storage (tied embeddings) stay shared, so save_pretrained sees the same ties."""
+    memo: dict[tuple, torch.Tensor] = {}
+
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()))
+            if key not in memo:
+                to = dtype if dtype is not None and x.is_floating_point() else x.dtype
+                memo[key] = x.detach().to("cpu", to, copy=True)
+            return memo[key]
+        if isinstance(x, dict):
+            return {k: one(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(one(v) for v in x)
+        return copy.deepcopy(x)
+
+    return one(tree)
+
+
+def _unique(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One name per storage (safetensors refuses tensors that share memory); the first name is kept."""
+    seen, out = set(), {}
+    for name, tensor in weights.items():
+        if (ptr := tensor.untyped_storage().data_ptr()) not in seen:
+            seen.add(ptr)
+            out[name] = tensor.contiguous()
+    return out
+
+
+def _load_exact(model, weights: dict[str, torch.Tensor]) -> None:
+    """Load the exact weights over the policy's; a name left out by _unique must share its tensor's storage."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    state = model.state_dict()
+    loaded = {state[name].untyped_storage().data_ptr() for name in weights}
+    untied = [name for name in missing if state[name].untyped_storage().data_ptr() not in loaded
+              and not (getattr(model, "peft_config", None) and "lora_" not in name)]
+    if unexpected or untied:
+        raise RuntimeError(f"checkpoint weights do not fit the model: unexpected {unexpected[:3]}, "
+                           f"missing {untied[:3]}")

@@ -6,17 +6,31 @@
     ... engine.backward(loss) per micro-batch, engine.step() per pass (tasks/train.py: optimise) ...
     engine.save(folder, iteration); engine.close()
 
-The GRPO math, batching and metrics stay in tasks/train.py and tasks/algorithms/; an engine owns the model,
-the optimizer, the processes and the checkpoint format.
+The GRPO math, batching and metrics are tasks/algorithms/'s, the same for every engine; an engine owns the
+model, the optimizer, the processes and the checkpoint format. `update`, `write_checkpoint` and `restore`
+below are one iteration's work on any engine, shared by the train stage (process mode) and the resident
+trainer (tasks/engines/resident.py).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import random
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from tasks.algorithms.advantage import group_advantages
+from tasks.algorithms.batching import shard_batches
+from tasks.algorithms.update import optimise
+from tasks.core import data, layout, rollout
+from tasks.core.store import sha256_file
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -63,7 +77,13 @@ class TrainingEngine(Protocol):
     def min(self, values: list[float]) -> list[float]: ...
     def barrier(self) -> None: ...
     def save(self, out: Path, iteration: int) -> dict:
-        """Write the checkpoint's files into `out` (model/ as publish ships it); returns what state.json adds."""
+        """Write a full checkpoint's files into `out`: model/ (the policy as publish ships it, publish.dtype),
+        the exact weights where those differ, optimizer and RNG state; returns what state.json adds."""
+    def save_policy(self, out: Path) -> None:
+        """Write the policy alone into folder `out` (what a checkpoint's model/ holds): a lean checkpoint."""
+    def snapshot(self, iteration: int) -> Callable[[Path], dict]:
+        """Take what a full checkpoint holds now; the returned function writes it into a folder later, on
+        another thread, while training goes on (the resident trainer's background checkpoints)."""
     def close(self) -> None: ...
 
 
@@ -95,3 +115,117 @@ def seed_all(seed: int) -> None:
     """Seed the streams rng_state saves (a fresh run, or a process a checkpoint did not have)."""
     torch.manual_seed(seed)
     random.seed(seed)
+
+
+# ------------------------------------------------------------------------------------- one iteration, any engine
+
+def update(engine: TrainingEngine, cfg: Config, store: Store, iteration: int, t0: float | None = None) -> dict:
+    """Iteration `iteration`'s update on its stored scored rollouts: advantages over the whole batch (groups
+    complete), this process's shard of micro-batches, the optimiser passes. Returns the train/* metrics
+    (`t0`: when the stage started, for train/seconds)."""
+    t0 = time.perf_counter() if t0 is None else t0
+    tc = cfg.train
+    with tempfile.TemporaryDirectory(prefix="rlflow-train-") as tmp:
+        store.get_folder(layout.rewards(cfg.run.name, iteration), Path(tmp))
+        records = rollout.read(Path(tmp))
+    rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
+    advantages = group_advantages(rewards, cfg.generate.num_generations, tc.scale_rewards)   # (N,)
+    batches = shard_batches(records, advantages, engine.tokenizer.pad_token_id, tc, engine.device, engine.rank,
+                            engine.world_size)
+    t1 = time.perf_counter()
+    stats = optimise(engine, batches, cfg)
+    engine.global_step += tc.num_iterations
+    metrics = stats.metrics(rewards, advantages, tc, time.perf_counter() - t0)
+    metrics["train/update_seconds"] = time.perf_counter() - t1        # the optimiser passes alone
+    return metrics
+
+
+def write_checkpoint(store: Store, cfg: Config, key: str, iteration: int, step: int, files: Callable[[Path], dict],
+                     meta: dict, kind: str = "full", rank: int = 0, keep_policy_here: bool = True,
+                     before_commit: Callable[[], None] | None = None) -> dict | None:
+    """A checkpoint folder: `files(folder)` writes its files (every process calls this: deepspeed saves
+    collectively) and returns what state.json adds; process 0 then writes state.json and commits the folder
+    (manifest last). `kind`: full (the engine's `save` or `snapshot`: a trainer can resume from it) or lean
+    (`save_policy`: the policy alone). `keep_policy_here`: the policy's files stay in this machine's cache too
+    (the next generate on this machine reads them without a download). Returns the manifest on process 0."""
+    with tempfile.TemporaryDirectory(prefix="rlflow-ckpt-") as tmp:
+        out = Path(tmp)
+        extra = files(out)
+        if rank != 0:
+            return None
+        state = {"iteration": iteration, "step": step,
+                 "data_cursor": data.cursor(iteration + 1, cfg.generate.prompts_per_iteration), **extra}
+        (out / layout.CKPT_STATE).write_text(json.dumps(state))
+        if before_commit is not None:
+            before_commit()
+        policy = (lambda rel: rel.startswith(layout.CKPT_MODEL + "/")) if keep_policy_here else None
+        return store.put_folder(key, out, meta={**meta, "kind": kind, "iteration": iteration}, keep_local=policy,
+                                give_up=True)
+
+
+def lean_files(engine: TrainingEngine) -> Callable[[Path], dict]:
+    """What a lean checkpoint holds: the policy (model/). Its state.json is a full checkpoint's of the same
+    iteration, so the next iteration's fingerprint does not depend on the mode."""
+    def files(out: Path) -> dict:
+        engine.save_policy(out / layout.CKPT_MODEL)
+        return {}
+    return files
+
+
+def newest_full(store: Store, run: str, at_most: int) -> tuple[str | None, int]:
+    """The newest complete full checkpoint of iterations <= `at_most` (a process-mode `trainer/ckpt-N`, or a
+    resident trainer's `trainer/full-N`) and its iteration; (None, 0) when there is none: the base model."""
+    for key in (layout.checkpoint(run, at_most), layout.full_checkpoint(run, at_most)):   # the common cases
+        manifest = store.manifest(key) if at_most > 0 else None
+        if manifest is not None and manifest["meta"].get("kind", "full") == "full":
+            return key, at_most
+    found = []
+    for name in store.list_folders(f"{run}/trainer"):
+        kind, _, number = name.partition("-")
+        if kind in ("ckpt", "full") and number.isdigit() and int(number) <= at_most:
+            found.append((int(number), kind == "full", f"{run}/trainer/{name}"))
+    for iteration, _, key in sorted(found, reverse=True):
+        manifest = store.manifest(key)
+        if manifest is not None and manifest["meta"].get("kind", "full") == "full":
+            return key, iteration
+    return None, 0
+
+
+def restore(cfg: Config, store: Store, iteration: int) -> TrainingEngine:
+    """An engine holding the trainer's state after iteration `iteration` (0: the base model): the newest full
+    checkpoint at or before it, then the iterations after it replayed from their stored rewards. Each replayed
+    iteration must reproduce the policy that iteration published, bit for bit on a CPU (checked)."""
+    key, at = newest_full(store, cfg.run.name, iteration)
+    engine = training_engine(cfg).open(cfg, store, key)
+    try:
+        for k in range(at + 1, iteration + 1):
+            update(engine, cfg, store, k)
+            _check_replay(engine, store, layout.checkpoint(cfg.run.name, k))
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def _check_replay(engine: TrainingEngine, store: Store, key: str) -> None:
+    manifest = store.manifest(key)
+    if manifest is None:
+        raise RuntimeError(f"replay: {store.uri(key)} is missing; the stored iterations are incomplete")
+    with tempfile.TemporaryDirectory(prefix="rlflow-replay-") as tmp:
+        engine.save_policy(Path(tmp))
+        if engine.rank != 0:
+            return
+        mine = {rel: sha256_file(Path(tmp) / rel) for rel in _weight_files(Path(tmp))}
+    theirs = {rel[len(layout.CKPT_MODEL) + 1:]: f["sha256"] for rel, f in manifest["files"].items()
+              if rel.startswith(layout.CKPT_MODEL + "/") and rel.endswith(".safetensors")}
+    if mine != theirs:
+        message = (f"replay: iteration {manifest['meta'].get('iteration')} reproduced other weights than "
+                   f"{store.uri(key)} holds")
+        if engine.device.type == "cpu":
+            raise RuntimeError(message + " (on a CPU replay is exact: this is a bug)")
+        warnings.warn(message + " (GPU kernels are not bit-reproducible; training goes on from the replay)",
+                      stacklevel=2)
+
+
+def _weight_files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.safetensors"))

@@ -33,9 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shlex
 import socket
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,7 +44,7 @@ import httpx
 from tasks.core.errors import UserError
 from tasks.core.layout import BASE
 from tasks.core.paths import cache_root
-from tasks.core.processes import alive
+from tasks.core.processes import alive, spawn_detached
 from tasks.engines.sampling import Sample, Sampled, SamplingParams
 from tasks.engines.vllm_offline import (
     VLLMEngine,
@@ -155,7 +153,7 @@ class Server:
         env = worker_env(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", LOG=str(log))
         idle = cfg.generate.server_idle_timeout
         watch = [python, "-m", "tasks.engines.vllm_watchdog", str(state_path), str(idle), "30"] if idle else None
-        pid = _spawn_detached(argv, env, watch)
+        pid = spawn_detached(argv, env, watch)
         server = cls(state_path, {"pid": pid, "pgid": os.getpgid(pid), "port": port, "key": key,
                                   "lora": bool(args.get("enable_lora")), "sleeps": bool(args.get("enable_sleep_mode")),
                                   "label": None, "adapter": None, "log": str(log), "started": time.time()})
@@ -264,22 +262,6 @@ def _flags(args: dict) -> list[str]:
             continue
         out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     return out
-
-
-def _spawn_detached(argv: list[str], env: dict, watch: list[str] | None = None) -> int:
-    """Start argv in a session of its own and not as our child: `sh` forks it and exits at once. The stage
-    process exiting does not stop it, and neither does the end of a SkyPilot job, which kills the job's
-    process tree (SkyPilot's subprocess daemon) but not what left that tree. `watch` (a command, given the
-    server's pid as its last argument) starts beside it in the same process group. Returns argv's pid."""
-    script = '"$@" >>"$LOG" 2>&1 </dev/null & P=$!; echo $P'
-    if watch:
-        script += '; eval "exec $WATCH $P" >>"$LOG" 2>&1 </dev/null &'
-        env = {**env, "WATCH": shlex.join(watch)}
-    sh = subprocess.Popen(["sh", "-c", script, "sh", *argv], env=env,
-                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    pid = int(sh.stdout.readline().strip())
-    sh.wait()
-    return pid
 
 
 def _free_port() -> int:

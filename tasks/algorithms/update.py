@@ -1,0 +1,70 @@
+"""One iteration's update: `train.num_iterations` optimiser passes over the scored batch, on any training
+engine. Reads forward → loss → backward; the loss and the behaviour weight are tasks/algorithms/loss.py's, the
+statistics tasks/algorithms/stats.py's. With num_iterations = 1 the update is on-policy: the ratio is
+exp(logp - logp.detach()) = 1 and only the gradient flows (TRL does the same); with more, "old" logprobs are
+computed once before the first pass and the later passes are clipped against them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tasks.algorithms.batching import MicroBatch
+from tasks.algorithms.logprobs import completion_logprobs
+from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_loss
+from tasks.algorithms.stats import UpdateStats
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+    from tasks.engines.training import TrainingEngine
+
+
+def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config) -> UpdateStats:
+    """tc.num_iterations optimiser steps over the whole batch: gradients accumulated over micro-batches and
+    processes, the loss normalised over the whole batch. Returns the statistics over all processes."""
+    tc, temperature = cfg.train, cfg.generate.temperature
+    num_tokens, num_seqs = engine.sum([float(sum(b.mask.sum() for b in batches)), sum(b.rows for b in batches)])
+    fixed_logprobs(engine, batches, cfg)
+    stats = UpdateStats()
+    for pass_ in range(tc.num_iterations):
+        engine.zero_grad()
+        stats.start_pass()
+        for b in batches:
+            logp, entropy = logprobs(engine.model, b, temperature, entropy=True)
+            old = b.old if b.old is not None else logp.detach()   # on-policy: ratio 1, gradient only
+            is_ratio = behaviour_weight(old, b, cfg) if tc.importance_sampling_correction else None
+            ptl, ratio, kl = per_token_loss(logp, old, b.advantages, b.mask, tc, ref_logp=b.ref, is_ratio=is_ratio)
+            loss = aggregate(ptl, b.mask, tc.loss_type, num_tokens, int(num_seqs), cfg.generate.max_completion_length)
+            engine.backward(loss)
+            stats.add(b, loss, logp, entropy, ratio, kl, is_ratio, tc, first_pass=pass_ == 0)
+        stats.grad_norm = engine.step()
+    return stats.reduce(engine, num_tokens)
+
+
+def logprobs(model, b: MicroBatch, temperature: float, entropy: bool = False):
+    """The completion tokens' logprobs under `model` (b, Lc), and their entropy (b, Lc) if asked for."""
+    return completion_logprobs(model, b.ids, b.attention, b.positions, b.width, temperature, with_entropy=entropy)
+
+
+def fixed_logprobs(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config) -> None:
+    """What stays fixed through the passes, computed once without gradients: the reference policy's logprobs
+    (beta > 0; with LoRA the model with its adapter disabled) and, for several passes, π_old. With one pass
+    π_old is the pass's own logprobs, detached (same weights, same inputs): no extra forward."""
+    tc, temperature = cfg.train, cfg.generate.temperature
+    with torch.no_grad():
+        for b in batches:
+            if engine.ref_model is not None:
+                b.ref = logprobs(engine.ref_model, b, temperature)[0]
+            elif tc.beta > 0 and engine.lora:
+                with engine.model.disable_adapter():
+                    b.ref = logprobs(engine.model, b, temperature)[0]
+            if tc.num_iterations > 1:
+                b.old = logprobs(engine.model, b, temperature)[0]
+
+
+def behaviour_weight(old: torch.Tensor, b: MicroBatch, cfg: Config) -> torch.Tensor:
+    """Truncated importance weight π_old/μ against the generator's behaviour logprobs (tasks/algorithms/loss.py)."""
+    tc = cfg.train
+    return behaviour_correction(old, b.behaviour, b.mask, tc.importance_sampling_mode, tc.importance_sampling_cap)

@@ -1,0 +1,84 @@
+"""Retention (`store.keep`): which of a run's checkpoints and policies its lease holder deletes.
+
+    doomed = plan(store, cfg, protected={"run/policy/v000012"})     # folder keys, nothing deleted yet
+    apply(store, cfg, protected)                                      # deletes them (manifest first)
+
+Kept whatever the settings say, because a resume or a user needs them:
+  - the two newest `trainer/ckpt-N` (train N+1 names ckpt-N as its input; a resumed flow re-checks the last
+    iteration, whose train step names ckpt-(N-1));
+  - every checkpoint after the newest full one (a resident trainer that was lost replays those iterations and
+    checks each against its checkpoint), and the newest full checkpoint itself;
+  - the policies `policy/LATEST` and `policy/BEST` name, every evaluated policy (`eval/vN` exists), the
+    `protected` ones (the MLflow champion), and the full policy each kept delta policy is built on;
+  - rollouts and rewards (small, and what a replay reads).
+A full checkpoint is a process-mode `trainer/ckpt-N` or a resident trainer's `trainer/full-N`; a deleted
+DeepSpeed checkpoint takes its node folders (trainer-state/…) with it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tasks.core import layout
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+    from tasks.core.store import Store
+
+
+def _numbered(names: list[str], prefix: str) -> dict[int, str]:
+    return {int(n[len(prefix):]): n for n in names if n.startswith(prefix) and n[len(prefix):].isdigit()}
+
+
+def _newest(numbers: list[int], last: int, every: int) -> set[int]:
+    kept = set(sorted(numbers)[-last:]) if last else set(numbers)
+    return kept | ({n for n in numbers if n % every == 0} if every else set())
+
+
+def plan(store: Store, cfg: Config, protected: set[str] = frozenset()) -> list[str]:
+    """The folder keys `apply` would delete (checkpoints first, then policies)."""
+    run, keep = cfg.run.name, cfg.store.keep
+    trainer = store.list_folders(f"{run}/trainer")
+    kinds = {}                                              # ckpt-N: full (process mode) or lean (resident)
+    for it in _numbered(trainer, "ckpt-"):
+        manifest = store.manifest(layout.checkpoint(run, it))
+        if manifest is not None:                            # (a half-written one is staging clean-up's)
+            kinds[it] = manifest["meta"].get("kind", "full")
+    fulls = [it for it in _numbered(trainer, "full-") if store.manifest(layout.full_checkpoint(run, it))]
+    full_its = sorted({it for it, kind in kinds.items() if kind == "full"} | set(fulls))
+    newest_full = full_its[-1] if full_its else 0
+    kept_full = _newest(full_its, keep.checkpoints_last, keep.checkpoints_every) | {newest_full}
+    kept_ckpt = set(sorted(kinds)[-2:]) | {it for it in kinds if it > newest_full}
+    doomed = [layout.checkpoint(run, it) for it, kind in sorted(kinds.items())
+              if it not in kept_ckpt and (kind == "lean" or it not in kept_full)]
+    doomed += [layout.full_checkpoint(run, it) for it in sorted(fulls) if it not in kept_full]
+
+    versions = sorted(_numbered(store.list_folders(f"{run}/policy"), "v"))
+    kept = _newest(versions, keep.policies_last, keep.policies_every)
+    kept |= set(_numbered(store.list_folders(f"{run}/eval"), "v"))
+    for pointer in (layout.latest(run, "policy"), layout.best(run)):
+        if target := store.get_pointer(pointer):
+            protected = {*protected, target}
+    kept |= {v for v in versions if layout.policy(run, v) in protected}
+    for v in sorted(kept & set(versions)):                  # the full policy a delta is rebuilt from
+        manifest = store.manifest(layout.policy(run, v))
+        if manifest is not None and (anchor := manifest["meta"].get("anchor")):
+            kept.add(int(anchor.rsplit("/v", 1)[1]))
+    doomed += [layout.policy(run, v) for v in versions if v not in kept]
+    return doomed
+
+
+def apply(store: Store, cfg: Config, protected: set[str] = frozenset()) -> int:
+    """Delete what `plan` names (each folder's manifest first, so no reader sees a partial folder as complete),
+    with a deleted DeepSpeed checkpoint's node folders. Returns how many folders went. Only the lease holder
+    calls this, when no stage of the run is running."""
+    doomed = plan(store, cfg, protected)
+    for key in doomed:
+        manifest = store.manifest(key)
+        parts = []
+        if manifest is not None and layout.CKPT_STATE in manifest["files"]:
+            parts = store.get_json(key, layout.CKPT_STATE).get("engine_state", [])
+        store.delete_folder(key)
+        for part in parts:
+            store.delete_folder(part)
+    return len(doomed)

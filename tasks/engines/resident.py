@@ -1,0 +1,395 @@
+"""The resident trainer (`train.mode: resident`): one trainer process per run that stays alive across
+iterations on the train machine, holding model, optimizer and RNG in memory.
+
+    train stage (any process on this machine)             resident trainer (python -m tasks.engines.resident)
+      ResidentTrainer(cfg).train(N, fingerprint)  ───►      not at N-1 (new, or the request skips)? restore:
+                                                            the newest full checkpoint, then the stored
+                                                            iterations after it replayed (tasks/engines/
+                                                            training.py: restore); update(N); ckpt-N lean (the
+                                                            policy alone); every train.checkpoint_every: full-N,
+                                                            written in the background
+      ResidentTrainer(cfg).finish()               ───►      full checkpoint of its last iteration, exit
+
+Lifecycle, as the vLLM server's: a state file $RLFLOW_CACHE/trainer/<run>.json {pid, socket, key, log} (mode
+600: it also holds the socket's auth key); started detached on first use, so it outlives the stage process
+(and a SkyPilot job's process tree); found again by later stage processes whose config gives the same key; a
+dead, hung or differently configured one is replaced, and the new one restores by replay, so nothing is lost
+but time. It exits by itself after `train.idle_timeout` seconds unused (after a full checkpoint), or at once
+when the state file names another process. Requests travel over an authenticated Unix socket in the abstract
+namespace (multiprocessing.connection; not TCP, whose small-message delays cost ~40 ms a round trip); train
+and finish one at a time, a ping at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from tasks.core import layout
+from tasks.core.errors import UserError
+from tasks.core.paths import REPO_ROOT, cache_root
+from tasks.core.processes import alive, spawn_detached
+from tasks.engines.training import lean_files, newest_full, restore, update, write_checkpoint
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+    from tasks.core.store import Store
+    from tasks.engines.training import TrainingEngine
+
+START_TIMEOUT = 1800.0           # seconds a new trainer may take to import torch and answer (not to load a model)
+MARKER = "tasks.engines.resident"
+
+
+def state_dir() -> Path:
+    return cache_root() / "trainer"
+
+
+def trainer_key(cfg: Config) -> str:
+    """What a running trainer must have been started with to serve this config: everything but the sections
+    that cannot change a trainer's result or its files (tracking, launcher, cost, eval)."""
+    tree = cfg.model_dump(mode="json")
+    for section in ("tracking", "launcher", "cost", "eval"):
+        tree.pop(section)
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------ the stage's side
+
+class ResidentTrainer:
+    """The train stage's handle on its run's resident trainer (on this machine)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.path = state_dir() / f"{cfg.run.name}.json"
+        self.key = trainer_key(cfg)
+
+    def train(self, iteration: int, fingerprint: str) -> dict:
+        """Have the trainer train iteration `iteration` (starting one if none runs); it commits ckpt-N."""
+        return self._request({"op": "train", "iteration": iteration, "fingerprint": fingerprint}, start=True)
+
+    def finish(self) -> int | None:
+        """A full checkpoint of the trainer's last iteration, then it exits. Returns that iteration, or None
+        when no trainer of this run runs here (nothing to do)."""
+        state = self._state()
+        if state is None or not alive(state["pid"]):
+            return None
+        if state.get("key") != self.key:
+            _stop(self.path, state)     # made for another config: it cannot be asked to write our checkpoint
+            return None
+        full = self._request({"op": "finish"}, start=False)["full"]
+        deadline = time.monotonic() + 30
+        while alive(state["pid"]) and time.monotonic() < deadline:     # it exits once it has answered
+            time.sleep(0.05)
+        return full
+
+    def _request(self, message: dict, start: bool) -> dict:
+        address, authkey = self._ensure() if start else self._address(self._state())
+        try:
+            with Client(address, authkey=authkey) as conn:
+                conn.send(message)
+                status, payload = conn.recv()
+        except (ConnectionError, EOFError, OSError) as e:
+            raise RuntimeError(f"the resident trainer of run {self.cfg.run.name} died or went away during "
+                               f"{message['op']} ({type(e).__name__}); a retry starts a new one, which resumes "
+                               f"by replay (log: {self.path.with_suffix('.log')})") from e
+        if status == "user_error":
+            raise UserError(payload)
+        if status == "error":
+            raise RuntimeError(f"resident trainer: {payload}")
+        return payload
+
+    def _state(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _address(state: dict) -> tuple[str, bytes]:
+        return state["socket"], bytes.fromhex(state["authkey"])
+
+    def _ensure(self) -> tuple[str, bytes]:
+        """The address of this run's trainer with our key; started (detached) if none answers."""
+        state = self._state()
+        if state is not None:
+            if state.get("key") == self.key and alive(state["pid"]) and self._answers(state):
+                return self._address(state)
+            _stop(self.path, state)                   # dead, hung, or made for another config
+        return self._start()
+
+    def _answers(self, state: dict) -> bool:
+        """A ping, answered at once even while the trainer is busy with another request."""
+        address, authkey = self._address(state)
+        try:
+            with Client(address, authkey=authkey) as conn:
+                conn.send({"op": "ping"})
+                return conn.poll(30) and conn.recv()[0] == "ok"
+        except (ConnectionError, EOFError, OSError):
+            return False
+
+    def _start(self) -> tuple[str, bytes]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        config = self.path.with_suffix(".config.yaml")   # the resolved config: the same fingerprints there
+        config.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+        log = self.path.with_suffix(".log")
+        authkey = secrets.token_hex(16)
+        env = {**os.environ, "LOG": str(log), "RLFLOW_TRAINER_AUTHKEY": authkey, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+        pid = spawn_detached([sys.executable, "-m", MARKER, "serve", str(self.path), str(config)], env)
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            state = self._state()
+            if state is not None and state.get("pid") == pid:
+                return self._address(state)
+            if not alive(pid) or time.monotonic() > deadline:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else ""
+                _kill(pid)
+                raise RuntimeError(f"the resident trainer of run {self.cfg.run.name} did not start (log {log}):"
+                                   f"\n{tail}")
+            time.sleep(0.1)
+
+
+def _stop(path: Path, state: dict) -> None:
+    """Stop the trainer `state` names (SIGTERM, then SIGKILL) and forget it. Only a process whose command line
+    is a resident trainer's is signalled, in case the pid was reused."""
+    _kill(state.get("pid"))
+    try:
+        if json.loads(path.read_text()).get("pid") == state.get("pid"):
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def _kill(pid: int | None) -> None:
+    import signal
+
+    if not pid or not _is_trainer(pid):
+        return
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not alive(pid):
+            return
+
+
+def _is_trainer(pid: int) -> bool:
+    try:
+        return MARKER in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------ the trainer's side
+
+class Host:
+    """The trainer's state between requests: the engine and the iteration its weights are at."""
+
+    def __init__(self, cfg: Config, store: Store):
+        self.cfg, self.store = cfg, store
+        self.engine: TrainingEngine | None = None
+        self.at: int | None = None              # the iteration whose updated state the engine holds
+        self.full_at: int | None = None         # the newest iteration with a full checkpoint, written or writing
+        self.writer: threading.Thread | None = None
+        self.writer_error: BaseException | None = None
+
+    def train(self, iteration: int, fingerprint: str) -> dict:
+        cfg, store, run = self.cfg, self.store, self.cfg.run.name
+        key = layout.checkpoint(run, iteration)
+        if store.manifest(key) is not None:     # a retried request whose first try committed it
+            return {"key": key}
+        t0 = time.perf_counter()
+        if self.at != iteration - 1:
+            self.close()
+            self.engine = restore(cfg, store, iteration - 1)
+            self.at = iteration - 1
+            self.full_at = iteration - 1 if newest_full(store, run, iteration - 1)[1] == iteration - 1 else None
+        try:
+            metrics = update(self.engine, cfg, store, iteration, t0)
+        except BaseException:
+            self.close()                        # a half-done update: the next request restores
+            raise
+        self.at = iteration
+        _drill("lean-write", iteration)
+        write_checkpoint(store, cfg, key, iteration, self.engine.global_step, lean_files(self.engine),
+                         {"fingerprint": fingerprint, "metrics": metrics}, kind="lean")
+        store.advance_pointer(layout.latest(run, "trainer"), key)
+        if iteration % cfg.train.checkpoint_every == 0:
+            self.checkpoint(background=True)
+        _drill("answer", iteration)
+        return {"key": key}
+
+    def checkpoint(self, background: bool) -> int | None:
+        """A full checkpoint of the current iteration (once): the state is copied now, written and committed on a
+        thread (one at a time) or here. Returns its iteration (None: nothing trained yet)."""
+        self.join()
+        if self.engine is None or not self.at or self.full_at == self.at:     # (at 0: the base model)
+            return self.full_at
+        iteration, engine, cfg, store = self.at, self.engine, self.cfg, self.store
+        files, step = engine.snapshot(iteration), engine.global_step
+        key = layout.full_checkpoint(cfg.run.name, iteration)
+
+        def write() -> None:
+            try:
+                write_checkpoint(store, cfg, key, iteration, step, files, {}, kind="full", keep_policy_here=False,
+                                 before_commit=lambda: _drill("full-upload", iteration))
+                _drill("full-done", iteration)
+            except BaseException as e:          # raised by the next request (join)
+                self.writer_error = e
+
+        self.full_at = iteration
+        if background:
+            self.writer = threading.Thread(target=write, name=f"rlflow-full-{iteration}", daemon=True)
+            self.writer.start()
+        else:
+            write()
+            self.join()
+        return iteration
+
+    def join(self) -> None:
+        if self.writer is not None:
+            self.writer.join()
+            self.writer = None
+        if self.writer_error is not None:
+            error, self.writer_error, self.full_at = self.writer_error, None, None
+            raise RuntimeError(f"the background full checkpoint failed: {error}") from error
+
+    def close(self) -> None:
+        self.join()
+        if self.engine is not None:
+            self.engine.close()
+        self.engine, self.at, self.full_at = None, None, None
+
+
+def _drill(point: str, iteration: int) -> None:
+    """Fault drills (tests/test_resident.py): RLFLOW_DRILL=<point>:<iteration> kills this process there, once
+    (RLFLOW_DRILL_ONCE names a file that marks it done). Points: lean-write (trained, nothing written),
+    full-upload (a full checkpoint written locally, not yet in the store), full-done (committed), answer
+    (everything committed, the stage not yet told)."""
+    once = os.environ.get("RLFLOW_DRILL_ONCE")
+    if os.environ.get("RLFLOW_DRILL") != f"{point}:{iteration}" or not once or os.path.exists(once):
+        return
+    import signal
+
+    Path(once).write_text(point)
+    print(f"drill: killing the trainer at {point} of iteration {iteration}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def serve(state_path: Path, config_path: Path) -> None:
+    """The trainer's main loop: answer requests until finished, idle, or replaced."""
+    from tasks.core.config import load_config
+    from tasks.core.store import open_store
+
+    cfg = load_config(config_path)
+    host = Host(cfg, open_store(cfg))
+    authkey = os.environ.pop("RLFLOW_TRAINER_AUTHKEY")
+    address = f"\0rlflow-trainer-{secrets.token_hex(8)}"         # abstract: no file, no path length limit
+    listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(authkey))
+    state = {"pid": os.getpid(), "socket": address, "authkey": authkey, "key": trainer_key(cfg),
+             "log": str(state_path.with_suffix(".log")), "started": time.time()}
+    tmp = state_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, state_path)
+    print(f"resident trainer of run {cfg.run.name}: pid {os.getpid()}", flush=True)
+    busy, last_used = threading.Lock(), [time.monotonic()]
+    threading.Thread(target=_watch, args=(host, state_path, busy, last_used), daemon=True).start()
+    while True:
+        conn = listener.accept()
+        threading.Thread(target=_answer, args=(conn, host, state_path, busy, last_used), daemon=True).start()
+
+
+def _answer(conn, host: Host, state_path: Path, busy: threading.Lock, last_used: list[float]) -> None:
+    """One request: a ping at once; train and finish one at a time (a retried request waits for the first)."""
+    with conn:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message.get("op") == "ping":
+            reply = ("ok", None)
+        else:
+            with busy:
+                t0 = time.perf_counter()
+                reply = _handle(host, message)
+                last_used[0] = time.monotonic()
+            print(f"{message['op']} {message.get('iteration', '')}: {reply[0]} in {time.perf_counter() - t0:.3f} s",
+                  flush=True)
+        try:
+            conn.send(reply)
+        except OSError:
+            pass
+    if message.get("op") == "finish":
+        _exit(state_path)
+
+
+def _handle(host: Host, message: dict) -> tuple[str, object]:
+    try:
+        if message["op"] == "ping":
+            return "ok", None
+        if message["op"] == "train":
+            return "ok", host.train(message["iteration"], message["fingerprint"])
+        if message["op"] == "finish":
+            full = host.checkpoint(background=False)
+            host.close()
+            return "ok", {"full": full}
+        return "error", f"unknown request {message['op']!r}"
+    except UserError as e:
+        return "user_error", str(e)
+    except Exception as e:  # noqa: BLE001 - reported to the stage, which fails (and is retried)
+        traceback.print_exc()
+        return "error", f"{type(e).__name__}: {e}"
+
+
+def _watch(host: Host, state_path: Path, busy: threading.Lock, last_used: list[float]) -> None:
+    """Exit when the state file names another process (replaced: write nothing), or after idle_timeout unused
+    (a full checkpoint first, so a later resume needs no replay)."""
+    idle = host.cfg.train.idle_timeout
+    while True:
+        time.sleep(min(30.0, idle / 4) if idle else 30.0)
+        try:
+            named = json.loads(state_path.read_text()).get("pid")
+        except (OSError, ValueError):
+            named = None
+        if named != os.getpid():
+            print("resident trainer: the state file no longer names this process; exiting", flush=True)
+            os._exit(0)
+        if idle and time.monotonic() - last_used[0] > idle and busy.acquire(blocking=False):
+            print(f"resident trainer: unused for {idle:.0f} s (train.idle_timeout); a full checkpoint, then exit",
+                  flush=True)
+            try:
+                host.checkpoint(background=False)
+            finally:
+                _exit(state_path)
+
+
+def _exit(state_path: Path) -> None:
+    try:
+        if json.loads(state_path.read_text()).get("pid") == os.getpid():
+            state_path.unlink()
+    except (OSError, ValueError):
+        pass
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":     # python -m tasks.engines.resident serve STATE_PATH CONFIG_PATH
+    if len(sys.argv) != 4 or sys.argv[1] != "serve":
+        sys.exit("usage: python -m tasks.engines.resident serve STATE_PATH CONFIG_PATH")
+    serve(Path(sys.argv[2]), Path(sys.argv[3]))

@@ -1,0 +1,131 @@
+"""Policies that travel light (tasks/core/policy.py): sparse deltas against a whole anchor, rebuilt exactly and
+checked; published by the publish stage where smaller; read by the generators as if whole; exported whole."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tasks.core import layout
+from tasks.core.config import load_config
+from tasks.core.policy import DELTA_FILE, DELTA_INDEX, encode, materialize, write_delta
+from tasks.core.store import IncompleteArtifact, Store
+from tests.conftest import TINY
+
+
+def _policy(folder, tensors: dict) -> None:
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+
+
+def test_a_delta_rebuilds_the_exact_tensors_and_refuses_a_changed_byte(tmp_path):
+    torch.manual_seed(0)
+    old = {"w": torch.randn(64, 64).to(torch.bfloat16), "b": torch.randn(64).to(torch.bfloat16),
+           "gone": torch.zeros(3)}
+    new = {"w": old["w"].clone(), "b": old["b"].clone(), "grown": torch.ones(5, dtype=torch.bfloat16)}
+    new["w"][3, :7] += 1.0                                              # a few weights move, the rest keep their bits
+    new["b"][0] = -0.0 if old["b"][0] == 0 else -old["b"][0]
+    store = Store.open(str(tmp_path / "store"))
+    _policy(tmp_path / "anchor", old)
+    _policy(tmp_path / "new", new)
+    store.put_folder("r/policy/v000001", tmp_path / "anchor")
+    delta = encode(tmp_path / "new", tmp_path / "anchor")
+    assert delta is not None and delta.size < delta.whole / 10
+    (tmp_path / "out").mkdir()
+    write_delta(delta, tmp_path / "new", tmp_path / "out", "r/policy/v000001")
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", DELTA_INDEX, DELTA_FILE]
+    store.put_folder("r/policy/v000002", tmp_path / "out", meta={"anchor": "r/policy/v000001"})
+    rebuilt = load_file(materialize(store, "r/policy/v000002") / "model.safetensors")
+    assert rebuilt.keys() == new.keys() and all(torch.equal(rebuilt[k].view(torch.int16), new[k].view(torch.int16))
+                                                for k in ("w", "b", "grown"))
+    assert materialize(store, "r/policy/v000002") == materialize(store, "r/policy/v000002")    # rebuilt once
+
+    tampered = load_file(tmp_path / "out" / DELTA_FILE)
+    tampered["model.safetensors::w::val"][0] += 1
+    save_file(tampered, tmp_path / "out" / DELTA_FILE, metadata={"format": "rlflow-delta"})
+    store.put_folder("r/policy/v000003", tmp_path / "out", meta={"anchor": "r/policy/v000001"})
+    with pytest.raises(IncompleteArtifact, match="tensor w of model.safetensors"):
+        materialize(store, "r/policy/v000003")
+
+
+def test_no_delta_when_it_would_not_be_smaller(tmp_path):
+    _policy(tmp_path / "a", {"w": torch.randn(32, 32)})
+    _policy(tmp_path / "b", {"w": torch.randn(32, 32)})                 # every weight changed
+    assert encode(tmp_path / "b", tmp_path / "a") is None
+
+
+@pytest.mark.slow
+def test_delta_policies_generate_what_whole_ones_do_and_export_whole(tmp_path):
+    """bf16 policies at a small learning rate: v2 and v4 go out as deltas (v3 is an anchor), the next
+    iterations sample exactly what a run with every policy whole samples, and `rlflow export` writes v4 whole."""
+    from flows.cli import main
+    from tasks.generate import generate
+    from tasks.publish import publish
+    from tasks.reward import reward
+    from tasks.train import train
+
+    def run(name: str, anchor_every: int):
+        cfg = load_config(TINY, [f"store.uri={tmp_path}/store", f"run.name={name}", "publish.dtype=bfloat16",
+                                 f"publish.anchor_every={anchor_every}", "train.lr=1e-5",
+                                 "generate.prompts_per_iteration=4", "generate.num_generations=4"])
+        for it in range(1, 6):
+            generate(cfg, it, layout.BASE if it == 1 else layout.policy(name, it - 1))
+            reward(cfg, it)
+            train(cfg, it)
+            publish(cfg, it)
+        return cfg
+
+    deltas, whole = run("deltas", 3), run("whole", 1)
+    store = Store.open(str(tmp_path / "store"))
+    anchors = [store.manifest(layout.policy("deltas", it))["meta"].get("anchor") for it in range(1, 6)]
+    assert anchors == [None, "deltas/policy/v000001", None, "deltas/policy/v000003", "deltas/policy/v000003"]
+    assert all(store.manifest(layout.policy("whole", it))["meta"].get("anchor") is None for it in range(1, 6))
+    for it in range(2, 6):                                   # sampled from rebuilt policies v1..v4: the same
+        a, b = (store.manifest(layout.rollouts(n, it))["files"]["rollouts.jsonl"]["sha256"]
+                for n in ("deltas", "whole"))
+        assert a == b, it
+    v4 = store.manifest(layout.policy("deltas", 4))
+    assert DELTA_FILE in v4["files"] and v4["meta"]["metrics"]["publish/delta_share"] < 0.5
+    out = tmp_path / "exported"
+    overrides = [f"store.uri={tmp_path}/store", "run.name=deltas"]
+    assert main(["export", str(TINY), "4", str(out), *sum((["-o", o] for o in overrides), [])]) == 0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    reference = load_file(materialize(store, layout.policy("whole", 4)) / "model.safetensors")
+    for name, t in model.state_dict().items():
+        if name in reference:
+            assert torch.equal(t.view(torch.int16), reference[name].view(torch.int16)), name
+    assert main(["export", str(TINY), "4", str(out), *sum((["-o", o] for o in overrides), [])]) == 2   # not empty
+    assert deltas.run.name == "deltas" and whole.run.name == "whole"
+
+
+def test_the_hf_engine_loads_a_next_policy_in_place_exactly(tmp_path):
+    """An inline generate keeps its model and loads the next policy's weights into it: the same tensors as a
+    fresh from_pretrained, bit for bit (bf16 weights into the fp32 model, tied embeddings included)."""
+    from tasks.core.builtin_models import resolve
+    from tasks.core.models import load_model
+    from tasks.engines import hf
+
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store"])
+    base = load_model(resolve("builtin:tiny-lm"))
+    folders = []
+    for i in range(2):
+        torch.manual_seed(i)
+        with torch.no_grad():
+            for p in base.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        folders.append(tmp_path / f"v{i}")
+        base.to(torch.bfloat16).save_pretrained(folders[-1])
+        base.float()
+    first = hf._load(cfg, str(folders[0]))
+    second = hf._load(cfg, str(folders[1]))
+    assert second is first                                            # in place
+    fresh = load_model(str(folders[1]))
+    mine, theirs = second.state_dict(), fresh.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

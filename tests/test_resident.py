@@ -1,0 +1,205 @@
+"""The resident trainer (train.mode: resident, tasks/engines/resident.py), for real: a detached trainer process
+on the tiny model, driven through the stage functions as the flow drives them.
+
+The reference is process mode on the same config (every iteration a full checkpoint, a fresh process): the
+resident run must publish the same policies bit for bit, also when its trainer is SIGKILLed anywhere (before
+a lean write, while a background full checkpoint is written, right after one is committed, after everything
+was committed but before the stage heard back): the stage fails, the retry (Prefect's, here by hand) starts a
+new trainer, which restores the newest full checkpoint and replays the stored iterations after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tasks.core import layout
+from tasks.core.config import load_config
+from tasks.core.processes import alive
+from tasks.core.store import open_store
+from tasks.engines.resident import ResidentTrainer, state_dir
+from tasks.generate import generate
+from tasks.publish import publish
+from tasks.reward import reward
+from tasks.train import train
+from tests.conftest import ROOT, TINY
+
+pytestmark = pytest.mark.slow
+ITERATIONS = 6
+
+
+def _cfg(tmp_path, name: str, mode: str = "resident", extra=()):
+    return load_config(TINY, [f"store.uri={tmp_path}/store", f"run.name={name}", f"train.mode={mode}",
+                              "train.checkpoint_every=2", "generate.prompts_per_iteration=4",
+                              "generate.num_generations=4", "train.lr=1e-2", *extra])
+
+
+def _iteration(cfg, it: int, retries: int = 0) -> None:
+    generate(cfg, it, layout.BASE if it == 1 else layout.policy(cfg.run.name, it - 1))
+    reward(cfg, it)
+    for attempt in range(retries + 1):          # what the flow's retry of an infrastructure failure does
+        try:
+            train(cfg, it)
+            break
+        except RuntimeError:
+            if attempt == retries:
+                raise
+    publish(cfg, it)
+
+
+def _policies(cfg) -> list[str]:
+    store = open_store(cfg)
+    return [store.manifest(layout.policy(cfg.run.name, it))["files"]["model.safetensors"]["sha256"]
+            for it in range(1, ITERATIONS + 1)]
+
+
+def _finish(cfg) -> int | None:
+    return train(cfg, 0, finish=True)["finished"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Process mode, uninterrupted: the published policies every resident run must reproduce."""
+    cfg = _cfg(tmp_path_factory.mktemp("process"), "ref", mode="process")
+    for it in range(1, ITERATIONS + 1):
+        _iteration(cfg, it)
+    return _policies(cfg)
+
+
+def test_resident_publishes_what_process_mode_publishes_and_writes_lean(reference, tmp_path):
+    cfg = _cfg(tmp_path, "lean")
+    for it in range(1, ITERATIONS + 1):
+        _iteration(cfg, it)
+    pid = json.loads((state_dir() / "lean.json").read_text())["pid"]
+    assert _policies(cfg) == reference
+    store = open_store(cfg)
+    lean = store.manifest(layout.checkpoint("lean", 3))
+    assert lean["meta"]["kind"] == "lean" and layout.CKPT_OPTIMIZER not in lean["files"]
+    assert _finish(cfg) == 6 and not alive(pid) and not (state_dir() / "lean.json").exists()
+    assert _finish(cfg) is None                                                # nothing left to stop
+    assert store.manifest(layout.full_checkpoint("lean", 3)) is None          # checkpoint_every=2
+    for it in (2, 4, 6):                                                       # 6: the background one, joined
+        full = store.manifest(layout.full_checkpoint("lean", it))
+        assert full["meta"]["kind"] == "full" and layout.CKPT_OPTIMIZER in full["files"]
+
+
+@pytest.mark.drill
+@pytest.mark.parametrize("drill", ["lean-write:3", "full-upload:4", "full-done:4", "answer:5"])
+def test_a_trainer_killed_anywhere_resumes_bit_identically(reference, tmp_path, monkeypatch, drill):
+    name = "kill-" + drill.replace(":", "-")
+    monkeypatch.setenv("RLFLOW_DRILL", drill)
+    monkeypatch.setenv("RLFLOW_DRILL_ONCE", str(tmp_path / "drilled"))
+    cfg = _cfg(tmp_path, name)
+    for it in range(1, ITERATIONS + 1):
+        _iteration(cfg, it, retries=1)
+    assert (tmp_path / "drilled").exists()                                     # the kill happened
+    assert _policies(cfg) == reference
+    assert _finish(cfg) == 6
+    log = (state_dir() / f"{name}.log").read_text()
+    assert "drill: killing the trainer" in log
+
+
+def test_process_mode_resumes_from_a_resident_runs_lean_checkpoints(reference, tmp_path):
+    """Switching mode between flow runs: process mode restores the newest full checkpoint and replays."""
+    cfg = _cfg(tmp_path, "switch")
+    for it in range(1, 4):
+        _iteration(cfg, it)
+    assert _finish(cfg) == 3
+    os.remove(open_store(cfg).root[len("file://"):] + "/switch/trainer/full-000003/MANIFEST.json")   # replay 3
+    process = _cfg(tmp_path, "switch", mode="process")
+    for it in range(4, ITERATIONS + 1):
+        _iteration(process, it)
+    assert _policies(process) == reference
+
+
+def test_the_trainer_is_found_again_after_its_caller_died_and_an_idle_one_stops(reference, tmp_path):
+    cfg = _cfg(tmp_path, "again", extra=["train.idle_timeout=4"])
+    _iteration(cfg, 1)
+    first = json.loads((state_dir() / "again.json").read_text())["pid"]
+    generate(cfg, 2, layout.policy("again", 1))
+    reward(cfg, 2)
+    overrides = [f"store.uri={tmp_path}/store", "run.name=again", "train.mode=resident", "train.checkpoint_every=2",
+                 "generate.prompts_per_iteration=4", "generate.num_generations=4", "train.lr=1e-2",
+                 "train.idle_timeout=4"]
+    out = subprocess.run([sys.executable, "-m", "tasks.train", "--config", str(TINY), "--iteration", "2",
+                          "--overrides-json", json.dumps(overrides)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]                            # a stage process, now gone
+    assert json.loads((state_dir() / "again.json").read_text())["pid"] == first      # the same trainer
+    publish(cfg, 2)
+    deadline = time.monotonic() + 30
+    while alive(first) and time.monotonic() < deadline:                      # unused for 4 s: it stops
+        time.sleep(0.2)
+    assert not alive(first) and not (state_dir() / "again.json").exists()
+    assert open_store(cfg).manifest(layout.full_checkpoint("again", 2)) is not None   # after a full checkpoint
+    for it in range(3, ITERATIONS + 1):                                        # a new trainer, no replay needed
+        _iteration(cfg, it)
+    assert _policies(cfg) == reference
+    _finish(cfg)
+
+
+def test_a_trainer_for_another_config_is_replaced(tmp_path):
+    cfg = _cfg(tmp_path, "other")
+    _iteration(cfg, 1)
+    first = json.loads((state_dir() / "other.json").read_text())["pid"]
+    changed = _cfg(tmp_path, "other2", extra=["train.lr=5e-3"])            # another run: its own trainer
+    _iteration(changed, 1)
+    assert alive(first)
+    ResidentTrainer(changed)._ensure()
+    bumped = _cfg(tmp_path, "other", extra=["train.max_grad_norm=0.5"])    # same run, another trainer config
+    address = ResidentTrainer(bumped)._ensure()
+    assert not alive(first) and json.loads((state_dir() / "other.json").read_text())["socket"] == address[0]
+    for c in (bumped, changed):
+        _finish(c)
+
+
+def test_the_flow_trains_resident_through_the_local_launcher_and_stops_the_trainer(reference, prefect_api, tmp_path,
+                                                                                   monkeypatch):
+    """The train stage as its recipe's subprocess (`python -m tasks.train`), the trainer outliving each one;
+    the flow's end asks it for a full checkpoint of the last iteration and stops it."""
+    from flows.training import train_flow
+
+    monkeypatch.chdir(tmp_path)
+    overrides = [f"store.uri={tmp_path}/store", "run.name=flow", "run.iterations=3", "train.mode=resident",
+                 "train.checkpoint_every=2", "generate.prompts_per_iteration=4", "generate.num_generations=4",
+                 "train.lr=1e-2", "launcher.stages={train: local}", f"launcher.recipes={ROOT / 'sky'}",
+                 f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.sample_completions=0"]
+    summary = train_flow(str(TINY), overrides)
+    assert summary["iterations_completed"] == 3
+    store = open_store(load_config(TINY, overrides))
+    shas = [store.manifest(layout.policy("flow", it))["files"]["model.safetensors"]["sha256"] for it in (1, 2, 3)]
+    assert shas == reference[:3]
+    assert not (state_dir() / "flow.json").exists()                          # stopped at the flow's end ...
+    assert store.manifest(layout.full_checkpoint("flow", 3)) is not None     # ... after a full checkpoint
+
+
+def test_a_bf16_policy_keeps_the_trainers_fp32_weights_exact(tmp_path, monkeypatch):
+    """publish.dtype: bfloat16 (the default on a GPU for an fp32 model): the policies are bf16, the trainer
+    resumes from its exact fp32 weights (weights.safetensors in a full checkpoint), in both modes alike."""
+    import torch
+    from safetensors import safe_open
+
+    bf16 = ["publish.dtype=bfloat16"]
+    process = _cfg(tmp_path, "bf16-process", mode="process", extra=bf16)
+    monkeypatch.setenv("RLFLOW_DRILL", "lean-write:3")
+    monkeypatch.setenv("RLFLOW_DRILL_ONCE", str(tmp_path / "drilled"))
+    resident = _cfg(tmp_path, "bf16-resident", extra=bf16)
+    for it in range(1, 5):
+        _iteration(process, it)
+        _iteration(resident, it, retries=1)
+    assert (tmp_path / "drilled").exists()
+    store = open_store(process)
+    shas = {c.run.name: [store.manifest(layout.policy(c.run.name, it))["files"]["model.safetensors"]["sha256"]
+                         for it in range(1, 5)] for c in (process, resident)}
+    assert shas["bf16-process"] == shas["bf16-resident"]
+    assert layout.CKPT_WEIGHTS in store.manifest(layout.checkpoint("bf16-process", 4))["files"]
+    folder = tmp_path / "store" / "bf16-process" / "policy" / "v000004"
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    _finish(resident)

@@ -1,0 +1,79 @@
+"""Retention (store.keep, tasks/core/retention.py) on a file store laid out as runs leave it: what goes, and
+that nothing a resume or a user needs ever does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.core import layout, retention
+from tasks.core.config import load_config
+from tasks.core.store import Store
+from tests.conftest import TINY
+
+
+def _folder(store, tmp_path, key: str, meta: dict | None = None, state: dict | None = None) -> None:
+    src = tmp_path / "src" / key
+    src.mkdir(parents=True)
+    (src / "x.bin").write_bytes(key.encode())
+    if state is not None:
+        (src / layout.CKPT_STATE).write_text(json.dumps(state))
+    store.put_folder(key, src, meta=meta or {})
+
+
+def _cfg(tmp_path, **keep):
+    return load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=r",
+                              *(f"store.keep.{k}={v}" for k, v in keep.items())])
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store.open(str(tmp_path / "store"))
+
+
+def test_process_mode_keeps_the_newest_checkpoints_and_every_needed_policy(store, tmp_path):
+    for it in range(1, 9):
+        _folder(store, tmp_path, layout.checkpoint("r", it), state={"iteration": it})     # full (process mode)
+        _folder(store, tmp_path, layout.policy("r", it))
+    for it in (2, 4):
+        _folder(store, tmp_path, layout.evaluation("r", it))
+    store.set_pointer(layout.latest("r", "policy"), layout.policy("r", 8))
+    store.set_pointer(layout.best("r"), layout.policy("r", 4))
+    cfg = _cfg(tmp_path, checkpoints_last=3, checkpoints_every=5, policies_last=2)
+    doomed = retention.plan(store, cfg, protected={layout.policy("r", 1)})            # the MLflow champion
+    assert doomed == [layout.checkpoint("r", it) for it in (1, 2, 3, 4)] + \
+        [layout.policy("r", it) for it in (3, 5, 6)]
+    assert retention.apply(store, cfg, protected={layout.policy("r", 1)}) == 7
+    assert [store.manifest(layout.checkpoint("r", it)) is not None for it in range(1, 9)] == \
+        [False] * 4 + [True] * 4
+    assert retention.plan(store, cfg, protected={layout.policy("r", 1)}) == []         # nothing more to do
+
+
+def test_resident_mode_keeps_what_a_replay_needs(store, tmp_path):
+    """Lean ckpt-N every iteration, full-N every 3: the newest full checkpoint and every lean one after it stay
+    (a lost trainer replays them), older lean ones and fulls beyond checkpoints_last go."""
+    for it in range(1, 9):
+        _folder(store, tmp_path, layout.checkpoint("r", it), meta={"kind": "lean"}, state={"iteration": it})
+        _folder(store, tmp_path, layout.policy("r", it))
+    for it in (3, 6):
+        _folder(store, tmp_path, layout.full_checkpoint("r", it), meta={"kind": "full"}, state={"iteration": it})
+    _folder(store, tmp_path, "r/trainer/full-000009")          # half-written: no manifest is left out ...
+    store._delete(f"r/trainer/full-000009/{'MANIFEST.json'}")  # ... (staging clean-up's business)
+    cfg = _cfg(tmp_path, checkpoints_last=1)
+    assert retention.plan(store, cfg) == [layout.checkpoint("r", it) for it in range(1, 7)] + \
+        [layout.full_checkpoint("r", 3)]        # a replay from full-6 checks against ckpt-7, ckpt-8 only
+    cfg = _cfg(tmp_path, checkpoints_last=0)                   # 0 = keep every full checkpoint
+    assert layout.full_checkpoint("r", 3) not in retention.plan(store, cfg)
+
+
+def test_a_deleted_deepspeed_checkpoint_takes_its_node_folders(store, tmp_path):
+    parts = {}
+    for it in (1, 2, 3):
+        node = layout.engine_state("r", it, "a1", 0)
+        _folder(store, tmp_path, node)
+        parts[it] = node
+        _folder(store, tmp_path, layout.checkpoint("r", it), state={"iteration": it, "engine_state": [node]})
+    retention.apply(store, _cfg(tmp_path, checkpoints_last=1))
+    assert store.manifest(parts[1]) is None and store.manifest(parts[2]) is not None   # 2: the one before 3
+    assert store.manifest(parts[3]) is not None
