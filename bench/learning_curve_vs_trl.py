@@ -40,20 +40,23 @@ from tasks.train import train  # noqa: E402
 CONFIG = ROOT / "configs" / "tiny.yaml"
 
 
-def ours(iterations: int, seed: int, work: Path) -> list[float]:
+def ours(iterations: int, seed: int, work: Path, mode: str = "auto") -> tuple[list[float], list[float]]:
+    """Rewards per iteration, and the seconds since the start at which each was known."""
     cfg = load_config(CONFIG, [f"run.name=curve-{seed}", f"run.seed={seed}", f"run.iterations={iterations}",
-                               f"store.uri={work}/store-{seed}", "eval.every=0", "train.device=cpu",
-                               "publish.register_model=false"])
-    out = []
+                               f"store.uri={work}/store-{seed}-{mode}", "eval.every=0", "train.device=cpu",
+                               "publish.register_model=false", f"train.mode={mode}"])
+    out, when, t0 = [], [], time.perf_counter()
     for it in range(1, iterations + 1):
         generate(cfg, it, layout.BASE if it == 1 else layout.policy(cfg.run.name, it - 1))
         out.append(reward(cfg, it)["metrics"]["reward/mean"])
+        when.append(time.perf_counter() - t0)
         train(cfg, it)
         publish(cfg, it)
-    return out
+    train(cfg, 0, finish=True)                        # a resident trainer: its last checkpoint, then it stops
+    return out, when
 
 
-def trl(iterations: int, seed: int, work: Path) -> list[float]:
+def trl(iterations: int, seed: int, work: Path) -> tuple[list[float], list[float]]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -75,10 +78,19 @@ def trl(iterations: int, seed: int, work: Path) -> list[float]:
                       disable_tqdm=True)
     trainer = GRPOTrainer(model=resolve(cfg.model.name_or_path), args=args, reward_funcs=[successor_reward],
                           train_dataset=dataset)
-    from transformers.trainer_callback import PrinterCallback
+    from transformers.trainer_callback import PrinterCallback, TrainerCallback
+
+    when, t0 = [], time.perf_counter()
+
+    class Clock(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                when.append(time.perf_counter() - t0)
+
     trainer.remove_callback(PrinterCallback)          # keep its per-step dicts off the console
+    trainer.add_callback(Clock())
     trainer.train()
-    return [h["reward"] for h in trainer.state.log_history if "reward" in h][:iterations]
+    return [h["reward"] for h in trainer.state.log_history if "reward" in h][:iterations], when[:iterations]
 
 
 def main() -> None:
@@ -86,17 +98,20 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=60)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--mode", default="auto", help="rlflow's train.mode (auto: resident with the torch engine)")
+    ap.add_argument("--threshold", type=float, default=0.5, help="reward for the time-to-threshold line")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="rlflow-curve-"))
 
     curves: dict[str, dict[int, list[float]]] = {"rlflow": {}, "TRL": {}}
+    clocks: dict[str, dict[int, list[float]]] = {"rlflow": {}, "TRL": {}}
     seconds = {"rlflow": 0.0, "TRL": 0.0}
     for seed in args.seeds:
-        for name, fn in (("rlflow", ours), ("TRL", trl)):
+        for name, fn in (("rlflow", lambda i, s, w: ours(i, s, w, args.mode)), ("TRL", trl)):
             t0 = time.perf_counter()
-            curves[name][seed] = fn(args.iterations, seed, work)
+            curves[name][seed], clocks[name][seed] = fn(args.iterations, seed, work)
             seconds[name] += time.perf_counter() - t0
             print(f"{name} seed {seed}: first {curves[name][seed][0]:.3f} last {curves[name][seed][-1]:.3f}",
                   flush=True)
@@ -130,8 +145,16 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(out / "learning_curve_vs_trl.png", dpi=110)
 
-    print(f"\n# learning curve, {platform.node()} ({platform.machine()}), seeds {args.seeds}, "
-          f"wall: rlflow {seconds['rlflow']:.0f} s, TRL {seconds['TRL']:.0f} s")
+    def to_threshold(name: str) -> str:
+        """Mean over seeds of the seconds until a batch's mean reward first reached the threshold."""
+        hits = [next((clocks[name][s][i] for i, r in enumerate(curves[name][s]) if r >= args.threshold), None)
+                for s in args.seeds]
+        reached = [h for h in hits if h is not None]
+        return f"{statistics.fmean(reached):.1f} s ({len(reached)}/{len(hits)} seeds)" if reached else "never"
+
+    print(f"\n# learning curve, {platform.node()} ({platform.machine()}), seeds {args.seeds}, rlflow train.mode "
+          f"{args.mode}, wall: rlflow {seconds['rlflow']:.0f} s, TRL {seconds['TRL']:.0f} s; time to a batch reward "
+          f">= {args.threshold}: rlflow {to_threshold('rlflow')}, TRL {to_threshold('TRL')}")
     print("| iteration | rlflow (mean) | TRL (mean) |")
     print("|---:|---:|---:|")
     marks = sorted({1, *range(10, args.iterations + 1, 10), args.iterations})

@@ -1,5 +1,5 @@
-"""Train-step throughput: our GRPO update (tasks.train.optimise, the code the train stage runs) against TRL's
-GRPOTrainer step (compute_loss -> accelerator.backward -> clip -> AdamW step) on the same model, the same
+"""Train-step throughput: our GRPO update (tasks.algorithms.update.optimise, the code the train stage runs)
+against TRL's GRPOTrainer step (compute_loss -> accelerator.backward -> clip -> AdamW step) on the same model, the same
 scored completions and the same settings, both on this machine in one process, interleaved.
 
     python bench/train_step_vs_trl.py [--model tiny-lm|small-lm] [--prompts 16] [--generations 8]
@@ -29,12 +29,12 @@ import torch  # noqa: E402
 
 from tasks.algorithms.advantage import group_advantages  # noqa: E402
 from tasks.algorithms.batching import prepare_batches  # noqa: E402
+from tasks.algorithms.update import optimise  # noqa: E402
 from tasks.core.builtin_models import build  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.models import load_model, load_tokenizer  # noqa: E402
 from tasks.core.rollout import Rollout  # noqa: E402
 from tasks.engines.torch_engine import TorchEngine  # noqa: E402
-from tasks.train import optimise  # noqa: E402
 
 
 def scored_completions(tokenizer, n_prompts: int, group: int, length: int, seed: int = 0) -> list[Rollout]:

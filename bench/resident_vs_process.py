@@ -1,0 +1,159 @@
+"""Iterations that cost their compute: train.mode resident (one trainer process across iterations, lean
+checkpoints, a full one every K) against process (a fresh trainer per iteration, a full checkpoint every
+iteration), the same config and seeds, side by side on this machine.
+
+    python bench/resident_vs_process.py                                   # ~200M parameters (builtin:medium-lm)
+    python bench/resident_vs_process.py --model builtin:tiny-lm --iterations 10     # the demo's size
+
+Both sides run the four stage functions in a loop on a local file store (no Prefect, no MLflow: what differs
+is the trainer), 8 completions of <= 4 tokens per iteration. Printed per mode, over the iterations after the
+first (which pays the process mode's and the resident trainer's start alike): wall time per iteration, its
+compute (sampling + the optimiser passes, from the stage metrics) and the rest (I/O: loading, checkpoints,
+publishing), bytes written to the store per iteration; then the resident trainer is SIGKILLed and the time to
+its first new step (restore + replay + step) is compared with the time to read its newest full checkpoint;
+then the bytes of a bf16 policy published as a delta against whole. Both modes must publish the same
+policies (asserted: bit-identical on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tasks.core import layout  # noqa: E402
+from tasks.core.config import load_config  # noqa: E402
+from tasks.core.policy import materialize  # noqa: E402
+from tasks.core.store import open_store, sha256_file  # noqa: E402
+from tasks.engines.resident import state_dir  # noqa: E402
+from tasks.generate import generate  # noqa: E402
+from tasks.publish import publish  # noqa: E402
+from tasks.reward import reward  # noqa: E402
+from tasks.train import train  # noqa: E402
+
+CONFIG = ROOT / "configs" / "tiny.yaml"
+
+
+def overrides(args, work: Path, name: str, mode: str, extra=()) -> list[str]:
+    return [f"run.name={name}", f"store.uri={work}/store", f"model.name_or_path={args.model}", f"train.mode={mode}",
+            f"train.checkpoint_every={args.checkpoint_every}", "generate.prompts_per_iteration=2",
+            "generate.num_generations=4", "generate.max_completion_length=4", "train.micro_batch_size=8",
+            f"train.lr={args.lr}", "train.device=cpu", "publish.register_model=false", *extra]
+
+
+def written(store, keys: list[str]) -> int:
+    return sum(f["size"] for key in keys if (m := store.manifest(key)) for f in m["files"].values())
+
+
+def iteration(cfg, it: int) -> dict:
+    run = cfg.run.name
+    t0 = time.perf_counter()
+    g = generate(cfg, it, layout.BASE if it == 1 else layout.policy(run, it - 1))["metrics"]
+    reward(cfg, it)
+    t = train(cfg, it)["metrics"]
+    publish(cfg, it)
+    wall = time.perf_counter() - t0
+    compute = g["generate/sampling_seconds"] + t["train/update_seconds"]
+    keys = [layout.rollouts(run, it), layout.rewards(run, it), layout.checkpoint(run, it), layout.policy(run, it),
+            layout.full_checkpoint(run, it)]
+    return {"wall": wall, "compute": compute, "io": wall - compute, "bytes": written(open_store(cfg), keys)}
+
+
+def run_mode(args, work: Path, mode: str) -> tuple[list[dict], object]:
+    cfg = load_config(CONFIG, overrides(args, work, mode, mode))
+    rows = [iteration(cfg, it) for it in range(1, args.iterations + 1)]
+    return rows, cfg
+
+
+def summary(rows: list[dict]) -> dict:
+    measured = rows[1:]
+    return {k: statistics.mean(r[k] for r in measured) for k in ("wall", "compute", "io", "bytes")}
+
+
+def resume_after_kill(cfg, iterations: int) -> dict:
+    """SIGKILL the resident trainer; time the next train step (restore + replay + step) against a bare read of
+    the newest full checkpoint it restores from."""
+    run, store = cfg.run.name, open_store(cfg)
+    pid = json.loads((state_dir() / f"{run}.json").read_text())["pid"]
+    time.sleep(2.0)                                     # let a background full checkpoint finish
+    os.kill(pid, signal.SIGKILL)
+    from tasks.engines.training import newest_full
+
+    it = iterations + 1
+    generate(cfg, it, layout.policy(run, it - 1))
+    reward(cfg, it)
+    key, full_at = newest_full(store, run, it - 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        store.get_folder(key, Path(tmp))
+        read = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    m = train(cfg, it)["metrics"]
+    first_step = time.perf_counter() - t0
+    return {"read_full": read, "first_step": first_step, "replayed": it - 1 - full_at,
+            "update": m["train/update_seconds"]}
+
+
+def delta_bytes(args, work: Path) -> dict:
+    """A bf16 policy (what a GPU run publishes) at a real RL learning rate: delta vs whole bytes."""
+    cfg = load_config(CONFIG, overrides(args, work, "bf16", "resident",
+                                        ["publish.dtype=bfloat16", "train.lr=1e-6", "publish.anchor_every=10"]))
+    for it in (1, 2, 3):
+        iteration(cfg, it)
+    train(cfg, 0, finish=True)
+    store = open_store(cfg)
+    whole = store.manifest(layout.policy("bf16", 1))
+    delta = store.manifest(layout.policy("bf16", 3))
+    return {"whole": sum(f["size"] for f in whole["files"].values()),
+            "delta": sum(f["size"] for f in delta["files"].values()), "is_delta": "anchor" in delta["meta"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="builtin:medium-lm")
+    ap.add_argument("--iterations", type=int, default=11)
+    ap.add_argument("--checkpoint-every", type=int, default=10)     # train.checkpoint_every's default
+    ap.add_argument("--lr", type=float, default=1e-5)
+    args = ap.parse_args()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+          f"model {args.model}; {args.iterations} iterations (the first not counted); "
+          f"resident: a full checkpoint every {args.checkpoint_every}")
+    with tempfile.TemporaryDirectory(prefix="rlflow-bench-") as tmp:
+        os.environ["RLFLOW_CACHE"] = str(Path(tmp) / "cache")
+        work = Path(tmp)
+        process_rows, _ = run_mode(args, work, "process")
+        resident_rows, cfg = run_mode(args, work, "resident")
+        store = open_store(cfg)
+        for it in range(1, args.iterations + 1):                 # (a delta names its run's anchor: rebuild)
+            a, b = (sha256_file(materialize(store, layout.policy(m, it)) / "model.safetensors")
+                    for m in ("process", "resident"))
+            assert a == b, f"iteration {it}: the modes published different weights"
+        p, r = summary(process_rows), summary(resident_rows)
+        print("\n| mode | wall s/iter | compute s/iter | I/O s/iter | MB written/iter |")
+        print("|---|---:|---:|---:|---:|")
+        for name, s in (("process", p), ("resident", r)):
+            print(f"| {name} | {s['wall']:.2f} | {s['compute']:.2f} | {s['io']:.2f} | {s['bytes'] / 1e6:.1f} |")
+        print(f"\nresident vs process: {p['wall'] / r['wall']:.2f}x faster per iteration; I/O "
+              f"{p['io'] / max(r['io'], 1e-9):.2f}x less; {p['bytes'] / max(r['bytes'], 1):.2f}x fewer bytes")
+        k = resume_after_kill(cfg, args.iterations)
+        print(f"resume after a SIGKILL: first new step {k['first_step']:.2f} s (replayed {k['replayed']} "
+              f"iteration(s), its update {k['update']:.2f} s) vs reading the newest full checkpoint "
+              f"{k['read_full']:.2f} s")
+        train(cfg, 0, finish=True)
+        d = delta_bytes(args, work)
+        print(f"bf16 policy at lr 1e-6: whole {d['whole'] / 1e6:.1f} MB, delta {d['delta'] / 1e3:.1f} kB "
+              f"({d['delta'] / d['whole']:.5f} of whole; published as a delta: {d['is_delta']})")
+
+
+if __name__ == "__main__":
+    main()
