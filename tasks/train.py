@@ -13,8 +13,9 @@ several processes, started here with torchrun when no torchrun started us).
             ckpt-N in full (model + optimizer + RNG + data cursor);
   resident  a trainer process per run that outlives the stage (tasks/engines/resident.py): the stage sends it
             "train iteration N"; it writes ckpt-N lean (the policy alone) and a full checkpoint every
-            train.checkpoint_every iterations. `--finish` asks it for a full checkpoint of its last iteration
-            and stops it (the flow does this when it ends).
+            train.checkpoint_every iterations (deepspeed: a torchrun group of train.num_processes, its
+            process 0 answering). `--finish` asks it for a full checkpoint of its last iteration and stops
+            it (the flow does this when it ends).
 Both give the same weights, bit for bit on a CPU.
 """
 
@@ -25,6 +26,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tasks.core import layout, rollout
+from tasks.core.config import distributed_by_hand
 from tasks.core.errors import UserError
 from tasks.core.models import policy_dtype
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
@@ -59,6 +61,9 @@ def train(cfg: Config, iteration: int, finish: bool = False) -> dict:
     if cfg.resident_trainer:
         from tasks.engines.resident import ResidentTrainer
 
+        if distributed_by_hand():
+            raise UserError("train.mode: resident keeps one trainer (or one torchrun group) on one machine; on "
+                            "several nodes or inside torchrun use train.mode process (or auto)")
         ResidentTrainer(cfg).train(iteration, fp)
         if (done := reuse(store, key, fp)) is None:
             raise RuntimeError(f"train[iter {iteration}]: the resident trainer answered without writing "

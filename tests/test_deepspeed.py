@@ -13,6 +13,8 @@ Every setting trains iterations 1 and 2 with two optimiser passes per iteration 
   - iteration 3 (iteration 2's data again) resumes on another number of processes than wrote ckpt-2: 2 -> 1 at
     ZeRO 1 and 3, 1 -> 2 at ZeRO 2, through DeepSpeed's universal checkpoint; it must equal the torch engine's
     uninterrupted iteration 3.
+These run in train.mode process (one torchrun per stage); the resident group (train.mode resident: one torchrun
+across iterations) is tested on the same data against the same torch run, through a kill.
 The three ZeRO stages use three loss types (dapo, grpo, dr_grpo), whose normalisers are the whole batch's
 token count, sequence count and sequence count x length: on two processes they must be all-reduced.
 9 completions, micro-batch 2: one process runs 5 micro-batches; with two, process 0 takes 5 completions
@@ -58,7 +60,7 @@ from tests.conftest import ROOT, TINY
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
 RUN = "ds"
-COMMON = [f"run.name={RUN}", "generate.prompts_per_iteration=3", "generate.num_generations=3",
+COMMON = [f"run.name={RUN}", "train.mode=process", "generate.prompts_per_iteration=3", "generate.num_generations=3",
           "generate.max_completion_length=4", "train.micro_batch_size=2", "train.num_iterations=2",
           "train.beta=0.05", "train.lr=1e-3", "train.device=cpu",
           'reward.functions=[{"fn": "tasks.rewards.demo:stops_reward"}]']
@@ -147,11 +149,11 @@ def _torch_reference(loss_type: str, rollouts: dict, tmp_path_factory) -> dict:
     return _torch_runs[loss_type]
 
 
-def _fp32_weights(store: Store, iteration: int, dest: Path) -> dict:
+def _fp32_weights(store: Store, iteration: int, dest: Path, key: str | None = None) -> dict:
     """The trainer's fp32 weights, rebuilt from the node folders by DeepSpeed's own zero_to_fp32."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    state = store.get_json(layout.checkpoint(RUN, iteration), layout.CKPT_STATE)
+    state = store.get_json(key or layout.checkpoint(RUN, iteration), layout.CKPT_STATE)
     for part in state["engine_state"]:
         store.get_folder(part, dest)
     return get_fp32_state_dict_from_zero_checkpoint(str(dest), tag=state["tag"])
@@ -300,6 +302,53 @@ def test_two_nodes(rollouts, tmp_path, tmp_path_factory):
     fp32 = _fp32_weights(store, 2, tmp_path / "fp32")
     ref = _torch_reference("dr_grpo", rollouts, tmp_path_factory)
     assert all((fp32[k] - w).abs().max() <= WEIGHT_ATOL for k, w in ref["weights"].items())
+
+
+@pytest.mark.drill
+def test_a_resident_group_trains_as_the_torch_engine_and_resumes_after_a_kill(rollouts, tmp_path, tmp_path_factory,
+                                                                             monkeypatch):
+    """train.mode resident: one torchrun group of two processes (ZeRO 2) trains iterations 1-3 (3 repeats 2's
+    data), holding its shards between them: lean ckpt-N (the bf16 policy), a full checkpoint at 2 whose shards
+    upload in the background. Its process 0 is SIGKILLed in iteration 3 (trained, nothing written): torchrun
+    stops the other, the stage fails; the retry starts a new group, which restores full-2 (or, if its upload
+    had not finished, the base model) and replays. Every iteration's update equals the torch engine's; finish
+    writes full-3 and the group exits."""
+    from tasks.engines.resident import ResidentTrainer
+
+    ref = _torch_reference("dapo", rollouts, tmp_path_factory)
+    monkeypatch.setenv("RLFLOW_DRILL", "lean-write:3")
+    monkeypatch.setenv("RLFLOW_DRILL_ONCE", str(tmp_path / "drilled"))
+    cfg = _config(tmp_path, rollouts, ["train.engine=deepspeed", "train.zero_stage=2", "train.num_processes=2",
+                                       "train.mode=resident", "train.checkpoint_every=2"], iterations=(1, 2, 3))
+    trainer, store = ResidentTrainer(cfg), Store.open(cfg.store)
+    try:
+        metrics = [train(cfg, it)["metrics"] for it in (1, 2)]
+        first = json.loads(trainer.path.read_text())
+        assert first["processes"] == 2
+        with pytest.raises(RuntimeError, match="died or went away"):
+            train(cfg, 3)
+        assert (tmp_path / "drilled").exists() and store.manifest(layout.checkpoint(RUN, 3)) is None
+        metrics.append(train(cfg, 3)["metrics"])                     # the retry: a new group, by replay
+        assert json.loads(trainer.path.read_text())["pid"] != first["pid"]
+        for got, want in zip(metrics, ref["metrics"]):
+            for k in METRIC_KEYS:
+                assert got[k] == pytest.approx(want[k], **METRIC_TOL), k
+        assert store.manifest(layout.checkpoint(RUN, 2))["meta"]["kind"] == "lean"
+        assert store.manifest(layout.full_checkpoint(RUN, 2))["meta"]["kind"] == "full"
+        assert _finish_trainer(cfg) == 3
+    finally:
+        ResidentTrainer(cfg).finish()
+    assert not trainer.path.exists()
+    fp32 = _fp32_weights(store, 3, tmp_path / "fp32", key=layout.full_checkpoint(RUN, 3))
+    for name, want in ref["weights3"].items():
+        assert (fp32[name] - want).abs().max() <= WEIGHT_ATOL, name
+    store.get_folder(layout.checkpoint(RUN, 3), tmp_path / "lean")         # the lean policy: those weights, bf16
+    with safe_open(tmp_path / "lean" / "model" / "model.safetensors", "pt") as f:
+        assert all(torch.equal(f.get_tensor(n), fp32[n].to(torch.bfloat16)) for n in f.keys())
+
+
+def _finish_trainer(cfg) -> int | None:
+    return train(cfg, 0, finish=True)["finished"]
 
 
 def test_bf16_and_optimizer_offload(rollouts, tmp_path, tmp_path_factory, as_worker):

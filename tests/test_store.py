@@ -177,6 +177,17 @@ def test_deepspeed_clean_drops_only_attempts_a_committed_checkpoint_does_not_nam
     for k in kept:
         store.verify(k)
 
+    # A resident trainer's iteration 3: ckpt-3 is lean (names no shards); full-3 names them, and until it is
+    # committed its writer may still be uploading: nothing of iteration 3 goes before.
+    resident, lost = node(3, "resident", 0), node(3, "lost", 0, complete=False)
+    (ckpt / layout.CKPT_STATE).write_text(json.dumps({"iteration": 3}))
+    store.put_folder(layout.checkpoint("run", 3), ckpt, meta={"kind": "lean"})
+    assert DeepSpeedEngine.clean(store, "run") == 0
+    (ckpt / layout.CKPT_STATE).write_text(json.dumps({"iteration": 3, "engine_state": [resident]}))
+    store.put_folder(layout.full_checkpoint("run", 3), ckpt, meta={"kind": "full"})
+    assert DeepSpeedEngine.clean(store, "run") == 1
+    assert store.manifest(resident) is not None and not store._list(lost + "/")
+
 
 @pytest.mark.parametrize("kind", ["file", pytest.param("s3", marks=pytest.mark.server)])
 def test_a_folder_written_here_is_read_here_without_a_download(kind, tmp_path, request, monkeypatch):

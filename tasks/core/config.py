@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -172,8 +173,10 @@ class TrainConfig(Section):
                     "resident: one trainer process per run keeps model, optimizer and RNG in memory across "
                     "iterations, writes the policy every iteration and a full checkpoint every checkpoint_every "
                     "iterations (and when the flow ends); a lost trainer resumes exactly by replaying the stored "
-                    "iterations after the newest full checkpoint. auto: resident with the torch engine, process "
-                    "with deepspeed (a resident DeepSpeed group is not built yet). Both give the same weights.")
+                    "iterations after the newest full checkpoint (deepspeed: one resident torchrun group of "
+                    "train.num_processes on the train machine). auto: resident, except on several nodes "
+                    "(NNODES > 1), inside a torchrun started by hand, and with launcher.managed_jobs for a sky "
+                    "train stage. Both give the same weights.")
     checkpoint_every: int = Field(10, ge=1, le=1_000_000, json_schema_extra=HOW_NOT_WHAT,
                                   description="resident: a full checkpoint (model + optimizer + RNG + data "
                                   "cursor) every N iterations, written in the background; a resume replays at "
@@ -230,9 +233,6 @@ class TrainConfig(Section):
     def _engine_supports(self):
         if self.lora_r and self.engine == "deepspeed":
             raise ValueError("lora_r > 0 needs engine: torch (the deepspeed engine trains full weights only)")
-        if self.mode == "resident" and self.engine == "deepspeed":
-            raise ValueError("mode: resident needs engine: torch for now (a resident DeepSpeed group is not "
-                             "built yet); use mode: process (or auto) with deepspeed")
         return self
 
 
@@ -371,6 +371,11 @@ class CostConfig(Section):
                         "of this machine); missing stages cost 0.")
 
 
+def distributed_by_hand() -> bool:
+    """This process is a torchrun worker, or one of several nodes' train stages (NNODES, sky/train.yaml)."""
+    return "RANK" in os.environ or int(os.environ.get("NNODES") or 1) > 1
+
+
 class Config(Section):
     """A whole run. Sections left out take their defaults."""
 
@@ -389,11 +394,12 @@ class Config(Section):
 
     @property
     def resident_trainer(self) -> bool:
-        """Whether a resident trainer trains this run: train.mode, with auto resolved (resident with the torch
-        engine, unless the train stage runs as SkyPilot managed jobs, whose cluster ends with each job)."""
+        """Whether a resident trainer trains this run: train.mode, with auto resolved on the machine that asks:
+        resident, unless the train stage runs as SkyPilot managed jobs (whose cluster ends with each job), on
+        several nodes, or inside a torchrun started by hand (tasks/train.py refuses resident there)."""
         if self.train.mode != "auto":
             return self.train.mode == "resident"
-        return self.train.engine == "torch" and not self._managed_train()
+        return not self._managed_train() and not distributed_by_hand()
 
     def _managed_train(self) -> bool:
         return self.launcher.managed_jobs and self.launcher.mode_of("train") == "sky"

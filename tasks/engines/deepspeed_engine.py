@@ -88,6 +88,23 @@ class DeepSpeedEngine:
         on this node, wait for them, return True (the checkpoint is then in the store)."""
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             return False
+        argv, env = cls.torchrun(cfg)
+        with tempfile.TemporaryDirectory(prefix="rlflow-train-") as tmp:
+            config = Path(tmp) / "config.yaml"     # the resolved config: same fingerprint in every worker
+            config.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            argv += ["-m", "tasks.train", "--config", str(config), "--iteration", str(iteration)]
+            ran = stream(argv, env, sink=lambda line: print(line, file=sys.stderr, flush=True))
+        if ran.code == 0:
+            return True
+        if ran.user_error:
+            raise UserError(ran.user_error)
+        raise RuntimeError(f"train[iter {iteration}]: deepspeed workers (torchrun) exited with {ran.code}: "
+                           + " | ".join(line.strip() for line in ran.last[-20:] if line.strip())[-1500:])
+
+    @classmethod
+    def torchrun(cls, cfg: Config) -> tuple[list[str], dict[str, str]]:
+        """The torchrun command line (up to the module it runs) and environment that start this node's workers:
+        the stage's (launch) and the resident trainer's group (tasks/engines/resident.py)."""
         cls.check_installed(cfg)
         device = device_for(cfg)
         nproc = cfg.train.num_processes or (torch.cuda.device_count() if device.type == "cuda" else 1)
@@ -108,17 +125,7 @@ class DeepSpeedEngine:
         if device.type == "cpu":
             env["DS_ACCELERATOR"] = "cpu"    # else DeepSpeed probes for GPUs
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        with tempfile.TemporaryDirectory(prefix="rlflow-train-") as tmp:
-            config = Path(tmp) / "config.yaml"     # the resolved config: same fingerprint in every worker
-            config.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-            argv += ["-m", "tasks.train", "--config", str(config), "--iteration", str(iteration)]
-            ran = stream(argv, env, sink=lambda line: print(line, file=sys.stderr, flush=True))
-        if ran.code == 0:
-            return True
-        if ran.user_error:
-            raise UserError(ran.user_error)
-        raise RuntimeError(f"train[iter {iteration}]: deepspeed workers (torchrun) exited with {ran.code}: "
-                           + " | ".join(line.strip() for line in ran.last[-20:] if line.strip())[-1500:])
+        return argv, env
 
     # ------------------------------------------------------------------ one worker
 
@@ -128,8 +135,7 @@ class DeepSpeedEngine:
 
     def __init__(self, cfg: Config, store: Store, prev: str | None):
         self.cfg, self.store, tc = cfg, store, cfg.train
-        device = device_for(cfg)
-        if device.type == "cpu":
+        if device_for(cfg).type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.check_installed(cfg)
         import deepspeed
@@ -145,12 +151,7 @@ class DeepSpeedEngine:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
         self.node = int(os.environ.get("GROUP_RANK") or self.rank // per_node)
         self.nodes = self.world_size // per_node
-        if device.type == "cuda":
-            torch.cuda.set_device(self.local_rank)
-            device = torch.device("cuda", self.local_rank)
-        self.device = device
-        if not torch.distributed.is_initialized():
-            deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+        self.device = device = join_group(cfg)
         self.attempt = self._broadcast(uuid.uuid4().hex[:8])
         self.scratch = Path(tempfile.gettempdir()) / f"rlflow-ds-{self.attempt}-node{self.node:03d}"
         self.bf16 = tc.mixed_precision == "bf16" or (tc.mixed_precision == "auto" and device.type == "cuda")
@@ -261,10 +262,16 @@ class DeepSpeedEngine:
             if head.isdigit() and attempt:
                 attempts.setdefault(int(head), []).append(f"{base}/{name}")
         for iteration, folders in attempts.items():
-            ckpt = layout.checkpoint(run, iteration)
-            if len(folders) < 2 or store.manifest(ckpt) is None:
+            # The checkpoint that names an attempt: ckpt-N (process mode) or full-N (a resident trainer's; its
+            # ckpt-N is lean and names none). Until it is committed a trainer may still be writing it.
+            named = None
+            for ckpt in (layout.full_checkpoint(run, iteration), layout.checkpoint(run, iteration)):
+                manifest = store.manifest(ckpt) if len(folders) > 1 else None
+                if manifest is not None and manifest["meta"].get("kind", "full") == "full":
+                    named = {p.rsplit("/", 1)[0] for p in store.get_json(ckpt, STATE).get("engine_state", [])}
+                    break
+            if named is None:
                 continue
-            named = {p.rsplit("/", 1)[0] for p in store.get_json(ckpt, STATE).get("engine_state", [])}
             for folder in folders:
                 if folder not in named:
                     for node in store.list_folders(folder):
@@ -307,12 +314,25 @@ class DeepSpeedEngine:
             self._write_model(out, weights)
 
     def snapshot(self, iteration: int):
-        """A full checkpoint taken now (collective: ZeRO saves on every process), handed over later: the node
-        folders are in the store already, the model folder waits on local disk."""
+        """A full checkpoint taken now (collective: ZeRO saves on every process), handed over later. On one node
+        the shards wait on local disk with the model folder, and the returned function (process 0, the node's
+        leader, on the resident trainer's writer thread) uploads them: training goes on meanwhile. On several
+        nodes each node uploads its shards now (a collective), and only the model folder waits."""
+        self.scratch.mkdir(parents=True, exist_ok=True)
         held = Path(tempfile.mkdtemp(prefix="rlflow-ds-snapshot-", dir=self.scratch))
-        extra = self.save(held, iteration)
+        shards = None
+        if self.nodes > 1:
+            extra = self.save(held, iteration)
+        else:
+            extra, local = self._save_here(held, iteration)
+            if self.rank == 0:                  # moved aside: the next save writes `local` afresh
+                shards = held.with_name(held.name + "-shards")
+                os.replace(local, shards)
 
         def files(out: Path) -> dict:
+            if shards is not None:
+                self.store.put_folder(extra["engine_state"][0], shards, meta={"iteration": iteration, "node": 0})
+                shutil.rmtree(shards, ignore_errors=True)
             for path in held.iterdir():
                 shutil.move(str(path), out / path.name)
             shutil.rmtree(held, ignore_errors=True)
@@ -322,8 +342,23 @@ class DeepSpeedEngine:
     def save(self, out: Path, iteration: int) -> dict:
         """Every process: its shards to this node's disk, then to the store (one upload per node); process 0
         also writes the 16-bit model folder into `out`. Returns what state.json adds."""
+        extra, local = self._save_here(out, iteration)
+        if self.local_rank == 0:
+            self.store.put_folder(extra["engine_state"][self.node], local, meta={"iteration": iteration,
+                                                                                 "node": self.node})
+        self.barrier()                                  # every node's folder is complete
+        if self.rank == 0 and (missing := [p for p in extra["engine_state"] if self.store.manifest(p) is None]):
+            raise RuntimeError(f"deepspeed checkpoint: node folders missing after upload: {missing}")
+        return extra
+
+    def _save_here(self, out: Path, iteration: int) -> tuple[dict, Path]:
+        """Collective: every process's shards and RNG state into this node's folder (returned), the 16-bit model
+        folder into `out` on process 0. Returns what state.json adds and that folder."""
         tag = f"global_step{self.global_step}"
         local = self.scratch / "save"
+        if self.local_rank == 0:         # an engine that lives on (resident) saved an earlier tag here
+            shutil.rmtree(local, ignore_errors=True)
+        self.barrier()
         self.model.save_checkpoint(str(local), tag=tag)
         rng = local / layout.CKPT_RNG_RANK.format(rank=self.rank)
         rng.parent.mkdir(parents=True, exist_ok=True)
@@ -335,13 +370,8 @@ class DeepSpeedEngine:
         run = self.cfg.run.name
         parts = [layout.engine_state(run, iteration, self.attempt, node) for node in range(self.nodes)]
         self.barrier()                                  # every process of this node has written its files
-        if self.local_rank == 0:
-            self.store.put_folder(parts[self.node], local, meta={"iteration": iteration, "node": self.node})
-        self.barrier()                                  # every node's folder is complete
-        if self.rank == 0 and (missing := [p for p in parts if self.store.manifest(p) is None]):
-            raise RuntimeError(f"deepspeed checkpoint: node folders missing after upload: {missing}")
         return {"engine": "deepspeed", "zero_stage": self.cfg.train.zero_stage, "world_size": self.world_size,
-                "nodes": self.nodes, "tag": tag, "engine_state": parts}
+                "nodes": self.nodes, "tag": tag, "engine_state": parts}, local
 
     def _gather_16bit(self) -> dict | None:
         """The full weights in publish.dtype (bf16 unless set) on process 0 (None elsewhere), gathered one
@@ -410,6 +440,22 @@ class DeepSpeedEngine:
         if self.local_rank == 0:
             fn()
         self.barrier()
+
+
+def join_group(cfg: Config) -> torch.device:
+    """This torchrun worker's device, and the process group of all of them (nccl on CUDA, gloo on CPU), once."""
+    device = device_for(cfg)
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if device.type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK") or 0)
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    return device
 
 
 def universal_tag(tag: str) -> str:

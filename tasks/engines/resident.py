@@ -18,6 +18,13 @@ but time. It exits by itself after `train.idle_timeout` seconds unused (after a 
 when the state file names another process. Requests travel over an authenticated Unix socket in the abstract
 namespace (multiprocessing.connection; not TCP, whose small-message delays cost ~40 ms a round trip); train
 and finish one at a time, a ping at once.
+
+With the deepspeed engine the trainer is a torchrun group on this machine (the command the process-mode stage
+runs, tasks/engines/deepspeed_engine.py: torchrun), its processes holding their ZeRO shards across iterations:
+process 0 answers the stage and hands each train/finish request to the others (a broadcast on a gloo group of
+their own, which may wait as long as the trainer idles) before all of them run it; the state file names the
+torchrun process, so stopping it stops the group. A failure on any process ends the whole group (torchrun
+stops the others), and the retried stage starts a new one, which resumes by replay.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+from datetime import timedelta
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -144,9 +152,14 @@ class ResidentTrainer:
         config.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
         log = self.path.with_suffix(".log")
         authkey = secrets.token_hex(16)
-        env = {**os.environ, "LOG": str(log), "RLFLOW_TRAINER_AUTHKEY": authkey, "PYTHONUNBUFFERED": "1",
+        if self.cfg.train.engine == "deepspeed":        # a torchrun group: its process 0 writes the state file
+            from tasks.engines.deepspeed_engine import DeepSpeedEngine
+            argv, env = DeepSpeedEngine.torchrun(self.cfg)
+        else:
+            argv, env = [sys.executable], dict(os.environ)
+        env = {**env, "LOG": str(log), "RLFLOW_TRAINER_AUTHKEY": authkey, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-        pid = spawn_detached([sys.executable, "-m", MARKER, "serve", str(self.path), str(config)], env)
+        pid = spawn_detached([*argv, "-m", MARKER, "serve", str(self.path), str(config)], env)
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             state = self._state()
@@ -197,11 +210,57 @@ def _is_trainer(pid: int) -> bool:
 
 # ------------------------------------------------------------------------------------------ the trainer's side
 
+class Group:
+    """The trainer's processes: this one alone (torch engine), or a torchrun group (deepspeed engine) whose
+    process 0 answers the stage and shares each request with the others before all of them run it."""
+
+    def __init__(self, cfg: Config):
+        self.rank, self.size = int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1)
+        self.torchrun = "RANK" in os.environ
+        self.control = None
+        if self.torchrun:
+            from tasks.engines.deepspeed_engine import join_group
+
+            join_group(cfg)
+            if self.size > 1:   # its own gloo group: an idle trainer's followers wait in it for days, not 30 min
+                import torch.distributed as dist
+                self.control = dist.new_group(backend="gloo", timeout=timedelta(days=7, minutes=10))
+
+    @property
+    def pid(self) -> int:
+        """The process the state file names: torchrun (stopping it stops the group), or this one."""
+        return os.getppid() if self.torchrun else os.getpid()
+
+    def share(self, message: dict) -> None:
+        """Process 0: hand a request to the others (they wait for it in `follow`)."""
+        if self.control is not None:
+            import torch.distributed as dist
+            dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def receive(self) -> dict:
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def stop(self, code: int) -> None:
+        """End every process of the group now (torchrun stops the others when one fails)."""
+        sys.stdout.flush()
+        if self.torchrun and self.size > 1:
+            import signal
+            try:
+                os.kill(os.getppid(), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        os._exit(code)
+
+
 class Host:
     """The trainer's state between requests: the engine and the iteration its weights are at."""
 
-    def __init__(self, cfg: Config, store: Store):
-        self.cfg, self.store = cfg, store
+    def __init__(self, cfg: Config, store: Store, rank: int = 0):
+        self.cfg, self.store, self.rank = cfg, store, rank
         self.engine: TrainingEngine | None = None
         self.at: int | None = None              # the iteration whose updated state the engine holds
         self.full_at: int | None = None         # the newest iteration with a full checkpoint, written or writing
@@ -211,8 +270,6 @@ class Host:
     def train(self, iteration: int, fingerprint: str) -> dict:
         cfg, store, run = self.cfg, self.store, self.cfg.run.name
         key = layout.checkpoint(run, iteration)
-        if store.manifest(key) is not None:     # a retried request whose first try committed it
-            return {"key": key}
         t0 = time.perf_counter()
         if self.at != iteration - 1:
             self.close()
@@ -227,8 +284,9 @@ class Host:
         self.at = iteration
         _drill("lean-write", iteration)
         write_checkpoint(store, cfg, key, iteration, self.engine.global_step, lean_files(self.engine),
-                         {"fingerprint": fingerprint, "metrics": metrics}, kind="lean")
-        store.advance_pointer(layout.latest(run, "trainer"), key)
+                         {"fingerprint": fingerprint, "metrics": metrics}, kind="lean", rank=self.rank)
+        if self.rank == 0:
+            store.advance_pointer(layout.latest(run, "trainer"), key)
         if iteration % cfg.train.checkpoint_every == 0:
             self.checkpoint(background=True)
         _drill("answer", iteration)
@@ -247,13 +305,13 @@ class Host:
         def write() -> None:
             try:
                 write_checkpoint(store, cfg, key, iteration, step, files, {}, kind="full", keep_policy_here=False,
-                                 before_commit=lambda: _drill("full-upload", iteration))
+                                 before_commit=lambda: _drill("full-upload", iteration), rank=self.rank)
                 _drill("full-done", iteration)
             except BaseException as e:          # raised by the next request (join)
                 self.writer_error = e
 
         self.full_at = iteration
-        if background:
+        if background and self.rank == 0:       # (the others' part, collective, was the snapshot)
             self.writer = threading.Thread(target=write, name=f"rlflow-full-{iteration}", daemon=True)
             self.writer.start()
         else:
@@ -284,6 +342,8 @@ def _drill(point: str, iteration: int) -> None:
     once = os.environ.get("RLFLOW_DRILL_ONCE")
     if os.environ.get("RLFLOW_DRILL") != f"{point}:{iteration}" or not once or os.path.exists(once):
         return
+    if int(os.environ.get("RANK") or 0) != 0:   # a group: its process 0 is killed (torchrun stops the others)
+        return
     import signal
 
     Path(once).write_text(point)
@@ -292,30 +352,52 @@ def _drill(point: str, iteration: int) -> None:
 
 
 def serve(state_path: Path, config_path: Path) -> None:
-    """The trainer's main loop: answer requests until finished, idle, or replaced."""
+    """The trainer's main loop: answer requests until finished, idle, or replaced (process 0 of a group; the
+    others follow it)."""
     from tasks.core.config import load_config
     from tasks.core.store import open_store
 
     cfg = load_config(config_path)
-    host = Host(cfg, open_store(cfg))
     authkey = os.environ.pop("RLFLOW_TRAINER_AUTHKEY")
+    group = Group(cfg)
+    host = Host(cfg, open_store(cfg), group.rank)
+    if group.rank != 0:
+        follow(host, group)
     address = f"\0rlflow-trainer-{secrets.token_hex(8)}"         # abstract: no file, no path length limit
     listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(authkey))
-    state = {"pid": os.getpid(), "socket": address, "authkey": authkey, "key": trainer_key(cfg),
-             "log": str(state_path.with_suffix(".log")), "started": time.time()}
+    state = {"pid": group.pid, "socket": address, "authkey": authkey, "key": trainer_key(cfg),
+             "log": str(state_path.with_suffix(".log")), "started": time.time(), "processes": group.size}
     tmp = state_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state))
     os.chmod(tmp, 0o600)
     os.replace(tmp, state_path)
-    print(f"resident trainer of run {cfg.run.name}: pid {os.getpid()}", flush=True)
+    print(f"resident trainer of run {cfg.run.name}: pid {group.pid}, {group.size} process(es)", flush=True)
     busy, last_used = threading.Lock(), [time.monotonic()]
-    threading.Thread(target=_watch, args=(host, state_path, busy, last_used), daemon=True).start()
+    threading.Thread(target=_watch, args=(host, group, state_path, busy, last_used), daemon=True).start()
     while True:
         conn = listener.accept()
-        threading.Thread(target=_answer, args=(conn, host, state_path, busy, last_used), daemon=True).start()
+        threading.Thread(target=_answer, args=(conn, host, group, state_path, busy, last_used), daemon=True).start()
 
 
-def _answer(conn, host: Host, state_path: Path, busy: threading.Lock, last_used: list[float]) -> None:
+def follow(host: Host, group: Group) -> None:
+    """A group's process other than 0: run each request process 0 shares, in step with it. Any failure ends the
+    group (process 0 reports it to the stage)."""
+    while True:
+        message = group.receive()
+        try:
+            if message["op"] == "train":
+                host.train(message["iteration"], message["fingerprint"])
+            elif message["op"] == "finish":
+                host.checkpoint(background=False)
+                host.close()
+                sys.stdout.flush()
+                os._exit(0)                     # (process 0 exits once it has answered; then torchrun)
+        except BaseException:  # noqa: BLE001 - the group is out of step now: end it
+            traceback.print_exc()
+            group.stop(1)
+
+
+def _answer(conn, host: Host, group: Group, state_path: Path, busy: threading.Lock, last_used: list[float]) -> None:
     """One request: a ping at once; train and finish one at a time (a retried request waits for the first)."""
     with conn:
         try:
@@ -327,7 +409,7 @@ def _answer(conn, host: Host, state_path: Path, busy: threading.Lock, last_used:
         else:
             with busy:
                 t0 = time.perf_counter()
-                reply = _handle(host, message)
+                reply = _handle(host, group, message)
                 last_used[0] = time.monotonic()
             print(f"{message['op']} {message.get('iteration', '')}: {reply[0]} in {time.perf_counter() - t0:.3f} s",
                   flush=True)
@@ -336,16 +418,21 @@ def _answer(conn, host: Host, state_path: Path, busy: threading.Lock, last_used:
         except OSError:
             pass
     if message.get("op") == "finish":
-        _exit(state_path)
+        _exit(state_path, group, 0)
+    if reply[0] != "ok" and group.size > 1:     # the others may be out of step: a retry starts a new group
+        _exit(state_path, group, 1)
 
 
-def _handle(host: Host, message: dict) -> tuple[str, object]:
+def _handle(host: Host, group: Group, message: dict) -> tuple[str, object]:
     try:
-        if message["op"] == "ping":
-            return "ok", None
         if message["op"] == "train":
+            key = layout.checkpoint(host.cfg.run.name, message["iteration"])
+            if host.store.manifest(key) is not None:    # a retried request whose first try committed it
+                return "ok", {"key": key}
+            group.share(message)
             return "ok", host.train(message["iteration"], message["fingerprint"])
         if message["op"] == "finish":
+            group.share(message)
             full = host.checkpoint(background=False)
             host.close()
             return "ok", {"full": full}
@@ -357,7 +444,7 @@ def _handle(host: Host, message: dict) -> tuple[str, object]:
         return "error", f"{type(e).__name__}: {e}"
 
 
-def _watch(host: Host, state_path: Path, busy: threading.Lock, last_used: list[float]) -> None:
+def _watch(host: Host, group: Group, state_path: Path, busy: threading.Lock, last_used: list[float]) -> None:
     """Exit when the state file names another process (replaced: write nothing), or after idle_timeout unused
     (a full checkpoint first, so a later resume needs no replay)."""
     idle = host.cfg.train.idle_timeout
@@ -367,26 +454,29 @@ def _watch(host: Host, state_path: Path, busy: threading.Lock, last_used: list[f
             named = json.loads(state_path.read_text()).get("pid")
         except (OSError, ValueError):
             named = None
-        if named != os.getpid():
+        if named != group.pid:
             print("resident trainer: the state file no longer names this process; exiting", flush=True)
-            os._exit(0)
+            group.stop(0)
         if idle and time.monotonic() - last_used[0] > idle and busy.acquire(blocking=False):
             print(f"resident trainer: unused for {idle:.0f} s (train.idle_timeout); a full checkpoint, then exit",
                   flush=True)
             try:
+                group.share({"op": "finish"})
                 host.checkpoint(background=False)
             finally:
-                _exit(state_path)
+                _exit(state_path, group, 0)
 
 
-def _exit(state_path: Path) -> None:
+def _exit(state_path: Path, group: Group, code: int) -> None:
     try:
-        if json.loads(state_path.read_text()).get("pid") == os.getpid():
+        if json.loads(state_path.read_text()).get("pid") == group.pid:
             state_path.unlink()
     except (OSError, ValueError):
         pass
-    sys.stdout.flush()
-    os._exit(0)
+    if code == 0:
+        sys.stdout.flush()
+        os._exit(0)         # the others exit by themselves (they ran the same finish)
+    group.stop(code)
 
 
 if __name__ == "__main__":     # python -m tasks.engines.resident serve STATE_PATH CONFIG_PATH
