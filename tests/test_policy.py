@@ -59,6 +59,24 @@ def test_no_delta_when_it_would_not_be_smaller(tmp_path):
     assert encode(tmp_path / "b", tmp_path / "a") is None
 
 
+def test_the_sample_skips_a_dense_change_without_a_whole_comparison_and_never_a_sparse_one(tmp_path, monkeypatch):
+    """fp32 weights after an Adam step all move: a few sampled rows say so, and the files are never loaded
+    whole. A sparse change the sample misses is still found by the whole comparison."""
+    import tasks.core.policy as policy
+
+    w, b = torch.randn(256, 64), torch.randn(64)
+    _policy(tmp_path / "a", {"w": w, "b": b})
+    _policy(tmp_path / "dense", {"w": w + 1e-6 * torch.randn(256, 64).sign(), "b": torch.randn(64)})
+    sparse = w.clone()
+    sparse[1, 5] += 1.0                                                  # row 1: not one of the sampled rows
+    _policy(tmp_path / "sparse", {"w": sparse, "b": b})
+    loads = []
+    monkeypatch.setattr(policy, "load_file", lambda path: loads.append(path) or load_file(path))
+    assert encode(tmp_path / "dense", tmp_path / "a") is None and loads == []
+    delta = encode(tmp_path / "sparse", tmp_path / "a")
+    assert delta is not None and delta.tensors["model.safetensors::w::idx"].tolist() == [1 * 64 + 5]
+
+
 @pytest.mark.slow
 def test_delta_policies_generate_what_whole_ones_do_and_export_whole(tmp_path):
     """bf16 policies at a small learning rate: v2 and v4 go out as deltas (v3 is an anchor), the next

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 DELTA_FILE = "delta.safetensors"
 DELTA_INDEX = "delta.json"
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 
 
 @dataclass
@@ -63,9 +64,13 @@ def _metadata(path: Path) -> dict:
 
 def encode(folder: Path, anchor: Path) -> Delta | None:
     """The weights of `folder` as changes against the weights of `anchor` (both local policy folders); None
-    when that is not smaller than the weight files themselves."""
+    when that is not smaller than the weight files themselves (decided first from a sample when it is clearly
+    not: fp32 weights, which every Adam step moves, never pay for a whole comparison and digest)."""
+    rels = _weight_files(folder)
+    if _estimate(folder, anchor, rels) >= SAMPLE_MARGIN * sum((folder / rel).stat().st_size for rel in rels):
+        return None
     tensors, files, size, whole = {}, {}, 0, 0
-    for rel in _weight_files(folder):
+    for rel in rels:
         new = load_file(folder / rel)
         old = load_file(anchor / rel) if (anchor / rel).is_file() else {}
         whole += (folder / rel).stat().st_size
@@ -84,6 +89,38 @@ def encode(folder: Path, anchor: Path) -> Delta | None:
                 tensors[f"{rel}::{name}::val"] = t.reshape(-1)[changed].contiguous()
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     return Delta(tensors, files, size, whole) if size < whole else None
+
+
+SAMPLE_ROWS = 16           # rows (slices along the first dimension) compared per tensor for the estimate
+SAMPLE_MARGIN = 0.9        # a delta estimated at >= this share of the whole is not tried
+
+
+def _estimate(folder: Path, anchor: Path, rels: list[str]) -> float:
+    """Bytes a delta would take, estimated from SAMPLE_ROWS evenly spaced rows of each tensor (read lazily: the
+    files are not loaded)."""
+    total = 0.0
+    for rel in rels:
+        if not (anchor / rel).is_file():
+            total += (folder / rel).stat().st_size
+            continue
+        with safe_open(folder / rel, "pt") as f, safe_open(anchor / rel, "pt") as g:
+            theirs = set(g.keys())
+            for name in f.keys():
+                new = f.get_slice(name)
+                shape, numel = new.get_shape(), 1
+                for n in shape:
+                    numel *= n
+                old = g.get_slice(name) if name in theirs else None
+                if old is None or old.get_shape() != shape or old.get_dtype() != new.get_dtype() or not shape:
+                    total += numel * _SIZE.get(new.get_dtype(), 8)      # stored whole
+                    continue
+                rows = sorted({i * shape[0] // SAMPLE_ROWS for i in range(SAMPLE_ROWS)})
+                a = torch.cat([new[i:i + 1].reshape(-1) for i in rows])
+                b = torch.cat([old[i:i + 1].reshape(-1) for i in rows])
+                bits = _BITS[a.element_size()]
+                share = (a.view(bits) != b.view(bits)).float().mean().item() if a.numel() else 0.0
+                total += share * numel * ((4 if numel < 2**31 else 8) + a.element_size())
+    return total
 
 
 def write_delta(delta: Delta, folder: Path, out: Path, anchor_key: str) -> None:
