@@ -4,6 +4,7 @@ iteration), the same config and seeds, side by side on this machine.
 
     python bench/resident_vs_process.py                                   # ~200M parameters (builtin:medium-lm)
     python bench/resident_vs_process.py --model builtin:tiny-lm --iterations 10     # the demo's size
+    python bench/resident_vs_process.py --set publish.dtype=bfloat16       # fp32 training, bf16 policies (GPU)
 
 Both sides run the four stage functions in a loop on a local file store (no Prefect, no MLflow: what differs
 is the trainer), 8 completions of <= 4 tokens per iteration. Printed per mode, over the iterations after the
@@ -48,7 +49,7 @@ def overrides(args, work: Path, name: str, mode: str, extra=()) -> list[str]:
     return [f"run.name={name}", f"store.uri={work}/store", f"model.name_or_path={args.model}", f"train.mode={mode}",
             f"train.checkpoint_every={args.checkpoint_every}", "generate.prompts_per_iteration=2",
             "generate.num_generations=4", "generate.max_completion_length=4", "train.micro_batch_size=8",
-            f"train.lr={args.lr}", "train.device=cpu", "publish.register_model=false", *extra]
+            f"train.lr={args.lr}", "train.device=cpu", "publish.register_model=false", *args.set, *extra]
 
 
 def written(store, keys: list[str]) -> int:
@@ -124,10 +125,12 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=11)
     ap.add_argument("--checkpoint-every", type=int, default=10)     # train.checkpoint_every's default
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for both modes, e.g. publish.dtype=bfloat16 (a GPU run's default)")
     args = ap.parse_args()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"model {args.model}; {args.iterations} iterations (the first not counted); "
-          f"resident: a full checkpoint every {args.checkpoint_every}")
+          f"resident: a full checkpoint every {args.checkpoint_every}; overrides {args.set}")
     with tempfile.TemporaryDirectory(prefix="rlflow-bench-") as tmp:
         os.environ["RLFLOW_CACHE"] = str(Path(tmp) / "cache")
         work = Path(tmp)

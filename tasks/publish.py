@@ -70,7 +70,8 @@ def publish(cfg: Config, iteration: int, mlflow_run_id: str | None = None) -> di
 def _anchor(store: Store, cfg: Config, iteration: int) -> str | None:
     """The whole policy iteration `iteration` may be published as a delta against (None: publish it whole):
     the previous policy if it is whole, else the one that one is built on."""
-    if cfg.train.lora_r or iteration == 1 or iteration % cfg.publish.anchor_every == 0:
+    deltas = cfg.publish.delta == "always" or (cfg.publish.delta == "auto" and store.remote)
+    if not deltas or cfg.train.lora_r or iteration == 1 or iteration % cfg.publish.anchor_every == 0:
         return None                                  # (an adapter is small whole)
     previous = layout.policy(cfg.run.name, iteration - 1)
     manifest = store.manifest(previous)

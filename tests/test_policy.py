@@ -89,7 +89,7 @@ def test_delta_policies_generate_what_whole_ones_do_and_export_whole(tmp_path):
 
     def run(name: str, anchor_every: int):
         cfg = load_config(TINY, [f"store.uri={tmp_path}/store", f"run.name={name}", "publish.dtype=bfloat16",
-                                 f"publish.anchor_every={anchor_every}", "train.lr=1e-5",
+                                 f"publish.anchor_every={anchor_every}", "train.lr=1e-5", "publish.delta=always",
                                  "generate.prompts_per_iteration=4", "generate.num_generations=4"])
         for it in range(1, 6):
             generate(cfg, it, layout.BASE if it == 1 else layout.policy(name, it - 1))
@@ -147,3 +147,18 @@ def test_the_hf_engine_loads_a_next_policy_in_place_exactly(tmp_path):
     fresh = load_model(str(folders[1]))
     mine, theirs = second.state_dict(), fresh.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_deltas_by_default_only_where_readers_download(tmp_path):
+    """publish.delta auto: an S3 store (a generator elsewhere downloads each policy) gets deltas between
+    anchors; a file store links whole policies from their checkpoints (a delta would only cost CPU)."""
+    from tasks.publish import _anchor
+
+    store = Store.open(str(tmp_path / "store"))
+    _policy(tmp_path / "v1", {"w": torch.zeros(4)})
+    store.put_folder(layout.policy("r", 1), tmp_path / "v1")
+    for setting, remote, want in (("auto", False, None), ("auto", True, "r/policy/v000001"),
+                                  ("always", False, "r/policy/v000001"), ("never", True, None)):
+        cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=r", f"publish.delta={setting}"])
+        store.remote = remote
+        assert _anchor(store, cfg, 2) == want, (setting, remote)

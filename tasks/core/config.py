@@ -240,10 +240,15 @@ class PublishConfig(Section):
     """Making a trained policy visible."""
 
     register_model: bool = Field(True, description="Register each published policy as an MLflow model version.")
-    anchor_every: int = Field(10, ge=1, le=1_000_000, description="Every N-th policy is published whole; the "
-                              "ones between as a sparse delta against the last whole one when that is smaller "
-                              "(bf16 policies at RL learning rates). 1 = every policy whole. LoRA adapters are "
-                              "always whole.")
+    delta: Literal["auto", "always", "never"] = Field(
+        "auto", description="Publish policies as sparse deltas against the last whole one when that is smaller "
+                            "(bf16 policies at RL learning rates). auto: on an S3 store, where a generator on "
+                            "another machine downloads each policy; on a file store a whole policy is linked from "
+                            "its checkpoint at no cost, so a delta would only spend CPU. LoRA adapters are always "
+                            "whole.")
+    anchor_every: int = Field(10, ge=1, le=1_000_000, description="With deltas, every N-th policy is published "
+                              "whole (an anchor) and the ones between as deltas against it. 1 = every policy "
+                              "whole.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of the published weights (what the generators load). auto: bfloat16 when a "
                             "full model trains in float32 on a GPU, and always with the deepspeed engine; else "

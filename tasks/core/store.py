@@ -85,6 +85,7 @@ class Store:
     """Base: folder-level logic (manifests, verification, pointers) over a few byte-level primitives."""
 
     root: str  # URI of the store root, e.g. file:///abs/path or s3://bucket/prefix
+    remote: bool = False    # readers elsewhere download what it holds (S3); a file store is read in place
 
     # ---- primitives each backend implements
     def _put_file(self, key: str, src: Path) -> None: raise NotImplementedError
@@ -439,6 +440,8 @@ class S3Store(Store):
     PUT, exists. Each PUT is atomic, so a killed upload leaves at most a folder without a manifest, which every
     reader refuses and the next writer overwrites.
     """
+
+    remote = True
 
     def __init__(self, uri: str, cfg=None):
         import boto3
