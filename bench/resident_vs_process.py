@@ -7,12 +7,14 @@ iteration), the same config and seeds, side by side on this machine.
     python bench/resident_vs_process.py --set publish.dtype=bfloat16       # fp32 training, bf16 policies (GPU)
 
 Both sides run the four stage functions in a loop on a local file store (no Prefect, no MLflow: what differs
-is the trainer), 8 completions of <= 4 tokens per iteration. Printed per mode, over the iterations after the
-first (which pays the process mode's and the resident trainer's start alike): wall time per iteration, its
-compute (sampling + the optimiser passes, from the stage metrics) and the rest (I/O: loading, checkpoints,
-publishing), bytes written to the store per iteration; then the resident trainer is SIGKILLed and the time to
-its first new step (restore + replay + step) is compared with the time to read its newest full checkpoint;
-then the bytes of a bf16 policy published as a delta against whole. Both modes must publish the same
+is the trainer), 8 completions of <= 4 tokens per iteration, rewards replaced by seeded random numbers (so
+every update moves the weights). Printed per mode, over the iterations after the first (which pays the
+process mode's and the resident trainer's start alike): wall time per iteration without the reward stage,
+its compute (sampling + the optimiser passes, from the stage metrics) and the rest (I/O: loading,
+checkpoints, publishing), bytes added to the store's disk per iteration (a linked file counts once); then
+the resident trainer is SIGKILLed and the time to its first new step (restore + replay + step) is compared
+with the time to read its newest full checkpoint; then the bytes of a bf16 policy published as a delta
+against whole (publish.delta=always: on a file store auto publishes whole). Both modes must publish the same
 policies (asserted: bit-identical on a CPU).
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import signal
@@ -32,7 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tasks.core import layout  # noqa: E402
+import torch  # noqa: E402
+
+from tasks.core import layout, rollout  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.policy import materialize  # noqa: E402
 from tasks.core.store import open_store, sha256_file  # noqa: E402
@@ -52,27 +57,67 @@ def overrides(args, work: Path, name: str, mode: str, extra=()) -> list[str]:
             f"train.lr={args.lr}", "train.device=cpu", "publish.register_model=false", *args.set, *extra]
 
 
-def written(store, keys: list[str]) -> int:
-    return sum(f["size"] for key in keys if (m := store.manifest(key)) for f in m["files"].values())
+def written(store, keys: list[str], seen: set) -> int:
+    """Bytes these (file store) folders added to the disk: a file linked from another one (a whole policy
+    published from its checkpoint, a lean checkpoint's policy) counts once."""
+    total = 0
+    for key in keys:
+        for path in (store.path / key).rglob("*") if (store.path / key).is_dir() else ():
+            st = path.stat()
+            if path.is_file() and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def score(cfg, it: int) -> None:
+    """The reward stage, then seeded random rewards in its place: a random-init model earns almost none, and
+    groups of equal rewards (zero advantages) would leave the weights unchanged, which is not what a run
+    that learns publishes (the same numbers in both modes)."""
+    reward(cfg, it)
+    store, g = open_store(cfg), torch.Generator().manual_seed(it)
+    with tempfile.TemporaryDirectory() as tmp:
+        store.get_folder(layout.rewards(cfg.run.name, it), Path(tmp) / "in")
+        records = rollout.read(Path(tmp) / "in")
+        for r in records:
+            r.reward = float(torch.rand((), generator=g))
+        (Path(tmp) / "out").mkdir()
+        rollout.write(records, Path(tmp) / "out")
+        store.delete_folder(layout.rewards(cfg.run.name, it))
+        store.put_folder(layout.rewards(cfg.run.name, it), Path(tmp) / "out", meta={"iteration": it})
 
 
 def iteration(cfg, it: int) -> dict:
     run = cfg.run.name
     t0 = time.perf_counter()
     g = generate(cfg, it, layout.BASE if it == 1 else layout.policy(run, it - 1))["metrics"]
-    reward(cfg, it)
+    t1 = time.perf_counter()
+    score(cfg, it)
+    t2 = time.perf_counter()
     t = train(cfg, it)["metrics"]
     publish(cfg, it)
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 - (t2 - t1)         # (the reward stage does not differ between the modes)
     compute = g["generate/sampling_seconds"] + t["train/update_seconds"]
-    keys = [layout.rollouts(run, it), layout.rewards(run, it), layout.checkpoint(run, it), layout.policy(run, it),
+    return {"wall": wall, "compute": compute, "io": wall - compute}
+
+
+def keys_of(run: str, it: int) -> list[str]:
+    return [layout.rollouts(run, it), layout.rewards(run, it), layout.checkpoint(run, it), layout.policy(run, it),
             layout.full_checkpoint(run, it)]
-    return {"wall": wall, "compute": compute, "io": wall - compute, "bytes": written(open_store(cfg), keys)}
 
 
 def run_mode(args, work: Path, mode: str) -> tuple[list[dict], object]:
     cfg = load_config(CONFIG, overrides(args, work, mode, mode))
     rows = [iteration(cfg, it) for it in range(1, args.iterations + 1)]
+    store, deadline = open_store(cfg), time.monotonic() + 300
+    fulls = [layout.full_checkpoint(mode, k) for k in range(args.checkpoint_every, args.iterations + 1,
+                                                            args.checkpoint_every)]
+    while mode == "resident" and time.monotonic() < deadline and not all(store.manifest(k) for k in fulls):
+        time.sleep(0.5)                                  # background full checkpoints: counted once committed
+    seen: set = set()
+    written(store, keys_of(mode, 1), seen)
+    for it, row in enumerate(rows[1:], start=2):
+        row["bytes"] = written(store, keys_of(mode, it), seen)
     return rows, cfg
 
 
@@ -92,8 +137,10 @@ def resume_after_kill(cfg, iterations: int) -> dict:
 
     it = iterations + 1
     generate(cfg, it, layout.policy(run, it - 1))
-    reward(cfg, it)
+    score(cfg, it)
     key, full_at = newest_full(store, run, it - 1)
+    if key is None:
+        raise SystemExit("no full checkpoint to resume from: run more iterations than --checkpoint-every")
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         store.get_folder(key, Path(tmp))
@@ -101,14 +148,17 @@ def resume_after_kill(cfg, iterations: int) -> dict:
     t0 = time.perf_counter()
     m = train(cfg, it)["metrics"]
     first_step = time.perf_counter() - t0
+    served = [line for line in (state_dir() / f"{run}.log").read_text().splitlines()
+              if line.startswith(f"train {it}: ok in ")]
     return {"read_full": read, "first_step": first_step, "replayed": it - 1 - full_at,
-            "update": m["train/update_seconds"]}
+            "update": m["train/update_seconds"], "served": float(served[-1].split()[-2]) if served else math.nan}
 
 
 def delta_bytes(args, work: Path) -> dict:
     """A bf16 policy (what a GPU run publishes) at a real RL learning rate: delta vs whole bytes."""
     cfg = load_config(CONFIG, overrides(args, work, "bf16", "resident",
-                                        ["publish.dtype=bfloat16", "train.lr=1e-6", "publish.anchor_every=10"]))
+                                        ["publish.dtype=bfloat16", "train.lr=1e-6", "publish.anchor_every=10",
+                                         "publish.delta=always"]))
     for it in (1, 2, 3):
         iteration(cfg, it)
     train(cfg, 0, finish=True)
@@ -150,8 +200,8 @@ def main() -> None:
               f"{p['io'] / max(r['io'], 1e-9):.2f}x less; {p['bytes'] / max(r['bytes'], 1):.2f}x fewer bytes")
         k = resume_after_kill(cfg, args.iterations)
         print(f"resume after a SIGKILL: first new step {k['first_step']:.2f} s (replayed {k['replayed']} "
-              f"iteration(s), its update {k['update']:.2f} s) vs reading the newest full checkpoint "
-              f"{k['read_full']:.2f} s")
+              f"iteration(s), its update {k['update']:.2f} s; the new trainer's own time {k['served']:.2f} s, lazy "
+              f"imports included) vs reading the newest full checkpoint {k['read_full']:.2f} s")
         train(cfg, 0, finish=True)
         d = delta_bytes(args, work)
         print(f"bf16 policy at lr 1e-6: whole {d['whole'] / 1e6:.1f} MB, delta {d['delta'] / 1e3:.1f} kB "
