@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=60)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
-    ap.add_argument("--mode", default="auto", help="rlflow's train.mode (auto: resident with the torch engine)")
+    ap.add_argument("--mode", default="auto", help="rlflow's train.mode (auto: resident)")
     ap.add_argument("--threshold", type=float, default=0.5, help="reward for the time-to-threshold line")
     args = ap.parse_args()
     out = Path(args.out)
