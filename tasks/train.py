@@ -41,6 +41,9 @@ def train(cfg: Config, iteration: int, finish: bool = False) -> dict:
     """Update the policy on iteration `iteration`'s scored rollouts; returns {key, uri, metrics}."""
     if finish:
         return finish_trainer(cfg)
+    if cfg.resident_trainer and distributed_by_hand():   # (auto never picks resident there)
+        raise UserError("train.mode: resident keeps one trainer (or one torchrun group) on one machine; on "
+                        "several nodes or inside torchrun use train.mode process (or auto)")
     store = open_store(cfg)
     run, tc = cfg.run.name, cfg.train
     key = layout.checkpoint(run, iteration)
@@ -61,9 +64,6 @@ def train(cfg: Config, iteration: int, finish: bool = False) -> dict:
     if cfg.resident_trainer:
         from tasks.engines.resident import ResidentTrainer
 
-        if distributed_by_hand():
-            raise UserError("train.mode: resident keeps one trainer (or one torchrun group) on one machine; on "
-                            "several nodes or inside torchrun use train.mode process (or auto)")
         ResidentTrainer(cfg).train(iteration, fp)
         if (done := reuse(store, key, fp)) is None:
             raise RuntimeError(f"train[iter {iteration}]: the resident trainer answered without writing "

@@ -20,6 +20,7 @@ import pytest
 
 from tasks.core import layout
 from tasks.core.config import load_config
+from tasks.core.errors import UserError
 from tasks.core.processes import alive
 from tasks.core.store import open_store
 from tasks.engines.resident import ResidentTrainer, state_dir
@@ -203,3 +204,20 @@ def test_a_bf16_policy_keeps_the_trainers_fp32_weights_exact(tmp_path, monkeypat
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
     _finish(resident)
+
+
+def test_auto_is_resident_on_one_machine_and_an_explicit_resident_on_several_nodes_is_one_line(tmp_path,
+                                                                                               monkeypatch):
+    """auto: resident with either engine on one machine (DeepSpeed: one torchrun group); process on several
+    nodes (NNODES, as sky/train.yaml sets it) and inside a torchrun started by hand; train.mode resident there
+    is refused before anything is read or written."""
+    for engine in ("torch", "deepspeed"):
+        assert load_config(TINY, [f"train.engine={engine}"]).resident_trainer
+    auto, explicit = load_config(TINY, ["train.engine=deepspeed"]), _cfg(tmp_path, "nodes")
+    for var, value in (("NNODES", "2"), ("RANK", "0")):
+        with monkeypatch.context() as m:
+            m.setenv(var, value)
+            assert not auto.resident_trainer and explicit.resident_trainer
+            with pytest.raises(UserError, match="train.mode: resident keeps one trainer"):
+                train(explicit, 1)
+    assert not (tmp_path / "store").exists()
