@@ -312,14 +312,15 @@ def test_a_resident_group_trains_as_the_torch_engine_and_resumes_after_a_kill(ro
     upload in the background. Its process 0 is SIGKILLed in iteration 3 (trained, nothing written): torchrun
     stops the other, the stage fails; the retry starts a new group, which restores full-2 (or, if its upload
     had not finished, the base model) and replays. Every iteration's update equals the torch engine's; finish
-    writes full-3 and the group exits."""
+    writes full-3 and the group exits. A user error in the group reaches the stage as one."""
     from tasks.engines.resident import ResidentTrainer
 
     ref = _torch_reference("dapo", rollouts, tmp_path_factory)
     monkeypatch.setenv("RLFLOW_DRILL", "lean-write:3")
     monkeypatch.setenv("RLFLOW_DRILL_ONCE", str(tmp_path / "drilled"))
-    cfg = _config(tmp_path, rollouts, ["train.engine=deepspeed", "train.zero_stage=2", "train.num_processes=2",
-                                       "train.mode=resident", "train.checkpoint_every=2"], iterations=(1, 2, 3))
+    extra = ["train.engine=deepspeed", "train.zero_stage=2", "train.num_processes=2", "train.mode=resident",
+             "train.checkpoint_every=2"]
+    cfg = _config(tmp_path, rollouts, extra, iterations=(1, 2, 3, 4))
     trainer, store = ResidentTrainer(cfg), Store.open(cfg.store)
     try:
         metrics = [train(cfg, it)["metrics"] for it in (1, 2)]
@@ -339,6 +340,15 @@ def test_a_resident_group_trains_as_the_torch_engine_and_resumes_after_a_kill(ro
     finally:
         ResidentTrainer(cfg).finish()
     assert not trainer.path.exists()
+    # A user error inside the group (every process finds full-3 written at another ZeRO stage) reaches the
+    # stage as one line, not as a lost trainer.
+    other = load_config(TINY, [*COMMON, f"store.uri={tmp_path}/store", *extra, "train.zero_stage=1"])
+    try:
+        with pytest.raises(UserError, match="train.zero_stage: .* ZeRO stage 2"):
+            train(other, 4)
+    finally:
+        ResidentTrainer(other).finish()
+    assert store.manifest(layout.checkpoint(RUN, 4)) is None
     fp32 = _fp32_weights(store, 3, tmp_path / "fp32", key=layout.full_checkpoint(RUN, 3))
     for name, want in ref["weights3"].items():
         assert (fp32[name] - want).abs().max() <= WEIGHT_ATOL, name

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 START_TIMEOUT = 1800.0           # seconds a new trainer may take to import torch and answer (not to load a model)
 MARKER = "tasks.engines.resident"
+FOLLOWER_GRACE = 30.0            # seconds a failed follower waits for process 0 to end the group (see follow)
 
 
 def state_dir() -> Path:
@@ -185,13 +186,20 @@ def _stop(path: Path, state: dict) -> None:
 
 
 def _kill(pid: int | None) -> None:
+    """SIGTERM, then SIGKILL: the trainer and everything in its process group (spawn_detached gave it one of
+    its own: a torchrun group's workers too, which would outlive a killed torchrun)."""
     import signal
 
     if not pid or not _is_trainer(pid):
         return
+    try:
+        group = os.getpgid(pid)
+    except ProcessLookupError:
+        return
+    own = group == os.getpgid(0)
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         try:
-            os.kill(pid, sig)
+            os.kill(pid, sig) if own else os.killpg(group, sig)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + wait
@@ -383,7 +391,10 @@ def follow(host: Host, group: Group) -> None:
     """A group's process other than 0: run each request process 0 shares, in step with it. Any failure ends the
     group (process 0 reports it to the stage)."""
     while True:
-        message = group.receive()
+        try:
+            message = group.receive()
+        except BaseException:  # noqa: BLE001 - process 0 is gone: so is the group
+            group.stop(1)
         try:
             if message["op"] == "train":
                 host.train(message["iteration"], message["fingerprint"])
@@ -394,6 +405,10 @@ def follow(host: Host, group: Group) -> None:
                 os._exit(0)                     # (process 0 exits once it has answered; then torchrun)
         except BaseException:  # noqa: BLE001 - the group is out of step now: end it
             traceback.print_exc()
+            # Process 0, if it failed the same way (a user error), answers the stage and then ends the group
+            # (torchrun stops us during this wait); if only this process failed, process 0 waits in a
+            # collective, and this ends the group.
+            time.sleep(FOLLOWER_GRACE)
             group.stop(1)
 
 
@@ -413,14 +428,17 @@ def _answer(conn, host: Host, group: Group, state_path: Path, busy: threading.Lo
                 last_used[0] = time.monotonic()
             print(f"{message['op']} {message.get('iteration', '')}: {reply[0]} in {time.perf_counter() - t0:.3f} s",
                   flush=True)
+        # After finish, and after a failure in a group (whose processes may be out of step: a retry starts a new
+        # group), this trainer exits: it is forgotten first, so no stage finds it on its way out.
+        ending = message.get("op") == "finish" or (reply[0] != "ok" and group.size > 1)
+        if ending:
+            _forget(state_path, group)
         try:
             conn.send(reply)
         except OSError:
             pass
-    if message.get("op") == "finish":
-        _exit(state_path, group, 0)
-    if reply[0] != "ok" and group.size > 1:     # the others may be out of step: a retry starts a new group
-        _exit(state_path, group, 1)
+    if ending:
+        _exit(state_path, group, 0 if message.get("op") == "finish" else 1)
 
 
 def _handle(host: Host, group: Group, message: dict) -> tuple[str, object]:
@@ -467,12 +485,17 @@ def _watch(host: Host, group: Group, state_path: Path, busy: threading.Lock, las
                 _exit(state_path, group, 0)
 
 
-def _exit(state_path: Path, group: Group, code: int) -> None:
+def _forget(state_path: Path, group: Group) -> None:
+    """Remove the state file if it still names this trainer."""
     try:
         if json.loads(state_path.read_text()).get("pid") == group.pid:
             state_path.unlink()
     except (OSError, ValueError):
         pass
+
+
+def _exit(state_path: Path, group: Group, code: int) -> None:
+    _forget(state_path, group)
     if code == 0:
         sys.stdout.flush()
         os._exit(0)         # the others exit by themselves (they ran the same finish)
