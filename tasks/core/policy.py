@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -107,9 +108,8 @@ def _estimate(folder: Path, anchor: Path, rels: list[str]) -> float:
             theirs = set(g.keys())
             for name in f.keys():
                 new = f.get_slice(name)
-                shape, numel = new.get_shape(), 1
-                for n in shape:
-                    numel *= n
+                shape = new.get_shape()
+                numel = math.prod(shape)
                 old = g.get_slice(name) if name in theirs else None
                 if old is None or old.get_shape() != shape or old.get_dtype() != new.get_dtype() or not shape:
                     total += numel * _SIZE.get(new.get_dtype(), 8)      # stored whole
