@@ -27,7 +27,7 @@ from tasks.algorithms.batching import pad_batch
 from tasks.algorithms.logprobs import completion_logprobs
 from tasks.core import layout, rollout
 from tasks.core.config import load_config
-from tasks.core.models import add_lora, base_path, load_model, load_policy, load_tokenizer, local_folder, policy_path
+from tasks.core.models import add_lora, base_path, load_model, load_policy, load_tokenizer, policy_path
 from tasks.core.store import Store
 from tasks.engines.vllm_server import VLLMServer, state_dir
 from tasks.generate import generate
@@ -50,7 +50,7 @@ def _cfg(tmp_path, name: str, extra=()):
 
 
 def _records(cfg, iteration: int) -> list[rollout.Rollout]:
-    return rollout.read(local_folder(Store.open(cfg.store), layout.rollouts(cfg.run.name, iteration)))
+    return rollout.read(Store.open(cfg.store).local(layout.rollouts(cfg.run.name, iteration)))
 
 
 def _trainer_logprobs(cfg, path: str, records) -> tuple[torch.Tensor, torch.Tensor]:

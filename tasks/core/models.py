@@ -12,7 +12,7 @@ import torch
 from tasks.core import builtin_models, layout
 from tasks.core.errors import UserError
 from tasks.core.policy import materialize
-from tasks.core.store import Store, open_store
+from tasks.core.store import open_store
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, TrainConfig
@@ -35,12 +35,6 @@ def policy_dtype(cfg: Config) -> str:
         return "bfloat16"
     full_fp32_on_gpu = cfg.model.dtype == "float32" and not cfg.train.lora_r and device_for(cfg).type == "cuda"
     return "bfloat16" if full_fp32_on_gpu else cfg.model.dtype
-
-
-def local_folder(store: Store, key: str) -> Path:
-    """A complete store folder on this machine, verified (Store.local: a file store's own folder, else the
-    local cache, downloading only what is not there yet)."""
-    return store.local(key)
 
 
 def policy_path(cfg: Config, policy: str) -> str:

@@ -151,7 +151,7 @@ class Store:
             remember_sha256(p, files[rel]["sha256"])
         manifest = {"format": 1, "created": time.time(), "files": files, "meta": meta or {}}
         self._commit_folder(key, staged, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        if keep_local is not None and not isinstance(self, FileStore):
+        if keep_local is not None and self.remote:
             _link_files({rel: folder / rel for rel in files if keep_local(rel)}, self.local_cache(key), give_up)
         return manifest
 
@@ -167,7 +167,7 @@ class Store:
         manifest = {"format": 1, "created": time.time(), "files": files, "meta": meta or {}}
         self._commit_folder(dst, staged, json.dumps(manifest, indent=1, sort_keys=True).encode())
         cached = self.local_cache(src)
-        if not isinstance(self, FileStore) and cached.is_dir():    # the source is here: so is the copy
+        if self.remote and cached.is_dir():    # the source is here: so is the copy
             _link_files({rel: cached / (prefix + rel) for rel in files
                          if (cached / (prefix + rel)).is_file()}, self.local_cache(dst))
         return manifest

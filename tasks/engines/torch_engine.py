@@ -29,7 +29,6 @@ from tasks.core.models import (
     load_model,
     load_policy,
     load_tokenizer,
-    local_folder,
     policy_dtype,
 )
 from tasks.engines.training import rng_state, seed_all, set_rng_state
@@ -69,7 +68,7 @@ class TorchEngine:
         tc = cfg.train
         device = device_for(cfg)
         if previous:
-            folder = local_folder(store, previous)
+            folder = store.local(previous)
             model_path = str(folder / layout.CKPT_MODEL)
             state = json.loads((folder / layout.CKPT_STATE).read_text())
             if (engine := state.get("engine", "torch")) != "torch":
