@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from tasks.core.processes import alive as _alive
+from tasks.core.processes import group_members
 from tasks.core.processes import spawn_detached as _spawn_detached
 from tasks.engines.vllm_offline import worker_env
 from tasks.engines.vllm_server import Server
-from tasks.engines.vllm_watchdog import vllm_members as _vllm_members
 
 IDLE = 2.0
 
@@ -47,7 +47,7 @@ def _wait(condition, seconds: float) -> bool:
 
 
 def _watchdog(state: dict) -> list[int]:
-    return [p for p in _vllm_members(state["pgid"]) if p != state["pid"]]
+    return [p for p in group_members(state["pgid"], "vllm") if p != state["pid"]]
 
 
 def test_an_unused_server_is_stopped_and_a_used_one_is_not(tmp_path):

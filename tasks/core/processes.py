@@ -10,6 +10,7 @@ import os
 import shlex
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,3 +96,40 @@ def spawn_detached(argv: list[str], env: dict[str, str], watch: list[str] | None
     pid = int(sh.stdout.readline().strip())
     sh.wait()
     return pid
+
+
+def group_members(pgid: int, marker: str) -> list[int]:
+    """Live processes of process group `pgid` whose command line contains `marker` (compared lower-case)."""
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (proc / "stat").read_text().rsplit(") ", 1)[1].split()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").lower()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z" and marker in cmdline:
+            out.append(int(proc.name))
+    return out
+
+
+def terminate_members(pgid: int | None, marker: str, wait: float) -> None:
+    """SIGTERM the processes of process group `pgid` whose command line contains `marker`, SIGKILL those left
+    after `wait` s. Only those processes are signalled, in case the group id was reused; never this process.
+    (A process started by spawn_detached leads a group of its own: a vLLM server's, a resident trainer's.)"""
+    if not pgid:
+        return
+    for sig, after in ((signal.SIGTERM, wait), (signal.SIGKILL, 5.0)):
+        if not Path("/proc").is_dir():                  # (no /proc, e.g. macOS: the whole group)
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+        pids = [p for p in group_members(pgid, marker) if p != os.getpid()]
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + after
+        while pids and any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)

@@ -47,7 +47,7 @@ import yaml
 from tasks.core import layout
 from tasks.core.errors import UserError
 from tasks.core.paths import REPO_ROOT, cache_root
-from tasks.core.processes import alive, spawn_detached
+from tasks.core.processes import alive, spawn_detached, terminate_members
 from tasks.engines.training import lean_files, newest_full, restore, update, write_checkpoint
 
 if TYPE_CHECKING:
@@ -186,27 +186,14 @@ def _stop(path: Path, state: dict) -> None:
 
 
 def _kill(pid: int | None) -> None:
-    """SIGTERM, then SIGKILL: the trainer and everything in its process group (spawn_detached gave it one of
-    its own: a torchrun group's workers too, which would outlive a killed torchrun)."""
-    import signal
-
+    """SIGTERM, then SIGKILL: the trainer and the trainer processes of its process group (spawn_detached gave
+    it one of its own: a torchrun group's workers too, which would outlive a killed torchrun)."""
     if not pid or not _is_trainer(pid):
         return
     try:
-        group = os.getpgid(pid)
+        terminate_members(os.getpgid(pid), MARKER, 10.0)
     except ProcessLookupError:
-        return
-    own = group == os.getpgid(0)
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.kill(pid, sig) if own else os.killpg(group, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not alive(pid):
-            return
+        pass
 
 
 def _is_trainer(pid: int) -> bool:

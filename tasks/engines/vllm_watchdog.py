@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
-from tasks.core.processes import alive
+from tasks.core.processes import alive, terminate_members
 
 
 def watch(state_path: Path, idle_seconds: float, poll: float, pid: int) -> str:
@@ -47,39 +46,9 @@ def watch(state_path: Path, idle_seconds: float, poll: float, pid: int) -> str:
 
 
 def terminate_group(pgid: int | None) -> None:
-    """SIGTERM the vLLM processes of process group `pgid`, SIGKILL after 30 s. Only processes of that group
-    that are vLLM's (or its watchdog) are signalled, in case the group id was reused; never this process."""
-    if not pgid:
-        return
-    for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)):
-        if not Path("/proc").is_dir():                  # (no /proc, e.g. macOS: the whole group)
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                pass
-        pids = [p for p in vllm_members(pgid) if p != os.getpid()]
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        while pids and any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-
-def vllm_members(pgid: int) -> list[int]:
-    """Live processes of process group `pgid` whose command line is vLLM's (`... vllm ... serve`, VLLM::*)."""
-    out = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (proc / "stat").read_text().rsplit(") ", 1)[1].split()
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").lower()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z" and "vllm" in cmdline:
-            out.append(int(proc.name))
-    return out
+    """SIGTERM the vLLM processes of process group `pgid` (and this watchdog's siblings: `vllm` is in every
+    command line there), SIGKILL after 30 s; never this process."""
+    terminate_members(pgid, "vllm", 30.0)
 
 
 if __name__ == "__main__":
