@@ -43,30 +43,27 @@ def reward(cfg: Config, iteration: int) -> dict:
 
     t0 = time.perf_counter()
     functions = load_functions(cfg)
+    records = rollout.load(store, src)
+    scored = score_records(functions, records, cfg.reward.aggregate)
+    present = [r.reward for r in records if r.reward is not None]
+    metrics = {"reward/mean": sum(present) / max(len(present), 1),
+               "reward/std": _std(present),
+               "reward/missing_share": 1 - len(present) / len(records),
+               "reward/seconds": time.perf_counter() - t0}
+    for name, vals in scored.scores.items():
+        got = [v for v in vals if v is not None]
+        metrics[f"reward/{name}/mean"] = sum(got) / max(len(got), 1)
+        metrics[f"reward/{name}/errors"] = float(name in scored.errors)
+        metrics[f"reward/{name}/nan"] = float(scored.nan.get(name, 0))
+    metrics.update({f"reward/{k}": v for k, v in scored.metrics.items()})
+    n = cfg.tracking.sample_completions
+    step = max(len(records) // max(n, 1), 1)
+    samples = [{"prompt": str(r.prompt), "completion": r.completion, "reward": r.reward,
+                **{f"reward/{k}": v for k, v in r.rewards.items()}, **r.extra} for r in records[::step][:n]]
     with tempfile.TemporaryDirectory(prefix="rlflow-reward-") as tmp:
-        store.get_folder(src, Path(tmp))
-        records = rollout.read(Path(tmp))
-        scored = score_records(functions, records, cfg.reward.aggregate)
-        present = [r.reward for r in records if r.reward is not None]
-        metrics = {"reward/mean": sum(present) / max(len(present), 1),
-                   "reward/std": _std(present),
-                   "reward/missing_share": 1 - len(present) / len(records),
-                   "reward/seconds": time.perf_counter() - t0}
-        for name, vals in scored.scores.items():
-            got = [v for v in vals if v is not None]
-            metrics[f"reward/{name}/mean"] = sum(got) / max(len(got), 1)
-            metrics[f"reward/{name}/errors"] = float(name in scored.errors)
-            metrics[f"reward/{name}/nan"] = float(scored.nan.get(name, 0))
-        metrics.update({f"reward/{k}": v for k, v in scored.metrics.items()})
-        n = cfg.tracking.sample_completions
-        step = max(len(records) // max(n, 1), 1)
-        samples = [{"prompt": str(r.prompt), "completion": r.completion, "reward": r.reward,
-                    **{f"reward/{k}": v for k, v in r.rewards.items()}, **r.extra} for r in records[::step][:n]]
-        out = Path(tmp) / "out"
-        out.mkdir()
-        rollout.write(records, out)
-        manifest = store.put_folder(key, out, meta={"fingerprint": fp, "metrics": metrics, "samples": samples,
-                                                    "errors": scored.errors})
+        rollout.write(records, Path(tmp))
+        manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "metrics": metrics,
+                                                          "samples": samples, "errors": scored.errors})
     return {**result(store, key, manifest), "samples": manifest["meta"]["samples"]}
 
 

@@ -162,3 +162,19 @@ def test_deltas_by_default_only_where_readers_download(tmp_path):
         cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=r", f"publish.delta={setting}"])
         store.remote = remote
         assert _anchor(store, cfg, 2) == want, (setting, remote)
+
+
+def test_a_tokenizer_is_shared_only_between_folders_with_the_same_tokenizer_files(tmp_path):
+    """Every policy folder of a run carries the same tokenizer files: built once (tasks/core/models.py)."""
+    import shutil
+
+    from tasks.core.builtin_models import resolve
+    from tasks.core.models import load_tokenizer
+
+    base = resolve(load_config(TINY).model.name_or_path)
+    for name in ("a", "b", "c"):
+        shutil.copytree(base, tmp_path / name)
+    config = json.loads((tmp_path / "c" / "tokenizer_config.json").read_text())
+    (tmp_path / "c" / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 7}))
+    a, b, c = (load_tokenizer(str(tmp_path / name)) for name in ("a", "b", "c"))
+    assert a is b and c is not a and c.model_max_length == 7 != a.model_max_length

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 MANIFEST = "MANIFEST.json"
 _HASH_CHUNK = 8 << 20
+_REMEMBER_FROM = 4 << 20    # smaller files are hashed again when read (~1 ms per MB): remembering costs more
 
 
 class IncompleteArtifact(Exception):
@@ -58,6 +59,8 @@ def _identity(path: Path) -> Path:
 
 
 def remember_sha256(path: Path, sha: str) -> None:
+    if path.stat().st_size < _REMEMBER_FROM:
+        return
     known = _identity(path)
     known.parent.mkdir(parents=True, exist_ok=True)
     tmp = known.with_name(f".{known.name}.{uuid.uuid4().hex[:8]}")
@@ -67,6 +70,8 @@ def remember_sha256(path: Path, sha: str) -> None:
 
 def known_sha256(path: Path) -> str:
     """The file's sha256: remembered for this exact file (see above), else computed and remembered."""
+    if path.stat().st_size < _REMEMBER_FROM:
+        return sha256_file(path)
     try:
         return _identity(path).read_text()
     except OSError:
@@ -143,10 +148,15 @@ class Store:
         cache), so a large policy costs its upload time, not upload + a hashing pass (docs/benchmarks.md)."""
         folder = Path(folder)
         paths = dict(_local_files(folder))
-        with ThreadPoolExecutor(1, thread_name_prefix="rlflow-sha256") as pool:
-            digests = pool.map(sha256_file, paths.values())
+        sizes = {rel: p.stat().st_size for rel, p in paths.items()}
+        if sum(sizes.values()) < _REMEMBER_FROM:           # small (rollouts, rewards): a thread costs more
+            digests = [sha256_file(p) for p in paths.values()]
             staged = self._write_files(key, folder, list(paths), give_up)
-            files = {rel: {"size": p.stat().st_size, "sha256": d} for (rel, p), d in zip(paths.items(), digests)}
+        else:
+            with ThreadPoolExecutor(1, thread_name_prefix="rlflow-sha256") as pool:
+                digests = list(pool.map(sha256_file, paths.values()))
+                staged = self._write_files(key, folder, list(paths), give_up)
+        files = {rel: {"size": sizes[rel], "sha256": d} for rel, d in zip(paths, digests)}
         for rel, p in paths.items():                        # what we just hashed, we know
             remember_sha256(p, files[rel]["sha256"])
         manifest = {"format": 1, "created": time.time(), "files": files, "meta": meta or {}}

@@ -125,9 +125,7 @@ def update(engine: TrainingEngine, cfg: Config, store: Store, iteration: int, t0
     (`t0`: when the stage started, for train/seconds)."""
     t0 = time.perf_counter() if t0 is None else t0
     tc = cfg.train
-    with tempfile.TemporaryDirectory(prefix="rlflow-train-") as tmp:
-        store.get_folder(layout.rewards(cfg.run.name, iteration), Path(tmp))
-        records = rollout.read(Path(tmp))
+    records = rollout.load(store, layout.rewards(cfg.run.name, iteration))
     rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
     advantages = group_advantages(rewards, cfg.generate.num_generations, tc.scale_rewards)   # (N,)
     batches = shard_batches(records, advantages, engine.tokenizer.pad_token_id, tc, engine.device, engine.rank,
