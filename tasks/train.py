@@ -11,11 +11,12 @@ several processes, started here with torchrun when no torchrun started us).
   process   this stage's process: it restores the trainer from the newest full checkpoint (normally
             ckpt-(N-1); any iterations after it are replayed from their stored rewards), trains, and writes
             ckpt-N in full (model + optimizer + RNG + data cursor);
-  resident  a trainer process per run that outlives the stage (tasks/engines/resident.py): the stage sends it
-            "train iteration N"; it writes ckpt-N lean (the policy alone) and a full checkpoint every
-            train.checkpoint_every iterations (deepspeed: a torchrun group of train.num_processes, its
-            process 0 answering). `--finish` asks it for a full checkpoint of its last iteration and stops
-            it (the flow does this when it ends).
+  resident  a trainer per run that outlives the stage (tasks/engines/resident.py), held by the calling process
+            (train.host caller: the flow's own with the inline launcher) or a process of its own (detached:
+            `python -m tasks.train` stages, deepspeed): the stage asks it "train iteration N"; it writes
+            ckpt-N lean (the policy alone) and a full checkpoint every train.checkpoint_every iterations
+            (deepspeed: a torchrun group of train.num_processes, its process 0 answering). `--finish` asks
+            it for a full checkpoint of its last iteration and stops it (the flow does this when it ends).
 Both give the same weights, bit for bit on a CPU.
 """
 
@@ -62,9 +63,9 @@ def train(cfg: Config, iteration: int, finish: bool = False) -> dict:
             store.advance_pointer(layout.latest(run, "trainer"), key)  # a kill may have come between the two
         return done
     if cfg.resident_trainer:
-        from tasks.engines.resident import ResidentTrainer
+        from tasks.engines.resident import resident_trainer
 
-        ResidentTrainer(cfg).train(iteration, fp)
+        resident_trainer(cfg).train(iteration, fp)
         if (done := reuse(store, key, fp)) is None:
             raise RuntimeError(f"train[iter {iteration}]: the resident trainer answered without writing "
                                f"{store.uri(key)}")
@@ -91,12 +92,15 @@ def train(cfg: Config, iteration: int, finish: bool = False) -> dict:
 
 
 def finish_trainer(cfg: Config) -> dict:
-    """Stop the run's resident trainer on this machine, after a full checkpoint of its last iteration."""
+    """Stop the run's resident trainer on this machine, after a full checkpoint of its last iteration: the one
+    this process holds (train.host caller) and a detached one (a flow's inline finish after local stages)."""
     if not cfg.resident_trainer:
         return {"finished": None}
-    from tasks.engines.resident import ResidentTrainer
+    from tasks.engines.resident import CallerTrainer, ResidentTrainer
 
-    return {"finished": ResidentTrainer(cfg).finish()}
+    held = CallerTrainer(cfg).finish()
+    detached = ResidentTrainer(cfg).finish()
+    return {"finished": held if held is not None else detached}
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def test_a_resident_lora_trainer_killed_midway_publishes_what_process_mode_does(
     full ones every 2; killed before iteration 3's write, it restores full-2 and replays: same adapters."""
     extra = ["train.num_iterations=2", "train.checkpoint_every=2"]
     process = _cfg(tmp_path / "p", "lp", [*extra, "train.mode=process"])
-    resident = _cfg(tmp_path / "r", "lr", [*extra, "train.mode=resident"])
+    resident = _cfg(tmp_path / "r", "lr", [*extra, "train.mode=resident", "train.host=detached"])
     monkeypatch.setenv("RLFLOW_DRILL", "lean-write:3")
     monkeypatch.setenv("RLFLOW_DRILL_ONCE", str(tmp_path / "drilled"))
     for it in (1, 2, 3, 4):

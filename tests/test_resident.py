@@ -1,5 +1,6 @@
 """The resident trainer (train.mode: resident, tasks/engines/resident.py), for real: a detached trainer process
-on the tiny model, driven through the stage functions as the flow drives them.
+(train.host detached) or one held by the calling process (caller), on the tiny model, driven through the
+stage functions as the flow drives them.
 
 The reference is process mode on the same config (every iteration a full checkpoint, a fresh process): the
 resident run must publish the same policies bit for bit, also when its trainer is SIGKILLed anywhere (before
@@ -23,7 +24,7 @@ from tasks.core.config import load_config
 from tasks.core.errors import UserError
 from tasks.core.processes import alive
 from tasks.core.store import open_store
-from tasks.engines.resident import ResidentTrainer, state_dir
+from tasks.engines.resident import ResidentTrainer, resident_trainer, state_dir
 from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
@@ -34,9 +35,9 @@ pytestmark = pytest.mark.slow
 ITERATIONS = 6
 
 
-def _cfg(tmp_path, name: str, mode: str = "resident", extra=()):
+def _cfg(tmp_path, name: str, mode: str = "resident", extra=(), host: str = "detached"):
     return load_config(TINY, [f"store.uri={tmp_path}/store", f"run.name={name}", f"train.mode={mode}",
-                              "train.checkpoint_every=2", "generate.prompts_per_iteration=4",
+                              f"train.host={host}", "train.checkpoint_every=2", "generate.prompts_per_iteration=4",
                               "generate.num_generations=4", "train.lr=1e-2", *extra])
 
 
@@ -103,6 +104,46 @@ def test_a_trainer_killed_anywhere_resumes_bit_identically(reference, tmp_path, 
     assert _finish(cfg) == 6
     log = (state_dir() / f"{name}.log").read_text()
     assert "drill: killing the trainer" in log
+
+
+def test_a_trainer_held_by_the_caller_publishes_the_same_and_starts_no_process(reference, tmp_path):
+    """train.host caller (auto's choice where the stage is a function call, as in the flow's own process)."""
+    cfg = _cfg(tmp_path, "held", host="caller")
+    assert type(resident_trainer(cfg)).__name__ == "CallerTrainer"
+    for it in range(1, ITERATIONS + 1):
+        _iteration(cfg, it)
+    assert not (state_dir() / "held.json").exists()                          # no trainer process
+    assert _policies(cfg) == reference
+    assert _finish(cfg) == 6 and _finish(cfg) is None
+    store = open_store(cfg)
+    assert [it for it in range(1, 7) if store.manifest(layout.full_checkpoint("held", it))] == [2, 4, 6]
+    auto = _cfg(tmp_path, "held", host="auto")
+    assert type(resident_trainer(auto)).__name__ == "CallerTrainer"
+    with pytest.raises(UserError, match="host: caller holds the trainer in the calling process"):
+        _cfg(tmp_path, "held", extra=["train.engine=deepspeed"], host="caller")
+
+
+@pytest.mark.drill
+def test_a_caller_killed_inside_a_background_checkpoint_resumes_bit_identically(reference, tmp_path):
+    """The caller holding the trainer is the process that dies (SIGKILL while its thread writes full-4, ckpt-4
+    committed): a new process, as a flow's rerun, reuses iteration 4, restores full-2 for iteration 5,
+    replays 3 and 4 and goes on."""
+    script = (f"import sys; from pathlib import Path; sys.path.insert(0, {str(ROOT)!r})\n"
+              "from tests.test_resident import _cfg, _iteration, ITERATIONS\n"
+              f"cfg = _cfg(Path({str(tmp_path)!r}), 'held-kill', host='auto')\n"
+              "for it in range(1, ITERATIONS + 1):\n    _iteration(cfg, it)\n")
+    env = {**os.environ, "RLFLOW_DRILL": "full-upload:4", "RLFLOW_DRILL_ONCE": str(tmp_path / "drilled")}
+    first = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == -9 and (tmp_path / "drilled").exists(), first.stderr[-2000:]
+    second = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    cfg = _cfg(tmp_path, "held-kill")
+    assert _policies(cfg) == reference
+    store = open_store(cfg)
+    assert store.manifest(layout.full_checkpoint("held-kill", 4)) is None      # the killed write left nothing
+    assert store.manifest(layout.full_checkpoint("held-kill", 6)) is not None  # (5 replayed 3 and 4 from full-2)
 
 
 def test_process_mode_resumes_from_a_resident_runs_lean_checkpoints(reference, tmp_path):

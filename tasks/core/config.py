@@ -177,6 +177,15 @@ class TrainConfig(Section):
                     "train.num_processes on the train machine). auto: resident, except on several nodes "
                     "(NNODES > 1), inside a torchrun started by hand, and with launcher.managed_jobs for a sky "
                     "train stage. Both give the same weights.")
+    host: Literal["auto", "caller", "detached"] = Field(
+        "auto", json_schema_extra=HOW_NOT_WHAT,
+        description="resident: where the trainer lives. caller: in the process that calls the train stage (the "
+                    "flow's own with the inline launcher), ending with it: no process to start, no second copy of "
+                    "torch in memory. detached: a process of its own on the train machine that outlives the stage "
+                    "processes and is found again by later ones. auto: caller when the train stage is a function "
+                    "call in a longer-lived process (the inline launcher, Python code) and the engine is torch; "
+                    "detached for a stage process of its own (`python -m tasks.train`: the local and sky "
+                    "launchers) and for deepspeed (a torchrun group).")
     checkpoint_every: int = Field(10, ge=1, le=1_000_000, json_schema_extra=HOW_NOT_WHAT,
                                   description="resident: a full checkpoint (model + optimizer + RNG + data "
                                   "cursor) every N iterations, written in the background; a resume replays at "
@@ -233,6 +242,9 @@ class TrainConfig(Section):
     def _engine_supports(self):
         if self.lora_r and self.engine == "deepspeed":
             raise ValueError("lora_r > 0 needs engine: torch (the deepspeed engine trains full weights only)")
+        if self.host == "caller" and self.engine == "deepspeed":
+            raise ValueError("host: caller holds the trainer in the calling process; the deepspeed engine needs a "
+                             "torchrun group of its own: use host detached (or auto)")
         return self
 
 

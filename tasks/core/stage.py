@@ -60,6 +60,14 @@ def parse_overrides_json(text: str) -> list[str]:
     return items
 
 
+_OWN_PROCESS = False
+
+
+def in_stage_process() -> bool:
+    """Whether this process was started for one stage run (`python -m tasks.<stage>`), so ends with it."""
+    return _OWN_PROCESS
+
+
 def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, takes_tracking: bool = False,
               takes_finish: bool = False) -> None:
     """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY]`; prints the result JSON."""
@@ -79,6 +87,8 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
         ap.add_argument("--finish", action="store_true", help="stop the run's resident trainer here, after a "
                         "full checkpoint of its last iteration (what the flow does when it ends)")
     args = ap.parse_args()
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
     try:
         cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
         kwargs = {}

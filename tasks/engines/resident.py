@@ -66,17 +66,67 @@ def state_dir() -> Path:
 
 def trainer_key(cfg: Config) -> str:
     """What a running trainer must have been started with to serve this config: everything but the sections
-    that cannot change a trainer's result or its files (tracking, launcher, cost, eval)."""
+    that cannot change a trainer's result or its files (tracking, launcher, cost, eval), and where it runs
+    (train.mode, train.host: a stage process asking with host auto finds the one a detached request started)."""
     tree = cfg.model_dump(mode="json")
     for section in ("tracking", "launcher", "cost", "eval"):
         tree.pop(section)
+    for field in ("mode", "host"):
+        tree["train"].pop(field)
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------------ the stage's side
 
+def resident_trainer(cfg: Config) -> ResidentTrainer | CallerTrainer:
+    """The train stage's handle on its run's resident trainer, where train.host puts it (auto: in this process
+    when it outlives the stage, i.e. not `python -m tasks.train`, and the engine is torch)."""
+    from tasks.core.stage import in_stage_process
+
+    host = cfg.train.host
+    if host == "auto":
+        host = "detached" if in_stage_process() or cfg.train.engine == "deepspeed" else "caller"
+    return CallerTrainer(cfg) if host == "caller" else ResidentTrainer(cfg)
+
+
+_HELD: dict[str, tuple[str, Host]] = {}      # run name -> (trainer key, host): the trainers this process holds
+_HELD_LOCK = threading.Lock()                # one request at a time, as a detached trainer answers them
+
+
+class CallerTrainer:
+    """train.host caller: the run's trainer held in this process (the flow's own with the inline launcher), the
+    same Host a detached trainer runs, called directly: nothing to start, no socket. It ends with the process;
+    the next one resumes by replay, as after a lost detached trainer."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.key = cfg, trainer_key(cfg)
+
+    def train(self, iteration: int, fingerprint: str) -> dict:
+        run = self.cfg.run.name
+        with _HELD_LOCK:
+            held = _HELD.get(run)
+            if held is None or held[0] != self.key:
+                if held is not None:            # made for another config: its state cannot serve ours
+                    _HELD.pop(run)[1].close()
+                from tasks.core.store import open_store
+                held = _HELD[run] = (self.key, Host(self.cfg, open_store(self.cfg)))
+            return held[1].train(iteration, fingerprint)
+
+    def finish(self) -> int | None:
+        """A full checkpoint of the held trainer's last iteration, then it is let go; None: none held."""
+        with _HELD_LOCK:
+            held = _HELD.pop(self.cfg.run.name, None)
+            if held is None:
+                return None
+            host = held[1]
+            try:
+                return host.checkpoint(background=False) if held[0] == self.key else None
+            finally:
+                host.close()
+
+
 class ResidentTrainer:
-    """The train stage's handle on its run's resident trainer (on this machine)."""
+    """train.host detached: the train stage's handle on its run's resident trainer process (on this machine)."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -307,7 +357,8 @@ class Host:
 
         self.full_at = iteration
         if background and self.rank == 0:       # (the others' part, collective, was the snapshot)
-            self.writer = threading.Thread(target=write, name=f"rlflow-full-{iteration}", daemon=True)
+            # Not a daemon: a process that ends (a caller holding the trainer) first finishes the write.
+            self.writer = threading.Thread(target=write, name=f"rlflow-full-{iteration}")
             self.writer.start()
         else:
             write()
