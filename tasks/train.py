@@ -78,8 +78,10 @@ def train(cfg: Config, iteration: int, finish: bool = False) -> dict:
 
     t0 = time.perf_counter()
     engine = restore(cfg, store, iteration - 1)
+    restored = time.perf_counter() - t0
     try:
         metrics = update(engine, cfg, store, iteration, t0)
+        metrics["train/restore_seconds"] = restored         # the full checkpoint read (and any replay)
         manifest = write_checkpoint(store, cfg, key, iteration, engine.global_step,
                                     lambda out: engine.save(out, iteration), {"fingerprint": fp, "metrics": metrics},
                                     rank=engine.rank)

@@ -146,6 +146,30 @@ def test_a_caller_killed_inside_a_background_checkpoint_resumes_bit_identically(
     assert store.manifest(layout.full_checkpoint("held-kill", 6)) is not None  # (5 replayed 3 and 4 from full-2)
 
 
+def test_a_replay_that_reproduces_other_weights_is_refused_on_a_cpu(tmp_path):
+    """The stored rewards of a replayed iteration no longer give the policy it published (altered behind the
+    manifest's back, here rewritten whole): the restore fails loudly instead of training on from other weights."""
+    from tasks.core import rollout
+    from tasks.engines import resident
+
+    cfg = _cfg(tmp_path, "tamper", host="caller")
+    for it in (1, 2, 3):
+        _iteration(cfg, it)
+    store, key = open_store(cfg), layout.rewards("tamper", 3)
+    manifest, records = store.manifest(key), rollout.load(store, key)
+    for i, r in enumerate(records):
+        r.reward = float(i % 2)
+    (tmp_path / "altered").mkdir()
+    rollout.write(records, tmp_path / "altered")
+    store.delete_folder(key)
+    store.put_folder(key, tmp_path / "altered", meta=manifest["meta"])
+    resident._HELD.pop("tamper")[1].close()                  # as if the process holding it had died
+    generate(cfg, 4, layout.policy("tamper", 3))
+    reward(cfg, 4)
+    with pytest.raises(RuntimeError, match="replay: iteration 3 reproduced other weights.*this is a bug"):
+        train(cfg, 4)
+
+
 def test_process_mode_resumes_from_a_resident_runs_lean_checkpoints(reference, tmp_path):
     """Switching mode between flow runs: process mode restores the newest full checkpoint and replays."""
     cfg = _cfg(tmp_path, "switch")

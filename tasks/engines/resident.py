@@ -316,13 +316,17 @@ class Host:
         cfg, store, run = self.cfg, self.store, self.cfg.run.name
         key = layout.checkpoint(run, iteration)
         t0 = time.perf_counter()
+        restored = None
         if self.at != iteration - 1:
             self.close()
             self.engine = restore(cfg, store, iteration - 1)
             self.at = iteration - 1
             self.full_at = iteration - 1 if newest_full(store, run, iteration - 1)[1] == iteration - 1 else None
+            restored = time.perf_counter() - t0
         try:
             metrics = update(self.engine, cfg, store, iteration, t0)
+            if restored is not None:           # a new trainer: the newest full checkpoint, then the replay
+                metrics["train/restore_seconds"] = restored
         except BaseException:
             self.close()                        # a half-done update: the next request restores
             raise

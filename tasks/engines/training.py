@@ -191,14 +191,17 @@ def newest_full(store: Store, run: str, at_most: int) -> tuple[str | None, int]:
 
 def restore(cfg: Config, store: Store, iteration: int) -> TrainingEngine:
     """An engine holding the trainer's state after iteration `iteration` (0: the base model): the newest full
-    checkpoint at or before it, then the iterations after it replayed from their stored rewards. Each replayed
-    iteration must reproduce the policy that iteration published, bit for bit on a CPU (checked)."""
+    checkpoint at or before it, then the iterations after it replayed from their stored rewards. The last
+    replayed iteration must reproduce the policy that iteration published, bit for bit on a CPU (checked: the
+    weights carry every earlier step, so a divergence anywhere shows there; checking each one would write and
+    hash a policy per replayed iteration, up to train.checkpoint_every - 1 of them)."""
     key, at = newest_full(store, cfg.run.name, iteration)
     engine = training_engine(cfg).open(cfg, store, key)
     try:
         for k in range(at + 1, iteration + 1):
             update(engine, cfg, store, k)
-            _check_replay(engine, store, layout.checkpoint(cfg.run.name, k))
+        if iteration > at:
+            _check_replay(engine, store, layout.checkpoint(cfg.run.name, iteration))
     except BaseException:
         engine.close()
         raise
