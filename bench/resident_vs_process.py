@@ -12,8 +12,10 @@ every update moves the weights). Printed per mode, over the iterations after the
 process mode's and the resident trainer's start alike): wall time per iteration without the reward stage,
 its compute (sampling + the optimiser passes, from the stage metrics) and the rest (I/O: loading,
 checkpoints, publishing), bytes added to the store's disk per iteration (a linked file counts once); then
-the resident trainer is SIGKILLed and the time to its first new step (restore + replay + step) is compared
-with the time to read its newest full checkpoint; then the bytes of a bf16 policy published as a delta
+the resident trainer is lost (held by this process, train.host auto here: dropped, as a dead process would
+lose it; `--host detached`: its process SIGKILLed) and the time until its first new step (restore + replay +
+check, the train/restore_seconds metric) is compared with the time to read its newest full checkpoint plus
+the replayed compute; then the bytes of a bf16 policy published as a delta
 against whole (publish.delta=always: on a file store auto publishes whole). Both modes must publish the same
 policies (asserted: bit-identical on a CPU).
 """
@@ -41,7 +43,8 @@ from tasks.core import layout, rollout  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.policy import materialize  # noqa: E402
 from tasks.core.store import open_store, sha256_file  # noqa: E402
-from tasks.engines.resident import state_dir  # noqa: E402
+from tasks.engines import resident  # noqa: E402
+from tasks.engines.resident import CallerTrainer, resident_trainer, state_dir  # noqa: E402
 from tasks.generate import generate  # noqa: E402
 from tasks.publish import publish  # noqa: E402
 from tasks.reward import reward  # noqa: E402
@@ -52,6 +55,7 @@ CONFIG = ROOT / "configs" / "tiny.yaml"
 
 def overrides(args, work: Path, name: str, mode: str, extra=()) -> list[str]:
     return [f"run.name={name}", f"store.uri={work}/store", f"model.name_or_path={args.model}", f"train.mode={mode}",
+            f"train.host={args.host}",
             f"train.checkpoint_every={args.checkpoint_every}", "generate.prompts_per_iteration=2",
             "generate.num_generations=4", "generate.max_completion_length=4", "train.micro_batch_size=8",
             f"train.lr={args.lr}", "train.device=cpu", "publish.register_model=false", *args.set, *extra]
@@ -127,12 +131,18 @@ def summary(rows: list[dict]) -> dict:
 
 
 def resume_after_kill(cfg, iterations: int) -> dict:
-    """SIGKILL the resident trainer; time the next train step (restore + replay + step) against a bare read of
-    the newest full checkpoint it restores from."""
+    """Lose the resident trainer (detached: SIGKILL its process; held by this process: drop it, as the death of
+    the process holding it would); time the next train step against a bare read of the newest full checkpoint
+    it restores from (a copy out of the store, verified), plus the compute of the iterations it replays (the new
+    step's update seconds for each)."""
     run, store = cfg.run.name, open_store(cfg)
-    pid = json.loads((state_dir() / f"{run}.json").read_text())["pid"]
-    time.sleep(2.0)                                     # let a background full checkpoint finish
-    os.kill(pid, signal.SIGKILL)
+    trainer = resident_trainer(cfg)
+    if isinstance(trainer, CallerTrainer):
+        resident._HELD.pop(run)[1].close()              # (close lets a background full checkpoint finish)
+    else:
+        pid = json.loads((state_dir() / f"{run}.json").read_text())["pid"]
+        time.sleep(2.0)                                 # let a background full checkpoint finish
+        os.kill(pid, signal.SIGKILL)
     from tasks.engines.training import newest_full
 
     it = iterations + 1
@@ -148,10 +158,15 @@ def resume_after_kill(cfg, iterations: int) -> dict:
     t0 = time.perf_counter()
     m = train(cfg, it)["metrics"]
     first_step = time.perf_counter() - t0
-    served = [line for line in (state_dir() / f"{run}.log").read_text().splitlines()
+    log = state_dir() / f"{run}.log"
+    served = [line for line in (log.read_text().splitlines() if log.exists() else ())
               if line.startswith(f"train {it}: ok in ")]
-    return {"read_full": read, "first_step": first_step, "replayed": it - 1 - full_at,
-            "update": m["train/update_seconds"], "served": float(served[-1].split()[-2]) if served else math.nan}
+    replayed = range(full_at + 1, it)
+    replayed_compute = len(replayed) * m["train/update_seconds"]     # the same update, by the same trainer
+    return {"read_full": read, "first_step": first_step, "replayed": len(replayed),
+            "restore": m["train/restore_seconds"], "replayed_compute": replayed_compute,
+            "update": m["train/update_seconds"], "served": float(served[-1].split()[-2]) if served else math.nan,
+            "host": type(trainer).__name__}
 
 
 def delta_bytes(args, work: Path) -> dict:
@@ -175,6 +190,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=11)
     ap.add_argument("--checkpoint-every", type=int, default=10)     # train.checkpoint_every's default
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--host", default="auto", help="train.host of the resident side (auto: caller, in this process)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for both modes, e.g. publish.dtype=bfloat16 (a GPU run's default)")
     args = ap.parse_args()
@@ -199,9 +215,12 @@ def main() -> None:
         print(f"\nresident vs process: {p['wall'] / r['wall']:.2f}x faster per iteration; I/O "
               f"{p['io'] / max(r['io'], 1e-9):.2f}x less; {p['bytes'] / max(r['bytes'], 1):.2f}x fewer bytes")
         k = resume_after_kill(cfg, args.iterations)
-        print(f"resume after a SIGKILL: first new step {k['first_step']:.2f} s (replayed {k['replayed']} "
-              f"iteration(s), its update {k['update']:.2f} s; the new trainer's own time {k['served']:.2f} s, lazy "
-              f"imports included) vs reading the newest full checkpoint {k['read_full']:.2f} s")
+        bound = 1.2 * k["read_full"] + k["replayed_compute"]
+        print(f"resume of a lost trainer ({k['host']}): {k['restore']:.2f} s until the first new step (the newest "
+              f"full checkpoint restored, {k['replayed']} iteration(s) replayed and checked) vs reading that "
+              f"checkpoint {k['read_full']:.2f} s + the replayed compute {k['replayed_compute']:.2f} s: "
+              f"{k['restore'] / bound:.2f} of 1.2x read + replay; the whole step {k['first_step']:.2f} s (its update "
+              f"{k['update']:.2f} s; a detached trainer's own time {k['served']:.2f} s, process start not included)")
         train(cfg, 0, finish=True)
         d = delta_bytes(args, work)
         print(f"bf16 policy at lr 1e-6: whole {d['whole'] / 1e6:.1f} MB, delta {d['delta'] / 1e3:.1f} kB "
