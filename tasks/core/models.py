@@ -66,6 +66,7 @@ def base_path(cfg: Config) -> str:
 
 
 _tokenizers: dict[bytes, object] = {}     # by the bytes of a folder's tokenizer files (see load_tokenizer)
+_TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", "spiece")
 
 
 def load_tokenizer(path: str):
@@ -96,9 +97,6 @@ def load_tokenizer(path: str):
             _tokenizers.clear()
         _tokenizers[key] = tok
     return tok
-
-
-_TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", "spiece")
 
 
 def load_model(path: str, dtype: str = "float32", device: torch.device | str = "cpu"):
