@@ -170,6 +170,30 @@ def test_a_replay_that_reproduces_other_weights_is_refused_on_a_cpu(tmp_path):
         train(cfg, 4)
 
 
+def test_a_held_trainer_keeps_its_own_random_streams_beside_generate(tmp_path):
+    """A model with dropout draws from the global torch RNG while it trains; generate, in the same process when
+    the caller holds the trainer, seeds that RNG per request. The held trainer keeps its own streams (as a
+    process of its own does, and as process mode restores them), so the three give the same weights."""
+    import shutil
+
+    from tasks.core.builtin_models import resolve
+
+    model = tmp_path / "dropout-lm"
+    shutil.copytree(resolve("builtin:tiny-lm"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
+    runs = {name: _cfg(tmp_path, name, mode=mode, host=host, extra=[f"model.name_or_path={model}"])
+            for name, mode, host in (("drop-process", "process", "auto"), ("drop-held", "resident", "caller"))}
+    for it in (1, 2, 3):
+        for cfg in runs.values():
+            _iteration(cfg, it)
+    store = open_store(runs["drop-held"])
+    shas = {name: [store.manifest(layout.policy(name, it))["files"]["model.safetensors"]["sha256"]
+                   for it in (1, 2, 3)] for name in runs}
+    assert shas["drop-process"] == shas["drop-held"]
+    _finish(runs["drop-held"])
+
+
 def test_process_mode_resumes_from_a_resident_runs_lean_checkpoints(reference, tmp_path):
     """Switching mode between flow runs: process mode restores the newest full checkpoint and replays."""
     cfg = _cfg(tmp_path, "switch")

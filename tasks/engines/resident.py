@@ -29,6 +29,7 @@ stops the others), and the retried stage starts a new one, which resumes by repl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -48,7 +49,15 @@ from tasks.core import layout
 from tasks.core.errors import UserError
 from tasks.core.paths import REPO_ROOT, cache_root
 from tasks.core.processes import alive, spawn_detached, terminate_members
-from tasks.engines.training import lean_files, newest_full, restore, update, write_checkpoint
+from tasks.engines.training import (
+    lean_files,
+    newest_full,
+    restore,
+    rng_state,
+    set_rng_state,
+    update,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -120,7 +129,7 @@ class CallerTrainer:
                 return None
             host = held[1]
             try:
-                return host.checkpoint(background=False) if held[0] == self.key else None
+                return host.final_checkpoint() if held[0] == self.key else None
             finally:
                 host.close()
 
@@ -311,8 +320,33 @@ class Host:
         self.full_at: int | None = None         # the newest iteration with a full checkpoint, written or writing
         self.writer: threading.Thread | None = None
         self.writer_error: BaseException | None = None
+        self.rng: dict | None = None            # the trainer's random streams between requests (see _own_rng)
+
+    @contextlib.contextmanager
+    def _own_rng(self):
+        """Run with the trainer's own random streams and give the process back its own after: a trainer held by
+        its caller shares the process with generate, which seeds the global torch RNG per request. Without the
+        swap its dropout masks (and the RNG state a full checkpoint saves) would follow generate's seeds, and
+        neither process mode nor a replay, which restore the trainer's saved streams, would give its weights."""
+        outer = rng_state()
+        if self.rng is not None:
+            set_rng_state(self.rng)
+        try:
+            yield
+        finally:
+            self.rng = rng_state() if self.engine is not None else None
+            set_rng_state(outer)
 
     def train(self, iteration: int, fingerprint: str) -> dict:
+        with self._own_rng():
+            return self._train(iteration, fingerprint)
+
+    def final_checkpoint(self) -> int | None:
+        """A full checkpoint of the current iteration, written now (finish, idle exit)."""
+        with self._own_rng():
+            return self.checkpoint(background=False)
+
+    def _train(self, iteration: int, fingerprint: str) -> dict:
         cfg, store, run = self.cfg, self.store, self.cfg.run.name
         key = layout.checkpoint(run, iteration)
         t0 = time.perf_counter()
@@ -381,7 +415,7 @@ class Host:
         self.join()
         if self.engine is not None:
             self.engine.close()
-        self.engine, self.at, self.full_at = None, None, None
+        self.engine, self.at, self.full_at, self.rng = None, None, None, None
 
 
 def _drill(point: str, iteration: int) -> None:
@@ -441,7 +475,7 @@ def follow(host: Host, group: Group) -> None:
             if message["op"] == "train":
                 host.train(message["iteration"], message["fingerprint"])
             elif message["op"] == "finish":
-                host.checkpoint(background=False)
+                host.final_checkpoint()
                 host.close()
                 sys.stdout.flush()
                 os._exit(0)                     # (process 0 exits once it has answered; then torchrun)
@@ -493,7 +527,7 @@ def _handle(host: Host, group: Group, message: dict) -> tuple[str, object]:
             return "ok", host.train(message["iteration"], message["fingerprint"])
         if message["op"] == "finish":
             group.share(message)
-            full = host.checkpoint(background=False)
+            full = host.final_checkpoint()
             host.close()
             return "ok", {"full": full}
         return "error", f"unknown request {message['op']!r}"
@@ -522,7 +556,7 @@ def _watch(host: Host, group: Group, state_path: Path, busy: threading.Lock, las
                   flush=True)
             try:
                 group.share({"op": "finish"})
-                host.checkpoint(background=False)
+                host.final_checkpoint()
             finally:
                 _exit(state_path, group, 0)
 
