@@ -271,8 +271,11 @@ class Store:
 
     def list_folders(self, prefix: str) -> list[str]:
         """Immediate child folder names under prefix (complete or not)."""
-        return sorted({k[len(prefix):].lstrip("/").split("/", 1)[0] for k in self._list(prefix.rstrip("/") + "/")
-                       if "/" in k[len(prefix):].lstrip("/")})
+        return sorted(self._children(prefix.rstrip("/") + "/"))
+
+    def _children(self, prefix: str) -> set[str]:
+        """The names of the folders directly under `prefix` (ending in /): by default from the whole listing."""
+        return {k[len(prefix):].split("/", 1)[0] for k in self._list(prefix) if "/" in k[len(prefix):]}
 
 
 def _link_files(sources: dict[str, Path], dest: Path, link: bool = True) -> None:
@@ -560,6 +563,15 @@ class S3Store(Store):
         for i in range(0, len(keys), 1000):                   # DeleteObjects takes up to 1000 keys a request
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]],
                                                                     "Quiet": True})
+
+    def _children(self, prefix):
+        # One level, by the delimiter: a run's policy/ or trainer/ folder lists one row per version, not every
+        # file of every version.
+        base, names = self._k(prefix), set()
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base,
+                                                                          Delimiter="/"):
+            names |= {p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", [])}
+        return names
 
     def _list(self, prefix):
         out = []
