@@ -71,3 +71,18 @@ def test_kill_group_takes_what_the_child_started_and_alive_knows_a_zombie(tmp_pa
     time.sleep(0.5)                                                 # exited, not reaped
     assert os.path.exists(f"/proc/{zombie.pid}") and not alive(zombie.pid)
     zombie.wait()
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
+    """DeepSpeed's CPU comm op is built under torch's lock file; a killed builder left it behind and the next
+    DeepSpeed process waited on it forever (tasks/engines/deepspeed_engine.py: clear_stale_build_locks)."""
+    from tasks.engines.deepspeed_engine import BUILD_LOCK_STALE, clear_stale_build_locks
+
+    stale, live = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (stale, live):
+        lock.parent.mkdir(parents=True)
+        lock.write_text("")
+    old = time.time() - BUILD_LOCK_STALE - 60
+    os.utime(stale, (old, old))
+    assert clear_stale_build_locks(tmp_path) == [stale]
+    assert not stale.exists() and live.exists()

@@ -447,6 +447,7 @@ def join_group(cfg: Config) -> torch.device:
     device = device_for(cfg)
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        clear_stale_build_locks()
     import deepspeed
 
     if device.type == "cuda":
@@ -456,6 +457,28 @@ def join_group(cfg: Config) -> torch.device:
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     return device
+
+
+BUILD_LOCK_STALE = 1800.0     # seconds: building DeepSpeed's CPU comm op takes 1-3 min on 2 cores
+
+
+def clear_stale_build_locks(root: Path | None = None) -> list[Path]:
+    """Remove torch extension build locks older than BUILD_LOCK_STALE. On a CPU DeepSpeed builds its shared-
+    memory comm op on first use under a lock file; a builder that was killed leaves the lock, and every later
+    process waits on it forever (torch's FileBaton polls for its removal, with no timeout)."""
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+        root = Path(get_default_build_root())
+    removed = []
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
+        try:
+            if time.time() - lock.stat().st_mtime > BUILD_LOCK_STALE:
+                lock.unlink()
+                removed.append(lock)
+                print(f"removed a stale build lock left by a killed build: {lock}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
+    return removed
 
 
 def universal_tag(tag: str) -> str:
