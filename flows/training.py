@@ -12,7 +12,9 @@ Read top to bottom:
   4. for each iteration, the stage tasks, each on its launcher (inline / local subprocess / SkyPilot,
      flows/launch.py); a stage returns at once if its output already exists in the store from the same inputs,
      so a run killed anywhere and started again ends with exactly `run.iterations` iterations, none repeated,
-     none skipped. Infrastructure failures are retried with back-off; user errors fail the flow at once;
+     none skipped. Infrastructure failures are retried with back-off; user errors fail the flow at once. A
+     resident trainer in a process of its own on this machine is asked to get ready on a thread meanwhile
+     (_warm_trainer);
   5. every `eval.every` iterations the published policy is scored on held-out prompts; policy/BEST and the
      MLflow alias `champion` follow the best of them;
   6. metrics (with cost) of each iteration are logged once; the Prefect dashboard gets a report, a samples
@@ -24,6 +26,7 @@ Stages meet only in the store; this file passes keys, never tensors.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -200,6 +203,32 @@ def _finish_trainer(ctx: Run, log) -> None:
         log.warning("stopping the resident trainer failed: %s", e)
 
 
+def _detached_trainer_here(cfg: Config) -> bool:
+    """Whether the train stage's resident trainer is a process of its own on this machine (train stage local,
+    or inline with deepspeed or train.host detached)."""
+    if not cfg.resident_trainer:
+        return False
+    mode = cfg.launcher.mode_of("train")
+    if mode == "local":
+        return cfg.train.host != "caller"
+    from tasks.engines.resident import ResidentTrainer, resident_trainer
+
+    return mode == "inline" and isinstance(resident_trainer(cfg), ResidentTrainer)
+
+
+def _warm_trainer(cfg: Config, iteration: int, log) -> None:
+    """Have the detached trainer hold the state after `iteration` while generate and reward run: a new one (the
+    flow's start, after a lost trainer) starts, restores and replays then, not when the train stage asks. A
+    thread of the flow; never raises (the train stage does the same itself). Not for a trainer held by this
+    process: it would share the process's RNG with generate at the same time."""
+    from tasks.engines.resident import ResidentTrainer
+
+    try:
+        ResidentTrainer(cfg).prepare(iteration)
+    except Exception as e:  # noqa: BLE001 - only an early start; the train stage reports what matters
+        log.warning("warming the resident trainer up for iteration %d failed: %s", iteration + 1, e)
+
+
 def _clean(cfg: Config, store: Store, log) -> None:
     """What only the lease holder may delete: half-written staging folders, orphaned engine state, and what
     store.keep does not keep (tasks/core/retention.py)."""
@@ -240,8 +269,12 @@ def _iterations(ctx: Run, log) -> dict:
     try:
         for it in range(1, done + 1):
             reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
+        warm = _detached_trainer_here(cfg)
         for it in range(done + 1, cfg.run.iterations + 1):
             t0 = time.perf_counter()
+            if warm:
+                threading.Thread(target=_warm_trainer, args=(cfg, it - 1, log), name="rlflow-warm-trainer",
+                                 daemon=True).start()
             policy = layout.BASE if it == 1 else layout.policy(cfg.run.name, it - 1)
             g = stage("generate", it, ctx, policy)
             r = stage("reward", it, ctx)

@@ -1,7 +1,9 @@
-"""The resident trainer (`train.mode: resident`): one trainer process per run that stays alive across
-iterations on the train machine, holding model, optimizer and RNG in memory.
+"""The resident trainer (`train.mode: resident`): one trainer per run that stays alive across iterations on the
+train machine, holding model, optimizer and RNG in memory: a `Host` held by the process that calls the train
+stage (`CallerTrainer`, train.host caller) or run by a process of its own (`ResidentTrainer`, detached, below).
 
     train stage (any process on this machine)             resident trainer (python -m tasks.engines.resident)
+      ResidentTrainer(cfg).prepare(N-1)           ───►      (the flow, while it generates N) restore now
       ResidentTrainer(cfg).train(N, fingerprint)  ───►      not at N-1 (new, or the request skips)? restore:
                                                             the newest full checkpoint, then the stored
                                                             iterations after it replayed (tasks/engines/
@@ -16,8 +18,9 @@ Lifecycle, as the vLLM server's: a state file $RLFLOW_CACHE/trainer/<run>.json {
 dead, hung or differently configured one is replaced, and the new one restores by replay, so nothing is lost
 but time. It exits by itself after `train.idle_timeout` seconds unused (after a full checkpoint), or at once
 when the state file names another process. Requests travel over an authenticated Unix socket in the abstract
-namespace (multiprocessing.connection; not TCP, whose small-message delays cost ~40 ms a round trip); train
-and finish one at a time, a ping at once.
+namespace (multiprocessing.connection; not TCP, whose small-message delays cost ~40 ms a round trip); train,
+prepare and finish one at a time, a ping at once. Starting one is serialised per run by a lock file, so a
+flow's prepare and a stage process asking at the same time start one trainer.
 
 With the deepspeed engine the trainer is a torchrun group on this machine (the command the process-mode stage
 runs, tasks/engines/deepspeed_engine.py: torchrun), its processes holding their ZeRO shards across iterations:
@@ -30,6 +33,7 @@ stops the others), and the retried stage starts a new one, which resumes by repl
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -146,6 +150,12 @@ class ResidentTrainer:
         """Have the trainer train iteration `iteration` (starting one if none runs); it commits ckpt-N."""
         return self._request({"op": "train", "iteration": iteration, "fingerprint": fingerprint}, start=True)
 
+    def prepare(self, iteration: int) -> int:
+        """Have the trainer (started if none runs) hold the state after iteration `iteration` now: a new one
+        restores and replays while the flow generates iteration + 1, not when its train request comes. Writes
+        nothing. Returns the iteration it holds."""
+        return self._request({"op": "prepare", "iteration": iteration}, start=True)["at"]
+
     def finish(self) -> int | None:
         """A full checkpoint of the trainer's last iteration, then it exits. Returns that iteration, or None
         when no trainer of this run runs here (nothing to do)."""
@@ -188,13 +198,18 @@ class ResidentTrainer:
         return state["socket"], bytes.fromhex(state["authkey"])
 
     def _ensure(self) -> tuple[str, bytes]:
-        """The address of this run's trainer with our key; started (detached) if none answers."""
-        state = self._state()
-        if state is not None:
-            if state.get("key") == self.key and alive(state["pid"]) and self._answers(state):
-                return self._address(state)
-            _stop(self.path, state)                   # dead, hung, or made for another config
-        return self._start()
+        """The address of this run's trainer with our key; started (detached) if none answers. One caller at a
+        time per run on this machine (a lock file): a flow's prepare and a stage process that ask together
+        start one trainer, not two."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            state = self._state()
+            if state is not None:
+                if state.get("key") == self.key and alive(state["pid"]) and self._answers(state):
+                    return self._address(state)
+                _stop(self.path, state)               # dead, hung, or made for another config
+            return self._start()
 
     def _answers(self, state: dict) -> bool:
         """A ping, answered at once even while the trainer is busy with another request."""
@@ -321,6 +336,7 @@ class Host:
         self.writer: threading.Thread | None = None
         self.writer_error: BaseException | None = None
         self.rng: dict | None = None            # the trainer's random streams between requests (see _own_rng)
+        self.restored: float | None = None      # seconds the last restore took, until a train request reports it
 
     @contextlib.contextmanager
     def _own_rng(self):
@@ -341,6 +357,26 @@ class Host:
         with self._own_rng():
             return self._train(iteration, fingerprint)
 
+    def prepare(self, iteration: int) -> int:
+        """Hold the state after `iteration` (restored and replayed now if not held already); a late request,
+        for an iteration the trainer has trained past, changes nothing. Returns the iteration held."""
+        if self.at is not None and self.at > iteration:
+            return self.at
+        with self._own_rng():
+            self._restore_to(iteration)
+        return iteration
+
+    def _restore_to(self, iteration: int) -> None:
+        if self.at == iteration:
+            return
+        t0 = time.perf_counter()
+        self.close()
+        self.engine = restore(self.cfg, self.store, iteration)
+        self.at = iteration
+        self.full_at = iteration if newest_full(self.store, self.cfg.run.name, iteration)[1] == iteration else None
+        self.restored = time.perf_counter() - t0
+        print(f"restored the state after iteration {iteration} in {self.restored:.2f} s", flush=True)
+
     def final_checkpoint(self) -> int | None:
         """A full checkpoint of the current iteration, written now (finish, idle exit)."""
         with self._own_rng():
@@ -350,17 +386,11 @@ class Host:
         cfg, store, run = self.cfg, self.store, self.cfg.run.name
         key = layout.checkpoint(run, iteration)
         t0 = time.perf_counter()
-        restored = None
-        if self.at != iteration - 1:
-            self.close()
-            self.engine = restore(cfg, store, iteration - 1)
-            self.at = iteration - 1
-            self.full_at = iteration - 1 if newest_full(store, run, iteration - 1)[1] == iteration - 1 else None
-            restored = time.perf_counter() - t0
+        self._restore_to(iteration - 1)
         try:
             metrics = update(self.engine, cfg, store, iteration, t0)
-            if restored is not None:           # a new trainer: the newest full checkpoint, then the replay
-                metrics["train/restore_seconds"] = restored
+            if self.restored is not None:      # a new trainer: the newest full checkpoint, then the replay
+                metrics["train/restore_seconds"], self.restored = self.restored, None   # (here or in prepare)
         except BaseException:
             self.close()                        # a half-done update: the next request restores
             raise
@@ -474,6 +504,8 @@ def follow(host: Host, group: Group) -> None:
         try:
             if message["op"] == "train":
                 host.train(message["iteration"], message["fingerprint"])
+            elif message["op"] == "prepare":
+                host.prepare(message["iteration"])
             elif message["op"] == "finish":
                 host.final_checkpoint()
                 host.close()
@@ -525,6 +557,9 @@ def _handle(host: Host, group: Group, message: dict) -> tuple[str, object]:
                 return "ok", {"key": key}
             group.share(message)
             return "ok", host.train(message["iteration"], message["fingerprint"])
+        if message["op"] == "prepare":
+            group.share(message)
+            return "ok", {"at": host.prepare(message["iteration"])}
         if message["op"] == "finish":
             group.share(message)
             full = host.final_checkpoint()
