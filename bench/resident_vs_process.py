@@ -31,6 +31,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -146,8 +147,14 @@ def resume_after_kill(cfg, iterations: int) -> dict:
     from tasks.engines.training import newest_full
 
     it = iterations + 1
+    warm = None
+    if not isinstance(trainer, CallerTrainer):          # as the flow does (flows/training.py: _warm_trainer)
+        warm = threading.Thread(target=trainer.prepare, args=(it - 1,))
+        warm.start()
+    t0 = time.perf_counter()
     generate(cfg, it, layout.policy(run, it - 1))
     score(cfg, it)
+    overlapped = time.perf_counter() - t0
     key, full_at = newest_full(store, run, it - 1)
     if key is None:
         raise SystemExit("no full checkpoint to resume from: run more iterations than --checkpoint-every")
@@ -158,6 +165,8 @@ def resume_after_kill(cfg, iterations: int) -> dict:
     t0 = time.perf_counter()
     m = train(cfg, it)["metrics"]
     first_step = time.perf_counter() - t0
+    if warm is not None:
+        warm.join()
     log = state_dir() / f"{run}.log"
     served = [line for line in (log.read_text().splitlines() if log.exists() else ())
               if line.startswith(f"train {it}: ok in ")]
@@ -166,7 +175,7 @@ def resume_after_kill(cfg, iterations: int) -> dict:
     return {"read_full": read, "first_step": first_step, "replayed": len(replayed),
             "restore": m["train/restore_seconds"], "replayed_compute": replayed_compute,
             "update": m["train/update_seconds"], "served": float(served[-1].split()[-2]) if served else math.nan,
-            "host": type(trainer).__name__}
+            "host": type(trainer).__name__, "overlapped": overlapped if warm is not None else 0.0}
 
 
 def delta_bytes(args, work: Path) -> dict:
@@ -220,7 +229,9 @@ def main() -> None:
               f"full checkpoint restored, {k['replayed']} iteration(s) replayed and checked) vs reading that "
               f"checkpoint {k['read_full']:.2f} s + the replayed compute {k['replayed_compute']:.2f} s: "
               f"{k['restore'] / bound:.2f} of 1.2x read + replay; the whole step {k['first_step']:.2f} s (its update "
-              f"{k['update']:.2f} s; a detached trainer's own time {k['served']:.2f} s, process start not included)")
+              f"{k['update']:.2f} s; a detached trainer's own time {k['served']:.2f} s, process start not included"
+              + (f"; it started and restored while generate + reward ran, {k['overlapped']:.2f} s)" if k["overlapped"]
+                 else ")"))
         train(cfg, 0, finish=True)
         d = delta_bytes(args, work)
         print(f"bf16 policy at lr 1e-6: whole {d['whole'] / 1e6:.1f} MB, delta {d['delta'] / 1e3:.1f} kB "
