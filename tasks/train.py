@@ -95,13 +95,18 @@ def train(cfg: Config, iteration: int, finish: bool = False) -> dict:
 
 def finish_trainer(cfg: Config) -> dict:
     """Stop the run's resident trainer on this machine, after a full checkpoint of its last iteration: the one
-    this process holds (train.host caller) and a detached one (a flow's inline finish after local stages)."""
+    this process holds (train.host caller) and a detached one (a flow's inline finish after local stages); with
+    neither, the run's newest iteration still gets its full checkpoint if it lacks one."""
     if not cfg.resident_trainer:
         return {"finished": None}
-    from tasks.engines.resident import CallerTrainer, ResidentTrainer
+    from tasks.engines.resident import CallerTrainer, ResidentTrainer, resident_trainer, unfinished
 
     held = CallerTrainer(cfg).finish()
     detached = ResidentTrainer(cfg).finish()
+    if held is None and detached is None and unfinished(open_store(cfg), cfg.run.name) is not None:
+        # Nothing runs, but the newest iteration lacks a full checkpoint (its trainer died after committing
+        # it; this flow run reused it): one is made here, where train.host puts the trainer, by replay.
+        return {"finished": resident_trainer(cfg).finish(catch_up=True)}
     return {"finished": held if held is not None else detached}
 
 

@@ -258,6 +258,32 @@ def test_a_lost_trainer_is_restored_by_prepare_before_the_train_request_comes(re
     _finish(cfg)
 
 
+@pytest.mark.parametrize("host", ["caller", "detached"])
+def test_a_flow_ends_with_a_full_checkpoint_even_when_its_trainer_died(tmp_path, host):
+    """The trainer that committed the newest iteration is gone (a killed flow process holding it, a killed
+    detached one) and the flow run that ends reused that iteration: finish still leaves its full checkpoint,
+    made by replay (what retention and the next resume rely on)."""
+    import signal
+
+    from tasks.engines import resident
+
+    cfg = _cfg(tmp_path, f"gone-{host}", host=host)
+    for it in (1, 2, 3):
+        _iteration(cfg, it)
+    if host == "caller":
+        resident._HELD.pop(cfg.run.name)[1].close()
+    else:
+        pid = json.loads((state_dir() / f"{cfg.run.name}.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        while alive(pid):
+            time.sleep(0.05)
+    store = open_store(cfg)
+    assert store.manifest(layout.full_checkpoint(cfg.run.name, 3)) is None
+    assert _finish(cfg) == 3
+    assert store.manifest(layout.full_checkpoint(cfg.run.name, 3))["meta"]["kind"] == "full"
+    assert not (state_dir() / f"{cfg.run.name}.json").exists() and _finish(cfg) is None
+
+
 def test_a_trainer_for_another_config_is_replaced(tmp_path):
     cfg = _cfg(tmp_path, "other")
     _iteration(cfg, 1)

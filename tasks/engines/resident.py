@@ -125,15 +125,22 @@ class CallerTrainer:
                 held = _HELD[run] = (self.key, Host(self.cfg, open_store(self.cfg)))
             return held[1].train(iteration, fingerprint)
 
-    def finish(self) -> int | None:
-        """A full checkpoint of the held trainer's last iteration, then it is let go; None: none held."""
+    def finish(self, catch_up: bool = False) -> int | None:
+        """A full checkpoint of the held trainer's last iteration, then it is let go; None: none held. With
+        `catch_up`, when none is held: a full checkpoint of the run's newest iteration if it lacks one (restored
+        here by replay: the process that trained it died after committing it)."""
         with _HELD_LOCK:
             held = _HELD.pop(self.cfg.run.name, None)
-            if held is None:
-                return None
+            if held is None or held[0] != self.key:
+                if held is not None:
+                    held[1].close()
+                if not catch_up:
+                    return None
+                from tasks.core.store import open_store
+                held = (self.key, Host(self.cfg, open_store(self.cfg)))
             host = held[1]
             try:
-                return host.final_checkpoint() if held[0] == self.key else None
+                return host.final_checkpoint()
             finally:
                 host.close()
 
@@ -156,15 +163,19 @@ class ResidentTrainer:
         nothing. Returns the iteration it holds."""
         return self._request({"op": "prepare", "iteration": iteration}, start=True)["at"]
 
-    def finish(self) -> int | None:
+    def finish(self, catch_up: bool = False) -> int | None:
         """A full checkpoint of the trainer's last iteration, then it exits. Returns that iteration, or None
-        when no trainer of this run runs here (nothing to do)."""
+        when no trainer of this run runs here (nothing to do; with `catch_up`, one is started when the run's
+        newest iteration lacks a full checkpoint, and writes it)."""
         state = self._state()
-        if state is None or not alive(state["pid"]):
-            return None
-        if state.get("key") != self.key:
+        if state is not None and alive(state["pid"]) and state.get("key") != self.key:
             _stop(self.path, state)     # made for another config: it cannot be asked to write our checkpoint
-            return None
+            state = None
+        if state is None or not alive(state["pid"]):
+            if not catch_up:
+                return None
+            self._ensure()                  # a new one: on finish it restores what lacks a full checkpoint
+            state = self._state()
         full = self._request({"op": "finish"}, start=False)["full"]
         deadline = time.monotonic() + 30
         while alive(state["pid"]) and time.monotonic() < deadline:     # it exits once it has answered
@@ -378,8 +389,12 @@ class Host:
         print(f"restored the state after iteration {iteration} in {self.restored:.2f} s", flush=True)
 
     def final_checkpoint(self) -> int | None:
-        """A full checkpoint of the current iteration, written now (finish, idle exit)."""
+        """A full checkpoint of the current iteration, written now (finish, idle exit). A trainer that holds
+        nothing (new: its predecessor died after committing the run's last iterations) first restores the
+        newest committed one when that has no full checkpoint, so a flow run still ends with one."""
         with self._own_rng():
+            if self.engine is None and (newest := unfinished(self.store, self.cfg.run.name)) is not None:
+                self._restore_to(newest)
             return self.checkpoint(background=False)
 
     def _train(self, iteration: int, fingerprint: str) -> dict:
@@ -446,6 +461,15 @@ class Host:
         if self.engine is not None:
             self.engine.close()
         self.engine, self.at, self.full_at, self.rng = None, None, None, None
+
+
+def unfinished(store: Store, run: str) -> int | None:
+    """The newest committed iteration (trainer/LATEST) when it is lean and has no full checkpoint, else None."""
+    latest = store.get_pointer(layout.latest(run, "trainer"))
+    if latest is None or (manifest := store.manifest(latest)) is None or manifest["meta"].get("kind") != "lean":
+        return None
+    iteration = manifest["meta"]["iteration"]
+    return None if store.manifest(layout.full_checkpoint(run, iteration)) is not None else iteration
 
 
 def _drill(point: str, iteration: int) -> None:
