@@ -16,6 +16,7 @@ import json
 import os
 import shlex
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,7 @@ class Sky:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.launched: set[str] = set()
+        self._launching: dict[str, threading.Lock] = {}     # stages of two iterations may ask for one cluster
         self.python = cfg.launcher.sky_python or sibling_python(".venv-sky") or "python3"
 
     def cluster(self, stage: str) -> str:
@@ -131,10 +133,17 @@ class Sky:
                                 *envs], log)
         else:
             cluster = self.cluster(stage)
-            launch = cluster not in self.launched
-            out = self._bridge(["run", "--cluster", cluster, "--recipe", recipe, "--idle-minutes",
-                                str(lc.idle_minutes_to_autostop), *(["--launch"] if launch else []), *envs], log)
-            self.launched.add(cluster)
+            # The first stage on a cluster launches it, the others wait for that (stages of several iterations
+            # run at once with run.max_staleness > 0); once it is up they only `sky exec`.
+            args = ["run", "--cluster", cluster, "--recipe", recipe, "--idle-minutes",
+                    str(lc.idle_minutes_to_autostop), *envs]
+            with self._launching.setdefault(cluster, threading.Lock()):
+                launch = cluster not in self.launched
+                if launch:
+                    out = self._bridge([*args, "--launch"], log)
+                    self.launched.add(cluster)
+            if not launch:
+                out = self._bridge(args, log)
             if out.get("cluster_missing"):
                 self.launched.discard(cluster)        # the retry launches it again
                 raise InfraError(f"{stage}[iter {iteration}]: cluster {cluster} is gone (preempted or torn "

@@ -246,6 +246,44 @@ def _clean(cfg: Config, store: Store, log) -> None:
         log.info("removed %d checkpoint/policy folder(s) that store.keep does not keep", removed)
 
 
+class Ahead:
+    """Generate and reward, run ahead of train by run.max_staleness (S) iterations. Iteration N samples from
+    v(N-1-S) (tasks/core/layout.py: behaviour_policy), published by the time iteration N-S trains, so when N
+    trains the stages of N+1..N+S run beside it: Prefect task futures on the flow's task runner (threads), each
+    stage on its own launcher, generates one after another and rewards one after another (a lane each). Which
+    policy samples an iteration never depends on timing. S = 0: plain calls when the iteration asks, as before."""
+
+    def __init__(self, stage, ctx: Run, first: int):
+        self.stage, self.ctx, self.next = stage, ctx, first
+        self.S, self.last = ctx.cfg.run.max_staleness, ctx.cfg.run.iterations
+        self.gen: dict = {}
+        self.rew: dict = {}
+
+    def take(self, it: int) -> tuple[dict, dict]:
+        """Generate's and reward's results of iteration `it` (waiting for them), after starting those of the
+        iterations up to it+S."""
+        run = self.ctx.cfg.run.name
+        if self.S == 0:
+            return (self.stage("generate", it, self.ctx, layout.behaviour_policy(run, it, 0)),
+                    self.stage("reward", it, self.ctx))
+        while self.next <= min(it + self.S, self.last):
+            m = self.next
+            self.gen[m] = self.stage.submit("generate", m, self.ctx, layout.behaviour_policy(run, m, self.S),
+                                            wait_for=[self.gen[m - 1]] if m - 1 in self.gen else None)
+            self.rew[m] = self.stage.submit("reward", m, self.ctx,
+                                            wait_for=[self.gen[m]] + ([self.rew[m - 1]] if m - 1 in self.rew else []))
+            self.next += 1
+        return self.gen.pop(it).result(), self.rew.pop(it).result()    # (later ones wait for it+1.. only)
+
+    def drain(self) -> None:
+        """Wait for every stage still running (a failed iteration's neighbours): retried or failed, they end."""
+        for future in [*self.gen.values(), *self.rew.values()]:
+            try:
+                future.wait()
+            except BaseException:   # noqa: BLE001 - the error that ended the flow is the one to report
+                pass
+
+
 def _iterations(ctx: Run, log) -> dict:
     cfg, store = ctx.cfg, ctx.store
     tracker = Tracker(cfg, store.root)
@@ -266,6 +304,7 @@ def _iterations(ctx: Run, log) -> dict:
     latest = store.get_pointer(layout.latest(cfg.run.name, "policy"))
     done = min(int(latest.rsplit("/v", 1)[1]) - 1 if latest else 0, already_logged, cfg.run.iterations - 1)
     progress = Progress(cfg.run.iterations, already_logged)
+    ahead = Ahead(stage, ctx, first=done + 1)
     try:
         for it in range(1, done + 1):
             reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
@@ -275,9 +314,7 @@ def _iterations(ctx: Run, log) -> dict:
             if warm:
                 threading.Thread(target=_warm_trainer, args=(cfg, it - 1, log), name="rlflow-warm-trainer",
                                  daemon=True).start()
-            policy = layout.BASE if it == 1 else layout.policy(cfg.run.name, it - 1)
-            g = stage("generate", it, ctx, policy)
-            r = stage("reward", it, ctx)
+            g, r = ahead.take(it)       # (S > 0: generate and reward of it+1..it+S start now, beside train(it))
             t = stage("train", it, ctx)
             p = stage("publish", it, ctx)
             published = p
@@ -301,6 +338,7 @@ def _iterations(ctx: Run, log) -> dict:
                 log.info("iteration %d: reward %.3f loss %.4f", it, r["metrics"]["reward/mean"],
                          t["metrics"]["train/loss"])
     except BaseException:
+        ahead.drain()              # nothing of this flow run writes once it has ended (and its lease gone)
         tracker.finish("FAILED")   # keeps what was logged; never masks the error that got us here
         raise
     finally:

@@ -1,9 +1,11 @@
 """Stage 1 — generate: sample `num_generations` completions for each of this iteration's prompts.
 
-    python -m tasks.generate --config configs/tiny.yaml --iteration 3 --policy base|<store key of a policy>
+    python -m tasks.generate --config configs/tiny.yaml --iteration 3 [--policy base|<store key of a policy>]
 
-Reads the policy (the base model for iteration 1, else the policy published by the previous iteration) and
-the dataset; writes `<run>/iter-N/rollouts` (token ids, text, behaviour logprobs, truncation flag).
+Reads the policy the schedule names for iteration N, v(N-1-S) with S = run.max_staleness (the base model
+before iteration S+2; tasks/core/layout.py: behaviour_policy), and the dataset; writes `<run>/iter-N/rollouts`
+(token ids, text, behaviour logprobs, truncation flag). A policy passed in that is not the schedule's is
+refused (the version check): which policy sampled an iteration never depends on who asked or when.
 Idempotent: if that folder is complete and was made from the same inputs, it is returned as is.
 The engine (`generate.engine` / `generate.mode`, tasks/engines/sampling.py's factory) is hf (transformers, in
 this process) or vllm, offline (a vllm.LLM per stage run) or as a server kept alive across iterations.
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core import data, layout, rollout
+from tasks.core.errors import UserError
 from tasks.core.stage import fingerprint, result, reuse, stage_cli
 from tasks.core.store import open_store
 from tasks.engines.sampling import SamplingParams, sample_rollouts
@@ -25,8 +28,17 @@ if TYPE_CHECKING:
     from tasks.core.config import Config
 
 
-def generate(cfg: Config, iteration: int, policy: str = layout.BASE) -> dict:
-    """Sample completions for iteration `iteration` from `policy`; returns {key, uri, metrics}."""
+def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
+    """Sample completions for iteration `iteration` from the policy the schedule names (`policy`, if given, must
+    be that one); returns {key, uri, metrics}."""
+    S = cfg.run.max_staleness
+    scheduled = layout.behaviour_policy(cfg.run.name, iteration, S)
+    if policy is not None and policy != scheduled:
+        which = "the base model" if scheduled == layout.BASE else f"v(N-1-S), published by iteration " \
+                                                                  f"{layout.version_of(scheduled)}"
+        raise UserError(f"--policy: iteration {iteration} samples from {scheduled} (run.max_staleness {S}: "
+                        f"{which}), not {policy}")
+    policy = scheduled
     store = open_store(cfg)
     key = layout.rollouts(cfg.run.name, iteration)
     fp = fingerprint(cfg, ("model", "data", "generate"), iteration=iteration, policy=policy)
@@ -50,6 +62,7 @@ def generate(cfg: Config, iteration: int, policy: str = layout.BASE) -> dict:
         "generate/load_seconds": sampled.load_seconds,      # model load, engine start or weight reload
         "generate/sampling_seconds": sampled.sampling_seconds,
         "generate/seconds": time.perf_counter() - t0,
+        "generate/staleness": iteration - 1 - layout.version_of(policy),   # updates the sampler is behind
     }
     with tempfile.TemporaryDirectory(prefix="rlflow-generate-") as tmp:
         rollout.write(records, Path(tmp))

@@ -153,3 +153,15 @@ def s3_overrides(endpoint: str, bucket: str) -> list[str]:
 
 def read_summary(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def user_module(tmp_path: Path, monkeypatch, name: str, text: str) -> Path:
+    """A module of the user's (reward functions) importable here and in every stage process this test starts;
+    KILL_DIR (for the fault drills' markers) is tmp_path."""
+    mod = tmp_path / "mods"
+    mod.mkdir(exist_ok=True)
+    (mod / f"{name}.py").write_text(text)
+    monkeypatch.setenv("PYTHONPATH", f"{mod}{os.pathsep}{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("KILL_DIR", str(tmp_path))
+    monkeypatch.syspath_prepend(str(mod))
+    return mod

@@ -16,7 +16,7 @@ import pytest
 
 from tasks.core.config import load_config
 from tasks.scoring.functions import load_functions
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, user_module
 
 RECIPES = sorted((ROOT / "sky").glob("*.yaml"))
 SKY_PYTHON = ROOT / ".venv-sky" / "bin" / "python"
@@ -91,13 +91,7 @@ def _small(tmp_path, name: str, extra: list[str] = ()) -> list[str]:
 
 @pytest.fixture
 def killer_module(tmp_path, monkeypatch):
-    mod = tmp_path / "mods"
-    mod.mkdir()
-    (mod / "flaky_reward.py").write_text(KILLER.replace("{n}", "2"))
-    monkeypatch.setenv("PYTHONPATH", f"{mod}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    monkeypatch.setenv("KILL_DIR", str(tmp_path))
-    monkeypatch.syspath_prepend(str(mod))
-    return mod
+    return user_module(tmp_path, monkeypatch, "flaky_reward", KILLER.replace("{n}", "2"))
 
 
 @pytest.mark.slow

@@ -46,9 +46,9 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.05)
 
 
-def _start(cwd: Path, prefect_api: str, extra_env: dict) -> subprocess.Popen:
+def _start(cwd: Path, prefect_api: str, extra_env: dict, args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_API_URL": prefect_api, **extra_env}
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY), *ARGS, "--summary-json", "s.json"],
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY), *args, "--summary-json", "s.json"],
                             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -58,7 +58,11 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path, staleness):
+    """Also with run.max_staleness S > 0, where generate and reward of later iterations run beside train: the
+    rollouts a kill leaves of iterations ahead are reused, and every policy is the uninterrupted run's."""
+    args = [*ARGS, "-o", f"run.max_staleness={staleness}"]
     for d in ("killed", "clean"):
         (tmp_path / d).mkdir()
         (tmp_path / d / "gated_reward.py").write_text(GATED_REWARD)
@@ -67,23 +71,27 @@ def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path):
     gate = tmp_path / "gate"
 
     # Kill 1: inside iteration 2's reward stage (the reward function is blocked on the gate).
-    proc = _start(killed, prefect_api, {"GATE_FILE": str(gate)})
+    # (S > 0: as soon as v1 is published, with generate and reward of the iterations ahead under way.)
+    proc = _start(killed, prefect_api, {"GATE_FILE": str(gate)}, args)
     _wait_for(store_dir / "policy" / "v000001" / MANIFEST, proc)
-    gate.touch()
-    _wait_for(Path(str(gate) + ".entered"), proc)
+    if staleness == 0:
+        gate.touch()
+        _wait_for(Path(str(gate) + ".entered"), proc)
     _kill(proc)
-    assert not (store_dir / "iter-000002" / "rewards").exists()
+    if staleness == 0:
+        assert not (store_dir / "iter-000002" / "rewards").exists()
 
     # Kill 2: restarted, killed again as soon as iteration 3's rollouts exist (in reward/train of iteration 3).
-    gate.unlink()
-    proc = _start(killed, prefect_api, {"GATE_FILE": str(gate)})
-    _wait_for(store_dir / "iter-000003" / "rollouts" / MANIFEST, proc)
+    # (S > 0: once v2 is published, while iteration 3 trains on rollouts generated beside iteration 2's train.)
+    gate.unlink(missing_ok=True)
+    proc = _start(killed, prefect_api, {"GATE_FILE": str(gate)}, args)
+    _wait_for(store_dir / ("iter-000003/rollouts" if staleness == 0 else "policy/v000002") / MANIFEST, proc)
     _kill(proc)
 
     # Restart to the end, and an uninterrupted run of the same config beside it.
-    done = run_cli(["run", str(TINY), *ARGS, "--summary-json", "s.json"], killed, prefect_api)
+    done = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], killed, prefect_api)
     assert done.returncode == 0, done.stderr
-    ref = run_cli(["run", str(TINY), *ARGS, "--summary-json", "s.json"], clean, prefect_api)
+    ref = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], clean, prefect_api)
     assert ref.returncode == 0, ref.stderr
 
     got, want = read_summary(killed / "s.json"), read_summary(clean / "s.json")
@@ -91,6 +99,10 @@ def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path):
     assert got["reward_mean"] == want["reward_mean"]             # same prompts, samples and updates
 
     store = Store.open(str(killed / "rlflow-store"))
+    ref_store = Store.open(str(clean / "rlflow-store"))
+    for it in (1, 2, 3):                                          # the same weights, bit for bit
+        key = layout.policy("resume", it)
+        assert store.manifest(key)["files"] == ref_store.manifest(key)["files"]
     assert store.get_pointer(layout.latest("resume", "policy")) == layout.policy("resume", 3)
     assert store.list_folders("resume/policy") == ["v000001", "v000002", "v000003"]
     # train.mode auto = resident: lean ckpt-N, a full checkpoint when the flow ended; store.keep: the newest two

@@ -40,6 +40,7 @@ class UpdateStats:
     kl_ref: float = 0.0             # first pass: the loss's KL term to the reference (beta > 0)
     is_ratio_sum: float = 0.0       # first pass: the behaviour importance weight π_old/μ
     is_ratio_min: float = math.inf
+    is_capped_sum: float = 0.0      # first pass: tokens whose behaviour weight hit the cap (truncated or masked)
     num_tokens: float = 0.0         # tokens in the loss, over all processes
 
     def start_pass(self) -> None:
@@ -57,8 +58,9 @@ class UpdateStats:
         self.clip_high_sum += clip["clip_high_sum"]
         if first_pass:
             self.entropy += float((entropy.detach() * m).sum())
-            # KL(generator ‖ trainer) on the generator's own samples, k3 with r = π/μ; on pass 0 both hold the
-            # same weights, so this measures engine/numerics mismatch alone.
+            # KL(generator ‖ trainer) on the generator's own samples, k3 with r = π/μ; on pass 0 the trainer holds
+            # the weights the generator sampled with plus run.max_staleness updates: with S = 0 this measures
+            # engine/numerics mismatch alone, with S > 0 also how far S updates moved the policy.
             d = logp.detach() - b.behaviour
             self.mismatch_kl += float(((torch.exp(d) - d - 1) * m).sum())
             if kl is not None:
@@ -68,6 +70,8 @@ class UpdateStats:
                 if rho.numel():
                     self.is_ratio_sum += float(rho.sum())
                     self.is_ratio_min = min(self.is_ratio_min, float(rho.min()))
+                    # truncated: exactly the cap; masked: exactly 0 (an exp is never 0 otherwise)
+                    self.is_capped_sum += float(((rho >= tc.importance_sampling_cap) | (rho == 0)).sum())
         real = ratio.detach().expand_as(m)[m.bool()]
         self.ratio_sum += float(real.sum())
         if real.numel():
@@ -77,7 +81,7 @@ class UpdateStats:
     def reduce(self, over: Reducer, num_tokens: float) -> UpdateStats:
         """Sums, maxima and minima over every process."""
         summed = ("loss", "kl_ref", "mismatch_kl", "entropy", "clip_low_sum", "clip_high_sum", "ratio_sum",
-                  "is_ratio_sum")
+                  "is_ratio_sum", "is_capped_sum")
         for name, value in zip(summed, over.sum([getattr(self, k) for k in summed])):
             setattr(self, name, value)
         self.ratio_max, = over.max([self.ratio_max])
@@ -110,4 +114,5 @@ class UpdateStats:
         if tc.importance_sampling_correction:
             metrics["train/is_ratio_mean"] = self.is_ratio_sum / denom
             metrics["train/is_ratio_min"] = self.is_ratio_min if math.isfinite(self.is_ratio_min) else 1.0
+            metrics["train/is_capped"] = self.is_capped_sum / denom     # share of tokens truncated or masked
         return metrics

@@ -3,6 +3,9 @@ engine. Reads forward → loss → backward; the loss and the behaviour weight a
 statistics tasks/algorithms/stats.py's. With num_iterations = 1 the update is on-policy: the ratio is
 exp(logp - logp.detach()) = 1 and only the gradient flows (TRL does the same); with more, "old" logprobs are
 computed once before the first pass and the later passes are clipped against them.
+
+Samples of a policy S updates behind (run.max_staleness) are corrected by the behaviour weight π_old/μ: π_old is
+the trainer's weights before this update (AReaL's proximal policy), μ the policy that sampled.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def fixed_logprobs(engine: TrainingEngine, batches: list[MicroBatch], cfg: Confi
 
 
 def behaviour_weight(old: torch.Tensor, b: MicroBatch, cfg: Config) -> torch.Tensor:
-    """Truncated importance weight π_old/μ against the generator's behaviour logprobs (tasks/algorithms/loss.py)."""
+    """The weight π_old/μ against the generator's behaviour logprobs (tasks/algorithms/loss.py): truncated or
+    masked as train.importance_sampling_mode says (tis), or AReaL's per token, masked above the cap (decoupled:
+    π_old, the weights before this update, is its proximal policy)."""
     tc = cfg.train
-    return behaviour_correction(old, b.behaviour, b.mask, tc.importance_sampling_mode, tc.importance_sampling_cap)
+    mode = "token_mask" if tc.off_policy_loss == "decoupled" else tc.importance_sampling_mode
+    return behaviour_correction(old, b.behaviour, b.mask, mode, tc.importance_sampling_cap)

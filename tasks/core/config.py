@@ -38,6 +38,12 @@ class RunConfig(Section):
                       description="Run name: the store prefix and MLflow run name. Same name = resume.")
     iterations: int = Field(10, ge=1, le=1_000_000, description="Iterations of generate → reward → train → publish.")
     seed: int = Field(0, ge=0, description="Seeds prompt order, sampling and initialisation.")
+    max_staleness: int = Field(
+        0, ge=0, le=64, description="Bounded staleness S: iteration N samples from the policy of iteration N-1-S "
+        "(the base model before that), so generate and reward of the next S iterations run while N trains. "
+        "0 = one stage after another, on-policy. The schedule depends on N and S only: reruns and resumes give "
+        "the same numbers. The loss corrects for the stale samples with the behaviour logprobs "
+        "(train.importance_sampling_correction / train.off_policy_loss).")
     lease_seconds: float = Field(120.0, ge=5, description="One writer per run name: a flow holds a lease in the "
                                  "store, renewed every third of this; a crashed writer's lease expires after it.")
 
@@ -216,6 +222,12 @@ class TrainConfig(Section):
     importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
         "token_truncate", description="Per token or per sequence; truncate caps the weight, mask drops it.")
     importance_sampling_cap: float = Field(3.0, gt=0, description="Cap on the behaviour importance weight.")
+    off_policy_loss: Literal["tis", "decoupled"] = Field(
+        "tis", description="How the behaviour logprobs (μ: the policy that sampled, run.max_staleness updates "
+        "behind) enter the loss. tis: TRL's truncated importance sampling, ρ = π_old/μ by importance_sampling_mode. "
+        "decoupled: AReaL's decoupled PPO, the clip against the proximal policy π_old (the trainer's weights before "
+        "the update), each token weighted by π_old/μ and dropped where that exceeds importance_sampling_cap "
+        "(importance_sampling_mode ignored). Needs importance_sampling_correction.")
     mask_truncated_completions: bool = Field(False, description="Exclude completions that hit the length limit "
                                              "from the loss.")
     num_iterations: int = Field(1, ge=1, description="Optimiser passes over each generated batch (TRL's μ).")
@@ -242,6 +254,8 @@ class TrainConfig(Section):
     def _engine_supports(self):
         if self.lora_r and self.engine == "deepspeed":
             raise ValueError("lora_r > 0 needs engine: torch (the deepspeed engine trains full weights only)")
+        if self.off_policy_loss == "decoupled" and not self.importance_sampling_correction:
+            raise ValueError("off_policy_loss: decoupled weights by π_old/μ; it needs importance_sampling_correction")
         if self.host == "caller" and self.engine == "deepspeed":
             raise ValueError("host: caller holds the trainer in the calling process; the deepspeed engine needs a "
                              "torchrun group of its own: use host detached (or auto)")

@@ -44,6 +44,18 @@ def policy(run: str, iteration: int) -> str:
     return f"{run}/policy/v{iteration:06d}"
 
 
+def behaviour_policy(run: str, iteration: int, max_staleness: int) -> str:
+    """The policy iteration N's rollouts are sampled from: v(N-1-S), S = run.max_staleness (v0: the base model).
+    A pure function of N and S, never of timing: with S = 1 generate(N+1) can run while train(N) does, and a
+    rerun or a resume samples every iteration from the same policy as an uninterrupted run."""
+    return BASE if iteration - 1 - max_staleness <= 0 else policy(run, iteration - 1 - max_staleness)
+
+
+def version_of(policy_key: str) -> int:
+    """The iteration that published a policy (0 for the base model)."""
+    return 0 if policy_key == BASE else int(policy_key.rsplit("/v", 1)[1])
+
+
 def latest(run: str, kind: str) -> str:
     """kind: 'policy' or 'trainer'."""
     return f"{run}/{kind}/LATEST"

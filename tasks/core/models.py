@@ -5,6 +5,7 @@ checkpoint's model), as a full model or a LoRA adapter on the configured base; a
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,13 @@ from tasks.core.store import open_store
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, TrainConfig
+
+# Held by whatever uses process-wide torch state on one thread while another thread may too (run.max_staleness
+# > 0 runs generate beside a trainer held by the flow): that trainer for a request (its own random streams are
+# swapped in), and building a model (transformers' from_pretrained switches the default dtype and device for
+# the whole process while it builds; peft draws fresh adapter weights from the global RNG). Sampling into an
+# already built model never needs it (its random stream is its own: tasks/engines/hf.py).
+PROCESS_WIDE = threading.RLock()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -103,7 +111,8 @@ def load_model(path: str, dtype: str = "float32", device: torch.device | str = "
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        with PROCESS_WIDE:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     except OSError as e:
         raise UserError(f"model.name_or_path: cannot load model from {path!r}: "
                         f"{str(e).splitlines()[0][:200]}") from None
@@ -120,15 +129,17 @@ def load_policy(cfg: Config, path: str, device: torch.device | str, trainable: b
     from peft import PeftModel
 
     base = load_model(base_path(cfg), cfg.model.dtype, device)
-    return PeftModel.from_pretrained(base, path, is_trainable=trainable)
+    with PROCESS_WIDE:
+        return PeftModel.from_pretrained(base, path, is_trainable=trainable)
 
 
 def add_lora(model, tc: TrainConfig):
     """Wrap a base model with fresh LoRA adapters (B = 0: the wrapped model starts equal to the base)."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=tc.lora_r, lora_alpha=tc.lora_alpha, lora_dropout=tc.lora_dropout,
-                                            target_modules=tc.lora_target_modules, task_type="CAUSAL_LM"))
+    with PROCESS_WIDE:
+        return get_peft_model(model, LoraConfig(r=tc.lora_r, lora_alpha=tc.lora_alpha, lora_dropout=tc.lora_dropout,
+                                                target_modules=tc.lora_target_modules, task_type="CAUSAL_LM"))
 
 
 def encode_prompt(tokenizer, prompt, max_length: int) -> list[int]:

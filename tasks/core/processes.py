@@ -6,6 +6,8 @@ the reward worker, the sandbox, the vLLM server, the resident trainer and the le
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
 import os
 import shlex
 import signal
@@ -133,3 +135,16 @@ def terminate_members(pgid: int | None, marker: str, wait: float) -> None:
         deadline = time.monotonic() + after
         while pids and any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def exclusive(path: Path):
+    """Hold an exclusive lock on `path` (created if missing) for the block: one holder at a time across the
+    processes and threads of this machine (each holder opens its own file description)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

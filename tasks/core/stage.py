@@ -80,7 +80,8 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
                     help='overrides as a JSON list (what recipes pass), e.g. \'["train.lr=1e-6"]\'')
     ap.add_argument("--iteration", type=int, required=True)
     if takes_policy:
-        ap.add_argument("--policy", default="base", help="'base' or the store key of a published policy")
+        ap.add_argument("--policy", default=None, help="'base' or the store key of a published policy: the one "
+                        "the schedule names (checked); default: that one")
     if takes_tracking:
         ap.add_argument("--mlflow-run-id", default=None)
     if takes_finish:

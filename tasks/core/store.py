@@ -13,7 +13,6 @@ naming it. A pointer (`policy/LATEST`) is replaced only after the manifest it na
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import UserError
 from tasks.core.paths import cache_root
+from tasks.core.processes import exclusive
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, StoreConfig
@@ -418,14 +418,8 @@ class FileStore(Store):
     @contextlib.contextmanager
     def _locked(self, key):
         """Serialise compare-and-swap on `key` across processes on this machine (a sidecar lock file)."""
-        lock = self._p(key).with_name(f".{self._p(key).name}.lock")
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        with exclusive(self._p(key).with_name(f".{self._p(key).name}.lock")):
+            yield
 
     def read_tagged(self, key):
         data = self._get_bytes(key)

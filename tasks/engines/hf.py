@@ -3,14 +3,18 @@
 The policy of each call is a full model or base + LoRA adapter. A process keeps the last full model it
 loaded, and a next policy of the same architecture (the same config.json) is loaded into it in place, weights
 only: what an inline flow's generate does every iteration. transformers runs user logits
-processors *before* its own temperature/top-p warpers, so sampling is asked for at temperature 1 / top-p 1 and
-one last processor of ours applies both and records the log-softmax the token was drawn from (the behaviour
-logprob), one step at a time.
+processors *before* its own temperature/top-p warpers, and draws sampled tokens from the process-wide torch
+RNG, so one last processor of ours does all of it: applies temperature and top-p, records the log-softmax the
+token is drawn from (the behaviour logprob), and draws the token from a generator of the request's own (seeded
+with its seed); transformers then runs greedy and takes that token. Nothing else in the process (a trainer
+held by the flow, training at the same time on another thread: run.max_staleness) moves or is moved by the
+sampling's random stream. A lock makes one generate at a time per process use the kept model.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,9 +41,10 @@ class HFEngine:
     def generate(self, policy: str, path: str, tokenizer, prompt_ids: list[list[int]],
                  params: SamplingParams) -> Sampled:
         t0 = time.perf_counter()
-        model = _load(self.cfg, path)
-        t1 = time.perf_counter()
-        samples = hf_generate(model, tokenizer, prompt_ids, params, self.cfg.generate.batch_size)
+        with _KEPT_LOCK:            # generate of iteration N+1 and evaluate of N may overlap on two threads
+            model = _load(self.cfg, path)
+            t1 = time.perf_counter()
+            samples = hf_generate(model, tokenizer, prompt_ids, params, self.cfg.generate.batch_size)
         return Sampled(samples, load_seconds=t1 - t0, sampling_seconds=time.perf_counter() - t1)
 
     def stop(self, log=print) -> None:
@@ -47,6 +52,7 @@ class HFEngine:
 
 
 _kept: dict = {}          # the last full model this process loaded, with the key of its architecture
+_KEPT_LOCK = threading.Lock()
 
 
 def _load(cfg: Config, path: str):
@@ -80,16 +86,20 @@ def _load(cfg: Config, path: str):
 
 
 class _SampleAndRecord:
-    """Logits processor placed last: applies temperature/top-p itself, then remembers the log-softmax so
-    the next call (which sees the token just sampled) can record that token's logprob. One step of
-    (N, vocab) is held at a time, never the whole (steps, N, vocab) score history."""
+    """Logits processor placed last (transformers then runs greedy): applies temperature/top-p, draws the
+    token from the request's own generator, and returns scores that leave only that token; it remembers the
+    log-softmax so the next call (which sees the token drawn) can record that token's logprob. One step of
+    (N, vocab) is held at a time, never the whole (steps, N, vocab) score history. The draw is transformers'
+    own (softmax, multinomial) on a private generator: the same tokens its sampling gives from the global RNG
+    seeded alike."""
 
-    def __init__(self, temperature: float, top_p: float):
+    def __init__(self, temperature: float, top_p: float, generator: torch.Generator):
         from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
         self.warpers = [TemperatureLogitsWarper(temperature)]
         if top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(top_p))
+        self.generator = generator
         self.prev: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
 
@@ -102,7 +112,9 @@ class _SampleAndRecord:
         for w in self.warpers:
             scores = w(input_ids, scores)
         self.prev = torch.log_softmax(scores.float(), dim=-1)
-        return scores
+        probs = torch.nn.functional.softmax(scores, dim=-1)
+        token = torch.multinomial(probs, num_samples=1, generator=self.generator)
+        return torch.full_like(scores, -torch.inf).scatter_(-1, token, 0.0)
 
     def finish(self, sequences) -> torch.Tensor:
         self._collect(sequences)
@@ -118,16 +130,18 @@ def hf_generate(model, tokenizer, prompt_ids: list[list[int]], params: SamplingP
     max_new_tokens = params.max_new_tokens
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
-    gen_cfg = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-                               num_return_sequences=n, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
-    torch.manual_seed(seed)
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=eos)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
     out = []
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start:start + batch_size]
         L = max(len(p) for p in chunk)
         ids = torch.tensor([[tokenizer.pad_token_id] * (L - len(p)) + p for p in chunk], device=device)
         attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk], device=device)
-        recorder = _SampleAndRecord(temperature, top_p)
+        ids, attn = ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)   # as transformers expands
+        recorder = _SampleAndRecord(temperature, top_p, generator)
         with torch.no_grad():
             seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg,
                                   logits_processor=LogitsProcessorList([recorder]))

