@@ -60,6 +60,8 @@ bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/train_step_vs_trl.py
 	$(BIN)/python bench/learning_curve_vs_trl.py
 	$(BIN)/python bench/resident_vs_process.py
+	$(BIN)/python bench/overlap_vs_sync.py
+	$(BIN)/python bench/learning_curve_vs_trl.py --staleness 0 1 --seeds 0 1 2
 	$(BIN)/python bench/generate_vs_engine.py
 	$(BIN)/python bench/publish_vs_boto3.py
 	$(BIN)/python bench/sandbox_throughput.py

@@ -265,15 +265,20 @@ def main() -> None:
 
     if "server" in engines:
         c = cfg("server", "generate.engine=vllm", "generate.mode=server")
+
+        def stale(it: int, v: int):
+            return cfg("server", "generate.engine=vllm", "generate.mode=server", f"run.max_staleness={it - 1 - v}")
+
         try:
             first = stage_run(c, 1)                                     # starts the server (base model)
             warm, bare, reloads, it = [], [], [], 1
             for v in range(1, args.repeats + 1):
                 key = publish_copy(c, v, seed=v)
                 it += 1
-                reloads.append(stage_run(c, it, key)["load"])           # loads v in place, then samples
+                # (iteration `it` samples from v: the schedule's v(it-1-S) with S = it-1-v)
+                reloads.append(stage_run(stale(it, v), it, key)["load"])   # loads v in place, then samples
                 it += 1
-                warm.append(stage_run(c, it, key))                      # same policy again: no reload
+                warm.append(stage_run(stale(it, v), it, key))           # same policy again: no reload
                 bare.append(bare_http(c, it))                           # the same requests, plain HTTP
                 assert warm[-1]["tokens"] == bare[-1]["tokens"], "same seeds: the same samples on both sides"
         finally:

@@ -14,7 +14,8 @@ Read top to bottom:
      so a run killed anywhere and started again ends with exactly `run.iterations` iterations, none repeated,
      none skipped. Infrastructure failures are retried with back-off; user errors fail the flow at once. A
      resident trainer in a process of its own on this machine is asked to get ready on a thread meanwhile
-     (_warm_trainer);
+     (_warm_trainer). With run.max_staleness S > 0, generate and reward of the next S iterations run beside
+     train as Prefect task futures (Ahead): iteration N samples from v(N-1-S), whatever the timing;
   5. every `eval.every` iterations the published policy is scored on held-out prompts; policy/BEST and the
      MLflow alias `champion` follow the best of them;
   6. metrics (with cost) of each iteration are logged once; the Prefect dashboard gets a report, a samples
