@@ -104,7 +104,8 @@ def preflight(cfg: Config) -> None:
     """Raise UserError for any input mistake; writes nothing."""
     open_store(cfg).check()
     datasets = [load_prompts(cfg)] + ([load_prompts(cfg, split="eval")] if cfg.eval.every else [])
-    load_functions(cfg)
+    # every split's rows reach the reward functions: only the columns all of them have count
+    load_functions(cfg, columns=set.intersection(*(set(ds.column_names) for ds in datasets)) - {cfg.data.prompt_column})
     path = base_path(cfg)
     tokenizer = load_tokenizer(path)
     chat = cfg.data.system_prompt is not None or any(isinstance(ds[0][cfg.data.prompt_column], list) for ds in datasets)
@@ -334,8 +335,10 @@ def _iterations(ctx: Run, log) -> dict:
                 every = cfg.tracking.dashboard_every
                 if (every and it % every == 0) or it == cfg.run.iterations:
                     post_iteration(cfg, it, metrics, r["samples"], p["uri"])
+                failed = sum(v for k, v in r["metrics"].items() if k.startswith("reward/") and k.endswith("/errors"))
                 progress.line(f"iter {it:>4}/{cfg.run.iterations}  reward {r['metrics']['reward/mean']:.3f}  "
-                              f"loss {t['metrics']['train/loss']:+.4f}  {time.perf_counter() - t0:5.2f}s")
+                              f"loss {t['metrics']['train/loss']:+.4f}  {time.perf_counter() - t0:5.2f}s"
+                              + (f"  reward errors {failed:g}" if failed else ""))
                 log.info("iteration %d: reward %.3f loss %.4f", it, r["metrics"]["reward/mean"],
                          t["metrics"]["train/loss"])
     except BaseException:

@@ -22,6 +22,7 @@ from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cl
 from tasks.core.store import Store, open_store
 from tasks.engines.sampling import SamplingParams, sample_rollouts
 from tasks.scoring.functions import load_functions, score_records
+from tasks.scoring.worker import RewardState
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -66,7 +67,8 @@ def evaluate(cfg: Config, iteration: int) -> dict:
             n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
             temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
             seed=cfg.run.seed * 1_000_003 + 500_000_000 + iteration))
-        score_records(functions, records, cfg.reward.aggregate)
+        score_records(functions, records, cfg.reward.aggregate,
+                      RewardState(global_step=iteration, max_steps=cfg.run.iterations))
         passed = [0] * len(rows)
         for r in records:
             passed[r.group] += int(r.reward is not None and r.reward >= ec.pass_threshold)

@@ -26,6 +26,7 @@ from tasks.core import layout, rollout
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import open_store
 from tasks.scoring.functions import load_functions, score_records
+from tasks.scoring.worker import RewardState
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -44,7 +45,8 @@ def reward(cfg: Config, iteration: int) -> dict:
     t0 = time.perf_counter()
     functions = load_functions(cfg)
     records = rollout.load(store, src)
-    scored = score_records(functions, records, cfg.reward.aggregate)
+    scored = score_records(functions, records, cfg.reward.aggregate,
+                           RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations))
     present = [r.reward for r in records if r.reward is not None]
     metrics = {"reward/mean": sum(present) / max(len(present), 1),
                "reward/std": _std(present),

@@ -43,6 +43,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "prompts.txt").write_text("a=\n")
     (tmp / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "bbb"}) + "\n")
     (tmp / "syntax_err.py").write_text("def f(completions, **kw)\n    return [0.0]\n")
+    (tmp / "needs_col.py").write_text("def f(completions, solution, **kw):\n    return [0.0] * len(completions)\n")
     no_chat = _model_without_chat_template(tmp)
     demo = "tasks.rewards.demo:successor_reward"
     return {
@@ -69,6 +70,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                            "reward.functions[0].fn: cannot import module 'syntax_err': SyntaxError"),
         "reward function missing": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "tasks.rewards.demo:nope"}]'],
                                     "reward.functions[0].fn: 'tasks.rewards.demo' has no function 'nope'"),
+        "reward needs a column the data lacks": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "needs_col:f"}]'],
+                                                 "reward.functions[0].fn: needs_col:f: needs argument 'solution', "
+                                                 "which is neither a dataset column (the data has ['answer'])"),
         "reward path syntax": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "no colon"}]'], "reward.functions.0.fn"),
         "reward weight": (["run", str(TINY), "-o", f'reward.functions=[{{"fn": "{demo}", "weight": "heavy"}}]'],
                           "reward.functions.0.weight"),
@@ -116,7 +120,8 @@ def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_pa
     # three CLI processes at a time (they spend most of their time importing).
     for name in cases:
         (tmp_path / "cwd" / name).mkdir(parents=True)
-        (tmp_path / "cwd" / name / "syntax_err.py").write_text((tmp_path / "syntax_err.py").read_text())
+        for module in ("syntax_err.py", "needs_col.py"):
+            (tmp_path / "cwd" / name / module).write_text((tmp_path / module).read_text())
     with ThreadPoolExecutor(3) as pool:
         outs = dict(zip(cases, pool.map(lambda item: run_cli(item[1][0], tmp_path / "cwd" / item[0], prefect_api),
                                         cases.items())))

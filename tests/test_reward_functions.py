@@ -115,7 +115,7 @@ def test_nan_makes_only_that_completion_missing(bad_module):
 
 
 @pytest.mark.parametrize("bad,expected", [
-    ("raises", "reward function 'raises' raised ValueError: cannot parse the answer"),
+    ("raises", "reward function 'raises' raised ValueError: cannot parse the answer (bad_rewards.py:8)"),
     ("short", "reward function 'short' returned 3 scores for 4 completions"),
     ("nan_one", "reward function 'nan_one' returned nan for completion 0"),
     ("hangs", "reward function 'hangs' timed out after 1s (killed)"),
@@ -176,3 +176,15 @@ def test_math_answer_reward(completion, reference, expected):
 def test_math_answer_reward_solution_column():
     assert math_answer_reward(["\\boxed{\\frac{3}{4}}", "\\boxed{0.7}"],
                               solution=["Thus the probability is $\\boxed{\\dfrac34}$."] * 2) == [1.0, 0.0]
+
+
+def test_the_first_failure_of_each_function_is_on_the_console(bad_module, capsys, monkeypatch):
+    """Not only a metric: the function, the exception and the line of the user's code, once per function."""
+    import tasks.scoring.functions as scoring
+
+    monkeypatch.setattr(scoring, "_shown", set())
+    for _ in range(2):
+        score_records(_functions(["raises", "good"]), _records(), "sum")
+    err = capsys.readouterr().err
+    assert err.count("warning: reward function 'raises' raised ValueError: cannot parse the answer "
+                     "(bad_rewards.py:8); its scores for this batch are missing") == 1

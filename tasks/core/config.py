@@ -119,7 +119,7 @@ class GenerateConfig(Section):
 
 
 class RewardFunction(Section):
-    """One reward function `module:function` with TRL's signature f(completions, **columns) -> list[float]."""
+    """One reward function `module:function`, called as TRL calls them (every argument by keyword)."""
 
     fn: str = Field(..., pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="Import path module:function.")
     weight: float = Field(1.0, description="Weight in the combined reward.")

@@ -47,6 +47,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tasks.rewards import text_of
 from tasks.scoring import sandbox
 
 
@@ -85,7 +86,7 @@ def code_reward_all(completions: list, **kwargs) -> list[float | None]:
 
 def code_format_reward(completions: list, **kwargs) -> list[float]:
     """1.0 when the answer (after any <think>...</think>) holds exactly one ```python block, else 0.0."""
-    return [1.0 if len(_PYTHON_BLOCK.findall(_answer(_text(c)))) == 1 else 0.0 for c in completions]
+    return [1.0 if len(_PYTHON_BLOCK.findall(_answer(text_of(c)))) == 1 else 0.0 for c in completions]
 
 
 def judge(completions: list, verification_info: list | None = None, test_list: list | None = None,
@@ -97,7 +98,7 @@ def judge(completions: list, verification_info: list | None = None, test_list: l
     verdicts: list[Verdict | None] = [None] * n
     jobs, pending = [], []
     for j, completion in enumerate(completions):
-        code = extract_code(_text(completion))
+        code = extract_code(text_of(completion))
         cases, setup = parse_tests(_at(verification_info, j), _at(test_list, j), _at(test_setup_code, j), code)
         if not cases:
             verdicts[j] = Verdict(None, "no tests")
@@ -175,13 +176,6 @@ def _answer(text: str) -> str:
     if "</think>" in text:
         return text.rsplit("</think>", 1)[1]
     return text.split("<think>", 1)[0]
-
-
-def _text(completion) -> str:
-    """A completion is a string, or (TRL conversational) a list of messages: the last one's content."""
-    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content") or "")
-    return completion if isinstance(completion, str) else str(completion or "")
 
 
 def _at(column: list | None, j: int):

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from tasks.rewards import text_of
+
 
 def successor_reward(completions: list[str], answer: list[str], **kwargs) -> list[float]:
     """Share of the answer's characters the completion gets right, position by position (0..1).
@@ -12,10 +14,10 @@ def successor_reward(completions: list[str], answer: list[str], **kwargs) -> lis
     >>> successor_reward(["ddd", "dxd", "zzz"], answer=["ddd"] * 3)
     [1.0, 0.6666666666666666, 0.0]
     """
-    return [sum(a == b for a, b in zip(c, ans)) / len(ans) for c, ans in zip(completions, answer)]
+    return [sum(a == b for a, b in zip(text_of(c), ans)) / len(ans) for c, ans in zip(completions, answer)]
 
 
 def stops_reward(completions: list[str], answer: list[str], completion_ids: list[list[int]] | None = None,
                  **kwargs) -> list[float]:
     """1.0 when the completion is no longer than the answer (it stopped instead of rambling), else 0.0."""
-    return [1.0 if len(c) <= len(ans) else 0.0 for c, ans in zip(completions, answer)]
+    return [1.0 if len(text_of(c)) <= len(ans) else 0.0 for c, ans in zip(completions, answer)]

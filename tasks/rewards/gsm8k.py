@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from tasks.rewards import text_of
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -45,11 +47,11 @@ def gsm8k_reward(completions: list[str], answer: list[str], **kwargs) -> list[fl
     """
     out = []
     for completion, ref in zip(completions, answer):
-        want, got = reference_answer(str(ref)), extract_answer(completion)
+        want, got = reference_answer(str(ref)), extract_answer(text_of(completion))
         out.append(1.0 if want is not None and got is not None and abs(want - got) < 1e-6 else 0.0)
     return out
 
 
 def boxed_format_reward(completions: list[str], **kwargs) -> list[float]:
     """1.0 when the completion puts exactly one final answer in \\boxed{...}, else 0.0."""
-    return [1.0 if len(re.findall(r"\\boxed\{[^{}]*\}", c)) == 1 else 0.0 for c in completions]
+    return [1.0 if len(re.findall(r"\\boxed\{[^{}]*\}", text_of(c))) == 1 else 0.0 for c in completions]

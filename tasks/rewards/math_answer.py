@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import threading
 
+from tasks.rewards import text_of
+
 
 def _reference_text(answer, solution) -> str | None:
     if answer is not None and str(answer).strip():
@@ -48,6 +50,6 @@ def math_answer_reward(completions: list[str], answer: list | None = None, solut
         if not gold:
             out.append(None)
             continue
-        pred = parse(completion, extraction_config=extraction, parsing_timeout=timeout)
+        pred = parse(text_of(completion), extraction_config=extraction, parsing_timeout=timeout)
         out.append(1.0 if pred and verify(gold, pred, timeout_seconds=timeout) else 0.0)
     return out

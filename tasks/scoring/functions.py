@@ -1,6 +1,10 @@
 """Reward functions: importing them by path, calling them safely on a batch, and combining their scores.
-Shared by the reward and evaluate stages. A function has TRL's signature
-f(completions, **columns) -> list[float | None].
+Shared by the reward and evaluate stages. A function is called as TRL calls it, every argument by keyword:
+f(prompts=, completions=, completion_ids=, <each dataset column>=, trainer_state=, log_extra=, log_metric=)
+-> list[float | None]; for chat prompts, prompts are message lists and completions
+[{"role": "assistant", "content": ...}] lists (trl_inputs). A function without **kwargs gets the keywords it
+names; an async one is awaited. Before anything runs, each signature is checked against those keywords and
+the dataset's columns (check_signatures).
 
 A reward function is the user's code and may misbehave: raise, hang, return the wrong count, a non-number or
 NaN. The functions run in one worker process (tasks/scoring/worker.py), started on first use and kept for the
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import inspect
 import json
 import logging
 import math
@@ -27,6 +32,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,13 +41,15 @@ import torch
 from tasks.core.errors import UserError
 from tasks.core.paths import REPO_ROOT
 from tasks.core.processes import kill_group
-from tasks.scoring.worker import _HEADER, receive, send
+from tasks.scoring.worker import _HEADER, RewardState, receive, send
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
     from tasks.core.rollout import Rollout
 
 log = logging.getLogger("rlflow.reward")
+# What every reward function is called with besides the dataset's columns (TRL's GRPOTrainer passes the same).
+TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 class RewardFunctionError(UserError):
@@ -70,8 +78,10 @@ class Scored:
     metrics: dict[str, float] = field(default_factory=dict)  # log_metric means
 
 
-def load_functions(cfg: Config) -> RewardFunctions:
-    """Import every configured function here too: a bad path is a user error naming the entry."""
+def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardFunctions:
+    """Import every configured function here too: a bad path is a user error naming the entry. With the
+    dataset's `columns` (preflight), each function's signature is checked against what it will be called
+    with."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # user reward modules live next to where they run rlflow
     names = []
@@ -84,6 +94,9 @@ def load_functions(cfg: Config) -> RewardFunctions:
                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         if not callable(getattr(module, attr, None)):
             raise UserError(f"reward.functions[{i}].fn: {module_name!r} has no function {attr!r}")
+        if columns is not None:
+            check_signature(f"reward.functions[{i}].fn: {spec.fn}", getattr(module, attr),
+                            {*TRL_KEYWORDS, *columns, *spec.kwargs}, sorted(columns))
         names.append(attr)
     if len(set(names)) != len(names):
         raise UserError(f"reward.functions: two functions share a name ({names}); names key the scores")
@@ -91,6 +104,24 @@ def load_functions(cfg: Config) -> RewardFunctions:
              "sandbox": cfg.reward.sandbox.model_dump(mode="json")}
     return RewardFunctions(names=names, weights={n: s.weight for n, s in zip(names, cfg.reward.functions)},
                            setup=setup, timeout_seconds=cfg.reward.timeout_seconds, strict=cfg.reward.strict)
+
+
+def check_signature(what: str, fn, available: set[str], columns: list[str]) -> None:
+    """One UserError line if `fn` cannot be called the way TRL calls it: a required argument that is neither
+    one of TRL's keywords nor a dataset column (nor a configured kwarg), or one that only takes a position."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return                                  # a builtin or C callable: nothing to read, it is tried at run time
+    for p in params:
+        if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.kind is p.POSITIONAL_ONLY:
+            raise UserError(f"{what}: argument {p.name!r} is positional-only; reward functions are called with "
+                            f"every argument by keyword, as TRL calls them")
+        if p.name not in available:
+            raise UserError(f"{what}: needs argument {p.name!r}, which is neither a dataset column (the data has "
+                            f"{columns}) nor one of the keywords reward functions get ({', '.join(TRL_KEYWORDS)})")
 
 
 class _Worker:
@@ -136,6 +167,7 @@ def _pythonpath(cwd: str) -> str:
 
 
 _workers: dict[str, _Worker] = {}
+_shown: set[str] = set()       # functions whose first failure this process has printed
 
 
 def _worker(functions: RewardFunctions) -> _Worker:
@@ -159,12 +191,33 @@ def _close_workers() -> None:
     _workers.clear()
 
 
-def score(functions: RewardFunctions, records: list[Rollout]) -> Scored:
-    """Call each function once on the whole batch (in the worker), with the failure rules above."""
-    completions = [r.completion for r in records]
+def trl_inputs(records: list[Rollout]) -> tuple[list, dict]:
+    """A batch as TRL hands it to reward functions: `completions` (text; for chat prompts
+    `[{"role": "assistant", "content": ...}]` per completion, an assistant message that ends the prompt
+    prefixed to it and dropped from the prompt, as TRL does) and every other keyword: prompts, completion_ids
+    and the dataset's columns."""
+    completions, prompts = [], []
+    for r in records:
+        prompt = r.prompt
+        if isinstance(prompt, list):
+            bootstrap = ""
+            if prompt and prompt[-1].get("role") == "assistant":
+                prompt, bootstrap = prompt[:-1], prompt[-1].get("content") or ""
+            completions.append([{"role": "assistant", "content": bootstrap + r.completion}])
+        else:
+            completions.append(r.completion)
+        prompts.append(prompt)
     columns: dict[str, list] = {k: [r.columns.get(k) for r in records] for k in (records[0].columns if records else {})}
-    columns["prompts"] = [r.prompt for r in records]
+    columns["prompts"] = prompts
     columns["completion_ids"] = [r.completion_ids for r in records]
+    return completions, columns
+
+
+def score(functions: RewardFunctions, records: list[Rollout], state: RewardState | None = None) -> Scored:
+    """Call each function once on the whole batch (in the worker), with the failure rules above; `state` is
+    what the functions get as `trainer_state`."""
+    completions, columns = trl_inputs(records)
+    columns["trainer_state"] = state
     out = Scored(scores={})
     for index, name in enumerate(functions.names):
         try:
@@ -180,6 +233,10 @@ def score(functions: RewardFunctions, records: list[Rollout]) -> Scored:
             if functions.strict:
                 raise RewardFunctionError(message)
             log.warning("%s; its scores for this batch are missing", message)
+            if name not in _shown:          # the first failure of each function, on the console whatever logs
+                _shown.add(name)
+                print(f"warning: {message}; its scores for this batch are missing (counted in "
+                      f"reward/{name}/errors; reward.strict: true makes it fail the run)", file=sys.stderr)
             out.errors[name] = message
             out.scores[name] = [None] * len(records)
             continue
@@ -205,10 +262,11 @@ def _phrase(message: str) -> str:
     return f"raised {message}"
 
 
-def score_records(functions: RewardFunctions, records: list[Rollout], aggregate: str) -> Scored:
+def score_records(functions: RewardFunctions, records: list[Rollout], aggregate: str,
+                  state: RewardState | None = None) -> Scored:
     """Score `records` in place: per-function scores in `.rewards`, the combined reward in `.reward`
     (None where no function scored it), logged columns in `.extra`. Returns what happened."""
-    scored = score(functions, records)
+    scored = score(functions, records, state)
     for j, r in enumerate(records):
         r.rewards = {name: scored.scores[name][j] for name in scored.scores}
         r.extra = {column: values[j] for column, values in scored.extra.items()}

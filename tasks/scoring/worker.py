@@ -5,8 +5,9 @@
 Protocol: length-prefixed pickles. The parent sends the setup once
 `{"functions": [{"fn": "mod:f", "kwargs": {...}}, ...], "cwd": ..., "sandbox": {...}}`, the worker answers
 `("ready", None)` or `("setup_error", message)`; then per call the parent sends `(index, completions, columns)`
-and the worker answers `("ok", values, extra, metrics)` or `("error", message)`. `values` are floats, NaN or
-None; `extra` holds the columns the function logged with TRL's `log_extra(column, values)`, `metrics` the
+(columns: every other keyword of the call, TRL's convention: prompts, completion_ids, the dataset's columns,
+trainer_state) and the worker answers `("ok", values, extra, metrics)` or `("error", message)`. `values` are
+floats, NaN or None; `extra` holds the columns the function logged with TRL's `log_extra(column, values)`, `metrics` the
 means of what it logged with `log_metric(name, value)`.
 
 Imports stay light (no torch): this process starts once per stage process and lives as long as it does.
@@ -15,12 +16,16 @@ The real stdout carries only the protocol: a reward function's prints go to stde
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import math
 import os
 import pickle
 import struct
 import sys
+import traceback
+from dataclasses import dataclass
 
 _HEADER = struct.Struct("!Q")
 
@@ -47,8 +52,12 @@ def receive(stream):
 
 
 def _one_line(e: BaseException) -> str:
+    """'ValueError: cannot parse (my_rewards.py:12)': the exception and the line of the user's code it came
+    from (the innermost frame outside this worker)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {text}"[:300] if text else type(e).__name__
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return (f"{type(e).__name__}: {text}"[:300] if text else type(e).__name__) + where
 
 
 def _clean(values, n: int):
@@ -68,7 +77,30 @@ def _clean(values, n: int):
     return out
 
 
+@dataclass(frozen=True)
+class RewardState:
+    """What TRL passes as `trainer_state` (its TrainerState), as far as reward shaping reads it: the optimiser
+    steps taken before this batch was scored, and how many the run takes."""
+
+    global_step: int
+    max_steps: int
+
+
+def _accepted(fn) -> set[str] | None:
+    """The keyword names `fn` takes, or None when it takes **kwargs (then it gets everything, as in TRL)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
 def _call(fn, kwargs: dict, completions: list, columns: dict):
+    """TRL's calling convention: every argument by keyword (prompts, completions, completion_ids, the dataset
+    columns, trainer_state, log_extra, log_metric); a function without **kwargs gets the ones it names. An
+    async function is run to completion."""
     extra: dict[str, list] = {}
     logged: dict[str, list[float]] = {}
 
@@ -78,11 +110,21 @@ def _call(fn, kwargs: dict, completions: list, columns: dict):
     def log_metric(name: str, value: float) -> None:
         logged.setdefault(str(name), []).append(float(value))
 
-    values = fn(completions, **columns, **kwargs, log_extra=log_extra, log_metric=log_metric)
+    given = {**columns, "completions": completions, "log_extra": log_extra, "log_metric": log_metric, **kwargs}
+    accepted = _accepted(fn)
+    if accepted is not None:
+        given = {k: v for k, v in given.items() if k in accepted}
+    values = fn(**given)
+    if inspect.isawaitable(values):
+        values = asyncio.run(_awaited(values))
     values = _clean(values, len(completions))
     extra = {k: v for k, v in extra.items() if len(v) == len(completions)}   # a column per completion, or none
     metrics = {k: sum(v) / len(v) for k, v in logged.items() if v and all(math.isfinite(x) for x in v)}
     return values, extra, metrics
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,173 @@
+"""Reward functions written the way TRL's documentation writes them run unchanged, and score what TRL's own
+GRPOTrainer._calculate_rewards gives for the same inputs: every argument by keyword, chat completions as
+[{"role": "assistant", "content": ...}] lists, trainer_state, log_extra, log_metric, async functions. Their
+signatures are checked against the dataset's columns before anything runs."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tasks.core.config import load_config
+from tasks.core.errors import UserError
+from tasks.core.rollout import Rollout
+from tasks.scoring.functions import load_functions, score_records, trl_inputs
+from tasks.scoring.worker import RewardState
+from tests.conftest import TINY
+
+# From TRL's docs (GRPOTrainer: "Using a custom reward function", quickstart), as users copy them.
+TRL_DOCS = textwrap.dedent(r'''
+    import re
+    import asyncio
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    def reward_func(completion_ids, **kwargs):
+        """Reward function that assigns higher scores to longer completions (in terms of token count)."""
+        return [float(len(ids)) for ids in completion_ids]
+
+    def prompt_and_completion(prompts, completions, **kwargs):
+        return [float(len(p) + len(c)) for p, c in zip(prompts, completions)]
+
+    def format_reward_func(completions, **kwargs):
+        """Reward function that checks if the completion has a specific format."""
+        pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+        completion_contents = [completion[0]["content"] for completion in completions]
+        matches = [re.match(pattern, content) for content in completion_contents]
+        return [1.0 if match else 0.0 for match in matches]
+
+    def ground_truth_reward(completions, ground_truth, **kwargs):
+        # Regular expression to capture content inside \boxed{}
+        matches = [re.search(r"\\boxed\{(.*?)\}", completion) for completion in completions]
+        contents = [match.group(1) if match else "" for match in matches]
+        # Reward 1 if the content is the same as the ground truth, 0 otherwise
+        return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+
+    def chat_ground_truth(completions, ground_truth, **kwargs):
+        contents = [completion[0]["content"] for completion in completions]
+        return [1.0 if gt in c else 0.0 for c, gt in zip(contents, ground_truth)]
+
+    def scheduled(completions, trainer_state, **kwargs):
+        return [float(trainer_state.global_step)] * len(completions)
+
+    def logs(completions, log_extra=None, log_metric=None, **kwargs):
+        log_extra("length", [len(str(c)) for c in completions])
+        log_metric("calls", 1.0)
+        return [0.5] * len(completions)
+
+    async def async_reward(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [1.0 if "answer" in str(c) else 0.0 for c in completions]
+
+    def no_kwargs(completions, ground_truth):
+        return [float(len(gt)) for gt in ground_truth]
+
+    def needs_missing(completions, solution, **kwargs):
+        return [0.0] * len(completions)
+
+    def positional_only(completions, /, **kwargs):
+        return [0.0] * len(completions)
+''')
+
+TEXT_FUNCS = ["reward_len", "reward_func", "prompt_and_completion", "ground_truth_reward", "scheduled", "logs",
+              "async_reward", "no_kwargs"]
+CHAT_FUNCS = ["reward_func", "format_reward_func", "chat_ground_truth", "scheduled", "logs", "async_reward",
+              "no_kwargs"]
+COMPLETIONS = ["<think>x</think><answer>\\boxed{4}</answer>", "it is \\boxed{5}", "4", "<think></think><answer>4"]
+
+
+@pytest.fixture
+def docs_module(tmp_path, monkeypatch):
+    (tmp_path / "trl_docs_rewards.py").write_text(TRL_DOCS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    return importlib.import_module("trl_docs_rewards")
+
+
+def _records(chat: bool) -> list[Rollout]:
+    prompt = [{"role": "user", "content": "2+2?"}] if chat else "2+2?"
+    return [Rollout(group=j // 2, row=j, prompt=prompt, prompt_ids=[1, 2], completion=c,
+                    completion_ids=list(range(j + 1)), logprobs=[0.0] * (j + 1), truncated=False,
+                    columns={"ground_truth": "4"})
+            for j, c in enumerate(COMPLETIONS)]
+
+
+def _functions(names: list[str], columns=None):
+    cfg = load_config(TINY, [f"reward.functions={json.dumps([{'fn': f'trl_docs_rewards:{n}'} for n in names])}"])
+    return load_functions(cfg, columns=columns)
+
+
+def _trl_scores(module, names: list[str], records: list[Rollout], global_step: int) -> torch.Tensor:
+    """TRL's own GRPOTrainer._calculate_rewards on the batch, completions built as its
+    _generate_and_score_completions builds them."""
+    from trl import GRPOTrainer
+
+    prompts = [r.prompt for r in records]
+    if isinstance(prompts[0], list):
+        completions = [[{"role": "assistant", "content": r.completion}] for r in records]
+    else:
+        completions = [r.completion for r in records]
+    inputs = [{"prompt": r.prompt, **r.columns} for r in records]
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(device=torch.device("cpu"), is_main_process=True),
+        reward_funcs=[getattr(module, n) for n in names],
+        reward_processing_classes=[None] * len(names), reward_func_names=names, environments=None,
+        state=SimpleNamespace(global_step=global_step), _log_completion_extra=lambda column, values: None,
+        _log_metric=lambda name, value: None, async_loop=_loop(), args=SimpleNamespace(report_to=[]),
+        _metrics={"train": {}}, model=SimpleNamespace(training=True))
+    return GRPOTrainer._calculate_rewards(trainer, inputs, prompts, completions, [r.completion_ids for r in records])
+
+
+def _loop():
+    import asyncio
+    import threading
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return loop
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_trl_docs_functions_score_what_trl_scores(docs_module, chat):
+    names = CHAT_FUNCS if chat else TEXT_FUNCS
+    trl_names = [n for n in names if n != "no_kwargs"]         # TRL passes every column: **kwargs is required there
+    records = _records(chat)
+    scored = score_records(_functions(names, columns={"ground_truth"}), records, "sum",
+                           RewardState(global_step=7, max_steps=10))
+    assert not scored.errors, scored.errors
+    want = _trl_scores(docs_module, trl_names, _records(chat), global_step=7)
+    got = torch.tensor([[scored.scores[n][j] for n in trl_names] for j in range(len(records))], dtype=torch.float32)
+    assert torch.equal(got, want), (got, want)
+    assert scored.scores["no_kwargs"] == [1.0] * 4                # gets the keywords it names
+    assert scored.extra["length"] and scored.metrics["calls"] == 1.0
+    assert scored.scores["scheduled"] == [7.0] * 4
+
+
+def test_chat_completions_are_assistant_messages_with_the_prompts_bootstrap():
+    """An assistant message that ends the prompt is the start of the completion (TRL's 'bootstrap')."""
+    r = _records(True)[0]
+    r.prompt = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>"}]
+    completions, columns = trl_inputs([r])
+    assert completions == [[{"role": "assistant", "content": "<think>" + r.completion}]]
+    assert columns["prompts"] == [[{"role": "user", "content": "2+2?"}]]
+    assert columns["ground_truth"] == ["4"] and columns["completion_ids"] == [[0]]
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("needs_missing", "reward.functions[0].fn: trl_docs_rewards:needs_missing: needs argument 'solution', which is "
+                      "neither a dataset column (the data has ['ground_truth'])"),
+    ("positional_only", "reward.functions[0].fn: trl_docs_rewards:positional_only: argument 'completions' is "
+                        "positional-only"),
+])
+def test_a_signature_the_data_cannot_satisfy_is_one_line_before_anything_runs(docs_module, name, expected):
+    with pytest.raises(UserError) as e:
+        _functions([name], columns={"ground_truth"})
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value)
+    _functions(["ground_truth_reward", "no_kwargs"], columns={"ground_truth"})    # these are satisfied
