@@ -3,8 +3,17 @@
     rlflow run CONFIG [-o key=value]... [--summary-json PATH]
     rlflow export CONFIG VERSION DIR [-o key=value]...    # a published policy as a folder from_pretrained loads
 
-Exit codes: 0 success; 2 a user error (one line on stderr naming the field or row); 1 an internal error.
+Exit codes: 0 success; 2 a user error (one line on stderr naming the field or row); 1 an internal error;
+130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM.
 Prefect runs without a server (ephemeral) unless PREFECT_API_URL is set; then the run shows in that UI.
+
+Stopping: `rlflow run` runs the flow in a child process of a session of its own and waits for it. Ctrl-C
+reaches the whole foreground process group; were the flow in it, Prefect's ephemeral API server (its
+subprocess) would die first and the flow would hang reporting to it. So this process takes SIGINT/SIGTERM
+and passes it to the flow's process alone, which stops where it is (the stage outputs are atomic: nothing
+half-written is visible), ends its run (lease released, MLflow run marked), stops what it started and exits
+130 / 143 with "interrupted at iteration N (stage); run the same command to resume". A second signal, or
+10 s without an exit, ends the flow's whole process group.
 """
 
 from __future__ import annotations
@@ -12,7 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -112,6 +124,91 @@ def _mlflow_policy(cfg, store, uri: str) -> str:
     return source[len(root):]
 
 
+SUPERVISED = "RLFLOW_FLOW_PROCESS"      # set in the child that runs the flow
+STOP_GRACE_SECONDS = 10.0
+
+
+def supervise(argv: list[str]) -> int:
+    """Run `rlflow <argv>` in a child in a new session; pass it the first SIGINT/SIGTERM; end its process group
+    on a second one or when it has not exited STOP_GRACE_SECONDS after the first. Returns its exit code."""
+    child = subprocess.Popen([sys.executable, "-m", "flows.cli", *argv], env={**os.environ, SUPERVISED: "1"},
+                             start_new_session=True)
+    got: list[int] = []
+    first_at = [0.0]
+
+    def kill_group() -> None:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def on_signal(signum, _frame) -> None:
+        got.append(signum)
+        if len(got) == 1:
+            first_at[0] = time.monotonic()
+            try:
+                os.kill(child.pid, signum)
+            except OSError:
+                pass
+        else:
+            kill_group()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                code = child.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if got and time.monotonic() - first_at[0] > STOP_GRACE_SECONDS:
+                    print(f"rlflow: the run did not stop within {STOP_GRACE_SECONDS:g} s; killed it (run the same "
+                          f"command to resume)", file=sys.stderr)
+                    kill_group()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if got:
+        return 128 + got[0]
+    return code if code >= 0 else 128 - code
+
+
+def _stop_on_signals() -> None:
+    """In the flow's process: SIGINT and SIGTERM stop the run: no stage starts or is retried after it
+    (flows/training.py: STOP) and a KeyboardInterrupt is raised where the main thread is; also where SIGINT
+    came in ignored (a background job of a script)."""
+    from tasks.core.stage import STOP
+
+    def on_signal(signum, _frame):
+        _stopped_by.append(signum)
+        STOP.set()
+        if len(_stopped_by) == 1:
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+
+_stopped_by: list[int] = []
+
+
+def _interrupted() -> int:
+    """The flow's process after a stop signal: say where, stop what this process group still runs (local stage
+    processes, Prefect's ephemeral server) and exit at once (threads of stages of later iterations included:
+    what they had not committed is not visible, and the resumed run redoes it)."""
+    from flows.training import NOW
+
+    where = f"iteration {NOW['iteration']} ({NOW['stage']})" if NOW else "start-up"
+    print(f"\ninterrupted at {where}; run the same command to resume", file=sys.stderr, flush=True)
+    code = 128 + (_stopped_by[0] if _stopped_by else signal.SIGINT)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        os.killpg(os.getpgid(0), signal.SIGTERM)
+    except OSError:
+        pass
+    sys.stdout.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rlflow", description="RL post-training as a scheduled, resumable pipeline.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -131,9 +228,18 @@ def main(argv: list[str] | None = None) -> int:
                      help="dotted config override, e.g. -o run.name=other (repeatable)")
     exp.add_argument("--overrides-json", default="[]", metavar="JSON")
     args = ap.parse_args(argv)
+    if args.command == "run" and not os.environ.get(SUPERVISED):
+        return supervise(sys.argv[1:] if argv is None else argv)
+    if args.command == "run":
+        _stop_on_signals()
     try:
-        return cmd_run(args) if args.command == "run" else cmd_export(args)
+        code = cmd_run(args) if args.command == "run" else cmd_export(args)
+        if _stopped_by:
+            _interrupted()
+        return code
     except BaseException as e:  # noqa: BLE001 - the exit code contract is decided here
+        if _stopped_by:          # whatever the interrupt turned into on its way up (Prefect's crash handling)
+            _interrupted()
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         user = cause_of(e, UserError)

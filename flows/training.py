@@ -45,6 +45,7 @@ from tasks.core.data import load_prompts
 from tasks.core.errors import UserError, cause_of
 from tasks.core.lease import Lease, LeaseLost
 from tasks.core.models import base_path, load_tokenizer
+from tasks.core.stage import STOP
 from tasks.core.store import Store, open_store
 from tasks.core.tracking import Tracker, champion_policy_uri
 from tasks.engines.sampling import sampling_engine
@@ -56,15 +57,18 @@ from tasks.reward import reward
 from tasks.scoring.functions import load_functions
 from tasks.train import train
 
+NOW: dict = {}      # where the flow's loop is: {"iteration", "stage"} (what an interrupted run reports)
+
 STAGE_FUNCTIONS = {"generate": generate, "reward": reward, "train": train, "publish": publish, "evaluate": evaluate}
 OUTPUT_KEY = {"generate": layout.rollouts, "reward": layout.rewards, "train": layout.checkpoint,
               "publish": layout.policy, "evaluate": layout.evaluation}
 
 
 def retryable(task, task_run, state) -> bool:
-    """Prefect retry condition: retry infrastructure failures, never a user's mistake or a lost lease."""
+    """Prefect retry condition: retry infrastructure failures, never a user's mistake or a lost lease, nor
+    anything once the run was told to stop."""
     exc = state.data if isinstance(state.data, BaseException) else None
-    return cause_of(exc, (UserError, LeaseLost)) is None
+    return cause_of(exc, (UserError, LeaseLost)) is None and not STOP.is_set()
 
 
 class Run:
@@ -79,6 +83,8 @@ class Run:
 @task(name="stage", task_run_name="{stage}[iter {iteration}]", cache_policy=NO_CACHE)
 def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None) -> dict:
     """Run one stage where the config says; return its result (keys, metrics) read from the store."""
+    if STOP.is_set():
+        raise KeyboardInterrupt
     ctx.lease.check()
     cfg, log = ctx.cfg, get_run_logger()
     launcher = ctx.launchers.for_stage(stage)
@@ -266,8 +272,10 @@ class Ahead:
         iterations up to it+S."""
         run = self.ctx.cfg.run.name
         if self.S == 0:
-            return (self.stage("generate", it, self.ctx, layout.behaviour_policy(run, it, 0)),
-                    self.stage("reward", it, self.ctx))
+            NOW.update(stage="generate")
+            g = self.stage("generate", it, self.ctx, layout.behaviour_policy(run, it, 0))
+            NOW.update(stage="reward")
+            return g, self.stage("reward", it, self.ctx)
         while self.next <= min(it + self.S, self.last):
             m = self.next
             self.gen[m] = self.stage.submit("generate", m, self.ctx, layout.behaviour_policy(run, m, self.S),
@@ -316,12 +324,16 @@ def _iterations(ctx: Run, log) -> dict:
             if warm:
                 threading.Thread(target=_warm_trainer, args=(cfg, it - 1, log), name="rlflow-warm-trainer",
                                  daemon=True).start()
+            NOW.update(iteration=it, stage="generate/reward")
             g, r = ahead.take(it)       # (S > 0: generate and reward of it+1..it+S start now, beside train(it))
+            NOW.update(stage="train")
             t = stage("train", it, ctx)
+            NOW.update(stage="publish")
             p = stage("publish", it, ctx)
             published = p
             e = {"metrics": {}}
             if cfg.eval.every and (it % cfg.eval.every == 0 or it == cfg.run.iterations):
+                NOW.update(stage="evaluate")
                 e = stage("evaluate", it, ctx)
             reward_means.append(r["metrics"]["reward/mean"])
             if it > already_logged:
@@ -341,8 +353,9 @@ def _iterations(ctx: Run, log) -> dict:
                               + (f"  reward errors {failed:g}" if failed else ""))
                 log.info("iteration %d: reward %.3f loss %.4f", it, r["metrics"]["reward/mean"],
                          t["metrics"]["train/loss"])
-    except BaseException:
-        ahead.drain()              # nothing of this flow run writes once it has ended (and its lease gone)
+    except BaseException as e:
+        if not isinstance(e, KeyboardInterrupt):   # (a stop signal: the process ends now, its threads with it)
+            ahead.drain()          # nothing of this flow run writes once it has ended (and its lease gone)
         tracker.finish("FAILED")   # keeps what was logged; never masks the error that got us here
         raise
     finally:

@@ -130,3 +130,62 @@ def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path, s
     steps = [m.step for m in client.get_metric_history(got["mlflow_run_id"], "reward/mean")]
     assert steps == [1, 2, 3]                                      # each iteration logged once
     assert len(client.search_runs([client.get_experiment_by_name("rlflow").experiment_id])) == 1
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process started (transitively) by `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_stop_signal_ends_the_run_cleanly_and_the_same_command_resumes_it(prefect_api, tmp_path):
+    """SIGINT (Ctrl-C: to the whole process group) and then SIGTERM stop `rlflow run` within 10 s with one line
+    saying where and how to resume, exit 130 / 143, no process left behind (Prefect's ephemeral server
+    included), no traceback; the same command then resumes, and the run ends with the uninterrupted one's
+    weights."""
+    args = ["-o", "run.name=stop", "-o", "run.iterations=6", "-o", "generate.prompts_per_iteration=4",
+            "-o", "generate.num_generations=4", "-o", "train.lr=1e-2"]
+    stopped, clean = tmp_path / "stopped", tmp_path / "clean"
+    stopped.mkdir(), clean.mkdir()
+    store_dir = stopped / "rlflow-store" / "stop"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}       # the ephemeral server, as a user has
+    for sig, after, code in ((signal.SIGINT, 2, 130), (signal.SIGTERM, 4, 143)):
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY), *args], cwd=stopped, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        _wait_for(store_dir / "policy" / f"v{after:06d}" / MANIFEST, proc)
+        started = _descendants(proc.pid)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 10, err
+        assert proc.returncode == code, err
+        assert "run the same command to resume" in err and "interrupted at iteration" in err, err
+        assert "Traceback" not in err, err
+        time.sleep(1)
+        assert not [p for p in started if _running(p)], err                    # nothing left running
+    done = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], stopped, prefect_api)
+    assert done.returncode == 0, done.stderr
+    ref = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], clean, prefect_api)
+    assert ref.returncode == 0, ref.stderr
+    assert read_summary(stopped / "s.json")["reward_mean"] == read_summary(clean / "s.json")["reward_mean"]
+    got, want = Store.open(str(stopped / "rlflow-store")), Store.open(str(clean / "rlflow-store"))
+    assert got.manifest(layout.policy("stop", 6))["files"] == want.manifest(layout.policy("stop", 6))["files"]

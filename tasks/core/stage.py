@@ -13,6 +13,7 @@ import argparse
 import hashlib
 import json
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,7 @@ def parse_overrides_json(text: str) -> list[str]:
 
 
 _OWN_PROCESS = False
+STOP = threading.Event()    # set when the run was told to stop (SIGINT/SIGTERM, flows/cli.py): no stage starts after
 
 
 def in_stage_process() -> bool:
