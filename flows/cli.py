@@ -50,11 +50,16 @@ def cmd_run(args) -> int:
     from tasks.core.stage import parse_overrides_json
 
     overrides = parse_overrides_json(args.overrides_json) + args.override
-    load_config(args.config, overrides)       # a bad config is one line and exit 2, before Prefect starts
+    cfg = load_config(args.config, overrides)       # a bad config is one line and exit 2, before Prefect starts
     _quiet_prefect()
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    from flows.training import train_flow
+    from flows.training import preflight, train_flow
+
+    preflight(cfg)                  # every input mistake, before Prefect's server starts (the flow checks again)
+    if not os.environ.get("PREFECT_API_URL"):
+        print("starting Prefect's temporary API server (no PREFECT_API_URL set; ~5-15 s, once per run)",
+              file=sys.stderr, flush=True)
 
     summary = train_flow(args.config, overrides)
     public = {k: summary[k] for k in ("run", "iterations_completed", "reward_mean", "policy_uri", "mlflow_run_id")}

@@ -31,9 +31,14 @@ class Progress:
             self.bar.start()
 
     def line(self, text: str) -> None:
-        (self.bar.console if self.bar else self.console).print(text, highlight=False)
+        """An iteration's line: printed, and the bar moves on."""
+        self.note(text)
         if self.bar:
             self.bar.advance(self.task)
+
+    def note(self, text: str) -> None:
+        """A line about the run (resuming, complete): printed, the bar stays."""
+        (self.bar.console if self.bar else self.console).print(text, highlight=False)
 
     def close(self) -> None:
         if self.bar:

@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
+import torch
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
@@ -44,7 +45,7 @@ from tasks.core.config import Config, load_config
 from tasks.core.data import load_prompts
 from tasks.core.errors import UserError, cause_of
 from tasks.core.lease import Lease, LeaseLost
-from tasks.core.models import base_path, load_tokenizer
+from tasks.core.models import base_path, check_lora_targets, load_tokenizer
 from tasks.core.stage import STOP
 from tasks.core.store import Store, open_store
 from tasks.core.tracking import Tracker, champion_policy_uri
@@ -118,6 +119,12 @@ def preflight(cfg: Config) -> None:
     if chat and not tokenizer.chat_template:
         raise UserError(f"model.name_or_path: {path}: its tokenizer has no chat template, but the prompts are chat "
                         f"messages (data.prompt_column / data.system_prompt)")
+    if cfg.launcher.mode_of("train") != "sky":
+        if cfg.train.device == "cuda" and not torch.cuda.is_available():
+            raise UserError("train.device: cuda, but this machine has no CUDA device (torch.cuda.is_available() "
+                            "is False); use auto or cpu")
+        if cfg.train.lora_r:
+            check_lora_targets(cfg, path)
     if cfg.reward.sandbox.isolation == "bubblewrap" and cfg.launcher.mode_of("reward") != "sky":
         from tasks.scoring import sandbox
 
@@ -312,8 +319,15 @@ def _iterations(ctx: Run, log) -> dict:
     # Iterations before the newest published one that MLflow has too are done: not walked again (their older
     # checkpoints may be gone, store.keep), only their rewards read back for the curve.
     latest = store.get_pointer(layout.latest(cfg.run.name, "policy"))
-    done = min(int(latest.rsplit("/v", 1)[1]) - 1 if latest else 0, already_logged, cfg.run.iterations - 1)
+    newest = layout.version_of(latest) if latest else 0
+    done = min(newest - 1, already_logged, cfg.run.iterations - 1) if latest else 0
     progress = Progress(cfg.run.iterations, already_logged)
+    if newest >= cfg.run.iterations and already_logged >= cfg.run.iterations:
+        progress.note(f"{cfg.run.name} is already complete ({cfg.run.iterations} iterations in "
+                      f"{store.uri(cfg.run.name)}); checking its last iteration and ending it")
+    elif latest or already_logged:
+        progress.note(f"resuming {cfg.run.name}: iterations 1-{min(newest, already_logged)} of "
+                      f"{cfg.run.iterations} found in {store.uri(cfg.run.name)}")
     ahead = Ahead(stage, ctx, first=done + 1)
     try:
         for it in range(1, done + 1):

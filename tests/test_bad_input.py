@@ -44,9 +44,17 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "bbb"}) + "\n")
     (tmp / "syntax_err.py").write_text("def f(completions, **kw)\n    return [0.0]\n")
     (tmp / "needs_col.py").write_text("def f(completions, solution, **kw):\n    return [0.0] * len(completions)\n")
+    (tmp / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp / "dup.yaml").write_text("run:\n  name: a\n  iterations: 2\n  name: b\n")
+    (tmp / "latin1.yaml").write_bytes("run:\n  name: caf\u00e9\n".encode("latin-1"))
+    (tmp / "a_file").write_text("not a folder\n")
     no_chat = _model_without_chat_template(tmp)
     demo = "tasks.rewards.demo:successor_reward"
-    return {
+    import torch
+
+    gpu = {} if torch.cuda.is_available() else {
+        "cuda without a GPU": (["run", str(TINY), "-o", "train.device=cuda"], "train.device: cuda, but this machine")}
+    return {**gpu,
         # config files and overrides
         "missing config file": (["run", str(tmp / "nope.yaml")], "config: file not found"),
         "not yaml": (["run", str(tmp / "badyaml.yaml")], "not valid YAML"),
@@ -60,7 +68,20 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "bad dtype": (["run", str(TINY), "-o", "model.dtype=int8"], "model.dtype"),
         "bad launcher": (["run", str(TINY), "-o", "launcher.mode=cloud"], "launcher.mode"),
         "k above n": (["run", str(TINY), "-o", "eval.k=8", "-o", "eval.num_generations=4"], "k (8) must be <= num_generations (4)"),
-        "run name escapes": (["run", str(TINY), "-o", "run.name=../escape"], "run.name"),
+        "run name escapes": (["run", str(TINY), "-o", "run.name=../escape"], "run.name: string should match pattern "
+                             "'^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$'"),
+        "infinite number": (["run", str(TINY), "-o", "train.lr=inf"], "train.lr: input should be a finite number"),
+        "duplicate yaml key": (["run", str(tmp / "dup.yaml")], "line 4: key 'name' appears twice in one mapping"),
+        "config not utf-8": (["run", str(tmp / "latin1.yaml")], "latin1.yaml: not UTF-8 text"),
+        "malformed endpoint url": (["run", str(TINY), "-o", "store.endpoint_url=localhost:9000"],
+                                   "store.endpoint_url: expected http(s)://HOST[:PORT]"),
+        "unknown tracking scheme": (["run", str(TINY), "-o", "tracking.uri=ftp://host/x"],
+                                    "tracking.uri: expected one of sqlite://"),
+        "empty experiment name": (["run", str(TINY), "-o", 'tracking.experiment=""'], "tracking.experiment"),
+        "store path is a file": (["run", str(TINY), "-o", f"store.uri={tmp}/a_file"], "is a file, not a folder"),
+        "lora targets the model lacks": (["run", str(TINY), "-o", "train.lora_r=4", "-o",
+                                          "train.lora_target_modules=[nope_proj]"],
+                                         "train.lora_target_modules: ['nope_proj']: Target modules"),
         "override syntax": (["run", str(TINY), "-o", "train.lr"], "expected key=value"),
         "overrides json": (["run", str(TINY), "--overrides-json", "{not json"], "--overrides-json: expected a JSON list"),
         # reward functions
@@ -73,6 +94,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "reward needs a column the data lacks": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "needs_col:f"}]'],
                                                  "reward.functions[0].fn: needs_col:f: needs argument 'solution', "
                                                  "which is neither a dataset column (the data has ['answer'])"),
+        "reward module exits on import": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "exits_on_import:f"}]'],
+                                          "cannot import module 'exits_on_import': SystemExit"),
         "reward path syntax": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "no colon"}]'], "reward.functions.0.fn"),
         "reward weight": (["run", str(TINY), "-o", f'reward.functions=[{{"fn": "{demo}", "weight": "heavy"}}]'],
                           "reward.functions.0.weight"),
@@ -101,6 +124,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         # engines
         "vllm engine, no vllm": (["run", str(TINY), "-o", "generate.engine=vllm", "-o",
                                   f"generate.vllm_python={sys.executable}"], f"generate.engine: vllm: {sys.executable} has no vllm"),
+        "vllm python not a file": (["run", str(TINY), "-o", "generate.engine=vllm", "-o",
+                                    f"generate.vllm_python={tmp}/"], "is not an executable file"),
         "vllm python missing": (["run", str(TINY), "-o", "generate.engine=vllm", "-o", f"generate.vllm_python={tmp}/py"],
                                 f"generate.vllm_python: {tmp}/py does not exist"),
         # store and launchers
@@ -120,7 +145,7 @@ def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_pa
     # three CLI processes at a time (they spend most of their time importing).
     for name in cases:
         (tmp_path / "cwd" / name).mkdir(parents=True)
-        for module in ("syntax_err.py", "needs_col.py"):
+        for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py"):
             (tmp_path / "cwd" / name / module).write_text((tmp_path / module).read_text())
     with ThreadPoolExecutor(3) as pool:
         outs = dict(zip(cases, pool.map(lambda item: run_cli(item[1][0], tmp_path / "cwd" / item[0], prefect_api),
@@ -189,7 +214,7 @@ def test_a_reward_function_that_raises_is_named_with_strict(prefect_api, tmp_pat
     out = run_cli(["run", str(TINY), "-o", "run.iterations=1", "-o", 'reward.functions=[{"fn": "broken:boom"}]',
                    "-o", "reward.strict=true"], tmp_path, prefect_api)
     assert out.returncode == 2                  # the user's code: one line, never retried
-    assert out.stderr.strip().splitlines()[-1] == "error: reward function 'boom' raised ValueError: bad answer format"
+    assert out.stderr.strip().splitlines()[-1] == "error: reward function 'boom' raised ValueError: bad answer format (broken.py:2)"
 
 
 def test_overrides_parse_as_yaml_values():

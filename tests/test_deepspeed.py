@@ -85,7 +85,8 @@ def rollouts(tmp_path_factory) -> dict[int, Path]:
     are replaced by seeded random numbers: every group has a learning signal, and the updates compared below
     are driven by it rather than by rounding noise (which Adam would turn into steps of size ~lr)."""
     tmp = tmp_path_factory.mktemp("rollouts")
-    cfg = load_config(TINY, [*COMMON, f"store.uri={tmp}/store"])
+    # (run.max_staleness 1: the schedule has iteration 2 sample from the base policy too)
+    cfg = load_config(TINY, [*COMMON, f"store.uri={tmp}/store", "run.max_staleness=1"])
     store, g, folders = Store.open(cfg.store), torch.Generator().manual_seed(0), {}
     for it in (1, 2):
         generate(cfg, it, layout.BASE)

@@ -184,6 +184,9 @@ def test_a_stop_signal_ends_the_run_cleanly_and_the_same_command_resumes_it(pref
         assert not [p for p in started if _running(p)], err                    # nothing left running
     done = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], stopped, prefect_api)
     assert done.returncode == 0, done.stderr
+    assert "resuming stop: iterations 1-" in done.stdout and " of 6 found in " in done.stdout, done.stdout
+    again = run_cli(["run", str(TINY), *args], stopped, prefect_api)
+    assert again.returncode == 0 and "stop is already complete (6 iterations" in again.stdout, again.stdout
     ref = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], clean, prefect_api)
     assert ref.returncode == 0, ref.stderr
     assert read_summary(stopped / "s.json")["reward_mean"] == read_summary(clean / "s.json")["reward_mean"]

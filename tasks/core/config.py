@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Literal, get_args
+from urllib.parse import urlparse
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,7 +24,7 @@ from tasks.core.errors import UserError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # A field that changes how a result is computed, not the result (tested bit-identical): left out of the
@@ -335,6 +336,19 @@ class StoreConfig(Section):
     keep: KeepConfig = Field(KeepConfig(), description="Retention of checkpoints and policies.")
     # Credentials never live here: boto3 reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE.
 
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None:
+            parsed = urlparse(v)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ValueError("expected http(s)://HOST[:PORT]")
+            try:
+                parsed.port                                     # noqa: B018 - raises on a bad port
+            except ValueError:
+                raise ValueError("expected http(s)://HOST[:PORT] with a port number") from None
+        return v
+
     @field_validator("uri")
     @classmethod
     def _scheme(cls, v: str) -> str:
@@ -345,16 +359,29 @@ class StoreConfig(Section):
         return v
 
 
+TRACKING_SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "mssql", "databricks")
+
+
 class TrackingConfig(Section):
     """MLflow."""
 
-    uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI (sqlite:///..., http://host:5000).")
-    experiment: str = Field("rlflow", description="MLflow experiment name.")
+    uri: str = Field(default_factory=lambda: os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
+                     description="MLflow tracking URI (sqlite:///..., http://host:5000); unset: $MLFLOW_TRACKING_URI, "
+                     "else sqlite:///mlflow.db in the working directory.")
+    experiment: str = Field("rlflow", min_length=1, pattern=r"\S", description="MLflow experiment name.")
     sample_completions: int = Field(8, ge=0, description="Completions per iteration logged to the samples table.")
     flush_seconds: float = Field(5.0, ge=0, description="Send metrics/samples/model versions at most this often "
                                  "(s); 0 = every iteration. Batching keeps a remote server off the training path.")
     dashboard_every: int = Field(1, ge=0, description="Prefect artifacts (report, samples table, links) every N "
                                  "iterations and after the last; 0 = only after the last.")
+
+    @field_validator("uri")
+    @classmethod
+    def _tracking_scheme(cls, v: str) -> str:
+        scheme = v.split("://", 1)[0].split("+", 1)[0] if "://" in v else (v.split(":", 1)[0] if ":" in v else "")
+        if scheme and scheme not in TRACKING_SCHEMES and not (len(scheme) == 1 and v[1:3] in (":\\", ":/")):
+            raise ValueError(f"expected one of {', '.join(s + '://' for s in TRACKING_SCHEMES)} or a local folder")
+        return v
 
 
 Stage = Literal["generate", "reward", "train", "publish", "evaluate"]
@@ -465,10 +492,35 @@ def _what(section: Section) -> dict:
 _PATH_FIELDS = (("data", "path"), ("model", "name_or_path"), ("eval", "path"))
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, mark):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.problem_mark = key, mark
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML that refuses a key written twice in one mapping (PyYAML keeps the last one, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise _DuplicateKey(key, key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _parse_value(raw: str) -> Any:
     """An override value is YAML: `3` is an int, `[1, 2]` a list, `{"fn": ...}` a mapping, else a string."""
     try:
-        return yaml.safe_load(raw)
+        return _load_yaml(raw)
+    except _DuplicateKey as e:
+        raise UserError(f"override value {raw!r}: key {e.key!r} appears twice") from None
     except yaml.YAMLError:
         return raw
 
@@ -506,7 +558,9 @@ def _format_error(err: ValidationError) -> str:
     shown = json.dumps(got, default=str) if not isinstance(got, dict) else "a mapping"
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    return f"config: {loc}: {e['msg'].lower()}, got {shown}"
+    msg = e["msg"].removeprefix("Value error, ")
+    msg = msg[:1].lower() + msg[1:] if msg[:2] != msg[:2].upper() else msg    # ("Input should..."; a pattern as is)
+    return f"config: {loc}: {msg}, got {shown}"
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
@@ -518,11 +572,16 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not p.is_file():
             raise UserError(f"config: file not found: {path}")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = _load_yaml(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise UserError(f"config: {path}: not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise UserError(f"config: {path}: cannot read it ({e.strerror})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
-            raise UserError(f"config: {path}{where}: not valid YAML") from None
+            what = f"key {e.key!r} appears twice in one mapping" if isinstance(e, _DuplicateKey) else "not valid YAML"
+            raise UserError(f"config: {path}{where}: {what}") from None
         if not isinstance(loaded, dict):
             raise UserError(f"config: {path}: expected a mapping of sections at the top level")
         _resolve_relative(loaded, p.parent)
@@ -561,7 +620,8 @@ def reference_markdown() -> str:
             for noise in ("typing.", "__main__.", "tasks.core.config.", "<class '", "'>"):
                 typ = typ.replace(noise, "")
             typ = typ.replace("|", "\\|")
-            default = "required" if f.is_required() else f"`{json.dumps(f.default, default=str)}`"
+            default = ("required" if f.is_required() else "(see meaning)" if f.default_factory is not None
+                       else f"`{json.dumps(f.default, default=str)}`")
             bounds = ", ".join(f"{symbols[k]} {getattr(m, k)}" for m in f.metadata for k in symbols if hasattr(m, k))
             lines.append(f"| `{prefix}.{name}` | {typ} | {default} | {f.description or ''}"
                          f"{f' ({bounds})' if bounds else ''} |")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -140,6 +141,23 @@ def add_lora(model, tc: TrainConfig):
     with PROCESS_WIDE:
         return get_peft_model(model, LoraConfig(r=tc.lora_r, lora_alpha=tc.lora_alpha, lora_dropout=tc.lora_dropout,
                                                 target_modules=tc.lora_target_modules, task_type="CAUSAL_LM"))
+
+
+def check_lora_targets(cfg: Config, path: str) -> None:
+    """One UserError line if train.lora_target_modules names modules the model does not have: peft's own check,
+    on a copy of the model without weights (meta device), before anything runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (Path(path) / "config.json").is_file():
+        return
+    try:
+        with PROCESS_WIDE, torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+            add_lora(model, cfg.train)
+    except ValueError as e:
+        raise UserError(f"train.lora_target_modules: {cfg.train.lora_target_modules!r}: "
+                        f"{str(e).strip().splitlines()[0][:200]}") from None
 
 
 def encode_prompt(tokenizer, prompt, max_length: int) -> list[int]:

@@ -313,6 +313,8 @@ class FileStore(Store):
         probe = self.path
         while not probe.exists():
             probe = probe.parent
+        if not probe.is_dir():
+            raise UserError(f"store.uri: {probe} is a file, not a folder")
         if not os.access(probe, os.W_OK):
             raise UserError(f"store.uri: {self.path} is not writable")
 

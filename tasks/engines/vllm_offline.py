@@ -49,6 +49,8 @@ def installed_python(cfg: Config) -> str:
     python = vllm_python(cfg)
     if os.sep in python and not Path(python).exists():
         raise UserError(f"generate.vllm_python: {python} does not exist (make setup builds .venv-vllm)")
+    if os.sep in python and not (Path(python).is_file() and os.access(python, os.X_OK)):
+        raise UserError(f"generate.vllm_python: {python} is not an executable file (a Python interpreter)")
     has_vllm = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     probe = subprocess.run([python, "-c", has_vllm], stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if probe.returncode != 0:

@@ -89,7 +89,7 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
         module_name, _, attr = spec.fn.partition(":")
         try:
             module = importlib.import_module(module_name)
-        except Exception as e:
+        except (Exception, SystemExit) as e:           # (a module that calls sys.exit when imported)
             raise UserError(f"reward.functions[{i}].fn: cannot import module {module_name!r}: "
                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         if not callable(getattr(module, attr, None)):
