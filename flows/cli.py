@@ -7,13 +7,12 @@ Exit codes: 0 success; 2 a user error (one line on stderr naming the field or ro
 130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM.
 Prefect runs without a server (ephemeral) unless PREFECT_API_URL is set; then the run shows in that UI.
 
-Stopping: `rlflow run` runs the flow in a child process of a session of its own and waits for it. Ctrl-C
-reaches the whole foreground process group; were the flow in it, Prefect's ephemeral API server (its
-subprocess) would die first and the flow would hang reporting to it. So this process takes SIGINT/SIGTERM
-and passes it to the flow's process alone, which stops where it is (the stage outputs are atomic: nothing
-half-written is visible), ends its run (lease released, MLflow run marked), stops what it started and exits
-130 / 143 with "interrupted at iteration N (stage); run the same command to resume". A second signal, or
-10 s without an exit, ends the flow's whole process group.
+Stopping: Ctrl-C (SIGINT to the terminal's process group) or SIGTERM stops the run where it is (stage outputs
+are atomic: nothing half-written is visible): no stage starts or is retried after it, the flow ends its run
+(lease released, MLflow and Prefect runs marked), what this process started is stopped, and it exits 130 / 143
+with "interrupted at iteration N (stage); run the same command to resume". A second signal, or 10 s without an
+exit, ends it by force. Prefect's temporary API server runs in a session of its own (see
+_shield_prefect_server), so Ctrl-C does not kill it under the flow.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 import traceback
 from pathlib import Path
 
@@ -39,6 +38,7 @@ def _quiet_prefect() -> None:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_TASK_RUNS_LEVEL", "CRITICAL")
     import logging
 
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")      # (its database creation is two INFO lines)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -56,6 +56,9 @@ def cmd_run(args) -> int:
         sys.path.insert(0, os.getcwd())
     from flows.training import preflight, train_flow
 
+    if cfg.train.engine != "deepspeed":   # (accelerate imports deepspeed to unwrap a model; it would warn)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _shield_prefect_server()
     preflight(cfg)                  # every input mistake, before Prefect's server starts (the flow checks again)
     if not os.environ.get("PREFECT_API_URL"):
         print("starting Prefect's temporary API server (no PREFECT_API_URL set; ~5-15 s, once per run)",
@@ -129,89 +132,93 @@ def _mlflow_policy(cfg, store, uri: str) -> str:
     return source[len(root):]
 
 
-SUPERVISED = "RLFLOW_FLOW_PROCESS"      # set in the child that runs the flow
 STOP_GRACE_SECONDS = 10.0
-
-
-def supervise(argv: list[str]) -> int:
-    """Run `rlflow <argv>` in a child in a new session; pass it the first SIGINT/SIGTERM; end its process group
-    on a second one or when it has not exited STOP_GRACE_SECONDS after the first. Returns its exit code."""
-    child = subprocess.Popen([sys.executable, "-m", "flows.cli", *argv], env={**os.environ, SUPERVISED: "1"},
-                             start_new_session=True)
-    got: list[int] = []
-    first_at = [0.0]
-
-    def kill_group() -> None:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-    def on_signal(signum, _frame) -> None:
-        got.append(signum)
-        if len(got) == 1:
-            first_at[0] = time.monotonic()
-            try:
-                os.kill(child.pid, signum)
-            except OSError:
-                pass
-        else:
-            kill_group()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while True:
-            try:
-                code = child.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                if got and time.monotonic() - first_at[0] > STOP_GRACE_SECONDS:
-                    print(f"rlflow: the run did not stop within {STOP_GRACE_SECONDS:g} s; killed it (run the same "
-                          f"command to resume)", file=sys.stderr)
-                    kill_group()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if got:
-        return 128 + got[0]
-    return code if code >= 0 else 128 - code
+_stopped_by: list[int] = []
 
 
 def _stop_on_signals() -> None:
-    """In the flow's process: SIGINT and SIGTERM stop the run: no stage starts or is retried after it
-    (flows/training.py: STOP) and a KeyboardInterrupt is raised where the main thread is; also where SIGINT
-    came in ignored (a background job of a script)."""
+    """SIGINT and SIGTERM stop the run: no stage starts or is retried after it (tasks/core/stage.py: STOP) and
+    a KeyboardInterrupt is raised where the main thread is; also where SIGINT came in ignored (a background job
+    of a script). A second signal, or STOP_GRACE_SECONDS without an exit, ends it by force."""
     from tasks.core.stage import STOP
 
     def on_signal(signum, _frame):
         _stopped_by.append(signum)
         STOP.set()
-        if len(_stopped_by) == 1:
-            raise KeyboardInterrupt
+        if len(_stopped_by) > 1:
+            _exit_now("stopped by a second signal")
+        timer = threading.Timer(STOP_GRACE_SECONDS, _exit_now,
+                                args=(f"the run did not stop within {STOP_GRACE_SECONDS:g} s; ended it",))
+        timer.daemon = True
+        timer.start()
+        raise KeyboardInterrupt
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
 
 
-_stopped_by: list[int] = []
+def _exit_now(why: str) -> None:
+    """End this process and every process it started, at once (what a kill would do; the store never shows
+    what was not committed)."""
+    print(f"\nrlflow: {why} (run the same command to resume)", file=sys.stderr, flush=True)
+    _end_children(signal.SIGKILL)
+    os._exit(128 + (_stopped_by[0] if _stopped_by else signal.SIGINT))
+
+
+def _end_children(sig: int) -> None:
+    from tasks.core.processes import descendants
+
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
 
 
 def _interrupted() -> int:
-    """The flow's process after a stop signal: say where, stop what this process group still runs (local stage
-    processes, Prefect's ephemeral server) and exit at once (threads of stages of later iterations included:
-    what they had not committed is not visible, and the resumed run redoes it)."""
+    """After a stop signal has unwound the flow (its run ended, lease released): say where it stopped, stop what
+    this process started and still runs, exit at once (threads of stages of later iterations included: what
+    they had not committed is not visible, and the resumed run redoes it)."""
     from flows.training import NOW
 
     where = f"iteration {NOW['iteration']} ({NOW['stage']})" if NOW else "start-up"
     print(f"\ninterrupted at {where}; run the same command to resume", file=sys.stderr, flush=True)
-    code = 128 + (_stopped_by[0] if _stopped_by else signal.SIGINT)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        os.killpg(os.getpgid(0), signal.SIGTERM)
-    except OSError:
-        pass
+    _end_children(signal.SIGTERM)
     sys.stdout.flush()
-    os._exit(code)
+    os._exit(128 + (_stopped_by[0] if _stopped_by else signal.SIGINT))
+
+
+def _shield_prefect_server() -> None:
+    """Prefect's temporary API server (no PREFECT_API_URL) is this process's child; Ctrl-C reaches the whole
+    foreground process group, and a server killed by it leaves the flow hanging on its API while it stops. So it
+    is started in a session of its own, and told to die with this process (PR_SET_PDEATHSIG): a kill of the
+    run still takes it along."""
+    from prefect.server.api import server
+
+    run = server.SubprocessASGIServer._run_uvicorn_command
+    if getattr(run, "_rlflow", False):
+        return
+
+    def shielded(self):
+        popen = subprocess.Popen
+
+        def own_session(*args, **kwargs):
+            return popen(*args, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+
+        server.subprocess.Popen = own_session
+        try:
+            return run(self)
+        finally:
+            server.subprocess.Popen = popen
+
+    shielded._rlflow = True
+    server.SubprocessASGIServer._run_uvicorn_command = shielded
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,8 +240,6 @@ def main(argv: list[str] | None = None) -> int:
                      help="dotted config override, e.g. -o run.name=other (repeatable)")
     exp.add_argument("--overrides-json", default="[]", metavar="JSON")
     args = ap.parse_args(argv)
-    if args.command == "run" and not os.environ.get(SUPERVISED):
-        return supervise(sys.argv[1:] if argv is None else argv)
     if args.command == "run":
         _stop_on_signals()
     try:

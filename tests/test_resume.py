@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tasks.core import layout
+from tasks.core.processes import descendants
 from tasks.core.store import MANIFEST, IncompleteArtifact, Store
 from tests.conftest import TINY, read_summary, run_cli
 
@@ -132,24 +133,6 @@ def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path, s
     assert len(client.search_runs([client.get_experiment_by_name("rlflow").experiment_id])) == 1
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process started (transitively) by `pid`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
 def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -158,10 +141,10 @@ def _running(pid: int) -> bool:
 
 
 def test_a_stop_signal_ends_the_run_cleanly_and_the_same_command_resumes_it(prefect_api, tmp_path):
-    """SIGINT (Ctrl-C: to the whole process group) and then SIGTERM stop `rlflow run` within 10 s with one line
-    saying where and how to resume, exit 130 / 143, no process left behind (Prefect's ephemeral server
-    included), no traceback; the same command then resumes, and the run ends with the uninterrupted one's
-    weights."""
+    """SIGINT (Ctrl-C: to the whole process group, Prefect's temporary server's session aside) and then SIGTERM
+    stop `rlflow run` within 10 s with one line saying where and how to resume, exit 130 / 143, no process left
+    behind (that server included), no traceback; the same command then resumes, and the run ends with the
+    uninterrupted one's weights."""
     args = ["-o", "run.name=stop", "-o", "run.iterations=6", "-o", "generate.prompts_per_iteration=4",
             "-o", "generate.num_generations=4", "-o", "train.lr=1e-2"]
     stopped, clean = tmp_path / "stopped", tmp_path / "clean"
@@ -172,7 +155,7 @@ def test_a_stop_signal_ends_the_run_cleanly_and_the_same_command_resumes_it(pref
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY), *args], cwd=stopped, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         _wait_for(store_dir / "policy" / f"v{after:06d}" / MANIFEST, proc)
-        started = _descendants(proc.pid)
+        started = descendants(proc.pid)
         t0 = time.monotonic()
         os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)

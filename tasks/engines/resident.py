@@ -388,7 +388,8 @@ class Host:
         self.at = iteration
         self.full_at = iteration if newest_full(self.store, self.cfg.run.name, iteration)[1] == iteration else None
         self.restored = time.perf_counter() - t0
-        print(f"restored the state after iteration {iteration} in {self.restored:.2f} s", flush=True)
+        if iteration:                       # (a new run's trainer has nothing to restore: nothing to say)
+            print(f"restored the state after iteration {iteration} in {self.restored:.2f} s", flush=True)
 
     def final_checkpoint(self) -> int | None:
         """A full checkpoint of the current iteration, written now (finish, idle exit). A trainer that holds
