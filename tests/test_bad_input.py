@@ -45,6 +45,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "syntax_err.py").write_text("def f(completions, **kw)\n    return [0.0]\n")
     (tmp / "needs_col.py").write_text("def f(completions, solution, **kw):\n    return [0.0] * len(completions)\n")
     (tmp / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp / "chat_no_role.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "b"})
+                                            + "\n" + json.dumps({"prompt": [{"text": "a="}], "answer": "b"}) + "\n")
     (tmp / "dup.yaml").write_text("run:\n  name: a\n  iterations: 2\n  name: b\n")
     (tmp / "latin1.yaml").write_bytes("run:\n  name: caf\u00e9\n".encode("latin-1"))
     (tmp / "a_file").write_text("not a folder\n")
@@ -112,8 +114,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                   "data.prompt_column: column 'prompt' not in"),
         "wrong prompt type": (["run", str(TINY), "-o", f"data.path={tmp}/badrow.jsonl"], "row 0 column 'prompt'"),
         "prompt list of strings": (["run", str(TINY), "-o", f"data.path={tmp}/badlist.jsonl"], "row 0 column 'prompt'"),
+        "chat message without a role": (["run", str(TINY), "-o", f"data.path={tmp}/chat_no_role.jsonl"],
+                                        "row 1 column 'prompt' message 0: expected {\"role\": str"),
+        "hub dataset, hub unreachable": (["run", str(TINY), "-o", "data.path=nosuch-org/nosuch-dataset"],
+                                         "data.path: cannot load 'nosuch-org/nosuch-dataset'"),
         "missing eval file": (["run", str(TINY), "-o", "eval.every=5", "-o", f"eval.path={tmp}/held-out.jsonl"],
-                              "eval.path: cannot load"),
+                              "eval.path: " + f"{tmp}/held-out.jsonl: no such file"),
         # model
         "model folder missing": (["run", str(TINY), "-o", f"model.name_or_path={tmp}/nomodel"], "model.name_or_path"),
         "chat prompts, no chat template": (["run", str(TINY), "-o", f"data.path={tmp}/chat.jsonl",

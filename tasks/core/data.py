@@ -8,6 +8,7 @@ prompts for the same iteration, and the data cursor saved with a checkpoint is j
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,17 +28,52 @@ def _load(path: str, name: str | None, split: str, field: str = "data.path"):
 
     datasets.disable_progress_bars()
     suffix = Path(path).suffix.lower()
+    if not Path(path).exists() and (suffix in _LOCAL_FORMATS or path.startswith(("/", "./", "../", "~"))):
+        raise UserError(f"{field}: {path}: no such file (a path that looks local is not looked up on the hub)")
+    offline = False
     try:
         if Path(path).exists():
             if suffix not in _LOCAL_FORMATS:
                 raise UserError(f"{field}: {path}: expected a .json/.jsonl/.csv/.parquet file")
             return datasets.load_dataset(_LOCAL_FORMATS[suffix], data_files={split: path}, split=split)
+        offline = not _hub_reachable()
+        if offline:          # (else datasets retries for ~25 s, printing each retry): the local cache alone
+            _go_offline(datasets)
         return datasets.load_dataset(path, name, split=split)
     except UserError:
         raise
     except Exception as e:  # datasets raises many types for a bad path/split; the user sees one line
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{field}: cannot load {path!r} split {split!r}: {msg[:200]}") from None
+        why = " (the Hugging Face Hub is not reachable from here: only its local cache was tried)" if offline else ""
+        raise UserError(f"{field}: cannot load {path!r} split {split!r}{why}: {msg[:200]}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers a TCP connection here (offline mode set by the user counts as no)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _go_offline(datasets) -> None:
+    """datasets and huggingface_hub read offline mode once, at import: set it where they look."""
+    import os
+
+    import huggingface_hub.constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = True
 
 
 def load_prompts(cfg: Config, split: str = "train"):
@@ -54,10 +90,16 @@ def load_prompts(cfg: Config, split: str = "train"):
         raise UserError(f"data.prompt_column: column {col!r} not in {path} (columns: {ds.column_names})")
     if len(ds) == 0:
         raise UserError(f"{field}: {path} split {sp!r} has no rows")
-    for i, value in enumerate(ds[col][:1000]):
-        if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(m, dict) for m in value))):
-            raise UserError(f"data: row {i} column {col!r}: expected a string or a list of chat messages, "
-                            f"got {type(value).__name__}")
+    for i, value in enumerate(ds[col]):             # every row: a bad one would fail an iteration hours in
+        if isinstance(value, str):
+            continue
+        if not (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
+            raise UserError(f"{field}: {path} row {i} column {col!r}: expected a string or a list of chat "
+                            f"messages, got {type(value).__name__}{' (empty)' if value == [] else ''}")
+        for j, m in enumerate(value):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str | list):
+                raise UserError(f"{field}: {path} row {i} column {col!r} message {j}: expected "
+                                f"{{\"role\": str, \"content\": str}}, got {json.dumps(m, default=str)[:80]}")
     return ds
 
 
