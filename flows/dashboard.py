@@ -51,9 +51,17 @@ def slug(text: str) -> str:
 
 
 def post_mlflow_link(cfg: Config, url: str) -> None:
-    """The MLflow run's link, once per flow run."""
-    create_link_artifact(key=f"{slug(cfg.run.name)}-mlflow", link=url.split(" ")[0], link_text="MLflow run",
-                         description="metrics, samples, model versions")
+    """The MLflow run, once per flow run: a link to click for a tracking server; for a database or folder
+    (nothing a browser can open) the command that shows it."""
+    key = f"{slug(cfg.run.name)}-mlflow"
+    if url.startswith(("http://", "https://")):
+        create_link_artifact(key=key, link=url.split(" ")[0], link_text="MLflow run",
+                             description="metrics, samples, model versions")
+        return
+    uri = cfg.tracking.uri
+    create_markdown_artifact(key=key, description="metrics, samples, model versions", markdown=(
+        f"### MLflow run of {cfg.run.name}\n\nTracked in `{uri}` (no server): to see it, run where the run ran\n\n"
+        f"```\nmlflow ui --backend-store-uri {uri}\n```\n\nthen open http://127.0.0.1:5000 — {url}"))
 
 
 def post_iteration(cfg: Config, it: int, metrics: dict, samples: list[dict], policy_uri: str) -> None:

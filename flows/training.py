@@ -370,7 +370,9 @@ def _iterations(ctx: Run, log) -> dict:
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):   # (a stop signal: the process ends now, its threads with it)
             ahead.drain()          # nothing of this flow run writes once it has ended (and its lease gone)
-        tracker.finish("FAILED")   # keeps what was logged; never masks the error that got us here
+        # keeps what was logged; never masks the error that got us here; a refusal (the user's input) leaves a
+        # finished earlier run finished
+        tracker.finish("FAILED", refused=cause_of(e, UserError) is not None)
         raise
     finally:
         progress.close()

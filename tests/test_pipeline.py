@@ -126,3 +126,22 @@ def test_stage_cli_runs_one_stage_alone(two_iterations, tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["key"] == layout.rollouts("e2e", 3) and res["metrics"]["generate/tokens_per_s"] > 0
     Store.open(cfg.store).verify(res["key"])
+
+
+def test_a_refused_resume_leaves_the_finished_run_as_it_was(two_iterations):
+    """The same run name with another learning rate is refused (one line: a different config), and the
+    finished MLflow run it found is not turned FAILED by the refusal."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.training import train_flow
+    from tasks.core.errors import UserError
+
+    cfg, summary = two_iterations
+    overrides = [f"run.name={cfg.run.name}", "run.iterations=2", f"store.uri={cfg.store.uri}",
+                 f"store.endpoint_url={cfg.store.endpoint_url}", f"tracking.uri={cfg.tracking.uri}",
+                 "generate.prompts_per_iteration=4", "generate.num_generations=4",
+                 f"reward.functions={json.dumps([f.model_dump() for f in cfg.reward.functions])}", "train.lr=0.5"]
+    with pytest.raises(UserError, match="made from a different config"):
+        train_flow(str(TINY), overrides)
+    client = MlflowClient(cfg.tracking.uri)
+    assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"

@@ -58,6 +58,7 @@ class Tracker:
         self.client = _client(cfg.tracking.uri)
         self.store_root = store_root
         self.run_id: str | None = None
+        self.status_before: str | None = None     # the MLflow run's status when this flow run found it
         self.model_name = registered_model_name(cfg)
         self._registered: dict[str, str] = {}      # policy URI -> model version, for this MLflow run
         self._lock = threading.Lock()
@@ -148,6 +149,7 @@ class Tracker:
             max_results=1, order_by=["attributes.start_time DESC"])
         if found:
             self.run_id = found[0].info.run_id
+            self.status_before = found[0].info.status      # a refused resume puts it back (see finish)
             self.client.update_run(self.run_id, status="RUNNING")
             logged = found[0].data.params
         else:
@@ -193,9 +195,12 @@ class Tracker:
         self.client.log_artifact(self.run_id, str(path), "plots")
         return path
 
-    def finish(self, status: str = "FINISHED") -> None:
+    def finish(self, status: str = "FINISHED", refused: bool = False) -> None:
         """Flush and close the MLflow run. With status FAILED, tracking errors are swallowed: the caller is
-        already raising the error that matters."""
+        already raising the error that matters. `refused`: this flow run stopped on the user's input (a resume
+        with another config): an earlier run's status is left as it was, not turned FAILED."""
+        if refused and self.status_before in ("FINISHED", "KILLED"):
+            status = self.status_before
         try:
             self.drain()
             self.client.set_terminated(self.run_id, status=status)
