@@ -70,6 +70,22 @@ def in_stage_process() -> bool:
     return _OWN_PROCESS
 
 
+def quiet_progress_bars() -> None:
+    """No download/loading/writing progress bars in a stage process's log (or a trainer's): they are a screen
+    of carriage returns there. transformers reads the setting when imported, so it is told directly too."""
+    import os
+
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bars()
+        disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, takes_tracking: bool = False,
               takes_finish: bool = False) -> None:
     """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY]`; prints the result JSON."""
@@ -92,6 +108,7 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
     args = ap.parse_args()
     global _OWN_PROCESS
     _OWN_PROCESS = True
+    quiet_progress_bars()
     try:
         cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
         kwargs = {}

@@ -496,8 +496,10 @@ def serve(state_path: Path, config_path: Path) -> None:
     """The trainer's main loop: answer requests until finished, idle, or replaced (process 0 of a group; the
     others follow it)."""
     from tasks.core.config import load_config
+    from tasks.core.stage import quiet_progress_bars
     from tasks.core.store import open_store
 
+    quiet_progress_bars()
     cfg = load_config(config_path)
     authkey = os.environ.pop("RLFLOW_TRAINER_AUTHKEY")
     group = Group(cfg)
