@@ -266,7 +266,12 @@ class TrainConfig(Section):
 class PublishConfig(Section):
     """Making a trained policy visible."""
 
-    register_model: bool = Field(True, description="Register each published policy as an MLflow model version.")
+    register_model: bool = Field(True, description="Register published policies as MLflow model versions "
+                                 "(which ones: publish.register).")
+    register_versions: Literal["evaluated", "every"] = Field(
+        "evaluated", alias="register", description="Which published policies become model versions: evaluated "
+        "(those eval.every scores, and the run's last) or every (each iteration's: 200 versions for 200 "
+        "iterations).")
     delta: Literal["auto", "always", "never"] = Field(
         "auto", description="Publish policies as sparse deltas against the last whole one when that is smaller "
                             "(bf16 policies at RL learning rates). auto: on an S3 store, where a generator on "
@@ -623,7 +628,7 @@ def reference_markdown() -> str:
             default = ("required" if f.is_required() else "(see meaning)" if f.default_factory is not None
                        else f"`{json.dumps(f.default, default=str)}`")
             bounds = ", ".join(f"{symbols[k]} {getattr(m, k)}" for m in f.metadata for k in symbols if hasattr(m, k))
-            lines.append(f"| `{prefix}.{name}` | {typ} | {default} | {f.description or ''}"
+            lines.append(f"| `{prefix}.{f.alias or name}` | {typ} | {default} | {f.description or ''}"
                          f"{f' ({bounds})' if bounds else ''} |")
         lines.append("")
         for sub_prefix, sub in nested:

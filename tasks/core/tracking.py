@@ -1,5 +1,6 @@
 """MLflow: one MLflow run per rlflow run (a resumed run continues its MLflow run), metrics per iteration,
-a sample table, the reward-curve plot, and each published policy as a registered model version.
+a sample table, the reward-curve plot, and the published policies as registered model versions (those evaluated
+and the last, or every one: publish.register).
 
 All calls go through an explicit MlflowClient for `tracking.uri`; nothing touches MLflow's global state.
 Per-iteration work (metrics, sample table, model registration) runs on one background thread, in order, so
@@ -100,7 +101,9 @@ class Tracker:
             return
         key = self.cfg.eval.metric_key()
         for iteration, metrics, _, policy_uri in pending:
-            if policy_uri and self.cfg.publish.register_model and policy_uri not in self._registered:
+            wanted = (self.cfg.publish.register_versions == "every" or key in metrics    # (evaluated)
+                      or iteration == self.cfg.run.iterations)
+            if policy_uri and self.cfg.publish.register_model and wanted and policy_uri not in self._registered:
                 self._registered[policy_uri] = register_policy(self.cfg, self.run_id, policy_uri, iteration,
                                                                self.client, checked=True)
             if policy_uri in self._registered and key in metrics:
