@@ -116,6 +116,7 @@ class Tracker:
                         json.dumps({"columns": cols, "data": [[s.get(c) for c in cols] for s in samples]}))
             if any(Path(tmp).iterdir()):
                 self.client.log_artifacts(self.run_id, tmp, "samples")
+                self._tables(sorted(f"samples/{f.name}" for f in Path(tmp).iterdir()))
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, it) for it, metrics, _, _ in pending for k, v in metrics.items()]
         for i in range(0, len(batch), 1000):
@@ -197,6 +198,17 @@ class Tracker:
         plt.close(fig)
         self.client.log_artifact(self.run_id, str(path), "plots")
         return path
+
+    def _tables(self, paths: list[str]) -> None:
+        """Mark sample files as tables, as mlflow.log_table does (the `mlflow.loggedArtifacts` tag), so the MLflow
+        UI shows them as tables (its Evaluation view) and `load_table` finds them; the newest 60 (a tag value is
+        at most 8000 characters)."""
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+        run = self.client.get_run(self.run_id)
+        listed = json.loads(run.data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+        listed += [{"path": p, "type": "table"} for p in paths if {"path": p, "type": "table"} not in listed]
+        self.client.set_tag(self.run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(listed[-60:]))
 
     def finish(self, status: str = "FINISHED", refused: bool = False) -> None:
         """Flush and close the MLflow run. With status FAILED, tracking errors are swallowed: the caller is
