@@ -73,11 +73,16 @@ def post_iteration(cfg: Config, it: int, metrics: dict, samples: list[dict], pol
     lines = [f"### {cfg.run.name} — iteration {it}/{cfg.run.iterations}", "", "| metric | value |", "|---|---:|"]
     lines += [f"| {label} | {metrics[k]:.4g} |" for label, k in rows if k in metrics]
     lines += ["", "| stage | seconds | cost (USD) |", "|---|---:|---:|"]
+    def usd(key: str) -> str:
+        return f"{metrics[key]:.4f}" if key in metrics else "—"
+
     for stage in STAGES:
         if f"time/{stage}_seconds" in metrics:
-            lines.append(f"| {stage} | {metrics[f'time/{stage}_seconds']:.2f} | {metrics[f'cost/{stage}_usd']:.4f} |")
-    lines.append(f"| **iteration** | {metrics['iteration/seconds']:.2f} | {metrics['cost/iteration_usd']:.4f} |")
-    lines += ["", f"Run cost so far: **{metrics['cost_usd']:.4f} USD**. Policy: `{policy_uri}`"]
+            lines.append(f"| {stage} | {metrics[f'time/{stage}_seconds']:.2f} | {usd(f'cost/{stage}_usd')} |")
+    lines.append(f"| **iteration** | {metrics['iteration/seconds']:.2f} | {usd('cost/iteration_usd')} |")
+    cost = (f"Run cost so far: **{metrics['cost_usd']:.4f} USD**." if "cost_usd" in metrics else
+            "Run cost: no price known (cost.hourly_usd, or the price of the machines the sky launcher launched).")
+    lines += ["", f"{cost} Policy: `{policy_uri}`"]
     create_markdown_artifact(key=f"{key}-report", markdown="\n".join(lines), description=f"iteration {it}")
     table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()} for s in samples]
     if table:

@@ -101,9 +101,10 @@ def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None) -
     args = (policy,) if stage == "generate" else ()
     out = STAGE_FUNCTIONS[stage](cfg, iteration, *args)    # remote: finds the output and returns it
     seconds = ran.seconds if ran is not None else time.perf_counter() - t0
-    hourly = ran.hourly_usd if ran is not None and ran.hourly_usd is not None else cfg.cost.hourly_usd.get(stage, 0.0)
-    out["metrics"] = {**out["metrics"], f"cost/{stage}_usd": seconds * hourly / 3600,
-                      f"time/{stage}_seconds": seconds}
+    hourly = ran.hourly_usd if ran is not None and ran.hourly_usd is not None else cfg.cost.hourly_usd.get(stage)
+    out["metrics"] = {**out["metrics"], f"time/{stage}_seconds": seconds}
+    if hourly is not None:                  # no price known: no cost metric (not a chart of zeros)
+        out["metrics"][f"cost/{stage}_usd"] = seconds * hourly / 3600
     return out
 
 
@@ -353,10 +354,11 @@ def _iterations(ctx: Run, log) -> dict:
             if it > already_logged:
                 metrics = {**g["metrics"], **r["metrics"], **t["metrics"], **p["metrics"], **e["metrics"],
                            "iteration/seconds": time.perf_counter() - t0}
-                metrics["cost/iteration_usd"] = sum(v for k, v in metrics.items()
-                                                    if k.startswith("cost/") and k.endswith("_usd"))
-                cost_so_far += metrics["cost/iteration_usd"]
-                metrics["cost_usd"] = cost_so_far
+                costs = [v for k, v in metrics.items() if k.startswith("cost/") and k.endswith("_usd")]
+                if costs:                   # (some stage's price is known)
+                    metrics["cost/iteration_usd"] = sum(costs)
+                    cost_so_far += metrics["cost/iteration_usd"]
+                    metrics["cost_usd"] = cost_so_far
                 tracker.log_iteration(it, metrics, r["samples"], policy_uri=p["uri"])
                 every = cfg.tracking.dashboard_every
                 if (every and it % every == 0) or it == cfg.run.iterations:

@@ -431,7 +431,7 @@ class CostConfig(Section):
 
     hourly_usd: dict[Stage, float] = Field(
         {}, description="Hourly price per stage when SkyPilot's catalog cannot tell (inline/local: the price "
-                        "of this machine); missing stages cost 0.")
+                        "of this machine); a stage with no price known logs no cost metric.")
 
 
 def distributed_by_hand() -> bool:
