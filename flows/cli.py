@@ -41,6 +41,7 @@ def _quiet_prefect() -> None:
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")      # (its database creation is two INFO lines)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")    # (its telemetry errors offline)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
