@@ -24,7 +24,7 @@ from tasks.core.errors import UserError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, populate_by_name=True)
 
 
 # A field that changes how a result is computed, not the result (tested bit-identical): left out of the
@@ -269,7 +269,8 @@ class PublishConfig(Section):
     register_model: bool = Field(True, description="Register published policies as MLflow model versions "
                                  "(which ones: publish.register).")
     register_versions: Literal["evaluated", "every"] = Field(
-        "evaluated", alias="register", description="Which published policies become model versions: evaluated "
+        "evaluated", alias="register", json_schema_extra=HOW_NOT_WHAT,
+        description="Which published policies become model versions: evaluated "
         "(those eval.every scores, and the run's last) or every (each iteration's: 200 versions for 200 "
         "iterations).")
     delta: Literal["auto", "always", "never"] = Field(
