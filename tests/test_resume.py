@@ -24,10 +24,10 @@ GATED_REWARD = '''
 import os, time
 from tasks.rewards.demo import successor_reward
 
-def gated(completions, answer, **kwargs):
-    """Blocks while the gate file exists, so the test can kill the run inside the reward stage."""
+def gated(completions, answer, trainer_state, **kwargs):
+    """Blocks in iteration 2 while the gate file exists, so the test can kill the run inside that reward stage."""
     gate = os.environ.get("GATE_FILE")
-    if gate and os.path.exists(gate):
+    if gate and os.path.exists(gate) and trainer_state.global_step == 1:
         open(gate + ".entered", "w").close()
         time.sleep(600)
     return successor_reward(completions, answer)
@@ -73,10 +73,11 @@ def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path, s
 
     # Kill 1: inside iteration 2's reward stage (the reward function is blocked on the gate).
     # (S > 0: as soon as v1 is published, with generate and reward of the iterations ahead under way.)
+    if staleness == 0:
+        gate.touch()                # (the reward function blocks in iteration 2 only: no race with the flow)
     proc = _start(killed, prefect_api, {"GATE_FILE": str(gate)}, args)
     _wait_for(store_dir / "policy" / "v000001" / MANIFEST, proc)
     if staleness == 0:
-        gate.touch()
         _wait_for(Path(str(gate) + ".entered"), proc)
     _kill(proc)
     if staleness == 0:
