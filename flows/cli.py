@@ -196,6 +196,8 @@ def _shield_prefect_server() -> None:
     run still takes it along."""
     from prefect.server.api import server
 
+    from tasks.scoring.worker import die_with_parent  # (standard library only)
+
     run = server.SubprocessASGIServer._run_uvicorn_command
     if getattr(run, "_rlflow", False):
         return
@@ -204,7 +206,7 @@ def _shield_prefect_server() -> None:
         popen = subprocess.Popen
 
         def own_session(*args, **kwargs):
-            return popen(*args, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+            return popen(*args, start_new_session=True, preexec_fn=die_with_parent, **kwargs)
 
         server.subprocess.Popen = own_session
         try:
@@ -214,12 +216,6 @@ def _shield_prefect_server() -> None:
 
     shielded._rlflow = True
     server.SubprocessASGIServer._run_uvicorn_command = shielded
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
 
 
 def main(argv: list[str] | None = None) -> int:

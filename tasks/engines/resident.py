@@ -33,7 +33,6 @@ stops the others), and the retried stage starts a new one, which resumes by repl
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -53,7 +52,7 @@ from tasks.core import layout
 from tasks.core.errors import UserError
 from tasks.core.models import PROCESS_WIDE
 from tasks.core.paths import REPO_ROOT, cache_root
-from tasks.core.processes import alive, spawn_detached, terminate_members
+from tasks.core.processes import alive, exclusive, spawn_detached, terminate_members
 from tasks.engines.training import (
     lean_files,
     newest_full,
@@ -213,9 +212,7 @@ class ResidentTrainer:
         """The address of this run's trainer with our key; started (detached) if none answers. One caller at a
         time per run on this machine (a lock file): a flow's prepare and a stage process that ask together
         start one trainer, not two."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with exclusive(self.path.with_suffix(".lock")):
             state = self._state()
             if state is not None:
                 if state.get("key") == self.key and alive(state["pid"]) and self._answers(state):

@@ -127,7 +127,7 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: SIGKILL this worker when the stage process that started it dies (a preempted machine, a kill):
     a hung reward function must not outlive its stage."""
     try:
@@ -140,7 +140,7 @@ def _die_with_parent() -> None:
 
 
 def main() -> None:
-    _die_with_parent()
+    die_with_parent()
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)                  # user prints must not corrupt the protocol
     sys.stdout = sys.stderr
