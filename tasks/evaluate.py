@@ -39,7 +39,7 @@ def _update_best(store: Store, cfg: Config, iteration: int, metrics: dict) -> No
     run, name = cfg.run.name, cfg.eval.metric_key()
     current = store.get_pointer(layout.best(run))
     if current is not None:
-        best_iter = int(current.rsplit("/v", 1)[1])
+        best_iter = layout.version_of(current)
         if best_iter == iteration:
             return
         best = store.manifest(layout.evaluation(run, best_iter))

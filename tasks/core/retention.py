@@ -63,7 +63,7 @@ def plan(store: Store, cfg: Config, protected: set[str] = frozenset()) -> list[s
     for v in sorted(kept & set(versions)):                  # the full policy a delta is rebuilt from
         manifest = store.manifest(layout.policy(run, v))
         if manifest is not None and (anchor := manifest["meta"].get("anchor")):
-            kept.add(int(anchor.rsplit("/v", 1)[1]))
+            kept.add(layout.version_of(anchor))
     doomed += [layout.policy(run, v) for v in versions if v not in kept]
     return doomed
 
