@@ -2,6 +2,7 @@
 
     rlflow run CONFIG [-o key=value]... [--summary-json PATH]
     rlflow export CONFIG VERSION DIR [-o key=value]...    # a published policy as a folder from_pretrained loads
+    rlflow plan CONFIG [-o key=value]...      # each stage's machine and hourly price, store, tracking: launches nothing
 
 Exit codes: 0 success; 2 a user error (one line on stderr naming the field or row); 1 an internal error;
 130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM.
@@ -39,6 +40,7 @@ def _quiet_prefect() -> None:
     import logging
 
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")      # (its database creation is two INFO lines)
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")    # (we print the run's URL once)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")    # (its telemetry errors offline)
@@ -109,6 +111,16 @@ def cmd_export(args) -> int:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UserError(f"DIR: {dest} exists and is not an empty folder")
     print(export(store, key, dest))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from flows.plan import plan
+    from tasks.core.config import load_config
+    from tasks.core.stage import parse_overrides_json
+
+    cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
+    print(plan(cfg, args.config))
     return 0
 
 
@@ -236,11 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                      help="dotted config override, e.g. -o run.name=other (repeatable)")
     exp.add_argument("--overrides-json", default="[]", metavar="JSON")
+    pl = sub.add_parser("plan", help="print each stage's machine, spot or not, SkyPilot's catalog price per hour, "
+                        "the store and the tracking URI; launches and writes nothing")
+    pl.add_argument("config", help="YAML config")
+    pl.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="dotted config override (repeatable)")
+    pl.add_argument("--overrides-json", default="[]", metavar="JSON")
     args = ap.parse_args(argv)
     if args.command == "run":
         _stop_on_signals()
     try:
-        code = cmd_run(args) if args.command == "run" else cmd_export(args)
+        code = {"run": cmd_run, "export": cmd_export, "plan": cmd_plan}[args.command](args)
         if _stopped_by:
             _interrupted()
         return code

@@ -7,6 +7,7 @@ on stdout after the job's logs.
                                     [--idle-minutes 10]
     python flows/sky_bridge.py job  --name N --recipe sky/train.yaml [--env K=V]...     # managed job
     python flows/sky_bridge.py down --cluster C
+    python flows/sky_bridge.py price --recipe sky/train.yaml [--recipe ...]       # rlflow plan; launches nothing
 
 `run` launches the cluster (`--launch`: first use in a flow run, or after it vanished) or reuses it with
 `sky.exec`, streams the job's logs to stderr, and reports
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -114,6 +116,77 @@ def cmd_down(sky, args) -> dict:
     return {"down": args.cluster}
 
 
+BIG_CLOUDS = ["aws", "gcp", "azure"]     # where a recipe that names no cloud is priced (`rlflow plan` says so)
+
+
+def _price(recipe: str) -> dict:
+    """The cheapest machine SkyPilot's catalog has for a recipe's resources: each accelerator option (any one
+    of `accelerators`), or the default instance for `cpus`/`memory`; spot or on-demand price as the recipe
+    asks, times num_nodes. Reads only the catalog (no credentials, no cluster)."""
+    import math
+
+    import yaml
+
+    from sky import catalog
+
+    with open(recipe) as f:
+        config = yaml.safe_load(f) or {}
+    res = config.get("resources") or {}
+    spot, nodes = bool(res.get("use_spot")), int(config.get("num_nodes") or 1)
+    cloud = res.get("cloud") or (str(res["infra"]).split("/")[0] if res.get("infra") else None)
+    clouds = [cloud.lower()] if cloud else BIG_CLOUDS
+    wanted = res.get("accelerators")
+    if isinstance(wanted, str):
+        name, _, count = wanted.partition(":")
+        wanted = {name: float(count or 1)}
+    elif isinstance(wanted, list):
+        wanted = {str(a).partition(":")[0]: float(str(a).partition(":")[2] or 1) for a in wanted}
+    options, failed = [], {}
+    for c in clouds:                  # each cloud on its own: one cloud's catalog out of reach spoils no other
+        try:
+            if wanted:
+                for name, count in wanted.items():
+                    found = catalog.list_accelerators(gpus_only=False, name_filter=f"^{re.escape(name)}$",
+                                                      quantity_filter=int(count), clouds=c, case_sensitive=False,
+                                                      all_regions=False, require_price=True)
+                    for infos in found.values():
+                        for info in infos:
+                            usd = info.spot_price if spot else info.price
+                            if usd is not None and not math.isnan(usd):
+                                options.append({"usd": float(usd), "what": f"{info.accelerator_name}:{count:g}",
+                                                "cloud": c, "instance": info.instance_type})
+            else:
+                instance = catalog.get_default_instance_type(cpus=res.get("cpus"), memory=res.get("memory"),
+                                                             use_spot=spot, clouds=c)
+                if instance:
+                    usd = catalog.get_hourly_cost(instance, use_spot=spot, region=None, zone=None, clouds=c)
+                    options.append({"usd": float(usd), "what": f"cpus {res.get('cpus') or 'any'}", "cloud": c,
+                                    "instance": instance})
+        except Exception as e:  # noqa: BLE001 - offline catalog, unknown cloud: the plan says why, launches nothing
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            failed[c] = ("cannot download SkyPilot's catalog (no network?)" if "Connection" in type(e).__name__
+                         else f"{type(e).__name__}: {first[:160]}")
+    out = {"recipe": recipe, "spot": spot, "nodes": nodes, "clouds": clouds, "failed": failed}
+    if not options:
+        return {**out, "hourly_usd": None, "error": _why_unpriced(clouds, failed)}
+    best = min(options, key=lambda o: o["usd"])
+    return {**out, "hourly_usd": best["usd"] * nodes, "choice": f"{best['what']} {best['cloud']} {best['instance']}",
+            "error": None}
+
+
+def _why_unpriced(clouds: list[str], failed: dict[str, str]) -> str:
+    by_reason: dict[str, list[str]] = {}
+    for c, why in failed.items():
+        by_reason.setdefault(why, []).append(c)
+    read = [c for c in clouds if c not in failed]
+    return "; ".join(([f"no machine in the catalog of {', '.join(read)} matches"] if read else [])
+                     + [f"{', '.join(cs)}: {why}" for why, cs in by_reason.items()])
+
+
+def cmd_price(sky, args) -> dict:
+    return {"prices": [_price(r) for r in args.recipe]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -128,11 +201,13 @@ def main() -> None:
         p.add_argument("--env", action="append", default=[])
     down = sub.add_parser("down")
     down.add_argument("--cluster", required=True)
+    price = sub.add_parser("price")
+    price.add_argument("--recipe", action="append", required=True)
     args = ap.parse_args()
 
     import sky
 
-    out = {"run": cmd_run, "job": cmd_job, "down": cmd_down}[args.cmd](sky, args)
+    out = {"run": cmd_run, "job": cmd_job, "down": cmd_down, "price": cmd_price}[args.cmd](sky, args)
     sys.stderr.flush()
     print(json.dumps(out), flush=True)
 

@@ -47,6 +47,60 @@ def test_every_recipe_validates_with_skypilot():
         assert "AWS_SECRET_ACCESS_KEY: null" in path.read_text() or "AWS_SECRET_ACCESS_KEY" not in path.read_text()
 
 
+CATALOG = """\
+InstanceType,AcceleratorName,AcceleratorCount,vCPUs,MemoryGiB,GpuInfo,Price,SpotPrice,Region,AvailabilityZone
+p4d.24xlarge,A100,8.0,96.0,1152.0,,32.77,12.5,us-east-1,us-east-1a
+g5.xlarge,A10G,1.0,4.0,16.0,,1.006,0.4,us-east-1,us-east-1a
+g6.xlarge,L4,1.0,4.0,16.0,,0.805,0.35,us-east-1,us-east-1a
+m6i.2xlarge,,,8.0,32.0,,0.384,0.15,us-east-1,us-east-1a
+m6i.large,,,2.0,8.0,,0.096,0.04,us-east-1,us-east-1a
+"""
+
+
+def test_plan_prices_each_stage_from_skypilots_catalog_and_writes_nothing(tmp_path, monkeypatch):
+    """`rlflow plan`: real SkyPilot reads an AWS catalog (written where it caches the downloaded one, as fresh;
+    gcp's and azure's cannot be downloaded here): the cheapest fitting machine, spot or on-demand as the recipe
+    says, times its nodes; a stage sharing a cluster is not priced twice; no store, lease or MLflow run."""
+    if not SKY_PYTHON.exists():
+        pytest.fail(f"{SKY_PYTHON} missing: `make setup` creates SkyPilot's environment")
+    home = tmp_path / "home"
+    (home / ".sky/catalogs/v8/aws").mkdir(parents=True)
+    (home / ".sky/catalogs/v8/aws/vms.csv").write_text(CATALOG)
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    for stage in ("generate", "reward", "train", "publish", "evaluate"):
+        text = (ROOT / "sky" / f"{stage}.yaml").read_text()
+        if stage == "reward":      # on-demand on 2 nodes, AWS only
+            text = text.replace("use_spot: true", "use_spot: false\n  cloud: aws") + "\nnum_nodes: 2\n"
+        (recipes / f"{stage}.yaml").write_text(text)
+    store, db = tmp_path / "store", tmp_path / "mlflow.db"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    args = ["plan", str(TINY), "-o", "launcher.mode=sky", "-o", f"launcher.recipes={recipes}",
+            "-o", f"launcher.sky_python={SKY_PYTHON}", "-o", f"store.uri=file://{store}", "-o", "eval.every=5",
+            "-o", f"tracking.uri=sqlite:///{db}", "-o", "launcher.stages.publish=local",
+            "-o", "cost.hourly_usd.publish=0.25"]
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ") and line.split()}
+    assert "0.350 (SkyPilot catalog: L4:1 aws g6.xlarge)" in rows["generate"]       # cheapest spot of 4 options
+    assert "gcp, azure not priced" in rows["generate"] and "spot" in rows["generate"]
+    assert "0.768 (SkyPilot catalog: cpus 8+ aws m6i.2xlarge)" in rows["reward"]    # on-demand 0.384 x 2 nodes
+    assert "on-demand" in rows["reward"] and "x 2 nodes" in rows["reward"]
+    assert "unknown (no machine in the catalog of aws matches" in rows["train"]      # A100:1 is sold only by 8 here
+    assert "0.250 (cost.hourly_usd)" in rows["publish"] and "local subprocess" in rows["publish"]
+    assert "generate's machine" in rows["evaluate"] and "(in generate's)" in rows["evaluate"]
+    assert f"file://{store}/tiny-demo/" in rows["store:"]
+    assert f"sqlite:///{db}" in rows["tracking:"] and "temporary API server" in rows["prefect:"]
+    assert not store.exists() and not db.exists()
+
+    bad = subprocess.run([sys.executable, "-m", "flows.cli", "plan", str(TINY), "-o", "launcher.mode=skyy"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "launcher.mode" in bad.stderr
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_validates_and_names_what_exists(path):
     """Beyond the schema: its reward functions import, its local data files exist, its stage recipes exist."""
