@@ -109,6 +109,9 @@ def test_run_names_have_separate_leases(store):
     a.release()
     assert (_holder(store, "a"), _holder(store, "b")) == (None, b.owner)      # releasing one leaves the other
     b.release()
+    if isinstance(store, FileStore):         # the compare-and-swap lock files live outside the runs' folders
+        assert [p.name for p in store.path.rglob("*") if p.is_file() and ".locks" not in p.parts] == []
+        assert store._list("") == []
 
 
 @pytest.mark.slow

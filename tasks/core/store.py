@@ -302,6 +302,14 @@ def _verify(path: Path, want: dict, where: str) -> None:
         raise IncompleteArtifact(f"{where}: sha256 does not match {MANIFEST} (altered)")
 
 
+LOCKS = ".locks"
+
+
+def _hidden(parts: tuple[str, ...]) -> bool:
+    """A file store's own files, never listed: lock files, folders being staged, files being written."""
+    return parts[:1] == (LOCKS,) or any(p.startswith(".") and (".partial-" in p or ".tmp-" in p) for p in parts)
+
+
 class FileStore(Store):
     """A local folder. Folders are staged under a temporary name and renamed into place, manifest included."""
 
@@ -398,7 +406,7 @@ class FileStore(Store):
         if not base.is_dir():
             return []
         return [f"{prefix}{p.relative_to(base).as_posix()}" for p in base.rglob("*") if p.is_file()
-                and not any(part.startswith(".") and ".partial-" in part for part in p.relative_to(base).parts)]
+                and not _hidden(p.relative_to(self.path).parts)]
 
     def _delete(self, key):
         self._p(key).unlink(missing_ok=True)
@@ -419,8 +427,9 @@ class FileStore(Store):
 
     @contextlib.contextmanager
     def _locked(self, key):
-        """Serialise compare-and-swap on `key` across processes on this machine (a sidecar lock file)."""
-        with exclusive(self._p(key).with_name(f".{self._p(key).name}.lock")):
+        """Serialise compare-and-swap on `key` across processes on this machine: a lock file under the store's
+        `.locks/`, outside every run's folder (a run's folder holds only what the run wrote)."""
+        with exclusive(self.path / LOCKS / f"{key}.lock"):
             yield
 
     def read_tagged(self, key):
