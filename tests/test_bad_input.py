@@ -47,6 +47,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
     (tmp / "chat_no_role.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "b"})
                                             + "\n" + json.dumps({"prompt": [{"text": "a="}], "answer": "b"}) + "\n")
+    (tmp / "broken.jsonl").write_text('{"prompt": "a="}\n\n{"prompt": "b=", \n{"prompt": "c="}\n')
+    (tmp / "not_object.jsonl").write_text('{"prompt": "a="}\n["b="]\n')
+    (tmp / "ragged.csv").write_text("prompt,answer\na=,bbb\nb=,ccc,extra\n")
     (tmp / "dup.yaml").write_text("run:\n  name: a\n  iterations: 2\n  name: b\n")
     (tmp / "latin1.yaml").write_bytes("run:\n  name: caf\u00e9\n".encode("latin-1"))
     (tmp / "a_file").write_text("not a folder\n")
@@ -116,6 +119,11 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "prompt list of strings": (["run", str(TINY), "-o", f"data.path={tmp}/badlist.jsonl"], "row 0 column 'prompt'"),
         "chat message without a role": (["run", str(TINY), "-o", f"data.path={tmp}/chat_no_role.jsonl"],
                                         "row 1 column 'prompt' message 0: expected {\"role\": str"),
+        "unparsable JSON line": (["run", str(TINY), "-o", f"data.path={tmp}/broken.jsonl"],
+                                 f"data.path: {tmp}/broken.jsonl: line 3: not JSON"),
+        "JSON line not an object": (["run", str(TINY), "-o", f"data.path={tmp}/not_object.jsonl"],
+                                    "line 2: expected a JSON object (one row), got list"),
+        "ragged CSV": (["run", str(TINY), "-o", f"data.path={tmp}/ragged.csv"], "Expected 2 fields in line 3, saw 3"),
         "hub dataset, hub unreachable": (["run", str(TINY), "-o", "data.path=nosuch-org/nosuch-dataset"],
                                          "data.path: cannot load 'nosuch-org/nosuch-dataset'"),
         "missing eval file": (["run", str(TINY), "-o", "eval.every=5", "-o", f"eval.path={tmp}/held-out.jsonl"],
@@ -138,6 +146,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "store scheme": (["run", str(TINY), "-o", "store.uri=gs://bucket"], "store.uri"),
         "s3 model outside the store": (["run", str(TINY), "-o", "model.name_or_path=s3://elsewhere/model"],
                                        "model.name_or_path: s3://elsewhere/model: an s3:// model must lie under"),
+        "plan, bad launcher mode": (["plan", str(TINY), "-o", "launcher.mode=cloud"], "launcher.mode"),
+        "plan, missing recipes": (["plan", str(TINY), "-o", "launcher.mode=local", "-o", f"launcher.recipes={tmp}/none"],
+                                  "launcher.recipes: no recipe"),
         "sky launcher, local store": (["run", str(TINY), "-o", "launcher.mode=sky"],
                                       "store.uri: file://./rlflow-store: the sky launcher needs a store"),
     }

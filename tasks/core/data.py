@@ -35,7 +35,13 @@ def _load(path: str, name: str | None, split: str, field: str = "data.path"):
         if Path(path).exists():
             if suffix not in _LOCAL_FORMATS:
                 raise UserError(f"{field}: {path}: expected a .json/.jsonl/.csv/.parquet file")
-            return datasets.load_dataset(_LOCAL_FORMATS[suffix], data_files={split: path}, split=split)
+            try:
+                datasets.logging.set_verbosity(datasets.logging.CRITICAL)    # (it logs the error we report)
+                return datasets.load_dataset(_LOCAL_FORMATS[suffix], data_files={split: path}, split=split)
+            except Exception as e:  # noqa: BLE001 - said as one line, with the file's line or row
+                raise UserError(f"{field}: {path}: {_where_unreadable(Path(path), e)}") from None
+            finally:
+                datasets.logging.set_verbosity(datasets.logging.WARNING)
         offline = not _hub_reachable()
         if offline:          # (else datasets retries for ~25 s, printing each retry): the local cache alone
             _go_offline(datasets)
@@ -46,6 +52,32 @@ def _load(path: str, name: str | None, split: str, field: str = "data.path"):
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         why = " (the Hugging Face Hub is not reachable from here: only its local cache was tried)" if offline else ""
         raise UserError(f"{field}: cannot load {path!r} split {split!r}{why}: {msg[:200]}") from None
+
+
+def _where_unreadable(path: Path, error: Exception) -> str:
+    """Why `datasets` could not read a local file, with where: the first JSON Lines line that does not parse
+    (1-based, as an editor shows it), else the innermost cause, which names the row or line (pyarrow's JSON
+    rows count from 0; pandas' CSV lines from 1)."""
+    if path.suffix.lower() in (".jsonl", ".json"):
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except UnicodeDecodeError as e:
+            return f"not UTF-8 text ({e.reason} at byte {e.start})"
+        if not (lines and lines[0].lstrip().startswith("[")):     # JSON Lines (a .json array is one document)
+            for n, line in enumerate(lines, 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except ValueError as e:
+                        return f"line {n}: not JSON ({e})"
+                    if not isinstance(row, dict):
+                        return f"line {n}: expected a JSON object (one row), got {type(row).__name__}"
+    inner = error
+    while (inner.__cause__ or inner.__context__) is not None:
+        inner = inner.__cause__ or inner.__context__
+    msg = (str(inner).strip().splitlines() or [""])[0] or (str(error).strip().splitlines() or [""])[0]
+    return f"cannot read it: {msg[:300] or type(inner).__name__}"
 
 
 @functools.lru_cache(maxsize=1)
