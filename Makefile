@@ -19,6 +19,10 @@ $(VENV)/.ready: pyproject.toml constraints.txt
 	@command -v bwrap >/dev/null || { S=$$([ "$$(id -u)" = 0 ] || echo sudo -n); export DEBIAN_FRONTEND=noninteractive; \
 	  $$S apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq bubblewrap; } >/dev/null 2>&1; } \
 	  || echo "warning: bubblewrap not installed; code rewards fall back to rlimits (docs/sandbox.md)"
+	@# chromium: the UI check drives it headless (tests/test_ui.py); Debian's package, not playwright's download
+	@command -v chromium >/dev/null || { S=$$([ "$$(id -u)" = 0 ] || echo sudo -n); export DEBIAN_FRONTEND=noninteractive; \
+	  $$S apt-get install -y -qq chromium >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq chromium; } >/dev/null 2>&1; } \
+	  || echo "warning: chromium not installed; the UI check (tests marked ui) is skipped outside CI"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -c constraints.txt -e '.[test]'

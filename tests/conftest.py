@@ -1,12 +1,14 @@
 """Real servers on 127.0.0.1 for the whole session: an S3-compatible server (moto in server mode) and a
-Prefect API (prefect_test_harness). MLflow runs on sqlite in each test's folder. The tiny model is built
+Prefect API (prefect_test_harness). MLflow runs on sqlite in each test's folder; the UI check starts an MLflow
+tracking server and a Prefect server with its UI (`mlflow server`, `prefect server start`). The tiny model is built
 offline into a session cache and loaded through `from_pretrained` like any hub model.
 
 Tiers (markers, registered in pyproject.toml; `make test-fast` deselects all but the unmarked):
   slow        end-to-end runs: flows, stage subprocesses, many seconds each
   server      needs a server a fixture starts (moto S3, Prefect): set here from the fixtures a test uses
   drill       fault drills: processes killed mid-run, then resumed
-  vllm, deepspeed, bubblewrap, gpu
+  ui          drives the MLflow and Prefect UIs in headless Chromium (Debian's chromium, playwright)
+  vllm, deepspeed, bubblewrap, ui, gpu
               needs that engine / sandbox / device. Skipped where it is missing, except in CI (CI=true), where
               a missing vLLM environment, DeepSpeed or bubblewrap fails the test instead of silently dropping
               the engine or security tests; gpu tests are skipped without a GPU everywhere.
@@ -29,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-SERVER_FIXTURES = {"s3_endpoint", "bucket", "prefect_api", "s3_with_auth"}
+SERVER_FIXTURES = {"s3_endpoint", "bucket", "prefect_api", "s3_with_auth", "mlflow_server", "prefect_ui"}
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # The checkout's own output folders (the demo's): tests write under their tmp_path, never here.
 CHECKOUT_OUTPUTS = [ROOT / "rlflow-runs", ROOT / "rlflow-store", ROOT / "mlflow.db", ROOT / "mlruns"]
 
@@ -47,6 +50,8 @@ REQUIRES = {
                   "make setup installs it (.[test])", True),
     "bubblewrap": (lambda: shutil.which("bwrap") is not None, "bubblewrap",
                    "make setup installs it (apt-get install bubblewrap)", True),
+    "ui": (lambda: CHROMIUM is not None and importlib.util.find_spec("playwright") is not None,
+           "chromium and playwright", "make setup installs them (apt-get install chromium; .[test])", True),
     "gpu": (_have_gpu, "a CUDA GPU", "run on a GPU machine", False),
 }
 
@@ -139,6 +144,69 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield str(get_current_settings().api.url)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(argv: list[str], env: dict, ready_url: str, log: Path, timeout: float = 120):
+    """Start a server process (own session) and wait until `ready_url` answers; returns the process."""
+    import time
+    import urllib.request
+
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv[:3]} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(ready_url, timeout=2).read()
+            return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"{argv[:3]} not ready in {timeout} s: {log.read_text()[-2000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    except (OSError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """An MLflow tracking server (sqlite behind it, artifacts proxied), as a team would run one."""
+    home, port = tmp_path_factory.mktemp("mlflow-server"), _free_port()
+    proc = _serve([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers",
+                   "1", "--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination",
+                   str(home / "artifacts")], {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                  f"http://127.0.0.1:{port}/health", home / "server.log")
+    yield f"http://127.0.0.1:{port}"
+    _stop(proc)
+
+
+@pytest.fixture(scope="session")
+def prefect_ui(tmp_path_factory):
+    """A Prefect server with its UI (prefect_test_harness serves the API only); its API URL."""
+    home, port = tmp_path_factory.mktemp("prefect-server"), _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    proc = _serve([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                  {"PREFECT_HOME": str(home), "PREFECT_UI_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                   "PREFECT_API_URL": api}, f"{api}/health", home / "server.log")
+    yield api
+    _stop(proc)
 
 
 def run_cli(args: list[str], cwd: Path, prefect_api: str, timeout: int = 300, **popen) -> subprocess.CompletedProcess:

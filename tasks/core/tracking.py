@@ -145,7 +145,9 @@ class Tracker:
         cfg = self.cfg
         try:
             exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(cfg.tracking.experiment)
+            # a new experiment is one of model training (MLflow's UI would otherwise show it as GenAI evaluations)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(
+                cfg.tracking.experiment, tags={EXPERIMENT_KIND: "custom_model_development"})
         except MlflowException as e:
             raise UserError(f"tracking.uri: {cfg.tracking.uri}: {str(e).splitlines()[0][:200]}") from None
         found = self.client.search_runs(
@@ -231,8 +233,12 @@ class Tracker:
         uri = self.cfg.tracking.uri
         if uri.startswith(("http://", "https://")):
             exp = self.client.get_run(self.run_id).info.experiment_id
-            return f"{uri.rstrip('/')}/#/experiments/{exp}/runs/{self.run_id}"
+            # (MLflow's UI opens on its GenAI views unless told this is model training)
+            return f"{uri.rstrip('/')}/#/experiments/{exp}/runs/{self.run_id}?workflowType=machine_learning"
         return f"{uri} run {self.run_id} (view: mlflow ui --backend-store-uri {uri})"
+
+
+EXPERIMENT_KIND = "mlflow.experimentKind"     # what MLflow's UI shows an experiment as (its own tag)
 
 
 def registered_model_name(cfg: Config) -> str:
@@ -262,8 +268,15 @@ def register_policy(cfg: Config, run_id: str, policy_uri: str, iteration: int, c
         ensure_registered_model(client, name)
     version = None if checked else _find_version(client, name, policy_uri)
     if version is None:
+        source = policy_uri
+        if cfg.tracking.uri.startswith(("http://", "https://")) and policy_uri.startswith("file://"):
+            # A tracking server accepts a local path as a source only inside the run's artifacts (it cannot see
+            # this machine's disk): the version's source is a small artifact of the run naming the policy.
+            folder = f"policies/{policy_uri.rstrip('/').rsplit('/', 1)[-1]}"
+            client.log_dict(run_id, {"policy_uri": policy_uri, "iteration": iteration}, f"{folder}/policy.json")
+            source = f"runs:/{run_id}/{folder}"
         version = client.create_model_version(
-            name, source=policy_uri, run_id=run_id,
+            name, source=source, run_id=run_id,
             tags={"rlflow.policy_uri": policy_uri, "rlflow.iteration": str(iteration)}).version
     # No `latest` alias: MLflow reserves that name, and `models:/<name>/latest` already names the newest
     # version. The evaluation gate moves `champion` (promote_if_better).
