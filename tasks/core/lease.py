@@ -84,9 +84,22 @@ class Lease:
                 return self
         raise UserError(f"run.name {self.run!r}: could not take the run's lease (contended); try again")
 
+    def _ours(self) -> str | None:
+        """The lease's current tag when the lease in the store is ours, else None. A write whose reply was lost
+        (a reset or 500 after the store applied it) changed the tag without telling us: the record says."""
+        data, tag = self.store.read_tagged(self.key)
+        try:
+            return tag if data is not None and json.loads(data).get("owner") == self.owner else None
+        except ValueError:
+            return None
+
     def renew(self) -> None:
         body = self._record()
         new = self.store.write_if(self.key, body, self._tag)
+        if new is None:
+            current = self._ours()       # our own earlier renewal, applied but unanswered?
+            if current is not None:
+                new = self.store.write_if(self.key, body, current)
         if new is None:
             self.lost = f"run {self.run!r}: the lease was taken over by another flow run"
             raise LeaseLost(self.lost)
@@ -111,7 +124,13 @@ class Lease:
         if self._thread:
             self._thread.join(timeout=5)
         if self._tag and not self.lost:
-            try:
-                self.store.delete_if(self.key, self._tag)
-            except Exception:
-                pass            # it expires on its own
+            for attempt in range(4):     # a store fault now would leave the lease held until it expires
+                try:
+                    if self.store.delete_if(self.key, self._tag):
+                        return
+                    current = self._ours()                       # our renewal changed it unanswered
+                    if current is None or self.store.delete_if(self.key, current):
+                        return
+                except Exception:
+                    time.sleep(0.2 * 2 ** attempt)
+            # still there: it expires on its own (run.lease_seconds)

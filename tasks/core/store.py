@@ -451,6 +451,17 @@ class FileStore(Store):
             return True
 
 
+READ_ATTEMPTS = 5
+
+
+def _body_errors() -> tuple[type[BaseException], ...]:
+    from botocore import exceptions as bx
+    from urllib3.exceptions import ProtocolError
+
+    return (bx.IncompleteReadError, bx.ResponseStreamingError, bx.ReadTimeoutError, bx.ConnectionClosedError,
+            ProtocolError, ConnectionError)
+
+
 class S3Store(Store):
     """S3 or any S3-compatible server. Large files go through boto3's transfer manager (multipart, parallel).
 
@@ -481,6 +492,7 @@ class S3Store(Store):
         self.transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
                                        max_concurrency=getattr(cfg, "max_concurrency", 8) or 8)
         self.endpoint = endpoint
+        self._body_errors = _body_errors()
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -530,17 +542,23 @@ class S3Store(Store):
         self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
 
     def _get_bytes(self, key):
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"].read()
-        except self.client.exceptions.NoSuchKey:
-            return None
+        return self.read_tagged(key)[0]
 
     def read_tagged(self, key):
-        try:
-            obj = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
-        except self.client.exceptions.NoSuchKey:
-            return None, None
-        return obj["Body"].read(), obj["ETag"]
+        """The object's bytes and ETag, (None, None) if there is none. botocore retries a request that fails,
+        not a body that breaks off after the reply began (reset, truncated): those are read again here."""
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                obj = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
+            except self.client.exceptions.NoSuchKey:
+                return None, None
+            try:
+                return obj["Body"].read(), obj["ETag"]
+            except self._body_errors:
+                if attempt == READ_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.1 * 2 ** attempt)
+        raise AssertionError("unreachable")
 
     def write_if(self, key, data, tag):
         from botocore.exceptions import ClientError
