@@ -33,7 +33,56 @@ def _client(uri: str):
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.tracking import MlflowClient
 
+    _create_sqlite_whole(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _create_sqlite_whole(uri: str) -> None:
+    """A new sqlite tracking database appears whole or not at all. MLflow creates it in place, in a few
+    seconds of schema migrations: a process killed in them leaves a half-migrated database that every later
+    run fails on ("duplicate column name"). So it is built under a temporary name and linked into place (an
+    atomic create-if-absent: of two processes creating it, one wins and the other uses the winner's)."""
+    if not uri.startswith("sqlite:"):
+        return
+    from sqlalchemy.engine import make_url
+
+    database = make_url(uri).database
+    if not database or database == ":memory:" or Path(database).exists():
+        return
+    path = Path(database).absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    from tasks.core.processes import alive
+
+    for stale in path.parent.glob(f".{path.name}.creating-*"):       # left by a creator that was killed
+        pid = stale.name.split(".creating-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not alive(int(pid)):
+            stale.unlink(missing_ok=True)
+    tmp = path.with_name(f".{path.name}.creating-{os.getpid()}-{threading.get_ident()}")
+    try:
+        from mlflow.tracking import MlflowClient
+
+        tmp_uri = f"sqlite:///{tmp}"
+        client = MlflowClient(tracking_uri=tmp_uri, registry_uri=tmp_uri)
+        client.search_experiments(max_results=1)          # creates the tables: tracking and model registry
+        client.search_registered_models(max_results=1)
+        _dispose_engines(client)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
+        for extra in ("-journal", "-wal", "-shm"):
+            tmp.with_name(tmp.name + extra).unlink(missing_ok=True)
+
+
+def _dispose_engines(client) -> None:
+    """Close the client's connections to the temporary database before it is unlinked."""
+    for store in (lambda: client._tracking_client.store, lambda: client._get_registry_client().store):
+        try:
+            store().engine.dispose()
+        except Exception:  # noqa: BLE001 - a courtesy (an open handle to an unlinked file is harmless)
+            pass
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
