@@ -656,3 +656,24 @@ def test_signal_names_in_reasons():
     crashed = sandbox.TestRun(ran=True, signal=signal.SIGSEGV)
     assert code_rewards.explain_failure(crashed) == "crashed (SIGSEGV)"
     assert code_rewards.explain_failure(sandbox.TestRun(ran=True, signal=signal.SIGXCPU)) == "cpu limit"
+
+
+def test_values_from_the_sandbox_are_read_with_bounded_work():
+    """A set of ints whose hashes all collide costs its size squared to build: refused before it is built;
+    ordinary values read as before."""
+    p = (1 << 61) - 1                               # int hashes are taken modulo this prime
+    colliding = "{" + ", ".join(str(i * p) for i in range(1, 20_001)) + "}"
+    with pytest.raises(ValueError, match="too large"):
+        code_rewards.bounded_literal(colliding)
+    assert code_rewards.bounded_literal("{1, 2, 3}") == {1, 2, 3}
+    assert code_rewards.bounded_literal("[{'a': (1, 2.5)}, None]") == [{"a": (1, 2.5)}, None]
+    run = sandbox.TestRun(ran=True, exit_code=0, values=[("ok", colliding)])
+    check = code_rewards.parse_tests(None, ["assert f() == {1}"], None, "def f(): pass")[0][0].check
+    assert check(run) == "unreadable value"
+
+
+def test_reasons_carry_no_terminal_control_characters():
+    stderr = "Traceback...\nValueError: \x1b[2J\x1b[31mgotcha \u202eevil\x07\x08"
+    reason = code_rewards.explain_failure(sandbox.TestRun(ran=True, exit_code=1, stderr=stderr))
+    assert reason.startswith("runtime error: ValueError: ?[2J?[31mgotcha ?evil"), repr(reason)
+    assert not any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f or c == "\u202e" for c in reason), repr(reason)

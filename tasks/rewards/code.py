@@ -124,7 +124,7 @@ def decide(cases: list[Case], run: sandbox.Run, mode: str) -> Verdict:
     if run.output_limit and first is None:
         first, passed = "output limit", 0
     if run.error and passed < total:
-        first = f"sandbox ended early: {run.error}" if first in (None, "not run") else first
+        first = f"sandbox ended early: {printable(run.error)}" if first in (None, "not run") else first
     score = passed / total if mode == "fraction" else float(passed == total)
     reason = f"passed {passed}/{total}" if first is None else f"{first} (passed {passed}/{total})"
     return Verdict(score, reason, passed, total, run.isolation, run.timed_out, run.seconds,
@@ -335,7 +335,7 @@ def _values_check(passes: Callable[[list], bool]) -> Callable[[sandbox.TestRun],
             if kind != "ok":
                 return _error_reason(text)
             try:
-                values.append(ast.literal_eval(text))
+                values.append(bounded_literal(text))
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 return "unreadable value"
         try:
@@ -343,6 +343,24 @@ def _values_check(passes: Callable[[list], bool]) -> Callable[[sandbox.TestRun],
         except Exception:                 # e.g. comparing a str with an int by <
             return "wrong answer"
     return check
+
+
+HASHED_WORK = 4_000_000     # sum over the value's sets and dicts of their sizes squared: their worst-case cost
+
+
+def bounded_literal(text: str):
+    """A literal written by the sandboxed code, read with bounded work. Building a set or dict costs up to its
+    size squared when the code chose keys whose hashes collide (3-5 s of the reward process per completion at
+    the default output cap): values whose sets and dicts could cost more than HASHED_WORK are refused, before
+    anything is built. Parsing itself is linear (the text is capped by the sandbox's output limit)."""
+    tree = ast.parse(text.strip(), mode="eval")
+    work = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Set | ast.Dict):
+            work += len(node.elts if isinstance(node, ast.Set) else node.keys) ** 2
+    if work > HASHED_WORK:
+        raise ValueError("sets or dicts too large to compare safely")
+    return ast.literal_eval(tree)
 
 
 def explain_failure(t: sandbox.TestRun) -> str | None:
@@ -361,8 +379,17 @@ def explain_failure(t: sandbox.TestRun) -> str | None:
     return None
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """Text from the sandbox as it may be shown: terminal control characters (escape sequences, carriage
+    returns, bidi overrides) become '?' (a reason lands in consoles, logs and tables)."""
+    return _CONTROL.sub("?", text)
+
+
 def _error_reason(stderr: str, exit_code: int | None = None) -> str:
-    last = next((line.strip() for line in reversed(stderr.strip().splitlines()) if line.strip()), "")
+    last = next((printable(line.strip()) for line in reversed(stderr.strip().splitlines()) if line.strip()), "")
     if "MemoryError" in last:
         return "memory limit"
     if last.startswith(("SyntaxError", "IndentationError", "TabError")):
