@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import textwrap
 import time
 import uuid
@@ -677,3 +678,23 @@ def test_reasons_carry_no_terminal_control_characters():
     reason = code_rewards.explain_failure(sandbox.TestRun(ran=True, exit_code=1, stderr=stderr))
     assert reason.startswith("runtime error: ValueError: ?[2J?[31mgotcha ?evil"), repr(reason)
     assert not any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f or c == "\u202e" for c in reason), repr(reason)
+
+
+def test_sandbox_uids_are_claimed_never_shared_and_freed_when_the_holder_ends():
+    """Two processes drawing from one small range get disjoint uids; the range exhausted is one clear line;
+    a holder that ends (even killed) frees its uids."""
+    first, count = 1_800_000_000, 256
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom tasks.scoring.sandbox import claim_uid\n"
+         f"print(sorted(claim_uid({first}, {count}) for _ in range(200)), flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    theirs = set(eval(holder.stdout.readline()))
+    try:
+        mine = {sandbox.claim_uid(first, count) for _ in range(count - 200)}
+        assert len(theirs) == 200 and len(mine) == count - 200 and not theirs & mine
+        with pytest.raises(UserError, match=r"reward.sandbox.uid_range: every uid of \[1800000000, 1800000256\)"):
+            sandbox.claim_uid(first, count)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sandbox.claim_uid(first, count) in theirs           # its claims went with it

@@ -152,6 +152,20 @@ class SandboxConfig(Section):
     tmpfs_mb: int = Field(64, ge=1, le=65536, description="Size of the private /tmp, the only writable place "
                           "(bubblewrap; MiB).")
     workers: int = Field(0, ge=0, le=256, description="Sandboxes run in parallel; 0 = os.cpu_count().")
+    uid_range: tuple[int, int] = Field(
+        (1_900_000_000, 65_536), description="As root, each sandbox slot runs under a uid of its own from "
+        "[first, first + count), claimed with a lock file (/run/lock/rlflow-sandbox-uids) for the process's "
+        "life: never shared by two processes. The default lies above the subordinate-uid ranges of rootless "
+        "containers (/etc/subuid, from 100000) and systemd's container ranges, below 2^31.")
+
+    @field_validator("uid_range")
+    @classmethod
+    def _uid_range(cls, v: tuple[int, int]) -> tuple[int, int]:
+        first, count = v
+        if first < 65_536 or count < 256 or first + count > 2**31 - 1:
+            raise ValueError("expected [first, count] with first >= 65536, count >= 256 (one uid per worker) and "
+                             "first + count <= 2147483647")
+        return v
 
 
 class RewardConfig(Section):

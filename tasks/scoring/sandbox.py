@@ -61,8 +61,8 @@ log = logging.getLogger(__name__)
 GRACE_SECONDS = 2.0           # host deadline = timeout + this: the harness reports its own timeouts first
 MARKER = "rlflow-sandbox"     # argv[1] of every harness (and of its forked children): how leftovers are found
 _STDERR_KEEP = 8192           # bytes of the sandbox's own stderr kept for error messages (bwrap, harness)
-_UID_BASE = 100_000           # sandbox uids when we are root: BASE + (pid % 30 000) * 256 + slot, so two
-_UID_STRIDE = 256             # processes (a test run and a bench) never share a uid; 256 = max workers
+_MAX_WORKERS = 256
+DEFAULT_UID_RANGE = (1_900_000_000, 65_536)   # reward.sandbox.uid_range: sandbox uids when we are root
 
 
 @dataclass
@@ -127,11 +127,13 @@ class Runner:
     """Runs code in sandboxes of one isolation level, at most `workers` at a time (one slot = one uid)."""
 
     def __init__(self, isolation: str, python: str, limits: Limits, workers: int, bwrap: str | None = None,
-                 binds: tuple[str, ...] = ()):
+                 binds: tuple[str, ...] = (), uid_range: tuple[int, int] = DEFAULT_UID_RANGE):
         self.isolation, self.python, self.limits, self.bwrap, self.binds = isolation, python, limits, bwrap, binds
         self.disable_userns = bwrap is not None and _bwrap_has(bwrap, "--disable-userns")
         self.why_not_bubblewrap = ""
-        self.workers = max(1, min(workers or os.cpu_count() or 1, _UID_STRIDE))
+        self.workers = max(1, min(workers or os.cpu_count() or 1, _MAX_WORKERS))
+        self.uid_range = uid_range
+        self._uids: dict[int, int] = {}               # slot -> the uid this process claimed for it
         self._slots: queue.Queue[int] = queue.Queue()
         for slot in range(self.workers):
             self._slots.put(slot)
@@ -152,7 +154,7 @@ class Runner:
 
     def _run(self, code: str, tests: list[Test], setup: str, slot: int) -> Run:
         t0 = time.monotonic()
-        uid = uid_for_slot(slot) if os.geteuid() == 0 else None
+        uid = self._uid(slot) if os.geteuid() == 0 else None
         workdir = None if self.isolation == "bubblewrap" else _private_dir(uid)
         chan_r, chan_w = os.pipe()
         request = marshal.dumps({       # marshal: the harness reads it without importing json
@@ -187,6 +189,11 @@ class Runner:
                 sweep_uid(uid)
             if workdir is not None:
                 _remove_tree(workdir)
+
+    def _uid(self, slot: int) -> int:
+        if slot not in self._uids:
+            self._uids[slot] = claim_uid(*self.uid_range)
+        return self._uids[slot]
 
     def _child_limits(self, uid: int | None) -> dict:
         lim = self.limits
@@ -333,12 +340,49 @@ def _int(text: str) -> int | None:
 
 # ------------------------------------------------------------------------------------------ processes, uids, files
 
-def uid_for_slot(slot: int) -> int:
-    return _UID_BASE + (os.getpid() % 30_000) * _UID_STRIDE + slot
+_claims: dict[int, int] = {}        # uid -> the open, locked claim file (held for this process's life)
+_claims_lock = threading.Lock()
 
 
-def is_sandbox_uid(uid: int) -> bool:
-    return _UID_BASE <= uid < _UID_BASE + 30_000 * _UID_STRIDE
+def _claims_dir() -> Path:
+    for base in (Path("/run/lock"), Path(tempfile.gettempdir())):
+        if base.is_dir() and os.access(base, os.W_OK):
+            path = base / "rlflow-sandbox-uids"
+            path.mkdir(mode=0o700, exist_ok=True)
+            return path
+    raise OSError("no writable /run/lock or temporary folder for the sandbox uid claims")
+
+
+def claim_uid(first: int, count: int) -> int:
+    """A uid of [first, first + count) that no other process of this machine holds: an exclusive lock on
+    <claims dir>/<uid>, kept until this process ends (the kernel drops it then, also after SIGKILL). Starts
+    at a random place, so processes rarely try the same uid. Whatever an earlier holder left under it (a
+    process, a file) is swept first."""
+    import fcntl
+    import random
+
+    start = random.randrange(count)
+    folder = _claims_dir()
+    with _claims_lock:
+        for i in range(count):
+            uid = first + (start + i) % count
+            if uid in _claims:
+                continue
+            fd = os.open(folder / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            _claims[uid] = fd
+            sweep_uid(uid)
+            return uid
+    raise UserError(f"reward.sandbox.uid_range: every uid of [{first}, {first + count}) is held by other "
+                    f"processes; widen the range")
+
+
+def is_sandbox_uid(uid: int, uid_range: tuple[int, int] = DEFAULT_UID_RANGE) -> bool:
+    return uid_range[0] <= uid < uid_range[0] + uid_range[1]
 
 
 def find_processes(uid: int) -> list[int]:
@@ -495,14 +539,15 @@ def _build(cfg: SandboxConfig) -> tuple[Runner, str]:
         if bwrap is None:
             why_not = f"{cfg.bwrap} not found"
         else:
-            candidate = Runner("bubblewrap", python, limits, cfg.workers, bwrap, _interpreter_binds(python))
+            candidate = Runner("bubblewrap", python, limits, cfg.workers, bwrap, _interpreter_binds(python),
+                               uid_range=tuple(cfg.uid_range))
             why_not = probe(candidate)
             if why_not is None:
                 return candidate, ""
         if cfg.isolation == "bubblewrap":
             raise UserError(f"reward.sandbox.isolation: bubblewrap was asked for but does not work here "
                             f"({why_not}); install it (apt-get install bubblewrap) or set auto or rlimits")
-    fallback = Runner("rlimits", python, limits, cfg.workers)
+    fallback = Runner("rlimits", python, limits, cfg.workers, uid_range=tuple(cfg.uid_range))
     if (problem := probe(fallback)) is not None:
         raise UserError(f"reward.sandbox.python: {python} cannot run sandboxed code here ({problem}); it must "
                         f"be readable by an unprivileged user (e.g. /usr/bin/python3)")
