@@ -10,15 +10,17 @@ PIP    := $(BIN)/pip install -qq --disable-pip-version-check
 # Tiers: tests/conftest.py and the markers in pyproject.toml.
 FAST := not slow and not server and not drill and not vllm and not deepspeed and not gpu
 
-.PHONY: setup demo lint test test-fast bench clean
+.PHONY: setup demo lint test test-fast drills bench clean
 
 setup: $(VENV)/.ready .venv-sky/.ready .venv-vllm/.ready
 
 $(VENV)/.ready: pyproject.toml constraints.txt
-	@# bubblewrap: namespaces for code rewards (docs/sandbox.md); apt lists may be empty on a fresh image
-	@command -v bwrap >/dev/null || { S=$$([ "$$(id -u)" = 0 ] || echo sudo -n); export DEBIAN_FRONTEND=noninteractive; \
-	  $$S apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq bubblewrap; } >/dev/null 2>&1; } \
-	  || echo "warning: bubblewrap not installed; code rewards fall back to rlimits (docs/sandbox.md)"
+	@# bubblewrap and python3-seccomp (its syscall filter): the code rewards' sandbox (docs/sandbox.md); apt lists
+	@# may be empty on a fresh image
+	@{ command -v bwrap >/dev/null && /usr/bin/python3 -c 'import seccomp' 2>/dev/null; } || { S=$$([ "$$(id -u)" = 0 ] || echo sudo -n); \
+	  export DEBIAN_FRONTEND=noninteractive; P="bubblewrap python3-seccomp"; \
+	  $$S apt-get install -y -qq $$P >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq $$P; } >/dev/null 2>&1; } \
+	  || echo "warning: bubblewrap or python3-seccomp not installed; code rewards fall back (docs/sandbox.md)"
 	@# chromium: the UI check drives it headless (tests/test_ui.py); Debian's package, not playwright's download
 	@command -v chromium >/dev/null || { S=$$([ "$$(id -u)" = 0 ] || echo sudo -n); export DEBIAN_FRONTEND=noninteractive; \
 	  $$S apt-get install -y -qq chromium >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq chromium; } >/dev/null 2>&1; } \
@@ -58,6 +60,10 @@ test: setup lint         ## lint, then every test, the slow end-to-end ones incl
 
 test-fast: $(VENV)/.ready lint   ## lint, then the tests that need no server and no engine
 	$(BIN)/python -m pytest -q tests -m "$(FAST)"
+
+drills: setup            ## the standing drill suite at length (tests/test_drills.py): kills, S3 faults at 5% and 20%
+	RLFLOW_DRILL_TRIALS=$${RLFLOW_DRILL_TRIALS:-5} RLFLOW_DRILL_RATES=0.05,0.2 \
+	  RLFLOW_DRILL_REPORT=$${RLFLOW_DRILL_REPORT:-$(CURDIR)/drills.jsonl} $(BIN)/python -m pytest -q tests/test_drills.py
 
 bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/flow_overhead.py

@@ -698,3 +698,62 @@ def test_sandbox_uids_are_claimed_never_shared_and_freed_when_the_holder_ends():
         holder.kill()
         holder.wait()
     assert sandbox.claim_uid(first, count) in theirs           # its claims went with it
+
+
+PROBE_SYSCALLS = r'''
+import ctypes, errno, os, socket, threading, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+def call(name, nr, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    print(f"{name}: " + ("ALLOWED" if r >= 0 else "blocked " + errno.errorcode.get(ctypes.get_errno(), "?")))
+buf = ctypes.create_string_buffer(256)
+addr = ctypes.addressof(buf)
+call("ptrace attach to pid 1", 101, 16, 1, 0, 0)
+call("process_vm_readv of pid 1", 310, 1, addr, 1, addr, 1, 0)
+pidfd = libc.syscall(ctypes.c_long(434), ctypes.c_long(1), ctypes.c_long(0))      # pidfd_open(1): allowed
+call("pidfd_getfd of pid 1", 438, pidfd, 0, 0)
+call("prlimit64 of pid 1", 302, 1, 7, 0, addr)
+call("shmget", 29, 0, 1 << 20, 0o1600)
+call("msgget", 68, 0, 0o1600)
+call("semget", 64, 0, 1, 0o1600)
+call("keyctl", 250, 0, -3, 0)
+call("io_uring_setup", 425, 1, addr)
+call("userfaultfd", 323, 0)
+call("perf_event_open", 298, addr, 0, -1, -1, 0)
+call("bpf", 321, 0, addr, 64)
+call("unshare user namespace", 272, 0x10000000)
+call("mount", 165, 0, addr, 0, 0, 0)
+for family, name in ((socket.AF_INET, "AF_INET"), (socket.AF_INET6, "AF_INET6"), (40, "AF_VSOCK"),
+                     (socket.AF_NETLINK, "AF_NETLINK"), (socket.AF_PACKET, "AF_PACKET")):
+    try:
+        socket.socket(family, socket.SOCK_DGRAM if family != 40 else socket.SOCK_STREAM).close()
+        print(f"socket {name}: ALLOWED")
+    except OSError as e:
+        print(f"socket {name}: blocked {errno.errorcode.get(e.errno, '?')}")
+a, b = socket.socketpair()
+t = threading.Thread(target=lambda: a.send(b"x")); t.start(); t.join()
+child = subprocess.run(["/usr/bin/python3", "-c", "print(6 * 7)"], capture_output=True, text=True).stdout.strip()
+status = open("/proc/self/status").read()
+print("unix socket, thread, subprocess:", b.recv(1).decode(), child, [l for l in status.splitlines()
+      if l.startswith("Seccomp:")][0].split()[1])
+'''
+
+
+@pytest.mark.bubblewrap
+def test_the_seccomp_filter_refuses_what_reaches_outside_the_sandbox(quick_sandbox):
+    """ptrace/pidfd_getfd/process_vm of bwrap's pid 1 (same uid, no rlimits), prlimit on another process,
+    SysV IPC (kernel memory outside every limit), keyrings, io_uring, userfaultfd, perf, bpf, namespaces, mounts
+    and sockets other than AF_UNIX (AF_VSOCK is not namespaced): all refused; threads, subprocesses and Unix
+    sockets still work, under a seccomp filter (Seccomp: 2)."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("syscall numbers of x86_64")
+    assert quick_sandbox.isolation == "bubblewrap" and quick_sandbox.seccomp
+    run = quick_sandbox.run(PROBE_SYSCALLS, [sandbox.Test(stdin="")])
+    out = run.tests[0].stdout.strip().splitlines()
+    assert run.tests[0].exit_code == 0, run.tests[0].stderr[-2000:]
+    assert len(out) == 20 and out[-1] == "unix socket, thread, subprocess: x 42 2", out
+    allowed = [line for line in out[:-1] if "ALLOWED" in line]
+    assert allowed == [], allowed

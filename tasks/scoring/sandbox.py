@@ -127,8 +127,10 @@ class Runner:
     """Runs code in sandboxes of one isolation level, at most `workers` at a time (one slot = one uid)."""
 
     def __init__(self, isolation: str, python: str, limits: Limits, workers: int, bwrap: str | None = None,
-                 binds: tuple[str, ...] = (), uid_range: tuple[int, int] = DEFAULT_UID_RANGE):
+                 binds: tuple[str, ...] = (), uid_range: tuple[int, int] = DEFAULT_UID_RANGE,
+                 seccomp: bytes | None = None):
         self.isolation, self.python, self.limits, self.bwrap, self.binds = isolation, python, limits, bwrap, binds
+        self.seccomp = seccomp if isolation == "bubblewrap" else None     # a BPF program (syscall_filter.py)
         self.disable_userns = bwrap is not None and _bwrap_has(bwrap, "--disable-userns")
         self.why_not_bubblewrap = ""
         self.workers = max(1, min(workers or os.cpu_count() or 1, _MAX_WORKERS))
@@ -157,6 +159,11 @@ class Runner:
         uid = self._uid(slot) if os.geteuid() == 0 else None
         workdir = None if self.isolation == "bubblewrap" else _private_dir(uid)
         chan_r, chan_w = os.pipe()
+        filter_fd = None
+        if self.seccomp is not None:          # bubblewrap reads the program from this descriptor and loads it
+            filter_fd = os.memfd_create("rlflow-seccomp", 0)
+            os.write(filter_fd, self.seccomp)
+            os.lseek(filter_fd, 0, os.SEEK_SET)
         request = marshal.dumps({       # marshal: the harness reads it without importing json
             "code": code, "setup": setup, "fd": chan_w, "timeout": float(self.limits.timeout_seconds),
             "kill_all": self.isolation == "bubblewrap" or uid is not None,
@@ -165,11 +172,15 @@ class Runner:
         proc = None
         try:
             proc = subprocess.Popen(
-                self._command(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                pass_fds=(chan_w,), start_new_session=True, close_fds=True, env=_clean_env(workdir),
+                self._command(filter_fd), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                pass_fds=(chan_w,) + ((filter_fd,) if filter_fd is not None else ()), start_new_session=True,
+                close_fds=True, env=_clean_env(workdir),
                 cwd=workdir or "/", **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}))
             os.close(chan_w)
             chan_w = None
+            if filter_fd is not None:
+                os.close(filter_fd)
+                filter_fd = None
             cap = len(tests) * (self.limits.max_output_kb * 1024 * 3 + 8192) + 65536   # 2 pipes, base64
             chan, stderr, timed_out, over = _communicate(proc, request, chan_r,
                                                          t0 + self.limits.timeout_seconds + GRACE_SECONDS, cap)
@@ -182,6 +193,8 @@ class Runner:
         finally:
             if chan_w is not None:
                 os.close(chan_w)
+            if filter_fd is not None:
+                os.close(filter_fd)
             os.close(chan_r)
             if proc is not None:
                 kill_group(proc)
@@ -203,11 +216,13 @@ class Runner:
         return {"cpu": lim.cpu_seconds, "memory_mb": lim.memory_mb, "file_size_mb": lim.file_size_mb,
                 "open_files": lim.max_open_files, "processes": processes, "output": lim.max_output_kb * 1024}
 
-    def _command(self) -> list[str]:
+    def _command(self, filter_fd: int | None = None) -> list[str]:
         harness = [self.python, "-I", "-c", HARNESS, MARKER]
         if self.isolation != "bubblewrap":
             return harness
-        return [self.bwrap, *bwrap_args(self.limits.tmpfs_mb, self.binds, self.disable_userns), "--", *harness]
+        seccomp = ["--seccomp", str(filter_fd)] if filter_fd is not None else []
+        return [self.bwrap, *bwrap_args(self.limits.tmpfs_mb, self.binds, self.disable_userns), *seccomp, "--",
+                *harness]
 
 
 def bwrap_args(tmpfs_mb: int, binds: tuple[str, ...] = (), disable_userns: bool = True) -> list[str]:
@@ -539,10 +554,18 @@ def _build(cfg: SandboxConfig) -> tuple[Runner, str]:
         if bwrap is None:
             why_not = f"{cfg.bwrap} not found"
         else:
+            program, no_filter = syscall_filter()
+            if program is None and cfg.isolation == "bubblewrap":
+                raise UserError(f"reward.sandbox.isolation: bubblewrap needs its seccomp filter, which cannot be "
+                                f"built here ({no_filter}); install python3-seccomp (apt-get install "
+                                f"python3-seccomp) or set auto")
             candidate = Runner("bubblewrap", python, limits, cfg.workers, bwrap, _interpreter_binds(python),
-                               uid_range=tuple(cfg.uid_range))
+                               uid_range=tuple(cfg.uid_range), seccomp=program)
             why_not = probe(candidate)
             if why_not is None:
+                if program is None:
+                    log.warning("code sandbox: bubblewrap without its seccomp filter (%s): install python3-seccomp "
+                                "(apt-get install python3-seccomp). See docs/sandbox.md.", no_filter)
                 return candidate, ""
         if cfg.isolation == "bubblewrap":
             raise UserError(f"reward.sandbox.isolation: bubblewrap was asked for but does not work here "
@@ -552,6 +575,30 @@ def _build(cfg: SandboxConfig) -> tuple[Runner, str]:
         raise UserError(f"reward.sandbox.python: {python} cannot run sandboxed code here ({problem}); it must "
                         f"be readable by an unprivileged user (e.g. /usr/bin/python3)")
     return fallback, why_not
+
+
+_filter: tuple[bytes | None, str] | None = None
+
+
+def syscall_filter() -> tuple[bytes | None, str]:
+    """The sandbox's seccomp program (BPF), compiled once per process by libseccomp under a system Python that
+    has Debian's python3-seccomp; (None, why) when none here can."""
+    global _filter
+    if _filter is None:
+        script = Path(__file__).with_name("syscall_filter.py")
+        why = "no system python3 with the seccomp module (python3-seccomp)"
+        for python in dict.fromkeys(["/usr/bin/python3", shutil.which("python3") or "/usr/bin/python3"]):
+            try:
+                out = subprocess.run([python, "-I", str(script)], capture_output=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                why = f"{python}: {e}"
+                continue
+            if out.returncode == 0 and out.stdout:
+                _filter = (out.stdout, "")
+                return _filter
+            why = f"{python}: {(out.stderr.decode(errors='replace').strip().splitlines() or ['failed'])[-1][:160]}"
+        _filter = (None, why)
+    return _filter
 
 
 def _bwrap_has(bwrap: str, flag: str) -> bool:

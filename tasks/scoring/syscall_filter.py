@@ -1,0 +1,64 @@
+"""The seccomp filter of the bubblewrap sandbox, compiled by libseccomp (Debian's python3-seccomp).
+
+Run under the system Python that has the bindings; writes the BPF program to stdout, which the sandbox
+hands to bubblewrap (`--seccomp FD`): bubblewrap loads it before it starts the harness, so it holds for the
+harness, the code and everything the code starts.
+
+    /usr/bin/python3 -I tasks/scoring/syscall_filter.py > filter.bpf
+
+Allow by default, refuse what sandboxed code has no use for and what reaches outside its limits (docs/sandbox.md):
+  - other processes' memory and file descriptors: ptrace, process_vm_readv/writev, pidfd_getfd,
+    kcmp, prlimit64 on another process (bwrap's own pid 1 has no rlimits: nothing may reach it);
+  - kernel memory outside every limit: SysV shared memory, message queues and semaphores;
+  - kernel interfaces with a history of exploits: keyctl/add_key/request_key, io_uring, bpf,
+    perf_event_open, userfaultfd;
+  - namespaces and mounts: unshare, setns, mount and the new mount API, pivot_root, chroot, clone with any
+    CLONE_NEW* flag, clone3 (ENOSYS: libc falls back to clone, whose flags can be checked);
+  - sockets of any family but AF_UNIX (the network namespace is empty, but AF_VSOCK is not namespaced);
+  - administration calls (which need capabilities the sandbox has not anyway).
+Standard library and `seccomp` only.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+
+EPERM = [
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+    "shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop",
+    "semtimedop", "semctl",
+    "keyctl", "add_key", "request_key", "io_uring_setup", "io_uring_enter", "io_uring_register", "bpf",
+    "perf_event_open", "userfaultfd",
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen",
+    "fsconfig", "fsmount", "fspick", "mount_setattr",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
+    "swapoff", "acct", "syslog", "quotactl", "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm",
+    "fanotify_init", "lookup_dcookie", "vhangup",
+]
+# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
+AF_UNIX = 1
+
+
+def build():
+    import seccomp
+
+    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    for name in EPERM:
+        try:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), name)
+        except (RuntimeError, ValueError):       # not a syscall of this architecture (e.g. iopl on arm64)
+            pass
+    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    for bit in CLONE_NEW:             # any one namespace flag refuses the clone
+        f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, bit, bit))
+    f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socket", seccomp.Arg(0, seccomp.NE, AF_UNIX))
+    f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socketpair", seccomp.Arg(0, seccomp.NE, AF_UNIX))
+    f.add_rule(seccomp.ERRNO(errno.EPERM), "prlimit64", seccomp.Arg(0, seccomp.NE, 0))
+    return f
+
+
+if __name__ == "__main__":
+    build().export_bpf(sys.stdout.buffer)
+    sys.stdout.flush()
