@@ -4,7 +4,8 @@ job). Same contract for both launchers:
 
     launcher.run(stage, iteration, env) -> Ran(seconds, hourly_usd)
 
-raises `UserError` when the stage rejected its input (exit code 2: never retried) and `InfraError` for
+raises `UserError` when the stage rejected its input (exit code 2: never retried), `CorruptArtifact` when it
+found a committed artifact corrupt (exit code 3: the flow recomputes it), and `InfraError` for
 anything the infrastructure did (killed process, preempted or vanished cluster, non-zero exit): the flow
 retries those with back-off. A remote stage's result is read back from the store by the flow (the stage
 function finds its own output's manifest and returns it without recomputing).
@@ -27,6 +28,7 @@ import yaml
 from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
 from tasks.core.processes import stream
+from tasks.core.store import CorruptArtifact
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -86,6 +88,8 @@ class Local:
             return Ran(seconds)
         if ran.code == 2 and ran.user_error:
             raise UserError(ran.user_error)
+        if ran.code == 3 and ran.corrupt:
+            raise CorruptArtifact(*ran.corrupt)
         killed = " (killed)" if ran.code < 0 or ran.code in (137, 143) else ""
         raise InfraError(f"{stage}[iter {iteration}]: local stage process exited with {ran.code}{killed}: "
                          + "\n".join(ran.last[-3:]).strip())
@@ -151,6 +155,8 @@ class Sky:
         seconds = time.perf_counter() - t0
         if out.get("user_error"):
             raise UserError(out["user_error"])
+        if out.get("corrupt"):
+            raise CorruptArtifact(*out["corrupt"])
         if out.get("exit_code") != 0:
             raise InfraError(f"{stage}[iter {iteration}]: SkyPilot job failed (exit code {out.get('exit_code')})")
         return Ran(seconds, out.get("hourly_usd"))

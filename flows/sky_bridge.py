@@ -27,14 +27,14 @@ import sys
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))     # this checkout's `tasks` (not installed here)
-from tasks.core.errors import user_error_in  # noqa: E402
+from tasks.core.errors import corrupt_in, user_error_in  # noqa: E402
 
 
 class Tee(io.TextIOBase):
     """Log stream: forwards to stderr, remembers a user-error line."""
 
     def __init__(self):
-        self.user_error = None
+        self.user_error = self.corrupt = None
         self._buf = ""
 
     def write(self, s):
@@ -43,6 +43,7 @@ class Tee(io.TextIOBase):
         *lines, self._buf = self._buf.split("\n")
         for line in lines:
             self.user_error = user_error_in(line) or self.user_error
+            self.corrupt = corrupt_in(line) or self.corrupt
         return len(s)
 
     def flush(self):
@@ -93,8 +94,8 @@ def cmd_run(sky, args) -> dict:
     except (sky.exceptions.ClusterDoesNotExist, sky.exceptions.ClusterNotUpError) as e:
         return {"exit_code": None, "user_error": None, "cluster_missing": True, "error": str(e).splitlines()[0]}
     code = sky.tail_logs(args.cluster, job_id, follow=True, output_stream=tee)
-    missing = code != 0 and tee.user_error is None and not _cluster_up(sky, args.cluster)
-    return {"exit_code": int(code), "user_error": tee.user_error, "cluster_missing": missing,
+    missing = code != 0 and tee.user_error is None and tee.corrupt is None and not _cluster_up(sky, args.cluster)
+    return {"exit_code": int(code), "user_error": tee.user_error, "corrupt": tee.corrupt, "cluster_missing": missing,
             "hourly_usd": _hourly(handle), "job_id": job_id}
 
 
@@ -104,7 +105,7 @@ def cmd_job(sky, args) -> dict:
     job_ids, handle = sky.stream_and_get(sky.jobs.launch(task, name=args.name), output_stream=tee)
     job_id = job_ids[0] if isinstance(job_ids, list) else job_ids
     code = sky.jobs.tail_logs(job_id=job_id, follow=True, output_stream=tee)
-    return {"exit_code": int(code or 0), "user_error": tee.user_error, "cluster_missing": False,
+    return {"exit_code": int(code or 0), "user_error": tee.user_error, "corrupt": tee.corrupt, "cluster_missing": False,
             "hourly_usd": _hourly(handle) if handle else None, "job_id": job_id}
 
 

@@ -27,6 +27,7 @@ Stages meet only in the store; this file passes keys, never tensors.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from datetime import datetime, timezone
@@ -47,7 +48,7 @@ from tasks.core.errors import UserError, cause_of
 from tasks.core.lease import Lease, LeaseLost
 from tasks.core.models import base_path, check_lora_targets, load_tokenizer
 from tasks.core.stage import STOP
-from tasks.core.store import Store, open_store
+from tasks.core.store import CorruptArtifact, Store, open_store
 from tasks.core.tracking import Tracker, champion_policy_uri
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.training import training_engine
@@ -67,9 +68,74 @@ OUTPUT_KEY = {"generate": layout.rollouts, "reward": layout.rewards, "train": la
 
 def retryable(task, task_run, state) -> bool:
     """Prefect retry condition: retry infrastructure failures, never a user's mistake or a lost lease, nor
-    anything once the run was told to stop."""
+    anything once the run was told to stop. A corrupt artifact is not retried either: Repair recomputes it."""
     exc = state.data if isinstance(state.data, BaseException) else None
-    return cause_of(exc, (UserError, LeaseLost)) is None and not STOP.is_set()
+    return cause_of(exc, (UserError, LeaseLost, CorruptArtifact)) is None and not STOP.is_set()
+
+
+def producer_of(run: str, key: str) -> tuple[str, int] | None:
+    """(stage, iteration) whose output `key` is, or None (not a stage's output: nothing can make it again)."""
+    for it in {int(d) for d in re.findall(r"\d+", key[len(run):])}:
+        for stage, out in OUTPUT_KEY.items():
+            if it >= 1 and out(run, it) == key:
+                return stage, it
+    return None
+
+
+class Repair:
+    """The stage task, with one more way to recover: a stage that finds a committed artifact corrupt (its bytes
+    changed after its manifest was written: bit rot, a bad copy, a hand edit) has that artifact quarantined
+    (store.quarantine) and made again by the stage that produced it (every stage is deterministic, so it is
+    the same artifact), then runs again. Said once, in one line; an artifact that cannot be made again (its
+    inputs are gone, or it is corrupt again) ends the run with one line naming the file."""
+
+    def __init__(self, stage, ctx: Run, log):
+        self.stage, self.ctx, self.log = stage, ctx, log
+        self.note = print            # the console line (the flow sets its progress display's)
+
+    def __call__(self, name: str, it: int, ctx: Run, *args):
+        return self._repairing(lambda: self.stage(name, it, ctx, *args), set())
+
+    def submit(self, *args, **kwargs):
+        return self.stage.submit(*args, **kwargs)
+
+    def result(self, future, name: str, it: int, ctx: Run, *args):
+        """A submitted stage's result; if it found a corrupt artifact, repaired and run again here."""
+        return self._repairing(future.result, set(), again=lambda: self.stage(name, it, ctx, *args))
+
+    def _repairing(self, call, seen: set, again=None):
+        while True:
+            try:
+                return call()
+            except Exception as e:  # noqa: BLE001 - only a corrupt artifact is handled here
+                bad = cause_of(e, CorruptArtifact)
+                if bad is None:
+                    raise
+                self._remake(bad, seen)
+                call = again or call
+
+    def _remake(self, bad: CorruptArtifact, seen: set) -> None:
+        run, store = self.ctx.cfg.run.name, self.ctx.store
+        if bad.key in seen:
+            raise UserError(f"{bad}: still corrupt after it was made again; the store is damaged") from None
+        seen.add(bad.key)
+        producer = producer_of(run, bad.key)
+        moved = store.quarantine(bad.key)
+        if producer is None:
+            raise UserError(f"{bad}: corrupt, and no stage makes it (moved to {store.uri(moved)}); restore it "
+                            f"or start a new run.name") from None
+        stage, it = producer
+        said = f"corrupt artifact: {bad}; moved to {store.uri(moved)}, making it again ({stage} of iteration {it})"
+        self.log.warning(said)
+        self.note(said)
+        args = (layout.behaviour_policy(run, it, self.ctx.cfg.run.max_staleness),) if stage == "generate" else ()
+        try:
+            self._repairing(lambda: self.stage(stage, it, self.ctx, *args), seen)
+        except UserError:
+            raise
+        except Exception as e:
+            raise UserError(f"{bad}: corrupt, and making it again failed ({str(e).splitlines()[0][:200]}); "
+                            f"restore it or start a new run.name") from None
 
 
 class Run:
@@ -291,7 +357,9 @@ class Ahead:
             self.rew[m] = self.stage.submit("reward", m, self.ctx,
                                             wait_for=[self.gen[m]] + ([self.rew[m - 1]] if m - 1 in self.rew else []))
             self.next += 1
-        return self.gen.pop(it).result(), self.rew.pop(it).result()    # (later ones wait for it+1.. only)
+        policy = layout.behaviour_policy(run, it, self.S)       # (later ones wait for it+1.. only)
+        return (self.stage.result(self.gen.pop(it), "generate", it, self.ctx, policy),
+                self.stage.result(self.rew.pop(it), "reward", it, self.ctx))
 
     def drain(self) -> None:
         """Wait for every stage still running (a failed iteration's neighbours): retried or failed, they end."""
@@ -311,9 +379,9 @@ def _iterations(ctx: Run, log) -> dict:
     mlflow_url = tracker.run_url()
     post_mlflow_link(cfg, mlflow_url)
     log.info("run %s: store %s, MLflow run %s", cfg.run.name, store.uri(cfg.run.name), run_id)
-    stage = run_stage.with_options(retries=cfg.launcher.retries, retry_condition_fn=retryable,
-                                   retry_delay_seconds=exponential_backoff(cfg.launcher.retry_backoff_seconds)
-                                   if cfg.launcher.retry_backoff_seconds else 0)
+    stage = Repair(run_stage.with_options(retries=cfg.launcher.retries, retry_condition_fn=retryable,
+                                          retry_delay_seconds=exponential_backoff(cfg.launcher.retry_backoff_seconds)
+                                          if cfg.launcher.retry_backoff_seconds else 0), ctx, log)
 
     reward_means: list[float] = []
     published = None
@@ -323,6 +391,7 @@ def _iterations(ctx: Run, log) -> dict:
     newest = layout.version_of(latest) if latest else 0
     done = min(newest - 1, already_logged, cfg.run.iterations - 1) if latest else 0
     progress = Progress(cfg.run.iterations, already_logged)
+    stage.note = progress.note
     if newest >= cfg.run.iterations and already_logged >= cfg.run.iterations:
         progress.note(f"{cfg.run.name} is already complete ({cfg.run.iterations} iterations in "
                       f"{store.uri(cfg.run.name)}); checking its last iteration and ending it")

@@ -123,3 +123,54 @@ def test_a_kill_while_mlflow_creates_its_database_cannot_break_it(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-1500:]
     assert not list(tmp_path.glob(".*creating*"))                  # the killed creators' temporary files
+
+
+SMALL = ["-o", "run.name=rot", "-o", "generate.prompts_per_iteration=2", "-o", "generate.num_generations=2",
+         "-o", "tracking.sample_completions=2", "-o", "launcher.retry_backoff_seconds=0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(prefect_api, tmp_path_factory):
+    from tests.conftest import TINY, run_cli
+
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    out = run_cli(["run", str(TINY), *SMALL, "-o", "run.iterations=3"], cwd, prefect_api)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return cwd / "rlflow-store"
+
+
+@pytest.mark.slow
+@pytest.mark.drill
+@pytest.mark.parametrize("mode", ["inline", "local"])
+def test_a_corrupt_committed_artifact_is_moved_aside_and_made_again(prefect_api, tmp_path, uninterrupted, mode):
+    """A byte of a published policy flips after its manifest was written; the next iteration's generate reads
+    it: one line names the file, the policy goes to <run>/quarantine/, publish makes it again (the same bytes),
+    and the run ends equal to one that never saw the fault (no stage retried for it, in-process or in a stage
+    process)."""
+    from tasks.core import layout
+    from tasks.core.store import Store
+    from tests.conftest import ROOT, TINY, run_cli
+
+    extra = ["-o", f"launcher.mode={mode}", "-o", f"launcher.recipes={ROOT / 'sky'}"]
+    out = run_cli(["run", str(TINY), *SMALL, *extra, "-o", "run.iterations=2"], tmp_path, prefect_api)
+    assert out.returncode == 0, out.stderr[-2000:]
+    weights = tmp_path / "rlflow-store" / "rot" / "policy" / "v000002" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    weights.write_bytes(bytes(data))
+
+    out = run_cli(["run", str(TINY), *SMALL, *extra, "-o", "run.iterations=3"], tmp_path, prefect_api)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("corrupt artifact:")]
+    assert len(said) == 1, out.stdout + out.stderr
+    assert "rot/policy/v000002/model.safetensors: sha256 does not match MANIFEST.json" in said[0]
+    assert "making it again (publish of iteration 2)" in said[0]
+    assert "Retrying" not in out.stdout + out.stderr                      # not taken for an infrastructure fault
+
+    store, ref = Store.open(str(tmp_path / "rlflow-store")), Store.open(str(uninterrupted))
+    [moved] = store.list_folders("rot/quarantine/policy")
+    assert moved.startswith("v000002-")
+    for it in (1, 2, 3):
+        key = layout.policy("rot", it)
+        store.verify(key)
+        assert store.manifest(key)["files"] == ref.manifest(key)["files"]       # the same weights, bit for bit

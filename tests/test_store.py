@@ -214,3 +214,33 @@ def test_a_folder_written_here_is_read_here_without_a_download(kind, tmp_path, r
     (folder / "weights.bin").write_bytes(b"tampered")
     with pytest.raises(IncompleteArtifact, match="weights.bin"):
         store.local("run/policy")           # checked every time: a changed byte is refused, named
+
+
+def test_quarantine_moves_a_corrupt_folder_aside_and_its_key_reads_as_absent(tmp_path):
+    from tasks.core.store import CorruptArtifact, FileStore
+
+    store = FileStore(str(tmp_path / "store"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "w.bin").write_bytes(b"abc" * 1000)
+    store.put_folder("r/policy/v000002", src)
+    path = store.path / "r/policy/v000002/w.bin"
+    path.write_bytes(b"abd" * 1000)
+    with pytest.raises(CorruptArtifact) as bad:
+        store.local("r/policy/v000002")
+    assert bad.value.key == "r/policy/v000002" and "w.bin: sha256 does not match MANIFEST.json" in str(bad.value)
+    moved = store.quarantine("r/policy/v000002")
+    assert moved.startswith("r/quarantine/policy/v000002-")
+    assert store.manifest("r/policy/v000002") is None and store.manifest(moved) is not None
+    store.put_folder("r/policy/v000002", src)                       # its producer writes it again
+    store.verify("r/policy/v000002")
+
+
+def test_each_stage_output_names_its_producer():
+    from flows.training import OUTPUT_KEY, producer_of
+    from tasks.core import layout
+
+    for stage, key_of in OUTPUT_KEY.items():
+        assert producer_of("r", key_of("r", 7)) == (stage, 7)
+    assert producer_of("r", layout.full_checkpoint("r", 7)) is None     # not a stage's output
+    assert producer_of("r", "r/policy/BEST") is None

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.core.errors import user_error_in
+from tasks.core.errors import corrupt_in, user_error_in
 
 
 @dataclass
@@ -25,6 +25,7 @@ class Streamed:
     code: int                     # the process's exit code (negative: killed by that signal)
     user_error: str | None        # the message of the first `RLFLOW_USER_ERROR:` line it printed
     last: list[str]               # its last lines (without line ends)
+    corrupt: tuple[str, str] | None = None    # (key, message) of an `RLFLOW_CORRUPT_ARTIFACT:` line
 
 
 def stream(argv: list[str], env: dict[str, str], sink: Callable[[str], object], cwd: str | Path | None = None,
@@ -33,7 +34,7 @@ def stream(argv: list[str], env: dict[str, str], sink: Callable[[str], object], 
     If we are interrupted (an exception, Ctrl-C) the process is terminated, never left behind."""
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1)
-    user_error, last = None, collections.deque(maxlen=keep)
+    user_error, corrupt, last = None, None, collections.deque(maxlen=keep)
     try:
         for line in proc.stdout:
             line = line.rstrip("\n")
@@ -41,7 +42,9 @@ def stream(argv: list[str], env: dict[str, str], sink: Callable[[str], object], 
             last.append(line)
             if user_error is None:
                 user_error = user_error_in(line)
-        return Streamed(proc.wait(), user_error, list(last))
+            if corrupt is None:
+                corrupt = corrupt_in(line)
+        return Streamed(proc.wait(), user_error, list(last), corrupt)
     finally:
         if proc.poll() is None:
             proc.terminate()

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tasks.core.errors import UserError, user_error_line
+from tasks.core.errors import UserError, corrupt_line, user_error_line
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -123,4 +123,11 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
         # The second line lets a launcher tell a user error from a crash when only the log comes back.
         print(user_error_line(e), file=sys.stderr)
         sys.exit(2)
+    except Exception as e:
+        from tasks.core.store import CorruptArtifact
+
+        if not isinstance(e, CorruptArtifact):
+            raise
+        print(corrupt_line(e.key, str(e)), file=sys.stderr)      # the flow quarantines and recomputes it
+        sys.exit(3)
     print(json.dumps(out))

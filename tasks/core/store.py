@@ -42,6 +42,16 @@ class IncompleteArtifact(Exception):
     """A folder without a valid manifest, or with a file that does not match it."""
 
 
+class CorruptArtifact(IncompleteArtifact):
+    """A committed folder (its manifest written) whose manifest or a file changed afterwards: missing,
+    truncated or altered. `key` is the folder; every stage is deterministic, so its producer can make it again
+    (flows/training.py quarantines and recomputes it)."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -135,7 +145,7 @@ class Store:
         try:
             return json.loads(raw)
         except json.JSONDecodeError:
-            raise IncompleteArtifact(f"{self.uri(key)}/{MANIFEST}: not valid JSON") from None
+            raise CorruptArtifact(key, f"{self.uri(key)}/{MANIFEST}: not valid JSON") from None
 
     def put_folder(self, key: str, folder: Path, meta: dict[str, Any] | None = None,
                    keep_local: Callable[[str], bool] | None = None, give_up: bool = False) -> dict:
@@ -212,8 +222,8 @@ class Store:
             try:
                 self._get_file(f"{key}/{rel}", target)
             except FileNotFoundError:
-                raise IncompleteArtifact(f"{self.uri(key)}/{rel}: missing (listed in {MANIFEST})") from None
-            _verify(target, want, f"{self.uri(key)}/{rel}")
+                raise CorruptArtifact(key, f"{self.uri(key)}/{rel}: missing (listed in {MANIFEST})") from None
+            _verify(target, want, key, f"{self.uri(key)}/{rel}")
         return manifest
 
     def local(self, key: str) -> Path:
@@ -241,9 +251,9 @@ class Store:
         want = manifest["files"].get(name)
         where = f"{self.uri(key)}/{name}"
         if raw is None or want is None:
-            raise IncompleteArtifact(f"{where}: missing")
+            raise CorruptArtifact(key, f"{where}: missing (listed in {MANIFEST})")
         if len(raw) != want["size"] or hashlib.sha256(raw).hexdigest() != want["sha256"]:
-            raise IncompleteArtifact(f"{where}: does not match {MANIFEST} (truncated or altered)")
+            raise CorruptArtifact(key, f"{where}: does not match {MANIFEST} (truncated or altered)")
         return json.loads(raw)
 
     # ---- pointers
@@ -268,6 +278,16 @@ class Store:
         files missing. Only the run's lease holder, or a stage deleting what only it can name, calls this."""
         self._delete(f"{key}/{MANIFEST}")
         self._delete_prefix(f"{key}/")
+
+    def quarantine(self, key: str) -> str:
+        """Move a corrupt committed folder out of the way, to <run>/quarantine/<rest of key>-<UTC time> (kept
+        for a look); from then on `key` has no manifest, so its producer writes it anew. Returns the new key."""
+        run, _, rest = key.partition("/")
+        dst = f"{run}/quarantine/{rest}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:4]}"
+        self._move(key, dst)
+        return dst
+
+    def _move(self, src: str, dst: str) -> None: raise NotImplementedError
 
     def list_folders(self, prefix: str) -> list[str]:
         """Immediate child folder names under prefix (complete or not)."""
@@ -294,12 +314,12 @@ def _link_files(sources: dict[str, Path], dest: Path, link: bool = True) -> None
         os.replace(tmp, target)
 
 
-def _verify(path: Path, want: dict, where: str) -> None:
+def _verify(path: Path, want: dict, key: str, where: str) -> None:
     size = path.stat().st_size
     if size != want["size"]:
-        raise IncompleteArtifact(f"{where}: size {size} != {want['size']} in {MANIFEST} (truncated or altered)")
+        raise CorruptArtifact(key, f"{where}: size {size} != {want['size']} in {MANIFEST} (truncated or altered)")
     if known_sha256(path) != want["sha256"]:
-        raise IncompleteArtifact(f"{where}: sha256 does not match {MANIFEST} (altered)")
+        raise CorruptArtifact(key, f"{where}: sha256 does not match {MANIFEST} (altered)")
 
 
 LOCKS = ".locks"
@@ -336,8 +356,8 @@ class FileStore(Store):
             raise IncompleteArtifact(f"{self.uri(key)}: incomplete artifact (no {MANIFEST})")
         for rel, want in manifest["files"].items():
             if not self._p(f"{key}/{rel}").is_file():
-                raise IncompleteArtifact(f"{self.uri(key)}/{rel}: missing (listed in {MANIFEST})")
-            _verify(self._p(f"{key}/{rel}"), want, f"{self.uri(key)}/{rel}")
+                raise CorruptArtifact(key, f"{self.uri(key)}/{rel}: missing (listed in {MANIFEST})")
+            _verify(self._p(f"{key}/{rel}"), want, key, f"{self.uri(key)}/{rel}")
         return self._p(key)
 
     def _write_files(self, key, folder, rels, give_up=False):
@@ -410,6 +430,10 @@ class FileStore(Store):
 
     def _delete(self, key):
         self._p(key).unlink(missing_ok=True)
+
+    def _move(self, src, dst):
+        self._p(dst).parent.mkdir(parents=True, exist_ok=True)
+        os.rename(self._p(src), self._p(dst))         # one step: the manifest goes with the files
 
     def _delete_prefix(self, prefix):
         base = self._p(prefix.rstrip("/"))
@@ -580,6 +604,12 @@ class S3Store(Store):
 
     def _delete(self, key):
         self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
+
+    def _move(self, src, dst):
+        for key in self._list(f"{src}/"):           # server-side copies, then the source, manifest first
+            self.client.copy_object(CopySource={"Bucket": self.bucket, "Key": self._k(key)}, Bucket=self.bucket,
+                                    Key=self._k(dst + key[len(src):]))
+        self.delete_folder(src)
 
     def _delete_prefix(self, prefix):
         keys = [self._k(k) for k in self._list(prefix)]

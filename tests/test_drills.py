@@ -1,0 +1,170 @@
+"""The standing drill suite: faults at random, and the result must equal a run that saw none.
+
+  - kills: the run's whole process group is SIGKILLed at a random moment, again and again, and restarted
+    until it completes (inline and local launchers; the stage under way is recorded);
+  - S3 faults: the whole run talks to S3 through tests/s3_faults.py (errors, replies lost after S3 applied
+    the request, resets, truncated bodies, delays) with a short lease, so that renewals meet faults too;
+  - two runs of different names in one bucket at once.
+Every published policy must equal the clean run's bit for bit and every manifest in the bucket must verify.
+
+`make test` runs one trial of the inline kills and of 5% S3 faults; `make drills` runs every drill,
+RLFLOW_DRILL_TRIALS of each (default there: 5), with S3 fault rates of 5% and 20%, and appends one JSON line
+per trial to RLFLOW_DRILL_REPORT (docs/reliability.md has the figures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import boto3
+import pytest
+
+from tasks.core import layout
+from tasks.core.store import S3Store
+from tests.conftest import TINY, run_cli
+from tests.s3_faults import FaultProxy
+
+pytestmark = [pytest.mark.slow, pytest.mark.drill]
+TRIALS = int(os.environ.get("RLFLOW_DRILL_TRIALS", "1"))
+FULL = "RLFLOW_DRILL_TRIALS" in os.environ           # make drills; make test runs the small set
+only_full = pytest.mark.skipif(not FULL, reason="make drills runs it (the CI budget keeps make test to the small set)")
+RATES = [float(r) for r in os.environ.get("RLFLOW_DRILL_RATES", "0.05").split(",")]
+ITERATIONS = 3
+STAGES = ("generate", "reward", "train", "publish")
+
+
+def _args(name: str, endpoint: str, bucket: str, extra=()) -> list[str]:
+    return ["run", str(TINY), "-o", f"run.name={name}", "-o", f"run.iterations={ITERATIONS}",
+            "-o", "generate.prompts_per_iteration=2", "-o", "generate.num_generations=2",
+            "-o", "tracking.sample_completions=2", "-o", "launcher.retry_backoff_seconds=0.5",
+            "-o", f"store.uri=s3://{bucket}/runs", "-o", f"store.endpoint_url={endpoint}", *extra]
+
+
+def _bucket(endpoint: str) -> str:
+    name = f"drill-{time.time_ns()}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=name)
+    return name
+
+
+def _report(**row) -> None:
+    if path := os.environ.get("RLFLOW_DRILL_REPORT"):
+        with open(path, "a") as f:
+            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row}) + "\n")
+
+
+def _policies(store: S3Store, name: str) -> dict:
+    return {it: store.manifest(layout.policy(name, it))["files"] for it in range(1, ITERATIONS + 1)}
+
+
+def _verify_all(store: S3Store, name: str) -> int:
+    """Every complete folder of the run verifies against its manifest; returns how many were checked."""
+    folders = {k.rsplit("/", 1)[0] for k in store._list(f"{name}/") if k.endswith("/MANIFEST.json")}
+    for key in folders:
+        store.verify(key)
+    return len(folders)
+
+
+@pytest.fixture(scope="module")
+def clean(prefect_api, s3_endpoint, tmp_path_factory):
+    """The run without faults: its policies, per launcher (a remote store publishes deltas either way)."""
+    cwd = tmp_path_factory.mktemp("drill-clean")
+    bucket = _bucket(s3_endpoint)
+    out = run_cli(_args("drill", s3_endpoint, bucket), cwd, prefect_api)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return _policies(S3Store(f"s3://{bucket}/runs", type("C", (), {"endpoint_url": s3_endpoint})()), "drill")
+
+
+def _stage_under_way(store: S3Store, name: str) -> str:
+    """The first stage output (in the order they are written) that is not there yet: what a kill interrupted."""
+    for it in range(1, ITERATIONS + 1):
+        for stage, key in zip(STAGES, (layout.rollouts, layout.rewards, layout.checkpoint, layout.policy),
+                              strict=True):
+            if store.manifest(key(name, it)) is None:
+                return f"{stage}"
+    return "end"
+
+
+@pytest.mark.parametrize("launcher", ["inline", pytest.param("local", marks=only_full)])
+def test_random_kills_then_resume_equal_the_clean_run(prefect_api, s3_endpoint, tmp_path, clean, launcher):
+    from tests.conftest import ROOT
+
+    rng = random.Random(int(os.environ.get("RLFLOW_DRILL_SEED", "0")) * 1000 + (launcher == "local"))
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    for trial in range(TRIALS):
+        bucket = _bucket(s3_endpoint)
+        store = S3Store(f"s3://{bucket}/runs", type("C", (), {"endpoint_url": s3_endpoint})())
+        argv = [sys.executable, "-m", "flows.cli", *_args("drill", s3_endpoint, bucket, [
+            "-o", f"launcher.mode={launcher}", "-o", f"launcher.recipes={ROOT / 'sky'}"])]
+        kills: dict[str, int] = {}
+        for attempt in range(30):
+            cwd = tmp_path / f"t{trial}"
+            cwd.mkdir(exist_ok=True)
+            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True)
+            # after the first few kills, give it longer: the run must also get to finish
+            budget = rng.uniform(2, 12 if attempt < 4 else 60)
+            try:
+                _, err = proc.communicate(timeout=budget)
+                assert proc.returncode == 0, err[-2000:]
+                break
+            except subprocess.TimeoutExpired:
+                stage = _stage_under_way(store, "drill")
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                kills[stage] = kills.get(stage, 0) + 1
+        else:
+            pytest.fail(f"trial {trial}: not done after 30 starts")
+        assert _policies(store, "drill") == clean
+        checked = _verify_all(store, "drill")
+        _report(drill="kills", launcher=launcher, trial=trial, kills=kills, restarts=sum(kills.values()),
+                 folders_verified=checked)
+
+
+@pytest.mark.parametrize("rate", RATES)
+def test_a_run_through_s3_faults_equals_the_clean_run(prefect_api, s3_endpoint, tmp_path, clean, rate):
+    for trial in range(TRIALS):
+        proxy = FaultProxy(s3_endpoint, seed=trial)
+        try:
+            bucket = _bucket(s3_endpoint)
+            proxy.rates = {"error": rate / 4, "applied_then_error": rate / 4, "reset": rate / 4,
+                           "truncate": rate / 4, "delay": rate / 4}
+            started = time.perf_counter()
+            out = run_cli(_args("drill", proxy.url, bucket, ["-o", "run.lease_seconds=5"]), tmp_path, prefect_api)
+            seconds = time.perf_counter() - started
+            assert out.returncode == 0, out.stderr[-3000:]
+            proxy.rates = {}
+            store = S3Store(f"s3://{bucket}/runs", type("C", (), {"endpoint_url": s3_endpoint})())
+            assert _policies(store, "drill") == clean
+            checked = _verify_all(store, "drill")
+            assert store.read_tagged("drill/LEASE.json")[0] is None                 # released
+            retried = out.stderr.count("Retrying") + out.stdout.count("Retrying")
+            _report(drill="s3-faults", rate=rate, trial=trial, requests=proxy.requests,
+                    faults={k: v for k, v in proxy.counts.items() if v}, stage_retries=retried,
+                    seconds=round(seconds, 1), folders_verified=checked)
+        finally:
+            proxy.close()
+
+
+@only_full
+def test_two_runs_in_one_bucket_at_once(prefect_api, s3_endpoint, tmp_path, clean):
+    bucket = _bucket(s3_endpoint)
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    procs = []
+    for name in ("drill", "other"):
+        (tmp_path / name).mkdir()
+        procs.append(subprocess.Popen([sys.executable, "-m", "flows.cli", *_args(name, s3_endpoint, bucket)],
+                                      cwd=tmp_path / name, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+    store = S3Store(f"s3://{bucket}/runs", type("C", (), {"endpoint_url": s3_endpoint})())
+    assert _policies(store, "drill") == clean
+    assert _policies(store, "other")[1] == clean[1]     # the same config and seed (later ones: deltas name their run)
+    _report(drill="two-runs-one-bucket", folders_verified=_verify_all(store, "drill") + _verify_all(store, "other"))
