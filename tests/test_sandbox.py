@@ -757,3 +757,25 @@ def test_the_seccomp_filter_refuses_what_reaches_outside_the_sandbox(quick_sandb
     assert len(out) == 20 and out[-1] == "unix socket, thread, subprocess: x 42 2", out
     allowed = [line for line in out[:-1] if "ALLOWED" in line]
     assert allowed == [], allowed
+
+
+@pytest.mark.bubblewrap
+def test_the_code_cannot_change_how_an_assert_is_computed(quick_sandbox):
+    """Only the parts of an assert that need the code (f(1)) run inside; abs, sorted, the comparison and the
+    expected values stay on the host: shadowing or patching builtins, or looking for the expected value in
+    the harness's frames, gains nothing."""
+    tests = ["assert abs(f(1) - 3.14159) < 1e-6", "assert sorted(f(2)) == [1, 2]",
+             "assert all(f(x) == y for x, y in [(3, 9), (4, 16)])"]
+    cheats = [
+        "import builtins\ndef abs(x): return 0\nbuiltins.abs = lambda x: 0\nbuiltins.sorted = lambda x: [1, 2]\n"
+        "builtins.all = lambda x: True\ndef f(x): return None",
+        "import sys\ndef f(x):\n    fr = sys._getframe(1)\n    while fr:\n"
+        "        for v in list(fr.f_locals.values()):\n"
+        "            if '16' in repr(v): return 16\n        fr = fr.f_back\n    return 9 if x == 3 else -1",
+    ]
+    verdicts = code_rewards.judge([f"```python\n{c}\n```" for c in cheats], test_list=[tests] * len(cheats))
+    assert [v.score for v in verdicts] == [0.0, 0.0], [v.reason for v in verdicts]
+    honest = "def f(x):\n    return 3.14159 if x == 1 else ([2, 1] if x == 2 else x * x)"
+    assert code_rewards.judge([f"```python\n{honest}\n```"], test_list=[tests])[0].score == 1.0
+    sent = repr([c.test.exprs for c in code_rewards.parse_tests(None, tests, None, honest)[0]])
+    assert "16" not in sent and "3.14159" not in sent and "sorted" not in sent
