@@ -38,7 +38,8 @@ class Progress:
 
     def note(self, text: str) -> None:
         """A line about the run (resuming, complete): printed, the bar stays."""
-        (self.bar.console if self.bar else self.console).print(text, highlight=False)
+        # (soft_wrap: a long line, a path, is never cut into pieces where no terminal is)
+        (self.bar.console if self.bar else self.console).print(text, highlight=False, markup=False, soft_wrap=True)
 
     def close(self) -> None:
         if self.bar:

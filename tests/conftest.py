@@ -33,6 +33,9 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 SERVER_FIXTURES = {"s3_endpoint", "bucket", "prefect_api", "s3_with_auth", "mlflow_server", "prefect_ui"}
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# `make drills` (RLFLOW_DRILL_TRIALS set) runs the drills at length; `make test` keeps to a small set (CI budget)
+AT_LENGTH = pytest.mark.skipif("RLFLOW_DRILL_TRIALS" not in os.environ,
+                               reason="make drills runs it (make test keeps to a small set: the CI budget)")
 # The checkout's own output folders (the demo's): tests write under their tmp_path, never here.
 CHECKOUT_OUTPUTS = [ROOT / "rlflow-runs", ROOT / "rlflow-store", ROOT / "mlflow.db", ROOT / "mlruns"]
 

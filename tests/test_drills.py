@@ -27,13 +27,12 @@ import pytest
 
 from tasks.core import layout
 from tasks.core.store import S3Store
-from tests.conftest import TINY, run_cli
+from tests.conftest import AT_LENGTH, TINY, run_cli
 from tests.s3_faults import FaultProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.drill]
 TRIALS = int(os.environ.get("RLFLOW_DRILL_TRIALS", "1"))
-FULL = "RLFLOW_DRILL_TRIALS" in os.environ           # make drills; make test runs the small set
-only_full = pytest.mark.skipif(not FULL, reason="make drills runs it (the CI budget keeps make test to the small set)")
+
 RATES = [float(r) for r in os.environ.get("RLFLOW_DRILL_RATES", "0.05").split(",")]
 ITERATIONS = 3
 STAGES = ("generate", "reward", "train", "publish")
@@ -90,7 +89,7 @@ def _stage_under_way(store: S3Store, name: str) -> str:
     return "end"
 
 
-@pytest.mark.parametrize("launcher", ["inline", pytest.param("local", marks=only_full)])
+@pytest.mark.parametrize("launcher", ["inline", pytest.param("local", marks=AT_LENGTH)])
 def test_random_kills_then_resume_equal_the_clean_run(prefect_api, s3_endpoint, tmp_path, clean, launcher):
     from tests.conftest import ROOT
 
@@ -151,7 +150,7 @@ def test_a_run_through_s3_faults_equals_the_clean_run(prefect_api, s3_endpoint, 
             proxy.close()
 
 
-@only_full
+@AT_LENGTH
 def test_two_runs_in_one_bucket_at_once(prefect_api, s3_endpoint, tmp_path, clean):
     bucket = _bucket(s3_endpoint)
     env = {**os.environ, "PREFECT_API_URL": prefect_api}

@@ -16,7 +16,7 @@ import pytest
 from tasks.core import layout
 from tasks.core.processes import descendants
 from tasks.core.store import MANIFEST, IncompleteArtifact, Store
-from tests.conftest import TINY, read_summary, run_cli
+from tests.conftest import AT_LENGTH, TINY, read_summary, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.drill]
 
@@ -59,7 +59,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-@pytest.mark.parametrize("staleness", [0, 1, 2])
+@pytest.mark.parametrize("staleness", [0, 1, pytest.param(2, marks=AT_LENGTH)])
 def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path, staleness):
     """Also with run.max_staleness S > 0, where generate and reward of later iterations run beside train: the
     rollouts a kill leaves of iterations ahead are reused, and every policy is the uninterrupted run's."""

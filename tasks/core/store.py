@@ -183,6 +183,9 @@ class Store:
         if source is None:
             raise IncompleteArtifact(f"{self.uri(src)}: incomplete artifact (no {MANIFEST})")
         files = {rel[len(prefix):]: entry for rel, entry in source["files"].items() if rel.startswith(prefix)}
+        if not self.remote:      # the copy shares the files (hard links): never pass a corrupt source on
+            for rel, entry in files.items():
+                _verify(self._p(f"{src}/{prefix}{rel}"), entry, src, f"{self.uri(src)}/{prefix}{rel}")
         staged = self._copy_files(src, dst, {rel: prefix + rel for rel in files})
         manifest = {"format": 1, "created": time.time(), "files": files, "meta": meta or {}}
         self._commit_folder(dst, staged, json.dumps(manifest, indent=1, sort_keys=True).encode())
