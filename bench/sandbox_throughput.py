@@ -70,15 +70,22 @@ def row(name: str) -> tuple[dict | None, list | None]:
 
 
 def through_sandbox(mix, isolation: str, workers: int, timeout: float) -> tuple[float, list[float]]:
-    cfg = SandboxConfig(isolation=isolation, workers=workers, timeout_seconds=timeout)
+    """isolation "bubblewrap-no-seccomp": bubblewrap without its syscall filter (what the filter costs)."""
+    cfg = SandboxConfig(isolation=isolation.split("-")[0], workers=workers, timeout_seconds=timeout)
     sandbox.configure(cfg)
-    sandbox.runner(cfg)                                       # probe outside the timing
+    runner = sandbox.runner(cfg)                               # probe outside the timing
+    program = runner.seccomp
+    if isolation.endswith("no-seccomp"):
+        runner.seccomp = None
     completions = [f"```python\n{code}\n```" for _, _, code in mix]
     rows = [row(name) for name, _, _ in mix]
-    t0 = time.perf_counter()
-    scores = code_rewards.code_reward(completions, verification_info=[r[0] for r in rows],
-                                      test_list=[r[1] for r in rows])
-    return time.perf_counter() - t0, scores
+    try:
+        t0 = time.perf_counter()
+        scores = code_rewards.code_reward(completions, verification_info=[r[0] for r in rows],
+                                          test_list=[r[1] for r in rows])
+        return time.perf_counter() - t0, scores
+    finally:
+        runner.seccomp = program
 
 
 def bare(mix, python: str, workers: int, timeout: float) -> tuple[float, list[float]]:
@@ -125,6 +132,8 @@ def main() -> None:
           f"{sum(m[1] == 'error' for m in mix)} runtime errors, {sum(m[1] == 'loop' for m in mix)} infinite loops; "
           f"3 tests each")
     paths = [p for p in ("bubblewrap", "rlimits") if _works(p)] + ["bare"]
+    if "bubblewrap" in paths and sandbox.runner(SandboxConfig(isolation="bubblewrap")).seccomp:
+        paths.insert(1, "bubblewrap-no-seccomp")
     rates: dict[str, list[float]] = {p: [] for p in paths}
     for repeat in range(args.repeats):
         for path in paths:
@@ -139,13 +148,16 @@ def main() -> None:
     for path in paths:
         print(f"{path:10s} honest {len(honest):4d} programs: median {median[path]:6.1f} programs/s "
               f"(rounds: {', '.join(f'{r:.1f}' for r in rates[path])})")
-    for path in paths[:-1]:
+    for path in [p for p in paths[:-1] if p != "bubblewrap-no-seccomp"]:
         seconds, scores = through_sandbox(mix, path, workers, args.timeout)
         print(f"{path:10s} mix    {len(mix):4d} programs in {seconds:6.2f} s = {len(mix) / seconds:6.1f} programs/s "
               f"(mean reward {sum(scores) / len(scores):.3f}; the loops alone cost "
               f"{sum(m[1] == 'loop' for m in mix) * args.timeout / workers:.0f} s)")
     for path in paths[:-1]:
         print(f"ratio bare / {path} (honest, medians): {median['bare'] / median[path]:.2f}x")
+    if "bubblewrap-no-seccomp" in median:
+        print(f"ratio bubblewrap without / with its seccomp filter (honest, medians): "
+              f"{median['bubblewrap-no-seccomp'] / median['bubblewrap']:.2f}x")
     if "bubblewrap" in median and "rlimits" in median:
         print(f"ratio rlimits / bubblewrap (honest, medians): {median['rlimits'] / median['bubblewrap']:.2f}x")
 

@@ -1,7 +1,8 @@
 """The standing drill suite: faults at random, and the result must equal a run that saw none.
 
-  - kills: the run's whole process group is SIGKILLed at a random moment, again and again, and restarted
-    until it completes (inline and local launchers; the stage under way is recorded);
+  - kills: the run's whole process group is SIGKILLed three times at random moments spread over the run
+    (start-up, or just after a random stage output appeared), restarted after each, then left to complete
+    (inline and local launchers; the stage under way at each kill is recorded);
   - S3 faults: the whole run talks to S3 through tests/s3_faults.py (errors, replies lost after S3 applied
     the request, resets, truncated bodies, delays) with a short lease, so that renewals meet faults too;
   - two runs of different names in one bucket at once.
@@ -89,8 +90,38 @@ def _stage_under_way(store: S3Store, name: str) -> str:
     return "end"
 
 
+OUTPUTS = [(stage, it) for it in range(1, ITERATIONS + 1) for stage in STAGES]     # in the order they are written
+KEY_OF = dict(zip(STAGES, (layout.rollouts, layout.rewards, layout.checkpoint, layout.policy), strict=True))
+
+
+def _kill_after(proc: subprocess.Popen, store: S3Store, target: int, rng: random.Random) -> str | None:
+    """SIGKILL the run's process group a random moment after output `target` appeared (-1: during start-up);
+    returns the stage that was under way, or None when the run ended first."""
+    if target < 0:
+        try:
+            proc.wait(timeout=rng.uniform(0.5, 6))
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+    else:
+        stage, it = OUTPUTS[target]
+        while store.manifest(KEY_OF[stage]("drill", it)) is None:
+            if proc.poll() is not None:
+                return None
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0, 1.5))
+        if proc.poll() is not None:
+            return None
+    under_way = "start-up" if target < 0 else _stage_under_way(store, "drill")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return under_way
+
+
 @pytest.mark.parametrize("launcher", ["inline", pytest.param("local", marks=AT_LENGTH)])
 def test_random_kills_then_resume_equal_the_clean_run(prefect_api, s3_endpoint, tmp_path, clean, launcher):
+    """Three kills a trial at random moments spread over the run (start-up, or just after a random stage
+    output appeared: in whatever runs then), restarting after each; then the run completes."""
     from tests.conftest import ROOT
 
     rng = random.Random(int(os.environ.get("RLFLOW_DRILL_SEED", "0")) * 1000 + (launcher == "local"))
@@ -100,25 +131,18 @@ def test_random_kills_then_resume_equal_the_clean_run(prefect_api, s3_endpoint, 
         store = S3Store(f"s3://{bucket}/runs", type("C", (), {"endpoint_url": s3_endpoint})())
         argv = [sys.executable, "-m", "flows.cli", *_args("drill", s3_endpoint, bucket, [
             "-o", f"launcher.mode={launcher}", "-o", f"launcher.recipes={ROOT / 'sky'}"])]
+        targets = sorted(rng.sample(range(-1, len(OUTPUTS) - 1), 3))
         kills: dict[str, int] = {}
-        for attempt in range(30):
-            cwd = tmp_path / f"t{trial}"
-            cwd.mkdir(exist_ok=True)
+        cwd = tmp_path / f"t{trial}"
+        cwd.mkdir()
+        for target in [*targets, None]:
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)
-            # after the first few kills, give it longer: the run must also get to finish
-            budget = rng.uniform(2, 12 if attempt < 4 else 60)
-            try:
-                _, err = proc.communicate(timeout=budget)
-                assert proc.returncode == 0, err[-2000:]
-                break
-            except subprocess.TimeoutExpired:
-                stage = _stage_under_way(store, "drill")
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+            if target is not None and (stage := _kill_after(proc, store, target, rng)) is not None:
                 kills[stage] = kills.get(stage, 0) + 1
-        else:
-            pytest.fail(f"trial {trial}: not done after 30 starts")
+                continue
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-2000:]
         assert _policies(store, "drill") == clean
         checked = _verify_all(store, "drill")
         _report(drill="kills", launcher=launcher, trial=trial, kills=kills, restarts=sum(kills.values()),
