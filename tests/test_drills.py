@@ -86,8 +86,8 @@ def _stage_under_way(store: S3Store, name: str) -> str:
         for stage, key in zip(STAGES, (layout.rollouts, layout.rewards, layout.checkpoint, layout.policy),
                               strict=True):
             if store.manifest(key(name, it)) is None:
-                return f"{stage}"
-    return "end"
+                return stage
+    return "finish"           # after the last policy: evaluate, the final checkpoint, teardown
 
 
 OUTPUTS = [(stage, it) for it in range(1, ITERATIONS + 1) for stage in STAGES]     # in the order they are written

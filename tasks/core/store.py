@@ -489,6 +489,38 @@ def _body_errors() -> tuple[type[BaseException], ...]:
             ProtocolError, ConnectionError)
 
 
+class _Resilient:
+    """A boto3 S3 client whose calls are tried again when the reply breaks off while its body is read (a reset,
+    a truncated body): botocore retries a request that fails, but raises such a read error from the call.
+    S3's operations here are idempotent (a conditional PUT answered 412 on the retry is the caller's to
+    read back: the lease does)."""
+
+    def __init__(self, client, errors: tuple[type[BaseException], ...]):
+        self._client, self._errors = client, errors
+        self.exceptions, self.meta = client.exceptions, client.meta
+
+    def get_paginator(self, name):
+        return self._client.get_paginator(name)
+
+    def __getattr__(self, name):
+        method = getattr(self._client, name)
+
+        def call(*args, **kwargs):
+            return _again(lambda: method(*args, **kwargs), self._errors)
+        return call
+
+
+def _again(fn, errors: tuple[type[BaseException], ...], attempts: int = READ_ATTEMPTS):
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except errors:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.1 * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
 class S3Store(Store):
     """S3 or any S3-compatible server. Large files go through boto3's transfer manager (multipart, parallel).
 
@@ -513,7 +545,7 @@ class S3Store(Store):
                                 config=BotoConfig(retries={"max_attempts": attempts, "mode": "standard"},
                                                   connect_timeout=10, max_pool_connections=32))
 
-        self.client = client(5)          # transient faults are retried with back-off
+        self.client = _Resilient(client(5), _body_errors())      # transient faults are retried with back-off
         self._probe = client(1)          # check(): a wrong endpoint should fail in seconds, not after retries
         chunk = (getattr(cfg, "multipart_chunk_mb", 16) or 16) << 20
         self.transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
@@ -574,18 +606,13 @@ class S3Store(Store):
     def read_tagged(self, key):
         """The object's bytes and ETag, (None, None) if there is none. botocore retries a request that fails,
         not a body that breaks off after the reply began (reset, truncated): those are read again here."""
-        for attempt in range(READ_ATTEMPTS):
+        def read():
             try:
                 obj = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
             except self.client.exceptions.NoSuchKey:
                 return None, None
-            try:
-                return obj["Body"].read(), obj["ETag"]
-            except self._body_errors:
-                if attempt == READ_ATTEMPTS - 1:
-                    raise
-                time.sleep(0.1 * 2 ** attempt)
-        raise AssertionError("unreachable")
+            return obj["Body"].read(), obj["ETag"]
+        return _again(read, self._body_errors)
 
     def write_if(self, key, data, tag):
         from botocore.exceptions import ClientError
@@ -623,18 +650,26 @@ class S3Store(Store):
     def _children(self, prefix):
         # One level, by the delimiter: a run's policy/ or trainer/ folder lists one row per version, not every
         # file of every version.
-        base, names = self._k(prefix), set()
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base,
-                                                                          Delimiter="/"):
-            names |= {p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", [])}
-        return names
+        base = self._k(prefix)
+
+        def listing():
+            names = set()
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base,
+                                                                              Delimiter="/"):
+                names |= {p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", [])}
+            return names
+        return _again(listing, self._body_errors)
 
     def _list(self, prefix):
-        out = []
         strip = len(self.prefix) + 1 if self.prefix else 0
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._k(prefix)):
-            out += [o["Key"][strip:] for o in page.get("Contents", [])]
-        return out
+
+        def listing():
+            out = []
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                              Prefix=self._k(prefix)):
+                out += [o["Key"][strip:] for o in page.get("Contents", [])]
+            return out
+        return _again(listing, self._body_errors)
 
 
 @functools.lru_cache(maxsize=8)
