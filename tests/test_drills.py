@@ -8,7 +8,8 @@
   - two runs of different names in one bucket at once.
 Every published policy must equal the clean run's bit for bit and every manifest in the bucket must verify.
 
-`make test` runs one trial of the inline kills and of 5% S3 faults; `make drills` runs every drill,
+`make test` runs one trial of 5% S3 faults (tests/test_resume.py's deterministic kills at S=0 run there too);
+`make drills` runs every drill,
 RLFLOW_DRILL_TRIALS of each (default there: 5), with S3 fault rates of 5% and 20%, and appends one JSON line
 per trial to RLFLOW_DRILL_REPORT (docs/reliability.md has the figures).
 """
@@ -118,7 +119,7 @@ def _kill_after(proc: subprocess.Popen, store: S3Store, target: int, rng: random
     return under_way
 
 
-@pytest.mark.parametrize("launcher", ["inline", pytest.param("local", marks=AT_LENGTH)])
+@pytest.mark.parametrize("launcher", [pytest.param("inline", marks=AT_LENGTH), pytest.param("local", marks=AT_LENGTH)])
 def test_random_kills_then_resume_equal_the_clean_run(prefect_api, s3_endpoint, tmp_path, clean, launcher):
     """Three kills a trial at random moments spread over the run (start-up, or just after a random stage
     output appeared: in whatever runs then), restarting after each; then the run completes."""
