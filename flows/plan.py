@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
@@ -76,7 +77,7 @@ def plan(cfg: Config, config_path: str) -> str:
         engine = {"generate": f"{cfg.generate.engine} engine", "evaluate": f"{cfg.generate.engine} engine",
                   "train": f"{cfg.train.engine} engine, device {cfg.train.device}"}.get(s, "")
         if mode == "sky":
-            recipe = yaml.safe_load(open(recipes[s])) or {}
+            recipe = yaml.safe_load(Path(recipes[s]).read_text()) or {}
             spot = "spot" if (recipe.get("resources") or {}).get("use_spot") else "on-demand"
             host = None if lc.managed_jobs else first_on.setdefault(sky.cluster(s), s)
             where = (f"sky managed job ({recipes[s]})" if lc.managed_jobs

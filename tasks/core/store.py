@@ -545,13 +545,13 @@ class S3Store(Store):
                                 config=BotoConfig(retries={"max_attempts": attempts, "mode": "standard"},
                                                   connect_timeout=10, max_pool_connections=32))
 
-        self.client = _Resilient(client(5), _body_errors())      # transient faults are retried with back-off
+        self._body_errors = _body_errors()
+        self.client = _Resilient(client(5), self._body_errors)    # transient faults are retried with back-off
         self._probe = client(1)          # check(): a wrong endpoint should fail in seconds, not after retries
         chunk = (getattr(cfg, "multipart_chunk_mb", 16) or 16) << 20
         self.transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
                                        max_concurrency=getattr(cfg, "max_concurrency", 8) or 8)
         self.endpoint = endpoint
-        self._body_errors = _body_errors()
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
