@@ -253,7 +253,9 @@ class Store:
         raw = self._get_bytes(f"{key}/{name}")
         want = manifest["files"].get(name)
         where = f"{self.uri(key)}/{name}"
-        if raw is None or want is None:
+        if want is None:
+            raise IncompleteArtifact(f"{where}: not in the folder's {MANIFEST}")
+        if raw is None:
             raise CorruptArtifact(key, f"{where}: missing (listed in {MANIFEST})")
         if len(raw) != want["size"] or hashlib.sha256(raw).hexdigest() != want["sha256"]:
             raise CorruptArtifact(key, f"{where}: does not match {MANIFEST} (truncated or altered)")
@@ -496,14 +498,14 @@ class _Resilient:
     read back: the lease does)."""
 
     def __init__(self, client, errors: tuple[type[BaseException], ...]):
-        self._client, self._errors = client, errors
+        self.raw, self._errors = client, errors          # raw: for a caller that retries a wider step itself
         self.exceptions, self.meta = client.exceptions, client.meta
 
     def get_paginator(self, name):
-        return self._client.get_paginator(name)
+        return self.raw.get_paginator(name)
 
     def __getattr__(self, name):
-        method = getattr(self._client, name)
+        method = getattr(self.raw, name)
 
         def call(*args, **kwargs):
             return _again(lambda: method(*args, **kwargs), self._errors)
@@ -606,9 +608,9 @@ class S3Store(Store):
     def read_tagged(self, key):
         """The object's bytes and ETag, (None, None) if there is none. botocore retries a request that fails,
         not a body that breaks off after the reply began (reset, truncated): those are read again here."""
-        def read():
+        def read():        # the call and its body, retried together (one layer: the raw client)
             try:
-                obj = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
+                obj = self.client.raw.get_object(Bucket=self.bucket, Key=self._k(key))
             except self.client.exceptions.NoSuchKey:
                 return None, None
             return obj["Body"].read(), obj["ETag"]
