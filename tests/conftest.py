@@ -218,6 +218,18 @@ def run_cli(args: list[str], cwd: Path, prefect_api: str, timeout: int = 300, **
                           text=True, timeout=timeout, **popen)
 
 
+def run_cli_many(calls: list[tuple[list[str], Path]], prefect_api: str,
+                 timeout: int = 900) -> list[subprocess.CompletedProcess]:
+    """run_cli for many command lines at once: each is a fork of one process that imported the CLI's modules
+    (tests/cli_forks.py), so each costs what the command does, not ~8 s of imports."""
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    out = subprocess.run([sys.executable, "-m", "tests.cli_forks"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=timeout, input=json.dumps([{"args": a, "cwd": str(c)} for a, c in calls]))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [subprocess.CompletedProcess(a, r["rc"], r["stdout"], r["stderr"])
+            for (a, _), r in zip(calls, json.loads(out.stdout))]
+
+
 def s3_overrides(endpoint: str, bucket: str) -> list[str]:
     return ["-o", f"store.uri=s3://{bucket}/runs", "-o", f"store.endpoint_url={endpoint}"]
 

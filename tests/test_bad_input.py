@@ -13,7 +13,7 @@ import pytest
 
 from tasks.core.config import load_config
 from tasks.core.errors import UserError
-from tests.conftest import TINY, run_cli, s3_overrides
+from tests.conftest import TINY, run_cli, run_cli_many, s3_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -155,18 +155,15 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
 
 
 def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_path):
-    from concurrent.futures import ThreadPoolExecutor
-
     cases = _cases(tmp_path)
     # Each case in its own working directory, so a store written by one case is seen as that case's failure;
-    # three CLI processes at a time (they spend most of their time importing).
+    # each a fork of one process that imported the CLI (run_cli_many), two at a time.
     for name in cases:
         (tmp_path / "cwd" / name).mkdir(parents=True)
         for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py"):
             (tmp_path / "cwd" / name / module).write_text((tmp_path / module).read_text())
-    with ThreadPoolExecutor(3) as pool:
-        outs = dict(zip(cases, pool.map(lambda item: run_cli(item[1][0], tmp_path / "cwd" / item[0], prefect_api),
-                                        cases.items())))
+    outs = dict(zip(cases, run_cli_many([(args, tmp_path / "cwd" / name) for name, (args, _) in cases.items()],
+                                        prefect_api)))
     failures = []
     for name, (_, expected) in cases.items():
         out = outs[name]
