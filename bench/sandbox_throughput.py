@@ -70,8 +70,10 @@ def row(name: str) -> tuple[dict | None, list | None]:
 
 
 def through_sandbox(mix, isolation: str, workers: int, timeout: float) -> tuple[float, list[float]]:
-    """isolation "bubblewrap-no-seccomp": bubblewrap without its syscall filter (what the filter costs)."""
-    cfg = SandboxConfig(isolation=isolation.split("-")[0], workers=workers, timeout_seconds=timeout)
+    """isolation "bubblewrap-no-seccomp": bubblewrap without its syscall filter (what the filter costs);
+    "bubblewrap-no-cgroup": without a cgroup per sandbox (what the cgroup costs)."""
+    cfg = SandboxConfig(isolation=isolation.split("-")[0], workers=workers, timeout_seconds=timeout,
+                        cgroup="off" if isolation.endswith("no-cgroup") else "auto")
     sandbox.configure(cfg)
     runner = sandbox.runner(cfg)                               # probe outside the timing
     program = runner.seccomp
@@ -134,6 +136,10 @@ def main() -> None:
     paths = [p for p in ("bubblewrap", "rlimits") if _works(p)] + ["bare"]
     if "bubblewrap" in paths and sandbox.runner(SandboxConfig(isolation="bubblewrap")).seccomp:
         paths.insert(1, "bubblewrap-no-seccomp")
+    probe = sandbox.runner(SandboxConfig(isolation="bubblewrap")) if "bubblewrap" in paths else None
+    if probe is not None and probe._cgroup(0, probe._uid(0) if os.geteuid() == 0 else None) is not None:
+        paths.insert(1, "bubblewrap-no-cgroup")
+    variants = ("bubblewrap-no-seccomp", "bubblewrap-no-cgroup")
     rates: dict[str, list[float]] = {p: [] for p in paths}
     for repeat in range(args.repeats):
         for path in paths:
@@ -148,7 +154,7 @@ def main() -> None:
     for path in paths:
         print(f"{path:10s} honest {len(honest):4d} programs: median {median[path]:6.1f} programs/s "
               f"(rounds: {', '.join(f'{r:.1f}' for r in rates[path])})")
-    for path in [p for p in paths[:-1] if p != "bubblewrap-no-seccomp"]:
+    for path in [p for p in paths[:-1] if p not in variants]:
         seconds, scores = through_sandbox(mix, path, workers, args.timeout)
         print(f"{path:10s} mix    {len(mix):4d} programs in {seconds:6.2f} s = {len(mix) / seconds:6.1f} programs/s "
               f"(mean reward {sum(scores) / len(scores):.3f}; the loops alone cost "
@@ -158,6 +164,9 @@ def main() -> None:
     if "bubblewrap-no-seccomp" in median:
         print(f"ratio bubblewrap without / with its seccomp filter (honest, medians): "
               f"{median['bubblewrap-no-seccomp'] / median['bubblewrap']:.2f}x")
+    if "bubblewrap-no-cgroup" in median:
+        print(f"ratio bubblewrap without / with its cgroup (honest, medians): "
+              f"{median['bubblewrap-no-cgroup'] / median['bubblewrap']:.2f}x")
     if "bubblewrap" in median and "rlimits" in median:
         print(f"ratio rlimits / bubblewrap (honest, medians): {median['rlimits'] / median['bubblewrap']:.2f}x")
 

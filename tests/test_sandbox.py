@@ -779,3 +779,72 @@ def test_the_code_cannot_change_how_an_assert_is_computed(quick_sandbox):
     assert code_rewards.judge([f"```python\n{honest}\n```"], test_list=[tests])[0].score == 1.0
     sent = repr([c.test.exprs for c in code_rewards.parse_tests(None, tests, None, honest)[0]])
     assert "16" not in sent and "3.14159" not in sent and "sorted" not in sent
+
+
+SHARE_MEMORY = """
+import os
+kids = []
+for i in range(4):                      # 4 x 150 MiB: each under memory_mb (256), together over the sandbox's
+    pid = os.fork()
+    if pid == 0:
+        b = bytearray(150 * 2**20)
+        for j in range(0, len(b), 4096):
+            b[j] = 1
+        import time
+        time.sleep(0.3)
+        os._exit(0)
+    kids.append(pid)
+print(sorted(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids))
+"""
+
+SPIN_TWO = """
+import os, time
+kids = []
+for i in range(2):                      # two processes spinning for 1 s of wall clock each
+    pid = os.fork()
+    if pid == 0:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            pass
+        os._exit(0)
+    kids.append(pid)
+for k in kids:
+    os.waitpid(k, 0)
+t = os.times()
+print(round(t.children_user + t.children_system, 2))
+"""
+
+
+@pytest.mark.bubblewrap
+def test_a_cgroup_bounds_the_sandbox_as_a_whole_and_its_init_has_the_limits():
+    """Processes that each stay under memory_mb but together pass the sandbox's memory are killed by the kernel
+    (they are not without the cgroup); the cpus quota holds two spinning processes to half a CPU; pid 1 in the
+    sandbox is the harness, with the sandbox's limits (bwrap's own init, unlimited, is gone); nothing is
+    left in the cgroup after a daemon."""
+    def make(**kw) -> sandbox.Runner:
+        return sandbox.Runner("bubblewrap", sandbox.resolve_python(None),
+                              sandbox.Limits.of(SandboxConfig(**{**TEST_LIMITS, **kw})), 1, shutil.which("bwrap"),
+                              sandbox._interpreter_binds(sandbox.resolve_python(None)),
+                              seccomp=sandbox.syscall_filter()[0])
+
+    limited, unlimited = make(cpus=0.5), make(cgroup="off", cpus=0.5)
+    if limited._cgroup(0, limited._uid(0) if IS_ROOT else None) is None:
+        pytest.skip(f"no cgroup here: {limited.why_no_cgroup}")
+    run = limited.run(SHARE_MEMORY, [sandbox.Test(stdin="")])
+    assert "-9" in run.tests[0].stdout, run           # killed for the sandbox's memory
+    assert unlimited.run(SHARE_MEMORY, [sandbox.Test(stdin="")]).tests[0].stdout.strip() == "[0, 0, 0, 0]"
+
+    cpu = float(limited.run(SPIN_TWO, [sandbox.Test(stdin="")]).tests[0].stdout)
+    assert cpu < 0.85, cpu                             # 0.5 CPU for ~1 s (2.0 without the quota on 2 cores)
+
+    probe = "print(open('/proc/1/cmdline').read().split(chr(0))[-2])\nprint(open('/proc/1/limits').read())"
+    out = limited.run(probe, [sandbox.Test(stdin="")]).tests[0].stdout
+    assert out.startswith(f"{sandbox.MARKER}\n"), out     # pid 1 is the harness
+    limits = {line[:26].strip(): line[26:].split()[:2] for line in out.splitlines()[1:] if line.startswith("Max")}
+    assert limits["Max address space"] == [str(256 << 20)] * 2, limits
+    assert limits["Max processes"][1] != "unlimited" and limits["Max core file size"] == ["0", "0"], limits
+
+    run = limited.run(f"import os\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/usr/bin/sleep', ['sleep', "
+                      f"'{DAEMON_MARK}'])", [sandbox.Test(stdin="")])
+    assert run.tests[0].ran and limited._cgroups[0].pids() == []
+    assert not [p for p in leftovers() if DAEMON_MARK in p]

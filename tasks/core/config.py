@@ -152,6 +152,13 @@ class SandboxConfig(Section):
     tmpfs_mb: int = Field(64, ge=1, le=65536, description="Size of the private /tmp, the only writable place "
                           "(bubblewrap; MiB).")
     workers: int = Field(0, ge=0, le=256, description="Sandboxes run in parallel; 0 = os.cpu_count().")
+    cpus: float = Field(1.0, ge=0, le=256, description="CPU quota of each sandbox, all its processes together "
+                        "(its cgroup's cpu.max / cfs quota); 0 = no quota.")
+    cgroup: Literal["auto", "required", "off"] = Field(
+        "auto", description="A cgroup per sandbox: one memory limit for all its processes, kernel memory and "
+        "tmpfs included (memory_mb + 2 x tmpfs_mb + 64 MiB), pids.max, the cpus quota, and killing by cgroup. "
+        "auto: where the host allows (root, or a delegated cgroup v2), else a warning; required: an error "
+        "where it does not; off: none.")
     uid_range: tuple[int, int] = Field(
         (1_900_000_000, 65_536), description="As root, each sandbox slot runs under a uid of its own from "
         "[first, first + count), claimed with a lock file (/run/lock/rlflow-sandbox-uids) for the process's "

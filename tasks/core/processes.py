@@ -169,3 +169,19 @@ def descendants(pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def kill_until_gone(find: Callable[[], list[int]], deadline: float, pause: float = 0.001) -> bool:
+    """SIGKILL every pid `find()` returns, round after round, until it returns none (True) or the monotonic
+    `deadline` passes (False). What a killed process forks meanwhile is caught by a later round; a limit on
+    processes (RLIMIT_NPROC, pids.max) bounds how many rounds that takes."""
+    while pids := find():
+        if time.monotonic() > deadline:
+            return False
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(pause)
+    return True

@@ -472,6 +472,8 @@ def explain_failure(t: sandbox.TestRun) -> str | None:
         return "output limit"
     if t.timed_out:
         return "timeout"
+    if t.memory_limit:
+        return "memory limit"
     if t.signal is not None:
         name = {signal.SIGXCPU: "cpu limit", signal.SIGXFSZ: "file size limit", signal.SIGKILL: "killed"}
         return name.get(t.signal, f"crashed ({_signal_name(t.signal)})")

@@ -198,6 +198,11 @@ def reap():
 
 def limit(lim):
     mb = 1 << 20
+    try:    # over the sandbox's memory (its cgroup), the kernel kills the code's processes first, not us
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu"], lim["cpu"] + 1))      # SIGXCPU, then SIGKILL
     resource.setrlimit(resource.RLIMIT_AS, (lim["memory_mb"] * mb,) * 2)

@@ -32,6 +32,7 @@ model.
 
 from __future__ import annotations
 
+import atexit
 import binascii
 import logging
 import marshal
@@ -51,7 +52,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core.errors import UserError
-from tasks.core.processes import kill_group
+from tasks.core.processes import kill_group, kill_until_gone
+from tasks.scoring.cgroups import Cgroup, Spawner
 
 if TYPE_CHECKING:
     from tasks.core.config import SandboxConfig
@@ -63,6 +65,7 @@ MARKER = "rlflow-sandbox"     # argv[1] of every harness (and of its forked chil
 _STDERR_KEEP = 8192           # bytes of the sandbox's own stderr kept for error messages (bwrap, harness)
 _MAX_WORKERS = 256
 DEFAULT_UID_RANGE = (1_900_000_000, 65_536)   # reward.sandbox.uid_range: sandbox uids when we are root
+_CGROUP_OVERHEAD_MB = 64      # a sandbox's cgroup: memory_mb + its tmpfs + this (bwrap, its pid 1, the harness)
 
 
 @dataclass
@@ -86,6 +89,7 @@ class TestRun:
     timed_out: bool = False
     output_limit: bool = False
     values: list[tuple[str, str]] | None = None
+    memory_limit: bool = False       # killed by the kernel for the sandbox's memory (its cgroup)
 
 
 @dataclass
@@ -108,6 +112,8 @@ class Limits:
     max_open_files: int = 64
     max_output_kb: int = 256
     tmpfs_mb: int = 64
+    cpus: float = 1.0
+    cgroup: str = "auto"
 
     @classmethod
     def of(cls, cfg: SandboxConfig) -> Limits:
@@ -132,10 +138,15 @@ class Runner:
         self.isolation, self.python, self.limits, self.bwrap, self.binds = isolation, python, limits, bwrap, binds
         self.seccomp = seccomp if isolation == "bubblewrap" else None     # a BPF program (syscall_filter.py)
         self.disable_userns = bwrap is not None and _bwrap_has(bwrap, "--disable-userns")
+        self.as_pid_1 = bwrap is not None and _bwrap_has(bwrap, "--as-pid-1")
         self.why_not_bubblewrap = ""
         self.workers = max(1, min(workers or os.cpu_count() or 1, _MAX_WORKERS))
         self.uid_range = uid_range
         self._uids: dict[int, int] = {}               # slot -> the uid this process claimed for it
+        self._cgroups: dict[int, Cgroup | None] = {}  # slot -> its cgroup (tasks/scoring/cgroups.py), if any
+        self._spawners: dict[int, Spawner | None] = {}  # slot -> the thread that forks into it (cgroup v1)
+        self.why_no_cgroup = "reward.sandbox.cgroup is off" if limits.cgroup == "off" else ""
+        self.prlimit = shutil.which("prlimit")         # (util-linux) the limits of bwrap and its pid 1
         self._slots: queue.Queue[int] = queue.Queue()
         for slot in range(self.workers):
             self._slots.put(slot)
@@ -170,12 +181,20 @@ class Runner:
             "tests": [{"stdin": t.stdin, "exprs": t.exprs} for t in tests],
             "limits": self._child_limits(uid)}, 4)
         proc = None
+        cgroup = self._cgroup(slot, uid)
+        spawner = self._spawners.get(slot)
+        joins = cgroup.open_procs() if cgroup is not None and spawner is None else []
+        ooms = cgroup.oom_kills() if cgroup is not None else 0
         try:
-            proc = subprocess.Popen(
-                self._command(filter_fd), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                pass_fds=(chan_w,) + ((filter_fd,) if filter_fd is not None else ()), start_new_session=True,
-                close_fds=True, env=_clean_env(workdir),
-                cwd=workdir or "/", **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}))
+            def spawn() -> subprocess.Popen:
+                return subprocess.Popen(
+                    self._command(filter_fd, uid), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE, pass_fds=(chan_w,) + ((filter_fd,) if filter_fd is not None else ()),
+                    start_new_session=True, close_fds=True, env=_clean_env(workdir), cwd=workdir or "/",
+                    preexec_fn=Cgroup.joiner(joins) if joins else None,   # v2: in its cgroup before it execs
+                    **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}))
+
+            proc = spawner.call(spawn) if spawner is not None else spawn()   # v1: born in the cgroup
             os.close(chan_w)
             chan_w = None
             if filter_fd is not None:
@@ -189,8 +208,13 @@ class Runner:
                     proc.wait(timeout=1.0)
                 except subprocess.TimeoutExpired:
                     pass
-            return _assemble(self.isolation, tests, chan, stderr, timed_out, over, time.monotonic() - t0)
+            run = _assemble(self.isolation, tests, chan, stderr, timed_out, over, time.monotonic() - t0)
+            if cgroup is not None and cgroup.oom_kills() > ooms:
+                _memory_limit(run)
+            return run
         finally:
+            for fd in joins:
+                os.close(fd)
             if chan_w is not None:
                 os.close(chan_w)
             if filter_fd is not None:
@@ -198,8 +222,10 @@ class Runner:
             os.close(chan_r)
             if proc is not None:
                 kill_group(proc)
-            if uid is not None:
-                sweep_uid(uid)
+            if cgroup is not None and not cgroup.kill():
+                log.warning("code sandbox: processes of %s survived SIGKILL for 5 s", cgroup.dirs)
+            if uid is not None and not (cgroup is not None and self.isolation == "bubblewrap"):
+                sweep_uid(uid, processes=cgroup is None)     # (a cgroup's kill found every process)
             if workdir is not None:
                 _remove_tree(workdir)
 
@@ -208,30 +234,85 @@ class Runner:
             self._uids[slot] = claim_uid(*self.uid_range)
         return self._uids[slot]
 
+    def _cgroup(self, slot: int, uid: int | None) -> Cgroup | None:
+        """The slot's cgroup, made on first use (None where the host allows none: why_no_cgroup says why)."""
+        if self.limits.cgroup == "off":
+            return None
+        if slot not in self._cgroups:
+            lim = self.limits
+            tmpfs = 2 * lim.tmpfs_mb if self.isolation == "bubblewrap" else 0      # /tmp and /dev/shm
+            name = f"rlflow-sandbox-{uid}" if uid is not None else f"rlflow-sandbox-p{os.getpid()}-{slot}"
+            made, why = Cgroup.make(name, (lim.memory_mb + tmpfs + _CGROUP_OVERHEAD_MB) << 20,
+                                    lim.max_processes + 3, lim.cpus)      # + bwrap, the harness, a spawner
+            if made is not None:
+                try:
+                    self._spawners[slot] = made.spawner()
+                except OSError as e:
+                    made.remove()
+                    made, why = None, f"cannot place a thread in it: {e.strerror or e}"
+            if made is None:
+                if self.limits.cgroup == "required":
+                    raise UserError(f"reward.sandbox.cgroup: required, but no cgroup can be made here ({why}); "
+                                    f"run as root or under a delegated cgroup, or set auto")
+                if not self.why_no_cgroup:
+                    log.warning("code sandbox: no cgroup per sandbox (%s): memory is bounded per process only, "
+                                "and leftovers are found by uid. See docs/sandbox.md.", why)
+                self.why_no_cgroup = why
+            else:
+                atexit.register(made.remove)
+            self._cgroups[slot] = made
+        return self._cgroups[slot]
+
     def _child_limits(self, uid: int | None) -> dict:
         lim = self.limits
-        processes = lim.max_processes + 2             # + the harness and bwrap's pid 1
+        processes = lim.max_processes + 2             # + the harness and bwrap
         if uid is None and not (self.isolation == "bubblewrap" and _nproc_counts_per_userns()):
             processes += _count_processes(os.getuid())  # our own uid: RLIMIT_NPROC counts all our processes
         return {"cpu": lim.cpu_seconds, "memory_mb": lim.memory_mb, "file_size_mb": lim.file_size_mb,
                 "open_files": lim.max_open_files, "processes": processes, "output": lim.max_output_kb * 1024}
 
-    def _command(self, filter_fd: int | None = None) -> list[str]:
+    def _command(self, filter_fd: int | None = None, uid: int | None = None) -> list[str]:
         harness = [self.python, "-I", "-c", HARNESS, MARKER]
-        if self.isolation != "bubblewrap":
-            return harness
-        seccomp = ["--seccomp", str(filter_fd)] if filter_fd is not None else []
-        return [self.bwrap, *bwrap_args(self.limits.tmpfs_mb, self.binds, self.disable_userns), *seccomp, "--",
-                *harness]
+        if self.isolation == "bubblewrap":
+            seccomp = ["--seccomp", str(filter_fd)] if filter_fd is not None else []
+            harness = [self.bwrap, *bwrap_args(self.limits.tmpfs_mb, self.binds, self.disable_userns, self.as_pid_1),
+                       *seccomp,
+                       "--", *harness]
+        return self._outer_limits(uid) + harness
+
+    def _outer_limits(self, uid: int | None) -> list[str]:
+        """prlimit: the limits every process of the sandbox starts with, bwrap and its pid 1 (which runs as the
+        code's uid) and the harness included; the harness lowers them further for each test's process (so
+        none is below the tests' own). The CPU limit is the wall clock's (one thread cannot use more), the
+        others the tests' own or a floor bwrap and the harness need."""
+        if self.prlimit is None:
+            return []
+        lim, mb = self.limits, 1 << 20
+        return [self.prlimit, "--core=0", f"--cpu={max(int(lim.timeout_seconds + GRACE_SECONDS), lim.cpu_seconds) + 1}",
+                f"--as={max(lim.memory_mb, 256) * mb}", f"--fsize={lim.file_size_mb * mb}",
+                f"--nofile={max(lim.max_open_files, 64)}", f"--nproc={self._child_limits(uid)['processes'] + 1}",
+                "--"]
 
 
-def bwrap_args(tmpfs_mb: int, binds: tuple[str, ...] = (), disable_userns: bool = True) -> list[str]:
+def _memory_limit(run: Run) -> None:
+    """The kernel killed processes of this sandbox for its cgroup's memory: the tests it killed say so."""
+    for t in run.tests:
+        if t.signal == signal.SIGKILL and not t.timed_out:
+            t.memory_limit = True
+    if run.error and run.error.startswith("its harness was killed"):
+        run.error = "its harness was killed: the sandbox's memory limit (cgroup)"
+
+
+def bwrap_args(tmpfs_mb: int, binds: tuple[str, ...] = (), disable_userns: bool = True,
+               as_pid_1: bool = True) -> list[str]:
     """Namespaces and mounts: /usr (and the interpreter's own prefix) read-only, a sized tmpfs at /tmp, the
     rest of / an empty read-only tmpfs: no /etc, /home, /root, project dir or store."""
     args = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--uid", "65534",
             "--gid", "65534", "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
     if disable_userns:          # bwrap >= 0.8: no nested user namespaces (less kernel surface to attack)
         args.append("--disable-userns")
+    if as_pid_1:    # bwrap >= 0.5: the harness is pid 1 (it reaps); no init of bwrap's, which ran as the code's
+        args.append("--as-pid-1")     # uid, dumpable, and outlived the sandbox as the host init's zombie
     for top in ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"):
         if os.path.islink(top):
             args += ["--symlink", os.readlink(top), top]          # merged-/usr systems: /lib -> usr/lib
@@ -433,19 +514,12 @@ def _nproc_counts_per_userns() -> bool:
     return (major, minor) >= (5, 14)
 
 
-def sweep_uid(uid: int) -> None:
+def sweep_uid(uid: int, processes: bool = True) -> None:
     """Kill every process left under a sandbox uid (a daemon that called setsid() left our process group).
-    Rounds until none is left: RLIMIT_NPROC bounds how many can appear while we kill."""
-    for _ in range(50):
-        pids = find_processes(uid)
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.005)
+    Rounds until none is left: RLIMIT_NPROC bounds how many can appear while we kill. Then remove the files
+    it left in world-writable places."""
+    if processes:
+        kill_until_gone(lambda: find_processes(uid), time.monotonic() + 0.25, pause=0.005)
     for tmp in ("/tmp", "/var/tmp", "/dev/shm"):     # rlimits mode: files it left in world-writable places
         try:
             entries = list(os.scandir(tmp))
@@ -652,3 +726,5 @@ if __name__ == "__main__":
     r = runner()
     print(f"isolation: {r.isolation}  python: {r.python}  workers: {r.workers}  root: {os.geteuid() == 0}"
           + (f"  (not bubblewrap: {r.why_not_bubblewrap})" if r.why_not_bubblewrap else ""))
+    cg = r._cgroup(0, r._uid(0) if os.geteuid() == 0 else None)
+    print(f"cgroup per sandbox: {' '.join(map(str, cg.dirs.values())) if cg else 'none (' + r.why_no_cgroup + ')'}")
