@@ -26,8 +26,10 @@ the code, although it runs as the same user, cannot read its memory or reach its
 back only what happened (stdout, exit status, the values of expressions) on a pipe of its own; verdicts are
 made by the caller on the host, and expected outputs never enter the sandbox (tasks/rewards/code.py).
 Everything a test started is killed before the next one; the host kills the whole sandbox at the wall
-clock (`timeout_seconds` + 2 s of grace) and then sweeps the sandbox uid. docs/sandbox.md has the threat
-model.
+clock (`timeout_seconds` + 2 s of grace), then everything in the slot's cgroup (tasks/scoring/cgroups.py:
+one memory limit for all the sandbox's processes, pids, a CPU quota) or, where the host allows no cgroup,
+sweeps the sandbox uid. Under bubblewrap the harness is the sandbox's pid 1; bwrap and it start under the
+sandbox's rlimits (prlimit). docs/sandbox.md has the threat model.
 """
 
 from __future__ import annotations
