@@ -180,6 +180,10 @@ def preflight(cfg: Config) -> None:
     datasets = [load_prompts(cfg)] + ([load_prompts(cfg, split="eval")] if cfg.eval.every else [])
     # every split's rows reach the reward functions: only the columns all of them have count
     load_functions(cfg, columns=set.intersection(*(set(ds.column_names) for ds in datasets)) - {cfg.data.prompt_column})
+    if cfg.env.factory:
+        from tasks.envs.protocol import factory_of
+
+        factory_of(cfg)                 # env.factory cannot be imported: one line, exit 2
     path = base_path(cfg)
     tokenizer = load_tokenizer(path)
     chat = cfg.data.system_prompt is not None or any(isinstance(ds[0][cfg.data.prompt_column], list) for ds in datasets)

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 from tasks.core import data, layout, rollout
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
-from tasks.engines.sampling import SamplingParams, sample_rollouts
+from tasks.engines.sampling import SamplingParams
+from tasks.envs.episodes import sample
 from tasks.scoring.functions import load_functions, score_records
 from tasks.scoring.worker import RewardState
 
@@ -55,7 +56,7 @@ def evaluate(cfg: Config, iteration: int) -> dict:
     key = layout.evaluation(cfg.run.name, iteration)
     policy = layout.policy(cfg.run.name, iteration)
     pm = require_input(store, policy, iteration, "published policy", "publish")
-    fp = fingerprint(cfg, ("eval", "reward", "data"), iteration=iteration,
+    fp = fingerprint(cfg, ("eval", "reward", "data", *cfg.env_sections()), iteration=iteration,
                      policy=sorted((k, v["sha256"]) for k, v in pm["files"].items()))
     done = reuse(store, key, fp)
     if done is None:
@@ -63,7 +64,7 @@ def evaluate(cfg: Config, iteration: int) -> dict:
         functions = load_functions(cfg)
         ds = data.load_prompts(cfg, split="eval")
         rows = list(range(min(ec.max_prompts, len(ds))))
-        records, _ = sample_rollouts(cfg, ds, rows, policy, SamplingParams(
+        records, _ = sample(cfg, ds, rows, policy, SamplingParams(
             n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
             temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
             seed=cfg.run.seed * 1_000_003 + 500_000_000 + iteration))

@@ -8,7 +8,8 @@ before iteration S+2; tasks/core/layout.py: behaviour_policy), and the dataset; 
 refused (the version check): which policy sampled an iteration never depends on who asked or when.
 Idempotent: if that folder is complete and was made from the same inputs, it is returned as is.
 The engine (`generate.engine` / `generate.mode`, tasks/engines/sampling.py's factory) is hf (transformers, in
-this process) or vllm, offline (a vllm.LLM per stage run) or as a server kept alive across iterations.
+this process) or vllm, offline (a vllm.LLM per stage run) or as a server kept alive across iterations. With
+env.factory each rollout is a multi-turn episode against an environment (tasks/envs/episodes.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from tasks.core import data, layout, rollout
 from tasks.core.errors import UserError
 from tasks.core.stage import fingerprint, result, reuse, stage_cli
 from tasks.core.store import open_store
-from tasks.engines.sampling import SamplingParams, sample_rollouts
+from tasks.engines.sampling import SamplingParams
+from tasks.envs.episodes import episode_metrics, sample
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -41,7 +43,7 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
     policy = scheduled
     store = open_store(cfg)
     key = layout.rollouts(cfg.run.name, iteration)
-    fp = fingerprint(cfg, ("model", "data", "generate"), iteration=iteration, policy=policy)
+    fp = fingerprint(cfg, ("model", "data", "generate", *cfg.env_sections()), iteration=iteration, policy=policy)
     if (done := reuse(store, key, fp)) is not None:
         return done
 
@@ -50,7 +52,7 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
     ds = data.load_prompts(cfg)
     start = data.cursor(iteration, gc.prompts_per_iteration)
     rows = data.indices(len(ds), cfg.run.seed, start, gc.prompts_per_iteration, cfg.data.shuffle)
-    records, sampled = sample_rollouts(cfg, ds, rows, policy, SamplingParams(
+    records, sampled = sample(cfg, ds, rows, policy, SamplingParams(
         n=gc.num_generations, max_new_tokens=gc.max_completion_length, temperature=gc.temperature, top_p=gc.top_p,
         seed=cfg.run.seed * 1_000_003 + iteration))
 
@@ -64,6 +66,8 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
         "generate/seconds": time.perf_counter() - t0,
         "generate/staleness": iteration - 1 - layout.version_of(policy),   # updates the sampler is behind
     }
+    if cfg.env.factory:
+        metrics.update(episode_metrics(records))
     with tempfile.TemporaryDirectory(prefix="rlflow-generate-") as tmp:
         rollout.write(records, Path(tmp))
         manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "metrics": metrics, "policy": policy,

@@ -38,7 +38,8 @@ def reward(cfg: Config, iteration: int) -> dict:
     key = layout.rewards(cfg.run.name, iteration)
     src = layout.rollouts(cfg.run.name, iteration)
     src_manifest = require_input(store, src, iteration, "rollouts", "generate")
-    fp = fingerprint(cfg, ("reward",), iteration=iteration, rollouts=src_manifest["files"][rollout.FILE]["sha256"])
+    fp = fingerprint(cfg, ("reward", *cfg.env_sections()), iteration=iteration,
+                     rollouts=src_manifest["files"][rollout.FILE]["sha256"])
     if (done := reuse(store, key, fp)) is not None:
         return {**done, "samples": store.manifest(key)["meta"].get("samples", [])}
 

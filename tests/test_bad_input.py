@@ -106,7 +106,11 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                           "reward.functions.0.weight"),
         "duplicate reward names": (["run", str(TINY), "-o", f'reward.functions=[{{"fn": "{demo}"}}, {{"fn": "{demo}"}}]'],
                                    "reward.functions: two functions share a name"),
-        "no reward functions": (["run", str(TINY), "-o", "reward.functions=[]"], "reward.functions"),
+        "no reward functions": (["run", str(TINY), "-o", "reward.functions=[]"], "config: reward.functions: at "
+                                "least one reward function is needed (or an env.factory"),
+        "environment module missing": (["run", str(TINY), "-o", "env.factory=nosuchenv:Game"],
+                                       "env.factory: cannot import module 'nosuchenv'"),
+        "environment factory syntax": (["run", str(TINY), "-o", "env.factory=no colon"], "env.factory"),
         "bad reward timeout": (["run", str(TINY), "-o", "reward.timeout_seconds=0"], "reward.timeout_seconds"),
         # data
         "missing data file": (["run", str(TINY), "-o", f"data.path={tmp}/missing.jsonl"], "data.path"),

@@ -73,6 +73,7 @@ def test_nothing_under_tasks_imports_flows():
     ("tasks/core", ("tasks.core",)),                               # the bottom layer
     ("tasks/engines", ("tasks.core", "tasks.algorithms", "tasks.engines")),
     ("tasks/scoring", ("tasks.core", "tasks.scoring")),
+    ("tasks/envs", ("tasks.core", "tasks.engines", "tasks.envs")),
     ("tasks/rewards", ("tasks.core", "tasks.scoring", "tasks.rewards")),
 ])
 def test_layers_import_only_what_is_below_them(folder, may_use):

@@ -71,6 +71,9 @@ def prepare_batches(records: list[Rollout], advantages: torch.Tensor, pad_token_
         width = mask.shape[1]
         behaviour = torch.tensor([list(r.logprobs) + [0.0] * (width - len(r.logprobs)) for r in chunk],
                                  dtype=torch.float32)
+        if any(r.mask is not None for r in chunk):     # multi-turn: the environment's tokens never enter the loss
+            mask = mask * torch.tensor([list(r.mask or [1] * len(r.completion_ids))
+                                        + [0] * (width - len(r.completion_ids)) for r in chunk], dtype=torch.float32)
         if tc.mask_truncated_completions:
             mask = mask * torch.tensor([[0.0 if r.truncated else 1.0] for r in chunk])
         batches.append(MicroBatch(ids=ids, attention=attn, positions=pos, mask=mask.to(device),

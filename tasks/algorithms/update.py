@@ -39,7 +39,7 @@ def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config) -> 
             old = b.old if b.old is not None else logp.detach()   # on-policy: ratio 1, gradient only
             is_ratio = behaviour_weight(old, b, cfg) if tc.importance_sampling_correction else None
             ptl, ratio, kl = per_token_loss(logp, old, b.advantages, b.mask, tc, ref_logp=b.ref, is_ratio=is_ratio)
-            loss = aggregate(ptl, b.mask, tc.loss_type, num_tokens, int(num_seqs), cfg.generate.max_completion_length)
+            loss = aggregate(ptl, b.mask, tc.loss_type, num_tokens, int(num_seqs), completion_budget(cfg))
             engine.backward(loss)
             stats.add(b, loss, logp, entropy, ratio, kl, is_ratio, tc, first_pass=pass_ == 0)
         stats.grad_norm = engine.step()
@@ -74,3 +74,8 @@ def behaviour_weight(old: torch.Tensor, b: MicroBatch, cfg: Config) -> torch.Ten
     tc = cfg.train
     mode = "token_mask" if tc.off_policy_loss == "decoupled" else tc.importance_sampling_mode
     return behaviour_correction(old, b.behaviour, b.mask, mode, tc.importance_sampling_cap)
+
+
+def completion_budget(cfg: Config) -> int:
+    """dr_grpo's constant normaliser: the longest a completion can be (an episode's env.max_tokens, multi-turn)."""
+    return cfg.env.max_tokens if cfg.env.factory else cfg.generate.max_completion_length

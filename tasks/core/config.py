@@ -178,7 +178,8 @@ class SandboxConfig(Section):
 class RewardConfig(Section):
     """Scoring completions."""
 
-    functions: list[RewardFunction] = Field(..., min_length=1, description="Reward functions and their weights.")
+    functions: list[RewardFunction] = Field([], description="Reward functions and their weights (at least one, "
+                                            "unless env.factory is set: the environment's return is then a reward).")
     aggregate: Literal["sum", "mean"] = Field("sum", description="Combine weighted scores by sum (TRL) or mean "
                                               "over the functions that scored the completion.")
     timeout_seconds: float = Field(300.0, gt=0, description="Per function and batch: a function still running "
@@ -187,6 +188,31 @@ class RewardConfig(Section):
                          "the stage (exit 2). False: its scores for that batch are missing (advantage 0, as in "
                          "TRL) and the error is counted in reward/<fn>/errors.")
     sandbox: SandboxConfig = Field(SandboxConfig(), description="Isolation and limits for code rewards.")
+
+
+class EnvConfig(Section):
+    """Multi-turn episodes against an environment (tasks/envs/; docs/environments.md). Unset: one prompt, one
+    completion."""
+
+    factory: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="module:callable "
+                                "that returns one environment per episode (a class, or gymnasium:make with "
+                                "kwargs {id: ...}); None = single-turn.")
+    kwargs: dict[str, Any] = Field({}, description="Keyword arguments for the factory.")
+    adapter: Literal["auto", "rlflow", "trl", "gymnasium"] = Field(
+        "auto", description="How the environment is driven. rlflow: reset(row) -> messages and step(message) -> "
+        "(observation messages, reward, done, info); trl: TRL's environment_factory classes (reset(**row), public "
+        "methods as tools, get_reward()); gymnasium: a text gymnasium.Env (step(str)). auto: from the instance.")
+    max_turns: int = Field(4, ge=1, le=1000, description="Model turns per episode at most.")
+    max_tokens: int = Field(512, ge=1, description="Tokens after the prompt per episode at most, the model's and "
+                            "the observations' together (generate.max_completion_length bounds each model turn).")
+    timeout_seconds: float = Field(120.0, gt=0, description="Wall clock an episode's environment calls may take "
+                                   "in all; an environment that raises or passes it ends only its episode (no "
+                                   "reward; counted in env/errors).")
+    concurrency: int = Field(16, ge=1, le=4096, description="Environment calls (reset, step) in flight at once.")
+    returns: Literal["sum", "final"] = Field("sum", description="An episode's return: the sum of its turn rewards, "
+                                             "or the last one.")
+    reward_weight: float = Field(1.0, description="Weight of the return (reward name 'env') beside "
+                                 "reward.functions.")
 
 
 class TrainConfig(Section):
@@ -469,6 +495,7 @@ class Config(Section):
     data: DataConfig
     generate: GenerateConfig = GenerateConfig()
     reward: RewardConfig
+    env: EnvConfig = EnvConfig()
     train: TrainConfig = TrainConfig()
     publish: PublishConfig = PublishConfig()
     eval: EvalConfig = EvalConfig()
@@ -488,6 +515,18 @@ class Config(Section):
 
     def _managed_train(self) -> bool:
         return self.launcher.managed_jobs and self.launcher.mode_of("train") == "sky"
+
+    def env_sections(self) -> tuple[str, ...]:
+        """("env",) when episodes are multi-turn: what the stages that sample or score add to their fingerprint
+        (left out otherwise, so single-turn runs keep theirs)."""
+        return ("env",) if self.env.factory else ()
+
+    @model_validator(mode="after")
+    def _some_reward(self):
+        if not self.reward.functions and not self.env.factory:
+            raise ValueError("reward.functions: at least one reward function is needed (or an env.factory, whose "
+                             "episodes' return is the reward)")
+        return self
 
     @model_validator(mode="after")
     def _resident_needs_a_lasting_machine(self):
@@ -587,6 +626,8 @@ def _format_error(err: ValidationError) -> str:
         shown = shown[:77] + "..."
     msg = e["msg"].removeprefix("Value error, ")
     msg = msg[:1].lower() + msg[1:] if msg[:2] != msg[:2].upper() else msg    # ("Input should..."; a pattern as is)
+    if not e["loc"] and isinstance(got, dict):     # a check of the whole config names its own fields
+        return f"config: {msg}"
     return f"config: {loc}: {msg}, got {shown}"
 
 

@@ -4,6 +4,12 @@ generate writes them (reward fields empty); reward fills `rewards` (per function
 failed), `reward` (the weighted combination) and `extra` (per-completion notes a reward function logged, e.g.
 why a program failed); train reads them. Token ids and the generator's behaviour
 logprobs travel with the text so the trainer never re-tokenises and can measure the policy mismatch.
+
+A multi-turn episode (tasks/envs/episodes.py) is one record too: `completion_ids` holds every token after the
+prompt, the model's turns and the environment's observations as the chat template renders them, and `mask`
+says which are the model's (1: they enter the loss) and which the environment's (0; their `logprobs` are 0).
+`turns` holds the messages after the prompt, `turn_rewards` what the environment gave at each step, and
+`env_return` the episode's return (None when the environment failed: `env_error` says how).
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ class Rollout:
     rewards: dict[str, float | None] = field(default_factory=dict)
     reward: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)     # columns reward functions logged (TRL's log_extra)
+    mask: list[int] | None = None         # per completion token: 1 the model's, 0 an observation's (None: all 1)
+    turns: list[dict] | None = None       # the messages after the prompt (multi-turn)
+    turn_rewards: list[float] | None = None
+    env_return: float | None = None
+    env_error: str | None = None
 
 
 FILE = "rollouts.jsonl"

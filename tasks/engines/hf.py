@@ -52,6 +52,7 @@ class HFEngine:
 
 
 _kept: dict = {}          # the last full model this process loaded, with the key of its architecture
+_loaded: dict = {}        # that key -> the files its weights are from (folder, names, mtimes, sizes)
 _KEPT_LOCK = threading.Lock()
 
 
@@ -65,18 +66,25 @@ def _load(cfg: Config, path: str):
     config = json.loads((folder / "config.json").read_text())
     config.pop("dtype", None), config.pop("torch_dtype", None)        # (the weights' dtype; we load in ours)
     key = (json.dumps(config, sort_keys=True), cfg.model.dtype, str(device))
+    files = sorted(folder.glob("*.safetensors"))
+    stamp = (str(folder.resolve()), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
     model = _kept.get(key)
     if model is None:
         _kept.clear()
         model = _kept[key] = load_policy(cfg, path, device).eval()
+        _loaded[key] = stamp
         return model
+    if _loaded.get(key) == stamp:      # the same files again (the turns of an episode): nothing to copy
+        return model
+    _loaded[key] = stamp
     state = model.state_dict()
-    shards = [load_file(shard, device=str(device)) for shard in sorted(folder.glob("*.safetensors"))]
+    shards = [load_file(shard, device=str(device)) for shard in files]
     names = {name for weights in shards for name in weights}
     covered = {state[name].untyped_storage().data_ptr() for name in names if name in state}
     if names - state.keys() or {t.untyped_storage().data_ptr() for t in state.values()} - covered:
         _kept.clear()                      # a tensor we do not have, or one the folder does not set: afresh
         model = _kept[key] = load_policy(cfg, path, device).eval()
+        _loaded[key] = stamp
         return model
     with torch.no_grad():
         for weights in shards:

@@ -84,7 +84,7 @@ def sample_rollouts(cfg: Config, ds, rows: list[int], policy: str,
                     params: SamplingParams) -> tuple[list[Rollout], Sampled]:
     """Sample completions of dataset rows `rows` from `policy`, as rollout records (reward fields empty): the
     prompt as the generator saw it, its token ids, the completion's text, ids and behaviour logprobs, and the
-    row's other columns (what reward functions get)."""
+    row's other columns (what reward functions get). (Multi-turn episodes: tasks/envs/episodes.py.)"""
     path = policy_path(cfg, policy)
     tokenizer = load_tokenizer(path)
     table = {r: ds[r] for r in set(rows)}          # a datasets row access costs ~50 us: once per row

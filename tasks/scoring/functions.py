@@ -67,6 +67,7 @@ class RewardFunctions:
     setup: dict                   # what the worker needs to import and configure them
     timeout_seconds: float
     strict: bool
+    env_weight: float | None = None   # multi-turn: the episodes' return is a reward named "env", this weight
 
 
 @dataclass
@@ -102,8 +103,11 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
         raise UserError(f"reward.functions: two functions share a name ({names}); names key the scores")
     setup = {"functions": [{"fn": s.fn, "kwargs": s.kwargs} for s in cfg.reward.functions], "cwd": os.getcwd(),
              "sandbox": cfg.reward.sandbox.model_dump(mode="json")}
+    if cfg.env.factory and "env" in names:
+        raise UserError("reward.functions: 'env' names the environment's return; rename that function")
     return RewardFunctions(names=names, weights={n: s.weight for n, s in zip(names, cfg.reward.functions)},
-                           setup=setup, timeout_seconds=cfg.reward.timeout_seconds, strict=cfg.reward.strict)
+                           setup=setup, timeout_seconds=cfg.reward.timeout_seconds, strict=cfg.reward.strict,
+                           env_weight=cfg.env.reward_weight if cfg.env.factory else None)
 
 
 def check_signature(what: str, fn, available: set[str], columns: list[str]) -> None:
@@ -199,7 +203,9 @@ def trl_inputs(records: list[Rollout]) -> tuple[list, dict]:
     completions, prompts = [], []
     for r in records:
         prompt = r.prompt
-        if isinstance(prompt, list):
+        if r.turns is not None:          # multi-turn: the messages after the prompt, as TRL passes them
+            completions.append(r.turns)
+        elif isinstance(prompt, list):
             bootstrap = ""
             if prompt and prompt[-1].get("role") == "assistant":
                 prompt, bootstrap = prompt[:-1], prompt[-1].get("content") or ""
@@ -267,10 +273,14 @@ def score_records(functions: RewardFunctions, records: list[Rollout], aggregate:
     """Score `records` in place: per-function scores in `.rewards`, the combined reward in `.reward`
     (None where no function scored it), logged columns in `.extra`. Returns what happened."""
     scored = score(functions, records, state)
+    weights = dict(functions.weights)
+    if functions.env_weight is not None:
+        scored.scores["env"] = [r.env_return for r in records]
+        weights["env"] = functions.env_weight
     for j, r in enumerate(records):
         r.rewards = {name: scored.scores[name][j] for name in scored.scores}
         r.extra = {column: values[j] for column, values in scored.extra.items()}
-    totals = combine([r.rewards for r in records], functions.weights, aggregate).tolist()
+    totals = combine([r.rewards for r in records], weights, aggregate).tolist()
     for r, t in zip(records, totals):
         r.reward = None if math.isnan(t) else t
     return scored

@@ -1,0 +1,281 @@
+"""Multi-turn episodes: the sampling engine and the environments take turns, tokens in and tokens out.
+
+    records, sampled = run_episodes(cfg, table, rows, policy, path, tokenizer, engine, params)
+
+For each dataset row, `params.n` episodes (a GRPO group: episodes of the same task), each with an environment
+of its own (env.factory). Turn by turn, every episode still going asks the engine for one completion of its
+whole context, the prompt's ids followed by every id so far. The engine returns token ids and behaviour
+logprobs, and nothing is ever re-tokenised. The model's message goes to its environment, and the observation
+comes back as the tokens the chat template renders for it: the rendering of a dummy turn followed by the
+observation, minus the rendering of the dummy turn. The end of the assistant's turn (`<|im_end|>\\n`, or what the
+template closes a turn with) comes first, less what the model already wrote (its EOS). The record's `mask` is
+1 on the model's tokens and 0 on the observation's. Their logprobs are 0 and they never enter the loss.
+
+Environment calls (reset, step, close) run on threads of their own; `async def` ones run on one event loop
+thread. An episode's calls share env.timeout_seconds, and env.concurrency of them are in flight at once. A
+call that raises, returns garbage or runs out of time ends that episode only. It keeps the tokens so far and
+gets no return (`env_error`, counted in env/errors); a hung call's thread is left behind, as a daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tasks.core.models import load_tokenizer, policy_path
+from tasks.core.rollout import Rollout
+from tasks.engines.sampling import Sampled, SamplingParams, sample_rollouts, sampling_engine
+from tasks.envs.protocol import as_messages, as_step, environment, factory_of
+from tasks.envs.tools import parse_tool_calls, schemas
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+TURN_SEED = 1_000_033          # turn t samples with seed params.seed + t * TURN_SEED
+
+
+@dataclass
+class Episode:
+    group: int
+    row: int
+    data: dict
+    env: Any = None
+    tools: list = field(default_factory=list)
+    prompt: list[dict] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+    error: str | None = None
+    deadline: float = 0.0
+
+    def fail(self, why: str) -> None:
+        self.error, self.done = why[:500], True
+
+
+class _Caller:
+    """Environment calls with a deadline: sync ones on a daemon thread each (at most `concurrency` at once),
+    coroutines on one event loop thread."""
+
+    def __init__(self, concurrency: int):
+        self.slots = threading.Semaphore(concurrency)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, daemon=True, name="env-loop").start()
+        return self.loop
+
+    def start(self, fn, *args) -> Future:
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                value = fn(*args)
+                if inspect.isawaitable(value):
+                    value = asyncio.run_coroutine_threadsafe(_awaited(value), self._loop()).result()
+                done.set_result(value)
+            except BaseException as e:  # noqa: BLE001 - the episode's failure, reported by wait()
+                done.set_exception(e)
+            finally:
+                self.slots.release()
+
+        self.slots.acquire()
+        threading.Thread(target=run, daemon=True, name="env-call").start()
+        return done
+
+    def stop(self) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def _awaited(value):
+    return await value
+
+
+def _each(caller: _Caller, episodes: list[Episode], what: str, call) -> list[Any]:
+    """call(episode) for every episode at once; per episode its value, or None after marking it failed."""
+    futures = [caller.start(call, e) for e in episodes]
+    out = []
+    for e, f in zip(episodes, futures):
+        try:
+            out.append(f.result(timeout=max(e.deadline - time.monotonic(), 0.0)))
+        except TimeoutError:
+            e.fail(f"{what} did not return within env.timeout_seconds")
+            out.append(None)
+        except Exception as ex:  # noqa: BLE001 - costs only this episode
+            e.fail(f"{what} raised {type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}".strip())
+            out.append(None)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ tokens
+
+class Renderer:
+    """Token ids of prompts and observations as the tokenizer's chat template renders them."""
+
+    DUMMY = "rlflow-dummy-turn"
+
+    def __init__(self, tokenizer, max_prompt_length: int):
+        self.tok, self.max_prompt_length = tokenizer, max_prompt_length
+        self.eos_text = tokenizer.eos_token or ""
+        self._heads: dict[str, tuple[str, str]] = {}
+
+    def _template(self, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation,
+                                            tokenize=False)
+
+    def prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        text = self._template(messages, tools, True)
+        return self.tok(text, add_special_tokens=False)["input_ids"][-self.max_prompt_length:]
+
+    def observation(self, messages: list[dict], tools: list[dict] | None, ended_with_eos: bool) -> list[int]:
+        """The end of the assistant's turn (less the EOS it wrote), the observation, the next turn's header."""
+        key = repr(tools)
+        if key not in self._heads:
+            dummy = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.DUMMY}]
+            prefix = self._template(dummy, tools, False)
+            if self.DUMMY not in prefix:
+                raise ValueError("the chat template does not render an assistant message's content")
+            closing = prefix[prefix.rindex(self.DUMMY) + len(self.DUMMY):]
+            self._heads[key] = (prefix, closing)
+        prefix, closing = self._heads[key]
+        dummy = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.DUMMY}]
+        full = self._template(dummy + messages, tools, True)
+        if not full.startswith(prefix):
+            raise ValueError("the chat template renders earlier turns differently once more follow; the "
+                             "observation's tokens cannot be appended")
+        if ended_with_eos and self.eos_text and closing.startswith(self.eos_text):
+            closing = closing[len(self.eos_text):]
+        return self.tok(closing + full[len(prefix):], add_special_tokens=False)["input_ids"]
+
+
+# ------------------------------------------------------------------------------------------ episodes
+
+def sample(cfg: Config, ds, rows: list[int], policy: str, params: SamplingParams) -> tuple[list[Rollout], Sampled]:
+    """What generate and evaluate call: episodes with env.factory, else one completion per prompt
+    (tasks/engines/sampling.py: sample_rollouts)."""
+    if not cfg.env.factory:
+        return sample_rollouts(cfg, ds, rows, policy, params)
+    path = policy_path(cfg, policy)
+    table = {r: ds[r] for r in set(rows)}
+    return run_episodes(cfg, table, rows, policy, path, load_tokenizer(path), sampling_engine(cfg), params)
+
+
+def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: str, path: str, tokenizer,
+                 engine, params: SamplingParams) -> tuple[list[Rollout], Sampled]:
+    ec = cfg.env
+    make = factory_of(cfg)
+    render = Renderer(tokenizer, cfg.generate.max_prompt_length)
+    episodes = [Episode(group=g, row=r, data=dict(table[r])) for g, r in enumerate(rows) for _ in range(params.n)]
+    caller = _Caller(ec.concurrency)
+    start = time.monotonic()
+    for e in episodes:
+        e.deadline = start + ec.timeout_seconds
+    load_seconds = sampling_seconds = 0.0
+    try:
+        def begin(e: Episode) -> list[dict]:
+            e.env = environment(cfg, make(), e.data)
+            e.tools = list(getattr(e.env, "tools", None) or [])
+            return e.env.reset(e.data)
+
+        for e, messages in zip(episodes, _each(caller, episodes, "reset", begin)):
+            if e.error is None:
+                try:
+                    e.prompt = as_messages(messages, "reset's messages")
+                    e.prompt_ids = render.prompt(e.prompt, schemas(e.tools))
+                except (TypeError, ValueError) as ex:
+                    e.fail(f"reset: {ex}")
+            if not e.prompt_ids:           # (a failed reset: a one-token placeholder, no completion, no reward)
+                e.prompt_ids = [tokenizer.eos_token_id]
+        for turn in range(ec.max_turns):
+            active = [e for e in episodes if not e.done]
+            if not active:
+                break
+            budgets = [min(params.max_new_tokens, ec.max_tokens - len(e.ids)) for e in active]
+            sampled = engine.generate(policy, path, tokenizer, [e.prompt_ids + e.ids for e in active], SamplingParams(
+                n=1, max_new_tokens=max(budgets), temperature=params.temperature, top_p=params.top_p,
+                seed=params.seed + turn * TURN_SEED))
+            load_seconds += sampled.load_seconds
+            sampling_seconds += sampled.sampling_seconds
+            messages = []
+            for e, s, budget in zip(active, sampled.samples, budgets):
+                ids = s.completion_ids[:budget]
+                ended = not s.truncated and len(ids) == len(s.completion_ids)
+                e.ids += ids
+                e.mask += [1] * len(ids)
+                e.logprobs += s.logprobs[:budget]
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                content, calls = parse_tool_calls(text) if e.tools else (text, [])
+                message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                e.turns.append(message)
+                messages.append((message, ended))
+                if len(e.ids) >= ec.max_tokens:
+                    e.truncated = True
+            steps = _each(caller, active, "step", lambda e: e.env.step(e.turns[-1]))
+            for e, raw, (_, ended) in zip(active, steps, messages):
+                if e.error is not None:
+                    continue
+                try:
+                    st = as_step(raw)
+                except TypeError as ex:
+                    e.fail(f"step: {ex}")
+                    continue
+                e.rewards.append(st.reward)
+                e.turns += st.observation
+                if st.done or e.truncated or turn == ec.max_turns - 1 or not st.observation:
+                    e.done = True
+                    continue
+                try:
+                    obs = render.observation(st.observation, schemas(e.tools), ended)
+                except (TypeError, ValueError) as ex:
+                    e.fail(f"step's observation: {ex}")
+                    continue
+                if len(e.ids) + len(obs) >= ec.max_tokens:      # no room left for another model turn
+                    e.truncated = e.done = True
+                    continue
+                e.ids += obs
+                e.mask += [0] * len(obs)
+                e.logprobs += [0.0] * len(obs)
+    finally:
+        live = [e for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))]
+        for e in live:
+            e.deadline = max(e.deadline, time.monotonic() + 5.0)
+        _each(caller, live, "close", lambda e: e.env.close())
+        caller.stop()
+    return [_record(cfg, e, tokenizer) for e in episodes], Sampled([], load_seconds, sampling_seconds)
+
+
+def _record(cfg: Config, e: Episode, tokenizer) -> Rollout:
+    ret = None
+    if e.error is None and e.rewards:
+        ret = sum(e.rewards) if cfg.env.returns == "sum" else e.rewards[-1]
+    elif e.error is None:
+        ret = 0.0
+    return Rollout(group=e.group, row=e.row, prompt=e.prompt, prompt_ids=e.prompt_ids,
+                   completion=tokenizer.decode(e.ids, skip_special_tokens=True), completion_ids=e.ids,
+                   logprobs=e.logprobs, truncated=e.truncated,
+                   columns={k: v for k, v in e.data.items() if k != cfg.data.prompt_column},
+                   mask=e.mask, turns=e.turns, turn_rewards=e.rewards, env_return=ret, env_error=e.error)
+
+
+def episode_metrics(records: list[Rollout]) -> dict[str, float]:
+    """env/*: turns, returns, failures and the model's share of the tokens."""
+    n = max(len(records), 1)
+    returns = [r.env_return for r in records if r.env_return is not None]
+    return {"env/episodes": float(len(records)),
+            "env/turns_mean": sum(sum(m.get("role") == "assistant" for m in r.turns or []) for r in records) / n,
+            "env/return_mean": sum(returns) / max(len(returns), 1),
+            "env/errors": float(sum(r.env_error is not None for r in records)),
+            "env/truncated": float(sum(r.truncated for r in records)),
+            "env/model_tokens_mean": sum(sum(r.mask or []) for r in records) / n}

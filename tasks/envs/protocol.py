@@ -1,0 +1,108 @@
+"""The environment protocol: what one multi-turn episode talks to (docs/environments.md).
+
+    class Guess:                                   # env.factory: "mymodule:Guess", env.kwargs: {...}
+        tools = []                                 # optional: Python functions the model may call (tools.py)
+        def reset(self, row: dict) -> list[dict]:  # the dataset row -> the first messages (the prompt)
+            ...
+        def step(self, message: dict) -> Step:     # the model's message (tool calls parsed) -> what comes back
+            return Step(observation=[{"role": "user", "content": "higher"}], reward=0.0, done=False)
+        def close(self): ...                       # optional
+
+`reset` and `step` may be `async def`. `step` may return a Step or a tuple (observation, reward, done[, info]).
+One instance serves one episode: the factory is called once per episode, so state never leaks between them.
+An episode ends when the environment says done, at env.max_turns, or when env.max_tokens would be passed. The
+return is the sum of the turn rewards (env.returns: sum) or the last one (final).
+
+Environments written for other APIs are driven through adapters (adapters.py): TRL's environment_factory
+classes, gymnasium text environments. `environment(cfg)` picks one (env.adapter, or auto from the instance).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tasks.core.errors import UserError
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+
+@dataclass
+class Step:
+    observation: list[dict]                 # messages the environment answers with (user or tool roles)
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    tools: list[Callable]
+
+    def reset(self, row: dict) -> list[dict]: ...
+
+    def step(self, message: dict) -> Step: ...
+
+
+def as_step(value: Any) -> Step:
+    """A Step from what `step` returned: a Step, or (observation, reward, done[, info]); an observation may be
+    one message or a string (a user message). Anything else is a TypeError naming what came back."""
+    if isinstance(value, tuple) and len(value) in (3, 4):
+        value = Step(value[0], value[1], value[2], value[3] if len(value) == 4 else {})
+    if not isinstance(value, Step):
+        raise TypeError(f"step returned {type(value).__name__}, not a Step or (observation, reward, done[, info])")
+    value.observation = as_messages(value.observation, "step's observation")
+    reward = value.reward
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise TypeError(f"step returned reward {reward!r}, not a finite number")
+    value.reward, value.done = float(reward), bool(value.done)
+    return value
+
+
+def as_messages(value: Any, what: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                              for m in value):
+        raise TypeError(f"{what} is {type(value).__name__}, not chat messages ([{{'role': ..., 'content': ...}}])")
+    return value
+
+
+def factory_of(cfg: Config) -> Callable[[], Any]:
+    """env.factory imported (a user error naming it if it cannot be), called with env.kwargs per episode."""
+    spec = cfg.env.factory
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except (Exception, SystemExit) as e:
+        raise UserError(f"env.factory: cannot import module {module_name!r}: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    make = getattr(module, attr, None)
+    if not callable(make):
+        raise UserError(f"env.factory: {module_name!r} has no callable {attr!r}")
+    kwargs = dict(cfg.env.kwargs)
+    return lambda: make(**kwargs)
+
+
+def environment(cfg: Config, instance: Any, row: dict) -> Environment:
+    """`instance` (what the factory made) driven by the protocol: itself, or through its adapter."""
+    from tasks.envs import adapters
+
+    kind = cfg.env.adapter
+    if kind == "auto":
+        kind = adapters.detect(instance)
+    if kind == "rlflow":
+        if not (callable(getattr(instance, "reset", None)) and callable(getattr(instance, "step", None))):
+            raise UserError(f"env.factory: {cfg.env.factory} made a {type(instance).__name__}, which has no "
+                            f"reset(row) and step(message) (env.adapter: rlflow)")
+        return instance
+    return adapters.ADAPTERS[kind](instance, cfg, row)

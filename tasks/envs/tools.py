@@ -1,0 +1,82 @@
+"""Tools: Python functions the model may call, their schemas, and tool calls parsed from what it wrote.
+
+    def lookup(city: str) -> str:
+        '''The weather in a city.
+
+        Args:
+            city: the city's name
+        '''
+    schemas([lookup])                    # JSON schemas from the signature and docstring (transformers', as TRL)
+    content, calls = parse_tool_calls(text)   # Hermes/Qwen: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    call_tools(calls, [lookup])          # -> tool messages; a malformed call or a tool that raises is a message too
+
+A call the model got wrong (not JSON, an unknown tool, bad arguments, a tool that raises) becomes a tool
+message saying so: an observation the model can learn from, never a crash of the episode.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+MAX_RESULT_CHARS = 8192          # a tool's result as the model sees it, at most
+
+
+def schemas(tools: list[Callable]) -> list[dict]:
+    from transformers.utils import get_json_schema
+
+    return [get_json_schema(t) for t in tools]
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """(the text without its tool calls, the calls). A call is {"type": "function", "function": {"name",
+    "arguments"}}, or {"type": "error", "error": why} for a <tool_call> block that does not parse."""
+    calls = []
+    for body in _CALL.findall(text):
+        try:
+            call = json.loads(body)
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise ValueError('expected {"name": ..., "arguments": {...}}')
+            args = call.get("arguments", call.get("parameters", {}))
+            if isinstance(args, str):
+                args = json.loads(args)
+            if not isinstance(args, dict):
+                raise ValueError("arguments must be a JSON object")
+            calls.append({"type": "function", "function": {"name": call["name"], "arguments": args}})
+        except ValueError as e:              # (json.JSONDecodeError is a ValueError)
+            calls.append({"type": "error", "error": f"could not parse the tool call: {e}"})
+    content = _CALL.sub("", text).strip() if calls else text
+    return content, calls
+
+
+def call_tools(calls: list[dict], tools: list[Callable]) -> list[dict]:
+    """Run each call; one tool message per call, in order."""
+    by_name = {t.__name__: t for t in tools}
+    out = []
+    for call in calls:
+        if call["type"] != "function":
+            out.append({"role": "tool", "name": "error", "content": call.get("error", "unsupported call")})
+            continue
+        name, args = call["function"]["name"], call["function"]["arguments"]
+        tool = by_name.get(name)
+        if tool is None:
+            result: Any = {"error": f"no tool named {name!r} (tools: {sorted(by_name)})"}
+        else:
+            try:
+                inspect.signature(tool).bind(**args)
+                result = tool(**args)
+                if inspect.isawaitable(result):
+                    import asyncio
+
+                    result = asyncio.run(result)
+            except TypeError as e:
+                result = {"error": f"bad arguments for {name}: {e}"}
+            except Exception as e:  # noqa: BLE001 - the tool's failure is the model's observation
+                result = {"error": f"{type(e).__name__}: {e}"}
+        text = result if isinstance(result, str) else json.dumps(result, default=str)
+        out.append({"role": "tool", "name": name, "content": text[:MAX_RESULT_CHARS]})
+    return out

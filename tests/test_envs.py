@@ -1,0 +1,319 @@
+"""Multi-turn episodes (tasks/envs/): tokens in and out, the loss mask, tool calls, environments that fail, the
+adapters (TRL's environment classes, gymnasium), and the letters demo through the flow with resume equality."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.algorithms.batching import prepare_batches
+from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_loss
+from tasks.core import builtin_models, layout
+from tasks.core.config import load_config
+from tasks.core.models import load_tokenizer
+from tasks.core.rollout import Rollout
+from tasks.core.store import Store
+from tasks.engines.sampling import Sample, Sampled, SamplingParams
+from tasks.envs.episodes import Renderer, run_episodes
+from tasks.envs.protocol import Step
+from tasks.envs.tools import call_tools, parse_tool_calls, schemas
+
+ROOT = Path(__file__).resolve().parents[1]
+LETTERS = ROOT / "configs" / "letters.yaml"
+CHATML = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(builtin_models.resolve("builtin:tiny-lm"))
+
+
+@pytest.fixture(scope="module")
+def chatml():
+    """The tiny tokenizer with a ChatML template whose end of turn is its EOS (Qwen's layout)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(builtin_models.resolve("builtin:tiny-lm"))    # (a copy of our own)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template, tok.eos_token = CHATML, "<|im_end|>"
+    return tok
+
+
+class Scripted:
+    """A sampling engine that answers from a script (context text -> reply text): drives the episode loop
+    where the tiny model would not write tool calls. The flow tests below use the real hf engine."""
+
+    def __init__(self, reply, eos: bool = True):
+        self.reply, self.eos, self.calls = reply, eos, []
+
+    def generate(self, policy, path, tokenizer, prompt_ids, params: SamplingParams) -> Sampled:
+        self.calls.append([list(p) for p in prompt_ids])
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            for _ in range(params.n):
+                toks = tokenizer(self.reply(tokenizer.decode(ids)), add_special_tokens=False)["input_ids"]
+                toks = toks[:params.max_new_tokens - 1] + ([tokenizer.eos_token_id] if self.eos else [])
+                out.append(Sample(i, toks, [-0.5] * len(toks), truncated=not self.eos))
+        return Sampled(out, 0.0, 0.0)
+
+
+def _cfg(factory: str, tmp_path: Path, *more: str):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "Say each letter I name.", "letters": s, "seed": i}) + "\n"
+                            for i, s in enumerate(["abc", "hgf"])))
+    return load_config(LETTERS, [f"data.path={data}", f"env.factory={factory}", "generate.max_completion_length=40",
+                                 "env.max_tokens=400", *more])
+
+
+def _run(cfg, engine, tokenizer, n: int = 2):
+    table = {0: {"prompt": "Say each letter I name.", "letters": "abc", "seed": 0},
+             1: {"prompt": "Say each letter I name.", "letters": "hgf", "seed": 1}}
+    return run_episodes(cfg, table, [0, 1], "base", "unused", tokenizer, engine,
+                        SamplingParams(n=n, max_new_tokens=cfg.generate.max_completion_length, temperature=1.0,
+                                       top_p=1.0, seed=3))[0]
+
+
+# ------------------------------------------------------------------------------------------ tokens in, tokens out
+
+@pytest.mark.parametrize("template", ["tiny", "chatml"])
+def test_an_episode_is_the_chat_template_rendering_of_its_conversation(template, tokenizer, chatml, tmp_path):
+    """prompt ids + completion ids = the template's rendering of the whole conversation (the model's EOS where
+    the template ends a turn with it); the engine saw each turn's context as exactly those ids so far."""
+    tok = chatml if template == "chatml" else tokenizer
+    cfg = _cfg("tasks.envs.games:SayTheLetters", tmp_path)
+    engine = Scripted(lambda ctx: ctx.rsplit("Say ", 1)[1][0])       # says the letter it was asked for
+    records = _run(cfg, engine, tok)
+    assert [r.env_return for r in records] == [pytest.approx(1.0)] * 4 and [r.env_error for r in records] == [None] * 4
+    r = records[0]
+    conversation = r.prompt + r.turns
+    rendered = tok.apply_chat_template(conversation, tokenize=False)
+    if template == "chatml":
+        want = tok(rendered, add_special_tokens=False)["input_ids"]
+        assert r.prompt_ids + r.completion_ids == want[:len(r.prompt_ids) + len(r.completion_ids)]
+    else:       # the tiny template closes a turn with "\n", not its EOS: the model's EOS stays where it wrote it
+        eos = tok.eos_token
+        text = tok.decode(r.prompt_ids + r.completion_ids).replace(eos, "")
+        assert text == rendered.rstrip("\n") or text + "\n" == rendered
+    assert len(r.mask) == len(r.completion_ids) == len(r.logprobs)
+    model = [t for t, m in zip(r.completion_ids, r.mask) if m]
+    assert tok.decode(model, skip_special_tokens=True) == "abc"
+    assert all(lp == 0.0 for lp, m in zip(r.logprobs, r.mask) if not m)
+    assert r.turn_rewards == [pytest.approx(1 / 3)] * 3 and [m["role"] for m in r.turns] == \
+        ["assistant", "user", "assistant", "user", "assistant"]
+    second_turn_context = engine.calls[1][0]
+    assert second_turn_context == r.prompt_ids + r.completion_ids[:len(second_turn_context) - len(r.prompt_ids)]
+
+
+def test_observations_render_as_the_template_does_after_any_history(chatml):
+    render = Renderer(chatml, 512)
+    obs = [{"role": "tool", "content": "42"}]
+    ids = render.observation(obs, None, ended_with_eos=True)
+    assert chatml.decode(ids) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert chatml.decode(render.observation(obs, None, ended_with_eos=False)).startswith("<|im_end|>\n<|im_start|>tool")
+
+
+# ------------------------------------------------------------------------------------------ the mask
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_masked_token_never_changes_the_loss_or_its_gradient(loss_type, level):
+    """Environment tokens (mask 0): their logprobs get no gradient, and whatever their policy, old, reference or
+    behaviour logprobs are, the loss and every gradient stay the same (token and sequence-level weights, the
+    behaviour correction, the KL term)."""
+    cfg = load_config(LETTERS, [f"train.loss_type={loss_type}", f"train.importance_sampling_level={level}",
+                                "train.beta=0.1"])
+    records = [Rollout(group=0, row=0, prompt="p", prompt_ids=[5, 6], completion="", completion_ids=[7, 8, 9, 10, 11],
+                       logprobs=[-1.0, -0.5, 0.0, 0.0, -2.0], truncated=False, mask=[1, 1, 0, 0, 1]),
+               Rollout(group=0, row=0, prompt="p", prompt_ids=[5], completion="", completion_ids=[7, 8],
+                       logprobs=[-0.3, -0.7], truncated=False, mask=None)]
+    batch = prepare_batches(records, torch.tensor([0.8, -0.8]), 0, cfg.train, "cpu")[0]
+    assert batch.mask.tolist() == [[1, 1, 0, 0, 1], [1, 1, 0, 0, 0]]
+    gen = torch.Generator().manual_seed(0)
+    base = {k: torch.randn(2, 5, generator=gen) * 0.3 - 1 for k in ("logp", "old", "ref", "mu")}
+
+    def loss_of(values):
+        logp = values["logp"].clone().requires_grad_(True)
+        rho = behaviour_correction(values["old"], values["mu"], batch.mask, "sequence_truncate" if level ==
+                                   "sequence" else "token_truncate", 3.0)
+        ptl, _, _ = per_token_loss(logp, values["old"], batch.advantages, batch.mask, cfg.train, values["ref"], rho)
+        loss = aggregate(ptl, batch.mask, loss_type, float(batch.mask.sum()), 2, 96)
+        loss.backward()
+        return loss.detach(), logp.grad
+
+    loss, grad = loss_of(base)
+    assert grad[0, 2] == 0 and grad[0, 3] == 0 and grad[1, 2:].abs().sum() == 0
+    env = batch.mask == 0
+    changed = {k: torch.where(env, v + torch.randn(2, 5, generator=gen) * 3, v) for k, v in base.items()}
+    loss2, grad2 = loss_of(changed)
+    assert torch.allclose(loss, loss2, atol=1e-6) and torch.allclose(grad, grad2, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ environments that fail
+
+class Flaky:
+    """An environment that fails in the way its row says."""
+
+    tools: list = []
+
+    def reset(self, row):
+        if row["letters"] == "hgf" and row["seed"] == 1 and self.mode == "reset":
+            raise RuntimeError("reset blew up")
+        return [{"role": "user", "content": "Say a"}]
+
+    def __init__(self, mode="raise"):
+        self.mode, self.turn = mode, 0
+
+    def step(self, message):
+        self.turn += 1
+        if self.mode == "raise" and self.turn == 2:
+            raise ValueError("step blew up")
+        if self.mode == "hang" and self.turn == 2:
+            time.sleep(30)
+        if self.mode == "garbage" and self.turn == 2:
+            return "not a step"
+        return Step([{"role": "user", "content": "Say a"}], 1.0, self.turn == 3)
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang", "garbage", "reset"])
+def test_an_environment_that_raises_hangs_or_returns_garbage_costs_only_its_episodes(mode, tokenizer, tmp_path,
+                                                                                   monkeypatch):
+    mod = tmp_path / "flaky_env.py"
+    mod.write_text("from tests.test_envs import Flaky\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = _cfg("flaky_env:Flaky", tmp_path, f'env.kwargs={{"mode": "{mode}"}}', "env.timeout_seconds=3")
+    t0 = time.monotonic()
+    records = _run(cfg, Scripted(lambda ctx: "a"), tokenizer)
+    assert time.monotonic() - t0 < 10
+    if mode == "reset":
+        assert [r.env_error is None for r in records] == [True, True, False, False]
+        assert records[2].env_error == "reset raised RuntimeError: reset blew up" and records[2].completion_ids == []
+        assert [r.env_return for r in records[:2]] == [3.0, 3.0]
+        return
+    assert all(r.env_return is None and r.env_error for r in records), [r.env_error for r in records]
+    assert {"raise": "step raised ValueError: step blew up", "hang": "step did not return within env.timeout_seconds",
+            "garbage": "step: step returned str, not a Step"}[mode] in records[0].env_error
+    assert all(r.completion_ids for r in records)            # the tokens so far are kept
+
+
+# ------------------------------------------------------------------------------------------ tool calls and adapters
+
+def test_tool_calls_parse_from_hermes_blocks_and_mistakes_are_observations():
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+
+    text = 'Let me add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me add." and calls == [{"type": "function", "function": {"name": "add",
+                                                                                      "arguments": {"a": 2, "b": 3}}}]
+    assert call_tools(calls, [add]) == [{"role": "tool", "name": "add", "content": "5"}]
+    bad = parse_tool_calls("<tool_call>{not json</tool_call><tool_call>{\"name\": \"nope\", \"arguments\": {}}"
+                           "</tool_call><tool_call>{\"name\": \"add\", \"arguments\": {\"c\": 1}}</tool_call>")[1]
+    out = [m["content"] for m in call_tools(bad, [add])]
+    assert out[0].startswith("could not parse the tool call") and "no tool named 'nope'" in out[1]
+    assert "bad arguments for add" in out[2]
+    assert schemas([add])[0]["function"]["parameters"]["required"] == ["a", "b"]
+
+
+class Counter:
+    """A TRL environment_factory class, as TRL's docs write one: reset(**row), public methods are tools,
+    get_reward() scores the episode."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.total, self.target = 0, len(kwargs["letters"])
+        return f" Reach {self.target} by incrementing."
+
+    def increment(self, step: int) -> str:
+        """Add to the counter.
+
+        Args:
+            step: how much to add
+        """
+        self.total += step
+        return f"counter is {self.total}"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.total == self.target else 0.0
+
+
+def test_a_trl_environment_class_runs_its_tools_until_the_model_stops_calling(chatml, tmp_path):
+    cfg = _cfg("tests.test_envs:Counter", tmp_path, "env.max_turns=5", "generate.max_completion_length=80",
+               "env.max_tokens=2000")
+
+    def reply(ctx: str) -> str:
+        done = ctx.count("counter is")
+        return '<tool_call>{"name": "increment", "arguments": {"step": 1}}</tool_call>' if done < 3 else "done"
+
+    records = _run(cfg, Scripted(reply), chatml)
+    r = records[0]
+    assert r.prompt[-1]["content"].endswith("Say each letter I name. Reach 3 by incrementing.")
+    assert [m["role"] for m in r.turns] == ["assistant", "tool"] * 3 + ["assistant"]
+    assert r.turns[-2]["content"] == "counter is 3" and r.env_return == 1.0 and r.env_error is None
+    assert '"name": "increment"' in chatml.decode(r.prompt_ids)     # the tool's schema is in the prompt
+
+
+def test_a_gymnasium_text_environment_made_by_gymnasium_make(tokenizer, tmp_path):
+    gymnasium = pytest.importorskip("gymnasium")
+    gymnasium.register(id="rlflow-test/Echo-v0", entry_point="tests.test_envs:Echo", max_episode_steps=3)
+    cfg = _cfg("gymnasium:make", tmp_path, 'env.kwargs={"id": "rlflow-test/Echo-v0"}', "env.max_turns=5")
+    records = _run(cfg, Scripted(lambda ctx: ctx.rsplit("echo ", 1)[1].split("\n")[0]), tokenizer)
+    r = records[0]
+    assert r.env_error is None and r.turn_rewards == [1.0, 1.0, 1.0] and r.env_return == 3.0   # truncated at 3 steps
+    assert records[2].prompt[-1]["content"].endswith("echo 1-0")     # reset(seed=row["seed"])
+
+
+try:
+    import gymnasium as _gym
+
+    class Echo(_gym.Env):
+        """A gymnasium text environment: echo the word, reward 1 each time."""
+
+        observation_space = _gym.spaces.Text(32)
+        action_space = _gym.spaces.Text(32)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.word, self.n = f"{seed}-0", 0
+            return f"echo {self.word}", {}
+
+        def step(self, action):
+            reward = 1.0 if action.strip() == self.word else 0.0
+            self.n += 1
+            self.word = f"{self.word.split('-')[0]}-{self.n}"
+            return f"echo {self.word}", reward, False, False, {}
+except ImportError:          # (the gymnasium test is skipped)
+    pass
+
+
+# ------------------------------------------------------------------------------------------ through the flow
+
+@pytest.mark.slow
+def test_the_letters_demo_runs_through_the_flow_and_resumes_to_the_same_weights(tmp_path, prefect_api, monkeypatch):
+    """The multi-turn demo's config, 3 iterations with the real hf engine: rewards from the environment's
+    return, env/* metrics; stopped after 2 and resumed, it publishes the same v3 as an uninterrupted run."""
+    from flows.training import train_flow
+
+    monkeypatch.chdir(tmp_path)
+    common = ["generate.prompts_per_iteration=4", "generate.num_generations=4", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
+    whole = train_flow(str(LETTERS), [*common, "run.name=whole", "run.iterations=3", "store.uri=whole-store"])
+    train_flow(str(LETTERS), [*common, "run.name=parts", "run.iterations=2", "store.uri=parts-store"])
+    parts = train_flow(str(LETTERS), [*common, "run.name=parts", "run.iterations=3", "store.uri=parts-store"])
+    assert whole["iterations_completed"] == parts["iterations_completed"] == 3
+    assert whole["reward_mean"] == parts["reward_mean"]
+    a, b = Store.open(str(tmp_path / "whole-store")), Store.open(str(tmp_path / "parts-store"))
+    assert a.manifest(layout.policy("whole", 3))["files"] == b.manifest(layout.policy("parts", 3))["files"]
+    meta = a.manifest(layout.rollouts("whole", 1))["meta"]["metrics"]
+    assert meta["env/episodes"] == 16 and meta["env/turns_mean"] == 3 and meta["env/errors"] == 0
+    rewards = a.manifest(layout.rewards("whole", 1))["meta"]["metrics"]
+    assert "reward/env/mean" in rewards
