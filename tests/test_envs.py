@@ -263,6 +263,50 @@ def test_a_trl_environment_class_runs_its_tools_until_the_model_stops_calling(ch
     assert '"name": "increment"' in chatml.decode(r.prompt_ids)     # the tool's schema is in the prompt
 
 
+class CountingEnv:
+    """TRL's docs' environment: the reward is state on the instance, read by a reward function."""
+
+    def __init__(self):
+        self.count, self.reward = 0, 0.0
+
+    def reset(self, **kwargs) -> str | None:
+        self.count, self.reward = 0, 0.0
+        return "Reach exactly 3 by calling increment."
+
+    def increment(self, step: int) -> str:
+        """Increase the counter.
+
+        Args:
+            step: Amount to add.
+        """
+        self.count += step
+        self.reward = 1.0 if self.count == 3 else 0.0
+        return f"count={self.count}"
+
+
+def test_reward_functions_get_the_environments_as_trls_docs_read_them(chatml, tmp_path, monkeypatch):
+    """`def reward_func(environments, **kwargs): return [env.reward for env in environments]`, run by the reward
+    stage's worker process from the records alone (the episode's environment state travels in them)."""
+    from tasks.scoring.functions import load_functions, score_records
+
+    (tmp_path / "env_rewards.py").write_text("def reward_func(environments, **kwargs):\n"
+                                             "    return [env.reward for env in environments]\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg("tests.test_envs:CountingEnv", tmp_path, "env.max_turns=6", "generate.max_completion_length=80",
+               "env.max_tokens=2000", 'reward.functions=[{"fn": "env_rewards:reward_func"}]', "env.reward_weight=0")
+
+    def reply(ctx: str) -> str:                 # increment by 2, then by 1, then stop
+        if "count=3" in ctx:
+            return "stop"
+        step = 1 if "count=2" in ctx else 2
+        return '<tool_call>{"name": "increment", "arguments": {"step": ' + str(step) + '}}</tool_call>'
+
+    records = _run(cfg, Scripted(reply), chatml)
+    assert records[0].env_state == {"count": 3, "reward": 1.0}
+    score_records(load_functions(cfg), records, "sum")
+    assert [r.rewards["reward_func"] for r in records] == [1.0] * 4 and [r.reward for r in records] == [1.0] * 4
+
+
 def test_a_gymnasium_text_environment_made_by_gymnasium_make(tokenizer, tmp_path):
     gymnasium = pytest.importorskip("gymnasium")
     gymnasium.register(id="rlflow-test/Echo-v0", entry_point="tests.test_envs:Echo", max_episode_steps=3)

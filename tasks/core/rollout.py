@@ -9,7 +9,8 @@ A multi-turn episode (tasks/envs/episodes.py) is one record too: `completion_ids
 prompt, the model's turns and the environment's observations as the chat template renders them, and `mask`
 says which are the model's (1: they enter the loss) and which the environment's (0; their `logprobs` are 0).
 `turns` holds the messages after the prompt, `turn_rewards` what the environment gave at each step, and
-`env_return` the episode's return (None when the environment failed: `env_error` says how).
+`env_return` the episode's return (None when the environment failed: `env_error` says how), `env_state` the
+environment object's public, JSON-able attributes when it ended (what reward functions get as `environments`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Rollout:
     turn_rewards: list[float] | None = None
     env_return: float | None = None
     env_error: str | None = None
+    env_state: dict[str, Any] | None = None   # the environment's public attributes when the episode ended
 
 
 FILE = "rollouts.jsonl"

@@ -51,7 +51,7 @@ def _append_to_last_user(messages: list[dict], text: str) -> list[dict]:
 
 class TRLEnvironment:
     def __init__(self, instance: Any, cfg: Config, row: dict):
-        self.env, self.cfg = instance, cfg
+        self.env, self.cfg, self.instance = instance, cfg, instance
         self.tools = [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), inspect.isfunction)
                       if name not in ("reset", "get_reward") and not name.startswith("_")]
 
@@ -77,6 +77,7 @@ class GymnasiumEnvironment:
 
     def __init__(self, instance: Any, cfg: Config, row: dict):
         self.env, self.cfg = instance, cfg
+        self.instance = getattr(instance, "unwrapped", instance)      # (the user's class, inside the wrappers)
 
     def reset(self, row: dict) -> list[dict]:
         seed = row.get("seed")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import threading
 import time
 from concurrent.futures import Future
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from tasks.core.config import Config
 
 TURN_SEED = 1_000_033          # turn t samples with seed params.seed + t * TURN_SEED
+MAX_STATE_CHARS = 65_536       # an attribute of the environment kept in the record (env_state), as JSON, at most
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Episode:
     truncated: bool = False
     error: str | None = None
     deadline: float = 0.0
+    state: dict | None = None
 
     def fail(self, why: str) -> None:
         self.error, self.done = why[:500], True
@@ -248,6 +251,8 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: s
                 e.mask += [0] * len(obs)
                 e.logprobs += [0.0] * len(obs)
     finally:
+        for e in episodes:
+            e.state = state_of(getattr(e.env, "instance", e.env)) if e.env is not None else None
         live = [e for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))]
         for e in live:
             e.deadline = max(e.deadline, time.monotonic() + 5.0)
@@ -266,7 +271,23 @@ def _record(cfg: Config, e: Episode, tokenizer) -> Rollout:
                    completion=tokenizer.decode(e.ids, skip_special_tokens=True), completion_ids=e.ids,
                    logprobs=e.logprobs, truncated=e.truncated,
                    columns={k: v for k, v in e.data.items() if k != cfg.data.prompt_column},
-                   mask=e.mask, turns=e.turns, turn_rewards=e.rewards, env_return=ret, env_error=e.error)
+                   mask=e.mask, turns=e.turns, turn_rewards=e.rewards, env_return=ret, env_error=e.error,
+                   env_state=e.state)
+
+
+def state_of(instance: Any) -> dict:
+    """The environment object's public attributes that are plain data (JSON-able), e.g. `reward`, `done`."""
+    out = {}
+    for name, value in (getattr(instance, "__dict__", None) or {}).items():
+        if name.startswith("_"):
+            continue
+        try:
+            if len(json.dumps(value)) > MAX_STATE_CHARS:
+                continue
+        except (TypeError, ValueError):
+            continue
+        out[name] = value
+    return out
 
 
 def episode_metrics(records: list[Rollout]) -> dict[str, float]:

@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -97,7 +98,8 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
             raise UserError(f"reward.functions[{i}].fn: {module_name!r} has no function {attr!r}")
         if columns is not None:
             check_signature(f"reward.functions[{i}].fn: {spec.fn}", getattr(module, attr),
-                            {*TRL_KEYWORDS, *columns, *spec.kwargs}, sorted(columns))
+                            {*TRL_KEYWORDS, *columns, *spec.kwargs, *(["environments"] if cfg.env.factory else [])},
+                            sorted(columns))
         names.append(attr)
     if len(set(names)) != len(names):
         raise UserError(f"reward.functions: two functions share a name ({names}); names key the scores")
@@ -198,8 +200,10 @@ def _close_workers() -> None:
 def trl_inputs(records: list[Rollout]) -> tuple[list, dict]:
     """A batch as TRL hands it to reward functions: `completions` (text; for chat prompts
     `[{"role": "assistant", "content": ...}]` per completion, an assistant message that ends the prompt
-    prefixed to it and dropped from the prompt, as TRL does) and every other keyword: prompts, completion_ids
-    and the dataset's columns."""
+    prefixed to it and dropped from the prompt, as TRL does; for episodes the messages after the prompt) and
+    every other keyword: prompts, completion_ids, the dataset's columns, and for episodes `environments`: each
+    episode's environment as its public attributes were when it ended (`env.reward` in TRL's docs' reward
+    function), read back from the rollout record."""
     completions, prompts = [], []
     for r in records:
         prompt = r.prompt
@@ -216,6 +220,8 @@ def trl_inputs(records: list[Rollout]) -> tuple[list, dict]:
     columns: dict[str, list] = {k: [r.columns.get(k) for r in records] for k in (records[0].columns if records else {})}
     columns["prompts"] = prompts
     columns["completion_ids"] = [r.completion_ids for r in records]
+    if any(r.env_state is not None for r in records):    # multi-turn: what TRL passes as `environments`
+        columns["environments"] = [SimpleNamespace(**(r.env_state or {})) for r in records]
     return completions, columns
 
 
