@@ -19,7 +19,6 @@ from tasks.core.rollout import Rollout
 from tasks.core.store import Store
 from tasks.engines.sampling import Sample, Sampled, SamplingParams
 from tasks.envs.episodes import Renderer, run_episodes
-from tasks.envs.protocol import Step
 from tasks.envs.tools import call_tools, parse_tool_calls, schemas
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,37 +155,16 @@ def test_a_masked_token_never_changes_the_loss_or_its_gradient(loss_type, level)
 
 # ------------------------------------------------------------------------------------------ environments that fail
 
-class Flaky:
-    """An environment that fails in the way its row says."""
-
-    tools: list = []
-
-    def reset(self, row):
-        if row["letters"] == "hgf" and row["seed"] == 1 and self.mode == "reset":
-            raise RuntimeError("reset blew up")
-        return [{"role": "user", "content": "Say a"}]
-
-    def __init__(self, mode="raise"):
-        self.mode, self.turn = mode, 0
-
-    def step(self, message):
-        self.turn += 1
-        if self.mode == "raise" and self.turn == 2:
-            raise ValueError("step blew up")
-        if self.mode == "hang" and self.turn == 2:
-            time.sleep(30)
-        if self.mode == "garbage" and self.turn == 2:
-            return "not a step"
-        return Step([{"role": "user", "content": "Say a"}], 1.0, self.turn == 3)
-
-
-@pytest.mark.parametrize("mode", ["raise", "hang", "garbage", "reset"])
-def test_an_environment_that_raises_hangs_or_returns_garbage_costs_only_its_episodes(mode, tokenizer, tmp_path,
-                                                                                   monkeypatch):
+@pytest.mark.parametrize("mode, isolation", [(m, i) for i in ("process", "thread")
+                                             for m in ("raise", "hang", "garbage", "reset")]
+                         + [("crash", "process"), ("exit", "process")])
+def test_an_environment_that_raises_hangs_crashes_or_returns_garbage_costs_only_its_episodes(
+        mode, isolation, tokenizer, tmp_path, monkeypatch):
     mod = tmp_path / "flaky_env.py"
-    mod.write_text("from tests.test_envs import Flaky\n")
+    mod.write_text("from tests.env_classes import Flaky  # noqa: F401\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = _cfg("flaky_env:Flaky", tmp_path, f'env.kwargs={{"mode": "{mode}"}}', "env.timeout_seconds=3")
+    cfg = _cfg("flaky_env:Flaky", tmp_path, f'env.kwargs={{"mode": "{mode}"}}', "env.timeout_seconds=3",
+               f"env.isolation={isolation}")
     t0 = time.monotonic()
     records = _run(cfg, Scripted(lambda ctx: "a"), tokenizer)
     assert time.monotonic() - t0 < 10
@@ -196,8 +174,10 @@ def test_an_environment_that_raises_hangs_or_returns_garbage_costs_only_its_epis
         assert [r.env_return for r in records[:2]] == [3.0, 3.0]
         return
     assert all(r.env_return is None and r.env_error for r in records), [r.env_error for r in records]
-    assert {"raise": "step raised ValueError: step blew up", "hang": "step did not return within env.timeout_seconds",
-            "garbage": "step: step returned str, not a Step"}[mode] in records[0].env_error
+    want = {"raise": "step raised ValueError: step blew up", "hang": "step did not return within env.timeout_seconds",
+            "garbage": "step: step returned str, not a Step", "crash": "step: the environment's process died "
+            "(killed by SIGSEGV)", "exit": "step: the environment's process died (exit 3)"}[mode]
+    assert want in records[0].env_error, records[0].env_error
     assert all(r.completion_ids for r in records)            # the tokens so far are kept
 
 
@@ -226,29 +206,8 @@ def test_tool_calls_parse_from_hermes_blocks_and_mistakes_are_observations():
     assert schemas([add])[0]["function"]["parameters"]["required"] == ["a", "b"]
 
 
-class Counter:
-    """A TRL environment_factory class, as TRL's docs write one: reset(**row), public methods are tools,
-    get_reward() scores the episode."""
-
-    def reset(self, **kwargs) -> str | None:
-        self.total, self.target = 0, len(kwargs["letters"])
-        return f" Reach {self.target} by incrementing."
-
-    def increment(self, step: int) -> str:
-        """Add to the counter.
-
-        Args:
-            step: how much to add
-        """
-        self.total += step
-        return f"counter is {self.total}"
-
-    def get_reward(self) -> float:
-        return 1.0 if self.total == self.target else 0.0
-
-
 def test_a_trl_environment_class_runs_its_tools_until_the_model_stops_calling(chatml, tmp_path):
-    cfg = _cfg("tests.test_envs:Counter", tmp_path, "env.max_turns=5", "generate.max_completion_length=80",
+    cfg = _cfg("tests.env_classes:Counter", tmp_path, "env.max_turns=5", "generate.max_completion_length=80",
                "env.max_tokens=2000")
 
     def reply(ctx: str) -> str:
@@ -263,27 +222,6 @@ def test_a_trl_environment_class_runs_its_tools_until_the_model_stops_calling(ch
     assert '"name": "increment"' in chatml.decode(r.prompt_ids)     # the tool's schema is in the prompt
 
 
-class CountingEnv:
-    """TRL's docs' environment: the reward is state on the instance, read by a reward function."""
-
-    def __init__(self):
-        self.count, self.reward = 0, 0.0
-
-    def reset(self, **kwargs) -> str | None:
-        self.count, self.reward = 0, 0.0
-        return "Reach exactly 3 by calling increment."
-
-    def increment(self, step: int) -> str:
-        """Increase the counter.
-
-        Args:
-            step: Amount to add.
-        """
-        self.count += step
-        self.reward = 1.0 if self.count == 3 else 0.0
-        return f"count={self.count}"
-
-
 def test_reward_functions_get_the_environments_as_trls_docs_read_them(chatml, tmp_path, monkeypatch):
     """`def reward_func(environments, **kwargs): return [env.reward for env in environments]`, run by the reward
     stage's worker process from the records alone (the episode's environment state travels in them)."""
@@ -292,7 +230,7 @@ def test_reward_functions_get_the_environments_as_trls_docs_read_them(chatml, tm
     (tmp_path / "env_rewards.py").write_text("def reward_func(environments, **kwargs):\n"
                                              "    return [env.reward for env in environments]\n")
     monkeypatch.chdir(tmp_path)
-    cfg = _cfg("tests.test_envs:CountingEnv", tmp_path, "env.max_turns=6", "generate.max_completion_length=80",
+    cfg = _cfg("tests.env_classes:CountingEnv", tmp_path, "env.max_turns=6", "generate.max_completion_length=80",
                "env.max_tokens=2000", 'reward.functions=[{"fn": "env_rewards:reward_func"}]', "env.reward_weight=0")
 
     def reply(ctx: str) -> str:                 # increment by 2, then by 1, then stop
@@ -308,36 +246,14 @@ def test_reward_functions_get_the_environments_as_trls_docs_read_them(chatml, tm
 
 
 def test_a_gymnasium_text_environment_made_by_gymnasium_make(tokenizer, tmp_path):
-    gymnasium = pytest.importorskip("gymnasium")
-    gymnasium.register(id="rlflow-test/Echo-v0", entry_point="tests.test_envs:Echo", max_episode_steps=3)
-    cfg = _cfg("gymnasium:make", tmp_path, 'env.kwargs={"id": "rlflow-test/Echo-v0"}', "env.max_turns=5")
+    pytest.importorskip("gymnasium")
+    # gymnasium's "module:id" form imports the module that registers the environment (in its own process too)
+    cfg = _cfg("gymnasium:make", tmp_path, 'env.kwargs={"id": "tests.env_classes:rlflow-test/Echo-v0"}',
+               "env.max_turns=5")
     records = _run(cfg, Scripted(lambda ctx: ctx.rsplit("echo ", 1)[1].split("\n")[0]), tokenizer)
     r = records[0]
     assert r.env_error is None and r.turn_rewards == [1.0, 1.0, 1.0] and r.env_return == 3.0   # truncated at 3 steps
     assert records[2].prompt[-1]["content"].endswith("echo 1-0")     # reset(seed=row["seed"])
-
-
-try:
-    import gymnasium as _gym
-
-    class Echo(_gym.Env):
-        """A gymnasium text environment: echo the word, reward 1 each time."""
-
-        observation_space = _gym.spaces.Text(32)
-        action_space = _gym.spaces.Text(32)
-
-        def reset(self, *, seed=None, options=None):
-            super().reset(seed=seed)
-            self.word, self.n = f"{seed}-0", 0
-            return f"echo {self.word}", {}
-
-        def step(self, action):
-            reward = 1.0 if action.strip() == self.word else 0.0
-            self.n += 1
-            self.word = f"{self.word.split('-')[0]}-{self.n}"
-            return f"echo {self.word}", reward, False, False, {}
-except ImportError:          # (the gymnasium test is skipped)
-    pass
 
 
 # ------------------------------------------------------------------------------------------ through the flow

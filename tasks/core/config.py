@@ -209,6 +209,11 @@ class EnvConfig(Section):
                                    "in all; an environment that raises or passes it ends only its episode (no "
                                    "reward; counted in env/errors).")
     concurrency: int = Field(16, ge=1, le=4096, description="Environment calls (reset, step) in flight at once.")
+    isolation: Literal["process", "thread"] = Field(
+        "process", description="process: each episode's environment in a process of its own (forked from a "
+        "forkserver that imported its module): a crash or a hang costs that episode only; thread: in this "
+        "process (cheaper; an environment that crashes the process fails the stage, one that hangs leaves a "
+        "thread behind).")
     returns: Literal["sum", "final"] = Field("sum", description="An episode's return: the sum of its turn rewards, "
                                              "or the last one.")
     reward_weight: float = Field(1.0, description="Weight of the return (reward name 'env') beside "

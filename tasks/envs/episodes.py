@@ -11,17 +11,18 @@ observation, minus the rendering of the dummy turn. The end of the assistant's t
 template closes a turn with) comes first, less what the model already wrote (its EOS). The record's `mask` is
 1 on the model's tokens and 0 on the observation's. Their logprobs are 0 and they never enter the loss.
 
-Environment calls (reset, step, close) run on threads of their own; `async def` ones run on one event loop
-thread. An episode's calls share env.timeout_seconds, and env.concurrency of them are in flight at once. A
-call that raises, returns garbage or runs out of time ends that episode only. It keeps the tokens so far and
-gets no return (`env_error`, counted in env/errors); a hung call's thread is left behind, as a daemon.
+Each episode's environment lives in a process of its own (env.isolation: process; tasks/envs/isolation.py), or
+in this one (thread). Its calls (reset, step, close) are made from threads of their own; in-process `async def`
+ones run on one event loop thread. An episode's calls share env.timeout_seconds, and env.concurrency of them
+are in flight at once. A call that raises, returns garbage, runs out of time or whose process dies ends that
+episode only. It keeps the tokens so far and gets no return (`env_error`, counted in env/errors). A process
+past its deadline is killed; in thread mode a hung call's thread is left behind, as a daemon.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import threading
 import time
 from concurrent.futures import Future
@@ -31,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.models import load_tokenizer, policy_path
 from tasks.core.rollout import Rollout
 from tasks.engines.sampling import Sampled, SamplingParams, sample_rollouts, sampling_engine
-from tasks.envs.protocol import as_messages, as_step, environment, factory_of
+from tasks.envs.isolation import EnvironmentDied, EnvironmentFailed, InvalidReply, ProcessEnvironment, warm_up
+from tasks.envs.protocol import as_messages, as_step, environment, factory_of, state_of
 from tasks.envs.tools import parse_tool_calls, schemas
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
 
 TURN_SEED = 1_000_033          # turn t samples with seed params.seed + t * TURN_SEED
-MAX_STATE_CHARS = 65_536       # an attribute of the environment kept in the record (env_state), as JSON, at most
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Episode:
     row: int
     data: dict
     env: Any = None
-    tools: list = field(default_factory=list)
+    schemas: list[dict] = field(default_factory=list)     # the tools' JSON schemas, as the prompt declares them
     prompt: list[dict] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
@@ -115,11 +116,21 @@ def _each(caller: _Caller, episodes: list[Episode], what: str, call) -> list[Any
             out.append(f.result(timeout=max(e.deadline - time.monotonic(), 0.0)))
         except TimeoutError:
             e.fail(f"{what} did not return within env.timeout_seconds")
+            if callable(getattr(e.env, "kill", None)):        # (its own process: ended now)
+                e.env.kill()
             out.append(None)
         except Exception as ex:  # noqa: BLE001 - costs only this episode
-            e.fail(f"{what} raised {type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}".strip())
+            e.fail(_failure(what, ex))
             out.append(None)
     return out
+
+
+def _failure(what: str, ex: Exception) -> str:
+    if isinstance(ex, EnvironmentFailed):            # raised in the environment's process: "Type: text"
+        return f"{what} raised {ex}"
+    if isinstance(ex, EnvironmentDied | InvalidReply):
+        return f"{what}: {ex}"
+    return f"{what} raised {type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}".strip()
 
 
 # ------------------------------------------------------------------------------------------ tokens
@@ -178,25 +189,31 @@ def sample(cfg: Config, ds, rows: list[int], policy: str, params: SamplingParams
 def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: str, path: str, tokenizer,
                  engine, params: SamplingParams) -> tuple[list[Rollout], Sampled]:
     ec = cfg.env
-    make = factory_of(cfg)
+    make = factory_of(cfg)          # (imported here too: a process environment's forkserver imports it)
     render = Renderer(tokenizer, cfg.generate.max_prompt_length)
     episodes = [Episode(group=g, row=r, data=dict(table[r])) for g, r in enumerate(rows) for _ in range(params.n)]
     caller = _Caller(ec.concurrency)
+    if ec.isolation == "process":
+        warm_up(cfg)
     start = time.monotonic()
     for e in episodes:
         e.deadline = start + ec.timeout_seconds
     load_seconds = sampling_seconds = 0.0
     try:
         def begin(e: Episode) -> list[dict]:
-            e.env = environment(cfg, make(), e.data)
-            e.tools = list(getattr(e.env, "tools", None) or [])
+            if ec.isolation == "process":
+                e.env = ProcessEnvironment.start(cfg, e.data)
+                e.schemas = e.env.tool_schemas
+            else:
+                e.env = environment(cfg, make(), e.data)
+                e.schemas = schemas(list(getattr(e.env, "tools", None) or []))
             return e.env.reset(e.data)
 
         for e, messages in zip(episodes, _each(caller, episodes, "reset", begin)):
             if e.error is None:
                 try:
                     e.prompt = as_messages(messages, "reset's messages")
-                    e.prompt_ids = render.prompt(e.prompt, schemas(e.tools))
+                    e.prompt_ids = render.prompt(e.prompt, e.schemas)
                 except (TypeError, ValueError) as ex:
                     e.fail(f"reset: {ex}")
             if not e.prompt_ids:           # (a failed reset: a one-token placeholder, no completion, no reward)
@@ -219,7 +236,7 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: s
                 e.mask += [1] * len(ids)
                 e.logprobs += s.logprobs[:budget]
                 text = tokenizer.decode(ids, skip_special_tokens=True)
-                content, calls = parse_tool_calls(text) if e.tools else (text, [])
+                content, calls = parse_tool_calls(text) if e.schemas else (text, [])
                 message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
                 e.turns.append(message)
                 messages.append((message, ended))
@@ -240,7 +257,7 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: s
                     e.done = True
                     continue
                 try:
-                    obs = render.observation(st.observation, schemas(e.tools), ended)
+                    obs = render.observation(st.observation, e.schemas, ended)
                 except (TypeError, ValueError) as ex:
                     e.fail(f"step's observation: {ex}")
                     continue
@@ -251,14 +268,32 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: s
                 e.mask += [0] * len(obs)
                 e.logprobs += [0.0] * len(obs)
     finally:
-        for e in episodes:
-            e.state = state_of(getattr(e.env, "instance", e.env)) if e.env is not None else None
-        live = [e for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))]
-        for e in live:
-            e.deadline = max(e.deadline, time.monotonic() + 5.0)
-        _each(caller, live, "close", lambda e: e.env.close())
-        caller.stop()
+        _close(caller, episodes)
     return [_record(cfg, e, tokenizer) for e in episodes], Sampled([], load_seconds, sampling_seconds)
+
+
+def _close(caller: _Caller, episodes: list[Episode]) -> None:
+    """Keep each environment's state (env_state), then close it; a process environment whose episode failed
+    is killed instead (it may be hung or gone)."""
+    process = [e for e in episodes if isinstance(e.env, ProcessEnvironment)]
+    for e in process:
+        if e.error is not None:
+            e.env.kill()
+    for e in episodes:
+        if e.env is not None and not isinstance(e.env, ProcessEnvironment):
+            e.state = state_of(getattr(e.env, "instance", e.env))
+    live = [e for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))
+            and not (isinstance(e.env, ProcessEnvironment) and e.error is not None)]
+    for e in live:
+        e.deadline = max(e.deadline, time.monotonic()) + 5.0
+    errors = {id(e): e.error for e in live}
+    _each(caller, live, "close", lambda e: e.env.close())
+    for e in live:
+        if isinstance(e.env, ProcessEnvironment):
+            e.state = e.env.state
+        if errors[id(e)] is None:      # a close that fails does not undo the episode
+            e.error, e.done = None, True
+    caller.stop()
 
 
 def _record(cfg: Config, e: Episode, tokenizer) -> Rollout:
@@ -273,21 +308,6 @@ def _record(cfg: Config, e: Episode, tokenizer) -> Rollout:
                    columns={k: v for k, v in e.data.items() if k != cfg.data.prompt_column},
                    mask=e.mask, turns=e.turns, turn_rewards=e.rewards, env_return=ret, env_error=e.error,
                    env_state=e.state)
-
-
-def state_of(instance: Any) -> dict:
-    """The environment object's public attributes that are plain data (JSON-able), e.g. `reward`, `done`."""
-    out = {}
-    for name, value in (getattr(instance, "__dict__", None) or {}).items():
-        if name.startswith("_"):
-            continue
-        try:
-            if len(json.dumps(value)) > MAX_STATE_CHARS:
-                continue
-        except (TypeError, ValueError):
-            continue
-        out[name] = value
-    return out
 
 
 def episode_metrics(records: list[Rollout]) -> dict[str, float]:

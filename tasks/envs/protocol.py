@@ -20,6 +20,7 @@ classes, gymnasium text environments. `environment(cfg)` picks one (env.adapter,
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 import sys
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tasks.core.errors import UserError
+
+MAX_STATE_CHARS = 65_536       # an attribute of the environment kept in the record (env_state), as JSON, at most
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -106,3 +109,19 @@ def environment(cfg: Config, instance: Any, row: dict) -> Environment:
                             f"reset(row) and step(message) (env.adapter: rlflow)")
         return instance
     return adapters.ADAPTERS[kind](instance, cfg, row)
+
+
+def state_of(instance: Any) -> dict:
+    """The environment object's public attributes that are plain data (JSON-able), e.g. `reward`, `done`."""
+    out = {}
+    for name, value in (getattr(instance, "__dict__", None) or {}).items():
+        if name.startswith("_"):
+            continue
+        try:
+            if len(json.dumps(value)) > MAX_STATE_CHARS:
+                continue
+        except (TypeError, ValueError):
+            continue
+        out[name] = value
+    return out
+

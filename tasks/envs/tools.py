@@ -27,6 +27,8 @@ MAX_RESULT_CHARS = 8192          # a tool's result as the model sees it, at most
 
 
 def schemas(tools: list[Callable]) -> list[dict]:
+    if not tools:
+        return []
     from transformers.utils import get_json_schema
 
     return [get_json_schema(t) for t in tools]

@@ -1,0 +1,176 @@
+"""An environment in a process of its own (env.isolation: process, the default): a crash of the environment
+(a segfault, `os._exit`, the OOM killer) or a call that never returns costs its episode, nothing else.
+
+    env = ProcessEnvironment.start(cfg, row)     # a child of multiprocessing's forkserver makes the environment
+    env.reset(row); env.step(message); env.close(); env.state
+    env.kill()                                    # what the episode loop does to a call past its deadline
+
+The children come from a forkserver: a small process started once, that imported tasks.envs and the
+environment's module (env.factory) and forks one child per episode. So a child never inherits this process's
+threads or its torch and engine state, and it costs a fork of a small process, not a new interpreter. Calls
+and replies are pickled over a pipe. The child runs `async def` methods on an event loop of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import multiprocessing
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING, Any
+
+from tasks.envs.protocol import as_step, environment, factory_of, state_of
+from tasks.envs.tools import schemas
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+_context = None
+
+
+def _forkserver(cfg: Config):
+    global _context
+    if _context is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["tasks.envs.isolation", "tasks.core.config", "tasks.envs.adapters",
+                                    "transformers.utils",        # (tool schemas: get_json_schema)
+                                    cfg.env.factory.partition(":")[0]])
+        _context = ctx
+    return _context
+
+
+def warm_up(cfg: Config) -> None:
+    """Start the forkserver and let it import its modules (once per process), so that no episode's
+    env.timeout_seconds pays for it."""
+    proc = _forkserver(cfg).Process(target=_noop)
+    proc.start()
+    proc.join()
+
+
+def _noop() -> None:
+    pass
+
+
+def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
+    """The child: make the environment, then answer calls until `close`."""
+    import sys
+
+    from tasks.core.config import Config
+
+    os.chdir(cwd)
+    sys.path[:] = path                                     # what the parent can import, the child can
+    signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is the parent's to handle
+    loop = asyncio.new_event_loop()
+
+    def run(value):
+        return loop.run_until_complete(value) if inspect.isawaitable(value) else value
+
+    try:
+        cfg = Config.model_validate(cfg_dump)
+        env = environment(cfg, factory_of(cfg)(), row)
+        conn.send(("ok", schemas(list(getattr(env, "tools", None) or []))))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent as the episode's failure
+        conn.send(("error", _why(e)))
+        return
+    while True:
+        try:
+            op, arg = conn.recv()
+        except EOFError:
+            return
+        try:
+            if op == "reset":
+                reply: Any = run(env.reset(arg))
+            elif op == "step":
+                value = run(env.step(arg))
+                try:
+                    st = as_step(value)
+                except TypeError as e:
+                    conn.send(("invalid", str(e)))
+                    continue
+                reply = (st.observation, st.reward, st.done, st.info)
+            else:                                          # close
+                if callable(getattr(env, "close", None)):
+                    run(env.close())
+                conn.send(("ok", state_of(getattr(env, "instance", env))))
+                return
+            conn.send(("ok", reply))
+        except BaseException as e:  # noqa: BLE001
+            try:
+                conn.send(("error", _why(e)))
+            except Exception:  # noqa: BLE001 - (the reply itself did not pickle)
+                return
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+
+
+class EnvironmentFailed(RuntimeError):
+    """The environment's own exception, raised in its process: the message is its type and text."""
+
+
+class EnvironmentDied(RuntimeError):
+    """The environment's process ended without answering (a crash, a kill)."""
+
+
+class InvalidReply(TypeError):
+    """What the environment returned is not what the protocol takes (protocol.as_step's message)."""
+
+
+class ProcessEnvironment:
+    """The protocol's methods, each a call into the child."""
+
+    def __init__(self, proc, conn):
+        self.proc, self.conn = proc, conn
+        self.tool_schemas: list[dict] = []
+        self.state: dict | None = None
+
+    @classmethod
+    def start(cls, cfg: Config, row: dict) -> ProcessEnvironment:
+        ctx = _forkserver(cfg)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(child, cfg.model_dump(mode="json"), row, os.getcwd(),
+                                                     list(sys.path)))
+        proc.start()
+        child.close()
+        env = cls(proc, parent)
+        env.tool_schemas = env._reply()
+        return env
+
+    def _reply(self):
+        try:
+            kind, value = self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.join(1.0)
+            code = self.proc.exitcode
+            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit {code}"
+            raise EnvironmentDied(f"the environment's process died ({how})") from None
+        if kind == "error":
+            raise EnvironmentFailed(value)
+        if kind == "invalid":
+            raise InvalidReply(value)
+        return value
+
+    def _call(self, op: str, arg: Any):
+        self.conn.send((op, arg))
+        return self._reply()
+
+    def reset(self, row: dict) -> list[dict]:
+        return self._call("reset", row)
+
+    def step(self, message: dict):
+        return self._call("step", message)
+
+    def close(self) -> None:
+        try:
+            self.state = self._call("close", None)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5.0)
+        self.conn.close()

@@ -1,0 +1,105 @@
+"""Environment classes the tests in tests/test_envs.py run, in a module of their own: a process environment's
+forkserver imports it, so it stays light (no torch, no transformers)."""
+
+from __future__ import annotations
+
+import time
+
+from tasks.envs.protocol import Step
+
+
+class Flaky:
+    """An environment that fails in the way its row says."""
+
+    tools: list = []
+
+    def reset(self, row):
+        if row["letters"] == "hgf" and row["seed"] == 1 and self.mode == "reset":
+            raise RuntimeError("reset blew up")
+        return [{"role": "user", "content": "Say a"}]
+
+    def __init__(self, mode="raise"):
+        self.mode, self.turn = mode, 0
+
+    def step(self, message):
+        self.turn += 1
+        if self.mode == "raise" and self.turn == 2:
+            raise ValueError("step blew up")
+        if self.mode == "hang" and self.turn == 2:
+            time.sleep(30)
+        if self.mode == "garbage" and self.turn == 2:
+            return "not a step"
+        if self.mode == "crash" and self.turn == 2:
+            import ctypes
+            ctypes.string_at(0)                           # a segfault
+        if self.mode == "exit" and self.turn == 2:
+            import os
+            os._exit(3)
+        return Step([{"role": "user", "content": "Say a"}], 1.0, self.turn == 3)
+
+
+class Counter:
+    """A TRL environment_factory class, as TRL's docs write one: reset(**row), public methods are tools,
+    get_reward() scores the episode."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.total, self.target = 0, len(kwargs["letters"])
+        return f" Reach {self.target} by incrementing."
+
+    def increment(self, step: int) -> str:
+        """Add to the counter.
+
+        Args:
+            step: how much to add
+        """
+        self.total += step
+        return f"counter is {self.total}"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.total == self.target else 0.0
+
+
+class CountingEnv:
+    """TRL's docs' environment: the reward is state on the instance, read by a reward function."""
+
+    def __init__(self):
+        self.count, self.reward = 0, 0.0
+
+    def reset(self, **kwargs) -> str | None:
+        self.count, self.reward = 0, 0.0
+        return "Reach exactly 3 by calling increment."
+
+    def increment(self, step: int) -> str:
+        """Increase the counter.
+
+        Args:
+            step: Amount to add.
+        """
+        self.count += step
+        self.reward = 1.0 if self.count == 3 else 0.0
+        return f"count={self.count}"
+
+
+try:
+    import gymnasium as _gym
+
+    class Echo(_gym.Env):
+        """A gymnasium text environment: echo the word, reward 1 each time."""
+
+        observation_space = _gym.spaces.Text(32)
+        action_space = _gym.spaces.Text(32)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.word, self.n = f"{seed}-0", 0
+            return f"echo {self.word}", {}
+
+        def step(self, action):
+            reward = 1.0 if action.strip() == self.word else 0.0
+            self.n += 1
+            self.word = f"{self.word.split('-')[0]}-{self.n}"
+            return f"echo {self.word}", reward, False, False, {}
+
+    _gym.register(id="rlflow-test/Echo-v0", entry_point="tests.env_classes:Echo", max_episode_steps=3)
+except ImportError:          # (the gymnasium test is skipped)
+    pass
