@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tasks.algorithms.advantage import group_advantages
+from tasks.algorithms.advantage import advantages, group_advantages
 from tasks.algorithms.batching import pad_batch
 from tasks.algorithms.logprobs import completion_logprobs
 from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_loss
@@ -31,6 +31,49 @@ def test_group_advantages_match_the_definition():
     assert torch.equal(adv[4:], torch.zeros(4))                             # no signal in a flat group
     assert torch.allclose(group_advantages(r, 4, "none")[:4], g - g.mean())
     assert torch.allclose(group_advantages(r, 4, "batch")[:4], (g - g.mean()) / (r.std() + 1e-4))
+
+
+def _rloo_reference(grouped: list[list[float]]) -> list[float]:
+    """RLOO as OpenRLHF writes it: baseline = (sum - r) / (n - 1), per group, in plain Python."""
+    out = []
+    for g in grouped:
+        out += [r - (sum(g) - r) / (len(g) - 1) for r in g]
+    return out
+
+
+def _whiten(xs: list[float]) -> list[float]:
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return [(x - m) / (sd + 1e-4) for x in xs]
+
+
+def test_rloo_and_reinforce_pp_advantages_match_their_definitions():
+    gen = torch.Generator().manual_seed(0)
+    r = torch.rand(24, generator=gen)
+    grouped = r.view(6, 4).tolist()
+    assert torch.allclose(advantages(r, 4, "rloo"), torch.tensor(_rloo_reference(grouped)), atol=1e-6)
+    assert torch.allclose(advantages(r, 4, "reinforce_pp"), torch.tensor(_whiten(r.tolist())), atol=1e-6)
+    centred = [x - sum(g) / len(g) for g in grouped for x in g]
+    assert torch.allclose(advantages(r, 4, "reinforce_pp_baseline"), torch.tensor(_whiten(centred)), atol=1e-6)
+    # RLOO is GRPO's unscaled advantage times n/(n-1)
+    assert torch.allclose(advantages(r, 4, "rloo"), group_advantages(r, 4, "none") * 4 / 3, atol=1e-6)
+    assert torch.equal(advantages(r, 4, "group", "batch"), group_advantages(r, 4, "batch"))
+
+
+@pytest.mark.parametrize("kind", ["rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_missing_rewards_get_zero_advantage_and_enter_no_baseline(kind):
+    r = torch.tensor([1.0, math.nan, 0.0, 0.5, math.nan, math.nan, 2.0, 0.0])
+    adv = advantages(r, 4, kind)
+    assert adv[1] == 0 and adv[4] == 0 and adv[5] == 0
+    present = [1.0, 0.0, 0.5, 2.0, 0.0]
+    if kind == "rloo":      # the baseline of each completion is the mean of the others present in its group
+        want = [1.0 - 0.25, 0.0 - 0.75, 0.5 - 0.5, 2.0 - 0.0, 0.0 - 2.0]
+    elif kind == "reinforce_pp":
+        want = _whiten(present)
+    else:
+        want = _whiten([1.0 - 0.5, 0.0 - 0.5, 0.5 - 0.5, 2.0 - 1.0, 0.0 - 1.0])
+    assert torch.allclose(adv[[0, 2, 3, 6, 7]], torch.tensor(want), atol=1e-6)
+    assert advantages(torch.tensor([1.0, math.nan, math.nan, math.nan]), 4, "rloo").tolist() == [0.0] * 4
 
 
 def test_missing_rewards_get_zero_advantage_and_leave_group_stats():

@@ -1,10 +1,15 @@
-"""Group-relative advantages, as TRL's GRPOTrainer computes them.
+"""Advantages from one scalar reward per completion (`train.advantage`).
 
-    A_i = (r_i - mean(r_group)) / (std + 1e-4)
+    group                  A_i = (r_i - mean(r_group)) / (std + 1e-4)         TRL's GRPOTrainer
+    rloo                   A_i = r_i - mean(r_group without i)                 RLOO (leave-one-out baseline)
+    reinforce_pp           A_i = (r_i - mean(r_batch)) / (std(r_batch) + 1e-4)  REINFORCE++ (batch whitening)
+    reinforce_pp_baseline  a_i = r_i - mean(r_group), A_i = (a_i - mean(a)) / (std(a) + 1e-4) over the batch
+                                                                               REINFORCE++-baseline
 
-std is Bessel-corrected, taken per group (`scale_rewards="group"`), over the whole batch ("batch"), or
-not at all ("none"). A completion whose every reward is missing (None) gets advantage 0 and does not
-enter its group's statistics.
+For `group`, std is Bessel-corrected, taken per group (`scale_rewards="group"`), over the whole batch
+("batch"), or not at all ("none"); the REINFORCE++ stds are Bessel-corrected over the batch (OpenRLHF's
+formulas). A completion whose every reward is missing (None: NaN here) gets advantage 0 and enters no mean,
+no std and no baseline.
 """
 
 from __future__ import annotations
@@ -29,4 +34,31 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
         adv = adv / (std + 1e-4)
     elif scale != "none":
         raise ValueError(f"scale_rewards: {scale!r}")
+    return adv.reshape(-1)
+
+
+def advantages(rewards: torch.Tensor, group_size: int, kind: str = "group", scale: str = "group") -> torch.Tensor:
+    """rewards (N,) with NaN for missing, grouped contiguously -> advantages (N,) of `kind` (the module's table)."""
+    if kind == "group":
+        return group_advantages(rewards, group_size, scale)
+    grouped = rewards.view(-1, group_size)
+    present = ~torch.isnan(grouped)
+    filled = torch.where(present, grouped, torch.zeros_like(grouped))
+    count = present.sum(1, keepdim=True)
+    if kind == "rloo":
+        others = (count - 1).clamp(min=1)
+        adv = torch.where(present & (count > 1), grouped - (filled.sum(1, keepdim=True) - filled) / others,
+                          torch.zeros_like(grouped))
+        return adv.reshape(-1)
+    if kind == "reinforce_pp":
+        centred = grouped
+    elif kind == "reinforce_pp_baseline":
+        centred = grouped - filled.sum(1, keepdim=True) / count.clamp(min=1)
+    else:
+        raise ValueError(f"advantage: {kind!r}")
+    flat = centred[present]
+    if flat.numel() == 0:
+        return torch.zeros_like(rewards)
+    std = flat.std() if flat.numel() > 1 else torch.tensor(0.0)
+    adv = torch.where(present, (centred - flat.mean()) / (std + 1e-4), torch.zeros_like(grouped))
     return adv.reshape(-1)

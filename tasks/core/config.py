@@ -284,7 +284,12 @@ class TrainConfig(Section):
     mask_truncated_completions: bool = Field(False, description="Exclude completions that hit the length limit "
                                              "from the loss.")
     num_iterations: int = Field(1, ge=1, description="Optimiser passes over each generated batch (TRL's μ).")
-    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage std normalisation.")
+    advantage: Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "group", description="Advantage estimator (tasks/algorithms/advantage.py): group-relative (GRPO), RLOO's "
+        "leave-one-out baseline, REINFORCE++ (batch-whitened rewards) or REINFORCE++-baseline (group mean "
+        "removed, then batch-whitened).")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="advantage: group only: the "
+                                                              "std normalisation.")
     lora_r: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapter is "
                         "trained, checkpointed and published.")
     lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tasks.algorithms.advantage import group_advantages
+from tasks.algorithms.advantage import advantages as compute_advantages
 from tasks.algorithms.batching import shard_batches
 from tasks.algorithms.update import optimise
 from tasks.core import data, layout, rollout
@@ -127,7 +127,7 @@ def update(engine: TrainingEngine, cfg: Config, store: Store, iteration: int, t0
     tc = cfg.train
     records = rollout.load(store, layout.rewards(cfg.run.name, iteration))
     rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
-    advantages = group_advantages(rewards, cfg.generate.num_generations, tc.scale_rewards)   # (N,)
+    advantages = compute_advantages(rewards, cfg.generate.num_generations, tc.advantage, tc.scale_rewards)  # (N,)
     batches = shard_batches(records, advantages, engine.tokenizer.pad_token_id, tc, engine.device, engine.rank,
                             engine.world_size)
     t1 = time.perf_counter()
