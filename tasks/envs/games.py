@@ -1,13 +1,14 @@
 """The multi-turn demo's game (configs/letters.yaml): the environment names a letter, the model says it back,
 and the environment tells it whether it was right and names the next one, for as many letters as the row has.
 
-    row {"prompt": "Say each letter I name.", "letters": "dbg"}
+    row {"prompt": "Say each letter I name.", "letters": "dbc"}
     user: Say each letter I name. Say d      assistant: d
-    user: yes. Say b                         assistant: e
-    user: no, it was b. Say g                assistant: g      -> turn rewards 1/3, 0, 1/3: return 2/3
+    user: yes. Say b                         assistant: a
+    user: no, it was b. Say c                assistant: c      -> turn rewards 1/3, 0, 1/3: return 2/3
 
-Each letter sits in the newest observation, so a policy scores only by reading what the environment said on
-that turn: a task a 0.1M-parameter model learns on a CPU in a few minutes.
+Each letter sits in the newest observation. With the demo's four letters, a policy that always says the same
+one scores 0.25 on average; only one that reads what the environment said on each turn scores more. The
+0.1M-parameter builtin model gets from 0.005 to ~0.56 in 100 iterations on 2 CPU cores (~2 minutes).
 """
 
 from __future__ import annotations
