@@ -107,21 +107,24 @@ async def _awaited(value):
     return await value
 
 
-def _each(caller: _Caller, episodes: list[Episode], what: str, call) -> list[Any]:
-    """call(episode) for every episode at once; per episode its value, or None after marking it failed."""
+def _each(caller: _Caller, episodes: list[Episode], what: str, call, fails: bool = True) -> list[Any]:
+    """call(episode) for every episode at once; per episode its value, or None after marking it failed (when
+    `fails`: a close that fails does not undo its episode)."""
     futures = [caller.start(call, e) for e in episodes]
     out = []
     for e, f in zip(episodes, futures):
         try:
             out.append(f.result(timeout=max(e.deadline - time.monotonic(), 0.0)))
+            continue
         except TimeoutError:
-            e.fail(f"{what} did not return within env.timeout_seconds")
+            why = f"{what} did not return within env.timeout_seconds"
             if callable(getattr(e.env, "kill", None)):        # (its own process: ended now)
                 e.env.kill()
-            out.append(None)
         except Exception as ex:  # noqa: BLE001 - costs only this episode
-            e.fail(_failure(what, ex))
-            out.append(None)
+            why = _failure(what, ex)
+        if fails:
+            e.fail(why)
+        out.append(None)
     return out
 
 
@@ -139,6 +142,7 @@ class Renderer:
     """Token ids of prompts and observations as the tokenizer's chat template renders them."""
 
     DUMMY = "rlflow-dummy-turn"
+    TURN = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": DUMMY}]
 
     def __init__(self, tokenizer, max_prompt_length: int):
         self.tok, self.max_prompt_length = tokenizer, max_prompt_length
@@ -157,15 +161,13 @@ class Renderer:
         """The end of the assistant's turn (less the EOS it wrote), the observation, the next turn's header."""
         key = repr(tools)
         if key not in self._heads:
-            dummy = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.DUMMY}]
-            prefix = self._template(dummy, tools, False)
+            prefix = self._template(self.TURN, tools, False)
             if self.DUMMY not in prefix:
                 raise ValueError("the chat template does not render an assistant message's content")
             closing = prefix[prefix.rindex(self.DUMMY) + len(self.DUMMY):]
             self._heads[key] = (prefix, closing)
         prefix, closing = self._heads[key]
-        dummy = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": self.DUMMY}]
-        full = self._template(dummy + messages, tools, True)
+        full = self._template(self.TURN + messages, tools, True)
         if not full.startswith(prefix):
             raise ValueError("the chat template renders earlier turns differently once more follow; the "
                              "observation's tokens cannot be appended")
@@ -286,13 +288,10 @@ def _close(caller: _Caller, episodes: list[Episode]) -> None:
             and not (isinstance(e.env, ProcessEnvironment) and e.error is not None)]
     for e in live:
         e.deadline = max(e.deadline, time.monotonic()) + 5.0
-    errors = {id(e): e.error for e in live}
-    _each(caller, live, "close", lambda e: e.env.close())
+    _each(caller, live, "close", lambda e: e.env.close(), fails=False)
     for e in live:
         if isinstance(e.env, ProcessEnvironment):
             e.state = e.env.state
-        if errors[id(e)] is None:      # a close that fails does not undo the episode
-            e.error, e.done = None, True
     caller.stop()
 
 
