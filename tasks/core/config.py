@@ -30,6 +30,9 @@ class Section(BaseModel):
 # A field that changes how a result is computed, not the result (tested bit-identical): left out of the
 # fingerprints, so a run may switch it between two flow runs without "made from a different config".
 HOW_NOT_WHAT = {"fingerprint": False}
+# A field added after runs already existed: left out of the fingerprints while it has its default (which is
+# what those runs did), so they resume across the upgrade; a run that sets it is fingerprinted with it.
+SINCE_DEFAULT = {"fingerprint": "when-set"}
 
 
 class RunConfig(Section):
@@ -152,11 +155,13 @@ class SandboxConfig(Section):
     tmpfs_mb: int = Field(64, ge=1, le=65536, description="Size of the private /tmp, the only writable place "
                           "(bubblewrap; MiB).")
     workers: int = Field(0, ge=0, le=256, description="Sandboxes run in parallel; 0 = os.cpu_count().")
-    cpus: float = Field(1.0, ge=0, le=256, description="CPU quota of each sandbox, all its processes together "
+    cpus: float = Field(1.0, ge=0, le=256, json_schema_extra=SINCE_DEFAULT,
+                        description="CPU quota of each sandbox, all its processes together "
                         "(its cgroup's cpu.max / cfs quota); 0 = no quota.")
     cgroup: Literal["auto", "required", "off"] = Field(
-        "auto", description="A cgroup per sandbox: one memory limit for all its processes, kernel memory and "
-        "tmpfs included (memory_mb + 2 x tmpfs_mb + 64 MiB), pids.max, the cpus quota, and killing by cgroup. "
+        "auto", json_schema_extra=SINCE_DEFAULT,
+        description="A cgroup per sandbox: one memory limit for all its processes, kernel memory and tmpfs "
+        "included (memory_mb + 2 x tmpfs_mb + 64 MiB), pids.max, the cpus quota, and killing by cgroup. "
         "auto: where the host allows (root, or a delegated cgroup v2), else a warning; required: an error "
         "where it does not; off: none.")
     uid_range: tuple[int, int] = Field(
@@ -285,8 +290,9 @@ class TrainConfig(Section):
                                              "from the loss.")
     num_iterations: int = Field(1, ge=1, description="Optimiser passes over each generated batch (TRL's μ).")
     advantage: Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
-        "group", description="Advantage estimator (tasks/algorithms/advantage.py): group-relative (GRPO), RLOO's "
-        "leave-one-out baseline, REINFORCE++ (batch-whitened rewards) or REINFORCE++-baseline (group mean "
+        "group", json_schema_extra=SINCE_DEFAULT,
+        description="Advantage estimator (tasks/algorithms/advantage.py): group-relative (GRPO), RLOO's leave-one-out "
+        "baseline, REINFORCE++ (batch-whitened rewards) or REINFORCE++-baseline (group mean "
         "removed, then batch-whitened).")
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="advantage: group only: the "
                                                               "std normalisation.")
@@ -556,7 +562,8 @@ class Config(Section):
 def _what(section: Section) -> dict:
     dumped = section.model_dump(mode="json")
     for name, field in type(section).model_fields.items():
-        if field.json_schema_extra == HOW_NOT_WHAT:
+        if field.json_schema_extra == HOW_NOT_WHAT or (field.json_schema_extra == SINCE_DEFAULT
+                                                       and getattr(section, name) == field.default):
             dumped.pop(name)
         elif isinstance(getattr(section, name), Section):
             dumped[name] = _what(getattr(section, name))
