@@ -103,3 +103,20 @@ try:
     _gym.register(id="rlflow-test/Echo-v0", entry_point="tests.env_classes:Echo", max_episode_steps=3)
 except ImportError:          # (the gymnasium test is skipped)
     pass
+
+
+class Mover:
+    """A TRL environment whose tool happens to be called `step` (TRL's docs advise against it; people do it)."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.position = 0
+        return None
+
+    def step(self, direction: str) -> str:
+        """Move one square.
+
+        Args:
+            direction: left or right
+        """
+        self.position += 1 if direction == "right" else -1
+        return f"at {self.position}"

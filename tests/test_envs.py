@@ -206,6 +206,14 @@ def test_tool_calls_parse_from_hermes_blocks_and_mistakes_are_observations():
     assert schemas([add])[0]["function"]["parameters"]["required"] == ["a", "b"]
 
 
+def test_the_adapter_is_told_by_the_reset_signature_not_by_a_method_named_step():
+    from tasks.envs.adapters import detect
+    from tasks.envs.games import SayTheLetters
+    from tests.env_classes import Counter, Mover
+
+    assert [detect(SayTheLetters()), detect(Counter()), detect(Mover())] == ["rlflow", "trl", "trl"]
+
+
 def test_a_trl_environment_class_runs_its_tools_until_the_model_stops_calling(chatml, tmp_path):
     cfg = _cfg("tests.env_classes:Counter", tmp_path, "env.max_turns=5", "generate.max_completion_length=80",
                "env.max_tokens=2000")

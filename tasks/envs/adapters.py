@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 
 def detect(instance: Any) -> str:
-    """auto: gymnasium for a gymnasium.Env, rlflow for reset + step, trl for reset alone (tools as methods)."""
+    """auto: gymnasium for a gymnasium.Env; rlflow for `reset(row)` (a positional parameter) with a `step`;
+    trl otherwise: `reset(**kwargs)`, tools as methods (one of which may well be called `step`)."""
     try:
         import gymnasium
 
@@ -31,9 +32,12 @@ def detect(instance: Any) -> str:
             return "gymnasium"
     except ImportError:
         pass
-    if callable(getattr(instance, "step", None)):
-        return "rlflow"
-    return "trl"
+    try:
+        params = inspect.signature(instance.reset).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return "trl"
+    takes_row = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    return "rlflow" if takes_row and callable(getattr(instance, "step", None)) else "trl"
 
 
 def _prompt_messages(cfg: Config, row: dict) -> list[dict]:

@@ -77,8 +77,7 @@ def call_tools(calls: list[dict], tools: list[Callable]) -> list[dict]:
                     result = asyncio.run(result)
             except TypeError as e:
                 result = {"error": f"bad arguments for {name}: {e}"}
-            except Exception as e:  # noqa: BLE001 - the tool's failure is the model's observation
-                result = {"error": f"{type(e).__name__}: {e}"}
-        text = result if isinstance(result, str) else json.dumps(result, default=str)
-        out.append({"role": "tool", "name": name, "content": text[:MAX_RESULT_CHARS]})
+            except Exception as e:  # noqa: BLE001 - the tool's failure is the model's observation, as in TRL
+                result = {"error": str(e)}
+        out.append({"role": "tool", "name": name, "content": str(result)[:MAX_RESULT_CHARS]})    # (TRL: str())
     return out
