@@ -67,7 +67,7 @@ MARKER = "rlflow-sandbox"     # argv[1] of every harness (and of its forked chil
 _STDERR_KEEP = 8192           # bytes of the sandbox's own stderr kept for error messages (bwrap, harness)
 _MAX_WORKERS = 256
 DEFAULT_UID_RANGE = (1_900_000_000, 65_536)   # reward.sandbox.uid_range: sandbox uids when we are root
-_CGROUP_OVERHEAD_MB = 64      # a sandbox's cgroup: memory_mb + its tmpfs + this (bwrap, its pid 1, the harness)
+_CGROUP_OVERHEAD_MB = 64      # a sandbox's cgroup: memory_mb + its tmpfs + this (bwrap and the harness)
 
 
 @dataclass
@@ -148,7 +148,7 @@ class Runner:
         self._cgroups: dict[int, Cgroup | None] = {}  # slot -> its cgroup (tasks/scoring/cgroups.py), if any
         self._spawners: dict[int, Spawner | None] = {}  # slot -> the thread that forks into it (cgroup v1)
         self.why_no_cgroup = "reward.sandbox.cgroup is off" if limits.cgroup == "off" else ""
-        self.prlimit = shutil.which("prlimit")         # (util-linux) the limits of bwrap and its pid 1
+        self.prlimit = shutil.which("prlimit")         # (util-linux) the limits of bwrap and the harness
         self._slots: queue.Queue[int] = queue.Queue()
         for slot in range(self.workers):
             self._slots.put(slot)
