@@ -827,9 +827,13 @@ def test_a_cgroup_bounds_the_sandbox_as_a_whole_and_its_init_has_the_limits():
                               sandbox._interpreter_binds(sandbox.resolve_python(None)),
                               seccomp=sandbox.syscall_filter()[0])
 
+    stale = Path("/sys/fs/cgroup/pids/rlflow-sandbox-1900065535")      # (a uid no process holds)
+    if IS_ROOT and Path("/sys/fs/cgroup/pids").is_dir():
+        stale.mkdir(exist_ok=True)                  # what a process killed before its exit handlers leaves
     limited, unlimited = make(cpus=0.5), make(cgroup="off", cpus=0.5)
     if limited._cgroup(0, limited._uid(0) if IS_ROOT else None) is None:
         pytest.skip(f"no cgroup here: {limited.why_no_cgroup}")
+    assert not stale.exists()                       # swept when the next runner made its own
     run = limited.run(SHARE_MEMORY, [sandbox.Test(stdin="")])
     assert "-9" in run.tests[0].stdout, run           # killed for the sandbox's memory
     assert unlimited.run(SHARE_MEMORY, [sandbox.Test(stdin="")]).tests[0].stdout.strip() == "[0, 0, 0, 0]"
@@ -848,3 +852,6 @@ def test_a_cgroup_bounds_the_sandbox_as_a_whole_and_its_init_has_the_limits():
                       f"'{DAEMON_MARK}'])", [sandbox.Test(stdin="")])
     assert run.tests[0].ran and limited._cgroups[0].pids() == []
     assert not [p for p in leftovers() if DAEMON_MARK in p]
+    out = subprocess.run([sys.executable, "-m", "tasks.scoring.sandbox"], cwd=ROOT, capture_output=True, text=True)
+    mine = out.stdout.split("cgroup per sandbox: ")[1].split()
+    assert mine and not [d for d in mine if Path(d).exists()]       # a process removes its cgroups as it exits

@@ -234,6 +234,21 @@ class Cgroup:
         open_procs and joiner)."""
         return Spawner(self) if self.version == 1 else None
 
+    def remove_stale(self, prefix: str, stale) -> int:
+        """rmdir the siblings named `prefix...` that `stale(name)` says no living process owns (a process
+        killed before its exit handlers ran leaves its slots' cgroups behind). One that still holds a process
+        is not removed: the kernel refuses. Returns how many went."""
+        gone = 0
+        for d in self.dirs.values():
+            for sibling in d.parent.glob(prefix + "*"):
+                if sibling.name != d.name and sibling.is_dir() and stale(sibling.name):
+                    try:
+                        sibling.rmdir()
+                        gone += 1
+                    except OSError:
+                        pass
+        return gone
+
     def remove(self) -> None:
         for d in self.dirs.values():
             try:
@@ -266,6 +281,16 @@ class Spawner:
                 done.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 done.set_exception(e)
+
+    def leave(self, cgroup: Cgroup) -> None:
+        """Move the thread back to the cgroups it came from (the parents): an empty cgroup can be removed."""
+        def back() -> None:
+            for d in cgroup.dirs.values():
+                _write(d.parent / "tasks", str(threading.get_native_id()))
+        try:
+            self.call(back)
+        except OSError:
+            pass
 
     def call(self, fn):
         done: Future = Future()

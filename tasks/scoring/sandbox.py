@@ -247,6 +247,7 @@ class Runner:
             made, why = Cgroup.make(name, (lim.memory_mb + tmpfs + _CGROUP_OVERHEAD_MB) << 20,
                                     lim.max_processes + 3, lim.cpus)      # + bwrap, the harness, a spawner
             if made is not None:
+                made.remove_stale("rlflow-sandbox-", _stale_cgroup)
                 try:
                     self._spawners[slot] = made.spawner()
                 except OSError as e:
@@ -261,7 +262,7 @@ class Runner:
                                 "and leftovers are found by uid. See docs/sandbox.md.", why)
                 self.why_no_cgroup = why
             else:
-                atexit.register(made.remove)
+                atexit.register(_remove_cgroup, made, self._spawners.get(slot))
             self._cgroups[slot] = made
         return self._cgroups[slot]
 
@@ -449,6 +450,36 @@ def _claims_dir() -> Path:
             path.mkdir(mode=0o700, exist_ok=True)
             return path
     raise OSError("no writable /run/lock or temporary folder for the sandbox uid claims")
+
+
+def _remove_cgroup(cgroup: Cgroup, spawner: Spawner | None) -> None:
+    if spawner is not None:
+        spawner.leave(cgroup)            # (a cgroup with our thread in it is not empty)
+    cgroup.remove()
+
+
+def _stale_cgroup(name: str) -> bool:
+    """A slot cgroup (rlflow-sandbox-UID, or rlflow-sandbox-pPID-SLOT without root) whose owner is gone: the
+    uid is claimed by no process (its lock file can be locked), or the pid no longer runs."""
+    import fcntl
+
+    rest = name.removeprefix("rlflow-sandbox-")
+    if rest.startswith("p"):
+        pid = rest[1:].split("-")[0]
+        return pid.isdigit() and not Path(f"/proc/{pid}").exists()
+    if not rest.isdigit() or int(rest) in _claims:
+        return False
+    try:
+        fd = os.open(_claims_dir() / rest, os.O_RDWR)
+    except OSError:
+        return True                      # never claimed here (another claims folder): no process holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)                     # (the lock, if we took it, goes with the descriptor)
 
 
 def claim_uid(first: int, count: int) -> int:
