@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.models import load_tokenizer, policy_path
 from tasks.core.rollout import Rollout
 from tasks.engines.sampling import Sampled, SamplingParams, sample_rollouts, sampling_engine
-from tasks.envs.isolation import EnvironmentDied, EnvironmentFailed, InvalidReply, ProcessEnvironment, warm_up
+from tasks.envs.isolation import EnvironmentDied, EnvironmentFailed, InvalidReply, ProcessEnvironment, warm_up, why
 from tasks.envs.protocol import as_messages, as_step, environment, factory_of, state_of
-from tasks.envs.tools import parse_tool_calls, schemas
+from tasks.envs.tools import parse_tool_calls, tool_schemas
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -133,7 +133,7 @@ def _failure(what: str, ex: Exception) -> str:
         return f"{what} raised {ex}"
     if isinstance(ex, EnvironmentDied | InvalidReply):
         return f"{what}: {ex}"
-    return f"{what} raised {type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}".strip()
+    return f"{what} raised {why(ex)}"
 
 
 # ------------------------------------------------------------------------------------------ tokens
@@ -208,7 +208,7 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: s
                 e.schemas = e.env.tool_schemas
             else:
                 e.env = environment(cfg, make(), e.data)
-                e.schemas = schemas(list(getattr(e.env, "tools", None) or []))
+                e.schemas = tool_schemas(e.env)
             return e.env.reset(e.data)
 
         for e, messages in zip(episodes, _each(caller, episodes, "reset", begin)):

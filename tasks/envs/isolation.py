@@ -22,12 +22,13 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from tasks.envs.protocol import as_step, environment, factory_of, state_of
-from tasks.envs.tools import schemas
+from tasks.envs.tools import tool_schemas
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
 
 _context = None
+_warm = False
 
 
 def _forkserver(cfg: Config):
@@ -44,9 +45,12 @@ def _forkserver(cfg: Config):
 def warm_up(cfg: Config) -> None:
     """Start the forkserver and let it import its modules (once per process), so that no episode's
     env.timeout_seconds pays for it."""
-    proc = _forkserver(cfg).Process(target=_noop)
-    proc.start()
-    proc.join()
+    global _warm
+    if not _warm:
+        proc = _forkserver(cfg).Process(target=_noop)
+        proc.start()
+        proc.join()
+        _warm = True
 
 
 def _noop() -> None:
@@ -55,8 +59,6 @@ def _noop() -> None:
 
 def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
     """The child: make the environment, then answer calls until `close`."""
-    import sys
-
     from tasks.core.config import Config
 
     os.chdir(cwd)
@@ -70,9 +72,9 @@ def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
     try:
         cfg = Config.model_validate(cfg_dump)
         env = environment(cfg, factory_of(cfg)(), row)
-        conn.send(("ok", schemas(list(getattr(env, "tools", None) or []))))
+        conn.send(("ok", tool_schemas(env)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as the episode's failure
-        conn.send(("error", _why(e)))
+        conn.send(("error", why(e)))
         return
     while True:
         try:
@@ -98,12 +100,13 @@ def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
             conn.send(("ok", reply))
         except BaseException as e:  # noqa: BLE001
             try:
-                conn.send(("error", _why(e)))
+                conn.send(("error", why(e)))
             except Exception:  # noqa: BLE001 - (the reply itself did not pickle)
                 return
 
 
-def _why(e: BaseException) -> str:
+def why(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its text."""
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
 
 

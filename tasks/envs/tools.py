@@ -26,6 +26,11 @@ _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 MAX_RESULT_CHARS = 8192          # a tool's result as the model sees it, at most
 
 
+def tool_schemas(env) -> list[dict]:
+    """The schemas of an environment's `tools` attribute (none when it has none)."""
+    return schemas(list(getattr(env, "tools", None) or []))
+
+
 def schemas(tools: list[Callable]) -> list[dict]:
     if not tools:
         return []
