@@ -264,6 +264,55 @@ def test_a_gymnasium_text_environment_made_by_gymnasium_make(tokenizer, tmp_path
     assert records[2].prompt[-1]["content"].endswith("echo 1-0")     # reset(seed=row["seed"])
 
 
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_verifiers_multiturn_env_runs_its_own_rollout_and_its_rubric_scores_it(isolation, chatml, tmp_path):
+    """verifiers' own rollout loop runs the episode (setup_state, env_response, its stop conditions, max_turns);
+    its rubric's score is the return; the system prompt is the environment's."""
+    pytest.importorskip("verifiers")
+    cfg = _cfg("tests.vf_envs:load_higher_lower", tmp_path, f"env.isolation={isolation}", "env.max_turns=8",
+               "generate.max_completion_length=20", "env.max_tokens=400")
+    table = {0: {"prompt": "Guess.", "answer": "7"}, 1: {"prompt": "Guess.", "answer": "1"}}
+
+    def reply(ctx: str) -> str:                  # bisection of 1..9 by what the environment said
+        low, high = 1, 9
+        for said in ctx.split("<|im_start|>user\n")[2:]:
+            guess = (low + high) // 2
+            low, high = (guess + 1, high) if said.startswith("higher") else (low, guess - 1)
+        return str((low + high) // 2)
+
+    records = run_episodes(cfg, table, [0, 1], "base", "unused", chatml, Scripted(reply),
+                           SamplingParams(n=2, max_new_tokens=20, temperature=1.0, top_p=1.0, seed=3))[0]
+    first, second = records[0], records[2]
+    assert first.prompt[0] == {"role": "system", "content": "Guess the number. Answer with the number only."}
+    assert [m["content"] for m in first.turns] == ["5", "higher", "7", "correct"], first.turns
+    assert first.env_error is None and first.env_return == pytest.approx(1.0 - 0.2)   # solved at the 2nd guess
+    assert first.env_state["stop_condition"] == "has_final_env_response" and first.env_state["reward"] == 0.8
+    assert [m["content"] for m in second.turns] == ["5", "lower", "2", "lower", "1", "correct"], second.turns
+    assert second.env_return == pytest.approx(0.7) and records[3].env_return == pytest.approx(0.7)
+
+
+def test_a_verifiers_tool_env_calls_its_tools_and_a_malformed_call_is_an_observation(chatml, tmp_path):
+    pytest.importorskip("verifiers")
+    cfg = _cfg("tests.vf_envs:load_adder", tmp_path, "env.isolation=thread", "env.max_turns=4",
+               "generate.max_completion_length=80", "env.max_tokens=2000")
+    table = {0: {"prompt": "What is 20 + 22?", "answer": "42"}}
+
+    def reply(ctx: str) -> str:
+        if "<|im_start|>tool" not in ctx:
+            return '<tool_call>{"name": "add", "arguments": {"a": 20, "b": 22}}</tool_call>'
+        if ctx.count("<|im_start|>tool") == 1:
+            return "<tool_call>not json</tool_call>"
+        return "The sum is 42."
+
+    records = run_episodes(cfg, table, [0], "base", "unused", chatml, Scripted(reply),
+                           SamplingParams(n=1, max_new_tokens=80, temperature=1.0, top_p=1.0, seed=3))[0]
+    r = records[0]
+    assert '"name": "add"' in chatml.decode(r.prompt_ids)             # verifiers' tool_defs, as the prompt's tools
+    assert [m["role"] for m in r.turns] == ["assistant", "tool", "assistant", "tool", "assistant"], r.turns
+    assert r.turns[1]["content"] == "42" and "Expecting value" in r.turns[3]["content"]
+    assert r.env_error is None and r.env_return == 1.0 and r.env_state["stop_condition"] == "no_tools_called"
+
+
 # ------------------------------------------------------------------------------------------ through the flow
 
 @pytest.mark.slow

@@ -203,10 +203,11 @@ class EnvConfig(Section):
                                 "that returns one environment per episode (a class, or gymnasium:make with "
                                 "kwargs {id: ...}); None = single-turn.")
     kwargs: dict[str, Any] = Field({}, description="Keyword arguments for the factory.")
-    adapter: Literal["auto", "rlflow", "trl", "gymnasium"] = Field(
+    adapter: Literal["auto", "rlflow", "trl", "gymnasium", "verifiers"] = Field(
         "auto", description="How the environment is driven. rlflow: reset(row) -> messages and step(message) -> "
         "(observation messages, reward, done, info); trl: TRL's environment_factory classes (reset(**row), public "
-        "methods as tools, get_reward()); gymnasium: a text gymnasium.Env (step(str)). auto: from the instance.")
+        "methods as tools, get_reward()); gymnasium: a text gymnasium.Env (step(str)); verifiers: a verifiers "
+        "environment (MultiTurnEnv, ToolEnv...: its rollout and rubric). auto: from the instance.")
     max_turns: int = Field(4, ge=1, le=1000, description="Model turns per episode at most.")
     max_tokens: int = Field(512, ge=1, description="Tokens after the prompt per episode at most, the model's and "
                             "the observations' together (generate.max_completion_length bounds each model turn).")

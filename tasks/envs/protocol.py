@@ -23,8 +23,11 @@ import importlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -79,7 +82,8 @@ def as_messages(value: Any, what: str) -> list[dict]:
 
 
 def factory_of(cfg: Config) -> Callable[[], Any]:
-    """env.factory imported (a user error naming it if it cannot be), called with env.kwargs per episode."""
+    """env.factory imported (a user error naming it if it cannot be), called with env.kwargs per episode (once
+    per process for an environment that serves many: adapters.shared)."""
     spec = cfg.env.factory
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:
@@ -93,7 +97,54 @@ def factory_of(cfg: Config) -> Callable[[], Any]:
     if not callable(make):
         raise UserError(f"env.factory: {module_name!r} has no callable {attr!r}")
     kwargs = dict(cfg.env.kwargs)
-    return lambda: make(**kwargs)
+    kept: list = []                   # the instance every episode shares (adapters.shared), once made
+    first = threading.Lock()          # (held while the first is made: is it one to share?)
+    known = threading.Event()
+
+    def new() -> Any:
+        with _signals_kept():
+            return make(**kwargs)
+
+    def made() -> Any:
+        from tasks.envs.adapters import shared
+
+        if not known.is_set():
+            with first:
+                if not known.is_set():
+                    instance = new()
+                    if shared(instance):
+                        kept.append(instance)
+                    known.set()
+                    return instance
+        return kept[0] if kept else new()
+    return made
+
+
+_FACTORY = threading.local()          # .on: this thread is making an environment
+_GUARD_LOCK = threading.Lock()
+_install_signal: Callable | None = None
+
+
+@contextmanager
+def _signals_kept():
+    """While a factory runs, signal.signal is a no-op in its thread for SIGINT and SIGTERM: an environment that
+    installs its own handlers as it is made (verifiers' Environment does, for its teardown) would take the stop
+    signal from the run (and cannot at all off the main thread, where thread isolation makes environments)."""
+    global _install_signal
+    with _GUARD_LOCK:
+        if _install_signal is None:
+            _install_signal = install = signal.signal
+
+            def guarded(signum, handler):
+                if getattr(_FACTORY, "on", False) and signum in (signal.SIGINT, signal.SIGTERM):
+                    return signal.getsignal(signum)
+                return install(signum, handler)
+            signal.signal = guarded
+    _FACTORY.on = True
+    try:
+        yield
+    finally:
+        _FACTORY.on = False
 
 
 def environment(cfg: Config, instance: Any, row: dict) -> Environment:

@@ -27,7 +27,11 @@ MAX_RESULT_CHARS = 8192          # a tool's result as the model sees it, at most
 
 
 def tool_schemas(env) -> list[dict]:
-    """The schemas of an environment's `tools` attribute (none when it has none)."""
+    """The schemas of an environment's `tools` attribute (none when it has none), or its `schemas` as they are
+    (an adapter whose tools are declared elsewhere: verifiers' tool_defs)."""
+    given = getattr(env, "schemas", None)
+    if isinstance(given, list):
+        return given
     return schemas(list(getattr(env, "tools", None) or []))
 
 
