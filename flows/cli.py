@@ -61,7 +61,8 @@ def cmd_run(args) -> int:
 
     if cfg.train.engine != "deepspeed":   # (accelerate imports deepspeed to unwrap a model; it would warn)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    _shield_prefect_server()
+    if not os.environ.get("PREFECT_API_URL"):
+        _shield_prefect_server()    # (imports Prefect's server, ~3 s: only for the temporary one)
     preflight(cfg)                  # every input mistake, before Prefect's server starts (the flow checks again)
     if not os.environ.get("PREFECT_API_URL"):
         print("starting Prefect's temporary API server (no PREFECT_API_URL set; ~5-15 s, once per run)",
@@ -152,10 +153,20 @@ _stopped_by: list[int] = []
 def _stop_on_signals() -> None:
     """SIGINT and SIGTERM stop the run: no stage starts or is retried after it (tasks/core/stage.py: STOP) and
     a KeyboardInterrupt is raised where the main thread is; also where SIGINT came in ignored (a background job
-    of a script). A second signal, or STOP_GRACE_SECONDS without an exit, ends it by force."""
+    of a script). A second signal, or STOP_GRACE_SECONDS without an exit, ends it by force.
+
+    While a flow runs, Prefect has SIGTERM raise its TerminationSignal instead (capture_sigterm), and sends the
+    signal again to the handler it replaced once that has unwound its engine. It does not always unwind: a
+    TerminationSignal that lands while a task run is being created turns into Prefect's own ValueError ("Task
+    run is not set"), and the signal is never sent again. So the stop is noted when Prefect's handler runs,
+    and the signal it sends again is not taken for a second one."""
+    from prefect.utilities import engine as prefect_engine
+
     from tasks.core.stage import STOP
 
-    def on_signal(signum, _frame):
+    resent = []                  # a stop noted in Prefect's handler, whose signal Prefect will send again
+
+    def note(signum) -> None:
         _stopped_by.append(signum)
         STOP.set()
         if len(_stopped_by) > 1:
@@ -164,7 +175,22 @@ def _stop_on_signals() -> None:
                                 args=(f"the run did not stop within {STOP_GRACE_SECONDS:g} s; ended it",))
         timer.daemon = True
         timer.start()
+
+    def on_signal(signum, _frame):
+        if resent:
+            resent.clear()
+        else:
+            note(signum)
         raise KeyboardInterrupt
+
+    prefects = prefect_engine._prefect_sigterm_handler
+    if not getattr(prefects, "_rlflow", False):
+        def noted(signum, *args):
+            note(signum)
+            resent.append(signum)
+            prefects(signum, *args)              # (raises Prefect's TerminationSignal)
+        noted._rlflow = True
+        prefect_engine._prefect_sigterm_handler = noted
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)

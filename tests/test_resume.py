@@ -54,16 +54,41 @@ def _start(cwd: Path, prefect_api: str, extra_env: dict, args: list[str]) -> sub
                             start_new_session=True)
 
 
+def _args(staleness: int) -> list[str]:
+    return [*ARGS, "-o", f"run.max_staleness={staleness}"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(prefect_api, tmp_path_factory) -> Path:
+    """The run of `_args(0)` that nothing stops: what every stopped and resumed run of it must equal."""
+    clean = tmp_path_factory.mktemp("uninterrupted")
+    (clean / "gated_reward.py").write_text(GATED_REWARD)
+    ref = run_cli(["run", str(TINY), *_args(0), "--summary-json", "s.json"], clean, prefect_api)
+    assert ref.returncode == 0, ref.stderr
+    return clean
+
+
+def _equal_runs(got_dir: Path, want_dir: Path, iterations: int = 3) -> None:
+    """The same rewards in every iteration and the same policy weights, bit for bit."""
+    got, want = read_summary(got_dir / "s.json"), read_summary(want_dir / "s.json")
+    assert got["iterations_completed"] == iterations and len(got["reward_mean"]) == iterations
+    assert got["reward_mean"] == want["reward_mean"]             # same prompts, samples and updates
+    store, ref_store = Store.open(str(got_dir / "rlflow-store")), Store.open(str(want_dir / "rlflow-store"))
+    for it in range(1, iterations + 1):
+        key = layout.policy("resume", it)
+        assert store.manifest(key)["files"] == ref_store.manifest(key)["files"]
+
+
 def _kill(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("staleness", [0, pytest.param(1, marks=AT_LENGTH), pytest.param(2, marks=AT_LENGTH)])
-def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path, staleness):
+def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path, staleness, request):
     """Also with run.max_staleness S > 0, where generate and reward of later iterations run beside train: the
     rollouts a kill leaves of iterations ahead are reused, and every policy is the uninterrupted run's."""
-    args = [*ARGS, "-o", f"run.max_staleness={staleness}"]
+    args = _args(staleness)
     for d in ("killed", "clean"):
         (tmp_path / d).mkdir()
         (tmp_path / d / "gated_reward.py").write_text(GATED_REWARD)
@@ -90,21 +115,18 @@ def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path, s
     _wait_for(store_dir / ("iter-000003/rollouts" if staleness == 0 else "policy/v000002") / MANIFEST, proc)
     _kill(proc)
 
-    # Restart to the end, and an uninterrupted run of the same config beside it.
+    # Restart to the end; an uninterrupted run of the same config (S = 0: the module's) gives the same.
     done = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], killed, prefect_api)
     assert done.returncode == 0, done.stderr
-    ref = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], clean, prefect_api)
-    assert ref.returncode == 0, ref.stderr
-
-    got, want = read_summary(killed / "s.json"), read_summary(clean / "s.json")
-    assert got["iterations_completed"] == 3 and len(got["reward_mean"]) == 3
-    assert got["reward_mean"] == want["reward_mean"]             # same prompts, samples and updates
+    if staleness == 0:
+        clean = request.getfixturevalue("uninterrupted")
+    else:
+        ref = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], clean, prefect_api)
+        assert ref.returncode == 0, ref.stderr
+    _equal_runs(killed, clean)
+    got = read_summary(killed / "s.json")
 
     store = Store.open(str(killed / "rlflow-store"))
-    ref_store = Store.open(str(clean / "rlflow-store"))
-    for it in (1, 2, 3):                                          # the same weights, bit for bit
-        key = layout.policy("resume", it)
-        assert store.manifest(key)["files"] == ref_store.manifest(key)["files"]
     assert store.get_pointer(layout.latest("resume", "policy")) == layout.policy("resume", 3)
     assert store.list_folders("resume/policy") == ["v000001", "v000002", "v000003"]
     # train.mode auto = resident: lean ckpt-N, a full checkpoint when the flow ended; store.keep: the newest two
@@ -141,18 +163,18 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_a_stop_signal_ends_the_run_cleanly_and_the_same_command_resumes_it(prefect_api, tmp_path):
+def test_a_stop_signal_ends_the_run_cleanly_and_the_same_command_resumes_it(prefect_api, tmp_path, uninterrupted):
     """SIGINT (Ctrl-C: to the whole process group, Prefect's temporary server's session aside) and then SIGTERM
     stop `rlflow run` within 10 s with one line saying where and how to resume, exit 130 / 143, no process left
     behind (that server included), no traceback; the same command then resumes, and the run ends with the
     uninterrupted one's weights."""
-    args = ["-o", "run.name=stop", "-o", "run.iterations=6", "-o", "generate.prompts_per_iteration=4",
-            "-o", "generate.num_generations=4", "-o", "train.lr=1e-2"]
-    stopped, clean = tmp_path / "stopped", tmp_path / "clean"
-    stopped.mkdir(), clean.mkdir()
-    store_dir = stopped / "rlflow-store" / "stop"
+    args = _args(0)
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "gated_reward.py").write_text(GATED_REWARD)       # (no gate file: it never blocks)
+    store_dir = stopped / "rlflow-store" / "resume"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}       # the ephemeral server, as a user has
-    for sig, after, code in ((signal.SIGINT, 2, 130), (signal.SIGTERM, 4, 143)):
+    for sig, after, code in ((signal.SIGINT, 1, 130), (signal.SIGTERM, 2, 143)):
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY), *args], cwd=stopped, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         _wait_for(store_dir / "policy" / f"v{after:06d}" / MANIFEST, proc)
@@ -168,11 +190,43 @@ def test_a_stop_signal_ends_the_run_cleanly_and_the_same_command_resumes_it(pref
         assert not [p for p in started if _running(p)], err                    # nothing left running
     done = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], stopped, prefect_api)
     assert done.returncode == 0, done.stderr
-    assert "resuming stop: iterations 1-" in done.stdout and " of 6 found in " in done.stdout, done.stdout
+    assert "resuming resume: iterations 1-" in done.stdout and " of 3 found in " in done.stdout, done.stdout
     again = run_cli(["run", str(TINY), *args], stopped, prefect_api)
-    assert again.returncode == 0 and "stop is already complete (6 iterations" in again.stdout, again.stdout
-    ref = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], clean, prefect_api)
-    assert ref.returncode == 0, ref.stderr
-    assert read_summary(stopped / "s.json")["reward_mean"] == read_summary(clean / "s.json")["reward_mean"]
-    got, want = Store.open(str(stopped / "rlflow-store")), Store.open(str(clean / "rlflow-store"))
-    assert got.manifest(layout.policy("stop", 6))["files"] == want.manifest(layout.policy("stop", 6))["files"]
+    assert again.returncode == 0 and "resume is already complete (3 iterations" in again.stdout, again.stdout
+    _equal_runs(stopped, uninterrupted)
+
+
+def test_a_sigterm_while_prefect_creates_a_task_run_is_still_a_stop(monkeypatch):
+    """Prefect's SIGTERM handler raises its TerminationSignal; landing while a task run is being created, that
+    becomes Prefect's own ValueError ("Task run is not set") and the signal is not sent again. The stop was
+    noted all the same: the run says where it stopped and exits 143, without a traceback."""
+    import threading
+
+    from prefect.exceptions import TerminationSignal
+    from prefect.utilities import engine as prefect_engine
+
+    from flows import cli
+    from tasks.core.stage import STOP
+
+    exits = []
+    monkeypatch.setattr(cli, "_stopped_by", [])
+    monkeypatch.setattr(cli, "_interrupted", lambda: exits.append(128 + cli._stopped_by[0]) or 0)
+    monkeypatch.setattr(prefect_engine, "_prefect_sigterm_handler", prefect_engine._prefect_sigterm_handler)
+    monkeypatch.setattr(threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None,
+                                                                          "daemon": True})())
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def cmd_run(args):
+        try:                                     # what Prefect's task engine does with it
+            prefect_engine._prefect_sigterm_handler(signal.SIGTERM, None)
+        except TerminationSignal:
+            raise ValueError("Task run is not set") from None
+
+    monkeypatch.setattr(cli, "cmd_run", cmd_run)
+    try:
+        cli.main(["run", str(TINY)])
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        STOP.clear()
+    assert exits == [143] and cli._stopped_by == [signal.SIGTERM]
