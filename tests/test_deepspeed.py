@@ -25,8 +25,8 @@ Tolerances (fp32 on CPU; measured in brackets): losses, gradient norms and the o
 (< 1e-6); weights 1e-5 absolute after 4 AdamW steps of lr 1e-3 (< 1e-6): summation order differs between one
 and two processes and between ZeRO stages, while a lost optimizer state would move weights by ~lr; published
 logprobs 0.01 absolute (1.6e-3): bf16 keeps 8 bits of mantissa, each weight moves by up to 2^-9 relative.
-The first DeepSpeed initialize on a machine builds its shared-memory comm op (~1-3 min, cached in
-~/.cache/torch_extensions); the offload test builds DeepSpeedCPUAdam the same way once.
+The offload test builds DeepSpeedCPUAdam on a fresh machine (~1-3 min, cached in ~/.cache/torch_extensions).
+DeepSpeed's shared-memory comm op, which only its inference uses, is never built (join_group).
 """
 
 from __future__ import annotations
@@ -255,9 +255,11 @@ def test_one_process_matches_torch_resumes_exactly_and_publishes_16bit(stage, ro
         _check_resumed_on(tmp_path, extra, 2, ref)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_two_processes_match_one_and_the_torch_engine(stage, rollouts, tmp_path, tmp_path_factory):
-    """The stage starts `torchrun --nproc_per_node=2` itself; ZeRO shards over both processes."""
+    """The stage starts `torchrun --nproc_per_node=2` itself; ZeRO shards over both processes. (ZeRO 2 on two
+    processes is compared with the torch engine by the one-process test, which resumes its stage-2 shards on
+    two, and by the resident group's test, which trains three iterations at ZeRO 2 on two.)"""
     loss_type = LOSS_OF_STAGE[stage]
     ref = _torch_reference(loss_type, rollouts, tmp_path_factory)
     extra = ["train.engine=deepspeed", f"train.zero_stage={stage}", f"train.loss_type={loss_type}",
@@ -275,8 +277,7 @@ def test_two_processes_match_one_and_the_torch_engine(stage, rollouts, tmp_path,
         with pytest.raises(UserError, match="train.zero_stage: .* ZeRO stage 1"):
             train(other, 3)
         assert store.manifest(layout.checkpoint(RUN, 3)) is None
-    if stage != 2:   # two processes' shards resume on one
-        _check_resumed_on(tmp_path, extra[:-1], 1, ref)
+    _check_resumed_on(tmp_path, extra[:-1], 1, ref)          # two processes' shards resume on one
 
 
 def test_two_nodes(rollouts, tmp_path, tmp_path_factory):

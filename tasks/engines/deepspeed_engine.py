@@ -454,18 +454,23 @@ def join_group(cfg: Config) -> torch.device:
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+    else:
+        # On a CPU, DeepSpeed builds its shared-memory comm op (C++: 1-3 min on 2 cores, in every fresh
+        # environment) as it makes the process group. Only inference_all_reduce (tensor-parallel inference)
+        # uses it, never training, whose collectives are gloo's: marked incompatible, it is not built.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     return device
 
 
-BUILD_LOCK_STALE = 1800.0     # seconds: building DeepSpeed's CPU comm op takes 1-3 min on 2 cores
+BUILD_LOCK_STALE = 1800.0     # seconds: building one of DeepSpeed's C++ ops takes 1-3 min on 2 cores
 
 
 def clear_stale_build_locks(root: Path | None = None) -> list[Path]:
-    """Remove torch extension build locks older than BUILD_LOCK_STALE. On a CPU DeepSpeed builds its shared-
-    memory comm op on first use under a lock file; a builder that was killed leaves the lock, and every later
-    process waits on it forever (torch's FileBaton polls for its removal, with no timeout)."""
+    """Remove torch extension build locks older than BUILD_LOCK_STALE. DeepSpeed builds its C++ ops on first use
+    (DeepSpeedCPUAdam for train.offload_optimizer) under a lock file; a builder that was killed leaves the lock,
+    and every later process waits on it forever (torch's FileBaton polls for its removal, with no timeout)."""
     if root is None:
         from torch.utils.cpp_extension import get_default_build_root
         root = Path(get_default_build_root())
