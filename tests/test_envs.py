@@ -183,6 +183,29 @@ def test_an_environment_that_raises_hangs_crashes_or_returns_garbage_costs_only_
 
 # ------------------------------------------------------------------------------------------ tool calls and adapters
 
+def test_coroutines_of_calls_made_at_once_all_run_on_one_event_loop():
+    """Episodes' calls come from many threads at once; an async environment's coroutines must all run on one
+    loop (its futures belong to the loop its reset ran on). Two loops made at once hung verifiers' episodes."""
+    import asyncio
+    import threading
+
+    from tasks.envs.episodes import _Caller
+
+    caller, at_once, loops = _Caller(8), threading.Barrier(8), []
+
+    async def where():
+        loops.append(asyncio.get_running_loop())
+
+    def call():
+        at_once.wait(timeout=10)                 # every thread hands its coroutine over at the same moment
+        return where()
+
+    for f in [caller.start(call) for _ in range(8)]:
+        f.result(timeout=10)
+    caller.stop()
+    assert len(loops) == 8 and len(set(map(id, loops))) == 1
+
+
 def test_tool_calls_parse_from_hermes_blocks_and_mistakes_are_observations():
     def add(a: int, b: int) -> int:
         """Add two numbers.

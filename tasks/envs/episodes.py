@@ -73,12 +73,16 @@ class _Caller:
     def __init__(self, concurrency: int):
         self.slots = threading.Semaphore(concurrency)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.made = threading.Lock()
 
     def _loop(self) -> asyncio.AbstractEventLoop:
-        if self.loop is None:
-            self.loop = asyncio.new_event_loop()
-            threading.Thread(target=self.loop.run_forever, daemon=True, name="env-loop").start()
-        return self.loop
+        """The one event loop (made by the first call that needs it: calls come from many threads at once, and an
+        episode's reset and steps must share their loop, as an async environment's futures belong to one)."""
+        with self.made:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=self.loop.run_forever, daemon=True, name="env-loop").start()
+            return self.loop
 
     def start(self, fn, *args) -> Future:
         done: Future = Future()
