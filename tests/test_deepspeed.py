@@ -255,11 +255,12 @@ def test_one_process_matches_torch_resumes_exactly_and_publishes_16bit(stage, ro
         _check_resumed_on(tmp_path, extra, 2, ref)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1])
 def test_two_processes_match_one_and_the_torch_engine(stage, rollouts, tmp_path, tmp_path_factory):
     """The stage starts `torchrun --nproc_per_node=2` itself; ZeRO shards over both processes. (ZeRO 2 on two
     processes is compared with the torch engine by the one-process test, which resumes its stage-2 shards on
-    two, and by the resident group's test, which trains three iterations at ZeRO 2 on two.)"""
+    two, and by the resident group's test, which trains three iterations at ZeRO 2 on two; ZeRO 3 on two by
+    test_two_nodes. Their cases here went for the CI budget.)"""
     loss_type = LOSS_OF_STAGE[stage]
     ref = _torch_reference(loss_type, rollouts, tmp_path_factory)
     extra = ["train.engine=deepspeed", f"train.zero_stage={stage}", f"train.loss_type={loss_type}",

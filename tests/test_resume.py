@@ -165,16 +165,17 @@ def _running(pid: int) -> bool:
 
 def test_a_stop_signal_ends_the_run_cleanly_and_the_same_command_resumes_it(prefect_api, tmp_path, uninterrupted):
     """SIGINT (Ctrl-C: to the whole process group, Prefect's temporary server's session aside) and then SIGTERM
-    stop `rlflow run` within 10 s with one line saying where and how to resume, exit 130 / 143, no process left
-    behind (that server included), no traceback; the same command then resumes, and the run ends with the
-    uninterrupted one's weights."""
+    (a scheduler's, with a Prefect server) stop `rlflow run` within 10 s with one line saying where and how to
+    resume, exit 130 / 143, no process left behind (the temporary server included), no traceback; the same
+    command then resumes, and the run ends with the uninterrupted one's weights."""
     args = _args(0)
     stopped = tmp_path / "stopped"
     stopped.mkdir()
     (stopped / "gated_reward.py").write_text(GATED_REWARD)       # (no gate file: it never blocks)
     store_dir = stopped / "rlflow-store" / "resume"
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}       # the ephemeral server, as a user has
-    for sig, after, code in ((signal.SIGINT, 1, 130), (signal.SIGTERM, 2, 143)):
+    user = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}      # the temporary server, as a user has
+    scheduled = {**os.environ, "PREFECT_API_URL": prefect_api}                    # a server, as a scheduler's run has
+    for sig, after, code, env in ((signal.SIGINT, 1, 130, user), (signal.SIGTERM, 2, 143, scheduled)):
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY), *args], cwd=stopped, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         _wait_for(store_dir / "policy" / f"v{after:06d}" / MANIFEST, proc)
