@@ -61,10 +61,11 @@ def cmd_run(args) -> int:
 
     if cfg.train.engine != "deepspeed":   # (accelerate imports deepspeed to unwrap a model; it would warn)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if not os.environ.get("PREFECT_API_URL"):
+    temporary_server = not os.environ.get("PREFECT_API_URL")
+    if temporary_server:
         _shield_prefect_server()    # (imports Prefect's server, ~3 s: only for the temporary one)
     preflight(cfg)                  # every input mistake, before Prefect's server starts (the flow checks again)
-    if not os.environ.get("PREFECT_API_URL"):
+    if temporary_server:
         print("starting Prefect's temporary API server (no PREFECT_API_URL set; ~5-15 s, once per run)",
               file=sys.stderr, flush=True)
 

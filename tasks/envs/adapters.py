@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import sys
@@ -185,11 +186,9 @@ class VerifiersEnvironment:
         self._asked = asyncio.get_running_loop().create_future()
         self._answer.set_result(response)
         prompt = await self._next()
-        if prompt is None:                                  # the rollout ended: scored by its rubric
-            state = self._rollout.result()
-            final = [_as_dict(m) for m in (state.get("final_env_response") or [])]
-            return Step(final, float(state.get("reward") or 0.0), True,
-                        {k: v for k, v in (state.get("metrics") or {}).items() if isinstance(v, int | float)})
+        if prompt is None:                                  # the rollout ended: scored by its rubric (_run)
+            final = [_as_dict(m) for m in (self._rollout.result().get("final_env_response") or [])]
+            return Step(final, float(self.instance.reward or 0.0), True, self.instance.metrics)
         observation, self._prompt = prompt[len(self._prompt) + 1:], prompt
         return Step([_as_dict(m) for m in observation], 0.0, False)
 
@@ -241,39 +240,39 @@ def _loads(text: str) -> Any:
         return text
 
 
-_CLIENTS: dict = {}
-
-
 def _client(adapter: VerifiersEnvironment) -> Any:
     """A verifiers Client whose model is this episode: get_response hands the prompt over and returns the
     model's message (verifiers' own get_response runs around it: its checks and error types)."""
-    if "class" not in _CLIENTS:
-        import verifiers as vf
+    return _client_class()(adapter)
 
-        class TurnClient(vf.Client):
-            def setup_client(self, config):
-                return None
 
-            async def to_native_tool(self, tool):
-                return tool
+@functools.cache
+def _client_class() -> type:
+    import verifiers as vf
 
-            async def to_native_prompt(self, messages):
-                return messages, {}
+    class TurnClient(vf.Client):
+        def setup_client(self, config):
+            return None
 
-            async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
-                return await self.client.ask(prompt)
+        async def to_native_tool(self, tool):
+            return tool
 
-            async def raise_from_native_response(self, response):
-                return None
+        async def to_native_prompt(self, messages):
+            return messages, {}
 
-            async def from_native_response(self, response):
-                return response
+        async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
+            return await self.client.ask(prompt)
 
-            async def close(self):
-                return None
+        async def raise_from_native_response(self, response):
+            return None
 
-        _CLIENTS["class"] = TurnClient
-    return _CLIENTS["class"](adapter)
+        async def from_native_response(self, response):
+            return response
+
+        async def close(self):
+            return None
+
+    return TurnClient
 
 
 ADAPTERS = {"trl": TRLEnvironment, "gymnasium": GymnasiumEnvironment, "verifiers": VerifiersEnvironment}
