@@ -27,10 +27,11 @@ $(VENV)/.ready: pyproject.toml constraints.txt
 	  export DEBIAN_FRONTEND=noninteractive; P="bubblewrap python3-seccomp"; \
 	  $$S apt-get install -y -qq $$P >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq $$P; } >/dev/null 2>&1; } \
 	  || echo "warning: bubblewrap or python3-seccomp not installed; code rewards fall back (docs/sandbox.md)"
-	@# chromium: the UI check drives it headless (tests/test_ui.py); Debian's package, not playwright's download
+	@# chromium: the browser environment and the UI check drive it headless (tasks/envs/browser.py, tests/test_ui.py);
+	@# Debian's package, not playwright's download
 	@command -v chromium >/dev/null || { S=$$([ "$$(id -u)" = 0 ] || echo sudo -n); export DEBIAN_FRONTEND=noninteractive; \
 	  $$S apt-get install -y -qq chromium >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq chromium; } >/dev/null 2>&1; } \
-	  || echo "warning: chromium not installed; the UI check (tests marked ui) is skipped outside CI"
+	  || echo "warning: chromium not installed; the browser environment refuses to start, and its tests and the UI check are skipped outside CI"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -c constraints.txt -e '.[test]'

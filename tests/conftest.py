@@ -8,7 +8,8 @@ Tiers (markers, registered in pyproject.toml; `make test-fast` deselects all but
   server      needs a server a fixture starts (moto S3, Prefect): set here from the fixtures a test uses
   drill       fault drills: processes killed mid-run, then resumed
   ui          drives the MLflow and Prefect UIs in headless Chromium (Debian's chromium, playwright)
-  vllm, deepspeed, bubblewrap, ui, gpu
+  browser     the browser environment: episodes in headless Chromium (Debian's chromium, playwright)
+  vllm, deepspeed, bubblewrap, ui, browser, gpu
               needs that engine / sandbox / device. Skipped where it is missing, except in CI (CI=true), where
               a missing vLLM environment, DeepSpeed or bubblewrap fails the test instead of silently dropping
               the engine or security tests; gpu tests are skipped without a GPU everywhere.
@@ -55,6 +56,8 @@ REQUIRES = {
                    "make setup installs it (apt-get install bubblewrap)", True),
     "ui": (lambda: CHROMIUM is not None and importlib.util.find_spec("playwright") is not None,
            "chromium and playwright", "make setup installs them (apt-get install chromium; .[test])", True),
+    "browser": (lambda: CHROMIUM is not None and importlib.util.find_spec("playwright") is not None,
+                "chromium and playwright", "make setup installs them (apt-get install chromium; .[test])", True),
     "gpu": (_have_gpu, "a CUDA GPU", "run on a GPU machine", False),
 }
 
@@ -248,3 +251,30 @@ def user_module(tmp_path: Path, monkeypatch, name: str, text: str) -> Path:
     monkeypatch.setenv("KILL_DIR", str(tmp_path))
     monkeypatch.syspath_prepend(str(mod))
     return mod
+
+
+# The tiny model's tokenizer, and a copy with a ChatML template (Qwen's layout): the episode tests'.
+CHATML = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from tasks.core import builtin_models
+    from tasks.core.models import load_tokenizer
+
+    return load_tokenizer(builtin_models.resolve("builtin:tiny-lm"))
+
+
+@pytest.fixture(scope="session")
+def chatml():
+    """The tiny tokenizer with a ChatML template whose end of turn is its EOS (Qwen's layout)."""
+    from transformers import AutoTokenizer
+
+    from tasks.core import builtin_models
+
+    tok = AutoTokenizer.from_pretrained(builtin_models.resolve("builtin:tiny-lm"))    # (a copy of our own)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template, tok.eos_token = CHATML, "<|im_end|>"
+    return tok

@@ -12,9 +12,8 @@ import torch
 
 from tasks.algorithms.batching import prepare_batches
 from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_loss
-from tasks.core import builtin_models, layout
+from tasks.core import layout
 from tasks.core.config import load_config
-from tasks.core.models import load_tokenizer
 from tasks.core.rollout import Rollout
 from tasks.core.store import Store
 from tasks.engines.sampling import Sample, Sampled, SamplingParams
@@ -23,27 +22,6 @@ from tasks.envs.tools import call_tools, parse_tool_calls, schemas
 
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = ROOT / "configs" / "letters.yaml"
-CHATML = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
-          "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(builtin_models.resolve("builtin:tiny-lm"))
-
-
-@pytest.fixture(scope="module")
-def chatml():
-    """The tiny tokenizer with a ChatML template whose end of turn is its EOS (Qwen's layout)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(builtin_models.resolve("builtin:tiny-lm"))    # (a copy of our own)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template, tok.eos_token = CHATML, "<|im_end|>"
-    return tok
-
-
 class Scripted:
     """A sampling engine that answers from a script (context text -> reply text): drives the episode loop
     where the tiny model would not write tool calls. The flow tests below use the real hf engine."""

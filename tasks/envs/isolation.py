@@ -71,7 +71,7 @@ def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
 
     try:
         cfg = Config.model_validate(cfg_dump)
-        env = environment(cfg, factory_of(cfg)(), row)
+        env = environment(cfg, factory_of(cfg, preflight=False)(), row)
         conn.send(("ok", tool_schemas(env)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as the episode's failure
         conn.send(("error", why(e)))

@@ -81,9 +81,10 @@ def as_messages(value: Any, what: str) -> list[dict]:
     return value
 
 
-def factory_of(cfg: Config) -> Callable[[], Any]:
+def factory_of(cfg: Config, preflight: bool = True) -> Callable[[], Any]:
     """env.factory imported (a user error naming it if it cannot be), called with env.kwargs per episode (once
-    per process for an environment that serves many: adapters.shared)."""
+    per process for an environment that serves many: adapters.shared). A factory with a `preflight(**kwargs)`
+    (the browser's) has it called first: what it lacks is one line before any episode starts."""
     spec = cfg.env.factory
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:
@@ -97,6 +98,8 @@ def factory_of(cfg: Config) -> Callable[[], Any]:
     if not callable(make):
         raise UserError(f"env.factory: {module_name!r} has no callable {attr!r}")
     kwargs = dict(cfg.env.kwargs)
+    if preflight and callable(getattr(make, "preflight", None)):
+        make.preflight(**kwargs)
     kept: list = []                   # the instance every episode shares (adapters.shared), once made
     first = threading.Lock()          # (held while the first is made: is it one to share?)
     known = threading.Event()

@@ -1,0 +1,155 @@
+"""The browser environment (tasks/envs/browser.py) on the shop (tasks/envs/webshop.py), served on 127.0.0.1 by
+a fixture and driven through Debian's chromium by Playwright: every task solved by the reference policy through
+the episode loop (text actions and tool calls, thread and process isolation), mistakes as observations, wrong
+answers scored 0, and the config through the flow with the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.core.config import load_config
+from tasks.engines.sampling import SamplingParams
+from tasks.envs.browser import Browser
+from tasks.envs.episodes import run_episodes
+from tasks.envs.webshop import reference_action, serve, shop_tasks
+from tests.test_envs import Scripted
+
+pytestmark = pytest.mark.browser
+ROOT = Path(__file__).resolve().parents[1]
+BROWSER = ROOT / "configs" / "browser.yaml"
+
+
+@pytest.fixture(scope="module")
+def shop():
+    with serve() as url:
+        yield url
+
+
+def _cfg(shop: str, *more: str):
+    return load_config(BROWSER, ["model.name_or_path=builtin:tiny-lm", f"env.kwargs.base_url={shop}",
+                                 "env.max_tokens=60000", "generate.max_prompt_length=60000",
+                                 "generate.max_completion_length=120", *more])
+
+
+def _episodes(cfg, rows: list[dict], tok, tools: bool):
+    table = dict(enumerate(rows))
+    engine = Scripted(lambda context: reference_action(context, tool_call=tools))
+    return run_episodes(cfg, table, list(table), "base", "unused", tok, engine,
+                        SamplingParams(n=1, max_new_tokens=120, temperature=1.0, top_p=1.0, seed=3))[0]
+
+
+def test_the_configs_task_file_is_the_shops_task_set():
+    rows = [json.loads(line) for line in (ROOT / "configs" / "data" / "shop_tasks.jsonl").read_text().splitlines()]
+    assert rows == shop_tasks() and len(rows) == 38
+
+
+def test_every_task_is_solved_by_the_reference_policy_through_the_episode_loop(shop, tokenizer, chatml):
+    """All 38 tasks, half with text actions (the tiny tokenizer's template has no tools) and half with Hermes
+    tool calls declared through a ChatML template: each episode's checker gives 1; the answer, final URL and
+    checks are its env_state; the model's tokens are the actions it wrote, the pages are masked out."""
+    rows = shop_tasks()
+    assert {r["kind"] for r in rows} == {"price", "stock", "search", "cheapest", "order"}
+    cfg = _cfg(shop, "env.isolation=thread")
+    text = _episodes(cfg, rows[0::2], tokenizer, tools=False)
+    called = _episodes(cfg, rows[1::2], chatml, tools=True)
+    for r in text + called:
+        assert r.env_error is None and r.env_return == 1.0, (r.prompt, r.turns[-2:], r.env_state)
+        assert r.env_state["checks"] and all(r.env_state["checks"].values())
+    order = next(r for r, row in zip(text, rows[0::2]) if row["kind"] == "order")
+    assert order.env_state["url"].endswith("/orders/1") and order.env_state["answer_text"] == "done"
+    model = [t for t, m in zip(order.completion_ids, order.mask) if m]
+    written = tokenizer.decode(model, skip_special_tokens=True)
+    assert written.startswith("click [") and written.endswith("answer [done]") and "Page:" not in written
+    assert "Page:" in tokenizer.decode(order.completion_ids, skip_special_tokens=True)
+    assert '"name": "click"' in chatml.decode(called[0].prompt_ids)          # the tools, declared to the model
+    assert [m["role"] for m in called[0].turns][:2] == ["assistant", "tool"]
+
+
+def test_episodes_in_processes_of_their_own_are_solved_too(shop, tokenizer):
+    """env.isolation: process: a Chromium in each episode's process, one task of each kind."""
+    rows = shop_tasks()
+    one_each = list({r["kind"]: r for r in rows}.values())
+    records = _episodes(_cfg(shop, "env.isolation=process"), one_each, tokenizer, tools=False)
+    assert [(r.env_error, r.env_return) for r in records] == [(None, 1.0)] * len(one_each)
+
+
+def test_mistakes_are_observations_and_wrong_answers_score_zero(shop):
+    async def episode():
+        b = Browser(shop)
+        first = (await b.reset({"prompt": "What does the Tea Tin cost?", "start": "/",
+                                "check": {"answer": {"exact": "6.25"}}}))[0]["content"]
+        assert "Task: What does the Tea Tin cost?" in first and "link 'Tea Tin'" in first
+        said = []
+        for message in [
+                {"role": "assistant", "content": "I am not sure"},                              # no action
+                {"role": "assistant", "content": "click [999999]"},                             # not on the page
+                {"role": "assistant", "content": "type [abc] [x]"},                             # not a number
+                {"role": "assistant", "content": "goto [http://example.com/]"},                 # another site
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "error", "error": "bad JSON"}]},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "scroll", "arguments": {}}}]},      # no such action
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "click", "arguments": {"id": 3}}}]},   # bad arguments
+                {"role": "assistant", "content": "select [2] [x]"}]:                           # not a list
+            step = await b.step(message)
+            assert not step.done and step.reward == 0.0
+            assert "Page: Home - Corner Shop" in step.observation[-1]["content"]
+            said.append(step.observation[0]["content"].split("\n")[0])
+        assert said[0].startswith("No action found") and "no element [999999]" in said[1]
+        assert "could not read the action" in said[2] and "only ['127.0.0.1:" in said[3]
+        assert said[4] == "bad JSON" and "no action 'scroll'" in said[5] and "click: bad arguments" in said[6]
+        assert "is not a list" in said[7] or "no element [2]" in said[7]
+        blocked = await b._page.evaluate("fetch('http://192.0.2.1/').then(() => 'fetched', () => 'blocked')")
+        assert blocked == "blocked"                 # other hosts are cut off at the network too, at once
+        step = await b.step({"role": "assistant", "content": "answer [$7.00]"})
+        await b.close()
+        return step, b
+
+    step, b = asyncio.run(episode())
+    assert step.done and step.reward == 0.0 and b.checks == {"answer.exact": False} and step.observation == []
+
+
+def test_a_check_that_is_not_one_of_the_checkers_fails_the_episode_at_reset(shop, tokenizer):
+    rows = [{"prompt": "x", "start": "/", "check": {"answer": {"exact": "1"}, "screenshot": True}}]
+    [r] = _episodes(_cfg(shop, "env.isolation=thread"), rows, tokenizer, tools=False)
+    assert r.env_return is None and "keys among ['answer', 'url', 'pages']" in r.env_error
+
+
+def test_without_chromium_the_environment_refuses_before_the_run_with_one_line(monkeypatch):
+    """No Chromium on the machine (none on PATH, no Playwright download): the preflight's one line (the CLI's
+    cases, exit 2 and nothing written, are in test_bad_input)."""
+    from tasks.core.errors import UserError
+    from tasks.envs import browser
+
+    monkeypatch.setattr(browser.shutil, "which", lambda name: None)
+    monkeypatch.setattr(browser, "_playwright_chromium", lambda: False)
+    with pytest.raises(UserError, match=r"^env: the browser environment needs Chromium, and none was found \(make "
+                                        r"setup installs Debian's chromium"):
+        Browser.preflight(base_url="http://127.0.0.1:9")
+
+
+@pytest.mark.slow
+def test_the_browser_config_runs_through_the_flow_with_the_tiny_model(shop, tmp_path, prefect_api, monkeypatch):
+    """configs/browser.yaml, one iteration with the real hf engine and the tiny model (which writes no valid
+    action: each page it is shown says so): the episodes ran against the shop, none failed."""
+    from flows.training import train_flow
+    from tasks.core import layout
+    from tasks.core.rollout import load
+    from tasks.core.store import Store
+
+    monkeypatch.chdir(tmp_path)
+    out = train_flow(str(BROWSER), [
+        "model.name_or_path=builtin:tiny-lm", f"env.kwargs.base_url={shop}", "env.kwargs.max_chars=300",
+        "run.name=shop", "run.iterations=1", "store.uri=store", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+        "generate.prompts_per_iteration=2", "generate.num_generations=2", "generate.max_prompt_length=200",
+        "generate.max_completion_length=8", "env.max_turns=2", "env.max_tokens=1000", "train.micro_batch_size=4"])
+    assert out["iterations_completed"] == 1
+    store = Store.open(str(tmp_path / "store"))
+    meta = store.manifest(layout.rollouts("shop", 1))["meta"]["metrics"]
+    assert meta["env/episodes"] == 4 and meta["env/errors"] == 0 and meta["env/turns_mean"] >= 1
+    records = load(store, layout.rollouts("shop", 1))
+    assert all("Page: " in json.dumps(r.turns) or r.truncated for r in records)
