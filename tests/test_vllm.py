@@ -216,6 +216,27 @@ def test_server_mode_flow_reloads_in_place_and_stops_the_server(prefect_api, tmp
     assert _gone(pid) and not _watchdogs("server")             # and its watchdog
 
 
+def _episodes_through_the_live_server(tmp_path, cfg, live: dict) -> None:
+    """Multi-turn episodes (the letters game) sampled turn by turn by the same live server, adapter v3 loaded
+    in place: each turn's token ids and behaviour logprobs come back from vLLM, the observations' tokens are
+    appended between turns, and the model's tokens (mask 1) have the trainer's logprobs under v3."""
+    episodes = _cfg(tmp_path, cfg.run.name, [
+        "generate.mode=server", "train.lora_r=4", "env.factory=tasks.envs.games:SayTheLetters", "env.isolation=thread",
+        "env.max_turns=3", "env.max_tokens=96", "reward.functions=[]", "generate.max_completion_length=2",
+        f"data.path={ROOT / 'configs' / 'data' / 'letters.jsonl'}"])
+    out = generate(episodes, 4, layout.policy(cfg.run.name, 3))
+    assert _state(cfg)["pid"] == live["pid"] and _state(cfg)["label"].startswith("v000003-")    # no restart
+    records = _records(episodes, 4)
+    assert len(records) == N_PROMPTS * N_GEN and out["metrics"]["env/errors"] == 0
+    assert all(sum(m["role"] == "assistant" for m in r.turns) == 3 for r in records)
+    assert all(0 in r.mask and r.mask[0] == 1 for r in records)                 # model, observation, model...
+    logp, mask = _trainer_logprobs(episodes, policy_path(cfg, layout.policy(cfg.run.name, 3)), records)
+    model = torch.tensor([r.mask + [0] * (mask.shape[1] - len(r.mask)) for r in records]) * mask
+    behaviour = torch.tensor([r.logprobs + [0.0] * (mask.shape[1] - len(r.logprobs)) for r in records])
+    assert float(((logp - behaviour).abs() * model).max()) < TOL
+    assert float((behaviour * (1 - model) * mask).abs().max()) == 0.0          # the observations': 0, never sampled
+
+
 def test_server_swaps_lora_adapters_and_restarts_after_a_crash(tmp_path):
     cfg = _cfg(tmp_path, "server-lora", ["generate.mode=server", "train.lora_r=4"])
     try:
@@ -237,6 +258,7 @@ def test_server_swaps_lora_adapters_and_restarts_after_a_crash(tmp_path):
         v2 = policy_path(cfg, layout.policy(cfg.run.name, 2))
         assert _max_diff(cfg, v2, _records(cfg, 3))[0] < TOL
         assert third["train/mismatch_kl"] < 1e-8
+        _episodes_through_the_live_server(tmp_path, cfg, restarted)
     finally:
         VLLMServer(cfg).stop()
     assert _gone(restarted["pid"]) and not _watchdogs(cfg.run.name)
