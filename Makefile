@@ -15,10 +15,10 @@ FAST := not slow and not server and not drill and not vllm and not deepspeed and
 
 .PHONY: setup demo lint test test-fast drills bench clean
 
-# The three environments are built side by side (-j3): ~4 min instead of ~7 on a clean 2-core machine (pip waits
+# The four environments are built side by side (-j4): ~4 min instead of ~7 on a clean 2-core machine (pip waits
 # on downloads and unpacking more than on the CPU); -Otarget keeps each one's output together.
 setup:
-	@$(MAKE) --no-print-directory -j3 -Otarget $(VENV)/.ready .venv-sky/.ready .venv-vllm/.ready
+	@$(MAKE) --no-print-directory -j4 -Otarget $(VENV)/.ready .venv-sky/.ready .venv-vllm/.ready .venv-openenv/.ready
 
 $(VENV)/.ready: pyproject.toml constraints.txt
 	@# bubblewrap and python3-seccomp (its syscall filter): the code rewards' sandbox (docs/sandbox.md); apt lists
@@ -54,6 +54,14 @@ $(VENV)/.ready: pyproject.toml constraints.txt
 	    datasets boto3 pydantic pyyaml safetensors
 	.venv-vllm/bin/pip uninstall -qq -y torchvision torchaudio torchcodec
 	.venv-vllm/bin/pip install -qq --disable-pip-version-check --no-deps -e .
+	touch $@
+
+# OpenEnv's client gets its own environment too: openenv-core needs gradio and fastmcp 4, which clash with the main
+# environment's pins (pillow, huggingface-hub, aiofiles, mcp). The OpenEnv adapter runs its client there
+# (tasks/envs/openenv_bridge.py, run by path: rlflow itself is not installed there). ~30 s.
+.venv-openenv/.ready: constraints-openenv.txt
+	$(PYTHON) -m venv .venv-openenv
+	.venv-openenv/bin/pip install -qq --disable-pip-version-check -c constraints-openenv.txt openenv-core==0.3.0
 	touch $@
 
 demo: setup              ## tiny model, CPU, local store, sqlite MLflow, Prefect without a server (~1-2 min)

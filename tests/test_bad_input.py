@@ -119,6 +119,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                              "env.kwargs.base_url: nothing answers at http://127.0.0.1:9"),
         "browser, no base_url": (["run", str(TINY), "-o", "env.factory=tasks.envs.browser:Browser"],
                                  "env.kwargs.base_url: the browser environment needs the site's URL"),
+        "openenv, not its python": (["run", str(TINY), "-o", "env.factory=tasks.envs.openenv_adapter:OpenEnv", "-o",
+                                     f'env.kwargs={{"base_url": "http://127.0.0.1:9", "python": "{sys.executable}"}}'],
+                                    f"env.kwargs.python: {sys.executable} has no openenv-core"),
+        "openenv, python missing": (["run", str(TINY), "-o", "env.factory=tasks.envs.openenv_adapter:OpenEnv", "-o",
+                                     'env.kwargs={"base_url": "http://127.0.0.1:9", "python": "/nonexistent/python"}'],
+                                    "env.kwargs.python: '/nonexistent/python' is not an executable"),
         "bad reward timeout": (["run", str(TINY), "-o", "reward.timeout_seconds=0"], "reward.timeout_seconds"),
         # data
         "missing data file": (["run", str(TINY), "-o", f"data.path={tmp}/missing.jsonl"], "data.path"),

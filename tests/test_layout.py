@@ -90,6 +90,7 @@ def test_layers_import_only_what_is_below_them(folder, may_use):
     ("tasks/engines/vllm_worker.py", ("vllm",)),            # runs in .venv-vllm
     ("tasks/engines/vllm_watchdog.py", ()),                 # runs in .venv-vllm, for the server's whole life
     ("flows/sky_bridge.py", ("sky", "yaml")),               # runs in .venv-sky
+    ("tasks/envs/openenv_bridge.py", ("openenv",)),         # runs in .venv-openenv, by path
     ("tasks/scoring/syscall_filter.py", ("seccomp",)),      # runs under the system Python (python3-seccomp)
 ])
 def test_modules_that_run_in_other_environments_stay_light(path, also):

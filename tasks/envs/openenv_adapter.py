@@ -1,0 +1,208 @@
+"""OpenEnv environments, over their servers' own protocol through openenv-core's client (docs/environments.md).
+
+    env:
+      factory: "tasks.envs.openenv_adapter:OpenEnv"
+      kwargs: {base_url: "http://127.0.0.1:8000", action_field: "message"}
+      isolation: thread            # the environment runs in its server already; this is only its client
+
+An OpenEnv environment is a server (HTTP and WebSocket, usually in a container) and each episode is one
+session of openenv-core's `EnvClient`: `reset(**kwargs)`, then `step(action)` until the result says done.
+openenv-core pins packages that clash with Prefect's (Makefile), so its client runs in a Python of its own,
+`.venv-openenv` (make setup builds it), in one bridge process per rlflow process (tasks/envs/openenv_bridge.py),
+which holds the sessions of all the episodes of that process and runs their calls concurrently.
+
+- The client is openenv-core's `GenericEnvClient` (actions and observations as plain data), or the
+  environment's own typed client (`client: "echo_env:EchoEnv"`, `action: "echo_env:EchoAction"`), installed
+  into .venv-openenv.
+- `reset` passes the row's `reset_columns` (default: `seed`) to the server's reset. The prompt is the row's
+  prompt followed by the first observation.
+- The model's message is the action: its text as `{action_field: text}`, or its first tool call's arguments as
+  the action's fields.
+- An observation reaches the model as its `observation_field`, or its one text field, or else as JSON (less
+  `done`, `reward` and `metadata`). The step's reward is the result's (None counts 0); done is the result's.
+- A server that refuses a call (an error from its environment) or goes away ends that episode only, as any
+  environment failure does. The last observation is the episode's `env_state` (`observation`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import subprocess
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from tasks.core.errors import UserError
+from tasks.core.paths import sibling_python
+from tasks.envs.isolation import EnvironmentDied
+from tasks.envs.protocol import Step
+
+VENV = ".venv-openenv"
+BRIDGE = Path(__file__).with_name("openenv_bridge.py")
+
+
+class OpenEnvError(RuntimeError):
+    """The server or its client refused a call: the text is theirs."""
+
+
+class _Bridge:
+    """The bridge process of one Python (one per rlflow process, started at first use, again if it died)."""
+
+    running: dict[str, _Bridge] = {}
+    made = threading.Lock()
+
+    @classmethod
+    def of(cls, python: str) -> _Bridge:
+        with cls.made:
+            bridge = cls.running.get(python)
+            if bridge is None or bridge.proc.poll() is not None:
+                bridge = cls.running[python] = cls(python)
+            return bridge
+
+    def __init__(self, python: str) -> None:
+        self.proc = subprocess.Popen([python, "-u", str(BRIDGE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.pending: dict[int, Future] = {}
+        self.ids = itertools.count()
+        self.lock = threading.Lock()
+        self.ready: Future = Future()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True, name="openenv-bridge").start()
+        threading.Thread(target=self._errors, daemon=True, name="openenv-bridge-err").start()
+        atexit.register(self.stop)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            reply = json.loads(line)
+            future = self.ready if reply["id"] is None else self.pending.pop(reply["id"], None)
+            if future is None or future.done():
+                continue
+            if "error" in reply:
+                future.set_exception(OpenEnvError(reply["error"]))
+            else:
+                future.set_result(reply["ok"])
+        code = self.proc.wait()
+        tail = "".join(self.stderr).strip().splitlines()[-1:] or [""]
+        died = EnvironmentDied(f"the OpenEnv client's process exited ({code}) {tail[0]}".strip())
+        with self.lock:
+            left, self.pending = list(self.pending.values()) + [self.ready], {}
+        for future in left:
+            if not future.done():
+                future.set_exception(died)
+
+    def _errors(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr = (self.stderr + [line])[-20:]
+
+    def call(self, deadline_s: float, **request: Any) -> Any:
+        self.ready.result(timeout=deadline_s)           # (its imports: ~4 s, once)
+        future: Future = Future()
+        with self.lock:
+            request["id"] = next(self.ids)
+            self.pending[request["id"]] = future
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                self.pending.pop(request["id"], None)
+                raise EnvironmentDied("the OpenEnv client's process is gone") from None
+        return future.result(timeout=deadline_s)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+def openenv_python(python: str | None) -> str | None:
+    return python or sibling_python(VENV)
+
+
+class OpenEnv:
+    """rlflow's protocol over one OpenEnv session per episode."""
+
+    def __init__(self, base_url: str, client: str = "openenv.core:GenericEnvClient", action: str | None = None,
+                 action_field: str = "message", observation_field: str | None = None,
+                 reset_columns: list[str] | None = None, python: str | None = None, timeout: float = 60.0):
+        self.base_url, self.client, self.action_class = base_url, client, action
+        self.action_field, self.observation_field = action_field, observation_field
+        self.reset_columns = ["seed"] if reset_columns is None else list(reset_columns)
+        self.python, self.timeout = openenv_python(python), timeout
+        self.observation: Any = None
+        self.done = False
+        self._bridge: _Bridge | None = None
+        self._session = uuid.uuid4().hex
+
+    @classmethod
+    def preflight(cls, base_url: str | None = None, python: str | None = None, **_: Any) -> None:
+        """Before the run starts: one line when the OpenEnv Python or the server is missing."""
+        exe = openenv_python(python)
+        if exe is None or not os.access(exe, os.X_OK):
+            where = f"{python!r} is not an executable" if python else f"no {VENV} was found"
+            raise UserError(f"env.kwargs.python: {where}; the OpenEnv adapter runs openenv-core's client in a Python "
+                            f"of its own (make setup builds {VENV})")
+        probe = subprocess.run([exe, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('openenv') "
+                                           "is None)"], capture_output=True, timeout=60)
+        if probe.returncode != 0:
+            raise UserError(f"env.kwargs.python: {exe} has no openenv-core (pip install openenv-core there; make "
+                            f"setup does for {VENV})")
+        if not base_url:
+            raise UserError("env.kwargs.base_url: the OpenEnv adapter needs the environment server's URL, e.g. "
+                            "http://127.0.0.1:8000")
+        try:
+            urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=10).close()
+        except urllib.error.HTTPError:
+            pass                                     # it answers: enough
+        except (OSError, ValueError) as e:
+            raise UserError(f"env.kwargs.base_url: no OpenEnv server answers at {base_url} "
+                            f"({getattr(e, 'reason', e)})") from None
+
+    def _call(self, op: str, **request: Any) -> Any:
+        return self._bridge.call(self.timeout, op=op, session=self._session, **request)
+
+    def reset(self, row: dict) -> list[dict]:
+        self._bridge = _Bridge.of(self.python)
+        self._call("open", client=self.client, action=self.action_class, base_url=self.base_url,
+                   timeout=self.timeout)
+        result = self._call("reset", kwargs={c: row[c] for c in self.reset_columns if c in row})
+        self.observation, self.done = result["observation"], result["done"]
+        text, prompt = self._text(result["observation"]), row.get("prompt")
+        if isinstance(prompt, list):
+            return [*prompt, {"role": "user", "content": text}]
+        return [{"role": "user", "content": "\n\n".join(t for t in (str(prompt or "").strip(), text) if t)}]
+
+    def step(self, message: dict) -> Step:
+        calls = [c for c in message.get("tool_calls") or [] if c.get("type") == "function"]
+        action = dict(calls[0]["function"]["arguments"]) if calls else {self.action_field: message.get("content") or ""}
+        result = self._call("step", action=action)
+        self.observation, self.done = result["observation"], result["done"]
+        reward = float(result["reward"] or 0.0)
+        if self.done:
+            return Step([], reward, True)
+        return Step([{"role": "user", "content": self._text(result["observation"])}], reward, False)
+
+    def close(self) -> None:
+        if self._bridge is not None:
+            try:
+                self._call("close")
+            except (OpenEnvError, EnvironmentDied, TimeoutError):
+                pass                                 # (the session ends with the server's side of it anyway)
+
+    def _text(self, observation: Any) -> str:
+        if not isinstance(observation, dict):
+            return str(observation)
+        if self.observation_field:
+            return str(observation.get(self.observation_field, ""))
+        fields = {k: v for k, v in observation.items() if k not in ("done", "reward", "metadata")}
+        texts = [v for v in fields.values() if isinstance(v, str)]
+        return texts[0] if len(fields) == 1 and texts else json.dumps(fields, default=str)
