@@ -3,6 +3,7 @@
     rlflow run CONFIG [-o key=value]... [--summary-json PATH]
     rlflow export CONFIG VERSION DIR [-o key=value]...    # a published policy as a folder from_pretrained loads
     rlflow plan CONFIG [-o key=value]...      # each stage's machine and hourly price, store, tracking: launches nothing
+    rlflow tune CONFIG --space SPACE.yaml --trials N [--parallel K]   # Optuna over config keys, a run per trial
 
 Exit codes: 0 success; 2 a user error (one line on stderr naming the field or row); 1 an internal error;
 130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM.
@@ -228,6 +229,55 @@ def _interrupted() -> int:
     os._exit(128 + (_stopped_by[0] if _stopped_by else signal.SIGINT))
 
 
+def cmd_tune(args) -> int:
+    from tasks.core.config import load_config
+
+    for flag, value in (("--trials", args.trials), ("--parallel", args.parallel), ("--window", args.window)):
+        if value < 1:
+            raise UserError(f"{flag}: expected a whole number of at least 1, got {value}")
+    cfg = load_config(args.config, args.override)           # one line and exit 2, before any trial starts
+    from flows.tune import load_space
+
+    space = load_space(args.space, args.config, args.override)
+    _quiet_prefect()
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    from flows.tune import tune_flow
+
+    server = None
+    if not os.environ.get("PREFECT_API_URL"):      # one temporary API for the tune and all its trials' flow runs
+        _shield_prefect_server()
+        from prefect.server.api.server import SubprocessASGIServer
+
+        print("starting Prefect's temporary API server for the tune and its trials (no PREFECT_API_URL set)",
+              file=sys.stderr, flush=True)
+        server = SubprocessASGIServer()
+        server.start()
+        os.environ["PREFECT_API_URL"] = server.api_url
+    try:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: os.environ["PREFECT_API_URL"]}):
+            out = tune_flow(args, cfg, space)
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=10)        # (the flow's logs, before the temporary server goes)
+    finally:
+        if server is not None:
+            server.stop()
+    if out["stopped"]:
+        print("tune interrupted; run the same command to resume (finished trials are kept)", file=sys.stderr)
+        return 128 + out["stopped"]
+    best = out["best"]
+    if best is None:
+        print("no trial completed: nothing to recommend (see the trials' logs)", file=sys.stderr)
+        return 1
+    print(f"\nbest: trial {best['trial']} ({best['run']}), {args.metric} {best['value']:.4f}: "
+          + "  ".join(f"{k}={v}" for k, v in best["params"].items()))
+    print(f"  config: {best['config']}   (rlflow run {best['config']})")
+    return 0
+
+
 def _shield_prefect_server() -> None:
     """Prefect's temporary API server (no PREFECT_API_URL) is this process's child; Ctrl-C reaches the whole
     foreground process group, and a server killed by it leaves the flow hanging on its API while it stops. So it
@@ -267,6 +317,26 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--overrides-json", default="[]", metavar="JSON",
                      help="overrides as a JSON list (what recipes and deployments pass)")
     run.add_argument("--summary-json", metavar="PATH", help="write a JSON summary of the run here")
+    tune = sub.add_parser("tune", help="search config values with Optuna: each trial a run, pruned by its "
+                                      "per-iteration metric, the study resumable, the best config as YAML")
+    tune.add_argument("config", help="the base config; each trial is a run of it with the space's values")
+    tune.add_argument("--space", required=True, metavar="SPACE.yaml",
+                      help="config key -> {type: log_uniform|uniform|int|categorical, low/high or choices}")
+    tune.add_argument("--trials", type=int, required=True, metavar="N", help="trials in the study, in all")
+    tune.add_argument("--parallel", type=int, default=1, metavar="K", help="trials at once (default 1)")
+    tune.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                      help="dotted config override for every trial (repeatable)")
+    tune.add_argument("--metric", default="reward/mean", help="what a trial is judged by: a metric of each "
+                      "iteration's reward, train or eval manifest (default reward/mean)")
+    tune.add_argument("--direction", choices=["maximize", "minimize"], default="maximize")
+    tune.add_argument("--window", type=int, default=3, help="a trial's value: the mean of its last WINDOW "
+                      "iterations' metric (also what is reported for pruning; default 3)")
+    tune.add_argument("--pruner", choices=["median", "none"], default="median")
+    tune.add_argument("--sampler", choices=["tpe", "random"], default="tpe")
+    tune.add_argument("--seed", type=int, default=0, help="the sampler's seed")
+    tune.add_argument("--study", help="the study's name (default <run.name>-tune)")
+    tune.add_argument("--storage", help="Optuna storage URL (default sqlite:///<out>/study.db)")
+    tune.add_argument("--out", help="where the study, trial logs and best.yaml go (default rlflow-tune/<study>)")
     exp = sub.add_parser("export", help="write a published policy as a plain folder (from_pretrained loads it)")
     exp.add_argument("config", help="the run's config (its store, run.name and tracking.uri)")
     exp.add_argument("version", help="N, latest, best, or an MLflow model version: models:/NAME/3, "
@@ -285,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         _stop_on_signals()
     try:
-        code = {"run": cmd_run, "export": cmd_export, "plan": cmd_plan}[args.command](args)
+        code = {"run": cmd_run, "export": cmd_export, "plan": cmd_plan, "tune": cmd_tune}[args.command](args)
         if _stopped_by:
             _interrupted()
         return code

@@ -53,6 +53,13 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "dup.yaml").write_text("run:\n  name: a\n  iterations: 2\n  name: b\n")
     (tmp / "latin1.yaml").write_bytes("run:\n  name: caf\u00e9\n".encode("latin-1"))
     (tmp / "a_file").write_text("not a folder\n")
+    spaces = {"unknown_key": "train.learning_rate: {type: log_uniform, low: 1.0e-5, high: 1.0e-2}\n",
+              "empty_range": "train.lr: {type: uniform, low: 0.01, high: 0.01}\n",
+              "wrong_type": "train.lr: {type: categorical, choices: [fast, 0.01]}\n",
+              "unknown_dist": "train.lr: {type: normal, low: 0, high: 1}\n",
+              "not_a_mapping": "- train.lr\n"}
+    for name, text in spaces.items():
+        (tmp / f"space_{name}.yaml").write_text(text)
     no_chat = _model_without_chat_template(tmp)
     demo = "tasks.rewards.demo:successor_reward"
     import torch
@@ -164,6 +171,21 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "store scheme": (["run", str(TINY), "-o", "store.uri=gs://bucket"], "store.uri"),
         "s3 model outside the store": (["run", str(TINY), "-o", "model.name_or_path=s3://elsewhere/model"],
                                        "model.name_or_path: s3://elsewhere/model: an s3:// model must lie under"),
+        # rlflow tune: the space is checked before any trial starts
+        "tune, unknown key": (["tune", str(TINY), "--trials", "2", "--space", str(tmp / "space_unknown_key.yaml")],
+                              "--space: train.learning_rate: 1e-05: unknown key 'train.learning_rate'"),
+        "tune, empty range": (["tune", str(TINY), "--trials", "2", "--space", str(tmp / "space_empty_range.yaml")],
+                              "--space: train.lr: empty range (low 0.01 must be below high 0.01)"),
+        "tune, wrong type": (["tune", str(TINY), "--trials", "2", "--space", str(tmp / "space_wrong_type.yaml")],
+                             "--space: train.lr: 'fast': train.lr"),
+        "tune, unknown distribution": (["tune", str(TINY), "--trials", "2", "--space",
+                                        str(tmp / "space_unknown_dist.yaml")], "--space: train.lr: expected {type: one of"),
+        "tune, space not a mapping": (["tune", str(TINY), "--trials", "2", "--space",
+                                       str(tmp / "space_not_a_mapping.yaml")], "expected a mapping of config keys"),
+        "tune, space missing": (["tune", str(TINY), "--trials", "2", "--space", str(tmp / "nope.yaml")],
+                                "--space: " + str(tmp / "nope.yaml") + ": no such file"),
+        "tune, no trials": (["tune", str(TINY), "--trials", "0", "--space", str(tmp / "space_empty_range.yaml")],
+                            "--trials: expected a whole number of at least 1, got 0"),
         "plan, bad launcher mode": (["plan", str(TINY), "-o", "launcher.mode=cloud"], "launcher.mode"),
         "plan, missing recipes": (["plan", str(TINY), "-o", "launcher.mode=local", "-o", f"launcher.recipes={tmp}/none"],
                                   "launcher.recipes: no recipe"),

@@ -1,0 +1,388 @@
+"""`rlflow tune CONFIG --space SPACE.yaml --trials N --parallel K`: Optuna over a search space of config keys,
+each trial a real rlflow run (docs/operations.md#tuning).
+
+    # SPACE.yaml: config key -> distribution
+    train.lr: {type: log_uniform, low: 1.0e-4, high: 1.0e-1}
+    generate.temperature: {type: uniform, low: 0.6, high: 1.2}
+    train.micro_batch_size: {type: int, low: 8, high: 64, log: true}
+    train.loss_type: {type: categorical, choices: [grpo, dapo]}
+
+- The space is checked before any trial starts: a key the config does not have, an empty range, a bound or a
+  choice the key's type refuses, an unknown type: one line, exit 2.
+- Each trial is `rlflow run CONFIG -o KEY=VALUE... -o run.name=<run.name>-<hash of its values>` in a process of
+  its own, K at a time: its own Prefect flow run on whatever launchers the config names, its own MLflow run and
+  its folder in the store. The tune is a Prefect flow too (a table artifact of the trials at the end), and all
+  of them use one Prefect API: PREFECT_API_URL, or a temporary server the tune starts and shares.
+- After each iteration a trial reports its metric (`--metric`, default reward/mean, read from the iteration's
+  manifests in the store) to Optuna, as the mean of its last `--window` iterations; the pruner (median by
+  default) stops unpromising trials (SIGTERM: the run stops cleanly). A trial's value is that mean at its end.
+- The study lives in a database (`--storage`, default sqlite in `--out`), so a killed tune, run again, goes on:
+  finished trials are not repeated, and a trial that was running is run again with the same values, so its
+  rlflow run resumes from the store where it stopped.
+- MLflow: one parent run for the study, a child run per trial (its values, reported metric per iteration,
+  state, the trial's own run name); the best config is written as YAML ready for `rlflow run` (`--out`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tasks.core import layout
+from tasks.core.config import Config, load_config
+from tasks.core.errors import UserError
+
+TYPES = ("log_uniform", "uniform", "int", "categorical")
+POLL_SECONDS = 1.0
+TAG_STUDY = "rlflow.tune.study"
+
+
+@dataclass(frozen=True)
+class Param:
+    key: str
+    kind: str
+    low: float | int | None = None
+    high: float | int | None = None
+    choices: tuple | None = None
+    log: bool = False
+
+    def suggest(self, trial) -> Any:
+        if self.kind == "categorical":
+            return trial.suggest_categorical(self.key, list(self.choices))
+        if self.kind == "int":
+            return trial.suggest_int(self.key, int(self.low), int(self.high), log=self.log)
+        return trial.suggest_float(self.key, float(self.low), float(self.high), log=self.kind == "log_uniform")
+
+
+def _override(key: str, value: Any) -> str:
+    return f"{key}={json.dumps(value)}"
+
+
+def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]:
+    """The search space, every bound and choice checked against the config's own schema (one line on error)."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"--space: {path}: no such file") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"--space: {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise UserError(f"--space: {path}: expected a mapping of config keys to distributions, e.g. "
+                        f"train.lr: {{type: log_uniform, low: 1.0e-6, high: 1.0e-4}}")
+    space = {}
+    for key, spec in raw.items():
+        where = f"--space: {key}"
+        if key in ("run.name", "run.iterations") or not isinstance(key, str):
+            raise UserError(f"{where}: not a key to tune (the tune sets run.name; run.iterations is the budget)")
+        if not isinstance(spec, dict) or spec.get("type") not in TYPES:
+            raise UserError(f"{where}: expected {{type: one of {list(TYPES)}, ...}}, got {spec!r}")
+        kind = spec["type"]
+        extra = set(spec) - ({"type", "choices"} if kind == "categorical" else {"type", "low", "high", "log"})
+        if extra:
+            raise UserError(f"{where}: unknown field(s) {sorted(extra)} for type {kind}")
+        if kind == "categorical":
+            choices = spec.get("choices")
+            if not isinstance(choices, list) or not choices:
+                raise UserError(f"{where}: categorical needs a non-empty list of choices")
+            param = Param(key, kind, choices=tuple(choices))
+            values = list(choices)
+        else:
+            low, high = spec.get("low"), spec.get("high")
+            number = int if kind == "int" else (int, float)
+            if any(isinstance(v, bool) or not isinstance(v, number) or not math.isfinite(v) for v in (low, high)):
+                raise UserError(f"{where}: {kind} needs {'integer' if kind == 'int' else 'numeric'} low and high, "
+                                f"got low={low!r} high={high!r}")
+            if not low < high:
+                raise UserError(f"{where}: empty range (low {low} must be below high {high})")
+            if (kind == "log_uniform" or spec.get("log")) and low <= 0:
+                raise UserError(f"{where}: a log scale needs low > 0, got {low}")
+            param = Param(key, kind, low, high, log=bool(spec.get("log", False)))
+            values = [low, high]
+        for value in values:                   # the key exists and its type takes the value
+            try:
+                load_config(config, [*overrides, _override(key, value)])
+            except UserError as e:
+                raise UserError(f"{where}: {value!r}: {str(e).removeprefix('config: ')}") from None
+        space[key] = param
+    return space
+
+
+def iteration_metric(store, run: str, iteration: int, metric: str) -> float | None:
+    """The metric of one finished iteration, from its reward, train or evaluation manifest (None: not yet)."""
+    for key in (layout.rewards(run, iteration), layout.checkpoint(run, iteration), layout.evaluation(run, iteration)):
+        try:
+            manifest = store.manifest(key)
+        except Exception:  # noqa: BLE001 - being written, or unreadable now: asked again at the next poll
+            manifest = None
+        value = (manifest or {}).get("meta", {}).get("metrics", {}).get(metric)
+        if value is not None:
+            return float(value)
+    if store.manifest(layout.checkpoint(run, iteration)) is not None:
+        return math.nan                        # the iteration ended without that metric
+    return None
+
+
+def run_name(base: str, params: dict) -> str:
+    digest = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{base}-{digest}"[:100]
+
+
+class Tune:
+    def __init__(self, args, cfg: Config, space: dict[str, Param]):
+        self.args, self.cfg, self.space = args, cfg, space
+        self.out = Path(args.out or Path("rlflow-tune") / self.study_name())
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "trials").mkdir(exist_ok=True)
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def study_name(self) -> str:
+        return self.args.study or f"{self.cfg.run.name}-tune"
+
+    # ------------------------------------------------------------------------------------ study
+
+    def study(self):
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        storage = self.args.storage or f"sqlite:///{(self.out / 'study.db').absolute()}"
+        pruner = (optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=self.args.window)
+                  if self.args.pruner == "median" else optuna.pruners.NopPruner())
+        study = optuna.create_study(study_name=self.study_name(), storage=storage, pruner=pruner,
+                                    direction=self.args.direction, load_if_exists=True)
+        # a resumed study's sampler goes on from where it was, not from the seed's first draws again (those are
+        # its finished trials' values: they would come back as the same runs)
+        seed = self.args.seed + len(study.get_trials(deepcopy=False))
+        study.sampler = (optuna.samplers.TPESampler(seed=seed) if self.args.sampler == "tpe"
+                         else optuna.samplers.RandomSampler(seed=seed))
+        return study
+
+    def resume(self, study) -> int:
+        """Trials a killed tune left running are run again with their values; how many are left to start."""
+        from optuna.trial import TrialState
+
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            study.enqueue_trial(t.params, user_attrs={"resumes": t.number})
+            study.tell(t.number, state=TrialState.FAIL)        # (no "error": interrupted, not failed)
+        ended = [t for t in study.get_trials(deepcopy=False)
+                 if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+                 or (t.state == TrialState.FAIL and "error" in t.user_attrs)]
+        return max(self.args.trials - len(ended), 0)
+
+    # ------------------------------------------------------------------------------------ trials
+
+    def run_trial(self, study, trial, tracker) -> None:
+        from optuna.trial import TrialState
+
+        from tasks.core.store import Store
+
+        params = {k: p.suggest(trial) for k, p in self.space.items()}
+        name = run_name(self.cfg.run.name, params)
+        trial.set_user_attr("run", name)
+        child = tracker.child(trial.number, name, params)
+        argv = [sys.executable, "-c", "import sys; from flows.cli import main; sys.exit(main())", "run",
+                self.args.config, *[a for o in self.args.override for a in ("-o", o)],
+                *[a for k, v in params.items() for a in ("-o", _override(k, v))], "-o", f"run.name={name}",
+                "--summary-json", str(self.out / "trials" / f"{name}.json")]
+        from tasks.scoring.worker import die_with_parent
+
+        log = open(self.out / "trials" / f"{trial.number:04d}-{name}.log", "w")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=die_with_parent)
+        with self.lock:
+            self.procs[trial.number] = proc
+        store, values, pruned = Store.open(self.cfg.store), [], False
+        try:
+            while True:
+                ended = proc.poll() is not None
+                while (v := iteration_metric(store, name, len(values) + 1, self.args.metric)) is not None:
+                    values.append(v)
+                    seen = [x for x in values[-self.args.window:] if not math.isnan(x)]
+                    if seen:
+                        trial.report(statistics.fmean(seen), len(values))
+                        tracker.metric(child, self.args.metric, v, len(values))
+                    if not pruned and not ended and trial.should_prune():
+                        pruned = True
+                        proc.send_signal(signal.SIGTERM)
+                if ended or self.stop.wait(POLL_SECONDS):
+                    break
+            code = proc.wait()
+        finally:
+            log.close()
+            with self.lock:
+                self.procs.pop(trial.number, None)
+        if self.stop.is_set() and not pruned:
+            return                                   # left running in the study: the next tune resumes it
+        seen = [x for x in values[-self.args.window:] if not math.isnan(x)]
+        with self.lock:
+            if pruned:
+                study.tell(trial, state=TrialState.PRUNED)
+                state, value = "PRUNED", None
+            elif code == 0 and seen:
+                value = statistics.fmean(seen)
+                study.tell(trial, value)
+                state = "COMPLETE"
+            else:
+                trial.set_user_attr("error", _last_line(self.out / "trials" / f"{trial.number:04d}-{name}.log"))
+                study.tell(trial, state=TrialState.FAIL)
+                state, value = "FAILED", None
+        tracker.end(child, state, value)
+        print(f"trial {trial.number:>3}  {state:<8} {'' if value is None else f'{value:.4f}':>8}  {name}  "
+              + "  ".join(f"{k}={v}" for k, v in params.items()), flush=True)
+
+    def worker(self, study, left: list[int], tracker) -> None:
+        while not self.stop.is_set():
+            with self.lock:
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+                trial = study.ask()
+            self.run_trial(study, trial, tracker)
+
+    def terminate(self) -> None:
+        self.stop.set()
+        with self.lock:
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+
+    # ------------------------------------------------------------------------------------ the end
+
+    def best(self, study) -> dict | None:
+        from optuna.trial import TrialState
+
+        done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+        if not done:
+            return None
+        best = study.best_trial
+        cfg = load_config(self.args.config, [*self.args.override,
+                                             *[_override(k, v) for k, v in best.params.items()]])
+        data = cfg.model_dump(mode="json")
+        data["run"]["name"] = f"{self.cfg.run.name}-best"
+        path = self.out / "best.yaml"
+        tmp = path.with_suffix(".yaml.tmp")
+        tmp.write_text(f"# rlflow tune {self.study_name()}: trial {best.number} ({best.user_attrs.get('run')}), "
+                       f"{self.args.metric} {best.value:.6g}\n# {json.dumps(best.params)}\n"
+                       + yaml.safe_dump(data, sort_keys=False))
+        os.replace(tmp, path)
+        return {"trial": best.number, "value": best.value, "params": best.params, "run": best.user_attrs.get("run"),
+                "config": str(path)}
+
+    def rows(self, study) -> list[dict]:
+        return [{"trial": t.number, "state": t.state.name, "value": t.value, "run": t.user_attrs.get("run"),
+                 **{k: t.params.get(k) for k in self.space}} for t in study.get_trials(deepcopy=False)]
+
+
+class Tracker:
+    """The study's MLflow parent run and a child run per trial (MlflowClient: no active-run globals across
+    threads)."""
+
+    def __init__(self, cfg: Config, study: str, space: dict[str, Param], metric: str):
+        from tasks.core.tracking import _client
+
+        self.client = _client(cfg.tracking.uri)
+        exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
+        self.exp = exp.experiment_id if exp else self.client.create_experiment(cfg.tracking.experiment)
+        found = self.client.search_runs([self.exp], f"tags.`{TAG_STUDY}` = '{study}'", max_results=1)
+        if found:                              # a resumed tune: its children a kill left running are over
+            self.parent = found[0].info.run_id
+            self.client.update_run(self.parent, status="RUNNING")
+            for child in self.client.search_runs([self.exp], f"tags.`mlflow.parentRunId` = '{self.parent}' "
+                                                 f"and attributes.status = 'RUNNING'"):
+                self.client.set_terminated(child.info.run_id, "KILLED")
+        else:
+            run = self.client.create_run(self.exp, run_name=f"tune {study}", tags={TAG_STUDY: study})
+            self.parent = run.info.run_id
+            for key, p in space.items():
+                bounds = {"choices": list(p.choices)} if p.choices else {"low": p.low, "high": p.high}
+                self.client.log_param(self.parent, f"space.{key}", json.dumps({"type": p.kind, **bounds}))
+            self.client.log_param(self.parent, "metric", metric)
+        self.lock = threading.Lock()
+
+    def child(self, number: int, name: str, params: dict) -> str:
+        with self.lock:
+            run = self.client.create_run(self.exp, run_name=f"trial {number} {name}", tags={
+                "mlflow.parentRunId": self.parent, "rlflow.tune.trial": str(number), "rlflow.run": name})
+            for k, v in params.items():
+                self.client.log_param(run.info.run_id, k, v)
+            return run.info.run_id
+
+    def metric(self, run_id: str, key: str, value: float, step: int) -> None:
+        with self.lock:
+            self.client.log_metric(run_id, key, value, step=step)
+
+    def end(self, run_id: str, state: str, value: float | None) -> None:
+        with self.lock:
+            if value is not None:
+                self.client.log_metric(run_id, "value", value)
+            self.client.set_terminated(run_id, {"COMPLETE": "FINISHED", "PRUNED": "KILLED"}.get(state, "FAILED"))
+
+    def finish(self, best: dict | None, status: str) -> None:
+        with self.lock:
+            if best is not None:
+                self.client.log_metric(self.parent, "best_value", best["value"])
+                self.client.set_tag(self.parent, "best_run", best["run"])
+                self.client.log_artifact(self.parent, best["config"])
+            self.client.set_terminated(self.parent, status)
+
+
+def _last_line(path: Path) -> str:
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:500] if lines else ""
+
+
+def tune_flow(args, cfg: Config, space: dict[str, Param]) -> dict:
+    from prefect import flow
+    from prefect.artifacts import create_table_artifact
+
+    @flow(name="rlflow-tune", flow_run_name=f"tune {args.study or cfg.run.name + '-tune'}", log_prints=False)
+    def body() -> dict:
+        tune = Tune(args, cfg, space)
+        study = tune.study()
+        left = [tune.resume(study)]
+        tracker = Tracker(cfg, tune.study_name(), space, args.metric)
+        print(f"study {tune.study_name()}: {left[0]} trial(s) to run, {args.parallel} at a time "
+              f"({tune.out}/study.db unless --storage)", flush=True)
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        stopped: list[int] = []
+
+        def on_signal(signum, frame):
+            stopped.append(signum)
+            tune.terminate()
+        for s in previous:
+            signal.signal(s, on_signal)
+        try:
+            threads = [threading.Thread(target=tune.worker, args=(study, left, tracker), daemon=True)
+                       for _ in range(args.parallel)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.5)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        best = tune.best(study)
+        rows = tune.rows(study)
+        create_table_artifact(table=rows, key=f"tune-{_slug(tune.study_name())}",
+                              description=f"rlflow tune {tune.study_name()}: {args.metric}, {args.direction}")
+        tracker.finish(best, "KILLED" if stopped else "FINISHED")
+        return {"best": best, "trials": rows, "stopped": stopped[0] if stopped else None}
+    return body()
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")[:60] or "study"

@@ -1,0 +1,94 @@
+"""`rlflow tune` (flows/tune.py): a small study over the tiny demo's learning rate, two trials at a time, killed
+(its whole process group, as a preemption would) after its first trial and run again: finished trials are not
+repeated, the one that was running resumes its run, the best config loads and is the best trial's; MLflow has
+one parent run with a child per trial, Prefect a table artifact of the trials. Bad spaces: test_bad_input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.core.config import load_config
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.slow
+TRIALS = 3
+
+
+def _tune(tmp_path: Path, prefect_api: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "flows.cli", "tune", str(TINY), "--space", str(tmp_path / "space.yaml"),
+            "--trials", str(TRIALS), "--parallel", "2", "--window", "3", "--pruner", "none",
+            "--out", str(tmp_path / "tune"), "-o", "run.iterations=8",
+            "-o", f"store.uri=file://{tmp_path}/store", "-o", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    return subprocess.Popen(argv, cwd=tmp_path, env={**os.environ, "PREFECT_API_URL": prefect_api},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _trials(tmp_path: Path):
+    import optuna
+
+    db = tmp_path / "tune" / "study.db"
+    if not db.exists():
+        return []
+    storage = f"sqlite:///{db}"
+    try:
+        return optuna.load_study(study_name="tiny-demo-tune", storage=storage).get_trials(deepcopy=False)
+    except KeyError:                  # (not created yet)
+        return []
+
+
+def test_a_tune_finds_a_better_learning_rate_and_resumes_after_a_kill(tmp_path, prefect_api):
+    from mlflow import MlflowClient
+    from optuna.trial import TrialState
+
+    (tmp_path / "space.yaml").write_text("train.lr: {type: log_uniform, low: 1.0e-5, high: 3.0e-2}\n")
+    first = _tune(tmp_path, prefect_api)
+    deadline = time.monotonic() + 300
+    while not any(t.state == TrialState.COMPLETE for t in _trials(tmp_path)):
+        assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()[-3000:]
+        time.sleep(0.5)
+    os.killpg(first.pid, signal.SIGKILL)                       # the tune and its running trials, at once
+    first.wait()
+    before = {t.number: t for t in _trials(tmp_path)}
+    done_before = {t.user_attrs["run"] for t in before.values() if t.state == TrialState.COMPLETE}
+    cut = [t for t in before.values() if t.state == TrialState.RUNNING]
+    assert cut                                                 # (the next trial starts as soon as one ends)
+
+    second = _tune(tmp_path, prefect_api)
+    out, _ = second.communicate(timeout=600)
+    assert second.returncode == 0, out[-3000:]
+    trials = _trials(tmp_path)
+    finished = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(finished) == TRIALS, [(t.number, t.state, t.user_attrs) for t in trials]
+    runs = [t.user_attrs["run"] for t in finished]
+    assert len(set(runs)) == TRIALS and done_before <= set(runs)               # none repeated
+    for t in cut:                                              # a trial cut by the kill: run again, same values
+        again = [x for x in finished if x.user_attrs.get("resumes") == t.number]
+        assert len(again) == 1 and again[0].params == t.params and again[0].user_attrs["run"] == t.user_attrs["run"]
+    values = [t.value for t in finished]
+    best = max(finished, key=lambda t: t.value)
+    assert best.value > min(values)                           # better than the worst learning rate tried
+    assert f"best: trial {best.number} ({best.user_attrs['run']})" in out
+
+    cfg = load_config(tmp_path / "tune" / "best.yaml")         # ready for `rlflow run`
+    assert cfg.train.lr == pytest.approx(best.params["train.lr"]) and cfg.run.iterations == 8
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    [parent] = client.search_runs([exp.experiment_id], "tags.`rlflow.tune.study` = 'tiny-demo-tune'")
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert len(children) == TRIALS + len(cut) and parent.info.status == "FINISHED"
+    assert {c.info.status for c in children} <= {"FINISHED", "KILLED"}
+    assert parent.data.metrics["best_value"] == pytest.approx(best.value)
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:
+        artifacts = [a for a in prefect.read_artifacts() if a.key == "tune-tiny-demo-tune"]
+    assert artifacts and artifacts[0].type == "table"
