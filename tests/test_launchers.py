@@ -114,6 +114,13 @@ def test_every_config_validates_and_names_what_exists(path):
         assert (ROOT / cfg.launcher.recipes / f"{stage}.yaml").is_file(), stage
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "spaces").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_tune_space_validates_against_the_config_of_its_name(path):
+    from flows.tune import load_space
+
+    assert load_space(str(path), str(ROOT / "configs" / path.name), [])
+
+
 # ---------------------------------------------------------------------------------------------- local launcher
 
 KILLER = '''
