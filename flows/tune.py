@@ -119,19 +119,28 @@ def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]
     return space
 
 
+LAG = 2            # iterations a train or evaluation metric may land after its iteration's rewards and be read
+
+
+def _manifest(store, key: str) -> dict | None:
+    try:
+        return store.manifest(key)
+    except Exception:  # noqa: BLE001 - unreadable now (a store's passing error): asked again at the next poll
+        return None
+
+
 def iteration_metric(store, run: str, iteration: int, metric: str) -> float | None:
-    """The metric of one finished iteration, from its reward, train or evaluation manifest (None: not yet)."""
+    """The metric of one iteration, from its reward, train or evaluation manifest (None: not there)."""
     for key in (layout.rewards(run, iteration), layout.checkpoint(run, iteration), layout.evaluation(run, iteration)):
-        try:
-            manifest = store.manifest(key)
-        except Exception:  # noqa: BLE001 - being written, or unreadable now: asked again at the next poll
-            manifest = None
-        value = (manifest or {}).get("meta", {}).get("metrics", {}).get(metric)
+        value = (_manifest(store, key) or {}).get("meta", {}).get("metrics", {}).get(metric)
         if value is not None:
             return float(value)
-    if store.manifest(layout.checkpoint(run, iteration)) is not None:
-        return math.nan                        # the iteration ended without that metric
     return None
+
+
+def window_mean(values: dict[int, float], window: int) -> float:
+    """The trial's value so far: the mean of its last `window` iterations that have the metric."""
+    return statistics.fmean([values[i] for i in sorted(values)[-window:]])
 
 
 def run_name(base: str, params: dict) -> str:
@@ -204,19 +213,26 @@ class Tune:
                                 preexec_fn=die_with_parent)
         with self.lock:
             self.procs[trial.number] = proc
-        store, values, pruned = Store.open(self.cfg.store), [], False
+        store, pruned = Store.open(self.cfg.store), False
+        values: dict[int, float] = {}            # iteration -> metric
+        scored = 0                               # iterations with rewards (retention keeps those, not checkpoints)
+        unseen = 1                               # the first iteration not looked at yet
         try:
             while True:
                 ended = proc.poll() is not None
-                while (v := iteration_metric(store, name, len(values) + 1, self.args.metric)) is not None:
-                    values.append(v)
-                    seen = [x for x in values[-self.args.window:] if not math.isnan(x)]
-                    if seen:
-                        trial.report(statistics.fmean(seen), len(values))
-                        tracker.metric(child, self.args.metric, v, len(values))
+                while _manifest(store, layout.rewards(name, scored + 1)) is not None:
+                    scored += 1
+                # every new iteration, and the newest again (train and evaluation metrics land after the rewards)
+                for it in range(min(unseen, max(1, scored - LAG)), scored + 1):
+                    if it in values or (v := iteration_metric(store, name, it, self.args.metric)) is None:
+                        continue
+                    values[it] = v
+                    trial.report(window_mean(values, self.args.window), it)
+                    tracker.metric(child, self.args.metric, v, it)
                     if not pruned and not ended and trial.should_prune():
                         pruned = True
                         proc.send_signal(signal.SIGTERM)
+                unseen = scored + 1
                 if ended or self.stop.wait(POLL_SECONDS):
                     break
             code = proc.wait()
@@ -226,13 +242,12 @@ class Tune:
                 self.procs.pop(trial.number, None)
         if self.stop.is_set() and not pruned:
             return                                   # left running in the study: the next tune resumes it
-        seen = [x for x in values[-self.args.window:] if not math.isnan(x)]
         with self.lock:
             if pruned:
                 study.tell(trial, state=TrialState.PRUNED)
                 state, value = "PRUNED", None
-            elif code == 0 and seen:
-                value = statistics.fmean(seen)
+            elif code == 0 and values:
+                value = window_mean(values, self.args.window)
                 study.tell(trial, value)
                 state = "COMPLETE"
             else:

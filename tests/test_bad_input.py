@@ -123,7 +123,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                     "env.kwargs.executable: '/nonexistent/chromium' is not an executable Chromium"),
         "browser, no site": (["run", str(TINY), "-o", "env.factory=tasks.envs.browser:Browser", "-o",
                               'env.kwargs={"base_url": "http://127.0.0.1:9"}'],
-                             "env.kwargs.base_url: nothing answers at http://127.0.0.1:9"),
+                             "env.kwargs.base_url: no site answers at http://127.0.0.1:9"),
         "browser, no base_url": (["run", str(TINY), "-o", "env.factory=tasks.envs.browser:Browser"],
                                  "env.kwargs.base_url: the browser environment needs the site's URL"),
         "openenv, not its python": (["run", str(TINY), "-o", "env.factory=tasks.envs.openenv_adapter:OpenEnv", "-o",

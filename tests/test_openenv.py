@@ -106,7 +106,7 @@ def test_a_server_that_goes_away_ends_its_episodes_not_the_stage(tokenizer, tmp_
     failed = [r for r in records if r.env_error]
     assert failed and all(r.env_return is None and r.env_error.startswith("step raised OpenEnvError") for r in failed)
     assert all(r.env_return == 1.0 for r in records if not r.env_error)     # (a first guess that was right)
-    with pytest.raises(UserError, match=r"^env.kwargs.base_url: no OpenEnv server answers at http://127.0.0.1:"):
+    with pytest.raises(UserError, match=r"^env.kwargs.base_url: no OpenEnv server answers at http://127.0.0.1:\d+/health"):
         OpenEnv.preflight(base_url=url)
 
 

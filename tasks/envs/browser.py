@@ -41,13 +41,11 @@ import asyncio
 import os
 import re
 import shutil
-import urllib.error
-import urllib.request
 from typing import Any
 from urllib.parse import urljoin, urlparse
 
 from tasks.core.errors import UserError
-from tasks.envs.protocol import Step
+from tasks.envs.protocol import Step, require_answer
 
 ACTIONS = ("Act with one action per turn: click [N], type [N] [text] (type [N] [text] [1] presses Enter after), "
            "select [N] [option], goto [url], answer [text] (ends the task; on a task that asks for no answer, "
@@ -153,13 +151,7 @@ class Browser:
         if not base_url:
             raise UserError("env.kwargs.base_url: the browser environment needs the site's URL, e.g. "
                             "http://127.0.0.1:8765 (python -m tasks.envs.webshop serves the shop there)")
-        try:
-            urllib.request.urlopen(base_url, timeout=10).close()
-        except urllib.error.HTTPError:
-            pass                                        # it answers: enough
-        except (OSError, ValueError) as e:
-            raise UserError(f"env.kwargs.base_url: nothing answers at {base_url} ({getattr(e, 'reason', e)}); "
-                            f"start the site first (python -m tasks.envs.webshop --port ...)") from None
+        require_answer(base_url, "site", "; start it first (python -m tasks.envs.webshop --port ...)")
 
     # ------------------------------------------------------------------------------------ the protocol
 

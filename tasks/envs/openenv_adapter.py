@@ -32,8 +32,6 @@ import json
 import os
 import subprocess
 import threading
-import urllib.error
-import urllib.request
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,7 +40,7 @@ from typing import Any
 from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
 from tasks.envs.isolation import EnvironmentDied
-from tasks.envs.protocol import Step
+from tasks.envs.protocol import Step, require_answer
 
 VENV = ".venv-openenv"
 BRIDGE = Path(__file__).with_name("openenv_bridge.py")
@@ -159,13 +157,7 @@ class OpenEnv:
         if not base_url:
             raise UserError("env.kwargs.base_url: the OpenEnv adapter needs the environment server's URL, e.g. "
                             "http://127.0.0.1:8000")
-        try:
-            urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=10).close()
-        except urllib.error.HTTPError:
-            pass                                     # it answers: enough
-        except (OSError, ValueError) as e:
-            raise UserError(f"env.kwargs.base_url: no OpenEnv server answers at {base_url} "
-                            f"({getattr(e, 'reason', e)})") from None
+        require_answer(base_url.rstrip("/") + "/health", "OpenEnv server")
 
     def _call(self, op: str, **request: Any) -> Any:
         return self._bridge.call(self.timeout, op=op, session=self._session, **request)

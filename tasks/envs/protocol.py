@@ -150,6 +150,20 @@ def _signals_kept():
         _FACTORY.on = False
 
 
+def require_answer(url: str, what: str, hint: str = "") -> None:
+    """A UserError naming env.kwargs.base_url unless something answers at `url` (any HTTP status will do): a
+    factory's preflight for an environment that is a server."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url, timeout=10).close()
+    except urllib.error.HTTPError:
+        pass
+    except (OSError, ValueError) as e:
+        raise UserError(f"env.kwargs.base_url: no {what} answers at {url} ({getattr(e, 'reason', e)}){hint}") from None
+
+
 def environment(cfg: Config, instance: Any, row: dict) -> Environment:
     """`instance` (what the factory made) driven by the protocol: itself, or through its adapter."""
     from tasks.envs import adapters
