@@ -113,6 +113,29 @@ def test_mistakes_are_observations_and_wrong_answers_score_zero(shop):
     assert step.done and step.reward == 0.0 and b.checks == {"answer.exact": False} and step.observation == []
 
 
+def test_a_chromium_that_died_is_started_again_for_the_next_episode(shop):
+    from tasks.envs.browser import _Chromium
+
+    async def episodes():
+        row = {"prompt": "What does the Tea Tin cost?", "start": "/", "check": {"answer": {"exact": "6.25"}}}
+        first = Browser(shop)
+        await first.reset(row)
+        shared = _Chromium.shared[asyncio.get_running_loop()]
+        dead = shared.browser
+        await dead.close()                                  # Chromium gone under a live episode
+        second = Browser(shop)
+        page = (await second.reset(row))[0]["content"]      # a new Chromium for the next episode
+        with pytest.raises(Exception):
+            await first.step({"role": "assistant", "content": "click [12]"})      # (its episode fails alone)
+        relaunched = shared.browser is not dead and shared.browser.is_connected()
+        await first.close()
+        await second.close()
+        return page, relaunched, shared.users
+
+    page, relaunched, users = asyncio.run(episodes())
+    assert "link 'Tea Tin'" in page and relaunched and users == 0
+
+
 def test_a_check_that_is_not_one_of_the_checkers_fails_the_episode_at_reset(shop, tokenizer):
     rows = [{"prompt": "x", "start": "/", "check": {"answer": {"exact": "1"}, "screenshot": True}}]
     [r] = _episodes(_cfg(shop, "env.isolation=thread"), rows, tokenizer, tools=False)

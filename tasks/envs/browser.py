@@ -165,8 +165,8 @@ class Browser:
         if not isinstance(check, dict) or set(check) - set(_CHECKS):
             raise ValueError(f"the row's check must be an object with keys among {list(_CHECKS)}, not {check!r}")
         self._check = check
-        self._acquired = True
         browser = await _Chromium.acquire(self.executable, self.headless)
+        self._acquired = True                 # (released by close: a launch that failed took no share)
         self._context = await browser.new_context()
         self._context.set_default_timeout(self.timeout_ms)
         await self._context.route("**/*", self._route)
