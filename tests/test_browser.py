@@ -114,6 +114,8 @@ def test_mistakes_are_observations_and_wrong_answers_score_zero(shop):
 
 
 def test_a_chromium_that_died_is_started_again_for_the_next_episode(shop):
+    from playwright.async_api import Error as PlaywrightError
+
     from tasks.envs.browser import _Chromium
 
     async def episodes():
@@ -125,7 +127,7 @@ def test_a_chromium_that_died_is_started_again_for_the_next_episode(shop):
         await dead.close()                                  # Chromium gone under a live episode
         second = Browser(shop)
         page = (await second.reset(row))[0]["content"]      # a new Chromium for the next episode
-        with pytest.raises(Exception):
+        with pytest.raises(PlaywrightError):
             await first.step({"role": "assistant", "content": "click [12]"})      # (its episode fails alone)
         relaunched = shared.browser is not dead and shared.browser.is_connected()
         await first.close()
