@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from tasks.engines.sampling import SamplingParams
 from tasks.envs.browser import Browser
 from tasks.envs.episodes import run_episodes
 from tasks.envs.webshop import reference_action, serve, shop_tasks
+from tests.conftest import CHROMIUM
 from tests.test_envs import Scripted
 
 pytestmark = pytest.mark.browser
@@ -136,6 +138,41 @@ def test_a_chromium_that_died_is_started_again_for_the_next_episode(shop):
 
     page, relaunched, users = asyncio.run(episodes())
     assert "link 'Tea Tin'" in page and relaunched and users == 0
+
+
+def test_a_chromium_on_another_machine_drives_the_episodes_over_the_devtools_protocol(shop, tokenizer, tmp_path):
+    """env.kwargs.cdp_url: a Chromium started elsewhere (here: a process of its own with a DevTools port, as on
+    an environment machine) hosts the episodes' contexts; the stage only holds Playwright's connection. Closing
+    disconnects and leaves it running; one that does not answer is the preflight's one line."""
+    import subprocess
+    import urllib.request
+
+    from tasks.core.errors import UserError
+    from tasks.envs.webshop import free_port
+
+    port = free_port()
+    chromium = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-dev-shm-usage",
+                                 f"--remote-debugging-port={port}", f"--user-data-dir={tmp_path / 'profile'}",
+                                 "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(url + "/json/version", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        Browser.preflight(base_url=shop, cdp_url=url)
+        rows = [next(r for r in shop_tasks() if r["kind"] == kind) for kind in ("order", "search")]
+        records = _episodes(_cfg(shop, "env.isolation=thread", f"env.kwargs.cdp_url={url}"), rows, tokenizer,
+                            tools=False)
+        assert [(r.env_error, r.env_return) for r in records] == [(None, 1.0)] * 2
+        assert chromium.poll() is None                     # disconnected from, not closed
+    finally:
+        chromium.kill()
+        chromium.wait()
+    with pytest.raises(UserError, match=r"^env.kwargs.cdp_url: no Chromium \(DevTools protocol\) answers at "):
+        Browser.preflight(base_url=shop, cdp_url=url)
 
 
 def test_a_check_that_is_not_one_of_the_checkers_fails_the_episode_at_reset(shop, tokenizer):

@@ -75,7 +75,8 @@ def chromium_path(executable: str | None = None) -> str | None:
 
 class _Chromium:
     """One Chromium per event loop (its Playwright objects belong to the loop), shared by the episodes on it and
-    closed when the last one closes; relaunched if it died."""
+    closed when the last one closes; relaunched if it died. With a `cdp_url` it is another machine's Chromium
+    (connected to over the DevTools protocol; closing disconnects and leaves it running)."""
 
     shared: dict[Any, _Chromium] = {}
 
@@ -84,7 +85,7 @@ class _Chromium:
         self.lock = asyncio.Lock()
 
     @classmethod
-    async def acquire(cls, executable: str | None, headless: bool):
+    async def acquire(cls, executable: str | None, headless: bool, cdp_url: str | None = None):
         me = cls.shared.setdefault(asyncio.get_running_loop(), cls())
         async with me.lock:
             if me.browser is None or not me.browser.is_connected():
@@ -92,9 +93,12 @@ class _Chromium:
 
                 if me.playwright is None:
                     me.playwright = await async_playwright().start()
-                args = ["--disable-dev-shm-usage"] + (["--no-sandbox"] if os.geteuid() == 0 else [])
-                me.browser = await me.playwright.chromium.launch(executable_path=executable, headless=headless,
-                                                                 args=args)
+                if cdp_url:
+                    me.browser = await me.playwright.chromium.connect_over_cdp(cdp_url)
+                else:
+                    args = ["--disable-dev-shm-usage"] + (["--no-sandbox"] if os.geteuid() == 0 else [])
+                    me.browser = await me.playwright.chromium.launch(executable_path=executable, headless=headless,
+                                                                     args=args)
             me.users += 1
             return me.browser
 
@@ -122,8 +126,10 @@ class Browser:
     schemas the chat template declares)."""
 
     def __init__(self, base_url: str, executable: str | None = None, max_chars: int = 6000,
-                 action_timeout: float = 5.0, allowed_hosts: list[str] | None = None, headless: bool = True):
+                 action_timeout: float = 5.0, allowed_hosts: list[str] | None = None, headless: bool = True,
+                 cdp_url: str | None = None):
         self.base_url = base_url.rstrip("/") + "/"
+        self.cdp_url = cdp_url
         self.executable, self.headless = chromium_path(executable), headless
         self.max_chars, self.timeout_ms = max_chars, int(action_timeout * 1000)
         self.hosts = set(allowed_hosts or []) | {urlparse(self.base_url).netloc}
@@ -135,14 +141,17 @@ class Browser:
         self._acquired = False
 
     @classmethod
-    def preflight(cls, base_url: str | None = None, executable: str | None = None, **_: Any) -> None:
+    def preflight(cls, base_url: str | None = None, executable: str | None = None, cdp_url: str | None = None,
+                  **_: Any) -> None:
         """Before the run starts: one line when Playwright, Chromium or the site is missing."""
         try:
             import playwright.async_api  # noqa: F401
         except ImportError:
             raise UserError("env: the browser environment needs playwright (pip install playwright; make setup "
                             "installs it)") from None
-        path = chromium_path(executable)
+        if cdp_url:                                   # another machine's Chromium: it must answer
+            require_answer(cdp_url.rstrip("/") + "/json/version", "Chromium (DevTools protocol)", field="cdp_url")
+        path = chromium_path(executable) if not cdp_url else "remote"
         if executable and not os.access(executable, os.X_OK):
             raise UserError(f"env.kwargs.executable: {executable!r} is not an executable Chromium")
         if path is None and not _playwright_chromium():
@@ -165,7 +174,7 @@ class Browser:
         if not isinstance(check, dict) or set(check) - set(_CHECKS):
             raise ValueError(f"the row's check must be an object with keys among {list(_CHECKS)}, not {check!r}")
         self._check = check
-        browser = await _Chromium.acquire(self.executable, self.headless)
+        browser = await _Chromium.acquire(self.executable, self.headless, self.cdp_url)
         self._acquired = True                 # (released by close: a launch that failed took no share)
         self._context = await browser.new_context()
         self._context.set_default_timeout(self.timeout_ms)
