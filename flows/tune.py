@@ -208,7 +208,8 @@ class Tune:
                 "--summary-json", str(self.out / "trials" / f"{name}.json")]
         from tasks.scoring.worker import die_with_parent
 
-        log = open(self.out / "trials" / f"{trial.number:04d}-{name}.log", "w")
+        log_path = self.out / "trials" / f"{trial.number:04d}-{name}.log"
+        log = open(log_path, "w")
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=die_with_parent)
         with self.lock:
@@ -251,7 +252,7 @@ class Tune:
                 study.tell(trial, value)
                 state = "COMPLETE"
             else:
-                trial.set_user_attr("error", _last_line(self.out / "trials" / f"{trial.number:04d}-{name}.log"))
+                trial.set_user_attr("error", _last_line(log_path))
                 study.tell(trial, state=TrialState.FAIL)
                 state, value = "FAILED", None
         tracker.end(child, state, value)
@@ -306,11 +307,10 @@ class Tracker:
     threads)."""
 
     def __init__(self, cfg: Config, study: str, space: dict[str, Param], metric: str):
-        from tasks.core.tracking import _client
+        from tasks.core.tracking import _client, experiment_id
 
         self.client = _client(cfg.tracking.uri)
-        exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
-        self.exp = exp.experiment_id if exp else self.client.create_experiment(cfg.tracking.experiment)
+        self.exp = experiment_id(self.client, cfg)
         found = self.client.search_runs([self.exp], f"tags.`{TAG_STUDY}` = '{study}'", max_results=1)
         if found:                              # a resumed tune: its children a kill left running are over
             self.parent = found[0].info.run_id

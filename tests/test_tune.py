@@ -81,6 +81,7 @@ def test_a_tune_finds_a_better_learning_rate_and_resumes_after_a_kill(tmp_path, 
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"     # (made by the tune first)
     [parent] = client.search_runs([exp.experiment_id], "tags.`rlflow.tune.study` = 'tiny-demo-tune'")
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert len(children) == TRIALS + len(cut) and parent.info.status == "FINISHED"

@@ -37,6 +37,20 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+def experiment_id(client, cfg: Config) -> str:
+    """tracking.experiment's id, the experiment made if it is new (a user error naming tracking.uri if the
+    tracking server refuses)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        exp = client.get_experiment_by_name(cfg.tracking.experiment)
+        # a new experiment is one of model training (MLflow's UI would otherwise show it as GenAI evaluations)
+        return exp.experiment_id if exp else client.create_experiment(
+            cfg.tracking.experiment, tags={EXPERIMENT_KIND: "custom_model_development"})
+    except MlflowException as e:
+        raise UserError(f"tracking.uri: {cfg.tracking.uri}: {str(e).splitlines()[0][:200]}") from None
+
+
 def _create_sqlite_whole(uri: str) -> None:
     """A new sqlite tracking database appears whole or not at all. MLflow creates it in place, in a few
     seconds of schema migrations: a process killed in them leaves a half-migrated database that every later
@@ -189,16 +203,9 @@ class Tracker:
     def start(self) -> str:
         """Find this run's MLflow run (same run name and store) or create it; log the resolved config."""
         from mlflow.entities import Param
-        from mlflow.exceptions import MlflowException
 
         cfg = self.cfg
-        try:
-            exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
-            # a new experiment is one of model training (MLflow's UI would otherwise show it as GenAI evaluations)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(
-                cfg.tracking.experiment, tags={EXPERIMENT_KIND: "custom_model_development"})
-        except MlflowException as e:
-            raise UserError(f"tracking.uri: {cfg.tracking.uri}: {str(e).splitlines()[0][:200]}") from None
+        exp_id = experiment_id(self.client, cfg)
         found = self.client.search_runs(
             [exp_id], filter_string=f"tags.`{TAG_RUN}` = '{cfg.run.name}' and tags.`{TAG_STORE}` = '{self.store_root}'",
             max_results=1, order_by=["attributes.start_time DESC"])
