@@ -25,17 +25,19 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from tasks.core.errors import UserError
+from tasks.core.errors import UserError, user_error_in
 from tasks.core.paths import sibling_python
 from tasks.core.processes import stream
 from tasks.core.store import CorruptArtifact
+from tasks.envs.server import READY, TOKEN_VAR, URL_VAR
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
 
 BRIDGE = Path(__file__).with_name("sky_bridge.py")
 # Stages that share a machine kind share a cluster: evaluate generates; publish follows train.
-CLUSTER_OF = {"generate": "gen", "evaluate": "gen", "reward": "reward", "train": "train", "publish": "train"}
+CLUSTER_OF = {"generate": "gen", "evaluate": "gen", "reward": "reward", "train": "train", "publish": "train",
+              "env": "env"}      # (env.where: sky: the environment server's CPU cluster; EnvServer below)
 
 
 class InfraError(RuntimeError):
@@ -172,17 +174,133 @@ class Sky:
         self.launched.clear()
 
 
+class EnvServer:
+    """env.where: local | sky (or env.server_url): the environment server the episodes of generate and evaluate
+    talk to (tasks/envs/server.py). Started at the first stage that needs it and checked before each one: a
+    server that stopped answering (its process died, its spot cluster was preempted) is started again, so the
+    retry of a stage that failed with it finds it up. The stages get its URL and token as environment variables
+    (RLFLOW_ENV_SERVER, RLFLOW_ENV_TOKEN): they are the run's, not the config's, and a new server after a
+    preemption has another address. Ended with the flow: its process, or its cluster (Sky.close)."""
+
+    READY_SECONDS = 600.0           # from start to answering: imports, the factory's preflight, a forkserver
+
+    def __init__(self, cfg: Config, config_path: str, overrides: list[str], sky: Sky):
+        import secrets
+
+        self.cfg, self.config_path, self.overrides, self.sky = cfg, config_path, list(overrides), sky
+        self.url = cfg.env.server_url
+        self.token = os.environ.get(TOKEN_VAR, "") if self.url else secrets.token_urlsafe(24)
+        self.proc = None
+        self.lock = threading.Lock()
+        self.tail: list[str] = []
+
+    def answers(self) -> bool:
+        import urllib.request
+
+        if not self.url:
+            return False
+        try:
+            with urllib.request.urlopen(f"{self.url.rstrip('/')}/health", timeout=10) as r:
+                return r.status == 200
+        except (OSError, ValueError):
+            return False
+
+    def env(self, log) -> dict[str, str]:
+        """The server's variables for a stage, after making sure it answers."""
+        with self.lock:
+            if not self.answers():
+                if self.cfg.env.server_url:
+                    raise InfraError(f"the environment server at {self.url} (env.server_url) does not answer")
+                if self.url:
+                    log(f"the environment server at {self.url} stopped answering: starting it again")
+                self.url = self._start_local(log) if self.cfg.env.where == "local" else self._start_sky(log)
+            return {URL_VAR: self.url, TOKEN_VAR: self.token}
+
+    def _argv(self) -> list[str]:
+        return ["-m", "tasks.envs.server", "--config", self.config_path, "--overrides-json",
+                json.dumps(self.overrides), "--idle-minutes", str(self.cfg.launcher.idle_minutes_to_autostop)]
+
+    def _start_local(self, log) -> str:
+        import subprocess
+
+        self.stop()
+        proc = subprocess.Popen([sys.executable, *self._argv(), "--port", "0", "--exit-with-parent"],
+                                env={**os.environ, TOKEN_VAR: self.token, "PYTHONUNBUFFERED": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                text=True, start_new_session=True)
+        self.proc, self.tail = proc, []
+        found: list[str] = []
+        ready = threading.Event()
+
+        def drain() -> None:          # its output to the flow's log for the run's whole life, its URL once
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                self.tail = (self.tail + [line])[-20:]
+                if line.startswith(READY) and not found:
+                    found.append(line.split()[1])
+                    ready.set()
+                    continue
+                log(f"env server: {line}")
+            ready.set()
+        threading.Thread(target=drain, daemon=True, name="env-server-log").start()
+        if not ready.wait(self.READY_SECONDS) or not found:
+            code = proc.poll()
+            self.stop()
+            said = next((u for u in map(user_error_in, self.tail) if u), None)
+            if said:
+                raise UserError(said)
+            raise InfraError(f"the environment server did not start (exit code {code}): "
+                             + "\n".join(self.tail[-3:]).strip())
+        log(f"environment server: {found[0]} (pid {proc.pid})")
+        return found[0]
+
+    def _start_sky(self, log) -> str:
+        sky, cluster = self.sky, self.sky.cluster("env")
+        port = self.cfg.env.server_port
+        envs = [f"--env={k}={v}" for k, v in {"CONFIG": self.config_path, "OVERRIDES": json.dumps(self.overrides),
+                                              "PORT": port, TOKEN_VAR: self.token,
+                                              "IDLE_MINUTES": self.cfg.launcher.idle_minutes_to_autostop}.items()]
+        idle = self.cfg.launcher.idle_minutes_to_autostop
+        args = ["serve", "--cluster", cluster, "--recipe", str(recipe_path(self.cfg, "env")), "--port", str(port),
+                "--wait", str(int(self.READY_SECONDS)), "--idle-minutes", str(idle), *envs]
+        with sky._launching.setdefault(cluster, threading.Lock()):
+            out = sky._bridge(args + (["--launch"] if cluster not in sky.launched else []), log)
+            if out.get("cluster_missing") and cluster in sky.launched:
+                sky.launched.discard(cluster)            # preempted: launched again, once, here
+                out = sky._bridge([*args, "--launch"], log)
+            if out.get("url"):
+                sky.launched.add(cluster)                # (torn down with the others by Sky.close)
+        if out.get("user_error"):
+            raise UserError(out["user_error"])
+        if not out.get("url"):
+            raise InfraError(f"the environment server on {cluster} did not start: "
+                             f"{out.get('error') or 'exit code ' + str(out.get('exit_code'))}")
+        log(f"environment server: {out['url']} on {cluster}")
+        return out["url"]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            from tasks.core.processes import kill_group
+
+            kill_group(self.proc)
+            self.proc = None
+
+
 class Launchers:
     """The launcher of each stage, by `launcher.mode` / `launcher.stages`; None for inline stages (the flow
     calls the stage function itself)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, config_path: str = "", overrides: list[str] | None = None):
         self.cfg = cfg
         self._by_mode = {"local": Local(cfg), "sky": Sky(cfg)}
+        self.env_server = (EnvServer(cfg, config_path, overrides or [], self._by_mode["sky"])
+                           if cfg.env.factory and cfg.env.remote() else None)
 
     def for_stage(self, stage: str):
         return self._by_mode.get(self.cfg.launcher.mode_of(stage))
 
     def close(self, log) -> None:
+        if self.env_server is not None:
+            self.env_server.stop()
         for launcher in self._by_mode.values():
             launcher.close(log)

@@ -68,7 +68,10 @@ def plan(cfg: Config, config_path: str) -> str:
     evaluates = cfg.eval.every > 0
     stages = [s for s in STAGES if s != "evaluate" or evaluates]
     recipes = {s: str(recipe_path(cfg, s)) for s in stages if lc.mode_of(s) != "inline"}
-    prices = catalog_prices(cfg, sorted({recipes[s] for s in stages if lc.mode_of(s) == "sky"}))
+    served = bool(cfg.env.factory) and cfg.env.where == "sky" and cfg.env.server_url is None
+    env_recipe = str(recipe_path(cfg, "env")) if served else None
+    prices = catalog_prices(cfg, sorted({recipes[s] for s in stages if lc.mode_of(s) == "sky"}
+                                        | ({env_recipe} if served else set())))
     sky = Sky(cfg)
     rows = []
     first_on = {}                    # cluster -> the stage that launches it (the others `sky exec` on it)
@@ -100,6 +103,19 @@ def plan(cfg: Config, config_path: str) -> str:
         rows.append((s, where, machine + (f"; {engine}" if engine else ""), spot, price))
     if not evaluates:
         rows.append(("evaluate", "not run (eval.every 0)", "", "", ""))
+    if cfg.env.factory and cfg.env.server_url is not None:
+        rows.append(("env", f"environment server at {cfg.env.server_url} (env.server_url)", "yours", "-", "-"))
+    elif cfg.env.factory and cfg.env.where == "local":
+        rows.append(("env", "environment server, a process beside the flow (env.where: local)", "this machine",
+                     "-", "-"))
+    elif served:
+        recipe = yaml.safe_load(Path(env_recipe).read_text()) or {}
+        p = prices.get(env_recipe, {})
+        rows.append(("env", f"environment server on sky cluster {sky.cluster('env')} ({env_recipe}), port "
+                     f"{cfg.env.server_port}", _machine(recipe),
+                     "spot" if (recipe.get("resources") or {}).get("use_spot") else "on-demand",
+                     f"{p['hourly_usd']:.3f} (SkyPilot catalog: {p['choice']})" if p.get("hourly_usd") is not None
+                     else f"unknown ({p.get('error')})"))
 
     tracking_from = ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") == cfg.tracking.uri
                      else "tracking.uri")

@@ -6,6 +6,8 @@ on stdout after the job's logs.
     python flows/sky_bridge.py run  --cluster C --recipe sky/train.yaml [--env K=V]... [--launch]
                                     [--idle-minutes 10]
     python flows/sky_bridge.py job  --name N --recipe sky/train.yaml [--env K=V]...     # managed job
+    python flows/sky_bridge.py serve --cluster C --recipe sky/env.yaml --port 8330 [--env K=V]... [--launch]
+                                     [--wait 600] [--idle-minutes 10]     # a server job; answers with its URL
     python flows/sky_bridge.py down --cluster C
     python flows/sky_bridge.py price --recipe sky/train.yaml [--recipe ...]       # rlflow plan; launches nothing
 
@@ -50,15 +52,17 @@ class Tee(io.TextIOBase):
         sys.stderr.flush()
 
 
-def _task(sky, recipe: str, envs: list[str]):
+def _task(sky, recipe: str, envs: list[str], port: int | None = None):
     """The recipe with the flow's envs; its secrets (null in the file) filled from this process's environment,
-    as `sky launch --secret NAME` does."""
+    as `sky launch --secret NAME` does; `port`: the one port it opens (a server's, whatever the file says)."""
     import os
 
     import yaml
 
     with open(recipe) as f:
         config = yaml.safe_load(f)
+    if port is not None:
+        config.setdefault("resources", {})["ports"] = port
     secrets = [(k, os.environ[k]) for k in (config.get("secrets") or {}) if os.environ.get(k)]
     return sky.Task.from_yaml_config(config, env_overrides=[tuple(e.split("=", 1)) for e in envs],
                                      secrets_overrides=secrets)
@@ -81,18 +85,26 @@ def _hourly(handle) -> float | None:
         return None
 
 
-def cmd_run(sky, args) -> dict:
-    tee = Tee()
-    task = _task(sky, args.recipe, args.env)
+def _submit(sky, args, task, tee):
+    """The job on --cluster: launched with it (--launch) or sent to it (exec). (job_id, handle), or the answer
+    for a cluster that is not there."""
     try:
         if args.launch:
             req = sky.launch(task, cluster_name=args.cluster, retry_until_up=True,
                              idle_minutes_to_autostop=args.idle_minutes)
         else:
             req = sky.exec(task, cluster_name=args.cluster)
-        job_id, handle = sky.stream_and_get(req, output_stream=tee)
+        return sky.stream_and_get(req, output_stream=tee)
     except (sky.exceptions.ClusterDoesNotExist, sky.exceptions.ClusterNotUpError) as e:
         return {"exit_code": None, "user_error": None, "cluster_missing": True, "error": str(e).splitlines()[0]}
+
+
+def cmd_run(sky, args) -> dict:
+    tee = Tee()
+    submitted = _submit(sky, args, _task(sky, args.recipe, args.env), tee)
+    if isinstance(submitted, dict):
+        return submitted
+    job_id, handle = submitted
     code = sky.tail_logs(args.cluster, job_id, follow=True, output_stream=tee)
     missing = code != 0 and tee.user_error is None and tee.corrupt is None and not _cluster_up(sky, args.cluster)
     return {"exit_code": int(code), "user_error": tee.user_error, "corrupt": tee.corrupt, "cluster_missing": missing,
@@ -107,6 +119,48 @@ def cmd_job(sky, args) -> dict:
     code = sky.jobs.tail_logs(job_id=job_id, follow=True, output_stream=tee)
     return {"exit_code": int(code or 0), "user_error": tee.user_error, "corrupt": tee.corrupt, "cluster_missing": False,
             "hourly_usd": _hourly(handle) if handle else None, "job_id": job_id}
+
+
+def cmd_serve(sky, args) -> dict:
+    """Start a long-lived server job (sky/env.yaml) and wait until it answers at the cluster's endpoint for
+    --port: {"url": "http://ip:port"}; or, when the job ended first, its exit code and user-error line; or the
+    cluster missing. The job keeps running after this returns (its own idle timeout ends it)."""
+    import time
+    import urllib.request
+
+    tee = Tee()
+    submitted = _submit(sky, args, _task(sky, args.recipe, args.env, port=args.port), tee)
+    if isinstance(submitted, dict):
+        return submitted
+    job_id, handle = submitted
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        try:
+            found = sky.get(sky.endpoints(args.cluster, args.port)) or {}
+            endpoint = found.get(args.port) or found.get(str(args.port))
+        except (ValueError, RuntimeError, KeyError, sky.exceptions.ClusterNotUpError):
+            endpoint = None
+        if endpoint:
+            url = endpoint if "://" in endpoint else f"http://{endpoint}"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return {"url": url, "job_id": job_id, "hourly_usd": _hourly(handle)}
+            except (OSError, ValueError):
+                pass
+        status = (sky.get(sky.job_status(args.cluster, [job_id])) or {}).get(job_id)
+        if status is not None and str(getattr(status, "value", status)).upper() in (
+                "SUCCEEDED", "FAILED", "FAILED_SETUP", "FAILED_DRIVER", "CANCELLED"):
+            code = sky.tail_logs(args.cluster, job_id, follow=False, output_stream=tee)
+            return {"exit_code": int(code or 1), "user_error": tee.user_error, "cluster_missing":
+                    not _cluster_up(sky, args.cluster), "error": f"the server's job ended ({status})"}
+        time.sleep(1.0)
+    try:
+        sky.get(sky.cancel(args.cluster, job_ids=[job_id]))
+    except Exception:  # noqa: BLE001 - it is reported either way
+        pass
+    return {"exit_code": None, "user_error": None, "cluster_missing": False,
+            "error": f"the server did not answer on port {args.port} within {args.wait} s"}
 
 
 def cmd_down(sky, args) -> dict:
@@ -200,6 +254,14 @@ def main() -> None:
     for p in (run, job):
         p.add_argument("--recipe", required=True)
         p.add_argument("--env", action="append", default=[])
+    serve = sub.add_parser("serve")
+    serve.add_argument("--cluster", required=True)
+    serve.add_argument("--recipe", required=True)
+    serve.add_argument("--env", action="append", default=[])
+    serve.add_argument("--port", type=int, required=True)
+    serve.add_argument("--wait", type=int, default=600)
+    serve.add_argument("--launch", action="store_true")
+    serve.add_argument("--idle-minutes", type=int, default=10)
     down = sub.add_parser("down")
     down.add_argument("--cluster", required=True)
     price = sub.add_parser("price")
@@ -208,7 +270,8 @@ def main() -> None:
 
     import sky
 
-    out = {"run": cmd_run, "job": cmd_job, "down": cmd_down, "price": cmd_price}[args.cmd](sky, args)
+    out = {"run": cmd_run, "job": cmd_job, "serve": cmd_serve, "down": cmd_down,
+           "price": cmd_price}[args.cmd](sky, args)
     sys.stderr.flush()
     print(json.dumps(out), flush=True)
 

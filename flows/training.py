@@ -144,7 +144,7 @@ class Run:
     def __init__(self, cfg: Config, config_path: str, overrides: list[str], lease: Lease):
         self.cfg, self.config_path, self.overrides, self.lease = cfg, config_path, overrides, lease
         self.store = open_store(cfg)
-        self.launchers = Launchers(cfg)
+        self.launchers = Launchers(cfg, config_path, overrides)
 
 
 @task(name="stage", task_run_name="{stage}[iter {iteration}]", cache_policy=NO_CACHE)
@@ -157,8 +157,13 @@ def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None) -
     launcher = ctx.launchers.for_stage(stage)
     t0 = time.perf_counter()
     ran = None
+    served = {}                   # env.where: local | sky: the environment server, started or checked here
+    if stage in ("generate", "evaluate") and ctx.launchers.env_server is not None:
+        served = ctx.launchers.env_server.env(log.info)
+        if launcher is None:
+            os.environ.update(served)        # (an inline stage reads them here)
     if launcher is not None:
-        env = stage_env(ctx.config_path, ctx.overrides, iteration, policy)
+        env = {**stage_env(ctx.config_path, ctx.overrides, iteration, policy), **served}
         ran = launcher.run(stage, iteration, env, log.info)
         key = OUTPUT_KEY[stage](cfg.run.name, iteration)
         if ctx.store.manifest(key) is None:
@@ -180,10 +185,18 @@ def preflight(cfg: Config) -> None:
     datasets = [load_prompts(cfg)] + ([load_prompts(cfg, split="eval")] if cfg.eval.every else [])
     # every split's rows reach the reward functions: only the columns all of them have count
     load_functions(cfg, columns=set.intersection(*(set(ds.column_names) for ds in datasets)) - {cfg.data.prompt_column})
-    if cfg.env.factory:
+    if cfg.env.factory and cfg.env.where != "sky" and cfg.env.server_url is None:
         from tasks.envs.protocol import factory_of
 
-        factory_of(cfg)                 # env.factory cannot be imported: one line, exit 2
+        factory_of(cfg)                 # env.factory cannot be imported: one line, exit 2 (here, or the server)
+    if cfg.env.factory and cfg.env.where == "local" and cfg.env.server_url is None and any(
+            cfg.launcher.mode_of(s) == "sky" for s in ["generate"] + (["evaluate"] if cfg.eval.every else [])):
+        raise UserError("env.where: local serves the environments on this machine, which the generate cluster "
+                        "(launcher: sky) cannot reach; use env.where: sky, or env.server_url")
+    if cfg.env.factory and cfg.env.server_url is not None:
+        from tasks.envs.protocol import require_answer
+
+        require_answer(f"{cfg.env.server_url.rstrip('/')}/health", "environment server", key="env.server_url")
     path = base_path(cfg)
     tokenizer = load_tokenizer(path)
     chat = cfg.data.system_prompt is not None or any(isinstance(ds[0][cfg.data.prompt_column], list) for ds in datasets)
@@ -211,6 +224,8 @@ def preflight(cfg: Config) -> None:
                         f"(s3://...), not a local folder")
     for stage in remote:
         recipe_path(cfg, stage)
+    if cfg.env.factory and cfg.env.where == "sky" and cfg.env.server_url is None:
+        recipe_path(cfg, "env")
 
 
 def _flow_run_name() -> str:

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import uuid
@@ -280,3 +281,34 @@ def chatml():
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template, tok.eos_token = CHATML, "<|im_end|>"
     return tok
+
+
+@pytest.fixture
+def fake_cloud(tmp_path, monkeypatch):
+    """The SkyPilot SDK replaced by tests/fake_sky, for the bridge process only."""
+    state = tmp_path / "cloud"
+    state.mkdir()
+    wrapper = tmp_path / "sky-python"
+    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT / 'tests' / 'fake_sky'}{os.pathsep}$PYTHONPATH "
+                       f"PATH={Path(sys.executable).parent}{os.pathsep}$PATH exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("FAKE_SKY_DIR", str(state))
+
+    class Cloud:
+        python = str(wrapper)
+
+        def scenario(self, **kw):
+            (state / "scenario.json").write_text(json.dumps(kw))
+
+        def preempt(self, cluster: str) -> None:
+            """The cloud takes a cluster's machine back (tests/fake_sky: preempt)."""
+            spec = importlib.util.spec_from_file_location("fake_sky", ROOT / "tests/fake_sky/sky/__init__.py")
+            fake = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(fake)
+            fake.preempt(cluster)
+
+        def calls(self):
+            path = state / "calls.jsonl"
+            return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    return Cloud()

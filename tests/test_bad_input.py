@@ -121,6 +121,15 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "browser, not a chromium": (["run", str(TINY), "-o", "env.factory=tasks.envs.browser:Browser", "-o",
                                      'env.kwargs={"base_url": "http://127.0.0.1:9", "executable": "/nonexistent/chromium"}'],
                                     "env.kwargs.executable: '/nonexistent/chromium' is not an executable Chromium"),
+        "environment server, unreachable by the sky generate": (
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.where=local", "-o",
+             "launcher.stages={generate: sky}"], "env.where: local serves the environments on this machine"),
+        "environment server url, nothing there": (
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o",
+             "env.server_url=http://127.0.0.1:9"], "env.server_url: no environment server answers at http://127.0.0.1:9"),
+        "environment server url, not a url": (
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.server_url=myhost:8330"],
+            "env.server_url"),
         "browser, no site": (["run", str(TINY), "-o", "env.factory=tasks.envs.browser:Browser", "-o",
                               'env.kwargs={"base_url": "http://127.0.0.1:9"}'],
                              "env.kwargs.base_url: no site answers at http://127.0.0.1:9"),

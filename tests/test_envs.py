@@ -159,6 +159,19 @@ def test_an_environment_that_raises_hangs_crashes_or_returns_garbage_costs_only_
     assert all(r.completion_ids for r in records)            # the tokens so far are kept
 
 
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_an_episode_that_hangs_does_not_spend_the_time_of_the_others(isolation, tokenizer, tmp_path):
+    """Turns are taken together, so the others wait for a hung call; that wait is not their environment's time:
+    they go on and finish with their returns."""
+    cfg = _cfg("tests.env_classes:Flaky", tmp_path, "env.timeout_seconds=3", f"env.isolation={isolation}")
+    table = {i: {"prompt": "Say each letter I name.", "letters": "abc", "seed": 0, "mode": m}
+             for i, m in enumerate(["ok", "hang", "ok"])}
+    records = run_episodes(cfg, table, [0, 1, 2], "base", "unused", tokenizer, Scripted(lambda ctx: "a"),
+                           SamplingParams(n=1, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=3))[0]
+    assert [r.env_error for r in records] == [None, "step did not return within env.timeout_seconds", None]
+    assert [r.env_return for r in records] == [3.0, None, 3.0]
+
+
 # ------------------------------------------------------------------------------------------ tool calls and adapters
 
 def test_coroutines_of_calls_made_at_once_all_run_on_one_event_loop():

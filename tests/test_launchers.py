@@ -6,8 +6,6 @@ run still ends with exactly N iterations; user errors are not retried."""
 from __future__ import annotations
 
 import json
-import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +41,8 @@ def test_every_recipe_validates_with_skypilot():
         assert {"CONFIG", "OVERRIDES", "ITERATION"} <= set(tasks[stage]["envs"])
         assert tasks[stage]["spot"] == [True]
     assert tasks["pipeline"]["spot"] == [False]                              # the orchestrator must outlive preemptions
+    assert "python -m tasks.envs.server " in tasks["env"]["run"] and tasks["env"]["spot"] == [True]
+    assert {"CONFIG", "OVERRIDES", "PORT", "RLFLOW_ENV_TOKEN"} <= set(tasks["env"]["envs"])
     for path in RECIPES:                                                     # credentials are never in a file
         assert "AWS_SECRET_ACCESS_KEY: null" in path.read_text() or "AWS_SECRET_ACCESS_KEY" not in path.read_text()
 
@@ -192,28 +192,6 @@ def test_local_launcher_does_not_retry_a_user_error(prefect_api, tmp_path, monke
 
 # ---------------------------------------------------------------------------------------------- sky launcher
 
-@pytest.fixture
-def fake_cloud(tmp_path, monkeypatch):
-    """The SkyPilot SDK replaced by tests/fake_sky, for the bridge process only."""
-    state = tmp_path / "cloud"
-    state.mkdir()
-    wrapper = tmp_path / "sky-python"
-    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT / 'tests' / 'fake_sky'}{os.pathsep}$PYTHONPATH "
-                       f"PATH={Path(sys.executable).parent}{os.pathsep}$PATH exec {sys.executable} \"$@\"\n")
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("FAKE_SKY_DIR", str(state))
-
-    class Cloud:
-        python = str(wrapper)
-
-        def scenario(self, **kw):
-            (state / "scenario.json").write_text(json.dumps(kw))
-
-        def calls(self):
-            path = state / "calls.jsonl"
-            return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    return Cloud()
 
 
 def _sky(tmp_path, s3_endpoint, bucket, cloud, name, extra=()):

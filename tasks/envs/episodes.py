@@ -34,12 +34,14 @@ from tasks.core.rollout import Rollout
 from tasks.engines.sampling import Sampled, SamplingParams, sample_rollouts, sampling_engine
 from tasks.envs.isolation import EnvironmentDied, EnvironmentFailed, InvalidReply, ProcessEnvironment, warm_up, why
 from tasks.envs.protocol import as_messages, as_step, environment, factory_of, state_of
+from tasks.envs.server import RemoteEnvironment, ServerGone, ServerRefused
 from tasks.envs.tools import parse_tool_calls, tool_schemas
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
 
 TURN_SEED = 1_000_033          # turn t samples with seed params.seed + t * TURN_SEED
+_ELSEWHERE = (ProcessEnvironment, RemoteEnvironment)      # in another process: their state comes back from close
 
 
 @dataclass
@@ -59,7 +61,7 @@ class Episode:
     done: bool = False
     truncated: bool = False
     error: str | None = None
-    deadline: float = 0.0
+    budget: float = 0.0          # seconds its environment's calls may still take (env.timeout_seconds in all)
     state: dict | None = None
 
     def fail(self, why: str) -> None:
@@ -92,8 +94,10 @@ class _Caller:
                 value = fn(*args)
                 if inspect.isawaitable(value):
                     value = asyncio.run_coroutine_threadsafe(_awaited(value), self._loop()).result()
+                done.finished = time.monotonic()
                 done.set_result(value)
             except BaseException as e:  # noqa: BLE001 - the episode's failure, reported by wait()
+                done.finished = time.monotonic()
                 done.set_exception(e)
             finally:
                 self.slots.release()
@@ -113,18 +117,28 @@ async def _awaited(value):
 
 def _each(caller: _Caller, episodes: list[Episode], what: str, call, fails: bool = True) -> list[Any]:
     """call(episode) for every episode at once; per episode its value, or None after marking it failed (when
-    `fails`: a close that fails does not undo its episode)."""
+    `fails`: a close that fails does not undo its episode). Each call may take what is left of its episode's
+    budget, and what it took is charged to that episode alone: waiting here for another episode's slow call
+    costs an episode nothing."""
+    t0 = time.monotonic()
     futures = [caller.start(call, e) for e in episodes]
     out = []
     for e, f in zip(episodes, futures):
         try:
-            out.append(f.result(timeout=max(e.deadline - time.monotonic(), 0.0)))
+            value = f.result(timeout=max(t0 + e.budget - time.monotonic(), 0.0))
+            e.budget -= getattr(f, "finished", time.monotonic()) - t0
+            out.append(value)
             continue
+        except (ServerGone, ServerRefused) as ex:
+            if fails:
+                raise                                          # the whole stage's failure: retried by the flow
+            why = str(ex)
         except TimeoutError:
             why = f"{what} did not return within env.timeout_seconds"
             if callable(getattr(e.env, "kill", None)):        # (its own process: ended now)
                 e.env.kill()
         except Exception as ex:  # noqa: BLE001 - costs only this episode
+            e.budget -= getattr(f, "finished", time.monotonic()) - t0
             why = _failure(what, ex)
         if fails:
             e.fail(why)
@@ -195,19 +209,27 @@ def sample(cfg: Config, ds, rows: list[int], policy: str, params: SamplingParams
 def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: str, path: str, tokenizer,
                  engine, params: SamplingParams) -> tuple[list[Rollout], Sampled]:
     ec = cfg.env
-    make = factory_of(cfg)          # (imported here too: a process environment's forkserver imports it)
+    # (imported here too: a process environment's forkserver imports it; a server's environments, only there)
+    make = None if ec.remote() else factory_of(cfg)
     render = Renderer(tokenizer, cfg.generate.max_prompt_length)
     episodes = [Episode(group=g, row=r, data=dict(table[r])) for g, r in enumerate(rows) for _ in range(params.n)]
     caller = _Caller(ec.concurrency)
-    if ec.isolation == "process":
+    remote = ec.remote()
+    if remote:
+        from tasks.envs.server import server_of
+
+        server_of(cfg)                 # no server given: one line, before any episode
+    elif ec.isolation == "process":
         warm_up(cfg)
-    start = time.monotonic()
     for e in episodes:
-        e.deadline = start + ec.timeout_seconds
+        e.budget = ec.timeout_seconds
     load_seconds = sampling_seconds = 0.0
     try:
         def begin(e: Episode) -> list[dict]:
-            if ec.isolation == "process":
+            if remote:
+                e.env = RemoteEnvironment.start(cfg, e.data)
+                e.schemas = e.env.tool_schemas
+            elif ec.isolation == "process":
                 e.env = ProcessEnvironment.start(cfg, e.data)
                 e.schemas = e.env.tool_schemas
             else:
@@ -281,20 +303,20 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: s
 def _close(caller: _Caller, episodes: list[Episode]) -> None:
     """Keep each environment's state (env_state), then close it; a process environment whose episode failed
     is killed instead (it may be hung or gone)."""
-    process = [e for e in episodes if isinstance(e.env, ProcessEnvironment)]
+    process = [e for e in episodes if isinstance(e.env, _ELSEWHERE)]
     for e in process:
         if e.error is not None:
             e.env.kill()
     for e in episodes:
-        if e.env is not None and not isinstance(e.env, ProcessEnvironment):
+        if e.env is not None and not isinstance(e.env, _ELSEWHERE):
             e.state = state_of(getattr(e.env, "instance", e.env))
     live = [e for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))
-            and not (isinstance(e.env, ProcessEnvironment) and e.error is not None)]
+            and not (isinstance(e.env, _ELSEWHERE) and e.error is not None)]
     for e in live:
-        e.deadline = max(e.deadline, time.monotonic()) + 5.0
+        e.budget = max(e.budget, 0.0) + 5.0
     _each(caller, live, "close", lambda e: e.env.close(), fails=False)
     for e in live:
-        if isinstance(e.env, ProcessEnvironment):
+        if isinstance(e.env, _ELSEWHERE):
             e.state = e.env.state
     caller.stop()
 

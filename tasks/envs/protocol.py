@@ -150,9 +150,9 @@ def _signals_kept():
         _FACTORY.on = False
 
 
-def require_answer(url: str, what: str, hint: str = "", field: str = "base_url") -> None:
-    """A UserError naming env.kwargs.<field> unless something answers at `url` (any HTTP status will do): a
-    factory's preflight for an environment that is a server."""
+def require_answer(url: str, what: str, hint: str = "", field: str = "base_url", key: str | None = None) -> None:
+    """A UserError naming env.kwargs.<field> (or `key`) unless something answers at `url` (any HTTP status will
+    do): a factory's preflight for an environment that is a server."""
     import urllib.error
     import urllib.request
 
@@ -161,7 +161,8 @@ def require_answer(url: str, what: str, hint: str = "", field: str = "base_url")
     except urllib.error.HTTPError:
         pass
     except (OSError, ValueError) as e:
-        raise UserError(f"env.kwargs.{field}: no {what} answers at {url} ({getattr(e, 'reason', e)}){hint}") from None
+        raise UserError(f"{key or 'env.kwargs.' + field}: no {what} answers at {url} ({getattr(e, 'reason', e)})"
+                        f"{hint}") from None
 
 
 def environment(cfg: Config, instance: Any, row: dict) -> Environment:

@@ -1,9 +1,12 @@
 """A fake SkyPilot SDK: the cloud is the only thing faked in rlflow's tests.
 
 It has the surface flows/sky_bridge.py uses (Task.from_yaml_config, launch, exec, stream_and_get, tail_logs,
-status, get, down, jobs.launch, jobs.tail_logs, exceptions) and runs each job's `run` for real, on this
-machine, with the task's envs and secrets — so a flow on the `sky` launcher really trains. Every call is
-appended to $FAKE_SKY_DIR/calls.jsonl for the test to read.
+status, get, down, endpoints, job_status, cancel, jobs.launch, jobs.tail_logs, exceptions) and runs each job's
+`run` for real, on this machine, with the task's envs and secrets — so a flow on the `sky` launcher really
+trains. As in SkyPilot, a job runs detached from the call that submitted it (a process group of its own;
+tail_logs(follow=True) waits for it), so a server job (sky/env.yaml) keeps running; a cluster's
+`resources.ports` are its endpoints, on 127.0.0.1. Every call is appended to $FAKE_SKY_DIR/calls.jsonl for the
+test to read. `preempt(cluster)` (from a test) kills a cluster's jobs and removes it, as a spot reclaim would.
 
 Scenarios, from $FAKE_SKY_DIR/scenario.json:
   {"vanish": {"train": 1}}   the first train job's cluster disappears mid-job (the job is killed, the cluster
@@ -16,8 +19,10 @@ from __future__ import annotations
 import enum
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 __version__ = "0.0-fake"
@@ -31,6 +36,13 @@ class exceptions:  # noqa: N801 - mirrors sky.exceptions
 
     class ClusterNotUpError(Exception):
         pass
+
+
+class JobStatus(enum.Enum):
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
 
 
 class StatusRefreshMode(enum.Enum):
@@ -62,6 +74,8 @@ class Task:
         self.run = config["run"]
         self.envs = {k: str(v) for k, v in (config.get("envs") or {}).items() if v is not None}
         self.secrets = {k: v for k, v in (config.get("secrets") or {}).items() if v is not None}
+        ports = (config.get("resources") or {}).get("ports") or []
+        self.ports = [int(p) for p in (ports if isinstance(ports, list) else [ports])]
 
     @classmethod
     def from_yaml_config(cls, config, env_overrides=None, secrets_overrides=None):
@@ -94,12 +108,60 @@ def _submit(task: Task, cluster: str) -> dict:
         code, log = 137, "fake cloud: the machine was preempted\n"
     elif counts[stage] <= scenario.get("fail", {}).get(stage, 0):
         code, log = 1, "fake cloud: the job crashed\n"
-    else:
-        proc = subprocess.run(["bash", "-c", task.run], env=env, capture_output=True, text=True)
-        code, log = proc.returncode, proc.stdout + proc.stderr
+    else:                                               # detached, as SkyPilot's job queue runs it
+        jobs = _DIR / "jobs"
+        jobs.mkdir(exist_ok=True)
+        out, done = jobs / f"{job_id}.log", jobs / f"{job_id}.code"
+        script = 'bash -c "$FAKE_SKY_RUN" >"$FAKE_SKY_LOG" 2>&1; echo $? >"$FAKE_SKY_CODE"'
+        proc = subprocess.Popen(["bash", "-c", script],
+                                env={**env, "FAKE_SKY_RUN": task.run, "FAKE_SKY_LOG": str(out),
+                                     "FAKE_SKY_CODE": str(done)},
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        state["jobs"][str(job_id)] = {"cluster": cluster, "pgid": proc.pid, "log_path": str(out),
+                                      "code_path": str(done)}
+        state.setdefault("ports", {})[cluster] = task.ports
+        _save(state)
+        return {"job_id": job_id}
     state["jobs"][str(job_id)] = {"cluster": cluster, "code": code, "log": log}
     _save(state)
     return {"job_id": job_id}
+
+
+def _code(job: dict) -> int | None:
+    """A job's exit code, None while it runs."""
+    if "code" in job:
+        return job["code"]
+    text = Path(job["code_path"]).read_text().strip() if Path(job["code_path"]).exists() else ""
+    if text:
+        return int(text)
+    try:
+        os.killpg(job["pgid"], 0)
+    except ProcessLookupError:
+        return 137                                   # killed with its machine
+    return None
+
+
+def _log(job: dict) -> str:
+    return job["log"] if "log" in job else Path(job["log_path"]).read_text()
+
+
+def _kill_jobs(state: dict, cluster: str) -> None:
+    for job in state["jobs"].values():
+        if job["cluster"] == cluster and "pgid" in job:
+            try:
+                os.killpg(job["pgid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def preempt(cluster: str) -> None:
+    """The cloud takes the machine back: its jobs die, and the cluster is gone."""
+    _call("preempted", cluster=cluster)
+    state = _state()
+    _kill_jobs(state, cluster)
+    state["clusters"].pop(cluster, None)
+    _save(state)
 
 
 def launch(task, cluster_name=None, retry_until_up=False, idle_minutes_to_autostop=None, **kw):
@@ -133,8 +195,42 @@ def get(request_id):
 
 def tail_logs(cluster_name, job_id, follow=True, output_stream=None, **kw):
     job = _state()["jobs"][str(job_id)]
-    (output_stream or sys.stderr).write(job["log"])
-    return 0 if job["code"] == 0 else 100          # SkyPilot's JobExitCode: SUCCEEDED 0, FAILED 100
+    while follow and _code(job) is None:
+        time.sleep(0.05)
+    (output_stream or sys.stderr).write(_log(job))
+    return 0 if _code(job) == 0 else 100          # SkyPilot's JobExitCode: SUCCEEDED 0, FAILED 100
+
+
+def job_status(cluster_name, job_ids=None, **kw):
+    jobs = _state()["jobs"]
+    out = {}
+    for job_id in job_ids or []:
+        code = _code(jobs[str(job_id)])
+        out[job_id] = JobStatus.RUNNING if code is None else JobStatus.SUCCEEDED if code == 0 else JobStatus.FAILED
+    return ("value", out)
+
+
+def endpoints(cluster, port=None, **kw):
+    state = _state()
+    if cluster not in state["clusters"]:
+        raise ValueError(f"Cluster {cluster!r} is not UP.")
+    ports = state.get("ports", {}).get(cluster) or []
+    if not ports:
+        raise RuntimeError(f"Cluster {cluster!r} has no ports to be exposed.")
+    return ("value", {p: f"127.0.0.1:{p}" for p in ports if port is None or int(port) == p})
+
+
+def cancel(cluster_name, job_ids=None, **kw):
+    _call("cancel", cluster=cluster_name, job_ids=job_ids)
+    state = _state()
+    for job_id in job_ids or []:
+        job = state["jobs"].get(str(job_id), {})
+        if "pgid" in job:
+            try:
+                os.killpg(job["pgid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return ("value", None)
 
 
 def status(cluster_names=None, refresh=None, **kw):
@@ -147,6 +243,7 @@ def down(cluster_name, **kw):
     state = _state()
     if state["clusters"].pop(cluster_name, None) is None:
         raise exceptions.ClusterDoesNotExist(cluster_name)
+    _kill_jobs(state, cluster_name)
     _save(state)
     return ("value", None)
 

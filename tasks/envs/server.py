@@ -1,0 +1,401 @@
+"""The environment server: episodes' environments on a machine of their own (env.where: local | sky), the
+generate and evaluate stages' episode loops talking to it over HTTP. The model, its tokens and the chat
+template stay in the stage; only the protocol's calls travel (docs/environments.md#where-environments-run).
+
+    python -m tasks.envs.server --config C [--overrides-json J] [--host 0.0.0.0] [--port 8330] [--idle-minutes 30]
+                                [--exit-with-parent]
+
+The flow starts it (flows/launch.py: EnvServer): a process on its machine (env.where: local) or a job on a
+CPU spot cluster (sky/env.yaml, env.where: sky), and hands its URL and token to the stages as RLFLOW_ENV_SERVER
+and RLFLOW_ENV_TOKEN. Or run it yourself anywhere and set env.server_url.
+
+The routes (JSON; every one but /health needs `Authorization: Bearer <RLFLOW_ENV_TOKEN>` when that is set):
+    GET    /health                         {"factory": ..., "episodes": n}
+    POST   /episodes           {"row"}     {"id", "tools"}: the environment made (env.isolation applies here)
+    POST   /episodes/ID/reset  {"arg": row}        {"value": messages}
+    POST   /episodes/ID/step   {"arg": message}    {"value": [observation, reward, done, info]}
+    POST   /episodes/ID/close                       {"value": env_state}
+    DELETE /episodes/ID                             the environment killed (a call past the stage's deadline)
+A failure of the environment is {"error": "Type: text", "kind": "failed" | "died" | "invalid"}: the client raises
+what the in-stage isolation would (isolation.py), so an episode fails here exactly as it would in the stage.
+A server that does not answer at all fails the stage instead (ServerGone): the flow retries it after making
+sure the server is up again (a preempted env cluster is launched again).
+
+The server leaves after --idle-minutes without a request, so a flow that died leaves no spot machine busy past
+SkyPilot's autostop. Episodes nobody has touched for env.timeout_seconds + 60 s are killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from tasks.core.errors import UserError, user_error_line
+from tasks.envs.isolation import EnvironmentDied, EnvironmentFailed, InvalidReply, ProcessEnvironment, warm_up, why
+from tasks.envs.protocol import as_step, environment, factory_of, state_of
+from tasks.envs.tools import tool_schemas
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+URL_VAR, TOKEN_VAR = "RLFLOW_ENV_SERVER", "RLFLOW_ENV_TOKEN"
+READY = "RLFLOW_ENV_SERVER_READY"          # the line the server prints once it answers: READY <url>
+DEFAULT_PORT = 8330
+SLACK_SECONDS = 60.0                       # an episode untouched for env.timeout_seconds + this is abandoned
+
+
+class ServerGone(RuntimeError):
+    """The environment server did not answer (refused, reset, timed out): the stage fails and is retried."""
+
+
+class ServerRefused(UserError):
+    """The environment server refused the token: the stage's user error (one line, exit 2), not an episode's."""
+
+
+# ------------------------------------------------------------------------------------------ the server
+
+class _Hosted:
+    def __init__(self, env: Any):
+        self.env, self.touched, self.busy = env, time.monotonic(), 0
+
+
+class Episodes:
+    """The live environments, by id; each call on a thread of the episode loop's caller (sync calls on daemon
+    threads, coroutines on one event loop), so a slow environment never holds up the server's own loop."""
+
+    def __init__(self, cfg: Config):
+        from tasks.envs.episodes import _Caller
+
+        self.cfg = cfg
+        self.make = factory_of(cfg)                 # the factory's preflight: one line, exit 2, before READY
+        if cfg.env.isolation == "process":
+            warm_up(cfg)
+        self.caller = _Caller(4096)
+        self.live: dict[str, _Hosted] = {}
+        self.last_request = time.monotonic()
+
+    async def call(self, fn, *args):
+        return await asyncio.wrap_future(self.caller.start(fn, *args))
+
+    def _new(self, row: dict) -> tuple[Any, list[dict]]:
+        if self.cfg.env.isolation == "process":
+            env = ProcessEnvironment.start(self.cfg, row)
+            return env, env.tool_schemas
+        env = environment(self.cfg, self.make(), row)
+        return env, tool_schemas(env)
+
+    async def open(self, row: dict) -> dict:
+        env, tools = await self.call(self._new, row)
+        key = uuid.uuid4().hex
+        self.live[key] = _Hosted(env)
+        return {"id": key, "tools": tools}
+
+    async def run(self, key: str, op: str, arg: Any) -> Any:
+        hosted = self.live[key]
+        hosted.busy += 1
+        hosted.touched = time.monotonic()
+        try:
+            env = hosted.env
+            if op == "reset":
+                return await self.call(env.reset, arg)
+            if op == "step":
+                return _as_tuple(await self.call(env.step, arg))
+            return await self.call(self._close, key, env)
+        finally:
+            hosted.busy -= 1
+            hosted.touched = time.monotonic()
+
+    def _close(self, key: str, env: Any):
+        self.live.pop(key, None)
+        if isinstance(env, ProcessEnvironment):
+            env.close()
+            return env.state
+        state = state_of(getattr(env, "instance", env))
+        if callable(getattr(env, "close", None)):
+            value = env.close()
+            if _awaitable(value):
+                return _then(value, state)
+        return state
+
+    def kill(self, key: str) -> None:
+        hosted = self.live.pop(key, None)
+        if hosted is not None and isinstance(hosted.env, ProcessEnvironment):
+            hosted.env.kill()
+
+    def sweep(self) -> None:
+        """Kill what the stages abandoned (a stage process that died mid-episode never closes its episodes)."""
+        limit = self.cfg.env.timeout_seconds + SLACK_SECONDS
+        now = time.monotonic()
+        for key, hosted in list(self.live.items()):
+            if hosted.busy == 0 and now - hosted.touched > limit:
+                threading.Thread(target=self.kill, args=(key,), daemon=True).start()
+
+
+def _awaitable(value) -> bool:
+    import inspect
+
+    return inspect.isawaitable(value)
+
+
+async def _then(value, state):
+    await value
+    return state
+
+
+def _as_tuple(value) -> tuple:
+    try:
+        st = as_step(value)
+    except TypeError as e:
+        raise InvalidReply(str(e)) from None
+    return st.observation, st.reward, st.done, st.info
+
+
+def _failure(e: BaseException) -> dict:
+    if isinstance(e, EnvironmentDied):
+        return {"error": str(e), "kind": "died"}
+    if isinstance(e, InvalidReply):
+        return {"error": str(e), "kind": "invalid"}
+    return {"error": str(e) if isinstance(e, EnvironmentFailed) else why(e), "kind": "failed"}
+
+
+def _json(value: Any) -> Any:
+    """What the environment returned, as JSON (an info dict may hold anything: its text then)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def app(episodes: Episodes, token: str | None, idle_seconds: float | None = None, on_ready=None,
+        parent: int | None = None):
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    def denied(request: Request) -> JSONResponse | None:
+        episodes.last_request = time.monotonic()
+        if token and request.headers.get("authorization") != f"Bearer {token}":
+            return JSONResponse({"error": "missing or wrong token"}, status_code=401)
+        return None
+
+    async def health(request: Request):
+        return JSONResponse({"factory": episodes.cfg.env.factory, "isolation": episodes.cfg.env.isolation,
+                             "episodes": len(episodes.live)})
+
+    async def open_episode(request: Request):
+        if (no := denied(request)) is not None:
+            return no
+        body = await request.json()
+        try:
+            return JSONResponse(_json(await episodes.open(body.get("row") or {})))
+        except BaseException as e:  # noqa: BLE001 - the episode's failure, the client raises it
+            return JSONResponse(_failure(e))
+
+    async def call(request: Request):
+        if (no := denied(request)) is not None:
+            return no
+        key, op = request.path_params["key"], request.path_params["op"]
+        if op not in ("reset", "step", "close"):
+            return JSONResponse({"error": f"no call {op!r}"}, status_code=404)
+        if key not in episodes.live:
+            return JSONResponse({"error": "the environment's episode is gone (killed, or the server restarted)",
+                                 "kind": "died"})
+        body = await request.json() if op != "close" else {}
+        try:
+            return JSONResponse({"value": _json(await episodes.run(key, op, body.get("arg")))})
+        except BaseException as e:  # noqa: BLE001
+            return JSONResponse(_failure(e))
+
+    async def kill(request: Request):
+        if (no := denied(request)) is not None:
+            return no
+        await asyncio.to_thread(episodes.kill, request.path_params["key"])
+        return JSONResponse({"killed": True})
+
+    async def housekeeping():
+        while True:
+            await asyncio.sleep(5.0)
+            episodes.sweep()
+            if idle_seconds and time.monotonic() - episodes.last_request > idle_seconds and not episodes.live:
+                print(f"no request for {idle_seconds / 60:g} minutes: the environment server leaves", flush=True)
+                os._exit(0)
+            if parent is not None and os.getppid() != parent:
+                print("the flow that started the environment server is gone: it leaves", flush=True)
+                os._exit(0)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        task = asyncio.get_running_loop().create_task(housekeeping())
+        if on_ready is not None:
+            on_ready()
+        yield
+        task.cancel()
+
+    return Starlette(routes=[Route("/health", health), Route("/episodes", open_episode, methods=["POST"]),
+                             Route("/episodes/{key}/{op}", call, methods=["POST"]),
+                             Route("/episodes/{key}", kill, methods=["DELETE"])],
+                     lifespan=lifespan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tasks.core.config import load_config
+    from tasks.core.stage import parse_overrides_json, quiet_progress_bars
+
+    ap = argparse.ArgumentParser(prog="python -m tasks.envs.server", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--overrides-json", default="[]", metavar="JSON")
+    ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to answer other machines (a cluster's port)")
+    ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: a free one (printed on the READY line)")
+    ap.add_argument("--idle-minutes", type=float, default=30.0, help="leave after this long without a request "
+                    "(0: never)")
+    ap.add_argument("--exit-with-parent", action="store_true", help="leave when the process that started it "
+                    "ends (the flow's own server, env.where: local)")
+    args = ap.parse_args(argv)
+    quiet_progress_bars()
+    try:
+        cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
+        if not cfg.env.factory:
+            raise UserError("env.factory: the environment server serves env.factory, and the config sets none")
+        episodes = Episodes(cfg)
+    except UserError as e:
+        print(user_error_line(e), file=sys.stderr, flush=True)
+        return 2
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+
+    def ready() -> None:
+        print(f"{READY} http://{host}:{port}", flush=True)
+
+    server = uvicorn.Server(uvicorn.Config(app(episodes, os.environ.get(TOKEN_VAR) or None,
+                                               args.idle_minutes * 60 or None, ready,
+                                               os.getppid() if args.exit_with_parent else None),
+                                           log_level="warning", access_log=False, lifespan="on"))
+    server.run(sockets=[sock])
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ the client
+
+_pools: dict[tuple[str, str], Any] = {}
+_pools_lock = threading.Lock()
+
+
+class _Clients:
+    """HTTP clients for one server, each lent to one call at a time: a connection is never shared by two
+    threads (httpx's pool, shared by the episode loop's many threads, now and then hands a connection that
+    another thread is closing: `Bad file descriptor`), and each client keeps its connection alive between
+    the calls it serves."""
+
+    def __init__(self, cfg: Config, url: str, token: str):
+        self.cfg, self.base_url, self.token = cfg, url, token
+        self.idle: list = []
+        self.lock = threading.Lock()
+
+    def _new(self):
+        import httpx
+
+        return httpx.Client(base_url=self.base_url,
+                            headers={"Authorization": f"Bearer {self.token}"} if self.token else {},
+                            timeout=httpx.Timeout(self.cfg.env.timeout_seconds + SLACK_SECONDS, connect=10.0),
+                            transport=httpx.HTTPTransport(retries=2))     # (connection attempts only)
+
+    def request(self, method: str, path: str, **kwargs):
+        with self.lock:
+            client = self.idle.pop() if self.idle else None
+        client = client or self._new()
+        try:
+            response = client.request(method, path, **kwargs)
+        except BaseException:
+            client.close()
+            raise
+        with self.lock:
+            self.idle.append(client)
+        return response
+
+
+def server_of(cfg: Config) -> tuple[str, str]:
+    """The URL and token the episodes use: what the flow handed the stage, else env.server_url."""
+    url = os.environ.get(URL_VAR) or cfg.env.server_url
+    if not url:
+        raise UserError(f"env.where: {cfg.env.where}: no environment server given; the flow starts one and sets "
+                        f"{URL_VAR} for its stages (run the stage through `rlflow run`, or set env.server_url)")
+    return url.rstrip("/"), os.environ.get(TOKEN_VAR, "")
+
+
+def _client(cfg: Config) -> _Clients:
+    url, token = server_of(cfg)
+    with _pools_lock:
+        if (url, token) not in _pools:
+            _pools[url, token] = _Clients(cfg, url, token)
+        return _pools[url, token]
+
+
+class RemoteEnvironment:
+    """One episode's environment on the server: what ProcessEnvironment is to a local process (same methods,
+    same exceptions), so the episode loop cannot tell them apart."""
+
+    def __init__(self, client, key: str, tools: list[dict]):
+        self.client, self.key, self.tool_schemas = client, key, tools
+        self.state: dict | None = None
+
+    @classmethod
+    def start(cls, cfg: Config, row: dict) -> RemoteEnvironment:
+        client = _client(cfg)
+        reply = _reply(client, "POST", "/episodes", {"row": row})
+        return cls(client, reply["id"], reply.get("tools") or [])
+
+    def reset(self, row: dict) -> list[dict]:
+        return _reply(self.client, "POST", f"/episodes/{self.key}/reset", {"arg": row})["value"]
+
+    def step(self, message: dict):
+        return tuple(_reply(self.client, "POST", f"/episodes/{self.key}/step", {"arg": message})["value"])
+
+    def close(self) -> None:
+        self.state = _reply(self.client, "POST", f"/episodes/{self.key}/close", {})["value"]
+
+    def kill(self) -> None:
+        """Ask the server to kill it (a call past the deadline, a failed episode); never waits for the answer."""
+        def ask() -> None:
+            try:
+                self.client.request("DELETE", f"/episodes/{self.key}", timeout=10.0)
+            except Exception:  # noqa: BLE001 - the sweep kills what this does not reach
+                pass
+        threading.Thread(target=ask, daemon=True, name="env-kill").start()
+
+
+def _reply(client, method: str, path: str, body: dict) -> dict:
+    import httpx
+
+    try:
+        response = client.request(method, path, json=_json(body))
+    except httpx.HTTPError as e:
+        raise ServerGone(f"the environment server at {client.base_url} did not answer: {why(e)}") from None
+    if response.status_code == 401:
+        raise ServerRefused(f"env.server_url: the environment server at {client.base_url} refused the token "
+                        f"({TOKEN_VAR})")
+    try:
+        reply = response.json()
+    except ValueError:
+        raise ServerGone(f"the environment server at {client.base_url} answered HTTP {response.status_code}, not "
+                         f"JSON") from None
+    if "error" in reply:
+        kind = reply.get("kind")
+        raise {"died": EnvironmentDied, "invalid": InvalidReply}.get(kind, EnvironmentFailed)(reply["error"])
+    return reply
+
+
+if __name__ == "__main__":
+    sys.exit(main())
