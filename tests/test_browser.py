@@ -175,6 +175,30 @@ def test_a_chromium_on_another_machine_drives_the_episodes_over_the_devtools_pro
         Browser.preflight(base_url=shop, cdp_url=url)
 
 
+def test_the_browser_on_an_environment_server_solves_its_tasks_with_the_tools_declared(shop, chatml, monkeypatch):
+    """env.where: local: Chromium and Playwright live in the environment server's process (as on the env
+    cluster); the stage sends only the calls. The tools' schemas come back from the server into the prompt."""
+    from flows.launch import EnvServer
+    from tasks.envs.server import TOKEN_VAR, URL_VAR
+
+    for var in (URL_VAR, TOKEN_VAR):
+        monkeypatch.delenv(var, raising=False)
+    overrides = ["model.name_or_path=builtin:tiny-lm", f"env.kwargs.base_url={shop}", "env.max_tokens=60000",
+                 "generate.max_prompt_length=60000", "generate.max_completion_length=120", "env.where=local"]
+    cfg = load_config(BROWSER, overrides)
+    server = EnvServer(cfg, str(BROWSER), overrides, None)
+    try:
+        for k, v in server.env(print).items():
+            monkeypatch.setenv(k, v)
+        rows = [next(r for r in shop_tasks() if r["kind"] == kind) for kind in ("order", "cheapest", "stock")]
+        records = _episodes(cfg, rows, chatml, tools=True)
+    finally:
+        server.stop()
+    assert [(r.env_error, r.env_return) for r in records] == [(None, 1.0)] * 3
+    assert '"name": "click"' in chatml.decode(records[0].prompt_ids)
+    assert "/orders/" in records[0].env_state["url"] and all(records[0].env_state["checks"].values())
+
+
 def test_a_check_that_is_not_one_of_the_checkers_fails_the_episode_at_reset(shop, tokenizer):
     rows = [{"prompt": "x", "start": "/", "check": {"answer": {"exact": "1"}, "screenshot": True}}]
     [r] = _episodes(_cfg(shop, "env.isolation=thread"), rows, tokenizer, tools=False)
