@@ -26,10 +26,13 @@ class MicroBatch:
     positions: torch.Tensor            # (b, Lp+Lc) long: real tokens counted only, as the generator saw them
     mask: torch.Tensor                 # (b, Lc) float: 1 on completion tokens that enter the loss
     behaviour: torch.Tensor            # (b, Lc) float: the generator's logprob of each token (μ), 0 on padding
-    advantages: torch.Tensor           # (b,)
+    advantages: torch.Tensor           # (b,), or (b, Lc) per token (ppo: set from the rows' rewards by
+                                       # tasks/algorithms/update.py before the passes)
     rows: int                          # completions in it (0: a weightless micro-batch, see shard_batches)
     ref: torch.Tensor | None = None    # (b, Lc) the reference policy's logprobs (beta > 0)
     old: torch.Tensor | None = None    # (b, Lc) π_old: the logprobs before this iteration's first step
+    values: torch.Tensor | None = None     # (b, Lc) ppo: the critic's values before the update (V_old)
+    returns: torch.Tensor | None = None    # (b, Lc) ppo: GAE's returns, the critic's targets
 
     @property
     def width(self) -> int:

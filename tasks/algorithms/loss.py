@@ -104,7 +104,7 @@ def behaviour_correction(old_logp, behaviour_logp, mask, mode: str, cap: float):
 
 def clip_stats(w, advantages, mask, tc: TrainConfig) -> dict[str, float]:
     """Token counts where the clip was active, low side (A<0) and high side (A>0), as TRL logs them."""
-    adv = advantages.unsqueeze(1)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     high = epsilon_high(tc)
     if tc.loss_type == "cispo":
         low_hit = torch.zeros_like(w, dtype=torch.bool)

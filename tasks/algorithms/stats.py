@@ -42,9 +42,28 @@ class UpdateStats:
     is_ratio_min: float = math.inf
     is_capped_sum: float = 0.0      # first pass: tokens whose behaviour weight hit the cap (truncated or masked)
     num_tokens: float = 0.0         # tokens in the loss, over all processes
+    value_loss: float = 0.0         # ppo, the last pass: the value loss (½ token mean of the clipped error)
+    value_clipped: float = 0.0      # ppo, the last pass: tokens where the clipped error was the larger
+    value_sum: float = 0.0          # ppo, first pass: the critic's values summed over tokens
+    return_sum: float = 0.0         # ppo: GAE's returns summed over tokens
+    value_error: float = 0.0        # ppo, first pass: Σ (V - G)², for the explained variance
+    return_sq: float = 0.0          # ppo: Σ G² (with return_sum: the returns' variance)
 
     def start_pass(self) -> None:
         self.loss, self.clip_low_sum, self.clip_high_sum = 0.0, 0.0, 0.0
+        self.value_loss, self.value_clipped = 0.0, 0.0
+
+    def add_value(self, loss: torch.Tensor, values: torch.Tensor, clipped: torch.Tensor, b: MicroBatch,
+                  first_pass: bool) -> None:
+        """One micro-batch's value side (ppo): its share of the value loss, its values (B, T), the clipped count."""
+        self.value_loss += float(loss.detach())
+        self.value_clipped += float(clipped)
+        if first_pass:
+            m, v = b.mask, values.detach()
+            self.value_sum += float((v * m).sum())
+            self.return_sum += float((b.returns * m).sum())
+            self.value_error += float((((v - b.returns) ** 2) * m).sum())
+            self.return_sq += float(((b.returns ** 2) * m).sum())
 
     def add(self, b: MicroBatch, loss: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor,
             ratio: torch.Tensor, kl: torch.Tensor | None, is_ratio: torch.Tensor | None, tc: TrainConfig,
@@ -81,7 +100,8 @@ class UpdateStats:
     def reduce(self, over: Reducer, num_tokens: float) -> UpdateStats:
         """Sums, maxima and minima over every process."""
         summed = ("loss", "kl_ref", "mismatch_kl", "entropy", "clip_low_sum", "clip_high_sum", "ratio_sum",
-                  "is_ratio_sum", "is_capped_sum")
+                  "is_ratio_sum", "is_capped_sum", "value_loss", "value_clipped", "value_sum", "return_sum",
+                  "value_error", "return_sq")
         for name, value in zip(summed, over.sum([getattr(self, k) for k in summed])):
             setattr(self, name, value)
         self.ratio_max, = over.max([self.ratio_max])
@@ -109,7 +129,16 @@ class UpdateStats:
             "train/tokens_per_s": self.num_tokens * tc.num_iterations / max(seconds, 1e-9),
             "train/seconds": seconds,
         }
-        if tc.beta > 0:
+        if tc.algorithm == "ppo":
+            del metrics["train/advantage_std"]          # (whitened per token: 1 by construction)
+            var = self.return_sq / denom - (self.return_sum / denom) ** 2
+            metrics.update({"train/value_loss": self.value_loss, "train/value_mean": self.value_sum / denom,
+                            "train/return_mean": self.return_sum / denom,
+                            "train/value_clipped": self.value_clipped / denom,
+                            # 1 - Var(G - V) / Var(G) as a mean squared error: 1 a perfect critic, 0 a constant
+                            "train/explained_variance": 1.0 - (self.value_error / denom) / var if var > 1e-12
+                            else 0.0})
+        if tc.beta > 0 and not (tc.algorithm == "ppo" and tc.kl_in_reward):
             metrics["train/kl_ref"] = self.kl_ref / denom
         if tc.importance_sampling_correction:
             metrics["train/is_ratio_mean"] = self.is_ratio_sum / denom

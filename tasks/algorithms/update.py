@@ -17,6 +17,7 @@ import torch
 from tasks.algorithms.batching import MicroBatch
 from tasks.algorithms.logprobs import completion_logprobs
 from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_loss
+from tasks.algorithms.ppo import gae, token_rewards, value_loss, whiten
 from tasks.algorithms.stats import UpdateStats
 
 if TYPE_CHECKING:
@@ -24,26 +25,71 @@ if TYPE_CHECKING:
     from tasks.engines.training import TrainingEngine
 
 
-def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config) -> UpdateStats:
+def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, iteration: int = 1) -> UpdateStats:
     """tc.num_iterations optimiser steps over the whole batch: gradients accumulated over micro-batches and
-    processes, the loss normalised over the whole batch. Returns the statistics over all processes."""
+    processes, the loss normalised over the whole batch. Returns the statistics over all processes.
+
+    train.algorithm: ppo: each micro-batch's `advantages` holds its rows' rewards on the way in; the critic's
+    values turn them into per-token GAE advantages first (ppo_advantages), and every pass adds vf_coef times
+    the clipped value loss, from the same forward (a value head) or the critic's own (a separate trunk).
+    During train.critic_warmup iterations only the value loss is minimised."""
     tc, temperature = cfg.train, cfg.generate.temperature
-    num_tokens, num_seqs = engine.sum([float(sum(b.mask.sum() for b in batches)), sum(b.rows for b in batches)])
     fixed_logprobs(engine, batches, cfg)
+    ppo = tc.algorithm == "ppo"
+    if ppo:
+        ppo_advantages(engine, batches, cfg)       # (rows without a reward leave the loss: their mask is 0)
+    num_tokens, num_seqs = engine.sum([float(sum(b.mask.sum() for b in batches)), sum(b.rows for b in batches)])
+    warm = ppo and iteration <= tc.critic_warmup
+    policy_tc = tc.model_copy(update={"beta": 0.0}) if ppo and tc.kl_in_reward else tc
     stats = UpdateStats()
     for pass_ in range(tc.num_iterations):
         engine.zero_grad()
         stats.start_pass()
         for b in batches:
-            logp, entropy = logprobs(engine.model, b, temperature, entropy=True)
+            if ppo:
+                logp, entropy, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width,
+                                                            temperature, with_entropy=True, with_hidden=True)
+            else:
+                logp, entropy = logprobs(engine.model, b, temperature, entropy=True)
             old = b.old if b.old is not None else logp.detach()   # on-policy: ratio 1, gradient only
             is_ratio = behaviour_weight(old, b, cfg) if tc.importance_sampling_correction else None
-            ptl, ratio, kl = per_token_loss(logp, old, b.advantages, b.mask, tc, ref_logp=b.ref, is_ratio=is_ratio)
+            ptl, ratio, kl = per_token_loss(logp, old, b.advantages, b.mask, policy_tc, ref_logp=b.ref,
+                                            is_ratio=is_ratio)
             loss = aggregate(ptl, b.mask, tc.loss_type, num_tokens, int(num_seqs), completion_budget(cfg))
+            if ppo:
+                values = engine.critic.values(hidden, b, detach=warm)
+                vloss, clipped = value_loss(values, b.values, b.returns, b.mask, tc.value_clip, num_tokens)
+                stats.add_value(vloss, values, clipped, b, first_pass=pass_ == 0)
+                loss = tc.vf_coef * vloss if warm else loss + tc.vf_coef * vloss
             engine.backward(loss)
             stats.add(b, loss, logp, entropy, ratio, kl, is_ratio, tc, first_pass=pass_ == 0)
         stats.grad_norm = engine.step()
     return stats.reduce(engine, num_tokens)
+
+
+def ppo_advantages(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config) -> None:
+    """Per micro-batch, from its rows' rewards (in `advantages` on the way in): V_old from the critic, the token
+    rewards (the reward on the last model token, minus β·(log π_old - log π_ref) per token with kl_in_reward),
+    GAE's advantages and returns; then the advantages whitened with the whole batch's masked statistics (every
+    micro-batch, every process). Environment tokens (mask 0) are skipped by GAE (tasks/algorithms/ppo.py)."""
+    tc, temperature = cfg.train, cfg.generate.temperature
+    with torch.no_grad():
+        for b in batches:
+            logp, _, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width,
+                                                  temperature, with_hidden=True)
+            b.values = engine.critic.values(hidden, b)
+            scores = b.advantages
+            b.mask = b.mask * (~torch.isnan(scores)).to(b.mask.dtype).unsqueeze(1)
+            old = b.old if b.old is not None else logp
+            kl = (old - b.ref) if tc.kl_in_reward and b.ref is not None else None
+            rewards = token_rewards(scores, b.mask, kl, tc.beta)
+            b.advantages, b.returns = gae(rewards, b.values, b.mask, tc.gamma, tc.lam)
+        total, summed = engine.sum([float(sum(b.mask.sum() for b in batches)),
+                                    float(sum((b.advantages * b.mask).sum() for b in batches))])
+        mean = summed / max(total, 1.0)
+        squares, = engine.sum([float(sum((((b.advantages - mean) ** 2) * b.mask).sum() for b in batches))])
+        for b in batches:
+            b.advantages = whiten(b.advantages, b.mask, total, mean, squares)
 
 
 def logprobs(model, b: MicroBatch, temperature: float, entropy: bool = False):

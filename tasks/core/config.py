@@ -312,6 +312,29 @@ class TrainConfig(Section):
         "removed, then batch-whitened).")
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="advantage: group only: the "
                                                               "std normalisation.")
+    algorithm: Literal["grpo", "ppo"] = Field(
+        "grpo", json_schema_extra=SINCE_DEFAULT,
+        description="grpo: advantages from the rewards alone (train.advantage; the GRPO family by loss_type). ppo: "
+        "a value model (train.critic) and GAE (gamma, lam) give per-token advantages, whitened over the batch; the "
+        "policy loss is loss_type's clipped surrogate, plus vf_coef times the clipped value loss (torch engine).")
+    critic: Literal["head", "separate"] = Field(
+        "head", json_schema_extra=SINCE_DEFAULT,
+        description="ppo: head: a value head on the policy's own last hidden state (one forward for both); "
+        "separate: a value model of its own (the base model's trunk and a head), trained beside the policy.")
+    gamma: float = Field(1.0, ge=0, le=1, json_schema_extra=SINCE_DEFAULT, description="ppo: GAE's discount.")
+    lam: float = Field(0.95, ge=0, le=1, json_schema_extra=SINCE_DEFAULT, description="ppo: GAE's λ.")
+    vf_coef: float = Field(0.5, ge=0, json_schema_extra=SINCE_DEFAULT, description="ppo: the value loss's weight.")
+    value_clip: float | None = Field(0.2, gt=0, json_schema_extra=SINCE_DEFAULT,
+                                     description="ppo: clip of the value prediction around the old one (None: "
+                                     "unclipped).")
+    critic_lr: float | None = Field(None, gt=0, json_schema_extra=SINCE_DEFAULT,
+                                    description="ppo: the critic's learning rate (None: train.lr).")
+    critic_warmup: int = Field(0, ge=0, json_schema_extra=SINCE_DEFAULT,
+                               description="ppo: the first N iterations train the critic alone; the policy is "
+                               "frozen (a value head learns on detached hidden states).")
+    kl_in_reward: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
+                               description="ppo: the KL to the reference (beta) is a per-token penalty in the "
+                               "reward, β·(log π_old - log π_ref), instead of a loss term.")
     lora_r: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapter is "
                         "trained, checkpointed and published.")
     lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
@@ -332,6 +355,8 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _engine_supports(self):
+        if self.algorithm == "ppo" and self.engine == "deepspeed":
+            raise ValueError("algorithm: ppo runs on engine: torch (the deepspeed engine has no value model yet)")
         if self.lora_r and self.engine == "deepspeed":
             raise ValueError("lora_r > 0 needs engine: torch (the deepspeed engine trains full weights only)")
         if self.off_policy_loss == "decoupled" and not self.importance_sampling_correction:

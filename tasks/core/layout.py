@@ -65,6 +65,7 @@ CKPT_MODEL = "model"            # the policy (save_pretrained, publish.dtype) + 
 CKPT_WEIGHTS = "weights.safetensors"   # the trainer's exact weights, when model/ holds them in another dtype
 CKPT_OPTIMIZER = "optimizer.pt"
 CKPT_RNG = "rng.pt"
+CKPT_CRITIC = "critic.safetensors"     # train.algorithm: ppo: the value model (head, and its trunk if separate)
 CKPT_STATE = "state.json"       # {"iteration", "step", "data_cursor"} (+ deepspeed: engine, shards, layout)
 CKPT_RNG_RANK = "rng/rank-{rank:05d}.pt"   # deepspeed: each process's RNG state, in its node's engine_state folder
 

@@ -44,8 +44,9 @@ class TorchEngine:
     rank, world_size = 0, 1
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, cfg: Config, ref_model=None, lora: bool = False,
-                 tokenizer=None, step: int = 0):
+                 tokenizer=None, step: int = 0, critic=None):
         self.model, self.optimizer, self.cfg, self.ref_model, self.lora = model, optimizer, cfg, ref_model, lora
+        self.critic = critic                          # train.algorithm: ppo: the value model (engines/critic.py)
         self.tokenizer, self.global_step, self.device = tokenizer, step, next(model.parameters()).device
         self._layout: _PolicyLayout | None = None     # what save_pretrained wrote the first time (see there)
 
@@ -93,15 +94,24 @@ class TorchEngine:
         ref_model = None
         if tc.beta > 0 and not lora:
             ref_model = load_model(base_path(cfg), cfg.model.dtype, device).eval().requires_grad_(False)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
-                                      betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
+        params = [p for p in model.parameters() if p.requires_grad]
+        critic = None
+        if tc.algorithm == "ppo":
+            from tasks.engines.critic import Critic
+
+            critic = Critic.make(cfg, model, device)
+            if folder is not None:
+                critic.load(folder)
+            params = [{"params": params}, {"params": list(critic.parameters()), "lr": tc.critic_lr or tc.lr}]
+        optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
         step = 0
         if folder is not None:
             optimizer.load_state_dict(torch.load(folder / layout.CKPT_OPTIMIZER, map_location=device,
                                                  weights_only=True))
             set_rng_state(torch.load(folder / layout.CKPT_RNG, weights_only=False))
             step = state["step"]
-        return cls(model, optimizer, cfg, ref_model=ref_model, lora=lora, tokenizer=tokenizer, step=step)
+        return cls(model, optimizer, cfg, ref_model=ref_model, lora=lora, tokenizer=tokenizer, step=step,
+                   critic=critic)
 
     @staticmethod
     def clean(store: Store, run: str) -> int:
@@ -116,7 +126,9 @@ class TorchEngine:
 
     def step(self) -> float:
         """Clip the accumulated gradient to train.max_grad_norm, step; returns the norm before clipping."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
+        params = self.model.parameters() if self.critic is None else [*self.model.parameters(),
+                                                                        *self.critic.parameters()]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
         self.optimizer.step()
         return float(grad_norm)
 
@@ -134,14 +146,16 @@ class TorchEngine:
 
     def save(self, out: Path, iteration: int) -> dict:
         """A full checkpoint into `out`; returns what state.json adds (nothing)."""
-        return self._write_full(out, self._weights(), self.optimizer.state_dict(), rng_state())
+        return self._write_full(out, self._weights(), self.optimizer.state_dict(), rng_state(),
+                                self.critic.state_dict() if self.critic is not None else None)
 
     def snapshot(self, iteration: int) -> Callable[[Path], dict]:
         """Copies (on the CPU) of the weights, the optimizer state and the RNG, taken now; training may go on
         while the returned function writes them as `save` would."""
         weights, optim = _copy(self._weights()), _copy(self.optimizer.state_dict())
+        critic = _copy(self.critic.state_dict()) if self.critic is not None else None
         rng = rng_state()
-        return lambda out: self._write_full(out, weights, optim, rng)
+        return lambda out: self._write_full(out, weights, optim, rng, critic)
 
     def save_policy(self, out: Path) -> None:
         """The policy alone (a lean checkpoint's model/)."""
@@ -166,8 +180,10 @@ class TorchEngine:
         self.tokenizer.save_pretrained(out)
         self._layout = _PolicyLayout.of(out, weights)
 
-    def _write_full(self, out: Path, weights: dict, optim: dict, rng: dict) -> dict:
+    def _write_full(self, out: Path, weights: dict, optim: dict, rng: dict, critic: dict | None = None) -> dict:
         self._write_policy(out / layout.CKPT_MODEL, weights)
+        if critic is not None:
+            self.critic.save(out, critic)
         if policy_dtype(self.cfg) != self.cfg.model.dtype:       # the trainer's own weights, exactly
             save_file(_unique(weights), out / layout.CKPT_WEIGHTS)
         torch.save(optim, out / layout.CKPT_OPTIMIZER)

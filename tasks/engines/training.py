@@ -127,11 +127,12 @@ def update(engine: TrainingEngine, cfg: Config, store: Store, iteration: int, t0
     tc = cfg.train
     records = rollout.load(store, layout.rewards(cfg.run.name, iteration))
     rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
-    advantages = compute_advantages(rewards, cfg.generate.num_generations, tc.advantage, tc.scale_rewards)  # (N,)
+    advantages = (rewards.clone() if tc.algorithm == "ppo"   # (ppo: the optimiser makes per-token advantages)
+                  else compute_advantages(rewards, cfg.generate.num_generations, tc.advantage, tc.scale_rewards))
     batches = shard_batches(records, advantages, engine.tokenizer.pad_token_id, tc, engine.device, engine.rank,
                             engine.world_size)
     t1 = time.perf_counter()
-    stats = optimise(engine, batches, cfg)
+    stats = optimise(engine, batches, cfg, iteration)
     engine.global_step += tc.num_iterations
     metrics = stats.metrics(rewards, advantages, tc, time.perf_counter() - t0)
     metrics["train/update_seconds"] = time.perf_counter() - t1        # the optimiser passes alone
