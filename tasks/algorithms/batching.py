@@ -32,7 +32,10 @@ class MicroBatch:
     ref: torch.Tensor | None = None    # (b, Lc) the reference policy's logprobs (beta > 0)
     old: torch.Tensor | None = None    # (b, Lc) π_old: the logprobs before this iteration's first step
     values: torch.Tensor | None = None     # (b, Lc) ppo: the critic's values before the update (V_old)
-    returns: torch.Tensor | None = None    # (b, Lc) ppo: GAE's returns, the critic's targets
+    returns: torch.Tensor | None = None    # (b, Lc) ppo: GAE's returns, the critic's targets (vtrace_awr: v)
+    rewards: torch.Tensor | None = None    # (b, Lc) vtrace_awr: the token rewards
+    log_rho: torch.Tensor | None = None    # (b, Lc) vtrace_awr: log π_old - log μ on the model's tokens
+    encoded: torch.Tensor | None = None    # (b, Lc, H) vtrace_awr: the value head's detached inputs
 
     @property
     def width(self) -> int:

@@ -48,10 +48,20 @@ class UpdateStats:
     return_sum: float = 0.0         # ppo: GAE's returns summed over tokens
     value_error: float = 0.0        # ppo, first pass: Σ (V - G)², for the explained variance
     return_sq: float = 0.0          # ppo: Σ G² (with return_sum: the returns' variance)
+    awr_weight_sum: float = 0.0     # vtrace_awr, first pass: the AWR weights summed over tokens
+    kl_behaviour: float = 0.0       # vtrace_awr, first pass: KL(μ‖π) per token, the batch's mean
+    multiplier: float = 0.0         # vtrace_awr: η, the KL constraint's Lagrange multiplier
 
     def start_pass(self) -> None:
         self.loss, self.clip_low_sum, self.clip_high_sum = 0.0, 0.0, 0.0
         self.value_loss, self.value_clipped = 0.0, 0.0
+
+    def add_awr(self, weights: torch.Tensor, kl: torch.Tensor, eta: torch.Tensor, b: MicroBatch,
+                first_pass: bool) -> None:
+        if first_pass:
+            self.awr_weight_sum += float((weights * b.mask).sum())
+            self.kl_behaviour += float(kl.detach())
+            self.multiplier = float(eta)
 
     def add_value(self, loss: torch.Tensor, values: torch.Tensor, clipped: torch.Tensor, b: MicroBatch,
                   first_pass: bool) -> None:
@@ -101,7 +111,7 @@ class UpdateStats:
         """Sums, maxima and minima over every process."""
         summed = ("loss", "kl_ref", "mismatch_kl", "entropy", "clip_low_sum", "clip_high_sum", "ratio_sum",
                   "is_ratio_sum", "is_capped_sum", "value_loss", "value_clipped", "value_sum", "return_sum",
-                  "value_error", "return_sq")
+                  "value_error", "return_sq", "awr_weight_sum", "kl_behaviour")
         for name, value in zip(summed, over.sum([getattr(self, k) for k in summed])):
             setattr(self, name, value)
         self.ratio_max, = over.max([self.ratio_max])
@@ -129,7 +139,10 @@ class UpdateStats:
             "train/tokens_per_s": self.num_tokens * tc.num_iterations / max(seconds, 1e-9),
             "train/seconds": seconds,
         }
-        if tc.algorithm == "ppo":
+        if tc.algorithm == "vtrace_awr":
+            metrics.update({"train/awr_weight_mean": self.awr_weight_sum / denom,
+                            "train/kl_behaviour": self.kl_behaviour, "train/kl_multiplier": self.multiplier})
+        if tc.algorithm != "grpo":
             del metrics["train/advantage_std"]          # (whitened per token: 1 by construction)
             var = self.return_sq / denom - (self.return_sum / denom) ** 2
             metrics.update({"train/value_loss": self.value_loss, "train/value_mean": self.value_sum / denom,

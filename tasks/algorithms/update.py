@@ -19,6 +19,7 @@ from tasks.algorithms.logprobs import completion_logprobs
 from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_loss
 from tasks.algorithms.ppo import gae, token_rewards, value_loss, whiten
 from tasks.algorithms.stats import UpdateStats
+from tasks.algorithms.vtrace import awr_weights, kl_behaviour, lagrange_loss, vtrace
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -35,10 +36,14 @@ def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, ite
     During train.critic_warmup iterations only the value loss is minimised."""
     tc, temperature = cfg.train, cfg.generate.temperature
     fixed_logprobs(engine, batches, cfg)
-    ppo = tc.algorithm == "ppo"
+    ppo, awr = tc.algorithm == "ppo", tc.algorithm == "vtrace_awr"
     if ppo:
         ppo_advantages(engine, batches, cfg)       # (rows without a reward leave the loss: their mask is 0)
+    if awr:
+        vtrace_advantages(engine, batches, cfg)
     num_tokens, num_seqs = engine.sum([float(sum(b.mask.sum() for b in batches)), sum(b.rows for b in batches)])
+    if awr:
+        return _awr_passes(engine, batches, cfg, num_tokens)
     warm = ppo and iteration <= tc.critic_warmup
     policy_tc = tc.model_copy(update={"beta": 0.0}) if ppo and tc.kl_in_reward else tc
     stats = UpdateStats()
@@ -67,6 +72,81 @@ def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, ite
     return stats.reduce(engine, num_tokens)
 
 
+def _awr_passes(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, num_tokens: float) -> UpdateStats:
+    """vtrace_awr's passes: Σ w·log π (AWR) + the Lagrangian KL term + vf_coef · ½(V - v)², token means over the
+    whole batch. The multiplier's `ε` term is split over micro-batches by their share of the tokens, so the
+    accumulated loss is the full batch's."""
+    tc, temperature = cfg.train, cfg.generate.temperature
+    stats = UpdateStats()
+    for pass_ in range(tc.num_iterations):
+        engine.zero_grad()
+        stats.start_pass()
+        for b in batches:
+            logp, entropy, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width,
+                                                        temperature, with_entropy=True, with_hidden=True)
+            weights = awr_weights(b.advantages, tc.awr_temperature, tc.awr_max_weight)
+            policy = -(weights * logp * b.mask).sum() / max(num_tokens, 1.0)
+            kl = (kl_behaviour(logp, b.behaviour) * b.mask).sum() / max(num_tokens, 1.0)
+            share = float(b.mask.sum()) / max(num_tokens, 1.0)
+            constraint, eta = lagrange_loss(engine.critic.eta, kl, tc.kl_target * share)
+            values = engine.critic.values(hidden, b)
+            vloss, clipped = value_loss(values, b.values, b.returns, b.mask, None, num_tokens)
+            loss = policy + constraint + tc.vf_coef * vloss
+            engine.backward(loss)
+            ratio = torch.exp(logp.detach() - (b.old if b.old is not None else logp.detach()))
+            stats.add(b, loss, logp, entropy, ratio, None, None, tc, first_pass=pass_ == 0)
+            stats.add_value(vloss, values, clipped, b, first_pass=pass_ == 0)
+            stats.add_awr(weights, kl, eta, b, first_pass=pass_ == 0)
+        stats.grad_norm = engine.step()
+    return stats.reduce(engine, num_tokens)
+
+
+def vtrace_advantages(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config) -> None:
+    """vtrace_awr, before the passes: one forward without gradients gives π_old's logprobs (log ρ against the
+    behaviour's) and the value head's inputs, kept detached; `value_epochs` optimiser steps of the head alone
+    on them fit V to its V-trace targets (no further forward of the model); then the targets and advantages
+    with the fitted values, the advantages whitened over the whole batch (as ppo_advantages)."""
+    tc, temperature = cfg.train, cfg.generate.temperature
+    critic = engine.critic
+    with torch.no_grad():
+        for b in batches:
+            logp, _, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width,
+                                                  temperature, with_hidden=True)
+            b.encoded = critic.encode(hidden, b).detach()
+            b.mask = b.mask * (~torch.isnan(b.advantages)).to(b.mask.dtype).unsqueeze(1)
+            old = b.old if b.old is not None else logp
+            b.log_rho = (old - b.behaviour) * b.mask
+            b.rewards = token_rewards(b.advantages, b.mask)
+    num_tokens, = engine.sum([float(sum(b.mask.sum() for b in batches))])
+
+    def targets(b: MicroBatch, values: torch.Tensor):
+        return vtrace(b.rewards, values, b.log_rho, b.mask, tc.gamma, tc.lam, tc.rho_bar, tc.c_bar)
+
+    for _ in range(tc.value_epochs):
+        engine.zero_grad()
+        for b in batches:
+            values = critic.head(b.encoded)
+            with torch.no_grad():
+                wanted, _ = targets(b, values)
+            engine.backward(0.5 * (((values - wanted) ** 2) * b.mask).sum() / max(num_tokens, 1.0))
+        engine.step()
+    with torch.no_grad():
+        for b in batches:
+            b.values = critic.head(b.encoded)
+            b.returns, b.advantages = targets(b, b.values)
+            b.encoded = None
+        _whiten_over_batch(engine, batches)
+
+
+def _whiten_over_batch(engine: TrainingEngine, batches: list[MicroBatch]) -> None:
+    total, summed = engine.sum([float(sum(b.mask.sum() for b in batches)),
+                                float(sum((b.advantages * b.mask).sum() for b in batches))])
+    mean = summed / max(total, 1.0)
+    squares, = engine.sum([float(sum((((b.advantages - mean) ** 2) * b.mask).sum() for b in batches))])
+    for b in batches:
+        b.advantages = whiten(b.advantages, b.mask, total, mean, squares)
+
+
 def ppo_advantages(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config) -> None:
     """Per micro-batch, from its rows' rewards (in `advantages` on the way in): V_old from the critic, the token
     rewards (the reward on the last model token, minus β·(log π_old - log π_ref) per token with kl_in_reward),
@@ -84,12 +164,7 @@ def ppo_advantages(engine: TrainingEngine, batches: list[MicroBatch], cfg: Confi
             kl = (old - b.ref) if tc.kl_in_reward and b.ref is not None else None
             rewards = token_rewards(scores, b.mask, kl, tc.beta)
             b.advantages, b.returns = gae(rewards, b.values, b.mask, tc.gamma, tc.lam)
-        total, summed = engine.sum([float(sum(b.mask.sum() for b in batches)),
-                                    float(sum((b.advantages * b.mask).sum() for b in batches))])
-        mean = summed / max(total, 1.0)
-        squares, = engine.sum([float(sum((((b.advantages - mean) ** 2) * b.mask).sum() for b in batches))])
-        for b in batches:
-            b.advantages = whiten(b.advantages, b.mask, total, mean, squares)
+        _whiten_over_batch(engine, batches)
 
 
 def logprobs(model, b: MicroBatch, temperature: float, entropy: bool = False):

@@ -312,11 +312,15 @@ class TrainConfig(Section):
         "removed, then batch-whitened).")
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="advantage: group only: the "
                                                               "std normalisation.")
-    algorithm: Literal["grpo", "ppo"] = Field(
+    algorithm: Literal["grpo", "ppo", "vtrace_awr"] = Field(
         "grpo", json_schema_extra=SINCE_DEFAULT,
         description="grpo: advantages from the rewards alone (train.advantage; the GRPO family by loss_type). ppo: "
         "a value model (train.critic) and GAE (gamma, lam) give per-token advantages, whitened over the batch; the "
-        "policy loss is loss_type's clipped surrogate, plus vf_coef times the clipped value loss (torch engine).")
+        "policy loss is loss_type's clipped surrogate, plus vf_coef times the clipped value loss. vtrace_awr: "
+        "V-trace targets and advantages (rho_bar, c_bar, lam) from the behaviour logprobs, an advantage-weighted "
+        "log-likelihood (awr_temperature), a KL to the behaviour policy held near kl_target by a learned Lagrange "
+        "multiplier, value pre-training on detached hidden states (value_epochs) and a replay of the last "
+        "replay_iterations iterations' rollouts. Both on the torch engine (tasks/algorithms/ppo.py, vtrace.py).")
     critic: Literal["head", "separate"] = Field(
         "head", json_schema_extra=SINCE_DEFAULT,
         description="ppo: head: a value head on the policy's own last hidden state (one forward for both); "
@@ -332,6 +336,24 @@ class TrainConfig(Section):
     critic_warmup: int = Field(0, ge=0, json_schema_extra=SINCE_DEFAULT,
                                description="ppo: the first N iterations train the critic alone; the policy is "
                                "frozen (a value head learns on detached hidden states).")
+    rho_bar: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: ρ̄, the "
+                           "truncation of the importance weight in V-trace's TD errors and advantages.")
+    c_bar: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: c̄, the truncation "
+                         "of the trace coefficients (times lam).")
+    awr_temperature: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: τ in the "
+                                   "weights exp(Â/τ) of the whitened advantages.")
+    awr_max_weight: float = Field(20.0, gt=1, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: the "
+                                  "weights' cap.")
+    kl_target: float = Field(0.01, gt=0, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: ε, the soft "
+                             "target of KL(behaviour ‖ policy) per token that the Lagrange multiplier holds.")
+    kl_multiplier_init: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: the "
+                                      "multiplier's initial value (η = softplus of a learned parameter).")
+    value_epochs: int = Field(2, ge=0, le=1000, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: value "
+                              "pre-training steps each iteration on the detached hidden states of one forward "
+                              "(the head alone learns: no extra full forward per epoch).")
+    replay_iterations: int = Field(2, ge=1, le=1000, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: "
+                                   "train on the rollouts of the last K iterations (this one included): off-policy "
+                                   "data, corrected by V-trace's truncated importance weights.")
     kl_in_reward: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
                                description="ppo: the KL to the reference (beta) is a per-token penalty in the "
                                "reward, β·(log π_old - log π_ref), instead of a loss term.")
@@ -355,8 +377,9 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _engine_supports(self):
-        if self.algorithm == "ppo" and self.engine == "deepspeed":
-            raise ValueError("algorithm: ppo runs on engine: torch (the deepspeed engine has no value model yet)")
+        if self.algorithm != "grpo" and self.engine == "deepspeed":
+            raise ValueError(f"algorithm: {self.algorithm} runs on engine: torch (the deepspeed engine has no value "
+                             f"model yet)")
         if self.lora_r and self.engine == "deepspeed":
             raise ValueError("lora_r > 0 needs engine: torch (the deepspeed engine trains full weights only)")
         if self.off_policy_loss == "decoupled" and not self.importance_sampling_correction:

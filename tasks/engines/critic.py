@@ -22,9 +22,12 @@ if TYPE_CHECKING:
 
 
 class Critic(torch.nn.Module):
-    def __init__(self, head: ValueHead, trunk: torch.nn.Module | None = None):
+    def __init__(self, head: ValueHead, trunk: torch.nn.Module | None = None, multiplier: float | None = None):
         super().__init__()
         self.head, self.trunk = head, trunk
+        # vtrace_awr: the KL constraint's Lagrange multiplier η = softplus(eta), learned with the critic
+        self.eta = (torch.nn.Parameter(torch.tensor(float(torch.log(torch.expm1(torch.tensor(multiplier))))))
+                    if multiplier is not None else None)
 
     @classmethod
     def make(cls, cfg: Config, policy: torch.nn.Module, device) -> Critic:
@@ -36,17 +39,23 @@ class Critic(torch.nn.Module):
         if cfg.train.critic == "separate":
             trunk = load_model(base_path(cfg), cfg.model.dtype, device)
             trunk.train()
-        return cls(ValueHead(hidden).to(device), trunk)
+        multiplier = cfg.train.kl_multiplier_init if cfg.train.algorithm == "vtrace_awr" else None
+        return cls(ValueHead(hidden).to(device), trunk, multiplier).to(device)
+
+    def encode(self, hidden: torch.Tensor | None, b: MicroBatch) -> torch.Tensor:
+        """The head's input for each completion token (b, Lc, H): the policy's hidden states of those positions
+        (head), or the last hidden states of the trunk's own forward (separate)."""
+        if self.trunk is None:
+            return hidden
+        device = next(self.trunk.parameters()).device
+        out = self.trunk(input_ids=b.ids.to(device), attention_mask=b.attention.to(device),
+                         position_ids=b.positions.to(device), output_hidden_states=True, logits_to_keep=1)
+        return out.hidden_states[-1][:, -(b.width + 1):-1]
 
     def values(self, hidden: torch.Tensor | None, b: MicroBatch, detach: bool = False) -> torch.Tensor:
-        """V(s_t) for each completion token (b, Lc): from the policy's hidden states of those positions (head),
-        or from the trunk's own forward (separate)."""
-        if self.trunk is not None:
-            device = next(self.trunk.parameters()).device
-            out = self.trunk(input_ids=b.ids.to(device), attention_mask=b.attention.to(device),
-                             position_ids=b.positions.to(device), output_hidden_states=True, logits_to_keep=1)
-            hidden = out.hidden_states[-1][:, -(b.width + 1):-1]
-        return self.head(hidden.detach() if detach else hidden)
+        """V(s_t) for each completion token (b, Lc) (`detach`: the head alone learns from it)."""
+        encoded = self.encode(hidden, b)
+        return self.head(encoded.detach() if detach else encoded)
 
     def save(self, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
         save_file(_contiguous(state if state is not None else self.state_dict()), folder / layout.CKPT_CRITIC)

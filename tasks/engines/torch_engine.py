@@ -96,7 +96,7 @@ class TorchEngine:
             ref_model = load_model(base_path(cfg), cfg.model.dtype, device).eval().requires_grad_(False)
         params = [p for p in model.parameters() if p.requires_grad]
         critic = None
-        if tc.algorithm == "ppo":
+        if tc.algorithm != "grpo":                   # ppo, vtrace_awr: a value model beside the policy
             from tasks.engines.critic import Critic
 
             critic = Critic.make(cfg, model, device)

@@ -127,8 +127,14 @@ def update(engine: TrainingEngine, cfg: Config, store: Store, iteration: int, t0
     tc = cfg.train
     records = rollout.load(store, layout.rewards(cfg.run.name, iteration))
     rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
-    advantages = (rewards.clone() if tc.algorithm == "ppo"   # (ppo: the optimiser makes per-token advantages)
-                  else compute_advantages(rewards, cfg.generate.num_generations, tc.advantage, tc.scale_rewards))
+    if tc.algorithm == "grpo":
+        advantages = compute_advantages(rewards, cfg.generate.num_generations, tc.advantage, tc.scale_rewards)
+    else:                                   # the optimiser makes per-token advantages from the rows' rewards
+        if tc.algorithm == "vtrace_awr" and tc.replay_iterations > 1:    # the last K iterations' rollouts
+            older = [r for k in range(max(1, iteration - tc.replay_iterations + 1), iteration)
+                     for r in rollout.load(store, layout.rewards(cfg.run.name, k))]
+            records = older + records
+        advantages = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
     batches = shard_batches(records, advantages, engine.tokenizer.pad_token_id, tc, engine.device, engine.rank,
                             engine.world_size)
     t1 = time.perf_counter()
