@@ -13,7 +13,6 @@ import torch
 from tasks.algorithms.ppo import gae, token_rewards, value_loss, whiten
 from tasks.core import layout
 from tasks.core.config import load_config
-from tasks.core.errors import UserError
 from tasks.core.store import open_store
 from tests.conftest import TINY
 
@@ -120,9 +119,6 @@ def test_a_row_without_a_reward_gets_no_reward_token():
     assert rewards.tolist() == [[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]]
 
 
-def test_ppo_refuses_the_deepspeed_engine_in_one_line():
-    with pytest.raises(UserError, match="algorithm: ppo runs on engine: torch"):
-        load_config(TINY, ["train.algorithm=ppo", "train.engine=deepspeed"])
 
 
 # ------------------------------------------------------------------------------------------ through the stages

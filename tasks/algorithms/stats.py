@@ -153,7 +153,7 @@ class UpdateStats:
                             else 0.0})
         if tc.beta > 0 and not (tc.algorithm == "ppo" and tc.kl_in_reward):
             metrics["train/kl_ref"] = self.kl_ref / denom
-        if tc.importance_sampling_correction:
+        if tc.importance_sampling_correction and tc.algorithm != "vtrace_awr":    # (V-trace weighs by ρ itself)
             metrics["train/is_ratio_mean"] = self.is_ratio_sum / denom
             metrics["train/is_ratio_min"] = self.is_ratio_min if math.isfinite(self.is_ratio_min) else 1.0
             metrics["train/is_capped"] = self.is_capped_sum / denom     # share of tokens truncated or masked

@@ -124,12 +124,13 @@ def vtrace_advantages(engine: TrainingEngine, batches: list[MicroBatch], cfg: Co
 
     for _ in range(tc.value_epochs):
         engine.zero_grad()
+        loss = 0.0
         for b in batches:
             values = critic.head(b.encoded)
             with torch.no_grad():
                 wanted, _ = targets(b, values)
-            engine.backward(0.5 * (((values - wanted) ** 2) * b.mask).sum() / max(num_tokens, 1.0))
-        engine.step()
+            loss = loss + 0.5 * (((values - wanted) ** 2) * b.mask).sum() / max(num_tokens, 1.0)
+        engine.critic_step(loss)
     with torch.no_grad():
         for b in batches:
             b.values = critic.head(b.encoded)

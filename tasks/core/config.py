@@ -377,9 +377,9 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _engine_supports(self):
-        if self.algorithm != "grpo" and self.engine == "deepspeed":
-            raise ValueError(f"algorithm: {self.algorithm} runs on engine: torch (the deepspeed engine has no value "
-                             f"model yet)")
+        if self.algorithm != "grpo" and self.critic == "separate" and self.engine == "deepspeed":
+            raise ValueError("critic: separate needs engine: torch (the deepspeed engine holds a value head on the "
+                             "policy's trunk: critic: head)")
         if self.lora_r and self.engine == "deepspeed":
             raise ValueError("lora_r > 0 needs engine: torch (the deepspeed engine trains full weights only)")
         if self.off_policy_loss == "decoupled" and not self.importance_sampling_correction:

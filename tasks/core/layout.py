@@ -66,6 +66,7 @@ CKPT_WEIGHTS = "weights.safetensors"   # the trainer's exact weights, when model
 CKPT_OPTIMIZER = "optimizer.pt"
 CKPT_RNG = "rng.pt"
 CKPT_CRITIC = "critic.safetensors"     # train.algorithm: ppo: the value model (head, and its trunk if separate)
+CKPT_CRITIC_OPTIMIZER = "critic_optimizer.pt"   # deepspeed: the value head's optimizer (outside ZeRO)
 CKPT_STATE = "state.json"       # {"iteration", "step", "data_cursor"} (+ deepspeed: engine, shards, layout)
 CKPT_RNG_RANK = "rng/rank-{rank:05d}.pt"   # deepspeed: each process's RNG state, in its node's engine_state folder
 

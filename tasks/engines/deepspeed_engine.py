@@ -189,6 +189,19 @@ class DeepSpeedEngine:
             else:                   # the torch engine's optimizer: same update, ZeRO shards its state
                 optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas),
                                               weight_decay=tc.weight_decay)
+            # ppo, vtrace_awr: the value head on the policy's trunk, outside ZeRO (a few thousand weights): the
+            # same on every process, its gradients summed over them in step(), its own AdamW.
+            self.critic = self.critic_optimizer = None
+            if tc.algorithm != "grpo":
+                from tasks.engines.critic import Critic
+
+                self.critic = Critic.make(cfg, model, device)
+                self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=tc.critic_lr or tc.lr,
+                                                          betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
+                if state is not None:
+                    self.critic.load(resume / "ckpt")
+                    self.critic_optimizer.load_state_dict(torch.load(
+                        resume / "ckpt" / layout.CKPT_CRITIC_OPTIMIZER, map_location=device, weights_only=True))
             self.model = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
             self.model.train()
             self.ref_model = None
@@ -290,10 +303,36 @@ class DeepSpeedEngine:
 
     def step(self) -> float:
         """Reduce the accumulated gradients, clip them to train.max_grad_norm, step AdamW; returns the
-        gradient norm before clipping (over all processes)."""
+        gradient norm before clipping (over all processes). The value head (ppo) steps beside it, clipped on its
+        own: the returned norm is the policy's."""
         self.model.step()
         norm = self.model.get_global_grad_norm()
+        if self.critic is not None:
+            self._step_critic()
         return float(norm) if norm is not None else math.nan
+
+    def critic_step(self, loss) -> None:
+        """A step of the value model alone (value pre-training on detached states): no ZeRO step, whose AdamW
+        would move the policy on its old moments. (x W: what backward does, which _step_critic undoes.)"""
+        (loss * self.world_size).backward()
+        self._step_critic()
+
+    def _step_critic(self) -> None:
+        """Sum the head's gradients over the processes (each holds W·its share: backward scales by W, see
+        there), clip, step, zero."""
+        params = [p for p in self.critic.parameters() if p.grad is not None]
+        if params:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            if self.world_size > 1:
+                torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+            flat /= self.world_size
+            at = 0
+            for p in params:
+                p.grad.copy_(flat[at:at + p.numel()].view_as(p.grad))
+                at += p.numel()
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
+            self.critic_optimizer.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
 
     def sum(self, values: list[float]) -> list[float]:
         return self._all_reduce(values, torch.distributed.ReduceOp.SUM)
@@ -366,6 +405,9 @@ class DeepSpeedEngine:
         weights = self._gather_16bit()
         if self.rank == 0:
             self._write_model(out / MODEL_DIR, weights)
+            if self.critic is not None:     # (the same on every process)
+                self.critic.save(out)
+                torch.save(self.critic_optimizer.state_dict(), out / layout.CKPT_CRITIC_OPTIMIZER)
         del weights
         run = self.cfg.run.name
         parts = [layout.engine_state(run, iteration, self.attempt, node) for node in range(self.nodes)]

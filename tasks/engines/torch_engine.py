@@ -132,6 +132,12 @@ class TorchEngine:
         self.optimizer.step()
         return float(grad_norm)
 
+    def critic_step(self, loss: torch.Tensor) -> None:
+        """A step of the value model alone: the policy's gradients are None (zero_grad before), so AdamW passes
+        over it."""
+        loss.backward()
+        self.step()
+
     def sum(self, values: list[float]) -> list[float]:
         return values
 
