@@ -382,6 +382,59 @@ def test_bf16_and_optimizer_offload(rollouts, tmp_path, tmp_path_factory, as_wor
     assert error.norm() < 0.15 * moved.norm()
 
 
+_value_runs: dict[str, tuple] = {}
+
+
+def _torch_value_reference(algorithm: str, rollouts: dict, tmp_path_factory) -> tuple[list[dict], dict, dict]:
+    """The torch engine with a value head, uninterrupted: metrics of iterations 1-3, the policy's and the
+    critic's weights after 3."""
+    from safetensors.torch import load_file
+
+    if algorithm not in _value_runs:
+        tmp = tmp_path_factory.mktemp(f"torch-{algorithm}")
+        cfg = _config(tmp, rollouts, [f"train.algorithm={algorithm}", "train.max_grad_norm=1000"],
+                      iterations=(1, 2, 3))
+        metrics = [train(cfg, it)["metrics"] for it in (1, 2, 3)]
+        Store.open(cfg.store).get_folder(layout.checkpoint(RUN, 3), tmp / "ckpt3")
+        _value_runs[algorithm] = (metrics, load_model(str(tmp / "ckpt3" / "model")).state_dict(),
+                                  load_file(tmp / "ckpt3" / layout.CKPT_CRITIC))
+    return _value_runs[algorithm]
+
+
+@pytest.mark.drill
+def test_a_resident_group_with_a_value_head_resumes_after_a_kill_as_the_torch_engine(rollouts, tmp_path,
+                                                                                    tmp_path_factory, monkeypatch):
+    """ppo on a resident torchrun group of two (ZeRO 2): killed in iteration 3, the retry's new group restores
+    full-2 (shards, the head and its optimizer) and replays; every iteration's metrics and the critic of full-3
+    equal the torch engine's."""
+    from safetensors.torch import load_file
+
+    from tasks.engines.resident import ResidentTrainer
+
+    want, _, want_critic = _torch_value_reference("ppo", rollouts, tmp_path_factory)
+    monkeypatch.setenv("RLFLOW_DRILL", "lean-write:3")
+    monkeypatch.setenv("RLFLOW_DRILL_ONCE", str(tmp_path / "drilled"))
+    extra = ["train.algorithm=ppo", "train.max_grad_norm=1000", "train.engine=deepspeed", "train.zero_stage=2",
+             "train.num_processes=2", "train.mode=resident", "train.checkpoint_every=2"]
+    cfg = _config(tmp_path, rollouts, extra, iterations=(1, 2, 3))
+    store = Store.open(cfg.store)
+    try:
+        metrics = [train(cfg, it)["metrics"] for it in (1, 2)]
+        with pytest.raises(RuntimeError, match="died or went away"):
+            train(cfg, 3)
+        metrics.append(train(cfg, 3)["metrics"])
+        assert _finish_trainer(cfg) == 3
+    finally:
+        ResidentTrainer(cfg).finish()
+    for got, w in zip(metrics, want):
+        for k in [k for k in METRIC_KEYS if k != "train/grad_norm"] + ["train/value_loss", "train/value_mean"]:
+            assert got[k] == pytest.approx(w[k], **METRIC_TOL), k
+    store.get_folder(layout.full_checkpoint(RUN, 3), tmp_path / "full3")
+    critic = load_file(tmp_path / "full3" / layout.CKPT_CRITIC)
+    assert all((critic[n] - w).abs().max() <= WEIGHT_ATOL for n, w in want_critic.items())
+    assert (tmp_path / "full3" / layout.CKPT_CRITIC_OPTIMIZER).exists()
+
+
 @pytest.mark.parametrize("algorithm", ["ppo", "vtrace_awr"])
 def test_a_value_head_on_two_processes_trains_as_the_torch_engine_and_resumes_on_one(
         algorithm, rollouts, tmp_path, tmp_path_factory):
@@ -393,14 +446,7 @@ def test_a_value_head_on_two_processes_trains_as_the_torch_engine_and_resumes_on
     from safetensors.torch import load_file
 
     common = [f"train.algorithm={algorithm}", "train.max_grad_norm=1000"]
-    tmp = tmp_path_factory.mktemp(f"torch-{algorithm}")
-    ref_cfg = _config(tmp, rollouts, common, iterations=(1, 2, 3))
-    want = [train(ref_cfg, it)["metrics"] for it in (1, 2, 3)]
-    ref_store = Store.open(ref_cfg.store)
-    ref_store.get_folder(layout.checkpoint(RUN, 3), tmp / "ckpt3")
-    want_weights = load_model(str(tmp / "ckpt3" / "model")).state_dict()
-    want_critic = load_file(tmp / "ckpt3" / layout.CKPT_CRITIC)
-
+    want, want_weights, want_critic = _torch_value_reference(algorithm, rollouts, tmp_path_factory)
     extra = [*common, "train.engine=deepspeed", "train.zero_stage=2"]
     cfg = _config(tmp_path, rollouts, [*extra, "train.num_processes=2"], iterations=(1, 2, 3))
     got = [train(cfg, it)["metrics"] for it in (1, 2)]

@@ -132,6 +132,32 @@ def test_value_pretraining_fits_the_head_on_detached_states_without_another_forw
     assert heads[5] > heads[0] > 0
 
 
+@pytest.mark.parametrize("algorithm", ["ppo", "vtrace_awr"])
+def test_the_environments_tokens_never_move_a_value_learner(algorithm):
+    """Multi-turn rollouts: whatever the behaviour logprobs at the environment's tokens (mask 0) say, a whole
+    update (the critic's values, GAE or V-trace, the passes, value pre-training) ends at the same weights."""
+    from tasks.algorithms.batching import prepare_batches
+    from tasks.algorithms.update import optimise
+    from tasks.core.rollout import Rollout
+    from tasks.engines.torch_engine import TorchEngine
+
+    def trained(env_logprob: float) -> dict[str, torch.Tensor]:
+        cfg = load_config(TINY, [f"train.algorithm={algorithm}", "train.num_iterations=2", "train.beta=0.05",
+                                 "train.replay_iterations=1"])
+        engine = TorchEngine.open(cfg, None, None)
+        records = [Rollout(group=i // 2, row=i // 2, prompt="p", prompt_ids=[5, 6, 7], completion="",
+                           completion_ids=[11 + i, 12, 13, 14, 15 + i, 16],
+                           logprobs=[-1.0, -0.5, env_logprob, env_logprob, -2.0, -0.1], truncated=False,
+                           mask=[1, 1, 0, 0, 1, 1], reward=float(i % 2)) for i in range(4)]
+        rewards = torch.tensor([r.reward for r in records])
+        optimise(engine, prepare_batches(records, rewards, engine.tokenizer.pad_token_id, cfg.train, "cpu"), cfg)
+        return {**{f"policy.{k}": v for k, v in engine.model.state_dict().items()},
+                **{f"critic.{k}": v for k, v in engine.critic.state_dict().items()}}
+
+    a, b = trained(0.0), trained(-7.5)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 # ------------------------------------------------------------------------------------------ resume
 
 @pytest.mark.slow

@@ -225,15 +225,18 @@ class EnvConfig(Section):
     reward_weight: float = Field(1.0, description="Weight of the return (reward name 'env') beside "
                                  "reward.functions.")
     where: Literal["stage", "local", "sky"] = Field(
-        "stage", description="Where the environments run. stage: in the generate (and evaluate) stage's process, "
+        "stage", json_schema_extra=HOW_NOT_WHAT,
+        description="Where the environments run. stage: in the generate (and evaluate) stage's process, "
         "env.isolation per episode; local: in an environment server (python -m tasks.envs.server) the flow starts "
         "on its own machine; sky: in one the flow starts on a CPU spot cluster (sky/env.yaml, port "
         "env.server_port) for heavy environments (a browser). The episodes' model turns stay in the stage; only "
         "the environment's calls go to the server.")
-    server_url: str | None = Field(None, pattern=r"^https?://", description="An environment server you run "
+    server_url: str | None = Field(None, pattern=r"^https?://", json_schema_extra=HOW_NOT_WHAT,
+                                   description="An environment server you run "
                                    "yourself (python -m tasks.envs.server): the episodes use it and the flow "
                                    "starts none. Its token, if it has one, comes from RLFLOW_ENV_TOKEN.")
-    server_port: int = Field(8330, ge=1, le=65535, description="The environment server's port on its cluster "
+    server_port: int = Field(8330, ge=1, le=65535, json_schema_extra=HOW_NOT_WHAT,
+                             description="The environment server's port on its cluster "
                              "(env.where: sky; opened by the recipe's resources.ports).")
 
     def remote(self) -> bool:
