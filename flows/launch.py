@@ -163,6 +163,29 @@ class Sky:
             raise InfraError(f"{stage}[iter {iteration}]: SkyPilot job failed (exit code {out.get('exit_code')})")
         return Ran(seconds, out.get("hourly_usd"))
 
+    def serve(self, what: str, port: int, wait: int, env: dict, log) -> str:
+        """A long-lived server job (sky/<what>.yaml) on its own cluster, answering on `port`: its URL, once
+        it answers. The cluster is launched the first time, and again when it is gone (preempted); it is torn
+        down with the others by close()."""
+        cluster = self.cluster(what)
+        args = ["serve", "--cluster", cluster, "--recipe", str(recipe_path(self.cfg, what)), "--port", str(port),
+                "--wait", str(wait), "--idle-minutes", str(self.cfg.launcher.idle_minutes_to_autostop),
+                *[f"--env={k}={v}" for k, v in env.items()]]
+        with self._launching.setdefault(cluster, threading.Lock()):
+            out = self._bridge(args + (["--launch"] if cluster not in self.launched else []), log)
+            if out.get("cluster_missing") and cluster in self.launched:
+                self.launched.discard(cluster)            # preempted: launched again, once, here
+                out = self._bridge([*args, "--launch"], log)
+            if out.get("url"):
+                self.launched.add(cluster)
+        if out.get("user_error"):
+            raise UserError(out["user_error"])
+        if not out.get("url"):
+            raise InfraError(f"the {what} server on {cluster} did not start: "
+                             f"{out.get('error') or 'exit code ' + str(out.get('exit_code'))}")
+        log(f"{what} server: {out['url']} on {cluster}")
+        return out["url"]
+
     def close(self, log) -> None:
         if not self.cfg.launcher.down:
             return
@@ -255,28 +278,10 @@ class EnvServer:
         return found[0]
 
     def _start_sky(self, log) -> str:
-        sky, cluster = self.sky, self.sky.cluster("env")
-        port = self.cfg.env.server_port
-        envs = [f"--env={k}={v}" for k, v in {"CONFIG": self.config_path, "OVERRIDES": json.dumps(self.overrides),
-                                              "PORT": port, TOKEN_VAR: self.token,
-                                              "IDLE_MINUTES": self.cfg.launcher.idle_minutes_to_autostop}.items()]
         idle = self.cfg.launcher.idle_minutes_to_autostop
-        args = ["serve", "--cluster", cluster, "--recipe", str(recipe_path(self.cfg, "env")), "--port", str(port),
-                "--wait", str(int(self.READY_SECONDS)), "--idle-minutes", str(idle), *envs]
-        with sky._launching.setdefault(cluster, threading.Lock()):
-            out = sky._bridge(args + (["--launch"] if cluster not in sky.launched else []), log)
-            if out.get("cluster_missing") and cluster in sky.launched:
-                sky.launched.discard(cluster)            # preempted: launched again, once, here
-                out = sky._bridge([*args, "--launch"], log)
-            if out.get("url"):
-                sky.launched.add(cluster)                # (torn down with the others by Sky.close)
-        if out.get("user_error"):
-            raise UserError(out["user_error"])
-        if not out.get("url"):
-            raise InfraError(f"the environment server on {cluster} did not start: "
-                             f"{out.get('error') or 'exit code ' + str(out.get('exit_code'))}")
-        log(f"environment server: {out['url']} on {cluster}")
-        return out["url"]
+        return self.sky.serve("env", self.cfg.env.server_port, int(self.READY_SECONDS), {
+            "CONFIG": self.config_path, "OVERRIDES": json.dumps(self.overrides), "PORT": self.cfg.env.server_port,
+            TOKEN_VAR: self.token, "IDLE_MINUTES": idle}, log)
 
     def stop(self) -> None:
         if self.proc is not None:

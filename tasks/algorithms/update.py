@@ -110,11 +110,8 @@ def vtrace_advantages(engine: TrainingEngine, batches: list[MicroBatch], cfg: Co
     critic = engine.critic
     with torch.no_grad():
         for b in batches:
-            logp, _, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width,
-                                                  temperature, with_hidden=True)
+            old, hidden = _before_the_update(engine, b, temperature)
             b.encoded = critic.encode(hidden, b).detach()
-            b.mask = b.mask * (~torch.isnan(b.advantages)).to(b.mask.dtype).unsqueeze(1)
-            old = b.old if b.old is not None else logp
             b.log_rho = (old - b.behaviour) * b.mask
             b.rewards = token_rewards(b.advantages, b.mask)
     num_tokens, = engine.sum([float(sum(b.mask.sum() for b in batches))])
@@ -139,6 +136,16 @@ def vtrace_advantages(engine: TrainingEngine, batches: list[MicroBatch], cfg: Co
         _whiten_over_batch(engine, batches)
 
 
+def _before_the_update(engine: TrainingEngine, b: MicroBatch, temperature: float):
+    """The value learners' forward without gradients: π_old's logprobs (b.old when the passes computed them)
+    and the last hidden states (the critic's input); rows without a reward (NaN in `advantages`, which holds
+    the rows' rewards here) leave the loss."""
+    logp, _, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width, temperature,
+                                          with_hidden=True)
+    b.mask = b.mask * (~torch.isnan(b.advantages)).to(b.mask.dtype).unsqueeze(1)
+    return (b.old if b.old is not None else logp), hidden
+
+
 def _whiten_over_batch(engine: TrainingEngine, batches: list[MicroBatch]) -> None:
     total, summed = engine.sum([float(sum(b.mask.sum() for b in batches)),
                                 float(sum((b.advantages * b.mask).sum() for b in batches))])
@@ -156,14 +163,10 @@ def ppo_advantages(engine: TrainingEngine, batches: list[MicroBatch], cfg: Confi
     tc, temperature = cfg.train, cfg.generate.temperature
     with torch.no_grad():
         for b in batches:
-            logp, _, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width,
-                                                  temperature, with_hidden=True)
+            old, hidden = _before_the_update(engine, b, temperature)
             b.values = engine.critic.values(hidden, b)
-            scores = b.advantages
-            b.mask = b.mask * (~torch.isnan(scores)).to(b.mask.dtype).unsqueeze(1)
-            old = b.old if b.old is not None else logp
             kl = (old - b.ref) if tc.kl_in_reward and b.ref is not None else None
-            rewards = token_rewards(scores, b.mask, kl, tc.beta)
+            rewards = token_rewards(b.advantages, b.mask, kl, tc.beta)
             b.advantages, b.returns = gae(rewards, b.values, b.mask, tc.gamma, tc.lam)
         _whiten_over_batch(engine, batches)
 
