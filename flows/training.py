@@ -218,6 +218,10 @@ def preflight(cfg: Config) -> None:
         sampling_engine(cfg).check_installed(cfg)
     if cfg.launcher.mode_of("train") != "sky":
         training_engine(cfg).check_installed(cfg)
+    if cfg.train.offline_rollouts:
+        from tasks.engines.training import offline_rollouts
+
+        offline_rollouts(cfg, open_store(cfg))      # a key with no scored rollouts: one line, exit 2
     remote = cfg.launcher.remote_stages()
     if any(cfg.launcher.mode_of(s) == "sky" for s in remote) and not cfg.store.uri.startswith("s3://"):
         raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "

@@ -121,6 +121,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "browser, not a chromium": (["run", str(TINY), "-o", "env.factory=tasks.envs.browser:Browser", "-o",
                                      'env.kwargs={"base_url": "http://127.0.0.1:9", "executable": "/nonexistent/chromium"}'],
                                     "env.kwargs.executable: '/nonexistent/chromium' is not an executable Chromium"),
+        "off-line rollouts that are not there": (
+            ["run", str(TINY), "-o", "train.algorithm=vtrace_awr", "-o",
+             "train.offline_rollouts=[elsewhere/iter-000001/rewards]"],
+            "train.offline_rollouts: elsewhere/iter-000001/rewards: no scored rollouts at "),
         "environment server, unreachable by the sky generate": (
             ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.where=local", "-o",
              "launcher.stages={generate: sky}"], "env.where: local serves the environments on this machine"),

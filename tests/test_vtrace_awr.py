@@ -175,3 +175,34 @@ def test_a_resident_vtrace_awr_trainer_killed_mid_run_publishes_what_process_mod
     assert _run(cfg, retries=1) == want
     assert (tmp_path / "drilled").exists()
     assert train(cfg, 0, finish=True)["finished"] == 4
+
+
+@pytest.mark.slow
+def test_off_line_rollouts_from_another_run_join_every_update(tmp_path):
+    """train.offline_rollouts: another run's scored rollouts (same store) are trained on beside this run's own
+    and its replayed iteration; a key with none is one line."""
+    from tasks.core.errors import UserError
+    from tasks.core.store import open_store
+    from tasks.generate import generate
+    from tasks.reward import reward
+    from tasks.train import train
+    from tests.test_ppo import _cfg
+    from tests.test_resident import _iteration
+
+    source = _cfg(tmp_path, "source", "process", "train.algorithm=vtrace_awr")
+    _iteration(source, 1)
+    key = "source/iter-000001/rewards"
+    cfg = _cfg(tmp_path, "learner", "process", "train.algorithm=vtrace_awr", f"train.offline_rollouts=[{key}]")
+    _iteration(cfg, 1)
+    _iteration(cfg, 2)
+    store = open_store(cfg)
+    rows = [store.manifest(f"learner/trainer/ckpt-00000{it}")["meta"]["metrics"]["train/rows"] for it in (1, 2)]
+    assert rows == [16 + 16, 16 + 16 + 16]              # off-line + (replayed) + this iteration's
+    missing = _cfg(tmp_path, "other", "process", "train.algorithm=vtrace_awr",
+                   "train.offline_rollouts=[source/iter-000009/rewards]")
+    generate(missing, 1, "base")
+    reward(missing, 1)
+    with pytest.raises(UserError, match=r"^train.offline_rollouts: source/iter-000009/rewards: no scored rollouts at "):
+        train(missing, 1)
+    with pytest.raises(UserError, match="offline_rollouts: off-line data needs an off-policy learner"):
+        load_config(TINY, [f"train.offline_rollouts=[{key}]"])

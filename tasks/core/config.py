@@ -357,6 +357,11 @@ class TrainConfig(Section):
     replay_iterations: int = Field(2, ge=1, le=1000, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: "
                                    "train on the rollouts of the last K iterations (this one included): off-policy "
                                    "data, corrected by V-trace's truncated importance weights.")
+    offline_rollouts: list[str] = Field(
+        [], json_schema_extra=SINCE_DEFAULT,
+        description="vtrace_awr: scored rollouts from elsewhere in the store (keys of rewards folders, e.g. "
+        "another run's <run>/iter-000003/rewards), added to every update: off-line data, its behaviour logprobs "
+        "its own generator's, corrected by V-trace's truncated weights.")
     kl_in_reward: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
                                description="ppo: the KL to the reference (beta) is a per-token penalty in the "
                                "reward, β·(log π_old - log π_ref), instead of a loss term.")
@@ -380,6 +385,8 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _engine_supports(self):
+        if self.offline_rollouts and self.algorithm != "vtrace_awr":
+            raise ValueError("offline_rollouts: off-line data needs an off-policy learner: algorithm: vtrace_awr")
         if self.algorithm != "grpo" and self.critic == "separate" and self.engine == "deepspeed":
             raise ValueError("critic: separate needs engine: torch (the deepspeed engine holds a value head on the "
                              "policy's trunk: critic: head)")

@@ -134,10 +134,10 @@ def update(engine: TrainingEngine, cfg: Config, store: Store, iteration: int, t0
     if tc.algorithm == "grpo":
         advantages = compute_advantages(rewards, cfg.generate.num_generations, tc.advantage, tc.scale_rewards)
     else:                                   # the optimiser makes per-token advantages from the rows' rewards
-        if tc.algorithm == "vtrace_awr" and tc.replay_iterations > 1:    # the last K iterations' rollouts
+        if tc.algorithm == "vtrace_awr":     # the last K iterations' rollouts, and any off-line ones
             older = [r for k in range(max(1, iteration - tc.replay_iterations + 1), iteration)
                      for r in rollout.load(store, layout.rewards(cfg.run.name, k))]
-            records = older + records
+            records = [r for key in offline_rollouts(cfg, store) for r in rollout.load(store, key)] + older + records
         advantages = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
     batches = shard_batches(records, advantages, engine.tokenizer.pad_token_id, tc, engine.device, engine.rank,
                             engine.world_size)
@@ -145,8 +145,22 @@ def update(engine: TrainingEngine, cfg: Config, store: Store, iteration: int, t0
     stats = optimise(engine, batches, cfg, iteration)
     engine.global_step += tc.num_iterations
     metrics = stats.metrics(rewards, advantages, tc, time.perf_counter() - t0)
+    if tc.algorithm == "vtrace_awr":
+        metrics["train/rows"] = float(len(records))       # this iteration's, the replayed and the off-line
     metrics["train/update_seconds"] = time.perf_counter() - t1        # the optimiser passes alone
     return metrics
+
+
+def offline_rollouts(cfg: Config, store: Store) -> list[str]:
+    """train.offline_rollouts, each checked to be a committed folder of scored rollouts (one line if not)."""
+    from tasks.core.errors import UserError
+
+    for key in cfg.train.offline_rollouts:
+        manifest = store.manifest(key.strip("/"))
+        if manifest is None or rollout.FILE not in manifest["files"]:
+            raise UserError(f"train.offline_rollouts: {key}: no scored rollouts at {store.uri(key.strip('/'))} "
+                            f"(expected a rewards folder of this store, e.g. <run>/iter-000001/rewards)")
+    return [key.strip("/") for key in cfg.train.offline_rollouts]
 
 
 def write_checkpoint(store: Store, cfg: Config, key: str, iteration: int, step: int, files: Callable[[Path], dict],
