@@ -43,6 +43,8 @@ def served(monkeypatch, tmp_path):
     yield make
     for server in made:
         server.stop()
+    for var in (URL_VAR, TOKEN_VAR):                      # (_episodes sets them as the flow would)
+        os.environ.pop(var, None)
 
 
 def _episodes(cfg, server, rows, n=1):
