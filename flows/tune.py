@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,8 +171,20 @@ class Tune:
         storage = self.args.storage or f"sqlite:///{(self.out / 'study.db').absolute()}"
         pruner = (optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=self.args.window)
                   if self.args.pruner == "median" else optuna.pruners.NopPruner())
-        study = optuna.create_study(study_name=self.study_name(), storage=storage, pruner=pruner,
-                                    direction=self.args.direction, load_if_exists=True)
+        from sqlalchemy.exc import SQLAlchemyError
+
+        for attempt in range(5):
+            # Two processes opening a new sqlite study at once (the tune and anyone reading it, e.g. optuna-
+            # dashboard) both stamp its schema version, and one gets a UNIQUE-constraint error: the schema is
+            # there by then, so opening it again succeeds.
+            try:
+                study = optuna.create_study(study_name=self.study_name(), storage=storage, pruner=pruner,
+                                            direction=self.args.direction, load_if_exists=True)
+                break
+            except SQLAlchemyError:
+                if attempt == 4:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
         # a resumed study's sampler goes on from where it was, not from the seed's first draws again (those are
         # its finished trials' values: they would come back as the same runs)
         seed = self.args.seed + len(study.get_trials(deepcopy=False))

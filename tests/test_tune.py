@@ -32,6 +32,7 @@ def _tune(tmp_path: Path, prefect_api: str) -> subprocess.Popen:
 
 def _trials(tmp_path: Path):
     import optuna
+    from sqlalchemy.exc import SQLAlchemyError
 
     db = tmp_path / "tune" / "study.db"
     if not db.exists():
@@ -40,6 +41,8 @@ def _trials(tmp_path: Path):
     try:
         return optuna.load_study(study_name="tiny-demo-tune", storage=storage).get_trials(deepcopy=False)
     except KeyError:                  # (not created yet)
+        return []
+    except SQLAlchemyError:           # (its schema being created by the tune at this moment: ask again later)
         return []
 
 
