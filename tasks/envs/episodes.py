@@ -32,10 +32,18 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.models import load_tokenizer, policy_path
 from tasks.core.rollout import Rollout
 from tasks.engines.sampling import Sampled, SamplingParams, sample_rollouts, sampling_engine
-from tasks.envs.isolation import EnvironmentDied, EnvironmentFailed, InvalidReply, ProcessEnvironment, warm_up, why
-from tasks.envs.protocol import as_messages, as_step, environment, factory_of, state_of
+from tasks.envs.isolation import (
+    EnvironmentDied,
+    EnvironmentFailed,
+    InvalidReply,
+    ProcessEnvironment,
+    start_environment,
+    warm_up,
+    why,
+)
+from tasks.envs.protocol import as_messages, as_step, factory_of, state_of
 from tasks.envs.server import RemoteEnvironment, ServerGone, ServerRefused
-from tasks.envs.tools import parse_tool_calls, tool_schemas
+from tasks.envs.tools import parse_tool_calls
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -229,12 +237,8 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: s
             if remote:
                 e.env = RemoteEnvironment.start(cfg, e.data)
                 e.schemas = e.env.tool_schemas
-            elif ec.isolation == "process":
-                e.env = ProcessEnvironment.start(cfg, e.data)
-                e.schemas = e.env.tool_schemas
             else:
-                e.env = environment(cfg, make(), e.data)
-                e.schemas = tool_schemas(e.env)
+                e.env, e.schemas = start_environment(cfg, make, e.data)
             return e.env.reset(e.data)
 
         for e, messages in zip(episodes, _each(caller, episodes, "reset", begin)):

@@ -105,6 +105,17 @@ def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
                 return
 
 
+def start_environment(cfg: Config, make, row: dict):
+    """One episode's environment as env.isolation says, with its tools' schemas: a ProcessEnvironment (its
+    child made it), or what `make` (protocol.factory_of) made, driven by the protocol. What the stage's episode
+    loop and the environment server both open."""
+    if cfg.env.isolation == "process":
+        env = ProcessEnvironment.start(cfg, row)
+        return env, env.tool_schemas
+    env = environment(cfg, make(), row)
+    return env, tool_schemas(env)
+
+
 def why(e: BaseException) -> str:
     """An exception as one line: its type and the first line of its text."""
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()

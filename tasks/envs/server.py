@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import socket
@@ -40,9 +41,16 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import UserError, user_error_line
-from tasks.envs.isolation import EnvironmentDied, EnvironmentFailed, InvalidReply, ProcessEnvironment, warm_up, why
-from tasks.envs.protocol import as_step, environment, factory_of, state_of
-from tasks.envs.tools import tool_schemas
+from tasks.envs.isolation import (
+    EnvironmentDied,
+    EnvironmentFailed,
+    InvalidReply,
+    ProcessEnvironment,
+    start_environment,
+    warm_up,
+    why,
+)
+from tasks.envs.protocol import as_step, factory_of, state_of
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -86,15 +94,8 @@ class Episodes:
     async def call(self, fn, *args):
         return await asyncio.wrap_future(self.caller.start(fn, *args))
 
-    def _new(self, row: dict) -> tuple[Any, list[dict]]:
-        if self.cfg.env.isolation == "process":
-            env = ProcessEnvironment.start(self.cfg, row)
-            return env, env.tool_schemas
-        env = environment(self.cfg, self.make(), row)
-        return env, tool_schemas(env)
-
     async def open(self, row: dict) -> dict:
-        env, tools = await self.call(self._new, row)
+        env, tools = await self.call(start_environment, self.cfg, self.make, row)
         key = uuid.uuid4().hex
         self.live[key] = _Hosted(env)
         return {"id": key, "tools": tools}
@@ -122,7 +123,7 @@ class Episodes:
         state = state_of(getattr(env, "instance", env))
         if callable(getattr(env, "close", None)):
             value = env.close()
-            if _awaitable(value):
+            if inspect.isawaitable(value):
                 return _then(value, state)
         return state
 
@@ -138,12 +139,6 @@ class Episodes:
         for key, hosted in list(self.live.items()):
             if hosted.busy == 0 and now - hosted.touched > limit:
                 threading.Thread(target=self.kill, args=(key,), daemon=True).start()
-
-
-def _awaitable(value) -> bool:
-    import inspect
-
-    return inspect.isawaitable(value)
 
 
 async def _then(value, state):
