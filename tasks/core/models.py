@@ -1,5 +1,5 @@
-"""Loading policies: a hub id, a local folder, a builtin model, or a folder in the store (a published policy, a
-checkpoint's model), as a full model or a LoRA adapter on the configured base; and their tokenizers.
+"""Loading policies: a hub id, a local folder, a GGUF file, a builtin model, or a folder in the store (a published
+policy, a checkpoint's model), as a full model or a LoRA adapter on the configured base; and their tokenizers.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tasks.core import builtin_models, layout
+from tasks.core import builtin_models, gguf, layout
 from tasks.core.errors import UserError
 from tasks.core.policy import materialize
 from tasks.core.store import open_store
@@ -57,7 +57,8 @@ def policy_path(cfg: Config, policy: str) -> str:
 
 def base_path(cfg: Config) -> str:
     """The starting model as a local folder or hub id. A URI inside the store (a published policy, e.g.
-    the champion of an earlier run) is fetched, verified, into the local cache."""
+    the champion of an earlier run) is fetched, verified, into the local cache; a GGUF file is converted into a
+    model folder once (tasks/core/gguf.py)."""
     store = open_store(cfg)
     if cfg.model.name_or_path.startswith(store.root.rstrip("/") + "/"):
         key = cfg.model.name_or_path[len(store.root.rstrip("/")) + 1:]
@@ -68,6 +69,8 @@ def base_path(cfg: Config) -> str:
         raise UserError(f"model.name_or_path: {cfg.model.name_or_path}: an s3:// model must lie under store.uri "
                         f"({store.root})")
     path = builtin_models.resolve(cfg.model.name_or_path)
+    if gguf.is_gguf(path):
+        return gguf.model_folder(path, cfg.model.dtype)       # converted once per file and dtype
     looks_local = path.startswith(("/", "./", "../", "~")) or Path(path).exists()
     if looks_local and not (Path(path).expanduser() / "config.json").exists():
         raise UserError(f"model.name_or_path: {path}: no config.json (expected a saved model folder)")
