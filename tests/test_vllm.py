@@ -116,6 +116,31 @@ def test_train_measures_the_mismatch_on_vllm_rollouts(offline):
     assert math.isfinite(metrics["train/mismatch_kl"]) and 0 <= metrics["train/mismatch_kl"] < 1e-8
 
 
+def test_batches_larger_than_one_engine_step_on_cpu(tmp_path):
+    """A batch whose prompts exceed one engine step's token budget (offline: 8192 tokens; 256 seeded requests of
+    ~150 tokens here). With vLLM's chunked prefill a split prompt rewinds its seeded generator, which a CPU
+    generator cannot do: the engine died ("CPU Generator does not use offset"). Then, greedy decoding
+    (temperature 0, evaluation's greedy pass@1) on the same engine: one completion per prompt, the most likely
+    tokens, equal to the hf engine's."""
+    rows = [{"prompt": f"{chr(97 + i % 26)}=" + "".join(chr(97 + (i * 7 + j) % 26) for j in range(150)),
+             "answer": "bbb"} for i in range(64)]
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(tmp_path, "long", [f"data.path={tmp_path}/long.jsonl", "generate.prompts_per_iteration=64",
+                                  "generate.max_prompt_length=160", "generate.max_completion_length=4"])
+    generate(cfg, 1)
+    records = _records(cfg, 1)
+    assert len(records) == 64 * N_GEN and all(1 <= len(r.completion_ids) <= 4 for r in records)
+
+    from tasks.engines.hf import HFEngine
+    from tasks.engines.sampling import SamplingParams, sampling_engine
+
+    path, prompts = base_path(cfg), [r.prompt_ids for r in records[::N_GEN][:8]]
+    greedy = SamplingParams(n=1, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0)
+    ours = sampling_engine(cfg).generate("base", path, load_tokenizer(path), prompts, greedy).samples
+    hf = HFEngine(cfg).generate("base", path, load_tokenizer(path), prompts, greedy).samples
+    assert [s.completion_ids for s in ours] == [s.completion_ids for s in hf]
+
+
 def test_offline_lora_adapter_changes_the_outputs(tmp_path):
     """A published adapter (non-zero, as after training) is served on the base with a LoRARequest; its
     logprobs equal the trainer's base + adapter, and are far from the base model's."""

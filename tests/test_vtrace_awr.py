@@ -128,7 +128,9 @@ def test_value_pretraining_fits_the_head_on_detached_states_without_another_forw
         optimise(engine, batches, cfg, 1)
         counts[epochs] = len(calls)
         heads[epochs] = float((engine.critic.head.summary.weight.detach() - before).norm())
-    assert counts[0] == counts[5] == 2 * 2               # 2 micro-batches: the forward without gradients + a pass
+    # 2 micro-batches: the forward without gradients + a pass, each a model call for the group's shared prompt and
+    # one for the completions (tasks/algorithms/logprobs.py: shared_prompt_forward)
+    assert counts[0] == counts[5] == 2 * 2 * 2
     assert heads[5] > heads[0] > 0
 
 

@@ -36,6 +36,7 @@ class MicroBatch:
     rewards: torch.Tensor | None = None    # (b, Lc) vtrace_awr: the token rewards
     log_rho: torch.Tensor | None = None    # (b, Lc) vtrace_awr: log π_old - log μ on the model's tokens
     encoded: torch.Tensor | None = None    # (b, Lc, H) vtrace_awr: the value head's detached inputs
+    share_prompts: bool = True             # run each distinct prompt once (train.share_prompts; logprobs.py)
 
     @property
     def width(self) -> int:
@@ -84,7 +85,8 @@ def prepare_batches(records: list[Rollout], advantages: torch.Tensor, pad_token_
             mask = mask * torch.tensor([[0.0 if r.truncated else 1.0] for r in chunk])
         batches.append(MicroBatch(ids=ids, attention=attn, positions=pos, mask=mask.to(device),
                                   behaviour=behaviour.to(device),
-                                  advantages=advantages[start:start + len(chunk)].to(device), rows=len(chunk)))
+                                  advantages=advantages[start:start + len(chunk)].to(device), rows=len(chunk),
+                                  share_prompts=tc.share_prompts))
     return batches
 
 

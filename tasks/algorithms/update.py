@@ -53,7 +53,8 @@ def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, ite
         for b in batches:
             if ppo:
                 logp, entropy, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width,
-                                                            temperature, with_entropy=True, with_hidden=True)
+                                                            temperature, with_entropy=True, with_hidden=True,
+                                                            share_prompts=b.share_prompts)
             else:
                 logp, entropy = logprobs(engine.model, b, temperature, entropy=True)
             old = b.old if b.old is not None else logp.detach()   # on-policy: ratio 1, gradient only
@@ -83,7 +84,8 @@ def _awr_passes(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, 
         stats.start_pass()
         for b in batches:
             logp, entropy, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width,
-                                                        temperature, with_entropy=True, with_hidden=True)
+                                                        temperature, with_entropy=True, with_hidden=True,
+                                                        share_prompts=b.share_prompts)
             weights = awr_weights(b.advantages, tc.awr_temperature, tc.awr_max_weight)
             policy = -(weights * logp * b.mask).sum() / max(num_tokens, 1.0)
             kl = (kl_behaviour(logp, b.behaviour) * b.mask).sum() / max(num_tokens, 1.0)
@@ -141,7 +143,7 @@ def _before_the_update(engine: TrainingEngine, b: MicroBatch, temperature: float
     and the last hidden states (the critic's input); rows without a reward (NaN in `advantages`, which holds
     the rows' rewards here) leave the loss."""
     logp, _, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width, temperature,
-                                          with_hidden=True)
+                                          with_hidden=True, share_prompts=b.share_prompts)
     b.mask = b.mask * (~torch.isnan(b.advantages)).to(b.mask.dtype).unsqueeze(1)
     return (b.old if b.old is not None else logp), hidden
 
@@ -173,7 +175,8 @@ def ppo_advantages(engine: TrainingEngine, batches: list[MicroBatch], cfg: Confi
 
 def logprobs(model, b: MicroBatch, temperature: float, entropy: bool = False):
     """The completion tokens' logprobs under `model` (b, Lc), and their entropy (b, Lc) if asked for."""
-    return completion_logprobs(model, b.ids, b.attention, b.positions, b.width, temperature, with_entropy=entropy)
+    return completion_logprobs(model, b.ids, b.attention, b.positions, b.width, temperature, with_entropy=entropy,
+                               share_prompts=b.share_prompts)
 
 
 def fixed_logprobs(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config) -> None:

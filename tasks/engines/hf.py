@@ -8,7 +8,9 @@ RNG, so one last processor of ours does all of it: applies temperature and top-p
 token is drawn from (the behaviour logprob), and draws the token from a generator of the request's own (seeded
 with its seed); transformers then runs greedy and takes that token. Nothing else in the process (a trainer
 held by the flow, training at the same time on another thread: run.max_staleness) moves or is moved by the
-sampling's random stream. A lock makes one generate at a time per process use the kept model.
+sampling's random stream. A lock makes one generate at a time per process use the kept model. Each prompt's KV
+cache is filled once and copied to its n samples (generate.share_prompts), where transformers would run the
+prompt n times: ~2.5x faster sampling for the SmolLM2 recipe's 60-token prompts and 8 samples each.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class HFEngine:
         with _KEPT_LOCK:            # generate of iteration N+1 and evaluate of N may overlap on two threads
             model = _load(self.cfg, path)
             t1 = time.perf_counter()
-            samples = hf_generate(model, tokenizer, prompt_ids, params, self.cfg.generate.batch_size)
+            samples = hf_generate(model, tokenizer, prompt_ids, params, self.cfg.generate.batch_size,
+                                  self.cfg.generate.share_prompts)
         return Sampled(samples, load_seconds=t1 - t0, sampling_seconds=time.perf_counter() - t1)
 
     def stop(self, log=print) -> None:
@@ -104,8 +107,9 @@ class _SampleAndRecord:
     def __init__(self, temperature: float, top_p: float, generator: torch.Generator):
         from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-        self.warpers = [TemperatureLogitsWarper(temperature)]
-        if top_p < 1.0:
+        self.greedy = temperature == 0          # (evaluation's greedy pass@1): the most likely token, no draw
+        self.warpers = [] if self.greedy else [TemperatureLogitsWarper(temperature)]
+        if top_p < 1.0 and not self.greedy:
             self.warpers.append(TopPLogitsWarper(top_p))
         self.generator = generator
         self.prev: torch.Tensor | None = None
@@ -120,8 +124,11 @@ class _SampleAndRecord:
         for w in self.warpers:
             scores = w(input_ids, scores)
         self.prev = torch.log_softmax(scores.float(), dim=-1)
-        probs = torch.nn.functional.softmax(scores, dim=-1)
-        token = torch.multinomial(probs, num_samples=1, generator=self.generator)
+        if self.greedy:
+            token = scores.argmax(dim=-1, keepdim=True)
+        else:
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            token = torch.multinomial(probs, num_samples=1, generator=self.generator)
         return torch.full_like(scores, -torch.inf).scatter_(-1, token, 0.0)
 
     def finish(self, sequences) -> torch.Tensor:
@@ -129,8 +136,22 @@ class _SampleAndRecord:
         return torch.stack(self.steps, dim=1)  # (N, steps)
 
 
+def _prefill(model, ids: torch.Tensor, attn: torch.Tensor, n: int):
+    """The KV cache of each prompt but its last token, computed once and repeated for its n samples (None when
+    there is nothing to share): `generate` then starts from the last prompt token. transformers' own expansion
+    repeats each prompt n times before the prefill, which with prompts of ~60 tokens and completions of ~16 is
+    most of the sampling's work (the same positions as generate gives them: pads count as 1, masked)."""
+    if n < 2 or ids.shape[1] < 2:
+        return None
+    positions = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
+    cache = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions[:, :-1], use_cache=True,
+                  logits_to_keep=1).past_key_values
+    cache.batch_repeat_interleave(n)
+    return cache
+
+
 def hf_generate(model, tokenizer, prompt_ids: list[list[int]], params: SamplingParams,
-                batch_size: int) -> list[Sample]:
+                batch_size: int, share_prompts: bool = True) -> list[Sample]:
     """params.n samples per prompt, `batch_size` prompts per `model.generate` call."""
     from transformers import GenerationConfig, LogitsProcessorList
 
@@ -148,10 +169,11 @@ def hf_generate(model, tokenizer, prompt_ids: list[list[int]], params: SamplingP
         L = max(len(p) for p in chunk)
         ids = torch.tensor([[tokenizer.pad_token_id] * (L - len(p)) + p for p in chunk], device=device)
         attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk], device=device)
-        ids, attn = ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)   # as transformers expands
-        recorder = _SampleAndRecord(temperature, top_p, generator)
         with torch.no_grad():
-            seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg,
+            cache = _prefill(model, ids, attn, n) if share_prompts else None       # each prompt once, not n times
+            ids, attn = ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)   # as transformers expands
+            recorder = _SampleAndRecord(temperature, top_p, generator)
+            seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg, past_key_values=cache,
                                   logits_processor=LogitsProcessorList([recorder]))
         logps = recorder.finish(seqs)
         completions = seqs[:, L:].cpu()

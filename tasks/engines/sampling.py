@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 class SamplingParams:
     n: int                  # completions per prompt
     max_new_tokens: int
-    temperature: float
+    temperature: float      # 0: greedy (the most likely token; evaluation's greedy pass@1)
     top_p: float
     seed: int               # the whole request's seed: a rerun samples the same tokens
 

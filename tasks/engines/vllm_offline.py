@@ -103,6 +103,12 @@ def engine_args(cfg: Config, model: str) -> dict:
         # On CPU the model runs in the engine process: one process fewer to spawn, each importing torch and
         # vllm (docs/benchmarks.md: small measurements). On a GPU vLLM's default (a worker process) is kept.
         args["distributed_executor_backend"] = "uni"
+    if not gpu:
+        # A prefill split across steps (chunked prefill, on by default) has its first step's token discarded, and
+        # vLLM rewinds that request's seeded generator by an offset, which a CPU generator does not have: the
+        # engine dies ("CPU Generator does not use offset") once a batch's prompts exceed one step's token
+        # budget (seen with 256 seeded requests of ~60 tokens). Whole prefills never rewind.
+        args["enable_chunked_prefill"] = False
     if cfg.train.lora_r:
         args.update(enable_lora=True, max_lora_rank=lora_rank(cfg), max_loras=1)
     return args

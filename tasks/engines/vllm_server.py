@@ -262,12 +262,12 @@ class Server:
 # ------------------------------------------------------------------------------------------------ processes
 
 def _flags(args: dict) -> list[str]:
-    """vllm.LLM keyword arguments as `vllm serve` flags."""
+    """vllm.LLM keyword arguments as `vllm serve` flags (a boolean False as its --no- form)."""
     out = []
     for k, v in args.items():
-        if v is None or v is False:
+        if v is None:
             continue
-        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+        out += [f"--{'no-' if v is False else ''}{k.replace('_', '-')}"] + ([] if isinstance(v, bool) else [str(v)])
     return out
 
 
