@@ -112,7 +112,10 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # (a resume on a machine with fewer GPUs than the one that saved: the streams of devices it has;
+        # set_rng_state_all would raise for a device that is not there)
+        for device, device_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state, device)
 
 
 def seed_all(seed: int) -> None:
