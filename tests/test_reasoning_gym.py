@@ -44,7 +44,8 @@ TASKS = {
 MULTI_LINE = ["mini_sudoku", "rotate_matrix", "tower_of_hanoi"]
 # The oracle answer is a sentence ending in "."; answer_is strips trailing periods, the answer's own too.
 SENTENCE = ["emoji_mystery"]      # sentences quoting other sentences (quotes, '?', ';' inside)
-# Items made with Python's string hashing (sets): another process (PYTHONHASHSEED) makes other items.
+# Items made with Python's string hashing (sets), or drawn from the `random` module's global generator
+# (list_functions): another process (PYTHONHASHSEED, an unseeded global generator) would make other items.
 HASH_SEEDED = ["isomorphic_strings", "ransom_note", "list_functions"]
 DETERMINISTIC = ["basic_arithmetic", "chain_sum", "gsm_symbolic", "leg_counting", "number_sorting", "maze",
                  "knights_knaves", "family_relationships"]
