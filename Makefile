@@ -74,7 +74,7 @@ lint: $(VENV)/.ready      ## ruff (config in pyproject.toml)
 	$(BIN)/ruff check .
 
 test: setup lint         ## lint, then every test, the slow end-to-end ones included (what CI runs)
-	$(BIN)/python -m pytest -q tests --durations=20
+	$(BIN)/python -m pytest -q tests --durations=40
 
 test-fast: $(VENV)/.ready lint   ## lint, then the tests that need no server and no engine
 	$(BIN)/python -m pytest -q tests -m "$(FAST)"

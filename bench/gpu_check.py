@@ -5,8 +5,7 @@ ready to paste into docs/benchmarks.md (the GPU's name, the date, the torch / tr
     python bench/gpu_check.py --rows 1,3 --out /tmp/gpu-check.md
     python bench/gpu_check.py --device cpu --quick --model builtin:tiny-lm     # the plumbing, on a CPU (~1 min)
 
-The recipe is configs/smollm2-arith.yaml when it exists (else the draft's data, reward, generate and train
-sections, copied below: DRAFT); `--config` names another. What each row measures, through the stage functions
+The recipe is configs/smollm2-arith.yaml; `--config` names another. What each row measures, through the stage functions
 themselves (tasks/generate.py, reward.py, train.py, publish.py), on train.device = --device (generate samples
 there too: tasks/core/models.py, device_for):
   1 generate, hf engine, model.dtype bfloat16: tokens/s of the recipe's batch, from the stage's own metric, on
@@ -42,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import datetime
 import gc
 import importlib.metadata
@@ -82,21 +80,6 @@ from tasks.reward import reward  # noqa: E402
 from tasks.train import train  # noqa: E402
 
 RECIPE = ROOT / "configs" / "smollm2-arith.yaml"
-# The draft recipe (/tmp/exp/arith.yaml on CPU), used while configs/smollm2-arith.yaml does not exist:
-# SmolLM2-135M-Instruct on two-term additions of 1-2 digit numbers, 8 prompts x 8 completions x <= 32 tokens.
-DRAFT = {
-    "model": {"name_or_path": "builtin:smollm2-135m"},
-    "data": {"reasoning_gym": {
-        "task": "basic_arithmetic",
-        "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+"],
-                   "allow_parentheses": False, "allow_negation": False},
-        "size": 2000, "eval_size": 64, "answer_format": "answer_is"}},
-    "reward": {"functions": [{"fn": "tasks.rewards.reasoning_gym:answer_reward", "weight": 1.0},
-                             {"fn": "tasks.rewards.reasoning_gym:format_reward", "weight": 0.2}]},
-    "generate": {"prompts_per_iteration": 8, "num_generations": 8, "max_prompt_length": 128,
-                 "max_completion_length": 32, "temperature": 1.0},
-    "train": {"lr": 1.0e-5, "micro_batch_size": 16},
-}
 # --quick: the plumbing, not the numbers: 2 prompts x 2 completions x <= 8 tokens, and 64 training prompts made
 # instead of 2000 (reasoning-gym makes up to 4x size items: the recipe's 2000 take ~4 s on 2 cores)
 QUICK = ["generate.prompts_per_iteration=2", "generate.num_generations=2", "generate.max_completion_length=8",
@@ -118,28 +101,26 @@ class Skipped(Exception):
 
 # ------------------------------------------------------------------------------------------------ configs
 
-def recipe(args) -> tuple[Path | None, dict | None, bool]:
-    """(config file, base tree) for load_config, and whether its prompts come from reasoning-gym."""
-    if args.config is not None:
-        try:
-            tree = yaml.safe_load(Path(args.config).read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            tree = {}                       # (load_config says what is wrong with it, in one line)
-        data = tree.get("data") if isinstance(tree, dict) else None
-        return Path(args.config), None, isinstance(data, dict) and "reasoning_gym" in data
-    return None, copy.deepcopy(DRAFT), True
+def recipe(args) -> tuple[Path, bool]:
+    """The recipe's file, and whether its prompts come from reasoning-gym."""
+    try:
+        tree = yaml.safe_load(Path(args.config).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        tree = {}                       # (load_config says what is wrong with it, in one line)
+    data = tree.get("data") if isinstance(tree, dict) else None
+    return Path(args.config), isinstance(data, dict) and "reasoning_gym" in data
 
 
 def config(args, work: Path, run: str, extra: list[str] = ()):
     """The recipe for one row: its own run name, a file store and sqlite tracking under `work`, --model,
     --device, --quick's sizes, then the row's overrides."""
-    path, base, procedural = recipe(args)
+    path, procedural = recipe(args)
     overrides = [f"run.name=gpu-check-{run}", f"store.uri=file://{work}/store",
                  f"tracking.uri=sqlite:///{work}/mlflow.db", "publish.register_model=false",
                  f"model.name_or_path={args.model}", f"train.device={args.device}"]
     if args.quick:
         overrides += QUICK + (QUICK_DATA if procedural else [])
-    return load_config(path, [*overrides, *extra], base=base)
+    return load_config(path, [*overrides, *extra])
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -506,7 +487,7 @@ def machine(args) -> str:
 
 def table(args, cfg, rows: list[dict], model_line: str, command: str) -> str:
     g = cfg.generate
-    source = os.path.relpath(args.config, ROOT) if args.config else "the draft in bench/gpu_check.py (DRAFT)"
+    source = os.path.relpath(args.config, ROOT)
     lines = [
         "## GPU check — `bench/gpu_check.py`", "",
         f"Machine: {machine(args)}. Date: {datetime.date.today().isoformat()}.",
@@ -525,8 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,3,4,5,6", help="which rows, e.g. 1,3 (default: all six)")
     ap.add_argument("--model", default="builtin:smollm2-135m", help="model.name_or_path for every row")
-    ap.add_argument("--config", default=None, help="the recipe (default: configs/smollm2-arith.yaml if it "
-                    "exists, else the draft's sections in this file)")
+    ap.add_argument("--config", default=str(RECIPE), help="the recipe (default: configs/smollm2-arith.yaml)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny batches: the plumbing, not the numbers")
     ap.add_argument("--out", default=None, help="also write the table to this file")
@@ -537,8 +517,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rows: expected numbers such as 1,3, got {args.rows!r}")
     if not args.rows or not set(args.rows) <= ROWS.keys():
         ap.error(f"--rows: expected numbers from 1 to {len(ROWS)}, got {args.rows}")
-    if args.config is None and RECIPE.exists():
-        args.config = str(RECIPE)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
               f"run it on a GPU machine, or with --device cpu --quick to check the plumbing", file=sys.stderr)

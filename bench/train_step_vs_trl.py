@@ -4,6 +4,11 @@ scored completions and the same settings, both on this machine in one process, i
 
     python bench/train_step_vs_trl.py [--model tiny-lm|small-lm] [--prompts 16] [--generations 8]
                                       [--length 32] [--steps 10] [--loss-type dapo]
+    python bench/train_step_vs_trl.py --recipe configs/smollm2-arith.yaml --prompts 8 --length 16 --steps 3
+
+--recipe: the recipe's model (SmolLM2-135M-Instruct from its GGUF) and its training prompts through the chat
+template (~60 tokens each) instead of a random builtin model and 3-token prompts, and the recipe's micro-batch
+size on our side (TRL runs the batch in one forward, its default): what a real iteration's update costs.
 
 Prints completion tokens/s for each side and the ratio ours/TRL (goal >= 1.0). "ours+IS" is our default
 configuration, which also weights the loss by the truncated-IS ratio against the generator's logprobs (TRL
@@ -37,15 +42,17 @@ from tasks.core.rollout import Rollout  # noqa: E402
 from tasks.engines.torch_engine import TorchEngine  # noqa: E402
 
 
-def scored_completions(tokenizer, n_prompts: int, group: int, length: int, seed: int = 0) -> list[Rollout]:
-    """Ragged random completions (a quarter stop early on EOS), random 0/1 rewards."""
+def scored_completions(tokenizer, n_prompts: int, group: int, length: int, seed: int = 0,
+                       prompt_ids: list[list[int]] | None = None) -> list[Rollout]:
+    """Ragged random completions (a quarter stop early on EOS), random 0/1 rewards; the prompts are `prompt_ids`
+    when given, else 3-character ones."""
     g = torch.Generator().manual_seed(seed)
     chars = "abcdefgh"
     vocab = len(tokenizer)
     out = []
     for p in range(n_prompts):
         prompt = f"{chars[p % 8]}{chars[(p // 8) % 8]}="
-        pids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        pids = prompt_ids[p] if prompt_ids else tokenizer(prompt, add_special_tokens=False)["input_ids"]
         for _ in range(group):
             n = length if torch.rand(1, generator=g) < 0.75 else int(torch.randint(1, length, (1,), generator=g))
             cids = torch.randint(5, vocab, (n,), generator=g).tolist()
@@ -81,31 +88,51 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per side (after 2 warm-up steps)")
     ap.add_argument("--loss-type", default="dapo")
     ap.add_argument("--beta", type=float, default=0.0)
+    ap.add_argument("--recipe", default=None, help="a recipe whose model and training prompts to use, e.g. "
+                    "configs/smollm2-arith.yaml")
     args = ap.parse_args()
 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     work = Path(tempfile.mkdtemp(prefix="rlflow-bench-trl-"))
-    path = build(work / "model", name=args.model)
     n = args.prompts * args.generations
     lr = 1e-5
+    prompt_ids = None
+    if args.recipe:
+        from tasks.core import data
+        from tasks.core.models import base_path, encode_prompt
+
+        recipe = load_config(args.recipe, [])
+        path = Path(base_path(recipe))
+        micro = recipe.train.micro_batch_size
+        rows = data.load_prompts(recipe)
+        tokenizer = load_tokenizer(str(path))
+        prompt_ids = [encode_prompt(tokenizer, rows[i][recipe.data.prompt_column], recipe.generate.max_prompt_length)
+                      for i in range(args.prompts)]
+        args.model = recipe.model.name_or_path
+    else:
+        path, micro = build(work / "model", name=args.model), n
     common = [f"model.name_or_path={path}", f"generate.prompts_per_iteration={args.prompts}",
               f"generate.num_generations={args.generations}", f"generate.max_completion_length={args.length}",
               f"train.loss_type={args.loss_type}", f"train.beta={args.beta}", f"train.lr={lr}",
-              f"train.micro_batch_size={n}", "train.device=cpu"]
+              f"train.micro_batch_size={micro}", "train.device=cpu"]
     cfg_plain = load_config(ROOT / "configs" / "tiny.yaml", [*common, "train.importance_sampling_correction=false"])
     cfg_is = load_config(ROOT / "configs" / "tiny.yaml", common)
 
     tokenizer = load_tokenizer(str(path))
-    records = scored_completions(tokenizer, args.prompts, args.generations, args.length)
+    records = scored_completions(tokenizer, args.prompts, args.generations, args.length, prompt_ids=prompt_ids)
     rewards = torch.tensor([r.reward for r in records])
     advantages = group_advantages(rewards, args.generations, "group")
     tokens = sum(len(r.completion_ids) for r in records)
 
     # ours: the train stage's model, optimizer and update
+    variants = [("ours", cfg_plain), ("ours+IS", cfg_is)]
+    if args.recipe:     # the prompt shared by a group's rows run once (train.share_prompts, on in both above) or not
+        variants.append(("ours+IS, prompt per row", load_config(ROOT / "configs" / "tiny.yaml",
+                                                                [*common, "train.share_prompts=false"])))
     ours = {}
-    for name, cfg in (("ours", cfg_plain), ("ours+IS", cfg_is)):
+    for name, cfg in variants:
         model = load_model(str(path), "float32", torch.device("cpu")).train()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
         ref = load_model(str(path), "float32", torch.device("cpu")).eval().requires_grad_(False) if args.beta else None
@@ -143,7 +170,7 @@ def main() -> None:
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
 
-    sides = {"TRL": trl_step, "ours": our_step, "ours+IS": our_step}
+    sides = {"TRL": trl_step, **{name: our_step for name in ours}}
     times: dict[str, list[float]] = {k: [] for k in sides}
     for i in range(args.steps + 2):
         for name, step in sides.items():          # interleaved: drift hits every side alike
@@ -155,12 +182,13 @@ def main() -> None:
     params = sum(p.numel() for p in trainer.model.parameters())
     print(f"# train step, {platform.node()} ({platform.machine()}, {torch.get_num_threads()} threads), "
           f"torch {torch.__version__}, model {args.model} ({params / 1e6:.2f}M params), "
-          f"batch {args.prompts}x{args.generations}, completions <= {args.length} tokens ({tokens} tokens), "
+          f"batch {args.prompts}x{args.generations}, prompts ~{len(records[0].prompt_ids)} tokens, "
+          f"completions <= {args.length} tokens ({tokens} tokens), micro-batch {micro}, "
           f"loss {args.loss_type}, beta {args.beta}, median of {args.steps} steps")
     trl_tps = tokens / statistics.median(times["TRL"])
     for name in sides:
         med = statistics.median(times[name])
-        print(f"{name:8s} {med * 1e3:8.1f} ms/step {tokens / med:10.0f} tokens/s   ratio vs TRL "
+        print(f"{name:24s} {med * 1e3:8.1f} ms/step {tokens / med:10.0f} tokens/s   ratio vs TRL "
               f"{tokens / med / trl_tps:5.2f}x")
 
 

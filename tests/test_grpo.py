@@ -14,7 +14,7 @@ from tasks.algorithms.logprobs import completion_logprobs
 from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_loss
 from tasks.core import layout
 from tasks.core.config import TrainConfig, load_config
-from tasks.core.models import base_path, load_model
+from tasks.core.models import base_path, load_model, load_tokenizer
 from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
@@ -153,6 +153,84 @@ def test_padding_does_not_change_logprobs():
         i1, a1, p1, m1 = pad_batch([p], [c], 0)
         alone, _ = completion_logprobs(model, i1, a1, p1, m1.shape[1], 0.7)
         assert torch.allclose(batch[b, :len(c)], alone[0], atol=1e-5)
+
+
+def _groups(g: torch.Generator, lengths: list[int], per_prompt: int, completion: tuple[int, int] = (1, 6)):
+    """Prompts of the given lengths, each with `per_prompt` completions (a GRPO group), as token id lists."""
+    prompts, comps = [], []
+    for n in lengths:
+        p = torch.randint(3, 90, (n,), generator=g).tolist()
+        for _ in range(per_prompt):
+            prompts.append(p)
+            length = int(torch.randint(*completion, (1,), generator=g))
+            comps.append(torch.randint(3, 90, (length,), generator=g).tolist())
+    return prompts, comps
+
+
+@pytest.mark.parametrize("with_hidden", [False, True])
+def test_a_shared_prompt_forward_gives_the_full_forwards_logprobs_and_gradients(with_hidden):
+    """train.share_prompts: groups of rows sharing a prompt (left-padded to different lengths, with a lone prompt
+    among them) give the logprobs, entropies, hidden states and gradients of one full forward, up to rounding;
+    the prompt runs once per group (the model sees the distinct prompts, then every row's completion)."""
+    from tasks.algorithms.logprobs import prompt_groups
+
+    cfg = load_config(TINY, [])
+    model = load_model(base_path(cfg))
+    g = torch.Generator().manual_seed(1)
+    prompts, comps = _groups(g, [7, 3, 5], 4)
+    lone, lone_c = _groups(g, [6], 1)
+    ids, attn, pos, mask = pad_batch(prompts + lone, comps + lone_c, 0)
+    first, inverse = prompt_groups(ids, mask.shape[1])
+    assert len(first) == 4
+    assert inverse.tolist() == [int(inverse[i]) for i in (0, 4, 8) for _ in range(4)] + [int(inverse[12])]
+
+    def run(share: bool):
+        model.zero_grad()
+        out = completion_logprobs(model, ids, attn, pos, mask.shape[1], 0.7, with_entropy=True,
+                                  with_hidden=with_hidden, share_prompts=share)
+        (out[0] * mask).sum().backward()
+        return [o.detach() for o in out], [p.grad.clone() for p in model.parameters()]
+
+    (full, full_grads), (shared, shared_grads) = run(False), run(True)
+    for a, b in zip(full, shared):
+        assert torch.allclose(a * mask.unsqueeze(-1) if a.dim() == 3 else a * mask,
+                              b * mask.unsqueeze(-1) if b.dim() == 3 else b * mask, atol=1e-5)
+    for a, b in zip(full_grads, shared_grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+
+    calls = []
+    forward = model.forward
+    model.forward = lambda *args, **kwargs: calls.append(kwargs["input_ids"].shape) or forward(*args, **kwargs)
+    completion_logprobs(model, ids, attn, pos, mask.shape[1], 0.7)
+    assert calls == [(4, ids.shape[1] - mask.shape[1] - 1), (13, mask.shape[1] + 1)]
+
+
+def test_sampling_fills_each_prompts_cache_once_and_samples_the_same():
+    """generate.share_prompts: the hf sampler prefills each prompt once for its n samples; the samples, their
+    behaviour logprobs and the greedy completions equal transformers' own expansion (each prompt n times)."""
+    from tasks.engines.hf import hf_generate
+    from tasks.engines.sampling import SamplingParams
+
+    cfg = load_config(TINY, [])
+    model, tok = load_model(base_path(cfg)).eval(), load_tokenizer(base_path(cfg))
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("c=", "hello x=", "abcdefg=")]
+    for temperature in (0.7, 0.0):
+        params = SamplingParams(n=4, max_new_tokens=6, temperature=temperature, top_p=1.0, seed=5)
+        shared = hf_generate(model, tok, prompts, params, 2, share_prompts=True)
+        expanded = hf_generate(model, tok, prompts, params, 2, share_prompts=False)
+        assert [s.completion_ids for s in shared] == [s.completion_ids for s in expanded]
+        for a, b in zip(shared, expanded):
+            assert a.prompt == b.prompt and a.truncated == b.truncated
+            assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-5
+    calls = []
+    forward = model.forward
+    model.forward = lambda *args, **kwargs: calls.append(kwargs["input_ids"].shape) or forward(*args, **kwargs)
+    hf_generate(model, tok, prompts[:2], SamplingParams(n=4, max_new_tokens=3, temperature=0.7, top_p=1.0, seed=5), 2)
+    assert calls[0] == (2, len(prompts[1]) - 1) and calls[1] == (8, 1)   # 2 prompts prefilled once, then 8 rows
+    model.forward = forward
+    greedy = SamplingParams(n=2, max_new_tokens=6, temperature=0.0, top_p=1.0, seed=0)
+    twice = hf_generate(model, tok, prompts, greedy, 3)
+    assert all(twice[i].completion_ids == twice[i + 1].completion_ids for i in range(0, len(twice), 2))
 
 
 def test_train_with_reference_kl_and_several_passes(tmp_path):
