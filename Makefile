@@ -94,6 +94,8 @@ bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/generate_vs_engine.py
 	$(BIN)/python bench/publish_vs_boto3.py
 	$(BIN)/python bench/sandbox_throughput.py
+	$(BIN)/python bench/real_model_vs_trl.py                 # SmolLM2-135M learning sums, 3 seeds each side (~4 h on 2 cores)
+	$(BIN)/python bench/real_model_vs_trl.py --levers
 
 # Not in `make test` or `make bench`: those run where there is no GPU. On one CUDA GPU, the SmolLM2 recipe's stages
 # (hf bf16 sampling, torch and DeepSpeed-over-NCCL training, the resident trainer, a bf16 delta publish, a resume
