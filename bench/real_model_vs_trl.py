@@ -162,7 +162,7 @@ def _steady(seconds: list[float]) -> float:
     return statistics.fmean(seconds[1:] if len(seconds) > 1 else seconds)
 
 
-def levers(config: Path, iterations: int, work: Path) -> None:
+def levers(config: Path, iterations: int, work: Path, only: list[str] | None = None) -> None:
     """Seconds per iteration of rlflow with each speed lever off in turn, and of TRL: evaluation off, seed 0."""
     off = ["eval.every=0", "publish.register_model=false"]
     variants = {
@@ -178,6 +178,8 @@ def levers(config: Path, iterations: int, work: Path) -> None:
         "generation beside training (run.max_staleness=1)": ["run.max_staleness=1"],
         "LoRA r=16 (train.lora_r=16, lr 1e-4)": ["train.lora_r=16", "train.lora_alpha=32", "train.lr=1e-4"],
     }
+    if only:
+        variants = {k: v for k, v in variants.items() if any(o in k for o in only)}
     rows = []
     for name, extra in variants.items():
         got = rlflow_run(config, 0, iterations, work, [*off, *extra], name=f"lever-{len(rows)}")
@@ -204,12 +206,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--levers", action="store_true", help="seconds per iteration, each rlflow lever off in turn")
     ap.add_argument("--lever-iterations", type=int, default=4)
+    ap.add_argument("--only", nargs="+", default=None, help="with --levers: the variants whose name holds one of these")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = Path(args.config).resolve()
     work = Path(tempfile.mkdtemp(prefix="rlflow-real-vs-trl-"))
     if args.levers:
-        levers(config, args.lever_iterations, work)
+        levers(config, args.lever_iterations, work, args.only)
         return
     from tasks.core.config import load_config
 
