@@ -106,13 +106,14 @@ def main() -> None:
         recipe = load_config(args.recipe, [])
         path = Path(base_path(recipe))
         micro = recipe.train.micro_batch_size
-        rows = data.load_prompts(recipe)
-        tokenizer = load_tokenizer(str(path))
-        prompt_ids = [encode_prompt(tokenizer, rows[i][recipe.data.prompt_column], recipe.generate.max_prompt_length)
-                      for i in range(args.prompts)]
         args.model = recipe.model.name_or_path
     else:
         path, micro = build(work / "model", name=args.model), n
+    tokenizer = load_tokenizer(str(path))
+    if args.recipe:
+        rows = data.load_prompts(recipe)
+        prompt_ids = [encode_prompt(tokenizer, rows[i][recipe.data.prompt_column], recipe.generate.max_prompt_length)
+                      for i in range(args.prompts)]
     common = [f"model.name_or_path={path}", f"generate.prompts_per_iteration={args.prompts}",
               f"generate.num_generations={args.generations}", f"generate.max_completion_length={args.length}",
               f"train.loss_type={args.loss_type}", f"train.beta={args.beta}", f"train.lr={lr}",
@@ -120,7 +121,6 @@ def main() -> None:
     cfg_plain = load_config(ROOT / "configs" / "tiny.yaml", [*common, "train.importance_sampling_correction=false"])
     cfg_is = load_config(ROOT / "configs" / "tiny.yaml", common)
 
-    tokenizer = load_tokenizer(str(path))
     records = scored_completions(tokenizer, args.prompts, args.generations, args.length, prompt_ids=prompt_ids)
     rewards = torch.tensor([r.reward for r in records])
     advantages = group_advantages(rewards, args.generations, "group")

@@ -22,7 +22,6 @@ own `score_answer`. A task or a config key reasoning-gym does not have is one Us
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -141,26 +140,16 @@ def _build(task: str, config_json: str, seed: int, size: int, eval_size: int, an
            instruction: str, system_prompt: str | None) -> dict[str, list[dict]]:
     config = json.loads(config_json)
     spec = json.dumps({"task": task, "config": config}, sort_keys=True)
-    with _global_rngs_seeded() as reseed:
-        reseed(seed + HELD_OUT_SEED)
-        held_out_source = _create(task, config, seed + HELD_OUT_SEED, eval_size)
-        held_out = []
-        for index in range(eval_size):
-            reseed(seed + HELD_OUT_SEED + index)
-            held_out.append(held_out_source[index])
-        seen = {e["question"] for e in held_out}
-        # Items are made one index at a time (Random(seed + index) for most tasks): up to 4x `size` indices are
-        # visited to find `size` items outside the held-out set.
-        reseed(seed)
-        source = _create(task, config, seed, 4 * size)
-        train = []
-        for index in range(4 * size):
-            reseed(seed + index)
-            entry = source[index]
-            if entry["question"] not in seen:
-                train.append(entry)
-                if len(train) == size:
-                    break
+    held_out = list(_items(task, config, seed + HELD_OUT_SEED, eval_size))
+    seen = {e["question"] for e in held_out}
+    # Items are made one index at a time (Random(seed + index) for most tasks): up to 4x `size` indices are
+    # visited to find `size` items outside the held-out set.
+    train = []
+    for entry in _items(task, config, seed, 4 * size):
+        if entry["question"] not in seen:
+            train.append(entry)
+            if len(train) == size:
+                break
     if len(train) < size:
         raise UserError(f"{FIELD}: task {task!r} with this config gave only {len(train)} training items outside "
                         f"the {eval_size} held-out ones in {4 * size} tries (size {size}): make the task's space "
@@ -169,21 +158,21 @@ def _build(task: str, config_json: str, seed: int, size: int, eval_size: int, an
             for split, entries in (("train", train), ("eval", held_out))}
 
 
-@contextlib.contextmanager
-def _global_rngs_seeded():
-    """Some tasks draw from the `random` module's global generator (or numpy's) rather than their Random(seed + index)
-    alone (list_functions in 0.1.25): `reseed(n)` seeds both before each item, so those items too are the same in
-    every process; the caller's generator states are put back afterwards."""
+def _items(task: str, config: dict[str, Any], seed: int, size: int):
+    """The task's items 0..size-1 at `seed`, one at a time. Some tasks draw from the `random` module's global
+    generator (or numpy's) rather than their Random(seed + index) alone (list_functions in 0.1.25): both are seeded
+    before each item, so those items too are the same in every process; the caller's states are put back after."""
     import numpy as np
 
     states = random.getstate(), np.random.get_state()
-
-    def reseed(n: int) -> None:
-        random.seed(n)
-        np.random.seed(n % 2**32)
-
     try:
-        yield reseed
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        source = _create(task, config, seed, size)
+        for index in range(size):
+            random.seed(seed + index)
+            np.random.seed((seed + index) % 2**32)
+            yield source[index]
     finally:
         random.setstate(states[0])
         np.random.set_state(states[1])
