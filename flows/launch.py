@@ -27,6 +27,7 @@ import yaml
 
 from tasks.core.errors import UserError, user_error_in
 from tasks.core.paths import sibling_python
+from tasks.core.process_wide import rlflow_first
 from tasks.core.processes import stream
 from tasks.core.store import CorruptArtifact
 from tasks.envs.server import READY, TOKEN_VAR, URL_VAR
@@ -83,6 +84,7 @@ class Local:
                 "SKYPILOT_NUM_NODES": "1", "PYTHONUNBUFFERED": "1",
                 # the recipe says `python`: make it this environment's Python
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        full = rlflow_first(full)    # `python -m tasks.<stage>` here: the working directory's tasks/ never wins
         t0 = time.perf_counter()
         ran = stream(["bash", "-c", recipe["run"]], full, log, cwd=Path.cwd())
         seconds = time.perf_counter() - t0
@@ -248,7 +250,7 @@ class EnvServer:
 
         self.stop()
         proc = subprocess.Popen([sys.executable, *self._argv(), "--port", "0", "--exit-with-parent"],
-                                env={**os.environ, TOKEN_VAR: self.token, "PYTHONUNBUFFERED": "1"},
+                                env=rlflow_first({**os.environ, TOKEN_VAR: self.token, "PYTHONUNBUFFERED": "1"}),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 text=True, start_new_session=True)
         self.proc, self.tail = proc, []

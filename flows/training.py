@@ -4,18 +4,20 @@
     prefect deployment run rlflow-train/nightly    # a deployment passes the same two parameters
 
 Read top to bottom:
-  1. the config is loaded from its path plus dotted overrides (the flow's parameters), then preflight:
-     everything a user can get wrong is checked before the first byte is written (store reachable, dataset +
-     prompt column, reward functions import, model folder, engines installed, launcher needs);
+  1. the config is loaded from its path plus dotted overrides (the flow's parameters), then preflight
+     (flows/preflight.py): everything a user can get wrong is checked before the first byte is written (store
+     reachable, dataset + prompt column, reward functions import, model folder, engines installed, launcher
+     needs);
   2. one writer per run name: the flow takes the run's lease in the store (tasks/core/lease.py);
   3. one MLflow run per rlflow run (found again on resume);
   4. for each iteration, the stage tasks, each on its launcher (inline / local subprocess / SkyPilot,
      flows/launch.py); a stage returns at once if its output already exists in the store from the same inputs,
      so a run killed anywhere and started again ends with exactly `run.iterations` iterations, none repeated,
-     none skipped. Infrastructure failures are retried with back-off; user errors fail the flow at once. A
-     resident trainer in a process of its own on this machine is asked to get ready on a thread meanwhile
-     (_warm_trainer). With run.max_staleness S > 0, generate and reward of the next S iterations run beside
-     train as Prefect task futures (Ahead): iteration N samples from v(N-1-S), whatever the timing;
+     none skipped. Infrastructure failures are retried with back-off; user errors fail the flow at once; a
+     corrupt artifact is made again by the stage that produced it (flows/repair.py). A resident trainer in
+     a process of its own on this machine is asked to get ready on a thread meanwhile (_warm_trainer). With
+     run.max_staleness S > 0, generate and reward of the next S iterations run beside train as Prefect task
+     futures (flows/schedule.py: Ahead): iteration N samples from v(N-1-S), whatever the timing;
   5. every `eval.every` iterations the published policy is scored on held-out prompts (with eval.baseline the
      starting model too, first); policy/BEST and the MLflow alias `champion` follow the best of them that
      beats the starting model;
@@ -28,28 +30,28 @@ Stages meet only in the store; this file passes keys, never tensors.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-import torch
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from flows.dashboard import Progress, post_iteration, post_mlflow_link
-from flows.launch import InfraError, Launchers, recipe_path, stage_env
+from flows.launch import InfraError, Launchers, stage_env
+from flows.preflight import preflight
+from flows.repair import OUTPUT_KEY, Repair, retryable
+from flows.schedule import Ahead
 from tasks.core import layout, retention
 from tasks.core.config import Config, load_config
-from tasks.core.data import load_prompts
 from tasks.core.errors import UserError, cause_of
-from tasks.core.lease import Lease, LeaseLost
-from tasks.core.models import base_path, check_lora_targets, load_tokenizer
+from tasks.core.lease import Lease
+from tasks.core.process_wide import children_import_rlflow, tell_inline_stages
 from tasks.core.stage import STOP
-from tasks.core.store import CorruptArtifact, Store, open_store
+from tasks.core.store import Store, open_store
 from tasks.core.tracking import Tracker, champion_policy_uri
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.training import training_engine
@@ -57,86 +59,11 @@ from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
-from tasks.scoring.functions import load_functions
 from tasks.train import train
 
 NOW: dict = {}      # where the flow's loop is: {"iteration", "stage"} (what an interrupted run reports)
 
 STAGE_FUNCTIONS = {"generate": generate, "reward": reward, "train": train, "publish": publish, "evaluate": evaluate}
-OUTPUT_KEY = {"generate": layout.rollouts, "reward": layout.rewards, "train": layout.checkpoint,
-              "publish": layout.policy, "evaluate": layout.evaluation}
-
-
-def retryable(task, task_run, state) -> bool:
-    """Prefect retry condition: retry infrastructure failures, never a user's mistake or a lost lease, nor
-    anything once the run was told to stop. A corrupt artifact is not retried either: Repair recomputes it."""
-    exc = state.data if isinstance(state.data, BaseException) else None
-    return cause_of(exc, (UserError, LeaseLost, CorruptArtifact)) is None and not STOP.is_set()
-
-
-def producer_of(run: str, key: str) -> tuple[str, int] | None:
-    """(stage, iteration) whose output `key` is, or None (not a stage's output: nothing can make it again)."""
-    for it in {int(d) for d in re.findall(r"\d+", key[len(run):])}:
-        for stage, out in OUTPUT_KEY.items():
-            if it >= 1 and out(run, it) == key:
-                return stage, it
-    return None
-
-
-class Repair:
-    """The stage task, with one more way to recover: a stage that finds a committed artifact corrupt (its bytes
-    changed after its manifest was written: bit rot, a bad copy, a hand edit) has that artifact quarantined
-    (store.quarantine) and made again by the stage that produced it (every stage is deterministic, so it is
-    the same artifact), then runs again. Said once, in one line; an artifact that cannot be made again (its
-    inputs are gone, or it is corrupt again) ends the run with one line naming the file."""
-
-    def __init__(self, stage, ctx: Run, log):
-        self.stage, self.ctx, self.log = stage, ctx, log
-        self.note = print            # the console line (the flow sets its progress display's)
-
-    def __call__(self, name: str, it: int, ctx: Run, *args):
-        return self._repairing(lambda: self.stage(name, it, ctx, *args), set())
-
-    def submit(self, *args, **kwargs):
-        return self.stage.submit(*args, **kwargs)
-
-    def result(self, future, name: str, it: int, ctx: Run, *args):
-        """A submitted stage's result; if it found a corrupt artifact, repaired and run again here."""
-        return self._repairing(future.result, set(), again=lambda: self.stage(name, it, ctx, *args))
-
-    def _repairing(self, call, seen: set, again=None):
-        while True:
-            try:
-                return call()
-            except Exception as e:  # noqa: BLE001 - only a corrupt artifact is handled here
-                bad = cause_of(e, CorruptArtifact)
-                if bad is None:
-                    raise
-                self._remake(bad, seen)
-                call = again or call
-
-    def _remake(self, bad: CorruptArtifact, seen: set) -> None:
-        run, store = self.ctx.cfg.run.name, self.ctx.store
-        if bad.key in seen:
-            raise UserError(f"{bad}: still corrupt after it was made again; the store is damaged") from None
-        seen.add(bad.key)
-        producer = producer_of(run, bad.key)
-        moved = store.quarantine(bad.key)
-        if producer is None:
-            raise UserError(f"{bad}: corrupt, and no stage makes it (moved to {store.uri(moved)}); restore it "
-                            f"or start a new run.name") from None
-        stage, it = producer
-        said = f"corrupt artifact: {bad}; moved to {store.uri(moved)}, making it again ({stage} of iteration {it})"
-        self.log.warning(said)
-        self.note(said)
-        args = (layout.behaviour_policy(run, it, self.ctx.cfg.run.max_staleness),) if stage == "generate" else ()
-        try:
-            self._repairing(lambda: self.stage(stage, it, self.ctx, *args), seen)
-        except UserError:
-            raise
-        except Exception as e:
-            raise UserError(f"{bad}: corrupt, and making it again failed ({str(e).splitlines()[0][:200]}); "
-                            f"restore it or start a new run.name") from None
 
 
 class Run:
@@ -162,7 +89,7 @@ def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None) -
     if stage in ("generate", "evaluate") and ctx.launchers.env_server is not None:
         served = ctx.launchers.env_server.env(log.info)
         if launcher is None:
-            os.environ.update(served)        # (an inline stage reads them here)
+            tell_inline_stages(served)       # (an inline stage reads them here)
     if launcher is not None:
         env = {**stage_env(ctx.config_path, ctx.overrides, iteration, policy), **served}
         ran = launcher.run(stage, iteration, env, log.info)
@@ -178,63 +105,6 @@ def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None) -
     if hourly is not None:                  # no price known: no cost metric (not a chart of zeros)
         out["metrics"][f"cost/{stage}_usd"] = seconds * hourly / 3600
     return out
-
-
-def preflight(cfg: Config) -> None:
-    """Raise UserError for any input mistake; writes nothing."""
-    open_store(cfg).check()
-    datasets = [load_prompts(cfg)] + ([load_prompts(cfg, split="eval")] if cfg.eval.every else [])
-    # every split's rows reach the reward functions: only the columns all of them have count
-    functions = load_functions(cfg, columns=set.intersection(*(set(ds.column_names) for ds in datasets))
-                               - {cfg.data.prompt_column})
-    if cfg.eval.every and cfg.eval.pass_reward is not None and cfg.eval.pass_reward not in functions.names:
-        raise UserError(f"eval.pass_reward: {cfg.eval.pass_reward!r} is not one of the reward functions "
-                        f"({', '.join(functions.names)})")
-    if cfg.env.factory and cfg.env.where != "sky" and cfg.env.server_url is None:
-        from tasks.envs.protocol import factory_of
-
-        factory_of(cfg)                 # env.factory cannot be imported: one line, exit 2 (here, or the server)
-    if cfg.env.factory and cfg.env.where == "local" and cfg.env.server_url is None and any(
-            cfg.launcher.mode_of(s) == "sky" for s in ["generate"] + (["evaluate"] if cfg.eval.every else [])):
-        raise UserError("env.where: local serves the environments on this machine, which the generate cluster "
-                        "(launcher: sky) cannot reach; use env.where: sky, or env.server_url")
-    if cfg.env.factory and cfg.env.server_url is not None:
-        from tasks.envs.protocol import require_answer
-
-        require_answer(f"{cfg.env.server_url.rstrip('/')}/health", "environment server", key="env.server_url")
-    path = base_path(cfg)
-    tokenizer = load_tokenizer(path)
-    chat = cfg.data.system_prompt is not None or any(isinstance(ds[0][cfg.data.prompt_column], list) for ds in datasets)
-    if chat and not tokenizer.chat_template:
-        raise UserError(f"model.name_or_path: {path}: its tokenizer has no chat template, but the prompts are chat "
-                        f"messages (data.prompt_column / data.system_prompt)")
-    if cfg.launcher.mode_of("train") != "sky":
-        if cfg.train.device == "cuda" and not torch.cuda.is_available():
-            raise UserError("train.device: cuda, but this machine has no CUDA device (torch.cuda.is_available() "
-                            "is False); use auto or cpu")
-        if cfg.train.lora_r:
-            check_lora_targets(cfg, path)
-    if cfg.reward.sandbox.isolation == "bubblewrap" and cfg.launcher.mode_of("reward") != "sky":
-        from tasks.scoring import sandbox
-
-        sandbox.runner(cfg.reward.sandbox)     # bubblewrap asked for and not working here: one line, exit 2
-    # The recipes install the engines on their clusters; a stage that runs here needs them here.
-    if any(cfg.launcher.mode_of(s) != "sky" for s in ["generate"] + (["evaluate"] if cfg.eval.every else [])):
-        sampling_engine(cfg).check_installed(cfg)
-    if cfg.launcher.mode_of("train") != "sky":
-        training_engine(cfg).check_installed(cfg)
-    if cfg.train.offline_rollouts:
-        from tasks.engines.training import offline_rollouts
-
-        offline_rollouts(cfg, open_store(cfg))      # a key with no scored rollouts: one line, exit 2
-    remote = cfg.launcher.remote_stages()
-    if any(cfg.launcher.mode_of(s) == "sky" for s in remote) and not cfg.store.uri.startswith("s3://"):
-        raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "
-                        f"(s3://...), not a local folder")
-    for stage in remote:
-        recipe_path(cfg, stage)
-    if cfg.env.factory and cfg.env.where == "sky" and cfg.env.server_url is None:
-        recipe_path(cfg, "env")
 
 
 def _held_out(cfg: Config, store: Store) -> dict:
@@ -271,6 +141,11 @@ def train_flow(config: str, overrides: list[str] | None = None,
     repository root), `overrides` dotted `key=value` strings. `start_from: champion` starts from the policy
     behind the registered model's `champion` alias (when there is one); `run_name_suffix: date` appends
     today's UTC date to run.name, so a nightly schedule makes one run per night."""
+    with children_import_rlflow():      # a user's own tasks/ or flows/ here never shadows rlflow's in a child
+        return _train_flow(config, overrides, start_from, run_name_suffix)
+
+
+def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_name_suffix: str) -> dict:
     log = get_run_logger()
     overrides = list(overrides or [])
     cfg = load_config(config, overrides)
@@ -374,48 +249,6 @@ def _clean(cfg: Config, store: Store, log) -> None:
         log.info("removed %d checkpoint/policy folder(s) that store.keep does not keep", removed)
 
 
-class Ahead:
-    """Generate and reward, run ahead of train by run.max_staleness (S) iterations. Iteration N samples from
-    v(N-1-S) (tasks/core/layout.py: behaviour_policy), published by the time iteration N-S trains, so when N
-    trains the stages of N+1..N+S run beside it: Prefect task futures on the flow's task runner (threads), each
-    stage on its own launcher, generates one after another and rewards one after another (a lane each). Which
-    policy samples an iteration never depends on timing. S = 0: plain calls when the iteration asks, as before."""
-
-    def __init__(self, stage, ctx: Run, first: int):
-        self.stage, self.ctx, self.next = stage, ctx, first
-        self.S, self.last = ctx.cfg.run.max_staleness, ctx.cfg.run.iterations
-        self.gen: dict = {}
-        self.rew: dict = {}
-
-    def take(self, it: int) -> tuple[dict, dict]:
-        """Generate's and reward's results of iteration `it` (waiting for them), after starting those of the
-        iterations up to it+S."""
-        run = self.ctx.cfg.run.name
-        if self.S == 0:
-            NOW.update(stage="generate")
-            g = self.stage("generate", it, self.ctx, layout.behaviour_policy(run, it, 0))
-            NOW.update(stage="reward")
-            return g, self.stage("reward", it, self.ctx)
-        while self.next <= min(it + self.S, self.last):
-            m = self.next
-            self.gen[m] = self.stage.submit("generate", m, self.ctx, layout.behaviour_policy(run, m, self.S),
-                                            wait_for=[self.gen[m - 1]] if m - 1 in self.gen else None)
-            self.rew[m] = self.stage.submit("reward", m, self.ctx,
-                                            wait_for=[self.gen[m]] + ([self.rew[m - 1]] if m - 1 in self.rew else []))
-            self.next += 1
-        policy = layout.behaviour_policy(run, it, self.S)       # (later ones wait for it+1.. only)
-        return (self.stage.result(self.gen.pop(it), "generate", it, self.ctx, policy),
-                self.stage.result(self.rew.pop(it), "reward", it, self.ctx))
-
-    def drain(self) -> None:
-        """Wait for every stage still running (a failed iteration's neighbours): retried or failed, they end."""
-        for future in [*self.gen.values(), *self.rew.values()]:
-            try:
-                future.wait()
-            except BaseException:   # noqa: BLE001 - the error that ended the flow is the one to report
-                pass
-
-
 def _iterations(ctx: Run, log) -> dict:
     cfg, store = ctx.cfg, ctx.store
     tracker = Tracker(cfg, store.root)
@@ -444,7 +277,7 @@ def _iterations(ctx: Run, log) -> dict:
     elif latest or already_logged:
         progress.note(f"resuming {cfg.run.name}: iterations 1-{min(newest, already_logged)} of "
                       f"{cfg.run.iterations} found in {store.uri(cfg.run.name)}")
-    ahead = Ahead(stage, ctx, first=done + 1)
+    ahead = Ahead(stage, ctx, first=done + 1, now=NOW)
     try:
         if cfg.eval.every and cfg.eval.baseline:
             NOW.update(iteration=0, stage="evaluate")

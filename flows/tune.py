@@ -223,8 +223,10 @@ class Tune:
 
         log_path = self.out / "trials" / f"{trial.number:04d}-{name}.log"
         log = open(log_path, "w")
+        from tasks.core.process_wide import rlflow_first
+
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=die_with_parent, env=rlflow_first(os.environ))   # (flows.cli: rlflow's)
         with self.lock:
             self.procs[trial.number] = proc
         store, pruned = Store.open(self.cfg.store), False

@@ -237,7 +237,7 @@ def test_quarantine_moves_a_corrupt_folder_aside_and_its_key_reads_as_absent(tmp
 
 
 def test_each_stage_output_names_its_producer():
-    from flows.training import OUTPUT_KEY, producer_of
+    from flows.repair import OUTPUT_KEY, producer_of
     from tasks.core import layout
 
     for stage, key_of in OUTPUT_KEY.items():

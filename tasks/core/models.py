@@ -5,7 +5,6 @@ policy, a checkpoint's model), as a full model or a LoRA adapter on the configur
 from __future__ import annotations
 
 import hashlib
-import threading
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,17 +14,11 @@ import torch
 from tasks.core import builtin_models, gguf, layout
 from tasks.core.errors import UserError
 from tasks.core.policy import materialize
+from tasks.core.process_wide import PROCESS_WIDE  # (why it exists: tasks/core/process_wide.py)
 from tasks.core.store import open_store
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, TrainConfig
-
-# Held by whatever uses process-wide torch state on one thread while another thread may too (run.max_staleness
-# > 0 runs generate beside a trainer held by the flow): that trainer for a request (its own random streams are
-# swapped in), and building a model (transformers' from_pretrained switches the default dtype and device for
-# the whole process while it builds; peft draws fresh adapter weights from the global RNG). Sampling into an
-# already built model never needs it (its random stream is its own: tasks/engines/hf.py).
-PROCESS_WIDE = threading.RLock()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import tempfile
 import time
 import warnings
@@ -30,6 +29,7 @@ from tasks.algorithms.advantage import advantages as compute_advantages
 from tasks.algorithms.batching import shard_batches
 from tasks.algorithms.update import optimise
 from tasks.core import data, layout, rollout
+from tasks.core.process_wide import rng_state, seed_all, set_rng_state  # noqa: F401 - their home now
 from tasks.core.store import sha256_file
 
 if TYPE_CHECKING:
@@ -98,30 +98,6 @@ def training_engine(cfg: Config) -> type[TrainingEngine]:
         return DeepSpeedEngine
     from tasks.engines.torch_engine import TorchEngine
     return TorchEngine
-
-
-def rng_state() -> dict:
-    """Every random stream training draws from (saved with a checkpoint, so a resume continues them)."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        # (a resume on a machine with fewer GPUs than the one that saved: the streams of devices it has;
-        # set_rng_state_all would raise for a device that is not there)
-        for device, device_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(device_state, device)
-
-
-def seed_all(seed: int) -> None:
-    """Seed the streams rng_state saves (a fresh run, or a process a checkpoint did not have)."""
-    torch.manual_seed(seed)
-    random.seed(seed)
 
 
 # ------------------------------------------------------------------------------------- one iteration, any engine

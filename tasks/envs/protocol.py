@@ -23,15 +23,14 @@ import importlib
 import json
 import math
 import os
-import signal
 import sys
 import threading
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tasks.core.errors import UserError
+from tasks.core.process_wide import signals_kept
 
 MAX_STATE_CHARS = 65_536       # an attribute of the environment kept in the record (env_state), as JSON, at most
 
@@ -105,7 +104,7 @@ def factory_of(cfg: Config, preflight: bool = True) -> Callable[[], Any]:
     known = threading.Event()
 
     def new() -> Any:
-        with _signals_kept():
+        with signals_kept():
             return make(**kwargs)
 
     def made() -> Any:
@@ -121,33 +120,6 @@ def factory_of(cfg: Config, preflight: bool = True) -> Callable[[], Any]:
                     return instance
         return kept[0] if kept else new()
     return made
-
-
-_FACTORY = threading.local()          # .on: this thread is making an environment
-_GUARD_LOCK = threading.Lock()
-_install_signal: Callable | None = None
-
-
-@contextmanager
-def _signals_kept():
-    """While a factory runs, signal.signal is a no-op in its thread for SIGINT and SIGTERM: an environment that
-    installs its own handlers as it is made (verifiers' Environment does, for its teardown) would take the stop
-    signal from the run (and cannot at all off the main thread, where thread isolation makes environments)."""
-    global _install_signal
-    with _GUARD_LOCK:
-        if _install_signal is None:
-            _install_signal = install = signal.signal
-
-            def guarded(signum, handler):
-                if getattr(_FACTORY, "on", False) and signum in (signal.SIGINT, signal.SIGTERM):
-                    return signal.getsignal(signum)
-                return install(signum, handler)
-            signal.signal = guarded
-    _FACTORY.on = True
-    try:
-        yield
-    finally:
-        _FACTORY.on = False
 
 
 def require_answer(url: str, what: str, hint: str = "", field: str = "base_url", key: str | None = None) -> None:

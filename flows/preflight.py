@@ -1,0 +1,80 @@
+"""Preflight: everything a user can get wrong, checked before the first byte of a run is written.
+
+    preflight(cfg)        # raises UserError (one line naming the field, exit 2) or returns; writes nothing
+
+The CLI calls it before Prefect's server starts (a mistake costs no start-up), the flow again at its start (a
+deployment's run has no CLI in front of it). It reaches into every layer a run will use (the store, the
+datasets and reward functions, the environment factory or server, the model's tokenizer, the sandbox, the
+engines, the launcher's recipes), which is why it is a module of its own and not part of the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flows.launch import recipe_path
+from tasks.core.config import Config
+from tasks.core.data import load_prompts
+from tasks.core.errors import UserError
+from tasks.core.models import base_path, check_lora_targets, load_tokenizer
+from tasks.core.store import open_store
+from tasks.engines.sampling import sampling_engine
+from tasks.engines.training import training_engine
+from tasks.scoring.functions import load_functions
+
+
+def preflight(cfg: Config) -> None:
+    """Raise UserError for any input mistake; writes nothing."""
+    open_store(cfg).check()
+    datasets = [load_prompts(cfg)] + ([load_prompts(cfg, split="eval")] if cfg.eval.every else [])
+    # every split's rows reach the reward functions: only the columns all of them have count
+    functions = load_functions(cfg, columns=set.intersection(*(set(ds.column_names) for ds in datasets))
+                               - {cfg.data.prompt_column})
+    if cfg.eval.every and cfg.eval.pass_reward is not None and cfg.eval.pass_reward not in functions.names:
+        raise UserError(f"eval.pass_reward: {cfg.eval.pass_reward!r} is not one of the reward functions "
+                        f"({', '.join(functions.names)})")
+    if cfg.env.factory and cfg.env.where != "sky" and cfg.env.server_url is None:
+        from tasks.envs.protocol import factory_of
+
+        factory_of(cfg)                 # env.factory cannot be imported: one line, exit 2 (here, or the server)
+    if cfg.env.factory and cfg.env.where == "local" and cfg.env.server_url is None and any(
+            cfg.launcher.mode_of(s) == "sky" for s in ["generate"] + (["evaluate"] if cfg.eval.every else [])):
+        raise UserError("env.where: local serves the environments on this machine, which the generate cluster "
+                        "(launcher: sky) cannot reach; use env.where: sky, or env.server_url")
+    if cfg.env.factory and cfg.env.server_url is not None:
+        from tasks.envs.protocol import require_answer
+
+        require_answer(f"{cfg.env.server_url.rstrip('/')}/health", "environment server", key="env.server_url")
+    path = base_path(cfg)
+    tokenizer = load_tokenizer(path)
+    chat = cfg.data.system_prompt is not None or any(isinstance(ds[0][cfg.data.prompt_column], list) for ds in datasets)
+    if chat and not tokenizer.chat_template:
+        raise UserError(f"model.name_or_path: {path}: its tokenizer has no chat template, but the prompts are chat "
+                        f"messages (data.prompt_column / data.system_prompt)")
+    if cfg.launcher.mode_of("train") != "sky":
+        if cfg.train.device == "cuda" and not torch.cuda.is_available():
+            raise UserError("train.device: cuda, but this machine has no CUDA device (torch.cuda.is_available() "
+                            "is False); use auto or cpu")
+        if cfg.train.lora_r:
+            check_lora_targets(cfg, path)
+    if cfg.reward.sandbox.isolation == "bubblewrap" and cfg.launcher.mode_of("reward") != "sky":
+        from tasks.scoring import sandbox
+
+        sandbox.runner(cfg.reward.sandbox)     # bubblewrap asked for and not working here: one line, exit 2
+    # The recipes install the engines on their clusters; a stage that runs here needs them here.
+    if any(cfg.launcher.mode_of(s) != "sky" for s in ["generate"] + (["evaluate"] if cfg.eval.every else [])):
+        sampling_engine(cfg).check_installed(cfg)
+    if cfg.launcher.mode_of("train") != "sky":
+        training_engine(cfg).check_installed(cfg)
+    if cfg.train.offline_rollouts:
+        from tasks.engines.training import offline_rollouts
+
+        offline_rollouts(cfg, open_store(cfg))      # a key with no scored rollouts: one line, exit 2
+    remote = cfg.launcher.remote_stages()
+    if any(cfg.launcher.mode_of(s) == "sky" for s in remote) and not cfg.store.uri.startswith("s3://"):
+        raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "
+                        f"(s3://...), not a local folder")
+    for stage in remote:
+        recipe_path(cfg, stage)
+    if cfg.env.factory and cfg.env.where == "sky" and cfg.env.server_url is None:
+        recipe_path(cfg, "env")

@@ -1,0 +1,99 @@
+"""Recovering a stage run: which failures Prefect retries (`retryable`), and the repair of a committed artifact
+found corrupt (`Repair`), made again by the stage that produced it (`producer_of`).
+
+    stage = Repair(run_stage.with_options(retries=..., retry_condition_fn=retryable), ctx, log)
+    g = stage("generate", 3, ctx, policy)       # a corrupt rewards/ or checkpoint it reads is made again first
+
+Why here and not in the loop: both answer "this stage failed: what now?", which the loop (flows/training.py)
+never needs to read to follow an iteration. Retries are for the infrastructure (a killed process, a preempted
+cluster); a user's mistake fails the run at once; a corrupt artifact is neither (retrying would read the same
+bad bytes) and every stage is deterministic, so its producer makes the same artifact again.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tasks.core import layout
+from tasks.core.errors import UserError, cause_of
+from tasks.core.lease import LeaseLost
+from tasks.core.stage import STOP
+from tasks.core.store import CorruptArtifact
+
+# Where each stage's output of an iteration lives: the loop checks a launched stage left it, Repair reads it
+# backwards (which stage of which iteration made this key).
+OUTPUT_KEY = {"generate": layout.rollouts, "reward": layout.rewards, "train": layout.checkpoint,
+              "publish": layout.policy, "evaluate": layout.evaluation}
+
+
+def retryable(task, task_run, state) -> bool:
+    """Prefect retry condition: retry infrastructure failures, never a user's mistake or a lost lease, nor
+    anything once the run was told to stop. A corrupt artifact is not retried either: Repair recomputes it."""
+    exc = state.data if isinstance(state.data, BaseException) else None
+    return cause_of(exc, (UserError, LeaseLost, CorruptArtifact)) is None and not STOP.is_set()
+
+
+def producer_of(run: str, key: str) -> tuple[str, int] | None:
+    """(stage, iteration) whose output `key` is, or None (not a stage's output: nothing can make it again)."""
+    for it in {int(d) for d in re.findall(r"\d+", key[len(run):])}:
+        for stage, out in OUTPUT_KEY.items():
+            if it >= 1 and out(run, it) == key:
+                return stage, it
+    return None
+
+
+class Repair:
+    """The stage task, with one more way to recover: a stage that finds a committed artifact corrupt (its bytes
+    changed after its manifest was written: bit rot, a bad copy, a hand edit) has that artifact quarantined
+    (store.quarantine) and made again by the stage that produced it (every stage is deterministic, so it is
+    the same artifact), then runs again. Said once, in one line; an artifact that cannot be made again (its
+    inputs are gone, or it is corrupt again) ends the run with one line naming the file. `ctx` is the flow's Run
+    (flows/training.py): its config and store."""
+
+    def __init__(self, stage, ctx, log):
+        self.stage, self.ctx, self.log = stage, ctx, log
+        self.note = print            # the console line (the flow sets its progress display's)
+
+    def __call__(self, name: str, it: int, ctx, *args):
+        return self._repairing(lambda: self.stage(name, it, ctx, *args), set())
+
+    def submit(self, *args, **kwargs):
+        return self.stage.submit(*args, **kwargs)
+
+    def result(self, future, name: str, it: int, ctx, *args):
+        """A submitted stage's result; if it found a corrupt artifact, repaired and run again here."""
+        return self._repairing(future.result, set(), again=lambda: self.stage(name, it, ctx, *args))
+
+    def _repairing(self, call, seen: set, again=None):
+        while True:
+            try:
+                return call()
+            except Exception as e:  # noqa: BLE001 - only a corrupt artifact is handled here
+                bad = cause_of(e, CorruptArtifact)
+                if bad is None:
+                    raise
+                self._remake(bad, seen)
+                call = again or call
+
+    def _remake(self, bad: CorruptArtifact, seen: set) -> None:
+        run, store = self.ctx.cfg.run.name, self.ctx.store
+        if bad.key in seen:
+            raise UserError(f"{bad}: still corrupt after it was made again; the store is damaged") from None
+        seen.add(bad.key)
+        producer = producer_of(run, bad.key)
+        moved = store.quarantine(bad.key)
+        if producer is None:
+            raise UserError(f"{bad}: corrupt, and no stage makes it (moved to {store.uri(moved)}); restore it "
+                            f"or start a new run.name") from None
+        stage, it = producer
+        said = f"corrupt artifact: {bad}; moved to {store.uri(moved)}, making it again ({stage} of iteration {it})"
+        self.log.warning(said)
+        self.note(said)
+        args = (layout.behaviour_policy(run, it, self.ctx.cfg.run.max_staleness),) if stage == "generate" else ()
+        try:
+            self._repairing(lambda: self.stage(stage, it, self.ctx, *args), seen)
+        except UserError:
+            raise
+        except Exception as e:
+            raise UserError(f"{bad}: corrupt, and making it again failed ({str(e).splitlines()[0][:200]}); "
+                            f"restore it or start a new run.name") from None

@@ -1,0 +1,60 @@
+"""The look-ahead schedule: generate and reward of later iterations started beside this iteration's train
+(run.max_staleness), so the loop (flows/training.py) asks one thing per iteration, `ahead.take(it)`, and gets
+generate's and reward's results of `it` whatever S is.
+
+    ahead = Ahead(stage, ctx, first=1, now=NOW)
+    g, r = ahead.take(it)     # S > 0: generate and reward of it+1..it+S start now, beside train(it)
+    ...
+    ahead.drain()             # the flow failed: wait for what still runs, so nothing writes after the flow ends
+
+Which policy samples iteration N is fixed by the schedule (tasks/core/layout.py: behaviour_policy), never by
+timing: v(N-1-S). docs/design-notes.md, "Generation beside training: a schedule, not a race".
+"""
+
+from __future__ import annotations
+
+from tasks.core import layout
+
+
+class Ahead:
+    """Generate and reward, run ahead of train by run.max_staleness (S) iterations. Iteration N samples from
+    v(N-1-S) (tasks/core/layout.py: behaviour_policy), published by the time iteration N-S trains, so when N
+    trains the stages of N+1..N+S run beside it: Prefect task futures on the flow's task runner (threads), each
+    stage on its own launcher, generates one after another and rewards one after another (a lane each). Which
+    policy samples an iteration never depends on timing. S = 0: plain calls when the iteration asks, as before.
+    `stage` is the flow's stage task (flows/repair.py: Repair), `ctx` its Run, `now` the dict where the loop
+    says which stage it waits for (what an interrupted run reports)."""
+
+    def __init__(self, stage, ctx, first: int, now: dict):
+        self.stage, self.ctx, self.next, self.now = stage, ctx, first, now
+        self.S, self.last = ctx.cfg.run.max_staleness, ctx.cfg.run.iterations
+        self.gen: dict = {}
+        self.rew: dict = {}
+
+    def take(self, it: int) -> tuple[dict, dict]:
+        """Generate's and reward's results of iteration `it` (waiting for them), after starting those of the
+        iterations up to it+S."""
+        run = self.ctx.cfg.run.name
+        if self.S == 0:
+            self.now.update(stage="generate")
+            g = self.stage("generate", it, self.ctx, layout.behaviour_policy(run, it, 0))
+            self.now.update(stage="reward")
+            return g, self.stage("reward", it, self.ctx)
+        while self.next <= min(it + self.S, self.last):
+            m = self.next
+            self.gen[m] = self.stage.submit("generate", m, self.ctx, layout.behaviour_policy(run, m, self.S),
+                                            wait_for=[self.gen[m - 1]] if m - 1 in self.gen else None)
+            self.rew[m] = self.stage.submit("reward", m, self.ctx,
+                                            wait_for=[self.gen[m]] + ([self.rew[m - 1]] if m - 1 in self.rew else []))
+            self.next += 1
+        policy = layout.behaviour_policy(run, it, self.S)       # (later ones wait for it+1.. only)
+        return (self.stage.result(self.gen.pop(it), "generate", it, self.ctx, policy),
+                self.stage.result(self.rew.pop(it), "reward", it, self.ctx))
+
+    def drain(self) -> None:
+        """Wait for every stage still running (a failed iteration's neighbours): retried or failed, they end."""
+        for future in [*self.gen.values(), *self.rew.values()]:
+            try:
+                future.wait()
+            except BaseException:   # noqa: BLE001 - the error that ended the flow is the one to report
+                pass
