@@ -15,8 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from tasks.core.daemon import Watch, forget
-from tasks.core.processes import terminate_members
+from tasks.core.daemon import Daemon, Watch, forget
 
 MARKER, STOP_WAIT = "vllm", 30.0        # in every command line of a server's group; seconds to exit on SIGTERM
 
@@ -40,14 +39,9 @@ def watch(state_path: Path, idle_seconds: float, poll: float, pid: int) -> str:
            f"no generate used it for {idle_seconds:.0f} s (generate.server_idle_timeout)")
     print(f"rlflow watchdog: stopping vLLM server pid {pid}: {why}", flush=True)
     forget(state_path, pid)                  # first: a stage starting now starts a new server
-    terminate_group(os.getpgid(0))
+    # The server's group (this watchdog's): its processes that say `vllm`, SIGKILL after 30 s; never this one.
+    Daemon(state_path, MARKER, STOP_WAIT).stop({"pid": pid, "pgid": os.getpgid(0)})
     return why
-
-
-def terminate_group(pgid: int | None) -> None:
-    """SIGTERM the vLLM processes of process group `pgid` (and this watchdog's siblings: `vllm` is in every
-    command line there), SIGKILL after 30 s; never this process."""
-    terminate_members(pgid, MARKER, STOP_WAIT)
 
 
 if __name__ == "__main__":
