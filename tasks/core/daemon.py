@@ -73,9 +73,12 @@ def named(path: Path) -> int | None:
 
 def carries(pid: int | None, marker: str) -> bool:
     """Whether process `pid` exists and its command line contains `marker` (compared lower-case): the daemon a
-    state file names, not another program that got its pid after it ended."""
+    state file names, not another program that got its pid after it ended. (Without /proc, e.g. macOS, a
+    command line cannot be read: a live pid is taken at its word.)"""
     if not pid:
         return False
+    if not Path("/proc").is_dir():
+        return alive(pid)
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
@@ -130,8 +133,8 @@ class Daemon:
         with exclusive(self.lock):
             state = self.read()
             if state is not None:
-                if (state.get("key") == key and alive(state.get("pid") or 0) and carries(state["pid"], self.marker)
-                        and answers(state)):
+                pid = state.get("pid")
+                if state.get("key") == key and carries(pid, self.marker) and alive(pid) and answers(state):
                     os.utime(self.path)
                     return state
                 self.stop(state)                  # dead, hung, or made for another version or config
