@@ -146,7 +146,7 @@ class Daemon:
         spawn_detached) and return what `ready(state)` returns once it is not None. `state`: the caller writes
         the state file (these fields, plus pid, pgid, log, started) before the wait, so a caller killed
         meanwhile leaves it to be found and stopped; None: the daemon writes it itself (`ready` is then given
-        only its pid). If the daemon exits first or `timeout` s pass, it is stopped and DidNotStart raised,
+        only {pid, pgid}). If the daemon exits first or `timeout` s pass, it is stopped and DidNotStart raised,
         with the tail of its log."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         pid = spawn_detached(argv, {**env, "LOG": str(self.log)}, watch)
