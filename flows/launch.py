@@ -220,15 +220,9 @@ class EnvServer:
         self.tail: list[str] = []
 
     def answers(self) -> bool:
-        import urllib.request
+        from tasks.core.daemon import answers_http
 
-        if not self.url:
-            return False
-        try:
-            with urllib.request.urlopen(f"{self.url.rstrip('/')}/health", timeout=10) as r:
-                return r.status == 200
-        except (OSError, ValueError):
-            return False
+        return bool(self.url) and answers_http(f"{self.url.rstrip('/')}/health", timeout=10)
 
     def env(self, log) -> dict[str, str]:
         """The server's variables for a stage, after making sure it answers."""

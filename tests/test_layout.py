@@ -85,6 +85,7 @@ def test_layers_import_only_what_is_below_them(folder, may_use):
 @pytest.mark.parametrize("path, also", [
     ("tasks/core/errors.py", ()),                          # the SkyPilot bridge imports it in .venv-sky
     ("tasks/core/processes.py", ()),
+    ("tasks/core/daemon.py", ()),                          # the vLLM watchdog imports it in .venv-vllm
     ("tasks/scoring/harness.py", ()),                      # runs inside the sandbox, on any Python 3.8+
     ("tasks/scoring/worker.py", ("tasks.scoring.sandbox", "tasks.core.config")),   # lazily, only for code rewards
     ("tasks/engines/vllm_worker.py", ("vllm",)),            # runs in .venv-vllm
@@ -94,7 +95,7 @@ def test_layers_import_only_what_is_below_them(folder, may_use):
     ("tasks/scoring/syscall_filter.py", ("seccomp",)),      # runs under the system Python (python3-seccomp)
 ])
 def test_modules_that_run_in_other_environments_stay_light(path, also):
-    light = ("tasks.core.errors", "tasks.core.processes")
+    light = ("tasks.core.errors", "tasks.core.processes", "tasks.core.daemon")
 
     def allowed(m: str) -> bool:
         package = any(a.startswith(m + ".") for a in (*light, *also))      # tasks, tasks.core: empty __init__s

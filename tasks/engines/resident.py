@@ -12,8 +12,9 @@ stage (`CallerTrainer`, train.host caller) or run by a process of its own (`Resi
                                                             written in the background
       ResidentTrainer(cfg).finish()               ───►      full checkpoint of its last iteration, exit
 
-Lifecycle, as the vLLM server's: a state file $RLFLOW_CACHE/trainer/<run>.json {pid, socket, key, log} (mode
-600: it also holds the socket's auth key); started detached on first use, so it outlives the stage process
+Lifecycle, as the vLLM server's (the daemon helper, tasks/core/daemon.py): a state file
+$RLFLOW_CACHE/trainer/<run>.json {pid, socket, key, log} (mode 600: it also holds the socket's auth key),
+written by the trainer once it listens; started detached on first use, so it outlives the stage process
 (and a SkyPilot job's process tree); found again by later stage processes whose config gives the same key; a
 dead, hung or differently configured one is replaced, and the new one restores by replay, so nothing is lost
 but time. It exits by itself after `train.idle_timeout` seconds unused (after a full checkpoint), or at once
@@ -49,10 +50,11 @@ from typing import TYPE_CHECKING
 import yaml
 
 from tasks.core import layout
+from tasks.core.daemon import Daemon, Watch, forget, leave, write_state
 from tasks.core.errors import UserError
 from tasks.core.models import PROCESS_WIDE
 from tasks.core.paths import REPO_ROOT, cache_root
-from tasks.core.processes import alive, exclusive, spawn_detached, terminate_members
+from tasks.core.processes import alive
 from tasks.engines.training import (
     lean_files,
     newest_full,
@@ -151,6 +153,7 @@ class ResidentTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.path = state_dir() / f"{cfg.run.name}.json"
+        self.daemon = _daemon(self.path)
         self.key = trainer_key(cfg)
 
     def train(self, iteration: int, fingerprint: str) -> dict:
@@ -167,15 +170,15 @@ class ResidentTrainer:
         """A full checkpoint of the trainer's last iteration, then it exits. Returns that iteration, or None
         when no trainer of this run runs here (nothing to do; with `catch_up`, one is started when the run's
         newest iteration lacks a full checkpoint, and writes it)."""
-        state = self._state()
+        state = self.daemon.read()
         if state is not None and alive(state["pid"]) and state.get("key") != self.key:
-            _stop(self.path, state)     # made for another config: it cannot be asked to write our checkpoint
+            self.daemon.stop(state)     # made for another config: it cannot be asked to write our checkpoint
             state = None
         if state is None or not alive(state["pid"]):
             if not catch_up:
                 return None
             self._ensure()                  # a new one: on finish it restores what lacks a full checkpoint
-            state = self._state()
+            state = self.daemon.read()
         full = self._request({"op": "finish"}, start=False)["full"]
         deadline = time.monotonic() + 30
         while alive(state["pid"]) and time.monotonic() < deadline:     # it exits once it has answered
@@ -183,7 +186,7 @@ class ResidentTrainer:
         return full
 
     def _request(self, message: dict, start: bool) -> dict:
-        address, authkey = self._ensure() if start else self._address(self._state())
+        address, authkey = self._ensure() if start else self._address(self.daemon.read())
         try:
             with Client(address, authkey=authkey) as conn:
                 conn.send(message)
@@ -198,27 +201,15 @@ class ResidentTrainer:
             raise RuntimeError(f"resident trainer: {payload}")
         return payload
 
-    def _state(self) -> dict | None:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-
     @staticmethod
     def _address(state: dict) -> tuple[str, bytes]:
         return state["socket"], bytes.fromhex(state["authkey"])
 
     def _ensure(self) -> tuple[str, bytes]:
-        """The address of this run's trainer with our key; started (detached) if none answers. One caller at a
-        time per run on this machine (a lock file): a flow's prepare and a stage process that ask together
-        start one trainer, not two."""
-        with exclusive(self.path.with_suffix(".lock")):
-            state = self._state()
-            if state is not None:
-                if state.get("key") == self.key and alive(state["pid"]) and self._answers(state):
-                    return self._address(state)
-                _stop(self.path, state)               # dead, hung, or made for another config
-            return self._start()
+        """The address of this run's trainer with our key; started (detached) if none answers (the daemon
+        helper, tasks/core/daemon.py: one caller at a time per run on this machine, so a flow's prepare and a
+        stage process that ask together start one trainer, not two)."""
+        return self._address(self.daemon.ensure(self.key, self._answers, self._start))
 
     def _answers(self, state: dict) -> bool:
         """A ping, answered at once even while the trainer is busy with another request."""
@@ -230,60 +221,35 @@ class ResidentTrainer:
         except (ConnectionError, EOFError, OSError):
             return False
 
-    def _start(self) -> tuple[str, bytes]:
+    def _start(self) -> dict:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         config = self.path.with_suffix(".config.yaml")   # the resolved config: the same fingerprints there
         config.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
-        log = self.path.with_suffix(".log")
         authkey = secrets.token_hex(16)
         if self.cfg.train.engine == "deepspeed":        # a torchrun group: its process 0 writes the state file
             from tasks.engines.deepspeed_engine import DeepSpeedEngine
             argv, env = DeepSpeedEngine.torchrun(self.cfg)
         else:
             argv, env = [sys.executable], dict(os.environ)
-        env = {**env, "LOG": str(log), "RLFLOW_TRAINER_AUTHKEY": authkey, "PYTHONUNBUFFERED": "1",
+        env = {**env, "RLFLOW_TRAINER_AUTHKEY": authkey, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-        pid = spawn_detached([*argv, "-m", MARKER, "serve", str(self.path), str(config)], env)
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            state = self._state()
-            if state is not None and state.get("pid") == pid:
-                return self._address(state)
-            if not alive(pid) or time.monotonic() > deadline:
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else ""
-                _kill(pid)
-                raise RuntimeError(f"the resident trainer of run {self.cfg.run.name} did not start (log {log}):"
-                                   f"\n{tail}")
-            time.sleep(0.1)
+
+        def ready(spawned: dict) -> dict | None:       # it writes the state file once it listens
+            state = self.daemon.read()
+            return state if state is not None and state.get("pid") == spawned["pid"] else None
+
+        return self.daemon.start([*argv, "-m", MARKER, "serve", str(self.path), str(config)], env, ready,
+                                 START_TIMEOUT, f"the resident trainer of run {self.cfg.run.name}")
+
+
+def _daemon(path: Path) -> Daemon:
+    """A run's trainer as a daemon: its processes (a torchrun group's too) carry MARKER on their command lines."""
+    return Daemon(path, MARKER, stop_wait=10.0)
 
 
 def _stop(path: Path, state: dict) -> None:
-    """Stop the trainer `state` names (SIGTERM, then SIGKILL) and forget it. Only a process whose command line
-    is a resident trainer's is signalled, in case the pid was reused."""
-    _kill(state.get("pid"))
-    try:
-        if json.loads(path.read_text()).get("pid") == state.get("pid"):
-            path.unlink()
-    except (OSError, ValueError):
-        pass
-
-
-def _kill(pid: int | None) -> None:
-    """SIGTERM, then SIGKILL: the trainer and the trainer processes of its process group (spawn_detached gave
-    it one of its own: a torchrun group's workers too, which would outlive a killed torchrun)."""
-    if not pid or not _is_trainer(pid):
-        return
-    try:
-        terminate_members(os.getpgid(pid), MARKER, 10.0)
-    except ProcessLookupError:
-        pass
-
-
-def _is_trainer(pid: int) -> bool:
-    try:
-        return MARKER in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return False
+    """Stop the trainer `state` names (SIGTERM, then SIGKILL) and forget it (what a test or a benchmark left)."""
+    _daemon(path).stop(state)
 
 
 # ------------------------------------------------------------------------------------------ the trainer's side
@@ -507,10 +473,7 @@ def serve(state_path: Path, config_path: Path) -> None:
     listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(authkey))
     state = {"pid": group.pid, "socket": address, "authkey": authkey, "key": trainer_key(cfg),
              "log": str(state_path.with_suffix(".log")), "started": time.time(), "processes": group.size}
-    tmp = state_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, state_path)
+    write_state(state_path, state)                               # mode 600: it holds the socket's key
     print(f"resident trainer of run {cfg.run.name}: pid {group.pid}, {group.size} process(es)", flush=True)
     busy, last_used = threading.Lock(), [time.monotonic()]
     threading.Thread(target=_watch, args=(host, group, state_path, busy, last_used), daemon=True).start()
@@ -566,7 +529,7 @@ def _answer(conn, host: Host, group: Group, state_path: Path, busy: threading.Lo
         # group), this trainer exits: it is forgotten first, so no stage finds it on its way out.
         ending = message.get("op") == "finish" or (reply[0] != "ok" and group.size > 1)
         if ending:
-            _forget(state_path, group)
+            forget(state_path, group.pid)
         try:
             conn.send(reply)
         except OSError:
@@ -603,16 +566,13 @@ def _watch(host: Host, group: Group, state_path: Path, busy: threading.Lock, las
     """Exit when the state file names another process (replaced: write nothing), or after idle_timeout unused
     (a full checkpoint first, so a later resume needs no replay)."""
     idle = host.cfg.train.idle_timeout
+    watch = Watch(group.pid, state_path, idle=idle, unused=lambda: time.monotonic() - last_used[0])
     while True:
-        time.sleep(min(30.0, idle / 4) if idle else 30.0)
-        try:
-            named = json.loads(state_path.read_text()).get("pid")
-        except (OSError, ValueError):
-            named = None
-        if named != group.pid:
+        reason = watch.wait(min(30.0, idle / 4) if idle else 30.0)
+        if reason == "replaced":
             print("resident trainer: the state file no longer names this process; exiting", flush=True)
             group.stop(0)
-        if idle and time.monotonic() - last_used[0] > idle and busy.acquire(blocking=False):
+        if reason == "idle" and busy.acquire(blocking=False):    # (busy: a request is running, not idle)
             print(f"resident trainer: unused for {idle:.0f} s (train.idle_timeout); a full checkpoint, then exit",
                   flush=True)
             try:
@@ -622,20 +582,10 @@ def _watch(host: Host, group: Group, state_path: Path, busy: threading.Lock, las
                 _exit(state_path, group, 0)
 
 
-def _forget(state_path: Path, group: Group) -> None:
-    """Remove the state file if it still names this trainer."""
-    try:
-        if json.loads(state_path.read_text()).get("pid") == group.pid:
-            state_path.unlink()
-    except (OSError, ValueError):
-        pass
-
-
 def _exit(state_path: Path, group: Group, code: int) -> None:
-    _forget(state_path, group)
     if code == 0:
-        sys.stdout.flush()
-        os._exit(0)         # the others exit by themselves (they ran the same finish)
+        leave(state_path, group.pid)       # the others exit by themselves (they ran the same finish)
+    forget(state_path, group.pid)
     group.stop(code)
 
 

