@@ -286,6 +286,24 @@ def test_a_flow_ends_with_a_full_checkpoint_even_when_its_trainer_died(tmp_path,
     assert not (state_dir() / f"{cfg.run.name}.json").exists() and _finish(cfg) is None
 
 
+def test_the_finish_command_stops_a_detached_trainer_after_a_full_checkpoint(tmp_path):
+    """`python -m tasks.train finish` (what sky/train.yaml runs with FINISH set, the flow's end when the train
+    stage runs on a cluster): a process of its own finishes the run's detached trainer on this machine."""
+    cfg = _cfg(tmp_path, "cli-finish")
+    _iteration(cfg, 1)
+    pid = json.loads((state_dir() / "cli-finish.json").read_text())["pid"]
+    overrides = [f"store.uri={tmp_path}/store", "run.name=cli-finish", "train.mode=resident",
+                 "train.checkpoint_every=2", "generate.prompts_per_iteration=4", "generate.num_generations=4",
+                 "train.lr=1e-2"]
+    out = subprocess.run([sys.executable, "-m", "tasks.train", "finish", "--config", str(TINY), "--iteration", "0",
+                          "--overrides-json", json.dumps(overrides)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"finished": 1}
+    assert not alive(pid) and not (state_dir() / "cli-finish.json").exists()
+    assert open_store(cfg).manifest(layout.full_checkpoint("cli-finish", 1))["meta"]["kind"] == "full"
+
+
 def test_a_trainer_for_another_config_is_replaced(tmp_path):
     cfg = _cfg(tmp_path, "other")
     _iteration(cfg, 1)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from tasks.core import layout
 from tasks.core.models import PROCESS_WIDE
+from tasks.core.store import open_store
 from tasks.engines.training import (
     lean_files,
     newest_full,
@@ -280,25 +281,14 @@ class InProcessTrainer:
             if training_engine(self.cfg).launch(self.cfg, iteration):   # its workers trained (each as here)
                 return {"key": layout.checkpoint(self.cfg.run.name, iteration)}
             return self._own().train(iteration, fingerprint)
-        run = self.cfg.run.name
         with _HELD_LOCK:
-            held = _HELD.get(run)
-            if held is None or held[0] != self.key:
-                if held is not None:            # made for another config: its state cannot serve ours
-                    _HELD.pop(run)[1].close()
-                held = _HELD[run] = (self.key, self._new(resident=True))
-            return held[1].train(iteration, fingerprint)
+            return self._held().train(iteration, fingerprint)
 
     def prepare(self, iteration: int) -> int:
         if not self.held:
             return self._own().prepare(iteration)
         with _HELD_LOCK:
-            held = _HELD.get(self.cfg.run.name)
-            if held is None or held[0] != self.key:
-                if held is not None:
-                    _HELD.pop(self.cfg.run.name)[1].close()
-                held = _HELD[self.cfg.run.name] = (self.key, self._new(resident=True))
-            return held[1].prepare(iteration)
+            return self._held().prepare(iteration)
 
     def finish(self, catch_up: bool = False) -> int | None:
         """A full checkpoint of the held trainer's last iteration, then it is let go; None: none held. With
@@ -327,12 +317,21 @@ class InProcessTrainer:
             own, self.own = self.own, None
             own.close()
 
+    def _held(self) -> Trainer:
+        """The run's trainer this process holds (made now if none is, or the one held was made for another
+        config: its state cannot serve ours). Called under _HELD_LOCK."""
+        run = self.cfg.run.name
+        held = _HELD.get(run)
+        if held is None or held[0] != self.key:
+            if held is not None:
+                _HELD.pop(run)[1].close()
+            held = _HELD[run] = (self.key, self._new(resident=True))
+        return held[1]
+
     def _own(self) -> Trainer:
         if self.own is None:
             self.own = self._new(resident=False)
         return self.own
 
     def _new(self, resident: bool) -> Trainer:
-        from tasks.core.store import open_store
-
         return Trainer(self.cfg, open_store(self.cfg), int(os.environ.get("RANK") or 0), resident=resident)
