@@ -73,11 +73,12 @@ from tasks.core.processes import alive  # noqa: E402
 from tasks.core.stage import quiet_progress_bars  # noqa: E402
 from tasks.core.store import open_store, sha256_file  # noqa: E402
 from tasks.engines import hf, resident  # noqa: E402
+from tasks.engines import trainer as held_trainers  # noqa: E402
 from tasks.engines.training import newest_full  # noqa: E402
 from tasks.generate import generate  # noqa: E402
 from tasks.publish import publish  # noqa: E402
 from tasks.reward import reward  # noqa: E402
-from tasks.train import train  # noqa: E402
+from tasks.train import finish_trainer, train  # noqa: E402
 
 RECIPE = ROOT / "configs" / "smollm2-arith.yaml"
 # --quick: the plumbing, not the numbers: 2 prompts x 2 completions x <= 8 tokens, and 64 training prompts made
@@ -173,7 +174,7 @@ def release() -> None:
 def stop_trainers(cfg) -> None:
     """What a failed row may leave: a trainer held here (train.host caller) or a detached one of its run."""
     with contextlib.suppress(Exception):
-        held = resident._HELD.pop(cfg.run.name, None)
+        held = held_trainers._HELD.pop(cfg.run.name, None)
         if held is not None:
             held[1].close()
     path = resident.state_dir() / f"{cfg.run.name}.json"
@@ -183,7 +184,7 @@ def stop_trainers(cfg) -> None:
 
 def finish(cfg) -> None:
     """Stop the run's resident trainer after its full checkpoint, as the flow does when it ends."""
-    train(cfg, 0, finish=True)
+    finish_trainer(cfg)
 
 
 @contextlib.contextmanager

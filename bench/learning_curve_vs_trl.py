@@ -40,7 +40,7 @@ from tasks.generate import generate  # noqa: E402
 from tasks.publish import publish  # noqa: E402
 from tasks.reward import reward  # noqa: E402
 from tasks.rewards.demo import successor_reward  # noqa: E402
-from tasks.train import train  # noqa: E402
+from tasks.train import finish_trainer, train  # noqa: E402
 
 CONFIG = ROOT / "configs" / "tiny.yaml"
 
@@ -68,7 +68,7 @@ def ours(iterations: int, seed: int, work: Path, mode: str = "auto", staleness: 
             when.append(time.perf_counter() - t0)
             train(cfg, it)
             publish(cfg, it)
-    train(cfg, 0, finish=True)                        # a resident trainer: its last checkpoint, then it stops
+    finish_trainer(cfg)                               # a resident trainer: its last checkpoint, then it stops
     return out, when
 
 

@@ -44,12 +44,13 @@ from tasks.core import layout, rollout  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.policy import materialize  # noqa: E402
 from tasks.core.store import open_store, sha256_file  # noqa: E402
-from tasks.engines import resident  # noqa: E402
-from tasks.engines.resident import CallerTrainer, resident_trainer, state_dir  # noqa: E402
+from tasks.engines import trainer as held_trainers  # noqa: E402
+from tasks.engines.resident import state_dir  # noqa: E402
+from tasks.engines.trainer import InProcessTrainer  # noqa: E402
 from tasks.generate import generate  # noqa: E402
 from tasks.publish import publish  # noqa: E402
 from tasks.reward import reward  # noqa: E402
-from tasks.train import train  # noqa: E402
+from tasks.train import finish_trainer, open_trainer, train  # noqa: E402
 
 CONFIG = ROOT / "configs" / "tiny.yaml"
 
@@ -137,9 +138,9 @@ def resume_after_kill(cfg, iterations: int) -> dict:
     it restores from (a copy out of the store, verified), plus the compute of the iterations it replays (the new
     step's update seconds for each)."""
     run, store = cfg.run.name, open_store(cfg)
-    trainer = resident_trainer(cfg)
-    if isinstance(trainer, CallerTrainer):
-        resident._HELD.pop(run)[1].close()              # (close lets a background full checkpoint finish)
+    trainer = open_trainer(cfg)
+    if isinstance(trainer, InProcessTrainer):
+        held_trainers._HELD.pop(run)[1].close()              # (close lets a background full checkpoint finish)
     else:
         pid = json.loads((state_dir() / f"{run}.json").read_text())["pid"]
         time.sleep(2.0)                                 # let a background full checkpoint finish
@@ -148,7 +149,7 @@ def resume_after_kill(cfg, iterations: int) -> dict:
 
     it = iterations + 1
     warm = None
-    if not isinstance(trainer, CallerTrainer):          # as the flow does (flows/training.py: _warm_trainer)
+    if not isinstance(trainer, InProcessTrainer):          # as the flow does (flows/training.py: _warm_trainer)
         warm = threading.Thread(target=trainer.prepare, args=(it - 1,))
         warm.start()
     t0 = time.perf_counter()
@@ -185,7 +186,7 @@ def delta_bytes(args, work: Path) -> dict:
                                          "publish.delta=always"]))
     for it in (1, 2, 3):
         iteration(cfg, it)
-    train(cfg, 0, finish=True)
+    finish_trainer(cfg)
     store = open_store(cfg)
     whole = store.manifest(layout.policy("bf16", 1))
     delta = store.manifest(layout.policy("bf16", 3))
@@ -232,7 +233,7 @@ def main() -> None:
               f"{k['update']:.2f} s; a detached trainer's own time {k['served']:.2f} s, process start not included"
               + (f"; it started and restored while generate + reward ran, {k['overlapped']:.2f} s)" if k["overlapped"]
                  else ")"))
-        train(cfg, 0, finish=True)
+        finish_trainer(cfg)
         d = delta_bytes(args, work)
         print(f"bf16 policy at lr 1e-6: whole {d['whole'] / 1e6:.1f} MB, delta {d['delta'] / 1e3:.1f} kB "
               f"({d['delta'] / d['whole']:.5f} of whole; published as a delta: {d['is_delta']})")

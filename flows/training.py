@@ -53,13 +53,14 @@ from tasks.core.process_wide import children_import_rlflow, tell_inline_stages
 from tasks.core.stage import STOP
 from tasks.core.store import Store, open_store
 from tasks.core.tracking import Tracker, champion_policy_uri
+from tasks.engines.resident import ResidentTrainer
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.training import training_engine
 from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
-from tasks.train import train
+from tasks.train import finish_trainer, open_trainer, train
 
 NOW: dict = {}      # where the flow's loop is: {"iteration", "stage"} (what an interrupted run reports)
 
@@ -184,50 +185,48 @@ def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_n
 
 
 def _finish_trainer(ctx: Run, log) -> None:
-    """Stop the resident trainer after a full checkpoint of its last iteration: here (inline and local
-    launchers share this machine) or on the train cluster (sky). Never raises: the run's outcome stands, and a
-    trainer left behind stops itself after train.idle_timeout."""
+    """Finish the resident trainer: a full checkpoint of its last iteration, then it stops; here (inline and local
+    launchers share this machine: tasks/train.py's finish_trainer) or on the train cluster (sky: `python -m
+    tasks.train finish` there). Never raises: the run's outcome stands, and a trainer left behind stops itself
+    after train.idle_timeout."""
     cfg = ctx.cfg
     if not cfg.resident_trainer:
         return
     try:
         if cfg.launcher.mode_of("train") != "sky":
-            out = train(cfg, 0, finish=True)
+            finished = finish_trainer(cfg)
         else:
             sky = ctx.launchers.for_stage("train")
             if sky.cluster("train") not in sky.launched:      # no train step ran on a cluster of this flow run
                 return
             env = {**stage_env(ctx.config_path, ctx.overrides, 0), "FINISH": "1"}
             sky.run("train", 0, env, log.info)
-            out = {"finished": "on the train cluster"}
-        if out["finished"] is not None:
-            log.info("resident trainer stopped after a full checkpoint of iteration %s", out["finished"])
+            finished = "on the train cluster"
+        if finished is not None:
+            log.info("resident trainer stopped after a full checkpoint of iteration %s", finished)
     except Exception as e:
         log.warning("stopping the resident trainer failed: %s", e)
 
 
-def _detached_trainer_here(cfg: Config) -> bool:
-    """Whether the train stage's resident trainer is a process of its own on this machine (train stage local,
-    or inline with deepspeed or train.host detached)."""
+def _trainer_to_warm(cfg: Config) -> ResidentTrainer | None:
+    """The flow's handle on the train stage's resident trainer when that is a process of its own on this machine
+    (train stage local, or inline with deepspeed or train.host detached); None otherwise."""
     if not cfg.resident_trainer:
-        return False
+        return None
     mode = cfg.launcher.mode_of("train")
     if mode == "local":
-        return cfg.train.host != "caller"
-    from tasks.engines.resident import ResidentTrainer, resident_trainer
+        return ResidentTrainer(cfg) if cfg.train.host != "caller" else None
+    trainer = open_trainer(cfg) if mode == "inline" else None
+    return trainer if isinstance(trainer, ResidentTrainer) else None
 
-    return mode == "inline" and isinstance(resident_trainer(cfg), ResidentTrainer)
 
-
-def _warm_trainer(cfg: Config, iteration: int, log) -> None:
+def _warm_trainer(trainer: ResidentTrainer, iteration: int, log) -> None:
     """Have the detached trainer hold the state after `iteration` while generate and reward run: a new one (the
     flow's start, after a lost trainer) starts, restores and replays then, not when the train stage asks. A
     thread of the flow; never raises (the train stage does the same itself). Not for a trainer held by this
     process: it would share the process's RNG with generate at the same time."""
-    from tasks.engines.resident import ResidentTrainer
-
     try:
-        ResidentTrainer(cfg).prepare(iteration)
+        trainer.prepare(iteration)
     except Exception as e:  # noqa: BLE001 - only an early start; the train stage reports what matters
         log.warning("warming the resident trainer up for iteration %d failed: %s", iteration + 1, e)
 
@@ -288,11 +287,11 @@ def _iterations(ctx: Run, log) -> dict:
             progress.note(f"base model: held-out {_held_out_line(cfg, e['metrics'])}")
         for it in range(1, done + 1):
             reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
-        warm = _detached_trainer_here(cfg)
+        warm = _trainer_to_warm(cfg)
         for it in range(done + 1, cfg.run.iterations + 1):
             t0 = time.perf_counter()
-            if warm:
-                threading.Thread(target=_warm_trainer, args=(cfg, it - 1, log), name="rlflow-warm-trainer",
+            if warm is not None:
+                threading.Thread(target=_warm_trainer, args=(warm, it - 1, log), name="rlflow-warm-trainer",
                                  daemon=True).start()
             NOW.update(iteration=it, stage="generate/reward")
             g, r = ahead.take(it)       # (S > 0: generate and reward of it+1..it+S start now, beside train(it))

@@ -1,52 +1,55 @@
 """Stage 3 — train: one GRPO update on this iteration's scored rollouts.
 
-    python -m tasks.train --config configs/tiny.yaml --iteration 3 [--finish]
+    python -m tasks.train --config configs/tiny.yaml --iteration 3
+    python -m tasks.train finish --config configs/tiny.yaml --iteration 0    # the flow's end: finish_trainer
 
-Reads `<run>/iter-N/rewards`; writes `<run>/trainer/ckpt-N`, then moves `trainer/LATEST`. The update itself
-(advantages, micro-batches, the optimiser passes: tasks/algorithms/) runs on the engine `train.engine` names
-(tasks/engines/training.py's factory: `torch`, one process on one device, or `deepspeed`, ZeRO 1-3 over
-several processes, started here with torchrun when no torchrun started us).
+Reads `<run>/iter-N/rewards`; writes `<run>/trainer/ckpt-N`, then moves `trainer/LATEST`. The stage checks its
+inputs and fingerprint, then asks the run's trainer (tasks/engines/trainer.py: Trainer, the one class that trains
+an iteration) through a handle; the update itself (advantages, micro-batches, the optimiser passes:
+tasks/algorithms/) runs on the engine `train.engine` names (tasks/engines/training.py's factory: `torch`, one
+process on one device, or `deepspeed`, ZeRO 1-3 over several processes, started with torchrun when no torchrun
+started us).
 
-`train.mode` says where the trainer lives:
-  process   this stage's process: it restores the trainer from the newest full checkpoint (normally
-            ckpt-(N-1); any iterations after it are replayed from their stored rewards), trains, and writes
-            ckpt-N in full (model + optimizer + RNG + data cursor);
-  resident  a trainer per run that outlives the stage (tasks/engines/resident.py), held by the calling process
-            (train.host caller: the flow's own with the inline launcher) or a process of its own (detached:
-            `python -m tasks.train` stages, deepspeed): the stage asks it "train iteration N"; it writes
-            ckpt-N lean (the policy alone) and a full checkpoint every train.checkpoint_every iterations
-            (deepspeed: a torchrun group of train.num_processes, its process 0 answering). `--finish` asks
-            it for a full checkpoint of its last iteration and stops it (the flow does this when it ends).
+`train.mode` says where the trainer lives (open_trainer below):
+  process   this stage's process: a trainer of its own restores the newest full checkpoint (normally
+            ckpt-(N-1); any iterations after it are replayed from their stored rewards), trains, writes ckpt-N in
+            full (model + optimizer + RNG + data cursor), and goes;
+  resident  a trainer per run that outlives the stage, held by the calling process (train.host caller: the
+            flow's own with the inline launcher) or a process of its own (detached: `python -m tasks.train`
+            stages, deepspeed: a torchrun group of train.num_processes, its process 0 answering;
+            tasks/engines/resident.py): it writes ckpt-N lean (the policy alone) and a full checkpoint every
+            train.checkpoint_every iterations. The flow's end finishes it (finish_trainer: a full checkpoint of
+            its last iteration, then it stops).
 Both give the same weights, bit for bit on a CPU.
 """
 
 from __future__ import annotations
 
 import os
-import time
+import sys
 from typing import TYPE_CHECKING
 
 from tasks.core import layout, rollout
 from tasks.core.config import distributed_by_hand
 from tasks.core.errors import UserError
 from tasks.core.models import policy_dtype
-from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
+from tasks.core.stage import fingerprint, in_stage_process, require_input, reuse, stage_cli
 from tasks.core.store import open_store
-from tasks.engines.training import restore, training_engine, update, write_checkpoint
+from tasks.engines.resident import ResidentTrainer
+from tasks.engines.trainer import InProcessTrainer, unfinished
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
+    from tasks.engines.trainer import TrainerHandle
 
 
-def train(cfg: Config, iteration: int, finish: bool = False) -> dict:
+def train(cfg: Config, iteration: int) -> dict:
     """Update the policy on iteration `iteration`'s scored rollouts; returns {key, uri, metrics}."""
-    if finish:
-        return finish_trainer(cfg)
     if cfg.resident_trainer and distributed_by_hand():   # (auto never picks resident there)
         raise UserError("train.mode: resident keeps one trainer (or one torchrun group) on one machine; on "
                         "several nodes or inside torchrun use train.mode process (or auto)")
     store = open_store(cfg)
-    run, tc = cfg.run.name, cfg.train
+    run = cfg.run.name
     key = layout.checkpoint(run, iteration)
     src = layout.rewards(run, iteration)
     src_manifest = require_input(store, src, iteration, "rewards", "reward")
@@ -62,53 +65,54 @@ def train(cfg: Config, iteration: int, finish: bool = False) -> dict:
         if int(os.environ.get("RANK") or 0) == 0:
             store.advance_pointer(layout.latest(run, "trainer"), key)  # a kill may have come between the two
         return done
-    if cfg.resident_trainer:
-        from tasks.engines.resident import resident_trainer
-
-        resident_trainer(cfg).train(iteration, fp)
-        if (done := reuse(store, key, fp)) is None:
-            raise RuntimeError(f"train[iter {iteration}]: the resident trainer answered without writing "
-                               f"{store.uri(key)}")
-        return done
-    if training_engine(cfg).launch(cfg, iteration):   # deepspeed, no torchrun around us: the workers trained
-        if (done := reuse(store, key, fp)) is None:
-            raise RuntimeError(f"train[iter {iteration}]: the {tc.engine} workers exited 0 without writing "
-                               f"{store.uri(key)}")
-        return done
-
-    t0 = time.perf_counter()
-    engine = restore(cfg, store, iteration - 1)
-    restored = time.perf_counter() - t0
+    handle = open_trainer(cfg)
     try:
-        metrics = update(engine, cfg, store, iteration, t0)
-        metrics["train/restore_seconds"] = restored         # the full checkpoint read (and any replay)
-        manifest = write_checkpoint(store, cfg, key, iteration, engine.global_step,
-                                    lambda out: engine.save(out, iteration), {"fingerprint": fp, "metrics": metrics},
-                                    rank=engine.rank)
-        if engine.rank == 0:                             # one writer
-            store.advance_pointer(layout.latest(run, "trainer"), key)
-        engine.barrier()                                 # the others return once the checkpoint is complete
+        handle.train(iteration, fp)
     finally:
-        engine.close()
-    return result(store, key, manifest) if engine.rank == 0 else reuse(store, key, fp)
+        handle.close()
+    if (done := reuse(store, key, fp)) is None:
+        raise RuntimeError(f"train[iter {iteration}]: the trainer ({type(handle).__name__}) answered without "
+                           f"writing {store.uri(key)}")
+    return done
 
 
-def finish_trainer(cfg: Config) -> dict:
-    """Stop the run's resident trainer on this machine, after a full checkpoint of its last iteration: the one
-    this process holds (train.host caller) and a detached one (a flow's inline finish after local stages); with
-    neither, the run's newest iteration still gets its full checkpoint if it lacks one."""
+def open_trainer(cfg: Config) -> TrainerHandle:
+    """The stage's handle on the run's trainer, where train.mode and train.host put it: process mode, one of its
+    own in this process; resident, the run's (host auto: in this process when it outlives the stage, i.e. not
+    `python -m tasks.train`, and the engine is torch; else a process of its own)."""
     if not cfg.resident_trainer:
-        return {"finished": None}
-    from tasks.engines.resident import CallerTrainer, ResidentTrainer, resident_trainer, unfinished
+        return InProcessTrainer(cfg, held=False)
+    host = cfg.train.host
+    if host == "auto":
+        host = "detached" if in_stage_process() or cfg.train.engine == "deepspeed" else "caller"
+    return InProcessTrainer(cfg) if host == "caller" else ResidentTrainer(cfg)
 
-    held = CallerTrainer(cfg).finish()
+
+def finish_trainer(cfg: Config) -> int | None:
+    """Stop the run's resident trainer on this machine, after a full checkpoint of its last iteration (whose
+    iteration it returns; None: nothing to finish): the one this process holds (train.host caller) and a
+    detached one (a flow's inline finish after local stages); with neither, the run's newest iteration still gets
+    its full checkpoint if it lacks one. Process mode: nothing (each ckpt-N is full)."""
+    if not cfg.resident_trainer:
+        return None
+    held = InProcessTrainer(cfg).finish()
     detached = ResidentTrainer(cfg).finish()
     if held is None and detached is None and unfinished(open_store(cfg), cfg.run.name) is not None:
         # Nothing runs, but the newest iteration lacks a full checkpoint (its trainer died after committing
         # it; this flow run reused it): one is made here, where train.host puts the trainer, by replay.
-        return {"finished": resident_trainer(cfg).finish(catch_up=True)}
-    return {"finished": held if held is not None else detached}
+        return open_trainer(cfg).finish(catch_up=True)
+    return held if held is not None else detached
+
+
+def finish(cfg: Config, iteration: int = 0) -> dict:
+    """`python -m tasks.train finish`: finish_trainer on this machine (the flow's end when the train stage runs
+    on a cluster: sky/train.yaml's FINISH). {"finished": the iteration of the last full checkpoint, or None}"""
+    return {"finished": finish_trainer(cfg)}
 
 
 if __name__ == "__main__":
-    stage_cli(train, "train", takes_finish=True)
+    if sys.argv[1:2] == ["finish"]:
+        del sys.argv[1]
+        stage_cli(finish, "train finish")
+    else:
+        stage_cli(train, "train")

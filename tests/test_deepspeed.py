@@ -54,7 +54,7 @@ from tasks.core.store import Store
 from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
-from tasks.train import train
+from tasks.train import finish_trainer, train
 from tests.conftest import ROOT, TINY
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
@@ -361,7 +361,7 @@ def test_a_resident_group_trains_as_the_torch_engine_and_resumes_after_a_kill(ro
 
 
 def _finish_trainer(cfg) -> int | None:
-    return train(cfg, 0, finish=True)["finished"]
+    return finish_trainer(cfg)
 
 
 def test_bf16_and_optimizer_offload(rollouts, tmp_path, tmp_path_factory, as_worker):

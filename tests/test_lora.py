@@ -16,7 +16,7 @@ from tasks.core.store import Store
 from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
-from tasks.train import train
+from tasks.train import finish_trainer, train
 from tests.conftest import TINY
 
 
@@ -97,4 +97,4 @@ def test_a_resident_lora_trainer_killed_midway_publishes_what_process_mode_does(
         a, b = (Store.open(c.store).manifest(layout.policy(c.run.name, it))["files"]["adapter_model.safetensors"]
                 for c in (process, resident))
         assert a["sha256"] == b["sha256"], it
-    assert train(resident, 0, finish=True)["finished"] == 4
+    assert finish_trainer(resident) == 4

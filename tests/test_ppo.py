@@ -168,14 +168,14 @@ def test_a_resident_ppo_trainer_killed_mid_run_publishes_what_process_mode_publi
                                                                                      monkeypatch):
     """Killed while writing iteration 3's lean checkpoint: restored from full-2 (policy, critic, optimizer)
     and iteration 3 replayed; every published policy is process mode's, bit for bit."""
-    from tasks.train import train
+    from tasks.train import finish_trainer
 
     monkeypatch.setenv("RLFLOW_DRILL", "lean-write:3")
     monkeypatch.setenv("RLFLOW_DRILL_ONCE", str(tmp_path / "drilled"))
     cfg = _cfg(tmp_path, "kill", "resident")
     assert _run(cfg, retries=1) == reference[1]
     assert (tmp_path / "drilled").exists()
-    assert train(cfg, 0, finish=True)["finished"] == ITERATIONS
+    assert finish_trainer(cfg) == ITERATIONS
 
 
 @pytest.mark.slow

@@ -24,11 +24,11 @@ from tasks.core.config import load_config
 from tasks.core.errors import UserError
 from tasks.core.processes import alive
 from tasks.core.store import open_store
-from tasks.engines.resident import ResidentTrainer, resident_trainer, state_dir
+from tasks.engines.resident import ResidentTrainer, state_dir
 from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
-from tasks.train import train
+from tasks.train import finish_trainer, open_trainer, train
 from tests.conftest import AT_LENGTH, ROOT, TINY
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def _policies(cfg) -> list[str]:
 
 
 def _finish(cfg) -> int | None:
-    return train(cfg, 0, finish=True)["finished"]
+    return finish_trainer(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_a_trainer_killed_anywhere_resumes_bit_identically(reference, tmp_path, 
 def test_a_trainer_held_by_the_caller_publishes_the_same_and_starts_no_process(reference, tmp_path):
     """train.host caller (auto's choice where the stage is a function call, as in the flow's own process)."""
     cfg = _cfg(tmp_path, "held", host="caller")
-    assert type(resident_trainer(cfg)).__name__ == "CallerTrainer"
+    assert type(open_trainer(cfg)).__name__ == "InProcessTrainer"
     for it in range(1, ITERATIONS + 1):
         _iteration(cfg, it)
     assert not (state_dir() / "held.json").exists()                          # no trainer process
@@ -120,7 +120,7 @@ def test_a_trainer_held_by_the_caller_publishes_the_same_and_starts_no_process(r
     store = open_store(cfg)
     assert [it for it in range(1, 7) if store.manifest(layout.full_checkpoint("held", it))] == [2, 4, 6]
     auto = _cfg(tmp_path, "held", host="auto")
-    assert type(resident_trainer(auto)).__name__ == "CallerTrainer"
+    assert type(open_trainer(auto)).__name__ == "InProcessTrainer"
     with pytest.raises(UserError, match="host: caller holds the trainer in the calling process"):
         _cfg(tmp_path, "held", extra=["train.engine=deepspeed"], host="caller")
 
@@ -152,7 +152,7 @@ def test_a_replay_that_reproduces_other_weights_is_refused_on_a_cpu(tmp_path):
     """The stored rewards of a replayed iteration no longer give the policy it published (altered behind the
     manifest's back, here rewritten whole): the restore fails loudly instead of training on from other weights."""
     from tasks.core import rollout
-    from tasks.engines import resident
+    from tasks.engines import trainer
 
     cfg = _cfg(tmp_path, "tamper", host="caller")
     for it in (1, 2, 3):
@@ -165,7 +165,7 @@ def test_a_replay_that_reproduces_other_weights_is_refused_on_a_cpu(tmp_path):
     rollout.write(records, tmp_path / "altered")
     store.delete_folder(key)
     store.put_folder(key, tmp_path / "altered", meta=manifest["meta"])
-    resident._HELD.pop("tamper")[1].close()                  # as if the process holding it had died
+    trainer._HELD.pop("tamper")[1].close()                  # as if the process holding it had died
     generate(cfg, 4, layout.policy("tamper", 3))
     reward(cfg, 4)
     with pytest.raises(RuntimeError, match="replay: iteration 3 reproduced other weights.*this is a bug"):
@@ -267,13 +267,13 @@ def test_a_flow_ends_with_a_full_checkpoint_even_when_its_trainer_died(tmp_path,
     made by replay (what retention and the next resume rely on)."""
     import signal
 
-    from tasks.engines import resident
+    from tasks.engines import trainer
 
     cfg = _cfg(tmp_path, f"gone-{host}", host=host)
     for it in (1, 2, 3):
         _iteration(cfg, it)
     if host == "caller":
-        resident._HELD.pop(cfg.run.name)[1].close()
+        trainer._HELD.pop(cfg.run.name)[1].close()
     else:
         pid = json.loads((state_dir() / f"{cfg.run.name}.json").read_text())["pid"]
         os.kill(pid, signal.SIGKILL)
@@ -284,6 +284,24 @@ def test_a_flow_ends_with_a_full_checkpoint_even_when_its_trainer_died(tmp_path,
     assert _finish(cfg) == 3
     assert store.manifest(layout.full_checkpoint(cfg.run.name, 3))["meta"]["kind"] == "full"
     assert not (state_dir() / f"{cfg.run.name}.json").exists() and _finish(cfg) is None
+
+
+def test_the_finish_command_stops_a_detached_trainer_after_a_full_checkpoint(tmp_path):
+    """`python -m tasks.train finish` (what sky/train.yaml runs with FINISH set, the flow's end when the train
+    stage runs on a cluster): a process of its own finishes the run's detached trainer on this machine."""
+    cfg = _cfg(tmp_path, "cli-finish")
+    _iteration(cfg, 1)
+    pid = json.loads((state_dir() / "cli-finish.json").read_text())["pid"]
+    overrides = [f"store.uri={tmp_path}/store", "run.name=cli-finish", "train.mode=resident",
+                 "train.checkpoint_every=2", "generate.prompts_per_iteration=4", "generate.num_generations=4",
+                 "train.lr=1e-2"]
+    out = subprocess.run([sys.executable, "-m", "tasks.train", "finish", "--config", str(TINY), "--iteration", "0",
+                          "--overrides-json", json.dumps(overrides)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"finished": 1}
+    assert not alive(pid) and not (state_dir() / "cli-finish.json").exists()
+    assert open_store(cfg).manifest(layout.full_checkpoint("cli-finish", 1))["meta"]["kind"] == "full"
 
 
 def test_a_trainer_for_another_config_is_replaced(tmp_path):

@@ -139,7 +139,7 @@ def one_after_another(tmp_path_factory):
     from tasks.generate import generate
     from tasks.publish import publish
     from tasks.reward import reward
-    from tasks.train import train
+    from tasks.train import finish_trainer, train
 
     tmp_path = tmp_path_factory.mktemp("sequential")
     cfg = load_config(TINY, _overrides(tmp_path, "sequential", 1))
@@ -148,7 +148,7 @@ def one_after_another(tmp_path_factory):
         reward(cfg, it)
         train(cfg, it)
         publish(cfg, it)
-    train(cfg, 0, finish=True)
+    finish_trainer(cfg)
     return _policies(cfg)
 
 

@@ -167,7 +167,7 @@ def test_the_environments_tokens_never_move_a_value_learner(algorithm):
 def test_a_resident_vtrace_awr_trainer_killed_mid_run_publishes_what_process_mode_publishes(tmp_path, monkeypatch):
     """With the previous iteration's rollouts replayed: restored from full-2 (policy, critic with its
     multiplier, optimizer), iteration 3 replayed; every policy equals process mode's, bit for bit."""
-    from tasks.train import train
+    from tasks.train import finish_trainer
     from tests.test_ppo import _cfg, _run
 
     want = _run(_cfg(tmp_path / "process", "ref", "process", "train.algorithm=vtrace_awr"))
@@ -176,7 +176,7 @@ def test_a_resident_vtrace_awr_trainer_killed_mid_run_publishes_what_process_mod
     cfg = _cfg(tmp_path / "resident", "kill", "resident", "train.algorithm=vtrace_awr")
     assert _run(cfg, retries=1) == want
     assert (tmp_path / "drilled").exists()
-    assert train(cfg, 0, finish=True)["finished"] == 4
+    assert finish_trainer(cfg) == 4
 
 
 @pytest.mark.slow

@@ -86,8 +86,7 @@ def quiet_progress_bars() -> None:
         pass
 
 
-def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, takes_tracking: bool = False,
-              takes_finish: bool = False) -> None:
+def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, takes_tracking: bool = False) -> None:
     """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY]`; prints the result JSON."""
     from tasks.core.config import load_config
 
@@ -102,9 +101,6 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
                         "the schedule names (checked); default: that one")
     if takes_tracking:
         ap.add_argument("--mlflow-run-id", default=None)
-    if takes_finish:
-        ap.add_argument("--finish", action="store_true", help="stop the run's resident trainer here, after a "
-                        "full checkpoint of its last iteration (what the flow does when it ends)")
     args = ap.parse_args()
     global _OWN_PROCESS
     _OWN_PROCESS = True
@@ -119,8 +115,6 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
             kwargs["policy"] = args.policy
         if takes_tracking:
             kwargs["mlflow_run_id"] = args.mlflow_run_id
-        if takes_finish and args.finish:
-            kwargs["finish"] = True
         out = fn(cfg, args.iteration, **kwargs)
     except UserError as e:
         # The second line lets a launcher tell a user error from a crash when only the log comes back.

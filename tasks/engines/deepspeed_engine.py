@@ -1,15 +1,16 @@
 """The deepspeed training engine (`train.engine: deepspeed`): ZeRO stage 1, 2 or 3 over torch.distributed
-processes, one per GPU (or CPU processes with gloo), on one node or several. tasks/train.py drives it through
+processes, one per GPU (or CPU processes with gloo), on one node or several. The trainer drives it through
 the same calls as the torch engine (tasks/engines/training.py: TrainingEngine); the GRPO math, batching and
 metrics stay there.
 
 What runs where:
-    flow or `python -m tasks.train` (no RANK in the environment)
-        -> DeepSpeedEngine.launch: `python -m torch.distributed.run --nproc_per_node=P [--nnodes/--node_rank/
-           --master_addr from NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT] -m tasks.train --config <resolved
-           config> --iteration N`, waits, turns a worker's `RLFLOW_USER_ERROR:` line into a UserError, and the
-           stage then reads the checkpoint back from the store
-    each worker (RANK, WORLD_SIZE, LOCAL_RANK set by torchrun; also a torchrun started by hand)
+    flow or `python -m tasks.train` (no RANK in the environment), train.mode process
+        -> DeepSpeedEngine.launch (from the stage's trainer handle): `python -m torch.distributed.run
+           --nproc_per_node=P [--nnodes/--node_rank/--master_addr from NNODES, NODE_RANK, MASTER_ADDR,
+           MASTER_PORT] -m tasks.train --config <resolved config> --iteration N`, waits, turns a worker's
+           `RLFLOW_USER_ERROR:` line into a UserError, and the stage then reads the checkpoint back from the store
+    each worker (RANK, WORLD_SIZE, LOCAL_RANK set by torchrun; also a torchrun started by hand), through the
+    same handle in its own process (tasks/engines/trainer.py: open, train once, full checkpoint, close)
         -> DeepSpeedEngine.open: process group (gloo on CPU, nccl on CUDA), model, deepspeed.initialize, and for
            N > 1 the previous checkpoint's shards (`engine.load_checkpoint`, optimizer states included)
 

@@ -1,6 +1,7 @@
-"""The resident trainer (`train.mode: resident`): one trainer per run that stays alive across iterations on the
-train machine, holding model, optimizer and RNG in memory: a `Host` held by the process that calls the train
-stage (`CallerTrainer`, train.host caller) or run by a process of its own (`ResidentTrainer`, detached, below).
+"""The resident trainer in a process of its own (`train.mode: resident`, train.host detached): one trainer per run
+that stays alive across iterations on the train machine, holding model, optimizer and RNG in memory. The
+stage's handle on it is `ResidentTrainer` (a TrainerHandle, tasks/engines/trainer.py, as the in-process one);
+the process runs the same `Trainer` (tasks/engines/trainer.py) and answers over a socket (`serve`, below).
 
     train stage (any process on this machine)             resident trainer (python -m tasks.engines.resident)
       ResidentTrainer(cfg).prepare(N-1)           ───►      (the flow, while it generates N) restore now
@@ -33,9 +34,6 @@ stops the others), and the retried stage starts a new one, which resumes by repl
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import os
 import secrets
 import sys
@@ -52,23 +50,12 @@ import yaml
 from tasks.core import layout
 from tasks.core.daemon import Daemon, Watch, forget, leave, write_state
 from tasks.core.errors import UserError
-from tasks.core.models import PROCESS_WIDE
 from tasks.core.paths import REPO_ROOT, cache_root
 from tasks.core.processes import alive
-from tasks.engines.training import (
-    lean_files,
-    newest_full,
-    restore,
-    rng_state,
-    set_rng_state,
-    update,
-    write_checkpoint,
-)
+from tasks.engines.trainer import Trainer, trainer_key
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
-    from tasks.core.store import Store
-    from tasks.engines.training import TrainingEngine
 
 START_TIMEOUT = 1800.0           # seconds a new trainer may take to import torch and answer (not to load a model)
 MARKER = "tasks.engines.resident"
@@ -79,73 +66,7 @@ def state_dir() -> Path:
     return cache_root() / "trainer"
 
 
-def trainer_key(cfg: Config) -> str:
-    """What a running trainer must have been started with to serve this config: everything but the sections
-    that cannot change a trainer's result or its files (tracking, launcher, cost, eval), and where it runs
-    (train.mode, train.host: a stage process asking with host auto finds the one a detached request started)."""
-    tree = cfg.model_dump(mode="json")
-    for section in ("tracking", "launcher", "cost", "eval"):
-        tree.pop(section)
-    for field in ("mode", "host"):
-        tree["train"].pop(field)
-    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
-
-
 # ------------------------------------------------------------------------------------------ the stage's side
-
-def resident_trainer(cfg: Config) -> ResidentTrainer | CallerTrainer:
-    """The train stage's handle on its run's resident trainer, where train.host puts it (auto: in this process
-    when it outlives the stage, i.e. not `python -m tasks.train`, and the engine is torch)."""
-    from tasks.core.stage import in_stage_process
-
-    host = cfg.train.host
-    if host == "auto":
-        host = "detached" if in_stage_process() or cfg.train.engine == "deepspeed" else "caller"
-    return CallerTrainer(cfg) if host == "caller" else ResidentTrainer(cfg)
-
-
-_HELD: dict[str, tuple[str, Host]] = {}      # run name -> (trainer key, host): the trainers this process holds
-_HELD_LOCK = threading.Lock()                # one request at a time, as a detached trainer answers them
-
-
-class CallerTrainer:
-    """train.host caller: the run's trainer held in this process (the flow's own with the inline launcher), the
-    same Host a detached trainer runs, called directly: nothing to start, no socket. It ends with the process;
-    the next one resumes by replay, as after a lost detached trainer."""
-
-    def __init__(self, cfg: Config):
-        self.cfg, self.key = cfg, trainer_key(cfg)
-
-    def train(self, iteration: int, fingerprint: str) -> dict:
-        run = self.cfg.run.name
-        with _HELD_LOCK:
-            held = _HELD.get(run)
-            if held is None or held[0] != self.key:
-                if held is not None:            # made for another config: its state cannot serve ours
-                    _HELD.pop(run)[1].close()
-                from tasks.core.store import open_store
-                held = _HELD[run] = (self.key, Host(self.cfg, open_store(self.cfg)))
-            return held[1].train(iteration, fingerprint)
-
-    def finish(self, catch_up: bool = False) -> int | None:
-        """A full checkpoint of the held trainer's last iteration, then it is let go; None: none held. With
-        `catch_up`, when none is held: a full checkpoint of the run's newest iteration if it lacks one (restored
-        here by replay: the process that trained it died after committing it)."""
-        with _HELD_LOCK:
-            held = _HELD.pop(self.cfg.run.name, None)
-            if held is None or held[0] != self.key:
-                if held is not None:
-                    held[1].close()
-                if not catch_up:
-                    return None
-                from tasks.core.store import open_store
-                held = (self.key, Host(self.cfg, open_store(self.cfg)))
-            host = held[1]
-            try:
-                return host.final_checkpoint()
-            finally:
-                host.close()
-
 
 class ResidentTrainer:
     """train.host detached: the train stage's handle on its run's resident trainer process (on this machine)."""
@@ -184,6 +105,9 @@ class ResidentTrainer:
         while alive(state["pid"]) and time.monotonic() < deadline:     # it exits once it has answered
             time.sleep(0.05)
         return full
+
+    def close(self) -> None:
+        """Nothing: the trainer outlives the stage (the flow finishes it; idle, it stops itself)."""
 
     def _request(self, message: dict, start: bool) -> dict:
         address, authkey = self._ensure() if start else self._address(self.daemon.read())
@@ -300,161 +224,6 @@ class Group:
         os._exit(code)
 
 
-class Host:
-    """The trainer's state between requests: the engine and the iteration its weights are at."""
-
-    def __init__(self, cfg: Config, store: Store, rank: int = 0):
-        self.cfg, self.store, self.rank = cfg, store, rank
-        self.engine: TrainingEngine | None = None
-        self.at: int | None = None              # the iteration whose updated state the engine holds
-        self.full_at: int | None = None         # the newest iteration with a full checkpoint, written or writing
-        self.writer: threading.Thread | None = None
-        self.writer_error: BaseException | None = None
-        self.rng: dict | None = None            # the trainer's random streams between requests (see _own_rng)
-        self.restored: float | None = None      # seconds the last restore took, until a train request reports it
-
-    @contextlib.contextmanager
-    def _own_rng(self):
-        """Run with the trainer's own random streams and give the process back its own after: a trainer held by
-        its caller shares the process with generate, which seeds the global torch RNG per request. Without the
-        swap its dropout masks (and the RNG state a full checkpoint saves) would follow generate's seeds, and
-        neither process mode nor a replay, which restore the trainer's saved streams, would give its weights."""
-        with PROCESS_WIDE:         # (a model another thread builds meanwhile waits: tasks/core/models.py)
-            outer = rng_state()
-            if self.rng is not None:
-                set_rng_state(self.rng)
-            try:
-                yield
-            finally:
-                self.rng = rng_state() if self.engine is not None else None
-                set_rng_state(outer)
-
-    def train(self, iteration: int, fingerprint: str) -> dict:
-        with self._own_rng():
-            return self._train(iteration, fingerprint)
-
-    def prepare(self, iteration: int) -> int:
-        """Hold the state after `iteration` (restored and replayed now if not held already); a late request,
-        for an iteration the trainer has trained past, changes nothing. Returns the iteration held."""
-        if self.at is not None and self.at > iteration:
-            return self.at
-        with self._own_rng():
-            self._restore_to(iteration)
-        return iteration
-
-    def _restore_to(self, iteration: int) -> None:
-        if self.at == iteration:
-            return
-        t0 = time.perf_counter()
-        self.close()
-        self.engine = restore(self.cfg, self.store, iteration)
-        self.at = iteration
-        self.full_at = iteration if newest_full(self.store, self.cfg.run.name, iteration)[1] == iteration else None
-        self.restored = time.perf_counter() - t0
-        if iteration:                       # (a new run's trainer has nothing to restore: nothing to say)
-            print(f"restored the state after iteration {iteration} in {self.restored:.2f} s", flush=True)
-
-    def final_checkpoint(self) -> int | None:
-        """A full checkpoint of the current iteration, written now (finish, idle exit). A trainer that holds
-        nothing (new: its predecessor died after committing the run's last iterations) first restores the
-        newest committed one when that has no full checkpoint, so a flow run still ends with one."""
-        with self._own_rng():
-            if self.engine is None and (newest := unfinished(self.store, self.cfg.run.name)) is not None:
-                self._restore_to(newest)
-            return self.checkpoint(background=False)
-
-    def _train(self, iteration: int, fingerprint: str) -> dict:
-        cfg, store, run = self.cfg, self.store, self.cfg.run.name
-        key = layout.checkpoint(run, iteration)
-        t0 = time.perf_counter()
-        self._restore_to(iteration - 1)
-        try:
-            metrics = update(self.engine, cfg, store, iteration, t0)
-            if self.restored is not None:      # a new trainer: the newest full checkpoint, then the replay
-                metrics["train/restore_seconds"], self.restored = self.restored, None   # (here or in prepare)
-        except BaseException:
-            self.close()                        # a half-done update: the next request restores
-            raise
-        self.at = iteration
-        _drill("lean-write", iteration)
-        write_checkpoint(store, cfg, key, iteration, self.engine.global_step, lean_files(self.engine),
-                         {"fingerprint": fingerprint, "metrics": metrics}, kind="lean", rank=self.rank)
-        if self.rank == 0:
-            store.advance_pointer(layout.latest(run, "trainer"), key)
-        if iteration % cfg.train.checkpoint_every == 0:
-            self.checkpoint(background=True)
-        _drill("answer", iteration)
-        return {"key": key}
-
-    def checkpoint(self, background: bool) -> int | None:
-        """A full checkpoint of the current iteration (once): the state is copied now, written and committed on a
-        thread (one at a time) or here. Returns its iteration (None: nothing trained yet)."""
-        self.join()
-        if self.engine is None or not self.at or self.full_at == self.at:     # (at 0: the base model)
-            return self.full_at
-        iteration, engine, cfg, store = self.at, self.engine, self.cfg, self.store
-        files, step = engine.snapshot(iteration), engine.global_step
-        key = layout.full_checkpoint(cfg.run.name, iteration)
-
-        def write() -> None:
-            try:
-                write_checkpoint(store, cfg, key, iteration, step, files, {}, kind="full", keep_policy_here=False,
-                                 before_commit=lambda: _drill("full-upload", iteration), rank=self.rank)
-                _drill("full-done", iteration)
-            except BaseException as e:          # raised by the next request (join)
-                self.writer_error = e
-
-        self.full_at = iteration
-        if background and self.rank == 0:       # (the others' part, collective, was the snapshot)
-            # Not a daemon: a process that ends (a caller holding the trainer) first finishes the write.
-            self.writer = threading.Thread(target=write, name=f"rlflow-full-{iteration}")
-            self.writer.start()
-        else:
-            write()
-            self.join()
-        return iteration
-
-    def join(self) -> None:
-        if self.writer is not None:
-            self.writer.join()
-            self.writer = None
-        if self.writer_error is not None:
-            error, self.writer_error, self.full_at = self.writer_error, None, None
-            raise RuntimeError(f"the background full checkpoint failed: {error}") from error
-
-    def close(self) -> None:
-        self.join()
-        if self.engine is not None:
-            self.engine.close()
-        self.engine, self.at, self.full_at, self.rng = None, None, None, None
-
-
-def unfinished(store: Store, run: str) -> int | None:
-    """The newest committed iteration (trainer/LATEST) when it is lean and has no full checkpoint, else None."""
-    latest = store.get_pointer(layout.latest(run, "trainer"))
-    if latest is None or (manifest := store.manifest(latest)) is None or manifest["meta"].get("kind") != "lean":
-        return None
-    iteration = manifest["meta"]["iteration"]
-    return None if store.manifest(layout.full_checkpoint(run, iteration)) is not None else iteration
-
-
-def _drill(point: str, iteration: int) -> None:
-    """Fault drills (tests/test_resident.py): RLFLOW_DRILL=<point>:<iteration> kills this process there, once
-    (RLFLOW_DRILL_ONCE names a file that marks it done). Points: lean-write (trained, nothing written),
-    full-upload (a full checkpoint written locally, not yet in the store), full-done (committed), answer
-    (everything committed, the stage not yet told)."""
-    once = os.environ.get("RLFLOW_DRILL_ONCE")
-    if os.environ.get("RLFLOW_DRILL") != f"{point}:{iteration}" or not once or os.path.exists(once):
-        return
-    if int(os.environ.get("RANK") or 0) != 0:   # a group: its process 0 is killed (torchrun stops the others)
-        return
-    import signal
-
-    Path(once).write_text(point)
-    print(f"drill: killing the trainer at {point} of iteration {iteration}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def serve(state_path: Path, config_path: Path) -> None:
     """The trainer's main loop: answer requests until finished, idle, or replaced (process 0 of a group; the
     others follow it)."""
@@ -466,7 +235,7 @@ def serve(state_path: Path, config_path: Path) -> None:
     cfg = load_config(config_path)
     authkey = os.environ.pop("RLFLOW_TRAINER_AUTHKEY")
     group = Group(cfg)
-    host = Host(cfg, open_store(cfg), group.rank)
+    host = Trainer(cfg, open_store(cfg), group.rank)
     if group.rank != 0:
         follow(host, group)
     address = f"\0rlflow-trainer-{secrets.token_hex(8)}"         # abstract: no file, no path length limit
@@ -482,7 +251,7 @@ def serve(state_path: Path, config_path: Path) -> None:
         threading.Thread(target=_answer, args=(conn, host, group, state_path, busy, last_used), daemon=True).start()
 
 
-def follow(host: Host, group: Group) -> None:
+def follow(host: Trainer, group: Group) -> None:
     """A group's process other than 0: run each request process 0 shares, in step with it. Any failure ends the
     group (process 0 reports it to the stage)."""
     while True:
@@ -509,7 +278,7 @@ def follow(host: Host, group: Group) -> None:
             group.stop(1)
 
 
-def _answer(conn, host: Host, group: Group, state_path: Path, busy: threading.Lock, last_used: list[float]) -> None:
+def _answer(conn, host: Trainer, group: Group, state_path: Path, busy: threading.Lock, last_used: list[float]) -> None:
     """One request: a ping at once; train and finish one at a time (a retried request waits for the first)."""
     with conn:
         try:
@@ -538,7 +307,7 @@ def _answer(conn, host: Host, group: Group, state_path: Path, busy: threading.Lo
         _exit(state_path, group, 0 if message.get("op") == "finish" else 1)
 
 
-def _handle(host: Host, group: Group, message: dict) -> tuple[str, object]:
+def _handle(host: Trainer, group: Group, message: dict) -> tuple[str, object]:
     try:
         if message["op"] == "train":
             key = layout.checkpoint(host.cfg.run.name, message["iteration"])
@@ -562,7 +331,7 @@ def _handle(host: Host, group: Group, message: dict) -> tuple[str, object]:
         return "error", f"{type(e).__name__}: {e}"
 
 
-def _watch(host: Host, group: Group, state_path: Path, busy: threading.Lock, last_used: list[float]) -> None:
+def _watch(host: Trainer, group: Group, state_path: Path, busy: threading.Lock, last_used: list[float]) -> None:
     """Exit when the state file names another process (replaced: write nothing), or after idle_timeout unused
     (a full checkpoint first, so a later resume needs no replay)."""
     idle = host.cfg.train.idle_timeout

@@ -8,8 +8,8 @@
 
 The GRPO math, batching and metrics are tasks/algorithms/'s, the same for every engine; an engine owns the
 model, the optimizer, the processes and the checkpoint format. `update`, `write_checkpoint` and `restore`
-below are one iteration's work on any engine, shared by the train stage (process mode) and the resident
-trainer (tasks/engines/resident.py).
+below are one iteration's work on any engine; one class calls them, the trainer (tasks/engines/trainer.py:
+Trainer), in process mode and resident alike.
 """
 
 from __future__ import annotations

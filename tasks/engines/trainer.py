@@ -1,0 +1,337 @@
+"""The trainer: the one class that trains an iteration (restore and replay, update, checkpoint, trainer/LATEST),
+and the in-process handle on it.
+
+    handle = open_trainer(cfg)               # tasks/train.py: where train.mode and train.host put the trainer
+    handle.prepare(N - 1)                    # (the flow, while it generates N: restore now)
+    handle.train(N, fingerprint)             # ckpt-N committed, trainer/LATEST moved
+    handle.close()                           # the stage is done with it (process mode: the trainer goes)
+    handle.finish()                          # the run is done: a full checkpoint of its last iteration, then it goes
+
+A handle is one of two kinds, with the same four calls (TrainerHandle):
+  InProcessTrainer    the trainer in this process: held across stage calls (train.mode resident, train.host
+                      caller: the flow's own process with the inline launcher), or one of the handle's own
+                      (train.mode process: open, train once, full checkpoint, close; with the deepspeed engine
+                      outside torchrun the engine's `launch` starts a torchrun group whose workers each do that
+                      through this same handle, `python -m tasks.train`)
+  ResidentTrainer     the trainer in a process of its own on this machine, across an authenticated socket
+                      (train.host detached; with deepspeed a torchrun group whose process 0 answers):
+                      tasks/engines/resident.py, which runs the same Trainer on its side
+Both run `Trainer` below, so a resident run and a process-mode run train with the same code and publish the same
+weights (bit for bit on a CPU). What differs is what ckpt-N holds: a resident trainer writes it lean (the policy
+alone) and a full checkpoint (trainer/full-N) every train.checkpoint_every iterations, in the background; a
+process-mode trainer writes ckpt-N in full (model + optimizer + RNG + data cursor), since nothing outlives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from tasks.core import layout
+from tasks.core.models import PROCESS_WIDE
+from tasks.core.store import open_store
+from tasks.engines.training import (
+    lean_files,
+    newest_full,
+    restore,
+    rng_state,
+    set_rng_state,
+    training_engine,
+    update,
+    write_checkpoint,
+)
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+    from tasks.core.store import Store
+    from tasks.engines.training import TrainingEngine
+
+
+class TrainerHandle(Protocol):
+    """What the train stage and the flow hold: the run's trainer, wherever it lives."""
+
+    def train(self, iteration: int, fingerprint: str) -> dict:
+        """Train iteration `iteration` on its stored scored rollouts; ckpt-N is committed on return."""
+    def prepare(self, iteration: int) -> int:
+        """Hold the state after `iteration` now (restore and replay ahead of the train request); writes nothing.
+        Returns the iteration held."""
+    def finish(self, catch_up: bool = False) -> int | None:
+        """A full checkpoint of the last iteration trained, then the trainer goes; its iteration, or None when
+        there was nothing to finish (`catch_up`: also when the run's newest iteration lacks a full checkpoint,
+        one is made by replay)."""
+    def close(self) -> None:
+        """The stage is done with the handle: a trainer of its own goes; the run's trainer stays for the next."""
+
+
+def trainer_key(cfg: Config) -> str:
+    """What a running trainer must have been started with to serve this config: everything but the sections
+    that cannot change a trainer's result or its files (tracking, launcher, cost, eval), and where it runs
+    (train.mode, train.host: a stage process asking with host auto finds the one a detached request started)."""
+    tree = cfg.model_dump(mode="json")
+    for section in ("tracking", "launcher", "cost", "eval"):
+        tree.pop(section)
+    for field in ("mode", "host"):
+        tree["train"].pop(field)
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------- the trainer
+
+class Trainer:
+    """The trainer's state between requests: the engine and the iteration its weights are at. `resident`: it
+    outlives one iteration (lean ckpt-N, background full checkpoints, random streams of its own while it shares
+    a process); else it trains one iteration and writes ckpt-N in full (process mode)."""
+
+    def __init__(self, cfg: Config, store: Store, rank: int = 0, resident: bool = True):
+        self.cfg, self.store, self.rank, self.resident = cfg, store, rank, resident
+        self.engine: TrainingEngine | None = None
+        self.at: int | None = None              # the iteration whose updated state the engine holds
+        self.full_at: int | None = None         # the newest iteration with a full checkpoint, written or writing
+        self.writer: threading.Thread | None = None
+        self.writer_error: BaseException | None = None
+        self.rng: dict | None = None            # the trainer's random streams between requests (see _own_rng)
+        self.restored: float | None = None      # seconds the last restore took, until a train request reports it
+
+    @contextlib.contextmanager
+    def _own_rng(self):
+        """Run with the trainer's own random streams and give the process back its own after: a trainer held by
+        its caller shares the process with generate, which seeds the global torch RNG per request. Without the
+        swap its dropout masks (and the RNG state a full checkpoint saves) would follow generate's seeds, and
+        neither process mode nor a replay, which restore the trainer's saved streams, would give its weights.
+        A process-mode trainer restores its saved streams on open and ends after one iteration: nothing to swap
+        (and no lock held while it trains)."""
+        if not self.resident:
+            yield
+            return
+        with PROCESS_WIDE:         # (a model another thread builds meanwhile waits: tasks/core/models.py)
+            outer = rng_state()
+            if self.rng is not None:
+                set_rng_state(self.rng)
+            try:
+                yield
+            finally:
+                self.rng = rng_state() if self.engine is not None else None
+                set_rng_state(outer)
+
+    def train(self, iteration: int, fingerprint: str) -> dict:
+        with self._own_rng():
+            return self._train(iteration, fingerprint)
+
+    def prepare(self, iteration: int) -> int:
+        """Hold the state after `iteration` (restored and replayed now if not held already); a late request,
+        for an iteration the trainer has trained past, changes nothing. Returns the iteration held."""
+        if self.at is not None and self.at > iteration:
+            return self.at
+        with self._own_rng():
+            self._restore_to(iteration)
+        return iteration
+
+    def _restore_to(self, iteration: int) -> None:
+        if self.at == iteration:
+            return
+        t0 = time.perf_counter()
+        self.close()
+        self.engine = restore(self.cfg, self.store, iteration)
+        self.at = iteration
+        full = self.resident and newest_full(self.store, self.cfg.run.name, iteration)[1] == iteration
+        self.full_at = iteration if full else None     # (process mode writes no full checkpoint but its ckpt-N)
+        self.restored = time.perf_counter() - t0
+        if iteration and self.resident:     # (a new run's trainer has nothing to restore: nothing to say)
+            print(f"restored the state after iteration {iteration} in {self.restored:.2f} s", flush=True)
+
+    def final_checkpoint(self) -> int | None:
+        """A full checkpoint of the current iteration, written now (finish, idle exit). A trainer that holds
+        nothing (new: its predecessor died after committing the run's last iterations) first restores the
+        newest committed one when that has no full checkpoint, so a flow run still ends with one."""
+        with self._own_rng():
+            if self.engine is None and (newest := unfinished(self.store, self.cfg.run.name)) is not None:
+                self._restore_to(newest)
+            return self.checkpoint(background=False)
+
+    def _train(self, iteration: int, fingerprint: str) -> dict:
+        """Restore to iteration - 1 (held already, or the newest full checkpoint and a replay), update, write
+        ckpt-N (lean, or in full), move trainer/LATEST."""
+        cfg, store, run = self.cfg, self.store, self.cfg.run.name
+        key = layout.checkpoint(run, iteration)
+        t0 = time.perf_counter()
+        self._restore_to(iteration - 1)
+        try:
+            metrics = update(self.engine, cfg, store, iteration, t0)
+            if self.restored is not None:      # a new trainer: the newest full checkpoint, then the replay
+                metrics["train/restore_seconds"], self.restored = self.restored, None   # (here or in prepare)
+        except BaseException:
+            self.close()                        # a half-done update: the next request restores
+            raise
+        self.at, engine, meta = iteration, self.engine, {"fingerprint": fingerprint, "metrics": metrics}
+        if self.resident:
+            _drill("lean-write", iteration)
+            write_checkpoint(store, cfg, key, iteration, engine.global_step, lean_files(engine), meta, kind="lean",
+                             rank=self.rank)
+        else:                                   # the whole state: the next iteration's trainer resumes from it
+            write_checkpoint(store, cfg, key, iteration, engine.global_step, lambda out: engine.save(out, iteration),
+                             meta, rank=self.rank)
+            self.full_at = iteration
+        if self.rank == 0:                      # one writer
+            store.advance_pointer(layout.latest(run, "trainer"), key)
+        if not self.resident:
+            engine.barrier()                    # the others return once the checkpoint is complete
+        elif iteration % cfg.train.checkpoint_every == 0:
+            self.checkpoint(background=True)
+        if self.resident:
+            _drill("answer", iteration)
+        return {"key": key}
+
+    def checkpoint(self, background: bool) -> int | None:
+        """A full checkpoint of the current iteration (once): the state is copied now, written and committed on a
+        thread (one at a time) or here. Returns its iteration (None: nothing trained yet)."""
+        self.join()
+        if self.engine is None or not self.at or self.full_at == self.at:     # (at 0: the base model)
+            return self.full_at
+        iteration, engine, cfg, store = self.at, self.engine, self.cfg, self.store
+        files, step = engine.snapshot(iteration), engine.global_step
+        key = layout.full_checkpoint(cfg.run.name, iteration)
+
+        def write() -> None:
+            try:
+                write_checkpoint(store, cfg, key, iteration, step, files, {}, kind="full", keep_policy_here=False,
+                                 before_commit=lambda: _drill("full-upload", iteration), rank=self.rank)
+                _drill("full-done", iteration)
+            except BaseException as e:          # raised by the next request (join)
+                self.writer_error = e
+
+        self.full_at = iteration
+        if background and self.rank == 0:       # (the others' part, collective, was the snapshot)
+            # Not a daemon: a process that ends (a caller holding the trainer) first finishes the write.
+            self.writer = threading.Thread(target=write, name=f"rlflow-full-{iteration}")
+            self.writer.start()
+        else:
+            write()
+            self.join()
+        return iteration
+
+    def join(self) -> None:
+        if self.writer is not None:
+            self.writer.join()
+            self.writer = None
+        if self.writer_error is not None:
+            error, self.writer_error, self.full_at = self.writer_error, None, None
+            raise RuntimeError(f"the background full checkpoint failed: {error}") from error
+
+    def close(self) -> None:
+        self.join()
+        if self.engine is not None:
+            self.engine.close()
+        self.engine, self.at, self.full_at, self.rng = None, None, None, None
+
+
+def unfinished(store: Store, run: str) -> int | None:
+    """The newest committed iteration (trainer/LATEST) when it is lean and has no full checkpoint, else None."""
+    latest = store.get_pointer(layout.latest(run, "trainer"))
+    if latest is None or (manifest := store.manifest(latest)) is None or manifest["meta"].get("kind") != "lean":
+        return None
+    iteration = manifest["meta"]["iteration"]
+    return None if store.manifest(layout.full_checkpoint(run, iteration)) is not None else iteration
+
+
+def _drill(point: str, iteration: int) -> None:
+    """Fault drills (tests/test_resident.py): RLFLOW_DRILL=<point>:<iteration> kills this process there, once
+    (RLFLOW_DRILL_ONCE names a file that marks it done). Points: lean-write (trained, nothing written),
+    full-upload (a full checkpoint written locally, not yet in the store), full-done (committed), answer
+    (everything committed, the stage not yet told)."""
+    once = os.environ.get("RLFLOW_DRILL_ONCE")
+    if os.environ.get("RLFLOW_DRILL") != f"{point}:{iteration}" or not once or os.path.exists(once):
+        return
+    if int(os.environ.get("RANK") or 0) != 0:   # a group: its process 0 is killed (torchrun stops the others)
+        return
+    import signal
+
+    Path(once).write_text(point)
+    print(f"drill: killing the trainer at {point} of iteration {iteration}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------- in this process
+
+_HELD: dict[str, tuple[str, Trainer]] = {}   # run name -> (trainer key, trainer): the trainers this process holds
+_HELD_LOCK = threading.Lock()                # one request at a time, as a detached trainer answers them
+
+
+class InProcessTrainer:
+    """The trainer in this process, called directly: nothing to start, no socket.
+
+    held (train.mode resident, train.host caller): the run's trainer, kept in this process across handles (the
+    flow's own with the inline launcher), the same Trainer a detached one runs. It ends with the process; the next
+    one resumes by replay, as after a lost detached trainer.
+    not held (train.mode process): a trainer of this handle's own, for one iteration: open, train once (ckpt-N in
+    full), close. With an engine of several processes and none around us (deepspeed outside torchrun) the
+    engine's launch starts them instead, and each runs this handle in its process."""
+
+    def __init__(self, cfg: Config, held: bool = True):
+        self.cfg, self.held, self.key = cfg, held, trainer_key(cfg)
+        self.own: Trainer | None = None
+
+    def train(self, iteration: int, fingerprint: str) -> dict:
+        if not self.held:
+            if training_engine(self.cfg).launch(self.cfg, iteration):   # its workers trained (each as here)
+                return {"key": layout.checkpoint(self.cfg.run.name, iteration)}
+            return self._own().train(iteration, fingerprint)
+        with _HELD_LOCK:
+            return self._held().train(iteration, fingerprint)
+
+    def prepare(self, iteration: int) -> int:
+        if not self.held:
+            return self._own().prepare(iteration)
+        with _HELD_LOCK:
+            return self._held().prepare(iteration)
+
+    def finish(self, catch_up: bool = False) -> int | None:
+        """A full checkpoint of the held trainer's last iteration, then it is let go; None: none held. With
+        `catch_up`, when none is held: a full checkpoint of the run's newest iteration if it lacks one (restored
+        here by replay: the process that trained it died after committing it)."""
+        if not self.held:                       # (its ckpt-N is full already)
+            full = self.own.full_at if self.own is not None else None
+            self.close()
+            return full
+        with _HELD_LOCK:
+            held = _HELD.pop(self.cfg.run.name, None)
+            if held is None or held[0] != self.key:
+                if held is not None:
+                    held[1].close()
+                if not catch_up:
+                    return None
+                held = (self.key, self._new(resident=True))
+            trainer = held[1]
+            try:
+                return trainer.final_checkpoint()
+            finally:
+                trainer.close()
+
+    def close(self) -> None:
+        if self.own is not None:
+            own, self.own = self.own, None
+            own.close()
+
+    def _held(self) -> Trainer:
+        """The run's trainer this process holds (made now if none is, or the one held was made for another
+        config: its state cannot serve ours). Called under _HELD_LOCK."""
+        run = self.cfg.run.name
+        held = _HELD.get(run)
+        if held is None or held[0] != self.key:
+            if held is not None:
+                _HELD.pop(run)[1].close()
+            held = _HELD[run] = (self.key, self._new(resident=True))
+        return held[1]
+
+    def _own(self) -> Trainer:
+        if self.own is None:
+            self.own = self._new(resident=False)
+        return self.own
+
+    def _new(self, resident: bool) -> Trainer:
+        return Trainer(self.cfg, open_store(self.cfg), int(os.environ.get("RANK") or 0), resident=resident)
