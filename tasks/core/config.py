@@ -888,7 +888,8 @@ def _resolve_relative(tree: dict, base: Path) -> None:
 
 def _format_error(err: ValidationError) -> str:
     e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"]) or "config"
+    parts = [p for i, p in enumerate(e["loc"]) if not (i and e["loc"][i - 1] == "learner" and p in LEARNER_CONFIGS)]
+    loc = ".".join(str(p) for p in parts) or "config"         # (without the union's tag: train.algorithm says it)
     got = e.get("input")
     if e["type"] == "extra_forbidden":
         return f"config: unknown key {loc!r}"
