@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tasks.algorithms import learners
 from tasks.algorithms.batching import MicroBatch
+from tasks.algorithms.learners import Forward, Totals
+from tasks.algorithms.learners.registry import make
 from tasks.algorithms.logprobs import completion_logprobs
 from tasks.algorithms.stats import UpdateStats
 
@@ -32,11 +33,11 @@ def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, ite
     processes, the loss normalised over the whole batch. Returns the statistics over all processes. `batches`
     carry what `learner.scores` made of their rows' rewards (`learner`: train.algorithm's for `iteration`)."""
     tc, temperature = cfg.train, cfg.generate.temperature
-    learner = learner if learner is not None else learners.make(cfg, iteration)
+    learner = learner if learner is not None else make(cfg, iteration)
     fixed_logprobs(engine, batches, cfg)
     learner.prepare(engine, batches)          # (it may drop rows without a reward: their mask becomes 0)
     num_tokens, num_seqs = engine.sum([float(sum(b.mask.sum() for b in batches)), sum(b.rows for b in batches)])
-    totals = learners.Totals(num_tokens, int(num_seqs))
+    totals = Totals(num_tokens, int(num_seqs))
     stats = UpdateStats()
     for pass_ in range(tc.num_iterations):
         engine.zero_grad()
@@ -44,7 +45,7 @@ def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, ite
         for b in batches:
             out = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width, temperature,
                                       with_entropy=True, with_hidden=learner.uses_hidden, share_prompts=b.share_prompts)
-            fwd = learners.Forward(out[0], out[1], out[2] if learner.uses_hidden else None)
+            fwd = Forward(out[0], out[1], out[2] if learner.uses_hidden else None)
             engine.backward(learner.loss(engine, b, fwd, totals, stats, first_pass=pass_ == 0))
         stats.grad_norm = engine.step()
     return stats.reduce(engine, num_tokens)

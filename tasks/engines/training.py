@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tasks.algorithms import learners
 from tasks.algorithms.batching import shard_batches
+from tasks.algorithms.learners.registry import make as make_learner
 from tasks.algorithms.update import optimise
 from tasks.core import data, layout, rollout
 from tasks.core.store import sha256_file
@@ -133,7 +133,7 @@ def update(engine: TrainingEngine, cfg: Config, store: Store, iteration: int, t0
     optimiser passes. Returns the train/* metrics (`t0`: when the stage started, for train/seconds)."""
     t0 = time.perf_counter() if t0 is None else t0
     tc = cfg.train
-    learner = learners.make(cfg, iteration)
+    learner = make_learner(cfg, iteration)
     records = rollout.load(store, layout.rewards(cfg.run.name, iteration))
     rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
     older = [r for k in learner.replay(iteration) for r in rollout.load(store, layout.rewards(cfg.run.name, k))]

@@ -8,6 +8,8 @@ pre-training) and its loss; its settings are its own section of the config (trai
 
 The update loop (tasks/algorithms/update.py: optimise) is the same for all of them and never asks which one
 runs; the train stage (tasks/engines/training.py: update) loads the rollouts a learner asks for from the store.
+This module holds what they share (the Learner contract, a forward's outputs, the batch's totals) and imports
+none of them; registry.py maps train.algorithm to its learner.
 """
 
 from __future__ import annotations
@@ -17,14 +19,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tasks.algorithms.learners.grpo import Grpo
-from tasks.algorithms.learners.ppo import Ppo
-from tasks.algorithms.learners.vtrace_awr import VtraceAwr
-
 if TYPE_CHECKING:
     from tasks.algorithms.batching import MicroBatch
     from tasks.algorithms.stats import UpdateStats
-    from tasks.core.config import Config
     from tasks.engines.training import TrainingEngine
 
 
@@ -46,7 +43,7 @@ class Totals:
 
 
 class Learner(Protocol):
-    """One algorithm's side of an update; made for one iteration by `make(cfg, iteration)`."""
+    """One algorithm's side of an update; made for one iteration by registry.make(cfg, iteration)."""
 
     uses_hidden: bool        # the passes' forward also returns the last hidden states (a value model's input)
     off_policy: bool         # trains on replayed and off-line rows too (train/rows reports how many)
@@ -71,11 +68,3 @@ class Learner(Protocol):
 
     def metrics(self, stats: UpdateStats, metrics: dict[str, float], denom: float) -> None:
         """The learner's own train/* metrics, added to `metrics` (denom: the batch's tokens, at least 1)."""
-
-
-LEARNERS: dict[str, type] = {"grpo": Grpo, "ppo": Ppo, "vtrace_awr": VtraceAwr}
-
-
-def make(cfg: Config, iteration: int = 1) -> Learner:
-    """The learner train.algorithm names, for iteration `iteration`'s update."""
-    return LEARNERS[cfg.train.algorithm](cfg, iteration)
