@@ -29,7 +29,7 @@ from learning_curve_vs_trl import ours  # noqa: E402
 LEARNERS = {
     "grpo": (),
     "ppo (value head)": ("train.algorithm=ppo",),
-    "ppo (separate critic)": ("train.algorithm=ppo", "train.critic=separate"),
+    "ppo (separate critic)": ("train.algorithm=ppo", "train.learner.critic=separate"),
     "vtrace_awr (replay 2)": ("train.algorithm=vtrace_awr",),
 }
 

@@ -66,7 +66,7 @@ def preflight(cfg: Config) -> None:
         sampling_engine(cfg).check_installed(cfg)
     if cfg.launcher.mode_of("train") != "sky":
         training_engine(cfg).check_installed(cfg)
-    if cfg.train.offline_rollouts:
+    if cfg.train.learner.offline():
         from tasks.engines.training import offline_rollouts
 
         offline_rollouts(cfg, open_store(cfg))      # a key with no scored rollouts: one line, exit 2

@@ -128,8 +128,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                     "env.kwargs.executable: '/nonexistent/chromium' is not an executable Chromium"),
         "off-line rollouts that are not there": (
             ["run", str(TINY), "-o", "train.algorithm=vtrace_awr", "-o",
-             "train.offline_rollouts=[elsewhere/iter-000001/rewards]"],
-            "train.offline_rollouts: elsewhere/iter-000001/rewards: no scored rollouts at "),
+             "train.learner.offline_rollouts=[elsewhere/iter-000001/rewards]"],
+            "train.learner.offline_rollouts: elsewhere/iter-000001/rewards: no scored rollouts at "),
         "environment server, unreachable by the sky generate": (
             ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.where=local", "-o",
              "launcher.stages={generate: sky}"], "env.where: local serves the environments on this machine"),

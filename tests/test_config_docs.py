@@ -22,3 +22,47 @@ def test_fields_added_later_enter_fingerprints_only_when_set():
     assert load_config(TINY, ["train.advantage=rloo"]).section_hash("train") != base.section_hash("train")
     assert load_config(TINY, ["reward.sandbox.cpus=2"]).section_hash("reward") != base.section_hash("reward")
     assert load_config(TINY, ["train.checkpoint_every=3"]).section_hash("train") == base.section_hash("train")
+
+
+def test_learner_settings_written_flat_are_read_into_their_section(tmp_path, capsys):
+    """Issue 28 moved each learner's settings from `train` into train.learner (a section per train.algorithm):
+    the old flat keys, in a file or as overrides, give the same config and the same fingerprint as the new
+    ones, with one warning line per key naming its new place; a key set both ways is refused; another
+    learner's setting is ignored with a line (a ppo config run with algorithm grpo)."""
+    import pytest
+    import yaml
+
+    from tasks.core.config import TrainConfig, load_config
+    from tasks.core.errors import UserError
+    from tests.conftest import TINY
+
+    tree = yaml.safe_load(TINY.read_text())
+    tree["data"]["path"] = str((TINY.parent / tree["data"]["path"]).resolve())
+    tree["train"].update(algorithm="vtrace_awr", gamma=0.9, replay_iterations=3)     # the shape before
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(tree))
+    capsys.readouterr()
+    flat = load_config(old, ["train.kl_target=0.05"])
+    err = capsys.readouterr().err
+    assert "warning: config: train.gamma is now train.learner.gamma" in err
+    assert "warning: config: train.kl_target is now train.learner.kl_target" in err
+    new = load_config(TINY, [f"data.path={tree['data']['path']}", "train.algorithm=vtrace_awr",
+                             "train.learner.gamma=0.9", "train.learner.replay_iterations=3",
+                             "train.learner.kl_target=0.05"])
+    assert capsys.readouterr().err == ""
+    assert flat == new and flat.section_hash("train") == new.section_hash("train")
+    assert (new.train.learner.gamma, new.train.learner.replay_iterations) == (0.9, 3)
+    # an override after the file wins, in either spelling
+    assert load_config(old, ["train.learner.gamma=0.5"]).train.learner.gamma == 0.5
+    # what a config dumps loads back as itself (the resident trainer's and deepspeed's workers read it so)
+    assert load_config(None, base=new.model_dump(mode="json")) == new
+    assert TrainConfig(algorithm="ppo", gamma=0.8).learner.gamma == 0.8
+    with pytest.raises(UserError, match="train.gamma and train.learner.gamma are both set"):
+        TrainConfig.model_validate({"algorithm": "ppo", "gamma": 0.8, "learner": {"gamma": 0.7}})
+    capsys.readouterr()
+    grpo = load_config(TINY, ["train.algorithm=ppo", "train.learner.gamma=0.9", "train.algorithm=grpo"])
+    assert grpo.train.learner == load_config(TINY, []).train.learner
+    assert "train.learner.gamma is a setting of ppo, vtrace_awr; train.algorithm is grpo: ignored" in \
+        capsys.readouterr().err
+    with pytest.raises(UserError, match="unknown key 'train.learner.gama'"):
+        load_config(TINY, ["train.learner.gama=0.9"])

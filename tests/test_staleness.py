@@ -100,8 +100,8 @@ def test_stale_samples_are_weighted_by_the_proximal_over_the_behaviour_policy():
     """π_old is the trainer's weights before the update (AReaL's proximal policy), μ the sampler's: tis caps
     π_old/μ (or masks it, per importance_sampling_mode), decoupled masks each token above the cap; the share
     of capped tokens is reported."""
+    from tasks.algorithms.learners.grpo import behaviour_weight
     from tasks.algorithms.stats import UpdateStats
-    from tasks.algorithms.update import behaviour_weight
 
     old = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
     behaviour = torch.tensor([[-1.0, -2.0, -4.0, -0.5]])            # ρ = 1, e, e^3 (> 3), e^-0.5

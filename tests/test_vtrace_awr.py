@@ -204,7 +204,8 @@ def test_off_line_rollouts_from_another_run_join_every_update(tmp_path):
                    "train.offline_rollouts=[source/iter-000009/rewards]")
     generate(missing, 1, "base")
     reward(missing, 1)
-    with pytest.raises(UserError, match=r"^train.offline_rollouts: source/iter-000009/rewards: no scored rollouts at "):
+    with pytest.raises(UserError, match=r"^train.learner.offline_rollouts: source/iter-000009/rewards: no scored "
+                                        r"rollouts at "):
         train(missing, 1)
     with pytest.raises(UserError, match="offline_rollouts: off-line data needs an off-policy learner"):
         load_config(TINY, [f"train.offline_rollouts=[{key}]"])

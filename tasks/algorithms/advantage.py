@@ -1,4 +1,4 @@
-"""Advantages from one scalar reward per completion (`train.advantage`).
+"""Advantages from one scalar reward per completion (`train.learner.advantage`).
 
     group                  A_i = (r_i - mean(r_group)) / (std + 1e-4)         TRL's GRPOTrainer
     rloo                   A_i = r_i - mean(r_group without i)                 RLOO (leave-one-out baseline)

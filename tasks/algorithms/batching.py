@@ -26,9 +26,10 @@ class MicroBatch:
     positions: torch.Tensor            # (b, Lp+Lc) long: real tokens counted only, as the generator saw them
     mask: torch.Tensor                 # (b, Lc) float: 1 on completion tokens that enter the loss
     behaviour: torch.Tensor            # (b, Lc) float: the generator's logprob of each token (μ), 0 on padding
-    advantages: torch.Tensor           # (b,), or (b, Lc) per token (ppo: set from the rows' rewards by
-                                       # tasks/algorithms/update.py before the passes)
+    scores: torch.Tensor               # (b,) what the learner made of the rows' rewards before the batch was
+                                       # split (Learner.scores: GRPO's advantages, the value learners' rewards)
     rows: int                          # completions in it (0: a weightless micro-batch, see shard_batches)
+    advantages: torch.Tensor | None = None     # (b,), or (b, Lc) per token: set by the learner's prepare
     ref: torch.Tensor | None = None    # (b, Lc) the reference policy's logprobs (beta > 0)
     old: torch.Tensor | None = None    # (b, Lc) π_old: the logprobs before this iteration's first step
     values: torch.Tensor | None = None     # (b, Lc) ppo: the critic's values before the update (V_old)
@@ -67,9 +68,10 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
     return ids, attn, positions, cmask
 
 
-def prepare_batches(records: list[Rollout], advantages: torch.Tensor, pad_token_id: int, tc: TrainConfig,
+def prepare_batches(records: list[Rollout], scores: torch.Tensor, pad_token_id: int, tc: TrainConfig,
                     device: torch.device | str) -> list[MicroBatch]:
-    """Pad the scored rollouts into micro-batches of `tc.micro_batch_size` (advantages: (N,), one per record)."""
+    """Pad the scored rollouts into micro-batches of `tc.micro_batch_size` (scores: (N,), one per record: what
+    the learner made of their rewards, tasks/algorithms/learners/)."""
     batches = []
     for start in range(0, len(records), tc.micro_batch_size):
         chunk = records[start:start + tc.micro_batch_size]
@@ -85,19 +87,19 @@ def prepare_batches(records: list[Rollout], advantages: torch.Tensor, pad_token_
             mask = mask * torch.tensor([[0.0 if r.truncated else 1.0] for r in chunk])
         batches.append(MicroBatch(ids=ids, attention=attn, positions=pos, mask=mask.to(device),
                                   behaviour=behaviour.to(device),
-                                  advantages=advantages[start:start + len(chunk)].to(device), rows=len(chunk),
+                                  scores=scores[start:start + len(chunk)].to(device), rows=len(chunk),
                                   share_prompts=tc.share_prompts))
     return batches
 
 
-def shard_batches(records: list[Rollout], advantages: torch.Tensor, pad_token_id: int, tc: TrainConfig,
+def shard_batches(records: list[Rollout], scores: torch.Tensor, pad_token_id: int, tc: TrainConfig,
                   device: torch.device | str, rank: int, world_size: int) -> list[MicroBatch]:
     """This process's micro-batches: a contiguous shard of ceil(N / world_size) completions, padded with
     weightless micro-batches (mask 0, no rows) to the count of the largest shard: every process must run
     the same number of forwards and backwards, since ZeRO gathers and reduces inside them."""
     size = -(-len(records) // world_size)
     lo, hi = min(rank * size, len(records)), min((rank + 1) * size, len(records))
-    batches = prepare_batches(records[lo:hi], advantages[lo:hi], pad_token_id, tc, device)
+    batches = prepare_batches(records[lo:hi], scores[lo:hi], pad_token_id, tc, device)
     while len(batches) < -(-size // tc.micro_batch_size):
         empty = prepare_batches(records[:1], torch.zeros(1), pad_token_id, tc, device)[0]
         batches.append(dataclasses.replace(empty, mask=torch.zeros_like(empty.mask), rows=0))

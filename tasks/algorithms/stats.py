@@ -26,6 +26,15 @@ class Reducer(Protocol):
     def min(self, values: list[float]) -> list[float]: ...
 
 
+class LearnerMetrics(Protocol):
+    """What `metrics` asks of the learner (tasks/algorithms/learners/: Learner)."""
+
+    reports_kl_ref: bool
+    behaviour_weighted: bool
+
+    def metrics(self, stats: UpdateStats, metrics: dict[str, float], denom: float) -> None: ...
+
+
 @dataclass
 class UpdateStats:
     loss: float = 0.0               # the last pass's loss (this process's share until reduced)
@@ -42,7 +51,7 @@ class UpdateStats:
     is_ratio_min: float = math.inf
     is_capped_sum: float = 0.0      # first pass: tokens whose behaviour weight hit the cap (truncated or masked)
     num_tokens: float = 0.0         # tokens in the loss, over all processes
-    value_loss: float = 0.0         # ppo, the last pass: the value loss (½ token mean of the clipped error)
+    value_loss: float = 0.0         # ppo, vtrace_awr, the last pass: the value loss (½ token mean of the clipped error)
     value_clipped: float = 0.0      # ppo, the last pass: tokens where the clipped error was the larger
     value_sum: float = 0.0          # ppo, first pass: the critic's values summed over tokens
     return_sum: float = 0.0         # ppo: GAE's returns summed over tokens
@@ -119,8 +128,10 @@ class UpdateStats:
         self.num_tokens = num_tokens
         return self
 
-    def metrics(self, rewards: torch.Tensor, advantages: torch.Tensor, tc: TrainConfig, seconds: float) -> dict:
-        """The train/* metrics of an iteration: rewards (N,) with NaN for missing, advantages (N,)."""
+    def metrics(self, rewards: torch.Tensor, advantages: torch.Tensor, tc: TrainConfig, seconds: float,
+                learner: LearnerMetrics | None = None) -> dict:
+        """The train/* metrics of an iteration: rewards (N,) with NaN for missing, advantages (N,) (the rows'
+        scores), and the learner's own (tasks/algorithms/learners/; None: one with none, as grpo)."""
         present = rewards[~torch.isnan(rewards)]
         denom = max(self.num_tokens, 1.0)   # every completion may be masked (mask_truncated_completions)
         metrics = {
@@ -139,21 +150,11 @@ class UpdateStats:
             "train/tokens_per_s": self.num_tokens * tc.num_iterations / max(seconds, 1e-9),
             "train/seconds": seconds,
         }
-        if tc.algorithm == "vtrace_awr":
-            metrics.update({"train/awr_weight_mean": self.awr_weight_sum / denom,
-                            "train/kl_behaviour": self.kl_behaviour, "train/kl_multiplier": self.multiplier})
-        if tc.algorithm != "grpo":
-            del metrics["train/advantage_std"]          # (whitened per token: 1 by construction)
-            var = self.return_sq / denom - (self.return_sum / denom) ** 2
-            metrics.update({"train/value_loss": self.value_loss, "train/value_mean": self.value_sum / denom,
-                            "train/return_mean": self.return_sum / denom,
-                            "train/value_clipped": self.value_clipped / denom,
-                            # 1 - Var(G - V) / Var(G) as a mean squared error: 1 a perfect critic, 0 a constant
-                            "train/explained_variance": 1.0 - (self.value_error / denom) / var if var > 1e-12
-                            else 0.0})
-        if tc.beta > 0 and not (tc.algorithm == "ppo" and tc.kl_in_reward):
+        if learner is not None:
+            learner.metrics(self, metrics, denom)
+        if tc.beta > 0 and (learner is None or learner.reports_kl_ref):
             metrics["train/kl_ref"] = self.kl_ref / denom
-        if tc.importance_sampling_correction and tc.algorithm != "vtrace_awr":    # (V-trace weighs by ρ itself)
+        if tc.importance_sampling_correction and (learner is None or learner.behaviour_weighted):
             metrics["train/is_ratio_mean"] = self.is_ratio_sum / denom
             metrics["train/is_ratio_min"] = self.is_ratio_min if math.isfinite(self.is_ratio_min) else 1.0
             metrics["train/is_capped"] = self.is_capped_sum / denom     # share of tokens truncated or masked

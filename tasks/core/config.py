@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 from urllib.parse import urlparse
 
 import yaml
@@ -282,8 +283,145 @@ class EnvConfig(Section):
         return self.where != "stage" or self.server_url is not None
 
 
+# ------------------------------------------------------------------------------------------------ learners
+# Each learner's own settings (tasks/algorithms/learners/), a discriminated union tagged by train.algorithm: the
+# tag is filled in from train.algorithm, so a config names the algorithm once. They sat flat in `train` before
+# (train.gamma ...): those keys are still read, moved here with one warning line (LEARNER_KEYS, _migrate_train).
+
+
+class LearnerConfig(Section):
+    """What every learner's settings have."""
+
+    value_model: ClassVar[bool] = False       # the trainer holds a value model beside the policy (engines/critic.py)
+
+    def offline(self) -> list[str]:
+        """Store keys of scored rollouts from elsewhere that every update adds (off-line data)."""
+        return []
+
+
+class GrpoConfig(LearnerConfig):
+    """grpo: advantages from the rewards alone (tasks/algorithms/learners/grpo.py)."""
+
+    algorithm: Literal["grpo"] = Field("grpo", exclude=True, json_schema_extra=HOW_NOT_WHAT,
+                                       description="(train.algorithm, filled in)")
+    advantage: Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "group", json_schema_extra=SINCE_DEFAULT,
+        description="Advantage estimator (tasks/algorithms/advantage.py): group-relative (GRPO), RLOO's leave-one-out "
+        "baseline, REINFORCE++ (batch-whitened rewards) or REINFORCE++-baseline (group mean "
+        "removed, then batch-whitened).")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="advantage: group only: the "
+                                                              "std normalisation.")
+
+
+class ValueLearnerConfig(LearnerConfig):
+    """What the learners with a value model share (ppo, vtrace_awr)."""
+
+    value_model: ClassVar[bool] = True
+    critic: Literal["head", "separate"] = Field(
+        "head", json_schema_extra=SINCE_DEFAULT,
+        description="head: a value head on the policy's own last hidden state (one forward for both); "
+        "separate: a value model of its own (the base model's trunk and a head), trained beside the policy.")
+    gamma: float = Field(1.0, ge=0, le=1, json_schema_extra=SINCE_DEFAULT, description="The discount (GAE's, "
+                         "V-trace's).")
+    lam: float = Field(0.95, ge=0, le=1, json_schema_extra=SINCE_DEFAULT, description="λ of GAE, or of V-trace's "
+                       "traces.")
+    vf_coef: float = Field(0.5, ge=0, json_schema_extra=SINCE_DEFAULT, description="The value loss's weight.")
+    critic_lr: float | None = Field(None, gt=0, json_schema_extra=SINCE_DEFAULT,
+                                    description="The critic's learning rate (None: train.lr).")
+
+
+class PpoConfig(ValueLearnerConfig):
+    """ppo: a value model and GAE's per-token advantages (tasks/algorithms/learners/ppo.py)."""
+
+    algorithm: Literal["ppo"] = Field("ppo", exclude=True, json_schema_extra=HOW_NOT_WHAT,
+                                      description="(train.algorithm, filled in)")
+    value_clip: float | None = Field(0.2, gt=0, json_schema_extra=SINCE_DEFAULT,
+                                     description="Clip of the value prediction around the old one (None: unclipped).")
+    critic_warmup: int = Field(0, ge=0, json_schema_extra=SINCE_DEFAULT,
+                               description="The first N iterations train the critic alone; the policy is "
+                               "frozen (a value head learns on detached hidden states).")
+    kl_in_reward: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
+                               description="The KL to the reference (train.beta) is a per-token penalty in the "
+                               "reward, β·(log π_old - log π_ref), instead of a loss term.")
+
+
+class VtraceAwrConfig(ValueLearnerConfig):
+    """vtrace_awr: V-trace targets, AWR and a learned KL constraint (tasks/algorithms/learners/vtrace_awr.py)."""
+
+    algorithm: Literal["vtrace_awr"] = Field("vtrace_awr", exclude=True, json_schema_extra=HOW_NOT_WHAT,
+                                             description="(train.algorithm, filled in)")
+    rho_bar: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="ρ̄, the truncation of the "
+                           "importance weight in V-trace's TD errors and advantages.")
+    c_bar: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="c̄, the truncation of the trace "
+                         "coefficients (times lam).")
+    awr_temperature: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="τ in the weights "
+                                   "exp(Â/τ) of the whitened advantages.")
+    awr_max_weight: float = Field(20.0, gt=1, json_schema_extra=SINCE_DEFAULT, description="The weights' cap.")
+    kl_target: float = Field(0.01, gt=0, json_schema_extra=SINCE_DEFAULT, description="ε, the soft target of "
+                             "KL(behaviour ‖ policy) per token that the Lagrange multiplier holds.")
+    kl_multiplier_init: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="The multiplier's "
+                                      "initial value (η = softplus of a learned parameter).")
+    value_epochs: int = Field(2, ge=0, le=1000, json_schema_extra=SINCE_DEFAULT, description="Value pre-training "
+                              "steps each iteration on the detached hidden states of one forward (the head alone "
+                              "learns: no extra full forward per epoch).")
+    replay_iterations: int = Field(2, ge=1, le=1000, json_schema_extra=SINCE_DEFAULT, description="Train on the "
+                                   "rollouts of the last K iterations (this one included): off-policy data, "
+                                   "corrected by V-trace's truncated importance weights.")
+    offline_rollouts: list[str] = Field(
+        [], json_schema_extra=SINCE_DEFAULT,
+        description="Scored rollouts from elsewhere in the store (keys of rewards folders, e.g. another run's "
+        "<run>/iter-000003/rewards), added to every update: off-line data, its behaviour logprobs its own "
+        "generator's, corrected by V-trace's truncated weights.")
+
+    def offline(self) -> list[str]:
+        return self.offline_rollouts
+
+
+Learner = Annotated[GrpoConfig | PpoConfig | VtraceAwrConfig, Field(discriminator="algorithm")]
+LEARNER_CONFIGS: dict[str, type[LearnerConfig]] = {"grpo": GrpoConfig, "ppo": PpoConfig, "vtrace_awr": VtraceAwrConfig}
+# The keys that moved from `train` into `train.learner` (issue 28): every learner's settings but the tag.
+LEARNER_KEYS = frozenset(name for c in LEARNER_CONFIGS.values() for name in c.model_fields if name != "algorithm")
+# `learner` enters the train fingerprint flat, as its keys did before they moved, so stored runs resume.
+FLAT_IN_FINGERPRINT = {"fingerprint": "flat"}
+
+
+def moved(old: str, new: str) -> None:
+    """One warning line on stderr per old key and process: the key is read, its new name is `new`."""
+    if old not in _WARNED:
+        _WARNED.add(old)
+        print(f"warning: config: {old} is now {new} (read as that; write the new key)", file=sys.stderr)
+
+
+_WARNED: set[str] = set()
+
+
+def _migrate_train(train: Any, where: str = "train") -> Any:
+    """A `train` mapping with the learner's settings flat in it (the shape before issue 28): them moved into
+    train.learner, each named once on stderr. A key in both places is an error (which one would win?)."""
+    if not isinstance(train, dict) or not LEARNER_KEYS & train.keys():
+        return train
+    train = dict(train)
+    learner = train.get("learner")
+    learner = dict(learner) if isinstance(learner, dict) else {} if learner is None else learner
+    if not isinstance(learner, dict):
+        return train                    # (a model instance: validation says what is wrong)
+    for key in [k for k in train if k in LEARNER_KEYS]:
+        if key in learner:
+            raise UserError(f"config: {where}.{key} and {where}.learner.{key} are both set; keep "
+                            f"{where}.learner.{key}")
+        moved(f"{where}.{key}", f"{where}.learner.{key}")
+        learner[key] = train.pop(key)
+    train["learner"] = learner
+    return train
+
+
 class TrainConfig(Section):
-    """The GRPO update."""
+    """The update: the optimiser, the policy loss, and the learner (train.algorithm, train.learner)."""
+
+    # The train fingerprint keeps the flat shape it had before the learners' settings moved into train.learner
+    # (FLAT_IN_FINGERPRINT); scale_rewards was fingerprinted always then, with every algorithm, so the learners
+    # without it still show its default there: stored runs of ppo and vtrace_awr resume.
+    _fingerprint_always: ClassVar[dict] = {"scale_rewards": "group"}
 
     engine: Literal["torch", "deepspeed"] = Field(
         "torch", description="Training engine: torch (one process, one device) or deepspeed (ZeRO 1-3 over "
@@ -346,63 +484,19 @@ class TrainConfig(Section):
     mask_truncated_completions: bool = Field(False, description="Exclude completions that hit the length limit "
                                              "from the loss.")
     num_iterations: int = Field(1, ge=1, description="Optimiser passes over each generated batch (TRL's μ).")
-    advantage: Literal["group", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
-        "group", json_schema_extra=SINCE_DEFAULT,
-        description="Advantage estimator (tasks/algorithms/advantage.py): group-relative (GRPO), RLOO's leave-one-out "
-        "baseline, REINFORCE++ (batch-whitened rewards) or REINFORCE++-baseline (group mean "
-        "removed, then batch-whitened).")
-    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="advantage: group only: the "
-                                                              "std normalisation.")
     algorithm: Literal["grpo", "ppo", "vtrace_awr"] = Field(
         "grpo", json_schema_extra=SINCE_DEFAULT,
-        description="grpo: advantages from the rewards alone (train.advantage; the GRPO family by loss_type). ppo: "
-        "a value model (train.critic) and GAE (gamma, lam) give per-token advantages, whitened over the batch; the "
-        "policy loss is loss_type's clipped surrogate, plus vf_coef times the clipped value loss. vtrace_awr: "
-        "V-trace targets and advantages (rho_bar, c_bar, lam) from the behaviour logprobs, an advantage-weighted "
+        description="The learner (tasks/algorithms/learners/), its own settings in train.learner. grpo: advantages "
+        "from the rewards alone (train.learner.advantage; the GRPO family by loss_type). ppo: a value model "
+        "(train.learner.critic) and GAE (gamma, lam) give per-token advantages, whitened over the batch; the policy "
+        "loss is loss_type's clipped surrogate, plus vf_coef times the clipped value loss. vtrace_awr: V-trace "
+        "targets and advantages (rho_bar, c_bar, lam) from the behaviour logprobs, an advantage-weighted "
         "log-likelihood (awr_temperature), a KL to the behaviour policy held near kl_target by a learned Lagrange "
         "multiplier, value pre-training on detached hidden states (value_epochs) and a replay of the last "
         "replay_iterations iterations' rollouts. Both on the torch engine (tasks/algorithms/ppo.py, vtrace.py).")
-    critic: Literal["head", "separate"] = Field(
-        "head", json_schema_extra=SINCE_DEFAULT,
-        description="ppo: head: a value head on the policy's own last hidden state (one forward for both); "
-        "separate: a value model of its own (the base model's trunk and a head), trained beside the policy.")
-    gamma: float = Field(1.0, ge=0, le=1, json_schema_extra=SINCE_DEFAULT, description="ppo: GAE's discount.")
-    lam: float = Field(0.95, ge=0, le=1, json_schema_extra=SINCE_DEFAULT, description="ppo: GAE's λ.")
-    vf_coef: float = Field(0.5, ge=0, json_schema_extra=SINCE_DEFAULT, description="ppo: the value loss's weight.")
-    value_clip: float | None = Field(0.2, gt=0, json_schema_extra=SINCE_DEFAULT,
-                                     description="ppo: clip of the value prediction around the old one (None: "
-                                     "unclipped).")
-    critic_lr: float | None = Field(None, gt=0, json_schema_extra=SINCE_DEFAULT,
-                                    description="ppo: the critic's learning rate (None: train.lr).")
-    critic_warmup: int = Field(0, ge=0, json_schema_extra=SINCE_DEFAULT,
-                               description="ppo: the first N iterations train the critic alone; the policy is "
-                               "frozen (a value head learns on detached hidden states).")
-    rho_bar: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: ρ̄, the "
-                           "truncation of the importance weight in V-trace's TD errors and advantages.")
-    c_bar: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: c̄, the truncation "
-                         "of the trace coefficients (times lam).")
-    awr_temperature: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: τ in the "
-                                   "weights exp(Â/τ) of the whitened advantages.")
-    awr_max_weight: float = Field(20.0, gt=1, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: the "
-                                  "weights' cap.")
-    kl_target: float = Field(0.01, gt=0, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: ε, the soft "
-                             "target of KL(behaviour ‖ policy) per token that the Lagrange multiplier holds.")
-    kl_multiplier_init: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: the "
-                                      "multiplier's initial value (η = softplus of a learned parameter).")
-    value_epochs: int = Field(2, ge=0, le=1000, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: value "
-                              "pre-training steps each iteration on the detached hidden states of one forward "
-                              "(the head alone learns: no extra full forward per epoch).")
-    replay_iterations: int = Field(2, ge=1, le=1000, json_schema_extra=SINCE_DEFAULT, description="vtrace_awr: "
-                                   "train on the rollouts of the last K iterations (this one included): off-policy "
-                                   "data, corrected by V-trace's truncated importance weights.")
-    offline_rollouts: list[str] = Field(
-        [], json_schema_extra=SINCE_DEFAULT,
-        description="vtrace_awr: scored rollouts from elsewhere in the store (keys of rewards folders, e.g. "
-        "another run's <run>/iter-000003/rewards), added to every update: off-line data, its behaviour logprobs "
-        "its own generator's, corrected by V-trace's truncated weights.")
-    kl_in_reward: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
-                               description="ppo: the KL to the reference (beta) is a per-token penalty in the "
-                               "reward, β·(log π_old - log π_ref), instead of a loss term.")
+    learner: Learner = Field(
+        GrpoConfig(), json_schema_extra=FLAT_IN_FINGERPRINT,
+        description="The settings of train.algorithm's learner (one section per learner; the algorithm picks it).")
     lora_r: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapter is "
                         "trained, checkpointed and published.")
     lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
@@ -426,11 +520,38 @@ class TrainConfig(Section):
     offload_optimizer: bool = Field(False, description="deepspeed: keep the optimizer states in CPU memory and step "
                                     "them there (ZeRO-Offload, DeepSpeedCPUAdam; built on first use).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _the_algorithms_learner(cls, data: Any) -> Any:
+        """train.learner tagged with train.algorithm; settings flat in `train` moved into it (_migrate_train);
+        another learner's settings (a config written for ppo, run with algorithm grpo) ignored with a line."""
+        if not isinstance(data, dict):
+            return data
+        data = _migrate_train(data)
+        algorithm = data.get("algorithm", "grpo")
+        learner = data.get("learner")
+        learner = {} if learner is None else learner
+        if not isinstance(learner, dict) or algorithm not in LEARNER_CONFIGS:
+            return data                 # (a model instance, or a bad algorithm: validation says what is wrong)
+        learner = dict(learner)
+        if learner.setdefault("algorithm", algorithm) != algorithm:
+            raise ValueError(f"learner.algorithm: {learner['algorithm']!r} is not train.algorithm "
+                             f"({algorithm!r}); leave it out")
+        own = LEARNER_CONFIGS[algorithm].model_fields
+        for key in [k for k in learner if k not in own and k in LEARNER_KEYS]:
+            if key == "offline_rollouts" and learner[key]:
+                raise ValueError("offline_rollouts: off-line data needs an off-policy learner: algorithm: vtrace_awr")
+            others = ", ".join(a for a, c in LEARNER_CONFIGS.items() if key in c.model_fields)
+            print(f"warning: config: train.learner.{key} is a setting of {others}; train.algorithm is "
+                  f"{algorithm}: ignored", file=sys.stderr)
+            del learner[key]
+        return {**data, "learner": learner}
+
     @model_validator(mode="after")
     def _engine_supports(self):
-        if self.offline_rollouts and self.algorithm != "vtrace_awr":
-            raise ValueError("offline_rollouts: off-line data needs an off-policy learner: algorithm: vtrace_awr")
-        if self.algorithm != "grpo" and self.critic == "separate" and self.engine == "deepspeed":
+        if self.learner.algorithm != self.algorithm:
+            raise ValueError(f"learner: the settings of {self.learner.algorithm}, but algorithm is {self.algorithm}")
+        if self.learner.value_model and self.learner.critic == "separate" and self.engine == "deepspeed":
             raise ValueError("critic: separate needs engine: torch (the deepspeed engine holds a value head on the "
                              "policy's trunk: critic: head)")
         if self.lora_r and self.engine == "deepspeed":
@@ -695,9 +816,13 @@ def _what(section: Section) -> dict:
     for name, field in type(section).model_fields.items():
         if field.json_schema_extra == HOW_NOT_WHAT or (field.json_schema_extra == SINCE_DEFAULT
                                                        and getattr(section, name) == field.default):
+            dumped.pop(name, None)                  # (None: an excluded field is not in the dump)
+        elif field.json_schema_extra == FLAT_IN_FINGERPRINT:
             dumped.pop(name)
+            dumped.update(_what(getattr(section, name)))
         elif isinstance(getattr(section, name), Section):
             dumped[name] = _what(getattr(section, name))
+    dumped.update({k: v for k, v in getattr(section, "_fingerprint_always", {}).items() if k not in dumped})
     return dumped
 
 
@@ -763,7 +888,8 @@ def _resolve_relative(tree: dict, base: Path) -> None:
 
 def _format_error(err: ValidationError) -> str:
     e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"]) or "config"
+    parts = [p for i, p in enumerate(e["loc"]) if not (i and e["loc"][i - 1] == "learner" and p in LEARNER_CONFIGS)]
+    loc = ".".join(str(p) for p in parts) or "config"         # (without the union's tag: train.algorithm says it)
     got = e.get("input")
     if e["type"] == "extra_forbidden":
         return f"config: unknown key {loc!r}"
@@ -783,6 +909,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                 base: dict | None = None) -> Config:
     """Read YAML, apply `key=value` overrides, validate. Raises UserError with a one-line message."""
     tree: dict = dict(base or {})
+    if isinstance(tree.get("train"), dict):
+        tree["train"] = _migrate_train(tree["train"])
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -801,6 +929,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not isinstance(loaded, dict):
             raise UserError(f"config: {path}: expected a mapping of sections at the top level")
         _resolve_relative(loaded, p.parent)
+        if isinstance(loaded.get("train"), dict):
+            loaded["train"] = _migrate_train(loaded["train"])   # before the overrides, which may name the new keys
         tree.update(loaded)
     for item in overrides:
         if "=" not in item:
@@ -808,7 +938,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         key, raw = item.split("=", 1)
         if not key or not all(part.isidentifier() for part in key.split(".")):
             raise UserError(f"override {item!r}: expected a dotted key such as train.lr")
-        _set_dotted(tree, key.strip(), _parse_value(raw))
+        key = key.strip()
+        section, _, rest = key.partition(".")
+        if section == "train" and rest.split(".")[0] in LEARNER_KEYS:     # train.gamma=0.9: train.learner.gamma
+            moved(key, f"train.learner.{rest}")
+            key = f"train.learner.{rest}"
+        _set_dotted(tree, key, _parse_value(raw))
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
@@ -823,15 +958,24 @@ def reference_markdown() -> str:
              "command line. Unknown keys are errors.", ""]
     symbols = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
 
-    def table(prefix: str, model) -> None:
+    def table(prefix: str, model, tag: str = "") -> None:
         nested = []
-        lines.extend([f"## `{prefix}` — {model.__doc__.strip().splitlines()[0]}", "",
+        lines.extend([f"## `{prefix}`{tag} — {model.__doc__.strip().splitlines()[0]}", "",
                       "| key | type | default | meaning |", "|---|---|---|---|"])
         for name, f in model.model_fields.items():
-            section = next((a for a in (f.annotation, *get_args(f.annotation))
-                            if isinstance(a, type) and issubclass(a, Section)), None)
-            if section is not None:
-                nested.append((f"{prefix}.{name}", section))      # its own table below
+            if f.exclude:                    # a learner's tag: train.algorithm fills it in
+                continue
+            sections = [a for a in (f.annotation, *get_args(f.annotation)) if isinstance(a, type)
+                        and issubclass(a, Section)]
+            if len(sections) > 1:            # a discriminated union (train.learner): a table per member
+                tags = [s.model_fields["algorithm"].default for s in sections]
+                nested += [(f"{prefix}.{name}", s, f" (algorithm: {t})") for s, t in zip(sections, tags)]
+                lines.append(f"| `{prefix}.{name}` | section, one of {', '.join(tags)} | | {f.description or ''} "
+                             f"(see `{prefix}.{name}` below) |")
+                continue
+            if sections:
+                section = sections[0]
+                nested.append((f"{prefix}.{name}", section, ""))      # its own table below
                 kind = "section" if section is f.annotation else "section, optional (default: none)"
                 lines.append(f"| `{prefix}.{name}` | {kind} | | {f.description or ''} (see `{prefix}.{name}`) |")
                 continue
@@ -845,8 +989,8 @@ def reference_markdown() -> str:
             lines.append(f"| `{prefix}.{f.alias or name}` | {typ} | {default} | {f.description or ''}"
                          f"{f' ({bounds})' if bounds else ''} |")
         lines.append("")
-        for sub_prefix, sub in nested:
-            table(sub_prefix, sub)
+        for sub_prefix, sub, sub_tag in nested:
+            table(sub_prefix, sub, sub_tag)
 
     for section, field in Config.model_fields.items():
         table(section, field.annotation)

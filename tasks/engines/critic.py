@@ -1,8 +1,9 @@
-"""The value model of `train.algorithm: ppo` (train.critic): a value head on the policy's own last hidden state
-(`head`: the policy's forward gives both), or a trunk of its own with a head (`separate`: the base model's
-weights, a forward of its own). The trainer holds it beside the policy: in the same optimizer (a parameter group
-of its own, train.critic_lr), saved in every full checkpoint (critic.safetensors) and restored with it, so a
-resumed or replayed run continues it exactly. It never leaves the trainer: generation needs no values.
+"""The value model of `train.algorithm: ppo` and `vtrace_awr` (train.learner.critic): a value head on the policy's
+own last hidden state (`head`: the policy's forward gives both), or a trunk of its own with a head (`separate`:
+the base model's weights, a forward of its own). The trainer holds it beside the policy: in the same optimizer (a
+parameter group of its own, train.learner.critic_lr), saved in every full checkpoint (critic.safetensors) and
+restored with it, so a resumed or replayed run continues it exactly. It never leaves the trainer: generation
+needs no values.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ class Critic(torch.nn.Module):
 
         hidden = policy.config.get_text_config().hidden_size
         trunk = None
-        if cfg.train.critic == "separate":
+        settings = cfg.train.learner            # (a value learner's: ppo, vtrace_awr)
+        if settings.critic == "separate":
             trunk = load_model(base_path(cfg), cfg.model.dtype, device)
             trunk.train()
-        multiplier = cfg.train.kl_multiplier_init if cfg.train.algorithm == "vtrace_awr" else None
+        multiplier = getattr(settings, "kl_multiplier_init", None)     # vtrace_awr's KL constraint
         return cls(ValueHead(hidden).to(device), trunk, multiplier).to(device)
 
     def encode(self, hidden: torch.Tensor | None, b: MicroBatch) -> torch.Tensor:

@@ -193,11 +193,11 @@ class DeepSpeedEngine:
             # ppo, vtrace_awr: the value head on the policy's trunk, outside ZeRO (a few thousand weights): the
             # same on every process, its gradients summed over them in step(), its own AdamW.
             self.critic = self.critic_optimizer = None
-            if tc.algorithm != "grpo":
+            if tc.learner.value_model:
                 from tasks.engines.critic import Critic
 
                 self.critic = Critic.make(cfg, model, device)
-                self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=tc.critic_lr or tc.lr,
+                self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=tc.learner.critic_lr or tc.lr,
                                                           betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
                 if state is not None:
                     self.critic.load(resume / "ckpt")

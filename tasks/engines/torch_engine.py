@@ -96,13 +96,13 @@ class TorchEngine:
             ref_model = load_model(base_path(cfg), cfg.model.dtype, device).eval().requires_grad_(False)
         params = [p for p in model.parameters() if p.requires_grad]
         critic = None
-        if tc.algorithm != "grpo":                   # ppo, vtrace_awr: a value model beside the policy
+        if tc.learner.value_model:                   # ppo, vtrace_awr: a value model beside the policy
             from tasks.engines.critic import Critic
 
             critic = Critic.make(cfg, model, device)
             if folder is not None:
                 critic.load(folder)
-            params = [{"params": params}, {"params": list(critic.parameters()), "lr": tc.critic_lr or tc.lr}]
+            params = [{"params": params}, {"params": list(critic.parameters()), "lr": tc.learner.critic_lr or tc.lr}]
         optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
         step = 0
         if folder is not None:

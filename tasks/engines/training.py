@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tasks.algorithms.advantage import advantages as compute_advantages
 from tasks.algorithms.batching import shard_batches
+from tasks.algorithms.learners.registry import make as make_learner
 from tasks.algorithms.update import optimise
 from tasks.core import data, layout, rollout
 from tasks.core.process_wide import rng_state, seed_all, set_rng_state  # noqa: F401 - their home now
@@ -103,43 +103,44 @@ def training_engine(cfg: Config) -> type[TrainingEngine]:
 # ------------------------------------------------------------------------------------- one iteration, any engine
 
 def update(engine: TrainingEngine, cfg: Config, store: Store, iteration: int, t0: float | None = None) -> dict:
-    """Iteration `iteration`'s update on its stored scored rollouts: advantages over the whole batch (groups
-    complete), this process's shard of micro-batches, the optimiser passes. Returns the train/* metrics
-    (`t0`: when the stage started, for train/seconds)."""
+    """Iteration `iteration`'s update on its stored scored rollouts, by the learner train.algorithm names: the
+    rows it trains on (this iteration's, and the earlier and off-line ones it replays, loaded here), what it makes
+    of their rewards over the whole batch (groups complete), this process's shard of micro-batches, the
+    optimiser passes. Returns the train/* metrics (`t0`: when the stage started, for train/seconds)."""
     t0 = time.perf_counter() if t0 is None else t0
     tc = cfg.train
+    learner = make_learner(cfg, iteration)
     records = rollout.load(store, layout.rewards(cfg.run.name, iteration))
     rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
-    if tc.algorithm == "grpo":
-        advantages = compute_advantages(rewards, cfg.generate.num_generations, tc.advantage, tc.scale_rewards)
-    else:                                   # the optimiser makes per-token advantages from the rows' rewards
-        if tc.algorithm == "vtrace_awr":     # the last K iterations' rollouts, and any off-line ones
-            older = [r for k in range(max(1, iteration - tc.replay_iterations + 1), iteration)
-                     for r in rollout.load(store, layout.rewards(cfg.run.name, k))]
-            records = [r for key in offline_rollouts(cfg, store) for r in rollout.load(store, key)] + older + records
-        advantages = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
-    batches = shard_batches(records, advantages, engine.tokenizer.pad_token_id, tc, engine.device, engine.rank,
+    older = [r for k in learner.replay(iteration) for r in rollout.load(store, layout.rewards(cfg.run.name, k))]
+    offline = [r for key in offline_rollouts(cfg, store) for r in rollout.load(store, key)]
+    records = offline + older + records
+    scores = learner.scores(torch.tensor([math.nan if r.reward is None else r.reward for r in records]))
+    batches = shard_batches(records, scores, engine.tokenizer.pad_token_id, tc, engine.device, engine.rank,
                             engine.world_size)
     t1 = time.perf_counter()
-    stats = optimise(engine, batches, cfg, iteration)
+    stats = optimise(engine, batches, cfg, iteration, learner)
     engine.global_step += tc.num_iterations
-    metrics = stats.metrics(rewards, advantages, tc, time.perf_counter() - t0)
-    if tc.algorithm == "vtrace_awr":
+    metrics = stats.metrics(rewards, scores, tc, time.perf_counter() - t0, learner)
+    if learner.off_policy:
         metrics["train/rows"] = float(len(records))       # this iteration's, the replayed and the off-line
     metrics["train/update_seconds"] = time.perf_counter() - t1        # the optimiser passes alone
     return metrics
 
 
 def offline_rollouts(cfg: Config, store: Store) -> list[str]:
-    """train.offline_rollouts, each checked to be a committed folder of scored rollouts (one line if not)."""
+    """The learner's off-line rollouts (train.learner.offline_rollouts), each checked to be a committed folder of
+    scored rollouts (one line if not)."""
     from tasks.core.errors import UserError
 
-    for key in cfg.train.offline_rollouts:
+    keys = cfg.train.learner.offline()
+    for key in keys:
         manifest = store.manifest(key.strip("/"))
         if manifest is None or rollout.FILE not in manifest["files"]:
-            raise UserError(f"train.offline_rollouts: {key}: no scored rollouts at {store.uri(key.strip('/'))} "
-                            f"(expected a rewards folder of this store, e.g. <run>/iter-000001/rewards)")
-    return [key.strip("/") for key in cfg.train.offline_rollouts]
+            raise UserError(f"train.learner.offline_rollouts: {key}: no scored rollouts at "
+                            f"{store.uri(key.strip('/'))} (expected a rewards folder of this store, e.g. "
+                            f"<run>/iter-000001/rewards)")
+    return [key.strip("/") for key in keys]
 
 
 def write_checkpoint(store: Store, cfg: Config, key: str, iteration: int, step: int, files: Callable[[Path], dict],

@@ -1,0 +1,47 @@
+"""What the learners with a value model (ppo, vtrace_awr) share before the passes: the forward without gradients
+that gives π_old's logprobs and the critic's input, and the advantages' whitening over the whole batch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tasks.algorithms.logprobs import completion_logprobs
+from tasks.algorithms.ppo import whiten
+
+if TYPE_CHECKING:
+    from tasks.algorithms.batching import MicroBatch
+    from tasks.engines.training import TrainingEngine
+
+
+def before_the_update(engine: TrainingEngine, b: MicroBatch, temperature: float):
+    """The value learners' forward without gradients: π_old's logprobs (b.old when the passes computed them)
+    and the last hidden states (the critic's input); rows without a reward (NaN in `scores`, the rows'
+    rewards) leave the loss."""
+    logp, _, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width, temperature,
+                                          with_hidden=True, share_prompts=b.share_prompts)
+    b.mask = b.mask * (~torch.isnan(b.scores)).to(b.mask.dtype).unsqueeze(1)
+    return (b.old if b.old is not None else logp), hidden
+
+
+def whiten_over_batch(engine: TrainingEngine, batches: list[MicroBatch]) -> None:
+    """Each micro-batch's per-token advantages whitened with the whole batch's masked statistics (every
+    micro-batch, every process)."""
+    total, summed = engine.sum([float(sum(b.mask.sum() for b in batches)),
+                                float(sum((b.advantages * b.mask).sum() for b in batches))])
+    mean = summed / max(total, 1.0)
+    squares, = engine.sum([float(sum((((b.advantages - mean) ** 2) * b.mask).sum() for b in batches))])
+    for b in batches:
+        b.advantages = whiten(b.advantages, b.mask, total, mean, squares)
+
+
+def value_metrics(stats, metrics: dict[str, float], denom: float) -> None:
+    """The critic's train/* metrics (advantage_std goes: whitened per token, it is 1 by construction)."""
+    del metrics["train/advantage_std"]
+    var = stats.return_sq / denom - (stats.return_sum / denom) ** 2
+    metrics.update({"train/value_loss": stats.value_loss, "train/value_mean": stats.value_sum / denom,
+                    "train/return_mean": stats.return_sum / denom,
+                    "train/value_clipped": stats.value_clipped / denom,
+                    # 1 - Var(G - V) / Var(G) as a mean squared error: 1 a perfect critic, 0 a constant
+                    "train/explained_variance": 1.0 - (stats.value_error / denom) / var if var > 1e-12 else 0.0})
