@@ -141,8 +141,10 @@ def test_the_hf_engine_loads_a_next_policy_in_place_exactly(tmp_path):
         folders.append(tmp_path / f"v{i}")
         base.to(torch.bfloat16).save_pretrained(folders[-1])
         base.float()
-    first = hf._load(cfg, str(folders[0]))
-    second = hf._load(cfg, str(folders[1]))
+    with hf.HFEngine(cfg).session("v0", str(folders[0]), None):
+        first = hf.RESIDENT.model
+    with hf.HFEngine(cfg).session("v1", str(folders[1]), None):
+        second = hf.RESIDENT.model
     assert second is first                                            # in place
     fresh = load_model(str(folders[1]))
     mine, theirs = second.state_dict(), fresh.state_dict()

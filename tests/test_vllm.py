@@ -136,8 +136,10 @@ def test_batches_larger_than_one_engine_step_on_cpu(tmp_path):
 
     path, prompts = base_path(cfg), [r.prompt_ids for r in records[::N_GEN][:8]]
     greedy = SamplingParams(n=1, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0)
-    ours = sampling_engine(cfg).generate("base", path, load_tokenizer(path), prompts, greedy).samples
-    hf = HFEngine(cfg).generate("base", path, load_tokenizer(path), prompts, greedy).samples
+    with sampling_engine(cfg).session("base", path, load_tokenizer(path)) as session:
+        ours = session.sample(prompts, greedy).samples
+    with HFEngine(cfg).session("base", path, load_tokenizer(path)) as session:
+        hf = session.sample(prompts, greedy).samples
     assert [s.completion_ids for s in ours] == [s.completion_ids for s in hf]
 
 
