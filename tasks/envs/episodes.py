@@ -15,9 +15,9 @@ template closes a turn with) comes first, less what the model already wrote (its
 Each episode's environment lives in a process of its own (env.isolation: process), in this one (thread), or on
 the environment server (env.server_url / env.where): a handle of one type either way (tasks/envs/isolation.py),
 so this loop never asks where. Its calls (reset, step, close) are made from threads of their own; in-process
-`async def` ones run on one event loop thread. An episode's calls share env.timeout_seconds, and env.concurrency of them
-are in flight at once. A call that raises, returns garbage, runs out of time or whose process dies ends that
-episode only. It keeps the tokens so far and gets no return (`env_error`, counted in env/errors). A process
+`async def` ones run on one event loop thread. An episode's calls share env.timeout_seconds, and
+env.concurrency of them are in flight at once. A call that raises, returns garbage, runs out of time or whose
+process dies ends that episode only. It keeps the tokens so far and gets no return (`env_error`, counted in env/errors). A process
 past its deadline is killed; in thread mode a hung call's thread is left behind, as a daemon.
 """
 
