@@ -17,8 +17,9 @@ the environment server (env.server_url / env.where): a handle of one type either
 so this loop never asks where. Its calls (reset, step, close) are made from threads of their own; in-process
 `async def` ones run on one event loop thread. An episode's calls share env.timeout_seconds, and
 env.concurrency of them are in flight at once. A call that raises, returns garbage, runs out of time or whose
-process dies ends that episode only. It keeps the tokens so far and gets no return (`env_error`, counted in env/errors). A process
-past its deadline is killed; in thread mode a hung call's thread is left behind, as a daemon.
+process dies ends that episode only. It keeps the tokens so far and gets no return (`env_error`, counted in
+env/errors). A process past its deadline is killed; in thread mode a hung call's thread is left behind, as a
+daemon.
 """
 
 from __future__ import annotations
