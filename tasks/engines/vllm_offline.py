@@ -227,18 +227,19 @@ class OfflineSession(Session):
         raise RuntimeError(f"vLLM worker exited with {code}:\n{_tail(self.log, 25)}")
 
     def close(self) -> None:
-        """The end of its stdin ends the worker (its engine's teardown is waited for, as a stage run did)."""
-        if self.proc.stdin and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
+        """The end of its stdin ends the worker (its engine's teardown is waited for, as a stage run did). The
+        replies' pipe goes first: a worker still sampling for a session that gave up (an exception, a signal)
+        fails on its reply instead of waiting for a reader."""
+        self.replies.close()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
         try:
             self.proc.wait(timeout=CLOSE_SECONDS)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        self.replies.close()
         self.tmp.cleanup()
 
 
