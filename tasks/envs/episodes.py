@@ -25,6 +25,7 @@ daemon.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -163,12 +164,18 @@ def sample(cfg: Config, session: SamplingSession, ds, rows: list[int],
     return run_episodes(cfg, {r: ds[r] for r in set(rows)}, rows, session, params)
 
 
-def open_environment(cfg: Config, make, row: dict) -> EnvironmentHandle:
-    """One episode's environment: on the environment server (env.server_url, env.where), else as env.isolation
-    says (isolation.py: start_environment)."""
+def environments(cfg: Config) -> Callable[[dict], EnvironmentHandle]:
+    """What opens each episode's environment (a row -> its handle): on the environment server (env.server_url,
+    env.where), else as env.isolation says (isolation.py: start_environment). What each needs is checked or
+    started before any episode: the factory's preflight, the server's address, the forkserver."""
     if cfg.env.remote():
-        return RemoteEnvironment.start(cfg, row)
-    return start_environment(cfg, make, row)
+        server_of(cfg)                 # no server given: one line, before any episode
+        return lambda row: RemoteEnvironment.start(cfg, row)
+    # (imported here too: a process environment's forkserver imports it; a server's environments, only there)
+    make = factory_of(cfg)
+    if cfg.env.isolation == "process":
+        warm_up(cfg)
+    return lambda row: start_environment(cfg, make, row)
 
 
 def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: SamplingSession,
@@ -176,21 +183,15 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: 
     """params.n episodes of each row of `rows` (`table`: the rows by index), every turn sampled from `session`."""
     ec = cfg.env
     tokenizer = session.tokenizer
-    # (imported here too: a process environment's forkserver imports it; a server's environments, only there)
-    make = None if ec.remote() else factory_of(cfg)
+    open_environment = environments(cfg)
     render = Renderer(tokenizer, cfg.generate.max_prompt_length)
-    episodes = [Episode(group=g, row=r, data=dict(table[r])) for g, r in enumerate(rows) for _ in range(params.n)]
+    episodes = [Episode(group=g, row=r, data=dict(table[r]), budget=ec.timeout_seconds)
+                for g, r in enumerate(rows) for _ in range(params.n)]
     caller = Caller(ec.concurrency)
-    if ec.remote():
-        server_of(cfg)                 # no server given: one line, before any episode
-    elif ec.isolation == "process":
-        warm_up(cfg)
-    for e in episodes:
-        e.budget = ec.timeout_seconds
     load_seconds = sampling_seconds = 0.0
     try:
         def begin(e: Episode) -> list[dict]:
-            e.env = open_environment(cfg, make, e.data)
+            e.env = open_environment(e.data)
             e.schemas = e.env.tool_schemas
             return e.env.reset(e.data)
 
