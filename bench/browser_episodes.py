@@ -35,10 +35,13 @@ MAX_TURNS = 12
 
 
 class Policy:
-    """A sampling engine whose every completion is the reference policy's next action, as token ids."""
+    """A sampling session whose every completion is the reference policy's next action, as token ids."""
 
-    def generate(self, policy, path, tokenizer, prompt_ids, params: SamplingParams) -> Sampled:
-        out = []
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def sample(self, prompt_ids, params: SamplingParams) -> Sampled:
+        tokenizer, out = self.tokenizer, []
         for i, ids in enumerate(prompt_ids):
             toks = tokenizer(reference_action(tokenizer.decode(ids)), add_special_tokens=False)["input_ids"]
             out.append(Sample(i, toks + [tokenizer.eos_token_id], [0.0] * (len(toks) + 1), truncated=False))
@@ -52,7 +55,7 @@ def through_episodes(url: str, rows: list[dict], isolation: str, concurrency: in
         f"env.max_turns={MAX_TURNS}"])
     table = dict(enumerate(rows))
     start = time.perf_counter()
-    records, _ = run_episodes(cfg, table, list(table), "base", "unused", tok, Policy(),
+    records, _ = run_episodes(cfg, table, list(table), Policy(tok),
                               SamplingParams(n=1, max_new_tokens=200, temperature=1.0, top_p=1.0, seed=0))
     seconds = time.perf_counter() - start
     bad = [(r.env_return, r.env_error) for r in records if r.env_return != 1.0]

@@ -27,10 +27,13 @@ LETTERS = ROOT / "configs" / "letters.yaml"
 
 
 class Echo:
-    """An engine that says the letter the last observation named: no model time, every episode scores 1."""
+    """A sampling session that says the letter the last observation named: no model time, every episode scores 1."""
 
-    def generate(self, policy, path, tokenizer, prompt_ids, params):
-        out = []
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def sample(self, prompt_ids, params):
+        tokenizer, out = self.tokenizer, []
         for i, ids in enumerate(prompt_ids):
             text = tokenizer.decode(ids[-12:])
             letter = next((c for c in reversed(text) if c in "abcd"), "a")
@@ -40,7 +43,7 @@ class Echo:
 
 def episodes_per_second(cfg, rows, tok, n: int) -> float:
     t0 = time.perf_counter()
-    records = run_episodes(cfg, dict(enumerate(rows)), list(range(len(rows))), "base", "unused", tok, Echo(),
+    records = run_episodes(cfg, dict(enumerate(rows)), list(range(len(rows))), Echo(tok),
                            SamplingParams(n=n, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=1))[0]
     seconds = time.perf_counter() - t0
     assert all(r.env_error is None for r in records), [r.env_error for r in records if r.env_error][:3]

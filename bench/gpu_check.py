@@ -162,10 +162,9 @@ def train_tokens(metrics: dict, cfg) -> int:
 
 
 def release() -> None:
-    """The sampler's kept model (tasks/engines/hf.py keeps the last one per process) and the CUDA cache: each row
-    starts with nothing of an earlier one on the GPU."""
-    hf._kept.clear()
-    hf._loaded.clear()
+    """The sampler's resident model (tasks/engines/hf.py keeps the last one per process) and the CUDA cache: each
+    row starts with nothing of an earlier one on the GPU."""
+    hf.RESIDENT.release()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -25,7 +25,7 @@ from tasks.core import data, layout, rollout
 from tasks.core.errors import UserError
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
-from tasks.engines.sampling import SamplingParams
+from tasks.engines.sampling import SamplingParams, open_session
 from tasks.envs.episodes import sample
 from tasks.scoring.functions import load_functions, score_records
 from tasks.scoring.worker import RewardState
@@ -101,19 +101,21 @@ def evaluate(cfg: Config, iteration: int) -> dict:
         rows = list(range(min(ec.max_prompts, len(ds))))
         seed = cfg.run.seed * 1_000_003 + 500_000_000 + iteration
         state = RewardState(global_step=iteration, max_steps=cfg.run.iterations)
-        records, _ = sample(cfg, ds, rows, policy, SamplingParams(
-            n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
-            temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p, seed=seed))
-        score_records(functions, records, cfg.reward.aggregate, state)
+        with open_session(cfg, policy) as session:         # one model load / engine start for both passes
+            records, _ = sample(cfg, session, ds, rows, SamplingParams(
+                n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
+                temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p, seed=seed))
+            score_records(functions, records, cfg.reward.aggregate, state)
+            greedy = []
+            if ec.greedy:
+                greedy, _ = sample(cfg, session, ds, rows, SamplingParams(
+                    n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0, seed=seed))
+                score_records(functions, greedy, cfg.reward.aggregate, state)
         passed = _passes(cfg, records, len(rows))
         present = [r.reward for r in records if r.reward is not None]
         metrics = {"eval/reward_mean": sum(present) / max(len(present), 1),
                    f"eval/pass_at_{ec.k}": sum(pass_at_k(ec.num_generations, c, ec.k) for c in passed) / len(rows)}
-        greedy = []
         if ec.greedy:
-            greedy, _ = sample(cfg, ds, rows, policy, SamplingParams(
-                n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0, seed=seed))
-            score_records(functions, greedy, cfg.reward.aggregate, state)
             metrics["eval/greedy_pass_at_1"] = sum(_passes(cfg, greedy, len(rows))) / len(rows)
             metrics["eval/greedy_reward_mean"] = (sum(r.reward for r in greedy if r.reward is not None)
                                                   / max(sum(r.reward is not None for r in greedy), 1))

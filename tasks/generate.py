@@ -8,7 +8,8 @@ before iteration S+2; tasks/core/layout.py: behaviour_policy), and the dataset; 
 refused (the version check): which policy sampled an iteration never depends on who asked or when.
 Idempotent: if that folder is complete and was made from the same inputs, it is returned as is.
 The engine (`generate.engine` / `generate.mode`, tasks/engines/sampling.py's factory) is hf (transformers, in
-this process) or vllm, offline (a vllm.LLM per stage run) or as a server kept alive across iterations. With
+this process) or vllm, offline (a vllm.LLM per stage run) or as a server kept alive across iterations; the
+stage opens one session of it for the policy and samples from it (every turn of an episode too). With
 env.factory each rollout is a multi-turn episode against an environment (tasks/envs/episodes.py).
 """
 
@@ -23,7 +24,7 @@ from tasks.core import data, layout, rollout
 from tasks.core.errors import UserError
 from tasks.core.stage import fingerprint, result, reuse, stage_cli
 from tasks.core.store import open_store
-from tasks.engines.sampling import SamplingParams
+from tasks.engines.sampling import SamplingParams, open_session
 from tasks.envs.episodes import episode_metrics, sample
 
 if TYPE_CHECKING:
@@ -52,16 +53,17 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
     ds = data.load_prompts(cfg)
     start = data.cursor(iteration, gc.prompts_per_iteration)
     rows = data.indices(len(ds), cfg.run.seed, start, gc.prompts_per_iteration, cfg.data.shuffle)
-    records, sampled = sample(cfg, ds, rows, policy, SamplingParams(
-        n=gc.num_generations, max_new_tokens=gc.max_completion_length, temperature=gc.temperature, top_p=gc.top_p,
-        seed=cfg.run.seed * 1_000_003 + iteration))
+    with open_session(cfg, policy) as session:
+        records, sampled = sample(cfg, session, ds, rows, SamplingParams(
+            n=gc.num_generations, max_new_tokens=gc.max_completion_length, temperature=gc.temperature,
+            top_p=gc.top_p, seed=cfg.run.seed * 1_000_003 + iteration))
 
     n_tokens = sum(len(r.completion_ids) for r in records)
     metrics = {
         "generate/completion_length": n_tokens / len(records),
         "generate/truncated_share": sum(r.truncated for r in records) / len(records),
         "generate/tokens_per_s": n_tokens / max(sampled.sampling_seconds, 1e-9),
-        "generate/load_seconds": sampled.load_seconds,      # model load, engine start or weight reload
+        "generate/load_seconds": session.load_seconds + sampled.load_seconds,   # model load, engine start, reload
         "generate/sampling_seconds": sampled.sampling_seconds,
         "generate/seconds": time.perf_counter() - t0,
         "generate/staleness": iteration - 1 - layout.version_of(policy),   # updates the sampler is behind

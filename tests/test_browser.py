@@ -40,7 +40,7 @@ def _cfg(shop: str, *more: str):
 def _episodes(cfg, rows: list[dict], tok, tools: bool):
     table = dict(enumerate(rows))
     engine = Scripted(lambda context: reference_action(context, tool_call=tools))
-    return run_episodes(cfg, table, list(table), "base", "unused", tok, engine,
+    return run_episodes(cfg, table, list(table), engine.session("base", "unused", tok),
                         SamplingParams(n=1, max_new_tokens=120, temperature=1.0, top_p=1.0, seed=3))[0]
 
 

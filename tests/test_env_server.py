@@ -55,7 +55,7 @@ def _episodes(cfg, server, rows, n=1):
     from tasks.core.models import load_tokenizer
 
     tok = load_tokenizer(builtin_models.resolve("builtin:tiny-lm"))
-    return run_episodes(cfg, table, list(table), "base", "unused", tok, Scripted(lambda ctx: "a"),
+    return run_episodes(cfg, table, list(table), Scripted(lambda ctx: "a").session("base", "unused", tok),
                         SamplingParams(n=n, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=3))[0]
 
 
@@ -89,17 +89,18 @@ def test_a_server_that_goes_away_fails_the_stage_and_is_started_again(served):
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait()
     with pytest.raises(ServerGone, match="did not answer"):
-        run_episodes(cfg, dict(enumerate(rows)), [0], "base", "unused", *_tools(), SamplingParams(
+        run_episodes(cfg, dict(enumerate(rows)), [0], _session(), SamplingParams(
             n=1, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3))
     records = _episodes(cfg, server, rows, n=2)            # server.env(): it does not answer, so it starts again
     assert server.url != first and all(r.env_error is None for r in records)
 
 
-def _tools():
+def _session():
     from tasks.core import builtin_models
     from tasks.core.models import load_tokenizer
 
-    return load_tokenizer(builtin_models.resolve("builtin:tiny-lm")), Scripted(lambda ctx: "a")
+    tok = load_tokenizer(builtin_models.resolve("builtin:tiny-lm"))
+    return Scripted(lambda ctx: "a").session("base", "unused", tok)
 
 
 def test_a_wrong_token_is_one_line_and_no_token_no_server_is_one_line(served, monkeypatch):
@@ -108,11 +109,11 @@ def test_a_wrong_token_is_one_line_and_no_token_no_server_is_one_line(served, mo
     monkeypatch.setenv(URL_VAR, server.url)
     monkeypatch.setenv(TOKEN_VAR, "wrong")
     with pytest.raises(UserError, match="refused the token"):
-        run_episodes(cfg, {0: {"prompt": "p", "letters": "ab"}}, [0], "base", "unused", *_tools(),
+        run_episodes(cfg, {0: {"prompt": "p", "letters": "ab"}}, [0], _session(),
                      SamplingParams(n=1, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3))
     monkeypatch.delenv(URL_VAR)
     with pytest.raises(UserError, match="no environment server given"):
-        run_episodes(cfg, {0: {"prompt": "p", "letters": "ab"}}, [0], "base", "unused", *_tools(),
+        run_episodes(cfg, {0: {"prompt": "p", "letters": "ab"}}, [0], _session(),
                      SamplingParams(n=1, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3))
 
 

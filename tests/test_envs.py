@@ -16,20 +16,26 @@ from tasks.core import layout
 from tasks.core.config import load_config
 from tasks.core.rollout import Rollout
 from tasks.core.store import Store
-from tasks.engines.sampling import Sample, Sampled, SamplingParams
+from tasks.engines.sampling import Sample, Sampled, SamplingParams, Session
 from tasks.envs.episodes import Renderer, run_episodes
 from tasks.envs.tools import call_tools, parse_tool_calls, schemas
 
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = ROOT / "configs" / "letters.yaml"
-class Scripted:
+class Scripted(Session):
     """A sampling engine that answers from a script (context text -> reply text): drives the episode loop
-    where the tiny model would not write tool calls. The flow tests below use the real hf engine."""
+    where the tiny model would not write tool calls. The flow tests below use the real hf engine. It is its own
+    session: `Scripted(reply).session(policy, path, tokenizer)`."""
 
     def __init__(self, reply, eos: bool = True):
         self.reply, self.eos, self.calls = reply, eos, []
 
-    def generate(self, policy, path, tokenizer, prompt_ids, params: SamplingParams) -> Sampled:
+    def session(self, policy, path, tokenizer) -> Scripted:
+        self.tokenizer = tokenizer
+        return self
+
+    def sample(self, prompt_ids, params: SamplingParams) -> Sampled:
+        tokenizer = self.tokenizer
         self.calls.append([list(p) for p in prompt_ids])
         out = []
         for i, ids in enumerate(prompt_ids):
@@ -51,7 +57,7 @@ def _cfg(factory: str, tmp_path: Path, *more: str):
 def _run(cfg, engine, tokenizer, n: int = 2):
     table = {0: {"prompt": "Say each letter I name.", "letters": "abc", "seed": 0},
              1: {"prompt": "Say each letter I name.", "letters": "hgf", "seed": 1}}
-    return run_episodes(cfg, table, [0, 1], "base", "unused", tokenizer, engine,
+    return run_episodes(cfg, table, [0, 1], engine.session("base", "unused", tokenizer),
                         SamplingParams(n=n, max_new_tokens=cfg.generate.max_completion_length, temperature=1.0,
                                        top_p=1.0, seed=3))[0]
 
@@ -166,7 +172,7 @@ def test_an_episode_that_hangs_does_not_spend_the_time_of_the_others(isolation, 
     cfg = _cfg("tests.env_classes:Flaky", tmp_path, "env.timeout_seconds=3", f"env.isolation={isolation}")
     table = {i: {"prompt": "Say each letter I name.", "letters": "abc", "seed": 0, "mode": m}
              for i, m in enumerate(["ok", "hang", "ok"])}
-    records = run_episodes(cfg, table, [0, 1, 2], "base", "unused", tokenizer, Scripted(lambda ctx: "a"),
+    records = run_episodes(cfg, table, [0, 1, 2], Scripted(lambda ctx: "a").session("base", "unused", tokenizer),
                            SamplingParams(n=1, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=3))[0]
     assert [r.env_error for r in records] == [None, "step did not return within env.timeout_seconds", None]
     assert [r.env_return for r in records] == [3.0, None, 3.0]
@@ -180,9 +186,9 @@ def test_coroutines_of_calls_made_at_once_all_run_on_one_event_loop():
     import asyncio
     import threading
 
-    from tasks.envs.episodes import _Caller
+    from tasks.envs.isolation import Caller
 
-    caller, at_once, loops = _Caller(8), threading.Barrier(8), []
+    caller, at_once, loops = Caller(8), threading.Barrier(8), []
 
     async def where():
         loops.append(asyncio.get_running_loop())
@@ -294,7 +300,7 @@ def test_a_verifiers_multiturn_env_runs_its_own_rollout_and_its_rubric_scores_it
             low, high = (guess + 1, high) if said.startswith("higher") else (low, guess - 1)
         return str((low + high) // 2)
 
-    records = run_episodes(cfg, table, [0, 1], "base", "unused", chatml, Scripted(reply),
+    records = run_episodes(cfg, table, [0, 1], Scripted(reply).session("base", "unused", chatml),
                            SamplingParams(n=2, max_new_tokens=20, temperature=1.0, top_p=1.0, seed=3))[0]
     first, second = records[0], records[2]
     assert first.prompt[0] == {"role": "system", "content": "Guess the number. Answer with the number only."}
@@ -318,7 +324,7 @@ def test_a_verifiers_tool_env_calls_its_tools_and_a_malformed_call_is_an_observa
             return "<tool_call>not json</tool_call>"
         return "The sum is 42."
 
-    records = run_episodes(cfg, table, [0], "base", "unused", chatml, Scripted(reply),
+    records = run_episodes(cfg, table, [0], Scripted(reply).session("base", "unused", chatml),
                            SamplingParams(n=1, max_new_tokens=80, temperature=1.0, top_p=1.0, seed=3))[0]
     r = records[0]
     assert '"name": "add"' in chatml.decode(r.prompt_ids)             # verifiers' tool_defs, as the prompt's tools

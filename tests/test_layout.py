@@ -117,6 +117,12 @@ def _protocol_methods(protocol) -> dict[str, inspect.Signature]:
 @pytest.mark.parametrize("protocol, engines", [
     ("tasks.engines.sampling:SamplingEngine",
      ["tasks.engines.hf:HFEngine", "tasks.engines.vllm_offline:VLLMOffline", "tasks.engines.vllm_server:VLLMServer"]),
+    ("tasks.engines.sampling:SamplingSession",
+     ["tasks.engines.hf:HFSession", "tasks.engines.vllm_offline:OfflineSession",
+      "tasks.engines.vllm_server:ServerSession"]),
+    ("tasks.envs.protocol:EnvironmentHandle",
+     ["tasks.envs.isolation:ThreadEnvironment", "tasks.envs.isolation:ProcessEnvironment",
+      "tasks.envs.server:RemoteEnvironment"]),
     ("tasks.engines.training:TrainingEngine",
      ["tasks.engines.torch_engine:TorchEngine", "tasks.engines.deepspeed_engine:DeepSpeedEngine"]),
 ])

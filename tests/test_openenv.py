@@ -68,7 +68,7 @@ def _cfg(url: str, tmp_path: Path, *more: str):
 
 def _run(cfg, rows: list[dict], tok, n: int = 2):
     table = dict(enumerate(rows))
-    return run_episodes(cfg, table, list(table), "base", "unused", tok, Scripted(bisect),
+    return run_episodes(cfg, table, list(table), Scripted(bisect).session("base", "unused", tok),
                         SamplingParams(n=n, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=3))[0]
 
 
@@ -100,9 +100,9 @@ def test_a_server_that_goes_away_ends_its_episodes_not_the_stage(tokenizer, tmp_
         return bisect(context)
 
     table = {i: {"prompt": "Guess.", "seed": s} for i, s in enumerate((1, 2, 3, 5))}
-    records = run_episodes(_cfg(url, tmp_path, "env.isolation=thread"), table, list(table), "base", "unused",
-                           tokenizer, Scripted(reply), SamplingParams(n=1, max_new_tokens=8, temperature=1.0,
-                                                                      top_p=1.0, seed=3))[0]
+    records = run_episodes(_cfg(url, tmp_path, "env.isolation=thread"), table, list(table),
+                           Scripted(reply).session("base", "unused", tokenizer),
+                           SamplingParams(n=1, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=3))[0]
     failed = [r for r in records if r.env_error]
     assert failed and all(r.env_return is None and r.env_error.startswith("step raised OpenEnvError") for r in failed)
     assert all(r.env_return == 1.0 for r in records if not r.env_error)     # (a first guess that was right)

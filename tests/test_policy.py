@@ -141,12 +141,42 @@ def test_the_hf_engine_loads_a_next_policy_in_place_exactly(tmp_path):
         folders.append(tmp_path / f"v{i}")
         base.to(torch.bfloat16).save_pretrained(folders[-1])
         base.float()
-    first = hf._load(cfg, str(folders[0]))
-    second = hf._load(cfg, str(folders[1]))
+    with hf.HFEngine(cfg).session("v0", str(folders[0]), None):
+        first = hf.RESIDENT.model
+    with hf.HFEngine(cfg).session("v1", str(folders[1]), None):
+        second = hf.RESIDENT.model
     assert second is first                                            # in place
     fresh = load_model(str(folders[1]))
     mine, theirs = second.state_dict(), fresh.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_an_hf_session_loads_its_policy_once_for_all_its_samples(tmp_path, monkeypatch):
+    """A session is opened for a policy and sampled from many times (every turn of an episode, evaluate's two
+    passes): a full model is built into the resident once, and kept for the next stage's session until the
+    engine stops; an adapter is built once per session. What a sample draws depends on its seed alone."""
+    from tasks.core.builtin_models import resolve
+    from tasks.core.models import add_lora, load_model, load_policy, load_tokenizer
+    from tasks.engines import hf
+    from tasks.engines.sampling import SamplingParams
+
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "train.lora_r=4"])
+    base = resolve("builtin:tiny-lm")
+    adapter = str(tmp_path / "adapter")
+    add_lora(load_model(base), cfg.train).save_pretrained(adapter)
+    tok = load_tokenizer(base)
+    built = []
+    monkeypatch.setattr(hf, "load_policy", lambda *a, **k: built.append(a[1]) or load_policy(*a, **k))
+    prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(n=2, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=7)
+    hf.RESIDENT.release()
+    drawn = {}
+    for path in (base, adapter, base):                      # (the third: the next stage's session)
+        with hf.HFEngine(cfg).session("p", path, tok) as session:
+            samples = [session.sample(prompts, params).samples for _ in range(3)]
+        assert samples[1] == samples[0] == samples[2] == drawn.setdefault(path, samples[0])
+    assert built == [base, adapter]
+    hf.HFEngine(cfg).stop()
+    assert hf.RESIDENT.model is None
 
 
 def test_deltas_by_default_only_where_readers_download(tmp_path):

@@ -2,7 +2,8 @@
 
 Offline mode: shapes, token ids that round-trip through the tokenizer, behaviour logprobs that equal the
 trainer's (tasks.algorithms.logprobs.completion_logprobs on the same tokens at the same temperature) within TOL, the
-trainer's mismatch KL measured on them, and a LoRA adapter that changes the outputs. Server mode: start,
+trainer's mismatch KL measured on them, multi-turn episodes sampled by one engine, and a LoRA adapter that changes
+the outputs. Server mode: start,
 generate, train + publish a new version, reload it in place (same server process), generate again from the new
 weights (checked against the trainer), LoRA adapters swapped in a live server, a crashed server restarted, the
 server stopped at the end. One engine start per test (each ~40-90 s on 2 CPU cores).
@@ -136,9 +137,41 @@ def test_batches_larger_than_one_engine_step_on_cpu(tmp_path):
 
     path, prompts = base_path(cfg), [r.prompt_ids for r in records[::N_GEN][:8]]
     greedy = SamplingParams(n=1, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0)
-    ours = sampling_engine(cfg).generate("base", path, load_tokenizer(path), prompts, greedy).samples
-    hf = HFEngine(cfg).generate("base", path, load_tokenizer(path), prompts, greedy).samples
+    with sampling_engine(cfg).session("base", path, load_tokenizer(path)) as session:
+        ours = session.sample(prompts, greedy).samples
+    with HFEngine(cfg).session("base", path, load_tokenizer(path)) as session:
+        hf = session.sample(prompts, greedy).samples
     assert [s.completion_ids for s in ours] == [s.completion_ids for s in hf]
+
+
+def test_offline_episodes_sample_every_turn_from_one_engine(tmp_path, monkeypatch):
+    """Multi-turn episodes (the letters game) in offline mode: the stage opens one session, so one engine
+    serves every turn (it started one per turn before sessions); each turn's token ids and behaviour logprobs
+    come back from it, the observations' tokens are appended between turns, and the model's tokens (mask 1)
+    have the trainer's logprobs."""
+    from tasks.engines import vllm_offline
+
+    opened, init = [], vllm_offline.OfflineSession.__init__
+
+    def counted(self, *args, **kwargs):
+        opened.append(args[1])
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(vllm_offline.OfflineSession, "__init__", counted)
+    cfg = _cfg(tmp_path, "offline-episodes", [
+        "env.factory=tasks.envs.games:SayTheLetters", "env.isolation=thread", "env.max_turns=3", "env.max_tokens=96",
+        "reward.functions=[]", "generate.max_completion_length=2",
+        f"data.path={ROOT / 'configs' / 'data' / 'letters.jsonl'}"])
+    out = generate(cfg, 1)
+    assert opened == [layout.BASE]                                            # one session: one engine start
+    records = _records(cfg, 1)
+    assert len(records) == N_PROMPTS * N_GEN and out["metrics"]["env/errors"] == 0
+    assert all(sum(m["role"] == "assistant" for m in r.turns) == 3 for r in records)
+    assert all(0 in r.mask and r.mask[0] == 1 for r in records)                 # model, observation, model...
+    logp, mask = _trainer_logprobs(cfg, base_path(cfg), records)
+    model = torch.tensor([r.mask + [0] * (mask.shape[1] - len(r.mask)) for r in records]) * mask
+    behaviour = torch.tensor([r.logprobs + [0.0] * (mask.shape[1] - len(r.logprobs)) for r in records])
+    assert float(((logp - behaviour).abs() * model).max()) < TOL
 
 
 def test_offline_lora_adapter_changes_the_outputs(tmp_path):

@@ -1,14 +1,15 @@
 """The `hf` sampling engine: transformers' `generate` in this process, on the CPU or one GPU.
 
-The policy of each call is a full model or base + LoRA adapter. A process keeps the last full model it
-loaded, and a next policy of the same architecture (the same config.json) is loaded into it in place, weights
-only: what an inline flow's generate does every iteration. transformers runs user logits
+A session's policy is a full model or base + LoRA adapter. A process keeps the last full model it loaded (the
+resident: what the engine keeps across stages, until `stop`), and a next policy of the same architecture (the
+same config.json) is loaded into it in place, weights only: what an inline flow's generate does every
+iteration. A session loads its policy once when opened; an adapter is its own model. transformers runs user logits
 processors *before* its own temperature/top-p warpers, and draws sampled tokens from the process-wide torch
 RNG, so one last processor of ours does all of it: applies temperature and top-p, records the log-softmax the
 token is drawn from (the behaviour logprob), and draws the token from a generator of the request's own (seeded
 with its seed); transformers then runs greedy and takes that token. Nothing else in the process (a trainer
 held by the flow, training at the same time on another thread: run.max_staleness) moves or is moved by the
-sampling's random stream. A lock makes one generate at a time per process use the kept model. Each prompt's KV
+sampling's random stream. A lock makes one sampling at a time per process use the resident. Each prompt's KV
 cache is filled once and copied to its n samples (generate.share_prompts), where transformers would run the
 prompt n times: ~2.5x faster sampling for the SmolLM2 recipe's 60-token prompts and 8 samples each.
 """
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tasks.core.models import ADAPTER_CONFIG, device_for, load_policy
-from tasks.engines.sampling import Sample, Sampled, SamplingParams
+from tasks.engines.sampling import Sample, Sampled, SamplingParams, Session
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -40,60 +41,107 @@ class HFEngine:
     def check_installed(cls, cfg: Config) -> None:
         """transformers is rlflow's own dependency: nothing to check."""
 
-    def generate(self, policy: str, path: str, tokenizer, prompt_ids: list[list[int]],
-                 params: SamplingParams) -> Sampled:
+    def session(self, policy: str, path: str, tokenizer) -> HFSession:
+        return HFSession(self.cfg, path, tokenizer)
+
+    def stop(self, log=print) -> None:
+        """Let go of the resident model (the flow's end)."""
+        RESIDENT.release()
+
+
+class HFSession(Session):
+    """One policy: a full model folder is loaded into the process's resident model (in place when the resident
+    has its architecture), and each `sample` checks, under the resident's lock, that it still holds this
+    policy (another session on another thread may have loaded its own meanwhile: generate of iteration N+1 and
+    evaluate of N overlap with run.max_staleness > 0); an adapter or a hub id is loaded once, the session's own."""
+
+    def __init__(self, cfg: Config, path: str, tokenizer):
+        self.cfg, self.path, self.tokenizer = cfg, path, tokenizer
+        self.model = None                     # the session's own model (adapters, hub ids); else the resident's
         t0 = time.perf_counter()
-        with _KEPT_LOCK:            # generate of iteration N+1 and evaluate of N may overlap on two threads
-            model = _load(self.cfg, path)
+        self.identity = _identity(cfg, path)  # (a full model folder: what the resident must hold)
+        if self.identity is None:
+            self.model = load_policy(cfg, path, device_for(cfg)).eval()
+        else:
+            with RESIDENT.lock:
+                RESIDENT.hold(cfg, path, self.identity)
+        self.load_seconds = time.perf_counter() - t0
+
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Sampled:
+        t0 = time.perf_counter()
+        with RESIDENT.lock:                   # one sampling at a time per process, as the resident is shared
+            model = self.model if self.model is not None else RESIDENT.hold(self.cfg, self.path, self.identity)
             t1 = time.perf_counter()
-            samples = hf_generate(model, tokenizer, prompt_ids, params, self.cfg.generate.batch_size,
+            samples = hf_generate(model, self.tokenizer, prompt_ids, params, self.cfg.generate.batch_size,
                                   self.cfg.generate.share_prompts)
         return Sampled(samples, load_seconds=t1 - t0, sampling_seconds=time.perf_counter() - t1)
 
-    def stop(self, log=print) -> None:
-        """Nothing outlives a call."""
+    def close(self) -> None:
+        self.model = None
 
 
-_kept: dict = {}          # the last full model this process loaded, with the key of its architecture
-_loaded: dict = {}        # that key -> the files its weights are from (folder, names, mtimes, sizes)
-_KEPT_LOCK = threading.Lock()
-
-
-def _load(cfg: Config, path: str):
-    """The policy at `path`, evaluating: into the kept model, in place, when it has the same architecture."""
-    from safetensors.torch import load_file
-
-    folder, device = Path(path), device_for(cfg)
+def _identity(cfg: Config, path: str) -> tuple | None:
+    """A full model folder as the resident tells models apart: (its architecture with our dtype and device, its
+    weight files: the folder, their names, mtimes and sizes); None for what is not kept resident (a LoRA
+    adapter, a hub id)."""
+    folder = Path(path)
     if (folder / ADAPTER_CONFIG).exists() or not (folder / "config.json").is_file():
-        return load_policy(cfg, path, device).eval()                 # adapters, hub ids: as they come
+        return None
     config = json.loads((folder / "config.json").read_text())
     config.pop("dtype", None), config.pop("torch_dtype", None)        # (the weights' dtype; we load in ours)
-    key = (json.dumps(config, sort_keys=True), cfg.model.dtype, str(device))
+    key = (json.dumps(config, sort_keys=True), cfg.model.dtype, str(device_for(cfg)))
     files = sorted(folder.glob("*.safetensors"))
-    stamp = (str(folder.resolve()), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
-    model = _kept.get(key)
-    if model is None:
-        _kept.clear()
-        model = _kept[key] = load_policy(cfg, path, device).eval()
-        _loaded[key] = stamp
-        return model
-    if _loaded.get(key) == stamp:      # the same files again (the turns of an episode): nothing to copy
-        return model
-    _loaded[key] = stamp
-    state = model.state_dict()
-    shards = [load_file(shard, device=str(device)) for shard in files]
-    names = {name for weights in shards for name in weights}
-    covered = {state[name].untyped_storage().data_ptr() for name in names if name in state}
-    if names - state.keys() or {t.untyped_storage().data_ptr() for t in state.values()} - covered:
-        _kept.clear()                      # a tensor we do not have, or one the folder does not set: afresh
-        model = _kept[key] = load_policy(cfg, path, device).eval()
-        _loaded[key] = stamp
-        return model
-    with torch.no_grad():
-        for weights in shards:
-            for name, tensor in weights.items():
-                state[name].copy_(tensor)
-    return model
+    return key, (str(folder.resolve()), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+
+
+class Resident:
+    """The full model this process keeps between sessions, one at a time: a next policy of the same architecture
+    (the same config.json) is loaded into it in place, weights only, which is what an inline flow's generate
+    does every iteration (a new model each stage would cost a model build per iteration). What the hf engine
+    keeps across stages, as the server mode keeps its vLLM server; `HFEngine.stop` lets go of it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()          # held by whoever loads into or samples from the model
+        self.model = None
+        self.key: tuple | None = None         # the architecture, dtype and device it was built for
+        self.files: tuple | None = None       # the weight files it holds
+
+    def hold(self, cfg: Config, path: str, identity: tuple):
+        """The model, holding the full model folder at `path` (`identity`: _identity's; the caller holds the
+        lock)."""
+        from safetensors.torch import load_file
+
+        key, files = identity
+        if self.model is None or self.key != key:
+            return self._build(cfg, path, key, files)
+        if self.files == files:              # the same files again (each sample of a session): nothing to copy
+            return self.model
+        folder, device = Path(path), device_for(cfg)
+        state = self.model.state_dict()
+        shards = [load_file(folder / name, device=str(device)) for name, _, _ in files[1]]
+        names = {name for weights in shards for name in weights}
+        covered = {state[name].untyped_storage().data_ptr() for name in names if name in state}
+        if names - state.keys() or {t.untyped_storage().data_ptr() for t in state.values()} - covered:
+            return self._build(cfg, path, key, files)   # a tensor we do not have, or one the folder does not set
+        self.files = None                    # (a copy that fails half way holds no policy)
+        with torch.no_grad():
+            for weights in shards:
+                for name, tensor in weights.items():
+                    state[name].copy_(tensor)
+        self.files = files
+        return self.model
+
+    def _build(self, cfg: Config, path: str, key: tuple, files: tuple):
+        self.model = None                                  # (the old one's memory first)
+        self.model, self.key, self.files = load_policy(cfg, path, device_for(cfg)).eval(), key, files
+        return self.model
+
+    def release(self) -> None:
+        with self.lock:
+            self.model = self.key = self.files = None
+
+
+RESIDENT = Resident()
 
 
 class _SampleAndRecord:

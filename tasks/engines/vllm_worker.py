@@ -1,13 +1,16 @@
 """What runs inside the vLLM environment (`generate.vllm_python`): the offline engine's worker process and the
 server's worker extension. Imports nothing but the standard library and vllm.
 
-    python -m tasks.engines.vllm_worker REQUEST.json RESULT.json     # started by tasks/engines/vllm_offline.py
+    python -m tasks.engines.vllm_worker REPLY_FD      # started by tasks/engines/vllm_offline.py, one per session
 
-Request (JSON): {"llm": {vllm.LLM keyword arguments}, "in_process": bool, "lora": {"name", "id", "path"} | null,
-                 "prompts": [[token ids], ...], "seeds": [one per prompt],
-                 "sampling": {"n", "max_tokens", "temperature", "top_p", "stop_token_ids"}}
-Result (JSON):  {"samples": [[prompt index, completion ids incl. EOS, behaviour logprobs, truncated], ...],
-                 "engine_seconds", "sampling_seconds", "vllm_version"}
+One engine per worker, sampled from as often as its session asks. Requests come as JSON lines on stdin, replies
+go as JSON lines to the file descriptor REPLY_FD (stdout and stderr are vLLM's log):
+    {"llm": {vllm.LLM keyword arguments}, "in_process": bool}  -> {"engine_seconds", "vllm_version"}  (started)
+    {"lora": {"name", "id", "path"} | null, "prompts": [[token ids], ...], "seeds": [one per prompt],
+     "sampling": {"n", "max_tokens", "temperature", "top_p", "stop_token_ids"}}
+                                                 -> {"samples": [[prompt index, completion ids incl. EOS,
+                                                     behaviour logprobs, truncated], ...], "sampling_seconds"}
+The end of stdin (the session closed, or its process died) ends the worker.
 
 Behaviour logprobs are vLLM's `processed_logprobs`: log-softmax after temperature and top-p, i.e. of the
 distribution the token was drawn from, as the hf engine records them. Each prompt gets its own seed (vLLM gives
@@ -20,20 +23,24 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 NO_VLLM_EXIT = 3                      # the worker's exit code when `import vllm` fails: a setup mistake
 
 
-def work(request: dict) -> dict:
-    """Start the engine, sample, return the result dict (runs inside the vLLM environment)."""
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
+def start(llm_args: dict):
+    """The engine, and how long it took to start."""
+    from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(**request["llm"])
-    engine_seconds = time.perf_counter() - t0
+    llm = LLM(**llm_args)
+    return llm, time.perf_counter() - t0
+
+
+def sample(llm, request: dict) -> dict:
+    """One sampling request's reply (runs inside the vLLM environment)."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
     s = request["sampling"]
     params = [SamplingParams(n=s["n"], max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
                              top_k=0, min_p=0.0, seed=seed, logprobs=0, stop_token_ids=s["stop_token_ids"],
@@ -51,8 +58,7 @@ def work(request: dict) -> dict:
             ids = list(c.token_ids)
             logps = [step[tok].logprob for step, tok in zip(c.logprobs, ids)]
             samples.append([group, ids, logps, c.finish_reason == "length"])
-    return {"samples": samples, "engine_seconds": engine_seconds, "sampling_seconds": sampling_seconds,
-            "vllm_version": vllm.__version__}
+    return {"samples": samples, "sampling_seconds": sampling_seconds}
 
 
 class WorkerExtension:
@@ -75,20 +81,30 @@ class WorkerExtension:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m tasks.engines.vllm_worker REQUEST.json RESULT.json", file=sys.stderr)
+    if len(argv) != 1 or not argv[0].isdigit():
+        print("usage: python -m tasks.engines.vllm_worker REPLY_FD   (requests on stdin)", file=sys.stderr)
         return 2
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError as e:
         print(f"cannot import vllm: {e}", file=sys.stderr)
         return NO_VLLM_EXIT
-    request = json.loads(Path(argv[0]).read_text())
-    result = work(request)
-    tmp = Path(argv[1]).with_suffix(".partial")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, argv[1])                   # the stage never reads half a result
-    if request.get("in_process"):
+    reply = os.fdopen(int(argv[0]), "w")
+
+    def send(value: dict) -> None:
+        reply.write(json.dumps(value) + "\n")
+        reply.flush()
+
+    llm, in_process = None, False
+    while line := sys.stdin.readline():
+        request = json.loads(line)
+        if llm is None:
+            llm, seconds = start(request["llm"])
+            in_process = request["in_process"]
+            send({"engine_seconds": seconds, "vllm_version": vllm.__version__})
+        else:
+            send(sample(llm, request))
+    if in_process:
         # Nothing left to clean up (no engine processes, no shared memory); skipping the interpreter's
         # teardown of torch and vllm saves seconds per stage run (docs/benchmarks.md: small measurements).
         sys.stdout.flush(), sys.stderr.flush()

@@ -1,6 +1,7 @@
 """Multi-turn episodes: the sampling engine and the environments take turns, tokens in and tokens out.
 
-    records, sampled = run_episodes(cfg, table, rows, policy, path, tokenizer, engine, params)
+    with open_session(cfg, policy) as session:          # (tasks/engines/sampling.py) every turn shares it
+        records, sampled = run_episodes(cfg, table, rows, session, params)
 
 For each dataset row, `params.n` episodes (a GRPO group: episodes of the same task), each with an environment
 of its own (env.factory). Turn by turn, every episode still going asks the engine for one completion of its
@@ -11,45 +12,42 @@ observation, minus the rendering of the dummy turn. The end of the assistant's t
 template closes a turn with) comes first, less what the model already wrote (its EOS). The record's `mask` is
 1 on the model's tokens and 0 on the observation's. Their logprobs are 0 and they never enter the loss.
 
-Each episode's environment lives in a process of its own (env.isolation: process; tasks/envs/isolation.py), or
-in this one (thread). Its calls (reset, step, close) are made from threads of their own; in-process `async def`
-ones run on one event loop thread. An episode's calls share env.timeout_seconds, and env.concurrency of them
-are in flight at once. A call that raises, returns garbage, runs out of time or whose process dies ends that
-episode only. It keeps the tokens so far and gets no return (`env_error`, counted in env/errors). A process
-past its deadline is killed; in thread mode a hung call's thread is left behind, as a daemon.
+Each episode's environment lives in a process of its own (env.isolation: process), in this one (thread), or on
+the environment server (env.server_url / env.where): a handle of one type either way (tasks/envs/isolation.py),
+so this loop never asks where. Its calls (reset, step, close) are made from threads of their own; in-process
+`async def` ones run on one event loop thread. An episode's calls share env.timeout_seconds, and
+env.concurrency of them are in flight at once. A call that raises, returns garbage, runs out of time or whose
+process dies ends that episode only. It keeps the tokens so far and gets no return (`env_error`, counted in
+env/errors). A process past its deadline is killed; in thread mode a hung call's thread is left behind, as a
+daemon.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tasks.core.models import load_tokenizer, policy_path
 from tasks.core.rollout import Rollout
-from tasks.engines.sampling import Sampled, SamplingParams, sample_rollouts, sampling_engine
+from tasks.engines.sampling import Sampled, SamplingParams, SamplingSession, sample_rollouts
 from tasks.envs.isolation import (
+    Caller,
     EnvironmentDied,
     EnvironmentFailed,
     InvalidReply,
-    ProcessEnvironment,
     start_environment,
     warm_up,
     why,
 )
-from tasks.envs.protocol import as_messages, as_step, factory_of, state_of
-from tasks.envs.server import RemoteEnvironment, ServerGone, ServerRefused
+from tasks.envs.protocol import EnvironmentHandle, as_messages, as_step, factory_of
+from tasks.envs.server import RemoteEnvironment, ServerGone, ServerRefused, server_of
 from tasks.envs.tools import parse_tool_calls
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
 
 TURN_SEED = 1_000_033          # turn t samples with seed params.seed + t * TURN_SEED
-_ELSEWHERE = (ProcessEnvironment, RemoteEnvironment)      # in another process: their state comes back from close
 
 
 @dataclass
@@ -57,7 +55,7 @@ class Episode:
     group: int
     row: int
     data: dict
-    env: Any = None
+    env: EnvironmentHandle | None = None
     schemas: list[dict] = field(default_factory=list)     # the tools' JSON schemas, as the prompt declares them
     prompt: list[dict] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
@@ -76,54 +74,7 @@ class Episode:
         self.error, self.done = why[:500], True
 
 
-class _Caller:
-    """Environment calls with a deadline: sync ones on a daemon thread each (at most `concurrency` at once),
-    coroutines on one event loop thread."""
-
-    def __init__(self, concurrency: int):
-        self.slots = threading.Semaphore(concurrency)
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.made = threading.Lock()
-
-    def _loop(self) -> asyncio.AbstractEventLoop:
-        """The one event loop (made by the first call that needs it: calls come from many threads at once, and an
-        episode's reset and steps must share their loop, as an async environment's futures belong to one)."""
-        with self.made:
-            if self.loop is None:
-                self.loop = asyncio.new_event_loop()
-                threading.Thread(target=self.loop.run_forever, daemon=True, name="env-loop").start()
-            return self.loop
-
-    def start(self, fn, *args) -> Future:
-        done: Future = Future()
-
-        def run() -> None:
-            try:
-                value = fn(*args)
-                if inspect.isawaitable(value):
-                    value = asyncio.run_coroutine_threadsafe(_awaited(value), self._loop()).result()
-                done.finished = time.monotonic()
-                done.set_result(value)
-            except BaseException as e:  # noqa: BLE001 - the episode's failure, reported by wait()
-                done.finished = time.monotonic()
-                done.set_exception(e)
-            finally:
-                self.slots.release()
-
-        self.slots.acquire()
-        threading.Thread(target=run, daemon=True, name="env-call").start()
-        return done
-
-    def stop(self) -> None:
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-async def _awaited(value):
-    return await value
-
-
-def _each(caller: _Caller, episodes: list[Episode], what: str, call, fails: bool = True) -> list[Any]:
+def _each(caller: Caller, episodes: list[Episode], what: str, call, fails: bool = True) -> list[Any]:
     """call(episode) for every episode at once; per episode its value, or None after marking it failed (when
     `fails`: a close that fails does not undo its episode). Each call may take what is left of its episode's
     budget, and what it took is charged to that episode alone: waiting here for another episode's slow call
@@ -143,7 +94,7 @@ def _each(caller: _Caller, episodes: list[Episode], what: str, call, fails: bool
             why = str(ex)
         except TimeoutError:
             why = f"{what} did not return within env.timeout_seconds"
-            if callable(getattr(e.env, "kill", None)):        # (its own process: ended now)
+            if e.env is not None:                              # (in a process of its own: ended now)
                 e.env.kill()
         except Exception as ex:  # noqa: BLE001 - costs only this episode
             e.budget -= getattr(f, "finished", time.monotonic()) - t0
@@ -204,41 +155,44 @@ class Renderer:
 
 # ------------------------------------------------------------------------------------------ episodes
 
-def sample(cfg: Config, ds, rows: list[int], policy: str, params: SamplingParams) -> tuple[list[Rollout], Sampled]:
-    """What generate and evaluate call: episodes with env.factory, else one completion per prompt
-    (tasks/engines/sampling.py: sample_rollouts)."""
+def sample(cfg: Config, session: SamplingSession, ds, rows: list[int],
+           params: SamplingParams) -> tuple[list[Rollout], Sampled]:
+    """What generate and evaluate call, with the session they opened (tasks/engines/sampling.py: open_session):
+    episodes with env.factory, else one completion per prompt (sample_rollouts)."""
     if not cfg.env.factory:
-        return sample_rollouts(cfg, ds, rows, policy, params)
-    path = policy_path(cfg, policy)
-    table = {r: ds[r] for r in set(rows)}
-    return run_episodes(cfg, table, rows, policy, path, load_tokenizer(path), sampling_engine(cfg), params)
+        return sample_rollouts(cfg, session, ds, rows, params)
+    return run_episodes(cfg, {r: ds[r] for r in set(rows)}, rows, session, params)
 
 
-def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: str, path: str, tokenizer,
-                 engine, params: SamplingParams) -> tuple[list[Rollout], Sampled]:
-    ec = cfg.env
-    # (imported here too: a process environment's forkserver imports it; a server's environments, only there)
-    make = None if ec.remote() else factory_of(cfg)
-    render = Renderer(tokenizer, cfg.generate.max_prompt_length)
-    episodes = [Episode(group=g, row=r, data=dict(table[r])) for g, r in enumerate(rows) for _ in range(params.n)]
-    caller = _Caller(ec.concurrency)
-    remote = ec.remote()
-    if remote:
-        from tasks.envs.server import server_of
-
+def environments(cfg: Config) -> Callable[[dict], EnvironmentHandle]:
+    """What opens each episode's environment (a row -> its handle): on the environment server (env.server_url,
+    env.where), else as env.isolation says (isolation.py: start_environment). What each needs is checked or
+    started before any episode: the factory's preflight, the server's address, the forkserver."""
+    if cfg.env.remote():
         server_of(cfg)                 # no server given: one line, before any episode
-    elif ec.isolation == "process":
+        return lambda row: RemoteEnvironment.start(cfg, row)
+    # (imported here too: a process environment's forkserver imports it; a server's environments, only there)
+    make = factory_of(cfg)
+    if cfg.env.isolation == "process":
         warm_up(cfg)
-    for e in episodes:
-        e.budget = ec.timeout_seconds
+    return lambda row: start_environment(cfg, make, row)
+
+
+def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: SamplingSession,
+                 params: SamplingParams) -> tuple[list[Rollout], Sampled]:
+    """params.n episodes of each row of `rows` (`table`: the rows by index), every turn sampled from `session`."""
+    ec = cfg.env
+    tokenizer = session.tokenizer
+    open_environment = environments(cfg)
+    render = Renderer(tokenizer, cfg.generate.max_prompt_length)
+    episodes = [Episode(group=g, row=r, data=dict(table[r]), budget=ec.timeout_seconds)
+                for g, r in enumerate(rows) for _ in range(params.n)]
+    caller = Caller(ec.concurrency)
     load_seconds = sampling_seconds = 0.0
     try:
         def begin(e: Episode) -> list[dict]:
-            if remote:
-                e.env = RemoteEnvironment.start(cfg, e.data)
-                e.schemas = e.env.tool_schemas
-            else:
-                e.env, e.schemas = start_environment(cfg, make, e.data)
+            e.env = open_environment(e.data)
+            e.schemas = e.env.tool_schemas
             return e.env.reset(e.data)
 
         for e, messages in zip(episodes, _each(caller, episodes, "reset", begin)):
@@ -255,7 +209,7 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: s
             if not active:
                 break
             budgets = [min(params.max_new_tokens, ec.max_tokens - len(e.ids)) for e in active]
-            sampled = engine.generate(policy, path, tokenizer, [e.prompt_ids + e.ids for e in active], SamplingParams(
+            sampled = session.sample([e.prompt_ids + e.ids for e in active], SamplingParams(
                 n=1, max_new_tokens=max(budgets), temperature=params.temperature, top_p=params.top_p,
                 seed=params.seed + turn * TURN_SEED))
             load_seconds += sampled.load_seconds
@@ -304,24 +258,15 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], policy: s
     return [_record(cfg, e, tokenizer) for e in episodes], Sampled([], load_seconds, sampling_seconds)
 
 
-def _close(caller: _Caller, episodes: list[Episode]) -> None:
-    """Keep each environment's state (env_state), then close it; a process environment whose episode failed
-    is killed instead (it may be hung or gone)."""
-    process = [e for e in episodes if isinstance(e.env, _ELSEWHERE)]
-    for e in process:
-        if e.error is not None:
-            e.env.kill()
-    for e in episodes:
-        if e.env is not None and not isinstance(e.env, _ELSEWHERE):
-            e.state = state_of(getattr(e.env, "instance", e.env))
-    live = [e for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))
-            and not (isinstance(e.env, _ELSEWHERE) and e.error is not None)]
-    for e in live:
+def _close(caller: Caller, episodes: list[Episode]) -> None:
+    """Keep each environment's state (env_state), then close it (one whose episode failed is killed instead
+    where it can be: it may be hung or gone)."""
+    opened = [e for e in episodes if e.env is not None]
+    for e in opened:
         e.budget = max(e.budget, 0.0) + 5.0
-    _each(caller, live, "close", lambda e: e.env.close(), fails=False)
-    for e in live:
-        if isinstance(e.env, _ELSEWHERE):
-            e.state = e.env.state
+    _each(caller, opened, "close", lambda e: e.env.close(failed=e.error is not None), fails=False)
+    for e in opened:
+        e.state = e.env.state
     caller.stop()
 
 

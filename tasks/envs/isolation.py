@@ -1,14 +1,18 @@
-"""An environment in a process of its own (env.isolation: process, the default): a crash of the environment
-(a segfault, `os._exit`, the OOM killer) or a call that never returns costs its episode, nothing else.
+"""Where an episode's environment runs, behind one handle (protocol.py: EnvironmentHandle): in this process
+(ThreadEnvironment, env.isolation: thread), in a process of its own (ProcessEnvironment, env.isolation: process,
+the default), or on the environment server (server.py: RemoteEnvironment, env.server_url / env.where). The
+episode loop and the server call every handle alike, through a Caller that gives each call its deadline.
 
-    env = ProcessEnvironment.start(cfg, row)     # a child of multiprocessing's forkserver makes the environment
+    env = start_environment(cfg, make, row)      # thread or process, as env.isolation says
     env.reset(row); env.step(message); env.close(); env.state
     env.kill()                                    # what the episode loop does to a call past its deadline
 
-The children come from a forkserver: a small process started once, that imported tasks.envs and the
-environment's module (env.factory) and forks one child per episode. So a child never inherits this process's
-threads or its torch and engine state, and it costs a fork of a small process, not a new interpreter. Calls
-and replies are pickled over a pipe. The child runs `async def` methods on an event loop of its own.
+In a process of its own a crash of the environment (a segfault, `os._exit`, the OOM killer) or a call that
+never returns costs its episode, nothing else. The children come from a forkserver: a small process started
+once, that imported tasks.envs and the environment's module (env.factory) and forks one child per episode. So
+a child never inherits this process's threads or its torch and engine state, and it costs a fork of a small
+process, not a new interpreter. Calls and replies are pickled over a pipe. The child runs `async def` methods on
+an event loop of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
+import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tasks.envs.protocol import as_step, environment, factory_of, state_of
@@ -106,14 +113,39 @@ def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
 
 
 def start_environment(cfg: Config, make, row: dict):
-    """One episode's environment as env.isolation says, with its tools' schemas: a ProcessEnvironment (its
-    child made it), or what `make` (protocol.factory_of) made, driven by the protocol. What the stage's episode
-    loop and the environment server both open."""
+    """One episode's environment as env.isolation says: a ProcessEnvironment (its child made it), or a
+    ThreadEnvironment around what `make` (protocol.factory_of) made. What the stage's episode loop and the
+    environment server both open."""
     if cfg.env.isolation == "process":
-        env = ProcessEnvironment.start(cfg, row)
-        return env, env.tool_schemas
-    env = environment(cfg, make(), row)
-    return env, tool_schemas(env)
+        return ProcessEnvironment.start(cfg, row)
+    return ThreadEnvironment(environment(cfg, make(), row))
+
+
+class ThreadEnvironment:
+    """An environment in this process, driven by the protocol (an `async def` method's coroutine is returned as
+    it is: the Caller runs it on its event loop). Its state is read before it closes; nothing can end a call
+    that hangs (a thread cannot be killed: its thread is left behind, a daemon)."""
+
+    def __init__(self, env: Any):
+        self.env = env
+        self.instance = getattr(env, "instance", env)      # (the user's object, inside an adapter)
+        self.tool_schemas: list[dict] = tool_schemas(env)
+        self.state: dict | None = None
+
+    def reset(self, row: dict):
+        return self.env.reset(row)
+
+    def step(self, message: dict):
+        return self.env.step(message)
+
+    def close(self, failed: bool = False):
+        """After a failed episode too: nothing else would end it."""
+        self.state = state_of(self.instance)
+        close = getattr(self.env, "close", None)
+        return close() if callable(close) else None
+
+    def kill(self) -> None:
+        """Nothing to kill in this process."""
 
 
 def why(e: BaseException) -> str:
@@ -177,9 +209,11 @@ class ProcessEnvironment:
     def step(self, message: dict):
         return self._call("step", message)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Its state, then its end; after a failed episode only its end (it may be hung or gone)."""
         try:
-            self.state = self._call("close", None)
+            if not failed:
+                self.state = self._call("close", None)
         finally:
             self.kill()
 
@@ -188,3 +222,50 @@ class ProcessEnvironment:
             self.proc.kill()
         self.proc.join(5.0)
         self.conn.close()
+
+
+class Caller:
+    """Environment calls with a deadline: sync ones on a daemon thread each (at most `concurrency` at once),
+    coroutines on one event loop thread. The episode loop's and the environment server's."""
+
+    def __init__(self, concurrency: int):
+        self.slots = threading.Semaphore(concurrency)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.made = threading.Lock()
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The one event loop (made by the first call that needs it: calls come from many threads at once, and an
+        episode's reset and steps must share their loop, as an async environment's futures belong to one)."""
+        with self.made:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=self.loop.run_forever, daemon=True, name="env-loop").start()
+            return self.loop
+
+    def start(self, fn, *args) -> Future:
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                value = fn(*args)
+                if inspect.isawaitable(value):
+                    value = asyncio.run_coroutine_threadsafe(_awaited(value), self._loop()).result()
+                done.finished = time.monotonic()
+                done.set_result(value)
+            except BaseException as e:  # noqa: BLE001 - the episode's failure, reported by wait()
+                done.finished = time.monotonic()
+                done.set_exception(e)
+            finally:
+                self.slots.release()
+
+        self.slots.acquire()
+        threading.Thread(target=run, daemon=True, name="env-call").start()
+        return done
+
+    def stop(self) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def _awaited(value):
+    return await value

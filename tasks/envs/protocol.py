@@ -54,6 +54,26 @@ class Environment(Protocol):
     def step(self, message: dict) -> Step: ...
 
 
+class EnvironmentHandle(Protocol):
+    """One episode's environment wherever it runs: in this process, in a process of its own (isolation.py) or on
+    the environment server (server.py). The episode loop calls every handle alike (from the threads of its
+    isolation.Caller, which also runs what an in-process `async def` method returns on its event loop)."""
+
+    tool_schemas: list[dict]         # its tools' JSON schemas, as the prompt declares them
+    state: dict | None               # its env_state, once closed (None: killed, or its close failed)
+
+    def reset(self, row: dict) -> Any: ...
+
+    def step(self, message: dict) -> Any: ...
+
+    def close(self, failed: bool = False) -> Any:
+        """Keep its state, then close it; after a failed episode (`failed`) an environment in a process of its
+        own is killed instead, with no state (it may be hung or gone)."""
+
+    def kill(self) -> None:
+        """End it now (a call past its deadline); nothing to do for one in this process."""
+
+
 def as_step(value: Any) -> Step:
     """A Step from what `step` returned: a Step, or (observation, reward, done[, info]); an observation may be
     one message or a string (a user message). Anything else is a TypeError naming what came back."""

@@ -43,15 +43,15 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.daemon import Watch, leave
 from tasks.core.errors import UserError, user_error_line
 from tasks.envs.isolation import (
+    Caller,
     EnvironmentDied,
     EnvironmentFailed,
     InvalidReply,
-    ProcessEnvironment,
     start_environment,
     warm_up,
     why,
 )
-from tasks.envs.protocol import as_step, factory_of, state_of
+from tasks.envs.protocol import as_step, factory_of
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -82,13 +82,11 @@ class Episodes:
     threads, coroutines on one event loop), so a slow environment never holds up the server's own loop."""
 
     def __init__(self, cfg: Config):
-        from tasks.envs.episodes import _Caller
-
         self.cfg = cfg
         self.make = factory_of(cfg)                 # the factory's preflight: one line, exit 2, before READY
         if cfg.env.isolation == "process":
             warm_up(cfg)
-        self.caller = _Caller(4096)
+        self.caller = Caller(4096)
         self.live: dict[str, _Hosted] = {}
         self.last_request = time.monotonic()
 
@@ -96,10 +94,10 @@ class Episodes:
         return await asyncio.wrap_future(self.caller.start(fn, *args))
 
     async def open(self, row: dict) -> dict:
-        env, tools = await self.call(start_environment, self.cfg, self.make, row)
+        env = await self.call(start_environment, self.cfg, self.make, row)
         key = uuid.uuid4().hex
         self.live[key] = _Hosted(env)
-        return {"id": key, "tools": tools}
+        return {"id": key, "tools": env.tool_schemas}
 
     async def run(self, key: str, op: str, arg: Any) -> Any:
         hosted = self.live[key]
@@ -118,19 +116,12 @@ class Episodes:
 
     def _close(self, key: str, env: Any):
         self.live.pop(key, None)
-        if isinstance(env, ProcessEnvironment):
-            env.close()
-            return env.state
-        state = state_of(getattr(env, "instance", env))
-        if callable(getattr(env, "close", None)):
-            value = env.close()
-            if inspect.isawaitable(value):
-                return _then(value, state)
-        return state
+        value = env.close()
+        return _then(value, env) if inspect.isawaitable(value) else env.state
 
     def kill(self, key: str) -> None:
         hosted = self.live.pop(key, None)
-        if hosted is not None and isinstance(hosted.env, ProcessEnvironment):
+        if hosted is not None:
             hosted.env.kill()
 
     def sweep(self) -> None:
@@ -142,9 +133,9 @@ class Episodes:
                 threading.Thread(target=self.kill, args=(key,), daemon=True).start()
 
 
-async def _then(value, state):
+async def _then(value, env):
     await value
-    return state
+    return env.state
 
 
 def _as_tuple(value) -> tuple:
@@ -363,7 +354,10 @@ class RemoteEnvironment:
     def step(self, message: dict):
         return tuple(_reply(self.client, "POST", f"/episodes/{self.key}/step", {"arg": message})["value"])
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        if failed:
+            self.kill()
+            return
         self.state = _reply(self.client, "POST", f"/episodes/{self.key}/close", {})["value"]
 
     def kill(self) -> None:
