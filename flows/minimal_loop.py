@@ -3,8 +3,8 @@
     python -m flows.minimal_loop configs/tiny.yaml --store /tmp/rlflow-minimal --iterations 3
 
 Read this before flows/training.py. It runs the same stage functions the real flow runs, in the same order,
-on a store in a local folder, so it writes the same artifacts (the flow with the same config and store finds
-them and goes on from there). What the real flow adds around this loop, and where:
+on a store in a local folder, so it writes the artifacts the flow would (a flow run on the same store and run
+name reuses them instead of computing them again). What the real flow adds around this loop, and where:
   - preflight (flows/preflight.py): every input mistake as one line before anything is written;
   - a lease (tasks/core/lease.py): one writer per run name; MLflow metrics and the Prefect dashboard;
   - launchers (flows/launch.py): a stage in a subprocess or on a SkyPilot cluster instead of this process;

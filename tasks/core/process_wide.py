@@ -29,7 +29,12 @@ per process. Each sits here, once, with the reason it exists:
                      `tasks/` or `flows/` package in the working directory never shadows rlflow's (`python -m`
                      otherwise puts the working directory first on sys.path; Python 3.11+ honours
                      PYTHONSAFEPATH). User modules named by the config (reward functions, env.factory) are still
-                     found there: the code that imports them adds the working directory itself.
+                     found there: the code that imports them adds the working directory itself. A stage process
+                     sets the same for its own children (tasks/core/stage.py); on a SkyPilot node the working
+                     directory is rlflow's checkout (the recipes' workdir), so its stage imports rlflow's by
+                     construction. (Grandchildren inherit the variables too: a reward function that starts
+                     `python script.py` itself gets no script folder first on that child's path; code rewards'
+                     sandbox starts from an empty environment: tasks/scoring/sandbox.py.)
   tell_inline_stages the environment server's URL and token reach a stage as RLFLOW_ENV_SERVER / RLFLOW_ENV_TOKEN
                      in its environment (tasks/envs/server.py reads them); a stage the flow runs in its own
                      process is told the same way, so a stage has one way to find it wherever it runs.
