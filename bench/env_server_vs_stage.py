@@ -19,8 +19,8 @@ sys.path.insert(0, str(ROOT))
 from flows.launch import EnvServer  # noqa: E402
 from tasks.core import builtin_models  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
+from tasks.core.contracts import Sample, Sampled, SamplingParams  # noqa: E402
 from tasks.core.models import load_tokenizer  # noqa: E402
-from tasks.engines.sampling import Sample, Sampled, SamplingParams  # noqa: E402
 from tasks.envs.episodes import run_episodes  # noqa: E402
 
 LETTERS = ROOT / "configs" / "letters.yaml"

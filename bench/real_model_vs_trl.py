@@ -139,9 +139,9 @@ def held_out_accuracy(cfg, model, tokenizer, held_out) -> float:
     the first eval.max_prompts held-out prompts by rlflow's hf sampler, passed when answer_reward is 1.0."""
     import torch
 
+    from tasks.core.contracts import SamplingParams
     from tasks.core.models import encode_prompt
     from tasks.engines.hf import hf_generate
-    from tasks.engines.sampling import SamplingParams
     from tasks.rewards.reasoning_gym import answer_reward
 
     rows = [held_out[i] for i in range(min(cfg.eval.max_prompts, len(held_out)))]

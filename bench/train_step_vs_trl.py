@@ -37,8 +37,8 @@ from tasks.algorithms.batching import prepare_batches  # noqa: E402
 from tasks.algorithms.update import optimise  # noqa: E402
 from tasks.core.builtin_models import build  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
+from tasks.core.contracts import Rollout  # noqa: E402
 from tasks.core.models import load_model, load_tokenizer  # noqa: E402
-from tasks.core.rollout import Rollout  # noqa: E402
 from tasks.engines.torch_engine import TorchEngine  # noqa: E402
 
 

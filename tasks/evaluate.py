@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core import data, layout, rollout
+from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
-from tasks.engines.sampling import SamplingParams, open_session
+from tasks.engines.sampling import open_session
 from tasks.envs.episodes import sample
 from tasks.scoring.functions import load_functions, score_records
 from tasks.scoring.worker import RewardState

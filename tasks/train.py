@@ -40,7 +40,7 @@ from tasks.engines.trainer import InProcessTrainer, unfinished
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
-    from tasks.engines.trainer import TrainerHandle
+    from tasks.core.contracts import TrainerHandle
 
 
 def train(cfg: Config, iteration: int) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from tasks.envs.protocol import Step
+from tasks.core.contracts import Step
 
 
 class Flaky:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tasks.core.config import load_config
-from tasks.engines.sampling import SamplingParams
+from tasks.core.contracts import SamplingParams
 from tasks.envs.browser import Browser
 from tasks.envs.episodes import run_episodes
 from tasks.envs.webshop import reference_action, serve, shop_tasks

@@ -15,9 +15,9 @@ import pytest
 from flows.launch import EnvServer
 from tasks.core import layout
 from tasks.core.config import load_config
+from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
 from tasks.core.store import Store
-from tasks.engines.sampling import SamplingParams
 from tasks.envs.episodes import run_episodes
 from tasks.envs.server import TOKEN_VAR, URL_VAR, ServerGone
 from tests.test_envs import LETTERS, Scripted

@@ -14,15 +14,14 @@ from tasks.algorithms.batching import prepare_batches
 from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_loss
 from tasks.core import layout
 from tasks.core.config import load_config
-from tasks.core.rollout import Rollout
+from tasks.core.contracts import Rollout, Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.store import Store
-from tasks.engines.sampling import Sample, Sampled, SamplingParams, Session
 from tasks.envs.episodes import Renderer, run_episodes
 from tasks.envs.tools import call_tools, parse_tool_calls, schemas
 
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = ROOT / "configs" / "letters.yaml"
-class Scripted(Session):
+class Scripted(SamplingSession):
     """A sampling engine that answers from a script (context text -> reply text): drives the episode loop
     where the tiny model would not write tool calls. The flow tests below use the real hf engine. It is its own
     session: `Scripted(reply).session(policy, path, tokenizer)`."""

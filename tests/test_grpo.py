@@ -208,8 +208,8 @@ def test_a_shared_prompt_forward_gives_the_full_forwards_logprobs_and_gradients(
 def test_sampling_fills_each_prompts_cache_once_and_samples_the_same():
     """generate.share_prompts: the hf sampler prefills each prompt once for its n samples; the samples, their
     behaviour logprobs and the greedy completions equal transformers' own expansion (each prompt n times)."""
+    from tasks.core.contracts import SamplingParams
     from tasks.engines.hf import hf_generate
-    from tasks.engines.sampling import SamplingParams
 
     cfg = load_config(TINY, [])
     model, tok = load_model(base_path(cfg)).eval(), load_tokenizer(base_path(cfg))

@@ -58,10 +58,10 @@ def test_a_stage_never_imports_another_stage():
     assert _violations([ROOT / "tasks" / f"{s}.py" for s in STAGES], lambda m: m not in stages) == []
 
 
-def test_algorithms_import_only_torch_and_the_standard_library():
+def test_algorithms_import_only_torch_the_standard_library_and_the_contracts():
     def allowed(m: str) -> bool:
         top = m.split(".")[0]
-        return top in STDLIB or top == "torch" or m.startswith("tasks.algorithms")
+        return top in STDLIB or top == "torch" or m.startswith(("tasks.algorithms", "tasks.core.contracts"))
     assert _violations(_modules("tasks/algorithms"), allowed) == []
 
 
@@ -115,23 +115,29 @@ def _protocol_methods(protocol) -> dict[str, inspect.Signature]:
 
 
 @pytest.mark.parametrize("protocol, engines", [
-    ("tasks.engines.sampling:SamplingEngine",
+    ("SamplingEngine",
      ["tasks.engines.hf:HFEngine", "tasks.engines.vllm_offline:VLLMOffline", "tasks.engines.vllm_server:VLLMServer"]),
-    ("tasks.engines.sampling:SamplingSession",
+    ("SamplingSession",
      ["tasks.engines.hf:HFSession", "tasks.engines.vllm_offline:OfflineSession",
       "tasks.engines.vllm_server:ServerSession"]),
-    ("tasks.envs.protocol:EnvironmentHandle",
+    ("EnvironmentHandle",
      ["tasks.envs.isolation:ThreadEnvironment", "tasks.envs.isolation:ProcessEnvironment",
       "tasks.envs.server:RemoteEnvironment"]),
-    ("tasks.engines.training:TrainingEngine",
+    ("TrainingEngine",
      ["tasks.engines.torch_engine:TorchEngine", "tasks.engines.deepspeed_engine:DeepSpeedEngine"]),
+    ("TrainerHandle",
+     ["tasks.engines.trainer:InProcessTrainer", "tasks.engines.resident:ResidentTrainer"]),
+    ("Learner",
+     ["tasks.algorithms.learners.grpo:Grpo", "tasks.algorithms.learners.ppo:Ppo",
+      "tasks.algorithms.learners.vtrace_awr:VtraceAwr"]),
+    ("ArtifactStore", ["tasks.core.store:FileStore", "tasks.core.store:S3Store"]),
 ])
 def test_every_engine_keeps_its_family_contract(protocol, engines):
     def load(spec: str):
         module, _, name = spec.partition(":")
         return getattr(importlib.import_module(module), name)
 
-    wanted = _protocol_methods(load(protocol))
+    wanted = _protocol_methods(load(f"tasks.core.contracts:{protocol}"))
     assert wanted, protocol
     for spec in engines:
         engine = load(spec)
@@ -224,3 +230,45 @@ def test_the_readme_layout_is_the_tree():
               if p.name != "__init__.py"}
     actual |= {f"{p.name}/" for p in (ROOT / "tasks").iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert actual - shown == set(), "missing from the README's layout"
+
+
+def _all_imports(path: Path) -> list[str]:
+    """Like _imports, but TYPE_CHECKING blocks count too: an annotation-only import is still a dependency a
+    reader follows, and a cycle through one is a cycle."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.append(node.module)
+            out += [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def test_no_import_cycles():
+    """No module of ours reaches itself through imports of any kind (module level, lazy, TYPE_CHECKING): a
+    contract lives in tasks/core/contracts.py, so a factory may import its implementations and they it, never
+    each other. Packages' __init__ files hold no imports and are left out."""
+    modules = {_module_name(p): p for folder in ("tasks", "flows") for p in _modules(folder) if p.name != "__init__.py"}
+    graph = {m: {i for i in _all_imports(p) if i in modules and i != m} for m, p in modules.items()}
+    cycles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for nxt in sorted(graph[module]):
+            if nxt in path:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in done:
+                visit(nxt, path + [nxt])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_the_contracts_import_nothing_of_their_implementations():
+    """tasks/core/contracts.py names the config in annotations and nothing else of ours."""
+    ours = {m for m in _all_imports(ROOT / "tasks" / "core" / "contracts.py") if _ours(m)}
+    assert ours <= {"tasks.core.config", "tasks.core.config.Config"}, ours

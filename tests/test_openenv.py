@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tasks.core.config import load_config
+from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
-from tasks.engines.sampling import SamplingParams
 from tasks.envs.episodes import run_episodes
 from tasks.envs.openenv_adapter import OpenEnv, _Bridge
 from tasks.envs.webshop import free_port

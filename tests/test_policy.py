@@ -156,9 +156,9 @@ def test_an_hf_session_loads_its_policy_once_for_all_its_samples(tmp_path, monke
     passes): a full model is built into the resident once, and kept for the next stage's session until the
     engine stops; an adapter is built once per session. What a sample draws depends on its seed alone."""
     from tasks.core.builtin_models import resolve
+    from tasks.core.contracts import SamplingParams
     from tasks.core.models import add_lora, load_model, load_policy, load_tokenizer
     from tasks.engines import hf
-    from tasks.engines.sampling import SamplingParams
 
     cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "train.lora_r=4"])
     base = resolve("builtin:tiny-lm")

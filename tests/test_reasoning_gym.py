@@ -282,7 +282,7 @@ def test_trls_grpo_trainer_scores_what_rlflow_scores():
     import torch
     from trl.data_utils import is_conversational
 
-    from tasks.core.rollout import Rollout
+    from tasks.core.contracts import Rollout
     from tasks.scoring.functions import load_functions, score_records
     from tasks.scoring.worker import RewardState
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from tasks.core.config import load_config
+from tasks.core.contracts import Rollout
 from tasks.core.errors import UserError
-from tasks.core.rollout import Rollout
 from tasks.rewards.math_answer import math_answer_reward
 from tasks.scoring.functions import RewardFunctionError, load_functions, score_records
 from tests.conftest import TINY, run_cli

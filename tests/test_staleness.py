@@ -68,9 +68,9 @@ def test_generate_refuses_a_policy_the_schedule_does_not_name(tmp_path):
 def test_sampling_has_its_own_random_stream(tmp_path):
     """hf sampling draws from a generator of the request's own: the same tokens with the process-wide RNG
     drawn from on another thread meanwhile (a trainer held by the flow), and that RNG left where it was."""
+    from tasks.core.contracts import SamplingParams
     from tasks.core.models import base_path, load_policy, load_tokenizer
     from tasks.engines.hf import hf_generate
-    from tasks.engines.sampling import SamplingParams
 
     cfg = load_config(TINY)
     path = base_path(cfg)

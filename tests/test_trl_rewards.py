@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tasks.core.config import load_config
+from tasks.core.contracts import Rollout
 from tasks.core.errors import UserError
-from tasks.core.rollout import Rollout
 from tasks.scoring.functions import load_functions, score_records, trl_inputs
 from tasks.scoring.worker import RewardState
 from tests.conftest import TINY

@@ -132,8 +132,9 @@ def test_batches_larger_than_one_engine_step_on_cpu(tmp_path):
     records = _records(cfg, 1)
     assert len(records) == 64 * N_GEN and all(1 <= len(r.completion_ids) <= 4 for r in records)
 
+    from tasks.core.contracts import SamplingParams
     from tasks.engines.hf import HFEngine
-    from tasks.engines.sampling import SamplingParams, sampling_engine
+    from tasks.engines.sampling import sampling_engine
 
     path, prompts = base_path(cfg), [r.prompt_ids for r in records[::N_GEN][:8]]
     greedy = SamplingParams(n=1, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0)

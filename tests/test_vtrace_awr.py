@@ -92,7 +92,7 @@ def test_awr_weights_the_kl_estimate_and_the_multipliers_direction():
 
 def _engine_and_batches(*overrides: str):
     from tasks.algorithms.batching import prepare_batches
-    from tasks.core.rollout import Rollout
+    from tasks.core.contracts import Rollout
     from tasks.engines.torch_engine import TorchEngine
 
     cfg = load_config(TINY, ["train.algorithm=vtrace_awr", "train.micro_batch_size=4", *overrides])
@@ -140,7 +140,7 @@ def test_the_environments_tokens_never_move_a_value_learner(algorithm):
     update (the critic's values, GAE or V-trace, the passes, value pre-training) ends at the same weights."""
     from tasks.algorithms.batching import prepare_batches
     from tasks.algorithms.update import optimise
-    from tasks.core.rollout import Rollout
+    from tasks.core.contracts import Rollout
     from tasks.engines.torch_engine import TorchEngine
 
     def trained(env_logprob: float) -> dict[str, torch.Tensor]:

@@ -7,42 +7,15 @@ token and sequence counts (tasks/algorithms/loss.py), so the accumulated gradien
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from tasks.core.contracts import MicroBatch
+
 if TYPE_CHECKING:
     from tasks.core.config import TrainConfig
-    from tasks.core.rollout import Rollout
-
-
-@dataclass
-class MicroBatch:
-    """One forward/backward's worth of completions."""
-
-    ids: torch.Tensor                  # (b, Lp+Lc) long: [left-padded prompt | right-padded completion]
-    attention: torch.Tensor            # (b, Lp+Lc) long
-    positions: torch.Tensor            # (b, Lp+Lc) long: real tokens counted only, as the generator saw them
-    mask: torch.Tensor                 # (b, Lc) float: 1 on completion tokens that enter the loss
-    behaviour: torch.Tensor            # (b, Lc) float: the generator's logprob of each token (μ), 0 on padding
-    scores: torch.Tensor               # (b,) what the learner made of the rows' rewards before the batch was
-                                       # split (Learner.scores: GRPO's advantages, the value learners' rewards)
-    rows: int                          # completions in it (0: a weightless micro-batch, see shard_batches)
-    advantages: torch.Tensor | None = None     # (b,), or (b, Lc) per token: set by the learner's prepare
-    ref: torch.Tensor | None = None    # (b, Lc) the reference policy's logprobs (beta > 0)
-    old: torch.Tensor | None = None    # (b, Lc) π_old: the logprobs before this iteration's first step
-    values: torch.Tensor | None = None     # (b, Lc) ppo: the critic's values before the update (V_old)
-    returns: torch.Tensor | None = None    # (b, Lc) ppo: GAE's returns, the critic's targets (vtrace_awr: v)
-    rewards: torch.Tensor | None = None    # (b, Lc) vtrace_awr: the token rewards
-    log_rho: torch.Tensor | None = None    # (b, Lc) vtrace_awr: log π_old - log μ on the model's tokens
-    encoded: torch.Tensor | None = None    # (b, Lc, H) vtrace_awr: the value head's detached inputs
-    share_prompts: bool = True             # run each distinct prompt once (train.share_prompts; logprobs.py)
-
-    @property
-    def width(self) -> int:
-        """Lc: completion tokens per row, padding included."""
-        return self.mask.shape[1]
+    from tasks.core.contracts import Rollout
 
 
 def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int):

@@ -14,8 +14,8 @@ import torch
 from tasks.algorithms.loss import clip_stats
 
 if TYPE_CHECKING:
-    from tasks.algorithms.batching import MicroBatch
     from tasks.core.config import TrainConfig
+    from tasks.core.contracts import MicroBatch
 
 
 class Reducer(Protocol):

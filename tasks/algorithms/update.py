@@ -15,16 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tasks.algorithms.batching import MicroBatch
-from tasks.algorithms.learners import Forward, Totals
 from tasks.algorithms.learners.registry import make
 from tasks.algorithms.logprobs import completion_logprobs
 from tasks.algorithms.stats import UpdateStats
+from tasks.core.contracts import Forward, MicroBatch, Totals
 
 if TYPE_CHECKING:
-    from tasks.algorithms.learners import Learner
     from tasks.core.config import Config
-    from tasks.engines.training import TrainingEngine
+    from tasks.core.contracts import Learner, TrainingEngine
 
 
 def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, iteration: int = 1,

@@ -126,11 +126,12 @@ def model_folder(path: str, dtype: str) -> str:
 
 def _convert(file: Path, dtype: str, out: Path) -> None:
     """transformers' GGUF loader (dequantizes), then save_pretrained as a plain model in `dtype`."""
+    import torch
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
     from transformers.utils import logging as hf_logging
 
-    from tasks.core.models import DTYPES, PROCESS_WIDE
+    from tasks.core.process_wide import PROCESS_WIDE
 
     verbosity, bars, per_tensor_bar = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(),
                                        gguf_utils.tqdm)
@@ -144,7 +145,8 @@ def _convert(file: Path, dtype: str, out: Path) -> None:
                 tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
                 # dequantize: always dense weights (with the `kernels` package some architectures would otherwise
                 # keep their blocks packed, and save_pretrained would write the packed bytes)
-                model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=DTYPES[dtype],
+                model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name,
+                                                             dtype=getattr(torch, dtype),  # float32 | bfloat16 | …
                                                              quantization_config=GgufConfig(dequantize=True))
             except (ValueError, KeyError, NotImplementedError, RuntimeError, TypeError) as e:
                 msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

@@ -1,4 +1,5 @@
-"""The record stages exchange: one completion of one prompt, as a JSON line.
+"""Writing and reading the record stages exchange (Rollout, tasks/core/contracts.py): one completion of one
+prompt, as a JSON line.
 
 generate writes them (reward fields empty); reward fills `rewards` (per function, None = not applicable or
 failed), `reward` (the weighted combination) and `extra` (per-completion notes a reward function logged, e.g.
@@ -17,34 +18,13 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tasks.core.contracts import Rollout
 
 if TYPE_CHECKING:
     from tasks.core.store import Store
-
-
-@dataclass
-class Rollout:
-    group: int                  # prompt's position in this iteration's batch; completions of a group share it
-    row: int                    # dataset row index
-    prompt: Any                 # the prompt as in the dataset (string or chat messages)
-    prompt_ids: list[int]
-    completion: str
-    completion_ids: list[int]   # includes the EOS token when the completion stopped on its own
-    logprobs: list[float]       # behaviour logprob of each completion token (after temperature)
-    truncated: bool             # hit max_completion_length without EOS
-    columns: dict[str, Any] = field(default_factory=dict)   # the dataset row's other columns (reward kwargs)
-    rewards: dict[str, float | None] = field(default_factory=dict)
-    reward: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)     # columns reward functions logged (TRL's log_extra)
-    mask: list[int] | None = None         # per completion token: 1 the model's, 0 an observation's (None: all 1)
-    turns: list[dict] | None = None       # the messages after the prompt (multi-turn)
-    turn_rewards: list[float] | None = None
-    env_return: float | None = None
-    env_error: str | None = None
-    env_state: dict[str, Any] | None = None   # the environment's public attributes when the episode ended
 
 
 FILE = "rollouts.jsonl"

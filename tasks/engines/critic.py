@@ -18,8 +18,8 @@ from tasks.algorithms.ppo import ValueHead
 from tasks.core import layout
 
 if TYPE_CHECKING:
-    from tasks.algorithms.batching import MicroBatch
     from tasks.core.config import Config
+    from tasks.core.contracts import MicroBatch
 
 
 class Critic(torch.nn.Module):

@@ -60,8 +60,8 @@ import yaml
 from tasks.core import layout
 from tasks.core.errors import UserError
 from tasks.core.models import DTYPES, base_path, device_for, load_model, load_tokenizer, policy_dtype
+from tasks.core.process_wide import rng_state, seed_all, set_rng_state
 from tasks.core.processes import stream
-from tasks.engines.training import rng_state, seed_all, set_rng_state
 
 if TYPE_CHECKING:
     from tasks.core.config import Config

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.models import ADAPTER_CONFIG, device_for, load_policy
-from tasks.engines.sampling import Sample, Sampled, SamplingParams, Session
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -49,7 +49,7 @@ class HFEngine:
         RESIDENT.release()
 
 
-class HFSession(Session):
+class HFSession(SamplingSession):
     """One policy: a full model folder is loaded into the process's resident model (in place when the resident
     has its architecture), and each `sample` checks, under the resident's lock, that it still holds this
     policy (another session on another thread may have loaded its own meanwhile: generate of iteration N+1 and

@@ -1,5 +1,6 @@
-"""The sampling-engine contract, its factory, and sampling a batch of dataset rows into rollouts (what the
-generate and evaluate stages share).
+"""The sampling engines' factory, and sampling a batch of dataset rows into rollouts (what the generate and
+evaluate stages share). The contract (SamplingEngine, SamplingSession and their records) is
+tasks/core/contracts.py's.
 
     engine = sampling_engine(cfg)           # hf | vllm offline | vllm server (generate.engine / generate.mode)
     with engine.session(policy, path, tokenizer) as s:      # the policy loaded, or the engine started, once
@@ -19,94 +20,15 @@ ratios need. The stages never branch on the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from tasks.core import data
+from tasks.core.contracts import Rollout
 from tasks.core.models import encode_prompt, load_tokenizer, policy_path
-from tasks.core.rollout import Rollout
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    n: int                  # completions per prompt
-    max_new_tokens: int
-    temperature: float      # 0: greedy (the most likely token; evaluation's greedy pass@1)
-    top_p: float
-    seed: int               # the whole request's seed: a rerun samples the same tokens
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One completion."""
-
-    prompt: int                 # index of its prompt in the request
-    completion_ids: list[int]   # includes the EOS token when it stopped on its own
-    logprobs: list[float]       # behaviour logprob of each completion token (after temperature / top-p)
-    truncated: bool             # hit max_new_tokens without EOS
-
-
-@dataclass(frozen=True)
-class Sampled:
-    samples: list[Sample]       # n per prompt, prompt by prompt
-    load_seconds: float         # model load, engine start or weight reload
-    sampling_seconds: float     # sampling alone
-
-
-class SamplingSession(Protocol):
-    """One policy held by an engine, sampled from as often as the stage needs, then closed (a context manager:
-    `with engine.session(...) as s`). Its `load_seconds` is what opening it took (model load, engine start or
-    weight reload); a `sample` reports its own (a reload it needed: another session of the process took the
-    model meanwhile, a server restarted)."""
-
-    tokenizer: object           # the policy's tokenizer (what the stage encodes prompts and decodes completions with)
-    load_seconds: float
-
-    def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Sampled:
-        """Sample `params.n` completions of each prompt (token ids)."""
-
-    def close(self) -> None:
-        """Release what the session holds (not what the engine keeps across stages). Never raises."""
-
-    def __enter__(self) -> SamplingSession: ...
-
-    def __exit__(self, *exc) -> None: ...
-
-
-class SamplingEngine(Protocol):
-    """Samples completions from a policy: tasks/engines/hf.py, vllm_offline.py, vllm_server.py."""
-
-    def __init__(self, cfg: Config) -> None: ...
-
-    @classmethod
-    def check_installed(cls, cfg: Config) -> None:
-        """One UserError line if this machine cannot run the engine (vllm missing)."""
-
-    def session(self, policy: str, path: str, tokenizer) -> SamplingSession:
-        """Open `policy` (its name: `base` or a store key; `path`: its local folder or hub id) for sampling."""
-
-    def stop(self, log=print) -> None:
-        """Release what the engine keeps alive across stage runs (server mode: the vLLM server; hf: the resident
-        model); the flow calls it at its end. Never raises."""
-
-
-class Session:
-    """What every engine's session shares: the context manager around `close`."""
-
-    tokenizer = None
-    load_seconds: float = 0.0
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    from tasks.core.contracts import Sampled, SamplingEngine, SamplingParams, SamplingSession
 
 
 def sampling_engine(cfg: Config) -> SamplingEngine:

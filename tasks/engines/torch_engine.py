@@ -31,7 +31,7 @@ from tasks.core.models import (
     load_tokenizer,
     policy_dtype,
 )
-from tasks.engines.training import rng_state, seed_all, set_rng_state
+from tasks.core.process_wide import rng_state, seed_all, set_rng_state
 
 if TYPE_CHECKING:
     from tasks.core.config import Config

@@ -31,17 +31,15 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from tasks.core import layout
-from tasks.core.models import PROCESS_WIDE
+from tasks.core.process_wide import PROCESS_WIDE, rng_state, set_rng_state
 from tasks.core.store import open_store
 from tasks.engines.training import (
     lean_files,
     newest_full,
     restore,
-    rng_state,
-    set_rng_state,
     training_engine,
     update,
     write_checkpoint,
@@ -49,24 +47,8 @@ from tasks.engines.training import (
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
+    from tasks.core.contracts import TrainingEngine
     from tasks.core.store import Store
-    from tasks.engines.training import TrainingEngine
-
-
-class TrainerHandle(Protocol):
-    """What the train stage and the flow hold: the run's trainer, wherever it lives."""
-
-    def train(self, iteration: int, fingerprint: str) -> dict:
-        """Train iteration `iteration` on its stored scored rollouts; ckpt-N is committed on return."""
-    def prepare(self, iteration: int) -> int:
-        """Hold the state after `iteration` now (restore and replay ahead of the train request); writes nothing.
-        Returns the iteration held."""
-    def finish(self, catch_up: bool = False) -> int | None:
-        """A full checkpoint of the last iteration trained, then the trainer goes; its iteration, or None when
-        there was nothing to finish (`catch_up`: also when the run's newest iteration lacks a full checkpoint,
-        one is made by replay)."""
-    def close(self) -> None:
-        """The stage is done with the handle: a trainer of its own goes; the run's trainer stays for the next."""
 
 
 def trainer_key(cfg: Config) -> str:

@@ -1,4 +1,5 @@
-"""The training-engine contract, its factory, and what every engine shares.
+"""The training engines' factory, and what every engine shares (the contract, TrainingEngine:
+tasks/core/contracts.py).
 
     Engine = training_engine(cfg)                    # the class `train.engine` names: torch | deepspeed
     if Engine.launch(cfg, iteration): ...            # deepspeed: started its workers here; they trained
@@ -21,7 +22,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,66 +30,12 @@ from tasks.algorithms.batching import shard_batches
 from tasks.algorithms.learners.registry import make as make_learner
 from tasks.algorithms.update import optimise
 from tasks.core import data, layout, rollout
-from tasks.core.process_wide import rng_state, seed_all, set_rng_state  # noqa: F401 - their home now
 from tasks.core.store import sha256_file
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
+    from tasks.core.contracts import TrainingEngine
     from tasks.core.store import Store
-
-
-class TrainingEngine(Protocol):
-    """One training process holding the policy, its optimizer and RNG (one of `world_size` processes)."""
-
-    rank: int                       # this process, 0 .. world_size - 1; process 0 writes the checkpoint
-    world_size: int
-    device: torch.device
-    model: torch.nn.Module          # what runs forward (a DeepSpeed engine wraps the module)
-    ref_model: torch.nn.Module | None   # the starting weights for the KL term (None: beta 0, or LoRA)
-    tokenizer: object
-    lora: bool                      # the model is a peft model (the reference = its adapter disabled)
-    global_step: int                # optimizer steps so far, over the whole run
-
-    @classmethod
-    def check_installed(cls, cfg: Config) -> None:
-        """One UserError line if this machine cannot run the engine (a package missing)."""
-
-    @classmethod
-    def launch(cls, cfg: Config, iteration: int) -> bool:
-        """Start the engine's processes if it needs several and none started us; True: they ran the whole
-        stage (the checkpoint is in the store), False: train in this process."""
-
-    @classmethod
-    def open(cls, cfg: Config, store: Store, previous: str | None) -> TrainingEngine:
-        """The policy, optimizer and RNG from checkpoint `previous` (a store key; None: the base model,
-        freshly seeded)."""
-
-    @staticmethod
-    def clean(store: Store, run: str) -> int:
-        """Remove what killed attempts of this engine left in the run's store folder; the lease holder calls
-        it. Returns how many folders went."""
-
-    def zero_grad(self) -> None: ...
-    def backward(self, loss: torch.Tensor) -> None: ...
-    critic: torch.nn.Module | None   # ppo, vtrace_awr: the value model (tasks/engines/critic.py), else None
-
-    def step(self) -> float:
-        """Clip the accumulated gradient to train.max_grad_norm and step; the norm before clipping."""
-    def critic_step(self, loss: torch.Tensor) -> None:
-        """Backward `loss` and step the value model alone (the policy untouched)."""
-    def sum(self, values: list[float]) -> list[float]: ...
-    def max(self, values: list[float]) -> list[float]: ...
-    def min(self, values: list[float]) -> list[float]: ...
-    def barrier(self) -> None: ...
-    def save(self, out: Path, iteration: int) -> dict:
-        """Write a full checkpoint's files into `out`: model/ (the policy as publish ships it, publish.dtype),
-        the exact weights where those differ, optimizer and RNG state; returns what state.json adds."""
-    def save_policy(self, out: Path) -> None:
-        """Write the policy alone into folder `out` (what a checkpoint's model/ holds): a lean checkpoint."""
-    def snapshot(self, iteration: int) -> Callable[[Path], dict]:
-        """Take what a full checkpoint holds now; the returned function writes it into a folder later, on
-        another thread, while training goes on (the resident trainer's background checkpoints)."""
-    def close(self) -> None: ...
 
 
 def training_engine(cfg: Config) -> type[TrainingEngine]:

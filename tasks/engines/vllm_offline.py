@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig
 
+from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
 from tasks.core.layout import BASE
 from tasks.core.models import ADAPTER_CONFIG, base_path
 from tasks.core.paths import REPO_ROOT, sibling_python
-from tasks.engines.sampling import Sample, Sampled, SamplingParams, Session
 from tasks.engines.vllm_worker import NO_VLLM_EXIT
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ class VLLMOffline(VLLMEngine):
         """Nothing outlives a session."""
 
 
-class OfflineSession(Session):
+class OfflineSession(SamplingSession):
     """A worker process running one vLLM engine for one policy (the protocol: tasks/engines/vllm_worker.py)."""
 
     def __init__(self, cfg: Config, policy: str, path: str, tokenizer):

@@ -45,12 +45,12 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.daemon import Daemon, answers_http
 from tasks.core.errors import UserError
 from tasks.core.layout import BASE
 from tasks.core.paths import cache_root
 from tasks.core.processes import exclusive
-from tasks.engines.sampling import Sample, Sampled, SamplingParams, Session
 from tasks.engines.vllm_offline import (
     VLLMEngine,
     engine_args,
@@ -97,7 +97,7 @@ class VLLMServer(VLLMEngine):
             log(f"stopping the vLLM server of run {self.cfg.run.name} failed: {e}")
 
 
-class ServerSession(Session):
+class ServerSession(SamplingSession):
     """One policy on the run's server. Each `sample` is one turn of the server's lock, from load through
     sampling: with run.max_staleness > 0 the generate of iteration N+1 (v(N-S)) and the evaluate of N (vN) may
     ask at once, from two processes, so the server may hold another policy between two samples of a session

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from tasks.core import data
-from tasks.envs.protocol import Step
+from tasks.core.contracts import Step
 from tasks.envs.tools import call_tools
 
 if TYPE_CHECKING:

@@ -44,8 +44,9 @@ import shutil
 from typing import Any
 from urllib.parse import urljoin, urlparse
 
+from tasks.core.contracts import Step
 from tasks.core.errors import UserError
-from tasks.envs.protocol import Step, require_answer
+from tasks.envs.protocol import require_answer
 
 ACTIONS = ("Act with one action per turn: click [N], type [N] [text] (type [N] [text] [1] presses Enter after), "
            "select [N] [option], goto [url], answer [text] (ends the task; on a task that asks for no answer, "

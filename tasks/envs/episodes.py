@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tasks.core.rollout import Rollout
-from tasks.engines.sampling import Sampled, SamplingParams, SamplingSession, sample_rollouts
+from tasks.core.contracts import EnvironmentHandle, Rollout, Sampled, SamplingParams, SamplingSession
+from tasks.engines.sampling import sample_rollouts
 from tasks.envs.isolation import (
     Caller,
     EnvironmentDied,
@@ -40,7 +40,7 @@ from tasks.envs.isolation import (
     warm_up,
     why,
 )
-from tasks.envs.protocol import EnvironmentHandle, as_messages, as_step, factory_of
+from tasks.envs.protocol import as_messages, as_step, factory_of
 from tasks.envs.server import RemoteEnvironment, ServerGone, ServerRefused, server_of
 from tasks.envs.tools import parse_tool_calls
 

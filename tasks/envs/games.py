@@ -13,7 +13,7 @@ one scores 0.25 on average; only one that reads what the environment said on eac
 
 from __future__ import annotations
 
-from tasks.envs.protocol import Step
+from tasks.core.contracts import Step
 
 
 class SayTheLetters:

@@ -37,10 +37,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from tasks.core.contracts import Step
 from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
 from tasks.envs.isolation import EnvironmentDied
-from tasks.envs.protocol import Step, require_answer
+from tasks.envs.protocol import require_answer
 
 VENV = ".venv-openenv"
 BRIDGE = Path(__file__).with_name("openenv_bridge.py")

@@ -26,9 +26,9 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from tasks.core.contracts import Environment, Step
 from tasks.core.errors import UserError
 from tasks.core.process_wide import signals_kept
 
@@ -36,42 +36,6 @@ MAX_STATE_CHARS = 65_536       # an attribute of the environment kept in the rec
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
-
-
-@dataclass
-class Step:
-    observation: list[dict]                 # messages the environment answers with (user or tool roles)
-    reward: float = 0.0
-    done: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-class Environment(Protocol):
-    tools: list[Callable]
-
-    def reset(self, row: dict) -> list[dict]: ...
-
-    def step(self, message: dict) -> Step: ...
-
-
-class EnvironmentHandle(Protocol):
-    """One episode's environment wherever it runs: in this process, in a process of its own (isolation.py) or on
-    the environment server (server.py). The episode loop calls every handle alike (from the threads of its
-    isolation.Caller, which also runs what an in-process `async def` method returns on its event loop)."""
-
-    tool_schemas: list[dict]         # its tools' JSON schemas, as the prompt declares them
-    state: dict | None               # its env_state, once closed (None: killed, or its close failed)
-
-    def reset(self, row: dict) -> Any: ...
-
-    def step(self, message: dict) -> Any: ...
-
-    def close(self, failed: bool = False) -> Any:
-        """Keep its state, then close it; after a failed episode (`failed`) an environment in a process of its
-        own is killed instead, with no state (it may be hung or gone)."""
-
-    def kill(self) -> None:
-        """End it now (a call past its deadline); nothing to do for one in this process."""
 
 
 def as_step(value: Any) -> Step:

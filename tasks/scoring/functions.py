@@ -46,7 +46,7 @@ from tasks.scoring.worker import _HEADER, RewardState, receive, send
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
-    from tasks.core.rollout import Rollout
+    from tasks.core.contracts import Rollout
 
 log = logging.getLogger("rlflow.reward")
 # What every reward function is called with besides the dataset's columns (TRL's GRPOTrainer passes the same).

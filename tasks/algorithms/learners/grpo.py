@@ -15,11 +15,9 @@ from tasks.algorithms.advantage import advantages
 from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_loss
 
 if TYPE_CHECKING:
-    from tasks.algorithms.batching import MicroBatch
-    from tasks.algorithms.learners import Forward, Totals
     from tasks.algorithms.stats import UpdateStats
     from tasks.core.config import Config, TrainConfig
-    from tasks.engines.training import TrainingEngine
+    from tasks.core.contracts import Forward, MicroBatch, Totals, TrainingEngine
 
 
 class Grpo:

@@ -16,11 +16,9 @@ from tasks.algorithms.learners.value import before_the_update, value_metrics, wh
 from tasks.algorithms.ppo import gae, token_rewards, value_loss
 
 if TYPE_CHECKING:
-    from tasks.algorithms.batching import MicroBatch
-    from tasks.algorithms.learners import Forward, Totals
     from tasks.algorithms.stats import UpdateStats
     from tasks.core.config import Config
-    from tasks.engines.training import TrainingEngine
+    from tasks.core.contracts import Forward, MicroBatch, Totals, TrainingEngine
 
 
 class Ppo:

@@ -9,8 +9,8 @@ from tasks.algorithms.learners.ppo import Ppo
 from tasks.algorithms.learners.vtrace_awr import VtraceAwr
 
 if TYPE_CHECKING:
-    from tasks.algorithms.learners import Learner
     from tasks.core.config import Config
+    from tasks.core.contracts import Learner
 
 LEARNERS: dict[str, type] = {"grpo": Grpo, "ppo": Ppo, "vtrace_awr": VtraceAwr}
 

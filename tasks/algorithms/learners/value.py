@@ -11,8 +11,7 @@ from tasks.algorithms.logprobs import completion_logprobs
 from tasks.algorithms.ppo import whiten
 
 if TYPE_CHECKING:
-    from tasks.algorithms.batching import MicroBatch
-    from tasks.engines.training import TrainingEngine
+    from tasks.core.contracts import MicroBatch, TrainingEngine
 
 
 def before_the_update(engine: TrainingEngine, b: MicroBatch, temperature: float):

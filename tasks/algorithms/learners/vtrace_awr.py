@@ -17,11 +17,9 @@ from tasks.algorithms.ppo import token_rewards, value_loss
 from tasks.algorithms.vtrace import awr_weights, kl_behaviour, lagrange_loss, vtrace
 
 if TYPE_CHECKING:
-    from tasks.algorithms.batching import MicroBatch
-    from tasks.algorithms.learners import Forward, Totals
     from tasks.algorithms.stats import UpdateStats
     from tasks.core.config import Config
-    from tasks.engines.training import TrainingEngine
+    from tasks.core.contracts import Forward, MicroBatch, Totals, TrainingEngine
 
 
 class VtraceAwr:
