@@ -102,54 +102,67 @@ def test_what_an_rlflow_child_starts_does_not_inherit_the_safe_path(tmp_path, mo
     assert out.returncode == 0 and out.stdout.split() == ["1"], out.stderr[-2000:]
 
 
-USER_REWARD = """
-import functools, json, os, subprocess, sys
+USER_CODE = {
+    "userspawn.py": """
+import json, os, subprocess, sys
 
-from tasks.rewards import demo
 
-
-def _spawn(when):
+def spawn(when):
     ran = subprocess.run([sys.executable, {script!r}], capture_output=True, text=True)
     with open({log!r}, "a") as f:
         f.write(json.dumps({{"argv0": sys.argv[0], "when": when, "code": ran.returncode, "out": ran.stdout.strip(),
                             "safepath": os.environ.get("PYTHONSAFEPATH")}}) + "\\n")
+""",
+    "userreward.py": """
+from userspawn import spawn
+
+spawn("import")
 
 
-_spawn("import")
+def zero(completions, **kwargs):
+    spawn("call")
+    return [0.0] * len(completions)
+""",
+    "userenv.py": """
+from tasks.envs.games import SayTheLetters
+from userspawn import spawn
+
+_made = []
 
 
-@functools.wraps(demo.successor_reward)
-def successor_reward(*args, **kwargs):
-    _spawn("call")
-    return demo.successor_reward(*args, **kwargs)
-"""
+def make(**kwargs):
+    if not _made:
+        _made.append(spawn("factory"))
+    return SayTheLetters(**kwargs)
+"""}
 
 
 @pytest.mark.slow
 def test_user_code_starts_python_scripts_as_anywhere_else(tmp_path, prefect_api):
-    """A user's reward module that runs `python script.py` (its folder holds a sibling module the script imports)
-    as it is imported and as it is called: imported in the flow's own process (preflight) and in a local reward
-    stage's process, called in that stage's reward worker; in each the script's folder is first on its path and
-    the process's environment has no PYTHONSAFEPATH of rlflow's."""
+    """User code that runs `python script.py` (its folder holds a sibling module the script imports): an
+    environment factory called in the flow's own process (inline generate, env.isolation thread), a reward module
+    imported in a local reward stage's process and its function called in that stage's reward worker. In each
+    the script's folder is first on the script's path, and the process has no PYTHONSAFEPATH of rlflow's."""
     work = tmp_path / "project"
     work.mkdir()
     script, log = _script_with_sibling(tmp_path / "user"), tmp_path / "spawned.jsonl"
-    (work / "userreward.py").write_text(USER_REWARD.format(script=str(script), log=str(log)))
+    for name, text in USER_CODE.items():
+        (work / name).write_text(text.format(script=str(script), log=str(log)))
     rlflow = Path(sys.executable).with_name("rlflow")
     argv = [str(rlflow)] if rlflow.exists() else [sys.executable, "-P", "-m", "flows.cli"]
-    overrides = [f"store.uri={tmp_path}/store", "run.iterations=1", "eval.every=0",
-                 "reward.functions=[{fn: 'userreward:successor_reward', weight: 1.0}]",
-                 "launcher.stages={reward: local}", f"launcher.recipes={ROOT / 'sky'}",
+    overrides = [f"store.uri={tmp_path}/store", "run.iterations=1", "eval.every=0", "env.factory=userenv:make",
+                 "reward.functions=[{fn: 'userreward:zero', weight: 1.0}]", "generate.prompts_per_iteration=2",
+                 "generate.num_generations=2", "launcher.stages={reward: local}", f"launcher.recipes={ROOT / 'sky'}",
                  f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.sample_completions=0"]
     env = {**os.environ, "PREFECT_API_URL": prefect_api,
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.pop("PYTHONSAFEPATH", None)
-    proc = subprocess.run([*argv, "run", str(TINY), *[a for o in overrides for a in ("-o", o)],
-                           "--summary-json", str(tmp_path / "s.json")], cwd=work, env=env, capture_output=True,
+    proc = subprocess.run([*argv, "run", str(ROOT / "configs" / "letters.yaml"),
+                           *[a for o in overrides for a in ("-o", o)]], cwd=work, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     spawned = [json.loads(line) for line in log.read_text().splitlines()]
-    where = {(Path(s["argv0"]).name, s["when"]) for s in spawned}
     flow = "rlflow" if rlflow.exists() else "cli.py"
-    assert {(flow, "import"), ("reward.py", "import"), ("worker.py", "call")} <= where, spawned
+    assert {(flow, "factory"), ("reward.py", "import"), ("worker.py", "call")} <= {
+        (Path(s["argv0"]).name, s["when"]) for s in spawned}, spawned
     assert all(s["code"] == 0 and s["out"] == "sibling" and s["safepath"] is None for s in spawned), spawned
