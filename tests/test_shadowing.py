@@ -137,6 +137,39 @@ def make(**kwargs):
 """}
 
 
+FORKSERVER = """
+from tasks.core.config import load_config
+from tasks.envs.episodes import environments
+
+if __name__ == "__main__":
+    cfg = load_config({config!r}, ["env.factory=userenv:make", "env.isolation=process"])
+    environments(cfg)({{"prompt": "Say each letter I name.", "letters": "abc"}}).close()
+"""
+
+
+def test_an_environments_forkserver_imports_rlflow_and_its_episodes_start_python_as_anywhere_else(tmp_path):
+    """env.isolation process from a process without the safe path (the flow's: `rlflow`'s script is not run from
+    the working directory): the forkserver, started with this process's environment, imports rlflow's tasks, not
+    the working directory's; the episode it forks makes the user's environment, whose `python script.py` has the
+    script's folder first on its path and no PYTHONSAFEPATH."""
+    work = tmp_path / "project"
+    mark = _shadowing(work)
+    script, log = _script_with_sibling(tmp_path / "user"), tmp_path / "spawned.jsonl"
+    for name in ("userspawn.py", "userenv.py"):
+        (work / name).write_text(USER_CODE[name].format(script=str(script), log=str(log)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("PYTHONSAFEPATH", None)
+    driver = tmp_path / "driver" / "flow.py"                  # run by path, as `rlflow` is: no -P, no cwd on its path
+    driver.parent.mkdir()
+    driver.write_text(FORKSERVER.format(config=str(ROOT / "configs" / "letters.yaml")))
+    out = subprocess.run([sys.executable, str(driver)], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert not mark.exists(), mark.read_text()
+    assert out.returncode == 0, out.stderr[-3000:]
+    spawned = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(s["when"], s["code"], s["out"], s["safepath"]) for s in spawned] == [("factory", 0, "sibling", None)]
+
+
 @pytest.mark.slow
 def test_user_code_starts_python_scripts_as_anywhere_else(tmp_path, prefect_api):
     """User code that runs `python script.py` (its folder holds a sibling module the script imports): an
