@@ -19,7 +19,6 @@ import argparse
 
 from tasks.core import layout
 from tasks.core.config import load_config
-from tasks.core.process_wide import import_rlflow_in_children
 from tasks.core.stage import quiet_progress_bars
 from tasks.generate import generate
 from tasks.publish import publish
@@ -65,7 +64,6 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=3)
     args = ap.parse_args()
     quiet_progress_bars()               # (the iteration lines are the output)
-    import_rlflow_in_children()         # the reward worker this starts imports rlflow's tasks, not the cwd's
     minimal_loop(args.config, args.store, args.iterations)
 
 

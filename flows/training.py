@@ -49,7 +49,7 @@ from tasks.core import layout, retention
 from tasks.core.config import Config, load_config
 from tasks.core.errors import UserError, cause_of
 from tasks.core.lease import Lease
-from tasks.core.process_wide import children_import_rlflow, tell_inline_stages
+from tasks.core.process_wide import tell_inline_stages
 from tasks.core.stage import STOP
 from tasks.core.store import Store, open_store
 from tasks.core.tracking import Tracker, champion_policy_uri
@@ -142,8 +142,7 @@ def train_flow(config: str, overrides: list[str] | None = None,
     repository root), `overrides` dotted `key=value` strings. `start_from: champion` starts from the policy
     behind the registered model's `champion` alias (when there is one); `run_name_suffix: date` appends
     today's UTC date to run.name, so a nightly schedule makes one run per night."""
-    with children_import_rlflow():      # a user's own tasks/ or flows/ here never shadows rlflow's in a child
-        return _train_flow(config, overrides, start_from, run_name_suffix)
+    return _train_flow(config, overrides, start_from, run_name_suffix)
 
 
 def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_name_suffix: str) -> dict:

@@ -9,3 +9,15 @@
 
 Stages never import each other; they meet in the store (tasks/core/store.py, tasks/core/layout.py).
 """
+
+import os as _os
+
+# A child rlflow started with rlflow_first (tasks/core/process_wide.py) has PYTHONSAFEPATH set so that `-m` does not
+# import a working directory's own tasks/ or flows/; it has done its work once this package is found, and left in
+# os.environ it would reach what user code here starts (`python script.py` would lose its folder on sys.path). This
+# package is imported first in every rlflow process, before any user code, so it is dropped here (two dictionary
+# look-ups: nothing imported). A user's own PYTHONSAFEPATH carries no marker and is kept.
+if _os.environ.get("RLFLOW_SAFEPATH") == "1":
+    _os.environ.pop("PYTHONSAFEPATH", None)
+    del _os.environ["RLFLOW_SAFEPATH"]
+del _os

@@ -1,6 +1,8 @@
 """A user's own `tasks` or `flows` package in the working directory never shadows rlflow's: every child Python
 rlflow starts with `-m tasks...` / `-m flows...` gets PYTHONSAFEPATH=1 and rlflow's root first on PYTHONPATH
-(tasks/core/process_wide.py), so `python -m` does not put the working directory first on its path."""
+(tasks/core/process_wide.py), so `python -m` does not put the working directory first on its path. And only
+those children: the child drops it as it starts (tasks/__init__.py), so what user code starts there, or in the
+flow's own process, is a Python like any other (`python script.py` has its folder first on its path)."""
 
 from __future__ import annotations
 
@@ -64,3 +66,136 @@ def test_rlflow_run_from_a_folder_with_its_own_tasks_and_flows(tmp_path, prefect
     assert not mark.exists(), mark.read_text()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "s.json").read_text())["iterations_completed"] == 2
+
+
+def _script_with_sibling(folder: Path) -> Path:
+    """`folder/tool/script.py`, which imports its sibling module: what a user's `python script.py` expects."""
+    (folder / "tool").mkdir(parents=True)
+    (folder / "tool" / "sibling.py").write_text("NAME = 'sibling'\n")
+    (folder / "tool" / "script.py").write_text("import sibling\nprint(sibling.NAME)\n")
+    return folder / "tool" / "script.py"
+
+
+def test_what_an_rlflow_child_starts_does_not_inherit_the_safe_path(tmp_path, monkeypatch):
+    """A child started with rlflow_first drops the variables as it imports rlflow (the marker says they are
+    rlflow's); a `python script.py` it starts then finds the script's sibling. A user's own PYTHONSAFEPATH (no
+    marker) is theirs: kept, in os.environ and in what rlflow_first makes."""
+    from tasks.core.process_wide import SAFEPATH_MARK, rlflow_first
+
+    script = _script_with_sibling(tmp_path)
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    monkeypatch.delenv(SAFEPATH_MARK, raising=False)
+    env = rlflow_first(os.environ)
+    assert env["PYTHONSAFEPATH"] == "1" and env[SAFEPATH_MARK] == "1"
+    code = ("import os, subprocess, sys, tasks; "
+            "print(os.environ.get('PYTHONSAFEPATH'), os.environ.get('RLFLOW_SAFEPATH')); sys.stdout.flush(); "
+            f"sys.exit(subprocess.run([sys.executable, {str(script)!r}]).returncode)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["None", "None", "sibling"]
+
+    own = {**os.environ, "PYTHONSAFEPATH": "1"}                 # the user's own: no marker
+    assert SAFEPATH_MARK not in rlflow_first(own)
+    out = subprocess.run([sys.executable, "-c", "import os, tasks; print(os.environ.get('PYTHONSAFEPATH'))"],
+                         cwd=tmp_path, env=rlflow_first(own), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["1"], out.stderr[-2000:]
+
+
+USER_CODE = {
+    "userspawn.py": """
+import json, os, subprocess, sys
+
+
+def spawn(when):
+    ran = subprocess.run([sys.executable, {script!r}], capture_output=True, text=True)
+    with open({log!r}, "a") as f:
+        f.write(json.dumps({{"argv0": sys.argv[0], "when": when, "code": ran.returncode, "out": ran.stdout.strip(),
+                            "safepath": os.environ.get("PYTHONSAFEPATH")}}) + "\\n")
+""",
+    "userreward.py": """
+from userspawn import spawn
+
+spawn("import")
+
+
+def zero(completions, **kwargs):
+    spawn("call")
+    return [0.0] * len(completions)
+""",
+    "userenv.py": """
+from tasks.envs.games import SayTheLetters
+from userspawn import spawn
+
+_made = []
+
+
+def make(**kwargs):
+    if not _made:
+        _made.append(spawn("factory"))
+    return SayTheLetters(**kwargs)
+"""}
+
+
+FORKSERVER = """
+from tasks.core.config import load_config
+from tasks.envs.episodes import environments
+
+if __name__ == "__main__":
+    cfg = load_config({config!r}, ["env.factory=userenv:make", "env.isolation=process"])
+    environments(cfg)({{"prompt": "Say each letter I name.", "letters": "abc"}}).close()
+"""
+
+
+def test_an_environments_forkserver_imports_rlflow_and_its_episodes_start_python_as_anywhere_else(tmp_path):
+    """env.isolation process from a process without the safe path (the flow's: `rlflow`'s script is not run from
+    the working directory): the forkserver, started with this process's environment, imports rlflow's tasks, not
+    the working directory's; the episode it forks makes the user's environment, whose `python script.py` has the
+    script's folder first on its path and no PYTHONSAFEPATH."""
+    work = tmp_path / "project"
+    mark = _shadowing(work)
+    script, log = _script_with_sibling(tmp_path / "user"), tmp_path / "spawned.jsonl"
+    for name in ("userspawn.py", "userenv.py"):
+        (work / name).write_text(USER_CODE[name].format(script=str(script), log=str(log)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("PYTHONSAFEPATH", None)
+    driver = tmp_path / "driver" / "flow.py"                  # run by path, as `rlflow` is: no -P, no cwd on its path
+    driver.parent.mkdir()
+    driver.write_text(FORKSERVER.format(config=str(ROOT / "configs" / "letters.yaml")))
+    out = subprocess.run([sys.executable, str(driver)], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert not mark.exists(), mark.read_text()
+    assert out.returncode == 0, out.stderr[-3000:]
+    spawned = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(s["when"], s["code"], s["out"], s["safepath"]) for s in spawned] == [("factory", 0, "sibling", None)]
+
+
+@pytest.mark.slow
+def test_user_code_starts_python_scripts_as_anywhere_else(tmp_path, prefect_api):
+    """User code that runs `python script.py` (its folder holds a sibling module the script imports): an
+    environment factory called in the flow's own process (inline generate, env.isolation thread), a reward module
+    imported in a local reward stage's process and its function called in that stage's reward worker. In each
+    the script's folder is first on the script's path, and the process has no PYTHONSAFEPATH of rlflow's."""
+    work = tmp_path / "project"
+    work.mkdir()
+    script, log = _script_with_sibling(tmp_path / "user"), tmp_path / "spawned.jsonl"
+    for name, text in USER_CODE.items():
+        (work / name).write_text(text.format(script=str(script), log=str(log)))
+    rlflow = Path(sys.executable).with_name("rlflow")
+    argv = [str(rlflow)] if rlflow.exists() else [sys.executable, "-P", "-m", "flows.cli"]
+    overrides = [f"store.uri={tmp_path}/store", "run.iterations=1", "eval.every=0", "env.factory=userenv:make",
+                 "reward.functions=[{fn: 'userreward:zero', weight: 1.0}]", "generate.prompts_per_iteration=2",
+                 "generate.num_generations=2", "launcher.stages={reward: local}", f"launcher.recipes={ROOT / 'sky'}",
+                 f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.sample_completions=0"]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("PYTHONSAFEPATH", None)
+    proc = subprocess.run([*argv, "run", str(ROOT / "configs" / "letters.yaml"),
+                           *[a for o in overrides for a in ("-o", o)]], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spawned = [json.loads(line) for line in log.read_text().splitlines()]
+    flow = "rlflow" if rlflow.exists() else "cli.py"
+    assert {(flow, "factory"), ("reward.py", "import"), ("worker.py", "call")} <= {
+        (Path(s["argv0"]).name, s["when"]) for s in spawned}, spawned
+    assert all(s["code"] == 0 and s["out"] == "sibling" and s["safepath"] is None for s in spawned), spawned

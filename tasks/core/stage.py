@@ -105,9 +105,6 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
     global _OWN_PROCESS
     _OWN_PROCESS = True
     quiet_progress_bars()
-    from tasks.core.process_wide import import_rlflow_in_children
-
-    import_rlflow_in_children()     # what this stage starts imports rlflow's tasks, not the working directory's
     try:
         cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
         kwargs = {}

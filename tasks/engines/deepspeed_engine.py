@@ -121,8 +121,11 @@ class DeepSpeedEngine:
                      f"--master_port={os.environ.get('MASTER_PORT') or 29500}"]
         else:
             argv.append("--standalone")      # one node: torchrun picks a free rendezvous port on localhost
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-               "HF_HUB_DISABLE_PROGRESS_BARS": "1"}     # one bar per process per file is noise in a log
+        from tasks.core.process_wide import rlflow_first
+
+        # (the workers run `-m tasks...` from the user's folder: rlflow's tasks, not a tasks/ there)
+        env = rlflow_first({**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                            "HF_HUB_DISABLE_PROGRESS_BARS": "1"})     # one bar per process per file is noise in a log
         if device.type == "cpu":
             env["DS_ACCELERATOR"] = "cpu"    # else DeepSpeed probes for GPUs
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

@@ -155,8 +155,12 @@ class ResidentTrainer:
             argv, env = DeepSpeedEngine.torchrun(self.cfg)
         else:
             argv, env = [sys.executable], dict(os.environ)
-        env = {**env, "RLFLOW_TRAINER_AUTHKEY": authkey, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+        from tasks.core.process_wide import rlflow_first
+
+        # (`-m` from the user's folder: rlflow_first, so that it imports rlflow's tasks, not a tasks/ there)
+        env = rlflow_first({**env, "RLFLOW_TRAINER_AUTHKEY": authkey, "PYTHONUNBUFFERED": "1",
+                            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", ""))
+                                                          if p)})
 
         def ready(spawned: dict) -> dict | None:       # it writes the state file once it listens
             state = self.daemon.read()

@@ -62,9 +62,12 @@ def installed_python(cfg: Config) -> str:
 
 
 def worker_env(**extra: str) -> dict[str, str]:
-    """This checkout's `tasks` first on the path (the vLLM environment may have another rlflow installed)."""
+    """This checkout's `tasks` first on the path (the vLLM environment may have another rlflow installed), and
+    not the working directory's (the vLLM worker, server and watchdog: tasks/core/process_wide.py)."""
+    from tasks.core.process_wide import rlflow_first
+
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", **extra}
+    return rlflow_first({**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", **extra})
 
 
 def request_seeds(seed: int, count: int) -> list[int]:

@@ -54,8 +54,15 @@ def warm_up(cfg: Config) -> None:
     env.timeout_seconds pays for it."""
     global _warm
     if not _warm:
+        from tasks.core.process_wide import children_import_rlflow
+
         proc = _forkserver(cfg).Process(target=_noop)
-        proc.start()
+        # The forkserver starts with this process's os.environ (it takes no env of its own), and its `-c` would
+        # put the working directory first on its path: for this one start rlflow's root is first and the working
+        # directory last (env.factory's module, preloaded, is found there). It drops the safe path as it starts
+        # (tasks/__init__.py), so the episodes it forks do not inherit it.
+        with children_import_rlflow(also=os.getcwd()):
+            proc.start()
         proc.join()
         _warm = True
 

@@ -134,9 +134,12 @@ class _Worker:
     """One `python -m tasks.scoring.worker` process with the functions imported."""
 
     def __init__(self, setup: dict):
+        from tasks.core.process_wide import rlflow_first
+
+        # (`-m` from the user's folder: rlflow_first, so that it imports rlflow's tasks, not a tasks/ there)
         self.proc = subprocess.Popen([sys.executable, "-m", "tasks.scoring.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, start_new_session=True, cwd=setup["cwd"],
-                                     env={**os.environ, "PYTHONPATH": _pythonpath(setup["cwd"])})
+                                     env=rlflow_first({**os.environ, "PYTHONPATH": _pythonpath(setup["cwd"])}))
         send(self.proc.stdin, setup)
         status, message = self._receive(timeout=120.0)
         if status != "ready":
