@@ -19,12 +19,15 @@ STAGES = ("generate", "reward", "train", "publish", "evaluate")
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 
 
-def _imports(path: Path) -> list[str]:
+def _imports(path: Path, type_checking: bool = False) -> list[str]:
     """Every module `path` imports, at any depth (lazy imports in functions count), except inside
-    `if TYPE_CHECKING:` blocks (annotations only, never run). `from a import b` yields `a.b` as well as `a`."""
+    `if TYPE_CHECKING:` blocks (annotations only, never run) unless `type_checking`: an annotation-only import is
+    still a dependency a reader follows, and a cycle through one is a cycle. `from a import b` yields `a.b` as
+    well as `a`."""
     tree = ast.parse(path.read_text(), str(path))
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" for n in ast.walk(node)}
+    skip = set() if type_checking else {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+        and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" for n in ast.walk(node)}
     out = []
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -232,26 +235,12 @@ def test_the_readme_layout_is_the_tree():
     assert actual - shown == set(), "missing from the README's layout"
 
 
-def _all_imports(path: Path) -> list[str]:
-    """Like _imports, but TYPE_CHECKING blocks count too: an annotation-only import is still a dependency a
-    reader follows, and a cycle through one is a cycle."""
-    tree = ast.parse(path.read_text(), str(path))
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.append(node.module)
-            out += [f"{node.module}.{a.name}" for a in node.names]
-    return out
-
-
 def test_no_import_cycles():
     """No module of ours reaches itself through imports of any kind (module level, lazy, TYPE_CHECKING): a
     contract lives in tasks/core/contracts.py, so a factory may import its implementations and they it, never
     each other. Packages' __init__ files hold no imports and are left out."""
     modules = {_module_name(p): p for folder in ("tasks", "flows") for p in _modules(folder) if p.name != "__init__.py"}
-    graph = {m: {i for i in _all_imports(p) if i in modules and i != m} for m, p in modules.items()}
+    graph = {m: {i for i in _imports(p, type_checking=True) if i in modules and i != m} for m, p in modules.items()}
     cycles, done = [], set()
 
     def visit(module: str, path: list[str]) -> None:
@@ -270,5 +259,5 @@ def test_no_import_cycles():
 
 def test_the_contracts_import_nothing_of_their_implementations():
     """tasks/core/contracts.py names the config in annotations and nothing else of ours."""
-    ours = {m for m in _all_imports(ROOT / "tasks" / "core" / "contracts.py") if _ours(m)}
+    ours = {m for m in _imports(ROOT / "tasks" / "core" / "contracts.py", type_checking=True) if _ours(m)}
     assert ours <= {"tasks.core.config", "tasks.core.config.Config"}, ours
