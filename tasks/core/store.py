@@ -45,7 +45,7 @@ class IncompleteArtifact(Exception):
 class CorruptArtifact(IncompleteArtifact):
     """A committed folder (its manifest written) whose manifest or a file changed afterwards: missing,
     truncated or altered. `key` is the folder; every stage is deterministic, so its producer can make it again
-    (flows/training.py quarantines and recomputes it)."""
+    (flows/repair.py quarantines it and has its producer make it again)."""
 
     def __init__(self, key: str, message: str):
         super().__init__(message)
