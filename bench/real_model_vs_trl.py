@@ -102,7 +102,7 @@ def trl_run(config: Path, seed: int, iterations: int, work: Path, evaluate: bool
                       temperature=g.temperature, top_p=g.top_p, learning_rate=t.lr, lr_scheduler_type="constant",
                       warmup_steps=0, weight_decay=t.weight_decay, adam_beta1=t.adam_betas[0],
                       adam_beta2=t.adam_betas[1], max_grad_norm=t.max_grad_norm, loss_type=t.loss_type, beta=t.beta,
-                      scale_rewards=t.scale_rewards, epsilon=t.epsilon, num_iterations=t.num_iterations,
+                      scale_rewards=t.learner.scale_rewards, epsilon=t.epsilon, num_iterations=t.num_iterations,
                       mask_truncated_completions=t.mask_truncated_completions,
                       reward_weights=[f.weight for f in cfg.reward.functions], max_steps=iterations, logging_steps=1,
                       report_to=[], save_strategy="no", disable_tqdm=True)
