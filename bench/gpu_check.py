@@ -181,11 +181,6 @@ def stop_trainers(cfg) -> None:
         resident._stop(path, json.loads(path.read_text()))
 
 
-def finish(cfg) -> None:
-    """Stop the run's resident trainer after its full checkpoint, as the flow does when it ends."""
-    finish_trainer(cfg)
-
-
 @contextlib.contextmanager
 def environ(**values: str):
     old = {k: os.environ.get(k) for k in values}
@@ -318,7 +313,7 @@ def row_resident(args, work: Path) -> str:
     cfg = config(args, work, "resident", ["train.mode=resident", "train.host=caller"])
     try:
         seconds = [iteration(cfg, it) for it in range(1, ITERATIONS_RESIDENT + 1)]
-        finish(cfg)
+        finish_trainer(cfg)                                        # as the flow does when it ends
     finally:
         stop_trainers(cfg)
     later = seconds[1:]
@@ -382,7 +377,7 @@ def row_resume(args, work: Path) -> str:
         m = train(cfg, after)["metrics"]
         first_step = time.perf_counter() - t0
         publish(cfg, after)
-        finish(cfg)                                                # full-4: the resumed trainer's exact weights
+        finish_trainer(cfg)                                        # full-4: the resumed trainer's exact weights
     finally:
         stop_trainers(cfg)
     replay_exact = b"reproduced other weights" not in (log.read_bytes()[seen:] if log.exists() else b"")

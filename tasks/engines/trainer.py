@@ -255,7 +255,8 @@ class InProcessTrainer:
     engine's launch starts them instead, and each runs this handle in its process."""
 
     def __init__(self, cfg: Config, held: bool = True):
-        self.cfg, self.held, self.key = cfg, held, trainer_key(cfg)
+        # (the key tells a held trainer made for another config; a trainer of the handle's own needs none)
+        self.cfg, self.held, self.key = cfg, held, trainer_key(cfg) if held else None
         self.own: Trainer | None = None
 
     def train(self, iteration: int, fingerprint: str) -> dict:
