@@ -15,10 +15,11 @@ FAST := not slow and not server and not drill and not vllm and not deepspeed and
 
 .PHONY: setup demo lint test test-fast drills bench gpu-check clean
 
-# The four environments are built side by side (-j4): ~4 min instead of ~7 on a clean 2-core machine (pip waits
-# on downloads and unpacking more than on the CPU); -Otarget keeps each one's output together.
+# The environments are built side by side (-j5; measured with the first four: ~4 min instead of ~7 on a clean
+# 2-core machine: pip waits on downloads and unpacking more than on the CPU); -Otarget keeps each one's output together.
 setup:
-	@$(MAKE) --no-print-directory -j4 -Otarget $(VENV)/.ready .venv-sky/.ready .venv-vllm/.ready .venv-openenv/.ready
+	@$(MAKE) --no-print-directory -j5 -Otarget $(VENV)/.ready .venv-sky/.ready .venv-vllm/.ready .venv-openenv/.ready \
+	    .venv-verifiers/.ready
 
 $(VENV)/.ready: pyproject.toml constraints.txt
 	@# bubblewrap and python3-seccomp (its syscall filter): the code rewards' sandbox (docs/sandbox.md); apt lists
@@ -67,6 +68,15 @@ $(VENV)/.ready: pyproject.toml constraints.txt
 	.venv-openenv/bin/pip install -qq --disable-pip-version-check -c constraints-openenv.txt openenv-core==0.3.0
 	touch $@
 
+# verifiers 0.4 gets its own environment too: the main one pins verifiers 0.3.1 (the 0.3 adapter), and 0.4 needs
+# openai>=2.54, mcp 2.0.0 and transformers 5 (no torch). The verifiers 0.4 agent runs its environments there
+# (tasks/envs/verifiers_v04_bridge.py, run by path). uv: verifiers runs its harness programs as PEP 723 scripts
+# with uv (it would `pip install --user` one otherwise); the first rollout has uv fetch their packages. ~60 s.
+.venv-verifiers/.ready: constraints-verifiers.txt
+	$(PYTHON) -m venv .venv-verifiers
+	.venv-verifiers/bin/pip install -qq --disable-pip-version-check -c constraints-verifiers.txt verifiers==0.4.0 uv
+	touch $@
+
 demo: setup              ## tiny model, CPU, local store, sqlite MLflow, Prefect without a server (~1-2 min)
 	$(BIN)/rlflow run configs/tiny.yaml --summary-json rlflow-runs/tiny-demo/summary.json
 
@@ -105,4 +115,4 @@ gpu-check: $(VENV)/.ready   ## on one CUDA GPU: each stage of the recipe, one ro
 	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-sky .venv-vllm rlflow-store rlflow-runs mlflow.db mlruns
+	rm -rf $(VENV) .venv-sky .venv-vllm .venv-verifiers rlflow-store rlflow-runs mlflow.db mlruns

@@ -74,6 +74,8 @@ def _passes(cfg: Config, records: list, n_prompts: int) -> list[int]:
     eval.pass_threshold)."""
     passed = [0] * n_prompts
     for r in records:
+        if r.part:                                   # (an agent episode's later samples: counted once)
+            continue
         score = r.reward if cfg.eval.pass_reward is None else r.rewards.get(cfg.eval.pass_reward)
         passed[r.group] += int(score is not None and score >= cfg.eval.pass_threshold)
     return passed
@@ -105,21 +107,22 @@ def evaluate(cfg: Config, iteration: int) -> dict:
         with open_session(cfg, policy) as session:         # one model load / engine start for both passes
             records, _ = sample(cfg, session, ds, rows, SamplingParams(
                 n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
-                temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p, seed=seed))
+                temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p, seed=seed), policy)
             score_records(functions, records, cfg.reward.aggregate, state)
             greedy = []
             if ec.greedy:
                 greedy, _ = sample(cfg, session, ds, rows, SamplingParams(
-                    n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0, seed=seed))
+                    n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0,
+                    seed=seed), policy)
                 score_records(functions, greedy, cfg.reward.aggregate, state)
         passed = _passes(cfg, records, len(rows))
-        present = [r.reward for r in records if r.reward is not None]
+        present = [r.reward for r in records if r.reward is not None and not r.part]
         metrics = {"eval/reward_mean": sum(present) / max(len(present), 1),
                    f"eval/pass_at_{ec.k}": sum(pass_at_k(ec.num_generations, c, ec.k) for c in passed) / len(rows)}
         if ec.greedy:
             metrics["eval/greedy_pass_at_1"] = sum(_passes(cfg, greedy, len(rows))) / len(rows)
-            metrics["eval/greedy_reward_mean"] = (sum(r.reward for r in greedy if r.reward is not None)
-                                                  / max(sum(r.reward is not None for r in greedy), 1))
+            lead = [r.reward for r in greedy if r.reward is not None and not r.part]
+            metrics["eval/greedy_reward_mean"] = sum(lead) / max(len(lead), 1)
         metrics.update({"eval/prompts": float(len(rows)), "eval/seconds": time.perf_counter() - t0})
         with tempfile.TemporaryDirectory(prefix="rlflow-eval-") as tmp:
             rollout.write(records, Path(tmp))

@@ -57,7 +57,7 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
     with open_session(cfg, policy) as session:
         records, sampled = sample(cfg, session, ds, rows, SamplingParams(
             n=gc.num_generations, max_new_tokens=gc.max_completion_length, temperature=gc.temperature,
-            top_p=gc.top_p, seed=cfg.run.seed * 1_000_003 + iteration))
+            top_p=gc.top_p, seed=cfg.run.seed * 1_000_003 + iteration), policy)
 
     n_tokens = sum(len(r.completion_ids) for r in records)
     metrics = {
@@ -69,8 +69,12 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
         "generate/seconds": time.perf_counter() - t0,
         "generate/staleness": iteration - 1 - layout.version_of(policy),   # updates the sampler is behind
     }
-    if cfg.env.factory:
+    if cfg.env.episodic():
         metrics.update(episode_metrics(records))
+    if cfg.env.agent:
+        from tasks.envs.agents import agent_metrics
+
+        metrics.update(agent_metrics(records))
     with tempfile.TemporaryDirectory(prefix="rlflow-generate-") as tmp:
         rollout.write(records, Path(tmp))
         manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "metrics": metrics, "policy": policy,

@@ -234,13 +234,36 @@ class RewardConfig(Section):
     sandbox: SandboxConfig = Field(SandboxConfig(), description="Isolation and limits for code rewards.")
 
 
+class EndpointConfig(Section):
+    """What an agent's request may change of the run's sampling settings (env.agent; tasks/envs/endpoint.py). A
+    request outside these bounds is refused (HTTP 400 naming the field), never silently clamped."""
+
+    temperature: tuple[float, float] | None = Field(None, description="[low, high]: the temperatures a request "
+                                                    "may ask for (None: only generate.temperature).")
+    min_top_p: float = Field(0.0, ge=0, le=1, description="A request may narrow top_p down to this (never widen "
+                             "it past generate.top_p).")
+
+    @field_validator("temperature")
+    @classmethod
+    def _ordered(cls, v):
+        if v is not None and not 0 <= v[0] <= v[1]:
+            raise ValueError("expected [low, high] with 0 <= low <= high")
+        return v
+
+
 class EnvConfig(Section):
-    """Multi-turn episodes against an environment (tasks/envs/; docs/environments.md). Unset: one prompt, one
-    completion."""
+    """Multi-turn episodes against an environment, or agents that call the model over HTTP (tasks/envs/;
+    docs/environments.md). Unset: one prompt, one completion."""
 
     factory: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="module:callable "
                                 "that returns one environment per episode (a class, or gymnasium:make with "
                                 "kwargs {id: ...}); None = single-turn.")
+    agent: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="module:function, an "
+                              "agent as users write them: (async) run(row, base_url, api_key) -> reward | "
+                              "(reward, info), calling the policy through rlflow's OpenAI-compatible endpoint "
+                              "(tasks/envs/agents.py). Each episode is one call with its own API key; its model "
+                              "calls are recorded token for token. Instead of env.factory.")
+    endpoint: EndpointConfig = Field(EndpointConfig(), description="The agents' endpoint: what a request may narrow.")
     kwargs: dict[str, Any] = Field({}, description="Keyword arguments for the factory.")
     adapter: Literal["auto", "rlflow", "trl", "gymnasium", "verifiers"] = Field(
         "auto", description="How the environment is driven. rlflow: reset(row) -> messages and step(message) -> "
@@ -281,6 +304,19 @@ class EnvConfig(Section):
     def remote(self) -> bool:
         """The episodes talk to an environment server, not to environments in their own process."""
         return self.where != "stage" or self.server_url is not None
+
+    def episodic(self) -> bool:
+        """Rollouts are multi-turn episodes: against an environment (factory) or by an agent."""
+        return bool(self.factory or self.agent)
+
+    @model_validator(mode="after")
+    def _one_driver(self):
+        if self.factory and self.agent:
+            raise ValueError("env.agent: an agent drives its own episodes; set env.agent or env.factory, not both")
+        if self.agent and self.remote():
+            raise ValueError("env.agent: agents run beside the stage's endpoint (env.where: stage, no "
+                             "env.server_url)")
+        return self
 
 
 # ------------------------------------------------------------------------------------------------ learners
@@ -787,13 +823,13 @@ class Config(Section):
     def env_sections(self) -> tuple[str, ...]:
         """("env",) when episodes are multi-turn: what the stages that sample or score add to their fingerprint
         (left out otherwise, so single-turn runs keep theirs)."""
-        return ("env",) if self.env.factory else ()
+        return ("env",) if self.env.episodic() else ()
 
     @model_validator(mode="after")
     def _some_reward(self):
-        if not self.reward.functions and not self.env.factory:
-            raise ValueError("reward.functions: at least one reward function is needed (or an env.factory, whose "
-                             "episodes' return is the reward)")
+        if not self.reward.functions and not self.env.episodic():
+            raise ValueError("reward.functions: at least one reward function is needed (or an env.factory or "
+                             "env.agent, whose episodes' return is the reward)")
         return self
 
     @model_validator(mode="after")

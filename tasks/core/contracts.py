@@ -55,6 +55,8 @@ class Rollout:
     env_return: float | None = None
     env_error: str | None = None
     env_state: dict[str, Any] | None = None   # the environment's public attributes when the episode ended
+    part: int = 0               # an agent's episode split step-wise: 0 its first sample, k > 0 the k-th after it,
+                                # sharing its return and advantage (tasks/envs/agents.py)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from tasks.core.store import sha256_file
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
-    from tasks.core.contracts import TrainingEngine
+    from tasks.core.contracts import Learner, Rollout, TrainingEngine
     from tasks.core.store import Store
 
 
@@ -62,7 +62,7 @@ def update(engine: TrainingEngine, cfg: Config, store: Store, iteration: int, t0
     older = [r for k in learner.replay(iteration) for r in rollout.load(store, layout.rewards(cfg.run.name, k))]
     offline = [r for key in offline_rollouts(cfg, store) for r in rollout.load(store, key)]
     records = offline + older + records
-    scores = learner.scores(torch.tensor([math.nan if r.reward is None else r.reward for r in records]))
+    scores = episode_scores(learner, records)
     batches = shard_batches(records, scores, engine.tokenizer.pad_token_id, tc, engine.device, engine.rank,
                             engine.world_size)
     t1 = time.perf_counter()
@@ -73,6 +73,21 @@ def update(engine: TrainingEngine, cfg: Config, store: Store, iteration: int, t0
         metrics["train/rows"] = float(len(records))       # this iteration's, the replayed and the off-line
     metrics["train/update_seconds"] = time.perf_counter() - t1        # the optimiser passes alone
     return metrics
+
+
+def episode_scores(learner: Learner, records: list[Rollout]) -> torch.Tensor:
+    """learner.scores over the episodes: an agent's episode split step-wise (Rollout.part > 0 after its first
+    sample) counts once in the groups' statistics, and each of its samples gets the episode's score."""
+    rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
+    lead = [i for i, r in enumerate(records) if not r.part]
+    if len(lead) == len(records):
+        return learner.scores(rewards)
+    own = learner.scores(rewards[lead])
+    which, k = [], -1
+    for r in records:
+        k += not r.part
+        which.append(max(k, 0))
+    return own[torch.tensor(which)]
 
 
 def offline_rollouts(cfg: Config, store: Store) -> list[str]:

@@ -156,9 +156,14 @@ class Renderer:
 # ------------------------------------------------------------------------------------------ episodes
 
 def sample(cfg: Config, session: SamplingSession, ds, rows: list[int],
-           params: SamplingParams) -> tuple[list[Rollout], Sampled]:
-    """What generate and evaluate call, with the session they opened (tasks/engines/sampling.py: open_session):
-    episodes with env.factory, else one completion per prompt (sample_rollouts)."""
+           params: SamplingParams, policy: str = "policy") -> tuple[list[Rollout], Sampled]:
+    """What generate and evaluate call, with the session they opened for `policy` (tasks/engines/sampling.py:
+    open_session): episodes with env.factory, an agent's (env.agent: tasks/envs/agents.py, through an endpoint
+    serving `policy`), else one completion per prompt (sample_rollouts)."""
+    if cfg.env.agent:
+        from tasks.envs.agents import run_agents
+
+        return run_agents(cfg, {r: ds[r] for r in set(rows)}, rows, session, params, policy)
     if not cfg.env.factory:
         return sample_rollouts(cfg, session, ds, rows, params)
     return run_episodes(cfg, {r: ds[r] for r in set(rows)}, rows, session, params)
@@ -285,7 +290,9 @@ def _record(cfg: Config, e: Episode, tokenizer) -> Rollout:
 
 
 def episode_metrics(records: list[Rollout]) -> dict[str, float]:
-    """env/*: turns, returns, failures and the model's share of the tokens."""
+    """env/*: turns, returns, failures and the model's share of the tokens (per episode: an agent's step-wise
+    parts after its first sample are not counted again)."""
+    records = [r for r in records if not r.part]
     n = max(len(records), 1)
     returns = [r.env_return for r in records if r.env_return is not None]
     return {"env/episodes": float(len(records)),

@@ -44,7 +44,7 @@ def _forkserver(cfg: Config):
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["tasks.envs.isolation", "tasks.core.config", "tasks.envs.adapters",
                                     "transformers.utils",        # (tool schemas: get_json_schema)
-                                    cfg.env.factory.partition(":")[0]])
+                                    (cfg.env.factory or cfg.env.agent).partition(":")[0]])
         _context = ctx
     return _context
 

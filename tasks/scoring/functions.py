@@ -105,11 +105,11 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
         raise UserError(f"reward.functions: two functions share a name ({names}); names key the scores")
     setup = {"functions": [{"fn": s.fn, "kwargs": s.kwargs} for s in cfg.reward.functions], "cwd": os.getcwd(),
              "sandbox": cfg.reward.sandbox.model_dump(mode="json")}
-    if cfg.env.factory and "env" in names:
-        raise UserError("reward.functions: 'env' names the environment's return; rename that function")
+    if cfg.env.episodic() and "env" in names:
+        raise UserError("reward.functions: 'env' names the episode's return; rename that function")
     return RewardFunctions(names=names, weights={n: s.weight for n, s in zip(names, cfg.reward.functions)},
                            setup=setup, timeout_seconds=cfg.reward.timeout_seconds, strict=cfg.reward.strict,
-                           env_weight=cfg.env.reward_weight if cfg.env.factory else None)
+                           env_weight=cfg.env.reward_weight if cfg.env.episodic() else None)
 
 
 def check_signature(what: str, fn, available: set[str], columns: list[str]) -> None:

@@ -76,4 +76,4 @@ def behaviour_weight(old: torch.Tensor, b: MicroBatch, cfg: Config) -> torch.Ten
 
 def completion_budget(cfg: Config) -> int:
     """dr_grpo's constant normaliser: the longest a completion can be (an episode's env.max_tokens, multi-turn)."""
-    return cfg.env.max_tokens if cfg.env.factory else cfg.generate.max_completion_length
+    return cfg.env.max_tokens if cfg.env.episodic() else cfg.generate.max_completion_length

@@ -1,0 +1,359 @@
+"""Agents as users write them: `env.agent: module:function`, trained unchanged.
+
+    async def run(row, base_url, api_key):                  # or a plain def
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
+        reply = await client.chat.completions.create(model="policy", messages=[...], tools=[...])
+        ...
+        return reward                                       # or (reward, info), or None: reward.functions decide
+
+For each dataset row, `params.n` episodes (a GRPO group), each one call of the agent with an API key of its own
+on the stage's endpoint (endpoint.py), which serves the policy the schedule names and records every model call's
+prompt ids, completion ids and behaviour logprobs under that key. env.kwargs, if any, are passed to the agent
+as keyword arguments. env.concurrency agents run at once; each may spend env.timeout_seconds of its own time
+(the time its model calls take inside the endpoint is not counted: that is the engine's); env.max_turns model
+calls and env.max_tokens tokens after its first prompt (the endpoint refuses calls past them and marks the
+episode truncated). An agent that raises, returns garbage, hangs past its time or whose process dies
+(env.isolation: process, the default: each agent in a process of its own, forked from the forkserver that
+imported its module) costs only its episode: it keeps its tokens and gets no return (env_error).
+
+What an episode becomes (never re-tokenized): its calls are chained, a call joining the chain whose last call
+its prompt extends token for token (endpoint.py renders a continued conversation that way). One chain: one
+sample, the turns merged, `mask` 1 on the model's tokens and 0 on everything between them. Several chains (the
+agent edited its history, or started over): one sample each, in the episode's order, the first the episode's own
+and the others marked `part` 1, 2 ... sharing its return (step-wise; the learner gives them the episode's
+advantage: tasks/engines/training.py), counted in agent/split_episodes. The return: what the agent returned, else
+what it set with POST /rl/set_reward, else none (reward.functions score the final transcript: `turns`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSession
+from tasks.core.errors import UserError
+from tasks.envs.endpoint import Call, Endpoint, EpisodeLog
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+EPISODE_SEED = 7_919_993        # episode e's calls sample with seed params.seed + e * EPISODE_SEED (+ call offsets)
+POLL = 0.01
+
+
+def agent_of(cfg: Config):
+    """env.agent imported: one line naming it if it cannot be, or is not a function of (row, base_url, api_key)."""
+    spec = cfg.env.agent
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except (Exception, SystemExit) as e:
+        raise UserError(f"env.agent: cannot import module {module_name!r}: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(f"env.agent: {module_name!r} has no callable {attr!r}")
+    try:
+        inspect.signature(fn).bind("row", "base_url", "api_key", **cfg.env.kwargs)
+    except TypeError as e:
+        raise UserError(f"env.agent: {spec} cannot be called as run(row, base_url, api_key"
+                        f"{', **env.kwargs' if cfg.env.kwargs else ''}): {e}") from None
+    except ValueError:
+        pass                                   # (no signature to read: a builtin or extension callable)
+    return fn
+
+
+def outcome(value: Any) -> tuple[float | None, dict]:
+    """What an agent returned, as (reward, info): a number, (number, dict), or None."""
+    if value is None:
+        return None, {}
+    info: Any = {}
+    if isinstance(value, tuple | list) and len(value) == 2:
+        value, info = value
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or not isinstance(info, dict):
+        raise TypeError(f"the agent returned {type(value).__name__}: expected a number, (number, dict) or None")
+    return float(value), info
+
+
+# ------------------------------------------------------------------------------------------ running agents
+
+@dataclass
+class Running:
+    """One agent at work: its episode's key, and how to learn its end or end it."""
+
+    index: int
+    key: str
+    started: float
+    done: Any = None          # () -> bool
+    result: Any = None        # () -> value (raises the agent's failure)
+    kill: Any = None          # () -> None
+
+
+class Threads:
+    """env.isolation: thread — async agents on one event loop thread, plain functions on a daemon thread each.
+    A hung coroutine is cancelled; a hung function's thread is left behind."""
+
+    def __init__(self, fn, kwargs: dict):
+        self.fn, self.kwargs = fn, kwargs
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True, name="agents").start()
+
+    def start(self, run: Running, row: dict, base_url: str) -> None:
+        from concurrent.futures import Future
+
+        if inspect.iscoroutinefunction(self.fn):
+            future = asyncio.run_coroutine_threadsafe(self.fn(row, base_url, run.key, **self.kwargs), self.loop)
+        else:
+            future = Future()
+
+            def call() -> None:
+                try:
+                    value = self.fn(row, base_url, run.key, **self.kwargs)
+                    if inspect.isawaitable(value):
+                        value = asyncio.run_coroutine_threadsafe(_awaited(value), self.loop).result()
+                    future.set_result(value)
+                except BaseException as e:  # noqa: BLE001 - the episode's failure
+                    future.set_exception(e)
+
+            threading.Thread(target=call, daemon=True, name="agent").start()
+        run.done, run.result, run.kill = future.done, future.result, future.cancel
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class Processes:
+    """env.isolation: process — each agent in a child of the forkserver (isolation.py) that imported its module;
+    a hung or crashed one is killed or found dead, nothing else is touched."""
+
+    def __init__(self, cfg: Config):
+        from tasks.envs.isolation import _forkserver, warm_up
+
+        warm_up(cfg)
+        self.ctx, self.cfg = _forkserver(cfg), cfg
+
+    def start(self, run: Running, row: dict, base_url: str) -> None:
+        parent, child = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=_child, args=(child, self.cfg.env.agent, dict(self.cfg.env.kwargs), row,
+                                                     base_url, run.key, os.getcwd(), list(sys.path)))
+        proc.start()
+        child.close()
+        got: list = []
+
+        def done() -> bool:
+            if got:
+                return True
+            if parent.poll():
+                try:
+                    got.append(parent.recv())
+                except (EOFError, OSError):
+                    got.append(("died", None))
+                return True
+            if not proc.is_alive():
+                got.append(("died", None))
+                return True
+            return False
+
+        def result():
+            kind, value = got[0]
+            proc.join(5)
+            if kind == "died":
+                code = proc.exitcode
+                how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit {code}"
+                raise RuntimeError(f"the agent's process died ({how})")
+            if kind == "error":
+                raise RuntimeError(value)
+            return value
+
+        def kill() -> None:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+            parent.close()
+
+        run.done, run.result, run.kill = done, result, kill
+
+    def stop(self) -> None:
+        pass
+
+
+def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cwd: str, path: list[str]) -> None:
+    """The agent's process: run it once, send back ("ok", value) or ("error", "Type: text")."""
+    from tasks.envs.isolation import why
+
+    os.chdir(cwd)
+    sys.path[:] = path
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        module, _, attr = spec.partition(":")
+        value = getattr(importlib.import_module(module), attr)(row, base_url, key, **kwargs)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+        conn.send(("ok", value))
+    except BaseException as e:  # noqa: BLE001 - the episode's failure, reported to the parent
+        try:
+            conn.send(("error", why(e)))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+async def _awaited(value):
+    return await value
+
+
+def run_agents(cfg: Config, table: dict[int, dict], rows: list[int], session: SamplingSession,
+               params: SamplingParams, policy: str) -> tuple[list[Rollout], Sampled]:
+    """params.n episodes of each row of `rows` by the agent env.agent names, against an endpoint on
+    `session` that serves `policy`."""
+    ec = cfg.env
+    fn = agent_of(cfg)
+    episodes = [(g, r) for g, r in enumerate(rows) for _ in range(params.n)]
+    logs: dict[int, EpisodeLog] = {}
+    outcomes: dict[int, tuple[float | None, dict, str | None]] = {}
+    runner = Processes(cfg) if ec.isolation == "process" else Threads(fn, dict(ec.kwargs))
+    with Endpoint(cfg, session, policy, params) as ep:
+        ep.lockstep = True                    # rounds of every waiting call, batched (endpoint.py)
+        pending = list(range(len(episodes)))
+        running: list[Running] = []
+        try:
+            def begin(i: int) -> Running:
+                run = Running(i, ep.open(i, (params.seed + i * EPISODE_SEED) % (2 ** 63)), time.monotonic())
+                runner.start(run, dict(table[episodes[i][1]]), ep.base_url)
+                return run
+
+            while pending and len(running) < ec.concurrency:
+                running.append(begin(pending.pop(0)))
+            while running:
+                time.sleep(POLL)
+                still = []
+                for run in running:
+                    log = ep.episodes[run.key]
+                    if run.done():
+                        try:
+                            reward, info = outcome(run.result())
+                            outcomes[run.index] = (reward, info, None)
+                        except BaseException as e:  # noqa: BLE001 - costs only this episode
+                            outcomes[run.index] = (None, {}, _why(e))
+                    elif time.monotonic() - run.started - log.busy_seconds() > ec.timeout_seconds:
+                        run.kill()
+                        outcomes[run.index] = (None, {}, "the agent did not return within env.timeout_seconds")
+                    else:
+                        still.append(run)
+                        continue
+                    logs[run.index] = ep.close(run.key)
+                running = still
+                while pending and len(running) < ec.concurrency:      # (an ended agent's slot, refilled first)
+                    running.append(begin(pending.pop(0)))
+                ep.settle()
+        finally:
+            for run in running:
+                run.kill()
+            runner.stop()
+    records = []
+    for i, (g, r) in enumerate(episodes):
+        records += episode_records(cfg, logs[i], outcomes[i], g, r, table[r], session.tokenizer)
+    return records, Sampled([], ep.load_seconds, ep.sampling_seconds)
+
+
+def _why(e: BaseException) -> str:
+    from tasks.envs.isolation import why
+
+    text = str(e) if isinstance(e, RuntimeError) and str(e) else why(e)
+    return f"agent raised {text}" if not text.startswith("the agent") else text
+
+
+# ------------------------------------------------------------------------------------------ calls -> samples
+
+def chains(calls: list[Call]) -> list[list[int]]:
+    """The episode's calls grouped into chains: a call joins the chain whose last call it extends token for
+    token (Call.extends, checked here on the ids themselves), else starts one."""
+    out: list[list[int]] = []
+    for i, c in enumerate(calls):
+        j = c.extends
+        home = next((ch for ch in out if j is not None and ch[-1] == j), None)
+        if home is not None:
+            prev = calls[j]
+            head = prev.prompt_ids + prev.completion_ids
+            if c.prompt_ids[:len(head)] == head:
+                home.append(i)
+                continue
+        out.append([i])
+    return out
+
+
+def episode_records(cfg: Config, log: EpisodeLog, result: tuple[float | None, dict, str | None], group: int,
+                    row: int, data: dict, tokenizer) -> list[Rollout]:
+    reward, info, error = result
+    if reward is None and error is None:
+        reward = log.reward
+    info = {**log.info, **info}
+    calls = log.calls
+    columns = {k: v for k, v in data.items() if k != cfg.data.prompt_column}
+    prompt, turns = _transcript(calls, data, cfg)
+    if prompt is None:
+        prompt = tokenizer.decode(calls[0].prompt_ids, skip_special_tokens=True)
+    truncated = log.limited is not None
+    state = {"agent_info": info, "calls": len(calls), **({"limited": log.limited} if log.limited else {})}
+    if not calls:                         # (no model call: a one-token placeholder, nothing to train)
+        return [Rollout(group=group, row=row, prompt=prompt, prompt_ids=[tokenizer.eos_token_id], completion="",
+                        completion_ids=[], logprobs=[], truncated=truncated, columns=columns, mask=[], turns=turns,
+                        turn_rewards=[], env_return=reward if error is None else None, env_error=error,
+                        env_state=state)]
+    out = []
+    for k, chain in enumerate(chains(calls)):
+        first = calls[chain[0]]
+        ids: list[int] = []
+        mask: list[int] = []
+        logprobs: list[float] = []
+        end = first.prompt_ids
+        for i in chain:
+            c = calls[i]
+            gap = c.prompt_ids[len(end):] if i != chain[0] else []
+            ids += gap + c.completion_ids
+            mask += [0] * len(gap) + [1] * len(c.completion_ids)
+            logprobs += [0.0] * len(gap) + c.logprobs
+            end = c.prompt_ids + c.completion_ids
+        last = calls[chain[-1]]
+        out.append(Rollout(group=group, row=row, prompt=prompt, prompt_ids=first.prompt_ids,
+                           completion=tokenizer.decode(ids, skip_special_tokens=True), completion_ids=ids,
+                           logprobs=logprobs, truncated=truncated or last.truncated, columns=columns, mask=mask,
+                           turns=turns, turn_rewards=[], env_return=reward if error is None else None,
+                           env_error=error, env_state=state, part=k))
+    return out
+
+
+def _transcript(calls: list[Call], data: dict, cfg: Config) -> tuple[Any, list[dict] | None]:
+    """The episode's prompt (its first call's messages, or the row's prompt when it made none) and its final
+    transcript after that prompt (what reward functions get as the completion): the last call's conversation
+    and reply."""
+    if not calls:
+        return data.get(cfg.data.prompt_column, ""), []
+    first, last = calls[0], calls[-1]
+    if first.messages is None:                     # raw completions: the prompt as text, no messages
+        return None, None
+    whole = [*(last.messages or []), *([last.reply] if last.reply else [])]
+    n = len(first.messages)
+    if whole[:n] == first.messages:
+        return first.messages, whole[n:]
+    return first.messages, whole
+
+
+def agent_metrics(records: list[Rollout]) -> dict[str, float]:
+    """agent/*: calls per episode, how many episodes split into several samples, samples per episode."""
+    leads = [r for r in records if not r.part]
+    n = max(len(leads), 1)
+    split = {(r.group, id(r.env_state)) for r in records if r.part}
+    return {"agent/calls_mean": sum((r.env_state or {}).get("calls", 0) for r in leads) / n,
+            "agent/split_episodes": float(len(split)),
+            "agent/samples_per_episode": len(records) / n,
+            "agent/limited": float(sum("limited" in (r.env_state or {}) for r in leads))}

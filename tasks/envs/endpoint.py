@@ -1,0 +1,844 @@
+"""The agents' endpoint: an OpenAI-compatible server in front of the stage's sampling session, recording the exact
+tokens of every call under its episode.
+
+    with Endpoint(cfg, session, policy, params) as ep:       # serves on 127.0.0.1:<free port> while the stage runs
+        key = ep.open(episode=3, seed=s)                     # one API key per episode
+        ... the agent calls ep.base_url with `key` (openai.OpenAI(base_url=ep.base_url, api_key=key)) ...
+        log = ep.close(key)                                  # its calls: prompt ids, completion ids, logprobs
+
+Routes (Authorization: Bearer <the episode's key> on each):
+    GET  /v1/models                the one model: the policy the schedule names for this iteration
+    POST /v1/chat/completions      messages (+ tools) through the policy's chat template; stream or not
+    POST /v1/completions           a prompt as text or as token ids; stream or not
+    POST /v1/responses             the Responses API for text and function calls (input items, instructions)
+    POST /rl/set_reward            {"reward": float, "info": {...}}: the agent's own reward for its episode
+    POST /inference/v1/generate    {model, token_ids, sampling_params}: tokens in, tokens out (verifiers 0.4's
+                                   trainer client; tasks/envs/verifiers_v04.py: generate_response)
+
+Why here and not a vLLM server: the endpoint must serve whatever engine the run samples with (hf on a CPU,
+vLLM offline or as a server), only the scheduled policy (a request naming another model is refused: the
+version check), within the run's sampling bounds, and record what was *sampled*, token for token. Nothing an
+agent sends is re-tokenized into training data:
+
+  * A chat call whose messages extend an earlier call of its episode (that call's messages, then the reply the
+    endpoint gave, then new messages: tool results, the user's next turn) is rendered as that call's prompt ids
+    + its completion ids + the tokens of the new messages alone (the closing of the assistant's turn and the
+    next turn's header included, as tasks/envs/episodes.py renders observations). So the prompt the model sees
+    extends the earlier sequence token for token, and the turns merge into one sample (agents.py).
+  * A call that does not (the agent edited, dropped or summarised its history, or changed its tools) is
+    rendered fresh by the chat template: its own sample, sharing the episode's return (step-wise).
+
+Sampling, two ways, both reproducible (a rerun of the stage samples the same tokens for the same calls):
+  * in rounds (`lockstep`, what agents.py's runner uses): a call waits until every open episode is waiting on a
+    call of its own (or has ended), then all of them are sampled as one batch of the session, in episode order,
+    seeded by the round. Which calls share a round depends on the agents alone, never on timing: the runner
+    decides (`settle`) between its own opens and closes. One batched sampling per round is what makes agents as
+    fast as environments' turn-by-turn episodes on hf and vLLM offline (~40x over one call at a time for the
+    letters demo's 128 episodes), and a vLLM server gets one request per round, not per call.
+  * one at a time (the default for an endpoint nobody settles): each call alone, seeded by its episode's seed and
+    its place in the episode.
+Limits, as environments have them: env.max_turns calls per episode, env.max_tokens tokens after the episode's
+first prompt; a call past either is refused (HTTP 400, code `episode_limit`) and the episode is marked
+truncated. A request may narrow max tokens (up to generate.max_completion_length), temperature and top-p within
+env.endpoint's bounds; outside them it is refused (HTTP 400 naming the field).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tasks.core.contracts import SamplingParams, SamplingSession
+from tasks.envs.tools import parse_tool_calls
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+CALL_SEED = 1_000_033          # call c of an episode samples with seed episode_seed + c * CALL_SEED
+ROUND_SEED = 999_983           # lockstep round r samples with seed params.seed + r * ROUND_SEED
+ALIAS = "policy"               # a model name every endpoint also answers to (the policy's own is in /v1/models)
+
+
+class Refused(Exception):
+    """A request the endpoint will not serve: (HTTP status, OpenAI error code, one line naming the field)."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass
+class Call:
+    """One model call of an episode, as sampled."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]          # the EOS included when the model stopped on its own
+    logprobs: list[float]              # the behaviour logprob of each completion token
+    truncated: bool                    # hit its max tokens without EOS (or was cut by a stop string)
+    messages: list[dict] | None = None     # a chat call's messages (normalised), None for raw completions
+    tools: list[dict] | None = None
+    reply: dict | None = None          # the assistant message it answered (normalised)
+    extends: int | None = None         # the earlier call whose prompt + completion this prompt starts with
+    seconds: float = 0.0
+
+
+@dataclass
+class Waiting:
+    """A call waiting for its round (lockstep)."""
+
+    episode: int
+    prompt_ids: list[int]
+    budget: int
+    temperature: float
+    top_p: float
+    done: threading.Event = field(default_factory=threading.Event)
+    sample: Any = None                   # (completion ids, logprobs, truncated)
+    error: BaseException | None = None
+
+
+@dataclass
+class EpisodeLog:
+    """What the endpoint recorded of one episode."""
+
+    index: int
+    seed: int
+    key: str = ""
+    calls: list[Call] = field(default_factory=list)
+    reward: float | None = None        # what the agent set with /rl/set_reward (the last one)
+    info: dict = field(default_factory=dict)
+    limited: str | None = None         # why a call was refused for the episode's limits (turns, tokens)
+    busy: float = 0.0                  # seconds spent inside the endpoint's calls (not the agent's own time)
+    in_call: float | None = None       # when the call now in progress started
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def first_prompt(self) -> int:
+        return len(self.calls[0].prompt_ids) if self.calls else 0
+
+    def busy_seconds(self) -> float:
+        running = self.in_call
+        return self.busy + (time.monotonic() - running if running is not None else 0.0)
+
+
+# ------------------------------------------------------------------------------------------------ messages
+
+def _text(content: Any) -> str:
+    """A message's content as text: a string, or the text of its parts (chat `text`, Responses `input_text` /
+    `output_text`)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, str):
+                out.append(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            elif isinstance(part, dict):
+                raise Refused(400, "invalid_request_error", f"content part of type {part.get('type')!r}: only "
+                              "text is served")
+        return "".join(out)
+    raise Refused(400, "invalid_request_error", "messages[].content: expected a string or a list of text parts")
+
+
+def _arguments(raw: Any) -> dict:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        value = json.loads(raw or "{}")
+    except (TypeError, ValueError):
+        return {"_raw": str(raw)}
+    return value if isinstance(value, dict) else {"_raw": value}
+
+
+def normalise(messages: Any) -> list[dict]:
+    """Chat messages as the chat template and the prefix comparison take them: role, content as text, tool
+    calls as {type, function: {name, arguments: dict}} (what HF chat templates render), a tool message's
+    call id and name kept."""
+    if not isinstance(messages, list) or not messages:
+        raise Refused(400, "invalid_request_error", "messages: expected a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise Refused(400, "invalid_request_error", f"messages[{i}]: expected an object with a role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"))}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [{"type": "function", "function": {
+                "name": c.get("function", {}).get("name", ""),
+                "arguments": _arguments(c.get("function", {}).get("arguments"))}} for c in m["tool_calls"]]
+        if role == "tool":
+            for k in ("tool_call_id", "name"):
+                if m.get(k) is not None:
+                    msg[k] = m[k]
+        out.append(msg)
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two messages alike for the prefix comparison (a tool message's call id and a message's name aside:
+    clients renumber them)."""
+    return all((a.get(k) or None) == (b.get(k) or None) for k in ("role", "content", "tool_calls"))
+
+
+def function_tools(tools: Any) -> list[dict] | None:
+    """Chat Completions' tools ({type: function, function: {...}}) or the Responses API's (flat), as chat
+    templates take them."""
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise Refused(400, "invalid_request_error", "tools: expected a list")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise Refused(400, "invalid_request_error", f"tools[{i}]: only function tools are served")
+        fn = t.get("function", t)
+        if not isinstance(fn.get("name"), str):
+            raise Refused(400, "invalid_request_error", f"tools[{i}]: a function tool needs a name")
+        out.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters")
+                                                     if k in fn}})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ endpoint
+
+class Endpoint:
+    """The stage's endpoint (the module's docstring): start it, open an episode per agent, close it for its log."""
+
+    def __init__(self, cfg: Config, session: SamplingSession, policy: str, params: SamplingParams,
+                 host: str = "127.0.0.1", port: int = 0):
+        from tasks.envs.episodes import Renderer
+
+        self.cfg, self.session, self.policy, self.params = cfg, session, policy, params
+        self.tokenizer = session.tokenizer
+        self.render = Renderer(self.tokenizer, cfg.generate.max_prompt_length)
+        self.render_later = Renderer(self.tokenizer, cfg.generate.max_prompt_length + cfg.env.max_tokens)
+        self.max_model_len = cfg.generate.max_prompt_length + cfg.env.max_tokens
+        self.host, self.port = host, port
+        self.episodes: dict[str, EpisodeLog] = {}
+        self.responses: dict[str, list[dict]] = {}      # response id -> its conversation (previous_response_id)
+        self.pool = ThreadPoolExecutor(max_workers=max(cfg.env.concurrency, 1) + 4, thread_name_prefix="endpoint")
+        self.sampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint-round")
+        self.server = None
+        self.thread: threading.Thread | None = None
+        self.calls = 0
+        self.lockstep = False             # calls wait for their round (settle); else each is sampled at once
+        self.waiting: dict[int, Waiting] = {}
+        self.rounds = 0
+        self.in_round = False
+        self._waiting = threading.Lock()
+        self.sampling_seconds = 0.0
+        self.load_seconds = 0.0
+        self._count = threading.Lock()
+
+    # -- lifetime
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> Endpoint:
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(app(self), log_level="warning", lifespan="off", access_log=False,
+                                timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None          # (a thread: the stage's signals are its own)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                       name="endpoint")
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the agents' endpoint did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            self.thread.join(10)
+            self.server = None
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.sampler.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> Endpoint:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- episodes
+    def open(self, episode: int, seed: int) -> str:
+        key = "rl-" + secrets.token_urlsafe(24)
+        log = EpisodeLog(index=episode, seed=seed, key=key)
+        with self._waiting:
+            self.episodes[key] = log
+        return key
+
+    def _key_of(self, log: EpisodeLog) -> str:
+        return log.key
+
+    def close(self, key: str) -> EpisodeLog:
+        """The episode's log; its key is refused from now on (a call of it still waiting for its round is
+        answered with an error: its agent has ended)."""
+        with self._waiting:
+            log = self.episodes.pop(key)
+            w = self.waiting.pop(log.index, None)
+        if w is not None:
+            w.error = Refused(409, "episode_closed", "the episode has ended")
+            w.done.set()
+        with log.lock:                                    # (waits for a call in progress to be recorded)
+            return log
+
+    # -- lockstep rounds
+    def settle(self) -> bool:
+        """Start a round if every open episode is waiting on a call (the runner calls this between its own
+        opens and closes, so a round's calls never depend on timing). True if one started."""
+        with self._waiting:
+            if self.in_round or not self.waiting or len(self.waiting) < len(self.episodes):
+                return False
+            batch = [self.waiting[i] for i in sorted(self.waiting)]
+            self.waiting, self.in_round = {}, True
+            r, self.rounds = self.rounds, self.rounds + 1
+        self.sampler.submit(self._round, batch, r)       # (not self.pool: its threads are the ones waiting)
+        return True
+
+    def _round(self, batch: list[Waiting], r: int) -> None:
+        try:
+            groups: dict[tuple[float, float], list[Waiting]] = {}
+            for w in batch:
+                groups.setdefault((w.temperature, w.top_p), []).append(w)
+            for g, ((temperature, top_p), ws) in enumerate(sorted(groups.items())):
+                try:
+                    sampled = self.session.sample([w.prompt_ids for w in ws], SamplingParams(
+                        n=1, max_new_tokens=max(w.budget for w in ws), temperature=temperature, top_p=top_p,
+                        seed=(self.params.seed + r * ROUND_SEED + g) % (2 ** 63)))
+                except BaseException as e:  # noqa: BLE001 - every call of the round gets it
+                    for w in ws:
+                        w.error = e
+                    continue
+                with self._count:
+                    self.sampling_seconds += sampled.sampling_seconds
+                    self.load_seconds += sampled.load_seconds
+                for w, s in zip(ws, sampled.samples):
+                    ids = s.completion_ids[:w.budget]
+                    ended = not s.truncated and len(ids) == len(s.completion_ids)
+                    w.sample = (list(ids), list(s.logprobs[:w.budget]), not ended)
+        finally:
+            with self._waiting:
+                self.in_round = False
+            for w in batch:
+                w.done.set()
+
+    def episode(self, authorization: str | None) -> tuple[str, EpisodeLog]:
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        log = self.episodes.get(key)
+        if log is None:
+            raise Refused(401, "invalid_api_key", "unknown or closed API key: each episode has its own, valid "
+                          "while its agent runs")
+        return key, log
+
+    def check_model(self, name: Any) -> None:
+        if name not in (self.policy, ALIAS):
+            raise Refused(404, "model_not_found", f"model {name!r}: this endpoint serves {self.policy!r} (the "
+                          f"policy this iteration samples from; also called {ALIAS!r}) and nothing else")
+
+    # -- sampling bounds
+    def params_for(self, body: dict, max_key: tuple[str, ...]) -> SamplingParams:
+        """The run's sampling settings, narrowed by the request within env.endpoint's bounds."""
+        p, bounds = self.params, self.cfg.env.endpoint
+        max_new = p.max_new_tokens
+        for k in max_key:
+            if body.get(k) is not None:
+                v = body[k]
+                if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= p.max_new_tokens:
+                    raise Refused(400, "invalid_request_error", f"{k}: {v!r} is out of bounds (1 .. "
+                                  f"{p.max_new_tokens}, generate.max_completion_length)")
+                max_new = v
+                break
+        temperature = p.temperature
+        if body.get("temperature") is not None and p.temperature > 0:     # (a greedy pass stays greedy)
+            t = body["temperature"]
+            lo, hi = bounds.temperature or (p.temperature, p.temperature)
+            if not isinstance(t, int | float) or not lo <= t <= hi:
+                raise Refused(400, "invalid_request_error", f"temperature: {t!r} is out of bounds ({lo} .. {hi}, "
+                              "env.endpoint.temperature)")
+            temperature = float(t)
+        top_p = p.top_p
+        if body.get("top_p") is not None and p.temperature > 0:
+            t = body["top_p"]
+            if not isinstance(t, int | float) or not bounds.min_top_p <= t <= p.top_p:
+                raise Refused(400, "invalid_request_error", f"top_p: {t!r} is out of bounds "
+                              f"({bounds.min_top_p} .. {p.top_p}, env.endpoint.min_top_p .. generate.top_p)")
+            top_p = float(t)
+        if body.get("n", 1) not in (1, None):
+            raise Refused(400, "invalid_request_error", "n: one completion per call (an agent's episode samples "
+                          "its own group)")
+        return SamplingParams(n=1, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=0)
+
+    # -- one call
+    def chat_prompt(self, log: EpisodeLog, messages: list[dict],
+                    tools: list[dict] | None) -> tuple[list[int], int | None]:
+        """The prompt ids of a chat call, and the earlier call it extends token for token (None: rendered fresh)."""
+        for i in range(len(log.calls) - 1, -1, -1):
+            c = log.calls[i]
+            if c.messages is None or c.reply is None or c.tools != tools:
+                continue
+            n = len(c.messages)
+            if len(messages) <= n + 1 or not _same(messages[n], c.reply):
+                continue
+            if not all(_same(a, b) for a, b in zip(messages[:n], c.messages)):
+                continue
+            ended = not c.truncated
+            try:
+                obs = self.render.observation(messages[n + 1:], tools, ended)
+            except ValueError:
+                break                                  # (a template that cannot append: render fresh)
+            return c.prompt_ids + c.completion_ids + obs, i
+        try:
+            return (self.render_later if log.calls else self.render).prompt(messages, tools), None
+        except Exception as e:  # noqa: BLE001 - the template's own complaint, as the agent's error
+            raise Refused(400, "invalid_request_error", f"messages: the chat template cannot render them ({e})") \
+                from None
+
+    def sample(self, log: EpisodeLog, prompt_ids: list[int], params: SamplingParams, stop: list[str],
+               messages: list[dict] | None = None, tools: list[dict] | None = None,
+               extends: int | None = None) -> Call:
+        """Sample one completion for the episode (under its lock: an episode's calls are sampled in order)."""
+        ec = self.cfg.env
+        if len(log.calls) >= ec.max_turns:
+            log.limited = log.limited or f"env.max_turns ({ec.max_turns}) calls"
+            raise Refused(400, "episode_limit", f"the episode has made its env.max_turns ({ec.max_turns}) model "
+                          "calls")
+        if extends is None and not log.calls:
+            used = 0
+        else:
+            first = log.first_prompt() if log.calls else len(prompt_ids)
+            used = len(prompt_ids) - first if extends is not None else \
+                max(len(c.prompt_ids) + len(c.completion_ids) for c in log.calls) - first
+        room = ec.max_tokens - max(used, 0)
+        if room <= 0:
+            log.limited = log.limited or f"env.max_tokens ({ec.max_tokens}) tokens"
+            raise Refused(400, "episode_limit", f"the episode has used its env.max_tokens ({ec.max_tokens}) "
+                          "tokens")
+        budget = min(params.max_new_tokens, room)
+        t0 = time.perf_counter()
+        if self.lockstep:
+            w = Waiting(log.index, list(prompt_ids), budget, params.temperature, params.top_p)
+            with self._waiting:
+                if log.index in self.waiting or self.episodes.get(self._key_of(log)) is not log:
+                    raise Refused(409, "episode_closed", "the episode has ended")
+                self.waiting[log.index] = w
+            w.done.wait()
+            if w.error is not None:
+                raise w.error
+            ids, logprobs, truncated = w.sample
+        else:
+            seed = (log.seed + len(log.calls) * CALL_SEED) % (2 ** 63)
+            sampled = self.session.sample([prompt_ids], SamplingParams(
+                n=1, max_new_tokens=budget, temperature=params.temperature, top_p=params.top_p, seed=seed))
+            s = sampled.samples[0]
+            ids, logprobs, truncated = list(s.completion_ids), list(s.logprobs), s.truncated
+            with self._count:
+                self.sampling_seconds += sampled.sampling_seconds
+                self.load_seconds += sampled.load_seconds
+        if stop:
+            ids, logprobs, truncated = self.cut_at_stop(ids, logprobs, stop, truncated)
+        with self._count:
+            self.calls += 1
+        call = Call(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=logprobs, truncated=truncated,
+                    messages=messages, tools=tools, extends=extends, seconds=time.perf_counter() - t0)
+        if used + len(ids) >= ec.max_tokens:
+            log.limited = log.limited or f"env.max_tokens ({ec.max_tokens}) tokens"
+        return call
+
+    def cut_at_stop(self, ids: list[int], logprobs: list[float], stop: list[str],
+                    truncated: bool) -> tuple[list[int], list[float], bool]:
+        """Keep the tokens up to the one that completes a stop string (the text returned stops before it, as
+        OpenAI's does; the tokens sampled after it are dropped and not trained on)."""
+        for i in range(1, len(ids) + 1):
+            text = self.tokenizer.decode(ids[:i], skip_special_tokens=True)
+            if any(s in text for s in stop):
+                return ids[:i], logprobs[:i], False
+        return ids, logprobs, truncated
+
+    def text_of(self, ids: list[int], stop: list[str]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for s in stop:
+            if s in text:
+                text = text[:text.index(s)]
+        return text
+
+    def record(self, log: EpisodeLog, call: Call) -> None:
+        log.calls.append(call)
+
+    def set_reward(self, log: EpisodeLog, body: dict) -> None:
+        r = body.get("reward")
+        if not isinstance(r, int | float) or isinstance(r, bool) or r != r:
+            raise Refused(400, "invalid_request_error", f"reward: expected a number, got {r!r}")
+        info = body.get("info") or {}
+        if not isinstance(info, dict):
+            raise Refused(400, "invalid_request_error", "info: expected an object")
+        log.reward, log.info = float(r), {**log.info, **info}
+
+
+# ------------------------------------------------------------------------------------------------ routes
+
+def _stop_list(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise Refused(400, "invalid_request_error", "stop: expected a string or a list of strings")
+
+
+def _finish(call: Call, calls: list[dict] | None = None) -> str:
+    if calls:
+        return "tool_calls"
+    return "length" if call.truncated else "stop"
+
+
+def _logprobs_block(ep: Endpoint, call: Call) -> dict:
+    tok = ep.tokenizer
+    return {"content": [{"token": tok.convert_ids_to_tokens(i), "logprob": lp, "bytes": None, "top_logprobs": []}
+                        for i, lp in zip(call.completion_ids, call.logprobs)]}
+
+
+def _usage(call: Call) -> dict:
+    return {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids),
+            "total_tokens": len(call.prompt_ids) + len(call.completion_ids)}
+
+
+def _assistant(ep: Endpoint, call: Call, stop: list[str], tools: list[dict] | None) -> tuple[str, list[dict]]:
+    """The reply's text and tool calls ({id, type, function: {name, arguments: JSON text}}), parsed the way
+    environments' replies are (tasks/envs/tools.py); a malformed call stays in the text."""
+    text = ep.text_of(call.completion_ids, stop)
+    if not tools:
+        return text, []
+    content, parsed = parse_tool_calls(text)
+    calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+              "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+             for c in parsed if c.get("type") == "function"]
+    if len(calls) != len(parsed):
+        return text, []
+    return content.strip() if calls else content, calls
+
+
+async def _run(ep: Endpoint, fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(ep.pool, fn, *args)
+
+
+async def _call(ep: Endpoint, log: EpisodeLog, fn):
+    """Run `fn` (sampling, recording) for the episode, its calls one at a time; the time it takes is the
+    endpoint's, not the agent's (env.timeout_seconds)."""
+    def locked():
+        with log.lock:
+            log.in_call = time.monotonic()
+            try:
+                return fn()
+            finally:
+                log.busy += time.monotonic() - log.in_call
+                log.in_call = None
+    return await _run(ep, locked)
+
+
+def app(ep: Endpoint):
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def error(e: Refused) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error", "code": e.code,
+                                       "param": None}}, status_code=e.status)
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise Refused(400, "invalid_request_error", "the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise Refused(400, "invalid_request_error", "the request body must be a JSON object")
+        return body
+
+    def handled(fn):
+        async def route(request: Request):
+            try:
+                return await fn(request)
+            except Refused as e:
+                return error(e)
+        return route
+
+    def sse(events):
+        async def gen():
+            for e in events:
+                yield f"data: {json.dumps(e)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    def sse_named(events):
+        async def gen():
+            for e in events:
+                yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def models(request: Request):
+        ep.episode(request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": [{"id": ep.policy, "object": "model", "created": 0,
+                                                         "owned_by": "rlflow", "max_model_len": ep.max_model_len}]})
+
+    async def chat(request: Request):
+        _, log = ep.episode(request.headers.get("authorization"))
+        body = await body_of(request)
+        ep.check_model(body.get("model"))
+        params = ep.params_for(body, ("max_completion_tokens", "max_tokens"))
+        stop = _stop_list(body)
+        messages = normalise(body.get("messages"))
+        tools = function_tools(body.get("tools")) if body.get("tool_choice") != "none" else None
+
+        def work():
+            prompt_ids, extends = ep.chat_prompt(log, messages, tools)
+            call = ep.sample(log, prompt_ids, params, stop, messages, tools, extends)
+            text, calls = _assistant(ep, call, stop, tools)
+            call.reply = normalise([{"role": "assistant", "content": text, "tool_calls": calls or None}])[0]
+            ep.record(log, call)
+            return call, text, calls
+
+        call, text, calls = await _call(ep, log, work)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        message = {"role": "assistant", "content": text if text or not calls else None,
+                   **({"tool_calls": calls} if calls else {})}
+        choice = {"index": 0, "message": message, "finish_reason": _finish(call, calls),
+                  "logprobs": _logprobs_block(ep, call) if body.get("logprobs") else None,
+                  "prompt_token_ids": call.prompt_ids, "token_ids": call.completion_ids}
+        if not body.get("stream"):
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": ep.policy,
+                                 "choices": [choice], "usage": _usage(call)})
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ep.policy}
+        delta: dict[str, Any] = {"role": "assistant", "content": message["content"] or ""}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        events = [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                        "logprobs": choice["logprobs"]}]},
+                  {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]}]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append({**head, "choices": [], "usage": _usage(call)})
+        return sse(events)
+
+    async def completions(request: Request):
+        _, log = ep.episode(request.headers.get("authorization"))
+        body = await body_of(request)
+        ep.check_model(body.get("model"))
+        params = ep.params_for(body, ("max_tokens",))
+        stop = _stop_list(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = ep.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
+                                                         for i in prompt):
+            ids = list(prompt)
+        else:
+            raise Refused(400, "invalid_request_error", "prompt: expected one string or one list of token ids")
+        if not ids:
+            raise Refused(400, "invalid_request_error", "prompt: empty")
+        vocab = len(ep.tokenizer)
+        if any(not 0 <= i < vocab for i in ids):
+            raise Refused(400, "invalid_request_error", f"prompt: token ids must be in 0 .. {vocab - 1}")
+
+        def work():
+            call = ep.sample(log, ids, params, stop, extends=_extends(log, ids))
+            ep.record(log, call)
+            return call
+
+        call = await _call(ep, log, work)
+        text = ep.text_of(call.completion_ids, stop)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        lp = None
+        if body.get("logprobs") is not None:
+            lp = {"tokens": [ep.tokenizer.convert_ids_to_tokens(i) for i in call.completion_ids],
+                  "token_logprobs": call.logprobs, "top_logprobs": None, "text_offset": None}
+        choice = {"index": 0, "text": text, "finish_reason": _finish(call), "logprobs": lp,
+                  "prompt_token_ids": call.prompt_ids, "token_ids": call.completion_ids}
+        out = {"id": rid, "object": "text_completion", "created": created, "model": ep.policy,
+               "choices": [choice], "usage": _usage(call)}
+        if not body.get("stream"):
+            return JSONResponse(out)
+        return sse([{**out, "choices": [{**choice}]}])
+
+    async def responses(request: Request):
+        _, log = ep.episode(request.headers.get("authorization"))
+        body = await body_of(request)
+        ep.check_model(body.get("model"))
+        params = ep.params_for(body, ("max_output_tokens",))
+        messages = normalise(response_messages(body, ep))
+        tools = function_tools(body.get("tools")) if body.get("tool_choice") != "none" else None
+
+        def work():
+            prompt_ids, extends = ep.chat_prompt(log, messages, tools)
+            call = ep.sample(log, prompt_ids, params, [], messages, tools, extends)
+            text, calls = _assistant(ep, call, [], tools)
+            call.reply = normalise([{"role": "assistant", "content": text, "tool_calls": calls or None}])[0]
+            ep.record(log, call)
+            return call, text, calls
+
+        call, text, calls = await _call(ep, log, work)
+        rid = f"resp_{uuid.uuid4().hex}"
+        output: list[dict] = []
+        if text or not calls:
+            output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
+                           "role": "assistant", "content": [{"type": "output_text", "text": text,
+                                                             "annotations": [], "logprobs": []}]})
+        for c in calls:
+            output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": c["id"],
+                           "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                           "status": "completed"})
+        usage = _usage(call)
+        out = {"id": rid, "object": "response", "created_at": int(time.time()), "model": ep.policy,
+               "status": "incomplete" if call.truncated and not calls else "completed",
+               "incomplete_details": {"reason": "max_output_tokens"} if call.truncated and not calls else None,
+               "output": output, "parallel_tool_calls": True, "tool_choice": body.get("tool_choice", "auto"),
+               "tools": body.get("tools") or [], "temperature": params.temperature, "top_p": params.top_p,
+               "error": None, "instructions": body.get("instructions"), "metadata": {},
+               "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                         "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                         "output_tokens_details": {"reasoning_tokens": 0}}}
+        ep.responses[rid] = messages + [call.reply]
+        if not body.get("stream"):
+            return JSONResponse(out)
+        events: list[dict] = [{"type": "response.created", "sequence_number": 0,
+                               "response": {**out, "status": "in_progress", "output": []}}]
+        for i, item in enumerate(output):
+            events.append({"type": "response.output_item.added", "output_index": i, "item": item})
+            if item["type"] == "message":
+                events.append({"type": "response.output_text.delta", "output_index": i, "content_index": 0,
+                               "item_id": item["id"], "delta": text, "logprobs": []})
+                events.append({"type": "response.output_text.done", "output_index": i, "content_index": 0,
+                               "item_id": item["id"], "text": text, "logprobs": []})
+            events.append({"type": "response.output_item.done", "output_index": i, "item": item})
+        events.append({"type": "response.completed", "response": out})
+        for n, e in enumerate(events):
+            e["sequence_number"] = n
+        return sse_named(events)
+
+    async def generate(request: Request):
+        from tasks.envs.verifiers_v04 import GenerateRefused, generate_response
+
+        key, log = ep.episode(request.headers.get("authorization"))
+        body = await body_of(request)
+        ep.check_model(body.get("model"))
+        try:
+            out = await _call(ep, log, lambda: generate_response(body, key, Tokens(ep, log)))
+        except GenerateRefused as e:
+            raise Refused(e.status, e.code, e.message) from None
+        return JSONResponse(out)
+
+    async def set_reward(request: Request):
+        _, log = ep.episode(request.headers.get("authorization"))
+        ep.set_reward(log, await body_of(request))
+        return JSONResponse({"ok": True})
+
+    routes = [Route("/v1/models", handled(models), methods=["GET"]),
+              Route("/v1/chat/completions", handled(chat), methods=["POST"]),
+              Route("/v1/completions", handled(completions), methods=["POST"]),
+              Route("/v1/responses", handled(responses), methods=["POST"]),
+              Route("/rl/set_reward", handled(set_reward), methods=["POST"]),
+              Route("/inference/v1/generate", handled(generate), methods=["POST"])]
+    return Starlette(routes=routes)
+
+
+class Tokens:
+    """What the token route samples with (verifiers_v04.generate_response's sampler): token ids in, token ids out,
+    within the same bounds as any call, recorded under the episode."""
+
+    def __init__(self, ep: Endpoint, log: EpisodeLog):
+        self.ep, self.log = ep, log
+
+    def sample_tokens(self, key: str, prompt_ids: list[int], max_tokens=None, temperature=None, top_p=None,
+                      stop_token_ids=(), stop=(), seed=None) -> tuple[list[int], list[float], str]:
+        ep, log = self.ep, self.log
+        vocab = len(ep.tokenizer)
+        if any(i >= vocab for i in prompt_ids):
+            raise Refused(400, "invalid_request_error", f"token_ids: token ids must be in 0 .. {vocab - 1}")
+        params = ep.params_for({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p},
+                               ("max_tokens",))
+        extends = _extends(log, prompt_ids)
+        call = ep.sample(log, prompt_ids, params, list(stop), extends=extends)
+        ended = [i for i, t in enumerate(call.completion_ids) if t in set(stop_token_ids)]
+        if ended and ended[0] + 1 < len(call.completion_ids):         # (a stop token other than EOS: cut after it)
+            call.completion_ids, call.logprobs = call.completion_ids[:ended[0] + 1], call.logprobs[:ended[0] + 1]
+            call.truncated = False
+        ep.record(log, call)
+        return call.completion_ids, call.logprobs, "length" if call.truncated else "stop"
+
+
+def _extends(log: EpisodeLog, ids: list[int]) -> int | None:
+    """The latest call of the episode whose prompt + completion this prompt starts with."""
+    for i in range(len(log.calls) - 1, -1, -1):
+        c = log.calls[i]
+        if ids[:len(c.prompt_ids) + len(c.completion_ids)] == c.prompt_ids + c.completion_ids:
+            return i
+    return None
+
+
+def response_messages(body: dict, ep: Endpoint) -> list[dict]:
+    """The Responses API's `instructions`, `previous_response_id` and `input` (a string or items: messages,
+    function calls and their outputs) as chat messages."""
+    out: list[dict] = []
+    if body.get("instructions"):
+        out.append({"role": "system", "content": _text(body["instructions"])})
+    prev = body.get("previous_response_id")
+    if prev:
+        earlier = ep.responses.get(prev)
+        if earlier is None:
+            raise Refused(400, "invalid_request_error", f"previous_response_id: {prev!r} is not a response of "
+                          "this endpoint")
+        out += [m for m in earlier if m["role"] != "system" or not body.get("instructions")]
+    items = body.get("input")
+    if isinstance(items, str):
+        return out + [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise Refused(400, "invalid_request_error", "input: expected a string or a list of items")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise Refused(400, "invalid_request_error", f"input[{i}]: expected an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append({"role": item.get("role", "user"), "content": _text(item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if out and out[-1]["role"] == "assistant" and not out[-1].get("_closed"):
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": output if isinstance(output, str) else _text(output)})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise Refused(400, "invalid_request_error", f"input[{i}]: items of type {kind!r} are not served")
+    return out

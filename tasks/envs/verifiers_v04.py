@@ -1,0 +1,308 @@
+"""verifiers 0.4 environments, unmodified, as an rlflow agent (env.agent; tasks/envs/agents.py), and the token
+route verifiers 0.4's trainer client calls on the endpoint (tasks/envs/endpoint.py).
+
+    env:
+      agent: "tasks.envs.verifiers_v04:run"
+      isolation: thread                # one bridge process per rlflow process serves every episode (below)
+      kwargs:
+        env: {taskset: {id: my_taskset}, agent: {harness: {id: "null"}, runtime: {type: subprocess}}}
+        client: train                  # or eval (the default)
+        tokenizer: builtin:tiny-lm     # client train: the policy's tokenizer, which verifiers renders prompts with
+        path: [envs]                   # folders the environment's packages are imported from
+
+verifiers 0.4 moved every model call out of the environment: a harness program (a PEP 723 script verifiers
+runs with uv, or a container's agent CLI) calls the model over HTTP through verifiers' interception server,
+which records each turn on the episode's trace and forwards it to an inference server through a client:
+
+- `eval` (verifiers' EvalClient): the harness's own request, relayed as it is: POST {base_url}/chat/completions
+  (streamed: the chat programs stream), /responses or /messages, GET {base_url}/models. rlflow's endpoint renders
+  the prompt with the policy's chat template, as for any agent.
+- `train` (verifiers' TrainClient, what its trainers use): verifiers renders the prompt to token ids with the
+  policy's tokenizer (its `renderers` package) and calls POST /inference/v1/generate with
+  {model, token_ids, sampling_params}; a continued conversation is its previous prompt and completion ids,
+  extended, so the episode's calls chain token for token. `generate_response` below is that route.
+
+Either way the calls reach rlflow's endpoint under the episode's API key, which records them (the samples are
+built from those records, never from verifiers' trace), and the reward is what the environment's rubric
+(its tasks' @vf.reward functions and judges) gives the episode.
+
+verifiers 0.4 needs packages that clash with the main environment's pins (verifiers 0.3.1 itself for the 0.3
+adapter, openai, mcp, transformers), so it runs in `.venv-verifiers` (make setup), in a bridge process
+(tasks/envs/verifiers_v04_bridge.py) that does what verifiers' env server does for a trainer. One bridge per
+rlflow process and Python: it loads each environment once and keeps it serving (one interception server and
+the shared tool servers for all its rollouts, as verifiers' env server does; its harness programs' script
+environment prepared once), and runs every episode of the process concurrently on its event loop. A bridge per
+episode would pay verifiers' import (~4 s), the environment's load and an interception server on every episode,
+and hold a Python of ~190 MB (its imports alone) for each episode in flight. With env.isolation: process each
+episode is its own process, so each gets a bridge of its own: use `thread` (the environment is isolated in the
+bridge and the harness programs anyway).
+
+A row names its task by `task_idx` (the position in the environment's taskset: `taskset_rows` lists them),
+or carries the task's data itself (its fields validated by the taskset's task data type; other columns are
+ignored). The agent returns the episode's reward (the mean of its traces' rewards: one trace for a single-agent
+environment) and, as info, each trace's rewards, metrics, stop condition and turns. An episode verifiers could
+not score (a harness or model call failed, no reward recorded) raises: the episode gets no return (env_error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import json
+import math
+import os
+import subprocess
+import threading
+import urllib.request
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Literal
+
+from tasks.core.errors import UserError
+from tasks.core.paths import sibling_python
+from tasks.envs.isolation import EnvironmentDied
+
+VENV = ".venv-verifiers"
+BRIDGE = Path(__file__).with_name("verifiers_v04_bridge.py")
+ROW_KEYS = ("task_idx",)          # a row's columns that are rlflow's, not the task's
+
+
+class VerifiersError(RuntimeError):
+    """verifiers refused or failed an episode: the text is its own."""
+
+
+# ------------------------------------------------------------------------------------------------ token route
+
+class GenerateRefused(ValueError):
+    """A /inference/v1/generate request the endpoint cannot serve as asked: answered with `status` (400) and
+    `code`, never served with the offending field dropped."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+# Sampling parameters verifiers' TrainClient sends (renderers.client.generate: the run's SamplingConfig, plus
+# stop_token_ids, logprobs=1 and skip_special_tokens) that change nothing of what is sampled, or that rlflow does.
+SERVED = {"max_tokens", "temperature", "top_p", "seed", "stop", "stop_token_ids", "logprobs", "skip_special_tokens",
+          "spaces_between_special_tokens", "include_stop_str_in_output", "detokenize", "routed_experts_prompt_start"}
+# Parameters that change the distribution sampled from, served only at the value that leaves it as it is.
+NEUTRAL = {"top_k": (-1, 0, None), "min_p": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
+           "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "min_tokens": (0, None),
+           "n": (1, None), "prompt_logprobs": (None, 0)}
+
+
+def generate_response(body: dict, key: str, sampler) -> dict:
+    """POST /inference/v1/generate (vLLM's token-in, token-out route, as verifiers 0.4's TrainClient calls it
+    through renderers.client.generate): `body` is the parsed JSON, `key` the episode's bearer key, `sampler` has
+    `sample_tokens(key, prompt_ids, max_tokens=, temperature=, top_p=, stop_token_ids=, stop=, seed=) ->
+    (completion_ids, logprobs, finish_reason)` (None: the endpoint's own setting; the completion as sampled, a stop
+    token that ended it included, as vLLM returns it: verifiers' renderer parses it off).
+
+        {"model": "policy", "token_ids": [1, 33, ...],
+         "sampling_params": {"temperature": 1.0, "max_tokens": 16, "stop_token_ids": [2], "logprobs": 1,
+                             "skip_special_tokens": false}}
+        -> {"request_id": "gen-…", "prompt_token_ids": [1, 33, ...],
+            "choices": [{"index": 0, "token_ids": [7, 2], "finish_reason": "stop",
+                         "logprobs": {"content": [{"token": "token_id:7", "logprob": -0.41}, ...]}}],
+            "usage": {"prompt_tokens": 25, "completion_tokens": 2, "total_tokens": 27}}
+
+    The caller checks `model` (and answers 404 for another). Refused (GenerateRefused): token ids that are not a
+    non-empty list of non-negative integers, images (`features`, `content_parts`: verifiers' multimodal renderers),
+    `n` > 1, and sampling parameters rlflow does not sample with at other than their neutral value."""
+    ids = body.get("token_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                       for t in ids):
+        raise GenerateRefused(400, "invalid_token_ids", "token_ids: expected a non-empty list of token ids")
+    for field in ("features", "content_parts"):
+        if body.get(field):
+            raise GenerateRefused(400, "unsupported_multimodal", f"{field}: multimodal prompts are not served")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise GenerateRefused(400, "invalid_sampling_params", "sampling_params: expected an object")
+    for name, value in params.items():
+        if name in SERVED or (name in NEUTRAL and value in NEUTRAL[name]):
+            continue
+        raise GenerateRefused(400, "unsupported_sampling_param", f"sampling_params.{name}={value!r}: not served "
+                              f"(rlflow samples with max_tokens, temperature, top_p, seed, stop, stop_token_ids)")
+    stop = params.get("stop")
+    completion, logprobs, finish = sampler.sample_tokens(
+        key, list(ids), max_tokens=params.get("max_tokens"), temperature=params.get("temperature"),
+        top_p=params.get("top_p"), stop_token_ids=list(params.get("stop_token_ids") or []),
+        stop=[stop] if isinstance(stop, str) else list(stop or []), seed=params.get("seed"))
+    completion, logprobs = [int(t) for t in completion], [float(x) for x in logprobs]
+    if len(logprobs) != len(completion) or not all(math.isfinite(x) for x in logprobs):
+        # (verifiers refuses a reply whose logprobs do not match its tokens one for one: MalformedGenerateResponse)
+        raise RuntimeError(f"sampler returned {len(completion)} tokens and {len(logprobs)} finite logprobs")
+    return {
+        "request_id": f"gen-{uuid.uuid4().hex}",
+        "prompt_token_ids": list(ids),
+        "choices": [{"index": 0, "token_ids": completion, "finish_reason": finish,
+                     "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": x}
+                                              for t, x in zip(completion, logprobs)]}}],
+        "usage": {"prompt_tokens": len(ids), "completion_tokens": len(completion),
+                  "total_tokens": len(ids) + len(completion)},
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the bridge
+
+class _Bridge:
+    """The bridge process of one Python and import path (one per rlflow process, started at first use, again if
+    it died)."""
+
+    running: dict[tuple, _Bridge] = {}
+    made = threading.Lock()
+
+    @classmethod
+    def of(cls, python: str, path: tuple[str, ...]) -> _Bridge:
+        with cls.made:
+            bridge = cls.running.get((python, path))
+            if bridge is None or bridge.proc.poll() is not None:
+                bridge = cls.running[(python, path)] = cls(python, path)
+            return bridge
+
+    def __init__(self, python: str, path: tuple[str, ...]) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([*path, *filter(None, [env.get("PYTHONPATH")])])
+        self.proc = subprocess.Popen([python, "-u", str(BRIDGE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+        self.pending: dict[int, Future] = {}
+        self.ids = itertools.count()
+        self.lock = threading.Lock()
+        self.ready: Future = Future()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True, name="verifiers-bridge").start()
+        threading.Thread(target=self._errors, daemon=True, name="verifiers-bridge-err").start()
+        atexit.register(self.stop)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            reply = json.loads(line)
+            future = self.ready if reply["id"] is None else self.pending.pop(reply["id"], None)
+            if future is None or future.done():
+                continue
+            if "error" in reply:
+                future.set_exception(VerifiersError(reply["error"]))
+            else:
+                future.set_result(reply["ok"])
+        code = self.proc.wait()
+        tail = "".join(self.stderr).strip().splitlines()[-1:] or [""]
+        died = EnvironmentDied(f"the verifiers bridge process exited ({code}) {tail[0]}".strip())
+        with self.lock:
+            left, self.pending = [*self.pending.values(), self.ready], {}
+        for future in left:
+            if not future.done():
+                future.set_exception(died)
+
+    def _errors(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr = [*self.stderr, line][-50:]
+
+    def send(self, **request: Any) -> tuple[int, Future]:
+        future: Future = Future()
+        with self.lock:
+            request["id"] = next(self.ids)
+            self.pending[request["id"]] = future
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                self.pending.pop(request["id"], None)
+                raise EnvironmentDied("the verifiers bridge process is gone") from None
+        return request["id"], future
+
+    async def call(self, timeout: float, **request: Any) -> Any:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.ready)), timeout)   # (verifiers' imports: ~4 s)
+        rid, future = self.send(**request)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except (asyncio.CancelledError, TimeoutError):
+            try:
+                self.send(op="cancel", target=rid)       # (the rollout stops calling the model, its programs end)
+            except EnvironmentDied:
+                pass
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+def verifiers_python(python: str | None) -> str:
+    exe = python or sibling_python(VENV)
+    if exe is None or not os.access(exe, os.X_OK):
+        where = f"{python!r} is not an executable" if python else f"no {VENV} was found"
+        raise UserError(f"env.kwargs.python: {where}; the verifiers 0.4 agent runs verifiers in a Python of its own "
+                        f"(make setup builds {VENV})")
+    return exe
+
+
+def _paths(path: str | list[str] | None) -> tuple[str, ...]:
+    return tuple(os.path.abspath(p) for p in ([path] if isinstance(path, str) else path or []))
+
+
+def _model_at(base_url: str, api_key: str) -> str:
+    """The model the endpoint serves (the first of GET /v1/models), so verifiers' requests name it as listed (and
+    its renderer finds the card's max_model_len). Asked per episode: each iteration's endpoint serves another."""
+    request = urllib.request.Request(base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {api_key}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def _tokenizer_path(tokenizer: str) -> str:
+    from tasks.core.builtin_models import resolve
+
+    return resolve(tokenizer)
+
+
+async def run(row: dict, base_url: str, api_key: str, *, env: dict, client: Literal["eval", "train"] = "eval",
+              tokenizer: str | None = None, model: str | None = None, sampling: dict | None = None,
+              path: str | list[str] | None = None, python: str | None = None,
+              timeout: float = 3600.0) -> tuple[float, dict]:
+    """One episode of a verifiers 0.4 environment (`env`: its config, as `vf-eval`'s [env] table) against rlflow's
+    endpoint at `base_url` with the episode's `api_key`. `client`: `eval` (the harness's calls relayed) or `train`
+    (verifiers renders with `tokenizer` and calls /inference/v1/generate). `sampling`: verifiers' SamplingConfig
+    (max_tokens, temperature, ...), imposed on every call. `path`: folders the bridge imports packages from."""
+    if client not in ("eval", "train"):
+        raise UserError(f"env.kwargs.client: {client!r}; expected eval or train")
+    if client == "train" and not tokenizer:
+        raise UserError("env.kwargs.tokenizer: client train renders prompts with the policy's tokenizer (a folder, "
+                        "a hub id or builtin:NAME)")
+    bridge = _Bridge.of(verifiers_python(python), _paths(path))
+    name = model or await asyncio.to_thread(_model_at, base_url, api_key)
+    wire = {"type": client, "base_url": base_url}
+    if client == "train":
+        wire["renderer_model_name"] = _tokenizer_path(tokenizer)
+    task = {"task_idx": row["task_idx"]} if row.get("task_idx") is not None else \
+        {"task_data": {k: v for k, v in row.items() if k not in ROW_KEYS}}
+    episode = await bridge.call(timeout, op="run", env=env, model=name, client=wire, key=api_key,
+                                sampling=sampling or {}, **task)
+    return outcome(episode)
+
+
+def outcome(episode: dict) -> tuple[float, dict]:
+    """(reward, info) of a bridge's episode summary; raises where verifiers recorded no reward."""
+    traces = episode["traces"]
+    scored = [t["reward"] for t in traces if t["reward"] is not None]
+    if not traces or len(scored) < len(traces):
+        errors = episode["errors"] + [e for t in traces for e in t["errors"]]
+        raise VerifiersError(f"verifiers scored no reward for the episode: {errors[-1] if errors else 'no trace'}")
+    info = {"verifiers": {"ok": episode["ok"], "errors": episode["errors"],
+                          "traces": [{k: t[k] for k in ("agent", "rewards", "metrics", "stop_condition", "turns",
+                                                        "calls", "errors", "is_timeout")} for t in traces]}}
+    return sum(scored) / len(scored), info
+
+
+def taskset_rows(env: dict, path: str | list[str] | None = None, python: str | None = None,
+                 timeout: float = 600.0) -> list[dict]:
+    """The environment's taskset as rows (its tasks' data, each with its `task_idx`): a dataset for the agent."""
+    bridge = _Bridge.of(verifiers_python(python), _paths(path))
+    tasks = asyncio.run(bridge.call(timeout, op="tasks", env=env))
+    return [{**data, "task_idx": i} for i, data in enumerate(tasks)]
