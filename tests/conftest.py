@@ -9,7 +9,7 @@ Tiers (markers, registered in pyproject.toml; `make test-fast` deselects all but
   drill       fault drills: processes killed mid-run, then resumed
   ui          drives the MLflow and Prefect UIs in headless Chromium (Debian's chromium, playwright)
   browser     the browser environment: episodes in headless Chromium (Debian's chromium, playwright)
-  vllm, deepspeed, bubblewrap, ui, browser, openenv, gpu
+  vllm, deepspeed, bubblewrap, ui, browser, openenv, verifiers04, gpu
               needs that engine / sandbox / device. Skipped where it is missing, except in CI (CI=true), where
               a missing vLLM environment, DeepSpeed or bubblewrap fails the test instead of silently dropping
               the engine or security tests; gpu tests are skipped without a GPU everywhere.
@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 OPENENV_PYTHON = ROOT / ".venv-openenv" / "bin" / "python"
+VERIFIERS04_PYTHON = ROOT / ".venv-verifiers" / "bin" / "python"
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 SERVER_FIXTURES = {"s3_endpoint", "bucket", "prefect_api", "s3_with_auth", "mlflow_server", "prefect_ui"}
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -59,6 +60,8 @@ REQUIRES = {
     "ui": (lambda: CHROMIUM is not None and importlib.util.find_spec("playwright") is not None,
            "chromium and playwright", "make setup installs them (apt-get install chromium; .[test])", True),
     "openenv": (OPENENV_PYTHON.exists, f"the OpenEnv environment ({OPENENV_PYTHON})", "make setup builds it", True),
+    "verifiers04": (VERIFIERS04_PYTHON.exists, f"verifiers 0.4's environment ({VERIFIERS04_PYTHON})",
+                    "make setup builds it", True),
     "browser": (lambda: CHROMIUM is not None and importlib.util.find_spec("playwright") is not None,
                 "chromium and playwright", "make setup installs them (apt-get install chromium; .[test])", True),
     "gpu": (_have_gpu, "a CUDA GPU", "run on a GPU machine", False),

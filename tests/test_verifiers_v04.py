@@ -4,7 +4,10 @@ HTTP server started here that speaks the endpoint's routes with scripted replies
 trainer client calls (POST /inference/v1/generate, served by `generate_response`), streamed Chat Completions for
 its eval client, GET /v1/models. Checked: each episode's calls arrive under its own key, verifiers' trace holds
 exactly the token ids the route served, the rubric's reward comes back, a multi-turn episode with an MCP tool,
-and a failed model call costing its episode. The end-to-end test through rlflow's own endpoint comes with it.
+and a failed model call costing its episode. Then end to end through rlflow's own machinery: run_agents and
+its endpoint (tasks/envs/agents.py, endpoint.py) on the builtin tiny model (hf) or a scripted session, both
+verifiers clients, rewards from verifiers' rubric, samples holding exactly the sampled tokens (merged turns or
+step-wise parts, and why), failing episodes; and the training flow for two iterations (slow).
 """
 
 from __future__ import annotations
@@ -38,8 +41,7 @@ SUMS = {"taskset": {"id": "vf04_sums"}, "agent": SUBPROCESS}
 CALC = {"taskset": {"id": "vf04_calc"}, "agent": SUBPROCESS}
 MODEL = "tiny-policy"
 
-needs_venv = pytest.mark.skipif(not PYTHON.exists(), reason=f"verifiers 0.4's environment ({PYTHON}) is missing: "
-                                "make setup builds it (make .venv-verifiers/.ready)")
+needs_venv = pytest.mark.verifiers04      # (tests/conftest.py: skipped without .venv-verifiers, a failure in CI)
 
 
 # ------------------------------------------------------------------------------------------------ the token route
@@ -315,3 +317,271 @@ def test_a_cancelled_agent_stops_its_rollout(endpoint):
         time.sleep(0.05)
     (after,) = _episodes(run({"task_idx": 1}, base_url, "ep-after", **kw))
     assert after[0] == 1.0
+
+
+# ------------------------------------------------------------------------------------------------ through rlflow
+
+CHAT = {"taskset": {"id": "vf04_chat"}, "agent": SUBPROCESS}
+SUM_ROWS = {0: {"prompt": "1+1=", "answer": "2", "task_idx": 1}, 1: {"prompt": "2+2=", "answer": "4", "task_idx": 2}}
+
+
+def _agent_cfg(client: str, env: dict, *more: str, sampling: dict | None = None):
+    """configs/agent.yaml with the verifiers 0.4 agent, as a user would write it (env.kwargs: a YAML mapping)."""
+    from tasks.core.config import load_config
+
+    kwargs = {"env": env, "client": client, "path": [ENVS], **({"sampling": sampling} if sampling else {}),
+              **({"tokenizer": "builtin:tiny-lm"} if client == "train" else {})}
+    return load_config(ROOT / "configs" / "agent.yaml", [
+        "env.agent=tasks.envs.verifiers_v04:run", "env.isolation=thread", f"env.kwargs={json.dumps(kwargs)}",
+        "env.concurrency=8", "env.max_turns=4", "env.max_tokens=200", "env.timeout_seconds=300",
+        "generate.max_completion_length=64", *more])
+
+
+class Recording:
+    """A sampling session as run_agents gets it, keeping every call it sampled: (prompt ids, completion ids,
+    logprobs). Wraps a real one, or answers from a script (`reply`: the context's text -> the reply's text,
+    ended by EOS) where an episode needs a particular reply (the right answer, a tool call)."""
+
+    def __init__(self, session=None, reply=None, tokenizer=None):
+        self.session, self.reply = session, reply
+        self.tokenizer = session.tokenizer if session is not None else tokenizer
+        self.sampled: list[tuple[list[int], list[int], list[float]]] = []
+
+    def sample(self, prompt_ids, params):
+        from tasks.core.contracts import Sample, Sampled
+
+        if self.session is not None:
+            out = self.session.sample(prompt_ids, params)
+        else:
+            tok, samples = self.tokenizer, []
+            for i, ids in enumerate(prompt_ids):
+                toks = tok(self.reply(tok.decode(ids)), add_special_tokens=False)["input_ids"]
+                toks = toks[:params.max_new_tokens - 1] + [tok.eos_token_id]
+                samples.append(Sample(i, toks, [-0.5 - k / 64 for k in range(len(toks))], truncated=False))
+            out = Sampled(samples, 0.0, 0.0)
+        self.sampled += [(list(prompt_ids[s.prompt]), list(s.completion_ids), list(s.logprobs)) for s in out.samples]
+        return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The builtin tiny model on the hf engine: the session rlflow's generate stage opens."""
+    if not PYTHON.exists():
+        pytest.skip(f"verifiers 0.4's environment ({PYTHON}) is missing: make setup builds it")
+    from tasks.engines.sampling import open_session
+
+    with open_session(_agent_cfg("eval", SUMS), "base") as session:
+        yield session
+    for bridge in list(_Bridge.running.values()):
+        bridge.stop()
+    _Bridge.running.clear()
+
+
+def _run_agents(cfg, rows: dict, session, n: int = 2, seed: int = 3):
+    from tasks.core.contracts import SamplingParams
+    from tasks.envs.agents import run_agents
+
+    params = SamplingParams(n=n, max_new_tokens=cfg.generate.max_completion_length, temperature=1.0, top_p=1.0,
+                            seed=seed)
+    records, _ = run_agents(cfg, rows, sorted(rows), session, params, "base")
+    return records
+
+
+def _calls(record) -> list[tuple[list[int], list[int], list[float]]]:
+    """The model calls a sample holds: each run of mask 1 is one call's completion, its prompt all before it."""
+    ids, start, out, k = record.prompt_ids + record.completion_ids, len(record.prompt_ids), [], 0
+    while k < len(record.mask):
+        if not record.mask[k]:
+            k += 1
+            continue
+        j = k
+        while j < len(record.mask) and record.mask[j]:
+            j += 1
+        out.append((ids[:start + k], record.completion_ids[k:j], record.logprobs[k:j]))
+        k = j
+    return out
+
+
+def _rubric(record) -> float:
+    """The reward verifiers' rubric gave the episode (its one trace: Σ score · weight), from the agent's info."""
+    (trace,) = record.env_state["agent_info"]["verifiers"]["traces"]
+    return sum(r["score"] * r["weight"] for r in trace["rewards"].values())
+
+
+def _episodes_of(records) -> dict[int, list]:
+    """The samples of each episode, in order (an episode's lead sample, then its parts)."""
+    out: dict[int, list] = {}
+    for r in records:
+        if not r.part:
+            out[len(out)] = []
+        out[len(out) - 1].append(r)
+    return out
+
+
+def _chat_ids(tok, messages: list[dict]) -> list[int]:
+    return tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+
+
+@needs_venv
+@pytest.mark.parametrize("client", ["eval", "train"])
+def test_a_verifiers_environment_trains_on_what_the_tiny_model_sampled(tiny, client):
+    """vf04_chat (two model calls per episode) through run_agents and rlflow's endpoint on the tiny model (hf):
+    every episode's reward is verifiers' rubric score, and its samples hold exactly the calls the session
+    sampled, mask 1 on the model's tokens. eval: the chat program's calls through the endpoint's chat template;
+    train: verifiers renders with the builtin tokenizer (its DefaultRenderer, over the chat template) and calls
+    the token route."""
+    session = Recording(tiny)
+    records = _run_agents(_agent_cfg(client, CHAT, sampling={"max_tokens": 6}), SUM_ROWS, session)
+    episodes = _episodes_of(records)
+    assert len(episodes) == 4 and all(r.env_error is None for r in records), [r.env_error for r in records]
+    recorded = sorted(c for r in records for c in _calls(r))
+    assert recorded == sorted(session.sampled) and len(recorded) == 8       # (2 calls per episode, token for token)
+    tok = tiny.tokenizer
+    for samples in episodes.values():
+        lead = samples[0]
+        assert lead.env_return == _rubric(lead) and lead.env_state["calls"] == 2
+        assert all(r.env_return == lead.env_return for r in samples)         # (parts share their episode's return)
+        trace = lead.env_state["agent_info"]["verifiers"]["traces"][0]
+        assert trace["metrics"] == {"turns": 2.0} and trace["stop_condition"] == "user_closed"
+        # Both clients render the task's prompt as rlflow's own chat template does.
+        question = SUM_ROWS[lead.row]["prompt"]
+        assert lead.prompt_ids == _chat_ids(tok, [{"role": "user", "content": question}])
+        first, second = (c for r in samples for c in _calls(r))
+        if client == "eval":
+            # The endpoint renders the continued conversation onto the first call's tokens: one sample.
+            assert len(samples) == 1 and second[0][:len(first[0]) + len(first[1])] == first[0] + first[1]
+        else:
+            # verifiers' DefaultRenderer never bridges a turn (bridge_to_next_turn returns None: an opaque
+            # template), so the second call is the whole conversation re-rendered from its messages. That extends
+            # the first call only where the re-rendered reply is the sampled tokens again (no EOS, no special
+            # token in it); a reply that ended with EOS is re-rendered as the template's turn end: step-wise parts.
+            extends = second[0][:len(first[0]) + len(first[1])] == first[0] + first[1]
+            assert len(samples) == (1 if extends else 2), (first, second)
+
+
+def _sums_script(text: str) -> str:
+    """The right sum for 1+1=, a wrong one for 2+2=, on every turn."""
+    a, b = map(int, re.findall(r"(\d+)\+(\d+)=", text)[0])
+    return str(a + b) if a == 1 else str(a + b + 1)
+
+
+@needs_venv
+@pytest.mark.parametrize("client", ["eval", "train"])
+def test_scripted_replies_get_the_rubrics_rewards_and_their_turns_merge_or_split(tiny, client):
+    """Replies that end with EOS, the right answer for one task and a wrong one for the other: rewards 1 and 0
+    from verifiers' `correct`. eval: each episode is one sample, its turns merged (mask 1 on the two replies, 0
+    on the environment's turn between them). train: two samples per episode (step-wise), since verifiers
+    re-renders the history: the sampled EOS comes back as the template's turn end."""
+    from tasks.envs.agents import agent_metrics
+
+    tok = tiny.tokenizer
+    session = Recording(reply=_sums_script, tokenizer=tok)
+    records = _run_agents(_agent_cfg(client, CHAT), SUM_ROWS, session)
+    episodes = _episodes_of(records)
+    assert [samples[0].env_return for samples in episodes.values()] == [1.0, 1.0, 0.0, 0.0]
+    assert all(s[0].env_return == _rubric(s[0]) for s in episodes.values())
+    assert sorted(c for r in records for c in _calls(r)) == sorted(session.sampled)
+    for samples in episodes.values():
+        question = SUM_ROWS[samples[0].row]["prompt"]
+        reply = _sums_script(question)
+        if client == "eval":
+            (one,) = samples
+            gap = tok("\n<s>user: Sure?\n<s>assistant: ", add_special_tokens=False)["input_ids"]
+            n = len(reply) + 1
+            assert tok.decode(one.completion_ids) == f"{reply}</s>\n<s>user: Sure?\n<s>assistant: {reply}</s>"
+            assert one.mask == [1] * n + [0] * len(gap) + [1] * n
+        else:
+            first, second = samples
+            assert (first.part, second.part) == (0, 1)
+            assert first.mask == [1] * (len(reply) + 1) and second.mask == [1] * (len(reply) + 1)
+            assert second.prompt_ids == _chat_ids(tok, [{"role": "user", "content": question},
+                                                        {"role": "assistant", "content": reply},
+                                                        {"role": "user", "content": "Sure?"}])
+            assert second.prompt_ids[:len(first.prompt_ids) + len(first.completion_ids)] != \
+                first.prompt_ids + first.completion_ids
+    assert agent_metrics(records)["agent/split_episodes"] == (4.0 if client == "train" else 0.0)
+
+
+def _calc_script(text: str) -> str:
+    """A calc_add call for the task, then the tool's result as the answer."""
+    if "<s>tool: " in text:
+        return text.rsplit("<s>tool: ", 1)[1].split("\n", 1)[0]
+    a, b = map(int, re.findall(r"Add (\d+) and (\d+)", text)[0])
+    return "<tool_call>" + json.dumps({"name": "calc_add", "arguments": {"a": a, "b": b}}) + "</tool_call>"
+
+
+@needs_venv
+def test_a_tool_episode_through_the_endpoint_is_one_sample(tiny):
+    """vf04_calc (an MCP tool server verifiers runs per rollout) with the eval client: the reply's tool call is
+    parsed by the endpoint, run by verifiers' chat program, and its result comes back as a tool message that the
+    endpoint renders onto the episode's tokens: one sample, mask 0 on the tool's result."""
+    tok = tiny.tokenizer
+    session = Recording(reply=_calc_script, tokenizer=tok)
+    rows = {0: {"prompt": "Add 12 and 30 with the tool.", "answer": "42", "task_idx": 0},
+            1: {"prompt": "Add 7 and 8 with the tool.", "answer": "15", "task_idx": 1}}
+    records = _run_agents(_agent_cfg("eval", CALC, "generate.max_completion_length=96"), rows, session, n=1)
+    assert [r.part for r in records] == [0, 0], [(r.part, r.env_error) for r in records]
+    assert sorted(c for r in records for c in _calls(r)) == sorted(session.sampled)
+    for r, answer in zip(records, ("42", "15")):
+        assert r.env_error is None and r.env_return == 1.0 == _rubric(r)
+        (trace,) = r.env_state["agent_info"]["verifiers"]["traces"]
+        assert trace["metrics"] == {"tool_calls": 1.0} and trace["turns"] == 2
+        call, result = _calls(r)
+        assert tok.decode(call[1]).startswith("<tool_call>") and tok.decode(result[1]) == f"{answer}</s>"
+        gap = r.completion_ids[len(call[1]):len(r.completion_ids) - len(result[1])]
+        assert tok.decode(gap) == f"\n<s>tool: {answer}\n<s>assistant: "
+        assert r.mask == [1] * len(call[1]) + [0] * len(gap) + [1] * len(result[1])
+        assert [m["role"] for m in r.turns] == ["assistant", "tool", "assistant"]
+
+
+@needs_venv
+@pytest.mark.parametrize("client", ["eval", "train"])
+def test_a_failing_episode_costs_only_itself(tiny, client):
+    """Episodes verifiers cannot run or score: a task index past the taskset, task data its type refuses (no
+    answer), and (train) a prompt longer than the endpoint's model length (verifiers' pre-flight check against
+    /v1/models' max_model_len fails the model call). Each gets no return (env_error) and keeps what tokens it
+    has; the good episode beside them is scored."""
+    session = Recording(reply=_sums_script, tokenizer=tiny.tokenizer)
+    rows = {0: {"prompt": "1+1=", "answer": "2", "task_idx": 1}, 1: {"task_idx": 99},
+            2: {"prompt": "1+1=", "no_answer": "x"}, 3: {"prompt": "1+1=" * 200, "answer": "2"}}
+    records = _run_agents(_agent_cfg(client, SUMS), rows, session, n=1)
+    by_row = {r.row: r for r in records}
+    assert by_row[0].env_error is None and by_row[0].env_return == 1.0
+    for row, why in ((1, "IndexError: task_idx 99: the taskset has 3 tasks"), (2, "ValidationError")):
+        assert by_row[row].env_return is None and why in by_row[row].env_error, by_row[row].env_error
+        assert by_row[row].env_state["calls"] == 0
+    if client == "train":
+        # verifiers renders 820 tokens, more than the endpoint's card says it takes (max_model_len: 512 + 200), and
+        # refuses the call itself; its harness ends without a reply, which verifiers would score 0: no return here.
+        assert by_row[3].env_return is None and by_row[3].env_state["calls"] == 0
+        assert "Prompt length (820) exceeds maximum context length (712)" in by_row[3].env_error
+    else:
+        # The chat route left-truncates a prompt to generate.max_prompt_length, as rlflow does any prompt.
+        assert by_row[3].env_error is None and len(by_row[3].prompt_ids) == 512
+
+
+@needs_venv
+@pytest.mark.slow
+def test_a_verifiers_environment_trains_through_the_flow(tmp_path, prefect_api, monkeypatch):
+    """configs/agent.yaml with vf04_sums on the tiny model, 2 iterations of the training flow (the generate stage
+    runs the verifiers agent against its endpoint; the train client): the rewards are verifiers' scores."""
+    from flows.training import train_flow
+    from tasks.core import layout
+    from tasks.core.store import Store
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(4)))
+    kwargs = {"env": SUMS, "client": "train", "tokenizer": "builtin:tiny-lm", "path": [ENVS],
+              "sampling": {"max_tokens": 4}}
+    out = train_flow(str(ROOT / "configs" / "agent.yaml"), [
+        f"data.path={data}", "env.agent=tasks.envs.verifiers_v04:run", f"env.kwargs={json.dumps(kwargs)}",
+        "generate.prompts_per_iteration=2", "generate.num_generations=2", "generate.max_completion_length=4",
+        "env.concurrency=4", "train.micro_batch_size=4", "run.name=vf04", "run.iterations=2", "store.uri=store",
+        f"tracking.uri=sqlite:///{tmp_path}/m.db"])
+    assert out["iterations_completed"] == 2
+    store = Store.open(str(tmp_path / "store"))
+    meta = store.manifest(layout.rollouts("vf04", 1))["meta"]["metrics"]
+    assert meta["env/episodes"] == 4 and meta["env/errors"] == 0 and meta["agent/calls_mean"] == 1
+    assert "reward/env/mean" in store.manifest(layout.rewards("vf04", 1))["meta"]["metrics"]

@@ -100,36 +100,46 @@ class Running:
 
 
 class Threads:
-    """env.isolation: thread — async agents on one event loop thread, plain functions on a daemon thread each.
-    A hung coroutine is cancelled; a hung function's thread is left behind."""
+    """env.isolation: thread — each agent on a daemon thread of its own, an `async def` one on that thread's own
+    event loop: an agent that blocks (a synchronous sleep or request inside a coroutine) holds up only itself. One
+    past its time is cancelled (a coroutine) or left behind (a blocked thread), its episode failed either way."""
 
     def __init__(self, fn, kwargs: dict):
         self.fn, self.kwargs = fn, kwargs
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True, name="agents").start()
 
     def start(self, run: Running, row: dict, base_url: str) -> None:
         from concurrent.futures import Future
 
-        if inspect.iscoroutinefunction(self.fn):
-            future = asyncio.run_coroutine_threadsafe(self.fn(row, base_url, run.key, **self.kwargs), self.loop)
-        else:
-            future = Future()
+        future: Future = Future()
+        held: dict = {}
 
-            def call() -> None:
+        def call() -> None:
+            try:
+                value = self.fn(row, base_url, run.key, **self.kwargs)
+                if inspect.isawaitable(value):
+                    loop = held["loop"] = asyncio.new_event_loop()
+                    try:
+                        held["task"] = loop.create_task(_awaited(value))
+                        value = loop.run_until_complete(held["task"])
+                    finally:
+                        loop.close()
+                future.set_result(value)
+            except BaseException as e:  # noqa: BLE001 - the episode's failure
+                future.set_exception(e)
+
+        def cancel() -> None:
+            loop, task = held.get("loop"), held.get("task")
+            if loop is not None and task is not None and not loop.is_closed():
                 try:
-                    value = self.fn(row, base_url, run.key, **self.kwargs)
-                    if inspect.isawaitable(value):
-                        value = asyncio.run_coroutine_threadsafe(_awaited(value), self.loop).result()
-                    future.set_result(value)
-                except BaseException as e:  # noqa: BLE001 - the episode's failure
-                    future.set_exception(e)
+                    loop.call_soon_threadsafe(task.cancel)
+                except RuntimeError:                     # (closed meanwhile)
+                    pass
 
-            threading.Thread(target=call, daemon=True, name="agent").start()
-        run.done, run.result, run.kill = future.done, future.result, future.cancel
+        threading.Thread(target=call, daemon=True, name="agent").start()
+        run.done, run.result, run.kill = future.done, future.result, cancel
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        pass
 
 
 class Processes:
@@ -294,6 +304,8 @@ def chains(calls: list[Call]) -> list[list[int]]:
 def episode_records(cfg: Config, log: EpisodeLog, result: tuple[float | None, dict, str | None], group: int,
                     row: int, data: dict, tokenizer) -> list[Rollout]:
     reward, info, error = result
+    if error is not None and log.limited is not None:
+        error = None                      # (it raised after a call its limits refused: truncated, as environments)
     if reward is None and error is None:
         reward = log.reward
     info = {**log.info, **info}

@@ -115,6 +115,7 @@ class EpisodeLog:
     reward: float | None = None        # what the agent set with /rl/set_reward (the last one)
     info: dict = field(default_factory=dict)
     limited: str | None = None         # why a call was refused for the episode's limits (turns, tokens)
+    responses: dict[str, list[dict]] = field(default_factory=dict)   # its responses' conversations, by id
     busy: float = 0.0                  # seconds spent inside the endpoint's calls (not the agent's own time)
     in_call: float | None = None       # when the call now in progress started
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -225,7 +226,6 @@ class Endpoint:
         self.max_model_len = cfg.generate.max_prompt_length + cfg.env.max_tokens
         self.host, self.port = host, port
         self.episodes: dict[str, EpisodeLog] = {}
-        self.responses: dict[str, list[dict]] = {}      # response id -> its conversation (previous_response_id)
         self.pool = ThreadPoolExecutor(max_workers=max(cfg.env.concurrency, 1) + 4, thread_name_prefix="endpoint")
         self.sampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint-round")
         self.server = None
@@ -406,7 +406,8 @@ class Endpoint:
                 continue
             if not all(_same(a, b) for a, b in zip(messages[:n], c.messages)):
                 continue
-            ended = not c.truncated
+            eos = self.tokenizer.eos_token_id           # (a reply cut at a stop string has none: its turn is
+            ended = bool(c.completion_ids) and c.completion_ids[-1] == eos      # closed in full)
             try:
                 obs = self.render.observation(messages[n + 1:], tools, ended)
             except ValueError:
@@ -598,14 +599,52 @@ def app(ep: Endpoint):
 
     def sse_named(events):
         async def gen():
-            for e in events:
+            for n, e in enumerate(events):
+                e = {**e, "sequence_number": n}
                 yield f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
         return StreamingResponse(gen(), media_type="text/event-stream")
 
+    def response_events(out: dict) -> list[dict]:
+        """A finished response as the Responses API streams one: each item added empty, its text or arguments
+        as one delta, then done. Clients build the response from the deltas (the openai client's stream helper
+        appends each delta to the item it was added as: an item added already filled reads twice)."""
+        events: list[dict] = [{"type": "response.created", "response": {**out, "status": "in_progress",
+                                                                        "output": [], "usage": None}},
+                              {"type": "response.in_progress", "response": {**out, "status": "in_progress",
+                                                                            "output": [], "usage": None}}]
+        for i, item in enumerate(out["output"]):
+            at = {"output_index": i, "item_id": item["id"]}
+            if item["type"] == "message":
+                part = item["content"][0]
+                events += [{"type": "response.output_item.added", "output_index": i,
+                            "item": {**item, "status": "in_progress", "content": []}},
+                           {"type": "response.content_part.added", **at, "content_index": 0,
+                            "part": {**part, "text": ""}},
+                           {"type": "response.output_text.delta", **at, "content_index": 0, "delta": part["text"],
+                            "logprobs": []},
+                           {"type": "response.output_text.done", **at, "content_index": 0, "text": part["text"],
+                            "logprobs": []},
+                           {"type": "response.content_part.done", **at, "content_index": 0, "part": part}]
+            else:
+                events += [{"type": "response.output_item.added", "output_index": i,
+                            "item": {**item, "status": "in_progress", "arguments": ""}},
+                           {"type": "response.function_call_arguments.delta", **at, "delta": item["arguments"]},
+                           {"type": "response.function_call_arguments.done", **at, "name": item["name"],
+                            "arguments": item["arguments"]}]
+            events.append({"type": "response.output_item.done", "output_index": i, "item": item})
+        # (a response cut at max_output_tokens ends as the API ends it: response.incomplete, not .completed)
+        events.append({"type": f"response.{out['status']}", "response": out})
+        return events
+
     async def models(request: Request):
         ep.episode(request.headers.get("authorization"))
-        return JSONResponse({"object": "list", "data": [{"id": ep.policy, "object": "model", "created": 0,
-                                                         "owned_by": "rlflow", "max_model_len": ep.max_model_len}]})
+        model = {"id": ep.policy, "object": "model", "created": 0, "owned_by": "rlflow",
+                 "max_model_len": ep.max_model_len}
+        name = request.path_params.get("model")
+        if name is None:
+            return JSONResponse({"object": "list", "data": [model]})
+        ep.check_model(name)                  # (GET /v1/models/{name}: clients that check the model before use)
+        return JSONResponse(model)
 
     async def chat(request: Request):
         _, log = ep.episode(request.headers.get("authorization"))
@@ -692,7 +731,7 @@ def app(ep: Endpoint):
         body = await body_of(request)
         ep.check_model(body.get("model"))
         params = ep.params_for(body, ("max_output_tokens",))
-        messages = normalise(response_messages(body, ep))
+        messages = normalise(response_messages(body, log))
         tools = function_tools(body.get("tools")) if body.get("tool_choice") != "none" else None
 
         def work():
@@ -724,23 +763,10 @@ def app(ep: Endpoint):
                "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                          "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
                          "output_tokens_details": {"reasoning_tokens": 0}}}
-        ep.responses[rid] = messages + [call.reply]
+        log.responses[rid] = messages[1 if body.get("instructions") else 0:] + [call.reply]
         if not body.get("stream"):
             return JSONResponse(out)
-        events: list[dict] = [{"type": "response.created", "sequence_number": 0,
-                               "response": {**out, "status": "in_progress", "output": []}}]
-        for i, item in enumerate(output):
-            events.append({"type": "response.output_item.added", "output_index": i, "item": item})
-            if item["type"] == "message":
-                events.append({"type": "response.output_text.delta", "output_index": i, "content_index": 0,
-                               "item_id": item["id"], "delta": text, "logprobs": []})
-                events.append({"type": "response.output_text.done", "output_index": i, "content_index": 0,
-                               "item_id": item["id"], "text": text, "logprobs": []})
-            events.append({"type": "response.output_item.done", "output_index": i, "item": item})
-        events.append({"type": "response.completed", "response": out})
-        for n, e in enumerate(events):
-            e["sequence_number"] = n
-        return sse_named(events)
+        return sse_named(response_events(out))
 
     async def generate(request: Request):
         from tasks.envs.verifiers_v04 import GenerateRefused, generate_response
@@ -760,6 +786,7 @@ def app(ep: Endpoint):
         return JSONResponse({"ok": True})
 
     routes = [Route("/v1/models", handled(models), methods=["GET"]),
+              Route("/v1/models/{model:path}", handled(models), methods=["GET"]),
               Route("/v1/chat/completions", handled(chat), methods=["POST"]),
               Route("/v1/completions", handled(completions), methods=["POST"]),
               Route("/v1/responses", handled(responses), methods=["POST"]),
@@ -802,19 +829,20 @@ def _extends(log: EpisodeLog, ids: list[int]) -> int | None:
     return None
 
 
-def response_messages(body: dict, ep: Endpoint) -> list[dict]:
+def response_messages(body: dict, log: EpisodeLog) -> list[dict]:
     """The Responses API's `instructions`, `previous_response_id` and `input` (a string or items: messages,
-    function calls and their outputs) as chat messages."""
+    function calls and their outputs) as chat messages. Instructions are the request's own: as the API has it, a
+    previous response's are not carried over (its episode keeps its conversation without them: `responses`)."""
     out: list[dict] = []
     if body.get("instructions"):
         out.append({"role": "system", "content": _text(body["instructions"])})
     prev = body.get("previous_response_id")
     if prev:
-        earlier = ep.responses.get(prev)
+        earlier = log.responses.get(prev)
         if earlier is None:
             raise Refused(400, "invalid_request_error", f"previous_response_id: {prev!r} is not a response of "
-                          "this endpoint")
-        out += [m for m in earlier if m["role"] != "system" or not body.get("instructions")]
+                          "this episode")
+        out += earlier
     items = body.get("input")
     if isinstance(items, str):
         return out + [{"role": "user", "content": items}]

@@ -41,7 +41,10 @@ A row names its task by `task_idx` (the position in the environment's taskset: `
 or carries the task's data itself (its fields validated by the taskset's task data type; other columns are
 ignored). The agent returns the episode's reward (the mean of its traces' rewards: one trace for a single-agent
 environment) and, as info, each trace's rewards, metrics, stop condition and turns. An episode verifiers could
-not score (a harness or model call failed, no reward recorded) raises: the episode gets no return (env_error).
+not score (a harness or model call failed, no reward recorded), or scored although one of its model calls failed,
+raises: the episode gets no return (env_error). A call the endpoint refuses past env.max_turns or env.max_tokens
+is such a failure to verifiers (it scores no errored trace): keep the environment's own limits (its agent's
+max_turns, sampling.max_tokens) within rlflow's, or those episodes come back truncated with no reward.
 """
 
 from __future__ import annotations
@@ -288,15 +291,21 @@ async def run(row: dict, base_url: str, api_key: str, *, env: dict, client: Lite
 
 
 def outcome(episode: dict) -> tuple[float, dict]:
-    """(reward, info) of a bridge's episode summary; raises where verifiers recorded no reward."""
+    """(reward, info) of a bridge's episode summary; raises where verifiers recorded no reward, or scored an
+    episode one of whose model calls failed (verifiers' train client refuses a prompt longer than the endpoint's
+    max_model_len before sending it, and the harness ends with no reply: a score the policy did not earn)."""
     traces = episode["traces"]
     scored = [t["reward"] for t in traces if t["reward"] is not None]
     if not traces or len(scored) < len(traces):
         errors = episode["errors"] + [e for t in traces for e in t["errors"]]
         raise VerifiersError(f"verifiers scored no reward for the episode: {errors[-1] if errors else 'no trace'}")
+    failed = [e for t in traces for e in t.get("call_errors", [])]
+    if failed:
+        raise VerifiersError(f"a model call of the episode failed: {failed[-1]}")
     info = {"verifiers": {"ok": episode["ok"], "errors": episode["errors"],
-                          "traces": [{k: t[k] for k in ("agent", "rewards", "metrics", "stop_condition", "turns",
-                                                        "calls", "errors", "is_timeout")} for t in traces]}}
+                          "traces": [{k: t.get(k) for k in ("agent", "rewards", "metrics", "stop_condition",
+                                                            "turns", "calls", "errors", "call_errors", "is_timeout")}
+                                     for t in traces]}}
     return sum(scored) / len(scored), info
 
 

@@ -56,7 +56,11 @@ class Loaded:
         if req.get("task_idx") is not None:
             if self.tasks is None:
                 self.tasks = list(self.env.taskset)          # (load order, each task's idx set: verifiers' own)
-            return self.tasks[int(req["task_idx"])]
+            idx = int(req["task_idx"])
+            if not 0 <= idx < len(self.tasks):
+                n = len(self.tasks)
+                raise IndexError(f"task_idx {idx}: the taskset has {n} tasks (0 .. {n - 1})")
+            return self.tasks[idx]
         task_cls = type(self.env.taskset).task_type()
         data = task_cls.data_type().model_validate(req["task_data"])
         return task_cls(data, self.env.config.taskset.task)    # (what EnvServer._build_task does with wire data)
@@ -167,6 +171,7 @@ def summary(episode, tokens: bool = False) -> dict:
             "turns": trace.num_turns,
             "calls": len(trace.calls),
             "errors": [f"{e.type}: {e.message}" for e in trace.errors],
+            "call_errors": [f"{c.error.type}: {c.error.message}" for c in trace.calls if c.error is not None],
             "last_reply": trace.last_reply,
         })
         if tokens:

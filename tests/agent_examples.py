@@ -1,0 +1,90 @@
+"""Agents as users write them (env.agent), for tests/test_agents.py: the plain openai client, sync and async, a
+tool-using one, one that edits its history, and ones that fail in every way an agent can."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import openai
+
+
+async def say_letters(row, base_url, api_key):
+    """The letters game as an agent: name a letter, the model says it back; one point per letter said."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": f"{row['prompt']} {row['letters'][0]}"}]
+    score = 0.0
+    for i, letter in enumerate(row["letters"]):
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=1)
+        said = reply.choices[0].message.content or ""
+        score += said.strip()[:1] == letter
+        messages.append({"role": "assistant", "content": said})
+        if i + 1 < len(row["letters"]):
+            messages.append({"role": "user", "content": row["letters"][i + 1]})
+    return score / len(row["letters"])
+
+
+def sync_letters(row, base_url, api_key):
+    """The same with the synchronous client, reporting its reward through /rl/set_reward."""
+    import httpx
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(2):
+        reply = client.chat.completions.create(model="policy", messages=messages)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "again"}]
+    httpx.post(base_url.removesuffix("/v1") + "/rl/set_reward", json={"reward": 0.5, "info": {"by": "set_reward"}},
+               headers={"Authorization": f"Bearer {api_key}"})
+
+
+def editor(row, base_url, api_key):
+    """Summarises its history after the first turn: the second call does not extend the first (step-wise)."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    first = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    client.chat.completions.create(model="policy", messages=[
+        {"role": "user", "content": "Earlier you said: " + (first.choices[0].message.content or "")[:5]}])
+    return 1.0, {"edited": True}
+
+
+
+
+async def unruly(row, base_url, api_key):
+    """One model call, then what the row's `mode` says: return 1.0, raise, die, hang (a blocking sleep or an
+    awaited one) or return garbage."""
+    import asyncio
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    mode = row["mode"]
+    if mode == "raise":
+        raise ValueError("the agent broke")
+    if mode == "exit":
+        os._exit(3)
+    if mode == "hang":
+        time.sleep(3600)                    # blocks its thread (or process): left behind (or killed)
+    if mode == "async_hang":
+        await asyncio.sleep(3600)
+    if mode == "garbage":
+        return "not a reward"
+    return 1.0
+
+
+async def jittery(row, base_url, api_key):
+    """say_letters with pauses of its own between calls that differ from run to run."""
+    import asyncio
+    import random
+
+    await asyncio.sleep(random.random() * 0.05)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(len(row["letters"])):
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        await asyncio.sleep(random.random() * 0.05)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "next"}]
+    return float(len(reply.choices[0].message.content or ""))
+
+
+def two_args(row, base_url):
+    return 0.0
