@@ -102,6 +102,7 @@ bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/overlap_vs_sync.py
 	$(BIN)/python bench/learning_curve_vs_trl.py --staleness 0 1 --seeds 0 1 2
 	$(BIN)/python bench/generate_vs_engine.py
+	$(BIN)/python bench/agents_vs_engine.py
 	$(BIN)/python bench/publish_vs_boto3.py
 	$(BIN)/python bench/sandbox_throughput.py
 	$(BIN)/python bench/real_model_vs_trl.py                 # SmolLM2-135M learning sums, 3 seeds each side (~4 h on 2 cores)

@@ -49,9 +49,17 @@ def editor(row, base_url, api_key):
 
 
 
-async def unruly(row, base_url, api_key):
-    """One model call, then what the row's `mode` says: return 1.0, raise, die, hang (a blocking sleep or an
-    awaited one) or return garbage."""
+def unruly(row, base_url, api_key):
+    """What the row's `mode` says, after one model call: return 1.0, raise, die, hang (blocking: `hang` in its
+    coroutine, `sync_hang` in a plain function's thread; or awaiting, `async_hang`) or return garbage."""
+    if row["mode"] == "sync_hang":
+        openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        time.sleep(3600)
+    return _unruly(row, base_url, api_key)
+
+
+async def _unruly(row, base_url, api_key):
     import asyncio
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -62,7 +70,7 @@ async def unruly(row, base_url, api_key):
     if mode == "exit":
         os._exit(3)
     if mode == "hang":
-        time.sleep(3600)                    # blocks its thread (or process): left behind (or killed)
+        time.sleep(3600)                    # blocks its process: killed
     if mode == "async_hang":
         await asyncio.sleep(3600)
     if mode == "garbage":

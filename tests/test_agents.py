@@ -128,9 +128,10 @@ def test_limits_refuse_the_call_past_them_and_mark_the_episode_truncated():
 
 @pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolation):
-    rows = [{"prompt": "p", "letters": "abc", "mode": m, "seed": i}
-            for i, m in enumerate(["ok", "raise", "exit" if isolation == "process" else "raise", "hang",
-                                   "async_hang", "garbage", "ok"])]
+    modes = ["ok", "raise", "exit", "hang", "async_hang", "garbage", "ok"]
+    if isolation == "thread":        # (a process's death, or a coroutine blocking the loop they share: process)
+        modes = ["ok", "raise", "sync_hang", "async_hang", "garbage", "ok"]
+    rows = [{"prompt": "p", "letters": "abc", "mode": m, "seed": i} for i, m in enumerate(modes)]
     cfg = _cfg("unruly", f"env.isolation={isolation}", "env.timeout_seconds=3")
     t0 = time.monotonic()
     records, _ = _run(cfg, n=1, rows=rows)
@@ -141,10 +142,10 @@ def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolat
     assert "ValueError: the agent broke" in by_mode["raise"].env_error
     if isolation == "process":
         assert "the agent's process died (exit 3)" in by_mode["exit"].env_error
-    for mode in ("hang", "async_hang"):
+    for mode in {"hang", "async_hang", "sync_hang"} & set(by_mode):
         assert by_mode[mode].env_error == "the agent did not return within env.timeout_seconds"
     assert "expected a number" in by_mode["garbage"].env_error
-    for mode in ("raise", "hang", "garbage"):
+    for mode in ("raise", "async_hang", "garbage"):
         assert by_mode[mode].env_return is None and by_mode[mode].env_state["calls"] == 1   # its tokens kept
         assert sum(by_mode[mode].mask) >= 1
 

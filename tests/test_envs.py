@@ -16,7 +16,8 @@ from tasks.core import layout
 from tasks.core.config import load_config
 from tasks.core.contracts import Rollout, Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.store import Store
-from tasks.envs.episodes import Renderer, run_episodes
+from tasks.envs.episodes import run_episodes
+from tasks.envs.rendering import Renderer
 from tasks.envs.tools import call_tools, parse_tool_calls, schemas
 
 ROOT = Path(__file__).resolve().parents[1]

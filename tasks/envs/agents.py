@@ -100,46 +100,38 @@ class Running:
 
 
 class Threads:
-    """env.isolation: thread — each agent on a daemon thread of its own, an `async def` one on that thread's own
-    event loop: an agent that blocks (a synchronous sleep or request inside a coroutine) holds up only itself. One
-    past its time is cancelled (a coroutine) or left behind (a blocked thread), its episode failed either way."""
+    """env.isolation: thread — `async def` agents on one event loop thread (as environments' coroutines), plain
+    functions on a daemon thread each. One past its time is cancelled (a coroutine) or left behind (a blocked
+    thread), its episode failed either way. A coroutine that blocks (a synchronous sleep or request inside it)
+    holds up every agent on the loop until it returns: that is what env.isolation: process is for."""
 
     def __init__(self, fn, kwargs: dict):
         self.fn, self.kwargs = fn, kwargs
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True, name="agents").start()
 
     def start(self, run: Running, row: dict, base_url: str) -> None:
         from concurrent.futures import Future
 
-        future: Future = Future()
-        held: dict = {}
+        if inspect.iscoroutinefunction(self.fn):
+            future = asyncio.run_coroutine_threadsafe(self.fn(row, base_url, run.key, **self.kwargs), self.loop)
+        else:
+            future = Future()
 
-        def call() -> None:
-            try:
-                value = self.fn(row, base_url, run.key, **self.kwargs)
-                if inspect.isawaitable(value):
-                    loop = held["loop"] = asyncio.new_event_loop()
-                    try:
-                        held["task"] = loop.create_task(_awaited(value))
-                        value = loop.run_until_complete(held["task"])
-                    finally:
-                        loop.close()
-                future.set_result(value)
-            except BaseException as e:  # noqa: BLE001 - the episode's failure
-                future.set_exception(e)
-
-        def cancel() -> None:
-            loop, task = held.get("loop"), held.get("task")
-            if loop is not None and task is not None and not loop.is_closed():
+            def call() -> None:
                 try:
-                    loop.call_soon_threadsafe(task.cancel)
-                except RuntimeError:                     # (closed meanwhile)
-                    pass
+                    value = self.fn(row, base_url, run.key, **self.kwargs)
+                    if inspect.isawaitable(value):
+                        value = asyncio.run_coroutine_threadsafe(_awaited(value), self.loop).result()
+                    future.set_result(value)
+                except BaseException as e:  # noqa: BLE001 - the episode's failure
+                    future.set_exception(e)
 
-        threading.Thread(target=call, daemon=True, name="agent").start()
-        run.done, run.result, run.kill = future.done, future.result, cancel
+            threading.Thread(target=call, daemon=True, name="agent").start()
+        run.done, run.result, run.kill = future.done, future.result, future.cancel
 
     def stop(self) -> None:
-        pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 class Processes:
@@ -304,8 +296,10 @@ def chains(calls: list[Call]) -> list[list[int]]:
 def episode_records(cfg: Config, log: EpisodeLog, result: tuple[float | None, dict, str | None], group: int,
                     row: int, data: dict, tokenizer) -> list[Rollout]:
     reward, info, error = result
+    dropped = None
     if error is not None and log.limited is not None:
-        error = None                      # (it raised after a call its limits refused: truncated, as environments)
+        error, dropped = None, error      # (it raised after a call its limits refused: truncated, as environments;
+                                          # no return unless it set one: scored as missing, never as 0)
     if reward is None and error is None:
         reward = log.reward
     info = {**log.info, **info}
@@ -315,7 +309,8 @@ def episode_records(cfg: Config, log: EpisodeLog, result: tuple[float | None, di
     if prompt is None:
         prompt = tokenizer.decode(calls[0].prompt_ids, skip_special_tokens=True)
     truncated = log.limited is not None
-    state = {"agent_info": info, "calls": len(calls), **({"limited": log.limited} if log.limited else {})}
+    state = {"agent_info": info, "calls": len(calls), **({"limited": log.limited} if log.limited else {}),
+             **({"agent_error": dropped} if dropped else {})}
     if not calls:                         # (no model call: a one-token placeholder, nothing to train)
         return [Rollout(group=group, row=row, prompt=prompt, prompt_ids=[tokenizer.eos_token_id], completion="",
                         completion_ids=[], logprobs=[], truncated=truncated, columns=columns, mask=[], turns=turns,

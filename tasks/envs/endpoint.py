@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.contracts import SamplingParams, SamplingSession
+from tasks.envs.rendering import Renderer
 from tasks.envs.tools import parse_tool_calls
 
 if TYPE_CHECKING:
@@ -217,8 +218,6 @@ class Endpoint:
 
     def __init__(self, cfg: Config, session: SamplingSession, policy: str, params: SamplingParams,
                  host: str = "127.0.0.1", port: int = 0):
-        from tasks.envs.episodes import Renderer
-
         self.cfg, self.session, self.policy, self.params = cfg, session, policy, params
         self.tokenizer = session.tokenizer
         self.render = Renderer(self.tokenizer, cfg.generate.max_prompt_length)
@@ -470,6 +469,15 @@ class Endpoint:
             log.limited = log.limited or f"env.max_tokens ({ec.max_tokens}) tokens"
         return call
 
+    def check_length(self, log: EpisodeLog, ids: list[int]) -> None:
+        """Token ids a caller gives (the completions and token routes): they are its own and never cut, so one
+        longer than a chat prompt may be is refused. An episode's first prompt: generate.max_prompt_length; a later
+        one: that and env.max_tokens (/v1/models' max_model_len)."""
+        bound = self.cfg.generate.max_prompt_length + (self.cfg.env.max_tokens if log.calls else 0)
+        if len(ids) > bound:
+            raise Refused(400, "context_length_exceeded", f"the prompt has {len(ids)} tokens, more than {bound} "
+                          f"(generate.max_prompt_length{' + env.max_tokens' if log.calls else ''})")
+
     def cut_at_stop(self, ids: list[int], logprobs: list[float], stop: list[str],
                     truncated: bool) -> tuple[list[int], list[float], bool]:
         """Keep the tokens up to the one that completes a stop string (the text returned stops before it, as
@@ -707,7 +715,10 @@ def app(ep: Endpoint):
             raise Refused(400, "invalid_request_error", f"prompt: token ids must be in 0 .. {vocab - 1}")
 
         def work():
-            call = ep.sample(log, ids, params, stop, extends=_extends(log, ids))
+            extends = _extends(log, ids)
+            if extends is None:
+                ep.check_length(log, ids)
+            call = ep.sample(log, ids, params, stop, extends=extends)
             ep.record(log, call)
             return call
 
@@ -811,6 +822,8 @@ class Tokens:
         params = ep.params_for({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p},
                                ("max_tokens",))
         extends = _extends(log, prompt_ids)
+        if extends is None:
+            ep.check_length(log, prompt_ids)
         call = ep.sample(log, prompt_ids, params, list(stop), extends=extends)
         ended = [i for i, t in enumerate(call.completion_ids) if t in set(stop_token_ids)]
         if ended and ended[0] + 1 < len(call.completion_ids):         # (a stop token other than EOS: cut after it)
