@@ -273,22 +273,25 @@ def which_model(row, base_url, api_key):
 
 
 @pytest.mark.slow
-def test_agents_in_a_stage_subprocess_under_overlap_see_only_the_scheduled_policy(tmp_path, prefect_api, monkeypatch):
-    """launcher local (generate in a process of its own) and run.max_staleness 1: iteration N's agents are
-    served v(N-2) (the base model before iteration 3) and nothing else."""
+def test_agents_on_a_sky_cluster_under_overlap_see_only_the_scheduled_policy(tmp_path, prefect_api, monkeypatch,
+                                                                             s3_endpoint, bucket, fake_cloud):
+    """generate on the (fake) cloud, a stage process on its cluster serving the endpoint to its agents, and
+    run.max_staleness 1: iteration N's agents are served v(N-2) (the base model before iteration 3) by name, and
+    nothing else."""
     from flows.training import train_flow
+    from tasks.core import rollout
+    from tests.conftest import user_module
+    from tests.test_launchers import _sky
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "served.py").write_text(WHICH_MODEL)
-    out = train_flow(str(AGENT), ["generate.prompts_per_iteration=2", "generate.num_generations=2",
-                                  "env.agent=served:which_model", "run.iterations=3",
-                                  f"launcher.recipes={ROOT / 'sky'}", "run.max_staleness=1",
-                                  "launcher.stages={generate: local}",
-                                  f"tracking.uri=sqlite:///{tmp_path}/m.db", "store.uri=store", "run.name=overlap"])
+    user_module(tmp_path, monkeypatch, "served", WHICH_MODEL)          # (importable in the stage's process too)
+    overrides = _sky(tmp_path, s3_endpoint, bucket, fake_cloud, "overlap", [
+        "run.iterations=3", "run.max_staleness=1", "launcher.mode=inline", "launcher.stages={generate: sky}",
+        "env.agent=served:which_model", "env.isolation=process"])
+    out = train_flow(str(AGENT), overrides)
     assert out["iterations_completed"] == 3
-    store = Store.open(str(tmp_path / "store"))
+    assert [c["task"] for c in fake_cloud.calls() if c["call"] in ("launch", "exec")].count("rlflow-generate") == 3
+    store = Store.open(load_config(AGENT, overrides).store)
     for it, want in ((1, layout.BASE), (2, layout.BASE), (3, layout.policy("overlap", 1))):
-        from tasks.core import rollout
-
         seen = {r.env_state["agent_info"]["model"] for r in rollout.load(store, layout.rollouts("overlap", it))}
         assert seen == {want}, (it, seen)
