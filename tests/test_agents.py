@@ -116,6 +116,26 @@ def test_the_return_comes_from_set_reward_when_the_agent_returns_none():
     assert records[0].env_state["agent_info"] == {"by": "set_reward"} and records[0].env_state["calls"] == 2
 
 
+def test_reward_functions_score_the_final_transcript_beside_the_agents_return(tmp_path, monkeypatch):
+    """With reward.functions the agent's return is the reward `env` beside them; each function gets the
+    episode's final transcript after its first prompt, as TRL passes multi-turn completions (message lists)."""
+    from tasks.scoring.functions import load_functions, score_records
+
+    (tmp_path / "transcript_rewards.py").write_text(
+        "def said(completions, letters, **kwargs):\n"
+        "    return [sum(m['content'].strip()[:1] == want\n"
+        "                for m, want in zip([m for m in c if m['role'] == 'assistant'], wanted)) / 3\n"
+        "            for c, wanted in zip(completions, letters)]\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg("say_letters", 'reward.functions=[{"fn": "transcript_rewards:said"}]', "env.reward_weight=1")
+    records, _ = _run(cfg, n=2, rows=LETTERS[:2])
+    assert all([m["role"] for m in r.turns] == ["assistant", "user", "assistant", "user", "assistant"]
+               for r in records)
+    score_records(load_functions(cfg), records, "sum")
+    for r in records:                       # the function recounts what the agent counted, from the transcript
+        assert r.rewards["said"] == pytest.approx(r.env_return) and r.reward == pytest.approx(2 * r.env_return)
+
+
 # ------------------------------------------------------------------------------------------ limits and failures
 
 def test_limits_refuse_the_call_past_them_and_mark_the_episode_truncated():
@@ -203,8 +223,17 @@ def test_the_endpoint_refuses_other_models_bounds_and_closed_keys():
 
 # ------------------------------------------------------------------------------------------ every learner
 
+@pytest.fixture(scope="module")
+def agent_records() -> list[Rollout]:
+    """Real agent rollouts, step-wise parts and merged episodes, with rewards."""
+    records = _run(_cfg("editor"), n=2, rows=LETTERS[:2])[0] + _run(_cfg("say_letters"), n=2, rows=LETTERS[:2])[0]
+    for i, r in enumerate(records):
+        r.reward = float(i % 3 == 0)
+    return records
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo", "vtrace_awr"])
-def test_every_learner_trains_agent_rollouts_through_their_mask(algorithm):
+def test_every_learner_trains_agent_rollouts_through_their_mask(algorithm, agent_records):
     """Real agent rollouts (merged and step-wise): whatever the behaviour logprobs at the tokens the agent
     added (mask 0) say, an update ends at the same weights."""
     from tasks.algorithms.batching import prepare_batches
@@ -213,10 +242,7 @@ def test_every_learner_trains_agent_rollouts_through_their_mask(algorithm):
     from tasks.engines.torch_engine import TorchEngine
     from tasks.engines.training import episode_scores
 
-    records, _ = _run(_cfg("editor"), n=2, rows=LETTERS[:2])
-    records += _run(_cfg("say_letters"), n=2, rows=LETTERS[:2])[0]
-    for i, r in enumerate(records):
-        r.reward = float(i % 3 == 0)
+    records = agent_records
 
     def trained(added: float) -> dict[str, torch.Tensor]:
         # (train.share_prompts off: its gathered prompt cache's backward is not bit-reproducible on CPU from one
