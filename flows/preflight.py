@@ -37,6 +37,13 @@ def preflight(cfg: Config) -> None:
         from tasks.envs.protocol import factory_of
 
         factory_of(cfg)                 # env.factory cannot be imported: one line, exit 2 (here, or the server)
+    if cfg.env.agent:
+        from tasks.envs.agents import agent_of
+
+        agent_of(cfg)                   # env.agent cannot be imported or called so: one line, exit 2
+        if not load_tokenizer(base_path(cfg)).chat_template:
+            raise UserError(f"env.agent: model.name_or_path {base_path(cfg)}: its tokenizer has no chat template, "
+                            "which the agents' endpoint renders their chat calls with")
     if cfg.env.factory and cfg.env.where == "local" and cfg.env.server_url is None and any(
             cfg.launcher.mode_of(s) == "sky" for s in ["generate"] + (["evaluate"] if cfg.eval.every else [])):
         raise UserError("env.where: local serves the environments on this machine, which the generate cluster "
