@@ -7,7 +7,12 @@ exactly the token ids the route served, the rubric's reward comes back, a multi-
 and a failed model call costing its episode. Then end to end through rlflow's own machinery: run_agents and
 its endpoint (tasks/envs/agents.py, endpoint.py) on the builtin tiny model (hf) or a scripted session, both
 verifiers clients, rewards from verifiers' rubric, samples holding exactly the sampled tokens (merged turns or
-step-wise parts, and why), failing episodes; and the training flow for two iterations (slow).
+step-wise parts, and why), failing episodes; and the training flow for two iterations (`make drills` only).
+
+Cost (the CI budget): every episode runs verifiers' harness program, a Python importing openai (~1-2 s on 2 cores),
+one per turn of vf04_chat, so each test runs as few episodes as what it checks needs; one bridge (verifiers'
+import, each environment loaded once, its uv script environment prepared once) serves the whole module, and the
+bridge tests share one set of episodes run together (the `sums` fixture).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tasks.envs.verifiers_v04 import (
     verifiers_python,
 )
 from tasks.envs.webshop import free_port
+from tests.conftest import AT_LENGTH
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv-verifiers" / "bin" / "python"
@@ -191,6 +197,7 @@ def endpoint(tmp_path_factory):
     tokenizer, which verifiers' renderer loads in the bridge)."""
     if not PYTHON.exists():
         pytest.skip(f"verifiers 0.4's environment ({PYTHON}) is missing: make setup builds it")
+    _Bridge.of(verifiers_python(None), _paths(ENVS))      # (started now: verifiers imports while the rest starts)
     import uvicorn
 
     from tasks.core.builtin_models import build_tokenizer
@@ -224,13 +231,49 @@ def _episodes(*calls):
 
 # ------------------------------------------------------------------------------------------------ the bridge
 
-@needs_venv
-def test_train_client_calls_the_token_route_under_each_episodes_key(endpoint):
+@pytest.fixture(scope="module")
+def sums(endpoint):
+    """Train-client episodes of vf04_sums against the scripted endpoint, run once on the one bridge for the tests
+    below (each harness program is a Python importing openai: ~1-2 s an episode on 2 cores). First an episode whose
+    model call never ends, cancelled as rlflow cancels an agent past env.timeout_seconds; then, on the same bridge,
+    these together: a row from taskset_rows (by index) and a bare task index, answered right and wrong; a row
+    carrying its task's data; one whose model call fails; one run on the bridge directly with its tokens."""
     base_url, scripted, tokenizer = endpoint
-    kw = dict(env=SUMS, client="train", tokenizer=tokenizer, path=ENVS, sampling={"temperature": 1.0,
-              "max_tokens": 8})
-    right, wrong = _episodes(run({"task_idx": 2}, base_url, "ep-right", **kw),
-                             run({"task_idx": 2}, base_url, "ep-wrong", **kw))
+    kw = dict(env=SUMS, client="train", tokenizer=tokenizer, path=ENVS)
+    rows = taskset_rows(SUMS, path=ENVS)
+
+    async def cut_short():
+        task = asyncio.ensure_future(run({"task_idx": 1}, base_url, "ep-hang", **kw))
+        deadline = time.monotonic() + 120
+        while not scripted.calls.get("ep-hang") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        task.cancel()
+        try:
+            return await task
+        except BaseException as e:  # noqa: BLE001 - what the cancelled agent raised, for the test
+            return e
+
+    cancelled = asyncio.run(cut_short())
+    bridge = _Bridge.of(verifiers_python(None), _paths(ENVS))
+    sampled = dict(kw, sampling={"temperature": 1.0, "max_tokens": 8})
+    keys = ("ep-right", "ep-wrong", "ep-data", "ep-fail", "ep-tokens")
+    done = _episodes(run(rows[2], base_url, "ep-right", **sampled),
+                     run({"task_idx": 2}, base_url, "ep-wrong", **sampled),
+                     run({"prompt": "5+5=", "answer": "10", "source": "x"}, base_url, "ep-data", **kw),
+                     run({"task_idx": 0}, base_url, "ep-fail", **kw),
+                     bridge.call(300, op="run", env=SUMS, model=MODEL, key="ep-tokens", task_idx=1, tokens=True,
+                                 client={"type": "train", "base_url": base_url, "renderer_model_name": tokenizer}))
+    deadline = time.monotonic() + 30          # (the hung call's handler sees its caller gone within a poll)
+    while [c.get("state") for c in scripted.calls.get("ep-hang", [])][-1:] != ["disconnected"] and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"rows": rows, "cancelled": cancelled, **dict(zip(keys, done))}
+
+
+@needs_venv
+def test_train_client_calls_the_token_route_under_each_episodes_key(endpoint, sums):
+    _, scripted, _ = endpoint
+    right, wrong = sums["ep-right"], sums["ep-wrong"]
     assert right[0] == 1.0 and wrong[0] == 0.0, (right, wrong)
     (trace,) = right[1]["verifiers"]["traces"]
     assert trace["rewards"] == {"correct": {"score": 1.0, "weight": 1.0}} and trace["metrics"] == {"reply_chars": 1.0}
@@ -245,11 +288,9 @@ def test_train_client_calls_the_token_route_under_each_episodes_key(endpoint):
 
 
 @needs_venv
-def test_verifiers_trace_holds_exactly_the_tokens_the_route_served(endpoint):
-    base_url, scripted, tokenizer = endpoint
-    bridge = _Bridge.of(verifiers_python(None), _paths(ENVS))
-    episode = asyncio.run(bridge.call(300, op="run", env=SUMS, model=MODEL, key="ep-tokens", task_idx=1, tokens=True,
-                                      client={"type": "train", "base_url": base_url, "renderer_model_name": tokenizer}))
+def test_verifiers_trace_holds_exactly_the_tokens_the_route_served(endpoint, sums):
+    _, scripted, _ = endpoint
+    episode = sums["ep-tokens"]
     (call,) = scripted.calls["ep-tokens"]
     (branch,) = episode["traces"][0]["branches"]
     assert branch["token_ids"] == call["prompt_ids"] + call["completion_ids"]
@@ -272,51 +313,34 @@ def test_eval_client_plays_a_multi_turn_tool_episode(endpoint):
 
 
 @needs_venv
-def test_rows_name_their_task_by_index_or_carry_its_data(endpoint):
-    base_url, _, tokenizer = endpoint
-    rows = taskset_rows(SUMS, path=ENVS)
+def test_rows_name_their_task_by_index_or_carry_its_data(endpoint, sums):
+    _, scripted, _ = endpoint
+    rows = sums["rows"]
     assert [(r["task_idx"], r["prompt"], r["answer"]) for r in rows] == [(0, "0+0=", "0"), (1, "1+1=", "2"),
                                                                          (2, "2+2=", "4")]
-    kw = dict(env=SUMS, client="train", tokenizer=tokenizer, path=ENVS)
-    by_index, by_data = _episodes(run(rows[1], base_url, "ep-row", **kw),
-                                  run({"prompt": "5+5=", "answer": "10", "source": "x"}, base_url, "ep-data", **kw))
+    by_index, by_data = sums["ep-right"], sums["ep-data"]        # (rows[2]: its task_idx; a row of task data)
     assert by_index[0] == 1.0 and by_data[0] == 1.0, (by_index, by_data)
+    assert [c["text"] for c in scripted.calls["ep-data"]] == ["<s>user: 5+5=\n<s>assistant: "]
 
 
 @needs_venv
-def test_a_failed_model_call_costs_its_episode_only(endpoint):
-    base_url, _, tokenizer = endpoint
-    kw = dict(env=SUMS, client="train", tokenizer=tokenizer, path=ENVS)
-    failed, fine = _episodes(run({"task_idx": 0}, base_url, "ep-fail", **kw),
-                             run({"task_idx": 0}, base_url, "ep-fine", **kw))
+def test_a_failed_model_call_costs_its_episode_only(sums):
+    failed = sums["ep-fail"]
     assert isinstance(failed, VerifiersError) and "scripted failure" in str(failed), failed
-    assert fine[0] == 1.0
+    # the episodes run beside it were scored
+    assert [sums[k][0] for k in ("ep-right", "ep-wrong", "ep-data")] == [1.0, 0.0, 1.0]
 
 
 @needs_venv
-def test_a_cancelled_agent_stops_its_rollout(endpoint):
+def test_a_cancelled_agent_stops_its_rollout(endpoint, sums):
     """rlflow cancels an agent past its time (env.timeout_seconds): the bridge cancels the rollout, whose model
-    call is dropped (the endpoint sees its caller go), and the bridge serves the next episode."""
-    base_url, scripted, tokenizer = endpoint
-    kw = dict(env=SUMS, client="train", tokenizer=tokenizer, path=ENVS)
-
-    async def cut_short():
-        task = asyncio.ensure_future(run({"task_idx": 1}, base_url, "ep-hang", **kw))
-        deadline = time.monotonic() + 120
-        while not scripted.calls.get("ep-hang"):
-            assert time.monotonic() < deadline, "the episode never called the model"
-            await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(cut_short())
-    deadline = time.monotonic() + 30
-    while [c["state"] for c in scripted.calls["ep-hang"]] != ["waiting", "disconnected"]:
-        assert time.monotonic() < deadline, scripted.calls["ep-hang"]
-        time.sleep(0.05)
-    (after,) = _episodes(run({"task_idx": 1}, base_url, "ep-after", **kw))
-    assert after[0] == 1.0
+    call is dropped (the endpoint sees its caller go), and the bridge serves the next episodes (the fixture's
+    others, all started after the cancel)."""
+    _, scripted, _ = endpoint
+    assert isinstance(sums["cancelled"], asyncio.CancelledError), sums["cancelled"]
+    hung = scripted.calls.get("ep-hang", [])
+    assert [c["state"] for c in hung] == ["waiting", "disconnected"], hung     # (never called: [])
+    assert sums["ep-right"][0] == 1.0 and sums["ep-tokens"]["ok"] and sums["ep-tokens"]["traces"][0]["reward"] == 1.0
 
 
 # ------------------------------------------------------------------------------------------------ through rlflow
@@ -432,11 +456,11 @@ def test_a_verifiers_environment_trains_on_what_the_tiny_model_sampled(tiny, cli
     train: verifiers renders with the builtin tokenizer (its DefaultRenderer, over the chat template) and calls
     the token route."""
     session = Recording(tiny)
-    records = _run_agents(_agent_cfg(client, CHAT, sampling={"max_tokens": 6}), SUM_ROWS, session)
+    records = _run_agents(_agent_cfg(client, CHAT, sampling={"max_tokens": 6}), SUM_ROWS, session, n=1)
     episodes = _episodes_of(records)
-    assert len(episodes) == 4 and all(r.env_error is None for r in records), [r.env_error for r in records]
+    assert len(episodes) == 2 and all(r.env_error is None for r in records), [r.env_error for r in records]
     recorded = sorted(c for r in records for c in _calls(r))
-    assert recorded == sorted(session.sampled) and len(recorded) == 8       # (2 calls per episode, token for token)
+    assert recorded == sorted(session.sampled) and len(recorded) == 4       # (2 calls per episode, token for token)
     tok = tiny.tokenizer
     for samples in episodes.values():
         lead = samples[0]
@@ -477,9 +501,9 @@ def test_scripted_replies_get_the_rubrics_rewards_and_their_turns_merge_or_split
 
     tok = tiny.tokenizer
     session = Recording(reply=_sums_script, tokenizer=tok)
-    records = _run_agents(_agent_cfg(client, CHAT), SUM_ROWS, session)
+    records = _run_agents(_agent_cfg(client, CHAT), SUM_ROWS, session, n=1)
     episodes = _episodes_of(records)
-    assert [samples[0].env_return for samples in episodes.values()] == [1.0, 1.0, 0.0, 0.0]
+    assert [samples[0].env_return for samples in episodes.values()] == [1.0, 0.0]
     assert all(s[0].env_return == _rubric(s[0]) for s in episodes.values())
     assert sorted(c for r in records for c in _calls(r)) == sorted(session.sampled)
     for samples in episodes.values():
@@ -500,7 +524,7 @@ def test_scripted_replies_get_the_rubrics_rewards_and_their_turns_merge_or_split
                                                         {"role": "user", "content": "Sure?"}])
             assert second.prompt_ids[:len(first.prompt_ids) + len(first.completion_ids)] != \
                 first.prompt_ids + first.completion_ids
-    assert agent_metrics(records)["agent/split_episodes"] == (4.0 if client == "train" else 0.0)
+    assert agent_metrics(records)["agent/split_episodes"] == (2.0 if client == "train" else 0.0)
 
 
 def _calc_script(text: str) -> str:
@@ -513,9 +537,10 @@ def _calc_script(text: str) -> str:
 
 @needs_venv
 def test_a_tool_episode_through_the_endpoint_is_one_sample(tiny):
-    """vf04_calc (an MCP tool server verifiers runs per rollout) with the eval client: the reply's tool call is
-    parsed by the endpoint, run by verifiers' chat program, and its result comes back as a tool message that the
-    endpoint renders onto the episode's tokens: one sample, mask 0 on the tool's result."""
+    """vf04_calc (an MCP tool server verifiers runs for the environment, both episodes' calls on it at once) with
+    the eval client: the reply's tool call is parsed by the endpoint, run by verifiers' chat program, and its result
+    comes back as a tool message that the endpoint renders onto the episode's tokens: one sample, mask 0 on the
+    tool's result."""
     tok = tiny.tokenizer
     session = Recording(reply=_calc_script, tokenizer=tok)
     rows = {0: {"prompt": "Add 12 and 30 with the tool.", "answer": "42", "task_idx": 0},
@@ -563,9 +588,12 @@ def test_a_failing_episode_costs_only_itself(tiny, client):
 
 @needs_venv
 @pytest.mark.slow
+@AT_LENGTH
 def test_a_verifiers_environment_trains_through_the_flow(tmp_path, prefect_api, monkeypatch):
     """configs/agent.yaml with vf04_sums on the tiny model, 2 iterations of the training flow (the generate stage
-    runs the verifiers agent against its endpoint; the train client): the rewards are verifiers' scores."""
+    runs the verifiers agent against its endpoint; the train client): the rewards are verifiers' scores. ~50 s
+    (a Prefect API, a bridge of its own in the stage's process, 8 episodes): `make drills` only; `make test` keeps
+    the end to end runs through run_agents and the endpoint above."""
     from flows.training import train_flow
     from tasks.core import layout
     from tasks.core.store import Store

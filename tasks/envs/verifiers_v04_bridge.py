@@ -36,6 +36,10 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.a
 # The harness programs run with `uv` from PATH; this Python's own (pip-installed beside verifiers) comes first,
 # or verifiers would `pip install --user` one into the home directory (verifiers.v1.runtimes.base._ENSURE_UV).
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# uv byte-compiles a script's environment when it prepares it (once; later preparations find it compiled): where
+# PYTHONDONTWRITEBYTECODE is set (rlflow's machines: Makefile) nothing else would ever write the .pyc files, and every
+# harness program (a Python importing openai, one per rollout and turn) would compile its imports again: ~1 s each.
+os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
 
 
 def _plain(value: Any) -> Any:

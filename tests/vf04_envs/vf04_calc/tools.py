@@ -1,9 +1,9 @@
-"""The tool server of vf04_calc (run by verifiers as `python -m vf04_calc.tools` in the rollout's runtime)."""
+"""The tool server of vf04_calc (run by verifiers as `python -m vf04_calc.tools`, once per environment)."""
 
 import verifiers.v1 as vf
 
 
-class CalcToolset(vf.Toolset[vf.ToolsetConfig]):
+class CalcToolset(vf.Toolset[vf.SharedToolsetConfig]):
     TOOL_PREFIX = "calc"
 
     @vf.tool
