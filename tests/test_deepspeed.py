@@ -55,7 +55,7 @@ from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
 from tasks.train import finish_trainer, train
-from tests.conftest import ROOT, TINY
+from tests.conftest import AT_LENGTH, ROOT, TINY
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 
@@ -402,6 +402,7 @@ def _torch_value_reference(algorithm: str, rollouts: dict, tmp_path_factory) -> 
 
 
 @pytest.mark.drill
+@AT_LENGTH                      # (make test keeps the resident group's kill drill without a value head)
 def test_a_resident_group_with_a_value_head_resumes_after_a_kill_as_the_torch_engine(rollouts, tmp_path,
                                                                                     tmp_path_factory, monkeypatch):
     """ppo on a resident torchrun group of two (ZeRO 2): killed in iteration 3, the retry's new group restores
@@ -435,7 +436,7 @@ def test_a_resident_group_with_a_value_head_resumes_after_a_kill_as_the_torch_en
     assert (tmp_path / "full3" / layout.CKPT_CRITIC_OPTIMIZER).exists()
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "vtrace_awr"])
+@pytest.mark.parametrize("algorithm", ["ppo", pytest.param("vtrace_awr", marks=AT_LENGTH)])   # (the same head)
 def test_a_value_head_on_two_processes_trains_as_the_torch_engine_and_resumes_on_one(
         algorithm, rollouts, tmp_path, tmp_path_factory):
     """train.algorithm ppo / vtrace_awr with the value head outside ZeRO: two processes (ZeRO 2) train

@@ -14,7 +14,7 @@ import pytest
 
 from tasks.core.config import load_config
 from tasks.scoring.functions import load_functions
-from tests.conftest import ROOT, TINY, user_module
+from tests.conftest import AT_LENGTH, ROOT, TINY, user_module
 
 RECIPES = sorted((ROOT / "sky").glob("*.yaml"))
 SKY_PYTHON = ROOT / ".venv-sky" / "bin" / "python"
@@ -222,6 +222,7 @@ def test_sky_launcher_launches_once_execs_after_and_tears_down(prefect_api, tmp_
 
 
 @pytest.mark.slow
+@AT_LENGTH                      # (a fault drill: make test keeps launch/exec/teardown, give-up and user errors)
 def test_sky_launcher_relaunches_a_vanished_cluster_and_retries_a_failed_job(prefect_api, tmp_path, monkeypatch,
                                                                               s3_endpoint, bucket, fake_cloud):
     from flows.training import train_flow

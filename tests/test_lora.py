@@ -17,7 +17,7 @@ from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
 from tasks.train import finish_trainer, train
-from tests.conftest import TINY
+from tests.conftest import AT_LENGTH, TINY
 
 
 def _cfg(tmp_path, name: str, extra=()):
@@ -75,6 +75,7 @@ def test_resume_with_lora_and_several_passes_is_exact(tmp_path):
         assert a[name]["sha256"] == b[name]["sha256"], name
 
 
+@AT_LENGTH                      # (make test keeps test_resume_with_lora_and_several_passes_is_exact)
 def test_a_resident_lora_trainer_killed_midway_publishes_what_process_mode_does(tmp_path, monkeypatch):
     """Resident mode keeps the adapter and its optimizer in memory, writes lean (adapter-only) checkpoints and
     full ones every 2; killed before iteration 3's write, it restores full-2 and replays: same adapters."""

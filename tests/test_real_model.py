@@ -1,8 +1,9 @@
 """The real-model recipe (configs/smollm2-arith.yaml) at a smoke test's size: SmolLM2-135M-Instruct from its GGUF,
 reasoning-gym sums, the whole flow through `rlflow run` (the base model evaluated, two iterations, the
-policy evaluated), and a run killed (SIGKILL, the whole process group) inside iteration 2 and started again ends
-with the uninterrupted run's rewards and weights, bit for bit. The learning itself (20 iterations, 3 seeds) is
-`make bench`'s (bench/real_model_vs_trl.py); this checks that the real model runs through every stage.
+policy evaluated), and (make drills) a run killed (SIGKILL, the whole process group) inside iteration 2 and
+started again ends with the uninterrupted run's rewards and weights, bit for bit. The learning itself (20
+iterations, 3 seeds) is `make bench`'s (bench/real_model_vs_trl.py); this checks that the real model runs through
+every stage.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 from tasks.core import layout
 from tasks.core.store import MANIFEST, Store
-from tests.conftest import ROOT, read_summary, run_cli
+from tests.conftest import AT_LENGTH, ROOT, read_summary, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.drill]
 
@@ -59,8 +60,10 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 600) -> None:
         time.sleep(0.1)
 
 
-def test_the_recipe_runs_end_to_end_and_a_killed_run_resumes_to_the_same_weights(prefect_api, tmp_path):
-    clean, killed = _folder(tmp_path, "clean"), _folder(tmp_path, "killed")
+@pytest.fixture(scope="module")
+def clean_run(prefect_api, tmp_path_factory):
+    """The uninterrupted run: its folder, its summary and its store."""
+    clean = _folder(tmp_path_factory.mktemp("real"), "clean")
     ref = run_cli(["run", str(RECIPE), *ARGS], clean, prefect_api, timeout=900)
     assert ref.returncode == 0, ref.stderr[-3000:]
     summary = read_summary(clean / "s.json")
@@ -75,7 +78,19 @@ def test_the_recipe_runs_end_to_end_and_a_killed_run_resumes_to_the_same_weights
     # the published policy is a plain model folder, SmolLM2's shape
     policy = store.local(layout.policy("smoke", 2))
     assert (policy / "config.json").is_file() and '"num_hidden_layers": 30' in (policy / "config.json").read_text()
+    return clean, summary, store
 
+
+def test_the_recipe_runs_end_to_end(clean_run):
+    """make test's smoke: the real model through every stage (the fixture's run and its checks)."""
+    clean, summary, _ = clean_run
+    assert (clean / "s.json").exists() and summary["iterations_completed"] == 2
+
+
+@AT_LENGTH                      # (make drills: a second run of the real model, ~1.5 min of the CI budget)
+def test_a_killed_run_resumes_to_the_same_weights(clean_run, prefect_api, tmp_path):
+    _, summary, store = clean_run
+    killed = _folder(tmp_path, "killed")
     gate = tmp_path / "gate"
     gate.touch()
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "GATE_FILE": str(gate)}

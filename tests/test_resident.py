@@ -91,7 +91,7 @@ def test_resident_publishes_what_process_mode_publishes_and_writes_lean(referenc
 
 
 @pytest.mark.drill
-@pytest.mark.parametrize("drill", ["lean-write:3", "full-upload:4",            # (make drills: all four; CI: two)
+@pytest.mark.parametrize("drill", ["lean-write:3", pytest.param("full-upload:4", marks=AT_LENGTH),   # (drills: 4)
                                    pytest.param("full-done:4", marks=AT_LENGTH),
                                    pytest.param("answer:5", marks=AT_LENGTH)])
 def test_a_trainer_killed_anywhere_resumes_bit_identically(reference, tmp_path, monkeypatch, drill):
