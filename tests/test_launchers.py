@@ -157,6 +157,7 @@ def killer_module(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.drill
+@AT_LENGTH                      # (make test runs the local launcher's recipes in test_local_launcher_does_not_retry...)
 def test_local_launcher_runs_the_recipes_and_survives_two_kills(prefect_api, tmp_path, monkeypatch, killer_module):
     """Every stage is its recipe's `run` in a subprocess; the reward process is SIGKILLed twice in this flow
     run; the retries (with the store's reuse) still end with exactly 2 iterations."""

@@ -51,18 +51,10 @@ POLL = 0.01
 
 def agent_of(cfg: Config):
     """env.agent imported: one line naming it if it cannot be, or is not a function of (row, base_url, api_key)."""
+    from tasks.envs.protocol import import_callable
+
     spec = cfg.env.agent
-    module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except (Exception, SystemExit) as e:
-        raise UserError(f"env.agent: cannot import module {module_name!r}: {type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(f"env.agent: {module_name!r} has no callable {attr!r}")
+    fn = import_callable(spec, "env.agent")
     try:
         inspect.signature(fn).bind("row", "base_url", "api_key", **cfg.env.kwargs)
     except TypeError as e:

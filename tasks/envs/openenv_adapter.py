@@ -26,20 +26,17 @@ which holds the sessions of all the episodes of that process and runs their call
 
 from __future__ import annotations
 
-import atexit
-import itertools
 import json
 import os
 import subprocess
-import threading
 import uuid
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from tasks.core.contracts import Step
 from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
+from tasks.envs.bridge import LineBridge
 from tasks.envs.isolation import EnvironmentDied
 from tasks.envs.protocol import require_answer
 
@@ -51,76 +48,18 @@ class OpenEnvError(RuntimeError):
     """The server or its client refused a call: the text is theirs."""
 
 
-class _Bridge:
-    """The bridge process of one Python (one per rlflow process, started at first use, again if it died)."""
+class _Bridge(LineBridge):
+    """The client's process of one Python (one per rlflow process, started at first use, again if it died)."""
 
-    running: dict[str, _Bridge] = {}
-    made = threading.Lock()
-
-    @classmethod
-    def of(cls, python: str) -> _Bridge:
-        with cls.made:
-            bridge = cls.running.get(python)
-            if bridge is None or bridge.proc.poll() is not None:
-                bridge = cls.running[python] = cls(python)
-            return bridge
+    what = "the OpenEnv client's process"
+    error = OpenEnvError
 
     def __init__(self, python: str) -> None:
-        self.proc = subprocess.Popen([python, "-u", str(BRIDGE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, bufsize=1)
-        self.pending: dict[int, Future] = {}
-        self.ids = itertools.count()
-        self.lock = threading.Lock()
-        self.ready: Future = Future()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True, name="openenv-bridge").start()
-        threading.Thread(target=self._errors, daemon=True, name="openenv-bridge-err").start()
-        atexit.register(self.stop)
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            reply = json.loads(line)
-            future = self.ready if reply["id"] is None else self.pending.pop(reply["id"], None)
-            if future is None or future.done():
-                continue
-            if "error" in reply:
-                future.set_exception(OpenEnvError(reply["error"]))
-            else:
-                future.set_result(reply["ok"])
-        code = self.proc.wait()
-        tail = "".join(self.stderr).strip().splitlines()[-1:] or [""]
-        died = EnvironmentDied(f"the OpenEnv client's process exited ({code}) {tail[0]}".strip())
-        with self.lock:
-            left, self.pending = list(self.pending.values()) + [self.ready], {}
-        for future in left:
-            if not future.done():
-                future.set_exception(died)
-
-    def _errors(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr = (self.stderr + [line])[-20:]
+        self.start(python, BRIDGE)
 
     def call(self, deadline_s: float, **request: Any) -> Any:
         self.ready.result(timeout=deadline_s)           # (its imports: ~4 s, once)
-        future: Future = Future()
-        with self.lock:
-            request["id"] = next(self.ids)
-            self.pending[request["id"]] = future
-            try:
-                self.proc.stdin.write(json.dumps(request) + "\n")
-                self.proc.stdin.flush()
-            except (BrokenPipeError, OSError, ValueError):
-                self.pending.pop(request["id"], None)
-                raise EnvironmentDied("the OpenEnv client's process is gone") from None
-        return future.result(timeout=deadline_s)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(5)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
+        return self.send(**request)[1].result(timeout=deadline_s)
 
 
 def openenv_python(python: str | None) -> str | None:

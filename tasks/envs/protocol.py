@@ -64,22 +64,28 @@ def as_messages(value: Any, what: str) -> list[dict]:
     return value
 
 
-def factory_of(cfg: Config, preflight: bool = True) -> Callable[[], Any]:
-    """env.factory imported (a user error naming it if it cannot be), called with env.kwargs per episode (once
-    per process for an environment that serves many: adapters.shared). A factory with a `preflight(**kwargs)`
-    (the browser's) has it called first: what it lacks is one line before any episode starts."""
-    spec = cfg.env.factory
+def import_callable(spec: str, key: str) -> Callable:
+    """`module:attr` imported from where rlflow runs (the working directory first, as user modules live there):
+    a UserError naming `key` if the module cannot be imported or has no such callable."""
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as e:
-        raise UserError(f"env.factory: cannot import module {module_name!r}: {type(e).__name__}: "
+        raise UserError(f"{key}: cannot import module {module_name!r}: {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
-    make = getattr(module, attr, None)
-    if not callable(make):
-        raise UserError(f"env.factory: {module_name!r} has no callable {attr!r}")
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UserError(f"{key}: {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def factory_of(cfg: Config, preflight: bool = True) -> Callable[[], Any]:
+    """env.factory imported (a user error naming it if it cannot be), called with env.kwargs per episode (once
+    per process for an environment that serves many: adapters.shared). A factory with a `preflight(**kwargs)`
+    (the browser's) has it called first: what it lacks is one line before any episode starts."""
+    make = import_callable(cfg.env.factory, "env.factory")
     kwargs = dict(cfg.env.kwargs)
     if preflight and callable(getattr(make, "preflight", None)):
         make.preflight(**kwargs)

@@ -50,21 +50,17 @@ max_turns, sampling.max_tokens) within rlflow's, or those episodes come back tru
 from __future__ import annotations
 
 import asyncio
-import atexit
-import itertools
 import json
 import math
 import os
-import subprocess
-import threading
 import urllib.request
 import uuid
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
 
 from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
+from tasks.envs.bridge import LineBridge
 from tasks.envs.isolation import EnvironmentDied
 
 VENV = ".venv-verifiers"
@@ -152,70 +148,18 @@ def generate_response(body: dict, key: str, sampler) -> dict:
 
 # ------------------------------------------------------------------------------------------------ the bridge
 
-class _Bridge:
+class _Bridge(LineBridge):
     """The bridge process of one Python and import path (one per rlflow process, started at first use, again if
     it died)."""
 
-    running: dict[tuple, _Bridge] = {}
-    made = threading.Lock()
-
-    @classmethod
-    def of(cls, python: str, path: tuple[str, ...]) -> _Bridge:
-        with cls.made:
-            bridge = cls.running.get((python, path))
-            if bridge is None or bridge.proc.poll() is not None:
-                bridge = cls.running[(python, path)] = cls(python, path)
-            return bridge
+    what = "the verifiers bridge process"
+    error = VerifiersError
+    keep_stderr = 50
 
     def __init__(self, python: str, path: tuple[str, ...]) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([*path, *filter(None, [env.get("PYTHONPATH")])])
-        self.proc = subprocess.Popen([python, "-u", str(BRIDGE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
-        self.pending: dict[int, Future] = {}
-        self.ids = itertools.count()
-        self.lock = threading.Lock()
-        self.ready: Future = Future()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True, name="verifiers-bridge").start()
-        threading.Thread(target=self._errors, daemon=True, name="verifiers-bridge-err").start()
-        atexit.register(self.stop)
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            reply = json.loads(line)
-            future = self.ready if reply["id"] is None else self.pending.pop(reply["id"], None)
-            if future is None or future.done():
-                continue
-            if "error" in reply:
-                future.set_exception(VerifiersError(reply["error"]))
-            else:
-                future.set_result(reply["ok"])
-        code = self.proc.wait()
-        tail = "".join(self.stderr).strip().splitlines()[-1:] or [""]
-        died = EnvironmentDied(f"the verifiers bridge process exited ({code}) {tail[0]}".strip())
-        with self.lock:
-            left, self.pending = [*self.pending.values(), self.ready], {}
-        for future in left:
-            if not future.done():
-                future.set_exception(died)
-
-    def _errors(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr = [*self.stderr, line][-50:]
-
-    def send(self, **request: Any) -> tuple[int, Future]:
-        future: Future = Future()
-        with self.lock:
-            request["id"] = next(self.ids)
-            self.pending[request["id"]] = future
-            try:
-                self.proc.stdin.write(json.dumps(request) + "\n")
-                self.proc.stdin.flush()
-            except (BrokenPipeError, OSError, ValueError):
-                self.pending.pop(request["id"], None)
-                raise EnvironmentDied("the verifiers bridge process is gone") from None
-        return request["id"], future
+        self.start(python, BRIDGE, env)
 
     async def call(self, timeout: float, **request: Any) -> Any:
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.ready)), timeout)   # (verifiers' imports: ~4 s)
@@ -229,13 +173,8 @@ class _Bridge:
                 pass
             raise
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
+    def stop(self, wait: float = 10.0) -> None:
+        super().stop(wait)
 
 
 def verifiers_python(python: str | None) -> str:
