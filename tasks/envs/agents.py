@@ -99,6 +99,9 @@ class Threads:
 
     def __init__(self, fn, kwargs: dict):
         self.fn, self.kwargs = fn, kwargs
+        # A loop of its own per stage: what agents keep on it (a client, its pooled connections to this stage's
+        # endpoint) ends with it. Kept across stages, a client of a later endpoint that got the same port back
+        # reused connections of the earlier one and waited on them (seen: episodes hung until their timeout).
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="agents").start()
 

@@ -32,9 +32,8 @@ Sampling, two ways, both reproducible (a rerun of the stage samples the same tok
   * in rounds (`lockstep`, what agents.py's runner uses): a call waits until every open episode is waiting on a
     call of its own (or has ended), then all of them are sampled as one batch of the session, in episode order,
     seeded by the round. Which calls share a round depends on the agents alone, never on timing: the runner
-    decides (`settle`) between its own opens and closes. One batched sampling per round is what makes agents as
-    fast as environments' turn-by-turn episodes on hf and vLLM offline (~40x over one call at a time for the
-    letters demo's 128 episodes), and a vLLM server gets one request per round, not per call.
+    decides (`settle`) between its own opens and closes. One batched sampling per round, as environments' turns
+    are sampled, on hf and vLLM offline; a vLLM server gets one request per round, not per call.
   * one at a time (the default for an endpoint nobody settles): each call alone, seeded by its episode's seed and
     its place in the episode.
 Limits, as environments have them: env.max_turns calls per episode, env.max_tokens tokens after the episode's

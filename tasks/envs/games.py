@@ -58,6 +58,7 @@ async def letters_agent(row: dict, base_url: str, api_key: str) -> float:
 
 
 _shared: dict = {}
+_retired: list = []
 
 
 def _client(base_url: str):
@@ -69,5 +70,7 @@ def _client(base_url: str):
 
     loop = asyncio.get_running_loop()
     if _shared.get("loop") is not loop or _shared.get("url") != base_url:
+        if "client" in _shared:      # (its loop has ended: kept, not dropped, so that openai's finaliser does not
+            _retired.append(_shared["client"])      # try to close it on this one)
         _shared.update(loop=loop, url=base_url, client=openai.AsyncOpenAI(base_url=base_url, api_key="per-episode"))
     return _shared["client"]
