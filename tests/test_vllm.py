@@ -175,6 +175,24 @@ def test_offline_episodes_sample_every_turn_from_one_engine(tmp_path, monkeypatc
     assert float(((logp - behaviour).abs() * model).max()) < TOL
 
 
+def test_agents_through_the_endpoint_on_the_offline_engine(tmp_path):
+    """The agents demo's agent (plain openai client) on vLLM offline: its three calls per episode are sampled by
+    the engine in rounds, merged into one sample, and the model's tokens carry the trainer's logprobs."""
+    cfg = _cfg(tmp_path, "offline-agents", [
+        "env.agent=tasks.envs.games:letters_agent", "env.isolation=thread", "env.concurrency=64", "env.max_turns=3",
+        "env.max_tokens=96", "reward.functions=[]", "generate.max_completion_length=2",
+        f"data.path={ROOT / 'configs' / 'data' / 'letters.jsonl'}"])
+    out = generate(cfg, 1)
+    records = _records(cfg, 1)
+    assert len(records) == N_PROMPTS * N_GEN and out["metrics"]["env/errors"] == 0
+    assert out["metrics"]["agent/calls_mean"] == 3 and out["metrics"]["agent/split_episodes"] == 0
+    assert all(r.part == 0 and 0 in r.mask and r.mask[0] == 1 for r in records)
+    logp, mask = _trainer_logprobs(cfg, base_path(cfg), records)
+    model = torch.tensor([r.mask + [0] * (mask.shape[1] - len(r.mask)) for r in records]) * mask
+    behaviour = torch.tensor([r.logprobs + [0.0] * (mask.shape[1] - len(r.logprobs)) for r in records])
+    assert float(((logp - behaviour).abs() * model).max()) < TOL
+
+
 def test_offline_lora_adapter_changes_the_outputs(tmp_path):
     """A published adapter (non-zero, as after training) is served on the base with a LoRARequest; its
     logprobs equal the trainer's base + adapter, and are far from the base model's."""
