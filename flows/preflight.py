@@ -41,9 +41,6 @@ def preflight(cfg: Config) -> None:
         from tasks.envs.agents import agent_of
 
         agent_of(cfg)                   # env.agent cannot be imported or called so: one line, exit 2
-        if not load_tokenizer(base_path(cfg)).chat_template:
-            raise UserError(f"env.agent: model.name_or_path {base_path(cfg)}: its tokenizer has no chat template, "
-                            "which the agents' endpoint renders their chat calls with")
     if cfg.env.factory and cfg.env.where == "local" and cfg.env.server_url is None and any(
             cfg.launcher.mode_of(s) == "sky" for s in ["generate"] + (["evaluate"] if cfg.eval.every else [])):
         raise UserError("env.where: local serves the environments on this machine, which the generate cluster "
@@ -54,6 +51,9 @@ def preflight(cfg: Config) -> None:
         require_answer(f"{cfg.env.server_url.rstrip('/')}/health", "environment server", key="env.server_url")
     path = base_path(cfg)
     tokenizer = load_tokenizer(path)
+    if cfg.env.agent and not tokenizer.chat_template:
+        raise UserError(f"env.agent: model.name_or_path {path}: its tokenizer has no chat template, which the "
+                        "agents' endpoint renders their chat calls with")
     chat = cfg.data.system_prompt is not None or any(isinstance(ds[0][cfg.data.prompt_column], list) for ds in datasets)
     if chat and not tokenizer.chat_template:
         raise UserError(f"model.name_or_path: {path}: its tokenizer has no chat template, but the prompts are chat "

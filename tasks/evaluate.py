@@ -74,8 +74,6 @@ def _passes(cfg: Config, records: list, n_prompts: int) -> list[int]:
     eval.pass_threshold)."""
     passed = [0] * n_prompts
     for r in records:
-        if r.part:                                   # (an agent episode's later samples: counted once)
-            continue
         score = r.reward if cfg.eval.pass_reward is None else r.rewards.get(cfg.eval.pass_reward)
         passed[r.group] += int(score is not None and score >= cfg.eval.pass_threshold)
     return passed
@@ -115,13 +113,15 @@ def evaluate(cfg: Config, iteration: int) -> dict:
                     n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0,
                     seed=seed), policy)
                 score_records(functions, greedy, cfg.reward.aggregate, state)
-        passed = _passes(cfg, records, len(rows))
-        present = [r.reward for r in records if r.reward is not None and not r.part]
+        # per episode: an agent's step-wise samples after its first (Rollout.part > 0) are not counted again
+        episodes, greedy_episodes = ([r for r in recs if not r.part] for recs in (records, greedy))
+        passed = _passes(cfg, episodes, len(rows))
+        present = [r.reward for r in episodes if r.reward is not None]
         metrics = {"eval/reward_mean": sum(present) / max(len(present), 1),
                    f"eval/pass_at_{ec.k}": sum(pass_at_k(ec.num_generations, c, ec.k) for c in passed) / len(rows)}
         if ec.greedy:
-            metrics["eval/greedy_pass_at_1"] = sum(_passes(cfg, greedy, len(rows))) / len(rows)
-            lead = [r.reward for r in greedy if r.reward is not None and not r.part]
+            metrics["eval/greedy_pass_at_1"] = sum(_passes(cfg, greedy_episodes, len(rows))) / len(rows)
+            lead = [r.reward for r in greedy_episodes if r.reward is not None]
             metrics["eval/greedy_reward_mean"] = sum(lead) / max(len(lead), 1)
         metrics.update({"eval/prompts": float(len(rows)), "eval/seconds": time.perf_counter() - t0})
         with tempfile.TemporaryDirectory(prefix="rlflow-eval-") as tmp:

@@ -269,17 +269,10 @@ def test_every_learner_trains_agent_rollouts_through_their_mask(algorithm, agent
 def test_the_agent_demo_runs_through_the_flow_and_resumes_to_the_same_weights(tmp_path, prefect_api, monkeypatch):
     """configs/agent.yaml, 2 iterations: the agent's return is the reward; stopped after 1 and resumed, the run
     publishes the same v2 as an uninterrupted one."""
-    from flows.training import train_flow
+    from tests.test_envs import stopped_and_resumed_equals_whole
 
     monkeypatch.chdir(tmp_path)
-    common = ["generate.prompts_per_iteration=4", "generate.num_generations=4", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
-    whole = train_flow(str(AGENT), [*common, "run.name=whole", "run.iterations=2", "store.uri=whole-store"])
-    train_flow(str(AGENT), [*common, "run.name=parts", "run.iterations=1", "store.uri=parts-store"])
-    parts = train_flow(str(AGENT), [*common, "run.name=parts", "run.iterations=2", "store.uri=parts-store"])
-    assert whole["iterations_completed"] == parts["iterations_completed"] == 2
-    assert whole["reward_mean"] == parts["reward_mean"]
-    a, b = Store.open(str(tmp_path / "whole-store")), Store.open(str(tmp_path / "parts-store"))
-    assert a.manifest(layout.policy("whole", 2))["files"] == b.manifest(layout.policy("parts", 2))["files"]
+    a = stopped_and_resumed_equals_whole(AGENT, tmp_path)
     meta = a.manifest(layout.rollouts("whole", 1))["meta"]["metrics"]
     assert meta["env/episodes"] == 16 and meta["env/turns_mean"] == 3 and meta["env/errors"] == 0
     assert meta["agent/calls_mean"] == 3 and meta["agent/split_episodes"] == 0

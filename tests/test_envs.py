@@ -335,21 +335,28 @@ def test_a_verifiers_tool_env_calls_its_tools_and_a_malformed_call_is_an_observa
 
 # ------------------------------------------------------------------------------------------ through the flow
 
-@pytest.mark.slow
-def test_the_letters_demo_runs_through_the_flow_and_resumes_to_the_same_weights(tmp_path, prefect_api, monkeypatch):
-    """The multi-turn demo's config, 2 iterations with the real hf engine: rewards from the environment's
-    return, env/* metrics; stopped after 1 and resumed, it publishes the same v2 as an uninterrupted run."""
+def stopped_and_resumed_equals_whole(config: Path, tmp_path: Path) -> Store:
+    """`config` for 2 iterations (4 rows x 4 episodes), and again stopped after 1 and resumed: the same rewards
+    and the same published v2. The uninterrupted run's store (run `whole`)."""
     from flows.training import train_flow
 
-    monkeypatch.chdir(tmp_path)
     common = ["generate.prompts_per_iteration=4", "generate.num_generations=4", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
-    whole = train_flow(str(LETTERS), [*common, "run.name=whole", "run.iterations=2", "store.uri=whole-store"])
-    train_flow(str(LETTERS), [*common, "run.name=parts", "run.iterations=1", "store.uri=parts-store"])
-    parts = train_flow(str(LETTERS), [*common, "run.name=parts", "run.iterations=2", "store.uri=parts-store"])
+    whole = train_flow(str(config), [*common, "run.name=whole", "run.iterations=2", "store.uri=whole-store"])
+    train_flow(str(config), [*common, "run.name=parts", "run.iterations=1", "store.uri=parts-store"])
+    parts = train_flow(str(config), [*common, "run.name=parts", "run.iterations=2", "store.uri=parts-store"])
     assert whole["iterations_completed"] == parts["iterations_completed"] == 2
     assert whole["reward_mean"] == parts["reward_mean"]
     a, b = Store.open(str(tmp_path / "whole-store")), Store.open(str(tmp_path / "parts-store"))
     assert a.manifest(layout.policy("whole", 2))["files"] == b.manifest(layout.policy("parts", 2))["files"]
+    return a
+
+
+@pytest.mark.slow
+def test_the_letters_demo_runs_through_the_flow_and_resumes_to_the_same_weights(tmp_path, prefect_api, monkeypatch):
+    """The multi-turn demo's config, 2 iterations with the real hf engine: rewards from the environment's
+    return, env/* metrics; stopped after 1 and resumed, it publishes the same v2 as an uninterrupted run."""
+    monkeypatch.chdir(tmp_path)
+    a = stopped_and_resumed_equals_whole(LETTERS, tmp_path)
     meta = a.manifest(layout.rollouts("whole", 1))["meta"]["metrics"]
     assert meta["env/episodes"] == 16 and meta["env/turns_mean"] == 3 and meta["env/errors"] == 0
     rewards = a.manifest(layout.rewards("whole", 1))["meta"]["metrics"]

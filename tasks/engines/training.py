@@ -83,11 +83,8 @@ def episode_scores(learner: Learner, records: list[Rollout]) -> torch.Tensor:
     if len(lead) == len(records):
         return learner.scores(rewards)
     own = learner.scores(rewards[lead])
-    which, k = [], -1
-    for r in records:
-        k += not r.part
-        which.append(max(k, 0))
-    return own[torch.tensor(which)]
+    episode = (torch.tensor([not r.part for r in records]).cumsum(0) - 1).clamp(min=0)   # each row's episode
+    return own[episode]
 
 
 def offline_rollouts(cfg: Config, store: Store) -> list[str]:

@@ -28,7 +28,6 @@ what it set with POST /rl/set_reward, else none (reward.functions score the fina
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import os
 import signal
@@ -41,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
 from tasks.envs.endpoint import Call, Endpoint, EpisodeLog
+from tasks.envs.isolation import _awaited
+from tasks.envs.protocol import import_callable
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -51,8 +52,6 @@ POLL = 0.01
 
 def agent_of(cfg: Config):
     """env.agent imported: one line naming it if it cannot be, or is not a function of (row, base_url, api_key)."""
-    from tasks.envs.protocol import import_callable
-
     spec = cfg.env.agent
     fn = import_callable(spec, "env.agent")
     try:
@@ -192,8 +191,7 @@ def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cw
     sys.path[:] = path
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        module, _, attr = spec.partition(":")
-        value = getattr(importlib.import_module(module), attr)(row, base_url, key, **kwargs)
+        value = import_callable(spec, "env.agent")(row, base_url, key, **kwargs)
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
         conn.send(("ok", value))
@@ -202,10 +200,6 @@ def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cw
             conn.send(("error", why(e)))
         except Exception:  # noqa: BLE001
             pass
-
-
-async def _awaited(value):
-    return await value
 
 
 def run_agents(cfg: Config, table: dict[int, dict], rows: list[int], session: SamplingSession,

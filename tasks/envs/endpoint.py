@@ -87,7 +87,6 @@ class Call:
     tools: list[dict] | None = None
     reply: dict | None = None          # the assistant message it answered (normalised)
     extends: int | None = None         # the earlier call whose prompt + completion this prompt starts with
-    seconds: float = 0.0
 
 
 @dataclass
@@ -119,9 +118,6 @@ class EpisodeLog:
     busy: float = 0.0                  # seconds spent inside the endpoint's calls (not the agent's own time)
     in_call: float | None = None       # when the call now in progress started
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def first_prompt(self) -> int:
-        return len(self.calls[0].prompt_ids) if self.calls else 0
 
     def busy_seconds(self) -> float:
         running = self.in_call
@@ -228,7 +224,6 @@ class Endpoint:
         self.sampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="endpoint-round")
         self.server = None
         self.thread: threading.Thread | None = None
-        self.calls = 0
         self.lockstep = False             # calls wait for their round (settle); else each is sampled at once
         self.waiting: dict[int, Waiting] = {}
         self.rounds = 0
@@ -245,6 +240,7 @@ class Endpoint:
 
     @property
     def url(self) -> str:
+        """The server's root: /rl/set_reward and /inference/v1/generate live there, beside /v1."""
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> Endpoint:
@@ -289,9 +285,6 @@ class Endpoint:
         with self._waiting:
             self.episodes[key] = log
         return key
-
-    def _key_of(self, log: EpisodeLog) -> str:
-        return log.key
 
     def close(self, key: str) -> EpisodeLog:
         """The episode's log; its key is refused from now on (a call of it still waiting for its round is
@@ -426,10 +419,9 @@ class Endpoint:
             log.limited = log.limited or f"env.max_turns ({ec.max_turns}) calls"
             raise Refused(400, "episode_limit", f"the episode has made its env.max_turns ({ec.max_turns}) model "
                           "calls")
-        if extends is None and not log.calls:
-            used = 0
-        else:
-            first = log.first_prompt() if log.calls else len(prompt_ids)
+        used = 0                                       # tokens after the episode's first prompt so far
+        if log.calls:
+            first = len(log.calls[0].prompt_ids)
             used = len(prompt_ids) - first if extends is not None else \
                 max(len(c.prompt_ids) + len(c.completion_ids) for c in log.calls) - first
         room = ec.max_tokens - max(used, 0)
@@ -438,11 +430,10 @@ class Endpoint:
             raise Refused(400, "episode_limit", f"the episode has used its env.max_tokens ({ec.max_tokens}) "
                           "tokens")
         budget = min(params.max_new_tokens, room)
-        t0 = time.perf_counter()
         if self.lockstep:
             w = Waiting(log.index, list(prompt_ids), budget, params.temperature, params.top_p)
             with self._waiting:
-                if log.index in self.waiting or self.episodes.get(self._key_of(log)) is not log:
+                if log.index in self.waiting or self.episodes.get(log.key) is not log:
                     raise Refused(409, "episode_closed", "the episode has ended")
                 self.waiting[log.index] = w
             w.done.wait()
@@ -460,19 +451,48 @@ class Endpoint:
                 self.load_seconds += sampled.load_seconds
         if stop:
             ids, logprobs, truncated = self.cut_at_stop(ids, logprobs, stop, truncated)
-        with self._count:
-            self.calls += 1
         call = Call(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=logprobs, truncated=truncated,
-                    messages=messages, tools=tools, extends=extends, seconds=time.perf_counter() - t0)
+                    messages=messages, tools=tools, extends=extends)
         if used + len(ids) >= ec.max_tokens:
             log.limited = log.limited or f"env.max_tokens ({ec.max_tokens}) tokens"
+        return call
+
+    def chat_call(self, log: EpisodeLog, messages: list[dict], tools: list[dict] | None, params: SamplingParams,
+                  stop: list[str]) -> tuple[Call, str, list[dict]]:
+        """A chat call (Chat Completions, Responses): rendered (onto an earlier call's tokens where it continues
+        one), sampled, its reply parsed and recorded; the call, the reply's text and its tool calls."""
+        prompt_ids, extends = self.chat_prompt(log, messages, tools)
+        call = self.sample(log, prompt_ids, params, stop, messages, tools, extends)
+        text, calls = _assistant(self, call, stop, tools)
+        call.reply = normalise([{"role": "assistant", "content": text, "tool_calls": calls or None}])[0]
+        log.calls.append(call)
+        return call, text, calls
+
+    def token_call(self, log: EpisodeLog, ids: list[int], params: SamplingParams, stop: list[str], field: str,
+                   stop_token_ids: tuple[int, ...] | list[int] = ()) -> Call:
+        """A call whose prompt is token ids (completions, the token route): checked against the vocabulary and
+        the length bound unless it continues an earlier call, sampled, cut after a stop token other than EOS
+        (vLLM's stop_token_ids), recorded."""
+        vocab = len(self.tokenizer)
+        if any(not 0 <= i < vocab for i in ids):
+            raise Refused(400, "invalid_request_error", f"{field}: token ids must be in 0 .. {vocab - 1}")
+        extends = _extends(log, ids)
+        if extends is None:
+            self.check_length(log, ids)
+        call = self.sample(log, ids, params, stop, extends=extends)
+        stops = set(stop_token_ids)
+        end = next((i for i, t in enumerate(call.completion_ids) if t in stops), None)
+        if end is not None and end + 1 < len(call.completion_ids):
+            call.completion_ids, call.logprobs = call.completion_ids[:end + 1], call.logprobs[:end + 1]
+            call.truncated = False
+        log.calls.append(call)
         return call
 
     def check_length(self, log: EpisodeLog, ids: list[int]) -> None:
         """Token ids a caller gives (the completions and token routes): they are its own and never cut, so one
         longer than a chat prompt may be is refused. An episode's first prompt: generate.max_prompt_length; a later
         one: that and env.max_tokens (/v1/models' max_model_len)."""
-        bound = self.cfg.generate.max_prompt_length + (self.cfg.env.max_tokens if log.calls else 0)
+        bound = self.max_model_len if log.calls else self.cfg.generate.max_prompt_length
         if len(ids) > bound:
             raise Refused(400, "context_length_exceeded", f"the prompt has {len(ids)} tokens, more than {bound} "
                           f"(generate.max_prompt_length{' + env.max_tokens' if log.calls else ''})")
@@ -481,6 +501,8 @@ class Endpoint:
                     truncated: bool) -> tuple[list[int], list[float], bool]:
         """Keep the tokens up to the one that completes a stop string (the text returned stops before it, as
         OpenAI's does; the tokens sampled after it are dropped and not trained on)."""
+        if not any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in stop):
+            return ids, logprobs, truncated             # (the usual case: one decode, not one per token)
         for i in range(1, len(ids) + 1):
             text = self.tokenizer.decode(ids[:i], skip_special_tokens=True)
             if any(s in text for s in stop):
@@ -493,9 +515,6 @@ class Endpoint:
             if s in text:
                 text = text[:text.index(s)]
         return text
-
-    def record(self, log: EpisodeLog, call: Call) -> None:
-        log.calls.append(call)
 
     def set_reward(self, log: EpisodeLog, body: dict) -> None:
         r = body.get("reward")
@@ -662,15 +681,7 @@ def app(ep: Endpoint):
         messages = normalise(body.get("messages"))
         tools = function_tools(body.get("tools")) if body.get("tool_choice") != "none" else None
 
-        def work():
-            prompt_ids, extends = ep.chat_prompt(log, messages, tools)
-            call = ep.sample(log, prompt_ids, params, stop, messages, tools, extends)
-            text, calls = _assistant(ep, call, stop, tools)
-            call.reply = normalise([{"role": "assistant", "content": text, "tool_calls": calls or None}])[0]
-            ep.record(log, call)
-            return call, text, calls
-
-        call, text, calls = await _call(ep, log, work)
+        call, text, calls = await _call(ep, log, lambda: ep.chat_call(log, messages, tools, params, stop))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         message = {"role": "assistant", "content": text if text or not calls else None,
                    **({"tool_calls": calls} if calls else {})}
@@ -709,19 +720,7 @@ def app(ep: Endpoint):
             raise Refused(400, "invalid_request_error", "prompt: expected one string or one list of token ids")
         if not ids:
             raise Refused(400, "invalid_request_error", "prompt: empty")
-        vocab = len(ep.tokenizer)
-        if any(not 0 <= i < vocab for i in ids):
-            raise Refused(400, "invalid_request_error", f"prompt: token ids must be in 0 .. {vocab - 1}")
-
-        def work():
-            extends = _extends(log, ids)
-            if extends is None:
-                ep.check_length(log, ids)
-            call = ep.sample(log, ids, params, stop, extends=extends)
-            ep.record(log, call)
-            return call
-
-        call = await _call(ep, log, work)
+        call = await _call(ep, log, lambda: ep.token_call(log, ids, params, stop, "prompt"))
         text = ep.text_of(call.completion_ids, stop)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         lp = None
@@ -744,15 +743,7 @@ def app(ep: Endpoint):
         messages = normalise(response_messages(body, log))
         tools = function_tools(body.get("tools")) if body.get("tool_choice") != "none" else None
 
-        def work():
-            prompt_ids, extends = ep.chat_prompt(log, messages, tools)
-            call = ep.sample(log, prompt_ids, params, [], messages, tools, extends)
-            text, calls = _assistant(ep, call, [], tools)
-            call.reply = normalise([{"role": "assistant", "content": text, "tool_calls": calls or None}])[0]
-            ep.record(log, call)
-            return call, text, calls
-
-        call, text, calls = await _call(ep, log, work)
+        call, text, calls = await _call(ep, log, lambda: ep.chat_call(log, messages, tools, params, []))
         rid = f"resp_{uuid.uuid4().hex}"
         output: list[dict] = []
         if text or not calls:
@@ -814,21 +805,9 @@ class Tokens:
 
     def sample_tokens(self, key: str, prompt_ids: list[int], max_tokens=None, temperature=None, top_p=None,
                       stop_token_ids=(), stop=(), seed=None) -> tuple[list[int], list[float], str]:
-        ep, log = self.ep, self.log
-        vocab = len(ep.tokenizer)
-        if any(i >= vocab for i in prompt_ids):
-            raise Refused(400, "invalid_request_error", f"token_ids: token ids must be in 0 .. {vocab - 1}")
-        params = ep.params_for({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p},
-                               ("max_tokens",))
-        extends = _extends(log, prompt_ids)
-        if extends is None:
-            ep.check_length(log, prompt_ids)
-        call = ep.sample(log, prompt_ids, params, list(stop), extends=extends)
-        ended = [i for i, t in enumerate(call.completion_ids) if t in set(stop_token_ids)]
-        if ended and ended[0] + 1 < len(call.completion_ids):         # (a stop token other than EOS: cut after it)
-            call.completion_ids, call.logprobs = call.completion_ids[:ended[0] + 1], call.logprobs[:ended[0] + 1]
-            call.truncated = False
-        ep.record(log, call)
+        params = self.ep.params_for({"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p},
+                                    ("max_tokens",))
+        call = self.ep.token_call(self.log, prompt_ids, params, list(stop), "token_ids", stop_token_ids)
         return call.completion_ids, call.logprobs, "length" if call.truncated else "stop"
 
 
