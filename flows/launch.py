@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 BRIDGE = Path(__file__).with_name("sky_bridge.py")
 # Stages that share a machine kind share a cluster: evaluate generates; publish follows train.
 CLUSTER_OF = {"generate": "gen", "evaluate": "gen", "reward": "reward", "train": "train", "publish": "train",
-              "env": "env"}      # (env.where: sky: the environment server's CPU cluster; EnvServer below)
+              "env": "env",      # (env.where: sky: the environment server's CPU cluster; EnvServer below)
+              "replica": "replica"}   # (generate.replicas on sky: <cluster>-<i>, one per replica; Launchers.replicas)
 
 
 class InfraError(RuntimeError):
@@ -135,16 +136,20 @@ class Sky:
         lc = self.cfg.launcher
         recipe = str(recipe_path(self.cfg, stage))
         envs = [f"--env={k}={v}" for k, v in env.items()]
+        # launcher.accelerators: the stage's GPU type, else (one cluster, one machine) its cluster-mate's
+        gpus = lc.accelerators.get(stage) or (None if lc.managed_jobs else next(
+            (a for s, a in lc.accelerators.items() if CLUSTER_OF[s] == CLUSTER_OF[stage]), None))
+        gpu = ["--accelerators", gpus] if gpus else []
         t0 = time.perf_counter()
         if lc.managed_jobs:
             out = self._bridge(["job", "--name", f"{self.cluster(stage)}-{stage}-{iteration}", "--recipe", recipe,
-                                *envs], log)
+                                *envs, *gpu], log)
         else:
             cluster = self.cluster(stage)
             # The first stage on a cluster launches it, the others wait for that (stages of several iterations
             # run at once with run.max_staleness > 0); once it is up they only `sky exec`.
             args = ["run", "--cluster", cluster, "--recipe", recipe, "--idle-minutes",
-                    str(lc.idle_minutes_to_autostop), *envs]
+                    str(lc.idle_minutes_to_autostop), *envs, *gpu]
             with self._launching.setdefault(cluster, threading.Lock()):
                 launch = cluster not in self.launched
                 if launch:
@@ -172,7 +177,9 @@ class Sky:
         cluster = self.cluster(what)
         args = ["serve", "--cluster", cluster, "--recipe", str(recipe_path(self.cfg, what)), "--port", str(port),
                 "--wait", str(wait), "--idle-minutes", str(self.cfg.launcher.idle_minutes_to_autostop),
-                *[f"--env={k}={v}" for k, v in env.items()]]
+                *[f"--env={k}={v}" for k, v in env.items()],      # launcher.accelerators of the served role:
+                *(["--accelerators", gpus] if (gpus := self.cfg.launcher.accelerators.get(
+                    {"replica": "generate"}.get(what, what))) else [])]
         with self._launching.setdefault(cluster, threading.Lock()):
             out = self._bridge(args + (["--launch"] if cluster not in self.launched else []), log)
             if out.get("cluster_missing") and cluster in self.launched:
@@ -292,13 +299,35 @@ class Launchers:
     calls the stage function itself)."""
 
     def __init__(self, cfg: Config, config_path: str = "", overrides: list[str] | None = None):
-        self.cfg = cfg
+        self.cfg, self.config_path, self.overrides = cfg, config_path, list(overrides or [])
         self._by_mode = {"local": Local(cfg), "sky": Sky(cfg)}
         self.env_server = (EnvServer(cfg, config_path, overrides or [], self._by_mode["sky"])
                            if cfg.env.factory and cfg.env.remote() else None)
 
     def for_stage(self, stage: str):
+        if stage in ("generate", "evaluate") and self.cfg.generate.replicas:
+            return None               # the stage only shards and routes, here; its replicas do the sampling
         return self._by_mode.get(self.cfg.launcher.mode_of(stage))
+
+    def replicas(self) -> dict[str, str]:
+        """generate.replicas with the generate stage on sky: how the router launches replica i (its own cluster
+        <prefix>-<run>-replica-<i>, sky/replica.yaml, port generate.replica_port + i), as RLFLOW_REPLICA_LAUNCH
+        for the stage; the clusters are the flow's to tear down (close). Else nothing: local replica processes."""
+        if not self.cfg.generate.replicas or self.cfg.launcher.mode_of("generate") != "sky":
+            return {}
+        from tasks.engines.replicas import LAUNCH_VAR, TOKEN_VAR
+
+        sky, lc, gc = self._by_mode["sky"], self.cfg.launcher, self.cfg.generate
+        names = [f"{sky.cluster('replica')}-{i}" for i in range(gc.replicas)]
+        sky.launched.update(names)
+        start = [sky.python, str(BRIDGE), "serve", "--cluster", f"{sky.cluster('replica')}-{{i}}", "--recipe",
+                 str(recipe_path(self.cfg, "replica")), "--port", "{port}", "--wait", str(int(gc.server_start_timeout)),
+                 "--idle-minutes", str(lc.idle_minutes_to_autostop), "--launch",
+                 f"--env=CONFIG={self.config_path}", f"--env=OVERRIDES={json.dumps(self.overrides)}",
+                 "--env=PORT={port}", f"--env={TOKEN_VAR}={{token}}"]
+        if lc.accelerators.get("generate"):
+            start += ["--accelerators", lc.accelerators["generate"]]
+        return {LAUNCH_VAR: json.dumps({"start": start, "port_base": gc.replica_port})}
 
     def close(self, log) -> None:
         if self.env_server is not None:

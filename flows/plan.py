@@ -2,10 +2,13 @@
 
 For each stage: where it runs (inline, a local subprocess, a SkyPilot cluster or managed job), on what machine
 (the recipe's accelerators or CPUs, nodes, spot or on-demand) and at what hourly price: SkyPilot's catalog for
-`sky` stages (the cheapest machine that fits the recipe: read through flows/sky_bridge.py in SkyPilot's own
-environment, no credentials needed, nothing launched), `cost.hourly_usd` for the others. Then the store, the
-MLflow tracking URI and the Prefect API. It reads the config and the recipes only: no store, lease or MLflow
-run is touched.
+`sky` stages (the cheapest machine that fits the recipe, with launcher.accelerators' GPU type in place of the
+recipe's: read through flows/sky_bridge.py in SkyPilot's own environment, no credentials needed, nothing
+launched; a cluster of N nodes costs N x one node), `cost.hourly_usd` for the others. Then every other role's
+machines: the generate replicas (generate.replicas: N clusters of sky/replica.yaml, or N processes here), the
+environment servers (env.servers), each N x one machine; and the total USD/hour of everything on SkyPilot.
+Then the store, the MLflow tracking URI and the Prefect API. It reads the config and the recipes only: no
+store, lease or MLflow run is touched.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from flows.launch import BRIDGE, Sky, recipe_path
+from flows.launch import BRIDGE, CLUSTER_OF, Sky, recipe_path
 from tasks.core.config import STAGES
 from tasks.core.processes import stream
 
@@ -41,13 +44,32 @@ def _machine(recipe: dict) -> str:
     return what + (f" x {nodes} nodes" if nodes > 1 else "") + (f" on {where}" if where else "")
 
 
-def catalog_prices(cfg: Config, recipes: list[str]) -> dict[str, dict]:
-    """recipe path -> the bridge's price answer (hourly_usd, choice, error); an error for each when SkyPilot's
-    environment cannot answer at all."""
+def _recipe(path: str, accelerators: str | None) -> dict:
+    """A recipe as launched: launcher.accelerators' GPU type in place of its resources.accelerators (as
+    flows/sky_bridge.py does)."""
+    recipe = yaml.safe_load(Path(path).read_text()) or {}
+    if accelerators:
+        recipe["resources"] = {**(recipe.get("resources") or {}), "accelerators": accelerators}
+    return recipe
+
+
+def accelerators_of(cfg: Config, stage: str) -> str | None:
+    """launcher.accelerators for a stage, as Sky.run passes it: its own, else (stages sharing a cluster share
+    its machine) its cluster-mate's."""
+    lc = cfg.launcher
+    return lc.accelerators.get(stage) or (None if lc.managed_jobs else next(
+        (a for s, a in lc.accelerators.items() if CLUSTER_OF[s] == CLUSTER_OF[stage]), None))
+
+
+def catalog_prices(cfg: Config, recipes: list[tuple[str, str | None]]) -> dict[tuple[str, str | None], dict]:
+    """(recipe path, launcher.accelerators override or None) -> the bridge's price answer (hourly_usd for the
+    whole cluster, node_usd, nodes, choice, error); an error for each when SkyPilot's environment cannot answer
+    at all."""
     if not recipes:
         return {}
     python = Sky(cfg).python
-    args = [python, str(BRIDGE), "price"] + [a for r in recipes for a in ("--recipe", r)]
+    args = [python, str(BRIDGE), "price"] + [a for r, acc in recipes
+                                             for a in ("--recipe", r, *(("--accelerators", acc) if acc else ()))]
     try:
         ran = stream(args, dict(os.environ), lambda _line: None)
     except OSError as e:
@@ -55,7 +77,7 @@ def catalog_prices(cfg: Config, recipes: list[str]) -> dict[str, dict]:
     for line in reversed(ran.last):
         if line.startswith("{"):
             try:
-                return {p["recipe"]: p for p in json.loads(line)["prices"]}
+                return {(p["recipe"], p.get("accelerators")): p for p in json.loads(line)["prices"]}
             except (ValueError, KeyError):
                 break
     why = (ran.last[-1].strip() if ran.last else "") or f"exit code {ran.code}"
@@ -63,24 +85,51 @@ def catalog_prices(cfg: Config, recipes: list[str]) -> dict[str, dict]:
             for r in recipes}
 
 
+def _priced(p: dict, count: int = 1) -> tuple[str, float | None]:
+    """A catalog answer as the plan prints it, for `count` such clusters: (text, USD/hour or None)."""
+    if p.get("hourly_usd") is None:
+        return f"unknown ({p.get('error')})", None
+    usd = p["hourly_usd"] * count
+    text = f"{usd:.3f} (SkyPilot catalog: {p['choice']})"
+    if count > 1:
+        text += f", {count} x {p['hourly_usd']:.3f}"
+    if int(p.get("nodes") or 1) > 1 and p.get("node_usd") is not None:
+        text += f", {p['nodes']} nodes x {p['node_usd']:.3f}"
+    if p.get("failed"):
+        text += f"; {', '.join(p['failed'])} not priced ({next(iter(p['failed'].values()))})"
+    return text, usd
+
+
 def plan(cfg: Config, config_path: str) -> str:
-    lc = cfg.launcher
+    lc, gc, n_env = cfg.launcher, cfg.generate, cfg.env.servers
     evaluates = cfg.eval.every > 0
     stages = [s for s in STAGES if s != "evaluate" or evaluates]
-    recipes = {s: str(recipe_path(cfg, s)) for s in stages if lc.mode_of(s) != "inline"}
+    # generate.replicas: generate and evaluate only shard and route, in the flow's process; the replicas sample
+    routed = {"generate", "evaluate"} if gc.replicas else set()
+    recipes = {s: str(recipe_path(cfg, s)) for s in stages if lc.mode_of(s) != "inline" and s not in routed}
+    on_sky = [s for s in stages if lc.mode_of(s) == "sky" and s not in routed]
+    sky_replicas = bool(gc.replicas) and lc.mode_of("generate") == "sky"
+    replica_key = (str(recipe_path(cfg, "replica")), lc.accelerators.get("generate")) if sky_replicas else None
     served = bool(cfg.env.factory) and cfg.env.where == "sky" and cfg.env.server_url is None
-    env_recipe = str(recipe_path(cfg, "env")) if served else None
-    prices = catalog_prices(cfg, sorted({recipes[s] for s in stages if lc.mode_of(s) == "sky"}
-                                        | ({env_recipe} if served else set())))
+    env_key = (str(recipe_path(cfg, "env")), lc.accelerators.get("env")) if served else None
+    wanted = {(recipes[s], accelerators_of(cfg, s)) for s in on_sky} | {k for k in (replica_key, env_key) if k}
+    prices = catalog_prices(cfg, sorted(wanted, key=lambda k: (k[0], k[1] or "")))
     sky = Sky(cfg)
     rows = []
+    on_sky_usd: dict[str, float | None] = {}     # role -> its machines' USD/hour (None: not priced)
     first_on = {}                    # cluster -> the stage that launches it (the others `sky exec` on it)
+    engines = {"generate": f"{gc.engine} engine", "evaluate": f"{gc.engine} engine",
+               "train": f"{cfg.train.engine} engine, device {cfg.train.device}"}
     for s in stages:
         mode = lc.mode_of(s)
-        engine = {"generate": f"{cfg.generate.engine} engine", "evaluate": f"{cfg.generate.engine} engine",
-                  "train": f"{cfg.train.engine} engine, device {cfg.train.device}"}.get(s, "")
-        if mode == "sky":
-            recipe = yaml.safe_load(Path(recipes[s]).read_text()) or {}
+        engine = engines.get(s, "")
+        if s in routed:
+            where = f"inline (the flow's process): routes to the {gc.replicas} generate replica" + \
+                ("s" if gc.replicas > 1 else "")
+            machine, spot, price, engine = "this machine", "-", "- (the replicas': generate replicas)", ""
+        elif mode == "sky":
+            key = (recipes[s], accelerators_of(cfg, s))
+            recipe = _recipe(*key)
             spot = "spot" if (recipe.get("resources") or {}).get("use_spot") else "on-demand"
             host = None if lc.managed_jobs else first_on.setdefault(sky.cluster(s), s)
             where = (f"sky managed job ({recipes[s]})" if lc.managed_jobs
@@ -88,13 +137,8 @@ def plan(cfg: Config, config_path: str) -> str:
             if host not in (None, s):
                 machine, spot, price = f"{host}'s machine (one cluster)", "", f"- (in {host}'s)"
             else:
-                machine, p = _machine(recipe), prices.get(recipes[s], {})
-                if p.get("hourly_usd") is not None:
-                    price = f"{p['hourly_usd']:.3f} (SkyPilot catalog: {p['choice']})"
-                    if p.get("failed"):
-                        price += f"; {', '.join(p['failed'])} not priced ({next(iter(p['failed'].values()))})"
-                else:
-                    price = f"unknown ({p.get('error')})"
+                machine = _machine(recipe)
+                price, on_sky_usd[s] = _priced(prices.get(key, {}))
         else:
             where = "inline (the flow's process)" if mode == "inline" else f"local subprocess ({recipes[s]})"
             machine, spot = "this machine", "-"
@@ -103,19 +147,31 @@ def plan(cfg: Config, config_path: str) -> str:
         rows.append((s, where, machine + (f"; {engine}" if engine else ""), spot, price))
     if not evaluates:
         rows.append(("evaluate", "not run (eval.every 0)", "", "", ""))
+    if sky_replicas:
+        recipe = _recipe(*replica_key)
+        price, on_sky_usd["generate replicas"] = _priced(prices.get(replica_key, {}), gc.replicas)
+        names = f"{sky.cluster('replica')}-0" + (f"..{gc.replicas - 1}" if gc.replicas > 1 else "")
+        rows.append(("generate replicas", f"{gc.replicas} sky cluster{'s' if gc.replicas > 1 else ''} {names} "
+                     f"({replica_key[0]})",
+                     (f"{gc.replicas} x " if gc.replicas > 1 else "") + f"{_machine(recipe)}; {gc.engine} engine",
+                     "spot" if (recipe.get("resources") or {}).get("use_spot") else "on-demand", price))
+    elif gc.replicas:
+        rows.append(("generate replicas", f"{gc.replicas} local processes (tasks/engines/replica.py)",
+                     f"this machine; {gc.engine} engine", "-", "- (this machine's)"))
+    servers = f"{n_env} environment servers behind one URL" if n_env > 1 else "environment server"
     if cfg.env.factory and cfg.env.server_url is not None:
         rows.append(("env", f"environment server at {cfg.env.server_url} (env.server_url)", "yours", "-", "-"))
     elif cfg.env.factory and cfg.env.where == "local":
-        rows.append(("env", "environment server, a process beside the flow (env.where: local)", "this machine",
-                     "-", "-"))
+        rows.append(("env", f"{servers}, {'processes' if n_env > 1 else 'a process'} beside the flow "
+                     "(env.where: local)", "this machine", "-", "-"))
     elif served:
-        recipe = yaml.safe_load(Path(env_recipe).read_text()) or {}
-        p = prices.get(env_recipe, {})
-        rows.append(("env", f"environment server on sky cluster {sky.cluster('env')} ({env_recipe}), port "
-                     f"{cfg.env.server_port}", _machine(recipe),
-                     "spot" if (recipe.get("resources") or {}).get("use_spot") else "on-demand",
-                     f"{p['hourly_usd']:.3f} (SkyPilot catalog: {p['choice']})" if p.get("hourly_usd") is not None
-                     else f"unknown ({p.get('error')})"))
+        recipe = _recipe(*env_key)
+        price, on_sky_usd["env"] = _priced(prices.get(env_key, {}), n_env)
+        rows.append(("env", f"{servers} on " + (f"{n_env} sky clusters, one each" if n_env > 1 else
+                                                f"sky cluster {sky.cluster('env')}")
+                     + f" ({env_key[0]}), port {cfg.env.server_port}",
+                     (f"{n_env} x " if n_env > 1 else "") + _machine(recipe),
+                     "spot" if (recipe.get("resources") or {}).get("use_spot") else "on-demand", price))
 
     tracking_from = ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") == cfg.tracking.uri
                      else "tracking.uri")
@@ -132,4 +188,9 @@ def plan(cfg: Config, config_path: str) -> str:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
     for r in [head, *rows]:
         out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
+    if on_sky_usd:
+        known = sum(u for u in on_sky_usd.values() if u is not None)
+        unpriced = [role for role, u in on_sky_usd.items() if u is None]
+        out.append(f"  total on sky: {'at least ' if unpriced else ''}{known:.3f} USD/hour, every machine up at "
+                   f"once ({', '.join(on_sky_usd)})" + (f"; not priced: {', '.join(unpriced)}" if unpriced else ""))
     return "\n".join(out)

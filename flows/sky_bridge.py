@@ -4,12 +4,15 @@ click and uvicorn below what the rest of rlflow needs, so it lives in its own ve
 on stdout after the job's logs.
 
     python flows/sky_bridge.py run  --cluster C --recipe sky/train.yaml [--env K=V]... [--launch]
-                                    [--idle-minutes 10]
-    python flows/sky_bridge.py job  --name N --recipe sky/train.yaml [--env K=V]...     # managed job
+                                    [--idle-minutes 10] [--accelerators A100:8]
+    python flows/sky_bridge.py job  --name N --recipe sky/train.yaml [--env K=V]... [--accelerators A100:8]
     python flows/sky_bridge.py serve --cluster C --recipe sky/env.yaml --port 8330 [--env K=V]... [--launch]
-                                     [--wait 600] [--idle-minutes 10]     # a server job; answers with its URL
+                                     [--wait 600] [--idle-minutes 10] [--accelerators L4:1]   # answers its URL
     python flows/sky_bridge.py down --cluster C
-    python flows/sky_bridge.py price --recipe sky/train.yaml [--recipe ...]       # rlflow plan; launches nothing
+    python flows/sky_bridge.py price --recipe sky/train.yaml [--accelerators A100:8] [--recipe ...]   # rlflow plan
+
+`--accelerators` (launcher.accelerators of the stage's role) replaces the recipe's resources.accelerators,
+whatever its form (one, a list or a dict of options); for `price` it applies to the --recipe before it.
 
 `run` launches the cluster (`--launch`: first use in a flow run, or after it vanished) or reuses it with
 `sky.exec`, streams the job's logs to stderr, and reports
@@ -52,15 +55,28 @@ class Tee(io.TextIOBase):
         sys.stderr.flush()
 
 
-def _task(sky, recipe: str, envs: list[str], port: int | None = None):
-    """The recipe with the flow's envs; its secrets (null in the file) filled from this process's environment,
-    as `sky launch --secret NAME` does; `port`: the one port it opens (a server's, whatever the file says)."""
-    import os
-
+def _recipe(recipe: str, accelerators: str | None = None) -> dict:
+    """The recipe file as a dict; `accelerators` (e.g. "A100:8") replaces its resources.accelerators, in any
+    form (and any any_of / ordered option's own, so that the one given is the only choice)."""
     import yaml
 
     with open(recipe) as f:
-        config = yaml.safe_load(f)
+        config = yaml.safe_load(f) or {}
+    if accelerators:
+        res = config.setdefault("resources", {})
+        res["accelerators"] = accelerators
+        for option in (o for key in ("any_of", "ordered") for o in res.get(key) or [] if isinstance(o, dict)):
+            option.pop("accelerators", None)
+    return config
+
+
+def _task(sky, recipe: str, envs: list[str], port: int | None = None, accelerators: str | None = None):
+    """The recipe with the flow's envs; its secrets (null in the file) filled from this process's environment,
+    as `sky launch --secret NAME` does; `port`: the one port it opens (a server's, whatever the file says);
+    `accelerators`: the GPU type that replaces the recipe's (launcher.accelerators)."""
+    import os
+
+    config = _recipe(recipe, accelerators)
     if port is not None:
         config.setdefault("resources", {})["ports"] = port
     secrets = [(k, os.environ[k]) for k in (config.get("secrets") or {}) if os.environ.get(k)]
@@ -97,11 +113,14 @@ def _submit(sky, args, task, tee):
         return sky.stream_and_get(req, output_stream=tee)
     except (sky.exceptions.ClusterDoesNotExist, sky.exceptions.ClusterNotUpError) as e:
         return {"exit_code": None, "user_error": None, "cluster_missing": True, "error": str(e).splitlines()[0]}
+    except getattr(sky.exceptions, "ResourcesMismatchError", ()) as e:     # stages of one cluster asked for two GPUs
+        return {"exit_code": None, "cluster_missing": False, "user_error": "launcher.accelerators: the stages sharing "
+                f"cluster {args.cluster} must run on one machine: {(str(e).splitlines() or [''])[0][:300]}"}
 
 
 def cmd_run(sky, args) -> dict:
     tee = Tee()
-    submitted = _submit(sky, args, _task(sky, args.recipe, args.env), tee)
+    submitted = _submit(sky, args, _task(sky, args.recipe, args.env, accelerators=args.accelerators), tee)
     if isinstance(submitted, dict):
         return submitted
     job_id, handle = submitted
@@ -113,7 +132,7 @@ def cmd_run(sky, args) -> dict:
 
 def cmd_job(sky, args) -> dict:
     tee = Tee()
-    task = _task(sky, args.recipe, args.env)
+    task = _task(sky, args.recipe, args.env, accelerators=args.accelerators)
     job_ids, handle = sky.stream_and_get(sky.jobs.launch(task, name=args.name), output_stream=tee)
     job_id = job_ids[0] if isinstance(job_ids, list) else job_ids
     code = sky.jobs.tail_logs(job_id=job_id, follow=True, output_stream=tee)
@@ -129,7 +148,8 @@ def cmd_serve(sky, args) -> dict:
     import urllib.request
 
     tee = Tee()
-    submitted = _submit(sky, args, _task(sky, args.recipe, args.env, port=args.port), tee)
+    submitted = _submit(sky, args, _task(sky, args.recipe, args.env, port=args.port, accelerators=args.accelerators),
+                        tee)
     if isinstance(submitted, dict):
         return submitted
     job_id, handle = submitted
@@ -174,18 +194,17 @@ def cmd_down(sky, args) -> dict:
 BIG_CLOUDS = ["aws", "gcp", "azure"]     # where a recipe that names no cloud is priced (`rlflow plan` says so)
 
 
-def _price(recipe: str) -> dict:
-    """The cheapest machine SkyPilot's catalog has for a recipe's resources: each accelerator option (any one
-    of `accelerators`), or the default instance for `cpus`/`memory`; spot or on-demand price as the recipe
-    asks, times num_nodes. Reads only the catalog (no credentials, no cluster)."""
+def _price(recipe: str, accelerators: str | None = None) -> dict:
+    """The cheapest machine SkyPilot's catalog has for a recipe's resources (its accelerators replaced by
+    `accelerators` when given, as a launch would): each accelerator option (any one of `accelerators`), or the
+    default instance for `cpus`/`memory`; spot or on-demand price as the recipe asks, times num_nodes
+    ("hourly_usd" is the whole cluster's; "node_usd" one node's). Reads only the catalog (no credentials, no
+    cluster)."""
     import math
-
-    import yaml
 
     from sky import catalog
 
-    with open(recipe) as f:
-        config = yaml.safe_load(f) or {}
+    config = _recipe(recipe, accelerators)
     res = config.get("resources") or {}
     spot, nodes = bool(res.get("use_spot")), int(config.get("num_nodes") or 1)
     cloud = res.get("cloud") or (str(res["infra"]).split("/")[0] if res.get("infra") else None)
@@ -221,11 +240,13 @@ def _price(recipe: str) -> dict:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             failed[c] = ("cannot download SkyPilot's catalog (no network?)" if "Connection" in type(e).__name__
                          else f"{type(e).__name__}: {first[:160]}")
-    out = {"recipe": recipe, "spot": spot, "nodes": nodes, "clouds": clouds, "failed": failed}
+    out = {"recipe": recipe, "accelerators": accelerators, "spot": spot, "nodes": nodes, "clouds": clouds,
+           "failed": failed}
     if not options:
         return {**out, "hourly_usd": None, "error": _why_unpriced(clouds, failed)}
     best = min(options, key=lambda o: o["usd"])
-    return {**out, "hourly_usd": best["usd"] * nodes, "choice": f"{best['what']} {best['cloud']} {best['instance']}",
+    return {**out, "hourly_usd": best["usd"] * nodes, "node_usd": best["usd"],
+            "choice": f"{best['what']} {best['cloud']} {best['instance']}",
             "error": None}
 
 
@@ -239,7 +260,21 @@ def _why_unpriced(clouds: list[str], failed: dict[str, str]) -> str:
 
 
 def cmd_price(sky, args) -> dict:
-    return {"prices": [_price(r) for r in args.recipe]}
+    return {"prices": [_price(r, acc) for r, acc in args.recipe]}
+
+
+class _Recipe(argparse.Action):
+    """price: --recipe R [--accelerators A]: each recipe with the override that follows it (or none)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        recipes = list(getattr(namespace, "recipe", None) or [])
+        if option_string == "--recipe":
+            recipes.append((value, None))
+        elif not recipes:
+            parser.error("price: --accelerators goes after the --recipe it applies to")
+        else:
+            recipes[-1] = (recipes[-1][0], value or None)
+        namespace.recipe = recipes
 
 
 def main() -> None:
@@ -251,13 +286,12 @@ def main() -> None:
     run.add_argument("--idle-minutes", type=int, default=10)
     job = sub.add_parser("job")
     job.add_argument("--name", required=True)
-    for p in (run, job):
-        p.add_argument("--recipe", required=True)
-        p.add_argument("--env", action="append", default=[])
     serve = sub.add_parser("serve")
     serve.add_argument("--cluster", required=True)
-    serve.add_argument("--recipe", required=True)
-    serve.add_argument("--env", action="append", default=[])
+    for p in (run, job, serve):
+        p.add_argument("--recipe", required=True)
+        p.add_argument("--env", action="append", default=[])
+        p.add_argument("--accelerators", default=None, help="replaces the recipe's resources.accelerators")
     serve.add_argument("--port", type=int, required=True)
     serve.add_argument("--wait", type=int, default=600)
     serve.add_argument("--launch", action="store_true")
@@ -265,7 +299,8 @@ def main() -> None:
     down = sub.add_parser("down")
     down.add_argument("--cluster", required=True)
     price = sub.add_parser("price")
-    price.add_argument("--recipe", action="append", required=True)
+    price.add_argument("--recipe", action=_Recipe, required=True)
+    price.add_argument("--accelerators", action=_Recipe, dest="recipe", help="for the --recipe before it")
     args = ap.parse_args()
 
     import sky

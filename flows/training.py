@@ -91,6 +91,8 @@ def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None) -
         served = ctx.launchers.env_server.env(log.info)
         if launcher is None:
             tell_inline_stages(served)       # (an inline stage reads them here)
+    if stage in ("generate", "evaluate") and (replicas := ctx.launchers.replicas()):
+        tell_inline_stages(replicas)         # generate.replicas on sky: how the stage's router launches them
     if launcher is not None:
         env = {**stage_env(ctx.config_path, ctx.overrides, iteration, policy), **served}
         ran = launcher.run(stage, iteration, env, log.info)

@@ -58,6 +58,7 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
         records, sampled = sample(cfg, session, ds, rows, SamplingParams(
             n=gc.num_generations, max_new_tokens=gc.max_completion_length, temperature=gc.temperature,
             top_p=gc.top_p, seed=cfg.run.seed * 1_000_003 + iteration), policy)
+        routed = session.metrics("generate") if gc.replicas else {}    # per replica, and the router's counts
 
     n_tokens = sum(len(r.completion_ids) for r in records)
     metrics = {
@@ -69,6 +70,7 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
         "generate/seconds": time.perf_counter() - t0,
         "generate/staleness": iteration - 1 - layout.version_of(policy),   # updates the sampler is behind
     }
+    metrics.update(routed)
     if cfg.env.episodic():
         metrics.update(episode_metrics(records))
     if cfg.env.agent:

@@ -21,6 +21,7 @@ from tasks.core.store import Store
 from tasks.engines.sampling import open_session
 from tasks.envs.agents import agent_metrics, run_agents
 from tasks.envs.endpoint import Endpoint
+from tests.conftest import AT_LENGTH
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = ROOT / "configs" / "agent.yaml"
@@ -291,6 +292,7 @@ def which_model(row, base_url, api_key):
 """
 
 
+@AT_LENGTH
 @pytest.mark.slow
 def test_agents_on_a_sky_cluster_under_overlap_see_only_the_scheduled_policy(tmp_path, prefect_api, monkeypatch,
                                                                              s3_endpoint, bucket, fake_cloud):

@@ -278,6 +278,7 @@ def test_sky_launcher_needs_a_shared_store(tmp_path):
         preflight(cfg)
 
 
+@AT_LENGTH
 @pytest.mark.slow
 def test_sky_launcher_managed_jobs_mode(prefect_api, tmp_path, monkeypatch, s3_endpoint, bucket, fake_cloud):
     """launcher.managed_jobs: every stage is a SkyPilot managed job (SkyPilot recovers spot preemptions); no

@@ -23,7 +23,7 @@ from tasks.core import data, procedural
 from tasks.core.config import load_config
 from tasks.core.errors import UserError
 from tasks.rewards.reasoning_gym import answer_reward, format_reward, read_answer
-from tests.conftest import ROOT, TINY
+from tests.conftest import AT_LENGTH, ROOT, TINY
 
 if TYPE_CHECKING:
     import torch
@@ -163,6 +163,7 @@ def test_grid_metadata_survives_json():
     assert min(_oracle_scores("rearc", "tags")) == 1.0
 
 
+@AT_LENGTH
 @pytest.mark.slow
 def test_the_splits_are_the_same_in_a_fresh_process():
     """Another interpreter (another PYTHONHASHSEED) makes the same rows, also for the tasks whose items depend on

@@ -306,6 +306,7 @@ def test_the_finish_command_stops_a_detached_trainer_after_a_full_checkpoint(tmp
     assert open_store(cfg).manifest(layout.full_checkpoint("cli-finish", 1))["meta"]["kind"] == "full"
 
 
+@AT_LENGTH
 def test_a_trainer_for_another_config_is_replaced(tmp_path):
     cfg = _cfg(tmp_path, "other")
     _iteration(cfg, 1)
@@ -344,6 +345,7 @@ def test_the_flow_trains_resident_through_the_local_launcher_and_stops_the_train
     assert store.manifest(layout.full_checkpoint("flow", 3)) is not None     # ... after a full checkpoint
 
 
+@AT_LENGTH
 def test_a_bf16_policy_keeps_the_trainers_fp32_weights_exact(tmp_path, monkeypatch):
     """publish.dtype: bfloat16 (the default on a GPU for an fp32 model): the policies are bf16, the trainer
     resumes from its exact fp32 weights (weights.safetensors in a full checkpoint), in both modes alike."""

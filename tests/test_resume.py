@@ -84,6 +84,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+@AT_LENGTH
 @pytest.mark.parametrize("staleness", [0, pytest.param(1, marks=AT_LENGTH), pytest.param(2, marks=AT_LENGTH)])
 def test_killed_twice_then_resumed_equals_uninterrupted(prefect_api, tmp_path, staleness, request):
     """Also with run.max_staleness S > 0, where generate and reward of later iterations run beside train: the

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, TINY
+from tests.conftest import AT_LENGTH, ROOT, TINY
 
 
 def _shadowing(folder: Path) -> Path:
@@ -170,6 +170,7 @@ def test_an_environments_forkserver_imports_rlflow_and_its_episodes_start_python
     assert [(s["when"], s["code"], s["out"], s["safepath"]) for s in spawned] == [("factory", 0, "sibling", None)]
 
 
+@AT_LENGTH
 @pytest.mark.slow
 def test_user_code_starts_python_scripts_as_anywhere_else(tmp_path, prefect_api):
     """User code that runs `python script.py` (its folder holds a sibling module the script imports): an

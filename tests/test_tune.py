@@ -46,6 +46,12 @@ def _trials(tmp_path: Path):
         return []
 
 
+def _children(client, experiment: str):
+    exp = client.get_experiment_by_name(experiment)
+    [parent] = client.search_runs([exp.experiment_id], "tags.`rlflow.tune.study` = 'tiny-demo-tune'")
+    return parent, client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+
+
 def test_a_tune_finds_a_better_learning_rate_and_resumes_after_a_kill(tmp_path, prefect_api):
     from mlflow import MlflowClient
     from optuna.trial import TrialState
@@ -62,6 +68,9 @@ def test_a_tune_finds_a_better_learning_rate_and_resumes_after_a_kill(tmp_path, 
     done_before = {t.user_attrs["run"] for t in before.values() if t.state == TrialState.COMPLETE}
     cut = [t for t in before.values() if t.state == TrialState.RUNNING]
     assert cut                                                 # (the next trial starts as soon as one ends)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    cut_runs = len(_children(client, load_config(TINY).tracking.experiment)[1]) - len(done_before)
+    assert 0 <= cut_runs <= len(cut)                           # (a trial killed before its child run began has none)
 
     second = _tune(tmp_path, prefect_api)
     out, _ = second.communicate(timeout=600)
@@ -82,12 +91,10 @@ def test_a_tune_finds_a_better_learning_rate_and_resumes_after_a_kill(tmp_path, 
     cfg = load_config(tmp_path / "tune" / "best.yaml")         # ready for `rlflow run`
     assert cfg.train.lr == pytest.approx(best.params["train.lr"]) and cfg.run.iterations == 8
 
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"     # (made by the tune first)
-    [parent] = client.search_runs([exp.experiment_id], "tags.`rlflow.tune.study` = 'tiny-demo-tune'")
-    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    assert len(children) == TRIALS + len(cut) and parent.info.status == "FINISHED"
+    parent, children = _children(client, cfg.tracking.experiment)
+    assert len(children) == TRIALS + cut_runs and parent.info.status == "FINISHED"
     assert {c.info.status for c in children} <= {"FINISHED", "KILLED"}
     assert parent.data.metrics["best_value"] == pytest.approx(best.value)
 

@@ -35,7 +35,7 @@ from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
 from tasks.train import train
-from tests.conftest import ROOT, TINY, VLLM_PYTHON
+from tests.conftest import AT_LENGTH, ROOT, TINY, VLLM_PYTHON
 
 TOL = 1e-4
 N_PROMPTS, N_GEN, MAX_NEW, TEMPERATURE = 4, 4, 8, 0.7
@@ -314,6 +314,7 @@ def _episodes_through_the_live_server(tmp_path, cfg, live: dict) -> None:
     assert float((behaviour * (1 - model) * mask).abs().max()) == 0.0          # the observations': 0, never sampled
 
 
+@AT_LENGTH
 def test_server_swaps_lora_adapters_and_restarts_after_a_crash(tmp_path):
     cfg = _cfg(tmp_path, "server-lora", ["generate.mode=server", "train.lora_r=4"])
     try:

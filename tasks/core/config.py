@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from tasks.core.errors import UserError
 
@@ -150,6 +150,19 @@ class GenerateConfig(Section):
                                 description="hf: fill the KV cache of each prompt once and copy it to its "
                                 "num_generations samples, instead of running every prompt num_generations times "
                                 "(transformers' own expansion); vLLM shares prefixes itself (prefix caching).")
+
+    replicas: int = Field(0, ge=0, le=256, json_schema_extra=HOW_NOT_WHAT, description="0: the stage samples "
+                          "with its own engine. N >= 1: N sampling replicas (each one engine as above, on its own "
+                          "machine: a process, or a SkyPilot cluster each when generate runs on sky) behind one "
+                          "router that keeps an episode on its replica and sends new work to the least loaded "
+                          "(tasks/engines/replicas.py). The prompts are split in fixed shards of "
+                          "generate.batch_size, each seeded by its index, so the rollouts are the same whatever N.")
+    replica_port: int = Field(8340, ge=1, le=65000, json_schema_extra=HOW_NOT_WHAT,
+                              description="generate.replicas on SkyPilot: replica i answers on this port + i "
+                              "of its cluster (sky/replica.yaml opens it).")
+    replica_threads: int | None = Field(None, ge=1, le=1024, json_schema_extra=HOW_NOT_WHAT,
+                                        description="torch threads of each CPU replica (None = torch's default); "
+                                        "1 each keeps N replicas on N cores from sharing them.")
 
     @model_validator(mode="after")
     def _server_mode(self):
@@ -297,6 +310,9 @@ class EnvConfig(Section):
                                    description="An environment server you run "
                                    "yourself (python -m tasks.envs.server): the episodes use it and the flow "
                                    "starts none. Its token, if it has one, comes from RLFLOW_ENV_TOKEN.")
+    servers: int = Field(1, ge=1, le=256, json_schema_extra=HOW_NOT_WHAT, description="env.where local | sky: "
+                         "environment servers behind one URL (a pool), each episode kept on the server that made "
+                         "it; a lost server fails only its episodes and is replaced.")
     server_port: int = Field(8330, ge=1, le=65535, json_schema_extra=HOW_NOT_WHAT,
                              description="The environment server's port on its cluster "
                              "(env.where: sky; opened by the recipe's resources.ports).")
@@ -769,6 +785,12 @@ class LauncherConfig(Section):
     down: bool = Field(True, description="Tear the clusters down when the flow ends (else autostop only).")
     managed_jobs: bool = Field(False, description="Run sky stages as SkyPilot managed jobs (sky.jobs.launch): "
                                "SkyPilot itself recovers a preempted spot job.")
+    accelerators: dict[Literal["generate", "train", "reward", "evaluate", "publish", "env"],
+                       Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*(:[0-9]+)?$")]] = Field(
+        {}, json_schema_extra=HOW_NOT_WHAT,
+        description="The GPU type per role on SkyPilot, overriding the recipe's resources.accelerators, e.g. "
+                    "{generate: 'L4:1', train: 'A100:8'} (the rollout GPU and the actor GPU): each generate "
+                    "replica gets one such machine.")
 
     def mode_of(self, stage: str) -> str:
         return self.stages.get(stage, self.mode)
@@ -830,6 +852,13 @@ class Config(Section):
         if not self.reward.functions and not self.env.episodic():
             raise ValueError("reward.functions: at least one reward function is needed (or an env.factory or "
                              "env.agent, whose episodes' return is the reward)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_server_per_machine(self):
+        if self.generate.replicas > 1 and self.generate.mode == "server" and self.launcher.mode_of("generate") != "sky":
+            raise ValueError("generate.replicas: replicas on this machine would share the run's one vLLM server; "
+                             "use generate.mode offline here, or run generate on sky (a machine per replica)")
         return self
 
     @model_validator(mode="after")

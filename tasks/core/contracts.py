@@ -148,8 +148,11 @@ class SamplingSession(Protocol):
     tokenizer: object = None    # the policy's tokenizer (what the stage encodes prompts and decodes completions with)
     load_seconds: float = 0.0
 
-    def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Sampled:
-        """Sample `params.n` completions of each prompt (token ids)."""
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams,
+               keys: list[str] | None = None) -> Sampled:
+        """Sample `params.n` completions of each prompt (token ids). `keys`: each prompt's episode, where the
+        prompts are turns of episodes (generate replicas keep an episode on one replica: its prefix cache);
+        an engine that has one cache ignores them."""
 
     def close(self) -> None:
         """Release what the session holds (not what the engine keeps across stages). Never raises."""

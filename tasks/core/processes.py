@@ -185,3 +185,24 @@ def kill_until_gone(find: Callable[[], list[int]], deadline: float, pause: float
                 pass
         time.sleep(pause)
     return True
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (for a server this process starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening_socket(host: str, port: int):
+    """A TCP socket bound to (host, port) (port 0: a free one) for a server to serve on, and the URL that reaches
+    it from this machine (0.0.0.0 is reached at 127.0.0.1). What the environment server and a generate replica
+    bind before they print their READY line."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock, f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{sock.getsockname()[1]}"

@@ -67,7 +67,8 @@ class HFSession(SamplingSession):
                 RESIDENT.hold(cfg, path, self.identity)
         self.load_seconds = time.perf_counter() - t0
 
-    def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Sampled:
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams,
+               keys: list[str] | None = None) -> Sampled:
         t0 = time.perf_counter()
         with RESIDENT.lock:                   # one sampling at a time per process, as the resident is shared
             model = self.model if self.model is not None else RESIDENT.hold(self.cfg, self.path, self.identity)

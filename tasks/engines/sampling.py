@@ -2,7 +2,8 @@
 evaluate stages share). The contract (SamplingEngine, SamplingSession and their records) is
 tasks/core/contracts.py's.
 
-    engine = sampling_engine(cfg)           # hf | vllm offline | vllm server (generate.engine / generate.mode)
+    engine = sampling_engine(cfg)           # hf | vllm offline | vllm server (generate.engine / generate.mode),
+                                            # or N of them behind a router (generate.replicas: replicas.py)
     with engine.session(policy, path, tokenizer) as s:      # the policy loaded, or the engine started, once
         sampled = s.sample(prompt_ids, SamplingParams(n=8, ...))       # as many times as the stage needs
     sampled.samples[0]                      # Sample(prompt=0, completion_ids=[...], logprobs=[...], truncated=False)
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from tasks.core import data
 from tasks.core.contracts import Rollout
-from tasks.core.models import encode_prompt, load_tokenizer, policy_path
+from tasks.core.models import base_path, encode_prompt, load_tokenizer, policy_path
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -33,6 +34,13 @@ if TYPE_CHECKING:
 
 def sampling_engine(cfg: Config) -> SamplingEngine:
     """The engine `generate.engine` / `generate.mode` name (vLLM's code is imported only when chosen)."""
+    if cfg.generate.replicas:
+        from tasks.engines.replicas import ReplicaEngine
+        return ReplicaEngine(cfg, _one_engine(cfg))
+    return _one_engine(cfg)
+
+
+def _one_engine(cfg: Config) -> SamplingEngine:
     if cfg.generate.engine == "hf":
         from tasks.engines.hf import HFEngine
         return HFEngine(cfg)
@@ -46,6 +54,9 @@ def sampling_engine(cfg: Config) -> SamplingEngine:
 def open_session(cfg: Config, policy: str) -> SamplingSession:
     """The configured engine's session for `policy` (a store key or `base`): what a stage opens once
     (`with open_session(cfg, policy) as s`) and samples from as often as it needs."""
+    if cfg.generate.replicas:         # the replicas load the policy; the stage only needs its tokenizer
+        path = base_path(cfg)
+        return sampling_engine(cfg).session(policy, path, load_tokenizer(path))
     path = policy_path(cfg, policy)
     return sampling_engine(cfg).session(policy, path, load_tokenizer(path))
 

@@ -195,7 +195,8 @@ class OfflineSession(SamplingSession):
             self.close()
             raise
 
-    def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Sampled:
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams,
+               keys: list[str] | None = None) -> Sampled:
         out = self._ask({"lora": self.lora, "prompts": prompt_ids, "seeds": request_seeds(params.seed, len(prompt_ids)),
                          "sampling": {"n": params.n, "max_tokens": params.max_new_tokens,
                                       "temperature": params.temperature, "top_p": params.top_p,

@@ -109,7 +109,8 @@ class ServerSession(SamplingSession):
         self.cfg, self.policy, self.path, self.tokenizer = cfg, policy, path, tokenizer
         self.model, self.adapter = model_of(cfg, policy, path)
 
-    def sample(self, prompt_ids: list[list[int]], params: SamplingParams) -> Sampled:
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams,
+               keys: list[str] | None = None) -> Sampled:
         cfg = self.cfg
         t0 = time.perf_counter()
         with exclusive(state_dir() / f"{cfg.run.name}.use.lock"):

@@ -6,7 +6,8 @@ status, get, down, endpoints, job_status, cancel, jobs.launch, jobs.tail_logs, e
 trains. As in SkyPilot, a job runs detached from the call that submitted it (a process group of its own;
 tail_logs(follow=True) waits for it), so a server job (sky/env.yaml) keeps running; a cluster's
 `resources.ports` are its endpoints, on 127.0.0.1. Every call is appended to $FAKE_SKY_DIR/calls.jsonl for the
-test to read. `preempt(cluster)` (from a test) kills a cluster's jobs and removes it, as a spot reclaim would.
+test to read (with the task's resources.accelerators: what the machine was asked to have). `preempt(cluster)`
+(from a test) kills a cluster's jobs and removes it, as a spot reclaim would.
 
 Scenarios, from $FAKE_SKY_DIR/scenario.json:
   {"vanish": {"train": 1}}   the first train job's cluster disappears mid-job (the job is killed, the cluster
@@ -55,7 +56,23 @@ def _state() -> dict:
 
 
 def _save(state: dict) -> None:
-    _STATE.write_text(json.dumps(state))
+    tmp = _STATE.with_suffix(f".{os.getpid()}.tmp")    # (whole or not at all: bridges run side by side)
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, _STATE)
+
+
+def _one_at_a_time(fn):
+    """A call that reads, changes and writes the cloud's state holds its lock: several bridge processes at once
+    (a flow launching three replica clusters together) must not lose each other's changes."""
+    import fcntl
+    import functools
+
+    @functools.wraps(fn)
+    def locked(*args, **kw):
+        with open(_DIR / "state.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return fn(*args, **kw)
+    return locked
 
 
 def _scenario() -> dict:
@@ -75,6 +92,7 @@ class Task:
         self.envs = {k: str(v) for k, v in (config.get("envs") or {}).items() if v is not None}
         self.secrets = {k: v for k, v in (config.get("secrets") or {}).items() if v is not None}
         ports = (config.get("resources") or {}).get("ports") or []
+        self.accelerators = (config.get("resources") or {}).get("accelerators")   # what the machine must have
         self.ports = [int(p) for p in (ports if isinstance(ports, list) else [ports])]
 
     @classmethod
@@ -155,6 +173,7 @@ def _kill_jobs(state: dict, cluster: str) -> None:
                 pass
 
 
+@_one_at_a_time
 def preempt(cluster: str) -> None:
     """The cloud takes the machine back: its jobs die, and the cluster is gone."""
     _call("preempted", cluster=cluster)
@@ -164,17 +183,19 @@ def preempt(cluster: str) -> None:
     _save(state)
 
 
+@_one_at_a_time
 def launch(task, cluster_name=None, retry_until_up=False, idle_minutes_to_autostop=None, **kw):
     _call("launch", cluster=cluster_name, task=task.name, envs=task.envs, secrets=sorted(task.secrets),
-          idle_minutes_to_autostop=idle_minutes_to_autostop)
+          idle_minutes_to_autostop=idle_minutes_to_autostop, accelerators=task.accelerators)
     state = _state()
     state["clusters"][cluster_name] = "UP"
     _save(state)
     return ("job", _submit(task, cluster_name))
 
 
+@_one_at_a_time
 def exec(task, cluster_name=None, **kw):  # noqa: A001 - the SDK's name
-    _call("exec", cluster=cluster_name, task=task.name, envs=task.envs)
+    _call("exec", cluster=cluster_name, task=task.name, envs=task.envs, accelerators=task.accelerators)
     if cluster_name not in _state()["clusters"]:
         raise exceptions.ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
     return ("job", _submit(task, cluster_name))
@@ -220,6 +241,7 @@ def endpoints(cluster, port=None, **kw):
     return ("value", {p: f"127.0.0.1:{p}" for p in ports if port is None or int(port) == p})
 
 
+@_one_at_a_time
 def cancel(cluster_name, job_ids=None, **kw):
     _call("cancel", cluster=cluster_name, job_ids=job_ids)
     state = _state()
@@ -238,6 +260,7 @@ def status(cluster_names=None, refresh=None, **kw):
     return ("value", [{"name": c, "status": clusters[c]} for c in (cluster_names or clusters) if c in clusters])
 
 
+@_one_at_a_time
 def down(cluster_name, **kw):
     _call("down", cluster=cluster_name)
     state = _state()
@@ -251,7 +274,7 @@ def down(cluster_name, **kw):
 class jobs:  # noqa: N801 - mirrors sky.jobs
     @staticmethod
     def launch(task, name=None, **kw):
-        _call("jobs.launch", name=name, task=task.name)
+        _call("jobs.launch", name=name, task=task.name, accelerators=task.accelerators)
         return ("managed", _submit(task, f"managed-{name}"))
 
     @staticmethod

@@ -1,0 +1,546 @@
+"""Generation replicas behind one router (generate.replicas: N): N sampling engines, each on a machine of its own
+(tasks/engines/replica.py: a process here, or a SkyPilot cluster each), and one router in front that the generate
+and evaluate stages sample through. The stages do not change: the router is one more SamplingEngine.
+
+    stage ──► RoutedSession.sample ──► router (a daemon per run) ──► replica 0 | replica 1 | ... (HTTP, token ids)
+
+**Same rollouts whatever N.** A stage's prompts are cut into fixed shards of generate.batch_size, in order, and
+shard k is sampled with the seed hashed from (the request's seed, k): a shard is one engine call, whichever replica
+takes it, so 1 or N replicas give the same tokens bit for bit (the replicas all run generate.replica_threads
+torch threads: a CPU matmul's rounding depends on its thread count).
+
+**Routing: sticky, then least loaded.** A request may carry a key (an episode's id): it goes to the replica that
+served that key before, while that replica is ready, so an episode's later turns find their prefix in that
+replica's cache (vLLM's prefix caching; hashing each request instead of each episode is what cut one trainer's
+prefix-cache hit rate from 98% to 5%). A request without a known key goes to the ready replica with the fewest
+requests in flight (ties: the one that served fewest). The router counts where each went.
+
+**Only the schedule's policy.** At a session's start the router has every replica load the policy (whole or
+delta, from the store) and checks what each holds by its manifest digest; a replica that is late (not loaded by
+the time the others are, plus a grace) or holds another version gets no request until it has loaded it. A
+replica answers 409 to a request for a policy it does not hold, and its tokens are never taken for another one.
+
+**Replicas fail alone.** A replica that dies or is preempted (its process exits, its health check or a request
+to it fails) is taken out; its requests in flight are sent again to the others (a shard is a pure function of
+its inputs, so nothing is lost or repeated); it is replaced (a new process, or its cluster launched again by the
+command the flow gives: RLFLOW_REPLICA_LAUNCH) and rejoins once it holds the policy.
+
+Why a router of our own: vllm-router and sglang-router (PyPI) route OpenAI requests to vLLM / SGLang servers. Our
+replicas are also hf engines on CPU, the requests are token shards with their own seeds, and a replica must be
+version-checked before it is used; neither router routes sticky-by-episode with least-loaded for new work (their
+cache_aware policy guesses stickiness from text prefixes; consistent hashing is not load-aware), nor gates
+replicas by weight version. The forwarding here is ~200 lines of Starlette + httpx.
+
+    python -m tasks.engines.replicas --config-json FILE --port P --state S     (the stage starts it: Daemon)
+Routes: GET /health, GET /stats, POST /policy {policy, digest}, POST /sample {policy, digest, prompt_ids,
+params, key}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
+from tasks.core.paths import cache_root
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+    from tasks.core.contracts import SamplingEngine
+
+MARKER = "tasks.engines.replica"          # the router's and the local replicas' command lines carry it
+LAUNCH_VAR = "RLFLOW_REPLICA_LAUNCH"      # JSON {"start": argv, "stop": argv}, "{i}" filled in: the flow's (sky)
+LATE_GRACE = 10.0                         # s after the first replica loaded a policy before the others are late
+STICKY_KEYS = 100_000
+READY = "RLFLOW_REPLICA_READY"            # the line a replica prints once it answers: READY <url>
+TOKEN_VAR = "RLFLOW_REPLICA_TOKEN"        # the router's token: only it may load policies into and sample replicas
+
+
+def policy_digest(cfg: Config, policy: str) -> str:
+    """What names a policy's exact weights: its store manifest's file digests (a delta policy's name its
+    anchor's in its index file, so a rebuilt whole is checked too); the starting model's name for `base`."""
+    from tasks.core import layout
+    from tasks.core.store import open_store
+
+    if policy == layout.BASE:
+        return "base:" + hashlib.sha256(cfg.model.name_or_path.encode()).hexdigest()[:16]
+    manifest = open_store(cfg).manifest(policy)
+    if manifest is None:
+        raise RuntimeError(f"policy {policy}: no complete folder in the store")
+    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def shard_seed(seed: int, shard: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/shard/{shard}".encode()).digest()[:7], "big")
+
+
+def state_dir() -> Path:
+    return cache_root() / "replicas"
+
+
+# ------------------------------------------------------------------------------------------- the stage's side
+
+class ReplicaEngine:
+    """The SamplingEngine of generate.replicas >= 1: sessions sample through the run's router, started (with its
+    replicas) by the first session on this machine and found again by the later ones, stopped by `stop`."""
+
+    def __init__(self, cfg: Config, one: SamplingEngine):
+        self.cfg, self.one = cfg, one            # (`one`: what each replica runs)
+
+    def check_installed(self, cfg: Config) -> None:
+        """Local replicas run the configured engine on this machine: it must be installed here."""
+        self.one.check_installed(cfg)
+
+    def session(self, policy: str, path: str, tokenizer) -> RoutedSession:
+        return RoutedSession(self.cfg, policy, tokenizer, ensure_router(self.cfg))
+
+    def stop(self, log=print) -> None:
+        daemon = _daemon(self.cfg)
+        try:
+            if (state := daemon.read()) is not None:
+                daemon.stop(state)
+                log(f"stopped the generate router and replicas of run {self.cfg.run.name} (pid {state['pid']})")
+        except Exception as e:   # teardown must not mask the flow's own outcome
+            log(f"stopping the generate router of run {self.cfg.run.name} failed: {e}")
+
+
+class RoutedSession(SamplingSession):
+    """One policy on every replica (loaded and version-checked when the session opens); `sample` sends the
+    prompts' shards through the router at once, each with its shard's seed."""
+
+    def __init__(self, cfg: Config, policy: str, tokenizer, router: dict):
+        import httpx
+
+        self.cfg, self.policy, self.tokenizer = cfg, policy, tokenizer
+        self.digest = policy_digest(cfg, policy)
+        self.http = httpx.Client(base_url=router["url"], timeout=httpx.Timeout(None, connect=10),
+                                 limits=httpx.Limits(max_connections=256))
+        t0 = time.perf_counter()
+        self.first = self._post("/policy", {"policy": policy, "digest": self.digest})
+        self.load_seconds = time.perf_counter() - t0
+        self.start_stats = self.stats()
+
+    def _post(self, route: str, body: dict) -> dict:
+        r = self.http.post(route, json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"generate router {route}: HTTP {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def stats(self) -> dict:
+        return self.http.get("/stats").json()
+
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams,
+               keys: list[str] | None = None) -> Sampled:
+        B = self.cfg.generate.batch_size
+        bounds = [(lo, min(lo + B, len(prompt_ids))) for lo in range(0, len(prompt_ids), B)]
+        t0 = time.perf_counter()
+
+        def one(k: int) -> dict:
+            lo, hi = bounds[k]
+            shard = dataclasses.replace(params, seed=shard_seed(params.seed, k))
+            return self._post("/sample", {"policy": self.policy, "digest": self.digest,
+                                          "prompt_ids": prompt_ids[lo:hi], "params": dataclasses.asdict(shard),
+                                          "key": keys[lo] if keys else None})
+
+        with ThreadPoolExecutor(max_workers=max(min(len(bounds), 64), 1)) as pool:
+            answers = list(pool.map(one, range(len(bounds))))
+        samples = [Sample(lo + p, ids, logps, trunc)
+                   for (lo, _), a in zip(bounds, answers, strict=True) for p, ids, logps, trunc in a["samples"]]
+        return Sampled(samples, load_seconds=sum(a["load_seconds"] for a in answers),
+                       sampling_seconds=time.perf_counter() - t0)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """What the router did for this session: per replica its requests, tokens and tokens/s; the routing
+        counts (sticky, new, retried) and replacements."""
+        now, was = self.stats(), self.start_stats
+        out = {}
+        for i, m in now["members"].items():
+            before = was["members"].get(i, {})
+            tokens = m["tokens"] - before.get("tokens", 0)
+            seconds = m["seconds"] - before.get("seconds", 0.0)
+            out[f"{prefix}/replica{i}/requests"] = m["routed"] - before.get("routed", 0)
+            out[f"{prefix}/replica{i}/tokens"] = tokens
+            if seconds > 0:
+                out[f"{prefix}/replica{i}/tokens_per_s"] = tokens / seconds
+        for k in ("sticky", "new", "retried", "replaced"):
+            out[f"{prefix}/router/{k}"] = now["counts"][k] - was["counts"][k]
+        return out
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _daemon(cfg: Config):
+    from tasks.core.daemon import Daemon
+
+    return Daemon(state_dir() / f"{cfg.run.name}.json", MARKER, stop_wait=30.0)
+
+
+def ensure_router(cfg: Config) -> dict:
+    """The run's router on this machine (state: {pid, port, url, ...}), started with its replicas if none
+    answers for this config."""
+    from tasks.core.daemon import answers_http
+    from tasks.core.processes import free_port
+
+    launch = os.environ.get(LAUNCH_VAR, "")
+    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    key = hashlib.sha256(f"{blob}\n{launch}\n{sys.executable}".encode()).hexdigest()[:20]
+    daemon = _daemon(cfg)
+
+    def start() -> dict:
+        import secrets
+
+        state_dir().mkdir(parents=True, exist_ok=True)
+        config = state_dir() / f"{cfg.run.name}.config.json"
+        config.write_text(blob)
+        port = free_port()
+        argv = [sys.executable, "-m", "tasks.engines.replicas", "--config-json", str(config), "--port", str(port),
+                "--state", str(daemon.path)]
+        token = secrets.token_urlsafe(24)       # (the state file is its owner's only: Daemon.write)
+        state = {"port": port, "key": key, "url": f"http://127.0.0.1:{port}", "token": token}
+        return daemon.start(argv, {**os.environ, LAUNCH_VAR: launch, TOKEN_VAR: token, "PYTHONUNBUFFERED": "1"},
+                            lambda s: s if answers_http(f"{s['url']}/health", timeout=5) else None,
+                            cfg.generate.server_start_timeout, "the generate router", state)
+
+    return daemon.ensure(key, lambda s: answers_http(f"{s['url']}/health", timeout=5), start)
+
+
+# ------------------------------------------------------------------------------------------- the router
+
+@dataclasses.dataclass
+class Member:
+    index: int
+    url: str | None = None
+    proc: subprocess.Popen | None = None
+    state: str = "starting"           # starting | loading | ready | late | dead
+    holds: tuple | None = None        # (policy, digest) it has loaded
+    busy: int = 0
+    routed: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    replaced: int = 0
+    failures: int = 0
+    life: int = 0                     # which start of this replica (a failure seen late concerns an old one)
+
+
+class Router:
+    def __init__(self, cfg: Config, config_json: Path, launch: dict | None):
+        import secrets
+
+        self.cfg, self.config_json, self.launch = cfg, config_json, launch
+        self.token = os.environ.get(TOKEN_VAR) or secrets.token_urlsafe(24)
+        self.members = [Member(i) for i in range(cfg.generate.replicas)]
+        self.lock = threading.RLock()
+        self.want: tuple | None = None                # (policy, digest) the schedule names now
+        self.sticky: OrderedDict[str, int] = OrderedDict()
+        self.counts = {"sticky": 0, "new": 0, "retried": 0, "replaced": 0}
+        self.replace_seconds: list[float] = []
+        self.last_used = time.monotonic()
+        self.changed = threading.Condition(self.lock)
+
+    # ------------------------------------------------------------------------------------------ members
+
+    def _start(self, m: Member) -> None:
+        """Start member m (a process here, or through the flow's launch command) and load the wanted policy."""
+        t0 = time.monotonic()
+        try:
+            if self.launch is None:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "tasks.engines.replica", "--config-json", str(self.config_json),
+                     "--port", "0", "--exit-with-parent"], env={**os.environ, TOKEN_VAR: self.token,
+                                                                "PYTHONUNBUFFERED": "1"},
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+                url = None
+                for line in proc.stdout:
+                    if line.startswith(READY):
+                        url = line.split()[1]
+                        break
+                    print(f"replica {m.index}: {line.rstrip()}", flush=True)
+                if url is None:
+                    raise RuntimeError(f"exit code {proc.wait()}")
+                threading.Thread(target=lambda: [print(f"replica {m.index}: {x.rstrip()}", flush=True)
+                                                 for x in proc.stdout], daemon=True).start()
+            else:
+                proc, url = None, self._launched(m.index)
+            with self.lock:
+                m.proc, m.url, m.state, m.holds, m.failures = proc, url, "loading", None, 0
+                m.life += 1
+            print(f"replica {m.index}: up at {url} ({time.monotonic() - t0:.1f} s)", flush=True)
+            self._load(m)
+            if m.replaced:
+                self.replace_seconds.append(time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - a replica that cannot start is dead; the watch tries again
+            print(f"replica {m.index}: did not start: {e}", flush=True)
+            with self.lock:
+                m.state = "dead"
+
+    def _launched(self, i: int) -> str:
+        port = str(int(self.launch.get("port_base", 0)) + i)
+        argv = [a.replace("{i}", str(i)).replace("{port}", port).replace("{token}", self.token)
+                for a in self.launch["start"]]
+        ran = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, TOKEN_VAR: self.token})
+        for line in reversed(ran.stdout.splitlines()):
+            if line.startswith("{"):
+                out = json.loads(line)
+                if out.get("url"):
+                    return out["url"]
+                raise RuntimeError(out.get("error") or f"exit code {out.get('exit_code')}")
+        raise RuntimeError(f"the launch command failed (exit code {ran.returncode}): {ran.stderr[-500:]}")
+
+    def _load(self, m: Member) -> None:
+        """Have m load the wanted policy; ready once it holds it (late if the others were ready long before)."""
+        import httpx
+
+        while True:
+            with self.lock:
+                want = self.want
+                if want is None or m.holds == want or m.state == "dead":
+                    if want is not None and m.holds == want:
+                        m.state = "ready"
+                    self.changed.notify_all()
+                    return
+            try:
+                r = httpx.post(f"{m.url}/load", json={"policy": want[0], "digest": want[1]}, timeout=None,
+                               headers={"authorization": f"Bearer {self.token}"})
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            except Exception as e:  # noqa: BLE001 - the watch finds out whether it is dead
+                print(f"replica {m.index}: loading {want[0]} failed: {e}", flush=True)
+                with self.lock:
+                    m.failures += 1
+                    if m.failures >= 3:
+                        m.state = "dead"
+                    self.changed.notify_all()
+                time.sleep(1.0)
+                continue
+            with self.lock:
+                m.holds = want
+
+    def lost(self, m: Member, why: str, life: int | None = None) -> None:
+        with self.lock:
+            if m.state in ("dead", "starting") or (life is not None and life != m.life):
+                return                    # (already known, or said of a start that has been replaced)
+            m.state = "dead"
+            self.changed.notify_all()
+        print(f"replica {m.index}: lost ({why})", flush=True)
+
+    def watch(self) -> None:
+        """Every second: a member whose process exited or that failed its health check twice is lost; a lost one
+        is replaced."""
+        import httpx
+
+        while True:
+            time.sleep(1.0)
+            for m in list(self.members):
+                if m.state in ("starting",):
+                    continue
+                if m.state == "dead":
+                    with self.lock:
+                        m.state, m.replaced = "starting", m.replaced + 1
+                        self.counts["replaced"] += 1
+                    if m.proc is not None and m.proc.poll() is None:
+                        m.proc.kill()
+                    threading.Thread(target=self._start, args=(m,), daemon=True).start()
+                    continue
+                if m.proc is not None and m.proc.poll() is not None:
+                    self.lost(m, f"exit code {m.proc.returncode}")
+                    continue
+                try:
+                    httpx.get(f"{m.url}/health", timeout=10).raise_for_status()
+                    m.failures = 0
+                except Exception as e:  # noqa: BLE001
+                    m.failures += 1
+                    if m.failures >= 2:
+                        self.lost(m, f"health check: {e}")
+
+    def stop_members(self) -> None:
+        for m in self.members:
+            if m.proc is not None and m.proc.poll() is None:
+                m.proc.terminate()
+            if self.launch and self.launch.get("stop"):
+                subprocess.run([a.replace("{i}", str(m.index)) for a in self.launch["stop"]], capture_output=True)
+
+    # ------------------------------------------------------------------------------------------ the API
+
+    def set_policy(self, policy: str, digest: str) -> dict:
+        """Every member loads (policy, digest); returns once all are ready, or LATE_GRACE s after the first was
+        (the others are late: used once they hold it), or the start timeout passed."""
+        with self.lock:
+            self.want = (policy, digest)
+            for m in self.members:
+                if m.state == "ready" and m.holds != self.want:
+                    m.state = "loading"
+                    threading.Thread(target=self._load, args=(m,), daemon=True).start()
+        deadline = time.monotonic() + self.cfg.generate.server_start_timeout
+        first = None
+        with self.lock:
+            while True:
+                ready = [m.index for m in self.members if m.state == "ready" and m.holds == self.want]
+                if ready and first is None:
+                    first = time.monotonic()
+                if len(ready) == len(self.members) or (first and time.monotonic() - first > LATE_GRACE):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no replica holds {policy} after {self.cfg.generate.server_start_timeout} s")
+                self.changed.wait(0.5)
+            return {"ready": ready, "late": [m.index for m in self.members if m.index not in ready]}
+
+    def pick(self, key: str | None) -> Member | None:
+        with self.lock:
+            ready = [m for m in self.members if m.state == "ready" and m.holds == self.want]
+            if not ready:
+                return None
+            if key is not None and (i := self.sticky.get(key)) is not None and self.members[i] in ready:
+                m = self.members[i]
+                self.counts["sticky"] += 1
+            else:
+                m = min(ready, key=lambda x: (x.busy, x.routed, x.index))
+                self.counts["new"] += 1
+            if key is not None:
+                self.sticky[key] = m.index
+                self.sticky.move_to_end(key)
+                while len(self.sticky) > STICKY_KEYS:
+                    self.sticky.popitem(last=False)
+            m.busy += 1
+            m.routed += 1
+            return m
+
+    async def sample(self, body: dict) -> tuple[int, dict]:
+        import httpx
+
+        self.last_used = time.monotonic()
+        if (body["policy"], body["digest"]) != self.want:
+            return 409, {"error": f"the router serves {self.want}, not {body['policy']} ({body['digest']})"}
+        deadline = time.monotonic() + self.cfg.generate.server_start_timeout
+        attempt = 0
+        while True:
+            m = self.pick(body.get("key"))
+            if m is None:
+                if time.monotonic() > deadline:
+                    return 503, {"error": "no replica is ready"}
+                await asyncio.sleep(0.2)
+                continue
+            if attempt:
+                self.counts["retried"] += 1
+            attempt += 1
+            life = m.life
+            try:
+                async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
+                    r = await client.post(f"{m.url}/sample", json=body,
+                                          headers={"authorization": f"Bearer {self.token}"})
+            except httpx.TransportError as e:
+                self.lost(m, f"{type(e).__name__}: {e}", life)
+                continue
+            finally:
+                with self.lock:
+                    m.busy -= 1
+            if r.status_code == 409:                  # it holds another version: loaded again, not used till then
+                with self.lock:
+                    m.state, m.holds = "loading", None
+                threading.Thread(target=self._load, args=(m,), daemon=True).start()
+                continue
+            if r.status_code != 200:
+                return 502, {"error": f"replica {m.index}: HTTP {r.status_code}: {r.text[:500]}"}
+            out = r.json()
+            with self.lock:
+                m.tokens += sum(len(s[1]) for s in out["samples"])
+                m.seconds += out["sampling_seconds"]
+            out["replica"] = m.index
+            return 200, out
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"members": {str(m.index): {"state": m.state, "url": m.url, "policy": (m.holds or [None])[0],
+                                               "routed": m.routed, "tokens": m.tokens, "seconds": m.seconds,
+                                               "busy": m.busy, "replaced": m.replaced} for m in self.members},
+                    "counts": dict(self.counts), "want": list(self.want) if self.want else None,
+                    "replace_seconds": list(self.replace_seconds)}
+
+
+def app(router: Router, state: Path | None):
+    import contextlib
+
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from tasks.core.daemon import Watch, leave
+
+    async def health(request: Request):
+        return JSONResponse({"replicas": len(router.members),
+                             "ready": sum(m.state == "ready" for m in router.members)})
+
+    async def stats(request: Request):
+        return JSONResponse(router.stats())
+
+    async def policy(request: Request):
+        body = await request.json()
+        router.last_used = time.monotonic()
+        try:
+            return JSONResponse(await run_in_threadpool(router.set_policy, body["policy"], body["digest"]))
+        except RuntimeError as e:
+            return JSONResponse({"error": str(e)}, status_code=503)
+
+    async def sample(request: Request):
+        code, out = await router.sample(await request.json())
+        return JSONResponse(out, status_code=code)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        for m in router.members:
+            threading.Thread(target=router._start, args=(m,), daemon=True).start()
+        threading.Thread(target=router.watch, daemon=True).start()
+        idle = router.cfg.generate.server_idle_timeout or None
+
+        def watch() -> None:
+            why = Watch(pid=os.getpid(), state=state, idle=idle,
+                        unused=lambda: time.monotonic() - router.last_used).wait(2.0)
+            print(f"router: leaving ({why})", flush=True)
+            router.stop_members()
+            leave(state, os.getpid())
+        threading.Thread(target=watch, daemon=True).start()
+        yield
+        router.stop_members()
+
+    return Starlette(routes=[Route("/health", health), Route("/stats", stats),
+                             Route("/policy", policy, methods=["POST"]), Route("/sample", sample, methods=["POST"])],
+                     lifespan=lifespan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from tasks.core.config import Config
+
+    ap = argparse.ArgumentParser(prog="python -m tasks.engines.replicas", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config-json", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--state", default=None)
+    args = ap.parse_args(argv)
+    with open(args.config_json) as f:
+        cfg = Config.model_validate(json.load(f))
+    launch = json.loads(os.environ[LAUNCH_VAR]) if os.environ.get(LAUNCH_VAR) else None
+    router = Router(cfg, Path(args.config_json), launch)
+    state = Path(args.state) if args.state else None
+    # (uvicorn's own SIGTERM handling ends the app: the lifespan's exit stops the replicas)
+    uvicorn.Server(uvicorn.Config(app(router, state), host="127.0.0.1", port=args.port, log_level="warning",
+                                  access_log=False, lifespan="on")).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

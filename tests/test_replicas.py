@@ -1,0 +1,175 @@
+"""generate.replicas (tasks/engines/replicas.py, replica.py): N sampling replicas behind one router give the same
+rollouts as one, bit for bit on CPU; an episode's turns stay on one replica; only the schedule's policy is
+served (a replica asked for another version refuses); a replica killed mid-stage has its shards sent to the
+others, is replaced and rejoins, and the stage neither fails nor changes. The fake cloud preempting one of three
+replica clusters mid-flow: test_a_preempted_replica_cluster_is_launched_again_and_the_flow_is_unchanged."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tasks.core import layout
+from tasks.core.config import load_config
+from tasks.engines.replicas import ensure_router, policy_digest
+from tasks.engines.sampling import sampling_engine
+from tasks.generate import generate
+from tests.conftest import ROOT, TINY
+from tests.test_envs import LETTERS
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(tmp_path: Path, n: int, *more: str, config: Path = TINY):
+    return load_config(config, [f"generate.replicas={n}", f"store.uri=file://{tmp_path}/store{n}",
+                                "generate.batch_size=4", "generate.replica_threads=1",
+                                f"tracking.uri=sqlite:///{tmp_path}/m.db", *more])
+
+
+def _rollouts(tmp_path: Path, n: int, run: str = "tiny-demo", iteration: int = 1) -> bytes:
+    folder = tmp_path / f"store{n}" / layout.rollouts(run, iteration)
+    return (folder / "rollouts.jsonl").read_bytes()
+
+
+def _generate(cfg, iteration: int = 1) -> dict:
+    try:
+        return generate(cfg, iteration)
+    finally:
+        sampling_engine(cfg).stop(lambda _line: None)
+
+
+def test_one_or_three_replicas_give_the_same_rollouts(tmp_path):
+    one = _generate(_cfg(tmp_path, 1))["metrics"]
+    three = _generate(_cfg(tmp_path, 3))["metrics"]
+    assert _rollouts(tmp_path, 1) == _rollouts(tmp_path, 3)
+    assert one["generate/replica0/requests"] == 4                 # 16 prompts in shards of 4
+    served = [three[f"generate/replica{i}/requests"] for i in range(3)]
+    assert sum(served) == 4 and min(served) >= 1                  # least loaded: every replica took work
+    assert three["generate/router/new"] == 4 and three["generate/router/retried"] == 0
+
+
+def test_an_episode_stays_on_its_replica(tmp_path):
+    """Letters episodes (several turns each) on two replicas: every turn after an episode's first goes where its
+    first went (sticky), the first turns spread by load."""
+    cfg = _cfg(tmp_path, 2, "generate.prompts_per_iteration=4", "generate.num_generations=2", "generate.batch_size=1",
+               config=LETTERS)
+    m = _generate(cfg)["metrics"]
+    turns = m["generate/replica0/requests"] + m["generate/replica1/requests"]
+    assert m["generate/router/new"] == 8 and m["generate/router/sticky"] == turns - 8 > 0
+    assert m["generate/replica0/requests"] and m["generate/replica1/requests"]
+
+
+def test_only_the_schedules_policy_is_served(tmp_path):
+    cfg = _cfg(tmp_path, 1)
+    router = ensure_router(cfg)
+    try:
+        http = httpx.Client(base_url=router["url"], timeout=120)
+        digest = policy_digest(cfg, layout.BASE)
+        assert http.post("/policy", json={"policy": layout.BASE, "digest": digest}).json()["ready"] == [0]
+        body = {"policy": layout.BASE, "digest": "another", "prompt_ids": [[1, 2]], "key": None,
+                "params": {"n": 1, "max_new_tokens": 2, "temperature": 1.0, "top_p": 1.0, "seed": 1}}
+        r = http.post("/sample", json=body)                        # the router serves one version
+        assert r.status_code == 409 and "not base" in r.json()["error"]
+        replica = http.get("/stats").json()["members"]["0"]["url"]
+        no = httpx.post(f"{replica}/sample", json={**body, "digest": digest})
+        assert no.status_code == 401                               # only the router may ask a replica
+        assert http.post("/sample", json={**body, "digest": digest}).status_code == 200
+        with pytest.raises(RuntimeError, match="no complete folder"):   # a version the store does not hold
+            policy_digest(cfg, layout.policy(cfg.run.name, 3))
+    finally:
+        sampling_engine(cfg).stop(lambda _line: None)
+
+
+def test_a_replica_killed_mid_stage_is_replaced_and_the_rollouts_are_unchanged(tmp_path):
+    more = ("generate.prompts_per_iteration=32", "generate.max_completion_length=24", "generate.batch_size=2")
+    _generate(_cfg(tmp_path, 1, *more))
+    cfg = _cfg(tmp_path, 3, *more)
+    router = ensure_router(cfg)
+    killed: list[int] = []
+
+    def kill_one_while_it_samples() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            try:
+                members = httpx.get(f"{router['url']}/stats", timeout=5).json()["members"]
+                busy = [m for m in members.values() if m["busy"] and m["url"]]
+                if busy:
+                    pid = httpx.get(f"{busy[0]['url']}/health", timeout=5).json()["pid"]
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+    watcher = threading.Thread(target=kill_one_while_it_samples, daemon=True)
+    watcher.start()
+    try:
+        m = generate(cfg, 1)["metrics"]
+        watcher.join(5)
+        assert killed
+        assert _rollouts(tmp_path, 1) == _rollouts(tmp_path, 3)      # the killed replica's shards, sampled again
+        assert m["generate/router/retried"] >= 1
+        deadline = time.monotonic() + 120                             # replaced, and back with the policy
+        while time.monotonic() < deadline:
+            stats = httpx.get(f"{router['url']}/stats", timeout=5).json()
+            if stats["counts"]["replaced"] and all(x["state"] == "ready" for x in stats["members"].values()):
+                break
+            time.sleep(0.5)
+        assert stats["counts"]["replaced"] == 1 and stats["replace_seconds"], stats
+        assert all(x["state"] == "ready" for x in stats["members"].values()), stats
+    finally:
+        sampling_engine(cfg).stop(lambda _line: None)
+
+
+def test_a_preempted_replica_cluster_is_launched_again_and_the_flow_is_unchanged(tmp_path, prefect_api, monkeypatch,
+                                                                                 fake_cloud, s3_endpoint, bucket):
+    """generate on sky with three replicas, each its own cluster: the cloud takes one back while iteration 1
+    samples; the stage finishes on the others, the cluster is launched again, and the run's rollouts equal a run
+    with one local replica. Every replica cluster is torn down with the flow."""
+    from flows.training import train_flow
+    from tasks.core.store import open_store
+    from tasks.envs.webshop import free_port
+
+    monkeypatch.chdir(tmp_path)
+    common = ["run.iterations=2", "generate.prompts_per_iteration=32", "generate.max_completion_length=24",
+              "generate.batch_size=2", "generate.replica_threads=1", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+              f"store.endpoint_url={s3_endpoint}"]
+    base = free_port()
+    sky = [*common, "generate.replicas=3", f"store.uri=s3://{bucket}/sky", "launcher.stages={generate: sky}",
+           f"launcher.sky_python={fake_cloud.python}", f"launcher.recipes={ROOT / 'sky'}",
+           f"generate.replica_port={base}"]
+    cluster = "rlflow-tiny-demo-replica-1"
+    preempted: list[bool] = []
+
+    def preempt_while_sampling() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{base + 1}/health", timeout=2).json()["busy"]:
+                    fake_cloud.preempt(cluster)
+                    preempted.append(True)
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+    watcher = threading.Thread(target=preempt_while_sampling, daemon=True)
+    watcher.start()
+    out = train_flow(str(TINY), sky)
+    watcher.join(5)
+    assert out["iterations_completed"] == 2 and preempted
+    calls = [c for c in fake_cloud.calls() if c.get("cluster", "").startswith("rlflow-tiny-demo-replica-")]
+    mine = [c["call"] for c in calls if c["cluster"] == cluster]
+    assert mine.count("launch") == 2 and "preempted" in mine and mine[-1] == "down", mine
+    assert {c["cluster"] for c in calls if c["call"] == "down"} == {f"rlflow-tiny-demo-replica-{i}" for i in range(3)}
+
+    one = [*common, "generate.replicas=1", f"store.uri=s3://{bucket}/one"]
+    train_flow(str(TINY), one)
+    stores = [open_store(load_config(TINY, overrides)) for overrides in (sky, one)]
+    for it in (1, 2):
+        key = layout.rollouts("tiny-demo", it)
+        assert len({(s.local(key) / "rollouts.jsonl").read_bytes() for s in stores}) == 1
