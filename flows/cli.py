@@ -2,7 +2,7 @@
 
     rlflow run CONFIG [-o key=value]... [--summary-json PATH]
     rlflow export CONFIG VERSION DIR [-o key=value]...    # a published policy as a folder from_pretrained loads
-    rlflow plan CONFIG [-o key=value]...      # each stage's machine and hourly price, store, tracking: launches nothing
+    rlflow plan CONFIG [-o key=value]...      # every role's machines, counts, USD/hour: launches nothing
     rlflow tune CONFIG --space SPACE.yaml --trials N [--parallel K]   # Optuna over config keys, a run per trial
 
 Exit codes: 0 success; 2 a user error (one line on stderr naming the field or row); 1 an internal error;
@@ -350,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                      help="dotted config override, e.g. -o run.name=other (repeatable)")
     exp.add_argument("--overrides-json", default="[]", metavar="JSON")
-    pl = sub.add_parser("plan", help="print each stage's machine, spot or not, SkyPilot's catalog price per hour, "
-                        "the store and the tracking URI; launches and writes nothing")
+    pl = sub.add_parser("plan", help="print every role's machines (stages, generate replicas, trainer nodes, env "
+                        "servers), their counts, spot or not, SkyPilot's catalog price per hour and the total, the "
+                        "store and the tracking URI; launches and writes nothing")
     pl.add_argument("config", help="YAML config")
     pl.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                     help="dotted config override (repeatable)")

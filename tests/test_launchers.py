@@ -101,6 +101,62 @@ def test_plan_prices_each_stage_from_skypilots_catalog_and_writes_nothing(tmp_pa
     assert bad.returncode == 2 and "launcher.mode" in bad.stderr
 
 
+def _sky_recipes(tmp_path) -> Path:
+    """The repository's recipes (sky/replica.yaml among them), with the trainer on 2 nodes."""
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    for path in RECIPES:
+        text = path.read_text()
+        (recipes / path.name).write_text(text.replace("num_nodes: 1 ", "num_nodes: 2 ") if path.stem == "train"
+                                         else text)
+    assert "num_nodes: 2 " in (recipes / "train.yaml").read_text()
+    return recipes
+
+
+def test_plan_shows_every_roles_machines_counts_and_the_sky_total(tmp_path, monkeypatch):
+    """`rlflow plan` with generate.replicas on sky, 2 environment servers on sky, the trainer on 2 nodes and
+    launcher.accelerators {train: A100:8, generate: L4:1}: each role's machine with its count, priced N x one
+    (the catalog's price of the GPU type asked for, not the recipe's), and the total of everything on sky."""
+    from flows.plan import plan
+
+    if not SKY_PYTHON.exists():
+        pytest.fail(f"{SKY_PYTHON} missing: `make setup` creates SkyPilot's environment")
+    home = tmp_path / "home"
+    (home / ".sky/catalogs/v8/aws").mkdir(parents=True)
+    (home / ".sky/catalogs/v8/aws/vms.csv").write_text(CATALOG)
+    monkeypatch.setenv("HOME", str(home))
+    recipes = _sky_recipes(tmp_path)
+    letters = ROOT / "configs" / "letters.yaml"
+    common = [f"launcher.recipes={recipes}", f"launcher.sky_python={SKY_PYTHON}", "generate.replicas=3",
+              "env.servers=2", "eval.every=5"]
+    cfg = load_config(letters, [*common, "launcher.mode=sky", "env.where=sky",
+                                'launcher.accelerators={train: "A100:8", generate: "L4:1"}'])
+    lines = plan(cfg, str(letters)).splitlines()
+    row = {name: next(line for line in lines if line.startswith(f"  {name} "))
+           for name in ("generate", "generate replicas", "train", "publish", "reward", "evaluate", "env",
+                        "total on sky:")}
+    assert "routes to the 3 generate replicas" in row["generate"] and "sky cluster" not in row["generate"]
+    assert "routes to the 3 generate replicas" in row["evaluate"]
+    assert "3 sky clusters rlflow-letters-demo-replica-0..2 (" in row["generate replicas"]
+    assert "3 x L4:1; hf engine" in row["generate replicas"]                        # not the recipe's 4 options
+    assert "1.050 (SkyPilot catalog: L4:1 aws g6.xlarge), 3 x 0.350" in row["generate replicas"]
+    assert "A100:8 x 2 nodes" in row["train"]                                    # the override, on the recipe's nodes
+    assert "25.000 (SkyPilot catalog: A100:8 aws p4d.24xlarge), 2 nodes x 12.500" in row["train"]
+    assert "(in train's)" in row["publish"]
+    assert "0.150 (SkyPilot catalog: cpus 8+" in row["reward"]
+    assert "2 environment servers" in row["env"] and "2 x cpus 4+, memory 8+" in row["env"]
+    assert "0.300 (SkyPilot catalog: cpus 4+ aws m6i.2xlarge), 2 x 0.150" in row["env"]
+    assert "total on sky: 26.500 USD/hour" in row["total on sky:"]               # 25 + 1.05 + 0.15 + 0.3
+    assert "(reward, train, generate replicas, env)" in row["total on sky:"]
+
+    here = load_config(letters, [*common, "launcher.mode=local", "env.where=local"])
+    lines = plan(here, str(letters)).splitlines()                 # nothing on sky: no catalog asked, no total
+    replicas = next(line for line in lines if line.startswith("  generate replicas "))
+    assert "3 local processes" in replicas and "this machine" in replicas
+    assert "2 environment servers behind one URL, processes beside the flow" in "\n".join(lines)
+    assert not [line for line in lines if "total on sky" in line]
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_validates_and_names_what_exists(path):
     """Beyond the schema: its reward functions import, its local data files exist, its stage recipes exist."""
@@ -266,6 +322,54 @@ def test_sky_launcher_user_error_is_not_retried(prefect_api, tmp_path, monkeypat
                                    ['reward.functions=[{"fn": "flaky_reward:wrong_length"}]', "reward.strict=true"]))
     assert (tmp_path / "calls").read_text() == "1"
     assert len([c for c in fake_cloud.calls() if c.get("task") == "rlflow-reward"]) == 1
+
+
+SERVER = """
+import http.server, os
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(os.environ["PORT"])), Ok).serve_forever()
+"""
+
+
+def test_sky_launcher_asks_for_each_roles_gpu_type(tmp_path, fake_cloud):
+    """launcher.accelerators replaces each recipe's accelerators (here a dict of 2 options) with the role's GPU
+    type: a stage's cluster, a stage sharing it (same machine), a managed job, a generate replica's server."""
+    from flows.launch import Sky
+    from tasks.core.processes import free_port
+
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (tmp_path / "server.py").write_text(SERVER)
+    for role in ("train", "publish", "reward", "evaluate", "replica"):
+        run = f"python3 {tmp_path / 'server.py'}" if role == "replica" else f"echo {role} ran"
+        (recipes / f"{role}.yaml").write_text(f"name: rlflow-{role}\nresources:\n  accelerators: {{L4: 1, A10G: 1}}\n"
+                                              f"run: {run}\n")
+    common = ["launcher.mode=sky", f"launcher.recipes={recipes}", f"launcher.sky_python={fake_cloud.python}",
+              "run.name=gpus"]
+    gpus = 'launcher.accelerators={train: "A100:8", generate: "L4:1"}'
+    sky, log = Sky(load_config(TINY, [*common, gpus])), []
+    try:
+        for stage in ("train", "publish", "evaluate", "reward"):
+            sky.run(stage, 1, {"ITERATION": "1"}, log.append)
+        port = free_port()
+        assert sky.serve("replica", port, 60, {"PORT": port}, log.append) == f"http://127.0.0.1:{port}"
+    finally:
+        sky.close(log.append)
+    managed = Sky(load_config(TINY, [*common, "launcher.managed_jobs=true", 'launcher.accelerators={train: "A100:8"}']))
+    managed.run("train", 1, {"ITERATION": "1"}, log.append)
+    managed.run("evaluate", 1, {"ITERATION": "1"}, log.append)
+    asked = [(c["call"], c.get("cluster") or c.get("name"), c["accelerators"]) for c in fake_cloud.calls()
+             if "accelerators" in c]
+    assert asked == [("launch", "rlflow-gpus-train", "A100:8"),
+                     ("exec", "rlflow-gpus-train", "A100:8"),                 # publish: on train's machine
+                     ("launch", "rlflow-gpus-gen", "L4:1"),                   # evaluate: generate's machine
+                     ("launch", "rlflow-gpus-reward", {"L4": 1, "A10G": 1}),  # no override: the recipe's
+                     ("launch", "rlflow-gpus-replica", "L4:1"),               # a replica is a generate machine
+                     ("jobs.launch", "rlflow-gpus-train-train-1", "A100:8"),
+                     ("jobs.launch", "rlflow-gpus-gen-evaluate-1", {"L4": 1, "A10G": 1})]  # its own job: its own
 
 
 def test_sky_launcher_needs_a_shared_store(tmp_path):
