@@ -249,6 +249,7 @@ class Router:
         self.replace_seconds: list[float] = []
         self.last_used = time.monotonic()
         self.changed = threading.Condition(self.lock)
+        self.client = None                # the forwarding client (httpx.AsyncClient)
 
     # ------------------------------------------------------------------------------------------ members
 
@@ -436,10 +437,12 @@ class Router:
                 self.counts["retried"] += 1
             attempt += 1
             life = m.life
+            if self.client is None:          # (one client, its connections kept: made in the server's loop)
+                self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10),
+                                                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64))
             try:
-                async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
-                    r = await client.post(f"{m.url}/sample", json=body,
-                                          headers={"authorization": f"Bearer {self.token}"})
+                r = await self.client.post(f"{m.url}/sample", json=body,
+                                           headers={"authorization": f"Bearer {self.token}"})
             except httpx.TransportError as e:
                 self.lost(m, f"{type(e).__name__}: {e}", life)
                 continue
