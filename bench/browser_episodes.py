@@ -40,7 +40,7 @@ class Policy:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def sample(self, prompt_ids, params: SamplingParams) -> Sampled:
+    def sample(self, prompt_ids, params: SamplingParams, keys=None) -> Sampled:
         tokenizer, out = self.tokenizer, []
         for i, ids in enumerate(prompt_ids):
             toks = tokenizer(reference_action(tokenizer.decode(ids)), add_special_tokens=False)["input_ids"]

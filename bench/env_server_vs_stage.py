@@ -32,7 +32,7 @@ class Echo:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def sample(self, prompt_ids, params):
+    def sample(self, prompt_ids, params, keys=None):
         tokenizer, out = self.tokenizer, []
         for i, ids in enumerate(prompt_ids):
             text = tokenizer.decode(ids[-12:])

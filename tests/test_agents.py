@@ -36,7 +36,7 @@ class Recorder:
         self.session, self.tokenizer, self.load_seconds = session, session.tokenizer, 0.0
         self.requests: list[tuple[list[list[int]], SamplingParams, Sampled]] = []
 
-    def sample(self, prompt_ids, params):
+    def sample(self, prompt_ids, params, keys=None):
         out = self.session.sample(prompt_ids, params)
         self.requests.append(([list(p) for p in prompt_ids], params, out))
         return out

@@ -30,7 +30,7 @@ class Scripted(SamplingSession):
     def __init__(self, tokenizer, reply):
         self.tokenizer, self.reply, self.sampled = tokenizer, reply, []
 
-    def sample(self, prompt_ids, params: SamplingParams) -> Sampled:
+    def sample(self, prompt_ids, params: SamplingParams, keys=None) -> Sampled:
         tok, out = self.tokenizer, []
         for i, ids in enumerate(prompt_ids):
             toks = tok(self.reply(tok.decode(ids)), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

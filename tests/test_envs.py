@@ -34,7 +34,7 @@ class Scripted(SamplingSession):
         self.tokenizer = tokenizer
         return self
 
-    def sample(self, prompt_ids, params: SamplingParams) -> Sampled:
+    def sample(self, prompt_ids, params: SamplingParams, keys=None) -> Sampled:
         tokenizer = self.tokenizer
         self.calls.append([list(p) for p in prompt_ids])
         out = []

@@ -371,7 +371,7 @@ class Recording:
         self.tokenizer = session.tokenizer if session is not None else tokenizer
         self.sampled: list[tuple[list[int], list[int], list[float]]] = []
 
-    def sample(self, prompt_ids, params):
+    def sample(self, prompt_ids, params, keys=None):
         from tasks.core.contracts import Sample, Sampled
 
         if self.session is not None:
