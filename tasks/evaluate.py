@@ -113,6 +113,7 @@ def evaluate(cfg: Config, iteration: int) -> dict:
                     n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0,
                     seed=seed), policy)
                 score_records(functions, greedy, cfg.reward.aggregate, state)
+            routed = session.metrics("eval") if cfg.generate.replicas else {}  # per replica, the router's counts
         # per episode: an agent's step-wise samples after its first (Rollout.part > 0) are not counted again
         episodes, greedy_episodes = ([r for r in recs if not r.part] for recs in (records, greedy))
         passed = _passes(cfg, episodes, len(rows))
@@ -123,7 +124,7 @@ def evaluate(cfg: Config, iteration: int) -> dict:
             metrics["eval/greedy_pass_at_1"] = sum(_passes(cfg, greedy_episodes, len(rows))) / len(rows)
             lead = [r.reward for r in greedy_episodes if r.reward is not None]
             metrics["eval/greedy_reward_mean"] = sum(lead) / max(len(lead), 1)
-        metrics.update({"eval/prompts": float(len(rows)), "eval/seconds": time.perf_counter() - t0})
+        metrics.update({"eval/prompts": float(len(rows)), "eval/seconds": time.perf_counter() - t0, **routed})
         with tempfile.TemporaryDirectory(prefix="rlflow-eval-") as tmp:
             rollout.write(records, Path(tmp))
             if greedy:
