@@ -125,6 +125,7 @@ def test_a_trainer_held_by_the_caller_publishes_the_same_and_starts_no_process(r
         _cfg(tmp_path, "held", extra=["train.engine=deepspeed"], host="caller")
 
 
+@AT_LENGTH
 @pytest.mark.drill
 def test_a_caller_killed_inside_a_background_checkpoint_resumes_bit_identically(reference, tmp_path):
     """The caller holding the trainer is the process that dies (SIGKILL while its thread writes full-4, ckpt-4
@@ -237,6 +238,7 @@ def test_the_trainer_is_found_again_after_its_caller_died_and_an_idle_one_stops(
     _finish(cfg)
 
 
+@AT_LENGTH
 def test_a_lost_trainer_is_restored_by_prepare_before_the_train_request_comes(reference, tmp_path):
     """What the flow does while generate runs (flows/training.py: _warm_trainer): a new trainer restores then,
     and the train request finds it ready; a late prepare never moves a trainer back."""
@@ -262,7 +264,7 @@ def test_a_lost_trainer_is_restored_by_prepare_before_the_train_request_comes(re
     _finish(cfg)
 
 
-@pytest.mark.parametrize("host", ["caller", "detached"])
+@pytest.mark.parametrize("host", ["caller", pytest.param("detached", marks=AT_LENGTH)])
 def test_a_flow_ends_with_a_full_checkpoint_even_when_its_trainer_died(tmp_path, host):
     """The trainer that committed the newest iteration is gone (a killed flow process holding it, a killed
     detached one) and the flow run that ends reused that iteration: finish still leaves its full checkpoint,

@@ -117,6 +117,7 @@ def test_train_measures_the_mismatch_on_vllm_rollouts(offline):
     assert math.isfinite(metrics["train/mismatch_kl"]) and 0 <= metrics["train/mismatch_kl"] < 1e-8
 
 
+@AT_LENGTH
 def test_batches_larger_than_one_engine_step_on_cpu(tmp_path):
     """A batch whose prompts exceed one engine step's token budget (offline: 8192 tokens; 256 seeded requests of
     ~150 tokens here). With vLLM's chunked prefill a split prompt rewinds its seeded generator, which a CPU
