@@ -132,7 +132,8 @@ SMALL = ["-o", "run.name=rot", "-o", "generate.prompts_per_iteration=2", "-o", "
 
 @pytest.mark.slow
 @pytest.mark.drill
-@pytest.mark.parametrize("mode", ["inline", pytest.param("local", marks=AT_LENGTH)])
+@AT_LENGTH
+@pytest.mark.parametrize("mode", ["inline", "local"])
 def test_a_corrupt_committed_artifact_is_moved_aside_and_made_again(prefect_api, tmp_path, mode):
     """A byte of the newest published policy flips after its manifest was written; the next iteration's
     generate reads it: one line names the file, the policy goes to <run>/quarantine/, publish makes it again

@@ -14,7 +14,7 @@ import pytest
 from tasks.core.errors import UserError
 from tasks.core.lease import Lease
 from tasks.core.store import FileStore, S3Store
-from tests.conftest import TINY, read_summary, run_cli, s3_overrides
+from tests.conftest import AT_LENGTH, TINY, read_summary, run_cli, s3_overrides
 
 
 @pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.server)])
@@ -114,6 +114,7 @@ def test_run_names_have_separate_leases(store):
         assert store._list("") == []
 
 
+@AT_LENGTH
 @pytest.mark.slow
 def test_cli_refuses_a_second_run_of_the_same_name_and_runs_another_name_beside_it(prefect_api, s3_endpoint, bucket,
                                                                                    tmp_path):

@@ -210,6 +210,7 @@ def test_process_mode_resumes_from_a_resident_runs_lean_checkpoints(reference, t
     assert _policies(process) == reference
 
 
+@AT_LENGTH
 def test_the_trainer_is_found_again_after_its_caller_died_and_an_idle_one_stops(reference, tmp_path):
     # idle_timeout: long enough for a stage process to import torch and ask on a loaded 2-core machine (~4 s),
     # short enough to watch the idle stop

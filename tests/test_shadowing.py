@@ -46,6 +46,7 @@ def test_a_child_gets_rlflows_root_first_and_no_working_directory(tmp_path, monk
     assert "PYTHONSAFEPATH" not in os.environ and os.environ["PYTHONPATH"] == "/elsewhere"   # ... and no more
 
 
+@AT_LENGTH
 @pytest.mark.slow
 def test_rlflow_run_from_a_folder_with_its_own_tasks_and_flows(tmp_path, prefect_api):
     """`rlflow run` of the demo from there: the reward worker (`-m tasks.scoring.worker`), the train stage as its

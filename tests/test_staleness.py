@@ -20,7 +20,7 @@ from tasks.core import layout
 from tasks.core.config import load_config
 from tasks.core.errors import UserError
 from tasks.core.store import open_store
-from tests.conftest import ROOT, TINY, user_module
+from tests.conftest import AT_LENGTH, ROOT, TINY, user_module
 
 ITERATIONS = 4
 
@@ -196,6 +196,7 @@ def reward(completions, answer, **kw):
 '''
 
 
+@AT_LENGTH
 @pytest.mark.slow
 @pytest.mark.drill
 def test_a_failed_stage_of_the_next_iteration_is_retried_while_this_one_trains(prefect_api, tmp_path, monkeypatch,

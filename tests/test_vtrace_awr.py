@@ -13,7 +13,7 @@ import torch
 from tasks.algorithms.ppo import gae
 from tasks.algorithms.vtrace import awr_weights, kl_behaviour, lagrange_loss, vtrace
 from tasks.core.config import load_config
-from tests.conftest import TINY
+from tests.conftest import AT_LENGTH, TINY
 from tests.test_ppo import _random_episode_mask
 
 
@@ -162,6 +162,7 @@ def test_the_environments_tokens_never_move_a_value_learner(algorithm):
 
 # ------------------------------------------------------------------------------------------ resume
 
+@AT_LENGTH
 @pytest.mark.slow
 @pytest.mark.drill
 def test_a_resident_vtrace_awr_trainer_killed_mid_run_publishes_what_process_mode_publishes(tmp_path, monkeypatch):
