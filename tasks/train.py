@@ -19,7 +19,9 @@ started us).
             stages, deepspeed: a torchrun group of train.num_processes, its process 0 answering;
             tasks/engines/resident.py): it writes ckpt-N lean (the policy alone) and a full checkpoint every
             train.checkpoint_every iterations. The flow's end finishes it (finish_trainer: a full checkpoint of
-            its last iteration, then it stops).
+            its last iteration, then it stops). On several nodes (NNODES > 1: sky/train.yaml runs this on each)
+            the deepspeed group spans them: each node's stage finds or starts its node's part, node 0's asks
+            the group to train, the others wait until it has committed ckpt-N.
 Both give the same weights, bit for bit on a CPU.
 """
 
@@ -30,12 +32,11 @@ import sys
 from typing import TYPE_CHECKING
 
 from tasks.core import layout, rollout
-from tasks.core.config import distributed_by_hand
 from tasks.core.errors import UserError
 from tasks.core.models import policy_dtype
 from tasks.core.stage import fingerprint, in_stage_process, require_input, reuse, stage_cli
 from tasks.core.store import open_store
-from tasks.engines.resident import ResidentTrainer
+from tasks.engines.resident import ResidentTrainer, node_layout
 from tasks.engines.trainer import InProcessTrainer, unfinished
 
 if TYPE_CHECKING:
@@ -45,9 +46,13 @@ if TYPE_CHECKING:
 
 def train(cfg: Config, iteration: int) -> dict:
     """Update the policy on iteration `iteration`'s scored rollouts; returns {key, uri, metrics}."""
-    if cfg.resident_trainer and distributed_by_hand():   # (auto never picks resident there)
-        raise UserError("train.mode: resident keeps one trainer (or one torchrun group) on one machine; on "
-                        "several nodes or inside torchrun use train.mode process (or auto)")
+    if cfg.resident_trainer and "RANK" in os.environ:    # (auto never picks resident there)
+        raise UserError("train.mode: resident keeps one trainer (one torchrun group of its own, started by the "
+                        "stage); inside a torchrun started by hand use train.mode process (or auto)")
+    if cfg.resident_trainer and node_layout()[0] > 1 and cfg.train.engine != "deepspeed":
+        raise UserError(f"train.mode: resident keeps one trainer of one process with train.engine torch, but "
+                        f"NNODES={node_layout()[0]}; use train.engine=deepspeed (one resident group across the "
+                        f"nodes) or one node")
     store = open_store(cfg)
     run = cfg.run.name
     key = layout.checkpoint(run, iteration)

@@ -14,7 +14,8 @@ Every setting trains iterations 1 and 2 with two optimiser passes per iteration 
     ZeRO 1 and 3, 1 -> 2 at ZeRO 2, through DeepSpeed's universal checkpoint; it must equal the torch engine's
     uninterrupted iteration 3.
 These run in train.mode process (one torchrun per stage); the resident group (train.mode resident: one torchrun
-across iterations) is tested on the same data against the same torch run, through a kill.
+across iterations, on one machine and across two "nodes") is tested on the same data against the same torch run,
+through a kill.
 The three ZeRO stages use three loss types (dapo, grpo, dr_grpo), whose normalisers are the whole batch's
 token count, sequence count and sequence count x length: on two processes they must be all-reduced.
 9 completions, micro-batch 2: one process runs 5 micro-batches; with two, process 0 takes 5 completions
@@ -255,6 +256,7 @@ def test_one_process_matches_torch_resumes_exactly_and_publishes_16bit(stage, ro
         _check_resumed_on(tmp_path, extra, 2, ref)
 
 
+@AT_LENGTH
 @pytest.mark.parametrize("stage", [1])
 def test_two_processes_match_one_and_the_torch_engine(stage, rollouts, tmp_path, tmp_path_factory):
     """The stage starts `torchrun --nproc_per_node=2` itself; ZeRO shards over both processes. (ZeRO 2 on two
@@ -305,6 +307,85 @@ def test_two_nodes(rollouts, tmp_path, tmp_path_factory):
     fp32 = _fp32_weights(store, 2, tmp_path / "fp32")
     ref = _torch_reference("dr_grpo", rollouts, tmp_path_factory)
     assert all((fp32[k] - w).abs().max() <= WEIGHT_ATOL for k, w in ref["weights"].items())
+
+
+@AT_LENGTH
+@pytest.mark.drill
+def test_a_resident_group_across_two_nodes_trains_as_the_torch_engine_and_resumes_after_losing_a_node(
+        rollouts, tmp_path, tmp_path_factory):
+    """train.mode resident on two nodes of one process each, on this machine: each node runs what sky/train.yaml
+    runs on it (`python -m tasks.train` with NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT), which finds or starts its
+    node's part of one torchrun group (ZeRO 3) across both; node 0's stage sends the train request, node 1's waits
+    for ckpt-N. The group is kept between iterations 1 and 2 (lean ckpt-N, no full checkpoint before 10). Then
+    node 1's processes are SIGKILLed (a lost node): node 0's part ends by itself, and iteration 3's stage on both
+    nodes starts a new group, which restores the base model and replays 1-2 (the replay must reproduce the lean
+    ckpt-2 bit for bit on a CPU, or the restore fails). The flow's end (`python -m tasks.train finish` on both
+    nodes) writes full-3. Every iteration's metrics and full-3's weights equal the uninterrupted torch engine's."""
+    import signal
+    import time
+
+    from tasks.core.daemon import read_state
+    from tasks.core.processes import alive, descendants
+    from tasks.engines.resident import _stop, state_dir
+
+    ref = _torch_reference("dr_grpo", rollouts, tmp_path_factory)
+    cfg = _config(tmp_path, rollouts, ["train.engine=deepspeed", "train.zero_stage=3", "train.loss_type=dr_grpo",
+                                       "train.mode=resident"], iterations=(1, 2, 3))
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(cfg.model_dump(mode="json")))
+    port, paths = str(_free_port()), [state_dir() / f"{RUN}.json", state_dir() / f"{RUN}.node1.json"]
+
+    def on_both(*argv: str) -> list[dict]:
+        nodes = [subprocess.Popen([sys.executable, "-m", "tasks.train", *argv, "--config", str(config)], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "NNODES": "2", "NODE_RANK": str(node),
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                 for node in (0, 1)]
+        outs = [p.communicate(timeout=300) for p in nodes]
+        assert [p.returncode for p in nodes] == [0, 0], "\n".join(err[-3000:] for _, err in outs)
+        return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+    store, metrics = Store.open(cfg.store), []
+    try:
+        for it in (1, 2):
+            got = on_both("--iteration", str(it))
+            assert got[0] == got[1]                          # both stages report the committed ckpt-N
+            metrics.append(got[0]["metrics"])
+            states = [read_state(p) for p in paths]
+            assert [(s["node"], s["nodes"], s["processes"]) for s in states] == [(0, 2, 2), (1, 2, 2)]
+            if it == 1:
+                first = states
+        assert [s["pid"] for s in states] == [s["pid"] for s in first]          # one group, kept
+        assert store.manifest(layout.full_checkpoint(RUN, 2)) is None
+
+        for pid in [states[1]["pid"], *descendants(states[1]["pid"])]:          # node 1 is lost: torchrun and
+            os.kill(pid, signal.SIGKILL)                                         # its worker
+        deadline = time.monotonic() + 60
+        while alive(states[0]["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(states[0]["pid"]), "node 0's part outlived the loss of node 1"
+        log = paths[0].with_suffix(".log")
+        seen = log.stat().st_size
+        got = on_both("--iteration", "3")                                        # a new group, by replay
+        assert got[0] == got[1]
+        metrics.append(got[0]["metrics"])
+        assert all(read_state(p)["pid"] not in {s["pid"] for s in states} for p in paths)
+        assert "restored the state after iteration 2" in log.read_text()[seen:]
+        assert on_both("finish", "--iteration", "0") == [{"finished": 3}, {"finished": 3}]
+        assert not any(p.exists() for p in paths)
+    finally:
+        for p in paths:
+            if (state := read_state(p)) is not None:
+                _stop(p, state)
+    for got, want in zip(metrics, ref["metrics"]):
+        for k in METRIC_KEYS:
+            assert got[k] == pytest.approx(want[k], **METRIC_TOL), k
+    assert [store.manifest(layout.checkpoint(RUN, it))["meta"]["kind"] for it in (1, 2, 3)] == ["lean"] * 3
+    state = store.get_json(layout.full_checkpoint(RUN, 3), layout.CKPT_STATE)
+    assert (state["nodes"], state["world_size"], state["step"]) == (2, 2, 6)
+    fp32 = _fp32_weights(store, 3, tmp_path / "fp32", key=layout.full_checkpoint(RUN, 3))
+    for name, want in ref["weights3"].items():
+        assert (fp32[name] - want).abs().max() <= WEIGHT_ATOL, name
 
 
 @pytest.mark.drill
@@ -364,6 +445,7 @@ def _finish_trainer(cfg) -> int | None:
     return finish_trainer(cfg)
 
 
+@AT_LENGTH
 def test_bf16_and_optimizer_offload(rollouts, tmp_path, tmp_path_factory, as_worker):
     """What a GPU run uses, here on CPU: bf16 compute with fp32 masters, optimizer states offloaded and
     stepped by DeepSpeedCPUAdam. Close to the fp32 torch engine, not equal (bf16 logits)."""
@@ -436,7 +518,8 @@ def test_a_resident_group_with_a_value_head_resumes_after_a_kill_as_the_torch_en
     assert (tmp_path / "full3" / layout.CKPT_CRITIC_OPTIMIZER).exists()
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", pytest.param("vtrace_awr", marks=AT_LENGTH)])   # (the same head)
+@AT_LENGTH
+@pytest.mark.parametrize("algorithm", ["ppo", "vtrace_awr"])   # (the same head)
 def test_a_value_head_on_two_processes_trains_as_the_torch_engine_and_resumes_on_one(
         algorithm, rollouts, tmp_path, tmp_path_factory):
     """train.algorithm ppo / vtrace_awr with the value head outside ZeRO: two processes (ZeRO 2) train

@@ -376,18 +376,23 @@ def test_a_bf16_policy_keeps_the_trainers_fp32_weights_exact(tmp_path, monkeypat
     _finish(resident)
 
 
-def test_auto_is_resident_on_one_machine_and_an_explicit_resident_on_several_nodes_is_one_line(tmp_path,
-                                                                                               monkeypatch):
-    """auto: resident with either engine on one machine (DeepSpeed: one torchrun group); process on several
-    nodes (NNODES, as sky/train.yaml sets it) and inside a torchrun started by hand; train.mode resident there
-    is refused before anything is read or written."""
+def test_auto_is_resident_on_one_machine_and_on_several_nodes_and_process_inside_a_torchrun_by_hand(tmp_path,
+                                                                                                     monkeypatch):
+    """auto: resident with either engine on one machine (DeepSpeed: one torchrun group) and on several nodes
+    (NNODES, as sky/train.yaml sets it: one DeepSpeed group across them; the torch engine is refused there);
+    process inside a torchrun started by hand, where train.mode resident is refused before anything is read
+    or written."""
     for engine in ("torch", "deepspeed"):
         assert load_config(TINY, [f"train.engine={engine}"]).resident_trainer
     auto, explicit = load_config(TINY, ["train.engine=deepspeed"]), _cfg(tmp_path, "nodes")
-    for var, value in (("NNODES", "2"), ("RANK", "0")):
-        with monkeypatch.context() as m:
-            m.setenv(var, value)
-            assert not auto.resident_trainer and explicit.resident_trainer
-            with pytest.raises(UserError, match="train.mode: resident keeps one trainer"):
-                train(explicit, 1)
+    with monkeypatch.context() as m:
+        m.setenv("NNODES", "2")
+        assert auto.resident_trainer and explicit.resident_trainer
+        with pytest.raises(UserError, match="resident keeps one trainer of one process with train.engine torch"):
+            train(explicit, 1)
+    with monkeypatch.context() as m:
+        m.setenv("RANK", "0")
+        assert not auto.resident_trainer and explicit.resident_trainer
+        with pytest.raises(UserError, match="train.mode: resident keeps one trainer"):
+            train(explicit, 1)
     assert not (tmp_path / "store").exists()

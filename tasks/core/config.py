@@ -485,8 +485,9 @@ class TrainConfig(Section):
                     "iterations, writes the policy every iteration and a full checkpoint every checkpoint_every "
                     "iterations (and when the flow ends); a lost trainer resumes exactly by replaying the stored "
                     "iterations after the newest full checkpoint (deepspeed: one resident torchrun group of "
-                    "train.num_processes on the train machine). auto: resident, except on several nodes "
-                    "(NNODES > 1), inside a torchrun started by hand, and with launcher.managed_jobs for a sky "
+                    "train.num_processes per node, spanning every node of the train cluster (NNODES); losing any "
+                    "node ends the group, and the next train stage starts a new one, which replays). auto: "
+                    "resident, except inside a torchrun started by hand and with launcher.managed_jobs for a sky "
                     "train stage. Both give the same weights.")
     host: Literal["auto", "caller", "detached"] = Field(
         "auto", json_schema_extra=HOW_NOT_WHAT,
@@ -808,11 +809,6 @@ class CostConfig(Section):
                         "of this machine); a stage with no price known logs no cost metric.")
 
 
-def distributed_by_hand() -> bool:
-    """This process is a torchrun worker, or one of several nodes' train stages (NNODES, sky/train.yaml)."""
-    return "RANK" in os.environ or int(os.environ.get("NNODES") or 1) > 1
-
-
 class Config(Section):
     """A whole run. Sections left out take their defaults."""
 
@@ -833,11 +829,12 @@ class Config(Section):
     @property
     def resident_trainer(self) -> bool:
         """Whether a resident trainer trains this run: train.mode, with auto resolved on the machine that asks:
-        resident, unless the train stage runs as SkyPilot managed jobs (whose cluster ends with each job), on
-        several nodes, or inside a torchrun started by hand (tasks/train.py refuses resident there)."""
+        resident, unless the train stage runs as SkyPilot managed jobs (whose cluster ends with each job) or
+        inside a torchrun started by hand (tasks/train.py refuses resident there). On several nodes (NNODES) the
+        deepspeed trainer is one resident group across them (tasks/engines/resident.py)."""
         if self.train.mode != "auto":
             return self.train.mode == "resident"
-        return not self._managed_train() and not distributed_by_hand()
+        return not self._managed_train() and "RANK" not in os.environ
 
     def _managed_train(self) -> bool:
         return self.launcher.managed_jobs and self.launcher.mode_of("train") == "sky"

@@ -105,7 +105,8 @@ class DeepSpeedEngine:
     @classmethod
     def torchrun(cls, cfg: Config) -> tuple[list[str], dict[str, str]]:
         """The torchrun command line (up to the module it runs) and environment that start this node's workers:
-        the stage's (launch) and the resident trainer's group (tasks/engines/resident.py)."""
+        the stage's (launch) and the resident trainer's group (tasks/engines/resident.py; on several nodes this
+        node's part of one group across them, rendezvous at MASTER_ADDR:MASTER_PORT as the stage's)."""
         cls.check_installed(cfg)
         device = device_for(cfg)
         nproc = cfg.train.num_processes or (torch.cuda.device_count() if device.type == "cuda" else 1)

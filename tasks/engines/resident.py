@@ -30,12 +30,26 @@ process 0 answers the stage and hands each train/finish request to the others (a
 their own, which may wait as long as the trainer idles) before all of them run it; the state file names the
 torchrun process, so stopping it stops the group. A failure on any process ends the whole group (torchrun
 stops the others), and the retried stage starts a new one, which resumes by replay.
+
+On several nodes (NNODES > 1, NODE_RANK, MASTER_ADDR, MASTER_PORT: what sky/train.yaml exports; sky exec runs the
+stage on every node) the group is one torchrun across them: each node's stage finds or starts its node's part
+(`torchrun --nnodes=N --node_rank=r`, rendezvous at node 0's MASTER_ADDR:MASTER_PORT; its state file
+<run>.node<r>.json on nodes after the first), and the parts wait for each other to form the group. Node 0's
+stage sends the requests, as on one node; another node's stage asks its part only to wait until the group has
+committed ckpt-N (the request must reach the part within REQUEST_WAIT s), and at the flow's end until the group
+has run the finish node 0 asked for. Each node's first process keeps a link (TCP, heartbeats) with process 0:
+a link that closes or falls silent for LINK_TIMEOUT s means a lost node, and both ends stop their node's part,
+so losing any node ends the whole group (no collective waits for a dead peer); the group's state files stay,
+naming dead processes, so each node's next stage stops what is left and starts a new part, and the new group
+resumes by replay.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -60,25 +74,51 @@ if TYPE_CHECKING:
 START_TIMEOUT = 1800.0           # seconds a new trainer may take to import torch and answer (not to load a model)
 MARKER = "tasks.engines.resident"
 FOLLOWER_GRACE = 30.0            # seconds a failed follower waits for process 0 to end the group (see follow)
+LINK_BEAT = 5.0                  # several nodes: seconds between heartbeats on a node's link with process 0
+LINK_TIMEOUT = 120.0             # a link silent this long is a lost node (a machine that went away sends no FIN)
+REQUEST_WAIT = 600.0             # seconds another node's part waits for node 0's stage's train request to reach it
+FINISH_WAIT = START_TIMEOUT      # seconds another node's finish waits for the group to run node 0's finish
 
 
 def state_dir() -> Path:
     return cache_root() / "trainer"
 
 
+def node_layout() -> tuple[int, int]:
+    """(nodes, this node's rank) of the train stage, from the environment sky/train.yaml sets (NNODES, NODE_RANK);
+    (1, 0) on one machine."""
+    nodes = int(os.environ.get("NNODES") or 1)
+    return (nodes, int(os.environ.get("NODE_RANK") or 0)) if nodes > 1 else (1, 0)
+
+
+def group_key(cfg: Config) -> str:
+    """What this node's part of the run's trainer must have been started with: the config (trainer_key) and, on
+    several nodes, the group's layout (node count and rendezvous address: a relaunched cluster's new addresses
+    replace it)."""
+    nodes, _ = node_layout()
+    if nodes == 1:
+        return trainer_key(cfg)
+    where = f"{nodes}@{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT') or 29500}"
+    return f"{trainer_key(cfg)}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
+
+
 # ------------------------------------------------------------------------------------------ the stage's side
 
 class ResidentTrainer:
-    """train.host detached: the train stage's handle on its run's resident trainer process (on this machine)."""
+    """train.host detached: the train stage's handle on its run's resident trainer process (on this machine; on
+    several nodes, on each node its part of the group: node 0's stage drives it, another node's waits for it)."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.path = state_dir() / f"{cfg.run.name}.json"
+        self.nodes, self.node = node_layout()
+        name = cfg.run.name if self.node == 0 else f"{cfg.run.name}.node{self.node}"
+        self.path = state_dir() / f"{name}.json"
         self.daemon = _daemon(self.path)
-        self.key = trainer_key(cfg)
+        self.key = group_key(cfg)
 
     def train(self, iteration: int, fingerprint: str) -> dict:
-        """Have the trainer train iteration `iteration` (starting one if none runs); it commits ckpt-N."""
+        """Have the trainer train iteration `iteration` (starting one if none runs); it commits ckpt-N. (Another
+        node: this node's part joins the group if none runs, and this returns once the group committed ckpt-N.)"""
         return self._request({"op": "train", "iteration": iteration, "fingerprint": fingerprint}, start=True)
 
     def prepare(self, iteration: int) -> int:
@@ -91,10 +131,12 @@ class ResidentTrainer:
         """A full checkpoint of the trainer's last iteration, then it exits. Returns that iteration, or None
         when no trainer of this run runs here (nothing to do; with `catch_up`, one is started when the run's
         newest iteration lacks a full checkpoint, and writes it)."""
+        if self.node:
+            return self._finish_part(catch_up)
         state = self.daemon.read()
-        if state is not None and alive(state["pid"]) and state.get("key") != self.key:
-            self.daemon.stop(state)     # made for another config: it cannot be asked to write our checkpoint
-            state = None
+        if state is not None and alive(state["pid"]) and (state.get("key") != self.key or "socket" not in state):
+            self.daemon.stop(state)     # made for another config (it cannot be asked to write our checkpoint), or
+            state = None                # its starter died before it answered
         if state is None or not alive(state["pid"]):
             if not catch_up:
                 return None
@@ -106,6 +148,37 @@ class ResidentTrainer:
             time.sleep(0.05)
         return full
 
+    def _finish_part(self, catch_up: bool) -> int | None:
+        """Another node than the first: its part runs the finish node 0's stage asks the group for, then records
+        the full checkpoint's iteration in its state file and exits; this waits for that (whether it came before
+        or after this call). With `catch_up` and no part here, one is started to join node 0's new group (node 0
+        decides the same from the same store: nothing runs there either once a node is gone)."""
+        state = self.daemon.read()
+        if state is not None and "finished" in state and not alive(state["pid"]):
+            forget(self.path, state["pid"])
+            return state["finished"]
+        if state is not None and (state.get("key") != self.key or "socket" not in state or not alive(state["pid"])):
+            self.daemon.stop(state)
+            state = None
+        if state is None:
+            if not catch_up:
+                return None
+            self._ensure()
+            state = self.daemon.read()
+        deadline = time.monotonic() + FINISH_WAIT
+        while alive(state["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        now = self.daemon.read() or {}
+        if now.get("pid") == state["pid"] and "finished" in now and not alive(state["pid"]):
+            forget(self.path, state["pid"])
+            return now["finished"]
+        # The group ended without a finish (a node was lost), or outlived the wait: as node 0 finds nothing to
+        # finish then, None (finish_trainer then catches up, as node 0 does, when the newest iteration lacks one).
+        print(f"node {self.node}'s part of the resident trainer of run {self.cfg.run.name} ended without the "
+              f"group's finish (log: {self.path.with_suffix('.log')})", file=sys.stderr, flush=True)
+        self.daemon.stop(state)
+        return None
+
     def close(self) -> None:
         """Nothing: the trainer outlives the stage (the flow finishes it; idle, it stops itself)."""
 
@@ -116,9 +189,10 @@ class ResidentTrainer:
                 conn.send(message)
                 status, payload = conn.recv()
         except (ConnectionError, EOFError, OSError) as e:
-            raise RuntimeError(f"the resident trainer of run {self.cfg.run.name} died or went away during "
-                               f"{message['op']} ({type(e).__name__}); a retry starts a new one, which resumes "
-                               f"by replay (log: {self.path.with_suffix('.log')})") from e
+            raise RuntimeError(f"the resident trainer of run {self.cfg.run.name}"
+                               f"{f' (node {self.node} of {self.nodes})' if self.nodes > 1 else ''} died or went "
+                               f"away during {message['op']} ({type(e).__name__}); a retry starts a new one, which "
+                               f"resumes by replay (log: {self.path.with_suffix('.log')})") from e
         if status == "user_error":
             raise UserError(payload)
         if status == "error":
@@ -136,7 +210,10 @@ class ResidentTrainer:
         return self._address(self.daemon.ensure(self.key, self._answers, self._start))
 
     def _answers(self, state: dict) -> bool:
-        """A ping, answered at once even while the trainer is busy with another request."""
+        """A ping, answered at once even while the trainer is busy with another request (on several nodes: "ok"
+        only while the whole group is linked). A state file without a socket is a start whose caller died."""
+        if "socket" not in state:
+            return False
         address, authkey = self._address(state)
         try:
             with Client(address, authkey=authkey) as conn:
@@ -158,16 +235,24 @@ class ResidentTrainer:
         from tasks.core.process_wide import rlflow_first
 
         # (`-m` from the user's folder: rlflow_first, so that it imports rlflow's tasks, not a tasks/ there)
-        env = rlflow_first({**env, "RLFLOW_TRAINER_AUTHKEY": authkey, "PYTHONUNBUFFERED": "1",
+        env = rlflow_first({**env, "RLFLOW_TRAINER_AUTHKEY": authkey, "RLFLOW_TRAINER_KEY": self.key,
+                            "PYTHONUNBUFFERED": "1",
                             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", ""))
                                                           if p)})
+        if self.nodes > 1:          # where the other nodes' first processes reach process 0 (its link server)
+            env["RLFLOW_LINK_ADDR"] = os.environ["MASTER_ADDR"]
 
-        def ready(spawned: dict) -> dict | None:       # it writes the state file once it listens
+        def ready(spawned: dict) -> dict | None:       # it writes the state file (with its socket) once it listens
             state = self.daemon.read()
-            return state if state is not None and state.get("pid") == spawned["pid"] else None
+            return state if state is not None and state.get("pid") == spawned["pid"] and "socket" in state else None
 
+        # The state file is written now (without a socket) and rewritten by the trainer once it listens: a stage
+        # killed during the start leaves it, and the next one stops that trainer before it starts another (on
+        # several nodes a second part of one node would join the rendezvous beside the first).
         return self.daemon.start([*argv, "-m", MARKER, "serve", str(self.path), str(config)], env, ready,
-                                 START_TIMEOUT, f"the resident trainer of run {self.cfg.run.name}")
+                                 START_TIMEOUT, f"the resident trainer of run {self.cfg.run.name}"
+                                 + (f" (node {self.node} of {self.nodes})" if self.nodes > 1 else ""),
+                                 state={"key": self.key, "node": self.node})
 
 
 def _daemon(path: Path) -> Daemon:
@@ -184,24 +269,41 @@ def _stop(path: Path, state: dict) -> None:
 
 class Group:
     """The trainer's processes: this one alone (torch engine), or a torchrun group (deepspeed engine) whose
-    process 0 answers the stage and shares each request with the others before all of them run it."""
+    process 0 answers the stage and shares each request with the others before all of them run it. On several
+    nodes each other node's first process also answers its node's stage (which waits for the group) and holds a
+    link with process 0 (`_link`)."""
 
     def __init__(self, cfg: Config):
         self.rank, self.size = int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1)
         self.torchrun = "RANK" in os.environ
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        self.node = int(os.environ.get("GROUP_RANK") or self.rank // per_node)
+        self.nodes = max(1, self.size // per_node)
+        self.leads = int(os.environ.get("LOCAL_RANK") or 0) == 0     # answers its node's stage (has a state file)
         self.control = None
+        self.broken = False            # ending after a failure or a lost node: pings are refused
+        self.ending = False            # leaving on purpose (finish): a link that closes then is no loss
+        self.failed: tuple[str, str] | None = None     # a follower's failure, told to its node's waiting stage
+        self.seen = self.done = 0      # the newest iteration whose train request this process got / finished
+        self.state_path: Path | None = None            # another node's first process: its state file (see serve)
+        self.state: dict | None = None
+        self.links: dict[int, socket.socket] = {}
+        self.parent = os.getppid()     # (torchrun's process)
         if self.torchrun:
+            threading.Thread(target=self._orphaned, daemon=True).start()
             from tasks.engines.deepspeed_engine import join_group
 
             join_group(cfg)
             if self.size > 1:   # its own gloo group: an idle trainer's followers wait in it for days, not 30 min
                 import torch.distributed as dist
                 self.control = dist.new_group(backend="gloo", timeout=timedelta(days=7, minutes=10))
+            if self.nodes > 1:
+                self._link()
 
     @property
     def pid(self) -> int:
         """The process the state file names: torchrun (stopping it stops the group), or this one."""
-        return os.getppid() if self.torchrun else os.getpid()
+        return self.parent if self.torchrun else os.getpid()
 
     def share(self, message: dict) -> None:
         """Process 0: hand a request to the others (they wait for it in `follow`)."""
@@ -219,18 +321,111 @@ class Group:
     def stop(self, code: int) -> None:
         """End every process of the group now (torchrun stops the others when one fails)."""
         sys.stdout.flush()
-        if self.torchrun and self.size > 1:
+        if self.torchrun and self.size > 1 and os.getppid() == self.parent:    # (never a process that adopted us)
             import signal
             try:
-                os.kill(os.getppid(), signal.SIGTERM)
+                os.kill(self.parent, signal.SIGTERM)
             except ProcessLookupError:
                 pass
         os._exit(code)
 
+    def _orphaned(self) -> None:
+        """A worker whose torchrun is gone ends too: torchrun stops its workers when it lives to, but it starts
+        each in a session of its own, so a SIGKILLed torchrun (or a stop that reached only it) left them running,
+        and on several nodes still in the group."""
+        while os.getppid() == self.parent:
+            time.sleep(1.0)
+        print(f"resident trainer: process {self.rank}'s torchrun is gone; exiting", flush=True)
+        os._exit(1)
+
+    # -------------------------------------------------------------------- several nodes: the links
+
+    def _link(self) -> None:
+        """Process 0 and every other node's first process hold a TCP connection on which each end sends a
+        heartbeat every LINK_BEAT s. A killed node's connection closes at once, a machine that went away falls
+        silent: after LINK_TIMEOUT s without a word either end takes the other's node for lost and stops its own
+        node's part (`lost`), so losing any node ends the whole group, none of it left waiting in a collective
+        for a peer that is gone. The port is any free one of process 0's, handed out on the control group with
+        a token that a connection must show."""
+        if self.rank == 0:
+            token = secrets.token_hex(16)
+            dual = socket.has_dualstack_ipv6()
+            server = socket.create_server(("", 0), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                          dualstack_ipv6=dual)
+            with server:
+                self.share({"link": server.getsockname()[1], "token": token})
+                deadline = time.monotonic() + LINK_TIMEOUT
+                while len(self.links) < self.nodes - 1:
+                    server.settimeout(max(0.1, deadline - time.monotonic()))
+                    conn, _ = server.accept()      # (socket.timeout: a node never came; the group does not start)
+                    conn.settimeout(LINK_TIMEOUT)
+                    try:
+                        node, _, theirs = _read_line(conn).partition(" ")
+                    except OSError:
+                        node, theirs = "", ""
+                    if theirs != token or not node.isdigit() or not 0 < int(node) < self.nodes:
+                        conn.close()
+                        continue
+                    self.links[int(node)] = conn
+        else:
+            link = self.receive()
+            if self.leads:
+                address = (os.environ.get("RLFLOW_LINK_ADDR") or os.environ["MASTER_ADDR"], link["link"])
+                conn = socket.create_connection(address, timeout=LINK_TIMEOUT)
+                conn.sendall(f"{self.node} {link['token']}\n".encode())
+                self.links[0] = conn
+        for node, conn in self.links.items():
+            threading.Thread(target=self._beat, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._watch_link, args=(node, conn), daemon=True).start()
+
+    def linked(self) -> bool:
+        return not self.broken
+
+    @staticmethod
+    def _beat(conn: socket.socket) -> None:
+        while True:
+            time.sleep(LINK_BEAT)
+            try:
+                conn.sendall(b".")
+            except OSError:
+                return                  # (its watcher sees the link go)
+
+    def _watch_link(self, node: int, conn: socket.socket) -> None:
+        while True:
+            try:
+                data = conn.recv(64)
+            except OSError:             # (socket.timeout among them: silent for LINK_TIMEOUT s)
+                data = b""
+            if not data:
+                break
+        if not self.ending:
+            self.lost(f"node {node}" if self.rank == 0 else "node 0")
+
+    def lost(self, what: str) -> None:
+        """A node of the group is gone: this node's part ends now, and with it the group. The state file stays,
+        naming processes that are gone or going: the next stage on this node stops what is left (and waits
+        for it to be gone, so that a new part can take the rendezvous port) before it starts a new one."""
+        self.broken = True
+        print(f"resident trainer: lost the link with {what}; the group ends (a new one resumes by replay)",
+              flush=True)
+        if self.failed is not None:
+            time.sleep(1.0)             # (its node's waiting stage hears this process's own failure first)
+        self.stop(1)
+
+
+def _read_line(conn: socket.socket, limit: int = 256) -> str:
+    data = b""
+    while not data.endswith(b"\n") and len(data) < limit:
+        chunk = conn.recv(limit - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").strip()
+
 
 def serve(state_path: Path, config_path: Path) -> None:
     """The trainer's main loop: answer requests until finished, idle, or replaced (process 0 of a group; the
-    others follow it)."""
+    others follow it, and on several nodes each other node's first process also answers its node's stage)."""
     from tasks.core.config import load_config
     from tasks.core.stage import quiet_progress_bars
     from tasks.core.store import open_store
@@ -238,16 +433,26 @@ def serve(state_path: Path, config_path: Path) -> None:
     quiet_progress_bars()
     cfg = load_config(config_path)
     authkey = os.environ.pop("RLFLOW_TRAINER_AUTHKEY")
+    key = os.environ.pop("RLFLOW_TRAINER_KEY", "") or trainer_key(cfg)
     group = Group(cfg)
     host = Trainer(cfg, open_store(cfg), group.rank)
-    if group.rank != 0:
+    if not group.leads:
         follow(host, group)
     address = f"\0rlflow-trainer-{secrets.token_hex(8)}"         # abstract: no file, no path length limit
     listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(authkey))
-    state = {"pid": group.pid, "socket": address, "authkey": authkey, "key": trainer_key(cfg),
+    # (pgid: torchrun's, the group the start made; torch starts each worker in a session of its own)
+    state = {"pid": group.pid, "pgid": os.getpgid(group.pid), "socket": address, "authkey": authkey, "key": key,
              "log": str(state_path.with_suffix(".log")), "started": time.time(), "processes": group.size}
+    if group.nodes > 1:
+        state.update(nodes=group.nodes, node=group.node)
     write_state(state_path, state)                               # mode 600: it holds the socket's key
-    print(f"resident trainer of run {cfg.run.name}: pid {group.pid}, {group.size} process(es)", flush=True)
+    print(f"resident trainer of run {cfg.run.name}: pid {group.pid}, {group.size} process(es)"
+          + (f", node {group.node} of {group.nodes}" if group.nodes > 1 else ""), flush=True)
+    if group.rank != 0:         # another node's first process: it follows process 0, and its node's stage waits
+        group.state_path, group.state = state_path, state
+        threading.Thread(target=_serve_node, args=(listener, host, group), daemon=True).start()
+        threading.Thread(target=_watch_node, args=(group, state_path), daemon=True).start()
+        follow(host, group)
     busy, last_used = threading.Lock(), [time.monotonic()]
     threading.Thread(target=_watch, args=(host, group, state_path, busy, last_used), daemon=True).start()
     while True:
@@ -257,7 +462,7 @@ def serve(state_path: Path, config_path: Path) -> None:
 
 def follow(host: Trainer, group: Group) -> None:
     """A group's process other than 0: run each request process 0 shares, in step with it. Any failure ends the
-    group (process 0 reports it to the stage)."""
+    group (process 0 reports it to the stage; another node's waiting stage hears it from its first process)."""
     while True:
         try:
             message = group.receive()
@@ -265,21 +470,89 @@ def follow(host: Trainer, group: Group) -> None:
             group.stop(1)
         try:
             if message["op"] == "train":
+                group.seen = max(group.seen, message["iteration"])
                 host.train(message["iteration"], message["fingerprint"])
+                group.done = max(group.done, message["iteration"])
             elif message["op"] == "prepare":
                 host.prepare(message["iteration"])
             elif message["op"] == "finish":
-                host.final_checkpoint()
+                group.ending = True
+                full = host.final_checkpoint()
                 host.close()
+                if group.state is not None:     # another node's first process: its stage reads what was finished
+                    write_state(group.state_path, {**group.state, "finished": full})
                 sys.stdout.flush()
                 os._exit(0)                     # (process 0 exits once it has answered; then torchrun)
-        except BaseException:  # noqa: BLE001 - the group is out of step now: end it
+        except BaseException as e:  # noqa: BLE001 - the group is out of step now: end it
             traceback.print_exc()
+            group.failed = (("user_error", str(e)) if isinstance(e, UserError)
+                            else ("error", f"node {group.node}, process {group.rank}: {type(e).__name__}: {e}"))
             # Process 0, if it failed the same way (a user error), answers the stage and then ends the group
             # (torchrun stops us during this wait); if only this process failed, process 0 waits in a
             # collective, and this ends the group.
             time.sleep(FOLLOWER_GRACE)
             group.stop(1)
+
+
+def _serve_node(listener: Listener, host: Trainer, group: Group) -> None:
+    while True:
+        try:
+            conn = listener.accept()
+        except Exception:  # noqa: BLE001 - a caller without the key: refused, the next one is served
+            continue
+        threading.Thread(target=_answer_node, args=(conn, host, group), daemon=True).start()
+
+
+def _answer_node(conn, host: Trainer, group: Group) -> None:
+    """Another node's first process answering its node's stage: a ping ("ok" while the group is whole); train
+    N: once the group has committed ckpt-N (node 0's stage asked for it); prepare: at once (node 0's asks)."""
+    with conn:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        op = message.get("op")
+        if op == "ping":
+            reply = ("ok", None) if group.linked() else ("error", "the group is ending")
+        elif op == "train":
+            reply = _await_iteration(host, group, message["iteration"])
+        elif op == "prepare":
+            reply = ("ok", {"at": message["iteration"]})
+        else:
+            reply = ("error", f"node {group.node}'s part of the group does not take {op!r} (node 0's stage sends it)")
+        try:
+            conn.send(reply)
+        except OSError:
+            pass
+
+
+def _await_iteration(host: Trainer, group: Group, iteration: int) -> tuple[str, object]:
+    """Wait until ckpt-`iteration` is committed (process 0 writes it once the group has trained it). The train
+    request for it must reach this part within REQUEST_WAIT s (node 0's stage sends it); after that the group's
+    life bounds the wait: a failure here is answered, a lost node ends this process (the stage hears EOF)."""
+    key = layout.checkpoint(host.cfg.run.name, iteration)
+    deadline, check = time.monotonic() + REQUEST_WAIT, 0.0
+    while True:
+        if group.failed is not None:
+            return group.failed
+        now = time.monotonic()
+        if now >= check:
+            if host.store.manifest(key) is not None:
+                return "ok", {"key": key}
+            check = now + (0.25 if group.done >= iteration else 2.0)
+        if group.seen < iteration and now > deadline:
+            return "error", (f"node {group.node}: no train request for iteration {iteration} reached this node's "
+                             f"part of the group in {REQUEST_WAIT:.0f} s (node 0's train stage sends it: see its "
+                             f"log)")
+        time.sleep(0.1)
+
+
+def _watch_node(group: Group, state_path: Path) -> None:
+    """Another node's first process: exit when its state file names another process (replaced). Idle exits are
+    process 0's (it shares a finish)."""
+    Watch(group.pid, state_path).wait(30.0)
+    print("resident trainer: the state file no longer names this process; exiting", flush=True)
+    group.stop(0)
 
 
 def _answer(conn, host: Trainer, group: Group, state_path: Path, busy: threading.Lock, last_used: list[float]) -> None:
@@ -290,7 +563,7 @@ def _answer(conn, host: Trainer, group: Group, state_path: Path, busy: threading
         except (EOFError, OSError):
             return
         if message.get("op") == "ping":
-            reply = ("ok", None)
+            reply = ("ok", None) if group.linked() else ("error", "the group is ending")
         else:
             with busy:
                 t0 = time.perf_counter()
@@ -299,10 +572,13 @@ def _answer(conn, host: Trainer, group: Group, state_path: Path, busy: threading
             print(f"{message['op']} {message.get('iteration', '')}: {reply[0]} in {time.perf_counter() - t0:.3f} s",
                   flush=True)
         # After finish, and after a failure in a group (whose processes may be out of step: a retry starts a new
-        # group), this trainer exits: it is forgotten first, so no stage finds it on its way out.
+        # group), this trainer exits: it is forgotten first, so no stage finds it on its way out (on several
+        # nodes a failed group's state file stays, refusing pings: see Group.lost).
         ending = message.get("op") == "finish" or (reply[0] != "ok" and group.size > 1)
         if ending:
-            forget(state_path, group.pid)
+            group.broken = reply[0] != "ok"
+            if group.nodes == 1 or not group.broken:
+                forget(state_path, group.pid)
         try:
             conn.send(reply)
         except OSError:
@@ -323,6 +599,7 @@ def _handle(host: Trainer, group: Group, message: dict) -> tuple[str, object]:
             group.share(message)
             return "ok", {"at": host.prepare(message["iteration"])}
         if message["op"] == "finish":
+            group.ending = True
             group.share(message)
             full = host.final_checkpoint()
             host.close()
@@ -349,6 +626,7 @@ def _watch(host: Trainer, group: Group, state_path: Path, busy: threading.Lock, 
             print(f"resident trainer: unused for {idle:.0f} s (train.idle_timeout); a full checkpoint, then exit",
                   flush=True)
             try:
+                group.ending = True
                 group.share({"op": "finish"})
                 host.final_checkpoint()
             finally:
@@ -358,7 +636,8 @@ def _watch(host: Trainer, group: Group, state_path: Path, busy: threading.Lock, 
 def _exit(state_path: Path, group: Group, code: int) -> None:
     if code == 0:
         leave(state_path, group.pid)       # the others exit by themselves (they ran the same finish)
-    forget(state_path, group.pid)
+    if group.nodes == 1:                   # (several nodes: a failed group's state file stays, see Group.lost)
+        forget(state_path, group.pid)
     group.stop(code)
 
 

@@ -14,7 +14,8 @@ A handle is one of two kinds, with the same four calls (TrainerHandle):
                       outside torchrun the engine's `launch` starts a torchrun group whose workers each do that
                       through this same handle, `python -m tasks.train`)
   ResidentTrainer     the trainer in a process of its own on this machine, across an authenticated socket
-                      (train.host detached; with deepspeed a torchrun group whose process 0 answers):
+                      (train.host detached; with deepspeed a torchrun group whose process 0 answers, on
+                      several nodes one group across them, node 0's stage driving it):
                       tasks/engines/resident.py, which runs the same Trainer on its side
 Both run `Trainer` below, so a resident run and a process-mode run train with the same code and publish the same
 weights (bit for bit on a CPU). What differs is what ckpt-N holds: a resident trainer writes it lean (the policy
