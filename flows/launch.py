@@ -170,11 +170,12 @@ class Sky:
             raise InfraError(f"{stage}[iter {iteration}]: SkyPilot job failed (exit code {out.get('exit_code')})")
         return Ran(seconds, out.get("hourly_usd"))
 
-    def serve(self, what: str, port: int, wait: int, env: dict, log) -> str:
+    def serve(self, what: str, port: int, wait: int, env: dict, log, member: str | None = None) -> str:
         """A long-lived server job (sky/<what>.yaml) on its own cluster, answering on `port`: its URL, once
         it answers. The cluster is launched the first time, and again when it is gone (preempted); it is torn
-        down with the others by close()."""
-        cluster = self.cluster(what)
+        down with the others by close(). `member`: one of several such servers, on cluster <cluster>-<member>
+        (env.servers > 1: the environment pool's members and its front)."""
+        cluster = self.cluster(what) + (f"-{member}" if member is not None else "")
         args = ["serve", "--cluster", cluster, "--recipe", str(recipe_path(self.cfg, what)), "--port", str(port),
                 "--wait", str(wait), "--idle-minutes", str(self.cfg.launcher.idle_minutes_to_autostop),
                 *[f"--env={k}={v}" for k, v in env.items()],      # launcher.accelerators of the served role:
@@ -212,9 +213,17 @@ class EnvServer:
     server that stopped answering (its process died, its spot cluster was preempted) is started again, so the
     retry of a stage that failed with it finds it up. The stages get its URL and token as environment variables
     (RLFLOW_ENV_SERVER, RLFLOW_ENV_TOKEN): they are the run's, not the config's, and a new server after a
-    preemption has another address. Ended with the flow: its process, or its cluster (Sky.close)."""
+    preemption has another address. Ended with the flow: its process, or its cluster (Sky.close).
+
+    env.servers: N > 1 (a pool): N servers, processes here or a cluster each (<cluster>-env-<i>, port
+    env.server_port + 1 + i), behind one front (tasks/envs/pool.py) whose URL the stages get. The front runs
+    where the stages can reach it: here when they run here (env.where: local, or every episode stage on this
+    machine), else on a cluster of its own (<cluster>-env-front, port env.server_port). This object owns the
+    members: a thread reads the front's /health every WATCH_SECONDS, starts a new member for each one the front
+    lost (or reuses it, with a new generation, if it answers again) and sends the front the table."""
 
     READY_SECONDS = 600.0           # from start to answering: imports, the factory's preflight, a forkserver
+    WATCH_SECONDS = 1.0             # env.servers > 1: how often the pool's health is read
 
     def __init__(self, cfg: Config, config_path: str, overrides: list[str], sky: Sky):
         import secrets
@@ -222,9 +231,15 @@ class EnvServer:
         self.cfg, self.config_path, self.overrides, self.sky = cfg, config_path, list(overrides), sky
         self.url = cfg.env.server_url
         self.token = os.environ.get(TOKEN_VAR, "") if self.url else secrets.token_urlsafe(24)
-        self.proc = None
-        self.lock = threading.Lock()
+        self.proc = None                # env.servers 1: the server's process (env.where: local); N: the front's
+        self.lock = threading.RLock()
         self.tail: list[str] = []
+        # env.servers > 1: per member {"url", "proc", "generation", "failures", "retry_at"}; generation counts its
+        # replacements (the front tells a replaced member's episodes from the new one's by it)
+        self.members: list[dict] = []
+        self.watcher: threading.Thread | None = None
+        self.stopping = threading.Event()
+        self.log = print
 
     def answers(self) -> bool:
         from tasks.core.daemon import answers_http
@@ -234,7 +249,11 @@ class EnvServer:
     def env(self, log) -> dict[str, str]:
         """The server's variables for a stage, after making sure it answers."""
         with self.lock:
-            if not self.answers():
+            self.stopping.clear()
+            self.log = log
+            if self.cfg.env.servers > 1 and not self.cfg.env.server_url:
+                self._pool(log)
+            elif not self.answers():
                 if self.cfg.env.server_url:
                     raise InfraError(f"the environment server at {self.url} (env.server_url) does not answer")
                 if self.url:
@@ -242,56 +261,229 @@ class EnvServer:
                 self.url = self._start_local(log) if self.cfg.env.where == "local" else self._start_sky(log)
             return {URL_VAR: self.url, TOKEN_VAR: self.token}
 
-    def _argv(self) -> list[str]:
-        return ["-m", "tasks.envs.server", "--config", self.config_path, "--overrides-json",
+    def _argv(self, module: str = "tasks.envs.server") -> list[str]:
+        return ["-m", module, "--config", self.config_path, "--overrides-json",
                 json.dumps(self.overrides), "--idle-minutes", str(self.cfg.launcher.idle_minutes_to_autostop)]
 
     def _start_local(self, log) -> str:
+        self._end(self.proc)
+        self.proc, url = self._spawn("tasks.envs.server", "environment server", "env server", log)
+        return url
+
+    def _spawn(self, module: str, name: str, short: str, log):
+        """`python -m module` here (a free port, ended with the flow): (its process, its URL) once it answers. Its
+        output goes to the flow's log after `short`."""
         import subprocess
 
-        self.stop()
-        proc = subprocess.Popen([sys.executable, *self._argv(), "--port", "0", "--exit-with-parent"],
+        proc = subprocess.Popen([sys.executable, *self._argv(module), "--port", "0", "--exit-with-parent"],
                                 env=rlflow_first({**os.environ, TOKEN_VAR: self.token, "PYTHONUNBUFFERED": "1"}),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 text=True, start_new_session=True)
-        self.proc, self.tail = proc, []
+        tail: list[str] = []
         found: list[str] = []
         ready = threading.Event()
 
         def drain() -> None:          # its output to the flow's log for the run's whole life, its URL once
             for line in proc.stdout:
                 line = line.rstrip("\n")
-                self.tail = (self.tail + [line])[-20:]
+                tail[:] = (tail + [line])[-20:]
                 if line.startswith(READY) and not found:
                     found.append(line.split()[1])
                     ready.set()
                     continue
-                log(f"env server: {line}")
+                log(f"{short}: {line}")
             ready.set()
-        threading.Thread(target=drain, daemon=True, name="env-server-log").start()
+        threading.Thread(target=drain, daemon=True, name=f"{short}-log").start()
+        self.tail = tail
         if not ready.wait(self.READY_SECONDS) or not found:
             code = proc.poll()
-            self.stop()
-            said = next((u for u in map(user_error_in, self.tail) if u), None)
+            self._end(proc)
+            said = next((u for u in map(user_error_in, tail) if u), None)
             if said:
                 raise UserError(said)
-            raise InfraError(f"the environment server did not start (exit code {code}): "
-                             + "\n".join(self.tail[-3:]).strip())
-        log(f"environment server: {found[0]} (pid {proc.pid})")
-        return found[0]
+            raise InfraError(f"the {name} did not start (exit code {code}): " + "\n".join(tail[-3:]).strip())
+        log(f"{name}: {found[0]} (pid {proc.pid})")
+        return proc, found[0]
+
+    def _sky_env(self, port: int, **more) -> dict:
+        return {"CONFIG": self.config_path, "OVERRIDES": json.dumps(self.overrides), "PORT": port,
+                TOKEN_VAR: self.token, "IDLE_MINUTES": self.cfg.launcher.idle_minutes_to_autostop, **more}
 
     def _start_sky(self, log) -> str:
-        idle = self.cfg.launcher.idle_minutes_to_autostop
-        return self.sky.serve("env", self.cfg.env.server_port, int(self.READY_SECONDS), {
-            "CONFIG": self.config_path, "OVERRIDES": json.dumps(self.overrides), "PORT": self.cfg.env.server_port,
-            TOKEN_VAR: self.token, "IDLE_MINUTES": idle}, log)
+        return self.sky.serve("env", self.cfg.env.server_port, int(self.READY_SECONDS),
+                              self._sky_env(self.cfg.env.server_port), log)
 
-    def stop(self) -> None:
-        if self.proc is not None:
+    @staticmethod
+    def _end(proc) -> None:
+        if proc is not None:
             from tasks.core.processes import kill_group
 
-            kill_group(self.proc)
+            kill_group(proc)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        held = self.lock.acquire(timeout=60)      # (a replacement under way ends first; its new process too)
+        try:
+            for proc in [self.proc, *(m["proc"] for m in self.members)]:
+                self._end(proc)
             self.proc = None
+            for m in self.members:
+                m["proc"] = None
+        finally:
+            if held:
+                self.lock.release()
+
+    # ------------------------------------------------------------------------------------------ env.servers > 1
+
+    def _front_here(self) -> bool:
+        """The pool's front on this machine: env.where local, or every stage with episodes runs here."""
+        cfg = self.cfg
+        stages = ["generate"] + (["evaluate"] if cfg.eval.every else [])
+        return cfg.env.where == "local" or bool(cfg.generate.replicas) or all(
+            cfg.launcher.mode_of(s) != "sky" for s in stages)
+
+    def _pool(self, log) -> None:
+        """Every member answering (a lost one started again), the front answering (started again if it does not),
+        and the front holding the members' table; the watcher started."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tasks.core.daemon import answers_http
+
+        if not self.members:
+            self.members = [{"url": None, "proc": None, "generation": -1, "failures": 0, "retry_at": 0.0}
+                            for _ in range(self.cfg.env.servers)]
+        front = self._front_health()
+        with ThreadPoolExecutor(min(len(self.members), 32)) as ex:
+            answering = list(ex.map(lambda m: bool(m["url"]) and answers_http(f"{m['url']}/health", timeout=10),
+                                    self.members))
+        lost = [i for i, ok in enumerate(answering) if not ok or not self._alive(i, front)]
+        self._replace(lost, log, first=True)
+        if not any(m["url"] for m in self.members):
+            raise InfraError(f"none of the {len(self.members)} environment servers of the pool started")
+        if front is None:
+            if self.url:
+                log(f"the environment pool's front at {self.url} stopped answering: starting it again")
+            self.url = self._start_front(log)
+        self._tell_front()
+        if self.watcher is None or not self.watcher.is_alive():
+            self.watcher = threading.Thread(target=self._watch, daemon=True, name="env-pool-watch")
+            self.watcher.start()
+
+    def _start_front(self, log) -> str:
+        if self._front_here():
+            self._end(self.proc)
+            self.proc, url = self._spawn("tasks.envs.pool", "environment pool's front", "env pool", log)
+            return url
+        return self.sky.serve("env", self.cfg.env.server_port, int(self.READY_SECONDS),
+                              self._sky_env(self.cfg.env.server_port, ROLE="front"), log, member="front")
+
+    def _start_member(self, i: int, log) -> tuple:
+        if self.cfg.env.where == "local":
+            return self._spawn("tasks.envs.server", f"environment server {i}", f"env server {i}", log)
+        port = self.cfg.env.server_port + 1 + i
+        return None, self.sky.serve("env", port, int(self.READY_SECONDS), self._sky_env(port), log, member=str(i))
+
+    def _replace(self, lost: list[int], log, first: bool = False) -> None:
+        """Start members `lost` again (at once, in threads): a new generation each. One that still answers (the
+        front lost it: a dropped connection) is kept as it is, with the new generation. A user error (the
+        factory's preflight) is raised; one that did not start is left out, tried again by the watcher."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tasks.core.daemon import answers_http
+
+        def one(i: int):
+            m = self.members[i]
+            alive = m["proc"] is None or m["proc"].poll() is None
+            if m["url"] and alive and answers_http(f"{m['url']}/health", timeout=10):
+                log(f"environment server {i} of the pool answers again: kept, its open episodes failed")
+                return None
+            self._end(m["proc"])
+            m["proc"], m["url"] = None, None
+            if self.stopping.is_set():
+                return None
+            proc, url = self._start_member(i, log)
+            if self.stopping.is_set():
+                self._end(proc)
+                return None
+            m["proc"], m["url"] = proc, url
+            return None
+
+        if not lost:
+            return
+        if not first or any(self.members[i]["generation"] >= 0 for i in lost):
+            log(f"environment servers {lost} of the pool lost: replacing them")
+        with ThreadPoolExecutor(min(len(lost), 32)) as ex:
+            futures = {i: ex.submit(one, i) for i in lost}
+        said = None
+        for i, f in futures.items():
+            m = self.members[i]
+            if (e := f.exception()) is None:
+                if m["url"]:
+                    m["generation"] += 1      # (the first start: generation 0)
+                    m["failures"] = 0
+                continue
+            if isinstance(e, UserError):
+                said = said or e
+            m["failures"] += 1
+            m["retry_at"] = time.monotonic() + min(5.0 * m["failures"], 60.0)
+            log(f"environment server {i} of the pool did not start: {e}")
+        if said is not None:
+            raise said
+
+    def _front_health(self) -> dict | None:
+        import httpx
+
+        if not self.url:
+            return None
+        try:
+            r = httpx.get(f"{self.url}/health", timeout=10)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _alive(self, i: int, front: dict | None) -> bool:
+        """Member i, as far as the flow knows without asking it: started, its process running (here), and live at
+        the front with its generation."""
+        m = self.members[i]
+        if not m["url"] or (m["proc"] is not None and m["proc"].poll() is not None):
+            return False
+        if front is None:
+            return True
+        seen = (front.get("members") or [])[i:i + 1]
+        return bool(seen) and seen[0]["live"] and seen[0]["generation"] == m["generation"]
+
+    def _tell_front(self) -> dict:
+        import httpx
+
+        table = [{"url": m["url"], "generation": max(m["generation"], 0)} for m in self.members]
+        try:
+            r = httpx.put(f"{self.url}/pool/members", json={"members": table}, timeout=30,
+                          headers={"Authorization": f"Bearer {self.token}"})
+            r.raise_for_status()
+            return r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise InfraError(f"the environment pool's front at {self.url} did not take its members: {e}") from None
+
+    def _watch(self) -> None:
+        """While the run lasts: each member the front lost (or whose process ended) is replaced, and the front told."""
+        while not self.stopping.wait(self.WATCH_SECONDS):
+            if (front := self._front_health()) is None:
+                continue                  # the front itself: started again before the next stage (env)
+            if all(self._alive(i, front) for i in range(len(self.members))):
+                continue
+            with self.lock:               # (read again under the lock: env() may have replaced them meanwhile)
+                if self.stopping.is_set() or (front := self._front_health()) is None:
+                    continue
+                now = time.monotonic()
+                lost = [i for i in range(len(self.members))
+                        if not self._alive(i, front) and now >= self.members[i]["retry_at"]]
+                if not lost:
+                    continue
+                try:
+                    self._replace(lost, self.log)
+                    self._tell_front()
+                except Exception as e:  # noqa: BLE001 - tried again on the next round; env() raises what stays
+                    self.log(f"environment pool: replacing {lost} failed: {e}")
 
 
 class Launchers:

@@ -332,6 +332,13 @@ class EnvConfig(Section):
         if self.agent and self.remote():
             raise ValueError("env.agent: agents run beside the stage's endpoint (env.where: stage, no "
                              "env.server_url)")
+        if self.servers > 1 and self.server_url is not None:
+            raise ValueError("env.servers: the flow starts a pool of environment servers (env.where: local | sky), "
+                             "and with env.server_url it starts none; put `python -m tasks.envs.pool --member URL "
+                             "...` in front of your own servers and give its URL as env.server_url")
+        if self.servers > 1 and self.where == "stage":
+            raise ValueError("env.servers: a pool of environment servers needs env.where: local | sky (stage runs "
+                             "the environments in the stage's own process)")
         return self
 
 

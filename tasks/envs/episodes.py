@@ -24,6 +24,7 @@ daemon.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -221,7 +222,37 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: 
                 e.logprobs += [0.0] * len(obs)
     finally:
         _close(caller, episodes)
+    _pool_seen.metrics = _pool_metrics(cfg, episodes) if ec.remote() else {}
     return [_record(cfg, e, tokenizer) for e in episodes], Sampled([], load_seconds, sampling_seconds)
+
+
+# env.servers > 1: what the pool did for the episodes of the last run_episodes of this thread, for episode_metrics
+# (the records do not say which server held them; the stage calls both in one thread, one after the other)
+_pool_seen = threading.local()
+
+
+def _pool_metrics(cfg: Config, episodes: list[Episode]) -> dict[str, float]:
+    """env/pool_*: this stage's episodes per server of the pool (its ids say which: tasks/envs/pool.py), those
+    failed because their server was lost, and the pool's own counts at the end (/health: live servers, servers
+    replaced so far). Nothing when the server is not a pool."""
+    from tasks.envs.pool import LOST
+
+    served = [k.split(".", 1)[0] for e in episodes if (k := getattr(e.env, "key", None)) and k.count(".") >= 2]
+    if not served:
+        return {}
+    out: dict[str, float] = {"env/pool_lost": float(sum(LOST in (e.error or "") for e in episodes))}
+    try:
+        import httpx
+
+        url, token = server_of(cfg)
+        health = httpx.get(f"{url}/health", timeout=5.0).json()
+        out |= {"env/pool_live": float(health["live"]), "env/pool_replaced": float(health["replaced"])}
+        size = int(health["size"])
+    except Exception:  # noqa: BLE001 - the counts from the episodes' ids still say where they went
+        size = 1 + max(int(i) for i in served)
+    for i in range(size):
+        out[f"env/pool_server{i}_episodes"] = float(served.count(str(i)))
+    return out
 
 
 def _close(caller: Caller, episodes: list[Episode]) -> None:
@@ -256,7 +287,9 @@ def episode_metrics(records: list[Rollout]) -> dict[str, float]:
     records = [r for r in records if not r.part]
     n = max(len(records), 1)
     returns = [r.env_return for r in records if r.env_return is not None]
-    return {"env/episodes": float(len(records)),
+    pool = getattr(_pool_seen, "metrics", None) or {}       # env.servers > 1 (env/pool_*: _pool_metrics)
+    _pool_seen.metrics = {}
+    return {**pool, "env/episodes": float(len(records)),
             "env/turns_mean": sum(sum(m.get("role") == "assistant" for m in r.turns or []) for r in records) / n,
             "env/return_mean": sum(returns) / max(len(returns), 1),
             "env/errors": float(sum(r.env_error is not None for r in records)),

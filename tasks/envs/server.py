@@ -21,6 +21,10 @@ what the in-stage isolation would (isolation.py), so an episode fails here exact
 A server that does not answer at all fails the stage instead (ServerGone): the flow retries it after making
 sure the server is up again (a preempted env cluster is launched again).
 
+With env.servers: N the flow puts N of these behind one URL, the pool's front (tasks/envs/pool.py), which speaks
+these same routes; a lost server there fails its own episodes only ("died"), and the front answers 503 (ServerGone
+here) only when none is left.
+
 The server leaves after --idle-minutes without a request, so a flow that died leaves no spot machine busy past
 SkyPilot's autostop. Episodes nobody has touched for env.timeout_seconds + 60 s are killed.
 """
@@ -216,10 +220,14 @@ def app(episodes: Episodes, token: str | None, idle_seconds: float | None = None
             await asyncio.sleep(5.0)
             episodes.sweep()
             if (reason := watch.check()) is not None:
-                print(f"no request for {idle_seconds / 60:g} minutes: the environment server leaves"
-                      if reason == "idle" else "the flow that started the environment server is gone: it leaves",
-                      flush=True)
-                leave()
+                with contextlib.suppress(OSError):    # (its output is a pipe to the flow, which may be gone)
+                    print(f"no request for {idle_seconds / 60:g} minutes: the environment server leaves"
+                          if reason == "idle" else "the flow that started the environment server is gone: it leaves",
+                          flush=True)
+                try:
+                    leave()
+                except OSError:                       # (flushing into that pipe: it leaves all the same)
+                    os._exit(0)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -377,6 +385,8 @@ def _reply(client, method: str, path: str, body: dict) -> dict:
         response = client.request(method, path, json=_json(body))
     except httpx.HTTPError as e:
         raise ServerGone(f"the environment server at {client.base_url} did not answer: {why(e)}") from None
+    if response.status_code == 503:           # an environment pool with no server left (tasks/envs/pool.py)
+        raise ServerGone(f"the environment server at {client.base_url} has none left: {response.text[:300]}")
     if response.status_code == 401:
         raise ServerRefused(f"env.server_url: the environment server at {client.base_url} refused the token "
                         f"({TOKEN_VAR})")
