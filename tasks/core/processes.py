@@ -206,3 +206,21 @@ def listening_socket(host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     return sock, f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{sock.getsockname()[1]}"
+
+
+def server_arguments(prog: str, doc: str, port: int):
+    """The command line the environment server and the pool's front share: --config, -o, --overrides-json,
+    --host, --port, --idle-minutes, --exit-with-parent."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--overrides-json", default="[]", metavar="JSON")
+    ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to answer other machines (a cluster's port)")
+    ap.add_argument("--port", type=int, default=port, help="0: a free one (printed on the READY line)")
+    ap.add_argument("--idle-minutes", type=float, default=30.0, help="leave after this long without a request "
+                    "(0: never)")
+    ap.add_argument("--exit-with-parent", action="store_true", help="leave when the process that started it ends "
+                    "(the flow's own, env.where: local)")
+    return ap

@@ -35,16 +35,15 @@ Light on purpose (no torch, no environment imports): the front only forwards byt
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import sys
 import time
 from typing import Any
 
 from tasks.core.daemon import leave
+from tasks.core.processes import listening_socket, server_arguments
 
 # The same names as tasks/envs/server.py's (not imported from it: it imports the environment machinery, and torch)
 URL_VAR, TOKEN_VAR = "RLFLOW_ENV_SERVER", "RLFLOW_ENV_TOKEN"
@@ -351,15 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.core.errors import UserError, user_error_line
     from tasks.core.stage import parse_overrides_json
 
-    ap = argparse.ArgumentParser(prog="python -m tasks.envs.pool", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--overrides-json", default="[]", metavar="JSON")
-    ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to answer other machines (a cluster's port)")
-    ap.add_argument("--port", type=int, default=8330, help="0: a free one (printed on the READY line)")
-    ap.add_argument("--idle-minutes", type=float, default=30.0, help="leave after this long without a request "
-                    "(0: never)")
-    ap.add_argument("--exit-with-parent", action="store_true", help="leave when the process that started it ends")
+    ap = server_arguments("python -m tasks.envs.pool", __doc__, 8330)
     ap.add_argument("--member", action="append", default=[], metavar="URL",
                     help="a member's URL, for a pool run by hand (the flow sends its table: PUT /pool/members)")
     args = ap.parse_args(argv)
@@ -374,14 +365,10 @@ def main(argv: list[str] | None = None) -> int:
                 cfg.env.timeout_seconds + SLACK_SECONDS, cfg.env.timeout_seconds + 2 * SLACK_SECONDS)
     if args.member:
         pool.set_members([{"url": url, "generation": 0} for url in args.member])
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    port = sock.getsockname()[1]
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+    sock, url = listening_socket(args.host, args.port)
 
     def ready() -> None:
-        print(f"{READY} http://{host}:{port}", flush=True)
+        print(f"{READY} {url}", flush=True)
 
     server = uvicorn.Server(uvicorn.Config(app(pool, args.idle_minutes * 60 or None, ready,
                                                os.getppid() if args.exit_with_parent else None),

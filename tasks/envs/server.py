@@ -31,13 +31,11 @@ SkyPilot's autostop. Episodes nobody has touched for env.timeout_seconds + 60 s 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import inspect
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -46,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.daemon import Watch, leave
 from tasks.core.errors import UserError, user_error_line
+from tasks.core.processes import listening_socket, server_arguments
 from tasks.envs.isolation import (
     Caller,
     EnvironmentDied,
@@ -247,16 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.core.config import load_config
     from tasks.core.stage import parse_overrides_json, quiet_progress_bars
 
-    ap = argparse.ArgumentParser(prog="python -m tasks.envs.server", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--overrides-json", default="[]", metavar="JSON")
-    ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to answer other machines (a cluster's port)")
-    ap.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: a free one (printed on the READY line)")
-    ap.add_argument("--idle-minutes", type=float, default=30.0, help="leave after this long without a request "
-                    "(0: never)")
-    ap.add_argument("--exit-with-parent", action="store_true", help="leave when the process that started it "
-                    "ends (the flow's own server, env.where: local)")
+    ap = server_arguments("python -m tasks.envs.server", __doc__, DEFAULT_PORT)
     args = ap.parse_args(argv)
     quiet_progress_bars()
     try:
@@ -269,14 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    port = sock.getsockname()[1]
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+    sock, url = listening_socket(args.host, args.port)
 
     def ready() -> None:
-        print(f"{READY} http://{host}:{port}", flush=True)
+        print(f"{READY} {url}", flush=True)
 
     server = uvicorn.Server(uvicorn.Config(app(episodes, os.environ.get(TOKEN_VAR) or None,
                                                args.idle_minutes * 60 or None, ready,
