@@ -199,6 +199,9 @@ def ensure_router(cfg: Config) -> dict:
     key = hashlib.sha256(f"{blob}\n{launch}\n{sys.executable}".encode()).hexdigest()[:20]
     daemon = _daemon(cfg)
 
+    def answers(state: dict) -> bool:
+        return answers_http(f"{state['url']}/health", timeout=5)
+
     def start() -> dict:
         import secrets
 
@@ -211,10 +214,10 @@ def ensure_router(cfg: Config) -> dict:
         token = secrets.token_urlsafe(24)       # (the state file is its owner's only: Daemon.write)
         state = {"port": port, "key": key, "url": f"http://127.0.0.1:{port}", "token": token}
         return daemon.start(argv, {**os.environ, LAUNCH_VAR: launch, TOKEN_VAR: token, "PYTHONUNBUFFERED": "1"},
-                            lambda s: s if answers_http(f"{s['url']}/health", timeout=5) else None,
+                            lambda s: s if answers(s) else None,
                             cfg.generate.server_start_timeout, "the generate router", state)
 
-    return daemon.ensure(key, lambda s: answers_http(f"{s['url']}/health", timeout=5), start)
+    return daemon.ensure(key, answers, start)
 
 
 # ------------------------------------------------------------------------------------------- the router
@@ -224,7 +227,7 @@ class Member:
     index: int
     url: str | None = None
     proc: subprocess.Popen | None = None
-    state: str = "starting"           # starting | loading | ready | late | dead
+    state: str = "starting"           # starting | loading | ready | dead (a late one is still loading)
     holds: tuple | None = None        # (policy, digest) it has loaded
     busy: int = 0
     routed: int = 0
