@@ -39,7 +39,8 @@ BRIDGE = Path(__file__).with_name("sky_bridge.py")
 # Stages that share a machine kind share a cluster: evaluate generates; publish follows train.
 CLUSTER_OF = {"generate": "gen", "evaluate": "gen", "reward": "reward", "train": "train", "publish": "train",
               "env": "env",      # (env.where: sky: the environment server's CPU cluster; EnvServer below)
-              "replica": "replica"}   # (generate.replicas on sky: <cluster>-<i>, one per replica; Launchers.replicas)
+              "replica": "replica",   # (generate.replicas on sky: <cluster>-<i>, one per replica; Launchers.replicas)
+              "judge": "judge"}       # (reward.models where: sky: <cluster>-<name>, one per model; JudgeServers)
 
 
 class InfraError(RuntimeError):
@@ -273,37 +274,9 @@ class EnvServer:
     def _spawn(self, module: str, name: str, short: str, log):
         """`python -m module` here (a free port, ended with the flow): (its process, its URL) once it answers. Its
         output goes to the flow's log after `short`."""
-        import subprocess
-
-        proc = subprocess.Popen([sys.executable, *self._argv(module), "--port", "0", "--exit-with-parent"],
-                                env=rlflow_first({**os.environ, TOKEN_VAR: self.token, "PYTHONUNBUFFERED": "1"}),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                text=True, start_new_session=True)
-        tail: list[str] = []
-        found: list[str] = []
-        ready = threading.Event()
-
-        def drain() -> None:          # its output to the flow's log for the run's whole life, its URL once
-            for line in proc.stdout:
-                line = line.rstrip("\n")
-                tail[:] = (tail + [line])[-20:]
-                if line.startswith(READY) and not found:
-                    found.append(line.split()[1])
-                    ready.set()
-                    continue
-                log(f"{short}: {line}")
-            ready.set()
-        threading.Thread(target=drain, daemon=True, name=f"{short}-log").start()
-        self.tail = tail
-        if not ready.wait(self.READY_SECONDS) or not found:
-            code = proc.poll()
-            self._end(proc)
-            said = next((u for u in map(user_error_in, tail) if u), None)
-            if said:
-                raise UserError(said)
-            raise InfraError(f"the {name} did not start (exit code {code}): " + "\n".join(tail[-3:]).strip())
-        log(f"{name}: {found[0]} (pid {proc.pid})")
-        return proc, found[0]
+        proc, url, self.tail = spawn_server([*self._argv(module), "--port", "0", "--exit-with-parent"],
+                                            {TOKEN_VAR: self.token}, READY, name, short, log, self.READY_SECONDS)
+        return proc, url
 
     def _sky_env(self, port: int, **more) -> dict:
         return {"CONFIG": self.config_path, "OVERRIDES": json.dumps(self.overrides), "PORT": port,
@@ -486,6 +459,110 @@ class EnvServer:
                     self.log(f"environment pool: replacing {lost} failed: {e}")
 
 
+def spawn_server(argv: list[str], env: dict[str, str], ready: str, name: str, short: str, log,
+                 timeout: float, python: str = sys.executable) -> tuple:
+    """`python argv...` on this machine, a server that prints `<ready> <url>` once it answers: (its process, its
+    URL, the last lines it printed). Its output goes to the flow's log after `short` for its whole life. A server
+    that does not answer within `timeout` is ended; its one-line user error, if it printed one, is raised as
+    such. (The environment server, its pool's members and front, the judge servers.)"""
+    import subprocess
+
+    proc = subprocess.Popen([python, *argv], env=rlflow_first({**os.environ, **env, "PYTHONUNBUFFERED": "1"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+    tail: list[str] = []
+    found: list[str] = []
+    answered = threading.Event()
+
+    def drain() -> None:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail[:] = (tail + [line])[-20:]
+            if line.startswith(ready) and not found:
+                found.append(line.split()[1])
+                answered.set()
+                continue
+            log(f"{short}: {line}")
+        answered.set()
+    threading.Thread(target=drain, daemon=True, name=f"{short}-log").start()
+    if not answered.wait(timeout) or not found:
+        code = proc.poll()
+        EnvServer._end(proc)
+        said = next((u for u in map(user_error_in, tail) if u), None)
+        if said:
+            raise UserError(said)
+        raise InfraError(f"the {name} did not start (exit code {code}): " + "\n".join(tail[-3:]).strip())
+    log(f"{name}: {found[0]} (pid {proc.pid})")
+    return proc, found[0], tail
+
+
+class JudgeServers:
+    """reward.models with where: local | sky: a judge server per model (tasks/scoring/judge_server.py) that the
+    reward and evaluate stages ask, as EnvServer serves the environments: started at the first stage that needs
+    it, checked before each one and started again when it stopped answering (its process died, its spot cluster
+    was preempted), so the retry of a stage that failed with it (JudgeUnavailable) finds it up and asks only what
+    the answer cache lacks. Local: a process here (engine vllm: in the vLLM environment's interpreter); sky: a
+    cluster per model (<cluster>-judge-<name>, sky/judge.yaml, its port). The stages get the URLs as
+    RLFLOW_REWARD_MODELS ({name: url}) and the run's token as RLFLOW_JUDGE_TOKEN. Ended with the flow."""
+
+    READY_SECONDS = 900.0          # imports, the model's load (a GGUF converted once), vLLM's start
+
+    def __init__(self, cfg: Config, config_path: str, overrides: list[str], sky: Sky):
+        import secrets
+
+        self.cfg, self.config_path, self.overrides, self.sky = cfg, config_path, list(overrides), sky
+        self.specs = [m for m in cfg.reward.models if m.url is None and m.where != "stage"]
+        self.token = secrets.token_urlsafe(24)
+        self.urls: dict[str, str] = {}
+        self.procs: dict[str, object] = {}
+        self.lock = threading.Lock()
+
+    def env(self, log) -> dict[str, str]:
+        from tasks.core.daemon import answers_http
+        from tasks.scoring.judges import SERVED_VAR
+        from tasks.scoring.judges import TOKEN_VAR as JUDGE_TOKEN
+
+        with self.lock:
+            for spec in self.specs:
+                url = self.urls.get(spec.name)
+                if url and answers_http(f"{url}/health", timeout=10):
+                    continue
+                if url:
+                    log(f"the judge server of {spec.name} at {url} stopped answering: starting it again")
+                self.urls[spec.name] = self._start(spec, log)
+            return {SERVED_VAR: json.dumps(self.urls), JUDGE_TOKEN: self.token}
+
+    def _start(self, spec, log) -> str:
+        from tasks.scoring.judges import READY as JUDGE_READY
+        from tasks.scoring.judges import TOKEN_VAR as JUDGE_TOKEN
+
+        idle = str(self.cfg.launcher.idle_minutes_to_autostop)
+        if spec.where == "sky":
+            return self.sky.serve("judge", spec.port, int(self.READY_SECONDS), {
+                "CONFIG": self.config_path, "OVERRIDES": json.dumps(self.overrides), "MODEL": spec.name,
+                "ENGINE": spec.engine, "PORT": spec.port, JUDGE_TOKEN: self.token, "IDLE_MINUTES": idle},
+                log, member=spec.name)
+        EnvServer._end(self.procs.pop(spec.name, None))
+        python = sys.executable
+        if spec.engine == "vllm":
+            from tasks.engines.vllm_offline import installed_python
+
+            python = installed_python(self.cfg)
+        proc, url, _ = spawn_server(["-m", "tasks.scoring.judge_server", "--config", self.config_path,
+                                     "--overrides-json", json.dumps(self.overrides), "--model", spec.name,
+                                     "--port", "0", "--exit-with-parent", "--idle-minutes", idle],
+                                    {JUDGE_TOKEN: self.token}, JUDGE_READY, f"judge server ({spec.name})",
+                                    f"judge {spec.name}", log, self.READY_SECONDS, python)
+        self.procs[spec.name] = proc
+        return url
+
+    def stop(self) -> None:
+        with self.lock:
+            for proc in self.procs.values():
+                EnvServer._end(proc)
+            self.procs.clear()
+
+
 class Launchers:
     """The launcher of each stage, by `launcher.mode` / `launcher.stages`; None for inline stages (the flow
     calls the stage function itself)."""
@@ -495,6 +572,7 @@ class Launchers:
         self._by_mode = {"local": Local(cfg), "sky": Sky(cfg)}
         self.env_server = (EnvServer(cfg, config_path, overrides or [], self._by_mode["sky"])
                            if cfg.env.factory and cfg.env.remote() else None)
+        self.judges = JudgeServers(cfg, config_path, overrides or [], self._by_mode["sky"])
 
     def for_stage(self, stage: str):
         if stage in ("generate", "evaluate") and self.cfg.generate.replicas:
@@ -524,5 +602,6 @@ class Launchers:
     def close(self, log) -> None:
         if self.env_server is not None:
             self.env_server.stop()
+        self.judges.stop()
         for launcher in self._by_mode.values():
             launcher.close(log)

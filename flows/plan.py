@@ -6,7 +6,8 @@ For each stage: where it runs (inline, a local subprocess, a SkyPilot cluster or
 recipe's: read through flows/sky_bridge.py in SkyPilot's own environment, no credentials needed, nothing
 launched; a cluster of N nodes costs N x one node), `cost.hourly_usd` for the others. Then every other role's
 machines: the generate replicas (generate.replicas: N clusters of sky/replica.yaml, or N processes here), the
-environment servers (env.servers), each N x one machine; and the total USD/hour of everything on SkyPilot.
+environment servers (env.servers), each N x one machine; the reward models' judge servers (reward.models); and the
+total USD/hour of everything on SkyPilot.
 Then the store, the MLflow tracking URI and the Prefect API. It reads the config and the recipes only: no
 store, lease or MLflow run is touched.
 """
@@ -112,7 +113,10 @@ def plan(cfg: Config, config_path: str) -> str:
     replica_key = (str(recipe_path(cfg, "replica")), lc.accelerators.get("generate")) if sky_replicas else None
     served = bool(cfg.env.factory) and cfg.env.where == "sky" and cfg.env.server_url is None
     env_key = (str(recipe_path(cfg, "env")), lc.accelerators.get("env")) if served else None
-    wanted = {(recipes[s], accelerators_of(cfg, s)) for s in on_sky} | {k for k in (replica_key, env_key) if k}
+    judges_on_sky = [m for m in cfg.reward.models if m.url is None and m.where == "sky"]
+    judge_key = (str(recipe_path(cfg, "judge")), lc.accelerators.get("judge")) if judges_on_sky else None
+    wanted = {(recipes[s], accelerators_of(cfg, s)) for s in on_sky} | {
+        k for k in (replica_key, env_key, judge_key) if k}
     prices = catalog_prices(cfg, sorted(wanted, key=lambda k: (k[0], k[1] or "")))
     sky = Sky(cfg)
     rows = []
@@ -172,6 +176,22 @@ def plan(cfg: Config, config_path: str) -> str:
                      + f" ({env_key[0]}), port {cfg.env.server_port}",
                      (f"{n_env} x " if n_env > 1 else "") + _machine(recipe),
                      "spot" if (recipe.get("resources") or {}).get("use_spot") else "on-demand", price))
+    for m in cfg.reward.models:        # reward models and judges: one server each, or yours, or in the stage
+        what = f"{m.kind}" + (f" ({m.mode})" if m.kind == "judge" else "")
+        if m.url is not None:
+            rows.append((f"judge {m.name}", f"{what} at {m.url} (url)", "yours", "-", "-"))
+        elif m.where == "stage":
+            rows.append((f"judge {m.name}", f"{what} in the reward/evaluate stage's process", "the stage's machine",
+                         "-", "- (the stage's)"))
+        elif m.where == "local":
+            rows.append((f"judge {m.name}", f"{what}: a judge server beside the flow", f"this machine; {m.engine} "
+                         f"engine", "-", "-"))
+        else:
+            recipe = _recipe(*judge_key)
+            price, on_sky_usd[f"judge {m.name}"] = _priced(prices.get(judge_key, {}))
+            rows.append((f"judge {m.name}", f"{what}: sky cluster {sky.cluster('judge')}-{m.name} ({judge_key[0]}), "
+                         f"port {m.port}", f"{_machine(recipe)}; {m.engine} engine",
+                         "spot" if (recipe.get("resources") or {}).get("use_spot") else "on-demand", price))
 
     tracking_from = ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") == cfg.tracking.uri
                      else "tracking.uri")

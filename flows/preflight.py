@@ -30,9 +30,17 @@ def preflight(cfg: Config) -> None:
     # every split's rows reach the reward functions: only the columns all of them have count
     functions = load_functions(cfg, columns=set.intersection(*(set(ds.column_names) for ds in datasets))
                                - {cfg.data.prompt_column})
-    if cfg.eval.every and cfg.eval.pass_reward is not None and cfg.eval.pass_reward not in functions.names:
-        raise UserError(f"eval.pass_reward: {cfg.eval.pass_reward!r} is not one of the reward functions "
-                        f"({', '.join(functions.names)})")
+    if cfg.eval.every and cfg.eval.pass_reward is not None and cfg.eval.pass_reward not in functions.all_names:
+        raise UserError(f"eval.pass_reward: {cfg.eval.pass_reward!r} is not one of the reward functions or models "
+                        f"({', '.join(functions.all_names)})")
+    if cfg.reward.models:
+        from tasks.scoring.judges import check_models
+
+        check_models(cfg)          # pins, classifier or not, URLs that answer, key variables: one line, exit 2
+        if any(m.where == "local" and m.engine == "vllm" and m.url is None for m in cfg.reward.models):
+            from tasks.engines.vllm_offline import installed_python
+
+            installed_python(cfg)      # a judge server on vLLM here, and no vLLM environment: one line
     if cfg.env.factory and cfg.env.where != "sky" and cfg.env.server_url is None:
         from tasks.envs.protocol import factory_of
 

@@ -91,6 +91,11 @@ def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None) -
         served = ctx.launchers.env_server.env(log.info)
         if launcher is None:
             tell_inline_stages(served)       # (an inline stage reads them here)
+    if stage in ("reward", "evaluate") and ctx.launchers.judges.specs:   # reward.models where: local | sky
+        judges = ctx.launchers.judges.env(log.info)
+        served = {**served, **judges}
+        if launcher is None:
+            tell_inline_stages(judges)
     if stage in ("generate", "evaluate") and (replicas := ctx.launchers.replicas()):
         tell_inline_stages(replicas)         # generate.replicas on sky: how the stage's router launches them
     if launcher is not None:

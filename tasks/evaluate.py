@@ -95,9 +95,9 @@ def evaluate(cfg: Config, iteration: int) -> dict:
     if done is None:
         t0 = time.perf_counter()
         functions = load_functions(cfg)
-        if ec.pass_reward is not None and ec.pass_reward not in functions.names:
-            raise UserError(f"eval.pass_reward: {ec.pass_reward!r} is not one of the reward functions "
-                            f"({', '.join(functions.names)})")
+        if ec.pass_reward is not None and ec.pass_reward not in functions.all_names:
+            raise UserError(f"eval.pass_reward: {ec.pass_reward!r} is not one of the reward functions or models "
+                            f"({', '.join(functions.all_names)})")
         ds = data.load_prompts(cfg, split="eval")
         rows = list(range(min(ec.max_prompts, len(ds))))
         seed = cfg.run.seed * 1_000_003 + 500_000_000 + iteration
@@ -106,13 +106,14 @@ def evaluate(cfg: Config, iteration: int) -> dict:
             records, _ = sample(cfg, session, ds, rows, SamplingParams(
                 n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
                 temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p, seed=seed), policy)
-            score_records(functions, records, cfg.reward.aggregate, state)
+            cache = layout.judge_cache(cfg.run.name, iteration, "evaluate")
+            score_records(functions, records, cfg.reward.aggregate, state, judge_cache=cache)
             greedy = []
             if ec.greedy:
                 greedy, _ = sample(cfg, session, ds, rows, SamplingParams(
                     n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0,
                     seed=seed), policy)
-                score_records(functions, greedy, cfg.reward.aggregate, state)
+                score_records(functions, greedy, cfg.reward.aggregate, state, judge_cache=cache)
             routed = session.metrics("eval") if cfg.generate.replicas else {}  # per replica, the router's counts
         # per episode: an agent's step-wise samples after its first (Rollout.part > 0) are not counted again
         episodes, greedy_episodes = ([r for r in recs if not r.part] for recs in (records, greedy))

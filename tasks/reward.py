@@ -11,6 +11,8 @@ Dataset columns (other than the prompt) arrive as keyword lists, plus `prompts` 
 `None` means "not applicable". The module is importable from the current directory. Functions run in a
 worker process with a timeout (tasks/scoring/functions.py): one that raises, hangs or returns garbage scores
 nothing for the batch and is counted in `reward/<fn>/errors`, or fails the stage with `reward.strict: true`.
+Reward models and LLM judges (reward.models) score beside the functions (tasks/scoring/judges.py), their answers
+cached under `<run>/judge-cache/iter-N` as they come, so a retried stage asks nothing twice.
 Reads `<run>/iter-N/rollouts`, writes `<run>/iter-N/rewards` with per-function scores and the weighted sum.
 """
 
@@ -47,7 +49,8 @@ def reward(cfg: Config, iteration: int) -> dict:
     functions = load_functions(cfg)
     records = rollout.load(store, src)
     scored = score_records(functions, records, cfg.reward.aggregate,
-                           RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations))
+                           RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations),
+                           judge_cache=layout.judge_cache(cfg.run.name, iteration))
     present = [r.reward for r in records if r.reward is not None]
     metrics = {"reward/mean": sum(present) / max(len(present), 1),
                "reward/std": _std(present),

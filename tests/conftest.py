@@ -310,6 +310,20 @@ def fake_cloud(tmp_path, monkeypatch):
             spec.loader.exec_module(fake)
             fake.preempt(cluster)
 
+        def preempt_once_written(self, store, key: str, cluster: str):
+            """A thread that preempts `cluster` once `key` is complete in `store` (join it after the run)."""
+            import threading
+            import time
+
+            def wait_then_preempt() -> None:
+                deadline = time.monotonic() + 300
+                while store.manifest(key) is None and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                self.preempt(cluster)
+            thread = threading.Thread(target=wait_then_preempt, daemon=True)
+            thread.start()
+            return thread
+
         def calls(self):
             path = state / "calls.jsonl"
             return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -119,7 +119,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "duplicate reward names": (["run", str(TINY), "-o", f'reward.functions=[{{"fn": "{demo}"}}, {{"fn": "{demo}"}}]'],
                                    "reward.functions: two functions share a name"),
         "no reward functions": (["run", str(TINY), "-o", "reward.functions=[]"], "config: reward.functions: at "
-                                "least one reward function is needed (or an env.factory"),
+                                "least one reward function or reward.models entry is needed (or an env.factory"),
         "environment module missing": (["run", str(TINY), "-o", "env.factory=nosuchenv:Game"],
                                        "env.factory: cannot import module 'nosuchenv'"),
         "environment factory syntax": (["run", str(TINY), "-o", "env.factory=no colon"], "env.factory"),
@@ -213,7 +213,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                           "path (a data file or hub dataset) and reasoning_gym"),
         "pass_reward, not a reward function": (["run", str(TINY), "-o", "eval.pass_reward=answer_reward"],
                                                "eval.pass_reward: 'answer_reward' is not one of the reward functions "
-                                               "(successor_reward)"),
+                                               "or models (successor_reward)"),
+        # reward models and judges (reward.models)
+        **_reward_model_cases(),
         # engines
         "vllm engine, no vllm": (["run", str(TINY), "-o", "generate.engine=vllm", "-o",
                                   f"generate.vllm_python={sys.executable}"], f"generate.engine: vllm: {sys.executable} has no vllm"),
@@ -245,6 +247,53 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                   "launcher.recipes: no recipe"),
         "sky launcher, local store": (["run", str(TINY), "-o", "launcher.mode=sky"],
                                       "store.uri: file://./rlflow-store: the sky launcher needs a store"),
+    }
+
+
+def _reward_model_cases() -> dict[str, tuple[list[str], str]]:
+    from tasks.scoring.judges import pin_of
+
+    tiny = builtin_models.resolve("builtin:tiny-lm")
+    pin = pin_of(tiny)
+    judge = f"name: j, kind: judge, model: 'builtin:tiny-lm', sha256: {pin}"
+
+    def run(entry: str) -> list[str]:
+        return ["run", str(TINY), "-o", f"reward.models=[{{{entry}}}]"]
+
+    return {
+        "judge template without its completion": (run(judge + ", template: 'rate {prompt}'"),
+                                                  "reward.models[0] (j).template: has no field {completion}"),
+        "judge template, unknown field": (run(judge + ", template: '{prompt} {completion} {solution}'"),
+                                          "reward.models[0] (j).template: field {solution} is neither a dataset "
+                                          "column (the data has ['answer'])"),
+        "judge template, not a format string": (run(judge + ", template: '{completion'"),
+                                                "reward.models[0] (j).template: not a format string"),
+        "pairwise template without completion_b": (run(judge + ", mode: pairwise, template: '{completion_a}'"),
+                                                   "reward.models[0] (j).template: has no field {completion_b}"),
+        "classifier that is a causal LM": (run(f"name: j, kind: classifier, model: '{tiny}', sha256: {pin}"),
+                                           "reward.models[0] (j).kind: " + tiny + " is not a sequence classifier"),
+        "judge model pinned to other weights": (run(judge.replace(pin, f"'{'0' * 64}'") + ", template: '{completion}'"),
+                                                f"reward.models[0] (j).sha256: builtin:tiny-lm has weights sha256 "
+                                                f"{pin}, not the pinned"),
+        "judge model not pinned": (run("name: j, kind: judge, model: 'builtin:tiny-lm', template: '{completion}'"),
+                                   "sha256: builtin:tiny-lm must be pinned"),
+        "judge from the registry, latest": (run("name: j, kind: judge, model: 'models:/judge/latest', "
+                                                "template: '{completion}'"),
+                                            "reward.models[0] (j).model: models:/judge/latest: expected "
+                                            "models:/<name>/<version number>"),
+        "judge named like a function": (run(judge.replace("name: j", "name: successor_reward") +
+                                            ", template: '{completion}'"),
+                                        "reward.models[0] (successor_reward).name: 'successor_reward' is taken"),
+        "judge at an unreachable url": (run("name: j, kind: judge, model: m1, url: 'http://127.0.0.1:9', "
+                                            "template: '{completion}'"),
+                                        "reward.models[0] (j).url: http://127.0.0.1:9 does not answer"),
+        "judge key variable not set": (run("name: j, kind: judge, model: m1, url: 'http://127.0.0.1:9', "
+                                           "api_key_env: RLFLOW_TEST_NO_SUCH_KEY, template: '{completion}'"),
+                                       "reward.models[0] (j).api_key_env: the variable RLFLOW_TEST_NO_SUCH_KEY is "
+                                       "not set"),
+        "verdict tokens of several tokens": (run(judge.replace("kind: judge", "kind: verdict") +
+                                                 ", template: '{completion}', verdict_tokens: ['yes', 'no']"),
+                                             "reward.models[0] (j).verdict_tokens: 'yes' is more than one token"),
     }
 
 

@@ -165,8 +165,6 @@ def test_the_env_cluster_is_launched_once_relaunched_after_a_preemption_and_torn
     """env.where: sky: the flow launches sky/env.yaml's cluster, reads the server's endpoint, and hands it to
     generate. The cluster is preempted once iteration 1's episodes are in (its server killed, the cluster gone):
     iteration 2 finds it gone and launches it again, and both iterations' episodes are whole."""
-    import threading
-
     from flows.training import train_flow
 
     monkeypatch.chdir(tmp_path)
@@ -176,13 +174,7 @@ def test_the_env_cluster_is_launched_once_relaunched_after_a_preemption_and_torn
     store = Store.open(str(tmp_path / "store"))
     cluster = "rlflow-letters-demo-env"
 
-    def preempt_after_iteration_1() -> None:
-        deadline = time.monotonic() + 300
-        while store.manifest(layout.rollouts("letters-demo", 1)) is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        fake_cloud.preempt(cluster)
-    watcher = threading.Thread(target=preempt_after_iteration_1, daemon=True)
-    watcher.start()
+    watcher = fake_cloud.preempt_once_written(store, layout.rollouts("letters-demo", 1), cluster)
     out = train_flow(str(LETTERS), [*COMMON, "env.where=sky", f"env.server_port={port}",
                                     f"launcher.sky_python={fake_cloud.python}", f"launcher.recipes={ROOT / 'sky'}",
                                     f"store.uri={tmp_path}/store", f"tracking.uri=sqlite:///{tmp_path}/m.db"])

@@ -232,6 +232,99 @@ class SandboxConfig(Section):
         return v
 
 
+class RewardModel(Section):
+    """A reward from a model (tasks/scoring/judges.py; docs/reward-models.md): a scoring model or an LLM judge,
+    combined with the functions by weight and logged as reward/<name>/... like them."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z_][\w-]{0,63}$", description="Names its scores (reward/<name>/...), "
+                      "as a function's name does; unique among functions and models.")
+    kind: Literal["classifier", "verdict", "judge"] = Field(
+        ..., description="classifier: an AutoModelForSequenceClassification; the prompt and completion (through "
+        "its chat template when it has one) score as `label`'s logit (or probability). verdict: a causal LM asked "
+        "`template`; the score is P(first verdict token) / P(both verdict tokens) at its first answer token. "
+        "judge: a causal LM asked `template`, its answer read by `parser` (mode pointwise, pairwise or group).")
+    model: str = Field(..., min_length=1, description="The model: a local folder, a .gguf file, builtin:NAME, a hub "
+                       "id, a store URI, or models:/<registered name>/<version> (MLflow; a number, never latest or "
+                       "an alias). At `url`: the served model's name.")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="The pin of a model rlflow loads: the "
+                               "sha256 of its weights file (a .gguf, a model.safetensors), or for sharded weights "
+                               "of the lines '<file> <sha256>' of each, sorted. Required unless `model` is a "
+                               "models:/<name>/<version> (the version pins it) or served at `url`.")
+    weight: float = Field(1.0, description="Weight in the combined reward.")
+    mode: Literal["pointwise", "pairwise", "group"] = Field(
+        "pointwise", description="judge: pointwise: one answer per completion; pairwise: each completion against "
+        "the next of its prompt's group, both orders over the group (score = share of its comparisons won, a tie "
+        "half); group: the whole group in one request, one score each (as ART's RULER ranks trajectories).")
+    template: str | None = Field(None, description="verdict, judge: the judge's user message, a Python format "
+                                 "string. Fields: {prompt}, {completion} (pointwise), {completion_a} / "
+                                 "{completion_b} (pairwise), {completions} (group: numbered) and {n}, and any "
+                                 "dataset column. Literal braces doubled.")
+    system: str | None = Field(None, description="verdict, judge: a system message before the template's.")
+    parser: str = Field("auto", description="judge: how an answer becomes a score. auto: pointwise 'number' (the "
+                        "last number in the answer), pairwise 'choice' (the last standalone A or B, or 'tie'), "
+                        "group 'scores' (a JSON list of n numbers, or lines 'k: x'); or module:function taking "
+                        "(answer, n) and returning a float (pointwise), 'A' | 'B' | 'tie' (pairwise) or n floats "
+                        "(group). An answer that does not parse is an error (the score is missing), not a zero.")
+    scale: tuple[float, float] | None = Field(None, description="judge pointwise / group: [low, high] of the "
+                                              "judge's scale; scores map to [0, 1] and an answer outside it is an "
+                                              "error.")
+    verdict_tokens: tuple[str, str] = Field(("Yes", "No"), description="verdict: the answer tokens for a good "
+                                            "and a bad completion (each must be one token).")
+    label: int = Field(0, ge=0, description="classifier: the output whose value is the score (0 for a one-logit "
+                       "reward model).")
+    score: Literal["logit", "probability"] = Field("logit", description="classifier: the label's logit (reward "
+                                                   "models) or its softmax probability (sigmoid for one logit).")
+    max_tokens: int = Field(64, ge=1, le=8192, description="judge: tokens the judge may answer with.")
+    max_length: int = Field(2048, ge=16, description="Prompt tokens a request may have; a longer one loses its "
+                            "middle (its first 8 tokens and its end kept; counted in reward/<name>/truncated).")
+    where: Literal["stage", "local", "sky"] = Field(
+        "stage", json_schema_extra=HOW_NOT_WHAT,
+        description="Where rlflow serves it (no `url`). stage: loaded in the reward (and evaluate) stage's process; "
+        "local: a judge server (python -m tasks.scoring.judge_server) the flow starts on its machine, once for the "
+        "run; sky: one on a spot cluster of its own (sky/judge.yaml, launcher.accelerators.judge). The flow "
+        "checks it before each stage and starts it again when it stopped answering.")
+    engine: Literal["hf", "vllm"] = Field("hf", json_schema_extra=HOW_NOT_WHAT,
+                                          description="where local | sky: the judge server's engine: hf "
+                                          "(transformers; CPU or GPU) or vllm (vLLM in the vLLM environment: "
+                                          "generate.vllm_python, .venv-vllm).")
+    port: int = Field(8350, ge=1, le=65535, json_schema_extra=HOW_NOT_WHAT,
+                      description="where: sky: the judge server's port on its cluster.")
+    url: str | None = Field(None, pattern=r"^https?://", json_schema_extra=HOW_NOT_WHAT,
+                            description="An OpenAI-compatible server you run (vLLM, SGLang, a provider): "
+                            "/v1/chat/completions for judge and verdict, /classify for a classifier. rlflow "
+                            "serves nothing then.")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", json_schema_extra=HOW_NOT_WHAT,
+                                    description="url: the environment variable that holds its API key (the key "
+                                    "itself never goes in a config).")
+    batch_size: int = Field(16, ge=1, le=4096, json_schema_extra=HOW_NOT_WHAT,
+                            description="Requests in flight at once; a server batches what arrives together "
+                            "(the hf engine up to this many per forward pass).")
+    timeout_seconds: float = Field(120.0, gt=0, json_schema_extra=HOW_NOT_WHAT,
+                                   description="Per request; a request that passes it is retried, then an error.")
+    retries: int = Field(2, ge=0, le=20, json_schema_extra=HOW_NOT_WHAT,
+                         description="Retries of a request that failed in transport (refused, reset, 5xx, timeout).")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.kind != "classifier" and not self.template:
+            raise ValueError(f"template: a {self.kind} needs a template (the judge's user message)")
+        if self.kind == "classifier" and self.template:
+            raise ValueError("template: a classifier scores the prompt and completion themselves; remove template")
+        if self.kind != "judge" and self.mode != "pointwise":
+            raise ValueError(f"mode: {self.mode} is for kind: judge")
+        if self.url is None and self.api_key_env is not None:
+            raise ValueError("api_key_env: only with url (rlflow's own servers use the run's token)")
+        if self.url is not None and self.where != "stage":
+            raise ValueError("where: a model at `url` is served by you; leave where out")
+        if self.url is None and self.sha256 is None and not self.model.startswith("models:/"):
+            raise ValueError(f"sha256: {self.model} must be pinned: its weights file's sha256 (rlflow prints it "
+                             f"when it is missing: run `python -m tasks.scoring.judges pin {self.model}`), or "
+                             f"use a registered MLflow version (models:/<name>/<version>)")
+        if self.url is not None and (self.model == "latest" or self.model.endswith((":latest", "-latest"))):
+            raise ValueError(f"model: {self.model} moves; name a fixed model version")
+        return self
+
+
 class RewardConfig(Section):
     """Scoring completions."""
 
@@ -245,6 +338,9 @@ class RewardConfig(Section):
                          "the stage (exit 2). False: its scores for that batch are missing (advantage 0, as in "
                          "TRL) and the error is counted in reward/<fn>/errors.")
     sandbox: SandboxConfig = Field(SandboxConfig(), description="Isolation and limits for code rewards.")
+    models: list[RewardModel] = Field([], json_schema_extra=SINCE_DEFAULT,
+                                      description="Rewards from models: reward models and LLM judges "
+                                      "(docs/reward-models.md), beside the functions.")
 
 
 class EndpointConfig(Section):
@@ -793,12 +889,12 @@ class LauncherConfig(Section):
     down: bool = Field(True, description="Tear the clusters down when the flow ends (else autostop only).")
     managed_jobs: bool = Field(False, description="Run sky stages as SkyPilot managed jobs (sky.jobs.launch): "
                                "SkyPilot itself recovers a preempted spot job.")
-    accelerators: dict[Literal["generate", "train", "reward", "evaluate", "publish", "env"],
+    accelerators: dict[Literal["generate", "train", "reward", "evaluate", "publish", "env", "judge"],
                        Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*(:[0-9]+)?$")]] = Field(
         {}, json_schema_extra=HOW_NOT_WHAT,
         description="The GPU type per role on SkyPilot, overriding the recipe's resources.accelerators, e.g. "
                     "{generate: 'L4:1', train: 'A100:8'} (the rollout GPU and the actor GPU): each generate "
-                    "replica gets one such machine.")
+                    "replica gets one such machine; judge: each reward.models server on sky.")
 
     def mode_of(self, stage: str) -> str:
         return self.stages.get(stage, self.mode)
@@ -853,9 +949,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _some_reward(self):
-        if not self.reward.functions and not self.env.episodic():
-            raise ValueError("reward.functions: at least one reward function is needed (or an env.factory or "
-                             "env.agent, whose episodes' return is the reward)")
+        if not self.reward.functions and not self.reward.models and not self.env.episodic():
+            raise ValueError("reward.functions: at least one reward function or reward.models entry is needed (or "
+                             "an env.factory or env.agent, whose episodes' return is the reward)")
         return self
 
     @model_validator(mode="after")
@@ -891,6 +987,8 @@ def _what(section: Section) -> dict:
             dumped.update(_what(getattr(section, name)))
         elif isinstance(getattr(section, name), Section):
             dumped[name] = _what(getattr(section, name))
+        elif isinstance(getattr(section, name), list) and all(isinstance(x, Section) for x in getattr(section, name)):
+            dumped[name] = [_what(x) for x in getattr(section, name)]
     dumped.update({k: v for k, v in getattr(section, "_fingerprint_always", {}).items() if k not in dumped})
     return dumped
 

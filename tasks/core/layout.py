@@ -11,6 +11,8 @@
                                    ckpt-000042's, which lists them in state.json)
     <run>/policy/v000042           published weights (+ config + tokenizer)
     <run>/policy/LATEST            pointer to the newest published policy
+    <run>/judge-cache/iter-000042/<chunk>   the reward models' answers of iteration 42's reward stage (eval-vN:
+                                   an evaluation's), a folder per batch written as it is answered
 """
 
 BASE = "base"  # the policy before iteration 1: config.model.name_or_path
@@ -74,6 +76,12 @@ CKPT_RNG_RANK = "rng/rank-{rank:05d}.pt"   # deepspeed: each process's RNG state
 def evaluation(run: str, iteration: int) -> str:
     """evaluate's output for policy vN: scored held-out completions + metrics."""
     return f"{run}/eval/v{iteration:06d}"
+
+
+def judge_cache(run: str, iteration: int, stage: str = "reward") -> str:
+    """Answers of reward.models for one stage of one iteration (tasks/scoring/judges.py): a retried or resumed
+    stage asks nothing twice."""
+    return f"{run}/judge-cache/{'iter-' if stage == 'reward' else 'eval-v'}{iteration:06d}"
 
 
 def best(run: str) -> str:

@@ -69,6 +69,12 @@ class RewardFunctions:
     timeout_seconds: float
     strict: bool
     env_weight: float | None = None   # multi-turn: the episodes' return is a reward named "env", this weight
+    cfg: Config | None = None         # its reward.models score beside the functions (tasks/scoring/judges.py)
+
+    @property
+    def all_names(self) -> list[str]:
+        """The functions' names and the reward models': every score a completion gets (not 'env')."""
+        return self.names + [m.name for m in (self.cfg.reward.models if self.cfg is not None else [])]
 
 
 @dataclass
@@ -107,9 +113,12 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
              "sandbox": cfg.reward.sandbox.model_dump(mode="json")}
     if cfg.env.episodic() and "env" in names:
         raise UserError("reward.functions: 'env' names the episode's return; rename that function")
+    from tasks.scoring.judges import check_specs
+
+    check_specs(cfg, columns, names)
     return RewardFunctions(names=names, weights={n: s.weight for n, s in zip(names, cfg.reward.functions)},
                            setup=setup, timeout_seconds=cfg.reward.timeout_seconds, strict=cfg.reward.strict,
-                           env_weight=cfg.env.reward_weight if cfg.env.episodic() else None)
+                           env_weight=cfg.env.reward_weight if cfg.env.episodic() else None, cfg=cfg)
 
 
 def check_signature(what: str, fn, available: set[str], columns: list[str]) -> None:
@@ -278,11 +287,22 @@ def _phrase(message: str) -> str:
 
 
 def score_records(functions: RewardFunctions, records: list[Rollout], aggregate: str,
-                  state: RewardState | None = None) -> Scored:
-    """Score `records` in place: per-function scores in `.rewards`, the combined reward in `.reward`
-    (None where no function scored it), logged columns in `.extra`. Returns what happened."""
+                  state: RewardState | None = None, judge_cache: str | None = None) -> Scored:
+    """Score `records` in place: per-function (and per reward model) scores in `.rewards`, the combined reward
+    in `.reward` (None where nothing scored it), logged columns in `.extra`. Returns what happened.
+    `judge_cache`: the store prefix of this stage's reward-model answers (layout.judge_cache)."""
     scored = score(functions, records, state)
     weights = dict(functions.weights)
+    if functions.cfg is not None and functions.cfg.reward.models:
+        from tasks.scoring.judges import score_models
+
+        judged = score_models(functions.cfg, records, judge_cache, functions.strict)
+        if functions.strict and judged.errors:
+            raise RewardFunctionError(next(iter(judged.errors.values())))
+        scored.scores.update(judged.scores)
+        scored.errors.update(judged.errors)
+        scored.metrics.update(judged.metrics)
+        weights.update({m.name: m.weight for m in functions.cfg.reward.models})
     if functions.env_weight is not None:
         scored.scores["env"] = [r.env_return for r in records]
         weights["env"] = functions.env_weight

@@ -1,0 +1,207 @@
+"""The hf engine of a reward model: a causal LM that answers chat requests greedily (judge, verdict), or a sequence
+classifier that scores conversations (classifier). Used in the stage's process (reward.models[].where: stage) and
+behind the judge server (tasks/scoring/judge_server.py), whose batcher gathers concurrent requests into one
+forward pass. The requests and answers are those of the OpenAI-compatible protocol the judges speak
+(tasks/scoring/judges.py):
+
+    chat:     {"messages": [...], "max_tokens": 64, "top_logprobs": 0}  ->  {"text": "...", "top": {token: logprob}}
+    classify: {"messages": [...]} or {"text": "..."}                    ->  {"logits": [...], "probs": [...]}
+
+`top` (top_logprobs > 0) holds the most likely first answer tokens with their log-probabilities, what a verdict
+is read from. Greedy decoding: the same request gives the same answer.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from queue import Empty, Queue
+
+import torch
+
+from tasks.core.errors import UserError
+
+
+def is_classifier(config) -> bool:
+    return any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
+
+
+class JudgeEngine:
+    """One model, loaded once; `chat` / `classify` answer a batch of requests."""
+
+    def __init__(self, path: str, kind: str, max_length: int = 2048, dtype: str = "float32",
+                 device: str | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        from tasks.core.models import DTYPES, load_tokenizer
+        from tasks.core.process_wide import PROCESS_WIDE
+
+        self.kind, self.max_length = kind, max_length
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = load_tokenizer(path)
+        config = AutoConfig.from_pretrained(path)
+        classifier = kind == "classifier"
+        if classifier != is_classifier(config):
+            raise UserError(f"reward.models: {path} is {'not ' if classifier else ''}a sequence classifier "
+                            f"(architectures {config.architectures}); kind {kind} needs "
+                            f"{'an AutoModelForSequenceClassification' if classifier else 'a causal LM'}")
+        auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+        with PROCESS_WIDE:
+            self.model = auto.from_pretrained(path, dtype=DTYPES[dtype]).to(self.device).eval()
+        if classifier and self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.lock = threading.Lock()          # one forward pass at a time (a server's threads share it)
+
+    # ------------------------------------------------------------------------------------------ requests -> ids
+
+    def _ids(self, request: dict, generation: bool) -> tuple[list[int], bool]:
+        """Token ids of a request, cut from the left of the last message to max_length; (ids, truncated)."""
+        tok = self.tokenizer
+        if "messages" in request and tok.chat_template:
+            ids = tok.apply_chat_template(request["messages"], add_generation_prompt=generation, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            text = request.get("text") if "text" in request else "\n\n".join(
+                str(m.get("content") or "") for m in request["messages"])
+            ids = tok(text, add_special_tokens=True)["input_ids"]
+        ids = list(ids)
+        if len(ids) <= self.max_length:
+            return ids, False
+        return ids[:8] + ids[-(self.max_length - 8):], True      # keep the head (template), cut the middle
+
+    # ------------------------------------------------------------------------------------------ the two kinds
+
+    def chat(self, requests: list[dict]) -> list[dict]:
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        out: list[dict] = []
+        with self.lock, torch.no_grad():
+            encoded = [self._ids(r, generation=True) for r in requests]
+            L = max(len(ids) for ids, _ in encoded)
+            ids = torch.tensor([[pad] * (L - len(i)) + i for i, _ in encoded], device=self.device)
+            attn = torch.tensor([[0] * (L - len(i)) + [1] * len(i) for i, _ in encoded], device=self.device)
+            steps = max(int(r.get("max_tokens") or 64) for r in requests)
+            top_k = max(int(r.get("top_logprobs") or 0) for r in requests)
+            gen = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=steps,
+                                      pad_token_id=pad, eos_token_id=eos, return_dict_in_generate=True,
+                                      output_logits=top_k > 0)
+            first = torch.log_softmax(gen.logits[0].float(), -1) if top_k > 0 else None
+            for j, (r, (_, truncated)) in enumerate(zip(requests, encoded)):
+                toks = gen.sequences[j, L:L + int(r.get("max_tokens") or 64)].tolist()
+                if eos in toks:
+                    toks = toks[:toks.index(eos)]
+                answer = {"text": self.tokenizer.decode(toks, skip_special_tokens=True), "truncated": truncated,
+                          "tokens": len(toks)}
+                if first is not None and r.get("top_logprobs"):
+                    values, index = first[j].topk(int(r["top_logprobs"]))
+                    answer["top"] = {}
+                    for v, t in zip(values.tolist(), index.tolist()):
+                        answer["top"].setdefault(self.tokenizer.decode([t]), v)   # (two ids, one text: the likelier)
+                out.append(answer)
+        return out
+
+    def classify(self, requests: list[dict]) -> list[dict]:
+        pad = self.tokenizer.pad_token_id
+        out: list[dict] = []
+        with self.lock, torch.no_grad():
+            encoded = [self._ids(r, generation=False) for r in requests]
+            L = max(len(ids) for ids, _ in encoded)
+            # right padding: the classifier reads the last non-pad token (transformers finds it from pad_token_id)
+            ids = torch.tensor([i + [pad] * (L - len(i)) for i, _ in encoded], device=self.device)
+            attn = torch.tensor([[1] * len(i) + [0] * (L - len(i)) for i, _ in encoded], device=self.device)
+            logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
+            probs = torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, -1)
+            for j, (_, truncated) in enumerate(encoded):
+                out.append({"logits": logits[j].tolist(), "probs": probs[j].tolist(), "truncated": truncated})
+        return out
+
+    def answer(self, route: str, requests: list[dict]) -> list[dict]:
+        return self.chat(requests) if route == "chat" else self.classify(requests)
+
+
+class VLLMJudgeEngine:
+    """The same two kinds on vLLM (reward.models[].engine: vllm; run in the vLLM environment's interpreter): chat
+    through LLM.chat (greedy, the first token's top logprobs), classify through LLM.classify (vLLM's pooling
+    runner; its probabilities only)."""
+
+    def __init__(self, path: str, kind: str, max_length: int = 2048, max_tokens: int = 64):
+        from vllm import LLM
+
+        gpu = torch.cuda.is_available()
+        self.kind, self.max_length = kind, max_length
+        args = dict(model=path, seed=0, max_model_len=max_length + max_tokens, enforce_eager=not gpu,
+                    gpu_memory_utilization=0.9 if gpu else 0.1, generation_config="vllm")
+        if not gpu:
+            args.update(distributed_executor_backend="uni", enable_chunked_prefill=False)
+        if kind == "classifier":
+            args.update(runner="pooling", convert="classify")
+        self.llm = LLM(**args)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.lock = threading.Lock()
+
+    def answer(self, route: str, requests: list[dict]) -> list[dict]:
+        from vllm import SamplingParams
+
+        with self.lock:
+            if route == "classify":
+                texts = [self.tokenizer.apply_chat_template(r["messages"], tokenize=False)
+                         if "messages" in r and self.tokenizer.chat_template else r.get("text") or "\n\n".join(
+                             str(m.get("content") or "") for m in r["messages"]) for r in requests]
+                outs = self.llm.classify(texts, use_tqdm=False)
+                return [{"probs": list(o.outputs.probs), "logits": None, "truncated": False} for o in outs]
+            params = [SamplingParams(temperature=0.0, max_tokens=int(r.get("max_tokens") or 64),
+                                     logprobs=int(r.get("top_logprobs") or 0) or None, seed=0) for r in requests]
+            outs = self.llm.chat([r["messages"] for r in requests], params, use_tqdm=False)
+            answers = []
+            for r, o in zip(requests, outs):
+                c = o.outputs[0]
+                a = {"text": c.text, "tokens": len(c.token_ids), "truncated": False}
+                if r.get("top_logprobs") and c.logprobs:
+                    ranked = sorted(c.logprobs[0].values(), key=lambda lp: -lp.logprob)
+                    a["top"] = {}
+                    for lp in ranked:
+                        a["top"].setdefault(lp.decoded_token or "", lp.logprob)
+                answers.append(a)
+            return answers
+
+
+class Batcher:
+    """Requests that arrive together (a server's concurrent HTTP calls) answered in one forward pass: a thread
+    takes the first waiting request, gathers what else arrives within `wait` seconds up to `size`, and answers
+    them together. Chat requests and classify requests are never mixed."""
+
+    def __init__(self, engine: JudgeEngine, size: int, wait: float = 0.005):
+        self.engine, self.size, self.wait = engine, size, wait
+        self.queue: Queue = Queue()
+        self.batches = self.requests = 0
+        threading.Thread(target=self._run, daemon=True, name="judge-batcher").start()
+
+    def submit(self, route: str, request: dict) -> Future:
+        fut: Future = Future()
+        self.queue.put((route, request, fut))
+        return fut
+
+    def _run(self) -> None:
+        held = None
+        while True:
+            first = held or self.queue.get()
+            held = None
+            batch = [first]
+            while len(batch) < self.size:
+                try:
+                    nxt = self.queue.get(timeout=self.wait)
+                except Empty:
+                    break
+                if nxt[0] != first[0]:
+                    held = nxt                      # the other route: the next batch's first
+                    break
+                batch.append(nxt)
+            try:
+                answers = self.engine.answer(first[0], [r for _, r, _ in batch])
+            except Exception as e:  # noqa: BLE001 - each caller gets it
+                for _, _, fut in batch:
+                    fut.set_exception(e)
+                continue
+            self.batches += 1
+            self.requests += len(batch)
+            for (_, _, fut), a in zip(batch, answers):
+                fut.set_result(a)

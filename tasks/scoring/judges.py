@@ -1,0 +1,647 @@
+"""Rewards from models (reward.models; docs/reward-models.md): a reward model (a sequence classifier, or a causal
+LM read by the probability of a verdict token) and an LLM judge (a template, a parser; pointwise, pairwise or
+group ranking as ART's RULER does), scored beside the reward functions and combined with them by weight.
+
+Every model speaks one protocol, the OpenAI-compatible one: chat completions (judge, verdict: temperature 0,
+`top_logprobs` for a verdict) and vLLM's /classify (classifier). Where it answers:
+    where: stage    the model loaded in this process (tasks/scoring/judge_engine.py), kept for its life;
+    where: local    a judge server the flow started on its machine (tasks/scoring/judge_server.py; engine hf, or
+    where: sky      vLLM's own OpenAI server) or on a cluster of its own: its URL comes from the flow in
+                    RLFLOW_REWARD_MODELS ({name: url}), its token in RLFLOW_JUDGE_TOKEN;
+    url: ...        any OpenAI-compatible server, the key read from the variable `api_key_env` names.
+
+A model is pinned: the sha256 of its weights (checked before it is used) or a registered MLflow version; at a URL
+the served name, never a moving one.
+
+Each question is cached by the hash of (the model's pin, the request) in the store under the stage's
+layout.judge_cache prefix, a folder per batch written as soon as it is answered: a stage retried after a crash
+or a resumed run asks nothing twice and gets the same scores. An answer that does not parse (or a label out of
+range, a verdict token not among the answer's likeliest) is that completion's missing score and counted
+(reward/<name>/failed, reward/<name>/errors), not a zero; reward.strict makes it fail the stage. A server that
+stops answering (after `retries`) fails the stage with JudgeUnavailable, which the flow retries after starting
+the server again; what was answered before is in the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+import re
+import string
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tasks.core.errors import UserError
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config, RewardModel
+    from tasks.core.contracts import Rollout
+    from tasks.core.store import Store
+
+SERVED_VAR, TOKEN_VAR = "RLFLOW_REWARD_MODELS", "RLFLOW_JUDGE_TOKEN"
+READY = "RLFLOW_JUDGE_READY"           # the line a judge server prints once it answers: READY <url>
+TOP_LOGPROBS = 20                      # verdict: the answer's likeliest first tokens asked for
+ANSWERS = "answers.json"               # in each cache folder: {request hash: answer}
+FIELDS = {"pointwise": {"completion"}, "pairwise": {"completion_a", "completion_b"}, "group": {"completions"}}
+
+
+class JudgeUnavailable(RuntimeError):
+    """A reward model's server did not answer after its retries: the stage fails and is retried (by the flow,
+    after it started the server again); the answers already given are cached."""
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+def where(spec: RewardModel) -> str:
+    return "url" if spec.url else spec.where
+
+
+def template_fields(spec: RewardModel) -> set[str]:
+    return {f.split(".")[0].split("[")[0] for _, f, _, _ in string.Formatter().parse(spec.template or "") if f}
+
+
+def check_specs(cfg: Config, columns: set[str] | None, function_names: list[str]) -> None:
+    """What a config alone tells (every stage, at load): names, template fields, parser imports."""
+    names = [m.name for m in cfg.reward.models]
+    for i, spec in enumerate(cfg.reward.models):
+        what = f"reward.models[{i}] ({spec.name})"
+        if spec.name in function_names or names.count(spec.name) > 1 or spec.name == "env":
+            raise UserError(f"{what}.name: {spec.name!r} is taken (by a reward function, another model, or the "
+                            f"episodes' return 'env'); names key the scores")
+        if spec.template is not None:
+            try:
+                fields = template_fields(spec)
+            except ValueError as e:
+                raise UserError(f"{what}.template: not a format string ({e}); double literal braces") from None
+            needed = FIELDS[spec.mode] if spec.kind == "judge" else FIELDS["pointwise"]
+            if not needed <= fields:
+                raise UserError(f"{what}.template: has no field {{{sorted(needed - fields)[0]}}}; a {spec.mode} "
+                                f"{spec.kind} template names {', '.join('{' + f + '}' for f in sorted(needed))}")
+            known = {"prompt", "n", *FIELDS[spec.mode if spec.kind == "judge" else "pointwise"]}
+            if columns is not None and (unknown := sorted(fields - known - set(columns))):
+                raise UserError(f"{what}.template: field {{{unknown[0]}}} is neither a dataset column (the data has "
+                                f"{sorted(columns)}) nor one of {sorted(known)}")
+        if spec.parser != "auto":
+            if spec.kind != "judge":
+                raise UserError(f"{what}.parser: only a judge's answers are parsed")
+            _parser_fn(spec, what)
+
+
+def check_models(cfg: Config) -> None:
+    """Preflight: what needs the outside world. Each model rlflow loads resolves and matches its pin (and is a
+    classifier exactly when kind says so); a URL answers and serves the model; a key variable is set. One line,
+    exit 2, before anything is written."""
+    for i, spec in enumerate(cfg.reward.models):
+        what = f"reward.models[{i}] ({spec.name})"
+        if spec.url is not None:
+            if spec.api_key_env and not os.environ.get(spec.api_key_env):
+                raise UserError(f"{what}.api_key_env: the variable {spec.api_key_env} is not set (it holds the "
+                                f"key of {spec.url})")
+            served = _served_models(spec, what)
+            if served is not None and spec.model not in served:
+                raise UserError(f"{what}.model: {spec.url} serves {sorted(served)}, not {spec.model!r}")
+            continue
+        if spec.where == "local" and any(cfg.launcher.mode_of(s) == "sky" for s in ("reward", "evaluate")):
+            raise UserError(f"{what}.where: local serves the model on this machine, which a stage on a sky "
+                            f"cluster cannot reach; use where: sky (a cluster of its own) or stage")
+        path = resolve(cfg, spec, what)
+        from transformers import AutoConfig
+
+        from tasks.scoring.judge_engine import is_classifier
+
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise UserError(f"{what}.model: cannot read the model's config at {path}: "
+                            f"{str(e).splitlines()[0][:200]}") from None
+        if (spec.kind == "classifier") != is_classifier(config):
+            needs = "an AutoModelForSequenceClassification" if spec.kind == "classifier" else "a causal LM"
+            raise UserError(f"{what}.kind: {spec.model} is {'not ' if spec.kind == 'classifier' else ''}a sequence "
+                            f"classifier (architectures {config.architectures}); kind {spec.kind} needs {needs}")
+        if spec.kind == "verdict":
+            from tasks.core.models import load_tokenizer
+
+            tok = load_tokenizer(path)
+            for t in spec.verdict_tokens:
+                if len(tok(t, add_special_tokens=False)["input_ids"]) != 1:
+                    raise UserError(f"{what}.verdict_tokens: {t!r} is more than one token for this model's "
+                                    f"tokenizer; choose single-token answers")
+
+
+def _served_models(spec: RewardModel, what: str) -> set[str] | None:
+    import httpx
+
+    key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+    try:
+        r = httpx.get(f"{spec.url.rstrip('/')}/v1/models", timeout=10,
+                      headers={"Authorization": f"Bearer {key}"} if key else {})
+    except httpx.HTTPError as e:
+        raise UserError(f"{what}.url: {spec.url} does not answer ({type(e).__name__}: {e})") from None
+    if r.status_code in (401, 403):
+        raise UserError(f"{what}.url: {spec.url} refused the key ({r.status_code}); check "
+                        f"{spec.api_key_env or 'api_key_env'}")
+    if r.status_code != 200:
+        raise UserError(f"{what}.url: {spec.url}/v1/models answered {r.status_code}; expected an OpenAI-compatible "
+                        f"server")
+    try:
+        return {m["id"] for m in r.json()["data"]}
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def resolve(cfg: Config, spec: RewardModel, what: str) -> str:
+    """The model as a local folder, its pin checked: a models:/<name>/<version> through the registry (the version
+    names a policy in the store), a store URI, a .gguf (converted once), builtin:NAME, a folder or a hub id."""
+    from tasks.core import builtin_models, gguf
+    from tasks.core.policy import materialize
+    from tasks.core.store import open_store
+
+    name, pin = spec.model, spec.sha256
+    if name.startswith("models:/"):
+        name = _registered(cfg, name, what)
+    store = open_store(cfg)
+    if name.startswith(store.root.rstrip("/") + "/"):
+        key = name[len(store.root.rstrip("/")) + 1:]
+        if store.manifest(key) is None:
+            raise UserError(f"{what}.model: {name}: no complete folder there")
+        path = str(materialize(store, key))
+    else:
+        path = builtin_models.resolve(name)
+        if gguf.is_gguf(path):
+            if pin is not None and (found := _sha256(Path(path))) != pin:
+                raise UserError(f"{what}.sha256: {spec.model} has sha256 {found}, not the pinned {pin}")
+            return gguf.model_folder(path, "float32")
+        if not Path(path).expanduser().exists():
+            path = _hub_folder(path, what)
+    if pin is not None and (found := pin_of(path)) != pin:
+        raise UserError(f"{what}.sha256: {spec.model} has weights sha256 {found}, not the pinned {pin}")
+    return path
+
+
+def _registered(cfg: Config, uri: str, what: str) -> str:
+    parts = uri[len("models:/"):].split("/")
+    if len(parts) != 2 or not parts[1].isdigit():
+        raise UserError(f"{what}.model: {uri}: expected models:/<name>/<version number> (a version pins the judge; "
+                        f"latest and aliases move)")
+    from tasks.core.tracking import _client
+
+    try:
+        version = _client(cfg.tracking.uri).get_model_version(parts[0], parts[1])
+    except Exception as e:  # noqa: BLE001 - MLflow's own errors, one line
+        raise UserError(f"{what}.model: {uri}: not in the model registry at {cfg.tracking.uri} "
+                        f"({str(e).splitlines()[0][:160]})") from None
+    source = (version.tags or {}).get("rlflow.policy_uri") or version.source
+    if not source or source.startswith(("runs:/", "models:/")):
+        raise UserError(f"{what}.model: {uri}: its source {source!r} is not a model folder rlflow can read")
+    return source
+
+
+def _hub_folder(name: str, what: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached, no network: one line
+        raise UserError(f"{what}.model: {name!r} is neither a local folder nor a hub model in this machine's "
+                        f"cache") from None
+
+
+def _sha256(path: Path) -> str:
+    from tasks.core.store import known_sha256
+
+    return known_sha256(path)
+
+
+def pin_of(path: str) -> str:
+    """A model folder's pin: the sha256 of its one weights file, or of the sorted '<file> <sha256>' lines of
+    several (shards)."""
+    folder = Path(path)
+    if folder.is_file():
+        return _sha256(folder)
+    weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt")
+                     and not p.name.startswith(("training_args", "optimizer")))
+    if not weights:
+        raise UserError(f"reward.models: {path}: no weights file (*.safetensors, *.bin)")
+    if len(weights) == 1:
+        return _sha256(weights[0])
+    lines = "".join(f"{p.name} {_sha256(p)}\n" for p in weights)
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def _parser_fn(spec: RewardModel, what: str):
+    import importlib
+
+    module_name, _, attr = spec.parser.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module_name), attr, None)
+    except (Exception, SystemExit) as e:
+        raise UserError(f"{what}.parser: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise UserError(f"{what}.parser: expected 'number', 'choice', 'scores', 'auto' or module:function; "
+                        f"{spec.parser!r} names nothing callable")
+    return fn
+
+
+# ------------------------------------------------------------------------------------------------ questions
+
+
+def _text(value: Any) -> str:
+    """A prompt or a multi-turn completion as a judge reads it: a lone user message as its text, else 'role:
+    content' lines."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
+        return str(value[0].get("content") or "")
+    return "\n\n".join(f"{m.get('role', '')}: {m.get('content') or ''}" for m in value or [])
+
+
+def _completion(r: Rollout) -> str:
+    return _text(r.turns) if r.turns is not None else r.completion
+
+
+@dataclass
+class Question:
+    """One request to a model and the completions (record indices) its answer scores."""
+
+    route: str                  # chat | classify
+    body: dict                  # the protocol's request (model name and connection added when sent)
+    records: list[int]
+    key: str = ""
+
+
+def questions(spec: RewardModel, records: list[Rollout], pin: str) -> list[Question]:
+    """What to ask the model for `records`, by kind and mode (pairwise / group: per prompt group)."""
+    out: list[Question] = []
+
+    def fields(r: Rollout) -> dict:
+        return {**{k: v for k, v in r.columns.items()}, "prompt": _text(r.prompt)}
+
+    def chat(text: str) -> dict:
+        body = {"messages": ([{"role": "system", "content": spec.system}] if spec.system else []) +
+                [{"role": "user", "content": text}], "max_tokens": spec.max_tokens, "temperature": 0.0, "seed": 0}
+        if spec.kind == "verdict":
+            body.update(max_tokens=1, top_logprobs=TOP_LOGPROBS)
+        return body
+
+    if spec.kind == "classifier":
+        for j, r in enumerate(records):
+            conv = (r.prompt if isinstance(r.prompt, list) else [{"role": "user", "content": r.prompt}]) + \
+                (r.turns if r.turns is not None else [{"role": "assistant", "content": r.completion}])
+            out.append(Question("classify", {"messages": conv}, [j]))
+    elif spec.kind == "verdict" or spec.mode == "pointwise":
+        for j, r in enumerate(records):
+            out.append(Question("chat", chat(spec.template.format(**fields(r), completion=_completion(r), n=1)), [j]))
+    else:
+        groups: dict[int, list[int]] = {}
+        for j, r in enumerate(records):
+            groups.setdefault(r.group, []).append(j)
+        for members in groups.values():
+            r = records[members[0]]
+            if spec.mode == "group":
+                listed = "\n\n".join(f"[{k + 1}]\n{_completion(records[j])}" for k, j in enumerate(members))
+                out.append(Question("chat", chat(spec.template.format(**fields(r), completions=listed,
+                                                                      n=len(members))), members))
+            elif len(members) > 1:           # pairwise: each against the next, so each is A once and B once
+                for k, a in enumerate(members):
+                    b = members[(k + 1) % len(members)]
+                    out.append(Question("chat", chat(spec.template.format(
+                        **fields(r), completion_a=_completion(records[a]), completion_b=_completion(records[b]),
+                        n=2)), [a, b]))
+    for q in out:
+        q.key = hashlib.sha256(json.dumps([pin, spec.kind, spec.mode, q.route, q.body], sort_keys=True,
+                                          default=str).encode()).hexdigest()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ answers -> scores
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_CHOICE = re.compile(r"\b(A|B|tie)\b", re.IGNORECASE)
+_LINE = re.compile(r"^\s*\[?(\d+)\]?\s*[:.)=-]\s*(-?\d+(?:\.\d+)?)", re.MULTILINE)
+
+
+class Unparsed(ValueError):
+    """An answer that gives no score (the completion's score is missing, counted)."""
+
+
+def scores_of(spec: RewardModel, q: Question, answer: dict, parser=None) -> list[float]:
+    """The scores `answer` gives the completions of `q`, in q.records' order (pairwise: the winner's 1, the
+    loser's 0, a tie's 0.5 each); Unparsed if it gives none."""
+    if spec.kind == "classifier":
+        values = answer.get("logits" if spec.score == "logit" else "probs")
+        if values is None:
+            raise Unparsed(f"the server gave no {spec.score}s (score: probability reads vLLM's /classify)")
+        if spec.label >= len(values):
+            raise Unparsed(f"label {spec.label} of a classifier with {len(values)} outputs")
+        return [float(values[spec.label])]
+    text = answer.get("text") or ""
+    if spec.kind == "verdict":
+        top = answer.get("top") or {}
+        good, bad = (sum(math.exp(lp) for t, lp in top.items() if t.strip() == v.strip()) for v in spec.verdict_tokens)
+        if good + bad == 0:
+            raise Unparsed(f"neither {spec.verdict_tokens[0]!r} nor {spec.verdict_tokens[1]!r} among the answer's "
+                           f"{len(top)} likeliest first tokens")
+        return [good / (good + bad)]
+    n = len(q.records)
+    if parser is not None:
+        try:
+            got = parser(text, n)
+        except Exception as e:  # noqa: BLE001 - the user's parser: its failure is this answer's
+            raise Unparsed(f"parser {spec.parser} raised {type(e).__name__}: {e}") from None
+    elif spec.mode == "pointwise":
+        found = _NUMBER.findall(text)
+        if not found:
+            raise Unparsed(f"no number in the answer {text[:80]!r}")
+        got = float(found[-1])
+    elif spec.mode == "pairwise":
+        found = _CHOICE.findall(text)
+        if not found:
+            raise Unparsed(f"no A, B or tie in the answer {text[:80]!r}")
+        got = found[-1]
+    else:
+        got = _group_scores(text, n)
+    if spec.mode == "pairwise":
+        choice = str(got).strip().lower()
+        if choice not in ("a", "b", "tie"):
+            raise Unparsed(f"parser gave {got!r}, expected 'A', 'B' or 'tie'")
+        return {"a": [1.0, 0.0], "b": [0.0, 1.0], "tie": [0.5, 0.5]}[choice]
+    values = [got] if spec.mode == "pointwise" else list(got) if isinstance(got, (list, tuple)) else None
+    if values is None or len(values) != n:
+        raise Unparsed(f"expected {n} score{'s' if n > 1 else ''}, got {got!r}")
+    try:
+        values = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise Unparsed(f"not numbers: {got!r}") from None
+    if not all(math.isfinite(v) for v in values):
+        raise Unparsed(f"not finite: {values}")
+    if spec.scale is not None:
+        lo, hi = spec.scale
+        if not all(lo <= v <= hi for v in values):
+            raise Unparsed(f"{values} outside the scale [{lo:g}, {hi:g}]")
+        values = [(v - lo) / (hi - lo) if hi > lo else 0.0 for v in values]
+    return values
+
+
+def _group_scores(text: str, n: int) -> list[float]:
+    start, end = text.find("["), text.rfind("]")
+    brace, close = text.find("{"), text.rfind("}")
+    for a, b in ((brace, close), (start, end)):
+        if 0 <= a < b:
+            try:
+                got = json.loads(text[a:b + 1])
+            except ValueError:
+                continue
+            if isinstance(got, dict):
+                got = got.get("scores")
+            if isinstance(got, list) and len(got) == n:
+                return got
+    lines = {int(k): float(v) for k, v in _LINE.findall(text)}
+    if set(range(1, n + 1)) <= set(lines):
+        return [lines[k] for k in range(1, n + 1)]
+    raise Unparsed(f"no list of {n} scores in the answer {text[:80]!r}")
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+
+
+class AnswerCache:
+    """Answers already given for one stage (a prefix of the store): loaded once, new ones written as a folder per
+    batch (manifest last: a crash mid-write leaves nothing half-visible)."""
+
+    def __init__(self, store: Store | None, prefix: str | None):
+        self.store, self.prefix = store, prefix
+        self.answers: dict[str, dict] = {}
+        self.pending: dict[str, dict] = {}
+        if store is not None and prefix is not None:
+            for name in store.list_folders(prefix):
+                if store.manifest(f"{prefix}/{name}") is not None:
+                    self.answers.update(store.get_json(f"{prefix}/{name}", ANSWERS))
+
+    def get(self, key: str) -> dict | None:
+        return self.answers.get(key)
+
+    def put(self, key: str, answer: dict) -> None:
+        self.answers[key] = self.pending[key] = answer
+
+    def flush(self) -> None:
+        if not self.pending or self.store is None or self.prefix is None:
+            self.pending.clear()
+            return
+        with tempfile.TemporaryDirectory(prefix="rlflow-judge-") as tmp:
+            (Path(tmp) / ANSWERS).write_text(json.dumps(self.pending, sort_keys=True))
+            self.store.put_folder(f"{self.prefix}/{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}",
+                                  Path(tmp), meta={"answers": len(self.pending)}, give_up=True)
+        self.pending.clear()
+
+
+# ------------------------------------------------------------------------------------------------ asking
+
+
+_engines: dict[tuple, Any] = {}        # where: stage: loaded once per process (the flow's inline stages reuse them)
+
+
+class Asker:
+    """Sends one model's questions: to its engine in this process, or over HTTP to its server."""
+
+    def __init__(self, cfg: Config, spec: RewardModel, index: int):
+        self.cfg, self.spec = cfg, spec
+        what = f"reward.models[{index}] ({spec.name})"
+        served = json.loads(os.environ.get(SERVED_VAR) or "{}")
+        self.url, self.key, self.model_name = None, None, spec.model
+        if spec.url:
+            self.url, self.key = spec.url.rstrip("/"), os.environ.get(spec.api_key_env) if spec.api_key_env else None
+            if spec.api_key_env and not self.key:
+                raise UserError(f"{what}.api_key_env: the variable {spec.api_key_env} is not set")
+        elif spec.where != "stage" and spec.name in served:
+            self.url, self.key, self.model_name = served[spec.name].rstrip("/"), os.environ.get(TOKEN_VAR), spec.name
+        elif spec.where != "stage":
+            print(f"note: {what} (where: {spec.where}) has no server from the flow ({SERVED_VAR}): loading it "
+                  f"in this process", file=sys.stderr)
+        self.what = what
+        self.pin = spec.sha256 or (spec.model if spec.model.startswith("models:/") else f"{spec.url}|{spec.model}")
+
+    def ask(self, qs: list[Question], cache: AnswerCache) -> None:
+        """Answers for `qs` into `cache` (flushed after each batch)."""
+        size = self.spec.batch_size
+        if not qs:
+            return
+        if self.url is None:
+            for start in range(0, len(qs), size):
+                chunk = qs[start:start + size]
+                for q, a in zip(chunk, self._local(chunk)):
+                    cache.put(q.key, a)
+                cache.flush()
+            return
+        asyncio.run(self._remote(qs, cache))
+
+    def _engine(self):
+        """This process's engine for the model (loaded on the first question the cache does not answer)."""
+        path = resolve(self.cfg, self.spec, self.what)
+        ident = (path, self.spec.kind, self.spec.max_length)
+        if ident not in _engines:
+            from tasks.scoring.judge_engine import JudgeEngine
+
+            if len(_engines) >= 2:
+                _engines.clear()
+            _engines[ident] = JudgeEngine(path, self.spec.kind, self.spec.max_length)
+        return _engines[ident]
+
+    def _local(self, chunk: list[Question]) -> list[dict]:
+        engine = self._engine()
+        out: dict[int, dict] = {}
+        for route in ("chat", "classify"):
+            idx = [i for i, q in enumerate(chunk) if q.route == route]
+            if idx:
+                for i, a in zip(idx, engine.answer(route, [chunk[i].body for i in idx])):
+                    out[i] = a
+        return [out[i] for i in range(len(chunk))]
+
+    async def _remote(self, qs: list[Question], cache: AnswerCache) -> None:
+        import httpx
+        import openai
+
+        spec = self.spec
+        client = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.key or "none",
+                                    timeout=spec.timeout_seconds, max_retries=spec.retries)
+        http = httpx.AsyncClient(timeout=spec.timeout_seconds,
+                                 headers={"Authorization": f"Bearer {self.key}"} if self.key else {})
+        gate = asyncio.Semaphore(spec.batch_size)
+
+        async def one(q: Question) -> None:
+            async with gate:
+                cache.put(q.key, await (self._chat(client, q) if q.route == "chat" else self._classify(http, q)))
+
+        try:
+            for start in range(0, len(qs), spec.batch_size * 4):   # a cache folder every few batches
+                chunk = qs[start:start + spec.batch_size * 4]
+                results = await asyncio.gather(*(one(q) for q in chunk), return_exceptions=True)
+                cache.flush()
+                failed = [e for e in results if isinstance(e, BaseException)]
+                if failed:
+                    raise JudgeUnavailable(f"reward model {spec.name!r} at {self.url}: {len(failed)} of "
+                                           f"{len(chunk)} requests failed ({type(failed[0]).__name__}: "
+                                           f"{str(failed[0])[:200]})") from failed[0]
+        finally:
+            await client.close()
+            await http.aclose()
+
+    async def _chat(self, client, q: Question) -> dict:
+        body = q.body
+        extra = {"logprobs": True, "top_logprobs": body["top_logprobs"]} if body.get("top_logprobs") else {}
+        reply = await client.chat.completions.create(model=self.model_name, messages=body["messages"],
+                                                     max_tokens=body["max_tokens"], temperature=0.0, seed=0, **extra)
+        choice = reply.choices[0]
+        answer = {"text": choice.message.content or ""}
+        if extra and choice.logprobs and choice.logprobs.content:
+            answer["top"] = {}
+            for t in choice.logprobs.content[0].top_logprobs:
+                answer["top"].setdefault(t.token, t.logprob)
+        return answer
+
+    async def _classify(self, http, q: Question) -> dict:
+        import httpx
+
+        # one conversation, vLLM's chat form of /classify (the server renders it with the model's chat template)
+        payload = {"model": self.model_name, "messages": q.body["messages"]}
+        for attempt in range(self.spec.retries + 1):
+            try:
+                r = await http.post(f"{self.url}/classify", json=payload)
+                if r.status_code < 500:
+                    r.raise_for_status()
+                    return r.json()["data"][0]
+            except httpx.TransportError:
+                if attempt == self.spec.retries:
+                    raise
+            await asyncio.sleep(0.5 * 2 ** attempt)
+        raise JudgeUnavailable(f"{self.url}/classify answered {r.status_code}")
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+
+@dataclass
+class ModelScores:
+    scores: dict[str, list[float | None]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)     # model name -> the first failed answer, said
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+_shown: set[str] = set()
+
+
+def score_models(cfg: Config, records: list[Rollout], cache_prefix: str | None, strict: bool) -> ModelScores:
+    """Every reward model's scores for `records` (None: no score), asking only what the cache lacks."""
+    from tasks.core.store import open_store
+
+    out = ModelScores()
+    if not cfg.reward.models or not records:
+        for spec in cfg.reward.models:
+            out.scores[spec.name] = [None] * len(records)
+        return out
+    cache = AnswerCache(open_store(cfg) if cache_prefix else None, cache_prefix)
+    for i, spec in enumerate(cfg.reward.models):
+        t0 = time.perf_counter()
+        asker = Asker(cfg, spec, i)
+        qs = questions(spec, records, asker.pin)
+        todo = [q for q in {q.key: q for q in qs}.values() if cache.get(q.key) is None]
+        asker.ask(todo, cache)
+        parser = _parser_fn(spec, spec.name) if spec.parser != "auto" else None
+        sums: list[list[float]] = [[] for _ in records]
+        failed: set[int] = set()
+        first_error = None
+        for q in qs:
+            answer = cache.get(q.key)
+            try:
+                values = scores_of(spec, q, answer, parser)
+            except Unparsed as e:
+                failed.update(q.records)
+                first_error = first_error or str(e)
+                continue
+            for j, v in zip(q.records, values):
+                sums[j].append(v)
+        scores = [None if j in failed or not sums[j] else sum(sums[j]) / len(sums[j]) for j in range(len(records))]
+        out.scores[spec.name] = scores
+        if failed:
+            message = (f"reward model {spec.name!r}: {len(failed)} of {len(records)} completions got an answer that "
+                       f"gives no score (first: {first_error})")
+            out.errors[spec.name] = message
+            if strict:
+                return out              # (the caller fails the stage with this line: reward.strict)
+            if spec.name not in _shown:
+                _shown.add(spec.name)
+                print(f"warning: {message}; those scores are missing (reward/{spec.name}/failed; reward.strict: "
+                      f"true makes it fail the run)", file=sys.stderr)
+        out.metrics.update({f"{spec.name}/failed": float(len(failed)), f"{spec.name}/requests": float(len(todo)),
+                            f"{spec.name}/cached": float(len(qs) - len(todo)),
+                            f"{spec.name}/truncated": float(sum(bool(cache.get(q.key).get("truncated")) for q in qs)),
+                            f"{spec.name}/seconds": time.perf_counter() - t0})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tasks.scoring.judges pin MODEL`: the sha256 to pin a model with (reward.models[].sha256)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] != "pin":
+        print("usage: python -m tasks.scoring.judges pin MODEL   (a folder, a .gguf file, builtin:NAME)",
+              file=sys.stderr)
+        return 2
+    from tasks.core import builtin_models, gguf
+
+    path = builtin_models.resolve(argv[1])
+    print(_sha256(Path(path)) if gguf.is_gguf(path) else pin_of(path))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
