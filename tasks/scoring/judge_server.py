@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = server_arguments("python -m tasks.scoring.judge_server", __doc__, 8350)
     ap.add_argument("--model", required=True, help="the reward.models entry's name")
+    ap.add_argument("--model-path", default=None, help="its folder, resolved and pin-checked already (engine vllm: "
+                    "by rlflow's environment, `python -m tasks.scoring.judges path`; the vLLM environment cannot "
+                    "resolve builtin or GGUF models)")
     args = ap.parse_args(argv)
     quiet_progress_bars()
     try:
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model not in specs:
             raise UserError(f"--model: {args.model!r} is not one of reward.models ({', '.join(specs) or 'none'})")
         i, spec = specs[args.model]
-        path = resolve(cfg, spec, f"reward.models[{i}] ({spec.name})")
+        path = args.model_path or resolve(cfg, spec, f"reward.models[{i}] ({spec.name})")
         if spec.engine == "vllm":
             from tasks.scoring.judge_engine import VLLMJudgeEngine
 

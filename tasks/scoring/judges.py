@@ -113,6 +113,8 @@ def check_models(cfg: Config) -> None:
         if spec.where == "local" and any(cfg.launcher.mode_of(s) == "sky" for s in ("reward", "evaluate")):
             raise UserError(f"{what}.where: local serves the model on this machine, which a stage on a sky "
                             f"cluster cannot reach; use where: sky (a cluster of its own) or stage")
+        if spec.where == "sky" and not _here(cfg, spec.model):
+            continue                      # a hub model this machine has not cached: its cluster checks the pin
         path = resolve(cfg, spec, what)
         from transformers import AutoConfig
 
@@ -135,6 +137,18 @@ def check_models(cfg: Config) -> None:
                 if len(tok(t, add_special_tokens=False)["input_ids"]) != 1:
                     raise UserError(f"{what}.verdict_tokens: {t!r} is more than one token for this model's "
                                     f"tokenizer; choose single-token answers")
+
+
+def _here(cfg: Config, model: str) -> bool:
+    """Whether this machine can resolve `model` without the hub: a path, a builtin, a store URI, a registered
+    version, or a hub model in its cache."""
+    if model.startswith(("models:/", "builtin:", "/", "./", "../", "~", "s3://", "file://")) or Path(model).exists():
+        return True
+    try:
+        _hub_folder(model, "")
+    except UserError:
+        return False
+    return True
 
 
 def _served_models(spec: RewardModel, what: str) -> set[str] | None:
@@ -319,7 +333,8 @@ def questions(spec: RewardModel, records: list[Rollout], pin: str) -> list[Quest
                         **fields(r), completion_a=_completion(records[a]), completion_b=_completion(records[b]),
                         n=2)), [a, b]))
     for q in out:
-        q.key = hashlib.sha256(json.dumps([pin, spec.kind, spec.mode, q.route, q.body], sort_keys=True,
+        # (the engine too: hf and vLLM round differently, and a run that switches must not mix their answers)
+        q.key = hashlib.sha256(json.dumps([pin, spec.engine, spec.kind, spec.mode, q.route, q.body], sort_keys=True,
                                           default=str).encode()).hexdigest()
     return out
 
@@ -630,10 +645,35 @@ def score_models(cfg: Config, records: list[Rollout], cache_prefix: str | None, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tasks.scoring.judges pin MODEL`: the sha256 to pin a model with (reward.models[].sha256)."""
+    """`python -m tasks.scoring.judges pin MODEL`: the sha256 to pin a model with (reward.models[].sha256).
+    `python -m tasks.scoring.judges path --config F [--overrides-json J] --model NAME`: that entry's model as a
+    local folder, pin checked (what a judge server on vLLM is given: sky/judge.yaml)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["path"]:
+        import argparse
+
+        from tasks.core.config import load_config
+        from tasks.core.errors import user_error_line
+        from tasks.core.stage import parse_overrides_json
+
+        ap = argparse.ArgumentParser(prog="python -m tasks.scoring.judges path")
+        ap.add_argument("--config", required=True)
+        ap.add_argument("--overrides-json", default="[]")
+        ap.add_argument("--model", required=True)
+        args = ap.parse_args(argv[1:])
+        try:
+            cfg = load_config(args.config, parse_overrides_json(args.overrides_json))
+            found = [(i, m) for i, m in enumerate(cfg.reward.models) if m.name == args.model]
+            if not found:
+                raise UserError(f"--model: {args.model!r} is not one of reward.models")
+            print(resolve(cfg, found[0][1], f"reward.models[{found[0][0]}] ({args.model})"))
+        except UserError as e:
+            print(user_error_line(e), file=sys.stderr)
+            return 2
+        return 0
     if len(argv) != 2 or argv[0] != "pin":
-        print("usage: python -m tasks.scoring.judges pin MODEL   (a folder, a .gguf file, builtin:NAME)",
+        print("usage: python -m tasks.scoring.judges pin MODEL   (a folder, a .gguf file, builtin:NAME)\n"
+              "       python -m tasks.scoring.judges path --config F [--overrides-json J] --model NAME",
               file=sys.stderr)
         return 2
     from tasks.core import builtin_models, gguf
