@@ -47,6 +47,11 @@ PROBLEMS = {     # name: (tests, honest, wrong, runtime error)
               "def evens(xs):\n    return xs", "def evens(xs):\n    return [x for x in xs if x % 0 == 0]"),
 }
 LOOP = "while True:\n    pass"
+# the same assert problem with its expected sides computed by a helper of test_setup_code: each row's expected
+# sides run in one sandbox of their own (never with the code), what --helper measures against literal ones
+HELPER_SETUP = "def reference(xs):\n    return [x for x in xs if x % 2 == 0]\n"
+HELPER_TESTS = ["assert evens([1, 2, 3, 4]) == reference([1, 2, 3, 4])", "assert evens([]) == reference([])",
+                "assert evens([7]) == reference([7])"]
 
 
 def make_mix(n: int, seed: int = 0) -> list[tuple[str, str, str]]:
@@ -122,6 +127,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=2.0, help="wall clock per completion (s)")
     ap.add_argument("--repeats", type=int, default=3, help="honest-only rounds, the three paths interleaved "
                                                             "(a shared machine's load drifts): medians are compared")
+    ap.add_argument("--helper", type=int, default=1, help="also time rows whose expected sides call a setup "
+                                                          "helper (1) or not (0)")
     args = ap.parse_args()
     workers = args.workers or os.cpu_count()
     mix = make_mix(args.programs)
@@ -169,6 +176,31 @@ def main() -> None:
               f"{median['bubblewrap-no-cgroup'] / median['bubblewrap']:.2f}x")
     if "bubblewrap" in median and "rlimits" in median:
         print(f"ratio rlimits / bubblewrap (honest, medians): {median['rlimits'] / median['bubblewrap']:.2f}x")
+    if args.helper and "bubblewrap" in paths:
+        helper_rates(args.programs // 4, workers, args.timeout, args.repeats)
+
+
+def helper_rates(n: int, workers: int, timeout: float, repeats: int) -> None:
+    """Rows of n/8 prompts x 8 completions (a GRPO group): literal expected sides vs a setup helper's, whose
+    expected sides run in a sandbox of their own once per row and batch."""
+    cfg = SandboxConfig(isolation="bubblewrap", workers=workers, timeout_seconds=timeout)
+    sandbox.configure(cfg)
+    sandbox.runner(cfg)
+    code = [f"```python\n{PROBLEMS['evens'][1]}\n```"] * n
+    rates: dict[str, list[float]] = {"literal": [], "helper": []}
+    for _ in range(repeats):
+        for kind in rates:
+            tests = EVENS_TESTS if kind == "literal" else HELPER_TESTS
+            setup = None if kind == "literal" else HELPER_SETUP
+            t0 = time.perf_counter()
+            for group in range(0, n, 8):     # one reward call per group of 8 completions of one prompt
+                scores = code_rewards.code_reward(code[group:group + 8], test_list=[tests] * 8,
+                                                  test_setup_code=[setup] * 8)
+                assert scores == [1.0] * len(scores), (kind, scores)
+            rates[kind].append(n / (time.perf_counter() - t0))
+    median = {k: statistics.median(r) for k, r in rates.items()}
+    print(f"expected sides (groups of 8, {n} programs): literal {median['literal']:.1f}, setup helper "
+          f"{median['helper']:.1f} programs/s; ratio {median['literal'] / median['helper']:.2f}x")
 
 
 def _works(isolation: str) -> bool:

@@ -858,3 +858,244 @@ def test_a_cgroup_bounds_the_sandbox_as_a_whole_and_its_init_has_the_limits():
     out = subprocess.run([sys.executable, "-m", "tasks.scoring.sandbox"], cwd=ROOT, capture_output=True, text=True)
     mine = out.stdout.split("cgroup per sandbox: ")[1].split()
     assert mine and not [d for d in mine if Path(d).exists()]       # a process removes its cgroups as it exits
+
+
+# ---------------------------------------------------------------------------------------------- machine-wide budgets
+
+PROBE_MACHINE_WIDE = r'''
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(name, nr, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    print(f"{name}: " + ("ALLOWED" if r >= 0 else "blocked " + errno.errorcode.get(ctypes.get_errno(), "?")))
+ctx = ctypes.c_ulong(0)
+call("io_setup", 206, 1, ctypes.addressof(ctx))
+call("io_uring_setup", 425, 1, ctypes.addressof(ctypes.create_string_buffer(256)))
+call("inotify_init1", 294, 0)
+call("inotify_init", 253)
+call("fanotify_init", 300, 0, 0)
+call("add_key", 248, 0, 0, 0, 0, -2)
+try:
+    os.openpty()
+    print("openpty: ALLOWED")
+except OSError as e:
+    print("openpty: blocked", errno.errorcode.get(e.errno, "?"))
+for path in ("/dev/ptmx", "/dev/pts/ptmx"):
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_NOCTTY))
+        print(path + ": ALLOWED")
+    except OSError as e:
+        print(path + ": blocked", errno.errorcode.get(e.errno, "?"))
+print("done")
+'''
+
+
+@pytest.mark.bubblewrap
+def test_machine_wide_kernel_budgets_cannot_be_used_from_inside(quick_sandbox):
+    """Asynchronous-I/O contexts (fs.aio-max-nr), io_uring, inotify instances (per user), fanotify, keyrings
+    and pseudo-terminals (kernel.pty.max) are counted for the whole machine or user, not per cgroup: none can
+    be had inside, so a sandbox cannot use up the host's."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("syscall numbers of x86_64")
+    assert quick_sandbox.isolation == "bubblewrap"
+    run = quick_sandbox.run(PROBE_MACHINE_WIDE, [sandbox.Test(stdin="")])
+    out = run.tests[0].stdout.strip().splitlines()
+    assert run.tests[0].exit_code == 0 and out[-1] == "done", (out, run.tests[0].stderr[-2000:])
+    assert len(out) == 10, out
+    allowed = [line for line in out if "ALLOWED" in line]
+    assert allowed == [], allowed
+
+
+def test_the_sandbox_has_no_pseudo_terminals():
+    args = sandbox.bwrap_args(16)
+    assert args[args.index("/dev/pts") - 1] == "--tmpfs" and args.index("/dev/pts") > args.index("--dev")
+
+
+# ---------------------------------------------------------------------------------------------- expected sides
+
+HELPER_ROW = {"test_list": ["assert f([3, 1, 2]) == expected([3, 1, 2])",
+                            "assert f([5, 4]) == ' '.join(map(str, [4, 5]))", "assert g(2) == TABLE[2]"],
+              "test_setup_code": "def expected(xs):\n    return sorted(xs)\nTABLE = {2: [4, 4]}\n"}
+
+
+def test_expected_sides_that_are_not_literals_never_run_with_the_code():
+    """A setup helper, a builtin or a setup value on the expected side: evaluated apart, without the code."""
+    cases, setup = code_rewards.parse_tests(None, HELPER_ROW["test_list"], HELPER_ROW["test_setup_code"],
+                                            "def f(xs): pass\ndef g(n): pass")
+    sent = repr([c.test.exprs for c in cases])
+    assert "expected(" not in sent and "map(" not in sent and "TABLE" not in sent, sent
+    assert [c.expected.exprs for c in cases] == [["expected([3, 1, 2])"], ["' '.join(map(str, [4, 5]))"], ["TABLE[2]"]]
+    # a builtin the code itself defines, on the actual side, stays the code's
+    own = code_rewards.parse_tests(None, ["assert filter([1, 0]) == [1]"], None, "def filter(xs): pass")[0][0]
+    assert own.test.exprs == ["filter([1, 0])"] and own.expected is None
+
+
+@pytest.mark.bubblewrap
+def test_the_code_cannot_see_or_change_a_computed_expected_side(quick_sandbox):
+    """Patching builtins (sorted, map) or the setup's helper, or reading its value, changes nothing: the
+    expected side is computed where the code never ran."""
+    cheats = [
+        "import builtins\nbuiltins.sorted = lambda xs: 'X'\nbuiltins.map = lambda *a: ['X']\n"
+        "builtins.list = lambda xs: 'X'\ndef f(xs): return 'X'\ndef g(n): return 'X'",
+        "import sys, gc\ndef f(xs):\n    ns = sys._getframe(1).f_globals\n    ns['expected'] = lambda xs: 'X'\n"
+        "    return 'X'\ndef g(n): return 'X'",
+    ]
+    honest = "def f(xs):\n    return sorted(xs) if len(xs) > 2 else '4 5'\ndef g(n):\n    return [4, 4]"
+    rows = [HELPER_ROW] * 3
+    verdicts = judge_rows([fence(c) for c in cheats] + [fence(honest)], rows)
+    assert [v.score for v in verdicts[:2]] == [0.0, 0.0], [v.reason for v in verdicts]
+    assert verdicts[2].score == 1.0, verdicts[2].reason
+    broken = judge_rows([fence(honest)], [{"test_list": ["assert f([1]) == nope()"], "test_setup_code": "x = 1"}])
+    assert broken[0].score == 0.0 and broken[0].reason.startswith("runtime error"), broken[0].reason
+
+
+# ---------------------------------------------------------------------------------------------- host-side cost
+
+def host_check(test: str, *values: str) -> tuple[str | None, float]:
+    """The host's verdict on an assert, given the literals the sandbox returned for its actual side."""
+    case = code_rewards.parse_tests(None, [test], None, "def f(x): pass")[0][0]
+    t0 = time.monotonic()
+    reason = case.check(sandbox.TestRun(ran=True, exit_code=0, values=[("ok", v) for v in values]))
+    return reason, time.monotonic() - t0
+
+
+def test_host_side_operations_on_the_codes_values_are_bounded_before_they_run():
+    """Small values the code returns must not make the host build huge results: repetition, %-formatting,
+    concatenation by sum, powers, round: each refused before it is computed, in milliseconds."""
+    costly = [("assert f(1) * f(2) == 'a'", "'aaaaaaaaaa'", str(2 * 10 ** 7)),      # 200 MB str
+              ("assert [f(1)] * f(2) == []", "0", str(2 * 10 ** 7)),                  # 160 MB list
+              ("assert f(1) % f(2) == ''", "'%99999999d'", "1"),                        # 100 MB of padding
+              ("assert f(1) % f(2) == ''", "'%*d'", "(999999999, 1)"),
+              ("assert sum(f(1), []) == []", repr([[0] * 50] * 1000)),                   # quadratic concatenation
+              ("assert f(1) ** 9999 == 0", repr(2 ** 4000)),                              # 40 M bits
+              ("assert round(f(1), f(2)) == 0", "5", str(-10 ** 5)),                      # 10 ** 10 ** 5
+              ("assert f(1) * f(2) == 0", hex(7 ** 20000), hex(7 ** 20000)),              # over INT_BITS
+              ("assert list(range(f(1))) == []", str(10 ** 12)),
+              ("assert str([f(1)] * f(2)) == ''", repr("a" * 100_000), "100"),                # 10 MB repr
+              ("assert '%s' % ([f(1)] * 9,) == ''", repr("a" * 100_000))]
+    for test, *values in costly:
+        reason, seconds = host_check(test, *values)
+        assert reason is not None and reason.startswith("too costly to judge"), (test, reason)
+        assert seconds < 0.5, (test, seconds)          # (mostly parsing; the refusals take microseconds)
+    honest = [("assert f(1) == 'ab' * 3", "'ababab'"), ("assert f(1) * 2 == [1, 1]", "[1]"),
+              ("assert f(1) % 7 == '  7'", "'%3d'"), ("assert sum(f(1), []) == [1, 2]", "[[1], [2]]"),
+              ("assert f(1) == 2 ** 100", repr(2 ** 100)), ("assert round(f(1), 2) == 1.23", "1.2345"),
+              ("assert set(f(1)) == {1}", repr([1] * 5000))]
+    for test, *values in honest:
+        assert host_check(test, *values)[0] is None, test
+
+
+def test_values_with_colliding_hashes_or_deep_nesting_are_refused_cheaply():
+    """Hashes that collide make a set or dict cost its size squared times the length of its values: a value
+    with more than a few distinct values of one hash is refused, however few elements it has; so is nesting
+    deeper than the harness writes, and an int over the host's bound; the same holds for sets the host builds."""
+    p = (1 << 61) - 1
+    big = 10 ** 1100                     # 2000 distinct ints of 1100 digits, one hash: seconds to build
+    for text in ["{" + ", ".join(str(big + i * p) for i in range(2000)) + "}",
+                 "{" + ", ".join(f"({big + i * p},): {i}" for i in range(2000)) + "}",
+                 "{" + ", ".join(str(i * p) for i in range(1, 50)) + "}",
+                 "[" * 100 + "]" * 100, "0x" + "f" * 20_000]:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError):
+            code_rewards.bounded_literal(text)
+        assert time.monotonic() - t0 < 0.5, text[:40]
+    reason, seconds = host_check("assert set(f(1)) == {1}", repr([i * p for i in range(1, 50)]))
+    assert reason.startswith("too costly to judge") and seconds < 0.5, reason
+    assert code_rewards.bounded_literal("{-1: 1, -2: 2, 1.0: (1+2j), (1, 'a'): set()}") == {
+        -1: 1, -2: 2, 1.0: 1 + 2j, (1, "a"): set()}
+    assert code_rewards.bounded_literal("[" * 50 + "]" * 50) is not None
+
+
+# ---------------------------------------------------------------------------------------------- disk bandwidth
+
+READ_DISK = r'''
+import mmap, os, time
+want, got, t0 = 192 << 20, 0, time.monotonic()
+buf = mmap.mmap(-1, 1 << 20)
+for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib", "/usr/bin", "/usr/lib/aarch64-linux-gnu"):
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: -e.stat().st_size if e.is_file() else 0)
+    except OSError:
+        continue
+    for e in entries:
+        if got >= want or not e.is_file() or e.stat().st_size < (4 << 20):
+            break
+        try:
+            fd = os.open(e.path, os.O_RDONLY | os.O_DIRECT)          # past the page cache: the disk itself
+        except OSError:
+            continue
+        while got < want:
+            try:
+                n = os.readv(fd, [buf])
+            except OSError:
+                break
+            if n <= 0:
+                break
+            got += n
+        os.close(fd)
+print(got >> 20, round(time.monotonic() - t0, 2))
+'''
+
+
+@pytest.mark.bubblewrap
+@pytest.mark.slow
+def test_a_sandbox_reads_the_disk_at_a_bounded_rate():
+    """The slot's cgroup limits read bandwidth on the disks behind the sandbox's file systems (IO_BPS): reading
+    192 MiB past the page cache takes seconds, not a fraction of one; the isolation report names the limit."""
+    from tasks.scoring import cgroups
+
+    runner = sandbox.Runner("bubblewrap", sandbox.resolve_python(None),
+                            sandbox.Limits.of(SandboxConfig(**{**TEST_LIMITS, "timeout_seconds": 20,
+                                                               "cpu_seconds": 10})),
+                            1, shutil.which("bwrap"), sandbox._interpreter_binds(sandbox.resolve_python(None)),
+                            seccomp=sandbox.syscall_filter()[0])
+    cg = runner._cgroup(0, runner._uid(0) if IS_ROOT else None)
+    if cg is None or not cg.io_devices:
+        pytest.skip(f"no io limit here: {runner.why_no_cgroup or (cg.why_no_io if cg else '')}")
+    assert cgroups.block_devices(("/usr",))[0] in cg.io_devices
+    run = runner.run(READ_DISK, [sandbox.Test(stdin="")])
+    mib, seconds = map(float, run.tests[0].stdout.split())
+    if mib < 64:
+        pytest.skip(f"not enough large files under /usr to read ({mib} MiB)")
+    assert mib / seconds < 1.5 * (cgroups.IO_BPS >> 20), (mib, seconds)
+    out = subprocess.run([sys.executable, "-m", "tasks.scoring.sandbox"], cwd=ROOT, capture_output=True, text=True)
+    assert "disk bandwidth per sandbox: " in out.stdout and " MiB/s" in out.stdout, out.stdout
+
+
+def test_block_devices_are_the_disks_behind_the_paths():
+    from tasks.scoring import cgroups
+
+    devices = cgroups.block_devices(("/",))
+    assert all(d.count(":") == 1 and all(p.isdigit() for p in d.split(":")) for d in devices), devices
+    assert not [d for d in devices if d.startswith("0:")], devices
+
+
+def test_a_setup_that_calls_the_code_keeps_its_helpers_with_the_code(quick_sandbox):
+    """A setup helper that calls the code's function (it reads a name the setup does not define) cannot be
+    run without the code: its part stays with the code, and an honest completion still passes."""
+    row = {"test_list": ["assert verify(3) == True", "assert f(2) == twice(2)"],
+           "test_setup_code": "def verify(n):\n    return f(n) == 2 * n\ndef twice(n):\n    return 2 * n\n"}
+    cases = code_rewards.parse_tests(None, row["test_list"], row["test_setup_code"], "def f(n): pass")[0]
+    assert [c.expected for c in cases] == [None, None] and cases[0].test.exprs == ["verify(3)"]
+    assert judge_rows([fence("def f(n):\n    return 2 * n")], [row])[0].score == 1.0
+
+
+def test_the_io_limit_is_written_where_possible_and_its_absence_reported(tmp_path):
+    from tasks.scoring import cgroups
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "io.max").write_text("")
+    cg = cgroups.Cgroup(2, {"unified": v2})
+    cg.set_io(["254:0"], bps=1 << 20, iops=100)
+    assert (v2 / "io.max").read_text() == "254:0 rbps=1048576 wbps=1048576 riops=100 wiops=100"
+    assert cg.io_devices == ["254:0"] and cg.why_no_io == ""
+    bare = cgroups.Cgroup(1, {"memory": tmp_path, "pids": tmp_path})
+    bare.set_io(["254:0"])
+    assert bare.io_devices == [] and "no blkio" in bare.why_no_io
+    none = cgroups.Cgroup(2, {"unified": v2})
+    none.set_io([])
+    assert "no block device" in none.why_no_io

@@ -22,10 +22,19 @@ Verdicts are made here, on the host; expected outputs never enter the sandbox:
 - asserts are parsed with `ast`. `assert A <op> B` with B a literal (or set/tuple/sorted/... of literals)
   sends only A into the sandbox; the harness returns A's value as a literal made of exact built-in types
   (an object with its own __eq__, or an int subclass, is refused), and B is computed and compared here.
-  With B not a literal, A and B are both evaluated inside and compared here. `math.isclose(A, B, ...)` the
-  same. `assert E` / `assert not E` for any other E: E's value must be truthy / falsy here. That last form is
-  weaker: the code runs before E is evaluated, so it can patch what E calls (e.g. math.isclose) to return
-  True. MBPP's asserts are almost all of the first kind.
+  With B not a literal (a helper of the row's test_setup_code, a builtin such as map), B is evaluated in a
+  sandbox of its own that holds only the setup and the expected expressions, never the code (one such run
+  per row and batch), its value comes back as a literal the same way, and A and B are compared here: the
+  code can neither see nor change the expected side. (What decides: a part that reads only names the setup
+  defines and builtins is expected; a builtin the code redefines makes it the code's unless it stands
+  on the right of a comparison; a setup that reads names it does not define, i.e. calls the code, keeps its
+  helpers with the code.) `math.isclose(A, B, ...)` the same. `assert E` / `assert not E` for any
+  other E: E's value must be truthy / falsy here. That last form is weaker: the code runs before E is
+  evaluated, so it can patch what E calls (e.g. math.isclose) to return True. MBPP's asserts are almost
+  all of the first kind.
+- What the host computes from the code's values is bounded before it is computed (HOST_SIZE, INT_BITS:
+  repetition, concatenation, powers, %-formatting, sum, round, int, ranges), and the values are read with
+  bounded work (bounded_literal: size, nesting, int size, no sets or dicts of colliding hashes).
 So printing "all tests passed", exiting with 0 before the tests, patching the harness, writing fake results
 into its pipe or returning an always-equal object all score 0: the only thing that counts is a plain value
 or stdout judged here. Each test runs in a process of its own; see tasks/scoring/sandbox.py and docs/sandbox.md.
@@ -39,6 +48,8 @@ code/all_passed, code/timeouts, code/no_code_block, code/seconds.
 from __future__ import annotations
 
 import ast
+import builtins
+import functools
 import json
 import math
 import operator
@@ -66,7 +77,9 @@ class Verdict:
 @dataclass
 class Case:
     test: sandbox.Test
-    check: Callable[[sandbox.TestRun], str | None]        # None = passed, else why not
+    check: Callable[..., str | None]      # check(test's run, its expected side's run or None): None = passed
+    expected: sandbox.Test | None = None  # the expected side's expressions, run with the setup only (no code)
+    expected_setup: str = ""              # the setup that run gets (none when the setup reads the code's names)
 
 
 def code_reward(completions: list, verification_info: list | None = None, test_list: list | None = None,
@@ -97,6 +110,7 @@ def judge(completions: list, verification_info: list | None = None, test_list: l
     n = len(completions)
     verdicts: list[Verdict | None] = [None] * n
     jobs, pending = [], []
+    expected_jobs: dict[tuple, int] = {}     # (setup, expected expressions) -> its job: one per row, not per completion
     for j, completion in enumerate(completions):
         code = extract_code(text_of(completion))
         cases, setup = parse_tests(_at(verification_info, j), _at(test_list, j), _at(test_setup_code, j), code)
@@ -106,18 +120,28 @@ def judge(completions: list, verification_info: list | None = None, test_list: l
             verdicts[j] = Verdict(0.0, "no code block", total=len(cases))
         else:
             jobs.append((code, [c.test for c in cases], setup))
-            pending.append((j, cases))
+            key = (next((c.expected_setup for c in cases if c.expected is not None), ""),
+                   tuple(tuple(c.expected.exprs) for c in cases if c.expected is not None))
+            if key[1] and key not in expected_jobs:
+                expected_jobs[key] = len(expected_jobs)
+            pending.append((j, cases, expected_jobs.get(key)))
     if jobs:
         runner = sandbox.runner()
-        runs = runner.map(jobs)
+        # the expected sides that need the setup run in sandboxes of their own, which never hold the code
+        runs = runner.map(jobs + [("", [sandbox.Test(exprs=list(e)) for e in exprs], setup)
+                                  for setup, exprs in expected_jobs])
+        runs, expected_runs = runs[:len(jobs)], runs[len(jobs):]
         _check_sandbox_alive(runner, runs)
-        for (j, cases), run in zip(pending, runs):
-            verdicts[j] = decide(cases, run, mode)
+        for (j, cases, e), run in zip(pending, runs):
+            verdicts[j] = decide(cases, run, mode, expected_runs[e] if e is not None else None)
     return verdicts
 
 
-def decide(cases: list[Case], run: sandbox.Run, mode: str) -> Verdict:
-    reasons = [case.check(t) for case, t in zip(cases, run.tests)]
+def decide(cases: list[Case], run: sandbox.Run, mode: str, expected: sandbox.Run | None = None) -> Verdict:
+    """`expected`: the run of the cases' expected sides (in case order, only the cases that have one)."""
+    wanted = iter(expected.tests if expected is not None else [])
+    reasons = [case.check(t, next(wanted, None) if case.expected is not None else None)
+               for case, t in zip(cases, run.tests)]
     passed = sum(r is None for r in reasons)
     total = len(cases)
     first = next((r for r in reasons if r is not None), None)
@@ -196,10 +220,11 @@ def parse_tests(verification_info, test_list, test_setup_code, code: str | None)
     tests = _as_json(test_list)
     if isinstance(tests, str):
         tests = [tests]
+    setup = test_setup_code if isinstance(test_setup_code, str) else ""
     for src in tests or []:
         if isinstance(src, str):
-            cases += assert_cases(src)
-    return cases, test_setup_code if isinstance(test_setup_code, str) else ""
+            cases += assert_cases(src, setup, code)
+    return cases, setup
 
 
 def _as_json(value):
@@ -229,14 +254,14 @@ def _verification_case(tc: dict, code: str | None) -> Case | None:
         call = f"Solution().{fn}" if code and re.search(r"^class\s+Solution\b", code, re.M) else fn
         # APPS-derived rows wrap the return value in a list: accept the value or [value], as APPS does.
         return Case(sandbox.Test(exprs=[f"{call}(*{args!r})"]),
-                    _values_check(lambda v: v[0] == want or [v[0]] == want))
+                    _values_check(lambda v, w: v[0] == want or [v[0]] == want))
     return None
 
 
 def _stdout_check(expected: str) -> Callable[[sandbox.TestRun], str | None]:
     want = normalise_output(expected)
 
-    def check(t: sandbox.TestRun) -> str | None:
+    def check(t: sandbox.TestRun, e: sandbox.TestRun | None = None) -> str | None:
         if (fail := explain_failure(t)) is not None:
             return fail
         return None if normalise_output(t.stdout) == want else "wrong answer"
@@ -250,16 +275,22 @@ def normalise_output(text: str) -> str:
     return "\n".join(lines)
 
 
-def assert_cases(src: str) -> list[Case]:
+def assert_cases(src: str, setup: str = "", code: str | None = None) -> list[Case]:
     """One case per assert statement in `src`; a string that does not parse, or holds anything but
-    asserts, gives none (a broken test in the data is skipped, not scored against the model)."""
+    asserts, gives none (a broken test in the data is skipped, not scored against the model). `setup` (the
+    row's test_setup_code) and `code` tell the expected side of an assert from the actual one."""
     try:
         body = ast.parse(src.strip()).body
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return []
     if not body or not all(isinstance(s, ast.Assert) for s in body):
         return []
-    return [_assert_case(s.test) for s in body]
+    closed = _closed(setup)     # a setup that reads names it does not define calls the code: not run without it
+    names = _defined_names(setup) if closed else frozenset(), _defined_names(code or "")
+    cases = [_assert_case(s.test, *names) for s in body]
+    for c in cases:
+        c.expected_setup = setup if closed else ""
+    return cases
 
 
 _CMP = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
@@ -268,31 +299,182 @@ _CMP = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.Lt
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_, ast.Invert: operator.invert}
-_HASHED_MAX = 2000          # elements a host-side set()/dict()/frozenset() may hash (colliding keys: quadratic)
+# Every host-side operation on a value the code chose is bounded before it is done (docs/sandbox.md):
+HOST_SIZE = 1_000_000       # elements, characters or bytes of any host-side result (a sequence, a formatted str)
+INT_BITS = 1 << 16          # bits of any int parsed or computed here (the harness's repr stops at 4300 digits)
+BUCKET_MAX = 8              # distinct values of one hash a set or dict may hold (more: a collision attack)
+LITERAL_CHARS = 1 << 22     # characters of one value's literal
+LITERAL_DEPTH = 64          # nesting of one value's literal (the harness writes at most 51 levels)
+_SEQUENCE = (str, bytes, list, tuple)
+_NUMBER = (int, float, complex)
 
 
-def _bounded(fn):
+class TooCostly(ValueError):
+    """A host-side evaluation refused before it was done: its result or its work would pass a bound."""
+
+
+def _weight(x, limit: int = HOST_SIZE) -> int:
+    """What a value costs to print, compare or copy: characters, bytes, bytes of ints and one per container
+    item, shared references counted each time they occur (`[s] * n` weighs n times s). Stops past `limit`."""
+    total, stack = 0, [x]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str | bytes):
+            total += len(v) + 1
+        elif isinstance(v, int):
+            total += v.bit_length() // 8 + 1
+        elif isinstance(v, list | tuple | set | frozenset):
+            total += len(v) + 1
+            stack.extend(v)
+        elif isinstance(v, dict):
+            total += len(v) + 1
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        else:
+            total += 1
+        if total > limit:
+            return total
+    return total
+
+
+def _light(x):
+    """x, when its weight is within HOST_SIZE; else refused."""
+    if _weight(x) > HOST_SIZE:
+        raise TooCostly("value too large")
+    return x
+
+
+def _safe_text(fn):
     def call(*args, **kw):
-        if args and hasattr(args[0], "__len__") and len(args[0]) > _HASHED_MAX:
-            raise ValueError("too large to hash on the host")
+        for a in args:
+            _light(a)                 # str/repr cost what they write: the weight of what they are given
         return fn(*args, **kw)
     return call
 
 
+def _check_hashes(items: list) -> list:
+    """Refuse to hash `items` into one set or dict when more than BUCKET_MAX distinct ones share a hash: every
+    insertion and lookup compares with each of them, so a crafted set of colliding big values costs its size
+    squared times their length. Equal values (duplicates) are fine: one comparison each."""
+    if len(items) > HOST_SIZE:
+        raise TooCostly("too large to hash on the host")
+    buckets: dict[int, list] = {}
+    for x in items:
+        buckets.setdefault(hash(x), []).append(x)
+    for bucket in buckets.values():
+        if len(bucket) > BUCKET_MAX and len({(type(x), repr(x)) for x in bucket}) > BUCKET_MAX:
+            raise TooCostly(f"too large to compare safely: {len(bucket)} values share one hash")
+    return items
+
+
+def _safe_set(items=(), kind=set):
+    return kind(_check_hashes(list(items)))
+
+
+def _safe_frozenset(items=()):
+    return _safe_set(items, frozenset)
+
+
+def _safe_dict(items=(), **kw):
+    pairs = list(items.items() if isinstance(items, dict) else items) + list(kw.items())
+    if any(not isinstance(p, list | tuple) or len(p) != 2 for p in pairs):
+        raise TypeError("dict() wants pairs")
+    _check_hashes([k for k, _ in pairs])
+    return dict(pairs)
+
+
 def _small_range(*args):
     r = range(*args)
-    if len(r) > 1_000_000:
-        raise ValueError("range too long")
+    if len(r) > HOST_SIZE:
+        raise TooCostly("range too long")
     return list(r)
 
 
+def _safe_sum(items, start=0):
+    """sum(): numbers as Python adds them; sequences (sum(lists, [])) only while their repeated concatenation,
+    quadratic, stays bounded."""
+    items = list(items)
+    if all(isinstance(x, _NUMBER) for x in [*items, start]):
+        if any(isinstance(x, int) and x.bit_length() > INT_BITS for x in items):
+            raise TooCostly("int too large")
+        return sum(items, start)
+    total, work = _weight(start), 0
+    for x in items:
+        total += _weight(x)
+        work += total
+        if total > HOST_SIZE or work > 10 * HOST_SIZE:
+            raise TooCostly("sum too large")
+    return sum(items, start)
+
+
+def _safe_round(x, ndigits=None):
+    if ndigits is not None and isinstance(ndigits, int) and abs(ndigits) > 1000:   # round(5, -10**9): 10**10**9
+        raise TooCostly("round: too many digits")
+    return round(x) if ndigits is None else round(x, ndigits)
+
+
+def _safe_int(*args):
+    value = int(*args)
+    if value.bit_length() > INT_BITS:           # (int(str) in base 2, 4, 16... is linear: bounded after)
+        raise TooCostly("int too large")
+    return value
+
+
+_FORMAT_SPEC = re.compile(rb"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?(.)", re.DOTALL)
+
+
+def _format_size(fmt: str | bytes, args) -> int:
+    """An upper bound of the length of `fmt % args`, found before formatting: the format's own length, its
+    widths and precisions, and the text of every argument. A width or precision taken from the arguments (*)
+    is refused."""
+    raw = fmt.encode("utf-8", "surrogatepass") if isinstance(fmt, str) else fmt
+    size = len(raw)
+    for m in _FORMAT_SPEC.finditer(raw):
+        if b"*" in (m.group(1) or b"") + (m.group(2) or b""):
+            raise TooCostly("%-format with * width")
+        size += sum(int(g) for g in (m.group(1), m.group(2)) if g and g.isdigit())
+        if size > HOST_SIZE:
+            raise TooCostly("%-format too large")
+    values = args.values() if isinstance(args, dict) else (args if isinstance(args, tuple) else (args,))
+    for v in values:
+        size += 400 + 8 * _weight(v)          # %s of a container: its repr; a float's %f: up to 309 digits
+        if size > HOST_SIZE:
+            raise TooCostly("%-format too large")
+    return size
+
+
+def _binop(op: ast.operator, a, b):
+    """a <op> b on the host, refused before it is done when its result would pass HOST_SIZE or INT_BITS."""
+    kind = type(op)
+    if kind is ast.Mult:
+        for seq, n in ((a, b), (b, a)):
+            if isinstance(seq, _SEQUENCE) and isinstance(n, int) and n > 0 and _weight(seq) * n > HOST_SIZE:
+                raise TooCostly("repetition too large")
+        if isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > INT_BITS:
+            raise TooCostly("product too large")
+    elif kind is ast.Add:
+        if isinstance(a, _SEQUENCE) and isinstance(b, _SEQUENCE) and _weight(a) + _weight(b) > HOST_SIZE:
+            raise TooCostly("concatenation too large")
+    elif kind is ast.Pow:
+        if isinstance(b, int) and abs(b) > 10_000:
+            raise TooCostly("exponent too large")
+        if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and a.bit_length() * b > INT_BITS:
+            raise TooCostly("power too large")
+    elif kind is ast.Mod and isinstance(a, str | bytes):
+        _format_size(a, b)
+    result = _BIN[kind](a, b)
+    if isinstance(result, int) and result.bit_length() > INT_BITS:
+        raise TooCostly("int too large")
+    return _light(result)
+
+
 # What an assert may compute on the host, around what the code returns: Python's own builtins, never the code's.
-_HOST_FUNCS = {"abs": abs, "len": len, "sorted": sorted, "list": list, "tuple": tuple, "str": str, "int": int,
-               "float": float, "bool": bool, "complex": complex, "round": round, "min": min, "max": max, "sum": sum,
-               "all": all, "any": any, "set": _bounded(set), "frozenset": _bounded(frozenset),
-               "dict": _bounded(dict), "reversed": lambda x: list(reversed(x)), "range": _small_range,
+_HOST_FUNCS = {"abs": abs, "len": len, "sorted": sorted, "list": list, "tuple": tuple, "str": _safe_text(str),
+               "int": _safe_int, "float": float, "bool": bool, "complex": complex, "round": _safe_round, "min": min,
+               "max": max, "sum": _safe_sum, "all": all, "any": any, "set": _safe_set, "frozenset": _safe_frozenset,
+               "dict": _safe_dict, "reversed": lambda x: list(reversed(x)), "range": _small_range,
                "enumerate": lambda *a: list(enumerate(*a)), "zip": lambda *a: list(zip(*a, strict=False)),
-               "repr": repr, "ord": ord, "chr": chr}
+               "repr": _safe_text(repr), "ord": ord, "chr": chr}
 _MATH = {name: getattr(math, name) for name in ("isclose", "sqrt", "floor", "ceil", "fabs", "log", "log2", "log10",
                                                 "exp", "isnan", "isinf", "isfinite", "gcd", "pi", "e", "inf", "nan")}
 _HOST_NAMES = {*_HOST_FUNCS, "math", "True", "False", "None"}
@@ -339,16 +521,15 @@ def _host_eval(node: ast.AST, got: dict[int, object]):
         items = [ev(e) for e in node.elts]
         return items if isinstance(node, ast.List) else tuple(items)
     if isinstance(node, ast.Set):
-        return _HOST_FUNCS["set"]([ev(e) for e in node.elts])
+        return _safe_set([ev(e) for e in node.elts])
     if isinstance(node, ast.Dict):
-        return _HOST_FUNCS["dict"](list(zip([ev(k) for k in node.keys], [ev(v) for v in node.values], strict=True)))
+        if any(k is None for k in node.keys):
+            raise ValueError("not computable on the host: **")
+        return _safe_dict(list(zip([ev(k) for k in node.keys], [ev(v) for v in node.values], strict=True)))
     if isinstance(node, ast.UnaryOp):
         return _UNARY[type(node.op)](ev(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
-        a, b = ev(node.left), ev(node.right)
-        if isinstance(node.op, ast.Pow) and isinstance(b, int) and abs(b) > 10_000:
-            raise ValueError("exponent too large")
-        return _BIN[type(node.op)](a, b)
+        return _binop(node.op, ev(node.left), ev(node.right))
     if isinstance(node, ast.BoolOp):
         value = None
         for v in node.values:
@@ -368,7 +549,7 @@ def _host_eval(node: ast.AST, got: dict[int, object]):
         return ev(node.body) if ev(node.test) else ev(node.orelse)
     if isinstance(node, ast.Call) and _host_call(node):
         fn = _HOST_FUNCS[node.func.id] if isinstance(node.func, ast.Name) else _MATH[node.func.attr]
-        return fn(*[ev(a) for a in node.args], **{k.arg: ev(k.value) for k in node.keywords})
+        return _light(fn(*[ev(a) for a in node.args], **{k.arg: ev(k.value) for k in node.keywords}))
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math":
         return _MATH[node.attr]
     if isinstance(node, ast.Name) and node.id in ("True", "False", "None"):
@@ -415,19 +596,119 @@ def _bind(elt: ast.expr, target: ast.expr, item) -> ast.expr | None:
         return None
 
 
-def _assert_case(node: ast.expr) -> Case:
+def _assert_case(node: ast.expr, setup_names: frozenset[str] = frozenset(),
+                 code_names: frozenset[str] = frozenset()) -> Case:
     node = _unroll(node)
     inside: list[ast.expr] = []
     _split(node, inside)
     if not inside:                    # an assert about literals only: decided here, the code still has to run
-        return Case(sandbox.Test(exprs=["None"]), _values_check(lambda v: bool(_host_eval(node, {}))))
-    return Case(sandbox.Test(exprs=[ast.unparse(n) for n in inside]),
-                _values_check(lambda v: bool(_host_eval(node, {id(n): x for n, x in zip(inside, v, strict=True)}))))
+        return Case(sandbox.Test(exprs=["None"]), _values_check(lambda v, w: bool(_host_eval(node, {}))))
+    at_expected = _expected_positions(node)
+    is_expected = [_expected_side(n, setup_names, code_names, id(n) in at_expected) for n in inside]
+    actual = [n for n, e in zip(inside, is_expected, strict=True) if not e]
+    expected = [n for n, e in zip(inside, is_expected, strict=True) if e]
+
+    def passes(v: list, w: list) -> bool:
+        got = {id(n): x for n, x in zip(actual, v, strict=False)}
+        got.update({id(n): x for n, x in zip(expected, w, strict=True)})
+        return bool(_host_eval(node, got))
+    return Case(sandbox.Test(exprs=[ast.unparse(n) for n in actual] or ["None"]), _values_check(passes),
+                sandbox.Test(exprs=[ast.unparse(n) for n in expected]) if expected else None)
 
 
-def _values_check(passes: Callable[[list], bool]) -> Callable[[sandbox.TestRun], str | None]:
-    """Decode the harness's literals into plain values here, then apply the host-side comparison."""
-    def check(t: sandbox.TestRun) -> str | None:
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
+@functools.lru_cache(maxsize=256)
+def _defined_names(src: str) -> frozenset[str]:
+    """The names a module binds at its top level (defs, classes, imports, assignments, loop targets); not
+    those local to its functions, classes or comprehensions."""
+    try:
+        tree = ast.parse(src)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return frozenset()
+    out: set[str] = set()
+
+    def visit(n: ast.AST) -> None:
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out.add(n.name)
+            return
+        if isinstance(n, ast.Import | ast.ImportFrom):
+            out.update((a.asname or a.name).split(".")[0] for a in n.names)
+            return
+        if isinstance(n, ast.Lambda | ast.ListComp | ast.SetComp | ast.DictComp | ast.GeneratorExp):
+            return
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+            out.add(n.id)
+        for child in ast.iter_child_nodes(n):
+            visit(child)
+    visit(tree)
+    return frozenset(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _closed(setup: str) -> bool:
+    """Whether the setup code reads only names it defines itself and builtins (so its helpers can be run
+    without the code: none of them calls a function of the code's)."""
+    try:
+        tree = ast.parse(setup)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    bound = set(_BUILTIN_NAMES)
+    loads = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            (loads if isinstance(n.ctx, ast.Load) else bound).add(n.id)
+        elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(n.name)
+        elif isinstance(n, ast.arg):
+            bound.add(n.arg)
+        elif isinstance(n, ast.Import | ast.ImportFrom):
+            if any(a.name == "*" for a in n.names):
+                return False
+            bound.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            bound.add(n.name)
+        elif isinstance(n, ast.MatchAs | ast.MatchStar) and n.name:
+            bound.add(n.name)
+    return loads <= bound
+
+
+def _free_names(node: ast.AST) -> set[str]:
+    """Names an expression reads that it does not bind itself (comprehension targets, lambda arguments)."""
+    bound = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    bound |= {a.arg for n in ast.walk(node) if isinstance(n, ast.Lambda) for a in ast.walk(n.args)
+              if isinstance(a, ast.arg)}
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+
+
+def _expected_positions(node: ast.AST) -> set[int]:
+    """ids of the nodes on the expected side of a comparison: a Compare's right-hand operands, the second
+    argument of math.isclose."""
+    out: set[int] = set()
+    for n in ast.walk(node):
+        sides = n.comparators if isinstance(n, ast.Compare) else (
+            n.args[1:] if isinstance(n, ast.Call) and _host_call(n) and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "isclose" else [])
+        for side in sides:
+            out.update(id(m) for m in ast.walk(side))
+    return out
+
+
+def _expected_side(node: ast.expr, setup_names: frozenset[str], code_names: frozenset[str], at_expected: bool) -> bool:
+    """Whether a part of an assert that the host cannot compute is expected rather than actual: it reads only
+    what the setup defines and Python's builtins, so it can be evaluated without the code. A builtin the code
+    redefines (a task "write `filter`") makes it the code's, unless it stands on the expected side."""
+    names = _free_names(node)
+    if not names <= setup_names | _BUILTIN_NAMES:
+        return False
+    return at_expected or not (names - setup_names) & code_names
+
+
+def _values_check(passes: Callable[[list, list], bool]) -> Callable[..., str | None]:
+    """Decode the harness's literals into plain values here (the actual side from the code's run, the expected
+    side from its own run, which never held the code), then apply the host-side comparison."""
+    def read(t: sandbox.TestRun) -> list | str:
         if t.values is None:
             fail = explain_failure(t)
             return fail if fail is not None else "exited before the tests ran"
@@ -439,29 +720,70 @@ def _values_check(passes: Callable[[list], bool]) -> Callable[[sandbox.TestRun],
                 values.append(bounded_literal(text))
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 return "unreadable value"
+        return values
+
+    def check(t: sandbox.TestRun, e: sandbox.TestRun | None = None) -> str | None:
+        values = read(t)
+        if isinstance(values, str):
+            return values
+        wanted = []
+        if e is not None:
+            wanted = read(e)
+            if isinstance(wanted, str):
+                return f"test error: its expected side: {wanted}"
         try:
-            return None if passes(values) else "wrong answer"
+            return None if passes(values, wanted) else "wrong answer"
+        except TooCostly as e:            # refused before it was computed: the code chose a value too costly
+            return f"too costly to judge: {e}"
         except Exception:                 # e.g. comparing a str with an int by <
             return "wrong answer"
     return check
 
 
-HASHED_WORK = 4_000_000     # sum over the value's sets and dicts of their sizes squared: their worst-case cost
-
-
 def bounded_literal(text: str):
-    """A literal written by the sandboxed code, read with bounded work. Building a set or dict costs up to its
-    size squared when the code chose keys whose hashes collide (3-5 s of the reward process per completion at
-    the default output cap): values whose sets and dicts could cost more than HASHED_WORK are refused, before
-    anything is built. Parsing itself is linear (the text is capped by the sandbox's output limit)."""
-    tree = ast.parse(text.strip(), mode="eval")
-    work = 0
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Set | ast.Dict):
-            work += len(node.elts if isinstance(node, ast.Set) else node.keys) ** 2
-    if work > HASHED_WORK:
-        raise ValueError("sets or dicts too large to compare safely")
-    return ast.literal_eval(tree)
+    """A literal written by the sandboxed code, read with bounded work: at most LITERAL_CHARS characters and
+    LITERAL_DEPTH levels, ints of at most INT_BITS bits, and sets and dicts whose values do not collide in
+    their hashes (_check_hashes: more than BUCKET_MAX distinct values of one hash make every insertion and
+    comparison quadratic), all checked while it is built, before any set or dict is. The same bounds hold for
+    what the host computes from it (_binop, the _safe_* builtins)."""
+    if len(text) > LITERAL_CHARS:
+        raise TooCostly("value too large")
+    return _literal(ast.parse(text.strip(), mode="eval").body, 0)
+
+
+def _literal(node: ast.AST, depth: int):
+    if depth > LITERAL_DEPTH:
+        raise TooCostly("value nested too deeply")
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, int) and value.bit_length() > INT_BITS:
+            raise TooCostly("int too large")
+        if value is Ellipsis:
+            raise ValueError("not a literal")
+        return value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd) \
+            and isinstance(node.operand, ast.Constant) and type(node.operand.value) in _NUMBER:
+        return _UNARY[type(node.op)](node.operand.value)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub) \
+            and isinstance(node.right, ast.Constant) and type(node.right.value) is complex:   # (1+2j)
+        left = _literal(node.left, depth + 1)
+        if type(left) not in (int, float) or (isinstance(left, int) and left.bit_length() > 64):
+            raise ValueError("not a literal")
+        return _BIN[type(node.op)](left, node.right.value)
+    if isinstance(node, ast.List | ast.Tuple):
+        items = [_literal(e, depth + 1) for e in node.elts]
+        return items if isinstance(node, ast.List) else tuple(items)
+    if isinstance(node, ast.Set):
+        return set(_check_hashes([_literal(e, depth + 1) for e in node.elts]))
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("not a literal")
+        keys = _check_hashes([_literal(k, depth + 1) for k in node.keys])
+        return dict(zip(keys, [_literal(v, depth + 1) for v in node.values], strict=True))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "set" \
+            and not node.args and not node.keywords:
+        return set()
+    raise ValueError(f"not a literal: {type(node).__name__}")
 
 
 def explain_failure(t: sandbox.TestRun) -> str | None:

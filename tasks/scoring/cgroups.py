@@ -8,6 +8,10 @@ how everything they started is found and killed, whatever uid or session it move
   Swap is not granted.
 - pids: processes and threads of the sandbox, its init and the harness included.
 - cpu: a quota of `cpus` CPUs (cfs quota), so one sandbox cannot take the cores of the others.
+- io: a read and write bandwidth (IO_BPS) and IOPS (IO_IOPS) per block device behind / , /usr and the
+  sandbox's binds (v2 io.max, v1 blkio.throttle.*), so one sandbox cannot take the host's disk. Optional:
+  where the controller or a block device is missing, `why_no_io` says so (the isolation report shows it).
+  (v1 throttles reads and direct writes only; the sandbox has no writable disk anyway, only tmpfs.)
 - kill: cgroup v2's `cgroup.kill`; on v1 every process in it is SIGKILLed, round after round until none is
   left (pids.max bounds what can appear meanwhile; the freezer is not used: a thread of ours sits there).
 
@@ -40,6 +44,51 @@ from tasks.core.processes import kill_until_gone
 
 ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 100_000
+IO_BPS = 64 << 20         # bytes/s read, and written, per device and sandbox: a sandbox reads a few MiB at most
+IO_IOPS = 2000            # operations/s per device and sandbox
+
+
+def block_devices(paths: tuple[str, ...] = ("/",)) -> list[str]:
+    """`major:minor` of the disks behind `paths` (the mount holding each, from /proc/self/mountinfo; a
+    partition's disk). A path on a file system without a block device of its own (overlay, a network file
+    system) counts as every disk of the machine (/sys/block, RAM disks left out)."""
+    mounts = []
+    try:
+        text = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) > 4:
+            mounts.append((parts[4], parts[2]))
+    out: list[str] = []
+    for path in paths:
+        real = os.path.realpath(path)
+        best = max((m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
+                   key=lambda m: len(m[0]), default=None)
+        devs = [best[1]] if best is not None and not best[1].startswith("0:") else _all_disks()
+        for dev in devs:
+            sysdir = Path(f"/sys/dev/block/{dev}")
+            if (sysdir / "partition").exists():
+                try:
+                    dev = (sysdir.resolve().parent / "dev").read_text().strip()
+                except OSError:
+                    continue
+            if dev not in out:
+                out.append(dev)
+    return out
+
+
+def _all_disks() -> list[str]:
+    out = []
+    for d in sorted(Path("/sys/block").glob("*")):
+        try:
+            if d.name.startswith(("ram", "zram")) or (d / "size").read_text().strip() == "0":
+                continue
+            out.append((d / "dev").read_text().strip())
+        except OSError:
+            continue
+    return out
 
 
 def _own_v1() -> dict[str, str]:
@@ -90,10 +139,13 @@ class Cgroup:
 
     def __init__(self, version: int, dirs: dict[str, Path]):
         self.version, self.dirs = version, dirs     # v2: {"unified": dir}; v1: controller -> dir
+        self.io_devices: list[str] = []             # the devices whose bandwidth is limited (set_io)
+        self.why_no_io = ""
 
     # ------------------------------------------------------------------ making one
     @classmethod
-    def make(cls, name: str, memory_bytes: int, pids: int, cpus: float) -> tuple[Cgroup | None, str]:
+    def make(cls, name: str, memory_bytes: int, pids: int, cpus: float,
+             devices: list[str] | None = None) -> tuple[Cgroup | None, str]:
         """(the cgroup, "") or (None, why not): v2 where memory and pids can be delegated to a child of ours,
         else v1 where the memory and pids hierarchies are mounted and writable."""
         why = []
@@ -112,6 +164,7 @@ class Cgroup:
                 made.remove()
                 why.append(f"{attempt.__name__[-2:]}: cannot set limits: {e.strerror or e} ({e.filename})")
                 continue
+            made.set_io(block_devices() if devices is None else devices)
             return made, ""
         return None, "; ".join(why)
 
@@ -136,6 +189,11 @@ class Cgroup:
                     return (f"v2: {parent} holds processes, so its controllers cannot be given to a child; run "
                             f"under a delegated cgroup (systemd-run --scope -p Delegate=yes ...)")
                 raise
+        if "io" in have and "io" not in enabled:
+            try:                                # optional: without it the sandbox has no bandwidth limit
+                _write(parent / "cgroup.subtree_control", "+io")
+            except OSError:
+                pass
         leaf = parent / name
         leaf.mkdir(exist_ok=True)
         return cls(2, {"unified": leaf})
@@ -146,10 +204,15 @@ class Cgroup:
         if not {"memory", "pids"} <= set(mounts):
             return "v1: no memory or pids hierarchy mounted"
         dirs = {}
-        for ctrl in ("memory", "pids", "cpu"):
+        for ctrl in ("memory", "pids", "cpu", "blkio"):
             if ctrl in mounts:
                 d = _under(mounts[ctrl], own.get(ctrl, "/")) / name
-                d.mkdir(exist_ok=True)
+                try:
+                    d.mkdir(exist_ok=True)
+                except OSError:
+                    if ctrl == "blkio":         # optional: without it the sandbox has no bandwidth limit
+                        continue
+                    raise
                 dirs[ctrl] = d
         return cls(1, dirs)
 
@@ -179,6 +242,32 @@ class Cgroup:
         if "cpu" in self.dirs and (self.dirs["cpu"] / "cpu.cfs_quota_us").exists():
             _write(self.dirs["cpu"] / "cpu.cfs_period_us", str(PERIOD_US))
             _write(self.dirs["cpu"] / "cpu.cfs_quota_us", str(quota) if quota else "-1")
+
+    def set_io(self, devices: list[str], bps: int = IO_BPS, iops: int = IO_IOPS) -> None:
+        """Limit read/write bandwidth and IOPS on each device; what cannot be limited is said in why_no_io."""
+        d = self.dirs.get("unified") if self.version == 2 else self.dirs.get("blkio")
+        if d is None or not ((d / "io.max").exists() if self.version == 2
+                             else (d / "blkio.throttle.read_bps_device").exists()):
+            self.why_no_io = ("no io controller in the sandbox's cgroup" if self.version == 2
+                              else "no blkio hierarchy with throttling mounted")
+            return
+        if not devices:
+            self.why_no_io = "no block device found behind the sandbox's file systems"
+            return
+        failed = []
+        for dev in devices:
+            try:
+                if self.version == 2:
+                    _write(d / "io.max", f"{dev} rbps={bps} wbps={bps} riops={iops} wiops={iops}")
+                else:
+                    for what, value in (("read_bps", bps), ("write_bps", bps), ("read_iops", iops),
+                                        ("write_iops", iops)):
+                        _write(d / f"blkio.throttle.{what}_device", f"{dev} {value}")
+                self.io_devices.append(dev)
+            except OSError as e:
+                failed.append(f"{dev}: {e.strerror or e}")
+        if failed:
+            self.why_no_io = "cannot limit " + ", ".join(failed)
 
     # ------------------------------------------------------------------ using it
     def open_procs(self) -> list[int]:

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 
 from tasks.core.errors import UserError
 from tasks.core.processes import kill_group, kill_until_gone
-from tasks.scoring.cgroups import Cgroup, Spawner
+from tasks.scoring.cgroups import IO_BPS, IO_IOPS, Cgroup, Spawner, block_devices
 
 if TYPE_CHECKING:
     from tasks.core.config import SandboxConfig
@@ -148,6 +148,7 @@ class Runner:
         self._cgroups: dict[int, Cgroup | None] = {}  # slot -> its cgroup (tasks/scoring/cgroups.py), if any
         self._spawners: dict[int, Spawner | None] = {}  # slot -> the thread that forks into it (cgroup v1)
         self.why_no_cgroup = "reward.sandbox.cgroup is off" if limits.cgroup == "off" else ""
+        self.why_no_io = ""                            # the slots' cgroups cannot limit disk bandwidth: why
         self.prlimit = shutil.which("prlimit")         # (util-linux) the limits of bwrap and the harness
         self._slots: queue.Queue[int] = queue.Queue()
         for slot in range(self.workers):
@@ -244,8 +245,10 @@ class Runner:
             lim = self.limits
             tmpfs = 2 * lim.tmpfs_mb if self.isolation == "bubblewrap" else 0      # /tmp and /dev/shm
             name = f"rlflow-sandbox-{uid}" if uid is not None else f"rlflow-sandbox-p{os.getpid()}-{slot}"
+            seen = ("/", "/usr", *self.binds) if self.isolation == "bubblewrap" else ("/", "/usr", "/tmp")
             made, why = Cgroup.make(name, (lim.memory_mb + tmpfs + _CGROUP_OVERHEAD_MB) << 20,
-                                    lim.max_processes + 3, lim.cpus)      # + bwrap, the harness, a spawner
+                                    lim.max_processes + 3, lim.cpus,      # + bwrap, the harness, a spawner
+                                    block_devices(seen))
             if made is not None:
                 made.remove_stale("rlflow-sandbox-", _stale_cgroup)
                 try:
@@ -253,6 +256,10 @@ class Runner:
                 except OSError as e:
                     made.remove()
                     made, why = None, f"cannot place a thread in it: {e.strerror or e}"
+            if made is not None and made.why_no_io and not self.why_no_io:
+                self.why_no_io = made.why_no_io
+                log.warning("code sandbox: no disk bandwidth limit per sandbox (%s). See docs/sandbox.md.",
+                            made.why_no_io)
             if made is None:
                 if self.limits.cgroup == "required":
                     raise UserError(f"reward.sandbox.cgroup: required, but no cgroup can be made here ({why}); "
@@ -325,6 +332,7 @@ def bwrap_args(tmpfs_mb: int, binds: tuple[str, ...] = (), disable_userns: bool 
         args += ["--ro-bind", path, path]
     size = str(tmpfs_mb << 20)
     args += ["--proc", "/proc", "--dev", "/dev",
+             "--size", "4096", "--tmpfs", "/dev/pts",        # no pseudo-terminals: kernel.pty.max is machine-wide
              "--size", size, "--tmpfs", "/dev/shm",          # multiprocessing's semaphores live there
              "--remount-ro", "/dev",                         # bwrap's /dev is an unsized tmpfs otherwise
              "--size", size, "--tmpfs", "/tmp", "--chdir", "/tmp",
@@ -761,3 +769,6 @@ if __name__ == "__main__":
           + (f"  (not bubblewrap: {r.why_not_bubblewrap})" if r.why_not_bubblewrap else ""))
     cg = r._cgroup(0, r._uid(0) if os.geteuid() == 0 else None)
     print(f"cgroup per sandbox: {' '.join(map(str, cg.dirs.values())) if cg else 'none (' + r.why_no_cgroup + ')'}")
+    io = (f"{' '.join(cg.io_devices)} at {IO_BPS >> 20} MiB/s, {IO_IOPS} IOPS" if cg and cg.io_devices
+          else f"none ({cg.why_no_io if cg else 'no cgroup'})")
+    print(f"disk bandwidth per sandbox: {io}")

@@ -12,6 +12,9 @@ Allow by default, refuse what sandboxed code has no use for and what reaches out
   - kernel memory outside every limit: SysV shared memory, message queues and semaphores;
   - kernel interfaces with a history of exploits: keyctl/add_key/request_key, io_uring, bpf,
     perf_event_open, userfaultfd;
+  - budgets the kernel counts for the whole machine or user, not per cgroup: asynchronous-I/O contexts
+    (io_setup..., fs.aio-max-nr), io_uring, inotify instances (fs.inotify.max_user_instances), fanotify,
+    keyrings (pseudo-terminals, kernel.pty.max, are hidden by the sandbox's mounts: no /dev/pts);
   - namespaces and mounts: unshare, setns, mount and the new mount API, pivot_root, chroot, clone with any
     CLONE_NEW* flag, clone3 (ENOSYS: libc falls back to clone, whose flags can be checked);
   - sockets of any family but AF_UNIX (the network namespace is empty, but AF_VSOCK is not namespaced);
@@ -35,6 +38,12 @@ EPERM = [
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
     "swapoff", "acct", "syslog", "quotactl", "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm",
     "fanotify_init", "lookup_dcookie", "vhangup",
+    # budgets the kernel keeps for the whole machine (or the whole user), not per cgroup: one sandbox could
+    # use them up and the host's own requests would be refused (asynchronous-I/O contexts, fs.aio-max-nr;
+    # inotify instances, fs.inotify.max_user_instances; io_uring, fanotify, keyrings, perf and userfaultfd
+    # above hold their own such budgets too)
+    "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
+    "inotify_init", "inotify_init1",
 ]
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
