@@ -19,7 +19,6 @@ _shield_prefect_server), so Ctrl-C does not kill it under the flow.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -49,11 +48,30 @@ def _quiet_prefect() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def check_path(flag: str, path: str | Path, want: str) -> None:
+    """One UserError line, before anything is created, if `path` cannot be the `want` ("folder" or "file") a
+    command writes there: it exists as the other kind, or something on the way to it is a file."""
+    path = Path(path).expanduser()
+    if path.exists():
+        if want == "folder" and not path.is_dir():
+            raise UserError(f"{flag}: {path} is a file, not a folder")
+        if want == "file" and path.is_dir():
+            raise UserError(f"{flag}: {path} is a folder, not a file")
+        return
+    probe = path.absolute().parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"{flag}: {path}: {probe} is a file, not a folder")
+
+
 def cmd_run(args) -> int:
     from tasks.core.config import load_config
     from tasks.core.stage import parse_overrides_json
 
     overrides = parse_overrides_json(args.overrides_json) + args.override
+    if args.summary_json:
+        check_path("--summary-json", args.summary_json, "file")
     cfg = load_config(args.config, overrides)       # a bad config is one line and exit 2, before Prefect starts
     _quiet_prefect()
     if os.getcwd() not in sys.path:
@@ -101,6 +119,10 @@ def cmd_export(args) -> int:
     from tasks.core.stage import parse_overrides_json
     from tasks.core.store import open_store
 
+    dest = Path(args.dir)
+    check_path("DIR", dest, "folder")
+    if dest.exists() and any(dest.iterdir()):
+        raise UserError(f"DIR: {dest} exists and is not an empty folder")
     cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
     store, run, version = open_store(cfg), cfg.run.name, args.version
     if version.isdigit():
@@ -240,7 +262,15 @@ def cmd_tune(args) -> int:
     for flag, value in (("--trials", args.trials), ("--parallel", args.parallel), ("--window", args.window)):
         if value < 1:
             raise UserError(f"{flag}: expected a whole number of at least 1, got {value}")
+    check_path("--space", args.space, "file")
+    if args.out:
+        check_path("--out", args.out, "folder")
+        if (Path(args.out) / "trials").is_file():
+            raise UserError(f"--out: {Path(args.out) / 'trials'} is a file, not the folder of the trials' logs")
     cfg = load_config(args.config, args.override)           # one line and exit 2, before any trial starts
+    if not args.out:
+        check_path("--out (default rlflow-tune/<study>)", Path("rlflow-tune") / (args.study or f"{cfg.run.name}-tune"),
+                   "folder")
     from flows.tune import load_space
 
     space = load_space(args.space, args.config, args.override)
@@ -313,7 +343,9 @@ def _shield_prefect_server() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="rlflow", description="RL post-training as a scheduled, resumable pipeline.")
+    from tasks.core.stage import OneLineParser
+
+    ap = OneLineParser(prog="rlflow", description="RL post-training as a scheduled, resumable pipeline.")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run (or resume) a training run from a config")
     run.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")

@@ -57,7 +57,26 @@ def recipe_path(cfg: Config, stage: str) -> Path:
     path = Path(cfg.launcher.recipes) / f"{stage}.yaml"
     if not path.is_file():
         raise UserError(f"launcher.recipes: no recipe {path} for stage {stage!r} (run from the repository root)")
+    check_recipe(path)
     return path
+
+
+def check_recipe(path: Path) -> dict:
+    """The recipe YAML parsed; one UserError line naming the file and line where it does not parse, or is not a
+    mapping (what SkyPilot and the local launcher read)."""
+    try:
+        recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"launcher.recipes: {path}: not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"launcher.recipes: {path}:{where}: not valid YAML ({problem})") from None
+    if recipe is not None and not isinstance(recipe, dict):
+        raise UserError(f"launcher.recipes: {path}: expected a mapping (a SkyPilot task), got "
+                        f"{type(recipe).__name__}")
+    return recipe or {}
 
 
 def stage_env(cfg_path: str, overrides: list[str], iteration: int, policy: str | None = None) -> dict[str, str]:

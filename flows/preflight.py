@@ -26,10 +26,20 @@ from tasks.scoring.functions import load_functions
 def preflight(cfg: Config) -> None:
     """Raise UserError for any input mistake; writes nothing."""
     open_store(cfg).check()
+    if cfg.publish.register_model:
+        check_registered_model_name(cfg)
     datasets = [load_prompts(cfg)] + ([load_prompts(cfg, split="eval")] if cfg.eval.every else [])
-    # every split's rows reach the reward functions: only the columns all of them have count
-    functions = load_functions(cfg, columns=set.intersection(*(set(ds.column_names) for ds in datasets))
-                               - {cfg.data.prompt_column})
+    # every split's rows reach the reward functions: each split is checked, and a column missing from the
+    # evaluation split alone is reported naming that split's file
+    functions = load_functions(cfg, columns=set(datasets[0].column_names) - {cfg.data.prompt_column})
+    if len(datasets) > 1:
+        try:
+            load_functions(cfg, columns=set(datasets[1].column_names) - {cfg.data.prompt_column})
+        except UserError as e:
+            source = (f"eval.path {cfg.eval.path}" if cfg.eval.path else "data.reasoning_gym"
+                      if cfg.data.reasoning_gym is not None else f"data.path {cfg.data.path}")
+            where = f"the evaluation split ({source}, split {cfg.eval.split!r}) has "
+            raise UserError(str(e).replace("the data has ", where)) from None
     if cfg.eval.every and cfg.eval.pass_reward is not None and cfg.eval.pass_reward not in functions.all_names:
         raise UserError(f"eval.pass_reward: {cfg.eval.pass_reward!r} is not one of the reward functions or models "
                         f"({', '.join(functions.all_names)})")
@@ -45,6 +55,10 @@ def preflight(cfg: Config) -> None:
         from tasks.envs.protocol import factory_of
 
         factory_of(cfg)                 # env.factory cannot be imported: one line, exit 2 (here, or the server)
+        if cfg.env.where in ("stage", "local"):
+            from tasks.envs.protocol import check_environment
+
+            check_environment(cfg, dict(datasets[0][0]))   # one built with env.kwargs, its adapter and tools
     if cfg.env.agent:
         from tasks.envs.agents import agent_of
 
@@ -54,9 +68,9 @@ def preflight(cfg: Config) -> None:
         raise UserError("env.where: local serves the environments on this machine, which the generate cluster "
                         "(launcher: sky) cannot reach; use env.where: sky, or env.server_url")
     if cfg.env.factory and cfg.env.server_url is not None:
-        from tasks.envs.protocol import require_answer
+        from tasks.envs.protocol import require_env_server
 
-        require_answer(f"{cfg.env.server_url.rstrip('/')}/health", "environment server", key="env.server_url")
+        require_env_server(cfg.env.server_url)    # an rlflow environment server (its /health's shape), not any HTTP
     path = base_path(cfg)
     tokenizer = load_tokenizer(path)
     if cfg.env.agent and not tokenizer.chat_template:
@@ -84,7 +98,8 @@ def preflight(cfg: Config) -> None:
     if cfg.train.learner.offline():
         from tasks.engines.training import offline_rollouts
 
-        offline_rollouts(cfg, open_store(cfg))      # a key with no scored rollouts: one line, exit 2
+        store = open_store(cfg)
+        check_offline_rollouts(store, offline_rollouts(cfg, store))  # no scored rollouts there: one line, exit 2
     remote = cfg.launcher.remote_stages()
     if any(cfg.launcher.mode_of(s) == "sky" for s in remote) and not cfg.store.uri.startswith("s3://"):
         raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "
@@ -93,3 +108,50 @@ def preflight(cfg: Config) -> None:
         recipe_path(cfg, stage)
     if cfg.env.factory and cfg.env.where == "sky" and cfg.env.server_url is None:
         recipe_path(cfg, "env")
+    if cfg.generate.replicas and cfg.launcher.mode_of("generate") == "sky":
+        recipe_path(cfg, "replica")          # (each recipe parsed: one line naming the file and line)
+    if any(m.url is None and m.where == "sky" for m in cfg.reward.models):
+        recipe_path(cfg, "judge")
+
+
+def check_registered_model_name(cfg: Config) -> None:
+    """The MLflow registered model name (publish.registered_model_name, else run.name), by MLflow's own rules
+    (those of every registry store, and the file store's): refused now, not after training."""
+    from mlflow.exceptions import MlflowException
+
+    try:                               # (the file store's rules: MLflow's general ones, no path separator or %)
+        from mlflow.store.model_registry.file_store import _validate_model_name
+    except ImportError:
+        from mlflow.utils.validation import _validate_model_name
+
+    from tasks.core.tracking import registered_model_name
+
+    name = registered_model_name(cfg)
+    field = "publish.registered_model_name" if cfg.publish.registered_model_name is not None else \
+        "run.name (the registered model name; set publish.registered_model_name)"
+    try:
+        _validate_model_name(name)
+    except MlflowException as e:
+        raise UserError(f"{field}: {name!r}: MLflow refuses it as a registered model name: "
+                        f"{' '.join(e.message.split())}") from None
+    if "@" in name:
+        raise UserError(f"{field}: {name!r}: '@' would read as an alias in models:/NAME@ALIAS")
+
+
+def check_offline_rollouts(store, keys: list[str]) -> None:
+    """Each off-line rollouts folder is a reward stage's output (its manifest says how scoring went), not a
+    generate output whose rows have no reward yet, and every row of it has a reward: the learner would
+    otherwise train on rows with none."""
+    from tasks.core import rollout
+
+    field = "train.learner.offline_rollouts"
+    for key in keys:
+        if "errors" not in (store.manifest(key).get("meta") or {}):
+            raise UserError(f"{field}: {key}: unscored rollouts (a generate output) at {store.uri(key)}; expected "
+                            f"a rewards folder of this store, e.g. <run>/iter-000001/rewards")
+        records = rollout.load(store, key)
+        unscored = [i for i, r in enumerate(records) if r.reward is None]
+        if not records or unscored:
+            what = "no rows" if not records else (f"row {unscored[0]}" + (f" and {len(unscored) - 1} more" if
+                                                  len(unscored) > 1 else "") + f" of {len(records)} with reward null")
+            raise UserError(f"{field}: {key}: {what} at {store.uri(key)}; off-line rows must all be scored")

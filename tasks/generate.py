@@ -60,6 +60,11 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
             top_p=gc.top_p, seed=cfg.run.seed * 1_000_003 + iteration), policy)
         routed = session.metrics("generate") if gc.replicas else {}    # per replica, and the router's counts
 
+    failed = [r.env_error for r in records if not r.part and r.env_error is not None]
+    if records and failed and len(failed) == sum(not r.part for r in records):
+        what = "env.agent" if cfg.env.agent else "env.factory"
+        raise UserError(f"{what}: every episode of iteration {iteration} failed ({len(failed)} of {len(failed)}), "
+                        f"nothing to train on; the first: {' '.join(failed[0].split())[:300]}")
     n_tokens = sum(len(r.completion_ids) for r in records)
     metrics = {
         "generate/completion_length": n_tokens / len(records),

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core import layout, rollout
+from tasks.core.errors import UserError
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import open_store
 from tasks.scoring.functions import load_functions, score_records
@@ -52,6 +53,9 @@ def reward(cfg: Config, iteration: int) -> dict:
                            RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations),
                            judge_cache=layout.judge_cache(cfg.run.name, iteration))
     present = [r.reward for r in records if r.reward is not None]
+    if records and not present and scored.errors:
+        raise UserError(f"reward: every reward call of iteration {iteration} failed, no completion was scored "
+                        f"(nothing to train on); the first: {next(iter(scored.errors.values()))}")
     metrics = {"reward/mean": sum(present) / max(len(present), 1),
                "reward/std": _std(present),
                "reward/missing_share": 1 - len(present) / len(records),

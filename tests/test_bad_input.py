@@ -65,6 +65,15 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     no_chat = _model_without_chat_template(tmp)
     (tmp / "not-a-model.gguf").write_text("not GGUF at all\n")
     write_gguf(builtin_models.resolve("builtin:tiny-lm"), tmp / "bert.gguf", arch="bert")
+    (tmp / "strict_sig.py").write_text("def f(completions, answer):\n    return [0.0] * len(completions)\n")
+    (tmp / "badtools_env.py").write_text(BADTOOLS_ENV)
+    (tmp / "withsol.jsonl").write_text(json.dumps({"prompt": "a=", "answer": "bbb", "solution": "bbb"}) + "\n")
+    (tmp / "nosol.jsonl").write_text(json.dumps({"prompt": "a=", "answer": "bbb"}) + "\n")
+    (tmp / "badrecipes").mkdir()
+    (tmp / "badrecipes" / "generate.yaml").write_text("name: generate\nrun: python: -m tasks.generate\nenvs: {}\n")
+    not_env_server = _http_server()
+    offline = _offline_store(tmp / "offstore")
+    ofl = ["-o", f"store.uri={tmp}/offstore", "-o", "train.algorithm=vtrace_awr", "-o"]
     rg = "data.reasoning_gym={task: chain_sum, size: 8, eval_size: 4"
     demo = "tasks.rewards.demo:successor_reward"
     import torch
@@ -247,7 +256,168 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                   "launcher.recipes: no recipe"),
         "sky launcher, local store": (["run", str(TINY), "-o", "launcher.mode=sky"],
                                       "store.uri: file://./rlflow-store: the sky launcher needs a store"),
+        # environments that cannot be built: refused before the run, not every episode failing
+        "environment keyword the factory does not take": (
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.kwargs={size: 3}"],
+            "env.kwargs: tasks.envs.games:SayTheLetters cannot be called with env.kwargs ['size']: got an unexpected "
+            "keyword argument 'size'"),
+        "environment keyword the factory lacks": (
+            ["run", str(TINY), "-o", "env.factory=badtools_env:NeedsSize"],
+            "env.kwargs: badtools_env:NeedsSize cannot be called with env.kwargs []: missing a required argument: "
+            "'size'"),
+        "environment factory that raises": (
+            ["run", str(TINY), "-o", "env.factory=badtools_env:NeedsSize", "-o", "env.kwargs={size: -1}"],
+            "env.factory: badtools_env:NeedsSize(**env.kwargs) raised ValueError: size must be positive"),
+        "adapter forced onto a class that does not fit": (
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.adapter=gymnasium"],
+            "env.adapter: gymnasium: tasks.envs.games:SayTheLetters made a SayTheLetters, whose reset cannot be "
+            "called as reset(seed=...)"),
+        "verifiers adapter on a plain class": (
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.adapter=verifiers"],
+            "env.adapter: verifiers: tasks.envs.games:SayTheLetters made a SayTheLetters, which the verifiers "
+            "adapter cannot drive"),
+        "environment tools that are not functions": (
+            ["run", str(TINY), "-o", "env.factory=badtools_env:StringTools"],
+            "env.factory: badtools_env:StringTools: StringTools.tools[0] is 'lookup', not a function"),
+        # checks that accepted the wrong thing
+        "environment server url, a server that is not one (404)": (
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o",
+             f"env.server_url={not_env_server}/missing"],
+            f"env.server_url: {not_env_server}/missing is not an rlflow environment server (GET /health answered "
+            "HTTP 404"),
+        "environment server url, a server that is not one (200)": (
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o",
+             f"env.server_url={not_env_server}/ok"],
+            f"env.server_url: {not_env_server}/ok is not an rlflow environment server (GET /health answered 'ok'"),
+        "off-line rollouts, a generate output": (
+            ["run", str(TINY), *ofl, f"train.learner.offline_rollouts=[{offline['rollouts']}]"],
+            f"train.learner.offline_rollouts: {offline['rollouts']}: unscored rollouts (a generate output)"),
+        "off-line rollouts, a row without a reward": (
+            ["run", str(TINY), *ofl, f"train.learner.offline_rollouts=[{offline['null']}]"],
+            f"train.learner.offline_rollouts: {offline['null']}: row 1 of 2 with reward null"),
+        # names and files checked before any work
+        "registered model name MLflow refuses": (["run", str(TINY), "-o", "publish.registered_model_name=team/model"],
+                                                 "publish.registered_model_name: 'team/model': MLflow refuses it as a "
+                                                 "registered model name"),
+        "registered model name with a %": (["run", str(TINY), "-o", "publish.registered_model_name=a%b"],
+                                           "publish.registered_model_name: 'a%b': MLflow refuses it"),
+        "run, recipe that is not YAML": (["run", str(TINY), "-o", "launcher.mode=local", "-o",
+                                          f"launcher.recipes={tmp}/badrecipes"],
+                                         f"launcher.recipes: {tmp}/badrecipes/generate.yaml: line 2: not valid YAML"),
+        "plan, recipe that is not YAML": (["plan", str(TINY), "-o", "launcher.mode=local", "-o",
+                                           f"launcher.recipes={tmp}/badrecipes"],
+                                          f"launcher.recipes: {tmp}/badrecipes/generate.yaml: line 2: not valid YAML"),
+        "tune, space is a folder": (["tune", str(TINY), "--trials", "2", "--space", str(tmp / "badrecipes")],
+                                    f"--space: {tmp}/badrecipes is a folder, not a file"),
+        "tune, out is a file": (["tune", str(TINY), "--trials", "2", "--space", str(tmp / "space_empty_range.yaml"),
+                                 "--out", str(tmp / "a_file")], f"--out: {tmp}/a_file is a file, not a folder"),
+        "tune, out under a file": (["tune", str(TINY), "--trials", "2", "--space", str(tmp / "space_empty_range.yaml"),
+                                    "--out", str(tmp / "a_file" / "study")],
+                                   f"--out: {tmp}/a_file/study: {tmp}/a_file is a file, not a folder"),
+        "export, dir is a file": (["export", str(TINY), "1", str(tmp / "a_file")],
+                                  f"DIR: {tmp}/a_file is a file, not a folder"),
+        "export, dir under a file": (["export", str(TINY), "1", str(tmp / "a_file" / "out")],
+                                     f"DIR: {tmp}/a_file/out: {tmp}/a_file is a file, not a folder"),
+        "summary json is a folder": (["run", str(TINY), "--summary-json", str(tmp / "badrecipes")],
+                                     f"--summary-json: {tmp}/badrecipes is a folder, not a file"),
+        # silent drops and misleading words
+        "reward keyword the function cannot take": (
+            ["run", str(TINY), "-o", 'reward.functions=[{"fn": "strict_sig:f", "kwargs": {"scale": 2}}]'],
+            "reward.functions[0].kwargs.scale: strict_sig:f takes no argument 'scale' (it takes completions, answer, "
+            "and no **kwargs)"),
+        "reward needs a column only the eval file lacks": (
+            ["run", str(TINY), "-o", f"data.path={tmp}/withsol.jsonl", "-o", f"eval.path={tmp}/nosol.jsonl", "-o",
+             'reward.functions=[{"fn": "needs_col:f"}]'],
+            f"needs argument 'solution', which is neither a dataset column (the evaluation split (eval.path "
+            f"{tmp}/nosol.jsonl, split 'test') has ['answer'])"),
+        # edge values
+        "empty file store uri": (["run", str(TINY), "-o", "store.uri=file://"], "store.uri: expected a folder"),
+        "empty store uri": (["run", str(TINY), "-o", 'store.uri=""'], "store.uri: expected a folder"),
+        "missing flag": (["tune", str(TINY), "--space", str(tmp / "space_empty_range.yaml")],
+                         "rlflow tune: the following arguments are required: --trials"),
+        "malformed flag": (["tune", str(TINY), "--trials", "two", "--space", str(tmp / "space_empty_range.yaml")],
+                           "rlflow tune: argument --trials: invalid int value: 'two'"),
+        "unknown command": (["train", str(TINY)], "rlflow: argument command: invalid choice: 'train'"),
+        "no command": ([], "rlflow: the following arguments are required: command"),
     }
+
+
+BADTOOLS_ENV = """
+from tasks.core.contracts import Step
+
+
+class NeedsSize:
+    tools: list = []
+
+    def __init__(self, size):
+        if size < 1:
+            raise ValueError("size must be positive")
+
+    def reset(self, row):
+        return [{"role": "user", "content": "a="}]
+
+    def step(self, message):
+        return Step([], 1.0, True)
+
+
+class StringTools(NeedsSize):
+    tools = ["lookup"]
+
+    def __init__(self):
+        pass
+
+
+class AlwaysFails(NeedsSize):
+    def __init__(self):
+        pass
+
+    def reset(self, row):
+        raise RuntimeError("no board for this row")
+"""
+
+
+def _http_server() -> str:
+    """An HTTP server that is not an rlflow environment server: /ok/health answers 200 'ok', anything else 404."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.path.startswith("/ok/")
+            self.send_response(200 if ok else 404)
+            self.end_headers()
+            self.wfile.write(b"ok" if ok else b"not found")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _offline_store(root: Path) -> dict[str, str]:
+    """A store with a generate output (unscored) and a rewards folder with a row whose reward is null."""
+    import tempfile
+
+    from tasks.core import rollout
+    from tasks.core.contracts import Rollout
+    from tasks.core.store import Store
+
+    store = Store.open(str(root))
+
+    def row(i: int, reward):
+        return Rollout(group=0, row=i, prompt="a=", prompt_ids=[1], completion="bbb", completion_ids=[2, 2, 2],
+                       logprobs=[0.0] * 3, truncated=False, reward=reward)
+
+    keys = {"rollouts": "src/iter-000001/rollouts", "null": "src/iter-000001/rewards"}
+    for what, key in keys.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            rollout.write([row(0, None), row(1, None)] if what == "rollouts" else [row(0, 1.0), row(1, None)],
+                          Path(tmp))
+            store.put_folder(key, Path(tmp), meta={"fingerprint": "x", "policy": "base"} if what == "rollouts" else
+                             {"fingerprint": "x", "metrics": {}, "samples": [], "errors": {}})
+    return keys
 
 
 def _reward_model_cases() -> dict[str, tuple[list[str], str]]:
@@ -303,7 +473,7 @@ def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_pa
     # each a fork of one process that imported the CLI (run_cli_many), two at a time.
     for name in cases:
         (tmp_path / "cwd" / name).mkdir(parents=True)
-        for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py"):
+        for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py"):
             (tmp_path / "cwd" / name / module).write_text((tmp_path / module).read_text())
     outs = dict(zip(cases, run_cli_many([(args, tmp_path / "cwd" / name) for name, (args, _) in cases.items()],
                                         prefect_api)))
@@ -381,3 +551,43 @@ def test_overrides_parse_as_yaml_values():
     assert Path(cfg.data.path).is_absolute()                 # relative to the config file
     with pytest.raises(UserError, match="run.name"):
         load_config(TINY, ["run.name=../escape"])
+
+
+def test_every_episode_failing_stops_the_run(prefect_api, tmp_path):
+    """An environment whose every episode fails: one line saying so, exit 2, not an iteration trained on nothing."""
+    (tmp_path / "badtools_env.py").write_text(BADTOOLS_ENV)
+    out = run_cli(["run", str(TINY), "-o", "run.iterations=2", "-o", "env.factory=badtools_env:AlwaysFails"],
+                  tmp_path, prefect_api)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: env.factory: every episode of iteration 1 failed (128 of 128), nothing to train "
+                           "on; the first: reset raised RuntimeError: no board for this row"), last
+
+
+def test_every_reward_call_failing_stops_the_run(prefect_api, tmp_path):
+    """Not strict, but no completion scored at all: one line, exit 2, rather than a run of reward 0.000."""
+    (tmp_path / "broken.py").write_text("def boom(completions, **kw):\n    raise ValueError('bad answer format')\n")
+    out = run_cli(["run", str(TINY), "-o", "run.iterations=2", "-o", 'reward.functions=[{"fn": "broken:boom"}]'],
+                  tmp_path, prefect_api)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: reward: every reward call of iteration 1 failed, no completion was scored (nothing to train on); "
+        "the first: reward function 'boom' raised ValueError: bad answer format (broken.py:2)")
+
+
+@pytest.mark.parametrize("stage,args,expected", [
+    ("generate", ["--iteration", "0"], "error: python -m tasks.generate: argument --iteration: iterations start at 1, "
+                                       "got 0"),
+    ("train", ["--iteration", "0"], "error: python -m tasks.train: argument --iteration: iterations start at 1, got 0"),
+    ("reward", [], "error: python -m tasks.reward: the following arguments are required: --iteration"),
+    ("generate", ["--iteration", "one"], "error: python -m tasks.generate: argument --iteration: invalid int value: "
+                                         "'one'"),
+])
+def test_stage_command_line_mistakes_are_one_line(tmp_path, stage, args, expected):
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", f"tasks.{stage}", "--config", str(TINY), *args], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 2 and out.stderr.strip() == expected, out.stderr[-2000:]
+    assert not (tmp_path / "rlflow-store").exists()

@@ -833,6 +833,9 @@ class StoreConfig(Section):
             raise ValueError("expected file://PATH, s3://BUCKET[/PREFIX] or a local path")
         if v.startswith("s3://") and not v[5:].strip("/"):
             raise ValueError("s3:// URI needs a bucket name")
+        if not (v[len("file://"):] if v.startswith("file://") else v).strip():
+            raise ValueError("expected a folder: file://PATH (file://./rlflow-store, file:///abs/path) or a local "
+                             "path, not an empty one (which would write the store into the working directory)")
         return v
 
 

@@ -61,6 +61,15 @@ def parse_overrides_json(text: str) -> list[str]:
     return items
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a missing or malformed flag is one line on stderr naming it (`error: ...`), exit 2: the
+    user-error contract, not argparse's usage block."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {' '.join(message.split())}", file=sys.stderr)
+        sys.exit(2)
+
+
 _OWN_PROCESS = False
 STOP = threading.Event()    # set when the run was told to stop (SIGINT/SIGTERM, flows/cli.py): no stage starts after
 
@@ -90,7 +99,7 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
     """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY]`; prints the result JSON."""
     from tasks.core.config import load_config
 
-    ap = argparse.ArgumentParser(prog=f"python -m tasks.{name}", description=fn.__doc__)
+    ap = OneLineParser(prog=f"python -m tasks.{name}", description=fn.__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--overrides-json", default="[]", metavar="JSON",
@@ -102,6 +111,10 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
     if takes_tracking:
         ap.add_argument("--mlflow-run-id", default=None)
     args = ap.parse_args()
+    first = 0 if name == "evaluate" else 1        # (evaluate's iteration 0: the base model, eval.baseline)
+    if args.iteration < first:
+        ap.error(f"argument --iteration: iterations start at {first}" + (" (the base model)" if first == 0 else "")
+                 + f", got {args.iteration}")
     global _OWN_PROCESS
     _OWN_PROCESS = True
     quiet_progress_bars()

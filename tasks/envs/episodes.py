@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.contracts import EnvironmentHandle, Rollout, Sampled, SamplingParams, SamplingSession
+from tasks.core.errors import UserError
 from tasks.engines.sampling import sample_rollouts
 from tasks.envs.isolation import (
     Caller,
@@ -98,7 +99,11 @@ def _each(caller: Caller, episodes: list[Episode], what: str, call, fails: bool 
             why = f"{what} did not return within env.timeout_seconds"
             if e.env is not None:                              # (in a process of its own: ended now)
                 e.env.kill()
+        except UserError:
+            raise                     # the config's mistake (an adapter's check): every episode would fail so
         except Exception as ex:  # noqa: BLE001 - costs only this episode
+            if isinstance(ex, EnvironmentFailed) and str(ex).startswith("UserError: "):
+                raise UserError(str(ex)[len("UserError: "):]) from None      # (raised in its own process)
             e.budget -= getattr(f, "finished", time.monotonic()) - t0
             why = _failure(what, ex)
         if fails:

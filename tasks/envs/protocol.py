@@ -127,6 +127,118 @@ def require_answer(url: str, what: str, hint: str = "", field: str = "base_url",
                         f"{hint}") from None
 
 
+def require_env_server(url: str, key: str = "env.server_url") -> dict:
+    """The /health answer of an rlflow environment server at `url` (tasks/envs/server.py: a JSON object with
+    "factory" and "episodes"; a pool's front, tasks/envs/pool.py: "pool" and "episodes"); a UserError naming
+    `key` if nothing answers there, or something that is not one
+    (an HTTP error, or another shape), whose 404s the flow would later take for a dead server."""
+    import urllib.error
+    import urllib.request
+
+    health = f"{url.rstrip('/')}/health"
+    try:
+        with urllib.request.urlopen(health, timeout=10) as response:
+            body = response.read(65_536)
+    except urllib.error.HTTPError as e:
+        raise UserError(f"{key}: {url} is not an rlflow environment server (GET /health answered HTTP {e.code}; "
+                        f"start one with python -m tasks.envs.server)") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"{key}: no environment server answers at {url} ({getattr(e, 'reason', e)})") from None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    if not (isinstance(answer, dict) and "episodes" in answer and ("factory" in answer or answer.get("pool"))):
+        raise UserError(f"{key}: {url} is not an rlflow environment server (GET /health answered "
+                        f"{body[:60].decode('utf-8', 'replace')!r}, not {{\"factory\": ..., \"episodes\": n}}; "
+                        f"start one with python -m tasks.envs.server)")
+    return answer
+
+
+def _binds(fn: Any, *args: Any, **kwargs: Any) -> str | None:
+    """Why `fn` cannot be called so (None if it can, or if its signature cannot be read)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def check_environment(cfg: Config, row: dict) -> None:
+    """Preflight (env.factory, made on this machine: env.where stage or local): env.factory called with env.kwargs
+    once, driven through its adapter (env.adapter) with the data's first `row` as far as can be without an
+    episode, its tools read; then closed. What cannot be built is one UserError line naming the field, not a run
+    whose every episode fails. A factory with a preflight of its own (the browser's, OpenEnv's: they start
+    processes) is checked for its keyword arguments only."""
+    import inspect
+
+    from tasks.envs import adapters
+    from tasks.envs.tools import tool_schemas
+
+    spec = cfg.env.factory
+    make = import_callable(spec, "env.factory")
+    kwargs = dict(cfg.env.kwargs)
+    if (bad := _binds(make, **kwargs)) is not None:
+        raise UserError(f"env.kwargs: {spec} cannot be called with env.kwargs {sorted(kwargs)}: {bad}")
+    if callable(getattr(make, "preflight", None)):
+        return
+    try:
+        with signals_kept():
+            instance = make(**kwargs)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's factory: its failure is one line
+        raise UserError(f"env.factory: {spec}(**env.kwargs) raised {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    env = instance
+    try:
+        kind = cfg.env.adapter if cfg.env.adapter != "auto" else adapters.detect(instance)
+        name = type(instance).__name__
+        fit = {"rlflow": [("reset", (row,), {}), ("step", ({"role": "assistant", "content": ""},), {})],
+               "trl": [("reset", (), row)],
+               "gymnasium": [("reset", (), {"seed": 0}), ("step", ("",), {})]}.get(kind, [])
+        for method, args, kw in fit:
+            fn = getattr(instance, method, None)
+            why = "it has none" if not callable(fn) else _binds(fn, *args, **kw)
+            if why is not None:
+                call = {"rlflow": {"reset": "reset(row)", "step": "step(message)"}, "trl": {"reset": "reset(**row)"},
+                        "gymnasium": {"reset": "reset(seed=...)", "step": "step(text)"}}[kind][method]
+                raise UserError(f"env.adapter: {kind}: {spec} made a {name}, whose {method} cannot be called as "
+                                f"{call} ({why})")
+        try:
+            env = environment(cfg, instance, row)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"env.adapter: {kind}: {spec} made a {name}, which the {kind} adapter cannot drive: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        tools = getattr(env, "tools", None) or []
+        if not isinstance(tools, list | tuple):
+            raise UserError(f"env.factory: {spec}: {name}.tools is a {type(tools).__name__}, not a list of functions")
+        for i, tool in enumerate(tools):
+            if not (inspect.isfunction(tool) or inspect.ismethod(tool)):
+                raise UserError(f"env.factory: {spec}: {name}.tools[{i}] is {tool!r}, not a function (the model "
+                                f"calls tools by name; each must be a Python function with a docstring)")
+        try:
+            tool_schemas(env)
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"env.factory: {spec}: {name}'s tools cannot be described to the model: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    finally:
+        close = getattr(env, "close", None) or getattr(instance, "close", None)
+        try:
+            if callable(close) and not inspect.iscoroutinefunction(close):
+                close()
+        except Exception:  # noqa: BLE001, S110 - a close that fails here says nothing about the run
+            pass
+
+
 def environment(cfg: Config, instance: Any, row: dict) -> Environment:
     """`instance` (what the factory made) driven by the protocol: itself, or through its adapter."""
     from tasks.envs import adapters

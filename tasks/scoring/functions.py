@@ -105,7 +105,7 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
         if columns is not None:
             check_signature(f"reward.functions[{i}].fn: {spec.fn}", getattr(module, attr),
                             {*TRL_KEYWORDS, *columns, *spec.kwargs, *(["environments"] if cfg.env.factory else [])},
-                            sorted(columns))
+                            sorted(columns), kwargs=spec.kwargs, kwargs_field=f"reward.functions[{i}].kwargs")
         names.append(attr)
     if len(set(names)) != len(names):
         raise UserError(f"reward.functions: two functions share a name ({names}); names key the scores")
@@ -121,13 +121,22 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
                            env_weight=cfg.env.reward_weight if cfg.env.episodic() else None, cfg=cfg)
 
 
-def check_signature(what: str, fn, available: set[str], columns: list[str]) -> None:
+def check_signature(what: str, fn, available: set[str], columns: list[str], kwargs: dict | None = None,
+                    kwargs_field: str = "kwargs") -> None:
     """One UserError line if `fn` cannot be called the way TRL calls it: a required argument that is neither
-    one of TRL's keywords nor a dataset column (nor a configured kwarg), or one that only takes a position."""
+    one of TRL's keywords nor a dataset column (nor a configured kwarg), or one that only takes a position; or
+    a configured keyword (`kwargs`) that it cannot take (no such parameter and no **kwargs), which the worker
+    would otherwise drop without a word."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return                                  # a builtin or C callable: nothing to read, it is tried at run time
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for key in kwargs or {}:
+            if key not in takes:
+                raise UserError(f"{kwargs_field}.{key}: {what.rsplit(': ', 1)[-1]} takes no argument {key!r} "
+                                f"(it takes {', '.join(takes) or 'none'}, and no **kwargs)")
     for p in params:
         if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
