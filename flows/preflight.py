@@ -98,8 +98,7 @@ def preflight(cfg: Config) -> None:
     if cfg.train.learner.offline():
         from tasks.engines.training import offline_rollouts
 
-        store = open_store(cfg)
-        check_offline_rollouts(store, offline_rollouts(cfg, store))  # no scored rollouts there: one line, exit 2
+        offline_rollouts(cfg, open_store(cfg))  # not scored rollouts, or a row with no reward: one line, exit 2
     remote = cfg.launcher.remote_stages()
     if any(cfg.launcher.mode_of(s) == "sky" for s in remote) and not cfg.store.uri.startswith("s3://"):
         raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "
@@ -136,22 +135,3 @@ def check_registered_model_name(cfg: Config) -> None:
                         f"{' '.join(e.message.split())}") from None
     if "@" in name:
         raise UserError(f"{field}: {name!r}: '@' would read as an alias in models:/NAME@ALIAS")
-
-
-def check_offline_rollouts(store, keys: list[str]) -> None:
-    """Each off-line rollouts folder is a reward stage's output (its manifest says how scoring went), not a
-    generate output whose rows have no reward yet, and every row of it has a reward: the learner would
-    otherwise train on rows with none."""
-    from tasks.core import rollout
-
-    field = "train.learner.offline_rollouts"
-    for key in keys:
-        if "errors" not in (store.manifest(key).get("meta") or {}):
-            raise UserError(f"{field}: {key}: unscored rollouts (a generate output) at {store.uri(key)}; expected "
-                            f"a rewards folder of this store, e.g. <run>/iter-000001/rewards")
-        records = rollout.load(store, key)
-        unscored = [i for i, r in enumerate(records) if r.reward is None]
-        if not records or unscored:
-            what = "no rows" if not records else (f"row {unscored[0]}" + (f" and {len(unscored) - 1} more" if
-                                                  len(unscored) > 1 else "") + f" of {len(records)} with reward null")
-            raise UserError(f"{field}: {key}: {what} at {store.uri(key)}; off-line rows must all be scored")

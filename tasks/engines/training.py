@@ -89,17 +89,28 @@ def episode_scores(learner: Learner, records: list[Rollout]) -> torch.Tensor:
 
 def offline_rollouts(cfg: Config, store: Store) -> list[str]:
     """The learner's off-line rollouts (train.learner.offline_rollouts), each checked to be a committed folder of
-    scored rollouts (one line if not)."""
+    scored rollouts: a reward stage's output (its manifest says how scoring went), not a generate output whose
+    rows have no reward yet, and every row with a reward (the learner would otherwise train on rows with none).
+    One line if not; the flow's preflight and the train stage (run by hand too) both check."""
     from tasks.core.errors import UserError
 
-    keys = cfg.train.learner.offline()
+    field = "train.learner.offline_rollouts"
+    keys = [key.strip("/") for key in cfg.train.learner.offline()]
     for key in keys:
-        manifest = store.manifest(key.strip("/"))
+        manifest = store.manifest(key)
         if manifest is None or rollout.FILE not in manifest["files"]:
-            raise UserError(f"train.learner.offline_rollouts: {key}: no scored rollouts at "
-                            f"{store.uri(key.strip('/'))} (expected a rewards folder of this store, e.g. "
-                            f"<run>/iter-000001/rewards)")
-    return [key.strip("/") for key in keys]
+            raise UserError(f"{field}: {key}: no scored rollouts at {store.uri(key)} (expected a rewards folder of "
+                            f"this store, e.g. <run>/iter-000001/rewards)")
+        if "errors" not in (manifest.get("meta") or {}):
+            raise UserError(f"{field}: {key}: unscored rollouts (a generate output) at {store.uri(key)}; expected "
+                            f"a rewards folder of this store, e.g. <run>/iter-000001/rewards")
+        records = rollout.load(store, key)
+        unscored = [i for i, r in enumerate(records) if r.reward is None]
+        if not records or unscored:
+            what = "no rows" if not records else (f"row {unscored[0]}" + (f" and {len(unscored) - 1} more" if
+                                                  len(unscored) > 1 else "") + f" of {len(records)} with reward null")
+            raise UserError(f"{field}: {key}: {what} at {store.uri(key)}; off-line rows must all be scored")
+    return keys
 
 
 def write_checkpoint(store: Store, cfg: Config, key: str, iteration: int, step: int, files: Callable[[Path], dict],
