@@ -111,10 +111,10 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
     if takes_tracking:
         ap.add_argument("--mlflow-run-id", default=None)
     args = ap.parse_args()
-    first = 0 if name == "evaluate" else 1        # (evaluate's iteration 0: the base model, eval.baseline)
+    # (evaluate's iteration 0: the base model, eval.baseline; `train finish` ignores it: sky/train.yaml passes 0)
+    first = 0 if name in ("evaluate", "train finish") else 1
     if args.iteration < first:
-        ap.error(f"argument --iteration: iterations start at {first}" + (" (the base model)" if first == 0 else "")
-                 + f", got {args.iteration}")
+        ap.error(f"argument --iteration: iterations start at {first}, got {args.iteration}")
     global _OWN_PROCESS
     _OWN_PROCESS = True
     quiet_progress_bars()
