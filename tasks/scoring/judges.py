@@ -61,10 +61,6 @@ class JudgeUnavailable(RuntimeError):
 # ------------------------------------------------------------------------------------------------ checks
 
 
-def where(spec: RewardModel) -> str:
-    return "url" if spec.url else spec.where
-
-
 def template_fields(spec: RewardModel) -> set[str]:
     return {f.split(".")[0].split("[")[0] for _, f, _, _ in string.Formatter().parse(spec.template or "") if f}
 
