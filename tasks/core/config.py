@@ -11,6 +11,7 @@ current directory.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -1130,7 +1131,9 @@ def reference_markdown() -> str:
 
     def table(prefix: str, model, tag: str = "") -> None:
         nested = []
-        lines.extend([f"## `{prefix}`{tag} — {model.__doc__.strip().splitlines()[0]}", "",
+        doc = " ".join(inspect.cleandoc(model.__doc__).split())
+        title, _, rest = doc.partition(". ")         # the first sentence heads the table; the rest, a paragraph
+        lines.extend([f"## `{prefix}`{tag} — {title.rstrip('.')}", "", *([rest, ""] if rest else []),
                       "| key | type | default | meaning |", "|---|---|---|---|"])
         for name, f in model.model_fields.items():
             if f.exclude:                    # a learner's tag: train.algorithm fills it in
