@@ -69,7 +69,7 @@ def test_learner_settings_written_flat_are_read_into_their_section(tmp_path, cap
 
 
 def test_docs_quote_config_files_as_they_are():
-    """A YAML block in the docs or the README whose first line names a file of configs/ (`# … (configs/x.yaml)`)
+    """A YAML block in the docs or the README whose first line names a file of configs/ in parentheses
     quotes that file: each of its settings is in the file, with the same value (issue 33: docs/operations.md
     cited a tuning key configs/spaces/tiny.yaml does not have). Every table heading of the generated reference
     is a whole sentence (its parentheses closed)."""

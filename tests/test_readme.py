@@ -1,5 +1,5 @@
 """The README's demo output is what the demos print (issue 33: the README said 0.852 where the demo printed
-0.865 on a user's machine). Each demo the README shows is run as its line says (`rlflow run configs/X.yaml`),
+0.865 on a user's machine). Each demo the README shows is run as its line says (`rlflow run` and its config),
 and each line of the README's block is found in what it printed:
 
 - the words and the integers as they are (iteration counts, model versions, policy names);
