@@ -2,19 +2,22 @@
 
     rlflow run CONFIG [-o key=value]... [--summary-json PATH]
     rlflow export CONFIG VERSION DIR [-o key=value]...    # a published policy as a folder from_pretrained loads
-    rlflow plan CONFIG [-o key=value]...      # every role's machines, counts, USD/hour: launches nothing
+    rlflow plan CONFIG [-o key=value]...      # run's preflight, then every role's machines, counts, USD/hour
     rlflow tune CONFIG --space SPACE.yaml --trials N [--parallel K]   # Optuna over config keys, a run per trial
 
 Exit codes: 0 success; 2 a user error (one line on stderr naming the field or row); 1 an internal error;
 130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM.
-Prefect runs without a server (ephemeral) unless PREFECT_API_URL is set; then the run shows in that UI.
+Prefect: a temporary API server the run starts and stops, unless PREFECT_API_URL names one (then the run shows
+in that UI).
 
 Stopping: Ctrl-C (SIGINT to the terminal's process group) or SIGTERM stops the run where it is (stage outputs
 are atomic: nothing half-written is visible): no stage starts or is retried after it, the flow ends its run
-(lease released, MLflow and Prefect runs marked), what this process started is stopped, and it exits 130 / 143
-with "interrupted at iteration N (stage); run the same command to resume". A second signal, or 10 s without an
-exit, ends it by force. Prefect's temporary API server runs in a session of its own (see
-_shield_prefect_server), so Ctrl-C does not kill it under the flow.
+(lease released, MLflow and Prefect runs marked), what this process started is stopped, and it exits 130 / 143.
+It says "interrupted at iteration N (stage): stopping" at the signal, then (after whatever the stop itself prints)
+"stopped: <what is kept>; run the same command to resume". A second signal, or 10 s without an exit, ends it by
+force. After `done:` a stop signal is not an interruption: the run's result is complete, so it exits 0, saying
+what of the tidying up it left undone (_stop_after_done). Prefect's temporary API server runs in a session of
+its own (see _shield_prefect_server), so Ctrl-C does not kill it under the flow.
 """
 
 from __future__ import annotations
@@ -65,30 +68,40 @@ def check_path(flag: str, path: str | Path, want: str) -> None:
         raise UserError(f"{flag}: {path}: {probe} is a file, not a folder")
 
 
-def cmd_run(args) -> int:
+def checked_config(args):
+    """The config of `rlflow run` / `rlflow plan`, through the one preflight both share (flows/preflight.py:
+    everything `rlflow run` checks before it starts Prefect's server, takes the lease or writes a byte): a
+    config run refuses, plan refuses with the same line. Returns (cfg, overrides)."""
     from tasks.core.config import load_config
     from tasks.core.stage import parse_overrides_json
 
     overrides = parse_overrides_json(args.overrides_json) + args.override
-    if args.summary_json:
-        check_path("--summary-json", args.summary_json, "file")
     cfg = load_config(args.config, overrides)       # a bad config is one line and exit 2, before Prefect starts
     _quiet_prefect()
-    if os.getcwd() not in sys.path:
+    if os.getcwd() not in sys.path:                 # (reward functions and environments of the working directory)
         sys.path.insert(0, os.getcwd())
-    from flows.training import preflight, train_flow
-
     if cfg.train.engine != "deepspeed":   # (accelerate imports deepspeed to unwrap a model; it would warn)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    temporary_server = not os.environ.get("PREFECT_API_URL")
-    if temporary_server:
-        _shield_prefect_server()    # (imports Prefect's server, ~3 s: only for the temporary one)
+    from flows.preflight import preflight
+
     preflight(cfg)                  # every input mistake, before Prefect's server starts (the flow checks again)
-    if temporary_server:
+    return cfg, overrides
+
+
+def cmd_run(args) -> int:
+    if args.summary_json:
+        check_path("--summary-json", args.summary_json, "file")
+    cfg, overrides = checked_config(args)
+    from flows.training import train_flow
+
+    if not os.environ.get("PREFECT_API_URL"):
+        _shield_prefect_server()    # (imports Prefect's server, ~3 s: only for the temporary one)
         print("starting Prefect's temporary API server (no PREFECT_API_URL set; ~5-15 s, once per run)",
               file=sys.stderr, flush=True)
 
+    _run_cfg.append(cfg)
     summary = train_flow(args.config, overrides)
+    _finished.append(SUMMARY)       # the run's result is complete: a stop from here on is not an interruption
     public = {k: summary[k] for k in ("run", "iterations_completed", "reward_mean", "policy_uri", "mlflow_run_id",
                                       "held_out")}
     if args.summary_json:
@@ -96,7 +109,11 @@ def cmd_run(args) -> int:
         Path(args.summary_json).write_text(json.dumps(public, indent=2))
     print(f"\ndone: {summary['iterations_completed']} iterations, mean reward "
           f"{summary['reward_mean'][0]:.3f} -> {summary['reward_mean'][-1]:.3f}")
-    print(f"  MLflow run:       {summary['mlflow']}")
+    print(f"  MLflow run:       {summary['mlflow']}")          # (a server: its metric charts)
+    if summary.get("mlflow_runs"):
+        print(f"  MLflow runs:      {summary['mlflow_runs']}")     # (the runs list, reward/eval columns)
+    if summary.get("mlflow_view"):
+        print(f"  view it with:     {summary['mlflow_view']}")     # (a database or folder: from any directory)
     print(f"  published policy: {summary['policy_uri']}" +
           (f" (model version {summary['model_version']})" if summary.get("model_version") else ""))
     if summary.get("best_policy"):
@@ -145,11 +162,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    cfg, _ = checked_config(args)              # what `rlflow run` would refuse, refused here with the same line
     from flows.plan import plan
-    from tasks.core.config import load_config
-    from tasks.core.stage import parse_overrides_json
 
-    cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
     print(plan(cfg, args.config))
     return 0
 
@@ -177,6 +192,13 @@ def _mlflow_policy(cfg, store, uri: str) -> str:
 
 STOP_GRACE_SECONDS = 10.0
 _stopped_by: list[int] = []
+_run_cfg: list = []              # the run's config (what an interrupted run reads its newest policy from)
+# After the flow returned (the run's result complete: store, MLflow run, its end), what this process is still
+# doing; a stop signal then ends it with exit code 0 and says what was left undone (_stop_after_done).
+_finished: list[str] = []
+SUMMARY = "printing the summary"
+LAST_LOGS = "sending the flow's last logs and events to Prefect's API (its UI may lack them)"
+EXITING = "nothing (only this process's own exit)"
 
 
 def _stop_on_signals() -> None:
@@ -200,12 +222,17 @@ def _stop_on_signals() -> None:
         STOP.set()
         if len(_stopped_by) > 1:
             _exit_now("stopped by a second signal")
+        _say(f"\ninterrupted at {_where()}: stopping (no stage starts after this one; what it had not committed "
+             f"is redone when the run resumes)\n")
         timer = threading.Timer(STOP_GRACE_SECONDS, _exit_now,
                                 args=(f"the run did not stop within {STOP_GRACE_SECONDS:g} s; ended it",))
         timer.daemon = True
         timer.start()
 
     def on_signal(signum, _frame):
+        if _finished:
+            _stop_after_done(signum)
+            return
         if resent:
             resent.clear()
         else:
@@ -243,17 +270,92 @@ def _end_children(sig: int) -> None:
             pass
 
 
-def _interrupted() -> int:
-    """After a stop signal has unwound the flow (its run ended, lease released): say where it stopped, stop what
-    this process started and still runs, exit at once (threads of stages of later iterations included: what
-    they had not committed is not visible, and the resumed run redoes it)."""
-    from flows.training import NOW
+def _say(text: str) -> None:
+    """A line on stderr from a signal handler: one write(2), no buffer that the interrupted code may hold."""
+    try:
+        sys.stdout.flush()           # (what was printed before the signal comes first)
+    except (RuntimeError, ValueError, OSError):
+        pass                         # (the handler interrupted a write to stdout: that line comes later)
+    os.write(2, text.encode())
 
-    where = f"iteration {NOW['iteration']} ({NOW['stage']})" if NOW else "start-up"
-    print(f"\ninterrupted at {where}; run the same command to resume", file=sys.stderr, flush=True)
+
+def _where() -> str:
+    """Where the flow's loop is (flows/training.py: NOW); read without importing (safe in a signal handler)."""
+    now = getattr(sys.modules.get("flows.training"), "NOW", None)
+    return f"iteration {now['iteration']} ({now['stage']})" if now else "start-up"
+
+
+def _kept() -> str:
+    """What the stopped run keeps: its newest published policy, read from the store."""
+    if not _run_cfg:
+        return "nothing of the run had started"
+    try:
+        from tasks.core import layout
+        from tasks.core.store import open_store
+
+        cfg = _run_cfg[0]
+        store = open_store(cfg)
+        latest = store.get_pointer(layout.latest(cfg.run.name, "policy"))
+    except Exception as e:  # noqa: BLE001 - the stop's own message must not fail
+        return f"every committed output is kept (the store could not be read now: {type(e).__name__})"
+    if latest is None:
+        return "every committed output is kept (no policy published yet)"
+    return f"every committed output is kept, the newest policy {store.uri(latest)}"
+
+
+def _interrupted() -> int:
+    """After a stop signal has unwound the flow (its run ended, lease released; the resident trainer's full
+    checkpoint written): stop what this process started and still runs, say what is kept and how to resume (the
+    "interrupted at" line came at the signal: note), exit at once (threads of stages of later iterations
+    included: what they had not committed is not visible, and the resumed run redoes it)."""
+    print(f"stopped: {_kept()}; run the same command to resume", file=sys.stderr, flush=True)
     _end_children(signal.SIGTERM)
     sys.stdout.flush()
     os._exit(128 + (_stopped_by[0] if _stopped_by else signal.SIGINT))
+
+
+def _stop_after_done(signum: int) -> None:
+    """A stop signal after the run finished (its result complete: `done:` is printed or being printed): exit 0,
+    since the run did all it was asked, saying what of the tidying up was left undone. While the summary is
+    printed (milliseconds) the stop waits for it (main calls this again)."""
+    if _finished[-1] == SUMMARY:
+        _stopped_by.append(signum)
+        return
+    name = signal.Signals(signum).name
+    _say(f"\nrlflow: {name} after the run had finished (done: above; its store, MLflow run and summary are "
+         f"complete); left undone: {_finished[-1]}; exit code 0\n")
+    _end_children(signal.SIGTERM)
+    os._exit(0)
+
+
+def _tidy_up() -> None:
+    """After `done:`: the flow's last logs and events sent to Prefect's API here, not in the exit's atexit
+    handlers, so that a stop meanwhile can say what it left undone."""
+    _finished.append(LAST_LOGS)
+    if _stopped_by:
+        _stop_after_done(_stopped_by[0])
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    EventsWorker.drain_all(timeout=10)
+    _finished.append(EXITING)
+
+
+def _exit_after_done(code: int) -> None:
+    """The end of a finished `rlflow run`: what Python's exit runs in Python (other threads joined, the atexit
+    handlers: Prefect's temporary server stopped), then os._exit. The interpreter's teardown after that (~2 s of
+    freeing torch's and the others' modules, on 2 cores) runs no signal handler: a Ctrl-C there ended the process
+    by SIGINT (130) without a word; skipped, it cannot happen."""
+    import atexit
+
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_tune(args) -> int:
@@ -382,9 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                      help="dotted config override, e.g. -o run.name=other (repeatable)")
     exp.add_argument("--overrides-json", default="[]", metavar="JSON")
-    pl = sub.add_parser("plan", help="print every role's machines (stages, generate replicas, trainer nodes, env "
-                        "servers), their counts, spot or not, SkyPilot's catalog price per hour and the total, the "
-                        "store and the tracking URI; launches and writes nothing")
+    pl = sub.add_parser("plan", help="check the config as `rlflow run` does (the same preflight: what run refuses, "
+                        "plan refuses), then print every role's machines (stages, generate replicas, trainer nodes, "
+                        "env servers), their counts, spot or not, SkyPilot's catalog price per hour and the total, "
+                        "the store and the tracking URI; launches nothing and writes nothing to the store")
     pl.add_argument("config", help="YAML config")
     pl.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                     help="dotted config override (repeatable)")
@@ -394,11 +497,14 @@ def main(argv: list[str] | None = None) -> int:
         _stop_on_signals()
     try:
         code = {"run": cmd_run, "export": cmd_export, "plan": cmd_plan, "tune": cmd_tune}[args.command](args)
-        if _stopped_by:
+        if _finished:
+            _tidy_up()
+            _exit_after_done(code)
+        elif _stopped_by:
             _interrupted()
         return code
     except BaseException as e:  # noqa: BLE001 - the exit code contract is decided here
-        if _stopped_by:          # whatever the interrupt turned into on its way up (Prefect's crash handling)
+        if _stopped_by and not _finished:   # what the interrupt turned into on its way up (Prefect's crash handling)
             _interrupted()
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

@@ -1,14 +1,19 @@
-"""What a person watching a run sees: a progress line per iteration on the terminal, and the Prefect dashboard's
-artifacts (a report, a samples table and links) for the flow run."""
+"""What a person watching a run sees: a progress line per iteration on the terminal, and in the Prefect dashboard
+one artifact per flow run, the run's report (`<run>-report`): made when the run starts (links to MLflow and the
+store) and updated in place every `tracking.dashboard_every` iterations and after the last, so the flow run's
+Artifacts tab holds one card, the latest report, and the key's page one version per flow run (each start or
+resume). The report: the reward per iteration (a sparkline of the run, a table of the newest iterations with a bar
+each), the latest iteration's metrics, stage times and cost, and a few samples."""
 
 from __future__ import annotations
 
 import re
 from typing import TYPE_CHECKING
 
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact
 
 from tasks.core.config import STAGES
+from tasks.core.tracking import readable_prompt
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -51,42 +56,123 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:60] or "run"
 
 
-def post_mlflow_link(cfg: Config, url: str) -> None:
-    """The MLflow run, once per flow run: a link to click for a tracking server; for a database or folder
-    (nothing a browser can open) the command that shows it."""
-    key = f"{slug(cfg.run.name)}-mlflow"
-    if url.startswith(("http://", "https://")):
-        create_link_artifact(key=key, link=url.split(" ")[0], link_text="MLflow run",
-                             description="metrics, samples, model versions")
-        return
-    uri = cfg.tracking.uri
-    create_markdown_artifact(key=key, description="metrics, samples, model versions", markdown=(
-        f"### MLflow run of {cfg.run.name}\n\nTracked in `{uri}` (no server): to see it, run where the run ran\n\n"
-        f"```\nmlflow ui --backend-store-uri {uri}\n```\n\nthen open http://127.0.0.1:5000 — {url}"))
+TREND_ROWS = 10        # newest iterations in the report's table (the sparkline has them all)
+SPARK_POINTS = 60      # a longer run's sparkline shows bucket means
+BAR_WIDTH = 20         # the table's bar at the run's highest reward
+BLOCKS = "▁▂▃▄▅▆▇█"
+SAMPLES_SHOWN = 4      # of tracking.sample_completions (MLflow's samples table has them all)
 
 
-def post_iteration(cfg: Config, it: int, metrics: dict, samples: list[dict], policy_uri: str) -> None:
-    """The iteration as the Prefect dashboard shows it: a report, a samples table, links."""
-    key = slug(cfg.run.name)
-    rows = [("reward (mean)", "reward/mean"), ("loss", "train/loss"), ("KL to reference", "train/kl_ref"),
-            ("mismatch KL", "train/mismatch_kl"), ("clip region", "train/clip_region"),
-            ("completion length", "generate/completion_length"), (cfg.eval.metric_key(), cfg.eval.metric_key())]
-    lines = [f"### {cfg.run.name} — iteration {it}/{cfg.run.iterations}", "", "| metric | value |", "|---|---:|"]
-    lines += [f"| {label} | {metrics[k]:.4g} |" for label, k in rows if k in metrics]
-    lines += ["", "| stage | seconds | cost (USD) |", "|---|---:|---:|"]
-    def usd(key: str) -> str:
-        return f"{metrics[key]:.4f}" if key in metrics else "—"
+class Report:
+    """The flow run's `<run>-report` artifact. `record` each iteration (the trend, in memory), `post` when the
+    dashboard is due: the artifact is updated in place (Prefect's PATCH), never a new card per iteration."""
 
-    for stage in STAGES:
-        if f"time/{stage}_seconds" in metrics:
-            lines.append(f"| {stage} | {metrics[f'time/{stage}_seconds']:.2f} | {usd(f'cost/{stage}_usd')} |")
-    lines.append(f"| **iteration** | {metrics['iteration/seconds']:.2f} | {usd('cost/iteration_usd')} |")
-    cost = (f"Run cost so far: **{metrics['cost_usd']:.4f} USD**." if "cost_usd" in metrics else
-            "Run cost: no price known (cost.hourly_usd, or the price of the machines the sky launcher launched).")
-    lines += ["", f"{cost} Policy: `{policy_uri}`"]
-    create_markdown_artifact(key=f"{key}-report", markdown="\n".join(lines), description=f"iteration {it}")
-    table = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()} for s in samples]
-    if table:
-        create_table_artifact(key=f"{key}-samples", table=table, description=f"sample completions, iteration {it}")
-    create_link_artifact(key=f"{key}-policy", link=policy_uri, link_text=f"policy v{it}",
-                         description=f"published policy, iteration {it}")
+    def __init__(self, cfg: Config, links: dict, store_uri: str):
+        self.cfg, self.links, self.store_uri = cfg, links, store_uri
+        self.key = f"{slug(cfg.run.name)}-report"
+        self.trend: dict[int, dict[str, float]] = {}
+        self.posted: int | None = None         # the iteration the report shows
+        self.id = create_markdown_artifact(key=self.key, markdown=self._markdown(None),
+                                           description=self._described(None))
+
+    def record(self, it: int, metrics: dict) -> None:
+        keep = ("reward/mean", "train/loss", self.cfg.eval.metric_key())
+        self.trend.setdefault(it, {}).update({k: float(metrics[k]) for k in keep if k in metrics})
+
+    def post(self, it: int, metrics: dict, samples: list[dict], policy_uri: str) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import ArtifactUpdate
+
+        self.record(it, metrics)
+        self.posted = it
+        with get_client(sync_client=True) as client:
+            client.update_artifact(self.id, ArtifactUpdate(
+                data=self._markdown((it, metrics, samples, policy_uri)), description=self._described(it)))
+
+    def _described(self, it: int | None) -> str:
+        reward = self.trend.get(it or 0, {}).get("reward/mean")
+        where = (f"iteration {it}/{self.cfg.run.iterations}" + (f", reward {reward:.3f}" if reward is not None else "")
+                 if it else "starting")
+        return (f"{where}: rlflow run {self.cfg.run.name}'s report, updated in place (reward per iteration, the "
+                f"latest iteration's metrics, stage times and cost, samples, links to MLflow and the store)")
+
+    def _markdown(self, latest: tuple | None) -> str:
+        cfg = self.cfg
+        it = latest[0] if latest else None
+        lines = [f"## {cfg.run.name} — " + (f"iteration {it}/{cfg.run.iterations}" if it else
+                                             f"starting ({cfg.run.iterations} iterations)"), ""]
+        if self.links.get("runs"):
+            lines.append(f"[MLflow run]({self.links['run']}) (its metric charts) · [all runs]({self.links['runs']})")
+        else:
+            lines += [f"MLflow: `{self.links['run']}`; to see it, where the run ran:", "",
+                      f"```\n{self.links['view']}\n```"]
+        lines += ["", f"Store: `{self.store_uri}`" + (f" · latest policy: `{latest[3]}`" if latest else "")]
+        lines += self._trend()
+        if latest:
+            lines += self._iteration(*latest)
+        return "\n".join(lines)
+
+    def _trend(self) -> list[str]:
+        """The reward per iteration: a sparkline of the whole run and a table of the newest iterations with a bar
+        each (text: any markdown view draws it, Prefect's old UI and new)."""
+        rewards = [(i, m["reward/mean"]) for i, m in sorted(self.trend.items()) if "reward/mean" in m]
+        if not rewards:
+            return []
+        step = -(-len(rewards) // SPARK_POINTS)           # (ceil: at most SPARK_POINTS bucket means)
+        points = [sum(v for _, v in rewards[k:k + step]) / len(rewards[k:k + step])
+                  for k in range(0, len(rewards), step)]
+        low, high = min(v for _, v in rewards), max(v for _, v in rewards)
+
+        def level(v: float, top: int, base: float) -> int:
+            return round((v - base) / (high - base) * top) if high > base else top // 2
+
+        spark = "".join(BLOCKS[level(v, len(BLOCKS) - 1, low)] for v in points)        # (lowest to highest)
+        eval_key = self.cfg.eval.metric_key()
+        lines = ["", "### Reward per iteration", "",
+                 f"`{spark}` {rewards[0][1]:.3f} → {rewards[-1][1]:.3f} (iterations {rewards[0][0]}–{rewards[-1][0]}"
+                 + (f", {step} per mark" if step > 1 else "") + f"; lowest {low:.3f}, highest {high:.3f})", "",
+                 f"| iteration | reward (mean) | | loss | {eval_key} |", "|---:|---:|:---|---:|---:|"]
+        for i, m in sorted(self.trend.items(), reverse=True)[:TREND_ROWS]:
+            bar = "█" * level(m["reward/mean"], BAR_WIDTH, min(low, 0.0)) if "reward/mean" in m else ""   # (from 0)
+            cells = [f"{m[k]:.4g}" if k in m else "" for k in ("reward/mean", "train/loss", eval_key)]
+            lines.append(f"| {i} | {cells[0]} | `{bar or '·'}` | {cells[1]} | {cells[2]} |")
+        return lines
+
+    def _iteration(self, it: int, metrics: dict, samples: list[dict], policy_uri: str) -> list[str]:
+        cfg = self.cfg
+        rows = [("reward (mean)", "reward/mean"), ("loss", "train/loss"), ("KL to reference", "train/kl_ref"),
+                ("mismatch KL", "train/mismatch_kl"), ("clip region", "train/clip_region"),
+                ("completion length", "generate/completion_length"), (cfg.eval.metric_key(), cfg.eval.metric_key())]
+        lines = ["", f"### Iteration {it}", "", "| metric | value |", "|---|---:|"]
+        lines += [f"| {label} | {metrics[k]:.4g} |" for label, k in rows if k in metrics]
+        lines += ["", "| stage | seconds | cost (USD) |", "|---|---:|---:|"]
+
+        def usd(key: str) -> str:
+            return f"{metrics[key]:.4f}" if key in metrics else "—"
+
+        for stage in STAGES:
+            if f"time/{stage}_seconds" in metrics:
+                lines.append(f"| {stage} | {metrics[f'time/{stage}_seconds']:.2f} | {usd(f'cost/{stage}_usd')} |")
+        if "iteration/seconds" in metrics:
+            lines.append(f"| **iteration** | {metrics['iteration/seconds']:.2f} | {usd('cost/iteration_usd')} |")
+        lines += ["", f"Run cost so far: **{metrics['cost_usd']:.4f} USD**." if "cost_usd" in metrics else
+                  "Run cost: no price known (cost.hourly_usd, or the price of the machines the sky launcher "
+                  "launched)."]
+        if samples:
+            shown = samples[:SAMPLES_SHOWN]
+            rewards = [k for k in shown[0] if k.startswith("reward")]
+            lines += ["", f"### Samples of iteration {it} ({len(shown)} of {len(samples)}; all of them in MLflow)", "",
+                      "| prompt | completion | " + " | ".join(rewards) + " |", "|---|---|" + "---:|" * len(rewards)]
+            for s in shown:
+                values = [f"{s[k]:.4g}" if isinstance(s.get(k), float) else _cell(s.get(k)) for k in rewards]
+                lines.append(f"| {_cell(readable_prompt(s.get('prompt')))} | {_cell(s.get('completion'), 600)} | "
+                             + " | ".join(values) + " |")
+        return lines
+
+
+def _cell(value, limit: int = 400) -> str:
+    """Text in a markdown table cell: its own lines kept (<br>), nothing read as markup, long text cut."""
+    text = "" if value is None else str(value)
+    text = text if len(text) <= limit else text[:limit] + " …"
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+    return text.replace("\r", "").replace("\n", "<br>")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from tasks.core.errors import UserError, user_error_in
-from tasks.core.paths import sibling_python
+from tasks.core.paths import REPO_ROOT, sibling_python
 from tasks.core.process_wide import rlflow_first
 from tasks.core.processes import stream
 from tasks.core.store import CorruptArtifact
@@ -53,10 +53,21 @@ class Ran:
     hourly_usd: float | None = None     # price of the machine it ran on, when known
 
 
+def recipes_folder(cfg: Config) -> Path:
+    """launcher.recipes as a folder. A relative one is the folder of that name in the working directory (a project
+    of your own, run from its root) if there is one, else in the checkout rlflow runs from (REPO_ROOT: its sky/):
+    `rlflow plan` and the `local` launcher find the recipes from any directory."""
+    folder = Path(cfg.launcher.recipes).expanduser()
+    return folder if folder.is_absolute() or folder.is_dir() else REPO_ROOT / folder
+
+
 def recipe_path(cfg: Config, stage: str) -> Path:
-    path = Path(cfg.launcher.recipes) / f"{stage}.yaml"
+    """<launcher.recipes>/<stage>.yaml (recipes_folder), parsed (check_recipe)."""
+    path = recipes_folder(cfg) / f"{stage}.yaml"
     if not path.is_file():
-        raise UserError(f"launcher.recipes: no recipe {path} for stage {stage!r} (run from the repository root)")
+        folder = Path(cfg.launcher.recipes).expanduser()
+        looked = folder if folder.is_absolute() else f"{folder.absolute()} or {REPO_ROOT / folder}"
+        raise UserError(f"launcher.recipes: no recipe {path} for stage {stage!r} (recipes folder: {looked})")
     check_recipe(path)
     return path
 

@@ -8,8 +8,16 @@ launched; a cluster of N nodes costs N x one node), `cost.hourly_usd` for the ot
 machines: the generate replicas (generate.replicas: N clusters of sky/replica.yaml, or N processes here), the
 environment servers (env.servers), each N x one machine; the reward models' judge servers (reward.models); and the
 total USD/hour of everything on SkyPilot.
-Then the store, the MLflow tracking URI and the Prefect API. It reads the config and the recipes only: no
-store, lease or MLflow run is touched.
+Then the store, the MLflow tracking URI and the Prefect API.
+
+`rlflow plan` first runs the preflight `rlflow run` runs (flows/cli.py: checked_config, flows/preflight.py), so
+a config run refuses is refused here with the same line and exit 2. All of it, nothing left out: it only reads
+and asks (the store must be reachable, as for the run, but the run's folder need not exist; URLs of judges and
+environment servers must answer), imports the user's reward functions and environment factory (their module
+code runs, as in the run), builds one environment and closes it, and writes only to the local caches (a
+`builtin:` model built, a Hub tokenizer downloaded). What run does after its preflight, plan does not: no lease,
+no Prefect server, no MLflow run, no cluster, nothing written to the store. plan() itself reads the config,
+the recipes and SkyPilot's catalog.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
     preflight(cfg)        # raises UserError (one line naming the field, exit 2) or returns; writes nothing
 
-The CLI calls it before Prefect's server starts (a mistake costs no start-up), the flow again at its start (a
+The CLI calls it before Prefect's server starts (a mistake costs no start-up; flows/cli.py: checked_config, for
+`rlflow run` and `rlflow plan` alike, so plan refuses what run refuses), the flow again at its start (a
 deployment's run has no CLI in front of it). It reaches into every layer a run will use (the store, the
 datasets and reward functions, the environment factory or server, the model's tokenizer, the sandbox, the
 engines, the launcher's recipes), which is why it is a module of its own and not part of the loop.
@@ -10,13 +11,16 @@ engines, the launcher's recipes), which is why it is a module of its own and not
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from flows.launch import recipe_path
+from flows.launch import recipe_path, recipes_folder
 from tasks.core.config import Config
 from tasks.core.data import load_prompts
 from tasks.core.errors import UserError
 from tasks.core.models import base_path, check_lora_targets, load_tokenizer
+from tasks.core.paths import REPO_ROOT
 from tasks.core.store import open_store
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.training import training_engine
@@ -103,14 +107,18 @@ def preflight(cfg: Config) -> None:
     if any(cfg.launcher.mode_of(s) == "sky" for s in remote) and not cfg.store.uri.startswith("s3://"):
         raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "
                         f"(s3://...), not a local folder")
-    for stage in remote:
-        recipe_path(cfg, stage)
-    if cfg.env.factory and cfg.env.where == "sky" and cfg.env.server_url is None:
-        recipe_path(cfg, "env")
-    if cfg.generate.replicas and cfg.launcher.mode_of("generate") == "sky":
-        recipe_path(cfg, "replica")          # (each recipe parsed: one line naming the file and line)
-    if any(m.url is None and m.where == "sky" for m in cfg.reward.models):
-        recipe_path(cfg, "judge")
+    served = [role for role, on_sky in (
+        ("env", cfg.env.factory and cfg.env.where == "sky" and cfg.env.server_url is None),
+        ("replica", cfg.generate.replicas and cfg.launcher.mode_of("generate") == "sky"),
+        ("judge", any(m.url is None and m.where == "sky" for m in cfg.reward.models))) if on_sky]
+    if (served or any(cfg.launcher.mode_of(s) == "sky" for s in remote)) and \
+            recipes_folder(cfg) != Path(cfg.launcher.recipes).expanduser():
+        # (found in the checkout, not here: fine for the `local` launcher, which runs on this machine)
+        raise UserError(f"launcher.recipes: {cfg.launcher.recipes} is not a folder of the working directory "
+                        f"({Path.cwd()}): the sky recipes send their workdir `.`, the working directory, to the "
+                        f"clusters, which must be the project that holds them; run from {REPO_ROOT}")
+    for stage in remote + served:
+        recipe_path(cfg, stage)              # (each recipe parsed: one line naming the file and line)
 
 
 def check_registered_model_name(cfg: Config) -> None:

@@ -21,8 +21,9 @@ Read top to bottom:
   5. every `eval.every` iterations the published policy is scored on held-out prompts (with eval.baseline the
      starting model too, first); policy/BEST and the MLflow alias `champion` follow the best of them that
      beats the starting model;
-  6. metrics (with cost) of each iteration are logged once; the Prefect dashboard gets a report, a samples
-     table and links per iteration (flows/dashboard.py);
+  6. metrics (with cost) of each iteration are logged once; the flow run (named after the rlflow run) has one
+     Prefect artifact, the run's report, updated in place every tracking.dashboard_every iterations
+     (flows/dashboard.py);
   7. at the end: reward curve plot, clusters torn down, the vLLM server stopped, lease released, summary.
 Stages meet only in the store; this file passes keys, never tensors.
 """
@@ -30,6 +31,7 @@ Stages meet only in the store; this file passes keys, never tensors.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from datetime import datetime, timezone
@@ -40,7 +42,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from flows.dashboard import Progress, post_iteration, post_mlflow_link
+from flows.dashboard import Progress, Report
 from flows.launch import InfraError, Launchers, stage_env
 from flows.preflight import preflight
 from flows.repair import OUTPUT_KEY, Repair, retryable
@@ -133,12 +135,29 @@ def _held_out_line(cfg: Config, metrics: dict) -> str:
     return " ".join(f"{name} {metrics[key]:.3f}" for name, key in shown if key in metrics)
 
 
+# The names Prefect makes up for a flow run: two words of letters joined by a dash (`sleek-bison` from the server,
+# `Sleek-Bison` suggested by the dashboard's run form). Only those are replaced by the run's name.
+PREFECT_MADE_NAME = re.compile(r"[a-z]+-[a-z]+|[A-Z][a-z]*-[A-Z][A-Za-z ]*")
+
+
+def _run_name(name: str, suffix: str) -> str:
+    """run.name as this flow run uses it: with run_name_suffix `date`, today's UTC date appended."""
+    return f"{name}-{datetime.now(timezone.utc):%Y%m%d}" if suffix == "date" else name
+
+
 def _flow_run_name() -> str:
+    """The flow run is named after the rlflow run (run.name, dated under run_name_suffix: date) whichever way it
+    started (`rlflow run`, a deployment, its schedule), unless it was given a name of its own when it was made."""
     from prefect.runtime import flow_run
 
+    if flow_run.name and not PREFECT_MADE_NAME.fullmatch(flow_run.name):
+        return flow_run.name
     params = flow_run.parameters
-    return f"{Path(params.get('config', 'run')).stem}" + (f" {' '.join(params['overrides'])}"
-                                                         if params.get("overrides") else "")
+    try:
+        cfg = load_config(params["config"], list(params.get("overrides") or []))
+    except Exception:  # noqa: BLE001 - the flow itself refuses the config, with the line that says why
+        return Path(str(params.get("config", "run"))).stem
+    return _run_name(cfg.run.name, params.get("run_name_suffix", "none"))
 
 
 @flow(name="rlflow-train", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
@@ -158,7 +177,7 @@ def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_n
     cfg = load_config(config, overrides)
     if run_name_suffix == "date":
         base_name = cfg.run.name
-        overrides.append(f"run.name={base_name}-{datetime.now(timezone.utc):%Y%m%d}")
+        overrides.append(f"run.name={_run_name(base_name, run_name_suffix)}")
         if cfg.publish.registered_model_name is None:    # all nights share one registered model (and champion)
             overrides.append(f"publish.registered_model_name={base_name}")
         cfg = load_config(config, overrides)
@@ -260,8 +279,8 @@ def _iterations(ctx: Run, log) -> dict:
     run_id = tracker.start()
     already_logged = tracker.last_logged_iteration()
     cost_so_far = tracker.last_value("cost_usd")
-    mlflow_url = tracker.run_url()
-    post_mlflow_link(cfg, mlflow_url)
+    links = tracker.links()
+    report = Report(cfg, links, store.uri(cfg.run.name))
     log.info("run %s: store %s, MLflow run %s", cfg.run.name, store.uri(cfg.run.name), run_id)
     stage = Repair(run_stage.with_options(retries=cfg.launcher.retries, retry_condition_fn=retryable,
                                           retry_delay_seconds=exponential_backoff(cfg.launcher.retry_backoff_seconds)
@@ -293,6 +312,7 @@ def _iterations(ctx: Run, log) -> dict:
             progress.note(f"base model: held-out {_held_out_line(cfg, e['metrics'])}")
         for it in range(1, done + 1):
             reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
+            report.record(it, {"reward/mean": reward_means[-1]})
         warm = _trainer_to_warm(cfg)
         for it in range(done + 1, cfg.run.iterations + 1):
             t0 = time.perf_counter()
@@ -311,6 +331,7 @@ def _iterations(ctx: Run, log) -> dict:
                 NOW.update(stage="evaluate")
                 e = stage("evaluate", it, ctx)
             reward_means.append(r["metrics"]["reward/mean"])
+            report.record(it, {**r["metrics"], **t["metrics"], **e["metrics"]})
             if it > already_logged:
                 metrics = {**g["metrics"], **r["metrics"], **t["metrics"], **p["metrics"], **e["metrics"],
                            "iteration/seconds": time.perf_counter() - t0}
@@ -322,7 +343,7 @@ def _iterations(ctx: Run, log) -> dict:
                 tracker.log_iteration(it, metrics, r["samples"], policy_uri=p["uri"])
                 every = cfg.tracking.dashboard_every
                 if (every and it % every == 0) or it == cfg.run.iterations:
-                    post_iteration(cfg, it, metrics, r["samples"], p["uri"])
+                    report.post(it, metrics, r["samples"], p["uri"])
                 failed = sum(v for k, v in r["metrics"].items() if k.startswith("reward/") and k.endswith("/errors"))
                 progress.line(f"iter {it:>4}/{cfg.run.iterations}  reward {r['metrics']['reward/mean']:.3f}  "
                               f"loss {t['metrics']['train/loss']:+.4f}  {time.perf_counter() - t0:5.2f}s"
@@ -339,6 +360,9 @@ def _iterations(ctx: Run, log) -> dict:
         raise
     finally:
         progress.close()
+    if report.posted != cfg.run.iterations:     # (a complete run checked again: its report shows its end too)
+        report.post(cfg.run.iterations, {**g["metrics"], **r["metrics"], **t["metrics"], **p["metrics"],
+                                         **e["metrics"]}, r["samples"], p["uri"])
     tracker.drain()
     curve = tracker.log_reward_curve(reward_means, Path("rlflow-runs") / cfg.run.name)
     tracker.finish()
@@ -348,7 +372,9 @@ def _iterations(ctx: Run, log) -> dict:
         "reward_mean": reward_means,
         "policy_uri": published["uri"],
         "mlflow_run_id": run_id,
-        "mlflow": mlflow_url,
+        "mlflow": links["run"],
+        "mlflow_runs": links["runs"],              # (a tracking server: the runs list in rlflow's shared view)
+        "mlflow_view": links["view"],              # (a database or folder: the command that shows it)
         "model_version": tracker.model_version(published["uri"]),
         "best_policy": store.get_pointer(layout.best(cfg.run.name)),
         "held_out": _held_out(cfg, store),

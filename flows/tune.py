@@ -19,8 +19,10 @@ each trial a real rlflow run (docs/operations.md#tuning).
 - The study lives in a database (`--storage`, default sqlite in `--out`), so a killed tune, run again, goes on:
   finished trials are not repeated, and a trial that was running is run again with the same values, so its
   rlflow run resumes from the store where it stopped.
-- MLflow: one parent run for the study, a child run per trial (its values, reported metric per iteration,
-  state, the trial's own run name); the best config is written as YAML ready for `rlflow run` (`--out`).
+- MLflow: one parent run for the study and, nested under it, each trial's own rlflow run (one MLflow run per
+  trial: the tune makes it before the trial starts, the trial finds it by run name and store and logs into it;
+  the tune adds the trial's number, its value `tune/value` and its state); the best config is written as YAML
+  ready for `rlflow run` (`--out`).
 """
 
 from __future__ import annotations
@@ -214,7 +216,8 @@ class Tune:
         params = {k: p.suggest(trial) for k, p in self.space.items()}
         name = run_name(self.cfg.run.name, params)
         trial.set_user_attr("run", name)
-        child = tracker.child(trial.number, name, params)
+        store, pruned = Store.open(self.cfg.store), False
+        child = tracker.child(trial.number, name, store.root)
         argv = [sys.executable, "-c", "import sys; from flows.cli import main; sys.exit(main())", "run",
                 self.args.config, *[a for o in self.args.override for a in ("-o", o)],
                 *[a for k, v in params.items() for a in ("-o", _override(k, v))], "-o", f"run.name={name}",
@@ -229,7 +232,6 @@ class Tune:
                                 preexec_fn=die_with_parent, env=rlflow_first(os.environ))   # (flows.cli: rlflow's)
         with self.lock:
             self.procs[trial.number] = proc
-        store, pruned = Store.open(self.cfg.store), False
         values: dict[int, float] = {}            # iteration -> metric
         scored = 0                               # iterations with rewards (retention keeps those, not checkpoints)
         unseen = 1                               # the first iteration not looked at yet
@@ -244,7 +246,6 @@ class Tune:
                         continue
                     values[it] = v
                     trial.report(window_mean(values, self.args.window), it)
-                    tracker.metric(child, self.args.metric, v, it)
                     if not pruned and not ended and trial.should_prune():
                         pruned = True
                         proc.send_signal(signal.SIGTERM)
@@ -318,8 +319,8 @@ class Tune:
 
 
 class Tracker:
-    """The study's MLflow parent run and a child run per trial (MlflowClient: no active-run globals across
-    threads)."""
+    """The study's MLflow parent run, and each trial's rlflow run nested under it (MlflowClient: no active-run
+    globals across threads)."""
 
     def __init__(self, cfg: Config, study: str, space: dict[str, Param], metric: str):
         from tasks.core.tracking import _client, experiment_id
@@ -342,22 +343,28 @@ class Tracker:
             self.client.log_param(self.parent, "metric", metric)
         self.lock = threading.Lock()
 
-    def child(self, number: int, name: str, params: dict) -> str:
-        with self.lock:
-            run = self.client.create_run(self.exp, run_name=f"trial {number} {name}", tags={
-                "mlflow.parentRunId": self.parent, "rlflow.tune.trial": str(number), "rlflow.run": name})
-            for k, v in params.items():
-                self.client.log_param(run.info.run_id, k, v)
-            return run.info.run_id
+    def child(self, number: int, name: str, store_root: str) -> str:
+        """The trial's MLflow run, nested under the study's: the run its rlflow run logs into (tasks/core/tracking.py
+        finds a run by its `rlflow.run` and `rlflow.store` tags), made here first so that it has its parent from
+        the start; a resumed trial's run is found again."""
+        from tasks.core.tracking import TAG_RUN, TAG_STORE
 
-    def metric(self, run_id: str, key: str, value: float, step: int) -> None:
+        tags = {"mlflow.parentRunId": self.parent, "rlflow.tune.trial": str(number)}
         with self.lock:
-            self.client.log_metric(run_id, key, value, step=step)
+            found = self.client.search_runs(
+                [self.exp], f"tags.`{TAG_RUN}` = '{name}' and tags.`{TAG_STORE}` = '{store_root}'", max_results=1,
+                order_by=["attributes.start_time DESC"])
+            if found:
+                for k, v in tags.items():
+                    self.client.set_tag(found[0].info.run_id, k, v)
+                return found[0].info.run_id
+            return self.client.create_run(self.exp, run_name=name,
+                                          tags={**tags, TAG_RUN: name, TAG_STORE: store_root}).info.run_id
 
     def end(self, run_id: str, state: str, value: float | None) -> None:
         with self.lock:
-            if value is not None:
-                self.client.log_metric(run_id, "value", value)
+            if value is not None:         # (the trial's own metrics are its rlflow run's)
+                self.client.log_metric(run_id, "tune/value", value)
             self.client.set_terminated(run_id, {"COMPLETE": "FINISHED", "PRUNED": "KILLED"}.get(state, "FAILED"))
 
     def finish(self, best: dict | None, status: str) -> None:

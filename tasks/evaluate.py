@@ -85,13 +85,14 @@ def evaluate(cfg: Config, iteration: int) -> dict:
     ec = cfg.eval
     key = layout.evaluation(cfg.run.name, iteration)
     if iteration == 0:                          # eval.baseline: the starting model
-        policy, made_of = layout.BASE, cfg.section_hash("model")
+        policy, weights = layout.BASE, cfg.section_hash("model")
     else:
         policy = layout.policy(cfg.run.name, iteration)
-        pm = require_input(store, policy, iteration, "published policy", "publish")
-        made_of = sorted((k, v["sha256"]) for k, v in pm["files"].items())
-    fp = fingerprint(cfg, ("eval", "reward", "data", *cfg.env_sections()), iteration=iteration, policy=made_of)
-    done = reuse(store, key, fp)
+        pm = require_input(store, cfg, "evaluate", iteration, ("publish", iteration))
+        weights = sorted((k, v["sha256"]) for k, v in pm["files"].items())
+    fp, made = fingerprint(cfg, ("eval", "reward", "data", *cfg.env_sections()), iteration=iteration,
+                           policy=weights)
+    done = reuse(store, key, fp, made)
     if done is None:
         t0 = time.perf_counter()
         functions = load_functions(cfg)
@@ -131,7 +132,8 @@ def evaluate(cfg: Config, iteration: int) -> dict:
             if greedy:
                 (Path(tmp) / GREEDY).mkdir()
                 rollout.write(greedy, Path(tmp) / GREEDY)
-            done = result(store, key, store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "metrics": metrics}))
+            meta = {"fingerprint": fp, "made_of": made, "metrics": metrics}
+            done = result(store, key, store.put_folder(key, Path(tmp), meta=meta))
     _update_best(store, cfg, iteration, done["metrics"])
     return done
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from tasks.core import data, layout, rollout
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
-from tasks.core.stage import fingerprint, result, reuse, stage_cli
+from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import open_store
 from tasks.engines.sampling import open_session
 from tasks.envs.episodes import episode_metrics, sample
@@ -45,9 +45,12 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
     policy = scheduled
     store = open_store(cfg)
     key = layout.rollouts(cfg.run.name, iteration)
-    fp = fingerprint(cfg, ("model", "data", "generate", *cfg.env_sections()), iteration=iteration, policy=policy)
-    if (done := reuse(store, key, fp)) is not None:
+    fp, made = fingerprint(cfg, ("model", "data", "generate", *cfg.env_sections()), iteration=iteration,
+                           policy=policy)
+    if (done := reuse(store, key, fp, made)) is not None:
         return done
+    if policy != layout.BASE:                  # published by an earlier iteration: that one first
+        require_input(store, cfg, "generate", iteration, ("publish", layout.version_of(policy)))
 
     t0 = time.perf_counter()
     gc = cfg.generate
@@ -84,7 +87,8 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
         metrics.update(agent_metrics(records))
     with tempfile.TemporaryDirectory(prefix="rlflow-generate-") as tmp:
         rollout.write(records, Path(tmp))
-        manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "metrics": metrics, "policy": policy,
+        manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "made_of": made, "metrics": metrics,
+                                                          "policy": policy,
                                                           "data_cursor": start + gc.prompts_per_iteration})
     return result(store, key, manifest)
 

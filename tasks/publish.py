@@ -34,13 +34,14 @@ def publish(cfg: Config, iteration: int, mlflow_run_id: str | None = None) -> di
     run = cfg.run.name
     key = layout.policy(run, iteration)
     src = layout.checkpoint(run, iteration)
-    src_manifest = require_input(store, src, iteration, "checkpoint", "train")
-    fp = fingerprint(cfg, (), iteration=iteration, checkpoint=src_manifest["files"][layout.CKPT_STATE]["sha256"])
-    done = reuse(store, key, fp)
+    src_manifest = require_input(store, cfg, "publish", iteration, ("train", iteration))
+    fp, made = fingerprint(cfg, (), iteration=iteration,
+                           checkpoint=src_manifest["files"][layout.CKPT_STATE]["sha256"])
+    done = reuse(store, key, fp, made)
     if done is None:
         t0 = time.perf_counter()
         size = sum(f["size"] for rel, f in src_manifest["files"].items() if rel.startswith(layout.CKPT_MODEL + "/"))
-        meta = {"fingerprint": fp, "iteration": iteration, "source": src}
+        meta = {"fingerprint": fp, "made_of": made, "iteration": iteration, "source": src}
         anchor = _anchor(store, cfg, iteration)
         delta = None
         if anchor is not None:

@@ -40,10 +40,10 @@ def reward(cfg: Config, iteration: int) -> dict:
     store = open_store(cfg)
     key = layout.rewards(cfg.run.name, iteration)
     src = layout.rollouts(cfg.run.name, iteration)
-    src_manifest = require_input(store, src, iteration, "rollouts", "generate")
-    fp = fingerprint(cfg, ("reward", *cfg.env_sections()), iteration=iteration,
-                     rollouts=src_manifest["files"][rollout.FILE]["sha256"])
-    if (done := reuse(store, key, fp)) is not None:
+    src_manifest = require_input(store, cfg, "reward", iteration, ("generate", iteration))
+    fp, made = fingerprint(cfg, ("reward", *cfg.env_sections()), iteration=iteration,
+                           rollouts=src_manifest["files"][rollout.FILE]["sha256"])
+    if (done := reuse(store, key, fp, made)) is not None:
         return {**done, "samples": store.manifest(key)["meta"].get("samples", [])}
 
     t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def reward(cfg: Config, iteration: int) -> dict:
                 **{f"reward/{k}": v for k, v in r.rewards.items()}, **r.extra} for r in records[::step][:n]]
     with tempfile.TemporaryDirectory(prefix="rlflow-reward-") as tmp:
         rollout.write(records, Path(tmp))
-        manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "metrics": metrics,
+        manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "made_of": made, "metrics": metrics,
                                                           "samples": samples, "errors": scored.errors})
     return {**result(store, key, manifest), "samples": manifest["meta"]["samples"]}
 

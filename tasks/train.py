@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 from tasks.core import layout, rollout
 from tasks.core.errors import UserError
 from tasks.core.models import policy_dtype
-from tasks.core.stage import fingerprint, in_stage_process, require_input, reuse, stage_cli
+from tasks.core.stage import by_hand, fingerprint, in_stage_process, require_input, reuse, stage_cli
 from tasks.core.store import open_store
 from tasks.engines.resident import ResidentTrainer, node_layout
-from tasks.engines.trainer import InProcessTrainer, unfinished
+from tasks.engines.trainer import TRAIN_SECTIONS, InProcessTrainer, unfinished
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -56,17 +56,15 @@ def train(cfg: Config, iteration: int) -> dict:
     store = open_store(cfg)
     run = cfg.run.name
     key = layout.checkpoint(run, iteration)
-    src = layout.rewards(run, iteration)
-    src_manifest = require_input(store, src, iteration, "rewards", "reward")
-    prev = layout.checkpoint(run, iteration - 1) if iteration > 1 else None
-    prev_manifest = store.manifest(prev) if prev else None
-    if prev and prev_manifest is None:
-        raise UserError(f"iteration {iteration}: previous checkpoint {store.uri(prev)} is missing; train in order")
-    fp = fingerprint(cfg, ("model", "train"), iteration=iteration,
-                     rewards=src_manifest["files"][rollout.FILE]["sha256"],
-                     previous=prev_manifest["files"][layout.CKPT_STATE]["sha256"] if prev_manifest else layout.BASE,
-                     **({} if policy_dtype(cfg) == cfg.model.dtype else {"policy_dtype": policy_dtype(cfg)}))
-    if (done := reuse(store, key, fp)) is not None:
+    src_manifest = require_input(store, cfg, "train", iteration, ("reward", iteration))
+    prev_manifest = require_input(store, cfg, "train", iteration, ("train", iteration - 1)) if iteration > 1 else None
+    # (the trainer writes ckpt-N with the config part of `made`: TRAIN_SECTIONS, tasks/engines/trainer.py)
+    fp, made = fingerprint(cfg, TRAIN_SECTIONS, iteration=iteration,
+                           rewards=src_manifest["files"][rollout.FILE]["sha256"],
+                           previous=prev_manifest["files"][layout.CKPT_STATE]["sha256"] if prev_manifest else
+                           layout.BASE,
+                           **({} if policy_dtype(cfg) == cfg.model.dtype else {"policy_dtype": policy_dtype(cfg)}))
+    if (done := reuse(store, key, fp, made)) is not None:
         if int(os.environ.get("RANK") or 0) == 0:
             store.advance_pointer(layout.latest(run, "trainer"), key)  # a kill may have come between the two
         return done
@@ -90,7 +88,20 @@ def open_trainer(cfg: Config) -> TrainerHandle:
     host = cfg.train.host
     if host == "auto":
         host = "detached" if in_stage_process() or cfg.train.engine == "deepspeed" else "caller"
-    return InProcessTrainer(cfg) if host == "caller" else ResidentTrainer(cfg)
+    return InProcessTrainer(cfg) if host == "caller" else ResidentTrainer(hand_run(cfg))
+
+
+HAND_RUN_IDLE = 600.0    # s: train.idle_timeout of a detached trainer a stage typed by hand starts (unless set)
+
+
+def hand_run(cfg: Config) -> Config:
+    """The config a detached trainer is started with. Under a flow, the flow finishes it; a stage typed by hand
+    (`python -m tasks.train`, no launcher) has nobody to, so its trainer leaves after HAND_RUN_IDLE s unused
+    instead of train.idle_timeout's default two hours: long enough for the next iteration's generate, reward
+    and train typed by hand to find it warm. An idle_timeout set in the config or by -o is kept."""
+    if not by_hand() or "idle_timeout" in cfg.train.model_fields_set:
+        return cfg
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"idle_timeout": HAND_RUN_IDLE})})
 
 
 def finish_trainer(cfg: Config) -> int | None:
@@ -101,7 +112,7 @@ def finish_trainer(cfg: Config) -> int | None:
     if not cfg.resident_trainer:
         return None
     held = InProcessTrainer(cfg).finish()
-    detached = ResidentTrainer(cfg).finish()
+    detached = ResidentTrainer(hand_run(cfg)).finish()
     if held is None and detached is None and unfinished(open_store(cfg), cfg.run.name) is not None:
         # Nothing runs, but the newest iteration lacks a full checkpoint (its trainer died after committing
         # it; this flow run reused it): one is made here, where train.host puts the trainer, by replay.

@@ -86,7 +86,11 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "not yaml": (["run", str(tmp / "badyaml.yaml")], "not valid YAML"),
         "not a mapping": (["run", str(tmp / "list.yaml")], "expected a mapping of sections"),
         "unknown section": (["run", str(tmp / "unknown.yaml")], "unknown key 'bogus_section'"),
-        "unknown key by override": (["run", str(TINY), "-o", "train.learning_rate=1"], "unknown key 'train.learning_rate'"),
+        "unknown key by override": (["run", str(TINY), "-o", "train.learning_rate=1"],
+                                    "unknown key 'train.learning_rate'; did you mean 'train.lr'?"),
+        "misspelt key in a list item": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "m:f", "wieght": 2}]'],
+                                        "unknown key 'reward.functions.0.wieght'; did you mean "
+                                        "'reward.functions.0.weight'?"),
         "wrong type": (["run", str(TINY), "-o", "train.lr=fast"], "train.lr"),
         "out of bounds": (["run", str(TINY), "-o", "generate.num_generations=1"], "generate.num_generations"),
         "negative lora rank": (["run", str(TINY), "-o", "train.lora_r=-4"], "train.lora_r"),
@@ -198,6 +202,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                               "eval.path: " + f"{tmp}/held-out.jsonl: no such file"),
         # model
         "model folder missing": (["run", str(TINY), "-o", f"model.name_or_path={tmp}/nomodel"], "model.name_or_path"),
+        # (no Hub here, as for the hub dataset above: one line at once, not ~50 s of retries, a line each)
+        "hub model, hub unreachable": (["run", str(TINY), "-o", "model.name_or_path=nobody/nothing"],
+                                       "model.name_or_path: 'nobody/nothing' is not a local folder nor in the "
+                                       "Hugging Face cache"),
         "chat prompts, no chat template": (["run", str(TINY), "-o", f"data.path={tmp}/chat.jsonl",
                                            "-o", f"model.name_or_path={no_chat}"],
                                           "model.name_or_path: " + str(no_chat) + ": its tokenizer has no chat template"),
@@ -489,6 +497,51 @@ def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_pa
     assert len(cases) >= 25 and not failures, "\n".join(failures)
 
 
+# Cases whose line `rlflow plan` must print word for word as `rlflow run` does: both run (the others: plan only,
+# against the case's expected text).
+SAME_LINE = ("sky launcher, local store", "missing data file", "reward module missing",
+             "environment factory that raises", "sky recipes not in the working directory")
+
+
+def test_plan_refuses_what_run_refuses(prefect_api, tmp_path, s3_endpoint, bucket):
+    """`rlflow plan` runs `rlflow run`'s preflight: every `rlflow run` case above (but --summary-json, a flag
+    of run's alone) is refused by plan too, one line, exit 2, nothing written; for SAME_LINE, the same line.
+    Each case's working directory is not the repository: plan finds the checkout's recipes from there (the
+    local launcher), and plan and run refuse the sky launcher there (its recipes' `workdir: .`)."""
+    from tests.conftest import ROOT
+
+    s3 = ["-o", f"store.uri=s3://{bucket}/runs", "-o", f"store.endpoint_url={s3_endpoint}"]
+    cases = {name: (["plan", *args[1:]], expected) for name, (args, expected) in _cases(tmp_path).items()
+             if args[:1] == ["run"] and "--summary-json" not in args}
+    cases["sky recipes not in the working directory"] = (["plan", str(TINY), *s3, "-o", "launcher.mode=sky"],
+                                                         "launcher.recipes: sky is not a folder of the working "
+                                                         "directory (")
+    calls = [(args, name) for name, (args, _) in cases.items()] + [(["run", *cases[name][0][1:]], f"run {name}")
+                                                                  for name in SAME_LINE]
+    calls.append((["plan", str(TINY), *s3, "-o", "launcher.mode=local"], "local launcher"))
+    for _, folder in calls:
+        (tmp_path / "cwd" / folder).mkdir(parents=True)
+        for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py"):
+            (tmp_path / "cwd" / folder / module).write_text((tmp_path / module).read_text())
+    outs = dict(zip([folder for _, folder in calls],
+                    run_cli_many([(args, tmp_path / "cwd" / folder) for args, folder in calls], prefect_api)))
+    failures = []
+    for name, (_, expected) in cases.items():
+        out = outs[name]
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        if not (out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]):
+            failures.append(f"{name}: rc={out.returncode} stderr={out.stderr[-600:]!r}")
+        ran = outs[f"run {name}"].stderr.replace(f"cwd/run {name}", f"cwd/{name}") if name in SAME_LINE else None
+        if ran is not None and out.stderr != ran:            # (each in a working directory of its own)
+            failures.append(f"{name}: plan said {out.stderr!r}, run {ran!r}")
+        if (tmp_path / "cwd" / name / "rlflow-store").exists():
+            failures.append(f"{name}: wrote to the store")
+    assert len(cases) >= 80 and not failures, "\n".join(failures)
+    local = outs["local launcher"]
+    assert local.returncode == 0 and f"local subprocess ({ROOT / 'sky' / 'train.yaml'})" in local.stdout, local
+    assert boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
+
+
 @pytest.fixture(scope="module")
 def s3_with_auth(tmp_path_factory):
     """A second moto server that checks credentials (INITIAL_NO_AUTH_ACTION_COUNT=0): ours are unknown to it."""
@@ -582,6 +635,15 @@ def test_every_reward_call_failing_stops_the_run(prefect_api, tmp_path):
     ("reward", [], "error: python -m tasks.reward: the following arguments are required: --iteration"),
     ("generate", ["--iteration", "one"], "error: python -m tasks.generate: argument --iteration: invalid int value: "
                                          "'one'"),
+    # out of order: the missing input, and the first command to run (IncompleteArtifact's traceback, before)
+    ("generate", ["--iteration", "3"], f"error: generate of iteration 3: no complete published policy of iteration 2 "
+                                       f"at {{store}}/tiny-demo/policy/v000002; run first: python -m tasks.generate "
+                                       f"--config {TINY} --iteration 1, then each stage in order (generate, reward, "
+                                       f"train, publish) through publish --iteration 2"),
+    ("train", ["--iteration", "2", "-o", "run.max_staleness=1"],
+     f"error: train of iteration 2: no complete scored rollouts of iteration 2 at {{store}}/tiny-demo/iter-000002/"
+     f"rewards; run first: python -m tasks.generate --config {TINY} -o run.max_staleness=1 --iteration 1, then each "
+     f"stage in order (generate, reward, train, publish) through reward --iteration 2"),
 ])
 def test_stage_command_line_mistakes_are_one_line(tmp_path, stage, args, expected):
     import subprocess
@@ -589,5 +651,37 @@ def test_stage_command_line_mistakes_are_one_line(tmp_path, stage, args, expecte
     out = subprocess.run([sys.executable, "-m", f"tasks.{stage}", "--config", str(TINY), *args], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    assert out.returncode == 2 and out.stderr.strip() == expected, out.stderr[-2000:]
+    assert out.returncode == 2 and out.stderr.strip() == expected.replace("{store}", f"file://{tmp_path}/rlflow-store"), \
+        out.stderr[-2000:]
     assert not (tmp_path / "rlflow-store").exists()
+
+
+def test_a_refused_resume_names_the_fields_that_changed(tmp_path):
+    """An output made from another config: the changed fields with old -> new values (three, "and N more") and
+    the overrides that resume; an output from before made_of was kept: the general line."""
+    import tempfile
+
+    from tasks.core.stage import fingerprint, reuse
+    from tasks.core.store import Store
+
+    store = Store.open(str(tmp_path))
+    cfg = load_config(TINY)
+    fp, made = fingerprint(cfg, ("model", "train"), iteration=1)
+    for key, meta in (("new", {"fingerprint": fp, "made_of": made}), ("old", {"fingerprint": fp})):
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "x").write_text("x")
+            store.put_folder(key, Path(tmp), meta=meta)
+    assert reuse(store, "new", fp, made) is not None
+    other = load_config(TINY, ["train.lr=0.5", "train.beta=0.1", "model.dtype=bfloat16", "run.seed=3"])
+    fp2, made2 = fingerprint(other, ("model", "train"), iteration=1)
+    with pytest.raises(UserError) as e:
+        reuse(store, "new", fp2, made2)
+    assert str(e.value) == (f"run: {store.uri('new')} was made from a different config or input: model.dtype float32 "
+                            f"-> bfloat16, run.seed 0 -> 3, train.beta 0.0 -> 0.1 and 1 more; resume with the values "
+                            f"it was made with (-o model.dtype=float32 -o run.seed=0 -o train.beta=0.0 and 1 more), "
+                            f"or choose a new run.name")
+    with pytest.raises(UserError, match="made from a different config or input; resume with the same config"):
+        reuse(store, "old", fp2, made2)
+    fp3, made3 = fingerprint(cfg, ("model", "train"), iteration=1, rewards="other")
+    with pytest.raises(UserError, match="the same config, other inputs: an earlier output"):
+        reuse(store, "new", fp3, made3)

@@ -1,6 +1,7 @@
 """The repository's prefect.yaml against a real Prefect server started here: `prefect deploy --all`, a process
-worker, `prefect deployment run` with parameter overrides, the flow run completes, and its dashboard
-artifacts read back through the Prefect client. The schedule and the parameter schema are checked too."""
+worker, `prefect deployment run` with parameter overrides, the flow run completes, named after the rlflow run,
+and its dashboard artifact (the report) read back through the Prefect client. The schedule and the parameter
+schema are checked too, and which flow run names are kept."""
 
 from __future__ import annotations
 
@@ -103,6 +104,35 @@ def test_deploy_registers_nightly_and_manual_with_schedule_and_schema(server, pr
     assert out.returncode != 0
 
 
+def test_a_flow_run_is_named_after_the_rlflow_run_unless_it_was_given_a_name(server):
+    """The name function of rlflow-train in real flow runs: Prefect's made-up names (the server's `sleek-bison`,
+    the run form's suggested `Sleek-Bison`) give way to run.name (dated under run_name_suffix: date); a name typed
+    when the flow run was made stays."""
+    from datetime import datetime, timezone
+
+    from prefect import flow
+    from prefect.flow_engine import run_flow
+    from prefect.runtime import flow_run as current
+
+    from flows.training import _flow_run_name
+
+    @flow(name="rlflow-name-probe", flow_run_name=_flow_run_name)
+    def probe(config: str, overrides: list[str] | None = None, run_name_suffix: str = "none") -> str:
+        return current.name
+
+    config = str(ROOT / "configs" / "tiny.yaml")
+    named = {"config": config, "overrides": ["run.name=lr-3e-4"]}
+    today = datetime.now(timezone.utc).strftime("%Y%m%d")
+    cases = [(None, named, "lr-3e-4"), ("Sleek-Bison", named, "lr-3e-4"), ("lr sweep, 3rd", named, "lr sweep, 3rd"),
+             (None, {"config": config, "run_name_suffix": "date"}, f"tiny-demo-{today}"),
+             (None, {"config": "no-such.yaml"}, "no-such")]         # (the flow itself refuses that config)
+    with _client(server) as client:
+        for given, params, want in cases:
+            made = client.create_flow_run(probe, name=given, parameters=params)
+            assert run_flow(probe, flow_run=made, parameters=params) == want, (given, params)
+            assert client.read_flow_run(made.id).name == want
+
+
 def test_deployment_run_with_overrides_completes_and_fills_the_dashboard(server, project, tmp_path):
     overrides = ["run.name=deployed", "run.iterations=2", "generate.prompts_per_iteration=2",
                  "generate.num_generations=2", f"store.uri={tmp_path}/store",
@@ -128,20 +158,17 @@ def test_deployment_run_with_overrides_completes_and_fills_the_dashboard(server,
         assert done and done[0].state.is_completed(), (done and done[0].state, log[-4000:])
         run = done[0]
         assert run.parameters["config"] == "configs/tiny.yaml"
+        assert run.name == "deployed"                          # the rlflow run's name, not Prefect's made-up one
         arts = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
-        by_key: dict[str, list] = {}
-        for a in arts:
-            by_key.setdefault(a.key, []).append(a)
-        assert set(by_key) == {"deployed-report", "deployed-samples", "deployed-policy", "deployed-mlflow"}
-        reports = sorted(by_key["deployed-report"], key=lambda a: a.created)
-        assert len(reports) == 2 and "iteration 2/2" in reports[-1].data and "cost" in reports[-1].data
-        assert "reward (mean)" in reports[-1].data
-        sample = by_key["deployed-samples"][0]
-        table = json.loads(sample.data) if isinstance(sample.data, str) else sample.data
-        assert sample.type == "table" and "completion" in table[0] and any(k.startswith("reward") for k in table[0])
-        assert "policy/v000002" in sorted(by_key["deployed-policy"], key=lambda a: a.created)[-1].data
-        assert "mlflow.db" in by_key["deployed-mlflow"][0].data
+        # one artifact, the report, updated in place each iteration (dashboard_every=1): the latest is the only one
+        assert [a.key for a in arts] == ["deployed-report"], [a.key for a in arts]
+        report = arts[0].data
+        assert "deployed — iteration 2/2" in report and "cost" in report and "reward (mean)" in report
+        assert "### Reward per iteration" in report and "| 2 |" in report and "| 1 |" in report   # the trend
+        assert "policy/v000002" in report and "Samples of iteration 2" in report
+        assert "mlflow.db" in report and "/bin/mlflow ui --backend-store-uri sqlite:///" in report
+        assert "iteration 2/2" in arts[0].description
         tasks = client.read_task_runs()
         names = {t.name for t in tasks if t.flow_run_id == run.id}
         assert {"generate[iter 1]", "reward[iter 2]", "train[iter 2]", "publish[iter 2]"} <= names

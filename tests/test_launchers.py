@@ -57,10 +57,12 @@ m6i.large,,,2.0,8.0,,0.096,0.04,us-east-1,us-east-1a
 """
 
 
-def test_plan_prices_each_stage_from_skypilots_catalog_and_writes_nothing(tmp_path, monkeypatch):
+def test_plan_prices_each_stage_from_skypilots_catalog_and_writes_nothing(tmp_path, monkeypatch, s3_endpoint,
+                                                                          bucket):
     """`rlflow plan`: real SkyPilot reads an AWS catalog (written where it caches the downloaded one, as fresh;
     gcp's and azure's cannot be downloaded here): the cheapest fitting machine, spot or on-demand as the recipe
-    says, times its nodes; a stage sharing a cluster is not priced twice; no store, lease or MLflow run."""
+    says, times its nodes; a stage sharing a cluster is not priced twice; no store write, lease or MLflow run.
+    (Plan runs run's preflight first: the sky launcher needs an S3 store. tests/test_bad_input.py: the rest.)"""
     if not SKY_PYTHON.exists():
         pytest.fail(f"{SKY_PYTHON} missing: `make setup` creates SkyPilot's environment")
     home = tmp_path / "home"
@@ -73,12 +75,14 @@ def test_plan_prices_each_stage_from_skypilots_catalog_and_writes_nothing(tmp_pa
         if stage == "reward":      # on-demand on 2 nodes, AWS only
             text = text.replace("use_spot: true", "use_spot: false\n  cloud: aws") + "\nnum_nodes: 2\n"
         (recipes / f"{stage}.yaml").write_text(text)
-    store, db = tmp_path / "store", tmp_path / "mlflow.db"
+    db = tmp_path / "mlflow.db"
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    store = f"s3://{bucket}/runs"
     args = ["plan", str(TINY), "-o", "launcher.mode=sky", "-o", f"launcher.recipes={recipes}",
-            "-o", f"launcher.sky_python={SKY_PYTHON}", "-o", f"store.uri=file://{store}", "-o", "eval.every=5",
+            "-o", f"launcher.sky_python={SKY_PYTHON}", "-o", f"store.uri={store}", "-o",
+            f"store.endpoint_url={s3_endpoint}", "-o", "eval.every=5",
             "-o", f"tracking.uri=sqlite:///{db}", "-o", "launcher.stages.publish=local",
             "-o", "cost.hourly_usd.publish=0.25"]
     proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=120,
@@ -92,9 +96,12 @@ def test_plan_prices_each_stage_from_skypilots_catalog_and_writes_nothing(tmp_pa
     assert "unknown (no machine in the catalog of aws matches" in rows["train"]      # A100:1 is sold only by 8 here
     assert "0.250 (cost.hourly_usd)" in rows["publish"] and "local subprocess" in rows["publish"]
     assert "generate's machine" in rows["evaluate"] and "(in generate's)" in rows["evaluate"]
-    assert f"file://{store}/tiny-demo/" in rows["store:"]
+    assert f"{store}/tiny-demo/" in rows["store:"]
     assert f"sqlite:///{db}" in rows["tracking:"] and "temporary API server" in rows["prefect:"]
-    assert not store.exists() and not db.exists()
+    import boto3
+
+    assert boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
+    assert not db.exists()
 
     bad = subprocess.run([sys.executable, "-m", "flows.cli", "plan", str(TINY), "-o", "launcher.mode=skyy"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -291,18 +291,38 @@ def test_a_flow_ends_with_a_full_checkpoint_even_when_its_trainer_died(tmp_path,
     assert not (state_dir() / f"{cfg.run.name}.json").exists() and _finish(cfg) is None
 
 
-def test_the_finish_command_stops_a_detached_trainer_after_a_full_checkpoint(tmp_path):
-    """`python -m tasks.train finish` (what sky/train.yaml runs with FINISH set, the flow's end when the train
-    stage runs on a cluster): a process of its own finishes the run's detached trainer on this machine."""
+def test_a_train_stage_typed_by_hand_says_what_it_left_and_the_finish_command_stops_it(tmp_path):
+    """`python -m tasks.train` typed by hand (no launcher, no flow to finish its trainer): one line names the
+    detached trainer it started (pid), when it leaves by itself (tasks/train.py: HAND_RUN_IDLE, not the two hours
+    train.idle_timeout gives a flow's) and the command that stops it now: `python -m tasks.train finish` (what
+    sky/train.yaml runs with FINISH set, the flow's end when the train stage runs on a cluster), which finishes
+    it after a full checkpoint."""
+    import shlex
+
+    import yaml
+
+    from tasks.train import HAND_RUN_IDLE
+
     cfg = _cfg(tmp_path, "cli-finish")
-    _iteration(cfg, 1)
-    pid = json.loads((state_dir() / "cli-finish.json").read_text())["pid"]
+    generate(cfg, 1, layout.BASE)
+    reward(cfg, 1)
     overrides = [f"store.uri={tmp_path}/store", "run.name=cli-finish", "train.mode=resident",
                  "train.checkpoint_every=2", "generate.prompts_per_iteration=4", "generate.num_generations=4",
                  "train.lr=1e-2"]
-    out = subprocess.run([sys.executable, "-m", "tasks.train", "finish", "--config", str(TINY), "--iteration", "0",
+    env = {k: v for k, v in os.environ.items() if k not in ("SKYPILOT_NODE_RANK", "RANK")}    # by hand
+    out = subprocess.run([sys.executable, "-m", "tasks.train", "--config", str(TINY), "--iteration", "1",
                           "--overrides-json", json.dumps(overrides)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pid = json.loads((state_dir() / "cli-finish.json").read_text())["pid"]
+    said = [line for line in out.stderr.splitlines() if line.startswith("train: started the resident trainer")]
+    assert len(said) == 1 and f"run cli-finish (pid {pid}, log " in said[0], out.stderr[-2000:]
+    assert f"stops by itself after {HAND_RUN_IDLE:.0f} s unused (train.idle_timeout)" in said[0]
+    started = yaml.safe_load((state_dir() / "cli-finish.config.yaml").read_text())
+    assert started["train"]["idle_timeout"] == HAND_RUN_IDLE
+    finish = shlex.split(said[0].split("; to stop it now, after a full checkpoint: ")[1])
+    assert finish[:4] == ["python", "-m", "tasks.train", "finish"] and finish[-2:] == ["--iteration", "0"]
+    out = subprocess.run([sys.executable, *finish[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"finished": 1}
     assert not alive(pid) and not (state_dir() / "cli-finish.json").exists()

@@ -41,7 +41,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.time() + timeout
     while not path.exists():
         if proc.poll() is not None:
-            raise AssertionError(f"run ended early ({proc.returncode}): {proc.stderr.read()}")
+            raise AssertionError(f"run ended early ({proc.returncode}): {(proc.stderr or proc.stdout).read()}")
         if time.time() > deadline:
             raise AssertionError(f"timed out waiting for {path}")
         time.sleep(0.05)
@@ -178,15 +178,22 @@ def test_a_stop_signal_ends_the_run_cleanly_and_the_same_command_resumes_it(pref
     scheduled = {**os.environ, "PREFECT_API_URL": prefect_api}                    # a server, as a scheduler's run has
     for sig, after, code, env in ((signal.SIGINT, 1, 130, user), (signal.SIGTERM, 2, 143, scheduled)):
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY), *args], cwd=stopped, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         _wait_for(store_dir / "policy" / f"v{after:06d}" / MANIFEST, proc)
         started = descendants(proc.pid)
         t0 = time.monotonic()
         os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
-        out, err = proc.communicate(timeout=60)
+        err, _ = proc.communicate(timeout=60)               # (stdout and stderr in the order they were written)
         assert time.monotonic() - t0 < 10, err
         assert proc.returncode == code, err
-        assert "run the same command to resume" in err and "interrupted at iteration" in err, err
+        # First that the run was interrupted (after the last progress line), then only what the stop restored
+        # (the resident trainer's full checkpoint), last what is kept and how to resume.
+        lines = [line for line in err.splitlines() if line.strip()]
+        at = next(i for i, line in enumerate(lines) if line.startswith("interrupted at iteration "))
+        assert ": stopping" in lines[at] and not any(line.startswith("iter ") for line in lines[at:]), err
+        assert all(line.startswith("restored the state after iteration ") for line in lines[at + 1:-1]), err
+        assert lines[-1].startswith("stopped: every committed output is kept, the newest policy ") and \
+            lines[-1].endswith("; run the same command to resume"), err
         assert "Traceback" not in err, err
         time.sleep(1)
         assert not [p for p in started if _running(p)], err                    # nothing left running
@@ -196,6 +203,56 @@ def test_a_stop_signal_ends_the_run_cleanly_and_the_same_command_resumes_it(pref
     again = run_cli(["run", str(TINY), *args], stopped, prefect_api)
     assert again.returncode == 0 and "resume is already complete (3 iterations" in again.stdout, again.stdout
     _equal_runs(stopped, uninterrupted)
+
+
+def test_a_stop_after_done_says_the_run_had_finished_and_exits_0(monkeypatch, capfd):
+    """Ctrl-C after `done:` (the run's result complete; the process sends Prefect its last logs, then exits): one
+    line saying so and what was left undone, exit code 0, no "interrupted". A signal while the summary is printed
+    waits for it; one during the tidying up ends it there."""
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities import engine as prefect_engine
+
+    from flows import cli
+
+    class Exited(SystemExit):         # (what main lets through, as os._exit would end it)
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(prefect_engine, "_prefect_sigterm_handler", prefect_engine._prefect_sigterm_handler)
+    monkeypatch.setattr(cli, "_end_children", lambda sig: None)       # (this process's children are pytest's)
+    monkeypatch.setattr(cli.os, "_exit", exit_)
+    monkeypatch.setattr(APILogWorker, "drain_all", classmethod(lambda cls, timeout=None: None))
+    for during, undone in (("summary", "sending the flow's last logs"), ("exit", "nothing (only this process's")):
+        monkeypatch.setattr(cli, "_stopped_by", [])
+        monkeypatch.setattr(cli, "_finished", [])
+
+        def cmd_run(args, during=during):
+            cli._finished.append(cli.SUMMARY)
+            if during == "summary":
+                os.kill(os.getpid(), signal.SIGINT)
+            print("done: 3 iterations")
+            return 0
+
+        def exit_after_done(code, during=during):
+            if during == "exit":
+                os.kill(os.getpid(), signal.SIGINT)
+            exit_(code)
+
+        monkeypatch.setattr(cli, "cmd_run", cmd_run)
+        monkeypatch.setattr(cli, "_exit_after_done", exit_after_done)
+        try:
+            with pytest.raises(Exited) as exited:
+                cli.main(["run", str(TINY)])
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        out, err = capfd.readouterr()
+        assert exited.value.args == (0,) and "done: 3 iterations" in out
+        assert err.strip().startswith("rlflow: SIGINT after the run had finished (done: above") and \
+            f"left undone: {undone}" in err and err.strip().endswith("exit code 0") and "interrupted" not in err, err
 
 
 def test_a_sigterm_while_prefect_creates_a_task_run_is_still_a_stop(monkeypatch):

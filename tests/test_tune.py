@@ -1,7 +1,8 @@
 """`rlflow tune` (flows/tune.py): a small study over the tiny demo's learning rate, two trials at a time, killed
 (its whole process group, as a preemption would) after its first trial and run again: finished trials are not
 repeated, the one that was running resumes its run, the best config loads and is the best trial's; MLflow has
-one parent run with a child per trial, Prefect a table artifact of the trials. Bad spaces: test_bad_input."""
+one parent run and, nested under it, one run per trial (the trial's own rlflow run, a resumed one continued),
+Prefect a table artifact of the trials. Bad spaces: test_bad_input."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_a_tune_finds_a_better_learning_rate_and_resumes_after_a_kill(tmp_path, 
     assert cut                                                 # (the next trial starts as soon as one ends)
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     cut_runs = len(_children(client, load_config(TINY).tracking.experiment)[1]) - len(done_before)
-    assert 0 <= cut_runs <= len(cut)                           # (a trial killed before its child run began has none)
+    assert 0 <= cut_runs <= len(cut)                           # (a trial killed before its run was made has none)
 
     second = _tune(tmp_path, prefect_api)
     out, _ = second.communicate(timeout=600)
@@ -96,8 +97,18 @@ def test_a_tune_finds_a_better_learning_rate_and_resumes_after_a_kill(tmp_path, 
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"     # (made by the tune first)
     parent, children = _children(client, cfg.tracking.experiment)
-    assert len(children) == TRIALS + cut_runs and parent.info.status == "FINISHED"
-    assert {c.info.status for c in children} <= {"FINISHED", "KILLED"}
+    assert parent.info.status == "FINISHED"
+    # one MLflow run per trial, nested: the trial's rlflow run itself (its config, its metrics), a cut one resumed
+    assert sorted(c.info.run_name for c in children) == sorted(runs)
+    every = client.search_runs([exp.experiment_id])
+    assert {r.info.run_id for r in every} == {parent.info.run_id} | {c.info.run_id for c in children}
+    for c in children:
+        assert c.info.status == "FINISHED" and c.data.tags["rlflow.run"] == c.info.run_name
+        assert float(c.data.params["train.lr"]) == pytest.approx(
+            next(t.params["train.lr"] for t in finished if t.user_attrs["run"] == c.info.run_name))
+        history = client.get_metric_history(c.info.run_id, "reward/mean")
+        assert sorted(m.step for m in history) == list(range(1, 9))                 # once per iteration
+        assert "tune/value" in c.data.metrics
     assert parent.data.metrics["best_value"] == pytest.approx(best.value)
 
     from prefect.client.orchestration import get_client

@@ -609,7 +609,8 @@ class TrainConfig(Section):
     idle_timeout: float = Field(7200.0, ge=0, le=7 * 86400, json_schema_extra=HOW_NOT_WHAT,
                                 description="resident: a trainer no train stage has used for this many seconds "
                                 "writes a full checkpoint and exits (0 = never), so a flow killed before its "
-                                "teardown does not leave it holding the machine.")
+                                "teardown does not leave it holding the machine. A train stage typed by hand that "
+                                "starts one gives it 600 s unless this is set (tasks/train.py: HAND_RUN_IDLE).")
     loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"] = Field(
         "dapo", description="Objective and aggregation, as TRL defines them (see tasks/algorithms/loss.py).")
     importance_sampling_level: Literal["token", "sequence"] = Field(
@@ -853,7 +854,7 @@ class TrackingConfig(Section):
     sample_completions: int = Field(8, ge=0, description="Completions per iteration logged to the samples table.")
     flush_seconds: float = Field(5.0, ge=0, description="Send metrics/samples/model versions at most this often "
                                  "(s); 0 = every iteration. Batching keeps a remote server off the training path.")
-    dashboard_every: int = Field(1, ge=0, description="Prefect artifacts (report, samples table, links) every N "
+    dashboard_every: int = Field(1, ge=0, description="Update the flow run's Prefect report (one artifact) every N "
                                  "iterations and after the last; 0 = only after the last.")
 
     @field_validator("uri")
@@ -878,8 +879,10 @@ class LauncherConfig(Section):
                                "sky: on SkyPilot clusters (launched once per flow run, reused by exec).")
     stages: dict[Stage, LauncherMode] = Field(
         {}, description="Per-stage mode overriding `mode`, e.g. {train: sky}.")
-    recipes: str = Field("sky", description="Folder of the stage recipes (<stage>.yaml), relative to the "
-                         "working directory (the repository root).")
+    recipes: str = Field("sky", description="Folder of the stage recipes (<stage>.yaml). A relative one is that "
+                         "folder of the working directory if there is one, else of the rlflow checkout (its sky/); "
+                         "the sky launcher refuses a relative one that is not in the working directory, which "
+                         "the recipes' `workdir: .` sends to the clusters.")
     retries: int = Field(3, ge=0, le=20, description="Retries of a stage after an infrastructure failure "
                          "(killed process, preempted or vanished cluster, store error); user errors are "
                          "never retried.")
@@ -976,8 +979,13 @@ class Config(Section):
     def section_hash(self, *sections: str) -> str:
         """Fingerprint of some sections: a stage's outputs are reused only if its inputs hash the same. Fields
         marked HOW_NOT_WHAT are left out."""
-        blob = json.dumps({s: _what(getattr(self, s)) for s in sections}, sort_keys=True)
+        blob = json.dumps(self.section_values(*sections), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def section_values(self, *sections: str) -> dict:
+        """What section_hash hashes: the sections' values, without the HOW_NOT_WHAT fields (kept in an output's
+        manifest, so a refused resume names the fields that changed: tasks/core/stage.py)."""
+        return {s: _what(getattr(self, s)) for s in sections}
 
 
 def _what(section: Section) -> dict:
@@ -1063,7 +1071,8 @@ def _format_error(err: ValidationError) -> str:
     loc = ".".join(str(p) for p in parts) or "config"         # (without the union's tag: train.algorithm says it)
     got = e.get("input")
     if e["type"] == "extra_forbidden":
-        return f"config: unknown key {loc!r}"
+        near = _near(parts)
+        return f"config: unknown key {loc!r}" + (f"; did you mean {near!r}?" if near else "")
     if e["type"] == "missing":
         return f"config: {loc}: required field is missing"
     shown = json.dumps(got, default=str) if not isinstance(got, dict) else "a mapping"
@@ -1074,6 +1083,34 @@ def _format_error(err: ValidationError) -> str:
     if not e["loc"] and isinstance(got, dict):     # a check of the whole config names its own fields
         return f"config: {msg}"
     return f"config: {loc}: {msg}, got {shown}"
+
+
+def _sections_in(annotation) -> list[type[Section]]:
+    """The Section models a field's type holds (itself, a list's items, an optional's, a union's members)."""
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _sections_in(arg)]
+
+
+def _near(parts: list) -> str | None:
+    """The known key closest to an unknown one, among the keys of the models at the same place: the one whose
+    words' initials it spells (train.learning_rate -> train.lr), the only one it begins, or difflib's closest;
+    as a dotted key; None if none is close."""
+    import difflib
+
+    models: list[type[Section]] = [Config]
+    for p in parts[:-1]:
+        if isinstance(p, int):
+            continue                          # an item of a list of sections
+        fields = [m.model_fields.get(str(p)) for m in models]
+        models = [s for f in fields if f is not None for s in _sections_in(f.annotation)]
+    names = {name for m in models for name, f in m.model_fields.items() if not f.exclude}
+    leaf = str(parts[-1])
+    initials = "".join(w[:1] for w in leaf.split("_"))
+    near = [n for n in sorted(names) if len(n) > 1 and n == initials]
+    starts = [n for n in sorted(names) if len(leaf) > 2 and n.startswith(leaf)]    # model.name -> name_or_path
+    near = near or starts[:len(starts) == 1] or difflib.get_close_matches(leaf, sorted(names), n=1, cutoff=0.5)
+    return ".".join([*map(str, parts[:-1]), near[0]]) if near else None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),

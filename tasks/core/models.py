@@ -67,7 +67,27 @@ def base_path(cfg: Config) -> str:
     looks_local = path.startswith(("/", "./", "../", "~")) or Path(path).exists()
     if looks_local and not (Path(path).expanduser() / "config.json").exists():
         raise UserError(f"model.name_or_path: {path}: no config.json (expected a saved model folder)")
-    return path
+    return path if looks_local else hub_model(path)
+
+
+def hub_model(name: str) -> str:
+    """A hub id as what transformers loads: the id itself when the Hub answers here (it downloads, or says at once
+    that there is no such repository); without the Hub (no network, HF_HUB_OFFLINE=1) the local cache's snapshot
+    folder, or one line saying it is not there: transformers would retry for ~50 s first, a line per retry."""
+    from tasks.core.data import _hub_reachable
+
+    if _hub_reachable():
+        return name
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        raise UserError(f"model.name_or_path: {name!r} is not a local folder nor in the Hugging Face cache "
+                        f"({constants.HF_HUB_CACHE}), and the Hub cannot be reached from here (no network, or "
+                        f"HF_HUB_OFFLINE=1); give a model folder, or download it first where there is network "
+                        f"(`hf download {name}`)") from None
 
 
 _tokenizers: dict[bytes, object] = {}     # by the bytes of a folder's tokenizer files (see load_tokenizer)

@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import shlex
 import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tasks.core import layout
 from tasks.core.errors import UserError, corrupt_line, user_error_line
 
 if TYPE_CHECKING:
@@ -24,27 +27,112 @@ if TYPE_CHECKING:
     from tasks.core.store import Store
 
 
-def require_input(store: Store, key: str, iteration: int, what: str, stage: str) -> dict:
-    """The manifest of a stage's input folder; a missing one is the user's mistake (stages run out of order)."""
+# The steps of an iteration in the order they run (by hand: one after another), what each leaves in the store,
+# and what each reads: a stage given an iteration whose inputs are not there names the first step to run.
+STEPS = ("generate", "reward", "train", "publish", "evaluate")
+OUTPUT = {"generate": ("rollouts", layout.rollouts), "reward": ("scored rollouts", layout.rewards),
+          "train": ("checkpoint", layout.checkpoint), "publish": ("published policy", layout.policy),
+          "evaluate": ("evaluation", layout.evaluation)}
+
+
+def inputs_of(stage: str, iteration: int, max_staleness: int) -> list[tuple[str, int]]:
+    """The (stage, iteration) steps whose outputs `stage` of `iteration` reads."""
+    if stage == "generate":
+        version = layout.version_of(layout.behaviour_policy("r", iteration, max_staleness))
+        return [("publish", version)] if version else []
+    if stage == "train":
+        return [("reward", iteration)] + ([("train", iteration - 1)] if iteration > 1 else [])
+    before = {"reward": "generate", "publish": "train", "evaluate": "publish"}[stage]
+    return [(before, iteration)] if iteration else []
+
+
+def first_missing(store: Store, run: str, stage: str, iteration: int, max_staleness: int) -> tuple[str, int] | None:
+    """The earliest step (by iteration, then stage order) whose output `stage` of `iteration` needs, directly or
+    through other missing outputs, and which is not complete in the store: what to run first. None: all there."""
+    missing, seen, todo = set(), set(), [(stage, iteration)]
+    while todo:
+        for step in inputs_of(*todo.pop(), max_staleness):
+            if step not in seen:
+                seen.add(step)
+                if store.manifest(OUTPUT[step[0]][1](run, step[1])) is None:
+                    missing.add(step)
+                    todo.append(step)
+    return min(missing, key=lambda s: (s[1], STEPS.index(s[0]))) if missing else None
+
+
+def require_input(store: Store, cfg: Config, stage: str, iteration: int, step: tuple[str, int]) -> dict:
+    """The manifest of the output of `step` (stage, iteration), an input of `stage` of `iteration`; a missing or
+    incomplete one is the user's mistake (stages run out of order): one line naming it and the command to run
+    first."""
+    key = OUTPUT[step[0]][1](cfg.run.name, step[1])
     manifest = store.manifest(key)
     if manifest is None:
-        raise UserError(f"iteration {iteration}: no complete {what} at {store.uri(key)}; run {stage} first")
+        first = first_missing(store, cfg.run.name, stage, iteration, cfg.run.max_staleness) or step
+        then = "" if first == step else f", then each stage in order ({', '.join(STEPS[:4])}) through " \
+                                        f"{step[0]} --iteration {step[1]}"
+        raise UserError(f"{stage} of iteration {iteration}: no complete {OUTPUT[step[0]][0]} of iteration "
+                        f"{step[1]} at {store.uri(key)}; run first: {command(first[0], first[1])}{then}")
     return manifest
 
 
-def fingerprint(cfg: Config, sections: tuple[str, ...], **inputs) -> str:
+def fingerprint(cfg: Config, sections: tuple[str, ...], **inputs) -> tuple[str, dict]:
+    """The fingerprint of a stage's output, and what it is made of (the fingerprinted values of `sections`, the
+    seed, `inputs`): kept in the output's manifest as `made_of`, so a refused resume can name what changed."""
+    made = {"config": cfg.section_values(*sections), "seed": cfg.run.seed, **inputs}
     blob = json.dumps({"config": cfg.section_hash(*sections), "seed": cfg.run.seed, **inputs}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return hashlib.sha256(blob.encode()).hexdigest()[:16], made
 
 
-def reuse(store: Store, key: str, fp: str) -> dict | None:
+def reuse(store: Store, key: str, fp: str, made: dict | None = None) -> dict | None:
+    """The result of `key` when it is complete and made from the same inputs (fingerprint `fp`); None when it is
+    not there; a UserError when it was made from others, naming the fields that changed (from the manifest's
+    `made_of`, against `made`) and how to go on."""
     manifest = store.manifest(key)
     if manifest is None:
         return None
     if manifest.get("meta", {}).get("fingerprint") != fp:
-        raise UserError(f"run: {store.uri(key)} was made from a different config or input; "
-                        f"resume with the same config or choose a new run.name")
+        was = manifest.get("meta", {}).get("made_of")
+        raise UserError(f"run: {store.uri(key)} was made from a different config or input"
+                        + (changed(was, made) if was is not None and made is not None else
+                           "; resume with the same config or choose a new run.name"))
     return result(store, key, manifest)
+
+
+def changed(was: dict, now: dict, shown: int = 3) -> str:
+    """What differs between an output's `made_of` and this run's, as the end of a refusal: the config fields with
+    old -> new values (the first `shown`; "and N more"), or the inputs, and how to go on."""
+    now = json.loads(json.dumps(now))                 # (as the manifest holds it: tuples are lists there)
+    old, new = _dotted(was.get("config", {})), _dotted(now.get("config", {}))
+    if was.get("seed") != now.get("seed"):
+        old["run.seed"], new["run.seed"] = was.get("seed"), now.get("seed")
+    fields = sorted(k for k in old.keys() | new.keys() if old.get(k, _UNSET) != new.get(k, _UNSET))
+    if not fields:
+        inputs = sorted(k for k in was.keys() - {"config", "seed"} if was[k] != now.get(k))
+        what = f" ({', '.join(inputs)})" if inputs else ""
+        return (f": the same config, other inputs{what}: an earlier output of this run was made again; "
+                f"choose a new run.name")
+
+    def show(v) -> str:
+        return "(unset)" if v is _UNSET else v if isinstance(v, str) else json.dumps(v)
+
+    listed = ", ".join(f"{k} {show(old.get(k, _UNSET))} -> {show(new.get(k, _UNSET))}" for k in fields[:shown])
+    more = f" and {len(fields) - shown} more" if len(fields) > shown else ""
+    back = " ".join(f"-o {k}={show(old[k])}" for k in fields[:shown] if k in old)
+    return (f": {listed}{more}; resume with the values it was made with"
+            f"{f' ({back}{more})' if back else ''}, or choose a new run.name")
+
+
+_UNSET = object()
+
+
+def _dotted(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_dotted(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def result(store: Store, key: str, manifest: dict) -> dict:
@@ -79,11 +167,31 @@ def in_stage_process() -> bool:
     return _OWN_PROCESS
 
 
+def launched() -> bool:
+    """Whether a launcher started this stage process, rather than a user by hand: the local and sky launchers run
+    the stage's recipe on a SkyPilot node or as one would (flows/launch.py: Local sets SKYPILOT_NODE_RANK); a
+    torchrun worker (RANK) was started by a stage process, which reads its output."""
+    return "SKYPILOT_NODE_RANK" in os.environ or "RANK" in os.environ
+
+
+def by_hand() -> bool:
+    """A stage command typed by a user (`python -m tasks.<stage>`, no launcher): no flow will tidy up after it."""
+    return in_stage_process() and not launched()
+
+
+_CONFIG_ARGS = ["--config", "CONFIG"]     # this stage command's --config and overrides (stage_cli), for command()
+
+
+def command(stage: str, iteration: int) -> str:
+    """The command line that runs `stage` ("train finish" too) for `iteration` with this stage command's config
+    and overrides: what a message tells the user to run."""
+    module, *sub = stage.split()
+    return shlex.join(["python", "-m", f"tasks.{module}", *sub, *_CONFIG_ARGS, "--iteration", str(iteration)])
+
+
 def quiet_progress_bars() -> None:
     """No download/loading/writing progress bars in a stage process's log (or a trainer's): they are a screen
     of carriage returns there. transformers reads the setting when imported, so it is told directly too."""
-    import os
-
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     try:
         from huggingface_hub.utils import disable_progress_bars
@@ -119,7 +227,9 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
     _OWN_PROCESS = True
     quiet_progress_bars()
     try:
-        cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
+        overrides = parse_overrides_json(args.overrides_json) + args.override
+        _CONFIG_ARGS[:] = ["--config", args.config, *(a for o in overrides for a in ("-o", o))]
+        cfg = load_config(args.config, overrides)
         kwargs = {}
         if takes_policy:
             kwargs["policy"] = args.policy
@@ -127,8 +237,9 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
             kwargs["mlflow_run_id"] = args.mlflow_run_id
         out = fn(cfg, args.iteration, **kwargs)
     except UserError as e:
-        # The second line lets a launcher tell a user error from a crash when only the log comes back.
-        print(user_error_line(e), file=sys.stderr)
+        # The second line lets a launcher tell a user error from a crash when only the log comes back; typed by
+        # hand, the command says it in one line.
+        print(f"error: {e}" if by_hand() else user_error_line(e), file=sys.stderr)
         sys.exit(2)
     except Exception as e:
         from tasks.core.store import CorruptArtifact

@@ -2,6 +2,12 @@
 a sample table, the reward-curve plot, and the published policies as registered model versions (those evaluated
 and the last, or every one: publish.register).
 
+What a user opens first: the run's Model metrics (its chart sections are in MLflow's order, alphabetical: eval,
+generate, iteration, reward, time, train) and the experiment's runs list with reward and evaluation columns (a
+shared view stored as an experiment tag, `viewStateShareKey=rlflow` in the link). MLflow 3.17's UI shows what
+its GenAI / Model training switch says (GenAI unless told), not the experiment's kind: every link carries
+`workflowType=machine_learning`.
+
 All calls go through an explicit MlflowClient for `tracking.uri`; nothing touches MLflow's global state.
 Per-iteration work (metrics, sample table, model registration) runs on one background thread, in order, so
 the training loop never waits on the tracking server; `finish()` drains it and raises what failed there.
@@ -27,6 +33,10 @@ if TYPE_CHECKING:
 
 TAG_RUN, TAG_STORE = "rlflow.run", "rlflow.store"
 CURVE_METRIC = "reward/mean"
+EXPERIMENT_KIND = "mlflow.experimentKind"     # what MLflow's UI shows an experiment as (its own tag)
+VIEW_KEY = "rlflow"                           # the experiment's shared view of the runs list (links)
+UI_MODE = "workflowType=machine_learning"     # MLflow's UI opens on its GenAI views unless a link says this
+LOCAL_UI = "http://127.0.0.1:5000"            # where `mlflow ui` serves a database or folder
 
 
 def _client(uri: str):
@@ -44,11 +54,53 @@ def experiment_id(client, cfg: Config) -> str:
 
     try:
         exp = client.get_experiment_by_name(cfg.tracking.experiment)
-        # a new experiment is one of model training (MLflow's UI would otherwise show it as GenAI evaluations)
+        # a new experiment is one of model training (MLflow UIs that read the tag show it so; 3.17's follows the
+        # link's workflowType instead: Tracker.links)
         return exp.experiment_id if exp else client.create_experiment(
             cfg.tracking.experiment, tags={EXPERIMENT_KIND: "custom_model_development"})
     except MlflowException as e:
         raise UserError(f"tracking.uri: {cfg.tracking.uri}: {str(e).splitlines()[0][:200]}") from None
+
+
+def share_view(client, exp_id: str, cfg: Config) -> None:
+    """The runs list as a user wants it first: reward and evaluation columns, newest run on top. MLflow's UI reads
+    a view from the experiment tag `mlflow.sharedViewState.<key>` when a link says `viewStateShareKey=<key>`
+    (Tracker.links); the metric columns of every config tracked to this experiment, in the order first seen."""
+    tag = f"mlflow.sharedViewState.{VIEW_KEY}"
+    current = client.get_experiment(exp_id).tags.get(tag)
+    try:
+        columns = json.loads(current)["selectedColumns"] if current else []
+    except (ValueError, KeyError, TypeError):          # not ours, or edited by hand: ours again
+        columns = []
+    wanted = [CURVE_METRIC] + ([cfg.eval.metric_key()] if cfg.eval.every else [])
+    metrics = [c for c in columns if isinstance(c, str) and c.startswith("metrics.")]
+    metrics += [f"metrics.`{m}`" for m in wanted if f"metrics.`{m}`" not in metrics]
+    # (only metric columns: with MLflow's own, Models and the rest, they start beyond a 1400-pixel window's edge)
+    view = json.dumps({"selectedColumns": metrics, "orderByKey": "attributes.start_time", "orderByAsc": False})
+    if view != current:
+        client.set_experiment_tag(exp_id, tag, view)
+
+
+def absolute_uri(uri: str) -> str:
+    """A tracking URI that means the same from any directory (a relative sqlite database or folder made absolute)."""
+    if uri.startswith("sqlite:///"):
+        database = uri[len("sqlite:///"):]
+        if database and database != ":memory:" and not database.startswith("/"):
+            return f"sqlite:///{Path(database).absolute()}"
+        return uri
+    if ":" not in uri:                                  # a bare folder
+        return str(Path(uri).absolute())
+    return uri
+
+
+def mlflow_command() -> str:
+    """The `mlflow` of this environment by its absolute path (a line a user pastes from any directory, with no
+    virtual environment active); plain `mlflow` when it has none."""
+    import shlex
+    import sys
+
+    exe = Path(sys.executable).parent / "mlflow"
+    return shlex.quote(str(exe)) if exe.exists() else "mlflow"
 
 
 def _create_sqlite_whole(uri: str) -> None:
@@ -97,6 +149,29 @@ def _dispose_engines(client) -> None:
             store().engine.dispose()
         except Exception:  # noqa: BLE001 - a courtesy (an open handle to an unlinked file is harmless)
             pass
+
+
+def readable_prompt(prompt) -> str:
+    """A chat prompt as a person reads it, one `role: content` line per message (a samples table's prompt column
+    in MLflow and Prefect). The reward stage stores a prompt as text, a chat as its Python repr: that is read back
+    here; anything else is shown as it is."""
+    messages = prompt
+    if isinstance(prompt, str) and prompt.startswith("[{"):
+        import ast
+
+        try:
+            messages = ast.literal_eval(prompt)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return prompt
+    if not (isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages)):
+        return "" if prompt is None else str(prompt)
+
+    def text(content) -> str:            # a multimodal content is a list of parts: their text
+        if isinstance(content, list):
+            return " ".join(str(p.get("text", f"[{p.get('type', 'part')}]")) if isinstance(p, dict) else str(p)
+                            for p in content)
+        return "" if content is None else str(content)
+    return "\n".join(f"{m['role']}: {text(m.get('content'))}" for m in messages)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
@@ -177,8 +252,8 @@ class Tracker:
             for iteration, _, samples, _ in pending:
                 if samples:  # mlflow.log_table's format, written directly (log_table re-lists artifacts per call)
                     cols = list(samples[0])
-                    (Path(tmp) / f"iter-{iteration:06d}.json").write_text(
-                        json.dumps({"columns": cols, "data": [[s.get(c) for c in cols] for s in samples]}))
+                    rows = [[readable_prompt(s.get(c)) if c == "prompt" else s.get(c) for c in cols] for s in samples]
+                    (Path(tmp) / f"iter-{iteration:06d}.json").write_text(json.dumps({"columns": cols, "data": rows}))
             if any(Path(tmp).iterdir()):
                 self.client.log_artifacts(self.run_id, tmp, "samples")
                 self._tables(sorted(f"samples/{f.name}" for f in Path(tmp).iterdir()))
@@ -208,6 +283,7 @@ class Tracker:
 
         cfg = self.cfg
         exp_id = experiment_id(self.client, cfg)
+        share_view(self.client, exp_id, cfg)
         found = self.client.search_runs(
             [exp_id], filter_string=f"tags.`{TAG_RUN}` = '{cfg.run.name}' and tags.`{TAG_STORE}` = '{self.store_root}'",
             max_results=1, order_by=["attributes.start_time DESC"])
@@ -287,16 +363,19 @@ class Tracker:
         """The registered model version of a published policy (after drain; None when registration is off)."""
         return self._registered.get(policy_uri)
 
-    def run_url(self) -> str:
+    def links(self) -> dict[str, str | None]:
+        """Where to look: `run` the run's Model metrics page (a tracking server) or `<uri> run <id>` (a database or
+        folder); `runs` the experiment's runs list in its shared view (a server); `view` the command that serves a
+        database or folder, then the page to open (None for a server)."""
         uri = self.cfg.tracking.uri
+        exp = self.client.get_run(self.run_id).info.experiment_id
+        run_page = f"#/experiments/{exp}/runs/{self.run_id}/model-metrics?{UI_MODE}"
+        runs_page = f"#/experiments/{exp}/runs?{UI_MODE}&viewStateShareKey={VIEW_KEY}"
         if uri.startswith(("http://", "https://")):
-            exp = self.client.get_run(self.run_id).info.experiment_id
-            # (MLflow's UI opens on its GenAI views unless told this is model training)
-            return f"{uri.rstrip('/')}/#/experiments/{exp}/runs/{self.run_id}?workflowType=machine_learning"
-        return f"{uri} run {self.run_id} (view: mlflow ui --backend-store-uri {uri})"
-
-
-EXPERIMENT_KIND = "mlflow.experimentKind"     # what MLflow's UI shows an experiment as (its own tag)
+            base = uri.rstrip("/")
+            return {"run": f"{base}/{run_page}", "runs": f"{base}/{runs_page}", "view": None}
+        serve = f"{mlflow_command()} ui --backend-store-uri {absolute_uri(uri)}"
+        return {"run": f"{uri} run {self.run_id}", "runs": None, "view": f"{serve}  then open {LOCAL_UI}/{run_page}"}
 
 
 def registered_model_name(cfg: Config) -> str:
@@ -333,9 +412,12 @@ def register_policy(cfg: Config, run_id: str, policy_uri: str, iteration: int, c
             folder = f"policies/{policy_uri.rstrip('/').rsplit('/', 1)[-1]}"
             client.log_dict(run_id, {"policy_uri": policy_uri, "iteration": iteration}, f"{folder}/policy.json")
             source = f"runs:/{run_id}/{folder}"
+        # (the description names the policy's store URI: what a version page shows that leads back to the store,
+        # whatever its source is)
         version = client.create_model_version(
             name, source=source, run_id=run_id,
-            tags={"rlflow.policy_uri": policy_uri, "rlflow.iteration": str(iteration)}).version
+            tags={"rlflow.policy_uri": policy_uri, "rlflow.iteration": str(iteration)},
+            description=f"Policy of rlflow run {cfg.run.name} after iteration {iteration}: {policy_uri}").version
     # No `latest` alias: MLflow reserves that name, and `models:/<name>/latest` already names the newest
     # version. The evaluation gate moves `champion` (promote_if_better).
     return str(version)

@@ -66,6 +66,7 @@ from tasks.core.daemon import Daemon, Watch, forget, leave, write_state
 from tasks.core.errors import UserError
 from tasks.core.paths import REPO_ROOT, cache_root
 from tasks.core.processes import alive
+from tasks.core.stage import by_hand, command
 from tasks.engines.trainer import Trainer, trainer_key
 
 if TYPE_CHECKING:
@@ -249,10 +250,18 @@ class ResidentTrainer:
         # The state file is written now (without a socket) and rewritten by the trainer once it listens: a stage
         # killed during the start leaves it, and the next one stops that trainer before it starts another (on
         # several nodes a second part of one node would join the rendezvous beside the first).
-        return self.daemon.start([*argv, "-m", MARKER, "serve", str(self.path), str(config)], env, ready,
-                                 START_TIMEOUT, f"the resident trainer of run {self.cfg.run.name}"
-                                 + (f" (node {self.node} of {self.nodes})" if self.nodes > 1 else ""),
-                                 state={"key": self.key, "node": self.node})
+        state = self.daemon.start([*argv, "-m", MARKER, "serve", str(self.path), str(config)], env, ready,
+                                  START_TIMEOUT, f"the resident trainer of run {self.cfg.run.name}"
+                                  + (f" (node {self.node} of {self.nodes})" if self.nodes > 1 else ""),
+                                  state={"key": self.key, "node": self.node})
+        if by_hand():       # no flow will finish it: say that it stays, until when, and how to stop it now
+            idle = self.cfg.train.idle_timeout
+            print(f"train: started the resident trainer of run {self.cfg.run.name} (pid {state['pid']}, log "
+                  f"{self.path.with_suffix('.log')}): it keeps the model for the next iterations and stops by itself "
+                  + (f"after {idle:.0f} s unused (train.idle_timeout)" if idle else "never (train.idle_timeout 0)")
+                  + f"; to stop it now, after a full checkpoint: {command('train finish', 0)}",
+                  file=sys.stderr, flush=True)
+        return state
 
 
 def _daemon(path: Path) -> Daemon:

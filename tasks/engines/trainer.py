@@ -52,14 +52,24 @@ if TYPE_CHECKING:
     from tasks.core.store import Store
 
 
+TRAIN_SECTIONS = ("model", "train")     # the config sections a checkpoint is made from (tasks/train.py's fingerprint)
+
+
+def made_of(cfg: Config) -> dict:
+    """The config part of what a checkpoint is made from (tasks/core/stage.py: fingerprint; its inputs, the
+    rewards and the previous checkpoint, the stage knows): a refused resume names the fields that changed."""
+    return {"config": cfg.section_values(*TRAIN_SECTIONS), "seed": cfg.run.seed}
+
+
 def trainer_key(cfg: Config) -> str:
     """What a running trainer must have been started with to serve this config: everything but the sections
     that cannot change a trainer's result or its files (tracking, launcher, cost, eval), and where it runs
-    (train.mode, train.host: a stage process asking with host auto finds the one a detached request started)."""
+    (train.mode, train.host: a stage process asking with host auto finds the one a detached request started;
+    train.idle_timeout: a stage typed by hand finds the flow's, and the flow a hand-run stage's)."""
     tree = cfg.model_dump(mode="json")
     for section in ("tracking", "launcher", "cost", "eval"):
         tree.pop(section)
-    for field in ("mode", "host"):
+    for field in ("mode", "host", "idle_timeout"):
         tree["train"].pop(field)
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -151,7 +161,8 @@ class Trainer:
         except BaseException:
             self.close()                        # a half-done update: the next request restores
             raise
-        self.at, engine, meta = iteration, self.engine, {"fingerprint": fingerprint, "metrics": metrics}
+        self.at, engine, meta = iteration, self.engine, {"fingerprint": fingerprint, "metrics": metrics,
+                                                         "made_of": made_of(cfg)}
         if self.resident:
             _drill("lean-write", iteration)
             write_checkpoint(store, cfg, key, iteration, engine.global_step, lean_files(engine), meta, kind="lean",
