@@ -108,6 +108,7 @@ bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/agents_vs_engine.py
 	$(BIN)/python bench/publish_vs_boto3.py
 	$(BIN)/python bench/sandbox_throughput.py
+	$(BIN)/python bench/isolation_per_episode.py
 	$(BIN)/python bench/real_model_vs_trl.py                 # SmolLM2-135M learning sums, 3 seeds each side (~4 h on 2 cores)
 	$(BIN)/python bench/real_model_vs_trl.py --levers
 

@@ -3,6 +3,7 @@ forkserver imports it, so it stays light (no torch, no transformers)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from tasks.core.contracts import Step
@@ -121,3 +122,29 @@ class Mover:
         """
         self.position += 1 if direction == "right" else -1
         return f"at {self.position}"
+
+
+def _marked(hint):
+    """A type hint that, each time it is evaluated (typing.get_type_hints: the tool's schema being built), adds this
+    process's id to the file $RLFLOW_TEST_MARKS names."""
+    if os.environ.get("RLFLOW_TEST_MARKS"):
+        with open(os.environ["RLFLOW_TEST_MARKS"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+    return hint
+
+
+class Marked:
+    """A TRL environment class whose tool's schema says where it was built."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.notes = []
+        return "Take notes."
+
+    def note(self, text: _marked(str)) -> str:
+        """Keep a note.
+
+        Args:
+            text: the note
+        """
+        self.notes.append(text)
+        return "noted"

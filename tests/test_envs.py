@@ -178,6 +178,49 @@ def test_an_episode_that_hangs_does_not_spend_the_time_of_the_others(isolation, 
     assert [r.env_return for r in records] == [3.0, None, 3.0]
 
 
+DRIVER = """
+import json, os, sys
+if __name__ == "__mp_main__":              # (this script run again in an episode's process: multiprocessing's default)
+    open(os.environ["RLFLOW_TEST_MARKS"] + ".main", "a").write(f"{os.getpid()}\\n")
+sys.path.insert(0, sys.argv[1])
+from tasks.core.config import load_config
+from tasks.envs.isolation import start_environment
+from tasks.envs.protocol import factory_of
+
+if __name__ == "__main__":
+    cfg = load_config(sys.argv[2], ["env.factory=tests.env_classes:Marked", "env.isolation=process"])
+    make, row, seen = factory_of(cfg), {"prompt": "Say each letter I name.", "letters": "abc", "seed": 0}, []
+    for _ in range(4):
+        env = start_environment(cfg, make, row)
+        env.reset(row)
+        env.step({"role": "assistant", "content": "done"})
+        env.close()
+        seen.append([[s["function"]["name"] for s in env.tool_schemas], env.state])
+    print(json.dumps({"pid": os.getpid(), "seen": seen}))
+"""
+
+
+def test_an_episodes_process_finds_the_first_use_work_done_once_by_the_forkserver(tmp_path):
+    """What a process pays on first use, the forkserver pays once before it forks: 4 episodes of a TRL class build
+    its tool's schema once (in the forkserver, not here and not in each child), and no episode's process runs the
+    script that started them again (multiprocessing runs the parent's __main__ in each child: a user's script, its
+    imports). A fresh interpreter: one forkserver serves a process, prepared for its first config."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "drive.py").write_text(DRIVER)
+    marks = tmp_path / "marks"
+    proc = subprocess.run([sys.executable, "drive.py", str(ROOT), str(LETTERS)], cwd=tmp_path, timeout=60,
+                          env={**os.environ, "RLFLOW_TEST_MARKS": str(marks)}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["seen"] == [[["note"], {"notes": []}]] * 4                 # (the episodes ran)
+    built = marks.read_text().split() if marks.exists() else []
+    assert len(built) == 1 and built[0] != str(out["pid"]), built        # once, in the forkserver
+    assert not Path(f"{marks}.main").exists(), Path(f"{marks}.main").read_text()
+
+
 # ------------------------------------------------------------------------------------------ tool calls and adapters
 
 def test_coroutines_of_calls_made_at_once_all_run_on_one_event_loop():
@@ -268,6 +311,9 @@ def test_reward_functions_get_the_environments_as_trls_docs_read_them(chatml, tm
         return '<tool_call>{"name": "increment", "arguments": {"step": ' + str(step) + '}}</tool_call>'
 
     records = _run(cfg, Scripted(reply), chatml)
+    # reset's text after the prompt: TRL glues them; a newline here, as neither has whitespace there (the Counter
+    # test above: " Reach 3" is joined as it is)
+    assert records[0].prompt[-1]["content"] == "Say each letter I name.\nReach exactly 3 by calling increment."
     assert records[0].env_state == {"count": 3, "reward": 1.0}
     score_records(load_functions(cfg), records, "sum")
     assert [r.rewards["reward_func"] for r in records] == [1.0] * 4 and [r.reward for r in records] == [1.0] * 4

@@ -1,9 +1,9 @@
 """Environments written for other APIs, driven through the protocol (protocol.py) unchanged.
 
 - `trl`: a class written for TRL's `GRPOTrainer(environment_factory=...)`. `reset(**row)` returns None or
-  text appended to the prompt's last user message. Its public methods are the tools. The episode goes on
-  while the model calls tools, and ends at the first message without a call. `get_reward()`, when defined, is
-  the return (TRL adds it as a reward named after the class).
+  text appended to the prompt's last user message (after a newline, unless one side has whitespace there). Its
+  public methods are the tools. The episode goes on while the model calls tools, and ends at the first message
+  without a call. `get_reward()`, when defined, is the return (TRL adds it as a reward named after the class).
 - `gymnasium`: a text `gymnasium.Env`. `reset(seed=row["seed"])` gives the first observation (a string, after
   the dataset prompt when the row has one). `step(the assistant's text)` gives (observation, reward,
   terminated, truncated, info), and the episode ends at terminated or truncated.
@@ -54,13 +54,10 @@ def detect(instance: Any) -> str:
     well be called `step`)."""
     if _is_verifiers(instance):
         return "verifiers"
-    try:
-        import gymnasium
-
+    gymnasium = sys.modules.get("gymnasium")     # (a gymnasium.Env was made by code that imported it: importing it
+    if gymnasium is not None:                    #  here would cost each episode's process ~30 ms for nothing)
         if isinstance(instance, gymnasium.Env) or isinstance(getattr(instance, "unwrapped", None), gymnasium.Env):
             return "gymnasium"
-    except ImportError:
-        pass
     try:
         params = inspect.signature(instance.reset).parameters.values()
     except (AttributeError, TypeError, ValueError):
@@ -74,24 +71,42 @@ def _prompt_messages(cfg: Config, row: dict) -> list[dict]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
 
 
-def _append_to_last_user(messages: list[dict], text: str) -> list[dict]:
+def _append_to_last_user(messages: list[dict], text: str, sep: str = "") -> list[dict]:
     for m in reversed(messages):
         if m.get("role") == "user":
-            m["content"] = f"{m.get('content') or ''}{text}"
+            m["content"] = _joined(m.get("content") or "", text, sep)
             return messages
     return messages + [{"role": "user", "content": text}]
+
+
+def _joined(content: Any, text: str, sep: str) -> Any:
+    """`content` then `text`, with `sep` between them unless either side already has whitespace there (content as
+    parts, multimodal: a text part after them, as TRL adds it)."""
+    if isinstance(content, list):
+        return content + [{"type": "text", "text": text}]
+    if content and text and not content[-1].isspace() and not text[0].isspace():
+        return f"{content}{sep}{text}"
+    return f"{content}{text}"
+
+
+def tool_names(cls: type) -> list[str]:
+    """A TRL environment class's tools: its public methods but reset and get_reward (TRL's rule)."""
+    return [name for name, _ in inspect.getmembers(cls, inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
 class TRLEnvironment:
     def __init__(self, instance: Any, cfg: Config, row: dict):
         self.env, self.cfg, self.instance = instance, cfg, instance
-        self.tools = [getattr(instance, name) for name, _ in inspect.getmembers(type(instance), inspect.isfunction)
-                      if name not in ("reset", "get_reward") and not name.startswith("_")]
+        self.tools = [getattr(instance, name) for name in tool_names(type(instance))]
 
     def reset(self, row: dict) -> list[dict]:
+        """The prompt, and reset's text after its last user message. TRL glues the two (`content + observation`),
+        its examples ending their prompts with a newline; a newline is put between them here when neither has
+        whitespace there ("...I name." + "Reach 3." reached the model as "...I name.Reach 3.")."""
         observation = self.env.reset(**row)
         messages = _prompt_messages(self.cfg, row)
-        return _append_to_last_user(messages, observation) if isinstance(observation, str) else messages
+        return _append_to_last_user(messages, observation, "\n") if isinstance(observation, str) else messages
 
     def step(self, message: dict) -> Step:
         calls = message.get("tool_calls") or []

@@ -13,12 +13,21 @@ once, that imported tasks.envs and the environment's module (env.factory) and fo
 a child never inherits this process's threads or its torch and engine state, and it costs a fork of a small
 process, not a new interpreter. Calls and replies are pickled over a pipe. The child runs `async def` methods on
 an event loop of its own.
+
+What a process pays the first time it does something, the forkserver pays once, before it forks
+(_prepare_forkserver): it validated the config, built the tool schemas of the environment class's methods
+(tools.schema), and a child does not run this process's `__main__` again (multiprocessing's default: a
+script's imports and top-level code in every episode's process). So an episode's process costs a fork and its
+pickles, ~12 ms here, not ~78 ms (bench/isolation_per_episode.py). What the environment's own `__init__` does
+is each episode's, as with env.isolation: thread; work at its module's top level is done once (the forkserver
+imports the module).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import multiprocessing
 import os
 import signal
@@ -36,12 +45,15 @@ if TYPE_CHECKING:
 
 _context = None
 _warm = False
+_warming = threading.Lock()              # (episodes start from many threads, each calling warm_up)
+PREPARE = "RLFLOW_FORKSERVER_CONFIG"     # the config the forkserver prepares for (warm_up: for its start only)
 
 
 def _forkserver(cfg: Config):
     global _context
     if _context is None:
         ctx = multiprocessing.get_context("forkserver")
+        # (this module first: it prepares the forkserver as it is imported there, importing the others)
         ctx.set_forkserver_preload(["tasks.envs.isolation", "tasks.core.config", "tasks.envs.adapters",
                                     "transformers.utils",        # (tool schemas: get_json_schema)
                                     (cfg.env.factory or cfg.env.agent).partition(":")[0]])
@@ -50,25 +62,82 @@ def _forkserver(cfg: Config):
 
 
 def warm_up(cfg: Config) -> None:
-    """Start the forkserver and let it import its modules (once per process), so that no episode's
-    env.timeout_seconds pays for it."""
+    """Start the forkserver, let it import its modules and prepare for `cfg`'s environment (once per process: one
+    forkserver serves a process, prepared for the first config's), so that no episode's env.timeout_seconds
+    pays for it."""
     global _warm
-    if not _warm:
+    with _warming:
+        if _warm:
+            return
         from tasks.core.process_wide import children_import_rlflow
 
         proc = _forkserver(cfg).Process(target=_noop)
         # The forkserver starts with this process's os.environ (it takes no env of its own), and its `-c` would
         # put the working directory first on its path: for this one start rlflow's root is first and the working
         # directory last (env.factory's module, preloaded, is found there). It drops the safe path as it starts
-        # (tasks/__init__.py), so the episodes it forks do not inherit it.
+        # (tasks/__init__.py), so the episodes it forks do not inherit it. The config it prepares for travels the
+        # same way, and it drops that too.
         with children_import_rlflow(also=os.getcwd()):
-            proc.start()
+            os.environ[PREPARE] = json.dumps({"parent": os.getpid(), "config": cfg.model_dump(mode="json")})
+            try:
+                proc.start()
+            finally:
+                os.environ.pop(PREPARE, None)
         proc.join()
         _warm = True
 
 
 def _noop() -> None:
     pass
+
+
+def _prepare_forkserver(given: Any) -> None:
+    """In the forkserver, as it starts (before it forks anything): pay here, once, what each episode's process
+    would pay on first use. Best effort: what fails here is paid by each child, where its error is the episode's."""
+    from multiprocessing import spawn
+
+    given = json.loads(given)
+    if given["parent"] != os.getppid():       # (another child of that process, started while it was set)
+        return
+    # A child of the forkserver runs the parent's __main__ again as __mp_main__ before its target (spawn.prepare:
+    # a script run by path, a `-m` module): its imports and top-level code, 7 ms for `rlflow`, 33 ms for
+    # `-m tasks.generate`, a user's script whatever it costs, in every episode. The children's targets
+    # (_serve, agents._child) and their arguments are rlflow's and plain data: nothing of __main__ is needed.
+    def prepare(data: dict) -> None:
+        _prepare({k: v for k, v in data.items() if k not in ("init_main_from_name", "init_main_from_path")})
+
+    _prepare = spawn.prepare
+    spawn.prepare = prepare
+    try:
+        from tasks.core.config import Config
+        from tasks.core.errors import UserError
+        from tasks.envs.adapters import tool_names
+        from tasks.envs.protocol import import_callable
+        from tasks.envs.tools import schema
+
+        cfg = Config.model_validate(given["config"])        # (pydantic's first validation: ~1 ms)
+        if not cfg.env.factory:
+            return
+        try:
+            made = import_callable(cfg.env.factory, "env.factory")
+        except UserError:              # (found on a path the parent added as it ran: each child imports it)
+            return
+        if not inspect.isclass(made):           # (a function makes it: what it makes is known only by making one)
+            return
+        # The tools as an instance has them (a method bound to it, a staticmethod as it is), from the class alone:
+        # no instance is made here (what __init__ starts, threads or connections, every child would inherit).
+        anyone = object()
+        tools = [inspect.getattr_static(made, name).__get__(anyone, made) for name in tool_names(made)]
+        listed = inspect.getattr_static(made, "tools", None)
+        tools += list(listed) if isinstance(listed, list | tuple) else []
+        for tool in tools:
+            try:
+                schema(tool)
+            except Exception:  # noqa: BLE001, S112 - not a tool (a protocol method without a docstring), or a bad one
+                continue
+    except Exception as e:  # noqa: BLE001 - preparing is an optimisation: each child does it again
+        print(f"rlflow: the environments' forkserver was not prepared ({why(e)}); each episode pays it",
+              file=sys.stderr)
 
 
 def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
@@ -182,6 +251,7 @@ class ProcessEnvironment:
 
     @classmethod
     def start(cls, cfg: Config, row: dict) -> ProcessEnvironment:
+        warm_up(cfg)                       # (once per process: the stage and the server have called it already)
         ctx = _forkserver(cfg)
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_serve, args=(child, cfg.model_dump(mode="json"), row, os.getcwd(),
@@ -276,3 +346,7 @@ class Caller:
 
 async def _awaited(value):
     return await value
+
+
+if PREPARE in os.environ and sys.argv == ["-c"]:        # (this module, imported in the forkserver warm_up started)
+    _prepare_forkserver(os.environ.pop(PREPARE))

@@ -6,7 +6,8 @@
         Args:
             city: the city's name
         '''
-    schemas([lookup])                    # JSON schemas from the signature and docstring (transformers', as TRL)
+    schemas([lookup])                    # JSON schemas from the signature and docstring (transformers', as TRL),
+                                         # built once per function in a process
     content, calls = parse_tool_calls(text)   # Hermes/Qwen: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
     call_tools(calls, [lookup])          # -> tool messages; a malformed call or a tool that raises is a message too
 
@@ -16,6 +17,7 @@ message saying so: an observation the model can learn from, never a crash of the
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import re
@@ -36,11 +38,30 @@ def tool_schemas(env) -> list[dict]:
 
 
 def schemas(tools: list[Callable]) -> list[dict]:
-    if not tools:
-        return []
-    from transformers.utils import get_json_schema
+    return [schema(t) for t in tools]
 
-    return [get_json_schema(t) for t in tools]
+
+_built: dict[tuple[Any, bool], dict] = {}     # a tool's schema by its function, and whether it was a bound method
+
+
+def schema(tool: Callable) -> dict:
+    """One tool's schema, built once per process for its function: every episode's instance of a class has bound
+    methods of the same functions, and the schema of a method does not depend on its instance (`self` is not in
+    it). With env.isolation: process the forkserver builds them for the environment class's methods before it
+    forks the episodes (isolation.py: _prepare_forkserver), so a child finds them built."""
+    fn = getattr(tool, "__func__", tool)
+    key = (fn, fn is not tool)
+    try:
+        built = _built.get(key)
+    except TypeError:                  # (a callable object that cannot be a key: built each time)
+        key, built = None, None
+    if built is None:
+        from transformers.utils import get_json_schema
+
+        built = get_json_schema(tool)
+        if key is not None:
+            _built[key] = built
+    return copy.deepcopy(built)        # (a caller's edits never reach the next episode's)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
