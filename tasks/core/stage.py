@@ -78,9 +78,15 @@ def require_input(store: Store, cfg: Config, stage: str, iteration: int, step: t
 def fingerprint(cfg: Config, sections: tuple[str, ...], **inputs) -> tuple[str, dict]:
     """The fingerprint of a stage's output, and what it is made of (the fingerprinted values of `sections`, the
     seed, `inputs`): kept in the output's manifest as `made_of`, so a refused resume can name what changed."""
-    made = {"config": cfg.section_values(*sections), "seed": cfg.run.seed, **inputs}
+    made = {**made_of(cfg, sections), **inputs}
     blob = json.dumps({"config": cfg.section_hash(*sections), "seed": cfg.run.seed, **inputs}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16], made
+
+
+def made_of(cfg: Config, sections: tuple[str, ...]) -> dict:
+    """The config part of what an output is made from (its fingerprinted sections' values and the seed); a
+    checkpoint's trainer writes it too (tasks/engines/trainer.py), without the inputs only the stage knows."""
+    return {"config": cfg.section_values(*sections), "seed": cfg.run.seed}
 
 
 def reuse(store: Store, key: str, fp: str, made: dict | None = None) -> dict | None:

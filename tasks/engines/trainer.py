@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from tasks.core import layout
 from tasks.core.process_wide import PROCESS_WIDE, rng_state, set_rng_state
+from tasks.core.stage import made_of
 from tasks.core.store import open_store
 from tasks.engines.training import (
     lean_files,
@@ -53,12 +54,6 @@ if TYPE_CHECKING:
 
 
 TRAIN_SECTIONS = ("model", "train")     # the config sections a checkpoint is made from (tasks/train.py's fingerprint)
-
-
-def made_of(cfg: Config) -> dict:
-    """The config part of what a checkpoint is made from (tasks/core/stage.py: fingerprint; its inputs, the
-    rewards and the previous checkpoint, the stage knows): a refused resume names the fields that changed."""
-    return {"config": cfg.section_values(*TRAIN_SECTIONS), "seed": cfg.run.seed}
 
 
 def trainer_key(cfg: Config) -> str:
@@ -162,7 +157,7 @@ class Trainer:
             self.close()                        # a half-done update: the next request restores
             raise
         self.at, engine, meta = iteration, self.engine, {"fingerprint": fingerprint, "metrics": metrics,
-                                                         "made_of": made_of(cfg)}
+                                                         "made_of": made_of(cfg, TRAIN_SECTIONS)}
         if self.resident:
             _drill("lean-write", iteration)
             write_checkpoint(store, cfg, key, iteration, engine.global_step, lean_files(engine), meta, kind="lean",
