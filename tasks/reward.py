@@ -68,7 +68,7 @@ def reward(cfg: Config, iteration: int) -> dict:
     metrics.update({f"reward/{k}": v for k, v in scored.metrics.items()})
     n = cfg.tracking.sample_completions
     step = max(len(records) // max(n, 1), 1)
-    samples = [{"prompt": str(r.prompt), "completion": r.completion, "reward": r.reward,
+    samples = [{"prompt": r.prompt, "completion": r.completion, "reward": r.reward,
                 **{f"reward/{k}": v for k, v in r.rewards.items()}, **r.extra} for r in records[::step][:n]]
     with tempfile.TemporaryDirectory(prefix="rlflow-reward-") as tmp:
         rollout.write(records, Path(tmp))

@@ -153,8 +153,8 @@ def _dispose_engines(client) -> None:
 
 def readable_prompt(prompt) -> str:
     """A chat prompt as a person reads it, one `role: content` line per message (a samples table's prompt column
-    in MLflow and Prefect). The reward stage stores a prompt as text, a chat as its Python repr: that is read back
-    here; anything else is shown as it is."""
+    in MLflow and Prefect). The reward stage keeps a chat prompt as its messages; outputs made before 2026-11-27
+    hold their Python repr, read back here; anything else is shown as it is."""
     messages = prompt
     if isinstance(prompt, str) and prompt.startswith("[{"):
         import ast
