@@ -90,8 +90,11 @@ def check_recipe(path: Path) -> dict:
     return recipe or {}
 
 
-def stage_env(cfg_path: str, overrides: list[str], iteration: int, policy: str | None = None) -> dict[str, str]:
+def stage_env(cfg_path: str, overrides: list[str], iteration: int, policy: str | None = None,
+              round: int = 0) -> dict[str, str]:
     env = {"CONFIG": str(cfg_path), "OVERRIDES": json.dumps(list(overrides)), "ITERATION": str(iteration)}
+    if round:                                    # (dynamic sampling: the generate and reward recipes' ROUND)
+        env["ROUND"] = str(round)
     if policy is not None:
         env["POLICY"] = policy
     return env

@@ -17,6 +17,7 @@ import torch
 
 from flows.launch import recipe_path, recipes_folder
 from tasks.core.config import Config
+from tasks.core.curriculum import check as check_curriculum
 from tasks.core.data import load_prompts
 from tasks.core.errors import UserError
 from tasks.core.models import base_path, check_lora_targets, load_tokenizer
@@ -30,6 +31,7 @@ from tasks.scoring.functions import load_functions
 def preflight(cfg: Config) -> None:
     """Raise UserError for any input mistake; writes nothing."""
     open_store(cfg).check()
+    check_curriculum(cfg)                  # prompts with stable ids (not a hub dataset): one line
     if cfg.publish.register_model:
         check_registered_model_name(cfg)
     datasets = [load_prompts(cfg)] + ([load_prompts(cfg, split="eval")] if cfg.eval.every else [])
@@ -44,9 +46,10 @@ def preflight(cfg: Config) -> None:
                       if cfg.data.reasoning_gym is not None else f"data.path {cfg.data.path}")
             where = f"the evaluation split ({source}, split {cfg.eval.split!r}) has "
             raise UserError(str(e).replace("the data has ", where)) from None
-    if cfg.eval.every and cfg.eval.pass_reward is not None and cfg.eval.pass_reward not in functions.all_names:
-        raise UserError(f"eval.pass_reward: {cfg.eval.pass_reward!r} is not one of the reward functions or models "
-                        f"({', '.join(functions.all_names)})")
+    if cfg.eval.every:
+        from tasks.evaluate import check_named_rewards
+
+        check_named_rewards(cfg, functions.all_names)    # eval.pass_reward, eval.format_reward
     if cfg.reward.models:
         from tasks.scoring.judges import check_models
 

@@ -33,12 +33,27 @@ def retryable(task, task_run, state) -> bool:
     return cause_of(exc, (UserError, LeaseLost, CorruptArtifact)) is None and not STOP.is_set()
 
 
-def producer_of(run: str, key: str) -> tuple[str, int] | None:
-    """(stage, iteration) whose output `key` is, or None (not a stage's output: nothing can make it again)."""
+def output_key(cfg, stage: str, iteration: int, round: int = 0) -> str:
+    """Where a stage run leaves its output: dynamic sampling's rounds have keys of their own (tasks/core/layout.py)."""
+    if stage == "generate":
+        return layout.rollouts(cfg.run.name, iteration, round)
+    if stage == "reward" and cfg.generate.dynamic_sampling is not None:
+        return layout.scored(cfg.run.name, iteration, round)
+    return OUTPUT_KEY[stage](cfg.run.name, iteration)
+
+
+def producer_of(run: str, key: str) -> tuple[str, int, int] | None:
+    """(stage, iteration, round) whose output `key` is, or None (not a stage's output: nothing can make it
+    again)."""
+    rounds = re.fullmatch(r".*/(rollouts|scored)-r(\d+)", key)
     for it in {int(d) for d in re.findall(r"\d+", key[len(run):])}:
         for stage, out in OUTPUT_KEY.items():
             if it >= 1 and out(run, it) == key:
-                return stage, it
+                return stage, it, 0
+        if rounds and it >= 1:
+            stage, r = ("generate" if rounds[1] == "rollouts" else "reward"), int(rounds[2])
+            if key in (layout.rollouts(run, it, r), layout.scored(run, it, r)):
+                return stage, it, r
     return None
 
 
@@ -54,15 +69,15 @@ class Repair:
         self.stage, self.ctx, self.log = stage, ctx, log
         self.note = print            # the console line (the flow sets its progress display's)
 
-    def __call__(self, name: str, it: int, ctx, *args):
-        return self._repairing(lambda: self.stage(name, it, ctx, *args), set())
+    def __call__(self, name: str, it: int, ctx, *args, **kwargs):
+        return self._repairing(lambda: self.stage(name, it, ctx, *args, **kwargs), set())
 
     def submit(self, *args, **kwargs):
         return self.stage.submit(*args, **kwargs)
 
-    def result(self, future, name: str, it: int, ctx, *args):
+    def result(self, future, name: str, it: int, ctx, *args, **kwargs):
         """A submitted stage's result; if it found a corrupt artifact, repaired and run again here."""
-        return self._repairing(future.result, set(), again=lambda: self.stage(name, it, ctx, *args))
+        return self._repairing(future.result, set(), again=lambda: self.stage(name, it, ctx, *args, **kwargs))
 
     def _repairing(self, call, seen: set, again=None):
         while True:
@@ -85,13 +100,15 @@ class Repair:
         if producer is None:
             raise UserError(f"{bad}: corrupt, and no stage makes it (moved to {store.uri(moved)}); restore it "
                             f"or start a new run.name") from None
-        stage, it = producer
-        said = f"corrupt artifact: {bad}; moved to {store.uri(moved)}, making it again ({stage} of iteration {it})"
+        stage, it, round = producer
+        which = f"{stage} of iteration {it}" + (f" round {round}" if round else "")
+        said = f"corrupt artifact: {bad}; moved to {store.uri(moved)}, making it again ({which})"
         self.log.warning(said)
         self.note(said)
         args = (layout.behaviour_policy(run, it, self.ctx.cfg.run.max_staleness),) if stage == "generate" else ()
+        extra = {"round": round} if round else {}
         try:
-            self._repairing(lambda: self.stage(stage, it, self.ctx, *args), seen)
+            self._repairing(lambda: self.stage(stage, it, self.ctx, *args, **extra), seen)
         except UserError:
             raise
         except Exception as e:

@@ -3,7 +3,8 @@
 generate's and reward's results of `it` whatever S is.
 
     ahead = Ahead(stage, ctx, first=1, now=NOW)
-    g, r = ahead.take(it)     # S > 0: generate and reward of it+1..it+S start now, beside train(it)
+    g, r = ahead.take(it)     # S > 0: generate and reward of it+1..it+S start now, beside train(it); with
+                              # generate.dynamic_sampling, as many rounds of both as the batch needs
     ...
     ahead.drain()             # the flow failed: wait for what still runs, so nothing writes after the flow ends
 
@@ -37,9 +38,10 @@ class Ahead:
         run = self.ctx.cfg.run.name
         if self.S == 0:
             self.now.update(stage="generate")
-            g = self.stage("generate", it, self.ctx, layout.behaviour_policy(run, it, 0))
+            policy = layout.behaviour_policy(run, it, 0)
+            g = self.stage("generate", it, self.ctx, policy)
             self.now.update(stage="reward")
-            return g, self.stage("reward", it, self.ctx)
+            return self._rounds(it, policy, g, self.stage("reward", it, self.ctx))
         while self.next <= min(it + self.S, self.last):
             m = self.next
             self.gen[m] = self.stage.submit("generate", m, self.ctx, layout.behaviour_policy(run, m, self.S),
@@ -48,8 +50,29 @@ class Ahead:
                                             wait_for=[self.gen[m]] + ([self.rew[m - 1]] if m - 1 in self.rew else []))
             self.next += 1
         policy = layout.behaviour_policy(run, it, self.S)       # (later ones wait for it+1.. only)
-        return (self.stage.result(self.gen.pop(it), "generate", it, self.ctx, policy),
-                self.stage.result(self.rew.pop(it), "reward", it, self.ctx))
+        return self._rounds(it, policy, self.stage.result(self.gen.pop(it), "generate", it, self.ctx, policy),
+                            self.stage.result(self.rew.pop(it), "reward", it, self.ctx))
+
+    def _rounds(self, it: int, policy: str, g: dict, r: dict) -> tuple[dict, dict]:
+        """generate.dynamic_sampling: more rounds of generate and reward of iteration `it`, from the same policy,
+        until reward says the batch is complete (tasks/reward.py); then generate's results of every round as
+        one (their seconds summed). Rounds after the first run here, in the loop's thread: the look-ahead
+        lanes carry the first rounds only."""
+        rounds = [g]
+        while not r.get("complete", True):
+            n = len(rounds)
+            self.now.update(stage=f"generate round {n}")
+            rounds.append(self.stage("generate", it, self.ctx, policy, round=n))
+            self.now.update(stage=f"reward round {n}")
+            r = self.stage("reward", it, self.ctx, round=n)
+        if len(rounds) == 1:
+            return g, r
+        metrics = dict(g["metrics"])
+        for later in rounds[1:]:
+            for name, value in later["metrics"].items():
+                if name.endswith("seconds") or name.startswith("cost/"):
+                    metrics[name] = metrics.get(name, 0.0) + value
+        return {**g, "metrics": metrics}, r
 
     def drain(self) -> None:
         """Wait for every stage still running (a failed iteration's neighbours): retried or failed, they end."""

@@ -45,7 +45,7 @@ from prefect.tasks import exponential_backoff
 from flows.dashboard import Progress, Report
 from flows.launch import InfraError, Launchers, stage_env
 from flows.preflight import preflight
-from flows.repair import OUTPUT_KEY, Repair, retryable
+from flows.repair import Repair, output_key, retryable
 from flows.schedule import Ahead
 from tasks.core import layout, retention
 from tasks.core.config import Config, load_config
@@ -78,9 +78,18 @@ class Run:
         self.launchers = Launchers(cfg, config_path, overrides)
 
 
-@task(name="stage", task_run_name="{stage}[iter {iteration}]", cache_policy=NO_CACHE)
-def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None) -> dict:
-    """Run one stage where the config says; return its result (keys, metrics) read from the store."""
+def _stage_run_name() -> str:
+    """generate[iter 3], or generate[iter 3 round 1] for dynamic sampling's later rounds."""
+    from prefect.runtime import task_run
+
+    p = task_run.parameters
+    return f"{p['stage']}[iter {p['iteration']}" + (f" round {p['round']}" if p.get("round") else "") + "]"
+
+
+@task(name="stage", task_run_name=_stage_run_name, cache_policy=NO_CACHE)
+def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None, round: int = 0) -> dict:
+    """Run one stage where the config says (`round`: dynamic sampling's, generate and reward); return its result
+    (keys, metrics) read from the store."""
     if STOP.is_set():
         raise KeyboardInterrupt
     ctx.lease.check()
@@ -101,20 +110,57 @@ def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None) -
     if stage in ("generate", "evaluate") and (replicas := ctx.launchers.replicas()):
         tell_inline_stages(replicas)         # generate.replicas on sky: how the stage's router launches them
     if launcher is not None:
-        env = {**stage_env(ctx.config_path, ctx.overrides, iteration, policy), **served}
+        env = {**stage_env(ctx.config_path, ctx.overrides, iteration, policy, round), **served}
         ran = launcher.run(stage, iteration, env, log.info)
-        key = OUTPUT_KEY[stage](cfg.run.name, iteration)
+        key = output_key(cfg, stage, iteration, round)
         if ctx.store.manifest(key) is None:
             raise InfraError(f"{stage}[iter {iteration}]: the {launcher.mode} job succeeded but its output "
                              f"{ctx.store.uri(key)} is missing")
     args = (policy,) if stage == "generate" else ()
-    out = STAGE_FUNCTIONS[stage](cfg, iteration, *args)    # remote: finds the output and returns it
+    rounds = {"round": round} if round else {}
+    out = STAGE_FUNCTIONS[stage](cfg, iteration, *args, **rounds)    # remote: finds the output and returns it
     seconds = ran.seconds if ran is not None else time.perf_counter() - t0
     hourly = ran.hourly_usd if ran is not None and ran.hourly_usd is not None else cfg.cost.hourly_usd.get(stage)
     out["metrics"] = {**out["metrics"], f"time/{stage}_seconds": seconds}
     if hourly is not None:                  # no price known: no cost metric (not a chart of zeros)
         out["metrics"][f"cost/{stage}_usd"] = seconds * hourly / 3600
     return out
+
+
+class Watch:
+    """What the console warns about as iterations go (each said once, not every iteration): the trainer and the
+    sampler disagreeing about the policy (train/mismatch_kl above train.mismatch_kl_warn, or 10x above its median
+    so far: a policy that never reached the sampler), and dynamic sampling finding no group with a signal."""
+
+    def __init__(self, cfg: Config, note, log):
+        self.cfg, self.note, self.log = cfg, note, log
+        self.kl: list[float] = []
+        self.warned: set[str] = set()
+
+    def iteration(self, it: int, reward: dict, train: dict) -> None:
+        kl = train.get("train/mismatch_kl")
+        if kl is not None:
+            limit = self.cfg.train.mismatch_kl_warn
+            median = sorted(self.kl)[len(self.kl) // 2] if self.kl else None
+            jumped = median is not None and kl > max(10 * median, 1e-4)
+            if kl > limit or jumped:
+                self._say("mismatch", f"warning: iteration {it}: train/mismatch_kl {kl:.2e} "
+                          + (f"is above train.mismatch_kl_warn ({limit:g})" if kl > limit else
+                             f"jumped from a median of {median:.2e}")
+                          + ": the sampler's logprobs disagree with the trainer's (a policy that did not reach the "
+                          "sampler, an engine sampling other weights; docs/operations.md); said once")
+            self.kl.append(kl)
+        if reward.get("dynamic/groups_kept") == 0:
+            ds = self.cfg.generate.dynamic_sampling
+            self._say("constant", f"warning: iteration {it}: every group was constant through "
+                      f"generate.dynamic_sampling.max_rounds ({ds.max_rounds} rounds): trained without a learning "
+                      f"signal (dynamic/short counts such iterations' missing groups); said once")
+
+    def _say(self, what: str, line: str) -> None:
+        if what not in self.warned:
+            self.warned.add(what)
+            self.log.warning(line)
+            self.note(line)
 
 
 def _held_out(cfg: Config, store: Store) -> dict:
@@ -130,8 +176,8 @@ def _held_out(cfg: Config, store: Store) -> dict:
 
 def _held_out_line(cfg: Config, metrics: dict) -> str:
     """An evaluation's numbers for the console: greedy pass@1 (eval.greedy), pass@k, reward."""
-    shown = [("greedy", "eval/greedy_pass_at_1"), (f"pass@{cfg.eval.k}", f"eval/pass_at_{cfg.eval.k}"),
-             ("reward", "eval/reward_mean")]
+    shown = [("greedy", "eval/greedy_pass_at_1"), ("format", "eval/greedy_format_share"),
+             (f"pass@{cfg.eval.k}", f"eval/pass_at_{cfg.eval.k}"), ("reward", "eval/reward_mean")]
     return " ".join(f"{name} {metrics[key]:.3f}" for name, key in shown if key in metrics)
 
 
@@ -314,6 +360,7 @@ def _iterations(ctx: Run, log) -> dict:
             reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
             report.record(it, {"reward/mean": reward_means[-1]})
         warm = _trainer_to_warm(cfg)
+        watch = Watch(cfg, progress.note, log)
         for it in range(done + 1, cfg.run.iterations + 1):
             t0 = time.perf_counter()
             if warm is not None:
@@ -331,6 +378,7 @@ def _iterations(ctx: Run, log) -> dict:
                 NOW.update(stage="evaluate")
                 e = stage("evaluate", it, ctx)
             reward_means.append(r["metrics"]["reward/mean"])
+            watch.iteration(it, r["metrics"], t["metrics"])
             report.record(it, {**r["metrics"], **t["metrics"], **e["metrics"]})
             if it > already_logged:
                 metrics = {**g["metrics"], **r["metrics"], **t["metrics"], **p["metrics"], **e["metrics"],

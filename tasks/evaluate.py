@@ -79,6 +79,24 @@ def _passes(cfg: Config, records: list, n_prompts: int) -> list[int]:
     return passed
 
 
+def format_metrics(cfg: Config, records: list) -> dict[str, float]:
+    """eval.format_reward: the share of greedy answers in the asked form, and the accuracy among those (a gain
+    in form alone raises the first, not the second)."""
+    formatted = [r for r in records if (r.rewards.get(cfg.eval.format_reward) or 0.0) >= 1.0]
+    passed = _passes(cfg, formatted, max((r.group for r in records), default=-1) + 1)
+    return {"eval/greedy_format_share": len(formatted) / max(len(records), 1),
+            "eval/greedy_pass_at_1_formatted": sum(passed) / max(len(formatted), 1)}
+
+
+def check_named_rewards(cfg: Config, names: list[str]) -> None:
+    """eval.pass_reward and eval.format_reward name reward functions or models of the run: one line if not."""
+    for field in ("pass_reward", "format_reward"):
+        name = getattr(cfg.eval, field)
+        if name is not None and name not in names:
+            raise UserError(f"eval.{field}: {name!r} is not one of the reward functions or models "
+                            f"({', '.join(names)})")
+
+
 def evaluate(cfg: Config, iteration: int) -> dict:
     """Evaluate published policy v`iteration` (0: the starting model); returns {key, uri, metrics}."""
     store = open_store(cfg)
@@ -96,9 +114,7 @@ def evaluate(cfg: Config, iteration: int) -> dict:
     if done is None:
         t0 = time.perf_counter()
         functions = load_functions(cfg)
-        if ec.pass_reward is not None and ec.pass_reward not in functions.all_names:
-            raise UserError(f"eval.pass_reward: {ec.pass_reward!r} is not one of the reward functions or models "
-                            f"({', '.join(functions.all_names)})")
+        check_named_rewards(cfg, functions.all_names)
         ds = data.load_prompts(cfg, split="eval")
         rows = list(range(min(ec.max_prompts, len(ds))))
         seed = cfg.run.seed * 1_000_003 + 500_000_000 + iteration
@@ -106,7 +122,8 @@ def evaluate(cfg: Config, iteration: int) -> dict:
         with open_session(cfg, policy) as session:         # one model load / engine start for both passes
             records, _ = sample(cfg, session, ds, rows, SamplingParams(
                 n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
-                temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p, seed=seed), policy)
+                temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
+                top_k=cfg.generate.top_k, seed=seed), policy)
             cache = layout.judge_cache(cfg.run.name, iteration, "evaluate")
             score_records(functions, records, cfg.reward.aggregate, state, judge_cache=cache)
             greedy = []
@@ -126,6 +143,8 @@ def evaluate(cfg: Config, iteration: int) -> dict:
             metrics["eval/greedy_pass_at_1"] = sum(_passes(cfg, greedy_episodes, len(rows))) / len(rows)
             lead = [r.reward for r in greedy_episodes if r.reward is not None]
             metrics["eval/greedy_reward_mean"] = sum(lead) / max(len(lead), 1)
+            if ec.format_reward is not None:
+                metrics.update(format_metrics(cfg, greedy_episodes))
         metrics.update({"eval/prompts": float(len(rows)), "eval/seconds": time.perf_counter() - t0, **routed})
         with tempfile.TemporaryDirectory(prefix="rlflow-eval-") as tmp:
             rollout.write(records, Path(tmp))

@@ -1,11 +1,14 @@
 """Stage 1 — generate: sample `num_generations` completions for each of this iteration's prompts.
 
     python -m tasks.generate --config configs/tiny.yaml --iteration 3 [--policy base|<store key of a policy>]
+                                                                      [--round R]   (generate.dynamic_sampling)
 
 Reads the policy the schedule names for iteration N, v(N-1-S) with S = run.max_staleness (the base model
 before iteration S+2; tasks/core/layout.py: behaviour_policy), and the dataset; writes `<run>/iter-N/rollouts`
 (token ids, text, behaviour logprobs, truncation flag). A policy passed in that is not the schedule's is
 refused (the version check): which policy sampled an iteration never depends on who asked or when.
+Which prompts: tasks/core/curriculum.py (the seeded stream; round R > 0 of dynamic sampling, which writes
+`<run>/iter-N/rollouts-rRR`, more of them; data.curriculum's deferrals).
 Idempotent: if that folder is complete and was made from the same inputs, it is returned as is.
 The engine (`generate.engine` / `generate.mode`, tasks/engines/sampling.py's factory) is hf (transformers, in
 this process) or vllm, offline (a vllm.LLM per stage run) or as a server kept alive across iterations; the
@@ -20,10 +23,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.core import data, layout, rollout
+from tasks.core import curriculum, data, layout, rollout
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
-from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
+from tasks.core.stage import check_round, fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import open_store
 from tasks.engines.sampling import open_session
 from tasks.envs.episodes import episode_metrics, sample
@@ -32,9 +35,10 @@ if TYPE_CHECKING:
     from tasks.core.config import Config
 
 
-def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
-    """Sample completions for iteration `iteration` from the policy the schedule names (`policy`, if given, must
-    be that one); returns {key, uri, metrics}."""
+def generate(cfg: Config, iteration: int, policy: str | None = None, round: int = 0) -> dict:
+    """Sample completions for iteration `iteration` (dynamic sampling's round `round`) from the policy the schedule
+    names (`policy`, if given, must be that one); returns {key, uri, metrics}."""
+    check_round(cfg, round)
     S = cfg.run.max_staleness
     scheduled = layout.behaviour_policy(cfg.run.name, iteration, S)
     if policy is not None and policy != scheduled:
@@ -44,9 +48,9 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
                         f"{which}), not {policy}")
     policy = scheduled
     store = open_store(cfg)
-    key = layout.rollouts(cfg.run.name, iteration)
+    key = layout.rollouts(cfg.run.name, iteration, round)
     fp, made = fingerprint(cfg, ("model", "data", "generate", *cfg.env_sections()), iteration=iteration,
-                           policy=policy)
+                           policy=policy, **({"round": round} if round else {}))
     if (done := reuse(store, key, fp, made)) is not None:
         return done
     if policy != layout.BASE:                  # published by an earlier iteration: that one first
@@ -55,12 +59,12 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
     t0 = time.perf_counter()
     gc = cfg.generate
     ds = data.load_prompts(cfg)
-    start = data.cursor(iteration, gc.prompts_per_iteration)
-    rows = data.indices(len(ds), cfg.run.seed, start, gc.prompts_per_iteration, cfg.data.shuffle)
+    rows, picked = curriculum.prompts(cfg, store, iteration, round, len(ds))
     with open_session(cfg, policy) as session:
         records, sampled = sample(cfg, session, ds, rows, SamplingParams(
             n=gc.num_generations, max_new_tokens=gc.max_completion_length, temperature=gc.temperature,
-            top_p=gc.top_p, seed=cfg.run.seed * 1_000_003 + iteration), policy)
+            top_p=gc.top_p, top_k=gc.top_k, seed=cfg.run.seed * 1_000_003 + iteration + round * ROUND_SEED),
+            policy)
         routed = session.metrics("generate") if gc.replicas else {}    # per replica, and the router's counts
 
     failed = [r.env_error for r in records if not r.part and r.env_error is not None]
@@ -79,6 +83,7 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
         "generate/staleness": iteration - 1 - layout.version_of(policy),   # updates the sampler is behind
     }
     metrics.update(routed)
+    metrics.update(picked)
     if cfg.env.episodic():
         metrics.update(episode_metrics(records))
     if cfg.env.agent:
@@ -88,10 +93,15 @@ def generate(cfg: Config, iteration: int, policy: str | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="rlflow-generate-") as tmp:
         rollout.write(records, Path(tmp))
         manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "made_of": made, "metrics": metrics,
-                                                          "policy": policy,
-                                                          "data_cursor": start + gc.prompts_per_iteration})
+                                                          "policy": policy, "rows": rows,
+                                                          "data_cursor": data.cursor(iteration + 1,
+                                                                                     gc.prompts_per_iteration)})
     return result(store, key, manifest)
 
 
+ROUND_SEED = 7_777_777          # round r of an iteration samples with the iteration's seed + r * ROUND_SEED
+
+
+
 if __name__ == "__main__":
-    stage_cli(generate, "generate", takes_policy=True)
+    stage_cli(generate, "generate", takes_policy=True, takes_round=True)

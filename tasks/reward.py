@@ -1,6 +1,6 @@
 """Stage 2 — reward: score every completion with the configured reward functions.
 
-    python -m tasks.reward --config configs/tiny.yaml --iteration 3
+    python -m tasks.reward --config configs/tiny.yaml --iteration 3 [--round R]   (generate.dynamic_sampling)
 
 A reward function has TRL's signature and is named by import path with a weight:
 
@@ -13,7 +13,12 @@ worker process with a timeout (tasks/scoring/functions.py): one that raises, han
 nothing for the batch and is counted in `reward/<fn>/errors`, or fails the stage with `reward.strict: true`.
 Reward models and LLM judges (reward.models) score beside the functions (tasks/scoring/judges.py), their answers
 cached under `<run>/judge-cache/iter-N` as they come, so a retried stage asks nothing twice.
+reward.overlong adds DAPO's overlong punishment (tasks/scoring/shaping.py).
 Reads `<run>/iter-N/rollouts`, writes `<run>/iter-N/rewards` with per-function scores and the weighted sum.
+With generate.dynamic_sampling each round's scored rollouts go to `<run>/iter-N/scored-rRR`; when the rounds so
+far hold prompts_per_iteration groups that are not constant, or this was the last round, the groups kept
+(tasks/algorithms/dynamic_sampling.py) go to `<run>/iter-N/rewards` and the result says `complete`; else the
+flow samples another round.
 """
 
 from __future__ import annotations
@@ -24,57 +29,146 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.algorithms import dynamic_sampling
 from tasks.core import layout, rollout
 from tasks.core.errors import UserError
-from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
-from tasks.core.store import open_store
+from tasks.core.stage import check_round, command, fingerprint, require_input, result, reuse, stage_cli
+from tasks.core.store import Store, open_store
 from tasks.scoring.functions import load_functions, score_records
+from tasks.scoring.shaping import NAME as SHAPING
+from tasks.scoring.shaping import add_overlong, overlong_metrics, task_reward
 from tasks.scoring.worker import RewardState
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
 
 
-def reward(cfg: Config, iteration: int) -> dict:
-    """Score iteration `iteration`'s rollouts; returns {key, uri, metrics}."""
+def reward(cfg: Config, iteration: int, round: int = 0) -> dict:
+    """Score iteration `iteration`'s rollouts (dynamic sampling's round `round`); returns {key, uri, metrics,
+    samples, complete} (complete: the iteration's training batch is in `<run>/iter-N/rewards`)."""
+    check_round(cfg, round)
     store = open_store(cfg)
-    key = layout.rewards(cfg.run.name, iteration)
-    src = layout.rollouts(cfg.run.name, iteration)
-    src_manifest = require_input(store, cfg, "reward", iteration, ("generate", iteration))
+    ds = cfg.generate.dynamic_sampling
+    key = layout.rewards(cfg.run.name, iteration) if ds is None else layout.scored(cfg.run.name, iteration, round)
+    src = layout.rollouts(cfg.run.name, iteration, round)
+    if round == 0:
+        src_manifest = require_input(store, cfg, "reward", iteration, ("generate", iteration))
+    elif (src_manifest := store.manifest(src)) is None:
+        raise UserError(f"reward of iteration {iteration} round {round}: no complete rollouts at {store.uri(src)}; "
+                        f"run first: {command('generate', iteration)} --round {round}")
     fp, made = fingerprint(cfg, ("reward", *cfg.env_sections()), iteration=iteration,
                            rollouts=src_manifest["files"][rollout.FILE]["sha256"])
-    if (done := reuse(store, key, fp, made)) is not None:
-        return {**done, "samples": store.manifest(key)["meta"].get("samples", [])}
+    done = reuse(store, key, fp, made)
+    if done is None:
+        t0 = time.perf_counter()
+        functions = load_functions(cfg)
+        records = rollout.load(store, src)
+        scored = score_records(functions, records, cfg.reward.aggregate,
+                               RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations),
+                               judge_cache=layout.judge_cache(cfg.run.name, iteration, round=round))
+        present = [r.reward for r in records if r.reward is not None]
+        if records and not present and scored.errors:
+            raise UserError(f"reward: every reward call of iteration {iteration} failed, no completion was scored "
+                            f"(nothing to train on); the first: {next(iter(scored.errors.values()))}")
+        metrics = {**_metrics(records, scored.scores), "reward/seconds": time.perf_counter() - t0}
+        for name in scored.scores:
+            metrics[f"reward/{name}/errors"] = float(name in scored.errors)
+            metrics[f"reward/{name}/nan"] = float(scored.nan.get(name, 0))
+        metrics.update({f"reward/{k}": v for k, v in scored.metrics.items()})
+        metrics.update(add_overlong(cfg, records))
+        metrics.update(_group_shares(cfg, records))
+        done = _write(store, key, records, {"fingerprint": fp, "made_of": made, "metrics": metrics,
+                                            "samples": _samples(cfg, records), "errors": scored.errors,
+                                            "groups": _outcomes(cfg, records)})
+    done = {**done, "samples": store.manifest(key)["meta"].get("samples", []), "complete": ds is None}
+    return done if ds is None else _keep(cfg, store, iteration, round, done)
 
-    t0 = time.perf_counter()
-    functions = load_functions(cfg)
-    records = rollout.load(store, src)
-    scored = score_records(functions, records, cfg.reward.aggregate,
-                           RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations),
-                           judge_cache=layout.judge_cache(cfg.run.name, iteration))
-    present = [r.reward for r in records if r.reward is not None]
-    if records and not present and scored.errors:
-        raise UserError(f"reward: every reward call of iteration {iteration} failed, no completion was scored "
-                        f"(nothing to train on); the first: {next(iter(scored.errors.values()))}")
-    metrics = {"reward/mean": sum(present) / max(len(present), 1),
-               "reward/std": _std(present),
-               "reward/missing_share": 1 - len(present) / len(records),
-               "reward/seconds": time.perf_counter() - t0}
-    for name, vals in scored.scores.items():
-        got = [v for v in vals if v is not None]
-        metrics[f"reward/{name}/mean"] = sum(got) / max(len(got), 1)
-        metrics[f"reward/{name}/errors"] = float(name in scored.errors)
-        metrics[f"reward/{name}/nan"] = float(scored.nan.get(name, 0))
-    metrics.update({f"reward/{k}": v for k, v in scored.metrics.items()})
+
+def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -> dict:
+    """Dynamic sampling after round `round`: the rounds' kept groups written as the iteration's rewards when
+    there are enough of them or no round is left (complete), else this round's result (not complete)."""
+    ds, P = cfg.generate.dynamic_sampling, cfg.generate.prompts_per_iteration
+    keys = [layout.scored(cfg.run.name, iteration, r) for r in range(round + 1)]
+    rounds = [rollout.load(store, k) for k in keys]
+    if round + 1 < ds.max_rounds and not dynamic_sampling.enough(rounds, P, ds.tolerance):
+        return scored
+    key = layout.rewards(cfg.run.name, iteration)
+    fp, made = fingerprint(cfg, ("reward", "generate", *cfg.env_sections()), iteration=iteration,
+                           scored=[store.manifest(k)["files"][rollout.FILE]["sha256"] for k in keys])
+    done = reuse(store, key, fp, made)
+    if done is None:
+        kept, metrics = dynamic_sampling.select(rounds, P, ds.tolerance)
+        every = [r for records in rounds for r in records]
+        scores = {name: [r.rewards.get(name) for r in every] for name in every[0].rewards if name != SHAPING}
+        for k in keys:                            # per round: summed (seconds, errors) or of all rounds (means)
+            for name, value in store.manifest(k)["meta"]["metrics"].items():
+                if name.endswith(("/seconds", "/errors", "/nan")):
+                    metrics[name] = metrics.get(name, 0.0) + value
+        metrics.update(_metrics(every, scores))
+        metrics.update(overlong_metrics(every))
+        metrics.update(_group_shares(cfg, every))
+        metrics["reward/kept_mean"] = _mean([x for r in kept if (x := task_reward(r)) is not None])
+        errors = {name: e for k in keys for name, e in store.manifest(k)["meta"].get("errors", {}).items()}
+        done = _write(store, key, kept, {"fingerprint": fp, "made_of": made, "metrics": metrics,
+                                         "samples": _samples(cfg, kept), "errors": errors})
+    return {**done, "samples": store.manifest(key)["meta"].get("samples", []), "complete": True}
+
+
+def _metrics(records: list, scores: dict[str, list]) -> dict[str, float]:
+    """reward/mean, std, missing share and each function's mean, over `records` (the task's rewards: shaping,
+    reward.overlong, is reported apart)."""
+    present = [x for r in records if (x := task_reward(r)) is not None]
+    metrics = {"reward/mean": _mean(present), "reward/std": _std(present),
+               "reward/missing_share": 1 - len(present) / max(len(records), 1)}
+    for name, vals in scores.items():
+        metrics[f"reward/{name}/mean"] = _mean([v for v in vals if v is not None])
+    return metrics
+
+
+def _group_shares(cfg: Config, records: list) -> dict[str, float]:
+    """Shares of the groups whose rewards are all equal (dynamic sampling's test: no advantage) and that all
+    passed (easy: eval.pass_reward's score, or the combined reward, at least eval.pass_threshold), all equal and
+    not all passed (hard), or not all equal (useful: the only ones that teach)."""
+    ds = cfg.generate.dynamic_sampling
+    flags = dynamic_sampling.constant_groups(records, ds.tolerance if ds else dynamic_sampling.TOLERANCE)
+    if not flags:
+        return {}
+    groups = dynamic_sampling.groups_of(records)
+
+    def passed(r) -> bool:
+        score = r.reward if cfg.eval.pass_reward is None else r.rewards.get(cfg.eval.pass_reward)
+        return score is not None and score >= cfg.eval.pass_threshold
+
+    easy = sum(flags[g] and all(passed(r) for r in groups[g] if not r.part) for g in flags)
+    useful = sum(not c for c in flags.values())
+    n = len(flags)
+    return {"reward/groups_useful": useful / n, "reward/groups_easy": easy / n,
+            "reward/groups_hard": (n - useful - easy) / n}
+
+
+def _outcomes(cfg: Config, records: list) -> list[list]:
+    """[row, constant] of each group, in order: what the curriculum learns from (tasks/core/curriculum.py)."""
+    ds = cfg.generate.dynamic_sampling
+    flags = dynamic_sampling.constant_groups(records, ds.tolerance if ds else dynamic_sampling.TOLERANCE)
+    rows = {g: rs[0].row for g, rs in dynamic_sampling.groups_of(records).items()}
+    return [[rows[g], flag] for g, flag in flags.items()]
+
+
+def _samples(cfg: Config, records: list) -> list[dict]:
     n = cfg.tracking.sample_completions
     step = max(len(records) // max(n, 1), 1)
-    samples = [{"prompt": r.prompt, "completion": r.completion, "reward": r.reward,
-                **{f"reward/{k}": v for k, v in r.rewards.items()}, **r.extra} for r in records[::step][:n]]
+    return [{"prompt": r.prompt, "completion": r.completion, "reward": r.reward,
+             **{f"reward/{k}": v for k, v in r.rewards.items()}, **r.extra} for r in records[::step][:n]]
+
+
+def _write(store: Store, key: str, records: list, meta: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="rlflow-reward-") as tmp:
         rollout.write(records, Path(tmp))
-        manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "made_of": made, "metrics": metrics,
-                                                          "samples": samples, "errors": scored.errors})
-    return {**result(store, key, manifest), "samples": manifest["meta"]["samples"]}
+        return result(store, key, store.put_folder(key, Path(tmp), meta=meta))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / max(len(xs), 1)
 
 
 def _std(xs: list[float]) -> float:
@@ -85,4 +179,4 @@ def _std(xs: list[float]) -> float:
 
 
 if __name__ == "__main__":
-    stage_cli(reward, "reward")
+    stage_cli(reward, "reward", takes_round=True)

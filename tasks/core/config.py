@@ -78,12 +78,34 @@ class ReasoningGymConfig(Section):
     eval_size: int = Field(200, ge=1, le=1_000_000, description="Held-out prompts (the split `eval` reads), made "
                            "at another seed; training prompts never repeat a held-out question.")
     seed: int = Field(0, ge=0, description="The task generator's seed (held-out: seed + 1000000007).")
-    answer_format: Literal["tags", "answer_is"] = Field(
+    answer_format: Literal["tags", "answer_is", "final"] = Field(
         "tags", description="How the prompt asks for the answer and the rewards read it: tags: between <answer> and "
-        "</answer> (reasoning-gym's convention; any answer); answer_is: a last sentence 'The answer is X.' (what "
-        "small models follow; one-line answers only: not grids or move lists).")
+        "</answer> (reasoning-gym's convention; any answer); answer_is: a last sentence 'The answer is X.' (one-line "
+        "answers only: not grids or move lists); final: the final answer only, read leniently (after a last 'answer "
+        "is', else the last line after its last '=', or that line's last number), so that no wording is paid for, "
+        "only the answer (tasks/rewards/reasoning_gym.py).")
     instruction: str | None = Field(None, description="The instruction after each question; None = the "
                                     "answer_format's own (tasks/core/procedural.py: INSTRUCTIONS).")
+
+
+class CurriculumConfig(Section):
+    """Deferring prompts that teach nothing (tasks/core/curriculum.py; docs/design-notes.md, "Which prompts").
+
+    A prompt whose last group's rewards were all equal (all passed or all failed: its advantages are all 0) is
+    not drawn again for `defer` iterations, twice as long after each further such group in a row (at most
+    `max_defer`); when its time is up it is served before new prompts. The state is made from the stored rewards
+    alone, so a resumed run takes the same prompts as an uninterrupted one."""
+
+    defer: int = Field(4, ge=1, le=1_000_000, description="Iterations a prompt is deferred after its first "
+                       "constant group (doubling with each further one in a row).")
+    max_defer: int = Field(64, ge=1, le=1_000_000, description="The longest deferral (iterations).")
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.max_defer < self.defer:
+            raise ValueError(f"max_defer ({self.max_defer}) is below defer ({self.defer}): the deferral could "
+                             f"never be as long as defer says")
+        return self
 
 
 class DataConfig(Section):
@@ -99,6 +121,10 @@ class DataConfig(Section):
     shuffle: bool = Field(True, description="Visit prompts in a seeded random order (each epoch reshuffled).")
     system_prompt: str | None = Field(None, description="If set, a string prompt becomes chat messages "
                                       "[system, user] rendered with the model's chat template.")
+    curriculum: CurriculumConfig | None = Field(
+        None, json_schema_extra=SINCE_DEFAULT, description="Defer prompts whose groups all passed or all failed "
+        "(None: every prompt in the seeded order). Needs prompts with stable ids: a local data file or "
+        "data.reasoning_gym.")
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -106,6 +132,21 @@ class DataConfig(Section):
             raise ValueError("set exactly one of path (a data file or hub dataset) and reasoning_gym (a "
                              "reasoning-gym task)")
         return self
+
+
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling (tasks/algorithms/dynamic_sampling.py): a group whose rewards are all equal has
+    advantage 0 and teaches nothing, so it is dropped, and more prompts are sampled in rounds until the batch
+    holds generate.prompts_per_iteration groups that are not, or `max_rounds` rounds were sampled (then the
+    update trains on the groups it found; dynamic/short says how many were missing)."""
+
+    max_rounds: int = Field(4, ge=1, le=64, description="Rounds of sampling per iteration at most, the first "
+                            "included (1: drop constant groups, sample no more).")
+    prompts_per_round: int | None = Field(None, ge=1, le=100_000, description="Prompts each round after the "
+                                          "first samples (None: generate.prompts_per_iteration).")
+    tolerance: float = Field(1e-6, gt=0, lt=1, description="A group is constant when its rewards' range is at "
+                             "most this times max(1, the largest |reward| of the round): relative to the rewards' "
+                             "scale, never `std != 0`, which float noise passes.")
 
 
 class GenerateConfig(Section):
@@ -144,7 +185,15 @@ class GenerateConfig(Section):
     max_prompt_length: int = Field(512, ge=1, description="Prompts longer than this (tokens) are left-truncated.")
     max_completion_length: int = Field(256, ge=1, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer divides logits by it too).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass. Below 1 the behaviour logprobs are "
+                         "of the kept tokens renormalized, and the trainer renormalizes its own over the same rule's "
+                         "support (with the sampled token): tasks/algorithms/logprobs.py.")
+    top_k: int = Field(0, ge=0, le=1_000_000, json_schema_extra=SINCE_DEFAULT,
+                       description="Sample among the k most likely tokens (0: all); then top_p. Renormalized like "
+                       "top_p on both sides.")
+    dynamic_sampling: DynamicSamplingConfig | None = Field(
+        None, json_schema_extra=SINCE_DEFAULT, description="Drop constant-reward groups and sample more prompts "
+        "in rounds (DAPO); None: every group trains.")
     batch_size: int = Field(64, ge=1, description="hf: prompts per generate() call (memory knob, not semantics); "
                             "vLLM schedules its own batches.")
     share_prompts: bool = Field(True, json_schema_extra=SINCE_DEFAULT,
@@ -179,7 +228,8 @@ class RewardFunction(Section):
     """One reward function `module:function`, called as TRL calls them (every argument by keyword)."""
 
     fn: str = Field(..., pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="Import path module:function.")
-    weight: float = Field(1.0, description="Weight in the combined reward.")
+    weight: float = Field(1.0, description="Weight in the combined reward (0: scored and logged, not paid: "
+                          "e.g. a format check that eval.format_reward reports).")
     kwargs: dict[str, Any] = Field({}, description="Extra keyword arguments for this function (like "
                                    "functools.partial), e.g. {mode: all} for the code reward.")
 
@@ -326,6 +376,16 @@ class RewardModel(Section):
         return self
 
 
+class OverlongConfig(Section):
+    """DAPO's soft overlong punishment: a completion of L tokens, with limit L_max (generate.max_completion_length,
+    or env.max_tokens for episodes), gets -penalty * (L - (L_max - buffer)) / buffer when it reaches into the last
+    `buffer` tokens before the limit (so -penalty at the limit), 0 before; logged as reward/overlong/*, apart
+    from the task's rewards (tasks/scoring/shaping.py)."""
+
+    buffer: int = Field(..., ge=1, description="Tokens before the limit where the punishment grows.")
+    penalty: float = Field(1.0, gt=0, le=1000, description="The punishment at the limit.")
+
+
 class RewardConfig(Section):
     """Scoring completions."""
 
@@ -342,6 +402,9 @@ class RewardConfig(Section):
     models: list[RewardModel] = Field([], json_schema_extra=SINCE_DEFAULT,
                                       description="Rewards from models: reward models and LLM judges "
                                       "(docs/reward-models.md), beside the functions.")
+    overlong: OverlongConfig | None = Field(None, json_schema_extra=SINCE_DEFAULT,
+                                            description="DAPO's soft overlong punishment, added to the reward "
+                                            "(None: none; train.mask_truncated_completions drops them instead).")
 
 
 class EndpointConfig(Section):
@@ -639,6 +702,12 @@ class TrainConfig(Section):
         "decoupled: AReaL's decoupled PPO, the clip against the proximal policy π_old (the trainer's weights before "
         "the update), each token weighted by π_old/μ and dropped where that exceeds importance_sampling_cap "
         "(importance_sampling_mode ignored). Needs importance_sampling_correction.")
+    mismatch_kl_warn: float = Field(
+        1e-2, gt=0, json_schema_extra=HOW_NOT_WHAT,
+        description="The console warns when train/mismatch_kl (the sampler's logprobs against the trainer's, k3 per "
+        "token) passes this (prime-rl's CI gate is 1e-2), or jumps above 10x its median so far (and above 1e-4): "
+        "a policy that never reached the sampler, an engine that samples other weights. With run.max_staleness "
+        "> 0 it also holds the S updates since the sampler's policy.")
     mask_truncated_completions: bool = Field(False, description="Exclude completions that hit the length limit "
                                              "from the loss.")
     num_iterations: int = Field(1, ge=1, description="Optimiser passes over each generated batch (TRL's μ).")
@@ -764,6 +833,11 @@ class EvalConfig(Section):
     pass_reward: str | None = Field(
         None, json_schema_extra=SINCE_DEFAULT, description="The reward function (its name, e.g. answer_reward) whose "
         "score decides a pass: accuracy apart from format or shaping rewards; None = the combined reward.")
+    format_reward: str | None = Field(
+        None, json_schema_extra=SINCE_DEFAULT, description="The reward function (its name, e.g. format_reward) "
+        "whose score 1 means the answer came in the asked form: eval/greedy_format_share and "
+        "eval/greedy_pass_at_1_formatted (accuracy among those) beside the accuracy, so that a gain in form "
+        "cannot pass for learning (weight 0 logs a function without paying for it).")
     temperature: float | None = Field(None, gt=0, description="Sampling temperature; None = generate.temperature.")
     greedy: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
                          description="Also one greedy completion per prompt (the most likely token each step): "
@@ -961,6 +1035,21 @@ class Config(Section):
                              "an env.factory or env.agent, whose episodes' return is the reward)")
         return self
 
+    def completion_limit(self) -> int:
+        """The most tokens a completion can have after its prompt: an episode's env.max_tokens (the model's and
+        the observations'), else generate.max_completion_length."""
+        return self.env.max_tokens if self.env.episodic() else self.generate.max_completion_length
+
+    @model_validator(mode="after")
+    def _overlong_inside_the_limit(self):
+        ol, limit = self.reward.overlong, self.completion_limit()
+        if ol is not None and ol.buffer >= limit:
+            what = "env.max_tokens" if self.env.episodic() else "generate.max_completion_length"
+            raise ValueError(f"reward.overlong.buffer: {ol.buffer} tokens is not shorter than the completion limit "
+                             f"({what} {limit}): every completion would be punished; expected a buffer below "
+                             f"{limit}")
+        return self
+
     @model_validator(mode="after")
     def _one_server_per_machine(self):
         if self.generate.replicas > 1 and self.generate.mode == "server" and self.launcher.mode_of("generate") != "sky":
@@ -1082,6 +1171,8 @@ def _format_error(err: ValidationError) -> str:
     msg = msg[:1].lower() + msg[1:] if msg[:2] != msg[:2].upper() else msg    # ("Input should..."; a pattern as is)
     if not e["loc"] and isinstance(got, dict):     # a check of the whole config names its own fields
         return f"config: {msg}"
+    if isinstance(got, dict) and e["type"] == "value_error":     # a section's own check says what it got
+        return f"config: {loc}: {msg}"
     return f"config: {loc}: {msg}, got {shown}"
 
 

@@ -66,6 +66,7 @@ class SamplingParams:
     temperature: float      # 0: greedy (the most likely token; evaluation's greedy pass@1)
     top_p: float
     seed: int               # the whole request's seed: a rerun samples the same tokens
+    top_k: int = 0          # sample among the k most likely tokens (0: all), before top_p
 
 
 @dataclass(frozen=True)

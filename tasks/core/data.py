@@ -140,17 +140,20 @@ def load_prompts(cfg: Config, split: str = "train"):
     return ds
 
 
-def indices(n_rows: int, seed: int, start: int, count: int, shuffle: bool = True) -> list[int]:
-    """Row indices at stream positions [start, start+count)."""
+def indices(n_rows: int, seed: int | list[int], start: int, count: int, shuffle: bool = True) -> list[int]:
+    """Row indices at stream positions [start, start+count) (`seed`: an int, or a list of ints for a stream of
+    its own, as dynamic sampling's extra rounds have: tasks/core/curriculum.py)."""
     out = []
     for pos in range(start, start + count):
         epoch, offset = divmod(pos, n_rows)
-        if shuffle:
-            perm = np.random.default_rng([seed, epoch]).permutation(n_rows)
-            out.append(int(perm[offset]))
-        else:
-            out.append(offset)
+        out.append(int(_permutation(n_rows, tuple(np.atleast_1d(seed).tolist()), epoch)[offset]) if shuffle
+                   else offset)
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _permutation(n_rows: int, seed: tuple[int, ...], epoch: int) -> np.ndarray:
+    return np.random.default_rng([*seed, epoch]).permutation(n_rows)
 
 
 def cursor(iteration: int, prompts_per_iteration: int) -> int:

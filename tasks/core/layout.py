@@ -1,7 +1,10 @@
 """Where each artifact of a run lives in the store (keys relative to the store root).
 
     <run>/iter-000042/rollouts     generate's output
-    <run>/iter-000042/rewards      reward's output (rollouts + scores)
+    <run>/iter-000042/rewards      reward's output (rollouts + scores): what train reads
+    <run>/iter-000042/rollouts-r01 generate.dynamic_sampling: round 1's rollouts (round 0's: rollouts)
+    <run>/iter-000042/scored-r01   ... and each round's scored rollouts; `rewards` then holds the groups kept
+    <run>/curriculum/after-000042  data.curriculum: which prompts are deferred, after iteration 42's pick
     <run>/trainer/ckpt-000042      after iteration 42: model + optimizer + RNG + data cursor (process mode), or
                                    the policy alone (resident mode: lean)
     <run>/trainer/full-000040      resident mode: a full checkpoint every train.checkpoint_every iterations
@@ -18,12 +21,24 @@
 BASE = "base"  # the policy before iteration 1: config.model.name_or_path
 
 
-def rollouts(run: str, iteration: int) -> str:
-    return f"{run}/iter-{iteration:06d}/rollouts"
+def rollouts(run: str, iteration: int, round: int = 0) -> str:
+    """generate's output; round r > 0: dynamic sampling's r-th extra round of the iteration."""
+    return f"{run}/iter-{iteration:06d}/rollouts" + (f"-r{round:02d}" if round else "")
 
 
 def rewards(run: str, iteration: int) -> str:
+    """What the train stage reads: reward's output (with dynamic sampling, the groups it kept)."""
     return f"{run}/iter-{iteration:06d}/rewards"
+
+
+def scored(run: str, iteration: int, round: int) -> str:
+    """generate.dynamic_sampling: one round's scored rollouts, every group (the kept ones go to `rewards`)."""
+    return f"{run}/iter-{iteration:06d}/scored-r{round:02d}"
+
+
+def curriculum(run: str, iteration: int) -> str:
+    """data.curriculum: the prompt sampler's state after iteration N's prompts were picked."""
+    return f"{run}/curriculum/after-{iteration:06d}"
 
 
 def checkpoint(run: str, iteration: int) -> str:
@@ -78,10 +93,11 @@ def evaluation(run: str, iteration: int) -> str:
     return f"{run}/eval/v{iteration:06d}"
 
 
-def judge_cache(run: str, iteration: int, stage: str = "reward") -> str:
-    """Answers of reward.models for one stage of one iteration (tasks/scoring/judges.py): a retried or resumed
-    stage asks nothing twice."""
-    return f"{run}/judge-cache/{'iter-' if stage == 'reward' else 'eval-v'}{iteration:06d}"
+def judge_cache(run: str, iteration: int, stage: str = "reward", round: int = 0) -> str:
+    """Answers of reward.models for one stage of one iteration (and dynamic sampling's round): a retried or
+    resumed stage asks nothing twice."""
+    return f"{run}/judge-cache/{'iter-' if stage == 'reward' else 'eval-v'}{iteration:06d}" + \
+        (f"-r{round:02d}" if round else "")
 
 
 def best(run: str) -> str:

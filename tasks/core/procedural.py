@@ -46,6 +46,8 @@ INSTRUCTIONS = {
     "tags": "Give your final answer between <answer> and </answer> tags.",
     # one sentence at the end (the chain-of-thought papers' "The answer is"): what small models follow
     "answer_is": "End your reply with the sentence 'The answer is X.', where X is the final answer only.",
+    # the answer alone (what a 135M model does best: "12 + 5 = 17"); read leniently, so only correctness pays
+    "final": "Reply with the final answer only.",
 }
 
 

@@ -75,6 +75,17 @@ def require_input(store: Store, cfg: Config, stage: str, iteration: int, step: t
     return manifest
 
 
+def check_round(cfg: Config, round: int) -> None:
+    """A round (generate and reward) is dynamic sampling's (generate.dynamic_sampling), below its max_rounds: one
+    line if not."""
+    ds = cfg.generate.dynamic_sampling
+    if round and ds is None:
+        raise UserError(f"--round {round}: rounds are dynamic sampling's; set generate.dynamic_sampling")
+    if ds is not None and not 0 <= round < ds.max_rounds:
+        raise UserError(f"--round {round}: expected 0 to {ds.max_rounds - 1} "
+                        f"(generate.dynamic_sampling.max_rounds {ds.max_rounds})")
+
+
 def fingerprint(cfg: Config, sections: tuple[str, ...], **inputs) -> tuple[str, dict]:
     """The fingerprint of a stage's output, and what it is made of (the fingerprinted values of `sections`, the
     seed, `inputs`): kept in the output's manifest as `made_of`, so a refused resume can name what changed."""
@@ -209,8 +220,10 @@ def quiet_progress_bars() -> None:
         pass
 
 
-def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, takes_tracking: bool = False) -> None:
-    """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY]`; prints the result JSON."""
+def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, takes_tracking: bool = False,
+              takes_round: bool = False) -> None:
+    """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY] [--round R]`; prints the
+    result JSON."""
     from tasks.core.config import load_config
 
     ap = OneLineParser(prog=f"python -m tasks.{name}", description=fn.__doc__)
@@ -224,6 +237,9 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
                         "the schedule names (checked); default: that one")
     if takes_tracking:
         ap.add_argument("--mlflow-run-id", default=None)
+    if takes_round:
+        ap.add_argument("--round", type=int, default=0, help="generate.dynamic_sampling: the iteration's round "
+                        "(0, the first, unless the previous round's reward said it was not complete)")
     args = ap.parse_args()
     # (evaluate's iteration 0: the base model, eval.baseline; `train finish` ignores it: sky/train.yaml passes 0)
     first = 0 if name in ("evaluate", "train finish") else 1
@@ -241,6 +257,8 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
             kwargs["policy"] = args.policy
         if takes_tracking:
             kwargs["mlflow_run_id"] = args.mlflow_run_id
+        if takes_round and args.round:
+            kwargs["round"] = args.round
         out = fn(cfg, args.iteration, **kwargs)
     except UserError as e:
         # The second line lets a launcher tell a user error from a crash when only the log comes back; typed by

@@ -5,7 +5,8 @@ resident: what the engine keeps across stages, until `stop`), and a next policy 
 same config.json) is loaded into it in place, weights only: what an inline flow's generate does every
 iteration. A session loads its policy once when opened; an adapter is its own model. transformers runs user logits
 processors *before* its own temperature/top-p warpers, and draws sampled tokens from the process-wide torch
-RNG, so one last processor of ours does all of it: applies temperature and top-p, records the log-softmax the
+RNG, so one last processor of ours does all of it: applies temperature, top-k and top-p (the trainer's own rule,
+tasks/algorithms/logprobs.py: cut, so both sides cut alike), records the log-softmax the
 token is drawn from (the behaviour logprob), and draws the token from a generator of the request's own (seeded
 with its seed); transformers then runs greedy and takes that token. Nothing else in the process (a trainer
 held by the flow, training at the same time on another thread: run.max_staleness) moves or is moved by the
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tasks.algorithms.logprobs import cut
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.models import ADAPTER_CONFIG, device_for, load_policy
 
@@ -153,13 +155,9 @@ class _SampleAndRecord:
     own (softmax, multinomial) on a private generator: the same tokens its sampling gives from the global RNG
     seeded alike."""
 
-    def __init__(self, temperature: float, top_p: float, generator: torch.Generator):
-        from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
-
+    def __init__(self, temperature: float, top_p: float, generator: torch.Generator, top_k: int = 0):
         self.greedy = temperature == 0          # (evaluation's greedy pass@1): the most likely token, no draw
-        self.warpers = [] if self.greedy else [TemperatureLogitsWarper(temperature)]
-        if top_p < 1.0 and not self.greedy:
-            self.warpers.append(TopPLogitsWarper(top_p))
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.generator = generator
         self.prev: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
@@ -170,8 +168,8 @@ class _SampleAndRecord:
 
     def __call__(self, input_ids, scores):
         self._collect(input_ids)
-        for w in self.warpers:
-            scores = w(input_ids, scores)
+        if not self.greedy:
+            scores = cut(scores / self.temperature, self.top_k, self.top_p)
         self.prev = torch.log_softmax(scores.float(), dim=-1)
         if self.greedy:
             token = scores.argmax(dim=-1, keepdim=True)
@@ -221,7 +219,7 @@ def hf_generate(model, tokenizer, prompt_ids: list[list[int]], params: SamplingP
         with torch.no_grad():
             cache = _prefill(model, ids, attn, n) if share_prompts else None       # each prompt once, not n times
             ids, attn = ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)   # as transformers expands
-            recorder = _SampleAndRecord(temperature, top_p, generator)
+            recorder = _SampleAndRecord(temperature, top_p, generator, params.top_k)
             seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg, past_key_values=cache,
                                   logits_processor=LogitsProcessorList([recorder]))
         logps = recorder.finish(seqs)

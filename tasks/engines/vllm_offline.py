@@ -200,6 +200,7 @@ class OfflineSession(SamplingSession):
         out = self._ask({"lora": self.lora, "prompts": prompt_ids, "seeds": request_seeds(params.seed, len(prompt_ids)),
                          "sampling": {"n": params.n, "max_tokens": params.max_new_tokens,
                                       "temperature": params.temperature, "top_p": params.top_p,
+                                      "top_k": params.top_k,
                                       "stop_token_ids": [self.tokenizer.eos_token_id]}})
         samples = [Sample(g, ids, logps, truncated) for g, ids, logps, truncated in out["samples"]]
         return Sampled(samples, load_seconds=0.0, sampling_seconds=out["sampling_seconds"])

@@ -244,7 +244,7 @@ class Server:
 
         def one(i: int):
             body = {"model": model, "prompt": prompt_ids[i], "n": params.n, "max_tokens": params.max_new_tokens,
-                    "temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "min_p": 0.0,
+                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": 0.0,
                     "seed": seeds[i], "logprobs": 0, "return_token_ids": True, "stop_token_ids": stop_token_ids}
             choices = sorted(self.post("/v1/completions", json=body).json()["choices"], key=lambda c: c["index"])
             return [Sample(i, c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"] == "length")

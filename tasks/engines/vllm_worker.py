@@ -7,7 +7,7 @@ One engine per worker, sampled from as often as its session asks. Requests come 
 go as JSON lines to the file descriptor REPLY_FD (stdout and stderr are vLLM's log):
     {"llm": {vllm.LLM keyword arguments}, "in_process": bool}  -> {"engine_seconds", "vllm_version"}  (started)
     {"lora": {"name", "id", "path"} | null, "prompts": [[token ids], ...], "seeds": [one per prompt],
-     "sampling": {"n", "max_tokens", "temperature", "top_p", "stop_token_ids"}}
+     "sampling": {"n", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids"}}
                                                  -> {"samples": [[prompt index, completion ids incl. EOS,
                                                      behaviour logprobs, truncated], ...], "sampling_seconds"}
 The end of stdin (the session closed, or its process died) ends the worker.
@@ -43,8 +43,8 @@ def sample(llm, request: dict) -> dict:
 
     s = request["sampling"]
     params = [SamplingParams(n=s["n"], max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
-                             top_k=0, min_p=0.0, seed=seed, logprobs=0, stop_token_ids=s["stop_token_ids"],
-                             detokenize=False)
+                             top_k=s.get("top_k") or 0, min_p=0.0, seed=seed, logprobs=0,
+                             stop_token_ids=s["stop_token_ids"], detokenize=False)
               for seed in request["seeds"]]
     lora = request["lora"]
     lora_request = LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None

@@ -320,7 +320,7 @@ class Endpoint:
                 try:
                     sampled = self.session.sample([w.prompt_ids for w in ws], SamplingParams(
                         n=1, max_new_tokens=max(w.budget for w in ws), temperature=temperature, top_p=top_p,
-                        seed=(self.params.seed + r * ROUND_SEED + g) % (2 ** 63)),
+                        top_k=self.params.top_k, seed=(self.params.seed + r * ROUND_SEED + g) % (2 ** 63)),
                         keys=[f"{self.params.seed}/{w.episode}" for w in ws])    # (replicas: an episode stays put)
                 except BaseException as e:  # noqa: BLE001 - every call of the round gets it
                     for w in ws:
@@ -383,7 +383,7 @@ class Endpoint:
         if body.get("n", 1) not in (1, None):
             raise Refused(400, "invalid_request_error", "n: one completion per call (an agent's episode samples "
                           "its own group)")
-        return SamplingParams(n=1, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=0)
+        return SamplingParams(n=1, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=0, top_k=p.top_k)
 
     # -- one call
     def chat_prompt(self, log: EpisodeLog, messages: list[dict],
@@ -444,7 +444,8 @@ class Endpoint:
         else:
             seed = (log.seed + len(log.calls) * CALL_SEED) % (2 ** 63)
             sampled = self.session.sample([prompt_ids], SamplingParams(
-                n=1, max_new_tokens=budget, temperature=params.temperature, top_p=params.top_p, seed=seed),
+                n=1, max_new_tokens=budget, temperature=params.temperature, top_p=params.top_p, seed=seed,
+                top_k=params.top_k),
                 keys=[f"{self.params.seed}/{log.index}"])
             s = sampled.samples[0]
             ids, logprobs, truncated = list(s.completion_ids), list(s.logprobs), s.truncated

@@ -183,7 +183,8 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: 
             budgets = [min(params.max_new_tokens, ec.max_tokens - len(e.ids)) for e in active]
             sampled = session.sample([e.prompt_ids + e.ids for e in active], SamplingParams(
                 n=1, max_new_tokens=max(budgets), temperature=params.temperature, top_p=params.top_p,
-                seed=params.seed + turn * TURN_SEED), keys=[f"{params.seed}/{id(e)}" for e in active])
+                top_k=params.top_k, seed=params.seed + turn * TURN_SEED),
+                keys=[f"{params.seed}/{id(e)}" for e in active])
             load_seconds += sampled.load_seconds
             sampling_seconds += sampled.sampling_seconds
             messages = []

@@ -9,9 +9,13 @@ whether the answer came in the form the prompt asked for.
 Both have TRL's signature and read the dataset columns the data source writes (`answer`, `question`,
 `metadata`, `answer_format`, `reasoning_gym`), so they also work in TRL's GRPOTrainer on the same rows.
 `answer_reward` reads the answer the way the row's `answer_format` asks for it (`tags`: the last
-<answer>...</answer>, reasoning-gym's own `extract_answer`; `answer_is`: the text after the last "answer is")
-and scores it with the task's own `score_answer` (1.0 right; some tasks give partial credit; 0.0 when no
-answer can be read). `format_reward` is 1.0 when the reply ends with its answer in that form, exactly once.
+<answer>...</answer>, reasoning-gym's own `extract_answer`; `answer_is`: the text after the last "answer is";
+`final`: leniently, see `readings`) and scores it with the task's own `score_answer` (1.0 right; some tasks give
+partial credit; 0.0 when no answer can be read). `format_reward` is 1.0 when the reply ends with its answer in
+that form, exactly once (`final`: the reply is one line).
+
+Why `final` (docs/benchmarks.md, "Accuracy, not format"): with a strict form, a 135M model's gains were mostly
+the form (the format paid, the sums not learnt); read leniently, a reply is paid for its answer alone.
 """
 
 from __future__ import annotations
@@ -32,16 +36,44 @@ _ENDS_WITH_ANSWER_IS = re.compile(r"(?:^|[\s.!?:])the answer is\s*:?\s*(?:(?![.!
                                   re.IGNORECASE)
 
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
 def read_answer(text: str, answer_format: str) -> str | None:
     """The answer in a reply, read the way `answer_format` asks for it; None when there is none."""
     if answer_format == "tags":
         found = _TAGS.findall(text)
         return found[-1].strip() if found else None
     found = _ANSWER_IS.findall(text)
-    if not found:
-        return None
-    answer = found[-1].strip().strip("*`\"' ").rstrip(".").strip("*`\"' ")
-    return answer or None
+    if found:
+        return _clean(found[-1]) or None
+    if answer_format == "final":
+        if tagged := _TAGS.findall(text):
+            return tagged[-1].strip() or None
+        lines = [line for line in text.splitlines() if line.strip()]
+        return _clean(_AFTER.split(lines[-1])[-1]) or None if lines else None
+    return None
+
+
+# final: the right side of a last line's last "=" or ": " ("5 + 7 = 12", "The words are: and"; not "05:44")
+_AFTER = re.compile(r"=|:\s")
+
+
+def _clean(answer: str) -> str:
+    return answer.strip().strip("*`\"' ").rstrip(".").strip("*`\"' ")
+
+
+def readings(text: str, answer_format: str) -> list[str]:
+    """What answer_reward scores (the best counts): the answer read_answer finds; with answer_is also it with a
+    full stop (the sentence's stop cannot be told from an answer's own); with final also the last number in it
+    ("... appears 2 times" -> "2"; the last one only, so listing numbers gains nothing)."""
+    read = read_answer(text, answer_format)
+    if read is None:
+        return []
+    if answer_format == "answer_is":
+        return [read, read + "."]
+    numbers = _NUMBER.findall(read) if answer_format == "final" else []
+    return [read] + ([numbers[-1]] if numbers and numbers[-1] != read else [])
 
 
 @functools.lru_cache(maxsize=16)
@@ -65,16 +97,13 @@ def answer_reward(completions: list, answer: list[str], question: list[str], met
     out = []
     for completion, ans, q, meta, spec, fmt in zip(completions, answer, question, metadata, reasoning_gym,
                                                    answer_format):
-        read = read_answer(text_of(completion), fmt)
-        if read is None:
+        found = readings(text_of(completion), fmt)
+        if not found:
             out.append(0.0)
             continue
         entry = {"question": q, "answer": ans, "metadata": untagged(json.loads(meta))}
-        # "The answer is X." cannot tell whether X's own sentence ends in that full stop (a sentence answer):
-        # both readings are scored, the better counts
-        readings = [read, read + "."] if fmt == "answer_is" else [read]
         scores = []
-        for reading in readings:
+        for reading in found:
             try:
                 scores.append(float(_task(spec).score_answer(reading, entry)))
             except Exception:  # noqa: BLE001 - a checker choking on what the model wrote: a wrong answer
@@ -83,9 +112,14 @@ def answer_reward(completions: list, answer: list[str], question: list[str], met
     return out
 
 
+FINAL_WORDS = 4          # final: an answer read from the form has at most this many words ("federal, ambassador")
+
+
 def format_reward(completions: list, answer_format: list[str], **kwargs) -> list[float]:
     """1.0 when the reply gives its answer exactly once, in the asked form, at its end (answer_is: the sentence
-    with its full stop, so a reply cut off by the length limit does not count); else 0.0.
+    with its full stop, so a reply cut off by the length limit does not count; final: one line whose answer,
+    after a last "answer is", "=" or ": ", is at most FINAL_WORDS words, not a sentence that has a number in
+    it); else 0.0.
 
     >>> format_reward(["<answer>12</answer>", "<answer>1</answer><answer>2</answer>"], answer_format=["tags"] * 2)
     [1.0, 0.0]
@@ -98,6 +132,9 @@ def format_reward(completions: list, answer_format: list[str], **kwargs) -> list
         if fmt == "tags":
             found = _TAGS.findall(text)
             ok = len(found) == 1 and found[0].strip() != "" and text.endswith("</answer>")
+        elif fmt == "final":               # one line, its answer where the form puts it, alone (<= 4 words)
+            read = read_answer(text, fmt)
+            ok = "\n" not in text and read is not None and len(read.split()) <= FINAL_WORDS
         else:
             ok = len(_ANSWER_IS.findall(text)) == 1 and _ENDS_WITH_ANSWER_IS.search(text) is not None
         out.append(1.0 if ok else 0.0)

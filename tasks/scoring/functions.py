@@ -326,10 +326,10 @@ def score_records(functions: RewardFunctions, records: list[Rollout], aggregate:
 
 def combine(rewards: list[dict[str, float | None]], weights: dict[str, float], how: str = "sum") -> torch.Tensor:
     """Weighted sum (TRL's nansum) or mean over the reward functions that scored each completion;
-    NaN where every score is missing. (N,)"""
+    NaN where every score is missing. A function of weight 0 is logged, never combined. (N,)"""
     out = torch.full((len(rewards),), float("nan"))
     for i, scores in enumerate(rewards):
-        present = [weights[name] * s for name, s in scores.items() if s is not None]
+        present = [weights[name] * s for name, s in scores.items() if s is not None and weights[name] != 0]
         if present:
             out[i] = sum(present) if how == "sum" else sum(present) / len(present)
     return out

@@ -13,6 +13,7 @@ import torch
 
 from tasks.algorithms.learners.grpo import policy_loss
 from tasks.algorithms.learners.value import before_the_update, value_metrics, whiten_over_batch
+from tasks.algorithms.logprobs import Distribution
 from tasks.algorithms.ppo import gae, token_rewards, value_loss
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class Ppo:
         lc, beta = self.settings, self.cfg.train.beta
         with torch.no_grad():
             for b in batches:
-                old, hidden = before_the_update(engine, b, self.cfg.generate.temperature)
+                old, hidden = before_the_update(engine, b, Distribution.of(self.cfg))
                 b.values = engine.critic.values(hidden, b)
                 kl = (old - b.ref) if lc.kl_in_reward and b.ref is not None else None
                 rewards = token_rewards(b.scores, b.mask, kl, beta)

@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tasks.algorithms.logprobs import completion_logprobs
+from tasks.algorithms.logprobs import Distribution, completion_logprobs
 from tasks.algorithms.ppo import whiten
 
 if TYPE_CHECKING:
     from tasks.core.contracts import MicroBatch, TrainingEngine
 
 
-def before_the_update(engine: TrainingEngine, b: MicroBatch, temperature: float):
+def before_the_update(engine: TrainingEngine, b: MicroBatch, temperature: float | Distribution):
     """The value learners' forward without gradients: π_old's logprobs (b.old when the passes computed them)
     and the last hidden states (the critic's input); rows without a reward (NaN in `scores`, the rows'
     rewards) leave the loss."""

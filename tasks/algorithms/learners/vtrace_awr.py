@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tasks.algorithms.learners.value import before_the_update, value_metrics, whiten_over_batch
+from tasks.algorithms.logprobs import Distribution
 from tasks.algorithms.ppo import token_rewards, value_loss
 from tasks.algorithms.vtrace import awr_weights, kl_behaviour, lagrange_loss, vtrace
 
@@ -47,7 +48,7 @@ class VtraceAwr:
         critic = engine.critic
         with torch.no_grad():
             for b in batches:
-                old, hidden = before_the_update(engine, b, self.cfg.generate.temperature)
+                old, hidden = before_the_update(engine, b, Distribution.of(self.cfg))
                 b.encoded = critic.encode(hidden, b).detach()
                 b.log_rho = (old - b.behaviour) * b.mask
                 b.rewards = token_rewards(b.scores, b.mask)
