@@ -302,7 +302,8 @@ def test_the_reward_stage_adds_the_overlong_punishment_apart_and_logs_weight_zer
     fns = ('[{fn: "tasks.rewards.demo:successor_reward", weight: 1.0}, '
            '{fn: "tasks.rewards.demo:stops_reward", weight: 0.0}]')
     cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=ol", "reward.overlong={buffer: 2, penalty: 0.5}",
-                             f"reward.functions={fns}", "generate.prompts_per_iteration=4", "generate.num_generations=4"])
+                             f"reward.functions={fns}", "generate.prompts_per_iteration=4",
+                             "generate.num_generations=4"])
     generate(cfg, 1, layout.BASE)
     out = reward(cfg, 1)
     records = rollout.load(open_store(cfg), layout.rewards("ol", 1))
