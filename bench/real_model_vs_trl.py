@@ -177,6 +177,10 @@ def levers(config: Path, iterations: int, work: Path, only: list[str] | None = N
                                                                "generate.gpu_memory_utilization=0.3"],
         "generation beside training (run.max_staleness=1)": ["run.max_staleness=1"],
         "LoRA r=16 (train.lora_r=16, lr 1e-4)": ["train.lora_r=16", "train.lora_alpha=32", "train.lr=1e-4"],
+        "dynamic sampling (generate.dynamic_sampling, up to 4 rounds)": ["generate.dynamic_sampling={max_rounds: 4}"],
+        "the curriculum (data.curriculum)": ["data.curriculum={defer: 4}"],
+        "overlong shaping (reward.overlong, buffer 8)": ["reward.overlong={buffer: 8}"],
+        "nucleus sampling, renormalized on both sides (generate.top_p=0.8)": ["generate.top_p=0.8"],
     }
     if only:
         variants = {k: v for k, v in variants.items() if any(o in k for o in only)}

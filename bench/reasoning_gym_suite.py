@@ -24,6 +24,7 @@ import csv
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -96,6 +97,8 @@ def one(task: str, seed: int, variant: str, iterations: int, every: int, work: P
     got["held_out"] = held_out(work / name / "store", name)
     got.update(task=task, seed=seed, variant=variant)
     kept.write_text(json.dumps({k: v for k, v in got.items() if k != "accuracy"}))
+    for folder in ("policy", "trainer"):           # ~13 GB a run of SmolLM2 in fp32; the rollouts and evaluations stay
+        shutil.rmtree(work / name / "store" / name / folder, ignore_errors=True)
     steady = got["seconds"][1:] or got["seconds"]
     print(f"{name}: {statistics.fmean(steady):.1f} s/iteration, held-out "
           + ", ".join(f"{k}: {v['accuracy']:.2f} (form {v['format']:.2f})" for k, v in sorted(got["held_out"].items())),
