@@ -95,7 +95,7 @@ drills: setup            ## the standing drill suite at length (tests/test_drill
 	  tests/test_faults.py tests/test_resume.py tests/test_resident.py tests/test_verifiers_v04.py tests/test_learning.py \
 	  tests/test_deepspeed.py tests/test_lora.py tests/test_launchers.py tests/test_real_model.py tests/test_vllm.py \
 	  tests/test_agents.py tests/test_shadowing.py tests/test_reasoning_gym.py tests/test_replicas.py tests/test_lease.py \
-	  tests/test_staleness.py tests/test_vtrace_awr.py
+	  tests/test_staleness.py tests/test_vtrace_awr.py tests/test_dynamic_sampling.py tests/test_mismatch.py
 
 bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/flow_overhead.py
@@ -111,6 +111,8 @@ bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/isolation_per_episode.py
 	$(BIN)/python bench/real_model_vs_trl.py                 # SmolLM2-135M learning sums, 3 seeds each side (~4 h on 2 cores)
 	$(BIN)/python bench/real_model_vs_trl.py --levers
+	$(BIN)/python bench/reasoning_gym_suite.py --jobs 2   # 8 tasks x 3 seeds x {plain, dynamic} (~9 h on 2 cores)
+	$(BIN)/python bench/reasoning_gym_suite.py --tasks basic_arithmetic --variants plain dynamic overlap --every 2
 
 # Not in `make test` or `make bench`: those run where there is no GPU. On one CUDA GPU, the SmolLM2 recipe's stages
 # (hf bf16 sampling, torch and DeepSpeed-over-NCCL training, the resident trainer, a bf16 delta publish, a resume

@@ -22,7 +22,7 @@ from tasks.core.config import load_config
 from tasks.core.contracts import Rollout
 from tasks.core.errors import UserError
 from tasks.core.store import open_store
-from tests.conftest import ROOT, TINY
+from tests.conftest import AT_LENGTH, ROOT, TINY
 
 
 def _group(g: int, rewards: list[float | None], row: int | None = None) -> list[Rollout]:
@@ -405,3 +405,54 @@ def test_an_update_on_uneven_groups_is_the_same_twice():
         (logp * mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert all(torch.equal(grads[0], g) for g in grads[1:])
+
+
+def test_a_run_whose_groups_stay_constant_says_so_once():
+    from flows.training import Watch
+
+    cfg = load_config(TINY, ["generate.dynamic_sampling={max_rounds: 2}"])
+    said = []
+    watch = Watch(cfg, said.append, type("Log", (), {"warning": lambda *a: None})())
+    for it in range(1, 5):
+        watch.iteration(it, {"dynamic/groups_kept": 0.0 if it != 2 else 3.0}, {})
+    assert said == ["warning: iteration 1: every group was constant through generate.dynamic_sampling.max_rounds "
+                    "(2 rounds): trained without a learning signal (dynamic/short counts such iterations' missing "
+                    "groups); said once"]
+
+
+@AT_LENGTH
+@pytest.mark.slow
+@pytest.mark.drill
+def test_a_run_killed_between_rounds_resumes_to_the_uninterrupted_weights(tmp_path, prefect_api):
+    """SIGKILL of the whole process group as soon as a later round of an iteration exists (a generate of round 1
+    committed, its reward not), then the same command: the uninterrupted run's weights."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import run_cli
+
+    args = [a for o in [*DS, "run.name=kill", "run.iterations=3", "tracking.dashboard_every=0"] for a in ("-o", o)]
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    clean.mkdir(), killed.mkdir()
+    assert run_cli(["run", str(TINY), *args], clean, prefect_api).returncode == 0
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY), *args], cwd=killed,
+                            env={**os.environ, "PREFECT_API_URL": prefect_api}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    store_dir = killed / "rlflow-store" / "kill"
+    deadline = time.time() + 300
+    while not any((store_dir / f"iter-{it:06d}" / "rollouts-r01" / "MANIFEST.json").exists() for it in (2, 3)):
+        assert proc.poll() is None and time.time() < deadline, "the run ended (or stalled) before a later round"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert run_cli(["run", str(TINY), *args], killed, prefect_api).returncode == 0
+    for it in (1, 2, 3):
+        key = f"kill/policy/v{it:06d}/MANIFEST.json"
+        got = (killed / "rlflow-store" / key).read_text()
+        want = (clean / "rlflow-store" / key).read_text()
+        import json
+
+        assert json.loads(got)["files"] == json.loads(want)["files"]
