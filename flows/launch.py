@@ -27,8 +27,7 @@ import yaml
 
 from tasks.core.errors import UserError, user_error_in
 from tasks.core.paths import REPO_ROOT, sibling_python
-from tasks.core.process_wide import rlflow_first
-from tasks.core.processes import stream
+from tasks.core.processes import spawn, stream
 from tasks.core.store import CorruptArtifact
 from tasks.envs.server import READY, TOKEN_VAR, URL_VAR
 
@@ -119,9 +118,9 @@ class Local:
                 "SKYPILOT_NUM_NODES": "1", "PYTHONUNBUFFERED": "1",
                 # the recipe says `python`: make it this environment's Python
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-        full = rlflow_first(full)    # `python -m tasks.<stage>` here: the working directory's tasks/ never wins
         t0 = time.perf_counter()
-        ran = stream(["bash", "-c", recipe["run"]], full, log, cwd=Path.cwd())
+        # (the recipe runs `python -m tasks.<stage>`: spawn's safe path, the working directory's tasks/ never wins)
+        ran = stream(["bash", "-c", recipe["run"]], full, log, cwd=Path.cwd(), rlflow=True)
         seconds = time.perf_counter() - t0
         if ran.code == 0:
             return Ran(seconds)
@@ -500,9 +499,8 @@ def spawn_server(argv: list[str], env: dict[str, str], ready: str, name: str, sh
     such. (The environment server, its pool's members and front, the judge servers.)"""
     import subprocess
 
-    proc = subprocess.Popen([python, *argv], env=rlflow_first({**os.environ, **env, "PYTHONUNBUFFERED": "1"}),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
+    proc = spawn([python, *argv], {**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     tail: list[str] = []
     found: list[str] = []
     answered = threading.Event()

@@ -226,10 +226,10 @@ class Tune:
 
         log_path = self.out / "trials" / f"{trial.number:04d}-{name}.log"
         log = open(log_path, "w")
-        from tasks.core.process_wide import rlflow_first
+        from tasks.core.processes import spawn
 
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=die_with_parent, env=rlflow_first(os.environ))   # (flows.cli: rlflow's)
+        proc = spawn(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                     preexec_fn=die_with_parent)        # (-m flows.cli: rlflow's)
         with self.lock:
             self.procs[trial.number] = proc
         values: dict[int, float] = {}            # iteration -> metric

@@ -98,7 +98,7 @@ def test_layers_import_only_what_is_below_them(folder, may_use):
     ("tasks/scoring/syscall_filter.py", ("seccomp",)),      # runs under the system Python (python3-seccomp)
 ])
 def test_modules_that_run_in_other_environments_stay_light(path, also):
-    light = ("tasks.core.errors", "tasks.core.processes", "tasks.core.daemon")
+    light = ("tasks.core.errors", "tasks.core.paths", "tasks.core.processes", "tasks.core.daemon")
 
     def allowed(m: str) -> bool:
         package = any(a.startswith(m + ".") for a in (*light, *also))      # tasks, tasks.core: empty __init__s
@@ -261,3 +261,52 @@ def test_the_contracts_import_nothing_of_their_implementations():
     """tasks/core/contracts.py names the config in annotations and nothing else of ours."""
     ours = {m for m in _imports(ROOT / "tasks" / "core" / "contracts.py", type_checking=True) if _ours(m)}
     assert ours <= {"tasks.core.config", "tasks.core.config.Config"}, ours
+
+
+# Starting a child process: every start goes through tasks/core/processes.py (spawn, run, stream, spawn_detached),
+# which gives a child that runs rlflow's code the safe path (a user's own tasks/ never shadows rlflow's).
+STARTS = {"Popen", "run", "call", "check_call", "check_output", "getoutput", "getstatusoutput"}
+OS_STARTS = {"system", "popen", "spawnl", "spawnlp", "spawnv", "spawnvp", "posix_spawn", "posix_spawnp", "execv",
+             "execvp", "execve", "execl", "execlp"}
+
+
+def _process_starts(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    from_subprocess = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                       and n.module == "subprocess" for a in n.names if a.name in STARTS}
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (
+                (f.value.id == "subprocess" and f.attr in STARTS) or (f.value.id == "os" and f.attr in OS_STARTS)):
+            out.append(f"{_module_name(path)}:{node.lineno} {f.value.id}.{f.attr}")
+        elif isinstance(f, ast.Name) and f.id in from_subprocess:
+            out.append(f"{_module_name(path)}:{node.lineno} {f.id}")
+    return out
+
+
+def test_every_child_process_starts_through_the_one_spawn_function():
+    found = [s for folder in ("tasks", "flows") for p in _modules(folder)
+             if p != ROOT / "tasks" / "core" / "processes.py" for s in _process_starts(p)]
+    # the harness runs inside the sandbox (the model's code: its own rules, docs/sandbox.md), not under rlflow
+    assert [s for s in found if not s.startswith("tasks.scoring.harness:")] == []
+
+
+def test_a_python_that_runs_rlflows_packages_gets_the_safe_path(tmp_path):
+    """spawn: `-m tasks...` / `-m flows...` (also after torchrun's own `-m`) get rlflow_first's environment; any
+    other child gets the environment it was given, unchanged."""
+    from tasks.core.processes import SAFEPATH_MARK, runs_rlflow, spawn
+
+    assert runs_rlflow([sys.executable, "-m", "tasks.engines.replica", "--port", "0"])
+    assert runs_rlflow([sys.executable, "-m", "torch.distributed.run", "--standalone", "-m", "tasks.train"])
+    assert not runs_rlflow([sys.executable, "-u", str(ROOT / "tasks" / "envs" / "openenv_bridge.py")])
+    assert not runs_rlflow(["bash", "-c", "python -m tasks.train"]) and not runs_rlflow([sys.executable, "-m"])
+    code = "import os; print(os.environ.get('PYTHONSAFEPATH'), os.environ.get('PYTHONPATH', '').split(os.pathsep)[0])"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONSAFEPATH", SAFEPATH_MARK)}
+    plain = spawn([sys.executable, "-c", code], env, stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert plain.communicate(timeout=60)[0].split()[0] == "None"
+    told = spawn(["bash", "-c", f"{sys.executable} -c \"{code}\""], env, rlflow=True, stdout=subprocess.PIPE,
+                 text=True, cwd=tmp_path)
+    assert told.communicate(timeout=60)[0].split() == ["1", str(ROOT)]

@@ -28,7 +28,7 @@ def _shadowing(folder: Path) -> Path:
 
 
 def test_a_child_gets_rlflows_root_first_and_no_working_directory(tmp_path, monkeypatch):
-    from tasks.core.process_wide import children_import_rlflow, rlflow_first
+    from tasks.core.processes import children_import_rlflow, rlflow_first
 
     mark = _shadowing(tmp_path)
     env = rlflow_first({**os.environ, "PYTHONPATH": f"/elsewhere{os.pathsep}{ROOT}"})
@@ -81,7 +81,7 @@ def test_what_an_rlflow_child_starts_does_not_inherit_the_safe_path(tmp_path, mo
     """A child started with rlflow_first drops the variables as it imports rlflow (the marker says they are
     rlflow's); a `python script.py` it starts then finds the script's sibling. A user's own PYTHONSAFEPATH (no
     marker) is theirs: kept, in os.environ and in what rlflow_first makes."""
-    from tasks.core.process_wide import SAFEPATH_MARK, rlflow_first
+    from tasks.core.processes import SAFEPATH_MARK, rlflow_first
 
     script = _script_with_sibling(tmp_path)
     monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
@@ -201,3 +201,46 @@ def test_user_code_starts_python_scripts_as_anywhere_else(tmp_path, prefect_api)
     assert {(flow, "factory"), ("reward.py", "import"), ("worker.py", "call")} <= {
         (Path(s["argv0"]).name, s["when"]) for s in spawned}, spawned
     assert all(s["code"] == 0 and s["out"] == "sibling" and s["safepath"] is None for s in spawned), spawned
+
+
+@pytest.mark.slow
+def test_replicas_a_pool_and_a_judge_started_from_a_folder_with_its_own_tasks(tmp_path, monkeypatch):
+    """The services' processes (the generate router and its replicas, an environment pool's servers and its front,
+    a judge server) import rlflow's packages when started from a folder whose own tasks/ and flows/ would break
+    them: every one goes through tasks/core/processes.py: spawn (issue 41: the router and its replicas did not)."""
+    from flows.launch import EnvServer, JudgeServers
+    from tasks.core import builtin_models
+    from tasks.core.config import load_config
+    from tasks.engines.sampling import sampling_engine
+    from tasks.envs.server import TOKEN_VAR, URL_VAR
+    from tasks.generate import generate
+    from tasks.scoring.judges import pin_of
+
+    work = tmp_path / "project"
+    mark = _shadowing(work)
+    monkeypatch.chdir(work)
+    for var in (URL_VAR, TOKEN_VAR):
+        monkeypatch.delenv(var, raising=False)
+    replicas = load_config(TINY, ["generate.replicas=2", f"store.uri={tmp_path}/store", "generate.batch_size=4",
+                                  "generate.replica_threads=1", "run.name=shadow"])
+    try:
+        assert generate(replicas, 1)["metrics"]["generate/router/new"] == 4
+    finally:
+        sampling_engine(replicas).stop(lambda _line: None)
+    letters = ROOT / "configs" / "letters.yaml"
+    pool_overrides = ["env.where=local", "env.servers=2", "env.isolation=thread"]
+    pool = EnvServer(load_config(letters, pool_overrides), str(letters), pool_overrides, None)
+    try:
+        assert pool.env(lambda _line: None)[URL_VAR].startswith("http://127.0.0.1:")
+        assert all(m["url"] for m in pool.members)
+    finally:
+        pool.stop()
+    judge = {"name": "j", "kind": "judge", "model": "builtin:tiny-lm", "where": "local", "max_tokens": 2,
+             "sha256": pin_of(builtin_models.resolve("builtin:tiny-lm")), "template": "{prompt} {completion}?"}
+    judged = load_config(TINY, [f"reward.models={json.dumps([judge])}"])
+    servers = JudgeServers(judged, str(TINY), [f"reward.models={json.dumps([judge])}"], None)
+    try:
+        assert "RLFLOW_REWARD_MODELS" in servers.env(lambda _line: None)
+    finally:
+        servers.stop()
+    assert not mark.exists(), mark.read_text()

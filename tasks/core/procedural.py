@@ -27,12 +27,12 @@ import functools
 import json
 import os
 import random
-import subprocess
 import sys
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import UserError
 from tasks.core.paths import REPO_ROOT
+from tasks.core.processes import run
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, ReasoningGymConfig
@@ -119,9 +119,9 @@ def _splits(*spec) -> dict[str, list[dict]]:
     would differ from one process to the next. Such a process builds them in a child with PYTHONHASHSEED=0."""
     if not sys.flags.hash_randomization:
         return _build(*spec)
-    out = subprocess.run([sys.executable, "-c", "import json, sys; from tasks.core.procedural import _child; "
-                          "_child(json.loads(sys.argv[1]))", json.dumps(spec)], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONHASHSEED": "0"}, cwd=REPO_ROOT)
+    out = run([sys.executable, "-c", "import json, sys; from tasks.core.procedural import _child; "
+               "_child(json.loads(sys.argv[1]))", json.dumps(spec)], {**os.environ, "PYTHONHASHSEED": "0"},
+              rlflow=True, capture_output=True, text=True, cwd=REPO_ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"building the reasoning-gym splits failed: {out.stderr.strip()[-2000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])

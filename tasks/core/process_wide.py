@@ -20,27 +20,6 @@ per process. Each sits here, once, with the reason it exists:
                      signal. The run's own handlers are installed by its entry point (flows/cli.py: Ctrl-C and
                      SIGTERM stop the run; flows/tune.py likewise), and an environment's child process ignores
                      Ctrl-C (tasks/envs/isolation.py: the parent handles it).
-  rlflow_first,
-  children_import_rlflow
-                     a child Python that imports rlflow (`-m tasks...` / `-m flows...`: a local stage, the reward
-                     worker, the resident trainer, the vLLM worker, server and watchdog, the environment server,
-                     torchrun's workers, a tuning trial) is started with rlflow_first(env): PYTHONSAFEPATH=1
-                     and rlflow's own root first on PYTHONPATH, so a user's own `tasks/` or `flows/` package in the
-                     working directory never shadows rlflow's (`python -m` otherwise puts the working directory
-                     first on sys.path; Python 3.11+ honours PYTHONSAFEPATH). Each spawn point passes it in the
-                     child's own environment; nothing sets it in this process's os.environ, where user code would
-                     inherit it. The child drops it again as it starts (tasks/__init__.py: RLFLOW_SAFEPATH marks it
-                     as rlflow's, a user's own PYTHONSAFEPATH is left alone), so what user code there starts
-                     (`python script.py` from a reward function, an environment, a stage's user module) gets the
-                     script's folder first on its path as it would anywhere else. User modules named by the config
-                     (reward functions, env.factory) are still found in the working directory: the code that
-                     imports them adds it itself. One child cannot be given an environment: multiprocessing's
-                     forkserver (env.isolation: process) is started with this process's os.environ, so
-                     children_import_rlflow sets it there for that one start and restores it (tasks/envs/
-                     isolation.py: warm_up). (Other multiprocessing children of a process started with the safe
-                     path get `-P` from multiprocessing itself, and the parent's sys.path.) On a SkyPilot node the
-                     working directory is rlflow's checkout (the recipes' workdir), so its stage imports rlflow's
-                     by construction.
   tell_inline_stages the environment server's URL and token reach a stage as RLFLOW_ENV_SERVER / RLFLOW_ENV_TOKEN
                      in its environment (tasks/envs/server.py reads them); a stage the flow runs in its own
                      process is told the same way, so a stage has one way to find it wherever it runs.
@@ -56,8 +35,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
-
-from tasks.core.paths import REPO_ROOT
 
 # ------------------------------------------------------------------------------------ the model-building lock
 
@@ -117,48 +94,6 @@ def signals_kept() -> Iterator[None]:
         yield
     finally:
         _FACTORY.on = False
-
-
-# ------------------------------------------------------------------------- environment variables for children
-
-SAFEPATH_MARK = "RLFLOW_SAFEPATH"      # PYTHONSAFEPATH was set by rlflow_first: the child removes both as it starts
-
-
-def rlflow_first(env: Mapping[str, str]) -> dict[str, str]:
-    """`env` for a child Python that runs one of rlflow's modules with `-m`: the working directory is not put
-    first on its sys.path (PYTHONSAFEPATH) and this checkout's root is first on PYTHONPATH instead. The marker
-    tells the child that PYTHONSAFEPATH is rlflow's, not the user's: it removes both from its os.environ as it
-    starts (tasks/__init__.py), so its own children (user code's) do not inherit it."""
-    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
-    out = {**env, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *rest])}
-    if not env.get("PYTHONSAFEPATH"):         # (a user's own, unmarked, stays theirs: the child keeps it)
-        out.update({"PYTHONSAFEPATH": "1", SAFEPATH_MARK: "1"})
-    return out
-
-
-_ENVIRON_LOCK = threading.Lock()
-
-
-@contextmanager
-def children_import_rlflow(also: str | None = None) -> Iterator[None]:
-    """os.environ as rlflow_first makes it (with the folder `also` last on PYTHONPATH) while the body starts a
-    child that cannot be given an environment of its own (multiprocessing's forkserver), as it was after. Keep
-    the body to that start: a child user code starts meanwhile, from another thread, would inherit it too."""
-    keys = ("PYTHONSAFEPATH", "PYTHONPATH", SAFEPATH_MARK)
-    with _ENVIRON_LOCK:
-        saved = {k: os.environ.get(k) for k in keys}
-        env = rlflow_first(os.environ)
-        if also:
-            env["PYTHONPATH"] += os.pathsep + also
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def tell_inline_stages(variables: Mapping[str, str]) -> None:

@@ -1,6 +1,7 @@
-"""Child processes: streaming one's output while spotting a user-error line, killing a process group, "is this
-pid alive", and starting a process that outlives its caller. Shared by the launchers, the DeepSpeed launcher,
-the reward worker, the sandbox, the vLLM server, the resident trainer and the lease. Standard library only.
+"""Child processes: `spawn`, the one way rlflow starts one (the safe path for a child that runs rlflow's code),
+streaming one's output while spotting a user-error line, killing a process group, "is this pid alive", and
+starting a process that outlives its caller. Shared by the launchers, the DeepSpeed launcher, the reward worker,
+the sandbox, the vLLM server, the resident trainer, the servers and the lease. Standard library only.
 """
 
 from __future__ import annotations
@@ -12,12 +13,97 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.core.errors import corrupt_in, user_error_in
+from tasks.core.paths import REPO_ROOT
+
+# ------------------------------------------------------------------------------------------------ starting one
+
+SAFEPATH_MARK = "RLFLOW_SAFEPATH"      # PYTHONSAFEPATH was set by rlflow_first: the child removes both as it starts
+
+
+def runs_rlflow(argv: list[str]) -> bool:
+    """Whether argv is a Python running rlflow's packages: `-m tasks...` / `-m flows...`. (A bridge script run by
+    path in another environment, flows/sky_bridge.py or tasks/envs/*_bridge.py, imports none of rlflow and keeps
+    that environment's own path: not one.)"""
+    return any(a == "-m" and argv[i + 1:i + 2] and argv[i + 1].split(".")[0] in ("tasks", "flows")
+               for i, a in enumerate(argv))
+
+
+def spawn(argv: list[str], env: Mapping[str, str] | None = None, *, rlflow: bool | None = None,
+          **popen) -> subprocess.Popen:
+    """The one way rlflow starts a child process (tests/test_layout.py holds every start to it). `env`: the child's
+    environment (default: this process's). A child that runs rlflow's code (`rlflow`: None = runs_rlflow(argv);
+    True for a shell that will, as a launcher's recipe) gets rlflow_first's: a working directory's own tasks/ or
+    flows/ never shadows rlflow's. Every other keyword is subprocess.Popen's."""
+    env = dict(os.environ if env is None else env)
+    if runs_rlflow(argv) if rlflow is None else rlflow:
+        env = rlflow_first(env)
+    return subprocess.Popen(argv, env=env, **popen)
+
+
+def run(argv: list[str], env: Mapping[str, str] | None = None, *, rlflow: bool | None = None,
+        timeout: float | None = None, capture_output: bool = False, input=None,
+        **popen) -> subprocess.CompletedProcess:
+    """spawn, then wait for its end: subprocess.run's arguments and result (`timeout`: killed after it,
+    TimeoutExpired raised)."""
+    if capture_output:
+        popen.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if input is not None:
+        popen["stdin"] = subprocess.PIPE
+    with spawn(argv, env, rlflow=rlflow, **popen) as proc:
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def rlflow_first(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` for a child Python that runs one of rlflow's modules with `-m`: the working directory is not put
+    first on its sys.path (PYTHONSAFEPATH) and this checkout's root is first on PYTHONPATH instead. The marker
+    tells the child that PYTHONSAFEPATH is rlflow's, not the user's: it removes both from its os.environ as it
+    starts (tasks/__init__.py), so its own children (user code's) do not inherit it."""
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
+    out = {**env, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *rest])}
+    if not env.get("PYTHONSAFEPATH"):         # (a user's own, unmarked, stays theirs: the child keeps it)
+        out.update({"PYTHONSAFEPATH": "1", SAFEPATH_MARK: "1"})
+    return out
+
+
+_ENVIRON_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def children_import_rlflow(also: str | None = None) -> Iterator[None]:
+    """os.environ as rlflow_first makes it (with the folder `also` last on PYTHONPATH) while the body starts a
+    child that cannot be given an environment of its own (multiprocessing's forkserver), as it was after. Keep
+    the body to that start: a child user code starts meanwhile, from another thread, would inherit it too."""
+    keys = ("PYTHONSAFEPATH", "PYTHONPATH", SAFEPATH_MARK)
+    with _ENVIRON_LOCK:
+        saved = {k: os.environ.get(k) for k in keys}
+        env = rlflow_first(os.environ)
+        if also:
+            env["PYTHONPATH"] += os.pathsep + also
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+# ------------------------------------------------------------------------------------------------ watching one
 
 
 @dataclass
@@ -29,11 +115,11 @@ class Streamed:
 
 
 def stream(argv: list[str], env: dict[str, str], sink: Callable[[str], object], cwd: str | Path | None = None,
-           keep: int = 50) -> Streamed:
-    """Run argv with stdout and stderr merged, passing each line (without its line end) to `sink` as it comes.
-    If we are interrupted (an exception, Ctrl-C) the process is terminated, never left behind."""
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1)
+           keep: int = 50, rlflow: bool | None = None) -> Streamed:
+    """Run argv (spawn's `rlflow`) with stdout and stderr merged, passing each line (without its line end) to
+    `sink` as it comes. If we are interrupted (an exception, Ctrl-C) the process is terminated, never left behind."""
+    proc = spawn(argv, env, rlflow=rlflow, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                 bufsize=1)
     user_error, corrupt, last = None, None, collections.deque(maxlen=keep)
     try:
         for line in proc.stdout:
@@ -96,8 +182,8 @@ def spawn_detached(argv: list[str], env: dict[str, str], watch: list[str] | None
     if watch:
         script += '; eval "exec $WATCH $P" >>"$LOG" 2>&1 </dev/null &'
         env = {**env, "WATCH": shlex.join(watch)}
-    sh = subprocess.Popen(["sh", "-c", script, "sh", *argv], env=env,
-                          stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    sh = spawn(["sh", "-c", script, "sh", *argv], env, rlflow=runs_rlflow(argv) or bool(watch and runs_rlflow(watch)),
+               stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     pid = int(sh.stdout.readline().strip())
     sh.wait()
     return pid

@@ -61,7 +61,7 @@ from tasks.core import layout
 from tasks.core.errors import UserError
 from tasks.core.models import DTYPES, base_path, device_for, load_model, load_tokenizer, policy_dtype
 from tasks.core.process_wide import rng_state, seed_all, set_rng_state
-from tasks.core.processes import stream
+from tasks.core.processes import run, stream
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -122,11 +122,9 @@ class DeepSpeedEngine:
                      f"--master_port={os.environ.get('MASTER_PORT') or 29500}"]
         else:
             argv.append("--standalone")      # one node: torchrun picks a free rendezvous port on localhost
-        from tasks.core.process_wide import rlflow_first
-
-        # (the workers run `-m tasks...` from the user's folder: rlflow's tasks, not a tasks/ there)
-        env = rlflow_first({**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                            "HF_HUB_DISABLE_PROGRESS_BARS": "1"})     # one bar per process per file is noise in a log
+        # (the workers run `-m tasks...` from the user's folder: spawn's safe path gives them rlflow's tasks)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+               "HF_HUB_DISABLE_PROGRESS_BARS": "1"}     # one bar per process per file is noise in a log
         if device.type == "cpu":
             env["DS_ACCELERATOR"] = "cpu"    # else DeepSpeed probes for GPUs
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -547,8 +545,8 @@ def to_universal(engine_dir: Path, tag: str) -> None:
     argv = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(engine_dir / tag),
             "--output_folder", str(engine_dir / out), "--inject_missing_state",
             "--num_extract_workers", str(max(1, min(8, os.cpu_count() or 1))), "--num_merge_workers", "2"]
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = run(argv, {**os.environ, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, capture_output=True,
+               text=True)
     if proc.returncode != 0:
         tail = " | ".join(line.strip() for line in (proc.stdout + proc.stderr).splitlines()[-15:] if line.strip())
         raise RuntimeError(f"deepspeed universal checkpoint conversion of {tag} failed: {tail[-1500:]}")

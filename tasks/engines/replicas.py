@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.paths import cache_root
+from tasks.core.processes import run, spawn
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -261,11 +262,10 @@ class Router:
         t0 = time.monotonic()
         try:
             if self.launch is None:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "tasks.engines.replica", "--config-json", str(self.config_json),
-                     "--port", "0", "--exit-with-parent"], env={**os.environ, TOKEN_VAR: self.token,
-                                                                "PYTHONUNBUFFERED": "1"},
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+                proc = spawn([sys.executable, "-m", "tasks.engines.replica", "--config-json", str(self.config_json),
+                              "--port", "0", "--exit-with-parent"],
+                             {**os.environ, TOKEN_VAR: self.token, "PYTHONUNBUFFERED": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
                 url = None
                 for line in proc.stdout:
                     if line.startswith(READY):
@@ -294,7 +294,7 @@ class Router:
         port = str(int(self.launch.get("port_base", 0)) + i)
         argv = [a.replace("{i}", str(i)).replace("{port}", port).replace("{token}", self.token)
                 for a in self.launch["start"]]
-        ran = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, TOKEN_VAR: self.token})
+        ran = run(argv, {**os.environ, TOKEN_VAR: self.token}, capture_output=True, text=True)
         for line in reversed(ran.stdout.splitlines()):
             if line.startswith("{"):
                 out = json.loads(line)
@@ -374,7 +374,7 @@ class Router:
             if m.proc is not None and m.proc.poll() is None:
                 m.proc.terminate()
             if self.launch and self.launch.get("stop"):
-                subprocess.run([a.replace("{i}", str(m.index)) for a in self.launch["stop"]], capture_output=True)
+                run([a.replace("{i}", str(m.index)) for a in self.launch["stop"]], capture_output=True)
 
     # ------------------------------------------------------------------------------------------ the API
 

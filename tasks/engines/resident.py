@@ -64,7 +64,7 @@ import yaml
 from tasks.core import layout
 from tasks.core.daemon import Daemon, Watch, forget, leave, write_state
 from tasks.core.errors import UserError
-from tasks.core.paths import REPO_ROOT, cache_root
+from tasks.core.paths import cache_root
 from tasks.core.processes import alive
 from tasks.core.stage import by_hand, command
 from tasks.engines.trainer import Trainer, trainer_key
@@ -233,13 +233,8 @@ class ResidentTrainer:
             argv, env = DeepSpeedEngine.torchrun(self.cfg)
         else:
             argv, env = [sys.executable], dict(os.environ)
-        from tasks.core.process_wide import rlflow_first
-
-        # (`-m` from the user's folder: rlflow_first, so that it imports rlflow's tasks, not a tasks/ there)
-        env = rlflow_first({**env, "RLFLOW_TRAINER_AUTHKEY": authkey, "RLFLOW_TRAINER_KEY": self.key,
-                            "PYTHONUNBUFFERED": "1",
-                            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", ""))
-                                                          if p)})
+        # (`-m tasks...` from the user's folder: spawn's safe path imports rlflow's tasks, not a tasks/ there)
+        env = {**env, "RLFLOW_TRAINER_AUTHKEY": authkey, "RLFLOW_TRAINER_KEY": self.key, "PYTHONUNBUFFERED": "1"}
         if self.nodes > 1:          # where the other nodes' first processes reach process 0 (its link server)
             env["RLFLOW_LINK_ADDR"] = os.environ["MASTER_ADDR"]
 

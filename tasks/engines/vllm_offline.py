@@ -30,6 +30,7 @@ from tasks.core.errors import UserError
 from tasks.core.layout import BASE
 from tasks.core.models import ADAPTER_CONFIG, base_path
 from tasks.core.paths import REPO_ROOT, sibling_python
+from tasks.core.processes import rlflow_first, run, spawn
 from tasks.engines.vllm_worker import NO_VLLM_EXIT
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def installed_python(cfg: Config) -> str:
     if os.sep in python and not (Path(python).is_file() and os.access(python, os.X_OK)):
         raise UserError(f"generate.vllm_python: {python} is not an executable file (a Python interpreter)")
     has_vllm = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-    probe = subprocess.run([python, "-c", has_vllm], stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    probe = run([python, "-c", has_vllm], stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if probe.returncode != 0:
         raise UserError(f"generate.engine: vllm: {python} has no vllm; make setup builds .venv-vllm, a GPU machine "
                         f"needs `pip install vllm`")
@@ -64,8 +65,6 @@ def installed_python(cfg: Config) -> str:
 def worker_env(**extra: str) -> dict[str, str]:
     """This checkout's `tasks` first on the path (the vLLM environment may have another rlflow installed), and
     not the working directory's (the vLLM worker, server and watchdog: tasks/core/process_wide.py)."""
-    from tasks.core.process_wide import rlflow_first
-
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return rlflow_first({**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", **extra})
 
@@ -178,9 +177,9 @@ class OfflineSession(SamplingSession):
         try:
             with open(self.log, "w") as out:
                 env = worker_env(**({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {}))
-                self.proc = subprocess.Popen([self.python, "-m", "tasks.engines.vllm_worker", str(reply_fd)],
-                                             stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                             pass_fds=(reply_fd,), text=True)
+                self.proc = spawn([self.python, "-m", "tasks.engines.vllm_worker", str(reply_fd)], env,
+                                  stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, pass_fds=(reply_fd,),
+                                  text=True)
         except BaseException:
             os.close(replies)
             self.tmp.cleanup()

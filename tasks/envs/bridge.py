@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from tasks.core.processes import spawn
 from tasks.envs.isolation import EnvironmentDied
 
 
@@ -41,8 +42,8 @@ class LineBridge:
             return bridge
 
     def start(self, python: str, script: Path, env: dict | None = None) -> None:
-        self.proc = subprocess.Popen([python, "-u", str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+        self.proc = spawn([python, "-u", str(script)], env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, bufsize=1)
         self.pending: dict[int, Future] = {}
         self.ids = itertools.count()
         self.lock = threading.Lock()

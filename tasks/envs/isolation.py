@@ -69,7 +69,7 @@ def warm_up(cfg: Config) -> None:
     with _warming:
         if _warm:
             return
-        from tasks.core.process_wide import children_import_rlflow
+        from tasks.core.processes import children_import_rlflow
 
         proc = _forkserver(cfg).Process(target=_noop)
         # The forkserver starts with this process's os.environ (it takes no env of its own), and its `-c` would

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 from tasks.core.contracts import Step
 from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
+from tasks.core.processes import run
 from tasks.envs.bridge import LineBridge
 from tasks.envs.isolation import EnvironmentDied
 from tasks.envs.protocol import require_answer
@@ -89,8 +89,8 @@ class OpenEnv:
             where = f"{python!r} is not an executable" if python else f"no {VENV} was found"
             raise UserError(f"env.kwargs.python: {where}; the OpenEnv adapter runs openenv-core's client in a Python "
                             f"of its own (make setup builds {VENV})")
-        probe = subprocess.run([exe, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('openenv') "
-                                           "is None)"], capture_output=True, timeout=60)
+        probe = run([exe, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('openenv') is None)"],
+                    capture_output=True, timeout=60)
         if probe.returncode != 0:
             raise UserError(f"env.kwargs.python: {exe} has no openenv-core (pip install openenv-core there; make "
                             f"setup does for {VENV})")

@@ -41,7 +41,7 @@ import torch
 
 from tasks.core.errors import UserError
 from tasks.core.paths import REPO_ROOT
-from tasks.core.processes import kill_group
+from tasks.core.processes import kill_group, spawn
 from tasks.scoring.worker import _HEADER, RewardState, receive, send
 
 if TYPE_CHECKING:
@@ -152,12 +152,10 @@ class _Worker:
     """One `python -m tasks.scoring.worker` process with the functions imported."""
 
     def __init__(self, setup: dict):
-        from tasks.core.process_wide import rlflow_first
-
-        # (`-m` from the user's folder: rlflow_first, so that it imports rlflow's tasks, not a tasks/ there)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tasks.scoring.worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, start_new_session=True, cwd=setup["cwd"],
-                                     env=rlflow_first({**os.environ, "PYTHONPATH": _pythonpath(setup["cwd"])}))
+        # (`-m` from the user's folder: spawn's safe path, so that it imports rlflow's tasks, not a tasks/ there)
+        self.proc = spawn([sys.executable, "-m", "tasks.scoring.worker"], {**os.environ, "PYTHONPATH":
+                          _pythonpath(setup["cwd"])}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          start_new_session=True, cwd=setup["cwd"])
         send(self.proc.stdin, setup)
         status, message = self._receive(timeout=120.0)
         if status != "ready":

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core.errors import UserError
-from tasks.core.processes import kill_group, kill_until_gone
+from tasks.core.processes import kill_group, kill_until_gone, run, spawn
 from tasks.scoring.cgroups import IO_BPS, IO_IOPS, Cgroup, Spawner, block_devices
 
 if TYPE_CHECKING:
@@ -189,15 +189,16 @@ class Runner:
         joins = cgroup.open_procs() if cgroup is not None and spawner is None else []
         ooms = cgroup.oom_kills() if cgroup is not None else 0
         try:
-            def spawn() -> subprocess.Popen:
-                return subprocess.Popen(
-                    self._command(filter_fd, uid), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE, pass_fds=(chan_w,) + ((filter_fd,) if filter_fd is not None else ()),
-                    start_new_session=True, close_fds=True, env=_clean_env(workdir), cwd=workdir or "/",
+            def start() -> subprocess.Popen:     # (the model's code: its own clean environment, never rlflow's path)
+                return spawn(
+                    self._command(filter_fd, uid), _clean_env(workdir), rlflow=False, stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    pass_fds=(chan_w,) + ((filter_fd,) if filter_fd is not None else ()),
+                    start_new_session=True, close_fds=True, cwd=workdir or "/",
                     preexec_fn=Cgroup.joiner(joins) if joins else None,   # v2: in its cgroup before it execs
                     **({"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}))
 
-            proc = spawner.call(spawn) if spawner is not None else spawn()   # v1: born in the cgroup
+            proc = spawner.call(start) if spawner is not None else start()   # v1: born in the cgroup
             os.close(chan_w)
             chan_w = None
             if filter_fd is not None:
@@ -704,7 +705,7 @@ def syscall_filter() -> tuple[bytes | None, str]:
         why = "no system python3 with the seccomp module (python3-seccomp)"
         for python in dict.fromkeys(["/usr/bin/python3", shutil.which("python3") or "/usr/bin/python3"]):
             try:
-                out = subprocess.run([python, "-I", str(script)], capture_output=True, timeout=30)
+                out = run([python, "-I", str(script)], rlflow=False, capture_output=True, timeout=30)
             except (OSError, subprocess.TimeoutExpired) as e:
                 why = f"{python}: {e}"
                 continue
@@ -718,7 +719,7 @@ def syscall_filter() -> tuple[bytes | None, str]:
 
 def _bwrap_has(bwrap: str, flag: str) -> bool:
     try:
-        return flag in subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10).stdout
+        return flag in run([bwrap, "--help"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -735,8 +736,8 @@ def _interpreter_binds(python: str) -> tuple[str, ...]:
     if real.startswith("/usr/") and python.startswith("/usr/"):
         return ()
     try:
-        out = subprocess.run([python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
-                             capture_output=True, text=True, timeout=30, env=_clean_env(None)).stdout.split()
+        out = run([python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"], _clean_env(None),
+                  rlflow=False, capture_output=True, text=True, timeout=30).stdout.split()
     except (OSError, subprocess.TimeoutExpired):
         out = []
     paths = {os.path.abspath(p) for p in [*out, os.path.dirname(os.path.dirname(real)),
