@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from tasks.core.errors import UserError, user_error_in
+from tasks.core.errors import UserError
+from tasks.core.fleet import DidNotStart, bearer, start_server
 from tasks.core.paths import REPO_ROOT, sibling_python
-from tasks.core.processes import spawn, stream
+from tasks.core.processes import stream
 from tasks.core.store import CorruptArtifact
 from tasks.envs.server import READY, TOKEN_VAR, URL_VAR
 
@@ -463,7 +464,7 @@ class EnvServer:
         table = [{"url": m["url"], "generation": max(m["generation"], 0)} for m in self.members]
         try:
             r = httpx.put(f"{self.url}/pool/members", json={"members": table}, timeout=30,
-                          headers={"Authorization": f"Bearer {self.token}"})
+                          headers=bearer(self.token))
             r.raise_for_status()
             return r.json()
         except (httpx.HTTPError, ValueError) as e:
@@ -493,38 +494,12 @@ class EnvServer:
 
 def spawn_server(argv: list[str], env: dict[str, str], ready: str, name: str, short: str, log,
                  timeout: float, python: str = sys.executable) -> tuple:
-    """`python argv...` on this machine, a server that prints `<ready> <url>` once it answers: (its process, its
-    URL, the last lines it printed). Its output goes to the flow's log after `short` for its whole life. A server
-    that does not answer within `timeout` is ended; its one-line user error, if it printed one, is raised as
-    such. (The environment server, its pool's members and front, the judge servers.)"""
-    import subprocess
-
-    proc = spawn([python, *argv], {**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    tail: list[str] = []
-    found: list[str] = []
-    answered = threading.Event()
-
-    def drain() -> None:
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            tail[:] = (tail + [line])[-20:]
-            if line.startswith(ready) and not found:
-                found.append(line.split()[1])
-                answered.set()
-                continue
-            log(f"{short}: {line}")
-        answered.set()
-    threading.Thread(target=drain, daemon=True, name=f"{short}-log").start()
-    if not answered.wait(timeout) or not found:
-        code = proc.poll()
-        EnvServer._end(proc)
-        said = next((u for u in map(user_error_in, tail) if u), None)
-        if said:
-            raise UserError(said)
-        raise InfraError(f"the {name} did not start (exit code {code}): " + "\n".join(tail[-3:]).strip())
-    log(f"{name}: {found[0]} (pid {proc.pid})")
-    return proc, found[0], tail
+    """tasks/core/fleet.py: start_server, a member that did not start being an infrastructure failure (retried).
+    (The environment server, its pool's members and front, the judge servers.)"""
+    try:
+        return start_server(argv, env, ready, name, short, log, timeout, python)
+    except DidNotStart as e:
+        raise InfraError(str(e)) from None
 
 
 class JudgeServers:

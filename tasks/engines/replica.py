@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from tasks.core.fleet import authorized
 from tasks.engines.replicas import READY, TOKEN_VAR, policy_digest
 
 
@@ -93,7 +94,7 @@ def app(replica: Replica, token: str | None, parent: int | None, idle: float | N
     from tasks.core.daemon import Watch, leave
 
     def denied(request: Request):
-        if token and request.headers.get("authorization") != f"Bearer {token}":
+        if not authorized(request.headers, token):
             return JSONResponse({"error": "unauthorized"}, status_code=401)
         return None
 

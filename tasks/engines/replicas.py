@@ -48,14 +48,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
+from tasks.core.fleet import Health, Sticky, bearer, least_loaded, start_server
 from tasks.core.paths import cache_root
-from tasks.core.processes import run, spawn
+from tasks.core.processes import run
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -67,6 +67,10 @@ LATE_GRACE = 10.0                         # s after the first replica loaded a p
 STICKY_KEYS = 100_000
 READY = "RLFLOW_REPLICA_READY"            # the line a replica prints once it answers: READY <url>
 TOKEN_VAR = "RLFLOW_REPLICA_TOKEN"        # the router's token: only it may load policies into and sample replicas
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def policy_digest(cfg: Config, policy: str) -> str:
@@ -235,7 +239,8 @@ class Member:
     tokens: int = 0
     seconds: float = 0.0
     replaced: int = 0
-    failures: int = 0
+    failures: int = 0                 # policy loads that failed in a row (3: dead)
+    health: Health = dataclasses.field(default_factory=Health)
     life: int = 0                     # which start of this replica (a failure seen late concerns an old one)
 
 
@@ -248,7 +253,7 @@ class Router:
         self.members = [Member(i) for i in range(cfg.generate.replicas)]
         self.lock = threading.RLock()
         self.want: tuple | None = None                # (policy, digest) the schedule names now
-        self.sticky: OrderedDict[str, int] = OrderedDict()
+        self.sticky = Sticky(STICKY_KEYS)
         self.counts = {"sticky": 0, "new": 0, "retried": 0, "replaced": 0}
         self.replace_seconds: list[float] = []
         self.last_used = time.monotonic()
@@ -262,24 +267,14 @@ class Router:
         t0 = time.monotonic()
         try:
             if self.launch is None:
-                proc = spawn([sys.executable, "-m", "tasks.engines.replica", "--config-json", str(self.config_json),
-                              "--port", "0", "--exit-with-parent"],
-                             {**os.environ, TOKEN_VAR: self.token, "PYTHONUNBUFFERED": "1"},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
-                url = None
-                for line in proc.stdout:
-                    if line.startswith(READY):
-                        url = line.split()[1]
-                        break
-                    print(f"replica {m.index}: {line.rstrip()}", flush=True)
-                if url is None:
-                    raise RuntimeError(f"exit code {proc.wait()}")
-                threading.Thread(target=lambda: [print(f"replica {m.index}: {x.rstrip()}", flush=True)
-                                                 for x in proc.stdout], daemon=True).start()
+                proc, url, _ = start_server(["-m", "tasks.engines.replica", "--config-json", str(self.config_json),
+                                             "--port", "0", "--exit-with-parent"], {TOKEN_VAR: self.token}, READY,
+                                            f"replica {m.index}", f"replica {m.index}", _say,
+                                            self.cfg.generate.server_start_timeout)
             else:
                 proc, url = None, self._launched(m.index)
             with self.lock:
-                m.proc, m.url, m.state, m.holds, m.failures = proc, url, "loading", None, 0
+                m.proc, m.url, m.state, m.holds, m.failures, m.health = proc, url, "loading", None, 0, Health()
                 m.life += 1
             print(f"replica {m.index}: up at {url} ({time.monotonic() - t0:.1f} s)", flush=True)
             self._load(m)
@@ -317,7 +312,7 @@ class Router:
                     return
             try:
                 r = httpx.post(f"{m.url}/load", json={"policy": want[0], "digest": want[1]}, timeout=None,
-                               headers={"authorization": f"Bearer {self.token}"})
+                               headers=bearer(self.token))
                 if r.status_code != 200:
                     raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
             except Exception as e:  # noqa: BLE001 - the watch finds out whether it is dead
@@ -363,10 +358,9 @@ class Router:
                     continue
                 try:
                     httpx.get(f"{m.url}/health", timeout=10).raise_for_status()
-                    m.failures = 0
+                    m.health.answered()
                 except Exception as e:  # noqa: BLE001
-                    m.failures += 1
-                    if m.failures >= 2:
+                    if m.health.failed(refused=isinstance(e, httpx.ConnectError)):
                         self.lost(m, f"health check: {e}")
 
     def stop_members(self) -> None:
@@ -410,13 +404,10 @@ class Router:
                 m = self.members[i]
                 self.counts["sticky"] += 1
             else:
-                m = min(ready, key=lambda x: (x.busy, x.routed, x.index))
+                m = least_loaded(ready, lambda x: (x.busy, x.routed, x.index))
                 self.counts["new"] += 1
             if key is not None:
-                self.sticky[key] = m.index
-                self.sticky.move_to_end(key)
-                while len(self.sticky) > STICKY_KEYS:
-                    self.sticky.popitem(last=False)
+                self.sticky.remember(key, m.index)
             m.busy += 1
             m.routed += 1
             return m
@@ -444,8 +435,7 @@ class Router:
                 self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10),
                                                 limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64))
             try:
-                r = await self.client.post(f"{m.url}/sample", json=body,
-                                           headers={"authorization": f"Bearer {self.token}"})
+                r = await self.client.post(f"{m.url}/sample", json=body, headers=bearer(self.token))
             except httpx.TransportError as e:
                 self.lost(m, f"{type(e).__name__}: {e}", life)
                 continue

@@ -43,6 +43,7 @@ import time
 from typing import Any
 
 from tasks.core.daemon import leave
+from tasks.core.fleet import Health, authorized, bearer, least_loaded
 from tasks.core.processes import listening_socket, server_arguments
 
 # The same names as tasks/envs/server.py's (not imported from it: it imports the environment machinery, and torch)
@@ -82,7 +83,8 @@ class Member:
         self.why: str | None = "not started yet"
         self.episodes: dict[str, float] = {}      # its open episodes (the pool's ids) -> when last touched
         self.pending = 0                          # opens on their way to it
-        self.routed = self.lost = self.failures = 0
+        self.routed = self.lost = 0
+        self.health = Health()
         self.client = None                        # httpx.AsyncClient, made in the front's event loop
 
     def load(self) -> int:
@@ -115,7 +117,7 @@ class Pool:
                 m.lost += len(m.episodes)
             if m.client is not None:
                 retired.append(m.client)
-            m.client, m.episodes, m.failures = None, {}, 0
+            m.client, m.episodes, m.health = None, {}, Health()
             m.url, m.generation = (url.rstrip("/"), generation) if url else (None, generation)
             m.live, m.why = bool(url), None if url else "not started"
         return retired
@@ -133,7 +135,7 @@ class Pool:
 
         if m.client is None:
             m.client = httpx.AsyncClient(
-                base_url=m.url, headers={"Authorization": f"Bearer {self.token}"} if self.token else {},
+                base_url=m.url, headers=bearer(self.token),
                 timeout=httpx.Timeout(self.call_timeout, connect=10.0),
                 # (kept-alive connections dropped after 2 s idle: before the server closes them, at uvicorn's 5 s)
                 limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128, keepalive_expiry=2.0))
@@ -153,7 +155,7 @@ class Pool:
             live = [m for m in self.members if m.live]
             if not live:
                 break
-            m = min(live, key=lambda x: (x.load(), x.index))
+            m = least_loaded(live, lambda x: (x.load(), x.routed, x.index))
             generation = m.generation
             m.pending += 1
             try:
@@ -241,13 +243,11 @@ class Pool:
         generation = m.generation
         try:
             (await self._client(m).get("/health", timeout=5.0)).raise_for_status()
-            m.failures = 0
-        except httpx.ConnectError as e:
-            self.lose(m, _why(e), generation)
-        except Exception as e:  # noqa: BLE001 - a timeout, a broken connection, an HTTP error: twice and it is lost
-            m.failures += 1
-            if m.failures >= 2:
-                self.lose(m, f"health check: {_why(e)}", generation)
+            m.health.answered()
+        except Exception as e:  # noqa: BLE001 - refused: lost; a timeout, a broken connection, an HTTP error: twice
+            if m.health.failed(refused=isinstance(e, httpx.ConnectError)):
+                self.lose(m, _why(e) if isinstance(e, httpx.ConnectError) else f"health check: {_why(e)}",
+                          generation)
 
     async def housekeeping(self) -> None:
         await asyncio.gather(*(self.probe(m) for m in self.members if m.live))
@@ -269,7 +269,7 @@ def app(pool: Pool, idle_seconds: float | None = None, on_ready=None, parent: in
 
     def denied(request: Request) -> JSONResponse | None:
         pool.last_request = time.monotonic()
-        if pool.token and request.headers.get("authorization") != f"Bearer {pool.token}":
+        if not authorized(request.headers, pool.token):
             return JSONResponse({"error": "missing or wrong token"}, status_code=401)
         return None
 

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.daemon import Watch, leave
 from tasks.core.errors import UserError, user_error_line
+from tasks.core.fleet import authorized, bearer
 from tasks.core.processes import listening_socket, server_arguments
 from tasks.envs.isolation import (
     Caller,
@@ -171,7 +172,7 @@ def app(episodes: Episodes, token: str | None, idle_seconds: float | None = None
 
     def denied(request: Request) -> JSONResponse | None:
         episodes.last_request = time.monotonic()
-        if token and request.headers.get("authorization") != f"Bearer {token}":
+        if not authorized(request.headers, token):
             return JSONResponse({"error": "missing or wrong token"}, status_code=401)
         return None
 
@@ -293,7 +294,7 @@ class _Clients:
         import httpx
 
         return httpx.Client(base_url=self.base_url,
-                            headers={"Authorization": f"Bearer {self.token}"} if self.token else {},
+                            headers=bearer(self.token),
                             timeout=httpx.Timeout(self.cfg.env.timeout_seconds + SLACK_SECONDS, connect=10.0),
                             transport=httpx.HTTPTransport(retries=2))     # (connection attempts only)
 

@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 
+from tasks.core.fleet import authorized
 from tasks.scoring.judges import READY, TOKEN_VAR
 
 
@@ -41,7 +42,7 @@ def app(spec, batcher, token: str | None, parent: int | None, idle: float | None
     state = {"used": time.monotonic(), "busy": 0}
 
     def denied(request: Request):
-        if token and request.headers.get("authorization") != f"Bearer {token}":
+        if not authorized(request.headers, token):
             return JSONResponse({"error": {"message": "unauthorized"}}, status_code=401)
         return None
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import UserError
+from tasks.core.fleet import bearer
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, RewardModel
@@ -153,7 +154,7 @@ def _served_models(spec: RewardModel, what: str) -> set[str] | None:
     key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
     try:
         r = httpx.get(f"{spec.url.rstrip('/')}/v1/models", timeout=10,
-                      headers={"Authorization": f"Bearer {key}"} if key else {})
+                      headers=bearer(key))
     except httpx.HTTPError as e:
         raise UserError(f"{what}.url: {spec.url} does not answer ({type(e).__name__}: {e})") from None
     if r.status_code in (401, 403):
@@ -526,7 +527,7 @@ class Asker:
         client = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.key or "none",
                                     timeout=spec.timeout_seconds, max_retries=spec.retries)
         http = httpx.AsyncClient(timeout=spec.timeout_seconds,
-                                 headers={"Authorization": f"Bearer {self.key}"} if self.key else {})
+                                 headers=bearer(self.key))
         gate = asyncio.Semaphore(spec.batch_size)
 
         async def one(q: Question) -> None:
