@@ -69,7 +69,7 @@ NOW: dict = {}      # where the flow's loop is: {"iteration", "stage"} (what an 
 STAGE_FUNCTIONS = {"generate": generate, "reward": reward, "train": train, "publish": publish, "evaluate": evaluate}
 
 
-class Run:
+class FlowRun:
     """What the stage tasks share within one flow run."""
 
     def __init__(self, cfg: Config, config_path: str, overrides: list[str], lease: Lease):
@@ -87,7 +87,7 @@ def _stage_run_name() -> str:
 
 
 @task(name="stage", task_run_name=_stage_run_name, cache_policy=NO_CACHE)
-def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None, round: int = 0) -> dict:
+def run_stage(stage: str, iteration: int, ctx: FlowRun, policy: str | None = None, round: int = 0) -> dict:
     """Run one stage where the config says (`round`: dynamic sampling's, generate and reward); return its result
     (keys, metrics) read from the store."""
     if STOP.is_set():
@@ -127,7 +127,7 @@ def run_stage(stage: str, iteration: int, ctx: Run, policy: str | None = None, r
     return out
 
 
-class Watch:
+class ConsoleWarnings:
     """What the console warns about as iterations go (each said once, not every iteration): the trainer and the
     sampler disagreeing about the policy (train/mismatch_kl above train.mismatch_kl_warn, or 10x above its median
     so far: a policy that never reached the sampler), and dynamic sampling finding no group with a signal."""
@@ -239,7 +239,7 @@ def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_n
 
     lease = Lease(store, cfg.run.name, cfg.run.lease_seconds, flow_run_id=flow_run.id).acquire()
     _clean(cfg, store, log)                              # we are the only writer now: a crash's leftovers go
-    ctx = Run(cfg, config_path, overrides, lease)
+    ctx = FlowRun(cfg, config_path, overrides, lease)
     try:
         return _iterations(ctx, log)
     finally:
@@ -255,7 +255,7 @@ def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_n
         lease.release()
 
 
-def _finish_trainer(ctx: Run, log) -> None:
+def _finish_trainer(ctx: FlowRun, log) -> None:
     """Finish the resident trainer: a full checkpoint of its last iteration, then it stops; here (inline and local
     launchers share this machine: tasks/train.py's finish_trainer) or on the train cluster (sky: `python -m
     tasks.train finish` there). Never raises: the run's outcome stands, and a trainer left behind stops itself
@@ -319,7 +319,7 @@ def _clean(cfg: Config, store: Store, log) -> None:
         log.info("removed %d checkpoint/policy folder(s) that store.keep does not keep", removed)
 
 
-def _iterations(ctx: Run, log) -> dict:
+def _iterations(ctx: FlowRun, log) -> dict:
     cfg, store = ctx.cfg, ctx.store
     tracker = Tracker(cfg, store.root)
     run_id = tracker.start()
@@ -360,7 +360,7 @@ def _iterations(ctx: Run, log) -> dict:
             reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
             report.record(it, {"reward/mean": reward_means[-1]})
         warm = _trainer_to_warm(cfg)
-        watch = Watch(cfg, progress.note, log)
+        watch = ConsoleWarnings(cfg, progress.note, log)
         for it in range(done + 1, cfg.run.iterations + 1):
             t0 = time.perf_counter()
             if warm is not None:

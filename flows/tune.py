@@ -318,7 +318,7 @@ class Tune:
                  **{k: t.params.get(k) for k in self.space}} for t in study.get_trials(deepcopy=False)]
 
 
-class Tracker:
+class StudyTracker:
     """The study's MLflow parent run, and each trial's rlflow run nested under it (MlflowClient: no active-run
     globals across threads)."""
 
@@ -390,7 +390,7 @@ def tune_flow(args, cfg: Config, space: dict[str, Param]) -> dict:
         tune = Tune(args, cfg, space)
         study = tune.study()
         left = [tune.resume(study)]
-        tracker = Tracker(cfg, tune.study_name(), space, args.metric)
+        tracker = StudyTracker(cfg, tune.study_name(), space, args.metric)
         print(f"study {tune.study_name()}: {left[0]} trial(s) to run, {args.parallel} at a time "
               f"({tune.out}/study.db unless --storage)", flush=True)
         previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

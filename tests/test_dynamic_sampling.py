@@ -408,11 +408,11 @@ def test_an_update_on_uneven_groups_is_the_same_twice():
 
 
 def test_a_run_whose_groups_stay_constant_says_so_once():
-    from flows.training import Watch
+    from flows.training import ConsoleWarnings
 
     cfg = load_config(TINY, ["generate.dynamic_sampling={max_rounds: 2}"])
     said = []
-    watch = Watch(cfg, said.append, type("Log", (), {"warning": lambda *a: None})())
+    watch = ConsoleWarnings(cfg, said.append, type("Log", (), {"warning": lambda *a: None})())
     for it in range(1, 5):
         watch.iteration(it, {"dynamic/groups_kept": 0.0 if it != 2 else 3.0}, {})
     assert said == ["warning: iteration 1: every group was constant through generate.dynamic_sampling.max_rounds "

@@ -310,3 +310,14 @@ def test_a_python_that_runs_rlflows_packages_gets_the_safe_path(tmp_path):
     told = spawn(["bash", "-c", f"{sys.executable} -c \"{code}\""], env, rlflow=True, stdout=subprocess.PIPE,
                  text=True, cwd=tmp_path)
     assert told.communicate(timeout=60)[0].split() == ["1", str(ROOT)]
+
+
+def test_one_class_per_name_across_the_package():
+    """A reader who meets a class name finds one class (issue 41: two Tracker, two Run, two Member before)."""
+    seen: dict[str, list[str]] = {}
+    for folder in ("tasks", "flows"):
+        for p in _modules(folder):
+            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+                if isinstance(node, ast.ClassDef):
+                    seen.setdefault(node.name, []).append(_module_name(p))
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}

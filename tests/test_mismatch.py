@@ -61,7 +61,7 @@ def test_the_hf_engine_in_fp32_holds_the_gate_at_top_p_and_after_a_restore(hf_ru
 def test_a_policy_that_never_reached_the_sampler_breaks_the_gate(hf_run):
     """The control: v1's trainer against rollouts its sampler drew from the base model (what iteration 2 would
     train on if v1 never reached the sampler) reads as the mismatch of one update, and the flow's watch warns once."""
-    from flows.training import Watch
+    from flows.training import ConsoleWarnings
     from tasks.algorithms.batching import pad_batch
     from tasks.algorithms.logprobs import Distribution, completion_logprobs
     from tasks.core.models import load_policy, policy_path
@@ -78,7 +78,7 @@ def test_a_policy_that_never_reached_the_sampler_breaks_the_gate(hf_run):
     stale_kl = float(((torch.expm1(d) - d) * mask).sum() / mask.sum())
     assert stale_kl > 100 * max(m["train/mismatch_kl"] for m in fresh) and stale_kl > 1e-4
     said = []
-    watch = Watch(cfg, said.append, type("Log", (), {"warning": lambda *a: None})())
+    watch = ConsoleWarnings(cfg, said.append, type("Log", (), {"warning": lambda *a: None})())
     for it, kl in enumerate([fresh[0]["train/mismatch_kl"], stale_kl, stale_kl], 1):
         watch.iteration(it, {}, {"train/mismatch_kl": kl})
     assert len(said) == 1 and "iteration 2: train/mismatch_kl" in said[0], said

@@ -17,7 +17,7 @@ from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
 from tasks.envs.episodes import run_episodes
-from tasks.envs.openenv_adapter import OpenEnv, _Bridge
+from tasks.envs.openenv_adapter import OpenEnv, _OpenEnvClient
 from tasks.envs.webshop import free_port
 from tests.conftest import OPENENV_PYTHON
 from tests.test_envs import Scripted
@@ -85,7 +85,7 @@ def test_episodes_play_an_openenv_server_to_the_end_through_its_own_client(game,
     assert len({len(r.turns) for r in good[::2]}) > 1                       # the seeds gave different numbers
     assert [r.env_return for r in broken] == [None, None]
     assert all("RuntimeError: Server error: the game broke" in r.env_error for r in broken)
-    assert len(_Bridge.running) == 1
+    assert len(_OpenEnvClient.running) == 1
 
 
 def test_a_server_that_goes_away_ends_its_episodes_not_the_stage(tokenizer, tmp_path):

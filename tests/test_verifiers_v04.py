@@ -29,8 +29,8 @@ import pytest
 from tasks.envs.verifiers_v04 import (
     GenerateRefused,
     VerifiersError,
-    _Bridge,
     _paths,
+    _VerifiersClient,
     generate_response,
     run,
     taskset_rows,
@@ -197,7 +197,7 @@ def endpoint(tmp_path_factory):
     tokenizer, which verifiers' renderer loads in the bridge)."""
     if not PYTHON.exists():
         pytest.skip(f"verifiers 0.4's environment ({PYTHON}) is missing: make setup builds it")
-    _Bridge.of(verifiers_python(None), _paths(ENVS))      # (started now: verifiers imports while the rest starts)
+    _VerifiersClient.of(verifiers_python(None), _paths(ENVS))   # (started now: verifiers imports while the rest starts)
     import uvicorn
 
     from tasks.core.builtin_models import build_tokenizer
@@ -217,9 +217,9 @@ def endpoint(tmp_path_factory):
     yield f"http://127.0.0.1:{port}/v1", scripted, str(folder)
     server.should_exit = True
     thread.join(10)
-    for bridge in list(_Bridge.running.values()):
+    for bridge in list(_VerifiersClient.running.values()):
         bridge.stop()
-    _Bridge.running.clear()
+    _VerifiersClient.running.clear()
 
 
 def _episodes(*calls):
@@ -254,7 +254,7 @@ def sums(endpoint):
             return e
 
     cancelled = asyncio.run(cut_short())
-    bridge = _Bridge.of(verifiers_python(None), _paths(ENVS))
+    bridge = _VerifiersClient.of(verifiers_python(None), _paths(ENVS))
     sampled = dict(kw, sampling={"temperature": 1.0, "max_tokens": 8})
     keys = ("ep-right", "ep-wrong", "ep-data", "ep-fail", "ep-tokens")
     done = _episodes(run(rows[2], base_url, "ep-right", **sampled),
@@ -396,9 +396,9 @@ def tiny():
 
     with open_session(_agent_cfg("eval", SUMS), "base") as session:
         yield session
-    for bridge in list(_Bridge.running.values()):
+    for bridge in list(_VerifiersClient.running.values()):
         bridge.stop()
-    _Bridge.running.clear()
+    _VerifiersClient.running.clear()
 
 
 def _run_agents(cfg, rows: dict, session, n: int = 2, seed: int = 3):

@@ -104,7 +104,8 @@ def answers_http(url: str, timeout: float = 5.0) -> bool:
 
 
 class DidNotStart(RuntimeError):
-    """A daemon exited before it was ready, or was not ready in time (the message ends with its log's tail)."""
+    """A daemon or a fleet's member (tasks/core/fleet.py) exited before it was ready, or was not ready in time (the
+    message ends with its last lines)."""
 
 
 # ------------------------------------------------------------------------------------------ the caller's side

@@ -20,15 +20,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
+from tasks.core.daemon import DidNotStart
 from tasks.core.errors import UserError, user_error_in
 from tasks.core.processes import kill_group, spawn
 
 M = TypeVar("M")
 LOST_AFTER = 2              # failed probes in a row (a timeout, a broken connection, an HTTP error) before "lost"
-
-
-class DidNotStart(RuntimeError):
-    """A member did not print its READY line in time (or exited first); the message ends with its last lines."""
 
 
 def start_server(argv: list[str], env: Mapping[str, str], ready: str, name: str, short: str,

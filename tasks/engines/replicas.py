@@ -228,7 +228,7 @@ def ensure_router(cfg: Config) -> dict:
 # ------------------------------------------------------------------------------------------- the router
 
 @dataclasses.dataclass
-class Member:
+class RoutedReplica:
     index: int
     url: str | None = None
     proc: subprocess.Popen | None = None
@@ -250,7 +250,7 @@ class Router:
 
         self.cfg, self.config_json, self.launch = cfg, config_json, launch
         self.token = os.environ.get(TOKEN_VAR) or secrets.token_urlsafe(24)
-        self.members = [Member(i) for i in range(cfg.generate.replicas)]
+        self.members = [RoutedReplica(i) for i in range(cfg.generate.replicas)]
         self.lock = threading.RLock()
         self.want: tuple | None = None                # (policy, digest) the schedule names now
         self.sticky = Sticky(STICKY_KEYS)
@@ -262,7 +262,7 @@ class Router:
 
     # ------------------------------------------------------------------------------------------ members
 
-    def _start(self, m: Member) -> None:
+    def _start(self, m: RoutedReplica) -> None:
         """Start member m (a process here, or through the flow's launch command) and load the wanted policy."""
         t0 = time.monotonic()
         try:
@@ -298,7 +298,7 @@ class Router:
                 raise RuntimeError(out.get("error") or f"exit code {out.get('exit_code')}")
         raise RuntimeError(f"the launch command failed (exit code {ran.returncode}): {ran.stderr[-500:]}")
 
-    def _load(self, m: Member) -> None:
+    def _load(self, m: RoutedReplica) -> None:
         """Have m load the wanted policy; ready once it holds it (late if the others were ready long before)."""
         import httpx
 
@@ -327,7 +327,7 @@ class Router:
             with self.lock:
                 m.holds = want
 
-    def lost(self, m: Member, why: str, life: int | None = None) -> None:
+    def lost(self, m: RoutedReplica, why: str, life: int | None = None) -> None:
         with self.lock:
             if m.state in ("dead", "starting") or (life is not None and life != m.life):
                 return                    # (already known, or said of a start that has been replaced)
@@ -395,7 +395,7 @@ class Router:
                 self.changed.wait(0.5)
             return {"ready": ready, "late": [m.index for m in self.members if m.index not in ready]}
 
-    def pick(self, key: str | None) -> Member | None:
+    def pick(self, key: str | None) -> RoutedReplica | None:
         with self.lock:
             ready = [m for m in self.members if m.state == "ready" and m.holds == self.want]
             if not ready:

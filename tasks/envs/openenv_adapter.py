@@ -48,7 +48,7 @@ class OpenEnvError(RuntimeError):
     """The server or its client refused a call: the text is theirs."""
 
 
-class _Bridge(LineBridge):
+class _OpenEnvClient(LineBridge):
     """The client's process of one Python (one per rlflow process, started at first use, again if it died)."""
 
     what = "the OpenEnv client's process"
@@ -78,7 +78,7 @@ class OpenEnv:
         self.python, self.timeout = openenv_python(python), timeout
         self.observation: Any = None
         self.done = False
-        self._bridge: _Bridge | None = None
+        self._bridge: _OpenEnvClient | None = None
         self._session = uuid.uuid4().hex
 
     @classmethod
@@ -103,7 +103,7 @@ class OpenEnv:
         return self._bridge.call(self.timeout, op=op, session=self._session, **request)
 
     def reset(self, row: dict) -> list[dict]:
-        self._bridge = _Bridge.of(self.python)
+        self._bridge = _OpenEnvClient.of(self.python)
         self._call("open", client=self.client, action=self.action_class, base_url=self.base_url,
                    timeout=self.timeout)
         result = self._call("reset", kwargs={c: row[c] for c in self.reset_columns if c in row})

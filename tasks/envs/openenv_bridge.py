@@ -41,7 +41,7 @@ def _result(r: Any) -> dict:
     return {"observation": _plain(r.observation), "reward": r.reward, "done": bool(r.done)}
 
 
-class Bridge:
+class OpenEnvBridge:
     def __init__(self) -> None:
         self.sessions: dict[str, tuple[Any, Any]] = {}
         self.write = threading.Lock()
@@ -82,7 +82,7 @@ class Bridge:
 
 
 def main() -> None:
-    bridge = Bridge()
+    bridge = OpenEnvBridge()
     loop = asyncio.new_event_loop()
 
     def read() -> None:

@@ -72,7 +72,7 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip().rstrip(":")
 
 
-class Member:
+class PoolMember:
     """One environment server of the pool, as the front sees it."""
 
     def __init__(self, index: int):
@@ -97,7 +97,7 @@ class Member:
 
 class Pool:
     def __init__(self, size: int, token: str | None, call_timeout: float, sweep_after: float):
-        self.members = [Member(i) for i in range(size)]
+        self.members = [PoolMember(i) for i in range(size)]
         self.token, self.call_timeout, self.sweep_after = token, call_timeout, sweep_after
         self.last_request = time.monotonic()
 
@@ -122,7 +122,7 @@ class Pool:
             m.live, m.why = bool(url), None if url else "not started"
         return retired
 
-    def lose(self, m: Member, why: str, generation: int) -> None:
+    def lose(self, m: PoolMember, why: str, generation: int) -> None:
         if not m.live or m.generation != generation:
             return                                # (already known, or said of the member it replaced)
         m.live, m.why = False, why
@@ -130,7 +130,7 @@ class Pool:
         m.episodes = {}
         _say(f"environment server {m.index} {LOST}: {why}")
 
-    def _client(self, m: Member):
+    def _client(self, m: PoolMember):
         import httpx
 
         if m.client is None:
@@ -178,7 +178,7 @@ class Pool:
             return r.status_code, reply
         return 503, {"error": f"no environment server of the pool answers ({len(self.members)} lost)"}
 
-    async def failed(self, m: Member, e: BaseException, generation: int) -> bool:
+    async def failed(self, m: PoolMember, e: BaseException, generation: int) -> bool:
         """A request to m failed without an answer: m is lost, unless it answers /health on a connection of its own
         (what broke was one connection: a kept-alive one the server was closing). Whether it was lost."""
         import httpx
@@ -191,7 +191,7 @@ class Pool:
         self.lose(m, _why(e), generation)
         return True
 
-    def _route(self, key: str) -> tuple[Member | None, str, str | None]:
+    def _route(self, key: str) -> tuple[PoolMember | None, str, str | None]:
         """(member, the member's id, why the episode is gone) for a pool id."""
         index, generation, inner = (key.split(".", 2) + ["", ""])[:3]
         if not (index.isdigit() and generation.isdigit() and inner and int(index) < len(self.members)):
@@ -236,7 +236,7 @@ class Pool:
         with contextlib.suppress(Exception):       # the member's sweep kills what this does not reach
             await self._client(m).delete(f"/episodes/{inner}", timeout=10.0)
 
-    async def probe(self, m: Member) -> None:
+    async def probe(self, m: PoolMember) -> None:
         """m's /health: refused at once, or failing twice, and m is lost."""
         import httpx
 

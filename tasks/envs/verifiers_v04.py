@@ -148,7 +148,7 @@ def generate_response(body: dict, key: str, sampler) -> dict:
 
 # ------------------------------------------------------------------------------------------------ the bridge
 
-class _Bridge(LineBridge):
+class _VerifiersClient(LineBridge):
     """The bridge process of one Python and import path (one per rlflow process, started at first use, again if
     it died)."""
 
@@ -217,7 +217,7 @@ async def run(row: dict, base_url: str, api_key: str, *, env: dict, client: Lite
     if client == "train" and not tokenizer:
         raise UserError("env.kwargs.tokenizer: client train renders prompts with the policy's tokenizer (a folder, "
                         "a hub id or builtin:NAME)")
-    bridge = _Bridge.of(verifiers_python(python), _paths(path))
+    bridge = _VerifiersClient.of(verifiers_python(python), _paths(path))
     name = model or await asyncio.to_thread(_model_at, base_url, api_key)
     wire = {"type": client, "base_url": base_url}
     if client == "train":
@@ -251,6 +251,6 @@ def outcome(episode: dict) -> tuple[float, dict]:
 def taskset_rows(env: dict, path: str | list[str] | None = None, python: str | None = None,
                  timeout: float = 600.0) -> list[dict]:
     """The environment's taskset as rows (its tasks' data, each with its `task_idx`): a dataset for the agent."""
-    bridge = _Bridge.of(verifiers_python(python), _paths(path))
+    bridge = _VerifiersClient.of(verifiers_python(python), _paths(path))
     tasks = asyncio.run(bridge.call(timeout, op="tasks", env=env))
     return [{**data, "task_idx": i} for i, data in enumerate(tasks)]

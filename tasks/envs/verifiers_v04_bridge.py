@@ -70,7 +70,7 @@ class Loaded:
         return task_cls(data, self.env.config.taskset.task)    # (what EnvServer._build_task does with wire data)
 
 
-class Bridge:
+class VerifiersBridge:
     def __init__(self, out) -> None:
         self.out = out
         self.write = threading.Lock()
@@ -192,7 +192,7 @@ def main() -> None:
     sys.stdout = sys.stderr
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    bridge = Bridge(out)
+    bridge = VerifiersBridge(out)
 
     def read() -> None:
         for line in sys.stdin:
