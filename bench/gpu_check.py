@@ -67,11 +67,12 @@ from safetensors.torch import load_file  # noqa: E402
 from tasks.core import layout, rollout  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.errors import UserError  # noqa: E402
+from tasks.core.hashing import sha256_file  # noqa: E402
 from tasks.core.models import base_path  # noqa: E402
 from tasks.core.policy import materialize  # noqa: E402
 from tasks.core.processes import alive  # noqa: E402
 from tasks.core.stage import quiet_progress_bars  # noqa: E402
-from tasks.core.store import open_store, sha256_file  # noqa: E402
+from tasks.core.store import open_store  # noqa: E402
 from tasks.engines import hf, resident  # noqa: E402
 from tasks.engines import trainer as held_trainers  # noqa: E402
 from tasks.engines.training import newest_full  # noqa: E402

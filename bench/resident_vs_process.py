@@ -42,8 +42,9 @@ import torch  # noqa: E402
 
 from tasks.core import layout, rollout  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
+from tasks.core.hashing import sha256_file  # noqa: E402
 from tasks.core.policy import materialize  # noqa: E402
-from tasks.core.store import open_store, sha256_file  # noqa: E402
+from tasks.core.store import open_store  # noqa: E402
 from tasks.engines import trainer as held_trainers  # noqa: E402
 from tasks.engines.resident import state_dir  # noqa: E402
 from tasks.engines.trainer import InProcessTrainer  # noqa: E402

@@ -19,7 +19,6 @@ holds an architecture transformers cannot dequantize into a causal LM is one Use
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -29,6 +28,7 @@ import warnings
 from pathlib import Path
 
 from tasks.core.errors import UserError
+from tasks.core.hashing import known_sha256
 from tasks.core.paths import cache_root
 
 SUFFIX = ".gguf"
@@ -38,25 +38,6 @@ PROVENANCE = "rlflow_gguf.json"     # written into the folder: where its weights
 
 def is_gguf(path: str) -> bool:
     return path.lower().endswith(SUFFIX)
-
-
-def sha256_of(path: Path) -> str:
-    """The file's sha256, remembered by (path, size, mtime) under the cache so a multi-GB file is read once."""
-    st = path.stat()
-    stamp = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
-    memo = cache_root() / "gguf" / "sha256" / stamp
-    if memo.is_file():
-        return memo.read_text().strip()
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    digest = h.hexdigest()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f".{stamp}.{os.getpid()}")
-    tmp.write_text(digest)
-    os.replace(tmp, memo)
-    return digest
 
 
 def check(path: Path) -> str:
@@ -102,7 +83,7 @@ def model_folder(path: str, dtype: str) -> str:
         raise UserError(f"{FIELD}: {file}: a folder; expected a GGUF file")
     if not file.is_file():
         raise UserError(f"{FIELD}: {file}: no such GGUF file")
-    digest = sha256_of(file)
+    digest = known_sha256(file)
     target = cache_root() / "gguf" / f"{digest[:16]}-{dtype}"
     if (target / "config.json").is_file():
         return str(target)

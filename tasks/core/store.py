@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import UserError
+from tasks.core.hashing import REMEMBER_FROM, known_sha256, remember_sha256, sha256_file
 from tasks.core.paths import cache_root
 from tasks.core.processes import exclusive
 
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
     from tasks.core.config import Config, StoreConfig
 
 MANIFEST = "MANIFEST.json"
-_HASH_CHUNK = 8 << 20
-_REMEMBER_FROM = 4 << 20    # smaller files are hashed again when read (~1 ms per MB): remembering costs more
 
 
 class IncompleteArtifact(Exception):
@@ -50,44 +49,6 @@ class CorruptArtifact(IncompleteArtifact):
     def __init__(self, key: str, message: str):
         super().__init__(message)
         self.key = key
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-# Files this machine hashed (or wrote with a known hash) are remembered by identity: device, inode, size and
-# modification time. A reader of the same, unchanged file takes the remembered hash instead of reading
-# gigabytes again; any write to the file changes its modification time, and so its identity.
-def _identity(path: Path) -> Path:
-    st = os.stat(path)
-    return cache_root() / "known-files" / f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
-
-
-def remember_sha256(path: Path, sha: str) -> None:
-    if path.stat().st_size < _REMEMBER_FROM:
-        return
-    known = _identity(path)
-    known.parent.mkdir(parents=True, exist_ok=True)
-    tmp = known.with_name(f".{known.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(sha)
-    os.replace(tmp, known)
-
-
-def known_sha256(path: Path) -> str:
-    """The file's sha256: remembered for this exact file (see above), else computed and remembered."""
-    if path.stat().st_size < _REMEMBER_FROM:
-        return sha256_file(path)
-    try:
-        return _identity(path).read_text()
-    except OSError:
-        sha = sha256_file(path)
-        remember_sha256(path, sha)
-        return sha
 
 
 def _local_files(folder: Path) -> Iterator[tuple[str, Path]]:
@@ -159,7 +120,7 @@ class Store:
         folder = Path(folder)
         paths = dict(_local_files(folder))
         sizes = {rel: p.stat().st_size for rel, p in paths.items()}
-        if sum(sizes.values()) < _REMEMBER_FROM:           # small (rollouts, rewards): a thread costs more
+        if sum(sizes.values()) < REMEMBER_FROM:           # small (rollouts, rewards): a thread costs more
             digests = [sha256_file(p) for p in paths.values()]
             staged = self._write_files(key, folder, list(paths), give_up)
         else:

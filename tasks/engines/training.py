@@ -30,7 +30,7 @@ from tasks.algorithms.batching import shard_batches
 from tasks.algorithms.learners.registry import make as make_learner
 from tasks.algorithms.update import optimise
 from tasks.core import data, layout, rollout
-from tasks.core.store import sha256_file
+from tasks.core.hashing import sha256_file
 
 if TYPE_CHECKING:
     from tasks.core.config import Config

@@ -227,7 +227,7 @@ def _hub_folder(name: str, what: str) -> str:
 
 
 def _sha256(path: Path) -> str:
-    from tasks.core.store import known_sha256
+    from tasks.core.hashing import known_sha256
 
     return known_sha256(path)
 
