@@ -274,6 +274,7 @@ class EnvServer:
         self.watcher: threading.Thread | None = None
         self.stopping = threading.Event()
         self.log = print
+        self.stalled = False            # a stage's every episode timed out: started again before its retry
 
     def answers(self) -> bool:
         from tasks.core.daemon import answers_http
@@ -285,6 +286,15 @@ class EnvServer:
         with self.lock:
             self.stopping.clear()
             self.log = log
+            if self.stalled and not self.cfg.env.server_url:
+                log("every episode of the last stage timed out: starting the environment server(s) again")
+                self.stalled = False
+                if self.cfg.env.servers > 1:
+                    self._replace(list(range(len(self.members))), log, force=True)
+                elif self.cfg.env.where == "local":
+                    self.url = self._start_local(log)
+                else:
+                    self.url = self._start_sky(log)
             if self.cfg.env.servers > 1 and not self.cfg.env.server_url:
                 self._pool(log)
             elif not self.answers():
@@ -389,7 +399,7 @@ class EnvServer:
         port = self.cfg.env.server_port + 1 + i
         return None, self.sky.serve("env", port, int(self.READY_SECONDS), self._sky_env(port), log, member=str(i))
 
-    def _replace(self, lost: list[int], log, first: bool = False) -> None:
+    def _replace(self, lost: list[int], log, first: bool = False, force: bool = False) -> None:
         """Start members `lost` again (at once, in threads): a new generation each. One that still answers (the
         front lost it: a dropped connection) is kept as it is, with the new generation. A user error (the
         factory's preflight) is raised; one that did not start is left out, tried again by the watcher."""
@@ -400,7 +410,7 @@ class EnvServer:
         def one(i: int):
             m = self.members[i]
             alive = m["proc"] is None or m["proc"].poll() is None
-            if m["url"] and alive and answers_http(f"{m['url']}/health", timeout=10):
+            if not force and m["url"] and alive and answers_http(f"{m['url']}/health", timeout=10):
                 log(f"environment server {i} of the pool answers again: kept, its open episodes failed")
                 return None
             self._end(m["proc"])

@@ -58,6 +58,7 @@ from tasks.core.tracking import Tracker, champion_policy_uri
 from tasks.engines.resident import ResidentTrainer
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.training import training_engine
+from tasks.envs.episodes import EnvironmentsStalled
 from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.publish import publish
@@ -118,7 +119,12 @@ def run_stage(stage: str, iteration: int, ctx: FlowRun, policy: str | None = Non
                              f"{ctx.store.uri(key)} is missing")
     args = (policy,) if stage == "generate" else ()
     rounds = {"round": round} if round else {}
-    out = STAGE_FUNCTIONS[stage](cfg, iteration, *args, **rounds)    # remote: finds the output and returns it
+    try:
+        out = STAGE_FUNCTIONS[stage](cfg, iteration, *args, **rounds)    # remote: finds the output and returns it
+    except EnvironmentsStalled:          # (an infrastructure fault: retried; a stalled server is started again)
+        if ctx.launchers.env_server is not None:
+            ctx.launchers.env_server.stalled = True
+        raise
     seconds = ran.seconds if ran is not None else time.perf_counter() - t0
     hourly = ran.hourly_usd if ran is not None and ran.hourly_usd is not None else cfg.cost.hourly_usd.get(stage)
     out["metrics"] = {**out["metrics"], f"time/{stage}_seconds": seconds}

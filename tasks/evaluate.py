@@ -27,8 +27,8 @@ from tasks.core.errors import UserError
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
 from tasks.engines.sampling import open_session
-from tasks.envs.episodes import sample
-from tasks.scoring.functions import load_functions, score_records
+from tasks.envs.episodes import require_some_episode, sample
+from tasks.scoring.functions import load_functions, require_some_score, score_records
 from tasks.scoring.worker import RewardState
 
 if TYPE_CHECKING:
@@ -120,18 +120,23 @@ def evaluate(cfg: Config, iteration: int) -> dict:
         seed = cfg.run.seed * 1_000_003 + 500_000_000 + iteration
         state = RewardState(global_step=iteration, max_steps=cfg.run.iterations)
         with open_session(cfg, policy) as session:         # one model load / engine start for both passes
+            what = f"the evaluation of v{iteration:06d}"
             records, _ = sample(cfg, session, ds, rows, SamplingParams(
                 n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
                 temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
                 top_k=cfg.generate.top_k, seed=seed), policy)
+            require_some_episode(cfg, records, what)      # (no score of 0 recorded, nor a champion gated on it)
             cache = layout.judge_cache(cfg.run.name, iteration, "evaluate")
-            score_records(functions, records, cfg.reward.aggregate, state, judge_cache=cache)
+            require_some_score(records, score_records(functions, records, cfg.reward.aggregate, state,
+                                                      judge_cache=cache), what)
             greedy = []
             if ec.greedy:
                 greedy, _ = sample(cfg, session, ds, rows, SamplingParams(
                     n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0,
                     seed=seed), policy)
-                score_records(functions, greedy, cfg.reward.aggregate, state, judge_cache=cache)
+                require_some_episode(cfg, greedy, f"{what} (greedy)")
+                require_some_score(greedy, score_records(functions, greedy, cfg.reward.aggregate, state,
+                                                         judge_cache=cache), f"{what} (greedy)")
             routed = session.metrics("eval") if cfg.generate.replicas else {}  # per replica, the router's counts
         # per episode: an agent's step-wise samples after its first (Rollout.part > 0) are not counted again
         episodes, greedy_episodes = ([r for r in recs if not r.part] for recs in (records, greedy))

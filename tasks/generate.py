@@ -29,7 +29,7 @@ from tasks.core.errors import UserError
 from tasks.core.stage import check_round, fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import open_store
 from tasks.engines.sampling import open_session
-from tasks.envs.episodes import episode_metrics, sample
+from tasks.envs.episodes import episode_metrics, require_some_episode, sample
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -67,11 +67,7 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
             policy)
         routed = session.metrics("generate") if gc.replicas else {}    # per replica, and the router's counts
 
-    failed = [r.env_error for r in records if not r.part and r.env_error is not None]
-    if records and failed and len(failed) == sum(not r.part for r in records):
-        what = "env.agent" if cfg.env.agent else "env.factory"
-        raise UserError(f"{what}: every episode of iteration {iteration} failed ({len(failed)} of {len(failed)}), "
-                        f"nothing to train on; the first: {' '.join(failed[0].split())[:300]}")
+    require_some_episode(cfg, records, f"iteration {iteration}")
     n_tokens = sum(len(r.completion_ids) for r in records)
     metrics = {
         "generate/completion_length": n_tokens / len(records),

@@ -34,7 +34,7 @@ from tasks.core import layout, rollout
 from tasks.core.errors import UserError
 from tasks.core.stage import check_round, command, fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
-from tasks.scoring.functions import load_functions, score_records
+from tasks.scoring.functions import load_functions, require_some_score, score_records
 from tasks.scoring.shaping import NAME as SHAPING
 from tasks.scoring.shaping import add_overlong, overlong_metrics, task_reward
 from tasks.scoring.worker import RewardState
@@ -66,10 +66,7 @@ def reward(cfg: Config, iteration: int, round: int = 0) -> dict:
         scored = score_records(functions, records, cfg.reward.aggregate,
                                RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations),
                                judge_cache=layout.judge_cache(cfg.run.name, iteration, round=round))
-        present = [r.reward for r in records if r.reward is not None]
-        if records and not present and scored.errors:
-            raise UserError(f"reward: every reward call of iteration {iteration} failed, no completion was scored "
-                            f"(nothing to train on); the first: {next(iter(scored.errors.values()))}")
+        require_some_score(records, scored, f"iteration {iteration}")
         metrics = {**_metrics(records, scored.scores), "reward/seconds": time.perf_counter() - t0}
         for name in scored.scores:
             metrics[f"reward/{name}/errors"] = float(name in scored.errors)

@@ -148,3 +148,16 @@ class Marked:
         """
         self.notes.append(text)
         return "noted"
+
+
+class Stalls:
+    """An environment that never answers reset in time (a stalled environment, or its server)."""
+
+    tools: list = []
+
+    def reset(self, row):
+        time.sleep(30)
+        return [{"role": "user", "content": "Say a"}]
+
+    def step(self, message):
+        return Step([], 0.0, True)

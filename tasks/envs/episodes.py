@@ -96,7 +96,7 @@ def _each(caller: Caller, episodes: list[Episode], what: str, call, fails: bool 
                 raise                                          # the whole stage's failure: retried by the flow
             why = str(ex)
         except TimeoutError:
-            why = f"{what} did not return within env.timeout_seconds"
+            why = f"{what} {STALLED}"
             if e.env is not None:                              # (in a process of its own: ended now)
                 e.env.kill()
         except UserError:
@@ -110,6 +110,32 @@ def _each(caller: Caller, episodes: list[Episode], what: str, call, fails: bool 
             e.fail(why)
         out.append(None)
     return out
+
+
+STALLED = "did not return within env.timeout_seconds"     # an episode's environment stalled (or its server did)
+
+
+class EnvironmentsStalled(RuntimeError):
+    """Every episode of a stage failed because its environment did not answer in time: the environment (its server)
+    stalls, an infrastructure fault, retried as a preemption is (flows/training.py restarts the server first); not
+    the user's mistake, which an environment's own exception is."""
+
+
+def require_some_episode(cfg: Config, records: list[Rollout], what: str) -> None:
+    """Stop a stage whose every episode failed (nothing to train on, or to evaluate): with one line naming the
+    first failure when the environment's (or agent's) own code raised (exit 2); EnvironmentsStalled when every
+    failure was a timeout (retried)."""
+    failed = [r.env_error for r in records if not r.part and r.env_error is not None]
+    if not records or not failed or len(failed) != sum(not r.part for r in records):
+        return
+    if all(STALLED in f for f in failed):
+        raise EnvironmentsStalled(f"every episode of {what} timed out ({len(failed)} of {len(failed)}): "
+                                  f"the environment does not answer within env.timeout_seconds "
+                                  f"({cfg.env.timeout_seconds:g} s); the first: {failed[0][:300]}")
+    source = "env.agent" if cfg.env.agent else "env.factory"
+    raise UserError(f"{source}: every episode of {what} failed ({len(failed)} of {len(failed)}), nothing to "
+                    f"{'evaluate' if what.startswith('the evaluation') else 'train on'}; the first: "
+                    f"{' '.join(failed[0].split())[:300]}")
 
 
 def _failure(what: str, ex: Exception) -> str:

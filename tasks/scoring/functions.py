@@ -322,6 +322,15 @@ def score_records(functions: RewardFunctions, records: list[Rollout], aggregate:
     return scored
 
 
+def require_some_score(records: list[Rollout], scored: Scored, what: str) -> None:
+    """Stop a stage where every reward call failed and no completion was scored: one line naming the first
+    failure (the functions are the user's code: exit 2). `what`: "iteration 3", "the evaluation of v000010"."""
+    if records and scored.errors and all(r.reward is None for r in records):
+        raise UserError(f"reward: every reward call of {what} failed, no completion was scored (nothing to "
+                        f"{'evaluate' if what.startswith('the evaluation') else 'train on'}); the first: "
+                        f"{next(iter(scored.errors.values()))}")
+
+
 def combine(rewards: list[dict[str, float | None]], weights: dict[str, float], how: str = "sum") -> torch.Tensor:
     """Weighted sum (TRL's nansum) or mean over the reward functions that scored each completion;
     NaN where every score is missing. A function of weight 0 is logged, never combined. (N,)"""
