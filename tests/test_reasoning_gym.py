@@ -348,11 +348,13 @@ def test_trls_grpo_trainer_scores_what_rlflow_scores():
 BAD_SPECS = {
     "unknown task": ({"task": "nosuch_task"}, "data.reasoning_gym.task: unknown reasoning-gym task 'nosuch_task' "
                      "(106 tasks; e.g. basic_arithmetic"),
-    "misspelt task": ({"task": "chain_sums"}, "data.reasoning_gym.task: unknown reasoning-gym task 'chain_sums' "
-                      "(similar: chain_sum, decimal_chain_sum)"),
+    "misspelt task": ({"task": "chain_sums"}, "data.reasoning_gym.task: unknown reasoning-gym task 'chain_sums'; "
+                      "did you mean 'chain_sum'? (similar: decimal_chain_sum)"),
+    "near miss": ({"task": "basic_arithmatic"}, "data.reasoning_gym.task: unknown reasoning-gym task "
+                  "'basic_arithmatic'; did you mean 'basic_arithmetic'?"),
     "unknown config key": ({"task": "chain_sum", "config": {"max_termz": 3}},
-                           "data.reasoning_gym.config.max_termz: task 'chain_sum' has no such setting (it has: "
-                           "allow_negation, max_digits, max_terms, min_digits, min_terms)"),
+                           "data.reasoning_gym.config.max_termz: task 'chain_sum' has no such setting; did you mean "
+                           "'max_terms'? (it has: allow_negation, max_digits, max_terms, min_digits, min_terms)"),
     "config.seed": ({"task": "chain_sum", "config": {"seed": 3}},
                     "data.reasoning_gym.config.seed: set data.reasoning_gym.seed instead"),
     "config.size": ({"task": "chain_sum", "config": {"size": 30}},

@@ -23,6 +23,7 @@ own `score_answer`. A task or a config key reasoning-gym does not have is one Us
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import os
@@ -60,16 +61,20 @@ def _create(task: str, config: dict[str, Any], seed: int, size: int):
         raise UserError(f"{FIELD}: needs the reasoning-gym package (pip install reasoning-gym; make setup "
                         f"installs it)") from None
     if task not in DATASETS:
-        close = sorted(n for n in DATASETS if task.split("_")[0] in n)[:8]
+        near = difflib.get_close_matches(task, sorted(DATASETS), n=1, cutoff=0.6)
+        close = sorted(n for n in DATASETS if task.split("_")[0] in n and n not in near)[:8]
         raise UserError(f"{FIELD}.task: unknown reasoning-gym task {task!r}"
-                        + (f" (similar: {', '.join(close)})" if close else f" ({len(DATASETS)} tasks; e.g. "
-                           f"basic_arithmetic, chain_sum, leg_counting, gsm_symbolic)"))
+                        + (f"; did you mean {near[0]!r}?" if near else "")
+                        + (f" (similar: {', '.join(close)})" if close else "" if near else
+                           f" ({len(DATASETS)} tasks; e.g. basic_arithmetic, chain_sum, leg_counting, gsm_symbolic)"))
     fields = {f.name for f in dataclasses.fields(DATASETS[task][1])} - {"seed", "size"}
     for key in config:
         if key in ("seed", "size"):
             raise UserError(f"{FIELD}.config.{key}: set {FIELD}.{key} instead (it also sets the held-out split)")
         if key not in fields:
-            raise UserError(f"{FIELD}.config.{key}: task {task!r} has no such setting (it has: "
+            near = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.6)
+            raise UserError(f"{FIELD}.config.{key}: task {task!r} has no such setting"
+                            + (f"; did you mean {near[0]!r}?" if near else "") + f" (it has: "
                             f"{', '.join(sorted(fields))})")
     try:
         return reasoning_gym.create_dataset(task, **config, seed=seed, size=size)
