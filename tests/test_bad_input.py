@@ -220,12 +220,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         # reasoning-gym prompts
         "reasoning gym, unknown task": (["run", str(TINY), "-o", "data.path=null", "-o",
                                          "data.reasoning_gym={task: chain_sums}"],
-                                        "data.reasoning_gym.task: unknown reasoning-gym task 'chain_sums' (similar: "
-                                        "chain_sum, decimal_chain_sum)"),
+                                        "data.reasoning_gym.task: unknown reasoning-gym task 'chain_sums'; did you "
+                                        "mean 'chain_sum'? (similar: decimal_chain_sum)"),
         "reasoning gym, unknown config key": (["run", str(TINY), "-o", "data.path=null", "-o",
                                                rg + ", config: {max_termz: 3}}"],
                                               "data.reasoning_gym.config.max_termz: task 'chain_sum' has no such "
-                                              "setting (it has: allow_negation, max_digits"),
+                                              "setting; did you mean 'max_terms'? (it has: allow_negation, max_digits"),
         "reasoning gym and a data file": (["run", str(TINY), "-o", rg + "}"], "config: data: set exactly one of "
                                           "path (a data file or hub dataset) and reasoning_gym"),
         "pass_reward, not a reward function": (["run", str(TINY), "-o", "eval.pass_reward=answer_reward"],
