@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
-from tasks.core.errors import UserError
+from tasks.core.errors import UserError, redact
 
 
 class Section(BaseModel):
@@ -354,6 +354,15 @@ class RewardModel(Section):
                                    description="Per request; a request that passes it is retried, then an error.")
     retries: int = Field(2, ge=0, le=20, json_schema_extra=HOW_NOT_WHAT,
                          description="Retries of a request that failed in transport (refused, reset, 5xx, timeout).")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _a_name_not_a_key(cls, v: str | None) -> str | None:
+        if v is not None and redact(v) != v:
+            raise ValueError("expected the name of an environment variable that holds the key (e.g. "
+                             "JUDGE_API_KEY), not what looks like a key itself: put the key in a variable "
+                             "and name the variable here")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -13,6 +13,8 @@ environment. A stage that finds a committed artifact corrupt (its bytes no longe
 
 from __future__ import annotations
 
+import re
+
 USER_ERROR = "RLFLOW_USER_ERROR: "
 CORRUPT = "RLFLOW_CORRUPT_ARTIFACT: "      # a committed artifact whose bytes changed; the flow recomputes it
 
@@ -23,7 +25,26 @@ class UserError(Exception):
     exit_code = 2
 
     def __init__(self, message: str):
-        super().__init__(message.strip().splitlines()[0] if message.strip() else "invalid input")
+        super().__init__(redact(message.strip().splitlines()[0]) if message.strip() else "invalid input")
+
+
+# What looks like a credential, wherever a message would quote it (a key pasted where the *name* of its variable
+# belongs, a URL with a password): providers' key shapes, a JWT, and any long token that mixes upper and lower case
+# letters and digits (a secret's shape; a sha256 or a run id is hex, a path's parts are not taken), and AWS's
+# 40-character secret access keys.
+_SECRET = re.compile(
+    r"(?<![/A-Za-z0-9_-])(?:sk-[A-Za-z0-9_-]{12,}|sk_(?:live|test)_[A-Za-z0-9]{10,}|(?:AKIA|ASIA)[0-9A-Z]{16}"
+    r"|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|hf_[A-Za-z0-9]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}"
+    r"|AIza[0-9A-Za-z_-]{30,}|eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"
+    r"|(?=[A-Za-z0-9+_=-]{24,}(?![A-Za-z0-9+/_=-]))(?=[^\s]*[a-z])(?=[^\s]*[A-Z])(?=[^\s]*[0-9])[A-Za-z0-9+_=-]{24,}"
+    r"|(?=[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=]))(?=\S*[a-z])(?=\S*[A-Z])(?=\S*[0-9])[A-Za-z0-9/+]{40})")
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]+):[^\s/@]+@")
+
+
+def redact(text: str) -> str:
+    """`text` with what looks like a credential replaced by `***` (a URL keeps its user, not its password):
+    messages never echo a secret a user pasted into a config or an override."""
+    return _SECRET.sub("***", _URL_PASSWORD.sub(r"\g<head>:***@", text))
 
 
 def cause_of(exc: BaseException | None, kinds) -> BaseException | None:

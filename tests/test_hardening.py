@@ -1,0 +1,34 @@
+"""Inputs, fourth round (issue 44, items 4-11): what new audits got through, by class. Each refusal is one line
+naming the field, before anything is written; none echoes a value that looks like a credential."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.core.config import load_config
+from tasks.core.errors import UserError, redact
+from tests.conftest import TINY
+
+
+@pytest.mark.parametrize("secret", ["sk-proj-AbCdEf1234567890abcdefGH", "hf_abcdefghijklmnopqrstuvwxyz0123",
+                                    "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+                                    "xoxb-1234567890-abcdefghij", "Zq8LmP2vX9kR4tY7wB3nC6dF1gH5jK0s"])
+def test_a_key_pasted_where_its_variables_name_belongs_is_never_quoted(secret):
+    model = {"name": "j", "kind": "judge", "model": "m", "url": "http://127.0.0.1:9", "template": "{completion}",
+             "api_key_env": secret}
+    with pytest.raises(UserError) as e:
+        load_config(TINY, [f"reward.models={json.dumps([model])}"])
+    assert secret not in str(e.value) and "reward.models.0.api_key_env" in str(e.value), str(e.value)
+    with pytest.raises(UserError) as e:                                  # anywhere a message would quote it
+        load_config(TINY, [f"run.name={secret}!"])
+    assert secret not in str(e.value)
+
+
+def test_a_url_keeps_its_user_not_its_password_and_ordinary_values_are_kept():
+    assert redact("url: https://me:hunter2@judge.example/v1 does not answer") == \
+        "url: https://me:***@judge.example/v1 does not answer"
+    kept = ("sha256 0f3a9c8e1b2d4f6a8c0e1f2a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7, run 7cd7d85c9af04119bf7176d9fcc2c3aa, "
+            "file://./rlflow-store/tiny-demo/policy/v000060, /tmp/AbCdEf123456789012345678/x, train.lr 1e-5")
+    assert redact(kept) == kept
