@@ -29,6 +29,7 @@ def test_a_key_pasted_where_its_variables_name_belongs_is_never_quoted(secret):
 def test_a_url_keeps_its_user_not_its_password_and_ordinary_values_are_kept():
     assert redact("url: https://me:hunter2@judge.example/v1 does not answer") == \
         "url: https://me:***@judge.example/v1 does not answer"
-    kept = ("sha256 0f3a9c8e1b2d4f6a8c0e1f2a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7, run 7cd7d85c9af04119bf7176d9fcc2c3aa, "
-            "file://./rlflow-store/tiny-demo/policy/v000060, /tmp/AbCdEf123456789012345678/x, train.lr 1e-5")
+    kept = ("sha256 0f3a9c8e1b2d4f6a8c0e1f2a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7, "
+            "run 7cd7d85c9af04119bf7176d9fcc2c3aa, file://./rlflow-store/tiny-demo/policy/v000060, "
+            "/tmp/AbCdEf123456789012345678/x, train.lr 1e-5")
     assert redact(kept) == kept
