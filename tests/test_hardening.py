@@ -33,3 +33,14 @@ def test_a_url_keeps_its_user_not_its_password_and_ordinary_values_are_kept():
             "run 7cd7d85c9af04119bf7176d9fcc2c3aa, file://./rlflow-store/tiny-demo/policy/v000060, "
             "/tmp/AbCdEf123456789012345678/x, train.lr 1e-5")
     assert redact(kept) == kept
+
+
+def test_a_refused_config_says_its_refusal_only(capsys):
+    """A deprecation warning about a key it read is said once the config is accepted, never before its refusal."""
+    with pytest.raises(UserError, match="^config: train.lr: input should be greater than 0"):
+        load_config(TINY, ["train.algorithm=ppo", "train.lam=0.9", "train.lr=-1"])
+    assert capsys.readouterr().err == ""
+    load_config(TINY, ["train.algorithm=ppo", "train.lam=0.9"])
+    load_config(TINY, ["train.algorithm=ppo", "train.lam=0.9"])
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: config: train.lam is now train.learner.lam (read as that; write the new key)"]

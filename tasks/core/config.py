@@ -15,6 +15,7 @@ import inspect
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 from urllib.parse import urlparse
@@ -615,12 +616,22 @@ FLAT_IN_FINGERPRINT = {"fingerprint": "flat"}
 
 def moved(old: str, new: str) -> None:
     """One warning line on stderr per old key and process: the key is read, its new name is `new`."""
-    if old not in _WARNED:
-        _WARNED.add(old)
-        print(f"warning: config: {old} is now {new} (read as that; write the new key)", file=sys.stderr)
+    warn(f"warning: config: {old} is now {new} (read as that; write the new key)")
 
 
-_WARNED: set[str] = set()
+_SAID: set[str] = set()
+_HELD = threading.local()        # .lines: warnings of a load_config under way, said only if the config is accepted
+
+
+def warn(line: str) -> None:
+    """A warning about the config, once per process: on stderr now, or, while load_config reads one, once it
+    accepts it (a refused config's refusal is its only line)."""
+    held = getattr(_HELD, "lines", None)
+    if held is not None:
+        held.append(line)
+    elif line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr)
 
 
 def _migrate_train(train: Any, where: str = "train") -> Any:
@@ -778,8 +789,8 @@ class TrainConfig(Section):
             if key == "offline_rollouts" and learner[key]:
                 raise ValueError("offline_rollouts: off-line data needs an off-policy learner: algorithm: vtrace_awr")
             others = ", ".join(a for a, c in LEARNER_CONFIGS.items() if key in c.model_fields)
-            print(f"warning: config: train.learner.{key} is a setting of {others}; train.algorithm is "
-                  f"{algorithm}: ignored", file=sys.stderr)
+            warn(f"warning: config: train.learner.{key} is a setting of {others}; train.algorithm is "
+                 f"{algorithm}: ignored")
             del learner[key]
         return {**data, "learner": learner}
 
@@ -1215,7 +1226,20 @@ def _near(parts: list) -> str | None:
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
                 base: dict | None = None) -> Config:
-    """Read YAML, apply `key=value` overrides, validate. Raises UserError with a one-line message."""
+    """Read YAML, apply `key=value` overrides, validate. Raises UserError with a one-line message (the only line:
+    a warning about a key it read is said once the config is accepted, never before its refusal)."""
+    outer = getattr(_HELD, "lines", None)
+    _HELD.lines = held = []
+    try:
+        cfg = _load_config(path, overrides, base)
+    finally:
+        _HELD.lines = outer
+    for line in held:
+        warn(line)
+    return cfg
+
+
+def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...], base: dict | None) -> Config:
     tree: dict = dict(base or {})
     if isinstance(tree.get("train"), dict):
         tree["train"] = _migrate_train(tree["train"])
