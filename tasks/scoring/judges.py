@@ -186,11 +186,12 @@ def resolve(cfg: Config, spec: RewardModel, what: str) -> str:
             raise UserError(f"{what}.model: {name}: no complete folder there")
         path = str(materialize(store, key))
     else:
-        path = builtin_models.resolve(name)
+        path = builtin_models.resolve(name, f"{what}.model")
         if gguf.is_gguf(path):
-            if pin is not None and (found := _sha256(Path(path))) != pin:
+            gguf.check(Path(path).expanduser(), f"{what}.model")     # (a missing or bad file: one line, not a hash)
+            if pin is not None and (found := _sha256(Path(path).expanduser())) != pin:
                 raise UserError(f"{what}.sha256: {spec.model} has sha256 {found}, not the pinned {pin}")
-            return gguf.model_folder(path, "float32")
+            return gguf.model_folder(path, "float32", f"{what}.model")
         if not Path(path).expanduser().exists():
             path = _hub_folder(path, what)
     if pin is not None and (found := pin_of(path)) != pin:
