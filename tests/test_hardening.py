@@ -65,3 +65,26 @@ def test_a_judges_missing_model_is_one_line_naming_its_entry(model, line):
     with pytest.raises(UserError) as e:
         preflight(load_config(TINY, [f"reward.models={json.dumps([ok, bad])}"]))
     assert str(e.value).startswith(line), str(e.value)
+
+
+def test_a_completion_too_deep_for_the_hosts_walks_costs_only_itself():
+    """Item 2: a long chain of operators (2,000 deep) in a completion's code: the host reads its names without
+    recursion and the sandbox runs it, the honest one beside it scores 1; a row whose own assert is that deep is a
+    broken test, skipped (no score), not a crash of the batch."""
+    from tasks.core.config import SandboxConfig
+    from tasks.rewards import code as code_rewards
+    from tasks.scoring import sandbox
+
+    sandbox.configure(SandboxConfig(timeout_seconds=5, cpu_seconds=4, memory_mb=512, workers=2))
+    try:
+        chain = "+".join(["1"] * 2000)          # (deeper: ast.parse itself refuses it, RecursionError, caught)
+        honest = "```python\ndef add(a, b):\n    return a + b\n```"
+        deep = f"```python\nX = {chain}\ndef add(a, b):\n    return a + b\n```"
+        tests = ["assert add(1, 2) == 3"]
+        verdicts = code_rewards.judge([deep, honest], test_list=[tests, tests])
+        assert verdicts[1].score == 1.0 and verdicts[0].score is not None, verdicts
+        deep_row = [f"assert add(1, 2) == {'+'.join(['1'] * 2000)} - 1997"]
+        verdicts = code_rewards.judge([honest, honest], test_list=[deep_row, tests])
+        assert verdicts[0].score is None and verdicts[1].score == 1.0, verdicts
+    finally:
+        sandbox.configure(None)

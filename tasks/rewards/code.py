@@ -112,8 +112,12 @@ def judge(completions: list, verification_info: list | None = None, test_list: l
     jobs, pending = [], []
     expected_jobs: dict[tuple, int] = {}     # (setup, expected expressions) -> its job: one per row, not per completion
     for j, completion in enumerate(completions):
-        code = extract_code(text_of(completion))
-        cases, setup = parse_tests(_at(verification_info, j), _at(test_list, j), _at(test_setup_code, j), code)
+        code = extract_code(text_of(completion)[:MAX_TEXT])
+        try:              # (the host's own reading of the code and the row is bounded; past it: this one scores 0)
+            cases, setup = parse_tests(_at(verification_info, j), _at(test_list, j), _at(test_setup_code, j), code)
+        except (RecursionError, MemoryError, TooDeep) as e:
+            verdicts[j] = Verdict(0.0, f"the host cannot read this code: {e or type(e).__name__}")
+            continue
         if not cases:
             verdicts[j] = Verdict(None, "no tests")
         elif code is None:
@@ -133,7 +137,11 @@ def judge(completions: list, verification_info: list | None = None, test_list: l
         runs, expected_runs = runs[:len(jobs)], runs[len(jobs):]
         _check_sandbox_alive(runner, runs)
         for (j, cases, e), run in zip(pending, runs):
-            verdicts[j] = decide(cases, run, mode, expected_runs[e] if e is not None else None)
+            try:
+                verdicts[j] = decide(cases, run, mode, expected_runs[e] if e is not None else None)
+            except (RecursionError, MemoryError) as ex:       # (a check the host could not finish: this one only)
+                verdicts[j] = Verdict(0.0, f"the host could not check this code's values: {type(ex).__name__}",
+                                      total=len(cases))
     return verdicts
 
 
@@ -275,12 +283,33 @@ def normalise_output(text: str) -> str:
     return "\n".join(lines)
 
 
+MAX_DEPTH = 200              # syntax-tree depth the host walks (the recursive walks need ~3 frames a level)
+MAX_TEXT = 1 << 20          # characters of a completion the host reads (a code block past them is not read)
+
+
+class TooDeep(ValueError):
+    """A syntax tree nested deeper than MAX_DEPTH: the host does not walk it (its walks are recursive)."""
+
+
+def parsed(src: str, mode: str = "exec") -> ast.AST:
+    """ast.parse, and a tree no deeper than MAX_DEPTH (measured without recursion): TooDeep if it is, so that no
+    recursive walk of the host's meets a RecursionError half way through a batch."""
+    tree = ast.parse(src, mode=mode)
+    todo = [(tree, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise TooDeep(f"nested deeper than {MAX_DEPTH} levels")
+        todo.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return tree
+
+
 def assert_cases(src: str, setup: str = "", code: str | None = None) -> list[Case]:
     """One case per assert statement in `src`; a string that does not parse, or holds anything but
     asserts, gives none (a broken test in the data is skipped, not scored against the model). `setup` (the
     row's test_setup_code) and `code` tell the expected side of an assert from the actual one."""
     try:
-        body = ast.parse(src.strip()).body
+        body = parsed(src.strip()).body
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return []
     if not body or not all(isinstance(s, ast.Assert) for s in body):
@@ -628,21 +657,20 @@ def _defined_names(src: str) -> frozenset[str]:
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return frozenset()
     out: set[str] = set()
-
-    def visit(n: ast.AST) -> None:
+    todo = [tree]                     # (a walk without recursion: the code may nest as deep as its parser lets it)
+    while todo:
+        n = todo.pop()
         if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             out.add(n.name)
-            return
+            continue
         if isinstance(n, ast.Import | ast.ImportFrom):
             out.update((a.asname or a.name).split(".")[0] for a in n.names)
-            return
+            continue
         if isinstance(n, ast.Lambda | ast.ListComp | ast.SetComp | ast.DictComp | ast.GeneratorExp):
-            return
+            continue
         if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
             out.add(n.id)
-        for child in ast.iter_child_nodes(n):
-            visit(child)
-    visit(tree)
+        todo.extend(ast.iter_child_nodes(n))
     return frozenset(out)
 
 
@@ -651,7 +679,7 @@ def _closed(setup: str) -> bool:
     """Whether the setup code reads only names it defines itself and builtins (so its helpers can be run
     without the code: none of them calls a function of the code's)."""
     try:
-        tree = ast.parse(setup)
+        tree = parsed(setup)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return False
     bound = set(_BUILTIN_NAMES)
