@@ -88,3 +88,51 @@ def test_a_completion_too_deep_for_the_hosts_walks_costs_only_itself():
         assert verdicts[0].score is None and verdicts[1].score == 1.0, verdicts
     finally:
         sandbox.configure(None)
+
+
+MACHINE_WIDE = '''
+import ctypes, errno, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+out["sync"] = libc.syscall(162)                         # SYS_sync on x86_64; -1 and EPERM when refused
+out["sync_errno"] = ctypes.get_errno()
+fd = os.open("/tmp", os.O_RDONLY)
+out["syncfs"] = libc.syncfs(fd)
+out["syncfs_errno"] = ctypes.get_errno()
+for name, how in (("open_direct", lambda: os.open("/usr/bin/env", os.O_RDONLY | os.O_DIRECT)),):
+    try:
+        how()
+        out[name] = "opened"
+    except OSError as e:
+        out[name] = errno.errorcode[e.errno]
+g = os.open("/usr/bin/env", os.O_RDONLY)
+import fcntl
+try:
+    fcntl.fcntl(g, fcntl.F_SETFL, os.O_DIRECT)
+    out["setfl_direct"] = "set"
+except OSError as e:
+    out["setfl_direct"] = errno.errorcode[e.errno]
+print(sorted(out.items()))
+'''
+
+
+@pytest.mark.bubblewrap
+def test_machine_wide_calls_and_direct_io_are_refused_in_the_sandbox():
+    """Item 3: sync and syncfs (every dirty page of the host, past the sandbox's disk throttle) are refused;
+    item 1: direct I/O, which queued behind that throttle puts a process where SIGKILL cannot reach it, is
+    refused at open and by fcntl."""
+    import platform
+
+    from tasks.core.config import SandboxConfig
+    from tasks.scoring import sandbox
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the probe calls sync by its x86_64 number")
+    sandbox.configure(SandboxConfig(isolation="bubblewrap", timeout_seconds=10, cpu_seconds=5))
+    try:
+        run = sandbox.runner().run(MACHINE_WIDE, [sandbox.Test(stdin="")])
+    finally:
+        sandbox.configure(None)
+    got = dict(eval(run.tests[0].stdout.strip()))
+    assert got["sync"] == -1 and got["sync_errno"] == 1 and got["syncfs"] == -1 and got["syncfs_errno"] == 1, got
+    assert got["open_direct"] == "EINVAL" and got["setfl_direct"] == "EINVAL", got

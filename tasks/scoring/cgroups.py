@@ -140,6 +140,7 @@ class Cgroup:
     def __init__(self, version: int, dirs: dict[str, Path]):
         self.version, self.dirs = version, dirs     # v2: {"unified": dir}; v1: controller -> dir
         self.io_devices: list[str] = []             # the devices whose bandwidth is limited (set_io)
+        self.io_limits: tuple[int, int] = (IO_BPS, IO_IOPS)
         self.why_no_io = ""
 
     # ------------------------------------------------------------------ making one
@@ -255,6 +256,7 @@ class Cgroup:
             self.why_no_io = "no block device found behind the sandbox's file systems"
             return
         failed = []
+        self.io_limits = (bps, iops)
         for dev in devices:
             try:
                 if self.version == 2:
@@ -263,7 +265,8 @@ class Cgroup:
                     for what, value in (("read_bps", bps), ("write_bps", bps), ("read_iops", iops),
                                         ("write_iops", iops)):
                         _write(d / f"blkio.throttle.{what}_device", f"{dev} {value}")
-                self.io_devices.append(dev)
+                if dev not in self.io_devices:
+                    self.io_devices.append(dev)
             except OSError as e:
                 failed.append(f"{dev}: {e.strerror or e}")
         if failed:
@@ -304,19 +307,39 @@ class Cgroup:
                 return int(value)
         return 0
 
+    def unthrottle(self) -> None:
+        """Lift the disk limits (set_io): what the processes still have queued behind them completes at the disk's
+        own pace, so none stays in uninterruptible sleep, which SIGKILL cannot end, waiting for its turn."""
+        d = self.dirs.get("unified") if self.version == 2 else self.dirs.get("blkio")
+        for dev in self.io_devices if d is not None else []:
+            try:
+                if self.version == 2:
+                    _write(d / "io.max", f"{dev} rbps=max wbps=max riops=max wiops=max")
+                else:
+                    for what in ("read_bps", "write_bps", "read_iops", "write_iops"):
+                        _write(d / f"blkio.throttle.{what}_device", f"{dev} 0")
+            except OSError:
+                pass
+
     def kill(self, timeout: float = 5.0) -> bool:
         """Kill everything in the cgroup and wait until it is empty; False if something is left after
-        `timeout` (a process in uninterruptible sleep)."""
-        deadline = time.monotonic() + timeout
-        if self.version == 2 and (self.dirs["unified"] / "cgroup.kill").exists():
-            _write(self.dirs["unified"] / "cgroup.kill", "1")
-        elif not kill_until_gone(self.pids, deadline):
-            return False
-        while self.pids():
-            if time.monotonic() > deadline:
+        `timeout` (a process in uninterruptible sleep). The disk limits are lifted first (unthrottle), and
+        set again by the next set_io."""
+        self.unthrottle()
+        try:
+            deadline = time.monotonic() + timeout
+            if self.version == 2 and (self.dirs["unified"] / "cgroup.kill").exists():
+                _write(self.dirs["unified"] / "cgroup.kill", "1")
+            elif not kill_until_gone(self.pids, deadline):
                 return False
-            time.sleep(0.002)
-        return True
+            while self.pids():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.002)
+            return True
+        finally:
+            if self.io_devices:           # (the slot's next sandbox is limited again)
+                self.set_io(list(self.io_devices), *self.io_limits)
 
     def spawner(self) -> Spawner | None:
         """v1: a thread of ours inside the cgroup, to fork the sandbox's first process there; v2: None (use

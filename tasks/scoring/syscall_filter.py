@@ -18,13 +18,21 @@ Allow by default, refuse what sandboxed code has no use for and what reaches out
   - namespaces and mounts: unshare, setns, mount and the new mount API, pivot_root, chroot, clone with any
     CLONE_NEW* flag, clone3 (ENOSYS: libc falls back to clone, whose flags can be checked);
   - sockets of any family but AF_UNIX (the network namespace is empty, but AF_VSOCK is not namespaced);
+  - what acts on the whole machine, not on the caller: sync and syncfs (every dirty page of the host flushed,
+    past the sandbox's own disk throttle), the clock, the I/O priority of the disk it shares;
+  - direct I/O (O_DIRECT at open, openat or fcntl F_SETFL; openat2, whose flags a filter cannot read, is ENOSYS
+    and libc falls back to openat): queued behind the sandbox's disk throttle it puts a process into
+    uninterruptible sleep, which SIGKILL cannot end before the I/O does;
   - administration calls (which need capabilities the sandbox has not anyway).
+docs/sandbox.md lists every system call whose effect is machine-wide and what becomes of it.
 Standard library and `seccomp` only.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import os
 import sys
 
 EPERM = [
@@ -44,10 +52,15 @@ EPERM = [
     # above hold their own such budgets too)
     "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
     "inotify_init", "inotify_init1",
+    # machine-wide effects: every dirty page of the host flushed (sync, syncfs: past the sandbox's own disk
+    # throttle), the clock, the disk's I/O priorities, POSIX message queues (kept apart by the IPC namespace too)
+    "sync", "syncfs", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "ioprio_set",
+    "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
 ]
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
 AF_UNIX = 1
+F_SETFL = fcntl.F_SETFL
 
 
 def build():
@@ -65,6 +78,16 @@ def build():
     f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socket", seccomp.Arg(0, seccomp.NE, AF_UNIX))
     f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socketpair", seccomp.Arg(0, seccomp.NE, AF_UNIX))
     f.add_rule(seccomp.ERRNO(errno.EPERM), "prlimit64", seccomp.Arg(0, seccomp.NE, 0))
+    # direct I/O: refused at open (open's flags are its 2nd argument, openat's its 3rd) and by fcntl F_SETFL
+    direct = os.O_DIRECT
+    for name, arg in (("open", 1), ("openat", 2)):
+        try:
+            f.add_rule(seccomp.ERRNO(errno.EINVAL), name, seccomp.Arg(arg, seccomp.MASKED_EQ, direct, direct))
+        except (RuntimeError, ValueError):       # (no open(2) on arm64: openat only)
+            pass
+    f.add_rule(seccomp.ERRNO(errno.EINVAL), "fcntl", seccomp.Arg(1, seccomp.EQ, F_SETFL),
+               seccomp.Arg(2, seccomp.MASKED_EQ, direct, direct))
+    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "openat2")
     return f
 
 
