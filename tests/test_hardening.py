@@ -136,3 +136,33 @@ def test_machine_wide_calls_and_direct_io_are_refused_in_the_sandbox():
     got = dict(eval(run.tests[0].stdout.strip()))
     assert got["sync"] == -1 and got["sync_errno"] == 1 and got["syncfs"] == -1 and got["syncfs_errno"] == 1, got
     assert got["open_direct"] == "EINVAL" and got["setfl_direct"] == "EINVAL", got
+
+
+@pytest.mark.parametrize("override, line", [
+    ('reward.models=[{name: j, kind: judge, model: builtin:tiny-lm, sha256: "' + "0" * 64 + '", '
+     'template: "{completion}", scale: [10, 1]}]',
+     "config: reward.models.0.scale: expected [low, high] with low below high (scores map to [0, 1] over it), "
+     "got [10, 1]"),
+    ('reward.models=[{name: j, kind: verdict, model: builtin:tiny-lm, sha256: "' + "0" * 64 + '", '
+     'template: "{completion}", verdict_tokens: ["Yes", "Yes"]}]',
+     "config: reward.models.0.verdict_tokens: the good and the bad verdict are the same token ('Yes'): expected "
+     "two, got [\"Yes\", \"Yes\"]"),
+    ("launcher.accelerators={train: 'A100:0'}",
+     "config: launcher.accelerators: train: 'A100:0' asks for 0 of them; expected a count of 1 or more (or the "
+     "type alone, one)"),
+    ("cost.hourly_usd={train: -1}", "config: cost.hourly_usd.train: input should be greater than or equal to 0, "
+                                    "got -1"),
+    ("generate.max_model_len=16", "config: generate: max_model_len (16) leaves no room for a prompt beside "
+                                  "max_completion_length (16) tokens; expected more than that"),
+    ("env.endpoint={min_top_p: 0.9}", "config: env.endpoint.min_top_p: 0.9 is above generate.top_p (0.8): a request "
+                                      "may only narrow top_p, from generate.top_p down to min_top_p; expected "
+                                      "min_top_p <= top_p"),
+    ("data.curriculum={defer: 8, max_defer: 2}", "config: data.curriculum: max_defer (2) is below defer (8): the "
+                                                 "deferral could never be as long as defer says"),
+])
+def test_settings_that_contradict_each_other_are_refused(override, line):
+    """Item 6: a floor above its ceiling, a scale whose min is above its max, a count of 0, a range that is empty:
+    a setting that could never take effect is one line."""
+    with pytest.raises(UserError) as e:
+        load_config(TINY, ["generate.max_completion_length=16", "generate.top_p=0.8", override])
+    assert str(e.value) == line

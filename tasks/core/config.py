@@ -216,6 +216,15 @@ class GenerateConfig(Section):
                                         "1 each keeps N replicas on N cores from sharing them.")
 
     @model_validator(mode="after")
+    def _lengths_and_ports(self):
+        if self.max_model_len is not None and self.max_model_len <= self.max_completion_length:
+            raise ValueError(f"max_model_len ({self.max_model_len}) leaves no room for a prompt beside "
+                             f"max_completion_length ({self.max_completion_length}) tokens; expected more than that")
+        if self.replicas and self.replica_port + self.replicas - 1 > 65535:
+            raise ValueError(f"replica_port: {self.replica_port} + {self.replicas} replicas passes port 65535")
+        return self
+
+    @model_validator(mode="after")
     def _server_mode(self):
         if self.mode == "server" and self.engine != "vllm":
             raise ValueError("mode: server needs engine: vllm")
@@ -355,6 +364,20 @@ class RewardModel(Section):
                                    description="Per request; a request that passes it is retried, then an error.")
     retries: int = Field(2, ge=0, le=20, json_schema_extra=HOW_NOT_WHAT,
                          description="Retries of a request that failed in transport (refused, reset, 5xx, timeout).")
+
+    @field_validator("scale")
+    @classmethod
+    def _scale_ordered(cls, v):
+        if v is not None and not v[0] < v[1]:
+            raise ValueError("expected [low, high] with low below high (scores map to [0, 1] over it)")
+        return v
+
+    @field_validator("verdict_tokens")
+    @classmethod
+    def _two_verdicts(cls, v):
+        if v[0] == v[1]:
+            raise ValueError(f"the good and the bad verdict are the same token ({v[0]!r}): expected two")
+        return v
 
     @field_validator("api_key_env")
     @classmethod
@@ -506,6 +529,9 @@ class EnvConfig(Section):
             raise ValueError("env.servers: the flow starts a pool of environment servers (env.where: local | sky), "
                              "and with env.server_url it starts none; put `python -m tasks.envs.pool --member URL "
                              "...` in front of your own servers and give its URL as env.server_url")
+        if self.servers > 1 and self.server_port + self.servers > 65535:
+            raise ValueError(f"env.server_port: {self.server_port} and the pool's {self.servers} servers above it "
+                             f"pass port 65535")
         if self.servers > 1 and self.where == "stage":
             raise ValueError("env.servers: a pool of environment servers needs env.where: local | sky (stage runs "
                              "the environments in the stage's own process)")
@@ -997,6 +1023,15 @@ class LauncherConfig(Section):
                     "{generate: 'L4:1', train: 'A100:8'} (the rollout GPU and the actor GPU): each generate "
                     "replica gets one such machine; judge: each reward.models server on sky.")
 
+    @field_validator("accelerators")
+    @classmethod
+    def _some_of_each(cls, v: dict) -> dict:
+        for role, spec in v.items():
+            if ":" in spec and int(spec.rsplit(":", 1)[1]) == 0:
+                raise ValueError(f"{role}: {spec!r} asks for 0 of them; expected a count of 1 or more (or the "
+                                 f"type alone, one)")
+        return v
+
     def mode_of(self, stage: str) -> str:
         return self.stages.get(stage, self.mode)
 
@@ -1008,7 +1043,7 @@ class LauncherConfig(Section):
 class CostConfig(Section):
     """Prices for the cost metric (cost_usd = stage seconds x hourly price)."""
 
-    hourly_usd: dict[Stage, float] = Field(
+    hourly_usd: dict[Stage, Annotated[float, Field(ge=0)]] = Field(
         {}, description="Hourly price per stage when SkyPilot's catalog cannot tell (inline/local: the price "
                         "of this machine); a stage with no price known logs no cost metric.")
 
@@ -1059,6 +1094,14 @@ class Config(Section):
         """The most tokens a completion can have after its prompt: an episode's env.max_tokens (the model's and
         the observations'), else generate.max_completion_length."""
         return self.env.max_tokens if self.env.episodic() else self.generate.max_completion_length
+
+    @model_validator(mode="after")
+    def _endpoint_bounds_meet(self):
+        if self.env.endpoint.min_top_p > self.generate.top_p:
+            raise ValueError(f"env.endpoint.min_top_p: {self.env.endpoint.min_top_p:g} is above generate.top_p "
+                             f"({self.generate.top_p:g}): a request may only narrow top_p, from generate.top_p down "
+                             f"to min_top_p; expected min_top_p <= top_p")
+        return self
 
     @model_validator(mode="after")
     def _overlong_inside_the_limit(self):
