@@ -166,3 +166,24 @@ def test_settings_that_contradict_each_other_are_refused(override, line):
     with pytest.raises(UserError) as e:
         load_config(TINY, ["generate.max_completion_length=16", "generate.top_p=0.8", override])
     assert str(e.value) == line
+
+
+@pytest.mark.parametrize("kwargs, line", [
+    ("{env: {taskset: {id: x}}, client: training}", "env.kwargs.client: 'training'; expected eval or train"),
+    ("{env: {taskset: {id: x}}, client: train}", "env.kwargs.tokenizer: client train renders prompts with the "
+                                                 "policy's tokenizer"),
+    ("{env: {taskset: {id: x}}, path: [/nonexistent/envs]}", "env.kwargs.path: /nonexistent/envs: no such folder"),
+    ("{env: {taskset: {id: x}}, timeout: -1}", "env.kwargs.timeout: seconds, above 0; got -1"),
+    ("{env: {taskset: {id: x}}, sampling: 7}", "env.kwargs.sampling: verifiers' SamplingConfig as a mapping"),
+])
+def test_an_integrations_arguments_are_checked_before_the_run(kwargs, line, tmp_path):
+    """Item 7: verifiers 0.4's agent refused its own arguments per episode, after the MLflow run and the lease
+    existed; preflight now asks the integration (an agent's `check`) first, and nothing is written."""
+    from flows.preflight import preflight
+
+    cfg = load_config(TINY.parent / "agent.yaml", ["env.agent=tasks.envs.verifiers_v04:run", f"env.kwargs={kwargs}",
+                                                   f"store.uri={tmp_path}/store"])
+    with pytest.raises(UserError) as e:
+        preflight(cfg)
+    assert str(e.value).startswith(line), str(e.value)
+    assert not (tmp_path / "store").exists()

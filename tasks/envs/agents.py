@@ -51,7 +51,8 @@ POLL = 0.01
 
 
 def agent_of(cfg: Config):
-    """env.agent imported: one line naming it if it cannot be, or is not a function of (row, base_url, api_key)."""
+    """env.agent imported: one line naming it if it cannot be, or is not a function of (row, base_url, api_key);
+    an agent with a `check` attribute (an integration's: tasks/envs/verifiers_v04.py) has it check env.kwargs."""
     spec = cfg.env.agent
     fn = import_callable(spec, "env.agent")
     try:
@@ -61,6 +62,8 @@ def agent_of(cfg: Config):
                         f"{', **env.kwargs' if cfg.env.kwargs else ''}): {e}") from None
     except ValueError:
         pass                                   # (no signature to read: a builtin or extension callable)
+    if callable(accepts := getattr(fn, "check", None)):        # an integration's own check of its arguments
+        accepts(**cfg.env.kwargs)
     return fn
 
 

@@ -212,11 +212,8 @@ async def run(row: dict, base_url: str, api_key: str, *, env: dict, client: Lite
     endpoint at `base_url` with the episode's `api_key`. `client`: `eval` (the harness's calls relayed) or `train`
     (verifiers renders with `tokenizer` and calls /inference/v1/generate). `sampling`: verifiers' SamplingConfig
     (max_tokens, temperature, ...), imposed on every call. `path`: folders the bridge imports packages from."""
-    if client not in ("eval", "train"):
-        raise UserError(f"env.kwargs.client: {client!r}; expected eval or train")
-    if client == "train" and not tokenizer:
-        raise UserError("env.kwargs.tokenizer: client train renders prompts with the policy's tokenizer (a folder, "
-                        "a hub id or builtin:NAME)")
+    check(env=env, client=client, tokenizer=tokenizer, model=model, sampling=sampling, path=path, python=python,
+          timeout=timeout)
     bridge = _VerifiersClient.of(verifiers_python(python), _paths(path))
     name = model or await asyncio.to_thread(_model_at, base_url, api_key)
     wire = {"type": client, "base_url": base_url}
@@ -227,6 +224,40 @@ async def run(row: dict, base_url: str, api_key: str, *, env: dict, client: Lite
     episode = await bridge.call(timeout, op="run", env=env, model=name, client=wire, key=api_key,
                                 sampling=sampling or {}, **task)
     return outcome(episode)
+
+
+def check(*, env: dict, client: str = "eval", tokenizer: str | None = None, model: str | None = None,
+          sampling: dict | None = None, path: str | list[str] | None = None, python: str | None = None,
+          timeout: float = 3600.0) -> None:
+    """What this agent accepts as env.kwargs, checked before the run starts (tasks/envs/agents.py: agent_of calls
+    an agent's `check`) and again by each episode: one line naming the key."""
+    if not isinstance(env, dict) or not env:
+        raise UserError(f"env.kwargs.env: verifiers' environment config (vf-eval's [env] table: {{taskset: ..., "
+                        f"agent: ...}}); got {json.dumps(env, default=str)[:80]}")
+    if client not in ("eval", "train"):
+        raise UserError(f"env.kwargs.client: {client!r}; expected eval or train")
+    if client == "train" and not tokenizer:
+        raise UserError("env.kwargs.tokenizer: client train renders prompts with the policy's tokenizer (a folder, "
+                        "a hub id or builtin:NAME)")
+    if tokenizer:
+        path_of = _tokenizer_path(tokenizer)
+        if path_of.startswith(("/", ".", "~")) and not Path(path_of).expanduser().exists():
+            raise UserError(f"env.kwargs.tokenizer: {tokenizer}: no such folder")
+    if sampling is not None and not isinstance(sampling, dict):
+        raise UserError(f"env.kwargs.sampling: verifiers' SamplingConfig as a mapping (max_tokens, temperature, ...); "
+                        f"got {type(sampling).__name__}")
+    if model is not None and not isinstance(model, str):
+        raise UserError(f"env.kwargs.model: a model name; got {type(model).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise UserError(f"env.kwargs.timeout: seconds, above 0; got {timeout!r}")
+    for folder in _paths(path):
+        if not Path(folder).is_dir():
+            raise UserError(f"env.kwargs.path: {folder}: no such folder (the environment's packages are imported "
+                            f"from these)")
+    verifiers_python(python)
+
+
+run.check = check
 
 
 def outcome(episode: dict) -> tuple[float, dict]:
