@@ -93,7 +93,12 @@ def test_splits_are_the_size_asked_apart_and_deterministic():
     train, held_out = _splits(cfg)
     assert (len(train), len(held_out)) == (12, 5)
     assert not {r["question"] for r in train} & {r["question"] for r in held_out}
-    procedural._splits.cache_clear()                             # built again, not read from the memo
+    procedural._splits.cache_clear()                             # built again, not read from the memo ...
+    import shutil
+
+    from tasks.core.paths import cache_root
+
+    shutil.rmtree(cache_root() / "reasoning-gym")                # ... nor from this machine's copy
     assert _splits(cfg) == (train, held_out)
     moved = load_config(TINY, ["data.path=null", 'data.reasoning_gym={"task": "chain_sum", "size": 12, '
                                                  '"eval_size": 5, "seed": 7}'])
@@ -165,7 +170,7 @@ def test_grid_metadata_survives_json():
 
 @AT_LENGTH
 @pytest.mark.slow
-def test_the_splits_are_the_same_in_a_fresh_process():
+def test_the_splits_are_the_same_in_a_fresh_process(tmp_path):
     """Another interpreter (another PYTHONHASHSEED) makes the same rows, also for the tasks whose items depend on
     Python's string hashing (reasoning-gym iterates over sets there): the splits are built with PYTHONHASHSEED=0."""
     script = ("import json, sys; from tasks.core import procedural\n"
@@ -174,8 +179,9 @@ def test_the_splits_are_the_same_in_a_fresh_process():
               "print(json.dumps(out))")
     tasks = [*DETERMINISTIC[:2], *HASH_SEEDED]       # each build is a child process with reasoning-gym's import
     runs = [json.loads(subprocess.run([sys.executable, "-c", script, *tasks], cwd=ROOT,
-                                      env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True,
-                                      check=True).stdout.splitlines()[-1]) for seed in ("1", "2")]
+                                      env={**os.environ, "PYTHONHASHSEED": seed, "RLFLOW_CACHE": str(tmp_path / seed)},
+                                      capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+            for seed in ("1", "2")]                      # (each its own cache: built in each, not read back)
     here = {t: procedural._splits(t, "{}", 0, 6, 3, "tags", procedural.INSTRUCTIONS["tags"], None)
             for t in tasks}
     for task in tasks:
@@ -427,3 +433,18 @@ def test_a_run_trains_on_a_task_and_evaluates_on_its_held_out_split(prefect_api,
     held_out = set(data.load_prompts(cfg, split="eval")["question"])
     assert all(r["columns"]["answer_format"] == "answer_is" and r["columns"]["question"] not in held_out
                for r in scored)
+
+
+def test_a_large_split_is_made_once_per_machine_and_says_so(capsys, monkeypatch):
+    """Issue 44 item 11: a held-out size inside the allowed range took minutes to make in every stage process, saying
+    nothing; now it says what it is making, once, and every later process reads it back."""
+    from tasks.core.paths import cache_root
+
+    monkeypatch.setattr(procedural, "SAY_FROM", 10)
+    spec = ("chain_sum", "{}", 5, 12, 4, "tags", procedural.INSTRUCTIONS["tags"], None)
+    procedural._splits.cache_clear()
+    made = procedural._splits(*spec)
+    assert capsys.readouterr().err == (f"data.reasoning_gym: making 12 training and 4 held-out items of chain_sum "
+                                       f"(once on this machine; kept in {cache_root() / 'reasoning-gym'})\n")
+    procedural._splits.cache_clear()
+    assert procedural._splits(*spec) == made and capsys.readouterr().err == ""

@@ -117,13 +117,40 @@ def untagged(value):
 TUPLE = "__tuple__"
 
 
+SAY_FROM = 50_000           # items: building more says so first (a few seconds per 10,000 on 2 cores; once a machine)
+
+
 @functools.lru_cache(maxsize=4)
 def _splits(*spec) -> dict[str, list[dict]]:
-    """The splits, made where Python's string hashing is fixed: some tasks iterate over sets of strings while they
-    build items (ransom_note, word_ladder, ...), so in a process with randomized hashing (the default) their items
-    would differ from one process to the next. Such a process builds them in a child with PYTHONHASHSEED=0."""
-    if not sys.flags.hash_randomization:
-        return _build(*spec)
+    """The splits, kept on this machine once made (every stage process reads them back: a large held-out split
+    took minutes to make in each before), made where Python's string hashing is fixed: some tasks iterate over
+    sets of strings while they build items (ransom_note, word_ladder, ...), so in a process with randomized hashing
+    (the default) their items would differ from one process to the next. Such a process builds them in a child
+    with PYTHONHASHSEED=0. Making many items says so on stderr first, with how many."""
+    import hashlib
+    from importlib.metadata import version
+
+    from tasks.core.paths import cache_root
+
+    key = hashlib.sha256(json.dumps([version("reasoning-gym"), *spec]).encode()).hexdigest()[:24]
+    kept = cache_root() / "reasoning-gym" / f"{key}.json"
+    try:
+        return json.loads(kept.read_text())
+    except (OSError, ValueError):
+        pass
+    task, _, _, size, eval_size = spec[:5]
+    if size + eval_size >= SAY_FROM:
+        print(f"{FIELD}: making {size} training and {eval_size} held-out items of {task} (once on this machine; "
+              f"kept in {kept.parent})", file=sys.stderr, flush=True)
+    got = _build(*spec) if not sys.flags.hash_randomization else _built_in_a_child(spec)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    tmp = kept.with_name(f".{kept.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(got))
+    os.replace(tmp, kept)
+    return got
+
+
+def _built_in_a_child(spec: tuple) -> dict[str, list[dict]]:
     out = run([sys.executable, "-c", "import json, sys; from tasks.core.procedural import _child; "
                "_child(json.loads(sys.argv[1]))", json.dumps(spec)], {**os.environ, "PYTHONHASHSEED": "0"},
               rlflow=True, capture_output=True, text=True, cwd=REPO_ROOT)
