@@ -226,8 +226,11 @@ class Runner:
             os.close(chan_r)
             if proc is not None:
                 kill_group(proc)
-            if cgroup is not None and not cgroup.kill():
-                log.warning("code sandbox: processes of %s survived SIGKILL for 5 s", cgroup.dirs)
+            # (the verdict keeps its deadline whatever the processes are doing: the kill waits for them only until
+            # timeout + GRACE_SECONDS, and with direct I/O refused and the disk limits lifted none lingers)
+            wait = max(t0 + self.limits.timeout_seconds + GRACE_SECONDS - time.monotonic(), 0.5)
+            if cgroup is not None and not cgroup.kill(timeout=wait):
+                log.warning("code sandbox: processes of %s survived SIGKILL for %.1f s", cgroup.dirs, wait)
             if uid is not None and not (cgroup is not None and self.isolation == "bubblewrap"):
                 sweep_uid(uid, processes=cgroup is None)     # (a cgroup's kill found every process)
             if workdir is not None:
