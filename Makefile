@@ -77,7 +77,9 @@ $(VENV)/.ready: pyproject.toml constraints.txt
 	.venv-verifiers/bin/pip install -qq --disable-pip-version-check -c constraints-verifiers.txt verifiers==0.4.0 uv
 	touch $@
 
-demo: setup              ## tiny model, CPU, local store, sqlite MLflow, a temporary Prefect API server (~1 min)
+# The demo builds only what it uses (.venv); a run that needs another environment says which command builds it
+# (make setup), before it starts.
+demo: $(VENV)/.ready     ## tiny model, CPU, local store, sqlite MLflow, a temporary Prefect API server (~1 min)
 	$(BIN)/rlflow run configs/tiny.yaml --summary-json rlflow-runs/tiny-demo/summary.json
 
 lint: $(VENV)/.ready      ## ruff (config in pyproject.toml)

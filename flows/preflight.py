@@ -11,6 +11,7 @@ engines, the launcher's recipes), which is why it is a module of its own and not
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -107,6 +108,10 @@ def preflight(cfg: Config) -> None:
 
         offline_rollouts(cfg, open_store(cfg))  # not scored rollouts, or a row with no reward: one line, exit 2
     remote = cfg.launcher.remote_stages()
+    if any(cfg.launcher.mode_of(s) == "sky" for s in remote) or any(
+            (cfg.env.factory and cfg.env.where == "sky" and cfg.env.server_url is None,
+             any(m.url is None and m.where == "sky" for m in cfg.reward.models))):
+        check_sky_python(cfg)             # the SkyPilot environment (.venv-sky): one line naming what builds it
     if any(cfg.launcher.mode_of(s) == "sky" for s in remote) and not cfg.store.uri.startswith("s3://"):
         raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "
                         f"(s3://...), not a local folder")
@@ -122,6 +127,20 @@ def preflight(cfg: Config) -> None:
                         f"clusters, which must be the project that holds them; run from {REPO_ROOT}")
     for stage in remote + served:
         recipe_path(cfg, stage)              # (each recipe parsed: one line naming the file and line)
+
+
+def check_sky_python(cfg: Config) -> None:
+    """The Python the sky launcher calls SkyPilot's SDK in (launcher.sky_python, else .venv-sky) has it: one line
+    naming the command that builds it if not (make demo builds only .venv)."""
+    from flows.launch import Sky
+    from tasks.core.processes import run
+
+    python = Sky(cfg).python
+    probe = run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('sky') is None)"],
+                capture_output=True, timeout=60) if os.sep not in python or Path(python).exists() else None
+    if probe is None or probe.returncode != 0:
+        raise UserError(f"launcher.sky_python: {python} has no SkyPilot; `make setup` builds .venv-sky (SkyPilot "
+                        f"0.14.1 in an environment of its own), or set launcher.sky_python")
 
 
 def check_registered_model_name(cfg: Config) -> None:
