@@ -3,8 +3,9 @@
 and each line of the README's block is found in what it printed:
 
 - the words and the integers as they are (iteration counts, model versions, policy names);
-- each decimal within TOLERANCE of the README's (0.15 for the episode demos, whose last iteration is noisier;
-  the figures vary a little by machine: BLAS, thread count);
+- each decimal within TOLERANCE of the README's (the figures vary by machine, BLAS and CPU: the tiny demo's
+  held-out pass@1 at v60, over 32 samples, read 0.844 on one machine and 0.719 on another of the same kind, with
+  the same code);
   durations (`0.27s`) are not compared;
 - `…` in the README stands for what differs by run or machine (a run id, a path).
 
@@ -19,7 +20,7 @@ import pytest
 
 from tests.conftest import AT_LENGTH, ROOT, run_cli
 
-TOLERANCE = 0.06
+TOLERANCE = 0.15
 NUMBER = re.compile(r"[-+]?\d+\.\d+s\b|[-+]?\d+\.\d+|\d+")
 
 
