@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -61,9 +62,13 @@ LEVELS = (0.3, 0.4, 0.5, 0.6)
 
 
 def held_out(store_root: Path, run: str) -> dict[int, dict]:
-    """Per evaluated iteration: greedy accuracy, the format's share, and the accuracy among formatted answers."""
+    """Per evaluated iteration: greedy accuracy, the format's share, the accuracy among formatted answers, and two
+    guards against a constant answer being taken for learning: `constant` (the accuracy of always giving the held-out
+    set's most common right answer: letter_counting's "1" is right 8 times in 10) and `top_reply` (the share of the
+    model's most common answer: near 1.0, the model says one thing whatever it is asked)."""
     from tasks.core import layout, rollout
     from tasks.core.store import Store
+    from tasks.rewards.reasoning_gym import readings, text_of
 
     store = Store.open(str(store_root))
     out = {}
@@ -73,8 +78,13 @@ def held_out(store_root: Path, run: str) -> dict[int, dict]:
         right = [(r.rewards.get("answer_reward") or 0.0) >= 1.0 for r in recs]
         form = [(r.rewards.get("format_reward") or 0.0) >= 1.0 for r in recs]
         n_form = sum(form)
+        answers = Counter(str(r.columns.get("answer")) for r in recs)
+        replies = Counter((readings(text_of(r.completion), r.columns.get("answer_format", "final")) or [""])[-1]
+                          for r in recs)
         out[it] = {"accuracy": sum(right) / len(recs), "format": n_form / len(recs),
-                   "accuracy_formatted": sum(a for a, f in zip(right, form) if f) / max(n_form, 1)}
+                   "accuracy_formatted": sum(a for a, f in zip(right, form) if f) / max(n_form, 1),
+                   "constant": answers.most_common(1)[0][1] / len(recs),
+                   "top_reply": replies.most_common(1)[0][1] / len(recs)}
     return out
 
 
@@ -90,6 +100,8 @@ def one(task: str, seed: int, variant: str, iterations: int, every: int, work: P
     if kept.exists():
         got = json.loads(kept.read_text())
         got["held_out"] = {int(k): v for k, v in got["held_out"].items()}
+        if (work / name / "store").exists():       # (read again: a result kept by an older version of this script)
+            got["held_out"] = held_out(work / name / "store", name)
         return got
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)       # (inherited by the run's process)
@@ -138,11 +150,12 @@ def main() -> None:
     with open(out / "reasoning_gym_suite.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["task", "variant", "seed", "iteration", "train_clock_seconds", "accuracy", "format_share",
-                    "accuracy_formatted"])
+                    "accuracy_formatted", "constant_answer_accuracy", "top_reply_share"])
         for r in runs:
             for it, h in sorted(r["held_out"].items()):
                 w.writerow([r["task"], r["variant"], r["seed"], it, f"{sum(r['seconds'][:it]):.1f}",
-                            f"{h['accuracy']:.3f}", f"{h['format']:.3f}", f"{h['accuracy_formatted']:.3f}"])
+                            f"{h['accuracy']:.3f}", f"{h['format']:.3f}", f"{h['accuracy_formatted']:.3f}",
+                            f"{h['constant']:.3f}", f"{h['top_reply']:.3f}"])
 
     def of(task: str, variant: str) -> list[dict]:
         return [r for r in runs if r["task"] == task and r["variant"] == variant]
@@ -151,9 +164,9 @@ def main() -> None:
           f"seeds {args.seeds}, {iterations} iterations, held-out greedy accuracy on 100 prompts")
     for variant in args.variants:
         print(f"\n## {variant}\n")
-        print("| task | base | after | change | seeds +0.15 | format base → after | accuracy among formatted base → "
-              "after | s/iteration |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("| task | base | after | change | seeds +0.15 | constant answer | top reply share base → after | "
+              "format base → after | accuracy among formatted base → after | s/iteration |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for task in args.tasks:
             rs = of(task, variant)
             if not rs:
@@ -164,13 +177,23 @@ def main() -> None:
             per_it = statistics.fmean(statistics.fmean(r["seconds"][1:] or r["seconds"]) for r in rs)
             print(f"| {task} | {_ms([b['accuracy'] for b in base])} | {_ms([b['accuracy'] for b in last])} | "
                   f"{statistics.fmean(change):+.2f} | {sum(c >= 0.15 for c in change)}/{len(change)} | "
+                  f"{statistics.fmean(b['constant'] for b in base):.2f} | "
+                  f"{statistics.fmean(b['top_reply'] for b in base):.2f} → "
+                  f"{statistics.fmean(b['top_reply'] for b in last):.2f} | "
                   f"{statistics.fmean(b['format'] for b in base):.2f} → "
                   f"{statistics.fmean(b['format'] for b in last):.2f} | "
                   f"{statistics.fmean(b['accuracy_formatted'] for b in base):.2f} → "
                   f"{statistics.fmean(b['accuracy_formatted'] for b in last):.2f} | {per_it:.1f} |")
-        rose = sum(statistics.fmean(r["held_out"][max(r["held_out"])]["accuracy"] - r["held_out"][0]["accuracy"]
-                                    for r in of(t, variant)) >= 0.15 for t in args.tasks if of(t, variant))
-        print(f"\ntasks whose mean held-out accuracy rose by >= 0.15: {rose} of {len(args.tasks)}")
+        def learned(t: str) -> bool:
+            """Mean accuracy up by >= 0.15 and above the constant answer's by >= 0.10."""
+            last = [r["held_out"][max(r["held_out"])] for r in of(t, variant)]
+            after = statistics.fmean(h["accuracy"] for h in last)
+            return (after - statistics.fmean(r["held_out"][0]["accuracy"] for r in of(t, variant)) >= 0.15
+                    and after - statistics.fmean(h["constant"] for h in last) >= 0.10)
+
+        ran = [t for t in args.tasks if of(t, variant)]
+        print(f"\ntasks whose mean held-out accuracy rose by >= 0.15 and ends >= 0.10 above always giving the most "
+              f"common answer: {sum(map(learned, ran))} of {len(ran)} ({', '.join(t for t in ran if learned(t))})")
     print("\n## wall seconds to a held-out level (training clock; mean over the seeds that reached it)\n")
     print("| task | variant | " + " | ".join(f"≥ {lv}" for lv in LEVELS) + " |")
     print("|---|---|" + "---:|" * len(LEVELS))
