@@ -111,6 +111,7 @@ bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/publish_vs_boto3.py
 	$(BIN)/python bench/sandbox_throughput.py
 	$(BIN)/python bench/isolation_per_episode.py
+	$(BIN)/python bench/gguf_roundtrip.py                    # SmolLM2 out as f32/f16/q8_0 GGUF and back (~3 min)
 	$(BIN)/python bench/real_model_vs_trl.py                 # SmolLM2-135M learning sums, 3 seeds each side (~4 h on 2 cores)
 	$(BIN)/python bench/real_model_vs_trl.py --levers
 	$(BIN)/python bench/reasoning_gym_suite.py --jobs 2   # 8 tasks x 3 seeds x {plain, dynamic} (~9 h on 2 cores)

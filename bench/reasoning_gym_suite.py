@@ -184,7 +184,7 @@ def main() -> None:
                   f"{statistics.fmean(b['format'] for b in last):.2f} | "
                   f"{statistics.fmean(b['accuracy_formatted'] for b in base):.2f} → "
                   f"{statistics.fmean(b['accuracy_formatted'] for b in last):.2f} | {per_it:.1f} |")
-        def learned(t: str) -> bool:
+        def learned(t: str, variant: str = variant) -> bool:
             """Mean accuracy up by >= 0.15 and above the constant answer's by >= 0.10."""
             last = [r["held_out"][max(r["held_out"])] for r in of(t, variant)]
             after = statistics.fmean(h["accuracy"] for h in last)

@@ -1,7 +1,7 @@
 """`rlflow` — the command line.
 
     rlflow run CONFIG [-o key=value]... [--summary-json PATH]
-    rlflow export CONFIG VERSION DIR [-o key=value]...    # a published policy as a folder from_pretrained loads
+    rlflow export CONFIG VERSION DEST [--format gguf --quant q8_0] [--register]   # a policy as a folder or a GGUF
     rlflow plan CONFIG [-o key=value]...      # run's preflight, then every role's machines, counts, USD/hour
     rlflow tune CONFIG --space SPACE.yaml --trials N [--parallel K]   # Optuna over config keys, a run per trial
 
@@ -129,17 +129,25 @@ def cmd_run(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """VERSION: N, latest, best, or an MLflow model version (models:/NAME/3, models:/NAME@champion)."""
+    """VERSION: N, latest, best, or an MLflow model version (models:/NAME/3, models:/NAME@champion). DEST: a
+    folder from_pretrained loads, or (--format gguf, or a DEST ending .gguf) one GGUF file, LoRA merged first."""
     from tasks.core import layout
     from tasks.core.config import load_config
-    from tasks.core.policy import export
     from tasks.core.stage import parse_overrides_json
     from tasks.core.store import open_store
 
-    dest = Path(args.dir)
-    check_path("DIR", dest, "folder")
-    if dest.exists() and any(dest.iterdir()):
-        raise UserError(f"DIR: {dest} exists and is not an empty folder")
+    dest = Path(args.dest).expanduser()
+    fmt = args.format or ("gguf" if dest.name.lower().endswith(".gguf") else "folder")
+    if fmt == "folder":
+        if args.quant or args.register:
+            raise UserError(f"--{'quant' if args.quant else 'register'}: only with --format gguf")
+        check_path("DEST", dest, "folder")
+        if dest.exists() and any(dest.iterdir()):
+            raise UserError(f"DEST: {dest} exists and is not an empty folder")
+    else:
+        check_path("DEST", dest, "file")
+        if dest.exists():
+            raise UserError(f"DEST: {dest} exists; a GGUF export writes a new file")
     cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
     store, run, version = open_store(cfg), cfg.run.name, args.version
     if version.isdigit():
@@ -154,11 +162,76 @@ def cmd_export(args) -> int:
         raise UserError(f"VERSION: expected a number, latest, best or models:/NAME/VERSION, got {version!r}")
     if store.manifest(key) is None:
         raise UserError(f"VERSION: no published policy at {store.uri(key)}")
-    dest = Path(args.dir)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UserError(f"DIR: {dest} exists and is not an empty folder")
-    print(export(store, key, dest))
+    if fmt == "folder":
+        from tasks.core.policy import export
+
+        print(export(store, key, dest))
+        return 0
+    registered = _registered_version(cfg, store.uri(key)) if args.register else None
+    done = _export_gguf(cfg, store, key, dest, args.quant or "f16")
+    print(f"{done['file']}: {done['architecture']}, {done['quant']} ("
+          + ", ".join(f"{n} {k}" for k, n in sorted(done["tensors"].items())) + f" tensors), "
+          f"{done['bytes'] / 2**20:.1f} MiB, tokenizer {done['tokenizer']}/{done['pre']}")
+    if registered is not None:
+        print(f"registered: {_attach_gguf(cfg, registered, dest, done['quant'])}")
     return 0
+
+
+def _export_gguf(cfg, store, key: str, dest: Path, quant: str) -> dict:
+    """The policy at `key` as one GGUF file (tasks/core/gguf.py: write_gguf); a LoRA adapter is merged into the
+    configured base model first. The architecture is checked from config.json before any weight is read."""
+    from transformers import AutoConfig
+
+    from tasks.core import gguf
+    from tasks.core.models import ADAPTER_CONFIG, base_path, load_model, load_policy, load_tokenizer
+    from tasks.core.policy import materialize
+    from tasks.core.stage import quiet_progress_bars
+
+    quiet_progress_bars()
+    folder = materialize(store, key)
+    lora = (folder / ADAPTER_CONFIG).exists()
+    gguf.exportable(AutoConfig.from_pretrained(base_path(cfg) if lora else folder))
+    if lora:
+        import torch
+
+        model = load_policy(cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "float32"})}),
+                            str(folder), torch.device("cpu")).merge_and_unload()
+    else:
+        model = load_model(str(folder), "float32")
+    tokenizer = load_tokenizer(str(folder) if (folder / "tokenizer_config.json").exists() else base_path(cfg))
+    return gguf.write_gguf(model, tokenizer, dest, quant, pre=gguf.start_tokenizer_pre(cfg.model.name_or_path),
+                           name=f"{cfg.run.name} {key.rstrip('/').rsplit('/', 1)[-1]}")
+
+
+def _registered_version(cfg, policy_uri: str):
+    """The MLflow model version registered for `policy_uri` (--register), or one UserError line."""
+    from tasks.core.tracking import _client, _find_version, registered_model_name
+
+    name = registered_model_name(cfg)
+    client = _client(cfg.tracking.uri)
+    try:
+        version = _find_version(client, name, policy_uri)
+    except Exception as e:  # noqa: BLE001 - no server, no such registered model: one line
+        raise UserError(f"--register: cannot read the model versions of {name!r} at {cfg.tracking.uri}: "
+                        f"{(str(e).splitlines() or [type(e).__name__])[0][:200]}") from None
+    if version is None:
+        raise UserError(f"--register: {policy_uri} is not a version of the registered model {name!r} "
+                        f"(publish.register_model, publish.register_versions)")
+    return client.get_model_version(name, version)
+
+
+def _attach_gguf(cfg, mv, file: Path, quant: str) -> str:
+    """Log the GGUF file as an artifact of the version's MLflow run and point the version at it (tags
+    rlflow.gguf, rlflow.gguf_quant): the model version carries the file."""
+    from tasks.core.tracking import _client
+
+    client = _client(cfg.tracking.uri)
+    folder = f"gguf/v{mv.version}"
+    client.log_artifact(mv.run_id, str(file), folder)
+    uri = f"runs:/{mv.run_id}/{folder}/{file.name}"
+    client.set_model_version_tag(mv.name, mv.version, "rlflow.gguf", uri)
+    client.set_model_version_tag(mv.name, mv.version, "rlflow.gguf_quant", quant)
+    return f"models:/{mv.name}/{mv.version} carries {uri}"
 
 
 def cmd_plan(args) -> int:
@@ -476,11 +549,17 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--study", help="the study's name (default <run.name>-tune)")
     tune.add_argument("--storage", help="Optuna storage URL (default sqlite:///<out>/study.db)")
     tune.add_argument("--out", help="where the study, trial logs and best.yaml go (default rlflow-tune/<study>)")
-    exp = sub.add_parser("export", help="write a published policy as a plain folder (from_pretrained loads it)")
+    exp = sub.add_parser("export", help="write a published policy as a plain folder (from_pretrained loads it) "
+                         "or as one GGUF file (llama.cpp, Ollama)")
     exp.add_argument("config", help="the run's config (its store, run.name and tracking.uri)")
     exp.add_argument("version", help="N, latest, best, or an MLflow model version: models:/NAME/3, "
                      "models:/NAME@champion")
-    exp.add_argument("dir", help="a new (or empty) folder")
+    exp.add_argument("dest", help="a new (or empty) folder; or a new .gguf file")
+    exp.add_argument("--format", choices=["folder", "gguf"], help="default: gguf when DEST ends in .gguf")
+    exp.add_argument("--quant", choices=["f32", "f16", "q8_0"], help="GGUF tensor type of the matrices "
+                     "(default f16; norms stay f32)")
+    exp.add_argument("--register", action="store_true", help="GGUF: log the file as an artifact of the policy's "
+                     "MLflow model version (tags rlflow.gguf, rlflow.gguf_quant)")
     exp.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                      help="dotted config override, e.g. -o run.name=other (repeatable)")
     exp.add_argument("--overrides-json", default="[]", metavar="JSON")

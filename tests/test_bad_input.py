@@ -323,9 +323,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                     "--out", str(tmp / "a_file" / "study")],
                                    f"--out: {tmp}/a_file/study: {tmp}/a_file is a file, not a folder"),
         "export, dir is a file": (["export", str(TINY), "1", str(tmp / "a_file")],
-                                  f"DIR: {tmp}/a_file is a file, not a folder"),
+                                  f"DEST: {tmp}/a_file is a file, not a folder"),
         "export, dir under a file": (["export", str(TINY), "1", str(tmp / "a_file" / "out")],
-                                     f"DIR: {tmp}/a_file/out: {tmp}/a_file is a file, not a folder"),
+                                     f"DEST: {tmp}/a_file/out: {tmp}/a_file is a file, not a folder"),
         "summary json is a folder": (["run", str(TINY), "--summary-json", str(tmp / "badrecipes")],
                                      f"--summary-json: {tmp}/badrecipes is a folder, not a file"),
         # silent drops and misleading words
