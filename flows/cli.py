@@ -114,6 +114,8 @@ def cmd_run(args) -> int:
         print(f"  MLflow runs:      {summary['mlflow_runs']}")     # (the runs list, reward/eval columns)
     if summary.get("mlflow_view"):
         print(f"  view it with:     {summary['mlflow_view']}")     # (a database or folder: from any directory)
+    if summary.get("mlflow_traces"):
+        print(f"  episodes:         {summary['mlflow_traces']}")   # (MLflow traces: spans, rewards as feedback)
     print(f"  published policy: {summary['policy_uri']}" +
           (f" (model version {summary['model_version']})" if summary.get("model_version") else ""))
     if summary.get("best_policy"):

@@ -325,6 +325,12 @@ def _clean(cfg: Config, store: Store, log) -> None:
         log.info("removed %d checkpoint/policy folder(s) that store.keep does not keep", removed)
 
 
+def _eval_traces(cfg, iteration: int) -> list[tuple[str, str]]:
+    """The evaluate stage's records of policy v`iteration` to log as traces: sampled and greedy."""
+    key = layout.evaluation(cfg.run.name, iteration)
+    return [("eval", key), *([("eval-greedy", key)] if cfg.eval.greedy else [])]
+
+
 def _iterations(ctx: FlowRun, log) -> dict:
     cfg, store = ctx.cfg, ctx.store
     tracker = Tracker(cfg, store.root)
@@ -360,7 +366,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
             e = stage("evaluate", 0, ctx)       # (stored once: a resumed run reads it back)
             tracker.floor = e["metrics"][cfg.eval.metric_key()]
             if already_logged == 0:
-                tracker.log_iteration(0, e["metrics"])
+                tracker.log_iteration(0, e["metrics"], traces=_eval_traces(cfg, 0))
             progress.note(f"base model: held-out {_held_out_line(cfg, e['metrics'])}")
         for it in range(1, done + 1):
             reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
@@ -394,7 +400,9 @@ def _iterations(ctx: FlowRun, log) -> dict:
                     metrics["cost/iteration_usd"] = sum(costs)
                     cost_so_far += metrics["cost/iteration_usd"]
                     metrics["cost_usd"] = cost_so_far
-                tracker.log_iteration(it, metrics, r["samples"], policy_uri=p["uri"])
+                tracker.log_iteration(it, metrics, r["samples"], policy_uri=p["uri"],
+                                      traces=[("train", layout.rewards(cfg.run.name, it)),
+                                              *(_eval_traces(cfg, it) if e["metrics"] else [])])
                 every = cfg.tracking.dashboard_every
                 if (every and it % every == 0) or it == cfg.run.iterations:
                     report.post(it, metrics, r["samples"], p["uri"])
@@ -429,6 +437,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
         "mlflow": links["run"],
         "mlflow_runs": links["runs"],              # (a tracking server: the runs list in rlflow's shared view)
         "mlflow_view": links["view"],              # (a database or folder: the command that shows it)
+        "mlflow_traces": links["traces"],          # (the run's Traces tab: its episodes, tracking.traces)
         "model_version": tracker.model_version(published["uri"]),
         "best_policy": store.get_pointer(layout.best(cfg.run.name)),
         "held_out": _held_out(cfg, store),

@@ -152,10 +152,12 @@ def _outcomes(cfg: Config, records: list) -> list[list]:
 
 
 def _samples(cfg: Config, records: list) -> list[dict]:
-    n = cfg.tracking.sample_completions
-    step = max(len(records) // max(n, 1), 1)
+    """The samples table's rows (tasks/core/traces.py: sample_rows picks them, and the same records' traces)."""
+    from tasks.core.traces import sample_rows
+
     return [{"prompt": r.prompt, "completion": r.completion, "reward": r.reward,
-             **{f"reward/{k}": v for k, v in r.rewards.items()}, **r.extra} for r in records[::step][:n]]
+             **{f"reward/{k}": v for k, v in r.rewards.items()}, **r.extra}
+            for r in (records[i] for i in sample_rows(len(records), cfg.tracking.sample_completions))]
 
 
 def _write(store: Store, key: str, records: list, meta: dict) -> dict:

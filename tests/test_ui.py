@@ -44,6 +44,8 @@ def test_the_mlflow_and_prefect_uis_show_the_run(tmp_path, mlflow_server, prefec
     assert run_url.endswith(f"/runs/{summary['mlflow_run_id']}/model-metrics?workflowType=machine_learning")
     assert runs_url.endswith("/runs?workflowType=machine_learning&viewStateShareKey=rlflow")
     assert "View run" not in out.stdout                                  # MLflow's own URL line: once is enough
+    episodes_url = re.search(r"episodes:\s+(\S+)", out.stdout).group(1)
+    assert episodes_url == run_url.split("/model-metrics?")[0] + "/traces"
 
     client = MlflowClient(mlflow_server)
     metrics = client.get_run(summary["mlflow_run_id"]).data.metrics
@@ -52,6 +54,19 @@ def test_the_mlflow_and_prefect_uis_show_the_run(tmp_path, mlflow_server, prefec
     assert versions == [1, 2]                                  # the evaluated policies (2 and 4), not all four
     policy = client.get_model_version(name, "2").tags["rlflow.policy_uri"]
     assert policy == f"file://{tmp_path}/store/{name}/policy/v000004"
+    # the episodes as traces of the run: every evaluated one (v2, v4) and the samples table's 8 per iteration, each
+    # with its spans and its rewards as feedback; their cost in the flow is a metric
+    exp = client.get_run(summary["mlflow_run_id"]).info.experiment_id
+    traces = client.search_traces(locations=[exp], run_id=summary["mlflow_run_id"], max_results=500)
+    by = {}
+    for t in traces:
+        by.setdefault((t.info.tags["rlflow.split"], t.info.tags["rlflow.iteration"]), []).append(t)
+    assert {k: len(v) for k, v in by.items() if k[0] == "train"} == {("train", str(i)): 8 for i in range(1, 5)}
+    assert {k for k in by if k[0] != "train"} == {("eval", "2"), ("eval", "4")}
+    one = by[("train", "4")][0]
+    assert [s.name for s in one.data.spans] == ["completion", "model call"]
+    assert {a.name for a in one.info.assessments} == {"reward", "successor_reward"}
+    assert metrics["tracking/traces"] >= 8 and "tracking/trace_seconds" in metrics
     shots = _shots(tmp_path)
 
     with sync_playwright() as p:
@@ -86,6 +101,21 @@ def test_the_mlflow_and_prefect_uis_show_the_run(tmp_path, mlflow_server, prefec
         expect(page.get_by_text(re.compile("^system: Say the next letter")).first).to_be_visible()
         assert "'role'" not in page.inner_text("body")
         page.screenshot(path=shots / "mlflow-samples-table.png")
+        expect(page.get_by_role("columnheader", name="trace")).to_be_visible()      # each row: its trace's link
+        link = page.get_by_text(re.compile(r"/traces\?selectedEvaluationId=tr-")).first.inner_text()
+
+        # MLflow: the printed episodes link opens the run's Traces tab; a row's link opens its trace: the spans
+        # and, in the assessments pane, each reward function's score
+        page.goto(episodes_url)
+        expect(page.get_by_text(re.compile(rf"^{len(traces)} of {len(traces)}$"))).to_be_visible()
+        expect(page.get_by_role("columnheader", name="successor_reward").first).to_be_visible()
+        page.screenshot(path=shots / "mlflow-traces.png")
+        page.goto(link)
+        expect(page.get_by_text("model call", exact=True).first).to_be_visible()
+        page.locator("button[aria-label^='Assess trace']").first.click()
+        expect(page.get_by_text(re.compile(r"^Feedback \(2\)$"))).to_be_visible()
+        expect(page.get_by_text("successor_reward", exact=True).last).to_be_visible()
+        page.screenshot(path=shots / "mlflow-trace.png")
 
         # MLflow: the registered model has one version per evaluated policy; a version names its policy's store URI
         page.goto(f"{mlflow_server}/#/models/{name}?workflowType=machine_learning")
@@ -127,7 +157,8 @@ def test_the_mlflow_and_prefect_uis_show_the_run(tmp_path, mlflow_server, prefec
         expect(page.get_by_role("heading", name=name)).to_be_visible()
         browser.close()
 
-    for shot in ("mlflow-run-metrics", "mlflow-runs-list", "mlflow-samples-table", "mlflow-model-versions",
+    for shot in ("mlflow-run-metrics", "mlflow-runs-list", "mlflow-samples-table", "mlflow-traces", "mlflow-trace",
+                 "mlflow-model-versions",
                  "mlflow-model-version", "prefect-artifacts", "prefect-report", "prefect-report-samples",
                  "prefect-report-key"):
         data = (shots / f"{shot}.png").read_bytes()

@@ -972,6 +972,9 @@ class TrackingConfig(Section):
                      "else sqlite:///mlflow.db in the working directory.")
     experiment: str = Field("rlflow", min_length=1, pattern=r"\S", description="MLflow experiment name.")
     sample_completions: int = Field(8, ge=0, description="Completions per iteration logged to the samples table.")
+    traces: bool = Field(True, description="Log every evaluated episode, and the samples table's completions, as "
+                         "MLflow traces of the run: a span per model call and environment step or tool call, each "
+                         "reward function's score as feedback (docs/operations.md, 'Reading episodes').")
     flush_seconds: float = Field(5.0, ge=0, description="Send metrics/samples/model versions at most this often "
                                  "(s); 0 = every iteration. Batching keeps a remote server off the training path.")
     dashboard_every: int = Field(1, ge=0, description="Update the flow run's Prefect report (one artifact) every N "

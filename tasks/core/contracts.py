@@ -57,6 +57,8 @@ class Rollout:
     env_state: dict[str, Any] | None = None   # the environment's public attributes when the episode ended
     part: int = 0               # an agent's episode split step-wise: 0 its first sample, k > 0 the k-th after it,
                                 # sharing its return and advantage (tasks/envs/agents.py)
+    timings: list[dict] | None = None     # multi-turn: per model turn {"model": s, "env": s}, the batched call
+                                          # that made it and the environment's step (for traces: tasks/core/traces.py)
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,9 @@ class Tracker:
         self._registered: dict[str, str] = {}      # policy URI -> model version, for this MLflow run
         self.floor: float | None = None            # eval.baseline: the starting model's metric; champion must beat it
         self._lock = threading.Lock()
-        self._pending: list[tuple[int, dict, list | None, str | None]] = []
+        self._pending: list[tuple[int, dict, list | None, str | None, list]] = []
+        self.experiment_id: str | None = None
+        self._traced = False                       # some traces queued in MLflow's exporter (drain waits)
         self._last_flush = time.monotonic()
         self._jobs: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
@@ -239,7 +241,7 @@ class Tracker:
         if not pending:
             return
         key = self.cfg.eval.metric_key()
-        for iteration, metrics, _, policy_uri in pending:
+        for iteration, metrics, _, policy_uri, _ in pending:
             wanted = (self.cfg.publish.register_versions == "every" or key in metrics    # (evaluated)
                       or iteration == self.cfg.run.iterations)
             if policy_uri and self.cfg.publish.register_model and wanted and policy_uri not in self._registered:
@@ -248,41 +250,88 @@ class Tracker:
             beats_base = self.floor is None or metrics.get(key, self.floor) > self.floor
             if policy_uri in self._registered and key in metrics and beats_base:
                 promote_if_better(self.client, self.model_name, self._registered[policy_uri], key, metrics[key])
+        for iteration, metrics, samples, _, traces in pending:
+            if traces:
+                links = self._traces(iteration, metrics, traces)
+                for row, link in zip(samples or [], links):
+                    row["trace"] = link
         with tempfile.TemporaryDirectory() as tmp:
-            for iteration, _, samples, _ in pending:
+            for iteration, _, samples, _, _ in pending:
                 if samples:  # mlflow.log_table's format, written directly (log_table re-lists artifacts per call)
-                    cols = list(samples[0])
+                    cols = list(dict.fromkeys(c for s in samples for c in s))
                     rows = [[readable_prompt(s.get(c)) if c == "prompt" else s.get(c) for c in cols] for s in samples]
                     (Path(tmp) / f"iter-{iteration:06d}.json").write_text(json.dumps({"columns": cols, "data": rows}))
             if any(Path(tmp).iterdir()):
                 self.client.log_artifacts(self.run_id, tmp, "samples")
                 self._tables(sorted(f"samples/{f.name}" for f in Path(tmp).iterdir()))
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, it) for it, metrics, _, _ in pending for k, v in metrics.items()]
+        batch = [Metric(k, float(v), now, it) for it, metrics, _, _, _ in pending for k, v in metrics.items()]
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 
     def log_iteration(self, iteration: int, metrics: dict[str, float], samples: list[dict] | None = None,
-                      policy_uri: str | None = None) -> None:
-        """Queue an iteration's metrics, sample table and model version; returns at once."""
+                      policy_uri: str | None = None, traces: list[tuple[str, str]] | None = None) -> None:
+        """Queue an iteration's metrics, sample table, model version and traces ((split, store key of records):
+        "train" the reward stage's, whose samples-table rows get a trace each; "eval"/"eval-greedy" the evaluate
+        stage's, every one); returns at once."""
         self._check()
         with self._lock:
-            self._pending.append((iteration, dict(metrics), samples, policy_uri))
+            self._pending.append((iteration, dict(metrics), [dict(s) for s in samples or []] or samples,
+                                  policy_uri, list(traces or []) if self.cfg.tracking.traces else []))
         if time.monotonic() - self._last_flush >= self.cfg.tracking.flush_seconds:
             self._request_flush()
 
+    def _traces(self, iteration: int, metrics: dict, traces: list[tuple[str, str]]) -> list[str | None]:
+        """Log the records at each key as traces of the run (tasks/core/traces.py); their cost goes in `metrics`
+        (tracking/trace_seconds, tracking/traces). Returns the links of the training records' traces, in the
+        samples table's order."""
+        import mlflow
+
+        from tasks.core import layout
+        from tasks.core.store import open_store
+        from tasks.core.traces import ITERATION_TAG, RUN_TAG, SPLIT_TAG, episode_tree, log_trees, sample_rows, trace_url
+
+        t0 = time.perf_counter()
+        mlflow.set_tracking_uri(self.cfg.tracking.uri)     # (traces and assessments go where the global URI says)
+        store, run, links, n = open_store(self.cfg), self.cfg.run.name, [], 0
+        for split, key in traces:
+            if store.manifest(key) is None:
+                continue
+            records = _records(store, key, "greedy" if split == "eval-greedy" else "")
+            if split == "train":
+                records = [records[i] for i in sample_rows(len(records), self.cfg.tracking.sample_completions)]
+                made = store.manifest(layout.rollouts(run, iteration)) or {}
+                policy = (made.get("meta") or {}).get("policy")
+                seconds = float(metrics.get("generate/sampling_seconds", 0.0))
+            else:
+                policy, seconds = (layout.policy(run, iteration) if iteration else layout.BASE), 0.0
+            trees = [episode_tree(r, policy=policy, call_seconds=seconds) for r in records]
+            ids = log_trees(self.client, self.experiment_id, self.run_id, trees,
+                            {ITERATION_TAG: str(iteration), SPLIT_TAG: split, RUN_TAG: run})
+            n += len(ids)
+            self._traced = True
+            if split == "train":
+                links = [trace_url(self.cfg.tracking.uri, self.experiment_id, i) or i for i in ids]
+        metrics["tracking/trace_seconds"] = time.perf_counter() - t0
+        metrics["tracking/traces"] = float(n)
+        return links
+
     def drain(self) -> None:
-        """Flush everything pending and wait for it; raise if tracking failed."""
+        """Flush everything pending and wait for it (traces too); raise if tracking failed."""
         self._request_flush()
         self._jobs.join()
         self._check()
+        if self.cfg.tracking.traces and self._traced:
+            import mlflow
+
+            mlflow.flush_trace_async_logging()
 
     def start(self) -> str:
         """Find this run's MLflow run (same run name and store) or create it; log the resolved config."""
         from mlflow.entities import Param
 
         cfg = self.cfg
-        exp_id = experiment_id(self.client, cfg)
+        exp_id = self.experiment_id = experiment_id(self.client, cfg)
         share_view(self.client, exp_id, cfg)
         found = self.client.search_runs(
             [exp_id], filter_string=f"tags.`{TAG_RUN}` = '{cfg.run.name}' and tags.`{TAG_STORE}` = '{self.store_root}'",
@@ -371,11 +420,25 @@ class Tracker:
         exp = self.client.get_run(self.run_id).info.experiment_id
         run_page = f"#/experiments/{exp}/runs/{self.run_id}/model-metrics?{UI_MODE}"
         runs_page = f"#/experiments/{exp}/runs?{UI_MODE}&viewStateShareKey={VIEW_KEY}"
+        traces_page = f"#/experiments/{exp}/runs/{self.run_id}/traces"
         if uri.startswith(("http://", "https://")):
             base = uri.rstrip("/")
-            return {"run": f"{base}/{run_page}", "runs": f"{base}/{runs_page}", "view": None}
+            return {"run": f"{base}/{run_page}", "runs": f"{base}/{runs_page}", "view": None,
+                    "traces": f"{base}/{traces_page}" if self.cfg.tracking.traces else None}
         serve = f"{mlflow_command()} ui --backend-store-uri {absolute_uri(uri)}"
-        return {"run": f"{uri} run {self.run_id}", "runs": None, "view": f"{serve}  then open {LOCAL_UI}/{run_page}"}
+        return {"run": f"{uri} run {self.run_id}", "runs": None, "view": f"{serve}  then open {LOCAL_UI}/{run_page}",
+                "traces": f"{LOCAL_UI}/{traces_page} (served as `view` says)" if self.cfg.tracking.traces else None}
+
+
+def _records(store, key: str, sub: str = "") -> list:
+    """The records of a stored folder, or of its subfolder `sub` (the evaluate stage's greedy ones); [] if none."""
+    from tasks.core import rollout
+
+    with tempfile.TemporaryDirectory(prefix="rlflow-traces-") as tmp:
+        if store.remote:
+            store.get_folder(key, Path(tmp))
+        folder = (Path(tmp) if store.remote else store.local(key)) / sub
+        return rollout.read(folder) if (folder / rollout.FILE).is_file() else []
 
 
 def registered_model_name(cfg: Config) -> str:

@@ -67,6 +67,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
+    timings: list[dict] = field(default_factory=list)     # per turn: {"model": s, "env": s}
     done: bool = False
     truncated: bool = False
     error: str | None = None
@@ -214,6 +215,8 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: 
             load_seconds += sampled.load_seconds
             sampling_seconds += sampled.sampling_seconds
             messages = []
+            for e in active:
+                e.timings.append({"model": round(sampled.sampling_seconds, 6)})
             for e, s, budget in zip(active, sampled.samples, budgets):
                 ids = s.completion_ids[:budget]
                 ended = not s.truncated and len(ids) == len(s.completion_ids)
@@ -227,7 +230,7 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: 
                 messages.append((message, ended))
                 if len(e.ids) >= ec.max_tokens:
                     e.truncated = True
-            steps = _each(caller, active, "step", lambda e: e.env.step(e.turns[-1]))
+            steps = _each(caller, active, "step", lambda e: _timed(e, e.env.step, e.turns[-1]))
             for e, raw, (_, ended) in zip(active, steps, messages):
                 if e.error is not None:
                     continue
@@ -287,6 +290,15 @@ def _pool_metrics(cfg: Config, episodes: list[Episode]) -> dict[str, float]:
     return out
 
 
+def _timed(e: Episode, call, *args):
+    """call(*args), its seconds kept as the episode's last turn's environment time."""
+    t0 = time.perf_counter()
+    try:
+        return call(*args)
+    finally:
+        e.timings[-1]["env"] = round(time.perf_counter() - t0, 6)
+
+
 def _close(caller: Caller, episodes: list[Episode]) -> None:
     """Keep each environment's state (env_state), then close it (one whose episode failed is killed instead
     where it can be: it may be hung or gone)."""
@@ -310,7 +322,7 @@ def _record(cfg: Config, e: Episode, tokenizer) -> Rollout:
                    logprobs=e.logprobs, truncated=e.truncated,
                    columns={k: v for k, v in e.data.items() if k != cfg.data.prompt_column},
                    mask=e.mask, turns=e.turns, turn_rewards=e.rewards, env_return=ret, env_error=e.error,
-                   env_state=e.state)
+                   env_state=e.state, timings=e.timings)
 
 
 def episode_metrics(records: list[Rollout]) -> dict[str, float]:
