@@ -7,6 +7,7 @@ beside it (a gain in form alone raises the share, not the accuracy among them).
     python bench/reasoning_gym_suite.py --tasks gcd lcm --seeds 0 --variants plain
     python bench/reasoning_gym_suite.py --tasks basic_arithmetic --variants plain dynamic overlap --every 2
     python bench/reasoning_gym_suite.py --jobs 2               # two runs at once, one torch thread each
+    python bench/reasoning_gym_suite.py --work DIR --report-only   # the tables of the runs kept in DIR
 
 Variants: plain (the recipe), dynamic (+ generate.dynamic_sampling and data.curriculum), overlap (the recipe with
 run.max_staleness 1). Each run is `rlflow run` in a subprocess (bench/real_model_vs_trl.py: rlflow_run); held-out
@@ -133,7 +134,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--work", default=None, help="the runs' folder; a run whose result is there is not run again "
                     "(default: a new temporary folder)")
+    ap.add_argument("--report-only", action="store_true", help="report the runs whose result is in --work; run "
+                    "nothing")
     args = ap.parse_args()
+    if args.report_only and not args.work:
+        ap.error("--report-only needs --work")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tasks.core.config import load_config
 
@@ -141,6 +146,9 @@ def main() -> None:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="rlflow-suite-"))
     work.mkdir(parents=True, exist_ok=True)
     jobs = [(t, s, v) for t in args.tasks for v in args.variants for s in args.seeds]
+    if args.report_only:
+        jobs = [(t, s, v) for t, s, v in jobs if (work / f"{t}-{v}-{s}.json").exists()]
+        args.tasks = [t for t in args.tasks if any(j[0] == t for j in jobs)]
     threads = max((os.cpu_count() or 2) // args.jobs, 1) if args.jobs > 1 else None
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = list(pool.map(lambda j: one(*j, iterations, args.every, work, threads), jobs))
