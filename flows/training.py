@@ -51,7 +51,7 @@ from tasks.core import layout, retention
 from tasks.core.config import Config, load_config
 from tasks.core.errors import UserError, cause_of
 from tasks.core.lease import Lease
-from tasks.core.process_wide import tell_inline_stages
+from tasks.core.process_wide import forget_inline_stages, tell_inline_stages
 from tasks.core.stage import STOP
 from tasks.core.store import Store, open_store
 from tasks.core.tracking import Tracker, champion_policy_uri
@@ -252,6 +252,7 @@ def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_n
         if not lease.lost:
             _finish_trainer(ctx, log)   # train.mode: resident: a full checkpoint, before any cluster goes
         ctx.launchers.close(log.info)
+        forget_inline_stages()          # (the servers and launch commands told to inline stages end with them)
         sampling_engine(cfg).stop(log.info)   # generate.mode: server keeps a vLLM server alive until here
         if not lease.lost:
             try:                        # what retried train attempts of this flow run left

@@ -96,7 +96,25 @@ def signals_kept() -> Iterator[None]:
         _FACTORY.on = False
 
 
+_TOLD: dict[str, str | None] = {}     # what tell_inline_stages replaced: each variable's value before the flow run
+
+
 def tell_inline_stages(variables: Mapping[str, str]) -> None:
     """Put `variables` in this process's environment, where an inline stage reads them (as a stage process
-    reads its own): the environment server's URL and token."""
+    reads its own): the environment server's URL and token, how the router launches replicas. Until
+    forget_inline_stages: a flow run's servers are not the next flow run's in the same process."""
+    for k in variables:
+        if k not in _TOLD:
+            _TOLD[k] = os.environ.get(k)
     os.environ.update(variables)
+
+
+def forget_inline_stages() -> None:
+    """Put back what tell_inline_stages changed (at a flow run's end: a later flow run in this process, a
+    deployment's worker or a test, must not find this one's servers or its replicas' sky launch command)."""
+    while _TOLD:
+        k, old = _TOLD.popitem()
+        if old is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = old
