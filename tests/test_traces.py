@@ -11,7 +11,7 @@ from tasks.core import layout, rollout
 from tasks.core.config import load_config
 from tasks.core.contracts import Rollout
 from tasks.core.store import open_store
-from tasks.core.traces import _runs, episode_tree, log_trees, sample_rows
+from tasks.core.traces import _runs, episode_tree, log_trees, sample_rows, trace_to
 from tests.test_envs import LETTERS
 
 
@@ -48,7 +48,7 @@ def _read_back(mlflow_server: str, trees: list[dict], tag: str) -> list:
     import mlflow
     from mlflow import MlflowClient
 
-    mlflow.set_tracking_uri(mlflow_server)
+    trace_to(mlflow_server)
     client = MlflowClient(mlflow_server)
     exp = client.create_experiment(f"traces-{tag}")
     run = client.create_run(exp).info.run_id
@@ -132,3 +132,19 @@ def test_a_tool_call_is_a_tool_span_and_an_environments_failure_an_error():
 def test_the_samples_table_and_the_training_traces_pick_the_same_records():
     assert sample_rows(64, 8) == [0, 8, 16, 24, 32, 40, 48, 56]
     assert sample_rows(5, 8) == [0, 1, 2, 3, 4] and sample_rows(10, 0) == []
+
+
+def test_sending_traces_somewhere_leaves_the_processs_environment_as_it_was(monkeypatch):
+    """mlflow.set_tracking_uri sets MLFLOW_TRACKING_URI, which tracking.uri's default, every stage process and a
+    later run read: after an in-process run it pointed the next run (here: the next tests) at the last one's
+    database."""
+    import os
+
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    trace_to("http://127.0.0.1:1")
+    assert "MLFLOW_TRACKING_URI" not in os.environ and mlflow.get_tracking_uri() == "http://127.0.0.1:1"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mine.db")
+    trace_to("http://127.0.0.1:2")
+    assert os.environ["MLFLOW_TRACKING_URI"] == "sqlite:///mine.db"

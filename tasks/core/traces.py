@@ -25,6 +25,7 @@ evaluate stage's seconds). The spans are laid end to end from the stage's start.
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -32,6 +33,20 @@ from tasks.core.contracts import Rollout
 
 SPLIT_TAG, ITERATION_TAG, RUN_TAG = "rlflow.split", "rlflow.iteration", "rlflow.run"
 _TEXT_LIMIT = 20_000          # characters of one message content kept in a span (MLflow stores spans as JSON)
+
+
+def trace_to(uri: str) -> None:
+    """Send this process's traces to `uri`. MLflow's exporter sends them where its global tracking URI says, and
+    mlflow.set_tracking_uri also sets MLFLOW_TRACKING_URI in the process's environment, which every stage process,
+    a later run in this process (tracking.uri's default) and a test after it would inherit: that is put back."""
+    import mlflow
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
 
 
 def sample_rows(n_records: int, n: int) -> list[int]:

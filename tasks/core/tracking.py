@@ -285,14 +285,21 @@ class Tracker:
         """Log the records at each key as traces of the run (tasks/core/traces.py); their cost goes in `metrics`
         (tracking/trace_seconds, tracking/traces). Returns the links of the training records' traces, in the
         samples table's order."""
-        import mlflow
-
         from tasks.core import layout
         from tasks.core.store import open_store
-        from tasks.core.traces import ITERATION_TAG, RUN_TAG, SPLIT_TAG, episode_tree, log_trees, sample_rows, trace_url
+        from tasks.core.traces import (
+            ITERATION_TAG,
+            RUN_TAG,
+            SPLIT_TAG,
+            episode_tree,
+            log_trees,
+            sample_rows,
+            trace_to,
+            trace_url,
+        )
 
         t0 = time.perf_counter()
-        mlflow.set_tracking_uri(self.cfg.tracking.uri)     # (traces and assessments go where the global URI says)
+        trace_to(self.cfg.tracking.uri)         # (traces go where MLflow's global URI says; the environment kept)
         store, run, links, n = open_store(self.cfg), self.cfg.run.name, [], 0
         for split, key in traces:
             if store.manifest(key) is None:
