@@ -75,7 +75,7 @@ def held_out(store_root: Path, run: str) -> dict[int, dict]:
     out = {}
     for name in store.list_folders(f"{run}/eval"):
         it = int(name[1:])
-        recs = rollout.read(store.local(layout.evaluation(run, it)) / "greedy")
+        recs = rollout.load(store, layout.evaluation(run, it), layout.GREEDY)
         right = [(r.rewards.get("answer_reward") or 0.0) >= 1.0 for r in recs]
         form = [(r.rewards.get("format_reward") or 0.0) >= 1.0 for r in recs]
         n_form = sum(form)

@@ -66,9 +66,6 @@ def _update_best(store: Store, cfg: Config, iteration: int, metrics: dict) -> No
     store.set_pointer(layout.best(run), layout.policy(run, iteration))
 
 
-GREEDY = "greedy"        # the greedy completions' records, beside the sampled ones
-
-
 def _passes(cfg: Config, records: list, n_prompts: int) -> list[int]:
     """Per prompt, how many of its completions pass (eval.pass_reward's score or the combined reward, at least
     eval.pass_threshold)."""
@@ -154,8 +151,8 @@ def evaluate(cfg: Config, iteration: int) -> dict:
         with tempfile.TemporaryDirectory(prefix="rlflow-eval-") as tmp:
             rollout.write(records, Path(tmp))
             if greedy:
-                (Path(tmp) / GREEDY).mkdir()
-                rollout.write(greedy, Path(tmp) / GREEDY)
+                (Path(tmp) / layout.GREEDY).mkdir()
+                rollout.write(greedy, Path(tmp) / layout.GREEDY)
             meta = {"fingerprint": fp, "made_of": made, "metrics": metrics}
             done = result(store, key, store.put_folder(key, Path(tmp), meta=meta))
     _update_best(store, cfg, iteration, done["metrics"])

@@ -107,7 +107,6 @@ def model_folder(path: str, dtype: str, field: str = FIELD) -> str:
 
 def _convert(file: Path, dtype: str, out: Path, field: str = FIELD) -> None:
     """transformers' GGUF loader (dequantizes), then save_pretrained as a plain model in `dtype`."""
-    import gguf as gguf_pkg
     import torch
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -140,9 +139,9 @@ def _convert(file: Path, dtype: str, out: Path, field: str = FIELD) -> None:
                 del model.config.quantization_config
             if tokenizer.pad_token_id is None:
                 tokenizer.pad_token = tokenizer.eos_token
-            pre = gguf_pkg.GGUFReader(str(file)).fields.get("tokenizer.ggml.pre")
+            pre = _stated_pre(file)
             if pre is not None:         # (llama.cpp's pre-tokenizer name: what an export back to GGUF states)
-                tokenizer.init_kwargs[TOKENIZER_PRE] = pre.contents()
+                tokenizer.init_kwargs[TOKENIZER_PRE] = pre
             model.save_pretrained(out)
             tokenizer.save_pretrained(out)
     finally:
@@ -287,9 +286,14 @@ def start_tokenizer_pre(name_or_path: str) -> str | None:
     path = resolve(name_or_path) if name_or_path.startswith("builtin:") else name_or_path
     if not is_gguf(path) or not Path(path).is_file():
         return None
+    return _stated_pre(Path(path))
+
+
+def _stated_pre(file: Path) -> str | None:
+    """The pre-tokenizer name (tokenizer.ggml.pre) a GGUF file states, if it states one."""
     import gguf as gguf_pkg
 
-    field = gguf_pkg.GGUFReader(path).fields.get("tokenizer.ggml.pre")
+    field = gguf_pkg.GGUFReader(str(file)).fields.get("tokenizer.ggml.pre")
     return field.contents() if field is not None else None
 
 

@@ -93,6 +93,9 @@ def evaluation(run: str, iteration: int) -> str:
     return f"{run}/eval/v{iteration:06d}"
 
 
+GREEDY = "greedy"        # in an evaluation folder: the greedy completions' records, beside the sampled ones
+
+
 def judge_cache(run: str, iteration: int, stage: str = "reward", round: int = 0) -> str:
     """Answers of reward.models for one stage of one iteration (and dynamic sampling's round): a retried or
     resumed stage asks nothing twice."""

@@ -43,11 +43,12 @@ def read(folder: Path) -> list[Rollout]:
         return [Rollout(**json.loads(line)) for line in f if line.strip()]
 
 
-def load(store: Store, key: str) -> list[Rollout]:
-    """A stored rollouts (or rewards) folder's records, verified against its manifest: a file store's read in
-    place, a remote store's through a temporary download."""
+def load(store: Store, key: str, sub: str = "") -> list[Rollout]:
+    """A stored rollouts (or rewards) folder's records, or those of its subfolder `sub` (the evaluate stage's
+    greedy ones), verified against its manifest: a file store's read in place, a remote store's through a
+    temporary download."""
     if not store.remote:
-        return read(store.local(key))
+        return read(store.local(key) / sub)
     with tempfile.TemporaryDirectory(prefix="rlflow-rollouts-") as tmp:
         store.get_folder(key, Path(tmp))
-        return read(Path(tmp))
+        return read(Path(tmp) / sub)

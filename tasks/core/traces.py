@@ -98,20 +98,21 @@ def episode_tree(r: Rollout, *, policy: str | None, call_seconds: float = 0.0) -
         mask = r.mask if r.mask is not None else [1] * len(r.completion_ids)
         runs = _runs(mask)
         calls = [i for i, m in enumerate(r.turns) if m.get("role") == "assistant"]
+        aligned = len(runs) == len(calls)            # (each reply's tokens known: one run of the mask per reply)
         timings = r.timings or []
         since, k = [], 0
         for i, message in enumerate(r.turns):
             if message.get("role") != "assistant":
                 since.append(message)
                 continue
-            start, end = runs[k] if len(runs) == len(calls) else (0, 0)
+            start, end = runs[k] if aligned else (0, 0)
             lps = r.logprobs[start:end]
             took = timings[k] if k < len(timings) else {}
             spans.append({"name": f"model call {k + 1}", "span_type": "LLM",
                           "inputs": {"messages": _clip(since if k else (r.prompt or []) + since)},
                           "outputs": _clip(message), "seconds": took.get("model", 0.0), "error": None,
                           "attributes": {"policy": policy, "turn": k + 1,
-                                         "completion_tokens": (end - start) if len(runs) == len(calls) else None,
+                                         "completion_tokens": (end - start) if aligned else None,
                                          "mean_logprob": sum(lps) / len(lps) if lps else None}})
             observation = []
             for m in r.turns[i + 1:]:

@@ -276,7 +276,7 @@ class Tracker:
         stage's, every one); returns at once."""
         self._check()
         with self._lock:
-            self._pending.append((iteration, dict(metrics), [dict(s) for s in samples or []] or samples,
+            self._pending.append((iteration, dict(metrics), [dict(s) for s in samples] if samples else samples,
                                   policy_uri, list(traces or []) if self.cfg.tracking.traces else []))
         if time.monotonic() - self._last_flush >= self.cfg.tracking.flush_seconds:
             self._request_flush()
@@ -285,7 +285,7 @@ class Tracker:
         """Log the records at each key as traces of the run (tasks/core/traces.py); their cost goes in `metrics`
         (tracking/trace_seconds, tracking/traces). Returns the links of the training records' traces, in the
         samples table's order."""
-        from tasks.core import layout
+        from tasks.core import layout, rollout
         from tasks.core.store import open_store
         from tasks.core.traces import (
             ITERATION_TAG,
@@ -304,7 +304,10 @@ class Tracker:
         for split, key in traces:
             if store.manifest(key) is None:
                 continue
-            records = _records(store, key, "greedy" if split == "eval-greedy" else "")
+            try:
+                records = rollout.load(store, key, layout.GREEDY if split == "eval-greedy" else "")
+            except FileNotFoundError:            # (an evaluation with no records of that kind)
+                continue
             if split == "train":
                 records = [records[i] for i in sample_rows(len(records), self.cfg.tracking.sample_completions)]
                 made = store.manifest(layout.rollouts(run, iteration)) or {}
@@ -435,17 +438,6 @@ class Tracker:
         serve = f"{mlflow_command()} ui --backend-store-uri {absolute_uri(uri)}"
         return {"run": f"{uri} run {self.run_id}", "runs": None, "view": f"{serve}  then open {LOCAL_UI}/{run_page}",
                 "traces": f"{LOCAL_UI}/{traces_page} (served as `view` says)" if self.cfg.tracking.traces else None}
-
-
-def _records(store, key: str, sub: str = "") -> list:
-    """The records of a stored folder, or of its subfolder `sub` (the evaluate stage's greedy ones); [] if none."""
-    from tasks.core import rollout
-
-    with tempfile.TemporaryDirectory(prefix="rlflow-traces-") as tmp:
-        if store.remote:
-            store.get_folder(key, Path(tmp))
-        folder = (Path(tmp) if store.remote else store.local(key)) / sub
-        return rollout.read(folder) if (folder / rollout.FILE).is_file() else []
 
 
 def registered_model_name(cfg: Config) -> str:
