@@ -373,6 +373,10 @@ BAD_SPECS = {
     "space too small": ({"task": "count_bits", "config": {"min_n": 1, "max_n": 3}, "size": 5, "eval_size": 20},
                         "data.reasoning_gym: task 'count_bits' with this config gave only 0 training items outside "
                         "the 20 held-out ones in 20 tries (size 5)"),
+    "fails in the generator": ({"task": "simple_equations", "config": {"operators": ["+", "-"]}, "size": 5,
+                                "eval_size": 5},
+                               "data.reasoning_gym.config: task 'simple_equations' fails to make items with "
+                               "{\"operators\": [\"+\", \"-\"]}: The number of weights does not match the population"),
     # the config models
     "size zero": ({"task": "chain_sum", "size": 0}, "config: data.reasoning_gym.size: input should be greater than or "
                   "equal to 1"),
@@ -391,6 +395,30 @@ def test_a_bad_spec_is_one_line_naming_the_field(name):
         cfg = load_config(TINY, ["data.path=null", f"data.reasoning_gym={json.dumps(spec)}"])
         data.load_prompts(cfg)
     assert "\n" not in str(e.value) and str(e.value).startswith(expected), str(e.value)
+
+
+def test_a_generator_that_does_not_end_is_one_line(monkeypatch):
+    """base_conversion with min_base == max_base loops forever in reasoning-gym 0.1.25 (it draws a target base
+    until it differs from the source's): the item's time limit makes it one line, and a caller's own alarm
+    (pytest-timeout's, say) is put back after each item."""
+    import signal
+
+    from tasks.core import procedural
+
+    monkeypatch.setattr(procedural, "ITEM_SECONDS", 0.5)
+    fired = []
+    before = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 600)
+    try:
+        with pytest.raises(UserError) as e:
+            procedural._build("base_conversion", json.dumps({"min_base": 2, "max_base": 2}), 0, 3, 3, "final",
+                              "Reply with the final answer only.", None)
+        left, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, before)
+    assert str(e.value).startswith("data.reasoning_gym.config: task 'base_conversion' did not make item 0 in 0.5 s "
+                                   "with {\"max_base\": 2, \"min_base\": 2}: its generator does not end"), str(e.value)
+    assert 500 < left <= 600 and not fired
 
 
 @pytest.mark.parametrize("overrides", [["data.reasoning_gym={task: chain_sum}"], ["data.path=null"]],
