@@ -73,7 +73,7 @@ from tasks.core.policy import materialize  # noqa: E402
 from tasks.core.processes import alive  # noqa: E402
 from tasks.core.stage import quiet_progress_bars  # noqa: E402
 from tasks.core.store import open_store  # noqa: E402
-from tasks.engines import hf, resident  # noqa: E402
+from tasks.engines import detached, hf  # noqa: E402
 from tasks.engines import trainer as held_trainers  # noqa: E402
 from tasks.engines.training import newest_full  # noqa: E402
 from tasks.generate import generate  # noqa: E402
@@ -177,9 +177,9 @@ def stop_trainers(cfg) -> None:
         held = held_trainers._HELD.pop(cfg.run.name, None)
         if held is not None:
             held[1].close()
-    path = resident.state_dir() / f"{cfg.run.name}.json"
+    path = detached.state_dir() / f"{cfg.run.name}.json"
     with contextlib.suppress(OSError, ValueError):
-        resident._stop(path, json.loads(path.read_text()))
+        detached._stop(path, json.loads(path.read_text()))
 
 
 @contextlib.contextmanager
@@ -361,8 +361,8 @@ def row_resume(args, work: Path) -> str:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the resident trainer's full checkpoint of iteration {full_at} never appeared")
             time.sleep(0.2)
-        pid = json.loads((resident.state_dir() / f"{run}.json").read_text())["pid"]
-        log = resident.state_dir() / f"{run}.log"
+        pid = json.loads((detached.state_dir() / f"{run}.json").read_text())["pid"]
+        log = detached.state_dir() / f"{run}.log"
         seen = log.stat().st_size if log.exists() else 0       # (a cache kept across runs keeps its log)
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 30

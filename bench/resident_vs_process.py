@@ -46,7 +46,7 @@ from tasks.core.hashing import sha256_file  # noqa: E402
 from tasks.core.policy import materialize  # noqa: E402
 from tasks.core.store import open_store  # noqa: E402
 from tasks.engines import trainer as held_trainers  # noqa: E402
-from tasks.engines.resident import state_dir  # noqa: E402
+from tasks.engines.detached import state_dir  # noqa: E402
 from tasks.engines.trainer import InProcessTrainer  # noqa: E402
 from tasks.generate import generate  # noqa: E402
 from tasks.publish import publish  # noqa: E402

@@ -9,15 +9,8 @@ Exit codes: 0 success; 2 a user error (one line on stderr naming the field or ro
 130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM.
 Prefect: a temporary API server the run starts and stops, unless PREFECT_API_URL names one (then the run shows
 in that UI).
-
-Stopping: Ctrl-C (SIGINT to the terminal's process group) or SIGTERM stops the run where it is (stage outputs
-are atomic: nothing half-written is visible): no stage starts or is retried after it, the flow ends its run
-(lease released, MLflow and Prefect runs marked), what this process started is stopped, and it exits 130 / 143.
-It says "interrupted at iteration N (stage): stopping" at the signal, then (after whatever the stop itself prints)
-"stopped: <what is kept>; run the same command to resume". A second signal, or 10 s without an exit, ends it by
-force. After `done:` a stop signal is not an interruption: the run's result is complete, so it exits 0, saying
-what of the tidying up it left undone (_stop_after_done). Prefect's temporary API server runs in a session of
-its own (see _shield_prefect_server), so Ctrl-C does not kill it under the flow.
+Ctrl-C or SIGTERM stops the run where it is, and it says what is kept and how to resume.
+More: docs/internals.md (flows/cli.py): stopping, in full.
 """
 
 from __future__ import annotations

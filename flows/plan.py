@@ -1,23 +1,14 @@
 """`rlflow plan CONFIG`: what a run would use, printed before anything is launched or written.
 
 For each stage: where it runs (inline, a local subprocess, a SkyPilot cluster or managed job), on what machine
-(the recipe's accelerators or CPUs, nodes, spot or on-demand) and at what hourly price: SkyPilot's catalog for
-`sky` stages (the cheapest machine that fits the recipe, with launcher.accelerators' GPU type in place of the
-recipe's: read through flows/sky_bridge.py in SkyPilot's own environment, no credentials needed, nothing
-launched; a cluster of N nodes costs N x one node), `cost.hourly_usd` for the others. Then every other role's
-machines: the generate replicas (generate.replicas: N clusters of sky/replica.yaml, or N processes here), the
-environment servers (env.servers), each N x one machine; the reward models' judge servers (reward.models); and the
-total USD/hour of everything on SkyPilot.
-Then the store, the MLflow tracking URI and the Prefect API.
+and at what hourly price (SkyPilot's catalog for `sky` stages, `cost.hourly_usd` for the others). Then every
+other role's machines (the generate replicas, the environment servers, the judge servers) and the total USD/hour
+of everything on SkyPilot; then the store, the MLflow tracking URI and the Prefect API.
 
 `rlflow plan` first runs the preflight `rlflow run` runs (flows/cli.py: checked_config, flows/preflight.py), so
-a config run refuses is refused here with the same line and exit 2. All of it, nothing left out: it only reads
-and asks (the store must be reachable, as for the run, but the run's folder need not exist; URLs of judges and
-environment servers must answer), imports the user's reward functions and environment factory (their module
-code runs, as in the run), builds one environment and closes it, and writes only to the local caches (a
-`builtin:` model built, a Hub tokenizer downloaded). What run does after its preflight, plan does not: no lease,
-no Prefect server, no MLflow run, no cluster, nothing written to the store. plan() itself reads the config,
-the recipes and SkyPilot's catalog.
+a config run refuses is refused here with the same line and exit 2. What run does after its preflight, plan
+does not: no lease, no Prefect server, no MLflow run, no cluster, nothing written to the store.
+More: docs/internals.md (flows/plan.py): prices, roles and what the preflight touches, in full.
 """
 
 from __future__ import annotations

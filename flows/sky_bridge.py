@@ -11,15 +11,7 @@ on stdout after the job's logs.
     python flows/sky_bridge.py down --cluster C
     python flows/sky_bridge.py price --recipe sky/train.yaml [--accelerators A100:8] [--recipe ...]   # rlflow plan
 
-`--accelerators` (launcher.accelerators of the stage's role) replaces the recipe's resources.accelerators,
-whatever its form (one, a list or a dict of options); for `price` it applies to the --recipe before it.
-
-`run` launches the cluster (`--launch`: first use in a flow run, or after it vanished) or reuses it with
-`sky.exec`, streams the job's logs to stderr, and reports
-    {"exit_code": 0|100|..., "user_error": "..."|null, "cluster_missing": bool, "hourly_usd": float|null}
-SkyPilot's exit code says only succeeded (0) or failed (100); whether the failure was the user's (a stage
-exits 2 after printing `RLFLOW_USER_ERROR: <line>`) is read from the streamed log, and whether the machine
-went away (preemption) from the cluster's status after the job ended.
+More: docs/internals.md (flows/sky_bridge.py): `--accelerators`, and what `run` reports.
 """
 
 from __future__ import annotations

@@ -3,29 +3,15 @@
     rlflow run configs/tiny.yaml                   # the CLI calls train_flow("configs/tiny.yaml", overrides)
     prefect deployment run rlflow-train/nightly    # a deployment passes the same two parameters
 
-Read top to bottom:
-  1. the config is loaded from its path plus dotted overrides (the flow's parameters), then preflight
-     (flows/preflight.py): everything a user can get wrong is checked before the first byte is written (store
-     reachable, dataset + prompt column, reward functions import, model folder, engines installed, launcher
-     needs);
-  2. one writer per run name: the flow takes the run's lease in the store (tasks/core/lease.py);
-  3. one MLflow run per rlflow run (found again on resume);
-  4. for each iteration, the stage tasks, each on its launcher (inline / local subprocess / SkyPilot,
-     flows/launch.py); a stage returns at once if its output already exists in the store from the same inputs,
-     so a run killed anywhere and started again ends with exactly `run.iterations` iterations, none repeated,
-     none skipped. Infrastructure failures are retried with back-off; user errors fail the flow at once; a
-     corrupt artifact is made again by the stage that produced it (flows/repair.py). A resident trainer in
-     a process of its own on this machine is asked to get ready on a thread meanwhile (_warm_trainer). With
-     run.max_staleness S > 0, generate and reward of the next S iterations run beside train as Prefect task
-     futures (flows/schedule.py: Ahead): iteration N samples from v(N-1-S), whatever the timing;
-  5. every `eval.every` iterations the published policy is scored on held-out prompts (with eval.baseline the
-     starting model too, first); policy/BEST and the MLflow alias `champion` follow the best of them that
-     beats the starting model;
-  6. metrics (with cost) of each iteration are logged once; the flow run (named after the rlflow run) has one
-     Prefect artifact, the run's report, updated in place every tracking.dashboard_every iterations
-     (flows/dashboard.py);
-  7. at the end: reward curve plot, clusters torn down, the vLLM server stopped, lease released, summary.
+In order: the config and its preflight (flows/preflight.py); the run's lease (tasks/core/lease.py); one MLflow
+run per rlflow run; for each iteration the stage tasks, each on its launcher (flows/launch.py), a stage
+returning at once when its output already exists from the same inputs, failures retried or repaired
+(flows/repair.py), later iterations' generate and reward beside train with run.max_staleness
+(flows/schedule.py); every `eval.every` iterations the held-out evaluation, policy/BEST and the MLflow alias
+`champion`; metrics and the dashboard (flows/dashboard.py); at the end the reward curve, the teardown, the
+lease released and the summary.
 Stages meet only in the store; this file passes keys, never tensors.
+More: docs/internals.md (flows/training.py): each step, in full.
 """
 
 from __future__ import annotations
@@ -55,7 +41,7 @@ from tasks.core.process_wide import forget_inline_stages, tell_inline_stages
 from tasks.core.stage import STOP
 from tasks.core.store import Store, open_store
 from tasks.core.tracking import Tracker, champion_policy_uri
-from tasks.engines.resident import ResidentTrainer
+from tasks.engines.detached import DetachedTrainer
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.training import training_engine
 from tasks.envs.episodes import EnvironmentsStalled
@@ -286,19 +272,19 @@ def _finish_trainer(ctx: FlowRun, log) -> None:
         log.warning("stopping the resident trainer failed: %s", e)
 
 
-def _trainer_to_warm(cfg: Config) -> ResidentTrainer | None:
+def _trainer_to_warm(cfg: Config) -> DetachedTrainer | None:
     """The flow's handle on the train stage's resident trainer when that is a process of its own on this machine
     (train stage local, or inline with deepspeed or train.host detached); None otherwise."""
     if not cfg.resident_trainer:
         return None
     mode = cfg.launcher.mode_of("train")
     if mode == "local":
-        return ResidentTrainer(cfg) if cfg.train.host != "caller" else None
+        return DetachedTrainer(cfg) if cfg.train.host != "caller" else None
     trainer = open_trainer(cfg) if mode == "inline" else None
-    return trainer if isinstance(trainer, ResidentTrainer) else None
+    return trainer if isinstance(trainer, DetachedTrainer) else None
 
 
-def _warm_trainer(trainer: ResidentTrainer, iteration: int, log) -> None:
+def _warm_trainer(trainer: DetachedTrainer, iteration: int, log) -> None:
     """Have the detached trainer hold the state after `iteration` while generate and reward run: a new one (the
     flow's start, after a lost trainer) starts, restores and replays then, not when the train stage asks. A
     thread of the flow; never raises (the train stage does the same itself). Not for a trainer held by this

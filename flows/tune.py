@@ -7,22 +7,11 @@ each trial a real rlflow run (docs/operations.md#tuning).
     train.micro_batch_size: {type: int, low: 8, high: 64, log: true}
     train.loss_type: {type: categorical, choices: [grpo, dapo]}
 
-- The space is checked before any trial starts: a key the config does not have, an empty range, a bound or a
-  choice the key's type refuses, an unknown type: one line, exit 2.
-- Each trial is `rlflow run CONFIG -o KEY=VALUE... -o run.name=<run.name>-<hash of its values>` in a process of
-  its own, K at a time: its own Prefect flow run on whatever launchers the config names, its own MLflow run and
-  its folder in the store. The tune is a Prefect flow too (a table artifact of the trials at the end), and all
-  of them use one Prefect API: PREFECT_API_URL, or a temporary server the tune starts and shares.
-- After each iteration a trial reports its metric (`--metric`, default reward/mean, read from the iteration's
-  manifests in the store) to Optuna, as the mean of its last `--window` iterations; the pruner (median by
-  default) stops unpromising trials (SIGTERM: the run stops cleanly). A trial's value is that mean at its end.
-- The study lives in a database (`--storage`, default sqlite in `--out`), so a killed tune, run again, goes on:
-  finished trials are not repeated, and a trial that was running is run again with the same values, so its
-  rlflow run resumes from the store where it stopped.
-- MLflow: one parent run for the study and, nested under it, each trial's own rlflow run (one MLflow run per
-  trial: the tune makes it before the trial starts, the trial finds it by run name and store and logs into it;
-  the tune adds the trial's number, its value `tune/value` and its state); the best config is written as YAML
-  ready for `rlflow run` (`--out`).
+The space is checked before any trial starts (one line, exit 2). Each trial is `rlflow run` in a process of
+its own, K at a time, and reports its metric to Optuna after each iteration (the pruner stops unpromising
+ones); the study lives in a database (`--storage`), so a killed tune, run again, goes on; MLflow has one
+parent run for the study with each trial's run nested under it; the best config is written as YAML (`--out`).
+More: docs/internals.md (flows/tune.py): checks, trials, pruning, resuming and MLflow, in full.
 """
 
 from __future__ import annotations

@@ -1,18 +1,23 @@
 """rlflow's stages and what they are built from.
 
     generate.py reward.py train.py publish.py evaluate.py   the stages: `python -m tasks.<stage>` runs one alone
-    core/          config, store, layout, rollout records, data, models, tracking, lease, errors, processes
-    algorithms/    losses, advantages, micro-batching, logprobs, update statistics: pure torch
-    engines/       sampling (hf, vLLM offline, vLLM server) and training (torch, DeepSpeed) engines
-    scoring/       calling reward functions in a worker process; the code sandbox
+    core/          the contracts, config, store, layout, rollout records, data, models, tracking, lease, errors,
+                   processes, daemons
+    algorithms/    the learners (grpo, ppo, vtrace_awr), losses, advantages, micro-batching, logprobs, the update
+                   loop: pure torch
+    engines/       sampling (hf, vLLM offline, vLLM server, replicas behind a router) and training (torch,
+                   DeepSpeed) engines; the trainer, in the stage's process or resident
+    scoring/       calling reward functions in a worker process; the code sandbox; reward models and LLM judges
     rewards/       reward functions users name in their configs (tasks.rewards.<module>:<function>)
+    envs/          environments: episodes, the protocol and adapters, isolation, servers and pools, agents and
+                   their endpoint, built-in environments (docs/environments.md)
 
 Stages never import each other; they meet in the store (tasks/core/store.py, tasks/core/layout.py).
 """
 
 import os as _os
 
-# A child rlflow started with rlflow_first (tasks/core/process_wide.py) has PYTHONSAFEPATH set so that `-m` does not
+# A child rlflow started with rlflow_first (tasks/core/processes.py) has PYTHONSAFEPATH set so that `-m` does not
 # import a working directory's own tasks/ or flows/; it has done its work once this package is found, and left in
 # os.environ it would reach what user code here starts (`python script.py` would lose its folder on sys.path). This
 # package is imported first in every rlflow process, before any user code, so it is dropped here (two dictionary

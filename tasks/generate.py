@@ -6,14 +6,11 @@
 Reads the policy the schedule names for iteration N, v(N-1-S) with S = run.max_staleness (the base model
 before iteration S+2; tasks/core/layout.py: behaviour_policy), and the dataset; writes `<run>/iter-N/rollouts`
 (token ids, text, behaviour logprobs, truncation flag). A policy passed in that is not the schedule's is
-refused (the version check): which policy sampled an iteration never depends on who asked or when.
-Which prompts: tasks/core/curriculum.py (the seeded stream; round R > 0 of dynamic sampling, which writes
-`<run>/iter-N/rollouts-rRR`, more of them; data.curriculum's deferrals).
+refused (the version check). Which prompts: tasks/core/curriculum.py.
 Idempotent: if that folder is complete and was made from the same inputs, it is returned as is.
-The engine (`generate.engine` / `generate.mode`, tasks/engines/sampling.py's factory) is hf (transformers, in
-this process) or vllm, offline (a vllm.LLM per stage run) or as a server kept alive across iterations; the
-stage opens one session of it for the policy and samples from it (every turn of an episode too). With
+The engine is the one `generate.engine` / `generate.mode` name (tasks/engines/sampling.py's factory); with
 env.factory each rollout is a multi-turn episode against an environment (tasks/envs/episodes.py).
+More: docs/internals.md (tasks/generate.py).
 """
 
 from __future__ import annotations

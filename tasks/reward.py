@@ -7,18 +7,12 @@ A reward function has TRL's signature and is named by import path with a weight:
     def successor_reward(completions: list[str], **columns) -> list[float | None]: ...
     reward.functions: [{fn: "tasks.rewards.demo:successor_reward", weight: 1.0}]
 
-Dataset columns (other than the prompt) arrive as keyword lists, plus `prompts` and `completion_ids`.
-`None` means "not applicable". The module is importable from the current directory. Functions run in a
-worker process with a timeout (tasks/scoring/functions.py): one that raises, hangs or returns garbage scores
-nothing for the batch and is counted in `reward/<fn>/errors`, or fails the stage with `reward.strict: true`.
-Reward models and LLM judges (reward.models) score beside the functions (tasks/scoring/judges.py), their answers
-cached under `<run>/judge-cache/iter-N` as they come, so a retried stage asks nothing twice.
-reward.overlong adds DAPO's overlong punishment (tasks/scoring/shaping.py).
-Reads `<run>/iter-N/rollouts`, writes `<run>/iter-N/rewards` with per-function scores and the weighted sum.
-With generate.dynamic_sampling each round's scored rollouts go to `<run>/iter-N/scored-rRR`; when the rounds so
-far hold prompts_per_iteration groups that are not constant, or this was the last round, the groups kept
-(tasks/algorithms/dynamic_sampling.py) go to `<run>/iter-N/rewards` and the result says `complete`; else the
-flow samples another round.
+Functions run in a worker process with a timeout (tasks/scoring/functions.py); reward models and LLM judges
+(reward.models) score beside them (tasks/scoring/judges.py); reward.overlong adds DAPO's overlong punishment
+(tasks/scoring/shaping.py). Reads `<run>/iter-N/rollouts`, writes `<run>/iter-N/rewards` with per-function
+scores and the weighted sum.
+More: docs/internals.md (tasks/reward.py): the functions' arguments, failures, the judges' cache, dynamic
+sampling's rounds.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
-"""Stage 3 — train: one GRPO update on this iteration's scored rollouts.
+"""Stage 3 — train: one update of the configured learner (train.algorithm) on this iteration's scored rollouts.
 
     python -m tasks.train --config configs/tiny.yaml --iteration 3
     python -m tasks.train finish --config configs/tiny.yaml --iteration 0    # the flow's end: finish_trainer
 
 Reads `<run>/iter-N/rewards`; writes `<run>/trainer/ckpt-N`, then moves `trainer/LATEST`. The stage checks its
 inputs and fingerprint, then asks the run's trainer (tasks/engines/trainer.py: Trainer, the one class that trains
-an iteration) through a handle; the update itself (advantages, micro-batches, the optimiser passes:
-tasks/algorithms/) runs on the engine `train.engine` names (tasks/engines/training.py's factory: `torch`, one
-process on one device, or `deepspeed`, ZeRO 1-3 over several processes, started with torchrun when no torchrun
-started us).
-
-`train.mode` says where the trainer lives (open_trainer below):
-  process   this stage's process: a trainer of its own restores the newest full checkpoint (normally
-            ckpt-(N-1); any iterations after it are replayed from their stored rewards), trains, writes ckpt-N in
-            full (model + optimizer + RNG + data cursor), and goes;
-  resident  a trainer per run that outlives the stage, held by the calling process (train.host caller: the
-            flow's own with the inline launcher) or a process of its own (detached: `python -m tasks.train`
-            stages, deepspeed: a torchrun group of train.num_processes, its process 0 answering;
-            tasks/engines/resident.py): it writes ckpt-N lean (the policy alone) and a full checkpoint every
-            train.checkpoint_every iterations. The flow's end finishes it (finish_trainer: a full checkpoint of
-            its last iteration, then it stops). On several nodes (NNODES > 1: sky/train.yaml runs this on each)
-            the deepspeed group spans them: each node's stage finds or starts its node's part, node 0's asks
-            the group to train, the others wait until it has committed ckpt-N.
-Both give the same weights, bit for bit on a CPU.
+an iteration) through a handle; the update itself (the learner, grpo, ppo or vtrace_awr:
+tasks/algorithms/learners/; micro-batches and the optimiser passes: tasks/algorithms/update.py) runs on the
+engine `train.engine` names (tasks/engines/training.py's factory: `torch` or `deepspeed`).
+`train.mode` says where the trainer lives (open_trainer below): `process`, this stage's process, or `resident`,
+a trainer per run that outlives the stage. Both give the same weights, bit for bit on a CPU.
+More: docs/internals.md (tasks/train.py): the engines and both modes, in full.
 """
 
 from __future__ import annotations
@@ -36,7 +24,7 @@ from tasks.core.errors import UserError
 from tasks.core.models import policy_dtype
 from tasks.core.stage import by_hand, fingerprint, in_stage_process, require_input, reuse, stage_cli
 from tasks.core.store import open_store
-from tasks.engines.resident import ResidentTrainer, node_layout
+from tasks.engines.detached import DetachedTrainer, node_layout
 from tasks.engines.trainer import TRAIN_SECTIONS, InProcessTrainer, unfinished
 
 if TYPE_CHECKING:
@@ -88,7 +76,7 @@ def open_trainer(cfg: Config) -> TrainerHandle:
     host = cfg.train.host
     if host == "auto":
         host = "detached" if in_stage_process() or cfg.train.engine == "deepspeed" else "caller"
-    return InProcessTrainer(cfg) if host == "caller" else ResidentTrainer(hand_run(cfg))
+    return InProcessTrainer(cfg) if host == "caller" else DetachedTrainer(hand_run(cfg))
 
 
 HAND_RUN_IDLE = 600.0    # s: train.idle_timeout of a detached trainer a stage typed by hand starts (unless set)
@@ -112,7 +100,7 @@ def finish_trainer(cfg: Config) -> int | None:
     if not cfg.resident_trainer:
         return None
     held = InProcessTrainer(cfg).finish()
-    detached = ResidentTrainer(hand_run(cfg)).finish()
+    detached = DetachedTrainer(hand_run(cfg)).finish()
     if held is None and detached is None and unfinished(open_store(cfg), cfg.run.name) is not None:
         # Nothing runs, but the newest iteration lacks a full checkpoint (its trainer died after committing
         # it; this flow run reused it): one is made here, where train.host puts the trainer, by replay.

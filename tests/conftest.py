@@ -118,7 +118,7 @@ def rlflow_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("rlflow-cache")
     os.environ["RLFLOW_CACHE"] = str(cache)
     yield cache
-    from tasks.engines.resident import _stop
+    from tasks.engines.detached import _stop
 
     for state in (cache / "trainer").glob("*.json"):    # resident trainers a failed test left running
         try:

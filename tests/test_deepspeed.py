@@ -326,7 +326,7 @@ def test_a_resident_group_across_two_nodes_trains_as_the_torch_engine_and_resume
 
     from tasks.core.daemon import read_state
     from tasks.core.processes import alive, descendants
-    from tasks.engines.resident import _stop, state_dir
+    from tasks.engines.detached import _stop, state_dir
 
     ref = _torch_reference("dr_grpo", rollouts, tmp_path_factory)
     cfg = _config(tmp_path, rollouts, ["train.engine=deepspeed", "train.zero_stage=3", "train.loss_type=dr_grpo",
@@ -397,7 +397,7 @@ def test_a_resident_group_trains_as_the_torch_engine_and_resumes_after_a_kill(ro
     stops the other, the stage fails; the retry starts a new group, which restores full-2 (or, if its upload
     had not finished, the base model) and replays. Every iteration's update equals the torch engine's; finish
     writes full-3 and the group exits. A user error in the group reaches the stage as one."""
-    from tasks.engines.resident import ResidentTrainer
+    from tasks.engines.detached import DetachedTrainer
 
     ref = _torch_reference("dapo", rollouts, tmp_path_factory)
     monkeypatch.setenv("RLFLOW_DRILL", "lean-write:3")
@@ -405,7 +405,7 @@ def test_a_resident_group_trains_as_the_torch_engine_and_resumes_after_a_kill(ro
     extra = ["train.engine=deepspeed", "train.zero_stage=2", "train.num_processes=2", "train.mode=resident",
              "train.checkpoint_every=2"]
     cfg = _config(tmp_path, rollouts, extra, iterations=(1, 2, 3, 4))
-    trainer, store = ResidentTrainer(cfg), Store.open(cfg.store)
+    trainer, store = DetachedTrainer(cfg), Store.open(cfg.store)
     try:
         metrics = [train(cfg, it)["metrics"] for it in (1, 2)]
         first = json.loads(trainer.path.read_text())
@@ -422,7 +422,7 @@ def test_a_resident_group_trains_as_the_torch_engine_and_resumes_after_a_kill(ro
         assert store.manifest(layout.full_checkpoint(RUN, 2))["meta"]["kind"] == "full"
         assert _finish_trainer(cfg) == 3
     finally:
-        ResidentTrainer(cfg).finish()
+        DetachedTrainer(cfg).finish()
     assert not trainer.path.exists()
     # A user error inside the group (every process finds full-3 written at another ZeRO stage) reaches the
     # stage as one line, not as a lost trainer.
@@ -431,7 +431,7 @@ def test_a_resident_group_trains_as_the_torch_engine_and_resumes_after_a_kill(ro
         with pytest.raises(UserError, match="train.zero_stage: .* ZeRO stage 2"):
             train(other, 4)
     finally:
-        ResidentTrainer(other).finish()
+        DetachedTrainer(other).finish()
     assert store.manifest(layout.checkpoint(RUN, 4)) is None
     fp32 = _fp32_weights(store, 3, tmp_path / "fp32", key=layout.full_checkpoint(RUN, 3))
     for name, want in ref["weights3"].items():
@@ -492,7 +492,7 @@ def test_a_resident_group_with_a_value_head_resumes_after_a_kill_as_the_torch_en
     equal the torch engine's."""
     from safetensors.torch import load_file
 
-    from tasks.engines.resident import ResidentTrainer
+    from tasks.engines.detached import DetachedTrainer
 
     want, _, want_critic = _torch_value_reference("ppo", rollouts, tmp_path_factory)
     monkeypatch.setenv("RLFLOW_DRILL", "lean-write:3")
@@ -508,7 +508,7 @@ def test_a_resident_group_with_a_value_head_resumes_after_a_kill_as_the_torch_en
         metrics.append(train(cfg, 3)["metrics"])
         assert _finish_trainer(cfg) == 3
     finally:
-        ResidentTrainer(cfg).finish()
+        DetachedTrainer(cfg).finish()
     for got, w in zip(metrics, want):
         for k in [k for k in METRIC_KEYS if k != "train/grad_norm"] + ["train/value_loss", "train/value_mean"]:
             assert got[k] == pytest.approx(w[k], **METRIC_TOL), k

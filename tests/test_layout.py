@@ -129,7 +129,7 @@ def _protocol_methods(protocol) -> dict[str, inspect.Signature]:
     ("TrainingEngine",
      ["tasks.engines.torch_engine:TorchEngine", "tasks.engines.deepspeed_engine:DeepSpeedEngine"]),
     ("TrainerHandle",
-     ["tasks.engines.trainer:InProcessTrainer", "tasks.engines.resident:ResidentTrainer"]),
+     ["tasks.engines.trainer:InProcessTrainer", "tasks.engines.detached:DetachedTrainer"]),
     ("Learner",
      ["tasks.algorithms.learners.grpo:Grpo", "tasks.algorithms.learners.ppo:Ppo",
       "tasks.algorithms.learners.vtrace_awr:VtraceAwr"]),
@@ -221,6 +221,30 @@ def test_docs_and_code_cite_only_files_and_modules_that_exist():
         for module in set(CITED_MODULE.findall(text)):
             if importlib.util.find_spec(module) is None:
                 missing.append(f"{path.relative_to(ROOT)}: python -m {module}")
+    assert missing == []
+
+
+DOCSTRING_LINES = 15
+INTERNALS_POINTER = re.compile(r"docs/internals\.md \(((?:tasks|flows)/[\w/]+\.py)\)")
+
+
+def test_module_docstrings_are_short():
+    """A module's docstring says what the module is for and how it is called, in at most 15 lines; how it works
+    and why is in docs/internals.md, under the module's path (issue 41)."""
+    long = {}
+    for folder in ("tasks", "flows"):
+        for p in _modules(folder):
+            doc = ast.get_docstring(ast.parse(p.read_text(), str(p)), clean=False) or ""
+            if len(doc.splitlines()) > DOCSTRING_LINES:
+                long[str(p.relative_to(ROOT))] = len(doc.splitlines())
+    assert not long, f"module docstrings over {DOCSTRING_LINES} lines (the rest goes to docs/internals.md): {long}"
+
+
+def test_docstrings_point_at_sections_of_internals_that_exist():
+    """`More: docs/internals.md (<its path>)` in a module's docstring names a section `## <its path>` there."""
+    sections = set(re.findall(r"^## (\S+)$", (ROOT / "docs" / "internals.md").read_text(), re.MULTILINE))
+    missing = [f"{p.relative_to(ROOT)}: {cited}" for folder in ("tasks", "flows") for p in _modules(folder)
+               for cited in INTERNALS_POINTER.findall(p.read_text()) if cited not in sections]
     assert missing == []
 
 

@@ -1,4 +1,4 @@
-"""The resident trainer (train.mode: resident, tasks/engines/resident.py), for real: a detached trainer process
+"""The resident trainer (train.mode: resident, tasks/engines/detached.py), for real: a detached trainer process
 (train.host detached) or one held by the calling process (caller), on the tiny model, driven through the
 stage functions as the flow drives them.
 
@@ -24,7 +24,7 @@ from tasks.core.config import load_config
 from tasks.core.errors import UserError
 from tasks.core.processes import alive
 from tasks.core.store import open_store
-from tasks.engines.resident import ResidentTrainer, state_dir
+from tasks.engines.detached import DetachedTrainer, state_dir
 from tasks.generate import generate
 from tasks.publish import publish
 from tasks.reward import reward
@@ -249,7 +249,7 @@ def test_a_lost_trainer_is_restored_by_prepare_before_the_train_request_comes(re
     for it in (1, 2, 3):
         _iteration(cfg, it)
     os.kill(json.loads((state_dir() / "warm.json").read_text())["pid"], signal.SIGKILL)
-    handle = ResidentTrainer(cfg)
+    handle = DetachedTrainer(cfg)
     assert handle.prepare(3) == 3                              # a new trainer: full-2, then 3 replayed
     generate(cfg, 4, layout.policy("warm", 3))
     reward(cfg, 4)
@@ -337,9 +337,9 @@ def test_a_trainer_for_another_config_is_replaced(tmp_path):
     changed = _cfg(tmp_path, "other2", extra=["train.lr=5e-3"])            # another run: its own trainer
     _iteration(changed, 1)
     assert alive(first)
-    ResidentTrainer(changed)._ensure()
+    DetachedTrainer(changed)._ensure()
     bumped = _cfg(tmp_path, "other", extra=["train.max_grad_norm=0.5"])    # same run, another trainer config
-    address = ResidentTrainer(bumped)._ensure()
+    address = DetachedTrainer(bumped)._ensure()
     assert not alive(first) and json.loads((state_dir() / "other.json").read_text())["socket"] == address[0]
     for c in (bumped, changed):
         _finish(c)

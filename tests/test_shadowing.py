@@ -51,7 +51,7 @@ def test_a_child_gets_rlflows_root_first_and_no_working_directory(tmp_path, monk
 def test_rlflow_run_from_a_folder_with_its_own_tasks_and_flows(tmp_path, prefect_api):
     """`rlflow run` of the demo from there: the reward worker (`-m tasks.scoring.worker`), the train stage as its
     recipe's subprocess (`python -m tasks.train`, the local launcher) and the resident trainer it starts
-    (`-m tasks.engines.resident`) all import rlflow's packages."""
+    (`-m tasks.engines.trainer_server`) all import rlflow's packages."""
     work = tmp_path / "project"
     mark = _shadowing(work)
     rlflow = Path(sys.executable).with_name("rlflow")
@@ -211,10 +211,10 @@ def test_replicas_a_pool_and_a_judge_started_from_a_folder_with_its_own_tasks(tm
     from flows.launch import EnvServer, JudgeServers
     from tasks.core import builtin_models
     from tasks.core.config import load_config
+    from tasks.core.models import pin_of
     from tasks.engines.sampling import sampling_engine
     from tasks.envs.server import TOKEN_VAR, URL_VAR
     from tasks.generate import generate
-    from tasks.scoring.judges import pin_of
 
     work = tmp_path / "project"
     mark = _shadowing(work)

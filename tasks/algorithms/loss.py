@@ -8,12 +8,8 @@ Per token t of completion i, with A_i its advantage and w the importance weight 
     sapo                    ℓ = -σ(τ·(w-1))·4/τ·A                         (τ = τ_pos if A > 0 else τ_neg)
 then ℓ ·= ρ (truncated importance weight π_old/μ against the generator's behaviour policy μ, if given), and
 ℓ += β·k3(π_ref ‖ π) with k3 = exp(ref - logp) - (ref - logp) - 1, times w if `use_bias_correction_kl`.
-Aggregation over the *whole batch* (micro-batching is a memory knob, never a change of objective):
-    grpo, sapo         mean over sequences of the per-sequence token mean
-    dapo, bnpo, cispo  token mean over the batch
-    dr_grpo            token sum / (sequences · max_completion_length)
-With one micro-batch per step this is exactly TRL's loss; across micro-batches TRL's bnpo/grpo/dr_grpo
-normalise per micro-batch, which rlflow deliberately does not (bnpo and dapo therefore coincide here).
+Aggregation is over the *whole batch* (micro-batching is a memory knob, never a change of objective).
+More: docs/internals.md (tasks/algorithms/loss.py): each loss type's aggregation, and where it departs from TRL.
 """
 
 from __future__ import annotations

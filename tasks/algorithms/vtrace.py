@@ -9,11 +9,9 @@ update, μ the policy that sampled, possibly K iterations older with replay):
     δ_t = ρ_t·(r_t + γ·V(s_t') - V(s_t))                    t' the next model token (0 past the last)
     v_t = V(s_t) + δ_t + γ·c_t·(v_t' - V(s_t'))              the value target
     A_t = ρ_t·(r_t + γ·v_t' - V(s_t))                        the policy's advantage
-AWR (Peng et al. 2019): the policy maximises Σ w_t·log π(a_t), w_t = min(exp(Â_t / τ), w_max), Â the
-advantages whitened over the batch. The KL constraint (V-MPO's, Song et al. 2019): KL(μ‖π) per token as k3,
-and with η = softplus(η̃) a learned multiplier and ε the target,
-    L_η = η·(ε - sg(KL)) + sg(η)·KL
-so η grows while the KL is above ε and shrinks towards 0 below it (a soft constraint, never a hard clip).
+AWR (Peng et al. 2019) weighs the policy's log-likelihood by exponentiated advantages; KL(μ‖π) is held near its
+target by a learned Lagrange multiplier η (V-MPO's constraint, Song et al. 2019).
+More: docs/internals.md (tasks/algorithms/vtrace.py): the AWR weights and the multiplier's loss.
 """
 
 from __future__ import annotations

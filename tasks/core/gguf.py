@@ -8,13 +8,9 @@ and saved with `save_pretrained` in the dtype the run asks for, under the local 
 and that dtype. Everything downstream (hf and vLLM sampling, the torch and DeepSpeed trainers, LoRA, publish,
 export, MLflow) then sees a plain model folder; nothing after this module knows the start was a GGUF.
 
-Why convert instead of loading the GGUF each time: a load dequantizes every tensor (~20 s for 135M parameters on
-2 cores, minutes for 7B) and vLLM's own GGUF path is a separate, partial implementation; one folder, made once per
-machine, is what every engine already reads. The folder appears whole or not at all (written under a temporary
-name, then renamed), so two processes converting at once both end with the same folder.
-
 Before anything is converted, the file's header is read (`check`): a file that is not GGUF, is truncated, or
 holds an architecture transformers cannot dequantize into a causal LM is one UserError line naming the file.
+More: docs/internals.md (tasks/core/gguf.py): why convert, and two processes converting at once.
 """
 
 from __future__ import annotations

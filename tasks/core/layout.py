@@ -1,21 +1,15 @@
-"""Where each artifact of a run lives in the store (keys relative to the store root).
+"""Where each artifact of a run lives in the store (keys relative to the store root). The main ones:
 
     <run>/iter-000042/rollouts     generate's output
     <run>/iter-000042/rewards      reward's output (rollouts + scores): what train reads
-    <run>/iter-000042/rollouts-r01 generate.dynamic_sampling: round 1's rollouts (round 0's: rollouts)
-    <run>/iter-000042/scored-r01   ... and each round's scored rollouts; `rewards` then holds the groups kept
-    <run>/curriculum/after-000042  data.curriculum: which prompts are deferred, after iteration 42's pick
     <run>/trainer/ckpt-000042      after iteration 42: model + optimizer + RNG + data cursor (process mode), or
                                    the policy alone (resident mode: lean)
-    <run>/trainer/full-000040      resident mode: a full checkpoint every train.checkpoint_every iterations
     <run>/trainer/LATEST           pointer to the newest complete ckpt-N
-    <run>/trainer-state/ckpt-000042-<attempt>/node-000
-                                   deepspeed engine: one node's ZeRO shards (its own manifest, written before
-                                   ckpt-000042's, which lists them in state.json)
     <run>/policy/v000042           published weights (+ config + tokenizer)
     <run>/policy/LATEST            pointer to the newest published policy
-    <run>/judge-cache/iter-000042/<chunk>   the reward models' answers of iteration 42's reward stage (eval-vN:
-                                   an evaluation's), a folder per batch written as it is answered
+
+More: docs/internals.md (tasks/core/layout.py): the whole table (dynamic sampling's rounds, the curriculum's
+state, resident full checkpoints, DeepSpeed's shards, the reward models' cache).
 """
 
 BASE = "base"  # the policy before iteration 1: config.model.name_or_path

@@ -5,19 +5,11 @@
 
 reasoning-gym (PyPI `reasoning-gym`) builds each task's items procedurally from a seed, with the task's own
 answer checker (`score_answer`). Here a task becomes a `datasets.Dataset` with the columns the rest of rlflow
-expects, made the same way on every machine from (task, config, seed, size):
-
-- the held-out split: `eval_size` items of the task at seed `seed + HELD_OUT_SEED`;
-- the training split: the first `size` items at seed `seed` whose question is not a held-out question (so the
-  held-out accuracy is measured on prompts the policy never trained on, also for tasks with small spaces).
-
-Each row: `prompt` (chat messages: the question, then the instruction of `answer_format`, after
-`data.system_prompt` when set), `question`, `answer` (the task's oracle), `metadata` (the item's metadata as
-JSON, tuples tagged so that they come back as tuples), `answer_format`, and `reasoning_gym` (the task and its
-config as JSON). The same on every machine and in every process: a process whose string hashing is randomized
-builds them in a child with PYTHONHASHSEED=0 (some tasks iterate over sets while they build items). The rewards
-in tasks/rewards/reasoning_gym.py read the answer the way the instruction asks for it and score it with the task's
-own `score_answer`. A task or a config key reasoning-gym does not have is one UserError line.
+expects, made the same way on every machine from (task, config, seed, size): a held-out split of `eval_size`
+items and a training split of `size` items none of whose questions is a held-out one. The rewards in
+tasks/rewards/reasoning_gym.py read the answer the way the instruction asks for it and score it with the task's
+own `score_answer`. A task, a config key or a config its generator fails on is one UserError line.
+More: docs/internals.md (tasks/core/procedural.py): the splits, a row's columns, the same rows everywhere.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
-"""What one process shares, and why each piece exists: the state that is not an argument.
+"""What one process shares, and why each piece exists: the state that cannot be an argument.
 
 With the inline launcher and a caller-held trainer (the defaults), generate, reward, train and publish run in
 the flow's own process, and with run.max_staleness > 0 on several of its threads at once. Most of what they use
-is passed as arguments; the few things below cannot be, because Python, torch or the operating system keep them
-per process. Each sits here, once, with the reason it exists:
-
-  PROCESS_WIDE       a lock for whatever touches process-wide torch state while another thread may too: building
-                     a model (transformers' from_pretrained switches the default dtype and device for the whole
-                     process while it builds; peft draws fresh adapter weights from the global RNG) and a held
-                     trainer's request (its random streams are swapped in: below). Sampling into a model already
-                     built never needs it (its random stream is its own: tasks/engines/hf.py).
-  rng_state,         the random streams training draws from (torch's CPU and CUDA generators, Python's `random`):
-  set_rng_state,     global to the process, so a trainer that shares its process with generate keeps its own
-  seed_all           copy and swaps it in and out under PROCESS_WIDE (tasks/engines/resident.py), and a
-                     checkpoint saves them so a resume continues them.
-  signals_kept       signal handlers belong to the process: while an environment factory runs (in a thread of
-                     a stage), `signal.signal` is a no-op in that thread for SIGINT and SIGTERM, so an environment
-                     that installs its own handlers as it is made (verifiers' does) cannot take the run's stop
-                     signal. The run's own handlers are installed by its entry point (flows/cli.py: Ctrl-C and
-                     SIGTERM stop the run; flows/tune.py likewise), and an environment's child process ignores
-                     Ctrl-C (tasks/envs/isolation.py: the parent handles it).
-  tell_inline_stages the environment server's URL and token reach a stage as RLFLOW_ENV_SERVER / RLFLOW_ENV_TOKEN
-                     in its environment (tasks/envs/server.py reads them); a stage the flow runs in its own
-                     process is told the same way, so a stage has one way to find it wherever it runs.
+is passed as arguments; the few things here cannot be, because Python, torch or the operating system keep them
+per process: the PROCESS_WIDE lock, the random streams (rng_state, set_rng_state, seed_all), the signal
+handlers (signals_kept) and the environment variables inline stages read (tell_inline_stages,
+forget_inline_stages). This is not all the module-level state of the package: caches and registries kept for
+reuse live with their users, e.g. the trainers this process holds (tasks/engines/trainer.py: _HELD), the reward
+functions' workers (tasks/scoring/functions.py: _workers), the reward models loaded in the stage
+(tasks/scoring/judges.py: _engines) and the sandbox runners (tasks/scoring/sandbox.py: _runners).
+More: docs/internals.md (tasks/core/process_wide.py): each piece, with the reason it exists.
 """
 
 from __future__ import annotations

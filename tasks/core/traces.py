@@ -6,20 +6,9 @@ completions the samples table shows (`sample_rows`: the same records, so each ta
 when `tracking.traces` is on. The flow's tracker logs them on its background thread (tasks/core/tracking.py), read
 back from the store, so the stages never wait for MLflow.
 
-One trace per record (an agent's episode split step-wise is one record per sample: its `part` is a tag):
-
-    episode (AGENT for multi-turn, CHAIN for one completion)  inputs: the prompt; outputs: the completion / turns
-    ├─ model call 1 (LLM)         inputs: the messages since the previous call; outputs: the reply;
-    │                             attributes: tokens out, mean behaviour logprob, the policy version
-    ├─ environment step 1 (TOOL when the reply called tools, else CHAIN)   inputs: the action; outputs: the
-    │                             observation; attributes: the step's reward (turn_rewards), an error
-    ├─ model call 2 …
-    assessments (MLflow feedback, source CODE): `reward` (the weighted total), each reward function's score,
-    `env_return` for an episode; tags rlflow.iteration, rlflow.split (train | eval | eval-greedy), rlflow.run
-
-Times: a multi-turn record carries each turn's seconds (`timings`: the batched model call that produced the
-turn, the environment's step); a single completion's model call is its batch's sampling call (the generate or
-evaluate stage's seconds). The spans are laid end to end from the stage's start.
+One trace per record: the episode, a span per model call and per environment step, laid end to end from the
+stage's start, and each reward function's score as MLflow feedback.
+More: docs/internals.md (tasks/core/traces.py): the spans, their attributes and times.
 """
 
 from __future__ import annotations

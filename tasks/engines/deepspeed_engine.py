@@ -1,39 +1,15 @@
 """The deepspeed training engine (`train.engine: deepspeed`): ZeRO stage 1, 2 or 3 over torch.distributed
 processes, one per GPU (or CPU processes with gloo), on one node or several. The trainer drives it through
-the same calls as the torch engine (tasks/engines/training.py: TrainingEngine); the GRPO math, batching and
-metrics stay there.
+the same calls as the torch engine (TrainingEngine, tasks/core/contracts.py); the learners' math, batching and
+metrics are tasks/algorithms/'s, the same on every engine.
 
-What runs where:
-    flow or `python -m tasks.train` (no RANK in the environment), train.mode process
-        -> DeepSpeedEngine.launch (from the stage's trainer handle): `python -m torch.distributed.run
-           --nproc_per_node=P [--nnodes/--node_rank/--master_addr from NNODES, NODE_RANK, MASTER_ADDR,
-           MASTER_PORT] -m tasks.train --config <resolved config> --iteration N`, waits, turns a worker's
-           `RLFLOW_USER_ERROR:` line into a UserError, and the stage then reads the checkpoint back from the store
-    each worker (RANK, WORLD_SIZE, LOCAL_RANK set by torchrun; also a torchrun started by hand), through the
-    same handle in its own process (tasks/engines/trainer.py: open, train once, full checkpoint, close)
-        -> DeepSpeedEngine.open: process group (gloo on CPU, nccl on CUDA), model, deepspeed.initialize, and for
-           N > 1 the previous checkpoint's shards (`engine.load_checkpoint`, optimizer states included)
-
-Gradient arithmetic. The stage normalises each micro-batch's loss by the whole batch's token (or sequence)
-counts, summed over all processes, so the whole-batch gradient is the plain sum of every micro-batch's
-gradient on every process. DeepSpeed would divide each micro-batch loss by gradient_accumulation_steps (we
-pass scale_wrt_gas=False) and averages gradients over the W data-parallel processes (we multiply the loss
-by W): backward(loss · W) then the average gives Σ_processes Σ_micro-batches ∇loss, the single-process
-whole-batch gradient. Accumulation is caller-owned (`managed_gradient_accumulation: false`): backward per
-micro-batch, one `engine.step()` per optimiser pass (clipping by `gradient_clipping` = train.max_grad_norm,
-then AdamW); so a shard's micro-batch count is free, as long as every process runs the same number.
-
-Checkpoint, for iteration N (tasks/core/layout.py):
-    <run>/trainer/ckpt-N                     process 0: model/ (config, tokenizer, bf16 safetensors: what
-                                             publish ships) + state.json, its manifest written last of all
-    <run>/trainer-state/ckpt-N-<attempt>/node-K
-                                             node K's `engine.save_checkpoint` files (ZeRO shards of its
-                                             processes, 'latest', DeepSpeed's zero_to_fp32.py) + rng/rank-R.pt;
-                                             uploaded by the node's first process, listed in state.json
-Every node saves to its own local disk, so several nodes need no shared filesystem; a resume downloads
-every node's folder on every node (whichever process gets which rank next time finds its shard). A resume on
-another number of processes (a spot replacement with another GPU count) first converts the shards into
-DeepSpeed's universal checkpoint (`to_universal`), which any process count loads.
+Outside torchrun, `DeepSpeedEngine.launch` starts a torchrun group that runs `python -m tasks.train`; each worker
+opens the engine (`DeepSpeedEngine.open`: process group, model, deepspeed.initialize, the previous shards). The
+gradient is the single-process whole-batch gradient on any process count (the caller owns accumulation and
+scales the loss). A checkpoint is process 0's `<run>/trainer/ckpt-N` plus each node's ZeRO shards under
+`<run>/trainer-state/`; a resume on another number of processes converts them first (`to_universal`).
+More: docs/internals.md (tasks/engines/deepspeed_engine.py): what runs where, the gradient arithmetic, the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -105,7 +81,7 @@ class DeepSpeedEngine:
     @classmethod
     def torchrun(cls, cfg: Config) -> tuple[list[str], dict[str, str]]:
         """The torchrun command line (up to the module it runs) and environment that start this node's workers:
-        the stage's (launch) and the resident trainer's group (tasks/engines/resident.py; on several nodes this
+        the stage's (launch) and the resident trainer's group (tasks/engines/detached.py; on several nodes this
         node's part of one group across them, rendezvous at MASTER_ADDR:MASTER_PORT as the stage's)."""
         cls.check_installed(cfg)
         device = device_for(cfg)

@@ -3,37 +3,13 @@
 and evaluate stages sample through. The stages do not change: the router is one more SamplingEngine.
 
     stage ──► RoutedSession.sample ──► router (a daemon per run) ──► replica 0 | replica 1 | ... (HTTP, token ids)
-
-**Same rollouts whatever N.** A stage's prompts are cut into fixed shards of generate.batch_size, in order, and
-shard k is sampled with the seed hashed from (the request's seed, k): a shard is one engine call, whichever replica
-takes it, so 1 or N replicas give the same tokens bit for bit (the replicas all run generate.replica_threads
-torch threads: a CPU matmul's rounding depends on its thread count).
-
-**Routing: sticky, then least loaded.** A request may carry a key (an episode's id): it goes to the replica that
-served that key before, while that replica is ready, so an episode's later turns find their prefix in that
-replica's cache (vLLM's prefix caching; hashing each request instead of each episode is what cut one trainer's
-prefix-cache hit rate from 98% to 5%). A request without a known key goes to the ready replica with the fewest
-requests in flight (ties: the one that served fewest). The router counts where each went.
-
-**Only the schedule's policy.** At a session's start the router has every replica load the policy (whole or
-delta, from the store) and checks what each holds by its manifest digest; a replica that is late (not loaded by
-the time the others are, plus a grace) or holds another version gets no request until it has loaded it. A
-replica answers 409 to a request for a policy it does not hold, and its tokens are never taken for another one.
-
-**Replicas fail alone.** A replica that dies or is preempted (its process exits, its health check or a request
-to it fails) is taken out; its requests in flight are sent again to the others (a shard is a pure function of
-its inputs, so nothing is lost or repeated); it is replaced (a new process, or its cluster launched again by the
-command the flow gives: RLFLOW_REPLICA_LAUNCH) and rejoins once it holds the policy.
-
-Why a router of our own: vllm-router and sglang-router (PyPI) route OpenAI requests to vLLM / SGLang servers. Our
-replicas are also hf engines on CPU, the requests are token shards with their own seeds, and a replica must be
-version-checked before it is used; neither router routes sticky-by-episode with least-loaded for new work (their
-cache_aware policy guesses stickiness from text prefixes; consistent hashing is not load-aware), nor gates
-replicas by weight version. The forwarding here is ~200 lines of Starlette + httpx.
-
     python -m tasks.engines.replicas --config-json FILE --port P --state S     (the stage starts it: Daemon)
+
 Routes: GET /health, GET /stats, POST /policy {policy, digest}, POST /sample {policy, digest, prompt_ids,
-params, key}.
+params, key}. The same rollouts whatever N (fixed shards, each with its own seed); requests sticky by
+episode, new work to the least loaded replica; only the schedule's policy (each replica version-checked); a
+replica that fails is taken out, its requests sent again to the others, and it is replaced.
+More: docs/internals.md (tasks/engines/replicas.py): each of these, and why a router of our own.
 """
 
 from __future__ import annotations

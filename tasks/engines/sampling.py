@@ -8,15 +8,10 @@ tasks/core/contracts.py's.
         sampled = s.sample(prompt_ids, SamplingParams(n=8, ...))       # as many times as the stage needs
     sampled.samples[0]                      # Sample(prompt=0, completion_ids=[...], logprobs=[...], truncated=False)
 
-A session is opened for one policy and kept for every call a stage makes: the sampled and greedy passes of an
-evaluation, every turn of an episode (tasks/envs/episodes.py). So an engine loads its model or starts its
-engine once per stage, not once per call: offline vLLM starts one worker per session, the hf engine owns the
-model it samples from. What an engine keeps alive across stages (the vLLM server; the hf engine's resident
-model, loaded in place by the next policy) is released by `stop`, at the flow's end.
-
 Every engine returns the same samples, one per completion, prompt by prompt. The sampled tokens' logprobs are
 taken after temperature/top-p, i.e. from the distribution actually sampled from, which is what importance
 ratios need. The stages never branch on the engine.
+More: docs/internals.md (tasks/engines/sampling.py): sessions, and what an engine keeps alive across stages.
 """
 
 from __future__ import annotations

@@ -7,20 +7,10 @@ and the in-process handle on it.
     handle.close()                           # the stage is done with it (process mode: the trainer goes)
     handle.finish()                          # the run is done: a full checkpoint of its last iteration, then it goes
 
-A handle is one of two kinds, with the same four calls (TrainerHandle):
-  InProcessTrainer    the trainer in this process: held across stage calls (train.mode resident, train.host
-                      caller: the flow's own process with the inline launcher), or one of the handle's own
-                      (train.mode process: open, train once, full checkpoint, close; with the deepspeed engine
-                      outside torchrun the engine's `launch` starts a torchrun group whose workers each do that
-                      through this same handle, `python -m tasks.train`)
-  ResidentTrainer     the trainer in a process of its own on this machine, across an authenticated socket
-                      (train.host detached; with deepspeed a torchrun group whose process 0 answers, on
-                      several nodes one group across them, node 0's stage driving it):
-                      tasks/engines/resident.py, which runs the same Trainer on its side
-Both run `Trainer` below, so a resident run and a process-mode run train with the same code and publish the same
-weights (bit for bit on a CPU). What differs is what ckpt-N holds: a resident trainer writes it lean (the policy
-alone) and a full checkpoint (trainer/full-N) every train.checkpoint_every iterations, in the background; a
-process-mode trainer writes ckpt-N in full (model + optimizer + RNG + data cursor), since nothing outlives it.
+A handle (TrainerHandle) is an InProcessTrainer (the trainer in this process) or a DetachedTrainer (in a process
+of its own: tasks/engines/detached.py). Both run `Trainer` below, so a resident run and a process-mode run train
+with the same code and publish the same weights (bit for bit on a CPU); what differs is what ckpt-N holds.
+More: docs/internals.md (tasks/engines/trainer.py): the two handles, and what each checkpoint holds.
 """
 
 from __future__ import annotations

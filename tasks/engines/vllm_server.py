@@ -1,35 +1,16 @@
 """The `vllm` sampling engine, server mode: one `vllm serve` per run, alive across iterations, new weights
 loaded in place.
 
-Starting an engine costs a model load plus warm-up every iteration in offline mode (tens of seconds for the
-tiny test model on 2 CPU cores, minutes for a 7B model on a GPU; a reload in place is a fraction of a second:
-docs/benchmarks.md). Here the generate stage keeps one OpenAI-compatible vLLM server alive on the machine
-that generates (the generate cluster) and, when a new policy is published, makes it load the new weights in
-place. Per stage run:
-
-  1. ensure  the server of this run (state: $RLFLOW_CACHE/vllm-server/<run>.json) answers /health with the
-             same engine arguments -> reuse it; otherwise (none yet, crashed, config changed) start one,
-             detached, with the requested policy, and wait for /health (the daemon helper,
-             tasks/core/daemon.py, as for the resident trainer);
-  2. load    if it holds another policy: full weights -> reload_weights(weights_path) on every worker
-             (POST /collective_rpc) + /reset_prefix_cache (cached KV was computed with the old weights);
-             LoRA -> /v1/unload_lora_adapter the old adapter, /v1/load_lora_adapter the new one under a new
-             name; then /update_weight_version names what is loaded;
-  3. verify  GET /weight_info must name the requested policy (and a LoRA adapter must be among /v1/models),
-             else the stage fails (and is retried) instead of sampling from the wrong weights; checked again
-             after sampling. Steps 1-4 hold a lock file per run, so a generate and an evaluate that overlap
-             (run.max_staleness > 0: two policies wanted at once) take turns instead of reloading under
-             each other;
-  4. sample  one /v1/completions request per prompt (its own seed), all in flight at once: token ids in,
-             token ids and processed (after temperature / top-p) logprobs out;
-  5. stop    the flow's end (flows/training.py, through `stop`) terminates the server's process group; a
-             cluster teardown does the same on a SkyPilot cluster. A flow killed before its teardown (SIGKILL,
-             a lost pipeline VM) leaves the server to its watchdog (tasks/engines/vllm_watchdog.py, in the
-             server's process group): it stops the server once no generate has used it for
-             generate.server_idle_timeout seconds, or once the state file no longer names it.
+Offline mode pays a model load plus warm-up every iteration; here the generate stage keeps one OpenAI-compatible
+vLLM server alive on the machine that generates and, when a new policy is published, makes it load the new
+weights in place. Per stage run: ensure (this run's server found, or started: tasks/core/daemon.py), load (the
+policy's weights or LoRA adapter), verify (GET /weight_info must name the requested policy, else the stage
+fails), sample (one /v1/completions request per prompt); the flow's end stops it, and a server its flow forgot
+is stopped by its watchdog (tasks/engines/vllm_watchdog.py).
 
 The dev endpoints used (collective_rpc, reset_prefix_cache, weight version, sleep) need VLLM_SERVER_DEV_MODE=1,
 so the server listens on 127.0.0.1 only.
+More: docs/internals.md (tasks/engines/vllm_server.py): the costs, and each step of a stage run.
 """
 
 from __future__ import annotations

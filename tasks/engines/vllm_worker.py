@@ -11,10 +11,7 @@ go as JSON lines to the file descriptor REPLY_FD (stdout and stderr are vLLM's l
                                                  -> {"samples": [[prompt index, completion ids incl. EOS,
                                                      behaviour logprobs, truncated], ...], "sampling_seconds"}
 The end of stdin (the session closed, or its process died) ends the worker.
-
-Behaviour logprobs are vLLM's `processed_logprobs`: log-softmax after temperature and top-p, i.e. of the
-distribution the token was drawn from, as the hf engine records them. Each prompt gets its own seed (vLLM gives
-the n children of a request seed + i), so a rerun of the same request reproduces its samples.
+More: docs/internals.md (tasks/engines/vllm_worker.py): which logprobs, and the seeds.
 """
 
 from __future__ import annotations

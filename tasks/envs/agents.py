@@ -7,22 +7,10 @@
         return reward                                       # or (reward, info), or None: reward.functions decide
 
 For each dataset row, `params.n` episodes (a GRPO group), each one call of the agent with an API key of its own
-on the stage's endpoint (endpoint.py), which serves the policy the schedule names and records every model call's
-prompt ids, completion ids and behaviour logprobs under that key. env.kwargs, if any, are passed to the agent
-as keyword arguments. env.concurrency agents run at once; each may spend env.timeout_seconds of its own time
-(the time its model calls take inside the endpoint is not counted: that is the engine's); env.max_turns model
-calls and env.max_tokens tokens after its first prompt (the endpoint refuses calls past them and marks the
-episode truncated). An agent that raises, returns garbage, hangs past its time or whose process dies
-(env.isolation: process, the default: each agent in a process of its own, forked from the forkserver that
-imported its module) costs only its episode: it keeps its tokens and gets no return (env_error).
-
-What an episode becomes (never re-tokenized): its calls are chained, a call joining the chain whose last call
-its prompt extends token for token (endpoint.py renders a continued conversation that way). One chain: one
-sample, the turns merged, `mask` 1 on the model's tokens and 0 on everything between them. Several chains (the
-agent edited its history, or started over): one sample each, in the episode's order, the first the episode's own
-and the others marked `part` 1, 2 ... sharing its return (step-wise; the learner gives them the episode's
-advantage: tasks/engines/training.py), counted in agent/split_episodes. The return: what the agent returned, else
-what it set with POST /rl/set_reward, else none (reward.functions score the final transcript: `turns`).
+on the stage's endpoint (endpoint.py), which records every model call's tokens under that key. An agent that
+fails (raises, hangs, dies) costs only its episode. An episode becomes samples without re-tokenizing: one chain
+of calls is one sample, the turns merged; several chains are several samples sharing the episode's return.
+More: docs/internals.md (tasks/envs/agents.py): limits, failures, and how calls become samples, in full.
 """
 
 from __future__ import annotations

@@ -6,33 +6,12 @@
       isolation: thread                                # one Chromium per stage process, a context per episode
 
 A dataset row is a task: `prompt` (the intent), `start` (a path or URL, default "/") and `check` (how the
-episode is scored, below). `reset` opens the start page in a browser context of the episode's own (its own
-cookies: the site's session) and returns the task and the page. Each observation is the page's accessibility
-tree as text, Chromium's own (the DevTools protocol's full AX tree, as WebArena reads it), one node a line with
-the number that actions name it by:
-
-    Page: Blue Kettle - Corner Shop (http://127.0.0.1:8765/product/blue-kettle)
-    [14] heading 'Blue Kettle' level: 1
-    [16] StaticText 'Price: $24.99'
-    [23] spinbutton 'Quantity' value: '1'
-    [25] button 'Add to cart'
-
-Actions are tool calls (Hermes/Qwen format, declared through the chat template) or the same words as text,
-WebArena's way, for a model without tools: `click [25]`, `type [23] [2]` (`type [23] [2] [1]` presses Enter
-after), `select [19] [M]`, `goto [/cart]`, `answer [24.99]` (`stop [...]` too). An action the model got wrong
-(no action, an element not on the page, a site other than the task's) is an observation saying so, never a
-crash. `answer` ends the episode and its checks give the reward, 1 or 0:
-
-    check: {"answer": {"exact": "24.99"}}                       # the answer, normalised ("$24.99." == "24.99")
-    check: {"answer": {"must_include": ["tea tin"]}}
-    check: {"url": "/cart"}                                     # the page the episode ended on
-    check: {"pages": [{"url": "/orders/last", "must_include": ["2 x Wool Socks (size M)"]}]}   # the site's state
-
-All checks given must pass. `pages` are opened in the episode's own context, so they see its session, as
-WebArena's program_html checks do. The episode's answer, final URL and each check's result are kept as its
-`env_state`.
+episode is scored). Each observation is the page's accessibility tree as text, one node a line with the number
+that actions name it by; actions are tool calls or the same words as text (`click [25]`, `type [23] [2]`,
+`answer [24.99]`, ...), and `answer` ends the episode: its checks give the reward, 1 or 0.
 
 Without Playwright or a Chromium the environment refuses before the run starts, with one line (`preflight`).
+More: docs/internals.md (tasks/envs/browser.py): observations, actions and checks, in full.
 """
 
 from __future__ import annotations

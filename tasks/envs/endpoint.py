@@ -6,40 +6,13 @@ tokens of every call under its episode.
         ... the agent calls ep.base_url with `key` (openai.OpenAI(base_url=ep.base_url, api_key=key)) ...
         log = ep.close(key)                                  # its calls: prompt ids, completion ids, logprobs
 
-Routes (Authorization: Bearer <the episode's key> on each):
-    GET  /v1/models                the one model: the policy the schedule names for this iteration
-    POST /v1/chat/completions      messages (+ tools) through the policy's chat template; stream or not
-    POST /v1/completions           a prompt as text or as token ids; stream or not
-    POST /v1/responses             the Responses API for text and function calls (input items, instructions)
-    POST /rl/set_reward            {"reward": float, "info": {...}}: the agent's own reward for its episode
-    POST /inference/v1/generate    {model, token_ids, sampling_params}: tokens in, tokens out (verifiers 0.4's
-                                   trainer client; tasks/envs/verifiers_v04.py: generate_response)
-
-Why here and not a vLLM server: the endpoint must serve whatever engine the run samples with (hf on a CPU,
-vLLM offline or as a server), only the scheduled policy (a request naming another model is refused: the
-version check), within the run's sampling bounds, and record what was *sampled*, token for token. Nothing an
-agent sends is re-tokenized into training data:
-
-  * A chat call whose messages extend an earlier call of its episode (that call's messages, then the reply the
-    endpoint gave, then new messages: tool results, the user's next turn) is rendered as that call's prompt ids
-    + its completion ids + the tokens of the new messages alone (the closing of the assistant's turn and the
-    next turn's header included, as tasks/envs/episodes.py renders observations). So the prompt the model sees
-    extends the earlier sequence token for token, and the turns merge into one sample (agents.py).
-  * A call that does not (the agent edited, dropped or summarised its history, or changed its tools) is
-    rendered fresh by the chat template: its own sample, sharing the episode's return (step-wise).
-
-Sampling, two ways, both reproducible (a rerun of the stage samples the same tokens for the same calls):
-  * in rounds (`lockstep`, what agents.py's runner uses): a call waits until every open episode is waiting on a
-    call of its own (or has ended), then all of them are sampled as one batch of the session, in episode order,
-    seeded by the round. Which calls share a round depends on the agents alone, never on timing: the runner
-    decides (`settle`) between its own opens and closes. One batched sampling per round, as environments' turns
-    are sampled, on hf and vLLM offline; a vLLM server gets one request per round, not per call.
-  * one at a time (the default for an endpoint nobody settles): each call alone, seeded by its episode's seed and
-    its place in the episode.
-Limits, as environments have them: env.max_turns calls per episode, env.max_tokens tokens after the episode's
-first prompt; a call past either is refused (HTTP 400, code `episode_limit`) and the episode is marked
-truncated. A request may narrow max tokens (up to generate.max_completion_length), temperature and top-p within
-env.endpoint's bounds; outside them it is refused (HTTP 400 naming the field).
+Routes (Authorization: Bearer <the episode's key> on each): GET /v1/models; POST /v1/chat/completions,
+/v1/completions, /v1/responses, /rl/set_reward and /inference/v1/generate (verifiers 0.4's token route).
+It serves only the scheduled policy, on whatever engine the run samples with, and records what was sampled:
+a chat call that extends an earlier call of its episode is rendered as that call's tokens followed by the new
+messages' tokens, never re-tokenized. Sampling is in rounds (`lockstep`) or a call at a time, reproducible
+either way; env.max_turns and env.max_tokens bound an episode.
+More: docs/internals.md (tasks/envs/endpoint.py): the routes, rendering, sampling and limits, in full.
 """
 
 from __future__ import annotations

@@ -5,21 +5,11 @@
 
 For each dataset row, `params.n` episodes (a GRPO group: episodes of the same task), each with an environment
 of its own (env.factory). Turn by turn, every episode still going asks the engine for one completion of its
-whole context, the prompt's ids followed by every id so far. The engine returns token ids and behaviour
-logprobs, and nothing is ever re-tokenised. The model's message goes to its environment, and the observation
-comes back as the tokens the chat template renders for it: the rendering of a dummy turn followed by the
-observation, minus the rendering of the dummy turn. The end of the assistant's turn (`<|im_end|>\\n`, or what the
-template closes a turn with) comes first, less what the model already wrote (its EOS). The record's `mask` is
-1 on the model's tokens and 0 on the observation's. Their logprobs are 0 and they never enter the loss.
-
-Each episode's environment lives in a process of its own (env.isolation: process), in this one (thread), or on
-the environment server (env.server_url / env.where): a handle of one type either way (tasks/envs/isolation.py),
-so this loop never asks where. Its calls (reset, step, close) are made from threads of their own; in-process
-`async def` ones run on one event loop thread. An episode's calls share env.timeout_seconds, and
-env.concurrency of them are in flight at once. A call that raises, returns garbage, runs out of time or whose
-process dies ends that episode only. It keeps the tokens so far and gets no return (`env_error`, counted in
-env/errors). A process past its deadline is killed; in thread mode a hung call's thread is left behind, as a
-daemon.
+whole context; the observation comes back as the tokens the chat template renders for it, and nothing is ever
+re-tokenised. The record's `mask` is 1 on the model's tokens and 0 on the observation's.
+Each episode's environment is behind one handle (tasks/envs/isolation.py) wherever it runs; a call that fails
+ends that episode only (`env_error`).
+More: docs/internals.md (tasks/envs/episodes.py): how observations are rendered, where environments run, deadlines.
 """
 
 from __future__ import annotations

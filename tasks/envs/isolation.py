@@ -7,20 +7,10 @@ episode loop and the server call every handle alike, through a Caller that gives
     env.reset(row); env.step(message); env.close(); env.state
     env.kill()                                    # what the episode loop does to a call past its deadline
 
-In a process of its own a crash of the environment (a segfault, `os._exit`, the OOM killer) or a call that
-never returns costs its episode, nothing else. The children come from a forkserver: a small process started
-once, that imported tasks.envs and the environment's module (env.factory) and forks one child per episode. So
-a child never inherits this process's threads or its torch and engine state, and it costs a fork of a small
-process, not a new interpreter. Calls and replies are pickled over a pipe. The child runs `async def` methods on
-an event loop of its own.
-
-What a process pays the first time it does something, the forkserver pays once, before it forks
-(_prepare_forkserver): it validated the config, built the tool schemas of the environment class's methods
-(tools.schema), and a child does not run this process's `__main__` again (multiprocessing's default: a
-script's imports and top-level code in every episode's process). So an episode's process costs a fork and its
-pickles, ~12 ms here, not ~78 ms (bench/isolation_per_episode.py). What the environment's own `__init__` does
-is each episode's, as with env.isolation: thread; work at its module's top level is done once (the forkserver
-imports the module).
+In a process of its own a crash of the environment or a call that never returns costs its episode, nothing
+else. The children are forked from a forkserver that imported the environment's module, so an episode's
+process costs a fork and its pickles (~12 ms here), not a new interpreter.
+More: docs/internals.md (tasks/envs/isolation.py): the forkserver, and what it pays once for every episode.
 """
 
 from __future__ import annotations

@@ -10,18 +10,7 @@ session of openenv-core's `EnvClient`: `reset(**kwargs)`, then `step(action)` un
 openenv-core pins packages that clash with Prefect's (Makefile), so its client runs in a Python of its own,
 `.venv-openenv` (make setup builds it), in one bridge process per rlflow process (tasks/envs/openenv_bridge.py),
 which holds the sessions of all the episodes of that process and runs their calls concurrently.
-
-- The client is openenv-core's `GenericEnvClient` (actions and observations as plain data), or the
-  environment's own typed client (`client: "echo_env:EchoEnv"`, `action: "echo_env:EchoAction"`), installed
-  into .venv-openenv.
-- `reset` passes the row's `reset_columns` (default: `seed`) to the server's reset. The prompt is the row's
-  prompt followed by the first observation.
-- The model's message is the action: its text as `{action_field: text}`, or its first tool call's arguments as
-  the action's fields.
-- An observation reaches the model as its `observation_field`, or its one text field, or else as JSON (less
-  `done`, `reward` and `metadata`). The step's reward is the result's (None counts 0); done is the result's.
-- A server that refuses a call (an error from its environment) or goes away ends that episode only, as any
-  environment failure does. The last observation is the episode's `env_state` (`observation`).
+More: docs/internals.md (tasks/envs/openenv_adapter.py): clients, resets, actions, observations, failures.
 """
 
 from __future__ import annotations

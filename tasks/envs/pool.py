@@ -6,31 +6,12 @@ stages' episodes (RemoteEnvironment) talk to it as they talk to one server; only
     python -m tasks.envs.pool --config C [--overrides-json J] [--host 0.0.0.0] [--port 8330] [--idle-minutes 30]
                               [--exit-with-parent] [--member URL]...
 
-**Routing.** `POST /episodes` goes to the live member with the fewest open episodes (ties: the lowest index), and
-the episode's id becomes `<member>.<generation>.<the member's id>`: every later call of that episode
-(`/episodes/ID/reset|step|close`, `DELETE /episodes/ID`) goes to the member, and the generation, that made it. The
-id carries its route, so a front started again routes the episodes it did not open.
-
-**Failures.** A member that does not answer is lost: it refuses a connection, or drops one and then does not answer
-/health on a new one either, or its health check (every PROBE_SECONDS) fails twice. The calls of its episodes
-answer the server's own failure, `{"error": ..., "kind": "died"}`, so each fails its episode alone, as an
-environment process that died does (isolation.py: EnvironmentDied); new episodes go to the live members. Only with
-no member live does `POST /episodes` answer 503, which fails the stage (server.py: ServerGone) for the flow to
-retry. A dropped connection to a member that still answers fails only the episode whose call it carried.
-
-**Replacement** is the owner's (flows/launch.py: EnvServer, which starts the members: processes, or SkyPilot
-clusters): it reads `/health`, starts a new member for a lost one and hands the front the whole table,
-`PUT /pool/members {"members": [{"url" (null: not up), "generation"}, ...]}`. A member whose URL or generation
-changed is a new one: the episodes of the one before it answer "died". `--member URL` (repeated) sets a fixed
-table instead, for a pool run by hand.
-
-Routes: those of server.py (every one but /health needs `Authorization: Bearer <RLFLOW_ENV_TOKEN>` when that is
-set; the front sends its own token on to the members, which are started with the same), and
-    GET /health          {"pool": true, "size", "live", "episodes" (open), "routed", "lost", "replaced",
-                          "members": [{"index", "url", "live", "generation", "episodes", "routed", "lost", "why"}]}
-    PUT /pool/members    the members' table (above)
-
+A new episode goes to the live member with the fewest open episodes, and its id carries its route. A lost member's
+episodes fail alone ("died"); only with no member live does `POST /episodes` answer 503. The owner
+(flows/launch.py: EnvServer) replaces lost members and hands the front the table (`PUT /pool/members`).
+Routes: those of server.py, with GET /health saying the pool's state, and PUT /pool/members.
 Light on purpose (no torch, no environment imports): the front only forwards bytes.
+More: docs/internals.md (tasks/envs/pool.py): routing, failures, replacement and the routes, in full.
 """
 
 from __future__ import annotations

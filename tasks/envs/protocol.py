@@ -12,9 +12,7 @@
 One instance serves one episode: the factory is called once per episode, so state never leaks between them.
 An episode ends when the environment says done, at env.max_turns, or when env.max_tokens would be passed. The
 return is the sum of the turn rewards (env.returns: sum) or the last one (final).
-
-Environments written for other APIs are driven through adapters (adapters.py): TRL's environment_factory
-classes, gymnasium text environments. `environment(cfg)` picks one (env.adapter, or auto from the instance).
+More: docs/internals.md (tasks/envs/protocol.py): adapters for other APIs, and `environment(cfg)`.
 """
 
 from __future__ import annotations

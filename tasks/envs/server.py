@@ -5,28 +5,13 @@ template stay in the stage; only the protocol's calls travel (docs/environments.
     python -m tasks.envs.server --config C [--overrides-json J] [--host 0.0.0.0] [--port 8330] [--idle-minutes 30]
                                 [--exit-with-parent]
 
-The flow starts it (flows/launch.py: EnvServer): a process on its machine (env.where: local) or a job on a
-CPU spot cluster (sky/env.yaml, env.where: sky), and hands its URL and token to the stages as RLFLOW_ENV_SERVER
-and RLFLOW_ENV_TOKEN. Or run it yourself anywhere and set env.server_url.
-
-The routes (JSON; every one but /health needs `Authorization: Bearer <RLFLOW_ENV_TOKEN>` when that is set):
-    GET    /health                         {"factory": ..., "episodes": n}
-    POST   /episodes           {"row"}     {"id", "tools"}: the environment made (env.isolation applies here)
-    POST   /episodes/ID/reset  {"arg": row}        {"value": messages}
-    POST   /episodes/ID/step   {"arg": message}    {"value": [observation, reward, done, info]}
-    POST   /episodes/ID/close                       {"value": env_state}
-    DELETE /episodes/ID                             the environment killed (a call past the stage's deadline)
-A failure of the environment is {"error": "Type: text", "kind": "failed" | "died" | "invalid"}: the client raises
-what the in-stage isolation would (isolation.py), so an episode fails here exactly as it would in the stage.
-A server that does not answer at all fails the stage instead (ServerGone): the flow retries it after making
-sure the server is up again (a preempted env cluster is launched again).
-
-With env.servers: N the flow puts N of these behind one URL, the pool's front (tasks/envs/pool.py), which speaks
-these same routes; a lost server there fails its own episodes only ("died"), and the front answers 503 (ServerGone
-here) only when none is left.
-
-The server leaves after --idle-minutes without a request, so a flow that died leaves no spot machine busy past
-SkyPilot's autostop. Episodes nobody has touched for env.timeout_seconds + 60 s are killed.
+The flow starts it (flows/launch.py: EnvServer), here or on a CPU spot cluster (sky/env.yaml), and hands its URL
+and token to the stages as RLFLOW_ENV_SERVER and RLFLOW_ENV_TOKEN; or run it yourself and set env.server_url.
+Routes: GET /health, POST /episodes, POST /episodes/ID/reset|step|close, DELETE /episodes/ID. An environment's
+failure fails its episode as it would in the stage; a server that does not answer fails the stage (ServerGone).
+With env.servers: N the flow puts N of these behind one front (tasks/envs/pool.py). The server leaves after
+--idle-minutes without a request.
+More: docs/internals.md (tasks/envs/server.py): the routes in full, failures, pools, forgotten episodes.
 """
 
 from __future__ import annotations

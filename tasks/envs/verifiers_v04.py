@@ -3,48 +3,16 @@ route verifiers 0.4's trainer client calls on the endpoint (tasks/envs/endpoint.
 
     env:
       agent: "tasks.envs.verifiers_v04:run"
-      isolation: thread                # one bridge process per rlflow process serves every episode (below)
+      isolation: thread                # one bridge process per rlflow process serves every episode
       kwargs:
         env: {taskset: {id: my_taskset}, agent: {harness: {id: "null"}, runtime: {type: subprocess}}}
         client: train                  # or eval (the default)
         tokenizer: builtin:tiny-lm     # client train: the policy's tokenizer, which verifiers renders prompts with
         path: [envs]                   # folders the environment's packages are imported from
 
-verifiers 0.4 moved every model call out of the environment: a harness program (a PEP 723 script verifiers
-runs with uv, or a container's agent CLI) calls the model over HTTP through verifiers' interception server,
-which records each turn on the episode's trace and forwards it to an inference server through a client:
-
-- `eval` (verifiers' EvalClient): the harness's own request, relayed as it is: POST {base_url}/chat/completions
-  (streamed: the chat programs stream), /responses or /messages, GET {base_url}/models. rlflow's endpoint renders
-  the prompt with the policy's chat template, as for any agent.
-- `train` (verifiers' TrainClient, what its trainers use): verifiers renders the prompt to token ids with the
-  policy's tokenizer (its `renderers` package) and calls POST /inference/v1/generate with
-  {model, token_ids, sampling_params}; a continued conversation is its previous prompt and completion ids,
-  extended, so the episode's calls chain token for token. `generate_response` below is that route.
-
-Either way the calls reach rlflow's endpoint under the episode's API key, which records them (the samples are
-built from those records, never from verifiers' trace), and the reward is what the environment's rubric
-(its tasks' @vf.reward functions and judges) gives the episode.
-
-verifiers 0.4 needs packages that clash with the main environment's pins (verifiers 0.3.1 itself for the 0.3
-adapter, openai, mcp, transformers), so it runs in `.venv-verifiers` (make setup), in a bridge process
-(tasks/envs/verifiers_v04_bridge.py) that does what verifiers' env server does for a trainer. One bridge per
-rlflow process and Python: it loads each environment once and keeps it serving (one interception server and
-the shared tool servers for all its rollouts, as verifiers' env server does; its harness programs' script
-environment prepared once), and runs every episode of the process concurrently on its event loop. A bridge per
-episode would pay verifiers' import (~4 s), the environment's load and an interception server on every episode,
-and hold a Python of ~190 MB (its imports alone) for each episode in flight. With env.isolation: process each
-episode is its own process, so each gets a bridge of its own: use `thread` (the environment is isolated in the
-bridge and the harness programs anyway).
-
-A row names its task by `task_idx` (the position in the environment's taskset: `taskset_rows` lists them),
-or carries the task's data itself (its fields validated by the taskset's task data type; other columns are
-ignored). The agent returns the episode's reward (the mean of its traces' rewards: one trace for a single-agent
-environment) and, as info, each trace's rewards, metrics, stop condition and turns. An episode verifiers could
-not score (a harness or model call failed, no reward recorded), or scored although one of its model calls failed,
-raises: the episode gets no return (env_error). A call the endpoint refuses past env.max_turns or env.max_tokens
-is such a failure to verifiers (it scores no errored trace): keep the environment's own limits (its agent's
-max_turns, sampling.max_tokens) within rlflow's, or those episodes come back truncated with no reward.
+verifiers 0.4 runs in `.venv-verifiers`, in a bridge process (tasks/envs/verifiers_v04_bridge.py); its model
+calls reach rlflow's endpoint under the episode's API key, which records them, and its rubric gives the reward.
+More: docs/internals.md (tasks/envs/verifiers_v04.py): the two clients, the bridge, rows, rewards, failures.
 """
 
 from __future__ import annotations

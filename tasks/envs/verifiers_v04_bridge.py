@@ -4,19 +4,13 @@ Standard library and verifiers only: this file is run by path, never imported by
 
     .venv-verifiers/bin/python tasks/envs/verifiers_v04_bridge.py     # JSON lines: requests on stdin, replies on stdout
 
-It does for rlflow what verifiers' own env server does for a trainer (verifiers.v1.serve.server.EnvServer._run):
-`load_environment(config)` once per environment config, held inside `env.serving()` (the interception servers
-and shared tool servers every rollout of that environment shares), then per episode `env.slots(task)` and
-`env.run_slot(slot, ModelContext(model, client, sampling))`. The client config points verifiers' interception
-server at rlflow's endpoint: `train` is verifiers' TrainClient (it renders the prompt with the policy's
-tokenizer and calls POST /inference/v1/generate), `eval` its EvalClient (it relays the harness's Chat
-Completions / Responses / Messages calls as they are). Only the transport differs from the env server's (ZMQ
-and msgpack, and a RunRequest that carries the client config): rlflow's side then needs neither, and an
-episode's API key never leaves this machine's processes.
+It does for rlflow what verifiers' own env server does for a trainer (verifiers.v1.serve.server.EnvServer._run),
+over JSON lines instead of ZMQ and msgpack.
 
 Requests: {"id", "op": "run", "env": {...}, "task_idx" | "task_data", "model", "client": {...}, "key",
 "sampling"}, {"id", "op": "tasks", "env"}, {"id", "op": "cancel", "target"}. Replies: {"id", "ok": value} or
 {"id", "error": "Type: text"}; the first line, {"id": null, "ok": "ready"}, says verifiers imported.
+More: docs/internals.md (tasks/envs/verifiers_v04_bridge.py): what it runs, and why a transport of its own.
 """
 
 from __future__ import annotations

@@ -8,41 +8,11 @@
     ...             verification_info=[{"test_cases": [{"type": "stdin_stdout", "input": "1 2\\n", "output": "3\\n"}]}])
     [1.0]
 
-The code is the completion's last ```python block, else its last ``` block (after any <think>...</think>);
-none scores 0 ("no code block"). Tests come from the row, in the formats of real datasets:
-- `verification_info` (open-r1/verifiable-coding-problems-python, PrimeIntellect/verifiable-coding-problems),
-  a dict or its JSON: {"language": "python", "test_cases": [{"type": "stdin_stdout", "input", "output"} or
-  {"type": "function_call", "fn_name", "input": JSON args, "output": JSON result}]}.
-- `test_list` (MBPP, HumanEval-style): assert statements, with an optional `test_setup_code`.
-A row with neither scores None (not applicable).
-
-Verdicts are made here, on the host; expected outputs never enter the sandbox:
-- stdin/stdout: the program runs once per test with the input on stdin; its stdout is compared here with the
-  expected output (trailing whitespace per line and trailing blank lines ignored) and it must exit with 0.
-- asserts are parsed with `ast`. `assert A <op> B` with B a literal (or set/tuple/sorted/... of literals)
-  sends only A into the sandbox; the harness returns A's value as a literal made of exact built-in types
-  (an object with its own __eq__, or an int subclass, is refused), and B is computed and compared here.
-  With B not a literal (a helper of the row's test_setup_code, a builtin such as map), B is evaluated in a
-  sandbox of its own that holds only the setup and the expected expressions, never the code (one such run
-  per row and batch), its value comes back as a literal the same way, and A and B are compared here: the
-  code can neither see nor change the expected side. (What decides: a part that reads only names the setup
-  defines and builtins is expected; a builtin the code redefines makes it the code's unless it stands
-  on the right of a comparison; a setup that reads names it does not define, i.e. calls the code, keeps its
-  helpers with the code.) `math.isclose(A, B, ...)` the same. `assert E` / `assert not E` for any
-  other E: E's value must be truthy / falsy here. That last form is weaker: the code runs before E is
-  evaluated, so it can patch what E calls (e.g. math.isclose) to return True. MBPP's asserts are almost
-  all of the first kind.
-- What the host computes from the code's values is bounded before it is computed (HOST_SIZE, INT_BITS:
-  repetition, concatenation, powers, %-formatting, sum, round, int, ranges), and the values are read with
-  bounded work (bounded_literal: size, nesting, int size, no sets or dicts of colliding hashes).
-So printing "all tests passed", exiting with 0 before the tests, patching the harness, writing fake results
-into its pipe or returning an always-equal object all score 0: the only thing that counts is a plain value
-or stdout judged here. Each test runs in a process of its own; see tasks/scoring/sandbox.py and docs/sandbox.md.
-
-Per completion a reason is recorded (TRL's `log_extra("code_reason", ...)`): "passed 3/3", "wrong answer
-(passed 1/3)", "timeout (passed 0/3)", "memory limit ...", "runtime error: ZeroDivisionError: ... ",
-"no code block", ...; metrics through `log_metric`: code/isolation_bubblewrap, code/pass_rate,
-code/all_passed, code/timeouts, code/no_code_block, code/seconds.
+The code is the completion's last ```python block, else its last ``` block; the tests come from the row
+(`verification_info` or `test_list`; neither: None). Verdicts are made here, on the host, and expected outputs
+never enter the sandbox (tasks/scoring/sandbox.py, docs/sandbox.md): only a plain value or stdout judged here
+counts. Each completion gets a reason ("passed 3/3", "wrong answer (passed 1/3)", ...) and code/* metrics.
+More: docs/internals.md (tasks/rewards/code.py): test formats, how each verdict is made, reasons and metrics.
 """
 
 from __future__ import annotations

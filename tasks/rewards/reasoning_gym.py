@@ -1,10 +1,8 @@
 """Rewards for reasoning-gym tasks (data.reasoning_gym, tasks/core/procedural.py): the task's own checker, and
 whether the answer came in the form the prompt asked for.
 
-    reward:
-      functions:
-        - {fn: "tasks.rewards.reasoning_gym:answer_reward", weight: 1.0}
-        - {fn: "tasks.rewards.reasoning_gym:format_reward", weight: 0.2}
+    reward.functions: [{fn: "tasks.rewards.reasoning_gym:answer_reward", weight: 1.0},
+                       {fn: "tasks.rewards.reasoning_gym:format_reward", weight: 0.2}]
 
 Both have TRL's signature and read the dataset columns the data source writes (`answer`, `question`,
 `metadata`, `answer_format`, `reasoning_gym`), so they also work in TRL's GRPOTrainer on the same rows.
@@ -13,9 +11,7 @@ Both have TRL's signature and read the dataset columns the data source writes (`
 `final`: leniently, see `readings`) and scores it with the task's own `score_answer` (1.0 right; some tasks give
 partial credit; 0.0 when no answer can be read). `format_reward` is 1.0 when the reply ends with its answer in
 that form, exactly once (`final`: the reply is one line).
-
-Why `final` (docs/benchmarks.md, "Accuracy, not format"): with a strict form, a 135M model's gains were mostly
-the form (the format paid, the sums not learnt); read leniently, a reply is paid for its answer alone.
+More: docs/internals.md (tasks/rewards/reasoning_gym.py): why `final`.
 """
 
 from __future__ import annotations

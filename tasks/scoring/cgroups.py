@@ -1,33 +1,15 @@
 """A cgroup per sandbox slot, where the host lets us make one (docs/sandbox.md: "cgroups").
 
 rlimits bound each process of a sandbox; a cgroup bounds all of them together, kernel memory included, and is
-how everything they started is found and killed, whatever uid or session it moved to:
-
-- memory: the sandbox's processes, its tmpfs pages and the kernel memory they cause (page tables, sockets,
-  dentries and inodes of a file flood) count against one limit; over it, the kernel kills inside the cgroup only.
-  Swap is not granted.
-- pids: processes and threads of the sandbox, its init and the harness included.
-- cpu: a quota of `cpus` CPUs (cfs quota), so one sandbox cannot take the cores of the others.
-- io: a read and write bandwidth (IO_BPS) and IOPS (IO_IOPS) per block device behind / , /usr and the
-  sandbox's binds (v2 io.max, v1 blkio.throttle.*), so one sandbox cannot take the host's disk. Optional:
-  where the controller or a block device is missing, `why_no_io` says so (the isolation report shows it).
-  (v1 throttles reads and direct writes only; the sandbox has no writable disk anyway, only tmpfs.)
-- kill: cgroup v2's `cgroup.kill`; on v1 every process in it is SIGKILLed, round after round until none is
-  left (pids.max bounds what can appear meanwhile; the freezer is not used: a thread of ours sits there).
-
-Both layouts are supported: cgroup v2 (unified: memory, pids and cpu enabled in our cgroup's subtree_control,
-which the kernel allows in the root cgroup or a delegated one) and cgroup v1 (a hierarchy per controller:
-memory, pids, cpu; our own cgroup in each, as /proc/self/cgroup names it). A slot's cgroups are made once,
-named for the slot's uid (unique on the machine: tasks/scoring/sandbox.py claim_uid), and reused run after
-run. Nothing of a sandbox ever runs outside them:
-- v1: each slot has a thread of ours that sits in the slot's cgroups (v1 places threads one by one), and the
-  sandbox's first process is forked by that thread, so it is born there. Moving a process between cgroups
-  costs an RCU grace period on v1 (5-25 ms measured here, per process); this costs none.
-- v2 (a process's threads share its cgroup): the new process moves itself between fork and exec, writing to
-  `cgroup.procs` descriptors opened here beforehand (the permission check is the opener's: ours).
+how everything they started is found and killed, whatever uid or session it moved to. A slot's cgroup holds
+one memory limit (no swap), a pids limit, a CPU quota and, where the host has the controller, a disk bandwidth
+and IOPS limit, and is killed whole. Both cgroup v2 and v1 are supported; a slot's cgroups are made once, named
+for the slot's uid (tasks/scoring/sandbox.py: claim_uid), reused run after run, and nothing of a sandbox ever
+runs outside them.
 
 Where none can be made (not root and nothing delegated, no memory or pids controller) `Cgroup.make` says why
 and the sandbox keeps its rlimits and uid sweep.
+More: docs/internals.md (tasks/scoring/cgroups.py): each controller, both layouts, how a process is born inside.
 """
 
 from __future__ import annotations

@@ -9,27 +9,10 @@
 
     python -m tasks.scoring.sandbox                  # which isolation is active here, and why
 
-Isolation levels (`reward.sandbox.isolation`, reported in every Run and as the `code/isolation_*` metrics):
-- `bubblewrap`: new user, pid, network, ipc, uts and cgroup namespaces (no network at all, only a private
-  loopback); a read-only root with /usr only (no /etc, /home, /root, project dir or store); a size-limited
-  tmpfs /tmp as the only writable place; an empty environment. When we are root each concurrent sandbox also
-  runs under its own uid (so RLIMIT_NPROC is per sandbox and leftovers can be swept by uid).
-- `rlimits` (fallback, warned about once per process): the same limits, empty environment and a private
-  temporary directory, under a dedicated uid when we are root; the file system (world-readable files) and
-  the network stay reachable. Not root and no bubblewrap: the code runs as our own user, which is weaker
-  still (it can signal our processes and read our files).
-
-Inside, a trusted harness (tasks/scoring/harness.py) starts first, then runs each test in a child process of its own:
-fork, fresh stdio (the test's input on stdin from a memfd, stdout/stderr to pipes), rlimits (CPU seconds,
-address space, file size, processes, open files), then the model's code. The harness is not dumpable, so
-the code, although it runs as the same user, cannot read its memory or reach its file descriptors. It sends
-back only what happened (stdout, exit status, the values of expressions) on a pipe of its own; verdicts are
-made by the caller on the host, and expected outputs never enter the sandbox (tasks/rewards/code.py).
-Everything a test started is killed before the next one; the host kills the whole sandbox at the wall
-clock (`timeout_seconds` + 2 s of grace), then everything in the slot's cgroup (tasks/scoring/cgroups.py:
-one memory limit for all the sandbox's processes, pids, a CPU quota) or, where the host allows no cgroup,
-sweeps the sandbox uid. Under bubblewrap the harness is the sandbox's pid 1; bwrap and it start under the
-sandbox's rlimits (prlimit). docs/sandbox.md has the threat model.
+Isolation (`reward.sandbox.isolation`, reported in every Run and as `code/isolation_*`): `bubblewrap` (namespaces,
+no network, a read-only root with /usr only), else `rlimits` (the same limits; files and network reachable).
+A trusted harness (tasks/scoring/harness.py) runs each test in a child of its own; verdicts are made on the host.
+More: docs/internals.md (tasks/scoring/sandbox.py): both levels, the harness, the kill. Threat model: docs/sandbox.md.
 """
 
 from __future__ import annotations

@@ -7,25 +7,11 @@ harness, the code and everything the code starts.
     /usr/bin/python3 -I tasks/scoring/syscall_filter.py > filter.bpf
 
 Allow by default, refuse what sandboxed code has no use for and what reaches outside its limits (docs/sandbox.md):
-  - other processes' memory and file descriptors: ptrace, process_vm_readv/writev, pidfd_getfd,
-    kcmp, prlimit64 on another process (bwrap's own pid 1 has no rlimits: nothing may reach it);
-  - kernel memory outside every limit: SysV shared memory, message queues and semaphores;
-  - kernel interfaces with a history of exploits: keyctl/add_key/request_key, io_uring, bpf,
-    perf_event_open, userfaultfd;
-  - budgets the kernel counts for the whole machine or user, not per cgroup: asynchronous-I/O contexts
-    (io_setup..., fs.aio-max-nr), io_uring, inotify instances (fs.inotify.max_user_instances), fanotify,
-    keyrings (pseudo-terminals, kernel.pty.max, are hidden by the sandbox's mounts: no /dev/pts);
-  - namespaces and mounts: unshare, setns, mount and the new mount API, pivot_root, chroot, clone with any
-    CLONE_NEW* flag, clone3 (ENOSYS: libc falls back to clone, whose flags can be checked);
-  - sockets of any family but AF_UNIX (the network namespace is empty, but AF_VSOCK is not namespaced);
-  - what acts on the whole machine, not on the caller: sync and syncfs (every dirty page of the host flushed,
-    past the sandbox's own disk throttle), the clock, the I/O priority of the disk it shares;
-  - direct I/O (O_DIRECT at open, openat or fcntl F_SETFL; openat2, whose flags a filter cannot read, is ENOSYS
-    and libc falls back to openat): queued behind the sandbox's disk throttle it puts a process into
-    uninterruptible sleep, which SIGKILL cannot end before the I/O does;
-  - administration calls (which need capabilities the sandbox has not anyway).
-docs/sandbox.md lists every system call whose effect is machine-wide and what becomes of it.
+other processes, kernel memory and budgets outside every limit, kernel interfaces with a history of exploits,
+namespaces and mounts, sockets other than AF_UNIX, calls that act on the whole machine, direct I/O and
+administration. docs/sandbox.md lists every system call whose effect is machine-wide and what becomes of it.
 Standard library and `seccomp` only.
+More: docs/internals.md (tasks/scoring/syscall_filter.py): what is refused, call by call, and why.
 """
 
 from __future__ import annotations

@@ -1,0 +1,229 @@
+"""The train stage's handle on a resident trainer in a process of its own (`train.mode: resident`, train.host
+detached): one trainer per run that stays alive across iterations on the train machine, holding model,
+optimizer and RNG in memory. The handle is `DetachedTrainer` (a TrainerHandle, tasks/engines/trainer.py, as the
+in-process one); the process it starts, tasks/engines/trainer_server.py, runs the same `Trainer`.
+
+    DetachedTrainer(cfg).prepare(N-1)            # (the flow, while it generates N) restore now
+    DetachedTrainer(cfg).train(N, fingerprint)   # update(N); ckpt-N lean; a full one every checkpoint_every
+    DetachedTrainer(cfg).finish()                # a full checkpoint of its last iteration, then exit
+
+A daemon (tasks/core/daemon.py), found again by later stage processes with the same config and replaced when
+dead, hung or configured otherwise (the new one restores by replay); requests over an authenticated Unix
+socket. With deepspeed it is a torchrun group whose process 0 answers; on several nodes one group across
+them, node 0's stage driving it, and losing any node ends the group (the next one resumes by replay).
+More: docs/internals.md (tasks/engines/detached.py): the requests, the lifecycle, a group on one node or more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import sys
+import time
+from multiprocessing.connection import Client
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from tasks.core.daemon import Daemon, forget
+from tasks.core.errors import UserError
+from tasks.core.paths import cache_root
+from tasks.core.processes import alive
+from tasks.core.stage import by_hand, command
+from tasks.engines.trainer import trainer_key
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+START_TIMEOUT = 1800.0           # seconds a new trainer may take to import torch and answer (not to load a model)
+MARKER = "tasks.engines.trainer_server"     # the module the trainer's processes run (tasks/engines/trainer_server.py)
+FINISH_WAIT = START_TIMEOUT      # seconds another node's finish waits for the group to run node 0's finish
+
+
+def state_dir() -> Path:
+    return cache_root() / "trainer"
+
+
+def node_layout() -> tuple[int, int]:
+    """(nodes, this node's rank) of the train stage, from the environment sky/train.yaml sets (NNODES, NODE_RANK);
+    (1, 0) on one machine."""
+    nodes = int(os.environ.get("NNODES") or 1)
+    return (nodes, int(os.environ.get("NODE_RANK") or 0)) if nodes > 1 else (1, 0)
+
+
+def group_key(cfg: Config) -> str:
+    """What this node's part of the run's trainer must have been started with: the config (trainer_key) and, on
+    several nodes, the group's layout (node count and rendezvous address: a relaunched cluster's new addresses
+    replace it)."""
+    nodes, _ = node_layout()
+    if nodes == 1:
+        return trainer_key(cfg)
+    where = f"{nodes}@{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT') or 29500}"
+    return f"{trainer_key(cfg)}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
+
+
+
+class DetachedTrainer:
+    """train.host detached: the train stage's handle on its run's resident trainer process (on this machine; on
+    several nodes, on each node its part of the group: node 0's stage drives it, another node's waits for it)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.nodes, self.node = node_layout()
+        name = cfg.run.name if self.node == 0 else f"{cfg.run.name}.node{self.node}"
+        self.path = state_dir() / f"{name}.json"
+        self.daemon = _daemon(self.path)
+        self.key = group_key(cfg)
+
+    def train(self, iteration: int, fingerprint: str) -> dict:
+        """Have the trainer train iteration `iteration` (starting one if none runs); it commits ckpt-N. (Another
+        node: this node's part joins the group if none runs, and this returns once the group committed ckpt-N.)"""
+        return self._request({"op": "train", "iteration": iteration, "fingerprint": fingerprint}, start=True)
+
+    def prepare(self, iteration: int) -> int:
+        """Have the trainer (started if none runs) hold the state after iteration `iteration` now: a new one
+        restores and replays while the flow generates iteration + 1, not when its train request comes. Writes
+        nothing. Returns the iteration it holds."""
+        return self._request({"op": "prepare", "iteration": iteration}, start=True)["at"]
+
+    def finish(self, catch_up: bool = False) -> int | None:
+        """A full checkpoint of the trainer's last iteration, then it exits. Returns that iteration, or None
+        when no trainer of this run runs here (nothing to do; with `catch_up`, one is started when the run's
+        newest iteration lacks a full checkpoint, and writes it)."""
+        if self.node:
+            return self._finish_part(catch_up)
+        state = self.daemon.read()
+        if state is not None and alive(state["pid"]) and (state.get("key") != self.key or "socket" not in state):
+            self.daemon.stop(state)     # made for another config (it cannot be asked to write our checkpoint), or
+            state = None                # its starter died before it answered
+        if state is None or not alive(state["pid"]):
+            if not catch_up:
+                return None
+            self._ensure()                  # a new one: on finish it restores what lacks a full checkpoint
+            state = self.daemon.read()
+        full = self._request({"op": "finish"}, start=False)["full"]
+        deadline = time.monotonic() + 30
+        while alive(state["pid"]) and time.monotonic() < deadline:     # it exits once it has answered
+            time.sleep(0.05)
+        return full
+
+    def _finish_part(self, catch_up: bool) -> int | None:
+        """Another node than the first: its part runs the finish node 0's stage asks the group for, then records
+        the full checkpoint's iteration in its state file and exits; this waits for that (whether it came before
+        or after this call). With `catch_up` and no part here, one is started to join node 0's new group (node 0
+        decides the same from the same store: nothing runs there either once a node is gone)."""
+        state = self.daemon.read()
+        if state is not None and "finished" in state and not alive(state["pid"]):
+            forget(self.path, state["pid"])
+            return state["finished"]
+        if state is not None and (state.get("key") != self.key or "socket" not in state or not alive(state["pid"])):
+            self.daemon.stop(state)
+            state = None
+        if state is None:
+            if not catch_up:
+                return None
+            self._ensure()
+            state = self.daemon.read()
+        deadline = time.monotonic() + FINISH_WAIT
+        while alive(state["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        now = self.daemon.read() or {}
+        if now.get("pid") == state["pid"] and "finished" in now and not alive(state["pid"]):
+            forget(self.path, state["pid"])
+            return now["finished"]
+        # The group ended without a finish (a node was lost), or outlived the wait: as node 0 finds nothing to
+        # finish then, None (finish_trainer then catches up, as node 0 does, when the newest iteration lacks one).
+        print(f"node {self.node}'s part of the resident trainer of run {self.cfg.run.name} ended without the "
+              f"group's finish (log: {self.path.with_suffix('.log')})", file=sys.stderr, flush=True)
+        self.daemon.stop(state)
+        return None
+
+    def close(self) -> None:
+        """Nothing: the trainer outlives the stage (the flow finishes it; idle, it stops itself)."""
+
+    def _request(self, message: dict, start: bool) -> dict:
+        address, authkey = self._ensure() if start else self._address(self.daemon.read())
+        try:
+            with Client(address, authkey=authkey) as conn:
+                conn.send(message)
+                status, payload = conn.recv()
+        except (ConnectionError, EOFError, OSError) as e:
+            raise RuntimeError(f"the resident trainer of run {self.cfg.run.name}"
+                               f"{f' (node {self.node} of {self.nodes})' if self.nodes > 1 else ''} died or went "
+                               f"away during {message['op']} ({type(e).__name__}); a retry starts a new one, which "
+                               f"resumes by replay (log: {self.path.with_suffix('.log')})") from e
+        if status == "user_error":
+            raise UserError(payload)
+        if status == "error":
+            raise RuntimeError(f"resident trainer: {payload}")
+        return payload
+
+    @staticmethod
+    def _address(state: dict) -> tuple[str, bytes]:
+        return state["socket"], bytes.fromhex(state["authkey"])
+
+    def _ensure(self) -> tuple[str, bytes]:
+        """The address of this run's trainer with our key; started (detached) if none answers (the daemon
+        helper, tasks/core/daemon.py: one caller at a time per run on this machine, so a flow's prepare and a
+        stage process that ask together start one trainer, not two)."""
+        return self._address(self.daemon.ensure(self.key, self._answers, self._start))
+
+    def _answers(self, state: dict) -> bool:
+        """A ping, answered at once even while the trainer is busy with another request (on several nodes: "ok"
+        only while the whole group is linked). A state file without a socket is a start whose caller died."""
+        if "socket" not in state:
+            return False
+        address, authkey = self._address(state)
+        try:
+            with Client(address, authkey=authkey) as conn:
+                conn.send({"op": "ping"})
+                return conn.poll(30) and conn.recv()[0] == "ok"
+        except (ConnectionError, EOFError, OSError):
+            return False
+
+    def _start(self) -> dict:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        config = self.path.with_suffix(".config.yaml")   # the resolved config: the same fingerprints there
+        config.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+        authkey = secrets.token_hex(16)
+        if self.cfg.train.engine == "deepspeed":        # a torchrun group: its process 0 writes the state file
+            from tasks.engines.deepspeed_engine import DeepSpeedEngine
+            argv, env = DeepSpeedEngine.torchrun(self.cfg)
+        else:
+            argv, env = [sys.executable], dict(os.environ)
+        # (`-m tasks...` from the user's folder: spawn's safe path imports rlflow's tasks, not a tasks/ there)
+        env = {**env, "RLFLOW_TRAINER_AUTHKEY": authkey, "RLFLOW_TRAINER_KEY": self.key, "PYTHONUNBUFFERED": "1"}
+        if self.nodes > 1:          # where the other nodes' first processes reach process 0 (its link server)
+            env["RLFLOW_LINK_ADDR"] = os.environ["MASTER_ADDR"]
+
+        def ready(spawned: dict) -> dict | None:       # it writes the state file (with its socket) once it listens
+            state = self.daemon.read()
+            return state if state is not None and state.get("pid") == spawned["pid"] and "socket" in state else None
+
+        # The state file is written now (without a socket) and rewritten by the trainer once it listens: a stage
+        # killed during the start leaves it, and the next one stops that trainer before it starts another (on
+        # several nodes a second part of one node would join the rendezvous beside the first).
+        state = self.daemon.start([*argv, "-m", MARKER, "serve", str(self.path), str(config)], env, ready,
+                                  START_TIMEOUT, f"the resident trainer of run {self.cfg.run.name}"
+                                  + (f" (node {self.node} of {self.nodes})" if self.nodes > 1 else ""),
+                                  state={"key": self.key, "node": self.node})
+        if by_hand():       # no flow will finish it: say that it stays, until when, and how to stop it now
+            idle = self.cfg.train.idle_timeout
+            print(f"train: started the resident trainer of run {self.cfg.run.name} (pid {state['pid']}, log "
+                  f"{self.path.with_suffix('.log')}): it keeps the model for the next iterations and stops by itself "
+                  + (f"after {idle:.0f} s unused (train.idle_timeout)" if idle else "never (train.idle_timeout 0)")
+                  + f"; to stop it now, after a full checkpoint: {command('train finish', 0)}",
+                  file=sys.stderr, flush=True)
+        return state
+
+
+def _daemon(path: Path) -> Daemon:
+    """A run's trainer as a daemon: its processes (a torchrun group's too) carry MARKER on their command lines."""
+    return Daemon(path, MARKER, stop_wait=10.0)
+
+
+def _stop(path: Path, state: dict) -> None:
+    """Stop the trainer `state` names (SIGTERM, then SIGKILL) and forget it (what a test or a benchmark left)."""
+    _daemon(path).stop(state)
