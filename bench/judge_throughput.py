@@ -45,9 +45,10 @@ from flows.launch import spawn_server  # noqa: E402
 from tasks.core import builtin_models, layout  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.contracts import Rollout  # noqa: E402
+from tasks.core.hashing import known_sha256  # noqa: E402
 from tasks.core.processes import kill_group  # noqa: E402
 from tasks.scoring.functions import load_functions, score_records  # noqa: E402
-from tasks.scoring.judges import READY, TOKEN_VAR, _sha256, resolve  # noqa: E402
+from tasks.scoring.judges import READY, TOKEN_VAR, model_path  # noqa: E402
 
 MODEL = "builtin:smollm2-135m"
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -84,7 +85,7 @@ def make_records(n: int) -> list[Rollout]:
 
 
 def spec(kind: str = "judge", **extra) -> dict:
-    pin = _sha256(Path(builtin_models.resolve(MODEL)))
+    pin = known_sha256(Path(builtin_models.resolve(MODEL)))
     base = {"name": kind, "kind": kind, "model": MODEL, "sha256": pin,
             "template": JUDGE if kind == "judge" else VERDICT}
     if kind == "judge":
@@ -163,7 +164,7 @@ def on_vllm(tmp: Path, args) -> dict:
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     model = spec(where="local", engine="vllm", batch_size=16)
     cfg = load_config(TINY, overrides(tmp, [model]))
-    folder = resolve(cfg, cfg.reward.models[0], "bench")
+    folder = model_path(cfg, cfg.reward.models[0], "bench")
     return through_server(tmp, args, model, str(VLLM_PYTHON), args.vllm_start_timeout, env,
                           ["--model-path", folder])
 

@@ -562,10 +562,10 @@ class JudgeServers:
         python, resolved = sys.executable, []
         if spec.engine == "vllm":      # (resolved and pin-checked here: the vLLM environment cannot read GGUF files)
             from tasks.engines.vllm_offline import installed_python
-            from tasks.scoring.judges import resolve
+            from tasks.scoring.judges import model_path
 
             python = installed_python(self.cfg)
-            resolved = ["--model-path", resolve(self.cfg, spec, f"reward.models ({spec.name})")]
+            resolved = ["--model-path", model_path(self.cfg, spec, f"reward.models ({spec.name})")]
         proc, url, _ = spawn_server(["-m", "tasks.scoring.judge_server", "--config", self.config_path,
                                      "--overrides-json", json.dumps(self.overrides), "--model", spec.name,
                                      "--port", "0", "--exit-with-parent", "--idle-minutes", idle, *resolved],

@@ -429,7 +429,7 @@ def _offline_store(root: Path) -> dict[str, str]:
 
 
 def _reward_model_cases() -> dict[str, tuple[list[str], str]]:
-    from tasks.scoring.judges import pin_of
+    from tasks.core.models import pin_of
 
     tiny = builtin_models.resolve("builtin:tiny-lm")
     pin = pin_of(tiny)

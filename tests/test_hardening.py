@@ -49,15 +49,14 @@ def test_a_refused_config_says_its_refusal_only(capsys):
 @pytest.mark.parametrize("model, line", [
     ("/nonexistent/judge.gguf", "reward.models[1] (j).model: /nonexistent/judge.gguf: no such GGUF file"),
     ("builtin:nosuch", "reward.models[1] (j).model: unknown builtin model 'nosuch'; expected one of"),
-    ("/nonexistent/folder", "reward.models[1] (j).model: '/nonexistent/folder' is neither a local folder nor a hub "
-                            "model"),
+    ("/nonexistent/folder", "reward.models[1] (j).model: /nonexistent/folder: no such file or folder"),
 ])
 def test_a_judges_missing_model_is_one_line_naming_its_entry(model, line):
     """Every path of every entry checked before the lease (a pinned GGUF that is not there: a traceback before),
     and blamed on that entry, never on the policy's model.name_or_path, though the same resolvers check both."""
     from flows.preflight import preflight
     from tasks.core import builtin_models
-    from tasks.scoring.judges import pin_of
+    from tasks.core.models import pin_of
 
     ok = {"name": "k", "kind": "judge", "model": "builtin:tiny-lm", "template": "{completion}",
           "sha256": pin_of(builtin_models.resolve("builtin:tiny-lm"))}

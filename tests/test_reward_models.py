@@ -18,8 +18,8 @@ import torch
 from tasks.core import builtin_models
 from tasks.core.config import load_config
 from tasks.core.contracts import Rollout
+from tasks.core.models import pin_of
 from tasks.scoring.functions import RewardFunctionError, load_functions, score_records
-from tasks.scoring.judges import pin_of
 from tests.conftest import ROOT, TINY, run_cli, user_module
 
 TINY_LM = builtin_models.resolve("builtin:tiny-lm")
@@ -194,7 +194,7 @@ def _yaml(path: Path) -> dict:
 
 
 def _real_judge_config(tmp_path: Path, where: str) -> Path:
-    from tasks.scoring.judges import _sha256
+    from tasks.core.hashing import known_sha256 as _sha256
 
     gguf = Path(builtin_models.resolve("builtin:smollm2-135m"))
     data = _yaml(TINY)
@@ -238,12 +238,12 @@ def test_a_real_model_judges_a_run_and_a_killed_stage_asks_only_the_rest(prefect
     # the policy this run registered can judge the next run, pinned by its MLflow version
     from tasks.core.policy import materialize
     from tasks.core.store import open_store
-    from tasks.scoring.judges import resolve
+    from tasks.scoring.judges import model_path
 
     run_cfg = load_config(cfg)
     entry = run_cfg.reward.models[1].model_copy(update={"model": "models:/judged/1", "sha256": None})
     published = materialize(open_store(run_cfg), "judged/policy/v000002")
-    assert pin_of(resolve(run_cfg, entry, "reward.models[1]")) == pin_of(str(published))
+    assert pin_of(model_path(run_cfg, entry, "reward.models[1]")) == pin_of(str(published))
 
     # the same store without iteration 2's scores and answers: the stage, killed while it asks, then run again
     shutil.copytree(tmp_path / "a/store", tmp_path / "b/store")

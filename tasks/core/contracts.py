@@ -1,22 +1,15 @@
 """The contracts, in one place: the records the stages, engines and learners exchange, and the Protocols each
-family of implementations keeps. Every implementation imports its contract from here; this module imports
-nothing of theirs (the standard library; the config only for annotations), so a factory may import its
-implementations and they import this, never each other: no import cycles (tests/test_layout.py checks that, and
-that every implementation keeps its family's methods with the Protocol's parameters).
+family of implementations keeps. Every implementation imports its contract from here, and this module imports
+nothing of theirs, so there are no import cycles (tests/test_layout.py checks that, and the Protocols' methods).
 
-    records     Rollout (what stages exchange, one completion), SamplingParams / Sample / Sampled (a sampling
-                request and its answer), Step (an environment's answer), MicroBatch / Forward / Totals (what a
-                learner computes its loss from)
-    sampling    SamplingEngine (tasks/engines/hf.py, vllm_offline.py, vllm_server.py; factory:
-                tasks/engines/sampling.py) and the SamplingSession it opens per policy
-    training    TrainingEngine (tasks/engines/torch_engine.py, deepspeed_engine.py; factory:
-                tasks/engines/training.py); TrainerHandle, the run's trainer wherever it lives
-                (tasks/engines/trainer.py, resident.py; factory: tasks/train.py); Learner, one algorithm's side of
-                an update (tasks/algorithms/learners/; registry.py)
-    environments  Environment (what a user's environment class offers; tasks/envs/adapters.py makes others
-                into one) and EnvironmentHandle (one episode's environment in this process, a process of its own
-                or on the environment server: tasks/envs/isolation.py, server.py)
-    store       ArtifactStore: what the stages ask of a store (tasks/core/store.py: FileStore, S3Store)
+    records       Rollout, SamplingParams / Sample / Sampled, Step, MicroBatch / Forward / Totals
+    sampling      SamplingEngine (tasks/engines/hf.py, vllm_offline.py, vllm_server.py) and its SamplingSession
+    training      TrainingEngine (tasks/engines/torch_engine.py, deepspeed_engine.py); TrainerHandle
+                  (tasks/engines/trainer.py, detached.py); Learner (tasks/algorithms/learners/)
+    environments  Environment and EnvironmentHandle (tasks/envs/isolation.py, server.py)
+    store         ArtifactStore (tasks/core/store.py: FileStore, S3Store)
+
+More: docs/internals.md (tasks/core/contracts.py): what each record and Protocol is for, and the factories.
 """
 
 from __future__ import annotations
@@ -59,6 +52,18 @@ class Rollout:
                                 # sharing its return and advantage (tasks/envs/agents.py)
     timings: list[dict] | None = None     # multi-turn: per model turn {"model": s, "env": s}, the batched call
                                           # that made it and the environment's step (for traces: tasks/core/traces.py)
+
+
+@dataclass
+class Scored:
+    """What scoring a batch gives, for reward functions and reward models alike."""
+
+    scores: dict[str, list[float | None]] = field(default_factory=dict)   # function or model name -> a score
+    #                                                      per completion (None = missing)
+    errors: dict[str, str] = field(default_factory=dict)     # function or model name -> what went wrong
+    nan: dict[str, int] = field(default_factory=dict)        # function name -> NaN/inf scores made missing
+    extra: dict[str, list] = field(default_factory=dict)     # log_extra columns, one value per completion
+    metrics: dict[str, float] = field(default_factory=dict)  # log_metric means
 
 
 @dataclass(frozen=True)

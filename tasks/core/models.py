@@ -13,6 +13,7 @@ import torch
 
 from tasks.core import builtin_models, gguf, layout
 from tasks.core.errors import UserError
+from tasks.core.hashing import known_sha256
 from tasks.core.policy import materialize
 from tasks.core.process_wide import PROCESS_WIDE  # (why it exists: tasks/core/process_wide.py)
 from tasks.core.store import open_store
@@ -49,45 +50,114 @@ def policy_path(cfg: Config, policy: str) -> str:
 
 
 def base_path(cfg: Config) -> str:
-    """The starting model as a local folder or hub id. A URI inside the store (a published policy, e.g.
-    the champion of an earlier run) is fetched, verified, into the local cache; a GGUF file is converted into a
-    model folder once (tasks/core/gguf.py)."""
+    """The starting model (model.name_or_path) as a local folder or hub id: resolve()."""
+    return resolve(cfg, cfg.model.name_or_path, "model.name_or_path", dtype=cfg.model.dtype)
+
+
+def resolve(cfg: Config, name: str, field: str, pin: str | None = None, dtype: str = "float32") -> str:
+    """A model a config names (the policy's base, a judge or a reward model) as what transformers loads, the one
+    resolver of them all: a URI inside the store (a published policy, e.g. an earlier run's champion: fetched and
+    verified into the local cache), models:/<name>/<version> (the registry's version, which names a policy in the
+    store), a .gguf file (converted once per file and dtype: tasks/core/gguf.py), builtin:NAME, a saved model
+    folder, or a hub id (a folder of the local cache where the Hub cannot be reached). `pin`: the sha256 the
+    weights must have (pin_of; of the file itself for a GGUF), checked here; its mistakes name the field beside
+    `field` (reward.models[1] (j).model -> reward.models[1] (j).sha256). Every mistake is one line naming `field`."""
+    pin_field = f"{field.rpartition('.')[0]}.sha256"
+    if name.startswith("models:/"):
+        name = _registered(cfg, name, field)
     store = open_store(cfg)
-    if cfg.model.name_or_path.startswith(store.root.rstrip("/") + "/"):
-        key = cfg.model.name_or_path[len(store.root.rstrip("/")) + 1:]
+    if name.startswith(store.root.rstrip("/") + "/"):
+        key = name[len(store.root.rstrip("/")) + 1:]
         if store.manifest(key) is None:
-            raise UserError(f"model.name_or_path: {cfg.model.name_or_path}: no complete folder there")
-        return str(materialize(store, key))
-    if cfg.model.name_or_path.startswith("s3://"):
-        raise UserError(f"model.name_or_path: {cfg.model.name_or_path}: an s3:// model must lie under store.uri "
-                        f"({store.root})")
-    path = builtin_models.resolve(cfg.model.name_or_path)
-    if gguf.is_gguf(path):
-        return gguf.model_folder(path, cfg.model.dtype)       # converted once per file and dtype
-    looks_local = path.startswith(("/", "./", "../", "~")) or Path(path).exists()
-    if looks_local and not (Path(path).expanduser() / "config.json").exists():
-        raise UserError(f"model.name_or_path: {path}: no config.json (expected a saved model folder)")
-    return path if looks_local else hub_model(path)
+            raise UserError(f"{field}: {name}: no complete folder there")
+        path = str(materialize(store, key))
+    elif name.startswith("s3://"):
+        raise UserError(f"{field}: {name}: an s3:// model must lie under store.uri ({store.root})")
+    else:
+        path = builtin_models.resolve(name, field)
+        if gguf.is_gguf(path):
+            gguf.check(Path(path).expanduser(), field)     # (a missing or bad file: one line, not a hash)
+            if pin is not None and (found := known_sha256(Path(path).expanduser())) != pin:
+                raise UserError(f"{pin_field}: {name} has sha256 {found}, not the pinned {pin}")
+            return gguf.model_folder(path, dtype, field)
+        looks_local = path.startswith(("/", "./", "../", "~")) or Path(path).expanduser().exists()
+        if looks_local and not Path(path).expanduser().exists():
+            raise UserError(f"{field}: {path}: no such file or folder")
+        if looks_local and not (Path(path).expanduser() / "config.json").exists():
+            raise UserError(f"{field}: {path}: no config.json (expected a saved model folder)")
+        if not looks_local:
+            path = hub_model(path, field, folder=pin is not None)
+    if pin is not None and (found := pin_of(path)) != pin:
+        raise UserError(f"{pin_field}: {name} has weights sha256 {found}, not the pinned {pin}")
+    return path
 
 
-def hub_model(name: str) -> str:
+def pin_of(path: str) -> str:
+    """A model's pin: the sha256 of its one weights file (or of a GGUF file itself), or of the sorted
+    '<file> <sha256>' lines of several (shards)."""
+    folder = Path(path)
+    if folder.is_file():
+        return known_sha256(folder)
+    weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt")
+                     and not p.name.startswith(("training_args", "optimizer")))
+    if not weights:
+        raise UserError(f"reward.models: {path}: no weights file (*.safetensors, *.bin)")
+    if len(weights) == 1:
+        return known_sha256(weights[0])
+    lines = "".join(f"{p.name} {known_sha256(p)}\n" for p in weights)
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def _registered(cfg: Config, uri: str, field: str) -> str:
+    """The store URI of a registered model version (its rlflow.policy_uri tag, else its source)."""
+    parts = uri[len("models:/"):].split("/")
+    if len(parts) != 2 or not parts[1].isdigit():
+        raise UserError(f"{field}: {uri}: expected models:/<name>/<version number> (a version pins the model; "
+                        f"latest and aliases move)")
+    from tasks.core.tracking import _client
+
+    try:
+        version = _client(cfg.tracking.uri).get_model_version(parts[0], parts[1])
+    except Exception as e:  # noqa: BLE001 - MLflow's own errors, one line
+        raise UserError(f"{field}: {uri}: not in the model registry at {cfg.tracking.uri} "
+                        f"({str(e).splitlines()[0][:160]})") from None
+    source = (version.tags or {}).get("rlflow.policy_uri") or version.source
+    if not source or source.startswith(("runs:/", "models:/")):
+        raise UserError(f"{field}: {uri}: its source {source!r} is not a model folder rlflow can read")
+    return source
+
+
+def hub_model(name: str, field: str = "model.name_or_path", folder: bool = False) -> str:
     """A hub id as what transformers loads: the id itself when the Hub answers here (it downloads, or says at once
-    that there is no such repository); without the Hub (no network, HF_HUB_OFFLINE=1) the local cache's snapshot
-    folder, or one line saying it is not there: transformers would retry for ~50 s first, a line per retry."""
+    that there is no such repository; `folder`: downloaded here and its folder, for a pin to be checked); without
+    the Hub (no network, HF_HUB_OFFLINE=1) the local cache's snapshot folder, or one line saying it is not there:
+    transformers would retry for ~50 s first, a line per retry."""
     from tasks.core.data import _hub_reachable
 
-    if _hub_reachable():
+    reachable = _hub_reachable()
+    if reachable and not folder:
         return name
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return snapshot_download(name, local_files_only=True)
+        return snapshot_download(name, local_files_only=not reachable)
     except (LocalEntryNotFoundError, ValueError, OSError):
-        raise UserError(f"model.name_or_path: {name!r} is not a local folder nor in the Hugging Face cache "
+        raise UserError(f"{field}: {name!r} is not a local folder nor in the Hugging Face cache "
                         f"({constants.HF_HUB_CACHE}), and the Hub cannot be reached from here (no network, or "
                         f"HF_HUB_OFFLINE=1); give a model folder, or download it first where there is network "
                         f"(`hf download {name}`)") from None
+
+
+def in_hub_cache(name: str) -> bool:
+    """Whether this machine's Hugging Face cache holds the hub model `name` (no network asked)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached, or not a hub id
+        return False
+    return True
 
 
 _tokenizers: dict[bytes, object] = {}     # by the bytes of a folder's tokenizer files (see load_tokenizer)

@@ -8,15 +8,9 @@ the dataset's columns (check_signatures).
 
 A reward function is the user's code and may misbehave: raise, hang, return the wrong count, a non-number or
 NaN. The functions run in one worker process (tasks/scoring/worker.py), started on first use and kept for the
-life of this process, so that:
-  - a call still running after `reward.timeout_seconds` is killed with its worker (a fresh one starts for
-    the next call) instead of stalling the iteration;
-  - a function that raises, times out, returns the wrong count or a non-number scores nothing for that batch
-    (its scores are missing: None, advantage 0 as in TRL), and the error is counted (`reward/<fn>/errors`);
-    a NaN or infinite value is that one completion's missing score (`reward/<fn>/nan`);
-  - with `reward.strict: true` any of these fails the stage with one line naming the function (exit 2).
-Functions also get TRL's `log_extra(column, values)` and `log_metric(name, value)` keyword arguments: extra
-columns land in each rollout's `extra`, metrics in `reward/<name>`.
+life of this process, so that a misbehaving function costs that batch's scores (counted in
+`reward/<fn>/errors`), never the iteration, unless `reward.strict: true` makes it fail the stage.
+More: docs/internals.md (tasks/scoring/functions.py): timeouts, missing scores, log_extra and log_metric.
 """
 
 from __future__ import annotations
@@ -33,12 +27,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
 
+from tasks.core.contracts import Scored
 from tasks.core.errors import UserError
 from tasks.core.paths import REPO_ROOT
 from tasks.core.processes import kill_group, spawn
@@ -75,15 +70,6 @@ class RewardFunctions:
     def all_names(self) -> list[str]:
         """The functions' names and the reward models': every score a completion gets (not 'env')."""
         return self.names + [m.name for m in (self.cfg.reward.models if self.cfg is not None else [])]
-
-
-@dataclass
-class Scored:
-    scores: dict[str, list[float | None]]          # function name -> per-completion score (None = missing)
-    errors: dict[str, str] = field(default_factory=dict)     # function name -> what went wrong in this batch
-    nan: dict[str, int] = field(default_factory=dict)        # function name -> NaN/inf scores made missing
-    extra: dict[str, list] = field(default_factory=dict)     # log_extra columns, one value per completion
-    metrics: dict[str, float] = field(default_factory=dict)  # log_metric means
 
 
 def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardFunctions:
@@ -249,7 +235,7 @@ def score(functions: RewardFunctions, records: list[Rollout], state: RewardState
     what the functions get as `trainer_state`."""
     completions, columns = trl_inputs(records)
     columns["trainer_state"] = state
-    out = Scored(scores={})
+    out = Scored()
     for index, name in enumerate(functions.names):
         try:
             reply = _worker(functions).call(index, completions, columns, functions.timeout_seconds)

@@ -6,14 +6,10 @@ cluster of its own: sky/judge.yaml), or run it yourself and give its URL as rewa
 
     python -m tasks.scoring.judge_server --config FILE --model judge [--host 0.0.0.0] [--port 8350]
 
-Routes (every one but /health needs `Authorization: Bearer <RLFLOW_JUDGE_TOKEN>` when that is set):
-    GET  /health                  {"model", "kind", "requests", "batches", "pid"}
-    GET  /v1/models               {"data": [{"id": <the model's name>}]}
-    POST /v1/chat/completions     OpenAI's: messages, max_tokens, temperature 0 only, logprobs + top_logprobs
-    POST /classify, /v1/classify  vLLM's: {"model", "input": [text, ...]} or {"model", "messages": [...]} (one
-                                  conversation, rendered with the model's chat template) -> {"data": [{"index",
-                                  "probs", "logits", "num_classes"}]}
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions (OpenAI's), POST /classify and /v1/classify
+(vLLM's); every one but /health needs `Authorization: Bearer <RLFLOW_JUDGE_TOKEN>` when that is set.
 It prints `RLFLOW_JUDGE_READY <url>` once it answers.
+More: docs/internals.md (tasks/scoring/judge_server.py): each route's fields.
 """
 
 from __future__ import annotations
@@ -132,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.core.processes import listening_socket, server_arguments
     from tasks.core.stage import parse_overrides_json, quiet_progress_bars
     from tasks.scoring.judge_engine import Batcher, JudgeEngine
-    from tasks.scoring.judges import resolve
+    from tasks.scoring.judges import model_path
 
     ap = server_arguments("python -m tasks.scoring.judge_server", __doc__, 8350)
     ap.add_argument("--model", required=True, help="the reward.models entry's name")
@@ -147,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model not in specs:
             raise UserError(f"--model: {args.model!r} is not one of reward.models ({', '.join(specs) or 'none'})")
         i, spec = specs[args.model]
-        path = args.model_path or resolve(cfg, spec, f"reward.models[{i}] ({spec.name})")
+        path = args.model_path or model_path(cfg, spec, f"reward.models[{i}] ({spec.name})")
         if spec.engine == "vllm":
             from tasks.scoring.judge_engine import VLLMJudgeEngine
 

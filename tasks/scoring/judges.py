@@ -3,23 +3,12 @@ LM read by the probability of a verdict token) and an LLM judge (a template, a p
 group ranking as ART's RULER does), scored beside the reward functions and combined with them by weight.
 
 Every model speaks one protocol, the OpenAI-compatible one: chat completions (judge, verdict: temperature 0,
-`top_logprobs` for a verdict) and vLLM's /classify (classifier). Where it answers:
-    where: stage    the model loaded in this process (tasks/scoring/judge_engine.py), kept for its life;
-    where: local    a judge server the flow started on its machine (tasks/scoring/judge_server.py; engine hf, or
-    where: sky      vLLM's own OpenAI server) or on a cluster of its own: its URL comes from the flow in
-                    RLFLOW_REWARD_MODELS ({name: url}), its token in RLFLOW_JUDGE_TOKEN;
-    url: ...        any OpenAI-compatible server, the key read from the variable `api_key_env` names.
-
-A model is pinned: the sha256 of its weights (checked before it is used) or a registered MLflow version; at a URL
-the served name, never a moving one.
-
-Each question is cached by the hash of (the model's pin, the request) in the store under the stage's
-layout.judge_cache prefix, a folder per batch written as soon as it is answered: a stage retried after a crash
-or a resumed run asks nothing twice and gets the same scores. An answer that does not parse (or a label out of
-range, a verdict token not among the answer's likeliest) is that completion's missing score and counted
-(reward/<name>/failed, reward/<name>/errors), not a zero; reward.strict makes it fail the stage. A server that
-stops answering (after `retries`) fails the stage with JudgeUnavailable, which the flow retries after starting
-the server again; what was answered before is in the cache.
+`top_logprobs` for a verdict) and vLLM's /classify (classifier). It answers in the stage
+(tasks/scoring/judge_engine.py), from a judge server the flow started (tasks/scoring/judge_server.py; where:
+local | sky), or at any OpenAI-compatible URL. A model is pinned (the sha256 of its weights, a registered MLflow
+version, at a URL the served name), and each question is cached in the store, so a retried stage or a resumed
+run asks nothing twice. An answer that does not parse is that completion's missing score, counted, not a zero.
+More: docs/internals.md (tasks/scoring/judges.py): where each model answers, pins, the cache, failures.
 """
 
 from __future__ import annotations
@@ -35,10 +24,11 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tasks.core.contracts import Scored
 from tasks.core.errors import UserError
 from tasks.core.fleet import bearer
 
@@ -112,7 +102,7 @@ def check_models(cfg: Config) -> None:
                             f"cluster cannot reach; use where: sky (a cluster of its own) or stage")
         if spec.where == "sky" and not _here(cfg, spec.model):
             continue                      # a hub model this machine has not cached: its cluster checks the pin
-        path = resolve(cfg, spec, what)
+        path = model_path(cfg, spec, what)
         from transformers import AutoConfig
 
         from tasks.scoring.judge_engine import is_classifier
@@ -141,11 +131,9 @@ def _here(cfg: Config, model: str) -> bool:
     version, or a hub model in its cache."""
     if model.startswith(("models:/", "builtin:", "/", "./", "../", "~", "s3://", "file://")) or Path(model).exists():
         return True
-    try:
-        _hub_folder(model, "")
-    except UserError:
-        return False
-    return True
+    from tasks.core.models import in_hub_cache
+
+    return in_hub_cache(model)
 
 
 def _served_models(spec: RewardModel, what: str) -> set[str] | None:
@@ -169,84 +157,11 @@ def _served_models(spec: RewardModel, what: str) -> set[str] | None:
         return None
 
 
-def resolve(cfg: Config, spec: RewardModel, what: str) -> str:
-    """The model as a local folder, its pin checked: a models:/<name>/<version> through the registry (the version
-    names a policy in the store), a store URI, a .gguf (converted once), builtin:NAME, a folder or a hub id."""
-    from tasks.core import builtin_models, gguf
-    from tasks.core.policy import materialize
-    from tasks.core.store import open_store
+def model_path(cfg: Config, spec: RewardModel, what: str) -> str:
+    """The entry's model as a local folder, its pin checked (tasks/core/models.py: resolve, the one resolver)."""
+    from tasks.core.models import resolve
 
-    name, pin = spec.model, spec.sha256
-    if name.startswith("models:/"):
-        name = _registered(cfg, name, what)
-    store = open_store(cfg)
-    if name.startswith(store.root.rstrip("/") + "/"):
-        key = name[len(store.root.rstrip("/")) + 1:]
-        if store.manifest(key) is None:
-            raise UserError(f"{what}.model: {name}: no complete folder there")
-        path = str(materialize(store, key))
-    else:
-        path = builtin_models.resolve(name, f"{what}.model")
-        if gguf.is_gguf(path):
-            gguf.check(Path(path).expanduser(), f"{what}.model")     # (a missing or bad file: one line, not a hash)
-            if pin is not None and (found := _sha256(Path(path).expanduser())) != pin:
-                raise UserError(f"{what}.sha256: {spec.model} has sha256 {found}, not the pinned {pin}")
-            return gguf.model_folder(path, "float32", f"{what}.model")
-        if not Path(path).expanduser().exists():
-            path = _hub_folder(path, what)
-    if pin is not None and (found := pin_of(path)) != pin:
-        raise UserError(f"{what}.sha256: {spec.model} has weights sha256 {found}, not the pinned {pin}")
-    return path
-
-
-def _registered(cfg: Config, uri: str, what: str) -> str:
-    parts = uri[len("models:/"):].split("/")
-    if len(parts) != 2 or not parts[1].isdigit():
-        raise UserError(f"{what}.model: {uri}: expected models:/<name>/<version number> (a version pins the judge; "
-                        f"latest and aliases move)")
-    from tasks.core.tracking import _client
-
-    try:
-        version = _client(cfg.tracking.uri).get_model_version(parts[0], parts[1])
-    except Exception as e:  # noqa: BLE001 - MLflow's own errors, one line
-        raise UserError(f"{what}.model: {uri}: not in the model registry at {cfg.tracking.uri} "
-                        f"({str(e).splitlines()[0][:160]})") from None
-    source = (version.tags or {}).get("rlflow.policy_uri") or version.source
-    if not source or source.startswith(("runs:/", "models:/")):
-        raise UserError(f"{what}.model: {uri}: its source {source!r} is not a model folder rlflow can read")
-    return source
-
-
-def _hub_folder(name: str, what: str) -> str:
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(name, local_files_only=True)
-    except Exception:  # noqa: BLE001 - not cached, no network: one line
-        raise UserError(f"{what}.model: {name!r} is neither a local folder nor a hub model in this machine's "
-                        f"cache") from None
-
-
-def _sha256(path: Path) -> str:
-    from tasks.core.hashing import known_sha256
-
-    return known_sha256(path)
-
-
-def pin_of(path: str) -> str:
-    """A model folder's pin: the sha256 of its one weights file, or of the sorted '<file> <sha256>' lines of
-    several (shards)."""
-    folder = Path(path)
-    if folder.is_file():
-        return _sha256(folder)
-    weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt")
-                     and not p.name.startswith(("training_args", "optimizer")))
-    if not weights:
-        raise UserError(f"reward.models: {path}: no weights file (*.safetensors, *.bin)")
-    if len(weights) == 1:
-        return _sha256(weights[0])
-    lines = "".join(f"{p.name} {_sha256(p)}\n" for p in weights)
-    return hashlib.sha256(lines.encode()).hexdigest()
+    return resolve(cfg, spec.model, f"{what}.model", pin=spec.sha256)
 
 
 def _parser_fn(spec: RewardModel, what: str):
@@ -500,7 +415,7 @@ class Asker:
 
     def _engine(self):
         """This process's engine for the model (loaded on the first question the cache does not answer)."""
-        path = resolve(self.cfg, self.spec, self.what)
+        path = model_path(self.cfg, self.spec, self.what)
         ident = (path, self.spec.kind, self.spec.max_length)
         if ident not in _engines:
             from tasks.scoring.judge_engine import JudgeEngine
@@ -583,21 +498,15 @@ class Asker:
 # ------------------------------------------------------------------------------------------------ scoring
 
 
-@dataclass
-class ModelScores:
-    scores: dict[str, list[float | None]] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)     # model name -> the first failed answer, said
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
 _shown: set[str] = set()
 
 
-def score_models(cfg: Config, records: list[Rollout], cache_prefix: str | None, strict: bool) -> ModelScores:
-    """Every reward model's scores for `records` (None: no score), asking only what the cache lacks."""
+def score_models(cfg: Config, records: list[Rollout], cache_prefix: str | None, strict: bool) -> Scored:
+    """Every reward model's scores for `records` (None: no score), asking only what the cache lacks; `errors`:
+    model name -> the first failed answer, said."""
     from tasks.core.store import open_store
 
-    out = ModelScores()
+    out = Scored()
     if not cfg.reward.models or not records:
         for spec in cfg.reward.models:
             out.scores[spec.name] = [None] * len(records)
@@ -664,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             found = [(i, m) for i, m in enumerate(cfg.reward.models) if m.name == args.model]
             if not found:
                 raise UserError(f"--model: {args.model!r} is not one of reward.models")
-            print(resolve(cfg, found[0][1], f"reward.models[{found[0][0]}] ({args.model})"))
+            print(model_path(cfg, found[0][1], f"reward.models[{found[0][0]}] ({args.model})"))
         except UserError as e:
             print(user_error_line(e), file=sys.stderr)
             return 2
@@ -674,10 +583,10 @@ def main(argv: list[str] | None = None) -> int:
               "       python -m tasks.scoring.judges path --config F [--overrides-json J] --model NAME",
               file=sys.stderr)
         return 2
-    from tasks.core import builtin_models, gguf
+    from tasks.core import builtin_models
+    from tasks.core.models import pin_of
 
-    path = builtin_models.resolve(argv[1])
-    print(_sha256(Path(path)) if gguf.is_gguf(path) else pin_of(path))
+    print(pin_of(builtin_models.resolve(argv[1])))
     return 0
 
 
