@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flows.launch import EnvServer  # noqa: E402
+from flows.services import EnvServer  # noqa: E402
 from tasks.core import builtin_models  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.contracts import Sample, Sampled, SamplingParams  # noqa: E402

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from flows.launch import spawn_server  # noqa: E402
+from flows.services import spawn_server  # noqa: E402
 from tasks.core import builtin_models, layout  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.contracts import Rollout  # noqa: E402

@@ -29,10 +29,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from flows.dashboard import Progress, Report
-from flows.launch import InfraError, Launchers, stage_env
+from flows.launch import InfraError, stage_env
 from flows.preflight import preflight
 from flows.repair import Repair, output_key, retryable
 from flows.schedule import Ahead
+from flows.services import Launchers
 from tasks.core import layout, retention
 from tasks.core.config import Config, load_config
 from tasks.core.errors import UserError, cause_of

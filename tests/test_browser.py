@@ -178,7 +178,7 @@ def test_a_chromium_on_another_machine_drives_the_episodes_over_the_devtools_pro
 def test_the_browser_on_an_environment_server_solves_its_tasks_with_the_tools_declared(shop, chatml, monkeypatch):
     """env.where: local: Chromium and Playwright live in the environment server's process (as on the env
     cluster); the stage sends only the calls. The tools' schemas come back from the server into the prompt."""
-    from flows.launch import EnvServer
+    from flows.services import EnvServer
     from tasks.envs.server import TOKEN_VAR, URL_VAR
 
     for var in (URL_VAR, TOKEN_VAR):

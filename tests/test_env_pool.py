@@ -1,4 +1,4 @@
-"""Environment pools (env.servers: N; tasks/envs/pool.py, flows/launch.py: EnvServer): N environment servers
+"""Environment pools (env.servers: N; tasks/envs/pool.py, flows/services.py: EnvServer): N environment servers
 behind one URL. Episodes are spread over the servers and stay on the one that made them; a server that dies
 fails its own open episodes only, the stage goes on, and the server is replaced and used again."""
 
@@ -51,7 +51,7 @@ ROWS = [{"prompt": "Say each letter I name.", "letters": letters} for letters in
 @pytest.fixture
 def pool(monkeypatch):
     """An EnvServer with env.servers 3, env.where: local (three server processes and the front, here)."""
-    from flows.launch import EnvServer
+    from flows.services import EnvServer
     from tasks.core.config import load_config
     from tasks.envs.server import TOKEN_VAR, URL_VAR
 
@@ -239,7 +239,8 @@ def test_on_sky_each_server_has_a_cluster_and_a_port_of_its_own_and_the_front_on
     """env.where: sky: server i on cluster <cluster>-env-<i> at env.server_port + 1 + i; the front, where the stages
     run on sky, on <cluster>-env-front at env.server_port (sky/env.yaml, ROLE=front); all torn down with the run.
     With the stages on this machine the front is a process here."""
-    from flows.launch import EnvServer, Sky
+    from flows.launch import Sky
+    from flows.services import EnvServer
     from tasks.core.config import load_config
 
     cfg = load_config(LETTERS, ["env.where=sky", "env.servers=2", "launcher.stages={generate: sky}"])

@@ -1,4 +1,4 @@
-"""Environments on a server of their own (env.where: local | sky; tasks/envs/server.py, flows/launch.py:
+"""Environments on a server of their own (env.where: local | sky; tasks/envs/server.py, flows/services.py:
 EnvServer): an episode fails there exactly as it would in the stage, a server that goes away fails the stage
 and is started again, and the flow runs the letters demo against a local server and against one on a (fake)
 spot cluster that is preempted mid-run."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.launch import EnvServer
+from flows.services import EnvServer
 from tasks.core import layout
 from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams

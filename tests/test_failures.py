@@ -65,7 +65,7 @@ def test_an_evaluation_whose_every_call_fails_records_no_score(tmp_path, monkeyp
 @pytest.mark.slow
 def test_a_stalled_environment_server_is_started_again_before_the_retry(tmp_path, monkeypatch):
     """The flow marks the server after a stalled stage; its next check starts it again (a new process)."""
-    from flows.launch import EnvServer
+    from flows.services import EnvServer
     from tasks.envs.server import TOKEN_VAR, URL_VAR
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))

@@ -240,6 +240,22 @@ def test_module_docstrings_are_short():
     assert not long, f"module docstrings over {DOCSTRING_LINES} lines (the rest goes to docs/internals.md): {long}"
 
 
+MODULE_LINES = 600
+
+
+def test_no_module_over_600_lines_unless_it_is_one_concept():
+    """A file a reader opens holds one idea: over MODULE_LINES lines only where the module is one concept, said in
+    its docstring on a line "One concept: <why>" (issue 41)."""
+    big = {}
+    for folder in ("tasks", "flows"):
+        for p in _modules(folder):
+            text = p.read_text()
+            doc = ast.get_docstring(ast.parse(text, str(p)), clean=False) or ""
+            if len(text.splitlines()) > MODULE_LINES and "One concept:" not in doc:
+                big[str(p.relative_to(ROOT))] = len(text.splitlines())
+    assert not big, f"modules over {MODULE_LINES} lines whose docstring does not say 'One concept: <why>': {big}"
+
+
 def test_docstrings_point_at_sections_of_internals_that_exist():
     """`More: docs/internals.md (<its path>)` in a module's docstring names a section `## <its path>` there."""
     sections = set(re.findall(r"^## (\S+)$", (ROOT / "docs" / "internals.md").read_text(), re.MULTILINE))

@@ -25,7 +25,7 @@ import pytest
 from tasks.core.config import SandboxConfig
 from tasks.core.errors import UserError
 from tasks.rewards import code as code_rewards
-from tasks.scoring import sandbox
+from tasks.scoring import asserts, sandbox, sandbox_uids
 
 ROOT = Path(__file__).resolve().parents[1]
 IS_ROOT = os.geteuid() == 0
@@ -366,7 +366,7 @@ def leftovers() -> list[str]:
             continue
         uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
         zombie = "\nState:\tZ" in status
-        if not zombie and (sandbox.MARKER in cmd or f"sleep {DAEMON_MARK}" in cmd or sandbox.is_sandbox_uid(uid)):
+        if not zombie and (sandbox.MARKER in cmd or f"sleep {DAEMON_MARK}" in cmd or sandbox_uids.is_sandbox_uid(uid)):
             found.append(f"process {name} uid {uid}: {cmd[:80]}")
     if os.stat("/tmp").st_mode != TMP_MODE:
         found.append(f"/tmp's mode changed to {oct(os.stat('/tmp').st_mode)}")
@@ -376,7 +376,7 @@ def leftovers() -> list[str]:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if entry.name.startswith("rlflow-sbx-") or sandbox.is_sandbox_uid(st.st_uid):
+            if entry.name.startswith("rlflow-sbx-") or sandbox_uids.is_sandbox_uid(st.st_uid):
                 found.append(f"file {entry.path}")
     return found
 
@@ -665,9 +665,9 @@ def test_values_from_the_sandbox_are_read_with_bounded_work():
     p = (1 << 61) - 1                               # int hashes are taken modulo this prime
     colliding = "{" + ", ".join(str(i * p) for i in range(1, 20_001)) + "}"
     with pytest.raises(ValueError, match="too large"):
-        code_rewards.bounded_literal(colliding)
-    assert code_rewards.bounded_literal("{1, 2, 3}") == {1, 2, 3}
-    assert code_rewards.bounded_literal("[{'a': (1, 2.5)}, None]") == [{"a": (1, 2.5)}, None]
+        asserts.bounded_literal(colliding)
+    assert asserts.bounded_literal("{1, 2, 3}") == {1, 2, 3}
+    assert asserts.bounded_literal("[{'a': (1, 2.5)}, None]") == [{"a": (1, 2.5)}, None]
     run = sandbox.TestRun(ran=True, exit_code=0, values=[("ok", colliding)])
     check = code_rewards.parse_tests(None, ["assert f() == {1}"], None, "def f(): pass")[0][0].check
     assert check(run) == "unreadable value"
@@ -685,19 +685,19 @@ def test_sandbox_uids_are_claimed_never_shared_and_freed_when_the_holder_ends():
     a holder that ends (even killed) frees its uids."""
     first, count = 1_800_000_000, 256
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom tasks.scoring.sandbox import claim_uid\n"
+        [sys.executable, "-c", "import sys\nfrom tasks.scoring.sandbox_uids import claim_uid\n"
          f"print(sorted(claim_uid({first}, {count}) for _ in range(200)), flush=True)\nsys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     theirs = set(eval(holder.stdout.readline()))
     try:
-        mine = {sandbox.claim_uid(first, count) for _ in range(count - 200)}
+        mine = {sandbox_uids.claim_uid(first, count) for _ in range(count - 200)}
         assert len(theirs) == 200 and len(mine) == count - 200 and not theirs & mine
         with pytest.raises(UserError, match=r"reward.sandbox.uid_range: every uid of \[1800000000, 1800000256\)"):
-            sandbox.claim_uid(first, count)
+            sandbox_uids.claim_uid(first, count)
     finally:
         holder.kill()
         holder.wait()
-    assert sandbox.claim_uid(first, count) in theirs           # its claims went with it
+    assert sandbox_uids.claim_uid(first, count) in theirs           # its claims went with it
 
 
 PROBE_SYSCALLS = r'''
@@ -1000,13 +1000,13 @@ def test_values_with_colliding_hashes_or_deep_nesting_are_refused_cheaply():
                  "[" * 100 + "]" * 100, "0x" + "f" * 20_000]:
         t0 = time.monotonic()
         with pytest.raises(ValueError):
-            code_rewards.bounded_literal(text)
+            asserts.bounded_literal(text)
         assert time.monotonic() - t0 < 0.5, text[:40]
     reason, seconds = host_check("assert set(f(1)) == {1}", repr([i * p for i in range(1, 50)]))
     assert reason.startswith("too costly to judge") and seconds < 0.5, reason
-    assert code_rewards.bounded_literal("{-1: 1, -2: 2, 1.0: (1+2j), (1, 'a'): set()}") == {
+    assert asserts.bounded_literal("{-1: 1, -2: 2, 1.0: (1+2j), (1, 'a'): set()}") == {
         -1: 1, -2: 2, 1.0: 1 + 2j, (1, "a"): set()}
-    assert code_rewards.bounded_literal("[" * 50 + "]" * 50) is not None
+    assert asserts.bounded_literal("[" * 50 + "]" * 50) is not None
 
 
 # ---------------------------------------------------------------------------------------------- disk bandwidth

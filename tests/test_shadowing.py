@@ -208,7 +208,7 @@ def test_replicas_a_pool_and_a_judge_started_from_a_folder_with_its_own_tasks(tm
     """The services' processes (the generate router and its replicas, an environment pool's servers and its front,
     a judge server) import rlflow's packages when started from a folder whose own tasks/ and flows/ would break
     them: every one goes through tasks/core/processes.py: spawn (issue 41: the router and its replicas did not)."""
-    from flows.launch import EnvServer, JudgeServers
+    from flows.services import EnvServer, JudgeServers
     from tasks.core import builtin_models
     from tasks.core.config import load_config
     from tasks.core.models import pin_of

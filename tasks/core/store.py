@@ -8,6 +8,9 @@ naming it. A pointer (`policy/LATEST`) is replaced only after the manifest it na
     store = open_store(cfg)                     # one per store config (and working directory) per process
     uri = store.put_folder("run/policy/v000003", local_dir, meta={...})
     manifest = store.get_folder("run/policy/v000003", dest_dir)   # verified
+
+One concept: Store's folder logic calls hooks its two backends fill in, and Store.open names both (apart: a cycle).
+More: docs/internals.md (tasks/core/store.py).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Routes (Authorization: Bearer <the episode's key> on each): GET /v1/models; POST
 /v1/completions, /v1/responses, /rl/set_reward and /inference/v1/generate (verifiers 0.4's token route).
 It serves only the scheduled policy, on whatever engine the run samples with, and records what was sampled:
 a chat call that extends an earlier call of its episode is rendered as that call's tokens followed by the new
-messages' tokens, never re-tokenized. Sampling is in rounds (`lockstep`) or a call at a time, reproducible
-either way; env.max_turns and env.max_tokens bound an episode.
+messages' tokens, never re-tokenized; sampled in rounds (`lockstep`) or a call at a time, reproducibly.
+One concept: one server: Endpoint.start() serves app(self) and each route calls the Endpoint (apart: an import cycle).
 More: docs/internals.md (tasks/envs/endpoint.py): the routes, rendering, sampling and limits, in full.
 """
 

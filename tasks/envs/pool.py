@@ -8,7 +8,7 @@ stages' episodes (RemoteEnvironment) talk to it as they talk to one server; only
 
 A new episode goes to the live member with the fewest open episodes, and its id carries its route. A lost member's
 episodes fail alone ("died"); only with no member live does `POST /episodes` answer 503. The owner
-(flows/launch.py: EnvServer) replaces lost members and hands the front the table (`PUT /pool/members`).
+(flows/services.py: EnvServer) replaces lost members and hands the front the table (`PUT /pool/members`).
 Routes: those of server.py, with GET /health saying the pool's state, and PUT /pool/members.
 Light on purpose (no torch, no environment imports): the front only forwards bytes.
 More: docs/internals.md (tasks/envs/pool.py): routing, failures, replacement and the routes, in full.

@@ -5,7 +5,7 @@ template stay in the stage; only the protocol's calls travel (docs/environments.
     python -m tasks.envs.server --config C [--overrides-json J] [--host 0.0.0.0] [--port 8330] [--idle-minutes 30]
                                 [--exit-with-parent]
 
-The flow starts it (flows/launch.py: EnvServer), here or on a CPU spot cluster (sky/env.yaml), and hands its URL
+The flow starts it (flows/services.py: EnvServer), here or on a CPU spot cluster (sky/env.yaml), and hands its URL
 and token to the stages as RLFLOW_ENV_SERVER and RLFLOW_ENV_TOKEN; or run it yourself and set env.server_url.
 Routes: GET /health, POST /episodes, POST /episodes/ID/reset|step|close, DELETE /episodes/ID. An environment's
 failure fails its episode as it would in the stage; a server that does not answer fails the stage (ServerGone).

@@ -4,7 +4,7 @@ rlimits bound each process of a sandbox; a cgroup bounds all of them together, k
 how everything they started is found and killed, whatever uid or session it moved to. A slot's cgroup holds
 one memory limit (no swap), a pids limit, a CPU quota and, where the host has the controller, a disk bandwidth
 and IOPS limit, and is killed whole. Both cgroup v2 and v1 are supported; a slot's cgroups are made once, named
-for the slot's uid (tasks/scoring/sandbox.py: claim_uid), reused run after run, and nothing of a sandbox ever
+for the slot's uid (tasks/scoring/sandbox_uids.py: claim_uid), reused run after run, and nothing of a sandbox ever
 runs outside them.
 
 Where none can be made (not root and nothing delegated, no memory or pids controller) `Cgroup.make` says why

@@ -28,7 +28,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,8 +36,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core.errors import UserError
-from tasks.core.processes import kill_group, kill_until_gone, run, spawn
+from tasks.core.processes import kill_group, run, spawn
 from tasks.scoring.cgroups import IO_BPS, IO_IOPS, Cgroup, Spawner, block_devices
+from tasks.scoring.sandbox_uids import (
+    DEFAULT_UID_RANGE,
+    _clean_env,
+    _count_processes,
+    _nproc_counts_per_userns,
+    _private_dir,
+    _remove_cgroup,
+    _remove_tree,
+    _stale_cgroup,
+    claim_uid,
+    sweep_uid,
+)
 
 if TYPE_CHECKING:
     from tasks.core.config import SandboxConfig
@@ -49,7 +60,6 @@ GRACE_SECONDS = 2.0           # host deadline = timeout + this: the harness repo
 MARKER = "rlflow-sandbox"     # argv[1] of every harness (and of its forked children): how leftovers are found
 _STDERR_KEEP = 8192           # bytes of the sandbox's own stderr kept for error messages (bwrap, harness)
 _MAX_WORKERS = 256
-DEFAULT_UID_RANGE = (1_900_000_000, 65_536)   # reward.sandbox.uid_range: sandbox uids when we are root
 _CGROUP_OVERHEAD_MB = 64      # a sandbox's cgroup: memory_mb + its tmpfs + this (bwrap and the harness)
 
 
@@ -430,182 +440,6 @@ def _unb64(text: str) -> bytes:
 
 def _int(text: str) -> int | None:
     return int(text) if text.lstrip("-").isdigit() else None
-
-
-# ------------------------------------------------------------------------------------------ processes, uids, files
-
-_claims: dict[int, int] = {}        # uid -> the open, locked claim file (held for this process's life)
-_claims_lock = threading.Lock()
-
-
-def _claims_dir() -> Path:
-    for base in (Path("/run/lock"), Path(tempfile.gettempdir())):
-        if base.is_dir() and os.access(base, os.W_OK):
-            path = base / "rlflow-sandbox-uids"
-            path.mkdir(mode=0o700, exist_ok=True)
-            return path
-    raise OSError("no writable /run/lock or temporary folder for the sandbox uid claims")
-
-
-def _remove_cgroup(cgroup: Cgroup, spawner: Spawner | None) -> None:
-    if spawner is not None:
-        spawner.leave(cgroup)            # (a cgroup with our thread in it is not empty)
-    cgroup.remove()
-
-
-def _stale_cgroup(name: str) -> bool:
-    """A slot cgroup (rlflow-sandbox-UID, or rlflow-sandbox-pPID-SLOT without root) whose owner is gone: the
-    uid is claimed by no process (its lock file can be locked), or the pid no longer runs."""
-    import fcntl
-
-    rest = name.removeprefix("rlflow-sandbox-")
-    if rest.startswith("p"):
-        pid = rest[1:].split("-")[0]
-        return pid.isdigit() and not Path(f"/proc/{pid}").exists()
-    if not rest.isdigit() or int(rest) in _claims:
-        return False
-    try:
-        fd = os.open(_claims_dir() / rest, os.O_RDWR)
-    except OSError:
-        return True                      # never claimed here (another claims folder): no process holds it
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)                     # (the lock, if we took it, goes with the descriptor)
-
-
-def claim_uid(first: int, count: int) -> int:
-    """A uid of [first, first + count) that no other process of this machine holds: an exclusive lock on
-    <claims dir>/<uid>, kept until this process ends (the kernel drops it then, also after SIGKILL). Starts
-    at a random place, so processes rarely try the same uid. Whatever an earlier holder left under it (a
-    process, a file) is swept first."""
-    import fcntl
-    import random
-
-    start = random.randrange(count)
-    folder = _claims_dir()
-    with _claims_lock:
-        for i in range(count):
-            uid = first + (start + i) % count
-            if uid in _claims:
-                continue
-            fd = os.open(folder / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            _claims[uid] = fd
-            sweep_uid(uid)
-            return uid
-    raise UserError(f"reward.sandbox.uid_range: every uid of [{first}, {first + count}) is held by other "
-                    f"processes; widen the range")
-
-
-def is_sandbox_uid(uid: int, uid_range: tuple[int, int] = DEFAULT_UID_RANGE) -> bool:
-    return uid_range[0] <= uid < uid_range[0] + uid_range[1]
-
-
-def find_processes(uid: int) -> list[int]:
-    """Live pids whose real, effective or saved uid is `uid`, read from /proc/<pid>/status (a non-dumpable
-    process's /proc folder belongs to root, so its owner would hide it). Zombies are left out: they are
-    dead already, and only their parent (or init) can reap them."""
-    out, wanted = [], str(uid)
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status", "rb") as f:
-                status = f.read(1024)
-        except OSError:
-            continue
-        at = status.find(b"\nUid:")
-        uids = status[at + 5:status.find(b"\n", at + 1)].split()[:3] if at >= 0 else []
-        if wanted.encode() in uids and b"\nState:\tZ" not in status:
-            out.append(int(name))
-    return out
-
-
-def _count_processes(uid: int) -> int:
-    return len(find_processes(uid))
-
-
-def _nproc_counts_per_userns() -> bool:
-    """Since Linux 5.14 RLIMIT_NPROC counts per user namespace: inside bubblewrap's, only the sandbox's own."""
-    try:
-        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= (5, 14)
-
-
-def sweep_uid(uid: int, processes: bool = True) -> None:
-    """Kill every process left under a sandbox uid (a daemon that called setsid() left our process group).
-    Rounds until none is left: RLIMIT_NPROC bounds how many can appear while we kill. Then remove the files
-    it left in world-writable places."""
-    if processes:
-        kill_until_gone(lambda: find_processes(uid), time.monotonic() + 0.25, pause=0.005)
-    for tmp in ("/tmp", "/var/tmp", "/dev/shm"):     # rlimits mode: files it left in world-writable places
-        try:
-            entries = list(os.scandir(tmp))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                if entry.stat(follow_symlinks=False).st_uid == uid:
-                    _remove_tree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
-            except OSError:
-                pass
-
-
-def _private_dir(uid: int | None) -> str:
-    path = tempfile.mkdtemp(prefix="rlflow-sbx-")
-    if uid is not None:
-        os.chown(path, uid, uid)
-    return path
-
-
-def _remove_tree(path: str) -> None:
-    """Remove a folder the sandboxed code wrote into, also where it made parts unreadable (chmod 000).
-    Permissions are only ever changed inside `path`, through O_NOFOLLOW descriptors: a symlink the code
-    planted (to /etc, to /tmp itself) is removed, never followed."""
-    root = os.path.abspath(path)
-
-    def inside(p: str) -> bool:
-        p = os.path.abspath(p)
-        return p == root or p.startswith(root + os.sep)
-
-    def unlock(func, p, exc):
-        for d in (os.path.dirname(p), p):
-            if inside(d):
-                _chmod_dir(d)
-        try:
-            func(p)
-        except OSError:
-            pass
-    shutil.rmtree(path, onerror=unlock)
-
-
-def _chmod_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return
-    try:
-        os.fchmod(fd, 0o700)
-    finally:
-        os.close(fd)
-
-
-def _clean_env(workdir: str | None) -> dict[str, str]:
-    """Nothing of ours crosses over (no AWS_*, MLFLOW_*, PREFECT_*, HF_*...): only what Python needs."""
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-    if workdir:
-        env.update(HOME=workdir, TMPDIR=workdir)
-    return env
 
 
 # ------------------------------------------------------------------------------------------ choosing the isolation

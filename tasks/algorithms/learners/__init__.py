@@ -1,6 +1,7 @@
 """The learners `train.algorithm` selects: each owns what it trains on (its inputs: which iterations' rollouts,
 what it makes of their rewards), its preparation before the optimiser passes (advantages, values, value
-pre-training) and its loss; its settings are its own section of the config (train.learner, tasks/core/config.py).
+pre-training) and its loss; its settings are its own section of the config (train.learner,
+tasks/core/config_train.py).
 
     grpo.py        advantages from the rewards alone (train.learner.advantage: group, RLOO, REINFORCE++)
     ppo.py         a value model, GAE's per-token advantages, the clipped surrogate + the value loss

@@ -1,0 +1,416 @@
+"""The services a flow run starts beside its stages and keeps up while it lasts, and Launchers, what the flow
+holds for a run: each stage's launcher (flows/launch.py: Local, Sky; None for inline stages) and these services,
+ended together with the flow (close).
+
+    EnvServer      env.where: local | sky: the environment server(s) the episodes talk to (tasks/envs/server.py;
+                   env.servers > 1: a pool of them behind one front, tasks/envs/pool.py)
+    JudgeServers   reward.models with where: local | sky: a judge server per model (tasks/scoring/judge_server.py)
+    spawn_server   one server process here (tasks/core/fleet.py: start_server), not starting being an InfraError
+    Launchers      the launcher of each stage, the services above, and generate.replicas' launch command on sky
+
+Each service is started at the first stage that needs it and checked before each one: one that stopped
+answering (its process died, its spot cluster was preempted) is started again, so the retry finds it up.
+
+More: docs/internals.md (flows/services.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from flows.launch import BRIDGE, InfraError, Local, Sky, recipe_path
+from tasks.core.errors import UserError
+from tasks.core.fleet import DidNotStart, bearer, start_server
+from tasks.envs.server import READY, TOKEN_VAR, URL_VAR
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+
+class EnvServer:
+    """env.where: local | sky (or env.server_url): the environment server the episodes of generate and evaluate
+    talk to (tasks/envs/server.py). Started at the first stage that needs it and checked before each one: a
+    server that stopped answering (its process died, its spot cluster was preempted) is started again, so the
+    retry of a stage that failed with it finds it up. The stages get its URL and token as environment variables
+    (RLFLOW_ENV_SERVER, RLFLOW_ENV_TOKEN): they are the run's, not the config's, and a new server after a
+    preemption has another address. Ended with the flow: its process, or its cluster (Sky.close).
+
+    env.servers: N > 1 (a pool): N servers, processes here or a cluster each (<cluster>-env-<i>, port
+    env.server_port + 1 + i), behind one front (tasks/envs/pool.py) whose URL the stages get. The front runs
+    where the stages can reach it: here when they run here (env.where: local, or every episode stage on this
+    machine), else on a cluster of its own (<cluster>-env-front, port env.server_port). This object owns the
+    members: a thread reads the front's /health every WATCH_SECONDS, starts a new member for each one the front
+    lost (or reuses it, with a new generation, if it answers again) and sends the front the table."""
+
+    READY_SECONDS = 600.0           # from start to answering: imports, the factory's preflight, a forkserver
+    WATCH_SECONDS = 1.0             # env.servers > 1: how often the pool's health is read
+
+    def __init__(self, cfg: Config, config_path: str, overrides: list[str], sky: Sky):
+        import secrets
+
+        self.cfg, self.config_path, self.overrides, self.sky = cfg, config_path, list(overrides), sky
+        self.url = cfg.env.server_url
+        self.token = os.environ.get(TOKEN_VAR, "") if self.url else secrets.token_urlsafe(24)
+        self.proc = None                # env.servers 1: the server's process (env.where: local); N: the front's
+        self.lock = threading.RLock()
+        self.tail: list[str] = []
+        # env.servers > 1: per member {"url", "proc", "generation", "failures", "retry_at"}; generation counts its
+        # replacements (the front tells a replaced member's episodes from the new one's by it)
+        self.members: list[dict] = []
+        self.watcher: threading.Thread | None = None
+        self.stopping = threading.Event()
+        self.log = print
+        self.stalled = False            # a stage's every episode timed out: started again before its retry
+
+    def answers(self) -> bool:
+        from tasks.core.daemon import answers_http
+
+        return bool(self.url) and answers_http(f"{self.url.rstrip('/')}/health", timeout=10)
+
+    def env(self, log) -> dict[str, str]:
+        """The server's variables for a stage, after making sure it answers."""
+        with self.lock:
+            self.stopping.clear()
+            self.log = log
+            if self.stalled and not self.cfg.env.server_url:
+                log("every episode of the last stage timed out: starting the environment server(s) again")
+                self.stalled = False
+                if self.cfg.env.servers > 1:
+                    self._replace(list(range(len(self.members))), log, force=True)
+                elif self.cfg.env.where == "local":
+                    self.url = self._start_local(log)
+                else:
+                    self.url = self._start_sky(log)
+            if self.cfg.env.servers > 1 and not self.cfg.env.server_url:
+                self._pool(log)
+            elif not self.answers():
+                if self.cfg.env.server_url:
+                    raise InfraError(f"the environment server at {self.url} (env.server_url) does not answer")
+                if self.url:
+                    log(f"the environment server at {self.url} stopped answering: starting it again")
+                self.url = self._start_local(log) if self.cfg.env.where == "local" else self._start_sky(log)
+            return {URL_VAR: self.url, TOKEN_VAR: self.token}
+
+    def _argv(self, module: str = "tasks.envs.server") -> list[str]:
+        return ["-m", module, "--config", self.config_path, "--overrides-json",
+                json.dumps(self.overrides), "--idle-minutes", str(self.cfg.launcher.idle_minutes_to_autostop)]
+
+    def _start_local(self, log) -> str:
+        self._end(self.proc)
+        self.proc, url = self._spawn("tasks.envs.server", "environment server", "env server", log)
+        return url
+
+    def _spawn(self, module: str, name: str, short: str, log):
+        """`python -m module` here (a free port, ended with the flow): (its process, its URL) once it answers. Its
+        output goes to the flow's log after `short`."""
+        proc, url, self.tail = spawn_server([*self._argv(module), "--port", "0", "--exit-with-parent"],
+                                            {TOKEN_VAR: self.token}, READY, name, short, log, self.READY_SECONDS)
+        return proc, url
+
+    def _sky_env(self, port: int, **more) -> dict:
+        return {"CONFIG": self.config_path, "OVERRIDES": json.dumps(self.overrides), "PORT": port,
+                TOKEN_VAR: self.token, "IDLE_MINUTES": self.cfg.launcher.idle_minutes_to_autostop, **more}
+
+    def _start_sky(self, log) -> str:
+        return self.sky.serve("env", self.cfg.env.server_port, int(self.READY_SECONDS),
+                              self._sky_env(self.cfg.env.server_port), log)
+
+    @staticmethod
+    def _end(proc) -> None:
+        if proc is not None:
+            from tasks.core.processes import kill_group
+
+            kill_group(proc)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        held = self.lock.acquire(timeout=60)      # (a replacement under way ends first; its new process too)
+        try:
+            for proc in [self.proc, *(m["proc"] for m in self.members)]:
+                self._end(proc)
+            self.proc = None
+            for m in self.members:
+                m["proc"] = None
+        finally:
+            if held:
+                self.lock.release()
+
+    # ------------------------------------------------------------------------------------------ env.servers > 1
+
+    def _front_here(self) -> bool:
+        """The pool's front on this machine: env.where local, or every stage with episodes runs here."""
+        cfg = self.cfg
+        stages = ["generate"] + (["evaluate"] if cfg.eval.every else [])
+        return cfg.env.where == "local" or bool(cfg.generate.replicas) or all(
+            cfg.launcher.mode_of(s) != "sky" for s in stages)
+
+    def _pool(self, log) -> None:
+        """Every member answering (a lost one started again), the front answering (started again if it does not),
+        and the front holding the members' table; the watcher started."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tasks.core.daemon import answers_http
+
+        if not self.members:
+            self.members = [{"url": None, "proc": None, "generation": -1, "failures": 0, "retry_at": 0.0}
+                            for _ in range(self.cfg.env.servers)]
+        front = self._front_health()
+        with ThreadPoolExecutor(min(len(self.members), 32)) as ex:
+            answering = list(ex.map(lambda m: bool(m["url"]) and answers_http(f"{m['url']}/health", timeout=10),
+                                    self.members))
+        lost = [i for i, ok in enumerate(answering) if not ok or not self._alive(i, front)]
+        self._replace(lost, log, first=True)
+        if not any(m["url"] for m in self.members):
+            raise InfraError(f"none of the {len(self.members)} environment servers of the pool started")
+        if front is None:
+            if self.url:
+                log(f"the environment pool's front at {self.url} stopped answering: starting it again")
+            self.url = self._start_front(log)
+        self._tell_front()
+        if self.watcher is None or not self.watcher.is_alive():
+            self.watcher = threading.Thread(target=self._watch, daemon=True, name="env-pool-watch")
+            self.watcher.start()
+
+    def _start_front(self, log) -> str:
+        if self._front_here():
+            self._end(self.proc)
+            self.proc, url = self._spawn("tasks.envs.pool", "environment pool's front", "env pool", log)
+            return url
+        return self.sky.serve("env", self.cfg.env.server_port, int(self.READY_SECONDS),
+                              self._sky_env(self.cfg.env.server_port, ROLE="front"), log, member="front")
+
+    def _start_member(self, i: int, log) -> tuple:
+        if self.cfg.env.where == "local":
+            return self._spawn("tasks.envs.server", f"environment server {i}", f"env server {i}", log)
+        port = self.cfg.env.server_port + 1 + i
+        return None, self.sky.serve("env", port, int(self.READY_SECONDS), self._sky_env(port), log, member=str(i))
+
+    def _replace(self, lost: list[int], log, first: bool = False, force: bool = False) -> None:
+        """Start members `lost` again (at once, in threads): a new generation each. One that still answers (the
+        front lost it: a dropped connection) is kept as it is, with the new generation. A user error (the
+        factory's preflight) is raised; one that did not start is left out, tried again by the watcher."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tasks.core.daemon import answers_http
+
+        def one(i: int):
+            m = self.members[i]
+            alive = m["proc"] is None or m["proc"].poll() is None
+            if not force and m["url"] and alive and answers_http(f"{m['url']}/health", timeout=10):
+                log(f"environment server {i} of the pool answers again: kept, its open episodes failed")
+                return None
+            self._end(m["proc"])
+            m["proc"], m["url"] = None, None
+            if self.stopping.is_set():
+                return None
+            proc, url = self._start_member(i, log)
+            if self.stopping.is_set():
+                self._end(proc)
+                return None
+            m["proc"], m["url"] = proc, url
+            return None
+
+        if not lost:
+            return
+        if not first or any(self.members[i]["generation"] >= 0 for i in lost):
+            log(f"environment servers {lost} of the pool lost: replacing them")
+        with ThreadPoolExecutor(min(len(lost), 32)) as ex:
+            futures = {i: ex.submit(one, i) for i in lost}
+        said = None
+        for i, f in futures.items():
+            m = self.members[i]
+            if (e := f.exception()) is None:
+                if m["url"]:
+                    m["generation"] += 1      # (the first start: generation 0)
+                    m["failures"] = 0
+                continue
+            if isinstance(e, UserError):
+                said = said or e
+            m["failures"] += 1
+            m["retry_at"] = time.monotonic() + min(5.0 * m["failures"], 60.0)
+            log(f"environment server {i} of the pool did not start: {e}")
+        if said is not None:
+            raise said
+
+    def _front_health(self) -> dict | None:
+        import httpx
+
+        if not self.url:
+            return None
+        try:
+            r = httpx.get(f"{self.url}/health", timeout=10)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _alive(self, i: int, front: dict | None) -> bool:
+        """Member i, as far as the flow knows without asking it: started, its process running (here), and live at
+        the front with its generation."""
+        m = self.members[i]
+        if not m["url"] or (m["proc"] is not None and m["proc"].poll() is not None):
+            return False
+        if front is None:
+            return True
+        seen = (front.get("members") or [])[i:i + 1]
+        return bool(seen) and seen[0]["live"] and seen[0]["generation"] == m["generation"]
+
+    def _tell_front(self) -> dict:
+        import httpx
+
+        table = [{"url": m["url"], "generation": max(m["generation"], 0)} for m in self.members]
+        try:
+            r = httpx.put(f"{self.url}/pool/members", json={"members": table}, timeout=30,
+                          headers=bearer(self.token))
+            r.raise_for_status()
+            return r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise InfraError(f"the environment pool's front at {self.url} did not take its members: {e}") from None
+
+    def _watch(self) -> None:
+        """While the run lasts: each member the front lost (or whose process ended) is replaced, and the front told."""
+        while not self.stopping.wait(self.WATCH_SECONDS):
+            if (front := self._front_health()) is None:
+                continue                  # the front itself: started again before the next stage (env)
+            if all(self._alive(i, front) for i in range(len(self.members))):
+                continue
+            with self.lock:               # (read again under the lock: env() may have replaced them meanwhile)
+                if self.stopping.is_set() or (front := self._front_health()) is None:
+                    continue
+                now = time.monotonic()
+                lost = [i for i in range(len(self.members))
+                        if not self._alive(i, front) and now >= self.members[i]["retry_at"]]
+                if not lost:
+                    continue
+                try:
+                    self._replace(lost, self.log)
+                    self._tell_front()
+                except Exception as e:  # noqa: BLE001 - tried again on the next round; env() raises what stays
+                    self.log(f"environment pool: replacing {lost} failed: {e}")
+
+
+def spawn_server(argv: list[str], env: dict[str, str], ready: str, name: str, short: str, log,
+                 timeout: float, python: str = sys.executable) -> tuple:
+    """tasks/core/fleet.py: start_server, a member that did not start being an infrastructure failure (retried).
+    (The environment server, its pool's members and front, the judge servers.)"""
+    try:
+        return start_server(argv, env, ready, name, short, log, timeout, python)
+    except DidNotStart as e:
+        raise InfraError(str(e)) from None
+
+
+class JudgeServers:
+    """reward.models with where: local | sky: a judge server per model (tasks/scoring/judge_server.py) that the
+    reward and evaluate stages ask, as EnvServer serves the environments: started at the first stage that needs
+    it, checked before each one and started again when it stopped answering (its process died, its spot cluster
+    was preempted), so the retry of a stage that failed with it (JudgeUnavailable) finds it up and asks only what
+    the answer cache lacks. Local: a process here (engine vllm: in the vLLM environment's interpreter); sky: a
+    cluster per model (<cluster>-judge-<name>, sky/judge.yaml, its port). The stages get the URLs as
+    RLFLOW_REWARD_MODELS ({name: url}) and the run's token as RLFLOW_JUDGE_TOKEN. Ended with the flow."""
+
+    READY_SECONDS = 900.0          # imports, the model's load (a GGUF converted once), vLLM's start
+
+    def __init__(self, cfg: Config, config_path: str, overrides: list[str], sky: Sky):
+        import secrets
+
+        self.cfg, self.config_path, self.overrides, self.sky = cfg, config_path, list(overrides), sky
+        self.specs = [m for m in cfg.reward.models if m.url is None and m.where != "stage"]
+        self.token = secrets.token_urlsafe(24)
+        self.urls: dict[str, str] = {}
+        self.procs: dict[str, object] = {}
+        self.lock = threading.Lock()
+
+    def env(self, log) -> dict[str, str]:
+        from tasks.core.daemon import answers_http
+        from tasks.scoring.judges import SERVED_VAR
+        from tasks.scoring.judges import TOKEN_VAR as JUDGE_TOKEN
+
+        with self.lock:
+            for spec in self.specs:
+                url = self.urls.get(spec.name)
+                if url and answers_http(f"{url}/health", timeout=10):
+                    continue
+                if url:
+                    log(f"the judge server of {spec.name} at {url} stopped answering: starting it again")
+                self.urls[spec.name] = self._start(spec, log)
+            return {SERVED_VAR: json.dumps(self.urls), JUDGE_TOKEN: self.token}
+
+    def _start(self, spec, log) -> str:
+        from tasks.scoring.judges import READY as JUDGE_READY
+        from tasks.scoring.judges import TOKEN_VAR as JUDGE_TOKEN
+
+        idle = str(self.cfg.launcher.idle_minutes_to_autostop)
+        if spec.where == "sky":
+            return self.sky.serve("judge", spec.port, int(self.READY_SECONDS), {
+                "CONFIG": self.config_path, "OVERRIDES": json.dumps(self.overrides), "MODEL": spec.name,
+                "ENGINE": spec.engine, "PORT": spec.port, JUDGE_TOKEN: self.token, "IDLE_MINUTES": idle},
+                log, member=spec.name)
+        EnvServer._end(self.procs.pop(spec.name, None))
+        python, resolved = sys.executable, []
+        if spec.engine == "vllm":      # (resolved and pin-checked here: the vLLM environment cannot read GGUF files)
+            from tasks.engines.vllm_offline import installed_python
+            from tasks.scoring.judges import model_path
+
+            python = installed_python(self.cfg)
+            resolved = ["--model-path", model_path(self.cfg, spec, f"reward.models ({spec.name})")]
+        proc, url, _ = spawn_server(["-m", "tasks.scoring.judge_server", "--config", self.config_path,
+                                     "--overrides-json", json.dumps(self.overrides), "--model", spec.name,
+                                     "--port", "0", "--exit-with-parent", "--idle-minutes", idle, *resolved],
+                                    {JUDGE_TOKEN: self.token}, JUDGE_READY, f"judge server ({spec.name})",
+                                    f"judge {spec.name}", log, self.READY_SECONDS, python)
+        self.procs[spec.name] = proc
+        return url
+
+    def stop(self) -> None:
+        with self.lock:
+            for proc in self.procs.values():
+                EnvServer._end(proc)
+            self.procs.clear()
+
+
+class Launchers:
+    """The launcher of each stage, by `launcher.mode` / `launcher.stages`; None for inline stages (the flow
+    calls the stage function itself)."""
+
+    def __init__(self, cfg: Config, config_path: str = "", overrides: list[str] | None = None):
+        self.cfg, self.config_path, self.overrides = cfg, config_path, list(overrides or [])
+        self._by_mode = {"local": Local(cfg), "sky": Sky(cfg)}
+        self.env_server = (EnvServer(cfg, config_path, overrides or [], self._by_mode["sky"])
+                           if cfg.env.factory and cfg.env.remote() else None)
+        self.judges = JudgeServers(cfg, config_path, overrides or [], self._by_mode["sky"])
+
+    def for_stage(self, stage: str):
+        if stage in ("generate", "evaluate") and self.cfg.generate.replicas:
+            return None               # the stage only shards and routes, here; its replicas do the sampling
+        return self._by_mode.get(self.cfg.launcher.mode_of(stage))
+
+    def replicas(self) -> dict[str, str]:
+        """generate.replicas with the generate stage on sky: how the router launches replica i (its own cluster
+        <prefix>-<run>-replica-<i>, sky/replica.yaml, port generate.replica_port + i), as RLFLOW_REPLICA_LAUNCH
+        for the stage; the clusters are the flow's to tear down (close). Else nothing: local replica processes."""
+        if not self.cfg.generate.replicas or self.cfg.launcher.mode_of("generate") != "sky":
+            return {}
+        from tasks.engines.replicas import LAUNCH_VAR, TOKEN_VAR
+
+        sky, lc, gc = self._by_mode["sky"], self.cfg.launcher, self.cfg.generate
+        names = [f"{sky.cluster('replica')}-{i}" for i in range(gc.replicas)]
+        sky.launched.update(names)
+        start = [sky.python, str(BRIDGE), "serve", "--cluster", f"{sky.cluster('replica')}-{{i}}", "--recipe",
+                 str(recipe_path(self.cfg, "replica")), "--port", "{port}", "--wait", str(int(gc.server_start_timeout)),
+                 "--idle-minutes", str(lc.idle_minutes_to_autostop), "--launch",
+                 f"--env=CONFIG={self.config_path}", f"--env=OVERRIDES={json.dumps(self.overrides)}",
+                 "--env=PORT={port}", f"--env={TOKEN_VAR}={{token}}"]
+        if lc.accelerators.get("generate"):
+            start += ["--accelerators", lc.accelerators["generate"]]
+        return {LAUNCH_VAR: json.dumps({"start": start, "port_base": gc.replica_port})}
+
+    def close(self, log) -> None:
+        if self.env_server is not None:
+            self.env_server.stop()
+        self.judges.stop()
+        for launcher in self._by_mode.values():
+            launcher.close(log)

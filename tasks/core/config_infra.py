@@ -1,0 +1,159 @@
+"""The config sections of where a run's things live and run: `store` (file:// or s3://, and `store.keep`, the
+retention of checkpoints and policies), `tracking` (MLflow), `launcher` (where each stage runs: inline, a
+local subprocess, SkyPilot) and `cost` (prices for the cost metric). STAGES, the stages' names, is here.
+
+Assembled into the whole config, and re-exported, by tasks/core/config.py.
+More: docs/internals.md (tasks/core/config_infra.py): the checks these sections make.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal, get_args
+from urllib.parse import urlparse
+
+from pydantic import Field, StringConstraints, field_validator
+
+from tasks.core.config_base import HOW_NOT_WHAT, Section
+
+
+class KeepConfig(Section):
+    """Retention: which of a run's checkpoints and policies are kept.
+
+    The run's lease holder deletes the rest at the start and the end of each flow run, manifest first. Never
+    deleted: anything a resume needs (the newest checkpoint and the one before it, every checkpoint after the
+    newest full one), rollouts and rewards, evaluated policies, the policies LATEST and BEST name, the MLflow
+    champion, the whole policies deltas are built on (tasks/core/retention.py)."""
+
+    checkpoints_last: int = Field(2, ge=0, description="Newest full checkpoints kept (0 = all).")
+    checkpoints_every: int = Field(0, ge=0, description="Also keep the full checkpoint of every N-th iteration "
+                                   "(0 = none).")
+    policies_last: int = Field(0, ge=0, description="Newest published policies kept (0 = all).")
+    policies_every: int = Field(0, ge=0, description="Also keep the policy of every N-th iteration (0 = none).")
+
+
+class StoreConfig(Section):
+    """Where artifacts live: file:// or a local path, or s3://bucket/prefix."""
+
+    uri: str = Field("file://./rlflow-store", description="Store root; each run writes under <uri>/<run.name>/.")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto...); None = AWS.")
+    region: str | None = Field(None, description="S3 region; None = boto3's default chain.")
+    multipart_chunk_mb: int = Field(16, ge=5, description="Multipart part size in MiB (S3 minimum is 5).")
+    max_concurrency: int = Field(8, ge=1, description="Parallel part transfers per file.")
+    keep: KeepConfig = Field(KeepConfig(), description="Retention of checkpoints and policies.")
+    # Credentials never live here: boto3 reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE.
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None:
+            parsed = urlparse(v)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                raise ValueError("expected http(s)://HOST[:PORT]")
+            try:
+                parsed.port                                     # noqa: B018 - raises on a bad port
+            except ValueError:
+                raise ValueError("expected http(s)://HOST[:PORT] with a port number") from None
+        return v
+
+    @field_validator("uri")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if "://" in v and not v.startswith(("file://", "s3://")):
+            raise ValueError("expected file://PATH, s3://BUCKET[/PREFIX] or a local path")
+        if v.startswith("s3://") and not v[5:].strip("/"):
+            raise ValueError("s3:// URI needs a bucket name")
+        if not (v[len("file://"):] if v.startswith("file://") else v).strip():
+            raise ValueError("expected a folder: file://PATH (file://./rlflow-store, file:///abs/path) or a local "
+                             "path, not an empty one (which would write the store into the working directory)")
+        return v
+
+
+TRACKING_SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "mssql", "databricks")
+
+
+class TrackingConfig(Section):
+    """MLflow."""
+
+    uri: str = Field(default_factory=lambda: os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
+                     description="MLflow tracking URI (sqlite:///..., http://host:5000); unset: $MLFLOW_TRACKING_URI, "
+                     "else sqlite:///mlflow.db in the working directory.")
+    experiment: str = Field("rlflow", min_length=1, pattern=r"\S", description="MLflow experiment name.")
+    sample_completions: int = Field(8, ge=0, description="Completions per iteration logged to the samples table.")
+    traces: bool = Field(True, description="Log every evaluated episode, and the samples table's completions, as "
+                         "MLflow traces of the run: a span per model call and environment step or tool call, each "
+                         "reward function's score as feedback (docs/operations.md, 'Reading episodes').")
+    flush_seconds: float = Field(5.0, ge=0, description="Send metrics/samples/model versions at most this often "
+                                 "(s); 0 = every iteration. Batching keeps a remote server off the training path.")
+    dashboard_every: int = Field(1, ge=0, description="Update the flow run's Prefect report (one artifact) every N "
+                                 "iterations and after the last; 0 = only after the last.")
+
+    @field_validator("uri")
+    @classmethod
+    def _tracking_scheme(cls, v: str) -> str:
+        scheme = v.split("://", 1)[0].split("+", 1)[0] if "://" in v else (v.split(":", 1)[0] if ":" in v else "")
+        if scheme and scheme not in TRACKING_SCHEMES and not (len(scheme) == 1 and v[1:3] in (":\\", ":/")):
+            raise ValueError(f"expected one of {', '.join(s + '://' for s in TRACKING_SCHEMES)} or a local folder")
+        return v
+
+
+Stage = Literal["generate", "reward", "train", "publish", "evaluate"]
+STAGES: tuple[str, ...] = get_args(Stage)
+LauncherMode = Literal["inline", "local", "sky"]
+
+
+class LauncherConfig(Section):
+    """Where each stage runs. The same config runs with any launcher; only this section changes."""
+
+    mode: LauncherMode = Field("inline", description="inline: in the flow's process; local: a subprocess "
+                               "running the stage recipe's `run` (sky/<stage>.yaml) exactly as SkyPilot would; "
+                               "sky: on SkyPilot clusters (launched once per flow run, reused by exec).")
+    stages: dict[Stage, LauncherMode] = Field(
+        {}, description="Per-stage mode overriding `mode`, e.g. {train: sky}.")
+    recipes: str = Field("sky", description="Folder of the stage recipes (<stage>.yaml). A relative one is that "
+                         "folder of the working directory if there is one, else of the rlflow checkout (its sky/); "
+                         "the sky launcher refuses a relative one that is not in the working directory, which "
+                         "the recipes' `workdir: .` sends to the clusters.")
+    retries: int = Field(3, ge=0, le=20, description="Retries of a stage after an infrastructure failure "
+                         "(killed process, preempted or vanished cluster, store error); user errors are "
+                         "never retried.")
+    retry_backoff_seconds: float = Field(10.0, ge=0, description="First retry delay; doubles at each retry.")
+    sky_python: str | None = Field(None, description="Python of the SkyPilot environment (the `sky` launcher "
+                                   "calls the SDK there); None = .venv-sky/bin/python in the working directory, "
+                                   "else in the repository root (make setup), else `python3`.")
+    cluster_prefix: str = Field("rlflow", pattern=r"^[a-z][a-z0-9-]{0,30}$",
+                                description="SkyPilot cluster names: <prefix>-<run>-<recipe>.")
+    idle_minutes_to_autostop: int = Field(10, ge=1, description="SkyPilot autostop of idle clusters.")
+    down: bool = Field(True, description="Tear the clusters down when the flow ends (else autostop only).")
+    managed_jobs: bool = Field(False, description="Run sky stages as SkyPilot managed jobs (sky.jobs.launch): "
+                               "SkyPilot itself recovers a preempted spot job.")
+    accelerators: dict[Literal["generate", "train", "reward", "evaluate", "publish", "env", "judge"],
+                       Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*(:[0-9]+)?$")]] = Field(
+        {}, json_schema_extra=HOW_NOT_WHAT,
+        description="The GPU type per role on SkyPilot, overriding the recipe's resources.accelerators, e.g. "
+                    "{generate: 'L4:1', train: 'A100:8'} (the rollout GPU and the actor GPU): each generate "
+                    "replica gets one such machine; judge: each reward.models server on sky.")
+
+    @field_validator("accelerators")
+    @classmethod
+    def _some_of_each(cls, v: dict) -> dict:
+        for role, spec in v.items():
+            if ":" in spec and int(spec.rsplit(":", 1)[1]) == 0:
+                raise ValueError(f"{role}: {spec!r} asks for 0 of them; expected a count of 1 or more (or the "
+                                 f"type alone, one)")
+        return v
+
+    def mode_of(self, stage: str) -> str:
+        return self.stages.get(stage, self.mode)
+
+    def remote_stages(self) -> list[str]:
+        """Stages that run outside the flow's process (local subprocess or SkyPilot)."""
+        return [s for s in STAGES if self.mode_of(s) != "inline"]
+
+
+class CostConfig(Section):
+    """Prices for the cost metric (cost_usd = stage seconds x hourly price)."""
+
+    hourly_usd: dict[Stage, Annotated[float, Field(ge=0)]] = Field(
+        {}, description="Hourly price per stage when SkyPilot's catalog cannot tell (inline/local: the price "
+                        "of this machine); a stage with no price known logs no cost metric.")
