@@ -28,8 +28,8 @@ $(VENV)/.ready: pyproject.toml constraints.txt
 	  export DEBIAN_FRONTEND=noninteractive; P="bubblewrap python3-seccomp"; \
 	  $$S apt-get install -y -qq $$P >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq $$P; } >/dev/null 2>&1; } \
 	  || echo "warning: bubblewrap or python3-seccomp not installed; code rewards fall back (docs/sandbox.md)"
-	@# chromium: the browser environment and the UI check drive it headless (tasks/envs/browser.py, tests/test_ui.py);
-	@# Debian's package, not playwright's download
+	@# chromium: the browser environment and the UI check drive it headless (tasks/envs/builtin/browser.py,
+	@# tests/test_ui.py); Debian's package, not playwright's download
 	@command -v chromium >/dev/null || { S=$$([ "$$(id -u)" = 0 ] || echo sudo -n); export DEBIAN_FRONTEND=noninteractive; \
 	  $$S apt-get install -y -qq chromium >/dev/null 2>&1 || { $$S apt-get update -qq && $$S apt-get install -y -qq chromium; } >/dev/null 2>&1; } \
 	  || echo "warning: chromium not installed; the browser environment refuses to start, and its tests and the UI check are skipped outside CI"
@@ -62,7 +62,7 @@ $(VENV)/.ready: pyproject.toml constraints.txt
 
 # OpenEnv's client gets its own environment too: openenv-core needs gradio and fastmcp 4, which clash with the main
 # environment's pins (pillow, huggingface-hub, aiofiles, mcp). The OpenEnv adapter runs its client there
-# (tasks/envs/openenv_bridge.py, run by path: rlflow itself is not installed there). ~30 s.
+# (tasks/envs/adapters/openenv_bridge.py, run by path: rlflow itself is not installed there). ~30 s.
 .venv-openenv/.ready: constraints-openenv.txt
 	$(PYTHON) -m venv .venv-openenv
 	.venv-openenv/bin/pip install -qq --disable-pip-version-check -c constraints-openenv.txt openenv-core==0.3.0
@@ -70,7 +70,7 @@ $(VENV)/.ready: pyproject.toml constraints.txt
 
 # verifiers 0.4 gets its own environment too: the main one pins verifiers 0.3.1 (the 0.3 adapter), and 0.4 needs
 # openai>=2.54, mcp 2.0.0 and transformers 5 (no torch). The verifiers 0.4 agent runs its environments there
-# (tasks/envs/verifiers_v04_bridge.py, run by path). uv: verifiers runs its harness programs as PEP 723 scripts
+# (tasks/envs/adapters/verifiers_v04_bridge.py, run by path). uv: verifiers runs its harness programs as PEP 723 scripts
 # with uv (it would `pip install --user` one otherwise); the first rollout has uv fetch their packages. ~60 s.
 .venv-verifiers/.ready: constraints-verifiers.txt
 	$(PYTHON) -m venv .venv-verifiers

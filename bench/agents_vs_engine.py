@@ -2,7 +2,7 @@
 
   1. added latency per call: one completion of one token, called one at a time, straight from the sampling
      session vs through the endpoint with the real openai client (HTTP, the chat template, the record);
-  2. episodes per second: the letters game as an agent (tasks/envs/games.py: letters_agent, the plain openai
+  2. episodes per second: the letters game as an agent (tasks/envs/builtin/games.py: letters_agent, the plain openai
      client, lockstep rounds) vs the same game as an environment (SayTheLetters, the episode loop), both with
      every episode of the batch at once, the same engine and the same batch.
 
@@ -23,10 +23,10 @@ sys.path.insert(0, str(ROOT))
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.contracts import SamplingParams  # noqa: E402
 from tasks.engines.sampling import open_session  # noqa: E402
-from tasks.envs.agents import run_agents  # noqa: E402
-from tasks.envs.endpoint import Endpoint  # noqa: E402
-from tasks.envs.episodes import run_episodes  # noqa: E402
-from tasks.envs.rendering import Renderer  # noqa: E402
+from tasks.envs.runtime.agents import run_agents  # noqa: E402
+from tasks.envs.runtime.endpoint import Endpoint  # noqa: E402
+from tasks.envs.runtime.episodes import run_episodes  # noqa: E402
+from tasks.envs.runtime.rendering import Renderer  # noqa: E402
 
 AGENT, LETTERS = ROOT / "configs" / "agent.yaml", ROOT / "configs" / "letters.yaml"
 ONE = SamplingParams(n=1, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=1)

@@ -1,5 +1,5 @@
-"""Browser episodes per second: the shop's tasks (tasks/envs/webshop.py) solved by its reference policy through
-rlflow's episode loop (tasks/envs/episodes.py: tokens in and out, the chat template's rendering, a thread per
+"""Browser episodes per second: the shop's tasks (tasks/envs/builtin/webshop.py) solved by its reference policy through
+rlflow's episode loop (tasks/envs/runtime/episodes.py: tokens in and out, the chat template's rendering, a thread per
 call), with the environment in the stage's process and in a process per episode, versus the same environment
 driven alone by asyncio (no episode loop: the floor that Chromium and the environment set).
 
@@ -27,9 +27,9 @@ from tasks.core import builtin_models  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.contracts import Sample, Sampled, SamplingParams  # noqa: E402
 from tasks.core.models import load_tokenizer  # noqa: E402
-from tasks.envs.browser import Browser  # noqa: E402
-from tasks.envs.episodes import run_episodes  # noqa: E402
-from tasks.envs.webshop import reference_action, serve, shop_tasks  # noqa: E402
+from tasks.envs.builtin.browser import Browser  # noqa: E402
+from tasks.envs.builtin.webshop import reference_action, serve, shop_tasks  # noqa: E402
+from tasks.envs.runtime.episodes import run_episodes  # noqa: E402
 
 MAX_TURNS = 12
 

@@ -1,5 +1,5 @@
 """Episodes per second with the environments in the stage (env.where: stage) and on an environment server
-(env.where: local: tasks/envs/server.py over HTTP on this machine), side by side in one process: the letters
+(env.where: local: tasks/envs/runtime/server.py over HTTP on this machine), side by side in one process: the letters
 game (3 turns, one token a turn), a scripted engine (no model time), so what differs is the hop alone.
 
     python bench/env_server_vs_stage.py [--episodes 256] [--repeats 3]
@@ -21,7 +21,7 @@ from tasks.core import builtin_models  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.contracts import Sample, Sampled, SamplingParams  # noqa: E402
 from tasks.core.models import load_tokenizer  # noqa: E402
-from tasks.envs.episodes import run_episodes  # noqa: E402
+from tasks.envs.runtime.episodes import run_episodes  # noqa: E402
 
 LETTERS = ROOT / "configs" / "letters.yaml"
 

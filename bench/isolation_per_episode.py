@@ -5,7 +5,7 @@ episode after another, as the episode loop drives them for a one-turn episode. S
     python bench/isolation_per_episode.py [--episodes 64] [--repeats 3]
     python bench/isolation_per_episode.py --reference /tmp/rlflow-before      # the same, with another checkout
 
-Environments: (a) plain, the letters game (tasks/envs/games.py: SayTheLetters, rlflow's protocol); (b) a TRL
+Environments: (a) plain, the letters game (tasks/envs/builtin/games.py: SayTheLetters, rlflow's protocol); (b) a TRL
 environment class with two tools, in a module of the working directory as a user's would be; (c) the same, run
 from a TRL user's script: its __main__ also imports `trl`'s GRPOTrainer (episodes/8, one repeat: before the fix
 each episode's process imported it again, seconds each). Each (environment, isolation, checkout) runs in a
@@ -66,14 +66,15 @@ class Notes:
         return float(len(self.notes))
 '''
 
-FACTORIES = {"plain": "tasks.envs.games:SayTheLetters", "trl": "bench_notes:Notes", "trl-script": "bench_notes:Notes"}
+FACTORIES = {"plain": "tasks.envs.builtin.games:SayTheLetters", "trl": "bench_notes:Notes",
+             "trl-script": "bench_notes:Notes"}
 
 
 def measure(env: str, isolation: str, episodes: int, repeats: int) -> list[float]:
     """ms per episode, one number per repeat (in this process: its forkserver is prepared for this config)."""
     from tasks.core.config import load_config
-    from tasks.envs.isolation import start_environment, warm_up
-    from tasks.envs.protocol import factory_of
+    from tasks.envs.runtime.isolation import start_environment, warm_up
+    from tasks.envs.runtime.protocol import factory_of
 
     cfg = load_config(ROOT / "configs" / "letters.yaml",
                       [f"env.factory={FACTORIES[env]}", f"env.isolation={isolation}", "env.max_turns=1"])

@@ -60,15 +60,15 @@ def preflight(cfg: Config) -> None:
 
             installed_python(cfg)      # a judge server on vLLM here, and no vLLM environment: one line
     if cfg.env.factory and cfg.env.where != "sky" and cfg.env.server_url is None:
-        from tasks.envs.protocol import factory_of
+        from tasks.envs.runtime.protocol import factory_of
 
         factory_of(cfg)                 # env.factory cannot be imported: one line, exit 2 (here, or the server)
         if cfg.env.where in ("stage", "local"):
-            from tasks.envs.protocol import check_environment
+            from tasks.envs.runtime.protocol import check_environment
 
             check_environment(cfg, dict(datasets[0][0]))   # one built with env.kwargs, its adapter and tools
     if cfg.env.agent:
-        from tasks.envs.agents import agent_of
+        from tasks.envs.runtime.agents import agent_of
 
         agent_of(cfg)                   # env.agent cannot be imported or called so: one line, exit 2
     if cfg.env.factory and cfg.env.where == "local" and cfg.env.server_url is None and any(
@@ -76,7 +76,7 @@ def preflight(cfg: Config) -> None:
         raise UserError("env.where: local serves the environments on this machine, which the generate cluster "
                         "(launcher: sky) cannot reach; use env.where: sky, or env.server_url")
     if cfg.env.factory and cfg.env.server_url is not None:
-        from tasks.envs.protocol import require_env_server
+        from tasks.envs.runtime.protocol import require_env_server
 
         require_env_server(cfg.env.server_url)    # an rlflow environment server (its /health's shape), not any HTTP
     path = base_path(cfg)

@@ -2,8 +2,8 @@
 holds for a run: each stage's launcher (flows/launch.py: Local, Sky; None for inline stages) and these services,
 ended together with the flow (close).
 
-    EnvServer      env.where: local | sky: the environment server(s) the episodes talk to (tasks/envs/server.py;
-                   env.servers > 1: a pool of them behind one front, tasks/envs/pool.py)
+    EnvServer      env.where: local | sky: the environment server(s) the episodes talk to (tasks/envs/runtime/server.py;
+                   env.servers > 1: a pool of them behind one front, tasks/envs/runtime/pool.py)
     JudgeServers   reward.models with where: local | sky: a judge server per model (tasks/scoring/judge_server.py)
     spawn_server   one server process here (tasks/core/fleet.py: start_server), not starting being an InfraError
     Launchers      the launcher of each stage, the services above, and generate.replicas' launch command on sky
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from flows.launch import BRIDGE, InfraError, Local, Sky, recipe_path
 from tasks.core.errors import UserError
 from tasks.core.fleet import DidNotStart, bearer, start_server
-from tasks.envs.server import READY, TOKEN_VAR, URL_VAR
+from tasks.envs.runtime.server import READY, TOKEN_VAR, URL_VAR
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -34,14 +34,14 @@ if TYPE_CHECKING:
 
 class EnvServer:
     """env.where: local | sky (or env.server_url): the environment server the episodes of generate and evaluate
-    talk to (tasks/envs/server.py). Started at the first stage that needs it and checked before each one: a
+    talk to (tasks/envs/runtime/server.py). Started at the first stage that needs it and checked before each one: a
     server that stopped answering (its process died, its spot cluster was preempted) is started again, so the
     retry of a stage that failed with it finds it up. The stages get its URL and token as environment variables
     (RLFLOW_ENV_SERVER, RLFLOW_ENV_TOKEN): they are the run's, not the config's, and a new server after a
     preemption has another address. Ended with the flow: its process, or its cluster (Sky.close).
 
     env.servers: N > 1 (a pool): N servers, processes here or a cluster each (<cluster>-env-<i>, port
-    env.server_port + 1 + i), behind one front (tasks/envs/pool.py) whose URL the stages get. The front runs
+    env.server_port + 1 + i), behind one front (tasks/envs/runtime/pool.py) whose URL the stages get. The front runs
     where the stages can reach it: here when they run here (env.where: local, or every episode stage on this
     machine), else on a cluster of its own (<cluster>-env-front, port env.server_port). This object owns the
     members: a thread reads the front's /health every WATCH_SECONDS, starts a new member for each one the front
@@ -96,13 +96,13 @@ class EnvServer:
                 self.url = self._start_local(log) if self.cfg.env.where == "local" else self._start_sky(log)
             return {URL_VAR: self.url, TOKEN_VAR: self.token}
 
-    def _argv(self, module: str = "tasks.envs.server") -> list[str]:
+    def _argv(self, module: str = "tasks.envs.runtime.server") -> list[str]:
         return ["-m", module, "--config", self.config_path, "--overrides-json",
                 json.dumps(self.overrides), "--idle-minutes", str(self.cfg.launcher.idle_minutes_to_autostop)]
 
     def _start_local(self, log) -> str:
         self._end(self.proc)
-        self.proc, url = self._spawn("tasks.envs.server", "environment server", "env server", log)
+        self.proc, url = self._spawn("tasks.envs.runtime.server", "environment server", "env server", log)
         return url
 
     def _spawn(self, module: str, name: str, short: str, log):
@@ -179,14 +179,14 @@ class EnvServer:
     def _start_front(self, log) -> str:
         if self._front_here():
             self._end(self.proc)
-            self.proc, url = self._spawn("tasks.envs.pool", "environment pool's front", "env pool", log)
+            self.proc, url = self._spawn("tasks.envs.runtime.pool", "environment pool's front", "env pool", log)
             return url
         return self.sky.serve("env", self.cfg.env.server_port, int(self.READY_SECONDS),
                               self._sky_env(self.cfg.env.server_port, ROLE="front"), log, member="front")
 
     def _start_member(self, i: int, log) -> tuple:
         if self.cfg.env.where == "local":
-            return self._spawn("tasks.envs.server", f"environment server {i}", f"env server {i}", log)
+            return self._spawn("tasks.envs.runtime.server", f"environment server {i}", f"env server {i}", log)
         port = self.cfg.env.server_port + 1 + i
         return None, self.sky.serve("env", port, int(self.READY_SECONDS), self._sky_env(port), log, member=str(i))
 

@@ -45,7 +45,7 @@ from tasks.core.tracking import Tracker, champion_policy_uri
 from tasks.engines.detached import DetachedTrainer
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.training import training_engine
-from tasks.envs.episodes import EnvironmentsStalled
+from tasks.envs.runtime.episodes import EnvironmentsStalled
 from tasks.evaluate import evaluate
 from tasks.generate import generate
 from tasks.publish import publish

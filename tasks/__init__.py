@@ -9,8 +9,8 @@
                    DeepSpeed) engines; the trainer, in the stage's process or resident
     scoring/       calling reward functions in a worker process; the code sandbox; reward models and LLM judges
     rewards/       reward functions users name in their configs (tasks.rewards.<module>:<function>)
-    envs/          environments: episodes, the protocol and adapters, isolation, servers and pools, agents and
-                   their endpoint, built-in environments (docs/environments.md)
+    envs/          environments in three rooms: runtime/ (episodes, the protocol, isolation, servers and pools,
+                   agents and their endpoint), adapters/ (other ecosystems'), builtin/ (ours; docs/environments.md)
 
 Stages never import each other; they meet in the store (tasks/core/store.py, tasks/core/layout.py).
 """

@@ -27,7 +27,7 @@ from tasks.core.errors import UserError
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
 from tasks.engines.sampling import open_session
-from tasks.envs.episodes import require_some_episode, sample
+from tasks.envs.runtime.episodes import require_some_episode, sample
 from tasks.scoring.functions import load_functions, require_some_score, score_records
 from tasks.scoring.worker import RewardState
 

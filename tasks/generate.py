@@ -9,7 +9,7 @@ before iteration S+2; tasks/core/layout.py: behaviour_policy), and the dataset; 
 refused (the version check). Which prompts: tasks/core/curriculum.py.
 Idempotent: if that folder is complete and was made from the same inputs, it is returned as is.
 The engine is the one `generate.engine` / `generate.mode` name (tasks/engines/sampling.py's factory); with
-env.factory each rollout is a multi-turn episode against an environment (tasks/envs/episodes.py).
+env.factory each rollout is a multi-turn episode against an environment (tasks/envs/runtime/episodes.py).
 More: docs/internals.md (tasks/generate.py).
 """
 
@@ -26,7 +26,7 @@ from tasks.core.errors import UserError
 from tasks.core.stage import check_round, fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import open_store
 from tasks.engines.sampling import open_session
-from tasks.envs.episodes import episode_metrics, require_some_episode, sample
+from tasks.envs.runtime.episodes import episode_metrics, require_some_episode, sample
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -80,7 +80,7 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
     if cfg.env.episodic():
         metrics.update(episode_metrics(records))
     if cfg.env.agent:
-        from tasks.envs.agents import agent_metrics
+        from tasks.envs.runtime.agents import agent_metrics
 
         metrics.update(agent_metrics(records))
     with tempfile.TemporaryDirectory(prefix="rlflow-generate-") as tmp:

@@ -1,8 +1,8 @@
-"""Agents as users write them (env.agent; tasks/envs/agents.py) against rlflow's endpoint (tasks/envs/endpoint.py):
-the tokens recorded are the tokens sampled, turns merge or split step-wise, agents that fail cost only their
-episode, 64 at once, the same rollouts when a stage is run again, every learner's mask, and the demo through the
-flow with resume equality and overlap. The endpoint's routes with the real openai client and an agent framework:
-tests/test_endpoint.py; verifiers 0.4 environments: tests/test_verifiers_v04.py."""
+"""Agents as users write them (env.agent; tasks/envs/runtime/agents.py) against rlflow's endpoint
+(tasks/envs/runtime/endpoint.py): the tokens recorded are the tokens sampled, turns merge or split step-wise, agents
+that fail cost only their episode, 64 at once, the same rollouts when a stage is run again, every learner's mask,
+and the demo through the flow with resume equality and overlap. The endpoint's routes with the real openai client
+and an agent framework: tests/test_endpoint.py; verifiers 0.4 environments: tests/test_verifiers_v04.py."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from tasks.core.contracts import Rollout, Sampled, SamplingParams
 from tasks.core.errors import UserError
 from tasks.core.store import Store
 from tasks.engines.sampling import open_session
-from tasks.envs.agents import agent_metrics, run_agents
-from tasks.envs.endpoint import Endpoint
+from tasks.envs.runtime.agents import agent_metrics, run_agents
+from tasks.envs.runtime.endpoint import Endpoint
 from tests.conftest import AT_LENGTH
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,7 +195,7 @@ def test_a_bad_agent_spec_is_one_line_before_any_episode():
         with pytest.raises(UserError, match=expected.replace("(", r"\(").replace(")", r"\)")):
             _run(cfg, n=1, rows=LETTERS[:1])
     with pytest.raises(Exception, match="set env.agent or env.factory, not both"):
-        load_config(AGENT, ["env.factory=tasks.envs.games:SayTheLetters"])
+        load_config(AGENT, ["env.factory=tasks.envs.builtin.games:SayTheLetters"])
 
 
 # ------------------------------------------------------------------------------------------ the endpoint itself

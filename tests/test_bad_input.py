@@ -143,16 +143,16 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                       "launcher.accelerators.train"),
         "agent module missing": (["run", str(TINY), "-o", "env.agent=nosuchagent:run"],
                                  "env.agent: cannot import module 'nosuchagent'"),
-        "agent that cannot be called so": (["run", str(TINY), "-o", "env.agent=tasks.envs.games:SayTheLetters"],
-                                           "env.agent: tasks.envs.games:SayTheLetters cannot be called as run(row, "
+        "agent that cannot be called so": (["run", str(TINY), "-o", "env.agent=tasks.envs.builtin.games:SayTheLetters"],
+                                           "env.agent: tasks.envs.builtin.games:SayTheLetters cannot be called as run(row, "
                                            "base_url, api_key)"),
-        "agent and factory": (["run", str(TINY), "-o", "env.agent=tasks.envs.games:letters_agent", "-o",
-                               "env.factory=tasks.envs.games:SayTheLetters"], "set env.agent or env.factory, not both"),
-        "agent on an environment server": (["run", str(TINY), "-o", "env.agent=tasks.envs.games:letters_agent", "-o",
+        "agent and factory": (["run", str(TINY), "-o", "env.agent=tasks.envs.builtin.games:letters_agent", "-o",
+                               "env.factory=tasks.envs.builtin.games:SayTheLetters"], "set env.agent or env.factory, not both"),
+        "agent on an environment server": (["run", str(TINY), "-o", "env.agent=tasks.envs.builtin.games:letters_agent", "-o",
                                             "env.where=local"], "env.agent: agents run beside the stage's endpoint"),
-        "endpoint bounds reversed": (["run", str(TINY), "-o", "env.agent=tasks.envs.games:letters_agent", "-o",
+        "endpoint bounds reversed": (["run", str(TINY), "-o", "env.agent=tasks.envs.builtin.games:letters_agent", "-o",
                                       "env.endpoint.temperature=[1.0, 0.5]"], "env.endpoint.temperature"),
-        "browser, not a chromium": (["run", str(TINY), "-o", "env.factory=tasks.envs.browser:Browser", "-o",
+        "browser, not a chromium": (["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.browser:Browser", "-o",
                                      'env.kwargs={"base_url": "http://127.0.0.1:9", "executable": "/nonexistent/chromium"}'],
                                     "env.kwargs.executable: '/nonexistent/chromium' is not an executable Chromium"),
         "off-line rollouts that are not there": (
@@ -160,23 +160,23 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
              "train.learner.offline_rollouts=[elsewhere/iter-000001/rewards]"],
             "train.learner.offline_rollouts: elsewhere/iter-000001/rewards: no scored rollouts at "),
         "environment server, unreachable by the sky generate": (
-            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.where=local", "-o",
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o", "env.where=local", "-o",
              "launcher.stages={generate: sky}"], "env.where: local serves the environments on this machine"),
         "environment server url, nothing there": (
-            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o",
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o",
              "env.server_url=http://127.0.0.1:9"], "env.server_url: no environment server answers at http://127.0.0.1:9"),
         "environment server url, not a url": (
-            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.server_url=myhost:8330"],
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o", "env.server_url=myhost:8330"],
             "env.server_url"),
-        "browser, no site": (["run", str(TINY), "-o", "env.factory=tasks.envs.browser:Browser", "-o",
+        "browser, no site": (["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.browser:Browser", "-o",
                               'env.kwargs={"base_url": "http://127.0.0.1:9"}'],
                              "env.kwargs.base_url: no site answers at http://127.0.0.1:9"),
-        "browser, no base_url": (["run", str(TINY), "-o", "env.factory=tasks.envs.browser:Browser"],
+        "browser, no base_url": (["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.browser:Browser"],
                                  "env.kwargs.base_url: the browser environment needs the site's URL"),
-        "openenv, not its python": (["run", str(TINY), "-o", "env.factory=tasks.envs.openenv_adapter:OpenEnv", "-o",
+        "openenv, not its python": (["run", str(TINY), "-o", "env.factory=tasks.envs.adapters.openenv_adapter:OpenEnv", "-o",
                                      f'env.kwargs={{"base_url": "http://127.0.0.1:9", "python": "{sys.executable}"}}'],
                                     f"env.kwargs.python: {sys.executable} has no openenv-core"),
-        "openenv, python missing": (["run", str(TINY), "-o", "env.factory=tasks.envs.openenv_adapter:OpenEnv", "-o",
+        "openenv, python missing": (["run", str(TINY), "-o", "env.factory=tasks.envs.adapters.openenv_adapter:OpenEnv", "-o",
                                      'env.kwargs={"base_url": "http://127.0.0.1:9", "python": "/nonexistent/python"}'],
                                     "env.kwargs.python: '/nonexistent/python' is not an executable"),
         "bad reward timeout": (["run", str(TINY), "-o", "reward.timeout_seconds=0"], "reward.timeout_seconds"),
@@ -266,8 +266,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                       "store.uri: file://./rlflow-store: the sky launcher needs a store"),
         # environments that cannot be built: refused before the run, not every episode failing
         "environment keyword the factory does not take": (
-            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.kwargs={size: 3}"],
-            "env.kwargs: tasks.envs.games:SayTheLetters cannot be called with env.kwargs ['size']: got an unexpected "
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o", "env.kwargs={size: 3}"],
+            "env.kwargs: tasks.envs.builtin.games:SayTheLetters cannot be called with env.kwargs ['size']: got an unexpected "
             "keyword argument 'size'"),
         "environment keyword the factory lacks": (
             ["run", str(TINY), "-o", "env.factory=badtools_env:NeedsSize"],
@@ -277,24 +277,24 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             ["run", str(TINY), "-o", "env.factory=badtools_env:NeedsSize", "-o", "env.kwargs={size: -1}"],
             "env.factory: badtools_env:NeedsSize(**env.kwargs) raised ValueError: size must be positive"),
         "adapter forced onto a class that does not fit": (
-            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.adapter=gymnasium"],
-            "env.adapter: gymnasium: tasks.envs.games:SayTheLetters made a SayTheLetters, whose reset cannot be "
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o", "env.adapter=gymnasium"],
+            "env.adapter: gymnasium: tasks.envs.builtin.games:SayTheLetters made a SayTheLetters, whose reset cannot be "
             "called as reset(seed=...)"),
         "verifiers adapter on a plain class": (
-            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o", "env.adapter=verifiers"],
-            "env.adapter: verifiers: tasks.envs.games:SayTheLetters made a SayTheLetters, which the verifiers "
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o", "env.adapter=verifiers"],
+            "env.adapter: verifiers: tasks.envs.builtin.games:SayTheLetters made a SayTheLetters, which the verifiers "
             "adapter cannot drive"),
         "environment tools that are not functions": (
             ["run", str(TINY), "-o", "env.factory=badtools_env:StringTools"],
             "env.factory: badtools_env:StringTools: StringTools.tools[0] is 'lookup', not a function"),
         # checks that accepted the wrong thing
         "environment server url, a server that is not one (404)": (
-            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o",
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o",
              f"env.server_url={not_env_server}/missing"],
             f"env.server_url: {not_env_server}/missing is not an rlflow environment server (GET /health answered "
             "HTTP 404"),
         "environment server url, a server that is not one (200)": (
-            ["run", str(TINY), "-o", "env.factory=tasks.envs.games:SayTheLetters", "-o",
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o",
              f"env.server_url={not_env_server}/ok"],
             f"env.server_url: {not_env_server}/ok is not an rlflow environment server (GET /health answered 'ok'"),
         "off-line rollouts, a generate output": (

@@ -1,7 +1,7 @@
-"""The browser environment (tasks/envs/browser.py) on the shop (tasks/envs/webshop.py), served on 127.0.0.1 by
-a fixture and driven through Debian's chromium by Playwright: every task solved by the reference policy through
-the episode loop (text actions and tool calls, thread and process isolation), mistakes as observations, wrong
-answers scored 0, and the config through the flow with the tiny model."""
+"""The browser environment (tasks/envs/builtin/browser.py) on the shop (tasks/envs/builtin/webshop.py), served on
+127.0.0.1 by a fixture and driven through Debian's chromium by Playwright: every task solved by the reference policy
+through the episode loop (text actions and tool calls, thread and process isolation), mistakes as observations,
+wrong answers scored 0, and the config through the flow with the tiny model."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 
 from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
-from tasks.envs.browser import Browser
-from tasks.envs.episodes import run_episodes
-from tasks.envs.webshop import reference_action, serve, shop_tasks
+from tasks.envs.builtin.browser import Browser
+from tasks.envs.builtin.webshop import reference_action, serve, shop_tasks
+from tasks.envs.runtime.episodes import run_episodes
 from tests.conftest import CHROMIUM
 from tests.test_envs import Scripted
 
@@ -118,7 +118,7 @@ def test_mistakes_are_observations_and_wrong_answers_score_zero(shop):
 def test_a_chromium_that_died_is_started_again_for_the_next_episode(shop):
     from playwright.async_api import Error as PlaywrightError
 
-    from tasks.envs.browser import _Chromium
+    from tasks.envs.builtin.browser import _Chromium
 
     async def episodes():
         row = {"prompt": "What does the Tea Tin cost?", "start": "/", "check": {"answer": {"exact": "6.25"}}}
@@ -148,7 +148,7 @@ def test_a_chromium_on_another_machine_drives_the_episodes_over_the_devtools_pro
     import urllib.request
 
     from tasks.core.errors import UserError
-    from tasks.envs.webshop import free_port
+    from tasks.envs.builtin.webshop import free_port
 
     port = free_port()
     chromium = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-dev-shm-usage",
@@ -179,7 +179,7 @@ def test_the_browser_on_an_environment_server_solves_its_tasks_with_the_tools_de
     """env.where: local: Chromium and Playwright live in the environment server's process (as on the env
     cluster); the stage sends only the calls. The tools' schemas come back from the server into the prompt."""
     from flows.services import EnvServer
-    from tasks.envs.server import TOKEN_VAR, URL_VAR
+    from tasks.envs.runtime.server import TOKEN_VAR, URL_VAR
 
     for var in (URL_VAR, TOKEN_VAR):
         monkeypatch.delenv(var, raising=False)
@@ -209,7 +209,7 @@ def test_without_chromium_the_environment_refuses_before_the_run_with_one_line(m
     """No Chromium on the machine (none on PATH, no Playwright download): the preflight's one line (the CLI's
     cases, exit 2 and nothing written, are in test_bad_input)."""
     from tasks.core.errors import UserError
-    from tasks.envs import browser
+    from tasks.envs.builtin import browser
 
     monkeypatch.setattr(browser.shutil, "which", lambda name: None)
     monkeypatch.setattr(browser, "_playwright_chromium", lambda: False)

@@ -1,4 +1,4 @@
-"""The agents' endpoint (tasks/envs/endpoint.py) as real clients see it: the `openai` client (chat completions,
+"""The agents' endpoint (tasks/envs/runtime/endpoint.py) as real clients see it: the `openai` client (chat completions,
 completions, the Responses API; streamed and not) and one agent framework from PyPI (openai-agents: its
 chat-completions and Responses models), against a scripted session (no weights: it answers from its context, so
 it writes tool calls where the tiny model would not). Each call's recorded tokens are checked against what the
@@ -16,7 +16,7 @@ import pytest
 
 from tasks.core.config import load_config
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
-from tasks.envs.endpoint import Endpoint
+from tasks.envs.runtime.endpoint import Endpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'

@@ -1,4 +1,4 @@
-"""Environment pools (env.servers: N; tasks/envs/pool.py, flows/services.py: EnvServer): N environment servers
+"""Environment pools (env.servers: N; tasks/envs/runtime/pool.py, flows/services.py: EnvServer): N environment servers
 behind one URL. Episodes are spread over the servers and stay on the one that made them; a server that dies
 fails its own open episodes only, the stage goes on, and the server is replaced and used again."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tasks.core.contracts import Step
-from tasks.envs.games import SayTheLetters
+from tasks.envs.builtin.games import SayTheLetters
 
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = ROOT / "configs" / "letters.yaml"
@@ -53,7 +53,7 @@ def pool(monkeypatch):
     """An EnvServer with env.servers 3, env.where: local (three server processes and the front, here)."""
     from flows.services import EnvServer
     from tasks.core.config import load_config
-    from tasks.envs.server import TOKEN_VAR, URL_VAR
+    from tasks.envs.runtime.server import TOKEN_VAR, URL_VAR
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))          # (this module, in the servers' processes)
     for var in (URL_VAR, TOKEN_VAR):
@@ -77,7 +77,7 @@ def _episodes(cfg, n: int):
     from tasks.core import builtin_models
     from tasks.core.contracts import SamplingParams
     from tasks.core.models import load_tokenizer
-    from tasks.envs.episodes import episode_metrics, run_episodes
+    from tasks.envs.runtime.episodes import episode_metrics, run_episodes
     from tests.test_envs import Scripted
 
     tok = load_tokenizer(builtin_models.resolve("builtin:tiny-lm"))
@@ -143,7 +143,7 @@ def test_the_letters_demo_on_a_pool_of_three_local_servers(tmp_path, prefect_api
     from flows.training import train_flow
     from tasks.core import layout, rollout
     from tasks.core.store import Store
-    from tasks.envs.server import TOKEN_VAR, URL_VAR
+    from tasks.envs.runtime.server import TOKEN_VAR, URL_VAR
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
@@ -197,13 +197,13 @@ def test_the_front_answers_as_one_server_and_refuses_what_a_server_refuses(monke
     import httpx
 
     from tasks.core.config import load_config
-    from tasks.envs import server as one
-    from tasks.envs.pool import READY, SLACK_SECONDS, TOKEN_VAR, URL_VAR
-    from tasks.envs.webshop import free_port
+    from tasks.envs.builtin.webshop import free_port
+    from tasks.envs.runtime import server as one
+    from tasks.envs.runtime.pool import READY, SLACK_SECONDS, TOKEN_VAR, URL_VAR
 
     assert (READY, TOKEN_VAR, URL_VAR, SLACK_SECONDS) == (one.READY, one.TOKEN_VAR, one.URL_VAR, one.SLACK_SECONDS)
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
-    front = subprocess.Popen([sys.executable, "-m", "tasks.envs.pool", "--config", str(LETTERS), "--port", "0",
+    front = subprocess.Popen([sys.executable, "-m", "tasks.envs.runtime.pool", "--config", str(LETTERS), "--port", "0",
                               *(a for url in dead for a in ("--member", url))], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env={**os.environ, TOKEN_VAR: "secret"}, cwd=ROOT)
     try:
@@ -265,7 +265,8 @@ ORPHANING = """
 import os, subprocess, sys
 procs = [subprocess.Popen([sys.executable, "-m", module, "--config", sys.argv[1], "-o", "env.isolation=thread",
                            "--port", "0", "--exit-with-parent"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, start_new_session=True) for module in ("tasks.envs.server", "tasks.envs.pool")]
+                          text=True, start_new_session=True)
+         for module in ("tasks.envs.runtime.server", "tasks.envs.runtime.pool")]
 for proc in procs:
     assert any(line.startswith("RLFLOW_ENV_SERVER_READY") for line in proc.stdout)
 print(*(proc.pid for proc in procs), flush=True)

@@ -1,4 +1,4 @@
-"""Environments on a server of their own (env.where: local | sky; tasks/envs/server.py, flows/services.py:
+"""Environments on a server of their own (env.where: local | sky; tasks/envs/runtime/server.py, flows/services.py:
 EnvServer): an episode fails there exactly as it would in the stage, a server that goes away fails the stage
 and is started again, and the flow runs the letters demo against a local server and against one on a (fake)
 spot cluster that is preempted mid-run."""
@@ -18,8 +18,8 @@ from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
 from tasks.core.store import Store
-from tasks.envs.episodes import run_episodes
-from tasks.envs.server import TOKEN_VAR, URL_VAR, ServerGone
+from tasks.envs.runtime.episodes import run_episodes
+from tasks.envs.runtime.server import TOKEN_VAR, URL_VAR, ServerGone
 from tests.test_envs import LETTERS, Scripted
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ def test_an_episode_on_the_server_fails_as_it_would_in_the_stage(served, isolati
 
 
 def test_a_server_that_goes_away_fails_the_stage_and_is_started_again(served):
-    cfg, server = served("env.factory=tasks.envs.games:SayTheLetters", "env.isolation=thread")
+    cfg, server = served("env.factory=tasks.envs.builtin.games:SayTheLetters", "env.isolation=thread")
     rows = [{"prompt": "Say each letter I name.", "letters": "abc"}]
     assert _episodes(cfg, server, rows, n=2)[0].env_error is None
     first = server.url
@@ -104,7 +104,7 @@ def _session():
 
 
 def test_a_wrong_token_is_one_line_and_no_token_no_server_is_one_line(served, monkeypatch):
-    cfg, server = served("env.factory=tasks.envs.games:SayTheLetters", "env.isolation=thread")
+    cfg, server = served("env.factory=tasks.envs.builtin.games:SayTheLetters", "env.isolation=thread")
     server.env(print)
     monkeypatch.setenv(URL_VAR, server.url)
     monkeypatch.setenv(TOKEN_VAR, "wrong")
@@ -154,7 +154,7 @@ def _servers_alive() -> list[int]:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        if b"tasks.envs.server" in cmd and b"letters" in cmd:
+        if b"tasks.envs.runtime.server" in cmd and b"letters" in cmd:
             out.append(int(proc.name))
     return out
 
@@ -191,6 +191,6 @@ def test_the_env_cluster_is_launched_once_relaunched_after_a_preemption_and_torn
 
 
 def _free_port() -> int:
-    from tasks.envs.webshop import free_port
+    from tasks.envs.builtin.webshop import free_port
 
     return free_port()

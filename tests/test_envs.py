@@ -16,9 +16,9 @@ from tasks.core import layout
 from tasks.core.config import load_config
 from tasks.core.contracts import Rollout, Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.store import Store
-from tasks.envs.episodes import run_episodes
-from tasks.envs.rendering import Renderer
-from tasks.envs.tools import call_tools, parse_tool_calls, schemas
+from tasks.envs.runtime.episodes import run_episodes
+from tasks.envs.runtime.rendering import Renderer
+from tasks.envs.runtime.tools import call_tools, parse_tool_calls, schemas
 
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = ROOT / "configs" / "letters.yaml"
@@ -69,7 +69,7 @@ def test_an_episode_is_the_chat_template_rendering_of_its_conversation(template,
     """prompt ids + completion ids = the template's rendering of the whole conversation (the model's EOS where
     the template ends a turn with it); the engine saw each turn's context as exactly those ids so far."""
     tok = chatml if template == "chatml" else tokenizer
-    cfg = _cfg("tasks.envs.games:SayTheLetters", tmp_path)
+    cfg = _cfg("tasks.envs.builtin.games:SayTheLetters", tmp_path)
     engine = Scripted(lambda ctx: ctx.rsplit("Say ", 1)[1][0])       # says the letter it was asked for
     records = _run(cfg, engine, tok)
     assert [r.env_return for r in records] == [pytest.approx(1.0)] * 4 and [r.env_error for r in records] == [None] * 4
@@ -184,8 +184,8 @@ if __name__ == "__mp_main__":              # (this script run again in an episod
     open(os.environ["RLFLOW_TEST_MARKS"] + ".main", "a").write(f"{os.getpid()}\\n")
 sys.path.insert(0, sys.argv[1])
 from tasks.core.config import load_config
-from tasks.envs.isolation import start_environment
-from tasks.envs.protocol import factory_of
+from tasks.envs.runtime.isolation import start_environment
+from tasks.envs.runtime.protocol import factory_of
 
 if __name__ == "__main__":
     cfg = load_config(sys.argv[2], ["env.factory=tests.env_classes:Marked", "env.isolation=process"])
@@ -229,7 +229,7 @@ def test_coroutines_of_calls_made_at_once_all_run_on_one_event_loop():
     import asyncio
     import threading
 
-    from tasks.envs.isolation import Caller
+    from tasks.envs.runtime.isolation import Caller
 
     caller, at_once, loops = Caller(8), threading.Barrier(8), []
 
@@ -270,8 +270,8 @@ def test_tool_calls_parse_from_hermes_blocks_and_mistakes_are_observations():
 
 
 def test_the_adapter_is_told_by_the_reset_signature_not_by_a_method_named_step():
-    from tasks.envs.adapters import detect
-    from tasks.envs.games import SayTheLetters
+    from tasks.envs.adapters.kinds import detect
+    from tasks.envs.builtin.games import SayTheLetters
     from tests.env_classes import Counter, Mover
 
     assert [detect(SayTheLetters()), detect(Counter()), detect(Mover())] == ["rlflow", "trl", "trl"]

@@ -22,7 +22,7 @@ def _cfg(tmp_path, *more: str):
 
 
 def test_every_episode_timing_out_is_an_infrastructure_fault(tmp_path):
-    from tasks.envs.episodes import EnvironmentsStalled
+    from tasks.envs.runtime.episodes import EnvironmentsStalled
     from tasks.generate import generate
 
     cfg = _cfg(tmp_path, "env.factory=tests.env_classes:Stalls")
@@ -56,7 +56,7 @@ def test_an_evaluation_whose_every_call_fails_records_no_score(tmp_path, monkeyp
     assert open_store(cfg).manifest(layout.evaluation(cfg.run.name, 0)) is None
     stalled = _cfg(tmp_path, "env.factory=tests.env_classes:Stalls", "eval.every=1", "eval.max_prompts=2",
                    "eval.num_generations=1", "eval.k=1", "eval.split=train")
-    from tasks.envs.episodes import EnvironmentsStalled
+    from tasks.envs.runtime.episodes import EnvironmentsStalled
 
     with pytest.raises(EnvironmentsStalled, match=r"^every episode of the evaluation of v000000 timed out"):
         evaluate(stalled, 0)
@@ -66,7 +66,7 @@ def test_an_evaluation_whose_every_call_fails_records_no_score(tmp_path, monkeyp
 def test_a_stalled_environment_server_is_started_again_before_the_retry(tmp_path, monkeypatch):
     """The flow marks the server after a stalled stage; its next check starts it again (a new process)."""
     from flows.services import EnvServer
-    from tasks.envs.server import TOKEN_VAR, URL_VAR
+    from tasks.envs.runtime.server import TOKEN_VAR, URL_VAR
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     for var in (URL_VAR, TOKEN_VAR):

@@ -180,8 +180,8 @@ def test_an_integrations_arguments_are_checked_before_the_run(kwargs, line, tmp_
     existed; preflight now asks the integration (an agent's `check`) first, and nothing is written."""
     from flows.preflight import preflight
 
-    cfg = load_config(TINY.parent / "agent.yaml", ["env.agent=tasks.envs.verifiers_v04:run", f"env.kwargs={kwargs}",
-                                                   f"store.uri={tmp_path}/store"])
+    cfg = load_config(TINY.parent / "agent.yaml", ["env.agent=tasks.envs.adapters.verifiers_v04:run",
+                                                   f"env.kwargs={kwargs}", f"store.uri={tmp_path}/store"])
     with pytest.raises(UserError) as e:
         preflight(cfg)
     assert str(e.value).startswith(line), str(e.value)

@@ -41,7 +41,7 @@ def test_every_recipe_validates_with_skypilot():
         assert {"CONFIG", "OVERRIDES", "ITERATION"} <= set(tasks[stage]["envs"])
         assert tasks[stage]["spot"] == [True]
     assert tasks["pipeline"]["spot"] == [False]                              # the orchestrator must outlive preemptions
-    assert "python -m tasks.envs.server " in tasks["env"]["run"] and tasks["env"]["spot"] == [True]
+    assert "python -m tasks.envs.runtime.server " in tasks["env"]["run"] and tasks["env"]["spot"] == [True]
     assert {"CONFIG", "OVERRIDES", "PORT", "RLFLOW_ENV_TOKEN"} <= set(tasks["env"]["envs"])
     for path in RECIPES:                                                     # credentials are never in a file
         assert "AWS_SECRET_ACCESS_KEY: null" in path.read_text() or "AWS_SECRET_ACCESS_KEY" not in path.read_text()

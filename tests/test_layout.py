@@ -77,6 +77,8 @@ def test_nothing_under_tasks_imports_flows():
     ("tasks/engines", ("tasks.core", "tasks.algorithms", "tasks.engines")),
     ("tasks/scoring", ("tasks.core", "tasks.scoring")),
     ("tasks/envs", ("tasks.core", "tasks.engines", "tasks.envs")),
+    ("tasks/envs/adapters", ("tasks.core", "tasks.envs.runtime", "tasks.envs.adapters")),
+    ("tasks/envs/builtin", ("tasks.core", "tasks.envs.runtime", "tasks.envs.builtin")),  # written as users' are
     ("tasks/rewards", ("tasks.core", "tasks.scoring", "tasks.rewards")),
 ])
 def test_layers_import_only_what_is_below_them(folder, may_use):
@@ -94,7 +96,7 @@ def test_layers_import_only_what_is_below_them(folder, may_use):
     ("tasks/engines/vllm_worker.py", ("vllm",)),            # runs in .venv-vllm
     ("tasks/engines/vllm_watchdog.py", ()),                 # runs in .venv-vllm, for the server's whole life
     ("flows/sky_bridge.py", ("sky", "yaml")),               # runs in .venv-sky
-    ("tasks/envs/openenv_bridge.py", ("openenv",)),         # runs in .venv-openenv, by path
+    ("tasks/envs/adapters/openenv_bridge.py", ("openenv",)),  # runs in .venv-openenv, by path
     ("tasks/scoring/syscall_filter.py", ("seccomp",)),      # runs under the system Python (python3-seccomp)
 ])
 def test_modules_that_run_in_other_environments_stay_light(path, also):
@@ -124,8 +126,8 @@ def _protocol_methods(protocol) -> dict[str, inspect.Signature]:
      ["tasks.engines.hf:HFSession", "tasks.engines.vllm_offline:OfflineSession",
       "tasks.engines.vllm_server:ServerSession"]),
     ("EnvironmentHandle",
-     ["tasks.envs.isolation:ThreadEnvironment", "tasks.envs.isolation:ProcessEnvironment",
-      "tasks.envs.server:RemoteEnvironment"]),
+     ["tasks.envs.runtime.isolation:ThreadEnvironment", "tasks.envs.runtime.isolation:ProcessEnvironment",
+      "tasks.envs.runtime.server:RemoteEnvironment"]),
     ("TrainingEngine",
      ["tasks.engines.torch_engine:TorchEngine", "tasks.engines.deepspeed_engine:DeepSpeedEngine"]),
     ("TrainerHandle",
@@ -275,6 +277,40 @@ def test_the_readme_layout_is_the_tree():
     assert actual - shown == set(), "missing from the README's layout"
 
 
+def test_environments_named_by_their_paths_before_the_rooms_still_load(monkeypatch, capsys):
+    """tasks/envs/ split into runtime/, adapters/ and builtin/ (issue 41): a config that names a built-in
+    environment or an adapter by its old path loads, says so in one warning line (once), resolves to the class at
+    the new path, and is fingerprinted as before (stored runs resume); nothing is left at the old paths."""
+    from tasks.core import config_base
+    from tasks.core.config import MOVED_ENV_MODULES, load_config
+    from tasks.envs.builtin.games import SayTheLetters, letters_agent
+
+    def resolved(spec: str):
+        module, _, name = spec.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    monkeypatch.setattr(config_base, "_SAID", set())            # (said once per process: perhaps already said)
+    letters, agent = ROOT / "configs" / "letters.yaml", ROOT / "configs" / "agent.yaml"
+    old = [load_config(letters, ["env.factory=tasks.envs.games:SayTheLetters"]) for _ in range(2)][-1]
+    old_agent = load_config(agent, ["env.agent=tasks.envs.games:letters_agent"])
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["warning: config: env.factory tasks.envs.games:SayTheLetters is now "
+                   "tasks.envs.builtin.games:SayTheLetters (read as that; write the new path)",
+                   "warning: config: env.agent tasks.envs.games:letters_agent is now "
+                   "tasks.envs.builtin.games:letters_agent (read as that; write the new path)"]
+    assert old.env.factory == "tasks.envs.builtin.games:SayTheLetters" and resolved(old.env.factory) is SayTheLetters
+    assert old_agent.env.agent == "tasks.envs.builtin.games:letters_agent"
+    assert resolved(old_agent.env.agent) is letters_agent
+    new = load_config(letters)                                       # the shipped config: the new path, no warning
+    assert capsys.readouterr().err == "" and new.env.factory == old.env.factory
+    assert new.section_hash("env") == old.section_hash("env")
+    assert new.section_values("env")["env"]["factory"] == "tasks.envs.games:SayTheLetters"
+    for before, after in MOVED_ENV_MODULES.items():
+        assert importlib.util.find_spec(after) is not None, after
+        if before != "tasks.envs.adapters":                           # (now the adapters' room, a package)
+            assert importlib.util.find_spec(before) is None, f"{before}: a module left at the old path"
+
+
 def test_no_import_cycles():
     """No module of ours reaches itself through imports of any kind (module level, lazy, TYPE_CHECKING): a
     contract lives in tasks/core/contracts.py, so a factory may import its implementations and they it, never
@@ -341,7 +377,7 @@ def test_a_python_that_runs_rlflows_packages_gets_the_safe_path(tmp_path):
 
     assert runs_rlflow([sys.executable, "-m", "tasks.engines.replica", "--port", "0"])
     assert runs_rlflow([sys.executable, "-m", "torch.distributed.run", "--standalone", "-m", "tasks.train"])
-    assert not runs_rlflow([sys.executable, "-u", str(ROOT / "tasks" / "envs" / "openenv_bridge.py")])
+    assert not runs_rlflow([sys.executable, "-u", str(ROOT / "tasks" / "envs" / "adapters" / "openenv_bridge.py")])
     assert not runs_rlflow(["bash", "-c", "python -m tasks.train"]) and not runs_rlflow([sys.executable, "-m"])
     code = "import os; print(os.environ.get('PYTHONSAFEPATH'), os.environ.get('PYTHONPATH', '').split(os.pathsep)[0])"
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONSAFEPATH", SAFEPATH_MARK)}

@@ -1,4 +1,4 @@
-"""The OpenEnv adapter (tasks/envs/openenv_adapter.py) against a real OpenEnv server (tests/openenv_game.py, an
+"""The OpenEnv adapter (tasks/envs/adapters/openenv_adapter.py) against a real OpenEnv server (tests/openenv_game.py, an
 openenv-core Environment served by its create_fastapi_app in .venv-openenv), through openenv-core's own client
 in the bridge process: episodes played to the end, a step that raises costing only its episode, a server that
 goes away, and the flow with the tiny model."""
@@ -16,16 +16,16 @@ import pytest
 from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
-from tasks.envs.episodes import run_episodes
-from tasks.envs.openenv_adapter import OpenEnv, _OpenEnvClient
-from tasks.envs.webshop import free_port
+from tasks.envs.adapters.openenv_adapter import OpenEnv, _OpenEnvClient
+from tasks.envs.builtin.webshop import free_port
+from tasks.envs.runtime.episodes import run_episodes
 from tests.conftest import OPENENV_PYTHON
 from tests.test_envs import Scripted
 
 pytestmark = pytest.mark.openenv
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = ROOT / "configs" / "letters.yaml"
-FACTORY = "tasks.envs.openenv_adapter:OpenEnv"
+FACTORY = "tasks.envs.adapters.openenv_adapter:OpenEnv"
 
 
 def _serve() -> tuple[subprocess.Popen, str]:

@@ -133,7 +133,7 @@ def test_a_preempted_replica_cluster_is_launched_again_and_the_flow_is_unchanged
     with one local replica. Every replica cluster is torn down with the flow."""
     from flows.training import train_flow
     from tasks.core.store import open_store
-    from tasks.envs.webshop import free_port
+    from tasks.envs.builtin.webshop import free_port
 
     monkeypatch.chdir(tmp_path)
     common = ["run.iterations=2", "generate.prompts_per_iteration=32", "generate.max_completion_length=24",

@@ -285,7 +285,7 @@ def test_a_judge_on_its_own_cluster_is_launched_again_after_a_preemption(tmp_pat
     from flows.training import train_flow
     from tasks.core import layout
     from tasks.core.store import Store
-    from tasks.envs.webshop import free_port
+    from tasks.envs.builtin.webshop import free_port
 
     monkeypatch.chdir(tmp_path)
     user_module(tmp_path, monkeypatch, "judge_parsers", PARSERS)

@@ -125,7 +125,7 @@ def zero(completions, **kwargs):
     return [0.0] * len(completions)
 """,
     "userenv.py": """
-from tasks.envs.games import SayTheLetters
+from tasks.envs.builtin.games import SayTheLetters
 from userspawn import spawn
 
 _made = []
@@ -140,7 +140,7 @@ def make(**kwargs):
 
 FORKSERVER = """
 from tasks.core.config import load_config
-from tasks.envs.episodes import environments
+from tasks.envs.runtime.episodes import environments
 
 if __name__ == "__main__":
     cfg = load_config({config!r}, ["env.factory=userenv:make", "env.isolation=process"])
@@ -213,7 +213,7 @@ def test_replicas_a_pool_and_a_judge_started_from_a_folder_with_its_own_tasks(tm
     from tasks.core.config import load_config
     from tasks.core.models import pin_of
     from tasks.engines.sampling import sampling_engine
-    from tasks.envs.server import TOKEN_VAR, URL_VAR
+    from tasks.envs.runtime.server import TOKEN_VAR, URL_VAR
     from tasks.generate import generate
 
     work = tmp_path / "project"

@@ -1,13 +1,13 @@
-"""The verifiers 0.4 agent (tasks/envs/verifiers_v04.py): real verifiers 0.4 environments (tests/vf04_envs, built
-from the package as `vf-init` scaffolds them) run unmodified in .venv-verifiers through the bridge, against a real
-HTTP server started here that speaks the endpoint's routes with scripted replies: the token route verifiers'
-trainer client calls (POST /inference/v1/generate, served by `generate_response`), streamed Chat Completions for
-its eval client, GET /v1/models. Checked: each episode's calls arrive under its own key, verifiers' trace holds
-exactly the token ids the route served, the rubric's reward comes back, a multi-turn episode with an MCP tool,
-and a failed model call costing its episode. Then end to end through rlflow's own machinery: run_agents and
-its endpoint (tasks/envs/agents.py, endpoint.py) on the builtin tiny model (hf) or a scripted session, both
-verifiers clients, rewards from verifiers' rubric, samples holding exactly the sampled tokens (merged turns or
-step-wise parts, and why), failing episodes; and the training flow for two iterations (`make drills` only).
+"""The verifiers 0.4 agent (tasks/envs/adapters/verifiers_v04.py): real verifiers 0.4 environments (tests/vf04_envs,
+built from the package as `vf-init` scaffolds them) run unmodified in .venv-verifiers through the bridge, against a
+real HTTP server started here that speaks the endpoint's routes with scripted replies: the token route verifiers'
+trainer client calls (POST /inference/v1/generate, served by `generate_response`), streamed Chat Completions for its
+eval client, GET /v1/models. Checked: each episode's calls arrive under its own key, verifiers' trace holds exactly
+the token ids the route served, the rubric's reward comes back, a multi-turn episode with an MCP tool, and a failed
+model call costing its episode. Then end to end through rlflow's own machinery: run_agents and its endpoint
+(tasks/envs/runtime/agents.py, endpoint.py) on the builtin tiny model (hf) or a scripted session, both verifiers
+clients, rewards from verifiers' rubric, samples holding exactly the sampled tokens (merged turns or step-wise
+parts, and why), failing episodes; and the training flow for two iterations (`make drills` only).
 
 Cost (the CI budget): every episode runs verifiers' harness program, a Python importing openai (~1-2 s on 2 cores),
 one per turn of vf04_chat, so each test runs as few episodes as what it checks needs; one bridge (verifiers'
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.envs.verifiers_v04 import (
+from tasks.envs.adapters.verifiers_v04 import (
     GenerateRefused,
     VerifiersError,
     _paths,
@@ -36,7 +36,7 @@ from tasks.envs.verifiers_v04 import (
     taskset_rows,
     verifiers_python,
 )
-from tasks.envs.webshop import free_port
+from tasks.envs.builtin.webshop import free_port
 from tests.conftest import AT_LENGTH
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -356,7 +356,7 @@ def _agent_cfg(client: str, env: dict, *more: str, sampling: dict | None = None)
     kwargs = {"env": env, "client": client, "path": [ENVS], **({"sampling": sampling} if sampling else {}),
               **({"tokenizer": "builtin:tiny-lm"} if client == "train" else {})}
     return load_config(ROOT / "configs" / "agent.yaml", [
-        "env.agent=tasks.envs.verifiers_v04:run", "env.isolation=thread", f"env.kwargs={json.dumps(kwargs)}",
+        "env.agent=tasks.envs.adapters.verifiers_v04:run", "env.isolation=thread", f"env.kwargs={json.dumps(kwargs)}",
         "env.concurrency=8", "env.max_turns=4", "env.max_tokens=200", "env.timeout_seconds=300",
         "generate.max_completion_length=64", *more])
 
@@ -403,7 +403,7 @@ def tiny():
 
 def _run_agents(cfg, rows: dict, session, n: int = 2, seed: int = 3):
     from tasks.core.contracts import SamplingParams
-    from tasks.envs.agents import run_agents
+    from tasks.envs.runtime.agents import run_agents
 
     params = SamplingParams(n=n, max_new_tokens=cfg.generate.max_completion_length, temperature=1.0, top_p=1.0,
                             seed=seed)
@@ -497,7 +497,7 @@ def test_scripted_replies_get_the_rubrics_rewards_and_their_turns_merge_or_split
     from verifiers' `correct`. eval: each episode is one sample, its turns merged (mask 1 on the two replies, 0
     on the environment's turn between them). train: two samples per episode (step-wise), since verifiers
     re-renders the history: the sampled EOS comes back as the template's turn end."""
-    from tasks.envs.agents import agent_metrics
+    from tasks.envs.runtime.agents import agent_metrics
 
     tok = tiny.tokenizer
     session = Recording(reply=_sums_script, tokenizer=tok)
@@ -604,7 +604,7 @@ def test_a_verifiers_environment_trains_through_the_flow(tmp_path, prefect_api, 
     kwargs = {"env": SUMS, "client": "train", "tokenizer": "builtin:tiny-lm", "path": [ENVS],
               "sampling": {"max_tokens": 4}}
     out = train_flow(str(ROOT / "configs" / "agent.yaml"), [
-        f"data.path={data}", "env.agent=tasks.envs.verifiers_v04:run", f"env.kwargs={json.dumps(kwargs)}",
+        f"data.path={data}", "env.agent=tasks.envs.adapters.verifiers_v04:run", f"env.kwargs={json.dumps(kwargs)}",
         "generate.prompts_per_iteration=2", "generate.num_generations=2", "generate.max_completion_length=4",
         "env.concurrency=4", "train.micro_batch_size=4", "run.name=vf04", "run.iterations=2", "store.uri=store",
         f"tracking.uri=sqlite:///{tmp_path}/m.db"])

@@ -161,8 +161,8 @@ def test_offline_episodes_sample_every_turn_from_one_engine(tmp_path, monkeypatc
 
     monkeypatch.setattr(vllm_offline.OfflineSession, "__init__", counted)
     cfg = _cfg(tmp_path, "offline-episodes", [
-        "env.factory=tasks.envs.games:SayTheLetters", "env.isolation=thread", "env.max_turns=3", "env.max_tokens=96",
-        "reward.functions=[]", "generate.max_completion_length=2",
+        "env.factory=tasks.envs.builtin.games:SayTheLetters", "env.isolation=thread", "env.max_turns=3",
+        "env.max_tokens=96", "reward.functions=[]", "generate.max_completion_length=2",
         f"data.path={ROOT / 'configs' / 'data' / 'letters.jsonl'}"])
     out = generate(cfg, 1)
     assert opened == [layout.BASE]                                            # one session: one engine start
@@ -180,8 +180,8 @@ def test_agents_through_the_endpoint_on_the_offline_engine(tmp_path):
     """The agents demo's agent (plain openai client) on vLLM offline: its three calls per episode are sampled by
     the engine in rounds, merged into one sample, and the model's tokens carry the trainer's logprobs."""
     cfg = _cfg(tmp_path, "offline-agents", [
-        "env.agent=tasks.envs.games:letters_agent", "env.isolation=thread", "env.concurrency=64", "env.max_turns=3",
-        "env.max_tokens=96", "reward.functions=[]", "generate.max_completion_length=2",
+        "env.agent=tasks.envs.builtin.games:letters_agent", "env.isolation=thread", "env.concurrency=64",
+        "env.max_turns=3", "env.max_tokens=96", "reward.functions=[]", "generate.max_completion_length=2",
         f"data.path={ROOT / 'configs' / 'data' / 'letters.jsonl'}"])
     out = generate(cfg, 1)
     records = _records(cfg, 1)
@@ -299,8 +299,9 @@ def _episodes_through_the_live_server(tmp_path, cfg, live: dict) -> None:
     in place: each turn's token ids and behaviour logprobs come back from vLLM, the observations' tokens are
     appended between turns, and the model's tokens (mask 1) have the trainer's logprobs under v3."""
     episodes = _cfg(tmp_path, cfg.run.name, [
-        "generate.mode=server", "train.lora_r=4", "env.factory=tasks.envs.games:SayTheLetters", "env.isolation=thread",
-        "env.max_turns=3", "env.max_tokens=96", "reward.functions=[]", "generate.max_completion_length=2",
+        "generate.mode=server", "train.lora_r=4", "env.factory=tasks.envs.builtin.games:SayTheLetters",
+        "env.isolation=thread", "env.max_turns=3", "env.max_tokens=96", "reward.functions=[]",
+        "generate.max_completion_length=2",
         f"data.path={ROOT / 'configs' / 'data' / 'letters.jsonl'}"])
     out = generate(episodes, 4, layout.policy(cfg.run.name, 3))
     assert _state(cfg)["pid"] == live["pid"] and _state(cfg)["label"].startswith("v000003-")    # no restart

@@ -27,7 +27,15 @@ import yaml
 from pydantic import ValidationError, model_validator
 
 from tasks.core.config_base import _HELD, HOW_NOT_WHAT, SINCE_DEFAULT, Section, moved, warn
-from tasks.core.config_generate import DynamicSamplingConfig, EndpointConfig, EnvConfig, GenerateConfig
+from tasks.core.config_generate import (
+    MOVED_ENV_MODULES,
+    PATH_AS_BEFORE_THE_MOVE,
+    DynamicSamplingConfig,
+    EndpointConfig,
+    EnvConfig,
+    GenerateConfig,
+    path_before_the_move,
+)
 from tasks.core.config_infra import (
     STAGES,
     TRACKING_SCHEMES,
@@ -60,7 +68,8 @@ from tasks.core.errors import UserError
 __all__ = [  # the sections' models, re-exported: `from tasks.core.config import X` for every X of the config
     "Section", "HOW_NOT_WHAT", "SINCE_DEFAULT", "moved", "warn",
     "RunConfig", "ModelConfig", "ReasoningGymConfig", "CurriculumConfig", "DataConfig",
-    "DynamicSamplingConfig", "GenerateConfig", "EndpointConfig", "EnvConfig",
+    "DynamicSamplingConfig", "GenerateConfig", "EndpointConfig", "EnvConfig", "MOVED_ENV_MODULES",
+    "PATH_AS_BEFORE_THE_MOVE", "path_before_the_move",
     "RewardFunction", "SandboxConfig", "RewardModel", "OverlongConfig", "RewardConfig",
     "LearnerConfig", "GrpoConfig", "ValueLearnerConfig", "PpoConfig", "VtraceAwrConfig", "Learner",
     "LEARNER_CONFIGS", "LEARNER_KEYS", "FLAT_IN_FINGERPRINT", "TrainConfig",
@@ -172,6 +181,8 @@ def _what(section: Section) -> dict:
         elif field.json_schema_extra == FLAT_IN_FINGERPRINT:
             dumped.pop(name)
             dumped.update(_what(getattr(section, name)))
+        elif field.json_schema_extra == PATH_AS_BEFORE_THE_MOVE:
+            dumped[name] = path_before_the_move(getattr(section, name))
         elif isinstance(getattr(section, name), Section):
             dumped[name] = _what(getattr(section, name))
         elif isinstance(getattr(section, name), list) and all(isinstance(x, Section) for x in getattr(section, name)):

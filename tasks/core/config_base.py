@@ -27,9 +27,9 @@ HOW_NOT_WHAT = {"fingerprint": False}
 SINCE_DEFAULT = {"fingerprint": "when-set"}
 
 
-def moved(old: str, new: str) -> None:
-    """One warning line on stderr per old key and process: the key is read, its new name is `new`."""
-    warn(f"warning: config: {old} is now {new} (read as that; write the new key)")
+def moved(old: str, new: str, what: str = "key") -> None:
+    """One warning line on stderr per old key (or value: `what`) and process: it is read, its new name is `new`."""
+    warn(f"warning: config: {old} is now {new} (read as that; write the new {what})")
 
 
 _SAID: set[str] = set()

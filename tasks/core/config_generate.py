@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section
+from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section, moved
 
 
 class DynamicSamplingConfig(Section):
@@ -116,7 +116,7 @@ class GenerateConfig(Section):
 
 
 class EndpointConfig(Section):
-    """What an agent's request may change of the run's sampling settings (env.agent; tasks/envs/endpoint.py). A
+    """What an agent's request may change of the run's sampling settings (env.agent; tasks/envs/runtime/endpoint.py). A
     request outside these bounds is refused (HTTP 400 naming the field), never silently clamped."""
 
     temperature: tuple[float, float] | None = Field(None, description="[low, high]: the temperatures a request "
@@ -132,18 +132,41 @@ class EndpointConfig(Section):
         return v
 
 
+# The modules of tasks/envs/ a config names (env.factory, env.agent) that moved when tasks/envs/ was split into
+# rooms (issue 41): a path into one is read as its new path, with one warning line, and is fingerprinted as it was
+# written before the move (PATH_AS_BEFORE_THE_MOVE), so the runs stored before it resume.
+MOVED_ENV_MODULES = {
+    "tasks.envs.games": "tasks.envs.builtin.games",
+    "tasks.envs.browser": "tasks.envs.builtin.browser",
+    "tasks.envs.webshop": "tasks.envs.builtin.webshop",
+    "tasks.envs.adapters": "tasks.envs.adapters.kinds",
+    "tasks.envs.openenv_adapter": "tasks.envs.adapters.openenv_adapter",
+    "tasks.envs.verifiers_v04": "tasks.envs.adapters.verifiers_v04",
+}
+PATH_AS_BEFORE_THE_MOVE = {"fingerprint": "path-as-before-the-move"}
+
+
+def path_before_the_move(spec: str | None) -> str | None:
+    """A module:callable path as it was written before the move (what the fingerprints hold)."""
+    module, _, name = (spec or "").partition(":")
+    before = {new: old for old, new in MOVED_ENV_MODULES.items()}.get(module)
+    return f"{before}:{name}" if before else spec
+
+
 class EnvConfig(Section):
     """Multi-turn episodes against an environment, or agents that call the model over HTTP (tasks/envs/;
     docs/environments.md). Unset: one prompt, one completion."""
 
-    factory: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="module:callable "
+    factory: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+                                json_schema_extra=PATH_AS_BEFORE_THE_MOVE, description="module:callable "
                                 "that returns one environment per episode (a class, or gymnasium:make with "
                                 "kwargs {id: ...}); None = single-turn.")
-    agent: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="module:function, an "
+    agent: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+                              json_schema_extra=PATH_AS_BEFORE_THE_MOVE, description="module:function, an "
                               "agent as users write them: (async) run(row, base_url, api_key) -> reward | "
                               "(reward, info), calling the policy through rlflow's OpenAI-compatible endpoint "
-                              "(tasks/envs/agents.py). Each episode is one call with its own API key; its model "
-                              "calls are recorded token for token. Instead of env.factory.")
+                              "(tasks/envs/runtime/agents.py). Each episode is one call with its own API key; its "
+                              "model calls are recorded token for token. Instead of env.factory.")
     endpoint: EndpointConfig = Field(EndpointConfig(), description="The agents' endpoint: what a request may narrow.")
     kwargs: dict[str, Any] = Field({}, description="Keyword arguments for the factory.")
     adapter: Literal["auto", "rlflow", "trl", "gymnasium", "verifiers"] = Field(
@@ -170,13 +193,13 @@ class EnvConfig(Section):
     where: Literal["stage", "local", "sky"] = Field(
         "stage", json_schema_extra=HOW_NOT_WHAT,
         description="Where the environments run. stage: in the generate (and evaluate) stage's process, "
-        "env.isolation per episode; local: in an environment server (python -m tasks.envs.server) the flow starts "
-        "on its own machine; sky: in one the flow starts on a CPU spot cluster (sky/env.yaml, port "
+        "env.isolation per episode; local: in an environment server (python -m tasks.envs.runtime.server) the flow "
+        "starts on its own machine; sky: in one the flow starts on a CPU spot cluster (sky/env.yaml, port "
         "env.server_port) for heavy environments (a browser). The episodes' model turns stay in the stage; only "
         "the environment's calls go to the server.")
     server_url: str | None = Field(None, pattern=r"^https?://", json_schema_extra=HOW_NOT_WHAT,
                                    description="An environment server you run "
-                                   "yourself (python -m tasks.envs.server): the episodes use it and the flow "
+                                   "yourself (python -m tasks.envs.runtime.server): the episodes use it and the flow "
                                    "starts none. Its token, if it has one, comes from RLFLOW_ENV_TOKEN.")
     servers: int = Field(1, ge=1, le=256, json_schema_extra=HOW_NOT_WHAT, description="env.where local | sky: "
                          "environment servers behind one URL (a pool), each episode kept on the server that made "
@@ -184,6 +207,16 @@ class EnvConfig(Section):
     server_port: int = Field(8330, ge=1, le=65535, json_schema_extra=HOW_NOT_WHAT,
                              description="The environment server's port on its cluster "
                              "(env.where: sky; opened by the recipe's resources.ports).")
+
+    @field_validator("factory", "agent")
+    @classmethod
+    def _moved_module(cls, v: str | None, info) -> str | None:
+        module, _, name = (v or "").partition(":")
+        if module not in MOVED_ENV_MODULES:
+            return v
+        new = f"{MOVED_ENV_MODULES[module]}:{name}"
+        moved(f"env.{info.field_name} {v}", new, "path")
+        return new
 
     def remote(self) -> bool:
         """The episodes talk to an environment server, not to environments in their own process."""
@@ -202,8 +235,8 @@ class EnvConfig(Section):
                              "env.server_url)")
         if self.servers > 1 and self.server_url is not None:
             raise ValueError("env.servers: the flow starts a pool of environment servers (env.where: local | sky), "
-                             "and with env.server_url it starts none; put `python -m tasks.envs.pool --member URL "
-                             "...` in front of your own servers and give its URL as env.server_url")
+                             "and with env.server_url it starts none; put `python -m tasks.envs.runtime.pool --member "
+                             "URL ...` in front of your own servers and give its URL as env.server_url")
         if self.servers > 1 and self.server_port + self.servers > 65535:
             raise ValueError(f"env.server_port: {self.server_port} and the pool's {self.servers} servers above it "
                              f"pass port 65535")

@@ -6,7 +6,7 @@ nothing of theirs, so there are no import cycles (tests/test_layout.py checks th
     sampling      SamplingEngine (tasks/engines/hf.py, vllm_offline.py, vllm_server.py) and its SamplingSession
     training      TrainingEngine (tasks/engines/torch_engine.py, deepspeed_engine.py); TrainerHandle
                   (tasks/engines/trainer.py, detached.py); Learner (tasks/algorithms/learners/)
-    environments  Environment and EnvironmentHandle (tasks/envs/isolation.py, server.py)
+    environments  Environment and EnvironmentHandle (tasks/envs/runtime/isolation.py, server.py)
     store         ArtifactStore (tasks/core/store.py: FileStore, S3Store)
 
 More: docs/internals.md (tasks/core/contracts.py): what each record and Protocol is for, and the factories.
@@ -49,7 +49,7 @@ class Rollout:
     env_error: str | None = None
     env_state: dict[str, Any] | None = None   # the environment's public attributes when the episode ended
     part: int = 0               # an agent's episode split step-wise: 0 its first sample, k > 0 the k-th after it,
-                                # sharing its return and advantage (tasks/envs/agents.py)
+                                # sharing its return and advantage (tasks/envs/runtime/agents.py)
     timings: list[dict] | None = None     # multi-turn: per model turn {"model": s, "env": s}, the batched call
                                           # that made it and the environment's step (for traces: tasks/core/traces.py)
 

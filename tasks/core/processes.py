@@ -29,8 +29,8 @@ SAFEPATH_MARK = "RLFLOW_SAFEPATH"      # PYTHONSAFEPATH was set by rlflow_first:
 
 def runs_rlflow(argv: list[str]) -> bool:
     """Whether argv is a Python running rlflow's packages: `-m tasks...` / `-m flows...`. (A bridge script run by
-    path in another environment, flows/sky_bridge.py or tasks/envs/*_bridge.py, imports none of rlflow and keeps
-    that environment's own path: not one.)"""
+    path in another environment, flows/sky_bridge.py or tasks/envs/adapters/*_bridge.py, imports none of rlflow
+    and keeps that environment's own path: not one.)"""
     return any(a == "-m" and argv[i + 1:i + 2] and argv[i + 1].split(".")[0] in ("tasks", "flows")
                for i, a in enumerate(argv))
 

@@ -6,7 +6,7 @@ failed), `reward` (the weighted combination) and `extra` (per-completion notes a
 why a program failed); train reads them. Token ids and the generator's behaviour
 logprobs travel with the text so the trainer never re-tokenises and can measure the policy mismatch.
 
-A multi-turn episode (tasks/envs/episodes.py) is one record too: `completion_ids` holds every token after the
+A multi-turn episode (tasks/envs/runtime/episodes.py) is one record too: `completion_ids` holds every token after the
 prompt, the model's turns and the environment's observations as the chat template renders them, and `mask`
 says which are the model's (1: they enter the loss) and which the environment's (0; their `logprobs` are 0).
 `turns` holds the messages after the prompt, `turn_rewards` what the environment gave at each step, and

@@ -61,7 +61,7 @@ def sample_rollouts(cfg: Config, session: SamplingSession, ds, rows: list[int],
     """Sample completions of dataset rows `rows` from the session's policy, as rollout records (reward fields
     empty): the prompt as the generator saw it, its token ids, the completion's text, ids and behaviour
     logprobs, and the row's other columns (what reward functions get). (Multi-turn episodes:
-    tasks/envs/episodes.py.)"""
+    tasks/envs/runtime/episodes.py.)"""
     tokenizer = session.tokenizer
     table = {r: ds[r] for r in set(rows)}          # a datasets row access costs ~50 us: once per row
     prompts = [data.prompt_of(cfg, table[r]) for r in rows]

@@ -1,4 +1,4 @@
-"""Environments written for other APIs, driven through the protocol (protocol.py) unchanged.
+"""Environments written for other APIs, driven through the protocol (tasks/envs/runtime/protocol.py) unchanged.
 
 - `trl`: a class written for TRL's `GRPOTrainer(environment_factory=...)`. `reset(**row)` returns None or
   text appended to the prompt's last user message (after a newline, unless one side has whitespace there). Its
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core import data
 from tasks.core.contracts import Step
-from tasks.envs.tools import call_tools
+from tasks.envs.runtime.tools import call_tools
 
 if TYPE_CHECKING:
     from tasks.core.config import Config

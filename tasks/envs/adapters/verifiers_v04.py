@@ -1,8 +1,8 @@
-"""verifiers 0.4 environments, unmodified, as an rlflow agent (env.agent; tasks/envs/agents.py), and the token
-route verifiers 0.4's trainer client calls on the endpoint (tasks/envs/endpoint.py).
+"""verifiers 0.4 environments, unmodified, as an rlflow agent (env.agent; tasks/envs/runtime/agents.py), and the token
+route verifiers 0.4's trainer client calls on the endpoint (tasks/envs/runtime/endpoint.py).
 
     env:
-      agent: "tasks.envs.verifiers_v04:run"
+      agent: "tasks.envs.adapters.verifiers_v04:run"
       isolation: thread                # one bridge process per rlflow process serves every episode
       kwargs:
         env: {taskset: {id: my_taskset}, agent: {harness: {id: "null"}, runtime: {type: subprocess}}}
@@ -10,9 +10,9 @@ route verifiers 0.4's trainer client calls on the endpoint (tasks/envs/endpoint.
         tokenizer: builtin:tiny-lm     # client train: the policy's tokenizer, which verifiers renders prompts with
         path: [envs]                   # folders the environment's packages are imported from
 
-verifiers 0.4 runs in `.venv-verifiers`, in a bridge process (tasks/envs/verifiers_v04_bridge.py); its model
+verifiers 0.4 runs in `.venv-verifiers`, in a bridge process (tasks/envs/adapters/verifiers_v04_bridge.py); its model
 calls reach rlflow's endpoint under the episode's API key, which records them, and its rubric gives the reward.
-More: docs/internals.md (tasks/envs/verifiers_v04.py): the two clients, the bridge, rows, rewards, failures.
+More: docs/internals.md (tasks/envs/adapters/verifiers_v04.py): the two clients, the bridge, rows, rewards, failures.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
-from tasks.envs.bridge import LineBridge
-from tasks.envs.isolation import EnvironmentDied
+from tasks.envs.adapters.bridge import LineBridge
+from tasks.envs.runtime.isolation import EnvironmentDied
 
 VENV = ".venv-verifiers"
 BRIDGE = Path(__file__).with_name("verifiers_v04_bridge.py")
@@ -197,8 +197,8 @@ async def run(row: dict, base_url: str, api_key: str, *, env: dict, client: Lite
 def check(*, env: dict, client: str = "eval", tokenizer: str | None = None, model: str | None = None,
           sampling: dict | None = None, path: str | list[str] | None = None, python: str | None = None,
           timeout: float = 3600.0) -> None:
-    """What this agent accepts as env.kwargs, checked before the run starts (tasks/envs/agents.py: agent_of calls
-    an agent's `check`) and again by each episode: one line naming the key."""
+    """What this agent accepts as env.kwargs, checked before the run starts (tasks/envs/runtime/agents.py: agent_of
+    calls an agent's `check`) and again by each episode: one line naming the key."""
     if not isinstance(env, dict) or not env:
         raise UserError(f"env.kwargs.env: verifiers' environment config (vf-eval's [env] table: {{taskset: ..., "
                         f"agent: ...}}); got {json.dumps(env, default=str)[:80]}")

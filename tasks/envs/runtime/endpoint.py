@@ -12,7 +12,7 @@ It serves only the scheduled policy, on whatever engine the run samples with, an
 a chat call that extends an earlier call of its episode is rendered as that call's tokens followed by the new
 messages' tokens, never re-tokenized; sampled in rounds (`lockstep`) or a call at a time, reproducibly.
 One concept: one server: Endpoint.start() serves app(self) and each route calls the Endpoint (apart: an import cycle).
-More: docs/internals.md (tasks/envs/endpoint.py): the routes, rendering, sampling and limits, in full.
+More: docs/internals.md (tasks/envs/runtime/endpoint.py): the routes, rendering, sampling and limits, in full.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.contracts import SamplingParams, SamplingSession
-from tasks.envs.rendering import Renderer
-from tasks.envs.tools import parse_tool_calls
+from tasks.envs.runtime.rendering import Renderer
+from tasks.envs.runtime.tools import parse_tool_calls
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -534,7 +534,7 @@ def _usage(call: Call) -> dict:
 
 def _assistant(ep: Endpoint, call: Call, stop: list[str], tools: list[dict] | None) -> tuple[str, list[dict]]:
     """The reply's text and tool calls ({id, type, function: {name, arguments: JSON text}}), parsed the way
-    environments' replies are (tasks/envs/tools.py); a malformed call stays in the text."""
+    environments' replies are (tasks/envs/runtime/tools.py); a malformed call stays in the text."""
     text = ep.text_of(call.completion_ids, stop)
     if not tools:
         return text, []
@@ -746,7 +746,7 @@ def app(ep: Endpoint):
         return sse_named(response_events(out))
 
     async def generate(request: Request):
-        from tasks.envs.verifiers_v04 import GenerateRefused, generate_response
+        from tasks.envs.adapters.verifiers_v04 import GenerateRefused, generate_response
 
         key, log = ep.episode(request.headers.get("authorization"))
         body = await body_of(request)

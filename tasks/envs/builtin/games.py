@@ -40,7 +40,7 @@ class SayTheLetters:
 
 
 async def letters_agent(row: dict, base_url: str, api_key: str) -> float:
-    """The game as an agent (env.agent: tasks.envs.games:letters_agent): the model's replies come from rlflow's
+    """The game as an agent (env.agent: tasks.envs.builtin.games:letters_agent): the model's replies come from rlflow's
     endpoint, the agent keeps the conversation and the score."""
     client = _client(base_url).with_options(api_key=api_key)      # (one connection pool, a key per episode)
     letters = str(row["letters"])

@@ -1,16 +1,17 @@
 """OpenEnv environments, over their servers' own protocol through openenv-core's client (docs/environments.md).
 
     env:
-      factory: "tasks.envs.openenv_adapter:OpenEnv"
+      factory: "tasks.envs.adapters.openenv_adapter:OpenEnv"
       kwargs: {base_url: "http://127.0.0.1:8000", action_field: "message"}
       isolation: thread            # the environment runs in its server already; this is only its client
 
 An OpenEnv environment is a server (HTTP and WebSocket, usually in a container) and each episode is one
 session of openenv-core's `EnvClient`: `reset(**kwargs)`, then `step(action)` until the result says done.
 openenv-core pins packages that clash with Prefect's (Makefile), so its client runs in a Python of its own,
-`.venv-openenv` (make setup builds it), in one bridge process per rlflow process (tasks/envs/openenv_bridge.py),
-which holds the sessions of all the episodes of that process and runs their calls concurrently.
-More: docs/internals.md (tasks/envs/openenv_adapter.py): clients, resets, actions, observations, failures.
+`.venv-openenv` (make setup builds it), in one bridge process per rlflow process
+(tasks/envs/adapters/openenv_bridge.py), which holds the sessions of all the episodes of that process and runs
+their calls concurrently.
+More: docs/internals.md (tasks/envs/adapters/openenv_adapter.py): clients, resets, actions, observations, failures.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from tasks.core.contracts import Step
 from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
 from tasks.core.processes import run
-from tasks.envs.bridge import LineBridge
-from tasks.envs.isolation import EnvironmentDied
-from tasks.envs.protocol import require_answer
+from tasks.envs.adapters.bridge import LineBridge
+from tasks.envs.runtime.isolation import EnvironmentDied
+from tasks.envs.runtime.protocol import require_answer
 
 VENV = ".venv-openenv"
 BRIDGE = Path(__file__).with_name("openenv_bridge.py")

@@ -1,8 +1,8 @@
 """A browser environment: Playwright driving a headless Chromium, WebArena's way (docs/environments.md).
 
     env:
-      factory: "tasks.envs.browser:Browser"
-      kwargs: {base_url: "http://127.0.0.1:8765"}      # the site (tasks/envs/webshop.py serves a shop)
+      factory: "tasks.envs.builtin.browser:Browser"
+      kwargs: {base_url: "http://127.0.0.1:8765"}      # the site (tasks/envs/builtin/webshop.py serves a shop)
       isolation: thread                                # one Chromium per stage process, a context per episode
 
 A dataset row is a task: `prompt` (the intent), `start` (a path or URL, default "/") and `check` (how the
@@ -11,7 +11,7 @@ that actions name it by; actions are tool calls or the same words as text (`clic
 `answer [24.99]`, ...), and `answer` ends the episode: its checks give the reward, 1 or 0.
 
 Without Playwright or a Chromium the environment refuses before the run starts, with one line (`preflight`).
-More: docs/internals.md (tasks/envs/browser.py): observations, actions and checks, in full.
+More: docs/internals.md (tasks/envs/builtin/browser.py): observations, actions and checks, in full.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from urllib.parse import urljoin, urlparse
 
 from tasks.core.contracts import Step
 from tasks.core.errors import UserError
-from tasks.envs.protocol import require_answer
+from tasks.envs.runtime.protocol import require_answer
 
 ACTIONS = ("Act with one action per turn: click [N], type [N] [text] (type [N] [text] [1] presses Enter after), "
            "select [N] [option], goto [url], answer [text] (ends the task; on a task that asks for no answer, "
@@ -139,8 +139,8 @@ class Browser:
                             "Debian's chromium; or `playwright install chromium`; or set env.kwargs.executable)")
         if not base_url:
             raise UserError("env.kwargs.base_url: the browser environment needs the site's URL, e.g. "
-                            "http://127.0.0.1:8765 (python -m tasks.envs.webshop serves the shop there)")
-        require_answer(base_url, "site", "; start it first (python -m tasks.envs.webshop --port ...)")
+                            "http://127.0.0.1:8765 (python -m tasks.envs.builtin.webshop serves the shop there)")
+        require_answer(base_url, "site", "; start it first (python -m tasks.envs.builtin.webshop --port ...)")
 
     # ------------------------------------------------------------------------------------ the protocol
 

@@ -1,8 +1,9 @@
 """verifiers 0.4 environments, run in verifiers 0.4's own Python (.venv-verifiers: the main environment pins
-verifiers 0.3.1 for the 0.3 adapter, Makefile) for rlflow's verifiers 0.4 agent (tasks/envs/verifiers_v04.py).
+verifiers 0.3.1 for the 0.3 adapter, Makefile) for rlflow's verifiers 0.4 agent (tasks/envs/adapters/verifiers_v04.py).
 Standard library and verifiers only: this file is run by path, never imported by rlflow.
 
-    .venv-verifiers/bin/python tasks/envs/verifiers_v04_bridge.py     # JSON lines: requests on stdin, replies on stdout
+    .venv-verifiers/bin/python tasks/envs/adapters/verifiers_v04_bridge.py
+                                       # JSON lines: requests on stdin, replies on stdout
 
 It does for rlflow what verifiers' own env server does for a trainer (verifiers.v1.serve.server.EnvServer._run),
 over JSON lines instead of ZMQ and msgpack.
@@ -10,7 +11,7 @@ over JSON lines instead of ZMQ and msgpack.
 Requests: {"id", "op": "run", "env": {...}, "task_idx" | "task_data", "model", "client": {...}, "key",
 "sampling"}, {"id", "op": "tasks", "env"}, {"id", "op": "cancel", "target"}. Replies: {"id", "ok": value} or
 {"id", "error": "Type: text"}; the first line, {"id": null, "ok": "ready"}, says verifiers imported.
-More: docs/internals.md (tasks/envs/verifiers_v04_bridge.py): what it runs, and why a transport of its own.
+More: docs/internals.md (tasks/envs/adapters/verifiers_v04_bridge.py): what it runs, and why a transport of its own.
 """
 
 from __future__ import annotations

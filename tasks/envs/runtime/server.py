@@ -2,16 +2,16 @@
 generate and evaluate stages' episode loops talking to it over HTTP. The model, its tokens and the chat
 template stay in the stage; only the protocol's calls travel (docs/environments.md#where-environments-run).
 
-    python -m tasks.envs.server --config C [--overrides-json J] [--host 0.0.0.0] [--port 8330] [--idle-minutes 30]
-                                [--exit-with-parent]
+    python -m tasks.envs.runtime.server --config C [--overrides-json J] [--host 0.0.0.0] [--port 8330]
+                                        [--idle-minutes 30] [--exit-with-parent]
 
 The flow starts it (flows/services.py: EnvServer), here or on a CPU spot cluster (sky/env.yaml), and hands its URL
 and token to the stages as RLFLOW_ENV_SERVER and RLFLOW_ENV_TOKEN; or run it yourself and set env.server_url.
 Routes: GET /health, POST /episodes, POST /episodes/ID/reset|step|close, DELETE /episodes/ID. An environment's
 failure fails its episode as it would in the stage; a server that does not answer fails the stage (ServerGone).
-With env.servers: N the flow puts N of these behind one front (tasks/envs/pool.py). The server leaves after
+With env.servers: N the flow puts N of these behind one front (tasks/envs/runtime/pool.py). The server leaves after
 --idle-minutes without a request.
-More: docs/internals.md (tasks/envs/server.py): the routes in full, failures, pools, forgotten episodes.
+More: docs/internals.md (tasks/envs/runtime/server.py): the routes in full, failures, pools, forgotten episodes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tasks.core.daemon import Watch, leave
 from tasks.core.errors import UserError, user_error_line
 from tasks.core.fleet import authorized, bearer
 from tasks.core.processes import listening_socket, server_arguments
-from tasks.envs.isolation import (
+from tasks.envs.runtime.isolation import (
     Caller,
     EnvironmentDied,
     EnvironmentFailed,
@@ -40,7 +40,7 @@ from tasks.envs.isolation import (
     warm_up,
     why,
 )
-from tasks.envs.protocol import as_step, factory_of
+from tasks.envs.runtime.protocol import as_step, factory_of
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.core.config import load_config
     from tasks.core.stage import parse_overrides_json, quiet_progress_bars
 
-    ap = server_arguments("python -m tasks.envs.server", __doc__, DEFAULT_PORT)
+    ap = server_arguments("python -m tasks.envs.runtime.server", __doc__, DEFAULT_PORT)
     args = ap.parse_args(argv)
     quiet_progress_bars()
     try:
@@ -357,7 +357,7 @@ def _reply(client, method: str, path: str, body: dict) -> dict:
         response = client.request(method, path, json=_json(body))
     except httpx.HTTPError as e:
         raise ServerGone(f"the environment server at {client.base_url} did not answer: {why(e)}") from None
-    if response.status_code == 503:           # an environment pool with no server left (tasks/envs/pool.py)
+    if response.status_code == 503:           # an environment pool with no server left (tasks/envs/runtime/pool.py)
         raise ServerGone(f"the environment server at {client.base_url} has none left: {response.text[:300]}")
     if response.status_code == 401:
         raise ServerRefused(f"env.server_url: the environment server at {client.base_url} refused the token "

@@ -12,7 +12,7 @@
 One instance serves one episode: the factory is called once per episode, so state never leaks between them.
 An episode ends when the environment says done, at env.max_turns, or when env.max_tokens would be passed. The
 return is the sum of the turn rewards (env.returns: sum) or the last one (final).
-More: docs/internals.md (tasks/envs/protocol.py): adapters for other APIs, and `environment(cfg)`.
+More: docs/internals.md (tasks/envs/runtime/protocol.py): adapters for other APIs, and `environment(cfg)`.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def factory_of(cfg: Config, preflight: bool = True) -> Callable[[], Any]:
             return make(**kwargs)
 
     def made() -> Any:
-        from tasks.envs.adapters import shared
+        from tasks.envs.adapters.kinds import shared
 
         if not known.is_set():
             with first:
@@ -126,8 +126,8 @@ def require_answer(url: str, what: str, hint: str = "", field: str = "base_url",
 
 
 def require_env_server(url: str, key: str = "env.server_url") -> dict:
-    """The /health answer of an rlflow environment server at `url` (tasks/envs/server.py: a JSON object with
-    "factory" and "episodes"; a pool's front, tasks/envs/pool.py: "pool" and "episodes"); a UserError naming
+    """The /health answer of an rlflow environment server at `url` (tasks/envs/runtime/server.py: a JSON object with
+    "factory" and "episodes"; a pool's front, tasks/envs/runtime/pool.py: "pool" and "episodes"); a UserError naming
     `key` if nothing answers there, or something that is not one
     (an HTTP error, or another shape), whose 404s the flow would later take for a dead server."""
     import urllib.error
@@ -139,7 +139,7 @@ def require_env_server(url: str, key: str = "env.server_url") -> dict:
             body = response.read(65_536)
     except urllib.error.HTTPError as e:
         raise UserError(f"{key}: {url} is not an rlflow environment server (GET /health answered HTTP {e.code}; "
-                        f"start one with python -m tasks.envs.server)") from None
+                        f"start one with python -m tasks.envs.runtime.server)") from None
     except (OSError, ValueError) as e:
         raise UserError(f"{key}: no environment server answers at {url} ({getattr(e, 'reason', e)})") from None
     try:
@@ -149,7 +149,7 @@ def require_env_server(url: str, key: str = "env.server_url") -> dict:
     if not (isinstance(answer, dict) and "episodes" in answer and ("factory" in answer or answer.get("pool"))):
         raise UserError(f"{key}: {url} is not an rlflow environment server (GET /health answered "
                         f"{body[:60].decode('utf-8', 'replace')!r}, not {{\"factory\": ..., \"episodes\": n}}; "
-                        f"start one with python -m tasks.envs.server)")
+                        f"start one with python -m tasks.envs.runtime.server)")
     return answer
 
 
@@ -176,8 +176,8 @@ def check_environment(cfg: Config, row: dict) -> None:
     processes) is checked for its keyword arguments only."""
     import inspect
 
-    from tasks.envs import adapters
-    from tasks.envs.tools import tool_schemas
+    from tasks.envs.adapters import kinds as adapters
+    from tasks.envs.runtime.tools import tool_schemas
 
     spec = cfg.env.factory
     make = import_callable(spec, "env.factory")
@@ -239,7 +239,7 @@ def check_environment(cfg: Config, row: dict) -> None:
 
 def environment(cfg: Config, instance: Any, row: dict) -> Environment:
     """`instance` (what the factory made) driven by the protocol: itself, or through its adapter."""
-    from tasks.envs import adapters
+    from tasks.envs.adapters import kinds as adapters
 
     kind = cfg.env.adapter
     if kind == "auto":

@@ -10,7 +10,7 @@ episode loop and the server call every handle alike, through a Caller that gives
 In a process of its own a crash of the environment or a call that never returns costs its episode, nothing
 else. The children are forked from a forkserver that imported the environment's module, so an episode's
 process costs a fork and its pickles (~12 ms here), not a new interpreter.
-More: docs/internals.md (tasks/envs/isolation.py): the forkserver, and what it pays once for every episode.
+More: docs/internals.md (tasks/envs/runtime/isolation.py): the forkserver, and what it pays once for every episode.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from tasks.envs.protocol import as_step, environment, factory_of, state_of
-from tasks.envs.tools import tool_schemas
+from tasks.envs.runtime.protocol import as_step, environment, factory_of, state_of
+from tasks.envs.runtime.tools import tool_schemas
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -44,7 +44,7 @@ def _forkserver(cfg: Config):
     if _context is None:
         ctx = multiprocessing.get_context("forkserver")
         # (this module first: it prepares the forkserver as it is imported there, importing the others)
-        ctx.set_forkserver_preload(["tasks.envs.isolation", "tasks.core.config", "tasks.envs.adapters",
+        ctx.set_forkserver_preload(["tasks.envs.runtime.isolation", "tasks.core.config", "tasks.envs.adapters.kinds",
                                     "transformers.utils",        # (tool schemas: get_json_schema)
                                     (cfg.env.factory or cfg.env.agent).partition(":")[0]])
         _context = ctx
@@ -101,9 +101,9 @@ def _prepare_forkserver(given: Any) -> None:
     try:
         from tasks.core.config import Config
         from tasks.core.errors import UserError
-        from tasks.envs.adapters import tool_names
-        from tasks.envs.protocol import import_callable
-        from tasks.envs.tools import schema
+        from tasks.envs.adapters.kinds import tool_names
+        from tasks.envs.runtime.protocol import import_callable
+        from tasks.envs.runtime.tools import schema
 
         cfg = Config.model_validate(given["config"])        # (pydantic's first validation: ~1 ms)
         if not cfg.env.factory:

@@ -7,9 +7,10 @@ For each dataset row, `params.n` episodes (a GRPO group: episodes of the same ta
 of its own (env.factory). Turn by turn, every episode still going asks the engine for one completion of its
 whole context; the observation comes back as the tokens the chat template renders for it, and nothing is ever
 re-tokenised. The record's `mask` is 1 on the model's tokens and 0 on the observation's.
-Each episode's environment is behind one handle (tasks/envs/isolation.py) wherever it runs; a call that fails
+Each episode's environment is behind one handle (tasks/envs/runtime/isolation.py) wherever it runs; a call that fails
 ends that episode only (`env_error`).
-More: docs/internals.md (tasks/envs/episodes.py): how observations are rendered, where environments run, deadlines.
+More: docs/internals.md (tasks/envs/runtime/episodes.py): how observations are rendered, where environments run,
+deadlines.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.contracts import EnvironmentHandle, Rollout, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
 from tasks.engines.sampling import sample_rollouts
-from tasks.envs.isolation import (
+from tasks.envs.runtime.isolation import (
     Caller,
     EnvironmentDied,
     EnvironmentFailed,
@@ -32,10 +33,10 @@ from tasks.envs.isolation import (
     warm_up,
     why,
 )
-from tasks.envs.protocol import as_messages, as_step, factory_of
-from tasks.envs.rendering import Renderer
-from tasks.envs.server import RemoteEnvironment, ServerGone, ServerRefused, server_of
-from tasks.envs.tools import parse_tool_calls
+from tasks.envs.runtime.protocol import as_messages, as_step, factory_of
+from tasks.envs.runtime.rendering import Renderer
+from tasks.envs.runtime.server import RemoteEnvironment, ServerGone, ServerRefused, server_of
+from tasks.envs.runtime.tools import parse_tool_calls
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -142,10 +143,10 @@ def _failure(what: str, ex: Exception) -> str:
 def sample(cfg: Config, session: SamplingSession, ds, rows: list[int],
            params: SamplingParams, policy: str = "policy") -> tuple[list[Rollout], Sampled]:
     """What generate and evaluate call, with the session they opened for `policy` (tasks/engines/sampling.py:
-    open_session): episodes with env.factory, an agent's (env.agent: tasks/envs/agents.py, through an endpoint
+    open_session): episodes with env.factory, an agent's (env.agent: tasks/envs/runtime/agents.py, through an endpoint
     serving `policy`), else one completion per prompt (sample_rollouts)."""
     if cfg.env.agent:
-        from tasks.envs.agents import run_agents
+        from tasks.envs.runtime.agents import run_agents
 
         return run_agents(cfg, {r: ds[r] for r in set(rows)}, rows, session, params, policy)
     if not cfg.env.factory:
@@ -257,10 +258,10 @@ _pool_seen = threading.local()
 
 
 def _pool_metrics(cfg: Config, episodes: list[Episode]) -> dict[str, float]:
-    """env/pool_*: this stage's episodes per server of the pool (its ids say which: tasks/envs/pool.py), those
+    """env/pool_*: this stage's episodes per server of the pool (its ids say which: tasks/envs/runtime/pool.py), those
     failed because their server was lost, and the pool's own counts at the end (/health: live servers, servers
     replaced so far). Nothing when the server is not a pool."""
-    from tasks.envs.pool import LOST
+    from tasks.envs.runtime.pool import LOST
 
     served = [k.split(".", 1)[0] for e in episodes if (k := getattr(e.env, "key", None)) and k.count(".") >= 2]
     if not served:

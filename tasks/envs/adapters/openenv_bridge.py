@@ -1,8 +1,8 @@
 """openenv-core's client, run in the OpenEnv environment's own Python (.venv-openenv: openenv-core pins packages
-that clash with Prefect's, Makefile) for rlflow's OpenEnv adapter (tasks/envs/openenv_adapter.py). Standard library and
-openenv only: this file is run by path, never imported by rlflow.
+that clash with Prefect's, Makefile) for rlflow's OpenEnv adapter (tasks/envs/adapters/openenv_adapter.py).
+Standard library and openenv only: this file is run by path, never imported by rlflow.
 
-    .venv-openenv/bin/python tasks/envs/openenv_bridge.py      # JSON lines: requests on stdin, replies on stdout
+    .venv-openenv/bin/python tasks/envs/adapters/openenv_bridge.py    # JSON lines: requests on stdin, replies on stdout
 
 A request is {"id", "op": open | reset | step | close, "session", ...}; each session is one client (one
 WebSocket session on the environment's server: one episode). Requests run concurrently on one event loop. A

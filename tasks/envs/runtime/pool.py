@@ -1,17 +1,17 @@
-"""The environment pool's front: env.servers: N environment servers (tasks/envs/server.py) behind one URL, for
+"""The environment pool's front: env.servers: N environment servers (tasks/envs/runtime/server.py) behind one URL, for
 environments heavy enough to want many machines (a browser farm). It speaks exactly the server's routes, so the
 stages' episodes (RemoteEnvironment) talk to it as they talk to one server; only their URL differs
 (docs/environments.md#environment-pools).
 
-    python -m tasks.envs.pool --config C [--overrides-json J] [--host 0.0.0.0] [--port 8330] [--idle-minutes 30]
-                              [--exit-with-parent] [--member URL]...
+    python -m tasks.envs.runtime.pool --config C [--overrides-json J] [--host 0.0.0.0] [--port 8330] [--idle-minutes 30]
+                                      [--exit-with-parent] [--member URL]...
 
 A new episode goes to the live member with the fewest open episodes, and its id carries its route. A lost member's
 episodes fail alone ("died"); only with no member live does `POST /episodes` answer 503. The owner
 (flows/services.py: EnvServer) replaces lost members and hands the front the table (`PUT /pool/members`).
 Routes: those of server.py, with GET /health saying the pool's state, and PUT /pool/members.
 Light on purpose (no torch, no environment imports): the front only forwards bytes.
-More: docs/internals.md (tasks/envs/pool.py): routing, failures, replacement and the routes, in full.
+More: docs/internals.md (tasks/envs/runtime/pool.py): routing, failures, replacement and the routes, in full.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from tasks.core.daemon import leave
 from tasks.core.fleet import Health, authorized, bearer, least_loaded
 from tasks.core.processes import listening_socket, server_arguments
 
-# The same names as tasks/envs/server.py's (not imported from it: it imports the environment machinery, and torch)
+# The same names as tasks/envs/runtime/server.py's (not imported from it: it imports the environment machinery, and
+# torch)
 URL_VAR, TOKEN_VAR = "RLFLOW_ENV_SERVER", "RLFLOW_ENV_TOKEN"
 READY = "RLFLOW_ENV_SERVER_READY"          # the line the front prints once it answers: READY <url>
 SLACK_SECONDS = 60.0                       # an episode untouched for env.timeout_seconds + this is abandoned
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.core.errors import UserError, user_error_line
     from tasks.core.stage import parse_overrides_json
 
-    ap = server_arguments("python -m tasks.envs.pool", __doc__, 8330)
+    ap = server_arguments("python -m tasks.envs.runtime.pool", __doc__, 8330)
     ap.add_argument("--member", action="append", default=[], metavar="URL",
                     help="a member's URL, for a pool run by hand (the flow sends its table: PUT /pool/members)")
     args = ap.parse_args(argv)

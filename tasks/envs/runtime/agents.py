@@ -10,7 +10,7 @@ For each dataset row, `params.n` episodes (a GRPO group), each one call of the a
 on the stage's endpoint (endpoint.py), which records every model call's tokens under that key. An agent that
 fails (raises, hangs, dies) costs only its episode. An episode becomes samples without re-tokenizing: one chain
 of calls is one sample, the turns merged; several chains are several samples sharing the episode's return.
-More: docs/internals.md (tasks/envs/agents.py): limits, failures, and how calls become samples, in full.
+More: docs/internals.md (tasks/envs/runtime/agents.py): limits, failures, and how calls become samples, in full.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
-from tasks.envs.endpoint import Call, Endpoint, EpisodeLog
-from tasks.envs.isolation import _awaited
-from tasks.envs.protocol import import_callable
+from tasks.envs.runtime.endpoint import Call, Endpoint, EpisodeLog
+from tasks.envs.runtime.isolation import _awaited
+from tasks.envs.runtime.protocol import import_callable
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -40,7 +40,8 @@ POLL = 0.01
 
 def agent_of(cfg: Config):
     """env.agent imported: one line naming it if it cannot be, or is not a function of (row, base_url, api_key);
-    an agent with a `check` attribute (an integration's: tasks/envs/verifiers_v04.py) has it check env.kwargs."""
+    an agent with a `check` attribute (an integration's: tasks/envs/adapters/verifiers_v04.py) has it check
+    env.kwargs."""
     spec = cfg.env.agent
     fn = import_callable(spec, "env.agent")
     try:
@@ -124,7 +125,7 @@ class Processes:
     a hung or crashed one is killed or found dead, nothing else is touched."""
 
     def __init__(self, cfg: Config):
-        from tasks.envs.isolation import _forkserver, warm_up
+        from tasks.envs.runtime.isolation import _forkserver, warm_up
 
         warm_up(cfg)
         self.ctx, self.cfg = _forkserver(cfg), cfg
@@ -176,7 +177,7 @@ class Processes:
 
 def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cwd: str, path: list[str]) -> None:
     """The agent's process: run it once, send back ("ok", value) or ("error", "Type: text")."""
-    from tasks.envs.isolation import why
+    from tasks.envs.runtime.isolation import why
 
     os.chdir(cwd)
     sys.path[:] = path
@@ -248,7 +249,7 @@ def run_agents(cfg: Config, table: dict[int, dict], rows: list[int], session: Sa
 
 
 def _why(e: BaseException) -> str:
-    from tasks.envs.isolation import why
+    from tasks.envs.runtime.isolation import why
 
     text = str(e) if isinstance(e, RuntimeError) and str(e) else why(e)
     return f"agent raised {text}" if not text.startswith("the agent") else text

@@ -1,12 +1,12 @@
-"""A small shop on 127.0.0.1 for the browser environment (tasks/envs/browser.py): WebArena's shopping site, cut
+"""A small shop on 127.0.0.1 for the browser environment (tasks/envs/builtin/browser.py): WebArena's shopping site, cut
 down to what a task set needs. Products with prices, stock and sizes, categories, a search, a cart, a checkout
 form and the orders placed. Each browser session (a cookie) has its own cart and orders, so concurrent episodes
 never see each other's.
 
-    python -m tasks.envs.webshop --port 8765                   # serve it (Ctrl-C stops)
-    python -m tasks.envs.webshop --tasks > shop_tasks.jsonl    # the task set, one row per task, checkers included
+    python -m tasks.envs.builtin.webshop --port 8765                  # serve it (Ctrl-C stops)
+    python -m tasks.envs.builtin.webshop --tasks > shop_tasks.jsonl   # the task set, a row per task, checkers included
 
-    with serve() as url: ...                                   # in a thread on a free port (tests, benchmarks)
+    with serve() as url: ...                                          # in a thread on a free port (tests, benchmarks)
 
 Every task row has a `prompt` (the intent), a `start` path and a `check` (browser.py: the checkers): an answer
 to match, or pages of the shop that must show what the task asked for once the episode ends (an order placed).
@@ -228,7 +228,7 @@ def app() -> Starlette:
 # ------------------------------------------------------------------------------------------ the task set
 
 def shop_tasks() -> list[dict]:
-    """WebArena-style tasks on this shop, each with its checker (tasks/envs/browser.py: check)."""
+    """WebArena-style tasks on this shop, each with its checker (tasks/envs/builtin/browser.py: check)."""
     rows: list[dict] = []
 
     def add(kind: str, prompt: str, check: dict, start: str = "/") -> None:
@@ -353,7 +353,7 @@ def serve(port: int = 0) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tasks.envs.webshop", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tasks.envs.builtin.webshop", description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--tasks", action="store_true", help="print the task set as JSON lines and exit")
     args = ap.parse_args(argv)

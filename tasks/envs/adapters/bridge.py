@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.processes import spawn
-from tasks.envs.isolation import EnvironmentDied
+from tasks.envs.runtime.isolation import EnvironmentDied
 
 
 class LineBridge:
