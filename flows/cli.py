@@ -25,23 +25,24 @@ import traceback
 from pathlib import Path
 
 from tasks.core.errors import UserError, cause_of
+from tasks.core.process_wide import set_default, set_variable
 
 
 def _quiet_prefect() -> None:
     """Our progress lines are the console output; Prefect's logs still reach its API/UI unless verbose."""
     if not os.environ.get("RLFLOW_VERBOSE"):
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_FLOW_RUNS_LEVEL", "CRITICAL")
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_TASK_RUNS_LEVEL", "CRITICAL")
+        set_default("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+        set_default("PREFECT_LOGGING_HANDLERS_CONSOLE_FLOW_RUNS_LEVEL", "CRITICAL")
+        set_default("PREFECT_LOGGING_HANDLERS_CONSOLE_TASK_RUNS_LEVEL", "CRITICAL")
     import logging
 
-    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")      # (its database creation is two INFO lines)
-    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")    # (we print the run's URL once)
+    set_default("MLFLOW_LOGGING_LEVEL", "WARNING")      # (its database creation is two INFO lines)
+    set_default("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")    # (we print the run's URL once)
     logging.getLogger("mlflow").setLevel(logging.WARNING)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")    # (its telemetry errors offline)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    set_default("TOKENIZERS_PARALLELISM", "false")
+    set_default("PREFECT_SERVER_ANALYTICS_ENABLED", "false")    # (its telemetry errors offline)
+    set_default("TRANSFORMERS_VERBOSITY", "error")
+    set_default("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def check_path(flag: str, path: str | Path, want: str) -> None:
@@ -74,7 +75,7 @@ def checked_config(args):
     if os.getcwd() not in sys.path:                 # (reward functions and environments of the working directory)
         sys.path.insert(0, os.getcwd())
     if cfg.train.engine != "deepspeed":   # (accelerate imports deepspeed to unwrap a model; it would warn)
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        set_default("DS_ACCELERATOR", "cpu")
     from flows.preflight import preflight
 
     preflight(cfg)                  # every input mistake, before Prefect's server starts (the flow checks again)
@@ -458,7 +459,7 @@ def cmd_tune(args) -> int:
               file=sys.stderr, flush=True)
         server = SubprocessASGIServer()
         server.start()
-        os.environ["PREFECT_API_URL"] = server.api_url
+        set_variable("PREFECT_API_URL", server.api_url)
     try:
         from prefect.settings import PREFECT_API_URL, temporary_settings
 

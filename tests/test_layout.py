@@ -91,6 +91,7 @@ def test_layers_import_only_what_is_below_them(folder, may_use):
     ("tasks/core/errors.py", ()),                          # the SkyPilot bridge imports it in .venv-sky
     ("tasks/core/processes.py", ()),
     ("tasks/core/daemon.py", ()),                          # the vLLM watchdog imports it in .venv-vllm
+    ("tasks/core/process_wide.py", ("torch",)),            # processes.py imports it; torch lazily, for the RNG only
     ("tasks/scoring/harness.py", ()),                      # runs inside the sandbox, on any Python 3.8+
     ("tasks/scoring/worker.py", ("tasks.scoring.sandbox", "tasks.core.config")),   # lazily, only for code rewards
     ("tasks/engines/vllm_worker.py", ("vllm",)),            # runs in .venv-vllm
@@ -100,7 +101,8 @@ def test_layers_import_only_what_is_below_them(folder, may_use):
     ("tasks/scoring/syscall_filter.py", ("seccomp",)),      # runs under the system Python (python3-seccomp)
 ])
 def test_modules_that_run_in_other_environments_stay_light(path, also):
-    light = ("tasks.core.errors", "tasks.core.paths", "tasks.core.processes", "tasks.core.daemon")
+    light = ("tasks.core.errors", "tasks.core.paths", "tasks.core.processes", "tasks.core.daemon",
+             "tasks.core.process_wide")
 
     def allowed(m: str) -> bool:
         package = any(a.startswith(m + ".") for a in (*light, *also))      # tasks, tasks.core: empty __init__s
@@ -368,6 +370,66 @@ def test_every_child_process_starts_through_the_one_spawn_function():
              if p != ROOT / "tasks" / "core" / "processes.py" for s in _process_starts(p)]
     # the harness runs inside the sandbox (the model's code: its own rules, docs/sandbox.md), not under rlflow
     assert [s for s in found if not s.startswith("tasks.scoring.harness:")] == []
+
+
+# Writing the process's environment: only tasks/core/process_wide.py does (set_default, set_variable, take, restore,
+# environment_variables), so every variable rlflow sets, and what it puts back, is found in one place (issue 41).
+ENVIRON_WRITES = {"setdefault", "pop", "update", "clear", "popitem"}
+ENVIRON_WRITERS = {
+    "tasks/core/process_wide.py",
+    # imported first in every rlflow process, before anything else: it drops rlflow_first's PYTHONSAFEPATH with two
+    # dictionary look-ups and imports nothing (process_wide would run first, with the safe path still set)
+    "tasks/__init__.py",
+    # run by path in .venv-verifiers (its folder taken off sys.path), never imported: rlflow's modules are not there
+    "tasks/envs/adapters/verifiers_v04_bridge.py",
+}
+
+
+def _environ_writes(path: Path) -> list[str]:
+    """Each place `path` writes os.environ (by any name it imported os or environ as): an item assigned, deleted
+    or augmented, a write method called, os.putenv / os.unsetenv, or os.environ itself bound to another name."""
+    tree = ast.parse(path.read_text(), str(path))
+    os_names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+                if a.name == "os"}
+    from_os = {a.asname or a.name: a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+               and n.module == "os" for a in n.names}
+
+    def of_os(node, *names) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Name)
+                and node.value.id in os_names) or (isinstance(node, ast.Name) and from_os.get(node.id) in names)
+
+    def flat(targets):
+        for t in targets:
+            if isinstance(t, (ast.Tuple, ast.List)):
+                yield from flat(t.elts)
+            else:
+                yield t.value if isinstance(t, ast.Starred) else t
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.NamedExpr)):
+            targets = [node.target]
+        else:
+            targets = []
+        written = any(of_os(t, "environ") or (isinstance(t, ast.Subscript) and of_os(t.value, "environ"))
+                      for t in flat(targets))
+        alias = isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and of_os(node.value, "environ")
+        called = isinstance(node, ast.Call) and (of_os(node.func, "putenv", "unsetenv") or (
+            isinstance(node.func, ast.Attribute) and node.func.attr in ENVIRON_WRITES
+            and of_os(node.func.value, "environ")))
+        if written or alias or called:
+            out.append((node.lineno, f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node).splitlines()[0]}"))
+    return [w for _, w in sorted(out)]
+
+
+def test_the_process_environment_is_written_in_one_module():
+    writes = {str(p.relative_to(ROOT)): _environ_writes(p) for folder in ("tasks", "flows") for p in _modules(folder)}
+    outside = [w for path, found in writes.items() if path not in ENVIRON_WRITERS for w in found]
+    assert outside == [], "os.environ written outside tasks/core/process_wide.py (call its functions):\n" + \
+        "\n".join(outside)
+    assert [path for path in sorted(ENVIRON_WRITERS) if not writes.get(path)] == []    # (no stale exception)
 
 
 def test_a_python_that_runs_rlflows_packages_gets_the_safe_path(tmp_path):

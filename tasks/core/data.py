@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tasks.core.errors import UserError
+from tasks.core.process_wide import set_variable
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -99,11 +100,9 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 def _go_offline(datasets) -> None:
     """datasets and huggingface_hub read offline mode once, at import: set it where they look."""
-    import os
-
     import huggingface_hub.constants
 
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    set_variable("HF_HUB_OFFLINE", "1")
     huggingface_hub.constants.HF_HUB_OFFLINE = True
     datasets.config.HF_HUB_OFFLINE = True
 

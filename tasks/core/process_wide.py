@@ -4,11 +4,13 @@ With the inline launcher and a caller-held trainer (the defaults), generate, rew
 the flow's own process, and with run.max_staleness > 0 on several of its threads at once. Most of what they use
 is passed as arguments; the few things here cannot be, because Python, torch or the operating system keep them
 per process: the PROCESS_WIDE lock, the random streams (rng_state, set_rng_state, seed_all), the signal
-handlers (signals_kept) and the environment variables inline stages read (tell_inline_stages,
+handlers (signals_kept) and the environment variables: the only module that writes os.environ (set_default,
+set_variable, take, restore, environment_variables; the variables inline stages read: tell_inline_stages,
 forget_inline_stages). This is not all the module-level state of the package: caches and registries kept for
 reuse live with their users, e.g. the trainers this process holds (tasks/engines/trainer.py: _HELD), the reward
 functions' workers (tasks/scoring/functions.py: _workers), the reward models loaded in the stage
 (tasks/scoring/judges.py: _engines) and the sandbox runners (tasks/scoring/sandbox.py: _runners).
+Standard library only when imported (torch is imported by the random streams' functions, as they run).
 More: docs/internals.md (tasks/core/process_wide.py): each piece, with the reason it exists.
 """
 
@@ -21,8 +23,6 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-import torch
-
 # ------------------------------------------------------------------------------------ the model-building lock
 
 PROCESS_WIDE = threading.RLock()
@@ -32,6 +32,8 @@ PROCESS_WIDE = threading.RLock()
 
 def rng_state() -> dict:
     """Every random stream training draws from (saved with a checkpoint, so a resume continues them)."""
+    import torch
+
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -39,6 +41,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import torch
+
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -50,6 +54,8 @@ def set_rng_state(state: dict) -> None:
 
 def seed_all(seed: int) -> None:
     """Seed the streams rng_state saves (a fresh run, or a process a checkpoint did not have)."""
+    import torch
+
     torch.manual_seed(seed)
     random.seed(seed)
 
@@ -83,6 +89,50 @@ def signals_kept() -> Iterator[None]:
         _FACTORY.on = False
 
 
+# ---------------------------------------------------------------------------------------- environment variables
+
+def set_default(name: str, value: str) -> None:
+    """`name` = `value` in this process's environment unless it is set already (a library's default: the user's
+    own setting wins)."""
+    os.environ.setdefault(name, value)
+
+
+def set_variable(name: str, value: str) -> None:
+    """`name` = `value` in this process's environment, whatever it was."""
+    os.environ[name] = value
+
+
+_REQUIRED = object()
+
+
+def take(name: str, default=_REQUIRED):
+    """`name`'s value, removed from this process's environment (read once; the children it starts must not
+    inherit it). KeyError where it is not set and no `default` is given."""
+    return os.environ.pop(name) if default is _REQUIRED else os.environ.pop(name, default)
+
+
+def restore(name: str, value: str | None) -> None:
+    """`name` back to `value`, as os.environ.get read it before: set to it, or removed where it is None."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+@contextmanager
+def environment_variables(variables: Mapping[str, str | None]) -> Iterator[None]:
+    """`variables` in this process's environment while the body runs (None: unset), then each as it was before
+    (one that was not set is removed again), also where the body raised or changed it."""
+    saved = {k: os.environ.get(k) for k in variables}
+    for k, v in variables.items():
+        restore(k, v)
+    try:
+        yield
+    finally:
+        for k, old in saved.items():
+            restore(k, old)
+
+
 _TOLD: dict[str, str | None] = {}     # what tell_inline_stages replaced: each variable's value before the flow run
 
 
@@ -100,8 +150,4 @@ def forget_inline_stages() -> None:
     """Put back what tell_inline_stages changed (at a flow run's end: a later flow run in this process, a
     deployment's worker or a test, must not find this one's servers or its replicas' sky launch command)."""
     while _TOLD:
-        k, old = _TOLD.popitem()
-        if old is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = old
+        restore(*_TOLD.popitem())

@@ -1,7 +1,8 @@
 """Child processes: `spawn`, the one way rlflow starts one (the safe path for a child that runs rlflow's code),
 streaming one's output while spotting a user-error line, killing a process group, "is this pid alive", and
 starting a process that outlives its caller. Shared by the launchers, the DeepSpeed launcher, the reward worker,
-the sandbox, the vLLM server, the resident trainer, the servers and the lease. Standard library only.
+the sandbox, the vLLM server, the resident trainer, the servers and the lease. Standard library only (and
+tasks.core's errors, paths and process_wide, light as well: tests/test_layout.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from tasks.core.errors import corrupt_in, user_error_in
 from tasks.core.paths import REPO_ROOT
+from tasks.core.process_wide import environment_variables
 
 # ------------------------------------------------------------------------------------------------ starting one
 
@@ -86,21 +88,12 @@ def children_import_rlflow(also: str | None = None) -> Iterator[None]:
     """os.environ as rlflow_first makes it (with the folder `also` last on PYTHONPATH) while the body starts a
     child that cannot be given an environment of its own (multiprocessing's forkserver), as it was after. Keep
     the body to that start: a child user code starts meanwhile, from another thread, would inherit it too."""
-    keys = ("PYTHONSAFEPATH", "PYTHONPATH", SAFEPATH_MARK)
     with _ENVIRON_LOCK:
-        saved = {k: os.environ.get(k) for k in keys}
         env = rlflow_first(os.environ)
         if also:
             env["PYTHONPATH"] += os.pathsep + also
-        os.environ.update(env)
-        try:
+        with environment_variables({k: env.get(k) for k in ("PYTHONSAFEPATH", "PYTHONPATH", SAFEPATH_MARK)}):
             yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 # ------------------------------------------------------------------------------------------------ watching one

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from tasks.core import layout
 from tasks.core.errors import UserError, corrupt_line, user_error_line
+from tasks.core.process_wide import set_variable
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -209,7 +210,7 @@ def command(stage: str, iteration: int) -> str:
 def quiet_progress_bars() -> None:
     """No download/loading/writing progress bars in a stage process's log (or a trainer's): they are a screen
     of carriage returns there. transformers reads the setting when imported, so it is told directly too."""
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    set_variable("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         from huggingface_hub.utils import disable_progress_bars
         from transformers.utils.logging import disable_progress_bar

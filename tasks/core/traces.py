@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from tasks.core.contracts import Rollout
+from tasks.core.process_wide import restore
 
 SPLIT_TAG, ITERATION_TAG, RUN_TAG = "rlflow.split", "rlflow.iteration", "rlflow.run"
 _TEXT_LIMIT = 20_000          # characters of one message content kept in a span (MLflow stores spans as JSON)
@@ -32,10 +33,7 @@ def trace_to(uri: str) -> None:
 
     before = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
-    if before is None:
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-    else:
-        os.environ["MLFLOW_TRACKING_URI"] = before
+    restore("MLFLOW_TRACKING_URI", before)
 
 
 def sample_rows(n_records: int, n: int) -> list[int]:

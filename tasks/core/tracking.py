@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core.errors import UserError
+from tasks.core.process_wide import set_default
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -40,7 +41,7 @@ LOCAL_UI = "http://127.0.0.1:5000"            # where `mlflow ui` serves a datab
 
 
 def _client(uri: str):
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    set_default("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.tracking import MlflowClient
 
     _create_sqlite_whole(uri)

@@ -36,7 +36,7 @@ import yaml
 from tasks.core import layout
 from tasks.core.errors import UserError
 from tasks.core.models import DTYPES, base_path, device_for, load_model, load_tokenizer, policy_dtype
-from tasks.core.process_wide import rng_state, seed_all, set_rng_state
+from tasks.core.process_wide import rng_state, seed_all, set_default, set_rng_state
 from tasks.core.processes import run, stream
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class DeepSpeedEngine:
     def __init__(self, cfg: Config, store: Store, prev: str | None):
         self.cfg, self.store, tc = cfg, store, cfg.train
         if device_for(cfg).type == "cpu":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            set_default("DS_ACCELERATOR", "cpu")
         self.check_installed(cfg)
         import deepspeed
 
@@ -467,7 +467,7 @@ def join_group(cfg: Config) -> torch.device:
     """This torchrun worker's device, and the process group of all of them (nccl on CUDA, gloo on CPU), once."""
     device = device_for(cfg)
     if device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        set_default("DS_ACCELERATOR", "cpu")
         clear_stale_build_locks()
     import deepspeed
 

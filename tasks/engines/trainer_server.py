@@ -27,6 +27,7 @@ from pathlib import Path
 from tasks.core import layout
 from tasks.core.daemon import Watch, forget, leave, write_state
 from tasks.core.errors import UserError
+from tasks.core.process_wide import take
 from tasks.engines.trainer import Trainer, trainer_key
 from tasks.engines.trainer_group import Group
 
@@ -43,8 +44,8 @@ def serve(state_path: Path, config_path: Path) -> None:
 
     quiet_progress_bars()
     cfg = load_config(config_path)
-    authkey = os.environ.pop("RLFLOW_TRAINER_AUTHKEY")
-    key = os.environ.pop("RLFLOW_TRAINER_KEY", "") or trainer_key(cfg)
+    authkey = take("RLFLOW_TRAINER_AUTHKEY")
+    key = take("RLFLOW_TRAINER_KEY", "") or trainer_key(cfg)
     group = Group(cfg)
     host = Trainer(cfg, open_store(cfg), group.rank)
     if not group.leads:

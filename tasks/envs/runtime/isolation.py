@@ -27,6 +27,7 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from tasks.core.process_wide import set_variable, take
 from tasks.envs.runtime.protocol import as_step, environment, factory_of, state_of
 from tasks.envs.runtime.tools import tool_schemas
 
@@ -68,11 +69,11 @@ def warm_up(cfg: Config) -> None:
         # (tasks/__init__.py), so the episodes it forks do not inherit it. The config it prepares for travels the
         # same way, and it drops that too.
         with children_import_rlflow(also=os.getcwd()):
-            os.environ[PREPARE] = json.dumps({"parent": os.getpid(), "config": cfg.model_dump(mode="json")})
+            set_variable(PREPARE, json.dumps({"parent": os.getpid(), "config": cfg.model_dump(mode="json")}))
             try:
                 proc.start()
             finally:
-                os.environ.pop(PREPARE, None)
+                take(PREPARE, None)
         proc.join()
         _warm = True
 
@@ -339,4 +340,4 @@ async def _awaited(value):
 
 
 if PREPARE in os.environ and sys.argv == ["-c"]:        # (this module, imported in the forkserver warm_up started)
-    _prepare_forkserver(os.environ.pop(PREPARE))
+    _prepare_forkserver(take(PREPARE))
