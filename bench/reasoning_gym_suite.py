@@ -48,11 +48,11 @@ TASKS: dict[str, dict] = {
                          "allow_parentheses": False, "allow_negation": False},          # arithmetic (the recipe's)
     "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},   # arithmetic, + and -
     "products": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},    # multiplication
-    "letter_counting": {"min_words": 1, "max_words": 3},                                # counting
+    "letter_counting": {"min_words": 8, "max_words": 15},   # counting (1-3 words: "1" was right 8 times in 10)
     "gcd": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 30},        # number theory
     "lcm": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 12},        # number theory
     "letter_jumble": {"min_words": 1, "max_words": 1, "min_word_len": 3, "max_word_len": 5},   # string manipulation
-    "isomorphic_strings": {"min_string_length": 2, "max_string_length": 4},             # logic over strings
+    "count_bits": {"min_n": 1, "max_n": 1023},              # binary (isomorphic_strings' true/false: constant 0.51)
 }
 VARIANTS = {
     "plain": [],
