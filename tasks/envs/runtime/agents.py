@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
-from tasks.envs.runtime.endpoint import Call, Endpoint, EpisodeLog
+from tasks.envs.runtime.calls import Call, EpisodeLog
+from tasks.envs.runtime.endpoint import Endpoint
 from tasks.envs.runtime.isolation import _awaited
 from tasks.envs.runtime.protocol import import_callable
 
