@@ -26,6 +26,7 @@ from typing import Any
 from tasks.core.daemon import leave
 from tasks.core.fleet import Health, authorized, bearer, least_loaded
 from tasks.core.processes import listening_socket, server_arguments
+from tasks.envs.runtime.server import beside
 
 # The same names as tasks/envs/runtime/server.py's (not imported from it: it imports the environment machinery, and
 # torch)
@@ -312,19 +313,11 @@ def app(pool: Pool, idle_seconds: float | None = None, on_ready=None, parent: in
                      if reason == "idle" else "the flow that started the environment pool is gone: it leaves")
                 _leave()
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        task = asyncio.get_running_loop().create_task(housekeeping())
-        if on_ready is not None:
-            on_ready()
-        yield
-        task.cancel()
-
     return Starlette(routes=[Route("/health", health), Route("/pool/members", members, methods=["PUT"]),
                              Route("/episodes", open_episode, methods=["POST"]),
                              Route("/episodes/{key}/{op}", call, methods=["POST"]),
                              Route("/episodes/{key}", kill, methods=["DELETE"])],
-                     lifespan=lifespan)
+                     lifespan=beside(housekeeping, on_ready))
 
 
 def main(argv: list[str] | None = None) -> int:

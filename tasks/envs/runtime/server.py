@@ -148,6 +148,19 @@ def _json(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+def beside(housekeeping, on_ready=None):
+    """A Starlette lifespan that runs the coroutine function `housekeeping` beside the server while it serves (then
+    cancels it) and calls `on_ready` once it is up: the environment server's and the pool front's."""
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        task = asyncio.get_running_loop().create_task(housekeeping())
+        if on_ready is not None:
+            on_ready()
+        yield
+        task.cancel()
+    return lifespan
+
+
 def app(episodes: Episodes, token: str | None, idle_seconds: float | None = None, on_ready=None,
         parent: int | None = None):
     from starlette.applications import Starlette
@@ -214,18 +227,10 @@ def app(episodes: Episodes, token: str | None, idle_seconds: float | None = None
                 except OSError:                       # (flushing into that pipe: it leaves all the same)
                     os._exit(0)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        task = asyncio.get_running_loop().create_task(housekeeping())
-        if on_ready is not None:
-            on_ready()
-        yield
-        task.cancel()
-
     return Starlette(routes=[Route("/health", health), Route("/episodes", open_episode, methods=["POST"]),
                              Route("/episodes/{key}/{op}", call, methods=["POST"]),
                              Route("/episodes/{key}", kill, methods=["DELETE"])],
-                     lifespan=lifespan)
+                     lifespan=beside(housekeeping, on_ready))
 
 
 def main(argv: list[str] | None = None) -> int:
