@@ -6,8 +6,8 @@ run and reduced over processes once at the end; `metrics` turns them into per-to
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
@@ -36,6 +36,23 @@ class LearnerMetrics(Protocol):
 
 
 @dataclass
+class LearnerStats:
+    """A learner's own statistics (Learner.stats names its subclass): float fields, each summed over the processes
+    at the end unless named in `kept` (a value the last micro-batch set); those in `per_pass` restart at each
+    pass (the last pass's are reported)."""
+
+    kept: ClassVar[tuple[str, ...]] = ()
+    per_pass: ClassVar[tuple[str, ...]] = ()
+
+    def start_pass(self) -> None:
+        for name in self.per_pass:
+            setattr(self, name, 0.0)
+
+    def summed(self) -> list[str]:
+        return [f.name for f in fields(self) if f.name not in self.kept]
+
+
+@dataclass
 class UpdateStats:
     loss: float = 0.0               # the last pass's loss (this process's share until reduced)
     grad_norm: float = 0.0          # the last pass's gradient norm, before clipping (over all processes)
@@ -53,38 +70,12 @@ class UpdateStats:
     is_ratio_min: float = math.inf
     is_capped_sum: float = 0.0      # first pass: tokens whose behaviour weight hit the cap (truncated or masked)
     num_tokens: float = 0.0         # tokens in the loss, over all processes
-    value_loss: float = 0.0         # ppo, vtrace_awr, the last pass: the value loss (½ token mean of the clipped error)
-    value_clipped: float = 0.0      # ppo, the last pass: tokens where the clipped error was the larger
-    value_sum: float = 0.0          # ppo, first pass: the critic's values summed over tokens
-    return_sum: float = 0.0         # ppo: GAE's returns summed over tokens
-    value_error: float = 0.0        # ppo, first pass: Σ (V - G)², for the explained variance
-    return_sq: float = 0.0          # ppo: Σ G² (with return_sum: the returns' variance)
-    awr_weight_sum: float = 0.0     # vtrace_awr, first pass: the AWR weights summed over tokens
-    kl_behaviour: float = 0.0       # vtrace_awr, first pass: KL(μ‖π) per token, the batch's mean
-    multiplier: float = 0.0         # vtrace_awr: η, the KL constraint's Lagrange multiplier
+    own: LearnerStats | None = None     # the learner's own statistics (Learner.stats), reduced with these
 
     def start_pass(self) -> None:
         self.loss, self.clip_low_sum, self.clip_high_sum = 0.0, 0.0, 0.0
-        self.value_loss, self.value_clipped = 0.0, 0.0
-
-    def add_awr(self, weights: torch.Tensor, kl: torch.Tensor, eta: torch.Tensor, b: MicroBatch,
-                first_pass: bool) -> None:
-        if first_pass:
-            self.awr_weight_sum += float((weights * b.mask).sum())
-            self.kl_behaviour += float(kl.detach())
-            self.multiplier = float(eta)
-
-    def add_value(self, loss: torch.Tensor, values: torch.Tensor, clipped: torch.Tensor, b: MicroBatch,
-                  first_pass: bool) -> None:
-        """One micro-batch's value side (ppo): its share of the value loss, its values (B, T), the clipped count."""
-        self.value_loss += float(loss.detach())
-        self.value_clipped += float(clipped)
-        if first_pass:
-            m, v = b.mask, values.detach()
-            self.value_sum += float((v * m).sum())
-            self.return_sum += float((b.returns * m).sum())
-            self.value_error += float((((v - b.returns) ** 2) * m).sum())
-            self.return_sq += float(((b.returns ** 2) * m).sum())
+        if self.own is not None:
+            self.own.start_pass()
 
     def add(self, b: MicroBatch, loss: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor,
             ratio: torch.Tensor, kl: torch.Tensor | None, is_ratio: torch.Tensor | None, tc: TrainConfig,
@@ -124,10 +115,13 @@ class UpdateStats:
     def reduce(self, over: Reducer, num_tokens: float) -> UpdateStats:
         """Sums, maxima and minima over every process."""
         summed = ("loss", "kl_ref", "mismatch_kl", "mismatch_ratio", "mismatch_outside", "entropy", "clip_low_sum",
-                  "clip_high_sum", "ratio_sum", "is_ratio_sum", "is_capped_sum", "value_loss", "value_clipped",
-                  "value_sum", "return_sum", "value_error", "return_sq", "awr_weight_sum", "kl_behaviour")
-        for name, value in zip(summed, over.sum([getattr(self, k) for k in summed])):
+                  "clip_high_sum", "ratio_sum", "is_ratio_sum", "is_capped_sum")
+        own = self.own.summed() if self.own is not None else ()
+        values = over.sum([getattr(self, k) for k in summed] + [getattr(self.own, k) for k in own])
+        for name, value in zip(summed, values[:len(summed)]):
             setattr(self, name, value)
+        for name, value in zip(own, values[len(summed):]):
+            setattr(self.own, name, value)
         self.ratio_max, = over.max([self.ratio_max])
         self.ratio_min, self.is_ratio_min = over.min([self.ratio_min, self.is_ratio_min])
         self.num_tokens = num_tokens

@@ -36,7 +36,7 @@ def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, ite
     learner.prepare(engine, batches)          # (it may drop rows without a reward: their mask becomes 0)
     num_tokens, num_seqs = engine.sum([float(sum(b.mask.sum() for b in batches)), sum(b.rows for b in batches)])
     totals = Totals(num_tokens, int(num_seqs))
-    stats = UpdateStats()
+    stats = UpdateStats(own=learner.stats() if learner.stats is not None else None)
     for pass_ in range(tc.num_iterations):
         engine.zero_grad()
         stats.start_pass()

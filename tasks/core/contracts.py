@@ -91,6 +91,7 @@ class Sampled:
     samples: list[Sample]       # n per prompt, prompt by prompt
     load_seconds: float         # model load, engine start or weight reload
     sampling_seconds: float     # sampling alone
+    metrics: dict[str, float] = field(default_factory=dict)    # what the sampler measured beside (env/pool_*)
 
 
 @dataclass
@@ -116,11 +117,8 @@ class MicroBatch:
     advantages: torch.Tensor | None = None     # (b,), or (b, Lc) per token: set by the learner's prepare
     ref: torch.Tensor | None = None    # (b, Lc) the reference policy's logprobs (beta > 0)
     old: torch.Tensor | None = None    # (b, Lc) π_old: the logprobs before this iteration's first step
-    values: torch.Tensor | None = None     # (b, Lc) ppo: the critic's values before the update (V_old)
-    returns: torch.Tensor | None = None    # (b, Lc) ppo: GAE's returns, the critic's targets (vtrace_awr: v)
-    rewards: torch.Tensor | None = None    # (b, Lc) vtrace_awr: the token rewards
-    log_rho: torch.Tensor | None = None    # (b, Lc) vtrace_awr: log π_old - log μ on the model's tokens
-    encoded: torch.Tensor | None = None    # (b, Lc, H) vtrace_awr: the value head's detached inputs
+    own: Any = None                    # the learner's own fields (an instance of its Learner.rows), set by its
+                                       # prepare, read by its loss: nothing else reads them
     share_prompts: bool = True             # run each distinct prompt once (train.share_prompts; logprobs.py)
 
     @property
@@ -164,6 +162,11 @@ class SamplingSession(Protocol):
 
     def close(self) -> None:
         """Release what the session holds (not what the engine keeps across stages). Never raises."""
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """What the engine measured for this session beyond each Sampled, as `prefix`/* metrics (generate
+        replicas: the router's counts per replica); none by default."""
+        return {}
 
     def __enter__(self) -> SamplingSession:
         return self
@@ -267,6 +270,10 @@ class Learner(Protocol):
     off_policy: bool         # trains on replayed and off-line rows too (train/rows reports how many)
     reports_kl_ref: bool     # train/kl_ref with train.beta > 0 (ppo's KL in the reward: not a loss term)
     behaviour_weighted: bool     # the loss is weighted by π_old/μ (train.importance_sampling_correction)
+    rows: type | None        # its fields on each micro-batch (MicroBatch.own), or None
+    stats: type | None       # its statistics (UpdateStats.own: a tasks/algorithms/stats.py LearnerStats), or None
+    trains: tuple[str, ...]  # what it trains beside the policy, by name ("critic": tasks/engines/critic.py): the
+                             # engines make, optimise, checkpoint and restore it (TrainingEngine.critic)
 
     def replay(self, iteration: int) -> list[int]:
         """The earlier iterations whose scored rollouts this update trains on too (loaded by the engines side,

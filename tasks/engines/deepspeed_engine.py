@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 import yaml
 
+from tasks.algorithms.learners.registry import learner_class
 from tasks.core import layout
 from tasks.core.errors import UserError
 from tasks.core.models import DTYPES, base_path, device_for, load_model, load_tokenizer, policy_dtype
@@ -171,7 +172,7 @@ class DeepSpeedEngine:
             # ppo, vtrace_awr: the value head on the policy's trunk, outside ZeRO (a few thousand weights): the
             # same on every process, its gradients summed over them in step(), its own AdamW.
             self.critic = self.critic_optimizer = None
-            if tc.learner.value_model:
+            if "critic" in learner_class(cfg).trains:
                 from tasks.engines.critic import Critic
 
                 self.critic = Critic.make(cfg, model, device)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from tasks.algorithms.learners.registry import learner_class
 from tasks.core import layout
 from tasks.core.errors import UserError
 from tasks.core.models import (
@@ -96,7 +97,7 @@ class TorchEngine:
             ref_model = load_model(base_path(cfg), cfg.model.dtype, device).eval().requires_grad_(False)
         params = [p for p in model.parameters() if p.requires_grad]
         critic = None
-        if tc.learner.value_model:                   # ppo, vtrace_awr: a value model beside the policy
+        if "critic" in learner_class(cfg).trains:   # ppo, vtrace_awr: a value model beside the policy
             from tasks.engines.critic import Critic
 
             critic = Critic.make(cfg, model, device)

@@ -7,8 +7,10 @@ tasks/core/config_train.py).
     ppo.py         a value model, GAE's per-token advantages, the clipped surrogate + the value loss
     vtrace_awr.py  replay, V-trace's targets, an advantage-weighted log-likelihood, a learned KL constraint
 
-The update loop (tasks/algorithms/update.py: optimise) is the same for all of them and never asks which one
-runs; the train stage (tasks/engines/training.py: update) loads the rollouts a learner asks for from the store.
-What they share (the Learner contract, a forward's outputs, the batch's totals) is tasks/core/contracts.py's;
-registry.py maps train.algorithm to its learner.
+A learner declares what it owns: `rows` (its fields on each micro-batch, MicroBatch.own), `stats` (its
+statistics, UpdateStats.own, reduced over processes with the rest) and `trains` (what it trains beside the
+policy: "critic", made, optimised and checkpointed by the engines). The update loop (tasks/algorithms/update.py:
+optimise) is the same for all of them and never asks which one runs (tests/test_learner_plugin.py trains one
+defined in a test file alone); the train stage (tasks/engines/training.py) loads the rollouts a learner asks for.
+registry.py maps train.algorithm to its learner; its settings are a model in tasks/core/config_train.py.
 """

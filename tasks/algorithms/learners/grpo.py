@@ -25,6 +25,8 @@ class Grpo:
     off_policy = False
     reports_kl_ref = True
     behaviour_weighted = True
+    rows = stats = None             # no fields, statistics or modules of its own
+    trains = ()
 
     def __init__(self, cfg: Config, iteration: int):
         self.cfg, self.settings = cfg, cfg.train.learner

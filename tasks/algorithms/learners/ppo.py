@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tasks.algorithms.learners.grpo import policy_loss
-from tasks.algorithms.learners.value import before_the_update, value_metrics, whiten_over_batch
+from tasks.algorithms.learners.value import ValueRows, ValueStats, before_the_update, value_metrics, whiten_over_batch
 from tasks.algorithms.logprobs import Distribution
 from tasks.algorithms.ppo import gae, token_rewards, value_loss
 
@@ -26,6 +26,7 @@ class Ppo:
     uses_hidden = True
     off_policy = False
     behaviour_weighted = True
+    rows, stats, trains = ValueRows, ValueStats, ("critic",)
 
     def __init__(self, cfg: Config, iteration: int):
         self.cfg, self.settings = cfg, cfg.train.learner
@@ -49,10 +50,10 @@ class Ppo:
         with torch.no_grad():
             for b in batches:
                 old, hidden = before_the_update(engine, b, Distribution.of(self.cfg))
-                b.values = engine.critic.values(hidden, b)
+                b.own = own = ValueRows(values=engine.critic.values(hidden, b))
                 kl = (old - b.ref) if lc.kl_in_reward and b.ref is not None else None
                 rewards = token_rewards(b.scores, b.mask, kl, beta)
-                b.advantages, b.returns = gae(rewards, b.values, b.mask, lc.gamma, lc.lam)
+                b.advantages, own.returns = gae(rewards, own.values, b.mask, lc.gamma, lc.lam)
             whiten_over_batch(engine, batches)
 
     def loss(self, engine: TrainingEngine, b: MicroBatch, fwd: Forward, totals: Totals, stats: UpdateStats,
@@ -60,11 +61,11 @@ class Ppo:
         lc = self.settings
         loss, record = policy_loss(fwd, b, self.cfg, self.policy_tc, totals)
         values = engine.critic.values(fwd.hidden, b, detach=self.warm)
-        vloss, clipped = value_loss(values, b.values, b.returns, b.mask, lc.value_clip, totals.num_tokens)
-        stats.add_value(vloss, values, clipped, b, first_pass=first_pass)
+        vloss, clipped = value_loss(values, b.own.values, b.own.returns, b.mask, lc.value_clip, totals.num_tokens)
+        stats.own.add(vloss, values, clipped, b, first_pass=first_pass)
         loss = lc.vf_coef * vloss if self.warm else loss + lc.vf_coef * vloss
         record(stats, loss, first_pass)
         return loss
 
     def metrics(self, stats: UpdateStats, metrics: dict[str, float], denom: float) -> None:
-        value_metrics(stats, metrics, denom)
+        value_metrics(stats.own, metrics, denom)

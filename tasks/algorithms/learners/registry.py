@@ -15,6 +15,11 @@ if TYPE_CHECKING:
 LEARNERS: dict[str, type] = {"grpo": Grpo, "ppo": Ppo, "vtrace_awr": VtraceAwr}
 
 
+def learner_class(cfg: Config) -> type:
+    """The class of the learner train.algorithm names (what it declares: its rows, statistics, modules)."""
+    return LEARNERS[cfg.train.algorithm]
+
+
 def make(cfg: Config, iteration: int = 1) -> Learner:
     """The learner train.algorithm names, for iteration `iteration`'s update."""
-    return LEARNERS[cfg.train.algorithm](cfg, iteration)
+    return learner_class(cfg)(cfg, iteration)

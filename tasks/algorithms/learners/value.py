@@ -1,17 +1,56 @@
-"""What the learners with a value model (ppo, vtrace_awr) share before the passes: the forward without gradients
-that gives π_old's logprobs and the critic's input, and the advantages' whitening over the whole batch."""
+"""What the learners with a value model (ppo, vtrace_awr) share: their fields on each micro-batch (ValueRows) and
+their statistics (ValueStats); before the passes, the forward without gradients that gives π_old's logprobs and
+the critic's input, and the advantages' whitening over the whole batch."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from tasks.algorithms.logprobs import Distribution, completion_logprobs
 from tasks.algorithms.ppo import whiten
+from tasks.algorithms.stats import LearnerStats
 
 if TYPE_CHECKING:
     from tasks.core.contracts import MicroBatch, TrainingEngine
+
+
+@dataclass
+class ValueRows:
+    """A value learner's fields on one micro-batch (MicroBatch.own), set before the passes."""
+
+    values: torch.Tensor | None = None     # (b, Lc) the critic's values before the update (V_old)
+    returns: torch.Tensor | None = None    # (b, Lc) the critic's targets: GAE's returns (ppo), V-trace's v (vtrace_awr)
+    rewards: torch.Tensor | None = None    # (b, Lc) vtrace_awr: the token rewards
+    log_rho: torch.Tensor | None = None    # (b, Lc) vtrace_awr: log π_old - log μ on the model's tokens
+    encoded: torch.Tensor | None = None    # (b, Lc, H) vtrace_awr: the value head's detached inputs (until prepared)
+
+
+@dataclass
+class ValueStats(LearnerStats):
+    """The critic's side of an update."""
+
+    per_pass = ("value_loss", "value_clipped")
+    value_loss: float = 0.0         # the last pass: the value loss (½ token mean of the clipped error)
+    value_clipped: float = 0.0      # ppo, the last pass: tokens where the clipped error was the larger
+    value_sum: float = 0.0          # first pass: the critic's values summed over tokens
+    return_sum: float = 0.0         # the targets summed over tokens
+    value_error: float = 0.0        # first pass: Σ (V - G)², for the explained variance
+    return_sq: float = 0.0          # Σ G² (with return_sum: the targets' variance)
+
+    def add(self, loss: torch.Tensor, values: torch.Tensor, clipped: torch.Tensor, b: MicroBatch,
+            first_pass: bool) -> None:
+        """One micro-batch's value side: its share of the value loss, its values (B, T), the clipped count."""
+        self.value_loss += float(loss.detach())
+        self.value_clipped += float(clipped)
+        if first_pass:
+            m, v, g = b.mask, values.detach(), b.own.returns
+            self.value_sum += float((v * m).sum())
+            self.return_sum += float((g * m).sum())
+            self.value_error += float((((v - g) ** 2) * m).sum())
+            self.return_sq += float(((g ** 2) * m).sum())
 
 
 def before_the_update(engine: TrainingEngine, b: MicroBatch, temperature: float | Distribution):
@@ -35,7 +74,7 @@ def whiten_over_batch(engine: TrainingEngine, batches: list[MicroBatch]) -> None
         b.advantages = whiten(b.advantages, b.mask, total, mean, squares)
 
 
-def value_metrics(stats, metrics: dict[str, float], denom: float) -> None:
+def value_metrics(stats: ValueStats, metrics: dict[str, float], denom: float) -> None:
     """The critic's train/* metrics (advantage_std goes: whitened per token, it is 1 by construction)."""
     del metrics["train/advantage_std"]
     var = stats.return_sq / denom - (stats.return_sum / denom) ** 2

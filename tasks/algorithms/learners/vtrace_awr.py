@@ -8,11 +8,12 @@ are tasks/algorithms/vtrace.py's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from tasks.algorithms.learners.value import before_the_update, value_metrics, whiten_over_batch
+from tasks.algorithms.learners.value import ValueRows, ValueStats, before_the_update, value_metrics, whiten_over_batch
 from tasks.algorithms.logprobs import Distribution
 from tasks.algorithms.ppo import token_rewards, value_loss
 from tasks.algorithms.vtrace import awr_weights, kl_behaviour, lagrange_loss, vtrace
@@ -23,11 +24,29 @@ if TYPE_CHECKING:
     from tasks.core.contracts import Forward, MicroBatch, Totals, TrainingEngine
 
 
+@dataclass
+class AwrStats(ValueStats):
+    """The critic's side and the AWR weights' and KL constraint's."""
+
+    kept = ("multiplier",)
+    awr_weight_sum: float = 0.0     # first pass: the AWR weights summed over tokens
+    kl_behaviour: float = 0.0       # first pass: KL(μ‖π) per token, the batch's mean
+    multiplier: float = 0.0         # η, the KL constraint's Lagrange multiplier (the last micro-batch's)
+
+    def add_awr(self, weights: torch.Tensor, kl: torch.Tensor, eta: torch.Tensor, b: MicroBatch,
+                first_pass: bool) -> None:
+        if first_pass:
+            self.awr_weight_sum += float((weights * b.mask).sum())
+            self.kl_behaviour += float(kl.detach())
+            self.multiplier = float(eta)
+
+
 class VtraceAwr:
     uses_hidden = True
     off_policy = True
     reports_kl_ref = True           # (its loss has no reference KL: train/kl_ref reads 0 with beta > 0, as before)
     behaviour_weighted = False      # (V-trace weighs by ρ itself)
+    rows, stats, trains = ValueRows, AwrStats, ("critic",)
 
     def __init__(self, cfg: Config, iteration: int):
         self.cfg, self.settings = cfg, cfg.train.learner
@@ -40,7 +59,7 @@ class VtraceAwr:
 
     def _targets(self, b: MicroBatch, values: torch.Tensor):
         lc = self.settings
-        return vtrace(b.rewards, values, b.log_rho, b.mask, lc.gamma, lc.lam, lc.rho_bar, lc.c_bar)
+        return vtrace(b.own.rewards, values, b.own.log_rho, b.mask, lc.gamma, lc.lam, lc.rho_bar, lc.c_bar)
 
     def prepare(self, engine: TrainingEngine, batches: list[MicroBatch]) -> None:
         """The forward without gradients, value pre-training on its detached states, then the targets and the
@@ -49,24 +68,24 @@ class VtraceAwr:
         with torch.no_grad():
             for b in batches:
                 old, hidden = before_the_update(engine, b, Distribution.of(self.cfg))
-                b.encoded = critic.encode(hidden, b).detach()
-                b.log_rho = (old - b.behaviour) * b.mask
-                b.rewards = token_rewards(b.scores, b.mask)
+                b.own = ValueRows(encoded=critic.encode(hidden, b).detach(), log_rho=(old - b.behaviour) * b.mask,
+                                  rewards=token_rewards(b.scores, b.mask))
         num_tokens, = engine.sum([float(sum(b.mask.sum() for b in batches))])
         for _ in range(self.settings.value_epochs):
             engine.zero_grad()
             loss = 0.0
             for b in batches:
-                values = critic.head(b.encoded)
+                values = critic.head(b.own.encoded)
                 with torch.no_grad():
                     wanted, _ = self._targets(b, values)
                 loss = loss + 0.5 * (((values - wanted) ** 2) * b.mask).sum() / max(num_tokens, 1.0)
             engine.critic_step(loss)
         with torch.no_grad():
             for b in batches:
-                b.values = critic.head(b.encoded)
-                b.returns, b.advantages = self._targets(b, b.values)
-                b.encoded = None
+                own = b.own
+                own.values = critic.head(own.encoded)
+                own.returns, b.advantages = self._targets(b, own.values)
+                own.encoded = None
             whiten_over_batch(engine, batches)
 
     def loss(self, engine: TrainingEngine, b: MicroBatch, fwd: Forward, totals: Totals, stats: UpdateStats,
@@ -80,15 +99,16 @@ class VtraceAwr:
         share = float(b.mask.sum()) / max(num_tokens, 1.0)
         constraint, eta = lagrange_loss(engine.critic.eta, kl, lc.kl_target * share)
         values = engine.critic.values(fwd.hidden, b)
-        vloss, clipped = value_loss(values, b.values, b.returns, b.mask, None, num_tokens)
+        vloss, clipped = value_loss(values, b.own.values, b.own.returns, b.mask, None, num_tokens)
         loss = policy + constraint + lc.vf_coef * vloss
         ratio = torch.exp(fwd.logp.detach() - (b.old if b.old is not None else fwd.logp.detach()))
         stats.add(b, loss, fwd.logp, fwd.entropy, ratio, None, None, self.cfg.train, first_pass=first_pass)
-        stats.add_value(vloss, values, clipped, b, first_pass=first_pass)
-        stats.add_awr(weights, kl, eta, b, first_pass=first_pass)
+        stats.own.add(vloss, values, clipped, b, first_pass=first_pass)
+        stats.own.add_awr(weights, kl, eta, b, first_pass=first_pass)
         return loss
 
     def metrics(self, stats: UpdateStats, metrics: dict[str, float], denom: float) -> None:
-        metrics.update({"train/awr_weight_mean": stats.awr_weight_sum / denom,
-                        "train/kl_behaviour": stats.kl_behaviour, "train/kl_multiplier": stats.multiplier})
-        value_metrics(stats, metrics, denom)
+        own = stats.own
+        metrics.update({"train/awr_weight_mean": own.awr_weight_sum / denom,
+                        "train/kl_behaviour": own.kl_behaviour, "train/kl_multiplier": own.multiplier})
+        value_metrics(own, metrics, denom)
