@@ -8,7 +8,6 @@ game (3 turns, one token a turn), a scripted engine (no model time), so what dif
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -41,10 +40,10 @@ class Echo:
         return Sampled(out, 0.0, 0.0)
 
 
-def episodes_per_second(cfg, rows, tok, n: int) -> float:
+def episodes_per_second(cfg, rows, tok, n: int, services=None) -> float:
     t0 = time.perf_counter()
     records = run_episodes(cfg, dict(enumerate(rows)), list(range(len(rows))), Echo(tok),
-                           SamplingParams(n=n, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=1))[0]
+                           SamplingParams(n=n, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=1), services)[0]
     seconds = time.perf_counter() - t0
     assert all(r.env_error is None for r in records), [r.env_error for r in records if r.env_error][:3]
     return len(records) / seconds
@@ -62,13 +61,13 @@ def main() -> None:
     for where in ("stage", "local"):
         overrides = [f"env.where={where}", "env.isolation=thread", "env.concurrency=64"]
         cfg = load_config(LETTERS, overrides)
-        server = None
+        server = services = None
         if where == "local":
             server = EnvServer(cfg, str(LETTERS), overrides, None)
-            os.environ.update(server.env(lambda line: None))
+            services = server.services(lambda line: None)
         try:
-            episodes_per_second(cfg, rows[:2], tok, 8)                 # warm: imports, the first connection
-            results[where] = max(episodes_per_second(cfg, rows, tok, 8) for _ in range(args.repeats))
+            episodes_per_second(cfg, rows[:2], tok, 8, services)       # warm: imports, the first connection
+            results[where] = max(episodes_per_second(cfg, rows, tok, 8, services) for _ in range(args.repeats))
         finally:
             if server is not None:
                 server.stop()

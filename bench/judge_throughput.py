@@ -46,9 +46,10 @@ from tasks.core import builtin_models, layout  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.contracts import Rollout  # noqa: E402
 from tasks.core.hashing import known_sha256  # noqa: E402
+from tasks.core.placement import JUDGE_TOKEN_VAR as TOKEN_VAR  # noqa: E402
 from tasks.core.processes import kill_group  # noqa: E402
 from tasks.scoring.functions import load_functions, score_records  # noqa: E402
-from tasks.scoring.judges import READY, TOKEN_VAR, model_path  # noqa: E402
+from tasks.scoring.judges import READY, model_path  # noqa: E402
 
 MODEL = "builtin:smollm2-135m"
 TINY = ROOT / "configs" / "tiny.yaml"

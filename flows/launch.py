@@ -41,7 +41,7 @@ BRIDGE = Path(__file__).with_name("sky_bridge.py")
 # judge: the clusters of the servers that flows/services.py starts.
 CLUSTER_OF = {"generate": "gen", "evaluate": "gen", "reward": "reward", "train": "train", "publish": "train",
               "env": "env",      # (env.where: sky: the environment server's CPU cluster; EnvServer)
-              "replica": "replica",   # (generate.replicas on sky: <cluster>-<i>, one per replica; Launchers.replicas)
+              "replica": "replica",   # (generate.replicas on sky: <cluster>-<i>, one per replica; Launchers)
               "judge": "judge"}       # (reward.models where: sky: <cluster>-<name>, one per model; JudgeServers)
 
 

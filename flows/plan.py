@@ -22,6 +22,7 @@ import yaml
 
 from flows.launch import BRIDGE, CLUSTER_OF, Sky, recipe_path
 from tasks.core.config import STAGES
+from tasks.core.placement import placement_of
 from tasks.core.processes import stream
 
 if TYPE_CHECKING:
@@ -101,19 +102,18 @@ def _priced(p: dict, count: int = 1) -> tuple[str, float | None]:
 
 
 def plan(cfg: Config, config_path: str) -> str:
-    lc, gc, n_env = cfg.launcher, cfg.generate, cfg.env.servers
+    lc, gc, place = cfg.launcher, cfg.generate, placement_of(cfg)
+    n_env, n_replicas = place.env_servers, place.replicas
     evaluates = cfg.eval.every > 0
     stages = [s for s in STAGES if s != "evaluate" or evaluates]
-    # generate.replicas: generate and evaluate only shard and route, in the flow's process; the replicas sample
-    routed = {"generate", "evaluate"} if gc.replicas else set()
-    recipes = {s: str(recipe_path(cfg, s)) for s in stages if lc.mode_of(s) != "inline" and s not in routed}
-    on_sky = [s for s in stages if lc.mode_of(s) == "sky" and s not in routed]
-    sky_replicas = bool(gc.replicas) and lc.mode_of("generate") == "sky"
+    # where everything runs: tasks/core/placement.py (a routed stage, generate.replicas: generate and evaluate only
+    # shard and route, in the flow's process; the replicas sample)
+    recipes = {s: str(recipe_path(cfg, s)) for s in stages if place.launched(s)}
+    on_sky = [s for s in place.on_sky() if s in stages]
+    sky_replicas = place.replicas_where == "sky"
     replica_key = (str(recipe_path(cfg, "replica")), lc.accelerators.get("generate")) if sky_replicas else None
-    served = bool(cfg.env.factory) and cfg.env.where == "sky" and cfg.env.server_url is None
-    env_key = (str(recipe_path(cfg, "env")), lc.accelerators.get("env")) if served else None
-    judges_on_sky = [m for m in cfg.reward.models if m.url is None and m.where == "sky"]
-    judge_key = (str(recipe_path(cfg, "judge")), lc.accelerators.get("judge")) if judges_on_sky else None
+    env_key = (str(recipe_path(cfg, "env")), lc.accelerators.get("env")) if place.env == "sky" else None
+    judge_key = (str(recipe_path(cfg, "judge")), lc.accelerators.get("judge")) if place.judges_at("sky") else None
     wanted = {(recipes[s], accelerators_of(cfg, s)) for s in on_sky} | {
         k for k in (replica_key, env_key, judge_key) if k}
     prices = catalog_prices(cfg, sorted(wanted, key=lambda k: (k[0], k[1] or "")))
@@ -124,11 +124,11 @@ def plan(cfg: Config, config_path: str) -> str:
     engines = {"generate": f"{gc.engine} engine", "evaluate": f"{gc.engine} engine",
                "train": f"{cfg.train.engine} engine, device {cfg.train.device}"}
     for s in stages:
-        mode = lc.mode_of(s)
+        mode = place.where(s)
         engine = engines.get(s, "")
-        if s in routed:
-            where = f"inline (the flow's process): routes to the {gc.replicas} generate replica" + \
-                ("s" if gc.replicas > 1 else "")
+        if place.routes(s):
+            where = f"inline (the flow's process): routes to the {n_replicas} generate replica" + \
+                ("s" if n_replicas > 1 else "")
             machine, spot, price, engine = "this machine", "-", "- (the replicas': generate replicas)", ""
         elif mode == "sky":
             key = (recipes[s], accelerators_of(cfg, s))
@@ -152,22 +152,22 @@ def plan(cfg: Config, config_path: str) -> str:
         rows.append(("evaluate", "not run (eval.every 0)", "", "", ""))
     if sky_replicas:
         recipe = _recipe(*replica_key)
-        price, on_sky_usd["generate replicas"] = _priced(prices.get(replica_key, {}), gc.replicas)
-        names = f"{sky.cluster('replica')}-0" + (f"..{gc.replicas - 1}" if gc.replicas > 1 else "")
-        rows.append(("generate replicas", f"{gc.replicas} sky cluster{'s' if gc.replicas > 1 else ''} {names} "
+        price, on_sky_usd["generate replicas"] = _priced(prices.get(replica_key, {}), n_replicas)
+        names = f"{sky.cluster('replica')}-0" + (f"..{n_replicas - 1}" if n_replicas > 1 else "")
+        rows.append(("generate replicas", f"{n_replicas} sky cluster{'s' if n_replicas > 1 else ''} {names} "
                      f"({replica_key[0]})",
-                     (f"{gc.replicas} x " if gc.replicas > 1 else "") + f"{_machine(recipe)}; {gc.engine} engine",
+                     (f"{n_replicas} x " if n_replicas > 1 else "") + f"{_machine(recipe)}; {gc.engine} engine",
                      "spot" if (recipe.get("resources") or {}).get("use_spot") else "on-demand", price))
-    elif gc.replicas:
-        rows.append(("generate replicas", f"{gc.replicas} local processes (tasks/engines/replica.py)",
+    elif place.replicas_where == "local":
+        rows.append(("generate replicas", f"{n_replicas} local processes (tasks/engines/replica.py)",
                      f"this machine; {gc.engine} engine", "-", "- (this machine's)"))
     servers = f"{n_env} environment servers behind one URL" if n_env > 1 else "environment server"
-    if cfg.env.factory and cfg.env.server_url is not None:
+    if place.env == "yours":            # (env.server_url read for its address only)
         rows.append(("env", f"environment server at {cfg.env.server_url} (env.server_url)", "yours", "-", "-"))
-    elif cfg.env.factory and cfg.env.where == "local":
+    elif place.env == "local":
         rows.append(("env", f"{servers}, {'processes' if n_env > 1 else 'a process'} beside the flow "
                      "(env.where: local)", "this machine", "-", "-"))
-    elif served:
+    elif place.env == "sky":
         recipe = _recipe(*env_key)
         price, on_sky_usd["env"] = _priced(prices.get(env_key, {}), n_env)
         rows.append(("env", f"{servers} on " + (f"{n_env} sky clusters, one each" if n_env > 1 else
@@ -176,13 +176,13 @@ def plan(cfg: Config, config_path: str) -> str:
                      (f"{n_env} x " if n_env > 1 else "") + _machine(recipe),
                      "spot" if (recipe.get("resources") or {}).get("use_spot") else "on-demand", price))
     for m in cfg.reward.models:        # reward models and judges: one server each, or yours, or in the stage
-        what = f"{m.kind}" + (f" ({m.mode})" if m.kind == "judge" else "")
-        if m.url is not None:
+        what, at = f"{m.kind}" + (f" ({m.mode})" if m.kind == "judge" else ""), place.judges[m.name]
+        if at == "yours":
             rows.append((f"judge {m.name}", f"{what} at {m.url} (url)", "yours", "-", "-"))
-        elif m.where == "stage":
+        elif at == "stage":
             rows.append((f"judge {m.name}", f"{what} in the reward/evaluate stage's process", "the stage's machine",
                          "-", "- (the stage's)"))
-        elif m.where == "local":
+        elif at == "local":
             rows.append((f"judge {m.name}", f"{what}: a judge server beside the flow", f"this machine; {m.engine} "
                          f"engine", "-", "-"))
         else:

@@ -23,14 +23,18 @@ from tasks.core.data import load_prompts
 from tasks.core.errors import UserError
 from tasks.core.models import base_path, check_lora_targets, load_tokenizer
 from tasks.core.paths import REPO_ROOT
+from tasks.core.placement import placement_of
 from tasks.core.store import open_store
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.training import training_engine
+from tasks.envs.runtime.sources import source_of
 from tasks.scoring.functions import load_functions
 
 
 def preflight(cfg: Config) -> None:
     """Raise UserError for any input mistake; writes nothing."""
+    place = placement_of(cfg)              # where each stage and service runs (tasks/core/placement.py)
+    episode_stages = ["generate"] + (["evaluate"] if cfg.eval.every else [])
     open_store(cfg).check()
     check_curriculum(cfg)                  # prompts with stable ids (not a hub dataset): one line
     if cfg.publish.register_model:
@@ -55,72 +59,49 @@ def preflight(cfg: Config) -> None:
         from tasks.scoring.judges import check_models
 
         check_models(cfg)          # pins, classifier or not, URLs that answer, key variables: one line, exit 2
-        if any(m.where == "local" and m.engine == "vllm" and m.url is None for m in cfg.reward.models):
+        if any(place.judges[m.name] == "local" and m.engine == "vllm" for m in cfg.reward.models):
             from tasks.engines.vllm_offline import installed_python
 
             installed_python(cfg)      # a judge server on vLLM here, and no vLLM environment: one line
-    if cfg.env.factory and cfg.env.where != "sky" and cfg.env.server_url is None:
-        from tasks.envs.runtime.protocol import factory_of
-
-        factory_of(cfg)                 # env.factory cannot be imported: one line, exit 2 (here, or the server)
-        if cfg.env.where in ("stage", "local"):
-            from tasks.envs.runtime.protocol import check_environment
-
-            check_environment(cfg, dict(datasets[0][0]))   # one built with env.kwargs, its adapter and tools
-    if cfg.env.agent:
-        from tasks.envs.runtime.agents import agent_of
-
-        agent_of(cfg)                   # env.agent cannot be imported or called so: one line, exit 2
-    if cfg.env.factory and cfg.env.where == "local" and cfg.env.server_url is None and any(
-            cfg.launcher.mode_of(s) == "sky" for s in ["generate"] + (["evaluate"] if cfg.eval.every else [])):
+    if place.env == "local" and any(place.where(s) == "sky" for s in episode_stages):
         raise UserError("env.where: local serves the environments on this machine, which the generate cluster "
                         "(launcher: sky) cannot reach; use env.where: sky, or env.server_url")
-    if cfg.env.factory and cfg.env.server_url is not None:
-        from tasks.envs.runtime.protocol import require_env_server
-
-        require_env_server(cfg.env.server_url)    # an rlflow environment server (its /health's shape), not any HTTP
     path = base_path(cfg)
     tokenizer = load_tokenizer(path)
-    if cfg.env.agent and not tokenizer.chat_template:
-        raise UserError(f"env.agent: model.name_or_path {path}: its tokenizer has no chat template, which the "
-                        "agents' endpoint renders their chat calls with")
+    # the rollouts' source (prompts, environments, an agent): its factory, server or agent, one line, exit 2
+    source_of(cfg).check(cfg, dict(datasets[0][0]), path, tokenizer)
     chat = cfg.data.system_prompt is not None or any(isinstance(ds[0][cfg.data.prompt_column], list) for ds in datasets)
     if chat and not tokenizer.chat_template:
         raise UserError(f"model.name_or_path: {path}: its tokenizer has no chat template, but the prompts are chat "
                         f"messages (data.prompt_column / data.system_prompt)")
-    if cfg.launcher.mode_of("train") != "sky":
+    if place.where("train") != "sky":
         if cfg.train.device == "cuda" and not torch.cuda.is_available():
             raise UserError("train.device: cuda, but this machine has no CUDA device (torch.cuda.is_available() "
                             "is False); use auto or cpu")
         if cfg.train.lora_r:
             check_lora_targets(cfg, path)
-    if cfg.reward.sandbox.isolation == "bubblewrap" and cfg.launcher.mode_of("reward") != "sky":
+    if cfg.reward.sandbox.isolation == "bubblewrap" and place.where("reward") != "sky":
         from tasks.scoring import sandbox
 
         sandbox.runner(cfg.reward.sandbox)     # bubblewrap asked for and not working here: one line, exit 2
     # The recipes install the engines on their clusters; a stage that runs here needs them here.
-    if any(cfg.launcher.mode_of(s) != "sky" for s in ["generate"] + (["evaluate"] if cfg.eval.every else [])):
+    if any(place.where(s) != "sky" for s in episode_stages):
         sampling_engine(cfg).check_installed(cfg)
-    if cfg.launcher.mode_of("train") != "sky":
+    if place.where("train") != "sky":
         training_engine(cfg).check_installed(cfg)
     if cfg.train.learner.offline():
         from tasks.engines.training import offline_rollouts
 
         offline_rollouts(cfg, open_store(cfg))  # not scored rollouts, or a row with no reward: one line, exit 2
-    remote = cfg.launcher.remote_stages()
-    if any(cfg.launcher.mode_of(s) == "sky" for s in remote) or any(
-            (cfg.env.factory and cfg.env.where == "sky" and cfg.env.server_url is None,
-             any(m.url is None and m.where == "sky" for m in cfg.reward.models))):
+    remote = [s for s in place.stages if place.where(s) != "inline"]    # (a routed one too)
+    sky_stages = any(place.where(s) == "sky" for s in remote)
+    served = place.services_on_sky()       # env, replica, judge: servers the flow starts on SkyPilot
+    if sky_stages or served:
         check_sky_python(cfg)             # the SkyPilot environment (.venv-sky): one line naming what builds it
-    if any(cfg.launcher.mode_of(s) == "sky" for s in remote) and not cfg.store.uri.startswith("s3://"):
+    if sky_stages and not cfg.store.uri.startswith("s3://"):
         raise UserError(f"store.uri: {cfg.store.uri}: the sky launcher needs a store the clusters can reach "
                         f"(s3://...), not a local folder")
-    served = [role for role, on_sky in (
-        ("env", cfg.env.factory and cfg.env.where == "sky" and cfg.env.server_url is None),
-        ("replica", cfg.generate.replicas and cfg.launcher.mode_of("generate") == "sky"),
-        ("judge", any(m.url is None and m.where == "sky" for m in cfg.reward.models))) if on_sky]
-    if (served or any(cfg.launcher.mode_of(s) == "sky" for s in remote)) and \
-            recipes_folder(cfg) != Path(cfg.launcher.recipes).expanduser():
+    if (served or sky_stages) and recipes_folder(cfg) != Path(cfg.launcher.recipes).expanduser():
         # (found in the checkout, not here: fine for the `local` launcher, which runs on this machine)
         raise UserError(f"launcher.recipes: {cfg.launcher.recipes} is not a folder of the working directory "
                         f"({Path.cwd()}): the sky recipes send their workdir `.`, the working directory, to the "

@@ -6,7 +6,8 @@ ended together with the flow (close).
                    env.servers > 1: a pool of them behind one front, tasks/envs/runtime/pool.py)
     JudgeServers   reward.models with where: local | sky: a judge server per model (tasks/scoring/judge_server.py)
     spawn_server   one server process here (tasks/core/fleet.py: start_server), not starting being an InfraError
-    Launchers      the launcher of each stage, the services above, and generate.replicas' launch command on sky
+    Launchers      the launcher of each stage, the services above, and generate.replicas' launch command on sky;
+                   `services(stage)`: a stage's context (tasks/core/placement.py: Services)
 
 Each service is started at the first stage that needs it and checked before each one: one that stopped
 answering (its process died, its spot cluster was preempted) is started again, so the retry finds it up.
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING
 from flows.launch import BRIDGE, InfraError, Local, Sky, recipe_path
 from tasks.core.errors import UserError
 from tasks.core.fleet import DidNotStart, bearer, start_server
-from tasks.envs.runtime.server import READY, TOKEN_VAR, URL_VAR
+from tasks.core.placement import Services, placement_of
+from tasks.envs.runtime.server import READY, TOKEN_VAR
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -36,8 +38,8 @@ class EnvServer:
     """env.where: local | sky (or env.server_url): the environment server the episodes of generate and evaluate
     talk to (tasks/envs/runtime/server.py). Started at the first stage that needs it and checked before each one: a
     server that stopped answering (its process died, its spot cluster was preempted) is started again, so the
-    retry of a stage that failed with it finds it up. The stages get its URL and token as environment variables
-    (RLFLOW_ENV_SERVER, RLFLOW_ENV_TOKEN): they are the run's, not the config's, and a new server after a
+    retry of a stage that failed with it finds it up. The stages get its URL and token in their context
+    (tasks/core/placement.py: Services): they are the run's, not the config's, and a new server after a
     preemption has another address. Ended with the flow: its process, or its cluster (Sky.close).
 
     env.servers: N > 1 (a pool): N servers, processes here or a cluster each (<cluster>-env-<i>, port
@@ -54,7 +56,8 @@ class EnvServer:
         import secrets
 
         self.cfg, self.config_path, self.overrides, self.sky = cfg, config_path, list(overrides), sky
-        self.url = cfg.env.server_url
+        self.placement = placement_of(cfg)      # env: yours (env.server_url) | local | sky; env_servers
+        self.url = cfg.env.server_url           # (env.server_url: yours, its address; else the flow's server's)
         self.token = os.environ.get(TOKEN_VAR, "") if self.url else secrets.token_urlsafe(24)
         self.proc = None                # env.servers 1: the server's process (env.where: local); N: the front's
         self.lock = threading.RLock()
@@ -72,29 +75,30 @@ class EnvServer:
 
         return bool(self.url) and answers_http(f"{self.url.rstrip('/')}/health", timeout=10)
 
-    def env(self, log) -> dict[str, str]:
-        """The server's variables for a stage, after making sure it answers."""
+    def services(self, log) -> Services:
+        """The server's URL and token for a stage, after making sure it answers."""
         with self.lock:
             self.stopping.clear()
             self.log = log
-            if self.stalled and not self.cfg.env.server_url:
+            place = self.placement
+            if self.stalled and place.env != "yours":
                 log("every episode of the last stage timed out: starting the environment server(s) again")
                 self.stalled = False
-                if self.cfg.env.servers > 1:
+                if place.env_servers > 1:
                     self._replace(list(range(len(self.members))), log, force=True)
-                elif self.cfg.env.where == "local":
+                elif place.env == "local":
                     self.url = self._start_local(log)
                 else:
                     self.url = self._start_sky(log)
-            if self.cfg.env.servers > 1 and not self.cfg.env.server_url:
+            if place.env_servers > 1 and place.env != "yours":
                 self._pool(log)
             elif not self.answers():
-                if self.cfg.env.server_url:
+                if place.env == "yours":
                     raise InfraError(f"the environment server at {self.url} (env.server_url) does not answer")
                 if self.url:
                     log(f"the environment server at {self.url} stopped answering: starting it again")
-                self.url = self._start_local(log) if self.cfg.env.where == "local" else self._start_sky(log)
-            return {URL_VAR: self.url, TOKEN_VAR: self.token}
+                self.url = self._start_local(log) if place.env == "local" else self._start_sky(log)
+            return Services(env_url=self.url, env_token=self.token)
 
     def _argv(self, module: str = "tasks.envs.runtime.server") -> list[str]:
         return ["-m", module, "--config", self.config_path, "--overrides-json",
@@ -144,10 +148,9 @@ class EnvServer:
 
     def _front_here(self) -> bool:
         """The pool's front on this machine: env.where local, or every stage with episodes runs here."""
-        cfg = self.cfg
-        stages = ["generate"] + (["evaluate"] if cfg.eval.every else [])
-        return cfg.env.where == "local" or bool(cfg.generate.replicas) or all(
-            cfg.launcher.mode_of(s) != "sky" for s in stages)
+        place = self.placement
+        stages = ["generate"] + (["evaluate"] if self.cfg.eval.every else [])
+        return place.env == "local" or bool(place.replicas) or all(place.where(s) != "sky" for s in stages)
 
     def _pool(self, log) -> None:
         """Every member answering (a lost one started again), the front answering (started again if it does not),
@@ -158,7 +161,7 @@ class EnvServer:
 
         if not self.members:
             self.members = [{"url": None, "proc": None, "generation": -1, "failures": 0, "retry_at": 0.0}
-                            for _ in range(self.cfg.env.servers)]
+                            for _ in range(self.placement.env_servers)]
         front = self._front_health()
         with ThreadPoolExecutor(min(len(self.members), 32)) as ex:
             answering = list(ex.map(lambda m: bool(m["url"]) and answers_http(f"{m['url']}/health", timeout=10),
@@ -185,7 +188,7 @@ class EnvServer:
                               self._sky_env(self.cfg.env.server_port, ROLE="front"), log, member="front")
 
     def _start_member(self, i: int, log) -> tuple:
-        if self.cfg.env.where == "local":
+        if self.placement.env == "local":
             return self._spawn("tasks.envs.runtime.server", f"environment server {i}", f"env server {i}", log)
         port = self.cfg.env.server_port + 1 + i
         return None, self.sky.serve("env", port, int(self.READY_SECONDS), self._sky_env(port), log, member=str(i))
@@ -309,8 +312,8 @@ class JudgeServers:
     it, checked before each one and started again when it stopped answering (its process died, its spot cluster
     was preempted), so the retry of a stage that failed with it (JudgeUnavailable) finds it up and asks only what
     the answer cache lacks. Local: a process here (engine vllm: in the vLLM environment's interpreter); sky: a
-    cluster per model (<cluster>-judge-<name>, sky/judge.yaml, its port). The stages get the URLs as
-    RLFLOW_REWARD_MODELS ({name: url}) and the run's token as RLFLOW_JUDGE_TOKEN. Ended with the flow."""
+    cluster per model (<cluster>-judge-<name>, sky/judge.yaml, its port). The stages get the URLs ({name: url})
+    and the run's token in their context (Services). Ended with the flow."""
 
     READY_SECONDS = 900.0          # imports, the model's load (a GGUF converted once), vLLM's start
 
@@ -318,16 +321,17 @@ class JudgeServers:
         import secrets
 
         self.cfg, self.config_path, self.overrides, self.sky = cfg, config_path, list(overrides), sky
-        self.specs = [m for m in cfg.reward.models if m.url is None and m.where != "stage"]
+        self.placement = placement_of(cfg)
+        served = self.placement.served_judges()         # where: local | sky, by name
+        self.specs = [m for m in cfg.reward.models if m.name in served]
         self.token = secrets.token_urlsafe(24)
         self.urls: dict[str, str] = {}
         self.procs: dict[str, object] = {}
         self.lock = threading.Lock()
 
-    def env(self, log) -> dict[str, str]:
+    def services(self, log) -> Services:
+        """The judge servers' URLs and token for a stage, after making sure each answers."""
         from tasks.core.daemon import answers_http
-        from tasks.scoring.judges import SERVED_VAR
-        from tasks.scoring.judges import TOKEN_VAR as JUDGE_TOKEN
 
         with self.lock:
             for spec in self.specs:
@@ -337,14 +341,14 @@ class JudgeServers:
                 if url:
                     log(f"the judge server of {spec.name} at {url} stopped answering: starting it again")
                 self.urls[spec.name] = self._start(spec, log)
-            return {SERVED_VAR: json.dumps(self.urls), JUDGE_TOKEN: self.token}
+            return Services(judges=dict(self.urls), judge_token=self.token)
 
     def _start(self, spec, log) -> str:
+        from tasks.core.placement import JUDGE_TOKEN_VAR as JUDGE_TOKEN
         from tasks.scoring.judges import READY as JUDGE_READY
-        from tasks.scoring.judges import TOKEN_VAR as JUDGE_TOKEN
 
         idle = str(self.cfg.launcher.idle_minutes_to_autostop)
-        if spec.where == "sky":
+        if self.placement.judges[spec.name] == "sky":
             return self.sky.serve("judge", spec.port, int(self.READY_SECONDS), {
                 "CONFIG": self.config_path, "OVERRIDES": json.dumps(self.overrides), "MODEL": spec.name,
                 "ENGINE": spec.engine, "PORT": spec.port, JUDGE_TOKEN: self.token, "IDLE_MINUTES": idle},
@@ -373,31 +377,44 @@ class JudgeServers:
 
 
 class Launchers:
-    """The launcher of each stage, by `launcher.mode` / `launcher.stages`; None for inline stages (the flow
-    calls the stage function itself)."""
+    """The launcher of each stage, where the run's placement says (tasks/core/placement.py: launcher.mode /
+    launcher.stages); None for inline stages (the flow calls the stage function itself)."""
 
     def __init__(self, cfg: Config, config_path: str = "", overrides: list[str] | None = None):
         self.cfg, self.config_path, self.overrides = cfg, config_path, list(overrides or [])
+        self.placement = placement_of(cfg)
         self._by_mode = {"local": Local(cfg), "sky": Sky(cfg)}
         self.env_server = (EnvServer(cfg, config_path, overrides or [], self._by_mode["sky"])
-                           if cfg.env.factory and cfg.env.remote() else None)
+                           if self.placement.env_remote() else None)
         self.judges = JudgeServers(cfg, config_path, overrides or [], self._by_mode["sky"])
 
     def for_stage(self, stage: str):
-        if stage in ("generate", "evaluate") and self.cfg.generate.replicas:
+        if self.placement.routes(stage):
             return None               # the stage only shards and routes, here; its replicas do the sampling
-        return self._by_mode.get(self.cfg.launcher.mode_of(stage))
+        return self._by_mode.get(self.placement.where(stage))
 
-    def replicas(self) -> dict[str, str]:
+    def services(self, stage: str, log) -> Services:
+        """`stage`'s context: the servers it uses (each checked, started again where it stopped answering) and
+        how its router launches replicas."""
+        services = Services()
+        if stage in ("generate", "evaluate") and self.env_server is not None:
+            services |= self.env_server.services(log)
+        if stage in ("reward", "evaluate") and self.judges.specs:
+            services |= self.judges.services(log)
+        if stage in ("generate", "evaluate"):
+            services |= self._replica_launch()
+        return services
+
+    def _replica_launch(self) -> Services:
         """generate.replicas with the generate stage on sky: how the router launches replica i (its own cluster
-        <prefix>-<run>-replica-<i>, sky/replica.yaml, port generate.replica_port + i), as RLFLOW_REPLICA_LAUNCH
-        for the stage; the clusters are the flow's to tear down (close). Else nothing: local replica processes."""
-        if not self.cfg.generate.replicas or self.cfg.launcher.mode_of("generate") != "sky":
-            return {}
-        from tasks.engines.replicas import LAUNCH_VAR, TOKEN_VAR
+        <prefix>-<run>-replica-<i>, sky/replica.yaml, port generate.replica_port + i); the clusters are the flow's
+        to tear down (close). Else nothing: local replica processes."""
+        if self.placement.replicas_where != "sky":
+            return Services()
+        from tasks.engines.replicas import TOKEN_VAR
 
         sky, lc, gc = self._by_mode["sky"], self.cfg.launcher, self.cfg.generate
-        names = [f"{sky.cluster('replica')}-{i}" for i in range(gc.replicas)]
+        names = [f"{sky.cluster('replica')}-{i}" for i in range(self.placement.replicas)]
         sky.launched.update(names)
         start = [sky.python, str(BRIDGE), "serve", "--cluster", f"{sky.cluster('replica')}-{{i}}", "--recipe",
                  str(recipe_path(self.cfg, "replica")), "--port", "{port}", "--wait", str(int(gc.server_start_timeout)),
@@ -406,7 +423,7 @@ class Launchers:
                  "--env=PORT={port}", f"--env={TOKEN_VAR}={{token}}"]
         if lc.accelerators.get("generate"):
             start += ["--accelerators", lc.accelerators["generate"]]
-        return {LAUNCH_VAR: json.dumps({"start": start, "port_base": gc.replica_port})}
+        return Services(replica_launch={"start": start, "port_base": gc.replica_port})
 
     def close(self, log) -> None:
         if self.env_server is not None:

@@ -38,7 +38,7 @@ from tasks.core import layout, retention
 from tasks.core.config import Config, load_config
 from tasks.core.errors import UserError, cause_of
 from tasks.core.lease import Lease
-from tasks.core.process_wide import forget_inline_stages, tell_inline_stages
+from tasks.core.placement import placement_of
 from tasks.core.stage import STOP
 from tasks.core.store import Store, open_store
 from tasks.core.tracking import Tracker, champion_policy_uri
@@ -55,6 +55,7 @@ from tasks.train import finish_trainer, open_trainer, train
 NOW: dict = {}      # where the flow's loop is: {"iteration", "stage"} (what an interrupted run reports)
 
 STAGE_FUNCTIONS = {"generate": generate, "reward": reward, "train": train, "publish": publish, "evaluate": evaluate}
+SERVED_STAGES = ("generate", "reward", "evaluate")      # the stages that take a context (Services)
 
 
 class FlowRun:
@@ -85,29 +86,22 @@ def run_stage(stage: str, iteration: int, ctx: FlowRun, policy: str | None = Non
     launcher = ctx.launchers.for_stage(stage)
     t0 = time.perf_counter()
     ran = None
-    served = {}                   # env.where: local | sky: the environment server, started or checked here
-    if stage in ("generate", "evaluate") and ctx.launchers.env_server is not None:
-        served = ctx.launchers.env_server.env(log.info)
-        if launcher is None:
-            tell_inline_stages(served)       # (an inline stage reads them here)
-    if stage in ("reward", "evaluate") and ctx.launchers.judges.specs:   # reward.models where: local | sky
-        judges = ctx.launchers.judges.env(log.info)
-        served = {**served, **judges}
-        if launcher is None:
-            tell_inline_stages(judges)
-    if stage in ("generate", "evaluate") and (replicas := ctx.launchers.replicas()):
-        tell_inline_stages(replicas)         # generate.replicas on sky: how the stage's router launches them
+    # the stage's context: its servers (the environment server, judges: started or checked here) and how its router
+    # launches replicas on sky; an inline stage gets it as an argument, a stage process as variables
+    services = ctx.launchers.services(stage, log.info)
     if launcher is not None:
-        env = {**stage_env(ctx.config_path, ctx.overrides, iteration, policy, round), **served}
+        env = {**stage_env(ctx.config_path, ctx.overrides, iteration, policy, round), **services.variables()}
         ran = launcher.run(stage, iteration, env, log.info)
         key = output_key(cfg, stage, iteration, round)
         if ctx.store.manifest(key) is None:
             raise InfraError(f"{stage}[iter {iteration}]: the {launcher.mode} job succeeded but its output "
                              f"{ctx.store.uri(key)} is missing")
     args = (policy,) if stage == "generate" else ()
-    rounds = {"round": round} if round else {}
+    kwargs = {"round": round} if round else {}
+    if stage in SERVED_STAGES:
+        kwargs["services"] = services
     try:
-        out = STAGE_FUNCTIONS[stage](cfg, iteration, *args, **rounds)    # remote: finds the output and returns it
+        out = STAGE_FUNCTIONS[stage](cfg, iteration, *args, **kwargs)    # remote: finds the output and returns it
     except EnvironmentsStalled:          # (an infrastructure fault: retried; a stalled server is started again)
         if ctx.launchers.env_server is not None:
             ctx.launchers.env_server.stalled = True
@@ -239,7 +233,6 @@ def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_n
         if not lease.lost:
             _finish_trainer(ctx, log)   # train.mode: resident: a full checkpoint, before any cluster goes
         ctx.launchers.close(log.info)
-        forget_inline_stages()          # (the servers and launch commands told to inline stages end with them)
         sampling_engine(cfg).stop(log.info)   # generate.mode: server keeps a vLLM server alive until here
         if not lease.lost:
             try:                        # what retried train attempts of this flow run left
@@ -258,7 +251,7 @@ def _finish_trainer(ctx: FlowRun, log) -> None:
     if not cfg.resident_trainer:
         return
     try:
-        if cfg.launcher.mode_of("train") != "sky":
+        if ctx.launchers.placement.where("train") != "sky":
             finished = finish_trainer(cfg)
         else:
             sky = ctx.launchers.for_stage("train")
@@ -278,7 +271,7 @@ def _trainer_to_warm(cfg: Config) -> DetachedTrainer | None:
     (train stage local, or inline with deepspeed or train.host detached); None otherwise."""
     if not cfg.resident_trainer:
         return None
-    mode = cfg.launcher.mode_of("train")
+    mode = placement_of(cfg).where("train")
     if mode == "local":
         return DetachedTrainer(cfg) if cfg.train.host != "caller" else None
     trainer = open_trainer(cfg) if mode == "inline" else None

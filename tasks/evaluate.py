@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING
 from tasks.core import data, layout, rollout
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
+from tasks.core.placement import Services
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
 from tasks.engines.sampling import open_session
-from tasks.envs.runtime.episodes import require_some_episode, sample
+from tasks.envs.runtime.episodes import require_some_episode
+from tasks.envs.runtime.sources import source_of
 from tasks.scoring.functions import load_functions, require_some_score, score_records
 from tasks.scoring.worker import RewardState
 
@@ -94,8 +96,9 @@ def check_named_rewards(cfg: Config, names: list[str]) -> None:
                             f"({', '.join(names)})")
 
 
-def evaluate(cfg: Config, iteration: int) -> dict:
-    """Evaluate published policy v`iteration` (0: the starting model); returns {key, uri, metrics}."""
+def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> dict:
+    """Evaluate published policy v`iteration` (0: the starting model); returns {key, uri, metrics}. `services`:
+    the stage's context (its servers; None: what this process's environment says)."""
     store = open_store(cfg)
     ec = cfg.eval
     key = layout.evaluation(cfg.run.name, iteration)
@@ -116,25 +119,27 @@ def evaluate(cfg: Config, iteration: int) -> dict:
         rows = list(range(min(ec.max_prompts, len(ds))))
         seed = cfg.run.seed * 1_000_003 + 500_000_000 + iteration
         state = RewardState(global_step=iteration, max_steps=cfg.run.iterations)
-        with open_session(cfg, policy) as session:         # one model load / engine start for both passes
+        services = services if services is not None else Services.from_environment()
+        source = source_of(cfg)
+        with open_session(cfg, policy, services) as session:         # one model load / engine start for both passes
             what = f"the evaluation of v{iteration:06d}"
-            records, _ = sample(cfg, session, ds, rows, SamplingParams(
+            records, _ = source.run(cfg, session, ds, rows, SamplingParams(
                 n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
                 temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
-                top_k=cfg.generate.top_k, seed=seed), policy)
+                top_k=cfg.generate.top_k, seed=seed), policy, services)
             require_some_episode(cfg, records, what)      # (no score of 0 recorded, nor a champion gated on it)
             cache = layout.judge_cache(cfg.run.name, iteration, "evaluate")
             require_some_score(records, score_records(functions, records, cfg.reward.aggregate, state,
-                                                      judge_cache=cache), what)
+                                                      judge_cache=cache, services=services), what)
             greedy = []
             if ec.greedy:
-                greedy, _ = sample(cfg, session, ds, rows, SamplingParams(
+                greedy, _ = source.run(cfg, session, ds, rows, SamplingParams(
                     n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0,
-                    seed=seed), policy)
+                    seed=seed), policy, services)
                 require_some_episode(cfg, greedy, f"{what} (greedy)")
                 require_some_score(greedy, score_records(functions, greedy, cfg.reward.aggregate, state,
-                                                         judge_cache=cache), f"{what} (greedy)")
-            routed = session.metrics("eval") if cfg.generate.replicas else {}  # per replica, the router's counts
+                                                         judge_cache=cache, services=services), f"{what} (greedy)")
+            routed = session.metrics("eval")               # generate.replicas: per replica, the router's counts
         # per episode: an agent's step-wise samples after its first (Rollout.part > 0) are not counted again
         episodes, greedy_episodes = ([r for r in recs if not r.part] for recs in (records, greedy))
         passed = _passes(cfg, episodes, len(rows))
@@ -160,4 +165,4 @@ def evaluate(cfg: Config, iteration: int) -> dict:
 
 
 if __name__ == "__main__":
-    stage_cli(evaluate, "evaluate")
+    stage_cli(evaluate, "evaluate", takes_services=True)

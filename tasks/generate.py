@@ -23,18 +23,22 @@ from typing import TYPE_CHECKING
 from tasks.core import curriculum, data, layout, rollout
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
+from tasks.core.placement import Services
 from tasks.core.stage import check_round, fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import open_store
 from tasks.engines.sampling import open_session
-from tasks.envs.runtime.episodes import episode_metrics, require_some_episode, sample
+from tasks.envs.runtime.episodes import require_some_episode
+from tasks.envs.runtime.sources import source_of
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
 
 
-def generate(cfg: Config, iteration: int, policy: str | None = None, round: int = 0) -> dict:
+def generate(cfg: Config, iteration: int, policy: str | None = None, round: int = 0,
+             services: Services | None = None) -> dict:
     """Sample completions for iteration `iteration` (dynamic sampling's round `round`) from the policy the schedule
-    names (`policy`, if given, must be that one); returns {key, uri, metrics}."""
+    names (`policy`, if given, must be that one); returns {key, uri, metrics}. `services`: the stage's context
+    (tasks/core/placement.py; None: what this process's environment says)."""
     check_round(cfg, round)
     S = cfg.run.max_staleness
     scheduled = layout.behaviour_policy(cfg.run.name, iteration, S)
@@ -57,12 +61,14 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
     gc = cfg.generate
     ds = data.load_prompts(cfg)
     rows, picked = curriculum.prompts(cfg, store, iteration, round, len(ds))
-    with open_session(cfg, policy) as session:
-        records, sampled = sample(cfg, session, ds, rows, SamplingParams(
+    services = services if services is not None else Services.from_environment()
+    source = source_of(cfg)                      # prompts, environments' episodes or agents'
+    with open_session(cfg, policy, services) as session:
+        records, sampled = source.run(cfg, session, ds, rows, SamplingParams(
             n=gc.num_generations, max_new_tokens=gc.max_completion_length, temperature=gc.temperature,
             top_p=gc.top_p, top_k=gc.top_k, seed=cfg.run.seed * 1_000_003 + iteration + round * ROUND_SEED),
-            policy)
-        routed = session.metrics("generate") if gc.replicas else {}    # per replica, and the router's counts
+            policy, services)
+        routed = session.metrics("generate")        # generate.replicas: per replica, and the router's counts
 
     require_some_episode(cfg, records, f"iteration {iteration}")
     n_tokens = sum(len(r.completion_ids) for r in records)
@@ -77,12 +83,8 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
     }
     metrics.update(routed)
     metrics.update(picked)
-    if cfg.env.episodic():
-        metrics.update(episode_metrics(records))
-    if cfg.env.agent:
-        from tasks.envs.runtime.agents import agent_metrics
-
-        metrics.update(agent_metrics(records))
+    metrics.update(sampled.metrics)
+    metrics.update(source.metrics(records))
     with tempfile.TemporaryDirectory(prefix="rlflow-generate-") as tmp:
         rollout.write(records, Path(tmp))
         manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "made_of": made, "metrics": metrics,
@@ -97,4 +99,4 @@ ROUND_SEED = 7_777_777          # round r of an iteration samples with the itera
 
 
 if __name__ == "__main__":
-    stage_cli(generate, "generate", takes_policy=True, takes_round=True)
+    stage_cli(generate, "generate", takes_policy=True, takes_round=True, takes_services=True)

@@ -35,11 +35,13 @@ from tasks.scoring.worker import RewardState
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
+    from tasks.core.placement import Services
 
 
-def reward(cfg: Config, iteration: int, round: int = 0) -> dict:
+def reward(cfg: Config, iteration: int, round: int = 0, services: Services | None = None) -> dict:
     """Score iteration `iteration`'s rollouts (dynamic sampling's round `round`); returns {key, uri, metrics,
-    samples, complete} (complete: the iteration's training batch is in `<run>/iter-N/rewards`)."""
+    samples, complete} (complete: the iteration's training batch is in `<run>/iter-N/rewards`). `services`: the
+    stage's context (the judge servers; None: what this process's environment says)."""
     check_round(cfg, round)
     store = open_store(cfg)
     ds = cfg.generate.dynamic_sampling
@@ -59,7 +61,8 @@ def reward(cfg: Config, iteration: int, round: int = 0) -> dict:
         records = rollout.load(store, src)
         scored = score_records(functions, records, cfg.reward.aggregate,
                                RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations),
-                               judge_cache=layout.judge_cache(cfg.run.name, iteration, round=round))
+                               judge_cache=layout.judge_cache(cfg.run.name, iteration, round=round),
+                               services=services)
         require_some_score(records, scored, f"iteration {iteration}")
         metrics = {**_metrics(records, scored.scores), "reward/seconds": time.perf_counter() - t0}
         for name in scored.scores:
@@ -172,4 +175,4 @@ def _std(xs: list[float]) -> float:
 
 
 if __name__ == "__main__":
-    stage_cli(reward, "reward", takes_round=True)
+    stage_cli(reward, "reward", takes_round=True, takes_services=True)

@@ -188,7 +188,7 @@ def test_the_browser_on_an_environment_server_solves_its_tasks_with_the_tools_de
     cfg = load_config(BROWSER, overrides)
     server = EnvServer(cfg, str(BROWSER), overrides, None)
     try:
-        for k, v in server.env(print).items():
+        for k, v in server.services(print).variables().items():
             monkeypatch.setenv(k, v)
         rows = [next(r for r in shop_tasks() if r["kind"] == kind) for kind in ("order", "cheapest", "stock")]
         records = _episodes(cfg, rows, chatml, tools=True)

@@ -65,7 +65,7 @@ def pool(monkeypatch):
                      *overrides]
         server = EnvServer(load_config(LETTERS, overrides), str(LETTERS), overrides, None)
         made.append(server)
-        for k, v in server.env(print).items():
+        for k, v in server.services(print).variables().items():
             monkeypatch.setenv(k, v)
         return server
     yield make
@@ -82,9 +82,9 @@ def _episodes(cfg, n: int):
 
     tok = load_tokenizer(builtin_models.resolve("builtin:tiny-lm"))
     table = dict(enumerate(ROWS))
-    records = run_episodes(cfg, table, list(table), Scripted(lambda ctx: "a").session("base", "-", tok),
-                           SamplingParams(n=n, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3))[0]
-    return records, episode_metrics(records)
+    records, sampled = run_episodes(cfg, table, list(table), Scripted(lambda ctx: "a").session("base", "-", tok),
+                                    SamplingParams(n=n, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3))
+    return records, {**episode_metrics(records), **sampled.metrics}       # (env/pool_*: the sampler's own)
 
 
 def _health(server) -> dict:

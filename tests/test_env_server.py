@@ -17,6 +17,7 @@ from tasks.core import layout
 from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
+from tasks.core.placement import Services
 from tasks.core.store import Store
 from tasks.envs.runtime.episodes import run_episodes
 from tasks.envs.runtime.server import TOKEN_VAR, URL_VAR, ServerGone
@@ -43,20 +44,17 @@ def served(monkeypatch, tmp_path):
     yield make
     for server in made:
         server.stop()
-    for var in (URL_VAR, TOKEN_VAR):                      # (_episodes sets them as the flow would)
-        os.environ.pop(var, None)
 
 
 def _episodes(cfg, server, rows, n=1):
-    for k, v in server.env(print).items():
-        os.environ[k] = v
+    services = server.services(print)            # (the stage's context, as the flow hands it to an inline stage)
     table = dict(enumerate(rows))
     from tasks.core import builtin_models
     from tasks.core.models import load_tokenizer
 
     tok = load_tokenizer(builtin_models.resolve("builtin:tiny-lm"))
     return run_episodes(cfg, table, list(table), Scripted(lambda ctx: "a").session("base", "unused", tok),
-                        SamplingParams(n=n, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=3))[0]
+                        SamplingParams(n=n, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=3), services)[0]
 
 
 @pytest.mark.parametrize("isolation", ["process", "thread"])
@@ -90,8 +88,8 @@ def test_a_server_that_goes_away_fails_the_stage_and_is_started_again(served):
     server.proc.wait()
     with pytest.raises(ServerGone, match="did not answer"):
         run_episodes(cfg, dict(enumerate(rows)), [0], _session(), SamplingParams(
-            n=1, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3))
-    records = _episodes(cfg, server, rows, n=2)            # server.env(): it does not answer, so it starts again
+            n=1, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3), Services(env_url=first))
+    records = _episodes(cfg, server, rows, n=2)            # server.services(): it does not answer, so it starts again
     assert server.url != first and all(r.env_error is None for r in records)
 
 
@@ -105,12 +103,16 @@ def _session():
 
 def test_a_wrong_token_is_one_line_and_no_token_no_server_is_one_line(served, monkeypatch):
     cfg, server = served("env.factory=tasks.envs.builtin.games:SayTheLetters", "env.isolation=thread")
-    server.env(print)
-    monkeypatch.setenv(URL_VAR, server.url)
+    server.services(print)
+    monkeypatch.setenv(URL_VAR, server.url)            # (a stage process's context, read from its environment)
     monkeypatch.setenv(TOKEN_VAR, "wrong")
     with pytest.raises(UserError, match="refused the token"):
         run_episodes(cfg, {0: {"prompt": "p", "letters": "ab"}}, [0], _session(),
                      SamplingParams(n=1, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3))
+    with pytest.raises(UserError, match="refused the token"):   # (an inline stage's: its argument)
+        run_episodes(cfg, {0: {"prompt": "p", "letters": "ab"}}, [0], _session(),
+                     SamplingParams(n=1, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3),
+                     Services(env_url=server.url, env_token="wrong"))
     monkeypatch.delenv(URL_VAR)
     with pytest.raises(UserError, match="no environment server given"):
         run_episodes(cfg, {0: {"prompt": "p", "letters": "ab"}}, [0], _session(),
@@ -120,7 +122,7 @@ def test_a_wrong_token_is_one_line_and_no_token_no_server_is_one_line(served, mo
 def test_a_factory_the_server_cannot_import_is_the_flows_one_line(served):
     cfg, server = served("env.factory=no_such_module:Env")
     with pytest.raises(UserError, match="env.factory: cannot import module 'no_such_module'"):
-        server.env(print)
+        server.services(print)
     assert server.proc is None
 
 

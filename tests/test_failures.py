@@ -75,10 +75,10 @@ def test_a_stalled_environment_server_is_started_again_before_the_retry(tmp_path
     server = EnvServer(load_config(LETTERS, overrides), str(LETTERS), overrides, None)
     said = []
     try:
-        server.env(said.append)
+        server.services(said.append)
         first = server.proc.pid
         server.stalled = True
-        server.env(said.append)
+        server.services(said.append)
         assert server.proc.pid != first and server.answers()
         assert any("every episode of the last stage timed out" in line for line in said), said
     finally:

@@ -459,3 +459,67 @@ def test_one_class_per_name_across_the_package():
                 if isinstance(node, ast.ClassDef):
                     seen.setdefault(node.name, []).append(_module_name(p))
     assert {name: where for name, where in seen.items() if len(where) > 1} == {}
+
+
+# Where each stage and service runs is read from the config once, by tasks/core/placement.py (placement_of); plan,
+# preflight, the launchers, the services and the loop ask the Placement it returns (issue 41). The keys: the
+# launcher's (launcher.mode, launcher.stages, mode_of, remote_stages), generate.replicas, env.where, env.servers,
+# env.remote(), a reward model's `where`, and env.server_url as a decision (given or not: its value, the server's
+# address, may be read anywhere). Read as code (the syntax tree): prose in docstrings and comments names them freely.
+PLACEMENT_KEYS = {"launcher": {"mode", "stages", "mode_of", "remote_stages"}, "generate": {"replicas"},
+                  "env": {"where", "servers", "remote"}}
+PLACEMENT_READERS = {           # (the config modules, tasks/core/config*.py, define and validate the keys)
+    "tasks/core/placement.py": "placement_of: the one reader",
+    "tasks/engines/replicas.py": "the router, in the stage's process, makes one member per generate.replicas",
+    "tasks/envs/runtime/pool.py": "the pool's front started by hand, without --member: env.servers members",
+}
+
+
+def _placement_reads(path: Path) -> list[str]:
+    """Each place `path` reads a placement key: `<...>.launcher.mode`, `lc.stages` (lc bound to a `.launcher`),
+    any `.mode_of` / `.remote_stages`, a `.where` that is not called (Placement.where(stage) is), and
+    `.server_url` tested (`is None`, `not`, a condition)."""
+    tree = ast.parse(path.read_text(), str(path))
+
+    def pairs(target, value):
+        if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)):
+            for t, v in zip(target.elts, value.elts, strict=False):
+                yield from pairs(t, v)
+        elif isinstance(target, ast.Name) and isinstance(value, ast.Attribute) and value.attr in PLACEMENT_KEYS:
+            yield target.id, value.attr
+    sections = dict(p for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
+                    for p in pairs(t, n.value))          # lc, gc = cfg.launcher, cfg.generate
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+
+    def server_url(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "server_url"
+    tested = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Compare) and any(isinstance(o, (ast.Is, ast.IsNot, ast.Eq, ast.NotEq)) for o in n.ops):
+            tested |= {id(x) for x in (n.left, *n.comparators) if server_url(x)}
+        elif isinstance(n, (ast.If, ast.IfExp, ast.While, ast.Assert)) or (
+                isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not)):
+            tested |= {id(x) for x in [getattr(n, "test", getattr(n, "operand", None))] if server_url(x)}
+        elif isinstance(n, ast.BoolOp):
+            tested |= {id(x) for x in n.values if server_url(x)}
+        elif isinstance(n, ast.comprehension):
+            tested |= {id(x) for x in n.ifs if server_url(x)}
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        section = v.attr if isinstance(v, ast.Attribute) else sections.get(v.id) if isinstance(v, ast.Name) else None
+        if (node.attr in PLACEMENT_KEYS.get(section, ()) or node.attr in ("mode_of", "remote_stages")
+                or (node.attr == "where" and id(node) not in called) or id(node) in tested):
+            out.append((node.lineno, f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}"))
+    return [r for _, r in sorted(set(out))]
+
+
+def test_placement_keys_are_read_only_by_the_placement_module():
+    reads = {str(p.relative_to(ROOT)): _placement_reads(p) for folder in ("tasks", "flows") for p in _modules(folder)
+             if not re.fullmatch(r"tasks/core/config\w*\.py", str(p.relative_to(ROOT)))}
+    outside = [r for path, found in reads.items() if path not in PLACEMENT_READERS for r in found]
+    assert outside == [], "placement keys read outside tasks/core/placement.py (ask placement_of(cfg)):\n" + \
+        "\n".join(outside)
+    assert [path for path in sorted(PLACEMENT_READERS) if not reads.get(path)] == []    # (no stale exception)

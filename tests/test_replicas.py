@@ -162,7 +162,7 @@ def test_a_preempted_replica_cluster_is_launched_again_and_the_flow_is_unchanged
     out = train_flow(str(TINY), sky)
     watcher.join(5)
     assert out["iterations_completed"] == 2 and preempted
-    assert LAUNCH_VAR not in os.environ        # (a later flow run in this process must not launch on sky: it did)
+    assert LAUNCH_VAR not in os.environ        # (the launch is the stage's context: never in the environment)
     calls = [c for c in fake_cloud.calls() if c.get("cluster", "").startswith("rlflow-tiny-demo-replica-")]
     mine = [c["call"] for c in calls if c["cluster"] == cluster]
     assert mine.count("launch") == 2 and "preempted" in mine and mine[-1] == "down", mine

@@ -231,7 +231,7 @@ def test_replicas_a_pool_and_a_judge_started_from_a_folder_with_its_own_tasks(tm
     pool_overrides = ["env.where=local", "env.servers=2", "env.isolation=thread"]
     pool = EnvServer(load_config(letters, pool_overrides), str(letters), pool_overrides, None)
     try:
-        assert pool.env(lambda _line: None)[URL_VAR].startswith("http://127.0.0.1:")
+        assert pool.services(lambda _line: None).env_url.startswith("http://127.0.0.1:")
         assert all(m["url"] for m in pool.members)
     finally:
         pool.stop()
@@ -240,7 +240,7 @@ def test_replicas_a_pool_and_a_judge_started_from_a_folder_with_its_own_tasks(tm
     judged = load_config(TINY, [f"reward.models={json.dumps([judge])}"])
     servers = JudgeServers(judged, str(TINY), [f"reward.models={json.dumps([judge])}"], None)
     try:
-        assert "RLFLOW_REWARD_MODELS" in servers.env(lambda _line: None)
+        assert set(servers.services(lambda _line: None).judges) == {"j"}
     finally:
         servers.stop()
     assert not mark.exists(), mark.read_text()

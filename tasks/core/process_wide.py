@@ -3,10 +3,10 @@
 With the inline launcher and a caller-held trainer (the defaults), generate, reward, train and publish run in
 the flow's own process, and with run.max_staleness > 0 on several of its threads at once. Most of what they use
 is passed as arguments; the few things here cannot be, because Python, torch or the operating system keep them
-per process: the PROCESS_WIDE lock, the random streams (rng_state, set_rng_state, seed_all), the signal
-handlers (signals_kept) and the environment variables: the only module that writes os.environ (set_default,
-set_variable, take, restore, environment_variables; the variables inline stages read: tell_inline_stages,
-forget_inline_stages). This is not all the module-level state of the package: caches and registries kept for
+per process: the PROCESS_WIDE lock, the random streams (rng_state, set_rng_state, seed_all), the signal handlers
+(signals_kept) and the environment variables: the only module that writes os.environ (set_default, set_variable,
+take, restore, environment_variables; a stage's servers are not among them: they are its context, an argument,
+tasks/core/placement.py). This is not all the module-level state of the package: caches and registries kept for
 reuse live with their users, e.g. the trainers this process holds (tasks/engines/trainer.py: _HELD), the reward
 functions' workers (tasks/scoring/functions.py: _workers), the reward models loaded in the stage
 (tasks/scoring/judges.py: _engines) and the sandbox runners (tasks/scoring/sandbox.py: _runners).
@@ -131,23 +131,3 @@ def environment_variables(variables: Mapping[str, str | None]) -> Iterator[None]
     finally:
         for k, old in saved.items():
             restore(k, old)
-
-
-_TOLD: dict[str, str | None] = {}     # what tell_inline_stages replaced: each variable's value before the flow run
-
-
-def tell_inline_stages(variables: Mapping[str, str]) -> None:
-    """Put `variables` in this process's environment, where an inline stage reads them (as a stage process
-    reads its own): the environment server's URL and token, how the router launches replicas. Until
-    forget_inline_stages: a flow run's servers are not the next flow run's in the same process."""
-    for k in variables:
-        if k not in _TOLD:
-            _TOLD[k] = os.environ.get(k)
-    os.environ.update(variables)
-
-
-def forget_inline_stages() -> None:
-    """Put back what tell_inline_stages changed (at a flow run's end: a later flow run in this process, a
-    deployment's worker or a test, must not find this one's servers or its replicas' sky launch command)."""
-    while _TOLD:
-        restore(*_TOLD.popitem())

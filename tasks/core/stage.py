@@ -222,9 +222,10 @@ def quiet_progress_bars() -> None:
 
 
 def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, takes_tracking: bool = False,
-              takes_round: bool = False) -> None:
+              takes_round: bool = False, takes_services: bool = False) -> None:
     """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY] [--round R]`; prints the
-    result JSON."""
+    result JSON. `takes_services`: the stage's context is read here, once, from the variables the flow gave this
+    process (tasks/core/placement.py: Services.from_environment)."""
     from tasks.core.config import load_config
 
     ap = OneLineParser(prog=f"python -m tasks.{name}", description=fn.__doc__)
@@ -260,6 +261,10 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
             kwargs["mlflow_run_id"] = args.mlflow_run_id
         if takes_round and args.round:
             kwargs["round"] = args.round
+        if takes_services:
+            from tasks.core.placement import Services
+
+            kwargs["services"] = Services.from_environment()
         out = fn(cfg, args.iteration, **kwargs)
     except UserError as e:
         # The second line lets a launcher tell a user error from a crash when only the log comes back; typed by

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.fleet import Health, Sticky, bearer, least_loaded, start_server
 from tasks.core.paths import cache_root
+from tasks.core.placement import REPLICA_LAUNCH_VAR
 from tasks.core.processes import run
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from tasks.core.contracts import SamplingEngine
 
 MARKER = "tasks.engines.replica"          # the router's and the local replicas' command lines carry it
-LAUNCH_VAR = "RLFLOW_REPLICA_LAUNCH"      # JSON {"start": argv, "stop": argv}, "{i}" filled in: the flow's (sky)
+LAUNCH_VAR = REPLICA_LAUNCH_VAR           # JSON {"start": argv, "port_base": n}, "{i}" filled in: the flow's (sky)
 LATE_GRACE = 10.0                         # s after the first replica loaded a policy before the others are late
 STICKY_KEYS = 100_000
 READY = "RLFLOW_REPLICA_READY"            # the line a replica prints once it answers: READY <url>
@@ -77,15 +79,15 @@ class ReplicaEngine:
     """The SamplingEngine of generate.replicas >= 1: sessions sample through the run's router, started (with its
     replicas) by the first session on this machine and found again by the later ones, stopped by `stop`."""
 
-    def __init__(self, cfg: Config, one: SamplingEngine):
-        self.cfg, self.one = cfg, one            # (`one`: what each replica runs)
+    def __init__(self, cfg: Config, one: SamplingEngine, launch: Mapping | None = None):
+        self.cfg, self.one, self.launch = cfg, one, launch       # (`one`: what each replica runs; `launch`: sky's)
 
     def check_installed(self, cfg: Config) -> None:
         """Local replicas run the configured engine on this machine: it must be installed here."""
         self.one.check_installed(cfg)
 
     def session(self, policy: str, path: str, tokenizer) -> RoutedSession:
-        return RoutedSession(self.cfg, policy, tokenizer, ensure_router(self.cfg))
+        return RoutedSession(self.cfg, policy, tokenizer, ensure_router(self.cfg, self.launch))
 
     def stop(self, log=print) -> None:
         daemon = _daemon(self.cfg)
@@ -169,13 +171,14 @@ def _daemon(cfg: Config):
     return Daemon(state_dir() / f"{cfg.run.name}.json", MARKER, stop_wait=30.0)
 
 
-def ensure_router(cfg: Config) -> dict:
+def ensure_router(cfg: Config, launch_spec: Mapping | None = None) -> dict:
     """The run's router on this machine (state: {pid, port, url, ...}), started with its replicas if none
-    answers for this config."""
+    answers for this config; `launch_spec`: how it launches replica i on sky (the stage's context), None: a
+    process here."""
     from tasks.core.daemon import answers_http
     from tasks.core.processes import free_port
 
-    launch = os.environ.get(LAUNCH_VAR, "")
+    launch = json.dumps(dict(launch_spec)) if launch_spec is not None else ""
     blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
     key = hashlib.sha256(f"{blob}\n{launch}\n{sys.executable}".encode()).hexdigest()[:20]
     daemon = _daemon(cfg)

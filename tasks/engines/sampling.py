@@ -21,17 +21,20 @@ from typing import TYPE_CHECKING
 from tasks.core import data
 from tasks.core.contracts import Rollout
 from tasks.core.models import base_path, encode_prompt, load_tokenizer, policy_path
+from tasks.core.placement import placement_of
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
     from tasks.core.contracts import Sampled, SamplingEngine, SamplingParams, SamplingSession
+    from tasks.core.placement import Services
 
 
-def sampling_engine(cfg: Config) -> SamplingEngine:
-    """The engine `generate.engine` / `generate.mode` name (vLLM's code is imported only when chosen)."""
-    if cfg.generate.replicas:
+def sampling_engine(cfg: Config, services: Services | None = None) -> SamplingEngine:
+    """The engine `generate.engine` / `generate.mode` name (vLLM's code is imported only when chosen);
+    `services`: the stage's context (how the replicas' router launches them on sky)."""
+    if placement_of(cfg).replicas:
         from tasks.engines.replicas import ReplicaEngine
-        return ReplicaEngine(cfg, _one_engine(cfg))
+        return ReplicaEngine(cfg, _one_engine(cfg), services.replica_launch if services is not None else None)
     return _one_engine(cfg)
 
 
@@ -46,12 +49,12 @@ def _one_engine(cfg: Config) -> SamplingEngine:
     return VLLMOffline(cfg)
 
 
-def open_session(cfg: Config, policy: str) -> SamplingSession:
+def open_session(cfg: Config, policy: str, services: Services | None = None) -> SamplingSession:
     """The configured engine's session for `policy` (a store key or `base`): what a stage opens once
     (`with open_session(cfg, policy) as s`) and samples from as often as it needs."""
-    if cfg.generate.replicas:         # the replicas load the policy; the stage only needs its tokenizer
+    if placement_of(cfg).replicas:    # the replicas load the policy; the stage only needs its tokenizer
         path = base_path(cfg)
-        return sampling_engine(cfg).session(policy, path, load_tokenizer(path))
+        return sampling_engine(cfg, services).session(policy, path, load_tokenizer(path))
     path = policy_path(cfg, policy)
     return sampling_engine(cfg).session(policy, path, load_tokenizer(path))
 

@@ -42,6 +42,7 @@ from tasks.scoring.worker import _HEADER, RewardState, receive, send
 if TYPE_CHECKING:
     from tasks.core.config import Config
     from tasks.core.contracts import Rollout
+    from tasks.core.placement import Services
 
 log = logging.getLogger("rlflow.reward")
 # What every reward function is called with besides the dataset's columns (TRL's GRPOTrainer passes the same).
@@ -280,16 +281,18 @@ def _phrase(message: str) -> str:
 
 
 def score_records(functions: RewardFunctions, records: list[Rollout], aggregate: str,
-                  state: RewardState | None = None, judge_cache: str | None = None) -> Scored:
+                  state: RewardState | None = None, judge_cache: str | None = None,
+                  services: Services | None = None) -> Scored:
     """Score `records` in place: per-function (and per reward model) scores in `.rewards`, the combined reward
     in `.reward` (None where nothing scored it), logged columns in `.extra`. Returns what happened.
-    `judge_cache`: the store prefix of this stage's reward-model answers (layout.judge_cache)."""
+    `judge_cache`: the store prefix of this stage's reward-model answers (layout.judge_cache); `services`: the
+    stage's context (the judge servers the flow started)."""
     scored = score(functions, records, state)
     weights = dict(functions.weights)
     if functions.cfg is not None and functions.cfg.reward.models:
         from tasks.scoring.judges import score_models
 
-        judged = score_models(functions.cfg, records, judge_cache, functions.strict)
+        judged = score_models(functions.cfg, records, judge_cache, functions.strict, services)
         if functions.strict and judged.errors:
             raise RewardFunctionError(next(iter(judged.errors.values())))
         scored.scores.update(judged.scores)

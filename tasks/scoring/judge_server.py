@@ -22,7 +22,8 @@ import time
 import uuid
 
 from tasks.core.fleet import authorized
-from tasks.scoring.judges import READY, TOKEN_VAR
+from tasks.core.placement import JUDGE_TOKEN_VAR as TOKEN_VAR
+from tasks.scoring.judges import READY
 
 
 def app(spec, batcher, token: str | None, parent: int | None, idle: float | None, on_ready=None):

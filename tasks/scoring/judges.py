@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.contracts import Scored
 from tasks.core.errors import UserError
 from tasks.core.fleet import bearer
+from tasks.core.placement import Services, placement_of
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, RewardModel
     from tasks.core.contracts import Rollout
     from tasks.core.store import Store
 
-SERVED_VAR, TOKEN_VAR = "RLFLOW_REWARD_MODELS", "RLFLOW_JUDGE_TOKEN"
 READY = "RLFLOW_JUDGE_READY"           # the line a judge server prints once it answers: READY <url>
 TOP_LOGPROBS = 20                      # verdict: the answer's likeliest first tokens asked for
 ANSWERS = "answers.json"               # in each cache folder: {request hash: answer}
@@ -87,6 +87,7 @@ def check_models(cfg: Config) -> None:
     """Preflight: what needs the outside world. Each model rlflow loads resolves and matches its pin (and is a
     classifier exactly when kind says so); a URL answers and serves the model; a key variable is set. One line,
     exit 2, before anything is written."""
+    place = placement_of(cfg)
     for i, spec in enumerate(cfg.reward.models):
         what = f"reward.models[{i}] ({spec.name})"
         if spec.url is not None:
@@ -97,10 +98,11 @@ def check_models(cfg: Config) -> None:
             if served is not None and spec.model not in served:
                 raise UserError(f"{what}.model: {spec.url} serves {sorted(served)}, not {spec.model!r}")
             continue
-        if spec.where == "local" and any(cfg.launcher.mode_of(s) == "sky" for s in ("reward", "evaluate")):
+        where = place.judges[spec.name]
+        if where == "local" and any(place.where(s) == "sky" for s in ("reward", "evaluate")):
             raise UserError(f"{what}.where: local serves the model on this machine, which a stage on a sky "
                             f"cluster cannot reach; use where: sky (a cluster of its own) or stage")
-        if spec.where == "sky" and not _here(cfg, spec.model):
+        if where == "sky" and not _here(cfg, spec.model):
             continue                      # a hub model this machine has not cached: its cluster checks the pin
         path = model_path(cfg, spec, what)
         from transformers import AutoConfig
@@ -382,20 +384,19 @@ _engines: dict[tuple, Any] = {}        # where: stage: loaded once per process (
 class Asker:
     """Sends one model's questions: to its engine in this process, or over HTTP to its server."""
 
-    def __init__(self, cfg: Config, spec: RewardModel, index: int):
+    def __init__(self, cfg: Config, spec: RewardModel, index: int, services: Services):
         self.cfg, self.spec = cfg, spec
         what = f"reward.models[{index}] ({spec.name})"
-        served = json.loads(os.environ.get(SERVED_VAR) or "{}")
         self.url, self.key, self.model_name = None, None, spec.model
         if spec.url:
             self.url, self.key = spec.url.rstrip("/"), os.environ.get(spec.api_key_env) if spec.api_key_env else None
             if spec.api_key_env and not self.key:
                 raise UserError(f"{what}.api_key_env: the variable {spec.api_key_env} is not set")
-        elif spec.where != "stage" and spec.name in served:
-            self.url, self.key, self.model_name = served[spec.name].rstrip("/"), os.environ.get(TOKEN_VAR), spec.name
-        elif spec.where != "stage":
-            print(f"note: {what} (where: {spec.where}) has no server from the flow ({SERVED_VAR}): loading it "
-                  f"in this process", file=sys.stderr)
+        elif (where := placement_of(cfg).judges[spec.name]) != "stage" and (url := services.judges.get(spec.name)):
+            self.url, self.key, self.model_name = url.rstrip("/"), services.judge_token, spec.name
+        elif where != "stage":
+            print(f"note: {what} (where: {where}) has no server from the flow: loading it in this process",
+                  file=sys.stderr)
         self.what = what
         self.pin = spec.sha256 or (spec.model if spec.model.startswith("models:/") else f"{spec.url}|{spec.model}")
 
@@ -501,10 +502,15 @@ class Asker:
 _shown: set[str] = set()
 
 
-def score_models(cfg: Config, records: list[Rollout], cache_prefix: str | None, strict: bool) -> Scored:
+def score_models(cfg: Config, records: list[Rollout], cache_prefix: str | None, strict: bool,
+                 services: Services | None = None) -> Scored:
     """Every reward model's scores for `records` (None: no score), asking only what the cache lacks; `errors`:
-    model name -> the first failed answer, said."""
+    model name -> the first failed answer, said. `services`: the judge servers the flow started (None: this
+    process's environment says, as a stage process is given them)."""
+    from tasks.core.placement import Services
     from tasks.core.store import open_store
+
+    services = services if services is not None else Services.from_environment()
 
     out = Scored()
     if not cfg.reward.models or not records:
@@ -514,7 +520,7 @@ def score_models(cfg: Config, records: list[Rollout], cache_prefix: str | None, 
     cache = AnswerCache(open_store(cfg) if cache_prefix else None, cache_prefix)
     for i, spec in enumerate(cfg.reward.models):
         t0 = time.perf_counter()
-        asker = Asker(cfg, spec, i)
+        asker = Asker(cfg, spec, i, services)
         qs = questions(spec, records, asker.pin)
         todo = [q for q in {q.key: q for q in qs}.values() if cache.get(q.key) is None]
         asker.ask(todo, cache)

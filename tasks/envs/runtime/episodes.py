@@ -15,7 +15,6 @@ deadlines.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.contracts import EnvironmentHandle, Rollout, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
-from tasks.engines.sampling import sample_rollouts
+from tasks.core.placement import placement_of
 from tasks.envs.runtime.isolation import (
     Caller,
     EnvironmentDied,
@@ -40,6 +39,7 @@ from tasks.envs.runtime.tools import parse_tool_calls
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
+    from tasks.core.placement import Services
 
 TURN_SEED = 1_000_033          # turn t samples with seed params.seed + t * TURN_SEED
 
@@ -140,27 +140,13 @@ def _failure(what: str, ex: Exception) -> str:
 
 # ------------------------------------------------------------------------------------------ episodes
 
-def sample(cfg: Config, session: SamplingSession, ds, rows: list[int],
-           params: SamplingParams, policy: str = "policy") -> tuple[list[Rollout], Sampled]:
-    """What generate and evaluate call, with the session they opened for `policy` (tasks/engines/sampling.py:
-    open_session): episodes with env.factory, an agent's (env.agent: tasks/envs/runtime/agents.py, through an endpoint
-    serving `policy`), else one completion per prompt (sample_rollouts)."""
-    if cfg.env.agent:
-        from tasks.envs.runtime.agents import run_agents
-
-        return run_agents(cfg, {r: ds[r] for r in set(rows)}, rows, session, params, policy)
-    if not cfg.env.factory:
-        return sample_rollouts(cfg, session, ds, rows, params)
-    return run_episodes(cfg, {r: ds[r] for r in set(rows)}, rows, session, params)
-
-
-def environments(cfg: Config) -> Callable[[dict], EnvironmentHandle]:
+def environments(cfg: Config, services: Services | None = None) -> Callable[[dict], EnvironmentHandle]:
     """What opens each episode's environment (a row -> its handle): on the environment server (env.server_url,
     env.where), else as env.isolation says (isolation.py: start_environment). What each needs is checked or
     started before any episode: the factory's preflight, the server's address, the forkserver."""
-    if cfg.env.remote():
-        server_of(cfg)                 # no server given: one line, before any episode
-        return lambda row: RemoteEnvironment.start(cfg, row)
+    if placement_of(cfg).env_remote():
+        server = server_of(cfg, services)     # no server given: one line, before any episode
+        return lambda row: RemoteEnvironment.start(cfg, row, server)
     # (imported here too: a process environment's forkserver imports it; a server's environments, only there)
     make = factory_of(cfg)
     if cfg.env.isolation == "process":
@@ -169,11 +155,12 @@ def environments(cfg: Config) -> Callable[[dict], EnvironmentHandle]:
 
 
 def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: SamplingSession,
-                 params: SamplingParams) -> tuple[list[Rollout], Sampled]:
-    """params.n episodes of each row of `rows` (`table`: the rows by index), every turn sampled from `session`."""
+                 params: SamplingParams, services: Services | None = None) -> tuple[list[Rollout], Sampled]:
+    """params.n episodes of each row of `rows` (`table`: the rows by index), every turn sampled from `session`;
+    Sampled.metrics: the pool's (env/pool_*) where the environment server is a pool."""
     ec = cfg.env
     tokenizer = session.tokenizer
-    open_environment = environments(cfg)
+    open_environment = environments(cfg, services)
     render = Renderer(tokenizer, cfg.generate.max_prompt_length)
     episodes = [Episode(group=g, row=r, data=dict(table[r]), budget=ec.timeout_seconds)
                 for g, r in enumerate(rows) for _ in range(params.n)]
@@ -248,16 +235,11 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: 
                 e.logprobs += [0.0] * len(obs)
     finally:
         _close(caller, episodes)
-    _pool_seen.metrics = _pool_metrics(cfg, episodes) if ec.remote() else {}
-    return [_record(cfg, e, tokenizer) for e in episodes], Sampled([], load_seconds, sampling_seconds)
+    pool = _pool_metrics(server_of(cfg, services), episodes) if placement_of(cfg).env_remote() else {}
+    return [_record(cfg, e, tokenizer) for e in episodes], Sampled([], load_seconds, sampling_seconds, pool)
 
 
-# env.servers > 1: what the pool did for the episodes of the last run_episodes of this thread, for episode_metrics
-# (the records do not say which server held them; the stage calls both in one thread, one after the other)
-_pool_seen = threading.local()
-
-
-def _pool_metrics(cfg: Config, episodes: list[Episode]) -> dict[str, float]:
+def _pool_metrics(server: tuple[str, str], episodes: list[Episode]) -> dict[str, float]:
     """env/pool_*: this stage's episodes per server of the pool (its ids say which: tasks/envs/runtime/pool.py), those
     failed because their server was lost, and the pool's own counts at the end (/health: live servers, servers
     replaced so far). Nothing when the server is not a pool."""
@@ -270,8 +252,7 @@ def _pool_metrics(cfg: Config, episodes: list[Episode]) -> dict[str, float]:
     try:
         import httpx
 
-        url, token = server_of(cfg)
-        health = httpx.get(f"{url}/health", timeout=5.0).json()
+        health = httpx.get(f"{server[0]}/health", timeout=5.0).json()
         out |= {"env/pool_live": float(health["live"]), "env/pool_replaced": float(health["replaced"])}
         size = int(health["size"])
     except Exception:  # noqa: BLE001 - the counts from the episodes' ids still say where they went
@@ -322,9 +303,7 @@ def episode_metrics(records: list[Rollout]) -> dict[str, float]:
     records = [r for r in records if not r.part]
     n = max(len(records), 1)
     returns = [r.env_return for r in records if r.env_return is not None]
-    pool = getattr(_pool_seen, "metrics", None) or {}       # env.servers > 1 (env/pool_*: _pool_metrics)
-    _pool_seen.metrics = {}
-    return {**pool, "env/episodes": float(len(records)),
+    return {"env/episodes": float(len(records)),
             "env/turns_mean": sum(sum(m.get("role") == "assistant" for m in r.turns or []) for r in records) / n,
             "env/return_mean": sum(returns) / max(len(returns), 1),
             "env/errors": float(sum(r.env_error is not None for r in records)),

@@ -25,14 +25,11 @@ from typing import Any
 
 from tasks.core.daemon import leave
 from tasks.core.fleet import Health, authorized, bearer, least_loaded
+from tasks.core.placement import ENV_TOKEN_VAR as TOKEN_VAR
+from tasks.core.placement import ENV_URL_VAR as URL_VAR  # noqa: F401 - the front's URL, as its callers name it
 from tasks.core.processes import listening_socket, server_arguments
-from tasks.envs.runtime.server import beside
+from tasks.envs.runtime.server import READY, SLACK_SECONDS, beside
 
-# The same names as tasks/envs/runtime/server.py's (not imported from it: it imports the environment machinery, and
-# torch)
-URL_VAR, TOKEN_VAR = "RLFLOW_ENV_SERVER", "RLFLOW_ENV_TOKEN"
-READY = "RLFLOW_ENV_SERVER_READY"          # the line the front prints once it answers: READY <url>
-SLACK_SECONDS = 60.0                       # an episode untouched for env.timeout_seconds + this is abandoned
 LOST = "of the pool was lost"              # in the error of an episode whose server was lost (episodes.py counts it)
 PROBE_SECONDS = 2.0                        # each live member's /health, this often
 

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.daemon import Watch, leave
 from tasks.core.errors import UserError, user_error_line
 from tasks.core.fleet import authorized, bearer
+from tasks.core.placement import ENV_TOKEN_VAR as TOKEN_VAR  # (the server's own token: the stages' too)
+from tasks.core.placement import ENV_URL_VAR as URL_VAR  # noqa: F401 - the server's URL, as its callers name it
 from tasks.core.processes import listening_socket, server_arguments
 from tasks.envs.runtime.isolation import (
     Caller,
@@ -44,8 +46,8 @@ from tasks.envs.runtime.protocol import as_step, factory_of
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
+    from tasks.core.placement import Services
 
-URL_VAR, TOKEN_VAR = "RLFLOW_ENV_SERVER", "RLFLOW_ENV_TOKEN"
 READY = "RLFLOW_ENV_SERVER_READY"          # the line the server prints once it answers: READY <url>
 DEFAULT_PORT = 8330
 SLACK_SECONDS = 60.0                       # an episode untouched for env.timeout_seconds + this is abandoned
@@ -302,17 +304,24 @@ class _Clients:
         return response
 
 
-def server_of(cfg: Config) -> tuple[str, str]:
-    """The URL and token the episodes use: what the flow handed the stage, else env.server_url."""
-    url = os.environ.get(URL_VAR) or cfg.env.server_url
-    if not url:
-        raise UserError(f"env.where: {cfg.env.where}: no environment server given; the flow starts one and sets "
-                        f"{URL_VAR} for its stages (run the stage through `rlflow run`, or set env.server_url)")
-    return url.rstrip("/"), os.environ.get(TOKEN_VAR, "")
+def server_of(cfg: Config, services: Services | None = None) -> tuple[str, str]:
+    """The URL and token the episodes use: the server the flow started (the stage's `services`; a stage without
+    a context: its process's environment, as a stage process is given them), else env.server_url and
+    RLFLOW_ENV_TOKEN."""
+    from tasks.core.placement import Services, placement_of
+
+    services = services if services is not None else Services.from_environment()
+    if services.env_url:
+        return services.env_url.rstrip("/"), services.env_token
+    place = placement_of(cfg)
+    if place.env != "yours":
+        raise UserError(f"env.where: {place.env}: no environment server given; the flow starts one and hands "
+                        f"it to its stages (run the stage through `rlflow run`, or set env.server_url)")
+    return cfg.env.server_url.rstrip("/"), Services.from_environment().env_token
 
 
-def _client(cfg: Config) -> _Clients:
-    url, token = server_of(cfg)
+def _client(cfg: Config, server: tuple[str, str]) -> _Clients:
+    url, token = server
     with _pools_lock:
         if (url, token) not in _pools:
             _pools[url, token] = _Clients(cfg, url, token)
@@ -328,8 +337,8 @@ class RemoteEnvironment:
         self.state: dict | None = None
 
     @classmethod
-    def start(cls, cfg: Config, row: dict) -> RemoteEnvironment:
-        client = _client(cfg)
+    def start(cls, cfg: Config, row: dict, server: tuple[str, str]) -> RemoteEnvironment:
+        client = _client(cfg, server)
         reply = _reply(client, "POST", "/episodes", {"row": row})
         return cls(client, reply["id"], reply.get("tools") or [])
 

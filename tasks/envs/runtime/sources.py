@@ -1,0 +1,107 @@
+"""Where a stage's rollouts come from: one source of three, chosen once from the config (`source_of`).
+
+    Prompts        one completion per prompt (tasks/engines/sampling.py: sample_rollouts)
+    Environments   env.factory: multi-turn episodes against environments (episodes.py: run_episodes)
+    Agents         env.agent: an agent's episodes through an endpoint serving the policy (agents.py: run_agents)
+
+Each has `check` (preflight, with the first row, the model's path and tokenizer: what it needs, one line and exit
+2 when it is not there), `run` (generate and evaluate: the rollouts and what sampling them took) and `metrics`
+(generate's source-specific ones); the stages and the preflight call them without asking which source runs.
+More: docs/internals.md (tasks/envs/runtime/sources.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+    from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSession
+    from tasks.core.placement import Services
+
+
+class Prompts:
+    """One completion per prompt: the rollout is the completion."""
+
+    name: ClassVar[str] = "prompts"
+
+    def check(self, cfg: Config, row: dict, model_path: str, tokenizer) -> None:
+        """Nothing beyond the data and the model, which the preflight checks for every source."""
+
+    def run(self, cfg: Config, session: SamplingSession, ds, rows: list[int], params: SamplingParams,
+            policy: str, services: Services | None = None) -> tuple[list[Rollout], Sampled]:
+        from tasks.engines.sampling import sample_rollouts
+
+        return sample_rollouts(cfg, session, ds, rows, params)
+
+    def metrics(self, records: list[Rollout]) -> dict[str, float]:
+        return {}
+
+
+class Environments:
+    """env.factory: each rollout a multi-turn episode, the environments here (env.isolation) or on the
+    environment server (env.where, env.server_url; the stage's context names the flow's)."""
+
+    name: ClassVar[str] = "env.factory"
+
+    def check(self, cfg: Config, row: dict, model_path: str, tokenizer) -> None:
+        """The factory imports and builds one environment with env.kwargs where it runs on this machine; a server
+        of your own (env.server_url) answers as an rlflow environment server. (An environment server on sky
+        checks its own factory as it starts.)"""
+        from tasks.core.placement import placement_of
+        from tasks.envs.runtime.protocol import check_environment, factory_of, require_env_server
+
+        env = placement_of(cfg).env
+        if env in ("stage", "local"):
+            factory_of(cfg)             # env.factory cannot be imported: one line, exit 2 (here, or the server)
+            check_environment(cfg, row)     # one built with env.kwargs, its adapter and tools
+        elif env == "yours":
+            require_env_server(cfg.env.server_url)    # an rlflow environment server (its /health's shape)
+
+    def run(self, cfg: Config, session: SamplingSession, ds, rows: list[int], params: SamplingParams,
+            policy: str, services: Services | None = None) -> tuple[list[Rollout], Sampled]:
+        from tasks.envs.runtime.episodes import run_episodes
+
+        return run_episodes(cfg, {r: ds[r] for r in set(rows)}, rows, session, params, services)
+
+    def metrics(self, records: list[Rollout]) -> dict[str, float]:
+        from tasks.envs.runtime.episodes import episode_metrics
+
+        return episode_metrics(records)
+
+
+class Agents:
+    """env.agent: an agent drives each episode, calling the policy through the stage's OpenAI-compatible
+    endpoint."""
+
+    name: ClassVar[str] = "env.agent"
+
+    def check(self, cfg: Config, row: dict, model_path: str, tokenizer) -> None:
+        from tasks.core.errors import UserError
+        from tasks.envs.runtime.agents import agent_of
+
+        agent_of(cfg)                   # env.agent cannot be imported or called so: one line, exit 2
+        if not tokenizer.chat_template:
+            raise UserError(f"env.agent: model.name_or_path {model_path}: its tokenizer has no chat template, which "
+                            "the agents' endpoint renders their chat calls with")
+
+    def run(self, cfg: Config, session: SamplingSession, ds, rows: list[int], params: SamplingParams,
+            policy: str, services: Services | None = None) -> tuple[list[Rollout], Sampled]:
+        from tasks.envs.runtime.agents import run_agents
+
+        return run_agents(cfg, {r: ds[r] for r in set(rows)}, rows, session, params, policy)
+
+    def metrics(self, records: list[Rollout]) -> dict[str, float]:
+        from tasks.envs.runtime.agents import agent_metrics
+        from tasks.envs.runtime.episodes import episode_metrics
+
+        return {**episode_metrics(records), **agent_metrics(records)}
+
+
+def source_of(cfg: Config) -> Prompts | Environments | Agents:
+    """The source the config names: env.agent, else env.factory, else the prompts."""
+    if cfg.env.agent:
+        return Agents()
+    if cfg.env.factory:
+        return Environments()
+    return Prompts()

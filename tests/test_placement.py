@@ -1,0 +1,81 @@
+"""Placement computed once from the config, and a stage's context (Services) handed as an argument: the flow never
+puts a stage's servers in its own environment (tasks/core/placement.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from tasks.core.config import load_config
+from tasks.core.errors import UserError
+from tasks.core.placement import ENV_URL_VAR, JUDGES_VAR, REPLICA_LAUNCH_VAR, Services, placement_of
+from tasks.envs.runtime.server import server_of
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY, LETTERS = ROOT / "configs" / "tiny.yaml", ROOT / "configs" / "letters.yaml"
+
+
+def test_the_defaults_run_every_stage_inline_with_no_service():
+    p = placement_of(load_config(TINY))
+    assert set(p.stages) == {"generate", "reward", "train", "publish", "evaluate"}
+    assert all(p.where(s) == "inline" and not p.launched(s) and not p.routes(s) for s in p.stages)
+    assert (p.replicas, p.replicas_where, p.env, p.judges, p.on_sky()) == (0, "none", "none", {}, [])
+
+
+def test_where_each_stage_and_service_runs():
+    p = placement_of(load_config(TINY, ["launcher.mode=local", "launcher.stages={train: sky}",
+                                        "generate.replicas=2"]))
+    assert (p.where("reward"), p.where("train")) == ("local", "sky")
+    assert p.routes("generate") and p.routes("evaluate") and not p.launched("generate")   # the replicas sample
+    assert p.launched("reward") and p.launched("train") and p.on_sky() == ["train"]
+    assert (p.replicas, p.replicas_where) == (2, "local")
+    on_sky = placement_of(load_config(TINY, ["launcher.stages={generate: sky}", "generate.replicas=3"]))
+    assert on_sky.replicas_where == "sky" and on_sky.on_sky() == []     # (routed: its replicas are the clusters)
+
+
+@pytest.mark.parametrize(("overrides", "env", "servers"), [
+    ([], "stage", 1),
+    (["env.where=local", "env.servers=3"], "local", 3),
+    (["env.where=sky"], "sky", 1),
+    (["env.server_url=http://127.0.0.1:9"], "yours", 1),
+])
+def test_the_environment_server(overrides, env, servers):
+    p = placement_of(load_config(LETTERS, overrides))
+    assert (p.env, p.env_servers) == (env, servers)
+
+
+def test_a_stage_context_crosses_a_process_boundary_as_variables_and_back():
+    services = Services(env_url="http://127.0.0.1:1", env_token="t", judges={"j": "http://127.0.0.1:2"},
+                        judge_token="k", replica_launch={"start": ["x", "{i}"], "port_base": 8340})
+    variables = services.variables()
+    assert json.loads(variables[JUDGES_VAR]) == {"j": "http://127.0.0.1:2"}
+    assert json.loads(variables[REPLICA_LAUNCH_VAR])["port_base"] == 8340
+    assert Services.from_environment(variables) == services
+    assert Services().variables() == {} and Services.from_environment({}) == Services()
+    merged = Services(env_url="http://a") | Services(judges={"j": "http://b"}, judge_token="k")
+    assert (merged.env_url, dict(merged.judges), merged.judge_token) == ("http://a", {"j": "http://b"}, "k")
+
+
+def test_an_inline_stage_uses_its_argument_not_the_process_environment(monkeypatch):
+    """Two inline stages of one process (run.max_staleness: the look-ahead threads) each see their own servers;
+    the process's environment, what a stage process is given, is read only when no context is passed."""
+    cfg = load_config(LETTERS, ["env.where=local"])
+    monkeypatch.setenv(ENV_URL_VAR, "http://127.0.0.1:7")
+    seen = {}
+
+    def stage(name: str, url: str) -> None:
+        seen[name] = server_of(cfg, Services(env_url=url, env_token=name))
+
+    threads = [threading.Thread(target=stage, args=(n, f"http://127.0.0.1:{p}/")) for n, p in (("a", 1), ("b", 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"a": ("http://127.0.0.1:1", "a"), "b": ("http://127.0.0.1:2", "b")}
+    assert server_of(cfg) == ("http://127.0.0.1:7", "")             # no context: a stage process's variables
+    monkeypatch.delenv(ENV_URL_VAR)
+    with pytest.raises(UserError, match="no environment server given"):
+        server_of(cfg, Services())
