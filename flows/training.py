@@ -284,7 +284,7 @@ def _warm_trainer(trainer: DetachedTrainer, iteration: int, log) -> None:
     thread of the flow; never raises (the train stage does the same itself). Not for a trainer held by this
     process: it would share the process's RNG with generate at the same time."""
     try:
-        trainer.prepare(iteration)
+        trainer.preload(iteration)
     except Exception as e:  # noqa: BLE001 - only an early start; the train stage reports what matters
         log.warning("warming the resident trainer up for iteration %d failed: %s", iteration + 1, e)
 
@@ -399,7 +399,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
             ahead.drain()          # nothing of this flow run writes once it has ended (and its lease gone)
         # keeps what was logged; never masks the error that got us here; a refusal (the user's input) leaves a
         # finished earlier run finished
-        tracker.finish("FAILED", refused=cause_of(e, UserError) is not None)
+        tracker.end("FAILED", refused=cause_of(e, UserError) is not None)
         raise
     finally:
         progress.close()
@@ -408,7 +408,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
                                          **e["metrics"]}, r["samples"], p["uri"])
     tracker.drain()
     curve = tracker.log_reward_curve(reward_means, Path("rlflow-runs") / cfg.run.name)
-    tracker.finish()
+    tracker.end()
     return {
         "run": cfg.run.name,
         "iterations_completed": len(reward_means),

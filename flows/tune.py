@@ -356,7 +356,7 @@ class StudyTracker:
                 self.client.log_metric(run_id, "tune/value", value)
             self.client.set_terminated(run_id, {"COMPLETE": "FINISHED", "PRUNED": "KILLED"}.get(state, "FAILED"))
 
-    def finish(self, best: dict | None, status: str) -> None:
+    def end_study(self, best: dict | None, status: str) -> None:
         with self.lock:
             if best is not None:
                 self.client.log_metric(self.parent, "best_value", best["value"])
@@ -405,7 +405,7 @@ def tune_flow(args, cfg: Config, space: dict[str, Param]) -> dict:
         rows = tune.rows(study)
         create_table_artifact(table=rows, key=f"tune-{_slug(tune.study_name())}",
                               description=f"rlflow tune {tune.study_name()}: {args.metric}, {args.direction}")
-        tracker.finish(best, "KILLED" if stopped else "FINISHED")
+        tracker.end_study(best, "KILLED" if stopped else "FINISHED")
         return {"best": best, "trials": rows, "stopped": stopped[0] if stopped else None}
     return body()
 

@@ -95,7 +95,7 @@ def test_an_episodes_turns_merge_into_the_tokens_the_engine_sampled():
 
 def test_an_agent_that_edits_its_history_splits_step_wise_and_shares_its_episodes_advantage():
     from tasks.algorithms.learners.registry import make
-    from tasks.engines.training import episode_scores
+    from tasks.engines.training import episode_signal
 
     cfg = _cfg("editor", "generate.num_generations=2")
     records, _ = _run(cfg, n=2, rows=LETTERS[:2])
@@ -106,7 +106,7 @@ def test_an_agent_that_edits_its_history_splits_step_wise_and_shares_its_episode
     assert agent_metrics(records)["agent/split_episodes"] == 4
     for i, r in enumerate(records):
         r.reward = [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0][i]
-    scores = episode_scores(make(cfg, 1), records)
+    scores = episode_signal(make(cfg, 1), records)
     assert scores[0] == scores[1] > 0 > scores[2] == scores[3]               # the group is 2 episodes, not 4 rows
     assert scores[4] == scores[5] == scores[6] == scores[7] == 0
 
@@ -241,7 +241,7 @@ def test_every_learner_trains_agent_rollouts_through_their_mask(algorithm, agent
     from tasks.algorithms.learners.registry import make
     from tasks.algorithms.update import optimise
     from tasks.engines.torch_engine import TorchEngine
-    from tasks.engines.training import episode_scores
+    from tasks.engines.training import episode_signal
 
     records = agent_records
 
@@ -253,7 +253,7 @@ def test_every_learner_trains_agent_rollouts_through_their_mask(algorithm, agent
         engine = TorchEngine.open(cfg, None, None)
         rows = [Rollout(**{**vars(r), "logprobs": [lp if m else added for lp, m in zip(r.logprobs, r.mask)]})
                 for r in records]
-        scores = episode_scores(make(cfg, 1), rows)
+        scores = episode_signal(make(cfg, 1), rows)
         optimise(engine, prepare_batches(rows, scores, engine.tokenizer.pad_token_id, cfg.train, "cpu"), cfg)
         state = {f"policy.{k}": v for k, v in engine.model.state_dict().items()}
         if engine.critic is not None:

@@ -124,7 +124,7 @@ def test_a_masked_token_never_changes_the_loss_or_its_gradient(loss_type, level)
         logp = values["logp"].clone().requires_grad_(True)
         rho = behaviour_correction(values["old"], values["mu"], batch.mask, "sequence_truncate" if level ==
                                    "sequence" else "token_truncate", 3.0)
-        ptl, _, _ = per_token_loss(logp, values["old"], batch.scores, batch.mask, cfg.train, values["ref"], rho)
+        ptl, _, _ = per_token_loss(logp, values["old"], batch.signal, batch.mask, cfg.train, values["ref"], rho)
         loss = aggregate(ptl, batch.mask, loss_type, float(batch.mask.sum()), 2, 96)
         loss.backward()
         return loss.detach(), logp.grad

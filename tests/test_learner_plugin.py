@@ -37,7 +37,7 @@ class CentredGrpo(Grpo):
 
     def prepare(self, engine, batches) -> None:
         for b in batches:
-            b.own = Centred(b.scores - b.scores.mean())
+            b.own = Centred(b.signal - b.signal.mean())
             b.advantages = b.own.centred
 
     def loss(self, engine, b, fwd, totals, stats, first_pass: bool) -> torch.Tensor:
@@ -66,13 +66,13 @@ def test_a_learner_defined_outside_the_package_trains_through_the_one_update_loo
                        reward=float(i % 3 == 0)) for i in range(8)]
     rewards = torch.tensor([r.reward for r in records])
     learner = CentredGrpo(cfg, 1)
-    batches = prepare_batches(records, learner.scores(rewards), engine.tokenizer.pad_token_id, cfg.train, "cpu")
+    batches = prepare_batches(records, learner.signal(rewards), engine.tokenizer.pad_token_id, cfg.train, "cpu")
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     stats = optimise(engine, batches, cfg, learner=learner)
     assert isinstance(stats.own, CentredStats)
     assert stats.own.rows_seen == 8.0 and stats.own.last_rows == 4.0       # summed once; the kept one as set
     assert all(isinstance(b.own, Centred) for b in batches)
     assert any(not torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
-    metrics = stats.metrics(rewards, torch.cat([b.scores for b in batches]), cfg.train, 1.0, learner)
+    metrics = stats.metrics(rewards, torch.cat([b.signal for b in batches]), cfg.train, 1.0, learner)
     assert metrics["train/centred_rows"] == 8.0 and "train/loss" in metrics
     assert engine.critic is None                               # it trains nothing beside the policy

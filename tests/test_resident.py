@@ -240,9 +240,9 @@ def test_the_trainer_is_found_again_after_its_caller_died_and_an_idle_one_stops(
 
 
 @AT_LENGTH
-def test_a_lost_trainer_is_restored_by_prepare_before_the_train_request_comes(reference, tmp_path):
+def test_a_lost_trainer_is_restored_by_preload_before_the_train_request_comes(reference, tmp_path):
     """What the flow does while generate runs (flows/training.py: _warm_trainer): a new trainer restores then,
-    and the train request finds it ready; a late prepare never moves a trainer back."""
+    and the train request finds it ready; a late preload never moves a trainer back."""
     import signal
 
     cfg = _cfg(tmp_path, "warm")
@@ -250,15 +250,15 @@ def test_a_lost_trainer_is_restored_by_prepare_before_the_train_request_comes(re
         _iteration(cfg, it)
     os.kill(json.loads((state_dir() / "warm.json").read_text())["pid"], signal.SIGKILL)
     handle = DetachedTrainer(cfg)
-    assert handle.prepare(3) == 3                              # a new trainer: full-2, then 3 replayed
+    assert handle.preload(3) == 3                              # a new trainer: full-2, then 3 replayed
     generate(cfg, 4, layout.policy("warm", 3))
     reward(cfg, 4)
-    assert "train/restore_seconds" in train(cfg, 4)["metrics"]   # (spent in prepare, reported here)
+    assert "train/restore_seconds" in train(cfg, 4)["metrics"]   # (spent in preload, reported here)
     publish(cfg, 4)
-    assert handle.prepare(2) == 4
+    assert handle.preload(2) == 4
     log = (state_dir() / "warm.log").read_text().split("pid ")[-1]   # the new trainer's lines
     assert log.count("restored the state after") == 1 and "restored the state after iteration 3" in log
-    assert log.index("prepare 3: ok") < log.index("train 4: ok") and "prepare 2: ok" in log
+    assert log.index("preload 3: ok") < log.index("train 4: ok") and "preload 2: ok" in log
     for it in (5, 6):
         _iteration(cfg, it)
     assert _policies(cfg) == reference
@@ -363,7 +363,7 @@ def test_the_flow_trains_resident_through_the_local_launcher_and_stops_the_train
     assert shas == reference[:3]
     log = (state_dir() / "flow.log").read_text()
     # warmed up while generating, once, never restarted (a new trainer would restore a later iteration, and say so)
-    assert log.count("prepare 0: ok") == 1 and "restored the state after" not in log
+    assert log.count("preload 0: ok") == 1 and "restored the state after" not in log
     assert not (state_dir() / "flow.json").exists()                          # stopped at the flow's end ...
     assert store.manifest(layout.full_checkpoint("flow", 3)) is not None     # ... after a full checkpoint
 

@@ -41,9 +41,9 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
     return ids, attn, positions, cmask
 
 
-def prepare_batches(records: list[Rollout], scores: torch.Tensor, pad_token_id: int, tc: TrainConfig,
+def prepare_batches(records: list[Rollout], signal: torch.Tensor, pad_token_id: int, tc: TrainConfig,
                     device: torch.device | str) -> list[MicroBatch]:
-    """Pad the scored rollouts into micro-batches of `tc.micro_batch_size` (scores: (N,), one per record: what
+    """Pad the scored rollouts into micro-batches of `tc.micro_batch_size` (signal: (N,), one per record: what
     the learner made of their rewards, tasks/algorithms/learners/)."""
     batches = []
     for start in range(0, len(records), tc.micro_batch_size):
@@ -60,19 +60,19 @@ def prepare_batches(records: list[Rollout], scores: torch.Tensor, pad_token_id: 
             mask = mask * torch.tensor([[0.0 if r.truncated else 1.0] for r in chunk])
         batches.append(MicroBatch(ids=ids, attention=attn, positions=pos, mask=mask.to(device),
                                   behaviour=behaviour.to(device),
-                                  scores=scores[start:start + len(chunk)].to(device), rows=len(chunk),
+                                  signal=signal[start:start + len(chunk)].to(device), rows=len(chunk),
                                   share_prompts=tc.share_prompts))
     return batches
 
 
-def shard_batches(records: list[Rollout], scores: torch.Tensor, pad_token_id: int, tc: TrainConfig,
+def shard_batches(records: list[Rollout], signal: torch.Tensor, pad_token_id: int, tc: TrainConfig,
                   device: torch.device | str, rank: int, world_size: int) -> list[MicroBatch]:
     """This process's micro-batches: a contiguous shard of ceil(N / world_size) completions, padded with
     weightless micro-batches (mask 0, no rows) to the count of the largest shard: every process must run
     the same number of forwards and backwards, since ZeRO gathers and reduces inside them."""
     size = -(-len(records) // world_size)
     lo, hi = min(rank * size, len(records)), min((rank + 1) * size, len(records))
-    batches = prepare_batches(records[lo:hi], scores[lo:hi], pad_token_id, tc, device)
+    batches = prepare_batches(records[lo:hi], signal[lo:hi], pad_token_id, tc, device)
     while len(batches) < -(-size // tc.micro_batch_size):
         empty = prepare_batches(records[:1], torch.zeros(1), pad_token_id, tc, device)[0]
         batches.append(dataclasses.replace(empty, mask=torch.zeros_like(empty.mask), rows=0))

@@ -130,7 +130,7 @@ class UpdateStats:
     def metrics(self, rewards: torch.Tensor, advantages: torch.Tensor, tc: TrainConfig, seconds: float,
                 learner: LearnerMetrics | None = None) -> dict:
         """The train/* metrics of an iteration: rewards (N,) with NaN for missing, advantages (N,) (the rows'
-        scores), and the learner's own (tasks/algorithms/learners/; None: one with none, as grpo)."""
+        signal), and the learner's own (tasks/algorithms/learners/; None: one with none, as grpo)."""
         present = rewards[~torch.isnan(rewards)]
         denom = max(self.num_tokens, 1.0)   # every completion may be masked (mask_truncated_completions)
         metrics = {

@@ -29,7 +29,7 @@ def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, ite
              learner: Learner | None = None) -> UpdateStats:
     """tc.num_iterations optimiser steps over the whole batch: gradients accumulated over micro-batches and
     processes, the loss normalised over the whole batch. Returns the statistics over all processes. `batches`
-    carry what `learner.scores` made of their rows' rewards (`learner`: train.algorithm's for `iteration`)."""
+    carry what `learner.signal` made of their rows' rewards (`learner`: train.algorithm's for `iteration`)."""
     tc, temperature = cfg.train, Distribution.of(cfg)
     learner = learner if learner is not None else make(cfg, iteration)
     fixed_logprobs(engine, batches, cfg)

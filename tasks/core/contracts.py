@@ -111,8 +111,8 @@ class MicroBatch:
     positions: torch.Tensor            # (b, Lp+Lc) long: real tokens counted only, as the generator saw them
     mask: torch.Tensor                 # (b, Lc) float: 1 on completion tokens that enter the loss
     behaviour: torch.Tensor            # (b, Lc) float: the generator's logprob of each token (μ), 0 on padding
-    scores: torch.Tensor               # (b,) what the learner made of the rows' rewards before the batch was
-                                       # split (Learner.scores: GRPO's advantages, the value learners' rewards)
+    signal: torch.Tensor               # (b,) what the learner made of the rows' rewards before the batch was
+                                       # split (Learner.signal: GRPO's advantages, the value learners' rewards)
     rows: int                          # completions in it (0: a weightless micro-batch, see shard_batches)
     advantages: torch.Tensor | None = None     # (b,), or (b, Lc) per token: set by the learner's prepare
     ref: torch.Tensor | None = None    # (b, Lc) the reference policy's logprobs (beta > 0)
@@ -252,7 +252,7 @@ class TrainerHandle(Protocol):
 
     def train(self, iteration: int, fingerprint: str) -> dict:
         """Train iteration `iteration` on its stored scored rollouts; ckpt-N is committed on return."""
-    def prepare(self, iteration: int) -> int:
+    def preload(self, iteration: int) -> int:
         """Hold the state after `iteration` now (restore and replay ahead of the train request); writes nothing.
         Returns the iteration held."""
     def finish(self, catch_up: bool = False) -> int | None:
@@ -279,9 +279,9 @@ class Learner(Protocol):
         """The earlier iterations whose scored rollouts this update trains on too (loaded by the engines side,
         with the section's off-line ones before them: train.learner.offline())."""
 
-    def scores(self, rewards: torch.Tensor) -> torch.Tensor:
+    def signal(self, rewards: torch.Tensor) -> torch.Tensor:
         """What the learner makes of the rows' rewards (N,) (NaN: none) before the batch is split: one value per
-        row, carried by MicroBatch.scores (GRPO's advantages need the whole batch's groups)."""
+        row, carried by MicroBatch.signal (GRPO's advantages need the whole batch's groups)."""
 
     def prepare(self, engine: TrainingEngine, batches: list[MicroBatch]) -> None:
         """Before the passes, after the fixed logprobs (reference, π_old): each micro-batch's `advantages`, and

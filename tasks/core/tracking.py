@@ -406,7 +406,7 @@ class Tracker:
         listed += [{"path": p, "type": "table"} for p in paths if {"path": p, "type": "table"} not in listed]
         self.client.set_tag(self.run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(listed[-60:]))
 
-    def finish(self, status: str = "FINISHED", refused: bool = False) -> None:
+    def end(self, status: str = "FINISHED", refused: bool = False) -> None:
         """Flush and close the MLflow run. With status FAILED, tracking errors are swallowed: the caller is
         already raising the error that matters. `refused`: this flow run stopped on the user's input (a resume
         with another config): an earlier run's status is left as it was, not turned FAILED."""

@@ -3,7 +3,7 @@ detached): one trainer per run that stays alive across iterations on the train m
 optimizer and RNG in memory. The handle is `DetachedTrainer` (a TrainerHandle, tasks/engines/trainer.py, as the
 in-process one); the process it starts, tasks/engines/trainer_server.py, runs the same `Trainer`.
 
-    DetachedTrainer(cfg).prepare(N-1)            # (the flow, while it generates N) restore now
+    DetachedTrainer(cfg).preload(N-1)            # (the flow, while it generates N) restore now
     DetachedTrainer(cfg).train(N, fingerprint)   # update(N); ckpt-N lean; a full one every checkpoint_every
     DetachedTrainer(cfg).finish()                # a full checkpoint of its last iteration, then exit
 
@@ -82,11 +82,11 @@ class DetachedTrainer:
         node: this node's part joins the group if none runs, and this returns once the group committed ckpt-N.)"""
         return self._request({"op": "train", "iteration": iteration, "fingerprint": fingerprint}, start=True)
 
-    def prepare(self, iteration: int) -> int:
+    def preload(self, iteration: int) -> int:
         """Have the trainer (started if none runs) hold the state after iteration `iteration` now: a new one
         restores and replays while the flow generates iteration + 1, not when its train request comes. Writes
         nothing. Returns the iteration it holds."""
-        return self._request({"op": "prepare", "iteration": iteration}, start=True)["at"]
+        return self._request({"op": "preload", "iteration": iteration}, start=True)["at"]
 
     def finish(self, catch_up: bool = False) -> int | None:
         """A full checkpoint of the trainer's last iteration, then it exits. Returns that iteration, or None
@@ -166,7 +166,7 @@ class DetachedTrainer:
 
     def _ensure(self) -> tuple[str, bytes]:
         """The address of this run's trainer with our key; started (detached) if none answers (the daemon
-        helper, tasks/core/daemon.py: one caller at a time per run on this machine, so a flow's prepare and a
+        helper, tasks/core/daemon.py: one caller at a time per run on this machine, so a flow's preload and a
         stage process that ask together start one trainer, not two)."""
         return self._address(self.daemon.ensure(self.key, self._answers, self._start))
 

@@ -178,7 +178,8 @@ class _SampleAndRecord:
             token = torch.multinomial(probs, num_samples=1, generator=self.generator)
         return torch.full_like(scores, -torch.inf).scatter_(-1, token, 0.0)
 
-    def finish(self, sequences) -> torch.Tensor:
+    def logprobs(self, sequences) -> torch.Tensor:
+        """The sampled tokens' logprobs (N, steps), the last step's collected from `sequences`."""
         self._collect(sequences)
         return torch.stack(self.steps, dim=1)  # (N, steps)
 
@@ -222,7 +223,7 @@ def hf_generate(model, tokenizer, prompt_ids: list[list[int]], params: SamplingP
             recorder = _SampleAndRecord(temperature, top_p, generator, params.top_k)
             seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg, past_key_values=cache,
                                   logits_processor=LogitsProcessorList([recorder]))
-        logps = recorder.finish(seqs)
+        logps = recorder.logprobs(seqs)
         completions = seqs[:, L:].cpu()
         for j in range(completions.shape[0]):
             toks = completions[j].tolist()

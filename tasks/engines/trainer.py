@@ -2,7 +2,7 @@
 and the in-process handle on it.
 
     handle = open_trainer(cfg)               # tasks/train.py: where train.mode and train.host put the trainer
-    handle.prepare(N - 1)                    # (the flow, while it generates N: restore now)
+    handle.preload(N - 1)                    # (the flow, while it generates N: restore now)
     handle.train(N, fingerprint)             # ckpt-N committed, trainer/LATEST moved
     handle.close()                           # the stage is done with it (process mode: the trainer goes)
     handle.finish()                          # the run is done: a full checkpoint of its last iteration, then it goes
@@ -18,24 +18,27 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
+import tempfile
 import threading
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.core import layout
+import torch
+
+from tasks.algorithms.batching import shard_batches
+from tasks.algorithms.learners.registry import make as make_learner
+from tasks.algorithms.update import optimise
+from tasks.core import data, layout, rollout
+from tasks.core.hashing import sha256_file
 from tasks.core.process_wide import PROCESS_WIDE, rng_state, set_rng_state
 from tasks.core.stage import made_of
 from tasks.core.store import open_store
-from tasks.engines.training import (
-    lean_files,
-    newest_full,
-    restore,
-    training_engine,
-    update,
-    write_checkpoint,
-)
+from tasks.engines.training import episode_signal, newest_full, offline_rollouts, training_engine
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -101,7 +104,7 @@ class Trainer:
         with self._own_rng():
             return self._train(iteration, fingerprint)
 
-    def prepare(self, iteration: int) -> int:
+    def preload(self, iteration: int) -> int:
         """Hold the state after `iteration` (restored and replayed now if not held already); a late request,
         for an iteration the trainer has trained past, changes nothing. Returns the iteration held."""
         if self.at is not None and self.at > iteration:
@@ -115,7 +118,7 @@ class Trainer:
             return
         t0 = time.perf_counter()
         self.close()
-        self.engine = restore(self.cfg, self.store, iteration)
+        self.engine = self.restore(iteration)
         self.at = iteration
         full = self.resident and newest_full(self.store, self.cfg.run.name, iteration)[1] == iteration
         self.full_at = iteration if full else None     # (process mode writes no full checkpoint but its ckpt-N)
@@ -140,9 +143,9 @@ class Trainer:
         t0 = time.perf_counter()
         self._restore_to(iteration - 1)
         try:
-            metrics = update(self.engine, cfg, store, iteration, t0)
+            metrics = self.update(self.engine, iteration, t0)
             if self.restored is not None:      # a new trainer: the newest full checkpoint, then the replay
-                metrics["train/restore_seconds"], self.restored = self.restored, None   # (here or in prepare)
+                metrics["train/restore_seconds"], self.restored = self.restored, None   # (here or in preload)
         except BaseException:
             self.close()                        # a half-done update: the next request restores
             raise
@@ -150,11 +153,9 @@ class Trainer:
                                                          "made_of": made_of(cfg, TRAIN_SECTIONS)}
         if self.resident:
             _drill("lean-write", iteration)
-            write_checkpoint(store, cfg, key, iteration, engine.global_step, lean_files(engine), meta, kind="lean",
-                             rank=self.rank)
+            self.write_checkpoint(key, iteration, engine.global_step, _lean_files(engine), meta, kind="lean")
         else:                                   # the whole state: the next iteration's trainer resumes from it
-            write_checkpoint(store, cfg, key, iteration, engine.global_step, lambda out: engine.save(out, iteration),
-                             meta, rank=self.rank)
+            self.write_checkpoint(key, iteration, engine.global_step, lambda out: engine.save(out, iteration), meta)
             self.full_at = iteration
         if self.rank == 0:                      # one writer
             store.advance_pointer(layout.latest(run, "trainer"), key)
@@ -172,14 +173,14 @@ class Trainer:
         self.join()
         if self.engine is None or not self.at or self.full_at == self.at:     # (at 0: the base model)
             return self.full_at
-        iteration, engine, cfg, store = self.at, self.engine, self.cfg, self.store
+        iteration, engine = self.at, self.engine
         files, step = engine.snapshot(iteration), engine.global_step
-        key = layout.full_checkpoint(cfg.run.name, iteration)
+        key = layout.full_checkpoint(self.cfg.run.name, iteration)
 
         def write() -> None:
             try:
-                write_checkpoint(store, cfg, key, iteration, step, files, {}, kind="full", keep_policy_here=False,
-                                 before_commit=lambda: _drill("full-upload", iteration), rank=self.rank)
+                self.write_checkpoint(key, iteration, step, files, {}, kind="full", keep_policy_here=False,
+                                      before_commit=lambda: _drill("full-upload", iteration))
                 _drill("full-done", iteration)
             except BaseException as e:          # raised by the next request (join)
                 self.writer_error = e
@@ -194,6 +195,74 @@ class Trainer:
             self.join()
         return iteration
 
+    # ------------------------------------------------------------------ one iteration's steps, on any engine
+
+    def update(self, engine: TrainingEngine, iteration: int, t0: float | None = None) -> dict:
+        """Iteration `iteration`'s update of `engine` on its stored scored rollouts, by the learner train.algorithm
+        names: the rows it trains on (this iteration's, and the earlier and off-line ones it replays, loaded
+        here), what it makes of their rewards over the whole batch (groups complete), this process's shard of
+        micro-batches, the optimiser passes. Returns the train/* metrics (`t0`: when the stage started)."""
+        cfg, store = self.cfg, self.store
+        t0 = time.perf_counter() if t0 is None else t0
+        tc = cfg.train
+        learner = make_learner(cfg, iteration)
+        records = rollout.load(store, layout.rewards(cfg.run.name, iteration))
+        rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
+        older = [r for k in learner.replay(iteration) for r in rollout.load(store, layout.rewards(cfg.run.name, k))]
+        offline = [r for key in offline_rollouts(cfg, store) for r in rollout.load(store, key)]
+        records = offline + older + records
+        signal = episode_signal(learner, records)
+        batches = shard_batches(records, signal, engine.tokenizer.pad_token_id, tc, engine.device, engine.rank,
+                                engine.world_size)
+        t1 = time.perf_counter()
+        stats = optimise(engine, batches, cfg, iteration, learner)
+        engine.global_step += tc.num_iterations
+        metrics = stats.metrics(rewards, signal, tc, time.perf_counter() - t0, learner)
+        if learner.off_policy:
+            metrics["train/rows"] = float(len(records))       # this iteration's, the replayed and the off-line
+        metrics["train/update_seconds"] = time.perf_counter() - t1        # the optimiser passes alone
+        return metrics
+
+    def restore(self, iteration: int) -> TrainingEngine:
+        """An engine holding the trainer's state after iteration `iteration` (0: the base model): the newest full
+        checkpoint at or before it, then the iterations after it replayed from their stored rewards. The last
+        replayed iteration must reproduce the policy that iteration published, bit for bit on a CPU (checked:
+        the weights carry every earlier step, so a divergence anywhere shows there)."""
+        cfg, store = self.cfg, self.store
+        key, at = newest_full(store, cfg.run.name, iteration)
+        engine = training_engine(cfg).open(cfg, store, key)
+        try:
+            for k in range(at + 1, iteration + 1):
+                self.update(engine, k)
+            if iteration > at:
+                _check_replay(engine, store, layout.checkpoint(cfg.run.name, iteration))
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def write_checkpoint(self, key: str, iteration: int, step: int, files: Callable[[Path], dict], meta: dict,
+                         kind: str = "full", keep_policy_here: bool = True,
+                         before_commit: Callable[[], None] | None = None) -> dict | None:
+        """A checkpoint folder: `files(folder)` writes its files (every process calls this: deepspeed saves
+        collectively) and returns what state.json adds; process 0 then writes state.json and commits the folder
+        (manifest last). `kind`: full (the engine's `save` or `snapshot`: a trainer can resume from it) or lean
+        (`save_policy`: the policy alone). `keep_policy_here`: the policy's files stay in this machine's cache
+        too (the next generate here reads them without a download). Returns the manifest on process 0."""
+        with tempfile.TemporaryDirectory(prefix="rlflow-ckpt-") as tmp:
+            out = Path(tmp)
+            extra = files(out)
+            if self.rank != 0:
+                return None
+            state = {"iteration": iteration, "step": step,
+                     "data_cursor": data.cursor(iteration + 1, self.cfg.generate.prompts_per_iteration), **extra}
+            (out / layout.CKPT_STATE).write_text(json.dumps(state))
+            if before_commit is not None:
+                before_commit()
+            policy = (lambda rel: rel.startswith(layout.CKPT_MODEL + "/")) if keep_policy_here else None
+            return self.store.put_folder(key, out, meta={**meta, "kind": kind, "iteration": iteration},
+                                         keep_local=policy, give_up=True)
+
     def join(self) -> None:
         if self.writer is not None:
             self.writer.join()
@@ -207,6 +276,35 @@ class Trainer:
         if self.engine is not None:
             self.engine.close()
         self.engine, self.at, self.full_at, self.rng = None, None, None, None
+
+
+def _lean_files(engine: TrainingEngine) -> Callable[[Path], dict]:
+    """What a lean checkpoint holds: the policy (model/). Its state.json is a full checkpoint's of the same
+    iteration, so the next iteration's fingerprint does not depend on the mode."""
+    def files(out: Path) -> dict:
+        engine.save_policy(out / layout.CKPT_MODEL)
+        return {}
+    return files
+
+
+def _check_replay(engine: TrainingEngine, store: Store, key: str) -> None:
+    manifest = store.manifest(key)
+    if manifest is None:
+        raise RuntimeError(f"replay: {store.uri(key)} is missing; the stored iterations are incomplete")
+    with tempfile.TemporaryDirectory(prefix="rlflow-replay-") as tmp:
+        engine.save_policy(Path(tmp))
+        if engine.rank != 0:
+            return
+        mine = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(Path(tmp).rglob("*.safetensors"))}
+    theirs = {rel[len(layout.CKPT_MODEL) + 1:]: f["sha256"] for rel, f in manifest["files"].items()
+              if rel.startswith(layout.CKPT_MODEL + "/") and rel.endswith(".safetensors")}
+    if mine != theirs:
+        message = (f"replay: iteration {manifest['meta'].get('iteration')} reproduced other weights than "
+                   f"{store.uri(key)} holds")
+        if engine.device.type == "cpu":
+            raise RuntimeError(message + " (on a CPU replay is exact: this is a bug)")
+        warnings.warn(message + " (GPU kernels are not bit-reproducible; training goes on from the replay)",
+                      stacklevel=2)
 
 
 def unfinished(store: Store, run: str) -> int | None:
@@ -264,11 +362,11 @@ class InProcessTrainer:
         with _HELD_LOCK:
             return self._held().train(iteration, fingerprint)
 
-    def prepare(self, iteration: int) -> int:
+    def preload(self, iteration: int) -> int:
         if not self.held:
-            return self._own().prepare(iteration)
+            return self._own().preload(iteration)
         with _HELD_LOCK:
-            return self._held().prepare(iteration)
+            return self._held().preload(iteration)
 
     def finish(self, catch_up: bool = False) -> int | None:
         """A full checkpoint of the held trainer's last iteration, then it is let go; None: none held. With

@@ -4,7 +4,7 @@ the stage's requests over an authenticated Unix socket (`serve`) until finished,
 
     ping          at once, even while another request runs ("ok" only while the whole group is linked)
     train N       update(N), ckpt-N committed (a retried request whose first try committed it: at once)
-    prepare N     hold the state after iteration N now (restore and replay)
+    preload N     hold the state after iteration N now (restore and replay)
     finish        a full checkpoint of its last iteration, then exit
 
 With deepspeed every process of the torchrun group (tasks/engines/trainer_group.py) runs this: process 0
@@ -85,8 +85,8 @@ def follow(host: Trainer, group: Group) -> None:
                 group.seen = max(group.seen, message["iteration"])
                 host.train(message["iteration"], message["fingerprint"])
                 group.done = max(group.done, message["iteration"])
-            elif message["op"] == "prepare":
-                host.prepare(message["iteration"])
+            elif message["op"] == "preload":
+                host.preload(message["iteration"])
             elif message["op"] == "finish":
                 group.ending = True
                 full = host.final_checkpoint()
@@ -117,7 +117,7 @@ def _serve_node(listener: Listener, host: Trainer, group: Group) -> None:
 
 def _answer_node(conn, host: Trainer, group: Group) -> None:
     """Another node's first process answering its node's stage: a ping ("ok" while the group is whole); train
-    N: once the group has committed ckpt-N (node 0's stage asked for it); prepare: at once (node 0's asks)."""
+    N: once the group has committed ckpt-N (node 0's stage asked for it); preload: at once (node 0's asks)."""
     with conn:
         try:
             message = conn.recv()
@@ -128,7 +128,7 @@ def _answer_node(conn, host: Trainer, group: Group) -> None:
             reply = ("ok", None) if group.linked() else ("error", "the group is ending")
         elif op == "train":
             reply = _await_iteration(host, group, message["iteration"])
-        elif op == "prepare":
+        elif op == "preload":
             reply = ("ok", {"at": message["iteration"]})
         else:
             reply = ("error", f"node {group.node}'s part of the group does not take {op!r} (node 0's stage sends it)")
@@ -207,9 +207,9 @@ def _handle(host: Trainer, group: Group, message: dict) -> tuple[str, object]:
                 return "ok", {"key": key}
             group.share(message)
             return "ok", host.train(message["iteration"], message["fingerprint"])
-        if message["op"] == "prepare":
+        if message["op"] == "preload":
             group.share(message)
-            return "ok", {"at": host.prepare(message["iteration"])}
+            return "ok", {"at": host.preload(message["iteration"])}
         if message["op"] == "finish":
             group.ending = True
             group.share(message)

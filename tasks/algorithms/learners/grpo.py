@@ -34,14 +34,14 @@ class Grpo:
     def replay(self, iteration: int) -> list[int]:
         return []
 
-    def scores(self, rewards: torch.Tensor) -> torch.Tensor:
+    def signal(self, rewards: torch.Tensor) -> torch.Tensor:
         """The advantages (N,): the group statistics need the whole batch, so they are made before it is split."""
         return advantages(rewards, self.cfg.generate.num_generations, self.settings.advantage,
                           self.settings.scale_rewards)
 
     def prepare(self, engine: TrainingEngine, batches: list[MicroBatch]) -> None:
         for b in batches:
-            b.advantages = b.scores
+            b.advantages = b.signal
 
     def loss(self, engine: TrainingEngine, b: MicroBatch, fwd: Forward, totals: Totals, stats: UpdateStats,
              first_pass: bool) -> torch.Tensor:

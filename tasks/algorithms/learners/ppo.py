@@ -38,7 +38,7 @@ class Ppo:
     def replay(self, iteration: int) -> list[int]:
         return []
 
-    def scores(self, rewards: torch.Tensor) -> torch.Tensor:
+    def signal(self, rewards: torch.Tensor) -> torch.Tensor:
         return rewards                  # (per-token advantages come from the critic's values: prepare)
 
     def prepare(self, engine: TrainingEngine, batches: list[MicroBatch]) -> None:
@@ -52,7 +52,7 @@ class Ppo:
                 old, hidden = before_the_update(engine, b, Distribution.of(self.cfg))
                 b.own = own = ValueRows(values=engine.critic.values(hidden, b))
                 kl = (old - b.ref) if lc.kl_in_reward and b.ref is not None else None
-                rewards = token_rewards(b.scores, b.mask, kl, beta)
+                rewards = token_rewards(b.signal, b.mask, kl, beta)
                 b.advantages, own.returns = gae(rewards, own.values, b.mask, lc.gamma, lc.lam)
             whiten_over_batch(engine, batches)
 

@@ -54,7 +54,7 @@ class VtraceAwr:
     def replay(self, iteration: int) -> list[int]:
         return list(range(max(1, iteration - self.settings.replay_iterations + 1), iteration))
 
-    def scores(self, rewards: torch.Tensor) -> torch.Tensor:
+    def signal(self, rewards: torch.Tensor) -> torch.Tensor:
         return rewards                  # (per-token advantages from V-trace: prepare)
 
     def _targets(self, b: MicroBatch, values: torch.Tensor):
@@ -69,7 +69,7 @@ class VtraceAwr:
             for b in batches:
                 old, hidden = before_the_update(engine, b, Distribution.of(self.cfg))
                 b.own = ValueRows(encoded=critic.encode(hidden, b).detach(), log_rho=(old - b.behaviour) * b.mask,
-                                  rewards=token_rewards(b.scores, b.mask))
+                                  rewards=token_rewards(b.signal, b.mask))
         num_tokens, = engine.sum([float(sum(b.mask.sum() for b in batches))])
         for _ in range(self.settings.value_epochs):
             engine.zero_grad()
