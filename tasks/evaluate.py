@@ -28,7 +28,6 @@ from tasks.core.placement import Services
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
 from tasks.engines.sampling import open_session
-from tasks.envs.runtime.episodes import require_some_episode
 from tasks.envs.runtime.sources import source_of
 from tasks.scoring.functions import load_functions, require_some_score, score_records
 from tasks.scoring.worker import RewardState
@@ -127,7 +126,7 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
                 n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
                 temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
                 top_k=cfg.generate.top_k, seed=seed), policy, services)
-            require_some_episode(cfg, records, what)      # (no score of 0 recorded, nor a champion gated on it)
+            source.require_some(cfg, records, what)       # (no score of 0 recorded, nor a champion gated on it)
             cache = layout.judge_cache(cfg.run.name, iteration, "evaluate")
             require_some_score(records, score_records(functions, records, cfg.reward.aggregate, state,
                                                       judge_cache=cache, services=services), what)
@@ -136,7 +135,7 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
                 greedy, _ = source.run(cfg, session, ds, rows, SamplingParams(
                     n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0,
                     seed=seed), policy, services)
-                require_some_episode(cfg, greedy, f"{what} (greedy)")
+                source.require_some(cfg, greedy, f"{what} (greedy)")
                 require_some_score(greedy, score_records(functions, greedy, cfg.reward.aggregate, state,
                                                          judge_cache=cache, services=services), f"{what} (greedy)")
             routed = session.metrics("eval")               # generate.replicas: per replica, the router's counts

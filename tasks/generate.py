@@ -27,7 +27,6 @@ from tasks.core.placement import Services
 from tasks.core.stage import check_round, fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import open_store
 from tasks.engines.sampling import open_session
-from tasks.envs.runtime.episodes import require_some_episode
 from tasks.envs.runtime.sources import source_of
 
 if TYPE_CHECKING:
@@ -70,7 +69,7 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
             policy, services)
         routed = session.metrics("generate")        # generate.replicas: per replica, and the router's counts
 
-    require_some_episode(cfg, records, f"iteration {iteration}")
+    source.require_some(cfg, records, f"iteration {iteration}")
     n_tokens = sum(len(r.completion_ids) for r in records)
     metrics = {
         "generate/completion_length": n_tokens / len(records),

@@ -100,9 +100,10 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
              "sandbox": cfg.reward.sandbox.model_dump(mode="json")}
     if cfg.env.episodic() and "env" in names:
         raise UserError("reward.functions: 'env' names the episode's return; rename that function")
-    from tasks.scoring.judges import check_specs
+    if cfg.reward.models:
+        from tasks.scoring.judges import check_specs
 
-    check_specs(cfg, columns, names)
+        check_specs(cfg, columns, names)
     return RewardFunctions(names=names, weights={n: s.weight for n, s in zip(names, cfg.reward.functions)},
                            setup=setup, timeout_seconds=cfg.reward.timeout_seconds, strict=cfg.reward.strict,
                            env_weight=cfg.env.reward_weight if cfg.env.episodic() else None, cfg=cfg)

@@ -5,8 +5,9 @@
     Agents         env.agent: an agent's episodes through an endpoint serving the policy (agents.py: run_agents)
 
 Each has `check` (preflight, with the first row, the model's path and tokenizer: what it needs, one line and exit
-2 when it is not there), `run` (generate and evaluate: the rollouts and what sampling them took) and `metrics`
-(generate's source-specific ones); the stages and the preflight call them without asking which source runs.
+2 when it is not there), `run` (generate and evaluate: the rollouts and what sampling them took), `require_some`
+(a stage whose every episode failed stops) and `metrics` (generate's source-specific ones); the stages and the
+preflight call them without asking which source runs.
 More: docs/internals.md (tasks/envs/runtime/sources.py).
 """
 
@@ -36,6 +37,9 @@ class Prompts:
 
     def metrics(self, records: list[Rollout]) -> dict[str, float]:
         return {}
+
+    def require_some(self, cfg: Config, records: list[Rollout], what: str) -> None:
+        """A completion never fails as a whole: nothing to require."""
 
 
 class Environments:
@@ -69,6 +73,12 @@ class Environments:
 
         return episode_metrics(records)
 
+    def require_some(self, cfg: Config, records: list[Rollout], what: str) -> None:
+        """Stop a stage whose every episode failed (episodes.py: require_some_episode)."""
+        from tasks.envs.runtime.episodes import require_some_episode
+
+        require_some_episode(cfg, records, what)
+
 
 class Agents:
     """env.agent: an agent drives each episode, calling the policy through the stage's OpenAI-compatible
@@ -96,6 +106,8 @@ class Agents:
         from tasks.envs.runtime.episodes import episode_metrics
 
         return {**episode_metrics(records), **agent_metrics(records)}
+
+    require_some = Environments.require_some
 
 
 def source_of(cfg: Config) -> Prompts | Environments | Agents:
