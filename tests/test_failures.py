@@ -66,6 +66,7 @@ def test_an_evaluation_whose_every_call_fails_records_no_score(tmp_path, monkeyp
 def test_a_stalled_environment_server_is_started_again_before_the_retry(tmp_path, monkeypatch):
     """The flow marks the server after a stalled stage; its next check starts it again (a new process)."""
     from flows.services import EnvServer
+    from tasks.core.daemon import answers_http
     from tasks.envs.runtime.server import TOKEN_VAR, URL_VAR
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
@@ -79,7 +80,8 @@ def test_a_stalled_environment_server_is_started_again_before_the_retry(tmp_path
         first = server.proc.pid
         server.stalled = True
         server.services(said.append)
-        assert server.proc.pid != first and server.answers()
+        # (answers with a long timeout: on a loaded machine a new server's first /health may take > 10 s)
+        assert server.proc.pid != first and answers_http(f"{server.url}/health", timeout=120)
         assert any("every episode of the last stage timed out" in line for line in said), said
     finally:
         server.stop()
