@@ -337,6 +337,37 @@ def test_a_turn_cut_at_a_stop_string_is_closed_before_the_next(endpoint):
     assert after == "<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_an_integrations_token_route_is_served_with_the_endpoints_checks(chatml, monkeypatch):
+    """A token route registered by an integration (as verifiers 0.4's adapter registers /inference/v1/generate):
+    served with the episode's key and the model check, its sampler the endpoint's, its refusals answered as any
+    call's; the endpoint itself names no integration."""
+    from tasks.envs.runtime.calls import Refused
+    from tasks.envs.runtime.endpoint import TOKEN_ROUTES
+
+    def respond(body: dict, key: str, sampler) -> dict:
+        if body.get("bad"):
+            raise Refused(400, "unsupported_thing", "bad: not served")
+        ids, logprobs, finish = sampler.sample_tokens(key, body["token_ids"], max_tokens=4)
+        return {"ids": ids, "logprobs": logprobs, "finish": finish}
+
+    monkeypatch.setitem(TOKEN_ROUTES, "/test/v1/tokens", respond)
+    cfg = load_config(ROOT / "configs" / "agent.yaml", [f"generate.max_completion_length={MAX_NEW}",
+                                                      "env.max_tokens=2000"])
+    params = SamplingParams(n=1, max_new_tokens=MAX_NEW, temperature=1.0, top_p=1.0, seed=1)
+    with Endpoint(cfg, Scripted(chatml, adder), "base", params) as ep:
+        key = ep.open(0, seed=1)
+        auth, url = {"Authorization": f"Bearer {key}"}, f"{ep.url}/test/v1/tokens"
+        ok = httpx.post(url, json={"model": "base", "token_ids": [5, 6, 7]}, headers=auth)
+        assert ok.status_code == 200 and ok.json()["ids"] and len(ok.json()["ids"]) == len(ok.json()["logprobs"])
+        bad = httpx.post(url, json={"model": "base", "token_ids": [5], "bad": True}, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported_thing"
+        assert httpx.post(url, json={"model": "other", "token_ids": [5]}, headers=auth).status_code == 404
+        assert httpx.post(url, json={"model": "base", "token_ids": [5]},
+                          headers={"Authorization": "Bearer rl-no"}).status_code == 401
+        log = ep.close(key)
+    assert len(log.calls) == 1          # the served call is recorded under its episode; the refused ones are not
+
+
 def test_set_reward(endpoint):
     key = endpoint.open(0, seed=1)
     auth = {"Authorization": f"Bearer {key}"}

@@ -29,6 +29,8 @@ from typing import Any, Literal
 from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
 from tasks.envs.adapters.bridge import LineBridge
+from tasks.envs.runtime.calls import Refused
+from tasks.envs.runtime.endpoint import register_token_route
 from tasks.envs.runtime.isolation import EnvironmentDied
 
 VENV = ".venv-verifiers"
@@ -42,13 +44,13 @@ class VerifiersError(RuntimeError):
 
 # ------------------------------------------------------------------------------------------------ token route
 
-class GenerateRefused(ValueError):
+class GenerateRefused(Refused, ValueError):
     """A /inference/v1/generate request the endpoint cannot serve as asked: answered with `status` (400) and
-    `code`, never served with the offending field dropped."""
+    `code` (as any refused call), never served with the offending field dropped."""
 
     def __init__(self, status: int, code: str, message: str):
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        super().__init__(status, code, message)
+        self.message = message
 
 
 # Sampling parameters verifiers' TrainClient sends (renderers.client.generate: the run's SamplingConfig, plus
@@ -253,3 +255,6 @@ def taskset_rows(env: dict, path: str | list[str] | None = None, python: str | N
     bridge = _VerifiersClient.of(verifiers_python(python), _paths(path))
     tasks = asyncio.run(bridge.call(timeout, op="tasks", env=env))
     return [{**data, "task_idx": i} for i, data in enumerate(tasks)]
+
+
+register_token_route("/inference/v1/generate", generate_response)     # (the endpoint serves it to every episode)

@@ -7,7 +7,7 @@ tokens of every call under its episode.
         log = ep.close(key)                                  # its calls: prompt ids, completion ids, logprobs
 
 Routes (Authorization: Bearer <the episode's key> on each): GET /v1/models; POST /v1/chat/completions,
-/v1/completions, /v1/responses, /rl/set_reward and /inference/v1/generate (verifiers 0.4's token route).
+/v1/completions, /v1/responses, /rl/set_reward, and the token routes integrations register (verifiers 0.4's).
 It serves only the scheduled policy, on whatever engine the run samples with, and records what was sampled:
 a chat call that extends an earlier call of its episode is rendered as that call's tokens followed by the new
 messages' tokens, never re-tokenized; sampled in rounds (`lockstep`) or a call at a time, reproducibly.
@@ -630,17 +630,13 @@ def app(ep: Endpoint):
             return JSONResponse(out)
         return sse_named(response_events(out))
 
-    async def generate(request: Request):
-        from tasks.envs.adapters.verifiers_v04 import GenerateRefused, generate_response
-
-        key, log = ep.episode(request.headers.get("authorization"))
-        body = await body_of(request)
-        ep.check_model(body.get("model"))
-        try:
-            out = await _call(ep, log, lambda: generate_response(body, key, Tokens(ep, log)))
-        except GenerateRefused as e:
-            raise Refused(e.status, e.code, e.message) from None
-        return JSONResponse(out)
+    def token_route(respond):
+        async def route(request: Request):
+            key, log = ep.episode(request.headers.get("authorization"))
+            body = await body_of(request)
+            ep.check_model(body.get("model"))
+            return JSONResponse(await _call(ep, log, lambda: respond(body, key, Tokens(ep, log))))
+        return route
 
     async def set_reward(request: Request):
         _, log = ep.episode(request.headers.get("authorization"))
@@ -652,13 +648,23 @@ def app(ep: Endpoint):
               Route("/v1/chat/completions", handled(chat), methods=["POST"]),
               Route("/v1/completions", handled(completions), methods=["POST"]),
               Route("/v1/responses", handled(responses), methods=["POST"]),
-              Route("/rl/set_reward", handled(set_reward), methods=["POST"]),
-              Route("/inference/v1/generate", handled(generate), methods=["POST"])]
+              Route("/rl/set_reward", handled(set_reward), methods=["POST"])]
+    routes += [Route(path, handled(token_route(respond)), methods=["POST"]) for path, respond in TOKEN_ROUTES.items()]
     return Starlette(routes=routes)
 
 
+# An integration's token-in, token-out routes: path -> respond(body, the episode's key, a Tokens sampler) -> the
+# JSON answer (a Refused it raises is answered as any call's). verifiers 0.4's /inference/v1/generate is registered
+# by its adapter (tasks/envs/adapters/verifiers_v04.py); the endpoint names no integration.
+TOKEN_ROUTES: dict[str, Any] = {}
+
+
+def register_token_route(path: str, respond) -> None:
+    TOKEN_ROUTES[path] = respond
+
+
 class Tokens:
-    """What the token route samples with (verifiers_v04.generate_response's sampler): token ids in, token ids out,
+    """What a token route samples with (e.g. verifiers_v04.generate_response's sampler): token ids in, token ids out,
     within the same bounds as any call, recorded under the episode."""
 
     def __init__(self, ep: Endpoint, log: EpisodeLog):
