@@ -1,8 +1,8 @@
 """Where each stage and service of a run runs, and how a stage finds its services: computed once.
 
 `Placement` is read from the config alone (`placement_of(cfg)`): each stage's launcher, which stages only route
-to generate replicas and where those run, the environment server, each reward model's server. flows/plan.py,
-flows/preflight.py, flows/launch.py, flows/services.py and the loop ask it instead of the config's keys.
+to generate replicas and where those run, the environment server, each reward model's server. The plan, the
+preflight, the services, the loop, the episodes and the judges ask it instead of the config's keys.
 `Services` is a stage's context: the URLs and tokens of the servers the flow started for this run, and how the
 generate router launches replicas on sky. The flow hands it to an inline stage as an argument and to a stage
 process as environment variables (`variables()`), read back once where that process starts its stage
@@ -37,7 +37,7 @@ class Placement:
     stages: Mapping[str, Where]               # stage -> where its launcher runs it
     replicas: int                             # generate.replicas: 0 = the stage samples with its own engine
     replicas_where: ServiceWhere              # none | local (processes beside the flow) | sky (a cluster each)
-    env: ServiceWhere                         # the environment server: none (no episodes, or in the stage), ...
+    env: ServiceWhere                         # none (no env.factory) | yours | stage (no server) | local | sky
     env_servers: int                          # servers behind the environment URL (a pool when > 1)
     judges: Mapping[str, ServiceWhere]        # reward.models name -> yours (url) | stage | local | sky
 
