@@ -4,12 +4,15 @@ puts a stage's servers in its own environment (tasks/core/placement.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 from tasks.core.config import load_config
+from tasks.core.contracts import Rollout
 from tasks.core.errors import UserError
 from tasks.core.placement import ENV_URL_VAR, JUDGES_VAR, REPLICA_LAUNCH_VAR, Services, placement_of
 from tasks.envs.runtime.server import server_of
@@ -79,3 +82,42 @@ def test_an_inline_stage_uses_its_argument_not_the_process_environment(monkeypat
     monkeypatch.delenv(ENV_URL_VAR)
     with pytest.raises(UserError, match="no environment server given"):
         server_of(cfg, Services())
+
+
+# ------------------------------------------------------------------------------------------------ episode sources
+
+def _failed(error: str | None) -> Rollout:
+    return Rollout(group=0, row=0, prompt="p", prompt_ids=[1], completion="", completion_ids=[], logprobs=[],
+                   truncated=False, env_error=error)
+
+
+def test_the_source_is_chosen_once_from_the_config():
+    from tasks.envs.runtime.sources import Agents, Environments, Prompts, source_of
+
+    assert isinstance(source_of(load_config(TINY)), Prompts)
+    assert isinstance(source_of(load_config(LETTERS)), Environments)
+    assert isinstance(source_of(load_config(ROOT / "configs" / "agent.yaml")), Agents)
+
+
+def test_only_episodes_can_all_fail_and_the_line_names_their_source():
+    """Prompts never fail as a whole (a completion has no error); environments' and agents' stages stop with one
+    line naming env.factory / env.agent when every episode failed, and go on when one did not."""
+    from tasks.envs.runtime.sources import Agents, Environments, Prompts
+
+    failed = [_failed("step raised ValueError: no"), _failed("reset raised KeyError: x")]
+    Prompts().require_some(load_config(TINY), failed, "iteration 1")
+    Environments().require_some(load_config(LETTERS), [*failed, _failed(None)], "iteration 1")
+    with pytest.raises(UserError, match=r"^env\.factory: every episode of iteration 1 failed \(2 of 2\)"):
+        Environments().require_some(load_config(LETTERS), failed, "iteration 1")
+    with pytest.raises(UserError, match=r"^env\.agent: every episode of iteration 1 failed"):
+        Agents().require_some(load_config(ROOT / "configs" / "agent.yaml"), failed, "iteration 1")
+
+
+def test_reward_functions_without_reward_models_never_import_the_judges():
+    """The reward loader enters tasks/scoring/judges.py only when reward.models has models (a default iteration
+    does not call into it): checked in a fresh interpreter, where nothing imported it before."""
+    code = ("import sys; from tasks.core.config import load_config; from tasks.scoring.functions import "
+            f"load_functions; load_functions(load_config({str(TINY)!r})); "
+            "print('tasks.scoring.judges' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
