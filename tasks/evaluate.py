@@ -118,7 +118,7 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
         rows = list(range(min(ec.max_prompts, len(ds))))
         seed = cfg.run.seed * 1_000_003 + 500_000_000 + iteration
         state = RewardState(global_step=iteration, max_steps=cfg.run.iterations)
-        services = services if services is not None else Services.from_environment()
+        services = Services.given(services)
         source = source_of(cfg)
         with open_session(cfg, policy, services) as session:         # one model load / engine start for both passes
             what = f"the evaluation of v{iteration:06d}"

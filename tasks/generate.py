@@ -60,7 +60,7 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
     gc = cfg.generate
     ds = data.load_prompts(cfg)
     rows, picked = curriculum.prompts(cfg, store, iteration, round, len(ds))
-    services = services if services is not None else Services.from_environment()
+    services = Services.given(services)
     source = source_of(cfg)                      # prompts, environments' episodes or agents'
     with open_session(cfg, policy, services) as session:
         records, sampled = source.run(cfg, session, ds, rows, SamplingParams(

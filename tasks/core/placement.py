@@ -126,6 +126,12 @@ class Services:
         return out
 
     @classmethod
+    def given(cls, services: Services | None) -> Services:
+        """A stage's context: `services` where the caller passed one, else its process's environment's (a stage
+        function called without a context, by a test or a script, finds them where a stage process does)."""
+        return services if services is not None else cls.from_environment()
+
+    @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> Services:
         """The services the flow gave this process (read where a stage process starts its stage; a stage called
         as a function without a context reads them here too)."""

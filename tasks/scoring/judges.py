@@ -510,7 +510,7 @@ def score_models(cfg: Config, records: list[Rollout], cache_prefix: str | None, 
     from tasks.core.placement import Services
     from tasks.core.store import open_store
 
-    services = services if services is not None else Services.from_environment()
+    services = Services.given(services)
 
     out = Scored()
     if not cfg.reward.models or not records:

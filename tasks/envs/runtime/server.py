@@ -310,7 +310,7 @@ def server_of(cfg: Config, services: Services | None = None) -> tuple[str, str]:
     RLFLOW_ENV_TOKEN."""
     from tasks.core.placement import Services, placement_of
 
-    services = services if services is not None else Services.from_environment()
+    services = Services.given(services)
     if services.env_url:
         return services.env_url.rstrip("/"), services.env_token
     place = placement_of(cfg)
