@@ -88,8 +88,8 @@ def trl(iterations: int, seed: int, work: Path) -> tuple[list[float], list[float
                       num_generations=g.num_generations, max_completion_length=g.max_completion_length,
                       temperature=g.temperature, top_p=g.top_p, learning_rate=t.lr, lr_scheduler_type="constant",
                       warmup_steps=0, weight_decay=t.weight_decay, adam_beta1=t.adam_betas[0],
-                      adam_beta2=t.adam_betas[1], max_grad_norm=t.max_grad_norm, loss_type=t.loss_type,
-                      beta=t.beta, scale_rewards=t.learner.scale_rewards, epsilon=t.epsilon, num_iterations=1,
+                      adam_beta2=t.adam_betas[1], max_grad_norm=t.max_grad_norm, loss_type=t.learner.loss_type,
+                      beta=t.beta, scale_rewards=t.learner.scale_rewards, epsilon=t.learner.epsilon, num_iterations=1,
                       max_steps=iterations, logging_steps=1, report_to=[], save_strategy="no",
                       disable_tqdm=True)
     from transformers.trainer_callback import PrinterCallback, TrainerCallback

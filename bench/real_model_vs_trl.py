@@ -8,8 +8,9 @@ hyper-parameters and seeds, on this machine.
 
 Equal on both sides: the model folder (builtin:smollm2-135m's GGUF, converted once by tasks/core/gguf.py), the
 training prompts (the recipe's reasoning-gym train split, chat messages) and their order's seed, the rewards
-(tasks.rewards.reasoning_gym answer_reward 1.0 + format_reward 0.2, called by TRL with its own calling
-convention), prompts x completions per step, max completion tokens, temperature, AdamW lr / betas / no weight
+(the recipe's reward.functions and weights: today answer_reward 1.0, format_reward 0.0, logged only; the
+2026-11-26 table in docs/benchmarks.md was measured when format_reward weighed 0.2; called by TRL with its own
+calling convention), prompts x completions per step, max completion tokens, temperature, AdamW lr / betas / no weight
 decay / clip 1.0, constant schedule, loss dapo, beta 0, scale_rewards group, one optimiser step per batch.
 - rlflow: `rlflow run configs/smollm2-arith.yaml -o run.seed=S` in a subprocess (store, MLflow and a Prefect API of
   its own, in a temporary folder); its per-iteration `iteration/seconds` minus `time/evaluate_seconds` (MLflow).
@@ -101,8 +102,9 @@ def trl_run(config: Path, seed: int, iterations: int, work: Path, evaluate: bool
                       num_generations=g.num_generations, max_completion_length=g.max_completion_length,
                       temperature=g.temperature, top_p=g.top_p, learning_rate=t.lr, lr_scheduler_type="constant",
                       warmup_steps=0, weight_decay=t.weight_decay, adam_beta1=t.adam_betas[0],
-                      adam_beta2=t.adam_betas[1], max_grad_norm=t.max_grad_norm, loss_type=t.loss_type, beta=t.beta,
-                      scale_rewards=t.learner.scale_rewards, epsilon=t.epsilon, num_iterations=t.num_iterations,
+                      adam_beta2=t.adam_betas[1], max_grad_norm=t.max_grad_norm, beta=t.beta,
+                      loss_type=t.learner.loss_type, scale_rewards=t.learner.scale_rewards,
+                      epsilon=t.learner.epsilon, num_iterations=t.num_iterations,
                       mask_truncated_completions=t.mask_truncated_completions,
                       reward_weights=[f.weight for f in cfg.reward.functions], max_steps=iterations, logging_steps=1,
                       report_to=[], save_strategy="no", disable_tqdm=True)

@@ -116,7 +116,7 @@ def main() -> None:
                       for i in range(args.prompts)]
     common = [f"model.name_or_path={path}", f"generate.prompts_per_iteration={args.prompts}",
               f"generate.num_generations={args.generations}", f"generate.max_completion_length={args.length}",
-              f"train.loss_type={args.loss_type}", f"train.beta={args.beta}", f"train.lr={lr}",
+              f"train.learner.loss_type={args.loss_type}", f"train.beta={args.beta}", f"train.lr={lr}",
               f"train.micro_batch_size={micro}", "train.device=cpu"]
     cfg_plain = load_config(ROOT / "configs" / "tiny.yaml", [*common, "train.importance_sampling_correction=false"])
     cfg_is = load_config(ROOT / "configs" / "tiny.yaml", common)

@@ -5,7 +5,7 @@ each trial a real rlflow run (docs/operations.md#tuning).
     train.lr: {type: log_uniform, low: 1.0e-4, high: 1.0e-1}
     generate.temperature: {type: uniform, low: 0.6, high: 1.2}
     train.micro_batch_size: {type: int, low: 8, high: 64, log: true}
-    train.loss_type: {type: categorical, choices: [grpo, dapo]}
+    train.learner.loss_type: {type: categorical, choices: [grpo, dapo]}
 
 The space is checked before any trial starts (one line, exit 2). Each trial is `rlflow run` in a process of
 its own, K at a time, and reports its metric to Optuna after each iteration (the pruner stops unpromising

@@ -94,7 +94,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "wrong type": (["run", str(TINY), "-o", "train.lr=fast"], "train.lr"),
         "out of bounds": (["run", str(TINY), "-o", "generate.num_generations=1"], "generate.num_generations"),
         "negative lora rank": (["run", str(TINY), "-o", "train.lora_r=-4"], "train.lora_r"),
-        "bad loss type": (["run", str(TINY), "-o", "train.loss_type=ppo"], "train.loss_type"),
+        "bad loss type": (["run", str(TINY), "-o", "train.loss_type=ppo"], "train.learner.loss_type"),
         "bad dtype": (["run", str(TINY), "-o", "model.dtype=int8"], "model.dtype"),
         "bad launcher": (["run", str(TINY), "-o", "launcher.mode=cloud"], "launcher.mode"),
         "k above n": (["run", str(TINY), "-o", "eval.k=8", "-o", "eval.num_generations=4"], "k (8) must be <= num_generations (4)"),

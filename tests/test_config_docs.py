@@ -68,6 +68,39 @@ def test_learner_settings_written_flat_are_read_into_their_section(tmp_path, cap
         load_config(TINY, ["train.learner.gama=0.9"])
 
 
+def test_surrogate_settings_live_with_the_learners_that_read_them(capsys, monkeypatch):
+    """Issue 41 moved the clipped surrogate's settings (loss_type, epsilon, ...) from `train` into the learners
+    that use them (grpo, ppo: train.learner). Flat keys are read with one line each; the train fingerprint is
+    the one the code before the move computed (pinned below), so stored runs of every learner resume; a
+    learner without a surrogate (vtrace_awr) ignores them with a line."""
+    from tasks.algorithms.loss import epsilon_high
+    from tasks.core import config_base
+    from tasks.core.config import load_config
+    from tests.conftest import TINY
+
+    monkeypatch.setattr(config_base, "_SAID", set())            # (said once per process: perhaps already said)
+    pinned = {("train.loss_type=cispo", "train.epsilon_high=4.0", "train.beta=0.04"): "415ff410be6c6880",
+              ("train.algorithm=ppo", "train.loss_type=sapo", "train.sapo_temperature_neg=1.2"): "756558dde8e35eda",
+              ("train.algorithm=vtrace_awr",): "a019bd8283e56952"}       # (computed at 890e95f, before the move)
+    said = ""
+    for flat, fingerprint in pinned.items():
+        capsys.readouterr()
+        old = load_config(TINY, list(flat))
+        said += capsys.readouterr().err        # (each key's line once per process)
+        new = load_config(TINY, [k.replace("train.", "train.learner.", 1) if k.split("=")[0] not in
+                                 ("train.algorithm", "train.beta") else k for k in flat])
+        assert capsys.readouterr().err == ""
+        assert old == new and old.section_hash("train") == new.section_hash("train") == fingerprint
+    for name in ("loss_type", "epsilon_high", "sapo_temperature_neg"):
+        assert f"warning: config: train.{name} is now train.learner.{name} (read as that" in said
+    cispo = load_config(TINY, ["train.learner.loss_type=cispo", "train.learner.epsilon_high=4.0"])
+    assert (cispo.train.learner.loss_type, epsilon_high(cispo.train.learner)) == ("cispo", 4.0)
+    assert "loss_type" not in type(cispo.train).model_fields
+    load_config(TINY, ["train.algorithm=vtrace_awr", "train.learner.epsilon=0.3"])
+    assert "train.learner.epsilon is a setting of grpo, ppo; train.algorithm is vtrace_awr: ignored" in \
+        capsys.readouterr().err
+
+
 def test_docs_quote_config_files_as_they_are():
     """A YAML block in the docs or the README whose first line names a file of configs/ in parentheses
     quotes that file: each of its settings is in the file, with the same value (issue 33: docs/operations.md

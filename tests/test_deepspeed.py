@@ -135,7 +135,7 @@ def _torch_reference(loss_type: str, rollouts: dict, tmp_path_factory) -> dict:
     the weights after iterations 2 and 3."""
     if loss_type not in _torch_runs:
         tmp = tmp_path_factory.mktemp(f"torch-{loss_type}")
-        cfg = _config(tmp, rollouts, [f"train.loss_type={loss_type}"], iterations=(1, 2, 3))
+        cfg = _config(tmp, rollouts, [f"train.learner.loss_type={loss_type}"], iterations=(1, 2, 3))
         metrics = [train(cfg, it)["metrics"] for it in (1, 2, 3)]
         publish(cfg, 2)
         store = Store.open(cfg.store)
@@ -224,7 +224,7 @@ def test_one_process_matches_torch_resumes_exactly_and_publishes_16bit(stage, ro
                                                                        as_worker, monkeypatch):
     loss_type = LOSS_OF_STAGE[stage]
     ref = _torch_reference(loss_type, rollouts, tmp_path_factory)
-    extra = ["train.engine=deepspeed", f"train.zero_stage={stage}", f"train.loss_type={loss_type}"]
+    extra = ["train.engine=deepspeed", f"train.zero_stage={stage}", f"train.learner.loss_type={loss_type}"]
     cfg = _config(tmp_path, rollouts, extra, iterations=(1, 2, 3))
     metrics = [train(cfg, it)["metrics"] for it in (1, 2)]
     fp32 = _check_against_torch(cfg, metrics, ref, rollouts, tmp_path, processes=1)
@@ -265,7 +265,7 @@ def test_two_processes_match_one_and_the_torch_engine(stage, rollouts, tmp_path,
     test_two_nodes. Their cases here went for the CI budget.)"""
     loss_type = LOSS_OF_STAGE[stage]
     ref = _torch_reference(loss_type, rollouts, tmp_path_factory)
-    extra = ["train.engine=deepspeed", f"train.zero_stage={stage}", f"train.loss_type={loss_type}",
+    extra = ["train.engine=deepspeed", f"train.zero_stage={stage}", f"train.learner.loss_type={loss_type}",
              "train.num_processes=2"]
     cfg = _config(tmp_path, rollouts, extra, iterations=(1, 2, 3))
     assert "RANK" not in os.environ
@@ -287,7 +287,8 @@ def test_two_nodes(rollouts, tmp_path, tmp_path_factory):
     """Two nodes of one process each, on this machine: each node runs what sky/train.yaml runs on it
     (`python -m tasks.train` with NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT); each node saves its shards to
     its own disk and uploads them; the resume downloads both. Same update as the torch engine."""
-    cfg = _config(tmp_path, rollouts, ["train.engine=deepspeed", "train.zero_stage=3", "train.loss_type=dr_grpo"])
+    cfg = _config(tmp_path, rollouts, ["train.engine=deepspeed", "train.zero_stage=3",
+                                       "train.learner.loss_type=dr_grpo"])
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps(cfg.model_dump(mode="json")))
     port = str(_free_port())
@@ -329,8 +330,8 @@ def test_a_resident_group_across_two_nodes_trains_as_the_torch_engine_and_resume
     from tasks.engines.detached import _stop, state_dir
 
     ref = _torch_reference("dr_grpo", rollouts, tmp_path_factory)
-    cfg = _config(tmp_path, rollouts, ["train.engine=deepspeed", "train.zero_stage=3", "train.loss_type=dr_grpo",
-                                       "train.mode=resident"], iterations=(1, 2, 3))
+    cfg = _config(tmp_path, rollouts, ["train.engine=deepspeed", "train.zero_stage=3",
+                                       "train.learner.loss_type=dr_grpo", "train.mode=resident"], iterations=(1, 2, 3))
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps(cfg.model_dump(mode="json")))
     port, paths = str(_free_port()), [state_dir() / f"{RUN}.json", state_dir() / f"{RUN}.node1.json"]
@@ -450,7 +451,7 @@ def test_bf16_and_optimizer_offload(rollouts, tmp_path, tmp_path_factory, as_wor
     """What a GPU run uses, here on CPU: bf16 compute with fp32 masters, optimizer states offloaded and
     stepped by DeepSpeedCPUAdam. Close to the fp32 torch engine, not equal (bf16 logits)."""
     ref = _torch_reference("grpo", rollouts, tmp_path_factory)
-    cfg = _config(tmp_path, rollouts, ["train.engine=deepspeed", "train.zero_stage=2", "train.loss_type=grpo",
+    cfg = _config(tmp_path, rollouts, ["train.engine=deepspeed", "train.zero_stage=2", "train.learner.loss_type=grpo",
                                        "train.mixed_precision=bf16", "train.offload_optimizer=true"])
     metrics = [train(cfg, it)["metrics"] for it in (1, 2)]
     for got, want in zip(metrics, ref["metrics"]):

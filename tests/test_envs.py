@@ -109,8 +109,8 @@ def test_a_masked_token_never_changes_the_loss_or_its_gradient(loss_type, level)
     """Environment tokens (mask 0): their logprobs get no gradient, and whatever their policy, old, reference or
     behaviour logprobs are, the loss and every gradient stay the same (token and sequence-level weights, the
     behaviour correction, the KL term)."""
-    cfg = load_config(LETTERS, [f"train.loss_type={loss_type}", f"train.importance_sampling_level={level}",
-                                "train.beta=0.1"])
+    cfg = load_config(LETTERS, [f"train.learner.loss_type={loss_type}",
+                                f"train.learner.importance_sampling_level={level}", "train.beta=0.1"])
     records = [Rollout(group=0, row=0, prompt="p", prompt_ids=[5, 6], completion="", completion_ids=[7, 8, 9, 10, 11],
                        logprobs=[-1.0, -0.5, 0.0, 0.0, -2.0], truncated=False, mask=[1, 1, 0, 0, 1]),
                Rollout(group=0, row=0, prompt="p", prompt_ids=[5], completion="", completion_ids=[7, 8],
@@ -124,7 +124,8 @@ def test_a_masked_token_never_changes_the_loss_or_its_gradient(loss_type, level)
         logp = values["logp"].clone().requires_grad_(True)
         rho = behaviour_correction(values["old"], values["mu"], batch.mask, "sequence_truncate" if level ==
                                    "sequence" else "token_truncate", 3.0)
-        ptl, _, _ = per_token_loss(logp, values["old"], batch.signal, batch.mask, cfg.train, values["ref"], rho)
+        ptl, _, _ = per_token_loss(logp, values["old"], batch.signal, batch.mask, cfg.train.learner, cfg.train.beta,
+                                   values["ref"], rho)
         loss = aggregate(ptl, batch.mask, loss_type, float(batch.mask.sum()), 2, 96)
         loss.backward()
         return loss.detach(), logp.grad

@@ -13,7 +13,7 @@ from tasks.algorithms.batching import pad_batch
 from tasks.algorithms.logprobs import completion_logprobs
 from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_loss
 from tasks.core import layout
-from tasks.core.config import TrainConfig, load_config
+from tasks.core.config import GrpoConfig, load_config
 from tasks.core.models import base_path, load_model, load_tokenizer
 from tasks.generate import generate
 from tasks.publish import publish
@@ -106,7 +106,7 @@ def test_loss_aggregation():
     logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.25, 0.25, 0.25]]))
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     adv = torch.tensor([1.0, -1.0])
-    loss, ratio, kl = per_token_loss(logp, logp.detach(), adv, mask, TrainConfig())
+    loss, ratio, kl = per_token_loss(logp, logp.detach(), adv, mask, GrpoConfig())
     assert torch.equal(ratio, torch.ones_like(ratio)) and kl is None
     assert float(aggregate(loss, mask, "dapo", 5.0, 2, 3)) == pytest.approx((-2 + 3) / 5)
     assert float(aggregate(loss, mask, "grpo", 5.0, 2, 3)) == pytest.approx((-1 + 1) / 2)
@@ -114,7 +114,7 @@ def test_loss_aggregation():
     # Clipping: a ratio above 1+eps with positive advantage stops contributing gradient.
     new = logp + 0.5
     loss, ratio, _ = per_token_loss(new.requires_grad_(), logp, torch.tensor([1.0, 1.0]), mask,
-                                    TrainConfig(epsilon_high=0.28))
+                                    GrpoConfig(epsilon_high=0.28))
     loss.sum().backward()
     assert torch.all(new.grad == 0)
 
@@ -134,7 +134,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
         for s in range(0, 8, micro):
             ids, attn, pos, mask = pad_batch(prompts[s:s + micro], comps[s:s + micro], 0)
             logp, _ = completion_logprobs(model, ids, attn, pos, mask.shape[1], 1.0)
-            loss, _, _ = per_token_loss(logp, logp.detach(), adv[s:s + micro], mask, TrainConfig(loss_type=loss_type))
+            loss, _, _ = per_token_loss(logp, logp.detach(), adv[s:s + micro], mask, GrpoConfig(loss_type=loss_type))
             aggregate(loss, mask, loss_type, total_tokens, 8, 4).backward()
         return [p.grad.clone() for p in model.parameters()]
 

@@ -89,7 +89,7 @@ def test_mlflow_metrics_params_and_model_version(two_iterations, tmp_path):
     client = MlflowClient(cfg.tracking.uri, registry_uri=cfg.tracking.uri)
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
-    assert run.data.params["train.loss_type"] == "dapo" and run.data.params["run.iterations"] == "2"
+    assert run.data.params["train.learner.loss_type"] == "dapo" and run.data.params["run.iterations"] == "2"
     for metric in ("reward/mean", "reward/std", "reward/successor_reward/mean", "reward/stops_reward/mean",
                    "train/loss", "train/mismatch_kl", "train/clip_region", "generate/completion_length",
                    "generate/tokens_per_s", "generate/seconds", "train/seconds", "iteration/seconds"):

@@ -51,15 +51,16 @@ def _inputs(seed: int):
 def _trl_loss(trainer, tc: TrainConfig, logp, old, ref, mask, adv):
     leaf = logp.clone().requires_grad_()
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros(B, T), None)
-    trainer.loss_type = tc.loss_type
-    trainer.importance_sampling_level = tc.importance_sampling_level
+    lc = tc.learner
+    trainer.loss_type = lc.loss_type
+    trainer.importance_sampling_level = lc.importance_sampling_level
     trainer.beta = tc.beta
-    trainer.epsilon_low = tc.epsilon
-    trainer.epsilon_high = tc.epsilon_high if tc.epsilon_high is not None else tc.epsilon
-    trainer.args.delta = tc.delta
-    trainer.args.use_bias_correction_kl = tc.use_bias_correction_kl
-    trainer.args.sapo_temperature_pos = tc.sapo_temperature_pos
-    trainer.args.sapo_temperature_neg = tc.sapo_temperature_neg
+    trainer.epsilon_low = lc.epsilon
+    trainer.epsilon_high = lc.epsilon_high if lc.epsilon_high is not None else lc.epsilon
+    trainer.args.delta = lc.delta
+    trainer.args.use_bias_correction_kl = lc.use_bias_correction_kl
+    trainer.args.sapo_temperature_pos = lc.sapo_temperature_pos
+    trainer.args.sapo_temperature_neg = lc.sapo_temperature_neg
     inputs = dict(prompt_ids=torch.ones(B, 2, dtype=torch.long), prompt_mask=torch.ones(B, 2, dtype=torch.long),
                   completion_ids=torch.ones(B, T, dtype=torch.long), completion_mask=mask, advantages=adv,
                   old_per_token_logps=old, ref_per_token_logps=ref, num_items_in_batch=mask.sum())
@@ -70,8 +71,8 @@ def _trl_loss(trainer, tc: TrainConfig, logp, old, ref, mask, adv):
 
 def _our_loss(tc: TrainConfig, logp, old, ref, mask, adv):
     leaf = logp.clone().requires_grad_()
-    ptl, _, _ = per_token_loss(leaf, old, adv, mask, tc, ref_logp=ref if tc.beta else None)
-    loss = aggregate(ptl, mask, tc.loss_type, float(mask.sum()), B, T)
+    ptl, _, _ = per_token_loss(leaf, old, adv, mask, tc.learner, tc.beta, ref_logp=ref if tc.beta else None)
+    loss = aggregate(ptl, mask, tc.learner.loss_type, float(mask.sum()), B, T)
     loss.backward()
     return loss.detach(), leaf.grad
 
@@ -85,9 +86,10 @@ CASES += [dict(loss_type="grpo", delta=1.5, epsilon_high=0.28), dict(loss_type="
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_loss_and_gradient_equal_trl(trl_trainer, case):
-    tc = TrainConfig(**case)
-    if tc.loss_type == "cispo" and tc.epsilon_high is None:
-        tc = tc.model_copy(update={"epsilon_high": 5.0})    # TRL's fallback would be epsilon; compare like for like
+    learner = {k: v for k, v in case.items() if k != "beta"}     # the surrogate's settings: train.learner's
+    if learner["loss_type"] == "cispo" and learner.get("epsilon_high") is None:
+        learner["epsilon_high"] = 5.0        # TRL's fallback would be epsilon; compare like for like
+    tc = TrainConfig(beta=case.get("beta", 0.0), learner=learner)
     for seed in range(3):
         tensors = _inputs(seed)
         ours, our_grad = _our_loss(tc, *tensors)

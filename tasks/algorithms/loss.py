@@ -1,6 +1,7 @@
 """The GRPO family of losses, as TRL's GRPOTrainer._compute_loss (TRL 1.16) defines them. Pure functions:
 tensors and the train config in, loss and statistics out. tests/test_trl_parity.py checks them against TRL.
 
+The settings are the learner's (train.learner: SurrogateConfig, `lc`), the KL's coefficient β is train.beta.
 Per token t of completion i, with A_i its advantage and w the importance weight π/π_old — per token
 (`importance_sampling_level: token`) or the geometric mean over the sequence (`sequence`, GSPO):
     grpo/dapo/bnpo/dr_grpo  ℓ = -min(w·A, clip(w, 1-ε, 1+ε_high)·A)      (w capped at δ first if `delta`)
@@ -19,17 +20,17 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from tasks.core.config import TrainConfig
+    from tasks.core.config_train import SurrogateConfig
 
 CLIPPED_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
 
 
-def epsilon_high(tc: TrainConfig) -> float:
+def epsilon_high(lc: SurrogateConfig) -> float:
     """TRL's fallback: epsilon_high = epsilon. For cispo ε_high is a cap on the weight itself, not 1+ε, so
     the fallback would cap at 0.2; rlflow defaults it to 5.0, ScaleRL's recommendation (TRL's docs too)."""
-    if tc.epsilon_high is not None:
-        return tc.epsilon_high
-    return 5.0 if tc.loss_type == "cispo" else tc.epsilon
+    if lc.epsilon_high is not None:
+        return lc.epsilon_high
+    return 5.0 if lc.loss_type == "cispo" else lc.epsilon
 
 
 def importance_weights(logp, old_logp, mask, level: str):
@@ -42,34 +43,36 @@ def importance_weights(logp, old_logp, mask, level: str):
     raise ValueError(f"importance_sampling_level: {level!r}")
 
 
-def per_token_loss(logp, old_logp, advantages, mask, tc: TrainConfig, ref_logp=None, is_ratio=None):
-    """logp, old_logp, ref_logp, mask: (B, T); advantages: (B,); is_ratio: (B, T), (B, 1) or None.
+def per_token_loss(logp, old_logp, advantages, mask, lc: SurrogateConfig, beta: float = 0.0, ref_logp=None,
+                   is_ratio=None):
+    """logp, old_logp, ref_logp, mask: (B, T); advantages: (B,); is_ratio: (B, T), (B, 1) or None; beta: the KL
+    term's coefficient (train.beta; ref_logp needed when it is not 0).
     Returns (loss (B, T), w (B, T) or (B, 1), kl (B, T) or None)."""
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    coef_1 = torch.exp(importance_weights(logp, old_logp, mask, tc.importance_sampling_level))
+    coef_1 = torch.exp(importance_weights(logp, old_logp, mask, lc.importance_sampling_level))
     w = coef_1
-    high = epsilon_high(tc)
+    high = epsilon_high(lc)
     kl = None
-    if tc.beta != 0.0:
+    if beta != 0.0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
-        if tc.use_bias_correction_kl:   # samples came from π_old: reweight so the KL gradient is unbiased
+        if lc.use_bias_correction_kl:   # samples came from π_old: reweight so the KL gradient is unbiased
             kl = kl * coef_1
-    if tc.loss_type == "cispo":
+    if lc.loss_type == "cispo":
         loss = -torch.clamp(coef_1, max=high).detach() * adv * logp
-    elif tc.loss_type in CLIPPED_TYPES:
-        coef_2 = torch.clamp(coef_1, 1 - tc.epsilon, 1 + high)
-        if tc.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=tc.delta)
+    elif lc.loss_type in CLIPPED_TYPES:
+        coef_2 = torch.clamp(coef_1, 1 - lc.epsilon, 1 + high)
+        if lc.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=lc.delta)
         loss = -torch.min(coef_1 * adv, coef_2 * adv)
-    elif tc.loss_type == "sapo":
-        tau = torch.where(adv > 0, tc.sapo_temperature_pos, tc.sapo_temperature_neg)
+    elif lc.loss_type == "sapo":
+        tau = torch.where(adv > 0, lc.sapo_temperature_pos, lc.sapo_temperature_neg)
         loss = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
     else:
-        raise ValueError(f"loss_type: {tc.loss_type!r}")
+        raise ValueError(f"loss_type: {lc.loss_type!r}")
     if is_ratio is not None:
         loss = loss * is_ratio
     if kl is not None:
-        loss = loss + tc.beta * kl
+        loss = loss + beta * kl
     return loss, w, kl
 
 
@@ -98,15 +101,15 @@ def behaviour_correction(old_logp, behaviour_logp, mask, mode: str, cap: float):
     raise ValueError(f"importance_sampling_mode: {mode!r}")
 
 
-def clip_stats(w, advantages, mask, tc: TrainConfig) -> dict[str, float]:
+def clip_stats(w, advantages, mask, lc: SurrogateConfig) -> dict[str, float]:
     """Token counts where the clip was active, low side (A<0) and high side (A>0), as TRL logs them."""
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    high = epsilon_high(tc)
-    if tc.loss_type == "cispo":
+    high = epsilon_high(lc)
+    if lc.loss_type == "cispo":
         low_hit = torch.zeros_like(w, dtype=torch.bool)
         high_hit = (w > high) & (adv > 0)
     else:
-        low_hit = (w < 1 - tc.epsilon) & (adv < 0)
+        low_hit = (w < 1 - lc.epsilon) & (adv < 0)
         high_hit = (w > 1 + high) & (adv > 0)
     low = (low_hit.float().expand_as(mask) * mask).sum()
     hi = (high_hit.float().expand_as(mask) * mask).sum()

@@ -14,7 +14,7 @@ import torch
 from tasks.algorithms.loss import clip_stats
 
 if TYPE_CHECKING:
-    from tasks.core.config import TrainConfig
+    from tasks.core.config import SurrogateConfig, TrainConfig
     from tasks.core.contracts import MicroBatch
 
 
@@ -79,14 +79,16 @@ class UpdateStats:
 
     def add(self, b: MicroBatch, loss: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor,
             ratio: torch.Tensor, kl: torch.Tensor | None, is_ratio: torch.Tensor | None, tc: TrainConfig,
-            first_pass: bool) -> None:
+            first_pass: bool, surrogate: SurrogateConfig | None = None) -> None:
         """One micro-batch's forward: its aggregated loss, its logprobs (B, T) and entropy (B, T), the
-        importance weight (B, T) or (B, 1), the KL term (B, T) and the behaviour weight."""
+        importance weight (B, T) or (B, 1), the KL term (B, T) and the behaviour weight. The clip shares are
+        those of `surrogate`'s clip (the learner's settings; None: a learner without a clip counts none)."""
         m = b.mask
         self.loss += float(loss.detach())
-        clip = clip_stats(ratio.detach(), b.advantages, m, tc)
-        self.clip_low_sum += clip["clip_low_sum"]
-        self.clip_high_sum += clip["clip_high_sum"]
+        if surrogate is not None:
+            clip = clip_stats(ratio.detach(), b.advantages, m, surrogate)
+            self.clip_low_sum += clip["clip_low_sum"]
+            self.clip_high_sum += clip["clip_high_sum"]
         if first_pass:
             self.entropy += float((entropy.detach() * m).sum())
             # KL(generator ‖ trainer) on the generator's own samples, k3 with r = π/μ; on pass 0 the trainer holds

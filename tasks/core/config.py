@@ -51,13 +51,14 @@ from tasks.core.config_inputs import CurriculumConfig, DataConfig, ModelConfig, 
 from tasks.core.config_publish import EvalConfig, PublishConfig
 from tasks.core.config_reward import OverlongConfig, RewardConfig, RewardFunction, RewardModel, SandboxConfig
 from tasks.core.config_train import (
+    BUILT_IN_LEARNERS,
     FLAT_IN_FINGERPRINT,
     LEARNER_CONFIGS,
     LEARNER_KEYS,
     GrpoConfig,
-    Learner,
     LearnerConfig,
     PpoConfig,
+    SurrogateConfig,
     TrainConfig,
     ValueLearnerConfig,
     VtraceAwrConfig,
@@ -71,8 +72,8 @@ __all__ = [  # the sections' models, re-exported: `from tasks.core.config import
     "DynamicSamplingConfig", "GenerateConfig", "EndpointConfig", "EnvConfig", "MOVED_ENV_MODULES",
     "PATH_AS_BEFORE_THE_MOVE", "path_before_the_move",
     "RewardFunction", "SandboxConfig", "RewardModel", "OverlongConfig", "RewardConfig",
-    "LearnerConfig", "GrpoConfig", "ValueLearnerConfig", "PpoConfig", "VtraceAwrConfig", "Learner",
-    "LEARNER_CONFIGS", "LEARNER_KEYS", "FLAT_IN_FINGERPRINT", "TrainConfig",
+    "LearnerConfig", "SurrogateConfig", "GrpoConfig", "ValueLearnerConfig", "PpoConfig", "VtraceAwrConfig",
+    "LEARNER_CONFIGS", "BUILT_IN_LEARNERS", "LEARNER_KEYS", "FLAT_IN_FINGERPRINT", "TrainConfig",
     "PublishConfig", "EvalConfig",
     "KeepConfig", "StoreConfig", "TRACKING_SCHEMES", "TrackingConfig", "Stage", "STAGES", "LauncherMode",
     "LauncherConfig", "CostConfig",
@@ -274,7 +275,10 @@ def _format_error(err: ValidationError) -> str:
 
 
 def _sections_in(annotation) -> list[type[Section]]:
-    """The Section models a field's type holds (itself, a list's items, an optional's, a union's members)."""
+    """The Section models a field's type holds (itself, a list's items, an optional's, a union's members;
+    train.learner's: every registered learner's settings)."""
+    if annotation is LearnerConfig:
+        return list(LEARNER_CONFIGS.values())
     if isinstance(annotation, type) and issubclass(annotation, Section):
         return [annotation]
     return [m for arg in get_args(annotation) for m in _sections_in(arg)]
@@ -378,8 +382,9 @@ def reference_markdown() -> str:
                 continue
             sections = [a for a in (f.annotation, *get_args(f.annotation)) if isinstance(a, type)
                         and issubclass(a, Section)]
-            if len(sections) > 1:            # a discriminated union (train.learner): a table per member
-                tags = [s.model_fields["algorithm"].default for s in sections]
+            if sections == [LearnerConfig]:  # train.learner: a table per built-in learner's settings
+                tags = list(BUILT_IN_LEARNERS)
+                sections = [LEARNER_CONFIGS[t] for t in tags]
                 nested += [(f"{prefix}.{name}", s, f" (algorithm: {t})") for s, t in zip(sections, tags)]
                 lines.append(f"| `{prefix}.{name}` | section, one of {', '.join(tags)} | | {f.description or ''} "
                              f"(see `{prefix}.{name}` below) |")

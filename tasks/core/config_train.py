@@ -10,9 +10,9 @@ More: docs/internals.md (tasks/core/config_train.py): the learner union and the 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section, moved, warn
 from tasks.core.errors import UserError
@@ -27,14 +27,41 @@ class LearnerConfig(Section):
     """What every learner's settings have."""
 
     value_model: ClassVar[bool] = False       # the trainer holds a value model beside the policy (engines/critic.py)
+    implementation: ClassVar[str] = ""        # "module:Class" of the learner these settings are for (registry.py)
 
     def offline(self) -> list[str]:
         """Store keys of scored rollouts from elsewhere that every update adds (off-line data)."""
         return []
 
 
-class GrpoConfig(LearnerConfig):
+class SurrogateConfig(LearnerConfig):
+    """What the learners with TRL's clipped surrogates share (grpo, ppo): the objective and its clip, the KL term's
+    bias correction (tasks/algorithms/loss.py). In `train` before issue 41: still read there, with a warning."""
+
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"] = Field(
+        "dapo", description="Objective and aggregation, as TRL defines them (see tasks/algorithms/loss.py).")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance weight per token, or per sequence (GSPO).")
+    epsilon: float = Field(0.2, gt=0, description="Lower clip range of the importance ratio.")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clip range; None = epsilon (TRL's fallback), "
+                                       "or 5.0 for cispo, where it caps the weight itself.")
+    use_bias_correction_kl: bool = Field(True, description="Multiply the KL term (train.beta) by the importance "
+                                         "weight (TRL's default since DeepSeek-V3.2: an unbiased reverse-KL "
+                                         "gradient).")
+    delta: float | None = Field(None, gt=1, description="Two-sided clipping: cap the unclipped weight at delta.")
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: gate temperature for positive advantages.")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: gate temperature for non-positive advantages.")
+
+
+# The surrogate's settings as they were fingerprinted in `train`, with every algorithm (issue 41 moved them into
+# the learners that read them): a learner without them shows their defaults there, so its stored runs resume.
+SURROGATE_DEFAULTS = {name: f.default for name, f in SurrogateConfig.model_fields.items()}
+
+
+class GrpoConfig(SurrogateConfig):
     """grpo: advantages from the rewards alone (tasks/algorithms/learners/grpo.py)."""
+
+    implementation: ClassVar[str] = "tasks.algorithms.learners.grpo:Grpo"
 
     algorithm: Literal["grpo"] = Field("grpo", exclude=True, json_schema_extra=HOW_NOT_WHAT,
                                        description="(train.algorithm, filled in)")
@@ -64,8 +91,10 @@ class ValueLearnerConfig(LearnerConfig):
                                     description="The critic's learning rate (None: train.lr).")
 
 
-class PpoConfig(ValueLearnerConfig):
+class PpoConfig(ValueLearnerConfig, SurrogateConfig):
     """ppo: a value model and GAE's per-token advantages (tasks/algorithms/learners/ppo.py)."""
+
+    implementation: ClassVar[str] = "tasks.algorithms.learners.ppo:Ppo"
 
     algorithm: Literal["ppo"] = Field("ppo", exclude=True, json_schema_extra=HOW_NOT_WHAT,
                                       description="(train.algorithm, filled in)")
@@ -81,6 +110,8 @@ class PpoConfig(ValueLearnerConfig):
 
 class VtraceAwrConfig(ValueLearnerConfig):
     """vtrace_awr: V-trace targets, AWR and a learned KL constraint (tasks/algorithms/learners/vtrace_awr.py)."""
+
+    implementation: ClassVar[str] = "tasks.algorithms.learners.vtrace_awr:VtraceAwr"
 
     algorithm: Literal["vtrace_awr"] = Field("vtrace_awr", exclude=True, json_schema_extra=HOW_NOT_WHAT,
                                              description="(train.algorithm, filled in)")
@@ -111,9 +142,23 @@ class VtraceAwrConfig(ValueLearnerConfig):
         return self.offline_rollouts
 
 
-Learner = Annotated[GrpoConfig | PpoConfig | VtraceAwrConfig, Field(discriminator="algorithm")]
+# train.algorithm -> its learner's settings (whose `implementation` names the learner): the built-ins, and any
+# that register_learner adds, so train.algorithm is any registered name.
 LEARNER_CONFIGS: dict[str, type[LearnerConfig]] = {"grpo": GrpoConfig, "ppo": PpoConfig, "vtrace_awr": VtraceAwrConfig}
-# The keys that moved from `train` into `train.learner` (issue 28): every learner's settings but the tag.
+BUILT_IN_LEARNERS = tuple(LEARNER_CONFIGS)
+
+
+def register_learner(settings: type[LearnerConfig]) -> None:
+    """Make a learner written elsewhere a train.algorithm: `settings` is its section of the config, a LearnerConfig
+    whose `algorithm` tag defaults to its name and whose `implementation` is the learner's "module:Class" (rows,
+    stats, trains, signal, prepare, loss, metrics: as tasks/algorithms/learners/grpo.py's). Configs naming it load
+    in the processes that registered it; its trainer imports the learner by that name."""
+    tag = settings.model_fields.get("algorithm")
+    if tag is None or not isinstance(tag.default, str) or ":" not in settings.implementation:
+        raise ValueError(f"register_learner: {settings.__name__} needs an `algorithm` tag (its name, the default) "
+                         "and an `implementation` (\"module:Class\")")
+    LEARNER_CONFIGS[tag.default] = settings
+# The keys that moved from `train` into `train.learner` (issues 28 and 41): the built-ins' settings but the tag.
 LEARNER_KEYS = frozenset(name for c in LEARNER_CONFIGS.values() for name in c.model_fields if name != "algorithm")
 # `learner` enters the train fingerprint flat, as its keys did before they moved, so stored runs resume.
 FLAT_IN_FINGERPRINT = {"fingerprint": "flat"}
@@ -143,9 +188,9 @@ class TrainConfig(Section):
     """The update: the optimiser, the policy loss, and the learner (train.algorithm, train.learner)."""
 
     # The train fingerprint keeps the flat shape it had before the learners' settings moved into train.learner
-    # (FLAT_IN_FINGERPRINT); scale_rewards was fingerprinted always then, with every algorithm, so the learners
-    # without it still show its default there: stored runs of ppo and vtrace_awr resume.
-    _fingerprint_always: ClassVar[dict] = {"scale_rewards": "group"}
+    # (FLAT_IN_FINGERPRINT); scale_rewards and the surrogate's settings were fingerprinted always then, with every
+    # algorithm, so the learners without them still show their defaults there: stored runs of every learner resume.
+    _fingerprint_always: ClassVar[dict] = {"scale_rewards": "group", **SURROGATE_DEFAULTS}
 
     engine: Literal["torch", "deepspeed"] = Field(
         "torch", description="Training engine: torch (one process, one device) or deepspeed (ZeRO 1-3 over "
@@ -179,23 +224,11 @@ class TrainConfig(Section):
                                 "writes a full checkpoint and exits (0 = never), so a flow killed before its "
                                 "teardown does not leave it holding the machine. A train stage typed by hand that "
                                 "starts one gives it 600 s unless this is set (tasks/train.py: HAND_RUN_IDLE).")
-    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"] = Field(
-        "dapo", description="Objective and aggregation, as TRL defines them (see tasks/algorithms/loss.py).")
-    importance_sampling_level: Literal["token", "sequence"] = Field(
-        "token", description="Importance weight per token, or per sequence (GSPO).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     beta: float = Field(0.0, ge=0, description="KL coefficient against the starting policy (k3 estimator); 0 = none.")
-    epsilon: float = Field(0.2, gt=0, description="Lower clip range of the importance ratio.")
-    epsilon_high: float | None = Field(None, gt=0, description="Upper clip range; None = epsilon (TRL's fallback), "
-                                       "or 5.0 for cispo, where it caps the weight itself.")
-    use_bias_correction_kl: bool = Field(True, description="Multiply the KL term by the importance weight (TRL's "
-                                         "default since DeepSeek-V3.2: an unbiased reverse-KL gradient).")
-    delta: float | None = Field(None, gt=1, description="Two-sided clipping: cap the unclipped weight at delta.")
-    sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: gate temperature for positive advantages.")
-    sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: gate temperature for non-positive advantages.")
     importance_sampling_correction: bool = Field(
         True, description="Weight the loss by π_old/μ against the generator's behaviour logprobs (truncated IS).")
     importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
@@ -216,17 +249,18 @@ class TrainConfig(Section):
     mask_truncated_completions: bool = Field(False, description="Exclude completions that hit the length limit "
                                              "from the loss.")
     num_iterations: int = Field(1, ge=1, description="Optimiser passes over each generated batch (TRL's μ).")
-    algorithm: Literal["grpo", "ppo", "vtrace_awr"] = Field(
+    algorithm: str = Field(
         "grpo", json_schema_extra=SINCE_DEFAULT,
         description="The learner (tasks/algorithms/learners/), its own settings in train.learner. grpo: advantages "
-        "from the rewards alone (train.learner.advantage; the GRPO family by loss_type). ppo: a value model "
-        "(train.learner.critic) and GAE (gamma, lam) give per-token advantages, whitened over the batch; the policy "
-        "loss is loss_type's clipped surrogate, plus vf_coef times the clipped value loss. vtrace_awr: V-trace "
+        "from the rewards alone (train.learner.advantage; the GRPO family by train.learner.loss_type). ppo: a value "
+        "model (train.learner.critic) and GAE (gamma, lam) give per-token advantages, whitened over the batch; the "
+        "policy loss is loss_type's clipped surrogate, plus vf_coef times the clipped value loss. vtrace_awr: V-trace "
         "targets and advantages (rho_bar, c_bar, lam) from the behaviour logprobs, an advantage-weighted "
         "log-likelihood (awr_temperature), a KL to the behaviour policy held near kl_target by a learned Lagrange "
         "multiplier, value pre-training on detached hidden states (value_epochs) and a replay of the last "
-        "replay_iterations iterations' rollouts. Both on the torch engine (tasks/algorithms/ppo.py, vtrace.py).")
-    learner: Learner = Field(
+        "replay_iterations iterations' rollouts. Both on the torch engine (tasks/algorithms/ppo.py, vtrace.py). "
+        "Or a learner of your own, its settings registered by register_learner (this module).")
+    learner: SerializeAsAny[LearnerConfig] = Field(
         GrpoConfig(), json_schema_extra=FLAT_IN_FINGERPRINT,
         description="The settings of train.algorithm's learner (one section per learner; the algorithm picks it).")
     lora_r: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapter is "
@@ -263,7 +297,7 @@ class TrainConfig(Section):
         algorithm = data.get("algorithm", "grpo")
         learner = data.get("learner")
         learner = {} if learner is None else learner
-        if not isinstance(learner, dict) or algorithm not in LEARNER_CONFIGS:
+        if not isinstance(learner, dict) or not isinstance(algorithm, str) or algorithm not in LEARNER_CONFIGS:
             return data                 # (a model instance, or a bad algorithm: validation says what is wrong)
         learner = dict(learner)
         if learner.setdefault("algorithm", algorithm) != algorithm:
@@ -278,6 +312,23 @@ class TrainConfig(Section):
                  f"{algorithm}: ignored")
             del learner[key]
         return {**data, "learner": learner}
+
+    @field_validator("algorithm")
+    @classmethod
+    def _a_registered_learner(cls, algorithm: str) -> str:
+        if algorithm not in LEARNER_CONFIGS:
+            raise ValueError(f"expected one of {', '.join(LEARNER_CONFIGS)} (a learner of your own: register_learner)")
+        return algorithm
+
+    @field_validator("learner", mode="before")
+    @classmethod
+    def _the_learners_own_settings(cls, learner: Any, info: ValidationInfo) -> Any:
+        """train.learner validated as the settings of train.algorithm's learner (a union of whatever is
+        registered: its errors keep their place, train.learner.<key>)."""
+        settings = LEARNER_CONFIGS.get(info.data.get("algorithm"))
+        if settings is None or isinstance(learner, settings):
+            return learner              # (no valid algorithm: its own error says so)
+        return settings.model_validate(learner)
 
     @model_validator(mode="after")
     def _engine_supports(self):

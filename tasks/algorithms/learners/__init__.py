@@ -10,7 +10,7 @@ tasks/core/config_train.py).
 A learner declares what it owns: `rows` (its fields on each micro-batch, MicroBatch.own), `stats` (its
 statistics, UpdateStats.own, reduced over processes with the rest) and `trains` (what it trains beside the
 policy: "critic", made, optimised and checkpointed by the engines). The update loop (tasks/algorithms/update.py:
-optimise) is the same for all of them and never asks which one runs (tests/test_learner_plugin.py trains one
-defined in a test file alone); the train stage (tasks/engines/training.py) loads the rollouts a learner asks for.
-registry.py maps train.algorithm to its learner; its settings are a model in tasks/core/config_train.py.
+optimise) is the same for all of them and never asks which one runs. registry.py finds the learner that
+train.learner's settings name; register_learner (tasks/core/config_train.py) adds one (tests/test_learner_plugin.py:
+one in a test file alone, chosen by train.algorithm, trained by the train stage).
 """

@@ -1,6 +1,6 @@
 """The GRPO learner (`train.algorithm: grpo`, the default): one advantage per completion from the rewards alone
 (train.learner.advantage: group-relative, RLOO, REINFORCE++; tasks/algorithms/advantage.py), and the GRPO family
-of clipped surrogates (train.loss_type; tasks/algorithms/loss.py), weighted by π_old/μ against the generator.
+of clipped surrogates (train.learner.loss_type; tasks/algorithms/loss.py), weighted by π_old/μ against the generator.
 
 `policy_loss` is the surrogate for any per-row or per-token advantages: PPO's learner uses it too.
 """
@@ -16,7 +16,7 @@ from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_los
 
 if TYPE_CHECKING:
     from tasks.algorithms.stats import UpdateStats
-    from tasks.core.config import Config, TrainConfig
+    from tasks.core.config import Config
     from tasks.core.contracts import Forward, MicroBatch, Totals, TrainingEngine
 
 
@@ -45,7 +45,7 @@ class Grpo:
 
     def loss(self, engine: TrainingEngine, b: MicroBatch, fwd: Forward, totals: Totals, stats: UpdateStats,
              first_pass: bool) -> torch.Tensor:
-        loss, record = policy_loss(fwd, b, self.cfg, self.cfg.train, totals)
+        loss, record = policy_loss(fwd, b, self.cfg, self.cfg.train.beta, totals)
         record(stats, loss, first_pass)
         return loss
 
@@ -53,17 +53,19 @@ class Grpo:
         pass
 
 
-def policy_loss(fwd: Forward, b: MicroBatch, cfg: Config, tc: TrainConfig, totals: Totals):
-    """The micro-batch's share of loss_type's surrogate over the whole batch (`tc`: the train settings it reads;
-    ppo's with kl_in_reward has beta 0), and a function that records its statistics once the caller's loss is
-    known: record(stats, loss, first_pass)."""
+def policy_loss(fwd: Forward, b: MicroBatch, cfg: Config, beta: float, totals: Totals):
+    """The micro-batch's share of train.learner.loss_type's surrogate over the whole batch (`beta`: the KL term's
+    coefficient, train.beta; ppo's with kl_in_reward has 0), and a function that records its statistics once the
+    caller's loss is known: record(stats, loss, first_pass)."""
+    lc = cfg.train.learner
     old = b.old if b.old is not None else fwd.logp.detach()    # on-policy: ratio 1, gradient only
     is_ratio = behaviour_weight(old, b, cfg) if cfg.train.importance_sampling_correction else None
-    ptl, ratio, kl = per_token_loss(fwd.logp, old, b.advantages, b.mask, tc, ref_logp=b.ref, is_ratio=is_ratio)
-    loss = aggregate(ptl, b.mask, tc.loss_type, totals.num_tokens, totals.num_sequences, completion_budget(cfg))
+    ptl, ratio, kl = per_token_loss(fwd.logp, old, b.advantages, b.mask, lc, beta, ref_logp=b.ref, is_ratio=is_ratio)
+    loss = aggregate(ptl, b.mask, lc.loss_type, totals.num_tokens, totals.num_sequences, completion_budget(cfg))
 
     def record(stats: UpdateStats, total: torch.Tensor, first_pass: bool) -> None:
-        stats.add(b, total, fwd.logp, fwd.entropy, ratio, kl, is_ratio, cfg.train, first_pass=first_pass)
+        stats.add(b, total, fwd.logp, fwd.entropy, ratio, kl, is_ratio, cfg.train, first_pass=first_pass,
+                  surrogate=lc)
     return loss, record
 
 

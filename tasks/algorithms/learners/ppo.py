@@ -33,7 +33,7 @@ class Ppo:
         self.warm = iteration <= self.settings.critic_warmup          # the critic alone learns
         self.reports_kl_ref = not self.settings.kl_in_reward
         # with the KL in the reward, the policy's loss has none
-        self.policy_tc = cfg.train.model_copy(update={"beta": 0.0}) if self.settings.kl_in_reward else cfg.train
+        self.policy_beta = 0.0 if self.settings.kl_in_reward else cfg.train.beta
 
     def replay(self, iteration: int) -> list[int]:
         return []
@@ -59,7 +59,7 @@ class Ppo:
     def loss(self, engine: TrainingEngine, b: MicroBatch, fwd: Forward, totals: Totals, stats: UpdateStats,
              first_pass: bool) -> torch.Tensor:
         lc = self.settings
-        loss, record = policy_loss(fwd, b, self.cfg, self.policy_tc, totals)
+        loss, record = policy_loss(fwd, b, self.cfg, self.policy_beta, totals)
         values = engine.critic.values(fwd.hidden, b, detach=self.warm)
         vloss, clipped = value_loss(values, b.own.values, b.own.returns, b.mask, lc.value_clip, totals.num_tokens)
         stats.own.add(vloss, values, clipped, b, first_pass=first_pass)
