@@ -562,6 +562,57 @@ def test_a_separate_critic_with_deepspeed_is_refused():
         load_config(TINY, ["train.engine=deepspeed", "train.algorithm=ppo", "train.critic=separate"])
 
 
-def test_lora_with_deepspeed_is_refused():
-    with pytest.raises(UserError, match="train: .*lora_r > 0 needs engine: torch"):
-        load_config(TINY, ["train.engine=deepspeed", "train.lora_r=8"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_trains_as_the_torch_engine_resumes_and_publishes_the_adapter(stage, rollouts, tmp_path, as_worker,
+                                                                           monkeypatch):
+    """train.lora_r with the deepspeed engine (refused before issue 41): the base frozen, the adapter trained
+    under ZeRO (its fp32 master weights and Adam moments sharded), the KL reference the model with its adapter
+    disabled; iteration 2 resumes from ckpt-1's shards, which hold the adapter's state alone. Checkpoints and
+    policies are adapter folders, as the torch engine's: the same metrics and the same adapter weights as the
+    torch engine's on the same rollouts."""
+    from tasks.core.models import load_policy
+
+    lora = ["train.lora_r=4", "train.lora_alpha=8", "publish.dtype=float32"]      # (fp32: compared to 1e-5)
+    ref_cfg = _config(tmp_path / "torch", rollouts, lora, iterations=(1, 2, 3))
+    want = [train(ref_cfg, it)["metrics"] for it in (1, 2, 3)]
+    cfg = _config(tmp_path / "ds", rollouts, [*lora, "train.engine=deepspeed", f"train.zero_stage={stage}"],
+                  iterations=(1, 2, 3))
+    got = [train(cfg, it)["metrics"] for it in (1, 2)]
+    for g, w in zip(got, want):
+        for k in METRIC_KEYS:
+            assert g[k] == pytest.approx(w[k], **METRIC_TOL), k
+    assert got[1]["train/kl_ref"] > 0 and got[1]["train/grad_norm"] > 0.05
+
+    adapters = []
+    for c, side in ((ref_cfg, "torch"), (cfg, "ds")):
+        store = Store.open(c.store)
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+            f.rsplit("/", 1)[-1] for f in store.manifest(layout.checkpoint(RUN, 2))["files"]}
+        folder = tmp_path / f"published-{side}"
+        store.get_folder(publish(c, 2)["key"], folder)
+        assert not (folder / "model.safetensors").exists()             # the adapter alone
+        with safe_open(folder / "adapter_model.safetensors", "pt") as f:
+            adapters.append({k: f.get_tensor(k) for k in f.keys()})
+    assert adapters[0].keys() == adapters[1].keys() and any("lora_B" in k for k in adapters[0])
+    for name, w in adapters[0].items():
+        assert (adapters[1][name] - w).abs().max() <= WEIGHT_ATOL, name
+    assert max(float(w.abs().max()) for k, w in adapters[1].items() if "lora_B" in k) > 1e-4     # B moved from 0
+    policy = load_policy(cfg, str(tmp_path / "published-ds"), "cpu")                        # as generate loads it
+    assert getattr(policy, "peft_config", None)
+    # the engine's shards hold the adapter's state (fp32 masters, Adam moments), not the frozen base
+    store = Store.open(cfg.store)
+    for part in store.get_json(layout.checkpoint(RUN, 2), layout.CKPT_STATE)["engine_state"]:
+        store.get_folder(part, tmp_path / "shards")
+    states = list((tmp_path / "shards").rglob("*model_states.pt"))
+    module = torch.load(states[0], map_location="cpu", weights_only=False)["module"] or {}
+    others = [k for k in module if "lora_" not in k]      # (the tiny model's tied lm_head: DeepSpeed keeps shared
+    assert states and others in ([], ["base_model.model.lm_head.weight"]), others[:3]      # parameters)
+
+    if stage == 2:      # the adapter's shards of one process resume on two (universal checkpoint conversion)
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(var)
+        two = load_config(TINY, [*COMMON, f"store.uri={tmp_path}/ds/store", *lora, "train.engine=deepspeed",
+                                 "train.zero_stage=2", "train.num_processes=2"])
+        metrics = train(two, 3)["metrics"]
+        for k in METRIC_KEYS:
+            assert metrics[k] == pytest.approx(want[2][k], **METRIC_TOL), k

@@ -337,8 +337,6 @@ class TrainConfig(Section):
         if self.learner.value_model and self.learner.critic == "separate" and self.engine == "deepspeed":
             raise ValueError("critic: separate needs engine: torch (the deepspeed engine holds a value head on the "
                              "policy's trunk: critic: head)")
-        if self.lora_r and self.engine == "deepspeed":
-            raise ValueError("lora_r > 0 needs engine: torch (the deepspeed engine trains full weights only)")
         if self.off_policy_loss == "decoupled" and not self.importance_sampling_correction:
             raise ValueError("off_policy_loss: decoupled weights by π_old/μ; it needs importance_sampling_correction")
         if self.host == "caller" and self.engine == "deepspeed":

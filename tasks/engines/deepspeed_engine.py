@@ -36,7 +36,7 @@ import yaml
 from tasks.algorithms.learners.registry import learner_class
 from tasks.core import layout
 from tasks.core.errors import UserError
-from tasks.core.models import DTYPES, base_path, device_for, load_model, load_tokenizer, policy_dtype
+from tasks.core.models import DTYPES, add_lora, base_path, device_for, load_model, load_tokenizer, policy_dtype
 from tasks.core.process_wide import rng_state, seed_all, set_default, set_rng_state
 from tasks.core.processes import run, stream
 
@@ -51,7 +51,7 @@ class DeepSpeedEngine:
     """One worker process of a ZeRO data-parallel group (see the module docstring; tasks/engines/training.py:
     TrainingEngine)."""
 
-    lora = False   # refused by TrainConfig: the deepspeed engine trains full weights
+    lora = False   # train.lora_r > 0: the model is a peft model, only its adapter trained, saved and published
 
     @classmethod
     def check_installed(cls, cfg: Config) -> None:
@@ -115,6 +115,7 @@ class DeepSpeedEngine:
 
     def __init__(self, cfg: Config, store: Store, prev: str | None):
         self.cfg, self.store, tc = cfg, store, cfg.train
+        self.lora = tc.lora_r > 0
         if device_for(cfg).type == "cpu":
             set_default("DS_ACCELERATOR", "cpu")
         self.check_installed(cfg)
@@ -147,7 +148,10 @@ class DeepSpeedEngine:
                 universal = state["world_size"] != self.world_size     # its shards are cut for another count
                 if universal:
                     self._on_node_leader(lambda: to_universal(resume / "engine", state["tag"]))
-                model_path = str(resume / "ckpt" / MODEL_DIR)
+                # (with LoRA that folder is the adapter alone: the base model is built below, as on a first start)
+                model_path = base_path(cfg) if self.lora else str(resume / "ckpt" / MODEL_DIR)
+                if self.lora:
+                    self._on_node_leader(lambda: base_path(cfg))
             else:
                 self._on_node_leader(lambda: base_path(cfg))   # one download/build per node, then cached
                 model_path = base_path(cfg)
@@ -161,6 +165,8 @@ class DeepSpeedEngine:
             # Weights load in the compute dtype (DeepSpeed keeps fp32 master copies in the optimizer); on resume
             # load_checkpoint below replaces them with the checkpoint's exact fp32 state.
             model = load_model(model_path, dtype, device)
+            if self.lora:   # fresh adapters (B = 0), as the torch engine makes them; a resume loads their state below
+                model = add_lora(model, tc)
             params = [p for p in model.parameters() if p.requires_grad]
             if tc.offload_optimizer:
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -185,7 +191,8 @@ class DeepSpeedEngine:
             self.model = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
             self.model.train()
             self.ref_model = None
-            if tc.beta > 0:         # the starting weights; ZeRO-3 keeps them sharded too (a second engine)
+            if tc.beta > 0 and not self.lora:     # the starting weights; ZeRO-3 keeps them sharded too (a second
+                # engine). With LoRA the reference is the same model with its adapter disabled (update.py).
                 self._on_node_leader(lambda: base_path(cfg))
                 ref = load_model(base_path(cfg), dtype, device).eval().requires_grad_(False)
                 if tc.zero_stage == 3:
@@ -197,7 +204,7 @@ class DeepSpeedEngine:
             if state is not None:
                 tag = universal_tag(state["tag"]) if universal else state["tag"]
                 self.model.load_checkpoint(str(resume / "engine"), tag=tag, load_optimizer_states=True,
-                                           load_lr_scheduler_states=False)
+                                           load_lr_scheduler_states=False, load_module_strict=not self.lora)
                 rng = resume / "engine" / layout.CKPT_RNG_RANK.format(rank=self.rank)
                 if rng.exists():
                     set_rng_state(torch.load(rng, weights_only=False))
@@ -378,7 +385,8 @@ class DeepSpeedEngine:
         if self.local_rank == 0:         # an engine that lives on (resident) saved an earlier tag here
             shutil.rmtree(local, ignore_errors=True)
         self.barrier()
-        self.model.save_checkpoint(str(local), tag=tag)
+        # LoRA: the frozen base is the base model's, rebuilt on resume: the shards keep the adapter's state alone
+        self.model.save_checkpoint(str(local), tag=tag, exclude_frozen_parameters=self.lora)
         rng = local / layout.CKPT_RNG_RANK.format(rank=self.rank)
         rng.parent.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), rng)
@@ -406,6 +414,8 @@ class DeepSpeedEngine:
         out, seen = ({} if self.rank == 0 else None), set()
         dtype = DTYPES[policy_dtype(self.cfg)]
         for prefix, module in self.model.module.named_modules():
+            if self.lora and "lora_" not in prefix:
+                continue                      # LoRA: the adapter's weights alone (the base stays the base model)
             params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
             seen.update(id(p) for _, p in params)
             with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
@@ -425,6 +435,10 @@ class DeepSpeedEngine:
         from huggingface_hub import save_torch_state_dict
 
         folder.mkdir(parents=True, exist_ok=True)
+        if self.lora:       # an adapter folder, as the torch engine's (peft writes adapter_config.json)
+            self.model.module.save_pretrained(folder, state_dict=weights)
+            self.tokenizer.save_pretrained(folder)
+            return
         save_torch_state_dict(weights, folder, max_shard_size="5GB")
         module = self.model.module
         config = copy.deepcopy(module.config)
