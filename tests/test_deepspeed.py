@@ -557,9 +557,40 @@ def test_a_value_head_on_two_processes_trains_as_the_torch_engine_and_resumes_on
     assert got[1]["train/value_loss"] > 0
 
 
-def test_a_separate_critic_with_deepspeed_is_refused():
-    with pytest.raises(UserError, match="critic: separate needs engine: torch"):
-        load_config(TINY, ["train.engine=deepspeed", "train.algorithm=ppo", "train.critic=separate"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_separate_critic_trains_as_the_torch_engine_and_resumes(stage, rollouts, tmp_path, as_worker, monkeypatch):
+    """ppo with train.learner.critic separate on the deepspeed engine (refused before issue 41): a trunk of its
+    own and a head, the same weights on every process, its AdamW's states sharded over the processes
+    (ZeroRedundancyOptimizer). Iterations 1 and 2 (a resume from ckpt-1: critic weights and optimizer state)
+    give the torch engine's metrics and critic; at ZeRO 2 iteration 3 resumes on two processes (the optimizer
+    state, saved whole, re-cut) and still equals the torch engine's."""
+    from safetensors.torch import load_file
+
+    common = ["train.algorithm=ppo", "train.learner.critic=separate", "train.max_grad_norm=1000"]
+    ref = _config(tmp_path / "torch", rollouts, common, iterations=(1, 2, 3))
+    want = [train(ref, it)["metrics"] for it in (1, 2, 3)]
+    Store.open(ref.store).get_folder(layout.checkpoint(RUN, 3), tmp_path / "want3")
+    ds = [*common, "train.engine=deepspeed", f"train.zero_stage={stage}"]
+    cfg = _config(tmp_path / "ds", rollouts, ds, iterations=(1, 2, 3))
+    got = [train(cfg, it)["metrics"] for it in (1, 2)]
+    if stage == 2:
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(var)
+        cfg = load_config(TINY, [*COMMON, f"store.uri={tmp_path}/ds/store", *ds, "train.num_processes=2"])
+    got.append(train(cfg, 3)["metrics"])
+    keys = [k for k in METRIC_KEYS if k != "train/grad_norm"] + ["train/value_loss", "train/value_mean"]
+    for it, (g, w) in enumerate(zip(got, want), start=1):
+        for k in keys:
+            assert g[k] == pytest.approx(w[k], **METRIC_TOL), (it, k)
+    assert got[1]["train/value_loss"] > 0
+    Store.open(cfg.store).get_folder(layout.checkpoint(RUN, 3), tmp_path / "got3")
+    critic, want_critic = (load_file(tmp_path / f / layout.CKPT_CRITIC) for f in ("got3", "want3"))
+    assert set(critic) == set(want_critic) and any(k.startswith("trunk.") for k in critic)
+    for name, w in want_critic.items():
+        assert (critic[name] - w).abs().max() <= WEIGHT_ATOL, name
+    base = load_model(base_path(cfg)).state_dict()                     # the trunk learned: it left the base
+    assert max(float((critic[k] - base[k.removeprefix("trunk.")]).abs().max()) for k in critic
+               if k.startswith("trunk.")) > 1e-4
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -334,9 +334,6 @@ class TrainConfig(Section):
     def _engine_supports(self):
         if self.learner.algorithm != self.algorithm:
             raise ValueError(f"learner: the settings of {self.learner.algorithm}, but algorithm is {self.algorithm}")
-        if self.learner.value_model and self.learner.critic == "separate" and self.engine == "deepspeed":
-            raise ValueError("critic: separate needs engine: torch (the deepspeed engine holds a value head on the "
-                             "policy's trunk: critic: head)")
         if self.off_policy_loss == "decoupled" and not self.importance_sampling_correction:
             raise ValueError("off_policy_loss: decoupled weights by π_old/μ; it needs importance_sampling_correction")
         if self.host == "caller" and self.engine == "deepspeed":

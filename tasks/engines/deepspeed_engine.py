@@ -175,19 +175,13 @@ class DeepSpeedEngine:
             else:                   # the torch engine's optimizer: same update, ZeRO shards its state
                 optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas),
                                               weight_decay=tc.weight_decay)
-            # ppo, vtrace_awr: the value head on the policy's trunk, outside ZeRO (a few thousand weights): the
-            # same on every process, its gradients summed over them in step(), its own AdamW.
+            # ppo, vtrace_awr: the value model (a head on the policy's trunk, or a trunk of its own: critic
+            # separate) outside the policy's ZeRO engine: the same weights on every process, its gradients summed
+            # over them in step(), its AdamW's states sharded over the processes (ZeRO-1: ZeroRedundancyOptimizer;
+            # each process steps its share and broadcasts it).
             self.critic = self.critic_optimizer = None
             if "critic" in learner_class(cfg).trains:
-                from tasks.engines.critic import Critic
-
-                self.critic = Critic.make(cfg, model, device)
-                self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=tc.learner.critic_lr or tc.lr,
-                                                          betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
-                if state is not None:
-                    self.critic.load(resume / "ckpt")
-                    self.critic_optimizer.load_state_dict(torch.load(
-                        resume / "ckpt" / layout.CKPT_CRITIC_OPTIMIZER, map_location=device, weights_only=True))
+                self._make_critic(model, resume / "ckpt" if state is not None else None)
             self.model = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
             self.model.train()
             self.ref_model = None
@@ -214,6 +208,28 @@ class DeepSpeedEngine:
         except BaseException:
             self.close()
             raise
+
+    def _make_critic(self, model, ckpt: Path | None) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        from tasks.engines.critic import Critic
+
+        tc = self.cfg.train
+        if self._hf_config is not None:      # ZeRO-3: a separate trunk loads whole, not partitioned (not ZeRO's)
+            unset_hf_deepspeed_config()
+        try:
+            self.critic = Critic.make(self.cfg, model, self.device)
+        finally:
+            if self._hf_config is not None:
+                set_hf_deepspeed_config(self._hf_config)
+        self.critic_optimizer = ZeroRedundancyOptimizer(
+            self.critic.parameters(), optimizer_class=torch.optim.AdamW, lr=tc.learner.critic_lr or tc.lr,
+            betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
+        if ckpt is not None:           # (the whole state, consolidated when saved: any process count loads it)
+            self.critic.load(ckpt)
+            self.critic_optimizer.load_state_dict(torch.load(ckpt / layout.CKPT_CRITIC_OPTIMIZER,
+                                                             map_location=self.device, weights_only=True))
 
     def _ds_config(self, universal: bool) -> dict:
         tc = self.cfg.train
@@ -391,9 +407,11 @@ class DeepSpeedEngine:
         rng.parent.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), rng)
         weights = self._gather_16bit()
+        if self.critic is not None:         # collective: the critic optimizer's shards, whole on process 0
+            self.critic_optimizer.consolidate_state_dict(to=0)
         if self.rank == 0:
             self._write_model(out / MODEL_DIR, weights)
-            if self.critic is not None:     # (the same on every process)
+            if self.critic is not None:     # (its weights: the same on every process)
                 self.critic.save(out)
                 torch.save(self.critic_optimizer.state_dict(), out / layout.CKPT_CRITIC_OPTIMIZER)
         del weights
