@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from tasks.core import layout, rollout
 from tasks.core.errors import UserError
 from tasks.core.models import policy_dtype
-from tasks.core.stage import by_hand, fingerprint, in_stage_process, require_input, reuse, stage_cli
+from tasks.core.stage import by_hand, fingerprint, require_input, reuse, stage_cli
 from tasks.core.store import open_store
 from tasks.engines.detached import DetachedTrainer, node_layout
 from tasks.engines.trainer import TRAIN_SECTIONS, InProcessTrainer, unfinished
@@ -68,28 +68,31 @@ def train(cfg: Config, iteration: int) -> dict:
 
 
 def open_trainer(cfg: Config) -> TrainerHandle:
-    """The stage's handle on the run's trainer, where train.mode and train.host put it: process mode, one of its
-    own in this process; resident, the run's (host auto: in this process when it outlives the stage, i.e. not
-    `python -m tasks.train`, and the engine is torch; else a process of its own)."""
+    """The stage's handle on the run's trainer, where the config puts it: process mode, one of its own in this
+    process; resident, the run's, held by this process (train.host caller) or in a process of its own
+    (detached). host auto is caller for the torch engine, detached for deepspeed (a torchrun group); a stage
+    process (`python -m tasks.train`) has made it detached already (stage_process)."""
     if not cfg.resident_trainer:
         return InProcessTrainer(cfg, held=False)
     host = cfg.train.host
     if host == "auto":
-        host = "detached" if in_stage_process() or cfg.train.engine == "deepspeed" else "caller"
-    return InProcessTrainer(cfg) if host == "caller" else DetachedTrainer(hand_run(cfg))
+        host = "detached" if cfg.train.engine == "deepspeed" else "caller"
+    return InProcessTrainer(cfg) if host == "caller" else DetachedTrainer(cfg)
 
 
 HAND_RUN_IDLE = 600.0    # s: train.idle_timeout of a detached trainer a stage typed by hand starts (unless set)
 
 
-def hand_run(cfg: Config) -> Config:
-    """The config a detached trainer is started with. Under a flow, the flow finishes it; a stage typed by hand
-    (`python -m tasks.train`, no launcher) has nobody to, so its trainer leaves after HAND_RUN_IDLE s unused
-    instead of train.idle_timeout's default two hours: long enough for the next iteration's generate, reward
-    and train typed by hand to find it warm. An idle_timeout set in the config or by -o is kept."""
-    if not by_hand() or "idle_timeout" in cfg.train.model_fields_set:
-        return cfg
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"idle_timeout": HAND_RUN_IDLE})})
+def stage_process(cfg: Config) -> Config:
+    """What the train stage's own process (`python -m tasks.train`, which ends with the stage) makes of the config,
+    once, at the process boundary (stage_cli): train.host auto becomes detached (a trainer held here would end
+    with this process). Typed by hand (no launcher) nobody will finish that trainer, so it leaves after
+    HAND_RUN_IDLE s unused instead of train.idle_timeout's default two hours: long enough for the next
+    iteration's generate, reward and train typed by hand to find it warm (an idle_timeout set is kept)."""
+    update: dict = {"host": "detached"} if cfg.train.host == "auto" else {}
+    if by_hand() and "idle_timeout" not in cfg.train.model_fields_set:
+        update["idle_timeout"] = HAND_RUN_IDLE
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=update)}) if update else cfg
 
 
 def finish_trainer(cfg: Config) -> int | None:
@@ -100,7 +103,7 @@ def finish_trainer(cfg: Config) -> int | None:
     if not cfg.resident_trainer:
         return None
     held = InProcessTrainer(cfg).finish()
-    detached = DetachedTrainer(hand_run(cfg)).finish()
+    detached = DetachedTrainer(cfg).finish()
     if held is None and detached is None and unfinished(open_store(cfg), cfg.run.name) is not None:
         # Nothing runs, but the newest iteration lacks a full checkpoint (its trainer died after committing
         # it; this flow run reused it): one is made here, where train.host puts the trainer, by replay.
@@ -117,6 +120,6 @@ def finish(cfg: Config, iteration: int = 0) -> dict:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["finish"]:
         del sys.argv[1]
-        stage_cli(finish, "train finish")
+        stage_cli(finish, "train finish", own_process=stage_process)
     else:
-        stage_cli(train, "train")
+        stage_cli(train, "train", own_process=stage_process)

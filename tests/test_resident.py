@@ -416,3 +416,32 @@ def test_auto_is_resident_on_one_machine_and_on_several_nodes_and_process_inside
         with pytest.raises(UserError, match="train.mode: resident keeps one trainer"):
             train(explicit, 1)
     assert not (tmp_path / "store").exists()
+
+
+def test_the_trainer_handle_is_chosen_from_the_config_alone(tmp_path, monkeypatch):
+    """Which handle a train stage gets is the config's answer (issue 41), not the process's provenance: host auto
+    is caller for the torch engine and detached for deepspeed in any process; a stage process (`python -m
+    tasks.train`) writes host detached into its config at its boundary (stage_process), and typed by hand the
+    idle timeout of the trainer it starts, unless set."""
+    from tasks.core import stage
+    from tasks.engines.detached import DetachedTrainer
+    from tasks.engines.trainer import InProcessTrainer
+    from tasks.train import HAND_RUN_IDLE, open_trainer, stage_process
+
+    cfg = _cfg(tmp_path, "handles", host="auto")
+    for own_process in (False, True):                  # provenance no longer matters to open_trainer
+        monkeypatch.setattr(stage, "_OWN_PROCESS", own_process)
+        assert type(open_trainer(cfg)) is InProcessTrainer
+        assert type(open_trainer(_cfg(tmp_path, "handles", extra=["train.engine=deepspeed"], host="auto"))) \
+            is DetachedTrainer
+        assert type(open_trainer(_cfg(tmp_path, "handles", mode="process", host="auto"))) is InProcessTrainer
+    monkeypatch.setenv("SKYPILOT_NODE_RANK", "0")      # a launcher's stage process
+    launched = stage_process(cfg)
+    assert (launched.train.host, launched.train.idle_timeout) == ("detached", cfg.train.idle_timeout)
+    assert type(open_trainer(launched)) is DetachedTrainer
+    monkeypatch.delenv("SKYPILOT_NODE_RANK")
+    monkeypatch.delenv("RANK", raising=False)           # typed by hand
+    by_hand = stage_process(cfg)
+    assert (by_hand.train.host, by_hand.train.idle_timeout) == ("detached", HAND_RUN_IDLE)
+    kept = stage_process(_cfg(tmp_path, "handles", extra=["train.idle_timeout=30"], host="caller"))
+    assert (kept.train.host, kept.train.idle_timeout) == ("caller", 30)

@@ -180,11 +180,6 @@ _OWN_PROCESS = False
 STOP = threading.Event()    # set when the run was told to stop (SIGINT/SIGTERM, flows/cli.py): no stage starts after
 
 
-def in_stage_process() -> bool:
-    """Whether this process was started for one stage run (`python -m tasks.<stage>`), so ends with it."""
-    return _OWN_PROCESS
-
-
 def launched() -> bool:
     """Whether a launcher started this stage process, rather than a user by hand: the local and sky launchers run
     the stage's recipe on a SkyPilot node or as one would (flows/launch.py: Local sets SKYPILOT_NODE_RANK); a
@@ -194,7 +189,7 @@ def launched() -> bool:
 
 def by_hand() -> bool:
     """A stage command typed by a user (`python -m tasks.<stage>`, no launcher): no flow will tidy up after it."""
-    return in_stage_process() and not launched()
+    return _OWN_PROCESS and not launched()
 
 
 _CONFIG_ARGS = ["--config", "CONFIG"]     # this stage command's --config and overrides (stage_cli), for command()
@@ -222,10 +217,12 @@ def quiet_progress_bars() -> None:
 
 
 def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, takes_tracking: bool = False,
-              takes_round: bool = False, takes_services: bool = False) -> None:
+              takes_round: bool = False, takes_services: bool = False,
+              own_process: Callable[[Config], Config] | None = None) -> None:
     """`python -m tasks.<stage> --config F [-o k=v]... --iteration N [--policy KEY] [--round R]`; prints the
     result JSON. `takes_services`: the stage's context is read here, once, from the variables the flow gave this
-    process (tasks/core/placement.py: Services.from_environment)."""
+    process (tasks/core/placement.py: Services.from_environment). `own_process`: what the stage makes of its
+    config in a process of its own (the train stage: where its trainer lives), applied once, here."""
     from tasks.core.config import load_config
 
     ap = OneLineParser(prog=f"python -m tasks.{name}", description=fn.__doc__)
@@ -254,6 +251,8 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
         overrides = parse_overrides_json(args.overrides_json) + args.override
         _CONFIG_ARGS[:] = ["--config", args.config, *(a for o in overrides for a in ("-o", o))]
         cfg = load_config(args.config, overrides)
+        if own_process is not None:
+            cfg = own_process(cfg)
         kwargs = {}
         if takes_policy:
             kwargs["policy"] = args.policy
