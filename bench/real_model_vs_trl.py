@@ -35,6 +35,7 @@ import csv
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -189,6 +190,7 @@ def levers(config: Path, iterations: int, work: Path, only: list[str] | None = N
     rows = []
     for name, extra in variants.items():
         got = rlflow_run(config, 0, iterations, work, [*off, *extra], name=f"lever-{len(rows)}")
+        shutil.rmtree(work / f"lever-{len(rows)}", ignore_errors=True)    # (its checkpoints: ~3.6 GB a variant)
         rows.append((name, _steady(got["seconds"]), {k: _steady(v) for k, v in got["stage_seconds"].items()}))
         print(f"{name}: {rows[-1][1]:.1f} s/iteration ({', '.join(f'{k} {v:.1f}' for k, v in rows[-1][2].items())})",
               flush=True)
