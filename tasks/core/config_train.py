@@ -158,6 +158,8 @@ def register_learner(settings: type[LearnerConfig]) -> None:
         raise ValueError(f"register_learner: {settings.__name__} needs an `algorithm` tag (its name, the default) "
                          "and an `implementation` (\"module:Class\")")
     LEARNER_CONFIGS[tag.default] = settings
+
+
 # The keys that moved from `train` into `train.learner` (issues 28 and 41): the built-ins' settings but the tag.
 LEARNER_KEYS = frozenset(name for c in LEARNER_CONFIGS.values() for name in c.model_fields if name != "algorithm")
 # `learner` enters the train fingerprint flat, as its keys did before they moved, so stored runs resume.

@@ -148,11 +148,9 @@ class DeepSpeedEngine:
                 universal = state["world_size"] != self.world_size     # its shards are cut for another count
                 if universal:
                     self._on_node_leader(lambda: to_universal(resume / "engine", state["tag"]))
-                # (with LoRA that folder is the adapter alone: the base model is built below, as on a first start)
-                model_path = base_path(cfg) if self.lora else str(resume / "ckpt" / MODEL_DIR)
-                if self.lora:
-                    self._on_node_leader(lambda: base_path(cfg))
-            else:
+            if prev and not self.lora:
+                model_path = str(resume / "ckpt" / MODEL_DIR)
+            else:       # (with LoRA the checkpoint's model folder is the adapter alone: the base is built, as first)
                 self._on_node_leader(lambda: base_path(cfg))   # one download/build per node, then cached
                 model_path = base_path(cfg)
             self.tokenizer = load_tokenizer(model_path)
