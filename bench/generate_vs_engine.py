@@ -264,10 +264,10 @@ def main() -> None:
               f"{best(stage, 'wall'):.1f} s of which sampling {best(stage, 'sampling'):.1f} s (best runs)")
 
     if "server" in engines:
-        c = cfg("server", "generate.engine=vllm", "generate.mode=server")
+        c = cfg("server", "generate.engine=vllm", "generate.mode=resident")
 
         def stale(it: int, v: int):
-            return cfg("server", "generate.engine=vllm", "generate.mode=server", f"run.max_staleness={it - 1 - v}")
+            return cfg("server", "generate.engine=vllm", "generate.mode=resident", f"run.max_staleness={it - 1 - v}")
 
         try:
             first = stage_run(c, 1)                                     # starts the server (base model)

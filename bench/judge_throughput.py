@@ -5,7 +5,7 @@ completion distinct), completions scored per second (score_records, as the rewar
 
   1. in the stage's process (where: stage, hf engine): batch_size 1 vs batch_size 16;
   2. through the judge server (python -m tasks.scoring.judge_server, hf engine, its Batcher gathering concurrent
-     requests into one forward pass), reached at `url:` with the key in `api_key_env` (the openai client, 16
+     requests into one forward pass), reached at `where: <url>` with the key in `api_key_env` (the openai client, 16
      requests in flight) vs in-process batch 16; the server's /health batches and requests (its mean batch);
   3. the same server on vLLM-CPU (engine: vllm, in .venv-vllm's interpreter, VLLM_CPU_KVCACHE_SPACE=1), the model
      resolved here and given as --model-path as the flow does; or the one-line reason it did not serve (given up
@@ -139,13 +139,13 @@ def serve(tmp: Path, model: dict, python: str, timeout: float, env: dict[str, st
 
 def through_server(tmp: Path, args, model: dict, python: str, timeout: float, env: dict[str, str],
                    extra=()) -> dict:
-    """Completions/s through a judge server for `model` (engine hf | vllm) at `url:`, and its /health counts for
+    """Completions/s through a judge server for `model` (engine hf | vllm) at `where: <url>`, and its /health counts for
     the measured runs."""
     proc = None
     try:
         proc, url, start, token, lines = serve(tmp, model, python, timeout, env, extra)
         os.environ[KEY_VAR] = token
-        at_url = [{**{k: v for k, v in model.items() if k not in ("sha256", "where", "engine")}, "url": url,
+        at_url = [{**{k: v for k, v in model.items() if k not in ("sha256", "where", "engine")}, "where": url,
                    "api_key_env": KEY_VAR, "model": model["name"]}]
         run(tmp, at_url, 2)                                            # warm: the first forward pass, connections
         before = httpx.get(f"{url}/health", timeout=30).json()
@@ -208,7 +208,7 @@ def main() -> None:
         print(f"   batch 16 vs 1: {rows['stage b16']['rate'] / rows['stage b1']['rate']:.2f}x; scores equal to "
               f"batch 1's: {agreement(rows['stage b16']['scores'], ref)}", flush=True)
 
-        print("2. judge server (hf engine, Batcher size 16) at url: + api_key_env, 16 requests in flight:", flush=True)
+        print("2. judge server (hf engine, Batcher size 16) at a URL + api_key_env, 16 requests in flight:", flush=True)
         hf = spec(where="local", engine="hf", batch_size=16)
         r = rows["server hf"] = through_server(tmp, args, hf, sys.executable, 300.0, {})
         print(f"   started in {r['start']:.1f} s; {r['rate']:.2f} completions/s ({r['seconds']:.1f} s), "

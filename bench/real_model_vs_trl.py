@@ -176,7 +176,7 @@ def levers(config: Path, iterations: int, work: Path, only: list[str] | None = N
                                                               "train.share_prompts=false"],
         "a trainer process per iteration (train.mode=process)": ["generate.share_prompts=false",
                                                                  "train.share_prompts=false", "train.mode=process"],
-        "vLLM-CPU server for sampling (generate.engine=vllm)": ["generate.engine=vllm", "generate.mode=server",
+        "vLLM-CPU server for sampling (generate.engine=vllm)": ["generate.engine=vllm", "generate.mode=resident",
                                                                "generate.gpu_memory_utilization=0.3"],
         "generation beside training (run.max_staleness=1)": ["run.max_staleness=1"],
         "LoRA r=16 (train.lora_r=16, lr 1e-4)": ["train.lora_r=16", "train.lora_alpha=32", "train.lr=1e-4"],

@@ -162,8 +162,8 @@ def plan(cfg: Config, config_path: str) -> str:
         rows.append(("generate replicas", f"{n_replicas} local processes (tasks/engines/replica.py)",
                      f"this machine; {gc.engine} engine", "-", "- (this machine's)"))
     servers = f"{n_env} environment servers behind one URL" if n_env > 1 else "environment server"
-    if place.env == "yours":            # (env.server_url read for its address only)
-        rows.append(("env", f"environment server at {cfg.env.server_url} (env.server_url)", "yours", "-", "-"))
+    if place.env == "yours":            # (env.url read for its address only)
+        rows.append(("env", f"environment server at {cfg.env.url} (env.where)", "yours", "-", "-"))
     elif place.env == "local":
         rows.append(("env", f"{servers}, {'processes' if n_env > 1 else 'a process'} beside the flow "
                      "(env.where: local)", "this machine", "-", "-"))

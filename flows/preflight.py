@@ -65,7 +65,7 @@ def preflight(cfg: Config) -> None:
             installed_python(cfg)      # a judge server on vLLM here, and no vLLM environment: one line
     if place.env == "local" and any(place.where(s) == "sky" for s in episode_stages):
         raise UserError("env.where: local serves the environments on this machine, which the generate cluster "
-                        "(launcher: sky) cannot reach; use env.where: sky, or env.server_url")
+                        "(launcher: sky) cannot reach; use env.where: sky, or the URL of a server of yours")
     path = base_path(cfg)
     tokenizer = load_tokenizer(path)
     # the rollouts' source (prompts, environments, an agent): its factory, server or agent, one line, exit 2

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 
 class EnvServer:
-    """env.where: local | sky (or env.server_url): the environment server the episodes of generate and evaluate
+    """env.where: local | sky (or a URL of yours): the environment server the episodes of generate and evaluate
     talk to (tasks/envs/runtime/server.py). Started at the first stage that needs it and checked before each one: a
     server that stopped answering (its process died, its spot cluster was preempted) is started again, so the
     retry of a stage that failed with it finds it up. The stages get its URL and token in their context
@@ -56,8 +56,8 @@ class EnvServer:
         import secrets
 
         self.cfg, self.config_path, self.overrides, self.sky = cfg, config_path, list(overrides), sky
-        self.placement = placement_of(cfg)      # env: yours (env.server_url) | local | sky; env_servers
-        self.url = cfg.env.server_url           # (env.server_url: yours, its address; else the flow's server's)
+        self.placement = placement_of(cfg)      # env: yours (a URL) | local | sky; env_servers
+        self.url = cfg.env.url                  # (env.where a URL: yours, its address; else the flow's server's)
         self.token = os.environ.get(TOKEN_VAR, "") if self.url else secrets.token_urlsafe(24)
         self.proc = None                # env.servers 1: the server's process (env.where: local); N: the front's
         self.lock = threading.RLock()
@@ -94,7 +94,7 @@ class EnvServer:
                 self._pool(log)
             elif not self.answers():
                 if place.env == "yours":
-                    raise InfraError(f"the environment server at {self.url} (env.server_url) does not answer")
+                    raise InfraError(f"the environment server at {self.url} (env.where) does not answer")
                 if self.url:
                     log(f"the environment server at {self.url} stopped answering: starting it again")
                 self.url = self._start_local(log) if place.env == "local" else self._start_sky(log)

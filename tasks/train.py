@@ -24,7 +24,7 @@ from tasks.core.errors import UserError
 from tasks.core.models import policy_dtype
 from tasks.core.stage import by_hand, fingerprint, require_input, reuse, stage_cli
 from tasks.core.store import open_store
-from tasks.engines.detached import DetachedTrainer, node_layout
+from tasks.engines.detached import DetachedTrainer, GroupTrainer, node_layout
 from tasks.engines.trainer import TRAIN_SECTIONS, InProcessTrainer, unfinished
 
 if TYPE_CHECKING:
@@ -41,6 +41,11 @@ def train(cfg: Config, iteration: int) -> dict:
         raise UserError(f"train.mode: resident keeps one trainer of one process with train.engine torch, but "
                         f"NNODES={node_layout()[0]}; use train.engine=deepspeed (one resident group across the "
                         f"nodes) or one node")
+    if cfg.train.engine == "torch":
+        for var in ("WORLD_SIZE", "NNODES"):     # (several processes would each write the same checkpoint)
+            if int(os.environ.get(var) or 1) > 1:
+                raise UserError(f"train.engine: torch trains in one process on one device, but {var}="
+                                f"{os.environ[var]}; use train.engine=deepspeed for several GPUs or nodes")
     store = open_store(cfg)
     run = cfg.run.name
     key = layout.checkpoint(run, iteration)
@@ -68,11 +73,15 @@ def train(cfg: Config, iteration: int) -> dict:
 
 
 def open_trainer(cfg: Config) -> TrainerHandle:
-    """The stage's handle on the run's trainer, where the config puts it: process mode, one of its own in this
-    process; resident, the run's, held by this process (train.host caller) or in a process of its own
-    (detached). host auto is caller for the torch engine, detached for deepspeed (a torchrun group); a stage
-    process (`python -m tasks.train`) has made it detached already (stage_process)."""
+    """The stage's handle on the run's trainer, where the config puts it: process mode, one of its own for this
+    iteration (torch: in this process; deepspeed: a group of processes, GroupTrainer, or this process's part when
+    a torchrun started by hand runs the stage in each of its processes); resident, the run's, held by this process
+    (train.host caller) or in processes of its own (detached). host auto is caller for the torch engine, detached
+    for deepspeed (a torchrun group); a stage process (`python -m tasks.train`) has made it detached already
+    (stage_process)."""
     if not cfg.resident_trainer:
+        if cfg.train.engine == "deepspeed" and "RANK" not in os.environ:
+            return GroupTrainer(cfg)
         return InProcessTrainer(cfg, held=False)
     host = cfg.train.host
     if host == "auto":

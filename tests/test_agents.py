@@ -307,7 +307,7 @@ def test_agents_on_a_sky_cluster_under_overlap_see_only_the_scheduled_policy(tmp
     monkeypatch.chdir(tmp_path)
     user_module(tmp_path, monkeypatch, "served", WHICH_MODEL)          # (importable in the stage's process too)
     overrides = _sky(tmp_path, s3_endpoint, bucket, fake_cloud, "overlap", [
-        "run.iterations=3", "run.max_staleness=1", "launcher.mode=inline", "launcher.stages={generate: sky}",
+        "run.iterations=3", "run.max_staleness=1", "launcher.where=inline", "launcher.stages={generate: sky}",
         "env.agent=served:which_model", "env.isolation=process"])
     out = train_flow(str(AGENT), overrides)
     assert out["iterations_completed"] == 3

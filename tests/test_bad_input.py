@@ -96,7 +96,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "negative lora rank": (["run", str(TINY), "-o", "train.lora_r=-4"], "train.lora_r"),
         "bad loss type": (["run", str(TINY), "-o", "train.loss_type=ppo"], "train.learner.loss_type"),
         "bad dtype": (["run", str(TINY), "-o", "model.dtype=int8"], "model.dtype"),
-        "bad launcher": (["run", str(TINY), "-o", "launcher.mode=cloud"], "launcher.mode"),
+        "bad launcher": (["run", str(TINY), "-o", "launcher.where=cloud"], "launcher.where"),
         "k above n": (["run", str(TINY), "-o", "eval.k=8", "-o", "eval.num_generations=4"], "k (8) must be <= num_generations (4)"),
         "run name escapes": (["run", str(TINY), "-o", "run.name=../escape"], "run.name: string should match pattern "
                              "'^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$'"),
@@ -137,7 +137,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                        "env.factory: cannot import module 'nosuchenv'"),
         "environment factory syntax": (["run", str(TINY), "-o", "env.factory=no colon"], "env.factory"),
         "local server-mode replicas": (["run", str(TINY), "-o", "generate.replicas=2", "-o", "generate.engine=vllm",
-                                        "-o", "generate.mode=server"], "replicas on this machine would share the run's one"),
+                                        "-o", "generate.mode=resident"], "replicas on this machine would share the run's one"),
         "replicas below zero": (["run", str(TINY), "-o", "generate.replicas=-1"], "generate.replicas"),
         "accelerator spelled wrong": (["run", str(TINY), "-o", "launcher.accelerators={train: 'A100 x8'}"],
                                       "launcher.accelerators.train"),
@@ -164,10 +164,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
              "launcher.stages={generate: sky}"], "env.where: local serves the environments on this machine"),
         "environment server url, nothing there": (
             ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o",
-             "env.server_url=http://127.0.0.1:9"], "env.server_url: no environment server answers at http://127.0.0.1:9"),
+             "env.where=http://127.0.0.1:9"], "env.where: no environment server answers at http://127.0.0.1:9"),
         "environment server url, not a url": (
-            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o", "env.server_url=myhost:8330"],
-            "env.server_url"),
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o", "env.where=myhost:8330"],
+            "env.where: expected stage, local, sky, or the http(s):// URL"),
         "browser, no site": (["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.browser:Browser", "-o",
                               'env.kwargs={"base_url": "http://127.0.0.1:9"}'],
                              "env.kwargs.base_url: no site answers at http://127.0.0.1:9"),
@@ -259,10 +259,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                 "--space: " + str(tmp / "nope.yaml") + ": no such file"),
         "tune, no trials": (["tune", str(TINY), "--trials", "0", "--space", str(tmp / "space_empty_range.yaml")],
                             "--trials: expected a whole number of at least 1, got 0"),
-        "plan, bad launcher mode": (["plan", str(TINY), "-o", "launcher.mode=cloud"], "launcher.mode"),
-        "plan, missing recipes": (["plan", str(TINY), "-o", "launcher.mode=local", "-o", f"launcher.recipes={tmp}/none"],
+        "plan, bad launcher mode": (["plan", str(TINY), "-o", "launcher.where=cloud"], "launcher.where"),
+        "plan, missing recipes": (["plan", str(TINY), "-o", "launcher.where=local", "-o", f"launcher.recipes={tmp}/none"],
                                   "launcher.recipes: no recipe"),
-        "sky launcher, local store": (["run", str(TINY), "-o", "launcher.mode=sky"],
+        "sky launcher, local store": (["run", str(TINY), "-o", "launcher.where=sky"],
                                       "store.uri: file://./rlflow-store: the sky launcher needs a store"),
         # environments that cannot be built: refused before the run, not every episode failing
         "environment keyword the factory does not take": (
@@ -290,13 +290,13 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         # checks that accepted the wrong thing
         "environment server url, a server that is not one (404)": (
             ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o",
-             f"env.server_url={not_env_server}/missing"],
-            f"env.server_url: {not_env_server}/missing is not an rlflow environment server (GET /health answered "
+             f"env.where={not_env_server}/missing"],
+            f"env.where: {not_env_server}/missing is not an rlflow environment server (GET /health answered "
             "HTTP 404"),
         "environment server url, a server that is not one (200)": (
             ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o",
-             f"env.server_url={not_env_server}/ok"],
-            f"env.server_url: {not_env_server}/ok is not an rlflow environment server (GET /health answered 'ok'"),
+             f"env.where={not_env_server}/ok"],
+            f"env.where: {not_env_server}/ok is not an rlflow environment server (GET /health answered 'ok'"),
         "off-line rollouts, a generate output": (
             ["run", str(TINY), *ofl, f"train.learner.offline_rollouts=[{offline['rollouts']}]"],
             f"train.learner.offline_rollouts: {offline['rollouts']}: unscored rollouts (a generate output)"),
@@ -309,10 +309,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                                  "registered model name"),
         "registered model name with a %": (["run", str(TINY), "-o", "publish.registered_model_name=a%b"],
                                            "publish.registered_model_name: 'a%b': MLflow refuses it"),
-        "run, recipe that is not YAML": (["run", str(TINY), "-o", "launcher.mode=local", "-o",
+        "run, recipe that is not YAML": (["run", str(TINY), "-o", "launcher.where=local", "-o",
                                           f"launcher.recipes={tmp}/badrecipes"],
                                          f"launcher.recipes: {tmp}/badrecipes/generate.yaml: line 2: not valid YAML"),
-        "plan, recipe that is not YAML": (["plan", str(TINY), "-o", "launcher.mode=local", "-o",
+        "plan, recipe that is not YAML": (["plan", str(TINY), "-o", "launcher.where=local", "-o",
                                            f"launcher.recipes={tmp}/badrecipes"],
                                           f"launcher.recipes: {tmp}/badrecipes/generate.yaml: line 2: not valid YAML"),
         "tune, space is a folder": (["tune", str(TINY), "--trials", "2", "--space", str(tmp / "badrecipes")],
@@ -462,10 +462,10 @@ def _reward_model_cases() -> dict[str, tuple[list[str], str]]:
         "judge named like a function": (run(judge.replace("name: j", "name: successor_reward") +
                                             ", template: '{completion}'"),
                                         "reward.models[0] (successor_reward).name: 'successor_reward' is taken"),
-        "judge at an unreachable url": (run("name: j, kind: judge, model: m1, url: 'http://127.0.0.1:9', "
+        "judge at an unreachable url": (run("name: j, kind: judge, model: m1, where: 'http://127.0.0.1:9', "
                                             "template: '{completion}'"),
-                                        "reward.models[0] (j).url: http://127.0.0.1:9 does not answer"),
-        "judge key variable not set": (run("name: j, kind: judge, model: m1, url: 'http://127.0.0.1:9', "
+                                        "reward.models[0] (j).where: http://127.0.0.1:9 does not answer"),
+        "judge key variable not set": (run("name: j, kind: judge, model: m1, where: 'http://127.0.0.1:9', "
                                            "api_key_env: RLFLOW_TEST_NO_SUCH_KEY, template: '{completion}'"),
                                        "reward.models[0] (j).api_key_env: the variable RLFLOW_TEST_NO_SUCH_KEY is "
                                        "not set"),
@@ -513,12 +513,12 @@ def test_plan_refuses_what_run_refuses(prefect_api, tmp_path, s3_endpoint, bucke
     s3 = ["-o", f"store.uri=s3://{bucket}/runs", "-o", f"store.endpoint_url={s3_endpoint}"]
     cases = {name: (["plan", *args[1:]], expected) for name, (args, expected) in _cases(tmp_path).items()
              if args[:1] == ["run"] and "--summary-json" not in args}
-    cases["sky recipes not in the working directory"] = (["plan", str(TINY), *s3, "-o", "launcher.mode=sky"],
+    cases["sky recipes not in the working directory"] = (["plan", str(TINY), *s3, "-o", "launcher.where=sky"],
                                                          "launcher.recipes: sky is not a folder of the working "
                                                          "directory (")
     calls = [(args, name) for name, (args, _) in cases.items()] + [(["run", *cases[name][0][1:]], f"run {name}")
                                                                   for name in SAME_LINE]
-    calls.append((["plan", str(TINY), *s3, "-o", "launcher.mode=local"], "local launcher"))
+    calls.append((["plan", str(TINY), *s3, "-o", "launcher.where=local"], "local launcher"))
     for _, folder in calls:
         (tmp_path / "cwd" / folder).mkdir(parents=True)
         for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py"):

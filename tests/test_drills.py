@@ -131,7 +131,7 @@ def test_random_kills_then_resume_equal_the_clean_run(prefect_api, s3_endpoint, 
         bucket = _bucket(s3_endpoint)
         store = S3Store(f"s3://{bucket}/runs", type("C", (), {"endpoint_url": s3_endpoint})())
         argv = [sys.executable, "-m", "flows.cli", *_args("drill", s3_endpoint, bucket, [
-            "-o", f"launcher.mode={launcher}", "-o", f"launcher.recipes={ROOT / 'sky'}"])]
+            "-o", f"launcher.where={launcher}", "-o", f"launcher.recipes={ROOT / 'sky'}"])]
         targets = sorted(rng.sample(range(-1, len(OUTPUTS) - 1), 3))
         kills: dict[str, int] = {}
         cwd = tmp_path / f"t{trial}"

@@ -232,7 +232,7 @@ def test_a_pool_with_a_server_of_your_own_is_one_line():
     from tasks.core.errors import UserError
 
     with pytest.raises(UserError, match="env.servers"):
-        load_config(LETTERS, ["env.servers=2", "env.server_url=http://127.0.0.1:9"])
+        load_config(LETTERS, ["env.servers=2", "env.where=http://127.0.0.1:9"])
 
 
 def test_on_sky_each_server_has_a_cluster_and_a_port_of_its_own_and_the_front_one_more(monkeypatch):

@@ -145,7 +145,7 @@ def test_a_corrupt_committed_artifact_is_moved_aside_and_made_again(prefect_api,
     from tasks.core.store import Store
     from tests.conftest import ROOT, TINY, run_cli
 
-    extra = ["-o", f"launcher.mode={mode}", "-o", f"launcher.recipes={ROOT / 'sky'}"]
+    extra = ["-o", f"launcher.where={mode}", "-o", f"launcher.recipes={ROOT / 'sky'}"]
     out = run_cli(["run", str(TINY), *SMALL, *extra, "-o", "run.iterations=3"], tmp_path, prefect_api)
     assert out.returncode == 0, out.stderr[-2000:]
     store = Store.open(str(tmp_path / "rlflow-store"))

@@ -80,7 +80,7 @@ def test_plan_prices_each_stage_from_skypilots_catalog_and_writes_nothing(tmp_pa
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     store = f"s3://{bucket}/runs"
-    args = ["plan", str(TINY), "-o", "launcher.mode=sky", "-o", f"launcher.recipes={recipes}",
+    args = ["plan", str(TINY), "-o", "launcher.where=sky", "-o", f"launcher.recipes={recipes}",
             "-o", f"launcher.sky_python={SKY_PYTHON}", "-o", f"store.uri={store}", "-o",
             f"store.endpoint_url={s3_endpoint}", "-o", "eval.every=5",
             "-o", f"tracking.uri=sqlite:///{db}", "-o", "launcher.stages.publish=local",
@@ -103,9 +103,9 @@ def test_plan_prices_each_stage_from_skypilots_catalog_and_writes_nothing(tmp_pa
     assert boto3.client("s3", endpoint_url=s3_endpoint).list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
     assert not db.exists()
 
-    bad = subprocess.run([sys.executable, "-m", "flows.cli", "plan", str(TINY), "-o", "launcher.mode=skyy"],
+    bad = subprocess.run([sys.executable, "-m", "flows.cli", "plan", str(TINY), "-o", "launcher.where=skyy"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert bad.returncode == 2 and "launcher.mode" in bad.stderr
+    assert bad.returncode == 2 and "launcher.where" in bad.stderr
 
 
 def _sky_recipes(tmp_path) -> Path:
@@ -136,7 +136,7 @@ def test_plan_shows_every_roles_machines_counts_and_the_sky_total(tmp_path, monk
     letters = ROOT / "configs" / "letters.yaml"
     common = [f"launcher.recipes={recipes}", f"launcher.sky_python={SKY_PYTHON}", "generate.replicas=3",
               "env.servers=2", "eval.every=5"]
-    cfg = load_config(letters, [*common, "launcher.mode=sky", "env.where=sky",
+    cfg = load_config(letters, [*common, "launcher.where=sky", "env.where=sky",
                                 'launcher.accelerators={train: "A100:8", generate: "L4:1"}'])
     lines = plan(cfg, str(letters)).splitlines()
     row = {name: next(line for line in lines if line.startswith(f"  {name} "))
@@ -156,7 +156,7 @@ def test_plan_shows_every_roles_machines_counts_and_the_sky_total(tmp_path, monk
     assert "total on sky: 26.500 USD/hour" in row["total on sky:"]               # 25 + 1.05 + 0.15 + 0.3
     assert "(reward, train, generate replicas, env)" in row["total on sky:"]
 
-    here = load_config(letters, [*common, "launcher.mode=local", "env.where=local"])
+    here = load_config(letters, [*common, "launcher.where=local", "env.where=local"])
     lines = plan(here, str(letters)).splitlines()                 # nothing on sky: no catalog asked, no total
     replicas = next(line for line in lines if line.startswith("  generate replicas "))
     assert "3 local processes" in replicas and "this machine" in replicas
@@ -228,7 +228,7 @@ def test_local_launcher_runs_the_recipes_and_survives_two_kills(prefect_api, tmp
     from tasks.core.store import Store
 
     monkeypatch.chdir(tmp_path)
-    overrides = _small(tmp_path, "local", ["launcher.mode=local", f"store.uri={tmp_path}/store",
+    overrides = _small(tmp_path, "local", ["launcher.where=local", f"store.uri={tmp_path}/store",
                                            'reward.functions=[{"fn": "flaky_reward:reward"}]'])
     summary = train_flow(str(TINY), overrides)
     assert (tmp_path / "kills").read_text() == "2"
@@ -244,7 +244,7 @@ def test_local_launcher_does_not_retry_a_user_error(prefect_api, tmp_path, monke
     from tasks.core.errors import UserError
 
     monkeypatch.chdir(tmp_path)
-    overrides = _small(tmp_path, "usererr", ["launcher.mode=local", "launcher.retries=3",
+    overrides = _small(tmp_path, "usererr", ["launcher.where=local", "launcher.retries=3",
                                              f"store.uri={tmp_path}/store",
                                              'reward.functions=[{"fn": "flaky_reward:wrong_length"}]',
                                              "reward.strict=true"])
@@ -259,7 +259,7 @@ def test_local_launcher_does_not_retry_a_user_error(prefect_api, tmp_path, monke
 
 
 def _sky(tmp_path, s3_endpoint, bucket, cloud, name, extra=()):
-    return _small(tmp_path, name, ["launcher.mode=sky", f"launcher.sky_python={cloud.python}",
+    return _small(tmp_path, name, ["launcher.where=sky", f"launcher.sky_python={cloud.python}",
                                    f"store.uri=s3://{bucket}/runs", f"store.endpoint_url={s3_endpoint}",
                                    "run.iterations=1", *extra])
 
@@ -354,7 +354,7 @@ def test_sky_launcher_asks_for_each_roles_gpu_type(tmp_path, fake_cloud):
         run = f"python3 {tmp_path / 'server.py'}" if role == "replica" else f"echo {role} ran"
         (recipes / f"{role}.yaml").write_text(f"name: rlflow-{role}\nresources:\n  accelerators: {{L4: 1, A10G: 1}}\n"
                                               f"run: {run}\n")
-    common = ["launcher.mode=sky", f"launcher.recipes={recipes}", f"launcher.sky_python={fake_cloud.python}",
+    common = ["launcher.where=sky", f"launcher.recipes={recipes}", f"launcher.sky_python={fake_cloud.python}",
               "run.name=gpus"]
     gpus = 'launcher.accelerators={train: "A100:8", generate: "L4:1"}'
     sky, log = Sky(load_config(TINY, [*common, gpus])), []
@@ -383,7 +383,7 @@ def test_sky_launcher_needs_a_shared_store(tmp_path):
     from flows.training import preflight
     from tasks.core.errors import UserError
 
-    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "launcher.mode=sky",
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "launcher.where=sky",
                              f"launcher.recipes={ROOT / 'sky'}"])
     with pytest.raises(UserError, match="store.uri: .*s3://"):
         preflight(cfg)

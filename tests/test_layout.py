@@ -61,6 +61,16 @@ def test_a_stage_never_imports_another_stage():
     assert _violations([ROOT / "tasks" / f"{s}.py" for s in STAGES], lambda m: m not in stages) == []
 
 
+def test_no_engine_starts_a_stage():
+    """Issue 41: the engines' and trainers' processes run their own modules (the trainer's group runs
+    tasks.engines.trainer_server), never a stage's command: the launchers (flows/) start stages."""
+    stages = {f"tasks.{s}" for s in STAGES}
+    found = [f"{_module_name(p)} names {node.value}" for p in _modules("tasks/engines") + _modules("tasks/core")
+             for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Constant)
+             and isinstance(node.value, str) and node.value in stages]
+    assert found == []
+
+
 def test_algorithms_import_only_torch_the_standard_library_and_the_contracts():
     def allowed(m: str) -> bool:
         top = m.split(".")[0]
@@ -168,7 +178,7 @@ def test_the_factories_pick_the_configured_engine(tmp_path):
 
     assert type(sampling_engine(cfg())).__name__ == "HFEngine"
     assert type(sampling_engine(cfg("generate.engine=vllm"))).__name__ == "VLLMOffline"
-    assert type(sampling_engine(cfg("generate.engine=vllm", "generate.mode=server"))).__name__ == "VLLMServer"
+    assert type(sampling_engine(cfg("generate.engine=vllm", "generate.mode=resident"))).__name__ == "VLLMServer"
     assert training_engine(cfg()).__name__ == "TorchEngine"
     assert training_engine(cfg("train.engine=deepspeed")).__name__ == "DeepSpeedEngine"
 
@@ -463,10 +473,11 @@ def test_one_class_per_name_across_the_package():
 
 # Where each stage and service runs is read from the config once, by tasks/core/placement.py (placement_of); plan,
 # preflight, the launchers, the services and the loop ask the Placement it returns (issue 41). The keys: the
-# launcher's (launcher.mode, launcher.stages, mode_of, remote_stages), generate.replicas, env.where, env.servers,
-# env.remote(), a reward model's `where`, and env.server_url as a decision (given or not: its value, the server's
-# address, may be read anywhere). Read as code (the syntax tree): prose in docstrings and comments names them freely.
-PLACEMENT_KEYS = {"launcher": {"mode", "stages", "mode_of", "remote_stages"}, "generate": {"replicas"},
+# launcher's (launcher.where, launcher.stages, where_of, remote_stages), generate.replicas, env.where, env.servers,
+# env.remote(), a reward model's `where`, and env.url (env.where given as a URL) as a decision (given or not: its
+# value, the server's address, may be read anywhere). Read as code (the syntax tree): prose in docstrings and
+# comments names them freely.
+PLACEMENT_KEYS = {"launcher": {"where", "stages", "where_of", "remote_stages"}, "generate": {"replicas"},
                   "env": {"where", "servers", "remote"}}
 PLACEMENT_READERS = {           # (the config modules, tasks/core/config*.py, define and validate the keys)
     "tasks/core/placement.py": "placement_of: the one reader",
@@ -476,9 +487,9 @@ PLACEMENT_READERS = {           # (the config modules, tasks/core/config*.py, de
 
 
 def _placement_reads(path: Path) -> list[str]:
-    """Each place `path` reads a placement key: `<...>.launcher.mode`, `lc.stages` (lc bound to a `.launcher`),
-    any `.mode_of` / `.remote_stages`, a `.where` that is not called (Placement.where(stage) is), and
-    `.server_url` tested (`is None`, `not`, a condition)."""
+    """Each place `path` reads a placement key: `<...>.launcher.where`, `lc.stages` (lc bound to a `.launcher`),
+    any `.where_of` / `.remote_stages`, a `.where` that is not called (Placement.where(stage) is), and the env
+    section's `.url` tested (`is None`, `not`, a condition)."""
     tree = ast.parse(path.read_text(), str(path))
 
     def pairs(target, value):
@@ -491,8 +502,12 @@ def _placement_reads(path: Path) -> list[str]:
                     for p in pairs(t, n.value))          # lc, gc = cfg.launcher, cfg.generate
     called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
 
-    def server_url(node) -> bool:
-        return isinstance(node, ast.Attribute) and node.attr == "server_url"
+    def server_url(node) -> bool:          # <...>.env.url, or ec.url with ec = <...>.env
+        if not (isinstance(node, ast.Attribute) and node.attr == "url"):
+            return False
+        v = node.value
+        return (isinstance(v, ast.Attribute) and v.attr == "env") or (isinstance(v, ast.Name)
+                                                                       and sections.get(v.id) == "env")
     tested = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Compare) and any(isinstance(o, (ast.Is, ast.IsNot, ast.Eq, ast.NotEq)) for o in n.ops):
@@ -510,7 +525,7 @@ def _placement_reads(path: Path) -> list[str]:
             continue
         v = node.value
         section = v.attr if isinstance(v, ast.Attribute) else sections.get(v.id) if isinstance(v, ast.Name) else None
-        if (node.attr in PLACEMENT_KEYS.get(section, ()) or node.attr in ("mode_of", "remote_stages")
+        if (node.attr in PLACEMENT_KEYS.get(section, ()) or node.attr in ("where_of", "remote_stages")
                 or (node.attr == "where" and id(node) not in called) or id(node) in tested):
             out.append((node.lineno, f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}"))
     return [r for _, r in sorted(set(out))]

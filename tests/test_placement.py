@@ -29,7 +29,7 @@ def test_the_defaults_run_every_stage_inline_with_no_service():
 
 
 def test_where_each_stage_and_service_runs():
-    p = placement_of(load_config(TINY, ["launcher.mode=local", "launcher.stages={train: sky}",
+    p = placement_of(load_config(TINY, ["launcher.where=local", "launcher.stages={train: sky}",
                                         "generate.replicas=2"]))
     assert (p.where("reward"), p.where("train")) == ("local", "sky")
     assert p.routes("generate") and p.routes("evaluate") and not p.launched("generate")   # the replicas sample
@@ -43,11 +43,57 @@ def test_where_each_stage_and_service_runs():
     ([], "stage", 1),
     (["env.where=local", "env.servers=3"], "local", 3),
     (["env.where=sky"], "sky", 1),
-    (["env.server_url=http://127.0.0.1:9"], "yours", 1),
+    (["env.where=http://127.0.0.1:9"], "yours", 1),
 ])
 def test_the_environment_server(overrides, env, servers):
     p = placement_of(load_config(LETTERS, overrides))
     assert (p.env, p.env_servers) == (env, servers)
+
+
+def test_one_word_per_idea_and_the_old_keys_read_with_a_line(tmp_path, capsys, monkeypatch):
+    """Issue 41: where something runs is `where` (launcher.where, env.where, reward.models[].where; a service at an
+    http(s):// URL is yours), how long an engine lives is `mode` (train.mode and generate.mode: process |
+    resident). The keys before (launcher.mode, env.server_url, reward.models[].url, generate.mode offline |
+    server) are read as the new ones with one line each, give the same config and the same fingerprints; both
+    spellings at once are refused; a where that is neither a place nor a URL is one line."""
+    from tasks.core import config_base
+
+    monkeypatch.setattr(config_base, "_SAID", set())
+    judge = {"name": "j", "kind": "judge", "model": "m", "template": "{completion}"}
+    old_tree = {"launcher": {"mode": "local"}, "env": {"server_url": "http://127.0.0.1:9"},
+                "generate": {"engine": "vllm", "mode": "server"},
+                "reward": {"models": [{**judge, "url": "http://127.0.0.1:8"}]}}
+    new_tree = {"launcher": {"where": "local"}, "env": {"where": "http://127.0.0.1:9"},
+                "generate": {"engine": "vllm", "mode": "resident"},
+                "reward": {"models": [{**judge, "where": "http://127.0.0.1:8"}]}}
+    capsys.readouterr()
+    old = load_config(LETTERS, base_overrides(old_tree))
+    said = capsys.readouterr().err
+    new = load_config(LETTERS, base_overrides(new_tree))
+    assert capsys.readouterr().err == ""
+    assert old == new and new.launcher.where == "local" and new.env.url == "http://127.0.0.1:9"
+    assert new.reward.models[0].url == "http://127.0.0.1:8" and new.generate.mode == "resident"
+    for line in ("launcher.mode is now launcher.where", "env.server_url is now env.where",
+                 "reward.models[].url is now reward.models[].where", "generate.mode server is now generate.mode "
+                 "resident"):
+        assert f"warning: config: {line}" in said
+    p = placement_of(new)
+    assert (p.where("train"), p.env, p.judges) == ("local", "yours", {"j": "yours"})
+    sections = ("generate", "env", "reward", "launcher")
+    assert old.section_values(*sections) == new.section_values(*sections)
+    # generate.mode is fingerprinted with the names runs stored before the rename wrote
+    assert new.section_values("generate")["generate"]["mode"] == "server"
+    assert load_config(TINY).section_values("generate")["generate"]["mode"] == "offline"
+    with pytest.raises(UserError, match="launcher: mode is now where; give where alone"):
+        load_config(TINY, ["launcher.mode=local", "launcher.where=sky"])
+    with pytest.raises(UserError, match="env.where: expected stage, local, sky, or the http.*got \"elsewhere\""):
+        load_config(LETTERS, ["env.where=elsewhere"])
+    with pytest.raises(UserError, match=r"reward.models.0.where: expected stage, local, sky"):
+        load_config(LETTERS, base_overrides({"reward": {"models": [{**judge, "where": "elsewhere"}]}}))
+
+
+def base_overrides(tree: dict) -> list[str]:
+    return [f"{section}.{key}={json.dumps(value)}" for section, keys in tree.items() for key, value in keys.items()]
 
 
 def test_a_stage_context_crosses_a_process_boundary_as_variables_and_back():

@@ -445,3 +445,45 @@ def test_the_trainer_handle_is_chosen_from_the_config_alone(tmp_path, monkeypatc
     assert (by_hand.train.host, by_hand.train.idle_timeout) == ("detached", HAND_RUN_IDLE)
     kept = stage_process(_cfg(tmp_path, "handles", extra=["train.idle_timeout=30"], host="caller"))
     assert (kept.train.host, kept.train.idle_timeout) == ("caller", 30)
+
+
+def test_process_mode_with_deepspeed_is_a_group_of_one_iteration(tmp_path, monkeypatch):
+    """train.mode process with deepspeed: the handle is a GroupTrainer, which starts the trainer's own processes
+    (`-m tasks.engines.trainer_server once`, as a resident group runs `serve`): no engine starts a stage. A
+    process's user error and corrupt-artifact lines come back as the stage's own errors; inside a torchrun
+    started by hand the stage trains in each process. (The groups themselves train in tests/test_deepspeed.py.)"""
+    from tasks.core.errors import corrupt_in, corrupt_line, user_error_in, user_error_line
+    from tasks.core.processes import Streamed
+    from tasks.core.store import CorruptArtifact
+    from tasks.engines import detached
+    from tasks.engines.trainer import InProcessTrainer
+    from tasks.train import open_trainer
+
+    cfg = _cfg(tmp_path, "group", extra=["train.engine=deepspeed"], mode="process")
+    handle = open_trainer(cfg)
+    assert type(handle) is detached.GroupTrainer
+    started = []
+
+    def exits(code: int, lines: list[str]):
+        def stream(argv, env, sink):
+            started.append(argv)
+            return Streamed(code, next(filter(None, map(user_error_in, lines)), None), lines,
+                            next(filter(None, map(corrupt_in, lines)), None))
+        return stream
+
+    monkeypatch.setattr(detached, "stream", exits(0, []))
+    assert handle.train(3, "fp") == {"key": layout.checkpoint("group", 3)}
+    argv = started[0]
+    assert argv[1:3] == ["-m", "torch.distributed.run"] and argv[-6:-3] == ["-m", detached.MARKER, "once"]
+    assert argv[-2:] == ["3", "fp"] and "tasks.train" not in argv
+    assert handle.preload(2) == 2 and handle.finish() is None and not (tmp_path / "store").exists()
+    for line, error in ((user_error_line(UserError("train.zero_stage: no")), UserError),
+                        (corrupt_line("group/iter-000003/rewards", "altered"), CorruptArtifact)):
+        monkeypatch.setattr(detached, "stream", exits(2 if error is UserError else 3, line.splitlines()))
+        with pytest.raises(error):
+            handle.train(3, "fp")
+    monkeypatch.setattr(detached, "stream", exits(1, ["boom"]))
+    with pytest.raises(RuntimeError, match="deepspeed group .*exited with 1: boom"):
+        handle.train(3, "fp")
+    monkeypatch.setenv("RANK", "0")                       # a torchrun started by hand runs the stage in each process
+    assert type(open_trainer(cfg)) is InProcessTrainer

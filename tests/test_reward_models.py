@@ -162,8 +162,8 @@ def test_a_judge_server_and_a_url_answer_as_the_stage_does(tmp_path, monkeypatch
             assert line.startswith("RLFLOW_JUDGE_READY "), line
             urls[name] = line.split()[1]
         monkeypatch.setenv("JUDGE_KEY", "s3cret")
-        at_url = [{**{k: v for k, v in m.items() if k != "sha256"}, "url": urls[m["name"]], "api_key_env": "JUDGE_KEY",
-                   "model": m["name"]} for m in _judges(classifier)]
+        at_url = [{**{k: v for k, v in m.items() if k != "sha256"}, "where": urls[m["name"]],
+                   "api_key_env": "JUDGE_KEY", "model": m["name"]} for m in _judges(classifier)]
         got = _records()
         scored = score_records(load_functions(_cfg(tmp_path, at_url), columns={"answer"}), got, "sum")
         for g, w in zip(got, want):

@@ -262,7 +262,7 @@ def test_server_mode_flow_reloads_in_place_and_stops_the_server(prefect_api, tmp
 
     monkeypatch.chdir(tmp_path)
     overrides = [f"store.uri={tmp_path}/store", "run.name=server", "run.iterations=2", "generate.engine=vllm",
-                 "generate.mode=server", f"generate.vllm_python={VLLM_PYTHON}",
+                 "generate.mode=resident", f"generate.vllm_python={VLLM_PYTHON}",
                  f"generate.prompts_per_iteration={N_PROMPTS}", f"generate.num_generations={N_GEN}",
                  f"generate.max_completion_length={MAX_NEW}", f"generate.temperature={TEMPERATURE}", "train.lr=5e-2",
                  "eval.every=2", "eval.num_generations=2", "launcher.stages={generate: local, evaluate: local}",
@@ -299,7 +299,7 @@ def _episodes_through_the_live_server(tmp_path, cfg, live: dict) -> None:
     in place: each turn's token ids and behaviour logprobs come back from vLLM, the observations' tokens are
     appended between turns, and the model's tokens (mask 1) have the trainer's logprobs under v3."""
     episodes = _cfg(tmp_path, cfg.run.name, [
-        "generate.mode=server", "train.lora_r=4", "env.factory=tasks.envs.builtin.games:SayTheLetters",
+        "generate.mode=resident", "train.lora_r=4", "env.factory=tasks.envs.builtin.games:SayTheLetters",
         "env.isolation=thread", "env.max_turns=3", "env.max_tokens=96", "reward.functions=[]",
         "generate.max_completion_length=2",
         f"data.path={ROOT / 'configs' / 'data' / 'letters.jsonl'}"])
@@ -318,7 +318,7 @@ def _episodes_through_the_live_server(tmp_path, cfg, live: dict) -> None:
 
 @AT_LENGTH
 def test_server_swaps_lora_adapters_and_restarts_after_a_crash(tmp_path):
-    cfg = _cfg(tmp_path, "server-lora", ["generate.mode=server", "train.lora_r=4"])
+    cfg = _cfg(tmp_path, "server-lora", ["generate.mode=resident", "train.lora_r=4"])
     try:
         _iteration(cfg, 1)                                  # server on the base model, LoRA enabled
         started = _state(cfg)

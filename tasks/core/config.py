@@ -42,8 +42,8 @@ from tasks.core.config_infra import (
     CostConfig,
     KeepConfig,
     LauncherConfig,
-    LauncherMode,
     Stage,
+    StageWhere,
     StoreConfig,
     TrackingConfig,
 )
@@ -75,7 +75,7 @@ __all__ = [  # the sections' models, re-exported: `from tasks.core.config import
     "LearnerConfig", "SurrogateConfig", "GrpoConfig", "ValueLearnerConfig", "PpoConfig", "VtraceAwrConfig",
     "LEARNER_CONFIGS", "BUILT_IN_LEARNERS", "LEARNER_KEYS", "FLAT_IN_FINGERPRINT", "TrainConfig",
     "PublishConfig", "EvalConfig",
-    "KeepConfig", "StoreConfig", "TRACKING_SCHEMES", "TrackingConfig", "Stage", "STAGES", "LauncherMode",
+    "KeepConfig", "StoreConfig", "TRACKING_SCHEMES", "TrackingConfig", "Stage", "STAGES", "StageWhere",
     "LauncherConfig", "CostConfig",
     "Config", "load_config", "reference_markdown",
 ]
@@ -109,7 +109,7 @@ class Config(Section):
         return not self._managed_train() and "RANK" not in os.environ
 
     def _managed_train(self) -> bool:
-        return self.launcher.managed_jobs and self.launcher.mode_of("train") == "sky"
+        return self.launcher.managed_jobs and self.launcher.where_of("train") == "sky"
 
     def env_sections(self) -> tuple[str, ...]:
         """("env",) when episodes are multi-turn: what the stages that sample or score add to their fingerprint
@@ -148,9 +148,10 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _one_server_per_machine(self):
-        if self.generate.replicas > 1 and self.generate.mode == "server" and self.launcher.mode_of("generate") != "sky":
+        gc = self.generate
+        if gc.replicas > 1 and gc.mode == "resident" and self.launcher.where_of("generate") != "sky":
             raise ValueError("generate.replicas: replicas on this machine would share the run's one vLLM server; "
-                             "use generate.mode offline here, or run generate on sky (a machine per replica)")
+                             "use generate.mode process here, or run generate on sky (a machine per replica)")
         return self
 
     @model_validator(mode="after")
@@ -182,6 +183,9 @@ def _what(section: Section) -> dict:
         elif field.json_schema_extra == FLAT_IN_FINGERPRINT:
             dumped.pop(name)
             dumped.update(_what(getattr(section, name)))
+        elif isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("fingerprint") == \
+                "values-as-before":
+            dumped[name] = field.json_schema_extra["before"].get(dumped[name], dumped[name])
         elif field.json_schema_extra == PATH_AS_BEFORE_THE_MOVE:
             dumped[name] = path_before_the_move(getattr(section, name))
         elif isinstance(getattr(section, name), Section):

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -25,6 +26,67 @@ HOW_NOT_WHAT = {"fingerprint": False}
 # A field added after runs already existed: left out of the fingerprints while it has its default (which is
 # what those runs did), so they resume across the upgrade; a run that sets it is fingerprinted with it.
 SINCE_DEFAULT = {"fingerprint": "when-set"}
+
+
+# A field whose values were renamed: fingerprinted with the names a run stored before the rename wrote (the
+# mapping: new -> old), so those runs resume. (Where new values would be fingerprinted as written, no marker.)
+def values_as_before(renamed: dict[str, str]) -> dict:
+    return {"fingerprint": "values-as-before", "before": renamed}
+
+
+SERVICE_PLACES = ("stage", "local", "sky")
+
+
+def service_where(v: str) -> str:
+    """A service's `where` (env.where, reward.models[].where): stage, local, sky, or the http(s):// URL of a
+    server you run (rlflow starts none)."""
+    if v in SERVICE_PLACES or (is_url(v) and len(v.split("://", 1)[1].strip()) > 0 and " " not in v):
+        return v
+    raise ValueError("expected stage, local, sky, or the http(s):// URL of a server you run")
+
+
+def is_url(where: str) -> bool:
+    return where.startswith(("http://", "https://"))
+
+
+class ServedSection(Section):
+    """A section whose `where` places a service (env, each reward model): stage, local, sky, or the http(s):// URL
+    of a server you run (`url`). The key that held that URL before issue 41 (OLD_URL_KEY: how a user wrote its
+    section, the key) is read as `where` with one line."""
+
+    OLD_URL_KEY: ClassVar[tuple[str, str]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_url_is_where(cls, data: Any) -> Any:
+        section, old = cls.OLD_URL_KEY
+        return renamed_key(data, section, old, "where", "stage")
+
+    @field_validator("where", check_fields=False)
+    @classmethod
+    def _a_place_or_a_url(cls, v: str) -> str:
+        return service_where(v)
+
+    @property
+    def url(self) -> str | None:
+        """The URL of the server you run (`where` given as one), else None."""
+        return self.where if is_url(self.where) else None
+
+
+def renamed_key(data: object, section: str, old: str, new: str, default: object) -> object:
+    """A before-validator's step: key `old` of a section's input read as `new` (one warning), refused when both
+    are given with different values."""
+    if not isinstance(data, dict) or old not in data:
+        return data
+    data = dict(data)
+    value = data.pop(old)
+    moved(f"{section}.{old}", f"{section}.{new}")
+    if value is None:
+        return data
+    if data.get(new, default) not in (default, value):
+        raise ValueError(f"{old} is now {new}; give {new} alone (both were given)")
+    data[new] = value
+    return data
 
 
 def moved(old: str, new: str, what: str = "key") -> None:

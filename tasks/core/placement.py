@@ -26,7 +26,7 @@ ENV_URL_VAR, ENV_TOKEN_VAR = "RLFLOW_ENV_SERVER", "RLFLOW_ENV_TOKEN"
 JUDGES_VAR, JUDGE_TOKEN_VAR = "RLFLOW_REWARD_MODELS", "RLFLOW_JUDGE_TOKEN"
 REPLICA_LAUNCH_VAR = "RLFLOW_REPLICA_LAUNCH"      # JSON {"start": argv, "port_base": n}, "{i}" filled in (sky)
 
-Where = Literal["inline", "local", "sky"]          # a stage's launcher (launcher.mode / launcher.stages)
+Where = Literal["inline", "local", "sky"]          # a stage's launcher (launcher.where / launcher.stages)
 ServiceWhere = Literal["none", "yours", "stage", "local", "sky"]
 
 
@@ -83,14 +83,9 @@ def placement_of(cfg: Config) -> Placement:
     from tasks.core.config import STAGES
 
     lc, gc, ec = cfg.launcher, cfg.generate, cfg.env
-    stages = {s: lc.stages.get(s, lc.mode) for s in STAGES}
+    stages = {s: lc.where_of(s) for s in STAGES}
     replicas_where: ServiceWhere = "none" if not gc.replicas else ("sky" if stages["generate"] == "sky" else "local")
-    if not ec.factory:
-        env: ServiceWhere = "none"
-    elif ec.server_url is not None:
-        env = "yours"
-    else:
-        env = ec.where
+    env: ServiceWhere = "none" if not ec.factory else "yours" if ec.url is not None else ec.where
     judges = {m.name: ("yours" if m.url is not None else m.where) for m in cfg.reward.models}
     return Placement(stages, gc.replicas, replicas_where, env, ec.servers, judges)
 
@@ -98,7 +93,7 @@ def placement_of(cfg: Config) -> Placement:
 @dataclasses.dataclass(frozen=True)
 class Services:
     """A stage's context: the servers the flow started for it (empty: none; the stage uses what the config says,
-    e.g. env.server_url, or loads a reward model itself)."""
+    e.g. an env.where URL, or loads a reward model itself)."""
 
     env_url: str | None = None
     env_token: str = ""

@@ -3,7 +3,8 @@ processes, one per GPU (or CPU processes with gloo), on one node or several. The
 the same calls as the torch engine (TrainingEngine, tasks/core/contracts.py); the learners' math, batching and
 metrics are tasks/algorithms/'s, the same on every engine.
 
-Outside torchrun, `DeepSpeedEngine.launch` starts a torchrun group that runs `python -m tasks.train`; each worker
+Its processes are a torchrun group (`DeepSpeedEngine.torchrun`: the command line the trainer's handles start,
+tasks/engines/detached.py, each process running tasks/engines/trainer_server.py); each process
 opens the engine (`DeepSpeedEngine.open`: process group, model, deepspeed.initialize, the previous shards). The
 gradient is the single-process whole-batch gradient on any process count (the caller owns accumulation and
 scales the loss). A checkpoint is process 0's `<run>/trainer/ckpt-N` plus each node's ZeRO shards under
@@ -31,14 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import yaml
 
 from tasks.algorithms.learners.registry import learner_class
 from tasks.core import layout
 from tasks.core.errors import UserError
 from tasks.core.models import DTYPES, add_lora, base_path, device_for, load_model, load_tokenizer, policy_dtype
 from tasks.core.process_wide import rng_state, seed_all, set_default, set_rng_state
-from tasks.core.processes import run, stream
+from tasks.core.processes import run
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -58,32 +58,13 @@ class DeepSpeedEngine:
         if importlib.util.find_spec("deepspeed") is None:
             raise UserError("train.engine: deepspeed is not installed here; pip install -e '.[deepspeed]'")
 
-    # ------------------------------------------------------------------ launching (the stage's own process)
-
-    @classmethod
-    def launch(cls, cfg: Config, iteration: int) -> bool:
-        """Inside torchrun (RANK and WORLD_SIZE set): train here, return False. Otherwise start the workers
-        on this node, wait for them, return True (the checkpoint is then in the store)."""
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            return False
-        argv, env = cls.torchrun(cfg)
-        with tempfile.TemporaryDirectory(prefix="rlflow-train-") as tmp:
-            config = Path(tmp) / "config.yaml"     # the resolved config: same fingerprint in every worker
-            config.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-            argv += ["-m", "tasks.train", "--config", str(config), "--iteration", str(iteration)]
-            ran = stream(argv, env, sink=lambda line: print(line, file=sys.stderr, flush=True))
-        if ran.code == 0:
-            return True
-        if ran.user_error:
-            raise UserError(ran.user_error)
-        raise RuntimeError(f"train[iter {iteration}]: deepspeed workers (torchrun) exited with {ran.code}: "
-                           + " | ".join(line.strip() for line in ran.last[-20:] if line.strip())[-1500:])
+    # ------------------------------------------------------------------ the group's command line
 
     @classmethod
     def torchrun(cls, cfg: Config) -> tuple[list[str], dict[str, str]]:
-        """The torchrun command line (up to the module it runs) and environment that start this node's workers:
-        the stage's (launch) and the resident trainer's group (tasks/engines/detached.py; on several nodes this
-        node's part of one group across them, rendezvous at MASTER_ADDR:MASTER_PORT as the stage's)."""
+        """The torchrun command line (up to the module it runs) and environment that start this node's part of
+        the trainer's group, for one iteration or resident (tasks/engines/detached.py: GroupTrainer,
+        DetachedTrainer; on several nodes one group across them, rendezvous at MASTER_ADDR:MASTER_PORT)."""
         cls.check_installed(cfg)
         device = device_for(cfg)
         nproc = cfg.train.num_processes or (torch.cuda.device_count() if device.type == "cuda" else 1)

@@ -1,7 +1,8 @@
-"""The train stage's handle on a resident trainer in a process of its own (`train.mode: resident`, train.host
-detached): one trainer per run that stays alive across iterations on the train machine, holding model,
-optimizer and RNG in memory. The handle is `DetachedTrainer` (a TrainerHandle, tasks/engines/trainer.py, as the
-in-process one); the process it starts, tasks/engines/trainer_server.py, runs the same `Trainer`.
+"""The train stage's handles on a trainer in processes of its own (TrainerHandles, as tasks/engines/trainer.py's
+in-process one; the processes, tasks/engines/trainer_server.py, run the same `Trainer`). `GroupTrainer`: process
+mode with deepspeed, a torchrun group that trains one iteration and ends. `DetachedTrainer` (`train.mode:
+resident`, train.host detached): one trainer per run that stays alive across iterations on the train machine,
+holding model, optimizer and RNG in memory.
 
     DetachedTrainer(cfg).preload(N-1)            # (the flow, while it generates N) restore now
     DetachedTrainer(cfg).train(N, fingerprint)   # update(N); ckpt-N lean; a full one every checkpoint_every
@@ -20,6 +21,7 @@ import hashlib
 import os
 import secrets
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -27,10 +29,11 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from tasks.core import layout
 from tasks.core.daemon import Daemon, forget
 from tasks.core.errors import UserError
 from tasks.core.paths import cache_root
-from tasks.core.processes import alive
+from tasks.core.processes import alive, stream
 from tasks.core.stage import by_hand, command
 from tasks.engines.trainer import trainer_key
 
@@ -63,6 +66,45 @@ def group_key(cfg: Config) -> str:
     where = f"{nodes}@{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT') or 29500}"
     return f"{trainer_key(cfg)}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
 
+
+class GroupTrainer:
+    """train.mode process with train.engine deepspeed: each train request starts this node's part of a torchrun
+    group (`trainer_server once`; on several nodes one group across them, rendezvous at MASTER_ADDR), whose
+    processes train the iteration (ckpt-N in full, written by process 0) and end; the call returns when they
+    have. A user error or a corrupt artifact in a process is raised here as the stage's own."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def train(self, iteration: int, fingerprint: str) -> dict:
+        from tasks.engines.deepspeed_engine import DeepSpeedEngine
+
+        argv, env = DeepSpeedEngine.torchrun(self.cfg)
+        with tempfile.TemporaryDirectory(prefix="rlflow-train-") as tmp:
+            config = Path(tmp) / "config.yaml"     # the resolved config: the same fingerprints in every process
+            config.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+            argv += ["-m", MARKER, "once", str(config), str(iteration), fingerprint]
+            ran = stream(argv, env, sink=lambda line: print(line, file=sys.stderr, flush=True))
+        if ran.code == 0:
+            return {"key": layout.checkpoint(self.cfg.run.name, iteration)}
+        if ran.user_error:
+            raise UserError(ran.user_error)
+        if ran.corrupt:
+            from tasks.core.store import CorruptArtifact
+            raise CorruptArtifact(*ran.corrupt)
+        raise RuntimeError(f"train[iter {iteration}]: the deepspeed group (torchrun) exited with {ran.code}: "
+                           + " | ".join(line.strip() for line in ran.last[-20:] if line.strip())[-1500:])
+
+    def preload(self, iteration: int) -> int:
+        """Nothing to hold: the group of the next train request restores then."""
+        return iteration
+
+    def finish(self, catch_up: bool = False) -> int | None:
+        """Nothing: each ckpt-N is full."""
+        return None
+
+    def close(self) -> None:
+        """Nothing: the group ended with its iteration."""
 
 
 class DetachedTrainer:

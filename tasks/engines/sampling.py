@@ -42,7 +42,7 @@ def _one_engine(cfg: Config) -> SamplingEngine:
     if cfg.generate.engine == "hf":
         from tasks.engines.hf import HFEngine
         return HFEngine(cfg)
-    if cfg.generate.mode == "server":
+    if cfg.generate.mode == "resident":
         from tasks.engines.vllm_server import VLLMServer
         return VLLMServer(cfg)
     from tasks.engines.vllm_offline import VLLMOffline

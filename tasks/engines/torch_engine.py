@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,16 +53,6 @@ class TorchEngine:
     @classmethod
     def check_installed(cls, cfg: Config) -> None:
         """torch is rlflow's own dependency: nothing to check."""
-
-    @classmethod
-    def launch(cls, cfg: Config, iteration: int) -> bool:
-        """Trains in this process (False: nothing was launched). Several processes would each write the same
-        checkpoint, so a torchrun of more than one refuses."""
-        for var in ("WORLD_SIZE", "NNODES"):
-            if int(os.environ.get(var) or 1) > 1:
-                raise UserError(f"train.engine: torch trains in one process on one device, but {var}="
-                                f"{os.environ[var]}; use train.engine=deepspeed for several GPUs or nodes")
-        return False
 
     @classmethod
     def open(cls, cfg: Config, store: Store, previous: str | None) -> TorchEngine:

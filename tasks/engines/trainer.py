@@ -1,16 +1,17 @@
 """The trainer: the one class that trains an iteration (restore and replay, update, checkpoint, trainer/LATEST),
 and the in-process handle on it.
 
-    handle = open_trainer(cfg)               # tasks/train.py: where train.mode and train.host put the trainer
+    handle = open_trainer(cfg)               # tasks/train.py: where train.mode, train.host and train.engine put it
     handle.preload(N - 1)                    # (the flow, while it generates N: restore now)
     handle.train(N, fingerprint)             # ckpt-N committed, trainer/LATEST moved
     handle.close()                           # the stage is done with it (process mode: the trainer goes)
     handle.finish()                          # the run is done: a full checkpoint of its last iteration, then it goes
 
-A handle (TrainerHandle) is an InProcessTrainer (the trainer in this process) or a DetachedTrainer (in a process
-of its own: tasks/engines/detached.py). Both run `Trainer` below, so a resident run and a process-mode run train
-with the same code and publish the same weights (bit for bit on a CPU); what differs is what ckpt-N holds.
-More: docs/internals.md (tasks/engines/trainer.py): the two handles, and what each checkpoint holds.
+A handle (TrainerHandle) is an InProcessTrainer (the trainer in this process), a GroupTrainer (a deepspeed group
+for one iteration) or a DetachedTrainer (resident in processes of its own; both: tasks/engines/detached.py). All
+run `Trainer` below, so a resident run and a process-mode run train with the same code and publish the same
+weights (bit for bit on a CPU); what differs is what ckpt-N holds.
+More: docs/internals.md (tasks/engines/trainer.py): the handles, and what each checkpoint holds.
 """
 
 from __future__ import annotations
@@ -346,8 +347,8 @@ class InProcessTrainer:
     flow's own with the inline launcher), the same Trainer a detached one runs. It ends with the process; the next
     one resumes by replay, as after a lost detached trainer.
     not held (train.mode process): a trainer of this handle's own, for one iteration: open, train once (ckpt-N in
-    full), close. With an engine of several processes and none around us (deepspeed outside torchrun) the
-    engine's launch starts them instead, and each runs this handle in its process."""
+    full), close. (With deepspeed that is each process of a group: the stage's handle is then a GroupTrainer,
+    tasks/engines/detached.py, unless this process is a member of a torchrun group started by hand.)"""
 
     def __init__(self, cfg: Config, held: bool = True):
         # (the key tells a held trainer made for another config; a trainer of the handle's own needs none)
@@ -356,8 +357,6 @@ class InProcessTrainer:
 
     def train(self, iteration: int, fingerprint: str) -> dict:
         if not self.held:
-            if training_engine(self.cfg).launch(self.cfg, iteration):   # its workers trained (each as here)
-                return {"key": layout.checkpoint(self.cfg.run.name, iteration)}
             return self._own().train(iteration, fingerprint)
         with _HELD_LOCK:
             return self._held().train(iteration, fingerprint)

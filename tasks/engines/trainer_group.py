@@ -31,7 +31,10 @@ class Group:
     nodes each other node's first process also answers its node's stage (which waits for the group) and holds a
     link with process 0 (`_link`)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, serving: bool = True):
+        """Join the group. `serving`: a resident group, which shares requests (a control group) and, on several
+        nodes, holds the links; a group of one iteration (trainer_server.once) needs neither: its processes train
+        in step and end together, and torchrun ends the group when one of them fails."""
         self.rank, self.size = int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1)
         self.torchrun = "RANK" in os.environ
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
@@ -52,10 +55,10 @@ class Group:
             from tasks.engines.deepspeed_engine import join_group
 
             join_group(cfg)
-            if self.size > 1:   # its own gloo group: an idle trainer's followers wait in it for days, not 30 min
+            if self.size > 1 and serving:  # its own gloo group: idle followers wait in it for days, not 30 min
                 import torch.distributed as dist
                 self.control = dist.new_group(backend="gloo", timeout=timedelta(days=7, minutes=10))
-            if self.nodes > 1:
+            if self.nodes > 1 and serving:
                 self._link()
 
     @property

@@ -1,6 +1,8 @@
-"""The resident trainer's process: `python -m tasks.engines.trainer_server serve STATE_PATH CONFIG_PATH`, started
-by its handle (tasks/engines/detached.py). It runs the run's `Trainer` (tasks/engines/trainer.py) and answers
-the stage's requests over an authenticated Unix socket (`serve`) until finished, idle or replaced:
+"""The trainer's processes: `python -m tasks.engines.trainer_server serve STATE_PATH CONFIG_PATH` (resident, started
+by DetachedTrainer) or `... once CONFIG_PATH ITERATION FINGERPRINT` (process mode with deepspeed: each process of
+a torchrun group started by GroupTrainer trains one iteration and exits; tasks/engines/detached.py). `serve` runs
+the run's `Trainer` (tasks/engines/trainer.py) and answers requests over an authenticated Unix socket until
+finished, idle or replaced:
 
     ping          at once, even while another request runs ("ok" only while the whole group is linked)
     train N       update(N), ckpt-N committed (a retried request whose first try committed it: at once)
@@ -253,7 +255,39 @@ def _exit(state_path: Path, group: Group, code: int) -> None:
     group.stop(code)
 
 
-if __name__ == "__main__":     # python -m tasks.engines.trainer_server serve STATE_PATH CONFIG_PATH
-    if len(sys.argv) != 4 or sys.argv[1] != "serve":
-        sys.exit("usage: python -m tasks.engines.trainer_server serve STATE_PATH CONFIG_PATH")
-    serve(Path(sys.argv[2]), Path(sys.argv[3]))
+def once(config_path: Path, iteration: int, fingerprint: str) -> None:
+    """One process of a group that trains iteration `iteration` and ends (train.mode process with deepspeed): the
+    same Trainer as a resident group's, made for one iteration (ckpt-N in full). The stage that started the group
+    checked the inputs and the fingerprint; it reads a user error or a corrupt artifact from this output."""
+    from tasks.core.config import load_config
+    from tasks.core.errors import corrupt_line, user_error_line
+    from tasks.core.stage import quiet_progress_bars
+    from tasks.core.store import CorruptArtifact, open_store
+
+    quiet_progress_bars()
+    try:
+        cfg = load_config(config_path)
+        group = Group(cfg, serving=False)
+        trainer = Trainer(cfg, open_store(cfg), group.rank, resident=False)
+        try:
+            trainer.train(iteration, fingerprint)
+        finally:
+            trainer.close()
+    except UserError as e:
+        print(user_error_line(e), file=sys.stderr, flush=True)
+        sys.exit(2)
+    except CorruptArtifact as e:
+        print(corrupt_line(e.key, str(e)), file=sys.stderr, flush=True)
+        sys.exit(3)
+
+
+USAGE = ("usage: python -m tasks.engines.trainer_server serve STATE_PATH CONFIG_PATH\n"
+         "       python -m tasks.engines.trainer_server once CONFIG_PATH ITERATION FINGERPRINT")
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "serve":
+        serve(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif len(sys.argv) == 5 and sys.argv[1] == "once":
+        once(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    else:
+        sys.exit(USAGE)

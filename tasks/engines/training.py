@@ -2,7 +2,6 @@
 tasks/core/contracts.py).
 
     Engine = training_engine(cfg)                    # the class `train.engine` names: torch | deepspeed
-    if Engine.launch(cfg, iteration): ...            # deepspeed: started its workers here; they trained
     engine = Engine.open(cfg, store, previous)       # model, optimizer, RNG (from checkpoint `previous`)
     ... engine.backward(loss) per micro-batch, engine.step() per pass (tasks/train.py: optimise) ...
     engine.save(folder, iteration); engine.close()

@@ -2,7 +2,7 @@
 (tasks/scoring/judges.py), on the hf engine (tasks/scoring/judge_engine.py) with concurrent requests batched into
 one forward pass, or on vLLM (reward.models[].engine: vllm: LLM.chat / LLM.classify, in the vLLM environment's
 interpreter). The flow starts it for reward.models[].where: local (a process on its machine) or sky (a job on a
-cluster of its own: sky/judge.yaml), or run it yourself and give its URL as reward.models[].url.
+cluster of its own: sky/judge.yaml), or run it yourself and give its URL as reward.models[].where.
 
     python -m tasks.scoring.judge_server --config FILE --model judge [--host 0.0.0.0] [--port 8350]
 

@@ -146,12 +146,12 @@ def _served_models(spec: RewardModel, what: str) -> set[str] | None:
         r = httpx.get(f"{spec.url.rstrip('/')}/v1/models", timeout=10,
                       headers=bearer(key))
     except httpx.HTTPError as e:
-        raise UserError(f"{what}.url: {spec.url} does not answer ({type(e).__name__}: {e})") from None
+        raise UserError(f"{what}.where: {spec.url} does not answer ({type(e).__name__}: {e})") from None
     if r.status_code in (401, 403):
-        raise UserError(f"{what}.url: {spec.url} refused the key ({r.status_code}); check "
+        raise UserError(f"{what}.where: {spec.url} refused the key ({r.status_code}); check "
                         f"{spec.api_key_env or 'api_key_env'}")
     if r.status_code != 200:
-        raise UserError(f"{what}.url: {spec.url}/v1/models answered {r.status_code}; expected an OpenAI-compatible "
+        raise UserError(f"{what}.where: {spec.url}/v1/models answered {r.status_code}; expected an OpenAI-compatible "
                         f"server")
     try:
         return {m["id"] for m in r.json()["data"]}

@@ -141,7 +141,7 @@ def _failure(what: str, ex: Exception) -> str:
 # ------------------------------------------------------------------------------------------ episodes
 
 def environments(cfg: Config, services: Services | None = None) -> Callable[[dict], EnvironmentHandle]:
-    """What opens each episode's environment (a row -> its handle): on the environment server (env.server_url,
+    """What opens each episode's environment (a row -> its handle): on the environment server (env.where a URL,
     env.where), else as env.isolation says (isolation.py: start_environment). What each needs is checked or
     started before any episode: the factory's preflight, the server's address, the forkserver."""
     if placement_of(cfg).env_remote():

@@ -1,6 +1,6 @@
 """Where an episode's environment runs, behind one handle (protocol.py: EnvironmentHandle): in this process
 (ThreadEnvironment, env.isolation: thread), in a process of its own (ProcessEnvironment, env.isolation: process,
-the default), or on the environment server (server.py: RemoteEnvironment, env.server_url / env.where). The
+the default), or on the environment server (server.py: RemoteEnvironment, env.where). The
 episode loop and the server call every handle alike, through a Caller that gives each call its deadline.
 
     env = start_environment(cfg, make, row)      # thread or process, as env.isolation says

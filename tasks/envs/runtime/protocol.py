@@ -125,7 +125,7 @@ def require_answer(url: str, what: str, hint: str = "", field: str = "base_url",
                         f"{hint}") from None
 
 
-def require_env_server(url: str, key: str = "env.server_url") -> dict:
+def require_env_server(url: str, key: str = "env.where") -> dict:
     """The /health answer of an rlflow environment server at `url` (tasks/envs/runtime/server.py: a JSON object with
     "factory" and "episodes"; a pool's front, tasks/envs/runtime/pool.py: "pool" and "episodes"); a UserError naming
     `key` if nothing answers there, or something that is not one

@@ -6,7 +6,7 @@ template stay in the stage; only the protocol's calls travel (docs/environments.
                                         [--idle-minutes 30] [--exit-with-parent]
 
 The flow starts it (flows/services.py: EnvServer), here or on a CPU spot cluster (sky/env.yaml), and hands its URL
-and token to the stages as RLFLOW_ENV_SERVER and RLFLOW_ENV_TOKEN; or run it yourself and set env.server_url.
+and token to the stages as RLFLOW_ENV_SERVER and RLFLOW_ENV_TOKEN; or run it yourself and set env.where to its URL.
 Routes: GET /health, POST /episodes, POST /episodes/ID/reset|step|close, DELETE /episodes/ID. An environment's
 failure fails its episode as it would in the stage; a server that does not answer fails the stage (ServerGone).
 With env.servers: N the flow puts N of these behind one front (tasks/envs/runtime/pool.py). The server leaves after
@@ -306,7 +306,7 @@ class _Clients:
 
 def server_of(cfg: Config, services: Services | None = None) -> tuple[str, str]:
     """The URL and token the episodes use: the server the flow started (the stage's `services`; a stage without
-    a context: its process's environment, as a stage process is given them), else env.server_url and
+    a context: its process's environment, as a stage process is given them), else env.where's URL and
     RLFLOW_ENV_TOKEN."""
     from tasks.core.placement import Services, placement_of
 
@@ -316,8 +316,8 @@ def server_of(cfg: Config, services: Services | None = None) -> tuple[str, str]:
     place = placement_of(cfg)
     if place.env != "yours":
         raise UserError(f"env.where: {place.env}: no environment server given; the flow starts one and hands "
-                        f"it to its stages (run the stage through `rlflow run`, or set env.server_url)")
-    return cfg.env.server_url.rstrip("/"), Services.from_environment().env_token
+                        f"it to its stages (run the stage through `rlflow run`, or set env.where to its URL)")
+    return cfg.env.url.rstrip("/"), Services.from_environment().env_token
 
 
 def _client(cfg: Config, server: tuple[str, str]) -> _Clients:
@@ -374,7 +374,7 @@ def _reply(client, method: str, path: str, body: dict) -> dict:
     if response.status_code == 503:           # an environment pool with no server left (tasks/envs/runtime/pool.py)
         raise ServerGone(f"the environment server at {client.base_url} has none left: {response.text[:300]}")
     if response.status_code == 401:
-        raise ServerRefused(f"env.server_url: the environment server at {client.base_url} refused the token "
+        raise ServerRefused(f"env.where: the environment server at {client.base_url} refused the token "
                         f"({TOKEN_VAR})")
     try:
         reply = response.json()

@@ -44,13 +44,13 @@ class Prompts:
 
 class Environments:
     """env.factory: each rollout a multi-turn episode, the environments here (env.isolation) or on the
-    environment server (env.where, env.server_url; the stage's context names the flow's)."""
+    environment server (env.where: local, sky or a URL; the stage's context names the flow's)."""
 
     name: ClassVar[str] = "env.factory"
 
     def check(self, cfg: Config, row: dict, model_path: str, tokenizer) -> None:
         """The factory imports and builds one environment with env.kwargs where it runs on this machine; a server
-        of your own (env.server_url) answers as an rlflow environment server. (An environment server on sky
+        of your own (env.where a URL) answers as an rlflow environment server. (An environment server on sky
         checks its own factory as it starts.)"""
         from tasks.core.placement import placement_of
         from tasks.envs.runtime.protocol import check_environment, factory_of, require_env_server
@@ -60,7 +60,7 @@ class Environments:
             factory_of(cfg)             # env.factory cannot be imported: one line, exit 2 (here, or the server)
             check_environment(cfg, row)     # one built with env.kwargs, its adapter and tools
         elif env == "yours":
-            require_env_server(cfg.env.server_url)    # an rlflow environment server (its /health's shape)
+            require_env_server(cfg.env.url)    # an rlflow environment server (its /health's shape)
 
     def run(self, cfg: Config, session: SamplingSession, ds, rows: list[int], params: SamplingParams,
             policy: str, services: Services | None = None) -> tuple[list[Rollout], Sampled]:
