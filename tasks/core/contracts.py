@@ -84,6 +84,8 @@ class Sample:
     completion_ids: list[int]   # includes the EOS token when it stopped on its own
     logprobs: list[float]       # behaviour logprob of each completion token (after temperature / top-p)
     truncated: bool             # hit max_new_tokens without EOS
+    versions: list[int] | None = None   # per completion token, the policy version that drew it (None: the
+    #                                     session's one; set when a newer policy may interrupt: tasks/engines/hf.py)
 
 
 @dataclass(frozen=True)

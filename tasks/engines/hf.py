@@ -21,7 +21,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -147,20 +147,39 @@ class Resident:
 RESIDENT = Resident()
 
 
+class Interruption(Protocol):
+    """A newer policy for sequences in flight (issue 42: interruption, not abortion). `pending` is asked after
+    each decode step; when it says yes, the in-flight sequences stop there (the token just drawn kept), `apply`
+    loads the new policy into the model (in place) and returns the model and the new policy's version, and the
+    sequences continue from their partial tokens under it: their prompts and tokens so far are filled into a
+    fresh KV cache by the new weights, so every later token and logprob is exactly the new policy's. Nothing
+    decoded is thrown away."""
+
+    def pending(self) -> bool: ...
+    def apply(self, model) -> tuple[object, int]: ...
+
+
+class _Interrupted(Exception):
+    """The recorder stopped generate at a step where an interruption was pending."""
+
+
 class _SampleAndRecord:
     """Logits processor placed last (transformers then runs greedy): applies temperature/top-p, draws the
     token from the request's own generator, and returns scores that leave only that token; it remembers the
     log-softmax so the next call (which sees the token drawn) can record that token's logprob. One step of
     (N, vocab) is held at a time, never the whole (steps, N, vocab) score history. The draw is transformers'
     own (softmax, multinomial) on a private generator: the same tokens its sampling gives from the global RNG
-    seeded alike."""
+    seeded alike. With an `interrupt` pending after a step, it keeps the sequences and stops generate."""
 
-    def __init__(self, temperature: float, top_p: float, generator: torch.Generator, top_k: int = 0):
+    def __init__(self, temperature: float, top_p: float, generator: torch.Generator, top_k: int = 0,
+                 interrupt: Interruption | None = None):
         self.greedy = temperature == 0          # (evaluation's greedy pass@1): the most likely token, no draw
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.generator = generator
+        self.interrupt = interrupt
         self.prev: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
+        self.sequences: torch.Tensor | None = None      # interrupted: the sequences, the token just drawn included
 
     def _collect(self, input_ids):
         if self.prev is not None:
@@ -176,6 +195,9 @@ class _SampleAndRecord:
         else:
             probs = torch.nn.functional.softmax(scores, dim=-1)
             token = torch.multinomial(probs, num_samples=1, generator=self.generator)
+        if self.interrupt is not None and self.interrupt.pending():
+            self.sequences = torch.cat([input_ids, token], dim=-1)
+            raise _Interrupted
         return torch.full_like(scores, -torch.inf).scatter_(-1, token, 0.0)
 
     def logprobs(self, sequences) -> torch.Tensor:
@@ -199,35 +221,71 @@ def _prefill(model, ids: torch.Tensor, attn: torch.Tensor, n: int):
 
 
 def hf_generate(model, tokenizer, prompt_ids: list[list[int]], params: SamplingParams,
-                batch_size: int, share_prompts: bool = True) -> list[Sample]:
-    """params.n samples per prompt, `batch_size` prompts per `model.generate` call."""
+                batch_size: int, share_prompts: bool = True, interrupt: Interruption | None = None,
+                version: int = 0) -> list[Sample]:
+    """params.n samples per prompt, `batch_size` prompts per `model.generate` call. `interrupt`: a newer policy
+    may come while they decode (Interruption); each sample's tokens then carry the version that drew them
+    (Sample.versions; `version`: the model's at the start)."""
+    n, seed = params.n, params.seed
+    generator = torch.Generator(device=next(model.parameters()).device)
+    generator.manual_seed(seed)
+    out = []
+    state = {"model": model, "version": version}
+    for start in range(0, len(prompt_ids), batch_size):
+        chunk = prompt_ids[start:start + batch_size]
+        rows = _decode(state, tokenizer, chunk, n, params.max_new_tokens, params, generator, share_prompts, interrupt)
+        for j, (toks, logps, versions, truncated) in enumerate(rows):
+            out.append(Sample(start + j // n, toks, logps, truncated,
+                              versions if interrupt is not None else None))
+    return out
+
+
+def _decode(state: dict, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int, params: SamplingParams,
+            generator: torch.Generator, share_prompts: bool, interrupt: Interruption | None) -> list[tuple]:
+    """One `model.generate` call: n samples of each prompt, as (tokens, logprobs, versions, truncated) rows in
+    order. Interrupted, the unfinished rows continue (here, recursively) under the new policy from their
+    prompts plus their tokens so far."""
     from transformers import GenerationConfig, LogitsProcessorList
 
-    n, temperature, top_p, seed = params.n, params.temperature, params.top_p, params.seed
-    max_new_tokens = params.max_new_tokens
+    model = state["model"]
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                eos_token_id=eos)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    out = []
-    for start in range(0, len(prompt_ids), batch_size):
-        chunk = prompt_ids[start:start + batch_size]
-        L = max(len(p) for p in chunk)
-        ids = torch.tensor([[tokenizer.pad_token_id] * (L - len(p)) + p for p in chunk], device=device)
-        attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk], device=device)
-        with torch.no_grad():
-            cache = _prefill(model, ids, attn, n) if share_prompts else None       # each prompt once, not n times
-            ids, attn = ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)   # as transformers expands
-            recorder = _SampleAndRecord(temperature, top_p, generator, params.top_k)
-            seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg, past_key_values=cache,
-                                  logits_processor=LogitsProcessorList([recorder]))
-        logps = recorder.logprobs(seqs)
-        completions = seqs[:, L:].cpu()
-        for j in range(completions.shape[0]):
-            toks = completions[j].tolist()
-            stop = toks.index(eos) + 1 if eos in toks else None
-            toks = toks[:stop] if stop else toks
-            out.append(Sample(start + j // n, toks, logps[j, :len(toks)].tolist(), truncated=stop is None))
-    return out
+    L = max(len(p) for p in prompts)
+    ids = torch.tensor([[tokenizer.pad_token_id] * (L - len(p)) + p for p in prompts], device=device)
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)
+    recorder = _SampleAndRecord(params.temperature, params.top_p, generator, params.top_k, interrupt)
+    with torch.no_grad():
+        cache = _prefill(model, ids, attn, n) if share_prompts else None       # each prompt once, not n times
+        ids, attn = ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)   # as transformers expands
+        try:
+            seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg,
+                                  past_key_values=cache, logits_processor=LogitsProcessorList([recorder]))
+            interrupted = False
+        except _Interrupted:
+            seqs, interrupted = recorder.sequences, True
+    logps = recorder.logprobs(seqs)
+    completions = seqs[:, L:].cpu()
+    rows, resume = [], []
+    for j in range(completions.shape[0]):
+        toks = completions[j].tolist()
+        stop = toks.index(eos) + 1 if eos in toks else None
+        toks = toks[:stop] if stop else toks
+        rows.append([toks, logps[j, :len(toks)].tolist(), [state["version"]] * len(toks),
+                     stop is None and len(toks) >= max_new_tokens])
+        if interrupted and stop is None and len(toks) < max_new_tokens:
+            resume.append(j)
+    if interrupted:
+        state["model"], state["version"] = interrupt.apply(model)
+        if resume:       # each unfinished row continues alone (n=1): its prompt and tokens so far are its prompt
+            tails = _decode(state, tokenizer, [prompts[j // n] + rows[j][0] for j in resume], 1,
+                            max_new_tokens - min(len(rows[j][0]) for j in resume), params, generator, False,
+                            interrupt)
+            for j, (toks, lp, versions, _) in zip(resume, tails, strict=True):
+                budget = max_new_tokens - len(rows[j][0])
+                toks, lp, versions = toks[:budget], lp[:budget], versions[:budget]
+                ended = bool(toks) and toks[-1] == eos
+                rows[j] = [rows[j][0] + toks, rows[j][1] + lp, rows[j][2] + versions,
+                           not ended and len(rows[j][0]) + len(toks) >= max_new_tokens]
+    return [tuple(r) for r in rows]
