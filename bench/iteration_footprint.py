@@ -9,7 +9,7 @@ The run is `rlflow run CONFIG` for 3 iterations in this process under a profiler
 threading.setprofile: every thread of the flow's process); what is counted is what is called between the start
 of iteration 2's generate stage and the start of iteration 3's: one iteration after the first (no model
 conversion, no first-time imports or server starts). Child processes (the reward worker, a stage in
-`launcher.where: process`, servers) are not seen: the figure is the flow process's own. Prints the files (with
+`launcher.where: local`, servers) are not seen: the figure is the flow process's own. Prints the files (with
 their lines and the functions called in each), and the totals: files, their lines, functions, and the lines of
 the functions called.
 """

@@ -66,15 +66,15 @@ class GenerateConfig(Section):
     vllm_python: str | None = Field(None, description="Python of the environment that has vllm (its pins clash "
                                     "with Prefect's); None = .venv-vllm/bin/python in the working directory, else in "
                                     "the repository root (make setup, sky/generate.yaml), else this Python.")
-    server_start_timeout: float = Field(900.0, gt=0, le=7200, description="server mode: seconds a new vLLM "
-                                        "server may take to load the model and answer /health.")
-    server_idle_timeout: float = Field(7200.0, ge=0, le=7 * 86400, description="server mode: a server that no "
-                                       "generate has used for this many seconds stops itself (0 = never), so a flow "
-                                       "killed before its teardown does not leave it holding the machine; keep it "
-                                       "above an iteration's reward + train + publish time.")
-    sleep_when_idle: bool = Field(False, description="server mode, GPU only: put the server to sleep after each "
-                                  "generate (weights to CPU memory, KV cache freed) so a trainer on the same GPU "
-                                  "gets the memory; it wakes up before the next generate.")
+    server_start_timeout: float = Field(900.0, gt=0, le=7200, description="generate.mode resident: seconds a new "
+                                        "vLLM server may take to load the model and answer /health.")
+    server_idle_timeout: float = Field(7200.0, ge=0, le=7 * 86400, description="generate.mode resident: a server "
+                                       "that no generate has used for this many seconds stops itself (0 = never), so "
+                                       "a flow killed before its teardown does not leave it holding the machine; "
+                                       "keep it above an iteration's reward + train + publish time.")
+    sleep_when_idle: bool = Field(False, description="generate.mode resident, GPU only: put the server to sleep "
+                                  "after each generate (weights to CPU memory, KV cache freed) so a trainer on the "
+                                  "same GPU gets the memory; it wakes up before the next generate.")
     prompts_per_iteration: int = Field(16, ge=1, description="Prompts sampled per iteration (groups).")
     num_generations: int = Field(8, ge=2, description="Completions per prompt (the GRPO group size).")
     max_prompt_length: int = Field(512, ge=1, description="Prompts longer than this (tokens) are left-truncated.")
