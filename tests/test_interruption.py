@@ -57,16 +57,23 @@ def test_a_new_policy_mid_sequence_is_loaded_between_steps_and_nothing_decoded_i
     assert all(s.versions is None for s in plain)
 
     k = 3
-    runs = []
+    runs, shapes = [], []
     for _ in range(2):
         model, interrupt = copy.deepcopy(old), AfterSteps(k, new)
+        hook = model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                               with_kwargs=True)     # (a hook: generate reads forward's signature)
         runs.append(hf_generate(model, tok, prompts, params, batch_size=2, interrupt=interrupt))
+        hook.remove()
         assert interrupt.applied == 1
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), new.state_dict().values()))
     got, again = runs
     assert [(s.completion_ids, s.logprobs, s.versions) for s in got] == \
         [(s.completion_ids, s.logprobs, s.versions) for s in again]        # the same interruption, the same run
 
+    # the refill fills each prompt once for its continuing rows (then their k tokens each), as the first prefill
+    # does (each prompt but its last token), not each row's prompt again
+    L = max(len(p) for p in prompts[:2])
+    assert (2, L - 1) in shapes and (2, L) in shapes and not any(rows > 2 and n >= L for rows, n in shapes)
     first_chunk = [s for s in got if s.prompt < 2]          # (the interruption came in the first generate call)
     later = [s for s in got if s.prompt >= 2]
     eos = tok.eos_token_id

@@ -206,17 +206,24 @@ class _SampleAndRecord:
         return torch.stack(self.steps, dim=1)  # (N, steps)
 
 
-def _prefill(model, ids: torch.Tensor, attn: torch.Tensor, n: int):
-    """The KV cache of each prompt but its last token, computed once and repeated for its n samples (None when
-    there is nothing to share): `generate` then starts from the last prompt token. transformers' own expansion
-    repeats each prompt n times before the prefill, which with prompts of ~60 tokens and completions of ~16 is
-    most of the sampling's work (the same positions as generate gives them: pads count as 1, masked)."""
-    if n < 2 or ids.shape[1] < 2:
+def _prefill(model, ids: torch.Tensor, attn: torch.Tensor, rows_of: list[int], partial: int):
+    """The KV cache of each prompt (`ids`: left-padded, one per prompt) computed once and selected for each row
+    (`rows_of`: the prompt of each row), or None when no prompt has two rows (nothing to share). With no partial
+    tokens it stops before the prompt's last token (`generate` starts from that one); rows that continue partial
+    tokens (an interruption) get their whole prompt cached and `generate` fills in their tokens so far.
+    transformers' own expansion repeats each prompt n times before the prefill, which with prompts of ~60 tokens
+    and completions of ~16 is most of the sampling's work (the same positions as generate gives them: pads count
+    as 1, masked)."""
+    used = sorted(set(rows_of))
+    cut = ids.shape[1] - (0 if partial else 1)
+    if len(used) == len(rows_of) or cut < 1:
         return None
+    ids, attn = ids[used], attn[used]
     positions = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 1)
-    cache = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions[:, :-1], use_cache=True,
-                  logits_to_keep=1).past_key_values
-    cache.batch_repeat_interleave(n)
+    cache = model(input_ids=ids[:, :cut], attention_mask=attn[:, :cut], position_ids=positions[:, :cut],
+                  use_cache=True, logits_to_keep=1).past_key_values
+    where = {prompt: i for i, prompt in enumerate(used)}
+    cache.batch_select_indices(torch.tensor([where[r] for r in rows_of], device=ids.device))
     return cache
 
 
@@ -233,18 +240,21 @@ def hf_generate(model, tokenizer, prompt_ids: list[list[int]], params: SamplingP
     state = {"model": model, "version": version}
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start:start + batch_size]
-        rows = _decode(state, tokenizer, chunk, n, params.max_new_tokens, params, generator, share_prompts, interrupt)
+        rows_of = [i for i in range(len(chunk)) for _ in range(n)]
+        rows = _decode(state, tokenizer, chunk, rows_of, [[] for _ in rows_of], params.max_new_tokens, params,
+                       generator, share_prompts, interrupt)
         for j, (toks, logps, versions, truncated) in enumerate(rows):
             out.append(Sample(start + j // n, toks, logps, truncated,
                               versions if interrupt is not None else None))
     return out
 
 
-def _decode(state: dict, tokenizer, prompts: list[list[int]], n: int, max_new_tokens: int, params: SamplingParams,
-            generator: torch.Generator, share_prompts: bool, interrupt: Interruption | None) -> list[tuple]:
-    """One `model.generate` call: n samples of each prompt, as (tokens, logprobs, versions, truncated) rows in
-    order. Interrupted, the unfinished rows continue (here, recursively) under the new policy from their
-    prompts plus their tokens so far."""
+def _decode(state: dict, tokenizer, prompts: list[list[int]], rows_of: list[int], partials: list[list[int]],
+            max_new_tokens: int, params: SamplingParams, generator: torch.Generator, share_prompts: bool,
+            interrupt: Interruption | None) -> list[tuple]:
+    """One `model.generate` call: row r continues prompt `rows_of[r]` after its tokens so far `partials[r]` (all
+    of one length: none at first), for up to `max_new_tokens` more; (tokens, logprobs, versions, truncated) per
+    row, in order. Interrupted, the unfinished rows continue (here, recursively) under the new policy."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     model = state["model"]
@@ -252,13 +262,16 @@ def _decode(state: dict, tokenizer, prompts: list[list[int]], n: int, max_new_to
     eos = tokenizer.eos_token_id
     gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                eos_token_id=eos)
-    L = max(len(p) for p in prompts)
-    ids = torch.tensor([[tokenizer.pad_token_id] * (L - len(p)) + p for p in prompts], device=device)
-    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)
+    L, k = max(len(p) for p in prompts), len(partials[0])
+    base = torch.tensor([[tokenizer.pad_token_id] * (L - len(p)) + p for p in prompts], device=device)
+    base_attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)
     recorder = _SampleAndRecord(params.temperature, params.top_p, generator, params.top_k, interrupt)
     with torch.no_grad():
-        cache = _prefill(model, ids, attn, n) if share_prompts else None       # each prompt once, not n times
-        ids, attn = ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)   # as transformers expands
+        cache = _prefill(model, base, base_attn, rows_of, k) if share_prompts else None   # each prompt once
+        index = torch.tensor(rows_of, device=device)
+        ids = torch.cat([base[index], torch.tensor(partials, dtype=base.dtype, device=device).view(len(rows_of), k)],
+                        dim=1)
+        attn = torch.cat([base_attn[index], torch.ones(len(rows_of), k, dtype=base_attn.dtype, device=device)], dim=1)
         try:
             seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg,
                                   past_key_values=cache, logits_processor=LogitsProcessorList([recorder]))
@@ -266,7 +279,7 @@ def _decode(state: dict, tokenizer, prompts: list[list[int]], n: int, max_new_to
         except _Interrupted:
             seqs, interrupted = recorder.sequences, True
     logps = recorder.logprobs(seqs)
-    completions = seqs[:, L:].cpu()
+    completions = seqs[:, L + k:].cpu()
     rows, resume = [], []
     for j in range(completions.shape[0]):
         toks = completions[j].tolist()
@@ -278,14 +291,10 @@ def _decode(state: dict, tokenizer, prompts: list[list[int]], n: int, max_new_to
             resume.append(j)
     if interrupted:
         state["model"], state["version"] = interrupt.apply(model)
-        if resume:       # each unfinished row continues alone (n=1): its prompt and tokens so far are its prompt
-            tails = _decode(state, tokenizer, [prompts[j // n] + rows[j][0] for j in resume], 1,
-                            max_new_tokens - min(len(rows[j][0]) for j in resume), params, generator, False,
-                            interrupt)
-            for j, (toks, lp, versions, _) in zip(resume, tails, strict=True):
-                budget = max_new_tokens - len(rows[j][0])
-                toks, lp, versions = toks[:budget], lp[:budget], versions[:budget]
-                ended = bool(toks) and toks[-1] == eos
-                rows[j] = [rows[j][0] + toks, rows[j][1] + lp, rows[j][2] + versions,
-                           not ended and len(rows[j][0]) + len(toks) >= max_new_tokens]
+        if resume:       # (interrupted at one step: every unfinished row has the same number of tokens so far)
+            tails = _decode(state, tokenizer, prompts, [rows_of[j] for j in resume],
+                            [partials[j] + rows[j][0] for j in resume], max_new_tokens - len(rows[resume[0]][0]),
+                            params, generator, share_prompts, interrupt)
+            for j, (toks, lp, versions, truncated) in zip(resume, tails, strict=True):
+                rows[j] = [rows[j][0] + toks, rows[j][1] + lp, rows[j][2] + versions, truncated]
     return [tuple(r) for r in rows]
