@@ -8,7 +8,8 @@ The routes (JSON; every one but /health needs `Authorization: Bearer <RLFLOW_REP
     GET  /health                                {"policy", "digest", "busy", "served", "tokens", "seconds"}
     POST /load    {"policy", "digest"}          the policy the schedule names, loaded (whole or delta, from the
                                                 store) and version-checked: its manifest's digest must be `digest`
-    POST /sample  {"policy", "digest", "prompt_ids", "params"}     {"samples": [[prompt, ids, logprobs, trunc]]}
+    POST /sample  {"policy", "digest", "prompt_ids", "params"}     {"samples": [[prompt, ids, logprobs, trunc,
+                                                                              versions]]}  (a Sample's fields)
 A /sample for another policy than the one held is refused (409): the router never takes a late replica's
 tokens for the schedule's policy. It prints `RLFLOW_REPLICA_READY <url>` once it answers.
 """

@@ -139,8 +139,8 @@ class RoutedSession(SamplingSession):
 
         with ThreadPoolExecutor(max_workers=max(min(len(bounds), 64), 1)) as pool:
             answers = list(pool.map(one, range(len(bounds))))
-        samples = [Sample(lo + p, ids, logps, trunc)
-                   for (lo, _), a in zip(bounds, answers, strict=True) for p, ids, logps, trunc in a["samples"]]
+        samples = [Sample(lo + p, *rest)      # (each Sample's fields as the replica sent them, in order)
+                   for (lo, _), a in zip(bounds, answers, strict=True) for p, *rest in a["samples"]]
         return Sampled(samples, load_seconds=sum(a["load_seconds"] for a in answers),
                        sampling_seconds=time.perf_counter() - t0)
 
