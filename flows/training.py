@@ -44,6 +44,7 @@ from tasks.core.store import Store, open_store
 from tasks.core.tracking import Tracker, champion_policy_uri
 from tasks.engines.detached import DetachedTrainer
 from tasks.engines.sampling import sampling_engine
+from tasks.engines.streaming import Stream
 from tasks.engines.training import training_engine
 from tasks.envs.runtime.episodes import EnvironmentsStalled
 from tasks.evaluate import evaluate
@@ -230,6 +231,7 @@ def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_n
     try:
         return _iterations(ctx, log)
     finally:
+        Stream.stop_run(cfg.run.name)   # generate.streaming: its sampler first (a failed flow's keeps sampling)
         if not lease.lost:
             _finish_trainer(ctx, log)   # train.mode: resident: a full checkpoint, before any cluster goes
         ctx.launchers.close(log.info)

@@ -60,6 +60,26 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
     gc = cfg.generate
     ds = data.load_prompts(cfg)
     rows, picked = curriculum.prompts(cfg, store, iteration, round, len(ds))
+    if gc.streaming is not None:                 # the run's streaming sampler made them: take its groups
+        records, metrics = _streamed(cfg, iteration)
+    else:
+        records, metrics = _sampled(cfg, iteration, round, ds, rows, policy, services)
+    metrics["generate/seconds"] = time.perf_counter() - t0
+    metrics.update(picked)
+    with tempfile.TemporaryDirectory(prefix="rlflow-generate-") as tmp:
+        rollout.write(records, Path(tmp))
+        manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "made_of": made, "metrics": metrics,
+                                                          "policy": policy, "rows": rows,
+                                                          "data_cursor": data.cursor(iteration + 1,
+                                                                                     gc.prompts_per_iteration)})
+    return result(store, key, manifest)
+
+
+def _sampled(cfg: Config, iteration: int, round: int, ds, rows: list[int], policy: str,
+             services: Services | None) -> tuple[list, dict]:
+    """This stage's rollouts, sampled here from `policy` by the configured engine (or source: environments'
+    episodes, agents), and their metrics."""
+    gc = cfg.generate
     services = Services.given(services)
     source = source_of(cfg)                      # prompts, environments' episodes or agents'
     with open_session(cfg, policy, services) as session:
@@ -68,7 +88,6 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
             top_p=gc.top_p, top_k=gc.top_k, seed=cfg.run.seed * 1_000_003 + iteration + round * ROUND_SEED),
             policy, services)
         routed = session.metrics("generate")        # generate.replicas: per replica, and the router's counts
-
     source.require_some(cfg, records, f"iteration {iteration}")
     n_tokens = sum(len(r.completion_ids) for r in records)
     metrics = {
@@ -77,20 +96,31 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
         "generate/tokens_per_s": n_tokens / max(sampled.sampling_seconds, 1e-9),
         "generate/load_seconds": session.load_seconds + sampled.load_seconds,   # model load, engine start, reload
         "generate/sampling_seconds": sampled.sampling_seconds,
-        "generate/seconds": time.perf_counter() - t0,
         "generate/staleness": iteration - 1 - layout.version_of(policy),   # updates the sampler is behind
     }
     metrics.update(routed)
-    metrics.update(picked)
     metrics.update(sampled.metrics)
     metrics.update(source.metrics(records))
-    with tempfile.TemporaryDirectory(prefix="rlflow-generate-") as tmp:
-        rollout.write(records, Path(tmp))
-        manifest = store.put_folder(key, Path(tmp), meta={"fingerprint": fp, "made_of": made, "metrics": metrics,
-                                                          "policy": policy, "rows": rows,
-                                                          "data_cursor": data.cursor(iteration + 1,
-                                                                                     gc.prompts_per_iteration)})
-    return result(store, key, manifest)
+    return records, metrics
+
+
+def _streamed(cfg: Config, iteration: int) -> tuple[list, dict]:
+    """generate.streaming: iteration N's groups from the run's streaming sampler (tasks/engines/streaming.py),
+    each token tagged with the policy version that drew it, and their metrics (the staleness of the oldest
+    token, the versions' spread, what the sampler did since the last stage)."""
+    from tasks.engines.streaming import Stream
+
+    records, metrics = Stream.of(cfg, iteration).collect(iteration)
+    versions = [v for r in records for v in r.versions]
+    n_tokens = len(versions)
+    metrics.update({
+        "generate/completion_length": n_tokens / len(records),
+        "generate/truncated_share": sum(r.truncated for r in records) / len(records),
+        "generate/staleness": iteration - 1 - min(versions, default=iteration - 1),   # its oldest token's
+        "generate/versions": float(len(set(versions))),
+        "generate/newer_tokens_share": sum(v > min(versions) for v in versions) / max(n_tokens, 1),
+    })
+    return records, metrics
 
 
 ROUND_SEED = 7_777_777          # round r of an iteration samples with the iteration's seed + r * ROUND_SEED

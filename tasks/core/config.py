@@ -155,6 +155,30 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _streaming_can_stream(self):
+        gc, sc = self.generate, self.generate.streaming
+        if sc is None:
+            return self
+        cannot = ("the vllm engine" if gc.engine == "vllm" else "generate.replicas" if gc.replicas else
+                  "multi-turn episodes (env.factory / env.agent)" if self.env.episodic() else
+                  "generate.dynamic_sampling" if gc.dynamic_sampling is not None else
+                  "data.curriculum" if self.data.curriculum is not None else None)
+        if cannot:
+            raise ValueError(f"generate.streaming: {cannot} cannot stream yet (only the hf engine's sampler in the "
+                             f"flow's process interrupts between decode steps); leave generate.streaming unset "
+                             f"(run.max_staleness overlaps whole stages)")
+        if self.run.max_staleness < 1:
+            raise ValueError("generate.streaming needs run.max_staleness >= 1 (a group of iteration N starts once "
+                             "v(N-1-S) is loaded; with 0 nothing can be sampled ahead); expected 1 or more")
+        if sc.buffer is not None and sc.buffer < gc.prompts_per_iteration:
+            raise ValueError(f"generate.streaming.buffer: {sc.buffer} groups is smaller than one iteration's "
+                             f"(generate.prompts_per_iteration {gc.prompts_per_iteration}); expected at least that")
+        if self.launcher.where_of("generate") != "inline":
+            raise ValueError(f"generate.streaming: the sampler runs in the flow's process, but generate runs "
+                             f"{self.launcher.where_of('generate')} (launcher); expected generate inline")
+        return self
+
+    @model_validator(mode="after")
     def _resident_needs_a_lasting_machine(self):
         if self.train.mode == "resident" and self._managed_train():
             raise ValueError("train.mode: resident needs a train machine that outlives a job; with "

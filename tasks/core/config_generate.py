@@ -31,6 +31,30 @@ class DynamicSamplingConfig(Section):
                              "scale, never `std != 0`, which float noise passes.")
 
 
+class StreamingConfig(Section):
+    """Generation that never waits (tasks/engines/streaming.py): one sampler per run keeps decoding, group after
+    group in data order across iterations (continuous batching on the hf engine), commits each group to the store
+    as it completes, and the generate stage of iteration N takes its prompts' groups. A published policy is loaded
+    between two decode steps. Needs run.max_staleness >= 1: a group of iteration N starts once v(N-1-S) is
+    loaded, so each token is within the staleness of it. What is reproducible: docs/design-notes.md."""
+
+    on_update: Literal["interrupt", "finish"] = Field(
+        "interrupt", description="When a newer policy is published. interrupt: the rows in flight stop between "
+        "two decode steps, the new weights are loaded and they continue under them (their prompt and tokens so far "
+        "refilled into the KV cache by the new weights; each token records the version that drew it); finish: no "
+        "new group starts until the rows in flight have finished under the version they started with, then the "
+        "new weights are loaded. Either way no decoded token is thrown away.")
+    buffer: int | None = Field(None, ge=1, le=1_000_000, description="Groups sampled ahead of the generate "
+                               "stage that takes them, at most (None: (run.max_staleness + 1) x "
+                               "generate.prompts_per_iteration); at least one iteration's groups.")
+    refill_share: float = Field(0.5, gt=0, le=1, description="The batch stops to drop its finished rows and let "
+                                "new groups join when this share of its rows has finished (each stop refills the "
+                                "continuing rows' KV cache: smaller = fewer idle rows, more refills).")
+    max_rows: int | None = Field(None, ge=2, le=1_000_000, json_schema_extra=HOW_NOT_WHAT,
+                                 description="Rows decoding at once at most (None: generate.batch_size x "
+                                 "generate.num_generations); a memory knob.")
+
+
 OLD_GENERATE_MODES = {"offline": "process", "server": "resident"}    # generate.mode's values before issue 41
 
 
@@ -89,6 +113,10 @@ class GenerateConfig(Section):
     dynamic_sampling: DynamicSamplingConfig | None = Field(
         None, json_schema_extra=SINCE_DEFAULT, description="Drop constant-reward groups and sample more prompts "
         "in rounds (DAPO); None: every group trains.")
+    streaming: StreamingConfig | None = Field(
+        None, json_schema_extra=SINCE_DEFAULT, description="hf: one sampler per run decodes continuously and the "
+        "generate stages take their groups as they complete (tasks/engines/streaming.py); None: each generate stage "
+        "samples its own batch (run.max_staleness still overlaps whole stages, and is the reproducible mode).")
     batch_size: int = Field(64, ge=1, description="hf: prompts per generate() call (memory knob, not semantics); "
                             "vLLM schedules its own batches.")
     share_prompts: bool = Field(True, json_schema_extra=SINCE_DEFAULT,

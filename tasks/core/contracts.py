@@ -52,6 +52,8 @@ class Rollout:
                                 # sharing its return and advantage (tasks/envs/runtime/agents.py)
     timings: list[dict] | None = None     # multi-turn: per model turn {"model": s, "env": s}, the batched call
                                           # that made it and the environment's step (for traces: tasks/core/traces.py)
+    versions: list[int] | None = None     # per completion token, the policy version that drew it (generate.streaming;
+                                          # None: every token the stage's one policy's)
 
 
 @dataclass

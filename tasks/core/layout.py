@@ -20,6 +20,11 @@ def rollouts(run: str, iteration: int, round: int = 0) -> str:
     return f"{run}/iter-{iteration:06d}/rollouts" + (f"-r{round:02d}" if round else "")
 
 
+def stream_group(run: str, iteration: int, group: int) -> str:
+    """generate.streaming: one group of iteration N, committed by the streaming sampler as it completed."""
+    return f"{run}/iter-{iteration:06d}/stream/group-{group:05d}"
+
+
 def rewards(run: str, iteration: int) -> str:
     """What the train stage reads: reward's output (with dynamic sampling, the groups it kept)."""
     return f"{run}/iter-{iteration:06d}/rewards"

@@ -1,0 +1,333 @@
+"""Generation that never waits (generate.streaming, issue 42): one sampler per run that keeps decoding, group
+after group in data order, across iteration boundaries, instead of one batch per generate stage that ends with
+its slowest completion.
+
+    stream = Stream.of(cfg)                 # started by the first generate stage of the run (flow's process)
+    records, metrics = stream.collect(N)    # iteration N's groups, each committed to the store as it completed
+
+The sampler (`ContinuousSampler`, the hf engine's model) decodes a batch of rows; when `refill_share` of them
+have finished, or a newer policy is published, the batch stops between two decode steps, finished rows leave,
+new groups join (continuous batching), and with a newer policy its weights are loaded in place first
+(`on_update: interrupt`; the unfinished rows continue under it, their prompt and tokens so far filled into a
+fresh KV cache by the new weights) or after the rows in flight have finished (`finish`). Every token records
+the version that drew it and its behaviour logprob; nothing decoded is discarded. A group of iteration N joins
+only when the loaded policy is at least v(N-1-S), so every token is within run.max_staleness of it; the
+generate stage of N takes its own prompts' groups (tasks/generate.py). More: docs/design-notes.md.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tasks.core import curriculum, data, layout, rollout
+from tasks.core.contracts import Rollout, SamplingParams
+from tasks.core.models import encode_prompt, load_tokenizer, policy_path
+from tasks.core.store import open_store
+from tasks.engines.hf import RESIDENT, _identity, _Interrupted, _prefill, _SampleAndRecord
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+WAIT_SECONDS = 0.2        # how often an idle sampler looks for a newer policy or room in the buffer
+
+
+@dataclass
+class Row:
+    """One completion in flight: group `group` (an opaque key), its prompt's ids, its tokens so far."""
+
+    group: object
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+
+
+class ContinuousSampler:
+    """Continuous batching on transformers' `generate`: `step_batch(model, rows, version, stop)` decodes the
+    rows until all have finished, or `stop(finished, rows)` says so after a decode step (then the rows keep their
+    tokens, the one just drawn included, and the caller may add rows, drop the finished ones and load another
+    policy before the next call). Rows of one prompt share its KV cache; each row's tokens so far are filled in
+    after it, so rows that joined at different times decode in one batch (pads between prompt and tokens are
+    masked; positions skip them, as transformers' own left padding does)."""
+
+    def __init__(self, tokenizer, params: SamplingParams, max_new_tokens: int, share_prompts: bool = True):
+        self.tokenizer, self.params, self.limit, self.share = tokenizer, params, max_new_tokens, share_prompts
+        self.generator: torch.Generator | None = None
+
+    def step_batch(self, model, rows: list[Row], version: int, stop) -> bool:
+        """Decode `rows` (unfinished) once under `model` (policy `version`); True when `stop` ended it early."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        device = next(model.parameters()).device
+        if self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
+        tok, eos = self.tokenizer, self.tokenizer.eos_token_id
+        prompts: list[list[int]] = []
+        index: dict[tuple, int] = {}
+        rows_of = [index.setdefault(tuple(r.prompt), len(index)) for r in rows]
+        prompts = [list(p) for p in index]
+        L, K = max(len(p) for p in prompts), max(len(r.tokens) for r in rows)
+        base = torch.tensor([[tok.pad_token_id] * (L - len(p)) + p for p in prompts], device=device)
+        base_attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)
+        # each row: its prompt but the last token (cached once per prompt), pads, the prompt's last token and the
+        # row's tokens so far, so every row's last column is a real token whatever its length
+        tails = [[tok.pad_token_id] * (K - len(r.tokens)) + [prompts[p][-1]] + r.tokens for r, p in zip(rows, rows_of)]
+        tail_attn = [[0] * (K - len(r.tokens)) + [1] * (1 + len(r.tokens)) for r in rows]
+        at = torch.tensor(rows_of, device=device)
+        ids = torch.cat([base[at, :L - 1], torch.tensor(tails, device=device)], dim=1)
+        attn = torch.cat([base_attn[at, :L - 1], torch.tensor(tail_attn, device=device)], dim=1)
+        budget = min(self.limit - len(r.tokens) for r in rows)
+        watch = _Finished(ids.shape[1], eos, stop)
+        recorder = _SampleAndRecord(self.params.temperature, self.params.top_p, self.generator, self.params.top_k,
+                                    watch)
+        gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=budget, pad_token_id=tok.pad_token_id,
+                                   eos_token_id=eos)
+        with torch.no_grad():
+            cache = _prefill(model, base, base_attn, rows_of, 0) if self.share else None
+            try:
+                seqs, stopped = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg,
+                                               past_key_values=cache,
+                                               logits_processor=LogitsProcessorList([watch, recorder])), False
+            except _Interrupted:
+                seqs, stopped = recorder.sequences, True
+        logps = recorder.logprobs(seqs)
+        new = seqs[:, ids.shape[1]:].cpu()
+        for j, r in enumerate(rows):
+            toks = new[j].tolist()
+            end = toks.index(eos) + 1 if eos in toks else len(toks)
+            r.tokens += toks[:end]
+            r.logprobs += logps[j, :end].tolist()
+            r.versions += [version] * end
+            r.truncated = eos not in toks and len(r.tokens) >= self.limit
+            r.done = eos in toks or r.truncated
+        return stopped
+
+
+class _Finished:
+    """A logits processor placed before the recorder: counts the rows that have drawn EOS, and is the recorder's
+    interruption (`pending`: asks `stop(finished, rows)` after each step)."""
+
+    def __init__(self, start: int, eos: int, stop):
+        self.start, self.eos, self.stop, self.finished = start, eos, stop, 0
+
+    def __call__(self, input_ids, scores):
+        self.finished = int((input_ids[:, self.start:] == self.eos).any(-1).sum()) if input_ids.shape[1] > self.start \
+            else 0
+        self.rows = input_ids.shape[0]
+        return scores
+
+    def pending(self) -> bool:
+        return self.stop(self.finished, self.rows)
+
+
+class Stream:
+    """The run's streaming sampler: a thread of the flow's process that samples iteration after iteration's
+    groups (from the first generate stage's iteration to run.iterations), commits each group to the store as
+    it completes (`<run>/iter-N/stream/group-J`, manifest last) and is collected by the generate stages."""
+
+    RUNNING: dict[str, Stream] = {}
+    LOCK = threading.Lock()
+
+    @classmethod
+    def of(cls, cfg: Config, first: int) -> Stream:
+        with cls.LOCK:
+            s = cls.RUNNING.get(cfg.run.name)
+            if s is None or not s.thread.is_alive() and s.error is None:
+                s = cls.RUNNING[cfg.run.name] = Stream(cfg, first)
+            return s
+
+    @classmethod
+    def stop_run(cls, run: str) -> None:
+        """Stop run `run`'s sampler, if it has one here (the flow's end; rows in flight are dropped and counted)."""
+        with cls.LOCK:
+            stream = cls.RUNNING.pop(run, None)
+        if stream is not None:
+            stream.stop()
+
+    def __init__(self, cfg: Config, first: int):
+        self.cfg, self.first, self.store = cfg, first, open_store(cfg)
+        gc, sc = cfg.generate, cfg.generate.streaming
+        self.P, self.n, self.S = gc.prompts_per_iteration, gc.num_generations, cfg.run.max_staleness
+        self.buffer = sc.buffer or (self.S + 1) * self.P
+        self.max_rows = sc.max_rows or gc.batch_size * self.n
+        self.changed = threading.Condition()
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.collected = first - 1                 # the last iteration a generate stage took
+        self.counts = {"tokens": 0, "discarded_tokens": 0, "interruptions": 0, "refills": 0, "idle": 0.0,
+                       "busy": 0.0}
+        self.seen: dict = {}
+        self._looked, self._seen = -1e9, 0
+        self.version, self.path, self.identity = -1, None, None
+        self.thread = threading.Thread(target=self._run, name=f"rlflow-stream-{cfg.run.name}", daemon=True)
+        self.thread.start()
+
+    # -- the sampler's thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._sample()
+        except BaseException as e:   # noqa: BLE001 - reported by the generate stage that waits for a group
+            self.error = e
+        finally:
+            with self.changed:
+                self.changed.notify_all()
+
+    def _sample(self) -> None:
+        cfg, gc = self.cfg, self.cfg.generate
+        self._load(self._newest())                 # never older than what the store has published
+        self.tokenizer = load_tokenizer(self.path)
+        ds = data.load_prompts(cfg)
+        todo = self._groups(ds)
+        sampler = ContinuousSampler(self.tokenizer, SamplingParams(
+            n=self.n, max_new_tokens=gc.max_completion_length, temperature=gc.temperature, top_p=gc.top_p,
+            top_k=gc.top_k, seed=cfg.run.seed * 1_000_003 + self.first), gc.max_completion_length, gc.share_prompts)
+        active: list[Row] = []
+        groups: dict[tuple, list[Row]] = {}
+        prompts: dict[tuple, tuple] = {}
+        refill = gc.streaming.refill_share
+        while not self.stopping.is_set():
+            newest = self._newest(cached=True)
+            if newest > self.version and (gc.streaming.on_update == "interrupt" or not active):
+                self._load(newest)
+                self.counts["interruptions"] += bool(active)
+            finishing = newest > self.version      # (on_update finish: no group joins until the load)
+            while todo and not finishing and len(active) + self.n <= self.max_rows and self._admits(*todo[0][:2]):
+                it, j, row = todo.pop(0)
+                prompt, ids = self._prompt(ds, row)
+                prompts[(it, j)] = (row, prompt, ids, ds[row])
+                groups[(it, j)] = [Row((it, j), ids) for _ in range(self.n)]
+                active += groups[(it, j)]
+            if not active:
+                if not todo:
+                    return
+                t0 = time.perf_counter()
+                with self.changed:
+                    self.changed.wait(WAIT_SECONDS)
+                self.counts["idle"] += time.perf_counter() - t0
+                continue
+
+            def stop(finished: int, rows: int) -> bool:
+                if self.stopping.is_set():
+                    return True
+                if finished >= max(1, refill * rows):      # drop the finished rows, let new groups join
+                    return True
+                return gc.streaming.on_update == "interrupt" and self._newest(cached=True) > self.version
+
+            t0 = time.perf_counter()
+            with RESIDENT.lock:        # (another session may have loaded its policy meanwhile: ours again)
+                model = RESIDENT.hold(cfg, self.path, self.identity)
+                if sampler.step_batch(model, active, self.version, stop):
+                    self.counts["refills"] += 1
+            self.counts["busy"] += time.perf_counter() - t0
+            active = [r for r in active if not r.done]
+            for key in [k for k, rows in groups.items() if all(r.done for r in rows)]:
+                self._commit(key, prompts.pop(key), groups.pop(key))
+        self.counts["discarded_tokens"] += sum(len(r.tokens) for r in active)   # stopped with rows in flight
+
+    def _groups(self, ds) -> list[tuple[int, int, int]]:
+        """(iteration, group, dataset row) of every group still to sample, in data order: iterations from the
+        first, groups of an iteration in its prompts' order; the ones already committed left out (a resume)."""
+        out = []
+        for it in range(self.first, self.cfg.run.iterations + 1):
+            if self.store.manifest(layout.rollouts(self.cfg.run.name, it)) is not None:
+                continue
+            rows, _ = curriculum.prompts(self.cfg, self.store, it, 0, len(ds))
+            out += [(it, j, row) for j, row in enumerate(rows)
+                    if self.store.manifest(layout.stream_group(self.cfg.run.name, it, j)) is None]
+        return out
+
+    def _admits(self, it: int, j: int) -> bool:
+        """Group `j` of iteration `it` may join: the loaded policy is at least the one the schedule names for
+        the iteration (v(it-1-S)), so each of its tokens is within run.max_staleness, and the groups not yet
+        collected before it leave room in the buffer."""
+        behind = layout.version_of(layout.behaviour_policy(self.cfg.run.name, it, self.S))
+        return self.version >= behind and (it - self.collected - 1) * self.P + j < self.buffer
+
+    def _prompt(self, ds, row: int):
+        prompt = data.prompt_of(self.cfg, ds[row])
+        return prompt, encode_prompt(self.tokenizer, prompt, self.cfg.generate.max_prompt_length)
+
+    def _newest(self, cached: bool = False) -> int:
+        """The newest published policy's version (the run's LATEST pointer, which publish moves after the policy
+        is complete; 0: none yet); `cached`: at most one look per WAIT_SECONDS (asked after each decode step)."""
+        now = time.monotonic()
+        if cached and now - self._looked < WAIT_SECONDS:
+            return self._seen
+        latest = self.store.get_pointer(layout.latest(self.cfg.run.name, "policy"))
+        self._looked, self._seen = now, layout.version_of(latest) if latest else 0
+        return self._seen
+
+    def _load(self, version: int) -> None:
+        key = layout.BASE if version == 0 else layout.policy(self.cfg.run.name, version)
+        path = policy_path(self.cfg, key)
+        identity = _identity(self.cfg, path)
+        if identity is None:
+            raise RuntimeError(f"generate.streaming: {key} is not a full model folder (a LoRA adapter or a hub id); "
+                               "the streaming sampler loads full policies in place")
+        with RESIDENT.lock:
+            RESIDENT.hold(self.cfg, path, identity)
+        self.version, self.path, self.identity = version, path, identity
+
+    def _commit(self, key: tuple, source: tuple, rows: list[Row]) -> None:
+        it, j = key
+        row, prompt, ids, columns = source
+        records = [Rollout(group=j, row=row, prompt=prompt, prompt_ids=ids,
+                           completion=self.tokenizer.decode(r.tokens, skip_special_tokens=True),
+                           completion_ids=r.tokens, logprobs=r.logprobs, truncated=r.truncated,
+                           columns={k: v for k, v in columns.items() if k != self.cfg.data.prompt_column},
+                           versions=r.versions) for r in rows]
+        with tempfile.TemporaryDirectory(prefix="rlflow-stream-") as tmp:
+            rollout.write(records, Path(tmp))
+            self.store.put_folder(layout.stream_group(self.cfg.run.name, it, j), Path(tmp),
+                                  meta={"iteration": it, "group": j, "row": row})
+        self.counts["tokens"] += sum(len(r.tokens) for r in rows)
+        with self.changed:
+            self.changed.notify_all()
+
+    # -- the generate stages' side -------------------------------------------------------------------------
+    def collect(self, iteration: int) -> tuple[list[Rollout], dict]:
+        """Iteration `iteration`'s groups, in its prompts' order, waiting for the ones still decoding; with what
+        the sampler did since the last collect (its idle share, refills, interruptions, discarded tokens)."""
+        run, t0 = self.cfg.run.name, time.perf_counter()
+        keys = [layout.stream_group(run, iteration, j) for j in range(self.P)]
+        with self.changed:
+            self.collected = max(self.collected, iteration - 1)
+            self.changed.notify_all()
+            while any(self.store.manifest(k) is None for k in keys):
+                if self.error is not None:          # (a retry of the stage starts a sampler again)
+                    with Stream.LOCK:
+                        if Stream.RUNNING.get(run) is self:
+                            del Stream.RUNNING[run]
+                    raise RuntimeError(f"generate.streaming: the sampler failed: {self.error}") from self.error
+                if not self.thread.is_alive():
+                    raise RuntimeError(f"generate.streaming: the sampler stopped before iteration {iteration}'s "
+                                       "groups were complete")
+                self.changed.wait(WAIT_SECONDS)
+        records = [r for k in keys for r in rollout.load(self.store, k)]
+        now = dict(self.counts)
+        d = {k: v - self.seen.get(k, 0) for k, v in now.items()}     # what the sampler did since the last collect
+        self.seen, self.collected = now, iteration
+        with self.changed:
+            self.changed.notify_all()
+        return records, {"generate/discarded_tokens": float(now["discarded_tokens"]),
+                         "generate/interruptions": float(d["interruptions"]),
+                         "generate/refills": float(d["refills"]),
+                         "generate/sampler_idle_share": d["idle"] / max(d["idle"] + d["busy"], 1e-9),
+                         "generate/sampling_seconds": d["busy"],
+                         "generate/tokens_per_s": now["tokens"] / max(now["busy"], 1e-9),   # (since its start)
+                         "generate/wait_seconds": time.perf_counter() - t0}
+
+    def stop(self) -> None:
+        self.stopping.set()
+        with self.changed:
+            self.changed.notify_all()
+        self.thread.join()
