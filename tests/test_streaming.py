@@ -141,6 +141,7 @@ def test_a_stopped_sampler_keeps_its_groups_and_a_new_one_completes_the_rest(tmp
 @pytest.mark.parametrize(("extra", "says"), [
     (["generate.engine=vllm"], "generate.streaming: the vllm engine cannot stream yet"),
     (["generate.replicas=2"], "generate.streaming: generate.replicas cannot stream yet"),
+    (["train.lora_r=4"], "generate.streaming: a LoRA policy (train.lora_r) cannot stream yet"),
     (["run.max_staleness=0"], "generate.streaming needs run.max_staleness >= 1"),
     (["generate.streaming.buffer=3"], "generate.streaming.buffer: 3 groups is smaller than one iteration's "
                                       "(generate.prompts_per_iteration 4)"),
