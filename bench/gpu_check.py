@@ -1,7 +1,7 @@
 """GPU check: the SmolLM2 arithmetic recipe's stages on one CUDA GPU, one row each, printed as one markdown table
 ready to paste into docs/benchmarks.md (the GPU's name, the date, the torch / transformers / deepspeed versions).
 
-    make gpu-check                      # = python bench/gpu_check.py: CUDA, rows 1-6 (meant for < 10 min on an H100)
+    make gpu-check                      # = python bench/gpu_check.py: CUDA, rows 1-7 (meant for < 10 min on an H100)
     python bench/gpu_check.py --rows 1,3 --out /tmp/gpu-check.md
     python bench/gpu_check.py --device cpu --quick --model builtin:tiny-lm     # the plumbing, on a CPU (~1 min)
 
@@ -26,6 +26,9 @@ there too: tasks/core/models.py, device_for):
     tests/test_resident.py); the time to that first new step, and its weights against an uninterrupted
     process-mode run's (the tests' reference): bit-identical on a CPU; on a GPU, whose kernels are not
     bit-reproducible, closer than RESUME_TOLERANCE of the last update
+  7 generate.streaming (issue 42), hf engine, bfloat16: two iterations' groups from the run's streaming
+    sampler (continuous batching; S = 1, both from the base model): its tokens/s, every token tagged with its
+    version, none discarded (the vLLM twin is not built: vLLM refuses generate.streaming)
 Rows 5 and 6 replace the rewards with seeded random numbers after the reward stage (as bench/resident_vs_process.py
 does): a group scored alike has zero advantages, and an update that moves no weight would make the delta and
 the resume comparison say nothing. Rows 1-3 use model.dtype bfloat16, rows 4-6 the recipe's (float32 unless
@@ -407,6 +410,28 @@ def row_resume(args, work: Path) -> str:
     return f"{timing}; {said} (< {RESUME_TOLERANCE})"
 
 
+def row_streaming(args, work: Path) -> str:
+    """generate.streaming on the device: two iterations' groups (S = 1: both from the base model) from the run's
+    streaming sampler, its tokens/s since it started, each token tagged with its version, none discarded."""
+    from tasks.engines.streaming import Stream
+
+    cfg = config(args, work, "streaming", [*BF16, "generate.engine=hf", "run.max_staleness=1", "run.iterations=2",
+                                           "generate.streaming.on_update=interrupt"])
+    try:
+        metrics = [generate(cfg, it)["metrics"] for it in (1, 2)]
+    finally:
+        dropped = Stream.stop_run(cfg.run.name)
+    store = open_store(cfg)
+    records = [r for it in (1, 2) for r in rollout.load(store, layout.rollouts(cfg.run.name, it))]
+    if any(r.versions is None or len(r.versions) != len(r.completion_ids) or set(r.versions) != {0}
+           for r in records):
+        raise RuntimeError("a streamed completion's tokens are not each tagged with version 0 (the base model)")
+    m = metrics[-1]
+    return (f"**{rate(m['generate/tokens_per_s'])} tokens/s** streamed ({len(records)} completions of 2 iterations, "
+            f"{sum(len(r.completion_ids) for r in records)} tokens, {sum(x['generate/refills'] for x in metrics):.0f} "
+            f"refills); every token tagged with its version; discarded {m['generate/discarded_tokens'] + dropped:.0f}")
+
+
 ROWS = {
     1: ("generate: hf engine, bf16", row_generate),
     2: ("train: torch engine, bf16, process mode", row_torch),
@@ -414,6 +439,7 @@ ROWS = {
     4: (f"train: resident trainer, {ITERATIONS_RESIDENT} iterations", row_resident),
     5: ("publish: bf16 delta vs whole", row_delta),
     6: (f"resume: resident trainer SIGKILLed after iteration {KILL_AFTER}", row_resume),
+    7: ("generate.streaming: hf engine, bf16, continuous batching", row_streaming),
 }
 
 
@@ -451,7 +477,7 @@ def run_row(number: int, args, top: Path) -> dict:
 def prepare_model(args, top: Path) -> str:
     """Convert (GGUF) or build the model once per dtype the rows use, timed: the rows then find it in the cache."""
     dtypes = []
-    if {1, 2, 3} & set(args.rows):
+    if {1, 2, 3, 7} & set(args.rows):
         dtypes.append("bfloat16")
     if {4, 5, 6} & set(args.rows):
         dtypes.append(config(args, top / "prepare", "prepare").model.dtype)
@@ -500,7 +526,7 @@ def table(args, cfg, rows: list[dict], model_line: str, command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,2,3,4,5,6", help="which rows, e.g. 1,3 (default: all six)")
+    ap.add_argument("--rows", default="1,2,3,4,5,6,7", help="which rows, e.g. 1,3 (default: all seven)")
     ap.add_argument("--model", default="builtin:smollm2-135m", help="model.name_or_path for every row")
     ap.add_argument("--config", default=str(RECIPE), help="the recipe (default: configs/smollm2-arith.yaml)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

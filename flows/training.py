@@ -231,7 +231,9 @@ def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_n
     try:
         return _iterations(ctx, log)
     finally:
-        Stream.stop_run(cfg.run.name)   # generate.streaming: its sampler first (a failed flow's keeps sampling)
+        if dropped := Stream.stop_run(cfg.run.name):   # generate.streaming: its sampler first (it keeps sampling)
+            log.info(f"generate.streaming: the sampler stopped with {dropped} tokens of unfinished rows; their "
+                     f"groups are sampled again from their prompts when the run resumes")
         if not lease.lost:
             _finish_trainer(ctx, log)   # train.mode: resident: a full checkpoint, before any cluster goes
         ctx.launchers.close(log.info)

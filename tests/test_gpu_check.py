@@ -46,13 +46,14 @@ def test_the_check_runs_its_rows_on_a_cpu_and_skips_nccl(tmp_path):
     table = out.read_text()
     assert table in done.stdout and table.startswith("## GPU check")
     rows = _rows(table)
-    assert sorted(rows) == [1, 2, 3, 4, 5, 6], table
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7], table
     assert rows[3][2] == "skipped (no CUDA: NCCL needs a GPU)" or "--device cpu" in rows[3][2], table
-    for n in (1, 2, 4, 5, 6):
+    for n in (1, 2, 4, 5, 6, 7):
         assert rows[n][2] == "ok", table
     assert "tokens/s" in rows[1][4] and "train tokens/s" in rows[2][4] and "s/iteration" in rows[4][4]
     assert "delta" in rows[5][4] and "rebuilt = the checkpoint's weights" in rows[5][4]
     assert "bit-identical" in rows[6][4] and "full-2 restored, 1 iteration(s) replayed" in rows[6][4]
+    assert "tokens/s** streamed" in rows[7][4] and rows[7][4].endswith("discarded 0"), table
 
 
 def test_a_failing_row_is_recorded_the_others_run_and_the_exit_code_says_so(tmp_path, monkeypatch):

@@ -123,9 +123,10 @@ def test_a_stopped_sampler_keeps_its_groups_and_a_new_one_completes_the_rest(tmp
     cfg = load_config(TINY, _overrides(tmp_path, "again", "generate.max_completion_length=8",
                                      "generate.streaming.on_update=interrupt", iterations=2))
     store = open_store(cfg)
-    first = Stream(cfg, 1)
+    first = Stream.of(cfg, 1)
     first.collect(1)                                                 # (some groups at least)
-    first.stop()
+    assert Stream.stop_run("again") == first.counts["discarded_tokens"] and "again" not in Stream.RUNNING
+    assert not first.thread.is_alive()
     kept = {(it, j): store.manifest(layout.stream_group("again", it, j))
             for it in (1, 2) for j in range(4) if store.manifest(layout.stream_group("again", it, j))}
     assert len(kept) >= 4

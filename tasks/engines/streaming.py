@@ -146,12 +146,15 @@ class Stream:
             return s
 
     @classmethod
-    def stop_run(cls, run: str) -> None:
-        """Stop run `run`'s sampler, if it has one here (the flow's end; rows in flight are dropped and counted)."""
+    def stop_run(cls, run: str) -> int:
+        """Stop run `run`'s sampler, if it has one here (the flow's end); the tokens of the rows it had in flight,
+        dropped (0 after a whole run: a failed flow's, whose groups the next sampler samples again)."""
         with cls.LOCK:
             stream = cls.RUNNING.pop(run, None)
-        if stream is not None:
-            stream.stop()
+        if stream is None:
+            return 0
+        stream.stop()
+        return stream.counts["discarded_tokens"]
 
     def __init__(self, cfg: Config, first: int):
         self.cfg, self.first, self.store = cfg, first, open_store(cfg)
@@ -285,11 +288,11 @@ class Stream:
                            completion_ids=r.tokens, logprobs=r.logprobs, truncated=r.truncated,
                            columns={k: v for k, v in columns.items() if k != self.cfg.data.prompt_column},
                            versions=r.versions) for r in rows]
+        self.counts["tokens"] += sum(len(r.tokens) for r in rows)     # (before the manifest: a collect may follow)
         with tempfile.TemporaryDirectory(prefix="rlflow-stream-") as tmp:
             rollout.write(records, Path(tmp))
             self.store.put_folder(layout.stream_group(self.cfg.run.name, it, j), Path(tmp),
                                   meta={"iteration": it, "group": j, "row": row})
-        self.counts["tokens"] += sum(len(r.tokens) for r in rows)
         with self.changed:
             self.changed.notify_all()
 
