@@ -19,9 +19,9 @@ from tasks.core import curriculum, data, layout, rollout
 from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
 from tasks.core.models import base_path, load_model, load_tokenizer
-from tasks.core.store import open_store
+from tasks.core.store import MANIFEST, Store, open_store
 from tasks.engines.streaming import ContinuousSampler, Row, Stream
-from tests.conftest import ROOT, TINY
+from tests.conftest import AT_LENGTH, ROOT, TINY, read_summary, run_cli
 from tests.test_interruption import _teacher_forced
 
 
@@ -158,3 +158,41 @@ def test_streaming_it_cannot_do_is_one_line_and_exit_2(tmp_path, extra, says):
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and says in lines[0], out.stderr
     assert not (tmp_path / "store").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+@AT_LENGTH
+@pytest.mark.slow
+@pytest.mark.drill
+def test_a_streamed_run_killed_and_resumed_trains_every_prompt_once(prefect_api, tmp_path):
+    """SIGKILL of the whole flow (its streaming sampler inside) once iteration 3's first group is committed, then
+    the same command to the end: every iteration trains on the stage mode's prompts, each group once, every token
+    within the staleness, and the groups committed before the kill are the ones trained on (never sampled
+    again)."""
+    from tests.test_resume import _kill, _start, _wait_for
+
+    args = [a for o in ["run.name=killed", "run.iterations=4", "run.max_staleness=1",
+                        "generate.prompts_per_iteration=4", "generate.num_generations=4", "train.lr=1e-2",
+                        "eval.every=0", "generate.streaming.on_update=interrupt"] for a in ("-o", o)]
+    store_dir = tmp_path / "rlflow-store" / "killed"
+    proc = _start(tmp_path, prefect_api, {}, args)
+    _wait_for(store_dir / "iter-000003" / "stream" / "group-00000" / MANIFEST, proc)
+    _kill(proc)
+    store = Store.open(str(tmp_path / "rlflow-store"))
+    before = {f"{it}/{j}": store.manifest(layout.stream_group("killed", it, j)) for it in range(1, 5)
+              for j in range(4)}
+    before = {k: v for k, v in before.items() if v is not None}
+    done = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], tmp_path, prefect_api)
+    assert done.returncode == 0, done.stderr
+    assert read_summary(tmp_path / "s.json")["iterations_completed"] == 4
+    cfg = load_config(TINY, [a for a in args if a != "-o"] + [f"store.uri={tmp_path / 'rlflow-store'}"])
+    n_rows = len(data.load_prompts(cfg))
+    for it in range(1, 5):
+        records = rollout.load(store, layout.rollouts("killed", it))
+        rows, _ = curriculum.prompts(cfg, store, it, 0, n_rows)
+        assert [r.row for r in records[::4]] == rows
+        assert [r.group for r in records] == [j for j in range(4) for _ in range(4)]
+        oldest = layout.version_of(layout.behaviour_policy("killed", it, 1))
+        assert all(min(r.versions) >= oldest for r in records)
+    for key, manifest in before.items():
+        it, j = map(int, key.split("/"))
+        assert store.manifest(layout.stream_group("killed", it, j)) == manifest
