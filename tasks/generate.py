@@ -64,6 +64,8 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
         records, metrics = _streamed(cfg, iteration)
     else:
         records, metrics = _sampled(cfg, iteration, round, ds, rows, policy, services)
+    metrics["generate/completion_length"] = sum(len(r.completion_ids) for r in records) / len(records)
+    metrics["generate/truncated_share"] = sum(r.truncated for r in records) / len(records)
     metrics["generate/seconds"] = time.perf_counter() - t0
     metrics.update(picked)
     with tempfile.TemporaryDirectory(prefix="rlflow-generate-") as tmp:
@@ -91,8 +93,6 @@ def _sampled(cfg: Config, iteration: int, round: int, ds, rows: list[int], polic
     source.require_some(cfg, records, f"iteration {iteration}")
     n_tokens = sum(len(r.completion_ids) for r in records)
     metrics = {
-        "generate/completion_length": n_tokens / len(records),
-        "generate/truncated_share": sum(r.truncated for r in records) / len(records),
         "generate/tokens_per_s": n_tokens / max(sampled.sampling_seconds, 1e-9),
         "generate/load_seconds": session.load_seconds + sampled.load_seconds,   # model load, engine start, reload
         "generate/sampling_seconds": sampled.sampling_seconds,
@@ -112,13 +112,11 @@ def _streamed(cfg: Config, iteration: int) -> tuple[list, dict]:
 
     records, metrics = Stream.of(cfg, iteration).collect(iteration)
     versions = [v for r in records for v in r.versions]
-    n_tokens = len(versions)
+    oldest = min(versions, default=iteration - 1)
     metrics.update({
-        "generate/completion_length": n_tokens / len(records),
-        "generate/truncated_share": sum(r.truncated for r in records) / len(records),
-        "generate/staleness": iteration - 1 - min(versions, default=iteration - 1),   # its oldest token's
+        "generate/staleness": iteration - 1 - oldest,   # its oldest token's
         "generate/versions": float(len(set(versions))),
-        "generate/newer_tokens_share": sum(v > min(versions) for v in versions) / max(n_tokens, 1),
+        "generate/newer_tokens_share": sum(v > oldest for v in versions) / max(len(versions), 1),
     })
     return records, metrics
 

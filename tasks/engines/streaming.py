@@ -71,7 +71,6 @@ class ContinuousSampler:
         if self.generator is None:
             self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
         tok, eos = self.tokenizer, self.tokenizer.eos_token_id
-        prompts: list[list[int]] = []
         index: dict[tuple, int] = {}
         rows_of = [index.setdefault(tuple(r.prompt), len(index)) for r in rows]
         prompts = [list(p) for p in index]
@@ -205,8 +204,10 @@ class Stream:
             finishing = newest > self.version      # (on_update finish: no group joins until the load)
             while todo and not finishing and len(active) + self.n <= self.max_rows and self._admits(*todo[0][:2]):
                 it, j, row = todo.pop(0)
-                prompt, ids = self._prompt(ds, row)
-                prompts[(it, j)] = (row, prompt, ids, ds[row])
+                columns = ds[row]                 # (a datasets row access: once)
+                prompt = data.prompt_of(cfg, columns)
+                ids = encode_prompt(self.tokenizer, prompt, gc.max_prompt_length)
+                prompts[(it, j)] = (row, prompt, ids, columns)
                 groups[(it, j)] = [Row((it, j), ids) for _ in range(self.n)]
                 active += groups[(it, j)]
             if not active:
@@ -254,10 +255,6 @@ class Stream:
         collected before it leave room in the buffer."""
         behind = layout.version_of(layout.behaviour_policy(self.cfg.run.name, it, self.S))
         return self.version >= behind and (it - self.collected - 1) * self.P + j < self.buffer
-
-    def _prompt(self, ds, row: int):
-        prompt = data.prompt_of(self.cfg, ds[row])
-        return prompt, encode_prompt(self.tokenizer, prompt, self.cfg.generate.max_prompt_length)
 
     def _newest(self, cached: bool = False) -> int:
         """The newest published policy's version (the run's LATEST pointer, which publish moves after the policy
