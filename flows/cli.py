@@ -3,6 +3,8 @@
     rlflow run CONFIG [-o key=value]... [--summary-json PATH]
     rlflow export CONFIG VERSION DEST [--format gguf --quant q8_0] [--register]   # a policy as a folder or a GGUF
     rlflow plan CONFIG [-o key=value]...      # run's preflight, then every role's machines, counts, USD/hour
+    rlflow sft CONFIG [-o key=value]...       # the warm start alone (warmup:): SFT, published as the run's v0
+    rlflow record CONFIG --policy MODULE:FN|model --out FILE   # demonstrations from a policy in the environment
     rlflow tune CONFIG --space SPACE.yaml --trials N [--parallel K]   # Optuna over config keys, a run per trial
 
 Exit codes: 0 success; 2 a user error (one line on stderr naming the field or row); 1 an internal error;
@@ -129,6 +131,7 @@ def cmd_export(args) -> int:
     folder from_pretrained loads, or (--format gguf, or a DEST ending .gguf) one GGUF file, LoRA merged first."""
     from tasks.core import layout
     from tasks.core.config import load_config
+    from tasks.core.models import policy_gguf
     from tasks.core.stage import parse_overrides_json
     from tasks.core.store import open_store
 
@@ -164,39 +167,13 @@ def cmd_export(args) -> int:
         print(export(store, key, dest))
         return 0
     registered = _registered_version(cfg, store.uri(key)) if args.register else None
-    done = _export_gguf(cfg, store, key, dest, args.quant or "f16")
+    done = policy_gguf(cfg, store, key, dest, args.quant or "f16")
     print(f"{done['file']}: {done['architecture']}, {done['quant']} ("
           + ", ".join(f"{n} {k}" for k, n in sorted(done["tensors"].items())) + f" tensors), "
           f"{done['bytes'] / 2**20:.1f} MiB, tokenizer {done['tokenizer']}/{done['pre']}")
     if registered is not None:
         print(f"registered: {_attach_gguf(cfg, registered, dest, done['quant'])}")
     return 0
-
-
-def _export_gguf(cfg, store, key: str, dest: Path, quant: str) -> dict:
-    """The policy at `key` as one GGUF file (tasks/core/gguf.py: write_gguf); a LoRA adapter is merged into the
-    configured base model first. The architecture is checked from config.json before any weight is read."""
-    from transformers import AutoConfig
-
-    from tasks.core import gguf
-    from tasks.core.models import ADAPTER_CONFIG, base_path, load_model, load_policy, load_tokenizer
-    from tasks.core.policy import materialize
-    from tasks.core.stage import quiet_progress_bars
-
-    quiet_progress_bars()
-    folder = materialize(store, key)
-    lora = (folder / ADAPTER_CONFIG).exists()
-    gguf.exportable(AutoConfig.from_pretrained(base_path(cfg) if lora else folder))
-    if lora:
-        import torch
-
-        model = load_policy(cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "float32"})}),
-                            str(folder), torch.device("cpu")).merge_and_unload()
-    else:
-        model = load_model(str(folder), "float32")
-    tokenizer = load_tokenizer(str(folder) if (folder / "tokenizer_config.json").exists() else base_path(cfg))
-    return gguf.write_gguf(model, tokenizer, dest, quant, pre=gguf.start_tokenizer_pre(cfg.model.name_or_path),
-                           name=f"{cfg.run.name} {key.rstrip('/').rsplit('/', 1)[-1]}")
 
 
 def _registered_version(cfg, policy_uri: str):
@@ -236,6 +213,25 @@ def cmd_plan(args) -> int:
 
     print(plan(cfg, args.config))
     return 0
+
+
+def cmd_sft(args) -> int:
+    from flows.warmup import sft_command
+
+    return sft_command(checked_config(args)[0])     # (the warm start's checks are part of the preflight)
+
+
+def cmd_record(args) -> int:
+    from flows.warmup import record_command
+    from tasks.core.config import load_config
+    from tasks.core.stage import parse_overrides_json
+
+    check_path("--out", args.out, "file")
+    cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
+    _quiet_prefect()
+    if os.getcwd() not in sys.path:                 # (a scripted policy of the working directory)
+        sys.path.insert(0, os.getcwd())
+    return record_command(args, cfg)
 
 
 def _mlflow_policy(cfg, store, uri: str) -> str:
@@ -567,11 +563,15 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                     help="dotted config override (repeatable)")
     pl.add_argument("--overrides-json", default="[]", metavar="JSON")
+    from flows.warmup import add_commands
+
+    add_commands(sub, "dotted config override (repeatable)")
     args = ap.parse_args(argv)
     if args.command == "run":
         _stop_on_signals()
     try:
-        code = {"run": cmd_run, "export": cmd_export, "plan": cmd_plan, "tune": cmd_tune}[args.command](args)
+        code = {"run": cmd_run, "export": cmd_export, "plan": cmd_plan, "tune": cmd_tune, "sft": cmd_sft,
+                "record": cmd_record}[args.command](args)
         if _finished:
             _tidy_up()
             _exit_after_done(code)

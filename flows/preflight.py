@@ -66,6 +66,8 @@ def preflight(cfg: Config) -> None:
     if place.env == "local" and any(place.where(s) == "sky" for s in episode_stages):
         raise UserError("env.where: local serves the environments on this machine, which the generate cluster "
                         "(launcher: sky) cannot reach; use env.where: sky, or the URL of a server of yours")
+    if cfg.warmup is not None:
+        check_warmup(cfg)                  # the demonstrations, every row (tasks/sft.py: check): one line, exit 2
     path = base_path(cfg)
     tokenizer = load_tokenizer(path)
     # the rollouts' source (prompts, environments, an agent): its factory, server or agent, one line, exit 2
@@ -108,6 +110,22 @@ def preflight(cfg: Config) -> None:
                         f"clusters, which must be the project that holds them; run from {REPO_ROOT}")
     for stage in remote + served:
         recipe_path(cfg, stage)              # (each recipe parsed: one line naming the file and line)
+
+
+def check_warmup(cfg: Config) -> None:
+    """The warm start's inputs: its base is a base model, not a policy of this run's own (v0 is made from the
+    base; a run's later policies come from v0), and the demonstrations read, render and fit (tasks/sft.py)."""
+    from tasks.core import layout
+    from tasks.core.stage import reuse
+    from tasks.sft import check, v0_fingerprint
+
+    store = open_store(cfg)
+    if cfg.model.name_or_path.startswith(store.uri(f"{cfg.run.name}/policy/")):
+        raise UserError(f"model.name_or_path: {cfg.model.name_or_path} is a policy of this run ({cfg.run.name}), "
+                        f"not the base its warm start trains; name the base model (the run's v0 is made from it)")
+    # v0 made already: from the same inputs (else one line naming what changed), nothing more to check
+    if reuse(store, layout.policy(cfg.run.name, 0), *v0_fingerprint(cfg)) is None:
+        check(cfg)
 
 
 def check_sky_python(cfg: Config) -> None:

@@ -34,6 +34,7 @@ from flows.preflight import preflight
 from flows.repair import Repair, output_key, retryable
 from flows.schedule import Ahead
 from flows.services import Launchers
+from flows.warmup import warm_start
 from tasks.core import layout, retention
 from tasks.core.config import Config, load_config
 from tasks.core.errors import UserError, cause_of
@@ -218,6 +219,9 @@ def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_n
     if start_from == "champion" and (uri := champion_policy_uri(cfg)):
         log.info("starting from the champion policy %s", uri)
         overrides.append(f"model.name_or_path={uri}")
+        if cfg.warmup is not None:          # (the champion was warm-started already)
+            log.info("warmup: skipped, the champion is the starting policy")
+            overrides.append("warmup=null")
         cfg = load_config(config, overrides)
     preflight(cfg)
     store = open_store(cfg)
@@ -226,7 +230,14 @@ def _train_flow(config: str, overrides: list[str] | None, start_from: str, run_n
     from prefect.runtime import flow_run
 
     lease = Lease(store, cfg.run.name, cfg.run.lease_seconds, flow_run_id=flow_run.id).acquire()
-    _clean(cfg, store, log)                              # we are the only writer now: a crash's leftovers go
+    try:
+        _clean(cfg, store, log)                          # we are the only writer now: a crash's leftovers go
+        if cfg.warmup is not None:      # SFT first, once (flows/warmup.py): every stage then starts from its v0
+            overrides += warm_start(cfg, log)
+            cfg = load_config(config, overrides)
+    except BaseException:
+        lease.release()
+        raise
     ctx = FlowRun(cfg, config_path, overrides, lease)
     try:
         return _iterations(ctx, log)

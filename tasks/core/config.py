@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from tasks.core.config_base import _HELD, HOW_NOT_WHAT, SINCE_DEFAULT, Section, moved, warn
 from tasks.core.config_generate import (
@@ -64,6 +64,7 @@ from tasks.core.config_train import (
     VtraceAwrConfig,
     _migrate_train,
 )
+from tasks.core.config_warmup import WarmupConfig
 from tasks.core.errors import UserError
 
 __all__ = [  # the sections' models, re-exported: `from tasks.core.config import X` for every X of the config
@@ -73,7 +74,7 @@ __all__ = [  # the sections' models, re-exported: `from tasks.core.config import
     "PATH_AS_BEFORE_THE_MOVE", "path_before_the_move",
     "RewardFunction", "SandboxConfig", "RewardModel", "OverlongConfig", "RewardConfig",
     "LearnerConfig", "SurrogateConfig", "GrpoConfig", "ValueLearnerConfig", "PpoConfig", "VtraceAwrConfig",
-    "LEARNER_CONFIGS", "BUILT_IN_LEARNERS", "LEARNER_KEYS", "FLAT_IN_FINGERPRINT", "TrainConfig",
+    "LEARNER_CONFIGS", "BUILT_IN_LEARNERS", "LEARNER_KEYS", "FLAT_IN_FINGERPRINT", "TrainConfig", "WarmupConfig",
     "PublishConfig", "EvalConfig",
     "KeepConfig", "StoreConfig", "TRACKING_SCHEMES", "TrackingConfig", "Stage", "STAGES", "StageWhere",
     "LauncherConfig", "CostConfig",
@@ -91,6 +92,9 @@ class Config(Section):
     reward: RewardConfig
     env: EnvConfig = EnvConfig()
     train: TrainConfig = TrainConfig()
+    warmup: WarmupConfig | None = Field(
+        None, json_schema_extra=SINCE_DEFAULT, description="SFT on demonstrations before iteration 1 (tasks/sft.py); "
+        "its result is the starting policy v0 (None: RL starts from model.name_or_path).")
     publish: PublishConfig = PublishConfig()
     eval: EvalConfig = EvalConfig()
     store: StoreConfig = StoreConfig()
@@ -223,7 +227,7 @@ def _what(section: Section) -> dict:
 
 # --------------------------------------------------------------------------------------------- loading
 
-_PATH_FIELDS = (("data", "path"), ("model", "name_or_path"), ("eval", "path"))
+_PATH_FIELDS = (("data", "path"), ("model", "name_or_path"), ("eval", "path"), ("warmup", "path"))
 
 
 class _DuplicateKey(yaml.YAMLError):
@@ -438,7 +442,8 @@ def reference_markdown() -> str:
             table(sub_prefix, sub, sub_tag)
 
     for section, field in Config.model_fields.items():
-        table(section, field.annotation)
+        model = next(a for a in (field.annotation, *get_args(field.annotation)) if isinstance(a, type))
+        table(section, model, "" if model is field.annotation else " (optional: none by default)")
     return "\n".join(lines)
 
 

@@ -55,6 +55,12 @@ def _load(path: str, name: str | None, split: str, field: str = "data.path"):
         raise UserError(f"{field}: cannot load {path!r} split {split!r}{why}: {msg[:200]}") from None
 
 
+def load_table(path: str, name: str | None, split: str, field: str):
+    """A local data file or a hub dataset, as `datasets` loads it; a mistake is one UserError line naming
+    `field` (the warm start's demonstrations: tasks/sft.py)."""
+    return _load(path, name, split, field)
+
+
 def _where_unreadable(path: Path, error: Exception) -> str:
     """Why `datasets` could not read a local file, with where: the first JSON Lines line that does not parse
     (1-based, as an editor shows it), else the innermost cause, which names the row or line (pyarrow's JSON

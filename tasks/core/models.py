@@ -256,3 +256,25 @@ def encode_prompt(tokenizer, prompt, max_length: int) -> list[int]:
     else:
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     return list(ids)[-max_length:]
+
+
+def policy_gguf(cfg: Config, store, key: str, dest: Path, quant: str) -> dict:
+    """The policy at `key` as one GGUF file (tasks/core/gguf.py: write_gguf; `rlflow export --format gguf`); a LoRA
+    adapter is merged into the configured base model first. The architecture is checked from config.json before
+    any weight is read."""
+    from transformers import AutoConfig
+
+    from tasks.core.stage import quiet_progress_bars
+
+    quiet_progress_bars()
+    folder = materialize(store, key)
+    lora = (folder / ADAPTER_CONFIG).exists()
+    gguf.exportable(AutoConfig.from_pretrained(base_path(cfg) if lora else folder))
+    if lora:
+        model = load_policy(cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "float32"})}),
+                            str(folder), torch.device("cpu")).merge_and_unload()
+    else:
+        model = load_model(str(folder), "float32")
+    tokenizer = load_tokenizer(str(folder) if (folder / "tokenizer_config.json").exists() else base_path(cfg))
+    return gguf.write_gguf(model, tokenizer, dest, quant, pre=gguf.start_tokenizer_pre(cfg.model.name_or_path),
+                           name=f"{cfg.run.name} {key.rstrip('/').rsplit('/', 1)[-1]}")

@@ -9,7 +9,7 @@ Kept whatever the settings say, because a resume or a user needs them:
   - every checkpoint after the newest full one (a resident trainer that was lost replays those iterations and
     checks each against its checkpoint), and the newest full checkpoint itself;
   - the policies `policy/LATEST` and `policy/BEST` name, every evaluated policy (`eval/vN` exists), the
-    `protected` ones (the MLflow champion), and the full policy each kept delta policy is built on;
+    `protected` ones (the MLflow champion), each kept delta's full policy, and v0 (a warm start's result);
   - rollouts and rewards (small, and what a replay reads).
 A full checkpoint is a process-mode `trainer/ckpt-N` or a resident trainer's `trainer/full-N`; a deleted
 DeepSpeed checkpoint takes its node folders (trainer-state/…) with it.
@@ -55,7 +55,7 @@ def plan(store: Store, cfg: Config, protected: set[str] = frozenset()) -> list[s
 
     versions = sorted(_numbered(store.list_folders(f"{run}/policy"), "v"))
     kept = _newest(versions, keep.policies_last, keep.policies_every)
-    kept |= set(_numbered(store.list_folders(f"{run}/eval"), "v"))
+    kept |= set(_numbered(store.list_folders(f"{run}/eval"), "v")) | ({0} & set(versions))
     for pointer in (layout.latest(run, "policy"), layout.best(run)):
         if target := store.get_pointer(pointer):
             protected = {*protected, target}

@@ -241,7 +241,7 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
                         "(0, the first, unless the previous round's reward said it was not complete)")
     args = ap.parse_args()
     # (evaluate's iteration 0: the base model, eval.baseline; `train finish` ignores it: sky/train.yaml passes 0)
-    first = 0 if name in ("evaluate", "train finish") else 1
+    first = 0 if name in ("evaluate", "train finish", "sft") else 1
     if args.iteration < first:
         ap.error(f"argument --iteration: iterations start at {first}, got {args.iteration}")
     global _OWN_PROCESS

@@ -153,7 +153,7 @@ class Trainer:
         self.at, engine, meta = iteration, self.engine, {"fingerprint": fingerprint, "metrics": metrics,
                                                          "made_of": made_of(cfg, TRAIN_SECTIONS)}
         if self.resident:
-            _drill("lean-write", iteration)
+            drill("lean-write", iteration)
             self.write_checkpoint(key, iteration, engine.global_step, _lean_files(engine), meta, kind="lean")
         else:                                   # the whole state: the next iteration's trainer resumes from it
             self.write_checkpoint(key, iteration, engine.global_step, lambda out: engine.save(out, iteration), meta)
@@ -165,7 +165,7 @@ class Trainer:
         elif iteration % cfg.train.checkpoint_every == 0:
             self.checkpoint(background=True)
         if self.resident:
-            _drill("answer", iteration)
+            drill("answer", iteration)
         return {"key": key}
 
     def checkpoint(self, background: bool) -> int | None:
@@ -181,8 +181,8 @@ class Trainer:
         def write() -> None:
             try:
                 self.write_checkpoint(key, iteration, step, files, {}, kind="full", keep_policy_here=False,
-                                      before_commit=lambda: _drill("full-upload", iteration))
-                _drill("full-done", iteration)
+                                      before_commit=lambda: drill("full-upload", iteration))
+                drill("full-done", iteration)
             except BaseException as e:          # raised by the next request (join)
                 self.writer_error = e
 
@@ -317,11 +317,11 @@ def unfinished(store: Store, run: str) -> int | None:
     return None if store.manifest(layout.full_checkpoint(run, iteration)) is not None else iteration
 
 
-def _drill(point: str, iteration: int) -> None:
-    """Fault drills (tests/test_resident.py): RLFLOW_DRILL=<point>:<iteration> kills this process there, once
-    (RLFLOW_DRILL_ONCE names a file that marks it done). Points: lean-write (trained, nothing written),
-    full-upload (a full checkpoint written locally, not yet in the store), full-done (committed), answer
-    (everything committed, the stage not yet told)."""
+def drill(point: str, iteration: int) -> None:
+    """Fault drills (tests/test_resident.py, tests/test_sft.py): RLFLOW_DRILL=<point>:<iteration> kills this
+    process there, once (RLFLOW_DRILL_ONCE names a file that marks it done). Points: lean-write (trained, nothing
+    written), full-upload (a full checkpoint written locally, not yet in the store), full-done (committed), answer
+    (everything committed, the stage not yet told); sft-step (the warm start's step N done, not checkpointed)."""
     once = os.environ.get("RLFLOW_DRILL_ONCE")
     if os.environ.get("RLFLOW_DRILL") != f"{point}:{iteration}" or not once or os.path.exists(once):
         return

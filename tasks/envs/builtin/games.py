@@ -10,11 +10,14 @@ Each letter sits in the newest observation. With the demo's four letters, a poli
 one scores 0.25 on average; only one that reads what the environment said on each turn scores more. The
 0.1M-parameter builtin model gets from 0.005 to ~0.56 in 100 iterations on 2 CPU cores (~2 minutes).
 
+`reference_action` solves it (`rlflow record` makes demonstrations of it for a warm start: tasks/sft.py).
 `letters_agent` is the same game written as an agent users would write, with the plain `openai` client against
 rlflow's endpoint (env.agent; configs/agent.yaml): the same task, trained from the tokens the endpoint recorded.
 """
 
 from __future__ import annotations
+
+import re
 
 from tasks.core.contracts import Step
 
@@ -37,6 +40,11 @@ class SayTheLetters:
             return Step([], reward, True)
         verdict = "yes." if right else f"no, it was {want}."
         return Step([{"role": "user", "content": f"{verdict} Say {self.letters[self.turn]}"}], reward, False)
+
+
+def reference_action(context: str) -> str:
+    """The policy that solves the game from what the model sees: the letter named last."""
+    return re.findall(r"Say (\w)", context)[-1]
 
 
 async def letters_agent(row: dict, base_url: str, api_key: str) -> float:

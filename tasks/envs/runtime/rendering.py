@@ -1,7 +1,8 @@
 """Chat messages to token ids, as the policy's chat template renders them: a prompt, and what follows a model turn
 (the turn's closing, new messages, the next turn's header) rendered alone, so it can be appended to the tokens
 sampled so far. The episode loop (episodes.py) appends environments' observations with it; the agents' endpoint
-(endpoint.py) continues a conversation on an earlier call's tokens with it.
+(endpoint.py) continues a conversation on an earlier call's tokens with it; the warm start (tasks/sft.py) renders
+a whole demonstration with it (`conversation`), so its tokens and masks are the ones an episode would have.
 """
 
 from __future__ import annotations
@@ -26,16 +27,72 @@ class Renderer:
         text = self._template(messages, tools, True)
         return self.tok(text, add_special_tokens=False)["input_ids"][-self.max_prompt_length:]
 
-    def observation(self, messages: list[dict], tools: list[dict] | None, ended_with_eos: bool) -> list[int]:
-        """The end of the assistant's turn (less the EOS it wrote), the observation, the next turn's header."""
+    def conversation(self, prompt: list[dict], rest: list[dict], tools: list[dict] | None,
+                     turn_limit: int | None = None) -> tuple[list[int], list[int]]:
+        """A whole conversation's token ids and mask, as an episode of the same turns would hold them: `prompt` as
+        prompt() renders it (mask 0), then each assistant message of `rest` as the model writes it (its text, then
+        EOS: mask 1) and the messages after it as observation() renders them (mask 0). `turn_limit`: the most
+        tokens a model turn has (generate.max_completion_length): a text of exactly that many is cut there, EOS
+        unwritten, as the episode loop cuts it; a longer one is refused. `rest` ends with an assistant message; its
+        first is one. ValueError (what is wrong, without where) otherwise."""
+        if not rest or rest[0].get("role") != "assistant" or rest[-1].get("role") != "assistant":
+            raise ValueError("the demonstration's turns after the prompt must start and end with an assistant "
+                             "message")
+        ids = self.prompt(prompt, tools)
+        mask = [0] * len(ids)
+        eos = self.tok.eos_token_id
+        i = 0
+        while i < len(rest):
+            turn = self.tok(self.assistant_text(rest[i], tools), add_special_tokens=False)["input_ids"]
+            if turn_limit is not None and len(turn) > turn_limit:
+                raise ValueError(f"assistant turn {sum(m.get('role') == 'assistant' for m in rest[:i]) + 1}: "
+                                 f"{len(turn)} tokens, above generate.max_completion_length {turn_limit}, the most "
+                                 f"a model turn of an episode has")
+            ended = eos is not None and (turn_limit is None or len(turn) < turn_limit)
+            turn += [eos] if ended else []
+            ids, mask = ids + turn, mask + [1] * len(turn)
+            j = i + 1
+            while j < len(rest) and rest[j].get("role") != "assistant":
+                j += 1
+            if j < len(rest):
+                if j == i + 1:
+                    raise ValueError(f"two assistant messages in a row (turns {i + 1} and {j + 1} after the "
+                                     f"prompt): the template needs another role between them")
+                obs = self.observation(rest[i + 1:j], tools, ended_with_eos=ended)
+                ids, mask = ids + obs, mask + [0] * len(obs)
+            i = j
+        return ids, mask
+
+    def assistant_text(self, message: dict, tools: list[dict] | None) -> str:
+        """What the model writes for an assistant message: its content, or where it has structured tool_calls
+        (OpenAI's and TRL's form) the text the chat template renders for them (Hermes' <tool_call> tags...)."""
+        content = message.get("content") or ""
+        if isinstance(content, list):      # (content parts: their text)
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not message.get("tool_calls"):
+            return content
+        head = self._template(self.TURN[:1], tools, True)
+        full = self._template([*self.TURN[:1], message], tools, False)
+        closing = self._closing(tools)
+        if not full.startswith(head) or not full.endswith(closing):
+            raise ValueError("the chat template renders an assistant message with tool_calls around other text "
+                             "than a plain one's; write the calls in its content as the model would")
+        return full[len(head):len(full) - len(closing)] if closing else full[len(head):]
+
+    def _closing(self, tools: list[dict] | None) -> str:
+        """What the template writes after an assistant message's content (its end of turn, EOS included)."""
         key = repr(tools)
         if key not in self._heads:
             prefix = self._template(self.TURN, tools, False)
             if self.DUMMY not in prefix:
                 raise ValueError("the chat template does not render an assistant message's content")
-            closing = prefix[prefix.rindex(self.DUMMY) + len(self.DUMMY):]
-            self._heads[key] = (prefix, closing)
-        prefix, closing = self._heads[key]
+            self._heads[key] = (prefix, prefix[prefix.rindex(self.DUMMY) + len(self.DUMMY):])
+        return self._heads[key][1]
+
+    def observation(self, messages: list[dict], tools: list[dict] | None, ended_with_eos: bool) -> list[int]:
+        """The end of the assistant's turn (less the EOS it wrote), the observation, the next turn's header."""
+        closing = self._closing(tools)
+        prefix = self._heads[repr(tools)][0]
         full = self._template(self.TURN + messages, tools, True)
         if not full.startswith(prefix):
             raise ValueError("the chat template renders earlier turns differently once more follow; the "

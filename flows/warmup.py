@@ -1,0 +1,137 @@
+"""The warm start in the flow and on the command line: SFT on demonstrations before RL (tasks/sft.py), and the
+demonstrations recorded by a policy run through the environment (tasks/envs/runtime/demonstrations.py).
+
+    rlflow record CONFIG --policy MODULE:FUNCTION|model --out FILE [--split train] [--rows 0-9] [--n 1]
+    rlflow sft CONFIG [-o key=value]...      # the warm start alone: v0 in the store, metrics in MLflow
+    rlflow run CONFIG                        # with `warmup:`, the warm start first (once), then iterations from v0
+
+In the flow (`warm_start`): a Prefect task `sft` under the run's lease; its result, `<run>/policy/v000000`, becomes
+model.name_or_path for every stage (generate's base policy, the train stage's start and KL reference, eval's
+baseline), the way a champion does (`start_from: champion`, which skips the warm start: a champion was warm
+started already). Its per-step metrics go to the run's MLflow run once (sft/loss, sft/token_accuracy, ...).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tasks.core.config import Config
+from tasks.core.errors import UserError
+from tasks.core.store import open_store
+
+
+def overrides_after(result: dict) -> list[str]:
+    """What the stages are given once v0 exists: it as their model, the warmup section done."""
+    return [f"model.name_or_path={result['uri']}", "warmup=null"]
+
+
+def warm_start(cfg: Config, log) -> list[str]:
+    """The warm start under the flow's lease (reused when v0 exists from the same inputs), its metrics logged;
+    returns the overrides that make v0 every stage's starting policy."""
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    from tasks.core import layout
+    from tasks.sft import sft
+
+    store = open_store(cfg)
+    fresh = store.manifest(layout.policy(cfg.run.name, 0)) is None
+    result = task(sft, name="sft", task_run_name="sft[warm start]", cache_policy=NO_CACHE)(cfg)
+    log_metrics(cfg)
+    if fresh:
+        log.info("warm start: v0 %s (sft loss %.4f after %d steps)", result["uri"], result["metrics"]["sft/loss"],
+                 result["metrics"]["sft/steps"])
+    return overrides_after(result)
+
+
+def log_metrics(cfg: Config) -> None:
+    """v0's per-step history (its manifest keeps it) into the run's MLflow run, at the steps, once."""
+    from mlflow.entities import Metric
+
+    from tasks.core import layout
+    from tasks.core.tracking import Tracker
+
+    store = open_store(cfg)
+    history = (store.manifest(layout.policy(cfg.run.name, 0)) or {}).get("meta", {}).get("history", [])
+    tracker = Tracker(cfg, store.root)
+    run_id = tracker.start()
+    if not history or tracker.client.get_metric_history(run_id, "sft/loss"):
+        return
+    batch = [Metric(f"sft/{k}", float(v), 0, h["step"]) for h in history for k, v in h.items() if k != "step"]
+    for i in range(0, len(batch), 1000):
+        tracker.client.log_batch(run_id, metrics=batch[i:i + 1000])
+
+
+# ------------------------------------------------------------------------------------------ the commands
+
+def add_commands(sub, override_help: str) -> None:
+    sft = sub.add_parser("sft", help="the warm start alone: SFT on warmup.path's demonstrations, published as the "
+                         "run's starting policy v0 (rlflow run does it first when the config has warmup:)")
+    sft.add_argument("config", help="YAML config with a warmup section")
+    sft.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help=override_help)
+    sft.add_argument("--overrides-json", default="[]", metavar="JSON")
+    rec = sub.add_parser("record", help="record demonstrations: a policy run through the config's environment, "
+                         "its successful episodes written as TRL `messages` rows (warmup.path reads them)")
+    rec.add_argument("config", help="YAML config with an environment (env.factory)")
+    rec.add_argument("--policy", required=True, help="MODULE:FUNCTION (context text -> the next turn's text, e.g. "
+                     "tasks.envs.builtin.webshop:reference_action) or `model` (the config's model, greedy)")
+    rec.add_argument("--out", required=True, help="a .jsonl file to write (replaced whole)")
+    rec.add_argument("--split", choices=["train", "eval"], default="train")
+    rec.add_argument("--rows", help="row indices of the split: 0-9,12 (default: every row)")
+    rec.add_argument("--n", type=int, default=1, help="episodes per row (default 1)")
+    rec.add_argument("--min-return", type=float, default=1.0, help="keep episodes whose return is at least this "
+                     "(default 1.0: solved)")
+    rec.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help=override_help)
+    rec.add_argument("--overrides-json", default="[]", metavar="JSON")
+
+
+def sft_command(cfg: Config) -> int:
+    """`rlflow sft`, given the config checked by the preflight (flows/cli.py: checked_config)."""
+    from tasks.core.lease import Lease
+    from tasks.sft import sft
+
+    if cfg.warmup is None:
+        raise UserError("warmup: the config has no warmup section (warmup.path: the demonstrations)")
+    lease = Lease(open_store(cfg), cfg.run.name, cfg.run.lease_seconds).acquire()
+    try:
+        result = sft(cfg)
+    finally:
+        lease.release()
+    log_metrics(cfg)
+    m = result["metrics"]
+    print(f"v0: {result['uri']}  (sft: {m['sft/steps']:g} steps, loss {m['sft/loss']:.4f}, token accuracy "
+          f"{m['sft/token_accuracy']:.3f})")
+    return 0
+
+
+def _rows(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    rows: list[int] = []
+    try:
+        for part in text.split(","):
+            a, _, b = part.strip().partition("-")
+            rows += list(range(int(a), int(b) + 1)) if b else [int(a)]
+    except ValueError:
+        raise UserError(f"--rows: expected indices like 0-9,12, got {text!r}") from None
+    return rows
+
+
+def record_command(args, cfg: Config) -> int:
+    """`rlflow record` (flows/cli.py has checked --out and loaded the config)."""
+    from tasks.envs.runtime.demonstrations import record, write
+
+    out = Path(args.out)
+    if args.n < 1:
+        raise UserError(f"--n: expected at least 1 episode per row, got {args.n}")
+    rows = _rows(args.rows)
+    kept, records, unrendered = record(cfg, args.policy, rows, args.n, args.min_return, args.split)
+    if not kept:
+        raise UserError(f"--policy: none of its {len(records)} episodes returned {args.min_return:g} or more "
+                        f"without an error; nothing to write")
+    write(kept, out)
+    print(f"{out}: {len(kept)} demonstrations of {len(records)} episodes (return >= {args.min_return:g})"
+          + (f"; {unrendered} left out: they do not render back to their own tokens" if unrendered else ""),
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,157 @@
+"""Demonstrations recorded by running a policy through the run's environment, for the warm start (tasks/sft.py).
+
+    rlflow record configs/letters.yaml --policy tasks.envs.builtin.games:reference_action --out demos.jsonl
+
+The policy is a scripted one (MODULE:FUNCTION, a function of the context text the model would see, returning the
+text of its next turn: the shop's `reference_action`) or `model` (the config's model, through its sampling
+engine). The episodes are the episode loop's own (episodes.py: run_episodes), so each recorded row is what RL
+would have sampled: a `messages` row in TRL's format (the prompt, each assistant turn as the model wrote it, the
+observations), `tools` (the tools' JSON schemas, where the environment declares some) and `return`. Rendered back by
+Renderer.conversation (the warm start), a row gives the episode's own token ids and mask.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tasks.core.contracts import Rollout, Sample, Sampled, SamplingParams, SamplingSession
+from tasks.core.errors import UserError
+from tasks.envs.runtime.rendering import Renderer
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+
+class ScriptedPolicy(SamplingSession):
+    """A sampling session whose every completion is `fn(context)`: the context's text (special tokens included,
+    as the model sees it) in, the turn's text out; EOS appended, as a model that stops writes it."""
+
+    def __init__(self, fn: Callable[[str], str], tokenizer):
+        self.fn, self.tokenizer = fn, tokenizer
+
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams, keys: list[str] | None = None) -> Sampled:
+        tok, out = self.tokenizer, []
+        for i, ids in enumerate(prompt_ids):
+            for _ in range(params.n):
+                text = self.fn(tok.decode(ids))
+                if not isinstance(text, str):
+                    raise UserError(f"--policy: returned {type(text).__name__}, expected the turn's text (str)")
+                toks = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                truncated = len(toks) > params.max_new_tokens
+                toks = toks[:params.max_new_tokens]
+                out.append(Sample(i, toks, [0.0] * len(toks), truncated=truncated))
+        return Sampled(out, 0.0, 0.0)
+
+
+def scripted(spec: str) -> Callable[[str], str]:
+    """MODULE:FUNCTION, imported; one UserError line if it is not there."""
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name) if name else None
+    except ImportError as e:
+        raise UserError(f"--policy: {spec}: cannot import {module}: {e}") from None
+    if not callable(fn):
+        raise UserError(f"--policy: {spec}: expected MODULE:FUNCTION (a function of the context text) or `model`")
+    return fn
+
+
+def as_row(r: Rollout, tokenizer, schemas: list[dict] | None) -> dict:
+    """One episode as a TRL `messages` row: the prompt, each model turn as the text it wrote (its tokens, EOS
+    dropped), each observation as the environment gave it; what came after the last model turn (an observation
+    the episode ended on) is left out, as it is of the episode's tokens."""
+    runs, at = [], 0
+    while at < len(r.mask or []):           # the model's turns: the runs of mask 1
+        if r.mask[at]:
+            end = at
+            while end < len(r.mask) and r.mask[end]:
+                end += 1
+            runs.append(tokenizer.decode(r.completion_ids[at:end], skip_special_tokens=True))
+            at = end
+        else:
+            at += 1
+    messages, turn = list(r.prompt), 0
+    for m in r.turns or []:
+        if m.get("role") == "assistant":
+            if turn == len(runs):
+                break
+            messages.append({"role": "assistant", "content": runs[turn]})
+            turn += 1
+        elif turn:
+            messages.append(dict(m))
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    return {"messages": messages, "tools": json.dumps(schemas) if schemas else None, "return": r.env_return}
+
+
+def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, min_return: float | None = 1.0,
+           split: str = "train", seed: int = 0) -> tuple[list[dict], list[Rollout], int]:
+    """Episodes of `policy` on the dataset's rows (`split`: train, or the held-out eval split; `rows`: their
+    indices, all by default), `n` per row, greedy for a model. Returns the rows of those with a return ≥
+    `min_return` (None: all that ended without an error), every episode, and how many of the first kind were left
+    out because they do not render back to their own tokens and mask (a turn cut at max_completion_length, text
+    that does not round-trip through the tokenizer): a demonstration is kept only where RL's masks agree."""
+    from tasks.core.data import load_prompts
+    from tasks.core.models import base_path, load_tokenizer
+    from tasks.envs.runtime.episodes import run_episodes
+
+    if not cfg.env.episodic():
+        raise UserError("env: recording demonstrations needs an environment (env.factory or env.agent)")
+    ds = load_prompts(cfg, split)
+    rows = list(range(len(ds))) if rows is None else rows
+    if bad := [i for i in rows if not 0 <= i < len(ds)]:
+        raise UserError(f"--rows: row {bad[0]} is not in the {split} split ({len(ds)} rows)")
+    table = {i: dict(ds[i]) for i in rows}
+    params = SamplingParams(n=n, max_new_tokens=cfg.generate.max_completion_length,
+                            temperature=0.0 if policy == "model" else 1.0, top_p=1.0, seed=seed)
+    if policy == "model":
+        from tasks.core import layout
+        from tasks.engines.sampling import open_session
+
+        session = open_session(cfg, layout.BASE)
+    else:
+        session = ScriptedPolicy(scripted(policy), load_tokenizer(base_path(cfg)))
+    with session:
+        records, _ = run_episodes(cfg, table, rows, session, params)
+        tokenizer = session.tokenizer
+    schemas = _schemas(cfg, table[rows[0]]) if rows else None
+    render = Renderer(tokenizer, 1 << 30)
+    kept, unrendered = [], 0
+    for r in records:
+        if r.env_error is not None or r.truncated or (min_return is not None and (r.env_return or 0.0) < min_return):
+            continue
+        row = as_row(r, tokenizer, schemas)
+        first = next(k for k, m in enumerate(row["messages"]) if m["role"] == "assistant")
+        ids, mask = render.conversation(row["messages"][:first], row["messages"][first:], schemas,
+                                        cfg.generate.max_completion_length)
+        ends = len(r.prompt_ids) + max(k + 1 for k, m in enumerate(r.mask) if m)     # (through its last turn)
+        if ids != (r.prompt_ids + r.completion_ids)[:ends] or mask != ([0] * len(r.prompt_ids) + r.mask)[:ends]:
+            unrendered += 1
+            continue
+        kept.append(row)
+    return kept, records, unrendered
+
+
+def _schemas(cfg: Config, row: dict) -> list[dict] | None:
+    """The tools the environment declares (what the episodes' prompts were rendered with), from one more of its
+    environments, opened on the first row and closed."""
+    from tasks.envs.runtime.episodes import environments
+
+    env = environments(cfg)(row)
+    try:
+        return list(env.tool_schemas) or None
+    finally:
+        env.close()
+
+
+def write(rows: list[dict], out: Path) -> None:
+    """JSON Lines, written under a temporary name and renamed: a file that exists is whole."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(out)

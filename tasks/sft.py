@@ -1,0 +1,396 @@
+"""Stage 0 — warm start: supervised fine-tuning (SFT) on demonstrations, before RL's iteration 1 (`warmup:`).
+
+    rlflow sft configs/letters.yaml -o warmup.path=demos.jsonl     # the warm start alone (`rlflow run`: first, once)
+    python -m tasks.sft --config configs/letters.yaml -o warmup.path=demos.jsonl --iteration 0
+
+Reads warmup.path in TRL's SFT formats, unchanged: `messages` (multi-turn episodes too, with a `tools` column
+where they call tools: what `rlflow record` writes), `prompt`/`completion` (strings or message lists), `text`.
+A conversation is tokenised as an episode of the same turns would be (tasks/envs/runtime/rendering.py:
+Renderer.conversation), so its mask is RL's: the model's tokens 1, the prompt's and observations' 0. The loss is
+TRL SFTTrainer's: cross-entropy summed over the step's masked tokens, over their count. Trains on train.engine
+(torch; deepspeed as a torchrun group), LoRA with train.lora_r; <run>/sft/trainer/ckpt-S every
+warmup.checkpoint_every steps (a killed warm start resumes from the newest, with the weights it would have had),
+then publishes <run>/policy/v000000 (LoRA merged into the base): the policy every iteration starts from.
+More: docs/internals.md (tasks/sft.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tasks.core import layout
+from tasks.core.data import load_table
+from tasks.core.errors import UserError
+from tasks.core.hashing import sha256_file
+from tasks.core.models import ADAPTER_CONFIG, base_path, load_policy, load_tokenizer
+from tasks.core.processes import run
+from tasks.core.stage import fingerprint, reuse
+from tasks.core.store import open_store
+from tasks.engines.trainer import drill
+from tasks.engines.training import training_engine
+from tasks.envs.runtime.rendering import Renderer
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+    from tasks.core.store import Store
+
+# The train section's fields the warm start uses (the rest are RL's: changing them later keeps v0).
+TRAIN_FIELDS = ("engine", "weight_decay", "adam_betas", "max_grad_norm", "lora_r", "lora_alpha", "lora_dropout",
+                "lora_target_modules", "device", "mixed_precision", "zero_stage", "offload_optimizer")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class Demo:
+    row: int
+    ids: list[int]
+    mask: list[int]          # 1: a token the loss is on (the model's), 0: the prompt's, an observation's
+
+
+# ------------------------------------------------------------------------------------------ the demonstrations
+
+def demonstrations(cfg: Config, tokenizer, context: int | None = None) -> list[Demo]:
+    """Every row of warmup.path tokenised with its mask, checked: one UserError line naming the row otherwise."""
+    w = cfg.warmup
+    table = load_table(w.path, w.name, w.split, "warmup.path")
+    cols = table.column_names
+    fmt = w.format
+    if fmt == "auto":
+        fmt = ("messages" if "messages" in cols else "prompt_completion" if {"prompt", "completion"} <= set(cols)
+               else "text" if "text" in cols else None)
+    need = {"messages": ["messages"], "prompt_completion": ["prompt", "completion"], "text": ["text"]}.get(fmt)
+    if need is None or any(c not in cols for c in need):
+        raise UserError(f"warmup.path: {w.path}: expected a `messages` column, or `prompt` and `completion` (TRL's "
+                        f"SFT formats; or `text`), got columns {cols}")
+    if len(table) == 0:
+        raise UserError(f"warmup.path: {w.path} split {w.split!r} has no rows")
+    limit = w.max_length or context
+    render = Renderer(tokenizer, 1 << 30)
+    # a model turn of an episode is cut at generate.max_completion_length: a demonstration's turns as it cuts them
+    turn_limit = cfg.generate.max_completion_length if cfg.env.episodic() else None
+    out = []
+    for i, row in enumerate(table):
+        where = f"warmup.path: {w.path} row {i}"
+        try:
+            ids, mask = _tokenise(fmt, row, tokenizer, render, w.assistant_only, turn_limit)
+        except (TypeError, ValueError, KeyError) as e:
+            raise UserError(f"{where}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a chat template's own refusal (jinja's TemplateError)
+            raise UserError(f"{where}: the chat template refused it: {str(e).splitlines()[0][:200]}") from None
+        if limit is not None and len(ids) > limit:
+            what = "warmup.max_length" if w.max_length else "the model's context (max_position_embeddings)"
+            raise UserError(f"{where}: {len(ids)} tokens, above {what} {limit}; a demonstration is never cut "
+                            f"(its end is what it teaches): shorten it or raise warmup.max_length")
+        if not any(mask[1:]):
+            raise UserError(f"{where}: no token to learn (its completion or assistant turns are empty)")
+        out.append(Demo(i, ids, mask))
+    return out
+
+
+def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: bool,
+              turn_limit: int | None = None) -> tuple[list[int], list[int]]:
+    """A row's ids and mask. Strings as TRL's SFTTrainer tokenises them (EOS added; the completion from where
+    prompt and prompt + completion part); conversations as an episode of the same turns (Renderer.conversation),
+    or with assistant_only false as TRL renders them whole (every token counted)."""
+    eos = tokenizer.eos_token or ""
+    if fmt == "text":
+        ids = tokenizer(_ended(_string(row, "text"), eos))["input_ids"]
+        return ids, [1] * len(ids)
+    if fmt == "prompt_completion" and isinstance(row["prompt"], str):
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        full = tokenizer(row["prompt"] + _ended(_string(row, "completion"), eos))["input_ids"]
+        start = next((k for k, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+        return full, ([0] * start + [1] * (len(full) - start)) if assistant_only else [1] * len(full)
+    if fmt == "prompt_completion":
+        prompt, rest = _messages(row, "prompt"), _messages(row, "completion")
+    else:
+        messages = _messages(row, "messages")
+        first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if first is None:
+            raise ValueError("no assistant message (nothing to learn)")
+        prompt, rest = messages[:first], messages[first:]
+    if not prompt:
+        raise ValueError("the conversation starts with an assistant message; the model needs a prompt first")
+    if any(m["role"] == "system" for m in prompt[1:] + rest):
+        raise ValueError("a system message after the first message; the templates take one, first")
+    tools = row.get("tools") or None
+    if isinstance(tools, str):      # (TRL's tool datasets keep the schemas as JSON text too)
+        tools = json.loads(tools)
+    whole = render.tok.apply_chat_template(prompt + rest, tools=tools, tokenize=False)   # (the template's checks)
+    if not assistant_only:
+        ids = render.tok(whole, add_special_tokens=False)["input_ids"]
+        return ids, [1] * len(ids)
+    return render.conversation(prompt, rest, tools, turn_limit)
+
+
+def _ended(text: str, eos: str) -> str:
+    return text if not eos or text.endswith(eos) else text + eos
+
+
+def _string(row: dict, column: str) -> str:
+    if not isinstance(row[column], str):
+        raise TypeError(f"column {column!r}: expected a string, got {type(row[column]).__name__}")
+    return row[column]
+
+
+def _messages(row: dict, column: str) -> list[dict]:
+    value = row[column]
+    if not (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
+        raise TypeError(f"column {column!r}: expected a list of chat messages, got "
+                        f"{type(value).__name__}{' (empty)' if value == [] else ''}")
+    out = []
+    for j, m in enumerate(value):
+        m = {k: v for k, v in m.items() if v is not None}      # (datasets fills absent keys with None)
+        if m.get("role") not in ROLES:
+            raise ValueError(f"column {column!r} message {j}: role {m.get('role')!r}, expected one of {ROLES}")
+        if not isinstance(m.get("content", ""), str | list) or ("content" not in m and not m.get("tool_calls")):
+            raise ValueError(f"column {column!r} message {j}: expected a string content (or tool_calls)")
+        out.append(m)
+    return out
+
+
+def context_of(path: str) -> int | None:
+    """The model's context (max_position_embeddings), or None when its config does not say."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+
+
+def check(cfg: Config) -> list[Demo]:
+    """Everything the warm start refuses, before anything is written (the flow's preflight calls it too)."""
+    path = base_path(cfg)
+    if (Path(path) / ADAPTER_CONFIG).exists():
+        raise UserError(f"model.name_or_path: {cfg.model.name_or_path} is a LoRA adapter, not a base model; the warm "
+                        f"start trains the base (name the base model, and train.lora_r for an adapter)")
+    return demonstrations(cfg, load_tokenizer(path), context_of(path))
+
+
+# ------------------------------------------------------------------------------------------ the schedule and loss
+
+def schedule(n: int, cfg: Config) -> list[list[int]]:
+    """The demonstrations of every optimizer step: each epoch a seeded permutation (run.seed, epoch) cut into
+    warmup.batch_size (the last step of an epoch may be smaller); warmup.max_steps cuts or extends it."""
+    w = cfg.warmup
+    per_epoch = math.ceil(n / w.batch_size)
+    total = w.max_steps or per_epoch * w.epochs
+    steps = []
+    for epoch in range(math.ceil(total / per_epoch)):
+        order = np.random.default_rng([cfg.run.seed, epoch]).permutation(n).tolist()
+        steps += [order[i:i + w.batch_size] for i in range(0, n, w.batch_size)]
+    return steps[:total]
+
+
+def lr_at(cfg: Config, step: int, total: int) -> float:
+    """warmup.lr at optimizer step `step` (0-based): linear warm-up, then constant or linear decay to 0."""
+    w = cfg.warmup
+    if step < w.lr_warmup_steps:
+        return w.lr * (step + 1) / w.lr_warmup_steps
+    if w.lr_schedule == "constant":
+        return w.lr
+    return w.lr * max(0.0, (total - step) / max(1, total - w.lr_warmup_steps))
+
+
+def token_loss(model, ids: torch.Tensor, mask: torch.Tensor, attention: torch.Tensor,
+               tokens: int) -> tuple[torch.Tensor, int]:
+    """Cross-entropy summed over the masked next-token predictions of a micro-batch, over `tokens` (the whole
+    step's count, so micro-batches add up to the step's mean: TRL's num_items_in_batch); and how many of them
+    the model already predicted (argmax)."""
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    target, keep = ids[:, 1:], mask[:, 1:].bool()
+    ce = torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum")
+    correct = int((logits[keep].argmax(-1) == target[keep]).sum())
+    return ce / tokens, correct
+
+
+def batch(demos: list[Demo], pad: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids, masks and attention masks of some demonstrations."""
+    width = max(len(d.ids) for d in demos)
+    ids = torch.full((len(demos), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(demos), width), dtype=torch.long)
+    attention = torch.zeros((len(demos), width), dtype=torch.long)
+    for i, d in enumerate(demos):
+        ids[i, :len(d.ids)] = torch.tensor(d.ids)
+        mask[i, :len(d.ids)] = torch.tensor(d.mask)
+        attention[i, :len(d.ids)] = 1
+    return ids.to(device), mask.to(device), attention.to(device)
+
+
+# ------------------------------------------------------------------------------------------ the stage
+
+def v0_fingerprint(cfg: Config) -> tuple[str, dict]:
+    """What v0 is made of: the base model, the warmup section, the train fields it uses, the data's bytes."""
+    w, data = cfg.warmup, {}
+    if Path(w.path).is_file():
+        data = {"data_sha256": sha256_file(Path(w.path))}
+    used = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k in TRAIN_FIELDS}
+    return fingerprint(cfg, ("model", "warmup"), warmup_train=used, **data)
+
+
+def sft_run(cfg: Config) -> str:
+    """Where the warm start's trainer keeps its checkpoints: the run's `sft/` folder, laid out as a run's."""
+    return f"{cfg.run.name}/sft"
+
+
+def engine_config(cfg: Config) -> Config:
+    """The config the engine opens with: the train section's optimizer and LoRA at warmup.lr, no KL reference,
+    no value model, the checkpoints under sft_run(), and the policy written in model.dtype (v0 is the base RL
+    trains from, not a sampler's copy: publish.dtype's bf16 would round it)."""
+    from tasks.core.config import GrpoConfig
+
+    train = cfg.train.model_copy(update={"lr": cfg.warmup.lr, "beta": 0.0, "algorithm": "grpo",
+                                         "learner": GrpoConfig(), "micro_batch_size": cfg.warmup.micro_batch_size})
+    run = cfg.run.model_copy(update={"name": sft_run(cfg)})
+    publish = cfg.publish.model_copy(update={"dtype": cfg.model.dtype})
+    return cfg.model_copy(update={"train": train, "run": run, "publish": publish})
+
+
+def sft(cfg: Config, iteration: int = 0) -> dict:
+    """The warm start: v0 from the demonstrations ({key, uri, metrics}); the one already published when it was made
+    from the same inputs. `iteration` is unused (the stage command line's)."""
+    if cfg.warmup is None:
+        raise UserError("warmup: the config has no warmup section (SFT's demonstrations: warmup.path)")
+    store, run = open_store(cfg), cfg.run.name
+    key = layout.policy(run, 0)
+    fp, made = v0_fingerprint(cfg)
+    if (done := reuse(store, key, fp, made)) is not None:
+        return done
+    demos = check(cfg)
+    if cfg.train.engine == "deepspeed" and "RANK" not in os.environ:
+        _torchrun(cfg)                           # the group trains and publishes; its result is read back
+        if (done := reuse(store, key, fp, made)) is None:
+            raise RuntimeError(f"warm start: the deepspeed group ended without publishing {store.uri(key)}")
+        return done
+    return _train(cfg, store, demos, key, fp, made)
+
+
+def _train(cfg: Config, store: Store, demos: list[Demo], key: str, fp: str, made: dict) -> dict:
+    w, ecfg = cfg.warmup, engine_config(cfg)
+    plan = schedule(len(demos), cfg)
+    latest = store.get_pointer(layout.latest(ecfg.run.name, "trainer"))
+    previous = None
+    if latest is not None and store.manifest(latest) is not None:
+        state = store.get_json(latest, layout.CKPT_STATE)
+        if state.get("fingerprint") != fp:
+            raise UserError(f"warmup: {store.uri(latest)} was made from other demonstrations or settings; resume "
+                            f"with the same config or choose a new run.name")
+        previous = latest
+    engine = training_engine(ecfg).open(ecfg, store, previous)
+    history = list(store.get_json(previous, layout.CKPT_STATE)["history"]) if previous else []
+    pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
+    params = (engine.model.optimizer if cfg.train.engine == "deepspeed" else engine.optimizer).param_groups
+    try:
+        engine.model.train()
+        for step in range(engine.global_step, len(plan)):
+            lr = lr_at(cfg, step, len(plan))
+            for group in params:
+                group["lr"] = lr
+            mine = plan[step][engine.rank::engine.world_size]
+            tokens = sum(sum(demos[i].mask[1:]) for i in plan[step])
+            engine.zero_grad()
+            loss_sum = correct = 0.0
+            for at in range(0, len(mine), w.micro_batch_size):
+                ids, mask, attention = batch([demos[i] for i in mine[at:at + w.micro_batch_size]], pad,
+                                             engine.device)
+                loss, right = token_loss(engine.model, ids, mask, attention, tokens)
+                engine.backward(loss)
+                loss_sum, correct = loss_sum + float(loss.detach()), correct + right
+            loss_sum, correct = engine.sum([loss_sum, correct])
+            grad_norm = engine.step()
+            engine.global_step = step + 1
+            history.append({"step": step + 1, "loss": loss_sum, "token_accuracy": correct / tokens,
+                            "grad_norm": grad_norm, "lr": lr, "tokens": tokens})
+            if engine.rank == 0 and ((step + 1) % 10 == 0 or step + 1 == len(plan)):
+                print(f"sft step {step + 1:>5}/{len(plan)}  loss {loss_sum:.4f}  token accuracy "
+                      f"{correct / tokens:.3f}", file=sys.stderr, flush=True)
+            drill("sft-step", step + 1)
+            if (step + 1) % w.checkpoint_every == 0 and step + 1 < len(plan):
+                _checkpoint(ecfg, store, engine, step + 1, fp, history)
+        done = _publish(cfg, store, engine, key, fp, made, history)
+        if engine.rank == 0:         # v0 is committed: the warm start's checkpoints are never read again
+            _delete_checkpoints(store, ecfg.run.name)
+        return done
+    finally:
+        engine.close()
+
+
+def _checkpoint(ecfg: Config, store: Store, engine, step: int, fp: str, history: list[dict]) -> None:
+    run = ecfg.run.name
+    ckpt = layout.checkpoint(run, step)
+    with tempfile.TemporaryDirectory(prefix="rlflow-sft-") as tmp:
+        extra = engine.save(Path(tmp), step)
+        if engine.rank != 0:
+            return
+        state = {"iteration": step, "step": step, "fingerprint": fp, "history": history, **extra}
+        (Path(tmp) / layout.CKPT_STATE).write_text(json.dumps(state))
+        store.put_folder(ckpt, Path(tmp), meta={"fingerprint": fp, "kind": "full", "iteration": step},
+                         give_up=True)
+    store.advance_pointer(layout.latest(run, "trainer"), ckpt)
+    _delete_checkpoints(store, run, keep=ckpt)
+
+
+def _delete_checkpoints(store: Store, run: str, keep: str | None = None) -> None:
+    """The warm start's checkpoints but `keep` (the newest, which trainer/LATEST names: a kill between the two
+    leaves one more, removed next time), with the deepspeed shards (trainer-state/) that `keep` does not name."""
+    named = set()
+    if keep is not None:
+        named = {p.rsplit("/", 1)[0] for p in store.get_json(keep, layout.CKPT_STATE).get("engine_state", [])}
+    for name in store.list_folders(f"{run}/trainer"):
+        if f"{run}/trainer/{name}" != keep:
+            store.delete_folder(f"{run}/trainer/{name}")
+    for name in store.list_folders(f"{run}/trainer-state"):
+        if (folder := f"{run}/trainer-state/{name}") not in named:
+            for node in store.list_folders(folder):
+                store.delete_folder(f"{folder}/{node}")
+
+
+def _publish(cfg: Config, store: Store, engine, key: str, fp: str, made: dict, history: list[dict]) -> dict:
+    """v0: the trained policy as the engine writes it (publish.dtype; collective on deepspeed), a LoRA adapter
+    merged into its base (RL then trains an adapter of its own on v0), then its manifest."""
+    last = history[-1] if history else {}
+    metrics = {"sft/steps": float(len(history)), "sft/loss": last.get("loss", 0.0),
+               "sft/token_accuracy": last.get("token_accuracy", 0.0)}
+    with tempfile.TemporaryDirectory(prefix="rlflow-v0-") as tmp:
+        out = Path(tmp) / "policy"
+        engine.save_policy(out)
+        if engine.rank != 0:
+            return {"key": key, "uri": store.uri(key), "metrics": metrics}
+        if engine.lora:
+            merged = Path(tmp) / "merged"
+            load_policy(cfg, str(out), "cpu").merge_and_unload().save_pretrained(merged)
+            engine.tokenizer.save_pretrained(merged)
+            out = merged
+        manifest = store.put_folder(key, out, meta={"fingerprint": fp, "made_of": made, "metrics": metrics,
+                                                     "history": history, "iteration": 0}, give_up=True)
+    return {"key": key, "uri": store.uri(key), "metrics": manifest["meta"]["metrics"]}
+
+
+def _torchrun(cfg: Config) -> None:
+    """The deepspeed group: this stage in train.num_processes processes (DeepSpeedEngine.torchrun), given the
+    config as this process resolved it."""
+    from tasks.engines.deepspeed_engine import DeepSpeedEngine
+
+    argv, env = DeepSpeedEngine.torchrun(cfg)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="rlflow-sft-config-") as f:
+        f.write(json.dumps(cfg.model_dump(mode="json")))
+        f.flush()
+        done = run([*argv, "-m", "tasks.sft", "--config", f.name, "--iteration", "0"], env)
+    if done.returncode == 2:
+        raise UserError("warmup: the deepspeed group refused the config (its line is above)")
+    if done.returncode != 0:
+        raise RuntimeError(f"warm start: the deepspeed group failed (exit {done.returncode})")
+
+
+if __name__ == "__main__":
+    from tasks.core.stage import stage_cli
+
+    stage_cli(sft, "sft")

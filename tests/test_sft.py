@@ -1,0 +1,294 @@
+"""The warm start (tasks/sft.py, `warmup:`): SFT's loss and tokens against TRL's SFTTrainer driven directly, the masks
+of demonstrations recorded through the episode loop (tasks/envs/runtime/demonstrations.py) against the episodes' own,
+resume after a kill to the same weights, LoRA merged into v0, bad input refused, and the letters game through the
+whole flow: recorded, warm-started, then RL from v0."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tasks.core import builtin_models, layout
+from tasks.core.config import load_config
+from tasks.core.models import base_path, load_tokenizer
+from tasks.core.store import Store
+from tasks.envs.runtime.demonstrations import as_row, record
+from tasks.sft import batch, demonstrations, sft, token_loss
+from tests.conftest import CHATML, TINY, run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+LETTERS = ROOT / "configs" / "letters.yaml"
+
+
+def _cfg(tmp_path: Path, demos: list[dict] | Path, *more: str, config: Path = TINY):
+    path = demos if isinstance(demos, Path) else tmp_path / "demos.jsonl"
+    if not isinstance(demos, Path):
+        path.write_text("".join(json.dumps(d) + "\n" for d in demos))
+    return load_config(config, [f"warmup.path={path}", f"store.uri={tmp_path / 'store'}", "run.name=warm",
+                                *more])
+
+
+STRINGS = [{"prompt": "a=", "completion": "bbb"}, {"prompt": "c=", "completion": "ddd"},
+           {"prompt": "x=", "completion": "yyy and more"}]
+MESSAGES = [{"messages": [{"role": "user", "content": "a="}, {"role": "assistant", "content": "bbb"}]},
+            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "c="},
+                          {"role": "assistant", "content": "ddd"}, {"role": "user", "content": "again"},
+                          {"role": "assistant", "content": "ddd"}]}]
+
+
+# ------------------------------------------------------------------------------------------ TRL parity
+
+def _trl(model, tok, rows: list[dict], tmp_path: Path, **config):
+    """TRL's SFTTrainer on `rows`: its tokenised dataset and its loss on the whole collated batch."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to=[], max_length=None,
+                     per_device_train_batch_size=len(rows), **config)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    data = [trainer.train_dataset[i] for i in range(len(rows))]
+    inputs = trainer.data_collator(data)
+    tokens = int((inputs["labels"][:, 1:] != -100).sum())
+    model.train()
+    loss = trainer.compute_loss(model, dict(inputs), num_items_in_batch=torch.tensor(tokens))
+    return data, float(loss), tokens
+
+
+@pytest.mark.parametrize("rows,assistant_only", [(STRINGS, True), (STRINGS, False), (MESSAGES, False)],
+                         ids=["prompt-completion", "prompt-completion-every-token", "messages-every-token"])
+def test_the_loss_and_tokens_are_trl_sfttrainers_on_the_same_batch(rows, assistant_only, tmp_path):
+    """TRL's formats read unchanged give TRL's token ids and loss mask, and SFT's loss (the masked tokens' summed
+    cross-entropy over their count) equals SFTTrainer.compute_loss on the same batch, in micro-batches too."""
+    from tasks.core.models import load_model
+
+    path = builtin_models.resolve("builtin:tiny-lm")
+    tok, model = load_tokenizer(path), load_model(path)
+    cfg = _cfg(tmp_path, rows, f"warmup.assistant_only={str(assistant_only).lower()}")
+    demos = demonstrations(cfg, tok)
+    data, trl_loss, tokens = _trl(model, tok, rows, tmp_path, completion_only_loss=assistant_only)
+    for d, t in zip(demos, data):
+        assert d.ids == t["input_ids"]
+        assert d.mask == [int(label != -100) for label in t["labels"]]
+    assert sum(sum(d.mask[1:]) for d in demos) == tokens
+    ids, mask, attention = batch(demos, tok.pad_token_id, "cpu")
+    ours, _ = token_loss(model, ids, mask, attention, tokens)
+    assert float(ours) == pytest.approx(trl_loss, rel=1e-5)
+    parts = [token_loss(model, *batch([d], tok.pad_token_id, "cpu"), tokens)[0] for d in demos]
+    assert float(sum(parts)) == pytest.approx(trl_loss, rel=1e-5)
+
+
+def test_a_conversation_is_the_episode_rendering_which_is_trls_less_what_follows_eos(chatml, tmp_path):
+    """assistant_only (the default): a conversational prompt/completion is rendered as an episode of the same turns
+    would be; TRL renders the same tokens with the template's end of turn after the EOS (which a model that
+    stopped never writes) added, and masks the completion the same way up to there."""
+    from tasks.core.models import load_model
+
+    model = load_model(builtin_models.resolve("builtin:tiny-lm"))
+    model.resize_token_embeddings(len(chatml))
+    rows = [{"prompt": [{"role": "user", "content": "a="}], "completion": [{"role": "assistant", "content": "bbb"}]}]
+    demo = demonstrations(_cfg(tmp_path, rows), chatml)[0]
+    data, _, _ = _trl(model, chatml, rows, tmp_path)
+    trl_ids, trl_mask = data[0]["input_ids"], [int(label != -100) for label in data[0]["labels"]]
+    assert trl_ids[:len(demo.ids)] == demo.ids and trl_mask[:len(demo.ids)] == demo.mask
+    assert demo.ids[-1] == chatml.eos_token_id and chatml.decode(trl_ids[len(demo.ids):]) == "\n"
+
+
+# ------------------------------------------------------------------------------------------ recorded demonstrations
+
+def _model_with(tmp_path: Path, tok) -> Path:
+    """The tiny model's folder with `tok` as its tokenizer (what a config names)."""
+    dest = tmp_path / "model"
+    shutil.copytree(builtin_models.resolve("builtin:tiny-lm"), dest)
+    tok.save_pretrained(dest)
+    return dest
+
+
+def counter_policy(context: str) -> str:
+    """tests/env_classes.py's Counter solved: increment by tool calls up to the target the prompt names."""
+    done, target = context.count("counter is"), int(re.search(r"Reach (\d+)", context).group(1))
+    return '<tool_call>{"name": "increment", "arguments": {"step": 1}}</tool_call>' if done < target else "done"
+
+
+@pytest.mark.parametrize("game", ["letters", "tools"])
+def test_recorded_demonstrations_have_the_tokens_and_masks_of_the_episodes_rl_samples(game, chatml, tmp_path):
+    """Episodes of a scripted policy through the episode loop, written as TRL `messages` rows (with `tools` where the
+    environment declares them) and read back through datasets by the warm start: each row's ids and mask are the
+    episode's own (the model's turns 1, the observations 0), as RL's train stage sees it."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "Say each letter I name.", "letters": s, "seed": i}) + "\n"
+                            for i, s in enumerate(["abc", "dba", "cc"])))
+    more = [f"data.path={rows}", "env.isolation=thread"]
+    if game == "tools":
+        more += [f"model.name_or_path={_model_with(tmp_path, chatml)}", "env.factory=tests.env_classes:Counter",
+                 "env.max_turns=5", "generate.max_completion_length=80", "env.max_tokens=2000"]
+    cfg = load_config(LETTERS, more)
+    policy = "tests.test_sft:counter_policy" if game == "tools" else "tasks.envs.builtin.games:reference_action"
+    kept, episodes, unrendered = record(cfg, policy)
+    assert len(kept) == len(episodes) == 3 and unrendered == 0
+    assert all(e.env_return == 1.0 for e in episodes)
+    if game == "tools":
+        assert json.loads(kept[0]["tools"])[0]["function"]["name"] == "increment"
+        assert [m["role"] for m in kept[0]["messages"]] == ["user"] + ["assistant", "tool"] * 3 + ["assistant"]
+    path = tmp_path / "demos.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tok = load_tokenizer(base_path(cfg))
+    demos = demonstrations(cfg.model_copy(update={"warmup": _cfg(tmp_path, path).warmup}), tok)
+    for d, e in zip(demos, episodes):
+        assert d.ids == e.prompt_ids + e.completion_ids
+        assert d.mask == [0] * len(e.prompt_ids) + e.mask
+    assert as_row(episodes[0], tok, None)["messages"][-1]["role"] == "assistant"
+
+
+# ------------------------------------------------------------------------------------------ training, resume, LoRA
+
+def _letter_demos(tmp_path: Path) -> Path:
+    cfg = load_config(LETTERS, ["env.isolation=thread"])
+    kept, _, _ = record(cfg, "tasks.envs.builtin.games:reference_action", rows=list(range(16)))
+    path = tmp_path / "letters-demos.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return path
+
+
+def _weights(store_root: Path, run: str = "warm") -> dict[str, torch.Tensor]:
+    return load_file(store_root / run / "policy" / "v000000" / "model.safetensors")
+
+
+def test_a_warm_start_killed_mid_way_resumes_to_the_weights_of_one_never_killed(tmp_path):
+    """SIGKILL after step 7 (its checkpoint is step 6's): the rerun restores model, AdamW and RNG from ckpt-6 and
+    publishes the v0 a run never killed publishes, bit for bit; the warm start's checkpoints are gone after."""
+    demos = _letter_demos(tmp_path)
+    args = [f"warmup.path={demos}", "warmup.epochs=3", "warmup.batch_size=4", "warmup.micro_batch_size=2",
+            "warmup.lr=1.0e-3", "warmup.checkpoint_every=3", "run.name=warm", "env.isolation=thread"]
+    whole = tmp_path / "whole"
+    sft(load_config(LETTERS, [*args, f"store.uri={whole}"]))
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "tasks.sft", "--config", str(LETTERS), "--iteration", "0",
+           *(a for o in [*args, f"store.uri={killed}"] for a in ("-o", o))]
+    env = {**os.environ, "RLFLOW_DRILL": "sft-step:7", "RLFLOW_DRILL_ONCE": str(tmp_path / "once")}
+    first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    store = Store.open(str(killed))
+    assert store.get_pointer(layout.latest("warm/sft", "trainer")) == layout.checkpoint("warm/sft", 6)
+    assert store.manifest(layout.policy("warm", 0)) is None
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    a, b = _weights(whole), _weights(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert store.list_folders("warm/sft/trainer") == []
+    history = store.manifest(layout.policy("warm", 0))["meta"]["history"]
+    assert [h["step"] for h in history] == list(range(1, 13)) and history[-1]["loss"] < history[0]["loss"]
+
+
+def test_with_lora_the_adapter_is_merged_into_a_whole_v0(tmp_path):
+    cfg = _cfg(tmp_path, MESSAGES, "train.lora_r=4", "warmup.lr=0.05", "warmup.epochs=3")
+    out = sft(cfg)
+    folder = tmp_path / "store" / "warm" / "policy" / "v000000"
+    assert not (folder / "adapter_config.json").exists() and (folder / "model.safetensors").exists()
+    base = load_file(Path(builtin_models.resolve("builtin:tiny-lm")) / "model.safetensors")
+    v0 = _weights(tmp_path / "store")
+    assert v0.keys() == base.keys() and any(not torch.equal(v0[k], base[k]) for k in base)
+    assert out["metrics"]["sft/steps"] == 3
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+@pytest.mark.slow
+def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, prefect_api):
+    """Columns missing, roles that do not alternate (two assistant turns; a template that refuses them), a
+    demonstration longer than the model's context, this run's own policy as the base: one line each, naming the
+    row or field, exit 2, no store."""
+    strict = tmp_path / "strict"
+    shutil.copytree(builtin_models.resolve("builtin:tiny-lm"), strict)
+    tok_cfg = json.loads((strict / "tokenizer_config.json").read_text())
+    (strict / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}{% endif %}"
+        + CHATML.split("{% for m in messages %}", 1)[1].split("{% endfor %}", 1)[0] + "{% endfor %}")
+    (strict / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in tok_cfg.items()
+                                                              if k != "chat_template"}))
+    user, bot = {"role": "user", "content": "a="}, {"role": "assistant", "content": "bbb"}
+    cases = {
+        "columns": ([{"question": "a=", "answer": "bbb"}], [], "expected a `messages` column, or `prompt` and "),
+        "two_assistants": ([{"messages": [user, bot, bot]}], [], "row 0: two assistant messages in a row"),
+        "template": ([{"messages": [user, user, bot]}], [f"model.name_or_path={strict}"],
+                     "row 0: the chat template refused it: Conversation roles must alternate"),
+        "too_long": ([{"messages": [user, {"role": "assistant", "content": "b" * 400}]}], [],
+                     "tokens, above the model's context (max_position_embeddings) 256"),
+        "own_policy": ([{"messages": [user, bot]}], ["model.name_or_path={store}/warm/policy/v000003"],
+                       "is a policy of this run (warm), not the base"),
+    }
+    for name, (rows, more, want) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "demos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        store = folder / "store"
+        more = [m.replace("{store}", f"file://{store}") for m in more]
+        args = ["sft", str(TINY), "-o", f"warmup.path={folder / 'demos.jsonl'}", "-o", f"store.uri={store}",
+                "-o", "run.name=warm", *(a for m in more for a in ("-o", m))]
+        out = run_cli(args, folder, prefect_api)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and want in lines[0], (name, out.stderr[-2000:])
+        assert lines[0].startswith("error: ") and ("warmup.path" in lines[0] or "model.name_or_path" in lines[0])
+        assert not store.exists(), name
+
+
+# ------------------------------------------------------------------------------------------ the flow
+
+@pytest.mark.slow
+def test_the_letters_game_recorded_warm_started_then_rl_from_v0_through_the_flow(tmp_path, prefect_api):
+    """`rlflow record` writes the reference policy's episodes; `rlflow run` with warmup: trains v0 on them first
+    (sft metrics in MLflow at their steps), then every iteration starts from it; a second run reuses v0 and its
+    held-out baseline is v0's: the warm start alone solves most of the game the base model cannot."""
+    demos = tmp_path / "demos.jsonl"
+    out = run_cli(["record", str(LETTERS), "--policy", "tasks.envs.builtin.games:reference_action", "--out",
+                   str(demos), "--rows", "0-39", "-o", "env.isolation=thread"], tmp_path, prefect_api)
+    assert out.returncode == 0 and "40 demonstrations of 40 episodes" in out.stderr, out.stderr[-2000:]
+    args = ["run", str(LETTERS), "-o", "run.iterations=2", "-o", "generate.prompts_per_iteration=4",
+            "-o", "env.isolation=thread", "-o", f"warmup={{path: {demos}, epochs: 16, batch_size: 8, "
+            "micro_batch_size: 8, lr: 3.0e-3, lr_schedule: constant}", "-o", "eval.every=2",
+            "-o", "eval.baseline=true", "-o", "eval.split=train", "--summary-json", str(tmp_path / "summary.json")]
+    first = run_cli(args, tmp_path, prefect_api, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "sft step    80/80" in first.stderr
+    store = Store.open(str(tmp_path / "rlflow-store"))
+    v0 = store.manifest(layout.policy("letters-demo", 0))
+    assert v0["meta"]["metrics"]["sft/steps"] == 80 and v0["meta"]["metrics"]["sft/token_accuracy"] > 0.9
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["iterations_completed"] == 2 and summary["held_out"]["0"] > 0.6     # v0's: warm started
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    history = client.get_metric_history(summary["mlflow_run_id"], "sft/loss")
+    assert [m.step for m in sorted(history, key=lambda m: m.step)] == list(range(1, 81))
+    again = run_cli(args, tmp_path, prefect_api, timeout=600)
+    assert again.returncode == 0 and "sft step" not in again.stderr, again.stderr[-3000:]
+    assert len(client.get_metric_history(summary["mlflow_run_id"], "sft/loss")) == 80
+
+
+@pytest.mark.slow
+def test_the_deepspeed_group_warm_starts_to_the_torch_engines_weights(tmp_path):
+    """train.engine deepspeed (two processes, ZeRO 2, a checkpoint every 2 steps): the demonstrations split over the
+    processes, the loss normalised by the whole step's token count, give the torch engine's v0 (fp32 on CPU, up to
+    summation order); nothing of its checkpoints (nor their shards) is left once v0 is published."""
+    demos = _letter_demos(tmp_path)
+    args = [f"warmup.path={demos}", "warmup.epochs=2", "warmup.batch_size=8", "warmup.micro_batch_size=2",
+            "warmup.lr=1.0e-3", "warmup.checkpoint_every=2", "run.name=warm", "env.isolation=thread"]
+    sft(load_config(LETTERS, [*args, f"store.uri={tmp_path / 'torch'}"]))
+    out = sft(load_config(LETTERS, [*args, f"store.uri={tmp_path / 'ds'}", "train.engine=deepspeed",
+                                    "train.num_processes=2", "train.zero_stage=2"]))
+    assert out["metrics"]["sft/steps"] == 4
+    a, b = _weights(tmp_path / "torch"), _weights(tmp_path / "ds")
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+    store = Store.open(str(tmp_path / "ds"))
+    assert store.list_folders("warm/sft/trainer") == [] and all(
+        store.list_folders(f"warm/sft/trainer-state/{f}") == [] for f in store.list_folders("warm/sft/trainer-state"))
