@@ -38,6 +38,9 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--demos", type=int, default=40)
+    ap.add_argument("--rl-lr", type=float, help="train.lr of the RL after the warm start (default: the config's, "
+                    "5e-3, tuned for the random base)")
+    ap.add_argument("--arms", nargs="+", default=["base", "warm start"], choices=["base", "warm start"])
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rlflow-warm-"))
     rows = [json.loads(line) for line in (ROOT / "configs" / "data" / "letters.jsonl").read_text().splitlines()]
@@ -56,7 +59,10 @@ def main() -> int:
     print(f"{'seed':>4}  {'arm':<10} {'start':>6} {'after RL':>9} {'seconds':>8}")
     table: dict[str, list[tuple[float, float]]] = {"base": [], "warm start": []}
     for seed in args.seeds:
-        for arm, more in (("base", []), ("warm start", ["-o", warmup])):
+        lr = ["-o", f"train.lr={args.rl_lr}"] if args.rl_lr else []
+        for arm, more in (("base", []), ("warm start", ["-o", warmup, *lr])):
+            if arm not in args.arms:
+                continue
             name = f"{'warm' if more else 'base'}-s{seed}"
             t = time.perf_counter()
             rlflow(["run", str(LETTERS), *common, *more, "-o", f"run.name={name}", "-o", f"run.seed={seed}",
@@ -66,7 +72,8 @@ def main() -> int:
             table[arm].append((start, end))
             print(f"{seed:>4}  {arm:<10} {start:6.3f} {end:9.3f} {time.perf_counter() - t:8.0f}", flush=True)
     for arm, rows_ in table.items():
-        n = len(rows_)
+        if not (n := len(rows_)):
+            continue
         print(f"mean  {arm:<10} {sum(a for a, _ in rows_) / n:6.3f} {sum(b for _, b in rows_) / n:9.3f}")
     print(f"(all in {time.perf_counter() - t0:.0f} s; work folder {work})")
     return 0

@@ -204,9 +204,12 @@ def token_loss(model, ids: torch.Tensor, mask: torch.Tensor, attention: torch.Te
                tokens: int) -> tuple[torch.Tensor, int]:
     """Cross-entropy summed over the masked next-token predictions of a micro-batch, over `tokens` (the whole
     step's count, so micro-batches add up to the step's mean: TRL's num_items_in_batch); and how many of them
-    the model already predicted (argmax)."""
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-    target, keep = ids[:, 1:], mask[:, 1:].bool()
+    the model already predicted (argmax). The vocabulary's logits are computed only at the positions that
+    predict a masked token in some row (logits_to_keep): a long page observed for a short action costs its
+    forward pass, not a vocabulary-wide projection of every token."""
+    at = mask[:, 1:].any(0).nonzero().squeeze(1)          # positions whose next token is learned in some row
+    logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=at).logits.float()
+    target, keep = ids[:, at + 1], mask[:, at + 1].bool()
     ce = torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum")
     correct = int((logits[keep].argmax(-1) == target[keep]).sum())
     return ce / tokens, correct

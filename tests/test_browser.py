@@ -239,3 +239,31 @@ def test_the_browser_config_runs_through_the_flow_with_the_tiny_model(shop, tmp_
     assert meta["env/episodes"] == 4 and meta["env/errors"] == 0 and meta["env/turns_mean"] >= 1
     records = load(store, layout.rollouts("shop", 1))
     assert all("Page: " in json.dumps(r.turns) or r.truncated for r in records)
+
+
+def test_the_smollm2_shop_recipe_at_a_small_size_through_the_flow(shop, tmp_path, monkeypatch):
+    """configs/smollm2-shop.yaml, small (pages cut at 900 characters, two turns): the reference policy's episodes of
+    two training tasks recorded, the warm start (one step) on them, then one RL iteration of SmolLM2-135M in
+    Chromium from v0; every episode ran against the shop without an error. (The held-out evaluation of the recipe
+    at its size: bench/shop_learning.py.)"""
+    from flows.training import train_flow
+    from tasks.core import layout
+    from tasks.core.store import Store
+    from tasks.envs.runtime.demonstrations import record, write
+
+    monkeypatch.chdir(tmp_path)
+    recipe = ROOT / "configs" / "smollm2-shop.yaml"
+    small = [f"env.kwargs.base_url={shop}", "env.kwargs.max_chars=900", "env.max_turns=2",
+             "generate.max_completion_length=24"]
+    kept, episodes, _ = record(load_config(recipe, small), "tasks.envs.builtin.webshop:reference_action", rows=[0, 1])
+    assert len(kept) == 2 and all(e.env_return == 1.0 for e in episodes)
+    write(kept, tmp_path / "demos.jsonl")
+    out = train_flow(str(recipe), [
+        *small, "run.iterations=1", "store.uri=store", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+        f"warmup.path={tmp_path / 'demos.jsonl'}", "warmup.epochs=1", "warmup.batch_size=2",
+        "generate.prompts_per_iteration=1", "generate.num_generations=2", "eval.every=0"])
+    assert out["iterations_completed"] == 1
+    store = Store.open(str(tmp_path / "store"))
+    assert store.manifest(layout.policy("smollm2-shop", 0))["meta"]["metrics"]["sft/steps"] == 1
+    meta = store.manifest(layout.rollouts("smollm2-shop", 1))["meta"]["metrics"]
+    assert meta["env/episodes"] == 2 and meta["env/errors"] == 0

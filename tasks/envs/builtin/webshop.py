@@ -5,6 +5,7 @@ never see each other's.
 
     python -m tasks.envs.builtin.webshop --port 8765                  # serve it (Ctrl-C stops)
     python -m tasks.envs.builtin.webshop --tasks > shop_tasks.jsonl   # the task set, a row per task, checkers included
+    python -m tasks.envs.builtin.webshop --tasks --split held-out     # the tasks never in training (HELD_OUT)
 
     with serve() as url: ...                                          # in a thread on a free port (tests, benchmarks)
 
@@ -227,26 +228,34 @@ def app() -> Starlette:
 
 # ------------------------------------------------------------------------------------------ the task set
 
-def shop_tasks() -> list[dict]:
-    """WebArena-style tasks on this shop, each with its checker (tasks/envs/builtin/browser.py: check)."""
+# Held out of training (configs/data/shop_heldout.jsonl): tasks on these products (their price, stock and orders),
+# this search and this category's cheapest are never in the training split (shop_train.jsonl).
+HELD_OUT = {"products": ("tea-tin", "wool-socks", "desk-lamp"), "searches": ("steel",), "categories": ("Office",)}
+
+
+def shop_tasks(split: str = "all") -> list[dict]:
+    """WebArena-style tasks on this shop, each with its checker (tasks/envs/builtin/browser.py: check) and its
+    `split` (train, or held-out: HELD_OUT); `split` picks one (all: every task)."""
     rows: list[dict] = []
 
-    def add(kind: str, prompt: str, check: dict, start: str = "/") -> None:
-        rows.append({"prompt": prompt, "start": start, "kind": kind, "check": check})
+    def add(kind: str, prompt: str, check: dict, start: str = "/", held: bool = False) -> None:
+        rows.append({"prompt": prompt, "start": start, "kind": kind, "check": check,
+                     "split": "held-out" if held else "train"})
 
     for p in CATALOG:
+        held = p.slug in HELD_OUT["products"]
         add("price", f"What does the {p.name} cost? Answer with the number only.",
-            {"answer": {"exact": f"{p.price:.2f}"}})
+            {"answer": {"exact": f"{p.price:.2f}"}}, held=held)
         add("stock", f"How many {p.name} items are in stock? Answer with the number only.",
-            {"answer": {"exact": str(p.stock)}})
+            {"answer": {"exact": str(p.stock)}}, held=held)
     for term in ("wool", "steel", "linen", "pen"):
         n = sum(term in p.name.lower() or term in p.about.lower() for p in CATALOG)
         add("search", f'How many products does a search for "{term}" find? Answer with the number only.',
-            {"answer": {"exact": str(n)}})
+            {"answer": {"exact": str(n)}}, held=term in HELD_OUT["searches"])
     for c in CATEGORIES:
         cheapest = min((p for p in CATALOG if p.category == c), key=lambda p: p.price)
         add("cheapest", f"Which product in the {c} category is the cheapest? Answer with its name.",
-            {"answer": {"must_include": [cheapest.name.lower()]}})
+            {"answer": {"must_include": [cheapest.name.lower()]}}, held=c in HELD_OUT["categories"])
     people = [("Ada Lovelace", "12 Elm Street"), ("Alan Turing", "3 Bletchley Road"), ("Grace Hopper", "9 Navy Way")]
     orders = [("blue-kettle", 1, "", "Standard"), ("wool-socks", 2, "M", "Express"),
               ("steel-pan", 1, "24 cm", "Standard"), ("linen-shirt", 3, "L", "Express"),
@@ -257,8 +266,9 @@ def shop_tasks() -> list[dict]:
         line = f"{qty} x {p.name}" + (f" (size {size})" if size else "")
         add("order", f"Order {what} with {shipping} shipping for {name}, {address}. Say done when it is placed.",
             {"pages": [{"url": "/orders/last", "must_include": [line, f"Ship to: {name}, {address}",
-                                                               f"Shipping: {shipping}"]}]})
-    return rows
+                                                               f"Shipping: {shipping}"]}]},
+            held=slug in HELD_OUT["products"])
+    return rows if split == "all" else [r for r in rows if r["split"] == split]
 
 
 def reference_action(context: str, tool_call: bool = False) -> str:
@@ -356,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tasks.envs.builtin.webshop", description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--tasks", action="store_true", help="print the task set as JSON lines and exit")
+    ap.add_argument("--split", choices=["all", "train", "held-out"], default="all", help="with --tasks: which")
     args = ap.parse_args(argv)
     if args.tasks:
-        sys.stdout.write("".join(json.dumps(row) + "\n" for row in shop_tasks()))
+        sys.stdout.write("".join(json.dumps(row) + "\n" for row in shop_tasks(args.split)))
         return 0
     import uvicorn
 

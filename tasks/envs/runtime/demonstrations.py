@@ -12,7 +12,9 @@ Renderer.conversation (the warm start), a row gives the episode's own token ids 
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -144,7 +146,9 @@ def _schemas(cfg: Config, row: dict) -> list[dict] | None:
     try:
         return list(env.tool_schemas) or None
     finally:
-        env.close()
+        closed = env.close()
+        if inspect.isawaitable(closed):        # (an async environment's close: nothing was opened, it returns)
+            asyncio.run(closed)
 
 
 def write(rows: list[dict], out: Path) -> None:

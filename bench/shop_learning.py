@@ -1,0 +1,78 @@
+"""SmolLM2-135M in the shop (configs/smollm2-shop.yaml): held-out success of the base model, after the warm start
+(SFT on the reference policy's episodes of the 28 training tasks), and after RL from each, over seeds.
+
+    .venv/bin/python bench/shop_learning.py [--seeds 0 1 2] [--iterations 10] [--arms base "warm start"]
+
+Serves the shop on a free port of 127.0.0.1, records the demonstrations (rlflow record), then each arm is a real
+`rlflow run` of the recipe: eval.baseline gives the starting policy's held-out success ("start": the base model, or
+v0 after SFT), the evaluation at the last iteration the "after RL" one. Success is the task's checker (1 or 0) on
+the 10 held-out tasks (webshop.HELD_OUT: products, a search and a category never in training), greedy. The
+format's share: an episode scores only when its checker passes; an action in the right format earns nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RECIPE = ROOT / "configs" / "smollm2-shop.yaml"
+
+from tasks.envs.builtin.webshop import serve  # noqa: E402
+
+
+def rlflow(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if out.returncode != 0:
+        raise SystemExit(f"rlflow {args[0]} failed:\n{out.stderr[-3000:]}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--arms", nargs="+", default=["base", "warm start"], choices=["base", "warm start"])
+    ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="for every arm's run, e.g. -o warmup.epochs=2")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="rlflow-shop-"))
+    t0 = time.perf_counter()
+    with serve() as url:
+        common = ["-o", f"env.kwargs.base_url={url}", "-o", f"run.iterations={args.iterations}",
+                  "-o", f"eval.every={args.iterations}", "-o", f"warmup.path={work / 'demos.jsonl'}",
+                  *(a for o in args.override for a in ("-o", o))]
+        out = rlflow(["record", str(RECIPE), "--policy", "tasks.envs.builtin.webshop:reference_action", "--out",
+                      str(work / "demos.jsonl"), *common], work)
+        print(out.stderr.strip().splitlines()[-1], f"({time.perf_counter() - t0:.0f} s)")
+        print(f"SmolLM2-135M in the shop, 10 held-out tasks, {args.iterations} RL iterations; greedy success")
+        print(f"{'seed':>4}  {'arm':<10} {'start':>6} {'after RL':>9} {'seconds':>8}")
+        table: dict[str, list[tuple[float, float]]] = {arm: [] for arm in args.arms}
+        for seed in args.seeds:
+            for arm in args.arms:
+                name = f"{'warm' if arm == 'warm start' else 'base'}-s{seed}"
+                t = time.perf_counter()
+                rlflow(["run", str(RECIPE), *common, *([] if arm == "warm start" else ["-o", "warmup=null"]),
+                        "-o", f"run.name={name}", "-o", f"run.seed={seed}",
+                        "--summary-json", str(work / f"{name}.json")], work)
+                held = json.loads((work / f"{name}.json").read_text())["held_out"]
+                start, end = held["0"], held[str(args.iterations)]
+                table[arm].append((start, end))
+                print(f"{seed:>4}  {arm:<10} {start:6.3f} {end:9.3f} {time.perf_counter() - t:8.0f}", flush=True)
+    for arm, rows in table.items():
+        n = len(rows)
+        print(f"mean  {arm:<10} {sum(a for a, _ in rows) / n:6.3f} {sum(b for _, b in rows) / n:9.3f}")
+    print(f"(all in {time.perf_counter() - t0:.0f} s; work folder {work})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
