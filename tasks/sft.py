@@ -298,6 +298,8 @@ def _train(cfg: Config, store: Store, demos: list[Demo], key: str, fp: str, made
             for group in params:
                 group["lr"] = lr
             mine = plan[step][engine.rank::engine.world_size]
+            weight = 1.0 if mine else 0.0    # (a process with none of a short step's: one weightless pass, so
+            mine = mine or plan[step][:1]    # that every process's backward joins the step's reduction)
             tokens = sum(sum(demos[i].mask[1:]) for i in plan[step])
             engine.zero_grad()
             loss_sum = correct = 0.0
@@ -305,8 +307,8 @@ def _train(cfg: Config, store: Store, demos: list[Demo], key: str, fp: str, made
                 ids, mask, attention = batch([demos[i] for i in mine[at:at + w.micro_batch_size]], pad,
                                              engine.device)
                 loss, right = token_loss(engine.model, ids, mask, attention, tokens)
-                engine.backward(loss)
-                loss_sum, correct = loss_sum + float(loss.detach()), correct + right
+                engine.backward(loss * weight)
+                loss_sum, correct = loss_sum + weight * float(loss.detach()), correct + weight * right
             loss_sum, correct = engine.sum([loss_sum, correct])
             grad_norm = engine.step()
             engine.global_step = step + 1
