@@ -1,13 +1,14 @@
-"""The warm start on the letters game (configs/letters.yaml): held-out greedy return of the base model, of v0 after
+"""The warm start on the letters game (configs/letters.yaml): held-out greedy accuracy of the base model, of v0 after
 SFT on demonstrations recorded by the game's reference policy, and after RL from each, over seeds.
 
     .venv/bin/python bench/warm_start_letters.py [--seeds 0 1 2] [--iterations 20] [--demos 40]
 
 The 64 rows are every three-letter sequence of a-d: the first `--demos` rows are the training prompts (and the
 recorded demonstrations' rows), the rest are held out (sequences never seen in training). Each arm is a real
-`rlflow run` (eval.baseline: the starting policy's held-out return is the "start" column; eval at the last
-iteration the "after RL" one). The return is the share of the episode's letters said back right, greedy: always
-one letter scores 0.25, reading every observation 1.0 (the format is one letter a turn: no share of it is paid).
+`rlflow run` (eval.baseline: the starting policy's held-out score is the "start" column; eval at the last
+iteration the "after RL" one): greedy accuracy, the share of held-out sequences whose greedy episode says every
+letter back right (eval/greedy_pass_at_1). Always saying one letter passes a sequence of that letter alone (4 of
+64); the format (one letter a turn) earns nothing of its own.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> int:
     (work / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[args.demos:]))
     common = ["-o", f"data.path={work / 'train.jsonl'}", "-o", f"eval.path={work / 'held.jsonl'}",
               "-o", f"eval.every={args.iterations}", "-o", "eval.baseline=true", "-o", "eval.split=train",
+              "-o", "eval.greedy=true", "-o", "eval.num_generations=1", "-o", "eval.metric=greedy_pass_at_1",
               "-o", f"run.iterations={args.iterations}", "-o", "env.isolation=thread"]
     t0 = time.perf_counter()
     rlflow(["record", str(LETTERS), "--policy", "tasks.envs.builtin.games:reference_action", "--out",
@@ -55,7 +57,7 @@ def main() -> int:
     warmup = (f"warmup={{path: {work / 'demos.jsonl'}, epochs: 16, batch_size: 8, micro_batch_size: 8, "
               f"lr: 3.0e-3, lr_schedule: constant}}")
     print(f"letters game, {len(rows) - args.demos} held-out sequences, {args.iterations} RL iterations "
-          f"(16 prompts x 8 episodes each); greedy held-out return")
+          f"(16 prompts x 8 episodes each); held-out greedy accuracy")
     print(f"{'seed':>4}  {'arm':<10} {'start':>6} {'after RL':>9} {'seconds':>8}")
     table: dict[str, list[tuple[float, float]]] = {"base": [], "warm start": []}
     for seed in args.seeds:
