@@ -45,8 +45,9 @@ def warm_start(cfg: Config, log) -> list[str]:
     return overrides_after(result)
 
 
-def log_metrics(cfg: Config) -> None:
-    """v0's per-step history (its manifest keeps it) into the run's MLflow run, at the steps, once."""
+def log_metrics(cfg: Config, end: bool = False) -> None:
+    """v0's per-step history (its manifest keeps it) into the run's MLflow run, at the steps, once; `end`: the run
+    is then marked finished (`rlflow sft` alone; the flow's iterations go on in the same MLflow run)."""
     from mlflow.entities import Metric
 
     from tasks.core import layout
@@ -56,11 +57,12 @@ def log_metrics(cfg: Config) -> None:
     history = (store.manifest(layout.policy(cfg.run.name, 0)) or {}).get("meta", {}).get("history", [])
     tracker = Tracker(cfg, store.root)
     run_id = tracker.start()
-    if not history or tracker.client.get_metric_history(run_id, "sft/loss"):
-        return
-    batch = [Metric(f"sft/{k}", float(v), 0, h["step"]) for h in history for k, v in h.items() if k != "step"]
-    for i in range(0, len(batch), 1000):
-        tracker.client.log_batch(run_id, metrics=batch[i:i + 1000])
+    if history and not tracker.client.get_metric_history(run_id, "sft/loss"):
+        batch = [Metric(f"sft/{k}", float(v), 0, h["step"]) for h in history for k, v in h.items() if k != "step"]
+        for i in range(0, len(batch), 1000):
+            tracker.client.log_batch(run_id, metrics=batch[i:i + 1000])
+    if end:
+        tracker.end()
 
 
 # ------------------------------------------------------------------------------------------ the commands
@@ -98,7 +100,7 @@ def sft_command(cfg: Config) -> int:
         result = sft(cfg)
     finally:
         lease.release()
-    log_metrics(cfg)
+    log_metrics(cfg, end=True)
     m = result["metrics"]
     print(f"v0: {result['uri']}  (sft: {m['sft/steps']:g} steps, loss {m['sft/loss']:.4f}, token accuracy "
           f"{m['sft/token_accuracy']:.3f})")

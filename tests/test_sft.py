@@ -293,3 +293,22 @@ def test_the_deepspeed_group_warm_starts_to_the_torch_engines_weights(tmp_path):
     store = Store.open(str(tmp_path / "ds"))
     assert store.list_folders("warm/sft/trainer") == [] and all(
         store.list_folders(f"warm/sft/trainer-state/{f}") == [] for f in store.list_folders("warm/sft/trainer-state"))
+
+
+def test_rlflow_sft_alone_publishes_v0_and_finishes_its_mlflow_run_with_the_steps(tmp_path, monkeypatch, capsys):
+    """`rlflow sft` (flows/warmup.py: sft_command): v0 under the lease, every step's sft/* metric at its step, the
+    MLflow run then FINISHED; a second call reuses v0 and logs nothing twice."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.warmup import sft_command
+    from tasks.core.tracking import TAG_RUN
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(tmp_path, MESSAGES, "warmup.epochs=3", "warmup.batch_size=1", f"tracking.uri=sqlite:///{tmp_path}/m.db")
+    assert sft_command(cfg) == 0 and sft_command(cfg) == 0
+    assert "v0: file://" in capsys.readouterr().out
+    client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                             filter_string=f"tags.`{TAG_RUN}` = 'warm'")[0]
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "sft/loss")) == [1, 2, 3, 4, 5, 6]

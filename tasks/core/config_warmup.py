@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from tasks.core.config_base import HOW_NOT_WHAT, Section
 
@@ -38,7 +38,8 @@ class WarmupConfig(Section):
     batch_size: int = Field(8, ge=1, le=1_000_000, description="Demonstrations per optimizer step.")
     micro_batch_size: int = Field(4, ge=1, le=1_000_000, description="Demonstrations per forward pass (the "
                                   "gradient is accumulated over the step's; the loss is normalised by the step's "
-                                  "token count, so this changes memory, not the update, up to rounding).")
+                                  "token count, so this changes memory, not the update, up to rounding; above "
+                                  "batch_size: the whole step in one pass).")
     lr: float = Field(2.0e-5, gt=0, le=1.0, description="AdamW's learning rate (TRL's SFTConfig default).")
     lr_schedule: Literal["constant", "linear"] = Field("linear", description="linear: decays to 0 at the last "
                                                        "step (after lr_warmup_steps), as transformers' default.")
@@ -49,9 +50,3 @@ class WarmupConfig(Section):
     checkpoint_every: int = Field(50, ge=1, le=1_000_000, json_schema_extra=HOW_NOT_WHAT,
                                   description="Optimizer steps between checkpoints (<run>/sft/ckpt-S); a killed "
                                   "warm start resumes from the newest with the same weights as one never killed.")
-
-    @model_validator(mode="after")
-    def _micro_fits(self):
-        if self.micro_batch_size > self.batch_size:
-            raise ValueError(f"micro_batch_size: {self.micro_batch_size} is above batch_size {self.batch_size}")
-        return self
