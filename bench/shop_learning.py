@@ -13,9 +13,6 @@ format's share: an episode scores only when its checker passes; an action in the
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,15 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RECIPE = ROOT / "configs" / "smollm2-shop.yaml"
 
+from bench.warm_start_letters import compare_arms, rlflow  # noqa: E402
 from tasks.envs.builtin.webshop import serve  # noqa: E402
-
-
-def rlflow(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if out.returncode != 0:
-        raise SystemExit(f"rlflow {args[0]} failed:\n{out.stderr[-3000:]}")
-    return out
 
 
 def main() -> int:
@@ -54,22 +44,8 @@ def main() -> int:
                       str(work / "demos.jsonl"), *common], work)
         print(out.stderr.strip().splitlines()[-1], f"({time.perf_counter() - t0:.0f} s)")
         print(f"SmolLM2-135M in the shop, 10 held-out tasks, {args.iterations} RL iterations; greedy success")
-        print(f"{'seed':>4}  {'arm':<10} {'start':>6} {'after RL':>9} {'seconds':>8}")
-        table: dict[str, list[tuple[float, float]]] = {arm: [] for arm in args.arms}
-        for seed in args.seeds:
-            for arm in args.arms:
-                name = f"{'warm' if arm == 'warm start' else 'base'}-s{seed}"
-                t = time.perf_counter()
-                rlflow(["run", str(RECIPE), *common, *([] if arm == "warm start" else ["-o", "warmup=null"]),
-                        "-o", f"run.name={name}", "-o", f"run.seed={seed}",
-                        "--summary-json", str(work / f"{name}.json")], work)
-                held = json.loads((work / f"{name}.json").read_text())["held_out"]
-                start, end = held["0"], held[str(args.iterations)]
-                table[arm].append((start, end))
-                print(f"{seed:>4}  {arm:<10} {start:6.3f} {end:9.3f} {time.perf_counter() - t:8.0f}", flush=True)
-    for arm, rows in table.items():
-        n = len(rows)
-        print(f"mean  {arm:<10} {sum(a for a, _ in rows) / n:6.3f} {sum(b for _, b in rows) / n:9.3f}")
+        every = {"base": ["-o", "warmup=null"], "warm start": []}
+        compare_arms(RECIPE, common, {arm: every[arm] for arm in args.arms}, args.seeds, args.iterations, work)
     print(f"(all in {time.perf_counter() - t0:.0f} s; work folder {work})")
     return 0
 

@@ -34,6 +34,28 @@ def rlflow(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return out
 
 
+def compare_arms(recipe: Path, common: list[str], arms: dict[str, list[str]], seeds: list[int], iterations: int,
+                 work: Path) -> None:
+    """Each arm (its name -> its own overrides) a real `rlflow run` of `recipe` per seed, after `common`; prints
+    a line per run (its starting policy's held-out score, eval.baseline, and its last iteration's) and the means.
+    (bench/shop_learning.py runs its arms through it too.)"""
+    print(f"{'seed':>4}  {'arm':<10} {'start':>6} {'after RL':>9} {'seconds':>8}")
+    table: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
+    for seed in seeds:
+        for arm, more in arms.items():
+            name = f"{arm.split()[0]}-s{seed}"
+            t = time.perf_counter()
+            rlflow(["run", str(recipe), *common, *more, "-o", f"run.name={name}", "-o", f"run.seed={seed}",
+                    "--summary-json", str(work / f"{name}.json")], work)
+            held = json.loads((work / f"{name}.json").read_text())["held_out"]
+            start, end = held["0"], held[str(iterations)]
+            table[arm].append((start, end))
+            print(f"{seed:>4}  {arm:<10} {start:6.3f} {end:9.3f} {time.perf_counter() - t:8.0f}", flush=True)
+    for arm, rows in table.items():
+        n = len(rows)
+        print(f"mean  {arm:<10} {sum(a for a, _ in rows) / n:6.3f} {sum(b for _, b in rows) / n:9.3f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -56,27 +78,11 @@ def main() -> int:
             str(work / "demos.jsonl"), *common], work)
     warmup = (f"warmup={{path: {work / 'demos.jsonl'}, epochs: 16, batch_size: 8, micro_batch_size: 8, "
               f"lr: 3.0e-3, lr_schedule: constant}}")
+    lr = ["-o", f"train.lr={args.rl_lr}"] if args.rl_lr else []
+    every = {"base": [], "warm start": ["-o", warmup, *lr]}
     print(f"letters game, {len(rows) - args.demos} held-out sequences, {args.iterations} RL iterations "
           f"(16 prompts x 8 episodes each); held-out greedy accuracy")
-    print(f"{'seed':>4}  {'arm':<10} {'start':>6} {'after RL':>9} {'seconds':>8}")
-    table: dict[str, list[tuple[float, float]]] = {"base": [], "warm start": []}
-    for seed in args.seeds:
-        lr = ["-o", f"train.lr={args.rl_lr}"] if args.rl_lr else []
-        for arm, more in (("base", []), ("warm start", ["-o", warmup, *lr])):
-            if arm not in args.arms:
-                continue
-            name = f"{'warm' if more else 'base'}-s{seed}"
-            t = time.perf_counter()
-            rlflow(["run", str(LETTERS), *common, *more, "-o", f"run.name={name}", "-o", f"run.seed={seed}",
-                    "--summary-json", str(work / f"{name}.json")], work)
-            held = json.loads((work / f"{name}.json").read_text())["held_out"]
-            start, end = held["0"], held[str(args.iterations)]
-            table[arm].append((start, end))
-            print(f"{seed:>4}  {arm:<10} {start:6.3f} {end:9.3f} {time.perf_counter() - t:8.0f}", flush=True)
-    for arm, rows_ in table.items():
-        if not (n := len(rows_)):
-            continue
-        print(f"mean  {arm:<10} {sum(a for a, _ in rows_) / n:6.3f} {sum(b for _, b in rows_) / n:9.3f}")
+    compare_arms(LETTERS, common, {arm: every[arm] for arm in args.arms}, args.seeds, args.iterations, work)
     print(f"(all in {time.perf_counter() - t0:.0f} s; work folder {work})")
     return 0
 
