@@ -30,8 +30,10 @@ from tasks.core.errors import UserError, cause_of
 from tasks.core.process_wide import set_default, set_variable
 
 
-def _quiet_prefect() -> None:
-    """Our progress lines are the console output; Prefect's logs still reach its API/UI unless verbose."""
+def _command_process() -> None:
+    """What a command that runs the user's config sets up in its process: our progress lines are the console
+    output (Prefect's logs still reach its API/UI unless verbose; MLflow's, transformers' and the hub's quieted),
+    and the working directory is importable (the user's reward functions, environments and scripted policies)."""
     if not os.environ.get("RLFLOW_VERBOSE"):
         set_default("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
         set_default("PREFECT_LOGGING_HANDLERS_CONSOLE_FLOW_RUNS_LEVEL", "CRITICAL")
@@ -45,6 +47,8 @@ def _quiet_prefect() -> None:
     set_default("PREFECT_SERVER_ANALYTICS_ENABLED", "false")    # (its telemetry errors offline)
     set_default("TRANSFORMERS_VERBOSITY", "error")
     set_default("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def check_path(flag: str, path: str | Path, want: str) -> None:
@@ -73,9 +77,7 @@ def checked_config(args):
 
     overrides = parse_overrides_json(args.overrides_json) + args.override
     cfg = load_config(args.config, overrides)       # a bad config is one line and exit 2, before Prefect starts
-    _quiet_prefect()
-    if os.getcwd() not in sys.path:                 # (reward functions and environments of the working directory)
-        sys.path.insert(0, os.getcwd())
+    _command_process()
     if cfg.train.engine != "deepspeed":   # (accelerate imports deepspeed to unwrap a model; it would warn)
         set_default("DS_ACCELERATOR", "cpu")
     from flows.preflight import preflight
@@ -228,9 +230,7 @@ def cmd_record(args) -> int:
 
     check_path("--out", args.out, "file")
     cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
-    _quiet_prefect()
-    if os.getcwd() not in sys.path:                 # (a scripted policy of the working directory)
-        sys.path.insert(0, os.getcwd())
+    _command_process()
     return record_command(args, cfg)
 
 
@@ -441,9 +441,7 @@ def cmd_tune(args) -> int:
     from flows.tune import load_space
 
     space = load_space(args.space, args.config, args.override)
-    _quiet_prefect()
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    _command_process()
     from flows.tune import tune_flow
 
     server = None

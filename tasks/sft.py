@@ -32,7 +32,7 @@ from tasks.core import layout
 from tasks.core.data import load_table
 from tasks.core.errors import UserError
 from tasks.core.hashing import sha256_file
-from tasks.core.models import ADAPTER_CONFIG, base_path, load_policy, load_tokenizer
+from tasks.core.models import ADAPTER_CONFIG, base_path, context_length, load_policy, load_tokenizer
 from tasks.core.processes import run
 from tasks.core.stage import fingerprint, reuse
 from tasks.core.store import open_store
@@ -52,7 +52,6 @@ ROLES = ("system", "user", "assistant", "tool")
 
 @dataclass
 class Demo:
-    row: int
     ids: list[int]
     mask: list[int]          # 1: a token the loss is on (the model's), 0: the prompt's, an observation's
 
@@ -93,7 +92,7 @@ def demonstrations(cfg: Config, tokenizer, context: int | None = None) -> list[D
                             f"(its end is what it teaches): shorten it or raise warmup.max_length")
         if not any(mask[1:]):
             raise UserError(f"{where}: no token to learn (its completion or assistant turns are empty)")
-        out.append(Demo(i, ids, mask))
+        out.append(Demo(ids, mask))
     return out
 
 
@@ -159,20 +158,13 @@ def _messages(row: dict, column: str) -> list[dict]:
     return out
 
 
-def context_of(path: str) -> int | None:
-    """The model's context (max_position_embeddings), or None when its config does not say."""
-    from transformers import AutoConfig
-
-    return getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
-
-
 def check(cfg: Config) -> list[Demo]:
     """Everything the warm start refuses, before anything is written (the flow's preflight calls it too)."""
     path = base_path(cfg)
     if (Path(path) / ADAPTER_CONFIG).exists():
         raise UserError(f"model.name_or_path: {cfg.model.name_or_path} is a LoRA adapter, not a base model; the warm "
                         f"start trains the base (name the base model, and train.lora_r for an adapter)")
-    return demonstrations(cfg, load_tokenizer(path), context_of(path))
+    return demonstrations(cfg, load_tokenizer(path), context_length(path))
 
 
 # ------------------------------------------------------------------------------------------ the schedule and loss
@@ -280,15 +272,14 @@ def _train(cfg: Config, store: Store, demos: list[Demo], key: str, fp: str, made
     w, ecfg = cfg.warmup, engine_config(cfg)
     plan = schedule(len(demos), cfg)
     latest = store.get_pointer(layout.latest(ecfg.run.name, "trainer"))
-    previous = None
+    previous, history = None, []
     if latest is not None and store.manifest(latest) is not None:
         state = store.get_json(latest, layout.CKPT_STATE)
         if state.get("fingerprint") != fp:
             raise UserError(f"warmup: {store.uri(latest)} was made from other demonstrations or settings; resume "
                             f"with the same config or choose a new run.name")
-        previous = latest
+        previous, history = latest, list(state["history"])
     engine = training_engine(ecfg).open(ecfg, store, previous)
-    history = list(store.get_json(previous, layout.CKPT_STATE)["history"]) if previous else []
     pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
     params = (engine.model.optimizer if cfg.train.engine == "deepspeed" else engine.optimizer).param_groups
     try:

@@ -48,5 +48,6 @@ class WarmupConfig(Section):
                                    "a longer one is refused with its row (None: the model's context). Never cut "
                                    "silently: a cut demonstration teaches a task without its end.")
     checkpoint_every: int = Field(50, ge=1, le=1_000_000, json_schema_extra=HOW_NOT_WHAT,
-                                  description="Optimizer steps between checkpoints (<run>/sft/ckpt-S); a killed "
-                                  "warm start resumes from the newest with the same weights as one never killed.")
+                                  description="Optimizer steps between checkpoints (<run>/sft/trainer/ckpt-S); a "
+                                  "killed warm start resumes from the newest with the same weights as one never "
+                                  "killed.")

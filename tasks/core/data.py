@@ -24,7 +24,9 @@ _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 
 
 @functools.lru_cache(maxsize=4)
-def _load(path: str, name: str | None, split: str, field: str = "data.path"):
+def load_table(path: str, name: str | None, split: str, field: str = "data.path"):
+    """A local data file or a hub dataset, as `datasets` loads it (once per arguments in this process); a mistake is
+    one UserError line naming `field` (data.path, eval.path, warmup.path: the warm start's demonstrations)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -53,12 +55,6 @@ def _load(path: str, name: str | None, split: str, field: str = "data.path"):
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         why = " (the Hugging Face Hub is not reachable from here: only its local cache was tried)" if offline else ""
         raise UserError(f"{field}: cannot load {path!r} split {split!r}{why}: {msg[:200]}") from None
-
-
-def load_table(path: str, name: str | None, split: str, field: str):
-    """A local data file or a hub dataset, as `datasets` loads it; a mistake is one UserError line naming
-    `field` (the warm start's demonstrations: tasks/sft.py)."""
-    return _load(path, name, split, field)
 
 
 def _where_unreadable(path: Path, error: Exception) -> str:
@@ -126,7 +122,7 @@ def load_prompts(cfg: Config, split: str = "train"):
                                  "eval.path")
     else:
         path, name, sp, field = cfg.data.path, cfg.data.name, cfg.data.split, "data.path"
-    ds = _load(path, name, sp, field)
+    ds = load_table(path, name, sp, field)
     col = cfg.data.prompt_column
     if col not in ds.column_names:
         raise UserError(f"data.prompt_column: column {col!r} not in {path} (columns: {ds.column_names})")

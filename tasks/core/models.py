@@ -258,6 +258,13 @@ def encode_prompt(tokenizer, prompt, max_length: int) -> list[int]:
     return list(ids)[-max_length:]
 
 
+def context_length(path: str) -> int | None:
+    """A model's context (its config's max_position_embeddings), or None when the config does not say."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+
+
 def policy_gguf(cfg: Config, store, key: str, dest: Path, quant: str) -> dict:
     """The policy at `key` as one GGUF file (tasks/core/gguf.py: write_gguf; `rlflow export --format gguf`); a LoRA
     adapter is merged into the configured base model first. The architecture is checked from config.json before

@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig
 
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
 from tasks.core.layout import BASE
-from tasks.core.models import ADAPTER_CONFIG, base_path
+from tasks.core.models import ADAPTER_CONFIG, base_path, context_length
 from tasks.core.paths import REPO_ROOT, sibling_python
 from tasks.core.processes import rlflow_first, run, spawn
 from tasks.engines.vllm_worker import NO_VLLM_EXIT
@@ -95,7 +94,7 @@ def engine_args(cfg: Config, model: str) -> dict:
     max_len = gc.max_model_len
     if max_len is None:
         max_len = gc.max_prompt_length + gc.max_completion_length
-        limit = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+        limit = context_length(model)
         max_len = min(max_len, limit) if limit else max_len
     args = dict(model=model, dtype=cfg.model.dtype, seed=cfg.run.seed, max_model_len=max_len,
                 tensor_parallel_size=gc.tensor_parallel_size,
