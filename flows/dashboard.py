@@ -3,11 +3,14 @@ one artifact per flow run, the run's report (`<run>-report`): made when the run 
 store) and updated in place every `tracking.dashboard_every` iterations and after the last, so the flow run's
 Artifacts tab holds one card, the latest report, and the key's page one version per flow run (each start or
 resume). The report: the reward per iteration (a sparkline of the run, a table of the newest iterations with a bar
-each), the latest iteration's metrics, stage times and cost, and a few samples."""
+each), the latest iteration's metrics, stage times and cost, a few samples, and the latest evaluation's pictured
+episodes (eval.screenshots: a strip of the pages per episode, tasks/envs/runtime/screens.py)."""
 
 from __future__ import annotations
 
+import base64
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prefect.artifacts import create_markdown_artifact
@@ -61,6 +64,7 @@ SPARK_POINTS = 60      # a longer run's sparkline shows bucket means
 BAR_WIDTH = 20         # the table's bar at the run's highest reward
 BLOCKS = "▁▂▃▄▅▆▇█"
 SAMPLES_SHOWN = 4      # of tracking.sample_completions (MLflow's samples table has them all)
+STRIPS_SHOWN = 3       # pictured episodes in the report (MLflow's artifacts have every frame)
 
 
 class Report:
@@ -72,6 +76,7 @@ class Report:
         self.key = f"{slug(cfg.run.name)}-report"
         self.trend: dict[int, dict[str, float]] = {}
         self.posted: int | None = None         # the iteration the report shows
+        self.pictures: list[str] = []          # the latest evaluation's strips, as markdown
         self.id = create_markdown_artifact(key=self.key, markdown=self._markdown(None),
                                            description=self._described(None))
 
@@ -110,7 +115,23 @@ class Report:
         lines += self._trend()
         if latest:
             lines += self._iteration(*latest)
-        return "\n".join(lines)
+        return "\n".join(lines + self.pictures)
+
+    def picture(self, it: int, folder: Path, index: list[dict]) -> None:
+        """An evaluation's pictured episodes (screens.py's folder and index): the first STRIPS_SHOWN strips,
+        inline (data URIs: the report needs no server to show them), each with its task, actions and return;
+        shown from the next post on."""
+        lines = ["", f"### Evaluated episodes of {'the starting model' if it == 0 else f'v{it}'} "
+                 f"({min(len(index), STRIPS_SHOWN)} of {len(index)} pictured; every frame in MLflow: screens/"
+                 f"v{it:06d})"]
+        for e in index[:STRIPS_SHOWN]:
+            data = base64.b64encode((Path(folder) / e["strip"]).read_bytes()).decode()
+            actions = " · ".join(f"{i}. `{_cell(f['action'], 80).replace('`', '')}`"
+                                 for i, f in enumerate(e["frames"], 1))
+            got = e.get("return")
+            lines += ["", f"**{_cell(e['prompt'], 200)}** — return {'—' if got is None else f'{got:g}'}", "",
+                      f"![episode {e['episode']}](data:image/jpeg;base64,{data})", "", actions]
+        self.pictures = lines
 
     def _trend(self) -> list[str]:
         """The reward per iteration: a sparkline of the whole run and a table of the newest iterations with a bar

@@ -47,6 +47,7 @@ from tasks.engines.detached import DetachedTrainer
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.streaming import Stream
 from tasks.engines.training import training_engine
+from tasks.envs.runtime import screens
 from tasks.envs.runtime.episodes import EnvironmentsStalled
 from tasks.evaluate import evaluate
 from tasks.generate import generate
@@ -327,6 +328,16 @@ def _eval_traces(cfg, iteration: int) -> list[tuple[str, str]]:
     return [("eval", key), *([("eval-greedy", key)] if cfg.eval.greedy else [])]
 
 
+def _pictures(cfg: Config, store: Store, tracker: Tracker, report: Report, iteration: int, metrics: dict) -> None:
+    """An evaluation that pictured its episodes (eval.screenshots): every frame to MLflow (artifacts screens/vN),
+    the first strips to the Prefect report."""
+    if not metrics.get("eval/screens_episodes"):
+        return
+    folder = store.local(layout.evaluation(cfg.run.name, iteration))
+    tracker.log_folder(folder / screens.FOLDER, f"screens/v{iteration:06d}")
+    report.picture(iteration, folder / screens.FOLDER, screens.load_index(folder))
+
+
 def _iterations(ctx: FlowRun, log) -> dict:
     cfg, store = ctx.cfg, ctx.store
     tracker = Tracker(cfg, store.root)
@@ -363,6 +374,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
             tracker.floor = e["metrics"][cfg.eval.metric_key()]
             if already_logged == 0:
                 tracker.log_iteration(0, e["metrics"], traces=_eval_traces(cfg, 0))
+                _pictures(cfg, store, tracker, report, 0, e["metrics"])
             progress.note(f"base model: held-out {_held_out_line(cfg, e['metrics'])}")
         for it in range(1, done + 1):
             reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
@@ -399,6 +411,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
                 tracker.log_iteration(it, metrics, r["samples"], policy_uri=p["uri"],
                                       traces=[("train", layout.rewards(cfg.run.name, it)),
                                               *(_eval_traces(cfg, it) if e["metrics"] else [])])
+                _pictures(cfg, store, tracker, report, it, e["metrics"])
                 every = cfg.tracking.dashboard_every
                 if (every and it % every == 0) or it == cfg.run.iterations:
                     report.post(it, metrics, r["samples"], p["uri"])

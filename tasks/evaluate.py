@@ -10,7 +10,8 @@ eval/greedy_pass_at_1 in the manifest); then points `<run>/policy/BEST` at vN if
 current best's, and the starting model's (`eval.baseline`: iteration 0 evaluates the base model into
 `<run>/eval/v000000`). A completion passes when its combined reward, or `eval.pass_reward`'s score, reaches
 `eval.pass_threshold`. Idempotent like every stage: a complete `<run>/eval/vN` from the same inputs is reused,
-and the BEST decision is simply taken again.
+and the BEST decision is simply taken again. An environment that pictures its pages (the browser) does so for the
+first `eval.screenshots` episodes: `<run>/eval/vN/screens` (tasks/envs/runtime/screens.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tasks.core.placement import Services
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
 from tasks.engines.sampling import open_session
+from tasks.envs.runtime.screens import file_frames, takes_screenshots, with_screenshots
 from tasks.envs.runtime.sources import source_of
 from tasks.scoring.functions import load_functions, require_some_score, score_records
 from tasks.scoring.worker import RewardState
@@ -120,9 +122,11 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
         state = RewardState(global_step=iteration, max_steps=cfg.run.iterations)
         services = Services.given(services)
         source = source_of(cfg)
+        pictured = ec.screenshots > 0 and takes_screenshots(cfg)     # (the greedy pass, else the sampled one)
+        shot = with_screenshots(cfg) if pictured else cfg
         with open_session(cfg, policy, services) as session:         # one model load / engine start for both passes
             what = f"the evaluation of v{iteration:06d}"
-            records, _ = source.run(cfg, session, ds, rows, SamplingParams(
+            records, _ = source.run(cfg if ec.greedy else shot, session, ds, rows, SamplingParams(
                 n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
                 temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
                 top_k=cfg.generate.top_k, seed=seed), policy, services)
@@ -132,7 +136,7 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
                                                       judge_cache=cache, services=services), what)
             greedy = []
             if ec.greedy:
-                greedy, _ = source.run(cfg, session, ds, rows, SamplingParams(
+                greedy, _ = source.run(shot, session, ds, rows, SamplingParams(
                     n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0,
                     seed=seed), policy, services)
                 source.require_some(cfg, greedy, f"{what} (greedy)")
@@ -153,6 +157,8 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
                 metrics.update(format_metrics(cfg, greedy_episodes))
         metrics.update({"eval/prompts": float(len(rows)), "eval/seconds": time.perf_counter() - t0, **routed})
         with tempfile.TemporaryDirectory(prefix="rlflow-eval-") as tmp:
+            if pictured:
+                metrics["eval/screens_episodes"] = float(file_frames(greedy or records, Path(tmp), ec.screenshots))
             rollout.write(records, Path(tmp))
             if greedy:
                 (Path(tmp) / layout.GREEDY).mkdir()

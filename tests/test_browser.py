@@ -65,7 +65,7 @@ def test_every_task_is_solved_by_the_reference_policy_through_the_episode_loop(s
     assert order.env_state["url"].endswith("/orders/1") and order.env_state["answer_text"] == "done"
     model = [t for t, m in zip(order.completion_ids, order.mask) if m]
     written = tokenizer.decode(model, skip_special_tokens=True)
-    assert written.startswith("click [") and written.endswith("answer [done]") and "Page:" not in written
+    assert written.startswith("type [") and written.endswith("answer [done]") and "Page:" not in written
     assert "Page:" in tokenizer.decode(order.completion_ids, skip_special_tokens=True)
     assert '"name": "click"' in chatml.decode(called[0].prompt_ids)          # the tools, declared to the model
     assert [m["role"] for m in called[0].turns][:2] == ["assistant", "tool"]
@@ -199,6 +199,34 @@ def test_the_browser_on_an_environment_server_solves_its_tasks_with_the_tools_de
     assert "/orders/" in records[0].env_state["url"] and all(records[0].env_state["checks"].values())
 
 
+def test_evaluated_episodes_are_pictured_page_by_page_with_the_action_taken_on_each(shop, tokenizer, tmp_path):
+    """env.kwargs.screenshots (what the evaluate stage sets, eval.screenshots): each page the reference policy acted
+    on is a JPEG with that action; screens.py files them (a strip per episode, an index) and leaves the records
+    only their count; `limit` episodes are pictured."""
+    from PIL import Image
+
+    from tasks.envs.runtime.screens import file_frames, load_index
+
+    rows = [r for r in shop_tasks("train") if r["kind"] in ("order", "price")][:3]
+    records = _episodes(_cfg(shop, "env.isolation=thread", "env.kwargs.screenshots=true"), rows, tokenizer,
+                        tools=False)
+    written = [tokenizer.decode([t for t, m in zip(r.completion_ids, r.mask) if m], skip_special_tokens=True)
+               for r in records]
+    assert file_frames(records, tmp_path, limit=2) == 2
+    index = load_index(tmp_path)
+    assert [e["prompt"] for e in index] == [r["prompt"] for r in rows[:2]]
+    for e, r, text in zip(index, records, written):
+        actions = [f["action"] for f in e["frames"]]
+        assert "".join(actions) == text and actions[-1].startswith("answer [") and e["return"] == 1.0
+        assert r.env_state["screens"] == len(actions) and "jpeg" not in json.dumps(r.env_state)
+        with Image.open(tmp_path / "screens" / e["frames"][0]["file"]) as first:
+            assert first.format == "JPEG" and first.size == (800, 480)
+        with Image.open(tmp_path / "screens" / e["strip"]) as strip:
+            assert strip.height == 240 and strip.width > 240 * len(actions)
+        assert e["frames"][-1]["url"].startswith(shop)
+    assert records[2].env_state["screens"] >= 2 and not (tmp_path / "screens" / "e02").exists()
+
+
 def test_a_check_that_is_not_one_of_the_checkers_fails_the_episode_at_reset(shop, tokenizer):
     rows = [{"prompt": "x", "start": "/", "check": {"answer": {"exact": "1"}, "screenshot": True}}]
     [r] = _episodes(_cfg(shop, "env.isolation=thread"), rows, tokenizer, tools=False)
@@ -221,7 +249,15 @@ def test_without_chromium_the_environment_refuses_before_the_run_with_one_line(m
 @pytest.mark.slow
 def test_the_browser_config_runs_through_the_flow_with_the_tiny_model(shop, tmp_path, prefect_api, monkeypatch):
     """configs/browser.yaml, one iteration with the real hf engine and the tiny model (which writes no valid
-    action: each page it is shown says so): the episodes ran against the shop, none failed."""
+    action: each page it is shown says so): the episodes ran against the shop, none failed. The evaluation's
+    greedy episode is pictured (eval.screenshots): its frames are the run's MLflow artifacts, its strip is in the
+    Prefect report, inline."""
+    import base64
+    import re
+
+    from mlflow import MlflowClient
+    from prefect.client.orchestration import get_client
+
     from flows.training import train_flow
     from tasks.core import layout
     from tasks.core.rollout import load
@@ -232,17 +268,27 @@ def test_the_browser_config_runs_through_the_flow_with_the_tiny_model(shop, tmp_
         "model.name_or_path=builtin:tiny-lm", f"env.kwargs.base_url={shop}", "env.kwargs.max_chars=300",
         "run.name=shop", "run.iterations=1", "store.uri=store", f"tracking.uri=sqlite:///{tmp_path}/m.db",
         "generate.prompts_per_iteration=2", "generate.num_generations=2", "generate.max_prompt_length=200",
-        "generate.max_completion_length=8", "env.max_turns=2", "env.max_tokens=1000", "train.micro_batch_size=4"])
+        "generate.max_completion_length=8", "env.max_turns=2", "env.max_tokens=1000", "train.micro_batch_size=4",
+        "eval.every=1", "eval.max_prompts=2", "eval.greedy=true", "eval.num_generations=1", "eval.screenshots=1"])
     assert out["iterations_completed"] == 1
     store = Store.open(str(tmp_path / "store"))
     meta = store.manifest(layout.rollouts("shop", 1))["meta"]["metrics"]
     assert meta["env/episodes"] == 4 and meta["env/errors"] == 0 and meta["env/turns_mean"] >= 1
     records = load(store, layout.rollouts("shop", 1))
     assert all("Page: " in json.dumps(r.turns) or r.truncated for r in records)
+    assert store.manifest(layout.evaluation("shop", 1))["meta"]["metrics"]["eval/screens_episodes"] == 1
+    shots = [f.path for f in MlflowClient(f"sqlite:///{tmp_path}/m.db").list_artifacts(out["mlflow_run_id"],
+                                                                                          "screens/v000001")]
+    assert {"screens/v000001/index.json", "screens/v000001/e00.jpg", "screens/v000001/e00"} <= set(shots)
+    with get_client(sync_client=True) as client:
+        [report] = [a for a in client.read_artifacts() if a.key == "shop-report"][-1:]
+    strip = re.search(r"!\[episode 0\]\(data:image/jpeg;base64,([A-Za-z0-9+/=]+)\)", report.data)
+    assert strip and base64.b64decode(strip.group(1))[:3] == b"\xff\xd8\xff"          # a JPEG
+    assert "Evaluated episodes of v1" in report.data and "(no action)" in report.data
 
 
 def test_the_smollm2_shop_recipe_at_a_small_size_through_the_flow(shop, tmp_path, monkeypatch):
-    """configs/smollm2-shop.yaml, small (pages cut at 900 characters, two turns): the reference policy's episodes of
+    """configs/smollm2-shop.yaml, small (pages cut at 900 characters, three turns): the reference policy's episodes of
     two training tasks recorded, the warm start (one step) on them, then one RL iteration of SmolLM2-135M in
     Chromium from v0; every episode ran against the shop without an error. (The held-out evaluation of the recipe
     at its size: bench/shop_learning.py.)"""
@@ -253,7 +299,7 @@ def test_the_smollm2_shop_recipe_at_a_small_size_through_the_flow(shop, tmp_path
 
     monkeypatch.chdir(tmp_path)
     recipe = ROOT / "configs" / "smollm2-shop.yaml"
-    small = [f"env.kwargs.base_url={shop}", "env.kwargs.max_chars=900", "env.max_turns=2",
+    small = [f"env.kwargs.base_url={shop}", "env.kwargs.max_chars=900", "env.max_turns=3",
              "generate.max_completion_length=24"]
     kept, episodes, _ = record(load_config(recipe, small), "tasks.envs.builtin.webshop:reference_action", rows=[0, 1])
     assert len(kept) == 2 and all(e.env_return == 1.0 for e in episodes)

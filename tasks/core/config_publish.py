@@ -69,6 +69,12 @@ class EvalConfig(Section):
     baseline: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
                            description="Also evaluate the starting model before iteration 1 (eval/v000000, logged at "
                            "step 0); then BEST and the champion move only to a policy that beats it.")
+    screenshots: int = Field(8, ge=0, json_schema_extra=SINCE_DEFAULT,
+                             description="Pictures of the first N evaluated episodes (the greedy ones with "
+                             "eval.greedy) where the environment can take them (a factory with a `screenshots` "
+                             "keyword, the browser's, made by the stage): the page before each action, with the "
+                             "action, in <run>/eval/vN/screens, MLflow's artifacts (screens/vN) and the Prefect "
+                             "report (a strip per episode). 0: none.")
     metric: Literal["reward_mean", "pass_at_k", "greedy_pass_at_1"] = Field(
         "reward_mean", description="What BEST and the MLflow `champion` alias maximise (greedy_pass_at_1 needs "
         "greedy).")

@@ -327,6 +327,10 @@ class Tracker:
         metrics["tracking/traces"] = float(n)
         return links
 
+    def log_folder(self, folder: Path, artifact_path: str) -> None:
+        """A folder's files as the run's artifacts under `artifact_path` (an evaluation's pictures)."""
+        self.client.log_artifacts(self.run_id, str(folder), artifact_path)
+
     def drain(self) -> None:
         """Flush everything pending and wait for it (traces too); raise if tracking failed."""
         self._request_flush()

@@ -39,6 +39,7 @@ _PROPERTIES = ("level", "checked", "selected", "expanded", "disabled", "required
 _MARK = "function(ref) { const el = this.nodeType === 1 ? this : this.parentElement; " \
         "el.setAttribute('data-rlflow-ref', ref); }"
 _CHECKS = ("answer", "url", "pages")
+SHOT_SIZE = {"width": 800, "height": 480}        # the page pictured (screenshots), in CSS pixels
 
 
 class ActionError(Exception):
@@ -107,7 +108,7 @@ class Browser:
 
     def __init__(self, base_url: str, executable: str | None = None, max_chars: int = 6000,
                  action_timeout: float = 5.0, allowed_hosts: list[str] | None = None, headless: bool = True,
-                 cdp_url: str | None = None):
+                 cdp_url: str | None = None, screenshots: bool = False):
         self.base_url = base_url.rstrip("/") + "/"
         self.cdp_url = cdp_url
         self.executable, self.headless = chromium_path(executable), headless
@@ -118,6 +119,9 @@ class Browser:
         self._context = self._page = self._cdp = None
         self._refs: set[int] = set()
         self._check: dict = {}
+        # screenshots (the evaluate stage turns them on, eval.screenshots): the page before each action, with
+        # the action taken on it: {"action", "url", "jpeg" (base64)}; tasks/envs/runtime/screens.py files them
+        self.screenshots, self.screens = screenshots, []
         self._acquired = False
 
     @classmethod
@@ -156,20 +160,25 @@ class Browser:
         self._check = check
         browser = await _Chromium.acquire(self.executable, self.headless, self.cdp_url)
         self._acquired = True                 # (released by close: a launch that failed took no share)
-        self._context = await browser.new_context()
+        self._context = await browser.new_context(**({"viewport": SHOT_SIZE} if self.screenshots else {}))
         self._context.set_default_timeout(self.timeout_ms)
         await self._context.route("**/*", self._route)
         self._page = await self._context.new_page()
         self._cdp = await self._context.new_cdp_session(self._page)
         await self._page.goto(urljoin(self.base_url, str(row.get("start") or "/")), wait_until="load")
         task = str(row.get("prompt") or "").strip()
-        return [{"role": "user", "content": f"{ACTIONS}\n\nTask: {task}\n\n{await self._observe()}"}]
+        page = await self._observe()
+        await self._shoot()
+        return [{"role": "user", "content": f"{ACTIONS}\n\nTask: {task}\n\n{page}"}]
 
     async def step(self, message: dict) -> Step:
         calls = message.get("tool_calls") or []
         as_tools = bool(calls)
         if not calls:
             calls = _text_actions(message.get("content") or "")
+        if self.screens:                  # (the page last shot is the one this action was taken on)
+            self.screens[-1]["action"] = "; ".join(map(_written, calls)) or \
+                "(no action) " + str(message.get("content") or "")[:200]
         said: list[tuple[str, str]] = []
         for call in calls:
             name, result = await self._act(call)
@@ -179,6 +188,7 @@ class Browser:
         if not said:
             said = [("error", f"No action found. {ACTIONS}")]
         page = await self._observe()
+        await self._shoot()
         if as_tools:
             out = [{"role": "tool", "name": n, "content": r} for n, r in said]
             out[-1]["content"] += f"\n\n{page}"
@@ -296,6 +306,17 @@ class Browser:
             raise ActionError(f"[{ref}] is no longer on the page") from None
         return self._page.locator(f'[data-rlflow-ref="{ref}"]').first
 
+    async def _shoot(self) -> None:
+        """screenshots: the page as it is now (a JPEG, base64), its action filled in by the next step."""
+        if self.screenshots:
+            import base64
+
+            try:
+                shot = await self._page.screenshot(type="jpeg", quality=60)
+            except Exception:  # noqa: BLE001 - a page that cannot be pictured is still acted on
+                return
+            self.screens.append({"action": "", "url": self._page.url, "jpeg": base64.b64encode(shot).decode()})
+
     async def _settle(self) -> None:
         try:
             await self._page.wait_for_load_state("load")
@@ -390,6 +411,15 @@ def _norm(text: str) -> str:
     """An answer as compared: lower case, one space between words, no quotes, trailing full stop or $ sign."""
     text = " ".join(str(text).lower().split()).strip().strip("\"'").rstrip(".").strip()
     return text[1:] if text.startswith("$") else text
+
+
+def _written(call: dict) -> str:
+    """An action as the text syntax writes it (`click [25]`), whichever way the model wrote it."""
+    if call.get("type") != "function":
+        return f"(unreadable) {call.get('error', '')}"[:200]
+    args = call["function"]["arguments"]
+    values = args.values() if isinstance(args, dict) else [args]
+    return call["function"]["name"] + "".join(f" [{int(v) if isinstance(v, bool) else v}]" for v in values)
 
 
 def _text_actions(text: str) -> list[dict]:

@@ -282,17 +282,25 @@ def reference_action(context: str, tool_call: bool = False) -> str:
         line = next(line for line in (page[::-1] if last else page) if re.search(pattern, line))
         return re.match(r"\s*\[(\d+)\]", line).group(1)
 
+    heading = next((m.group(1) for line in page if (m := re.search(r"heading '(.*)' level: 1", line))), "")
+
     def value(pattern: str) -> str:
         line = next((line for line in page if re.search(pattern, line)), "")
         found = re.search(r"value: '([^']*)'", line)
         return found.group(1) if found else ""
 
+    def find(name: str) -> tuple[str, dict]:      # a product's page by searching its name: the same actions for
+        if heading == f'Results for "{name}"':    # every product (the search box and the one hit keep their numbers)
+            return "click", {"ref": ref(f"link '{re.escape(name)}'")}
+        if not any("searchbox" in line for line in page):
+            return "click", {"ref": ref("link 'Home'")}
+        return "type", {"ref": ref("searchbox"), "text": name, "submit": True}
+
     def act() -> tuple[str, dict]:
-        heading = next((m.group(1) for line in page if (m := re.search(r"heading '(.*)' level: 1", line))), "")
         if m := re.match(r"What does the (.+) cost\?|How many (.+) items are in stock\?", task):
             name = m.group(1) or m.group(2)
             if heading != name:
-                return "click", {"ref": ref(f"link '{re.escape(name)}'")}
+                return find(name)
             what = r"Price: \$([\d.]+)" if m.group(1) else r"In stock: (\d+)"
             return "answer", {"text": next(x.group(1) for line in page if (x := re.search(what, line)))}
         if m := re.match(r'How many products does a search for "(.+)" find', task):
@@ -319,7 +327,7 @@ def reference_action(context: str, tool_call: bool = False) -> str:
                 return "select", {"ref": ref("combobox 'Shipping'"), "option": option}
             return "click", {"ref": ref("button 'Place order'")}
         if heading != name:
-            return "click", {"ref": ref(f"link '{re.escape(name)}'")}
+            return find(name)
         if value("spinbutton 'Quantity'") != qty:
             return "type", {"ref": ref("spinbutton 'Quantity'"), "text": qty}
         if size and value("combobox 'Size'") != size:

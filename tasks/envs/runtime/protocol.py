@@ -31,6 +31,7 @@ from tasks.core.errors import UserError
 from tasks.core.process_wide import signals_kept
 
 MAX_STATE_CHARS = 65_536       # an attribute of the environment kept in the record (env_state), as JSON, at most
+PICTURES = "screens"           # (but its pictures, screens.py: the evaluate stage takes them out of the record)
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -259,7 +260,7 @@ def state_of(instance: Any) -> dict:
         if name.startswith("_"):
             continue
         try:
-            if len(json.dumps(value)) > MAX_STATE_CHARS:
+            if len(json.dumps(value)) > MAX_STATE_CHARS and name != PICTURES:
                 continue
         except (TypeError, ValueError):
             continue
