@@ -1,7 +1,7 @@
 """GPU check: the SmolLM2 arithmetic recipe's stages on one CUDA GPU, one row each, printed as one markdown table
 ready to paste into docs/benchmarks.md (the GPU's name, the date, the torch / transformers / deepspeed versions).
 
-    make gpu-check                      # = python bench/gpu_check.py: CUDA, rows 1-7 (meant for < 10 min on an H100)
+    make gpu-check                      # = python bench/gpu_check.py: CUDA, rows 1-8 (meant for < 10 min on an H100)
     python bench/gpu_check.py --rows 1,3 --out /tmp/gpu-check.md
     python bench/gpu_check.py --device cpu --quick --model builtin:tiny-lm     # the plumbing, on a CPU (~1 min)
 
@@ -29,6 +29,9 @@ there too: tasks/core/models.py, device_for):
   7 generate.streaming (issue 42), hf engine, bfloat16: two iterations' groups from the run's streaming
     sampler (continuous batching; S = 1, both from the base model): its tokens/s, every token tagged with its
     version, none discarded (the vLLM twin is not built: vLLM refuses generate.streaming)
+  8 configs/browser.yaml's warm start (issue 43): the shop served on 127.0.0.1, the reference policy's episodes of
+    16 training tasks recorded, SFT on them (bf16; v0 published), then one RL iteration of the model in headless
+    Chromium from v0: the recipe's sizes with --model in place of its Qwen2.5-1.5B (no hub on the device)
 Rows 5 and 6 replace the rewards with seeded random numbers after the reward stage (as bench/resident_vs_process.py
 does): a group scored alike has zero advantages, and an update that moves no weight would make the delta and
 the resume comparison say nothing. Rows 1-3 use model.dtype bfloat16, rows 4-6 the recipe's (float32 unless
@@ -71,7 +74,7 @@ from tasks.core import layout, rollout  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
 from tasks.core.errors import UserError  # noqa: E402
 from tasks.core.hashing import sha256_file  # noqa: E402
-from tasks.core.models import base_path  # noqa: E402
+from tasks.core.models import base_path, context_length  # noqa: E402
 from tasks.core.policy import materialize  # noqa: E402
 from tasks.core.processes import alive  # noqa: E402
 from tasks.core.stage import quiet_progress_bars  # noqa: E402
@@ -432,6 +435,47 @@ def row_streaming(args, work: Path) -> str:
             f"refills); every token tagged with its version; discarded {m['generate/discarded_tokens'] + dropped:.0f}")
 
 
+def row_browser(args, work: Path) -> str:
+    """configs/browser.yaml's warm start on the device (issue 43): the shop served here, the reference policy's
+    episodes of the first training tasks recorded, SFT on them (bf16, v0 published), then one RL iteration of the
+    model in Chromium from v0. --model replaces the recipe's Qwen2.5-1.5B (the hub, where reachable)."""
+    from flows.warmup import overrides_after
+    from tasks.envs.builtin.webshop import serve
+    from tasks.envs.runtime.demonstrations import record, write
+    from tasks.sft import sft
+
+    sizes = (["env.kwargs.max_chars=900", "env.max_turns=3", "env.max_tokens=4000", "generate.max_prompt_length=2000",
+              "generate.max_completion_length=40", "warmup.batch_size=2", "warmup.epochs=1"] if args.quick else
+             ["env.max_tokens=6000"])             # (SmolLM2's context is 8192; Qwen's would take the recipe's)
+    with serve() as url:
+        path = ROOT / "configs" / "browser.yaml"
+        common = [f"store.uri=file://{work}/store", f"tracking.uri=sqlite:///{work}/mlflow.db",
+                  "publish.register_model=false", f"model.name_or_path={args.model}", f"train.device={args.device}",
+                  f"env.kwargs.base_url={url}", f"warmup.path={work / 'demos.jsonl'}", "run.name=gpu-check-browser",
+                  *BF16, *(QUICK if args.quick else []), *sizes]
+        cfg = load_config(path, common)
+        if (n := context_length(base_path(cfg))) is not None and n < 2048:
+            raise Skipped(f"{args.model}'s context ({n} tokens) holds no shop demonstration")
+        t0 = time.perf_counter()
+        kept, episodes, _ = record(cfg, "tasks.envs.builtin.webshop:reference_action",
+                                   rows=list(range(2 if args.quick else 16)))
+        if not kept:
+            raise RuntimeError(f"no demonstration recorded ({len(episodes)} episodes)")
+        write(kept, work / "demos.jsonl")
+        recorded, t0 = time.perf_counter() - t0, time.perf_counter()
+        v0 = sft(cfg)
+        m, sft_s = v0["metrics"], time.perf_counter() - t0
+        rl = load_config(path, [*common, *overrides_after(v0)])
+        seconds = iteration(rl, 1)
+    g = open_store(rl).manifest(layout.rollouts(rl.run.name, 1))["meta"]["metrics"]
+    if g["env/errors"]:
+        raise RuntimeError(f"{g['env/errors']:.0f} of {g['env/episodes']:.0f} episodes failed in the environment")
+    return (f"{len(kept)} demonstrations recorded in {recorded:.1f} s; **SFT {m['sft/steps']:.0f} steps in "
+            f"{sft_s:.1f} s** (loss {m['sft/loss']:.3f}); RL iteration 1 from v0: {g['env/episodes']:.0f} episodes "
+            f"in Chromium, {g['env/turns_mean']:.1f} turns each, generate {seconds['generate']:.1f} s, train "
+            f"{seconds['train']:.1f} s")
+
+
 ROWS = {
     1: ("generate: hf engine, bf16", row_generate),
     2: ("train: torch engine, bf16, process mode", row_torch),
@@ -440,6 +484,7 @@ ROWS = {
     5: ("publish: bf16 delta vs whole", row_delta),
     6: (f"resume: resident trainer SIGKILLed after iteration {KILL_AFTER}", row_resume),
     7: ("generate.streaming: hf engine, bf16, continuous batching", row_streaming),
+    8: ("browser.yaml: warm start (SFT) then RL in Chromium, bf16", row_browser),
 }
 
 
@@ -477,7 +522,7 @@ def run_row(number: int, args, top: Path) -> dict:
 def prepare_model(args, top: Path) -> str:
     """Convert (GGUF) or build the model once per dtype the rows use, timed: the rows then find it in the cache."""
     dtypes = []
-    if {1, 2, 3, 7} & set(args.rows):
+    if {1, 2, 3, 7, 8} & set(args.rows):
         dtypes.append("bfloat16")
     if {4, 5, 6} & set(args.rows):
         dtypes.append(config(args, top / "prepare", "prepare").model.dtype)
@@ -526,7 +571,7 @@ def table(args, cfg, rows: list[dict], model_line: str, command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,2,3,4,5,6,7", help="which rows, e.g. 1,3 (default: all seven)")
+    ap.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="which rows, e.g. 1,3 (default: all eight)")
     ap.add_argument("--model", default="builtin:smollm2-135m", help="model.name_or_path for every row")
     ap.add_argument("--config", default=str(RECIPE), help="the recipe (default: configs/smollm2-arith.yaml)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

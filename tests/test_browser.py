@@ -269,7 +269,8 @@ def test_the_browser_config_runs_through_the_flow_with_the_tiny_model(shop, tmp_
         "run.name=shop", "run.iterations=1", "store.uri=store", f"tracking.uri=sqlite:///{tmp_path}/m.db",
         "generate.prompts_per_iteration=2", "generate.num_generations=2", "generate.max_prompt_length=200",
         "generate.max_completion_length=8", "env.max_turns=2", "env.max_tokens=1000", "train.micro_batch_size=4",
-        "eval.every=1", "eval.max_prompts=2", "eval.greedy=true", "eval.num_generations=1", "eval.screenshots=1"])
+        "eval.every=1", "eval.max_prompts=2", "eval.num_generations=1", "eval.screenshots=1", "eval.baseline=false",
+        "warmup=null"])
     assert out["iterations_completed"] == 1
     store = Store.open(str(tmp_path / "store"))
     meta = store.manifest(layout.rollouts("shop", 1))["meta"]["metrics"]

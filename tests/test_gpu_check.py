@@ -1,7 +1,9 @@
 """bench/gpu_check.py (`make gpu-check`): its plumbing on a CPU, and the whole check on a CUDA GPU.
 
 On a CPU the script runs every row it can with --quick sizes on the tiny model (~50 s on the 2-core dev machine
-under load), row 3 (DeepSpeed over NCCL) reports itself skipped, and the table comes out on stdout and in --out.
+under load), row 3 (DeepSpeed over NCCL) and row 8 (the tiny model's context holds no shop demonstration: the
+row ran here with SmolLM2 at --quick sizes, ~4 min) report themselves skipped, and the table comes out on stdout
+and in --out.
 The runner itself (a row that raises is FAILED and the next one runs; exit 1) is checked on stand-in rows in
 this process, in a second. The gpu test runs the real check, the SmolLM2 recipe's sizes, on CUDA.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -46,8 +49,9 @@ def test_the_check_runs_its_rows_on_a_cpu_and_skips_nccl(tmp_path):
     table = out.read_text()
     assert table in done.stdout and table.startswith("## GPU check")
     rows = _rows(table)
-    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7], table
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7, 8], table
     assert rows[3][2] == "skipped (no CUDA: NCCL needs a GPU)" or "--device cpu" in rows[3][2], table
+    assert rows[8][2] == "skipped (builtin:tiny-lm's context (256 tokens) holds no shop demonstration)", table
     for n in (1, 2, 4, 5, 6, 7):
         assert rows[n][2] == "ok", table
     assert "tokens/s" in rows[1][4] and "train tokens/s" in rows[2][4] and "s/iteration" in rows[4][4]
@@ -88,5 +92,7 @@ def test_the_whole_check_passes_on_a_cuda_gpu(tmp_path):
     done = _run(["--out", str(out)], timeout=900)          # the model's conversion included: < 10 min on an H100
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = _rows(out.read_text())
-    assert sorted(rows) == [1, 2, 3, 4, 5, 6] and all(r[2] == "ok" for r in rows.values()), out.read_text()
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7, 8] and all(r[2] == "ok" for r in rows.values()), out.read_text()
     assert "backend **nccl**" in rows[3][4]
+    assert re.match(r"16 demonstrations recorded in [\d.]+ s; \*\*SFT \d+ steps in [\d.]+ s\*\* \(loss [\d.]+\); RL "
+                    r"iteration 1 from v0: 64 episodes in Chromium", rows[8][4]), rows[8]
