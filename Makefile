@@ -117,10 +117,14 @@ bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/real_model_vs_trl.py --levers
 	$(BIN)/python bench/reasoning_gym_suite.py --jobs 2   # 8 tasks x 3 seeds x {plain, dynamic} (~9 h on 2 cores)
 	$(BIN)/python bench/reasoning_gym_suite.py --tasks basic_arithmetic --variants plain dynamic overlap --every 2
+	$(BIN)/python bench/warm_start_letters.py               # the letters game: base vs warm start, held-out, 3 seeds
+	$(BIN)/python bench/shop_learning.py                    # SmolLM2 in the shop: base vs warm start, held-out, 3 seeds
+	$(BIN)/python bench/trl_shop.py --seeds 0 1 2           # the shop's SFT then RL, rlflow vs TRL (tool calls)
 
 # Not in `make test` or `make bench`: those run where there is no GPU. On one CUDA GPU, the SmolLM2 recipe's stages
 # (hf bf16 sampling, torch and DeepSpeed-over-NCCL training, the resident trainer, a bf16 delta publish, a resume
-# after SIGKILL) as one markdown table for docs/benchmarks.md; meant for < 10 min on an H100, the model's
+# after SIGKILL, streamed generation, configs/browser.yaml's warm start and RL in Chromium) as one markdown table for
+# docs/benchmarks.md; meant for < 10 min on an H100, the model's
 # conversion included. GPU_CHECK_ARGS='--rows 1,3 --out FILE' picks rows; '--device cpu --quick' checks the plumbing on a CPU.
 gpu-check: $(VENV)/.ready   ## on one CUDA GPU: each stage of the recipe, one row each (bench/gpu_check.py)
 	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_ARGS)

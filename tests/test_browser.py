@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 
@@ -227,6 +228,38 @@ def test_evaluated_episodes_are_pictured_page_by_page_with_the_action_taken_on_e
     assert records[2].env_state["screens"] >= 2 and not (tmp_path / "screens" / "e02").exists()
 
 
+def test_trls_side_of_the_shop_benchmark_sees_the_task_and_tools_rlflow_sees(shop):
+    """bench/trl_shop.py's ShopEnv (TRL's environment_factory class): reset gives TRL the first message rlflow's
+    episode starts with, its methods are the browser's tools with the same schemas (TRL declares them from the
+    methods, as rlflow does), and the reference policy's actions solve a task through them."""
+    from bench.trl_shop import ShopEnv, _Task
+    from tasks.envs.runtime.tools import schemas
+
+    row = shop_tasks("train")[0]
+    ShopEnv.base_url = shop
+    env = _Task()
+    first = env.reset(task=row["prompt"], start=row["start"], check=json.dumps(row["check"]))
+
+    async def rlflows() -> tuple[str, list]:
+        b = Browser(shop, max_chars=ShopEnv.max_chars)
+        try:
+            return (await b.reset(row))[0]["content"], b.tools
+        finally:
+            await b.close()
+
+    theirs, tools = asyncio.run(rlflows())
+    assert re.sub(r"\[\d+\]", "[N]", first) == re.sub(r"\[\d+\]", "[N]", theirs)   # (numbers: per browser)
+    mine = [getattr(env, t.__name__) for t in tools]
+    assert schemas(mine) == schemas(tools)
+    for _ in range(4):
+        action = reference_action(f"Task: {row['prompt']}\n\n{first}", tool_call=True)
+        call = json.loads(action.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        first = getattr(env, call["name"])(**call["arguments"])
+        if call["name"] == "answer":
+            break
+    assert env.get_reward() == 1.0
+
+
 def test_a_check_that_is_not_one_of_the_checkers_fails_the_episode_at_reset(shop, tokenizer):
     rows = [{"prompt": "x", "start": "/", "check": {"answer": {"exact": "1"}, "screenshot": True}}]
     [r] = _episodes(_cfg(shop, "env.isolation=thread"), rows, tokenizer, tools=False)
@@ -253,7 +286,6 @@ def test_the_browser_config_runs_through_the_flow_with_the_tiny_model(shop, tmp_
     greedy episode is pictured (eval.screenshots): its frames are the run's MLflow artifacts, its strip is in the
     Prefect report, inline."""
     import base64
-    import re
 
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client

@@ -341,6 +341,11 @@ def reference_action(context: str, tool_call: bool = False) -> str:
     return f"{verb} " + " ".join(f"[{int(v) if isinstance(v, bool) else v}]" for v in args.values())
 
 
+def reference_tool_calls(context: str) -> str:
+    """reference_action as Hermes tool calls (`rlflow record --policy` for a model whose template declares tools)."""
+    return reference_action(context, tool_call=True)
+
+
 # ------------------------------------------------------------------------------------------ serving
 
 def free_port() -> int:
