@@ -2,7 +2,7 @@
 (configs/smollm2-shop.yaml, one `rlflow run`: warm start, then RL) and by TRL (SFTTrainer, then GRPOTrainer with
 the shop as an `environment_factory` class), each arm's wall time and its held-out greedy success.
 
-    .venv/bin/python bench/trl_shop.py [--seeds 0] [--iterations 10] [--sft-epochs 3] [--arms rlflow trl]
+    .venv/bin/python bench/trl_shop.py [--seeds 0] [--iterations 10] [--sft-epochs 3] [--arms rlflow trl] [--quick]
 
 Both arms: SmolLM2-135M-Instruct (builtin) with Qwen2.5's ChatML template, which TRL ships (its tools and tool
 calls, Hermes style: TRL's environment_factory needs a template that declares tools and a parser for the calls,
@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 RECIPE = ROOT / "configs" / "smollm2-shop.yaml"
 RL = {"lr": 1e-6, "generations": 4, "prompts": 4, "max_turns": 12}
 TURN = ["-o", "generate.max_completion_length=64"]      # a turn: one tool call (~40 tokens; the recipe's 32 fit text)
+QUICK = {"max_chars": 900, "max_turns": 3, "prompts": 1, "generations": 2, "batch": 2, "held_out": 2, "demos": 4}
+SMALL: list[str] = []     # --quick: every rlflow command's overrides (the plumbing, not the numbers)
 SFT = {"epochs": 3, "batch": 4, "lr": 5e-5}        # (the recipe's warmup section)
 
 from bench.warm_start_letters import rlflow  # noqa: E402
@@ -153,7 +155,8 @@ def held_out(model: Path, work: Path, name: str, url: str) -> float:
 
     cfg = load_config(RECIPE, [f"model.name_or_path={model}", "warmup=null", f"env.kwargs.base_url={url}",
                                f"run.name={name}", f"store.uri={work / 'eval-store'}",
-                               f"tracking.uri=sqlite:///{work / 'eval.db'}", "eval.screenshots=0", TURN[1]])
+                               f"tracking.uri=sqlite:///{work / 'eval.db'}", "eval.screenshots=0", TURN[1],
+                               *(o for o in SMALL[1::2] if not o.startswith("warmup."))])
     return evaluate(cfg, 0)["metrics"]["eval/greedy_pass_at_1"]
 
 
@@ -167,7 +170,7 @@ def trl_arm(model: Path, demos: Path, work: Path, seed: int, steps: int, url: st
     sft_rows = [{"messages": r["messages"], "tools": json.loads(r["tools"])} for r in rows]
     t0 = time.perf_counter()
     common = {"use_cpu": True, "bf16": False, "report_to": [], "save_strategy": "no", "logging_steps": 1,
-              "seed": seed}
+              "seed": seed, "gradient_checkpointing": False}      # (rlflow's trainer keeps activations too)
     sft = SFTTrainer(model=str(model), train_dataset=Dataset.from_list(sft_rows), args=SFTConfig(
         output_dir=str(work / f"trl-sft-s{seed}"), num_train_epochs=SFT["epochs"], per_device_train_batch_size=1,
         gradient_accumulation_steps=SFT["batch"], learning_rate=SFT["lr"], lr_scheduler_type="linear",
@@ -184,7 +187,7 @@ def trl_arm(model: Path, demos: Path, work: Path, seed: int, steps: int, url: st
     grpo = GRPOTrainer(model=str(sft_dir), environment_factory=_factory, train_dataset=tasks, args=GRPOConfig(
         output_dir=str(work / f"trl-grpo-s{seed}"), max_steps=steps, learning_rate=RL["lr"], beta=0.0,
         loss_type="dapo", num_generations=RL["generations"], per_device_train_batch_size=RL["generations"],
-        gradient_accumulation_steps=RL["prompts"], max_completion_length=6000, temperature=1.0,
+        gradient_accumulation_steps=RL["prompts"], max_completion_length=1500 if SMALL else 6000, temperature=1.0,
         max_tool_calling_iterations=RL["max_turns"], lr_scheduler_type="constant", **common))
     grpo.train()
     rl_dir = work / f"trl-grpo-s{seed}" / "final"
@@ -211,7 +214,7 @@ def rlflow_arm(model: Path, demos: Path, work: Path, seed: int, iterations: int,
     rlflow(["run", str(RECIPE), "-o", f"model.name_or_path={model}", "-o", f"env.kwargs.base_url={url}",
             "-o", f"warmup.path={demos}", "-o", f"run.iterations={iterations}", "-o", f"eval.every={iterations}",
             "-o", f"run.name={name}", "-o", f"run.seed={seed}", "-o", "eval.screenshots=0",
-            "-o", f"warmup.epochs={SFT['epochs']}", *TURN,
+            "-o", f"warmup.epochs={SFT['epochs']}", *TURN, *SMALL,
             "--summary-json", str(work / f"{name}.json")], work)
     held = json.loads((work / f"{name}.json").read_text())["held_out"]
     store = Store.open(str(work / "rlflow-store"))       # (its evaluations' time left out, as TRL's arm's is)
@@ -225,9 +228,20 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--iterations", type=int, default=10, help="RL steps of each arm (rlflow iterations)")
     ap.add_argument("--sft-epochs", type=int, default=SFT["epochs"])
+    ap.add_argument("--quick", action="store_true", help="4 demonstrations, 2 episodes of 3 actions a step, 2 "
+                    "held-out tasks: the plumbing of both arms, not the numbers")
     ap.add_argument("--arms", nargs="+", default=["rlflow", "trl"], choices=["rlflow", "trl"])
     args = ap.parse_args()
     SFT["epochs"] = args.sft_epochs
+    if args.quick:
+        q = QUICK
+        RL.update(prompts=q["prompts"], generations=q["generations"], max_turns=q["max_turns"])
+        SFT["batch"] = q["batch"]
+        ShopEnv.max_chars = q["max_chars"]
+        SMALL.extend(a for o in (f"env.kwargs.max_chars={q['max_chars']}", f"env.max_turns={q['max_turns']}",
+                                 f"generate.prompts_per_iteration={q['prompts']}",
+                                 f"generate.num_generations={q['generations']}", f"warmup.batch_size={q['batch']}",
+                                 f"eval.max_prompts={q['held_out']}") for a in ("-o", o))
     work = Path(tempfile.mkdtemp(prefix="rlflow-trl-shop-"))
     t0 = time.perf_counter()
     with serve() as url:
@@ -235,7 +249,8 @@ def main() -> int:
         demos = work / "demos.jsonl"
         out = rlflow(["record", str(RECIPE), "--policy", "tasks.envs.builtin.webshop:reference_tool_calls",
                       "--out", str(demos), "-o", f"model.name_or_path={model}", "-o", f"env.kwargs.base_url={url}",
-                      "-o", f"warmup.path={demos}", *TURN], work)
+                      "-o", f"warmup.path={demos}", *TURN, *SMALL,
+                      *(["--rows", f"0-{QUICK['demos'] - 1}"] if SMALL else [])], work)
         print(out.stderr.strip().splitlines()[-1], f"({time.perf_counter() - t0:.0f} s)")
         print(f"SmolLM2-135M (tool calls) in the shop: SFT, then {args.iterations} RL steps; held-out greedy success "
               f"on 10 tasks")

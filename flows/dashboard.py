@@ -126,8 +126,7 @@ class Report:
                  f"v{it:06d})"]
         for e in index[:STRIPS_SHOWN]:
             data = base64.b64encode((Path(folder) / e["strip"]).read_bytes()).decode()
-            actions = " · ".join(f"{i}. `{_cell(f['action'], 80).replace('`', '')}`"
-                                 for i, f in enumerate(e["frames"], 1))
+            actions = " · ".join(f"{i}. {_cell(f['action'], 80)}" for i, f in enumerate(e["frames"], 1))
             got = e.get("return")
             lines += ["", f"**{_cell(e['prompt'], 200)}** — return {'—' if got is None else f'{got:g}'}", "",
                       f"![episode {e['episode']}](data:image/jpeg;base64,{data})", "", actions]
