@@ -68,6 +68,7 @@ def truncated_logprobs(logits: torch.Tensor, targets: torch.Tensor, dist: Distri
     return (kept.gather(-1, tgt) - torch.logsumexp(kept, dim=-1, keepdim=True)).reshape(B, T)
 
 
+ENTROPY_SLICE = 512       # completion positions whose entropy is computed at once (a (512, V) float32 block)
 _CAN_SHARE: dict[type, bool] = {}      # model classes whose KV cache turned out not to support a row gather
 
 
@@ -106,7 +107,9 @@ def _logprobs(out, ids, n_completion: int, temperature: float | Distribution, wi
         logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return token_logp, None
-    entropy = -(logp.exp() * logp).sum(-1)
+    with torch.no_grad():      # (a statistic: no graph kept through backward, and (Lc, V) made a slice at a time)
+        entropy = torch.cat([-(part.exp() * part).sum(-1) for part in logp.detach().split(ENTROPY_SLICE, dim=1)],
+                            dim=1)
     return token_logp, entropy
 
 
