@@ -227,6 +227,23 @@ def test_evaluated_episodes_are_pictured_page_by_page_with_the_action_taken_on_e
         assert e["frames"][-1]["url"].startswith(shop)
     assert records[2].env_state["screens"] >= 2 and not (tmp_path / "screens" / "e02").exists()
 
+    # the Prefect report's section (flows/dashboard.py: Report.picture): each strip inline, its task, return and
+    # actions as plain text
+    import base64
+    from types import SimpleNamespace
+
+    from flows.dashboard import Report
+
+    report = SimpleNamespace(pictures=[])
+    Report.picture(report, 4, tmp_path / "screens", index)
+    md = "\n".join(report.pictures)
+    assert "### Evaluated episodes of v4 (2 of 2 pictured; every frame in MLflow: screens/v000004)" in md
+    for e in index:
+        strip = base64.b64encode((tmp_path / "screens" / e["strip"]).read_bytes()).decode()
+        assert f"**{e['prompt']}** — return 1" in md and f"](data:image/jpeg;base64,{strip})" in md
+        assert " · ".join(f"{i}. {f['action']}" for i, f in enumerate(e["frames"], 1)) in md.splitlines()
+    assert "`" not in md
+
 
 def test_trls_side_of_the_shop_benchmark_sees_the_task_and_tools_rlflow_sees(shop):
     """bench/trl_shop.py's ShopEnv (TRL's environment_factory class): reset gives TRL the first message rlflow's

@@ -155,6 +155,29 @@ def test_padding_does_not_change_logprobs():
         assert torch.allclose(batch[b, :len(c)], alone[0], atol=1e-5)
 
 
+def test_the_entropy_statistic_is_the_distributions_own_a_slice_at_a_time_and_keeps_no_graph(monkeypatch):
+    """with_entropy: -sum p log p of the whole distribution at each completion position, the same whatever slice of
+    positions is computed at once (ENTROPY_SLICE), and detached: a logged statistic holds no (Lc, V) tensor through
+    the backward; the logprobs still carry the gradient."""
+    from tasks.algorithms import logprobs as lp
+
+    cfg = load_config(TINY, [])
+    model = load_model(base_path(cfg))
+    g = torch.Generator().manual_seed(3)
+    prompts, comps = _groups(g, [4, 6], 2, completion=(7, 12))
+    ids, attn, pos, mask = pad_batch(prompts, comps, 0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -mask.shape[1] - 1:-1]
+        whole = torch.log_softmax(logits.float() / 0.7, -1)
+        want = -(whole.exp() * whole).sum(-1)
+    for slice_ in (lp.ENTROPY_SLICE, 3, 1):
+        monkeypatch.setattr(lp, "ENTROPY_SLICE", slice_)
+        logp, entropy = completion_logprobs(model, ids, attn, pos, mask.shape[1], 0.7, with_entropy=True,
+                                            share_prompts=False)
+        assert logp.requires_grad and not entropy.requires_grad and entropy.grad_fn is None
+        assert entropy.shape == mask.shape and torch.allclose(entropy * mask, want * mask, atol=1e-5)
+
+
 def _groups(g: torch.Generator, lengths: list[int], per_prompt: int, completion: tuple[int, int] = (1, 6)):
     """Prompts of the given lengths, each with `per_prompt` completions (a GRPO group), as token id lists."""
     prompts, comps = [], []
