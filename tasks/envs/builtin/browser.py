@@ -121,7 +121,7 @@ class Browser:
         self._check: dict = {}
         # screenshots (the evaluate stage turns them on, eval.screenshots): the page before each action, with
         # the action taken on it: {"action", "url", "jpeg" (base64)}; tasks/envs/runtime/screens.py files them
-        self.screenshots, self.screens = screenshots, []
+        self._screenshots, self.screens = screenshots, []
         self._acquired = False
 
     @classmethod
@@ -160,7 +160,7 @@ class Browser:
         self._check = check
         browser = await _Chromium.acquire(self.executable, self.headless, self.cdp_url)
         self._acquired = True                 # (released by close: a launch that failed took no share)
-        self._context = await browser.new_context(**({"viewport": SHOT_SIZE} if self.screenshots else {}))
+        self._context = await browser.new_context(**({"viewport": SHOT_SIZE} if self._screenshots else {}))
         self._context.set_default_timeout(self.timeout_ms)
         await self._context.route("**/*", self._route)
         self._page = await self._context.new_page()
@@ -177,7 +177,7 @@ class Browser:
         if not calls:
             calls = _text_actions(message.get("content") or "")
         if self.screens:                  # (the page last shot is the one this action was taken on)
-            self.screens[-1]["action"] = "; ".join(map(_written, calls)) or \
+            self.screens[-1]["action"] = "; ".join(map(_call_written, calls)) or \
                 "(no action) " + str(message.get("content") or "")[:200]
         said: list[tuple[str, str]] = []
         for call in calls:
@@ -308,7 +308,7 @@ class Browser:
 
     async def _shoot(self) -> None:
         """screenshots: the page as it is now (a JPEG, base64), its action filled in by the next step."""
-        if self.screenshots:
+        if self._screenshots:
             import base64
 
             try:
@@ -413,13 +413,18 @@ def _norm(text: str) -> str:
     return text[1:] if text.startswith("$") else text
 
 
-def _written(call: dict) -> str:
-    """An action as the text syntax writes it (`click [25]`), whichever way the model wrote it."""
+def written(name: str, arguments: dict) -> str:
+    """An action in the text syntax (`click [25]`, `type [23] [2] [1]`): what a model without tools writes, and
+    how a pictured frame names the action taken (the reference policy writes its text actions with it)."""
+    return name + "".join(f" [{int(v) if isinstance(v, bool) else v}]" for v in arguments.values())
+
+
+def _call_written(call: dict) -> str:
+    """A parsed call (a tool call, or text read as one) in the text syntax; a call that could not be read, as such."""
     if call.get("type") != "function":
         return f"(unreadable) {call.get('error', '')}"[:200]
     args = call["function"]["arguments"]
-    values = args.values() if isinstance(args, dict) else [args]
-    return call["function"]["name"] + "".join(f" [{int(v) if isinstance(v, bool) else v}]" for v in values)
+    return written(call["function"]["name"], args if isinstance(args, dict) else {"": args})
 
 
 def _text_actions(text: str) -> list[dict]:

@@ -338,7 +338,9 @@ def reference_action(context: str, tool_call: bool = False) -> str:
     if tool_call:
         args = {k: int(v) if k == "ref" else v for k, v in args.items()}
         return "<tool_call>" + json.dumps({"name": verb, "arguments": args}) + "</tool_call>"
-    return f"{verb} " + " ".join(f"[{int(v) if isinstance(v, bool) else v}]" for v in args.values())
+    from tasks.envs.builtin.browser import written
+
+    return written(verb, args)                  # (the browser's text syntax; imported here: the site needs none)
 
 
 def reference_tool_calls(context: str) -> str:

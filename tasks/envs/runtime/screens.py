@@ -59,7 +59,6 @@ def file_frames(records: list[Rollout], folder: Path, limit: int) -> int:
     for r in records:
         state = r.env_state if isinstance(r.env_state, dict) else {}
         frames = state.pop(KEY, None) or []
-        state.pop("screenshots", None)
         if frames:
             state[KEY] = len(frames)
         if not frames or len(index) >= limit:
