@@ -126,14 +126,15 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
         shot = with_screenshots(cfg) if pictured else cfg
         with open_session(cfg, policy, services) as session:         # one model load / engine start for both passes
             what = f"the evaluation of v{iteration:06d}"
-            records, _ = source.run(cfg if ec.greedy else shot, session, ds, rows, SamplingParams(
-                n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
-                temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
-                top_k=cfg.generate.top_k, seed=seed), policy, services)
-            source.require_some(cfg, records, what)       # (no score of 0 recorded, nor a champion gated on it)
-            cache = layout.judge_cache(cfg.run.name, iteration, "evaluate")
-            require_some_score(records, score_records(functions, records, cfg.reward.aggregate, state,
-                                                      judge_cache=cache, services=services), what)
+            records, cache = [], layout.judge_cache(cfg.run.name, iteration, "evaluate")
+            if ec.num_generations:                        # (0: the greedy pass alone)
+                records, _ = source.run(cfg if ec.greedy else shot, session, ds, rows, SamplingParams(
+                    n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
+                    temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
+                    top_k=cfg.generate.top_k, seed=seed), policy, services)
+                source.require_some(cfg, records, what)   # (no score of 0 recorded, nor a champion gated on it)
+                require_some_score(records, score_records(functions, records, cfg.reward.aggregate, state,
+                                                          judge_cache=cache, services=services), what)
             greedy = []
             if ec.greedy:
                 greedy, _ = source.run(shot, session, ds, rows, SamplingParams(
@@ -145,10 +146,12 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
             routed = session.metrics("eval")               # generate.replicas: per replica, the router's counts
         # per episode: an agent's step-wise samples after its first (Rollout.part > 0) are not counted again
         episodes, greedy_episodes = ([r for r in recs if not r.part] for recs in (records, greedy))
-        passed = _passes(cfg, episodes, len(rows))
-        present = [r.reward for r in episodes if r.reward is not None]
-        metrics = {"eval/reward_mean": sum(present) / max(len(present), 1),
-                   f"eval/pass_at_{ec.k}": sum(pass_at_k(ec.num_generations, c, ec.k) for c in passed) / len(rows)}
+        metrics = {}
+        if ec.num_generations:
+            passed = _passes(cfg, episodes, len(rows))
+            present = [r.reward for r in episodes if r.reward is not None]
+            metrics = {"eval/reward_mean": sum(present) / max(len(present), 1),
+                       f"eval/pass_at_{ec.k}": sum(pass_at_k(ec.num_generations, c, ec.k) for c in passed) / len(rows)}
         if ec.greedy:
             metrics["eval/greedy_pass_at_1"] = sum(_passes(cfg, greedy_episodes, len(rows))) / len(rows)
             lead = [r.reward for r in greedy_episodes if r.reward is not None]

@@ -30,6 +30,31 @@ def test_k_above_n_is_a_user_error():
         load_config(TINY, ["eval.k=5", "eval.num_generations=4"])
 
 
+def test_a_greedy_only_evaluation_skips_the_sampled_pass_and_scores_as_the_two_pass_one(tmp_path, monkeypatch):
+    """eval.num_generations 0: the greedy pass alone, its figures those of an evaluation that also samples; nothing
+    sampled stored or logged. Without greedy (or with a metric of the sampled pass) it is a user error."""
+    from tasks.core import rollout
+    from tasks.evaluate import evaluate
+
+    monkeypatch.chdir(tmp_path)
+    both = ["eval.split=test", "eval.max_prompts=4", "eval.greedy=true", "eval.metric=greedy_pass_at_1",
+            "tracking.uri=none"]
+    two = evaluate(load_config(TINY, ["run.name=two", "eval.num_generations=2", *both]), 0)
+    cfg = load_config(TINY, ["run.name=one", "eval.num_generations=0", *both])
+    one = evaluate(cfg, 0)
+    assert "eval/reward_mean" in two["metrics"] and not {"eval/reward_mean", "eval/pass_at_1"} & set(one["metrics"])
+    for key in ("eval/greedy_pass_at_1", "eval/greedy_reward_mean"):
+        assert one["metrics"][key] == two["metrics"][key]
+    store = Store.open(cfg.store)
+    assert rollout.load(store, layout.evaluation("one", 0)) == []
+    greedy = rollout.load(store, layout.evaluation("one", 0), layout.GREEDY)
+    assert [r.completion for r in greedy] == \
+        [r.completion for r in rollout.load(store, layout.evaluation("two", 0), layout.GREEDY)] and len(greedy) == 4
+    for bad in (["eval.greedy=false", "eval.metric=reward_mean"], ["eval.metric=reward_mean"]):
+        with pytest.raises(UserError, match="num_generations: 0"):
+            load_config(TINY, ["eval.num_generations=0", "eval.greedy=true", *bad])
+
+
 @pytest.mark.slow
 def test_flow_evaluates_and_keeps_the_best(prefect_api, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -275,3 +275,43 @@ def test_train_with_reference_kl_and_several_passes(tmp_path):
     assert 0.0 <= m["train/clip_region"] <= 1.0
     assert m["train/ratio_min"] <= m["train/ratio_mean"] <= m["train/ratio_max"]
     assert m["train/clip_region"] == m["train/clip_low"] + m["train/clip_high"]
+
+
+def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_logprobs_and_gradients():
+    """train.gradient_checkpointing: the engine's model recomputes each decoder layer in the backward (a layer's
+    forward runs twice per step, once without it) for the same logprobs and gradients; its training forward runs
+    every row whole (no KV cache to share under checkpointing) without turning prompt sharing off for the model
+    class: its no-grad passes still run each prompt once."""
+    from tasks.algorithms import logprobs as lp
+    from tasks.engines.torch_engine import TorchEngine
+
+    cfg = load_config(TINY, ["train.gradient_checkpointing=true"])
+    engine = TorchEngine.open(cfg, None, None)
+    recomputing, plain = engine.model, load_model(base_path(cfg)).train()
+    assert recomputing.is_activation_checkpointing and not plain.is_activation_checkpointing
+    g = torch.Generator().manual_seed(3)
+    prompts, comps = _groups(g, [7, 5], 3)
+    ids, attn, pos, mask = pad_batch(prompts, comps, 0)
+
+    def step(model):
+        layer_calls = []
+        hook = model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: layer_calls.append(1))
+        model.zero_grad()
+        logp, _ = completion_logprobs(model, ids, attn, pos, mask.shape[1], 0.7)
+        (logp * mask).sum().backward()
+        hook.remove()
+        return logp.detach(), [p.grad.clone() for p in model.parameters()], len(layer_calls)
+
+    (want, want_grads, plain_calls), (got, got_grads, calls) = step(plain), step(recomputing)
+    assert torch.allclose(want * mask, got * mask, atol=1e-5)
+    for a, b in zip(want_grads, got_grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert plain_calls == 2 and calls == 2   # plain: the prompts, then the rows; recomputing: all at once, twice
+    assert lp._CAN_SHARE.get(type(recomputing), True)
+
+    seen = []
+    forward = recomputing.forward
+    recomputing.forward = lambda *args, **kwargs: seen.append(kwargs["input_ids"].shape[0]) or forward(*args, **kwargs)
+    with torch.no_grad():
+        completion_logprobs(recomputing.eval(), ids, attn, pos, mask.shape[1], 0.7)
+    assert seen == [2, 6]

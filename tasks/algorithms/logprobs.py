@@ -85,13 +85,19 @@ def completion_logprobs(model, ids, attn, positions, n_completion: int, temperat
     device = next(model.parameters()).device
     ids, attn, positions = ids.to(device), attn.to(device), positions.to(device)
     extra = {"output_hidden_states": True} if with_hidden else {}
-    shared = prompt_groups(ids, n_completion) if share_prompts and _CAN_SHARE.get(type(model), True) else None
+    # A training-mode forward under gradient checkpointing keeps no KV cache (transformers turns use_cache off):
+    # nothing to share there, though the same model shares in its no-grad passes.
+    recomputes = getattr(model, "is_activation_checkpointing", None)     # (transformers < 5: the older name)
+    recomputes = model.training and (getattr(model, "is_gradient_checkpointing", False) if recomputes is None
+                                     else recomputes)
+    shared = prompt_groups(ids, n_completion) \
+        if share_prompts and not recomputes and _CAN_SHARE.get(type(model), True) else None
     out = shared_prompt_forward(model, ids, attn, positions, n_completion, *shared, **extra) if shared else None
     if shared is not None and out is None:              # a model whose KV cache cannot be gathered by rows
         _CAN_SHARE[type(model)] = False
     if out is None:
         out = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=n_completion + 1,
-                    **extra)
+                    use_cache=False, **extra)
     if with_hidden:
         hidden = out.hidden_states[-1][:, -(n_completion + 1):-1]
         return (*_logprobs(out, ids, n_completion, temperature, with_entropy, device), hidden)

@@ -50,7 +50,9 @@ class EvalConfig(Section):
     name: str | None = Field(None, description="Hub dataset configuration name; None = data.name.")
     split: str = Field("test", description="Held-out split.")
     max_prompts: int = Field(64, ge=1, description="Evaluate on the first N rows of the split.")
-    num_generations: int = Field(4, ge=1, description="Samples per prompt (n of pass@k).")
+    num_generations: int = Field(4, ge=0, description="Samples per prompt (n of pass@k); 0 with greedy: the "
+                                 "greedy pass alone (eval/greedy_*; half the time of an episode environment's "
+                                 "evaluation when only the deployed policy's success matters).")
     k: int = Field(1, ge=1, description="k of pass@k (unbiased estimator over num_generations samples).")
     pass_threshold: float = Field(1.0, description="A completion passes when its combined reward (or pass_reward's "
                                   "score) is at least this.")
@@ -86,7 +88,11 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def _k_le_n(self):
-        if self.k > self.num_generations:
+        if self.num_generations == 0:
+            if not self.greedy or self.metric != "greedy_pass_at_1":
+                raise ValueError("num_generations: 0 (no sampled pass) needs greedy: true and metric: "
+                                 "greedy_pass_at_1")
+        elif self.k > self.num_generations:
             raise ValueError(f"k ({self.k}) must be <= num_generations ({self.num_generations})")
         if self.metric == "greedy_pass_at_1" and not self.greedy:
             raise ValueError("metric: greedy_pass_at_1 needs greedy: true")

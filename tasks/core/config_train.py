@@ -275,6 +275,12 @@ class TrainConfig(Section):
                                 "shared by its completions (a GRPO group's num_generations), instead of once per "
                                 "completion: the same logprobs and gradients up to float rounding, ~3x less work "
                                 "for prompts 4x as long as the completions (tasks/algorithms/logprobs.py).")
+    gradient_checkpointing: bool = Field(
+        False, json_schema_extra=HOW_NOT_WHAT,
+        description="Keep only each decoder layer's input through the forward and recompute the layer in the "
+                    "backward (transformers' gradient checkpointing, non-reentrant): activation memory ~1/layers for "
+                    "~1.3x the compute. For long sequences, such as multi-turn episodes: one 4000-token SmolLM2-135M "
+                    "sequence's forward and backward peaks at ~9 GB without it, ~4.6 GB with it. The same weights.")
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward in each process (gradient "
                                   "accumulation): a memory knob, the update is the whole batch's.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")

@@ -229,6 +229,19 @@ def add_lora(model, tc: TrainConfig):
                                                 target_modules=tc.lora_target_modules, task_type="CAUSAL_LM"))
 
 
+def checkpointing(model, tc: TrainConfig):
+    """The model with train.gradient_checkpointing applied (non-reentrant: no input needs requires_grad, so LoRA
+    and ZeRO-3's partitioned weights work unchanged). Only training-mode forwards recompute: evaluation is as
+    before."""
+    if tc.gradient_checkpointing:             # (transformers 5 renamed it; older ones have only the first name)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def check_lora_targets(cfg: Config, path: str) -> None:
     """One UserError line if train.lora_target_modules names modules the model does not have: peft's own check,
     on a copy of the model without weights (meta device), before anything runs."""

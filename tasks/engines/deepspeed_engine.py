@@ -36,7 +36,16 @@ import torch
 from tasks.algorithms.learners.registry import learner_class
 from tasks.core import layout
 from tasks.core.errors import UserError
-from tasks.core.models import DTYPES, add_lora, base_path, device_for, load_model, load_tokenizer, policy_dtype
+from tasks.core.models import (
+    DTYPES,
+    add_lora,
+    base_path,
+    checkpointing,
+    device_for,
+    load_model,
+    load_tokenizer,
+    policy_dtype,
+)
 from tasks.core.process_wide import rng_state, seed_all, set_default, set_rng_state
 from tasks.core.processes import run
 
@@ -146,6 +155,7 @@ class DeepSpeedEngine:
             model = load_model(model_path, dtype, device)
             if self.lora:   # fresh adapters (B = 0), as the torch engine makes them; a resume loads their state below
                 model = add_lora(model, tc)
+            checkpointing(model, tc)
             params = [p for p in model.parameters() if p.requires_grad]
             if tc.offload_optimizer:
                 from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -25,6 +25,7 @@ from tasks.core.models import (
     DTYPES,
     add_lora,
     base_path,
+    checkpointing,
     device_for,
     load_model,
     load_policy,
@@ -78,7 +79,7 @@ class TorchEngine:
             model = load_model(model_path, cfg.model.dtype, device)
             if tc.lora_r:
                 model = add_lora(model, tc)
-        model.train()
+        checkpointing(model, tc).train()
         lora = tc.lora_r > 0
         # The reference policy is the starting weights: with LoRA, the same model with its adapter disabled.
         ref_model = None
