@@ -31,14 +31,19 @@ import threading
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RECIPE = ROOT / "configs" / "smollm2-shop.yaml"
-RL = {"lr": 1e-6, "generations": 4, "prompts": 4, "max_turns": 12}
+_R = yaml.safe_load(RECIPE.read_text())            # both arms run the recipe's settings
+RL = {"lr": _R["train"]["lr"], "generations": _R["generate"]["num_generations"],
+      "prompts": _R["generate"]["prompts_per_iteration"], "max_turns": _R["env"]["max_turns"],
+      "max_tokens": _R["env"]["max_tokens"]}
 TURN = ["-o", "generate.max_completion_length=64"]      # a turn: one tool call (~40 tokens; the recipe's 32 fit text)
 QUICK = {"max_chars": 900, "max_turns": 3, "prompts": 1, "generations": 2, "batch": 2, "held_out": 2, "demos": 4}
 SMALL: list[str] = []     # --quick: every rlflow command's overrides (the plumbing, not the numbers)
-SFT = {"epochs": 3, "batch": 4, "lr": 5e-5}        # (the recipe's warmup section)
+SFT = {"epochs": _R["warmup"]["epochs"], "batch": _R["warmup"]["batch_size"], "lr": _R["warmup"]["lr"]}
 
 from bench.warm_start_letters import rlflow  # noqa: E402
 from tasks.core import layout  # noqa: E402
@@ -170,7 +175,7 @@ def trl_arm(model: Path, demos: Path, work: Path, seed: int, steps: int, url: st
     sft_rows = [{"messages": r["messages"], "tools": json.loads(r["tools"])} for r in rows]
     t0 = time.perf_counter()
     common = {"use_cpu": True, "bf16": False, "report_to": [], "save_strategy": "no", "logging_steps": 1,
-              "seed": seed, "gradient_checkpointing": False}      # (rlflow's trainer keeps activations too)
+              "seed": seed, "gradient_checkpointing": True}       # (as the recipe: train.gradient_checkpointing)
     sft = SFTTrainer(model=str(model), train_dataset=Dataset.from_list(sft_rows), args=SFTConfig(
         output_dir=str(work / f"trl-sft-s{seed}"), num_train_epochs=SFT["epochs"], per_device_train_batch_size=1,
         gradient_accumulation_steps=SFT["batch"], learning_rate=SFT["lr"], lr_scheduler_type="linear",
@@ -187,8 +192,8 @@ def trl_arm(model: Path, demos: Path, work: Path, seed: int, steps: int, url: st
     grpo = GRPOTrainer(model=str(sft_dir), environment_factory=_factory, train_dataset=tasks, args=GRPOConfig(
         output_dir=str(work / f"trl-grpo-s{seed}"), max_steps=steps, learning_rate=RL["lr"], beta=0.0,
         loss_type="dapo", num_generations=RL["generations"], per_device_train_batch_size=RL["generations"],
-        gradient_accumulation_steps=RL["prompts"], max_completion_length=1500 if SMALL else 6000, temperature=1.0,
-        max_tool_calling_iterations=RL["max_turns"], lr_scheduler_type="constant", **common))
+        gradient_accumulation_steps=RL["prompts"], max_completion_length=1500 if SMALL else RL["max_tokens"],
+        temperature=1.0, max_tool_calling_iterations=RL["max_turns"], lr_scheduler_type="constant", **common))
     grpo.train()
     rl_dir = work / f"trl-grpo-s{seed}" / "final"
     grpo.save_model(str(rl_dir))
