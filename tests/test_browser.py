@@ -116,6 +116,35 @@ def test_mistakes_are_observations_and_wrong_answers_score_zero(shop):
     assert step.done and step.reward == 0.0 and b.checks == {"answer.exact": False} and step.observation == []
 
 
+def test_a_page_is_numbered_the_same_in_every_episode(shop):
+    """Element numbers count the page's shown nodes in tree order (1..n), so the home page reads the same in an
+    episode started after another has made pages of its own, and alongside it (Chromium's own node ids, which the
+    numbers were before, differed there: a model that learned [3] for the search box missed [5])."""
+    row = {"prompt": "What does the Tea Tin cost?", "start": "/", "check": {"answer": {"exact": "6.25"}}}
+
+    def page(content: str) -> str:
+        return content[content.index("Page: "):]
+
+    async def episodes():
+        first, second, third = Browser(shop), Browser(shop), Browser(shop)
+        home = page((await first.reset(row))[0]["content"])
+        box = re.search(r"\[(\d+)\] searchbox", home).group(1)
+        await first.step({"role": "assistant", "content": f"type [{box}] [wool] [1]"})       # pages made between
+        again = page((await second.reset(row))[0]["content"])
+        together = await asyncio.gather(second.step({"role": "assistant", "content": f"type [{box}] [tea] [1]"}),
+                                        third.reset(row))
+        found = together[0].observation[0]["content"]
+        for b in (first, second, third):
+            await b.close()
+        return home, again, page(together[1][0]["content"]), found
+
+    home, again, alongside, found = asyncio.run(episodes())
+    assert again == home == alongside
+    numbers = [int(n) for n in re.findall(r"^\s*\[(\d+)\]", home, re.M)]
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) > 20
+    assert "1 product found" in found and "Tea Tin" in found       # the number typed into is the search box
+
+
 def test_a_chromium_that_died_is_started_again_for_the_next_episode(shop):
     from playwright.async_api import Error as PlaywrightError
 

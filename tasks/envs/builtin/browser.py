@@ -117,7 +117,7 @@ class Browser:
         self.tools = [self.click, self.type, self.select, self.goto, self.answer]
         self.url, self.answer_text, self.checks, self.reward = "", None, {}, 0.0
         self._context = self._page = self._cdp = None
-        self._refs: set[int] = set()
+        self._refs: dict[int, int] = {}        # the observed page's numbers -> Chromium's backend node ids
         self._check: dict = {}
         # screenshots (the evaluate stage turns them on, eval.screenshots): the page before each action, with
         # the action taken on it: {"action", "url", "jpeg" (base64)}; tasks/envs/runtime/screens.py files them
@@ -297,14 +297,15 @@ class Browser:
     async def _element(self, ref: int):
         if ref not in self._refs:
             raise ActionError(f"no element [{ref}] on the page (use a number from the page's tree)")
+        backend = self._refs[ref]          # (the mark is the node's own id: a number is reused by the next page)
         try:
-            node = await self._cdp.send("DOM.resolveNode", {"backendNodeId": ref})
+            node = await self._cdp.send("DOM.resolveNode", {"backendNodeId": backend})
             await self._cdp.send("Runtime.callFunctionOn", {"objectId": node["object"]["objectId"],
                                                             "functionDeclaration": _MARK,
-                                                            "arguments": [{"value": str(ref)}]})
+                                                            "arguments": [{"value": str(backend)}]})
         except Exception:  # noqa: BLE001 - the node went with a navigation or a re-render
             raise ActionError(f"[{ref}] is no longer on the page") from None
-        return self._page.locator(f'[data-rlflow-ref="{ref}"]').first
+        return self._page.locator(f'[data-rlflow-ref="{backend}"]').first
 
     async def _shoot(self) -> None:
         """screenshots: the page as it is now (a JPEG, base64), its action filled in by the next step."""
@@ -330,12 +331,15 @@ class Browser:
             await route.abort("blockedbyclient")
 
     async def _observe(self) -> str:
-        """The page as its accessibility tree, one node a line: [number] role 'name' properties."""
+        """The page as its accessibility tree, one node a line: [number] role 'name' properties. The numbers count
+        the page's shown nodes in tree order (1, 2, ...): the same page is numbered the same in every episode.
+        Chromium's backend node ids (WebArena's numbers) depend on every page that browser made before: concurrent
+        episodes saw the shop's search box as [3], [4] or [5], and a model that learned one missed the others."""
         self.url = self._page.url
         nodes = (await self._cdp.send("Accessibility.getFullAXTree"))["nodes"]
         by_id = {n["nodeId"]: n for n in nodes}
         lines: list[str] = []
-        self._refs = set()
+        self._refs = {}
         stack: list[tuple[dict, int, str]] = [(nodes[0], 0, "")] if nodes else []
         while stack:
             node, depth, parent = stack.pop()
@@ -346,8 +350,8 @@ class Browser:
             if role == "StaticText" and (not name or name in parent):        # (a field's text: its value)
                 shown = False
             if shown and "backendDOMNodeId" in node:
-                ref = node["backendDOMNodeId"]
-                self._refs.add(ref)
+                ref = len(self._refs) + 1
+                self._refs[ref] = node["backendDOMNodeId"]
                 lines.append("  " * depth + f"[{ref}] {role} {_quote(name)}{_props(node)}")
                 depth, parent = depth + 1, f"{name} {node.get('value', {}).get('value', '')}"
             if role != "StaticText":
