@@ -13,6 +13,8 @@ format's share: an episode scores only when its checker passes; an action in the
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 import tempfile
 import time
@@ -31,6 +33,9 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--arms", nargs="+", default=["base", "warm start"], choices=["base", "warm start"])
+    ap.add_argument("--repeat-rare", type=int, default=1, metavar="N",
+                    help="the demonstrations of the kinds that are not a product lookup (the searches, categories "
+                    "and orders: 10 of the 28) N times in the SFT data, so that each kind weighs about as much")
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                     help="for every arm's run, e.g. -o warmup.epochs=2")
     args = ap.parse_args()
@@ -43,11 +48,24 @@ def main() -> int:
         out = rlflow(["record", str(RECIPE), "--policy", "tasks.envs.builtin.webshop:reference_action", "--out",
                       str(work / "demos.jsonl"), *common], work)
         print(out.stderr.strip().splitlines()[-1], f"({time.perf_counter() - t0:.0f} s)")
+        if args.repeat_rare > 1:
+            print(f"{repeat_rare(work / 'demos.jsonl', args.repeat_rare)} demonstrations after repeating the rare "
+                  f"kinds {args.repeat_rare} times")
         print(f"SmolLM2-135M in the shop, 10 held-out tasks, {args.iterations} RL iterations; greedy success")
         every = {"base": ["-o", "warmup=null"], "warm start": []}
         compare_arms(RECIPE, common, {arm: every[arm] for arm in args.arms}, args.seeds, args.iterations, work)
     print(f"(all in {time.perf_counter() - t0:.0f} s; work folder {work})")
     return 0
+
+
+def repeat_rare(demos: Path, times: int) -> int:
+    """The demonstrations whose task is not a product's price or stock written `times` times over; their count."""
+    lines = demos.read_text().splitlines()
+    lookup = re.compile(r"Task: (What does the .+ cost\?|How many .+ items are in stock\?)")
+    out = [line for line in lines for _ in range(1 if lookup.search(json.loads(line)["messages"][0]["content"])
+                                                  else times)]
+    demos.write_text("\n".join(out) + "\n")
+    return len(out)
 
 
 if __name__ == "__main__":
