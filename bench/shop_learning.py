@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 RECIPE = ROOT / "configs" / "smollm2-shop.yaml"
 
 from bench.warm_start_letters import compare_arms, rlflow  # noqa: E402
-from tasks.envs.builtin.webshop import serve  # noqa: E402
+from tasks.envs.builtin.webshop import serve, shop_tasks  # noqa: E402
 
 
 def main() -> int:
@@ -59,11 +58,12 @@ def main() -> int:
 
 
 def repeat_rare(demos: Path, times: int) -> int:
-    """The demonstrations whose task is not a product's price or stock written `times` times over; their count."""
+    """The demonstrations whose task is not a product's price or stock (the task's `kind`) written `times` times
+    over; their count."""
+    lookups = {f"Task: {t['prompt']}" for t in shop_tasks() if t["kind"] in ("price", "stock")}
     lines = demos.read_text().splitlines()
-    lookup = re.compile(r"Task: (What does the .+ cost\?|How many .+ items are in stock\?)")
-    out = [line for line in lines for _ in range(1 if lookup.search(json.loads(line)["messages"][0]["content"])
-                                                  else times)]
+    out = [line for line in lines
+           for _ in range(1 if any(t in json.loads(line)["messages"][0]["content"] for t in lookups) else times)]
     demos.write_text("\n".join(out) + "\n")
     return len(out)
 
