@@ -86,3 +86,19 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_
     os.utime(stale, (old, old))
     assert clear_stale_build_locks(tmp_path) == [stale]
     assert not stale.exists() and live.exists()
+
+
+def test_a_servers_socket_takes_connections_before_it_serves_them():
+    """The READY line comes from uvicorn's lifespan startup, before uvicorn serves the socket: a client that
+    connects in that gap must wait, not be refused (the pool's front reads a refusal as a lost member)."""
+    import socket
+
+    from tasks.core.processes import listening_socket
+
+    sock, url = listening_socket("127.0.0.1", 0)
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10):   # nothing accepts yet: queued
+            pass
+    finally:
+        sock.close()

@@ -277,13 +277,17 @@ def free_port() -> int:
 
 def listening_socket(host: str, port: int):
     """A TCP socket bound to (host, port) (port 0: a free one) for a server to serve on, and the URL that reaches
-    it from this machine (0.0.0.0 is reached at 127.0.0.1). What the environment server and a generate replica
-    bind before they print their READY line."""
+    it from this machine (0.0.0.0 is reached at 127.0.0.1). What the environment server, its pool's front, a
+    generate replica and a judge server bind before they print their READY line. Listening already: uvicorn
+    prints that line from its lifespan's startup, before it serves the socket, and a client that connects in
+    between (a loaded machine makes that gap long) waits in the backlog instead of being refused, which the
+    pool's front and the flow read as a lost member."""
     import socket
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)
     return sock, f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{sock.getsockname()[1]}"
 
 
