@@ -171,6 +171,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "browser, no site": (["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.browser:Browser", "-o",
                               'env.kwargs={"base_url": "http://127.0.0.1:9"}'],
                              "env.kwargs.base_url: no site answers at http://127.0.0.1:9"),
+        "browser, partial credit of a whole reward": (
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.browser:Browser", "-o",
+             'env.kwargs={"base_url": "http://127.0.0.1:9", "partial_credit": 1.5}'],
+            "env.kwargs.partial_credit: a share of the reward below a success's 1 (0 <= c < 1), not 1.5"),
         "browser, no base_url": (["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.browser:Browser"],
                                  "env.kwargs.base_url: the browser environment needs the site's URL"),
         "openenv, not its python": (["run", str(TINY), "-o", "env.factory=tasks.envs.adapters.openenv_adapter:OpenEnv", "-o",

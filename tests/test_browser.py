@@ -15,6 +15,7 @@ import pytest
 
 from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
+from tasks.core.errors import UserError
 from tasks.envs.builtin.browser import Browser
 from tasks.envs.builtin.webshop import reference_action, serve, shop_tasks
 from tasks.envs.runtime.episodes import run_episodes
@@ -114,6 +115,23 @@ def test_mistakes_are_observations_and_wrong_answers_score_zero(shop):
 
     step, b = asyncio.run(episode())
     assert step.done and step.reward == 0.0 and b.checks == {"answer.exact": False} and step.observation == []
+
+
+def test_partial_credit_pays_the_share_of_the_checks_parts_and_a_success_stays_1(shop, tokenizer):
+    """env.kwargs.partial_credit c: an episode whose checks do not all pass earns c x the share of their parts that
+    do (each string a page must show); a success still earns 1, so eval.pass_threshold 1 counts successes alone."""
+    order = next(r for r in shop_tasks() if r["kind"] == "order")
+    wanted = order["check"]["pages"][0]["must_include"]
+    wrong = {**order, "check": {"pages": [{"url": "/orders/last",
+                                           "must_include": [wanted[0], "Ship to: Nobody, Nowhere", wanted[2]]}]}}
+    shaped = _episodes(_cfg(shop, "env.isolation=thread", "env.kwargs.partial_credit=0.5"), [order, wrong],
+                       tokenizer, tools=False)
+    assert [r.env_return for r in shaped] == [1.0, pytest.approx(0.5 * 2 / 3)]
+    assert shaped[1].env_state["checks"] == {"pages[0]": False}
+    plain = _episodes(_cfg(shop, "env.isolation=thread"), [wrong], tokenizer, tools=False)
+    assert plain[0].env_return == 0.0
+    with pytest.raises(UserError, match="env.kwargs.partial_credit"):
+        Browser(shop, partial_credit=1.0)
 
 
 def test_a_page_is_numbered_the_same_in_every_episode(shop):

@@ -8,7 +8,9 @@
 A dataset row is a task: `prompt` (the intent), `start` (a path or URL, default "/") and `check` (how the
 episode is scored). Each observation is the page's accessibility tree as text, one node a line with the number
 that actions name it by; actions are tool calls or the same words as text (`click [25]`, `type [23] [2]`,
-`answer [24.99]`, ...), and `answer` ends the episode: its checks give the reward, 1 or 0.
+`answer [24.99]`, ...), and `answer` ends the episode: its checks give the reward, 1 or 0 (or, with
+`partial_credit: c`, c times the share of the checks' parts that pass when not all do: a shaped reward that a
+success, 1, still stands above, for eval.pass_threshold 1).
 
 Without Playwright or a Chromium the environment refuses before the run starts, with one line (`preflight`).
 More: docs/internals.md (tasks/envs/builtin/browser.py): observations, actions and checks, in full.
@@ -108,7 +110,8 @@ class Browser:
 
     def __init__(self, base_url: str, executable: str | None = None, max_chars: int = 6000,
                  action_timeout: float = 5.0, allowed_hosts: list[str] | None = None, headless: bool = True,
-                 cdp_url: str | None = None, screenshots: bool = False):
+                 cdp_url: str | None = None, screenshots: bool = False, partial_credit: float = 0.0):
+        self.partial_credit = _share(partial_credit)
         self.base_url = base_url.rstrip("/") + "/"
         self.cdp_url = cdp_url
         self.executable, self.headless = chromium_path(executable), headless
@@ -116,6 +119,7 @@ class Browser:
         self.hosts = set(allowed_hosts or []) | {urlparse(self.base_url).netloc}
         self.tools = [self.click, self.type, self.select, self.goto, self.answer]
         self.url, self.answer_text, self.checks, self.reward = "", None, {}, 0.0
+        self.parts: list[bool] = []            # each part of the checks (an answer, a string a page must show)
         self._context = self._page = self._cdp = None
         self._refs: dict[int, int] = {}        # the observed page's numbers -> Chromium's backend node ids
         self._check: dict = {}
@@ -126,8 +130,9 @@ class Browser:
 
     @classmethod
     def preflight(cls, base_url: str | None = None, executable: str | None = None, cdp_url: str | None = None,
-                  **_: Any) -> None:
-        """Before the run starts: one line when Playwright, Chromium or the site is missing."""
+                  partial_credit: Any = 0.0, **_: Any) -> None:
+        """Before the run starts: one line when Playwright, Chromium or the site is missing, or a setting is wrong."""
+        _share(partial_credit)
         try:
             import playwright.async_api  # noqa: F401
         except ImportError:
@@ -270,7 +275,8 @@ class Browser:
         self.answer_text = str(text)
         self.url = self._page.url
         self.checks = await self._run_checks(self.answer_text)
-        self.reward = 1.0 if self._check and all(self.checks.values()) else 0.0
+        passed = bool(self._check) and all(self.checks.values())
+        self.reward = 1.0 if passed else self.partial_credit * sum(self.parts) / max(len(self.parts), 1)
         return f"answered {self.answer_text!r}"
 
     # ------------------------------------------------------------------------------------ inside
@@ -364,29 +370,51 @@ class Browser:
         return text
 
     async def _run_checks(self, answer: str) -> dict[str, bool]:
+        """Each check's verdict; `self.parts` gets each part's (an exact answer, each string an answer or a page
+        must include, the URL), which partial credit counts."""
         out: dict[str, bool] = {}
+        parts: list[bool] = []
         spec = self._check
         if "answer" in spec:
             got, want = _norm(answer), spec["answer"]
             if "exact" in want:
                 out["answer.exact"] = got == _norm(str(want["exact"]))
+                parts.append(out["answer.exact"])
             if "must_include" in want:
-                out["answer.must_include"] = all(_norm(str(s)) in got for s in want["must_include"])
+                found = [_norm(str(s)) in got for s in want["must_include"]]
+                out["answer.must_include"] = all(found)
+                parts += found
         if "url" in spec:
             here = urlparse(self._page.url)
             out["url"] = urljoin(self.base_url, spec["url"]).rstrip("/") == f"{here.scheme}://{here.netloc}" \
                 f"{here.path}{'?' + here.query if here.query else ''}".rstrip("/")
+            parts.append(out["url"])
         for i, page_check in enumerate(spec.get("pages") or []):
             page = await self._context.new_page()
+            wanted = page_check.get("must_include", [])
             try:
                 await page.goto(urljoin(self.base_url, page_check["url"]), wait_until="load")
                 body = _norm(await page.inner_text("body"))
-                out[f"pages[{i}]"] = all(_norm(str(s)) in body for s in page_check.get("must_include", []))
+                found = [_norm(str(s)) in body for s in wanted]
             except Exception:  # noqa: BLE001 - a page that does not open fails its check
-                out[f"pages[{i}]"] = False
+                found = [False] * max(len(wanted), 1)
             finally:
                 await page.close()
+            out[f"pages[{i}]"] = all(found)
+            parts += found or [True]                # (a page that opens, with nothing it must show)
+        self.parts = parts
         return out
+
+
+def _share(partial_credit: Any) -> float:
+    try:
+        share = float(partial_credit)
+    except (TypeError, ValueError):
+        share = -1.0
+    if not 0.0 <= share < 1.0:
+        raise UserError(f"env.kwargs.partial_credit: a share of the reward below a success's 1 (0 <= c < 1), not "
+                        f"{partial_credit!r}")
+    return share
 
 
 def _pruned(value: Any) -> Any:
