@@ -8,9 +8,7 @@
 A dataset row is a task: `prompt` (the intent), `start` (a path or URL, default "/") and `check` (how the
 episode is scored). Each observation is the page's accessibility tree as text, one node a line with the number
 that actions name it by; actions are tool calls or the same words as text (`click [25]`, `type [23] [2]`,
-`answer [24.99]`, ...), and `answer` ends the episode: its checks give the reward, 1 or 0 (or, with
-`partial_credit: c`, c times the share of the checks' parts that pass when not all do: a shaped reward that a
-success, 1, still stands above, for eval.pass_threshold 1).
+`answer [24.99]`, ...), and `answer` ends the episode: its checks give the reward, 1 or 0 (a share: `partial_credit`).
 
 Without Playwright or a Chromium the environment refuses before the run starts, with one line (`preflight`).
 More: docs/internals.md (tasks/envs/builtin/browser.py): observations, actions and checks, in full.
