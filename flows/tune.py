@@ -248,19 +248,23 @@ class Tune:
                 self.procs.pop(trial.number, None)
         if self.stop.is_set() and not pruned:
             return                                   # left running in the study: the next tune resumes it
+        # the trial's MLflow run first, the study's verdict last: a kill between the two leaves the trial running in
+        # the study, so the next tune runs it again (its run already done) rather than leave a run without its value
+        if pruned:
+            state, value = "PRUNED", None
+        elif code == 0 and values:
+            state, value = "COMPLETE", window_mean(values, self.args.window)
+        else:
+            state, value = "FAILED", None
+        tracker.end(child, state, value)
         with self.lock:
-            if pruned:
+            if state == "PRUNED":
                 study.tell(trial, state=TrialState.PRUNED)
-                state, value = "PRUNED", None
-            elif code == 0 and values:
-                value = window_mean(values, self.args.window)
+            elif state == "COMPLETE":
                 study.tell(trial, value)
-                state = "COMPLETE"
             else:
                 trial.set_user_attr("error", _last_line(log_path))
                 study.tell(trial, state=TrialState.FAIL)
-                state, value = "FAILED", None
-        tracker.end(child, state, value)
         print(f"trial {trial.number:>3}  {state:<8} {'' if value is None else f'{value:.4f}':>8}  {name}  "
               + "  ".join(f"{k}={v}" for k, v in params.items()), flush=True)
 

@@ -116,3 +116,46 @@ def test_a_tune_finds_a_better_learning_rate_and_resumes_after_a_kill(tmp_path, 
     with get_client(sync_client=True) as prefect:
         artifacts = [a for a in prefect.read_artifacts() if a.key == "tune-tiny-demo-tune"]
     assert artifacts and artifacts[0].type == "table"
+
+
+def test_a_trial_is_done_in_the_study_only_after_its_mlflow_run_has_its_value(tmp_path, prefect_api, monkeypatch):
+    """The order that makes a kill at any moment safe: the trial's MLflow run gets its value and state first, the
+    study's verdict comes last; a kill between the two (here: the tracker's end raising) leaves the trial running
+    in the study, and the next tune runs it again with its values."""
+    import argparse
+
+    from optuna.trial import TrialState
+
+    from flows.tune import Tune, load_space
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_api)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.yaml").write_text("train.lr: {type: log_uniform, low: 1.0e-4, high: 1.0e-2}\n")
+    overrides = ["run.iterations=1", f"store.uri=file://{tmp_path}/store", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
+    args = argparse.Namespace(config=str(TINY), override=overrides, out=str(tmp_path / "tune"), study="order",
+                              storage=None, direction="maximize", pruner="none", window=1, seed=0, sampler="random",
+                              metric="reward/mean", trials=1, parallel=1)
+    space = load_space(str(tmp_path / "space.yaml"), str(TINY), overrides)
+    tune = Tune(args, load_config(TINY, overrides), space)
+    study = tune.study()
+    seen = []
+
+    class Killed(BaseException):
+        pass
+
+    class Tracker:
+        def child(self, number, name, store_root):
+            return "run-id"
+
+        def end(self, run_id, state, value):
+            seen.append((state, value, study.get_trials(deepcopy=False)[0].state))
+            raise Killed
+
+    with pytest.raises(Killed):
+        tune.run_trial(study, study.ask(), Tracker())
+    [(state, value, in_study)] = seen
+    assert state == "COMPLETE" and value is not None and in_study == TrialState.RUNNING
+    assert tune.resume(study) == 1                              # run again by the next tune, with its values
+    [cut] = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+    again = study.ask()
+    assert again.user_attrs["resumes"] == cut.number and {k: p.suggest(again) for k, p in space.items()} == cut.params
