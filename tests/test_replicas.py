@@ -177,3 +177,24 @@ def test_a_preempted_replica_cluster_is_launched_again_and_the_flow_is_unchanged
     for it in (1, 2):
         key = layout.rollouts("tiny-demo", it)
         assert len({(s.local(key) / "rollouts.jsonl").read_bytes() for s in stores}) == 1
+
+
+def test_replicas_that_cannot_start_are_said_at_once_not_after_the_start_timeout(tmp_path):
+    """Local replicas whose every start fails (here: the config they are given cannot be read) fail the policy
+    request after START_TRIES starts each, with the replica's own error, instead of waiting out
+    generate.server_start_timeout (here 300 s; 15 min by default) while the watch starts them again."""
+    import threading
+
+    from tasks.engines.replicas import START_TRIES, Router
+
+    cfg = _cfg(tmp_path, 2, "generate.server_start_timeout=300")
+    router = Router(cfg, tmp_path / "missing.json", None)
+    for m in router.members:
+        threading.Thread(target=router._start, args=(m,), daemon=True).start()
+    threading.Thread(target=router.watch, daemon=True).start()
+    try:
+        with pytest.raises(RuntimeError, match=f"every replica failed to start {START_TRIES} times") as e:
+            router.set_policy("tiny-demo/policy/v000000", "digest")
+        assert "missing.json" in str(e.value)
+    finally:
+        router.stop_members()

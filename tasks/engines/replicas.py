@@ -43,6 +43,7 @@ MARKER = "tasks.engines.replica"          # the router's and the local replicas'
 LAUNCH_VAR = REPLICA_LAUNCH_VAR           # JSON {"start": argv, "port_base": n}, "{i}" filled in: the flow's (sky)
 LATE_GRACE = 10.0                         # s after the first replica loaded a policy before the others are late
 STICKY_KEYS = 100_000
+START_TRIES = 3   # local replicas that all failed this many starts in a row: said at once, not after the timeout
 READY = "RLFLOW_REPLICA_READY"            # the line a replica prints once it answers: READY <url>
 TOKEN_VAR = "RLFLOW_REPLICA_TOKEN"        # the router's token: only it may load policies into and sample replicas
 
@@ -219,6 +220,8 @@ class RoutedReplica:
     seconds: float = 0.0
     replaced: int = 0
     failures: int = 0                 # policy loads that failed in a row (3: dead)
+    start_failures: int = 0           # starts that failed in a row (every member at START_TRIES, here: given up)
+    error: str = ""                   # why its last start failed
     health: Health = dataclasses.field(default_factory=Health)
     life: int = 0                     # which start of this replica (a failure seen late concerns an old one)
 
@@ -254,7 +257,7 @@ class Router:
                 proc, url = None, self._launched(m.index)
             with self.lock:
                 m.proc, m.url, m.state, m.holds, m.failures, m.health = proc, url, "loading", None, 0, Health()
-                m.life += 1
+                m.life, m.start_failures = m.life + 1, 0
             print(f"replica {m.index}: up at {url} ({time.monotonic() - t0:.1f} s)", flush=True)
             self._load(m)
             if m.replaced:
@@ -262,7 +265,8 @@ class Router:
         except Exception as e:  # noqa: BLE001 - a replica that cannot start is dead; the watch tries again
             print(f"replica {m.index}: did not start: {e}", flush=True)
             with self.lock:
-                m.state = "dead"
+                m.state, m.start_failures, m.error = "dead", m.start_failures + 1, str(e)[-500:]
+                self.changed.notify_all()
 
     def _launched(self, i: int) -> str:
         port = str(int(self.launch.get("port_base", 0)) + i)
@@ -371,6 +375,9 @@ class Router:
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no replica holds {policy} after {self.cfg.generate.server_start_timeout} s")
+                if self.launch is None and all(m.start_failures >= START_TRIES for m in self.members):
+                    raise RuntimeError(f"every replica failed to start {START_TRIES} times in a row (the same "
+                                       f"command here each time), the last: {self.members[-1].error}")
                 self.changed.wait(0.5)
             return {"ready": ready, "late": [m.index for m in self.members if m.index not in ready]}
 
