@@ -191,10 +191,13 @@ def test_replicas_that_cannot_start_are_said_at_once_not_after_the_start_timeout
     router = Router(cfg, tmp_path / "missing.json", None)
     for m in router.members:
         threading.Thread(target=router._start, args=(m,), daemon=True).start()
-    threading.Thread(target=router.watch, daemon=True).start()
+    watcher = threading.Thread(target=router.watch, daemon=True)
+    watcher.start()
     try:
         with pytest.raises(RuntimeError, match=f"every replica failed to start {START_TRIES} times") as e:
             router.set_policy("tiny-demo/policy/v000000", "digest")
         assert "missing.json" in str(e.value)
     finally:
         router.stop_members()
+    watcher.join(60)
+    assert not watcher.is_alive()           # the watch ends with the stop: no replica is started again after it

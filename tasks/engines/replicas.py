@@ -241,6 +241,7 @@ class Router:
         self.last_used = time.monotonic()
         self.changed = threading.Condition(self.lock)
         self.client = None                # the forwarding client (httpx.AsyncClient)
+        self.stopped = threading.Event()  # set by stop_members: nothing is started or replaced after it
 
     # ------------------------------------------------------------------------------------------ members
 
@@ -255,6 +256,9 @@ class Router:
                                             self.cfg.generate.server_start_timeout)
             else:
                 proc, url = None, self._launched(m.index)
+            if self.stopped.is_set():             # (started while the router was stopping)
+                self._stop(m.index, proc)
+                return
             with self.lock:
                 m.proc, m.url, m.state, m.holds, m.failures, m.health = proc, url, "loading", None, 0, Health()
                 m.life, m.start_failures = m.life + 1, 0
@@ -323,8 +327,7 @@ class Router:
         is replaced."""
         import httpx
 
-        while True:
-            time.sleep(1.0)
+        while not self.stopped.wait(1.0):
             for m in list(self.members):
                 if m.state in ("starting",):
                     continue
@@ -347,11 +350,15 @@ class Router:
                         self.lost(m, f"health check: {e}")
 
     def stop_members(self) -> None:
+        self.stopped.set()
         for m in self.members:
-            if m.proc is not None and m.proc.poll() is None:
-                m.proc.terminate()
-            if self.launch and self.launch.get("stop"):
-                run([a.replace("{i}", str(m.index)) for a in self.launch["stop"]], capture_output=True)
+            self._stop(m.index, m.proc)
+
+    def _stop(self, index: int, proc: subprocess.Popen | None) -> None:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+        if self.launch and self.launch.get("stop"):
+            run([a.replace("{i}", str(index)) for a in self.launch["stop"]], capture_output=True)
 
     # ------------------------------------------------------------------------------------------ the API
 
