@@ -251,20 +251,17 @@ class Tune:
         # the trial's MLflow run first, the study's verdict last: a kill between the two leaves the trial running in
         # the study, so the next tune runs it again (its run already done) rather than leave a run without its value
         if pruned:
-            state, value = "PRUNED", None
+            state, value, verdict = "PRUNED", None, {"state": TrialState.PRUNED}
         elif code == 0 and values:
-            state, value = "COMPLETE", window_mean(values, self.args.window)
+            value = window_mean(values, self.args.window)
+            state, verdict = "COMPLETE", {"values": value}
         else:
-            state, value = "FAILED", None
+            state, value, verdict = "FAILED", None, {"state": TrialState.FAIL}
         tracker.end(child, state, value)
         with self.lock:
-            if state == "PRUNED":
-                study.tell(trial, state=TrialState.PRUNED)
-            elif state == "COMPLETE":
-                study.tell(trial, value)
-            else:
+            if state == "FAILED":
                 trial.set_user_attr("error", _last_line(log_path))
-                study.tell(trial, state=TrialState.FAIL)
+            study.tell(trial, **verdict)
         print(f"trial {trial.number:>3}  {state:<8} {'' if value is None else f'{value:.4f}':>8}  {name}  "
               + "  ".join(f"{k}={v}" for k, v in params.items()), flush=True)
 
