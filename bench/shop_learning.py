@@ -1,12 +1,12 @@
 """SmolLM2-135M in the shop (configs/smollm2-shop.yaml): held-out success of the base model, after the warm start
-(SFT on the reference policy's episodes of the 28 training tasks), and after RL from each, over seeds.
+(SFT on the reference policy's episodes of the 41 training tasks), and after RL from each, over seeds.
 
     .venv/bin/python bench/shop_learning.py [--seeds 0 1 2] [--iterations 10] [--arms base "warm start"]
 
 Serves the shop on a free port of 127.0.0.1, records the demonstrations (rlflow record), then each arm is a real
 `rlflow run` of the recipe: eval.baseline gives the starting policy's held-out success ("start": the base model, or
 v0 after SFT), the evaluation at the last iteration the "after RL" one. Success is the task's checker (1 or 0) on
-the 10 held-out tasks (webshop.HELD_OUT: products, a search and a category never in training), greedy. The
+the 13 held-out tasks (webshop.HELD_OUT: products, searches, a category and people never in training), greedy. The
 format's share: an episode scores only when its checker passes; an action in the right format earns nothing.
 """
 
@@ -34,7 +34,10 @@ def main() -> int:
     ap.add_argument("--arms", nargs="+", default=["base", "warm start"], choices=["base", "warm start"])
     ap.add_argument("--repeat-rare", type=int, default=1, metavar="N",
                     help="the demonstrations of the kinds that are not a product lookup (the searches, categories "
-                    "and orders: 10 of the 28) N times in the SFT data, so that each kind weighs about as much")
+                    "and orders: 23 of the 41) N times in the SFT data, so that each kind weighs about as much")
+    ap.add_argument("--rl-kinds", nargs="+", metavar="KIND",
+                    help="RL on the training tasks of these kinds only (e.g. search cheapest 'most expensive' order: "
+                    "the product lookups, which SFT already solves, teach RL nothing); SFT still on every one")
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                     help="for every arm's run, e.g. -o warmup.epochs=2")
     args = ap.parse_args()
@@ -50,8 +53,14 @@ def main() -> int:
         if args.repeat_rare > 1:
             print(f"{repeat_rare(work / 'demos.jsonl', args.repeat_rare)} demonstrations after repeating the rare "
                   f"kinds {args.repeat_rare} times")
-        print(f"SmolLM2-135M in the shop, 10 held-out tasks, {args.iterations} RL iterations; greedy success")
-        every = {"base": ["-o", "warmup=null"], "warm start": []}
+        print(f"SmolLM2-135M in the shop, 13 held-out tasks, {args.iterations} RL iterations; greedy success")
+        rl = []
+        if args.rl_kinds:
+            rows = [t for t in shop_tasks("train") if t["kind"] in args.rl_kinds]
+            (work / "rl.jsonl").write_text("".join(json.dumps(t) + "\n" for t in rows))
+            rl = ["-o", f"data.path={work / 'rl.jsonl'}"]
+            print(f"RL on the {len(rows)} training tasks of kinds {', '.join(args.rl_kinds)}")
+        every = {"base": ["-o", "warmup=null", *rl], "warm start": rl}
         compare_arms(RECIPE, common, {arm: every[arm] for arm in args.arms}, args.seeds, args.iterations, work)
     print(f"(all in {time.perf_counter() - t0:.0f} s; work folder {work})")
     return 0

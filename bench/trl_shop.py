@@ -7,10 +7,10 @@ the shop as an `environment_factory` class), each arm's wall time and its held-o
 Both arms: SmolLM2-135M-Instruct (builtin) with Qwen2.5's ChatML template, which TRL ships (its tools and tool
 calls, Hermes style: TRL's environment_factory needs a template that declares tools and a parser for the calls,
 and SmolLM2's own declares none; both are ChatML, so the model's special tokens are the same); the demonstrations
-are the reference policy's episodes of the 28 training tasks as tool calls (rlflow record), SFT 3 epochs of
+are the reference policy's episodes of the 41 training tasks as tool calls (rlflow record), SFT 3 epochs of
 batches of 4 at lr 5e-5 (linear), then RL: 4 tasks x 4 episodes a step, lr 1e-6, no KL, DAPO's loss, at most
 12 actions an episode. Each step of either arm is one rlflow iteration. Held-out success is measured the same
-way for both: rlflow's evaluate stage (greedy, the 10 tasks of shop_heldout.jsonl, each episode's checker) on
+way for both: rlflow's evaluate stage (greedy, the 13 tasks of shop_heldout.jsonl, each episode's checker) on
 rlflow's v0 and last policy, and on TRL's SFT and GRPO outputs (their saved folders as the model).
 
 TRL's side, as its docs have it: SFTTrainer on the `messages` rows (assistant_only_loss with TRL's training

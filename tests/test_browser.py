@@ -48,15 +48,15 @@ def _episodes(cfg, rows: list[dict], tok, tools: bool):
 
 def test_the_configs_task_file_is_the_shops_task_set():
     rows = [json.loads(line) for line in (ROOT / "configs" / "data" / "shop_tasks.jsonl").read_text().splitlines()]
-    assert rows == shop_tasks() and len(rows) == 38
+    assert rows == shop_tasks() and len(rows) == 54
 
 
 def test_every_task_is_solved_by_the_reference_policy_through_the_episode_loop(shop, tokenizer, chatml):
-    """All 38 tasks, half with text actions (the tiny tokenizer's template has no tools) and half with Hermes
+    """All 54 tasks, half with text actions (the tiny tokenizer's template has no tools) and half with Hermes
     tool calls declared through a ChatML template: each episode's checker gives 1; the answer, final URL and
     checks are its env_state; the model's tokens are the actions it wrote, the pages are masked out."""
     rows = shop_tasks()
-    assert {r["kind"] for r in rows} == {"price", "stock", "search", "cheapest", "order"}
+    assert {r["kind"] for r in rows} == {"price", "stock", "search", "cheapest", "most expensive", "order"}
     cfg = _cfg(shop, "env.isolation=thread")
     text = _episodes(cfg, rows[0::2], tokenizer, tools=False)
     called = _episodes(cfg, rows[1::2], chatml, tools=True)

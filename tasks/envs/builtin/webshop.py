@@ -228,9 +228,23 @@ def app() -> Starlette:
 
 # ------------------------------------------------------------------------------------------ the task set
 
-# Held out of training (configs/data/shop_heldout.jsonl): tasks on these products (their price, stock and orders),
-# this search and this category's cheapest are never in the training split (shop_train.jsonl).
-HELD_OUT = {"products": ("tea-tin", "wool-socks", "desk-lamp"), "searches": ("steel",), "categories": ("Office",)}
+# Held out of training (configs/data/shop_heldout.jsonl): tasks on these products (their price, stock and order),
+# these searches and this category are never in the training split (shop_train.jsonl), nor the people its orders
+# ship to. The training split shows every skill the held-out tasks need on other instances: orders of 1-4 items,
+# with and without a size, both shippings; searches for words of a name and of a description; both ends of a
+# category's prices (an answer read off the page, not one remembered).
+HELD_OUT = {"products": ("tea-tin", "wool-socks", "desk-lamp"), "searches": ("steel", "usb"),
+            "categories": ("Office",)}
+SEARCHES = ("wool", "linen", "pen", "oak", "cm", "season", "nib", "pocket", "steel", "usb")
+ORDERS = (("blue-kettle", 1, "", "Standard"), ("steel-pan", 2, "28 cm", "Express"), ("oak-board", 3, "", "Standard"),
+          ("rain-jacket", 1, "L", "Express"), ("linen-shirt", 3, "S", "Express"), ("wool-blanket", 2, "", "Standard"),
+          ("clay-vase", 4, "", "Express"), ("notebook", 2, "", "Standard"), ("fountain-pen", 1, "Medium", "Express"),
+          ("wool-socks", 2, "M", "Express"), ("tea-tin", 4, "", "Express"), ("desk-lamp", 3, "", "Standard"))
+PEOPLE = {"train": (("Ada Lovelace", "12 Elm Street"), ("Alan Turing", "3 Bletchley Road"),
+                    ("Grace Hopper", "9 Navy Way"), ("Edsger Dijkstra", "40 Path Lane"),
+                    ("Barbara Liskov", "8 Clu Court")),
+          "held-out": (("Katherine Johnson", "7 Orbit Lane"), ("Hedy Lamarr", "5 Signal Street"),
+                       ("Claude Shannon", "21 Bit Avenue"))}
 
 
 def shop_tasks(split: str = "all") -> list[dict]:
@@ -248,26 +262,26 @@ def shop_tasks(split: str = "all") -> list[dict]:
             {"answer": {"exact": f"{p.price:.2f}"}}, held=held)
         add("stock", f"How many {p.name} items are in stock? Answer with the number only.",
             {"answer": {"exact": str(p.stock)}}, held=held)
-    for term in ("wool", "steel", "linen", "pen"):
+    for term in SEARCHES:
         n = sum(term in p.name.lower() or term in p.about.lower() for p in CATALOG)
         add("search", f'How many products does a search for "{term}" find? Answer with the number only.',
             {"answer": {"exact": str(n)}}, held=term in HELD_OUT["searches"])
     for c in CATEGORIES:
-        cheapest = min((p for p in CATALOG if p.category == c), key=lambda p: p.price)
-        add("cheapest", f"Which product in the {c} category is the cheapest? Answer with its name.",
-            {"answer": {"must_include": [cheapest.name.lower()]}}, held=c in HELD_OUT["categories"])
-    people = [("Ada Lovelace", "12 Elm Street"), ("Alan Turing", "3 Bletchley Road"), ("Grace Hopper", "9 Navy Way")]
-    orders = [("blue-kettle", 1, "", "Standard"), ("wool-socks", 2, "M", "Express"),
-              ("steel-pan", 1, "24 cm", "Standard"), ("linen-shirt", 3, "L", "Express"),
-              ("tea-tin", 4, "", "Express"), ("fountain-pen", 1, "Fine", "Standard")]
-    for i, (slug, qty, size, shipping) in enumerate(orders):
-        p, (name, address) = BY_SLUG[slug], people[i % len(people)]
+        products = sorted((p for p in CATALOG if p.category == c), key=lambda p: p.price)
+        for kind, end in (("cheapest", products[0]), ("most expensive", products[-1])):
+            add(kind, f"Which product in the {c} category is the {kind}? Answer with its name.",
+                {"answer": {"must_include": [end.name.lower()]}}, held=c in HELD_OUT["categories"])
+    seen = {"train": 0, "held-out": 0}
+    for slug, qty, size, shipping in ORDERS:
+        p, held = BY_SLUG[slug], slug in HELD_OUT["products"]
+        side = "held-out" if held else "train"
+        name, address = PEOPLE[side][seen[side] % len(PEOPLE[side])]
+        seen[side] += 1
         what = f"{qty} {p.name}" + (f" in size {size}" if size else "")
         line = f"{qty} x {p.name}" + (f" (size {size})" if size else "")
         add("order", f"Order {what} with {shipping} shipping for {name}, {address}. Say done when it is placed.",
             {"pages": [{"url": "/orders/last", "must_include": [line, f"Ship to: {name}, {address}",
-                                                               f"Shipping: {shipping}"]}]},
-            held=slug in HELD_OUT["products"])
+                                                               f"Shipping: {shipping}"]}]}, held=held)
     return rows if split == "all" else [r for r in rows if r["split"] == split]
 
 
@@ -308,12 +322,13 @@ def reference_action(context: str, tool_call: bool = False) -> str:
                 hits = next(x.group(1) for line in page if (x := re.search(r"'(\d+) products? found", line)))
                 return "answer", {"text": hits}
             return "type", {"ref": ref("searchbox"), "text": m.group(1), "submit": True}
-        if m := re.match(r"Which product in the (\w+) category", task):
+        if m := re.match(r"Which product in the (\w+) category is the (cheapest|most expensive)", task):
             if heading != m.group(1):
                 return "click", {"ref": ref(f"link '{m.group(1)}'", last=True)}    # (not the menu's Home)
             names = [x.group(1) for line in page if (x := re.search(r"link '(.*)'", line))]
             prices = [float(x.group(1)) for line in page if (x := re.search(r"StaticText '\$([\d.]+)'", line))]
-            return "answer", {"text": min(zip(prices, names[-len(prices):]))[1]}
+            end = min if m.group(2) == "cheapest" else max
+            return "answer", {"text": end(zip(prices, names[-len(prices):]))[1]}
         m = re.match(r"Order (\d+) (.+?)(?: in size (.+?))? with (\w+) shipping for ([^,]+), (.+)\. Say done", task)
         qty, name, size, shipping, person, address = m.groups()
         if heading.startswith("Order #"):
