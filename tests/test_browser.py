@@ -17,7 +17,7 @@ from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
 from tasks.envs.builtin.browser import Browser
-from tasks.envs.builtin.webshop import reference_action, serve, shop_tasks
+from tasks.envs.builtin.webshop import BY_SLUG, HELD_OUT, PEOPLE, reference_action, serve, shop_tasks
 from tasks.envs.runtime.episodes import run_episodes
 from tests.conftest import CHROMIUM
 from tests.test_envs import Scripted
@@ -49,6 +49,27 @@ def _episodes(cfg, rows: list[dict], tok, tools: bool):
 def test_the_configs_task_file_is_the_shops_task_set():
     rows = [json.loads(line) for line in (ROOT / "configs" / "data" / "shop_tasks.jsonl").read_text().splitlines()]
     assert rows == shop_tasks() and len(rows) == 54
+    for split, name in (("train", "shop_train.jsonl"), ("held-out", "shop_heldout.jsonl")):
+        lines = (ROOT / "configs" / "data" / name).read_text().splitlines()
+        assert [json.loads(line) for line in lines] == shop_tasks(split)
+
+
+def test_held_out_tasks_are_new_instances_of_skills_the_training_split_shows():
+    """No held-out product, search word, category or customer in a training task; every way a held-out order or
+    question differs (quantity, size or none, shipping, which end of a category) shown by a training task."""
+    train, held = shop_tasks("train"), shop_tasks("held-out")
+    assert (len(train), len(held)) == (41, 13)
+    words = [BY_SLUG[s].name for s in HELD_OUT["products"]] + [f'"{t}"' for t in HELD_OUT["searches"]]
+    words += [f"the {c} category" for c in HELD_OUT["categories"]] + [n for n, _ in PEOPLE["held-out"]]
+    assert not [(w, r["prompt"]) for r in train for w in words if w in r["prompt"]]
+    order = re.compile(r"Order (\d+) .+?( in size .+?)? with (\w+) shipping")
+
+    def shapes(rows):
+        return {(m[1], bool(m[2]), m[3]) for r in rows if (m := order.match(r["prompt"]))}
+
+    quantities, sized, shippings = (set(x) for x in zip(*shapes(train)))
+    assert all(q in quantities and s in sized and sh in shippings for q, s, sh in shapes(held))
+    assert {r["kind"] for r in held} <= {r["kind"] for r in train}
 
 
 def test_every_task_is_solved_by_the_reference_policy_through_the_episode_loop(shop, tokenizer, chatml):
