@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 RECIPE = ROOT / "configs" / "smollm2-shop.yaml"
 
 from bench.warm_start_letters import compare_arms, rlflow  # noqa: E402
-from tasks.envs.builtin.webshop import serve, shop_tasks  # noqa: E402
+from tasks.envs.builtin.webshop import order_pool, serve, shop_tasks  # noqa: E402
 
 
 def main() -> int:
@@ -38,6 +38,9 @@ def main() -> int:
     ap.add_argument("--rl-kinds", nargs="+", metavar="KIND",
                     help="RL on the training tasks of these kinds only (e.g. search cheapest 'most expensive' order: "
                     "the product lookups, which SFT already solves, teach RL nothing); SFT still on every one")
+    ap.add_argument("--pool", type=int, default=0, metavar="N",
+                    help="demonstrations of N generated training orders too (webshop.order_pool: other customers, "
+                    "quantities, sizes and shippings on the training products); RL still on the recipe's tasks")
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                     help="for every arm's run, e.g. -o warmup.epochs=2")
     args = ap.parse_args()
@@ -47,8 +50,13 @@ def main() -> int:
         common = ["-o", f"env.kwargs.base_url={url}", "-o", f"run.iterations={args.iterations}",
                   "-o", f"eval.every={args.iterations}", "-o", f"warmup.path={work / 'demos.jsonl'}",
                   *(a for o in args.override for a in ("-o", o))]
+        pool = []
+        if args.pool:                           # the demonstrations' tasks: the training split and generated orders
+            rows = shop_tasks("train") + order_pool(args.pool, seed=1)
+            (work / "demo_tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in rows))
+            pool = ["-o", f"data.path={work / 'demo_tasks.jsonl'}"]
         out = rlflow(["record", str(RECIPE), "--policy", "tasks.envs.builtin.webshop:reference_action", "--out",
-                      str(work / "demos.jsonl"), *common], work)
+                      str(work / "demos.jsonl"), *common, *pool], work)
         print(out.stderr.strip().splitlines()[-1], f"({time.perf_counter() - t0:.0f} s)")
         if args.repeat_rare > 1:
             print(f"{repeat_rare(work / 'demos.jsonl', args.repeat_rare)} demonstrations after repeating the rare "

@@ -17,7 +17,7 @@ from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
 from tasks.envs.builtin.browser import Browser
-from tasks.envs.builtin.webshop import BY_SLUG, HELD_OUT, PEOPLE, reference_action, serve, shop_tasks
+from tasks.envs.builtin.webshop import BY_SLUG, HELD_OUT, PEOPLE, order_pool, reference_action, serve, shop_tasks
 from tasks.envs.runtime.episodes import run_episodes
 from tests.conftest import CHROMIUM
 from tests.test_envs import Scripted
@@ -57,8 +57,10 @@ def test_the_configs_task_file_is_the_shops_task_set():
 def test_held_out_tasks_are_new_instances_of_skills_the_training_split_shows():
     """No held-out product, search word, category or customer in a training task; every way a held-out order or
     question differs (quantity, size or none, shipping, which end of a category) shown by a training task."""
-    train, held = shop_tasks("train"), shop_tasks("held-out")
-    assert (len(train), len(held)) == (41, 13)
+    train, held, pool = shop_tasks("train"), shop_tasks("held-out"), order_pool(500, seed=7)
+    assert (len(train), len(held)) == (41, 13) and pool == order_pool(500, seed=7) != order_pool(500, seed=8)
+    assert len({r["prompt"] for r in pool}) > 450 and {r["kind"] for r in pool} == {"order"}
+    train = train + pool
     words = [BY_SLUG[s].name for s in HELD_OUT["products"]] + [f'"{t}"' for t in HELD_OUT["searches"]]
     words += [f"the {c} category" for c in HELD_OUT["categories"]] + [n for n, _ in PEOPLE["held-out"]]
     assert not [(w, r["prompt"]) for r in train for w in words if w in r["prompt"]]
@@ -73,10 +75,10 @@ def test_held_out_tasks_are_new_instances_of_skills_the_training_split_shows():
 
 
 def test_every_task_is_solved_by_the_reference_policy_through_the_episode_loop(shop, tokenizer, chatml):
-    """All 54 tasks, half with text actions (the tiny tokenizer's template has no tools) and half with Hermes
-    tool calls declared through a ChatML template: each episode's checker gives 1; the answer, final URL and
-    checks are its env_state; the model's tokens are the actions it wrote, the pages are masked out."""
-    rows = shop_tasks()
+    """All 54 tasks and two generated orders, half with text actions (the tiny tokenizer's template has no tools)
+    and half with Hermes tool calls declared through a ChatML template: each episode's checker gives 1; the answer,
+    final URL and checks are its env_state; the model's tokens are the actions it wrote, the pages are masked out."""
+    rows = shop_tasks() + order_pool(2, seed=1)          # (and generated training orders)
     assert {r["kind"] for r in rows} == {"price", "stock", "search", "cheapest", "most expensive", "order"}
     cfg = _cfg(shop, "env.isolation=thread")
     text = _episodes(cfg, rows[0::2], tokenizer, tools=False)

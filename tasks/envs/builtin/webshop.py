@@ -6,6 +6,7 @@ never see each other's.
     python -m tasks.envs.builtin.webshop --port 8765                  # serve it (Ctrl-C stops)
     python -m tasks.envs.builtin.webshop --tasks > shop_tasks.jsonl   # the task set, a row per task, checkers included
     python -m tasks.envs.builtin.webshop --tasks --split held-out     # the tasks never in training (HELD_OUT)
+    python -m tasks.envs.builtin.webshop --tasks --split train --pool 200   # + 200 generated training orders
 
     with serve() as url: ...                                          # in a thread on a free port (tests, benchmarks)
 
@@ -252,9 +253,8 @@ def shop_tasks(split: str = "all") -> list[dict]:
     `split` (train, or held-out: HELD_OUT); `split` picks one (all: every task)."""
     rows: list[dict] = []
 
-    def add(kind: str, prompt: str, check: dict, start: str = "/", held: bool = False) -> None:
-        rows.append({"prompt": prompt, "start": start, "kind": kind, "check": check,
-                     "split": "held-out" if held else "train"})
+    def add(kind: str, prompt: str, check: dict, held: bool = False) -> None:
+        rows.append(_row(kind, prompt, check, "held-out" if held else "train"))
 
     for p in CATALOG:
         held = p.slug in HELD_OUT["products"]
@@ -273,16 +273,46 @@ def shop_tasks(split: str = "all") -> list[dict]:
                 {"answer": {"must_include": [end.name.lower()]}}, held=c in HELD_OUT["categories"])
     seen = {"train": 0, "held-out": 0}
     for slug, qty, size, shipping in ORDERS:
-        p, held = BY_SLUG[slug], slug in HELD_OUT["products"]
-        side = "held-out" if held else "train"
-        name, address = PEOPLE[side][seen[side] % len(PEOPLE[side])]
+        side = "held-out" if slug in HELD_OUT["products"] else "train"
+        rows.append(_order(slug, qty, size, shipping, *PEOPLE[side][seen[side] % len(PEOPLE[side])], side))
         seen[side] += 1
-        what = f"{qty} {p.name}" + (f" in size {size}" if size else "")
-        line = f"{qty} x {p.name}" + (f" (size {size})" if size else "")
-        add("order", f"Order {what} with {shipping} shipping for {name}, {address}. Say done when it is placed.",
-            {"pages": [{"url": "/orders/last", "must_include": [line, f"Ship to: {name}, {address}",
-                                                               f"Shipping: {shipping}"]}]}, held=held)
     return rows if split == "all" else [r for r in rows if r["split"] == split]
+
+
+def _row(kind: str, prompt: str, check: dict, split: str) -> dict:
+    return {"prompt": prompt, "start": "/", "kind": kind, "check": check, "split": split}
+
+
+def _order(slug: str, qty: int, size: str, shipping: str, name: str, address: str, split: str) -> dict:
+    p = BY_SLUG[slug]
+    what = f"{qty} {p.name}" + (f" in size {size}" if size else "")
+    line = f"{qty} x {p.name}" + (f" (size {size})" if size else "")
+    return _row("order", f"Order {what} with {shipping} shipping for {name}, {address}. Say done when it is placed.",
+                {"pages": [{"url": "/orders/last", "must_include": [line, f"Ship to: {name}, {address}",
+                                                                   f"Shipping: {shipping}"]}]}, split)
+
+
+FIRST = ("Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Margaret", "Niklaus", "Radia",
+         "Tim", "Sophie", "Ken", "Leslie", "Shafi")
+LAST = ("Knuth", "Allen", "Backus", "Hamilton", "Wirth", "Perlman", "Berners-Lee", "Wilson", "Thompson", "Lamport",
+        "Goldwasser", "Ritchie", "Hoare", "Kay", "Milner", "Floyd")
+STREETS = ("Elm Street", "Mill Road", "Harbour Way", "Station Lane", "Oak Court", "Bridge Street", "Park Avenue")
+
+
+def order_pool(n: int, seed: int = 0) -> list[dict]:
+    """`n` more training orders, drawn at `seed`: a training product, 1-4 items (its stock permitting), a size
+    where it has sizes, either shipping, a customer and address made from lists the held-out customers' names
+    and streets are not in: a warm start on many sees more orders than shop_tasks' 9 (`--tasks --pool N`)."""
+    import random
+
+    rng = random.Random(seed)
+    products = [p for p in CATALOG if p.slug not in HELD_OUT["products"]]
+    rows = []
+    for _ in range(n):
+        p, name = rng.choice(products), f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+        rows.append(_order(p.slug, rng.randint(1, min(4, p.stock)), rng.choice(p.sizes) if p.sizes else "",
+                           rng.choice(sorted(SHIPPING)), name, f"{rng.randint(1, 99)} {rng.choice(STREETS)}", "train"))
+    return rows
 
 
 def reference_action(context: str, tool_call: bool = False) -> str:
@@ -397,9 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--tasks", action="store_true", help="print the task set as JSON lines and exit")
     ap.add_argument("--split", choices=["all", "train", "held-out"], default="all", help="with --tasks: which")
+    ap.add_argument("--pool", type=int, default=0, metavar="N",
+                    help="with --tasks: N generated training orders after the set (order_pool)")
+    ap.add_argument("--seed", type=int, default=0, help="with --pool: the draw's seed")
     args = ap.parse_args(argv)
     if args.tasks:
-        sys.stdout.write("".join(json.dumps(row) + "\n" for row in shop_tasks(args.split)))
+        rows = shop_tasks(args.split) + (order_pool(args.pool, args.seed) if args.split != "held-out" else [])
+        sys.stdout.write("".join(json.dumps(row) + "\n" for row in rows))
         return 0
     import uvicorn
 
