@@ -52,9 +52,7 @@ def main() -> int:
                   *(a for o in args.override for a in ("-o", o))]
         pool = []
         if args.pool:                           # the demonstrations' tasks: the training split and generated orders
-            rows = shop_tasks("train") + order_pool(args.pool, seed=1)
-            (work / "demo_tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in rows))
-            pool = ["-o", f"data.path={work / 'demo_tasks.jsonl'}"]
+            pool = data_file(work / "demo_tasks.jsonl", shop_tasks("train") + order_pool(args.pool, seed=1))
         out = rlflow(["record", str(RECIPE), "--policy", "tasks.envs.builtin.webshop:reference_action", "--out",
                       str(work / "demos.jsonl"), *common, *pool], work)
         print(out.stderr.strip().splitlines()[-1], f"({time.perf_counter() - t0:.0f} s)")
@@ -65,13 +63,18 @@ def main() -> int:
         rl = []
         if args.rl_kinds:
             rows = [t for t in shop_tasks("train") if t["kind"] in args.rl_kinds]
-            (work / "rl.jsonl").write_text("".join(json.dumps(t) + "\n" for t in rows))
-            rl = ["-o", f"data.path={work / 'rl.jsonl'}"]
+            rl = data_file(work / "rl.jsonl", rows)
             print(f"RL on the {len(rows)} training tasks of kinds {', '.join(args.rl_kinds)}")
         every = {"base": ["-o", "warmup=null", *rl], "warm start": rl}
         compare_arms(RECIPE, common, {arm: every[arm] for arm in args.arms}, args.seeds, args.iterations, work)
     print(f"(all in {time.perf_counter() - t0:.0f} s; work folder {work})")
     return 0
+
+
+def data_file(path: Path, rows: list[dict]) -> list[str]:
+    """`rows` written to `path` as JSON lines; the override that makes them a run's data."""
+    path.write_text("".join(json.dumps(t) + "\n" for t in rows))
+    return ["-o", f"data.path={path}"]
 
 
 def repeat_rare(demos: Path, times: int) -> int:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import html
+import itertools
 import json
+import random
 import re
 import secrets
 import socket
@@ -271,11 +273,10 @@ def shop_tasks(split: str = "all") -> list[dict]:
         for kind, end in (("cheapest", products[0]), ("most expensive", products[-1])):
             add(kind, f"Which product in the {c} category is the {kind}? Answer with its name.",
                 {"answer": {"must_include": [end.name.lower()]}}, held=c in HELD_OUT["categories"])
-    seen = {"train": 0, "held-out": 0}
+    customers = {side: itertools.cycle(people) for side, people in PEOPLE.items()}    # each split's, in turn
     for slug, qty, size, shipping in ORDERS:
         side = "held-out" if slug in HELD_OUT["products"] else "train"
-        rows.append(_order(slug, qty, size, shipping, *PEOPLE[side][seen[side] % len(PEOPLE[side])], side))
-        seen[side] += 1
+        rows.append(_order(slug, qty, size, shipping, *next(customers[side]), side))
     return rows if split == "all" else [r for r in rows if r["split"] == split]
 
 
@@ -303,8 +304,6 @@ def order_pool(n: int, seed: int = 0) -> list[dict]:
     """`n` more training orders, drawn at `seed`: a training product, 1-4 items (its stock permitting), a size
     where it has sizes, either shipping, a customer and address made from lists the held-out customers' names
     and streets are not in: a warm start on many sees more orders than shop_tasks' 9 (`--tasks --pool N`)."""
-    import random
-
     rng = random.Random(seed)
     products = [p for p in CATALOG if p.slug not in HELD_OUT["products"]]
     rows = []
