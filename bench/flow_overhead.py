@@ -14,7 +14,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
 os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_FLOW_RUNS_LEVEL", "CRITICAL")
 os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_TASK_RUNS_LEVEL", "CRITICAL")
 
+from bench.work import keep_option, work_folder  # noqa: E402
 from tasks.core import layout  # noqa: E402
 from tasks.core.config import Config, load_config  # noqa: E402
 from tasks.evaluate import evaluate  # noqa: E402
@@ -50,8 +50,9 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=60, help="demo size: configs/tiny.yaml's 60")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("-o", "--override", action="append", default=[], help="config override, e.g. a bigger batch")
+    keep_option(ap)
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="rlflow-bench-"))
+    work = work_folder("rlflow-bench-", args.keep)
     os.chdir(work)
 
     config = str(ROOT / "configs" / "tiny.yaml")

@@ -39,6 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from bench.work import keep_option, work_folder  # noqa: E402
 from tasks.core import data, layout  # noqa: E402
 from tasks.core.config import Config, load_config  # noqa: E402
 from tasks.core.models import base_path, encode_prompt, load_tokenizer  # noqa: E402
@@ -227,9 +228,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="max_completion_length (a random model rarely stops)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--engines", default="hf,vllm,server")
+    keep_option(ap)
     args = ap.parse_args()
     engines = args.engines.split(",")
-    work = Path(tempfile.mkdtemp(prefix="rlflow-bench-gen-"))
+    work = work_folder("rlflow-bench-gen-", args.keep)
 
     def cfg(name: str, *extra: str):
         return load_config(ROOT / "configs" / "tiny.yaml", [

@@ -25,7 +25,6 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.work import keep_option, work_folder  # noqa: E402
 from tasks.core import layout  # noqa: E402
 from tasks.core.builtin_models import resolve  # noqa: E402
 from tasks.core.config import load_config  # noqa: E402
@@ -120,10 +120,11 @@ def main() -> None:
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for rlflow's side, e.g. train.off_policy_loss=decoupled")
     ap.add_argument("--no-trl", action="store_true", help="rlflow's curves only")
+    keep_option(ap)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="rlflow-curve-"))
+    work = work_folder("rlflow-curve-", args.keep)
 
     # Imports and first-use costs (torch, transformers, TRL, our stage code) go to neither side: a short
     # warm-up run of each, not counted.

@@ -39,12 +39,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.work import keep_option, work_folder  # noqa: E402
 
 CONFIG = ROOT / "configs" / "smollm2-arith.yaml"
 ACCURACY = "eval/greedy_pass_at_1"
@@ -215,10 +216,11 @@ def main() -> None:
     ap.add_argument("--levers", action="store_true", help="seconds per iteration, each rlflow lever off in turn")
     ap.add_argument("--lever-iterations", type=int, default=4)
     ap.add_argument("--only", nargs="+", default=None, help="with --levers: the variants whose name holds one of these")
+    keep_option(ap)
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = Path(args.config).resolve()
-    work = Path(tempfile.mkdtemp(prefix="rlflow-real-vs-trl-"))
+    work = work_folder("rlflow-real-vs-trl-", args.keep)
     if args.levers:
         levers(config, args.lever_iterations, work, args.only)
         return

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 RECIPE = ROOT / "configs" / "smollm2-shop.yaml"
 
 from bench.warm_start_letters import compare_arms, rlflow  # noqa: E402
+from bench.work import keep_option, work_folder  # noqa: E402
 from tasks.envs.builtin.webshop import order_pool, serve, shop_tasks  # noqa: E402
 
 
@@ -43,8 +43,9 @@ def main() -> int:
                     "quantities, sizes and shippings on the training products); RL still on the recipe's tasks")
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                     help="for every arm's run, e.g. -o warmup.epochs=2")
+    keep_option(ap)
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="rlflow-shop-"))
+    work = work_folder("rlflow-shop-", args.keep)
     t0 = time.perf_counter()
     with serve() as url:
         common = ["-o", f"env.kwargs.base_url={url}", "-o", f"run.iterations={args.iterations}",
@@ -67,7 +68,6 @@ def main() -> int:
             print(f"RL on the {len(rows)} training tasks of kinds {', '.join(args.rl_kinds)}")
         every = {"base": ["-o", "warmup=null", *rl], "warm start": rl}
         compare_arms(RECIPE, common, {arm: every[arm] for arm in args.arms}, args.seeds, args.iterations, work)
-    print(f"(all in {time.perf_counter() - t0:.0f} s; work folder {work})")
     return 0
 
 

@@ -23,7 +23,6 @@ import argparse
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.work import keep_option, work_folder  # noqa: E402
 from tasks.algorithms.advantage import group_advantages  # noqa: E402
 from tasks.algorithms.batching import prepare_batches  # noqa: E402
 from tasks.algorithms.update import optimise  # noqa: E402
@@ -90,12 +90,13 @@ def main() -> None:
     ap.add_argument("--beta", type=float, default=0.0)
     ap.add_argument("--recipe", default=None, help="a recipe whose model and training prompts to use, e.g. "
                     "configs/smollm2-arith.yaml")
+    keep_option(ap)
     args = ap.parse_args()
 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    work = Path(tempfile.mkdtemp(prefix="rlflow-bench-trl-"))
+    work = work_folder("rlflow-bench-trl-", args.keep)
     n = args.prompts * args.generations
     lr = 1e-5
     prompt_ids = None

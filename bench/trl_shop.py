@@ -26,7 +26,6 @@ import asyncio
 import json
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ SMALL: list[str] = []     # --quick: every rlflow command's overrides (the plumb
 SFT = {"epochs": _R["warmup"]["epochs"], "batch": _R["warmup"]["batch_size"], "lr": _R["warmup"]["lr"]}
 
 from bench.warm_start_letters import rlflow  # noqa: E402
+from bench.work import keep_option, work_folder  # noqa: E402
 from tasks.core import layout  # noqa: E402
 from tasks.core.store import Store  # noqa: E402
 from tasks.envs.builtin.browser import Browser  # noqa: E402
@@ -236,6 +236,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4 demonstrations, 2 episodes of 3 actions a step, 2 "
                     "held-out tasks: the plumbing of both arms, not the numbers")
     ap.add_argument("--arms", nargs="+", default=["rlflow", "trl"], choices=["rlflow", "trl"])
+    keep_option(ap)
     args = ap.parse_args()
     SFT["epochs"] = args.sft_epochs
     if args.quick:
@@ -247,7 +248,7 @@ def main() -> int:
                                  f"generate.prompts_per_iteration={q['prompts']}",
                                  f"generate.num_generations={q['generations']}", f"warmup.batch_size={q['batch']}",
                                  f"eval.max_prompts={q['held_out']}") for a in ("-o", o))
-    work = Path(tempfile.mkdtemp(prefix="rlflow-trl-shop-"))
+    work = work_folder("rlflow-trl-shop-", args.keep)
     t0 = time.perf_counter()
     with serve() as url:
         model = tools_model(work)
@@ -265,7 +266,6 @@ def main() -> int:
             for arm in args.arms:
                 seconds, sft, rl = arms[arm](model, demos, work, seed, args.iterations, url)
                 print(f"{seed:>4}  {arm:<7} {sft:9.3f} {rl:9.3f} {seconds:8.0f}", flush=True)
-    print(f"(all in {time.perf_counter() - t0:.0f} s; work folder {work})")
     return 0
 
 

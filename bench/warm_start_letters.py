@@ -18,12 +18,14 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = ROOT / "configs" / "letters.yaml"
+sys.path.insert(0, str(ROOT))
+
+from bench.work import keep_option, work_folder  # noqa: E402
 
 
 def rlflow(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -64,8 +66,9 @@ def main() -> int:
     ap.add_argument("--rl-lr", type=float, help="train.lr of the RL after the warm start (default: the config's, "
                     "5e-3, tuned for the random base)")
     ap.add_argument("--arms", nargs="+", default=["base", "warm start"], choices=["base", "warm start"])
+    keep_option(ap)
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="rlflow-warm-"))
+    work = work_folder("rlflow-warm-", args.keep)
     rows = [json.loads(line) for line in (ROOT / "configs" / "data" / "letters.jsonl").read_text().splitlines()]
     (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:args.demos]))
     (work / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[args.demos:]))
@@ -73,7 +76,6 @@ def main() -> int:
               "-o", f"eval.every={args.iterations}", "-o", "eval.baseline=true", "-o", "eval.split=train",
               "-o", "eval.greedy=true", "-o", "eval.num_generations=1", "-o", "eval.metric=greedy_pass_at_1",
               "-o", f"run.iterations={args.iterations}", "-o", "env.isolation=thread"]
-    t0 = time.perf_counter()
     rlflow(["record", str(LETTERS), "--policy", "tasks.envs.builtin.games:reference_action", "--out",
             str(work / "demos.jsonl"), *common], work)
     warmup = (f"warmup={{path: {work / 'demos.jsonl'}, epochs: 16, batch_size: 8, micro_batch_size: 8, "
@@ -83,7 +85,6 @@ def main() -> int:
     print(f"letters game, {len(rows) - args.demos} held-out sequences, {args.iterations} RL iterations "
           f"(16 prompts x 8 episodes each); held-out greedy accuracy")
     compare_arms(LETTERS, common, {arm: every[arm] for arm in args.arms}, args.seeds, args.iterations, work)
-    print(f"(all in {time.perf_counter() - t0:.0f} s; work folder {work})")
     return 0
 
 
