@@ -17,7 +17,7 @@ from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
 from tasks.envs.builtin.browser import Browser
-from tasks.envs.builtin.webshop import BY_SLUG, HELD_OUT, PEOPLE, order_pool, reference_action, serve, shop_tasks
+from tasks.envs.builtin.webshop import BY_SLUG, HELD_OUT, PEOPLE, main, order_pool, reference_action, serve, shop_tasks
 from tasks.envs.runtime.episodes import run_episodes
 from tests.conftest import CHROMIUM
 from tests.test_envs import Scripted
@@ -72,6 +72,16 @@ def test_held_out_tasks_are_new_instances_of_skills_the_training_split_shows():
     quantities, sized, shippings = (set(x) for x in zip(*shapes(train)))
     assert all(q in quantities and s in sized and sh in shippings for q, s, sh in shapes(held))
     assert {r["kind"] for r in held} <= {r["kind"] for r in train}
+
+
+@pytest.mark.parametrize("argv", [["--tasks", "--split", "held-out", "--pool", "3"], ["--tasks", "--pool", "-1"],
+                                  ["--pool", "3"]])
+def test_the_task_printer_refuses_a_pool_it_would_not_print(argv, capsys):
+    """Generated orders are training ones: asked for with the held-out split (or without --tasks), one line, exit 2."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr()
+    assert exit_.value.code == 2 and not err.out and "--pool" in err.err.splitlines()[-1]
 
 
 def test_every_task_is_solved_by_the_reference_policy_through_the_episode_loop(shop, tokenizer, chatml):

@@ -430,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --tasks: N generated training orders after the set (order_pool)")
     ap.add_argument("--seed", type=int, default=0, help="with --pool: the draw's seed")
     args = ap.parse_args(argv)
+    if args.pool < 0 or (args.pool and (not args.tasks or args.split == "held-out")):
+        ap.error(f"--pool {args.pool}: N >= 0 generated training orders, with --tasks and --split train or all")
     if args.tasks:
-        rows = shop_tasks(args.split) + (order_pool(args.pool, args.seed) if args.split != "held-out" else [])
+        rows = shop_tasks(args.split) + order_pool(args.pool, args.seed)
         sys.stdout.write("".join(json.dumps(row) + "\n" for row in rows))
         return 0
     import uvicorn
