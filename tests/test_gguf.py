@@ -156,6 +156,27 @@ def test_the_folder_is_keyed_by_the_files_sha256_and_the_dtype(files, cache, tmp
         [Path(first).name, Path(bf16).name, Path(other).name])
 
 
+def test_a_converted_file_is_not_read_again_but_other_bytes_are_checked(files, cache, tmp_path, monkeypatch):
+    """Every stage resolves the policy's base (builtin:smollm2-135m: ~3 s to read its header, mostly the
+    vocabulary): a file converted before is known by its identity and its header is not read again; a file of
+    other bytes, or one changed since, is checked first and refused in one line."""
+    from tasks.core import hashing
+    from tasks.core.models import base_path
+
+    monkeypatch.setattr(hashing, "REMEMBER_FROM", 0)      # (the tiny file's hash remembered, as SmolLM2's 93 MB)
+    mine = tmp_path / "mine.gguf"
+    shutil.copyfile(files["F32"], mine)
+    cfg = load_config(TINY, [f"model.name_or_path={mine}", f"store.uri={tmp_path}/store"])
+    first = base_path(cfg)
+    read, check = [], gguf.check
+    monkeypatch.setattr(gguf, "check", lambda path, field=gguf.FIELD: read.append(path) or check(path, field))
+    assert base_path(cfg) == first and read == []
+    mine.write_bytes(mine.read_bytes()[:-5000])            # changed since: read again, and refused
+    with pytest.raises(UserError, match=f"^model.name_or_path: {mine}: cannot read this GGUF file"):
+        base_path(cfg)
+    assert read == [mine]
+
+
 def _bad_files(tiny: str, folder: Path) -> dict[str, tuple[Path, str]]:
     """name -> (path, what its one line says after 'model.name_or_path: <path>: ')."""
     good = write_gguf(tiny, folder / "good.gguf")

@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 
 from tasks.core.errors import UserError
-from tasks.core.hashing import known_sha256
+from tasks.core.hashing import known_sha256, remembered_sha256
 from tasks.core.paths import cache_root
 
 SUFFIX = ".gguf"
@@ -72,6 +72,19 @@ def check(path: Path, field: str = FIELD) -> str:
     return model_type
 
 
+def converted(file: Path, dtype: str) -> str | None:
+    """The folder converted before from this exact file in `dtype` (the file known by its identity: its hash is
+    remembered, tasks/core/hashing.py), else None. Nothing is read: a converted file was checked when it was
+    converted, and reading its header again costs ~3 s for SmolLM2's (its vocabulary), at every resolve."""
+    digest = remembered_sha256(file) if file.is_file() else None
+    target = _target(digest, dtype) if digest else None
+    return str(target) if target is not None and (target / "config.json").is_file() else None
+
+
+def _target(digest: str, dtype: str) -> Path:
+    return cache_root() / "gguf" / f"{digest[:16]}-{dtype}"
+
+
 def model_folder(path: str, dtype: str, field: str = FIELD) -> str:
     """The converted folder of GGUF file `path` in `dtype` (made on first use; UserError for a bad file)."""
     file = Path(path).expanduser()
@@ -80,7 +93,7 @@ def model_folder(path: str, dtype: str, field: str = FIELD) -> str:
     if not file.is_file():
         raise UserError(f"{field}: {file}: no such GGUF file")
     digest = known_sha256(file)
-    target = cache_root() / "gguf" / f"{digest[:16]}-{dtype}"
+    target = _target(digest, dtype)
     if (target / "config.json").is_file():
         return str(target)
     check(file, field)

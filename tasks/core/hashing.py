@@ -41,13 +41,19 @@ def remember_sha256(path: Path, sha: str) -> None:
     os.replace(tmp, known)
 
 
+def remembered_sha256(path: Path) -> str | None:
+    """The sha256 remembered for this exact file, or None (never hashed here, or small): nothing read."""
+    try:
+        return _identity(path).read_text()
+    except OSError:
+        return None
+
+
 def known_sha256(path: Path) -> str:
     """The file's sha256: remembered for this exact file (see above), else computed and remembered."""
     if path.stat().st_size < REMEMBER_FROM:
         return sha256_file(path)
-    try:
-        return _identity(path).read_text()
-    except OSError:
+    if (sha := remembered_sha256(path)) is None:
         sha = sha256_file(path)
         remember_sha256(path, sha)
-        return sha
+    return sha

@@ -76,10 +76,12 @@ def resolve(cfg: Config, name: str, field: str, pin: str | None = None, dtype: s
     else:
         path = builtin_models.resolve(name, field)
         if gguf.is_gguf(path):
-            gguf.check(Path(path).expanduser(), field)     # (a missing or bad file: one line, not a hash)
-            if pin is not None and (found := known_sha256(Path(path).expanduser())) != pin:
+            file = Path(path).expanduser()
+            if (folder := gguf.converted(file, dtype)) is None:
+                gguf.check(file, field)                   # (a missing or bad file: one line, not a hash)
+            if pin is not None and (found := known_sha256(file)) != pin:
                 raise UserError(f"{pin_field}: {name} has sha256 {found}, not the pinned {pin}")
-            return gguf.model_folder(path, dtype, field)
+            return folder or gguf.model_folder(path, dtype, field)
         looks_local = path.startswith(("/", "./", "../", "~")) or Path(path).expanduser().exists()
         if looks_local and not Path(path).expanduser().exists():
             raise UserError(f"{field}: {path}: no such file or folder")
