@@ -153,8 +153,9 @@ def test_the_hf_engine_loads_a_next_policy_in_place_exactly(tmp_path):
 
 def test_an_hf_session_loads_its_policy_once_for_all_its_samples(tmp_path, monkeypatch):
     """A session is opened for a policy and sampled from many times (every turn of an episode, evaluate's two
-    passes): a full model is built into the resident once, and kept for the next stage's session until the
-    engine stops; an adapter is built once per session. What a sample draws depends on its seed alone."""
+    passes): a model is built into the resident once, and kept for the next stage's session until the engine
+    stops or another kind of model is asked for (here: base, adapter, base). What a sample draws depends on its
+    seed alone."""
     from tasks.core.builtin_models import resolve
     from tasks.core.contracts import SamplingParams
     from tasks.core.models import add_lora, load_model, load_policy, load_tokenizer
@@ -174,9 +175,41 @@ def test_an_hf_session_loads_its_policy_once_for_all_its_samples(tmp_path, monke
         with hf.HFEngine(cfg).session("p", path, tok) as session:
             samples = [session.sample(prompts, params).samples for _ in range(3)]
         assert samples[1] == samples[0] == samples[2] == drawn.setdefault(path, samples[0])
-    assert built == [base, adapter]
+    assert built == [base, adapter, base]
     hf.HFEngine(cfg).stop()
     assert hf.RESIDENT.model is None
+
+
+def test_the_hf_engine_loads_a_next_adapter_in_place_exactly(tmp_path):
+    """A LoRA run's policies are adapters on one base: the resident keeps base + adapter and loads the next
+    adapter's weights into it (the base's untouched), giving the logits a fresh base + adapter gives, bit for
+    bit; an adapter of another shape (its config) is built anew."""
+    from tasks.core.builtin_models import resolve
+    from tasks.core.models import add_lora, load_model, load_policy
+    from tasks.engines import hf
+
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "train.lora_r=4"])
+    wider = load_config(TINY, [f"store.uri={tmp_path}/store", "train.lora_r=8"])
+    folders = []
+    for i, c in enumerate([cfg, cfg, wider]):
+        torch.manual_seed(i)
+        model = add_lora(load_model(resolve("builtin:tiny-lm")), c.train)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn_like(p) * 0.1)          # (B too: a fresh adapter's B is 0)
+        folders.append(str(tmp_path / f"a{i}"))
+        model.save_pretrained(folders[-1])
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    hf.RESIDENT.release()
+    held = []
+    for folder in folders:
+        with hf.HFEngine(cfg).session("p", folder, None):
+            held.append(hf.RESIDENT.model)
+        with torch.no_grad():
+            assert torch.equal(held[-1](ids).logits, load_policy(cfg, folder, "cpu").eval()(ids).logits), folder
+    assert held[1] is held[0] and held[2] is not held[1]            # in place; another shape: built
+    hf.HFEngine(cfg).stop()
 
 
 def test_deltas_by_default_only_where_readers_download(tmp_path):

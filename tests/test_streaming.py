@@ -139,10 +139,48 @@ def test_a_stopped_sampler_keeps_its_groups_and_a_new_one_completes_the_rest(tmp
         assert store.manifest(layout.stream_group("again", it, j)) == manifest
 
 
+def test_a_lora_run_streams_each_adapter_loaded_in_place(tmp_path):
+    """train.lora_r: a run publishes adapters on the base; the sampler loads each in place between decode steps
+    (the resident keeps base + adapter), and every token's behaviour logprob is its version's: the base's at v0,
+    base + adapter N's at vN. Iterations 1-2 are v0's, 3 v1's, 4 v2's (run.max_staleness 1)."""
+    from tasks.core.models import add_lora, load_policy
+
+    cfg = load_config(TINY, _overrides(tmp_path, "lora", "train.lora_r=4", "generate.max_completion_length=8",
+                                     "generate.temperature=0.8", "generate.top_p=1.0",
+                                     "generate.streaming.on_update=interrupt"))
+    store = open_store(cfg)
+    models = {0: load_model(base_path(cfg)).eval()}
+
+    def publish(version: int) -> None:
+        torch.manual_seed(version)
+        model = add_lora(load_model(base_path(cfg)), cfg.train)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn_like(p) * 0.2)          # (B too: a fresh adapter's B is 0)
+        model.save_pretrained(tmp_path / f"a{version}")
+        store.put_folder(layout.policy("lora", version), tmp_path / f"a{version}")
+        store.set_pointer(layout.latest("lora", "policy"), layout.policy("lora", version))
+        models[version] = load_policy(cfg, str(tmp_path / f"a{version}"), "cpu").eval()
+
+    stream = Stream.of(cfg, 1)
+    try:
+        records = {it: stream.collect(it)[0] for it in (1, 2)}
+        for version in (1, 2):
+            publish(version)
+            records[version + 2] = stream.collect(version + 2)[0]
+    finally:
+        Stream.stop_run("lora")
+    for it, group in records.items():
+        assert {v for r in group for v in r.versions} == {max(0, it - 2)}
+        for r in group:
+            want = _teacher_forced(models[max(0, it - 2)], r.prompt_ids, r.completion_ids, 0.8)
+            assert max(abs(a - b) for a, b in zip(want, r.logprobs)) < 1e-4, (it, r.group)
+
+
 @pytest.mark.parametrize(("extra", "says"), [
     (["generate.engine=vllm"], "generate.streaming: the vllm engine cannot stream yet"),
     (["generate.replicas=2"], "generate.streaming: generate.replicas cannot stream yet"),
-    (["train.lora_r=4"], "generate.streaming: a LoRA policy (train.lora_r) cannot stream yet"),
     (["run.max_staleness=0"], "generate.streaming needs run.max_staleness >= 1"),
     (["generate.streaming.buffer=3"], "generate.streaming.buffer: 3 groups is smaller than one iteration's "
                                       "(generate.prompts_per_iteration 4)"),

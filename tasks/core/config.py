@@ -166,11 +166,10 @@ class Config(Section):
         cannot = ("the vllm engine" if gc.engine == "vllm" else "generate.replicas" if gc.replicas else
                   "multi-turn episodes (env.factory / env.agent)" if self.env.episodic() else
                   "generate.dynamic_sampling" if gc.dynamic_sampling is not None else
-                  "data.curriculum" if self.data.curriculum is not None else
-                  "a LoRA policy (train.lora_r)" if self.train.lora_r else None)
+                  "data.curriculum" if self.data.curriculum is not None else None)
         if cannot:
             raise ValueError(f"generate.streaming: {cannot} cannot stream yet (only the hf engine's sampler in the "
-                             f"flow's process, loading full policies, interrupts between decode steps); leave "
+                             f"flow's process interrupts between decode steps); leave "
                              f"generate.streaming unset (run.max_staleness overlaps whole stages)")
         if self.run.max_staleness < 1:
             raise ValueError("generate.streaming needs run.max_staleness >= 1 (a group of iteration N starts once "

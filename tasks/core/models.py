@@ -209,6 +209,7 @@ def load_model(path: str, dtype: str = "float32", device: torch.device | str = "
 
 
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"     # (peft's SAFETENSORS_WEIGHTS_NAME: what save_pretrained writes)
 
 
 def load_policy(cfg: Config, path: str, device: torch.device | str, trainable: bool = False):

@@ -1,9 +1,9 @@
 """The `hf` sampling engine: transformers' `generate` in this process, on the CPU or one GPU.
 
-A session's policy is a full model or base + LoRA adapter. A process keeps the last full model it loaded (the
-resident: what the engine keeps across stages, until `stop`), and a next policy of the same architecture (the
-same config.json) is loaded into it in place, weights only: what an inline flow's generate does every
-iteration. A session loads its policy once when opened; an adapter is its own model. transformers runs user logits
+A session's policy is a full model or base + LoRA adapter. A process keeps the last model it loaded (the
+resident: what the engine keeps across stages, until `stop`), and a next policy built alike (the same
+config.json; an adapter of the same config and base) is loaded into it in place, weights only (an adapter's
+alone): what an inline flow's generate does every iteration. A hub id is a session's own. transformers runs user logits
 processors *before* its own temperature/top-p warpers, and draws sampled tokens from the process-wide torch
 RNG, so one last processor of ours does all of it: applies temperature, top-k and top-p (the trainer's own rule,
 tasks/algorithms/logprobs.py: cut, so both sides cut alike), records the log-softmax the
@@ -27,7 +27,7 @@ import torch
 
 from tasks.algorithms.logprobs import cut
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
-from tasks.core.models import ADAPTER_CONFIG, device_for, load_policy
+from tasks.core.models import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_path, device_for, load_policy
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -52,16 +52,16 @@ class HFEngine:
 
 
 class HFSession(SamplingSession):
-    """One policy: a full model folder is loaded into the process's resident model (in place when the resident
-    has its architecture), and each `sample` checks, under the resident's lock, that it still holds this
+    """One policy: a full model folder or an adapter is loaded into the process's resident model (in place when
+    the resident is built alike), and each `sample` checks, under the resident's lock, that it still holds this
     policy (another session on another thread may have loaded its own meanwhile: generate of iteration N+1 and
-    evaluate of N overlap with run.max_staleness > 0); an adapter or a hub id is loaded once, the session's own."""
+    evaluate of N overlap with run.max_staleness > 0); a hub id is loaded once, the session's own."""
 
     def __init__(self, cfg: Config, path: str, tokenizer):
         self.cfg, self.path, self.tokenizer = cfg, path, tokenizer
-        self.model = None                     # the session's own model (adapters, hub ids); else the resident's
+        self.model = None                     # the session's own model (a hub id); else the resident's
         t0 = time.perf_counter()
-        self.identity = _identity(cfg, path)  # (a full model folder: what the resident must hold)
+        self.identity = _identity(cfg, path)  # (what the resident must hold)
         if self.identity is None:
             self.model = load_policy(cfg, path, device_for(cfg)).eval()
         else:
@@ -84,53 +84,53 @@ class HFSession(SamplingSession):
 
 
 def _identity(cfg: Config, path: str) -> tuple | None:
-    """A full model folder as the resident tells models apart: (its architecture with our dtype and device, its
-    weight files: the folder, their names, mtimes and sizes); None for what is not kept resident (a LoRA
-    adapter, a hub id)."""
+    """A policy as the resident tells policies apart: (what the model is built as, the weight files it holds:
+    their folder, names, mtimes and sizes). A full folder is built as its architecture with our dtype and
+    device; a LoRA adapter as its base's identity (the base's files included: another base is another model)
+    and its adapter config. None for what is not kept resident (a hub id, or an adapter on one)."""
     folder = Path(path)
-    if (folder / ADAPTER_CONFIG).exists() or not (folder / "config.json").is_file():
+
+    def files() -> tuple:
+        found = sorted(folder.glob("*.safetensors"))
+        return str(folder.resolve()), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in found)
+
+    if (folder / ADAPTER_CONFIG).exists():
+        base = _identity(cfg, base_path(cfg))
+        if base is None or not (folder / ADAPTER_WEIGHTS).is_file():
+            return None
+        return (base, (folder / ADAPTER_CONFIG).read_text()), files()
+    if not (folder / "config.json").is_file():
         return None
     config = json.loads((folder / "config.json").read_text())
     config.pop("dtype", None), config.pop("torch_dtype", None)        # (the weights' dtype; we load in ours)
-    key = (json.dumps(config, sort_keys=True), cfg.model.dtype, str(device_for(cfg)))
-    files = sorted(folder.glob("*.safetensors"))
-    return key, (str(folder.resolve()), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+    return (json.dumps(config, sort_keys=True), cfg.model.dtype, str(device_for(cfg))), files()
 
 
 class Resident:
-    """The full model this process keeps between sessions, one at a time: a next policy of the same architecture
-    (the same config.json) is loaded into it in place, weights only, which is what an inline flow's generate
-    does every iteration (a new model each stage would cost a model build per iteration). What the hf engine
-    keeps across stages, as the server mode keeps its vLLM server; `HFEngine.stop` lets go of it."""
+    """The model this process keeps between sessions, one at a time: a next policy built alike (a full folder
+    of the same config.json, or a LoRA adapter of the same config on the same base) is loaded into it in
+    place, weights only (an adapter's weights alone, the base's left as they are), which is what an inline
+    flow's generate does every iteration (a new model each stage would cost a model build per iteration). What
+    the hf engine keeps across stages, as the server mode keeps its vLLM server; `HFEngine.stop` lets go of it."""
 
     def __init__(self):
         self.lock = threading.Lock()          # held by whoever loads into or samples from the model
         self.model = None
-        self.key: tuple | None = None         # the architecture, dtype and device it was built for
+        self.key: tuple | None = None         # what it was built as (_identity)
         self.files: tuple | None = None       # the weight files it holds
 
     def hold(self, cfg: Config, path: str, identity: tuple):
-        """The model, holding the full model folder at `path` (`identity`: _identity's; the caller holds the
-        lock)."""
-        from safetensors.torch import load_file
-
+        """The model, holding the policy at `path` (`identity`: _identity's; the caller holds the lock)."""
         key, files = identity
         if self.model is None or self.key != key:
             return self._build(cfg, path, key, files)
         if self.files == files:              # the same files again (each sample of a session): nothing to copy
             return self.model
-        folder, device = Path(path), device_for(cfg)
-        state = self.model.state_dict()
-        shards = [load_file(folder / name, device=str(device)) for name, _, _ in files[1]]
-        names = {name for weights in shards for name in weights}
-        covered = {state[name].untyped_storage().data_ptr() for name in names if name in state}
-        if names - state.keys() or {t.untyped_storage().data_ptr() for t in state.values()} - covered:
-            return self._build(cfg, path, key, files)   # a tensor we do not have, or one the folder does not set
         self.files = None                    # (a copy that fails half way holds no policy)
-        with torch.no_grad():
-            for weights in shards:
-                for name, tensor in weights.items():
-                    state[name].copy_(tensor)
+        copied = (_copy_adapter if (Path(path) / ADAPTER_CONFIG).exists() else _copy_weights)(
+            self.model, Path(path), files, device_for(cfg))
+        if not copied:                       # a tensor we do not have, or one the folder does not set
+            return self._build(cfg, path, key, files)
         self.files = files
         return self.model
 
@@ -142,6 +142,38 @@ class Resident:
     def release(self) -> None:
         with self.lock:
             self.model = self.key = self.files = None
+
+
+def _copy_weights(model, folder: Path, files: tuple, device) -> bool:
+    """A full folder's weights copied into `model` in place; False (nothing copied) unless the folder sets
+    every tensor of the model and no other."""
+    from safetensors.torch import load_file
+
+    state = model.state_dict()
+    shards = [load_file(folder / name, device=str(device)) for name, _, _ in files[1]]
+    names = {name for weights in shards for name in weights}
+    covered = {state[name].untyped_storage().data_ptr() for name in names if name in state}
+    if names - state.keys() or {t.untyped_storage().data_ptr() for t in state.values()} - covered:
+        return False
+    with torch.no_grad():
+        for weights in shards:
+            for name, tensor in weights.items():
+                state[name].copy_(tensor)
+    return True
+
+
+def _copy_adapter(model, folder: Path, files: tuple, device) -> bool:
+    """An adapter's weights copied into the resident PeftModel in place (peft's own loader, the base untouched);
+    False (nothing copied) unless the file sets every adapter tensor of the model and no other."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(folder / ADAPTER_WEIGHTS, device=str(device))
+    if set(weights) != set(get_peft_model_state_dict(model)):
+        return False
+    with torch.no_grad():
+        set_peft_model_state_dict(model, weights)
+    return True
 
 
 RESIDENT = Resident()

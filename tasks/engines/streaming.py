@@ -271,8 +271,8 @@ class Stream:
         path = policy_path(self.cfg, key)
         identity = _identity(self.cfg, path)
         if identity is None:
-            raise RuntimeError(f"generate.streaming: {key} is not a full model folder (a LoRA adapter or a hub id); "
-                               "the streaming sampler loads full policies in place")
+            raise RuntimeError(f"generate.streaming: {key} is not a model folder or an adapter on one (a hub id?); "
+                               "the streaming sampler loads policies in place")
         with RESIDENT.lock:
             RESIDENT.hold(self.cfg, path, identity)
         self.version, self.path, self.identity = version, path, identity
