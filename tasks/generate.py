@@ -59,10 +59,10 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
     t0 = time.perf_counter()
     gc = cfg.generate
     ds = data.load_prompts(cfg)
-    rows, picked = curriculum.prompts(cfg, store, iteration, round, len(ds))
-    if gc.streaming is not None:                 # the run's streaming sampler made them: take its groups
-        records, metrics = _streamed(cfg, iteration)
+    if gc.streaming is not None:                 # the run's streaming sampler picked and sampled them
+        records, metrics, rows, picked = _streamed(cfg, iteration)
     else:
+        rows, picked = curriculum.prompts(cfg, store, iteration, round, len(ds))
         records, metrics = _sampled(cfg, iteration, round, ds, rows, policy, services)
     metrics["generate/completion_length"] = sum(len(r.completion_ids) for r in records) / len(records)
     metrics["generate/truncated_share"] = sum(r.truncated for r in records) / len(records)
@@ -104,13 +104,14 @@ def _sampled(cfg: Config, iteration: int, round: int, ds, rows: list[int], polic
     return records, metrics
 
 
-def _streamed(cfg: Config, iteration: int) -> tuple[list, dict]:
+def _streamed(cfg: Config, iteration: int) -> tuple[list, dict, list[int], dict]:
     """generate.streaming: iteration N's groups from the run's streaming sampler (tasks/engines/streaming.py),
     each token tagged with the policy version that drew it, and their metrics (the staleness of the oldest
-    token, the versions' spread, what the sampler did since the last stage)."""
+    token, the versions' spread, what the sampler did since the last stage); the prompts' rows and what the
+    curriculum said of them (the sampler picked them: one picker of the curriculum's state at a time)."""
     from tasks.engines.streaming import Stream
 
-    records, metrics = Stream.of(cfg, iteration).collect(iteration)
+    records, metrics, rows, picked = Stream.of(cfg, iteration).collect(iteration)
     versions = [v for r in records for v in r.versions]
     oldest = min(versions, default=iteration - 1)
     metrics.update({
@@ -118,7 +119,7 @@ def _streamed(cfg: Config, iteration: int) -> tuple[list, dict]:
         "generate/versions": float(len(set(versions))),
         "generate/newer_tokens_share": sum(v > oldest for v in versions) / max(len(versions), 1),
     })
-    return records, metrics
+    return records, metrics, rows, picked
 
 
 ROUND_SEED = 7_777_777          # round r of an iteration samples with the iteration's seed + r * ROUND_SEED

@@ -178,9 +178,38 @@ def test_a_lora_run_streams_each_adapter_loaded_in_place(tmp_path):
             assert max(abs(a - b) for a, b in zip(want, r.logprobs)) < 1e-4, (it, r.group)
 
 
+@pytest.mark.slow
+def test_a_streamed_run_takes_the_curriculums_picks(tmp_path):
+    """data.curriculum with streaming: the sampler picks iteration N's prompts once v(N-1-S) is loaded, by when
+    the groups the curriculum learns from (iterations up to N-1-S) are stored, so each iteration trains on the
+    rows the curriculum's rule gives from the stored rewards (recomputed here from nothing) whatever the timing;
+    and the rule did defer rows (the prompts answered before 'e' always score 1: constant groups)."""
+    from tests.test_dynamic_sampling import _iterations
+
+    cfg = load_config(TINY, _overrides(tmp_path, "cur", "data.curriculum={defer: 2}", "generate.streaming.on_update"
+                                     "=interrupt", 'reward.functions=[{"fn": "tests.reward_examples:'
+                                     'early_letters_constant"}]', iterations=6))
+    try:
+        _iterations(cfg, 1, 6)
+    finally:
+        Stream.stop_run("cur")
+    store = open_store(cfg)
+    n_rows = len(data.load_prompts(cfg))
+    meta = [store.manifest(layout.rollouts("cur", it))["meta"] for it in range(1, 7)]
+    for it in range(1, 7):
+        assert [r.row for r in rollout.load(store, layout.rollouts("cur", it))[::4]] == meta[it - 1]["rows"]
+    for k in range(1, 6):
+        store.delete_folder(layout.curriculum("cur", k))
+    assert [curriculum.prompts(cfg, store, it, 0, n_rows)[0] for it in range(1, 7)] == [m["rows"] for m in meta]
+    assert any(m["metrics"]["curriculum/deferred"] > 0 for m in meta)
+    plain = [data.indices(n_rows, cfg.run.seed, data.cursor(it, 4), 4, cfg.data.shuffle) for it in range(1, 7)]
+    assert [m["rows"] for m in meta] != plain
+
+
 @pytest.mark.parametrize(("extra", "says"), [
     (["generate.engine=vllm"], "generate.streaming: the vllm engine cannot stream yet"),
     (["generate.replicas=2"], "generate.streaming: generate.replicas cannot stream yet"),
+    (["generate.dynamic_sampling={}"], "generate.streaming: generate.dynamic_sampling cannot stream yet"),
     (["run.max_staleness=0"], "generate.streaming needs run.max_staleness >= 1"),
     (["generate.streaming.buffer=3"], "generate.streaming.buffer: 3 groups is smaller than one iteration's "
                                       "(generate.prompts_per_iteration 4)"),

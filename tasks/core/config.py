@@ -165,8 +165,7 @@ class Config(Section):
             return self
         cannot = ("the vllm engine" if gc.engine == "vllm" else "generate.replicas" if gc.replicas else
                   "multi-turn episodes (env.factory / env.agent)" if self.env.episodic() else
-                  "generate.dynamic_sampling" if gc.dynamic_sampling is not None else
-                  "data.curriculum" if self.data.curriculum is not None else None)
+                  "generate.dynamic_sampling" if gc.dynamic_sampling is not None else None)
         if cannot:
             raise ValueError(f"generate.streaming: {cannot} cannot stream yet (only the hf engine's sampler in the "
                              f"flow's process interrupts between decode steps); leave "

@@ -3,7 +3,7 @@ after group in data order, across iteration boundaries, instead of one batch per
 its slowest completion.
 
     stream = Stream.of(cfg)                 # started by the first generate stage of the run (flow's process)
-    records, metrics = stream.collect(N)    # iteration N's groups, each committed to the store as it completed
+    records, metrics, rows, said = stream.collect(N)   # iteration N's groups, each committed as it completed
 
 The sampler (`ContinuousSampler`, the hf engine's model) decodes a batch of rows; when `refill_share` of them
 have finished, or a newer policy is published, the batch stops between two decode steps, finished rows leave,
@@ -168,6 +168,7 @@ class Stream:
         self.counts = {"tokens": 0, "discarded_tokens": 0, "interruptions": 0, "refills": 0, "idle": 0.0,
                        "busy": 0.0}
         self.seen: dict = {}
+        self.picked: dict[int, tuple[list[int], dict]] = {}   # iteration -> its prompts' rows, the curriculum's say
         self._looked, self._seen = -1e9, 0
         self.version, self.path, self.identity = -1, None, None
         self.thread = threading.Thread(target=self._run, name=f"rlflow-stream-{cfg.run.name}", daemon=True)
@@ -188,7 +189,8 @@ class Stream:
         self._load(self._newest())                 # never older than what the store has published
         self.tokenizer = load_tokenizer(self.path)
         ds = data.load_prompts(cfg)
-        todo = self._groups(ds)
+        todo: list[tuple[int, int, int]] = []
+        pending = list(range(self.first, cfg.run.iterations + 1))   # iterations whose prompts are not yet picked
         sampler = ContinuousSampler(self.tokenizer, SamplingParams(
             n=self.n, max_new_tokens=gc.max_completion_length, temperature=gc.temperature, top_p=gc.top_p,
             top_k=gc.top_k, seed=cfg.run.seed * 1_000_003 + self.first), gc.max_completion_length, gc.share_prompts)
@@ -202,7 +204,11 @@ class Stream:
                 self._load(newest)
                 self.counts["interruptions"] += bool(active)
             finishing = newest > self.version      # (on_update finish: no group joins until the load)
-            while todo and not finishing and len(active) + self.n <= self.max_rows and self._admits(*todo[0][:2]):
+            while not finishing and len(active) + self.n <= self.max_rows:
+                while not todo and pending and self.version >= self._behind(pending[0]):
+                    todo += self._groups(pending.pop(0), len(ds))   # ([]: collected before a resume)
+                if not todo or not self._admits(*todo[0][:2]):
+                    break
                 it, j, row = todo.pop(0)
                 columns = ds[row]                 # (a datasets row access: once)
                 prompt = data.prompt_of(cfg, columns)
@@ -211,7 +217,7 @@ class Stream:
                 groups[(it, j)] = [Row((it, j), ids) for _ in range(self.n)]
                 active += groups[(it, j)]
             if not active:
-                if not todo:
+                if not todo and not pending:
                     return
                 t0 = time.perf_counter()
                 with self.changed:
@@ -237,24 +243,30 @@ class Stream:
                 self._commit(key, prompts.pop(key), groups.pop(key))
         self.counts["discarded_tokens"] += sum(len(r.tokens) for r in active)   # stopped with rows in flight
 
-    def _groups(self, ds) -> list[tuple[int, int, int]]:
-        """(iteration, group, dataset row) of every group still to sample, in data order: iterations from the
-        first, groups of an iteration in its prompts' order; the ones already committed left out (a resume)."""
-        out = []
-        for it in range(self.first, self.cfg.run.iterations + 1):
-            if self.store.manifest(layout.rollouts(self.cfg.run.name, it)) is not None:
-                continue
-            rows, _ = curriculum.prompts(self.cfg, self.store, it, 0, len(ds))
-            out += [(it, j, row) for j, row in enumerate(rows)
-                    if self.store.manifest(layout.stream_group(self.cfg.run.name, it, j)) is None]
-        return out
+    def _groups(self, it: int, n_rows: int) -> list[tuple[int, int, int]]:
+        """(iteration, group, dataset row) of iteration `it`'s groups still to sample, in its prompts' order (the
+        ones already committed left out: a resume); its prompts and what the curriculum said of them kept for its
+        generate stage. Asked once the loaded policy is v(it-1-S), by when the groups data.curriculum learns from
+        (iterations up to it-1-S: their policy was published after their rewards) are stored: the curriculum's
+        pick is the stage mode's, whatever the timing."""
+        if self.store.manifest(layout.rollouts(self.cfg.run.name, it)) is not None:
+            return []
+        rows, said = curriculum.prompts(self.cfg, self.store, it, 0, n_rows)
+        with self.changed:
+            self.picked[it] = (rows, said)
+            self.changed.notify_all()
+        return [(it, j, row) for j, row in enumerate(rows)
+                if self.store.manifest(layout.stream_group(self.cfg.run.name, it, j)) is None]
+
+    def _behind(self, it: int) -> int:
+        """The oldest policy iteration `it` may sample from: v(it-1-S), the one the schedule names for it."""
+        return layout.version_of(layout.behaviour_policy(self.cfg.run.name, it, self.S))
 
     def _admits(self, it: int, j: int) -> bool:
         """Group `j` of iteration `it` may join: the loaded policy is at least the one the schedule names for
         the iteration (v(it-1-S)), so each of its tokens is within run.max_staleness, and the groups not yet
         collected before it leave room in the buffer."""
-        behind = layout.version_of(layout.behaviour_policy(self.cfg.run.name, it, self.S))
-        return self.version >= behind and (it - self.collected - 1) * self.P + j < self.buffer
+        return self.version >= self._behind(it) and (it - self.collected - 1) * self.P + j < self.buffer
 
     def _newest(self, cached: bool = False) -> int:
         """The newest published policy's version (the run's LATEST pointer, which publish moves after the policy
@@ -294,15 +306,16 @@ class Stream:
             self.changed.notify_all()
 
     # -- the generate stages' side -------------------------------------------------------------------------
-    def collect(self, iteration: int) -> tuple[list[Rollout], dict]:
+    def collect(self, iteration: int) -> tuple[list[Rollout], dict, list[int], dict]:
         """Iteration `iteration`'s groups, in its prompts' order, waiting for the ones still decoding; with what
-        the sampler did since the last collect (its idle share, refills, interruptions, discarded tokens)."""
+        the sampler did since the last collect (its idle share, refills, interruptions, discarded tokens), the
+        prompts' rows and what the curriculum said of them."""
         run, t0 = self.cfg.run.name, time.perf_counter()
         keys = [layout.stream_group(run, iteration, j) for j in range(self.P)]
         with self.changed:
             self.collected = max(self.collected, iteration - 1)
             self.changed.notify_all()
-            while any(self.store.manifest(k) is None for k in keys):
+            while iteration not in self.picked or any(self.store.manifest(k) is None for k in keys):
                 if self.error is not None:          # (a retry of the stage starts a sampler again)
                     with Stream.LOCK:
                         if Stream.RUNNING.get(run) is self:
@@ -313,6 +326,7 @@ class Stream:
                                        "groups were complete")
                 self.changed.wait(WAIT_SECONDS)
         records = [r for k in keys for r in rollout.load(self.store, k)]
+        rows, said = self.picked[iteration]
         now = dict(self.counts)
         d = {k: v - self.seen.get(k, 0) for k, v in now.items()}     # what the sampler did since the last collect
         self.seen, self.collected = now, iteration
@@ -324,7 +338,7 @@ class Stream:
                          "generate/sampler_idle_share": d["idle"] / max(d["idle"] + d["busy"], 1e-9),
                          "generate/sampling_seconds": d["busy"],
                          "generate/tokens_per_s": now["tokens"] / max(now["busy"], 1e-9),   # (since its start)
-                         "generate/wait_seconds": time.perf_counter() - t0}
+                         "generate/wait_seconds": time.perf_counter() - t0}, rows, said
 
     def stop(self) -> None:
         self.stopping.set()
