@@ -256,6 +256,30 @@ def test_one_process_matches_torch_resumes_exactly_and_publishes_16bit(stage, ro
         _check_resumed_on(tmp_path, extra, 2, ref)
 
 
+def test_gradient_checkpointing_under_zero_3_trains_as_the_torch_engine(rollouts, tmp_path, tmp_path_factory,
+                                                                         as_worker, monkeypatch):
+    """train.gradient_checkpointing on the DeepSpeed engine (the shop's recipe needs it for its ~4000-token
+    episodes): each layer recomputed in the backward from ZeRO-3's partitioned weights gives the torch engine's
+    update without it, metrics and weights, through a resume."""
+    from tasks.engines import deepspeed_engine
+
+    on = []
+    real = deepspeed_engine.checkpointing
+    monkeypatch.setattr(deepspeed_engine, "checkpointing",
+                        lambda model, tc: on.append(real(model, tc).is_gradient_checkpointing) or model)
+    ref = _torch_reference(LOSS_OF_STAGE[3], rollouts, tmp_path_factory)
+    cfg = _config(tmp_path, rollouts, ["train.engine=deepspeed", "train.zero_stage=3", "train.gradient_checkpointing"
+                                       "=true", f"train.learner.loss_type={LOSS_OF_STAGE[3]}"])
+    metrics = [train(cfg, it)["metrics"] for it in (1, 2)]
+    assert on == [True, True]                                          # (each iteration a fresh engine: a resume)
+    for got, want in zip(metrics, ref["metrics"]):
+        for k in METRIC_KEYS:
+            assert got[k] == pytest.approx(want[k], **METRIC_TOL), k
+    fp32 = _fp32_weights(Store.open(cfg.store), 2, tmp_path / "fp32")
+    for name, want in ref["weights"].items():
+        assert (fp32[name] - want).abs().max() <= WEIGHT_ATOL, name
+
+
 @AT_LENGTH
 @pytest.mark.parametrize("stage", [1])
 def test_two_processes_match_one_and_the_torch_engine(stage, rollouts, tmp_path, tmp_path_factory):
