@@ -57,6 +57,10 @@ BAD = textwrap.dedent('''
 
     def scaled(completions, factor=1.0, **kw):
         return [factor] * len(completions)
+
+    def slow_lengths(completions, **kw):
+        time.sleep(0.2)
+        return [float(len(c)) for c in completions]
 ''')
 
 
@@ -96,6 +100,22 @@ def test_a_failing_function_scores_nothing_for_the_batch_and_the_others_still_co
     assert [r.reward for r in records] == [0.0, 1.0, 0.0, 1.0]    # combined over the functions that scored
     # The worker (restarted where it died) serves the next batch.
     assert score_records(_functions(["good"]), _records(), "sum").scores["good"] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_threads_scoring_at_once_each_get_their_own_batchs_scores(bad_module):
+    """run.max_staleness > 0 scores on two threads at once (the reward stage of iteration N+1, the evaluation of
+    N): each caller gets its own batch's scores (a worker answers one caller at a time), never another's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    functions = _functions(["slow_lengths"])
+
+    def batch(k: int) -> list[Rollout]:
+        return [Rollout(group=0, row=j, prompt="a=", prompt_ids=[1], completion="x" * (10 * k + j),
+                        completion_ids=[1], logprobs=[0.0], truncated=False, columns={}) for j in range(1, 4)]
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda k: score_records(functions, batch(k), "sum").scores["slow_lengths"], range(12)))
+    assert got == [[10.0 * k + j for j in range(1, 4)] for k in range(12)]
 
 
 @pytest.mark.parametrize("bad", ["hangs", "spins"])

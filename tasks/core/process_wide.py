@@ -8,7 +8,7 @@ per process: the PROCESS_WIDE lock, the random streams (rng_state, set_rng_state
 take, restore, environment_variables; a stage's servers are not among them: they are its context, an argument,
 tasks/core/placement.py). This is not all the module-level state of the package: caches and registries kept for
 reuse live with their users, e.g. the trainers this process holds (tasks/engines/trainer.py: _HELD), the reward
-functions' workers (tasks/scoring/functions.py: _workers), the reward models loaded in the stage
+functions' idle workers (tasks/scoring/functions.py: _idle), the reward models loaded in the stage
 (tasks/scoring/judges.py: _engines) and the sandbox runners (tasks/scoring/sandbox.py: _runners).
 Standard library only when imported (torch is imported by the random streams' functions, as they run).
 More: docs/internals.md (tasks/core/process_wide.py): each piece, with the reason it exists.

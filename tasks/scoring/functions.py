@@ -7,8 +7,8 @@ names; an async one is awaited. Before anything runs, each signature is checked 
 the dataset's columns (check_signatures).
 
 A reward function is the user's code and may misbehave: raise, hang, return the wrong count, a non-number or
-NaN. The functions run in one worker process (tasks/scoring/worker.py), started on first use and kept for the
-life of this process, so that a misbehaving function costs that batch's scores (counted in
+NaN. The functions run in a worker process (tasks/scoring/worker.py; one per thread that scores), started on
+first use and kept for the life of this process, so that a misbehaving function costs that batch's scores (counted in
 `reward/<fn>/errors`), never the iteration, unless `reward.strict: true` makes it fail the stage.
 More: docs/internals.md (tasks/scoring/functions.py): timeouts, missing scores, log_extra and log_metric.
 """
@@ -25,6 +25,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -179,29 +180,36 @@ def _pythonpath(cwd: str) -> str:
     return os.pathsep.join(p for p in (str(REPO_ROOT), cwd, os.environ.get("PYTHONPATH", "")) if p)
 
 
-_workers: dict[str, _Worker] = {}
+# Idle workers by their functions: a caller takes one for a batch and gives it back, so a worker answers one
+# caller at a time. With run.max_staleness > 0 the flow's threads score at once (the reward stage of iteration
+# N+1 in the look-ahead lane, the evaluation of N in the loop); sharing a worker, a caller could read the other's
+# reply (another batch's scores) or lose the worker to the other's timeout. As many workers as callers at once.
+_idle: dict[str, list[_Worker]] = {}
+_workers_lock = threading.Lock()
 _shown: set[str] = set()       # functions whose first failure this process has printed
 
 
-def _worker(functions: RewardFunctions) -> _Worker:
+def _take(functions: RewardFunctions) -> _Worker:
     key = json.dumps(functions.setup, sort_keys=True)
-    w = _workers.get(key)
-    if w is None or not w.alive():
-        _workers[key] = w = _Worker(functions.setup)
-    return w
+    with _workers_lock:
+        idle = _idle.setdefault(key, [])
+        while idle:
+            if (w := idle.pop()).alive():
+                return w
+    return _Worker(functions.setup)
 
 
-def _drop_worker(functions: RewardFunctions) -> None:
-    w = _workers.pop(json.dumps(functions.setup, sort_keys=True), None)
-    if w is not None:
-        w.kill()
+def _give_back(functions: RewardFunctions, w: _Worker) -> None:
+    with _workers_lock:
+        _idle.setdefault(json.dumps(functions.setup, sort_keys=True), []).append(w)
 
 
 @atexit.register
 def _close_workers() -> None:
-    for w in _workers.values():
-        w.kill()
-    _workers.clear()
+    with _workers_lock:
+        for w in [w for idle in _idle.values() for w in idle]:
+            w.kill()
+        _idle.clear()
 
 
 def trl_inputs(records: list[Rollout]) -> tuple[list, dict]:
@@ -238,38 +246,55 @@ def score(functions: RewardFunctions, records: list[Rollout], state: RewardState
     completions, columns = trl_inputs(records)
     columns["trainer_state"] = state
     out = Scored()
-    for index, name in enumerate(functions.names):
-        try:
-            reply = _worker(functions).call(index, completions, columns, functions.timeout_seconds)
-        except TimeoutError:
-            _drop_worker(functions)
-            reply = ("error", f"timed out after {functions.timeout_seconds:g}s (killed)")
-        except (EOFError, BrokenPipeError, OSError):
-            _drop_worker(functions)
-            reply = ("error", "the reward worker died while running it (exit, crash or signal)")
-        if reply[0] == "error":
-            message = f"reward function {name!r} {_phrase(reply[1])}"
-            if functions.strict:
-                raise RewardFunctionError(message)
-            log.warning("%s; its scores for this batch are missing", message)
-            if name not in _shown:          # the first failure of each function, on the console whatever logs
-                _shown.add(name)
-                print(f"warning: {message}; its scores for this batch are missing (counted in "
-                      f"reward/{name}/errors; reward.strict: true makes it fail the run)", file=sys.stderr)
-            out.errors[name] = message
-            out.scores[name] = [None] * len(records)
-            continue
-        _, values, extra, metrics = reply
-        bad = [j for j, v in enumerate(values) if v is not None and not math.isfinite(v)]
-        if bad and functions.strict:
-            raise RewardFunctionError(f"reward function {name!r} returned {values[bad[0]]} for completion {bad[0]}")
-        if bad:
-            out.nan[name] = len(bad)
-            values = [None if j in set(bad) else v for j, v in enumerate(values)]
-        out.scores[name] = values
-        out.extra.update(extra)
-        out.metrics.update(metrics)
+    worker = None
+    try:
+        for index, name in enumerate(functions.names):
+            worker = worker or _take(functions)
+            try:
+                reply = worker.call(index, completions, columns, functions.timeout_seconds)
+            except (TimeoutError, EOFError, BrokenPipeError, OSError) as e:
+                worker.kill()
+                worker = None
+                reply = ("error", f"timed out after {functions.timeout_seconds:g}s (killed)" if isinstance(
+                    e, TimeoutError) else "the reward worker died while running it (exit, crash or signal)")
+            _record(functions, out, name, reply, len(records))
+    except RewardFunctionError:
+        raise                       # (reward.strict: the worker answered; given back below)
+    except BaseException:
+        if worker is not None:      # (cut off in a call: its reply could reach the next caller)
+            worker.kill()
+            worker = None
+        raise
+    finally:
+        if worker is not None:
+            _give_back(functions, worker)
     return out
+
+
+def _record(functions: RewardFunctions, out: Scored, name: str, reply: tuple, n: int) -> None:
+    """Function `name`'s reply on a batch of `n` into `out`: its scores, or its failure by the rules above."""
+    if reply[0] == "error":
+        message = f"reward function {name!r} {_phrase(reply[1])}"
+        if functions.strict:
+            raise RewardFunctionError(message)
+        log.warning("%s; its scores for this batch are missing", message)
+        if name not in _shown:          # the first failure of each function, on the console whatever logs
+            _shown.add(name)
+            print(f"warning: {message}; its scores for this batch are missing (counted in "
+                  f"reward/{name}/errors; reward.strict: true makes it fail the run)", file=sys.stderr)
+        out.errors[name] = message
+        out.scores[name] = [None] * n
+        return
+    _, values, extra, metrics = reply
+    bad = [j for j, v in enumerate(values) if v is not None and not math.isfinite(v)]
+    if bad and functions.strict:
+        raise RewardFunctionError(f"reward function {name!r} returned {values[bad[0]]} for completion {bad[0]}")
+    if bad:
+        out.nan[name] = len(bad)
+        values = [None if j in set(bad) else v for j, v in enumerate(values)]
+    out.scores[name] = values
+    out.extra.update(extra)
+    out.metrics.update(metrics)
 
 
 def _phrase(message: str) -> str:
