@@ -118,6 +118,25 @@ def test_threads_scoring_at_once_each_get_their_own_batchs_scores(bad_module):
     assert got == [[10.0 * k + j for j in range(1, 4)] for k in range(12)]
 
 
+def test_a_worker_outlives_the_thread_that_started_it(bad_module):
+    """A worker asks to die with its parent, which Linux takes to be the thread that started it: workers are
+    started from one thread that lasts, so a worker a finished thread used (a streamed run's scorer, a look-ahead
+    lane) still serves the next caller instead of dying under it."""
+    import threading
+
+    from tasks.scoring import functions as module
+
+    functions = _functions(["good"])
+    t = threading.Thread(target=score_records, args=(functions, _records(), "sum"))
+    t.start()
+    t.join()
+    time.sleep(1.0)                      # (a parent-death signal, had it been sent, has arrived)
+    idle = module._idle[json.dumps(functions.setup, sort_keys=True)]
+    assert len(idle) == 1 and idle[0].alive()
+    scored = score_records(functions, _records(), "sum")
+    assert scored.errors == {} and scored.scores["good"] == [0.0, 1.0, 0.0, 1.0]
+
+
 @pytest.mark.parametrize("bad", ["hangs", "spins"])
 def test_a_hanging_function_is_killed_at_its_timeout(bad_module, bad):
     functions = _functions([bad, "good"], timeout_seconds=2)

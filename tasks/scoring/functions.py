@@ -22,12 +22,14 @@ import json
 import logging
 import math
 import os
+import queue
 import select
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -189,14 +191,37 @@ _workers_lock = threading.Lock()
 _shown: set[str] = set()       # functions whose first failure this process has printed
 
 
+# Workers are started from one thread that lives as long as the process: a worker asks to be killed when "its
+# parent" dies (worker.py: die_with_parent), and Linux means the thread that started it, so a worker started by a
+# thread that ended (a scorer's, a look-ahead lane's) would die under the next caller.
+# (a daemon thread: the CLI's exit joins every other thread first)
+_to_start: queue.Queue = queue.Queue()
+_starter: threading.Thread | None = None
+
+
+def _start_workers() -> None:
+    while True:
+        setup, started = _to_start.get()
+        try:
+            started.set_result(_Worker(setup))
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            started.set_exception(e)
+
+
 def _take(functions: RewardFunctions) -> _Worker:
+    global _starter
     key = json.dumps(functions.setup, sort_keys=True)
+    started: Future = Future()
     with _workers_lock:
         idle = _idle.setdefault(key, [])
         while idle:
             if (w := idle.pop()).alive():
                 return w
-    return _Worker(functions.setup)
+        if _starter is None:
+            _starter = threading.Thread(target=_start_workers, name="rlflow-reward-workers", daemon=True)
+            _starter.start()
+    _to_start.put((functions.setup, started))
+    return started.result()
 
 
 def _give_back(functions: RewardFunctions, w: _Worker) -> None:
