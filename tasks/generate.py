@@ -110,8 +110,10 @@ def _streamed(cfg: Config, iteration: int) -> tuple[list, dict, list[int], dict]
     token, the versions' spread, what the sampler did since the last stage); the prompts' rows and what the
     curriculum said of them (the sampler picked them: one picker of the curriculum's state at a time)."""
     from tasks.engines.streaming import Stream
+    from tasks.scoring.streamed import GroupScorer, scores_as_they_complete
 
-    records, metrics, rows, picked = Stream.of(cfg, iteration).collect(iteration)
+    listener = (lambda: GroupScorer.of(cfg)) if scores_as_they_complete(cfg) else None
+    records, metrics, rows, picked = Stream.of(cfg, iteration, listener).collect(iteration)
     versions = [v for r in records for v in r.versions]
     oldest = min(versions, default=iteration - 1)
     metrics.update({

@@ -31,6 +31,7 @@ from tasks.core.store import Store, open_store
 from tasks.scoring.functions import load_functions, require_some_score, score_records
 from tasks.scoring.shaping import NAME as SHAPING
 from tasks.scoring.shaping import add_overlong, overlong_metrics, task_reward
+from tasks.scoring.streamed import assembled
 from tasks.scoring.worker import RewardState
 
 if TYPE_CHECKING:
@@ -57,19 +58,23 @@ def reward(cfg: Config, iteration: int, round: int = 0, services: Services | Non
     done = reuse(store, key, fp, made)
     if done is None:
         t0 = time.perf_counter()
-        functions = load_functions(cfg)
         records = rollout.load(store, src)
-        scored = score_records(functions, records, cfg.reward.aggregate,
-                               RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations),
-                               judge_cache=layout.judge_cache(cfg.run.name, iteration, round=round),
-                               services=services)
+        if (streamed := assembled(cfg, store, iteration, records)) is not None:    # scored as they completed
+            records, scored, seconds = streamed
+            shaped = {**overlong_metrics(records), "reward/streamed_seconds": seconds}
+        else:
+            scored = score_records(load_functions(cfg), records, cfg.reward.aggregate,
+                                   RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations),
+                                   judge_cache=layout.judge_cache(cfg.run.name, iteration, round=round),
+                                   services=services)
+            shaped = add_overlong(cfg, records)
         require_some_score(records, scored, f"iteration {iteration}")
         metrics = {**_metrics(records, scored.scores), "reward/seconds": time.perf_counter() - t0}
         for name in scored.scores:
             metrics[f"reward/{name}/errors"] = float(name in scored.errors)
             metrics[f"reward/{name}/nan"] = float(scored.nan.get(name, 0))
         metrics.update({f"reward/{k}": v for k, v in scored.metrics.items()})
-        metrics.update(add_overlong(cfg, records))
+        metrics.update(shaped)
         metrics.update(_group_shares(cfg, records))
         done = _write(store, key, records, {"fingerprint": fp, "made_of": made, "metrics": metrics,
                                             "samples": _samples(cfg, records), "errors": scored.errors,

@@ -21,6 +21,9 @@ from tasks.core.contracts import SamplingParams
 from tasks.core.models import base_path, load_model, load_tokenizer
 from tasks.core.store import MANIFEST, Store, open_store
 from tasks.engines.streaming import ContinuousSampler, Row, Stream
+from tasks.scoring.functions import load_functions, score_records
+from tasks.scoring.streamed import GroupScorer
+from tasks.scoring.worker import RewardState
 from tests.conftest import AT_LENGTH, ROOT, TINY, read_summary, run_cli
 from tests.test_interruption import _teacher_forced
 
@@ -108,7 +111,11 @@ def test_a_streamed_run_trains_the_stage_modes_prompts_within_the_staleness(pref
         for r in records:
             assert len(r.versions) == len(r.completion_ids) == len(r.logprobs)
             assert min(r.versions) >= oldest                          # within run.max_staleness
-        assert store.manifest(layout.rewards("stream", it)) is not None
+        # scored as each group completed (tasks/scoring/streamed.py): the rewards scoring it at once gives
+        assert "reward/streamed_seconds" in store.manifest(layout.rewards("stream", it))["meta"]["metrics"]
+        score_records(load_functions(cfg), records, cfg.reward.aggregate, RewardState(it - 1, 4))
+        assert [r.reward for r in rollout.load(store, layout.rewards("stream", it))] == [r.reward for r in records]
+    assert GroupScorer.RUNNING == {}
     client = MlflowClient(cfg.tracking.uri)
     run = summary["mlflow_run_id"]
     assert [m.value for m in client.get_metric_history(run, "generate/discarded_tokens")] == [0.0] * 4
@@ -204,6 +211,27 @@ def test_a_streamed_run_takes_the_curriculums_picks(tmp_path):
     assert any(m["metrics"]["curriculum/deferred"] > 0 for m in meta)
     plain = [data.indices(n_rows, cfg.run.seed, data.cursor(it, 4), 4, cfg.data.shuffle) for it in range(1, 7)]
     assert [m["rows"] for m in meta] != plain
+
+
+def test_a_scorer_that_failed_leaves_the_reward_stage_to_say_it(tmp_path):
+    """Groups are scored as they complete; with reward.strict a function that raises stops that scorer, and the
+    reward stage, scoring the iteration itself, fails with the function's one line (a user error), as without
+    streaming."""
+    from tasks.generate import generate
+    from tasks.reward import reward
+    from tasks.scoring.functions import RewardFunctionError
+
+    cfg = load_config(TINY, _overrides(tmp_path, "strict", "reward.strict=true", "generate.streaming.on_update="
+                                     "interrupt", 'reward.functions=[{"fn": "tests.reward_examples:refuses"}]',
+                                     iterations=2))
+    try:
+        generate(cfg, 1, layout.BASE)
+        with pytest.raises(RewardFunctionError, match="^reward function 'refuses' raised ValueError: cannot parse"):
+            reward(cfg, 1)
+        assert isinstance(Stream.RUNNING["strict"].listener.error, RewardFunctionError)   # (its scorer)
+    finally:
+        Stream.stop_run("strict")
+    assert GroupScorer.RUNNING == {}
 
 
 @pytest.mark.parametrize(("extra", "says"), [

@@ -25,6 +25,11 @@ def stream_group(run: str, iteration: int, group: int) -> str:
     return f"{run}/iter-{iteration:06d}/stream/group-{group:05d}"
 
 
+def stream_scored(run: str, iteration: int, group: int) -> str:
+    """generate.streaming: that group scored by the reward functions as it completed (the reward stage's input)."""
+    return f"{run}/iter-{iteration:06d}/stream/scored-{group:05d}"
+
+
 def rewards(run: str, iteration: int) -> str:
     """What the train stage reads: reward's output (with dynamic sampling, the groups it kept)."""
     return f"{run}/iter-{iteration:06d}/rewards"

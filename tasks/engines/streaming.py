@@ -137,11 +137,14 @@ class Stream:
     LOCK = threading.Lock()
 
     @classmethod
-    def of(cls, cfg: Config, first: int) -> Stream:
+    def of(cls, cfg: Config, first: int, listener=None) -> Stream:
+        """The run's sampler (started here, from iteration `first`, if it has none). `listener()`: what each
+        committed group is submitted to, `submit(iteration, group, records)`, stopped (`stop()`) once the
+        sampler ends (the reward functions' scorer: tasks/scoring/streamed.py)."""
         with cls.LOCK:
             s = cls.RUNNING.get(cfg.run.name)
             if s is None or not s.thread.is_alive() and s.error is None:
-                s = cls.RUNNING[cfg.run.name] = Stream(cfg, first)
+                s = cls.RUNNING[cfg.run.name] = Stream(cfg, first, listener() if listener else None)
             return s
 
     @classmethod
@@ -155,8 +158,8 @@ class Stream:
         stream.stop()
         return stream.counts["discarded_tokens"]
 
-    def __init__(self, cfg: Config, first: int):
-        self.cfg, self.first, self.store = cfg, first, open_store(cfg)
+    def __init__(self, cfg: Config, first: int, listener=None):
+        self.cfg, self.first, self.store, self.listener = cfg, first, open_store(cfg), listener
         gc, sc = cfg.generate, cfg.generate.streaming
         self.P, self.n, self.S = gc.prompts_per_iteration, gc.num_generations, cfg.run.max_staleness
         self.buffer = sc.buffer or (self.S + 1) * self.P
@@ -181,6 +184,8 @@ class Stream:
         except BaseException as e:   # noqa: BLE001 - reported by the generate stage that waits for a group
             self.error = e
         finally:
+            if self.listener is not None:
+                self.listener.stop()
             with self.changed:
                 self.changed.notify_all()
 
@@ -302,6 +307,8 @@ class Stream:
             rollout.write(records, Path(tmp))
             self.store.put_folder(layout.stream_group(self.cfg.run.name, it, j), Path(tmp),
                                   meta={"iteration": it, "group": j, "row": row})
+        if self.listener is not None:
+            self.listener.submit(it, j, records)
         with self.changed:
             self.changed.notify_all()
 

@@ -1,0 +1,142 @@
+"""Groups scored as they complete (generate.streaming, issue 42): the reward functions score each group the
+streaming sampler commits, on a thread of the flow's process, while later groups decode; the reward stage then
+takes an iteration's scored groups instead of scoring it at once (tasks/reward.py).
+
+    scorer = GroupScorer.of(cfg)                       # the streaming sampler's listener (tasks/generate.py)
+    scorer.submit(iteration, group, records)           # a committed group: scored and stored in turn
+    records, scored, seconds = assembled(cfg, store, iteration, rollouts)    # or None: score it at once
+
+Only reward functions score here (reward.models' judges are the reward stage's services) and only with the reward
+stage inline (in the flow's process, as the sampler is). A function is called on one group at a time (TRL's
+calling convention holds for any batch), its log_metric values averaged over the groups. A scoring that fails
+(reward.strict's error, a worker that cannot start) stops the scorer; the reward stage then scores the iteration
+itself, and says that error there. More: docs/design-notes.md (Generation that never waits).
+"""
+
+from __future__ import annotations
+
+import queue
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tasks.core import layout, rollout
+from tasks.core.contracts import Rollout, Scored
+from tasks.core.placement import placement_of
+from tasks.core.store import Store, open_store
+from tasks.scoring.functions import load_functions, score_records
+from tasks.scoring.shaping import add_overlong
+from tasks.scoring.worker import RewardState
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+
+def scores_as_they_complete(cfg: Config) -> bool:
+    """A streamed run whose groups the reward functions score as they complete (see above)."""
+    return (cfg.generate.streaming is not None and not cfg.reward.models
+            and placement_of(cfg).where("reward") == "inline")
+
+
+class GroupScorer:
+    """One run's scorer: a thread that scores the groups submitted to it, in order, each into
+    `<run>/iter-N/stream/scored-J` (manifest last). `wait(N)` returns once iteration N's groups submitted here are
+    scored, or the scorer has stopped."""
+
+    RUNNING: dict[str, GroupScorer] = {}
+    LOCK = threading.Lock()
+
+    @classmethod
+    def of(cls, cfg: Config) -> GroupScorer:
+        with cls.LOCK:
+            s = cls.RUNNING.get(cfg.run.name)
+            if s is None or not s.thread.is_alive():
+                s = cls.RUNNING[cfg.run.name] = GroupScorer(cfg)
+            return s
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.store = cfg, open_store(cfg)
+        self.todo: queue.Queue = queue.Queue()
+        self.submitted: set[tuple[int, int]] = set()
+        self.done: set[tuple[int, int]] = set()
+        self.error: BaseException | None = None
+        self.changed = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name=f"rlflow-score-{cfg.run.name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, iteration: int, group: int, records: list[Rollout]) -> None:
+        with self.changed:
+            self.submitted.add((iteration, group))
+        self.todo.put((iteration, group, records))
+
+    def stop(self) -> None:
+        """Score what was submitted, then end (the sampler's end)."""
+        self.todo.put(None)
+        self.thread.join()
+        with GroupScorer.LOCK:
+            if GroupScorer.RUNNING.get(self.cfg.run.name) is self:
+                del GroupScorer.RUNNING[self.cfg.run.name]
+
+    def wait(self, iteration: int) -> None:
+        """Until the groups of iteration `iteration` submitted here are scored (or the scorer stopped)."""
+        groups = {(iteration, j) for j in range(self.cfg.generate.prompts_per_iteration)}
+        with self.changed:
+            while (groups & self.submitted) - self.done and self.error is None and self.thread.is_alive():
+                self.changed.wait(0.2)
+
+    def _run(self) -> None:
+        functions = None
+        try:
+            while (item := self.todo.get()) is not None:
+                functions = functions or load_functions(self.cfg)
+                self._score(functions, *item)
+                with self.changed:
+                    self.done.add(item[:2])
+                    self.changed.notify_all()
+        except BaseException as e:  # noqa: BLE001 - the reward stage scores the iteration itself and says it
+            self.error = e
+        finally:
+            with self.changed:
+                self.changed.notify_all()
+
+    def _score(self, functions, iteration: int, group: int, records: list[Rollout]) -> None:
+        cfg, t0 = self.cfg, time.perf_counter()
+        scored = score_records(functions, records, cfg.reward.aggregate,
+                               RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations))
+        add_overlong(cfg, records)
+        with tempfile.TemporaryDirectory(prefix="rlflow-scored-") as tmp:
+            rollout.write(records, Path(tmp))
+            self.store.put_folder(layout.stream_scored(cfg.run.name, iteration, group), Path(tmp), meta={
+                "names": list(scored.scores), "errors": scored.errors, "nan": scored.nan,
+                "metrics": scored.metrics, "seconds": time.perf_counter() - t0})
+
+
+def assembled(cfg: Config, store: Store, iteration: int,
+              rollouts: list[Rollout]) -> tuple[list[Rollout], Scored, float] | None:
+    """Iteration `iteration`'s records as its groups were scored (in the rollouts' order), what the scoring
+    said (Scored: scores, errors, NaN counts, metrics) and its seconds; None unless every group of it was scored
+    as it completed, from these very rollouts."""
+    if not scores_as_they_complete(cfg):
+        return None
+    if (scorer := GroupScorer.RUNNING.get(cfg.run.name)) is not None:
+        scorer.wait(iteration)
+    keys = [layout.stream_scored(cfg.run.name, iteration, j) for j in range(cfg.generate.prompts_per_iteration)]
+    manifests = [store.manifest(k) for k in keys]
+    if any(m is None for m in manifests):
+        return None
+    records = [r for k in keys for r in rollout.load(store, k)]
+    if [(r.row, r.completion_ids) for r in records] != [(r.row, r.completion_ids) for r in rollouts]:
+        return None
+    metas = [m["meta"] for m in manifests]
+    out = Scored(scores={name: [r.rewards.get(name) for r in records] for name in metas[0]["names"]})
+    for meta in metas:
+        for name, message in meta["errors"].items():
+            out.errors.setdefault(name, message)
+        for name, count in meta["nan"].items():
+            out.nan[name] = out.nan.get(name, 0) + count
+    for name in {name for meta in metas for name in meta["metrics"]}:
+        values = [meta["metrics"][name] for meta in metas if name in meta["metrics"]]
+        out.metrics[name] = sum(values) / len(values)
+    return records, out, sum(meta["seconds"] for meta in metas)
