@@ -112,7 +112,7 @@ def _streamed(cfg: Config, iteration: int) -> tuple[list, dict, list[int], dict]
     from tasks.engines.streaming import Stream
     from tasks.scoring.streamed import GroupScorer, scores_as_they_complete
 
-    listener = (lambda: GroupScorer.of(cfg)) if scores_as_they_complete(cfg) else None
+    listener = (lambda: GroupScorer.start(cfg)) if scores_as_they_complete(cfg) else None
     records, metrics, rows, picked = Stream.of(cfg, iteration, listener).collect(iteration)
     versions = [v for r in records for v in r.versions]
     oldest = min(versions, default=iteration - 1)

@@ -2,7 +2,7 @@
 streaming sampler commits, on a thread of the flow's process, while later groups decode; the reward stage then
 takes an iteration's scored groups instead of scoring it at once (tasks/reward.py).
 
-    scorer = GroupScorer.of(cfg)                       # the streaming sampler's listener (tasks/generate.py)
+    scorer = GroupScorer.start(cfg)                    # the streaming sampler's listener (tasks/generate.py)
     scorer.submit(iteration, group, records)           # a committed group: scored and stored in turn
     records, scored, seconds = assembled(cfg, store, iteration, rollouts)    # or None: score it at once
 
@@ -49,11 +49,11 @@ class GroupScorer:
     LOCK = threading.Lock()
 
     @classmethod
-    def of(cls, cfg: Config) -> GroupScorer:
+    def start(cls, cfg: Config) -> GroupScorer:
+        """A scorer for a new sampler (each its own: one being stopped with a failed sampler is never reused);
+        the run's reward stage waits on the newest."""
         with cls.LOCK:
-            s = cls.RUNNING.get(cfg.run.name)
-            if s is None or not s.thread.is_alive():
-                s = cls.RUNNING[cfg.run.name] = GroupScorer(cfg)
+            s = cls.RUNNING[cfg.run.name] = GroupScorer(cfg)
             return s
 
     def __init__(self, cfg: Config):
