@@ -131,7 +131,7 @@ def test_a_worker_outlives_the_thread_that_started_it(bad_module):
     t.start()
     t.join()
     time.sleep(1.0)                      # (a parent-death signal, had it been sent, has arrived)
-    idle = module._idle[json.dumps(functions.setup, sort_keys=True)]
+    idle = module._idle[module._key(functions)]
     assert len(idle) == 1 and idle[0].alive()
     scored = score_records(functions, _records(), "sum")
     assert scored.errors == {} and scored.scores["good"] == [0.0, 1.0, 0.0, 1.0]

@@ -7,9 +7,10 @@ names; an async one is awaited. Before anything runs, each signature is checked 
 the dataset's columns (check_signatures).
 
 A reward function is the user's code and may misbehave: raise, hang, return the wrong count, a non-number or
-NaN. The functions run in a worker process (tasks/scoring/worker.py; one per thread that scores), started on
-first use and kept for the life of this process, so that a misbehaving function costs that batch's scores (counted in
-`reward/<fn>/errors`), never the iteration, unless `reward.strict: true` makes it fail the stage.
+NaN. The functions run in a worker process (tasks/scoring/worker.py; one per caller scoring at that moment),
+started on first use and kept for the life of this process, so that a misbehaving function costs that batch's
+scores (counted in `reward/<fn>/errors`), never the iteration, unless `reward.strict: true` makes it fail the
+stage.
 More: docs/internals.md (tasks/scoring/functions.py): timeouts, missing scores, log_extra and log_metric.
 """
 
@@ -209,24 +210,28 @@ def _start_workers() -> None:
 
 
 def _take(functions: RewardFunctions) -> _Worker:
+    """An idle worker for these functions, else a new one (started by the lasting thread)."""
     global _starter
-    key = json.dumps(functions.setup, sort_keys=True)
-    started: Future = Future()
     with _workers_lock:
-        idle = _idle.setdefault(key, [])
+        idle = _idle.setdefault(_key(functions), [])
         while idle:
             if (w := idle.pop()).alive():
                 return w
         if _starter is None:
             _starter = threading.Thread(target=_start_workers, name="rlflow-reward-workers", daemon=True)
             _starter.start()
+    started: Future = Future()
     _to_start.put((functions.setup, started))
     return started.result()
 
 
 def _give_back(functions: RewardFunctions, w: _Worker) -> None:
     with _workers_lock:
-        _idle.setdefault(json.dumps(functions.setup, sort_keys=True), []).append(w)
+        _idle.setdefault(_key(functions), []).append(w)
+
+
+def _key(functions: RewardFunctions) -> str:
+    return json.dumps(functions.setup, sort_keys=True)
 
 
 @atexit.register
