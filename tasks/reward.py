@@ -85,11 +85,15 @@ def reward(cfg: Config, iteration: int, round: int = 0, services: Services | Non
 
 def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -> dict:
     """Dynamic sampling after round `round`: the rounds' kept groups written as the iteration's rewards when
-    there are enough of them or no round is left (complete), else this round's result (not complete)."""
+    there are enough of them or no round is left (complete), else this round's result (not complete). Under
+    generate.streaming round 0 holds them all (the sampler started one more group per constant one): always
+    complete, its groups cut into the stage mode's rounds."""
     ds, P = cfg.generate.dynamic_sampling, cfg.generate.prompts_per_iteration
     keys = [layout.scored(cfg.run.name, iteration, r) for r in range(round + 1)]
     rounds = [rollout.load(store, k) for k in keys]
-    if round + 1 < ds.max_rounds and not dynamic_sampling.enough(rounds, P, ds.tolerance):
+    if cfg.generate.streaming is not None:
+        rounds = dynamic_sampling.as_rounds(rounds[0], P, ds.prompts_per_round or P)
+    elif round + 1 < ds.max_rounds and not dynamic_sampling.enough(rounds, P, ds.tolerance):
         return scored
     key = layout.rewards(cfg.run.name, iteration)
     fp, made = fingerprint(cfg, ("reward", "generate", *cfg.env_sections()), iteration=iteration,
@@ -101,7 +105,7 @@ def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -
         scores = {name: [r.rewards.get(name) for r in every] for name in every[0].rewards if name != SHAPING}
         for k in keys:                            # per round: summed (seconds, errors) or of all rounds (means)
             for name, value in store.manifest(k)["meta"]["metrics"].items():
-                if name.endswith(("/seconds", "/errors", "/nan")):
+                if name.endswith(("seconds", "/errors", "/nan")):
                     metrics[name] = metrics.get(name, 0.0) + value
         metrics.update(_metrics(every, scores))
         metrics.update(overlong_metrics(every))

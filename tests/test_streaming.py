@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from tasks.algorithms import dynamic_sampling
 from tasks.core import curriculum, data, layout, rollout
 from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
@@ -234,10 +235,86 @@ def test_a_scorer_that_failed_leaves_the_reward_stage_to_say_it(tmp_path):
     assert GroupScorer.RUNNING == {}
 
 
+def _dynamic(tmp_path, name: str, iterations: int):
+    return load_config(TINY, _overrides(
+        tmp_path, name, "generate.dynamic_sampling={max_rounds: 3, prompts_per_round: 2}",
+        "generate.max_completion_length=8", "generate.streaming.on_update=interrupt",
+        'reward.functions=[{"fn": "tests.reward_examples:early_letters_constant"}]', iterations=iterations))
+
+
+def _check_dropped_as_they_complete(cfg, store, it: int, groups: dict) -> int:
+    """Iteration `it`'s streamed groups: its prompts' (the stage mode's rows), then one extra group per constant
+    group, on the rows the stage mode's rounds 1.. take, in order, at most as many; returns the extra groups."""
+    n_rows = len(data.load_prompts(cfg))
+    extra_rows = [row for r in (1, 2) for row in curriculum.prompts(cfg, store, it, r, n_rows)[0]]
+    flags = {j: dynamic_sampling.constant_groups(rows, 1e-6)[j] for j, rows in groups.items()}
+    extra = len(groups) - 4
+    assert list(groups) == list(range(4 + extra))
+    assert extra == min(sum(flags.values()), len(extra_rows)), (it, flags)
+    assert [groups[j][0].row for j in range(4)] == curriculum.prompts(cfg, store, it, 0, n_rows)[0]
+    assert [groups[j][0].row for j in range(4, 4 + extra)] == extra_rows[:extra]
+    return extra
+
+
+def test_a_streamed_run_drops_constant_groups_as_they_complete(tmp_path):
+    """generate.dynamic_sampling with streaming: each group scored constant starts one more of its iteration
+    (prompts answered before 'e' always score 1: constant), on the stage mode's extra rows in order; the reward
+    stage keeps the first useful groups by the stage mode's rule (select over the same rounds); nothing decoded
+    is thrown away."""
+    from tests.test_dynamic_sampling import _iterations
+
+    cfg = _dynamic(tmp_path, "dyn", 3)
+    try:
+        _iterations(cfg, 1, 3)
+        discarded = Stream.RUNNING["dyn"].counts["discarded_tokens"]
+    finally:
+        Stream.stop_run("dyn")
+    store, extras = open_store(cfg), 0
+    for it in range(1, 4):
+        scored = rollout.load(store, layout.scored("dyn", it, 0))
+        assert [(r.row, r.completion_ids) for r in scored] == \
+            [(r.row, r.completion_ids) for r in rollout.load(store, layout.rollouts("dyn", it))]
+        extras += _check_dropped_as_they_complete(cfg, store, it, dynamic_sampling.groups_of(scored))
+        want, _ = dynamic_sampling.select(dynamic_sampling.as_rounds(scored, 4, 2), 4, 1e-6)
+        kept = rollout.load(store, layout.rewards("dyn", it))
+        assert [(r.group, r.row, r.completion_ids, r.reward) for r in kept] == \
+            [(r.group, r.row, r.completion_ids, r.reward) for r in want]
+        metrics = store.manifest(layout.rewards("dyn", it))["meta"]["metrics"]
+        assert metrics["dynamic/groups_sampled"] == len(dynamic_sampling.groups_of(scored))
+        assert "reward/streamed_seconds" in metrics                  # scored as they completed, not at once
+    assert extras > 0 and discarded == 0
+
+
+def test_a_stopped_sampler_with_dynamic_sampling_keeps_its_verdicts(tmp_path):
+    """A sampler stopped mid-run and a new one: the groups committed before are kept, their verdicts taken
+    again (scored ones read, unscored ones scored again), and each iteration's groups are its prompts' then one
+    extra per constant group, each once."""
+    cfg = _dynamic(tmp_path, "dynagain", 2)
+    store = open_store(cfg)
+    first = Stream.of(cfg, 1, lambda: GroupScorer.start(cfg))
+    first.collect(1)
+    Stream.stop_run("dynagain")
+    kept = {(it, j): store.manifest(layout.stream_group("dynagain", it, j)) for it in (1, 2) for j in range(8)}
+    kept = {k: v for k, v in kept.items() if v is not None}
+    second = Stream(cfg, 1, GroupScorer.start(cfg))
+    records = {it: second.collect(it)[0] for it in (1, 2)}
+    second.stop()
+    for it in (1, 2):
+        groups = dynamic_sampling.groups_of(records[it])
+        assert all(len(rows) == 4 for rows in groups.values())
+        scored = {j: rollout.load(store, layout.stream_scored("dynagain", it, j)) for j in groups}
+        _check_dropped_as_they_complete(cfg, store, it, scored)
+    for (it, j), manifest in kept.items():
+        assert store.manifest(layout.stream_group("dynagain", it, j)) == manifest
+    assert GroupScorer.RUNNING == {}
+
+
 @pytest.mark.parametrize(("extra", "says"), [
     (["generate.engine=vllm"], "generate.streaming: the vllm engine cannot stream yet"),
     (["generate.replicas=2"], "generate.streaming: generate.replicas cannot stream yet"),
-    (["generate.dynamic_sampling={}"], "generate.streaming: generate.dynamic_sampling cannot stream yet"),
+    (["generate.dynamic_sampling={}", "launcher.stages.reward=local"],
+     "generate.dynamic_sampling with generate.streaming drops a group as soon as the reward functions have scored "
+     "it, in the flow's process, but reward runs local (launcher)"),
     (["run.max_staleness=0"], "generate.streaming needs run.max_staleness >= 1"),
     (["generate.streaming.buffer=3"], "generate.streaming.buffer: 3 groups is smaller than one iteration's "
                                       "(generate.prompts_per_iteration 4)"),

@@ -7,12 +7,12 @@ that are not constant, or `max_rounds` rounds were sampled. Pure functions over 
 (tasks/reward.py) calls `select` after each round, the flow (flows/schedule.py) runs rounds until it says done.
 
 Constant, numerically safe: a group is constant when max - min of its present rewards is at most
-`tolerance * max(1, max |reward| of its round)`; a group with fewer than two present rewards is constant too
+`tolerance * max(1, max |reward| of the group)`; a group with fewer than two present rewards is constant too
 (it has no baseline). `std != 0` is not the test: rewards that differ by float noise (1e-9) pass it, and their
 "advantages" are that noise divided by ~1e-4 (NeMo-RL's finding).
 Order: round by round, and within a round by group index; the first `wanted` groups that are not constant are
-kept, renumbered 0.. in that order. When none is found the first round's groups are kept as they are (all
-constant: an update without signal, said by dynamic/short), so an iteration always trains on something.
+kept, renumbered 0.. in that order; none found: the first round as it is (said by dynamic/short). Under
+generate.streaming the rounds are one stream of groups; `as_rounds` cuts it into the stage mode's rounds.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ def constant(rewards: list[float | None], scale: float, tolerance: float) -> boo
 
 
 def scale_of(records: list[Rollout]) -> float:
-    """The reward scale a round's constancy test is relative to: max(1, the largest |reward| in it)."""
+    """The reward scale a group's constancy test is relative to: max(1, the largest |reward| in it)."""
     return max([1.0, *(abs(r.reward) for r in records if r.reward is not None)])
 
 
 def constant_groups(records: list[Rollout], tolerance: float) -> dict[int, bool]:
-    """Per group of one round: constant or not (episodes counted once: an agent's step-wise samples after the
-    first, Rollout.part > 0, share their episode's reward)."""
-    scale = scale_of(records)
-    return {g: constant([r.reward for r in rows if not r.part], scale, tolerance)
+    """Per group: constant or not, each relative to its own scale, so a group's verdict is known as soon as it is
+    scored (episodes counted once: an agent's step-wise samples after the first, Rollout.part > 0, share their
+    episode's reward)."""
+    return {g: constant([r.reward for r in rows if not r.part], scale_of(rows), tolerance)
             for g, rows in groups_of(records).items()}
 
 
@@ -79,3 +79,12 @@ def select(rounds: list[list[Rollout]], wanted: int, tolerance: float) -> tuple[
 def enough(rounds: list[list[Rollout]], wanted: int, tolerance: float) -> bool:
     """Whether the rounds so far hold `wanted` groups that are not constant."""
     return sum(not c for records in rounds for c in constant_groups(records, tolerance).values()) >= wanted
+
+
+def as_rounds(records: list[Rollout], first: int, per_round: int) -> list[list[Rollout]]:
+    """A streamed iteration's groups (0..first-1 its prompts, then the extra groups in the order they started)
+    cut into the stage mode's rounds: the first `first` groups, then `per_round` groups a round."""
+    rounds: dict[int, list[Rollout]] = defaultdict(list)
+    for r in records:
+        rounds[0 if r.group < first else 1 + (r.group - first) // per_round].append(r)
+    return [rounds[k] for k in sorted(rounds)]

@@ -164,12 +164,17 @@ class Config(Section):
         if sc is None:
             return self
         cannot = ("the vllm engine" if gc.engine == "vllm" else "generate.replicas" if gc.replicas else
-                  "multi-turn episodes (env.factory / env.agent)" if self.env.episodic() else
-                  "generate.dynamic_sampling" if gc.dynamic_sampling is not None else None)
+                  "multi-turn episodes (env.factory / env.agent)" if self.env.episodic() else None)
         if cannot:
             raise ValueError(f"generate.streaming: {cannot} cannot stream yet (only the hf engine's sampler in the "
                              f"flow's process interrupts between decode steps); leave "
                              f"generate.streaming unset (run.max_staleness overlaps whole stages)")
+        if gc.dynamic_sampling is not None and (self.reward.models or self.launcher.where_of("reward") != "inline"):
+            why = "reward.models' judges score at the reward stage" if self.reward.models else \
+                f"reward runs {self.launcher.where_of('reward')} (launcher)"
+            raise ValueError(f"generate.dynamic_sampling with generate.streaming drops a group as soon as the reward "
+                             f"functions have scored it, in the flow's process, but {why}; expected reward "
+                             f"functions only, the reward stage inline")
         if self.run.max_staleness < 1:
             raise ValueError("generate.streaming needs run.max_staleness >= 1 (a group of iteration N starts once "
                              "v(N-1-S) is loaded; with 0 nothing can be sampled ahead); expected 1 or more")

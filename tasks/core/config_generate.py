@@ -27,7 +27,7 @@ class DynamicSamplingConfig(Section):
     prompts_per_round: int | None = Field(None, ge=1, le=100_000, description="Prompts each round after the "
                                           "first samples (None: generate.prompts_per_iteration).")
     tolerance: float = Field(1e-6, gt=0, lt=1, description="A group is constant when its rewards' range is at "
-                             "most this times max(1, the largest |reward| of the round): relative to the rewards' "
+                             "most this times max(1, the largest |reward| of the group): relative to the rewards' "
                              "scale, never `std != 0`, which float noise passes.")
 
 

@@ -1,18 +1,18 @@
-"""Generation that never waits (generate.streaming, issue 42): one sampler per run that keeps decoding, group
-after group in data order, across iteration boundaries, instead of one batch per generate stage that ends with
-its slowest completion.
+"""Generation that never waits (generate.streaming, issue 42): one sampler per run keeps decoding, group after
+group in data order across iterations, instead of a batch per generate stage that ends with its slowest one.
 
-    stream = Stream.of(cfg)                 # started by the first generate stage of the run (flow's process)
+    stream = Stream.of(cfg, first, listener)   # started by the run's first generate stage (flow's process)
     records, metrics, rows, said = stream.collect(N)   # iteration N's groups, each committed as it completed
 
 The sampler (`ContinuousSampler`, the hf engine's model) decodes a batch of rows; when `refill_share` of them
 have finished, or a newer policy is published, the batch stops between two decode steps, finished rows leave,
 new groups join (continuous batching), and with a newer policy its weights are loaded in place first
-(`on_update: interrupt`; the unfinished rows continue under it, their prompt and tokens so far filled into a
-fresh KV cache by the new weights) or after the rows in flight have finished (`finish`). Every token records
-the version that drew it and its behaviour logprob; nothing decoded is discarded. A group of iteration N joins
+(`on_update: interrupt`: the unfinished rows continue under it, their KV cache refilled by the new weights) or
+after the rows in flight have finished (`finish`). Every token records the version that drew it and its
+behaviour logprob; nothing decoded is discarded. A group of iteration N joins
 only when the loaded policy is at least v(N-1-S), so every token is within run.max_staleness of it; the
-generate stage of N takes its own prompts' groups (tasks/generate.py). More: docs/design-notes.md.
+generate stage of N takes its own prompts' groups (tasks/generate.py), and with generate.dynamic_sampling one
+more for each scored constant (`Extras`). More: docs/design-notes.md.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tasks.algorithms import dynamic_sampling
 from tasks.core import curriculum, data, layout, rollout
 from tasks.core.contracts import Rollout, SamplingParams
 from tasks.core.models import encode_prompt, load_tokenizer, policy_path
@@ -49,6 +50,26 @@ class Row:
     versions: list[int] = field(default_factory=list)
     done: bool = False
     truncated: bool = False
+
+
+@dataclass
+class Extras:
+    """generate.dynamic_sampling while streaming: an iteration's groups beyond its P prompts' (numbered P, P+1, ..),
+    one started for each of its groups scored constant, at most one per row of `rows` (the stage mode's rounds
+    1.., in order: tasks/core/curriculum.py)."""
+
+    rows: list[int]
+    verdicts: dict[int, bool] = field(default_factory=dict)    # group -> constant, once scored
+    started: set[int] = field(default_factory=set)             # extra groups started (or committed before a resume)
+
+    def due(self, P: int) -> list[int]:
+        """The extra groups its constant verdicts call for that have not started."""
+        wanted = P + min(sum(self.verdicts.values()), len(self.rows))
+        return [j for j in range(P, wanted) if j not in self.started]
+
+    def settled(self, P: int) -> bool:
+        """Every group of it (its prompts' and the extra ones started) scored, and none more due."""
+        return all(j in self.verdicts for j in [*range(P), *self.started]) and not self.due(P)
 
 
 class ContinuousSampler:
@@ -174,6 +195,10 @@ class Stream:
         self.picked: dict[int, tuple[list[int], dict]] = {}   # iteration -> its prompts' rows, the curriculum's say
         self._looked, self._seen = -1e9, 0
         self.version, self.path, self.identity = -1, None, None
+        self.ds = gc.dynamic_sampling
+        self.extras: dict[int, Extras] = {}        # generate.dynamic_sampling: per iteration not yet collected
+        if listener is not None:
+            listener.on_scored = self._scored
         self.thread = threading.Thread(target=self._run, name=f"rlflow-stream-{cfg.run.name}", daemon=True)
         self.thread.start()
 
@@ -210,11 +235,14 @@ class Stream:
                 self.counts["interruptions"] += bool(active)
             finishing = newest > self.version      # (on_update finish: no group joins until the load)
             while not finishing and len(active) + self.n <= self.max_rows:
-                while not todo and pending and self.version >= self._behind(pending[0]):
-                    todo += self._groups(pending.pop(0), len(ds))   # ([]: collected before a resume)
-                if not todo or not self._admits(*todo[0][:2]):
-                    break
-                it, j, row = todo.pop(0)
+                if (extra := self._extra_due()) is not None:     # (a constant group's stand-in: before any other)
+                    it, j, row = extra
+                else:
+                    while not todo and pending and self.version >= self._behind(pending[0]):
+                        todo += self._groups(pending.pop(0), len(ds))   # ([]: collected before a resume)
+                    if not todo or not self._admits(*todo[0][:2]):
+                        break
+                    it, j, row = todo.pop(0)
                 columns = ds[row]                 # (a datasets row access: once)
                 prompt = data.prompt_of(cfg, columns)
                 ids = encode_prompt(self.tokenizer, prompt, gc.max_prompt_length)
@@ -222,7 +250,7 @@ class Stream:
                 groups[(it, j)] = [Row((it, j), ids) for _ in range(self.n)]
                 active += groups[(it, j)]
             if not active:
-                if not todo and not pending:
+                if not todo and not pending and not self._awaiting():
                     return
                 t0 = time.perf_counter()
                 with self.changed:
@@ -257,11 +285,63 @@ class Stream:
         if self.store.manifest(layout.rollouts(self.cfg.run.name, it)) is not None:
             return []
         rows, said = curriculum.prompts(self.cfg, self.store, it, 0, n_rows)
+        extras = None
+        if self.ds is not None:
+            extras = Extras([row for r in range(1, self.ds.max_rounds)
+                             for row in curriculum.prompts(self.cfg, self.store, it, r, n_rows)[0]])
+            extras.started = {j for j in range(self.P, self.P + len(extras.rows)) if self._committed(it, j)}
         with self.changed:
             self.picked[it] = (rows, said)
+            if extras is not None:
+                self.extras[it] = extras
             self.changed.notify_all()
-        return [(it, j, row) for j, row in enumerate(rows)
-                if self.store.manifest(layout.stream_group(self.cfg.run.name, it, j)) is None]
+        committed = {j for j in range(self.P) if self._committed(it, j)} | (extras.started if extras else set())
+        for j in sorted(committed):          # (a resume: their verdicts, or scored again)
+            self._recall(it, j)
+        return [(it, j, row) for j, row in enumerate(rows) if j not in committed]
+
+    def _committed(self, it: int, j: int) -> bool:
+        return self.store.manifest(layout.stream_group(self.cfg.run.name, it, j)) is not None
+
+    def _recall(self, it: int, j: int) -> None:
+        """A group committed before this sampler started (a resume): its verdict from its scored records, or it is
+        submitted to the scorer again (the reward stage takes an iteration scored as it completed only whole)."""
+        if self.listener is None:
+            return
+        run = self.cfg.run.name
+        if self.store.manifest(layout.stream_scored(run, it, j)) is not None:
+            self._scored(it, j, rollout.load(self.store, layout.stream_scored(run, it, j)))
+        else:
+            self.listener.submit(it, j, rollout.load(self.store, layout.stream_group(run, it, j)))
+
+    def _scored(self, it: int, j: int, records: list[Rollout]) -> None:
+        """The scorer's word on group `j` of iteration `it` (its thread): with dynamic sampling, whether it is
+        constant (tasks/algorithms/dynamic_sampling.py's test; a constant one calls for an extra group)."""
+        if self.ds is None:
+            return
+        constant = dynamic_sampling.constant_groups(records, self.ds.tolerance)[j]
+        with self.changed:
+            if (extras := self.extras.get(it)) is not None:
+                extras.verdicts[j] = constant
+            self.changed.notify_all()
+
+    def _scoring(self) -> bool:
+        """Whether verdicts may still come (a scorer that failed or ended sends none: no more extra groups)."""
+        return self.listener is not None and self.listener.error is None and self.listener.thread.is_alive()
+
+    def _extra_due(self) -> tuple[int, int, int] | None:
+        """The next extra group to start, the oldest iteration's first (marked started)."""
+        with self.changed:
+            for it in sorted(self.extras):
+                if due := self.extras[it].due(self.P):
+                    self.extras[it].started.add(due[0])
+                    return it, due[0], self.extras[it].rows[due[0] - self.P]
+        return None
+
+    def _awaiting(self) -> bool:
+        """Whether some iteration may still call for extra groups (verdicts to come)."""
+        with self.changed:
+            return self._scoring() and any(not e.settled(self.P) for e in self.extras.values())
 
     def _behind(self, it: int) -> int:
         """The oldest policy iteration `it` may sample from: v(it-1-S), the one the schedule names for it."""
@@ -318,11 +398,10 @@ class Stream:
         the sampler did since the last collect (its idle share, refills, interruptions, discarded tokens), the
         prompts' rows and what the curriculum said of them."""
         run, t0 = self.cfg.run.name, time.perf_counter()
-        keys = [layout.stream_group(run, iteration, j) for j in range(self.P)]
         with self.changed:
             self.collected = max(self.collected, iteration - 1)
             self.changed.notify_all()
-            while iteration not in self.picked or any(self.store.manifest(k) is None for k in keys):
+            while (keys := self._complete(iteration)) is None:
                 if self.error is not None:          # (a retry of the stage starts a sampler again)
                     with Stream.LOCK:
                         if Stream.RUNNING.get(run) is self:
@@ -334,6 +413,8 @@ class Stream:
                 self.changed.wait(WAIT_SECONDS)
         records = [r for k in keys for r in rollout.load(self.store, k)]
         rows, said = self.picked[iteration]
+        with self.changed:
+            self.extras.pop(iteration, None)
         now = dict(self.counts)
         d = {k: v - self.seen.get(k, 0) for k, v in now.items()}     # what the sampler did since the last collect
         self.seen, self.collected = now, iteration
@@ -346,6 +427,18 @@ class Stream:
                          "generate/sampling_seconds": d["busy"],
                          "generate/tokens_per_s": now["tokens"] / max(now["busy"], 1e-9),   # (since its start)
                          "generate/wait_seconds": time.perf_counter() - t0}, rows, said
+
+    def _complete(self, iteration: int) -> list[str] | None:
+        """The store keys of iteration `iteration`'s groups once all are committed (with dynamic sampling: and
+        scored, none more due, unless the scorer ended), in group order; None before (called holding the lock)."""
+        if iteration not in self.picked:
+            return None
+        extras = self.extras.get(iteration)
+        if extras is not None and self._scoring() and not extras.settled(self.P):
+            return None
+        groups = [*range(self.P), *sorted(extras.started if extras else ())]
+        keys = [layout.stream_group(self.cfg.run.name, iteration, j) for j in groups]
+        return None if any(self.store.manifest(k) is None for k in keys) else keys
 
     def stop(self) -> None:
         self.stopping.set()

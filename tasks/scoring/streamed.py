@@ -42,7 +42,8 @@ def scores_as_they_complete(cfg: Config) -> bool:
 
 class GroupScorer:
     """One run's scorer: a thread that scores the groups submitted to it, in order, each into
-    `<run>/iter-N/stream/scored-J` (manifest last). `wait(N)` returns once iteration N's groups submitted here are
+    `<run>/iter-N/stream/scored-J` (manifest last), then tells `on_scored(iteration, group, records)` if set (the
+    sampler: generate.dynamic_sampling's verdicts). `wait(N)` returns once iteration N's groups submitted here are
     scored, or the scorer has stopped."""
 
     RUNNING: dict[str, GroupScorer] = {}
@@ -62,6 +63,7 @@ class GroupScorer:
         self.submitted: set[tuple[int, int]] = set()
         self.done: set[tuple[int, int]] = set()
         self.error: BaseException | None = None
+        self.on_scored = None
         self.changed = threading.Condition()
         self.thread = threading.Thread(target=self._run, name=f"rlflow-score-{cfg.run.name}", daemon=True)
         self.thread.start()
@@ -81,9 +83,9 @@ class GroupScorer:
 
     def wait(self, iteration: int) -> None:
         """Until the groups of iteration `iteration` submitted here are scored (or the scorer stopped)."""
-        groups = {(iteration, j) for j in range(self.cfg.generate.prompts_per_iteration)}
         with self.changed:
-            while (groups & self.submitted) - self.done and self.error is None and self.thread.is_alive():
+            while {g for g in self.submitted if g[0] == iteration} - self.done and self.error is None \
+                    and self.thread.is_alive():
                 self.changed.wait(0.2)
 
     def _run(self) -> None:
@@ -95,6 +97,8 @@ class GroupScorer:
                 with self.changed:
                     self.done.add(item[:2])
                     self.changed.notify_all()
+                if self.on_scored is not None:
+                    self.on_scored(*item)
         except BaseException as e:  # noqa: BLE001 - the reward stage scores the iteration itself and says it
             self.error = e
         finally:
@@ -116,13 +120,13 @@ class GroupScorer:
 def assembled(cfg: Config, store: Store, iteration: int,
               rollouts: list[Rollout]) -> tuple[list[Rollout], Scored, float] | None:
     """Iteration `iteration`'s records as its groups were scored (in the rollouts' order), what the scoring
-    said (Scored: scores, errors, NaN counts, metrics) and its seconds; None unless every group of it was scored
-    as it completed, from these very rollouts."""
+    said (Scored: scores, errors, NaN counts, metrics) and its seconds; None unless every group of it (its
+    prompts', and generate.dynamic_sampling's extra ones) was scored as it completed, from these very rollouts."""
     if not scores_as_they_complete(cfg):
         return None
     if (scorer := GroupScorer.RUNNING.get(cfg.run.name)) is not None:
         scorer.wait(iteration)
-    keys = [layout.stream_scored(cfg.run.name, iteration, j) for j in range(cfg.generate.prompts_per_iteration)]
+    keys = [layout.stream_scored(cfg.run.name, iteration, j) for j in sorted({r.group for r in rollouts})]
     manifests = [store.manifest(k) for k in keys]
     if any(m is None for m in manifests):
         return None
