@@ -121,6 +121,42 @@ def test_every_kind_and_mode_scores_as_its_model_does(tmp_path, monkeypatch, cla
     assert scored.metrics["points/requests"] == 0 and scored.metrics["points/cached"] == 6
 
 
+def test_two_stages_asking_at_once_load_one_engine(tmp_path, monkeypatch):
+    """where: stage judges are loaded once per process; two threads (look-ahead stages of run.max_staleness)
+    asking at once get the same engine, loaded once (the load is slow enough for both to be inside it)."""
+    import threading
+
+    from tasks.core.placement import Services
+    from tasks.scoring import judge_engine, judges
+
+    made = []
+
+    class Slow:
+        def __init__(self, *args):
+            made.append(args)
+            time.sleep(0.3)
+
+    monkeypatch.setattr(judge_engine, "JudgeEngine", Slow)
+    monkeypatch.setattr(judges, "_engines", {})
+    cfg = _cfg(tmp_path, [{"name": "judge", "kind": "judge", "model": "builtin:tiny-lm", "sha256": PIN,
+                           "template": "{prompt} {completion}", "parser": "judge_parsers:length"}])
+    askers = [judges.Asker(cfg, cfg.reward.models[0], 0, Services()) for _ in range(2)]
+    got: list = [None, None]
+
+    def ask(i: int) -> None:
+        try:
+            got[i] = askers[i]._engine()
+        except BaseException as e:  # noqa: BLE001 - said by the assert below
+            got[i] = e
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and got[0] is got[1] and isinstance(got[0], Slow)
+
+
 def test_an_answer_that_does_not_parse_is_a_counted_error_not_a_zero(tmp_path):
     judge = {"name": "judge", "kind": "judge", "model": "builtin:tiny-lm", "sha256": PIN, "max_tokens": 3,
              "template": "Rate {completion} from 0 to 10.", "scale": [0, 10]}

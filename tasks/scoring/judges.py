@@ -22,6 +22,7 @@ import re
 import string
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -379,6 +380,7 @@ class AnswerCache:
 
 
 _engines: dict[tuple, Any] = {}        # where: stage: loaded once per process (the flow's inline stages reuse them)
+_engines_lock = threading.Lock()       # (stages of look-ahead threads ask at once: one load, not two)
 
 
 class Asker:
@@ -416,15 +418,16 @@ class Asker:
 
     def _engine(self):
         """This process's engine for the model (loaded on the first question the cache does not answer)."""
-        path = model_path(self.cfg, self.spec, self.what)
-        ident = (path, self.spec.kind, self.spec.max_length)
-        if ident not in _engines:
-            from tasks.scoring.judge_engine import JudgeEngine
+        with _engines_lock:             # (resolving too: transformers' lazy imports are not safe in two threads)
+            path = model_path(self.cfg, self.spec, self.what)
+            ident = (path, self.spec.kind, self.spec.max_length)
+            if ident not in _engines:
+                from tasks.scoring.judge_engine import JudgeEngine
 
-            if len(_engines) >= 2:
-                _engines.clear()
-            _engines[ident] = JudgeEngine(path, self.spec.kind, self.spec.max_length)
-        return _engines[ident]
+                if len(_engines) >= 2:
+                    _engines.clear()
+                _engines[ident] = JudgeEngine(path, self.spec.kind, self.spec.max_length)
+            return _engines[ident]
 
     def _local(self, chunk: list[Question]) -> list[dict]:
         engine = self._engine()
