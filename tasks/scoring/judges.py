@@ -379,8 +379,8 @@ class AnswerCache:
 # ------------------------------------------------------------------------------------------------ asking
 
 
-_engines: dict[tuple, Any] = {}        # where: stage: loaded once per process (the flow's inline stages reuse them)
-_engines_lock = threading.Lock()       # (stages of look-ahead threads ask at once: one load, not two)
+_engines: dict[tuple, Any] = {}        # where: stage: loaded once per process (the flow's inline stages reuse them),
+_engines_lock = threading.Lock()       # once when the look-ahead stages' threads ask at once
 
 
 class Asker:
@@ -419,14 +419,12 @@ class Asker:
     def _engine(self):
         """This process's engine for the model (loaded on the first question the cache does not answer)."""
         with _engines_lock:             # (resolving too: transformers' lazy imports are not safe in two threads)
-            path = model_path(self.cfg, self.spec, self.what)
-            ident = (path, self.spec.kind, self.spec.max_length)
+            ident = (model_path(self.cfg, self.spec, self.what), self.spec.kind, self.spec.max_length)
             if ident not in _engines:
                 from tasks.scoring.judge_engine import JudgeEngine
-
                 if len(_engines) >= 2:
                     _engines.clear()
-                _engines[ident] = JudgeEngine(path, self.spec.kind, self.spec.max_length)
+                _engines[ident] = JudgeEngine(*ident)
             return _engines[ident]
 
     def _local(self, chunk: list[Question]) -> list[dict]:
@@ -446,8 +444,7 @@ class Asker:
         spec = self.spec
         client = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.key or "none",
                                     timeout=spec.timeout_seconds, max_retries=spec.retries)
-        http = httpx.AsyncClient(timeout=spec.timeout_seconds,
-                                 headers=bearer(self.key))
+        http = httpx.AsyncClient(timeout=spec.timeout_seconds, headers=bearer(self.key))
         gate = asyncio.Semaphore(spec.batch_size)
 
         async def one(q: Question) -> None:
