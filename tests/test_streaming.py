@@ -126,23 +126,27 @@ def test_a_streamed_run_trains_the_stage_modes_prompts_within_the_staleness(pref
 
 def test_a_stopped_sampler_keeps_its_groups_and_a_new_one_completes_the_rest(tmp_path):
     """A sampler stopped at any moment (a killed flow): what it committed stays as it was, a new one samples
-    only the rest, and every group of every iteration is there once. Partial sequences in flight are not
-    kept: they are sampled again from their prompt (docs/design-notes.md)."""
+    only the rest, and every group of every iteration is there once; a committed group the old scorer had not
+    scored is scored by the new one. Partial sequences in flight are not kept: they are sampled again from their
+    prompt (docs/design-notes.md)."""
     cfg = load_config(TINY, _overrides(tmp_path, "again", "generate.max_completion_length=8",
                                      "generate.streaming.on_update=interrupt", iterations=2))
     store = open_store(cfg)
-    first = Stream.of(cfg, 1)
+    first = Stream.of(cfg, 1, lambda: GroupScorer.start(cfg))
     first.collect(1)                                                 # (some groups at least)
     assert Stream.stop_run("again") == first.counts["discarded_tokens"] and "again" not in Stream.RUNNING
     assert not first.thread.is_alive()
     kept = {(it, j): store.manifest(layout.stream_group("again", it, j))
             for it in (1, 2) for j in range(4) if store.manifest(layout.stream_group("again", it, j))}
     assert len(kept) >= 4
-    second = Stream(cfg, 1)
+    for it, j in kept:                  # as if killed before the scorer got to them: scored again by the next
+        store.delete_folder(layout.stream_scored("again", it, j))
+    second = Stream(cfg, 1, GroupScorer.start(cfg))
     records = {it: second.collect(it)[0] for it in (1, 2)}
     second.stop()
     for it in (1, 2):
         assert [r.group for r in records[it]] == [j for j in range(4) for _ in range(4)]
+        assert all(store.manifest(layout.stream_scored("again", it, j)) is not None for j in range(4))
     for (it, j), manifest in kept.items():                          # committed once, never again
         assert store.manifest(layout.stream_group("again", it, j)) == manifest
 

@@ -310,7 +310,8 @@ class Stream:
             return
         run = self.cfg.run.name
         if self.store.manifest(layout.stream_scored(run, it, j)) is not None:
-            self._scored(it, j, rollout.load(self.store, layout.stream_scored(run, it, j)))
+            if self.ds is not None:
+                self._scored(it, j, rollout.load(self.store, layout.stream_scored(run, it, j)))
         else:
             self.listener.submit(it, j, rollout.load(self.store, layout.stream_group(run, it, j)))
 
