@@ -10,9 +10,10 @@ beside it (a gain in form alone raises the share, not the accuracy among them).
     python bench/reasoning_gym_suite.py --work DIR --report-only   # the tables of the runs kept in DIR
 
 Variants: plain (the recipe), dynamic (+ generate.dynamic_sampling and data.curriculum), overlap (the recipe with
-run.max_staleness 1). Each run is `rlflow run` in a subprocess (bench/real_model_vs_trl.py: rlflow_run); held-out
-numbers are read from its evaluate stage's stored greedy completions. Evaluation here is greedy only
-(eval.num_generations 1), every --every iterations, on the recipe's 100 held-out prompts. Writes
+run.max_staleness 1), streamed (S 1, generate.streaming and dynamic sampling as groups complete). Each run is
+`rlflow run` in a subprocess (bench/real_model_vs_trl.py: rlflow_run); held-out numbers are read from its
+evaluate stage's stored greedy completions. Evaluation here is greedy only (eval.num_generations 1), every
+--every iterations, on the recipe's 100 held-out prompts. Writes
 <out>/reasoning_gym_suite.csv and .png and prints the tables docs/benchmarks.md records: per task, base and final
 accuracy (mean ± std over seeds), the change, the format's share and the accuracy among formatted answers; and for
 each variant the wall seconds (training clock, evaluation excluded) to each held-out level reached.
@@ -58,6 +59,8 @@ VARIANTS = {
     "plain": [],
     "dynamic": ["generate.dynamic_sampling={max_rounds: 4}", "data.curriculum={defer: 4}"],
     "overlap": ["run.max_staleness=1"],
+    "streamed": ["run.max_staleness=1", "generate.streaming.on_update=interrupt",   # dynamic sampling as groups
+                 "generate.dynamic_sampling={max_rounds: 4}"],                       # complete (issue 42)
 }
 LEVELS = (0.3, 0.4, 0.5, 0.6)
 
@@ -227,7 +230,7 @@ def _plot(runs: list[dict], args, out: Path) -> None:
     cols = 4
     rows = -(-len(args.tasks) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
-    colors = {"plain": "tab:blue", "dynamic": "tab:green", "overlap": "tab:orange"}
+    colors = {"plain": "tab:blue", "dynamic": "tab:green", "overlap": "tab:orange", "streamed": "tab:purple"}
     for ax, task in zip(axes.flat, args.tasks):
         for variant in args.variants:
             rs = [r for r in runs if r["task"] == task and r["variant"] == variant]
