@@ -54,6 +54,8 @@ TASKS: dict[str, dict] = {
     "lcm": {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 12},        # number theory
     "letter_jumble": {"min_words": 1, "max_words": 1, "min_word_len": 3, "max_word_len": 5},   # string manipulation
     "count_bits": {"min_n": 1, "max_n": 1023},              # binary (isomorphic_strings' true/false: constant 0.51)
+    "decimal_arithmetic": {"min_num_decimal_places": 1, "max_num_decimal_places": 1, "min_terms": 2,
+                           "max_terms": 2},                 # decimals (base 0.10; not learned: docs/benchmarks.md)
 }
 VARIANTS = {
     "plain": [],
