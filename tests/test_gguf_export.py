@@ -16,7 +16,7 @@ from tasks.core import builtin_models, gguf, layout
 from tasks.core.config import load_config
 from tasks.core.errors import UserError
 from tasks.core.models import load_model, load_tokenizer
-from tests.conftest import TINY
+from tests.conftest import AT_LENGTH, TINY
 
 PROMPTS = ["a=", "c=ddd", "hello world\nx = 1 + 2;", "<s>user: c=\n<s>assistant: ", "~!@#$%^&*()_+{}|:<>?"]
 # max |logit difference| after the round trip (issue 45's bounds; measured on the tiny model: f32 0, f16 ~1e-4,
@@ -226,6 +226,7 @@ def test_a_lora_policy_exports_merged_and_its_model_version_carries_the_file(tmp
     assert not (tmp_path / "folder").exists() and not (tmp_path / "other.gguf").exists()
 
 
+@AT_LENGTH           # (~65 s; the tiny model's round trips above are CI's smoke test of the same code)
 @pytest.mark.slow
 def test_smollm2_goes_out_as_f32_gguf_bit_exact(rlflow_cache, tmp_path, cache):
     """The real model: the builtin SmolLM2-135M-Instruct (converted from its GGUF), written as f32 GGUF and read
