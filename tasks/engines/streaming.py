@@ -414,12 +414,11 @@ class Stream:
                 self.changed.wait(WAIT_SECONDS)
         records = [r for k in keys for r in rollout.load(self.store, k)]
         rows, said = self.picked[iteration]
-        with self.changed:
-            self.extras.pop(iteration, None)
         now = dict(self.counts)
         d = {k: v - self.seen.get(k, 0) for k, v in now.items()}     # what the sampler did since the last collect
         self.seen, self.collected = now, iteration
         with self.changed:
+            self.extras.pop(iteration, None)
             self.changed.notify_all()
         return records, {"generate/discarded_tokens": float(now["discarded_tokens"]),
                          "generate/interruptions": float(d["interruptions"]),
