@@ -21,12 +21,11 @@ import json
 import os
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING
 
 from flows.launch import BRIDGE, InfraError, Local, Sky, recipe_path
 from tasks.core.errors import UserError
-from tasks.core.fleet import DidNotStart, bearer, start_server
+from tasks.core.fleet import DidNotStart, Starts, bearer, start_server
 from tasks.core.placement import Services, placement_of
 from tasks.envs.runtime.server import READY, TOKEN_VAR
 
@@ -62,8 +61,8 @@ class EnvServer:
         self.proc = None                # env.servers 1: the server's process (env.where: local); N: the front's
         self.lock = threading.RLock()
         self.tail: list[str] = []
-        # env.servers > 1: per member {"url", "proc", "generation", "failures", "retry_at"}; generation counts its
-        # replacements (the front tells a replaced member's episodes from the new one's by it)
+        # env.servers > 1: per member {"url", "proc", "generation", "starts"}; generation counts its replacements
+        # (the front tells a replaced member's episodes from the new one's by it); starts: tasks/core/fleet.py
         self.members: list[dict] = []
         self.watcher: threading.Thread | None = None
         self.stopping = threading.Event()
@@ -160,7 +159,7 @@ class EnvServer:
         from tasks.core.daemon import answers_http
 
         if not self.members:
-            self.members = [{"url": None, "proc": None, "generation": -1, "failures": 0, "retry_at": 0.0}
+            self.members = [{"url": None, "proc": None, "generation": -1, "starts": Starts()}
                             for _ in range(self.placement.env_servers)]
         front = self._front_health()
         with ThreadPoolExecutor(min(len(self.members), 32)) as ex:
@@ -169,7 +168,8 @@ class EnvServer:
         lost = [i for i, ok in enumerate(answering) if not ok or not self._alive(i, front)]
         self._replace(lost, log, first=True)
         if not any(m["url"] for m in self.members):
-            raise InfraError(f"none of the {len(self.members)} environment servers of the pool started")
+            raise InfraError(f"none of the {len(self.members)} environment servers of the pool started, the last: "
+                             f"{self.members[-1]['starts'].error}")
         if front is None:
             if self.url:
                 log(f"the environment pool's front at {self.url} stopped answering: starting it again")
@@ -230,12 +230,11 @@ class EnvServer:
             if (e := f.exception()) is None:
                 if m["url"]:
                     m["generation"] += 1      # (the first start: generation 0)
-                    m["failures"] = 0
+                    m["starts"].started()
                 continue
             if isinstance(e, UserError):
                 said = said or e
-            m["failures"] += 1
-            m["retry_at"] = time.monotonic() + min(5.0 * m["failures"], 60.0)
+            m["starts"].failure(e)
             log(f"environment server {i} of the pool did not start: {e}")
         if said is not None:
             raise said
@@ -284,9 +283,8 @@ class EnvServer:
             with self.lock:               # (read again under the lock: env() may have replaced them meanwhile)
                 if self.stopping.is_set() or (front := self._front_health()) is None:
                     continue
-                now = time.monotonic()
                 lost = [i for i in range(len(self.members))
-                        if not self._alive(i, front) and now >= self.members[i]["retry_at"]]
+                        if not self._alive(i, front) and self.members[i]["starts"].due()]
                 if not lost:
                     continue
                 try:

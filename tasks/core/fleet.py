@@ -7,6 +7,7 @@ flows/services.py: EnvServer) and the judge servers (flows/services.py: JudgeSer
     bearer, authorized
                    the run's token: the header a client sends, the check a server makes (every route but /health)
     Health         a member is lost when refused, or after LOST_AFTER failed probes in a row; an answer resets it
+    Starts         a member's starts that failed in a row: the next one waits (0, 5, 10 .. 60 s); START_TRIES: given up
     least_loaded   new work to the member with the least in flight, then the fewest routed, then the lowest index
     Sticky         an episode's later requests to the member that took its first (a bounded map, oldest out first)
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
@@ -26,6 +28,8 @@ from tasks.core.processes import kill_group, spawn
 
 M = TypeVar("M")
 LOST_AFTER = 2              # failed probes in a row (a timeout, a broken connection, an HTTP error) before "lost"
+START_TRIES = 3             # starts in a row that failed before a member is given up (its owner says so at once)
+BACKOFF, MAX_BACKOFF = 5.0, 60.0    # seconds more before each start after the second failure in a row, at most
 
 
 def start_server(argv: list[str], env: Mapping[str, str], ready: str, name: str, short: str,
@@ -86,6 +90,30 @@ class Health:
     def failed(self, refused: bool = False) -> bool:
         self.failures += 1
         return refused or self.failures >= LOST_AFTER
+
+
+class Starts:
+    """A member's starts that failed in a row: `failure(e)` after one, `started()` after one that answered. The
+    next start is `due()` at once after the first failure, then BACKOFF s more per failure (at most MAX_BACKOFF):
+    a member that cannot start is not started again every second. `given_up()` after START_TRIES failures: a
+    fleet whose every member (on this machine) is given up says so, with the last `error`, instead of waiting."""
+
+    def __init__(self):
+        self.failed, self.retry_at, self.error = 0, 0.0, ""
+
+    def started(self) -> None:
+        self.failed, self.retry_at, self.error = 0, 0.0, ""
+
+    def failure(self, error: object) -> None:
+        self.failed += 1
+        self.retry_at = time.monotonic() + min(BACKOFF * (self.failed - 1), MAX_BACKOFF)
+        self.error = str(error)[-500:]
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.retry_at
+
+    def given_up(self) -> bool:
+        return self.failed >= START_TRIES
 
 
 def least_loaded(members: Iterable[M], load: Callable[[M], tuple]) -> M:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
-from tasks.core.fleet import Health, Sticky, bearer, least_loaded, start_server
+from tasks.core.fleet import START_TRIES, Health, Starts, Sticky, bearer, least_loaded, start_server
 from tasks.core.paths import cache_root
 from tasks.core.placement import REPLICA_LAUNCH_VAR
 from tasks.core.processes import run
@@ -43,7 +43,6 @@ MARKER = "tasks.engines.replica"          # the router's and the local replicas'
 LAUNCH_VAR = REPLICA_LAUNCH_VAR           # JSON {"start": argv, "port_base": n}, "{i}" filled in: the flow's (sky)
 LATE_GRACE = 10.0                         # s after the first replica loaded a policy before the others are late
 STICKY_KEYS = 100_000
-START_TRIES = 3   # local replicas that all failed this many starts in a row: said at once, not after the timeout
 READY = "RLFLOW_REPLICA_READY"            # the line a replica prints once it answers: READY <url>
 TOKEN_VAR = "RLFLOW_REPLICA_TOKEN"        # the router's token: only it may load policies into and sample replicas
 
@@ -220,8 +219,7 @@ class RoutedReplica:
     seconds: float = 0.0
     replaced: int = 0
     failures: int = 0                 # policy loads that failed in a row (3: dead)
-    start_failures: int = 0           # starts that failed in a row (every member at START_TRIES, here: given up)
-    error: str = ""                   # why its last start failed
+    starts: Starts = dataclasses.field(default_factory=Starts)   # its starts that failed in a row (fleet.py)
     health: Health = dataclasses.field(default_factory=Health)
     life: int = 0                     # which start of this replica (a failure seen late concerns an old one)
 
@@ -241,7 +239,7 @@ class Router:
         self.last_used = time.monotonic()
         self.changed = threading.Condition(self.lock)
         self.client = None                # the forwarding client (httpx.AsyncClient)
-        self.stopped = threading.Event()  # set by stop_members: nothing is started or replaced after it
+        self.stopping = threading.Event()  # set by stop_members: nothing is started or replaced after it
 
     # ------------------------------------------------------------------------------------------ members
 
@@ -256,12 +254,13 @@ class Router:
                                             self.cfg.generate.server_start_timeout)
             else:
                 proc, url = None, self._launched(m.index)
-            if self.stopped.is_set():             # (started while the router was stopping)
+            if self.stopping.is_set():             # (started while the router was stopping)
                 self._stop(m.index, proc)
                 return
             with self.lock:
                 m.proc, m.url, m.state, m.holds, m.failures, m.health = proc, url, "loading", None, 0, Health()
-                m.life, m.start_failures = m.life + 1, 0
+                m.life = m.life + 1
+                m.starts.started()
             print(f"replica {m.index}: up at {url} ({time.monotonic() - t0:.1f} s)", flush=True)
             self._load(m)
             if m.replaced:
@@ -269,7 +268,8 @@ class Router:
         except Exception as e:  # noqa: BLE001 - a replica that cannot start is dead; the watch tries again
             print(f"replica {m.index}: did not start: {e}", flush=True)
             with self.lock:
-                m.state, m.start_failures, m.error = "dead", m.start_failures + 1, str(e)[-500:]
+                m.state = "dead"
+                m.starts.failure(e)
                 self.changed.notify_all()
 
     def _launched(self, i: int) -> str:
@@ -327,11 +327,13 @@ class Router:
         is replaced."""
         import httpx
 
-        while not self.stopped.wait(1.0):
+        while not self.stopping.wait(1.0):
             for m in list(self.members):
                 if m.state in ("starting",):
                     continue
                 if m.state == "dead":
+                    if not m.starts.due():
+                        continue              # (one that did not start: tried again after its backoff)
                     with self.lock:
                         m.state, m.replaced = "starting", m.replaced + 1
                         self.counts["replaced"] += 1
@@ -350,7 +352,7 @@ class Router:
                         self.lost(m, f"health check: {e}")
 
     def stop_members(self) -> None:
-        self.stopped.set()
+        self.stopping.set()
         for m in self.members:
             self._stop(m.index, m.proc)
 
@@ -382,9 +384,9 @@ class Router:
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no replica holds {policy} after {self.cfg.generate.server_start_timeout} s")
-                if self.launch is None and all(m.start_failures >= START_TRIES for m in self.members):
+                if self.launch is None and all(m.starts.given_up() for m in self.members):
                     raise RuntimeError(f"every replica failed to start {START_TRIES} times in a row (the same "
-                                       f"command here each time), the last: {self.members[-1].error}")
+                                       f"command here each time), the last: {self.members[-1].starts.error}")
                 self.changed.wait(0.5)
             return {"ready": ready, "late": [m.index for m in self.members if m.index not in ready]}
 
