@@ -417,7 +417,7 @@ def test_the_browser_config_runs_through_the_flow_with_the_tiny_model(shop, tmp_
     assert "Evaluated episodes of v1" in report.data and "(no action)" in report.data
 
 
-def test_the_smollm2_shop_recipe_at_a_small_size_through_the_flow(shop, tmp_path, monkeypatch):
+def test_the_smollm2_shop_recipe_at_a_small_size_through_the_flow(shop, tmp_path, prefect_api, monkeypatch):
     """configs/smollm2-shop.yaml, small (pages cut at 900 characters, three turns): the reference policy's episodes of
     two training tasks recorded, the warm start (one step) on them, then one RL iteration of SmolLM2-135M in
     Chromium from v0; every episode ran against the shop without an error. (The held-out evaluation of the recipe

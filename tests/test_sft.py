@@ -24,7 +24,7 @@ from tasks.core.models import base_path, load_tokenizer
 from tasks.core.store import Store
 from tasks.envs.runtime.demonstrations import as_row, record
 from tasks.sft import batch, demonstrations, sft, token_loss
-from tests.conftest import CHATML, TINY, run_cli
+from tests.conftest import CHATML, TINY, run_cli, run_cli_many
 
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = ROOT / "configs" / "letters.yaml"
@@ -227,15 +227,17 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
         "own_policy": ([{"messages": [user, bot]}], ["model.name_or_path={store}/warm/policy/v000003"],
                        "is a policy of this run (warm), not the base"),
     }
-    for name, (rows, more, want) in cases.items():
+    calls = []
+    for name, (rows, more, _) in cases.items():
         folder = tmp_path / name
         folder.mkdir()
         (folder / "demos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        store = folder / "store"
-        more = [m.replace("{store}", f"file://{store}") for m in more]
-        args = ["sft", str(TINY), "-o", f"warmup.path={folder / 'demos.jsonl'}", "-o", f"store.uri={store}",
-                "-o", "run.name=warm", *(a for m in more for a in ("-o", m))]
-        out = run_cli(args, folder, prefect_api)
+        more = [m.replace("{store}", f"file://{folder / 'store'}") for m in more]
+        calls.append((["sft", str(TINY), "-o", f"warmup.path={folder / 'demos.jsonl'}", "-o",
+                       f"store.uri={folder / 'store'}", "-o", "run.name=warm", *(a for m in more for a in ("-o", m))],
+                      folder))
+    for (name, (_, _, want)), out in zip(cases.items(), run_cli_many(calls, prefect_api)):   # forks of one import
+        store = tmp_path / name / "store"
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and want in lines[0], (name, out.stderr[-2000:])
         assert lines[0].startswith("error: ") and ("warmup.path" in lines[0] or "model.name_or_path" in lines[0])
