@@ -60,7 +60,7 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
     gc = cfg.generate
     ds = data.load_prompts(cfg)
     if gc.streaming is not None:                 # the run's streaming sampler picked and sampled them
-        records, metrics, rows, picked = _streamed(cfg, iteration)
+        records, metrics, rows, picked = _streamed(cfg, iteration, services)
     else:
         rows, picked = curriculum.prompts(cfg, store, iteration, round, len(ds))
         records, metrics = _sampled(cfg, iteration, round, ds, rows, policy, services)
@@ -104,16 +104,24 @@ def _sampled(cfg: Config, iteration: int, round: int, ds, rows: list[int], polic
     return records, metrics
 
 
-def _streamed(cfg: Config, iteration: int) -> tuple[list, dict, list[int], dict]:
+def _streamed(cfg: Config, iteration: int, services: Services | None) -> tuple[list, dict, list[int], dict]:
     """generate.streaming: iteration N's groups from the run's streaming sampler (tasks/engines/streaming.py),
     each token tagged with the policy version that drew it, and their metrics (the staleness of the oldest
     token, the versions' spread, what the sampler did since the last stage); the prompts' rows and what the
-    curriculum said of them (the sampler picked them: one picker of the curriculum's state at a time)."""
+    curriculum said of them (the sampler picked them: one picker of the curriculum's state at a time). With
+    env.factory its groups are episodes (tasks/envs/runtime/streamed.py), against the environments `services`
+    names when the sampler starts."""
+    from tasks.core.placement import placement_of
     from tasks.engines.streaming import Stream
-    from tasks.scoring.streamed import GroupScorer, scores_as_they_complete
+    from tasks.envs.runtime.streamed import StreamedEpisodes
+    from tasks.scoring.streamed import GroupScorer
 
-    listener = (lambda: GroupScorer.start(cfg)) if scores_as_they_complete(cfg) else None
-    records, metrics, rows, picked = Stream.of(cfg, iteration, listener).collect(iteration)
+    listener = (lambda: GroupScorer.start(cfg)) if placement_of(cfg).scores_as_groups_complete() else None
+    groups = StreamedEpisodes.given(Services.given(services)) if cfg.env.factory else None
+    records, metrics, rows, picked = Stream.of(cfg, iteration, listener, groups).collect(iteration)
+    source = source_of(cfg)
+    source.require_some(cfg, records, f"iteration {iteration}")
+    metrics.update(source.metrics(records))
     versions = [v for r in records for v in r.versions]
     oldest = min(versions, default=iteration - 1)
     metrics.update({

@@ -151,35 +151,37 @@ def test_a_stopped_sampler_keeps_its_groups_and_a_new_one_completes_the_rest(tmp
         assert store.manifest(layout.stream_group("again", it, j)) == manifest
 
 
+def _publish_adapter(cfg, version: int, tmp_path):
+    """Publish a random LoRA adapter on the base as policy `version` of cfg's run (LATEST moved to it); returns the
+    model it makes (base + adapter), to check the tokens sampled under it."""
+    from tasks.core.models import add_lora, load_policy
+
+    torch.manual_seed(version)
+    model = add_lora(load_model(base_path(cfg)), cfg.train)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.2)          # (B too: a fresh adapter's B is 0)
+    model.save_pretrained(tmp_path / f"a{version}")
+    store, run = open_store(cfg), cfg.run.name
+    store.put_folder(layout.policy(run, version), tmp_path / f"a{version}")
+    store.set_pointer(layout.latest(run, "policy"), layout.policy(run, version))
+    return load_policy(cfg, str(tmp_path / f"a{version}"), "cpu").eval()
+
+
 def test_a_lora_run_streams_each_adapter_loaded_in_place(tmp_path):
     """train.lora_r: a run publishes adapters on the base; the sampler loads each in place between decode steps
     (the resident keeps base + adapter), and every token's behaviour logprob is its version's: the base's at v0,
     base + adapter N's at vN. Iterations 1-2 are v0's, 3 v1's, 4 v2's (run.max_staleness 1)."""
-    from tasks.core.models import add_lora, load_policy
-
     cfg = load_config(TINY, _overrides(tmp_path, "lora", "train.lora_r=4", "generate.max_completion_length=8",
                                      "generate.temperature=0.8", "generate.top_p=1.0",
                                      "generate.streaming.on_update=interrupt"))
-    store = open_store(cfg)
     models = {0: load_model(base_path(cfg)).eval()}
-
-    def publish(version: int) -> None:
-        torch.manual_seed(version)
-        model = add_lora(load_model(base_path(cfg)), cfg.train)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn_like(p) * 0.2)          # (B too: a fresh adapter's B is 0)
-        model.save_pretrained(tmp_path / f"a{version}")
-        store.put_folder(layout.policy("lora", version), tmp_path / f"a{version}")
-        store.set_pointer(layout.latest("lora", "policy"), layout.policy("lora", version))
-        models[version] = load_policy(cfg, str(tmp_path / f"a{version}"), "cpu").eval()
-
     stream = Stream.of(cfg, 1)
     try:
         records = {it: stream.collect(it)[0] for it in (1, 2)}
         for version in (1, 2):
-            publish(version)
+            models[version] = _publish_adapter(cfg, version, tmp_path)
             records[version + 2] = stream.collect(version + 2)[0]
     finally:
         Stream.stop_run("lora")
@@ -188,6 +190,132 @@ def test_a_lora_run_streams_each_adapter_loaded_in_place(tmp_path):
         for r in group:
             want = _teacher_forced(models[max(0, it - 2)], r.prompt_ids, r.completion_ids, 0.8)
             assert max(abs(a - b) for a, b in zip(want, r.logprobs)) < 1e-4, (it, r.group)
+
+
+def test_episodes_stream_turn_by_turn_and_each_token_is_its_versions(tmp_path, monkeypatch):
+    """env.factory with streaming (tasks/envs/runtime/streamed.py): each turn of an episode is a row of the
+    continuous batch, its next turn joining once its environment has stepped. A policy published during an
+    environment's step (here: at the first one) is loaded before the next decode step, so the episodes then in
+    flight take their later turns under it: every model token's behaviour logprob is its recorded version's on
+    the episode's whole context (observations included, mask 0), the versions differ within some episodes,
+    replaying each episode's replies in a fresh game gives its rewards, and the iterations' prompts are the
+    stage mode's, each group once, nothing discarded."""
+    from tasks.envs.builtin.games import SayTheLetters
+    from tasks.envs.runtime import streamed
+
+    letters = ROOT / "configs" / "letters.yaml"
+    cfg = load_config(letters, _overrides(tmp_path, "eps", "train.lora_r=4", "generate.max_completion_length=2",
+                                          "generate.temperature=0.8", "generate.top_p=1.0",
+                                          "generate.streaming.on_update=interrupt", "generate.streaming.max_rows=8",
+                                          iterations=2))
+    store = open_store(cfg)
+    models = {0: load_model(base_path(cfg)).eval()}
+    steps = []
+    real_step = streamed.step
+
+    def step_and_publish_once(*args):
+        real_step(*args)
+        steps.append(len(args[2]))
+        if len(steps) == 1:                     # (in the sampler's thread, between two decode steps)
+            models[1] = _publish_adapter(cfg, 1, tmp_path)
+    monkeypatch.setattr(streamed, "step", step_and_publish_once)
+    monkeypatch.setattr("tasks.engines.streaming.WAIT_SECONDS", 0.0)     # (the pointer read at every step)
+    stream = Stream.of(cfg, 1, groups=streamed.StreamedEpisodes.given(None))
+    try:
+        records = {it: stream.collect(it) for it in (1, 2)}
+    finally:
+        discarded = Stream.stop_run("eps")
+    assert discarded == 0 and len(steps) > 1
+    n_rows = len(data.load_prompts(cfg))
+    mixed = 0
+    for it, (group, metrics, rows, _) in records.items():
+        assert rows == curriculum.prompts(cfg, store, it, 0, n_rows)[0] == [r.row for r in group[::4]]
+        assert [r.group for r in group] == [j for j in range(4) for _ in range(4)]
+        assert metrics["generate/discarded_tokens"] == 0.0
+        for r in group:
+            assert r.env_error is None and len(r.versions) == len(r.completion_ids) == len(r.logprobs) == len(r.mask)
+            model_tokens = [t for t, m in enumerate(r.mask) if m]
+            assert len(model_tokens) >= 2 and sum(1 - m for m in r.mask) > 0    # turns, and observations between
+            versions = {r.versions[t] for t in model_tokens}
+            mixed += versions == {0, 1}
+            for t in model_tokens:
+                want = _teacher_forced(models[r.versions[t]], r.prompt_ids + r.completion_ids[:t],
+                                       [r.completion_ids[t]], 0.8)[0]
+                assert abs(want - r.logprobs[t]) < 1e-4, (it, r.group, t)
+            game = SayTheLetters()
+            game.reset(r.columns | {"prompt": ""})
+            replies = [m for m in r.turns if m["role"] == "assistant"]
+            assert [game.step(m).reward for m in replies] == r.turn_rewards
+    assert mixed > 0                                                  # later turns under the newer policy
+
+
+def test_a_stopped_sampler_closes_the_episodes_in_flight_and_a_new_one_completes_their_groups(tmp_path,
+                                                                                              monkeypatch):
+    """Stopped at any moment, the episodes' sampler closes every environment it opened (those of episodes in
+    flight too); what it committed stays, and a new sampler samples only the rest: every group of every
+    iteration once."""
+    from tasks.envs.runtime import streamed
+
+    letters = ROOT / "configs" / "letters.yaml"
+    cfg = load_config(letters, _overrides(tmp_path, "epsagain", "generate.streaming.max_rows=8", iterations=2))
+    store = open_store(cfg)
+    opened, closed = [], []
+    real_begin, real_close = streamed.begin, streamed.close
+
+    def begin(caller, episodes, *args):
+        opened.extend(id(e) for e in episodes)
+        real_begin(caller, episodes, *args)
+
+    def close(caller, episodes, stop=True):
+        closed.extend(id(e) for e in episodes)
+        real_close(caller, episodes, stop)
+    monkeypatch.setattr(streamed, "begin", begin)
+    monkeypatch.setattr(streamed, "close", close)
+    first = Stream.of(cfg, 1, groups=streamed.StreamedEpisodes.given(None))
+    first.collect(1)
+    Stream.stop_run("epsagain")
+    assert sorted(opened) == sorted(closed) and len(opened) >= 16
+    kept = {(it, j): m for it in (1, 2) for j in range(4)
+            if (m := store.manifest(layout.stream_group("epsagain", it, j))) is not None}
+    second = Stream(cfg, 1, None, streamed.StreamedEpisodes.given(None))
+    records = {it: second.collect(it)[0] for it in (1, 2)}      # (no policy is published here: v0's iterations)
+    second.stop()
+    for it in (1, 2):
+        assert [r.group for r in records[it]] == [j for j in range(4) for _ in range(4)]
+        assert all(r.env_return is not None for r in records[it])
+    for (it, j), manifest in kept.items():                          # committed once, never again
+        assert store.manifest(layout.stream_group("epsagain", it, j)) == manifest
+
+
+@pytest.mark.slow
+def test_the_letters_game_streams_through_the_flow_and_learns_from_the_environments_return(prefect_api, tmp_path,
+                                                                                            monkeypatch):
+    """configs/letters.yaml with generate.streaming, 3 iterations: each trains on the stage mode's prompts, its
+    episodes' tokens within run.max_staleness, the reward the environment's return (scored as each group
+    completed), the episodes' metrics logged; the sampler stops with the flow, nothing discarded."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.training import train_flow
+
+    monkeypatch.chdir(tmp_path)
+    letters = ROOT / "configs" / "letters.yaml"
+    overrides = _overrides(tmp_path, "game", "generate.streaming.on_update=interrupt", iterations=3)
+    summary = train_flow(str(letters), overrides)
+    cfg = load_config(letters, overrides)
+    store = open_store(cfg)
+    n_rows = len(data.load_prompts(cfg))
+    for it in range(1, 4):
+        records = rollout.load(store, layout.rollouts("game", it))
+        assert [r.row for r in records[::4]] == curriculum.prompts(cfg, store, it, 0, n_rows)[0]
+        oldest = layout.version_of(layout.behaviour_policy("game", it, 1))
+        assert all(min(r.versions) >= oldest and r.env_return is not None and r.mask for r in records)
+        scored = rollout.load(store, layout.rewards("game", it))
+        assert [r.reward for r in scored] == pytest.approx([r.env_return for r in records])
+        assert "reward/streamed_seconds" in store.manifest(layout.rewards("game", it))["meta"]["metrics"]
+    history = MlflowClient(cfg.tracking.uri).get_metric_history
+    assert [m.value for m in history(summary["mlflow_run_id"], "generate/discarded_tokens")] == [0.0] * 3
+    assert [m.value for m in history(summary["mlflow_run_id"], "env/episodes")] == [16.0] * 3
+    assert Stream.RUNNING == {} and GroupScorer.RUNNING == {}
 
 
 @pytest.mark.slow
@@ -316,6 +444,8 @@ def test_a_stopped_sampler_with_dynamic_sampling_keeps_its_verdicts(tmp_path):
 @pytest.mark.parametrize(("extra", "says"), [
     (["generate.engine=vllm"], "generate.streaming: the vllm engine cannot stream yet"),
     (["generate.replicas=2"], "generate.streaming: generate.replicas cannot stream yet"),
+    (["env.agent=tasks.envs.builtin.games:letters_agent"], "generate.streaming: agents (env.agent: their calls "
+                                                            "come through the endpoint) cannot stream yet"),
     (["generate.dynamic_sampling={}", "launcher.stages.reward=local"],
      "generate.dynamic_sampling with generate.streaming drops a group as soon as the reward functions have scored "
      "it, in the flow's process, but reward runs local (launcher)"),

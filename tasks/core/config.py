@@ -164,11 +164,12 @@ class Config(Section):
         if sc is None:
             return self
         cannot = ("the vllm engine" if gc.engine == "vllm" else "generate.replicas" if gc.replicas else
-                  "multi-turn episodes (env.factory / env.agent)" if self.env.episodic() else None)
+                  "agents (env.agent: their calls come through the endpoint)" if self.env.agent else None)
         if cannot:
             raise ValueError(f"generate.streaming: {cannot} cannot stream yet (only the hf engine's sampler in the "
                              f"flow's process interrupts between decode steps); leave "
                              f"generate.streaming unset (run.max_staleness overlaps whole stages)")
+        # (Placement.scores_as_groups_complete's rule, read from the keys: placement.py imports this module)
         if gc.dynamic_sampling is not None and (self.reward.models or self.launcher.where_of("reward") != "inline"):
             why = "reward.models' judges score at the reward stage" if self.reward.models else \
                 f"reward runs {self.launcher.where_of('reward')} (launcher)"

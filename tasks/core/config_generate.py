@@ -36,7 +36,8 @@ class StreamingConfig(Section):
     group in data order across iterations (continuous batching on the hf engine), commits each group to the store
     as it completes, and the generate stage of iteration N takes its prompts' groups. A published policy is loaded
     between two decode steps. Needs run.max_staleness >= 1: a group of iteration N starts once v(N-1-S) is
-    loaded, so each token is within the staleness of it. What is reproducible: docs/design-notes.md."""
+    loaded, so each token is within the staleness of it. With env.factory each turn of an episode is a row, its
+    next turn joining once the environment has stepped. What is reproducible: docs/design-notes.md."""
 
     on_update: Literal["interrupt", "finish"] = Field(
         "interrupt", description="When a newer policy is published. interrupt: the rows in flight stop between "

@@ -35,6 +35,13 @@ STATE = "state.json"
 
 def prompts(cfg: Config, store: Store, iteration: int, round: int, n_rows: int) -> tuple[list[int], dict]:
     """The dataset rows iteration `iteration` samples in round `round`, and what the curriculum says of them."""
+    rows, metrics = rounds(cfg, store, iteration, round + 1, n_rows)
+    return rows[round], metrics
+
+
+def rounds(cfg: Config, store: Store, iteration: int, n_rounds: int, n_rows: int) -> tuple[list[list[int]], dict]:
+    """The dataset rows of iteration `iteration`'s rounds 0 .. n_rounds-1 (round 0: its P prompts; the others
+    generate.dynamic_sampling's), and what the curriculum says of them: its state read once for them all."""
     P, seed, shuffle = cfg.generate.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
     sampler = before(cfg, store, iteration, n_rows) if cfg.data.curriculum is not None else None
     if sampler is None:
@@ -47,22 +54,21 @@ def prompts(cfg: Config, store: Store, iteration: int, round: int, n_rows: int) 
         first = sampler.pick(iteration, P, n_rows, seed, shuffle)
         metrics = {"curriculum/deferred": float(len(deferred)), "curriculum/waiting": float(waiting),
                    "curriculum/served_late": float(sampler.served_late)}
-    if round == 0:
-        return first, metrics
-    ds = cfg.generate.dynamic_sampling
-    per_round = ds.prompts_per_round or P
+    if n_rounds <= 1:
+        return [first], metrics
+    per_round = cfg.generate.dynamic_sampling.prompts_per_round or P
     skip = set(first) | deferred
     if len(skip) >= n_rows:                   # (a tiny data set: every row taken or deferred) the stream as is
         skip = set()
     rows, pos = [], 0
-    wanted = round * per_round
+    wanted = (n_rounds - 1) * per_round
     while len(rows) < wanted:
         batch = data.indices(n_rows, [seed, EXTRA_STREAM, iteration], pos, per_round, shuffle)
         pos += per_round
         rows.extend(r for r in batch if r not in skip)
         if pos > 4 * (n_rows + wanted):       # (cannot happen unless every row is skipped: guarded above)
             break
-    return rows[(round - 1) * per_round:wanted], metrics
+    return [first, *(rows[r * per_round:(r + 1) * per_round] for r in range(n_rounds - 1))], metrics
 
 
 @dataclass

@@ -40,6 +40,7 @@ class Placement:
     env: ServiceWhere                         # none (no env.factory) | yours | stage (no server) | local | sky
     env_servers: int                          # servers behind the environment URL (a pool when > 1)
     judges: Mapping[str, ServiceWhere]        # reward.models name -> yours (url) | stage | local | sky
+    streaming: bool = False                   # generate.streaming: one sampler in the flow's process
 
     def where(self, stage: str) -> Where:
         return self.stages[stage]
@@ -72,6 +73,11 @@ class Placement:
         """The flow starts the environment server(s): on this machine (local) or on SkyPilot (sky)."""
         return self.env in ("local", "sky")
 
+    def scores_as_groups_complete(self) -> bool:
+        """Streamed groups are scored as they complete, in the flow's process: generate.streaming, reward
+        functions only (no reward.models), the reward stage inline (tasks/scoring/streamed.py)."""
+        return self.streaming and not self.judges and self.stages["reward"] == "inline"
+
     def services_on_sky(self) -> list[str]:
         """The servers the flow starts on SkyPilot beside the stages, by recipe: env, replica, judge."""
         return [role for role, on_sky in (("env", self.env == "sky"), ("replica", self.replicas_where == "sky"),
@@ -80,14 +86,14 @@ class Placement:
 
 def placement_of(cfg: Config) -> Placement:
     """The run's placement, from its config."""
-    from tasks.core.config import STAGES
+    from tasks.core.config_infra import STAGES
 
     lc, gc, ec = cfg.launcher, cfg.generate, cfg.env
     stages = {s: lc.where_of(s) for s in STAGES}
     replicas_where: ServiceWhere = "none" if not gc.replicas else ("sky" if stages["generate"] == "sky" else "local")
     env: ServiceWhere = "none" if not ec.factory else "yours" if ec.url is not None else ec.where
     judges = {m.name: ("yours" if m.url is not None else m.where) for m in cfg.reward.models}
-    return Placement(stages, gc.replicas, replicas_where, env, ec.servers, judges)
+    return Placement(stages, gc.replicas, replicas_where, env, ec.servers, judges, gc.streaming is not None)
 
 
 @dataclasses.dataclass(frozen=True)

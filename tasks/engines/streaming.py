@@ -41,7 +41,8 @@ WAIT_SECONDS = 0.2        # how often an idle sampler looks for a newer policy o
 
 @dataclass
 class Row:
-    """One completion in flight: group `group` (an opaque key), its prompt's ids, its tokens so far."""
+    """One completion in flight: group `group` (an opaque key), its prompt's ids, its tokens so far; `limit`: its
+    own token limit (None: the sampler's), `owner`: what its group source keeps it for (an episode's turn)."""
 
     group: object
     prompt: list[int]
@@ -50,6 +51,50 @@ class Row:
     versions: list[int] = field(default_factory=list)
     done: bool = False
     truncated: bool = False
+    limit: int | None = None
+    owner: object = None
+    seconds: float = 0.0                    # the decode steps' seconds while it was in the batch
+
+
+class PromptGroups:
+    """The streaming sampler's groups of single-turn prompts: a group is `n` rows of its prompt, complete when
+    they all are. The other group source, multi-turn episodes (each turn a row, the next one joining once the
+    environment has stepped), is tasks/envs/runtime/streamed.py's; both answer start / advance / complete /
+    records / in_flight / close."""
+
+    def __init__(self, cfg: Config, tokenizer, n: int):
+        self.cfg, self.tokenizer, self.n = cfg, tokenizer, n
+        self.groups: dict[tuple, tuple] = {}         # (iteration, group) -> (row, prompt, ids, columns, its rows)
+
+    def start(self, key: tuple, row: int, columns: dict) -> list[Row]:
+        prompt = data.prompt_of(self.cfg, columns)
+        ids = encode_prompt(self.tokenizer, prompt, self.cfg.generate.max_prompt_length)
+        rows = [Row(key, ids) for _ in range(self.n)]
+        self.groups[key] = (row, prompt, ids, columns, rows)
+        return rows
+
+    def advance(self, finished: list[Row]) -> list[Row]:
+        """The rows that continue the finished ones (none: a completion is the whole rollout)."""
+        return []
+
+    def complete(self) -> list[tuple]:
+        return [k for k, g in self.groups.items() if all(r.done for r in g[4])]
+
+    def records(self, key: tuple) -> tuple[int, list[Rollout]]:
+        """A complete group's dataset row and records (the group leaves the source)."""
+        row, prompt, ids, columns, rows = self.groups.pop(key)
+        return row, [Rollout(group=key[1], row=row, prompt=prompt, prompt_ids=ids,
+                             completion=self.tokenizer.decode(r.tokens, skip_special_tokens=True),
+                             completion_ids=r.tokens, logprobs=r.logprobs, truncated=r.truncated,
+                             columns={k: v for k, v in columns.items() if k != self.cfg.data.prompt_column},
+                             versions=r.versions) for r in rows]
+
+    def in_flight(self, rows: list[Row]) -> int:
+        """Decoded tokens of the groups not complete (a stopped sampler's; `rows`, those in the batch, are theirs)."""
+        return sum(len(r.tokens) for g in self.groups.values() for r in g[4])
+
+    def close(self) -> None:
+        self.groups.clear()
 
 
 @dataclass
@@ -105,7 +150,7 @@ class ContinuousSampler:
         at = torch.tensor(rows_of, device=device)
         ids = torch.cat([base[at, :L - 1], torch.tensor(tails, device=device)], dim=1)
         attn = torch.cat([base_attn[at, :L - 1], torch.tensor(tail_attn, device=device)], dim=1)
-        budget = min(self.limit - len(r.tokens) for r in rows)
+        budget = min((self.limit if r.limit is None else r.limit) - len(r.tokens) for r in rows)
         watch = _Finished(ids.shape[1], eos, stop)
         recorder = _SampleAndRecord(self.params.temperature, self.params.top_p, self.generator, self.params.top_k,
                                     watch)
@@ -127,7 +172,7 @@ class ContinuousSampler:
             r.tokens += toks[:end]
             r.logprobs += logps[j, :end].tolist()
             r.versions += [version] * end
-            r.truncated = eos not in toks and len(r.tokens) >= self.limit
+            r.truncated = eos not in toks and len(r.tokens) >= (self.limit if r.limit is None else r.limit)
             r.done = eos in toks or r.truncated
         return stopped
 
@@ -158,14 +203,15 @@ class Stream:
     LOCK = threading.Lock()
 
     @classmethod
-    def of(cls, cfg: Config, first: int, listener=None) -> Stream:
+    def of(cls, cfg: Config, first: int, listener=None, groups=None) -> Stream:
         """The run's sampler (started here, from iteration `first`, if it has none). `listener()`: what each
         committed group is submitted to, `submit(iteration, group, records)`, stopped (`stop()`) once the
-        sampler ends (the reward functions' scorer: tasks/scoring/streamed.py)."""
+        sampler ends (the reward functions' scorer: tasks/scoring/streamed.py). `groups(cfg, tokenizer, n)`: its
+        group source (PromptGroups by default; multi-turn episodes: tasks/envs/runtime/streamed.py)."""
         with cls.LOCK:
             s = cls.RUNNING.get(cfg.run.name)
             if s is None or not s.thread.is_alive() and s.error is None:
-                s = cls.RUNNING[cfg.run.name] = Stream(cfg, first, listener() if listener else None)
+                s = cls.RUNNING[cfg.run.name] = Stream(cfg, first, listener() if listener else None, groups)
             return s
 
     @classmethod
@@ -179,8 +225,9 @@ class Stream:
         stream.stop()
         return stream.counts["discarded_tokens"]
 
-    def __init__(self, cfg: Config, first: int, listener=None):
+    def __init__(self, cfg: Config, first: int, listener=None, groups=None):
         self.cfg, self.first, self.store, self.listener = cfg, first, open_store(cfg), listener
+        self.groups = groups or PromptGroups
         gc, sc = cfg.generate, cfg.generate.streaming
         self.P, self.n, self.S = gc.prompts_per_iteration, gc.num_generations, cfg.run.max_staleness
         self.buffer = sc.buffer or (self.S + 1) * self.P
@@ -219,14 +266,23 @@ class Stream:
         self._load(self._newest())                 # never older than what the store has published
         self.tokenizer = load_tokenizer(self.path)
         ds = data.load_prompts(cfg)
-        todo: list[tuple[int, int, int]] = []
         pending = list(range(self.first, cfg.run.iterations + 1))   # iterations whose prompts are not yet picked
         sampler = ContinuousSampler(self.tokenizer, SamplingParams(
             n=self.n, max_new_tokens=gc.max_completion_length, temperature=gc.temperature, top_p=gc.top_p,
             top_k=gc.top_k, seed=cfg.run.seed * 1_000_003 + self.first), gc.max_completion_length, gc.share_prompts)
+        source = self.groups(cfg, self.tokenizer, self.n)
+        try:
+            self._decode(sampler, source, ds, pending)
+        finally:
+            source.close()                         # (a stopped sampler: what its groups in flight hold)
+
+    def _decode(self, sampler: ContinuousSampler, source, ds, pending: list[int]) -> None:
+        """Until every iteration's groups are committed (or the sampler is stopped): groups join while there is
+        room, the batch decodes, finished rows leave (and their groups' next rows join: an episode's next turn),
+        complete groups are committed."""
+        gc = self.cfg.generate
+        todo: list[tuple[int, int, int]] = []
         active: list[Row] = []
-        groups: dict[tuple, list[Row]] = {}
-        prompts: dict[tuple, tuple] = {}
         refill = gc.streaming.refill_share
         while not self.stopping.is_set():
             newest = self._newest(cached=True)
@@ -243,12 +299,8 @@ class Stream:
                     if not todo or not self._admits(*todo[0][:2]):
                         break
                     it, j, row = todo.pop(0)
-                columns = ds[row]                 # (a datasets row access: once)
-                prompt = data.prompt_of(cfg, columns)
-                ids = encode_prompt(self.tokenizer, prompt, gc.max_prompt_length)
-                prompts[(it, j)] = (row, prompt, ids, columns)
-                groups[(it, j)] = [Row((it, j), ids) for _ in range(self.n)]
-                active += groups[(it, j)]
+                active += source.start((it, j), row, ds[row])      # (a datasets row access: once)
+            self._commit_complete(source)          # (a group of episodes whose every reset failed: at once)
             if not active:
                 if not todo and not pending and not self._awaiting():
                     return
@@ -267,14 +319,16 @@ class Stream:
 
             t0 = time.perf_counter()
             with RESIDENT.lock:        # (another session may have loaded its policy meanwhile: ours again)
-                model = RESIDENT.hold(cfg, self.path, self.identity)
+                model = RESIDENT.hold(self.cfg, self.path, self.identity)
                 if sampler.step_batch(model, active, self.version, stop):
                     self.counts["refills"] += 1
-            self.counts["busy"] += time.perf_counter() - t0
-            active = [r for r in active if not r.done]
-            for key in [k for k, rows in groups.items() if all(r.done for r in rows)]:
-                self._commit(key, prompts.pop(key), groups.pop(key))
-        self.counts["discarded_tokens"] += sum(len(r.tokens) for r in active)   # stopped with rows in flight
+            seconds = time.perf_counter() - t0
+            self.counts["busy"] += seconds
+            for r in active:
+                r.seconds += seconds
+            active = [r for r in active if not r.done] + source.advance([r for r in active if r.done])
+            self._commit_complete(source)
+        self.counts["discarded_tokens"] += source.in_flight(active)     # stopped with groups in flight
 
     def _groups(self, it: int, n_rows: int) -> list[tuple[int, int, int]]:
         """(iteration, group, dataset row) of iteration `it`'s groups still to sample, in its prompts' order (the
@@ -284,11 +338,10 @@ class Stream:
         pick is the stage mode's, whatever the timing."""
         if self.store.manifest(layout.rollouts(self.cfg.run.name, it)) is not None:
             return []
-        rows, said = curriculum.prompts(self.cfg, self.store, it, 0, n_rows)
-        extras = None
+        by_round, said = curriculum.rounds(self.cfg, self.store, it, self.ds.max_rounds if self.ds else 1, n_rows)
+        rows, extras = by_round[0], None
         if self.ds is not None:
-            extras = Extras([row for r in range(1, self.ds.max_rounds)
-                             for row in curriculum.prompts(self.cfg, self.store, it, r, n_rows)[0]])
+            extras = Extras([row for later in by_round[1:] for row in later])
             extras.started = {j for j in range(self.P, self.P + len(extras.rows)) if self._committed(it, j)}
         with self.changed:
             self.picked[it] = (rows, said)
@@ -375,15 +428,14 @@ class Stream:
             RESIDENT.hold(self.cfg, path, identity)
         self.version, self.path, self.identity = version, path, identity
 
-    def _commit(self, key: tuple, source: tuple, rows: list[Row]) -> None:
+    def _commit_complete(self, source) -> None:
+        for key in source.complete():
+            self._commit(key, *source.records(key))
+
+    def _commit(self, key: tuple, row: int, records: list[Rollout]) -> None:
         it, j = key
-        row, prompt, ids, columns = source
-        records = [Rollout(group=j, row=row, prompt=prompt, prompt_ids=ids,
-                           completion=self.tokenizer.decode(r.tokens, skip_special_tokens=True),
-                           completion_ids=r.tokens, logprobs=r.logprobs, truncated=r.truncated,
-                           columns={k: v for k, v in columns.items() if k != self.cfg.data.prompt_column},
-                           versions=r.versions) for r in rows]
-        self.counts["tokens"] += sum(len(r.tokens) for r in rows)     # (before the manifest: a collect may follow)
+        # (counted before the manifest: a collect may follow; an episode's model tokens only)
+        self.counts["tokens"] += sum(sum(r.mask) if r.mask else len(r.completion_ids) for r in records)
         with tempfile.TemporaryDirectory(prefix="rlflow-stream-") as tmp:
             rollout.write(records, Path(tmp))
             self.store.put_folder(layout.stream_group(self.cfg.run.name, it, j), Path(tmp),

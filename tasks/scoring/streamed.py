@@ -34,12 +34,6 @@ if TYPE_CHECKING:
     from tasks.core.config import Config
 
 
-def scores_as_they_complete(cfg: Config) -> bool:
-    """A streamed run whose groups the reward functions score as they complete (see above)."""
-    return (cfg.generate.streaming is not None and not cfg.reward.models
-            and placement_of(cfg).where("reward") == "inline")
-
-
 class GroupScorer:
     """One run's scorer: a thread that scores the groups submitted to it, in order, each into
     `<run>/iter-N/stream/scored-J` (manifest last), then tells `on_scored(iteration, group, records)` if set (the
@@ -122,7 +116,7 @@ def assembled(cfg: Config, store: Store, iteration: int,
     """Iteration `iteration`'s records as its groups were scored (in the rollouts' order), what the scoring
     said (Scored: scores, errors, NaN counts, metrics) and its seconds; None unless every group of it (its
     prompts', and generate.dynamic_sampling's extra ones) was scored as it completed, from these very rollouts."""
-    if not scores_as_they_complete(cfg):
+    if not placement_of(cfg).scores_as_groups_complete():
         return None
     if (scorer := GroupScorer.RUNNING.get(cfg.run.name)) is not None:
         scorer.wait(iteration)

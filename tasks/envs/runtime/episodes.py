@@ -56,11 +56,13 @@ class Episode:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)     # generate.streaming: per token of ids, the policy's
     turns: list[dict] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     timings: list[dict] = field(default_factory=list)     # per turn: {"model": s, "env": s}
     done: bool = False
     truncated: bool = False
+    model_turns: int = 0
     error: str | None = None
     budget: float = 0.0          # seconds its environment's calls may still take (env.timeout_seconds in all)
     state: dict | None = None
@@ -160,83 +162,111 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: 
     Sampled.metrics: the pool's (env/pool_*) where the environment server is a pool."""
     ec = cfg.env
     tokenizer = session.tokenizer
-    open_environment = environments(cfg, services)
     render = Renderer(tokenizer, cfg.generate.max_prompt_length)
     episodes = [Episode(group=g, row=r, data=dict(table[r]), budget=ec.timeout_seconds)
                 for g, r in enumerate(rows) for _ in range(params.n)]
     caller = Caller(ec.concurrency)
     load_seconds = sampling_seconds = 0.0
     try:
-        def begin(e: Episode) -> list[dict]:
-            e.env = open_environment(e.data)
-            e.schemas = e.env.tool_schemas
-            return e.env.reset(e.data)
-
-        for e, messages in zip(episodes, _each(caller, episodes, "reset", begin)):
-            if e.error is None:
-                try:
-                    e.prompt = as_messages(messages, "reset's messages")
-                    e.prompt_ids = render.prompt(e.prompt, e.schemas)
-                except (TypeError, ValueError) as ex:
-                    e.fail(f"reset: {ex}")
-            if not e.prompt_ids:           # (a failed reset: a one-token placeholder, no completion, no reward)
-                e.prompt_ids = [tokenizer.eos_token_id]
+        begin(caller, episodes, environments(cfg, services), render)
         for turn in range(ec.max_turns):
             active = [e for e in episodes if not e.done]
             if not active:
                 break
-            budgets = [min(params.max_new_tokens, ec.max_tokens - len(e.ids)) for e in active]
+            budgets = [turn_budget(cfg, e, params.max_new_tokens) for e in active]
             sampled = session.sample([e.prompt_ids + e.ids for e in active], SamplingParams(
                 n=1, max_new_tokens=max(budgets), temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k, seed=params.seed + turn * TURN_SEED),
                 keys=[f"{params.seed}/{id(e)}" for e in active])
             load_seconds += sampled.load_seconds
             sampling_seconds += sampled.sampling_seconds
-            messages = []
-            for e in active:
-                e.timings.append({"model": round(sampled.sampling_seconds, 6)})
-            for e, s, budget in zip(active, sampled.samples, budgets):
-                ids = s.completion_ids[:budget]
-                ended = not s.truncated and len(ids) == len(s.completion_ids)
-                e.ids += ids
-                e.mask += [1] * len(ids)
-                e.logprobs += s.logprobs[:budget]
-                text = tokenizer.decode(ids, skip_special_tokens=True)
-                content, calls = parse_tool_calls(text) if e.schemas else (text, [])
-                message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-                e.turns.append(message)
-                messages.append((message, ended))
-                if len(e.ids) >= ec.max_tokens:
-                    e.truncated = True
-            steps = _each(caller, active, "step", lambda e: _timed(e, e.env.step, e.turns[-1]))
-            for e, raw, (_, ended) in zip(active, steps, messages):
-                if e.error is not None:
-                    continue
-                try:
-                    st = as_step(raw)
-                except TypeError as ex:
-                    e.fail(f"step: {ex}")
-                    continue
-                e.rewards.append(st.reward)
-                e.turns += st.observation
-                if st.done or e.truncated or turn == ec.max_turns - 1 or not st.observation:
-                    e.done = True
-                    continue
-                try:
-                    obs = render.observation(st.observation, e.schemas, ended)
-                except (TypeError, ValueError) as ex:
-                    e.fail(f"step's observation: {ex}")
-                    continue
-                if len(e.ids) + len(obs) >= ec.max_tokens:      # no room left for another model turn
-                    e.truncated = e.done = True
-                    continue
-                e.ids += obs
-                e.mask += [0] * len(obs)
-                e.logprobs += [0.0] * len(obs)
+            ended = [model_turn(cfg, e, s.completion_ids[:budget], s.logprobs[:budget],
+                                not s.truncated and len(s.completion_ids) <= budget, tokenizer,
+                                sampled.sampling_seconds)
+                     for e, s, budget in zip(active, sampled.samples, budgets)]
+            step(cfg, caller, active, ended, render)
     finally:
-        _close(caller, episodes)
+        close(caller, episodes)
     pool = _pool_metrics(server_of(cfg, services), episodes) if placement_of(cfg).env_remote() else {}
-    return [_record(cfg, e, tokenizer) for e in episodes], Sampled([], load_seconds, sampling_seconds, pool)
+    return [record(cfg, e, tokenizer) for e in episodes], Sampled([], load_seconds, sampling_seconds, pool)
+
+
+# One episode's steps, shared by the stage's turns in lockstep (run_episodes) and the streaming sampler
+# (tasks/envs/runtime/streamed.py), which takes each episode's next turn as soon as its last one is stepped.
+
+def begin(caller: Caller, episodes: list[Episode], open_environment: Callable[[dict], EnvironmentHandle],
+          render: Renderer) -> None:
+    """Open each episode's environment and render its first prompt from reset's messages, all at once; a failed
+    reset leaves the episode failed with a one-token placeholder prompt (no completion, no reward)."""
+    def reset(e: Episode) -> list[dict]:
+        e.env = open_environment(e.data)
+        e.schemas = e.env.tool_schemas
+        return e.env.reset(e.data)
+
+    for e, messages in zip(episodes, _each(caller, episodes, "reset", reset)):
+        if e.error is None:
+            try:
+                e.prompt = as_messages(messages, "reset's messages")
+                e.prompt_ids = render.prompt(e.prompt, e.schemas)
+            except (TypeError, ValueError) as ex:
+                e.fail(f"reset: {ex}")
+        if not e.prompt_ids:
+            e.prompt_ids = [render.tok.eos_token_id]
+
+
+def turn_budget(cfg: Config, e: Episode, max_new_tokens: int) -> int:
+    """The tokens episode e's next model turn may take: generate.max_completion_length, within env.max_tokens."""
+    return min(max_new_tokens, cfg.env.max_tokens - len(e.ids))
+
+
+def model_turn(cfg: Config, e: Episode, ids: list[int], logprobs: list[float], ended: bool, tokenizer,
+               seconds: float, versions: list[int] | None = None) -> bool:
+    """Episode e's model turn (`ids` within its budget; `ended`: by EOS, not by the budget) appended, with its
+    assistant message (tool calls parsed where the environment declares tools); returns `ended`."""
+    e.ids += ids
+    e.mask += [1] * len(ids)
+    e.logprobs += logprobs
+    e.versions += versions or []
+    e.model_turns += 1
+    e.timings.append({"model": round(seconds, 6)})
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    content, calls = parse_tool_calls(text) if e.schemas else (text, [])
+    e.turns.append({"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})})
+    if len(e.ids) >= cfg.env.max_tokens:
+        e.truncated = True
+    return ended
+
+
+def step(cfg: Config, caller: Caller, active: list[Episode], ended: list[bool], render: Renderer) -> None:
+    """Each episode of `active`, its model turn just taken, steps its environment (all at once): its reward kept,
+    and its observation appended as the tokens the template renders (mask 0), or the episode is done (the
+    environment said so, no observation, env.max_turns or env.max_tokens reached) or failed."""
+    steps = _each(caller, active, "step", lambda e: _timed(e, e.env.step, e.turns[-1]))
+    for e, raw, end in zip(active, steps, ended):
+        if e.error is not None:
+            continue
+        try:
+            st = as_step(raw)
+        except TypeError as ex:
+            e.fail(f"step: {ex}")
+            continue
+        e.rewards.append(st.reward)
+        e.turns += st.observation
+        if st.done or e.truncated or e.model_turns >= cfg.env.max_turns or not st.observation:
+            e.done = True
+            continue
+        try:
+            obs = render.observation(st.observation, e.schemas, end)
+        except (TypeError, ValueError) as ex:
+            e.fail(f"step's observation: {ex}")
+            continue
+        if len(e.ids) + len(obs) >= cfg.env.max_tokens:      # no room left for another model turn
+            e.truncated = e.done = True
+            continue
+        e.ids += obs
+        e.mask += [0] * len(obs)
+        e.logprobs += [0.0] * len(obs)
+        e.versions += e.versions[-1:] * len(obs)              # (streamed: the observation's, its turn's version)
 
 
 def _pool_metrics(server: tuple[str, str], episodes: list[Episode]) -> dict[str, float]:
@@ -271,19 +301,20 @@ def _timed(e: Episode, call, *args):
         e.timings[-1]["env"] = round(time.perf_counter() - t0, 6)
 
 
-def _close(caller: Caller, episodes: list[Episode]) -> None:
+def close(caller: Caller, episodes: list[Episode], stop: bool = True) -> None:
     """Keep each environment's state (env_state), then close it (one whose episode failed is killed instead
-    where it can be: it may be hung or gone)."""
+    where it can be: it may be hung or gone); `stop`: the caller's threads too (its last use)."""
     opened = [e for e in episodes if e.env is not None]
     for e in opened:
         e.budget = max(e.budget, 0.0) + 5.0
     _each(caller, opened, "close", lambda e: e.env.close(failed=e.error is not None), fails=False)
     for e in opened:
         e.state = e.env.state
-    caller.stop()
+    if stop:
+        caller.stop()
 
 
-def _record(cfg: Config, e: Episode, tokenizer) -> Rollout:
+def record(cfg: Config, e: Episode, tokenizer) -> Rollout:
     ret = None
     if e.error is None and e.rewards:
         ret = sum(e.rewards) if cfg.env.returns == "sum" else e.rewards[-1]
@@ -294,7 +325,7 @@ def _record(cfg: Config, e: Episode, tokenizer) -> Rollout:
                    logprobs=e.logprobs, truncated=e.truncated,
                    columns={k: v for k, v in e.data.items() if k != cfg.data.prompt_column},
                    mask=e.mask, turns=e.turns, turn_rewards=e.rewards, env_return=ret, env_error=e.error,
-                   env_state=e.state, timings=e.timings)
+                   env_state=e.state, timings=e.timings, versions=e.versions or None)
 
 
 def episode_metrics(records: list[Rollout]) -> dict[str, float]:
