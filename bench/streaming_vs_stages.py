@@ -3,6 +3,7 @@ overlapped (S=1) and the streaming sampler (generate.streaming, S=1, both on_upd
 this machine, on a task whose completion lengths have a long tail.
 
     python bench/streaming_vs_stages.py [--iterations 8] [--modes s0 s1 interrupt finish] [-o key=value]...
+                                        [--config configs/letters.yaml --episodes]   (multi-turn episodes)
 
 The recipe is configs/smollm2-arith.yaml (SmolLM2-135M-Instruct, hf engine, every stage inline, the resident
 trainer) with completions of up to 96 tokens at temperature 1.0: most answers are a few tokens, some ramble to
@@ -13,7 +14,9 @@ on) of the base model and every --eval-every iterations. Printed per mode: the l
 iteration/seconds less the evaluations), useful tokens/s (completion tokens trained / that time) and its ratio
 to S=1, the sampler's and the trainer's busy shares of it, the streaming sampler's refills and interruptions,
 and held-out greedy accuracy at the loop time when each evaluated policy's iteration ended (the base model's
-once, in the first mode: the same seeded evaluation in every mode).
+once, in the first mode: the same seeded evaluation in every mode). `--episodes`: the config's rollouts are
+multi-turn episodes (SmolLM2 in configs/letters.yaml's game: EPISODES's settings); a useful token is a model
+token (mask 1), a length is an episode's model tokens.
 """
 
 from __future__ import annotations
@@ -35,13 +38,18 @@ CONFIG = ROOT / "configs" / "smollm2-arith.yaml"
 MODES = {"s0": ["run.max_staleness=0"], "s1": ["run.max_staleness=1"],
          "interrupt": ["run.max_staleness=1", "generate.streaming.on_update=interrupt"],
          "finish": ["run.max_staleness=1", "generate.streaming.on_update=finish"]}
+# --episodes: SmolLM2 plays the letters game (3 turns an episode, each turn up to --limit tokens at temperature 1.0),
+# the recipe's learning rate, room in the context for three long turns, a held-out set of the game's rows
+EPISODES = ["model.name_or_path=builtin:smollm2-135m", "train.lr=1e-5", "train.micro_batch_size=8",
+            "env.max_tokens=800", "generate.prompts_per_iteration=8", "generate.num_generations=8"]
 
 
 def overrides(args, work: Path, mode: str) -> list[str]:
     return [f"run.name=stream-{mode}", f"run.iterations={args.iterations}", f"store.uri={work}/store",
             f"tracking.uri=sqlite:///{work}/mlflow.db", f"eval.every={args.eval_every}",
-            "tracking.dashboard_every=0", "publish.register_model=false", "generate.max_completion_length=96",
-            "generate.temperature=1.0", *MODES[mode], *args.override]
+            "tracking.dashboard_every=0", "publish.register_model=false",
+            f"generate.max_completion_length={args.limit}", "generate.temperature=1.0",
+            *(EPISODES if args.episodes else []), *MODES[mode], *args.override]
 
 
 def one(args) -> None:
@@ -55,9 +63,9 @@ def one(args) -> None:
 
     work = Path(args.work)
     ov = overrides(args, work, args.one)
-    cfg = load_config(CONFIG, ov)
+    cfg = load_config(args.config, ov)
     t0 = time.time()
-    summary = train_flow(str(CONFIG), ov)
+    summary = train_flow(str(args.config), ov)
     wall = time.time() - t0
     client = MlflowClient(cfg.tracking.uri)
 
@@ -66,7 +74,7 @@ def one(args) -> None:
 
     evals = {m.step: m.value for m in series("time/evaluate_seconds")}
     store = open_store(cfg)
-    lengths = [len(r.completion_ids) for it in range(1, args.iterations + 1)
+    lengths = [sum(r.mask) if r.mask else len(r.completion_ids) for it in range(1, args.iterations + 1)
                for r in rollout.load(store, layout.rollouts(cfg.run.name, it))]
     # the loop's time: iteration after iteration (iteration/seconds: between two iterations' ends), evaluations
     # left out; vN's accuracy is plotted at the loop time when iteration N ended
@@ -88,6 +96,9 @@ def one(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--config", type=Path, default=CONFIG)
+    ap.add_argument("--episodes", action="store_true", help="the config's rollouts are episodes (EPISODES)")
+    ap.add_argument("--limit", type=int, default=96, help="generate.max_completion_length (an episode's: a turn's)")
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
@@ -97,13 +108,15 @@ def main() -> None:
     if args.one:
         return one(args)
     print(f"machine: {platform.node()} ({platform.machine()}), {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}; {args.iterations} iterations; overrides {args.override}", flush=True)
+          f"{platform.python_version()}; {args.config.name}; {args.iterations} iterations; overrides "
+          f"{args.override}", flush=True)
     rows = {}
     for mode in args.modes:
         with tempfile.TemporaryDirectory(prefix="rlflow-stream-bench-") as work:
             baseline = [] if mode == args.modes[0] else ["eval.baseline=false"]    # (the same v0 in each mode)
             cmd = [sys.executable, __file__, "--one", mode, "--work", work, "--iterations", str(args.iterations),
-                   "--eval-every", str(args.eval_every),
+                   "--eval-every", str(args.eval_every), "--config", str(args.config), "--limit", str(args.limit),
+                   *(["--episodes"] if args.episodes else []),
                    *[a for o in [*baseline, *args.override] for a in ("-o", o)]]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if out.returncode != 0:
@@ -111,7 +124,7 @@ def main() -> None:
             rows[mode] = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"{mode}: {json.dumps({k: v for k, v in rows[mode].items() if k != 'lengths'})}", flush=True)
     lengths = sorted(v for r in rows.values() for v in r["lengths"])
-    limit = 96
+    limit = args.limit * (3 if args.episodes else 1)      # (the letters game: 3 turns)
     print(f"\ncompletion lengths (all modes, {len(lengths)} completions): median {statistics.median(lengths):.0f}, "
           f"90th percentile {lengths[int(0.9 * (len(lengths) - 1))]}, at the limit ({limit}) "
           f"{sum(v >= limit for v in lengths) / len(lengths):.1%}")
