@@ -20,7 +20,7 @@ from tasks.core.config import load_config
 from tasks.engines.replicas import LAUNCH_VAR, ensure_router, policy_digest
 from tasks.engines.sampling import sampling_engine
 from tasks.generate import generate
-from tests.conftest import ROOT, TINY
+from tests.conftest import AT_LENGTH, ROOT, TINY
 from tests.test_envs import LETTERS
 
 pytestmark = pytest.mark.slow
@@ -126,6 +126,8 @@ def test_a_replica_killed_mid_stage_is_replaced_and_the_rollouts_are_unchanged(t
         sampling_engine(cfg).stop(lambda _line: None)
 
 
+@AT_LENGTH               # (~45 s; a replica killed mid-stage, above, is CI's smoke of replacement)
+@pytest.mark.drill
 def test_a_preempted_replica_cluster_is_launched_again_and_the_flow_is_unchanged(tmp_path, prefect_api, monkeypatch,
                                                                                  fake_cloud, s3_endpoint, bucket):
     """generate on sky with three replicas, each its own cluster: the cloud takes one back while iteration 1

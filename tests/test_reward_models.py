@@ -20,7 +20,7 @@ from tasks.core.config import load_config
 from tasks.core.contracts import Rollout
 from tasks.core.models import pin_of
 from tasks.scoring.functions import RewardFunctionError, load_functions, score_records
-from tests.conftest import ROOT, TINY, run_cli, user_module
+from tests.conftest import AT_LENGTH, ROOT, TINY, run_cli, user_module
 
 TINY_LM = builtin_models.resolve("builtin:tiny-lm")
 PIN = pin_of(TINY_LM)
@@ -251,7 +251,9 @@ def _real_judge_config(tmp_path: Path, where: str) -> Path:
     return path
 
 
+@AT_LENGTH               # (~50 s; the judges' kinds, server and url tests above are CI's)
 @pytest.mark.slow
+@pytest.mark.drill
 def test_a_real_model_judges_a_run_and_a_killed_stage_asks_only_the_rest(prefect_api, tmp_path):
     """SmolLM2-135M-Instruct (a real pretrained model, CPU) judges a GRPO run through the flow, served by a judge
     server the flow starts (and a verdict read in the stage). Then that run's iteration-2 reward stage, killed
@@ -312,7 +314,9 @@ def test_a_real_model_judges_a_run_and_a_killed_stage_asks_only_the_rest(prefect
     assert [r["reward"] for r in resumed] == [r["reward"] for r in clean]
 
 
+@AT_LENGTH
 @pytest.mark.slow
+@pytest.mark.drill
 def test_a_judge_on_its_own_cluster_is_launched_again_after_a_preemption(tmp_path, prefect_api, monkeypatch,
                                                                          fake_cloud):
     """where: sky: the flow launches sky/judge.yaml's cluster for the judge, hands its URL and token to the reward

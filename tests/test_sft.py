@@ -24,7 +24,7 @@ from tasks.core.models import base_path, load_tokenizer
 from tasks.core.store import Store
 from tasks.envs.runtime.demonstrations import as_row, record
 from tasks.sft import batch, demonstrations, sft, token_loss
-from tests.conftest import CHATML, TINY, run_cli, run_cli_many
+from tests.conftest import AT_LENGTH, CHATML, TINY, run_cli, run_cli_many
 
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = ROOT / "configs" / "letters.yaml"
@@ -246,7 +246,9 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
 
 # ------------------------------------------------------------------------------------------ the flow
 
+@AT_LENGTH               # (~60 s; tests/test_browser.py's small shop run is CI's record -> SFT -> RL)
 @pytest.mark.slow
+@pytest.mark.drill
 def test_the_letters_game_recorded_warm_started_then_rl_from_v0_through_the_flow(tmp_path, prefect_api):
     """`rlflow record` writes the reference policy's episodes; `rlflow run` with warmup: trains v0 on them first
     (sft metrics in MLflow at their steps), then every iteration starts from it; a second run reuses v0 and its

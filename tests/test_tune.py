@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tasks.core.config import load_config
-from tests.conftest import TINY
+from tests.conftest import AT_LENGTH, TINY
 
 pytestmark = pytest.mark.slow
 TRIALS = 3
@@ -53,6 +53,9 @@ def _children(client, experiment: str):
     return parent, client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
 
 
+@AT_LENGTH               # (~60 s; the trial bookkeeping test below is CI's smoke of rlflow tune)
+@pytest.mark.slow
+@pytest.mark.drill
 def test_a_tune_finds_a_better_learning_rate_and_resumes_after_a_kill(tmp_path, prefect_api):
     from mlflow import MlflowClient
     from optuna.trial import TrialState
