@@ -180,10 +180,10 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: 
                 keys=[f"{params.seed}/{id(e)}" for e in active])
             load_seconds += sampled.load_seconds
             sampling_seconds += sampled.sampling_seconds
-            ended = [model_turn(cfg, e, s.completion_ids[:budget], s.logprobs[:budget],
-                                not s.truncated and len(s.completion_ids) <= budget, tokenizer,
-                                sampled.sampling_seconds)
-                     for e, s, budget in zip(active, sampled.samples, budgets)]
+            for e, s, budget in zip(active, sampled.samples, budgets):
+                model_turn(cfg, e, s.completion_ids[:budget], s.logprobs[:budget], tokenizer, sampled.sampling_seconds)
+            ended = [not s.truncated and len(s.completion_ids) <= budget          # by EOS, not by the budget
+                     for s, budget in zip(sampled.samples, budgets)]
             step(cfg, caller, active, ended, render)
     finally:
         close(caller, episodes)
@@ -219,10 +219,10 @@ def turn_budget(cfg: Config, e: Episode, max_new_tokens: int) -> int:
     return min(max_new_tokens, cfg.env.max_tokens - len(e.ids))
 
 
-def model_turn(cfg: Config, e: Episode, ids: list[int], logprobs: list[float], ended: bool, tokenizer,
-               seconds: float, versions: list[int] | None = None) -> bool:
-    """Episode e's model turn (`ids` within its budget; `ended`: by EOS, not by the budget) appended, with its
-    assistant message (tool calls parsed where the environment declares tools); returns `ended`."""
+def model_turn(cfg: Config, e: Episode, ids: list[int], logprobs: list[float], tokenizer, seconds: float,
+               versions: list[int] | None = None) -> None:
+    """Episode e's model turn (`ids` within its budget) appended, with its assistant message (tool calls parsed
+    where the environment declares tools)."""
     e.ids += ids
     e.mask += [1] * len(ids)
     e.logprobs += logprobs
@@ -234,7 +234,6 @@ def model_turn(cfg: Config, e: Episode, ids: list[int], logprobs: list[float], e
     e.turns.append({"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})})
     if len(e.ids) >= cfg.env.max_tokens:
         e.truncated = True
-    return ended
 
 
 def step(cfg: Config, caller: Caller, active: list[Episode], ended: list[bool], render: Renderer) -> None:

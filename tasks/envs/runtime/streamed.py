@@ -56,9 +56,9 @@ class StreamedEpisodes:
         if not finished:
             return []
         episodes = [r.owner for r in finished]
-        ended = [model_turn(self.cfg, r.owner, r.tokens, r.logprobs, not r.truncated, self.tokenizer, r.seconds,
-                            r.versions) for r in finished]
-        step(self.cfg, self.caller, episodes, ended, self.render)
+        for r in finished:
+            model_turn(self.cfg, r.owner, r.tokens, r.logprobs, self.tokenizer, r.seconds, r.versions)
+        step(self.cfg, self.caller, episodes, [not r.truncated for r in finished], self.render)   # (ended by EOS)
         return [t for r, e in zip(finished, episodes) if not e.done and (t := self._turn(r.group, e)) is not None]
 
     def _turn(self, key: tuple, e: Episode) -> Row | None:
