@@ -85,8 +85,10 @@ demo: $(VENV)/.ready     ## tiny model, CPU, local store, sqlite MLflow, a tempo
 lint: $(VENV)/.ready      ## ruff (config in pyproject.toml)
 	$(BIN)/ruff check .
 
+# Two workers, each taking a whole test file at a time (module fixtures once; a file's tests in order): on 2 cores
+# 1363 s against 2045 s in one process (2026-12-01), most tests waiting on servers and child processes.
 test: setup lint         ## lint, then every test, the slow end-to-end ones included (what CI runs)
-	$(BIN)/python -m pytest -q tests --durations=40
+	$(BIN)/python -m pytest -q tests -n 2 --dist loadfile --durations=40
 
 test-fast: $(VENV)/.ready lint   ## lint, then the tests that need no server and no engine
 	$(BIN)/python -m pytest -q tests -m "$(FAST)"
