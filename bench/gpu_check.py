@@ -1,7 +1,7 @@
 """GPU check: the SmolLM2 arithmetic recipe's stages on one CUDA GPU, one row each, printed as one markdown table
 ready to paste into docs/benchmarks.md (the GPU's name, the date, the torch / transformers / deepspeed versions).
 
-    make gpu-check                      # = python bench/gpu_check.py: CUDA, rows 1-8 (meant for < 10 min on an H100)
+    make gpu-check                      # = python bench/gpu_check.py: CUDA, rows 1-9 (meant for < 10 min on an H100)
     python bench/gpu_check.py --rows 1,3 --out /tmp/gpu-check.md
     python bench/gpu_check.py --device cpu --quick --model builtin:tiny-lm     # the plumbing, on a CPU (~1 min)
 
@@ -28,7 +28,8 @@ there too: tasks/core/models.py, device_for):
     bit-reproducible, closer than RESUME_TOLERANCE of the last update
   7 generate.streaming (issue 42), hf engine, bfloat16: two iterations' groups from the run's streaming
     sampler (continuous batching; S = 1, both from the base model): its tokens/s, every token tagged with its
-    version, none discarded (the vLLM twin is not built: vLLM refuses generate.streaming)
+    version, none discarded (row 9: the same on the vLLM engine, tasks/engines/vllm_stream.py; it needs a CUDA
+    vllm in .venv-vllm or generate.vllm_python, and says so in its row when there is none)
   8 configs/browser.yaml's warm start (issue 43): the shop served on 127.0.0.1, the reference policy's episodes of
     16 training tasks recorded, SFT on them (bf16; v0 published), then one RL iteration of the model in headless
     Chromium from v0: the recipe's sizes with --model in place of its Qwen2.5-1.5B (no hub on the device)
@@ -413,13 +414,14 @@ def row_resume(args, work: Path) -> str:
     return f"{timing}; {said} (< {RESUME_TOLERANCE})"
 
 
-def row_streaming(args, work: Path) -> str:
+def row_streaming(args, work: Path, engine: str = "hf") -> str:
     """generate.streaming on the device: two iterations' groups (S = 1: both from the base model) from the run's
-    streaming sampler, its tokens/s since it started, each token tagged with its version, none discarded."""
+    streaming sampler (`engine`'s decoder), its tokens/s since it started, each token tagged with its version,
+    none discarded."""
     from tasks.engines.streaming import Stream
 
-    cfg = config(args, work, "streaming", [*BF16, "generate.engine=hf", "run.max_staleness=1", "run.iterations=2",
-                                           "generate.streaming.on_update=interrupt"])
+    cfg = config(args, work, f"streaming-{engine}", [*BF16, f"generate.engine={engine}", "run.max_staleness=1",
+                                                     "run.iterations=2", "generate.streaming.on_update=interrupt"])
     try:
         metrics = [generate(cfg, it)["metrics"] for it in (1, 2)]
     finally:
@@ -485,6 +487,8 @@ ROWS = {
     6: (f"resume: resident trainer SIGKILLed after iteration {KILL_AFTER}", row_resume),
     7: ("generate.streaming: hf engine, bf16, continuous batching", row_streaming),
     8: ("browser.yaml: warm start (SFT) then RL in Chromium, bf16", row_browser),
+    9: ("generate.streaming: vLLM engine, bf16, the batch's rows as running requests",
+        lambda args, work: row_streaming(args, work, "vllm")),
 }
 
 
@@ -571,7 +575,7 @@ def table(args, cfg, rows: list[dict], model_line: str, command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="which rows, e.g. 1,3 (default: all eight)")
+    ap.add_argument("--rows", default="1,2,3,4,5,6,7,8,9", help="which rows, e.g. 1,3 (default: all nine)")
     ap.add_argument("--model", default="builtin:smollm2-135m", help="model.name_or_path for every row")
     ap.add_argument("--config", default=str(RECIPE), help="the recipe (default: configs/smollm2-arith.yaml)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

@@ -4,6 +4,7 @@ this machine, on a task whose completion lengths have a long tail.
 
     python bench/streaming_vs_stages.py [--iterations 8] [--modes s0 s1 interrupt finish] [-o key=value]...
                                         [--config configs/letters.yaml --episodes]   (multi-turn episodes)
+                                        [--config configs/letters.yaml --step-seconds 0.05]  (a slow environment)
 
 The recipe is configs/smollm2-arith.yaml (SmolLM2-135M-Instruct, hf engine, every stage inline, the resident
 trainer) with completions of up to 96 tokens at temperature 1.0: most answers are a few tokens, some ramble to
@@ -44,12 +45,33 @@ EPISODES = ["model.name_or_path=builtin:smollm2-135m", "train.lr=1e-5", "train.m
             "env.max_tokens=800", "generate.prompts_per_iteration=8", "generate.num_generations=8"]
 
 
+class SlowLetters:
+    """configs/letters.yaml's game whose every step takes `seconds` (an environment that does real work: a browser
+    page, a tool's call), for --step-seconds."""
+
+    tools: list = []
+
+    def __init__(self, seconds: float = 0.0):
+        from tasks.envs.builtin.games import SayTheLetters
+
+        self.game, self.seconds = SayTheLetters(), seconds
+
+    def reset(self, row: dict) -> list[dict]:
+        return self.game.reset(row)
+
+    def step(self, message: dict):
+        time.sleep(self.seconds)
+        return self.game.step(message)
+
+
 def overrides(args, work: Path, mode: str) -> list[str]:
+    slow = [] if args.step_seconds is None else ["env.factory=bench.streaming_vs_stages:SlowLetters",
+                                                 f"env.kwargs={{seconds: {args.step_seconds}}}"]
     return [f"run.name=stream-{mode}", f"run.iterations={args.iterations}", f"store.uri={work}/store",
             f"tracking.uri=sqlite:///{work}/mlflow.db", f"eval.every={args.eval_every}",
             "tracking.dashboard_every=0", "publish.register_model=false",
             f"generate.max_completion_length={args.limit}", "generate.temperature=1.0",
-            *(EPISODES if args.episodes else []), *MODES[mode], *args.override]
+            *(EPISODES if args.episodes else []), *slow, *MODES[mode], *args.override]
 
 
 def one(args) -> None:
@@ -100,6 +122,8 @@ def main() -> None:
     ap.add_argument("--episodes", action="store_true", help="the config's rollouts are episodes (EPISODES)")
     ap.add_argument("--limit", type=int, default=96, help="generate.max_completion_length (an episode's: a turn's)")
     ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--step-seconds", type=float, help="the letters game with every step taking this long "
+                    "(SlowLetters; with --config configs/letters.yaml)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--one", choices=list(MODES), help=argparse.SUPPRESS)
@@ -117,6 +141,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--one", mode, "--work", work, "--iterations", str(args.iterations),
                    "--eval-every", str(args.eval_every), "--config", str(args.config), "--limit", str(args.limit),
                    *(["--episodes"] if args.episodes else []),
+                   *(["--step-seconds", str(args.step_seconds)] if args.step_seconds is not None else []),
                    *[a for o in [*baseline, *args.override] for a in ("-o", o)]]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if out.returncode != 0:

@@ -108,21 +108,20 @@ def _streamed(cfg: Config, iteration: int, services: Services | None) -> tuple[l
     """generate.streaming: iteration N's groups from the run's streaming sampler (tasks/engines/streaming.py),
     each token tagged with the policy version that drew it, and their metrics (the staleness of the oldest
     token, the versions' spread, what the sampler did since the last stage); the prompts' rows and what the
-    curriculum said of them (the sampler picked them: one picker of the curriculum's state at a time). With
-    env.factory its groups are episodes (tasks/envs/runtime/streamed.py), against the environments `services`
+    curriculum said of them (the sampler picked them: one picker of the curriculum's state at a time). Its groups
+    are the source's (prompts, environments' or agents' episodes: `streamed`), against the services `services`
     names when the sampler starts."""
     from tasks.core.placement import placement_of
     from tasks.engines.streaming import Stream
-    from tasks.envs.runtime.streamed import StreamedEpisodes
     from tasks.scoring.streamed import GroupScorer
 
     listener = (lambda: GroupScorer.start(cfg)) if placement_of(cfg).scores_as_groups_complete() else None
-    groups = StreamedEpisodes.given(Services.given(services)) if cfg.env.factory else None
-    records, metrics, rows, picked = Stream.of(cfg, iteration, listener, groups).collect(iteration)
     source = source_of(cfg)
+    groups = source.streamed(Services.given(services))
+    records, metrics, rows, picked = Stream.of(cfg, iteration, listener, groups, services).collect(iteration)
     source.require_some(cfg, records, f"iteration {iteration}")
     metrics.update(source.metrics(records))
-    versions = [v for r in records for v in r.versions]
+    versions = [v for r in records for v in r.versions or ()]     # (None: an episode that sampled nothing)
     oldest = min(versions, default=iteration - 1)
     metrics.update({
         "generate/staleness": iteration - 1 - oldest,   # its oldest token's

@@ -187,6 +187,33 @@ def test_the_same_stage_samples_the_same_rollouts_whatever_the_timing(tmp_path):
            [(r.completion_ids, r.logprobs, r.env_return) for r in runs[1]]
 
 
+def test_a_stopped_runner_lets_its_agents_unwind_before_its_loop_stops():
+    """An async agent still at work when its stage ends is killed and unwinds (its `finally` runs, with an await
+    in it, as a client closing its connection has) before the loop stops; the loop's thread ends. Stopped at once
+    instead, a client was left mid-request and the endpoint's server waited on it for good."""
+    import asyncio
+    import threading
+
+    from tasks.envs.runtime.agents import Running, Threads
+
+    started, unwound = threading.Event(), threading.Event()
+
+    async def agent(row, base_url, key):
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0)
+            unwound.set()
+    runner = Threads(agent, {})
+    run = Running(0, "rl-key", time.monotonic())
+    runner.start(run, {}, "http://127.0.0.1:9/v1")
+    assert started.wait(60)
+    run.kill()
+    runner.stop()
+    assert unwound.is_set() and not runner.thread.is_alive()
+
+
 def test_a_bad_agent_spec_is_one_line_before_any_episode():
     for spec, expected in (("tests.no_such_module:run", "env.agent: cannot import module 'tests.no_such_module'"),
                            ("tests.agent_examples:nothing", "has no callable 'nothing'"),

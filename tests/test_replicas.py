@@ -201,3 +201,55 @@ def test_replicas_that_cannot_start_are_said_at_once_not_after_the_start_timeout
         router.stop_members()
     watcher.join(60)
     assert not watcher.is_alive()           # the watch ends with the stop: no replica is started again after it
+
+
+def test_streaming_on_replicas_loads_each_policy_in_place_and_a_lost_ones_rows_continue_elsewhere(tmp_path,
+                                                                                                   monkeypatch):
+    """generate.streaming on two replicas (tasks/engines/replica_stream.py): a policy published while rows are in
+    flight is loaded by each replica in place (its request interrupted, its rows going on under it), and a replica
+    killed while it holds rows has them continued on the other from their tokens so far: every token's behaviour
+    logprob is its recorded version's on its whole prefix, some rows hold both versions, each iteration's groups
+    come once in order, nothing decoded is discarded."""
+    from tasks.core.models import base_path, load_model
+    from tasks.engines.replica_stream import ReplicasDecoder
+    from tasks.engines.streaming import Stream
+    from tests.test_interruption import _teacher_forced
+    from tests.test_vllm import _publish_full
+
+    cfg = _cfg(tmp_path, 2, "run.name=rstream", "generate.top_p=1.0", "generate.max_completion_length=12",
+               "run.iterations=3", "run.max_staleness=1", "generate.streaming.on_update=interrupt",
+               "generate.prompts_per_iteration=4", "generate.num_generations=4")
+    models, killed = {0: load_model(base_path(cfg)).eval()}, []
+    real_step, real_send = ReplicasDecoder.step_batch, ReplicasDecoder._send
+
+    def step_batch(self, rows, version, stop):
+        if 1 not in models:                     # (published before the first request: the replicas are
+            models[1] = _publish_full(cfg, 1, tmp_path)     # interrupted while their rows are part-way)
+        return real_step(self, rows, version, stop)
+
+    def send(self, i, version):
+        if version == 1 and not killed and any(m == i for m, _ in self.placed.values()):
+            url = self.http.get("/stats").json()["members"][str(i)]["url"]     # (killed just before a request
+            os.kill(httpx.get(f"{url}/health", timeout=5).json()["pid"], signal.SIGKILL)   # with rows: lost)
+            killed.append(i)
+        return real_send(self, i, version)
+    monkeypatch.setattr(ReplicasDecoder, "step_batch", step_batch)
+    monkeypatch.setattr(ReplicasDecoder, "_send", send)
+    monkeypatch.setattr("tasks.engines.streaming.WAIT_SECONDS", 0.0)       # (the pointer read at every step)
+    stream = Stream.of(cfg, 1)
+    try:
+        records = {it: stream.collect(it)[0] for it in (1, 2, 3)}
+    finally:
+        discarded = Stream.stop_run("rstream")
+        sampling_engine(cfg).stop(lambda _line: None)
+    assert discarded == 0 and killed and stream.decoder.moved > 0
+    mixed = 0
+    for group in records.values():
+        assert [r.group for r in group] == [j for j in range(4) for _ in range(4)]
+        for r in group:
+            assert len(r.versions) == len(r.completion_ids) == len(r.logprobs) and r.versions == sorted(r.versions)
+            mixed += set(r.versions) == {0, 1}
+            for v in set(r.versions):
+                want = _teacher_forced(models[v], r.prompt_ids, r.completion_ids, cfg.generate.temperature)
+                assert max(abs(a - b) for a, b, w in zip(want, r.logprobs, r.versions) if w == v) < 1e-4
+    assert mixed > 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -25,8 +26,10 @@ from tasks.engines.streaming import ContinuousSampler, Row, Stream
 from tasks.scoring.functions import load_functions, score_records
 from tasks.scoring.streamed import GroupScorer
 from tasks.scoring.worker import RewardState
-from tests.conftest import AT_LENGTH, ROOT, TINY, read_summary, run_cli
+from tests.conftest import AT_LENGTH, ROOT, TINY, VLLM_PYTHON, read_summary, run_cli
 from tests.test_interruption import _teacher_forced
+
+AGENT = ROOT / "configs" / "agent.yaml"
 
 
 def _overrides(tmp_path, name: str, *extra: str, iterations: int = 4) -> list[str]:
@@ -90,15 +93,23 @@ def test_rows_join_leave_and_change_policy_between_steps_and_each_token_is_its_v
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("on_update", ["interrupt", "finish"])
+@pytest.mark.parametrize(("on_update", "engine"), [
+    ("interrupt", []), ("finish", []),
+    pytest.param("interrupt", ["generate.replicas=2", "generate.replica_threads=1"], id="interrupt-replicas",
+                 marks=AT_LENGTH),     # (CI's smoke of streaming on replicas: tests/test_replicas.py, ~25 s)
+    pytest.param("interrupt", ["generate.engine=vllm", f"generate.vllm_python={VLLM_PYTHON}"], id="interrupt-vllm",
+                 marks=pytest.mark.vllm)])
 def test_a_streamed_run_trains_the_stage_modes_prompts_within_the_staleness(prefect_api, tmp_path, monkeypatch,
-                                                                            on_update):
+                                                                            on_update, engine):
+    """The flow with generate.streaming (the hf engine's decoder, or one vLLM engine's: tasks/engines/
+    vllm_stream.py): each iteration trains on the stage mode's prompts in order, every token within
+    run.max_staleness, scored as each group completed; nothing discarded; the sampler stops with the flow."""
     from mlflow.tracking import MlflowClient
 
     from flows.training import train_flow
 
     monkeypatch.chdir(tmp_path)
-    overrides = _overrides(tmp_path, "stream", f"generate.streaming.on_update={on_update}")
+    overrides = _overrides(tmp_path, "stream", f"generate.streaming.on_update={on_update}", *engine)
     summary = train_flow(str(TINY), overrides)
     cfg = load_config(TINY, overrides)
     store = open_store(cfg)
@@ -208,7 +219,6 @@ def test_episodes_stream_turn_by_turn_and_each_token_is_its_versions(tmp_path, m
                                           "generate.temperature=0.8", "generate.top_p=1.0",
                                           "generate.streaming.on_update=interrupt", "generate.streaming.max_rows=8",
                                           iterations=2))
-    store = open_store(cfg)
     models = {0: load_model(base_path(cfg)).eval()}
     steps = []
     real_step = streamed.step
@@ -219,34 +229,50 @@ def test_episodes_stream_turn_by_turn_and_each_token_is_its_versions(tmp_path, m
         if len(steps) == 1:                     # (in the sampler's thread, between two decode steps)
             models[1] = _publish_adapter(cfg, 1, tmp_path)
     monkeypatch.setattr(streamed, "step", step_and_publish_once)
-    monkeypatch.setattr("tasks.engines.streaming.WAIT_SECONDS", 0.0)     # (the pointer read at every step)
-    stream = Stream.of(cfg, 1, groups=streamed.StreamedEpisodes.given(None))
+    records = _two_iterations_streamed(cfg, streamed.StreamedEpisodes, monkeypatch)
+    assert len(steps) > 1
+    for r in _episodes_each_token_its_versions(cfg, records, models):
+        game = SayTheLetters()
+        game.reset(r.columns | {"prompt": ""})
+        replies = [m for m in r.turns if m["role"] == "assistant"]
+        assert [game.step(m).reward for m in replies] == r.turn_rewards
+
+
+def _two_iterations_streamed(cfg, source, monkeypatch) -> dict:
+    """Iterations 1 and 2 collected from cfg's run streamed from `source` (StreamedEpisodes, StreamedAgents),
+    the policy pointer read at every step; the sampler stopped after, nothing in flight discarded."""
+    monkeypatch.setattr("tasks.engines.streaming.WAIT_SECONDS", 0.0)
+    stream = Stream.of(cfg, 1, groups=source.given(None))
     try:
         records = {it: stream.collect(it) for it in (1, 2)}
     finally:
-        discarded = Stream.stop_run("eps")
-    assert discarded == 0 and len(steps) > 1
-    n_rows = len(data.load_prompts(cfg))
-    mixed = 0
-    for it, (group, metrics, rows, _) in records.items():
+        discarded = Stream.stop_run(cfg.run.name)
+    assert discarded == 0
+    return records
+
+
+def _episodes_each_token_its_versions(cfg, collected: dict, models: dict) -> list:
+    """Streamed episodes' checks (StreamedEpisodes, StreamedAgents): each iteration's prompts are the stage
+    mode's, each group once, nothing discarded; every model token's behaviour logprob is its recorded version's
+    on the episode's whole context (turns, and tokens between them with mask 0); the versions differ within
+    some episodes (later turns under the newer policy). The records, for the source's own checks."""
+    store, n_rows, mixed, out = open_store(cfg), len(data.load_prompts(cfg)), 0, []
+    for it, (group, metrics, rows, _) in collected.items():
         assert rows == curriculum.prompts(cfg, store, it, 0, n_rows)[0] == [r.row for r in group[::4]]
         assert [r.group for r in group] == [j for j in range(4) for _ in range(4)]
         assert metrics["generate/discarded_tokens"] == 0.0
         for r in group:
             assert r.env_error is None and len(r.versions) == len(r.completion_ids) == len(r.logprobs) == len(r.mask)
             model_tokens = [t for t, m in enumerate(r.mask) if m]
-            assert len(model_tokens) >= 2 and sum(1 - m for m in r.mask) > 0    # turns, and observations between
-            versions = {r.versions[t] for t in model_tokens}
-            mixed += versions == {0, 1}
+            assert len(model_tokens) >= 2 and sum(1 - m for m in r.mask) > 0
+            mixed += {r.versions[t] for t in model_tokens} == {0, 1}
             for t in model_tokens:
                 want = _teacher_forced(models[r.versions[t]], r.prompt_ids + r.completion_ids[:t],
                                        [r.completion_ids[t]], 0.8)[0]
                 assert abs(want - r.logprobs[t]) < 1e-4, (it, r.group, t)
-            game = SayTheLetters()
-            game.reset(r.columns | {"prompt": ""})
-            replies = [m for m in r.turns if m["role"] == "assistant"]
-            assert [game.step(m).reward for m in replies] == r.turn_rewards
-    assert mixed > 0                                                  # later turns under the newer policy
+            out.append(r)
+    assert mixed > 0
+    return out
 
 
 def test_a_stopped_sampler_closes_the_episodes_in_flight_and_a_new_one_completes_their_groups(tmp_path,
@@ -258,7 +284,6 @@ def test_a_stopped_sampler_closes_the_episodes_in_flight_and_a_new_one_completes
 
     letters = ROOT / "configs" / "letters.yaml"
     cfg = load_config(letters, _overrides(tmp_path, "epsagain", "generate.streaming.max_rows=8", iterations=2))
-    store = open_store(cfg)
     opened, closed = [], []
     real_begin, real_close = streamed.begin, streamed.close
 
@@ -271,35 +296,164 @@ def test_a_stopped_sampler_closes_the_episodes_in_flight_and_a_new_one_completes
         real_close(caller, episodes, stop)
     monkeypatch.setattr(streamed, "begin", begin)
     monkeypatch.setattr(streamed, "close", close)
-    first = Stream.of(cfg, 1, groups=streamed.StreamedEpisodes.given(None))
-    first.collect(1)
-    Stream.stop_run("epsagain")
-    assert sorted(opened) == sorted(closed) and len(opened) >= 16
+    records = _stopped_then_resumed(cfg, "epsagain", streamed.StreamedEpisodes,
+                                    lambda: sorted(opened) == sorted(closed) and len(opened) >= 16)
+    assert all(r.env_return is not None for it in (1, 2) for r in records[it])
+
+
+def _stopped_then_resumed(cfg, run: str, source, after_stop) -> dict:
+    """Iteration 1 collected, the run's sampler stopped (`after_stop()` must then hold), a new sampler collecting
+    iterations 1 and 2: every group once, in order; what the first committed never committed again."""
+    store = open_store(cfg)
+    Stream.of(cfg, 1, groups=source.given(None)).collect(1)
+    Stream.stop_run(run)
+    assert after_stop()
     kept = {(it, j): m for it in (1, 2) for j in range(4)
-            if (m := store.manifest(layout.stream_group("epsagain", it, j))) is not None}
-    second = Stream(cfg, 1, None, streamed.StreamedEpisodes.given(None))
+            if (m := store.manifest(layout.stream_group(run, it, j))) is not None}
+    second = Stream(cfg, 1, None, source.given(None))
     records = {it: second.collect(it)[0] for it in (1, 2)}      # (no policy is published here: v0's iterations)
     second.stop()
     for it in (1, 2):
         assert [r.group for r in records[it]] == [j for j in range(4) for _ in range(4)]
-        assert all(r.env_return is not None for r in records[it])
     for (it, j), manifest in kept.items():                          # committed once, never again
-        assert store.manifest(layout.stream_group("epsagain", it, j)) == manifest
+        assert store.manifest(layout.stream_group(run, it, j)) == manifest
+    return records
+
+
+def test_agents_calls_stream_one_row_each_and_each_token_is_its_versions(tmp_path, monkeypatch):
+    """env.agent with streaming (tasks/envs/runtime/streamed.py: StreamedAgents): each call an agent makes to its
+    endpoint joins the continuous batch as it comes and is answered when its row finishes, the agents at work
+    meanwhile. A policy published after the first calls are answered is loaded before the next decode step, so
+    later calls of the episodes then in flight are the newer policy's: every model token's behaviour logprob is
+    its recorded version's on the episode's context, the versions differ within some episodes, each return is
+    the letters its replies got right, the iterations' prompts are the stage mode's, nothing discarded."""
+    from tasks.envs.runtime import streamed
+
+    cfg = load_config(AGENT, _overrides(tmp_path, "agents", "train.lora_r=4", "generate.max_completion_length=2",
+                                        "generate.temperature=0.8", "generate.top_p=1.0", "env.concurrency=8",
+                                        "generate.streaming.on_update=interrupt", "generate.streaming.max_rows=8",
+                                        iterations=2))
+    models = {0: load_model(base_path(cfg)).eval()}
+    answered = []
+    real_advance = streamed.StreamedAgents.advance
+
+    def advance_and_publish_once(self, finished):
+        out = real_advance(self, finished)
+        answered.append(len(finished))
+        if len(answered) == 1:                  # (in the sampler's thread, between two decode steps)
+            models[1] = _publish_adapter(cfg, 1, tmp_path)
+        return out
+    monkeypatch.setattr(streamed.StreamedAgents, "advance", advance_and_publish_once)
+    records = _two_iterations_streamed(cfg, streamed.StreamedAgents, monkeypatch)
+    assert len(answered) > 1
+    for r in _episodes_each_token_its_versions(cfg, records, models):
+        assert r.env_state["calls"] >= 2
+        letters = str(r.columns["letters"])
+        said = [m["content"] for m in r.turns if m["role"] == "assistant"]
+        assert r.env_return == pytest.approx(sum(a.strip() == b for a, b in zip(said, letters)) / len(letters))
+
+
+def test_a_stopped_sampler_ends_the_agents_at_work_and_a_new_one_completes_their_groups(tmp_path):
+    """Stopped at any moment, the agents' sampler ends every agent still at work (their calls answered with an
+    error, none left waiting) and stops its endpoint; what it committed stays, and a new sampler samples only the
+    rest: every group of every iteration once, each episode's return its agent's."""
+    import threading
+
+    cfg = load_config(AGENT, _overrides(tmp_path, "agentsagain", "generate.streaming.max_rows=8", "env.concurrency=8",
+                                        iterations=2))
+    from tasks.envs.runtime import streamed
+
+    threads = set(threading.enumerate())
+    records = _stopped_then_resumed(cfg, "agentsagain", streamed.StreamedAgents, lambda: True)
+    assert all(r.env_error is None and r.env_return is not None for it in (1, 2) for r in records[it])
+    left = [t for t in set(threading.enumerate()) - threads if t.is_alive() and t.name in ("endpoint", "agents")]
+    assert left == []
+
+
+def test_a_call_ended_while_its_row_decodes_has_its_tokens_counted_as_discarded():
+    """An agent ended mid-call (a client-side timeout, say): its call is answered with an error at once, its row
+    finishes in the batch unread, and its tokens are counted as discarded (generate/discarded_tokens); a call
+    answered as usual counts nothing."""
+    import threading
+
+    from tasks.envs.runtime.calls import Refused
+    from tasks.envs.runtime.streamed import _Calls
+
+    params = SamplingParams(n=1, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0)
+    calls, got = _Calls(None, params), {}
+
+    def call(key: str) -> None:
+        try:
+            got[key] = calls.sample([[1, 2, 3]], params, keys=[key]).samples[0].completion_ids
+        except Refused as e:
+            got[key] = e
+    threads = [threading.Thread(target=call, args=(k,)) for k in ("ended", "kept")]
+    for t in threads:
+        t.start()
+    rows = []
+    while len(rows) < 2:
+        assert any(t.is_alive() for t in threads)
+        rows += calls.arrived()
+        time.sleep(0.01)
+    for r in rows:
+        r.tokens += [5, 6, 7]
+    calls.cancel("ended")
+    threads[0].join(60)
+    for r in rows:
+        r.done = True
+        calls.answer(r)
+    threads[1].join(60)
+    assert isinstance(got["ended"], Refused) and got["ended"].status == 409 and got["kept"] == [5, 6, 7]
+    assert calls.discarded == 3
+
+
+def test_streamed_agents_that_fail_or_hang_cost_only_their_episode(tmp_path):
+    """Agents that raise, hang (past env.timeout_seconds) or return garbage while streaming: each is ended and its
+    episode failed with the stage mode's words, its call's tokens kept; the others' groups are unharmed."""
+    import json
+
+    modes = ["ok", "raise", "async_hang", "garbage"]
+    path = tmp_path / "unruly.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "p", "letters": "abc", "mode": m}) + "\n" for m in modes))
+    cfg = load_config(AGENT, _overrides(tmp_path, "unruly", "env.agent=tests.agent_examples:unruly",
+                                        f"data.path={path}", "env.timeout_seconds=3", "generate.num_generations=2",
+                                        "generate.max_completion_length=3", "generate.streaming.max_rows=8",
+                                        iterations=1))
+    from tasks.envs.runtime.streamed import StreamedAgents
+
+    stream = Stream.of(cfg, 1, groups=StreamedAgents.given(None))
+    try:
+        records, metrics, _, _ = stream.collect(1)
+    finally:
+        assert Stream.stop_run("unruly") == 0
+    by_mode = {r.columns["mode"]: r for r in records}
+    assert len(records) == 8 and by_mode["ok"].env_error is None and by_mode["ok"].env_return == 1.0
+    assert "ValueError: the agent broke" in by_mode["raise"].env_error
+    assert by_mode["async_hang"].env_error == "the agent did not return within env.timeout_seconds"
+    assert "expected a number" in by_mode["garbage"].env_error
+    for r in records:
+        assert r.env_state["calls"] == 1 and sum(r.mask) >= 1 and len(r.versions) == len(r.completion_ids)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("config", "where"), [("letters.yaml", []), ("agent.yaml", []),
+                                               ("letters.yaml", ["env.where=local", "env.isolation=process"])],
+                         ids=["environments", "agents", "environment-server"])
 def test_the_letters_game_streams_through_the_flow_and_learns_from_the_environments_return(prefect_api, tmp_path,
-                                                                                            monkeypatch):
-    """configs/letters.yaml with generate.streaming, 3 iterations: each trains on the stage mode's prompts, its
-    episodes' tokens within run.max_staleness, the reward the environment's return (scored as each group
-    completed), the episodes' metrics logged; the sampler stops with the flow, nothing discarded."""
+                                                                                            monkeypatch, config,
+                                                                                            where):
+    """configs/letters.yaml (environments in the stage, or on an environment server of the flow's, each in a
+    process of its own) and configs/agent.yaml (the same game as an agent) with generate.streaming, 3
+    iterations: each trains on the stage mode's prompts, its episodes' tokens within run.max_staleness, the
+    reward the episode's return (scored as each group completed), the episodes' metrics logged; the sampler
+    stops with the flow, nothing discarded."""
     from mlflow.tracking import MlflowClient
 
     from flows.training import train_flow
 
     monkeypatch.chdir(tmp_path)
-    letters = ROOT / "configs" / "letters.yaml"
-    overrides = _overrides(tmp_path, "game", "generate.streaming.on_update=interrupt", iterations=3)
+    letters = ROOT / "configs" / config
+    overrides = _overrides(tmp_path, "game", "generate.streaming.on_update=interrupt", *where, iterations=3)
     summary = train_flow(str(letters), overrides)
     cfg = load_config(letters, overrides)
     store = open_store(cfg)
@@ -315,6 +469,8 @@ def test_the_letters_game_streams_through_the_flow_and_learns_from_the_environme
     history = MlflowClient(cfg.tracking.uri).get_metric_history
     assert [m.value for m in history(summary["mlflow_run_id"], "generate/discarded_tokens")] == [0.0] * 3
     assert [m.value for m in history(summary["mlflow_run_id"], "env/episodes")] == [16.0] * 3
+    if cfg.env.agent:
+        assert all(m.value >= 2 for m in history(summary["mlflow_run_id"], "agent/calls_mean"))
     assert Stream.RUNNING == {} and GroupScorer.RUNNING == {}
 
 
@@ -442,10 +598,7 @@ def test_a_stopped_sampler_with_dynamic_sampling_keeps_its_verdicts(tmp_path):
 
 
 @pytest.mark.parametrize(("extra", "says"), [
-    (["generate.engine=vllm"], "generate.streaming: the vllm engine cannot stream yet"),
-    (["generate.replicas=2"], "generate.streaming: generate.replicas cannot stream yet"),
-    (["env.agent=tasks.envs.builtin.games:letters_agent"], "generate.streaming: agents (env.agent: their calls "
-                                                            "come through the endpoint) cannot stream yet"),
+    (["generate.engine=vllm", "generate.mode=resident"], "generate.mode: resident with generate.streaming"),
     (["generate.dynamic_sampling={}", "launcher.stages.reward=local"],
      "generate.dynamic_sampling with generate.streaming drops a group as soon as the reward functions have scored "
      "it, in the flow's process, but reward runs local (launcher)"),

@@ -194,6 +194,70 @@ def test_agents_through_the_endpoint_on_the_offline_engine(tmp_path):
     assert float(((logp - behaviour).abs() * model).max()) < TOL
 
 
+def _publish_full(cfg, version: int, tmp_path):
+    """Publish the base with every weight moved as policy `version` of cfg's run (LATEST moved to it); returns it."""
+    torch.manual_seed(version)
+    model = load_model(base_path(cfg))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path / f"p{version}")
+    load_tokenizer(base_path(cfg)).save_pretrained(tmp_path / f"p{version}")
+    store, run = Store.open(cfg.store), cfg.run.name
+    store.put_folder(layout.policy(run, version), tmp_path / f"p{version}")
+    store.set_pointer(layout.latest(run, "policy"), layout.policy(run, version))
+    return model.eval()
+
+
+def test_streaming_loads_each_policy_in_place_and_each_token_is_its_versions(tmp_path, monkeypatch):
+    """generate.streaming on the vllm engine (tasks/engines/vllm_stream.py): the batch's rows are running requests
+    of one engine kept for the run. A policy (full weights) published while rows are in flight (here: after the
+    first worker request's engine steps) is loaded in place between two engine steps (on_update interrupt), and
+    those rows continue from their tokens under it: every token's behaviour logprob is its recorded version's on
+    its whole prefix (within TOL), some rows hold both versions, iteration 3 (v1 loaded first, run.max_staleness
+    1) is v1's alone, each iteration's groups come once in order, and nothing decoded is discarded."""
+    from tasks.engines import vllm_stream
+    from tasks.engines.streaming import Stream
+    from tests.test_interruption import _teacher_forced
+
+    cfg = _cfg(tmp_path, "vstream", ["generate.top_p=1.0", "generate.max_completion_length=12", "run.iterations=3",
+                                     "run.max_staleness=1", "generate.streaming.on_update=interrupt"])
+    models, steps, sessions = {0: load_model(base_path(cfg)).eval()}, [], set()
+    real = vllm_stream.VLLMDecoder.step_batch
+
+    def step_batch(self, rows, version, stop):
+        sessions.add(id(self.session))
+
+        def counted(finished, n):
+            steps.append(version)
+            if len(steps) == 1:
+                models[1] = _publish_full(cfg, 1, tmp_path)
+            return stop(finished, n)
+        return real(self, rows, version, counted)
+    monkeypatch.setattr(vllm_stream.VLLMDecoder, "step_batch", step_batch)
+    monkeypatch.setattr("tasks.engines.streaming.WAIT_SECONDS", 0.0)       # (the pointer read at every step)
+    stream = Stream.of(cfg, 1)
+    try:
+        records = {it: stream.collect(it)[0] for it in (1, 2, 3)}
+        reloads = stream.decoder.reloads
+    finally:
+        discarded = Stream.stop_run("vstream")
+    assert discarded == 0 and len(sessions) == 1 and {0, 1} <= set(steps) and len(reloads) == 1
+    mixed, worst = 0, 0.0
+    for group in records.values():
+        assert [r.group for r in group] == [j for j in range(N_PROMPTS) for _ in range(N_GEN)]
+        for r in group:
+            assert len(r.versions) == len(r.completion_ids) == len(r.logprobs) and r.versions == sorted(r.versions)
+            mixed += set(r.versions) == {0, 1}
+            for v in set(r.versions):
+                want = _teacher_forced(models[v], r.prompt_ids, r.completion_ids, TEMPERATURE)
+                worst = max(worst, *(abs(a - b) for a, b, w in zip(want, r.logprobs, r.versions) if w == v))
+    print(f"vLLM streaming vs trainer logprobs, each token's version: max |diff| {worst:.2e}; the in-place load "
+          f"(abort, reload, cache emptied) {reloads[0]:.2f} s")
+    assert worst < TOL and mixed > 0
+    assert {v for r in records[3] for v in r.versions} == {1}
+
+
 def test_offline_lora_adapter_changes_the_outputs(tmp_path):
     """A published adapter (non-zero, as after training) is served on the base with a LoRARequest; its
     logprobs equal the trainer's base + adapter, and are far from the base model's."""

@@ -163,12 +163,10 @@ class Config(Section):
         gc, sc = self.generate, self.generate.streaming
         if sc is None:
             return self
-        cannot = ("the vllm engine" if gc.engine == "vllm" else "generate.replicas" if gc.replicas else
-                  "agents (env.agent: their calls come through the endpoint)" if self.env.agent else None)
-        if cannot:
-            raise ValueError(f"generate.streaming: {cannot} cannot stream yet (only the hf engine's sampler in the "
-                             f"flow's process interrupts between decode steps); leave "
-                             f"generate.streaming unset (run.max_staleness overlaps whole stages)")
+        if gc.engine == "vllm" and gc.mode == "resident":
+            raise ValueError("generate.mode: resident with generate.streaming: the streaming sampler keeps one "
+                             "vLLM engine for the run itself, each policy loaded in place; expected generate.mode "
+                             "process (the default)")
         # (Placement.scores_as_groups_complete's rule, read from the keys: placement.py imports this module)
         if gc.dynamic_sampling is not None and (self.reward.models or self.launcher.where_of("reward") != "inline"):
             why = "reward.models' judges score at the reward stage" if self.reward.models else \
@@ -184,7 +182,8 @@ class Config(Section):
                              f"(generate.prompts_per_iteration {gc.prompts_per_iteration}); expected at least that")
         if self.launcher.where_of("generate") != "inline":
             raise ValueError(f"generate.streaming: the sampler runs in the flow's process, but generate runs "
-                             f"{self.launcher.where_of('generate')} (launcher); expected generate inline")
+                             f"{self.launcher.where_of('generate')} (launcher); expected generate inline (to decode "
+                             f"on other machines: generate.replicas, each replica decoding the rows placed on it)")
         return self
 
     @model_validator(mode="after")

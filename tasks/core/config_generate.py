@@ -33,8 +33,10 @@ class DynamicSamplingConfig(Section):
 
 class StreamingConfig(Section):
     """Generation that never waits (tasks/engines/streaming.py): one sampler per run keeps decoding, group after
-    group in data order across iterations (continuous batching on the hf engine), commits each group to the store
-    as it completes, and the generate stage of iteration N takes its prompts' groups. A published policy is loaded
+    group in data order across iterations (continuous batching: the hf engine's decode steps in the flow's process,
+    or one vLLM engine's running requests, tasks/engines/vllm_stream.py; with generate.replicas each replica decodes
+    the rows placed on it, tasks/engines/replica_stream.py), commits each group to the store as it
+    completes, and the generate stage of iteration N takes its prompts' groups. A published policy is loaded
     between two decode steps. Needs run.max_staleness >= 1: a group of iteration N starts once v(N-1-S) is
     loaded, so each token is within the staleness of it. With env.factory each turn of an episode is a row, its
     next turn joining once the environment has stepped. What is reproducible: docs/design-notes.md."""
@@ -49,8 +51,9 @@ class StreamingConfig(Section):
                                "stage that takes them, at most (None: (run.max_staleness + 1) x "
                                "generate.prompts_per_iteration); at least one iteration's groups.")
     refill_share: float = Field(0.5, gt=0, le=1, description="The batch stops to drop its finished rows and let "
-                                "new groups join when this share of its rows has finished (each stop refills the "
-                                "continuing rows' KV cache: smaller = fewer idle rows, more refills).")
+                                "new groups join when this share of its rows has finished (hf: each stop refills the "
+                                "continuing rows' KV cache: smaller = fewer idle rows, more refills; vllm: its "
+                                "requests run on across stops, so a batch stops at each finished row).")
     max_rows: int | None = Field(None, ge=2, le=1_000_000, json_schema_extra=HOW_NOT_WHAT,
                                  description="Rows decoding at once at most (None: generate.batch_size x "
                                  "generate.num_generations); a memory knob.")
@@ -115,9 +118,10 @@ class GenerateConfig(Section):
         None, json_schema_extra=SINCE_DEFAULT, description="Drop constant-reward groups and sample more prompts "
         "in rounds (DAPO); None: every group trains.")
     streaming: StreamingConfig | None = Field(
-        None, json_schema_extra=SINCE_DEFAULT, description="hf: one sampler per run decodes continuously and the "
-        "generate stages take their groups as they complete (tasks/engines/streaming.py); None: each generate stage "
-        "samples its own batch (run.max_staleness still overlaps whole stages, and is the reproducible mode).")
+        None, json_schema_extra=SINCE_DEFAULT, description="One sampler per run decodes continuously (hf, or "
+        "vllm with generate.mode process) and the generate stages take their groups as they complete "
+        "(tasks/engines/streaming.py); None: each generate stage samples its own batch (run.max_staleness still "
+        "overlaps whole stages, and is the reproducible mode).")
     batch_size: int = Field(64, ge=1, description="hf: prompts per generate() call (memory knob, not semantics); "
                             "vLLM schedules its own batches.")
     share_prompts: bool = Field(True, json_schema_extra=SINCE_DEFAULT,

@@ -10,6 +10,7 @@ The routes (JSON; every one but /health needs `Authorization: Bearer <RLFLOW_REP
                                                 store) and version-checked: its manifest's digest must be `digest`
     POST /sample  {"policy", "digest", "prompt_ids", "params"}     {"samples": [[prompt, ids, logprobs, trunc,
                                                                               versions]]}  (a Sample's fields)
+    POST /stream, /interrupt                    generate.streaming's rows here (tasks/engines/replica_stream.py)
 A /sample for another policy than the one held is refused (409): the router never takes a late replica's
 tokens for the schedule's policy. It prints `RLFLOW_REPLICA_READY <url>` once it answers.
 """
@@ -40,9 +41,21 @@ class Replica:
         self.policy = self.digest = None
         self.busy = self.served = self.tokens = 0
         self.seconds, self.used = 0.0, time.monotonic()
+        self.stream_lock = threading.Lock()     # generate.streaming: the run's decoder and its rows here
+        self.decoder, self.streams, self.interrupt, self.session = None, None, -1, None
+        self.rows: dict = {}
+
+    def _checked(self, policy: str, digest: str, asker: str) -> str:
+        """The policy's folder, once the store's digest of it is `digest` (the version asked for)."""
+        from tasks.core.models import policy_path
+
+        found = policy_digest(self.cfg, policy)
+        if found != digest:
+            raise LookupError(f"the store's {policy} has digest {found}, {asker} asked for {digest}")
+        return policy_path(self.cfg, policy)
 
     def load(self, policy: str, digest: str) -> dict:
-        from tasks.core.models import load_tokenizer, policy_path
+        from tasks.core.models import load_tokenizer
 
         t0 = time.perf_counter()
         with self.lock:
@@ -50,10 +63,7 @@ class Replica:
                 if self.session is not None:
                     self.session.close()
                 self.session = self.policy = self.digest = None
-                found = policy_digest(self.cfg, policy)
-                if found != digest:
-                    raise LookupError(f"the store's {policy} has digest {found}, the router asked for {digest}")
-                path = policy_path(self.cfg, policy)
+                path = self._checked(policy, digest, "the router")
                 self.session = self.engine.session(policy, path, load_tokenizer(path))
                 self.policy, self.digest = policy, digest
         return {"policy": policy, "digest": digest, "seconds": time.perf_counter() - t0}
@@ -77,6 +87,48 @@ class Replica:
             self.busy -= 1
         return {"samples": [dataclasses.astuple(s) for s in sampled.samples],
                 "load_seconds": sampled.load_seconds, "sampling_seconds": sampled.sampling_seconds}
+
+    def stream(self, body: dict) -> dict:
+        """The streaming sampler's request: its rows here dropped and added (each with its tokens so far), its
+        policy loaded in place if it is another (version-checked), then decoded by the run's decoder
+        (tasks/engines/streaming.py: decoder_of) until a row finishes, `refill` rows have, or the request is
+        interrupted; each row's new tokens and logprobs, and whether it is done."""
+        from tasks.core.contracts import SamplingParams
+        from tasks.engines.streaming import Row, decoder_of
+
+        self.busy += 1
+        self.used = time.monotonic()
+        try:
+            with self.stream_lock:
+                want = (body["policy"], body["digest"])
+                if self.decoder is None:
+                    self.decoder = decoder_of(self.cfg, SamplingParams(**body["params"]))
+                if self.streams != want:
+                    self.decoder.load(want[0], self._checked(*want, "the sampler"))
+                    self.streams = want
+                if self.session != body["session"]:          # (a new sampler: the rows of the last one dropped)
+                    self.rows, self.session = {}, body["session"]
+                for rid in body["drop"]:
+                    self.rows.pop(rid, None)
+                for rid, prompt, tokens, limit in body["add"]:
+                    self.rows[rid] = Row(rid, list(prompt), tokens=list(tokens), limit=limit)
+                seq, refill = body["seq"], body["refill"]
+                rows = list(self.rows.values())
+                # (a row added part-way brings its tokens so far, not their logprobs: two offsets)
+                before = {r.group: (len(r.tokens), len(r.logprobs)) for r in rows}
+                if rows:
+                    self.decoder.step_batch(rows, 0, lambda finished, n: finished >= refill or self.interrupt >= seq)
+                out = []
+                for r in rows:
+                    k, lp = before[r.group]
+                    if len(r.tokens) > k or r.done:
+                        out.append([r.group, r.tokens[k:], r.logprobs[lp:], r.done, r.truncated])
+                    if r.done:
+                        del self.rows[r.group]
+                self.tokens += sum(len(o[1]) for o in out)
+                return {"rows": out}
+        finally:
+            self.busy -= 1
 
     def health(self) -> dict:
         return {"policy": self.policy, "digest": self.digest, "busy": self.busy, "served": self.served,
@@ -102,23 +154,26 @@ def app(replica: Replica, token: str | None, parent: int | None, idle: float | N
     async def health(request: Request):
         return JSONResponse(replica.health())
 
-    async def load(request: Request):
-        if (no := denied(request)) is not None:
-            return no
-        body = await request.json()
-        try:
-            return JSONResponse(await run_in_threadpool(replica.load, body["policy"], body["digest"]))
-        except LookupError as e:
-            return JSONResponse({"error": str(e)}, status_code=409)
+    def answered(fn):
+        """A route that runs fn(body) off the event loop: the token checked first, a version mismatch a 409."""
+        async def route(request: Request):
+            if (no := denied(request)) is not None:
+                return no
+            body = await request.json()
+            try:
+                return JSONResponse(await run_in_threadpool(fn, body))
+            except LookupError as e:
+                return JSONResponse({"error": str(e)}, status_code=409)
+        return route
 
-    async def sample(request: Request):
+    load = answered(lambda body: replica.load(body["policy"], body["digest"]))
+    sample, stream = answered(replica.sample), answered(replica.stream)
+
+    async def interrupt(request: Request):
         if (no := denied(request)) is not None:
             return no
-        body = await request.json()
-        try:
-            return JSONResponse(await run_in_threadpool(replica.sample, body))
-        except LookupError as e:
-            return JSONResponse({"error": str(e)}, status_code=409)
+        replica.interrupt = max(replica.interrupt, int((await request.json())["seq"]))
+        return JSONResponse({"seq": replica.interrupt})
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -132,7 +187,8 @@ def app(replica: Replica, token: str | None, parent: int | None, idle: float | N
         yield
 
     return Starlette(routes=[Route("/health", health), Route("/load", load, methods=["POST"]),
-                             Route("/sample", sample, methods=["POST"])], lifespan=lifespan)
+                             Route("/sample", sample, methods=["POST"]), Route("/stream", stream, methods=["POST"]),
+                             Route("/interrupt", interrupt, methods=["POST"])], lifespan=lifespan)
 
 
 def main(argv: list[str] | None = None) -> int:

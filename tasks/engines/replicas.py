@@ -6,9 +6,10 @@ and evaluate stages sample through. The stages do not change: the router is one 
     python -m tasks.engines.replicas --config-json FILE --port P --state S     (the stage starts it: Daemon)
 
 Routes: GET /health, GET /stats, POST /policy {policy, digest}, POST /sample {policy, digest, prompt_ids,
-params, key}. The same rollouts whatever N (fixed shards, each with its own seed); requests sticky by
-episode, new work to the least loaded replica; only the schedule's policy (each replica version-checked); a
-replica that fails is taken out, its requests sent again to the others, and it is replaced.
+params, key}, POST /stream/<i>/stream|interrupt (generate.streaming's, to replica i). The same rollouts whatever
+N (fixed shards, each with its own seed); requests sticky by episode, new work to the least loaded replica; only
+the schedule's policy (each replica version-checked); a failed replica is taken out, its requests sent again to
+the others, and it is replaced.
 More: docs/internals.md (tasks/engines/replicas.py): each of these, and why a router of our own.
 """
 
@@ -44,6 +45,7 @@ LAUNCH_VAR = REPLICA_LAUNCH_VAR           # JSON {"start": argv, "port_base": n}
 LATE_GRACE = 10.0                         # s after the first replica loaded a policy before the others are late
 STICKY_KEYS = 100_000
 READY = "RLFLOW_REPLICA_READY"            # the line a replica prints once it answers: READY <url>
+ANSWERING = ("loading", "ready")          # a member in these states is up (its /stream answers: streaming)
 TOKEN_VAR = "RLFLOW_REPLICA_TOKEN"        # the router's token: only it may load policies into and sample replicas
 
 
@@ -426,11 +428,8 @@ class Router:
                 self.counts["retried"] += 1
             attempt += 1
             life = m.life
-            if self.client is None:          # (one client, its connections kept: made in the server's loop)
-                self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10),
-                                                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64))
             try:
-                r = await self.client.post(f"{m.url}/sample", json=body, headers=bearer(self.token))
+                r = await self._client().post(f"{m.url}/sample", json=body, headers=bearer(self.token))
             except httpx.TransportError as e:
                 self.lost(m, f"{type(e).__name__}: {e}", life)
                 continue
@@ -450,6 +449,43 @@ class Router:
                 m.seconds += out["sampling_seconds"]
             out["replica"] = m.index
             return 200, out
+
+    def _client(self):
+        import httpx
+
+        if self.client is None:          # (one client, its connections kept: made in the server's loop)
+            self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10),
+                                            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64))
+        return self.client
+
+    async def stream(self, index: int, op: str, body: dict) -> tuple[int, dict]:
+        """The streaming sampler's request `op` (stream | interrupt) to member `index`, forwarded as it is; 503
+        when that member is not up, or is lost on the way (its rows continue on the others)."""
+        import httpx
+
+        self.last_used = time.monotonic()
+        if not 0 <= index < len(self.members) or op not in ("stream", "interrupt"):
+            return 404, {"error": f"no replica {index} or no route {op}"}
+        m = self.members[index]
+        with self.lock:
+            up, life, url = m.state in ANSWERING and m.url is not None, m.life, m.url
+            m.busy += up
+        if not up:
+            return 503, {"error": f"replica {index} is {m.state}"}
+        try:
+            r = await self._client().post(f"{url}/{op}", json=body, headers=bearer(self.token))
+        except httpx.TransportError as e:
+            self.lost(m, f"{type(e).__name__}: {e}", life)
+            return 503, {"error": f"replica {index} lost: {type(e).__name__}: {e}"}
+        finally:
+            with self.lock:
+                m.busy -= 1
+        out = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"error": r.text}
+        if op == "stream" and r.status_code == 200:
+            with self.lock:
+                m.routed += 1
+                m.tokens += sum(len(row[1]) for row in out["rows"])
+        return r.status_code, out
 
     def stats(self) -> dict:
         with self.lock:
@@ -490,6 +526,11 @@ def app(router: Router, state: Path | None):
         code, out = await router.sample(await request.json())
         return JSONResponse(out, status_code=code)
 
+    async def stream(request: Request):
+        index, op = int(request.path_params["index"]), request.path_params["op"]
+        code, out = await router.stream(index, op, await request.json())
+        return JSONResponse(out, status_code=code)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         for m in router.members:
@@ -508,7 +549,8 @@ def app(router: Router, state: Path | None):
         router.stop_members()
 
     return Starlette(routes=[Route("/health", health), Route("/stats", stats),
-                             Route("/policy", policy, methods=["POST"]), Route("/sample", sample, methods=["POST"])],
+                             Route("/policy", policy, methods=["POST"]), Route("/sample", sample, methods=["POST"]),
+                             Route("/stream/{index:int}/{op:str}", stream, methods=["POST"])],
                      lifespan=lifespan)
 
 

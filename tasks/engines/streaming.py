@@ -4,15 +4,15 @@ group in data order across iterations, instead of a batch per generate stage tha
     stream = Stream.of(cfg, first, listener)   # started by the run's first generate stage (flow's process)
     records, metrics, rows, said = stream.collect(N)   # iteration N's groups, each committed as it completed
 
-The sampler (`ContinuousSampler`, the hf engine's model) decodes a batch of rows; when `refill_share` of them
-have finished, or a newer policy is published, the batch stops between two decode steps, finished rows leave,
-new groups join (continuous batching), and with a newer policy its weights are loaded in place first
-(`on_update: interrupt`: the unfinished rows continue under it, their KV cache refilled by the new weights) or
-after the rows in flight have finished (`finish`). Every token records the version that drew it and its
-behaviour logprob; nothing decoded is discarded. A group of iteration N joins
-only when the loaded policy is at least v(N-1-S), so every token is within run.max_staleness of it; the
-generate stage of N takes its own prompts' groups (tasks/generate.py), and with generate.dynamic_sampling one
-more for each scored constant (`Extras`). More: docs/design-notes.md.
+The decoder (HFDecoder here, VLLMDecoder in tasks/engines/vllm_stream.py) decodes a batch of rows; when
+`refill_share` of them have finished, or a newer policy is published, the batch stops between two decode steps,
+finished rows leave, new groups join (continuous batching), and with a newer policy its weights are loaded in
+place first (`on_update: interrupt`: the unfinished rows continue under it, their KV cache refilled by the new
+weights) or after the rows in flight have finished (`finish`). Every token records the version that drew it and
+its behaviour logprob; nothing decoded is discarded. A group of iteration N joins only when the loaded policy is
+at least v(N-1-S), so every token is within run.max_staleness of it; the generate stage of N takes its own
+prompts' groups (tasks/generate.py), and with generate.dynamic_sampling one more for each scored constant
+(`Extras`). More: docs/design-notes.md.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tasks.algorithms import dynamic_sampling
 from tasks.core import curriculum, data, layout, rollout
 from tasks.core.contracts import Rollout, SamplingParams
 from tasks.core.models import encode_prompt, load_tokenizer, policy_path
+from tasks.core.placement import placement_of
 from tasks.core.store import open_store
 from tasks.engines.hf import RESIDENT, _identity, _Interrupted, _prefill, _SampleAndRecord
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from tasks.core.config import Config
 
 WAIT_SECONDS = 0.2        # how often an idle sampler looks for a newer policy or room in the buffer
+ARRIVALS_SECONDS = 0.01   # how often an idle sampler looks for calls of agents at work
 
 
 @dataclass
@@ -56,11 +58,30 @@ class Row:
     seconds: float = 0.0                    # the decode steps' seconds while it was in the batch
 
 
-class PromptGroups:
+class GroupSource:
+    """What the sampler asks of its groups' source: `start` a group (its first rows), `advance` finished rows
+    (the rows that continue them), the `complete` groups' `records`, the tokens `in_flight`, `close`. A source
+    whose rows come on their own time (agents' calls) also answers `arrived` (rows to join now), `queued` (how
+    many), `occupied` (the batch's room its groups hold, in the batch or out of it) and `discarded`. Sources:
+    PromptGroups here; multi-turn episodes and agents' episodes in tasks/envs/runtime/streamed.py."""
+
+    def arrived(self) -> list[Row]:
+        return []
+
+    def queued(self) -> int:
+        return 0
+
+    def occupied(self, rows: list[Row]) -> int:
+        return len(rows)
+
+    def discarded(self) -> int:
+        """Tokens of finished rows the source could not keep (an agent's call that had ended), since last asked."""
+        return 0
+
+
+class PromptGroups(GroupSource):
     """The streaming sampler's groups of single-turn prompts: a group is `n` rows of its prompt, complete when
-    they all are. The other group source, multi-turn episodes (each turn a row, the next one joining once the
-    environment has stepped), is tasks/envs/runtime/streamed.py's; both answer start / advance / complete /
-    records / in_flight / close."""
+    they all are."""
 
     def __init__(self, cfg: Config, tokenizer, n: int):
         self.cfg, self.tokenizer, self.n = cfg, tokenizer, n
@@ -194,6 +215,50 @@ class _Finished:
         return self.stop(self.finished, self.rows)
 
 
+def decoder_of(cfg: Config, params: SamplingParams, services=None):
+    """The run's decoder: the batch's rows spread over generate.replicas (each replica runs this with none), or
+    decoded here (hf) or in a vLLM worker process of its own; `services`: how the replicas' router launches them."""
+    if placement_of(cfg).replicas:
+        from tasks.engines.replica_stream import ReplicasDecoder
+
+        return ReplicasDecoder(cfg, params, services)
+    if cfg.generate.engine == "vllm":
+        from tasks.engines.vllm_stream import VLLMDecoder
+
+        return VLLMDecoder(cfg, params)
+    return HFDecoder(cfg, params)
+
+
+class HFDecoder:
+    """The hf engine's side of the streaming sampler: the policy held resident in the flow's process (loaded in
+    place), decoded by a ContinuousSampler. The vLLM engine's: tasks/engines/vllm_stream.py (VLLMDecoder)."""
+
+    def __init__(self, cfg: Config, params: SamplingParams):
+        self.cfg, self.params, self.sampler = cfg, params, None
+        self.path, self.identity = None, None
+
+    def load(self, key: str, path: str) -> None:
+        identity = _identity(self.cfg, path)
+        if identity is None:
+            raise RuntimeError(f"generate.streaming: {key} is not a model folder or an adapter on one (a hub id?); "
+                               "the streaming sampler loads policies in place")
+        with RESIDENT.lock:
+            RESIDENT.hold(self.cfg, path, identity)
+        self.path, self.identity = path, identity
+
+    def step_batch(self, rows: list[Row], version: int, stop) -> bool:
+        if self.sampler is None:
+            gc = self.cfg.generate
+            self.sampler = ContinuousSampler(load_tokenizer(self.path), self.params, gc.max_completion_length,
+                                             gc.share_prompts)
+        with RESIDENT.lock:        # (another session may have loaded its policy meanwhile: ours again)
+            model = RESIDENT.hold(self.cfg, self.path, self.identity)
+            return self.sampler.step_batch(model, rows, version, stop)
+
+    def close(self) -> None:
+        """Nothing of its own: the resident policy stays for the run's other sessions."""
+
+
 class Stream:
     """The run's streaming sampler: a thread of the flow's process that samples iteration after iteration's
     groups (from the first generate stage's iteration to run.iterations), commits each group to the store as
@@ -203,15 +268,17 @@ class Stream:
     LOCK = threading.Lock()
 
     @classmethod
-    def of(cls, cfg: Config, first: int, listener=None, groups=None) -> Stream:
+    def of(cls, cfg: Config, first: int, listener=None, groups=None, services=None) -> Stream:
         """The run's sampler (started here, from iteration `first`, if it has none). `listener()`: what each
         committed group is submitted to, `submit(iteration, group, records)`, stopped (`stop()`) once the
         sampler ends (the reward functions' scorer: tasks/scoring/streamed.py). `groups(cfg, tokenizer, n)`: its
-        group source (PromptGroups by default; multi-turn episodes: tasks/envs/runtime/streamed.py)."""
+        group source (PromptGroups by default; multi-turn episodes: tasks/envs/runtime/streamed.py); `services`:
+        the stage's (generate.replicas: how its router launches them)."""
         with cls.LOCK:
             s = cls.RUNNING.get(cfg.run.name)
             if s is None or not s.thread.is_alive() and s.error is None:
-                s = cls.RUNNING[cfg.run.name] = Stream(cfg, first, listener() if listener else None, groups)
+                s = cls.RUNNING[cfg.run.name] = Stream(cfg, first, listener() if listener else None, groups,
+                                                       services)
             return s
 
     @classmethod
@@ -225,8 +292,9 @@ class Stream:
         stream.stop()
         return stream.counts["discarded_tokens"]
 
-    def __init__(self, cfg: Config, first: int, listener=None, groups=None):
+    def __init__(self, cfg: Config, first: int, listener=None, groups=None, services=None):
         self.cfg, self.first, self.store, self.listener = cfg, first, open_store(cfg), listener
+        self.services = services                   # (generate.replicas: how the router launches them on sky)
         self.groups = groups or PromptGroups
         gc, sc = cfg.generate, cfg.generate.streaming
         self.P, self.n, self.S = gc.prompts_per_iteration, gc.num_generations, cfg.run.max_staleness
@@ -241,7 +309,7 @@ class Stream:
         self.seen: dict = {}
         self.picked: dict[int, tuple[list[int], dict]] = {}   # iteration -> its prompts' rows, the curriculum's say
         self._looked, self._seen = -1e9, 0
-        self.version, self.path, self.identity = -1, None, None
+        self.version, self.path, self.decoder = -1, None, None
         self.ds = gc.dynamic_sampling
         self.extras: dict[int, Extras] = {}        # generate.dynamic_sampling: per iteration not yet collected
         if listener is not None:
@@ -263,20 +331,23 @@ class Stream:
 
     def _sample(self) -> None:
         cfg, gc = self.cfg, self.cfg.generate
-        self._load(self._newest())                 # never older than what the store has published
-        self.tokenizer = load_tokenizer(self.path)
-        ds = data.load_prompts(cfg)
-        pending = list(range(self.first, cfg.run.iterations + 1))   # iterations whose prompts are not yet picked
-        sampler = ContinuousSampler(self.tokenizer, SamplingParams(
-            n=self.n, max_new_tokens=gc.max_completion_length, temperature=gc.temperature, top_p=gc.top_p,
-            top_k=gc.top_k, seed=cfg.run.seed * 1_000_003 + self.first), gc.max_completion_length, gc.share_prompts)
-        source = self.groups(cfg, self.tokenizer, self.n)
+        params = SamplingParams(n=self.n, max_new_tokens=gc.max_completion_length, temperature=gc.temperature,
+                                top_p=gc.top_p, top_k=gc.top_k, seed=cfg.run.seed * 1_000_003 + self.first)
+        self.decoder = decoder_of(cfg, params, self.services)
         try:
-            self._decode(sampler, source, ds, pending)
+            self._load(self._newest())             # never older than what the store has published
+            self.tokenizer = load_tokenizer(self.path)
+            ds = data.load_prompts(cfg)
+            pending = list(range(self.first, cfg.run.iterations + 1))   # iterations whose prompts are not yet picked
+            source = self.groups(cfg, self.tokenizer, self.n)
+            try:
+                self._decode(source, ds, pending)
+            finally:
+                source.close()                     # (a stopped sampler: what its groups in flight hold)
         finally:
-            source.close()                         # (a stopped sampler: what its groups in flight hold)
+            self.decoder.close()
 
-    def _decode(self, sampler: ContinuousSampler, source, ds, pending: list[int]) -> None:
+    def _decode(self, source, ds, pending: list[int]) -> None:
         """Until every iteration's groups are committed (or the sampler is stopped): groups join while there is
         room, the batch decodes, finished rows leave (and their groups' next rows join: an episode's next turn),
         complete groups are committed."""
@@ -290,7 +361,8 @@ class Stream:
                 self._load(newest)
                 self.counts["interruptions"] += bool(active)
             finishing = newest > self.version      # (on_update finish: no group joins until the load)
-            while not finishing and len(active) + self.n <= self.max_rows:
+            active += source.arrived()             # (agents' calls made since the last step)
+            while not finishing and source.occupied(active) + self.n <= self.max_rows:
                 if (extra := self._extra_due()) is not None:     # (a constant group's stand-in: before any other)
                     it, j, row = extra
                 else:
@@ -302,32 +374,33 @@ class Stream:
                 active += source.start((it, j), row, ds[row])      # (a datasets row access: once)
             self._commit_complete(source)          # (a group of episodes whose every reset failed: at once)
             if not active:
-                if not todo and not pending and not self._awaiting():
+                waiting_on = source.occupied(active)       # (agents at work between their calls)
+                if not todo and not pending and not waiting_on and not self._awaiting():
                     return
                 t0 = time.perf_counter()
                 with self.changed:
-                    self.changed.wait(WAIT_SECONDS)
+                    self.changed.wait(ARRIVALS_SECONDS if waiting_on else WAIT_SECONDS)
                 self.counts["idle"] += time.perf_counter() - t0
                 continue
 
             def stop(finished: int, rows: int) -> bool:
                 if self.stopping.is_set():
                     return True
-                if finished >= max(1, refill * rows):      # drop the finished rows, let new groups join
+                if finished + source.queued() >= max(1, refill * rows):   # drop the finished, let new rows join
                     return True
                 return gc.streaming.on_update == "interrupt" and self._newest(cached=True) > self.version
 
             t0 = time.perf_counter()
-            with RESIDENT.lock:        # (another session may have loaded its policy meanwhile: ours again)
-                model = RESIDENT.hold(self.cfg, self.path, self.identity)
-                if sampler.step_batch(model, active, self.version, stop):
-                    self.counts["refills"] += 1
+            if self.decoder.step_batch(active, self.version, stop):
+                self.counts["refills"] += 1
             seconds = time.perf_counter() - t0
             self.counts["busy"] += seconds
             for r in active:
                 r.seconds += seconds
             active = [r for r in active if not r.done] + source.advance([r for r in active if r.done])
+            self.counts["discarded_tokens"] += source.discarded()
             self._commit_complete(source)
+        self.decoder.close()                   # (rows decoding on replicas meanwhile answer first: their tokens)
         self.counts["discarded_tokens"] += source.in_flight(active)     # stopped with groups in flight
 
     def _groups(self, it: int, n_rows: int) -> list[tuple[int, int, int]]:
@@ -420,13 +493,8 @@ class Stream:
     def _load(self, version: int) -> None:
         key = layout.BASE if version == 0 else layout.policy(self.cfg.run.name, version)
         path = policy_path(self.cfg, key)
-        identity = _identity(self.cfg, path)
-        if identity is None:
-            raise RuntimeError(f"generate.streaming: {key} is not a model folder or an adapter on one (a hub id?); "
-                               "the streaming sampler loads policies in place")
-        with RESIDENT.lock:
-            RESIDENT.hold(self.cfg, path, identity)
-        self.version, self.path, self.identity = version, path, identity
+        self.decoder.load(key, path)
+        self.version, self.path = version, path
 
     def _commit_complete(self, source) -> None:
         for key in source.complete():

@@ -72,7 +72,12 @@ def request_seeds(seed: int, count: int) -> list[int]:
     """One seed per prompt, hashed from the stage seed: vLLM seeds the i-th sample of a request with seed + i
     and draws the same noise for the same seed at the same position, so neighbouring seeds (prompts of one
     batch, or one prompt in consecutive iterations) would give correlated samples."""
-    return [int.from_bytes(hashlib.sha256(f"{seed}/{i}".encode()).digest()[:7], "big") for i in range(count)]
+    return [request_seed(seed, i) for i in range(count)]
+
+
+def request_seed(seed: int, i: int) -> int:
+    """request_seeds' i-th (the streaming sampler's i-th request: tasks/engines/vllm_stream.py)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{i}".encode()).digest()[:7], "big")
 
 
 def lora_rank(cfg: Config) -> int:
@@ -159,10 +164,10 @@ class VLLMOffline(VLLMEngine):
 class OfflineSession(SamplingSession):
     """A worker process running one vLLM engine for one policy (the protocol: tasks/engines/vllm_worker.py)."""
 
-    def __init__(self, cfg: Config, policy: str, path: str, tokenizer):
+    def __init__(self, cfg: Config, policy: str, path: str, tokenizer, **llm_extra):
         self.tokenizer = tokenizer
         model, adapter = model_of(cfg, policy, path)
-        llm = engine_args(cfg, model)
+        llm = engine_args(cfg, model) | llm_extra
         # On CPU the engine core runs inside the worker process too: spawning vLLM's engine-core and worker
         # processes (each importing torch and vllm) costs about half of a fresh engine's start on 2 cores
         # (docs/benchmarks.md: small measurements). On a GPU the separate engine core overlaps scheduling with
@@ -188,14 +193,14 @@ class OfflineSession(SamplingSession):
         self.replies = os.fdopen(replies, "rb")
         self.pending = b""
         try:
-            self.load_seconds = self._ask({"llm": llm, "in_process": in_process})["engine_seconds"]
+            self.load_seconds = self.ask({"llm": llm, "in_process": in_process})["engine_seconds"]
         except BaseException:
             self.close()
             raise
 
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams,
                keys: list[str] | None = None) -> Sampled:
-        out = self._ask({"lora": self.lora, "prompts": prompt_ids, "seeds": request_seeds(params.seed, len(prompt_ids)),
+        out = self.ask({"lora": self.lora, "prompts": prompt_ids, "seeds": request_seeds(params.seed, len(prompt_ids)),
                          "sampling": {"n": params.n, "max_tokens": params.max_new_tokens,
                                       "temperature": params.temperature, "top_p": params.top_p,
                                       "top_k": params.top_k,
@@ -203,7 +208,7 @@ class OfflineSession(SamplingSession):
         samples = [Sample(g, ids, logps, truncated) for g, ids, logps, truncated in out["samples"]]
         return Sampled(samples, load_seconds=0.0, sampling_seconds=out["sampling_seconds"])
 
-    def _ask(self, request: dict) -> dict:
+    def ask(self, request: dict) -> dict:
         """Send one request, wait for its reply: the worker's one line, or its exit (a crash, no vllm)."""
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")

@@ -10,8 +10,9 @@ go as JSON lines to the file descriptor REPLY_FD (stdout and stderr are vLLM's l
      "sampling": {"n", "max_tokens", "temperature", "top_p", "top_k", "stop_token_ids"}}
                                                  -> {"samples": [[prompt index, completion ids incl. EOS,
                                                      behaviour logprobs, truncated], ...], "sampling_seconds"}
+Also `stream` (engine steps of the streaming sampler's running requests) and `reload` (in place).
 The end of stdin (the session closed, or its process died) ends the worker.
-More: docs/internals.md (tasks/engines/vllm_worker.py): which logprobs, and the seeds.
+More: docs/internals.md (tasks/engines/vllm_worker.py): the streaming requests, which logprobs, the seeds.
 """
 
 from __future__ import annotations
@@ -33,29 +34,83 @@ def start(llm_args: dict):
     return llm, time.perf_counter() - t0
 
 
-def sample(llm, request: dict) -> dict:
-    """One sampling request's reply (runs inside the vLLM environment)."""
+def sampling_params(s: dict, seed: int, n: int, max_tokens: int, **extra):
+    """vLLM's SamplingParams for a request's `sampling` (the offline stage's and the streaming sampler's alike):
+    no min_p, the sampled token's logprob (processed: the engine's logprobs_mode), token ids only."""
     from vllm import SamplingParams
+
+    return SamplingParams(n=n, max_tokens=max_tokens, temperature=s["temperature"], top_p=s["top_p"],
+                          top_k=s.get("top_k") or 0, min_p=0.0, seed=seed, logprobs=0,
+                          stop_token_ids=s["stop_token_ids"], detokenize=False, **extra)
+
+
+def lora_request(lora: dict | None):
     from vllm.lora.request import LoRARequest
 
+    return LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
+
+
+def token_logprobs(c) -> tuple[list[int], list[float]]:
+    """A completion output's token ids and each one's behaviour logprob."""
+    ids = list(c.token_ids)
+    return ids, [step[tok].logprob for step, tok in zip(c.logprobs or [], ids)]
+
+
+def sample(llm, request: dict) -> dict:
+    """One sampling request's reply (runs inside the vLLM environment)."""
     s = request["sampling"]
-    params = [SamplingParams(n=s["n"], max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
-                             top_k=s.get("top_k") or 0, min_p=0.0, seed=seed, logprobs=0,
-                             stop_token_ids=s["stop_token_ids"], detokenize=False)
-              for seed in request["seeds"]]
-    lora = request["lora"]
-    lora_request = LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
+    params = [sampling_params(s, seed, s["n"], s["max_tokens"]) for seed in request["seeds"]]
     t1 = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in request["prompts"]], params, use_tqdm=False,
-                           lora_request=lora_request)
+                           lora_request=lora_request(request["lora"]))
     sampling_seconds = time.perf_counter() - t1
     samples = []
     for group, out in enumerate(outputs):
         for c in sorted(out.outputs, key=lambda c: c.index):
-            ids = list(c.token_ids)
-            logps = [step[tok].logprob for step, tok in zip(c.logprobs, ids)]
-            samples.append([group, ids, logps, c.finish_reason == "length"])
+            samples.append([group, *token_logprobs(c), c.finish_reason == "length"])
     return {"samples": samples, "sampling_seconds": sampling_seconds}
+
+
+def stream(llm, request: dict) -> dict:
+    """The streaming sampler's requests aborted and added, then engine steps (`steps`, or until a request
+    finishes): each running request's new tokens, their behaviour logprobs, and whether it finished (runs
+    inside the vLLM environment)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine, s = llm.llm_engine, request["sampling"]
+    if request["abort"]:
+        engine.abort_request(request["abort"])
+    lora = lora_request(request["lora"])
+    for rid, prompt, max_tokens, seed in request["add"]:
+        params = sampling_params(s, seed, 1, max_tokens, output_kind=RequestOutputKind.DELTA)
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params, lora_request=lora)
+    rows: dict[str, list] = {}
+    for _ in range(request.get("steps", 1)):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            c = out.outputs[0]
+            ids, logps = token_logprobs(c)
+            row = rows.setdefault(out.request_id, [out.request_id, [], [], False, False])
+            row[1] += ids
+            row[2] += logps
+            row[3], row[4] = out.finished, c.finish_reason == "length"
+        if any(row[3] for row in rows.values()):
+            break
+    return {"rows": list(rows.values()), "running": engine.get_num_unfinished_requests()}
+
+
+def reload(llm, request: dict) -> dict:
+    """The streaming sampler's running requests aborted, then the policy's weights loaded in place (none: a LoRA
+    adapter, given with the next requests) and the prefix cache emptied (its blocks are the old weights')."""
+    t0 = time.perf_counter()
+    if request["abort"]:
+        llm.llm_engine.abort_request(request["abort"])
+    if request["reload"] is not None:
+        llm.collective_rpc("rlflow_reload_weights", args=(request["reload"],))
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM kept its prefix cache (blocks still in use after the abort)")
+    return {"seconds": time.perf_counter() - t0}
 
 
 class WorkerExtension:
@@ -99,6 +154,10 @@ def main(argv: list[str]) -> int:
             llm, seconds = start(request["llm"])
             in_process = request["in_process"]
             send({"engine_seconds": seconds, "vllm_version": vllm.__version__})
+        elif "stream" in request:
+            send(stream(llm, request["stream"]))
+        elif "reload" in request:
+            send(reload(llm, request))
         else:
             send(sample(llm, request))
     if in_process:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 EPISODE_SEED = 7_919_993        # episode e's calls sample with seed params.seed + e * EPISODE_SEED (+ call offsets)
 POLL = 0.01
+UNWIND_SECONDS = 5.0      # what a stopped runner waits for its agents' coroutines to unwind (Threads.stop)
 
 
 def agent_of(cfg: Config):
@@ -95,7 +96,8 @@ class Threads:
         # endpoint) ends with it. Kept across stages, a client of a later endpoint that got the same port back
         # reused connections of the earlier one and waited on them (seen: episodes hung until their timeout).
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True, name="agents").start()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="agents")
+        self.thread.start()
 
     def start(self, run: Running, row: dict, base_url: str) -> None:
         from concurrent.futures import Future
@@ -118,7 +120,25 @@ class Threads:
         run.done, run.result, run.kill = future.done, future.result, future.cancel
 
     def stop(self) -> None:
+        """The agents still on the loop cancelled and let unwind before it stops: a client cancelled mid-request
+        closes its connection then, where a loop stopped at once left requests half sent and the endpoint's server
+        waiting on them (seen: its shutdown hung on two such connections)."""
+        async def unwind() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                if not t.cancelling():          # (a killed one is unwinding already: cancelled again, its
+                    t.cancel()                  # `finally` would be cut short)
+            if tasks:
+                await asyncio.wait(tasks, timeout=UNWIND_SECONDS / 2)     # (one that will not: left as it is)
+        try:
+            asyncio.run_coroutine_threadsafe(unwind(), self.loop).result(UNWIND_SECONDS)
+        except Exception:  # noqa: BLE001 - the loop held by an agent that blocks it: left to its daemon thread
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            return
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(UNWIND_SECONDS)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 class Processes:
@@ -221,20 +241,10 @@ def run_agents(cfg: Config, table: dict[int, dict], rows: list[int], session: Sa
                 time.sleep(POLL)
                 still = []
                 for run in running:
-                    log = ep.episodes[run.key]
-                    if run.done():
-                        try:
-                            reward, info = outcome(run.result())
-                            outcomes[run.index] = (reward, info, None)
-                        except BaseException as e:  # noqa: BLE001 - costs only this episode
-                            outcomes[run.index] = (None, {}, _why(e))
-                    elif time.monotonic() - run.started - log.busy_seconds() > ec.timeout_seconds:
-                        run.kill()
-                        outcomes[run.index] = (None, {}, "the agent did not return within env.timeout_seconds")
-                    else:
+                    if (result := ended(run, ep.episodes[run.key], ec.timeout_seconds)) is None:
                         still.append(run)
                         continue
-                    logs[run.index] = ep.close(run.key)
+                    outcomes[run.index], logs[run.index] = result, ep.close(run.key)
                 running = still
                 while pending and len(running) < ec.concurrency:      # (an ended agent's slot, refilled first)
                     running.append(begin(pending.pop(0)))
@@ -247,6 +257,21 @@ def run_agents(cfg: Config, table: dict[int, dict], rows: list[int], session: Sa
     for i, (g, r) in enumerate(episodes):
         records += episode_records(cfg, logs[i], outcomes[i], g, r, table[r], session.tokenizer)
     return records, Sampled([], ep.load_seconds, ep.sampling_seconds)
+
+
+def ended(run: Running, log: EpisodeLog, timeout: float) -> tuple[float | None, dict, str | None] | None:
+    """The outcome of an agent that has ended (reward, info, error), or None while it is at work; one past its
+    `timeout` (seconds of its own, its calls' time not counted) is killed and failed."""
+    if run.done():
+        try:
+            reward, info = outcome(run.result())
+            return reward, info, None
+        except BaseException as e:  # noqa: BLE001 - costs only this episode
+            return None, {}, _why(e)
+    if time.monotonic() - run.started - log.busy_seconds() > timeout:
+        run.kill()
+        return None, {}, "the agent did not return within env.timeout_seconds"
+    return None
 
 
 def _why(e: BaseException) -> str:
@@ -304,6 +329,7 @@ def episode_records(cfg: Config, log: EpisodeLog, result: tuple[float | None, di
         ids: list[int] = []
         mask: list[int] = []
         logprobs: list[float] = []
+        versions: list[int] = []          # (streamed calls: a gap's tokens carry the version of the call before)
         end = first.prompt_ids
         for i in chain:
             c = calls[i]
@@ -311,13 +337,16 @@ def episode_records(cfg: Config, log: EpisodeLog, result: tuple[float | None, di
             ids += gap + c.completion_ids
             mask += [0] * len(gap) + [1] * len(c.completion_ids)
             logprobs += [0.0] * len(gap) + c.logprobs
+            if c.versions is not None:
+                versions += (versions[-1:] or c.versions[:1]) * len(gap) + c.versions
             end = c.prompt_ids + c.completion_ids
         last = calls[chain[-1]]
         out.append(Rollout(group=group, row=row, prompt=prompt, prompt_ids=first.prompt_ids,
                            completion=tokenizer.decode(ids, skip_special_tokens=True), completion_ids=ids,
                            logprobs=logprobs, truncated=truncated or last.truncated, columns=columns, mask=mask,
                            turns=turns, turn_rewards=[], env_return=reward if error is None else None,
-                           env_error=error, env_state=state, part=k))
+                           env_error=error, env_state=state, part=k,
+                           versions=versions if len(versions) == len(ids) else None))
     return out
 
 

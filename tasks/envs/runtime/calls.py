@@ -33,6 +33,7 @@ class Call:
     tools: list[dict] | None = None
     reply: dict | None = None          # the assistant message it answered (normalised)
     extends: int | None = None         # the earlier call whose prompt + completion this prompt starts with
+    versions: list[int] | None = None  # per completion token, the policy version that drew it (generate.streaming)
 
 
 @dataclass

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 CALL_SEED = 1_000_033          # call c of an episode samples with seed episode_seed + c * CALL_SEED
 ROUND_SEED = 999_983           # lockstep round r samples with seed params.seed + r * ROUND_SEED
+SHUTDOWN_SECONDS = 5           # a stopped endpoint's requests still open after this are cancelled (Endpoint.stop)
 ALIAS = "policy"               # a model name every endpoint also answers to (the policy's own is in /v1/models)
 
 
@@ -109,7 +110,7 @@ class Endpoint:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(app(self), log_level="warning", lifespan="off", access_log=False,
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, timeout_graceful_shutdown=SHUTDOWN_SECONDS)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None          # (a thread: the stage's signals are its own)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
@@ -123,9 +124,16 @@ class Endpoint:
         return self
 
     def stop(self) -> None:
+        """The server stopped: calls still waiting for a round answered with an error first, and a request still
+        open SHUTDOWN_SECONDS later (a client gone quiet mid-request) cancelled rather than waited on."""
+        with self._waiting:
+            waiting, self.waiting = list(self.waiting.values()), {}
+        for w in waiting:
+            w.error = Refused(409, "episode_closed", "the episode has ended")
+            w.done.set()
         if self.server is not None:
             self.server.should_exit = True
-            self.thread.join(10)
+            self.thread.join(3 * SHUTDOWN_SECONDS)
             self.server = None
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.sampler.shutdown(wait=False, cancel_futures=True)
@@ -179,7 +187,7 @@ class Endpoint:
                     sampled = self.session.sample([w.prompt_ids for w in ws], SamplingParams(
                         n=1, max_new_tokens=max(w.budget for w in ws), temperature=temperature, top_p=top_p,
                         top_k=self.params.top_k, seed=(self.params.seed + r * ROUND_SEED + g) % (2 ** 63)),
-                        keys=[f"{self.params.seed}/{w.episode}" for w in ws])    # (replicas: an episode stays put)
+                        keys=[self.route_key(w.episode) for w in ws])
                 except BaseException as e:  # noqa: BLE001 - every call of the round gets it
                     for w in ws:
                         w.error = e
@@ -204,6 +212,10 @@ class Endpoint:
             raise Refused(401, "invalid_api_key", "unknown or closed API key: each episode has its own, valid "
                           "while its agent runs")
         return key, log
+
+    def route_key(self, episode: int) -> str:
+        """Episode `episode`'s key to the sampler: where replicas serve, its calls stay on one (its prefix cache)."""
+        return f"{self.params.seed}/{episode}"
 
     def check_model(self, name: Any) -> None:
         if name not in (self.policy, ALIAS):
@@ -299,21 +311,24 @@ class Endpoint:
             if w.error is not None:
                 raise w.error
             ids, logprobs, truncated = w.sample
+            versions = None
         else:
             seed = (log.seed + len(log.calls) * CALL_SEED) % (2 ** 63)
             sampled = self.session.sample([prompt_ids], SamplingParams(
                 n=1, max_new_tokens=budget, temperature=params.temperature, top_p=params.top_p, seed=seed,
                 top_k=params.top_k),
-                keys=[f"{self.params.seed}/{log.index}"])
+                keys=[self.route_key(log.index)])
             s = sampled.samples[0]
             ids, logprobs, truncated = list(s.completion_ids), list(s.logprobs), s.truncated
+            versions = list(s.versions) if s.versions is not None else None     # (generate.streaming)
             with self._count:
                 self.sampling_seconds += sampled.sampling_seconds
                 self.load_seconds += sampled.load_seconds
         if stop:
             ids, logprobs, truncated = self.cut_at_stop(ids, logprobs, stop, truncated)
         call = Call(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=logprobs, truncated=truncated,
-                    messages=messages, tools=tools, extends=extends)
+                    messages=messages, tools=tools, extends=extends,
+                    versions=versions[:len(ids)] if versions is not None else None)
         if used + len(ids) >= ec.max_tokens:
             log.limited = log.limited or f"env.max_tokens ({ec.max_tokens}) tokens"
         return call

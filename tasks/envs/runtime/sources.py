@@ -5,9 +5,9 @@
     Agents         env.agent: an agent's episodes through an endpoint serving the policy (agents.py: run_agents)
 
 Each has `check` (preflight, with the first row, the model's path and tokenizer: what it needs, one line and exit
-2 when it is not there), `run` (generate and evaluate: the rollouts and what sampling them took), `require_some`
-(a stage whose every episode failed stops) and `metrics` (generate's source-specific ones); the stages and the
-preflight call them without asking which source runs.
+2 when it is not there), `run` (generate and evaluate: the rollouts and what sampling them took), `streamed`
+(generate.streaming's group source), `require_some` (a stage whose every episode failed stops) and `metrics`
+(generate's source-specific ones); the stages and the preflight call them without asking which source runs.
 More: docs/internals.md (tasks/envs/runtime/sources.py).
 """
 
@@ -34,6 +34,12 @@ class Prompts:
         from tasks.engines.sampling import sample_rollouts
 
         return sample_rollouts(cfg, session, ds, rows, params)
+
+    def streamed(self, services: Services | None = None):
+        """generate.streaming's group source (tasks/engines/streaming.py): a group, its prompt's rows."""
+        from tasks.engines.streaming import PromptGroups
+
+        return PromptGroups
 
     def metrics(self, records: list[Rollout]) -> dict[str, float]:
         return {}
@@ -68,6 +74,12 @@ class Environments:
 
         return run_episodes(cfg, {r: ds[r] for r in set(rows)}, rows, session, params, services)
 
+    def streamed(self, services: Services | None = None):
+        """generate.streaming's group source: each turn a row (tasks/envs/runtime/streamed.py)."""
+        from tasks.envs.runtime.streamed import StreamedEpisodes
+
+        return StreamedEpisodes.given(services)
+
     def metrics(self, records: list[Rollout]) -> dict[str, float]:
         from tasks.envs.runtime.episodes import episode_metrics
 
@@ -100,6 +112,12 @@ class Agents:
         from tasks.envs.runtime.agents import run_agents
 
         return run_agents(cfg, {r: ds[r] for r in set(rows)}, rows, session, params, policy)
+
+    def streamed(self, services: Services | None = None):
+        """generate.streaming's group source: each call a row (tasks/envs/runtime/streamed.py)."""
+        from tasks.envs.runtime.streamed import StreamedAgents
+
+        return StreamedAgents.given(services)
 
     def metrics(self, records: list[Rollout]) -> dict[str, float]:
         from tasks.envs.runtime.agents import agent_metrics
