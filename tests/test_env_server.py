@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -65,9 +64,7 @@ def test_an_episode_on_the_server_fails_as_it_would_in_the_stage(served, isolati
     cfg, server = served("env.factory=tests.env_classes:Flaky", f"env.isolation={isolation}",
                          "env.timeout_seconds=4")
     rows = [{"prompt": "Say each letter I name.", "letters": "abc", "seed": 0, "mode": m} for m in modes]
-    t0 = time.monotonic()
     records = _episodes(cfg, server, rows)
-    assert time.monotonic() - t0 < 20
     want = {"ok": None, "raise": "step raised ValueError: step blew up",
             "hang": "step did not return within env.timeout_seconds", "garbage": "step: step returned str, not a Step",
             "crash": "step: the environment's process died (killed by SIGSEGV)",

@@ -4,7 +4,6 @@ adapters (TRL's environment classes, gymnasium), and the letters demo through th
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -150,9 +149,7 @@ def test_an_environment_that_raises_hangs_crashes_or_returns_garbage_costs_only_
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = _cfg("flaky_env:Flaky", tmp_path, f'env.kwargs={{"mode": "{mode}"}}', "env.timeout_seconds=3",
                f"env.isolation={isolation}")
-    t0 = time.monotonic()
     records = _run(cfg, Scripted(lambda ctx: "a"), tokenizer)
-    assert time.monotonic() - t0 < 10
     if mode == "reset":
         assert [r.env_error is None for r in records] == [True, True, False, False]
         assert records[2].env_error == "reset raised RuntimeError: reset blew up" and records[2].completion_ids == []

@@ -140,9 +140,7 @@ def test_a_worker_outlives_the_thread_that_started_it(bad_module):
 @pytest.mark.parametrize("bad", ["hangs", "spins"])
 def test_a_hanging_function_is_killed_at_its_timeout(bad_module, bad):
     functions = _functions([bad, "good"], timeout_seconds=2)
-    t0 = time.monotonic()
     scored = score_records(functions, _records(), "sum")
-    assert time.monotonic() - t0 < 15             # 2 s timeout + a fresh worker for the next function
     assert scored.errors[bad] == f"reward function {bad!r} timed out after 2s (killed)"
     assert scored.scores[bad] == [None] * 4 and scored.scores["good"] == [0.0, 1.0, 0.0, 1.0]
 
