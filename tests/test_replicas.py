@@ -86,28 +86,33 @@ def test_only_the_schedules_policy_is_served(tmp_path):
         sampling_engine(cfg).stop(lambda _line: None)
 
 
+def _signal_one_while_it_samples(router: dict, sig: int, hit: list[int]) -> threading.Thread:
+    """A thread that sends `sig` to the first replica it sees busy (its pid appended to `hit`), started."""
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not hit:
+            try:
+                members = httpx.get(f"{router['url']}/stats", timeout=5).json()["members"]
+                busy = [m for m in members.values() if m["busy"] and m["url"]]
+                if busy:
+                    pid = httpx.get(f"{busy[0]['url']}/health", timeout=5).json()["pid"]
+                    os.kill(pid, sig)
+                    hit.append(pid)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return watcher
+
+
 def test_a_replica_killed_mid_stage_is_replaced_and_the_rollouts_are_unchanged(tmp_path):
     more = ("generate.prompts_per_iteration=32", "generate.max_completion_length=24", "generate.batch_size=2")
     _generate(_cfg(tmp_path, 1, *more))
     cfg = _cfg(tmp_path, 3, *more)
     router = ensure_router(cfg)
     killed: list[int] = []
-
-    def kill_one_while_it_samples() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not killed:
-            try:
-                members = httpx.get(f"{router['url']}/stats", timeout=5).json()["members"]
-                busy = [m for m in members.values() if m["busy"] and m["url"]]
-                if busy:
-                    pid = httpx.get(f"{busy[0]['url']}/health", timeout=5).json()["pid"]
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-    watcher = threading.Thread(target=kill_one_while_it_samples, daemon=True)
-    watcher.start()
+    watcher = _signal_one_while_it_samples(router, signal.SIGKILL, killed)
     try:
         m = generate(cfg, 1)["metrics"]
         watcher.join(5)
@@ -124,6 +129,94 @@ def test_a_replica_killed_mid_stage_is_replaced_and_the_rollouts_are_unchanged(t
         assert all(x["state"] == "ready" for x in stats["members"].values()), stats
     finally:
         sampling_engine(cfg).stop(lambda _line: None)
+
+
+# A launch command as sky's is to the router (tasks/engines/replicas.py: Router._launched): it starts replica {i}
+# away from the router (no process of its: it cannot kill it) and prints its URL; the stop command ends them all.
+LAUNCH = """
+import json, subprocess, sys, time, pathlib
+i, folder, config = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3]
+log = folder / f"replica-{i}-{time.time_ns()}.log"
+proc = subprocess.Popen([sys.executable, "-m", "tasks.engines.replica", "--config-json", config, "--port", "0"],
+                        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+with (folder / "pids").open("a") as f:
+    f.write(f"{proc.pid}\\n")
+while proc.poll() is None:
+    for line in log.read_text().splitlines():
+        if line.startswith("RLFLOW_REPLICA_READY "):
+            print(json.dumps({"url": line.split()[1]}))
+            sys.exit(0)
+    time.sleep(0.1)
+print(json.dumps({"error": log.read_text()[-300:]}))
+"""
+KILL = """
+import os, pathlib, signal, sys
+for pid in (pathlib.Path(sys.argv[1]) / "pids").read_text().split():
+    try:
+        os.kill(int(pid), signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
+
+
+def test_a_hung_replica_is_cut_off_and_its_requests_sampled_elsewhere_unchanged(tmp_path):
+    """A replica that stops answering without exiting (SIGSTOP: a hung machine, whose connections stay open) while
+    it samples, launched as on sky (the router holds no process of it to kill): once its probes fail the router
+    says it lost, cuts its requests off, sends them to the others and launches it again; the stage's rollouts
+    are one replica's."""
+    import json
+    import sys
+
+    from tasks.core.placement import Services
+
+    more = ("generate.prompts_per_iteration=32", "generate.max_completion_length=24", "generate.batch_size=2")
+    _generate(_cfg(tmp_path, 1, *more))
+    cfg = _cfg(tmp_path, 3, *more)
+    config = tmp_path / "replica.json"
+    config.write_text(json.dumps(cfg.model_dump(mode="json")))
+    launch = {"start": [sys.executable, "-c", LAUNCH, "{i}", str(tmp_path), str(config)],
+              "stop": [sys.executable, "-c", KILL, str(tmp_path)]}
+    services = Services(replica_launch=launch)
+    router = ensure_router(cfg, launch)
+    stopped: list[int] = []
+    watcher = _signal_one_while_it_samples(router, signal.SIGSTOP, stopped)
+    try:
+        m = generate(cfg, 1, services=services)["metrics"]
+        watcher.join(5)
+        assert stopped
+        assert _rollouts(tmp_path, 1) == _rollouts(tmp_path, 3)
+        assert m["generate/router/retried"] >= 1
+        deadline = time.monotonic() + 300                   # (the watch replaces it within its next round)
+        while httpx.get(f"{router['url']}/stats", timeout=5).json()["counts"]["replaced"] < 1:
+            assert time.monotonic() < deadline, "the lost replica was never launched again"
+            time.sleep(0.2)
+    finally:
+        sampling_engine(cfg, services).stop(lambda _line: None)
+        for pid in (tmp_path / "pids").read_text().split():       # (the stopped one, were the stop command late)
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _preempt_once(fake_cloud, cluster: str, port: int, signs: tuple[str, ...], done: list) -> threading.Thread:
+    """A thread that preempts `cluster` once the replica on 127.0.0.1:`port` reports any of `signs` in its
+    /health (appending True to `done`), started."""
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+                if any(health[k] for k in signs):
+                    fake_cloud.preempt(cluster)
+                    done.append(True)
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return watcher
 
 
 @AT_LENGTH               # (~45 s; a replica killed mid-stage, above, is CI's smoke of replacement)
@@ -147,23 +240,9 @@ def test_a_preempted_replica_cluster_is_launched_again_and_the_flow_is_unchanged
            f"generate.replica_port={base}"]
     cluster = "rlflow-tiny-demo-replica-1"
     preempted: list[bool] = []
-
-    def preempt_while_sampling() -> None:
-        # (busy or has served: a batch can begin and end between two polls, so "busy" alone may never be seen; the
-        # first poll after its first request preempts it, early in iteration 1 whatever the machine's load)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                health = httpx.get(f"http://127.0.0.1:{base + 1}/health", timeout=2).json()
-                if health["busy"] or health["served"]:
-                    fake_cloud.preempt(cluster)
-                    preempted.append(True)
-                    return
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
-    watcher = threading.Thread(target=preempt_while_sampling, daemon=True)
-    watcher.start()
+    # (busy or has served: a batch can begin and end between two polls, so "busy" alone may never be seen; the
+    # first poll after its first request preempts it, early in iteration 1 whatever the machine's load)
+    watcher = _preempt_once(fake_cloud, cluster, base + 1, ("busy", "served"), preempted)
     out = train_flow(str(TINY), sky)
     watcher.join(5)
     assert out["iterations_completed"] == 2 and preempted
@@ -179,6 +258,44 @@ def test_a_preempted_replica_cluster_is_launched_again_and_the_flow_is_unchanged
     for it in (1, 2):
         key = layout.rollouts("tiny-demo", it)
         assert len({(s.local(key) / "rollouts.jsonl").read_bytes() for s in stores}) == 1
+
+
+@AT_LENGTH               # (~1 min; a replica killed while streaming, below, is CI's smoke of rows continued)
+@pytest.mark.drill
+def test_a_preempted_replica_cluster_while_streaming_loses_no_group(tmp_path, prefect_api, monkeypatch, fake_cloud,
+                                                                     s3_endpoint, bucket):
+    """generate.streaming on two replica clusters (generate on sky: the sampler in the flow, its rows decoded on
+    the replicas): the cloud takes one back once it has decoded; its rows continue on the other, it is launched
+    again, and every iteration trains on its prompts' groups once each, every token tagged with its version."""
+    import json
+
+    from flows.training import train_flow
+    from tasks.envs.builtin.webshop import free_port
+
+    monkeypatch.chdir(tmp_path)
+    base = free_port()
+    overrides = ["run.name=skystream", "run.iterations=3", "run.max_staleness=1", "eval.every=0",
+                 "generate.streaming.on_update=interrupt", "generate.prompts_per_iteration=4",
+                 "generate.num_generations=4", "generate.max_completion_length=24", "generate.replicas=2",
+                 "generate.replica_threads=1", f"generate.replica_port={base}", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                 f"store.endpoint_url={s3_endpoint}", f"store.uri=s3://{bucket}/sky", "launcher.stages={generate: sky}",
+                 f"launcher.sky_python={fake_cloud.python}", f"launcher.recipes={ROOT / 'sky'}"]
+    cluster = "rlflow-skystream-replica-1"
+    preempted: list[bool] = []
+    watcher = _preempt_once(fake_cloud, cluster, base + 1, ("tokens",), preempted)
+    out = train_flow(str(TINY), overrides)
+    watcher.join(5)
+    assert out["iterations_completed"] == 3 and preempted
+    mine = [c["call"] for c in fake_cloud.calls() if c.get("cluster") == cluster]
+    assert mine.count("launch") >= 2 and "preempted" in mine and mine[-1] == "down", mine
+    from tasks.core.store import open_store
+
+    store = open_store(load_config(TINY, overrides))
+    for it in (1, 2, 3):
+        lines = (store.local(layout.rollouts("skystream", it)) / "rollouts.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        assert sorted(r["group"] for r in records) == [j for j in range(4) for _ in range(4)]
+        assert all(len(r["versions"]) == len(r["completion_ids"]) for r in records)
 
 
 def test_replicas_that_cannot_start_are_said_at_once_not_after_the_start_timeout(tmp_path):

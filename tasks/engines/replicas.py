@@ -8,8 +8,8 @@ and evaluate stages sample through. The stages do not change: the router is one 
 Routes: GET /health, GET /stats, POST /policy {policy, digest}, POST /sample {policy, digest, prompt_ids,
 params, key}, POST /stream/<i>/stream|interrupt (generate.streaming's, to replica i). The same rollouts whatever
 N (fixed shards, each with its own seed); requests sticky by episode, new work to the least loaded replica; only
-the schedule's policy (each replica version-checked); a failed replica is taken out, its requests sent again to
-the others, and it is replaced.
+the schedule's policy (each replica version-checked); a failed replica (one that hangs too, once its probes fail)
+is taken out, its requests cut off and sent again to the others, and it is replaced.
 More: docs/internals.md (tasks/engines/replicas.py): each of these, and why a router of our own.
 """
 
@@ -224,6 +224,7 @@ class RoutedReplica:
     starts: Starts = dataclasses.field(default_factory=Starts)   # its starts that failed in a row (fleet.py)
     health: Health = dataclasses.field(default_factory=Health)
     life: int = 0                     # which start of this replica (a failure seen late concerns an old one)
+    calls: set = dataclasses.field(default_factory=set)   # its forwarded requests now: (loop, task), Router.forward
 
 
 class Router:
@@ -300,7 +301,8 @@ class Router:
                     self.changed.notify_all()
                     return
             try:
-                r = httpx.post(f"{m.url}/load", json={"policy": want[0], "digest": want[1]}, timeout=None,
+                r = httpx.post(f"{m.url}/load", json={"policy": want[0], "digest": want[1]},
+                               timeout=httpx.Timeout(self.cfg.generate.server_start_timeout, connect=10),
                                headers=bearer(self.token))
                 if r.status_code != 200:
                     raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
@@ -321,6 +323,8 @@ class Router:
             if m.state in ("dead", "starting") or (life is not None and life != m.life):
                 return                    # (already known, or said of a start that has been replaced)
             m.state = "dead"
+            for loop, call in m.calls:        # (a hung member never closes their connections: cut them here)
+                loop.call_soon_threadsafe(call.cancel)
             self.changed.notify_all()
         print(f"replica {m.index}: lost ({why})", flush=True)
 
@@ -429,13 +433,10 @@ class Router:
             attempt += 1
             life = m.life
             try:
-                r = await self._client().post(f"{m.url}/sample", json=body, headers=bearer(self.token))
+                r = await self.forward(m, life, f"{m.url}/sample", body)
             except httpx.TransportError as e:
                 self.lost(m, f"{type(e).__name__}: {e}", life)
                 continue
-            finally:
-                with self.lock:
-                    m.busy -= 1
             if r.status_code == 409:                  # it holds another version: loaded again, not used till then
                 with self.lock:
                     m.state, m.holds = "loading", None
@@ -449,6 +450,29 @@ class Router:
                 m.seconds += out["sampling_seconds"]
             out["replica"] = m.index
             return 200, out
+
+    async def forward(self, m: RoutedReplica, life: int, url: str, body: dict):
+        """POST `body` to member m (its start `life`; m.busy raised by the caller, lowered here), cut off as a
+        TransportError once m is said lost: one that hangs keeps its connections open (docs/internals.md)."""
+        import httpx
+
+        loop = asyncio.get_running_loop()
+        call = asyncio.ensure_future(self._client().post(url, json=body, headers=bearer(self.token)))
+        with self.lock:
+            if m.life != life or m.state == "dead":
+                call.cancel()
+            m.calls.add((loop, call))
+        try:
+            return await call
+        except asyncio.CancelledError:
+            cancelling = getattr(asyncio.current_task(), "cancelling", lambda: 0)()      # (3.11+)
+            if call.cancelled() and not cancelling and (m.life != life or m.state == "dead"):
+                raise httpx.ReadError(f"replica {m.index} was lost while it answered") from None
+            raise                                       # (this request's own caller went away)
+        finally:
+            with self.lock:
+                m.calls.discard((loop, call))
+                m.busy -= 1
 
     def _client(self):
         import httpx
@@ -473,13 +497,10 @@ class Router:
         if not up:
             return 503, {"error": f"replica {index} is {m.state}"}
         try:
-            r = await self._client().post(f"{url}/{op}", json=body, headers=bearer(self.token))
+            r = await self.forward(m, life, f"{url}/{op}", body)
         except httpx.TransportError as e:
             self.lost(m, f"{type(e).__name__}: {e}", life)
             return 503, {"error": f"replica {index} lost: {type(e).__name__}: {e}"}
-        finally:
-            with self.lock:
-                m.busy -= 1
         out = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"error": r.text}
         if op == "stream" and r.status_code == 200:
             with self.lock:
