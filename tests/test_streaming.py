@@ -619,6 +619,18 @@ def test_streaming_it_cannot_do_is_one_line_and_exit_2(tmp_path, extra, says):
     assert not (tmp_path / "store").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+def test_streaming_takes_generate_elsewhere_when_replicas_decode_there(tmp_path):
+    """generate on sky (or local) with generate.replicas: the sampler stays in the flow's process and the
+    replicas run there, each decoding the rows placed on it (the drill: tests/test_replicas.py, a preempted
+    replica cluster while streaming)."""
+    from tasks.core.placement import placement_of
+
+    for where in ("sky", "local"):
+        cfg = load_config(TINY, _overrides(tmp_path, "routed", "generate.replicas=2",
+                                           f"launcher.stages.generate={where}"))
+        assert placement_of(cfg).replicas_where == where and placement_of(cfg).routes("generate")
+
+
 @AT_LENGTH
 @pytest.mark.slow
 @pytest.mark.drill

@@ -180,10 +180,10 @@ class Config(Section):
         if sc.buffer is not None and sc.buffer < gc.prompts_per_iteration:
             raise ValueError(f"generate.streaming.buffer: {sc.buffer} groups is smaller than one iteration's "
                              f"(generate.prompts_per_iteration {gc.prompts_per_iteration}); expected at least that")
-        if self.launcher.where_of("generate") != "inline":
+        if self.launcher.where_of("generate") != "inline" and not gc.replicas:     # (replicas: they run there)
             raise ValueError(f"generate.streaming: the sampler runs in the flow's process, but generate runs "
-                             f"{self.launcher.where_of('generate')} (launcher); expected generate inline (to decode "
-                             f"on other machines: generate.replicas, each replica decoding the rows placed on it)")
+                             f"{self.launcher.where_of('generate')} (launcher); expected generate inline, or "
+                             f"generate.replicas to decode there (each replica decoding the rows placed on it)")
         return self
 
     @model_validator(mode="after")
