@@ -406,7 +406,8 @@ class Launchers:
     def _replica_launch(self) -> Services:
         """generate.replicas with the generate stage on sky: how the router launches replica i (its own cluster
         <prefix>-<run>-replica-<i>, sky/replica.yaml, port generate.replica_port + i); the clusters are the flow's
-        to tear down (close). Else nothing: local replica processes."""
+        to tear down (close). --fresh: a replica launched again on a cluster still up (it hung rather than was
+        preempted) first has the hung one's job cancelled, which holds its port. Else nothing: local processes."""
         if self.placement.replicas_where != "sky":
             return Services()
         from tasks.engines.replicas import TOKEN_VAR
@@ -416,7 +417,7 @@ class Launchers:
         sky.launched.update(names)
         start = [sky.python, str(BRIDGE), "serve", "--cluster", f"{sky.cluster('replica')}-{{i}}", "--recipe",
                  str(recipe_path(self.cfg, "replica")), "--port", "{port}", "--wait", str(int(gc.server_start_timeout)),
-                 "--idle-minutes", str(lc.idle_minutes_to_autostop), "--launch",
+                 "--idle-minutes", str(lc.idle_minutes_to_autostop), "--launch", "--fresh",
                  f"--env=CONFIG={self.config_path}", f"--env=OVERRIDES={json.dumps(self.overrides)}",
                  "--env=PORT={port}", f"--env={TOKEN_VAR}={{token}}"]
         if lc.accelerators.get("generate"):

@@ -7,7 +7,7 @@ on stdout after the job's logs.
                                     [--idle-minutes 10] [--accelerators A100:8]
     python flows/sky_bridge.py job  --name N --recipe sky/train.yaml [--env K=V]... [--accelerators A100:8]
     python flows/sky_bridge.py serve --cluster C --recipe sky/env.yaml --port 8330 [--env K=V]... [--launch]
-                                     [--wait 600] [--idle-minutes 10] [--accelerators L4:1]   # answers its URL
+                                     [--wait 600] [--idle-minutes 10] [--accelerators L4:1] [--fresh]   # its URL
     python flows/sky_bridge.py down --cluster C
     python flows/sky_bridge.py price --recipe sky/train.yaml [--accelerators A100:8] [--recipe ...]   # rlflow plan
 
@@ -140,6 +140,8 @@ def cmd_serve(sky, args) -> dict:
     import urllib.request
 
     tee = Tee()
+    if args.fresh and _cluster_up(sky, args.cluster):     # (a server there that hung still holds the port)
+        sky.get(sky.cancel(args.cluster, all=True))
     submitted = _submit(sky, args, _task(sky, args.recipe, args.env, port=args.port, accelerators=args.accelerators),
                         tee)
     if isinstance(submitted, dict):
@@ -288,6 +290,7 @@ def main() -> None:
     serve.add_argument("--wait", type=int, default=600)
     serve.add_argument("--launch", action="store_true")
     serve.add_argument("--idle-minutes", type=int, default=10)
+    serve.add_argument("--fresh", action="store_true", help="first cancel the jobs of the cluster, if it is up")
     down = sub.add_parser("down")
     down.add_argument("--cluster", required=True)
     price = sub.add_parser("price")

@@ -17,6 +17,7 @@ import pytest
 
 from tasks.core import layout
 from tasks.core.config import load_config
+from tasks.core.placement import Services
 from tasks.engines.replicas import LAUNCH_VAR, ensure_router, policy_digest
 from tasks.engines.sampling import sampling_engine
 from tasks.generate import generate
@@ -26,10 +27,13 @@ from tests.test_envs import LETTERS
 pytestmark = pytest.mark.slow
 
 
+def _overrides(tmp_path: Path, n: int, *more: str) -> list[str]:
+    return [f"generate.replicas={n}", f"store.uri=file://{tmp_path}/store{n}", "generate.batch_size=4",
+            "generate.replica_threads=1", f"tracking.uri=sqlite:///{tmp_path}/m.db", *more]
+
+
 def _cfg(tmp_path: Path, n: int, *more: str, config: Path = TINY):
-    return load_config(config, [f"generate.replicas={n}", f"store.uri=file://{tmp_path}/store{n}",
-                                "generate.batch_size=4", "generate.replica_threads=1",
-                                f"tracking.uri=sqlite:///{tmp_path}/m.db", *more])
+    return load_config(config, _overrides(tmp_path, n, *more))
 
 
 def _rollouts(tmp_path: Path, n: int, run: str = "tiny-demo", iteration: int = 1) -> bytes:
@@ -131,72 +135,46 @@ def test_a_replica_killed_mid_stage_is_replaced_and_the_rollouts_are_unchanged(t
         sampling_engine(cfg).stop(lambda _line: None)
 
 
-# A launch command as sky's is to the router (tasks/engines/replicas.py: Router._launched): it starts replica {i}
-# away from the router (no process of its: it cannot kill it) and prints its URL; the stop command ends them all.
-LAUNCH = """
-import json, subprocess, sys, time, pathlib
-i, folder, config = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3]
-log = folder / f"replica-{i}-{time.time_ns()}.log"
-proc = subprocess.Popen([sys.executable, "-m", "tasks.engines.replica", "--config-json", config, "--port", "0"],
-                        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-with (folder / "pids").open("a") as f:
-    f.write(f"{proc.pid}\\n")
-while proc.poll() is None:
-    for line in log.read_text().splitlines():
-        if line.startswith("RLFLOW_REPLICA_READY "):
-            print(json.dumps({"url": line.split()[1]}))
-            sys.exit(0)
-    time.sleep(0.1)
-print(json.dumps({"error": log.read_text()[-300:]}))
-"""
-KILL = """
-import os, pathlib, signal, sys
-for pid in (pathlib.Path(sys.argv[1]) / "pids").read_text().split():
-    try:
-        os.kill(int(pid), signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-"""
-
-
-def test_a_hung_replica_is_cut_off_and_its_requests_sampled_elsewhere_unchanged(tmp_path):
-    """A replica that stops answering without exiting (SIGSTOP: a hung machine, whose connections stay open) while
-    it samples, launched as on sky (the router holds no process of it to kill): once its probes fail the router
-    says it lost, cuts its requests off, sends them to the others and launches it again; the stage's rollouts
-    are one replica's."""
+def test_a_hung_replica_on_sky_is_cut_off_launched_fresh_and_its_requests_sampled_elsewhere(tmp_path, fake_cloud):
+    """A replica on its own (fake) cluster that stops answering without exiting (SIGSTOP: a hung machine, whose
+    connections stay open and which holds its port) while it samples: once its probes fail the router says it
+    lost, cuts its requests off and sends them to the others; launched again on the cluster still up, the hung
+    job is cancelled first (--fresh) and the new one serves on the same port. The rollouts are one replica's."""
     import json
-    import sys
 
-    from tasks.core.placement import Services
+    from flows.launch import BRIDGE
+    from tasks.engines.replicas import TOKEN_VAR
+    from tasks.envs.builtin.webshop import free_port
 
     more = ("generate.prompts_per_iteration=32", "generate.max_completion_length=24", "generate.batch_size=2")
     _generate(_cfg(tmp_path, 1, *more))
     cfg = _cfg(tmp_path, 3, *more)
-    config = tmp_path / "replica.json"
-    config.write_text(json.dumps(cfg.model_dump(mode="json")))
-    launch = {"start": [sys.executable, "-c", LAUNCH, "{i}", str(tmp_path), str(config)],
-              "stop": [sys.executable, "-c", KILL, str(tmp_path)]}
-    services = Services(replica_launch=launch)
+    cluster = ["--cluster", "hung-replica-{i}"]
+    launch = {"start": [fake_cloud.python, str(BRIDGE), "serve", *cluster, "--recipe", str(ROOT / "sky/replica.yaml"),
+                        "--port", "{port}", "--wait", "300", "--launch", "--fresh", f"--env=CONFIG={TINY}",
+                        f"--env=OVERRIDES={json.dumps(_overrides(tmp_path, 3, *more))}", "--env=PORT={port}",
+                        f"--env={TOKEN_VAR}={{token}}"],
+              "stop": [fake_cloud.python, str(BRIDGE), "down", *cluster], "port_base": free_port()}
     router = ensure_router(cfg, launch)
     stopped: list[int] = []
     watcher = _signal_one_while_it_samples(router, signal.SIGSTOP, stopped)
     try:
-        m = generate(cfg, 1, services=services)["metrics"]
+        m = generate(cfg, 1, services=Services(replica_launch=launch))["metrics"]
         watcher.join(5)
         assert stopped
         assert _rollouts(tmp_path, 1) == _rollouts(tmp_path, 3)
         assert m["generate/router/retried"] >= 1
-        deadline = time.monotonic() + 300                   # (the watch replaces it within its next round)
-        while httpx.get(f"{router['url']}/stats", timeout=5).json()["counts"]["replaced"] < 1:
-            assert time.monotonic() < deadline, "the lost replica was never launched again"
-            time.sleep(0.2)
+        deadline = time.monotonic() + 300                  # (replaced in the watch's next round, then loads)
+        while True:
+            stats = httpx.get(f"{router['url']}/stats", timeout=5).json()
+            if stats["counts"]["replaced"] and all(x["state"] == "ready" for x in stats["members"].values()):
+                break
+            assert time.monotonic() < deadline, f"the hung replica was never back: {stats}"
+            time.sleep(0.5)
+        cancelled = [c for c in fake_cloud.calls() if c["call"] == "cancel" and c.get("all")]
+        assert len(cancelled) == 1 and cancelled[0]["cluster"].startswith("hung-replica-"), cancelled
     finally:
-        sampling_engine(cfg, services).stop(lambda _line: None)
-        for pid in (tmp_path / "pids").read_text().split():       # (the stopped one, were the stop command late)
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sampling_engine(cfg, Services(replica_launch=launch)).stop(lambda _line: None)
 
 
 def _preempt_once(fake_cloud, cluster: str, port: int, signs: tuple[str, ...], done: list) -> threading.Thread:

@@ -242,9 +242,11 @@ def endpoints(cluster, port=None, **kw):
 
 
 @_one_at_a_time
-def cancel(cluster_name, job_ids=None, **kw):
-    _call("cancel", cluster=cluster_name, job_ids=job_ids)
+def cancel(cluster_name, all=False, job_ids=None, **kw):  # noqa: A002 - the SDK's name
+    _call("cancel", cluster=cluster_name, job_ids=job_ids, all=all)
     state = _state()
+    if all:
+        job_ids = [i for i, job in state["jobs"].items() if job.get("cluster") == cluster_name]
     for job_id in job_ids or []:
         job = state["jobs"].get(str(job_id), {})
         if "pgid" in job:
