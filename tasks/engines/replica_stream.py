@@ -161,9 +161,18 @@ class ReplicasDecoder:
     def step_batch(self, rows: list, version: int, stop) -> bool:
         """Decode `rows` on the replicas until one answers with a finished row, or `stop(finished, rows)` says so;
         True when rows are left unfinished. Replicas in flight go on meanwhile (a newer policy interrupts them:
-        `load`), and rows that joined are sent to a replica once it has answered."""
+        `load`), and rows that joined are sent to a replica once it has answered. A lost replica's rows are
+        placed again on the others."""
+        while True:
+            self._place_all(rows)
+            left = self._decode(rows, version, stop)
+            if left is not None:
+                return left
+
+    def _place_all(self, rows: list) -> None:
+        """Rows that left the batch unfinished are dropped from their replica; rows not on one are placed."""
         live = {id(r) for r in rows}
-        for key, (m, rid) in list(self.placed.items()):         # (rows that left the batch unfinished)
+        for key, (m, rid) in list(self.placed.items()):
             if key not in live:
                 del self.placed[key], self.rows[rid]
                 self.drop[m].append(rid)
@@ -175,15 +184,16 @@ class ReplicasDecoder:
                 self.made += 1
                 self.placed[id(r)], self.rows[rid] = (m, rid), r
                 self.add[m].append(rid)
+
+    def _decode(self, rows: list, version: int, stop) -> bool | None:
+        """step_batch's wait on the replicas: True/False as it returns, None when rows are to be placed again."""
         while True:
             for i in sorted(self.up):
                 holds = any(m == i for m, _ in self.placed.values())
                 if i not in self.busy and (holds or self.add[i] or self.drop[i]):
                     self._send(i, version)
             if not self.busy:
-                if any(not r.done for r in rows):       # (every replica holding rows was lost: placed again)
-                    return self.step_batch(rows, version, stop)
-                return False
+                return None if any(not r.done for r in rows) else False   # (every replica holding rows lost)
             done, _ = wait([f for f, _, _ in self.busy.values()], timeout=POLL, return_when=FIRST_COMPLETED)
             finished = sum(self._answered(i) for i, (f, _, _) in list(self.busy.items()) if f in done)
             if finished:
@@ -191,7 +201,7 @@ class ReplicasDecoder:
             if stop(sum(r.done for r in rows), len(rows)):
                 return True
             if any(id(r) not in self.placed and not r.done for r in rows):     # (a lost replica's: placed again)
-                return self.step_batch(rows, version, stop)
+                return None
 
     def close(self) -> None:
         """The requests in flight interrupted and answered (a stopped sampler); the router and its replicas stay
