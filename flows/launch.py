@@ -210,10 +210,11 @@ class Sky:
         """A long-lived server job (sky/<what>.yaml) on its own cluster, answering on `port`: its URL, once
         it answers. The cluster is launched the first time, and again when it is gone (preempted); it is torn
         down with the others by close(). `member`: one of several such servers, on cluster <cluster>-<member>
-        (env.servers > 1: the environment pool's members and its front)."""
+        (env.servers > 1: the environment pool's members and its front). Asked again (the server stopped
+        answering), the cluster's jobs are cancelled first (--fresh): a server that hung holds the port."""
         cluster = self.cluster(what) + (f"-{member}" if member is not None else "")
         args = ["serve", "--cluster", cluster, "--recipe", str(recipe_path(self.cfg, what)), "--port", str(port),
-                "--wait", str(wait), "--idle-minutes", str(self.cfg.launcher.idle_minutes_to_autostop),
+                "--fresh", "--wait", str(wait), "--idle-minutes", str(self.cfg.launcher.idle_minutes_to_autostop),
                 *[f"--env={k}={v}" for k, v in env.items()],      # launcher.accelerators of the served role:
                 *(["--accelerators", gpus] if (gpus := self.cfg.launcher.accelerators.get(
                     {"replica": "generate"}.get(what, what))) else [])]
