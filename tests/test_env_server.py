@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -143,27 +145,32 @@ def test_the_letters_demo_with_its_environments_on_a_local_server(tmp_path, pref
     assert out["iterations_completed"] == 2
     meta = Store.open(str(tmp_path / "store")).manifest(layout.rollouts("letters-demo", 2))["meta"]["metrics"]
     assert meta["env/episodes"] == 8 and meta["env/turns_mean"] == 3 and meta["env/errors"] == 0
-    assert not _servers_alive()
+    assert not _servers_alive(tmp_path)
 
 
-def _servers_alive() -> list[int]:
+def _servers_alive(tmp_path: Path) -> list[int]:
+    """The letters game's environment servers this test started (their overrides name its tmp_path: another
+    test file's, run by the other xdist worker meanwhile, are not its)."""
     out = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        if b"tasks.envs.runtime.server" in cmd and b"letters" in cmd:
+        if b"tasks.envs.runtime.server" in cmd and b"letters" in cmd and str(tmp_path).encode() in cmd:
             out.append(int(proc.name))
     return out
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fault", ["preempted", "hung"])
 def test_the_env_cluster_is_launched_once_relaunched_after_a_preemption_and_torn_down(
-        tmp_path, prefect_api, monkeypatch, fake_cloud):
+        tmp_path, prefect_api, monkeypatch, fake_cloud, fault):
     """env.where: sky: the flow launches sky/env.yaml's cluster, reads the server's endpoint, and hands it to
-    generate. The cluster is preempted once iteration 1's episodes are in (its server killed, the cluster gone):
-    iteration 2 finds it gone and launches it again, and both iterations' episodes are whole."""
+    generate. Once iteration 1's episodes are in, the cluster is preempted (its server killed, the cluster gone):
+    iteration 2 finds it gone and launches it again; or its server hangs (SIGSTOP: the cluster up, the port held):
+    iteration 2 finds it not answering, cancels its job and starts one again there. Both iterations' episodes
+    are whole."""
     from flows.training import train_flow
 
     monkeypatch.chdir(tmp_path)
@@ -173,20 +180,33 @@ def test_the_env_cluster_is_launched_once_relaunched_after_a_preemption_and_torn
     store = Store.open(str(tmp_path / "store"))
     cluster = "rlflow-letters-demo-env"
 
-    watcher = fake_cloud.preempt_once_written(store, layout.rollouts("letters-demo", 1), cluster)
+    if fault == "preempted":
+        watcher = fake_cloud.preempt_once_written(store, layout.rollouts("letters-demo", 1), cluster)
+    else:
+        def hang_once_written() -> None:
+            deadline = time.monotonic() + 300
+            while store.manifest(layout.rollouts("letters-demo", 1)) is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for pid in _servers_alive(tmp_path):
+                os.kill(pid, signal.SIGSTOP)
+        watcher = threading.Thread(target=hang_once_written, daemon=True)
+        watcher.start()
     out = train_flow(str(LETTERS), [*COMMON, "env.where=sky", f"env.server_port={port}",
                                     f"launcher.sky_python={fake_cloud.python}", f"launcher.recipes={ROOT / 'sky'}",
                                     f"store.uri={tmp_path}/store", f"tracking.uri=sqlite:///{tmp_path}/m.db"])
     watcher.join(5)
     assert out["iterations_completed"] == 2
     env_calls = [c for c in fake_cloud.calls() if c.get("cluster") == cluster]
-    # (the exec finds the cluster gone: launched again)
-    assert [c["call"] for c in env_calls] == ["launch", "preempted", "exec", "launch", "down"], env_calls
+    # (preempted: the exec finds the cluster gone, launched again; hung: its job cancelled, one sent again)
+    want = ["launch", "preempted", "exec", "launch", "down"] if fault == "preempted" else \
+        ["launch", "cancel", "exec", "down"]
+    assert [c["call"] for c in env_calls] == want, env_calls
     assert env_calls[0]["envs"][TOKEN_VAR] and env_calls[0]["envs"]["PORT"] == str(port)
-    assert env_calls[0]["envs"][TOKEN_VAR] == env_calls[3]["envs"][TOKEN_VAR]
+    assert env_calls[0]["envs"][TOKEN_VAR] == env_calls[-2]["envs"][TOKEN_VAR]
     for it in (1, 2):
         meta = store.manifest(layout.rollouts("letters-demo", it))["meta"]["metrics"]
         assert meta["env/episodes"] == 8 and meta["env/errors"] == 0
+    assert not _servers_alive(tmp_path)
 
 
 def _free_port() -> int:
