@@ -1100,3 +1100,77 @@ def test_the_io_limit_is_written_where_possible_and_its_absence_reported(tmp_pat
     none = cgroups.Cgroup(2, {"unified": v2})
     none.set_io([])
     assert "no block device" in none.why_no_io
+
+
+# Issue 44's hardening of the sandbox (items 1-3), here beside the leftovers checks: a test file runs in one
+# xdist worker, so no sandbox of another test runs while this file looks for what sandboxes left behind.
+
+def test_a_completion_too_deep_for_the_hosts_walks_costs_only_itself():
+    """Item 2: a long chain of operators (2,000 deep) in a completion's code: the host reads its names without
+    recursion and the sandbox runs it, the honest one beside it scores 1; a row whose own assert is that deep is a
+    broken test, skipped (no score), not a crash of the batch."""
+    from tasks.core.config import SandboxConfig
+    from tasks.rewards import code as code_rewards
+    from tasks.scoring import sandbox
+
+    sandbox.configure(SandboxConfig(timeout_seconds=5, cpu_seconds=4, memory_mb=512, workers=2))
+    try:
+        chain = "+".join(["1"] * 2000)          # (deeper: ast.parse itself refuses it, RecursionError, caught)
+        honest = "```python\ndef add(a, b):\n    return a + b\n```"
+        deep = f"```python\nX = {chain}\ndef add(a, b):\n    return a + b\n```"
+        tests = ["assert add(1, 2) == 3"]
+        verdicts = code_rewards.judge([deep, honest], test_list=[tests, tests])
+        assert verdicts[1].score == 1.0 and verdicts[0].score is not None, verdicts
+        deep_row = [f"assert add(1, 2) == {'+'.join(['1'] * 2000)} - 1997"]
+        verdicts = code_rewards.judge([honest, honest], test_list=[deep_row, tests])
+        assert verdicts[0].score is None and verdicts[1].score == 1.0, verdicts
+    finally:
+        sandbox.configure(None)
+
+
+MACHINE_WIDE = '''
+import ctypes, errno, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+out = {}
+out["sync"] = libc.syscall(162)                         # SYS_sync on x86_64; -1 and EPERM when refused
+out["sync_errno"] = ctypes.get_errno()
+fd = os.open("/tmp", os.O_RDONLY)
+out["syncfs"] = libc.syncfs(fd)
+out["syncfs_errno"] = ctypes.get_errno()
+for name, how in (("open_direct", lambda: os.open("/usr/bin/env", os.O_RDONLY | os.O_DIRECT)),):
+    try:
+        how()
+        out[name] = "opened"
+    except OSError as e:
+        out[name] = errno.errorcode[e.errno]
+g = os.open("/usr/bin/env", os.O_RDONLY)
+import fcntl
+try:
+    fcntl.fcntl(g, fcntl.F_SETFL, os.O_DIRECT)
+    out["setfl_direct"] = "set"
+except OSError as e:
+    out["setfl_direct"] = errno.errorcode[e.errno]
+print(sorted(out.items()))
+'''
+
+
+@pytest.mark.bubblewrap
+def test_machine_wide_calls_and_direct_io_are_refused_in_the_sandbox():
+    """Item 3: sync and syncfs (every dirty page of the host, past the sandbox's disk throttle) are refused;
+    item 1: direct I/O, which queued behind that throttle puts a process where SIGKILL cannot reach it, is
+    refused at open and by fcntl."""
+    import platform
+
+    from tasks.core.config import SandboxConfig
+    from tasks.scoring import sandbox
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the probe calls sync by its x86_64 number")
+    sandbox.configure(SandboxConfig(isolation="bubblewrap", timeout_seconds=10, cpu_seconds=5))
+    try:
+        run = sandbox.runner().run(MACHINE_WIDE, [sandbox.Test(stdin="")])
+    finally:
+        sandbox.configure(None)
+    got = dict(eval(run.tests[0].stdout.strip()))
+    assert got["sync"] == -1 and got["sync_errno"] == 1 and got["syncfs"] == -1 and got["syncfs_errno"] == 1, got
+    assert got["open_direct"] == "EINVAL" and got["setfl_direct"] == "EINVAL", got
