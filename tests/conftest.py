@@ -166,6 +166,27 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive ports free now, for servers told a fixed port each (generate.replica_port + i,
+    as on sky). Drawn below the kernel's ephemeral range, where no other test's server is handed a port by the
+    kernel: a port picked there could be taken a moment later by a server that the other xdist worker starts."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    for _ in range(1000):
+        base = random.randrange(10000, low - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as sock:
+                    sock.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports below {low}")
+
+
 def _serve(argv: list[str], env: dict, ready_url: str, log: Path, timeout: float = 120):
     """Start a server process (own session) and wait until `ready_url` answers; returns the process."""
     import time

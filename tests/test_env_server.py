@@ -22,6 +22,7 @@ from tasks.core.placement import Services
 from tasks.core.store import Store
 from tasks.envs.runtime.episodes import run_episodes
 from tasks.envs.runtime.server import TOKEN_VAR, URL_VAR, ServerGone
+from tests.conftest import free_ports
 from tests.test_envs import LETTERS, Scripted
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,7 +177,7 @@ def test_the_env_cluster_is_launched_once_relaunched_after_a_preemption_and_torn
     monkeypatch.chdir(tmp_path)
     for var in (URL_VAR, TOKEN_VAR):
         monkeypatch.delenv(var, raising=False)
-    port = _free_port()
+    port = free_ports(1)
     store = Store.open(str(tmp_path / "store"))
     cluster = "rlflow-letters-demo-env"
 
@@ -209,7 +210,3 @@ def test_the_env_cluster_is_launched_once_relaunched_after_a_preemption_and_torn
     assert not _servers_alive(tmp_path)
 
 
-def _free_port() -> int:
-    from tasks.envs.builtin.webshop import free_port
-
-    return free_port()

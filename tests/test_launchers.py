@@ -14,7 +14,7 @@ import pytest
 
 from tasks.core.config import load_config
 from tasks.scoring.functions import load_functions
-from tests.conftest import AT_LENGTH, ROOT, TINY, user_module
+from tests.conftest import AT_LENGTH, ROOT, TINY, free_ports, user_module
 
 RECIPES = sorted((ROOT / "sky").glob("*.yaml"))
 SKY_PYTHON = ROOT / ".venv-sky" / "bin" / "python"
@@ -345,7 +345,6 @@ def test_sky_launcher_asks_for_each_roles_gpu_type(tmp_path, fake_cloud):
     """launcher.accelerators replaces each recipe's accelerators (here a dict of 2 options) with the role's GPU
     type: a stage's cluster, a stage sharing it (same machine), a managed job, a generate replica's server."""
     from flows.launch import Sky
-    from tasks.core.processes import free_port
 
     recipes = tmp_path / "recipes"
     recipes.mkdir()
@@ -361,7 +360,7 @@ def test_sky_launcher_asks_for_each_roles_gpu_type(tmp_path, fake_cloud):
     try:
         for stage in ("train", "publish", "evaluate", "reward"):
             sky.run(stage, 1, {"ITERATION": "1"}, log.append)
-        port = free_port()
+        port = free_ports(1)
         assert sky.serve("replica", port, 60, {"PORT": port}, log.append) == f"http://127.0.0.1:{port}"
     finally:
         sky.close(log.append)

@@ -21,7 +21,7 @@ from tasks.core.placement import Services
 from tasks.engines.replicas import LAUNCH_VAR, ensure_router, policy_digest
 from tasks.engines.sampling import sampling_engine
 from tasks.generate import generate
-from tests.conftest import AT_LENGTH, ROOT, TINY
+from tests.conftest import AT_LENGTH, ROOT, TINY, free_ports
 from tests.test_envs import LETTERS
 
 pytestmark = pytest.mark.slow
@@ -144,7 +144,6 @@ def test_a_hung_replica_on_sky_is_cut_off_launched_fresh_and_its_requests_sample
 
     from flows.launch import BRIDGE
     from tasks.engines.replicas import TOKEN_VAR
-    from tasks.envs.builtin.webshop import free_port
 
     more = ("generate.prompts_per_iteration=32", "generate.max_completion_length=24", "generate.batch_size=2")
     _generate(_cfg(tmp_path, 1, *more))
@@ -154,7 +153,7 @@ def test_a_hung_replica_on_sky_is_cut_off_launched_fresh_and_its_requests_sample
                         "--port", "{port}", "--wait", "300", "--launch", "--fresh", f"--env=CONFIG={TINY}",
                         f"--env=OVERRIDES={json.dumps(_overrides(tmp_path, 3, *more))}", "--env=PORT={port}",
                         f"--env={TOKEN_VAR}={{token}}"],
-              "stop": [fake_cloud.python, str(BRIDGE), "down", *cluster], "port_base": free_port()}
+              "stop": [fake_cloud.python, str(BRIDGE), "down", *cluster], "port_base": free_ports(3)}
     router = ensure_router(cfg, launch)
     stopped: list[int] = []
     watcher = _signal_one_while_it_samples(router, signal.SIGSTOP, stopped)
@@ -206,13 +205,12 @@ def test_a_preempted_replica_cluster_is_launched_again_and_the_flow_is_unchanged
     with one local replica. Every replica cluster is torn down with the flow."""
     from flows.training import train_flow
     from tasks.core.store import open_store
-    from tasks.envs.builtin.webshop import free_port
 
     monkeypatch.chdir(tmp_path)
     common = ["run.iterations=2", "generate.prompts_per_iteration=32", "generate.max_completion_length=24",
               "generate.batch_size=2", "generate.replica_threads=1", f"tracking.uri=sqlite:///{tmp_path}/m.db",
               f"store.endpoint_url={s3_endpoint}"]
-    base = free_port()
+    base = free_ports(3)
     sky = [*common, "generate.replicas=3", f"store.uri=s3://{bucket}/sky", "launcher.stages={generate: sky}",
            f"launcher.sky_python={fake_cloud.python}", f"launcher.recipes={ROOT / 'sky'}",
            f"generate.replica_port={base}"]
@@ -248,10 +246,9 @@ def test_a_preempted_replica_cluster_while_streaming_loses_no_group(tmp_path, pr
     import json
 
     from flows.training import train_flow
-    from tasks.envs.builtin.webshop import free_port
 
     monkeypatch.chdir(tmp_path)
-    base = free_port()
+    base = free_ports(2)
     overrides = ["run.name=skystream", "run.iterations=3", "run.max_staleness=1", "eval.every=0",
                  "generate.streaming.on_update=interrupt", "generate.prompts_per_iteration=4",
                  "generate.num_generations=4", "generate.max_completion_length=24", "generate.replicas=2",

@@ -20,7 +20,7 @@ from tasks.core.config import load_config
 from tasks.core.contracts import Rollout
 from tasks.core.models import pin_of
 from tasks.scoring.functions import RewardFunctionError, load_functions, score_records
-from tests.conftest import AT_LENGTH, ROOT, TINY, run_cli, user_module
+from tests.conftest import AT_LENGTH, ROOT, TINY, free_ports, run_cli, user_module
 
 TINY_LM = builtin_models.resolve("builtin:tiny-lm")
 PIN = pin_of(TINY_LM)
@@ -325,11 +325,9 @@ def test_a_judge_on_its_own_cluster_is_launched_again_after_a_preemption(tmp_pat
     from flows.training import train_flow
     from tasks.core import layout
     from tasks.core.store import Store
-    from tasks.envs.builtin.webshop import free_port
-
     monkeypatch.chdir(tmp_path)
     user_module(tmp_path, monkeypatch, "judge_parsers", PARSERS)
-    port = free_port()
+    port = free_ports(1)
     judge = {"name": "points", "kind": "judge", "model": "builtin:tiny-lm", "sha256": PIN, "max_tokens": 3,
              "template": "Is {completion} right for {prompt}?", "parser": "judge_parsers:length", "where": "sky",
              "port": port}
