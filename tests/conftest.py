@@ -166,6 +166,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def once_written(store, key: str, act):
+    """A thread that calls act() once `key` is complete in `store` (join it after the run), started."""
+    import threading
+    import time
+
+    def wait_then_act() -> None:
+        deadline = time.monotonic() + 300
+        while store.manifest(key) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        act()
+    thread = threading.Thread(target=wait_then_act, daemon=True)
+    thread.start()
+    return thread
+
+
 def free_ports(n: int) -> int:
     """The first of `n` consecutive ports free now, for servers told a fixed port each (generate.replica_port + i,
     as on sky). Drawn below the kernel's ephemeral range, where no other test's server is handed a port by the
@@ -173,8 +188,8 @@ def free_ports(n: int) -> int:
     import random
     import socket
 
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
-        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
     for _ in range(1000):
         base = random.randrange(10000, low - n)
         try:
@@ -333,17 +348,7 @@ def fake_cloud(tmp_path, monkeypatch):
 
         def preempt_once_written(self, store, key: str, cluster: str):
             """A thread that preempts `cluster` once `key` is complete in `store` (join it after the run)."""
-            import threading
-            import time
-
-            def wait_then_preempt() -> None:
-                deadline = time.monotonic() + 300
-                while store.manifest(key) is None and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                self.preempt(cluster)
-            thread = threading.Thread(target=wait_then_preempt, daemon=True)
-            thread.start()
-            return thread
+            return once_written(store, key, lambda: self.preempt(cluster))
 
         def calls(self):
             path = state / "calls.jsonl"

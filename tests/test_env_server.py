@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from tasks.core.placement import Services
 from tasks.core.store import Store
 from tasks.envs.runtime.episodes import run_episodes
 from tasks.envs.runtime.server import TOKEN_VAR, URL_VAR, ServerGone
-from tests.conftest import free_ports
+from tests.conftest import free_ports, once_written
 from tests.test_envs import LETTERS, Scripted
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,17 +179,11 @@ def test_the_env_cluster_is_launched_once_relaunched_after_a_preemption_and_torn
     store = Store.open(str(tmp_path / "store"))
     cluster = "rlflow-letters-demo-env"
 
-    if fault == "preempted":
-        watcher = fake_cloud.preempt_once_written(store, layout.rollouts("letters-demo", 1), cluster)
-    else:
-        def hang_once_written() -> None:
-            deadline = time.monotonic() + 300
-            while store.manifest(layout.rollouts("letters-demo", 1)) is None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            for pid in _servers_alive(tmp_path):
-                os.kill(pid, signal.SIGSTOP)
-        watcher = threading.Thread(target=hang_once_written, daemon=True)
-        watcher.start()
+    def hang() -> None:
+        for pid in _servers_alive(tmp_path):
+            os.kill(pid, signal.SIGSTOP)
+    watcher = once_written(store, layout.rollouts("letters-demo", 1),
+                           (lambda: fake_cloud.preempt(cluster)) if fault == "preempted" else hang)
     out = train_flow(str(LETTERS), [*COMMON, "env.where=sky", f"env.server_port={port}",
                                     f"launcher.sky_python={fake_cloud.python}", f"launcher.recipes={ROOT / 'sky'}",
                                     f"store.uri={tmp_path}/store", f"tracking.uri=sqlite:///{tmp_path}/m.db"])

@@ -110,6 +110,18 @@ def _signal_one_while_it_samples(router: dict, sig: int, hit: list[int]) -> thre
     return watcher
 
 
+def _replaced_and_ready(router: dict, within: float) -> dict:
+    """The router's /stats once a replica has been replaced and every one is ready again, or after `within` s."""
+    deadline = time.monotonic() + within
+    while True:
+        stats = httpx.get(f"{router['url']}/stats", timeout=5).json()
+        if stats["counts"]["replaced"] and all(x["state"] == "ready" for x in stats["members"].values()):
+            return stats
+        if time.monotonic() >= deadline:
+            return stats
+        time.sleep(0.5)
+
+
 def test_a_replica_killed_mid_stage_is_replaced_and_the_rollouts_are_unchanged(tmp_path):
     more = ("generate.prompts_per_iteration=32", "generate.max_completion_length=24", "generate.batch_size=2")
     _generate(_cfg(tmp_path, 1, *more))
@@ -123,12 +135,7 @@ def test_a_replica_killed_mid_stage_is_replaced_and_the_rollouts_are_unchanged(t
         assert killed
         assert _rollouts(tmp_path, 1) == _rollouts(tmp_path, 3)      # the killed replica's shards, sampled again
         assert m["generate/router/retried"] >= 1
-        deadline = time.monotonic() + 120                             # replaced, and back with the policy
-        while time.monotonic() < deadline:
-            stats = httpx.get(f"{router['url']}/stats", timeout=5).json()
-            if stats["counts"]["replaced"] and all(x["state"] == "ready" for x in stats["members"].values()):
-                break
-            time.sleep(0.5)
+        stats = _replaced_and_ready(router, within=120)               # replaced, and back with the policy
         assert stats["counts"]["replaced"] == 1 and stats["replace_seconds"], stats
         assert all(x["state"] == "ready" for x in stats["members"].values()), stats
     finally:
@@ -163,13 +170,9 @@ def test_a_hung_replica_on_sky_is_cut_off_launched_fresh_and_its_requests_sample
         assert stopped
         assert _rollouts(tmp_path, 1) == _rollouts(tmp_path, 3)
         assert m["generate/router/retried"] >= 1
-        deadline = time.monotonic() + 300                  # (replaced in the watch's next round, then loads)
-        while True:
-            stats = httpx.get(f"{router['url']}/stats", timeout=5).json()
-            if stats["counts"]["replaced"] and all(x["state"] == "ready" for x in stats["members"].values()):
-                break
-            assert time.monotonic() < deadline, f"the hung replica was never back: {stats}"
-            time.sleep(0.5)
+        stats = _replaced_and_ready(router, within=300)    # (replaced in the watch's next round, then loads)
+        assert stats["counts"]["replaced"] and all(x["state"] == "ready" for x in stats["members"].values()), \
+            f"the hung replica was never back: {stats}"
         cancelled = [c for c in fake_cloud.calls() if c["call"] == "cancel" and c.get("all")]
         assert len(cancelled) == 1 and cancelled[0]["cluster"].startswith("hung-replica-"), cancelled
     finally:
