@@ -100,7 +100,7 @@ def _sampled(cfg: Config, iteration: int, round: int, ds, rows: list[int], polic
     }
     metrics.update(routed)
     metrics.update(sampled.metrics)
-    metrics.update(source.metrics(records))
+    metrics.update(source.metrics(cfg, records, services))
     return records, metrics
 
 
@@ -120,7 +120,7 @@ def _streamed(cfg: Config, iteration: int, services: Services | None) -> tuple[l
     groups = source.streamed(Services.given(services))
     records, metrics, rows, picked = Stream.of(cfg, iteration, listener, groups, services).collect(iteration)
     source.require_some(cfg, records, f"iteration {iteration}")
-    metrics.update(source.metrics(records))
+    metrics.update(source.metrics(cfg, records, services))
     versions = [v for r in records for v in r.versions or ()]     # (None: an episode that sampled nothing)
     oldest = min(versions, default=iteration - 1)
     metrics.update({

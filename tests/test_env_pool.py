@@ -77,14 +77,15 @@ def _episodes(cfg, n: int):
     from tasks.core import builtin_models
     from tasks.core.contracts import SamplingParams
     from tasks.core.models import load_tokenizer
-    from tasks.envs.runtime.episodes import episode_metrics, run_episodes
+    from tasks.envs.runtime.episodes import run_episodes
+    from tasks.envs.runtime.sources import Environments
     from tests.test_envs import Scripted
 
     tok = load_tokenizer(builtin_models.resolve("builtin:tiny-lm"))
     table = dict(enumerate(ROWS))
     records, sampled = run_episodes(cfg, table, list(table), Scripted(lambda ctx: "a").session("base", "-", tok),
                                     SamplingParams(n=n, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=3))
-    return records, {**episode_metrics(records), **sampled.metrics}       # (env/pool_*: the sampler's own)
+    return records, Environments().metrics(cfg, records)      # (env/pool_*: from each record's env_server)
 
 
 def _health(server) -> dict:

@@ -437,16 +437,18 @@ def test_streamed_agents_that_fail_or_hang_cost_only_their_episode(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("config", "where"), [("letters.yaml", []), ("agent.yaml", []),
-                                               ("letters.yaml", ["env.where=local", "env.isolation=process"])],
-                         ids=["environments", "agents", "environment-server"])
+                                               ("letters.yaml", ["env.where=local", "env.servers=2",
+                                                                 "env.isolation=process"])],
+                         ids=["environments", "agents", "environment-pool"])
 def test_the_letters_game_streams_through_the_flow_and_learns_from_the_environments_return(prefect_api, tmp_path,
                                                                                             monkeypatch, config,
                                                                                             where):
-    """configs/letters.yaml (environments in the stage, or on an environment server of the flow's, each in a
-    process of its own) and configs/agent.yaml (the same game as an agent) with generate.streaming, 3
-    iterations: each trains on the stage mode's prompts, its episodes' tokens within run.max_staleness, the
-    reward the episode's return (scored as each group completed), the episodes' metrics logged; the sampler
-    stops with the flow, nothing discarded."""
+    """configs/letters.yaml (environments in the stage, or on a pool of two environment servers of the flow's,
+    each episode in a process of its own) and configs/agent.yaml (the same game as an agent) with
+    generate.streaming, 3 iterations: each trains on the stage mode's prompts, its episodes' tokens within
+    run.max_staleness, the reward the episode's return (scored as each group completed), the episodes' metrics
+    logged (on the pool: which server ran each, env/pool_*); the sampler stops with the flow, nothing
+    discarded."""
     from mlflow.tracking import MlflowClient
 
     from flows.training import train_flow
@@ -466,6 +468,11 @@ def test_the_letters_game_streams_through_the_flow_and_learns_from_the_environme
         scored = rollout.load(store, layout.rewards("game", it))
         assert [r.reward for r in scored] == pytest.approx([r.env_return for r in records])
         assert "reward/streamed_seconds" in store.manifest(layout.rewards("game", it))["meta"]["metrics"]
+        if cfg.env.servers > 1:                 # each episode's server, counted in the iteration's metrics
+            served = [r.env_server for r in records]
+            meta = store.manifest(layout.rollouts("game", it))["meta"]["metrics"]
+            assert set(served) <= {"0", "1"} and meta["env/pool_lost"] == 0, (served, meta)
+            assert [meta[f"env/pool_server{i}_episodes"] for i in (0, 1)] == [served.count(s) for s in "01"], meta
     history = MlflowClient(cfg.tracking.uri).get_metric_history
     assert [m.value for m in history(summary["mlflow_run_id"], "generate/discarded_tokens")] == [0.0] * 3
     assert [m.value for m in history(summary["mlflow_run_id"], "env/episodes")] == [16.0] * 3

@@ -54,6 +54,7 @@ class Rollout:
                                           # that made it and the environment's step (for traces: tasks/core/traces.py)
     versions: list[int] | None = None     # per completion token, the policy version that drew it (generate.streaming;
                                           # None: every token the stage's one policy's)
+    env_server: str | None = None         # env.servers > 1: the pool's server (its index) that ran the episode
 
 
 @dataclass

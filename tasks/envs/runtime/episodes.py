@@ -158,8 +158,8 @@ def environments(cfg: Config, services: Services | None = None) -> Callable[[dic
 
 def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: SamplingSession,
                  params: SamplingParams, services: Services | None = None) -> tuple[list[Rollout], Sampled]:
-    """params.n episodes of each row of `rows` (`table`: the rows by index), every turn sampled from `session`;
-    Sampled.metrics: the pool's (env/pool_*) where the environment server is a pool."""
+    """params.n episodes of each row of `rows` (`table`: the rows by index), every turn sampled from `session`
+    (each record says which server of a pool ran it: sources.py's metrics count them)."""
     ec = cfg.env
     tokenizer = session.tokenizer
     render = Renderer(tokenizer, cfg.generate.max_prompt_length)
@@ -187,8 +187,7 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: 
             step(cfg, caller, active, ended, render)
     finally:
         close(caller, episodes)
-    pool = _pool_metrics(server_of(cfg, services), episodes) if placement_of(cfg).env_remote() else {}
-    return [record(cfg, e, tokenizer) for e in episodes], Sampled([], load_seconds, sampling_seconds, pool)
+    return [record(cfg, e, tokenizer) for e in episodes], Sampled([], load_seconds, sampling_seconds)
 
 
 # One episode's steps, shared by the stage's turns in lockstep (run_episodes) and the streaming sampler
@@ -268,16 +267,16 @@ def step(cfg: Config, caller: Caller, active: list[Episode], ended: list[bool], 
         e.versions += e.versions[-1:] * len(obs)              # (streamed: the observation's, its turn's version)
 
 
-def _pool_metrics(server: tuple[str, str], episodes: list[Episode]) -> dict[str, float]:
-    """env/pool_*: this stage's episodes per server of the pool (its ids say which: tasks/envs/runtime/pool.py), those
-    failed because their server was lost, and the pool's own counts at the end (/health: live servers, servers
-    replaced so far). Nothing when the server is not a pool."""
+def pool_metrics(server: tuple[str, str], records: list[Rollout]) -> dict[str, float]:
+    """env/pool_*: these episodes per server of the pool (Rollout.env_server), those failed because their server
+    was lost, and the pool's own counts now (/health: live servers, servers replaced so far). Nothing when the
+    server is not a pool. (The generate stage's episodes, or an iteration's streamed groups.)"""
     from tasks.envs.runtime.pool import LOST
 
-    served = [k.split(".", 1)[0] for e in episodes if (k := getattr(e.env, "key", None)) and k.count(".") >= 2]
+    served = [r.env_server for r in records if r.env_server is not None and not r.part]
     if not served:
         return {}
-    out: dict[str, float] = {"env/pool_lost": float(sum(LOST in (e.error or "") for e in episodes))}
+    out: dict[str, float] = {"env/pool_lost": float(sum(LOST in (r.env_error or "") for r in records))}
     try:
         import httpx
 
@@ -324,7 +323,14 @@ def record(cfg: Config, e: Episode, tokenizer) -> Rollout:
                    logprobs=e.logprobs, truncated=e.truncated,
                    columns={k: v for k, v in e.data.items() if k != cfg.data.prompt_column},
                    mask=e.mask, turns=e.turns, turn_rewards=e.rewards, env_return=ret, env_error=e.error,
-                   env_state=e.state, timings=e.timings, versions=e.versions or None)
+                   env_state=e.state, timings=e.timings, versions=e.versions or None, env_server=_pool_member(e))
+
+
+def _pool_member(e: Episode) -> str | None:
+    """The index of the pool's server that ran episode e (a pool's episode keys are "index.generation.inner":
+    tasks/envs/runtime/pool.py); None off a pool."""
+    key = getattr(e.env, "key", None)
+    return key.split(".", 1)[0] if isinstance(key, str) and key.count(".") >= 2 else None
 
 
 def episode_metrics(records: list[Rollout]) -> dict[str, float]:

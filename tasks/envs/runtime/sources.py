@@ -41,7 +41,7 @@ class Prompts:
 
         return PromptGroups
 
-    def metrics(self, records: list[Rollout]) -> dict[str, float]:
+    def metrics(self, cfg: Config, records: list[Rollout], services: Services | None = None) -> dict[str, float]:
         return {}
 
     def require_some(self, cfg: Config, records: list[Rollout], what: str) -> None:
@@ -80,10 +80,15 @@ class Environments:
 
         return StreamedEpisodes.given(services)
 
-    def metrics(self, records: list[Rollout]) -> dict[str, float]:
-        from tasks.envs.runtime.episodes import episode_metrics
+    def metrics(self, cfg: Config, records: list[Rollout], services: Services | None = None) -> dict[str, float]:
+        """env/*, and env/pool_* where the environments are a pool's (the stage's episodes, or an iteration's
+        streamed groups: each record says which server ran it)."""
+        from tasks.core.placement import placement_of
+        from tasks.envs.runtime.episodes import episode_metrics, pool_metrics
+        from tasks.envs.runtime.server import server_of
 
-        return episode_metrics(records)
+        pool = pool_metrics(server_of(cfg, services), records) if placement_of(cfg).env_remote() else {}
+        return {**episode_metrics(records), **pool}
 
     def require_some(self, cfg: Config, records: list[Rollout], what: str) -> None:
         """Stop a stage whose every episode failed (episodes.py: require_some_episode)."""
@@ -119,7 +124,7 @@ class Agents:
 
         return StreamedAgents.given(services)
 
-    def metrics(self, records: list[Rollout]) -> dict[str, float]:
+    def metrics(self, cfg: Config, records: list[Rollout], services: Services | None = None) -> dict[str, float]:
         from tasks.envs.runtime.agents import agent_metrics
         from tasks.envs.runtime.episodes import episode_metrics
 
