@@ -92,6 +92,42 @@ def test_rows_join_leave_and_change_policy_between_steps_and_each_token_is_its_v
     assert mixed                            # some rows continued under the newer policy
 
 
+def _cut_logprobs(model, prompt: list[int], completion: list[int], temperature: float, top_p: float) -> list[float]:
+    """Each token's logprob under the distribution sampled from: logits / temperature, cut to top_p, renormalized
+    (computed here from the full logits)."""
+    from tasks.algorithms.logprobs import cut
+
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = cut(model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature, 0, top_p)
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1).tolist()
+
+
+def test_rows_at_their_own_temperature_and_top_p_share_the_batch():
+    """An agent's call may narrow temperature and top_p (env.endpoint): while streaming its row samples at its
+    own settings in the batch the others share (Row.sampling). Each row's behaviour logprobs are those of the
+    distribution it was drawn from, its own, against a reference from the full logits; not the run's."""
+    cfg = load_config(TINY, [])
+    tok = load_tokenizer(base_path(cfg))
+    model = load_model(base_path(cfg)).eval()
+    params = SamplingParams(n=1, max_new_tokens=12, temperature=0.8, top_p=1.0, seed=5)
+    sampler = ContinuousSampler(tok, params, 12)
+    settings = [None, {"temperature": 0.4}, {"top_p": 0.6}, {"temperature": 1.3, "top_p": 0.9}]
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("c=", "hello x=")]
+    rows = [Row((k, j), prompts[j], sampling=own) for k, own in enumerate(settings) for j in range(2)]
+    while any(not r.done for r in rows):
+        sampler.step_batch(model, [r for r in rows if not r.done], 0, lambda finished, n: False)
+    apart = 0
+    for r in rows:
+        temperature, top_p = r.settings(params)
+        want = _cut_logprobs(model, r.prompt, r.tokens, temperature, top_p)
+        assert len(r.tokens) == len(r.logprobs) and max(abs(a - b) for a, b in zip(want, r.logprobs)) < 1e-4, \
+            (r.group, want, r.logprobs)
+        runs = _cut_logprobs(model, r.prompt, r.tokens, 0.8, 1.0)
+        apart += r.sampling is not None and max(abs(a - b) for a, b in zip(runs, r.logprobs)) > 1e-2
+    assert apart == 6                       # every row at its own settings is not the run's distribution
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("on_update", "engine"), [
     ("interrupt", []), ("finish", []),
@@ -370,6 +406,16 @@ def test_a_stopped_sampler_ends_the_agents_at_work_and_a_new_one_completes_their
     assert left == []
 
 
+def _arrived(calls, n: int, threads) -> list:
+    """The rows of the n calls the threads make, as they join (the calls wait meanwhile)."""
+    rows = []
+    while len(rows) < n:
+        assert any(t.is_alive() for t in threads)
+        rows += calls.arrived()
+        time.sleep(0.01)
+    return rows
+
+
 def test_a_call_ended_while_its_row_decodes_has_its_tokens_counted_as_discarded():
     """An agent ended mid-call (a client-side timeout, say): its call is answered with an error at once, its row
     finishes in the batch unread, and its tokens are counted as discarded (generate/discarded_tokens); a call
@@ -390,11 +436,7 @@ def test_a_call_ended_while_its_row_decodes_has_its_tokens_counted_as_discarded(
     threads = [threading.Thread(target=call, args=(k,)) for k in ("ended", "kept")]
     for t in threads:
         t.start()
-    rows = []
-    while len(rows) < 2:
-        assert any(t.is_alive() for t in threads)
-        rows += calls.arrived()
-        time.sleep(0.01)
+    rows = _arrived(calls, 2, threads)
     for r in rows:
         r.tokens += [5, 6, 7]
     calls.cancel("ended")
@@ -405,6 +447,33 @@ def test_a_call_ended_while_its_row_decodes_has_its_tokens_counted_as_discarded(
     threads[1].join(60)
     assert isinstance(got["ended"], Refused) and got["ended"].status == 409 and got["kept"] == [5, 6, 7]
     assert calls.discarded == 3
+
+
+def test_a_call_that_narrows_its_sampling_joins_the_batch_at_its_own():
+    """A call within env.endpoint's bounds (the endpoint checks them) becomes a row sampled at its own temperature
+    and top_p (the batch samples it so: test_rows_at_their_own_temperature_and_top_p_share_the_batch); a call at
+    the run's settings, a row at the sampler's."""
+    import dataclasses
+    import threading
+
+    from tasks.envs.runtime.streamed import _Calls
+
+    run = SamplingParams(n=1, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0)
+    calls = _Calls(None, run)
+    asked = {"run": run, "cooler": dataclasses.replace(run, temperature=0.5),
+             "narrower": dataclasses.replace(run, top_p=0.7, max_new_tokens=4)}
+    threads = [threading.Thread(target=calls.sample, args=([[1, 2]], p), kwargs={"keys": [k]})
+               for k, p in asked.items()]
+    for t in threads:
+        t.start()
+    rows = _arrived(calls, 3, threads)
+    assert {r.owner: (r.sampling, r.limit) for r in rows} == {
+        "run": (None, 8), "cooler": ({"temperature": 0.5}, 8), "narrower": ({"top_p": 0.7}, 4)}
+    for r in rows:
+        r.tokens, r.done = [5], True
+        calls.answer(r)
+    for t in threads:
+        t.join(60)
 
 
 def test_streamed_agents_that_fail_or_hang_cost_only_their_episode(tmp_path):

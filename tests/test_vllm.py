@@ -28,6 +28,7 @@ from tasks.algorithms.batching import pad_batch
 from tasks.algorithms.logprobs import completion_logprobs
 from tasks.core import layout, rollout
 from tasks.core.config import load_config
+from tasks.core.contracts import SamplingParams
 from tasks.core.models import add_lora, base_path, load_model, load_policy, load_tokenizer, policy_path
 from tasks.core.store import Store
 from tasks.engines.vllm_server import VLLMServer, state_dir
@@ -133,7 +134,6 @@ def test_batches_larger_than_one_engine_step_on_cpu(tmp_path):
     records = _records(cfg, 1)
     assert len(records) == 64 * N_GEN and all(1 <= len(r.completion_ids) <= 4 for r in records)
 
-    from tasks.core.contracts import SamplingParams
     from tasks.engines.hf import HFEngine
     from tasks.engines.sampling import sampling_engine
 
@@ -256,6 +256,38 @@ def test_streaming_loads_each_policy_in_place_and_each_token_is_its_versions(tmp
           f"(abort, reload, cache emptied) {reloads[0]:.2f} s")
     assert worst < TOL and mixed > 0
     assert {v for r in records[3] for v in r.versions} == {1}
+
+
+def test_streamed_rows_at_their_own_temperature_and_top_p(tmp_path):
+    """An agent's call that narrows its sampling (Row.sampling) is a request at its own settings in the vLLM
+    sampler's batch: each row's behaviour logprobs are those of its own distribution (logits / its temperature,
+    cut to its top_p, renormalized) within TOL, and those at other settings than the run's are not the run's."""
+    from tasks.engines.streaming import Row
+    from tasks.engines.vllm_stream import VLLMDecoder
+    from tests.test_streaming import _cut_logprobs
+
+    cfg = _cfg(tmp_path, "vown", ["generate.top_p=1.0", "generate.max_completion_length=12",
+                                  "generate.streaming.on_update=interrupt", "run.max_staleness=1"])
+    tok, model = load_tokenizer(base_path(cfg)), load_model(base_path(cfg)).eval()
+    params = SamplingParams(n=1, max_new_tokens=12, temperature=TEMPERATURE, top_p=1.0, seed=5)
+    settings = [None, {"temperature": 0.4}, {"top_p": 0.6}, {"temperature": 1.3, "top_p": 0.9}]
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("c=", "hello x=")]
+    rows = [Row((k, j), prompts[j], sampling=own) for k, own in enumerate(settings) for j in range(2)]
+    decoder = VLLMDecoder(cfg, params)
+    try:
+        decoder.load("base", base_path(cfg))
+        while any(not r.done for r in rows):
+            decoder.step_batch([r for r in rows if not r.done], 0, lambda finished, n: False)
+    finally:
+        decoder.close()
+    apart = 0
+    for r in rows:
+        temperature, top_p = r.settings(params)
+        want = _cut_logprobs(model, r.prompt, r.tokens, temperature, top_p)
+        assert len(r.tokens) == len(r.logprobs) and max(abs(a - b) for a, b in zip(want, r.logprobs)) < TOL, r.group
+        runs = _cut_logprobs(model, r.prompt, r.tokens, TEMPERATURE, 1.0)
+        apart += r.sampling is not None and max(abs(a - b) for a, b in zip(runs, r.logprobs)) > 1e-2
+    assert apart == 6
 
 
 def test_offline_lora_adapter_changes_the_outputs(tmp_path):

@@ -41,14 +41,15 @@ class Distribution:
         return self.top_k > 0 or self.top_p < 1.0
 
 
-def cut(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def cut(logits: torch.Tensor, top_k: int = 0, top_p: float | torch.Tensor = 1.0) -> torch.Tensor:
     """The logits (..., V), already divided by the temperature, with what top_k then top_p drop set to -inf:
     transformers' TopK and TopP warpers' rule (top-p keeps the fewest most likely tokens whose mass reaches
-    top_p, at least one). The hf generator samples with it and the trainer cuts its own logits with it."""
+    top_p, at least one). The hf generator samples with it and the trainer cuts its own logits with it. top_p
+    may be a tensor (..., 1): each row's own (the streaming sampler's rows at their own settings)."""
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
+    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
         ordered, order = torch.sort(logits, descending=False)
         dropped = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
         dropped[..., -1:] = False

@@ -203,9 +203,10 @@ class _SampleAndRecord:
     own (softmax, multinomial) on a private generator: the same tokens its sampling gives from the global RNG
     seeded alike. With an `interrupt` pending after a step, it keeps the sequences and stops generate."""
 
-    def __init__(self, temperature: float, top_p: float, generator: torch.Generator, top_k: int = 0,
-                 interrupt: Interruption | None = None):
-        self.greedy = temperature == 0          # (evaluation's greedy pass@1): the most likely token, no draw
+    def __init__(self, temperature: float | torch.Tensor, top_p: float | torch.Tensor, generator: torch.Generator,
+                 top_k: int = 0, interrupt: Interruption | None = None):
+        # (tensors (N, 1): each row's own, never greedy; a float 0: evaluation's greedy pass@1, no draw)
+        self.greedy = not isinstance(temperature, torch.Tensor) and temperature == 0
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.generator = generator
         self.interrupt = interrupt

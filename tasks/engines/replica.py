@@ -89,10 +89,10 @@ class Replica:
                 "load_seconds": sampled.load_seconds, "sampling_seconds": sampled.sampling_seconds}
 
     def stream(self, body: dict) -> dict:
-        """The streaming sampler's request: its rows here dropped and added (each with its tokens so far), its
-        policy loaded in place if it is another (version-checked), then decoded by the run's decoder
-        (tasks/engines/streaming.py: decoder_of) until a row finishes, `refill` rows have, or the request is
-        interrupted; each row's new tokens and logprobs, and whether it is done."""
+        """The streaming sampler's request: its rows here dropped and added (each with its tokens so far and
+        its own sampling settings, if any), its policy loaded in place if it is another (version-checked), then
+        decoded by the run's decoder (tasks/engines/streaming.py: decoder_of) until a row finishes, `refill` rows
+        have, or the request is interrupted; each row's new tokens and logprobs, and whether it is done."""
         from tasks.core.contracts import SamplingParams
         from tasks.engines.streaming import Row, decoder_of
 
@@ -110,8 +110,8 @@ class Replica:
                     self.rows, self.session = {}, body["session"]
                 for rid in body["drop"]:
                     self.rows.pop(rid, None)
-                for rid, prompt, tokens, limit in body["add"]:
-                    self.rows[rid] = Row(rid, list(prompt), tokens=list(tokens), limit=limit)
+                for rid, prompt, tokens, limit, own in body["add"]:
+                    self.rows[rid] = Row(rid, list(prompt), tokens=list(tokens), limit=limit, sampling=own)
                 seq, refill = body["seq"], body["refill"]
                 rows = list(self.rows.values())
                 # (a row added part-way brings its tokens so far, not their logprobs: two offsets)

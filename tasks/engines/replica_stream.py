@@ -83,8 +83,8 @@ class ReplicasDecoder:
         self.seq += 1
         body = {"session": self.session, "policy": self.policy[0], "digest": self.policy[1], "seq": self.seq,
                 "params": dataclasses.asdict(dataclasses.replace(self.params, seed=shard_seed(self.params.seed, i))),
-                "add": [[rid, self.rows[rid].prompt, self.rows[rid].tokens, self.rows[rid].limit]
-                        for rid in self.add[i]],
+                "add": [[rid, self.rows[rid].prompt, self.rows[rid].tokens, self.rows[rid].limit,
+                         self.rows[rid].sampling] for rid in self.add[i]],
                 "drop": self.drop[i], "refill": refill}
         self.add[i], self.drop[i] = [], []
         self.busy[i] = (self.pool.submit(self._request, i, body), self.seq, version)

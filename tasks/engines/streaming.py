@@ -56,6 +56,12 @@ class Row:
     limit: int | None = None
     owner: object = None
     seconds: float = 0.0                    # the decode steps' seconds while it was in the batch
+    sampling: dict | None = None            # its own {"temperature", "top_p"} (an agent's call); None: the sampler's
+
+    def settings(self, params: SamplingParams) -> tuple[float, float]:
+        """The temperature and top_p it is sampled at."""
+        own = self.sampling or {}
+        return own.get("temperature", params.temperature), own.get("top_p", params.top_p)
 
 
 class GroupSource:
@@ -173,8 +179,11 @@ class ContinuousSampler:
         attn = torch.cat([base_attn[at, :L - 1], torch.tensor(tail_attn, device=device)], dim=1)
         budget = min((self.limit if r.limit is None else r.limit) - len(r.tokens) for r in rows)
         watch = _Finished(ids.shape[1], eos, stop)
-        recorder = _SampleAndRecord(self.params.temperature, self.params.top_p, self.generator, self.params.top_k,
-                                    watch)
+        temperature, top_p = self.params.temperature, self.params.top_p
+        if any(r.sampling for r in rows):          # rows at their own settings: one per row
+            temperature, top_p = (torch.tensor(v, device=device).unsqueeze(-1)
+                                  for v in zip(*(r.settings(self.params) for r in rows)))
+        recorder = _SampleAndRecord(temperature, top_p, self.generator, self.params.top_k, watch)
         gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=budget, pad_token_id=tok.pad_token_id,
                                    eos_token_id=eos)
         with torch.no_grad():

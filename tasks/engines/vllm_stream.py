@@ -68,7 +68,8 @@ class VLLMDecoder:
             if id(r) not in running:
                 rid, self.made = str(self.made), self.made + 1
                 limit = gc.max_completion_length if r.limit is None else r.limit
-                add.append([rid, r.prompt + r.tokens, limit - len(r.tokens), request_seed(self.params.seed, self.made)])
+                add.append([rid, r.prompt + r.tokens, limit - len(r.tokens), request_seed(self.params.seed, self.made),
+                            r.sampling or {}])
                 self.running[rid] = r
         sampling = {"temperature": self.params.temperature, "top_p": self.params.top_p, "top_k": self.params.top_k,
                     "stop_token_ids": [tok.eos_token_id]}

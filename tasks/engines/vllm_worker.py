@@ -81,8 +81,8 @@ def stream(llm, request: dict) -> dict:
     if request["abort"]:
         engine.abort_request(request["abort"])
     lora = lora_request(request["lora"])
-    for rid, prompt, max_tokens, seed in request["add"]:
-        params = sampling_params(s, seed, 1, max_tokens, output_kind=RequestOutputKind.DELTA)
+    for rid, prompt, max_tokens, seed, own in request["add"]:      # (own: the row's temperature / top_p, if its own)
+        params = sampling_params({**s, **own}, seed, 1, max_tokens, output_kind=RequestOutputKind.DELTA)
         engine.add_request(rid, {"prompt_token_ids": prompt}, params, lora_request=lora)
     rows: dict[str, list] = {}
     for _ in range(request.get("steps", 1)):

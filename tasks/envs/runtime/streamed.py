@@ -111,13 +111,12 @@ class _Calls:
         self.discarded = 0                  # tokens of rows whose calls had ended before they finished
 
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams, keys: list[str] | None = None) -> Sampled:
-        for name, want, got in (("temperature", self.params.temperature, params.temperature),
-                                ("top_p", self.params.top_p, params.top_p)):
-            if got != want:
-                raise Refused(400, "invalid_request_error", f"{name}: {got!r}; with generate.streaming every call "
-                              f"samples at the run's ({want}: generate.{name})")
+        # (the endpoint checked them against env.endpoint's bounds; a row samples at its call's own)
+        own = {k: v for k, v in (("temperature", params.temperature), ("top_p", params.top_p))
+               if v != getattr(self.params, k)}
         (ids,), (key,) = prompt_ids, keys          # (key: the episode's, Endpoint.route_key)
-        row, done = Row(None, list(ids), limit=params.max_new_tokens, owner=key), threading.Event()
+        row, done = Row(None, list(ids), limit=params.max_new_tokens, owner=key, sampling=own or None), \
+            threading.Event()
         with self.lock:
             if self.closed or key in self.ended:
                 raise Refused(409, "episode_closed", "the episode has ended")
