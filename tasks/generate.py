@@ -58,10 +58,10 @@ def generate(cfg: Config, iteration: int, policy: str | None = None, round: int 
 
     t0 = time.perf_counter()
     gc = cfg.generate
-    ds = data.load_prompts(cfg)
     if gc.streaming is not None:                 # the run's streaming sampler picked and sampled them
         records, metrics, rows, picked = _streamed(cfg, iteration, services)
     else:
+        ds = data.load_prompts(cfg)
         rows, picked = curriculum.prompts(cfg, store, iteration, round, len(ds))
         records, metrics = _sampled(cfg, iteration, round, ds, rows, policy, services)
     metrics["generate/completion_length"] = sum(len(r.completion_ids) for r in records) / len(records)
