@@ -434,7 +434,13 @@ def cmd_tune(args) -> int:
         check_path("--out", args.out, "folder")
         if (Path(args.out) / "trials").is_file():
             raise UserError(f"--out: {Path(args.out) / 'trials'} is a file, not the folder of the trials' logs")
+    if args.metric.split("/", 1)[0] not in ("reward", "train", "eval") or "/" not in args.metric:
+        raise UserError(f"--metric: {args.metric!r}: expected a metric of each iteration's reward, train or eval "
+                        f"manifest (reward/..., train/..., eval/...; e.g. reward/mean)")
     cfg = load_config(args.config, args.override)           # one line and exit 2, before any trial starts
+    if args.metric.startswith("eval/") and not cfg.eval.every:
+        raise UserError(f"--metric: {args.metric}: the config evaluates nothing (eval.every 0); expected a reward/ "
+                        f"or train/ metric, or -o eval.every=N")
     if not args.out:
         check_path("--out (default rlflow-tune/<study>)", Path("rlflow-tune") / (args.study or f"{cfg.run.name}-tune"),
                    "folder")
@@ -468,6 +474,8 @@ def cmd_tune(args) -> int:
     if out["stopped"]:
         print("tune interrupted; run the same command to resume (finished trials are kept)", file=sys.stderr)
         return 128 + out["stopped"]
+    if out["unlogged"]:
+        raise UserError(out["unlogged"])
     best = out["best"]
     if best is None:
         print("no trial completed: nothing to recommend (see the trials' logs)", file=sys.stderr)

@@ -130,6 +130,15 @@ def iteration_metric(store, run: str, iteration: int, metric: str) -> float | No
     return None
 
 
+def _unlogged(store, run: str, iteration: int, metric: str) -> str:
+    """What a trial whose run completed without `metric` says: the metrics its last iteration did log."""
+    logged = sorted({k for key in (layout.rewards(run, iteration), layout.checkpoint(run, iteration),
+                                   layout.evaluation(run, iteration))
+                     for k in (_manifest(store, key) or {}).get("meta", {}).get("metrics", {})})
+    return (f"--metric: {metric}: the trial's run completed without logging it; its iteration {iteration} logged "
+            f"{', '.join(logged[:40])}{' ...' if len(logged) > 40 else ''}; expected one of those")
+
+
 def window_mean(values: dict[int, float], window: int) -> float:
     """The trial's value so far: the mean of its last `window` iterations that have the metric."""
     return statistics.fmean([values[i] for i in sorted(values)[-window:]])
@@ -149,6 +158,7 @@ class Tune:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.procs: dict[int, subprocess.Popen] = {}
+        self.unlogged: str | None = None     # a trial's run completed without logging --metric: said, and the end
 
     def study_name(self) -> str:
         return self.args.study or f"{self.cfg.run.name}-tune"
@@ -258,10 +268,15 @@ class Tune:
         else:
             state, value, verdict = "FAILED", None, {"state": TrialState.FAIL}
         tracker.end(child, state, value)
+        unlogged = _unlogged(store, name, scored, self.args.metric) if code == 0 and not values and not pruned \
+            else None
         with self.lock:
             if state == "FAILED":
-                trial.set_user_attr("error", _last_line(log_path))
+                trial.set_user_attr("error", unlogged or _last_line(log_path))
             study.tell(trial, **verdict)
+        if unlogged:             # (every trial would end so: the study stops, said in one line)
+            self.unlogged = unlogged
+            self.terminate()
         print(f"trial {trial.number:>3}  {state:<8} {'' if value is None else f'{value:.4f}':>8}  {name}  "
               + "  ".join(f"{k}={v}" for k, v in params.items()), flush=True)
 
@@ -406,8 +421,8 @@ def tune_flow(args, cfg: Config, space: dict[str, Param]) -> dict:
         rows = tune.rows(study)
         create_table_artifact(table=rows, key=f"tune-{_slug(tune.study_name())}",
                               description=f"rlflow tune {tune.study_name()}: {args.metric}, {args.direction}")
-        tracker.end_study(best, "KILLED" if stopped else "FINISHED")
-        return {"best": best, "trials": rows, "stopped": stopped[0] if stopped else None}
+        tracker.end_study(best, "KILLED" if stopped or tune.unlogged else "FINISHED")
+        return {"best": best, "trials": rows, "stopped": stopped[0] if stopped else None, "unlogged": tune.unlogged}
     return body()
 
 

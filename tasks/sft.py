@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tasks.core import layout
-from tasks.core.data import load_table
+from tasks.core.data import ROLES, load_table
 from tasks.core.errors import UserError
 from tasks.core.hashing import sha256_file
 from tasks.core.models import ADAPTER_CONFIG, base_path, context_length, load_policy, load_tokenizer
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 # The train section's fields the warm start uses (the rest are RL's: changing them later keeps v0).
 TRAIN_FIELDS = ("engine", "weight_decay", "adam_betas", "max_grad_norm", "lora_r", "lora_alpha", "lora_dropout",
                 "lora_target_modules", "device", "mixed_precision", "zero_stage", "offload_optimizer")
-ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -68,9 +67,13 @@ def demonstrations(cfg: Config, tokenizer, context: int | None = None) -> list[D
         fmt = ("messages" if "messages" in cols else "prompt_completion" if {"prompt", "completion"} <= set(cols)
                else "text" if "text" in cols else None)
     need = {"messages": ["messages"], "prompt_completion": ["prompt", "completion"], "text": ["text"]}.get(fmt)
-    if need is None or any(c not in cols for c in need):
+    if need is None:
         raise UserError(f"warmup.path: {w.path}: expected a `messages` column, or `prompt` and `completion` (TRL's "
                         f"SFT formats; or `text`), got columns {cols}")
+    if any(c not in cols for c in need):
+        raise UserError(f"warmup.format: {fmt} reads the column{'s' if len(need) > 1 else ''} "
+                        f"{' and '.join(f'`{c}`' for c in need)}, which {w.path} lacks (its columns: {cols}); "
+                        f"expected a file of that format, or warmup.format auto")
     if len(table) == 0:
         raise UserError(f"warmup.path: {w.path} split {w.split!r} has no rows")
     limit = w.max_length or context
@@ -124,7 +127,13 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
         raise ValueError("a system message after the first message; the templates take one, first")
     tools = row.get("tools") or None
     if isinstance(tools, str):      # (TRL's tool datasets keep the schemas as JSON text too)
-        tools = json.loads(tools)
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            tools = "not JSON"
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"column 'tools': expected a list of tool schemas (JSON objects, or their JSON text), got "
+                         f"{json.dumps(row.get('tools'), default=str)[:80]}")
     whole = render.tok.apply_chat_template(prompt + rest, tools=tools, tokenize=False)   # (the template's checks)
     if not assistant_only:
         ids = render.tok(whole, add_special_tokens=False)["input_ids"]

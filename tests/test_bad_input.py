@@ -42,6 +42,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "badrow.jsonl").write_text(json.dumps({"prompt": 5, "answer": "bbb"}) + "\n")
     (tmp / "badlist.jsonl").write_text(json.dumps({"prompt": ["a=", "b="], "answer": "bbb"}) + "\n")
     (tmp / "empty.jsonl").write_text("")
+    (tmp / "latin.jsonl").write_bytes(b'{"prompt": "a=", "answer": "bbb"}\n{"prompt": "b=", "answer": "\xff"}\n')
+    (tmp / "bot.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="},
+                                                          {"role": "bot", "content": "b"}], "answer": "bbb"}) + "\n")
     (tmp / "prompts.txt").write_text("a=\n")
     (tmp / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "bbb"}) + "\n")
     (tmp / "syntax_err.py").write_text("def f(completions, **kw)\n    return [0.0]\n")
@@ -188,7 +191,18 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "missing data file": (["run", str(TINY), "-o", f"data.path={tmp}/missing.jsonl"], "data.path"),
         "unsupported data format": (["run", str(TINY), "-o", f"data.path={tmp}/prompts.txt"],
                                     "expected a .json/.jsonl/.csv/.parquet file"),
-        "empty dataset": (["run", str(TINY), "-o", f"data.path={tmp}/empty.jsonl"], "data.path"),
+        "empty dataset": (["run", str(TINY), "-o", f"data.path={tmp}/empty.jsonl"],
+                          f"data.path: {tmp}/empty.jsonl: no rows (the file is empty)"),
+        "data not UTF-8 (a column the prompts do not read)": (
+            ["run", str(TINY), "-o", f"data.path={tmp}/latin.jsonl"],
+            f"data.path: {tmp}/latin.jsonl: line 2: not UTF-8 text (invalid start byte at byte 62)"),
+        "chat message of a role templates do not have": (
+            ["run", str(TINY), "-o", f"data.path={tmp}/bot.jsonl"],
+            "row 0 column 'prompt' message 1: role 'bot', expected one of ('system', 'user', 'assistant', 'tool')"),
+        "environment reads a column the data lacks": (
+            ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters"],
+            "SayTheLetters.reset on the data's first row raised KeyError: 'letters'; expected the columns it reads "
+            "(the data has ['answer'"),
         "missing prompt column": (["run", str(TINY), "-o", f"data.path={tmp}/nocol.jsonl"],
                                   "data.prompt_column: column 'prompt' not in"),
         "wrong prompt type": (["run", str(TINY), "-o", f"data.path={tmp}/badrow.jsonl"], "row 0 column 'prompt'"),
@@ -261,6 +275,14 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                        str(tmp / "space_not_a_mapping.yaml")], "expected a mapping of config keys"),
         "tune, space missing": (["tune", str(TINY), "--trials", "2", "--space", str(tmp / "nope.yaml")],
                                 "--space: " + str(tmp / "nope.yaml") + ": no such file"),
+        "tune, a metric no manifest has": (["tune", str(TINY), "--trials", "1", "--space",
+                                            str(tmp / "space_empty_range.yaml"), "--metric", "loss"],
+                                           "--metric: 'loss': expected a metric of each iteration's reward, train or "
+                                           "eval manifest"),
+        "tune, an eval metric without evaluations": (["tune", str(TINY), "--trials", "1", "--space",
+                                                      str(tmp / "space_empty_range.yaml"), "--metric",
+                                                      "eval/greedy_pass_at_1", "-o", "eval.every=0"],
+                                                     "--metric: eval/greedy_pass_at_1: the config evaluates nothing"),
         "tune, no trials": (["tune", str(TINY), "--trials", "0", "--space", str(tmp / "space_empty_range.yaml")],
                             "--trials: expected a whole number of at least 1, got 0"),
         "plan, bad launcher mode": (["plan", str(TINY), "-o", "launcher.where=cloud"], "launcher.where"),

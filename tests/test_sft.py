@@ -204,9 +204,10 @@ def test_with_lora_the_adapter_is_merged_into_a_whole_v0(tmp_path):
 
 @pytest.mark.slow
 def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, prefect_api):
-    """Columns missing, roles that do not alternate (two assistant turns; a template that refuses them), a
-    demonstration longer than the model's context, this run's own policy as the base: one line each, naming the
-    row or field, exit 2, no store."""
+    """Columns missing (or not those warmup.format names), roles that do not alternate (two assistant turns; a
+    template that refuses them), a demonstration longer than the model's context, this run's own policy as the
+    base, tools that are not schemas, a file that is not UTF-8 or is empty: one line each, naming the row or
+    field, exit 2, no store."""
     strict = tmp_path / "strict"
     shutil.copytree(builtin_models.resolve("builtin:tiny-lm"), strict)
     tok_cfg = json.loads((strict / "tokenizer_config.json").read_text())
@@ -226,12 +227,20 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
                      "tokens, above the model's context (max_position_embeddings) 256"),
         "own_policy": ([{"messages": [user, bot]}], ["model.name_or_path={store}/warm/policy/v000003"],
                        "is a policy of this run (warm), not the base"),
+        "tools": ([{"messages": [user, bot], "tools": "not a list"}], [],
+                  "row 0: column 'tools': expected a list of tool schemas (JSON objects, or their JSON text)"),
+        "format": ([{"messages": [user, bot]}], ["warmup.format=prompt_completion"],
+                   "warmup.format: prompt_completion reads the columns `prompt` and `completion`, which "),
+        "not_utf8": (b'{"messages": [{"role": "user", "content": "a\xff="}, {"role": "assistant", "content": "b"}]}\n',
+                     [], "demos.jsonl: line 1: not UTF-8 text (invalid start byte at byte 44)"),
+        "empty": (b"", [], "demos.jsonl: no rows (the file is empty)"),
     }
     calls = []
     for name, (rows, more, _) in cases.items():
         folder = tmp_path / name
         folder.mkdir()
-        (folder / "demos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / "demos.jsonl").write_bytes(rows if isinstance(rows, bytes) else
+                                             "".join(json.dumps(r) + "\n" for r in rows).encode())
         more = [m.replace("{store}", f"file://{folder / 'store'}") for m in more]
         calls.append((["sft", str(TINY), "-o", f"warmup.path={folder / 'demos.jsonl'}", "-o",
                        f"store.uri={folder / 'store'}", "-o", "run.name=warm", *(a for m in more for a in ("-o", m))],
@@ -240,7 +249,7 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
         store = tmp_path / name / "store"
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and want in lines[0], (name, out.stderr[-2000:])
-        assert lines[0].startswith("error: ") and ("warmup.path" in lines[0] or "model.name_or_path" in lines[0])
+        assert lines[0].startswith("error: warmup.") or lines[0].startswith("error: model.name_or_path")
         assert not store.exists(), name
 
 

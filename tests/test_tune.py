@@ -53,6 +53,24 @@ def _children(client, experiment: str):
     return parent, client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
 
 
+def test_a_metric_the_runs_do_not_log_ends_the_tune_in_one_line(tmp_path, prefect_api):
+    """--metric of a name no manifest has (reward/..., but not a metric rlflow logs): the first trial's run
+    completes, and the tune ends there with one line naming --metric and what the run did log, exit 2 (not
+    "no trial completed" after every trial has run)."""
+    (tmp_path / "space.yaml").write_text("train.lr: {type: log_uniform, low: 1.0e-4, high: 1.0e-2}\n")
+    argv = [sys.executable, "-m", "flows.cli", "tune", str(TINY), "--space", str(tmp_path / "space.yaml"),
+            "--trials", "3", "--metric", "reward/nonexistent", "--out", str(tmp_path / "tune"),
+            "-o", "run.iterations=1", "-o", f"store.uri=file://{tmp_path}/store",
+            "-o", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    out = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "PREFECT_API_URL": prefect_api},
+                         capture_output=True, text=True, timeout=600)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and last.startswith("error: --metric: reward/nonexistent: the trial's run completed "
+                                                   "without logging it; its iteration 1 logged "), out.stderr[-2000:]
+    assert "reward/mean" in last and "expected one of those" in last
+    assert len(_trials(tmp_path)) == 1                  # the tune stopped at the first trial
+
+
 @AT_LENGTH               # (~60 s; the trial bookkeeping test below is CI's smoke of rlflow tune)
 @pytest.mark.slow
 @pytest.mark.drill

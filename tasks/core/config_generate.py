@@ -144,9 +144,11 @@ class GenerateConfig(Section):
 
     @model_validator(mode="after")
     def _lengths_and_ports(self):
-        if self.max_model_len is not None and self.max_model_len <= self.max_completion_length:
-            raise ValueError(f"max_model_len ({self.max_model_len}) leaves no room for a prompt beside "
-                             f"max_completion_length ({self.max_completion_length}) tokens; expected more than that")
+        need = self.max_prompt_length + self.max_completion_length
+        if self.max_model_len is not None and self.max_model_len < need:
+            raise ValueError(f"max_model_len ({self.max_model_len}) leaves no room for a prompt of max_prompt_length "
+                             f"({self.max_prompt_length}) beside max_completion_length ({self.max_completion_length}) "
+                             f"tokens; expected at least {need}, or a shorter max_prompt_length")
         if self.replicas and self.replica_port + self.replicas - 1 > 65535:
             raise ValueError(f"replica_port: {self.replica_port} + {self.replicas} replicas passes port 65535")
         return self

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from tasks.core.config import Config
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+ROLES = ("system", "user", "assistant", "tool")         # a chat message's roles (prompts, demonstrations)
 
 
 @functools.lru_cache(maxsize=4)
@@ -40,7 +41,9 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
                 raise UserError(f"{field}: {path}: expected a .json/.jsonl/.csv/.parquet file")
             try:
                 datasets.logging.set_verbosity(datasets.logging.CRITICAL)    # (it logs the error we report)
-                return datasets.load_dataset(_LOCAL_FORMATS[suffix], data_files={split: path}, split=split)
+                table = datasets.load_dataset(_LOCAL_FORMATS[suffix], data_files={split: path}, split=split)
+                table.data.table.validate(full=True)   # (JSON strings that are not UTF-8 load, and fail when read)
+                return table
             except Exception as e:  # noqa: BLE001 - said as one line, with the file's line or row
                 raise UserError(f"{field}: {path}: {_where_unreadable(Path(path), e)}") from None
             finally:
@@ -61,12 +64,17 @@ def _where_unreadable(path: Path, error: Exception) -> str:
     """Why `datasets` could not read a local file, with where: the first JSON Lines line that does not parse
     (1-based, as an editor shows it), else the innermost cause, which names the row or line (pyarrow's JSON
     rows count from 0; pandas' CSV lines from 1)."""
-    if path.suffix.lower() in (".jsonl", ".json"):
+    if path.suffix.lower() in (".jsonl", ".json", ".csv"):
+        raw = path.read_bytes()
+        if not raw.strip():
+            return "no rows (the file is empty)"
         try:
-            with open(path, encoding="utf-8") as f:
-                lines = f.read().splitlines()
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            return f"not UTF-8 text ({e.reason} at byte {e.start})"
+            line = raw.count(b"\n", 0, e.start) + 1
+            return f"line {line}: not UTF-8 text ({e.reason} at byte {e.start})"
+    if path.suffix.lower() in (".jsonl", ".json"):
+        lines = text.splitlines()
         if not (lines and lines[0].lstrip().startswith("[")):     # JSON Lines (a .json array is one document)
             for n, line in enumerate(lines, 1):
                 if line.strip():
@@ -138,6 +146,9 @@ def load_prompts(cfg: Config, split: str = "train"):
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str | list):
                 raise UserError(f"{field}: {path} row {i} column {col!r} message {j}: expected "
                                 f"{{\"role\": str, \"content\": str}}, got {json.dumps(m, default=str)[:80]}")
+            if m["role"] not in ROLES:
+                raise UserError(f"{field}: {path} row {i} column {col!r} message {j}: role {m['role']!r}, expected "
+                                f"one of {ROLES}")
     return ds
 
 

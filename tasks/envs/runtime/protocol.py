@@ -169,6 +169,34 @@ def _binds(fn: Any, *args: Any, **kwargs: Any) -> str | None:
     return None
 
 
+def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
+    """The environment reset on the data's first row (in a thread, waited for at most min(env.timeout_seconds,
+    10) s: a slow reset is the run's to time out): a KeyError or TypeError there is a column the environment reads
+    that the data lacks, or holds another type of, and one line now instead of every episode failing. Other
+    failures are the episodes' to report (a row-dependent one, a resource the run provides)."""
+    import threading
+
+    failed: list[BaseException] = []
+
+    def reset() -> None:
+        try:
+            env.reset(row)
+        except (KeyError, TypeError) as e:
+            failed.append(e)
+        except Exception:  # noqa: BLE001, S110 - not a column's: left to the run's episodes
+            pass
+
+    t = threading.Thread(target=reset, name="rlflow-preflight-reset", daemon=True)
+    t.start()
+    t.join(min(cfg.env.timeout_seconds, 10.0))
+    if failed:
+        e = failed[0]
+        columns = sorted(k for k in row if k != "_row")
+        raise UserError(f"env.factory: {what}.reset on the data's first row raised {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}; expected the columns it reads "
+                        f"(the data has {columns})")
+
+
 def check_environment(cfg: Config, row: dict) -> None:
     """Preflight (env.factory, made on this machine: env.where stage or local): env.factory called with env.kwargs
     once, driven through its adapter (env.adapter) with the data's first `row` as far as can be without an
@@ -229,6 +257,8 @@ def check_environment(cfg: Config, row: dict) -> None:
         except Exception as e:  # noqa: BLE001
             raise UserError(f"env.factory: {spec}: {name}'s tools cannot be described to the model: "
                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        if kind in ("rlflow", "trl"):
+            _reset_reads_the_row(cfg, env, row, f"{spec}: {name}")
     finally:
         close = getattr(env, "close", None) or getattr(instance, "close", None)
         try:
