@@ -434,18 +434,13 @@ def cmd_tune(args) -> int:
         check_path("--out", args.out, "folder")
         if (Path(args.out) / "trials").is_file():
             raise UserError(f"--out: {Path(args.out) / 'trials'} is a file, not the folder of the trials' logs")
-    if args.metric.split("/", 1)[0] not in ("reward", "train", "eval") or "/" not in args.metric:
-        raise UserError(f"--metric: {args.metric!r}: expected a metric of each iteration's reward, train or eval "
-                        f"manifest (reward/..., train/..., eval/...; e.g. reward/mean)")
     cfg = load_config(args.config, args.override)           # one line and exit 2, before any trial starts
-    if args.metric.startswith("eval/") and not cfg.eval.every:
-        raise UserError(f"--metric: {args.metric}: the config evaluates nothing (eval.every 0); expected a reward/ "
-                        f"or train/ metric, or -o eval.every=N")
+    from flows.tune import check_metric, load_space
+
+    check_metric(args.metric, cfg)
     if not args.out:
         check_path("--out (default rlflow-tune/<study>)", Path("rlflow-tune") / (args.study or f"{cfg.run.name}-tune"),
                    "folder")
-    from flows.tune import load_space
-
     space = load_space(args.space, args.config, args.override)
     _command_process()
     from flows.tune import tune_flow

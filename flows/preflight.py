@@ -31,11 +31,31 @@ from tasks.envs.runtime.sources import source_of
 from tasks.scoring.functions import load_functions
 
 
+def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
+    """tracking.uri an http(s) MLflow server: it answers (any HTTP reply will do; MLflow's client would retry a
+    refused connection for minutes, saying nothing)."""
+    import urllib.error
+    import urllib.request
+
+    uri = cfg.tracking.uri
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return                             # (it answered: an auth proxy, an older server without /health)
+    except (urllib.error.URLError, OSError) as e:
+        why = getattr(e, "reason", e)
+        raise UserError(f"tracking.uri: {uri}: no MLflow server answers there ({why}); expected a running "
+                        f"tracking server, or a sqlite:/// or file path") from None
+
+
 def preflight(cfg: Config) -> None:
     """Raise UserError for any input mistake; writes nothing."""
     place = placement_of(cfg)              # where each stage and service runs (tasks/core/placement.py)
     episode_stages = ["generate"] + (["evaluate"] if cfg.eval.every else [])
     open_store(cfg).check()
+    check_tracking_server(cfg)             # an MLflow server that does not answer: one line, not a silent hang
     check_curriculum(cfg)                  # prompts with stable ids (not a hub dataset): one line
     if cfg.publish.register_model:
         check_registered_model_name(cfg)

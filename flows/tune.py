@@ -130,6 +130,17 @@ def iteration_metric(store, run: str, iteration: int, metric: str) -> float | No
     return None
 
 
+def check_metric(metric: str, cfg: Config) -> None:
+    """--metric names a metric of the manifests a trial is read from (iteration_metric), and an eval/ one needs
+    evaluations: one line, exit 2, before any trial."""
+    if metric.split("/", 1)[0] not in ("reward", "train", "eval") or "/" not in metric:
+        raise UserError(f"--metric: {metric!r}: expected a metric of each iteration's reward, train or eval "
+                        f"manifest (reward/..., train/..., eval/...; e.g. reward/mean)")
+    if metric.startswith("eval/") and not cfg.eval.every:
+        raise UserError(f"--metric: {metric}: the config evaluates nothing (eval.every 0); expected a reward/ "
+                        f"or train/ metric, or -o eval.every=N")
+
+
 def _unlogged(store, run: str, iteration: int, metric: str) -> str:
     """What a trial whose run completed without `metric` says: the metrics its last iteration did log."""
     logged = sorted({k for key in (layout.rewards(run, iteration), layout.checkpoint(run, iteration),

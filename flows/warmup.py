@@ -13,6 +13,7 @@ started already). Its per-step metrics go to the run's MLflow run once (sft/loss
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -114,6 +115,9 @@ def _rows(text: str | None) -> list[int] | None:
     try:
         for part in text.split(","):
             a, _, b = part.strip().partition("-")
+            if b and int(b) < int(a):
+                raise UserError(f"--rows: {part.strip()}: an empty range (its end before its start); expected "
+                                f"FIRST-LAST with FIRST <= LAST")
             rows += list(range(int(a), int(b) + 1)) if b else [int(a)]
     except ValueError:
         raise UserError(f"--rows: expected indices like 0-9,12, got {text!r}") from None
@@ -127,6 +131,8 @@ def record_command(args, cfg: Config) -> int:
     out = Path(args.out)
     if args.n < 1:
         raise UserError(f"--n: expected at least 1 episode per row, got {args.n}")
+    if not math.isfinite(args.min_return):
+        raise UserError(f"--min-return: {args.min_return}: expected a finite return")
     rows = _rows(args.rows)
     kept, records, unrendered = record(cfg, args.policy, rows, args.n, args.min_return, args.split)
     if not kept:

@@ -191,6 +191,16 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "missing data file": (["run", str(TINY), "-o", f"data.path={tmp}/missing.jsonl"], "data.path"),
         "unsupported data format": (["run", str(TINY), "-o", f"data.path={tmp}/prompts.txt"],
                                     "expected a .json/.jsonl/.csv/.parquet file"),
+        "every reward weight 0": (["run", str(TINY), "-o", f'reward.functions=[{{fn: "{demo}", weight: 0}}]'],
+                                  "reward: every weight is 0 (reward.functions, reward.models, env.reward_weight)"),
+        "a tracking server that does not answer": (["run", str(TINY), "-o", "tracking.uri=http://127.0.0.1:9"],
+                                                   "tracking.uri: http://127.0.0.1:9: no MLflow server answers there"),
+        "record, an empty range of rows": (["record", str(TINY), "--policy", "tasks.envs.builtin.games:reference_action",
+                                            "--rows", "5-2", "--out", str(tmp / "rec.jsonl")],
+                                           "--rows: 5-2: an empty range (its end before its start)"),
+        "record, a return of nan": (["record", str(TINY), "--policy", "tasks.envs.builtin.games:reference_action",
+                                     "--min-return", "nan", "--out", str(tmp / "rec.jsonl")],
+                                    "--min-return: nan: expected a finite return"),
         "empty dataset": (["run", str(TINY), "-o", f"data.path={tmp}/empty.jsonl"],
                           f"data.path: {tmp}/empty.jsonl: no rows (the file is empty)"),
         "data not UTF-8 (a column the prompts do not read)": (
@@ -472,6 +482,13 @@ def _reward_model_cases() -> dict[str, tuple[list[str], str]]:
                                           "column (the data has ['answer'])"),
         "judge template, not a format string": (run(judge + ", template: '{completion'"),
                                                 "reward.models[0] (j).template: not a format string"),
+        "judge template, a format spec on text": (run(judge + ", template: 'Q {prompt} A {completion:d}'"),
+                                                  "reward.models.0.template: field {completion:d}: expected a plain "
+                                                  "{completion} (filled with text: no attribute, index or format "
+                                                  "spec)"),
+        "judge template, an attribute": (run(judge + ", template: 'Q {prompt} A {completion.upper}'"),
+                                         "reward.models.0.template: field {completion.upper}: expected a plain "
+                                         "{completion}"),
         "pairwise template without completion_b": (run(judge + ", mode: pairwise, template: '{completion_a}'"),
                                                    "reward.models[0] (j).template: has no field {completion_b}"),
         "classifier that is a causal LM": (run(f"name: j, kind: classifier, model: '{tiny}', sha256: {pin}"),
@@ -652,6 +669,37 @@ def test_every_reward_call_failing_stops_the_run(prefect_api, tmp_path):
     assert out.stderr.strip().splitlines()[-1] == (
         "error: reward: every reward call of iteration 1 failed, no completion was scored (nothing to train on); "
         "the first: reward function 'boom' raised ValueError: bad answer format (broken.py:2)")
+
+
+@pytest.mark.parametrize("body, line", [
+    ("return [float('nan')] * len(completions)",
+     "error: reward: no completion of iteration 1 was scored (nothing to train on): 'f' returned NaN or inf for 128; "
+     "expected a finite score for some completion"),
+    ("return 1.0",
+     "error: reward: every reward call of iteration 1 failed, no completion was scored (nothing to train on); the "
+     "first: reward function 'f' returned float, expected a list of 128 scores (one per completion)"),
+], ids=["all NaN", "a scalar"])
+def test_a_reward_that_scores_nothing_stops_the_run_saying_what_it_returned(prefect_api, tmp_path, body, line):
+    """Not strict, yet nothing scored: NaN or inf for every completion (missing, as None is) stops the run as a
+    raise does; a function that returns a number where a list is due is said to have returned it, not to have
+    raised."""
+    (tmp_path / "odd.py").write_text(f"def f(completions, **kw):\n    {body}\n")
+    out = run_cli(["run", str(TINY), "-o", "run.iterations=1", "-o", 'reward.functions=[{"fn": "odd:f"}]'],
+                  tmp_path, prefect_api)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == line, out.stderr[-2000:]
+
+
+def test_a_recording_policy_that_raises_or_exits_is_one_line(prefect_api, tmp_path):
+    (tmp_path / "pol.py").write_text("import sys\ndef raises(ctx):\n    raise RuntimeError('boom')\n"
+                                     "def exits(ctx):\n    sys.exit(0)\n")
+    letters = TINY.parent / "letters.yaml"
+    for policy, line in (("raises", "error: --policy: pol:raises(context) raised RuntimeError: boom"),
+                         ("exits", "error: --policy: pol:exits(context) called sys.exit(0); expected it to return "
+                                   "the turn's text")):
+        out = run_cli(["record", str(letters), "--policy", f"pol:{policy}", "--rows", "0-1", "--out",
+                       str(tmp_path / "o.jsonl"), "-o", "env.isolation=thread"], tmp_path, prefect_api)
+        assert out.returncode == 2 and out.stderr.strip().splitlines() == [line], out.stderr[-2000:]
+        assert not (tmp_path / "o.jsonl").exists()
 
 
 @pytest.mark.parametrize("stage,args,expected", [

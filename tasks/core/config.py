@@ -141,6 +141,17 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _something_pays(self):
+        rc = self.reward
+        weights = [f.weight for f in rc.functions] + [m.weight for m in rc.models] + \
+            ([self.env.reward_weight] if self.env.episodic() else [])
+        if weights and not any(weights):
+            raise ValueError("reward: every weight is 0 (reward.functions, reward.models, env.reward_weight): no "
+                             "completion would be paid for anything, every advantage 0; expected a weight that is "
+                             "not 0 (weight 0 logs a function beside one that pays)")
+        return self
+
+    @model_validator(mode="after")
     def _overlong_inside_the_limit(self):
         ol, limit = self.reward.overlong, self.completion_limit()
         if ol is not None and ol.buffer >= limit:

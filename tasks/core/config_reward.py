@@ -7,6 +7,7 @@ More: docs/internals.md (tasks/core/config_reward.py): the checks this section m
 
 from __future__ import annotations
 
+import string
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -167,6 +168,29 @@ class RewardModel(ServedSection):
             raise ValueError("expected the name of an environment variable that holds the key (e.g. "
                              "JUDGE_API_KEY), not what looks like a key itself: put the key in a variable "
                              "and name the variable here")
+        return v
+
+    @field_validator("template")
+    @classmethod
+    def _plain_fields(cls, v: str | None) -> str | None:
+        """Its fields are filled with text (n with the group's size): a field's attribute or index, or a format
+        spec on text (`{completion:d}`, a width of gigabytes), would fail or mislead at the reward stage."""
+        try:
+            parsed = list(string.Formatter().parse(v or ""))
+        except ValueError:
+            return v                    # (not a format string: tasks/scoring/judges.py says so, with its fix)
+        for _, field, fmt, conversion in parsed:
+            if field is None:
+                continue
+            name = field.split(".")[0].split("[")[0]
+            said = "{" + field + (f"!{conversion}" if conversion else "") + (f":{fmt}" if fmt else "") + "}"
+            if field != name or (fmt and name != "n"):
+                raise ValueError(f"field {said}: expected a plain {{{name}}} (filled with text: no attribute, index "
+                                 f"or format spec)")
+            try:
+                said.format(**{name: 1 if name == "n" else "text"})
+            except Exception as e:  # noqa: BLE001 - the field's own spec or conversion: one line
+                raise ValueError(f"field {said}: {e}") from None
         return v
 
     @model_validator(mode="after")

@@ -370,10 +370,16 @@ def score_records(functions: RewardFunctions, records: list[Rollout], aggregate:
 def require_some_score(records: list[Rollout], scored: Scored, what: str) -> None:
     """Stop a stage where every reward call failed and no completion was scored: one line naming the first
     failure (the functions are the user's code: exit 2). `what`: "iteration 3", "the evaluation of v000010"."""
-    if records and scored.errors and all(r.reward is None for r in records):
+    if not records or any(r.reward is not None for r in records):
+        return
+    nothing = 'evaluate' if what.startswith('the evaluation') else 'train on'
+    if scored.errors:
         raise UserError(f"reward: every reward call of {what} failed, no completion was scored (nothing to "
-                        f"{'evaluate' if what.startswith('the evaluation') else 'train on'}); the first: "
-                        f"{next(iter(scored.errors.values()))}")
+                        f"{nothing}); the first: {next(iter(scored.errors.values()))}")
+    said = "; ".join(f"{name!r} returned NaN or inf for {k}" for name, k in scored.nan.items()) or \
+        "every score was None (no function scored any completion)"
+    raise UserError(f"reward: no completion of {what} was scored (nothing to {nothing}): {said}; expected a "
+                    f"finite score for some completion")
 
 
 def combine(rewards: list[dict[str, float | None]], weights: dict[str, float], how: str = "sum") -> torch.Tensor:

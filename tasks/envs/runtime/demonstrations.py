@@ -39,7 +39,14 @@ class ScriptedPolicy(SamplingSession):
         tok, out = self.tokenizer, []
         for i, ids in enumerate(prompt_ids):
             for _ in range(params.n):
-                text = self.fn(tok.decode(ids))
+                try:
+                    text = self.fn(tok.decode(ids))
+                except Exception as e:  # noqa: BLE001 - the user's policy: one line, naming it
+                    raise UserError(f"--policy: {_name(self.fn)}(context) raised {type(e).__name__}: "
+                                    f"{(str(e).splitlines() or [''])[0][:200]}") from None
+                except SystemExit as e:
+                    raise UserError(f"--policy: {_name(self.fn)}(context) called sys.exit({e.code!r}); expected it "
+                                    f"to return the turn's text") from None
                 if not isinstance(text, str):
                     raise UserError(f"--policy: returned {type(text).__name__}, expected the turn's text (str)")
                 toks = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -47,6 +54,10 @@ class ScriptedPolicy(SamplingSession):
                 toks = toks[:params.max_new_tokens]
                 out.append(Sample(i, toks, [0.0] * len(toks), truncated=truncated))
         return Sampled(out, 0.0, 0.0)
+
+
+def _name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
 
 
 def scripted(spec: str) -> Callable[[str], str]:
