@@ -86,6 +86,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     return {**gpu,
         # config files and overrides
         "missing config file": (["run", str(tmp / "nope.yaml")], "config: file not found"),
+        "config path a folder": (["run", str(tmp)], f"config: {tmp} is a folder; expected a YAML config file"),
         "not yaml": (["run", str(tmp / "badyaml.yaml")], "not valid YAML"),
         "not a mapping": (["run", str(tmp / "list.yaml")], "expected a mapping of sections"),
         "unknown section": (["run", str(tmp / "unknown.yaml")], "unknown key 'bogus_section'"),

@@ -34,9 +34,11 @@ def shop():
 
 
 def _cfg(shop: str, *more: str):
+    # action_timeout 120 s (Playwright's per action; 5 s by default): a hang guard, not a bound. A clean clone's
+    # make test failed a page load at 5 s while the other xdist worker loaded the cores.
     return load_config(BROWSER, ["model.name_or_path=builtin:tiny-lm", f"env.kwargs.base_url={shop}",
-                                 "env.max_tokens=60000", "generate.max_prompt_length=60000",
-                                 "generate.max_completion_length=120", *more])
+                                 "env.kwargs.action_timeout=120", "env.max_tokens=60000",
+                                 "generate.max_prompt_length=60000", "generate.max_completion_length=120", *more])
 
 
 def _episodes(cfg, rows: list[dict], tok, tools: bool):

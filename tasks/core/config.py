@@ -373,6 +373,8 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         tree["train"] = _migrate_train(tree["train"])
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise UserError(f"config: {path} is a folder; expected a YAML config file (such as configs/tiny.yaml)")
         if not p.is_file():
             raise UserError(f"config: file not found: {path}")
         try:
