@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,10 +122,17 @@ def _manifest(store, key: str) -> dict | None:
         return None
 
 
+def _logged(store, run: str, iteration: int) -> Iterator[dict]:
+    """The metrics of one iteration's reward, train and evaluation manifests (what a trial is judged by), each
+    read when asked for."""
+    for key in (layout.rewards(run, iteration), layout.checkpoint(run, iteration), layout.evaluation(run, iteration)):
+        yield (_manifest(store, key) or {}).get("meta", {}).get("metrics", {})
+
+
 def iteration_metric(store, run: str, iteration: int, metric: str) -> float | None:
     """The metric of one iteration, from its reward, train or evaluation manifest (None: not there)."""
-    for key in (layout.rewards(run, iteration), layout.checkpoint(run, iteration), layout.evaluation(run, iteration)):
-        value = (_manifest(store, key) or {}).get("meta", {}).get("metrics", {}).get(metric)
+    for metrics in _logged(store, run, iteration):
+        value = metrics.get(metric)
         if value is not None:
             return float(value)
     return None
@@ -143,9 +151,7 @@ def check_metric(metric: str, cfg: Config) -> None:
 
 def _unlogged(store, run: str, iteration: int, metric: str) -> str:
     """What a trial whose run completed without `metric` says: the metrics its last iteration did log."""
-    logged = sorted({k for key in (layout.rewards(run, iteration), layout.checkpoint(run, iteration),
-                                   layout.evaluation(run, iteration))
-                     for k in (_manifest(store, key) or {}).get("meta", {}).get("metrics", {})})
+    logged = sorted({k for metrics in _logged(store, run, iteration) for k in metrics})
     return (f"--metric: {metric}: the trial's run completed without logging it; its iteration {iteration} logged "
             f"{', '.join(logged[:40])}{' ...' if len(logged) > 40 else ''}; expected one of those")
 

@@ -99,7 +99,6 @@ def _sampled(cfg: Config, iteration: int, round: int, ds, rows: list[int], polic
         "generate/staleness": iteration - 1 - layout.version_of(policy),   # updates the sampler is behind
     }
     metrics.update(routed)
-    metrics.update(sampled.metrics)
     metrics.update(source.metrics(cfg, records, services))
     return records, metrics
 

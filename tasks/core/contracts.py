@@ -96,7 +96,6 @@ class Sampled:
     samples: list[Sample]       # n per prompt, prompt by prompt
     load_seconds: float         # model load, engine start or weight reload
     sampling_seconds: float     # sampling alone
-    metrics: dict[str, float] = field(default_factory=dict)    # what the sampler measured beside (env/pool_*)
 
 
 @dataclass

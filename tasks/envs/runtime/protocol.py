@@ -191,10 +191,9 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
     t.join(min(cfg.env.timeout_seconds, 10.0))
     if failed:
         e = failed[0]
-        columns = sorted(k for k in row if k != "_row")
         raise UserError(f"env.factory: {what}.reset on the data's first row raised {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}; expected the columns it reads "
-                        f"(the data has {columns})")
+                        f"(the data has {sorted(row)})")
 
 
 def check_environment(cfg: Config, row: dict) -> None:
