@@ -180,10 +180,10 @@ def cmd_export(args) -> int:
 
 def _registered_version(cfg, policy_uri: str):
     """The MLflow model version registered for `policy_uri` (--register), or one UserError line."""
-    from tasks.core.tracking import _client, _find_version, registered_model_name
+    from tasks.core.tracking import _find_version, reading_client, registered_model_name
 
     name = registered_model_name(cfg)
-    client = _client(cfg.tracking.uri)
+    client = reading_client(cfg.tracking.uri, "--register")
     try:
         version = _find_version(client, name, policy_uri)
     except Exception as e:  # noqa: BLE001 - no server, no such registered model: one line
@@ -238,12 +238,12 @@ def _mlflow_policy(cfg, store, uri: str) -> str:
     """The store key of the policy an MLflow model version (models:/NAME/VERSION or models:/NAME@ALIAS) names."""
     from mlflow.exceptions import MlflowException
 
-    from tasks.core.tracking import _client
+    from tasks.core.tracking import reading_client
 
     name, _, rest = uri[len("models:/"):].partition("/")
     if "@" in name:
         name, alias = name.split("@", 1)
-    client = _client(cfg.tracking.uri)
+    client = reading_client(cfg.tracking.uri, f"VERSION: {uri}")
     try:
         mv = client.get_model_version_by_alias(name, alias) if "@" in uri else client.get_model_version(name, rest)
     except MlflowException as e:

@@ -324,6 +324,13 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "environment tools that are not functions": (
             ["run", str(TINY), "-o", "env.factory=badtools_env:StringTools"],
             "env.factory: badtools_env:StringTools: StringTools.tools[0] is 'lookup', not a function"),
+        "environment reset with a role no template renders": (
+            ["run", str(TINY), "-o", "env.factory=badtools_env:Narrates"],
+            "env.factory: badtools_env:Narrates: Narrates.reset's message 0: {\"role\": \"narrator\", \"content\": "
+            "\"a=\"}, expected {\"role\": one of ('system', 'user', 'assistant', 'tool'), \"content\": str}"),
+        "environment reset returning no messages": (
+            ["run", str(TINY), "-o", "env.factory=badtools_env:ResetsToNumber"],
+            "env.factory: badtools_env:ResetsToNumber: ResetsToNumber.reset's return is int, not chat messages"),
         # checks that accepted the wrong thing
         "environment server url, a server that is not one (404)": (
             ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o",
@@ -363,6 +370,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                   f"DEST: {tmp}/a_file is a file, not a folder"),
         "export, dir under a file": (["export", str(TINY), "1", str(tmp / "a_file" / "out")],
                                      f"DEST: {tmp}/a_file/out: {tmp}/a_file is a file, not a folder"),
+        "export of a registered version, no database": (
+            ["export", str(TINY), "models:/tiny/3", str(tmp / "out")],
+            "VERSION: models:/tiny/3: no MLflow database at "),
         "summary json is a folder": (["run", str(TINY), "--summary-json", str(tmp / "badrecipes")],
                                      f"--summary-json: {tmp}/badrecipes is a folder, not a file"),
         # silent drops and misleading words
@@ -418,6 +428,16 @@ class AlwaysFails(NeedsSize):
 
     def reset(self, row):
         raise RuntimeError("no board for this row")
+
+
+class Narrates(AlwaysFails):
+    def reset(self, row):
+        return [{"role": "narrator", "content": "a="}]
+
+
+class ResetsToNumber(AlwaysFails):
+    def reset(self, row):
+        return 7
 """
 
 
@@ -499,6 +519,9 @@ def _reward_model_cases() -> dict[str, tuple[list[str], str]]:
                                                 f"{pin}, not the pinned"),
         "judge model not pinned": (run("name: j, kind: judge, model: 'builtin:tiny-lm', template: '{completion}'"),
                                    "sha256: builtin:tiny-lm must be pinned"),
+        "judge from the registry, no database": (
+            run("name: j, kind: judge, model: 'models:/judge/2', template: '{completion}'"),
+            "reward.models[0] (j).model: models:/judge/2: no MLflow database at "),
         "judge from the registry, latest": (run("name: j, kind: judge, model: 'models:/judge/latest', "
                                                 "template: '{completion}'"),
                                             "reward.models[0] (j).model: models:/judge/latest: expected "
@@ -538,6 +561,8 @@ def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_pa
             failures.append(f"{name}: rc={out.returncode} stderr={out.stderr[-600:]!r}")
         if (tmp_path / "cwd" / name / "rlflow-store").exists():
             failures.append(f"{name}: wrote to the store")
+        if (tmp_path / "cwd" / name / "mlflow.db").exists():
+            failures.append(f"{name}: made the tracking database")
     assert len(cases) >= 25 and not failures, "\n".join(failures)
 
 

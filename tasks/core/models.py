@@ -116,10 +116,11 @@ def _registered(cfg: Config, uri: str, field: str) -> str:
     if len(parts) != 2 or not parts[1].isdigit():
         raise UserError(f"{field}: {uri}: expected models:/<name>/<version number> (a version pins the model; "
                         f"latest and aliases move)")
-    from tasks.core.tracking import _client
+    from tasks.core.tracking import reading_client
 
+    client = reading_client(cfg.tracking.uri, f"{field}: {uri}")
     try:
-        version = _client(cfg.tracking.uri).get_model_version(parts[0], parts[1])
+        version = client.get_model_version(parts[0], parts[1])
     except Exception as e:  # noqa: BLE001 - MLflow's own errors, one line
         raise UserError(f"{field}: {uri}: not in the model registry at {cfg.tracking.uri} "
                         f"({str(e).splitlines()[0][:160]})") from None

@@ -48,6 +48,20 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+def reading_client(uri: str, field: str):
+    """A client for a command that only reads what the tracking URI holds (a model version to export or to
+    score with): a sqlite database that does not exist is one line naming `field`, not a new empty database
+    made on the way to "not found"."""
+    if uri.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
+
+        database = make_url(uri).database
+        if database and database != ":memory:" and not Path(database).exists():
+            raise UserError(f"{field}: no MLflow database at {Path(database).absolute()} (tracking.uri {uri}): "
+                            f"nothing is registered there")
+    return _client(uri)
+
+
 def experiment_id(client, cfg: Config) -> str:
     """tracking.experiment's id, the experiment made if it is new (a user error naming tracking.uri if the
     tracking server refuses)."""

@@ -327,10 +327,11 @@ def record(cfg: Config, e: Episode, tokenizer) -> Rollout:
 
 
 def _pool_member(e: Episode) -> str | None:
-    """The index of the pool's server that ran episode e (a pool's episode keys are "index.generation.inner":
-    tasks/envs/runtime/pool.py); None off a pool."""
-    key = getattr(e.env, "key", None)
-    return key.split(".", 1)[0] if isinstance(key, str) and key.count(".") >= 2 else None
+    """The index of the pool's server that ran episode e (from its pool episode id); None off a pool."""
+    from tasks.envs.runtime.pool import parse_episode_key
+
+    parts = parse_episode_key(getattr(e.env, "key", None))
+    return None if parts is None else str(parts[0])
 
 
 def episode_metrics(records: list[Rollout]) -> dict[str, float]:

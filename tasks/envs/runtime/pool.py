@@ -52,6 +52,17 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip().rstrip(":")
 
 
+
+def episode_key(index: int, generation: int, inner: str) -> str:
+    """A pool's id of an episode: "index.generation.inner" (the member, which start of it, the member's own id)."""
+    return f"{index}.{generation}.{inner}"
+
+
+def parse_episode_key(key: object) -> tuple[int, int, str] | None:
+    """(index, generation, inner) of a pool's episode id; None for an id that is not one."""
+    index, generation, inner = ((key if isinstance(key, str) else "").split(".", 2) + ["", ""])[:3]
+    return (int(index), int(generation), inner) if index.isdigit() and generation.isdigit() and inner else None
+
 class PoolMember:
     """One environment server of the pool, as the front sees it."""
 
@@ -151,7 +162,7 @@ class Pool:
             except ValueError:
                 return r.status_code, r.content
             if r.status_code == 200 and "id" in reply:
-                reply["id"] = f"{m.index}.{generation}.{reply['id']}"
+                reply["id"] = episode_key(m.index, generation, reply["id"])
                 if m.live and m.generation == generation:     # (else lost meanwhile: its calls answer "died")
                     m.episodes[reply["id"]] = time.monotonic()
                     m.routed += 1
@@ -173,11 +184,12 @@ class Pool:
 
     def _route(self, key: str) -> tuple[PoolMember | None, str, str | None]:
         """(member, the member's id, why the episode is gone) for a pool id."""
-        index, generation, inner = (key.split(".", 2) + ["", ""])[:3]
-        if not (index.isdigit() and generation.isdigit() and inner and int(index) < len(self.members)):
+        parts = parse_episode_key(key)
+        if parts is None or parts[0] >= len(self.members):
             return None, "", "the environment's episode is gone (not an id of this pool)"
-        m = self.members[int(index)]
-        if m.generation != int(generation):
+        index, generation, inner = parts
+        m = self.members[index]
+        if m.generation != generation:
             return None, "", f"environment server {m.index} {LOST} and replaced"
         if not m.live:
             return None, "", f"environment server {m.index} {LOST}: {m.why}"

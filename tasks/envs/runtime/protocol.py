@@ -172,15 +172,17 @@ def _binds(fn: Any, *args: Any, **kwargs: Any) -> str | None:
 def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
     """The environment reset on the data's first row (in a thread, waited for at most min(env.timeout_seconds,
     10) s: a slow reset is the run's to time out): a KeyError or TypeError there is a column the environment reads
-    that the data lacks, or holds another type of, and one line now instead of every episode failing. Other
-    failures are the episodes' to report (a row-dependent one, a resource the run provides)."""
-    import threading
+    that the data lacks, or holds another type of, and what it returns must be chat messages whose roles a
+    template renders (data.ROLES): one line now instead of every episode failing. Other failures are the
+    episodes' to report (a row-dependent one, a resource the run provides)."""
+    from tasks.core.data import ROLES
 
     failed: list[BaseException] = []
+    returned: list = []
 
     def reset() -> None:
         try:
-            env.reset(row)
+            returned.append(env.reset(row))
         except (KeyError, TypeError) as e:
             failed.append(e)
         except Exception:  # noqa: BLE001, S110 - not a column's: left to the run's episodes
@@ -194,6 +196,17 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
         raise UserError(f"env.factory: {what}.reset on the data's first row raised {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}; expected the columns it reads "
                         f"(the data has {sorted(row)})")
+    if not returned:
+        return
+    try:
+        messages = as_messages(returned[0], f"{what}.reset's return")
+    except TypeError as e:
+        raise UserError(f"env.factory: {e}") from None
+    for j, m in enumerate(messages):
+        content = m.get("content")
+        if m["role"] not in ROLES or not (isinstance(content, str | list) or content is None and m.get("tool_calls")):
+            raise UserError(f"env.factory: {what}.reset's message {j}: {json.dumps(m, default=str)[:80]}, expected "
+                            f"{{\"role\": one of {ROLES}, \"content\": str}}")
 
 
 def check_environment(cfg: Config, row: dict) -> None:
