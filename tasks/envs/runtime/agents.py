@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import os
 import signal
 import sys
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 EPISODE_SEED = 7_919_993        # episode e's calls sample with seed params.seed + e * EPISODE_SEED (+ call offsets)
 POLL = 0.01
 UNWIND_SECONDS = 5.0      # what a stopped runner waits for its agents' coroutines to unwind (Threads.stop)
+START_SECONDS = 60.0      # an agent's process given this long to start running (a fork, under load) before its
+                          # env.timeout_seconds begin: its own time is counted from then (Processes)
 
 
 def agent_of(cfg: Config):
@@ -155,6 +158,7 @@ class Processes:
         parent, child = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(target=_child, args=(child, self.cfg.env.agent, dict(self.cfg.env.kwargs), row,
                                                      base_url, run.key, os.getcwd(), list(sys.path)))
+        spawned, run.started = time.monotonic(), math.inf      # (its clock waits for its process to run: `ended`)
         proc.start()
         child.close()
         got: list = []
@@ -162,14 +166,22 @@ class Processes:
         def done() -> bool:
             if got:
                 return True
-            if parent.poll():
-                try:
-                    got.append(parent.recv())
-                except (EOFError, OSError):
-                    got.append(("died", None))
+            try:
+                while parent.poll():
+                    kind, value = parent.recv()
+                    if kind == "running":               # the agent's own time starts now, not its process's start
+                        run.started = time.monotonic()
+                        continue
+                    got.append((kind, value))
+                    return True
+            except (EOFError, OSError):
+                got.append(("died", None))
                 return True
             if not proc.is_alive():
                 got.append(("died", None))
+                return True
+            if run.started == math.inf and time.monotonic() - spawned > START_SECONDS:
+                got.append(("error", f"the agent's process did not start within {START_SECONDS:.0f} s"))
                 return True
             return False
 
@@ -200,6 +212,7 @@ def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cw
     """The agent's process: run it once, send back ("ok", value) or ("error", "Type: text")."""
     from tasks.envs.runtime.isolation import why
 
+    conn.send(("running", None))
     os.chdir(cwd)
     sys.path[:] = path
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -261,7 +274,8 @@ def run_agents(cfg: Config, table: dict[int, dict], rows: list[int], session: Sa
 
 def ended(run: Running, log: EpisodeLog, timeout: float) -> tuple[float | None, dict, str | None] | None:
     """The outcome of an agent that has ended (reward, info, error), or None while it is at work; one past its
-    `timeout` (seconds of its own, its calls' time not counted) is killed and failed."""
+    `timeout` (seconds of its own, from when it runs: its process's start-up and its calls' time not counted)
+    is killed and failed."""
     if run.done():
         try:
             reward, info = outcome(run.result())
