@@ -262,6 +262,21 @@ def test_final_reads_the_last_lines_right_side_or_its_last_number():
     assert format_reward(replies, answer_format=rows["answer_format"]) == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize(("task", "right", "wrong"), [("chain_sum", "3", ["13", "-3", "33"]),
+                                                     ("basic_arithmetic", "3", ["13", "-3"]),
+                                                     ("letter_counting", "1", ["10", "11"])])
+def test_a_wrong_answer_holding_the_right_one_is_wrong_unless_partial_credit_is_asked(task, right, wrong):
+    """reasoning-gym's checkers pay len(right) / len(read) for a read answer that contains the right one ("13" for
+    3: 0.5); answer_reward pays correctness alone, the checker's score only with partial_credit=True."""
+    n = len(wrong) + 1
+    rows = {"answer": [right] * n, "question": ["q"] * n, "metadata": ["{}"] * n, "answer_format": ["final"] * n,
+            "reasoning_gym": [json.dumps({"config": {}, "task": task})] * n}
+    replies = [right, *wrong]
+    assert answer_reward(replies, **rows) == [1.0] + [0.0] * len(wrong)
+    graded = answer_reward(replies, **rows, partial_credit=True)
+    assert graded[0] == 1.0 and all(0.0 < g < 1.0 for g in graded[1:])
+
+
 def test_format_reward_and_answer_reading_on_hand_written_replies():
     fmt = ["tags"] * 5
     replies = ["<answer>12</answer>", "think... <answer> 12 </answer>", "<answer></answer>",

@@ -46,7 +46,8 @@ class ModelConfig(Section):
 class ReasoningGymConfig(Section):
     """Prompts made by a reasoning-gym task, train and held-out (tasks/core/procedural.py).
 
-    Score them with tasks.rewards.reasoning_gym:answer_reward (the task's own score_answer) and :format_reward."""
+    Score them with tasks.rewards.reasoning_gym:answer_reward (1 where the task's own score_answer finds the
+    answer right, else 0) and :format_reward."""
 
     task: str = Field(..., min_length=1, description="The reasoning-gym task (dataset name), e.g. basic_arithmetic, "
                       "chain_sum, leg_counting, gsm_symbolic.")

@@ -8,8 +8,9 @@ Both have TRL's signature and read the dataset columns the data source writes (`
 `metadata`, `answer_format`, `reasoning_gym`), so they also work in TRL's GRPOTrainer on the same rows.
 `answer_reward` reads the answer the way the row's `answer_format` asks for it (`tags`: the last
 <answer>...</answer>, reasoning-gym's own `extract_answer`; `answer_is`: the text after the last "answer is";
-`final`: leniently, see `readings`) and scores it with the task's own `score_answer` (1.0 right; some tasks give
-partial credit; 0.0 when no answer can be read). `format_reward` is 1.0 when the reply ends with its answer in
+`final`: leniently, see `readings`) and pays 1.0 when the task's own `score_answer` says it is right, else 0.0:
+correctness, not the checkers' partial credit, which pays a wrong number that holds the right one ("13" or "-3"
+for 3: 0.5; `partial_credit=True` keeps it). `format_reward` is 1.0 when the reply ends with its answer in
 that form, exactly once (`final`: the reply is one line).
 More: docs/internals.md (tasks/rewards/reasoning_gym.py): why `final`.
 """
@@ -82,13 +83,21 @@ def _task(spec: str):
 
 
 def answer_reward(completions: list, answer: list[str], question: list[str], metadata: list[str],
-                  reasoning_gym: list[str], answer_format: list[str], **kwargs) -> list[float]:
-    """The task's own `score_answer` of the answer read from each completion (0.0 when none can be read).
+                  reasoning_gym: list[str], answer_format: list[str], partial_credit: bool = False,
+                  **kwargs) -> list[float]:
+    """1.0 where the task's own `score_answer` finds the answer read from the completion right, else 0.0 (none
+    read: 0.0). reasoning-gym's default checker, and chain_sum's or products', pays len(right) / len(read) for
+    a wrong answer that contains the right one as text: 0.5 for "13" or "-3" when the sum is 3, measured paying
+    SmolLM2 for wrong sums of one digit. `partial_credit=True` (reward.functions[].kwargs) pays the checker's
+    score as it is.
 
     >>> rows = dict(answer=["12"], question=["Calculate 7 + 5."], metadata=['{}'], answer_format=["answer_is"],
     ...             reasoning_gym=['{"config": {}, "task": "basic_arithmetic"}'])
     >>> answer_reward(["7 + 5 = 12. The answer is 12."], **rows), answer_reward(["The answer is 13."], **rows)
     ([1.0], [0.0])
+    >>> rows = dict(rows, answer=["3"], question=["6 + 4 - 7 ="])
+    >>> answer_reward(["The answer is 13."], **rows), answer_reward(["The answer is 13."], partial_credit=True, **rows)
+    ([0.0], [0.5])
     """
     out = []
     for completion, ans, q, meta, spec, fmt in zip(completions, answer, question, metadata, reasoning_gym,
@@ -104,7 +113,8 @@ def answer_reward(completions: list, answer: list[str], question: list[str], met
                 scores.append(float(_task(spec).score_answer(reading, entry)))
             except Exception:  # noqa: BLE001 - a checker choking on what the model wrote: a wrong answer
                 scores.append(0.0)
-        out.append(max(scores))
+        best = max(scores)
+        out.append(best if partial_credit else float(best >= 1.0))
     return out
 
 
