@@ -52,14 +52,20 @@ def reading_client(uri: str, field: str):
     """A client for a command that only reads what the tracking URI holds (a model version to export or to
     score with): a sqlite database that does not exist is one line naming `field`, not a new empty database
     made on the way to "not found"."""
-    if uri.startswith("sqlite:"):
-        from sqlalchemy.engine import make_url
-
-        database = make_url(uri).database
-        if database and database != ":memory:" and not Path(database).exists():
-            raise UserError(f"{field}: no MLflow database at {Path(database).absolute()} (tracking.uri {uri}): "
-                            f"nothing is registered there")
+    database = _sqlite_file(uri)
+    if database is not None and not database.exists():
+        raise UserError(f"{field}: no MLflow database at {database} (tracking.uri {uri}): nothing is registered there")
     return _client(uri)
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    """The database file of a sqlite tracking URI, absolute; None for any other URI (and sqlite in memory)."""
+    if not uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(uri).database
+    return Path(database).absolute() if database and database != ":memory:" else None
 
 
 def experiment_id(client, cfg: Config) -> str:
@@ -123,14 +129,9 @@ def _create_sqlite_whole(uri: str) -> None:
     seconds of schema migrations: a process killed in them leaves a half-migrated database that every later
     run fails on ("duplicate column name"). So it is built under a temporary name and linked into place (an
     atomic create-if-absent: of two processes creating it, one wins and the other uses the winner's)."""
-    if not uri.startswith("sqlite:"):
+    path = _sqlite_file(uri)
+    if path is None or path.exists():
         return
-    from sqlalchemy.engine import make_url
-
-    database = make_url(uri).database
-    if not database or database == ":memory:" or Path(database).exists():
-        return
-    path = Path(database).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     from tasks.core.processes import alive
 

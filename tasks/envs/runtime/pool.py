@@ -52,7 +52,6 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip().rstrip(":")
 
 
-
 def episode_key(index: int, generation: int, inner: str) -> str:
     """A pool's id of an episode: "index.generation.inner" (the member, which start of it, the member's own id)."""
     return f"{index}.{generation}.{inner}"
@@ -62,6 +61,7 @@ def parse_episode_key(key: object) -> tuple[int, int, str] | None:
     """(index, generation, inner) of a pool's episode id; None for an id that is not one."""
     index, generation, inner = ((key if isinstance(key, str) else "").split(".", 2) + ["", ""])[:3]
     return (int(index), int(generation), inner) if index.isdigit() and generation.isdigit() and inner else None
+
 
 class PoolMember:
     """One environment server of the pool, as the front sees it."""
