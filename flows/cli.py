@@ -26,7 +26,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from tasks.core.errors import UserError, cause_of
+from tasks.core.errors import UserError, cause_of, disk_full
 from tasks.core.process_wide import set_default, set_variable
 
 
@@ -588,6 +588,10 @@ def main(argv: list[str] | None = None) -> int:
         if user is not None:
             print(f"error: {user}", file=sys.stderr)
             return 2
+        full = disk_full(e)
+        if full is not None:         # one line, not a traceback: what is committed stays, the command resumes
+            print(f"error: {full}", file=sys.stderr)
+            return 1
         traceback.print_exc()
         return 1
 

@@ -5,7 +5,8 @@ job). Same contract for both launchers:
     launcher.run(stage, iteration, env) -> Ran(seconds, hourly_usd)
 
 raises `UserError` when the stage rejected its input (exit code 2: never retried), `CorruptArtifact` when it
-found a committed artifact corrupt (exit code 3: the flow recomputes it), and `InfraError` for
+found a committed artifact corrupt (exit code 3: the flow recomputes it), `DiskFull` when a disk it writes
+filled (exit code 4: not retried, the run stops resumable), and `InfraError` for
 anything the infrastructure did (killed process, preempted or vanished cluster, non-zero exit): the flow
 retries those with back-off. A remote stage's result is read back from the store by the flow (the stage
 function finds its own output's manifest and returns it without recomputing). The servers a run starts beside
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from tasks.core.errors import UserError
+from tasks.core.errors import DiskFull, UserError
 from tasks.core.paths import REPO_ROOT, sibling_python
 from tasks.core.processes import stream
 from tasks.core.store import CorruptArtifact
@@ -131,6 +132,8 @@ class Local:
             raise UserError(ran.user_error)
         if ran.code == 3 and ran.corrupt:
             raise CorruptArtifact(*ran.corrupt)
+        if ran.code == DiskFull.exit_code and ran.disk_full:
+            raise DiskFull(ran.disk_full)
         killed = " (killed)" if ran.code < 0 or ran.code in (137, 143) else ""
         raise InfraError(f"{stage}[iter {iteration}]: local stage process exited with {ran.code}{killed}: "
                          + "\n".join(ran.last[-3:]).strip())
@@ -202,6 +205,8 @@ class Sky:
             raise UserError(out["user_error"])
         if out.get("corrupt"):
             raise CorruptArtifact(*out["corrupt"])
+        if out.get("disk_full"):
+            raise DiskFull(out["disk_full"])
         if out.get("exit_code") != 0:
             raise InfraError(f"{stage}[iter {iteration}]: SkyPilot job failed (exit code {out.get('exit_code')})")
         return Ran(seconds, out.get("hourly_usd"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from tasks.core import layout
-from tasks.core.errors import UserError, cause_of
+from tasks.core.errors import DiskFull, UserError, cause_of, disk_full
 from tasks.core.lease import LeaseLost
 from tasks.core.stage import STOP
 from tasks.core.store import CorruptArtifact
@@ -28,9 +28,11 @@ OUTPUT_KEY = {"generate": layout.rollouts, "reward": layout.rewards, "train": la
 
 def retryable(task, task_run, state) -> bool:
     """Prefect retry condition: retry infrastructure failures, never a user's mistake or a lost lease, nor
-    anything once the run was told to stop. A corrupt artifact is not retried either: Repair recomputes it."""
+    anything once the run was told to stop. A corrupt artifact is not retried either: Repair recomputes it; nor
+    a full disk (the same disk is as full at the retry: the run stops with one line, resumable)."""
     exc = state.data if isinstance(state.data, BaseException) else None
-    return cause_of(exc, (UserError, LeaseLost, CorruptArtifact)) is None and not STOP.is_set()
+    return (cause_of(exc, (UserError, LeaseLost, CorruptArtifact, DiskFull)) is None and disk_full(exc) is None
+            and not STOP.is_set())
 
 
 def output_key(cfg, stage: str, iteration: int, round: int = 0) -> str:

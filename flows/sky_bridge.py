@@ -24,14 +24,14 @@ import sys
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))     # this checkout's `tasks` (not installed here)
-from tasks.core.errors import corrupt_in, user_error_in  # noqa: E402
+from tasks.core.errors import corrupt_in, disk_full_in, user_error_in  # noqa: E402
 
 
 class Tee(io.TextIOBase):
     """Log stream: forwards to stderr, remembers a user-error line."""
 
     def __init__(self):
-        self.user_error = self.corrupt = None
+        self.user_error = self.corrupt = self.disk_full = None
         self._buf = ""
 
     def write(self, s):
@@ -41,6 +41,7 @@ class Tee(io.TextIOBase):
         for line in lines:
             self.user_error = user_error_in(line) or self.user_error
             self.corrupt = corrupt_in(line) or self.corrupt
+            self.disk_full = disk_full_in(line) or self.disk_full
         return len(s)
 
     def flush(self):
@@ -117,9 +118,10 @@ def cmd_run(sky, args) -> dict:
         return submitted
     job_id, handle = submitted
     code = sky.tail_logs(args.cluster, job_id, follow=True, output_stream=tee)
-    missing = code != 0 and tee.user_error is None and tee.corrupt is None and not _cluster_up(sky, args.cluster)
-    return {"exit_code": int(code), "user_error": tee.user_error, "corrupt": tee.corrupt, "cluster_missing": missing,
-            "hourly_usd": _hourly(handle), "job_id": job_id}
+    said = tee.user_error or tee.corrupt or tee.disk_full
+    missing = code != 0 and said is None and not _cluster_up(sky, args.cluster)
+    return {"exit_code": int(code), "user_error": tee.user_error, "corrupt": tee.corrupt, "disk_full": tee.disk_full,
+            "cluster_missing": missing, "hourly_usd": _hourly(handle), "job_id": job_id}
 
 
 def cmd_job(sky, args) -> dict:
@@ -128,7 +130,8 @@ def cmd_job(sky, args) -> dict:
     job_ids, handle = sky.stream_and_get(sky.jobs.launch(task, name=args.name), output_stream=tee)
     job_id = job_ids[0] if isinstance(job_ids, list) else job_ids
     code = sky.jobs.tail_logs(job_id=job_id, follow=True, output_stream=tee)
-    return {"exit_code": int(code or 0), "user_error": tee.user_error, "corrupt": tee.corrupt, "cluster_missing": False,
+    return {"exit_code": int(code or 0), "user_error": tee.user_error, "corrupt": tee.corrupt,
+            "disk_full": tee.disk_full, "cluster_missing": False,
             "hourly_usd": _hourly(handle) if handle else None, "job_id": job_id}
 
 

@@ -363,7 +363,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
     if newest >= cfg.run.iterations and already_logged >= cfg.run.iterations:
         progress.note(f"{cfg.run.name} is already complete ({cfg.run.iterations} iterations in "
                       f"{store.uri(cfg.run.name)}); checking its last iteration and ending it")
-    elif latest or already_logged:
+    elif min(newest, already_logged):
         progress.note(f"resuming {cfg.run.name}: iterations 1-{min(newest, already_logged)} of "
                       f"{cfg.run.iterations} found in {store.uri(cfg.run.name)}")
     ahead = Ahead(stage, ctx, first=done + 1, now=NOW)

@@ -85,3 +85,75 @@ def test_a_stalled_environment_server_is_started_again_before_the_retry(tmp_path
         assert any("every episode of the last stage timed out" in line for line in said), said
     finally:
         server.stop()
+
+
+def test_a_full_disk_is_one_line_never_retried_and_crosses_a_process():
+    """ENOSPC (or a quota) anywhere in an exception's chain is a DiskFull naming the file; the retry condition
+    refuses it (the same disk is as full a second later); a stage process's `RLFLOW_DISK_FULL:` line comes back
+    through `stream` as the message its parent raises."""
+    import errno
+    import sys
+    from types import SimpleNamespace
+
+    from flows.repair import retryable
+    from tasks.core.errors import DiskFull, disk_full, disk_full_line
+    from tasks.core.processes import stream
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/tmp/a", None, "/data/store/.ckpt.partial/x")
+        except OSError as e:
+            raise RuntimeError("wrapped") from e
+    except RuntimeError as e:
+        full = disk_full(e)
+    assert str(full).startswith("no space left on device writing /data/store/.ckpt.partial/x: free space there")
+    assert "quota" in str(disk_full(OSError(errno.EDQUOT, "Disk quota exceeded")))
+    assert disk_full(OSError(errno.EACCES, "Permission denied", "/x")) is None
+    assert disk_full(ValueError("No space left on device")) is None       # the errno decides, not the words
+    for exc, again in ((OSError(errno.ENOSPC, "full"), False), (full, False), (OSError(errno.EIO, "io"), True)):
+        assert retryable(None, None, SimpleNamespace(data=exc)) is again
+    line = disk_full_line(DiskFull("no space left on device writing /d/x: free space there"))
+    ran = stream([sys.executable, "-c", f"import sys; print('log line'); print({line!r}, file=sys.stderr); "
+                  f"sys.exit({DiskFull.exit_code})"], env={}, sink=lambda _: None, rlflow=False)
+    assert (ran.code, ran.disk_full) == (4, "no space left on device writing /d/x: free space there")
+
+
+def _small_tmpfs(path, size: str) -> bool:
+    import subprocess
+
+    path.mkdir(exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_disk_that_fills_mid_run_stops_it_with_one_line_and_the_run_resumes(tmp_path, prefect_api):
+    """A store on a 3 MB filesystem fills at iteration 5 of the tiny run: `rlflow run` ends with one line naming
+    the file it could not write (no traceback, no retries: exit 1) and nothing partial is left visible; with room
+    made, the same command resumes from iteration 5 and finishes."""
+    import subprocess
+
+    from tests.conftest import run_cli
+
+    disk = tmp_path / "disk"
+    if not _small_tmpfs(disk, "3m"):
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        args = ["run", str(TINY), "-o", f"store.uri=file://{disk}/store", "-o", "run.iterations=8",
+                "-o", "launcher.retries=3"]
+        full = run_cli(args, tmp_path, prefect_api)
+        assert full.returncode == 1, full.stderr[-3000:]
+        said = [line for line in full.stderr.splitlines() if line.startswith("error:")]
+        assert len(said) == 1 and said[0].startswith(f"error: no space left on device writing {disk}/store/"), \
+            full.stderr[-3000:]
+        assert "Traceback" not in full.stderr and "restored the state" not in full.stderr + full.stdout
+        store = open_store(load_config(TINY, [f"store.uri=file://{disk}/store"]))
+        done = layout.version_of(store.get_pointer(layout.latest("tiny-demo", "policy")))
+        assert 1 <= done < 8
+        assert not list(disk.glob("store/**/*.partial*"))        # the staged write that failed is gone
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        again = run_cli(args, tmp_path, prefect_api)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"resuming tiny-demo: iterations 1-{done} of 8" in again.stdout + again.stderr
+        assert layout.version_of(store.get_pointer(layout.latest("tiny-demo", "policy"))) == 8
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -9,14 +9,17 @@ error as one line `RLFLOW_USER_ERROR: <message>` before it exits 2; whoever stre
 back into a UserError (`user_error_in`). Standard library only: the SkyPilot bridge imports this in its own
 environment. A stage that finds a committed artifact corrupt (its bytes no longer match its manifest) prints
 `RLFLOW_CORRUPT_ARTIFACT: <key>\t<message>` and exits 3: the flow quarantines and recomputes that artifact.
+A disk that fills (`DiskFull`) is neither the user's input nor worth a retry: one line, `RLFLOW_DISK_FULL:`, exit 4.
 """
 
 from __future__ import annotations
 
+import errno
 import re
 
 USER_ERROR = "RLFLOW_USER_ERROR: "
 CORRUPT = "RLFLOW_CORRUPT_ARTIFACT: "      # a committed artifact whose bytes changed; the flow recomputes it
+DISK_FULL = "RLFLOW_DISK_FULL: "          # no space left where a stage writes; the run stops, resumable
 
 
 class UserError(Exception):
@@ -49,13 +52,16 @@ def redact(text: str) -> str:
 
 def cause_of(exc: BaseException | None, kinds) -> BaseException | None:
     """The exception of type `kinds` behind `exc`, also when Prefect or a chain of exceptions wraps it."""
+    return next((e for e in chain(exc) if isinstance(e, kinds)), None)
+
+
+def chain(exc: BaseException | None):
+    """`exc` and the exceptions behind it (each cause, else context), each once."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, kinds):
-            return exc
+        yield exc
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
-    return None
 
 
 def user_error_line(error: UserError) -> str:
@@ -79,3 +85,48 @@ def corrupt_in(line: str) -> tuple[str, str] | None:
         return None
     key, _, message = line.split(CORRUPT, 1)[1].strip().partition("\t")
     return key, message or key
+
+
+class DiskFull(Exception):
+    """No space left on a device a stage writes to (ENOSPC, or a quota: EDQUOT). Not the user's input and not
+    worth a retry (the same disk is as full a second later): the run stops with this one line, what is committed
+    stays, and the same command resumes once there is room. Exit code 4 from a stage process, 1 from `rlflow`."""
+
+    exit_code = 4
+
+    def __init__(self, message: str):
+        super().__init__(message.strip().splitlines()[0] if message.strip() else "no space left on device")
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException | None) -> DiskFull | None:
+    """The full disk behind `exc` (an OSError with ENOSPC or EDQUOT anywhere in its chain, or a DiskFull a stage
+    process reported), as one DiskFull naming the file that could not be written, or None.
+
+    >>> str(disk_full(OSError(errno.ENOSPC, "No space left on device", "/data/a.bin")))[:44]
+    'no space left on device writing /data/a.bin:'
+    >>> disk_full(OSError(errno.ENOENT, "No such file")) is None
+    True
+    """
+    said = cause_of(exc, DiskFull)
+    if said is not None:
+        return said
+    full = next((e for e in chain(exc) if isinstance(e, OSError) and e.errno in _FULL), None)
+    if full is None:
+        return None
+    where = full.filename2 or full.filename
+    return DiskFull(("no space left on device" if full.errno == errno.ENOSPC else "disk quota exceeded")
+                    + (f" writing {where}" if where else "") + ": free space there (or keep fewer policies: "
+                    "store.keep) and run the same command to resume")
+
+
+def disk_full_line(error: DiskFull) -> str:
+    """What a stage process prints on stderr before exit 4, when a disk it writes to is full."""
+    return f"error: {error}\n{DISK_FULL}{error}"
+
+
+def disk_full_in(line: str) -> str | None:
+    """The full-disk message a line of a stage's output reports, or None."""
+    return line.split(DISK_FULL, 1)[1].strip() if DISK_FULL in line else None

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.core.errors import corrupt_in, user_error_in
+from tasks.core.errors import corrupt_in, disk_full_in, user_error_in
 from tasks.core.paths import REPO_ROOT
 from tasks.core.process_wide import environment_variables
 
@@ -105,6 +105,7 @@ class Streamed:
     user_error: str | None        # the message of the first `RLFLOW_USER_ERROR:` line it printed
     last: list[str]               # its last lines (without line ends)
     corrupt: tuple[str, str] | None = None    # (key, message) of an `RLFLOW_CORRUPT_ARTIFACT:` line
+    disk_full: str | None = None              # the message of an `RLFLOW_DISK_FULL:` line
 
 
 def stream(argv: list[str], env: dict[str, str], sink: Callable[[str], object], cwd: str | Path | None = None,
@@ -113,7 +114,7 @@ def stream(argv: list[str], env: dict[str, str], sink: Callable[[str], object], 
     `sink` as it comes. If we are interrupted (an exception, Ctrl-C) the process is terminated, never left behind."""
     proc = spawn(argv, env, rlflow=rlflow, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                  bufsize=1)
-    user_error, corrupt, last = None, None, collections.deque(maxlen=keep)
+    user_error, corrupt, full, last = None, None, None, collections.deque(maxlen=keep)
     try:
         for line in proc.stdout:
             line = line.rstrip("\n")
@@ -123,7 +124,9 @@ def stream(argv: list[str], env: dict[str, str], sink: Callable[[str], object], 
                 user_error = user_error_in(line)
             if corrupt is None:
                 corrupt = corrupt_in(line)
-        return Streamed(proc.wait(), user_error, list(last), corrupt)
+            if full is None:
+                full = disk_full_in(line)
+        return Streamed(proc.wait(), user_error, list(last), corrupt, full)
     finally:
         if proc.poll() is None:
             proc.terminate()

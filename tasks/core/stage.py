@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tasks.core import layout
-from tasks.core.errors import UserError, corrupt_line, user_error_line
+from tasks.core.errors import UserError, corrupt_line, disk_full, disk_full_line, user_error_line
 from tasks.core.process_wide import set_variable
 
 if TYPE_CHECKING:
@@ -273,6 +273,10 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
     except Exception as e:
         from tasks.core.store import CorruptArtifact
 
+        full = disk_full(e)
+        if full is not None:                                      # not retried: the run stops, resumable
+            print(f"error: {full}" if by_hand() else disk_full_line(full), file=sys.stderr)
+            sys.exit(full.exit_code)
         if not isinstance(e, CorruptArtifact):
             raise
         print(corrupt_line(e.key, str(e)), file=sys.stderr)      # the flow quarantines and recomputes it

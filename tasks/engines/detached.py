@@ -31,7 +31,7 @@ import yaml
 
 from tasks.core import layout
 from tasks.core.daemon import Daemon, forget
-from tasks.core.errors import UserError
+from tasks.core.errors import DiskFull, UserError
 from tasks.core.paths import cache_root
 from tasks.core.processes import alive, stream
 from tasks.core.stage import by_hand, command
@@ -71,7 +71,7 @@ class GroupTrainer:
     """train.mode process with train.engine deepspeed: each train request starts this node's part of a torchrun
     group (`trainer_server once`; on several nodes one group across them, rendezvous at MASTER_ADDR), whose
     processes train the iteration (ckpt-N in full, written by process 0) and end; the call returns when they
-    have. A user error or a corrupt artifact in a process is raised here as the stage's own."""
+    have. A user error, a corrupt artifact or a full disk in a process is raised here as the stage's own."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -92,6 +92,8 @@ class GroupTrainer:
         if ran.corrupt:
             from tasks.core.store import CorruptArtifact
             raise CorruptArtifact(*ran.corrupt)
+        if ran.disk_full:
+            raise DiskFull(ran.disk_full)
         raise RuntimeError(f"train[iter {iteration}]: the deepspeed group (torchrun) exited with {ran.code}: "
                            + " | ".join(line.strip() for line in ran.last[-20:] if line.strip())[-1500:])
 
@@ -198,6 +200,8 @@ class DetachedTrainer:
                                f"resumes by replay (log: {self.path.with_suffix('.log')})") from e
         if status == "user_error":
             raise UserError(payload)
+        if status == "disk_full":
+            raise DiskFull(payload)
         if status == "error":
             raise RuntimeError(f"resident trainer: {payload}")
         return payload

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tasks.core import layout
 from tasks.core.daemon import Watch, forget, leave, write_state
-from tasks.core.errors import UserError
+from tasks.core.errors import UserError, disk_full
 from tasks.core.process_wide import take
 from tasks.engines.trainer import Trainer, trainer_key
 from tasks.engines.trainer_group import Group
@@ -222,6 +222,9 @@ def _handle(host: Trainer, group: Group, message: dict) -> tuple[str, object]:
     except UserError as e:
         return "user_error", str(e)
     except Exception as e:  # noqa: BLE001 - reported to the stage, which fails (and is retried)
+        full = disk_full(e)
+        if full is not None:                 # the stage fails with this line, not retried
+            return "disk_full", str(full)
         traceback.print_exc()
         return "error", f"{type(e).__name__}: {e}"
 
@@ -260,7 +263,7 @@ def once(config_path: Path, iteration: int, fingerprint: str) -> None:
     same Trainer as a resident group's, made for one iteration (ckpt-N in full). The stage that started the group
     checked the inputs and the fingerprint; it reads a user error or a corrupt artifact from this output."""
     from tasks.core.config import load_config
-    from tasks.core.errors import corrupt_line, user_error_line
+    from tasks.core.errors import DiskFull, corrupt_line, disk_full_line, user_error_line
     from tasks.core.stage import quiet_progress_bars
     from tasks.core.store import CorruptArtifact, open_store
 
@@ -279,6 +282,12 @@ def once(config_path: Path, iteration: int, fingerprint: str) -> None:
     except CorruptArtifact as e:
         print(corrupt_line(e.key, str(e)), file=sys.stderr, flush=True)
         sys.exit(3)
+    except OSError as e:
+        full = disk_full(e)
+        if full is None:
+            raise
+        print(disk_full_line(full), file=sys.stderr, flush=True)
+        sys.exit(DiskFull.exit_code)
 
 
 USAGE = ("usage: python -m tasks.engines.trainer_server serve STATE_PATH CONFIG_PATH\n"
