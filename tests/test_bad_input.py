@@ -785,3 +785,30 @@ def test_a_refused_resume_names_the_fields_that_changed(tmp_path):
     fp3, made3 = fingerprint(cfg, ("model", "train"), iteration=1, rewards="other")
     with pytest.raises(UserError, match="the same config, other inputs: an earlier output"):
         reuse(store, "new", fp3, made3)
+
+
+HANGS = {"sleeps": "import time\nwhile True:\n    time.sleep(1)\n",
+         "spins": "while True:\n    try:\n        pass\n    except Exception:\n        pass\n",
+         "waits_on_stdin": "import sys\nsys.stdin.read()\n"}
+
+
+@pytest.mark.parametrize("how", sorted(HANGS))
+def test_a_user_module_that_hangs_when_imported_is_one_line(prefect_api, tmp_path, monkeypatch, how):
+    """A reward module (or an environment factory's) that never finishes importing (a sleep, a busy loop that
+    swallows exceptions, a read of stdin) fails preflight with one line naming the field, exit 2, nothing
+    written: not a run that never starts. The deadline is RLFLOW_IMPORT_SECONDS (60 s by default; 2 here)."""
+    (tmp_path / f"hang_{how}.py").write_text(HANGS[how] + "def f(completions, **kw):\n    return [0.0]\n")
+    monkeypatch.setenv("RLFLOW_IMPORT_SECONDS", "2")
+    field, override = (("reward.functions[0].fn", f'reward.functions=[{{"fn": "hang_{how}:f"}}]') if how != "spins"
+                       else ("env.factory", f"env.factory=hang_{how}:f"))
+    quiet, held = os.pipe()              # stdin that never ends: the write end stays open here
+    try:
+        out = run_cli(["run", str(TINY), "-o", override], tmp_path, prefect_api, timeout=120, stdin=quiet)
+    finally:
+        os.close(quiet), os.close(held)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and lines == [f"error: {field}: module 'hang_{how}' did not finish importing in 2 s "
+                                             f"(it waits or loops when imported: move that work into the "
+                                             f"{'function' if how != 'spins' else 'callable'}; RLFLOW_IMPORT_SECONDS "
+                                             f"allows more)"], out.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"hang_{how}.py"]

@@ -17,7 +17,6 @@ More: docs/internals.md (tasks/scoring/functions.py): timeouts, missing scores, 
 from __future__ import annotations
 
 import atexit
-import importlib
 import inspect
 import json
 import logging
@@ -39,7 +38,7 @@ import torch
 
 from tasks.core.contracts import Scored
 from tasks.core.errors import UserError
-from tasks.core.paths import REPO_ROOT
+from tasks.core.paths import REPO_ROOT, import_user
 from tasks.core.processes import kill_group, spawn
 from tasks.scoring.worker import _HEADER, RewardState, receive, send
 
@@ -81,20 +80,12 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
     """Import every configured function here too: a bad path is a user error naming the entry. With the
     dataset's `columns` (preflight), each function's signature is checked against what it will be called
     with."""
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # user reward modules live next to where they run rlflow
     names = []
     for i, spec in enumerate(cfg.reward.functions):
-        module_name, _, attr = spec.fn.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except (Exception, SystemExit) as e:           # (a module that calls sys.exit when imported)
-            raise UserError(f"reward.functions[{i}].fn: cannot import module {module_name!r}: "
-                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        if not callable(getattr(module, attr, None)):
-            raise UserError(f"reward.functions[{i}].fn: {module_name!r} has no function {attr!r}")
+        attr = spec.fn.partition(":")[2]
+        fn = import_user(spec.fn, f"reward.functions[{i}].fn", noun="function")   # (user modules: the cwd first)
         if columns is not None:
-            check_signature(f"reward.functions[{i}].fn: {spec.fn}", getattr(module, attr),
+            check_signature(f"reward.functions[{i}].fn: {spec.fn}", fn,
                             {*TRL_KEYWORDS, *columns, *spec.kwargs, *(["environments"] if cfg.env.factory else [])},
                             sorted(columns), kwargs=spec.kwargs, kwargs_field=f"reward.functions[{i}].kwargs")
         names.append(attr)

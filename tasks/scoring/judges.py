@@ -168,19 +168,12 @@ def model_path(cfg: Config, spec: RewardModel, what: str) -> str:
 
 
 def _parser_fn(spec: RewardModel, what: str):
-    import importlib
+    from tasks.core.paths import import_user
 
-    module_name, _, attr = spec.parser.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module_name), attr, None)
-    except (Exception, SystemExit) as e:
-        raise UserError(f"{what}.parser: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
-    if not callable(fn):
+    if ":" not in spec.parser:
         raise UserError(f"{what}.parser: expected 'number', 'choice', 'scores', 'auto' or module:function; "
                         f"{spec.parser!r} names nothing callable")
-    return fn
+    return import_user(spec.parser, f"{what}.parser", noun="function")
 
 
 # ------------------------------------------------------------------------------------------------ questions

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
+from tasks.core.paths import import_user
 from tasks.envs.runtime.calls import Call, EpisodeLog
 from tasks.envs.runtime.endpoint import Endpoint
 from tasks.envs.runtime.isolation import _awaited
-from tasks.envs.runtime.protocol import import_callable
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -48,7 +48,7 @@ def agent_of(cfg: Config):
     an agent with a `check` attribute (an integration's: tasks/envs/adapters/verifiers_v04.py) has it check
     env.kwargs."""
     spec = cfg.env.agent
-    fn = import_callable(spec, "env.agent")
+    fn = import_user(spec, "env.agent")
     try:
         inspect.signature(fn).bind("row", "base_url", "api_key", **cfg.env.kwargs)
     except TypeError as e:
@@ -217,7 +217,7 @@ def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cw
     sys.path[:] = path
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        value = import_callable(spec, "env.agent")(row, base_url, key, **kwargs)
+        value = import_user(spec, "env.agent")(row, base_url, key, **kwargs)
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
         conn.send(("ok", value))

@@ -13,7 +13,6 @@ Renderer.conversation (the warm start), a row gives the episode's own token ids 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from tasks.core.contracts import Rollout, Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
+from tasks.core.paths import import_user
 from tasks.envs.runtime.rendering import Renderer
 
 if TYPE_CHECKING:
@@ -62,14 +62,9 @@ def _name(fn) -> str:
 
 def scripted(spec: str) -> Callable[[str], str]:
     """MODULE:FUNCTION, imported; one UserError line if it is not there."""
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name) if name else None
-    except ImportError as e:
-        raise UserError(f"--policy: {spec}: cannot import {module}: {e}") from None
-    if not callable(fn):
+    if ":" not in spec:
         raise UserError(f"--policy: {spec}: expected MODULE:FUNCTION (a function of the context text) or `model`")
-    return fn
+    return import_user(spec, f"--policy: {spec}", noun="function")
 
 
 def as_row(r: Rollout, tokenizer, schemas: list[dict] | None) -> dict:

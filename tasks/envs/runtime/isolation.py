@@ -102,15 +102,15 @@ def _prepare_forkserver(given: Any) -> None:
     try:
         from tasks.core.config import Config
         from tasks.core.errors import UserError
+        from tasks.core.paths import import_user
         from tasks.envs.adapters.kinds import tool_names
-        from tasks.envs.runtime.protocol import import_callable
         from tasks.envs.runtime.tools import schema
 
         cfg = Config.model_validate(given["config"])        # (pydantic's first validation: ~1 ms)
         if not cfg.env.factory:
             return
         try:
-            made = import_callable(cfg.env.factory, "env.factory")
+            made = import_user(cfg.env.factory, "env.factory")
         except UserError:              # (found on a path the parent added as it ran: each child imports it)
             return
         if not inspect.isclass(made):           # (a function makes it: what it makes is known only by making one)

@@ -17,17 +17,15 @@ More: docs/internals.md (tasks/envs/runtime/protocol.py): adapters for other API
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.contracts import Environment, Step
 from tasks.core.errors import UserError
+from tasks.core.paths import import_user
 from tasks.core.process_wide import signals_kept
 
 MAX_STATE_CHARS = 65_536       # an attribute of the environment kept in the record (env_state), as JSON, at most
@@ -63,28 +61,11 @@ def as_messages(value: Any, what: str) -> list[dict]:
     return value
 
 
-def import_callable(spec: str, key: str) -> Callable:
-    """`module:attr` imported from where rlflow runs (the working directory first, as user modules live there):
-    a UserError naming `key` if the module cannot be imported or has no such callable."""
-    module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except (Exception, SystemExit) as e:
-        raise UserError(f"{key}: cannot import module {module_name!r}: {type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(f"{key}: {module_name!r} has no callable {attr!r}")
-    return fn
-
-
 def factory_of(cfg: Config, preflight: bool = True) -> Callable[[], Any]:
     """env.factory imported (a user error naming it if it cannot be), called with env.kwargs per episode (once
     per process for an environment that serves many: adapters.shared). A factory with a `preflight(**kwargs)`
     (the browser's) has it called first: what it lacks is one line before any episode starts."""
-    make = import_callable(cfg.env.factory, "env.factory")
+    make = import_user(cfg.env.factory, "env.factory")
     kwargs = dict(cfg.env.kwargs)
     if preflight and callable(getattr(make, "preflight", None)):
         make.preflight(**kwargs)
@@ -221,7 +202,7 @@ def check_environment(cfg: Config, row: dict) -> None:
     from tasks.envs.runtime.tools import tool_schemas
 
     spec = cfg.env.factory
-    make = import_callable(spec, "env.factory")
+    make = import_user(spec, "env.factory")
     kwargs = dict(cfg.env.kwargs)
     if (bad := _binds(make, **kwargs)) is not None:
         raise UserError(f"env.kwargs: {spec} cannot be called with env.kwargs {sorted(kwargs)}: {bad}")

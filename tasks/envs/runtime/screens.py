@@ -20,7 +20,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.envs.runtime.protocol import PICTURES, import_callable
+from tasks.core.paths import import_user
+from tasks.envs.runtime.protocol import PICTURES
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -40,7 +41,7 @@ def takes_screenshots(cfg: Config) -> bool:
     if placement_of(cfg).env != "stage":
         return False
     try:
-        make = import_callable(cfg.env.factory, "env.factory")
+        make = import_user(cfg.env.factory, "env.factory")
         return "screenshots" in inspect.signature(make).parameters
     except Exception:  # noqa: BLE001 - a factory that cannot be inspected pictures nothing (preflight says why)
         return False
