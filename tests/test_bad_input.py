@@ -812,3 +812,23 @@ def test_a_user_module_that_hangs_when_imported_is_one_line(prefect_api, tmp_pat
                                              f"{'function' if how != 'spins' else 'callable'}; RLFLOW_IMPORT_SECONDS "
                                              f"allows more)"], out.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"hang_{how}.py"]
+
+
+def test_a_data_column_of_mixed_types_is_said_once_before_the_run(tmp_path, capsys):
+    """A column whose rows hold an int here and a string there reaches reward functions as it is (as TRL passes
+    it): one warning naming the file, the column and the first row of each type, not a failed iteration 1."""
+    from tasks.core.data import load_prompts
+
+    rows = [{"prompt": "a=", "answer": 5}, {"prompt": "b=", "answer": 6}, {"prompt": "c=", "answer": "bbb"},
+            {"prompt": "d=", "answer": [1]}]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({**r, "answer": str(r["answer"])}) + "\n" for r in rows))
+    cfg = load_config(TINY, [f"data.path={tmp_path / 'mixed.jsonl'}"])
+    assert load_prompts(cfg)["answer"] == [5, 6, "bbb", [1]]          # the values as they are, not coerced
+    load_prompts(cfg, "eval")
+    said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert said == [f"warning: {tmp_path / 'mixed.jsonl'} column 'answer' mixes types (int in row 0, str in row 2, "
+                    f"list in row 3): reward functions get each row's value as it is (convert it there, e.g. "
+                    f"str(answer))"]
+    load_prompts(load_config(TINY, [f"data.path={tmp_path / 'plain.jsonl'}"]))
+    assert not capsys.readouterr().err.strip()

@@ -149,7 +149,29 @@ def load_prompts(cfg: Config, split: str = "train"):
             if m["role"] not in ROLES:
                 raise UserError(f"{field}: {path} row {i} column {col!r} message {j}: role {m['role']!r}, expected "
                                 f"one of {ROLES}")
+    _say_mixed_columns(ds, str(path), col)          # (train and eval from one file: said once)
     return ds
+
+
+def _say_mixed_columns(ds, where: str, prompt_column: str) -> None:
+    """One warning per column whose rows hold values of different types (`datasets` gives such a column its Json
+    feature: 5 in one row, "5" or [5] in another). Reward functions get each row's value as it is, as TRL's do,
+    so a function written for one type fails (or scores 0) on the others: said before the run, with the first row
+    of each type."""
+    import datasets
+
+    from tasks.core.config_base import warn
+
+    for column, feature in ds.features.items():
+        if column == prompt_column or not isinstance(feature, datasets.Json):
+            continue
+        first: dict[str, int] = {}
+        for i, value in enumerate(ds[column]):
+            first.setdefault(type(value).__name__, i)
+        if len(first) > 1:
+            seen = ", ".join(f"{kind} in row {row}" for kind, row in first.items())
+            warn(f"warning: {where} column {column!r} mixes types ({seen}): reward functions get each row's value "
+                 f"as it is (convert it there, e.g. str({column}))")
 
 
 def indices(n_rows: int, seed: int | list[int], start: int, count: int, shuffle: bool = True) -> list[int]:
