@@ -477,3 +477,34 @@ def test_openai_agents(endpoint, api, question, stream, chained):
         second.prompt_ids[:len(first.prompt_ids) + len(first.completion_ids)] == first.prompt_ids + first.completion_ids
     assert [(x.prompt_ids, x.completion_ids) for x in log.calls] == endpoint.session.sampled
 
+
+
+def test_an_episodes_call_waiting_for_the_endpoints_threads_is_the_endpoints_time_not_the_agents():
+    """env.timeout_seconds counts the agent's own time: a call that waits in the endpoint's thread pool behind
+    other episodes' calls is open from when it is asked, so a busy endpoint does not fail a waiting agent."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from tasks.envs.runtime.calls import EpisodeLog
+    from tasks.envs.runtime.endpoint import _call
+
+    ep, log = SimpleNamespace(pool=ThreadPoolExecutor(1)), EpisodeLog(index=0, seed=0)
+    release, ran = threading.Event(), []
+    blocker = ep.pool.submit(release.wait)          # another episode's call holds the one thread
+
+    async def scenario():
+        asked = asyncio.ensure_future(_call(ep, log, lambda: ran.append(True) or "done"))
+        await asyncio.sleep(0)                      # asked: queued behind the blocker, not run
+        assert not ran and log.open_calls == 1 and log.in_call is not None
+        release.set()
+        assert await asked == "done"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        blocker.result()
+        ep.pool.shutdown()
+    assert ran and log.open_calls == 0 and log.in_call is None and log.busy > 0

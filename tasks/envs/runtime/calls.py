@@ -48,8 +48,9 @@ class EpisodeLog:
     info: dict = field(default_factory=dict)
     limited: str | None = None         # why a call was refused for the episode's limits (turns, tokens)
     responses: dict[str, list[dict]] = field(default_factory=dict)   # its responses' conversations, by id
-    busy: float = 0.0                  # seconds spent inside the endpoint's calls (not the agent's own time)
-    in_call: float | None = None       # when the call now in progress started
+    busy: float = 0.0                  # seconds the episode had a call open at the endpoint (not the agent's time)
+    in_call: float | None = None       # since when it has one open (None: none now)
+    open_calls: int = 0                # its calls asked and not yet answered (queued or running)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def busy_seconds(self) -> float:

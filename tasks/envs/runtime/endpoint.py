@@ -452,17 +452,23 @@ async def _run(ep: Endpoint, fn, *args):
 
 
 async def _call(ep: Endpoint, log: EpisodeLog, fn):
-    """Run `fn` (sampling, recording) for the episode, its calls one at a time; the time it takes is the
-    endpoint's, not the agent's (env.timeout_seconds)."""
+    """Run `fn` (sampling, recording) for the episode, its calls one at a time. The time from when a call is
+    asked until the episode's last open call answers, its wait for the endpoint's threads included, is the
+    endpoint's, not the agent's (env.timeout_seconds): a busy endpoint does not fail a waiting agent as hung.
+    (Counted here, on the server's one event loop.)"""
     def locked():
         with log.lock:
-            log.in_call = time.monotonic()
-            try:
-                return fn()
-            finally:
-                log.busy += time.monotonic() - log.in_call
-                log.in_call = None
-    return await _run(ep, locked)
+            return fn()
+    if log.open_calls == 0:
+        log.in_call = time.monotonic()
+    log.open_calls += 1
+    try:
+        return await _run(ep, locked)
+    finally:
+        log.open_calls -= 1
+        if log.open_calls == 0:
+            log.busy += time.monotonic() - log.in_call
+            log.in_call = None
 
 
 def app(ep: Endpoint):
