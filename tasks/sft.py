@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tasks.core import layout
-from tasks.core.data import ROLES, load_table
+from tasks.core.data import load_table, message_fault
 from tasks.core.errors import UserError
 from tasks.core.hashing import sha256_file
 from tasks.core.models import ADAPTER_CONFIG, base_path, context_length, load_policy, load_tokenizer
@@ -159,10 +159,8 @@ def _messages(row: dict, column: str) -> list[dict]:
     out = []
     for j, m in enumerate(value):
         m = {k: v for k, v in m.items() if v is not None}      # (datasets fills absent keys with None)
-        if m.get("role") not in ROLES:
-            raise ValueError(f"column {column!r} message {j}: role {m.get('role')!r}, expected one of {ROLES}")
-        if not isinstance(m.get("content", ""), str | list) or ("content" not in m and not m.get("tool_calls")):
-            raise ValueError(f"column {column!r} message {j}: expected a string content (or tool_calls)")
+        if (fault := message_fault(m)) is not None:
+            raise ValueError(f"column {column!r} message {j}: {fault}")
         out.append(m)
     return out
 

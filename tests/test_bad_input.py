@@ -219,7 +219,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "wrong prompt type": (["run", str(TINY), "-o", f"data.path={tmp}/badrow.jsonl"], "row 0 column 'prompt'"),
         "prompt list of strings": (["run", str(TINY), "-o", f"data.path={tmp}/badlist.jsonl"], "row 0 column 'prompt'"),
         "chat message without a role": (["run", str(TINY), "-o", f"data.path={tmp}/chat_no_role.jsonl"],
-                                        "row 1 column 'prompt' message 0: expected {\"role\": str"),
+                                        "row 1 column 'prompt' message 0: role None, expected one of ('system', 'user', "
+                                        "'assistant', 'tool')"),
         "unparsable JSON line": (["run", str(TINY), "-o", f"data.path={tmp}/broken.jsonl"],
                                  f"data.path: {tmp}/broken.jsonl: line 3: not JSON"),
         "JSON line not an object": (["run", str(TINY), "-o", f"data.path={tmp}/not_object.jsonl"],
@@ -326,8 +327,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             "env.factory: badtools_env:StringTools: StringTools.tools[0] is 'lookup', not a function"),
         "environment reset with a role no template renders": (
             ["run", str(TINY), "-o", "env.factory=badtools_env:Narrates"],
-            "env.factory: badtools_env:Narrates: Narrates.reset's message 0: {\"role\": \"narrator\", \"content\": "
-            "\"a=\"}, expected {\"role\": one of ('system', 'user', 'assistant', 'tool'), \"content\": str}"),
+            "env.factory: badtools_env:Narrates: Narrates.reset's message 0: role 'narrator', expected one of "
+            "('system', 'user', 'assistant', 'tool')"),
         "environment reset returning no messages": (
             ["run", str(TINY), "-o", "env.factory=badtools_env:ResetsToNumber"],
             "env.factory: badtools_env:ResetsToNumber: ResetsToNumber.reset's return is int, not chat messages"),

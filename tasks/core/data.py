@@ -24,6 +24,21 @@ _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 ROLES = ("system", "user", "assistant", "tool")         # a chat message's roles (prompts, demonstrations)
 
 
+def message_fault(m) -> str | None:
+    """What keeps chat message `m` from a chat template, or None: it must be a mapping whose role is one of
+    ROLES and whose content is text (a string or a list of parts), or absent beside tool_calls. One rule for
+    prompts (data), demonstrations (the warm start) and what an environment's reset returns."""
+    if not isinstance(m, dict):
+        return f"expected a {{\"role\": ..., \"content\": ...}} mapping, got {type(m).__name__}"
+    if m.get("role") not in ROLES:
+        return f"role {m.get('role')!r}, expected one of {ROLES}"
+    content = m.get("content")
+    if isinstance(content, str | list) or content is None and m.get("tool_calls"):
+        return None
+    return (f"content {json.dumps(content, default=str)[:40]}, expected a string (or a list of parts, or none "
+            f"beside tool_calls)")
+
+
 @functools.lru_cache(maxsize=4)
 def load_table(path: str, name: str | None, split: str, field: str = "data.path"):
     """A local data file or a hub dataset, as `datasets` loads it (once per arguments in this process); a mistake is
@@ -143,12 +158,8 @@ def load_prompts(cfg: Config, split: str = "train"):
             raise UserError(f"{field}: {path} row {i} column {col!r}: expected a string or a list of chat "
                             f"messages, got {type(value).__name__}{' (empty)' if value == [] else ''}")
         for j, m in enumerate(value):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str | list):
-                raise UserError(f"{field}: {path} row {i} column {col!r} message {j}: expected "
-                                f"{{\"role\": str, \"content\": str}}, got {json.dumps(m, default=str)[:80]}")
-            if m["role"] not in ROLES:
-                raise UserError(f"{field}: {path} row {i} column {col!r} message {j}: role {m['role']!r}, expected "
-                                f"one of {ROLES}")
+            if (fault := message_fault(m)) is not None:
+                raise UserError(f"{field}: {path} row {i} column {col!r} message {j}: {fault}")
     _say_mixed_columns(ds, str(path), col)          # (train and eval from one file: said once)
     return ds
 

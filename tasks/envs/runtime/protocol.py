@@ -156,7 +156,7 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
     that the data lacks, or holds another type of, and what it returns must be chat messages whose roles a
     template renders (data.ROLES): one line now instead of every episode failing. Other failures are the
     episodes' to report (a row-dependent one, a resource the run provides)."""
-    from tasks.core.data import ROLES
+    from tasks.core.data import message_fault
 
     failed: list[BaseException] = []
     returned: list = []
@@ -184,10 +184,8 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
     except TypeError as e:
         raise UserError(f"env.factory: {e}") from None
     for j, m in enumerate(messages):
-        content = m.get("content")
-        if m["role"] not in ROLES or not (isinstance(content, str | list) or content is None and m.get("tool_calls")):
-            raise UserError(f"env.factory: {what}.reset's message {j}: {json.dumps(m, default=str)[:80]}, expected "
-                            f"{{\"role\": one of {ROLES}, \"content\": str}}")
+        if (fault := message_fault(m)) is not None:
+            raise UserError(f"env.factory: {what}.reset's message {j}: {fault}")
 
 
 def check_environment(cfg: Config, row: dict) -> None:
