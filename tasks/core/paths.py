@@ -11,16 +11,14 @@ imported is one line naming the field, not a preflight that never ends.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from tasks.core.errors import UserError
+from tasks.core.process_wide import DeadlinePassed, deadline
 
 REPO_ROOT = Path(__file__).resolve().parents[2]     # the checkout holding tasks/ and flows/
 
@@ -42,11 +40,6 @@ def sibling_python(venv: str) -> str | None:
 IMPORT_SECONDS = 60.0      # a user's module that takes longer to import is taken as hung ($RLFLOW_IMPORT_SECONDS)
 
 
-class _ImportTimedOut(BaseException):
-    """Raised into a hung import by the deadline's alarm (a BaseException: a module's own `except Exception`
-    around its waiting does not swallow it)."""
-
-
 def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
     """`module:name` from the working directory first (user modules live where rlflow is run), imported within
     IMPORT_SECONDS: a UserError naming `key` if the module cannot be imported (it raises, calls sys.exit, or
@@ -56,9 +49,9 @@ def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
         sys.path.insert(0, os.getcwd())
     seconds = float(os.environ.get("RLFLOW_IMPORT_SECONDS") or IMPORT_SECONDS)
     try:
-        with _deadline(seconds):
+        with deadline(seconds):          # (preflight imports in the main thread: watched there)
             module = importlib.import_module(module_name)
-    except _ImportTimedOut:
+    except DeadlinePassed:
         raise UserError(f"{key}: module {module_name!r} did not finish importing in {seconds:g} s (it waits or "
                         f"loops when imported: move that work into the {noun}; RLFLOW_IMPORT_SECONDS allows "
                         f"more)") from None
@@ -70,26 +63,3 @@ def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
         raise UserError(f"{key}: {module_name!r} has no {noun} {attr!r}")
     return fn
 
-
-@contextlib.contextmanager
-def _deadline(seconds: float):
-    """Interrupt the block after `seconds` (SIGALRM, so the main thread only, and only when nothing else of this
-    process uses that alarm; elsewhere the block runs without one: preflight, where user modules are first
-    imported, runs in the main thread)."""
-    usable = (threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-              and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, signal.SIG_IGN, None)
-              and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0))
-    if not usable:
-        yield
-        return
-
-    def _timed_out(signum, frame):
-        raise _ImportTimedOut()
-
-    before = signal.signal(signal.SIGALRM, _timed_out)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, before)

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import sys
-import time
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import UserError
@@ -208,41 +207,24 @@ def _items(task: str, config: dict[str, Any], seed: int, size: int):
 ITEM_SECONDS = 60           # one item taking longer is a generator that does not end with this config
 
 
-class _Stuck(Exception):
-    pass
-
-
 def _item(source, index: int, task: str, config: dict[str, Any]) -> dict:
     """Item `index`, with a config's failures in the task's generator as one UserError line: an exception (a
     config that passes the task's validate() but that its generator cannot use: simple_equations with
     `operators` and no matching `operators_weights`), and, in the main thread, a generator that does not end
     (base_conversion with min_base == max_base loops forever looking for a different target base): ITEM_SECONDS.
     Splits are made in the main thread of a child process (_built_in_a_child) wherever hashing is randomized."""
-    import signal
-    import threading
+    from tasks.core.process_wide import DeadlinePassed, deadline
 
     said = json.dumps(config, default=str, sort_keys=True)
-    watched = threading.current_thread() is threading.main_thread()
-    if watched:
-        def stuck(signum, frame):
-            raise _Stuck
-        before = signal.signal(signal.SIGALRM, stuck)
-        started = time.monotonic()
-        pending, _ = signal.setitimer(signal.ITIMER_REAL, ITEM_SECONDS)     # a caller's own alarm: put back
     try:
-        return source[index]
-    except _Stuck:
+        with deadline(ITEM_SECONDS):
+            return source[index]
+    except DeadlinePassed:
         raise UserError(f"{FIELD}.config: task {task!r} did not make item {index} in {ITEM_SECONDS} s with "
                         f"{said}: its generator does not end with this config") from None
     except Exception as e:  # noqa: BLE001 - the task's own code failing on this config
         msg = (str(e).strip().splitlines() or [""])[0][:200] or type(e).__name__
         raise UserError(f"{FIELD}.config: task {task!r} fails to make items with {said}: {msg}") from None
-    finally:
-        if watched:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, before)
-            if pending:
-                signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 1e-3))
 
 
 def load(cfg: Config, split: str):

@@ -4,12 +4,10 @@ With the inline launcher and a caller-held trainer (the defaults), generate, rew
 the flow's own process, and with run.max_staleness > 0 on several of its threads at once. Most of what they use
 is passed as arguments; the few things here cannot be, because Python, torch or the operating system keep them
 per process: the PROCESS_WIDE lock, the random streams (rng_state, set_rng_state, seed_all), the signal handlers
-(signals_kept) and the environment variables: the only module that writes os.environ (set_default, set_variable,
-take, restore, environment_variables; a stage's servers are not among them: they are its context, an argument,
-tasks/core/placement.py). This is not all the module-level state of the package: caches and registries kept for
-reuse live with their users, e.g. the trainers this process holds (tasks/engines/trainer.py: _HELD), the reward
-functions' idle workers (tasks/scoring/functions.py: _idle), the reward models loaded in the stage
-(tasks/scoring/judges.py: _engines) and the sandbox runners (tasks/scoring/sandbox.py: _runners).
+(signals_kept, and the alarm of `deadline`) and the environment variables: the only module that writes
+os.environ (set_default, set_variable, take, restore, environment_variables; a stage's servers are not among
+them: they are its context, an argument, tasks/core/placement.py). Not here: caches and registries kept for
+reuse, which live with their users (e.g. tasks/engines/trainer.py: _HELD, tasks/scoring/functions.py: _idle).
 Standard library only when imported (torch is imported by the random streams' functions, as they run).
 More: docs/internals.md (tasks/core/process_wide.py): each piece, with the reason it exists.
 """
@@ -20,6 +18,7 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -87,6 +86,35 @@ def signals_kept() -> Iterator[None]:
         yield
     finally:
         _FACTORY.on = False
+
+
+class DeadlinePassed(BaseException):
+    """Raised into the body of `deadline` when its time is up (a BaseException: the body's own `except
+    Exception` around its waiting does not swallow it)."""
+
+
+@contextmanager
+def deadline(seconds: float) -> Iterator[bool]:
+    """Interrupt the body after `seconds` (SIGALRM: DeadlinePassed is raised where it is, a loop or a wait) for
+    a user's code that may never end: a module's import, a task generator's item. The main thread only; elsewhere
+    the body runs unwatched (yields False). An alarm the caller had set is put back, less the time spent."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield False
+        return
+
+    def passed(signum, frame):
+        raise DeadlinePassed()
+
+    before = signal.signal(signal.SIGALRM, passed)
+    started = time.monotonic()
+    pending, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+        if pending:
+            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 1e-3))
 
 
 # ---------------------------------------------------------------------------------------- environment variables
