@@ -263,14 +263,37 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _load_yaml(text: str):
-    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+MAX_VALUES = 100_000     # values a config (or an override's value) may hold, each alias counted where it is used
+MAX_DEPTH = 64           # levels of nesting
+
+
+def _load_yaml(text: str, where: str):
+    """The YAML document, refused (one UserError line naming `where`) if it nests deeper than MAX_DEPTH or holds
+    more than MAX_VALUES values once its aliases are expanded (an alias bomb takes GBs when validated)."""
+    try:
+        value = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise UserError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
+    count, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise UserError(f"{where}: holds more than {MAX_VALUES} values once its YAML aliases are expanded; a "
+                            f"config is sections of settings")
+        if depth > MAX_DEPTH:
+            raise UserError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return value
 
 
 def _parse_value(raw: str) -> Any:
     """An override value is YAML: `3` is an int, `[1, 2]` a list, `{"fn": ...}` a mapping, else a string."""
     try:
-        return _load_yaml(raw)
+        return _load_yaml(raw, f"override value {raw[:40]!r}")
     except _DuplicateKey as e:
         raise UserError(f"override value {raw!r}: key {e.key!r} appears twice") from None
     except yaml.YAMLError:
@@ -378,7 +401,7 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         if not p.is_file():
             raise UserError(f"config: file not found: {path}")
         try:
-            loaded = _load_yaml(p.read_text(encoding="utf-8")) or {}
+            loaded = _load_yaml(p.read_text(encoding="utf-8"), f"config: {path}") or {}
         except UnicodeDecodeError as e:
             raise UserError(f"config: {path}: not UTF-8 text (byte {e.start})") from None
         except OSError as e:
