@@ -50,6 +50,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "syntax_err.py").write_text("def f(completions, **kw)\n    return [0.0]\n")
     (tmp / "needs_col.py").write_text("def f(completions, solution, **kw):\n    return [0.0] * len(completions)\n")
     (tmp / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp / "varargs.py").write_text("def f(*args):\n    return [0.0] * len(args)\n")
     (tmp / "chat_no_role.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "b"})
                                             + "\n" + json.dumps({"prompt": [{"text": "a="}], "answer": "b"}) + "\n")
     (tmp / "broken.jsonl").write_text('{"prompt": "a="}\n\n{"prompt": "b=", \n{"prompt": "c="}\n')
@@ -58,6 +59,13 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "dup.yaml").write_text("run:\n  name: a\n  iterations: 2\n  name: b\n")
     (tmp / "latin1.yaml").write_bytes("run:\n  name: caf\u00e9\n".encode("latin-1"))
     (tmp / "a_file").write_text("not a folder\n")
+    (tmp / "emptyprompt.jsonl").write_text(json.dumps({"prompt": "a=", "answer": "b"}) + "\n"
+                                           + json.dumps({"prompt": "  ", "answer": "b"}) + "\n")
+    (tmp / "header.csv").write_text("\ufeffprompt,answer\n")
+    (tmp / "hugeprompt.jsonl").write_text(json.dumps({"prompt": "a=" * 300_000, "answer": "b"}) + "\n")
+    (tmp / "bomb.yaml").write_text("x: [&a0 [lol,lol,lol,lol,lol,lol,lol,lol,lol]" + "".join(   # 9**6 values
+        f", &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 7)) + "]\nrun: {name: *a6}\n")
+    (tmp / "deep.yaml").write_text("x: " + "{a: " * 1000 + "1" + "}" * 1000 + "\n")
     spaces = {"unknown_key": "train.learning_rate: {type: log_uniform, low: 1.0e-5, high: 1.0e-2}\n",
               "empty_range": "train.lr: {type: uniform, low: 0.01, high: 0.01}\n",
               "wrong_type": "train.lr: {type: categorical, choices: [fast, 0.01]}\n",
@@ -107,6 +115,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "infinite number": (["run", str(TINY), "-o", "train.lr=inf"], "train.lr: input should be a finite number"),
         "duplicate yaml key": (["run", str(tmp / "dup.yaml")], "line 4: key 'name' appears twice in one mapping"),
         "config not utf-8": (["run", str(tmp / "latin1.yaml")], "latin1.yaml: not UTF-8 text"),
+        "yaml alias bomb": (["run", str(tmp / "bomb.yaml")], f"config: {tmp}/bomb.yaml: holds more than 100000 values "
+                            "once its YAML aliases are expanded"),
+        "yaml nested 1000 deep": (["run", str(tmp / "deep.yaml")], f"config: {tmp}/deep.yaml: nested deeper than 64 "
+                                  "levels"),
         "malformed endpoint url": (["run", str(TINY), "-o", "store.endpoint_url=localhost:9000"],
                                    "store.endpoint_url: expected http(s)://HOST[:PORT]"),
         "unknown tracking scheme": (["run", str(TINY), "-o", "tracking.uri=ftp://host/x"],
@@ -130,6 +142,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                                  "which is neither a dataset column (the data has ['answer'])"),
         "reward module exits on import": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "exits_on_import:f"}]'],
                                           "cannot import module 'exits_on_import': SystemExit"),
+        "reward takes only *args": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "varargs:f"}]'],
+                                    "reward.functions[0].fn: varargs:f: takes no argument by name (only *args, or "
+                                    "none); reward functions are called with every argument by keyword"),
         "reward path syntax": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "no colon"}]'], "reward.functions.0.fn"),
         "reward weight": (["run", str(TINY), "-o", f'reward.functions=[{{"fn": "{demo}", "weight": "heavy"}}]'],
                           "reward.functions.0.weight"),
@@ -221,6 +236,13 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "chat message without a role": (["run", str(TINY), "-o", f"data.path={tmp}/chat_no_role.jsonl"],
                                         "row 1 column 'prompt' message 0: role None, expected one of ('system', 'user', "
                                         "'assistant', 'tool')"),
+        "empty prompt": (["run", str(TINY), "-o", f"data.path={tmp}/emptyprompt.jsonl"],
+                         f"data.path: {tmp}/emptyprompt.jsonl row 1 column 'prompt': an empty prompt"),
+        "csv of a header alone": (["run", str(TINY), "-o", f"data.path={tmp}/header.csv"],
+                                  f"data.path: {tmp}/header.csv: no rows (only a header line)"),
+        "prompt of 600,000 characters": (["run", str(TINY), "-o", f"data.path={tmp}/hugeprompt.jsonl"],
+                                         f"data.path: {tmp}/hugeprompt.jsonl row 0 column 'prompt': 600,000 characters, "
+                                         f"over 512,000"),
         "unparsable JSON line": (["run", str(TINY), "-o", f"data.path={tmp}/broken.jsonl"],
                                  f"data.path: {tmp}/broken.jsonl: line 3: not JSON"),
         "JSON line not an object": (["run", str(TINY), "-o", f"data.path={tmp}/not_object.jsonl"],
@@ -549,7 +571,8 @@ def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_pa
     # each a fork of one process that imported the CLI (run_cli_many), two at a time.
     for name in cases:
         (tmp_path / "cwd" / name).mkdir(parents=True)
-        for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py"):
+        for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py",
+                       "varargs.py"):
             (tmp_path / "cwd" / name / module).write_text((tmp_path / module).read_text())
     outs = dict(zip(cases, run_cli_many([(args, tmp_path / "cwd" / name) for name, (args, _) in cases.items()],
                                         prefect_api)))
@@ -591,7 +614,8 @@ def test_plan_refuses_what_run_refuses(prefect_api, tmp_path, s3_endpoint, bucke
     calls.append((["plan", str(TINY), *s3, "-o", "launcher.where=local"], "local launcher"))
     for _, folder in calls:
         (tmp_path / "cwd" / folder).mkdir(parents=True)
-        for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py"):
+        for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py",
+                       "varargs.py"):
             (tmp_path / "cwd" / folder / module).write_text((tmp_path / module).read_text())
     outs = dict(zip([folder for _, folder in calls],
                     run_cli_many([(args, tmp_path / "cwd" / folder) for args, folder in calls], prefect_api)))

@@ -61,6 +61,11 @@ BAD = textwrap.dedent('''
     def slow_lengths(completions, **kw):
         time.sleep(0.2)
         return [float(len(c)) for c in completions]
+
+    def clears(completions, answer, **kw):
+        n = len(completions)
+        completions.clear(), answer.clear()
+        return [0.5] * n
 ''')
 
 
@@ -100,6 +105,13 @@ def test_a_failing_function_scores_nothing_for_the_batch_and_the_others_still_co
     assert [r.reward for r in records] == [0.0, 1.0, 0.0, 1.0]    # combined over the functions that scored
     # The worker (restarted where it died) serves the next batch.
     assert score_records(_functions(["good"]), _records(), "sum").scores["good"] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_function_that_edits_its_arguments_in_place_changes_nothing_the_others_see(bad_module):
+    """Each function gets lists of its own: one that clears `completions` (or a column) is scored for the
+    completions it was given, and the next function still sees them all."""
+    scored = score_records(_functions(["clears", "good"]), _records(), "sum")
+    assert scored.scores == {"clears": [0.5] * 4, "good": [0.0, 1.0, 0.0, 1.0]} and not scored.errors
 
 
 def test_threads_scoring_at_once_each_get_their_own_batchs_scores(bad_module):

@@ -88,6 +88,8 @@ def _where_unreadable(path: Path, error: Exception) -> str:
         except UnicodeDecodeError as e:
             line = raw.count(b"\n", 0, e.start) + 1
             return f"line {line}: not UTF-8 text ({e.reason} at byte {e.start})"
+        if path.suffix.lower() == ".csv" and len([ln for ln in text.splitlines() if ln.strip()]) == 1:
+            return "no rows (only a header line)"
     if path.suffix.lower() in (".jsonl", ".json"):
         lines = text.splitlines()
         if not (lines and lines[0].lstrip().startswith("[")):     # JSON Lines (a .json array is one document)
@@ -151,8 +153,17 @@ def load_prompts(cfg: Config, split: str = "train"):
         raise UserError(f"data.prompt_column: column {col!r} not in {path} (columns: {ds.column_names})")
     if len(ds) == 0:
         raise UserError(f"{field}: {path} split {sp!r} has no rows")
+    # A prompt past this many characters is a mistake in the data, not a long prompt: it is cut to
+    # generate.max_prompt_length tokens anyway, after a tokenizer that may take GBs for it (a 50 MB row did).
+    limit = cfg.generate.max_prompt_length * 1000
     for i, value in enumerate(ds[col]):             # every row: a bad one would fail an iteration hours in
         if isinstance(value, str):
+            if not value.strip():
+                raise UserError(f"{field}: {path} row {i} column {col!r}: an empty prompt (expected the text the "
+                                f"model answers)")
+            if len(value) > limit:
+                raise UserError(f"{field}: {path} row {i} column {col!r}: {len(value):,} characters, over {limit:,} "
+                                f"(1,000 per token of generate.max_prompt_length, where prompts are cut)")
             continue
         if not (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
             raise UserError(f"{field}: {path} row {i} column {col!r}: expected a string or a list of chat "

@@ -116,6 +116,9 @@ def check_signature(what: str, fn, available: set[str], columns: list[str], kwar
         return                                  # a builtin or C callable: nothing to read, it is tried at run time
     if not any(p.kind is p.VAR_KEYWORD for p in params):
         takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if not takes:
+            raise UserError(f"{what}: takes no argument by name (only *args, or none); reward functions are "
+                            f"called with every argument by keyword, as TRL calls them")
         for key in kwargs or {}:
             if key not in takes:
                 raise UserError(f"{kwargs_field}.{key}: {what.rsplit(': ', 1)[-1]} takes no argument {key!r} "

@@ -112,15 +112,19 @@ def _call(fn, kwargs: dict, completions: list, columns: dict):
     def log_metric(name: str, value: float) -> None:
         logged.setdefault(str(name), []).append(float(value))
 
-    given = {**columns, "completions": completions, "log_extra": log_extra, "log_metric": log_metric, **kwargs}
+    n = len(completions)
+    # (each function gets lists of its own: one that edits them in place changes nothing the next one, or the
+    # count of its scores, sees)
+    given = {**{k: list(v) if isinstance(v, list) else v for k, v in columns.items()},
+             "completions": list(completions), "log_extra": log_extra, "log_metric": log_metric, **kwargs}
     accepted = _accepted(fn)
     if accepted is not None:
         given = {k: v for k, v in given.items() if k in accepted}
     values = fn(**given)
     if inspect.isawaitable(values):
         values = asyncio.run(_awaited(values))
-    values = _clean(values, len(completions))
-    extra = {k: v for k, v in extra.items() if len(v) == len(completions)}   # a column per completion, or none
+    values = _clean(values, n)
+    extra = {k: v for k, v in extra.items() if len(v) == n}   # a column per completion, or none
     metrics = {k: sum(v) / len(v) for k, v in logged.items() if v and all(math.isfinite(x) for x in v)}
     return values, extra, metrics
 
