@@ -59,6 +59,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "dup.yaml").write_text("run:\n  name: a\n  iterations: 2\n  name: b\n")
     (tmp / "latin1.yaml").write_bytes("run:\n  name: caf\u00e9\n".encode("latin-1"))
     (tmp / "a_file").write_text("not a folder\n")
+    (tmp / "two_docs.yaml").write_text("run:\n  name: a\n---\nrun:\n  name: b\n")
     (tmp / "emptyprompt.jsonl").write_text(json.dumps({"prompt": "a=", "answer": "b"}) + "\n"
                                            + json.dumps({"prompt": "  ", "answer": "b"}) + "\n")
     (tmp / "header.csv").write_text("\ufeffprompt,answer\n")
@@ -117,6 +118,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "config not utf-8": (["run", str(tmp / "latin1.yaml")], "latin1.yaml: not UTF-8 text"),
         "yaml alias bomb": (["run", str(tmp / "bomb.yaml")], f"config: {tmp}/bomb.yaml: holds more than 100000 values "
                             "once its YAML aliases are expanded"),
+        "two yaml documents": (["run", str(tmp / "two_docs.yaml")], f"config: {tmp}/two_docs.yaml line 3: a second "
+                               "YAML document starts here; expected one"),
         "yaml nested 1000 deep": (["run", str(tmp / "deep.yaml")], f"config: {tmp}/deep.yaml: nested deeper than 64 "
                                   "levels"),
         "malformed endpoint url": (["run", str(TINY), "-o", "store.endpoint_url=localhost:9000"],

@@ -91,9 +91,9 @@ def _functions(names: list[str], **reward):
     ("raises", "reward function 'raises' raised ValueError: cannot parse the answer"),
     ("short", "reward function 'short' returned 3 scores for 4 completions"),
     ("text", "reward function 'text' returned str for completion 0"),
-    ("exits", "reward function 'exits' the reward worker died"),
-    ("hard_exit", "reward function 'hard_exit' the reward worker died"),
-    ("segfault", "reward function 'segfault' the reward worker died"),
+    ("exits", "reward function 'exits' killed its reward worker"),
+    ("hard_exit", "reward function 'hard_exit' killed its reward worker"),
+    ("segfault", "reward function 'segfault' killed its reward worker"),
 ])
 def test_a_failing_function_scores_nothing_for_the_batch_and_the_others_still_count(bad_module, bad, expected):
     functions = _functions(["good", bad])

@@ -409,7 +409,9 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
-            what = f"key {e.key!r} appears twice in one mapping" if isinstance(e, _DuplicateKey) else "not valid YAML"
+            what = (f"key {e.key!r} appears twice in one mapping" if isinstance(e, _DuplicateKey)
+                    else "a second YAML document starts here; expected one" if "another document" in str(e)
+                    else "not valid YAML")
             raise UserError(f"config: {path}{where}: {what}") from None
         if not isinstance(loaded, dict):
             raise UserError(f"config: {path}: expected a mapping of sections at the top level")

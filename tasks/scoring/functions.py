@@ -280,7 +280,7 @@ def score(functions: RewardFunctions, records: list[Rollout], state: RewardState
                 worker.kill()
                 worker = None
                 reply = ("error", f"timed out after {functions.timeout_seconds:g}s (killed)" if isinstance(
-                    e, TimeoutError) else "the reward worker died while running it (exit, crash or signal)")
+                    e, TimeoutError) else "killed its reward worker (an exit, a crash or a signal while it ran)")
             _record(functions, out, name, reply, len(records))
     except RewardFunctionError:
         raise                       # (reward.strict: the worker answered; given back below)
@@ -325,7 +325,7 @@ def _phrase(message: str) -> str:
     """Worker messages read as 'raised X: ...', 'returned 3 scores for 4 completions', 'timed out ...'."""
     if message.startswith(("ValueError: returned", "TypeError: returned")):
         return message.split(": ", 1)[1]
-    if message.startswith(("timed out", "the reward worker")):
+    if message.startswith(("timed out", "killed its reward worker")):
         return message
     return f"raised {message}"
 

@@ -62,9 +62,10 @@ def _one_line(e: BaseException) -> str:
 
 def _clean(values, n: int):
     """Floats (NaN kept, for the parent to count) or None; anything else is the function's error."""
-    if values is not None and (isinstance(values, str | bytes | dict) or not hasattr(values, "__iter__")):
-        raise TypeError(f"returned {type(values).__name__}, expected a list of {n} scores (one per completion)")
-    values = list(values) if values is not None else []
+    if values is None or isinstance(values, str | bytes | dict) or not hasattr(values, "__iter__"):
+        raise TypeError(f"returned {type(values).__name__ if values is not None else 'None'}, expected a list of "
+                        f"{n} scores (one per completion)")
+    values = list(values)
     if len(values) != n:
         raise ValueError(f"returned {len(values)} scores for {n} completions")
     out = []
