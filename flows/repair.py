@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from tasks.core import layout
-from tasks.core.errors import DiskFull, UserError, cause_of, disk_full
+from tasks.core.errors import UserError, cause_of, disk_full
 from tasks.core.lease import LeaseLost
 from tasks.core.stage import STOP
 from tasks.core.store import CorruptArtifact
@@ -31,7 +31,7 @@ def retryable(task, task_run, state) -> bool:
     anything once the run was told to stop. A corrupt artifact is not retried either: Repair recomputes it; nor
     a full disk (the same disk is as full at the retry: the run stops with one line, resumable)."""
     exc = state.data if isinstance(state.data, BaseException) else None
-    return (cause_of(exc, (UserError, LeaseLost, CorruptArtifact, DiskFull)) is None and disk_full(exc) is None
+    return (cause_of(exc, (UserError, LeaseLost, CorruptArtifact)) is None and disk_full(exc) is None
             and not STOP.is_set())
 
 

@@ -71,7 +71,12 @@ def user_error_line(error: UserError) -> str:
 
 def user_error_in(line: str) -> str | None:
     """The user error a line of a stage's output reports, or None."""
-    return line.split(USER_ERROR, 1)[1].strip() if USER_ERROR in line else None
+    return _said_after(USER_ERROR, line)
+
+
+def _said_after(marker: str, line: str) -> str | None:
+    """The message after `marker` in a line of a stage's output, or None."""
+    return line.split(marker, 1)[1].strip() if marker in line else None
 
 
 def corrupt_line(key: str, message: str) -> str:
@@ -129,4 +134,4 @@ def disk_full_line(error: DiskFull) -> str:
 
 def disk_full_in(line: str) -> str | None:
     """The full-disk message a line of a stage's output reports, or None."""
-    return line.split(DISK_FULL, 1)[1].strip() if DISK_FULL in line else None
+    return _said_after(DISK_FULL, line)

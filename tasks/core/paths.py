@@ -62,4 +62,3 @@ def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
     if not callable(fn):
         raise UserError(f"{key}: {module_name!r} has no {noun} {attr!r}")
     return fn
-

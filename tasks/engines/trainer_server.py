@@ -282,8 +282,8 @@ def once(config_path: Path, iteration: int, fingerprint: str) -> None:
     except CorruptArtifact as e:
         print(corrupt_line(e.key, str(e)), file=sys.stderr, flush=True)
         sys.exit(3)
-    except OSError as e:
-        full = disk_full(e)
+    except Exception as e:
+        full = disk_full(e)                  # (an OSError behind whatever wrapped it, as stage processes read it)
         if full is None:
             raise
         print(disk_full_line(full), file=sys.stderr, flush=True)
