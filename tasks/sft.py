@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tasks.core import layout
+from tasks.core import data, layout
 from tasks.core.data import load_table, message_fault
 from tasks.core.errors import UserError
 from tasks.core.hashing import sha256_file
@@ -82,7 +82,7 @@ def demonstrations(cfg: Config, tokenizer, context: int | None = None) -> list[D
     turn_limit = cfg.generate.max_completion_length if cfg.env.episodic() else None
     out = []
     for i, row in enumerate(table):
-        where = f"warmup.path: {w.path} row {i}"
+        where = f"warmup.path: {w.path} {data.row(i)}"
         try:
             ids, mask = _tokenise(fmt, row, tokenizer, render, w.assistant_only, turn_limit)
         except (TypeError, ValueError, KeyError) as e:
@@ -231,11 +231,11 @@ def batch(demos: list[Demo], pad: int, device) -> tuple[torch.Tensor, torch.Tens
 
 def v0_fingerprint(cfg: Config) -> tuple[str, dict]:
     """What v0 is made of: the base model, the warmup section, the train fields it uses, the data's bytes."""
-    w, data = cfg.warmup, {}
+    w, content = cfg.warmup, {}
     if Path(w.path).is_file():
-        data = {"data_sha256": sha256_file(Path(w.path))}
+        content = {"data_sha256": sha256_file(Path(w.path))}
     used = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k in TRAIN_FIELDS}
-    return fingerprint(cfg, ("model", "warmup"), warmup_train=used, **data)
+    return fingerprint(cfg, ("model", "warmup"), warmup_train=used, **content)
 
 
 def sft_run(cfg: Config) -> str:

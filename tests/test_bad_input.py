@@ -38,6 +38,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "unknown.yaml").write_text(TINY.read_text() + "\nbogus_section: {x: 1}\n")
     (tmp / "badyaml.yaml").write_text("run: [unclosed\n")
     (tmp / "list.yaml").write_text("- run\n- data\n")
+    (tmp / "blank.yaml").write_text("# a config still to be written\n")
     (tmp / "nocol.jsonl").write_text(json.dumps({"question": "a=", "answer": "bbb"}) + "\n")
     (tmp / "badrow.jsonl").write_text(json.dumps({"prompt": 5, "answer": "bbb"}) + "\n")
     (tmp / "badlist.jsonl").write_text(json.dumps({"prompt": ["a=", "b="], "answer": "bbb"}) + "\n")
@@ -98,6 +99,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "config path a folder": (["run", str(tmp)], f"config: {tmp} is a folder; expected a YAML config file"),
         "not yaml": (["run", str(tmp / "badyaml.yaml")], "not valid YAML"),
         "not a mapping": (["run", str(tmp / "list.yaml")], "expected a mapping of sections"),
+        "empty config": (["run", str(tmp / "blank.yaml")], "blank.yaml: holds no settings"),
         "unknown section": (["run", str(tmp / "unknown.yaml")], "unknown key 'bogus_section'"),
         "unknown key by override": (["run", str(TINY), "-o", "train.learning_rate=1"],
                                     "unknown key 'train.learning_rate'; did you mean 'train.lr'?"),
@@ -227,24 +229,24 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             f"data.path: {tmp}/latin.jsonl: line 2: not UTF-8 text (invalid start byte at byte 62)"),
         "chat message of a role templates do not have": (
             ["run", str(TINY), "-o", f"data.path={tmp}/bot.jsonl"],
-            "row 0 column 'prompt' message 1: role 'bot', expected one of ('system', 'user', 'assistant', 'tool')"),
+            "row 1 column 'prompt' message 1: role 'bot', expected one of ('system', 'user', 'assistant', 'tool')"),
         "environment reads a column the data lacks": (
             ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters"],
             "SayTheLetters.reset on the data's first row raised KeyError: 'letters'; expected the columns it reads "
             "(the data has ['answer'"),
         "missing prompt column": (["run", str(TINY), "-o", f"data.path={tmp}/nocol.jsonl"],
                                   "data.prompt_column: column 'prompt' not in"),
-        "wrong prompt type": (["run", str(TINY), "-o", f"data.path={tmp}/badrow.jsonl"], "row 0 column 'prompt'"),
-        "prompt list of strings": (["run", str(TINY), "-o", f"data.path={tmp}/badlist.jsonl"], "row 0 column 'prompt'"),
+        "wrong prompt type": (["run", str(TINY), "-o", f"data.path={tmp}/badrow.jsonl"], "row 1 column 'prompt'"),
+        "prompt list of strings": (["run", str(TINY), "-o", f"data.path={tmp}/badlist.jsonl"], "row 1 column 'prompt'"),
         "chat message without a role": (["run", str(TINY), "-o", f"data.path={tmp}/chat_no_role.jsonl"],
-                                        "row 1 column 'prompt' message 0: role None, expected one of ('system', 'user', "
+                                        "row 2 column 'prompt' message 0: role None, expected one of ('system', 'user', "
                                         "'assistant', 'tool')"),
         "empty prompt": (["run", str(TINY), "-o", f"data.path={tmp}/emptyprompt.jsonl"],
-                         f"data.path: {tmp}/emptyprompt.jsonl row 1 column 'prompt': an empty prompt"),
+                         f"data.path: {tmp}/emptyprompt.jsonl row 2 column 'prompt': an empty prompt"),
         "csv of a header alone": (["run", str(TINY), "-o", f"data.path={tmp}/header.csv"],
                                   f"data.path: {tmp}/header.csv: no rows (only a header line)"),
         "prompt of 600,000 characters": (["run", str(TINY), "-o", f"data.path={tmp}/hugeprompt.jsonl"],
-                                         f"data.path: {tmp}/hugeprompt.jsonl row 0 column 'prompt': 600,000 characters, "
+                                         f"data.path: {tmp}/hugeprompt.jsonl row 1 column 'prompt': 600,000 characters, "
                                          f"over 512,000"),
         "unparsable JSON line": (["run", str(TINY), "-o", f"data.path={tmp}/broken.jsonl"],
                                  f"data.path: {tmp}/broken.jsonl: line 3: not JSON"),
@@ -372,7 +374,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             f"train.learner.offline_rollouts: {offline['rollouts']}: unscored rollouts (a generate output)"),
         "off-line rollouts, a row without a reward": (
             ["run", str(TINY), *ofl, f"train.learner.offline_rollouts=[{offline['null']}]"],
-            f"train.learner.offline_rollouts: {offline['null']}: row 1 of 2 with reward null"),
+            f"train.learner.offline_rollouts: {offline['null']}: row 2 of 2 with reward null"),
         # names and files checked before any work
         "registered model name MLflow refuses": (["run", str(TINY), "-o", "publish.registered_model_name=team/model"],
                                                  "publish.registered_model_name: 'team/model': MLflow refuses it as a "
@@ -855,8 +857,8 @@ def test_a_data_column_of_mixed_types_is_said_once_before_the_run(tmp_path, caps
     assert load_prompts(cfg)["answer"] == [5, 6, "bbb", [1]]          # the values as they are, not coerced
     load_prompts(cfg, "eval")
     said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert said == [f"warning: {tmp_path / 'mixed.jsonl'} column 'answer' mixes types (int in row 0, str in row 2, "
-                    f"list in row 3): reward functions get each row's value as it is (convert it there, e.g. "
+    assert said == [f"warning: {tmp_path / 'mixed.jsonl'} column 'answer' mixes types (int in row 1, str in row 3, "
+                    f"list in row 4): reward functions get each row's value as it is (convert it there, e.g. "
                     f"str(answer))"]
     load_prompts(load_config(TINY, [f"data.path={tmp_path / 'plain.jsonl'}"]))
     assert not capsys.readouterr().err.strip()

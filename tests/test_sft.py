@@ -220,15 +220,15 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
     user, bot = {"role": "user", "content": "a="}, {"role": "assistant", "content": "bbb"}
     cases = {
         "columns": ([{"question": "a=", "answer": "bbb"}], [], "expected a `messages` column, or `prompt` and "),
-        "two_assistants": ([{"messages": [user, bot, bot]}], [], "row 0: two assistant messages in a row"),
+        "two_assistants": ([{"messages": [user, bot, bot]}], [], "row 1: two assistant messages in a row"),
         "template": ([{"messages": [user, user, bot]}], [f"model.name_or_path={strict}"],
-                     "row 0: the chat template refused it: Conversation roles must alternate"),
+                     "row 1: the chat template refused it: Conversation roles must alternate"),
         "too_long": ([{"messages": [user, {"role": "assistant", "content": "b" * 400}]}], [],
                      "tokens, above the model's context (max_position_embeddings) 256"),
         "own_policy": ([{"messages": [user, bot]}], ["model.name_or_path={store}/warm/policy/v000003"],
                        "is a policy of this run (warm), not the base"),
         "tools": ([{"messages": [user, bot], "tools": "not a list"}], [],
-                  "row 0: column 'tools': expected a list of tool schemas (JSON objects, or their JSON text)"),
+                  "row 1: column 'tools': expected a list of tool schemas (JSON objects, or their JSON text)"),
         "format": ([{"messages": [user, bot]}], ["warmup.format=prompt_completion"],
                    "warmup.format: prompt_completion reads the columns `prompt` and `completion`, which "),
         "not_utf8": (b'{"messages": [{"role": "user", "content": "a\xff="}, {"role": "assistant", "content": "b"}]}\n',

@@ -413,6 +413,9 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
                     else "a second YAML document starts here; expected one" if "another document" in str(e)
                     else "not valid YAML")
             raise UserError(f"config: {path}{where}: {what}") from None
+        if not loaded and not overrides and not base:
+            raise UserError(f"config: {path}: holds no settings; expected sections such as model:, data: and "
+                            f"reward: (see configs/tiny.yaml)")
         if not isinstance(loaded, dict):
             raise UserError(f"config: {path}: expected a mapping of sections at the top level")
         _resolve_relative(loaded, p.parent)

@@ -24,6 +24,12 @@ _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 ROLES = ("system", "user", "assistant", "tool")         # a chat message's roles (prompts, demonstrations)
 
 
+def row(i: int) -> str:
+    """How a message names the row at index `i` of a table: counting from 1, as an editor counts lines and a
+    spreadsheet rows (the first row is row 1: line 1 of a JSON Lines file without blank lines, line 2 of a CSV)."""
+    return f"row {i + 1}"
+
+
 def message_fault(m) -> str | None:
     """What keeps chat message `m` from a chat template, or None: it must be a mapping whose role is one of
     ROLES and whose content is text (a string or a list of parts), or absent beside tool_calls. One rule for
@@ -96,11 +102,11 @@ def _where_unreadable(path: Path, error: Exception) -> str:
             for n, line in enumerate(lines, 1):
                 if line.strip():
                     try:
-                        row = json.loads(line)
+                        obj = json.loads(line)
                     except ValueError as e:
                         return f"line {n}: not JSON ({e})"
-                    if not isinstance(row, dict):
-                        return f"line {n}: expected a JSON object (one row), got {type(row).__name__}"
+                    if not isinstance(obj, dict):
+                        return f"line {n}: expected a JSON object (one row), got {type(obj).__name__}"
     inner = error
     while (inner.__cause__ or inner.__context__) is not None:
         inner = inner.__cause__ or inner.__context__
@@ -159,18 +165,18 @@ def load_prompts(cfg: Config, split: str = "train"):
     for i, value in enumerate(ds[col]):             # every row: a bad one would fail an iteration hours in
         if isinstance(value, str):
             if not value.strip():
-                raise UserError(f"{field}: {path} row {i} column {col!r}: an empty prompt (expected the text the "
+                raise UserError(f"{field}: {path} {row(i)} column {col!r}: an empty prompt (expected the text the "
                                 f"model answers)")
             if len(value) > limit:
-                raise UserError(f"{field}: {path} row {i} column {col!r}: {len(value):,} characters, over {limit:,} "
+                raise UserError(f"{field}: {path} {row(i)} column {col!r}: {len(value):,} characters, over {limit:,} "
                                 f"(1,000 per token of generate.max_prompt_length, where prompts are cut)")
             continue
         if not (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
-            raise UserError(f"{field}: {path} row {i} column {col!r}: expected a string or a list of chat "
+            raise UserError(f"{field}: {path} {row(i)} column {col!r}: expected a string or a list of chat "
                             f"messages, got {type(value).__name__}{' (empty)' if value == [] else ''}")
         for j, m in enumerate(value):
             if (fault := message_fault(m)) is not None:
-                raise UserError(f"{field}: {path} row {i} column {col!r} message {j}: {fault}")
+                raise UserError(f"{field}: {path} {row(i)} column {col!r} message {j}: {fault}")
     _say_mixed_columns(ds, str(path), col)          # (train and eval from one file: said once)
     return ds
 
@@ -191,7 +197,7 @@ def _say_mixed_columns(ds, where: str, prompt_column: str) -> None:
         for i, value in enumerate(ds[column]):
             first.setdefault(type(value).__name__, i)
         if len(first) > 1:
-            seen = ", ".join(f"{kind} in row {row}" for kind, row in first.items())
+            seen = ", ".join(f"{kind} in {row(i)}" for kind, i in first.items())
             warn(f"warning: {where} column {column!r} mixes types ({seen}): reward functions get each row's value "
                  f"as it is (convert it there, e.g. str({column}))")
 

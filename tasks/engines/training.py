@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tasks.core import layout, rollout
+from tasks.core import data, layout, rollout
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -68,7 +68,7 @@ def offline_rollouts(cfg: Config, store: Store) -> list[str]:
         records = rollout.load(store, key)
         unscored = [i for i, r in enumerate(records) if r.reward is None]
         if not records or unscored:
-            what = "no rows" if not records else (f"row {unscored[0]}" + (f" and {len(unscored) - 1} more" if
+            what = "no rows" if not records else (f"{data.row(unscored[0])}" + (f" and {len(unscored) - 1} more" if
                                                   len(unscored) > 1 else "") + f" of {len(records)} with reward null")
             raise UserError(f"{field}: {key}: {what} at {store.uri(key)}; off-line rows must all be scored")
     return keys
