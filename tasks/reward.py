@@ -68,7 +68,8 @@ def reward(cfg: Config, iteration: int, round: int = 0, services: Services | Non
                                    judge_cache=layout.judge_cache(cfg.run.name, iteration, round=round),
                                    services=services)
             shaped = add_overlong(cfg, records)
-        require_some_score(records, scored, f"iteration {iteration}")
+        require_some_score(records, scored, f"iteration {iteration}",
+                           skippable=not cfg.reward.strict and _was_scored(cfg, store, iteration - 1))
         metrics = {**_metrics(records, scored.scores), "reward/seconds": time.perf_counter() - t0}
         for name in scored.scores:
             metrics[f"reward/{name}/errors"] = float(name in scored.errors)
@@ -115,6 +116,13 @@ def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -
         done = _write(store, key, kept, {"fingerprint": fp, "made_of": made, "metrics": metrics,
                                          "samples": _samples(cfg, kept), "errors": errors})
     return {**done, "samples": store.manifest(key)["meta"].get("samples", []), "complete": True}
+
+
+def _was_scored(cfg: Config, store: Store, iteration: int) -> bool:
+    """Whether iteration `iteration`'s training batch holds a scored completion (False for iteration 0, and for
+    one whose rewards are not in the store)."""
+    manifest = store.manifest(layout.rewards(cfg.run.name, iteration)) if iteration > 0 else None
+    return manifest is not None and manifest["meta"].get("metrics", {}).get("reward/missing_share", 1.0) < 1.0
 
 
 def _metrics(records: list, scores: dict[str, list]) -> dict[str, float]:

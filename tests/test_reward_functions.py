@@ -8,6 +8,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from tasks.core.config import load_config
 from tasks.core.contracts import Rollout
@@ -204,6 +205,55 @@ def test_a_run_with_a_failing_function_completes_and_counts_it(prefect_api, tmp_
     errors = client.get_metric_history(run_id, "reward/raises/errors")
     assert sorted(m.step for m in errors) == [1, 2] and all(m.value == 1.0 for m in errors)
     assert len(client.get_metric_history(run_id, "reward/successor_reward/mean")) == 2
+
+
+FLAKY = textwrap.dedent('''
+    import os
+
+    from tasks.rewards.demo import successor_reward
+
+
+    def flaky(completions, answer, trainer_state, **kw):
+        """The demo's reward, but failing in the iterations FAIL_AT names (1-based)."""
+        if trainer_state.global_step + 1 in [int(i) for i in os.environ["FAIL_AT"].split(",")]:
+            raise ConnectionError("the grader's service is away")
+        return successor_reward(completions, answer)
+''')
+
+
+@pytest.mark.parametrize("fail_at, rc", [("2", 0), ("2,3", 2)], ids=["once", "twice in a row"])
+def test_an_iteration_whose_every_reward_call_fails_takes_no_step_once(prefect_api, tmp_path, monkeypatch, fail_at,
+                                                                      rc):
+    """Not strict: an iteration where the only function fails (a passing fault, after an iteration it scored)
+    trains on nothing: no optimiser step, its policy the one before, one warning; the run goes on. A second such
+    iteration in a row stops the run (exit 2) as a first iteration's does."""
+    import mlflow
+    from safetensors.torch import load_file
+
+    (tmp_path / "flaky_rewards.py").write_text(FLAKY)
+    monkeypatch.setenv("FAIL_AT", fail_at)
+    out = run_cli(["run", str(TINY), "-o", "run.iterations=3", "-o", 'reward.functions=[{"fn": "flaky_rewards:flaky"}]',
+                   "--summary-json", "s.json"], tmp_path, prefect_api)
+    assert out.returncode == rc, out.stderr[-2000:]
+    warned = [line for line in out.stderr.splitlines() if line.startswith("warning: reward: every reward call")]
+    assert warned == ["warning: reward: every reward call of iteration 2 failed, no completion was scored (nothing "
+                      "to train on); the first: reward function 'flaky' raised ConnectionError: the grader's service "
+                      "is away (flaky_rewards.py:10); iteration 2 takes no training step (its policy is the one "
+                      "before, published again) and the run goes on: the previous iteration was scored; a second "
+                      "such iteration in a row stops it"]
+    policy = tmp_path / "rlflow-store" / "tiny-demo" / "policy"
+    v1, v2 = (load_file(next((policy / v).glob("*.safetensors"))) for v in ("v000001", "v000002"))
+    assert v1.keys() == v2.keys() and all(torch.equal(v1[k], v2[k]) for k in v1)
+    if rc:
+        assert out.stderr.strip().splitlines()[-1].startswith("error: reward: every reward call of iteration 3 "
+                                                               "failed"), out.stderr[-2000:]
+        return
+    v3 = load_file(next((policy / "v000003").glob("*.safetensors")))
+    assert any(not torch.equal(v2[k], v3[k]) for k in v2)           # iteration 3 was scored and trained
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = json.loads((tmp_path / "s.json").read_text())["mlflow_run_id"]
+    assert [m.value for m in sorted(client.get_metric_history(run_id, "train/skipped"), key=lambda m: m.step)] == \
+        [0.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize("completion,reference,expected", [

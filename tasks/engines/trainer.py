@@ -33,6 +33,7 @@ import torch
 
 from tasks.algorithms.batching import shard_batches
 from tasks.algorithms.learners.registry import make as make_learner
+from tasks.algorithms.stats import UpdateStats
 from tasks.algorithms.update import optimise
 from tasks.core import data, layout, rollout
 from tasks.core.hashing import sha256_file
@@ -216,9 +217,16 @@ class Trainer:
         batches = shard_batches(records, signal, engine.tokenizer.pad_token_id, tc, engine.device, engine.rank,
                                 engine.world_size)
         t1 = time.perf_counter()
-        stats = optimise(engine, batches, cfg, iteration, learner)
+        # No row scored (reward.strict off and every call failed; the reward stage said so): no step, since one on
+        # no signal would still move the weights (AdamW's momentum, weight decay).
+        unscored = all(r.reward is None for r in records)
+        if unscored:
+            stats = UpdateStats(own=learner.stats() if learner.stats is not None else None)
+        else:
+            stats = optimise(engine, batches, cfg, iteration, learner)
         engine.global_step += tc.num_iterations
         metrics = stats.metrics(rewards, signal, tc, time.perf_counter() - t0, learner)
+        metrics["train/skipped"] = float(unscored)
         if learner.off_policy:
             metrics["train/rows"] = float(len(records))       # this iteration's, the replayed and the off-line
         metrics["train/update_seconds"] = time.perf_counter() - t1        # the optimiser passes alone

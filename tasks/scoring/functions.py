@@ -361,19 +361,28 @@ def score_records(functions: RewardFunctions, records: list[Rollout], aggregate:
     return scored
 
 
-def require_some_score(records: list[Rollout], scored: Scored, what: str) -> None:
+def require_some_score(records: list[Rollout], scored: Scored, what: str, skippable: bool = False) -> None:
     """Stop a stage where every reward call failed and no completion was scored: one line naming the first
-    failure (the functions are the user's code: exit 2). `what`: "iteration 3", "the evaluation of v000010"."""
+    failure (the functions are the user's code: exit 2). `what`: "iteration 3", "the evaluation of v000010".
+    `skippable` (reward.strict off, and the run's previous iteration was scored: the functions have worked, so
+    this may be a passing fault such as a judge's network): said once as a warning instead; the iteration
+    trains on nothing (Trainer.update takes no step) and the run goes on. Two such iterations in a row stop it."""
     if not records or any(r.reward is not None for r in records):
         return
     nothing = 'evaluate' if what.startswith('the evaluation') else 'train on'
     if scored.errors:
-        raise UserError(f"reward: every reward call of {what} failed, no completion was scored (nothing to "
-                        f"{nothing}); the first: {next(iter(scored.errors.values()))}")
-    said = "; ".join(f"{name!r} returned NaN or inf for {k}" for name, k in scored.nan.items()) or \
-        "every score was None (no function scored any completion)"
-    raise UserError(f"reward: no completion of {what} was scored (nothing to {nothing}): {said}; expected a "
-                    f"finite score for some completion")
+        said = f"every reward call of {what} failed, no completion was scored (nothing to {nothing}); the first: " \
+               f"{next(iter(scored.errors.values()))}"
+    else:
+        said = "; ".join(f"{name!r} returned NaN or inf for {k}" for name, k in scored.nan.items()) or \
+            "every score was None (no function scored any completion)"
+        said = f"no completion of {what} was scored (nothing to {nothing}): {said}; expected a finite score for " \
+               f"some completion"
+    if not skippable:
+        raise UserError(f"reward: {said}")
+    print(f"warning: reward: {said}; {what} takes no training step (its policy is the one before, published "
+          f"again) and the run goes on: the previous iteration was scored; a second such iteration in a row "
+          f"stops it", file=sys.stderr)
 
 
 def combine(rewards: list[dict[str, float | None]], weights: dict[str, float], how: str = "sum") -> torch.Tensor:
