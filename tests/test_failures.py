@@ -157,3 +157,25 @@ def test_a_disk_that_fills_mid_run_stops_it_with_one_line_and_the_run_resumes(tm
         assert layout.version_of(store.get_pointer(layout.latest("tiny-demo", "policy"))) == 8
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_disk_too_full_for_mlflows_database_is_one_line(tmp_path, prefect_api):
+    """The tracking database on a filesystem too small for MLflow's schema migrations: one line naming the
+    database (was a 160-line alembic traceback, "table spans already exists"), exit 1, no half-made database."""
+    import subprocess
+
+    from tests.conftest import run_cli
+
+    disk = tmp_path / "disk"
+    if not _small_tmpfs(disk, "300k"):
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        out = run_cli(["run", str(TINY), "-o", "run.iterations=1", "-o", f"tracking.uri=sqlite:///{disk}/mlflow.db"],
+                      tmp_path, prefect_api)
+        assert out.returncode == 1, out.stderr[-3000:]
+        assert out.stderr.strip().splitlines() == [f"error: no space left on device writing {disk}/mlflow.db: free "
+                                                   f"space there (or keep fewer policies: store.keep) and run the "
+                                                   f"same command to resume"]
+        assert not list(disk.iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -17,16 +17,18 @@ one MLflow has, and registration is idempotent.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.core.errors import UserError
+from tasks.core.errors import UserError, disk_full
 from tasks.core.process_wide import set_default
 
 if TYPE_CHECKING:
@@ -37,6 +39,7 @@ CURVE_METRIC = "reward/mean"
 EXPERIMENT_KIND = "mlflow.experimentKind"     # what MLflow's UI shows an experiment as (its own tag)
 VIEW_KEY = "rlflow"                           # the experiment's shared view of the runs list (links)
 UI_MODE = "workflowType=machine_learning"     # MLflow's UI opens on its GenAI views unless a link says this
+MIGRATIONS_NEED = 16 << 20     # bytes MLflow's empty sqlite database takes while its migrations run (~1 MB), with room
 LOCAL_UI = "http://127.0.0.1:5000"            # where `mlflow ui` serves a database or folder
 
 
@@ -144,10 +147,20 @@ def _create_sqlite_whole(uri: str) -> None:
         from mlflow.tracking import MlflowClient
 
         tmp_uri = f"sqlite:///{tmp}"
-        client = MlflowClient(tracking_uri=tmp_uri, registry_uri=tmp_uri)
-        client.search_experiments(max_results=1)          # creates the tables: tracking and model registry
-        client.search_registered_models(max_results=1)
-        _dispose_engines(client)
+        client = None
+        try:
+            client = MlflowClient(tracking_uri=tmp_uri, registry_uri=tmp_uri)     # the tables: tracking,
+            client.search_experiments(max_results=1)
+            client.search_registered_models(max_results=1)                      # and the model registry
+        except Exception as e:
+            # sqlite's "database or disk is full" reaches here as whatever migration step it broke (alembic's
+            # "table spans already exists"): a full disk is told by the space left, in one line
+            if shutil.disk_usage(path.parent).free < MIGRATIONS_NEED:
+                raise disk_full(OSError(errno.ENOSPC, "No space left on device", str(path))) from e
+            raise
+        finally:
+            if client is not None:
+                _dispose_engines(client)
         try:
             os.link(tmp, path)
         except FileExistsError:
