@@ -76,6 +76,9 @@ def demonstrations(cfg: Config, tokenizer, context: int | None = None) -> list[D
                         f"expected a file of that format, or warmup.format auto")
     if len(table) == 0:
         raise UserError(f"warmup.path: {w.path} split {w.split!r} has no rows")
+    if w.max_length is not None and context is not None and w.max_length > context:
+        raise UserError(f"warmup.max_length: {w.max_length} tokens is above the model's context "
+                        f"(max_position_embeddings) {context}; expected at most {context}")
     limit = w.max_length or context
     render = Renderer(tokenizer, 1 << 30)
     # a model turn of an episode is cut at generate.max_completion_length: a demonstration's turns as it cuts them
@@ -92,7 +95,9 @@ def demonstrations(cfg: Config, tokenizer, context: int | None = None) -> list[D
         if limit is not None and len(ids) > limit:
             what = "warmup.max_length" if w.max_length else "the model's context (max_position_embeddings)"
             raise UserError(f"{where}: {len(ids)} tokens, above {what} {limit}; a demonstration is never cut "
-                            f"(its end is what it teaches): shorten it or raise warmup.max_length")
+                            f"(its end is what it teaches): shorten it"
+                            + (" or raise warmup.max_length" if w.max_length and (context or 1 << 62) > limit
+                               else ""))
         if not any(mask[1:]):
             raise UserError(f"{where}: no token to learn (its completion or assistant turns are empty)")
         out.append(Demo(ids, mask))

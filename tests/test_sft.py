@@ -224,7 +224,11 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
         "template": ([{"messages": [user, user, bot]}], [f"model.name_or_path={strict}"],
                      "row 1: the chat template refused it: Conversation roles must alternate"),
         "too_long": ([{"messages": [user, {"role": "assistant", "content": "b" * 400}]}], [],
-                     "tokens, above the model's context (max_position_embeddings) 256"),
+                     "tokens, above the model's context (max_position_embeddings) 256; a demonstration is never cut "
+                     "(its end is what it teaches): shorten it"),
+        "max_length_above_context": ([{"messages": [user, bot]}], ["warmup.max_length=2000"],
+                                     "warmup.max_length: 2000 tokens is above the model's context "
+                                     "(max_position_embeddings) 256; expected at most 256"),
         "own_policy": ([{"messages": [user, bot]}], ["model.name_or_path={store}/warm/policy/v000003"],
                        "is a policy of this run (warm), not the base"),
         "tools": ([{"messages": [user, bot], "tools": "not a list"}], [],

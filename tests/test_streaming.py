@@ -681,6 +681,8 @@ def test_a_stopped_sampler_with_dynamic_sampling_keeps_its_verdicts(tmp_path):
     (["run.max_staleness=0"], "generate.streaming needs run.max_staleness >= 1"),
     (["generate.streaming.buffer=3"], "generate.streaming.buffer: 3 groups is smaller than one iteration's "
                                       "(generate.prompts_per_iteration 4)"),
+    (["generate.streaming.max_rows=2"], "generate.streaming.max_rows: 2 rows cannot hold one group "
+                                        "(generate.num_generations 4: a group decodes at once); expected at least 4"),
     (["launcher.stages.generate=local"], "generate.streaming: the sampler runs in the flow's process, but "
                                          "generate runs local"),
 ])

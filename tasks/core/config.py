@@ -188,6 +188,10 @@ class Config(Section):
         if self.run.max_staleness < 1:
             raise ValueError("generate.streaming needs run.max_staleness >= 1 (a group of iteration N starts once "
                              "v(N-1-S) is loaded; with 0 nothing can be sampled ahead); expected 1 or more")
+        if sc.max_rows is not None and sc.max_rows < gc.num_generations:
+            raise ValueError(f"generate.streaming.max_rows: {sc.max_rows} rows cannot hold one group "
+                             f"(generate.num_generations {gc.num_generations}: a group decodes at once); expected "
+                             f"at least {gc.num_generations}")
         if sc.buffer is not None and sc.buffer < gc.prompts_per_iteration:
             raise ValueError(f"generate.streaming.buffer: {sc.buffer} groups is smaller than one iteration's "
                              f"(generate.prompts_per_iteration {gc.prompts_per_iteration}); expected at least that")
