@@ -39,6 +39,11 @@ def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
 
     uri = cfg.tracking.uri
     if not uri.startswith(("http://", "https://")):
+        from tasks.core.paths import require_creatable
+        from tasks.core.tracking import local_folder
+
+        if (folder := local_folder(uri)) is not None:      # a sqlite database's folder, or a file store
+            require_creatable(folder, "tracking.uri")
         return
     try:
         urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
@@ -140,7 +145,8 @@ def check_warmup(cfg: Config) -> None:
     from tasks.sft import check, v0_fingerprint
 
     store = open_store(cfg)
-    if cfg.model.name_or_path.startswith(store.uri(f"{cfg.run.name}/policy/")):
+    own = store.uri(f"{cfg.run.name}/policy/")            # (a local store's as a folder, too: ModelConfig's form)
+    if cfg.model.name_or_path.startswith((own, own.removeprefix("file://"))):
         raise UserError(f"model.name_or_path: {cfg.model.name_or_path} is a policy of this run ({cfg.run.name}), "
                         f"not the base its warm start trains; name the base model (the run's v0 is made from it)")
     # v0 made already: from the same inputs (else one line naming what changed), nothing more to check

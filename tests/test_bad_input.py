@@ -130,6 +130,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                     "tracking.uri: expected one of sqlite://"),
         "empty experiment name": (["run", str(TINY), "-o", 'tracking.experiment=""'], "tracking.experiment"),
         "store path is a file": (["run", str(TINY), "-o", f"store.uri={tmp}/a_file"], "is a file, not a folder"),
+        "curriculum on a data folder": (["run", str(TINY), "-o", "data.curriculum.defer=2", "-o", f"data.path={tmp}"],
+                                        f"data.path: {tmp}: expected a .json/.jsonl/.csv/.parquet file"),
+        "store folder that cannot be made": (["run", str(TINY), "-o", "store.uri=file:///proc/rlflow-store"],
+                                             "store.uri: cannot create /proc/rlflow-store ("),
+        "tracking database under a file": (["run", str(TINY), "-o", f"tracking.uri=sqlite:///{tmp}/a_file/m.db"],
+                                           f"tracking.uri: {tmp}/a_file is a file, not a folder"),
         "lora targets the model lacks": (["run", str(TINY), "-o", "train.lora_r=4", "-o",
                                           "train.lora_target_modules=[nope_proj]"],
                                          "train.lora_target_modules: ['nope_proj']: Target modules"),
@@ -703,6 +709,12 @@ def test_overrides_parse_as_yaml_values():
     assert Path(cfg.data.path).is_absolute()                 # relative to the config file
     with pytest.raises(UserError, match="run.name"):
         load_config(TINY, ["run.name=../escape"])
+    # a local store's policy as rlflow prints it (file:///...) is that folder
+    assert load_config(TINY, ["model.name_or_path=file:///x/policy/v000003"]).model.name_or_path == "/x/policy/v000003"
+    for number in ("run.iterations", "train.lr", "run.seed", "generate.streaming.buffer"):    # true is not 1
+        with pytest.raises(UserError, match=rf"^config: {number}: expected a number, not true or false, got true$"):
+            load_config(TINY, [f"{number}=true", "run.max_staleness=1"])
+    assert load_config(TINY, ["eval.greedy=true", "train.lr=1"]).train.lr == 1.0
 
 
 def test_every_episode_failing_stops_the_run(prefect_api, tmp_path):

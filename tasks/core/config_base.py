@@ -11,13 +11,32 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, ClassVar
+from types import UnionType
+from typing import Any, ClassVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, populate_by_name=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_truth_value_for_a_number(cls, v: Any, info) -> Any:
+        """`run.iterations: true` is a mistake, not 1 (pydantic's lax mode reads true as 1 and false as 0)."""
+        if isinstance(v, bool) and _a_number_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError("expected a number, not true or false")
+        return v
+
+
+def _a_number_only(annotation) -> bool:
+    """Whether a field's type holds an int or a float but not a bool (Optional and unions looked into)."""
+    if annotation in (int, float):
+        return True
+    args = get_args(annotation)
+    if get_origin(annotation) in (Union, UnionType) and bool not in args:
+        return any(_a_number_only(a) for a in args)
+    return False
 
 
 # A field that changes how a result is computed, not the result (tested bit-identical): left out of the

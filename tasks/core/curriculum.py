@@ -159,7 +159,11 @@ def check(cfg: Config) -> None:
     reasoning-gym task. One line if not (preflight)."""
     if cfg.data.curriculum is None or cfg.data.reasoning_gym is not None:
         return
-    if not Path(str(cfg.data.path)).expanduser().is_file():
-        raise UserError(f"data.curriculum: needs prompts with stable ids (a local data file, or "
-                        f"data.reasoning_gym); {cfg.data.path} is a hub dataset, whose rows a new revision may "
-                        f"renumber under a resumed run: save it to a local file (datasets' to_json) first")
+    path = str(cfg.data.path)
+    if Path(path).expanduser().is_file():
+        return
+    if Path(path).expanduser().exists() or data.looks_local(path):
+        data.load_table(path, cfg.data.name, cfg.data.split)      # a folder, a missing file: said as data says it
+    raise UserError(f"data.curriculum: needs prompts with stable ids (a local data file, or data.reasoning_gym); "
+                    f"{cfg.data.path} is a hub dataset, whose rows a new revision may renumber under a resumed run: "
+                    f"save it to a local file (datasets' to_json) first")

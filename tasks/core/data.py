@@ -45,6 +45,11 @@ def message_fault(m) -> str | None:
             f"beside tool_calls)")
 
 
+def looks_local(path: str) -> bool:
+    """Whether a data path names a local file (a data file's suffix, or an absolute or relative path), not a hub id."""
+    return Path(path).suffix.lower() in _LOCAL_FORMATS or path.startswith(("/", "./", "../", "~"))
+
+
 @functools.lru_cache(maxsize=4)
 def load_table(path: str, name: str | None, split: str, field: str = "data.path"):
     """A local data file or a hub dataset, as `datasets` loads it (once per arguments in this process); a mistake is
@@ -53,7 +58,7 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
 
     datasets.disable_progress_bars()
     suffix = Path(path).suffix.lower()
-    if not Path(path).exists() and (suffix in _LOCAL_FORMATS or path.startswith(("/", "./", "../", "~"))):
+    if not Path(path).exists() and looks_local(path):
         raise UserError(f"{field}: {path}: no such file (a path that looks local is not looked up on the hub)")
     offline = False
     try:

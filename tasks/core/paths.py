@@ -23,6 +23,27 @@ from tasks.core.process_wide import DeadlinePassed, deadline
 REPO_ROOT = Path(__file__).resolve().parents[2]     # the checkout holding tasks/ and flows/
 
 
+def require_creatable(folder: Path, field: str) -> None:
+    """UserError naming `field` unless `folder` is a folder, or one this process can create: its nearest existing
+    ancestor is a folder in which a folder can be made (tried with one made and removed at once, so a read-only
+    filesystem, /proc or a missing permission is found here, before the run, and nothing is left)."""
+    import tempfile
+
+    probe = folder.expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"{field}: {probe} is a file, not a folder")
+    if probe == folder.expanduser().absolute():
+        if not os.access(probe, os.W_OK):
+            raise UserError(f"{field}: {probe} is not writable")
+        return
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rlflow-probe-", dir=probe))
+    except OSError as e:
+        raise UserError(f"{field}: cannot create {folder} ({e.strerror} in {probe})") from None
+
+
 def cache_root() -> Path:
     """Local cache: builtin models, verified copies of store folders, vLLM server state. $RLFLOW_CACHE."""
     return Path(os.environ.get("RLFLOW_CACHE", Path.home() / ".cache" / "rlflow"))

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import UserError
 from tasks.core.hashing import REMEMBER_FROM, known_sha256, remember_sha256, sha256_file
-from tasks.core.paths import cache_root
+from tasks.core.paths import cache_root, require_creatable
 from tasks.core.processes import exclusive
 
 if TYPE_CHECKING:
@@ -307,13 +307,7 @@ class FileStore(Store):
         self.root = f"file://{self.path}"
 
     def check(self) -> None:
-        probe = self.path
-        while not probe.exists():
-            probe = probe.parent
-        if not probe.is_dir():
-            raise UserError(f"store.uri: {probe} is a file, not a folder")
-        if not os.access(probe, os.W_OK):
-            raise UserError(f"store.uri: {self.path} is not writable")
+        require_creatable(self.path, "store.uri")
 
     def _p(self, key: str) -> Path:
         return self.path / key

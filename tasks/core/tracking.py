@@ -71,6 +71,17 @@ def _sqlite_file(uri: str) -> Path | None:
     return Path(database).absolute() if database and database != ":memory:" else None
 
 
+def local_folder(uri: str) -> Path | None:
+    """The local folder a tracking URI writes in: a sqlite database's, or a file store itself (a bare path or
+    file://); None for a server or a database in memory."""
+    if uri.startswith("sqlite:"):
+        database = _sqlite_file(uri)
+        return database.parent if database is not None else None
+    if uri.startswith("file://"):
+        return Path(uri[len("file://"):]).absolute()
+    return Path(uri).absolute() if uri and ":" not in uri else None
+
+
 def experiment_id(client, cfg: Config) -> str:
     """tracking.experiment's id, the experiment made if it is new (a user error naming tracking.uri if the
     tracking server refuses)."""
