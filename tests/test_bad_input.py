@@ -874,3 +874,23 @@ def test_a_data_column_of_mixed_types_is_said_once_before_the_run(tmp_path, caps
                     f"str(answer))"]
     load_prompts(load_config(TINY, [f"data.path={tmp_path / 'plain.jsonl'}"]))
     assert not capsys.readouterr().err.strip()
+
+
+def test_a_prompt_cut_to_max_prompt_length_is_said_once(capsys, monkeypatch):
+    """A prompt longer than generate.max_prompt_length keeps its last tokens, as TRL's do, and the console says
+    so, once: a cut chat prompt loses its template's start (the recipe's 128 cut every letter_jumble prompt)."""
+    from tasks.core import data
+    from tasks.core.builtin_models import resolve
+    from tasks.core.models import encode_prompt, load_tokenizer
+
+    monkeypatch.setattr(data, "_CUT_SAID", [])
+    tok = load_tokenizer(resolve("builtin:tiny-lm"))
+    capsys.readouterr()                                  # (building the tiny model, the first time)
+    whole = encode_prompt(tok, "abcdefgh", 100)
+    assert encode_prompt(tok, "abcdefgh", 8) == whole and capsys.readouterr().err == ""
+    assert encode_prompt(tok, "abcdefgh", 3) == whole[-3:]
+    assert encode_prompt(tok, "abcdefghij", 3) == encode_prompt(tok, "abcdefghij", 100)[-3:]
+    said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert said == [f"warning: generate.max_prompt_length: a prompt of {len(whole)} tokens is cut to its last 3 (it "
+                    f"loses its beginning: a chat prompt its template's start); raise generate.max_prompt_length "
+                    f"(said once)"]

@@ -24,6 +24,25 @@ _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 ROLES = ("system", "user", "assistant", "tool")         # a chat message's roles (prompts, demonstrations)
 
 
+_CUT_SAID: list[int] = []           # the longest prompt this process has cut and said so (once)
+
+
+def cut_prompt(ids: list[int], max_length: int) -> list[int]:
+    """A prompt's token ids cut to their last `max_length` (generate.max_prompt_length, as TRL cuts them), said
+    once per process on the console: a cut prompt loses its beginning (a chat prompt its template's start and its
+    system turn, often the task's statement), which no metric shows."""
+    if len(ids) <= max_length:
+        return ids
+    if not _CUT_SAID:
+        _CUT_SAID.append(len(ids))
+        import sys
+
+        print(f"warning: generate.max_prompt_length: a prompt of {len(ids)} tokens is cut to its last {max_length} "
+              f"(it loses its beginning: a chat prompt its template's start); raise generate.max_prompt_length "
+              f"(said once)", file=sys.stderr)
+    return ids[-max_length:]
+
+
 def row(i: int) -> str:
     """How a message names the row at index `i` of a table: counting from 1, as an editor counts lines and a
     spreadsheet rows (the first row is row 1: line 1 of a JSON Lines file without blank lines, line 2 of a CSV)."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tasks.core import builtin_models, gguf, layout
+from tasks.core.data import cut_prompt
 from tasks.core.errors import UserError
 from tasks.core.hashing import known_sha256
 from tasks.core.policy import materialize
@@ -272,7 +273,7 @@ def encode_prompt(tokenizer, prompt, max_length: int) -> list[int]:
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     else:
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    return list(ids)[-max_length:]
+    return cut_prompt(list(ids), max_length)
 
 
 def context_length(path: str) -> int | None:

@@ -7,6 +7,8 @@ a whole demonstration with it (`conversation`), so its tokens and masks are the 
 
 from __future__ import annotations
 
+from tasks.core.data import cut_prompt
+
 
 class Renderer:
     """Token ids of prompts and observations as the tokenizer's chat template renders them."""
@@ -25,7 +27,7 @@ class Renderer:
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         text = self._template(messages, tools, True)
-        return self.tok(text, add_special_tokens=False)["input_ids"][-self.max_prompt_length:]
+        return cut_prompt(self.tok(text, add_special_tokens=False)["input_ids"], self.max_prompt_length)
 
     def conversation(self, prompt: list[dict], rest: list[dict], tools: list[dict] | None,
                      turn_limit: int | None = None) -> tuple[list[int], list[int]]:
