@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from tasks.algorithms import dynamic_sampling
 from tasks.core import layout, rollout
 from tasks.core.errors import UserError
+from tasks.core.placement import placement_of
 from tasks.core.stage import check_round, command, fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
 from tasks.scoring.functions import load_functions, require_some_score, score_records
@@ -59,7 +60,9 @@ def reward(cfg: Config, iteration: int, round: int = 0, services: Services | Non
     if done is None:
         t0 = time.perf_counter()
         records = rollout.load(store, src)
-        if (streamed := assembled(cfg, store, iteration, records)) is not None:    # scored as they completed
+        streamed = assembled(cfg, store, iteration, records) if placement_of(cfg).scores_as_groups_complete() \
+            else None
+        if streamed is not None:                                                  # scored as they completed
             records, scored, seconds = streamed
             shaped = {**overlong_metrics(records), "reward/streamed_seconds": seconds}
         else:
