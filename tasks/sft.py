@@ -114,6 +114,8 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
         ids = tokenizer(_ended(_string(row, "text"), eos))["input_ids"]
         return ids, [1] * len(ids)
     if fmt == "prompt_completion" and isinstance(row["prompt"], str):
+        if not _string(row, "completion").strip():
+            raise ValueError("an empty completion (nothing to learn but the end of the text)")
         prompt = tokenizer(row["prompt"])["input_ids"]
         full = tokenizer(row["prompt"] + _ended(_string(row, "completion"), eos))["input_ids"]
         start = next((k for k, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
@@ -128,6 +130,8 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
         prompt, rest = messages[:first], messages[first:]
     if not prompt:
         raise ValueError("the conversation starts with an assistant message; the model needs a prompt first")
+    if not any(m.get("content") or m.get("tool_calls") for m in rest if m["role"] == "assistant"):
+        raise ValueError("every assistant message is empty (nothing to learn but the end of a turn)")
     if any(m["role"] == "system" for m in prompt[1:] + rest):
         raise ValueError("a system message after the first message; the templates take one, first")
     tools = row.get("tools") or None

@@ -226,6 +226,10 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
         "too_long": ([{"messages": [user, {"role": "assistant", "content": "b" * 400}]}], [],
                      "tokens, above the model's context (max_position_embeddings) 256; a demonstration is never cut "
                      "(its end is what it teaches): shorten it"),
+        "empty_completion": ([{"prompt": "a=", "completion": " "}], [],
+                             "row 1: an empty completion (nothing to learn but the end of the text)"),
+        "empty_assistant": ([{"messages": [user, {"role": "assistant", "content": ""}]}], [],
+                            "row 1: every assistant message is empty (nothing to learn but the end of a turn)"),
         "max_length_above_context": ([{"messages": [user, bot]}], ["warmup.max_length=2000"],
                                      "warmup.max_length: 2000 tokens is above the model's context "
                                      "(max_position_embeddings) 256; expected at most 256"),
