@@ -26,7 +26,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from tasks.core.errors import UserError, cause_of, disk_full
+from tasks.core.errors import UserError
 from tasks.core.process_wide import set_default, set_variable
 
 
@@ -584,14 +584,12 @@ def main(argv: list[str] | None = None) -> int:
             _interrupted()
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        user = cause_of(e, UserError)
-        if user is not None:
-            print(f"error: {user}", file=sys.stderr)
-            return 2
-        full = disk_full(e)
-        if full is not None:         # one line, not a traceback: what is committed stays, the command resumes
-            print(f"error: {full}", file=sys.stderr)
-            return 1
+        from flows.repair import final_line
+
+        said = final_line(e)
+        if said is not None:         # one line, not a traceback: what is committed stays, the command resumes
+            print(said[0], file=sys.stderr)
+            return said[1]
         traceback.print_exc()
         return 1
 

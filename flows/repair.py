@@ -1,5 +1,6 @@
-"""Recovering a stage run: which failures Prefect retries (`retryable`), and the repair of a committed artifact
-found corrupt (`Repair`), made again by the stage that produced it (`producer_of`).
+"""Recovering a stage run: which failures Prefect retries (`retryable`), the repair of a committed artifact
+found corrupt (`Repair`), made again by the stage that produced it (`producer_of`), and the one line `rlflow`
+ends with when a failure stays (`final_line`).
 
     stage = Repair(run_stage.with_options(retries=..., retry_condition_fn=retryable), ctx, log)
     g = stage("generate", 3, ctx, policy)       # a corrupt rewards/ or checkpoint it reads is made again first
@@ -33,6 +34,26 @@ def retryable(task, task_run, state) -> bool:
     exc = state.data if isinstance(state.data, BaseException) else None
     return (cause_of(exc, (UserError, LeaseLost, CorruptArtifact)) is None and disk_full(exc) is None
             and not STOP.is_set())
+
+
+def final_line(exc: BaseException) -> tuple[str, int] | None:
+    """What `rlflow` says of a run that ended with `exc`, and its exit code, where one line says it all: a user's
+    mistake (2); a full disk, or a fault of the machinery retried already and failing every time (1: what is
+    committed stays, the same command resumes). None: an error nobody foresaw (a traceback serves it better)."""
+    from flows.launch import InfraError
+    from tasks.envs.runtime.episodes import EnvironmentsStalled
+    from tasks.envs.runtime.server import ServerGone
+    from tasks.scoring.judges import JudgeUnavailable
+
+    if (user := cause_of(exc, UserError)) is not None:
+        return f"error: {user}", 2
+    if (full := disk_full(exc)) is not None:
+        return f"error: {full}", 1
+    if (infra := cause_of(exc, (InfraError, EnvironmentsStalled, ServerGone, JudgeUnavailable))) is not None:
+        said = " ".join(str(infra).split())[:600]
+        return (f"error: {said}; retried as launcher.retries says and failed each time (the flow's log holds the "
+                f"details): run the same command to resume"), 1
+    return None
 
 
 def output_key(cfg, stage: str, iteration: int, round: int = 0) -> str:

@@ -20,8 +20,8 @@ class Flaky:
             raise RuntimeError("reset blew up")
         return [{"role": "user", "content": "Say a"}]
 
-    def __init__(self, mode="raise"):
-        self.mode, self.turn = mode, 0
+    def __init__(self, mode="raise", pids=None):
+        self.mode, self.turn, self._pids = mode, 0, pids    # (private: not in the episode's state)
 
     def step(self, message):
         self.turn += 1
@@ -37,6 +37,20 @@ class Flaky:
         if self.mode == "exit" and self.turn == 2:
             import os
             os._exit(3)
+        if self.mode == "killpg" and self.turn == 2:     # its group: with a fork of its own left behind
+            import os
+            import signal
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)    # (the fork deaf to the group's SIGTERM: left running)
+            if os.fork() == 0:
+                with open(self._pids, "a") as f:          # (the test looks for it after the episode)
+                    f.write(f"{os.getpid()}\n")
+                time.sleep(600)
+                os._exit(0)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.killpg(0, signal.SIGTERM)
+        if self.mode == "sys_exit" and self.turn == 2:
+            import sys
+            sys.exit(0)
         return Step([{"role": "user", "content": "Say a"}], 1.0, self.turn == 3)
 
 

@@ -341,3 +341,15 @@ def test_agents_on_a_sky_cluster_under_overlap_see_only_the_scheduled_policy(tmp
     for it, want in ((1, layout.BASE), (2, layout.BASE), (3, layout.policy("overlap", 1))):
         seen = {r.env_state["agent_info"]["model"] for r in rollout.load(store, layout.rollouts("overlap", it))}
         assert seen == {want}, (it, seen)
+
+
+def test_what_an_agent_returns_is_named_as_it_is():
+    """A NaN or a string is what the agent returned, not something it raised (was: 'agent raised TypeError: the
+    agent returned float: expected a number' for a NaN, a float)."""
+    from tasks.envs.runtime.agents import outcome
+
+    for value, shown in [(float("nan"), "nan"), (float("inf"), "inf"), ("1", "str"), ((1.0, "x"), r"\(float, str\)")]:
+        with pytest.raises(TypeError, match=rf"^the agent returned {shown}: expected a finite number, \(number, dict\) "
+                                            r"or None$"):
+            outcome(value)
+    assert outcome((1, {"a": 1})) == (1, {"a": 1}) and outcome(None) == (None, {})

@@ -5,6 +5,8 @@ every episode or reward call fails stops the run the same way, and records no he
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tasks.core import layout
@@ -33,6 +35,25 @@ def test_every_episode_timing_out_is_an_infrastructure_fault(tmp_path):
     assert open_store(cfg).manifest(layout.rollouts(cfg.run.name, 1)) is None
 
 
+def test_a_stage_stalled_at_every_retry_ends_the_run_with_one_line(tmp_path, prefect_api, monkeypatch):
+    """Retried as an infrastructure fault, and stalled at each try: `rlflow run` ends with one line saying so and
+    how to resume, exit 1 (was an 83-line traceback)."""
+    from tests.conftest import run_cli
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))          # (tests.env_classes)
+    out = run_cli(["run", str(LETTERS), "-o", "run.iterations=1", "-o", "env.factory=tests.env_classes:Stalls",
+                   "-o", "env.isolation=thread", "-o", "env.timeout_seconds=1", "-o", "launcher.retries=1", "-o",
+                   "launcher.retry_backoff_seconds=0", "-o", "generate.prompts_per_iteration=2", "-o",
+                   "generate.num_generations=2"], tmp_path, prefect_api)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "error: every episode of iteration 1 timed out (4 of 4): the environment does not answer within "
+        "env.timeout_seconds (1 s); the first: "), out.stderr[-3000:]
+    assert out.stderr.strip().endswith("retried as launcher.retries says and failed each time (the flow's log holds "
+                                       "the details): run the same command to resume")
+
+
 def test_every_episode_raising_is_the_users_mistake(tmp_path):
     from tasks.generate import generate
 
@@ -40,6 +61,80 @@ def test_every_episode_raising_is_the_users_mistake(tmp_path):
     with pytest.raises(UserError, match=r"^env.factory: every episode of iteration 1 failed \(4 of 4\), nothing to "
                                         r"train on; the first: step raised ValueError: step blew up"):
         generate(cfg, 1, layout.BASE)
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_an_environment_that_calls_sys_exit_fails_its_episode_not_the_stage(tmp_path, isolation):
+    """sys.exit() in a step, in a thread of the stage: that episode's failure, as in a process of its own (was: the
+    SystemExit reached the CLI, which exited 0 having done nothing)."""
+    from tasks.generate import generate
+
+    cfg = _cfg(tmp_path, "env.factory=tests.env_classes:Flaky", 'env.kwargs={mode: sys_exit}',
+               f"env.isolation={isolation}", "env.timeout_seconds=30")
+    with pytest.raises(UserError, match=r"^env.factory: every episode of iteration 1 failed \(4 of 4\), nothing to "
+                                        r"train on; the first: step raised SystemExit: 0"):
+        generate(cfg, 1, layout.BASE)
+
+
+def test_an_environment_that_kills_its_process_group_ends_only_its_own_episode(tmp_path):
+    """env.isolation: process: a step that forks and then kills its process group ends its episode and the
+    process it forked, not the stage (was: the run's group, SIGTERM: the run stopped; and an episode's forked
+    children were left running after it)."""
+    from tasks.generate import generate
+
+    pids = tmp_path / "forked"
+    cfg = _cfg(tmp_path, "env.factory=tests.env_classes:Flaky", f'env.kwargs={{mode: killpg, pids: "{pids}"}}',
+               "env.isolation=process", "env.timeout_seconds=30")
+    with pytest.raises(UserError, match=r"^env.factory: every episode of iteration 1 failed \(4 of 4\), nothing to "
+                                        r"train on; the first: step: the environment's process died \(killed by "
+                                        r"SIGTERM\)"):
+        generate(cfg, 1, layout.BASE)
+    forked = pids.read_text().split()     # (a fork killed with its group before it wrote its pid is not here)
+    deadline = time.monotonic() + 120          # (a SIGKILL is delivered after killpg returns: gone soon after)
+    while [p for p in forked if _running(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert forked and not [p for p in forked if _running(p)], [_stat(p) for p in forked]
+
+
+def _stat(pid: str) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return f"{pid} gone"
+
+
+def _running(pid: str) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_an_agent_that_calls_sys_exit_fails_its_episode_and_the_loop_goes_on(tmp_path, monkeypatch):
+    """sys.exit() in an `async def` agent on the shared event loop (env.isolation: thread): its episode fails, the
+    others run (was: the loop's thread ended, every later agent timed out)."""
+    from tasks.generate import generate
+    from tests.conftest import user_module
+
+    user_module(tmp_path, monkeypatch, "exiting_agent", (
+        "import sys\nfrom openai import AsyncOpenAI\n\nSTARTED = []\n\n\n"
+        "async def agent(row, base_url, api_key):\n"
+        "    STARTED.append(1)\n"
+        "    if len(STARTED) == 1:\n"
+        "        sys.exit(0)\n"
+        "    client = AsyncOpenAI(base_url=base_url, api_key=api_key)\n"
+        "    await client.chat.completions.create(model='policy', messages=[{'role': 'user', 'content': 'hi'}])\n"
+        "    return 1.0\n"))
+    cfg = load_config(ROOT / "configs" / "agent.yaml", [
+        f"store.uri={tmp_path}/store", "env.agent=exiting_agent:agent", "env.isolation=thread",
+        "env.timeout_seconds=60", "generate.prompts_per_iteration=4", "generate.num_generations=2"])
+    generate(cfg, 1, layout.BASE)
+    from tasks.core import rollout
+
+    records = [r for r in rollout.load(open_store(cfg), layout.rollouts(cfg.run.name, 1)) if not r.part]
+    errors = [r.env_error for r in records if r.env_error]
+    assert errors == ["agent raised SystemExit: 0"], errors
+    assert len(errors) < len(records)             # the others ran on the same loop
 
 
 def test_an_evaluation_whose_every_call_fails_records_no_score(tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ from tasks.core.errors import UserError
 from tasks.core.paths import import_user
 from tasks.envs.runtime.calls import Call, EpisodeLog
 from tasks.envs.runtime.endpoint import Endpoint
-from tasks.envs.runtime.isolation import _awaited
+from tasks.envs.runtime.isolation import _awaited, as_failure, end_group, own_group
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -66,10 +66,15 @@ def outcome(value: Any) -> tuple[float | None, dict]:
     if value is None:
         return None, {}
     info: Any = {}
+    given = value
     if isinstance(value, tuple | list) and len(value) == 2:
         value, info = value
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or not isinstance(info, dict):
-        raise TypeError(f"the agent returned {type(value).__name__}: expected a number, (number, dict) or None")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or \
+            not isinstance(info, dict):
+        def named(v) -> str:
+            return repr(v) if isinstance(v, float) and not math.isfinite(v) else type(v).__name__   # (nan, inf)
+        shown = f"({named(value)}, {named(info)})" if given is not value else named(value)
+        raise TypeError(f"the agent returned {shown}: expected a finite number, (number, dict) or None")
     return float(value), info
 
 
@@ -106,7 +111,8 @@ class Threads:
         from concurrent.futures import Future
 
         if inspect.iscoroutinefunction(self.fn):
-            future = asyncio.run_coroutine_threadsafe(self.fn(row, base_url, run.key, **self.kwargs), self.loop)
+            future = asyncio.run_coroutine_threadsafe(_awaited(self.fn(row, base_url, run.key, **self.kwargs)),
+                                                      self.loop)
         else:
             future = Future()
 
@@ -117,7 +123,7 @@ class Threads:
                         value = asyncio.run_coroutine_threadsafe(_awaited(value), self.loop).result()
                     future.set_result(value)
                 except BaseException as e:  # noqa: BLE001 - the episode's failure
-                    future.set_exception(e)
+                    future.set_exception(as_failure(e))
 
             threading.Thread(target=call, daemon=True, name="agent").start()
         run.done, run.result, run.kill = future.done, future.result, future.cancel
@@ -188,6 +194,7 @@ class Processes:
         def result():
             kind, value = got[0]
             proc.join(5)
+            end_group(proc)                             # (what it started and left running)
             if kind == "died":
                 code = proc.exitcode
                 how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit {code}"
@@ -197,6 +204,7 @@ class Processes:
             return value
 
         def kill() -> None:
+            end_group(proc)
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
@@ -212,6 +220,7 @@ def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cw
     """The agent's process: run it once, send back ("ok", value) or ("error", "Type: text")."""
     from tasks.envs.runtime.isolation import why
 
+    own_group()
     conn.send(("running", None))
     os.chdir(cwd)
     sys.path[:] = path
@@ -278,10 +287,14 @@ def ended(run: Running, log: EpisodeLog, timeout: float) -> tuple[float | None, 
     is killed and failed."""
     if run.done():
         try:
-            reward, info = outcome(run.result())
-            return reward, info, None
+            value = run.result()
         except BaseException as e:  # noqa: BLE001 - costs only this episode
             return None, {}, _why(e)
+        try:
+            reward, info = outcome(value)
+        except TypeError as e:                  # (what it returned: it did not raise)
+            return None, {}, str(e)
+        return reward, info, None
     if time.monotonic() - run.started - log.busy_seconds() > timeout:
         run.kill()
         return None, {}, "the agent did not return within env.timeout_seconds"

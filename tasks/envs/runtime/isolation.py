@@ -131,10 +131,36 @@ def _prepare_forkserver(given: Any) -> None:
               file=sys.stderr)
 
 
+def own_group() -> None:
+    """First thing in an episode's process: a session and process group of its own, so that what its code does to
+    its group (os.killpg(0, SIGTERM)) reaches itself and what it started, not the run, and its end (end_group)
+    takes what it started with it. It still ends with its parent (the forkserver, which ends with the stage): a
+    run killed as a group takes its episodes with it as before."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:                                 # (its parent ended before the line above)
+        os._exit(1)
+
+
+def end_group(proc) -> None:
+    """An episode's process ended with everything it started (forked children left running): its group killed."""
+    if proc.pid is not None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):   # (nothing left of it; or own_group had not run yet)
+            pass
+
+
 def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
     """The child: make the environment, then answer calls until `close`."""
     from tasks.core.config import Config
 
+    own_group()
     os.chdir(cwd)
     sys.path[:] = path                                     # what the parent can import, the child can
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is the parent's to handle
@@ -216,12 +242,21 @@ class ThreadEnvironment:
 
 
 def why(e: BaseException) -> str:
-    """An exception as one line: its type and the first line of its text."""
+    """An exception as one line: its type and the first line of its text (EnvironmentFailed's text is both)."""
+    if isinstance(e, EnvironmentFailed) and str(e):
+        return str(e).splitlines()[0]
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
 
 
 class EnvironmentFailed(RuntimeError):
     """The environment's own exception, raised in its process: the message is its type and text."""
+
+
+def as_failure(e: BaseException) -> BaseException:
+    """What a user's code raised in a thread of the stage, as that call's failure: sys.exit() or a
+    KeyboardInterrupt it raised itself becomes EnvironmentFailed ("SystemExit: 0"), not the stage's end (an exit
+    0 with nothing done) nor the end of an event loop's thread every other episode shares."""
+    return EnvironmentFailed(why(e)) if isinstance(e, SystemExit | KeyboardInterrupt) else e
 
 
 class EnvironmentDied(RuntimeError):
@@ -254,7 +289,12 @@ class ProcessEnvironment:
         return env
 
     def _reply(self):
+        from multiprocessing.connection import wait
+
         try:
+            # its end as well as its answer: a process it forked may hold the pipe open after it died
+            if self.conn not in wait([self.conn, self.proc.sentinel]) and not self.conn.poll():
+                raise EOFError
             kind, value = self.conn.recv()
         except (EOFError, OSError):
             self.proc.join(1.0)
@@ -286,6 +326,7 @@ class ProcessEnvironment:
             self.kill()
 
     def kill(self) -> None:
+        end_group(self.proc)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(5.0)
@@ -322,7 +363,7 @@ class Caller:
                 done.set_result(value)
             except BaseException as e:  # noqa: BLE001 - the episode's failure, reported by wait()
                 done.finished = time.monotonic()
-                done.set_exception(e)
+                done.set_exception(as_failure(e))
             finally:
                 self.slots.release()
 
@@ -336,7 +377,10 @@ class Caller:
 
 
 async def _awaited(value):
-    return await value
+    try:
+        return await value
+    except (SystemExit, KeyboardInterrupt) as e:     # (out of the loop's run_forever otherwise: its thread ends)
+        raise as_failure(e) from None
 
 
 if PREPARE in os.environ and sys.argv == ["-c"]:        # (this module, imported in the forkserver warm_up started)
