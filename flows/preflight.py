@@ -145,8 +145,7 @@ def check_warmup(cfg: Config) -> None:
     from tasks.sft import check, v0_fingerprint
 
     store = open_store(cfg)
-    own = store.uri(f"{cfg.run.name}/policy/")            # (a local store's as a folder, too: ModelConfig's form)
-    if cfg.model.name_or_path.startswith((own, own.removeprefix("file://"))):
+    if cfg.model.name_or_path.startswith(store.uri(f"{cfg.run.name}/policy/")):
         raise UserError(f"model.name_or_path: {cfg.model.name_or_path} is a policy of this run ({cfg.run.name}), "
                         f"not the base its warm start trains; name the base model (the run's v0 is made from it)")
     # v0 made already: from the same inputs (else one line naming what changed), nothing more to check

@@ -24,7 +24,7 @@ _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 ROLES = ("system", "user", "assistant", "tool")         # a chat message's roles (prompts, demonstrations)
 
 
-_CUT_SAID: list[int] = []           # the longest prompt this process has cut and said so (once)
+_CUT_SAID: list[int] = []           # the length of the first prompt this process cut (said once)
 
 
 def cut_prompt(ids: list[int], max_length: int) -> list[int]:
