@@ -499,7 +499,7 @@ def test_streamed_agents_that_fail_or_hang_cost_only_their_episode(tmp_path):
     assert len(records) == 8 and by_mode["ok"].env_error is None and by_mode["ok"].env_return == 1.0
     assert "ValueError: the agent broke" in by_mode["raise"].env_error
     assert by_mode["async_hang"].env_error == "the agent did not return within env.timeout_seconds"
-    assert "expected a number" in by_mode["garbage"].env_error
+    assert "expected a finite number" in by_mode["garbage"].env_error
     for r in records:
         assert r.env_state["calls"] == 1 and sum(r.mask) >= 1 and len(r.versions) == len(r.completion_ids)
 
