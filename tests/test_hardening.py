@@ -66,6 +66,19 @@ def test_a_judges_missing_model_is_one_line_naming_its_entry(model, line):
     assert str(e.value).startswith(line), str(e.value)
 
 
+def test_a_file_uri_model_is_that_folder():
+    """model.name_or_path=file:///... (a policy folder as rlflow prints a local store's URIs) outside the store is
+    that folder; one not there says so (it was read as a hub id: "hf download file:///...")."""
+    from tasks.core import builtin_models
+    from tasks.core.models import resolve
+
+    cfg = load_config(TINY)
+    folder = builtin_models.resolve("builtin:tiny-lm")
+    assert resolve(cfg, f"file://{folder}", "model.name_or_path") == folder
+    with pytest.raises(UserError, match="^model.name_or_path: /nonexistent/x: no such file or folder$"):
+        resolve(cfg, "file:///nonexistent/x", "model.name_or_path")
+
+
 @pytest.mark.parametrize("override, line", [
     ('reward.models=[{name: j, kind: judge, model: builtin:tiny-lm, sha256: "' + "0" * 64 + '", '
      'template: "{completion}", scale: [10, 1]}]',

@@ -75,7 +75,8 @@ def resolve(cfg: Config, name: str, field: str, pin: str | None = None, dtype: s
     elif name.startswith("s3://"):
         raise UserError(f"{field}: {name}: an s3:// model must lie under store.uri ({store.root})")
     else:
-        path = builtin_models.resolve(name, field)
+        # (a file:// URI outside the store, such as another run's policy as rlflow prints it: that folder)
+        path = builtin_models.resolve(_file_uri_path(name), field)
         if gguf.is_gguf(path):
             file = Path(path).expanduser()
             if (folder := gguf.converted(file, dtype)) is None:
@@ -93,6 +94,15 @@ def resolve(cfg: Config, name: str, field: str, pin: str | None = None, dtype: s
     if pin is not None and (found := pin_of(path)) != pin:
         raise UserError(f"{pin_field}: {name} has weights sha256 {found}, not the pinned {pin}")
     return path
+
+
+def _file_uri_path(name: str) -> str:
+    """A file:// URI as its path (file:///a/b -> /a/b; file://localhost/a too); anything else unchanged."""
+    if not name.startswith("file://"):
+        return name
+    from urllib.parse import unquote, urlparse
+
+    return unquote(urlparse(name).path) or "/"
 
 
 def pin_of(path: str) -> str:
