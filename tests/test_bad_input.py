@@ -342,7 +342,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             "keyword argument 'size'"),
         "environment keyword the factory lacks": (
             ["run", str(TINY), "-o", "env.factory=badtools_env:NeedsSize"],
-            "env.kwargs: badtools_env:NeedsSize cannot be called with env.kwargs []: missing a required argument: "
+            "env.kwargs: badtools_env:NeedsSize cannot be called without env.kwargs: missing a required argument: "
             "'size'"),
         "environment factory that raises": (
             ["run", str(TINY), "-o", "env.factory=badtools_env:NeedsSize", "-o", "env.kwargs={size: -1}"],
@@ -355,6 +355,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o", "env.adapter=verifiers"],
             "env.adapter: verifiers: tasks.envs.builtin.games:SayTheLetters made a SayTheLetters, which the verifiers "
             "adapter cannot drive"),
+        "environment with reset(row) and no step": (
+            ["run", str(TINY), "-o", "env.factory=badtools_env:NoStep"],
+            "env.factory: badtools_env:NoStep made a NoStep, whose reset(row) is rlflow's protocol's but it has no "
+            "step(message) method"),
         "environment tools that are not functions": (
             ["run", str(TINY), "-o", "env.factory=badtools_env:StringTools"],
             "env.factory: badtools_env:StringTools: StringTools.tools[0] is 'lookup', not a function"),
@@ -472,6 +476,11 @@ class Narrates(AlwaysFails):
 class ResetsToNumber(AlwaysFails):
     def reset(self, row):
         return 7
+
+
+class NoStep:
+    def reset(self, row):
+        return [{"role": "user", "content": "a="}]
 """
 
 

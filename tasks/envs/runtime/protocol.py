@@ -203,7 +203,8 @@ def check_environment(cfg: Config, row: dict) -> None:
     make = import_user(spec, "env.factory")
     kwargs = dict(cfg.env.kwargs)
     if (bad := _binds(make, **kwargs)) is not None:
-        raise UserError(f"env.kwargs: {spec} cannot be called with env.kwargs {sorted(kwargs)}: {bad}")
+        given = f"with env.kwargs {sorted(kwargs)}" if kwargs else "without env.kwargs"
+        raise UserError(f"env.kwargs: {spec} cannot be called {given}: {bad}")
     if callable(getattr(make, "preflight", None)):
         return
     try:
@@ -224,6 +225,10 @@ def check_environment(cfg: Config, row: dict) -> None:
         for method, args, kw in fit:
             fn = getattr(instance, method, None)
             why = "it has none" if not callable(fn) else _binds(fn, *args, **kw)
+            if why is not None and kind == "trl" and cfg.env.adapter == "auto" and _binds(fn, row) is None:
+                raise UserError(f"env.factory: {spec} made a {name}, whose reset(row) is rlflow's protocol's but it "
+                                f"has no step(message) method; expected one (or reset(**row) and tools as methods, as "
+                                f"TRL's environment_factory classes have)")
             if why is not None:
                 call = {"rlflow": {"reset": "reset(row)", "step": "step(message)"}, "trl": {"reset": "reset(**row)"},
                         "gymnasium": {"reset": "reset(seed=...)", "step": "step(text)"}}[kind][method]
