@@ -94,5 +94,15 @@ async def jittery(row, base_url, api_key):
     return float(len(reply.choices[0].message.content or ""))
 
 
+def calls_on(row, base_url, api_key):
+    """Keeps calling the model, past the endpoint's refusals, a few hundred times, and returns nothing."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    for _ in range(300):
+        try:
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        except openai.BadRequestError:
+            pass
+
+
 def two_args(row, base_url):
     return 0.0

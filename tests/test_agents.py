@@ -169,6 +169,22 @@ def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolat
         assert sum(by_mode[mode].mask) >= 1
 
 
+def test_an_agent_calling_on_past_its_limit_is_named_when_nothing_is_scored():
+    """An agent that calls on past env.max_turns and returns nothing: its episodes are truncated, unscored; the
+    stage's one line says so (it said only "every score was None")."""
+    from tasks.scoring.functions import load_functions, require_some_score, score_records
+
+    cfg = _cfg("calls_on", "env.max_turns=2", "env.isolation=thread")
+    records, _ = _run(cfg, n=2, rows=LETTERS[:1])
+    assert len(records) == 4 and all(r.truncated and r.env_state["calls"] == 2 for r in records)   # (2 calls,
+    #                                                                 the second not extending the first: 2 each)
+    scored = score_records(load_functions(cfg), records, "sum")
+    with pytest.raises(UserError, match=r"^reward: no completion of iteration 1 was scored .*every score was None "
+                       r"\(no function scored any completion\): 4 of 4 completions are of episodes cut at "
+                       r"env.max_turns \(2\) calls before the agent gave a return; expected"):
+        require_some_score(records, scored, "iteration 1")
+
+
 def test_64_agents_at_once_sample_in_one_batch_per_turn():
     rows = [{"prompt": "Say each letter I name.", "letters": "abcd"[i % 4] * 3, "seed": i} for i in range(8)]
     records, session = _run(_cfg("say_letters", "env.concurrency=64", "env.isolation=thread"), n=8, rows=rows)

@@ -375,7 +375,7 @@ def require_some_score(records: list[Rollout], scored: Scored, what: str, skippa
                f"{next(iter(scored.errors.values()))}"
     else:
         said = "; ".join(f"{name!r} returned NaN or inf for {k}" for name, k in scored.nan.items()) or \
-            "every score was None (no function scored any completion)"
+            "every score was None (no function scored any completion)" + _episodes_without_return(records)
         said = f"no completion of {what} was scored (nothing to {nothing}): {said}; expected a finite score for " \
                f"some completion"
     if not skippable:
@@ -383,6 +383,21 @@ def require_some_score(records: list[Rollout], scored: Scored, what: str, skippa
     print(f"warning: reward: {said}; {what} takes no training step (its policy is the one before, published "
           f"again) and the run goes on: the previous iteration was scored; a second such iteration in a row "
           f"stops it", file=sys.stderr)
+
+
+def _episodes_without_return(records: list[Rollout]) -> str:
+    """Why episodes (env.factory, env.agent) gave no return, when that is why nothing was scored: cut at a limit
+    (an agent calling on past env.max_turns), or failed; '' for prompts."""
+    episodes = [r for r in records if r.env_state is not None or r.env_error is not None]
+    if not episodes:
+        return ""
+    who = "agent" if any("agent_info" in (r.env_state or {}) for r in episodes) else "environment"
+    limited = [r for r in episodes if (r.env_state or {}).get("limited")]
+    failed = [r for r in episodes if r.env_error]
+    parts = [f"{len(limited)} of {len(episodes)} completions are of episodes cut at "
+             f"{limited[0].env_state['limited']} before the {who} gave a return" if limited else "",
+             f"{len(failed)} of {len(episodes)} failed (the first: {failed[0].env_error})" if failed else ""]
+    return ": " + ("; ".join(p for p in parts if p) or f"no {who} gave a return")
 
 
 def combine(rewards: list[dict[str, float | None]], weights: dict[str, float], how: str = "sum") -> torch.Tensor:
