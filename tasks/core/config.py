@@ -449,7 +449,8 @@ def reference_markdown() -> str:
     lines = ["# Configuration reference", "",
              "Generated from `tasks/core/config.py` by `python -m tasks.core.config > docs/configuration.md`.",
              "A config file sets only what differs from these defaults; `-o section.key=value` overrides on the "
-             "command line. Unknown keys are errors.", ""]
+             "command line. Unknown keys are errors (a setting of another learner than train.algorithm's: a "
+             "warning, so one config can switch algorithms).", ""]
     symbols = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
 
     def table(prefix: str, model, tag: str = "") -> None:
