@@ -75,7 +75,17 @@ async def _unruly(row, base_url, api_key):
         await asyncio.sleep(3600)
     if mode == "garbage":
         return "not a reward"
+    if mode == "huge":
+        return 10 ** 400                    # (past a float's range)
+    if mode == "child_exit":                # sys.exit() in a task it started, not in its own coroutine
+        await asyncio.gather(asyncio.sleep(0), _exits())
     return 1.0
+
+
+async def _exits():
+    import sys
+
+    sys.exit(4)
 
 
 async def jittery(row, base_url, api_key):

@@ -31,7 +31,7 @@ from tasks.core.errors import UserError
 from tasks.core.paths import import_user
 from tasks.envs.runtime.calls import Call, EpisodeLog
 from tasks.envs.runtime.endpoint import Endpoint
-from tasks.envs.runtime.isolation import _awaited, as_failure, end_group, own_group
+from tasks.envs.runtime.isolation import _awaited, as_failure, end_group, own_group, run_forever
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -61,6 +61,13 @@ def agent_of(cfg: Config):
     return fn
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:                      # (an int past a float's range: 10**400)
+        return False
+
+
 def outcome(value: Any) -> tuple[float | None, dict]:
     """What an agent returned, as (reward, info): a number, (number, dict), or None."""
     if value is None:
@@ -69,9 +76,11 @@ def outcome(value: Any) -> tuple[float | None, dict]:
     given = value
     if isinstance(value, tuple | list) and len(value) == 2:
         value, info = value
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or \
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value) or \
             not isinstance(info, dict):
         def named(v) -> str:
+            if isinstance(v, int) and not isinstance(v, bool) and not _finite(v):
+                return "an int too large for a float"
             return repr(v) if isinstance(v, float) and not math.isfinite(v) else type(v).__name__   # (nan, inf)
         shown = f"({named(value)}, {named(info)})" if given is not value else named(value)
         raise TypeError(f"the agent returned {shown}: expected a finite number, (number, dict) or None")
@@ -104,7 +113,7 @@ class Threads:
         # endpoint) ends with it. Kept across stages, a client of a later endpoint that got the same port back
         # reused connections of the earlier one and waited on them (seen: episodes hung until their timeout).
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="agents")
+        self.thread = threading.Thread(target=run_forever, args=(self.loop,), daemon=True, name="agents")
         self.thread.start()
 
     def start(self, run: Running, row: dict, base_url: str) -> None:
@@ -172,6 +181,7 @@ class Processes:
         def done() -> bool:
             if got:
                 return True
+            alive = proc.is_alive()                     # (read first: what it sent before it ended is in the pipe)
             try:
                 while parent.poll():
                     kind, value = parent.recv()
@@ -183,7 +193,7 @@ class Processes:
             except (EOFError, OSError):
                 got.append(("died", None))
                 return True
-            if not proc.is_alive():
+            if not alive:
                 got.append(("died", None))
                 return True
             if run.started == math.inf and time.monotonic() - spawned > START_SECONDS:
@@ -193,8 +203,10 @@ class Processes:
 
         def result():
             kind, value = got[0]
+            end_group(proc)                             # (what it started and left running; its answer is in)
+            if kind == "error" and proc.is_alive():     # (one that never started: no group of its own yet)
+                proc.kill()
             proc.join(5)
-            end_group(proc)                             # (what it started and left running)
             if kind == "died":
                 code = proc.exitcode
                 how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit {code}"
