@@ -54,6 +54,17 @@ class Flaky:
         return Step([{"role": "user", "content": "Say a"}], 1.0, self.turn == 3)
 
 
+class HangsWhenMade(Flaky):
+    """An environment whose __init__ never returns (its pid written first, for the test to look for)."""
+
+    def __init__(self, pids=None):
+        import os
+
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(600)
+
+
 class Counter:
     """A TRL environment_factory class, as TRL's docs write one: reset(**row), public methods are tools,
     get_reward() scores the episode."""

@@ -4,6 +4,7 @@ adapters (TRL's environment classes, gymnasium), and the letters demo through th
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,46 @@ def test_an_episode_that_hangs_does_not_spend_the_time_of_the_others(isolation, 
                            SamplingParams(n=1, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=3))[0]
     assert [r.env_error for r in records] == [None, "step did not return within env.timeout_seconds", None]
     assert [r.env_return for r in records] == [3.0, None, 3.0]
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_environments_that_hang_as_they_are_made_fail_their_episodes_not_the_stage(isolation, tokenizer, tmp_path):
+    """More episodes than env.concurrency whose environment's __init__ never returns: each fails at its timeout
+    and the stage ends (the calls waiting for a slot held for good waited for ever); in a process of its own the
+    environment is killed (it was left running: its episode did not yet know it)."""
+    pids = tmp_path / "pids"
+    cfg = _cfg("tests.env_classes:HangsWhenMade", tmp_path, f'env.kwargs={{pids: "{pids}"}}', "env.timeout_seconds=3",
+               f"env.isolation={isolation}", "env.concurrency=1")
+    table = {i: {"prompt": "Say each letter I name.", "letters": "abc", "seed": i} for i in range(3)}
+    records = run_episodes(cfg, table, [0, 1, 2], Scripted(lambda ctx: "a").session("base", "unused", tokenizer),
+                           SamplingParams(n=1, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=3))[0]
+    assert [r.env_error for r in records] == ["reset did not return within env.timeout_seconds"] * 3
+    if isolation == "process":
+        made = pids.read_text().split() if pids.exists() else []
+        deadline = time.monotonic() + 60
+        while [p for p in made if _running(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in made if _running(p)]
+
+
+def test_an_environment_that_hangs_as_it_is_made_is_one_line_before_the_run(tmp_path, monkeypatch):
+    """The check before the run makes one environment: one that never returns from __init__ is one line (the
+    run waited there for ever)."""
+    from tasks.core.errors import UserError
+    from tasks.envs.runtime.protocol import check_environment
+
+    monkeypatch.setenv("RLFLOW_IMPORT_SECONDS", "2")
+    cfg = _cfg("tests.env_classes:HangsWhenMade", tmp_path, f'env.kwargs={{pids: "{tmp_path / "pids"}"}}')
+    with pytest.raises(UserError, match=r"^env.factory: tests.env_classes:HangsWhenMade\(\*\*env.kwargs\) did not "
+                                        r"return in 2 s \(it waits or loops as it is made; RLFLOW_IMPORT_SECONDS"):
+        check_environment(cfg, {"prompt": "p", "letters": "abc", "seed": 0})
+
+
+def _running(pid: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 DRIVER = """

@@ -91,6 +91,7 @@ def _each(caller: Caller, episodes: list[Episode], what: str, call, fails: bool 
             why = str(ex)
         except TimeoutError:
             why = f"{what} {STALLED}"
+            f.cancel()                                         # (still waiting for a slot: never made)
             if e.env is not None:                              # (in a process of its own: ended now)
                 e.env.kill()
         except UserError:
@@ -148,12 +149,12 @@ def environments(cfg: Config, services: Services | None = None) -> Callable[[dic
     started before any episode: the factory's preflight, the server's address, the forkserver."""
     if placement_of(cfg).env_remote():
         server = server_of(cfg, services)     # no server given: one line, before any episode
-        return lambda row: RemoteEnvironment.start(cfg, row, server)
+        return lambda row, opened=None: RemoteEnvironment.start(cfg, row, server)
     # (imported here too: a process environment's forkserver imports it; a server's environments, only there)
     make = factory_of(cfg)
     if cfg.env.isolation == "process":
         warm_up(cfg)
-    return lambda row: start_environment(cfg, make, row)
+    return lambda row, opened=None: start_environment(cfg, make, row, opened)
 
 
 def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: SamplingSession,
@@ -193,12 +194,12 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: 
 # One episode's steps, shared by the stage's turns in lockstep (run_episodes) and the streaming sampler
 # (tasks/envs/runtime/streamed.py), which takes each episode's next turn as soon as its last one is stepped.
 
-def begin(caller: Caller, episodes: list[Episode], open_environment: Callable[[dict], EnvironmentHandle],
+def begin(caller: Caller, episodes: list[Episode], open_environment: Callable[..., EnvironmentHandle],
           render: Renderer) -> None:
     """Open each episode's environment and render its first prompt from reset's messages, all at once; a failed
     reset leaves the episode failed with a one-token placeholder prompt (no completion, no reward)."""
     def reset(e: Episode) -> list[dict]:
-        e.env = open_environment(e.data)
+        e.env = open_environment(e.data, lambda env: setattr(e, "env", env))  # (told before it is made: killable)
         e.schemas = e.env.tool_schemas
         return e.env.reset(e.data)
 

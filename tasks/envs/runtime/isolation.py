@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -147,13 +148,27 @@ def own_group() -> None:
         os._exit(1)
 
 
-def end_group(proc) -> None:
-    """An episode's process ended with everything it started (forked children left running): its group killed."""
-    if proc.pid is not None:
+def end_group(proc, grace: float = 1.0) -> None:
+    """An episode's process ended with everything it started (forked children left running): its group asked to
+    end (SIGTERM: a browser driver closes the browser it launched in a group of its own, as Playwright does on
+    SIGTERM), then killed after `grace` seconds at most."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):       # (nothing left of it; or own_group had not run yet)
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):   # (nothing left of it; or own_group had not run yet)
-            pass
+            os.killpg(proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.02)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
@@ -205,12 +220,12 @@ def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
                 return
 
 
-def start_environment(cfg: Config, make, row: dict):
-    """One episode's environment as env.isolation says: a ProcessEnvironment (its child made it), or a
-    ThreadEnvironment around what `make` (protocol.factory_of) made. What the stage's episode loop and the
-    environment server both open."""
+def start_environment(cfg: Config, make, row: dict, opened: Callable[[Any], None] | None = None):
+    """One episode's environment as env.isolation says: a ProcessEnvironment (its child made it; `opened`: told
+    of it before it is made), or a ThreadEnvironment around what `make` (protocol.factory_of) made. What the
+    stage's episode loop and the environment server both open."""
     if cfg.env.isolation == "process":
-        return ProcessEnvironment.start(cfg, row)
+        return ProcessEnvironment.start(cfg, row, opened)
     return ThreadEnvironment(environment(cfg, make(), row))
 
 
@@ -276,7 +291,9 @@ class ProcessEnvironment:
         self.state: dict | None = None
 
     @classmethod
-    def start(cls, cfg: Config, row: dict) -> ProcessEnvironment:
+    def start(cls, cfg: Config, row: dict, opened: Callable[[Any], None] | None = None) -> ProcessEnvironment:
+        """The child started, then its environment made there. `opened` is told of it once started: a caller
+        whose time runs out while the environment's __init__ hangs can kill it."""
         warm_up(cfg)                       # (once per process: the stage and the server have called it already)
         ctx = _forkserver(cfg)
         parent, child = ctx.Pipe()
@@ -285,6 +302,8 @@ class ProcessEnvironment:
         proc.start()
         child.close()
         env = cls(proc, parent)
+        if opened is not None:
+            opened(env)
         env.tool_schemas = env._reply()
         return env
 
@@ -348,13 +367,20 @@ class Caller:
         with self.made:
             if self.loop is None:
                 self.loop = asyncio.new_event_loop()
-                threading.Thread(target=self.loop.run_forever, daemon=True, name="env-loop").start()
+                threading.Thread(target=run_forever, args=(self.loop,), daemon=True, name="env-loop").start()
             return self.loop
 
     def start(self, fn, *args) -> Future:
+        """fn(*args) on a thread of its own once a slot is free (waited for there, not here: calls that hang for
+        good, holding every slot, never stop the caller from timing out the others); a call cancelled while it
+        waits is never made."""
         done: Future = Future()
 
         def run() -> None:
+            self.slots.acquire()
+            if not done.set_running_or_notify_cancel():     # (its episode timed out waiting: not made)
+                self.slots.release()
+                return
             try:
                 value = fn(*args)
                 if inspect.isawaitable(value):
@@ -367,13 +393,24 @@ class Caller:
             finally:
                 self.slots.release()
 
-        self.slots.acquire()
         threading.Thread(target=run, daemon=True, name="env-call").start()
         return done
 
     def stop(self) -> None:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def run_forever(loop) -> None:
+    """A shared event loop's thread: runs until loop.stop(). sys.exit() in a task an episode's coroutine started
+    (gather, create_task) leaves run_forever with its SystemExit (that task ends with it, so the episode's own
+    coroutine fails: _awaited); the loop goes on for the other episodes instead of its thread ending."""
+    while True:
+        try:
+            loop.run_forever()
+            return
+        except (SystemExit, KeyboardInterrupt):
+            continue
 
 
 async def _awaited(value):

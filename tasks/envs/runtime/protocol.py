@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.contracts import Environment, Step
 from tasks.core.errors import UserError
-from tasks.core.paths import import_user
-from tasks.core.process_wide import signals_kept
+from tasks.core.paths import IMPORT_SECONDS, import_user
+from tasks.core.process_wide import DeadlinePassed, deadline, signals_kept
 
 MAX_STATE_CHARS = 65_536       # an attribute of the environment kept in the record (env_state), as JSON, at most
 PICTURES = "screens"           # (but its pictures, screens.py: the evaluate stage takes them out of the record)
@@ -207,9 +208,13 @@ def check_environment(cfg: Config, row: dict) -> None:
         raise UserError(f"env.kwargs: {spec} cannot be called {given}: {bad}")
     if callable(getattr(make, "preflight", None)):
         return
+    seconds = float(os.environ.get("RLFLOW_IMPORT_SECONDS") or IMPORT_SECONDS)
     try:
-        with signals_kept():
+        with signals_kept(), deadline(seconds):
             instance = make(**kwargs)
+    except DeadlinePassed:
+        raise UserError(f"env.factory: {spec}(**env.kwargs) did not return in {seconds:g} s (it waits or loops as it "
+                        f"is made; RLFLOW_IMPORT_SECONDS allows more)") from None
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's factory: its failure is one line
