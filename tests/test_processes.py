@@ -50,16 +50,21 @@ def test_the_user_error_line_round_trips():
     assert [user_error_in(line) for line in text.splitlines()] == [None, "train.lr: must be > 0, got -1"]
 
 
-def test_kill_group_takes_what_the_child_started_and_alive_knows_a_zombie(tmp_path):
+def _with_a_grandchild(tmp_path, session: bool) -> tuple[subprocess.Popen, int]:
+    """A child in a group of its own that started `sleep 120` (in a session of its own too with `session`)."""
     pid_file = tmp_path / "grandchild"
-    script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '120']); "
+    script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '120'], start_new_session={session}); "
               f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
     proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while not pid_file.exists() or not pid_file.read_text():
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    grandchild = int(pid_file.read_text())
+    return proc, int(pid_file.read_text())
+
+
+def test_kill_group_takes_what_the_child_started_and_alive_knows_a_zombie(tmp_path):
+    proc, grandchild = _with_a_grandchild(tmp_path, session=False)
     assert alive(proc.pid) and alive(grandchild)
     kill_group(proc)
     assert proc.returncode is not None and not alive(proc.pid)
@@ -71,6 +76,18 @@ def test_kill_group_takes_what_the_child_started_and_alive_knows_a_zombie(tmp_pa
     time.sleep(0.5)                                                 # exited, not reaped
     assert os.path.exists(f"/proc/{zombie.pid}") and not alive(zombie.pid)
     zombie.wait()
+
+
+def test_kill_group_takes_the_groups_its_descendants_made(tmp_path):
+    """An environment server's episodes are sessions of their own (isolation.own_group); killing the server's
+    group takes them, and what they started, too (it reached only the server's own group)."""
+    proc, grandchild = _with_a_grandchild(tmp_path, session=True)
+    assert os.getpgid(grandchild) == grandchild != os.getpgid(proc.pid)
+    kill_group(proc)
+    deadline = time.monotonic() + 60
+    while alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(grandchild)
 
 
 def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):

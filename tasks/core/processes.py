@@ -136,12 +136,14 @@ def stream(argv: list[str], env: dict[str, str], sink: Callable[[str], object], 
 
 def kill_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
     """SIGKILL the process group of `proc` (started with start_new_session=True: it and everything it started),
-    reap it and close our ends of its pipes."""
+    and the groups of its descendants that made groups of their own (an environment server's episodes, each a
+    session: tasks/envs/runtime/isolation.own_group), then reap it and close our ends of its pipes."""
     if proc.poll() is None:        # once reaped, its pid (= its group id) may belong to someone else
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
+        for group in [proc.pid, *_descendant_groups(proc.pid)]:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except OSError:
+                pass
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -152,6 +154,26 @@ def kill_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
                 pipe.close()
             except OSError:
                 pass
+
+
+def _descendant_groups(root: int) -> set[int]:
+    """The process groups of `root`'s descendants other than its own (read from /proc; empty elsewhere)."""
+    parent, group = {}, {}
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return set()
+    for name in names:
+        try:
+            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            parent[int(name)], group[int(name)] = int(fields[1]), int(fields[2])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, pp in parent.items() if pp in frontier and pid not in found}
+        found |= frontier
+    return {group[pid] for pid in found} - {group.get(root, root), os.getpgrp()}
 
 
 def alive(pid: int) -> bool:
