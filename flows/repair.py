@@ -40,15 +40,15 @@ def final_line(exc: BaseException) -> tuple[str, int] | None:
     """What `rlflow` says of a run that ended with `exc`, and its exit code, where one line says it all: a user's
     mistake (2); a full disk, or a fault of the machinery retried already and failing every time (1: what is
     committed stays, the same command resumes). None: an error nobody foresaw (a traceback serves it better)."""
-    from flows.launch import InfraError
-    from tasks.envs.runtime.episodes import EnvironmentsStalled
-    from tasks.envs.runtime.server import ServerGone
-    from tasks.scoring.judges import JudgeUnavailable
-
     if (user := cause_of(exc, UserError)) is not None:
         return f"error: {user}", 2
     if (full := disk_full(exc)) is not None:
         return f"error: {full}", 1
+    from flows.launch import InfraError  # (after the user's mistake: said whatever these import)
+    from tasks.envs.runtime.episodes import EnvironmentsStalled
+    from tasks.envs.runtime.server import ServerGone
+    from tasks.scoring.judges import JudgeUnavailable
+
     if (infra := cause_of(exc, (InfraError, EnvironmentsStalled, ServerGone, JudgeUnavailable))) is not None:
         said = " ".join(str(infra).split())[:600]
         return (f"error: {said}; retried as launcher.retries says and failed each time (the flow's log holds the "

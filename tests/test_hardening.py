@@ -66,7 +66,7 @@ def test_a_judges_missing_model_is_one_line_naming_its_entry(model, line):
     assert str(e.value).startswith(line), str(e.value)
 
 
-def test_a_file_uri_model_is_that_folder():
+def test_a_file_uri_model_is_that_folder(tmp_path):
     """model.name_or_path=file:///... (a policy folder as rlflow prints a local store's URIs) outside the store is
     that folder; one not there says so (it was read as a hub id: "hf download file:///...")."""
     from tasks.core import builtin_models
@@ -77,6 +77,14 @@ def test_a_file_uri_model_is_that_folder():
     assert resolve(cfg, f"file://{folder}", "model.name_or_path") == folder
     with pytest.raises(UserError, match="^model.name_or_path: /nonexistent/x: no such file or folder$"):
         resolve(cfg, "file:///nonexistent/x", "model.name_or_path")
+    with pytest.raises(UserError, match="^model.name_or_path: file://elsewhere/x: a file:// URI of another host"):
+        resolve(cfg, "file://elsewhere/x", "model.name_or_path")
+    delta = tmp_path / "v000002"                   # (a delta policy's folder: its weights a difference)
+    delta.mkdir()
+    (delta / "config.json").write_text("{}")
+    (delta / "delta.json").write_text("{}")
+    with pytest.raises(UserError, match=f"^model.name_or_path: {delta}: a delta policy"):
+        resolve(cfg, f"file://{delta}", "model.name_or_path")
 
 
 @pytest.mark.parametrize("override, line", [

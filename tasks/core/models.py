@@ -76,7 +76,7 @@ def resolve(cfg: Config, name: str, field: str, pin: str | None = None, dtype: s
         raise UserError(f"{field}: {name}: an s3:// model must lie under store.uri ({store.root})")
     else:
         # (a file:// URI outside the store, such as another run's policy as rlflow prints it: that folder)
-        path = builtin_models.resolve(_file_uri_path(name), field)
+        path = builtin_models.resolve(_file_uri_path(name, field), field)
         if gguf.is_gguf(path):
             file = Path(path).expanduser()
             if (folder := gguf.converted(file, dtype)) is None:
@@ -89,6 +89,9 @@ def resolve(cfg: Config, name: str, field: str, pin: str | None = None, dtype: s
             raise UserError(f"{field}: {path}: no such file or folder")
         if looks_local and not (Path(path).expanduser() / "config.json").exists():
             raise UserError(f"{field}: {path}: no config.json (expected a saved model folder)")
+        if looks_local and (Path(path).expanduser() / "delta.json").exists():     # (policy.DELTA_INDEX)
+            raise UserError(f"{field}: {path}: a delta policy (its weights are a difference from another policy "
+                            f"of its store): give its URI under store.uri, or a whole policy's folder")
         if not looks_local:
             path = hub_model(path, field, folder=pin is not None)
     if pin is not None and (found := pin_of(path)) != pin:
@@ -96,13 +99,17 @@ def resolve(cfg: Config, name: str, field: str, pin: str | None = None, dtype: s
     return path
 
 
-def _file_uri_path(name: str) -> str:
+def _file_uri_path(name: str, field: str) -> str:
     """A file:// URI as its path (file:///a/b -> /a/b; file://localhost/a too); anything else unchanged."""
     if not name.startswith("file://"):
         return name
     from urllib.parse import unquote, urlparse
 
-    return unquote(urlparse(name).path) or "/"
+    uri = urlparse(name)
+    if uri.netloc not in ("", "localhost"):
+        raise UserError(f"{field}: {name}: a file:// URI of another host ({uri.netloc}); expected "
+                        f"file:///<folder> on this machine")
+    return unquote(uri.path) or "/"
 
 
 def pin_of(path: str) -> str:

@@ -389,10 +389,10 @@ def _episodes_without_return(records: list[Rollout]) -> str:
     """Why episodes (env.factory, env.agent) gave no return, when that is why nothing was scored: cut at a limit
     (an agent calling on past env.max_turns), or failed; '' for prompts."""
     episodes = [r for r in records if r.env_state is not None or r.env_error is not None]
-    if not episodes:
+    if not episodes or any(r.env_return is not None for r in episodes):     # (returns given: not why)
         return ""
     who = "agent" if any("agent_info" in (r.env_state or {}) for r in episodes) else "environment"
-    limited = [r for r in episodes if (r.env_state or {}).get("limited")]
+    limited = [r for r in episodes if r.truncated and (r.env_state or {}).get("limited")]
     failed = [r for r in episodes if r.env_error]
     parts = [f"{len(limited)} of {len(episodes)} completions are of episodes cut at "
              f"{limited[0].env_state['limited']} before the {who} gave a return" if limited else "",
