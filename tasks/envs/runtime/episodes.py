@@ -66,9 +66,17 @@ class Episode:
     error: str | None = None
     budget: float = 0.0          # seconds its environment's calls may still take (env.timeout_seconds in all)
     state: dict | None = None
+    abandoned: bool = False      # a call of it ran out of time: an environment it opens after that is killed
 
     def fail(self, why: str) -> None:
         self.error, self.done = why[:500], True
+
+    def opened(self, env: EnvironmentHandle) -> None:
+        """Its environment's process, started (before it is made: isolation.ProcessEnvironment.start). Its call
+        may have run out of time already, a loaded machine starting the process late: then it is killed here."""
+        self.env = env
+        if self.abandoned:
+            env.kill()
 
 
 def _each(caller: Caller, episodes: list[Episode], what: str, call, fails: bool = True) -> list[Any]:
@@ -92,6 +100,7 @@ def _each(caller: Caller, episodes: list[Episode], what: str, call, fails: bool 
         except TimeoutError:
             why = f"{what} {STALLED}"
             f.cancel()                                         # (still waiting for a slot: never made)
+            e.abandoned = True                                 # (before e.env is read: Episode.opened)
             if e.env is not None:                              # (in a process of its own: ended now)
                 e.env.kill()
         except UserError:
@@ -199,7 +208,7 @@ def begin(caller: Caller, episodes: list[Episode], open_environment: Callable[..
     """Open each episode's environment and render its first prompt from reset's messages, all at once; a failed
     reset leaves the episode failed with a one-token placeholder prompt (no completion, no reward)."""
     def reset(e: Episode) -> list[dict]:
-        e.env = open_environment(e.data, lambda env: setattr(e, "env", env))  # (told before it is made: killable)
+        e.env = open_environment(e.data, e.opened)      # (told of its process before it is made: killable)
         e.schemas = e.env.tool_schemas
         return e.env.reset(e.data)
 
