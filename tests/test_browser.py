@@ -19,7 +19,7 @@ from tasks.core.errors import UserError
 from tasks.envs.builtin.browser import Browser
 from tasks.envs.builtin.webshop import BY_SLUG, HELD_OUT, PEOPLE, main, order_pool, reference_action, serve, shop_tasks
 from tasks.envs.runtime.episodes import run_episodes
-from tests.conftest import CHROMIUM
+from tests.conftest import AT_LENGTH, CHROMIUM
 from tests.test_envs import Scripted
 
 pytestmark = pytest.mark.browser
@@ -419,11 +419,34 @@ def test_the_browser_config_runs_through_the_flow_with_the_tiny_model(shop, tmp_
     assert "Evaluated episodes of v1" in report.data and "(no action)" in report.data
 
 
+def test_the_smollm2_shop_recipes_warm_start_at_a_small_size(shop, tmp_path, monkeypatch):
+    """make test's smoke of configs/smollm2-shop.yaml (the RL iteration after it: the test below, make drills):
+    the reference policy's episode of a training task recorded, and `rlflow sft`'s warm start (one step) of
+    SmolLM2-135M on it, published as v0."""
+    from flows.warmup import sft_command
+    from tasks.core import layout
+    from tasks.core.store import Store
+    from tasks.envs.runtime.demonstrations import record, write
+
+    monkeypatch.chdir(tmp_path)
+    recipe = ROOT / "configs" / "smollm2-shop.yaml"
+    small = [f"env.kwargs.base_url={shop}", "env.kwargs.max_chars=600", "env.max_turns=3"]
+    kept, episodes, _ = record(load_config(recipe, small), "tasks.envs.builtin.webshop:reference_action", rows=[0])
+    assert len(kept) == 1 and all(e.env_return == 1.0 for e in episodes)
+    write(kept, tmp_path / "demos.jsonl")
+    assert sft_command(load_config(recipe, [
+        *small, "store.uri=store", f"tracking.uri=sqlite:///{tmp_path}/m.db", f"warmup.path={tmp_path / 'demos.jsonl'}",
+        "warmup.epochs=1", "warmup.batch_size=1"])) == 0
+    v0 = Store.open(str(tmp_path / "store")).manifest(layout.policy("smollm2-shop", 0))
+    assert v0["meta"]["metrics"]["sft/steps"] == 1
+
+
+@AT_LENGTH                 # (an RL iteration of SmolLM2 in Chromium: ~3-6 min on 2 cores; the CI budget)
 def test_the_smollm2_shop_recipe_at_a_small_size_through_the_flow(shop, tmp_path, prefect_api, monkeypatch):
-    """configs/smollm2-shop.yaml, small (pages cut at 900 characters, three turns): the reference policy's episodes of
-    two training tasks recorded, the warm start (one step) on them, then one RL iteration of SmolLM2-135M in
-    Chromium from v0; every episode ran against the shop without an error. (The held-out evaluation of the recipe
-    at its size: bench/shop_learning.py.)"""
+    """configs/smollm2-shop.yaml, small (pages cut at 600 characters, two turns): the reference policy's episode of
+    a training task recorded (three turns), the warm start (one step) on it, then one RL iteration of
+    SmolLM2-135M in Chromium from v0; every episode ran against the shop without an error. (The held-out
+    evaluation of the recipe at its size: bench/shop_learning.py.)"""
     from flows.training import train_flow
     from tasks.core import layout
     from tasks.core.store import Store
@@ -431,14 +454,15 @@ def test_the_smollm2_shop_recipe_at_a_small_size_through_the_flow(shop, tmp_path
 
     monkeypatch.chdir(tmp_path)
     recipe = ROOT / "configs" / "smollm2-shop.yaml"
-    small = [f"env.kwargs.base_url={shop}", "env.kwargs.max_chars=900", "env.max_turns=3",
+    small = [f"env.kwargs.base_url={shop}", "env.kwargs.max_chars=600", "env.max_turns=2",
              "generate.max_completion_length=24"]
-    kept, episodes, _ = record(load_config(recipe, small), "tasks.envs.builtin.webshop:reference_action", rows=[0, 1])
-    assert len(kept) == 2 and all(e.env_return == 1.0 for e in episodes)
+    kept, episodes, _ = record(load_config(recipe, [*small, "env.max_turns=3"]),
+                               "tasks.envs.builtin.webshop:reference_action", rows=[0])
+    assert len(kept) == 1 and all(e.env_return == 1.0 for e in episodes)
     write(kept, tmp_path / "demos.jsonl")
     out = train_flow(str(recipe), [
         *small, "run.iterations=1", "store.uri=store", f"tracking.uri=sqlite:///{tmp_path}/m.db",
-        f"warmup.path={tmp_path / 'demos.jsonl'}", "warmup.epochs=1", "warmup.batch_size=2",
+        f"warmup.path={tmp_path / 'demos.jsonl'}", "warmup.epochs=1", "warmup.batch_size=1",
         "generate.prompts_per_iteration=1", "generate.num_generations=2", "eval.every=0"])
     assert out["iterations_completed"] == 1
     store = Store.open(str(tmp_path / "store"))
