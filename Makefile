@@ -100,7 +100,8 @@ drills: setup            ## the standing drill suite at length (tests/test_drill
 	  tests/test_deepspeed.py tests/test_lora.py tests/test_launchers.py tests/test_real_model.py tests/test_vllm.py \
 	  tests/test_agents.py tests/test_shadowing.py tests/test_reasoning_gym.py tests/test_replicas.py tests/test_lease.py \
 	  tests/test_staleness.py tests/test_vtrace_awr.py tests/test_dynamic_sampling.py tests/test_mismatch.py \
-	  tests/test_streaming.py tests/test_gguf_export.py tests/test_tune.py tests/test_reward_models.py tests/test_sft.py
+	  tests/test_streaming.py tests/test_gguf_export.py tests/test_tune.py tests/test_reward_models.py tests/test_sft.py \
+	  tests/test_browser.py tests/test_bad_input.py tests/test_readme.py
 
 bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/flow_overhead.py

@@ -538,3 +538,13 @@ def test_placement_keys_are_read_only_by_the_placement_module():
     assert outside == [], "placement keys read outside tasks/core/placement.py (ask placement_of(cfg)):\n" + \
         "\n".join(outside)
     assert [path for path in sorted(PLACEMENT_READERS) if not reads.get(path)] == []    # (no stale exception)
+
+
+def test_every_test_file_with_tests_at_length_is_in_the_drills():
+    """A test marked AT_LENGTH (or reading RLFLOW_DRILL_TRIALS) is skipped by make test for the CI budget; make
+    drills must run its file, or nothing ever does (test_browser.py's and test_bad_input.py's were not listed)."""
+    drills = re.search(r"^drills:.*?(?=^\S)", (ROOT / "Makefile").read_text(), re.S | re.M).group(0)
+    listed = set(re.findall(r"tests/(test_\w+\.py)", drills))
+    at_length = {p.name for p in (ROOT / "tests").glob("test_*.py")
+                 if p.name != "test_layout.py" and re.search(r"AT_LENGTH|RLFLOW_DRILL_TRIALS", p.read_text())}
+    assert not at_length - listed, sorted(at_length - listed)
