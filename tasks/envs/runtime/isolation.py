@@ -137,6 +137,7 @@ def own_group() -> None:
     its group (os.killpg(0, SIGTERM)) reaches itself and what it started, not the run, and its end (end_group)
     takes what it started with it. It still ends with its parent (the forkserver, which ends with the stage): a
     run killed as a group takes its episodes with it as before."""
+    parent = os.getppid()
     os.setsid()
     try:
         import ctypes
@@ -144,7 +145,7 @@ def own_group() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG (Linux)
     except (OSError, AttributeError):
         pass
-    if os.getppid() == 1:                                 # (its parent ended before the line above)
+    if os.getppid() != parent or parent == 1:    # (its parent ended before the line above: adopted)
         os._exit(1)
 
 
