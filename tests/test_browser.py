@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -87,18 +88,22 @@ def test_the_task_printer_refuses_a_pool_it_would_not_print(argv, capsys):
 
 
 def test_every_task_is_solved_by_the_reference_policy_through_the_episode_loop(shop, tokenizer, chatml):
-    """All 54 tasks and two generated orders, half with text actions (the tiny tokenizer's template has no tools)
-    and half with Hermes tool calls declared through a ChatML template: each episode's checker gives 1; the answer,
-    final URL and checks are its env_state; the model's tokens are the actions it wrote, the pages are masked out."""
+    """All 54 tasks and two generated orders (make test: half of them, every kind; make drills: all), half with text
+    actions (the tiny tokenizer's template has no tools) and half with Hermes tool calls declared through a ChatML
+    template: each episode's checker gives 1; the answer, final URL and checks are its env_state; the model's
+    tokens are the actions it wrote, the pages are masked out."""
     rows = shop_tasks() + order_pool(2, seed=1)          # (and generated training orders)
     assert {r["kind"] for r in rows} == {"price", "stock", "search", "cheapest", "most expensive", "order"}
     cfg = _cfg(shop, "env.isolation=thread")
-    text = _episodes(cfg, rows[0::2], tokenizer, tools=False)
-    called = _episodes(cfg, rows[1::2], chatml, tools=True)
+    halves = rows[0::2], rows[1::2]
+    if "RLFLOW_DRILL_TRIALS" not in os.environ:      # (make test: every other task of each half, and the orders)
+        halves = tuple([r for i, r in enumerate(h) if i % 2 == 0 or r["kind"] == "order"] for h in halves)
+    text = _episodes(cfg, halves[0], tokenizer, tools=False)
+    called = _episodes(cfg, halves[1], chatml, tools=True)
     for r in text + called:
         assert r.env_error is None and r.env_return == 1.0, (r.prompt, r.turns[-2:], r.env_state)
         assert r.env_state["checks"] and all(r.env_state["checks"].values())
-    order = next(r for r, row in zip(text, rows[0::2]) if row["kind"] == "order")
+    order = next(r for r, row in zip(text, halves[0]) if row["kind"] == "order")
     assert order.env_state["url"].endswith("/orders/1") and order.env_state["answer_text"] == "done"
     model = [t for t, m in zip(order.completion_ids, order.mask) if m]
     written = tokenizer.decode(model, skip_special_tokens=True)
