@@ -15,6 +15,7 @@ from tasks.algorithms.loss import aggregate, behaviour_correction, per_token_los
 from tasks.core import layout
 from tasks.core.config import load_config
 from tasks.core.contracts import Rollout, Sample, Sampled, SamplingParams, SamplingSession
+from tasks.core.processes import alive
 from tasks.core.store import Store
 from tasks.envs.runtime.episodes import run_episodes
 from tasks.envs.runtime.rendering import Renderer
@@ -192,9 +193,9 @@ def test_environments_that_hang_as_they_are_made_fail_their_episodes_not_the_sta
     if isolation == "process":
         made = pids.read_text().split() if pids.exists() else []
         deadline = time.monotonic() + 60
-        while [p for p in made if _running(p)] and time.monotonic() < deadline:
+        while [p for p in made if alive(int(p))] and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in made if _running(p)]
+        assert not [p for p in made if alive(int(p))]
 
 
 def test_an_environment_that_hangs_as_it_is_made_is_one_line_before_the_run(tmp_path, monkeypatch):
@@ -208,13 +209,6 @@ def test_an_environment_that_hangs_as_it_is_made_is_one_line_before_the_run(tmp_
     with pytest.raises(UserError, match=r"^env.factory: tests.env_classes:HangsWhenMade\(\*\*env.kwargs\) did not "
                                         r"return in 2 s \(it waits or loops as it is made; RLFLOW_IMPORT_SECONDS"):
         check_environment(cfg, {"prompt": "p", "letters": "abc", "seed": 0})
-
-
-def _running(pid: str) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 DRIVER = """

@@ -61,6 +61,11 @@ def sibling_python(venv: str) -> str | None:
 IMPORT_SECONDS = 60.0      # a user's module that takes longer to import is taken as hung ($RLFLOW_IMPORT_SECONDS)
 
 
+def user_code_seconds() -> float:
+    """How long a user's module may take to import, or a user's object to be made, before it is taken as hung."""
+    return float(os.environ.get("RLFLOW_IMPORT_SECONDS") or IMPORT_SECONDS)
+
+
 def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
     """`module:name` from the working directory first (user modules live where rlflow is run), imported within
     IMPORT_SECONDS: a UserError naming `key` if the module cannot be imported (it raises, calls sys.exit, or
@@ -68,7 +73,7 @@ def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    seconds = float(os.environ.get("RLFLOW_IMPORT_SECONDS") or IMPORT_SECONDS)
+    seconds = user_code_seconds()
     try:
         with deadline(seconds):          # (preflight imports in the main thread: watched there)
             module = importlib.import_module(module_name)

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.contracts import Environment, Step
 from tasks.core.errors import UserError
-from tasks.core.paths import IMPORT_SECONDS, import_user
+from tasks.core.paths import import_user, user_code_seconds
 from tasks.core.process_wide import DeadlinePassed, deadline, signals_kept
 
 MAX_STATE_CHARS = 65_536       # an attribute of the environment kept in the record (env_state), as JSON, at most
@@ -208,7 +207,7 @@ def check_environment(cfg: Config, row: dict) -> None:
         raise UserError(f"env.kwargs: {spec} cannot be called {given}: {bad}")
     if callable(getattr(make, "preflight", None)):
         return
-    seconds = float(os.environ.get("RLFLOW_IMPORT_SECONDS") or IMPORT_SECONDS)
+    seconds = user_code_seconds()
     try:
         with signals_kept(), deadline(seconds):
             instance = make(**kwargs)
