@@ -123,9 +123,19 @@ os.environ.pop("AWS_PROFILE", None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+SHARED_CACHE = ("models", "gguf", "known-files")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def rlflow_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("rlflow-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # what is built once and written atomically (builtin models, converted GGUF files, the hash memo) is shared
+        # by the session's workers (their common base folder): SmolLM2's conversion took ~45 s on each worker
+        shared = tmp_path_factory.getbasetemp().parent / "rlflow-shared-cache"
+        for part in SHARED_CACHE:
+            (shared / part).mkdir(parents=True, exist_ok=True)
+            (cache / part).symlink_to(shared / part, target_is_directory=True)
     os.environ["RLFLOW_CACHE"] = str(cache)
     yield cache
     from tasks.engines.detached import _stop
