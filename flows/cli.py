@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 from tasks.core.errors import UserError
-from tasks.core.process_wide import set_default, set_variable
+from tasks.core.process_wide import exit_now, set_default, set_variable
 
 
 def _command_process() -> None:
@@ -322,7 +322,7 @@ def _exit_now(why: str) -> None:
     what was not committed)."""
     print(f"\nrlflow: {why} (run the same command to resume)", file=sys.stderr, flush=True)
     _end_children(signal.SIGKILL)
-    os._exit(128 + (_stopped_by[0] if _stopped_by else signal.SIGINT))
+    exit_now(128 + (_stopped_by[0] if _stopped_by else signal.SIGINT))
 
 
 def _end_children(sig: int) -> None:
@@ -376,7 +376,7 @@ def _interrupted() -> int:
     print(f"stopped: {_kept()}; run the same command to resume", file=sys.stderr, flush=True)
     _end_children(signal.SIGTERM)
     sys.stdout.flush()
-    os._exit(128 + (_stopped_by[0] if _stopped_by else signal.SIGINT))
+    exit_now(128 + (_stopped_by[0] if _stopped_by else signal.SIGINT))
 
 
 def _stop_after_done(signum: int) -> None:
@@ -390,7 +390,7 @@ def _stop_after_done(signum: int) -> None:
     _say(f"\nrlflow: {name} after the run had finished (done: above; its store, MLflow run and summary are "
          f"complete); left undone: {_finished[-1]}; exit code 0\n")
     _end_children(signal.SIGTERM)
-    os._exit(0)
+    exit_now(0)
 
 
 def _tidy_up() -> None:
@@ -420,7 +420,7 @@ def _exit_after_done(code: int) -> None:
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)
 
 
 def cmd_tune(args) -> int:
@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from flows.repair import final_line
 
-        said = final_line(e)
+        said = final_line(e, _run_cfg[-1].launcher.retries if _run_cfg else None)
         if said is not None:         # one line, not a traceback: what is committed stays, the command resumes
             print(said[0], file=sys.stderr)
             return said[1]

@@ -36,10 +36,11 @@ def retryable(task, task_run, state) -> bool:
             and not STOP.is_set())
 
 
-def final_line(exc: BaseException) -> tuple[str, int] | None:
+def final_line(exc: BaseException, retries: int | None = None) -> tuple[str, int] | None:
     """What `rlflow` says of a run that ended with `exc`, and its exit code, where one line says it all: a user's
     mistake (2); a full disk, or a fault of the machinery retried already and failing every time (1: what is
-    committed stays, the same command resumes). None: an error nobody foresaw (a traceback serves it better)."""
+    committed stays, the same command resumes; `retries`: the run's launcher.retries, where known). None: an error
+    nobody foresaw (a traceback serves it better)."""
     if (user := cause_of(exc, UserError)) is not None:
         return f"error: {user}", 2
     if (full := disk_full(exc)) is not None:
@@ -51,8 +52,9 @@ def final_line(exc: BaseException) -> tuple[str, int] | None:
 
     if (infra := cause_of(exc, (InfraError, EnvironmentsStalled, ServerGone, JudgeUnavailable))) is not None:
         said = " ".join(str(infra).split())[:600]
-        return (f"error: {said}; retried as launcher.retries says and failed each time (the flow's log holds the "
-                f"details): run the same command to resume"), 1
+        tried = ("not retried (launcher.retries: 0)" if retries == 0 else
+                 f"retried as launcher.retries{f' ({retries})' if retries else ''} says and failed each time")
+        return f"error: {said}; {tried} (the flow's log holds the details): run the same command to resume", 1
     return None
 
 

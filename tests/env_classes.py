@@ -48,6 +48,11 @@ class Flaky:
                 os._exit(0)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.killpg(0, signal.SIGTERM)
+        if self.mode == "chatty" and self.turn == 2:     # prints 8M characters (a debug print left in a loop)
+            import sys
+            for _ in range(8):
+                print("x" * (1 << 20))
+                sys.stderr.write("e" * 1000 + "\n")
         if self.mode == "sys_exit" and self.turn == 2:
             import sys
             sys.exit(0)

@@ -151,7 +151,7 @@ def test_limits_refuse_the_call_past_them_and_mark_the_episode_truncated():
 def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolation):
     modes = ["ok", "raise", "exit", "hang", "async_hang", "garbage", "huge", "child_exit", "ok"]
     if isolation == "thread":        # (a process's death, or a coroutine blocking the loop they share: process)
-        modes = ["ok", "raise", "sync_hang", "async_hang", "garbage", "huge", "child_exit", "ok"]
+        modes = ["ok", "raise", "exit", "sync_hang", "async_hang", "garbage", "huge", "child_exit", "ok"]
     rows = [{"prompt": "p", "letters": "abc", "mode": m, "seed": i} for i, m in enumerate(modes)]
     cfg = _cfg("unruly", f"env.isolation={isolation}", "env.timeout_seconds=6")   # (a loaded machine: see ended)
     records, _ = _run(cfg, n=1, rows=rows)      # (each hang is cut at its timeout: said in its own env_error)
@@ -161,6 +161,8 @@ def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolat
     assert "ValueError: the agent broke" in by_mode["raise"].env_error
     if isolation == "process":
         assert "the agent's process died (exit 3)" in by_mode["exit"].env_error
+    else:                           # (os._exit in the stage's own process: refused there, that episode failed)
+        assert "ExitRefused: os._exit(3) refused" in by_mode["exit"].env_error
     for mode in {"hang", "async_hang", "sync_hang"} & set(by_mode):
         assert by_mode[mode].env_error == "the agent did not return within env.timeout_seconds"
     assert "expected a finite number" in by_mode["garbage"].env_error

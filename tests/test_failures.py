@@ -5,11 +5,15 @@ every episode or reward call fails stops the run the same way, and records no he
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tasks.core import layout
+from tasks.core import layout, rollout
 from tasks.core.config import load_config
 from tasks.core.errors import UserError
 from tasks.core.store import open_store
@@ -50,8 +54,8 @@ def test_a_stage_stalled_at_every_retry_ends_the_run_with_one_line(tmp_path, pre
     assert out.stderr.strip().splitlines()[-1].startswith(
         "error: every episode of iteration 1 timed out (4 of 4): the environment does not answer within "
         "env.timeout_seconds (1 s); the first: "), out.stderr[-3000:]
-    assert out.stderr.strip().endswith("retried as launcher.retries says and failed each time (the flow's log holds "
-                                       "the details): run the same command to resume")
+    assert out.stderr.strip().endswith("retried as launcher.retries (1) says and failed each time (the flow's log "
+                                       "holds the details): run the same command to resume")
 
 
 def test_every_episode_raising_is_the_users_mistake(tmp_path):
@@ -63,17 +67,109 @@ def test_every_episode_raising_is_the_users_mistake(tmp_path):
         generate(cfg, 1, layout.BASE)
 
 
-@pytest.mark.parametrize("isolation", ["thread", "process"])
-def test_an_environment_that_calls_sys_exit_fails_its_episode_not_the_stage(tmp_path, isolation):
-    """sys.exit() in a step, in a thread of the stage: that episode's failure, as in a process of its own (was: the
-    SystemExit reached the CLI, which exited 0 having done nothing)."""
+@pytest.mark.parametrize(("isolation", "mode", "first"), [
+    ("thread", "sys_exit", "step raised SystemExit: 0"), ("process", "sys_exit", "step raised SystemExit: 0"),
+    ("thread", "exit", r"step raised ExitRefused: os._exit\(3\) refused: this code runs in rlflow's own process"),
+    ("process", "exit", r"step: the environment's process died \(exit 3\)")])
+def test_an_environment_that_calls_sys_exit_fails_its_episode_not_the_stage(tmp_path, isolation, mode, first):
+    """sys.exit() or os._exit() in a step, in a thread of the stage: that episode's failure, as in a process of its
+    own (was: the SystemExit reached the CLI, which exited 0 having done nothing; os._exit ended the run's process
+    with the code it chose, 0 read as success)."""
     from tasks.generate import generate
 
-    cfg = _cfg(tmp_path, "env.factory=tests.env_classes:Flaky", 'env.kwargs={mode: sys_exit}',
+    cfg = _cfg(tmp_path, "env.factory=tests.env_classes:Flaky", f"env.kwargs={{mode: {mode}}}",
                f"env.isolation={isolation}", "env.timeout_seconds=30")
     with pytest.raises(UserError, match=r"^env.factory: every episode of iteration 1 failed \(4 of 4\), nothing to "
-                                        r"train on; the first: step raised SystemExit: 0"):
+                                        r"train on; the first: " + first):
         generate(cfg, 1, layout.BASE)
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_what_an_environment_prints_is_bounded_and_its_episodes_go_on(tmp_path, capfd, isolation):
+    """An environment that prints 8M characters a step: every episode completes, and in the stage's threads what
+    reaches the stage's output is at most USER_OUTPUT_BYTES, said once (was: all of it, on the run's console and
+    log). (An episode's own process is bounded alike: the next test; its output goes where the forkserver's went,
+    which a test cannot capture once an earlier one started it.)"""
+    from tasks.core.process_wide import USER_OUTPUT_BYTES
+    from tasks.generate import generate
+
+    cfg = _cfg(tmp_path, "env.factory=tests.env_classes:Flaky", "env.kwargs={mode: chatty}",
+               f"env.isolation={isolation}", "env.timeout_seconds=60")
+    generate(cfg, 1, layout.BASE)
+    records = [r for r in rollout.load(open_store(cfg), layout.rollouts(cfg.run.name, 1)) if not r.part]
+    assert len(records) == 4 and not [r.env_error for r in records if r.env_error]
+    out, err = capfd.readouterr()
+    printed, said = out.count("x") + err.count("e"), (out + err).count("[rlflow: a user's code printed more than")
+    if isolation == "thread":
+        assert printed <= USER_OUTPUT_BYTES < 4 * 8 * (1 << 20), printed
+        assert said == 1, said
+
+
+def test_rlflow_still_exits_where_a_users_code_runs_and_its_own_captures_are_whole():
+    """rlflow's own exit (a second Ctrl-C's handler runs on the main thread, maybe inside a user's import) is never
+    refused; a coroutine's executor thread is marked; a StringIO a user's code collects output in is not capped."""
+    script = ("import asyncio, io, os, contextlib\n"
+              "from tasks.core.process_wide import user_code, exit_now, ExitRefused\n"
+              "from tasks.envs.runtime.isolation import users_loop\n"
+              "loop = users_loop()\n"
+              "try:\n    loop.run_until_complete(asyncio.to_thread(lambda: os._exit(9)))\n"
+              "except ExitRefused:\n    print('executor: refused')\n"
+              "with user_code():\n"
+              "    buf = io.StringIO()\n"
+              "    with contextlib.redirect_stdout(buf):\n        print('y' * 300_000)\n"
+              "    print('captured', buf.getvalue().count('y'))\n"
+              "    exit_now(5)\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "RLFLOW_USER_OUTPUT_BYTES": "1000"})
+    assert out.returncode == 5, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["executor: refused", "captured 300000"], out.stdout[-2000:]
+
+
+def test_a_process_that_is_the_users_prints_a_bounded_amount():
+    """An episode's own process (cap_output(everything=True)): every thread's prints count, at most the budget
+    reaches the output, the drop said once; a fork of it inherits the bound."""
+    script = ("import os, sys, threading\nfrom tasks.core.process_wide import cap_output\n"
+              "cap_output(everything=True)\n"
+              "t = threading.Thread(target=lambda: [print('x' * 1000) for _ in range(3000)]); t.start(); t.join()\n"
+              "[sys.stderr.write('e' * 1000) for _ in range(3000)]\nsys.stdout.flush()\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "RLFLOW_USER_OUTPUT_BYTES": "100000"})
+    assert 99_000 < out.stdout.count("x") + out.stderr.count("e") <= 100_000     # (print's newlines count too)
+    assert (out.stdout + out.stderr).count("[rlflow: a user's code printed more than 100000 characters") == 1
+
+
+def test_os_exit_in_a_users_module_or_factory_is_one_line_and_a_fork_of_it_still_exits(tmp_path, monkeypatch):
+    """os._exit in code rlflow runs in its own process (a module it imports, an environment made for the check
+    before the run): one line naming the field, the process goes on. A child that code forks ends by os._exit as
+    it always did (the refusal is for the process that marked the thread, not its forks)."""
+    from tasks.core.paths import import_user
+    from tasks.core.process_wide import user_code
+    from tasks.envs.runtime.protocol import check_environment
+    from tests.conftest import user_module
+
+    user_module(tmp_path, monkeypatch, "exits_when_imported", "import os\nos._exit(0)\n")
+    with pytest.raises(UserError, match=r"^reward.functions: cannot import module 'exits_when_imported': "
+                                        r"ExitRefused: os._exit\(0\) refused"):
+        import_user("exits_when_imported:f", "reward.functions")
+    user_module(tmp_path, monkeypatch, "exits_in_reset", (
+        "import os\n\n\nclass Env:\n    def reset(self, row):\n        os._exit(0)\n\n"
+        "    def step(self, message):\n        return None\n"))
+    with pytest.raises(UserError, match=r"^env.factory: exits_in_reset:Env: os._exit\(0\) refused"):
+        check_environment(_cfg(tmp_path, "env.factory=exits_in_reset:Env"), {"prompt": "p"})
+    user_module(tmp_path, monkeypatch, "exits_when_made", (
+        "import os\n\n\nclass Env:\n    def __init__(self):\n        os._exit(0)\n\n"
+        "    def reset(self, row):\n        return []\n\n    def step(self, message):\n        return None\n"))
+    cfg = _cfg(tmp_path, "env.factory=exits_when_made:Env")
+    with pytest.raises(UserError, match=r"^env.factory: exits_when_made:Env: os._exit\(0\) refused"):
+        check_environment(cfg, {"prompt": "p"})
+    with user_code():
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os._exit(7)         # (in the child: exits, as a fork's child must)
+            finally:
+                os.kill(os.getpid(), signal.SIGKILL)     # (never pytest's code on in a fork)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7
 
 
 def test_an_environment_that_kills_its_process_group_ends_only_its_own_episode(tmp_path):
@@ -274,3 +370,21 @@ def test_a_disk_too_full_for_mlflows_database_is_one_line(tmp_path, prefect_api)
         assert not list(disk.iterdir())
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_the_last_line_says_how_often_a_failing_stage_was_tried():
+    """An infrastructure fault that stayed: the line says the retries launcher.retries gave it, and with
+    launcher.retries: 0 that it was not retried (was "retried as launcher.retries says" with no retry)."""
+    from flows.launch import InfraError
+    from flows.repair import final_line
+
+    fault = InfraError("the generate stage's process was killed (SIGKILL)")
+    assert final_line(fault, 0) == ("error: the generate stage's process was killed (SIGKILL); not retried "
+                                    "(launcher.retries: 0) (the flow's log holds the details): run the same "
+                                    "command to resume", 1)
+    assert "; retried as launcher.retries (3) says and failed each time" in final_line(fault, 3)[0]
+    try:
+        raise RuntimeError("the Prefect task around it") from fault
+    except RuntimeError as wrapped:
+        assert final_line(wrapped, 2)[0].startswith("error: the generate stage's process was killed (SIGKILL); ")
+    assert final_line(ValueError("nobody foresaw this"), 1) is None

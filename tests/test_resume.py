@@ -212,7 +212,7 @@ def test_a_stop_after_done_says_the_run_had_finished_and_exits_0(monkeypatch, ca
 
     from flows import cli
 
-    class Exited(SystemExit):         # (what main lets through, as os._exit would end it)
+    class Exited(SystemExit):         # (what main lets through, as exit_now would end it)
         pass
 
     def exit_(code):
@@ -221,7 +221,7 @@ def test_a_stop_after_done_says_the_run_had_finished_and_exits_0(monkeypatch, ca
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     monkeypatch.setattr(prefect_engine, "_prefect_sigterm_handler", prefect_engine._prefect_sigterm_handler)
     monkeypatch.setattr(cli, "_end_children", lambda sig: None)       # (this process's children are pytest's)
-    monkeypatch.setattr(cli.os, "_exit", exit_)
+    monkeypatch.setattr(cli, "exit_now", exit_)
     monkeypatch.setattr(APILogWorker, "drain_all", classmethod(lambda cls, timeout=None: None))
     for during, undone in (("summary", "sending the flow's last logs"), ("exit", "nothing (only this process's")):
         monkeypatch.setattr(cli, "_stopped_by", [])

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tasks.core.errors import UserError
-from tasks.core.process_wide import DeadlinePassed, deadline
+from tasks.core.process_wide import DeadlinePassed, deadline, user_code
 
 REPO_ROOT = Path(__file__).resolve().parents[2]     # the checkout holding tasks/ and flows/
 
@@ -75,7 +75,7 @@ def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
         sys.path.insert(0, os.getcwd())
     seconds = user_code_seconds()
     try:
-        with deadline(seconds):          # (preflight imports in the main thread: watched there)
+        with deadline(seconds), user_code():     # (preflight imports in the main thread: watched there)
             module = importlib.import_module(module_name)
     except DeadlinePassed:
         raise UserError(f"{key}: module {module_name!r} did not finish importing in {seconds:g} s (it waits or "

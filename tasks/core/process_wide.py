@@ -4,19 +4,22 @@ With the inline launcher and a caller-held trainer (the defaults), generate, rew
 the flow's own process, and with run.max_staleness > 0 on several of its threads at once. Most of what they use
 is passed as arguments; the few things here cannot be, because Python, torch or the operating system keep them
 per process: the PROCESS_WIDE lock, the random streams (rng_state, set_rng_state, seed_all), the signal handlers
-(signals_kept, and the alarm of `deadline`) and the environment variables: the only module that writes
-os.environ (set_default, set_variable, take, restore, environment_variables; a stage's servers are not among
-them: they are its context, an argument, tasks/core/placement.py). Not here: caches and registries kept for
-reuse, which live with their users (e.g. tasks/engines/trainer.py: _HELD, tasks/scoring/functions.py: _idle).
-Standard library only when imported (torch is imported by the random streams' functions, as they run).
+(signals_kept, and the alarm of `deadline`), os._exit in a user's code (user_code) and the environment variables:
+the only module that writes os.environ
+(set_default, set_variable, take, restore, environment_variables; a stage's servers are not among them: they are
+its context, an argument, tasks/core/placement.py). Not here: caches and registries kept for reuse, which live
+with their users (e.g. tasks/engines/trainer.py: _HELD, tasks/scoring/functions.py: _idle). Standard library
+only when imported (torch is imported by the random streams' functions, as they run).
 More: docs/internals.md (tasks/core/process_wide.py): each piece, with the reason it exists.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -86,6 +89,158 @@ def signals_kept() -> Iterator[None]:
         yield
     finally:
         _FACTORY.on = False
+
+
+# ------------------------------------------------------------------------------------------- os._exit refused
+
+_USER = threading.local()             # .pid: this thread runs a user's code (in the process of that pid)
+_EXIT = os._exit                      # the real one, whatever the guard makes of os._exit later
+
+
+class ExitRefused(SystemExit):
+    """os._exit called by a user's code running in rlflow's own process (a module imported, an environment or
+    agent under env.isolation: thread): raised there instead (a SystemExit: `except Exception` does not swallow
+    it), so that it fails that call, not the whole run with the exit code it chose (0 reads as success)."""
+
+    def __str__(self) -> str:
+        return f"os._exit({self.code!r}) refused: this code runs in rlflow's own process, which it would end"
+
+
+def exit_now(status: int) -> None:
+    """os._exit for rlflow's own use (a second Ctrl-C, a finished run): never refused, also where a user's code
+    is running on this thread when it is called (a signal handler runs on the main thread, wherever it was)."""
+    _EXIT(status)
+
+
+def _guarded_exit(status):
+    if getattr(_USER, "pid", None) == os.getpid():
+        raise ExitRefused(status)
+    _EXIT(status)
+
+
+def mark_user_thread() -> None:
+    """This thread runs users' code from now on (a thread pool's initializer: an event loop's default executor,
+    where `asyncio.to_thread` and `run_in_executor` run an environment's work)."""
+    _install_guards()
+    _USER.pid = os.getpid()
+
+
+def _install_guards() -> None:
+    with _GUARD_LOCK:
+        if os._exit is not _guarded_exit:
+            os._exit = _guarded_exit
+    cap_output()
+
+
+@contextmanager
+def user_code() -> Iterator[None]:
+    """The body runs a user's code on this thread: an os._exit there raises ExitRefused, and what it prints is
+    bounded (cap_output). Not in a child it forks (a fork's child calls os._exit to end itself: the pid is
+    compared), nor in threads the user's code starts itself (but see mark_user_thread)."""
+    _install_guards()
+    before = getattr(_USER, "pid", None)
+    try:
+        _USER.pid = os.getpid()
+        yield
+    finally:
+        _USER.pid = before
+
+
+# ------------------------------------------------------------------------------------- a user's output, bounded
+
+USER_OUTPUT_BYTES = 4 << 20     # what users' code may print in one process ($RLFLOW_USER_OUTPUT_BYTES)
+_PRINTED = [0, False]           # characters users' code printed in this process; the drop said
+_PRINTED_LOCK = threading.Lock()
+
+
+def _output_limit() -> int:
+    try:
+        return max(int(os.environ.get("RLFLOW_USER_OUTPUT_BYTES") or USER_OUTPUT_BYTES), 0)
+    except ValueError:
+        return USER_OUTPUT_BYTES
+
+
+class _Capped(io.TextIOBase):
+    """sys.stdout or sys.stderr: what a user's code writes (a thread in user_code, or any thread of a process
+    that is the user's: an episode's, cap_output(everything=True)) counts against one budget per process (renewed
+    as each episode loop starts), and past it is dropped, said once; everything else passes through as it is."""
+
+    def __init__(self, stream, everything: bool):
+        self._stream, self._everything = stream, everything
+
+    def write(self, text):
+        if not isinstance(text, str) or not (self._everything or getattr(_USER, "pid", None) == os.getpid()):
+            return self._stream.write(text)
+        limit = _output_limit()
+        with _PRINTED_LOCK:
+            room, _PRINTED[0] = max(limit - _PRINTED[0], 0), _PRINTED[0] + len(text)
+            said, _PRINTED[1] = _PRINTED[1], _PRINTED[1] or len(text) > room
+        if room:
+            self._stream.write(text[:room])
+        if len(text) > room and not said:
+            self._stream.write(f"\n[rlflow: a user's code printed more than {limit} characters in process "
+                               f"{os.getpid()}; the rest of its output is dropped (RLFLOW_USER_OUTPUT_BYTES)]\n")
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Not the stream's: the wrapper let go (io's __del__ closes what it collects) leaves the stream open."""
+
+    @property
+    def closed(self) -> bool:
+        return self._stream.closed
+
+    @property
+    def encoding(self):
+        return self._stream.encoding
+
+    @property
+    def errors(self):
+        return self._stream.errors
+
+    def __getattr__(self, name):
+        if name.startswith("_"):             # (not yet set: a copy, an unpickling)
+            raise AttributeError(name)
+        return getattr(self._stream, name)
+
+
+def renew_output_budget() -> None:
+    """A new budget for what users' code prints in this process (an episode loop starts: once per stage)."""
+    with _PRINTED_LOCK:
+        _PRINTED[:] = [0, False]
+
+
+def cap_output(everything: bool = False) -> None:
+    """Bound what users' code prints through sys.stdout and sys.stderr (an environment that prints in a loop
+    fills the run's log and whatever reads it): in threads running user_code, or in every thread (`everything`:
+    an episode's own process). Only a stream that is a file is wrapped: one a user's code put there itself (a
+    StringIO that collects a program's output) is its own. Writes to the file descriptors themselves (os.write,
+    a subprocess) are not seen."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if isinstance(stream, _Capped):
+            stream._everything = stream._everything or everything
+            continue
+        try:
+            stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            continue
+        setattr(sys, name, _Capped(stream, everything))
 
 
 class DeadlinePassed(BaseException):

@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
 from tasks.core.paths import import_user
+from tasks.core.process_wide import cap_output, renew_output_budget, user_code
 from tasks.envs.runtime.calls import Call, EpisodeLog
 from tasks.envs.runtime.endpoint import Endpoint
-from tasks.envs.runtime.isolation import _awaited, as_failure, end_group, own_group, run_forever
+from tasks.envs.runtime.isolation import _awaited, as_failure, end_group, own_group, run_forever, users_loop
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -108,11 +109,12 @@ class Threads:
     holds up every agent on the loop until it returns: that is what env.isolation: process is for."""
 
     def __init__(self, fn, kwargs: dict):
+        renew_output_budget()                 # (what the agents print in this stage's threads: bounded anew)
         self.fn, self.kwargs = fn, kwargs
         # A loop of its own per stage: what agents keep on it (a client, its pooled connections to this stage's
         # endpoint) ends with it. Kept across stages, a client of a later endpoint that got the same port back
         # reused connections of the earlier one and waited on them (seen: episodes hung until their timeout).
-        self.loop = asyncio.new_event_loop()
+        self.loop = users_loop()
         self.thread = threading.Thread(target=run_forever, args=(self.loop,), daemon=True, name="agents")
         self.thread.start()
 
@@ -127,7 +129,8 @@ class Threads:
 
             def call() -> None:
                 try:
-                    value = self.fn(row, base_url, run.key, **self.kwargs)
+                    with user_code():
+                        value = self.fn(row, base_url, run.key, **self.kwargs)
                     if inspect.isawaitable(value):
                         value = asyncio.run_coroutine_threadsafe(_awaited(value), self.loop).result()
                     future.set_result(value)
@@ -233,6 +236,8 @@ def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cw
     from tasks.envs.runtime.isolation import why
 
     own_group()
+    cap_output(everything=True)        # (what it prints: bounded, as in the stage's threads)
+    renew_output_budget()              # (not the forkserver's count)
     conn.send(("running", None))
     os.chdir(cwd)
     sys.path[:] = path

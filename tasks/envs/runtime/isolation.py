@@ -28,7 +28,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from tasks.core.process_wide import set_variable, take
+from tasks.core.process_wide import (
+    cap_output,
+    mark_user_thread,
+    renew_output_budget,
+    set_variable,
+    take,
+    user_code,
+)
 from tasks.envs.runtime.protocol import as_step, environment, factory_of, state_of
 from tasks.envs.runtime.tools import tool_schemas
 
@@ -177,6 +184,8 @@ def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
     from tasks.core.config import Config
 
     own_group()
+    cap_output(everything=True)        # (what it prints: bounded, as in the stage's threads)
+    renew_output_budget()              # (not the forkserver's count)
     os.chdir(cwd)
     sys.path[:] = path                                     # what the parent can import, the child can
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is the parent's to handle
@@ -358,6 +367,7 @@ class Caller:
     coroutines on one event loop thread. The episode loop's and the environment server's."""
 
     def __init__(self, concurrency: int):
+        renew_output_budget()                 # (what users' code prints in this loop's threads: bounded anew)
         self.slots = threading.Semaphore(concurrency)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.made = threading.Lock()
@@ -367,7 +377,7 @@ class Caller:
         episode's reset and steps must share their loop, as an async environment's futures belong to one)."""
         with self.made:
             if self.loop is None:
-                self.loop = asyncio.new_event_loop()
+                self.loop = users_loop()
                 threading.Thread(target=run_forever, args=(self.loop,), daemon=True, name="env-loop").start()
             return self.loop
 
@@ -383,7 +393,8 @@ class Caller:
                 self.slots.release()
                 return
             try:
-                value = fn(*args)
+                with user_code():                           # (an os._exit in it: that call's failure)
+                    value = fn(*args)
                 if inspect.isawaitable(value):
                     value = asyncio.run_coroutine_threadsafe(_awaited(value), self._loop()).result()
                 done.finished = time.monotonic()
@@ -402,16 +413,29 @@ class Caller:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+def users_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop for users' coroutines, whose default executor's threads (asyncio.to_thread,
+    run_in_executor) are marked as running users' code too (process_wide.user_code)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="users-executor",
+                                                 initializer=mark_user_thread))
+    return loop
+
+
 def run_forever(loop) -> None:
     """A shared event loop's thread: runs until loop.stop(). sys.exit() in a task an episode's coroutine started
     (gather, create_task) leaves run_forever with its SystemExit (that task ends with it, so the episode's own
-    coroutine fails: _awaited); the loop goes on for the other episodes instead of its thread ending."""
-    while True:
-        try:
-            loop.run_forever()
-            return
-        except (SystemExit, KeyboardInterrupt):
-            continue
+    coroutine fails: _awaited); the loop goes on for the other episodes instead of its thread ending. An os._exit
+    in a coroutine raises there (process_wide.user_code): this loop runs users' code only."""
+    with user_code():
+        while True:
+            try:
+                loop.run_forever()
+                return
+            except (SystemExit, KeyboardInterrupt):
+                continue
 
 
 async def _awaited(value):

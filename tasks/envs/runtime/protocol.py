@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.contracts import Environment, Step
 from tasks.core.errors import UserError
 from tasks.core.paths import import_user, user_code_seconds
-from tasks.core.process_wide import DeadlinePassed, deadline, signals_kept
+from tasks.core.process_wide import DeadlinePassed, ExitRefused, deadline, signals_kept, user_code
 
 MAX_STATE_CHARS = 65_536       # an attribute of the environment kept in the record (env_state), as JSON, at most
 PICTURES = "screens"           # (but its pictures, screens.py: the evaluate stage takes them out of the record)
@@ -163,7 +163,10 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
 
     def reset() -> None:
         try:
-            returned.append(env.reset(row))
+            with user_code():
+                returned.append(env.reset(row))
+        except ExitRefused as e:                # (os._exit in it: said as the check's line, below)
+            failed.append(e)
         except (KeyError, TypeError) as e:
             failed.append(e)
         except Exception:  # noqa: BLE001, S110 - not a column's: left to the run's episodes
@@ -172,6 +175,8 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
     t = threading.Thread(target=reset, name="rlflow-preflight-reset", daemon=True)
     t.start()
     t.join(min(cfg.env.timeout_seconds, 10.0))
+    if failed and isinstance(failed[0], ExitRefused):
+        raise failed[0]
     if failed:
         e = failed[0]
         raise UserError(f"env.factory: {what}.reset on the data's first row raised {type(e).__name__}: "
@@ -189,6 +194,15 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
 
 
 def check_environment(cfg: Config, row: dict) -> None:
+    """Preflight (_check_environment), the user's code marked as such: an os._exit it calls is one line too."""
+    try:
+        with user_code():
+            _check_environment(cfg, row)
+    except ExitRefused as e:
+        raise UserError(f"env.factory: {cfg.env.factory}: {e}") from None
+
+
+def _check_environment(cfg: Config, row: dict) -> None:
     """Preflight (env.factory, made on this machine: env.where stage or local): env.factory called with env.kwargs
     once, driven through its adapter (env.adapter) with the data's first `row` as far as can be without an
     episode, its tools read; then closed. What cannot be built is one UserError line naming the field, not a run

@@ -32,6 +32,7 @@ from tasks.core.errors import UserError, user_error_line
 from tasks.core.fleet import authorized, bearer
 from tasks.core.placement import ENV_TOKEN_VAR as TOKEN_VAR  # (the server's own token: the stages' too)
 from tasks.core.placement import ENV_URL_VAR as URL_VAR  # noqa: F401 - the server's URL, as its callers name it
+from tasks.core.process_wide import renew_output_budget
 from tasks.core.processes import listening_socket, server_arguments
 from tasks.envs.runtime.isolation import (
     Caller,
@@ -85,6 +86,8 @@ class Episodes:
         return await asyncio.wrap_future(self.caller.start(fn, *args))
 
     async def open(self, row: dict) -> dict:
+        if not self.live:               # (a new stage's episodes, most likely: what they print is bounded anew)
+            renew_output_budget()
         env = await self.call(start_environment, self.cfg, self.make, row)
         key = uuid.uuid4().hex
         self.live[key] = _Hosted(env)
