@@ -28,7 +28,7 @@ from tasks.core.store import open_store
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.training import training_engine
 from tasks.envs.runtime.sources import source_of
-from tasks.scoring.functions import load_functions
+from tasks.scoring.functions import load_functions, start_worker
 
 
 def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
@@ -111,6 +111,8 @@ def preflight(cfg: Config) -> None:
         from tasks.scoring import sandbox
 
         sandbox.runner(cfg.reward.sandbox)     # bubblewrap asked for and not working here: one line, exit 2
+    if place.where("reward") != "sky":
+        start_worker(functions)            # (the functions imported in their worker too: what fails there, one line)
     # The recipes install the engines on their clusters; a stage that runs here needs them here.
     if any(place.where(s) != "sky" for s in episode_stages):
         sampling_engine(cfg).check_installed(cfg)

@@ -52,6 +52,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "needs_col.py").write_text("def f(completions, solution, **kw):\n    return [0.0] * len(completions)\n")
     (tmp / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
     (tmp / "os_exits_on_import.py").write_text("import os\nos._exit(0)\n")    # (was: exit 0, nothing done)
+    (tmp / "dies_in_worker.py").write_text("import os, signal, sys\nif sys.argv[0].endswith('worker.py'):\n"
+                                           "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                                           "def f(completions, **kw):\n    return [0.0] * len(completions)\n")
     (tmp / "varargs.py").write_text("def f(*args):\n    return [0.0] * len(args)\n")
     (tmp / "chat_no_role.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "b"})
                                             + "\n" + json.dumps({"prompt": [{"text": "a="}], "answer": "b"}) + "\n")
@@ -157,6 +160,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "reward module calls os._exit(0) on import": (
             ["run", str(TINY), "-o", 'reward.functions=[{"fn": "os_exits_on_import:f"}]'],
             "cannot import module 'os_exits_on_import': ExitRefused: os._exit(0) refused"),
+        "reward module dies in its worker": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "dies_in_worker:f"}]'],
+                                             "reward.functions: the reward worker could not set up: it ended "
+                                             "(signal SIGKILL) as it imported the functions"),
         "reward takes only *args": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "varargs:f"}]'],
                                     "reward.functions[0].fn: varargs:f: takes no argument by name (only *args, or "
                                     "none); reward functions are called with every argument by keyword"),
@@ -596,7 +602,7 @@ def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_pa
     for name in cases:
         (tmp_path / "cwd" / name).mkdir(parents=True)
         for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py",
-                       "varargs.py", "os_exits_on_import.py"):
+                       "varargs.py", "os_exits_on_import.py", "dies_in_worker.py"):
             (tmp_path / "cwd" / name / module).write_text((tmp_path / module).read_text())
     outs = dict(zip(cases, run_cli_many([(args, tmp_path / "cwd" / name) for name, (args, _) in cases.items()],
                                         prefect_api)))
@@ -642,7 +648,7 @@ def test_plan_refuses_what_run_refuses(prefect_api, tmp_path, s3_endpoint, bucke
     for _, folder in calls:
         (tmp_path / "cwd" / folder).mkdir(parents=True)
         for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py",
-                       "varargs.py", "os_exits_on_import.py"):
+                       "varargs.py", "os_exits_on_import.py", "dies_in_worker.py"):
             (tmp_path / "cwd" / folder / module).write_text((tmp_path / module).read_text())
     outs = dict(zip([folder for _, folder in calls],
                     run_cli_many([(args, tmp_path / "cwd" / folder) for args, folder in calls], prefect_api)))

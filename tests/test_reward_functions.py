@@ -18,7 +18,7 @@ from tasks.scoring.functions import RewardFunctionError, load_functions, score_r
 from tests.conftest import TINY, run_cli
 
 BAD = textwrap.dedent('''
-    import math, os, signal, sys, time
+    import math, os, signal, sys, threading, time
 
     def good(completions, answer, **kw):
         return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
@@ -67,6 +67,41 @@ BAD = textwrap.dedent('''
         n = len(completions)
         completions.clear(), answer.clear()
         return [0.5] * n
+
+    def forks_then_dies(completions, **kw):
+        if os.fork() == 0:         # a child that lives on, holding the worker's end of the answer pipe
+            with open("forked.tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename("forked.tmp", "forked.pid")
+            time.sleep(3600)
+        while not os.path.exists("forked.pid"):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def interrupts(completions, **kw):
+        raise KeyboardInterrupt
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no text either")
+
+    def unprintable(completions, **kw):
+        raise Unprintable()
+
+    def exits_later(completions, **kw):
+        def later():
+            try:
+                time.sleep(0.2)
+                os._exit(1)
+            finally:
+                open("exit_tried", "w").close()
+        threading.Thread(target=later).start()
+        return [0.0] * len(completions)
+
+    def floods(completions, **kw):
+        for _ in range(2000):
+            print("x" * 1000)
+        return [0.0] * len(completions)
 ''')
 
 
@@ -92,9 +127,11 @@ def _functions(names: list[str], **reward):
     ("raises", "reward function 'raises' raised ValueError: cannot parse the answer"),
     ("short", "reward function 'short' returned 3 scores for 4 completions"),
     ("text", "reward function 'text' returned str for completion 0"),
-    ("exits", "reward function 'exits' killed its reward worker"),
-    ("hard_exit", "reward function 'hard_exit' killed its reward worker"),
-    ("segfault", "reward function 'segfault' killed its reward worker"),
+    ("exits", "reward function 'exits' raised SystemExit: 0 (bad_rewards.py:"),
+    ("hard_exit", "reward function 'hard_exit' raised ExitRefused: os._exit(3) refused"),
+    ("segfault", "reward function 'segfault' killed its reward worker (signal SIGSEGV: a crash or a signal"),
+    ("interrupts", "reward function 'interrupts' raised KeyboardInterrupt (bad_rewards.py:"),
+    ("unprintable", "reward function 'unprintable' raised Unprintable (bad_rewards.py:"),
 ])
 def test_a_failing_function_scores_nothing_for_the_batch_and_the_others_still_count(bad_module, bad, expected):
     functions = _functions(["good", bad])
@@ -106,6 +143,83 @@ def test_a_failing_function_scores_nothing_for_the_batch_and_the_others_still_co
     assert [r.reward for r in records] == [0.0, 1.0, 0.0, 1.0]    # combined over the functions that scored
     # The worker (restarted where it died) serves the next batch.
     assert score_records(_functions(["good"]), _records(), "sum").scores["good"] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_worker_that_dies_is_seen_at_once_and_what_it_forked_is_killed(bad_module):
+    """A function that forks a child (which inherits the worker's end of the answer pipe, so no end of file
+    comes) and then kills the worker: the failure is the worker's death, not a wait to reward.timeout_seconds
+    read as a hang, and the child is killed with the worker's group."""
+    from tasks.core.processes import alive
+
+    functions = _functions(["forks_then_dies", "good"], timeout_seconds=600)
+    scored = score_records(functions, _records(), "sum")
+    assert scored.errors["forks_then_dies"].startswith("reward function 'forks_then_dies' killed its reward worker "
+                                                       "(signal SIGKILL")
+    assert scored.scores["good"] == [0.0, 1.0, 0.0, 1.0]
+    child = int((bad_module / "forked.pid").read_text())
+    for _ in range(600):                 # (SIGKILL sent: wait for it to land, however loaded the machine)
+        if not alive(child):
+            break
+        time.sleep(0.1)
+    assert not alive(child)
+
+
+def test_an_exit_from_a_thread_a_function_left_running_does_not_end_the_worker(bad_module):
+    """os._exit from a thread the function started and left behind would end the worker after the function
+    returned, blamed on whichever function runs next: refused in every thread of the worker."""
+    from tasks.scoring import functions as module
+
+    functions = _functions(["exits_later", "good"])
+    assert not score_records(functions, _records(), "sum").errors
+    for _ in range(600):
+        if (bad_module / "exit_tried").exists():
+            break
+        time.sleep(0.1)
+    idle = module._idle[module._key(functions)]
+    assert (bad_module / "exit_tried").exists() and len(idle) == 1 and idle[0].alive()
+    scored = score_records(functions, _records(), "sum")
+    assert not scored.errors and scored.scores["good"] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_what_a_function_prints_is_bounded(bad_module, monkeypatch, capfd):
+    monkeypatch.setenv("RLFLOW_USER_OUTPUT_BYTES", "10000")
+    scored = score_records(_functions(["floods"]), _records(), "sum")
+    err = capfd.readouterr().err
+    assert scored.scores["floods"] == [0.0] * 4
+    assert "a user's code printed more than 10000 characters" in err and len(err) < 12_000
+
+
+WORKER_ONLY = textwrap.dedent('''
+    import os, signal, sys, time
+
+    if sys.argv[0].endswith("worker.py"):        # only in the reward worker's process, not when rlflow imports it
+        {action}
+
+
+    def f(completions, **kw):
+        return [0.0] * len(completions)
+''')
+
+
+@pytest.mark.parametrize("action,expected", [
+    ("os.kill(os.getpid(), signal.SIGKILL)", "it ended (signal SIGKILL) as it imported the functions"),
+    ("sys.exit(3)", "SystemExit: 3 (worker_only.py:5)"),
+    ("os._exit(3)", "ExitRefused: os._exit(3) refused"),
+    ("time.sleep(3600)", "it did not finish importing the functions in 2 s"),
+], ids=["killed", "sys.exit", "os._exit", "hangs"])
+def test_a_module_that_fails_only_in_the_worker_is_one_line_before_the_run(tmp_path, monkeypatch, action, expected):
+    """Preflight starts the worker (flows/preflight.py): a module that imports in rlflow's process but not in
+    the worker's is a UserError naming reward.functions, before anything is written."""
+    from tasks.scoring.functions import start_worker
+
+    (tmp_path / "worker_only.py").write_text(WORKER_ONLY.format(action=action))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RLFLOW_IMPORT_SECONDS", "1")
+    functions = load_functions(load_config(TINY, ['reward.functions=[{"fn": "worker_only:f"}]']))
+    with pytest.raises(UserError) as e:
+        start_worker(functions)
+    assert str(e.value).startswith("reward.functions: the reward worker could not set up: ")
+    assert expected in str(e.value)
 
 
 def test_a_function_that_edits_its_arguments_in_place_changes_nothing_the_others_see(bad_module):

@@ -4,8 +4,8 @@ With the inline launcher and a caller-held trainer (the defaults), generate, rew
 the flow's own process, and with run.max_staleness > 0 on several of its threads at once. Most of what they use
 is passed as arguments; the few things here cannot be, because Python, torch or the operating system keep them
 per process: the PROCESS_WIDE lock, the random streams (rng_state, set_rng_state, seed_all), the signal handlers
-(signals_kept, and the alarm of `deadline`), os._exit in a user's code (user_code) and the environment variables:
-the only module that writes os.environ
+(signals_kept, and the alarm of `deadline`), os._exit in a user's code (user_code, user_process) and the
+environment variables: the only module that writes os.environ
 (set_default, set_variable, take, restore, environment_variables; a stage's servers are not among them: they are
 its context, an argument, tasks/core/placement.py). Not here: caches and registries kept for reuse, which live
 with their users (e.g. tasks/engines/trainer.py: _HELD, tasks/scoring/functions.py: _idle). Standard library
@@ -94,6 +94,7 @@ def signals_kept() -> Iterator[None]:
 # ------------------------------------------------------------------------------------------- os._exit refused
 
 _USER = threading.local()             # .pid: this thread runs a user's code (in the process of that pid)
+_WHOLE = [None]                       # the pid of a process whose every thread runs users' code (user_process)
 _EXIT = os._exit                      # the real one, whatever the guard makes of os._exit later
 
 
@@ -113,7 +114,7 @@ def exit_now(status: int) -> None:
 
 
 def _guarded_exit(status):
-    if getattr(_USER, "pid", None) == os.getpid():
+    if os.getpid() in (getattr(_USER, "pid", None), _WHOLE[0]):
         raise ExitRefused(status)
     _EXIT(status)
 
@@ -123,6 +124,16 @@ def mark_user_thread() -> None:
     where `asyncio.to_thread` and `run_in_executor` run an environment's work)."""
     _install_guards()
     _USER.pid = os.getpid()
+
+
+def user_process() -> None:
+    """Every thread of this process runs users' code from now on (the reward worker, tasks/scoring/worker.py, a
+    process of its own for the user's functions): os._exit in any of them raises ExitRefused, also in a thread a
+    function started and left running (its exit, after the function returned, would end the worker under the
+    next function and be blamed on it), and what they print is bounded (cap_output(everything=True))."""
+    _install_guards()
+    _WHOLE[0] = os.getpid()
+    cap_output(everything=True)
 
 
 def _install_guards() -> None:

@@ -138,7 +138,9 @@ def kill_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
     """SIGKILL the process group of `proc` (started with start_new_session=True: it and everything it started),
     and the groups of its descendants that made groups of their own (an environment server's episodes, each a
     session: tasks/envs/runtime/isolation.own_group), then reap it and close our ends of its pipes."""
-    if proc.poll() is None:        # once reaped, its pid (= its group id) may belong to someone else
+    # Once reaped, its pid (= its group id) may belong to someone else; until then (running, or ended and not
+    # yet waited for) the group is its, and what it started is killed also where it has ended itself.
+    if proc.returncode is None:
         for group in [proc.pid, *_descendant_groups(proc.pid)]:
             try:
                 os.killpg(group, signal.SIGKILL)

@@ -24,6 +24,7 @@ import math
 import os
 import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -38,7 +39,7 @@ import torch
 
 from tasks.core.contracts import Scored
 from tasks.core.errors import UserError
-from tasks.core.paths import REPO_ROOT, import_user
+from tasks.core.paths import REPO_ROOT, import_user, user_code_seconds
 from tasks.core.processes import kill_group, spawn
 from tasks.scoring.worker import _HEADER, RewardState, receive, send
 
@@ -142,8 +143,17 @@ class _Worker:
         self.proc = spawn([sys.executable, "-m", "tasks.scoring.worker"], {**os.environ, "PYTHONPATH":
                           _pythonpath(setup["cwd"])}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           start_new_session=True, cwd=setup["cwd"])
-        send(self.proc.stdin, setup)
-        status, message = self._receive(timeout=120.0)
+        seconds = 2 * user_code_seconds()          # (the imports, then the sandbox's set-up)
+        try:
+            send(self.proc.stdin, setup)
+            status, message = self._receive(timeout=seconds)
+        except TimeoutError:
+            status, message = "", (f"it did not finish importing the functions in {seconds:g} s (a module "
+                                   f"that waits or loops when imported: move that work into the function; "
+                                   f"RLFLOW_IMPORT_SECONDS allows more)")
+        except (EOFError, OSError):
+            status, message = "", (f"it ended ({self.ended(wait=5.0)}) as it imported the functions (a module "
+                                   f"that exits or crashes when imported)")
         if status != "ready":
             self.kill()
             raise UserError(f"reward.functions: the reward worker could not set up: {message}")
@@ -153,23 +163,55 @@ class _Worker:
         return self._receive(timeout)
 
     def _receive(self, timeout: float):
-        """The next message, or raise TimeoutError / EOFError (the worker died)."""
+        """The next message, or raise TimeoutError / EOFError (the worker died: also where a process it forked
+        still holds its end of the pipe, so that no end of file comes)."""
         deadline = time.monotonic() + timeout
         out = self.proc.stdout
-        ready, _, _ = select.select([out], [], [], max(deadline - time.monotonic(), 0))
-        if not ready:
-            raise TimeoutError
+        while not select.select([out], [], [], min(max(deadline - time.monotonic(), 0), 1.0))[0]:
+            if self._exit_status() is not None:
+                raise EOFError
+            if time.monotonic() >= deadline:
+                raise TimeoutError
         # The header arrives first; the body of a large batch may take a moment more, within the deadline.
         head = out.peek(_HEADER.size) if hasattr(out, "peek") else b""
         if not head:
             raise EOFError
         return receive(out)
 
+    def _exit_status(self):
+        """How the worker ended (os.waitid's answer), or None while it runs. Not reaped (WNOWAIT): until kill
+        reaps it, its pid, the id of the group that holds what it started, cannot go to another process."""
+        if self.proc.returncode is not None:
+            return self.proc.returncode
+        try:
+            got = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return "reaped"            # (by someone else: how it ended is not known)
+        if got is None:
+            return None
+        return got.si_status if got.si_code == os.CLD_EXITED else -got.si_status    # (Popen's returncode)
+
+    def ended(self, wait: float = 0.0) -> str:
+        """'exit code 3', 'signal SIGSEGV': how the worker ended, for the message ('running' while it runs);
+        `wait`: seconds to give it (its pipe closed as it exits, a moment before it can be waited for)."""
+        status, waited = self._exit_status(), 0.0
+        while status is None and waited < wait:
+            time.sleep(0.05)
+            status, waited = self._exit_status(), waited + 0.05
+        if status is None or status == "reaped":
+            return "running" if status is None else "ended"
+        if status >= 0:
+            return f"exit code {status}"
+        try:
+            return f"signal {signal.Signals(-status).name}"
+        except ValueError:
+            return f"signal {-status}"
+
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self._exit_status() is None
 
     def kill(self) -> None:
-        kill_group(self.proc)          # the worker and anything it started
+        kill_group(self.proc)          # the worker and anything it started, also once the worker itself has ended
 
 
 def _pythonpath(cwd: str) -> str:
@@ -217,6 +259,14 @@ def _take(functions: RewardFunctions) -> _Worker:
     started: Future = Future()
     _to_start.put((functions.setup, started))
     return started.result()
+
+
+def start_worker(functions: RewardFunctions) -> None:
+    """A worker for these functions, started now and kept idle (preflight): a module that fails only in the
+    worker's own process (exits, crashes or waits when imported there) is one line before anything is written,
+    not a failed reward stage; the worker then scores the run's first batch where the stage runs in this process."""
+    if functions.names:
+        _give_back(functions, _take(functions))
 
 
 def _give_back(functions: RewardFunctions, w: _Worker) -> None:
@@ -277,10 +327,11 @@ def score(functions: RewardFunctions, records: list[Rollout], state: RewardState
             try:
                 reply = worker.call(index, completions, columns, functions.timeout_seconds)
             except (TimeoutError, EOFError, BrokenPipeError, OSError) as e:
+                how = "" if isinstance(e, TimeoutError) else worker.ended(wait=5.0)
                 worker.kill()
                 worker = None
                 reply = ("error", f"timed out after {functions.timeout_seconds:g}s (killed)" if isinstance(
-                    e, TimeoutError) else "killed its reward worker (an exit, a crash or a signal while it ran)")
+                    e, TimeoutError) else f"killed its reward worker ({how}: a crash or a signal while it ran)")
             _record(functions, out, name, reply, len(records))
     except RewardFunctionError:
         raise                       # (reward.strict: the worker answered; given back below)

@@ -10,8 +10,9 @@ trainer_state) and the worker answers `("ok", values, extra, metrics)` or `("err
 floats, NaN or None; `extra` holds the columns the function logged with TRL's `log_extra(column, values)`, `metrics` the
 means of what it logged with `log_metric(name, value)`.
 
-Imports stay light (no torch): this process starts once per stage process and lives as long as it does.
-The real stdout carries only the protocol: a reward function's prints go to stderr.
+Imports stay light (no torch): this process starts once per stage process and lives as long as it does. The
+real stdout carries only the protocol: the functions' prints go to stderr, bounded per batch; os._exit in any
+thread is refused (process_wide.user_process): the call fails, the worker stays.
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def receive(stream):
 def _one_line(e: BaseException) -> str:
     """'ValueError: cannot parse (my_rewards.py:12)': the exception and the line of the user's code it came
     from (the innermost frame outside this worker)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    try:
+        said = str(e).strip()
+    except BaseException:  # noqa: BLE001 - an exception whose __str__ raises is still the function's failure
+        said = ""
+    text = said.splitlines()[0] if said else ""
     frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
     where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
     return (f"{type(e).__name__}: {text}"[:300] if text else type(e).__name__) + where
@@ -147,10 +152,13 @@ def die_with_parent() -> None:
 
 
 def main() -> None:
+    from tasks.core.process_wide import renew_output_budget, user_process
+
     die_with_parent()
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)                  # user prints must not corrupt the protocol
     sys.stdout = sys.stderr
+    user_process()                 # os._exit in any thread: refused, that call's failure; what they print: bounded
     proto_in = sys.stdin.buffer
     setup = receive(proto_in)
     if setup["cwd"] not in sys.path:
@@ -167,7 +175,7 @@ def main() -> None:
             sandbox.configure(SandboxConfig.model_validate(setup["sandbox"]))
             if setup["sandbox"]["isolation"] == "bubblewrap":
                 sandbox.runner()       # asked for explicitly: refuse now (user error) rather than score nothing
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which names the function
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the function (sys.exit too)
         send(proto_out, ("setup_error", _one_line(e)))
         return
     send(proto_out, ("ready", None))
@@ -177,9 +185,11 @@ def main() -> None:
         except EOFError:
             return
         fn, kwargs = functions[index]
+        if index == 0:
+            renew_output_budget()  # (what the functions may print: a budget per batch)
         try:
             send(proto_out, ("ok", *_call(fn, kwargs, completions, columns)))
-        except Exception as e:  # noqa: BLE001 - the user's function; the parent decides what it costs
+        except BaseException as e:  # noqa: BLE001 - the user's function (sys.exit too); the parent decides the cost
             send(proto_out, ("error", _one_line(e)))
 
 
