@@ -111,8 +111,8 @@ def preflight(cfg: Config) -> None:
         from tasks.scoring import sandbox
 
         sandbox.runner(cfg.reward.sandbox)     # bubblewrap asked for and not working here: one line, exit 2
-    if place.where("reward") != "sky":
-        start_worker(functions)            # (the functions imported in their worker too: what fails there, one line)
+    if place.where("reward") != "sky":     # (the functions imported in their worker too: what fails there, one line)
+        start_worker(functions, keep=place.where("reward") == "inline")
     # The recipes install the engines on their clusters; a stage that runs here needs them here.
     if any(place.where(s) != "sky" for s in episode_stages):
         sampling_engine(cfg).check_installed(cfg)

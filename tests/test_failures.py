@@ -16,6 +16,7 @@ import pytest
 from tasks.core import layout, rollout
 from tasks.core.config import load_config
 from tasks.core.errors import UserError
+from tasks.core.processes import alive
 from tasks.core.store import open_store
 from tests.conftest import ROOT, TINY
 
@@ -187,9 +188,9 @@ def test_an_environment_that_kills_its_process_group_ends_only_its_own_episode(t
         generate(cfg, 1, layout.BASE)
     forked = pids.read_text().split()     # (a fork killed with its group before it wrote its pid is not here)
     deadline = time.monotonic() + 120          # (a SIGKILL is delivered after killpg returns: gone soon after)
-    while [p for p in forked if _running(p)] and time.monotonic() < deadline:
+    while [p for p in forked if alive(int(p))] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert forked and not [p for p in forked if _running(p)], [_stat(p) for p in forked]
+    assert forked and not [p for p in forked if alive(int(p))], [_stat(p) for p in forked]
 
 
 def _stat(pid: str) -> str:
@@ -197,13 +198,6 @@ def _stat(pid: str) -> str:
         return open(f"/proc/{pid}/stat").read()
     except OSError:
         return f"{pid} gone"
-
-
-def _running(pid: str) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_an_agent_that_calls_sys_exit_fails_its_episode_and_the_loop_goes_on(tmp_path, monkeypatch):

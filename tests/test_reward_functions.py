@@ -39,6 +39,9 @@ BAD = textwrap.dedent('''
     def text(completions, **kw):
         return ["high"] * len(completions)
 
+    def numeric_text(completions, **kw):
+        return ["0.5"] * len(completions)
+
     def nan_one(completions, **kw):
         return [math.nan] + [0.5] * (len(completions) - 1)
 
@@ -98,6 +101,25 @@ BAD = textwrap.dedent('''
         threading.Thread(target=later).start()
         return [0.0] * len(completions)
 
+    def fork_returns(completions, **kw):
+        os.fork()                  # parent and child both return: only the worker may answer
+        return [1.0] * len(completions)
+
+    def garbles(completions, **kw):
+        import fcntl
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            try:
+                pipe = os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+                if pipe and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
+                    os.write(fd, bytes([255]) * 8)       # a length no answer has, on the answer pipe
+            except OSError:
+                pass
+        return [1.0] * len(completions)
+
+    def logs_odd_values(completions, log_extra=None, **kw):
+        log_extra("odd", [{1, 2}, object(), float("nan"), (1, "a")])
+        return [0.0] * len(completions)
+
     def floods(completions, **kw):
         for _ in range(2000):
             print("x" * 1000)
@@ -127,10 +149,12 @@ def _functions(names: list[str], **reward):
     ("raises", "reward function 'raises' raised ValueError: cannot parse the answer"),
     ("short", "reward function 'short' returned 3 scores for 4 completions"),
     ("text", "reward function 'text' returned str for completion 0"),
+    ("numeric_text", "reward function 'numeric_text' returned str for completion 0"),
     ("exits", "reward function 'exits' raised SystemExit: 0 (bad_rewards.py:"),
     ("hard_exit", "reward function 'hard_exit' raised ExitRefused: os._exit(3) refused"),
     ("segfault", "reward function 'segfault' killed its reward worker (signal SIGSEGV: a crash or a signal"),
     ("interrupts", "reward function 'interrupts' raised KeyboardInterrupt (bad_rewards.py:"),
+    ("garbles", "reward function 'garbles' killed its reward worker (broke its answer pipe"),
     ("unprintable", "reward function 'unprintable' raised Unprintable (bad_rewards.py:"),
 ])
 def test_a_failing_function_scores_nothing_for_the_batch_and_the_others_still_count(bad_module, bad, expected):
@@ -181,6 +205,25 @@ def test_an_exit_from_a_thread_a_function_left_running_does_not_end_the_worker(b
     assert not scored.errors and scored.scores["good"] == [0.0, 1.0, 0.0, 1.0]
 
 
+def test_a_fork_that_returns_instead_of_ending_does_not_answer_beside_the_worker(bad_module):
+    """The forked child of a function that does not end it comes back into the worker's loop: it ends there,
+    never answering, so the next function's scores are its own."""
+    functions = _functions(["fork_returns", "good"])
+    for _ in range(3):
+        scored = score_records(functions, _records(), "sum")
+        assert not scored.errors and scored.scores == {"fork_returns": [1.0] * 4, "good": [0.0, 1.0, 0.0, 1.0]}
+
+
+def test_logged_values_reach_the_record_as_json(bad_module):
+    """log_extra values the rollout record could not hold (a set, an object, a tuple) arrive as JSON can hold
+    them, not as a crash when the record is written."""
+    records = _records()
+    score_records(_functions(["logs_odd_values"]), records, "sum")
+    odd = [r.extra["odd"] for r in records]
+    assert sorted(odd[0]) == [1, 2] and odd[1].startswith("<object object") and odd[3] == [1, "a"]
+    json.dumps([r.extra for r in records])
+
+
 def test_what_a_function_prints_is_bounded(bad_module, monkeypatch, capfd):
     monkeypatch.setenv("RLFLOW_USER_OUTPUT_BYTES", "10000")
     scored = score_records(_functions(["floods"]), _records(), "sum")
@@ -214,7 +257,8 @@ def test_a_module_that_fails_only_in_the_worker_is_one_line_before_the_run(tmp_p
 
     (tmp_path / "worker_only.py").write_text(WORKER_ONLY.format(action=action))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("RLFLOW_IMPORT_SECONDS", "1")
+    if "sleep" in action:                      # (only where it hangs: the others must not race a short limit)
+        monkeypatch.setenv("RLFLOW_IMPORT_SECONDS", "1")
     functions = load_functions(load_config(TINY, ['reward.functions=[{"fn": "worker_only:f"}]']))
     with pytest.raises(UserError) as e:
         start_worker(functions)
@@ -319,6 +363,7 @@ def test_a_run_with_a_failing_function_completes_and_counts_it(prefect_api, tmp_
     errors = client.get_metric_history(run_id, "reward/raises/errors")
     assert sorted(m.step for m in errors) == [1, 2] and all(m.value == 1.0 for m in errors)
     assert len(client.get_metric_history(run_id, "reward/successor_reward/mean")) == 2
+    assert client.get_metric_history(run_id, "reward/raises/mean") == []    # (scored nothing: no mean, not 0)
 
 
 FLAKY = textwrap.dedent('''

@@ -139,8 +139,9 @@ def kill_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
     and the groups of its descendants that made groups of their own (an environment server's episodes, each a
     session: tasks/envs/runtime/isolation.own_group), then reap it and close our ends of its pipes."""
     # Once reaped, its pid (= its group id) may belong to someone else; until then (running, or ended and not
-    # yet waited for) the group is its, and what it started is killed also where it has ended itself.
-    if proc.returncode is None:
+    # yet waited for) the group is its: what it started in its group is killed also where it has ended itself
+    # (not what made a group of its own, which is no longer found as its descendant once it has ended).
+    if _unreaped(proc):
         for group in [proc.pid, *_descendant_groups(proc.pid)]:
             try:
                 os.killpg(group, signal.SIGKILL)
@@ -156,6 +157,29 @@ def kill_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
                 pipe.close()
             except OSError:
                 pass
+
+
+def peek_exit(proc: subprocess.Popen) -> int | None:
+    """How `proc` ended, as Popen's returncode (negative: the signal), or None while it runs; the process is not
+    reaped (os.waitid's WNOWAIT), so its pid and group id stay its until it is waited for. ChildProcessError
+    where someone else reaped it (SIGCHLD ignored). Without waitid (macOS), Popen.poll, which reaps."""
+    if proc.returncode is not None or not hasattr(os, "waitid"):
+        return proc.poll()
+    got = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if got is None:
+        return None
+    return got.si_status if got.si_code == os.CLD_EXITED else -got.si_status
+
+
+def _unreaped(proc: subprocess.Popen) -> bool:
+    """Whether `proc`'s pid is still its (running, or a zombie not yet waited for)."""
+    if proc.returncode is not None or not hasattr(os, "waitid"):
+        return proc.poll() is None
+    try:
+        peek_exit(proc)
+    except ChildProcessError:
+        return False
+    return True
 
 
 def _descendant_groups(root: int) -> set[int]:

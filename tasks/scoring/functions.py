@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import queue
 import select
 import signal
@@ -40,8 +41,8 @@ import torch
 from tasks.core.contracts import Scored
 from tasks.core.errors import UserError
 from tasks.core.paths import REPO_ROOT, import_user, user_code_seconds
-from tasks.core.processes import kill_group, spawn
-from tasks.scoring.worker import _HEADER, RewardState, receive, send
+from tasks.core.processes import kill_group, peek_exit, spawn
+from tasks.scoring.worker import _HEADER, RewardState, send
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -135,6 +136,14 @@ def check_signature(what: str, fn, available: set[str], columns: list[str], kwar
                             f"{columns}) nor one of the keywords reward functions get ({', '.join(TRL_KEYWORDS)})")
 
 
+class _Garbled(Exception):
+    """The worker's answer could not be read (a length no answer has, bytes that do not unpickle): something a
+    function started wrote to the worker's answer pipe."""
+
+
+MAX_ANSWER_BYTES = 1 << 31        # an answer's length past this is not an answer
+
+
 class _Worker:
     """One `python -m tasks.scoring.worker` process with the functions imported."""
 
@@ -151,7 +160,7 @@ class _Worker:
             status, message = "", (f"it did not finish importing the functions in {seconds:g} s (a module "
                                    f"that waits or loops when imported: move that work into the function; "
                                    f"RLFLOW_IMPORT_SECONDS allows more)")
-        except (EOFError, OSError):
+        except (EOFError, OSError, _Garbled):
             status, message = "", (f"it ended ({self.ended(wait=5.0)}) as it imported the functions (a module "
                                    f"that exits or crashes when imported)")
         if status != "ready":
@@ -163,33 +172,40 @@ class _Worker:
         return self._receive(timeout)
 
     def _receive(self, timeout: float):
-        """The next message, or raise TimeoutError / EOFError (the worker died: also where a process it forked
-        still holds its end of the pipe, so that no end of file comes)."""
+        """The next answer within `timeout` (its body, once its length has come, within 30 s more at least), or
+        raise TimeoutError, EOFError (the worker died: also where a process it forked still holds its end of
+        the pipe, so that no end of file comes) or _Garbled. Read from the pipe's descriptor, never through a
+        buffer select cannot see."""
         deadline = time.monotonic() + timeout
-        out = self.proc.stdout
-        while not select.select([out], [], [], min(max(deadline - time.monotonic(), 0), 1.0))[0]:
-            if self._exit_status() is not None:
-                raise EOFError
-            if time.monotonic() >= deadline:
-                raise TimeoutError
-        # The header arrives first; the body of a large batch may take a moment more, within the deadline.
-        head = out.peek(_HEADER.size) if hasattr(out, "peek") else b""
-        if not head:
-            raise EOFError
-        return receive(out)
-
-    def _exit_status(self):
-        """How the worker ended (os.waitid's answer), or None while it runs. Not reaped (WNOWAIT): until kill
-        reaps it, its pid, the id of the group that holds what it started, cannot go to another process."""
-        if self.proc.returncode is not None:
-            return self.proc.returncode
+        (n,) = _HEADER.unpack(self._read(_HEADER.size, deadline))
+        if n > MAX_ANSWER_BYTES:
+            raise _Garbled
+        blob = self._read(n, max(deadline, time.monotonic() + 30.0))
         try:
-            got = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            return pickle.loads(blob)
+        except Exception:  # noqa: BLE001 - not an answer the worker wrote
+            raise _Garbled from None
+
+    def _read(self, n: int, deadline: float) -> bytes:
+        fd, buf = self.proc.stdout.fileno(), bytearray()
+        while len(buf) < n:
+            while not select.select([fd], [], [], min(max(deadline - time.monotonic(), 0), 1.0))[0]:
+                if self._exit_status() is not None:
+                    raise EOFError
+                if time.monotonic() >= deadline:
+                    raise TimeoutError
+            chunk = os.read(fd, min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise EOFError
+            buf += chunk
+        return bytes(buf)
+
+    def _exit_status(self) -> int | str | None:
+        """How the worker ended (Popen's returncode), None while it runs, "reaped" where that is not known."""
+        try:
+            return peek_exit(self.proc)
         except ChildProcessError:
-            return "reaped"            # (by someone else: how it ended is not known)
-        if got is None:
-            return None
-        return got.si_status if got.si_code == os.CLD_EXITED else -got.si_status    # (Popen's returncode)
+            return "reaped"
 
     def ended(self, wait: float = 0.0) -> str:
         """'exit code 3', 'signal SIGSEGV': how the worker ended, for the message ('running' while it runs);
@@ -211,7 +227,7 @@ class _Worker:
         return self._exit_status() is None
 
     def kill(self) -> None:
-        kill_group(self.proc)          # the worker and anything it started, also once the worker itself has ended
+        kill_group(self.proc)          # the worker and what it started in its group, also once it has ended
 
 
 def _pythonpath(cwd: str) -> str:
@@ -253,6 +269,7 @@ def _take(functions: RewardFunctions) -> _Worker:
         while idle:
             if (w := idle.pop()).alive():
                 return w
+            w.kill()               # (ended while idle: what it started in its group goes with it)
         if _starter is None:
             _starter = threading.Thread(target=_start_workers, name="rlflow-reward-workers", daemon=True)
             _starter.start()
@@ -261,12 +278,17 @@ def _take(functions: RewardFunctions) -> _Worker:
     return started.result()
 
 
-def start_worker(functions: RewardFunctions) -> None:
-    """A worker for these functions, started now and kept idle (preflight): a module that fails only in the
-    worker's own process (exits, crashes or waits when imported there) is one line before anything is written,
-    not a failed reward stage; the worker then scores the run's first batch where the stage runs in this process."""
+def start_worker(functions: RewardFunctions, keep: bool = True) -> None:
+    """A worker for these functions, started now (preflight): a module that fails only in the worker's own
+    process (exits, crashes or waits when imported there) is one line before anything is written, not a failed
+    reward stage. `keep`: kept idle, to score the run's first batch (the reward stage runs in this process);
+    otherwise killed once it has set up."""
     if functions.names:
-        _give_back(functions, _take(functions))
+        w = _take(functions)
+        if keep:
+            _give_back(functions, w)
+        else:
+            w.kill()
 
 
 def _give_back(functions: RewardFunctions, w: _Worker) -> None:
@@ -326,12 +348,10 @@ def score(functions: RewardFunctions, records: list[Rollout], state: RewardState
             worker = worker or _take(functions)
             try:
                 reply = worker.call(index, completions, columns, functions.timeout_seconds)
-            except (TimeoutError, EOFError, BrokenPipeError, OSError) as e:
-                how = "" if isinstance(e, TimeoutError) else worker.ended(wait=5.0)
+            except (TimeoutError, EOFError, OSError, _Garbled) as e:
+                reply = ("error", _lost(worker, e, functions.timeout_seconds))
                 worker.kill()
                 worker = None
-                reply = ("error", f"timed out after {functions.timeout_seconds:g}s (killed)" if isinstance(
-                    e, TimeoutError) else f"killed its reward worker ({how}: a crash or a signal while it ran)")
             _record(functions, out, name, reply, len(records))
     except RewardFunctionError:
         raise                       # (reward.strict: the worker answered; given back below)
@@ -344,6 +364,18 @@ def score(functions: RewardFunctions, records: list[Rollout], state: RewardState
         if worker is not None:
             _give_back(functions, worker)
     return out
+
+
+def _lost(worker: _Worker, e: BaseException, timeout: float) -> str:
+    """Why a call got no answer, as the function's failure: its time ran out, the worker ended (how), or its
+    answer pipe was broken by what the function started (written to, or closed)."""
+    if isinstance(e, TimeoutError):
+        return f"timed out after {timeout:g}s (killed)"
+    how = "running" if isinstance(e, _Garbled) else worker.ended(wait=5.0)
+    if how == "running":
+        return ("killed its reward worker (broke its answer pipe: a process or thread it started wrote to it or "
+                "closed it)")
+    return f"killed its reward worker ({how}: a crash or a signal while it ran)"
 
 
 def _record(functions: RewardFunctions, out: Scored, name: str, reply: tuple, n: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import json
 import math
 import os
 import pickle
@@ -79,6 +80,8 @@ def _clean(values, n: int):
             out.append(None)
             continue
         try:
+            if isinstance(v, str | bytes | bytearray):     # ("0.5" is text, not a score: float() would read it)
+                raise TypeError
             out.append(float(v))
         except (TypeError, ValueError):
             raise TypeError(f"returned {type(v).__name__} for completion {j}") from None
@@ -130,9 +133,33 @@ def _call(fn, kwargs: dict, completions: list, columns: dict):
     if inspect.isawaitable(values):
         values = asyncio.run(_awaited(values))
     values = _clean(values, n)
-    extra = {k: v for k, v in extra.items() if len(v) == n}   # a column per completion, or none
+    extra = {k: [_plain(x) for x in v] for k, v in extra.items() if len(v) == n}   # a column per completion, or none
     metrics = {k: sum(v) / len(v) for k, v in logged.items() if v and all(math.isfinite(x) for x in v)}
     return values, extra, metrics
+
+
+def _plain(value):
+    """A logged value as the rollout record can hold it (JSON: a numpy or torch scalar as its number, anything
+    else JSON cannot hold as its text), so that it can neither fail the answer nor the record written later."""
+    try:
+        return json.loads(json.dumps(value, default=_as_json))
+    except Exception:  # noqa: BLE001 - a cycle, a key JSON cannot take, a __str__ that raises
+        try:
+            return str(value)[:1000]
+        except Exception:  # noqa: BLE001
+            return type(value).__name__
+
+
+def _as_json(o):
+    for method in ("item", "tolist"):            # numpy and torch scalars and arrays
+        if callable(getattr(o, method, None)):
+            try:
+                return getattr(o, method)()
+            except Exception:  # noqa: BLE001 - not that kind after all
+                pass
+    if isinstance(o, set | frozenset | tuple):
+        return list(o)
+    return str(o)[:1000]
 
 
 async def _awaited(awaitable):
@@ -152,7 +179,15 @@ def die_with_parent() -> None:
 
 
 def main() -> None:
-    from tasks.core.process_wide import renew_output_budget, user_process
+    from tasks.core.process_wide import exit_now, renew_output_budget, user_process
+
+    me = os.getpid()
+
+    def unless_forked() -> None:
+        """A process a function forked and that came back here instead of ending (its code raised or returned)
+        ends now: it would answer, and read requests, beside the worker."""
+        if os.getpid() != me:
+            exit_now(0)
 
     die_with_parent()
     proto_out = os.fdopen(os.dup(1), "wb")
@@ -176,8 +211,10 @@ def main() -> None:
             if setup["sandbox"]["isolation"] == "bubblewrap":
                 sandbox.runner()       # asked for explicitly: refuse now (user error) rather than score nothing
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the function (sys.exit too)
+        unless_forked()
         send(proto_out, ("setup_error", _one_line(e)))
         return
+    unless_forked()
     send(proto_out, ("ready", None))
     while True:
         try:
@@ -188,9 +225,14 @@ def main() -> None:
         if index == 0:
             renew_output_budget()  # (what the functions may print: a budget per batch)
         try:
-            send(proto_out, ("ok", *_call(fn, kwargs, completions, columns)))
+            answer = ("ok", *_call(fn, kwargs, completions, columns))
         except BaseException as e:  # noqa: BLE001 - the user's function (sys.exit too); the parent decides the cost
-            send(proto_out, ("error", _one_line(e)))
+            answer = ("error", _one_line(e))
+        unless_forked()
+        try:
+            send(proto_out, answer)
+        except Exception as e:  # noqa: BLE001 - a value that does not pickle: that function's failure
+            send(proto_out, ("error", f"returned what cannot be sent back: {_one_line(e)}"))
 
 
 if __name__ == "__main__":
