@@ -172,14 +172,13 @@ def peek_exit(proc: subprocess.Popen) -> int | None:
 
 
 def _unreaped(proc: subprocess.Popen) -> bool:
-    """Whether `proc`'s pid is still its (running, or a zombie not yet waited for)."""
-    if proc.returncode is not None or not hasattr(os, "waitid"):
-        return proc.poll() is None
+    """Whether `proc`'s pid is still its (running, or a zombie not yet waited for: peek_exit leaves it so, except
+    where it falls back on Popen.poll, which sets returncode as it reaps)."""
     try:
         peek_exit(proc)
     except ChildProcessError:
         return False
-    return True
+    return proc.returncode is None
 
 
 def _descendant_groups(root: int) -> set[int]:
