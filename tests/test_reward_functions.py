@@ -124,6 +124,16 @@ BAD = textwrap.dedent('''
         for _ in range(2000):
             print("x" * 1000)
         return [0.0] * len(completions)
+
+    def floods_descriptors(completions, **kw):
+        for fd in (1, 2) * 1000:
+            os.write(fd, b"y" * 1000 + b"\\n")
+        return [0.0] * len(completions)
+
+    def floods_through_a_child(completions, **kw):
+        import subprocess
+        subprocess.run([sys.executable, "-c", "import os; [os.write(1, b'z' * 1000) for _ in range(2000)]"])
+        return [0.0] * len(completions)
 ''')
 
 
@@ -224,12 +234,15 @@ def test_logged_values_reach_the_record_as_json(bad_module):
     json.dumps([r.extra for r in records])
 
 
-def test_what_a_function_prints_is_bounded(bad_module, monkeypatch, capfd):
+@pytest.mark.parametrize("fn", ["floods", "floods_descriptors", "floods_through_a_child"])
+def test_what_a_function_prints_is_bounded(bad_module, monkeypatch, capfd, fn):
+    """Through print, written to descriptors 1 and 2 itself, or by a process it starts: ~2 MB bounded to the
+    budget, said once."""
     monkeypatch.setenv("RLFLOW_USER_OUTPUT_BYTES", "10000")
-    scored = score_records(_functions(["floods"]), _records(), "sum")
-    err = capfd.readouterr().err
-    assert scored.scores["floods"] == [0.0] * 4
-    assert "a user's code printed more than 10000 characters" in err and len(err) < 12_000
+    scored = score_records(_functions([fn]), _records(), "sum")
+    out, err = capfd.readouterr()
+    assert scored.scores[fn] == [0.0] * 4
+    assert err.count("a user's code printed more than 10000 bytes") == 1 and len(out + err) < 12_000
 
 
 WORKER_ONLY = textwrap.dedent('''

@@ -10,9 +10,9 @@ trainer_state) and the worker answers `("ok", values, extra, metrics)` or `("err
 floats, NaN or None; `extra` holds the columns the function logged with TRL's `log_extra(column, values)`, `metrics` the
 means of what it logged with `log_metric(name, value)`.
 
-Imports stay light (no torch): this process starts once per stage process and lives as long as it does. The
-real stdout carries only the protocol: the functions' prints go to stderr, bounded per batch; os._exit in any
-thread is refused (process_wide.user_process): the call fails, the worker stays.
+Imports stay light (no torch); it lives as long as its stage process. The real stdout carries only the
+protocol: what the functions write to fds 1 and 2 (print, os.write, what they start) goes to stderr, bounded per
+batch (process_wide.bound_descriptors); os._exit in any thread is refused: the call fails, the worker stays.
 """
 
 from __future__ import annotations
@@ -179,7 +179,13 @@ def die_with_parent() -> None:
 
 
 def main() -> None:
-    from tasks.core.process_wide import exit_now, renew_output_budget, user_process
+    from tasks.core.process_wide import (
+        bound_descriptors,
+        exit_now,
+        flush_descriptors,
+        renew_output_budget,
+        user_process,
+    )
 
     me = os.getpid()
 
@@ -194,6 +200,7 @@ def main() -> None:
     os.dup2(2, 1)                  # user prints must not corrupt the protocol
     sys.stdout = sys.stderr
     user_process()                 # os._exit in any thread: refused, that call's failure; what they print: bounded
+    bound_descriptors()            # (also what they write to fds 1 and 2 themselves, or through what they start)
     proto_in = sys.stdin.buffer
     setup = receive(proto_in)
     if setup["cwd"] not in sys.path:
@@ -212,9 +219,11 @@ def main() -> None:
                 sandbox.runner()       # asked for explicitly: refuse now (user error) rather than score nothing
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the function (sys.exit too)
         unless_forked()
+        flush_descriptors()
         send(proto_out, ("setup_error", _one_line(e)))
         return
     unless_forked()
+    flush_descriptors()            # (what the imports printed shows before what the parent says next)
     send(proto_out, ("ready", None))
     while True:
         try:
@@ -229,6 +238,7 @@ def main() -> None:
         except BaseException as e:  # noqa: BLE001 - the user's function (sys.exit too); the parent decides the cost
             answer = ("error", _one_line(e))
         unless_forked()
+        flush_descriptors()
         try:
             send(proto_out, answer)
         except Exception as e:  # noqa: BLE001 - a value that does not pickle: that function's failure
