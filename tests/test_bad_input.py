@@ -162,7 +162,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             "cannot import module 'os_exits_on_import': ExitRefused: os._exit(0) refused"),
         "reward module dies in its worker": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "dies_in_worker:f"}]'],
                                              "reward.functions: the reward worker could not set up: it ended "
-                                             "(signal SIGKILL) as it imported the functions"),
+                                             "(killed by SIGKILL) as it imported the functions"),
         "reward takes only *args": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "varargs:f"}]'],
                                     "reward.functions[0].fn: varargs:f: takes no argument by name (only *args, or "
                                     "none); reward functions are called with every argument by keyword"),

@@ -162,7 +162,7 @@ def _functions(names: list[str], **reward):
     ("numeric_text", "reward function 'numeric_text' returned str for completion 0"),
     ("exits", "reward function 'exits' raised SystemExit: 0 (bad_rewards.py:"),
     ("hard_exit", "reward function 'hard_exit' raised ExitRefused: os._exit(3) refused"),
-    ("segfault", "reward function 'segfault' killed its reward worker (signal SIGSEGV: a crash or a signal"),
+    ("segfault", "reward function 'segfault' killed its reward worker (killed by SIGSEGV: a crash or a signal"),
     ("interrupts", "reward function 'interrupts' raised KeyboardInterrupt (bad_rewards.py:"),
     ("garbles", "reward function 'garbles' killed its reward worker (broke its answer pipe"),
     ("unprintable", "reward function 'unprintable' raised Unprintable (bad_rewards.py:"),
@@ -188,7 +188,7 @@ def test_a_worker_that_dies_is_seen_at_once_and_what_it_forked_is_killed(bad_mod
     functions = _functions(["forks_then_dies", "good"], timeout_seconds=600)
     scored = score_records(functions, _records(), "sum")
     assert scored.errors["forks_then_dies"].startswith("reward function 'forks_then_dies' killed its reward worker "
-                                                       "(signal SIGKILL")
+                                                       "(killed by SIGKILL")
     assert scored.scores["good"] == [0.0, 1.0, 0.0, 1.0]
     child = int((bad_module / "forked.pid").read_text())
     for _ in range(600):                 # (SIGKILL sent: wait for it to land, however loaded the machine)
@@ -258,7 +258,7 @@ WORKER_ONLY = textwrap.dedent('''
 
 
 @pytest.mark.parametrize("action,expected", [
-    ("os.kill(os.getpid(), signal.SIGKILL)", "it ended (signal SIGKILL) as it imported the functions"),
+    ("os.kill(os.getpid(), signal.SIGKILL)", "it ended (killed by SIGKILL) as it imported the functions"),
     ("sys.exit(3)", "SystemExit: 3 (worker_only.py:5)"),
     ("os._exit(3)", "ExitRefused: os._exit(3) refused"),
     ("time.sleep(3600)", "it did not finish importing the functions in 2 s"),

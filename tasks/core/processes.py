@@ -171,6 +171,22 @@ def peek_exit(proc: subprocess.Popen) -> int | None:
     return got.si_status if got.si_code == os.CLD_EXITED else -got.si_status
 
 
+def how_it_ended(code: int | None) -> str:
+    """A child's returncode (Popen's, or multiprocessing's exitcode) as messages say it.
+
+    >>> how_it_ended(3), how_it_ended(-9), how_it_ended(None)
+    ('exit 3', 'killed by SIGKILL', 'its end not yet known')
+    """
+    if code is None:
+        return "its end not yet known"
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 def _unreaped(proc: subprocess.Popen) -> bool:
     """Whether `proc`'s pid is still its (running, or a zombie not yet waited for: peek_exit leaves it so, except
     where it falls back on Popen.poll, which sets returncode as it reaps)."""

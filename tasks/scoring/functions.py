@@ -25,7 +25,6 @@ import os
 import pickle
 import queue
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -41,7 +40,7 @@ import torch
 from tasks.core.contracts import Scored
 from tasks.core.errors import UserError
 from tasks.core.paths import REPO_ROOT, import_user, user_code_seconds
-from tasks.core.processes import kill_group, peek_exit, spawn
+from tasks.core.processes import how_it_ended, kill_group, peek_exit, spawn
 from tasks.scoring.worker import _HEADER, RewardState, send
 
 if TYPE_CHECKING:
@@ -208,7 +207,7 @@ class _Worker:
             return "reaped"
 
     def ended(self, wait: float = 0.0) -> str:
-        """'exit code 3', 'signal SIGSEGV': how the worker ended, for the message ('running' while it runs);
+        """'exit 3', 'killed by SIGSEGV': how the worker ended, for the message ('running' while it runs);
         `wait`: seconds to give it (its pipe closed as it exits, a moment before it can be waited for)."""
         status, waited = self._exit_status(), 0.0
         while status is None and waited < wait:
@@ -216,12 +215,7 @@ class _Worker:
             status, waited = self._exit_status(), waited + 0.05
         if status is None or status == "reaped":
             return "running" if status is None else "ended"
-        if status >= 0:
-            return f"exit code {status}"
-        try:
-            return f"signal {signal.Signals(-status).name}"
-        except ValueError:
-            return f"signal {-status}"
+        return how_it_ended(status)
 
     def alive(self) -> bool:
         return self._exit_status() is None

@@ -30,6 +30,7 @@ from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSessi
 from tasks.core.errors import UserError
 from tasks.core.paths import import_user
 from tasks.core.process_wide import bound_descriptors, cap_output, flush_descriptors, renew_output_budget, user_code
+from tasks.core.processes import how_it_ended
 from tasks.envs.runtime.calls import Call, EpisodeLog
 from tasks.envs.runtime.endpoint import Endpoint
 from tasks.envs.runtime.isolation import _awaited, as_failure, end_group, own_group, run_forever, users_loop
@@ -211,9 +212,7 @@ class Processes:
                 proc.kill()
             proc.join(5)
             if kind == "died":
-                code = proc.exitcode
-                how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit {code}"
-                raise RuntimeError(f"the agent's process died ({how})")
+                raise RuntimeError(f"the agent's process died ({how_it_ended(proc.exitcode)})")
             if kind == "error":
                 raise RuntimeError(value)
             return value

@@ -38,6 +38,7 @@ from tasks.core.process_wide import (
     take,
     user_code,
 )
+from tasks.core.processes import children_import_rlflow, how_it_ended
 from tasks.envs.runtime.protocol import as_step, environment, factory_of, state_of
 from tasks.envs.runtime.tools import tool_schemas
 
@@ -70,8 +71,6 @@ def warm_up(cfg: Config) -> None:
     with _warming:
         if _warm:
             return
-        from tasks.core.processes import children_import_rlflow
-
         proc = _forkserver(cfg).Process(target=_noop)
         # The forkserver starts with this process's os.environ (it takes no env of its own), and its `-c` would
         # put the working directory first on its path: for this one start rlflow's root is first and the working
@@ -333,9 +332,7 @@ class ProcessEnvironment:
             kind, value = self.conn.recv()
         except (EOFError, OSError):
             self.proc.join(1.0)
-            code = self.proc.exitcode
-            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit {code}"
-            raise EnvironmentDied(f"the environment's process died ({how})") from None
+            raise EnvironmentDied(f"the environment's process died ({how_it_ended(self.proc.exitcode)})") from None
         if kind == "error":
             raise EnvironmentFailed(value)
         if kind == "invalid":
