@@ -192,3 +192,85 @@ def test_two_runs_in_one_bucket_at_once(prefect_api, s3_endpoint, tmp_path, clea
     assert _policies(store, "drill") == clean
     assert _policies(store, "other")[1] == clean[1]     # the same config and seed (later ones: deltas name their run)
     _report(drill="two-runs-one-bucket", folders_verified=_verify_all(store, "drill") + _verify_all(store, "other"))
+
+
+def _command(pid: int) -> str:
+    """A process's command line, short (what a drill killed)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return "gone"
+    return " ".join(a.rsplit("/", 1)[-1] for a in argv if a)[:80]
+
+
+STREAMED = ["run.name=streamed", "run.iterations=4", "run.max_staleness=1", "generate.prompts_per_iteration=4",
+            "generate.num_generations=4", "train.lr=1e-2", "eval.every=0", "launcher.retry_backoff_seconds=0.5",
+            "tracking.sample_completions=2"]
+
+
+@pytest.mark.parametrize("launcher", [pytest.param("inline", marks=AT_LENGTH), pytest.param("local", marks=AT_LENGTH)])
+@pytest.mark.parametrize("on_update", ["interrupt", "finish"])
+def test_random_kills_of_a_streamed_run_train_every_prompt_once(prefect_api, tmp_path, launcher, on_update):
+    """generate.streaming under three SIGKILLs a trial at random moments (start-up, or just after a random group
+    or policy was committed), each of the flow's whole process group or of one process it started (the reward
+    worker, a stage process), restarting the run where it died: every iteration still trains on the stage
+    mode's prompts, each group once, every token within the staleness, and every group committed before a kill
+    is the one trained on (streaming depends on timing: the weights are not compared)."""
+    from tasks.core.processes import descendants
+    from tasks.core.store import Store
+    from tests.test_streaming import trained_each_prompt_once
+
+    rng = random.Random(int(os.environ.get("RLFLOW_DRILL_SEED", "0")) * 1000 + 10 * (launcher == "local")
+                        + (on_update == "finish"))
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    targets = [("group", it, j) for it in range(1, 5) for j in range(4)] + [("policy", it, 0) for it in (1, 2, 3)]
+    for trial in range(TRIALS):
+        cwd = tmp_path / f"t{trial}"
+        cwd.mkdir()
+        where = [f"launcher.where={launcher}", "launcher.stages.generate=inline"]    # (the sampler: the flow's)
+        args = [a for o in [*STREAMED, f"generate.streaming.on_update={on_update}", *where] for a in ("-o", o)]
+        argv = [sys.executable, "-m", "flows.cli", "run", str(TINY), *args]
+        uri = cwd / "rlflow-store"
+        kills, committed = [], {}
+        proc, log = None, cwd / "stderr.log"
+        for target in [*rng.sample([(-1, 0, 0), *targets], 3), None]:
+            if proc is None or proc.poll() is not None:     # (the first start, or after a kill of the whole run)
+                assert proc is None or proc.returncode == -signal.SIGKILL, (kills, log.read_text()[-3000:])
+                with open(log, "w") as err:
+                    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                            start_new_session=True)
+            if target is None:
+                break
+            kind, it, j = target
+            if kind == -1:
+                time.sleep(rng.uniform(0.5, 6))
+            else:
+                key = layout.stream_group("streamed", it, j) if kind == "group" else layout.policy("streamed", it)
+                while proc.poll() is None and not (uri / key / "MANIFEST.json").exists():
+                    time.sleep(0.05)
+                time.sleep(rng.uniform(0, 1.5))
+            if proc.poll() is not None:
+                continue
+            whole = rng.random() < 0.6 or not descendants(proc.pid)
+            if whole:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            else:
+                victim = rng.choice(descendants(proc.pid))
+                what = _command(victim)
+                try:
+                    os.kill(victim, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            kills.append("flow" if whole else f"one process ({what})")
+            store = Store.open(str(uri))
+            committed.update({(i, g): m for i in range(1, 5) for g in range(4)
+                              if (m := store.manifest(layout.stream_group("streamed", i, g))) is not None})
+        proc.wait(timeout=900)          # (a process killed alone: the run carries on, retrying what it ran)
+        assert proc.returncode == 0, (kills, log.read_text()[-3000:])
+        trained_each_prompt_once(uri, args, "streamed", 4)
+        store = Store.open(str(uri))
+        for (i, g), manifest in committed.items():
+            assert store.manifest(layout.stream_group("streamed", i, g)) == manifest, (i, g, kills)
+        _report(drill="streamed kills", launcher=launcher, on_update=on_update, trial=trial, kills=kills)

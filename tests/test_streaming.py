@@ -709,6 +709,22 @@ def test_streaming_takes_generate_elsewhere_when_replicas_decode_there(tmp_path)
         assert placement_of(cfg).replicas_where == where and placement_of(cfg).routes("generate")
 
 
+def trained_each_prompt_once(store_uri, args: list[str], name: str, iterations: int, groups: int = 4,
+                             per_group: int = 4, staleness: int = 1) -> None:
+    """Every iteration of streamed run `name` trained on the stage mode's prompts (the curriculum's picks, in
+    order), each group once and whole, every token within the staleness of the iteration's policy."""
+    cfg = load_config(TINY, [a for a in args if a != "-o"] + [f"store.uri={store_uri}"])
+    store = Store.open(str(store_uri))
+    n_rows = len(data.load_prompts(cfg))
+    for it in range(1, iterations + 1):
+        records = rollout.load(store, layout.rollouts(name, it))
+        rows, _ = curriculum.prompts(cfg, store, it, 0, n_rows)
+        assert [r.row for r in records[::per_group]] == rows, f"iteration {it}"
+        assert [r.group for r in records] == [j for j in range(groups) for _ in range(per_group)], f"iteration {it}"
+        oldest = layout.version_of(layout.behaviour_policy(name, it, staleness))
+        assert all(min(r.versions) >= oldest for r in records), f"iteration {it}"
+
+
 @AT_LENGTH
 @pytest.mark.slow
 @pytest.mark.drill
@@ -733,15 +749,7 @@ def test_a_streamed_run_killed_and_resumed_trains_every_prompt_once(prefect_api,
     done = run_cli(["run", str(TINY), *args, "--summary-json", "s.json"], tmp_path, prefect_api)
     assert done.returncode == 0, done.stderr
     assert read_summary(tmp_path / "s.json")["iterations_completed"] == 4
-    cfg = load_config(TINY, [a for a in args if a != "-o"] + [f"store.uri={tmp_path / 'rlflow-store'}"])
-    n_rows = len(data.load_prompts(cfg))
-    for it in range(1, 5):
-        records = rollout.load(store, layout.rollouts("killed", it))
-        rows, _ = curriculum.prompts(cfg, store, it, 0, n_rows)
-        assert [r.row for r in records[::4]] == rows
-        assert [r.group for r in records] == [j for j in range(4) for _ in range(4)]
-        oldest = layout.version_of(layout.behaviour_policy("killed", it, 1))
-        assert all(min(r.versions) >= oldest for r in records)
+    trained_each_prompt_once(tmp_path / "rlflow-store", args, "killed", 4)
     for key, manifest in before.items():
         it, j = map(int, key.split("/"))
         assert store.manifest(layout.stream_group("killed", it, j)) == manifest
