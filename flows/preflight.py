@@ -143,11 +143,15 @@ def check_warmup(cfg: Config) -> None:
     """The warm start's inputs: its base is a base model, not a policy of this run's own (v0 is made from the
     base; a run's later policies come from v0), and the demonstrations read, render and fit (tasks/sft.py)."""
     from tasks.core import layout
+    from tasks.core.models import registered_uri, store_key
     from tasks.core.stage import reuse
     from tasks.sft import check, v0_fingerprint
 
     store = open_store(cfg)
-    if cfg.model.name_or_path.startswith(store.uri(f"{cfg.run.name}/policy/")):
+    name = cfg.model.name_or_path
+    if name.startswith("models:/"):                   # (a registered version of this run's own)
+        name = registered_uri(cfg, name, "model.name_or_path")
+    if (store_key(store, name, "model.name_or_path") or "").startswith(f"{cfg.run.name}/policy/"):
         raise UserError(f"model.name_or_path: {cfg.model.name_or_path} is a policy of this run ({cfg.run.name}), "
                         f"not the base its warm start trains; name the base model (the run's v0 is made from it)")
     # v0 made already: from the same inputs (else one line naming what changed), nothing more to check

@@ -61,6 +61,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "broken.jsonl").write_text('{"prompt": "a="}\n\n{"prompt": "b=", \n{"prompt": "c="}\n')
     (tmp / "not_object.jsonl").write_text('{"prompt": "a="}\n["b="]\n')
     (tmp / "ragged.csv").write_text("prompt,answer\na=,bbb\nb=,ccc,extra\n")
+    (tmp / "shifted.csv").write_text("prompt,answer\na=,bbb,extra,more\nc=,ddd,x,y\n")   # (pandas: 2 columns of index)
+    (tmp / "strings.json").write_text('["a=", "b="]')                                  # (datasets: a column `text`)
+    (tmp / "huge.jsonl").write_text('{"prompt": "a=", "answer": "b"}\n{"prompt": "b=", "answer": 1e999}\n')
     (tmp / "dup.yaml").write_text("run:\n  name: a\n  iterations: 2\n  name: b\n")
     (tmp / "latin1.yaml").write_bytes("run:\n  name: caf\u00e9\n".encode("latin-1"))
     (tmp / "a_file").write_text("not a folder\n")
@@ -268,7 +271,14 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                  f"data.path: {tmp}/broken.jsonl: line 3: not JSON"),
         "JSON line not an object": (["run", str(TINY), "-o", f"data.path={tmp}/not_object.jsonl"],
                                     "line 2: expected a JSON object (one row), got list"),
-        "ragged CSV": (["run", str(TINY), "-o", f"data.path={tmp}/ragged.csv"], "Expected 2 fields in line 3, saw 3"),
+        "ragged CSV": (["run", str(TINY), "-o", f"data.path={tmp}/ragged.csv"],
+                       "ragged.csv: line 3: 3 fields where the header has 2 (a field that holds a comma must be quoted)"),
+        "every CSV row with extra fields": (["run", str(TINY), "-o", f"data.path={tmp}/shifted.csv"],
+                                            "shifted.csv: line 2: 4 fields where the header has 2"),
+        "a JSON array of strings": (["run", str(TINY), "-o", f"data.path={tmp}/strings.json"],
+                                    "strings.json: row 1 of its array: expected a JSON object (one row), got str"),
+        "a number past a float's range": (["run", str(TINY), "-o", f"data.path={tmp}/huge.jsonl"],
+                                          "huge.jsonl: line 2: the number 1e999 is past a float's range"),
         "hub dataset, hub unreachable": (["run", str(TINY), "-o", "data.path=nosuch-org/nosuch-dataset"],
                                          "data.path: cannot load 'nosuch-org/nosuch-dataset'"),
         "missing eval file": (["run", str(TINY), "-o", "eval.every=5", "-o", f"eval.path={tmp}/held-out.jsonl"],

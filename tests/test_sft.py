@@ -103,6 +103,23 @@ def test_a_conversation_is_the_episode_rendering_which_is_trls_less_what_follows
     assert demo.ids[-1] == chatml.eos_token_id and chatml.decode(trl_ids[len(demo.ids):]) == "\n"
 
 
+def test_text_parts_are_their_text_to_a_text_models_template(chatml, tmp_path):
+    """Content as a list of text parts (OpenAI's form) is, to a template that would write the list out as Python
+    text (a text model's), the one string of their texts: the same tokens as the string (was: the model trained on
+    "[{'type': 'text', ...}]"). Prompts alike (models.encode_prompt)."""
+    from tasks.core.models import encode_prompt
+
+    def row(content):
+        return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "bbb"}]}
+
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "="}]
+    as_parts, as_text = demonstrations(_cfg(tmp_path, [row(parts), row("a=")]), chatml)
+    assert as_parts.ids == as_text.ids and as_parts.mask == as_text.mask
+    assert "'type'" not in chatml.decode(as_parts.ids)
+    prompt = [{"role": "user", "content": parts}]
+    assert encode_prompt(chatml, prompt, 512) == encode_prompt(chatml, [{"role": "user", "content": "a="}], 512)
+
+
 # ------------------------------------------------------------------------------------------ recorded demonstrations
 
 def _model_with(tmp_path: Path, tok) -> Path:
@@ -235,6 +252,25 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
                                      "(max_position_embeddings) 256; expected at most 256"),
         "own_policy": ([{"messages": [user, bot]}], ["model.name_or_path={store}/warm/policy/v000003"],
                        "is a policy of this run (warm), not the base"),
+        "own_policy_path": ([{"messages": [user, bot]}], ["model.name_or_path={path}/warm/policy/v000003/"],
+                            "is a policy of this run (warm), not the base"),
+        "own_policy_relative": ([{"messages": [user, bot]}], ["model.name_or_path=./store/warm/policy/v000003"],
+                                "is a policy of this run (warm), not the base"),
+        "tool_calls": ([{"messages": [user, {"role": "assistant", "content": "", "tool_calls": [{"foo": 1}]}]}], [],
+                       "row 1: column 'messages' message 1: tool_calls[0] {\"foo\": 1}, expected a list of"),
+        "tool_calls_text": ([{"messages": [user, {"role": "assistant", "tool_calls": "oops"}]}], [],
+                            "message 1: tool_calls \"oops\", expected a list of"),
+        "image_part": ([{"messages": [{"role": "user", "content": [{"type": "image", "url": "x.png"}]}, bot]}], [],
+                       "row 1: message 0: content parts of kinds ['image']; this model's chat template takes text"),
+        "number_prompt": ([{"prompt": "a=", "completion": "bbb"}, {"prompt": 5, "completion": "bbb"}], [],
+                          "row 2: column 'prompt': expected a string or a list of chat messages, got int"),
+        "row_not_object": (b'[1, 2, 3]\n{"prompt": "a=", "completion": "bbb"}\n', [],
+                           "demos.jsonl: line 1: expected a JSON object (one row), got list"),
+        "huge_number": (b'{"prompt": "a=", "completion": "bbb"}\n{"prompt": 1e400, "completion": "bbb"}\n', [],
+                        "demos.jsonl: line 2: the number 1e400 is past a float's range (write it as a string)"),
+        "huge_int": (b'{"prompt": "a=", "completion": "bbb"}\n{"prompt": 123456789012345678901234567890, '
+                     b'"completion": "bbb"}\n', [], "demos.jsonl: line 2: the integer 123456789012345678901234... "
+                                                    "does not fit in 64 bits"),
         "tools": ([{"messages": [user, bot], "tools": "not a list"}], [],
                   "row 1: column 'tools': expected a list of tool schemas (JSON objects, or their JSON text)"),
         "format": ([{"messages": [user, bot]}], ["warmup.format=prompt_completion"],
@@ -249,7 +285,8 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
         folder.mkdir()
         (folder / "demos.jsonl").write_bytes(rows if isinstance(rows, bytes) else
                                              "".join(json.dumps(r) + "\n" for r in rows).encode())
-        more = [m.replace("{store}", f"file://{folder / 'store'}") for m in more]
+        more = [m.replace("{store}", f"file://{folder / 'store'}").replace("{path}", str(folder / "store"))
+                for m in more]
         calls.append((["sft", str(TINY), "-o", f"warmup.path={folder / 'demos.jsonl'}", "-o",
                        f"store.uri={folder / 'store'}", "-o", "run.name=warm", *(a for m in more for a in ("-o", m))],
                       folder))

@@ -57,11 +57,25 @@ def message_fault(m) -> str | None:
         return f"expected a {{\"role\": ..., \"content\": ...}} mapping, got {type(m).__name__}"
     if m.get("role") not in ROLES:
         return f"role {m.get('role')!r}, expected one of {ROLES}"
+    if (calls := m.get("tool_calls")) is not None:
+        bad = next((k for k, c in enumerate(calls) if not _a_tool_call(c)), None) if isinstance(calls, list) else -1
+        if bad is not None:
+            got = json.dumps(calls if bad < 0 else calls[bad], default=str)[:60]
+            return (f"tool_calls{'' if bad < 0 else f'[{bad}]'} {got}, expected a list of "
+                    f'{{"type": "function", "function": {{"name": ..., "arguments": {{...}}}}}}')
     content = m.get("content")
     if isinstance(content, str | list) or content is None and m.get("tool_calls"):
         return None
     return (f"content {json.dumps(content, default=str)[:40]}, expected a string (or a list of parts, or none "
             f"beside tool_calls)")
+
+
+def _a_tool_call(call) -> bool:
+    """A tool call as chat templates read it (OpenAI's and TRL's form): a function with a name and arguments (an
+    object, or its JSON text)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    return (isinstance(fn, dict) and isinstance(fn.get("name"), str) and bool(fn["name"].strip())
+            and isinstance(fn.get("arguments", {}), dict | str))
 
 
 def looks_local(path: str) -> bool:
@@ -84,6 +98,9 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
         if Path(path).exists():
             if suffix not in _LOCAL_FORMATS:
                 raise UserError(f"{field}: {path}: expected a .json/.jsonl/.csv/.parquet file")
+            if Path(path).is_file() and Path(path).stat().st_size <= _READ_FIRST_BYTES:
+                if (fault := _row_fault(Path(path))) is not None:      # (what datasets would misread or say badly)
+                    raise UserError(f"{field}: {path}: {fault}")
             try:
                 datasets.logging.set_verbosity(datasets.logging.CRITICAL)    # (it logs the error we report)
                 table = datasets.load_dataset(_LOCAL_FORMATS[suffix], data_files={split: path}, split=split)
@@ -120,22 +137,82 @@ def _where_unreadable(path: Path, error: Exception) -> str:
             return f"line {line}: not UTF-8 text ({e.reason} at byte {e.start})"
         if path.suffix.lower() == ".csv" and len([ln for ln in text.splitlines() if ln.strip()]) == 1:
             return "no rows (only a header line)"
-    if path.suffix.lower() in (".jsonl", ".json"):
-        lines = text.splitlines()
-        if not (lines and lines[0].lstrip().startswith("[")):     # JSON Lines (a .json array is one document)
-            for n, line in enumerate(lines, 1):
-                if line.strip():
-                    try:
-                        obj = json.loads(line)
-                    except ValueError as e:
-                        return f"line {n}: not JSON ({e})"
-                    if not isinstance(obj, dict):
-                        return f"line {n}: expected a JSON object (one row), got {type(obj).__name__}"
+        if (fault := _row_fault(path, text)) is not None:
+            return fault
     inner = error
     while (inner.__cause__ or inner.__context__) is not None:
         inner = inner.__cause__ or inner.__context__
     msg = (str(inner).strip().splitlines() or [""])[0] or (str(error).strip().splitlines() or [""])[0]
     return f"cannot read it: {msg[:300] or type(inner).__name__}"
+
+
+_READ_FIRST_BYTES = 256 << 20     # local JSON and CSV files up to this size are read row by row first
+
+
+class _Unfit(ValueError):
+    """A JSON number no table column holds (an int past 64 bits, a float past its range)."""
+
+
+def _fit_int(text: str) -> int:
+    if not -(1 << 63) <= (value := int(text)) < 1 << 63:
+        raise _Unfit(f"the integer {text[:24]}{'...' if len(text) > 24 else ''} does not fit in 64 bits")
+    return value
+
+
+def _fit_float(text: str) -> float:
+    if (value := float(text)) in (float("inf"), float("-inf")):
+        raise _Unfit(f"the number {text[:24]} is past a float's range")
+    return value
+
+
+def _row_fault(path: Path, text: str | None = None) -> str | None:
+    """What keeps a local .jsonl/.json/.csv file from being read as the rows it holds, with where, or None: a
+    line that is not JSON, a row that is not a JSON object (a JSON array of strings would be read as a column
+    `text`), a number no column holds, a CSV line with more or fewer fields than its header (pandas would make
+    the extra ones the index: each row shifted). Text that is not UTF-8 is _where_unreadable's to say."""
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".json", ".csv"):
+        return None
+    if text is None:
+        try:
+            text = path.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError:
+            return None
+    if suffix == ".csv":
+        import csv
+        import io
+
+        records = csv.reader(io.StringIO(text))
+        header = next(records, None)
+        for record in records:
+            if record and header and len(record) != len(header):
+                return (f"line {records.line_num}: {len(record)} fields where the header has {len(header)} (a "
+                        f"field that holds a comma must be quoted)")
+        return None
+    hooks = {"parse_int": _fit_int, "parse_float": _fit_float}
+    lines = text.lstrip("\ufeff").splitlines()
+    if lines and lines[0].lstrip().startswith("["):       # a .json array: one document, its items the rows
+        try:
+            items = json.loads(text.lstrip("\ufeff"), **hooks)
+        except _Unfit as e:
+            return f"{e} (write it as a string)"
+        except ValueError:
+            items = None                                   # (not one document: JSON Lines whose first row is a list)
+        if isinstance(items, list):
+            bad = next((i for i, item in enumerate(items) if not isinstance(item, dict)), None)
+            return None if bad is None else (f"{row(bad)} of its array: expected a JSON object (one row), got "
+                                             f"{type(items[bad]).__name__}")
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                obj = json.loads(line, **hooks)
+            except _Unfit as e:
+                return f"line {n}: {e} (write it as a string)"
+            except ValueError as e:
+                return f"line {n}: not JSON ({e})"
+            if not isinstance(obj, dict):
+                return f"line {n}: expected a JSON object (one row), got {type(obj).__name__}"
+    return None
 
 
 @functools.lru_cache(maxsize=1)

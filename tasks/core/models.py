@@ -65,10 +65,9 @@ def resolve(cfg: Config, name: str, field: str, pin: str | None = None, dtype: s
     `field` (reward.models[1] (j).model -> reward.models[1] (j).sha256). Every mistake is one line naming `field`."""
     pin_field = f"{field.rpartition('.')[0]}.sha256"
     if name.startswith("models:/"):
-        name = _registered(cfg, name, field)
+        name = registered_uri(cfg, name, field)
     store = open_store(cfg)
-    if name.startswith(store.root.rstrip("/") + "/"):
-        key = name[len(store.root.rstrip("/")) + 1:]
+    if (key := store_key(store, name, field)) is not None:
         if store.manifest(key) is None:
             raise UserError(f"{field}: {name}: no complete folder there")
         path = str(materialize(store, key))
@@ -97,6 +96,25 @@ def resolve(cfg: Config, name: str, field: str, pin: str | None = None, dtype: s
     if pin is not None and (found := pin_of(path)) != pin:
         raise UserError(f"{pin_field}: {name} has weights sha256 {found}, not the pinned {pin}")
     return path
+
+
+def store_key(store, name: str, field: str) -> str | None:
+    """The key in `store` a model name names, or None: its URI under store.uri, or (a local store) a path or
+    file:// URI of a folder inside it however written (relative, through a link, with a trailing slash), so
+    that such a folder is read as the store's folder (verified, a delta rebuilt), not as any folder."""
+    root = store.root.rstrip("/")
+    if name.startswith(root + "/"):
+        return name[len(root) + 1:].rstrip("/") or None
+    if not root.startswith("file://") or name.startswith(("s3://", "builtin:", "models:/")):
+        return None
+    path = Path(_file_uri_path(name, field)).expanduser()
+    if not (path.is_absolute() or name.startswith((".", "file://")) or path.exists()):
+        return None                                          # (a hub id)
+    try:
+        key = path.resolve().relative_to(Path(root[len("file://"):]).resolve()).as_posix()
+    except ValueError:
+        return None
+    return None if key == "." else key
 
 
 def _file_uri_path(name: str, field: str) -> str:
@@ -128,7 +146,7 @@ def pin_of(path: str) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
-def _registered(cfg: Config, uri: str, field: str) -> str:
+def registered_uri(cfg: Config, uri: str, field: str) -> str:
     """The store URI of a registered model version (its rlflow.policy_uri tag, else its source)."""
     parts = uri[len("models:/"):].split("/")
     if len(parts) != 2 or not parts[1].isdigit():
@@ -286,11 +304,47 @@ def encode_prompt(tokenizer, prompt, max_length: int) -> list[int]:
     if isinstance(prompt, list):
         if not tokenizer.chat_template:
             raise UserError("data.prompt_column: chat-message prompts need a tokenizer with a chat template")
+        try:
+            prompt = parts_as_text(tokenizer, prompt)
+        except ValueError as e:
+            raise UserError(f"data.prompt_column: {e}") from None
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     else:
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     return cut_prompt(list(ids), max_length)
+
+
+def parts_as_text(tokenizer, messages: list[dict]) -> list[dict]:
+    """`messages` as the tokenizer's chat template can take them: where the template writes a content that is a
+    list of parts out as Python text (a text model's: content is a string to it), each such list of text parts
+    becomes the one string of their texts; a part that is not text there is refused (ValueError)."""
+    if not any(isinstance(m.get("content"), list) for m in messages) or _takes_parts(tokenizer):
+        return messages
+    out = []
+    for j, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content})
+                raise ValueError(f"message {j}: content parts of kinds {kinds}; this model's chat template takes "
+                                 f"text only (expected a string, or parts {{\"type\": \"text\", \"text\": ...}})")
+            m = {**m, "content": "".join(p["text"] for p in content)}
+        out.append(m)
+    return out
+
+
+def _takes_parts(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders a content given as a list of parts by their text (a
+    multimodal model's does; a text model's writes the list out as it is)."""
+    probe = "\u2603parts-probe\u2603"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": probe}]}],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses lists: joined texts are what it can take
+        return False
+    return probe in text and "'type'" not in text and '"type"' not in text
 
 
 def context_length(path: str) -> int | None:
