@@ -214,3 +214,13 @@ def test_a_failed_stage_of_the_next_iteration_is_retried_while_this_one_trains(p
     assert (tmp_path / "killed").read_text() == "2"
     assert summary["iterations_completed"] == ITERATIONS
     assert _policies(load_config(TINY, overrides)) == one_after_another
+
+
+def test_a_staleness_the_run_never_reaches_past_is_warned_of(capsys):
+    """run.max_staleness >= run.iterations: every iteration would sample from the base model (v(N-1-S) is v0 for
+    every N of the run), said once; a staleness below the iterations is not."""
+    load_config(TINY, ["run.max_staleness=1", "run.iterations=5"])
+    assert "run.max_staleness" not in capsys.readouterr().err
+    load_config(TINY, ["run.max_staleness=3", "run.iterations=3"])
+    assert "warning: run.max_staleness 3 >= run.iterations 3: iteration N samples from v(N-1-S), so every " \
+           "iteration of this run samples from the base model" in capsys.readouterr().err

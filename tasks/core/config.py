@@ -162,6 +162,15 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _staleness_within_the_run(self):
+        s, n = self.run.max_staleness, self.run.iterations
+        if s and s >= n:                 # (a warning: a resume may give the run more iterations later)
+            warn(f"warning: run.max_staleness {s} >= run.iterations {n}: iteration N samples from v(N-1-S), so "
+                 f"every iteration of this run samples from the base model and none from a trained policy; "
+                 f"expected a staleness below run.iterations")
+        return self
+
+    @model_validator(mode="after")
     def _one_server_per_machine(self):
         gc = self.generate
         if gc.replicas > 1 and gc.mode == "resident" and self.launcher.where_of("generate") != "sky":
