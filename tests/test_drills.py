@@ -274,3 +274,66 @@ def test_random_kills_of_a_streamed_run_train_every_prompt_once(prefect_api, tmp
         for (i, g), manifest in committed.items():
             assert store.manifest(layout.stream_group("streamed", i, g)) == manifest, (i, g, kills)
         _report(drill="streamed kills", launcher=launcher, on_update=on_update, trial=trial, kills=kills)
+
+
+def _sft_step(store_dir) -> int:
+    """The step of the warm start's latest checkpoint (0: none yet)."""
+    from tasks.core.store import Store
+
+    try:
+        target = Store.open(str(store_dir)).get_pointer(layout.latest("warm/sft", "trainer"))
+    except (OSError, ValueError):
+        return 0
+    return int(target.rsplit("-", 1)[1]) if target else 0
+
+
+@AT_LENGTH
+def test_random_kills_of_a_warm_start_publish_the_v0_of_one_never_killed(prefect_api, tmp_path):
+    """`rlflow sft` (issue 43) SIGKILLed three times a trial at random moments (during start-up, or just after a
+    random one of its checkpoints was committed: in a step, a checkpoint being written, v0 being published),
+    restarted after each: the v0 it publishes equals the one a run never killed publishes, bit for bit, and every
+    folder in the store verifies."""
+    import hashlib
+
+    from tasks.core.store import Store
+
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": f"{chr(97 + i)}=", "completion": chr(98 + i) * 3}) + "\n"
+                             for i in range(16)))
+    args = [a for o in [f"warmup.path={demos}", "warmup.epochs=3", "warmup.batch_size=4", "warmup.lr=1e-3",
+                        "warmup.checkpoint_every=2", "run.name=warm"] for a in ("-o", o)]
+
+    def v0(store_dir) -> str:
+        manifest = Store.open(str(store_dir)).manifest(layout.policy("warm", 0))
+        return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    started = time.monotonic()
+    out = run_cli(["sft", str(TINY), *args], clean, prefect_api)
+    assert out.returncode == 0, out.stderr[-2000:]
+    length = time.monotonic() - started
+    rng = random.Random(int(os.environ.get("RLFLOW_DRILL_SEED", "0")) * 1000 + 7)
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    for trial in range(TRIALS):
+        cwd = tmp_path / f"t{trial}"
+        cwd.mkdir()
+        kills = []
+        for step in sorted(rng.sample([-1, 2, 4, 6, 8, 10], 3)):      # (12 steps, a checkpoint every 2)
+            proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "sft", str(TINY), *args], cwd=cwd, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            if step < 0:
+                time.sleep(rng.uniform(0.5, length))
+            else:              # (the latest checkpoint's pointer at `step` or past it: older ones are deleted)
+                while proc.poll() is None and _sft_step(cwd / "rlflow-store") < step:
+                    time.sleep(0.005)
+                time.sleep(rng.uniform(0, 0.05))
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                kills.append("start-up" if step < 0 else f"after checkpoint {step}")
+        out = run_cli(["sft", str(TINY), *args], cwd, prefect_api)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert v0(cwd / "rlflow-store") == v0(clean / "rlflow-store"), trial
+        checked = _verify_all(Store.open(str(cwd / "rlflow-store")), "warm")
+        _report(drill="warm start kills", trial=trial, kills=kills, folders_verified=checked)
