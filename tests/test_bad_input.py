@@ -924,3 +924,26 @@ def test_a_prompt_cut_to_max_prompt_length_is_said_once(capsys, monkeypatch):
     assert said == [f"warning: generate.max_prompt_length: a prompt of {len(whole)} tokens is cut to its last 3 (it "
                     f"loses its beginning: a chat prompt its template's start); raise generate.max_prompt_length "
                     f"(said once)"]
+
+
+def test_files_and_messages_the_checks_must_leave_alone(tmp_path):
+    """What datasets and chat templates read well is not refused by the row check or the message rule: a U+2028
+    inside a JSON string (not a line break), a pretty-printed array or object, a CSV field past 128 KiB, a
+    whitespace-only CSV line, a quoted multi-line CSV field, a BOM; a tool call given flat (Qwen's templates take
+    it) or with no arguments."""
+    from tasks.core.data import _row_fault, message_fault
+
+    files = {"sep.jsonl": json.dumps({"prompt": "a\u2028b"}, ensure_ascii=False) + "\n",
+             "pretty.json": '\n[\n  {"prompt": "a"},\n  {"prompt": "b"}\n]\n',
+             "object.json": '{\n  "prompt": ["a", "b"]\n}\n',
+             "wide.csv": "prompt,answer\n" + "x" * 200_000 + ",y\n",
+             "blank.csv": "prompt,answer\na,x\n   \n",
+             "multiline.csv": 'prompt,answer\n"a\nb, c",x\n',
+             "bom.jsonl": '\ufeff{"prompt": "a"}\n'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        assert _row_fault(tmp_path / name) is None, name
+    for call in ({"name": "search", "arguments": {"q": "tea"}},
+                 {"type": "function", "function": {"name": "search", "arguments": None}},
+                 {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "tea"}'}}):
+        assert message_fault({"role": "assistant", "content": "", "tool_calls": [call]}) is None, call

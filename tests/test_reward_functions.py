@@ -134,6 +134,15 @@ BAD = textwrap.dedent('''
         import subprocess
         subprocess.run([sys.executable, "-c", "import os; [os.write(1, b'z' * 1000) for _ in range(2000)]"])
         return [0.0] * len(completions)
+
+    def floods_holding_the_gil(completions, **kw):
+        import ctypes
+        ctypes.PyDLL(None).write(1, b"c" * 200_000, 200_000)     # (C code that keeps the GIL as it writes)
+        return [0.0] * len(completions)
+
+    def last_words(completions, **kw):
+        print("last words before the crash", flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
 ''')
 
 
@@ -234,15 +243,24 @@ def test_logged_values_reach_the_record_as_json(bad_module):
     json.dumps([r.extra for r in records])
 
 
-@pytest.mark.parametrize("fn", ["floods", "floods_descriptors", "floods_through_a_child"])
+@pytest.mark.parametrize("fn", ["floods", "floods_descriptors", "floods_through_a_child", "floods_holding_the_gil"])
 def test_what_a_function_prints_is_bounded(bad_module, monkeypatch, capfd, fn):
-    """Through print, written to descriptors 1 and 2 itself, or by a process it starts: ~2 MB bounded to the
-    budget, said once."""
+    """Through print, written to descriptors 1 and 2 itself, by a process it starts, or by C code that keeps the
+    GIL: 200 KB-2 MB bounded to the budget, said once (the worker's stderr is a pipe its parent copies from:
+    processes.BoundedCopy; a copier in the worker itself would wait for the GIL the writer holds)."""
     monkeypatch.setenv("RLFLOW_USER_OUTPUT_BYTES", "10000")
     scored = score_records(_functions([fn]), _records(), "sum")
     out, err = capfd.readouterr()
     assert scored.scores[fn] == [0.0] * 4
     assert err.count("a user's code printed more than 10000 bytes") == 1 and len(out + err) < 12_000
+
+
+def test_what_a_function_wrote_before_its_worker_died_is_shown(bad_module, capfd):
+    """The lines that explain a crash reach the run's output: the parent reads the worker's pipe to its end."""
+    scored = score_records(_functions(["last_words"]), _records(), "sum")
+    assert scored.errors["last_words"].startswith("reward function 'last_words' killed its reward worker (killed by "
+                                                  "SIGSEGV")
+    assert "last words before the crash" in capfd.readouterr().err
 
 
 WORKER_ONLY = textwrap.dedent('''

@@ -164,10 +164,12 @@ class Config(Section):
     @model_validator(mode="after")
     def _staleness_within_the_run(self):
         s, n = self.run.max_staleness, self.run.iterations
-        if s and s >= n:                 # (a warning: a resume may give the run more iterations later)
-            warn(f"warning: run.max_staleness {s} >= run.iterations {n}: iteration N samples from v(N-1-S), so "
-                 f"every iteration of this run samples from the base model and none from a trained policy; "
-                 f"expected a staleness below run.iterations")
+        # (a warning: a resume may give the run more iterations later; said as a config file is read, not again
+        # by each process the config is handed to)
+        if s and s >= n - 1 and getattr(_HELD, "lines", None) is not None:
+            warn(f"warning: run.max_staleness {s} with run.iterations {n}: iteration N samples from v(N-1-S), so "
+                 f"every iteration of this run samples from v0 (the base model, or the warm start's policy) and "
+                 f"none from a policy it trained; expected a staleness below run.iterations - 1")
         return self
 
     @model_validator(mode="after")

@@ -71,11 +71,11 @@ def message_fault(m) -> str | None:
 
 
 def _a_tool_call(call) -> bool:
-    """A tool call as chat templates read it (OpenAI's and TRL's form): a function with a name and arguments (an
-    object, or its JSON text)."""
-    fn = call.get("function") if isinstance(call, dict) else None
+    """A tool call as chat templates read it (OpenAI's and TRL's form, or the function itself): a function with a
+    name and arguments (an object, or its JSON text; none: no arguments)."""
+    fn = call.get("function", call) if isinstance(call, dict) else None     # (Qwen's templates take it flat too)
     return (isinstance(fn, dict) and isinstance(fn.get("name"), str) and bool(fn["name"].strip())
-            and isinstance(fn.get("arguments", {}), dict | str))
+            and isinstance(fn.get("arguments") or {}, dict | str))
 
 
 def looks_local(path: str) -> bool:
@@ -182,22 +182,31 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
         import csv
         import io
 
+        csv.field_size_limit(1 << 31)                      # (pandas has no limit on a field)
         records = csv.reader(io.StringIO(text))
-        header = next(records, None)
-        for record in records:
-            if record and header and len(record) != len(header):
-                return (f"line {records.line_num}: {len(record)} fields where the header has {len(header)} (a "
-                        f"field that holds a comma must be quoted)")
+        try:
+            header = next(records, None)
+            for record in records:
+                if any(f.strip() for f in record) and header and len(record) != len(header):
+                    return (f"line {records.line_num}: {len(record)} fields where the header has {len(header)} "
+                            f"(a field that holds a comma must be quoted)")
+        except csv.Error:
+            return None                                    # (said as datasets says it)
         return None
     hooks = {"parse_int": _fit_int, "parse_float": _fit_float}
-    lines = text.lstrip("\ufeff").splitlines()
-    if lines and lines[0].lstrip().startswith("["):       # a .json array: one document, its items the rows
+    text = text.lstrip("\ufeff")
+    lines = [line.rstrip("\r") for line in text.split("\n")]    # (not splitlines: U+2028 is text in a string)
+    if text.lstrip().startswith(("[", "{")):             # one document (an array of rows, an object), or JSON Lines
         try:
-            items = json.loads(text.lstrip("\ufeff"), **hooks)
+            items = json.loads(text, **hooks)
         except _Unfit as e:
-            return f"{e} (write it as a string)"
+            if text.lstrip().startswith("["):
+                return f"{e} (write it as a string)"
+            items = None                                   # (said with its line below)
         except ValueError:
-            items = None                                   # (not one document: JSON Lines whose first row is a list)
+            items = None                                   # (not one document: JSON Lines)
+        if isinstance(items, dict):
+            return None                                    # (one object: datasets reads its own way)
         if isinstance(items, list):
             bad = next((i for i, item in enumerate(items) if not isinstance(item, dict)), None)
             return None if bad is None else (f"{row(bad)} of its array: expected a JSON object (one row), got "

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from tasks.core.daemon import DidNotStart
 from tasks.core.errors import UserError, user_error_in
-from tasks.core.processes import kill_group, spawn
+from tasks.core.processes import how_it_ended, kill_group, spawn
 
 M = TypeVar("M")
 LOST_AFTER = 2              # failed probes in a row (a timeout, a broken connection, an HTTP error) before "lost"
@@ -62,7 +62,8 @@ def start_server(argv: list[str], env: Mapping[str, str], ready: str, name: str,
         said = next((u for u in map(user_error_in, tail) if u), None)
         if said:
             raise UserError(said)
-        raise DidNotStart(f"the {name} did not start (exit code {code}): " + "\n".join(tail[-3:]).strip())
+        how = "still running" if code is None else how_it_ended(code)
+        raise DidNotStart(f"the {name} did not start ({how}): " + "\n".join(tail[-3:]).strip())
     log(f"{name}: {found[0]} (pid {proc.pid})")
     return proc, found[0], tail
 

@@ -67,7 +67,10 @@ def resolve(cfg: Config, name: str, field: str, pin: str | None = None, dtype: s
     if name.startswith("models:/"):
         name = registered_uri(cfg, name, field)
     store = open_store(cfg)
-    if (key := store_key(store, name, field)) is not None:
+    key = store_key(store, name, field)
+    # (a folder of the store's named by its path, not its URI, and that is no folder the store committed (a
+    # checkpoint's model/, a model put there by hand): read as any saved model folder, as before)
+    if key is not None and (store.manifest(key) is not None or name.startswith(store.root.rstrip("/") + "/")):
         if store.manifest(key) is None:
             raise UserError(f"{field}: {name}: no complete folder there")
         path = str(materialize(store, key))
@@ -335,9 +338,19 @@ def parts_as_text(tokenizer, messages: list[dict]) -> list[dict]:
     return out
 
 
+_TAKES_PARTS: dict[str, bool] = {}      # by chat template
+
+
 def _takes_parts(tokenizer) -> bool:
     """Whether the tokenizer's chat template renders a content given as a list of parts by their text (a
-    multimodal model's does; a text model's writes the list out as it is)."""
+    multimodal model's does; a text model's writes the list out as it is). Asked once per template."""
+    key = str(tokenizer.chat_template)
+    if key not in _TAKES_PARTS:
+        _TAKES_PARTS[key] = _renders_parts(tokenizer)
+    return _TAKES_PARTS[key]
+
+
+def _renders_parts(tokenizer) -> bool:
     probe = "\u2603parts-probe\u2603"
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": probe}]}],

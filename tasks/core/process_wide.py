@@ -130,10 +130,10 @@ def user_process() -> None:
     """Every thread of this process runs users' code from now on (the reward worker, tasks/scoring/worker.py, a
     process of its own for the user's functions): os._exit in any of them raises ExitRefused, also in a thread a
     function started and left running (its exit, after the function returned, would end the worker under the
-    next function and be blamed on it), and what they print is bounded (cap_output(everything=True))."""
+    next function and be blamed on it). What they write is bounded by the parent that reads it
+    (processes.BoundedCopy)."""
     _install_guards()
     _WHOLE[0] = os.getpid()
-    cap_output(everything=True)
 
 
 def _install_guards() -> None:
@@ -164,7 +164,7 @@ _PRINTED = [0, False]           # characters users' code printed in this process
 _PRINTED_LOCK = threading.Lock()
 
 
-def _output_limit() -> int:
+def user_output_limit() -> int:
     try:
         return max(int(os.environ.get("RLFLOW_USER_OUTPUT_BYTES") or USER_OUTPUT_BYTES), 0)
     except ValueError:
@@ -180,8 +180,7 @@ class _Capped(io.TextIOBase):
         self._stream, self._everything = stream, everything
 
     def write(self, text):
-        if (not isinstance(text, str) or _BOUNDED_FDS[0] == os.getpid()          # (bounded where it lands)
-                or not (self._everything or getattr(_USER, "pid", None) == os.getpid())):
+        if not isinstance(text, str) or not (self._everything or getattr(_USER, "pid", None) == os.getpid()):
             return self._stream.write(text)
         room, say = _spend(len(text))
         if room:
@@ -229,7 +228,7 @@ class _Capped(io.TextIOBase):
 
 def _spend(n: int) -> tuple[int, bool]:
     """(how much of `n` more units of a user's output may pass, whether to say now that the rest is dropped)."""
-    limit = _output_limit()
+    limit = user_output_limit()
     with _PRINTED_LOCK:
         room, _PRINTED[0] = max(limit - _PRINTED[0], 0), _PRINTED[0] + n
         said, _PRINTED[1] = _PRINTED[1], _PRINTED[1] or n > room
@@ -237,7 +236,7 @@ def _spend(n: int) -> tuple[int, bool]:
 
 
 def _dropped(unit: str) -> str:
-    return (f"\n[rlflow: a user's code printed more than {_output_limit()} {unit} in process {os.getpid()}; the "
+    return (f"\n[rlflow: a user's code printed more than {user_output_limit()} {unit} in process {os.getpid()}; the "
             f"rest of its output is dropped (RLFLOW_USER_OUTPUT_BYTES)]\n")
 
 
@@ -255,80 +254,13 @@ def renew_output_budget() -> None:
         _PRINTED[:] = [0, False]
 
 
-# (descriptors 1 and 2 of a process that is the user's, bound: bound_descriptors)
-_BOUNDED_FDS: list = [None, None, None, [0]]      # [pid, pipe's read end, the real stderr, bytes in the copier's hands]
-
-
-def bound_descriptors() -> None:
-    """Bound everything this process writes to descriptors 1 and 2, not only what passes sys.stdout and
-    sys.stderr: os.write, C code, the subprocesses and forks it starts (they inherit them). Both become a pipe
-    that a thread copies to the real stderr within the output budget (renew_output_budget), saying once where it
-    drops the rest. For a process whose every thread is the user's (the reward worker); flush_descriptors
-    waits for the copy."""
-    real = os.dup(2)
-    read, write = os.pipe()
-    for fd in (1, 2):
-        os.dup2(write, fd)
-    os.close(write)
-    _BOUNDED_FDS[:3] = [os.getpid(), read, real]
-    threading.Thread(target=_copy_bounded, args=(read, real, _BOUNDED_FDS[3]), daemon=True,
-                     name="rlflow-user-output").start()
-
-
-def _copy_bounded(read: int, real: int, busy: list) -> None:
-    import select
-
-    while True:
-        select.select([read], [], [])
-        busy[0] = 1                   # (before the read empties the pipe: flush_descriptors asks both)
-        chunk = os.read(read, 1 << 16)
-        if not chunk:
-            return
-        room, say = _spend(len(chunk))
-        try:
-            if room:
-                _write_all(real, chunk[:room])
-            if say:
-                _write_all(real, _dropped("bytes").encode())
-        except OSError:
-            pass                      # (the reader of the real stderr has gone: keep draining the pipe)
-        busy[0] = 0
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def flush_descriptors(timeout: float = 2.0) -> None:
-    """Wait (`timeout` at most: a process the user's code left running may write on) until what this process
-    wrote to its bound descriptors has been copied out, so that it shows before what comes next."""
-    import fcntl
-    import struct
-    import termios
-
-    if _BOUNDED_FDS[0] != os.getpid():
-        return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a stream the user's code replaced or closed
-            pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        waiting = struct.unpack("i", fcntl.ioctl(_BOUNDED_FDS[1], termios.FIONREAD, b"\0\0\0\0"))[0]
-        if not waiting and not _BOUNDED_FDS[3][0]:
-            return
-        time.sleep(0.001)
-
-
 def cap_output(everything: bool = False) -> None:
     """Bound what users' code prints through sys.stdout and sys.stderr (an environment that prints in a loop
     fills the run's log and whatever reads it): in threads running user_code, or in every thread (`everything`:
     an episode's own process). Only a stream that is a file is wrapped: one a user's code put there itself (a
     StringIO that collects a program's output) is its own. Writes to the file descriptors themselves (os.write,
-    a subprocess) are not seen here: bound_descriptors, in a process that is the user's."""
+    a subprocess) are not seen here (the reward worker's are bounded where its parent reads them:
+    processes.BoundedCopy)."""
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if isinstance(stream, _Capped):

@@ -171,6 +171,64 @@ def peek_exit(proc: subprocess.Popen) -> int | None:
     return got.si_status if got.si_code == os.CLD_EXITED else -got.si_status
 
 
+class BoundedCopy:
+    """Copies what a child writes to a pipe (its stdout or stderr) to this process's descriptor 2, at most
+    `limit()` bytes per budget (renew: a new one), saying once where it drops the rest. In this process, so it
+    bounds everything the child and what it starts write (print, os.write, C code holding the GIL there, a
+    subprocess), and what it wrote just before it died is still copied (the pipe is read to its end)."""
+
+    def __init__(self, pipe, limit: Callable[[], int], what: str):
+        self._fd, self._limit, self._what = pipe.fileno(), limit, what
+        self._pipe = pipe                        # (kept: the descriptor is the pipe object's)
+        self._lock, self._used, self._said, self._busy = threading.Lock(), 0, False, True
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"rlflow-copy-{what}")
+        self._thread.start()
+
+    def renew(self) -> None:
+        with self._lock:
+            self._used, self._said = 0, False
+
+    def flush(self, timeout: float = 2.0) -> None:
+        """Wait (`timeout` at most: something the child started may write on) until what is in the pipe now has
+        been copied, so that it shows before what this process says next."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            if not self._busy and not select.select([self._fd], [], [], 0)[0]:
+                return
+            time.sleep(0.001)
+
+    def _run(self) -> None:
+        import select
+
+        try:
+            while True:
+                self._busy = False
+                select.select([self._fd], [], [])
+                self._busy = True            # (before the read empties the pipe: flush asks both)
+                chunk = os.read(self._fd, 1 << 16)
+                if not chunk:
+                    return
+                with self._lock:
+                    room = max(self._limit() - self._used, 0)
+                    self._used += len(chunk)
+                    say, self._said = len(chunk) > room and not self._said, self._said or len(chunk) > room
+                out = chunk[:room] + (f"\n[rlflow: a user's code printed more than {self._limit()} bytes in "
+                                      f"{self._what}; the rest of its output is dropped "
+                                      f"(RLFLOW_USER_OUTPUT_BYTES)]\n".encode() if say else b"")
+                view = memoryview(out)
+                try:
+                    while view:
+                        view = view[os.write(2, view):]
+                except OSError:
+                    pass                     # (no one reads this process's stderr: the pipe is still drained)
+        except (OSError, ValueError):
+            return                           # (the pipe was closed here)
+        finally:
+            self._busy = False
+
+
 def how_it_ended(code: int | None) -> str:
     """A child's returncode (Popen's, or multiprocessing's exitcode) as messages say it.
 

@@ -34,7 +34,7 @@ from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSessio
 from tasks.core.fleet import START_TRIES, Health, Starts, Sticky, bearer, least_loaded, start_server
 from tasks.core.paths import cache_root
 from tasks.core.placement import REPLICA_LAUNCH_VAR
-from tasks.core.processes import run
+from tasks.core.processes import how_it_ended, run
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -348,7 +348,7 @@ class Router:
                     threading.Thread(target=self._start, args=(m,), daemon=True).start()
                     continue
                 if m.proc is not None and m.proc.poll() is not None:
-                    self.lost(m, f"exit code {m.proc.returncode}")
+                    self.lost(m, how_it_ended(m.proc.returncode))
                     continue
                 try:
                     httpx.get(f"{m.url}/health", timeout=10).raise_for_status()

@@ -40,7 +40,8 @@ import torch
 from tasks.core.contracts import Scored
 from tasks.core.errors import UserError
 from tasks.core.paths import REPO_ROOT, import_user, user_code_seconds
-from tasks.core.processes import how_it_ended, kill_group, peek_exit, spawn
+from tasks.core.process_wide import user_output_limit
+from tasks.core.processes import BoundedCopy, how_it_ended, kill_group, peek_exit, spawn
 from tasks.scoring.worker import _HEADER, RewardState, send
 
 if TYPE_CHECKING:
@@ -150,11 +151,14 @@ class _Worker:
         # (`-m` from the user's folder: spawn's safe path, so that it imports rlflow's tasks, not a tasks/ there)
         self.proc = spawn([sys.executable, "-m", "tasks.scoring.worker"], {**os.environ, "PYTHONPATH":
                           _pythonpath(setup["cwd"])}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          start_new_session=True, cwd=setup["cwd"])
+                          stderr=subprocess.PIPE, start_new_session=True, cwd=setup["cwd"])
+        # what the functions write (prints, os.write, what they start): bounded per batch, here
+        self.output = BoundedCopy(self.proc.stderr, user_output_limit, f"the reward worker {self.proc.pid}")
         seconds = 2 * user_code_seconds()          # (the imports, then the sandbox's set-up)
         try:
             send(self.proc.stdin, setup)
             status, message = self._receive(timeout=seconds)
+            self.output.flush()
         except TimeoutError:
             status, message = "", (f"it did not finish importing the functions in {seconds:g} s (a module "
                                    f"that waits or loops when imported: move that work into the function; "
@@ -167,8 +171,13 @@ class _Worker:
             raise UserError(f"reward.functions: the reward worker could not set up: {message}")
 
     def call(self, index: int, completions: list, columns: dict, timeout: float):
+        if index == 0:
+            self.output.renew()            # (a budget per batch)
         send(self.proc.stdin, (index, completions, columns))
-        return self._receive(timeout)
+        try:
+            return self._receive(timeout)
+        finally:
+            self.output.flush()            # (what the function wrote shows before what is said of its call)
 
     def _receive(self, timeout: float):
         """The next answer within `timeout` (its body, once its length has come, within 30 s more at least), or

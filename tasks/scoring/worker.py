@@ -11,8 +11,8 @@ floats, NaN or None; `extra` holds the columns the function logged with TRL's `l
 means of what it logged with `log_metric(name, value)`.
 
 Imports stay light (no torch); it lives as long as its stage process. The real stdout carries only the
-protocol: what the functions write to fds 1 and 2 (print, os.write, what they start) goes to stderr, bounded per
-batch (process_wide.bound_descriptors); os._exit in any thread is refused: the call fails, the worker stays.
+protocol: what the functions write to fds 1 and 2 (print, os.write, what they start) goes to its stderr, a pipe
+the parent copies within a budget per batch (processes.BoundedCopy); os._exit in any thread is refused.
 """
 
 from __future__ import annotations
@@ -179,13 +179,7 @@ def die_with_parent() -> None:
 
 
 def main() -> None:
-    from tasks.core.process_wide import (
-        bound_descriptors,
-        exit_now,
-        flush_descriptors,
-        renew_output_budget,
-        user_process,
-    )
+    from tasks.core.process_wide import exit_now, user_process
 
     me = os.getpid()
 
@@ -199,8 +193,7 @@ def main() -> None:
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)                  # user prints must not corrupt the protocol
     sys.stdout = sys.stderr
-    user_process()                 # os._exit in any thread: refused, that call's failure; what they print: bounded
-    bound_descriptors()            # (also what they write to fds 1 and 2 themselves, or through what they start)
+    user_process()                 # os._exit in any thread: refused, that call's failure (output: the parent's)
     proto_in = sys.stdin.buffer
     setup = receive(proto_in)
     if setup["cwd"] not in sys.path:
@@ -219,11 +212,9 @@ def main() -> None:
                 sandbox.runner()       # asked for explicitly: refuse now (user error) rather than score nothing
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the function (sys.exit too)
         unless_forked()
-        flush_descriptors()
         send(proto_out, ("setup_error", _one_line(e)))
         return
     unless_forked()
-    flush_descriptors()            # (what the imports printed shows before what the parent says next)
     send(proto_out, ("ready", None))
     while True:
         try:
@@ -231,14 +222,11 @@ def main() -> None:
         except EOFError:
             return
         fn, kwargs = functions[index]
-        if index == 0:
-            renew_output_budget()  # (what the functions may print: a budget per batch)
         try:
             answer = ("ok", *_call(fn, kwargs, completions, columns))
         except BaseException as e:  # noqa: BLE001 - the user's function (sys.exit too); the parent decides the cost
             answer = ("error", _one_line(e))
         unless_forked()
-        flush_descriptors()
         try:
             send(proto_out, answer)
         except Exception as e:  # noqa: BLE001 - a value that does not pickle: that function's failure

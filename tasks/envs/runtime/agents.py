@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
 from tasks.core.paths import import_user
-from tasks.core.process_wide import bound_descriptors, cap_output, flush_descriptors, renew_output_budget, user_code
+from tasks.core.process_wide import cap_output, renew_output_budget, user_code
 from tasks.core.processes import how_it_ended
 from tasks.envs.runtime.calls import Call, EpisodeLog
 from tasks.envs.runtime.endpoint import Endpoint
@@ -236,7 +236,6 @@ def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cw
 
     own_group()
     cap_output(everything=True)        # (what it prints: bounded, as in the stage's threads)
-    bound_descriptors()                # (and what it writes to fds 1 and 2 itself, or through what it starts)
     renew_output_budget()              # (not the forkserver's count)
     conn.send(("running", None))
     os.chdir(cwd)
@@ -246,10 +245,8 @@ def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cw
         value = import_user(spec, "env.agent")(row, base_url, key, **kwargs)
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
-        flush_descriptors()            # (what it wrote shows before the parent, told, ends this process)
         conn.send(("ok", value))
     except BaseException as e:  # noqa: BLE001 - the episode's failure, reported to the parent
-        flush_descriptors()
         try:
             conn.send(("error", why(e)))
         except Exception:  # noqa: BLE001

@@ -29,9 +29,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.process_wide import (
-    bound_descriptors,
     cap_output,
-    flush_descriptors,
     mark_user_thread,
     renew_output_budget,
     set_variable,
@@ -186,7 +184,6 @@ def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
 
     own_group()
     cap_output(everything=True)        # (what it prints: bounded, as in the stage's threads)
-    bound_descriptors()                # (and what it writes to fds 1 and 2 itself, or through what it starts)
     renew_output_budget()              # (not the forkserver's count)
     os.chdir(cwd)
     sys.path[:] = path                                     # what the parent can import, the child can
@@ -201,7 +198,6 @@ def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
         env = environment(cfg, factory_of(cfg, preflight=False)(), row)
         conn.send(("ok", tool_schemas(env)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as the episode's failure
-        flush_descriptors()            # (what it wrote shows before the parent, told, ends this process)
         conn.send(("error", why(e)))
         return
     while True:
@@ -223,9 +219,7 @@ def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
             else:                                          # close
                 if callable(getattr(env, "close", None)):
                     run(env.close())
-                state = state_of(getattr(env, "instance", env))
-                flush_descriptors()
-                conn.send(("ok", state))
+                conn.send(("ok", state_of(getattr(env, "instance", env))))
                 return
             conn.send(("ok", reply))
         except BaseException as e:  # noqa: BLE001

@@ -8,6 +8,7 @@ a whole demonstration with it (`conversation`), so its tokens and masks are the 
 from __future__ import annotations
 
 from tasks.core.data import cut_prompt
+from tasks.core.models import parts_as_text
 
 
 class Renderer:
@@ -22,8 +23,9 @@ class Renderer:
         self._heads: dict[str, tuple[str, str]] = {}
 
     def _template(self, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
-        return self.tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation,
-                                            tokenize=False)
+        # (content as parts: their text, to a text model's template)
+        return self.tok.apply_chat_template(parts_as_text(self.tok, messages), tools=tools or None,
+                                            add_generation_prompt=generation, tokenize=False)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         text = self._template(messages, tools, True)
