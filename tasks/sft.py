@@ -32,7 +32,7 @@ from tasks.core import data, layout
 from tasks.core.data import load_table, message_fault
 from tasks.core.errors import UserError
 from tasks.core.hashing import sha256_file
-from tasks.core.models import ADAPTER_CONFIG, base_path, context_length, load_policy, load_tokenizer, parts_as_text
+from tasks.core.models import ADAPTER_CONFIG, base_path, context_length, load_policy, load_tokenizer
 from tasks.core.processes import run
 from tasks.core.stage import fingerprint, reuse
 from tasks.core.store import open_store
@@ -146,9 +146,7 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ValueError(f"column 'tools': expected a list of tool schemas (JSON objects, or their JSON text), got "
                          f"{json.dumps(row.get('tools'), default=str)[:80]}")
-    joined = parts_as_text(render.tok, prompt + rest)       # (parts a text model's template would write as a list)
-    prompt, rest = joined[:len(prompt)], joined[len(prompt):]
-    whole = render.tok.apply_chat_template(prompt + rest, tools=tools, tokenize=False)   # (the template's checks)
+    whole = render.template(prompt + rest, tools, False)       # (the template's checks; parts as their text)
     if not assistant_only:
         ids = render.tok(whole, add_special_tokens=False)["input_ids"]
         return ids, [1] * len(ids)

@@ -68,10 +68,11 @@ def resolve(cfg: Config, name: str, field: str, pin: str | None = None, dtype: s
         name = registered_uri(cfg, name, field)
     store = open_store(cfg)
     key = store_key(store, name, field)
+    committed = key is not None and store.manifest(key) is not None
     # (a folder of the store's named by its path, not its URI, and that is no folder the store committed (a
     # checkpoint's model/, a model put there by hand): read as any saved model folder, as before)
-    if key is not None and (store.manifest(key) is not None or name.startswith(store.root.rstrip("/") + "/")):
-        if store.manifest(key) is None:
+    if committed or (key is not None and name.startswith(store.root.rstrip("/") + "/")):
+        if not committed:
             raise UserError(f"{field}: {name}: no complete folder there")
         path = str(materialize(store, key))
     elif name.startswith("s3://"):

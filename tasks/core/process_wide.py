@@ -182,11 +182,15 @@ class _Capped(io.TextIOBase):
     def write(self, text):
         if not isinstance(text, str) or not (self._everything or getattr(_USER, "pid", None) == os.getpid()):
             return self._stream.write(text)
-        room, say = _spend(len(text))
+        limit = user_output_limit()
+        with _PRINTED_LOCK:
+            room, _PRINTED[0] = max(limit - _PRINTED[0], 0), _PRINTED[0] + len(text)
+            said, _PRINTED[1] = _PRINTED[1], _PRINTED[1] or len(text) > room
         if room:
             self._stream.write(text[:room])
-        if say:
-            self._stream.write(_dropped("characters"))
+        if len(text) > room and not said:
+            self._stream.write(f"\n[rlflow: a user's code printed more than {limit} characters in process "
+                               f"{os.getpid()}; the rest of its output is dropped (RLFLOW_USER_OUTPUT_BYTES)]\n")
         return len(text)
 
     def writelines(self, lines) -> None:
@@ -224,20 +228,6 @@ class _Capped(io.TextIOBase):
         if name.startswith("_"):             # (not yet set: a copy, an unpickling)
             raise AttributeError(name)
         return getattr(self._stream, name)
-
-
-def _spend(n: int) -> tuple[int, bool]:
-    """(how much of `n` more units of a user's output may pass, whether to say now that the rest is dropped)."""
-    limit = user_output_limit()
-    with _PRINTED_LOCK:
-        room, _PRINTED[0] = max(limit - _PRINTED[0], 0), _PRINTED[0] + n
-        said, _PRINTED[1] = _PRINTED[1], _PRINTED[1] or n > room
-    return room, n > room and not said
-
-
-def _dropped(unit: str) -> str:
-    return (f"\n[rlflow: a user's code printed more than {user_output_limit()} {unit} in process {os.getpid()}; the "
-            f"rest of its output is dropped (RLFLOW_USER_OUTPUT_BYTES)]\n")
 
 
 def _fresh_lock() -> None:

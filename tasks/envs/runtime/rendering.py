@@ -22,13 +22,13 @@ class Renderer:
         self.eos_text = tokenizer.eos_token or ""
         self._heads: dict[str, tuple[str, str]] = {}
 
-    def _template(self, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
+    def template(self, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
         # (content as parts: their text, to a text model's template)
         return self.tok.apply_chat_template(parts_as_text(self.tok, messages), tools=tools or None,
                                             add_generation_prompt=generation, tokenize=False)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        text = self._template(messages, tools, True)
+        text = self.template(messages, tools, True)
         return cut_prompt(self.tok(text, add_special_tokens=False)["input_ids"], self.max_prompt_length)
 
     def conversation(self, prompt: list[dict], rest: list[dict], tools: list[dict] | None,
@@ -75,8 +75,8 @@ class Renderer:
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         if not message.get("tool_calls"):
             return content
-        head = self._template(self.TURN[:1], tools, True)
-        full = self._template([*self.TURN[:1], message], tools, False)
+        head = self.template(self.TURN[:1], tools, True)
+        full = self.template([*self.TURN[:1], message], tools, False)
         closing = self._closing(tools)
         if not full.startswith(head) or not full.endswith(closing):
             raise ValueError("the chat template renders an assistant message with tool_calls around other text "
@@ -87,7 +87,7 @@ class Renderer:
         """What the template writes after an assistant message's content (its end of turn, EOS included)."""
         key = repr(tools)
         if key not in self._heads:
-            prefix = self._template(self.TURN, tools, False)
+            prefix = self.template(self.TURN, tools, False)
             if self.DUMMY not in prefix:
                 raise ValueError("the chat template does not render an assistant message's content")
             self._heads[key] = (prefix, prefix[prefix.rindex(self.DUMMY) + len(self.DUMMY):])
@@ -97,7 +97,7 @@ class Renderer:
         """The end of the assistant's turn (less the EOS it wrote), the observation, the next turn's header."""
         closing = self._closing(tools)
         prefix = self._heads[repr(tools)][0]
-        full = self._template(self.TURN + messages, tools, True)
+        full = self.template(self.TURN + messages, tools, True)
         if not full.startswith(prefix):
             raise ValueError("the chat template renders earlier turns differently once more follow; the "
                              "observation's tokens cannot be appended")
