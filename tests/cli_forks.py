@@ -3,8 +3,10 @@
 Each command line runs in a forked child: its own working directory (first on sys.path, as `python -m flows.cli`
 puts it), its own copy of the modules, its own stdout and stderr files, and its exit code is what
 `flows.cli.main` returns. A fresh `python -m flows.cli` spends ~8 s importing torch, transformers, datasets,
-Prefect and MLflow before it finds a mistake; a fork finds it in a fraction of that. What the imports print is
-not checked here: the tests that run `python -m flows.cli` itself (tests/conftest.py: run_cli) check that.
+Prefect and MLflow before it finds a mistake; a fork finds it in a fraction of that, when the parent has also
+named the parts transformers imports lazily (a bad `rlflow sft` file: ~0.2 s a fork, ~2.8 s without them).
+What the imports print is not checked here: the tests that run `python -m flows.cli` itself (tests/conftest.py:
+run_cli) check that.
 
 stdin: a JSON list of {"args": [...], "cwd": DIR};
 stdout: a JSON list of {"rc": N, "seconds": S, "stdout": ..., "stderr": ...}.
@@ -49,11 +51,21 @@ def main() -> None:
     import datasets  # noqa: F401 - what every `rlflow run` imports before it can find a mistake
     import mlflow  # noqa: F401
     import transformers  # noqa: F401
+    from mlflow.utils import validation  # noqa: F401
     from prefect.server.api import server  # noqa: F401 - (flows.cli shields its temporary server)
+
+    # transformers imports its parts when they are first named: name them here, once, not in every fork
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel  # noqa: F401
+    from transformers.models import gpt2, llama, qwen2  # noqa: F401
+    from transformers.models.llama import configuration_llama  # noqa: F401
 
     import flows.cli  # noqa: F401
     import flows.plan  # noqa: F401
+    import flows.preflight  # noqa: F401
     import flows.training  # noqa: F401
+    import tasks.evaluate  # noqa: F401
+    import tasks.scoring.judges  # noqa: F401
+    import tasks.sft  # noqa: F401
 
     results: list[dict | None] = [None] * len(cases)
     running: dict[int, tuple[int, str, str, float]] = {}
