@@ -182,6 +182,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "local server-mode replicas": (["run", str(TINY), "-o", "generate.replicas=2", "-o", "generate.engine=vllm",
                                         "-o", "generate.mode=resident"], "replicas on this machine would share the run's one"),
         "replicas below zero": (["run", str(TINY), "-o", "generate.replicas=-1"], "generate.replicas"),
+        "extra rounds' size with one round": (["run", str(TINY), "-o", "generate.dynamic_sampling={max_rounds: 1, "
+                                               "prompts_per_round: 8}"], "generate.dynamic_sampling: prompts_per_round "
+                                              "8 is never used with max_rounds 1"),
         "accelerator spelled wrong": (["run", str(TINY), "-o", "launcher.accelerators={train: 'A100 x8'}"],
                                       "launcher.accelerators.train"),
         "agent module missing": (["run", str(TINY), "-o", "env.agent=nosuchagent:run"],

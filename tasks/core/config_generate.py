@@ -30,6 +30,14 @@ class DynamicSamplingConfig(Section):
                              "most this times max(1, the largest |reward| of the group): relative to the rewards' "
                              "scale, never `std != 0`, which float noise passes.")
 
+    @model_validator(mode="after")
+    def _rounds_used(self) -> DynamicSamplingConfig:
+        if self.max_rounds == 1 and self.prompts_per_round is not None:
+            raise ValueError(f"prompts_per_round {self.prompts_per_round} is never used with max_rounds 1 (only the "
+                             "first round, generate.prompts_per_iteration's prompts, is sampled); expected max_rounds "
+                             "of 2 or more, or no prompts_per_round")
+        return self
+
 
 class StreamingConfig(Section):
     """Generation that never waits (tasks/engines/streaming.py): one sampler per run keeps decoding, group after
