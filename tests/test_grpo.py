@@ -315,3 +315,90 @@ def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_logprob
     with torch.no_grad():
         completion_logprobs(recomputing.eval(), ids, attn, pos, mask.shape[1], 0.7)
     assert seen == [2, 6]
+
+
+@pytest.mark.parametrize("loss_type,passes,more", [("dapo", 1, []), ("grpo", 2, []), ("cispo", 1, []),
+                                                   ("sapo", 1, []), ("dr_grpo", 2, []),
+                                                   ("grpo", 2, ["train.importance_sampling_level=sequence"])])
+def test_rows_of_advantage_zero_skip_their_backward_and_the_update_is_the_same(loss_type, passes, more, monkeypatch):
+    """A constant group's rows (advantage 0) and a row whose tokens are all masked add nothing to the gradient:
+    the torch engine runs the first without gradients (for the statistics) and skips the second; the gradient of
+    each pass, the weights and every train/* statistic equal an update that trains every row (to float rounding).
+    A batch with no row to learn from still steps as before (AdamW's weight decay moves the weights). A subclass
+    of the learner that adds a term to the loss trains every row (it does not inherit the skip)."""
+    from tasks.algorithms import update
+    from tasks.algorithms.batching import prepare_batches
+    from tasks.algorithms.learners.grpo import Grpo
+    from tasks.algorithms.stats import UpdateStats
+    from tasks.core.contracts import Rollout
+    from tasks.engines.torch_engine import TorchEngine
+
+    cfg = load_config(TINY, ["train.micro_batch_size=4", f"train.num_iterations={passes}", "train.lr=1e-2",
+                             f"train.loss_type={loss_type}", "generate.num_generations=4",
+                             "train.mask_truncated_completions=true", "train.weight_decay=0.1", *more])
+    g = torch.Generator().manual_seed(1)
+
+    def record(i: int, reward: float, truncated: bool = False) -> Rollout:
+        n = 2 + i % 3
+        return Rollout(group=i // 4, row=i // 4, prompt="p", prompt_ids=[3 + i // 4, 4, 5], completion="c",
+                       completion_ids=torch.randint(6, 90, (n,), generator=g).tolist(),
+                       logprobs=(-torch.rand(n, generator=g)).tolist(), truncated=truncated, reward=reward)
+
+    class WithLengthTerm(Grpo):         # (a term that is not 0 at advantage 0)
+        def loss(self, engine, b, fwd, totals, stats, first_pass):
+            return super().loss(engine, b, fwd, totals, stats, first_pass) - 0.1 * (fwd.logp * b.mask).sum() / 64
+
+    mixed = [record(i, r, truncated=(i == 6)) for i, r in zip(range(4, 8), (1.0, 0.0, 0.5, 1.0))]
+    batch = [record(i, 0.7) for i in range(4)] + mixed + [record(i, 0.0) for i in range(8, 12)]
+    flat = [record(i, 1.0) for i in range(4)]
+
+    def run(records, skip: bool, kind=Grpo):
+        torch.manual_seed(0)
+        engine, learner = TorchEngine.open(cfg, None, None), kind(cfg, 1)
+        grads, step = [], engine.step
+
+        def spy_step():
+            grads.append([p.grad.clone() for p in engine.model.parameters()])
+            return step()
+        engine.step = spy_step
+        rewards = torch.tensor([r.reward for r in records])
+        batches = prepare_batches(records, learner.signal(rewards), engine.tokenizer.pad_token_id, cfg.train, "cpu")
+        with_grad = []
+        forward = update.completion_logprobs
+
+        def spy(model, ids, *args, **kwargs):
+            if torch.is_grad_enabled():
+                with_grad.append(ids.shape[0])
+            return forward(model, ids, *args, **kwargs)
+        with monkeypatch.context() as mp:
+            mp.setattr(update, "completion_logprobs", spy)
+            if not skip:
+                mp.setattr(update, "_skips_inert", lambda *a: False)
+            stats = update.optimise(engine, batches, cfg, learner=learner)
+        metrics = UpdateStats.metrics(stats, rewards, learner.signal(rewards), cfg.train, 1.0)
+        return engine.model.state_dict(), metrics, with_grad, grads
+
+    for records, learning_rows in ((batch, [3] * passes), (flat, [4] * passes)):
+        skipped, every = run(records, True), run(records, False)
+        assert skipped[2] == learning_rows and every[2] == [4] * (len(records) // 4) * passes
+        for mine, theirs in zip(skipped[3], every[3], strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                assert torch.allclose(a, b, atol=1e-8, rtol=1e-5)
+        for k, v in every[0].items():
+            assert torch.allclose(skipped[0][k], v, atol=1e-6, rtol=1e-5), k
+        for k, v in every[1].items():
+            if k not in ("train/tokens_per_s", "train/seconds"):
+                assert skipped[1][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+        base = TorchEngine.open(cfg, None, None).model.state_dict()
+        assert any(not torch.equal(base[k], v) for k, v in skipped[0].items())
+    assert run(batch, True, WithLengthTerm)[2] == [4] * 3 * passes               # every row, with gradients
+
+
+def test_a_group_of_equal_rewards_has_advantage_exactly_zero():
+    """Equal rewards whose mean rounds off their value (eight 0.7s) still give exactly 0, not float noise divided by
+    a std of float noise (TRL's formula gives ±6e-4 there)."""
+    r = torch.tensor([0.7] * 8 + [1 / 3] * 7 + [math.nan] + [0.3, 0.7] * 4)
+    for kind in ("group", "rloo"):
+        adv = advantages(r, 8, kind)
+        assert torch.equal(adv[:16], torch.zeros(16)), kind
+        assert bool((adv[16:] != 0).all()), kind

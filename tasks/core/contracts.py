@@ -273,6 +273,9 @@ class Learner(Protocol):
     stats: type | None       # its statistics (UpdateStats.own: a tasks/algorithms/stats.py LearnerStats), or None
     trains: tuple[str, ...]  # what it trains beside the policy, by name ("critic": tasks/engines/critic.py): the
                              # engines make, optimise, checkpoint and restore it (TrainingEngine.critic)
+    # Optional: `inert_at_zero = True` in the learner's own class says a row of advantage 0 has loss 0 with
+    # train.beta 0: tasks/algorithms/update.py then skips its backward and calls `loss` under torch.no_grad() on
+    # such rows (for the statistics); a learner without it (a subclass too, unless it says so again) trains every row.
 
     def replay(self, iteration: int) -> list[int]:
         """The earlier iterations whose scored rollouts this update trains on too (loaded by the engines side,

@@ -43,6 +43,7 @@ class TorchEngine:
     """One process, one device (tasks/engines/training.py: TrainingEngine)."""
 
     rank, world_size = 0, 1
+    partial_backward = True         # a micro-batch may run its backward on some rows only (tasks/algorithms/update.py)
 
     def __init__(self, model, optimizer: torch.optim.Optimizer, cfg: Config, ref_model=None, lora: bool = False,
                  tokenizer=None, step: int = 0, critic=None):

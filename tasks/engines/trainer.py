@@ -311,7 +311,9 @@ def _check_replay(engine: TrainingEngine, store: Store, key: str) -> None:
         message = (f"replay: iteration {manifest['meta'].get('iteration')} reproduced other weights than "
                    f"{store.uri(key)} holds")
         if engine.device.type == "cpu":
-            raise RuntimeError(message + " (on a CPU replay is exact: this is a bug)")
+            raise RuntimeError(message + " (on a CPU replay is exact: this is a bug, or the run began under an "
+                               "rlflow whose update rounded otherwise: from 2026-12-03 rows of advantage 0 skip "
+                               "their backward; resume it from a full checkpoint)")
         warnings.warn(message + " (GPU kernels are not bit-reproducible; training goes on from the replay)",
                       stacklevel=2)
 

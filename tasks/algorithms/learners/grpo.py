@@ -25,6 +25,7 @@ class Grpo:
     off_policy = False
     reports_kl_ref = True
     behaviour_weighted = True
+    inert_at_zero = True            # a row of advantage 0 has loss 0 (with train.beta 0): update.py skips its backward
     rows = stats = None             # no fields, statistics or modules of its own
     trains = ()
 
