@@ -91,15 +91,13 @@ def _split_inert(b: MicroBatch) -> tuple[MicroBatch | None, MicroBatch | None]:
 
 
 def _rows(b: MicroBatch, keep: torch.Tensor) -> MicroBatch | None:
+    """The micro-batch of the rows `keep` marks: each of its tensors (one row per completion) cut alike."""
     if not bool(keep.any()):
         return None
     idx = keep.nonzero().squeeze(1)
-
-    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.index_select(0, idx.to(t.device))
-    return dataclasses.replace(b, ids=pick(b.ids), attention=pick(b.attention), positions=pick(b.positions),
-                               mask=pick(b.mask), behaviour=pick(b.behaviour), signal=pick(b.signal),
-                               advantages=pick(b.advantages), ref=pick(b.ref), old=pick(b.old), rows=len(idx))
+    cut = {f.name: t.index_select(0, idx.to(t.device)) for f in dataclasses.fields(b)
+           if isinstance(t := getattr(b, f.name), torch.Tensor)}
+    return dataclasses.replace(b, **cut, rows=len(idx))
 
 
 def logprobs(model, b: MicroBatch, temperature: float | Distribution, entropy: bool = False):
