@@ -123,7 +123,7 @@ os.environ.pop("AWS_PROFILE", None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-SHARED_CACHE = ("models", "gguf", "known-files")
+SHARED_CACHE = ("models", "gguf", "known-files", "mlflow-db")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -105,7 +105,9 @@ CREATE_DB = ("import sys\n"
 @pytest.mark.drill
 def test_a_kill_while_mlflow_creates_its_database_cannot_break_it(tmp_path):
     """MLflow migrates a new sqlite database in place for seconds; killed in there, it used to be broken for
-    every later run ("duplicate column name"). Kills across the creation; then every database works."""
+    every later run ("duplicate column name"). Kills across the creation (from a cache with no empty database
+    kept: the migrations run, then the empty one is kept and copied); then every database works."""
+    import os
     import signal
     import subprocess
     import sys
@@ -113,17 +115,62 @@ def test_a_kill_while_mlflow_creates_its_database_cannot_break_it(tmp_path):
     from tests.conftest import ROOT
 
     uris = []
-    for i, delay in enumerate([1.8, 2.4, 3.0, 3.6]):
+    env = {**os.environ, "RLFLOW_CACHE": str(tmp_path / "cache")}
+    for i, delay in enumerate([1.8, 2.4, 3.0, 3.6, 4.2]):
         uri = f"sqlite:///{tmp_path}/db{i}.db"
-        proc = subprocess.Popen([sys.executable, "-c", CREATE_DB, uri], cwd=ROOT, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, "-c", CREATE_DB, uri], cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         uris.append(uri)
-    out = subprocess.run([sys.executable, "-c", CREATE_DB, *uris], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", CREATE_DB, *uris], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-1500:]
     assert not list(tmp_path.glob(".*creating*"))                  # the killed creators' temporary files
+    assert len(list((tmp_path / "cache" / "mlflow-db").glob("empty-*.db"))) == 1
+
+
+def _dump(database) -> tuple:
+    """A sqlite database's tables (their columns), indexes and every row, the Default experiment's times aside.
+    (Not the tables' SQL: MLflow's migrations write the values of a CHECK constraint in an order of their own.)"""
+    import sqlite3
+
+    with sqlite3.connect(database) as db:
+        tables = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()]
+        schema = sorted((name, db.execute(f'PRAGMA table_info("{name}")').fetchall()) for name in tables)
+        schema += sorted(db.execute("SELECT name, tbl_name FROM sqlite_master WHERE type = 'index'").fetchall())
+        rows = {name: sorted(map(str, db.execute(f'SELECT * FROM "{name}"').fetchall())) for name in tables}
+        rows["experiments"] = sorted(map(str, db.execute(
+            "SELECT experiment_id, name, artifact_location, lifecycle_stage, workspace FROM experiments").fetchall()))
+    db.close()
+    return schema, rows
+
+
+def test_a_new_database_is_a_copy_of_the_kept_empty_one_equal_to_a_migrated_one(tmp_path, monkeypatch):
+    """The first sqlite database of an environment is migrated by MLflow and an empty copy kept; the next ones are
+    copies of it, equal to a migrated one table for table and row for row (the Default experiment's artifact
+    location is the folder each is opened from); a kept copy that is damaged is replaced by migrating again."""
+    from tasks.core import tracking, tracking_db
+
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
+    kept = tracking_db._empty_database()
+    made = []
+    for name in ("migrated", "copied", "after-damage"):
+        folder = tmp_path / name
+        folder.mkdir()
+        monkeypatch.chdir(folder)
+        if name == "after-damage":
+            kept.write_bytes(kept.read_bytes()[:5000])                     # (a copy cut short)
+        client = tracking._client(f"sqlite:///{folder}/mlflow.db")
+        made.append(_dump(folder / "mlflow.db"))
+        assert client.create_experiment("x") == "1" and client.create_registered_model("m").name == "m"
+        tracking_db._dispose_engines(client)
+        assert kept.stat().st_size > 5000 and f"'{folder}/mlruns/0'" in str(made[-1][1]["experiments"])
+        assert not list(folder.glob(".*")) and not list(kept.parent.glob(".*"))
+    for other in made[1:]:
+        assert other[0] == made[0][0]
+        assert {k: v for k, v in other[1].items() if k != "experiments"} == \
+            {k: v for k, v in made[0][1].items() if k != "experiments"}
 
 
 SMALL = ["-o", "run.name=rot", "-o", "generate.prompts_per_iteration=2", "-o", "generate.num_generations=2",

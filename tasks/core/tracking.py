@@ -17,19 +17,17 @@ one MLflow has, and registration is idempotent.
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import queue
-import shutil
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.core.errors import UserError, disk_full
+from tasks.core.errors import UserError
 from tasks.core.process_wide import set_default
+from tasks.core.tracking_db import create_whole, sqlite_file
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -39,7 +37,6 @@ CURVE_METRIC = "reward/mean"
 EXPERIMENT_KIND = "mlflow.experimentKind"     # what MLflow's UI shows an experiment as (its own tag)
 VIEW_KEY = "rlflow"                           # the experiment's shared view of the runs list (links)
 UI_MODE = "workflowType=machine_learning"     # MLflow's UI opens on its GenAI views unless a link says this
-MIGRATIONS_NEED = 16 << 20     # bytes MLflow's empty sqlite database takes while its migrations run (~1 MB), with room
 LOCAL_UI = "http://127.0.0.1:5000"            # where `mlflow ui` serves a database or folder
 
 
@@ -47,7 +44,7 @@ def _client(uri: str):
     set_default("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.tracking import MlflowClient
 
-    _create_sqlite_whole(uri)
+    create_whole(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
@@ -55,27 +52,17 @@ def reading_client(uri: str, field: str):
     """A client for a command that only reads what the tracking URI holds (a model version to export or to
     score with): a sqlite database that does not exist is one line naming `field`, not a new empty database
     made on the way to "not found"."""
-    database = _sqlite_file(uri)
+    database = sqlite_file(uri)
     if database is not None and not database.exists():
         raise UserError(f"{field}: no MLflow database at {database} (tracking.uri {uri}): nothing is registered there")
     return _client(uri)
-
-
-def _sqlite_file(uri: str) -> Path | None:
-    """The database file of a sqlite tracking URI, absolute; None for any other URI (and sqlite in memory)."""
-    if not uri.startswith("sqlite:"):
-        return None
-    from sqlalchemy.engine import make_url
-
-    database = make_url(uri).database
-    return Path(database).absolute() if database and database != ":memory:" else None
 
 
 def local_folder(uri: str) -> Path | None:
     """The local folder a tracking URI writes in: a sqlite database's, or a file store itself (a bare path or
     file://); None for a server or a database in memory."""
     if uri.startswith("sqlite:"):
-        database = _sqlite_file(uri)
+        database = sqlite_file(uri)
         return database.parent if database is not None else None
     if uri.startswith("file://"):
         return Path(uri[len("file://"):]).absolute()
@@ -136,59 +123,6 @@ def mlflow_command() -> str:
 
     exe = Path(sys.executable).parent / "mlflow"
     return shlex.quote(str(exe)) if exe.exists() else "mlflow"
-
-
-def _create_sqlite_whole(uri: str) -> None:
-    """A new sqlite tracking database appears whole or not at all. MLflow creates it in place, in a few
-    seconds of schema migrations: a process killed in them leaves a half-migrated database that every later
-    run fails on ("duplicate column name"). So it is built under a temporary name and linked into place (an
-    atomic create-if-absent: of two processes creating it, one wins and the other uses the winner's)."""
-    path = _sqlite_file(uri)
-    if path is None or path.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    from tasks.core.processes import alive
-
-    for stale in path.parent.glob(f".{path.name}.creating-*"):       # left by a creator that was killed
-        pid = stale.name.split(".creating-", 1)[1].split("-", 1)[0]
-        if pid.isdigit() and not alive(int(pid)):
-            stale.unlink(missing_ok=True)
-    tmp = path.with_name(f".{path.name}.creating-{os.getpid()}-{threading.get_ident()}")
-    try:
-        from mlflow.tracking import MlflowClient
-
-        tmp_uri = f"sqlite:///{tmp}"
-        client = None
-        try:
-            client = MlflowClient(tracking_uri=tmp_uri, registry_uri=tmp_uri)     # the tables: tracking,
-            client.search_experiments(max_results=1)
-            client.search_registered_models(max_results=1)                      # and the model registry
-        except Exception as e:
-            # sqlite's "database or disk is full" reaches here as whatever migration step it broke (alembic's
-            # "table spans already exists"): a full disk is told by the space left, in one line
-            if shutil.disk_usage(path.parent).free < MIGRATIONS_NEED:
-                raise disk_full(OSError(errno.ENOSPC, "No space left on device", str(path))) from e
-            raise
-        finally:
-            if client is not None:
-                _dispose_engines(client)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-    finally:
-        tmp.unlink(missing_ok=True)
-        for extra in ("-journal", "-wal", "-shm"):
-            tmp.with_name(tmp.name + extra).unlink(missing_ok=True)
-
-
-def _dispose_engines(client) -> None:
-    """Close the client's connections to the temporary database before it is unlinked."""
-    for store in (lambda: client._tracking_client.store, lambda: client._get_registry_client().store):
-        try:
-            store().engine.dispose()
-        except Exception:  # noqa: BLE001 - a courtesy (an open handle to an unlinked file is harmless)
-            pass
 
 
 def readable_prompt(prompt) -> str:
