@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from tasks.core.contracts import Rollout
-from tasks.core.process_wide import restore, set_default
+from tasks.core.process_wide import restore
 
 SPLIT_TAG, ITERATION_TAG, RUN_TAG = "rlflow.split", "rlflow.iteration", "rlflow.run"
 _TEXT_LIMIT = 20_000          # characters of one message content kept in a span (MLflow stores spans as JSON)
@@ -28,12 +28,9 @@ _TEXT_LIMIT = 20_000          # characters of one message content kept in a span
 def trace_to(uri: str) -> None:
     """Send this process's traces to `uri`. MLflow's exporter sends them where its global tracking URI says, and
     mlflow.set_tracking_uri also sets MLFLOW_TRACKING_URI in the process's environment, which every stage process,
-    a later run in this process (tracking.uri's default) and a test after it would inherit: that is put back.
-    They are written as they end (the tracker's own thread is already off the loop): MLflow's asynchronous export
-    polls its queue each second, and each flush waited ~1-3 s for it."""
+    a later run in this process (tracking.uri's default) and a test after it would inherit: that is put back."""
     import mlflow
 
-    set_default("MLFLOW_ENABLE_ASYNC_TRACE_LOGGING", "false")
     before = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     restore("MLFLOW_TRACKING_URI", before)
