@@ -105,6 +105,7 @@ drills: setup            ## the standing drill suite at length (tests/test_drill
 
 bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/flow_overhead.py
+	$(BIN)/python bench/tracking_db.py                     # a new sqlite tracking database: migrated vs copied
 	$(BIN)/python bench/iteration_footprint.py            # files and lines one iteration calls functions in
 	$(BIN)/python bench/train_step_vs_trl.py
 	$(BIN)/python bench/learning_curve_vs_trl.py

@@ -149,24 +149,37 @@ def _dump(database) -> tuple:
 def test_a_new_database_is_a_copy_of_the_kept_empty_one_equal_to_a_migrated_one(tmp_path, monkeypatch):
     """The first sqlite database of an environment is migrated by MLflow and an empty copy kept; the next ones are
     copies of it, equal to a migrated one table for table and row for row (the Default experiment's artifact
-    location is the folder each is opened from); a kept copy that is damaged is replaced by migrating again."""
+    location is the folder each is opened from); a kept copy that is damaged (cut short: sqlite sees it) or that
+    MLflow refuses (another schema revision) is replaced by migrating again; a cache that cannot be read is no
+    error."""
+    import sqlite3
+
     from tasks.core import tracking, tracking_db
 
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
     kept = tracking_db._empty_database()
     made = []
-    for name in ("migrated", "copied", "after-damage"):
+    for name in ("migrated", "copied", "cut-short", "another-revision", "unreadable-cache"):
         folder = tmp_path / name
         folder.mkdir()
         monkeypatch.chdir(folder)
-        if name == "after-damage":
-            kept.write_bytes(kept.read_bytes()[:5000])                     # (a copy cut short)
+        if name == "cut-short":
+            kept.write_bytes(kept.read_bytes()[:5000])
+        if name == "another-revision":
+            with sqlite3.connect(kept) as db:
+                db.execute("UPDATE alembic_version SET version_num = 'ffffffffffff'")
+            db.close()
+        if name == "unreadable-cache":
+            monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache" / "mlflow-db" / kept.name / "under-a-file"))
         client = tracking._client(f"sqlite:///{folder}/mlflow.db")
         made.append(_dump(folder / "mlflow.db"))
         assert client.create_experiment("x") == "1" and client.create_registered_model("m").name == "m"
         tracking_db._dispose_engines(client)
         assert kept.stat().st_size > 5000 and f"'{folder}/mlruns/0'" in str(made[-1][1]["experiments"])
         assert not list(folder.glob(".*")) and not list(kept.parent.glob(".*"))
+        with sqlite3.connect(kept) as db:
+            assert db.execute("SELECT version_num FROM alembic_version").fetchone() != ("ffffffffffff",)
+        db.close()
     for other in made[1:]:
         assert other[0] == made[0][0]
         assert {k: v for k, v in other[1].items() if k != "experiments"} == \

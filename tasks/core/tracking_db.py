@@ -5,6 +5,7 @@ More: docs/internals.md (tasks/core/tracking_db.py).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -44,7 +45,10 @@ def create_whole(uri: str) -> None:
         if pid.isdigit() and not alive(int(pid)):
             stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.creating-{os.getpid()}-{threading.get_ident()}")
-    template = _empty_database()
+    try:
+        template = _empty_database()
+    except Exception:  # noqa: BLE001 - no cache (no home folder, MLflow's metadata missing): always migrate
+        template = None
     try:
         try:
             copied = _open_whole(tmp, template)
@@ -66,32 +70,54 @@ def create_whole(uri: str) -> None:
 
 def _open_whole(tmp: Path, template: Path | None) -> bool:
     """Make `tmp` a database MLflow has opened (its tables, its Default experiment): a copy of this environment's
-    empty one when there is one that opens (True), else by MLflow's migrations (False)."""
+    empty one when there is one that MLflow opens (True), else by MLflow's migrations (False). A kept copy that
+    MLflow refuses (its schema check, a damage sqlite did not see) is removed, and this database migrated."""
+    copied = _copy_empty(template, tmp)
+    try:
+        _open(tmp)
+    except Exception:
+        if not copied:
+            raise
+        template.unlink(missing_ok=True)
+        _remove_sqlite(tmp)
+        fresh = tmp.with_name(f"{tmp.name}-migrated")       # (MLflow keeps its engine for tmp's URI: another name)
+        try:
+            _open(fresh)
+            os.replace(fresh, tmp)
+        finally:
+            _remove_sqlite(fresh)
+        return False
+    return copied
+
+
+def _open(database: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    tmp_uri = f"sqlite:///{tmp}"
-    copied = _copy_empty(template, tmp)
+    uri = f"sqlite:///{database}"
     client = None
     try:
-        client = MlflowClient(tracking_uri=tmp_uri, registry_uri=tmp_uri)     # the tables: tracking,
+        client = MlflowClient(tracking_uri=uri, registry_uri=uri)              # the tables: tracking,
         client.search_experiments(max_results=1)
         client.search_registered_models(max_results=1)                      # and the model registry
     finally:
         if client is not None:
             _dispose_engines(client)
-    return copied
 
 
 def _copy_empty(template: Path | None, tmp: Path) -> bool:
     """Copy the empty database kept here to `tmp`, checked by sqlite (a damaged one is removed: it is migrated
-    again); False where there is none."""
+    again); False where there is none, or it cannot be read (the cache is a convenience: never an error). A full
+    disk where the database goes is raised."""
     import sqlite3
 
     if template is None:
         return False
     try:
         shutil.copyfile(template, tmp)
-    except FileNotFoundError:                       # (none yet, or replaced just now)
+    except OSError as e:                           # (none yet, replaced just now, a cache this user cannot read)
+        _remove_sqlite(tmp)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
         return False
     try:
         db = sqlite3.connect(tmp)
@@ -155,7 +181,8 @@ def _keep_empty(tmp: Path, template: Path | None) -> None:
     except (OSError, sqlite3.Error):
         pass
     finally:
-        _remove_sqlite(part)
+        with contextlib.suppress(OSError):
+            _remove_sqlite(part)
 
 
 def _remove_sqlite(database: Path) -> None:
