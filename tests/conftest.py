@@ -170,12 +170,27 @@ def bucket(s3_endpoint):
 
 @pytest.fixture(scope="session")
 def prefect_api():
-    """One Prefect API for the session; its URL is handed to subprocess runs too."""
+    """One Prefect API for the session; its URL is handed to subprocess runs too. At the session's end Prefect's
+    log and event workers are drained with a timeout, as `rlflow run` does (flows/cli.py), and the harness's own
+    drain, which has none, is skipped: a clean-clone run hung there after its last test (2026-12-03)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
     from prefect.settings import get_current_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    class Drained:
+        def drain(self, *args, **kwargs):
+            return None
+
+    with pytest.MonkeyPatch.context() as patch, prefect_test_harness(server_startup_timeout=120):
         yield str(get_current_settings().api.url)
+        for worker in (APILogWorker, EventsWorker):
+            try:
+                worker.drain_all(timeout=10)
+            except Exception:  # noqa: BLE001 - a worker never started, or one that is gone: nothing to send
+                pass
+        patch.setattr(APILogWorker, "instance", classmethod(lambda cls, *args, **kwargs: Drained()))
+        patch.setattr(EventsWorker, "drain_all", classmethod(lambda cls, *args, **kwargs: None))
 
 
 def _free_port() -> int:
