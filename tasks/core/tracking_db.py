@@ -38,13 +38,8 @@ def create_whole(uri: str) -> None:
     if path is None or path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    from tasks.core.processes import alive
-
-    for stale in path.parent.glob(f".{path.name}.creating-*"):       # left by a creator that was killed
-        pid = stale.name.split(".creating-", 1)[1].split("-", 1)[0]
-        if pid.isdigit() and not alive(int(pid)):
-            stale.unlink(missing_ok=True)
-    tmp = path.with_name(f".{path.name}.creating-{os.getpid()}-{threading.get_ident()}")
+    _clear_stale(path)
+    tmp = _temporary(path)
     try:
         template = _empty_database()
     except Exception:  # noqa: BLE001 - no cache (no home folder, MLflow's metadata missing): always migrate
@@ -143,11 +138,7 @@ def _empty_database() -> Path | None:
 
     import mlflow.store.db_migrations as migrations
 
-    versions = Path(migrations.__file__).parent / "versions"
-    try:
-        names = sorted(p.name for p in versions.glob("*.py"))
-    except OSError:
-        return None
+    names = sorted(p.name for p in (Path(migrations.__file__).parent / "versions").glob("*.py"))
     if not names:
         return None
     from tasks.core.paths import cache_root
@@ -162,17 +153,12 @@ def _keep_empty(tmp: Path, template: Path | None) -> None:
     temporary name and renamed: a copy cut short is never used. A cache that cannot be written is no error."""
     import sqlite3
 
-    from tasks.core.processes import alive
-
     if template is None:
         return
-    part = template.with_name(f".{template.name}.{os.getpid()}-{threading.get_ident()}")
+    part = _temporary(template)
     try:
         template.parent.mkdir(parents=True, exist_ok=True)
-        for stale in template.parent.glob(f".{template.name}.*"):        # left by a process that was killed
-            pid = stale.name.rsplit(".", 1)[1].split("-", 1)[0]
-            if pid.isdigit() and not alive(int(pid)):
-                stale.unlink(missing_ok=True)
+        _clear_stale(template)
         shutil.copyfile(tmp, part)
         with sqlite3.connect(part) as db:
             db.execute("DELETE FROM experiments")
@@ -183,6 +169,21 @@ def _keep_empty(tmp: Path, template: Path | None) -> None:
     finally:
         with contextlib.suppress(OSError):
             _remove_sqlite(part)
+
+
+def _temporary(path: Path) -> Path:
+    """The name `path` is written under by this thread, renamed or linked into place when whole."""
+    return path.with_name(f".{path.name}.creating-{os.getpid()}-{threading.get_ident()}")
+
+
+def _clear_stale(path: Path) -> None:
+    """Remove the temporary files of `path` (and their journals) left by processes that were killed."""
+    from tasks.core.processes import alive
+
+    for stale in path.parent.glob(f".{path.name}.creating-*"):
+        pid = stale.name.split(".creating-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not alive(int(pid)):
+            stale.unlink(missing_ok=True)
 
 
 def _remove_sqlite(database: Path) -> None:
