@@ -518,9 +518,11 @@ def run_row(number: int, args, top: Path) -> dict:
         traceback.print_exc()
         status, result = f"**FAILED**: {one_line(e)}", ""
     seconds = time.perf_counter() - t0
-    print(f"gpu_check: row {number}: {status} in {seconds:.1f} s", file=sys.stderr, flush=True)
+    row = {"number": number, "name": name, "status": status, "seconds": seconds, "result": result}
+    # The row's table line as soon as it is known: a run stopped before the table (a timeout) keeps its rows
+    print(f"gpu_check: row {number}: {status} in {seconds:.1f} s\n{table_line(row)}", file=sys.stderr, flush=True)
     shutil.rmtree(work, ignore_errors=True)
-    return {"number": number, "name": name, "status": status, "seconds": seconds, "result": result}
+    return row
 
 
 def prepare_model(args, top: Path) -> str:
@@ -568,9 +570,12 @@ def table(args, cfg, rows: list[dict], model_line: str, command: str) -> str:
         "| # | check | status | seconds | result |",
         "|---|---|---|---:|---|",
     ]
-    for r in rows:
-        lines.append(f"| {r['number']} | {r['name']} | {r['status']} | {r['seconds']:.1f} | {r['result']} |")
+    lines.extend(table_line(r) for r in rows)
     return "\n".join(lines) + "\n"
+
+
+def table_line(r: dict) -> str:
+    return f"| {r['number']} | {r['name']} | {r['status']} | {r['seconds']:.1f} | {r['result']} |"
 
 
 def main(argv: list[str] | None = None) -> int:
