@@ -29,7 +29,7 @@ there too: tasks/core/models.py, device_for):
   7 generate.streaming (issue 42), hf engine, bfloat16: two iterations' groups from the run's streaming
     sampler (continuous batching; S = 1, both from the base model): its tokens/s, every token tagged with its
     version, none discarded (row 9: the same on the vLLM engine, tasks/engines/vllm_stream.py; it needs a CUDA
-    vllm in .venv-vllm or generate.vllm_python, and says so in its row when there is none)
+    vllm in .venv-vllm or generate.vllm_python, and is skipped with that reason in its row when there is none)
   8 configs/browser.yaml's warm start (issue 43): the shop served on 127.0.0.1, the reference policy's episodes of
     16 training tasks recorded, SFT on them (bf16; v0 published), then one RL iteration of the model in headless
     Chromium from v0: the recipe's sizes with --model in place of its Qwen2.5-1.5B (no hub on the device)
@@ -422,6 +422,13 @@ def row_streaming(args, work: Path, engine: str = "hf") -> str:
 
     cfg = config(args, work, f"streaming-{engine}", [*BF16, f"generate.engine={engine}", "run.max_staleness=1",
                                                      "run.iterations=2", "generate.streaming.on_update=interrupt"])
+    if engine == "vllm":
+        from tasks.engines.vllm_offline import installed_python
+
+        try:
+            installed_python(cfg)
+        except UserError as e:              # (a machine without vLLM: no measurement, not a failure of the check)
+            raise Skipped(str(e)) from None
     try:
         metrics = [generate(cfg, it)["metrics"] for it in (1, 2)]
     finally:
