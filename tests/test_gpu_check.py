@@ -87,6 +87,28 @@ def test_a_failing_row_is_recorded_the_others_run_and_the_exit_code_says_so(tmp_
     assert gpu_check.main(["--device", "cpu", "--rows", "1"]) == 0
 
 
+def test_the_vllm_row_is_skipped_with_the_reason_where_there_is_no_vllm(tmp_path, monkeypatch, capsys):
+    """A GPU machine without vLLM (the lent H200's image) measures nothing in row 9: skipped, saying why, not FAILED;
+    and each row's table line is printed as it ends (a run stopped later keeps it)."""
+    import argparse
+
+    from tasks.core.errors import UserError
+    from tasks.engines import vllm_offline
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def no_vllm(cfg):
+        raise UserError("generate.engine: vllm: /x/python has no vllm")
+
+    monkeypatch.setattr(vllm_offline, "installed_python", no_vllm)
+    args = argparse.Namespace(model="builtin:tiny-lm", config=str(gpu_check.RECIPE), device="cpu", quick=True)
+    row = gpu_check.run_row(9, args, tmp_path)
+    assert row["status"] == "skipped (generate.engine: vllm: /x/python has no vllm)", row
+    assert gpu_check.table_line(row) in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.gpu
 def test_the_whole_check_passes_on_a_cuda_gpu(tmp_path):
