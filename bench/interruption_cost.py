@@ -2,7 +2,7 @@
 batch with a new policy arriving in the middle of its sequences (tasks/engines/hf.py: Interruption).
 
     python bench/interruption_cost.py [--config configs/smollm2-arith.yaml] [--prompts 16] [--tokens 64]
-                                      [--at 1 16] [--repeats 3]
+                                      [--at 1 16] [--repeats 3] [--device cuda] [--model PATH] [--dtype bfloat16]
 
 The model is the recipe's (SmolLM2-135M-Instruct on CPU), its prompts the recipe's first ones, tokenised as the
 generate stage does. The new policy is the same architecture with every weight moved (as an update does), saved
@@ -54,8 +54,15 @@ class LoadFromFile:
         with torch.no_grad():
             for name, tensor in load_file(self.path).items():
                 state[name].copy_(tensor)
+        synchronize()
         self.load_seconds = time.perf_counter() - t0
         return model, 1
+
+
+def synchronize() -> None:
+    """(On a GPU: the clock read after the device's work, not after its launch.)"""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -66,6 +73,9 @@ def main() -> None:
     ap.add_argument("--at", type=int, nargs="+", default=[1, 16], help="decode steps before the new policy "
                     "arrives (one measurement each)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="where the model samples (cpu, cuda)")
+    ap.add_argument("--model", default=None, help="model.name_or_path (default: the recipe's)")
+    ap.add_argument("--dtype", default=None, help="model.dtype (default: the recipe's)")
     args = ap.parse_args()
 
     from tasks.core import data
@@ -74,10 +84,12 @@ def main() -> None:
     from tasks.core.models import base_path, encode_prompt, load_model, load_tokenizer
     from tasks.engines.hf import hf_generate
 
-    cfg = load_config(args.config, ["generate.num_generations=8"])
+    cfg = load_config(args.config, ["generate.num_generations=8",
+                                     *([f"model.name_or_path={args.model}"] if args.model else []),
+                                     *([f"model.dtype={args.dtype}"] if args.dtype else [])])
     path = base_path(cfg)
     tok = load_tokenizer(path)
-    model = load_model(path, cfg.model.dtype).eval()
+    model = load_model(path, cfg.model.dtype, args.device).eval()
     ds = data.load_prompts(cfg)
     prompts = [encode_prompt(tok, data.prompt_of(cfg, ds[i]), cfg.generate.max_prompt_length)
                for i in range(args.prompts)]
@@ -87,10 +99,11 @@ def main() -> None:
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
         for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
-    print(f"{platform.node()}: {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads);"
-          f" {cfg.model.name_or_path}, {args.prompts} prompts x {params.n} samples, up to {args.tokens} tokens, "
-          f"temperature {params.temperature}", flush=True)
+            p.add_(torch.randn(p.shape, generator=gen).to(p) * 1e-3)
+    where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU"
+    print(f"{platform.node()}: {where}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} "
+          f"threads); {cfg.model.name_or_path} ({cfg.model.dtype}), {args.prompts} prompts x {params.n} samples, up "
+          f"to {args.tokens} tokens, temperature {params.temperature}", flush=True)
     with tempfile.TemporaryDirectory(prefix="rlflow-interrupt-") as tmp:
         new.save_pretrained(tmp)                       # (tied embeddings: one tensor in the file, as published)
         weights = Path(tmp) / "model.safetensors"
@@ -108,12 +121,14 @@ def main() -> None:
                 restore()
                 t0 = time.perf_counter()
                 out = hf_generate(model, tok, prompts, params, len(prompts))
+                synchronize()
                 plain.append(time.perf_counter() - t0)
                 tokens["plain"] = sum(len(s.completion_ids) for s in out)
                 restore()
                 interrupt = LoadFromFile(at, weights)
                 t0 = time.perf_counter()
                 out = hf_generate(model, tok, prompts, params, len(prompts), interrupt=interrupt)
+                synchronize()
                 interrupted.append(time.perf_counter() - t0)
                 loads.append(interrupt.load_seconds)
                 tokens["interrupted"] = sum(len(s.completion_ids) for s in out)
