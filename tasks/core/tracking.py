@@ -158,6 +158,9 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+_STOP = object()        # (the Tracker's flushing thread ends on it)
+
+
 class Tracker:
     """The MLflow side of one training run.
 
@@ -198,7 +201,9 @@ class Tracker:
 
     def _work(self) -> None:
         while True:
-            self._jobs.get()
+            if self._jobs.get() is _STOP:
+                self._jobs.task_done()
+                return
             try:
                 if self._failure is None:
                     self._flush()
@@ -395,6 +400,16 @@ class Tracker:
         except Exception:
             if status == "FINISHED":
                 raise
+        finally:
+            self._stop_worker()
+
+    def _stop_worker(self) -> None:
+        """End the flushing thread once the run is closed (a process that runs many flows, a tuning study's or a
+        Prefect worker's, kept one idle thread per run); a later flush starts another."""
+        if (worker := self._worker) is not None:
+            self._worker = None
+            self._jobs.put(_STOP)
+            worker.join(timeout=30)
 
     def model_version(self, policy_uri: str) -> str | None:
         """The registered model version of a published policy (after drain; None when registration is off)."""
