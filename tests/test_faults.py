@@ -151,8 +151,10 @@ def test_a_new_database_is_a_copy_of_the_kept_empty_one_equal_to_a_migrated_one(
     copies of it, equal to a migrated one table for table and row for row (the Default experiment's artifact
     location is the folder each is opened from); a kept copy that is damaged (cut short: sqlite sees it) or that
     MLflow refuses (another schema revision) is replaced by migrating again; a cache that cannot be read is no
-    error."""
+    error; the part of a kept copy that a killed process was writing goes once a database is copied."""
     import sqlite3
+    import subprocess
+    import sys
 
     from tasks.core import tracking, tracking_db
 
@@ -163,6 +165,11 @@ def test_a_new_database_is_a_copy_of_the_kept_empty_one_equal_to_a_migrated_one(
         folder = tmp_path / name
         folder.mkdir()
         monkeypatch.chdir(folder)
+        if name == "copied":                # (a process gone since: its pid, reaped)
+            dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True, check=True).stdout.strip()
+            for suffix in ("", "-journal"):
+                (kept.parent / f".{kept.name}.creating-{dead}-1{suffix}").write_bytes(b"cut short")
         if name == "cut-short":
             kept.write_bytes(kept.read_bytes()[:5000])
         if name == "another-revision":

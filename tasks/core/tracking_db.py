@@ -107,6 +107,8 @@ def _copy_empty(template: Path | None, tmp: Path) -> bool:
 
     if template is None:
         return False
+    with contextlib.suppress(OSError):          # (a kept copy's part a killed process left: gone once one is kept)
+        _clear_stale(template)
     try:
         shutil.copyfile(template, tmp)
     except OSError as e:                           # (none yet, replaced just now, a cache this user cannot read)
