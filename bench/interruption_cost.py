@@ -4,17 +4,17 @@ batch with a new policy arriving in the middle of its sequences (tasks/engines/h
     python bench/interruption_cost.py [--config configs/smollm2-arith.yaml] [--prompts 16] [--tokens 64]
                                       [--at 1 16] [--repeats 3] [--device cuda] [--model PATH] [--dtype bfloat16]
 
-The model is the recipe's (SmolLM2-135M-Instruct on CPU), its prompts the recipe's first ones, tokenised as the
-generate stage does. The new policy is the same architecture with every weight moved (as an update does), saved
-as safetensors: `apply` reads the file and copies it into the model in place, as the resident model's reload
-does. Interrupted after `--at` decode steps, the unfinished sequences continue from their partial tokens with a
-fresh prefill under the new weights. Printed per interruption point: seconds per batch for both sides (plain and
-interrupted alternate; median and best), completion tokens and tokens/s (the new policy writes other lengths),
-and the weight load alone. After 1 step nothing has finished: the difference is the interruption's own cost
-(the load, the refill of every sequence's prompt, no longer shared by its group, and a second generate call).
-Later, the sequences that ended are left out of the continued call, which transformers' one call keeps
-decoding padded to the end: that shortens the batch (a side effect, not a cost). The interrupted side discards
-no token: it keeps every token drawn before the swap.
+The model is the recipe's (SmolLM2-135M-Instruct on CPU; --model, --dtype and --device change it: on a GPU the clock
+is read after the device finished), its prompts the recipe's first ones, tokenised as the generate stage does. The
+new policy is the same architecture with every weight moved (as an update does), saved as safetensors: `apply` reads
+the file and copies it into the model in place, as the resident model's reload does. Interrupted after `--at` decode
+steps, the unfinished sequences continue from their partial tokens with a fresh prefill under the new weights.
+Printed per interruption point: seconds per batch for both sides (plain and interrupted alternate; median and best),
+completion tokens and tokens/s (the new policy writes other lengths), and the weight load alone. After 1 step
+nothing has finished: the difference is the interruption's own cost (the load, the refill of every sequence's
+prompt, no longer shared by its group, and a second generate call). Later, the sequences that ended are left out of
+the continued call, which transformers' one call keeps decoding padded to the end: that shortens the batch (a side
+effect, not a cost). The interrupted side discards no token: it keeps every token drawn before the swap.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         for p in new.parameters():
             p.add_(torch.randn(p.shape, generator=gen).to(p) * 1e-3)
-    where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU"
+    where = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "CPU"
     print(f"{platform.node()}: {where}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} "
           f"threads); {cfg.model.name_or_path} ({cfg.model.dtype}), {args.prompts} prompts x {params.n} samples, up "
           f"to {args.tokens} tokens, temperature {params.temperature}", flush=True)

@@ -186,6 +186,7 @@ class Tracker:
         self._jobs: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self._ended = False                        # end() ran: no thread flushes any more (see _stop_worker)
 
     # ---- background flushing
     def _check(self) -> None:
@@ -193,6 +194,10 @@ class Tracker:
             raise RuntimeError(f"MLflow logging failed: {self._failure}") from self._failure
 
     def _request_flush(self) -> None:
+        if self._ended:             # (after end: flushed in the caller's thread, so no thread outlives the run)
+            self._last_flush = time.monotonic()
+            self._flush()
+            return
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="rlflow-tracking", daemon=True)
             self._worker.start()
@@ -398,18 +403,21 @@ class Tracker:
             self.drain()
             self.client.set_terminated(self.run_id, status=status)
         except Exception:
+            self._stop_worker()
             if status == "FINISHED":
                 raise
-        finally:
+        else:
             self._stop_worker()
 
     def _stop_worker(self) -> None:
         """End the flushing thread once the run is closed (a process that runs many flows, a tuning study's or a
-        Prefect worker's, kept one idle thread per run); a later flush starts another."""
+        Prefect worker's, kept one idle thread per run). Called after drain(), so the thread is idle and ends at
+        once; not on an interrupt (Ctrl-C in drain: the process is ending, and a join would hold it back)."""
+        self._ended = True
         if (worker := self._worker) is not None:
             self._worker = None
             self._jobs.put(_STOP)
-            worker.join(timeout=30)
+            worker.join()
 
     def model_version(self, policy_uri: str) -> str | None:
         """The registered model version of a published policy (after drain; None when registration is off)."""
