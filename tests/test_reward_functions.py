@@ -339,6 +339,27 @@ def test_a_worker_outlives_the_thread_that_started_it(bad_module):
     assert scored.errors == {} and scored.scores["good"] == [0.0, 1.0, 0.0, 1.0]
 
 
+def test_idle_workers_are_bounded_the_least_recently_used_killed_first(bad_module, monkeypatch):
+    """A process that scores with many sets of functions (a study's trials, the tests) keeps at most MAX_IDLE idle
+    workers: the set used least recently loses its worker (the process ends), the others keep theirs and still
+    score; a set whose worker went gets a new one."""
+    from tasks.scoring import functions as module
+
+    monkeypatch.setattr(module, "MAX_IDLE", 2)
+    sets = [_functions(names) for names in (["good"], ["clears"], ["good", "clears"])]
+    workers = []
+    for functions in sets:
+        assert not score_records(functions, _records(), "sum").errors
+        workers.append(module._idle[module._key(functions)][-1])
+    assert sum(map(len, module._idle.values())) <= 2
+    assert module._key(sets[0]) not in module._idle and workers[0].ended(wait=5.0) != "running"
+    assert workers[1].alive() and workers[2].alive()
+    assert score_records(sets[1], _records(), "sum").scores["clears"] == [0.5] * 4
+    assert module._idle[module._key(sets[1])] == [workers[1]]          # (the same process served it)
+    assert not score_records(sets[0], _records(), "sum").errors         # (a new worker)
+    assert workers[2].ended(wait=5.0) != "running"                      # (now the least recent)
+
+
 @pytest.mark.parametrize("bad", ["hangs", "spins"])
 def test_a_hanging_function_is_killed_at_its_timeout(bad_module, bad):
     functions = _functions([bad, "good"], timeout_seconds=2)

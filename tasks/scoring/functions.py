@@ -242,7 +242,10 @@ def _pythonpath(cwd: str) -> str:
 # caller at a time. With run.max_staleness > 0 the flow's threads score at once (the reward stage of iteration
 # N+1 in the look-ahead lane, the evaluation of N in the loop); sharing a worker, a caller could read the other's
 # reply (another batch's scores) or lose the worker to the other's timeout. As many workers as callers at once.
-_idle: dict[str, list[_Worker]] = {}
+# At most MAX_IDLE wait, the least recently given back killed first: a process that runs many flows (a study's
+# trials, the tests) kept a worker of every set of functions it ever scored with, each a Python process.
+MAX_IDLE = 8
+_idle: dict[str, list[_Worker]] = {}          # (in the order given back: the least recent key first)
 _workers_lock = threading.Lock()
 _shown: set[str] = set()       # functions whose first failure this process has printed
 
@@ -295,8 +298,19 @@ def start_worker(functions: RewardFunctions, keep: bool = True) -> None:
 
 
 def _give_back(functions: RewardFunctions, w: _Worker) -> None:
+    evicted = []
     with _workers_lock:
-        _idle.setdefault(_key(functions), []).append(w)
+        key = _key(functions)
+        _idle[key] = [*_idle.pop(key, []), w]                  # (its key to the end: the most recent)
+        for empty in [k for k, idle in _idle.items() if not idle]:     # (all taken: _take leaves the key)
+            del _idle[empty]
+        while sum(map(len, _idle.values())) > MAX_IDLE:
+            oldest = next(iter(_idle))
+            evicted.append(_idle[oldest].pop(0))
+            if not _idle[oldest]:
+                del _idle[oldest]
+    for old in evicted:
+        old.kill()
 
 
 def _key(functions: RewardFunctions) -> str:
