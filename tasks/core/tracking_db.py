@@ -107,7 +107,7 @@ def _copy_empty(template: Path | None, tmp: Path) -> bool:
 
     if template is None:
         return False
-    with contextlib.suppress(OSError):          # (a kept copy's part a killed process left: gone once one is kept)
+    with contextlib.suppress(OSError):  # (parts of a kept copy that killed processes left: before a copy or a keep)
         _clear_stale(template)
     try:
         shutil.copyfile(template, tmp)
@@ -160,7 +160,6 @@ def _keep_empty(tmp: Path, template: Path | None) -> None:
     part = _temporary(template)
     try:
         template.parent.mkdir(parents=True, exist_ok=True)
-        _clear_stale(template)
         shutil.copyfile(tmp, part)
         with sqlite3.connect(part) as db:
             db.execute("DELETE FROM experiments")

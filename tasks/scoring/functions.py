@@ -271,9 +271,13 @@ def _take(functions: RewardFunctions) -> _Worker:
     """An idle worker for these functions, else a new one (started by the lasting thread)."""
     global _starter
     with _workers_lock:
-        idle = _idle.setdefault(_key(functions), [])
+        key = _key(functions)
+        idle = _idle.get(key, [])
         while idle:
-            if (w := idle.pop()).alive():
+            w = idle.pop()
+            if not idle:
+                del _idle[key]     # (no key without an idle worker: _give_back counts and evicts by key)
+            if w.alive():
                 return w
             w.kill()               # (ended while idle: what it started in its group goes with it)
         if _starter is None:
@@ -302,8 +306,6 @@ def _give_back(functions: RewardFunctions, w: _Worker) -> None:
     with _workers_lock:
         key = _key(functions)
         _idle[key] = [*_idle.pop(key, []), w]                  # (its key to the end: the most recent)
-        for empty in [k for k, idle in _idle.items() if not idle]:     # (all taken: _take leaves the key)
-            del _idle[empty]
         while sum(map(len, _idle.values())) > MAX_IDLE:
             oldest = next(iter(_idle))
             evicted.append(_idle[oldest].pop(0))
