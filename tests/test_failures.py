@@ -382,3 +382,51 @@ def test_the_last_line_says_how_often_a_failing_stage_was_tried():
     except RuntimeError as wrapped:
         assert final_line(wrapped, 2)[0].startswith("error: the generate stage's process was killed (SIGKILL); ")
     assert final_line(ValueError("nobody foresaw this"), 1) is None
+
+
+def test_a_bug_in_a_handler_of_a_users_mistake_is_reported_as_the_bug():
+    """An exception raised while a UserError was being handled (its implicit context) is a new failure: no
+    one-line "error: <the user's mistake>" with exit 2 hiding a traceback of rlflow's own bug, and Prefect may
+    retry it. A UserError raised *from* another exception, or re-raised from a wrapper, is still the user's; a
+    full disk is found behind a library's handler too (a write that failed, re-raised without `from`)."""
+    import errno
+
+    from flows.repair import final_line, retryable
+
+    class State:
+        def __init__(self, data):
+            self.data = data
+
+    def raised(make):
+        try:
+            make()
+        except BaseException as e:  # noqa: BLE001 - the test keeps whatever was raised
+            return e
+
+    def handler_bug():
+        try:
+            raise UserError("data.path: expected a .jsonl file, found a folder")
+        except UserError:
+            {}["a key the handler forgot"]
+
+    def wrapped():
+        try:
+            raise UserError("data.path: expected a .jsonl file, found a folder")
+        except UserError as e:
+            raise RuntimeError("the Prefect task around it") from e
+
+    bug, user = raised(handler_bug), raised(wrapped)
+    assert isinstance(bug, KeyError) and final_line(bug) is None
+    assert retryable(None, None, State(bug))
+    assert final_line(user) == ("error: data.path: expected a .jsonl file, found a folder", 2)
+    assert not retryable(None, None, State(user))
+
+    def library_write():
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/data/run/policy.bin")
+        except OSError:
+            raise RuntimeError("file write failed")  # noqa: B904 - as a library without `from` does
+
+    line, code = final_line(raised(library_write))
+    assert code == 1 and line.startswith("error: no space left on device writing /data/run/policy.bin")
+

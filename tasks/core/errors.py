@@ -51,17 +51,31 @@ def redact(text: str) -> str:
 
 
 def cause_of(exc: BaseException | None, kinds) -> BaseException | None:
-    """The exception of type `kinds` behind `exc`, also when Prefect or a chain of exceptions wraps it."""
+    """The exception of type `kinds` that `exc` is, or was raised from (`raise ... from`, however deep).
+
+    Not one that was being handled when `exc` was raised (its implicit `__context__`): that is a new failure, such
+    as a bug in a handler of a UserError, and is reported as itself (exit 1, with both tracebacks), not as the
+    user's mistake (rlflow's own code re-raises with `from`: ruff's B904 rule, `make lint`).
+    >>> try:
+    ...     try:
+    ...         raise UserError("data.path: expected a file")
+    ...     except UserError:
+    ...         {}["bug"]
+    ... except KeyError as e:
+    ...     cause_of(e, UserError) is None
+    True
+    """
     return next((e for e in chain(exc) if isinstance(e, kinds)), None)
 
 
-def chain(exc: BaseException | None):
-    """`exc` and the exceptions behind it (each cause, else context), each once."""
+def chain(exc: BaseException | None, implicit: bool = False):
+    """`exc` and the exceptions behind it, each once: each explicit cause (`raise ... from`), and with `implicit`
+    also the exception being handled when one was raised (unless `raise ... from None` said it is not the cause)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         yield exc
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__ or (exc.__context__ if implicit and not exc.__suppress_context__ else None)
 
 
 def user_error_line(error: UserError) -> str:
@@ -118,7 +132,9 @@ def disk_full(exc: BaseException | None) -> DiskFull | None:
     said = cause_of(exc, DiskFull)
     if said is not None:
         return said
-    full = next((e for e in chain(exc) if isinstance(e, OSError) and e.errno in _FULL), None)
+    # A library may re-raise a failed write without `from` (an error in its handler of the OSError): the disk
+    # is as full, so here the implicit context counts too.
+    full = next((e for e in chain(exc, implicit=True) if isinstance(e, OSError) and e.errno in _FULL), None)
     if full is None:
         return None
     where = full.filename2 or full.filename
