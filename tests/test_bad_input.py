@@ -950,3 +950,26 @@ def test_files_and_messages_the_checks_must_leave_alone(tmp_path):
                  {"type": "function", "function": {"name": "search", "arguments": None}},
                  {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "tea"}'}}):
         assert message_fault({"role": "assistant", "content": "", "tool_calls": [call]}) is None, call
+
+
+def test_a_refused_data_file_leaves_nothing_in_datasets_cache(tmp_path, monkeypatch):
+    """A local data file refused for what it holds (a column missing, a row that does not parse) leaves nothing
+    in datasets' cache (was: its Arrow copy and lock files under ~/.cache/huggingface/datasets); a good one is
+    read whole, in memory, and a .map() of it writes no cache file either."""
+    import datasets
+
+    from tasks.core.data import load_prompts
+
+    cache = tmp_path / "hf-datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    (tmp_path / "no_prompt.jsonl").write_text('{"question": "1+1"}\n{"question": "2+2"}\n')
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "1+1"}\n{"prompt": \n')
+    (tmp_path / "good.csv").write_text("prompt,answer\n1+1,2\n2+2,4\n")
+    for name, said in (("no_prompt.jsonl", "data.prompt_column: column 'prompt' not in"),
+                       ("broken.jsonl", "line 2")):
+        cfg = load_config(TINY, [f"data.path={tmp_path / name}"])
+        with pytest.raises(UserError, match=said):
+            load_prompts(cfg)
+    table = load_prompts(load_config(TINY, [f"data.path={tmp_path / 'good.csv'}"]))
+    assert table["prompt"] == ["1+1", "2+2"] and table.map(lambda row: {"n": len(row["prompt"])})["n"] == [3, 3]
+    assert not cache.exists() or not any(cache.rglob("*")), sorted(str(p) for p in cache.rglob("*"))

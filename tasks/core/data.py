@@ -7,8 +7,10 @@ prompts for the same iteration, and the data cursor saved with a checkpoint is j
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,18 +100,24 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
         if Path(path).exists():
             if suffix not in _LOCAL_FORMATS:
                 raise UserError(f"{field}: {path}: expected a .json/.jsonl/.csv/.parquet file")
-            if Path(path).is_file() and Path(path).stat().st_size <= _READ_FIRST_BYTES:
-                if (fault := _row_fault(Path(path))) is not None:      # (what datasets would misread or say badly)
-                    raise UserError(f"{field}: {path}: {fault}")
-            try:
-                datasets.logging.set_verbosity(datasets.logging.CRITICAL)    # (it logs the error we report)
-                table = datasets.load_dataset(_LOCAL_FORMATS[suffix], data_files={split: path}, split=split)
-                table.data.table.validate(full=True)   # (JSON strings that are not UTF-8 load, and fail when read)
-                return table
-            except Exception as e:  # noqa: BLE001 - said as one line, with the file's line or row
-                raise UserError(f"{field}: {path}: {_where_unreadable(Path(path), e)}") from None
-            finally:
-                datasets.logging.set_verbosity(datasets.logging.WARNING)
+            small = Path(path).is_file() and Path(path).stat().st_size <= _READ_FIRST_BYTES
+            if small and (fault := _row_fault(Path(path))) is not None:   # (what datasets would misread or say badly)
+                raise UserError(f"{field}: {path}: {fault}")
+            # A file up to _READ_FIRST_BYTES is read into memory through a cache folder removed at once: nothing is
+            # left in datasets' cache (~/.cache/huggingface) for a file that is refused (a column missing, a bad
+            # row) or edited later, and a .map() of it writes no cache files either. A larger one keeps datasets'
+            # Arrow cache, which spares each stage process parsing it again.
+            with tempfile.TemporaryDirectory(prefix="rlflow-data-") if small else contextlib.nullcontext() as cache:
+                try:
+                    datasets.logging.set_verbosity(datasets.logging.CRITICAL)    # (it logs the error we report)
+                    table = datasets.load_dataset(_LOCAL_FORMATS[suffix], data_files={split: path}, split=split,
+                                                  cache_dir=cache, keep_in_memory=small)
+                    table.data.table.validate(full=True)  # (JSON strings that are not UTF-8 load, and fail when read)
+                    return table
+                except Exception as e:  # noqa: BLE001 - said as one line, with the file's line or row
+                    raise UserError(f"{field}: {path}: {_where_unreadable(Path(path), e)}") from None
+                finally:
+                    datasets.logging.set_verbosity(datasets.logging.WARNING)
         offline = not _hub_reachable()
         if offline:          # (else datasets retries for ~25 s, printing each retry): the local cache alone
             _go_offline(datasets)
