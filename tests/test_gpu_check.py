@@ -100,13 +100,20 @@ def test_the_vllm_row_is_skipped_with_the_reason_where_there_is_no_vllm(tmp_path
     spec.loader.exec_module(gpu_check)
 
     def no_vllm(cfg):
-        raise UserError("generate.engine: vllm: /x/python has no vllm")
+        raise vllm_offline.NoVllm("generate.engine: vllm: /x/python has no vllm")
 
     monkeypatch.setattr(vllm_offline, "installed_python", no_vllm)
     args = argparse.Namespace(model="builtin:tiny-lm", config=str(gpu_check.RECIPE), device="cpu", quick=True)
     row = gpu_check.run_row(9, args, tmp_path)
     assert row["status"] == "skipped (generate.engine: vllm: /x/python has no vllm)", row
     assert gpu_check.table_line(row) in capsys.readouterr().err
+
+    def not_an_interpreter(cfg):      # (a generate.vllm_python that names no interpreter: the check fails)
+        raise UserError("generate.vllm_python: /x/python does not exist")
+
+    monkeypatch.setattr(vllm_offline, "installed_python", not_an_interpreter)
+    failed = gpu_check.run_row(9, args, tmp_path)
+    assert failed["status"] == "**FAILED**: generate.vllm_python: /x/python does not exist", failed
 
 
 @pytest.mark.slow

@@ -45,6 +45,11 @@ def vllm_python(cfg: Config) -> str:
     return cfg.generate.vllm_python or sibling_python(".venv-vllm") or sys.executable
 
 
+class NoVllm(UserError):
+    """The vLLM interpreter runs, and has no vllm (a machine without it: the GPU check skips its vLLM row, where a
+    generate.vllm_python that is no interpreter at all fails it)."""
+
+
 def installed_python(cfg: Config) -> str:
     """The vLLM interpreter, or one UserError line if it is missing or has no vllm. Looks the module up without
     importing it (importing vllm takes seconds): for the flow's preflight and both vLLM engines."""
@@ -56,7 +61,7 @@ def installed_python(cfg: Config) -> str:
     has_vllm = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     probe = run([python, "-c", has_vllm], stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if probe.returncode != 0:
-        raise UserError(f"generate.engine: vllm: {python} has no vllm; make setup builds .venv-vllm, a GPU machine "
+        raise NoVllm(f"generate.engine: vllm: {python} has no vllm; make setup builds .venv-vllm, a GPU machine "
                         f"needs `pip install vllm`")
     return python
 
