@@ -53,6 +53,20 @@ class Flaky:
             for _ in range(8):
                 print("x" * (1 << 20))
                 sys.stderr.write("e" * 1000 + "\n")
+        if self.mode == "signals_up" and self.turn == 2:  # signal 0 (nothing sent) to every process above it
+            import os
+
+            from tasks.core.process_wide import _ancestors
+            for target in [p for p, _ in _ancestors()] + [-g for _, g in _ancestors()] + [-1]:
+                try:
+                    os.kill(target, 0)
+                    said = "reached"
+                except PermissionError:
+                    said = "refused"
+                except ProcessLookupError:
+                    said = "gone"
+                with open(self._pids, "a") as f:
+                    f.write(f"{target} {said}\n")
         if self.mode == "sys_exit" and self.turn == 2:
             import sys
             sys.exit(0)

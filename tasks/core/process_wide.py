@@ -157,6 +157,89 @@ def user_code() -> Iterator[None]:
         _USER.pid = before
 
 
+# ------------------------------------------------------------------------ rlflow's processes, out of users' reach
+
+def keep_off_ancestors() -> bool:
+    """This process runs users' code (the reward worker, an episode's or an agent's process): from now on neither
+    it nor anything it starts can signal the processes above it (the stage, the flow, what started them), their
+    process groups or every process at once (kill -1), nor trace them, open a pidfd of them or change their limits:
+    each such call fails with EPERM, as a signal to another user's process does. Its own children and group it
+    signals as before. A seccomp filter (libseccomp, through ctypes; every thread, inherited by each fork and exec)
+    loaded after the process made its own group. True where it is loaded; False where libseccomp is missing (not
+    Linux): the same code then runs unguarded, as before. docs/internals.md says what stays reachable."""
+    import ctypes
+    import ctypes.util
+    import errno
+
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2", use_errno=True)
+    except OSError:
+        return False
+
+    class ArgCmp(ctypes.Structure):          # struct scmp_arg_cmp
+        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                    ("datum_b", ctypes.c_uint64)]
+
+    lib.seccomp_init.restype, lib.seccomp_init.argtypes = ctypes.c_void_p, [ctypes.c_uint32]
+    lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(ArgCmp)]
+    lib.seccomp_load.argtypes = lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    allow, refuse, tsync, masked_eq = 0x7FFF0000, 0x00050000 | errno.EPERM, 4, 7
+    above = _ancestors()
+    groups = {group for _, group in above}
+    mine = os.getpgrp()
+    ctx = lib.seccomp_init(allow)
+    if not ctx:
+        return False
+    try:
+        lib.seccomp_attr_set(ctx, tsync, 1)          # every thread of the process, not only this one
+
+        def refused(call: str, arg: int | None = None, value: int = 0) -> None:
+            nr = lib.seccomp_syscall_resolve_name(call.encode())
+            if nr < 0:                               # (not a call of this architecture)
+                return
+            # A pid is an int: its low 32 bits compared, however a caller widened it (-1 sign- or zero-extended).
+            cmp = (ArgCmp(arg, masked_eq, 0xFFFFFFFF, value & 0xFFFFFFFF),) if arg is not None else ()
+            if lib.seccomp_rule_add_array(ctx, refuse, nr, len(cmp), (ArgCmp * len(cmp))(*cmp)) != 0:
+                raise OSError(f"seccomp: cannot refuse {call}")
+
+        for pid, _ in above:
+            for call, arg in (("kill", 0), ("tgkill", 0), ("rt_sigqueueinfo", 0), ("rt_tgsigqueueinfo", 0),
+                              ("pidfd_open", 0), ("ptrace", 1), ("process_vm_writev", 0), ("prlimit64", 0)):
+                refused(call, arg, pid)
+        for group in groups - {mine}:
+            refused("kill", 0, -group)
+        if mine in groups:                           # (its group holds one of them: not made its own)
+            refused("kill", 0, 0)
+            refused("kill", 0, -mine)
+        refused("kill", 0, -1)
+        refused("tkill")                             # (by thread id alone: none of glibc's calls use it)
+        refused("pidfd_send_signal")                 # (a /proc/<pid> folder's fd serves as a pidfd)
+        return lib.seccomp_load(ctx) == 0
+    except OSError:
+        return False
+    finally:
+        lib.seccomp_release(ctx)
+
+
+def _ancestors() -> list[tuple[int, int]]:
+    """(pid, process group) of each process above this one, its parent first, up to the first process."""
+    out: list[tuple[int, int]] = []
+    pid = os.getppid()
+    while pid > 0 and pid not in [p for p, _ in out]:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            break
+        fields = stat[stat.rindex(b")") + 2:].split()    # state, ppid, pgrp, ...
+        out.append((pid, int(fields[2])))
+        pid = int(fields[1])
+    return out
+
+
 # ------------------------------------------------------------------------------------- a user's output, bounded
 
 USER_OUTPUT_BYTES = 4 << 20     # what users' code may print in one process ($RLFLOW_USER_OUTPUT_BYTES)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
 from tasks.core.paths import import_user
-from tasks.core.process_wide import cap_output, renew_output_budget, user_code
+from tasks.core.process_wide import cap_output, keep_off_ancestors, renew_output_budget, user_code
 from tasks.core.processes import how_it_ended
 from tasks.envs.runtime.calls import Call, EpisodeLog
 from tasks.envs.runtime.endpoint import Endpoint
@@ -235,6 +235,7 @@ def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cw
     from tasks.envs.runtime.isolation import why
 
     own_group()
+    keep_off_ancestors()               # (a signal to the forkserver, the stage or the flow: refused)
     cap_output(everything=True)        # (what it prints: bounded, as in the stage's threads)
     renew_output_budget()              # (not the forkserver's count)
     conn.send(("running", None))

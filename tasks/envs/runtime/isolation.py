@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.process_wide import (
     cap_output,
+    keep_off_ancestors,
     mark_user_thread,
     renew_output_budget,
     set_variable,
@@ -183,6 +184,7 @@ def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
     from tasks.core.config import Config
 
     own_group()
+    keep_off_ancestors()               # (a signal to the forkserver, the stage or the flow: refused)
     cap_output(everything=True)        # (what it prints: bounded, as in the stage's threads)
     renew_output_budget()              # (not the forkserver's count)
     os.chdir(cwd)
