@@ -53,11 +53,17 @@ class Flaky:
             for _ in range(8):
                 print("x" * (1 << 20))
                 sys.stderr.write("e" * 1000 + "\n")
+        if self.mode == "chatty_fd" and self.turn == 2:  # 8 MiB past print: os.write, and a process it starts
+            import os
+            import subprocess
+            for _ in range(8):
+                os.write(1, b"x" * (1 << 20))
+            subprocess.run(["sh", "-c", "head -c 1000000 /dev/zero | tr '\\0' e >&2"], check=True)
         if self.mode == "signals_up" and self.turn == 2:  # signal 0 (nothing sent) to every process above it
             import os
 
             from tasks.core.process_wide import _ancestors
-            for target in [p for p, _ in _ancestors()] + [-g for _, g in _ancestors()] + [-1]:
+            for target in [p for p, _ in _ancestors()] + [-g for _, g in _ancestors() if g > 0] + [-1]:
                 try:
                     os.kill(target, 0)
                     said = "reached"

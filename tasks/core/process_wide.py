@@ -188,7 +188,7 @@ def keep_off_ancestors() -> bool:
     lib.seccomp_load.argtypes = lib.seccomp_release.argtypes = [ctypes.c_void_p]
     allow, refuse, tsync, masked_eq = 0x7FFF0000, 0x00050000 | errno.EPERM, 4, 7
     above = _ancestors()
-    groups = {group for _, group in above}
+    groups = {group for _, group in above if group > 0}   # (0: a group in another pid namespace, init's here)
     mine = os.getpgrp()
     ctx = lib.seccomp_init(allow)
     if not ctx:
@@ -255,15 +255,15 @@ def user_output_limit() -> int:
 
 
 class _Capped(io.TextIOBase):
-    """sys.stdout or sys.stderr: what a user's code writes (a thread in user_code, or any thread of a process
-    that is the user's: an episode's, cap_output(everything=True)) counts against one budget per process (renewed
-    as each episode loop starts), and past it is dropped, said once; everything else passes through as it is."""
+    """sys.stdout or sys.stderr: what a user's code writes (a thread in user_code) counts against one budget per
+    process (renewed as each episode loop starts), and past it is dropped, said once; everything else passes
+    through as it is."""
 
-    def __init__(self, stream, everything: bool):
-        self._stream, self._everything = stream, everything
+    def __init__(self, stream):
+        self._stream = stream
 
     def write(self, text):
-        if not isinstance(text, str) or not (self._everything or getattr(_USER, "pid", None) == os.getpid()):
+        if not isinstance(text, str) or getattr(_USER, "pid", None) != os.getpid():
             return self._stream.write(text)
         limit = user_output_limit()
         with _PRINTED_LOCK:
@@ -327,23 +327,22 @@ def renew_output_budget() -> None:
         _PRINTED[:] = [0, False]
 
 
-def cap_output(everything: bool = False) -> None:
+def cap_output() -> None:
     """Bound what users' code prints through sys.stdout and sys.stderr (an environment that prints in a loop
-    fills the run's log and whatever reads it): in threads running user_code, or in every thread (`everything`:
-    an episode's own process). Only a stream that is a file is wrapped: one a user's code put there itself (a
-    StringIO that collects a program's output) is its own. Writes to the file descriptors themselves (os.write,
-    a subprocess) are not seen here (the reward worker's are bounded where its parent reads them:
-    processes.BoundedCopy)."""
+    fills the run's log and whatever reads it) in threads running user_code. Only a stream that is a file is
+    wrapped: one a user's code put there itself (a StringIO that collects a program's output) is its own. Writes
+    to the file descriptors themselves (os.write, a subprocess) are not seen here; a process that is all users'
+    code (the reward worker, an episode's or agent's process) writes to a pipe its parent copies from within a
+    budget instead (processes.BoundedCopy), which bounds those too."""
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if isinstance(stream, _Capped):
-            stream._everything = stream._everything or everything
             continue
         try:
             stream.fileno()
         except (AttributeError, OSError, ValueError):
             continue
-        setattr(sys, name, _Capped(stream, everything))
+        setattr(sys, name, _Capped(stream))
 
 
 class DeadlinePassed(BaseException):

@@ -188,6 +188,10 @@ class BoundedCopy:
         with self._lock:
             self._used, self._said = 0, False
 
+    def wait(self, timeout: float) -> None:
+        """Until the pipe's end was copied (the child and what it started closed it), `timeout` at most."""
+        self._thread.join(timeout)
+
     def flush(self, timeout: float = 2.0) -> None:
         """Wait (`timeout` at most: something the child started may write on) until what is in the pipe now has
         been copied, so that it shows before what this process says next."""

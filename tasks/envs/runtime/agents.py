@@ -29,11 +29,20 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
 from tasks.core.paths import import_user
-from tasks.core.process_wide import cap_output, keep_off_ancestors, renew_output_budget, user_code
+from tasks.core.process_wide import keep_off_ancestors, renew_output_budget, user_code
 from tasks.core.processes import how_it_ended
 from tasks.envs.runtime.calls import Call, EpisodeLog
 from tasks.envs.runtime.endpoint import Endpoint
-from tasks.envs.runtime.isolation import _awaited, as_failure, end_group, own_group, run_forever, users_loop
+from tasks.envs.runtime.isolation import (
+    _awaited,
+    as_failure,
+    end_group,
+    output_copy,
+    own_group,
+    own_output,
+    run_forever,
+    users_loop,
+)
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -175,11 +184,15 @@ class Processes:
 
     def start(self, run: Running, row: dict, base_url: str) -> None:
         parent, child = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(target=_child, args=(child, self.cfg.env.agent, dict(self.cfg.env.kwargs), row,
-                                                     base_url, run.key, os.getcwd(), list(sys.path)))
+        copy, into = output_copy(self.ctx, "an agent's process")
+        proc = self.ctx.Process(target=_child, args=(child, into, self.cfg.env.agent, dict(self.cfg.env.kwargs),
+                                                     row, base_url, run.key, os.getcwd(), list(sys.path)))
         spawned, run.started = time.monotonic(), math.inf      # (its clock waits for its process to run: `ended`)
-        proc.start()
-        child.close()
+        try:
+            proc.start()
+        finally:
+            child.close()
+            into.close()
         got: list = []
 
         def done() -> bool:
@@ -211,6 +224,7 @@ class Processes:
             if kind == "error" and proc.is_alive():     # (one that never started: no group of its own yet)
                 proc.kill()
             proc.join(5)
+            copy.wait(1.0)
             if kind == "died":
                 raise RuntimeError(f"the agent's process died ({how_it_ended(proc.exitcode)})")
             if kind == "error":
@@ -223,6 +237,7 @@ class Processes:
                 proc.kill()
             proc.join(5)
             parent.close()
+            copy.wait(1.0)
 
         run.done, run.result, run.kill = done, result, kill
 
@@ -230,14 +245,14 @@ class Processes:
         pass
 
 
-def _child(conn, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cwd: str, path: list[str]) -> None:
+def _child(conn, out, spec: str, kwargs: dict, row: dict, base_url: str, key: str, cwd: str,
+           path: list[str]) -> None:
     """The agent's process: run it once, send back ("ok", value) or ("error", "Type: text")."""
     from tasks.envs.runtime.isolation import why
 
     own_group()
     keep_off_ancestors()               # (a signal to the forkserver, the stage or the flow: refused)
-    cap_output(everything=True)        # (what it prints: bounded, as in the stage's threads)
-    renew_output_budget()              # (not the forkserver's count)
+    own_output(out)                    # (what it writes, however: bounded by the parent's copier)
     conn.send(("running", None))
     os.chdir(cwd)
     sys.path[:] = path

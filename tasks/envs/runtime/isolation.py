@@ -29,15 +29,15 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.process_wide import (
-    cap_output,
     keep_off_ancestors,
     mark_user_thread,
     renew_output_budget,
     set_variable,
     take,
     user_code,
+    user_output_limit,
 )
-from tasks.core.processes import children_import_rlflow, how_it_ended
+from tasks.core.processes import BoundedCopy, children_import_rlflow, how_it_ended
 from tasks.envs.runtime.protocol import as_step, environment, factory_of, state_of
 from tasks.envs.runtime.tools import tool_schemas
 
@@ -156,6 +156,27 @@ def own_group() -> None:
         os._exit(1)
 
 
+def own_output(out) -> None:
+    """Second thing in an episode's or agent's process: its descriptors 1 and 2 become `out`, a pipe whose other
+    end its parent copies from within a budget (output_copy): print, os.write, C code and the processes it
+    starts are all bounded, where a wrapper of sys.stdout saw print alone (before 2026-12-04)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    out.close()
+
+
+def output_copy(ctx, what: str):
+    """(a copier of what a child of `ctx` writes, within $RLFLOW_USER_OUTPUT_BYTES, to this process's stderr;
+    the pipe's end for the child's own_output): the parent closes that end once the child has started."""
+    out, into = ctx.Pipe(duplex=False)
+    return BoundedCopy(out, user_output_limit, what), into
+
+
 def end_group(proc, grace: float = 1.0) -> None:
     """An episode's process ended with everything it started (forked children left running): its group asked to
     end (SIGTERM: a browser driver closes the browser it launched in a group of its own, as Playwright does on
@@ -179,14 +200,13 @@ def end_group(proc, grace: float = 1.0) -> None:
         pass
 
 
-def _serve(conn, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
+def _serve(conn, out, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
     """The child: make the environment, then answer calls until `close`."""
     from tasks.core.config import Config
 
     own_group()
     keep_off_ancestors()               # (a signal to the forkserver, the stage or the flow: refused)
-    cap_output(everything=True)        # (what it prints: bounded, as in the stage's threads)
-    renew_output_budget()              # (not the forkserver's count)
+    own_output(out)                    # (what it writes, however: bounded by the parent's copier)
     os.chdir(cwd)
     sys.path[:] = path                                     # what the parent can import, the child can
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is the parent's to handle
@@ -296,8 +316,8 @@ class InvalidReply(TypeError):
 class ProcessEnvironment:
     """The protocol's methods, each a call into the child."""
 
-    def __init__(self, proc, conn):
-        self.proc, self.conn = proc, conn
+    def __init__(self, proc, conn, copy: BoundedCopy):
+        self.proc, self.conn, self.copy = proc, conn, copy
         self.tool_schemas: list[dict] = []
         self.state: dict | None = None
 
@@ -308,11 +328,15 @@ class ProcessEnvironment:
         warm_up(cfg)                       # (once per process: the stage and the server have called it already)
         ctx = _forkserver(cfg)
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, cfg.model_dump(mode="json"), row, os.getcwd(),
+        copy, into = output_copy(ctx, "an environment's process")
+        proc = ctx.Process(target=_serve, args=(child, into, cfg.model_dump(mode="json"), row, os.getcwd(),
                                                      list(sys.path)))
-        proc.start()
-        child.close()
-        env = cls(proc, parent)
+        try:
+            proc.start()
+        finally:
+            child.close()
+            into.close()
+        env = cls(proc, parent, copy)
         if opened is not None:
             opened(env)
         env.tool_schemas = env._reply()
@@ -359,6 +383,7 @@ class ProcessEnvironment:
             self.proc.kill()
         self.proc.join(5.0)
         self.conn.close()
+        self.copy.wait(1.0)           # (its last lines on the console before the episode's end is said)
 
 
 class Caller:
