@@ -4,6 +4,7 @@ scores for that batch, are counted, and fail the stage only with reward.strict; 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -68,6 +69,29 @@ BAD = textwrap.dedent('''
         child = subprocess.Popen(["sleep", "60"])      # its own child: killed as before
         child.kill()
         return said + [1.0 if child.wait() == -signal.SIGKILL else 0.0]
+
+    def forks_and_leaves(completions, **kw):   # a child that ends, never waited for (seen ended first)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        return [1.0] * len(completions)
+
+    PROCESSES = []
+
+    def starts_a_process(completions, **kw):   # a multiprocessing child, joined by the next call
+        import multiprocessing
+        if PROCESSES:
+            p = PROCESSES.pop()
+            p.join()
+            return [float(p.exitcode == 0)] * len(completions)
+        p = multiprocessing.get_context("fork").Process(target=int)
+        p.start()
+        while open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        PROCESSES.append(p)
+        return [1.0] * len(completions)
 
     def kills_parent(completions, **kw):
         os.kill(os.getppid(), signal.SIGKILL)
@@ -280,6 +304,28 @@ def test_a_function_that_kills_its_parent_fails_its_own_call_not_the_run(bad_mod
     assert said["errors"]["kills_parent"].startswith("reward function 'kills_parent' raised PermissionError: "
                                                      "[Errno 1] Operation not permitted (bad_rewards.py:")
     assert said["scores"]["good"] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_fork_never_waited_for_is_reaped_and_multiprocessing_keeps_its_own(bad_module):
+    """A function that forks a child which ends and is never waited for leaves no zombie behind in the worker
+    (was: one per call, for the worker's life); a multiprocessing child it starts in one call and joins in the
+    next still has its exit code (the worker does not reap what multiprocessing tracks)."""
+    from tasks.scoring import functions as module
+
+    functions = _functions(["forks_and_leaves", "starts_a_process", "good"])
+    for _ in range(4):
+        scored = score_records(functions, _records(), "sum")
+        assert not scored.errors and scored.scores["starts_a_process"] == [1.0] * 4, scored.errors
+    worker = module._idle[module._key(functions)][0].proc.pid
+    zombies = []
+    for entry in os.listdir("/proc"):
+        try:
+            state, ppid = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == worker and state == "Z":
+            zombies.append(entry)
+    assert not zombies, zombies
 
 
 def test_logged_values_reach_the_record_as_json(bad_module):

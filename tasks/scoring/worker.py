@@ -167,6 +167,39 @@ async def _awaited(awaitable):
     return await awaitable
 
 
+class Forks:
+    """The children the functions made with os.fork (counted by wrapping it), reaped after each call once ended:
+    one a function forked and never waited for stayed a zombie for the worker's whole life (a process slot each,
+    towards the user's process limit). Not a child that multiprocessing still tracks (its Process.join reaps it
+    and reads its exit code), nor one a function waits for itself (it is gone when asked: forgotten)."""
+
+    def __init__(self):
+        self.pids: set[int] = set()
+        real = os.fork
+
+        def fork() -> int:
+            pid = real()
+            if pid:
+                self.pids.add(pid)
+            return pid
+
+        os.fork = fork
+
+    def reap(self) -> None:
+        tracked = set()
+        if self.pids and "multiprocessing" in sys.modules:
+            from multiprocessing import process
+
+            tracked = {p.pid for p in list(process._children)}   # (its Processes not yet joined: alive, or not)
+        for pid in list(self.pids - tracked):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:               # (waited for by the function itself, or by multiprocessing)
+                done = pid
+            if done:
+                self.pids.discard(pid)
+
+
 def die_with_parent() -> None:
     """Linux: SIGKILL this worker when the stage process that started it dies (a preempted machine, a kill):
     a hung reward function must not outlive its stage."""
@@ -196,6 +229,7 @@ def main() -> None:
     os.dup2(2, 1)                  # user prints must not corrupt the protocol
     sys.stdout = sys.stderr
     user_process()                 # os._exit in any thread: refused, that call's failure (output: the parent's)
+    forks = Forks()
     proto_in = sys.stdin.buffer
     setup = receive(proto_in)
     if setup["cwd"] not in sys.path:
@@ -229,6 +263,7 @@ def main() -> None:
         except BaseException as e:  # noqa: BLE001 - the user's function (sys.exit too); the parent decides the cost
             answer = ("error", _one_line(e))
         unless_forked()
+        forks.reap()
         try:
             send(proto_out, answer)
         except Exception as e:  # noqa: BLE001 - a value that does not pickle: that function's failure
