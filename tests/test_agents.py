@@ -173,6 +173,19 @@ def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolat
         assert sum(by_mode[mode].mask) >= 1
 
 
+def test_an_agents_own_process_writes_a_bounded_amount_and_cannot_signal_above_it(capfd, monkeypatch):
+    """env.isolation: process: what an agent writes to its descriptors (os.write here) reaches the stage's
+    output within $RLFLOW_USER_OUTPUT_BYTES per process, said once each; a signal to its parent is refused."""
+    monkeypatch.setenv("RLFLOW_USER_OUTPUT_BYTES", "100000")
+    rows = [{"prompt": "p", "letters": "abc", "mode": "chatty_fd", "seed": i} for i in range(2)]
+    records, _ = _run(_cfg("unruly", "env.isolation=process", "env.timeout_seconds=60"), n=1, rows=rows)
+    assert [r.env_return for r in records] == [1.0, 1.0], [r.env_error for r in records]
+    out, err = capfd.readouterr()
+    printed = sum(len(line) for line in (out + err).splitlines() if line and set(line) == {"x"})
+    assert 2 * 99_000 < printed <= 2 * 100_000, printed
+    assert (out + err).count("[rlflow: a user's code printed more than 100000 bytes in an agent's process") == 2
+
+
 def test_an_agent_calling_on_past_its_limit_is_named_when_nothing_is_scored():
     """An agent that calls on past env.max_turns and returns nothing: its episodes are truncated, unscored; the
     stage's one line says so (it said only "every score was None")."""
