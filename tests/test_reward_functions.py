@@ -93,6 +93,34 @@ BAD = textwrap.dedent('''
         PROCESSES.append(p)
         return [1.0] * len(completions)
 
+    POPENS = []
+
+    def popen_across_calls(completions, **kw):  # a program started in one call, waited for in the next
+        import subprocess
+        if POPENS:
+            return [float(POPENS.pop().wait() == 3)] * len(completions)
+        p = subprocess.Popen(["sh", "-c", "exit 3"])
+        while open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        POPENS.append(p)
+        return [1.0] * len(completions)
+
+    def daemonizes(completions, **kw):          # forks twice into a session of its own; the middle one ends
+        middle = os.fork()
+        if middle == 0:
+            os.setsid()
+            if os.fork() == 0:
+                with open("daemon.pid.part", "w") as f:
+                    f.write(str(os.getpid()))
+                os.rename("daemon.pid.part", "daemon.pid")
+                time.sleep(600)
+            os._exit(0)
+        while not os.path.exists("daemon.pid"):
+            time.sleep(0.01)
+        while open(f"/proc/{middle}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        return [1.0] * len(completions)
+
     def kills_parent(completions, **kw):
         os.kill(os.getppid(), signal.SIGKILL)
         return [1.0] * len(completions)
@@ -312,10 +340,11 @@ def test_a_fork_never_waited_for_is_reaped_and_multiprocessing_keeps_its_own(bad
     next still has its exit code (the worker does not reap what multiprocessing tracks)."""
     from tasks.scoring import functions as module
 
-    functions = _functions(["forks_and_leaves", "starts_a_process", "good"])
+    functions = _functions(["forks_and_leaves", "starts_a_process", "popen_across_calls", "good"])
     for _ in range(4):
         scored = score_records(functions, _records(), "sum")
-        assert not scored.errors and scored.scores["starts_a_process"] == [1.0] * 4, scored.errors
+        assert not scored.errors, scored.errors
+        assert scored.scores["starts_a_process"] == scored.scores["popen_across_calls"] == [1.0] * 4
     worker = module._idle[module._key(functions)][0].proc.pid
     zombies = []
     for entry in os.listdir("/proc"):
@@ -326,6 +355,26 @@ def test_a_fork_never_waited_for_is_reaped_and_multiprocessing_keeps_its_own(bad
         if int(ppid) == worker and state == "Z":
             zombies.append(entry)
     assert not zombies, zombies
+
+
+def test_a_daemon_a_function_leaves_behind_ends_with_its_worker(bad_module):
+    """A function whose child forks again into a session of its own and ends (a daemon, orphaned): the worker
+    adopts it (a child subreaper), so it ends with the worker's group and descendants (was: it ran on after the
+    run, adopted by init); the middle process that ended is reaped, not a zombie."""
+    from tasks.core.processes import alive
+    from tasks.scoring import functions as module
+
+    functions = _functions(["daemonizes", "good"])
+    assert not score_records(functions, _records(), "sum").errors
+    daemon = int((bad_module / "daemon.pid").read_text())
+    worker = module._take(functions)          # (the one that scored: idle, taken as the next batch would)
+    assert int(open(f"/proc/{daemon}/stat").read().rsplit(")", 1)[1].split()[1]) == worker.proc.pid
+    worker.kill()
+    for _ in range(600):                 # (SIGKILL sent: wait for it to land, however loaded the machine)
+        if not alive(daemon):
+            break
+        time.sleep(0.1)
+    assert not alive(daemon)
 
 
 def test_logged_values_reach_the_record_as_json(bad_module):
