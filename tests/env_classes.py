@@ -59,20 +59,6 @@ class Flaky:
             for _ in range(8):
                 os.write(1, b"x" * (1 << 20))
             subprocess.run(["sh", "-c", "head -c 1000000 /dev/zero | tr '\\0' e >&2"], check=True)
-        if self.mode == "signals_up" and self.turn == 2:  # signal 0 (nothing sent) to every process above it
-            import os
-
-            from tasks.core.process_wide import _ancestors
-            for target in [p for p, _ in _ancestors()] + [-g for _, g in _ancestors() if g > 0] + [-1]:
-                try:
-                    os.kill(target, 0)
-                    said = "reached"
-                except PermissionError:
-                    said = "refused"
-                except ProcessLookupError:
-                    said = "gone"
-                with open(self._pids, "a") as f:
-                    f.write(f"{target} {said}\n")
         if self.mode == "sys_exit" and self.turn == 2:
             import sys
             sys.exit(0)

@@ -173,9 +173,9 @@ def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolat
         assert sum(by_mode[mode].mask) >= 1
 
 
-def test_an_agents_own_process_writes_a_bounded_amount_and_cannot_signal_above_it(capfd, monkeypatch):
+def test_an_agents_own_process_writes_a_bounded_amount(capfd, monkeypatch):
     """env.isolation: process: what an agent writes to its descriptors (os.write here) reaches the stage's
-    output within $RLFLOW_USER_OUTPUT_BYTES per process, said once each; a signal to its parent is refused."""
+    output within $RLFLOW_USER_OUTPUT_BYTES per process, said once each."""
     monkeypatch.setenv("RLFLOW_USER_OUTPUT_BYTES", "100000")
     rows = [{"prompt": "p", "letters": "abc", "mode": "chatty_fd", "seed": i} for i in range(2)]
     records, _ = _run(_cfg("unruly", "env.isolation=process", "env.timeout_seconds=60"), n=1, rows=rows)

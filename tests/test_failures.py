@@ -420,21 +420,3 @@ def test_a_bug_in_a_handler_of_a_users_mistake_is_reported_as_the_bug():
     line, code = final_line(raised(library_write))
     assert code == 1 and line.startswith("error: no space left on device writing /data/run/policy.bin")
 
-
-def test_an_environment_cannot_signal_the_processes_above_it(tmp_path):
-    """env.isolation: process: an episode's code that signals its forkserver, the stage, the flow or what started
-    them, their process groups, or every process (kill -1) gets EPERM (signal 0 here: sent nowhere, checked as a
-    real one is), and its episodes go on (was: its SIGKILL to the stage ended the run)."""
-    from tasks.core.process_wide import _ancestors
-    from tasks.generate import generate
-
-    said = tmp_path / "said"
-    cfg = _cfg(tmp_path, "env.factory=tests.env_classes:Flaky", f'env.kwargs={{mode: signals_up, pids: "{said}"}}',
-               "env.isolation=process", "env.timeout_seconds=60")
-    generate(cfg, 1, layout.BASE)
-    records = [r for r in rollout.load(open_store(cfg), layout.rollouts(cfg.run.name, 1)) if not r.part]
-    assert len(records) == 4 and not [r.env_error for r in records if r.env_error]
-    lines = said.read_text().split("\n")[:-1]
-    targets = {int(line.split()[0]) for line in lines}
-    assert {os.getpid(), -1, -os.getpgrp()} <= targets and {p for p, _ in _ancestors()} <= targets, lines
-    assert {line.split()[1] for line in lines} == {"refused"}, lines

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -18,7 +16,7 @@ from tasks.core.contracts import Rollout
 from tasks.core.errors import UserError
 from tasks.rewards.math_answer import math_answer_reward
 from tasks.scoring.functions import RewardFunctionError, load_functions, score_records
-from tests.conftest import ROOT, TINY, run_cli
+from tests.conftest import TINY, run_cli
 
 BAD = textwrap.dedent('''
     import math, os, signal, sys, threading, time
@@ -56,19 +54,6 @@ BAD = textwrap.dedent('''
 
     def segfault(completions, **kw):
         os.kill(os.getpid(), signal.SIGSEGV)
-
-    def signals_up(completions, **kw):   # signal 0 (sent nowhere, checked as a real one is): 1.0 where refused
-        import subprocess
-        said = []
-        for target in (os.getppid(), -os.getpgid(os.getppid()), -1):
-            try:
-                os.kill(target, 0)
-                said.append(0.0)
-            except PermissionError:
-                said.append(1.0)
-        child = subprocess.Popen(["sleep", "60"])      # its own child: killed as before
-        child.kill()
-        return said + [1.0 if child.wait() == -signal.SIGKILL else 0.0]
 
     def forks_and_leaves(completions, **kw):   # a child that ends, never waited for (seen ended first)
         pid = os.fork()
@@ -119,10 +104,6 @@ BAD = textwrap.dedent('''
             time.sleep(0.01)
         while open(f"/proc/{middle}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
             time.sleep(0.01)
-        return [1.0] * len(completions)
-
-    def kills_parent(completions, **kw):
-        os.kill(os.getppid(), signal.SIGKILL)
         return [1.0] * len(completions)
 
     def logs(completions, log_extra=None, log_metric=None, **kw):
@@ -302,36 +283,6 @@ def test_a_fork_that_returns_instead_of_ending_does_not_answer_beside_the_worker
     for _ in range(3):
         scored = score_records(functions, _records(), "sum")
         assert not scored.errors and scored.scores == {"fork_returns": [1.0] * 4, "good": [0.0, 1.0, 0.0, 1.0]}
-
-
-def test_a_function_cannot_signal_the_processes_above_its_worker(bad_module):
-    """The stage (here: this test's process), its process group and every process at once (kill -1) are out of
-    a function's reach: EPERM, as a signal to another user's process; its own child it kills as before."""
-    scored = score_records(_functions(["signals_up", "good"]), _records(), "sum")
-    assert not scored.errors and scored.scores["signals_up"] == [1.0] * 4
-
-
-def test_a_function_that_kills_its_parent_fails_its_own_call_not_the_run(bad_module):
-    """A function that SIGKILLs the process above its worker (the stage, or the flow where scoring is inline):
-    that call fails with the refusal, the other functions score, the process goes on (was: it ended). In a
-    process of its own, so that a regression ends that one, not the test run."""
-    script = textwrap.dedent(f'''
-        import json, sys
-        sys.path.insert(0, {str(ROOT)!r})
-        from tasks.core.config import load_config
-        from tasks.scoring.functions import load_functions, score_records
-        from tests.test_reward_functions import _records
-        fns = [{{"fn": "bad_rewards:kills_parent"}}, {{"fn": "bad_rewards:good"}}]
-        cfg = load_config({str(TINY)!r}, ["reward.functions=" + json.dumps(fns)])
-        scored = score_records(load_functions(cfg), _records(), "sum")
-        print(json.dumps({{"errors": scored.errors, "scores": scored.scores}}))
-    ''')
-    out = subprocess.run([sys.executable, "-c", script], cwd=bad_module, capture_output=True, text=True)
-    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
-    said = json.loads(out.stdout.splitlines()[-1])
-    assert said["errors"]["kills_parent"].startswith("reward function 'kills_parent' raised PermissionError: "
-                                                     "[Errno 1] Operation not permitted (bad_rewards.py:")
-    assert said["scores"]["good"] == [0.0, 1.0, 0.0, 1.0]
 
 
 def test_a_fork_never_waited_for_is_reaped_and_multiprocessing_keeps_its_own(bad_module):

@@ -12,8 +12,7 @@ means of what it logged with `log_metric(name, value)`.
 
 Imports stay light (no torch); it lives as long as its stage process. The real stdout carries only the
 protocol: what the functions write to fds 1 and 2 (print, os.write, what they start) goes to its stderr, a pipe
-the parent copies within a budget per batch (processes.BoundedCopy); os._exit in any thread is refused, and so
-is a signal to the processes above it (process_wide.keep_off_ancestors).
+the parent copies within a budget per batch (processes.BoundedCopy); os._exit in any thread is refused.
 """
 
 from __future__ import annotations
@@ -195,7 +194,8 @@ def reap_leftovers() -> None:
         import gc
         import subprocess
 
-        claimed |= {o.pid for o in gc.get_objects() if isinstance(o, subprocess.Popen) and o.returncode is None}
+        claimed |= {getattr(o, "pid", None) for o in gc.get_objects()         # (one being made: no pid yet)
+                    if isinstance(o, subprocess.Popen) and getattr(o, "returncode", None) is None}
     if "multiprocessing" in sys.modules:
         from multiprocessing import process
 
@@ -229,7 +229,7 @@ def die_with_parent() -> None:
 
 
 def main() -> None:
-    from tasks.core.process_wide import exit_now, keep_off_ancestors, user_process
+    from tasks.core.process_wide import exit_now, user_process
 
     me = os.getpid()
 
@@ -240,7 +240,6 @@ def main() -> None:
             exit_now(0)
 
     die_with_parent()
-    keep_off_ancestors()           # (a function that signals the stage or the flow gets EPERM: in its own group)
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)                  # user prints must not corrupt the protocol
     sys.stdout = sys.stderr

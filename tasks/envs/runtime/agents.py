@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
 from tasks.core.paths import import_user
-from tasks.core.process_wide import keep_off_ancestors, renew_output_budget, user_code
+from tasks.core.process_wide import renew_output_budget, user_code
 from tasks.core.processes import how_it_ended
 from tasks.envs.runtime.calls import Call, EpisodeLog
 from tasks.envs.runtime.endpoint import Endpoint
@@ -251,7 +251,6 @@ def _child(conn, out, spec: str, kwargs: dict, row: dict, base_url: str, key: st
     from tasks.envs.runtime.isolation import why
 
     own_group()
-    keep_off_ancestors()               # (a signal to the forkserver, the stage or the flow: refused)
     own_output(out)                    # (what it writes, however: bounded by the parent's copier)
     conn.send(("running", None))
     os.chdir(cwd)

@@ -29,7 +29,6 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.process_wide import (
-    keep_off_ancestors,
     mark_user_thread,
     renew_output_budget,
     set_variable,
@@ -205,7 +204,6 @@ def _serve(conn, out, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> N
     from tasks.core.config import Config
 
     own_group()
-    keep_off_ancestors()               # (a signal to the forkserver, the stage or the flow: refused)
     own_output(out)                    # (what it writes, however: bounded by the parent's copier)
     os.chdir(cwd)
     sys.path[:] = path                                     # what the parent can import, the child can
