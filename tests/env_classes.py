@@ -59,6 +59,17 @@ class Flaky:
             for _ in range(8):
                 os.write(1, b"x" * (1 << 20))
             subprocess.run(["sh", "-c", "head -c 1000000 /dev/zero | tr '\\0' e >&2"], check=True)
+        if self.mode == "daemonizes" and self.turn == 2:  # forks twice into a session of its own; the middle ends
+            import os
+            middle = os.fork()
+            if middle == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    with open(self._pids, "a") as f:
+                        f.write(f"{os.getpid()}\n")
+                    time.sleep(600)
+                os._exit(0)
+            os.waitpid(middle, 0)
         if self.mode == "sys_exit" and self.turn == 2:
             import sys
             sys.exit(0)

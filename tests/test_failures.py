@@ -420,3 +420,42 @@ def test_a_bug_in_a_handler_of_a_users_mistake_is_reported_as_the_bug():
     line, code = final_line(raised(library_write))
     assert code == 1 and line.startswith("error: no space left on device writing /data/run/policy.bin")
 
+
+
+def test_a_full_disk_under_the_data_files_temporary_cache_is_a_full_disk_not_the_files_fault(tmp_path,
+                                                                                              monkeypatch):
+    """datasets writes a local data file's table through a temporary folder: a disk that fills there is said
+    as a full disk (one line, not retried, resumable), not as the data file being unreadable (exit 2)."""
+    import errno
+
+    import datasets
+
+    from tasks.core.data import load_table
+    from tasks.core.errors import DiskFull
+
+    def fills(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "/tmp/rlflow-data-x/json-train.arrow")
+
+    monkeypatch.setattr(datasets, "load_dataset", fills)
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1"}\n')
+    with pytest.raises(DiskFull, match="no space left on device writing /tmp/rlflow-data-x/json-train.arrow"):
+        load_table(str(tmp_path / "rows.jsonl"), None, "train")
+
+
+def test_a_daemon_an_environment_leaves_behind_ends_with_its_episode(tmp_path):
+    """env.isolation: process: a step that forks twice into a session of its own (a daemon, out of the episode's
+    group): the episode's process adopts it and it ends with the episode (was: it ran on after the run), and the
+    episode completes (its output's pipe, which the daemon held, does not hold the stage up)."""
+    from tasks.generate import generate
+
+    pids = tmp_path / "daemons"
+    cfg = _cfg(tmp_path, "env.factory=tests.env_classes:Flaky", f'env.kwargs={{mode: daemonizes, pids: "{pids}"}}',
+               "env.isolation=process", "env.timeout_seconds=60")
+    generate(cfg, 1, layout.BASE)
+    records = [r for r in rollout.load(open_store(cfg), layout.rollouts(cfg.run.name, 1)) if not r.part]
+    assert len(records) == 4 and not [r.env_error for r in records if r.env_error]
+    daemons = pids.read_text().split()
+    deadline = time.monotonic() + 120          # (a SIGKILL is delivered after killpg returns: gone soon after)
+    while [p for p in daemons if alive(int(p))] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(daemons) == 4 and not [p for p in daemons if alive(int(p))], [_stat(p) for p in daemons]

@@ -142,7 +142,7 @@ def kill_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
     # yet waited for) the group is its: what it started in its group is killed also where it has ended itself
     # (not what made a group of its own, which is no longer found as its descendant once it has ended).
     if _unreaped(proc):
-        for group in [proc.pid, *_descendant_groups(proc.pid)]:
+        for group in [proc.pid, *descendant_groups(proc.pid)]:
             try:
                 os.killpg(group, signal.SIGKILL)
             except OSError:
@@ -259,7 +259,7 @@ def _unreaped(proc: subprocess.Popen) -> bool:
     return proc.returncode is None
 
 
-def _descendant_groups(root: int) -> set[int]:
+def descendant_groups(root: int) -> set[int]:
     """The process groups of `root`'s descendants other than its own (read from /proc; empty elsewhere)."""
     parent, group = {}, {}
     try:

@@ -36,6 +36,7 @@ from tasks.envs.runtime.endpoint import Endpoint
 from tasks.envs.runtime.isolation import (
     _awaited,
     as_failure,
+    end_descendants,
     end_group,
     output_copy,
     own_group,
@@ -185,10 +186,11 @@ class Processes:
     def start(self, run: Running, row: dict, base_url: str) -> None:
         parent, child = self.ctx.Pipe(duplex=False)
         copy, into = output_copy(self.ctx, "an agent's process")
-        proc = self.ctx.Process(target=_child, args=(child, into, self.cfg.env.agent, dict(self.cfg.env.kwargs),
-                                                     row, base_url, run.key, os.getcwd(), list(sys.path)))
         spawned, run.started = time.monotonic(), math.inf      # (its clock waits for its process to run: `ended`)
         try:
+            proc = self.ctx.Process(target=_child, args=(child, into, self.cfg.env.agent,
+                                                         dict(self.cfg.env.kwargs), row, base_url, run.key,
+                                                         os.getcwd(), list(sys.path)))
             proc.start()
         finally:
             child.close()
@@ -260,8 +262,10 @@ def _child(conn, out, spec: str, kwargs: dict, row: dict, base_url: str, key: st
         value = import_user(spec, "env.agent")(row, base_url, key, **kwargs)
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
+        end_descendants()                  # (before the answer: the stage then ends its group)
         conn.send(("ok", value))
     except BaseException as e:  # noqa: BLE001 - the episode's failure, reported to the parent
+        end_descendants()
         try:
             conn.send(("error", why(e)))
         except Exception:  # noqa: BLE001

@@ -36,7 +36,7 @@ from tasks.core.process_wide import (
     user_code,
     user_output_limit,
 )
-from tasks.core.processes import BoundedCopy, children_import_rlflow, how_it_ended
+from tasks.core.processes import BoundedCopy, children_import_rlflow, descendant_groups, how_it_ended
 from tasks.envs.runtime.protocol import as_step, environment, factory_of, state_of
 from tasks.envs.runtime.tools import tool_schemas
 
@@ -142,13 +142,16 @@ def own_group() -> None:
     """First thing in an episode's process: a session and process group of its own, so that what its code does to
     its group (os.killpg(0, SIGTERM)) reaches itself and what it started, not the run, and its end (end_group)
     takes what it started with it. It still ends with its parent (the forkserver, which ends with the stage): a
-    run killed as a group takes its episodes with it as before."""
+    run killed as a group takes its episodes with it as before. It adopts orphans (a child subreaper): a daemon
+    its code forked away into a session of its own is its child, ended with it (end_descendants)."""
     parent = os.getppid()
     os.setsid()
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG (Linux)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG (Linux)
+        libc.prctl(36, 1)                  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         pass
     if os.getppid() != parent or parent == 1:    # (its parent ended before the line above: adopted)
@@ -176,12 +179,25 @@ def output_copy(ctx, what: str):
     return BoundedCopy(out, user_output_limit, what), into
 
 
+def end_descendants() -> None:
+    """Last thing in an episode's or agent's process: what its code started in groups of their own (a daemon, a
+    browser it did not close) killed, so that nothing outlives the episode (nor holds its output's pipe: the
+    stage's copier waited for it); its own group is the stage's to end (end_group)."""
+    for group in descendant_groups(os.getpid()):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def end_group(proc, grace: float = 1.0) -> None:
     """An episode's process ended with everything it started (forked children left running): its group asked to
     end (SIGTERM: a browser driver closes the browser it launched in a group of its own, as Playwright does on
-    SIGTERM), then killed after `grace` seconds at most."""
+    SIGTERM), then killed after `grace` seconds at most; the groups of its descendants (what it adopted: a
+    daemon of its code, where it was killed before end_descendants ran) killed with it."""
     if proc.pid is None:
         return
+    others = descendant_groups(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):       # (nothing left of it; or own_group had not run yet)
@@ -191,23 +207,37 @@ def end_group(proc, grace: float = 1.0) -> None:
         try:
             os.killpg(proc.pid, 0)
         except (ProcessLookupError, PermissionError):
-            return
+            break
         time.sleep(0.02)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    else:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for group in others:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _serve(conn, out, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
-    """The child: make the environment, then answer calls until `close`."""
-    from tasks.core.config import Config
-
+    """The child: make the environment, then answer calls until `close`; then end what its code left running."""
     own_group()
     own_output(out)                    # (what it writes, however: bounded by the parent's copier)
     os.chdir(cwd)
     sys.path[:] = path                                     # what the parent can import, the child can
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is the parent's to handle
+    try:
+        _answer(conn, cfg_dump, row)
+    finally:
+        end_descendants()
+
+
+def _answer(conn, cfg_dump: dict, row: dict) -> None:
+    """Make the environment, then answer calls until `close` (in the episode's process)."""
+    from tasks.core.config import Config
+
     loop = asyncio.new_event_loop()
 
     def run(value):
@@ -239,6 +269,7 @@ def _serve(conn, out, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> N
             else:                                          # close
                 if callable(getattr(env, "close", None)):
                     run(env.close())
+                end_descendants()                          # (before the answer: the stage then ends its group)
                 conn.send(("ok", state_of(getattr(env, "instance", env))))
                 return
             conn.send(("ok", reply))
@@ -326,10 +357,10 @@ class ProcessEnvironment:
         warm_up(cfg)                       # (once per process: the stage and the server have called it already)
         ctx = _forkserver(cfg)
         parent, child = ctx.Pipe()
+        dump = cfg.model_dump(mode="json")
         copy, into = output_copy(ctx, "an environment's process")
-        proc = ctx.Process(target=_serve, args=(child, into, cfg.model_dump(mode="json"), row, os.getcwd(),
-                                                     list(sys.path)))
         try:
+            proc = ctx.Process(target=_serve, args=(child, into, dump, row, os.getcwd(), list(sys.path)))
             proc.start()
         finally:
             child.close()
