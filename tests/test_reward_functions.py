@@ -90,22 +90,6 @@ BAD = textwrap.dedent('''
         POPENS.append(p)
         return [1.0] * len(completions)
 
-    def daemonizes(completions, **kw):          # forks twice into a session of its own; the middle one ends
-        middle = os.fork()
-        if middle == 0:
-            os.setsid()
-            if os.fork() == 0:
-                with open("daemon.pid.part", "w") as f:
-                    f.write(str(os.getpid()))
-                os.rename("daemon.pid.part", "daemon.pid")
-                time.sleep(600)
-            os._exit(0)
-        while not os.path.exists("daemon.pid"):
-            time.sleep(0.01)
-        while open(f"/proc/{middle}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-            time.sleep(0.01)
-        return [1.0] * len(completions)
-
     def logs(completions, log_extra=None, log_metric=None, **kw):
         log_extra("why", [f"len {len(c)}" for c in completions])
         log_metric("checked", float(len(completions)))
@@ -306,26 +290,6 @@ def test_a_fork_never_waited_for_is_reaped_and_multiprocessing_keeps_its_own(bad
         if int(ppid) == worker and state == "Z":
             zombies.append(entry)
     assert not zombies, zombies
-
-
-def test_a_daemon_a_function_leaves_behind_ends_with_its_worker(bad_module):
-    """A function whose child forks again into a session of its own and ends (a daemon, orphaned): the worker
-    adopts it (a child subreaper), so it ends with the worker's group and descendants (was: it ran on after the
-    run, adopted by init); the middle process that ended is reaped, not a zombie."""
-    from tasks.core.processes import alive
-    from tasks.scoring import functions as module
-
-    functions = _functions(["daemonizes", "good"])
-    assert not score_records(functions, _records(), "sum").errors
-    daemon = int((bad_module / "daemon.pid").read_text())
-    worker = module._take(functions)          # (the one that scored: idle, taken as the next batch would)
-    assert int(open(f"/proc/{daemon}/stat").read().rsplit(")", 1)[1].split()[1]) == worker.proc.pid
-    worker.kill()
-    for _ in range(600):                 # (SIGKILL sent: wait for it to land, however loaded the machine)
-        if not alive(daemon):
-            break
-        time.sleep(0.1)
-    assert not alive(daemon)
 
 
 def test_logged_values_reach_the_record_as_json(bad_module):

@@ -127,6 +127,8 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
     except (UserError, DiskFull):
         raise
     except Exception as e:  # datasets raises many types for a bad path/split; the user sees one line
+        if (full := disk_full(e)) is not None:      # (a hub download's, or the temporary folder's, disk)
+            raise full from e
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         why = " (the Hugging Face Hub is not reachable from here: only its local cache was tried)" if offline else ""
         raise UserError(f"{field}: cannot load {path!r} split {split!r}{why}: {msg[:200]}") from None

@@ -166,54 +166,40 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-def adopt_orphans() -> None:
-    """Linux: this worker becomes a child subreaper. A process a function's children left behind (a daemon that
-    forked twice into a session of its own) is the worker's child once orphaned, not init's: still the worker's
-    descendant when the stage kills the worker's group and its descendants' groups (processes.kill_group), where
-    before it ran on after the run."""
-    try:
-        import ctypes
+class Forks:
+    """The children the functions made with os.fork (counted by wrapping it), reaped after each call once ended:
+    one a function forked and never waited for stayed a zombie for the worker's whole life (a process slot each,
+    towards the user's process limit). Not a child that multiprocessing still tracks (its Process.join reaps it
+    and reads its exit code), nor one a function waits for itself (it is gone when asked: forgotten). A child a
+    function forks in one call and waits for in a later one is reaped here first (its own waitpid then finds no
+    child). Programs started through subprocess are never touched (not made by os.fork: Popen waits for them).
+    Orphans a function's children leave behind are init's, as before: the code sandbox's limits count on that."""
 
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1)   # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        pass
+    def __init__(self):
+        self.pids: set[int] = set()
+        real = os.fork
 
+        def fork() -> int:
+            pid = real()
+            if pid:
+                self.pids.add(pid)
+            return pid
 
-def reap_leftovers() -> None:
-    """After each call: the worker's children that have ended and that nobody will wait for are reaped (a process
-    a function forked and never waited for, an orphan the worker adopted; before, a zombie each for the worker's
-    life, towards the user's process limit). Not one a live subprocess.Popen or a multiprocessing Process of the
-    functions still holds (its wait reads the exit code). Asked first without reaping: no ended child, no cost."""
-    try:
-        if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-            return
-    except ChildProcessError:
-        return
-    claimed: set[int] = set()
-    if "subprocess" in sys.modules:
-        import gc
-        import subprocess
+        os.fork = fork
 
-        claimed |= {getattr(o, "pid", None) for o in gc.get_objects()         # (one being made: no pid yet)
-                    if isinstance(o, subprocess.Popen) and getattr(o, "returncode", None) is None}
-    if "multiprocessing" in sys.modules:
-        from multiprocessing import process
+    def reap(self) -> None:
+        tracked = set()
+        if self.pids and "multiprocessing" in sys.modules:
+            from multiprocessing import process
 
-        claimed |= {p.pid for p in list(process._children)}   # (its Processes not yet joined)
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in claimed:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
-        except (OSError, ValueError):
-            continue
-        if state == b"Z" and int(ppid) == me:
+            tracked = {p.pid for p in list(process._children)}   # (its Processes not yet joined: alive, or not)
+        for pid in list(self.pids - tracked):
             try:
-                os.waitpid(int(entry), os.WNOHANG)
-            except ChildProcessError:
-                pass
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:               # (waited for by the function itself, or by multiprocessing)
+                done = pid
+            if done:
+                self.pids.discard(pid)
 
 
 def die_with_parent() -> None:
@@ -244,7 +230,7 @@ def main() -> None:
     os.dup2(2, 1)                  # user prints must not corrupt the protocol
     sys.stdout = sys.stderr
     user_process()                 # os._exit in any thread: refused, that call's failure (output: the parent's)
-    adopt_orphans()
+    forks = Forks()
     proto_in = sys.stdin.buffer
     setup = receive(proto_in)
     if setup["cwd"] not in sys.path:
@@ -278,7 +264,7 @@ def main() -> None:
         except BaseException as e:  # noqa: BLE001 - the user's function (sys.exit too); the parent decides the cost
             answer = ("error", _one_line(e))
         unless_forked()
-        reap_leftovers()
+        forks.reap()
         try:
             send(proto_out, answer)
         except Exception as e:  # noqa: BLE001 - a value that does not pickle: that function's failure

@@ -200,20 +200,13 @@ def end_group(proc, grace: float = 1.0) -> None:
     others = descendant_groups(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):       # (nothing left of it; or own_group had not run yet)
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
             os.killpg(proc.pid, 0)
-        except (ProcessLookupError, PermissionError):
-            break
-        time.sleep(0.02)
-    else:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):       # (nothing left of it; or own_group had not run yet)
+        pass
     for group in others:
         try:
             os.killpg(group, signal.SIGKILL)
