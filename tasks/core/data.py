@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tasks.core.errors import DiskFull, UserError, disk_full
+from tasks.core.errors import UserError, disk_full
 from tasks.core.process_wide import set_variable
 
 if TYPE_CHECKING:
@@ -115,8 +115,8 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
                     table.data.table.validate(full=True)  # (JSON strings that are not UTF-8 load, and fail when read)
                     return table
                 except Exception as e:  # noqa: BLE001 - said as one line, with the file's line or row
-                    if (full := disk_full(e)) is not None:    # (the temporary cache folder's disk: not the file)
-                        raise full from e
+                    if disk_full(e) is not None:      # (the temporary cache folder's disk, not the file: said below)
+                        raise
                     raise UserError(f"{field}: {path}: {_where_unreadable(Path(path), e)}") from None
                 finally:
                     datasets.logging.set_verbosity(datasets.logging.WARNING)
@@ -124,7 +124,7 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
         if offline:          # (else datasets retries for ~25 s, printing each retry): the local cache alone
             _go_offline(datasets)
         return datasets.load_dataset(path, name, split=split)
-    except (UserError, DiskFull):
+    except UserError:
         raise
     except Exception as e:  # datasets raises many types for a bad path/split; the user sees one line
         if (full := disk_full(e)) is not None:      # (a hub download's, or the temporary folder's, disk)

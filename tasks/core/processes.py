@@ -142,11 +142,7 @@ def kill_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
     # yet waited for) the group is its: what it started in its group is killed also where it has ended itself
     # (not what made a group of its own, which is no longer found as its descendant once it has ended).
     if _unreaped(proc):
-        for group in [proc.pid, *descendant_groups(proc.pid)]:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except OSError:
-                pass
+        sigkill_groups([proc.pid, *descendant_groups(proc.pid)])
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -257,6 +253,15 @@ def _unreaped(proc: subprocess.Popen) -> bool:
     except ChildProcessError:
         return False
     return proc.returncode is None
+
+
+def sigkill_groups(groups) -> None:
+    """SIGKILL each process group of `groups`; one already gone (or not ours) is passed over."""
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def descendant_groups(root: int) -> set[int]:

@@ -36,7 +36,7 @@ from tasks.core.process_wide import (
     user_code,
     user_output_limit,
 )
-from tasks.core.processes import BoundedCopy, children_import_rlflow, descendant_groups, how_it_ended
+from tasks.core.processes import BoundedCopy, children_import_rlflow, descendant_groups, how_it_ended, sigkill_groups
 from tasks.envs.runtime.protocol import as_step, environment, factory_of, state_of
 from tasks.envs.runtime.tools import tool_schemas
 
@@ -183,11 +183,7 @@ def end_descendants() -> None:
     """Last thing in an episode's or agent's process: what its code started in groups of their own (a daemon, a
     browser it did not close) killed, so that nothing outlives the episode (nor holds its output's pipe: the
     stage's copier waited for it); its own group is the stage's to end (end_group)."""
-    for group in descendant_groups(os.getpid()):
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except OSError:
-            pass
+    sigkill_groups(descendant_groups(os.getpid()))
 
 
 def end_group(proc, grace: float = 1.0) -> None:
@@ -207,11 +203,7 @@ def end_group(proc, grace: float = 1.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):       # (nothing left of it; or own_group had not run yet)
         pass
-    for group in others:
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except OSError:
-            pass
+    sigkill_groups(others)
 
 
 def _serve(conn, out, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
