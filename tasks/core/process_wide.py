@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 # ------------------------------------------------------------------------------------ the model-building lock
@@ -160,8 +160,6 @@ def user_code() -> Iterator[None]:
 # ------------------------------------------------------------------------------------- a user's output, bounded
 
 USER_OUTPUT_BYTES = 4 << 20     # what users' code may print in one process ($RLFLOW_USER_OUTPUT_BYTES)
-_PRINTED = [0, False]           # characters users' code printed in this process; the drop said
-_PRINTED_LOCK = threading.Lock()
 
 
 def user_output_limit() -> int:
@@ -169,6 +167,35 @@ def user_output_limit() -> int:
         return max(int(os.environ.get("RLFLOW_USER_OUTPUT_BYTES") or USER_OUTPUT_BYTES), 0)
     except ValueError:
         return USER_OUTPUT_BYTES
+
+
+class OutputBudget:
+    """What users' code may write in one place, `limit()` at most until renewed: this process's sys.stdout and
+    sys.stderr (cap_output), or a child's pipe that this process copies (processes.BoundedCopy)."""
+
+    def __init__(self, limit: Callable[[], int] = user_output_limit):
+        self._limit, self._lock = limit, threading.Lock()
+        self._used, self._said = 0, False
+
+    def renew(self) -> None:
+        with self._lock:
+            self._used, self._said = 0, False
+
+    def take(self, n: int) -> tuple[int, int | None]:
+        """Count `n` more: how many of them fit, and the limit where this is the first write that did not fit
+        whole (the drop is said once per budget), else None."""
+        limit = self._limit()
+        with self._lock:
+            room = max(limit - self._used, 0)
+            self._used += n
+            say, self._said = n > room and not self._said, self._said or n > room
+        return min(room, n), (limit if say else None)
+
+    def fresh_lock(self) -> None:
+        self._lock = threading.Lock()   # (a fork's child: the lock may have been held by a thread it lacks)
+
+
+_PRINTED = OutputBudget()       # characters users' code printed in this process
 
 
 class _Capped(io.TextIOBase):
@@ -182,13 +209,10 @@ class _Capped(io.TextIOBase):
     def write(self, text):
         if not isinstance(text, str) or getattr(_USER, "pid", None) != os.getpid():
             return self._stream.write(text)
-        limit = user_output_limit()
-        with _PRINTED_LOCK:
-            room, _PRINTED[0] = max(limit - _PRINTED[0], 0), _PRINTED[0] + len(text)
-            said, _PRINTED[1] = _PRINTED[1], _PRINTED[1] or len(text) > room
+        room, limit = _PRINTED.take(len(text))
         if room:
             self._stream.write(text[:room])
-        if len(text) > room and not said:
+        if limit is not None:
             self._stream.write(f"\n[rlflow: a user's code printed more than {limit} characters in process "
                                f"{os.getpid()}; the rest of its output is dropped (RLFLOW_USER_OUTPUT_BYTES)]\n")
         return len(text)
@@ -230,18 +254,12 @@ class _Capped(io.TextIOBase):
         return getattr(self._stream, name)
 
 
-def _fresh_lock() -> None:
-    global _PRINTED_LOCK
-    _PRINTED_LOCK = threading.Lock()     # (a fork's child: the lock may have been held by a thread it lacks)
-
-
-os.register_at_fork(after_in_child=_fresh_lock)
+os.register_at_fork(after_in_child=_PRINTED.fresh_lock)
 
 
 def renew_output_budget() -> None:
     """A new budget for what users' code prints in this process (an episode loop starts: once per stage)."""
-    with _PRINTED_LOCK:
-        _PRINTED[:] = [0, False]
+    _PRINTED.renew()
 
 
 def cap_output() -> None:

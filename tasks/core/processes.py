@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tasks.core.errors import corrupt_in, disk_full_in, user_error_in
 from tasks.core.paths import REPO_ROOT
-from tasks.core.process_wide import environment_variables
+from tasks.core.process_wide import OutputBudget, environment_variables
 
 # ------------------------------------------------------------------------------------------------ starting one
 
@@ -174,15 +174,14 @@ class BoundedCopy:
     subprocess), and what it wrote just before it died is still copied (the pipe is read to its end)."""
 
     def __init__(self, pipe, limit: Callable[[], int], what: str):
-        self._fd, self._limit, self._what = pipe.fileno(), limit, what
+        self._fd, self._budget, self._what = pipe.fileno(), OutputBudget(limit), what
         self._pipe = pipe                        # (kept: the descriptor is the pipe object's)
-        self._lock, self._used, self._said, self._busy = threading.Lock(), 0, False, True
+        self._busy = True
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"rlflow-copy-{what}")
         self._thread.start()
 
     def renew(self) -> None:
-        with self._lock:
-            self._used, self._said = 0, False
+        self._budget.renew()
 
     def wait(self, timeout: float) -> None:
         """Until the pipe's end was copied (the child and what it started closed it), `timeout` at most."""
@@ -210,13 +209,10 @@ class BoundedCopy:
                 chunk = os.read(self._fd, 1 << 16)
                 if not chunk:
                     return
-                with self._lock:
-                    room = max(self._limit() - self._used, 0)
-                    self._used += len(chunk)
-                    say, self._said = len(chunk) > room and not self._said, self._said or len(chunk) > room
-                out = chunk[:room] + (f"\n[rlflow: a user's code printed more than {self._limit()} bytes in "
+                room, limit = self._budget.take(len(chunk))
+                out = chunk[:room] + (f"\n[rlflow: a user's code printed more than {limit} bytes in "
                                       f"{self._what}; the rest of its output is dropped "
-                                      f"(RLFLOW_USER_OUTPUT_BYTES)]\n".encode() if say else b"")
+                                      f"(RLFLOW_USER_OUTPUT_BYTES)]\n".encode() if limit is not None else b"")
                 view = memoryview(out)
                 try:
                     while view:
