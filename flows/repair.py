@@ -126,6 +126,10 @@ class Repair:
             raise UserError(f"{bad}: corrupt, and no stage makes it (moved to {store.uri(moved)}); restore it "
                             f"or start a new run.name") from None
         stage, it, round = producer
+        if stage == "reward" and self.ctx.cfg.generate.dynamic_sampling is not None:
+            # (the iteration's rewards are made by its last round's reward stage, which reads every round)
+            round = max((r for r in range(self.ctx.cfg.generate.dynamic_sampling.max_rounds)
+                         if store.manifest(layout.scored(run, it, r)) is not None), default=0)
         which = f"{stage} of iteration {it}" + (f" round {round}" if round else "")
         said = f"corrupt artifact: {bad}; moved to {store.uri(moved)}, making it again ({which})"
         self.log.warning(said)

@@ -79,7 +79,7 @@ def reward(cfg: Config, iteration: int, round: int = 0, services: Services | Non
             metrics[f"reward/{name}/nan"] = float(scored.nan.get(name, 0))
         metrics.update({f"reward/{k}": v for k, v in scored.metrics.items()})
         metrics.update(shaped)
-        metrics.update(_group_shares(cfg, records))
+        metrics.update(_group_shares(cfg, [records]))
         done = _write(store, key, records, {"fingerprint": fp, "made_of": made, "metrics": metrics,
                                             "samples": _samples(cfg, records), "errors": scored.errors,
                                             "groups": _outcomes(cfg, records)})
@@ -113,7 +113,7 @@ def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -
                     metrics[name] = metrics.get(name, 0.0) + value
         metrics.update(_metrics(every, scores))
         metrics.update(overlong_metrics(every))
-        metrics.update(_group_shares(cfg, every))
+        metrics.update(_group_shares(cfg, rounds))
         metrics["reward/kept_mean"] = _mean([x for r in kept if (x := task_reward(r)) is not None])
         errors = {name: e for k in keys for name, e in store.manifest(k)["meta"].get("errors", {}).items()}
         done = _write(store, key, kept, {"fingerprint": fp, "made_of": made, "metrics": metrics,
@@ -141,23 +141,27 @@ def _metrics(records: list, scores: dict[str, list]) -> dict[str, float]:
     return metrics
 
 
-def _group_shares(cfg: Config, records: list) -> dict[str, float]:
-    """Shares of the groups whose rewards are all equal (dynamic sampling's test: no advantage) and that all
-    passed (easy: eval.pass_reward's score, or the combined reward, at least eval.pass_threshold), all equal and
-    not all passed (hard), or not all equal (useful: the only ones that teach)."""
+def _group_shares(cfg: Config, rounds: list[list]) -> dict[str, float]:
+    """Shares of the groups (of every round: each round numbers its groups from 0) whose rewards are all equal
+    (dynamic sampling's test: no advantage) and that all passed (easy: eval.pass_reward's score, or the task's
+    reward without reward.overlong's shaping, at least eval.pass_threshold), all equal and not all passed
+    (hard), or not all equal (useful: the only ones that teach)."""
     ds = cfg.generate.dynamic_sampling
-    flags = dynamic_sampling.constant_groups(records, ds.tolerance if ds else dynamic_sampling.TOLERANCE)
-    if not flags:
-        return {}
-    groups = dynamic_sampling.groups_of(records)
+    tolerance = ds.tolerance if ds else dynamic_sampling.TOLERANCE
 
     def passed(r) -> bool:
-        score = r.reward if cfg.eval.pass_reward is None else r.rewards.get(cfg.eval.pass_reward)
+        score = task_reward(r) if cfg.eval.pass_reward is None else r.rewards.get(cfg.eval.pass_reward)
         return score is not None and score >= cfg.eval.pass_threshold
 
-    easy = sum(flags[g] and all(passed(r) for r in groups[g] if not r.part) for g in flags)
-    useful = sum(not c for c in flags.values())
-    n = len(flags)
+    n = easy = useful = 0
+    for records in rounds:
+        flags = dynamic_sampling.constant_groups(records, tolerance)
+        groups = dynamic_sampling.groups_of(records)
+        n += len(flags)
+        easy += sum(flags[g] and all(passed(r) for r in groups[g] if not r.part) for g in flags)
+        useful += sum(not c for c in flags.values())
+    if not n:
+        return {}
     return {"reward/groups_useful": useful / n, "reward/groups_easy": easy / n,
             "reward/groups_hard": (n - useful - easy) / n}
 

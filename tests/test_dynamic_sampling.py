@@ -68,6 +68,63 @@ def test_the_first_useful_groups_are_kept_round_by_round_and_renumbered():
 
 # ------------------------------------------------------------------------------------------ overlong shaping
 
+def test_an_agents_split_episode_is_punished_once_by_its_whole_length():
+    """An episode split into samples (Rollout.part > 0) is as long as all of it after its first prompt: each of its
+    samples carries that one punishment (the advantage reads its first), and the metrics count it once."""
+    from tasks.scoring.shaping import add_overlong
+
+    cfg = load_config(ROOT / "configs" / "agent.yaml", ["reward.overlong={buffer: 16, penalty: 1.0}",
+                                                        "env.max_tokens=64"])
+
+    def sample(part: int, prompt: int, n: int) -> Rollout:
+        return Rollout(group=0, row=0, prompt="p", prompt_ids=[1] * prompt, completion="c", completion_ids=[2] * n,
+                       logprobs=[-1.0] * n, truncated=False, reward=1.0, part=part)
+
+    # 10 tokens, then a sample whose prompt holds the first 10 and 4 more and which runs to 64 after the first prompt
+    records = [sample(0, 5, 10), sample(1, 19, 50), sample(0, 5, 10)]
+    metrics = add_overlong(cfg, records)
+    assert [r.rewards["overlong"] for r in records] == [-1.0, -1.0, 0.0]
+    assert [r.reward for r in records] == [0.0, 0.0, 1.0]
+    assert metrics == {"reward/overlong/mean": -0.5, "reward/overlong/share": 0.5}
+    assert dynamic_sampling.constant_groups(records, 1e-6) == {0: False}
+
+
+def test_a_function_named_as_the_shaping_is_refused():
+    from tasks.scoring.functions import load_functions
+
+    cfg = load_config(TINY, ['reward.functions=[{fn: "tasks.scoring.shaping:overlong", weight: 1.0}]'])
+    with pytest.raises(UserError, match=r"^reward.functions: 'overlong' names reward.overlong's shaping"):
+        load_functions(cfg)
+
+
+def test_the_group_shares_count_every_rounds_groups_and_judge_passing_without_the_shaping():
+    """Each round numbers its groups from 0: two rounds' group 0 are two groups. A group that passed its task but
+    was punished for length is easy (the shaping is not the task's verdict)."""
+    from tasks.reward import _group_shares
+
+    cfg = load_config(TINY, ["generate.dynamic_sampling={max_rounds: 2}"])
+    r0, r1 = _group(0, [1.0, 1.0]), _group(0, [0.0, 0.0], row=7)
+    assert _group_shares(cfg, [r0, r1]) == {"reward/groups_useful": 0.0, "reward/groups_easy": 0.5,
+                                            "reward/groups_hard": 0.5}
+    for r in r0:
+        r.rewards["overlong"], r.reward = -1.0, 0.0
+    assert _group_shares(cfg, [r0])["reward/groups_easy"] == 1.0
+
+
+def test_extra_rounds_are_full_on_a_small_data_set_and_the_same_however_many_are_asked():
+    """Round r > 0 skips round 0's rows; with 7 of 8 rows taken the stream still fills each round, and round r's
+    rows are the same whether 2 or 5 rounds are asked for (the stage mode asks round by round, streaming all)."""
+    from tasks.core.curriculum import rounds
+
+    cfg = load_config(TINY, ["generate.prompts_per_iteration=7", "generate.dynamic_sampling={max_rounds: 5}"])
+    for it in (1, 2, 3):
+        every = rounds(cfg, None, it, 5, 8)[0]
+        assert [len(r) for r in every] == [7] * 5
+        for n in (1, 2, 3, 4):
+            assert rounds(cfg, None, it, n, 8)[0] == every[:n]
+        assert every[1].count(next(iter(set(range(8)) - set(every[0])))) >= 1    # the one row round 0 left
+
+
 def test_the_overlong_punishment_grows_over_the_buffer():
     """DAPO eq. 13: 0 before the buffer, then linearly to -penalty at the limit."""
     from tasks.scoring.shaping import overlong
@@ -149,11 +206,30 @@ def test_the_hf_sampler_and_the_trainer_agree_at_top_p(tmp_path):
      "config: data.curriculum: max_defer (4) is below defer (8): the deferral could never be as long as defer says"),
     ("generate.dynamic_sampling={tolerance: 0}",
      "config: generate.dynamic_sampling.tolerance: input should be greater than 0, got 0"),
+    ("data.curriculum={defer: 1}",      # (with run.max_staleness 1, below: a deferral that never takes effect)
+     "config: data.curriculum.defer: 1 iteration is not longer than run.max_staleness (1): iteration N's groups "
+     "are known when iteration N+1+1 is picked, so a deferral of 1 iterations or fewer never takes effect; "
+     "expected defer above 1"),
 ])
 def test_each_new_fields_mistake_is_one_line(override, line):
     with pytest.raises(UserError) as e:
-        load_config(TINY, ["generate.max_completion_length=24", override])
+        load_config(TINY, ["generate.max_completion_length=24", "run.max_staleness=1", "run.iterations=10", override])
     assert str(e.value) == line
+
+
+def test_dynamic_sampling_where_constant_groups_still_teach_is_warned_of(capsys):
+    """Dropping a group whose rewards are all equal drops nothing where its advantages are 0 (relative to the
+    group); under a value model or REINFORCE++'s batch baseline it drops signal: said once as the config is read."""
+    ds = "generate.dynamic_sampling={max_rounds: 2}"
+    for quiet in ([], ["train.learner={advantage: rloo}"], ["train.learner={advantage: reinforce_pp_baseline}"]):
+        capsys.readouterr()
+        load_config(TINY, [ds, *quiet])
+        assert "warning" not in capsys.readouterr().err
+    for loud, how in ((["train.algorithm=ppo"], "train.algorithm ppo"),
+                      (["train.learner={advantage: reinforce_pp}"], "train.learner.advantage reinforce_pp")):
+        load_config(TINY, [ds, *loud])
+        err = capsys.readouterr().err
+        assert err.count("warning: generate.dynamic_sampling drops the groups") == 1 and f"under {how}" in err
 
 
 def test_a_curriculum_needs_prompts_with_stable_ids():
@@ -248,15 +324,16 @@ def test_the_curriculum_defers_by_its_rule():
 
     s = Sampler()
     s.fold(1, [(5, True), (6, False), (5, True)], defer=2, max_defer=5)      # row 5 twice in one iteration: once
-    assert s.rows == {"5": [1, 3]} and s.deferred(2) == {5} and s.deferred(3) == set()
+    assert s.rows == {"5": [1, 4]} and s.deferred(2) == s.deferred(3) == {5} and s.deferred(4) == set()
     s.fold(3, [(5, True)], defer=2, max_defer=5)
     s.fold(7, [(5, True)], defer=2, max_defer=5)
-    assert s.rows["5"] == [3, 7 + 5]                                          # 2, 4, then capped at 5
+    assert s.rows["5"] == [3, 7 + 5 + 1]                                      # 2, 4, then capped at 5
+    assert s.deferred(12) == {5} and s.deferred(13) == set()                  # iterations 8 .. 12: five
     s.fold(8, [(5, False)], defer=2, max_defer=5)
     assert s.rows == {}
 
     s = Sampler()
-    s.fold(1, [(r, True) for r in range(3)], defer=2, max_defer=8)            # rows 0, 1, 2 deferred until 3
+    s.fold(1, [(r, True) for r in range(3)], defer=1, max_defer=8)            # rows 0, 1, 2 deferred at 2
     first = s.pick(2, 4, n_rows=10, seed=0, shuffle=False)
     assert first == [3, 4, 5, 6] and s.waiting == [[0, 3], [1, 3], [2, 3]]
     assert s.pick(3, 4, n_rows=10, seed=0, shuffle=False) == [0, 1, 2, 7]     # served first when due
@@ -369,6 +446,38 @@ def test_dynamic_sampling_with_episodes_agents_and_overlap_matches_the_stages(co
     store = open_store(ref)
     rounds = [store.manifest(layout.rewards("ep", it))["meta"]["metrics"]["dynamic/rounds"] for it in (1, 2, 3)]
     assert max(rounds) >= 2, rounds
+
+
+def test_a_corrupt_batch_of_rounds_is_made_again_by_its_last_round(tmp_path):
+    """iter-N/rewards under dynamic sampling is written by the reward stage of the round that completed it, which
+    reads every round: Repair makes it again from there (round 0 alone found too few groups and wrote nothing)."""
+    from types import SimpleNamespace
+
+    from flows.repair import Repair
+    from flows.training import STAGE_FUNCTIONS
+    from tasks.core import rollout
+    from tasks.core.store import CorruptArtifact
+    from tasks.generate import generate
+    from tasks.reward import reward
+
+    cfg = load_config(TINY, [*DS, f"store.uri={tmp_path}/store", "run.name=rep"])
+    for seed in range(8):                    # (a seed whose first iteration needs more than one round)
+        cfg = load_config(TINY, [*DS, f"store.uri={tmp_path}/store-{seed}", "run.name=rep", f"run.seed={seed}"])
+        r, n = {"complete": False}, 0
+        while not r["complete"]:
+            generate(cfg, 1, layout.BASE, round=n)
+            r, n = reward(cfg, 1, round=n), n + 1
+        if n > 1:
+            break
+    assert n > 1
+    store, key = open_store(cfg), layout.rewards("rep", 1)
+    made = store.manifest(key)["files"][rollout.FILE]["sha256"]
+    said = []
+    repair = Repair(lambda name, it, ctx, *a, **k: STAGE_FUNCTIONS[name](cfg, it, *a, **k),
+                    SimpleNamespace(cfg=cfg, store=store), SimpleNamespace(warning=said.append))
+    repair._remake(CorruptArtifact(key, "test: changed"), set())
+    assert store.manifest(key)["files"][rollout.FILE]["sha256"] == made
+    assert said and said[0].endswith(f"making it again (reward of iteration 1 round {n - 1})")
 
 
 def test_an_agents_episode_counts_once_in_the_constant_test():

@@ -173,6 +173,30 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _dropped_groups_teach_nothing(self):
+        # (a warning: DAPO's test is for group-relative advantages; elsewhere the user may still want it)
+        lc, advantage = self.train.learner, getattr(self.train.learner, "advantage", "group")
+        if self.generate.dynamic_sampling is not None and getattr(_HELD, "lines", None) is not None and \
+                (self.train.algorithm != "grpo" or advantage == "reinforce_pp"):
+            how = f"train.algorithm {self.train.algorithm}" if self.train.algorithm != "grpo" else \
+                f"train.learner.advantage {advantage}"
+            warn(f"warning: generate.dynamic_sampling drops the groups whose rewards are all equal, whose advantages "
+                 f"are 0 only where they are relative to the group (GRPO's group, rloo, reinforce_pp_baseline); under {how} such a "
+                 f"group still has advantages{' (a value model)' if lc.algorithm != 'grpo' else ''}: dropping it "
+                 f"drops signal")
+        return self
+
+    @model_validator(mode="after")
+    def _curriculum_outlasts_staleness(self):
+        cur, s = self.data.curriculum, self.run.max_staleness
+        if cur is not None and cur.defer <= s:
+            raise ValueError(f"data.curriculum.defer: {cur.defer} iteration{'s' * (cur.defer > 1)} is not longer "
+                             f"than run.max_staleness ({s}): iteration N's groups are known when iteration N+{s}+1 "
+                             f"is picked, so a deferral of {s} iterations or fewer never takes effect; expected "
+                             f"defer above {s}")
+        return self
+
+    @model_validator(mode="after")
     def _one_server_per_machine(self):
         gc = self.generate
         if gc.replicas > 1 and gc.mode == "resident" and self.launcher.where_of("generate") != "sky":

@@ -60,14 +60,15 @@ def rounds(cfg: Config, store: Store, iteration: int, n_rounds: int, n_rows: int
     skip = set(first) | deferred
     if len(skip) >= n_rows:                   # (a tiny data set: every row taken or deferred) the stream as is
         skip = set()
-    rows, pos = [], 0
-    wanted = (n_rounds - 1) * per_round
-    while len(rows) < wanted:
-        batch = data.indices(n_rows, [seed, EXTRA_STREAM, iteration], pos, per_round, shuffle)
-        pos += per_round
-        rows.extend(r for r in batch if r not in skip)
-        if pos > 4 * (n_rows + wanted):       # (cannot happen unless every row is skipped: guarded above)
-            break
+    rows, pos, passed = [], 0, 0
+    while len(rows) < (n_rounds - 1) * per_round:       # (the scan never looks at n_rounds: a round's rows are
+        row = data.indices(n_rows, [seed, EXTRA_STREAM, iteration], pos, 1, shuffle)[0]   # the same whoever asks)
+        pos += 1
+        if row in skip and passed < n_rows:  # (a round never comes out short: after a whole data set's worth of
+            passed += 1                      # rows skipped in a row, the stream's next is taken as it is)
+            continue
+        rows.append(row)
+        passed = 0
     return [first, *(rows[r * per_round:(r + 1) * per_round] for r in range(n_rounds - 1))], metrics
 
 
@@ -120,7 +121,8 @@ class Sampler:
             streak, _ = self.rows.get(str(row), (0, 0))
             if is_constant:
                 streak += 1
-                self.rows[str(row)] = [streak, iteration + min(defer * 2 ** (streak - 1), max_defer)]
+                # (deferred while `until` > the iteration picked: the `defer` iterations after this one)
+                self.rows[str(row)] = [streak, iteration + min(defer * 2 ** (streak - 1), max_defer) + 1]
             else:
                 self.rows.pop(str(row), None)
 

@@ -71,8 +71,11 @@ def require_input(store: Store, cfg: Config, stage: str, iteration: int, step: t
         first = first_missing(store, cfg.run.name, stage, iteration, cfg.run.max_staleness) or step
         then = "" if first == step else f", then each stage in order ({', '.join(STEPS[:4])}) through " \
                                         f"{step[0]} --iteration {step[1]}"
+        rounds = " (generate.dynamic_sampling: generate, then reward, with --round 0, 1, ... until the reward " \
+                 "stage says the iteration's batch is complete)" if cfg.generate.dynamic_sampling is not None and \
+            "reward" in (step[0], first[0]) else ""
         raise UserError(f"{stage} of iteration {iteration}: no complete {OUTPUT[step[0]][0]} of iteration "
-                        f"{step[1]} at {store.uri(key)}; run first: {command(first[0], first[1])}{then}")
+                        f"{step[1]} at {store.uri(key)}; run first: {command(first[0], first[1])}{then}{rounds}")
     return manifest
 
 

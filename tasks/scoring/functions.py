@@ -42,6 +42,7 @@ from tasks.core.errors import UserError
 from tasks.core.paths import REPO_ROOT, import_user, user_code_seconds
 from tasks.core.process_wide import user_output_limit
 from tasks.core.processes import BoundedCopy, how_it_ended, kill_group, peek_exit, spawn
+from tasks.scoring.shaping import NAME as SHAPING
 from tasks.scoring.worker import _HEADER, RewardState, send
 
 if TYPE_CHECKING:
@@ -97,6 +98,9 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
              "sandbox": cfg.reward.sandbox.model_dump(mode="json")}
     if cfg.env.episodic() and "env" in names:
         raise UserError("reward.functions: 'env' names the episode's return; rename that function")
+    if SHAPING in names:
+        raise UserError(f"reward.functions: {SHAPING!r} names reward.overlong's shaping (left out of reward/mean); "
+                        f"rename that function")
     if cfg.reward.models:
         from tasks.scoring.judges import check_specs
 

@@ -33,6 +33,7 @@ from tasks.core.contracts import Scored
 from tasks.core.errors import UserError
 from tasks.core.fleet import bearer
 from tasks.core.placement import Services, placement_of
+from tasks.scoring.shaping import NAME as SHAPING
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, RewardModel
@@ -62,9 +63,9 @@ def check_specs(cfg: Config, columns: set[str] | None, function_names: list[str]
     names = [m.name for m in cfg.reward.models]
     for i, spec in enumerate(cfg.reward.models):
         what = f"reward.models[{i}] ({spec.name})"
-        if spec.name in function_names or names.count(spec.name) > 1 or spec.name == "env":
-            raise UserError(f"{what}.name: {spec.name!r} is taken (by a reward function, another model, or the "
-                            f"episodes' return 'env'); names key the scores")
+        if spec.name in function_names or names.count(spec.name) > 1 or spec.name in ("env", SHAPING):
+            raise UserError(f"{what}.name: {spec.name!r} is taken (by a reward function, another model, the "
+                            f"episodes' return 'env' or reward.overlong's shaping 'overlong'); names key the scores")
         if spec.template is not None:
             try:
                 fields = template_fields(spec)

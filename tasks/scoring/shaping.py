@@ -28,21 +28,41 @@ def overlong(length: int, limit: int, buffer: int, penalty: float) -> float:
 
 def add_overlong(cfg: Config, records: list[Rollout]) -> dict[str, float]:
     """Add reward.overlong's punishment to each scored record (rewards["overlong"], and the combined reward);
-    returns reward/overlong/* metrics. An episode counts every token after its prompt (env.max_tokens)."""
+    returns reward/overlong/* metrics. An episode counts every token after its first prompt (env.max_tokens, as
+    the endpoint counts them): an agent's episode split into samples (Rollout.part) is punished once, by its
+    whole length, each of its samples carrying that punishment."""
     ol = cfg.reward.overlong
     if ol is None:
         return {}
     limit = cfg.completion_limit()
-    for r in records:
+    for r, length in zip(records, _episode_lengths(records)):
         if r.reward is not None:
-            r.rewards[NAME] = overlong(len(r.completion_ids), limit, ol.buffer, ol.penalty)
+            r.rewards[NAME] = overlong(length, limit, ol.buffer, ol.penalty)
             r.reward += r.rewards[NAME]
     return overlong_metrics(records)
 
 
+def _episode_lengths(records: list[Rollout]) -> list[int]:
+    """Per record, the tokens its episode has after its first prompt: a record's samples after the first
+    (part > 0) follow it in the list; their prompts hold what came before them."""
+    out, k = [], 0
+    while k < len(records):
+        end = k + 1
+        while end < len(records) and records[end].part:
+            end += 1
+        parts = records[k:end]
+        first = len(parts[0].prompt_ids)
+        length = max(len(p.prompt_ids) + len(p.completion_ids) for p in parts) - first if len(parts) > 1 \
+            else len(parts[0].completion_ids)
+        out += [length] * len(parts)
+        k = end
+    return out
+
+
 def overlong_metrics(records: list[Rollout]) -> dict[str, float]:
-    """reward/overlong/mean (the punishment, mean over the punished-or-not) and /share (of those punished)."""
-    punished = [r.rewards[NAME] for r in records if r.rewards.get(NAME) is not None]
+    """reward/overlong/mean (the punishment, mean over the punished-or-not) and /share (of those punished), per
+    episode (an agent's samples after its first, part > 0, are not counted again)."""
+    punished = [r.rewards[NAME] for r in records if r.rewards.get(NAME) is not None and not r.part]
     if not punished:
         return {}
     n = len(punished)
