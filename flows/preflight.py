@@ -142,10 +142,8 @@ def preflight(cfg: Config) -> None:
 def check_warmup(cfg: Config) -> None:
     """The warm start's inputs: its base is a base model, not a policy of this run's own (v0 is made from the
     base; a run's later policies come from v0), and the demonstrations read, render and fit (tasks/sft.py)."""
-    from tasks.core import layout
     from tasks.core.models import registered_uri, store_key
-    from tasks.core.stage import reuse
-    from tasks.sft import check, v0_fingerprint
+    from tasks.sft import check, check_first, made_v0, resumable
 
     store = open_store(cfg)
     name = cfg.model.name_or_path
@@ -155,8 +153,10 @@ def check_warmup(cfg: Config) -> None:
         raise UserError(f"model.name_or_path: {cfg.model.name_or_path} is a policy of this run ({cfg.run.name}), "
                         f"not the base its warm start trains; name the base model (the run's v0 is made from it)")
     # v0 made already: from the same inputs (else one line naming what changed), nothing more to check
-    if reuse(store, layout.policy(cfg.run.name, 0), *v0_fingerprint(cfg)) is None:
+    if made_v0(cfg, store) is None:
+        check_first(cfg, store)
         check(cfg)
+        resumable(cfg, store)
 
 
 def check_sky_python(cfg: Config) -> None:

@@ -108,6 +108,9 @@ def sft_command(cfg: Config) -> int:
     return 0
 
 
+MAX_ROWS = 1_000_000        # rows `rlflow record` takes in one call (checked before a range is written out)
+
+
 def _rows(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -118,6 +121,8 @@ def _rows(text: str | None) -> list[int] | None:
             if b and int(b) < int(a):
                 raise UserError(f"--rows: {part.strip()}: an empty range (its end before its start); expected "
                                 f"FIRST-LAST with FIRST <= LAST")
+            if b and int(b) - int(a) >= MAX_ROWS or len(rows) >= MAX_ROWS:
+                raise UserError(f"--rows: {text}: more than {MAX_ROWS:,} rows; record at most that many at a time")
             rows += list(range(int(a), int(b) + 1)) if b else [int(a)]
     except ValueError:
         raise UserError(f"--rows: expected indices like 0-9,12, got {text!r}") from None
@@ -129,6 +134,9 @@ def record_command(args, cfg: Config) -> int:
     from tasks.envs.runtime.demonstrations import record, write
 
     out = Path(args.out)
+    if out.suffix not in (".jsonl", ".json"):
+        raise UserError(f"--out: {out}: rlflow record writes JSON Lines (TRL's `messages` rows, what warmup.path "
+                        f"reads); expected a file name ending .jsonl")
     if args.n < 1:
         raise UserError(f"--n: expected at least 1 episode per row, got {args.n}")
     if not math.isfinite(args.min_return):

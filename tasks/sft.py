@@ -33,8 +33,8 @@ from tasks.core.data import load_table, message_fault
 from tasks.core.errors import UserError
 from tasks.core.hashing import sha256_file
 from tasks.core.models import ADAPTER_CONFIG, base_path, context_length, load_policy, load_tokenizer
-from tasks.core.processes import run
-from tasks.core.stage import fingerprint, reuse
+from tasks.core.processes import stream
+from tasks.core.stage import changed, fingerprint, reuse
 from tasks.core.store import open_store
 from tasks.engines.trainer import drill
 from tasks.engines.training import training_engine
@@ -147,6 +147,10 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
         raise ValueError(f"column 'tools': expected a list of tool schemas (JSON objects, or their JSON text), got "
                          f"{json.dumps(row.get('tools'), default=str)[:80]}")
     whole = render.template(prompt + rest, tools, False)       # (the template's checks; parts as their text)
+    if any(m.get("tool_calls") for m in rest) and whole == render.template(
+            prompt + [{k: v for k, v in m.items() if k != "tool_calls"} for m in rest], tools, False):
+        raise ValueError("the model's chat template does not write tool_calls (a call would be learned as an empty "
+                         "turn): write each call in the message's content, as this model writes calls")
     if not assistant_only:
         ids = render.tok(whole, add_special_tokens=False)["input_ids"]
         return ids, [1] * len(ids)
@@ -241,13 +245,59 @@ def batch(demos: list[Demo], pad: int, device) -> tuple[torch.Tensor, torch.Tens
 
 # ------------------------------------------------------------------------------------------ the stage
 
-def v0_fingerprint(cfg: Config) -> tuple[str, dict]:
-    """What v0 is made of: the base model, the warmup section, the train fields it uses, the data's bytes."""
+def v0_fingerprint(cfg: Config, store: Store | None = None) -> tuple[str, dict]:
+    """What v0 is made of: the base model, the warmup section, the train fields it uses, the data's bytes (a local
+    file gone since v0 was made from it: the bytes v0's manifest names, `store` given; RL needs it no more)."""
     w, content = cfg.warmup, {}
     if Path(w.path).is_file():
         content = {"data_sha256": sha256_file(Path(w.path))}
+    elif store is not None and data.looks_local(w.path) and \
+            (v0 := store.manifest(layout.policy(cfg.run.name, 0))) is not None and \
+            "data_sha256" in (made := v0.get("meta", {}).get("made_of", {})):
+        content = {"data_sha256": made["data_sha256"]}
     used = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k in TRAIN_FIELDS}
     return fingerprint(cfg, ("model", "warmup"), warmup_train=used, **content)
+
+
+def made_v0(cfg: Config, store: Store) -> dict | None:
+    """v0 when it was made from these inputs, None when it is not made yet; one line otherwise (what changed)."""
+    fp, made = v0_fingerprint(cfg, store)
+    try:
+        return reuse(store, layout.policy(cfg.run.name, 0), fp, made)
+    except UserError:
+        was = store.manifest(layout.policy(cfg.run.name, 0))["meta"].get("made_of", {})
+        if was.get("data_sha256") not in (None, made.get("data_sha256")) and \
+                {k: v for k, v in was.items() if k != "data_sha256"} == \
+                {k: v for k, v in json.loads(json.dumps(made)).items() if k != "data_sha256"}:
+            raise UserError(f"warmup.path: {cfg.warmup.path} changed since the run's v0 was made from it (its bytes "
+                            f"differ); restore the file v0 was made from, or choose a new run.name") from None
+        raise
+
+
+def check_first(cfg: Config, store: Store) -> None:
+    """v0 not made yet: the warm start comes first, so a run that has iterations already (trained from the base,
+    the config then without warmup:) cannot have one now (its iterations' outputs would all be refused)."""
+    run = cfg.run.name
+    if store.list_folders(f"{run}/policy") or store.manifest(layout.rollouts(run, 1)) is not None:
+        raise UserError(f"warmup: run {run} has iterations already, trained from {cfg.model.name_or_path} without a "
+                        f"warm start, and v0 comes before them; remove warmup: to go on with that run, or choose a "
+                        f"new run.name")
+
+
+def resumable(cfg: Config, store: Store) -> str | None:
+    """The warm start's newest checkpoint, when one was written by a warm start of these inputs (None: none); one
+    line naming what changed otherwise (before anything is written: the flow's preflight asks it too)."""
+    latest = store.get_pointer(layout.latest(sft_run(cfg), "trainer"))
+    if latest is None or store.manifest(latest) is None:
+        return None
+    state = store.get_json(latest, layout.CKPT_STATE)
+    fp, made = v0_fingerprint(cfg)
+    if state.get("fingerprint") != fp:
+        was = state.get("made_of")
+        raise UserError(f"warmup: {store.uri(latest)} (a checkpoint of this run's warm start) was made from other "
+                        f"demonstrations or settings" + (changed(was, made) if was is not None else
+                                                         "; resume with the same config or choose a new run.name"))
+    return latest
 
 
 def sft_run(cfg: Config) -> str:
@@ -275,10 +325,14 @@ def sft(cfg: Config, iteration: int = 0) -> dict:
         raise UserError("warmup: the config has no warmup section (SFT's demonstrations: warmup.path)")
     store, run = open_store(cfg), cfg.run.name
     key = layout.policy(run, 0)
-    fp, made = v0_fingerprint(cfg)
-    if (done := reuse(store, key, fp, made)) is not None:
+    fp, made = v0_fingerprint(cfg, store)
+    if (done := made_v0(cfg, store)) is not None:
+        if store.list_folders(f"{sft_run(cfg)}/trainer"):
+            _delete_checkpoints(store, sft_run(cfg))    # (left by a kill between v0's commit and their deletion)
         return done
+    check_first(cfg, store)
     demos = check(cfg)
+    resumable(cfg, store)                        # (here too: the deepspeed group would say it once per process)
     if cfg.train.engine == "deepspeed" and "RANK" not in os.environ:
         _torchrun(cfg)                           # the group trains and publishes; its result is read back
         if (done := reuse(store, key, fp, made)) is None:
@@ -290,14 +344,9 @@ def sft(cfg: Config, iteration: int = 0) -> dict:
 def _train(cfg: Config, store: Store, demos: list[Demo], key: str, fp: str, made: dict) -> dict:
     w, ecfg = cfg.warmup, engine_config(cfg)
     plan = schedule(len(demos), cfg)
-    latest = store.get_pointer(layout.latest(ecfg.run.name, "trainer"))
-    previous, history = None, []
-    if latest is not None and store.manifest(latest) is not None:
-        state = store.get_json(latest, layout.CKPT_STATE)
-        if state.get("fingerprint") != fp:
-            raise UserError(f"warmup: {store.uri(latest)} was made from other demonstrations or settings; resume "
-                            f"with the same config or choose a new run.name")
-        previous, history = latest, list(state["history"])
+    previous, history = resumable(cfg, store), []
+    if previous is not None:
+        history = list(store.get_json(previous, layout.CKPT_STATE)["history"])
     engine = training_engine(ecfg).open(ecfg, store, previous)
     pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
     params = (engine.model.optimizer if cfg.train.engine == "deepspeed" else engine.optimizer).param_groups
@@ -329,7 +378,7 @@ def _train(cfg: Config, store: Store, demos: list[Demo], key: str, fp: str, made
                       f"{correct / tokens:.3f}", file=sys.stderr, flush=True)
             drill("sft-step", step + 1)
             if (step + 1) % w.checkpoint_every == 0 and step + 1 < len(plan):
-                _checkpoint(ecfg, store, engine, step + 1, fp, history)
+                _checkpoint(ecfg, store, engine, step + 1, fp, made, history)
         done = _publish(cfg, store, engine, key, fp, made, history)
         if engine.rank == 0:         # v0 is committed: the warm start's checkpoints are never read again
             _delete_checkpoints(store, ecfg.run.name)
@@ -338,14 +387,14 @@ def _train(cfg: Config, store: Store, demos: list[Demo], key: str, fp: str, made
         engine.close()
 
 
-def _checkpoint(ecfg: Config, store: Store, engine, step: int, fp: str, history: list[dict]) -> None:
+def _checkpoint(ecfg: Config, store: Store, engine, step: int, fp: str, made: dict, history: list[dict]) -> None:
     run = ecfg.run.name
     ckpt = layout.checkpoint(run, step)
     with tempfile.TemporaryDirectory(prefix="rlflow-sft-") as tmp:
         extra = engine.save(Path(tmp), step)
         if engine.rank != 0:
             return
-        state = {"iteration": step, "step": step, "fingerprint": fp, "history": history, **extra}
+        state = {"iteration": step, "step": step, "fingerprint": fp, "made_of": made, "history": history, **extra}
         (Path(tmp) / layout.CKPT_STATE).write_text(json.dumps(state))
         store.put_folder(ckpt, Path(tmp), meta={"fingerprint": fp, "kind": "full", "iteration": step},
                          give_up=True)
@@ -395,14 +444,15 @@ def _torchrun(cfg: Config) -> None:
     from tasks.engines.deepspeed_engine import DeepSpeedEngine
 
     argv, env = DeepSpeedEngine.torchrun(cfg)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="rlflow-sft-config-") as f:
-        f.write(json.dumps(cfg.model_dump(mode="json")))
-        f.flush()
-        done = run([*argv, "-m", "tasks.sft", "--config", f.name, "--iteration", "0"], env)
-    if done.returncode == 2:
-        raise UserError("warmup: the deepspeed group refused the config (its line is above)")
-    if done.returncode != 0:
-        raise RuntimeError(f"warm start: the deepspeed group failed (exit {done.returncode})")
+    # (a folder of its own: load_config reads a relative path as relative to the config's folder first, so
+    # `-o warmup.path=demos.jsonl` would find a demos.jsonl that happened to lie beside it, in $TMPDIR)
+    with tempfile.TemporaryDirectory(prefix="rlflow-sft-") as tmp:
+        config = Path(tmp) / "rlflow-resolved-config.json"
+        config.write_text(json.dumps(cfg.model_dump(mode="json")))
+        ran = stream([*argv, "-m", "tasks.sft", "--config", str(config), "--iteration", "0"], env,
+                     sink=lambda line: print(line, file=sys.stderr, flush=True))
+    if ran.code != 0:
+        ran.raise_failure("warm start: the deepspeed group (torchrun)")
 
 
 if __name__ == "__main__":

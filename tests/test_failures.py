@@ -459,3 +459,21 @@ def test_a_daemon_an_environment_leaves_behind_ends_with_its_episode(tmp_path):
     while [p for p in daemons if alive(int(p))] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert len(daemons) == 4 and not [p for p in daemons if alive(int(p))], [_stat(p) for p in daemons]
+
+
+def test_a_group_that_failed_is_raised_as_what_its_processes_said():
+    """torchrun exits 1 whatever its processes' codes: their marker lines say whether it was the user's mistake (one
+    line, exit 2), a corrupt artifact, a full disk, or something else (its last lines)."""
+    from tasks.core.errors import DiskFull, UserError
+    from tasks.core.processes import Streamed
+    from tasks.core.store import CorruptArtifact
+
+    with pytest.raises(UserError, match=r"^warmup: changed$"):
+        Streamed(1, "warmup: changed", ["a"]).raise_failure("the group")
+    with pytest.raises(CorruptArtifact) as e:
+        Streamed(1, None, [], corrupt=("run/iter-000001/rewards", "changed")).raise_failure("the group")
+    assert e.value.key == "run/iter-000001/rewards"
+    with pytest.raises(DiskFull, match="no space"):
+        Streamed(1, None, [], disk_full="no space").raise_failure("the group")
+    with pytest.raises(RuntimeError, match=r"^the group exited with 1: x \| y$"):
+        Streamed(1, None, ["x", "", "y"]).raise_failure("the group")

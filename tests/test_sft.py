@@ -260,6 +260,10 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
                        "row 1: column 'messages' message 1: tool_calls[0] {\"foo\": 1}, expected a list of"),
         "tool_calls_text": ([{"messages": [user, {"role": "assistant", "tool_calls": "oops"}]}], [],
                             "message 1: tool_calls \"oops\", expected a list of"),
+        "tool_calls_unwritten": ([{"messages": [user, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "click", "arguments": {"id": 3}}}]},
+            {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "done"}]}], [],
+            "row 1: the model's chat template does not write tool_calls (a call would be learned as an empty turn)"),
         "image_part": ([{"messages": [{"role": "user", "content": [{"type": "image", "url": "x.png"}]}, bot]}], [],
                        "row 1: message 0: content parts of kinds ['image']; this model's chat template takes text"),
         "number_prompt": ([{"prompt": "a=", "completion": "bbb"}, {"prompt": 5, "completion": "bbb"}], [],
@@ -298,6 +302,50 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
         assert not store.exists(), name
 
 
+def test_a_warm_start_that_cannot_come_first_or_resume_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """The preflight (what `rlflow run` and `rlflow plan` ask) refuses a warm start that the stage would refuse only
+    once under way: a run that has iterations already (v0 would come after them), a checkpoint of the warm start
+    made with other settings (naming them). Once v0 is made its demonstrations may go (RL needs them no more), not
+    change; a kill between v0's commit and the checkpoints' deletion leaves none for good."""
+    from flows.preflight import check_warmup
+    from tasks.core.errors import UserError
+
+    cfg = _cfg(tmp_path, MESSAGES, "warmup.epochs=3", "warmup.batch_size=1", "warmup.checkpoint_every=1")
+    store = Store.open(str(tmp_path / "store"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "rollouts.parquet").write_bytes(b"x")
+    store.put_folder(layout.rollouts("warm", 1), tmp_path / "out", meta={})
+    with pytest.raises(UserError, match=r"^warmup: run warm has iterations already, trained from builtin:tiny-lm "
+                                        r"without a warm start"):
+        check_warmup(cfg)
+    store.delete_folder(layout.rollouts("warm", 1))
+
+    def killed(point: str, step: int) -> None:
+        if step == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr("tasks.sft.drill", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sft(cfg)
+    monkeypatch.undo()
+    other = _cfg(tmp_path, MESSAGES, "warmup.epochs=3", "warmup.batch_size=1", "warmup.checkpoint_every=1",
+                 "warmup.lr=1e-3")
+    with pytest.raises(UserError, match=r"^warmup: .*ckpt-000001 \(a checkpoint of this run's warm start\) was made "
+                                        r"from other demonstrations or settings: warmup.lr "):
+        check_warmup(other)
+    check_warmup(cfg)
+    sft(cfg)
+    (tmp_path / "left").mkdir()
+    (tmp_path / "left" / "state.json").write_text("{}")
+    store.put_folder(layout.checkpoint("warm/sft", 2), tmp_path / "left", meta={})
+    demos = tmp_path / "demos.jsonl"
+    demos.rename(tmp_path / "away.jsonl")
+    check_warmup(cfg)                                       # gone: v0 stands
+    assert sft(cfg)["key"] == layout.policy("warm", 0) and store.list_folders("warm/sft/trainer") == []
+    demos.write_text((tmp_path / "away.jsonl").read_text() + json.dumps(MESSAGES[0]) + "\n")
+    with pytest.raises(UserError, match=r"^warmup.path: .*demos.jsonl changed since the run's v0 was made from it"):
+        check_warmup(cfg)
+
+
 # ------------------------------------------------------------------------------------------ the flow
 
 @AT_LENGTH               # (~60 s; tests/test_browser.py's small shop run is CI's record -> SFT -> RL)
@@ -334,13 +382,21 @@ def test_the_letters_game_recorded_warm_started_then_rl_from_v0_through_the_flow
 
 
 @pytest.mark.slow
-def test_the_deepspeed_group_warm_starts_to_the_torch_engines_weights(tmp_path):
+def test_the_deepspeed_group_warm_starts_to_the_torch_engines_weights(tmp_path, monkeypatch):
     """train.engine deepspeed (two processes, ZeRO 2, a checkpoint every 2 steps): the demonstrations split over the
     processes, the loss normalised by the whole step's token count, give the torch engine's v0 (fp32 on CPU, up to
     summation order), the last step's one demonstration too (process 1 joins it with a weightless pass); nothing of
     its checkpoints (nor their shards) is left once v0 is published."""
     demos = _letter_demos(tmp_path)
-    args = [f"warmup.path={demos}", "warmup.epochs=1", "warmup.batch_size=3", "warmup.micro_batch_size=2",
+    # warmup.path relative to the working directory, and a decoy of its name in $TMPDIR (where the group's config
+    # once went: load_config looks beside the config file first)
+    monkeypatch.chdir(demos.parent)
+    decoy = tmp_path / "tmpdir"
+    decoy.mkdir()
+    (decoy / demos.name).write_text(demos.read_text().splitlines(keepends=True)[0])
+    monkeypatch.setenv("TMPDIR", str(decoy))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    args = [f"warmup.path={demos.name}", "warmup.epochs=1", "warmup.batch_size=3", "warmup.micro_batch_size=2",
             "warmup.lr=1.0e-3", "warmup.checkpoint_every=2", "run.name=warm", "env.isolation=thread"]
     sft(load_config(LETTERS, [*args, f"store.uri={tmp_path / 'torch'}"]))
     out = sft(load_config(LETTERS, [*args, f"store.uri={tmp_path / 'ds'}", "train.engine=deepspeed",

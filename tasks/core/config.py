@@ -181,9 +181,9 @@ class Config(Section):
             how = f"train.algorithm {self.train.algorithm}" if self.train.algorithm != "grpo" else \
                 f"train.learner.advantage {advantage}"
             warn(f"warning: generate.dynamic_sampling drops the groups whose rewards are all equal, whose advantages "
-                 f"are 0 only where they are relative to the group (GRPO's group, rloo, reinforce_pp_baseline); under {how} such a "
-                 f"group still has advantages{' (a value model)' if lc.algorithm != 'grpo' else ''}: dropping it "
-                 f"drops signal")
+                 f"are 0 only where they are relative to the group (GRPO's group, rloo, reinforce_pp_baseline); "
+                 f"under {how} such a group still has advantages{' (a value model)' if lc.algorithm != 'grpo' else ''}"
+                 f": dropping it drops signal")
         return self
 
     @model_validator(mode="after")

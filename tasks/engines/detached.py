@@ -87,15 +87,7 @@ class GroupTrainer:
             ran = stream(argv, env, sink=lambda line: print(line, file=sys.stderr, flush=True))
         if ran.code == 0:
             return {"key": layout.checkpoint(self.cfg.run.name, iteration)}
-        if ran.user_error:
-            raise UserError(ran.user_error)
-        if ran.corrupt:
-            from tasks.core.store import CorruptArtifact
-            raise CorruptArtifact(*ran.corrupt)
-        if ran.disk_full:
-            raise DiskFull(ran.disk_full)
-        raise RuntimeError(f"train[iter {iteration}]: the deepspeed group (torchrun) exited with {ran.code}: "
-                           + " | ".join(line.strip() for line in ran.last[-20:] if line.strip())[-1500:])
+        ran.raise_failure(f"train[iter {iteration}]: the deepspeed group (torchrun)")
 
     def preload(self, iteration: int) -> int:
         """Nothing to hold: the group of the next train request restores then."""
