@@ -426,3 +426,12 @@ def test_rlflow_sft_alone_publishes_v0_and_finishes_its_mlflow_run_with_the_step
                              filter_string=f"tags.`{TAG_RUN}` = 'warm'")[0]
     assert run.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "sft/loss")) == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_text_format_can_be_named_as_auto_finds_it(tmp_path):
+    """warmup.format text (TRL's language-modeling rows): every token learned; auto finds the column too."""
+    rows = [{"text": "a=bbb"}, {"text": "c=ddd"}]
+    named = _cfg(tmp_path, rows, "warmup.format=text")
+    demos = demonstrations(named, load_tokenizer(base_path(named)))
+    auto = demonstrations(_cfg(tmp_path, rows), load_tokenizer(base_path(named)))
+    assert [d.ids for d in demos] == [d.ids for d in auto] and all(all(d.mask) for d in demos)

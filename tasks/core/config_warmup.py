@@ -27,8 +27,9 @@ class WarmupConfig(Section):
                       "the run's environment).")
     name: str | None = Field(None, description="Hub dataset configuration name.")
     split: str = Field("train", description="Split to train on.")
-    format: Literal["auto", "messages", "prompt_completion"] = Field(
-        "auto", description="auto: `messages` if that column exists, else `prompt` and `completion` (TRL's rule).")
+    format: Literal["auto", "messages", "prompt_completion", "text"] = Field(
+        "auto", description="auto: `messages` if that column exists, else `prompt` and `completion` (TRL's rule), "
+        "else `text` (every token learned, as TRL's language-modeling format).")
     assistant_only: bool = Field(True, description="Loss on the model's tokens only: the completion, or every "
                                  "assistant turn of a conversation (its text and EOS), as RL's masks have it; false: "
                                  "every token, as TRL's SFTTrainer tokenises the row (its default for `messages`).")
