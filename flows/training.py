@@ -16,6 +16,7 @@ More: docs/internals.md (flows/training.py): each step, in full.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -133,13 +134,16 @@ class ConsoleWarnings:
             limit = self.cfg.train.mismatch_kl_warn
             median = sorted(self.kl)[len(self.kl) // 2] if self.kl else None
             jumped = median is not None and kl > max(10 * median, 1e-4)
-            if kl > limit or jumped:
+            finite = math.isfinite(kl)              # (NaN compares False with both limits: said as what it is)
+            if not finite or kl > limit or jumped:
                 self._say("mismatch", f"warning: iteration {it}: train/mismatch_kl {kl:.2e} "
-                          + (f"is above train.mismatch_kl_warn ({limit:g})" if kl > limit else
+                          + ("is not a number (a behaviour logprob of -inf, or the trainer's NaN)" if not finite else
+                             f"is above train.mismatch_kl_warn ({limit:g})" if kl > limit else
                              f"jumped from a median of {median:.2e}")
                           + ": the sampler's logprobs disagree with the trainer's (a policy that did not reach the "
                           "sampler, an engine sampling other weights; docs/operations.md); said once")
-            self.kl.append(kl)
+            if finite:
+                self.kl.append(kl)
         if reward.get("dynamic/groups_kept") == 0:
             ds = self.cfg.generate.dynamic_sampling
             self._say("constant", f"warning: iteration {it}: every group was constant through "

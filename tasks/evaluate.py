@@ -81,11 +81,11 @@ def _passes(cfg: Config, records: list, n_prompts: int) -> list[int]:
 
 def format_metrics(cfg: Config, records: list) -> dict[str, float]:
     """eval.format_reward: the share of greedy answers in the asked form, and the accuracy among those (a gain
-    in form alone raises the first, not the second)."""
+    in form alone raises the first, not the second; with no answer in form, no such accuracy: not a 0)."""
     formatted = [r for r in records if (r.rewards.get(cfg.eval.format_reward) or 0.0) >= 1.0]
     passed = _passes(cfg, formatted, max((r.group for r in records), default=-1) + 1)
     return {"eval/greedy_format_share": len(formatted) / max(len(records), 1),
-            "eval/greedy_pass_at_1_formatted": sum(passed) / max(len(formatted), 1)}
+            **({"eval/greedy_pass_at_1_formatted": sum(passed) / len(formatted)} if formatted else {})}
 
 
 def check_named_rewards(cfg: Config, names: list[str]) -> None:

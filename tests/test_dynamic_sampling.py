@@ -11,7 +11,9 @@ mistakes are one line.
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -190,6 +192,38 @@ def test_the_hf_sampler_and_the_trainer_agree_at_top_p(tmp_path):
     assert ratio.mean().item() == pytest.approx(1.0, abs=1e-3) and (ratio - 1).abs().max() < 1e-3
     kept_mass = torch.exp(full - behaviour)[mask.bool()]
     assert kept_mass.mean() < 0.99                        # what the full distribution's ratio would have been
+
+
+def test_what_a_models_generation_config_sets_does_not_reach_the_sampler(tmp_path):
+    """A model folder whose generation_config.json sets logits processors (Qwen2.5-Instruct ships a
+    repetition_penalty): the hf engine samples by rlflow's processor alone, so its behaviour logprobs are the
+    trainer's (transformers' generate fills what a call leaves unset from that file)."""
+    from tasks.algorithms.batching import pad_batch
+    from tasks.algorithms.logprobs import completion_logprobs
+    from tasks.core import builtin_models
+    from tasks.core.contracts import SamplingParams
+    from tasks.core.models import load_policy, load_tokenizer
+    from tasks.engines.hf import HFEngine
+
+    folder = tmp_path / "model"
+    shutil.copytree(builtin_models.resolve("builtin:tiny-lm"), folder)
+    gen = folder / "generation_config.json"
+    shipped = json.loads(gen.read_text()) if gen.exists() else {}
+    gen.write_text(json.dumps({**shipped, "repetition_penalty": 3.0, "no_repeat_ngram_size": 1}))
+    cfg = load_config(TINY, [f"model.name_or_path={folder}"])
+    tok = load_tokenizer(str(folder))
+    prompts = [tok(p)["input_ids"] for p in ("a=", "b=", "q=")]
+    with HFEngine(cfg).session("p", str(folder), tok) as session:
+        samples = session.sample(prompts, SamplingParams(n=4, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                                                                seed=3)).samples
+    model = load_policy(cfg, str(folder), torch.device("cpu")).eval()
+    ids, attn, pos, mask = pad_batch([prompts[s.prompt] for s in samples], [s.completion_ids for s in samples],
+                                     tok.pad_token_id)
+    with torch.no_grad():
+        mine, _ = completion_logprobs(model, ids, attn, pos, mask.shape[1], 1.0)
+    behaviour = torch.tensor([s.logprobs + [0.0] * (mask.shape[1] - len(s.logprobs)) for s in samples])
+    assert ((mine - behaviour).abs() * mask).max() < 1e-4
+    assert any(len(set(s.completion_ids)) < len(s.completion_ids) for s in samples)   # repeats: no penalty ran
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -414,8 +448,12 @@ def test_evaluation_reports_the_formats_share_and_the_accuracy_among_formatted_a
     greedy = rollout.read(open_store(cfg).local(layout.evaluation("ev", 0)) / "greedy")
     formatted = [r for r in greedy if r.rewards["stops_reward"] == 1.0]
     assert metrics["eval/greedy_format_share"] == pytest.approx(len(formatted) / len(greedy))
-    assert metrics["eval/greedy_pass_at_1_formatted"] == pytest.approx(
-        sum(r.rewards["successor_reward"] >= 0.3 for r in formatted) / max(len(formatted), 1))
+    assert metrics.get("eval/greedy_pass_at_1_formatted") == (pytest.approx(
+        sum(r.rewards["successor_reward"] >= 0.3 for r in formatted) / len(formatted)) if formatted else None)
+    from tasks.evaluate import format_metrics
+
+    unformatted = [Rollout(**{**vars(r), "rewards": {**r.rewards, "stops_reward": 0.0}}) for r in greedy]
+    assert format_metrics(cfg, unformatted) == {"eval/greedy_format_share": 0.0}     # no accuracy among none
     bad = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=ev2", "eval.format_reward=nothing"])
     with pytest.raises(UserError, match=r"^eval.format_reward: 'nothing' is not one of the reward functions"):
         evaluate(bad, 0)

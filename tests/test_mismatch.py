@@ -89,3 +89,18 @@ def test_vllm_cpu_holds_the_gate_at_top_p(tmp_path):
     cfg = load_config(RECIPE, [*SMALL, "run.name=vllm", "run.iterations=1", f"store.uri={tmp_path}/store",
                                "generate.engine=vllm", f"generate.vllm_python={VLLM_PYTHON}"])
     _gate(_iterations(cfg, 1), 1e-2)
+
+
+def test_a_mismatch_that_is_not_a_number_is_warned_of():
+    """A k3 KL of NaN (a behaviour logprob of -inf) compares False with every limit: said as what it is, once, and
+    kept out of the median the later jumps are measured against."""
+    from flows.training import ConsoleWarnings
+    from tasks.core.config import load_config
+    from tests.conftest import TINY
+
+    said = []
+    watch = ConsoleWarnings(load_config(TINY), said.append, type("Log", (), {"warning": lambda *a: None})())
+    for it, kl in enumerate([1e-6, 2e-6, float("nan"), 1e-6], 1):
+        watch.iteration(it, {}, {"train/mismatch_kl": kl})
+    assert len(said) == 1 and "iteration 3: train/mismatch_kl nan is not a number" in said[0], said
+    assert watch.kl == [1e-6, 2e-6, 1e-6]

@@ -63,7 +63,7 @@ class HFSession(SamplingSession):
         t0 = time.perf_counter()
         self.identity = _identity(cfg, path)  # (what the resident must hold)
         if self.identity is None:
-            self.model = load_policy(cfg, path, device_for(cfg)).eval()
+            self.model = sampler_model(load_policy(cfg, path, device_for(cfg)))
         else:
             with RESIDENT.lock:
                 RESIDENT.hold(cfg, path, self.identity)
@@ -136,7 +136,7 @@ class Resident:
 
     def _build(self, cfg: Config, path: str, key: tuple, files: tuple):
         self.model = None                                  # (the old one's memory first)
-        self.model, self.key, self.files = load_policy(cfg, path, device_for(cfg)).eval(), key, files
+        self.model, self.key, self.files = sampler_model(load_policy(cfg, path, device_for(cfg))), key, files
         return self.model
 
     def release(self) -> None:
@@ -280,6 +280,21 @@ def hf_generate(model, tokenizer, prompt_ids: list[list[int]], params: SamplingP
             out.append(Sample(start + j // n, toks, logps, truncated,
                               versions if interrupt is not None else None))
     return out
+
+
+def sampler_model(model):
+    """A model this engine samples from, in eval mode, with a generation_config of transformers' defaults (its
+    special tokens kept): `generate` fills what a call leaves unset from the model's generation_config.json, so a
+    repetition_penalty, min_new_tokens or suppressed tokens shipped with the model (Qwen2.5-Instruct's
+    repetition_penalty 1.05-1.1) would shape the tokens before rlflow's processor draws them, and the behaviour
+    logprobs would be of a distribution the trainer never computes (vLLM: generation_config="vllm" likewise)."""
+    from transformers import GenerationConfig
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model     # (peft: generate is its base's)
+    kept = {k: v for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if (v := getattr(inner.generation_config, k, None)) is not None}
+    inner.generation_config = GenerationConfig(**kept)
+    return model.eval()
 
 
 def _decode(state: dict, tokenizer, prompts: list[list[int]], rows_of: list[int], partials: list[list[int]],
