@@ -90,7 +90,7 @@ def cmd_run(args) -> int:
     if args.summary_json:
         check_path("--summary-json", args.summary_json, "file")
     cfg, overrides = checked_config(args)
-    from flows.training import train_flow
+    from flows.training import eval_label, train_flow
 
     if not os.environ.get("PREFECT_API_URL"):
         _shield_prefect_server()    # (imports Prefect's server, ~3 s: only for the temporary one)
@@ -120,7 +120,7 @@ def cmd_run(args) -> int:
         print(f"  best (eval):      {summary['best_policy']}")
     held = {k: v for k, v in (summary.get("held_out") or {}).items() if k != "metric"}
     if held:
-        print(f"  held-out {summary['held_out']['metric']}: "
+        print(f"  {eval_label(cfg)} {summary['held_out']['metric']}: "
               + ", ".join(f"{'base' if k == '0' else 'v' + k} {v:.3f}" for k, v in held.items()))
     if summary.get("cost_usd"):
         print(f"  cost:             {summary['cost_usd']:.4f} USD")

@@ -168,6 +168,12 @@ def _held_out(cfg: Config, store: Store) -> dict:
     return out
 
 
+def eval_label(cfg: Config) -> str:
+    """What the console calls the evaluation: held-out, or train-set where its prompts are the training ones
+    (Config.eval_is_held_out: the tiny demo's, which has no unseen letters to hold out)."""
+    return "held-out" if cfg.eval_is_held_out() else "train-set"
+
+
 def _held_out_line(cfg: Config, metrics: dict) -> str:
     """An evaluation's numbers for the console: greedy pass@1 (eval.greedy), pass@k, reward."""
     shown = [("greedy", "eval/greedy_pass_at_1"), ("format", "eval/greedy_format_share"),
@@ -379,7 +385,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
             if already_logged == 0:
                 tracker.log_iteration(0, e["metrics"], traces=_eval_traces(cfg, 0))
                 _pictures(cfg, store, tracker, report, 0, e["metrics"])
-            progress.note(f"base model: held-out {_held_out_line(cfg, e['metrics'])}")
+            progress.note(f"base model: {eval_label(cfg)} {_held_out_line(cfg, e['metrics'])}")
         for it in range(1, done + 1):
             reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
             report.record(it, {"reward/mean": reward_means[-1]})
@@ -423,7 +429,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
                 progress.line(f"iter {it:>4}/{cfg.run.iterations}  reward {r['metrics']['reward/mean']:.3f}  "
                               f"loss {t['metrics']['train/loss']:+.4f}  {time.perf_counter() - t0:5.2f}s"
                               + (f"  reward errors {failed:g}" if failed else "")
-                              + (f"  held-out {_held_out_line(cfg, e['metrics'])}" if e["metrics"] else ""))
+                              + (f"  {eval_label(cfg)} {_held_out_line(cfg, e['metrics'])}" if e["metrics"] else ""))
                 log.info("iteration %d: reward %.3f loss %.4f", it, r["metrics"]["reward/mean"],
                          t["metrics"]["train/loss"])
     except BaseException as e:

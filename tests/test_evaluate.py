@@ -109,3 +109,22 @@ def test_promotion_gate_moves_champion_only_on_improvement(tmp_path):
     assert client.get_model_version_by_alias("m", "champion").version == versions[0]
     assert promote_if_better(client, "m", versions[3], metric, 0.5)
     assert client.get_model_version_by_alias("m", "champion").version == versions[3]
+
+
+def test_an_evaluation_of_the_training_file_is_not_called_held_out():
+    """A local data file is one split whatever eval.split says: without an eval.path of its own (or with that same
+    file) the evaluation reads the training prompts, and the console says train-set; another file, another split of
+    a hub dataset, or a reasoning-gym task's eval split is held out."""
+    from flows.training import eval_label
+    from tasks.core.config import load_config
+    from tests.conftest import ROOT, TINY
+
+    data = ROOT / "configs" / "data"
+    assert eval_label(load_config(TINY)) == "train-set"
+    assert eval_label(load_config(TINY, ["eval.split=test"])) == "train-set"
+    assert eval_label(load_config(TINY, [f"eval.path={data / 'successor.jsonl'}"])) == "train-set"
+    assert eval_label(load_config(TINY, [f"eval.path={data / 'letters.jsonl'}"])) == "held-out"
+    hub = ["data.path=openai/gsm8k", "data.name=main"]
+    assert eval_label(load_config(TINY, [*hub, "eval.split=test"])) == "held-out"
+    assert eval_label(load_config(TINY, [*hub, "eval.split=train"])) == "train-set"
+    assert eval_label(load_config(ROOT / "configs" / "smollm2-arith.yaml")) == "held-out"

@@ -127,6 +127,19 @@ class Config(Section):
                              "an env.factory or env.agent, whose episodes' return is the reward)")
         return self
 
+    def eval_is_held_out(self) -> bool:
+        """Whether the evaluation's prompts are others than the training ones: not where it reads the training
+        data file itself (no eval.path, or that same file: a local file is one split, whatever eval.split says),
+        nor the same split of the same hub dataset. A reasoning-gym task's eval split is made apart."""
+        d, e = self.data, self.eval
+        if d.reasoning_gym is not None and not e.path:
+            return True
+        path = e.path or d.path
+        local = Path(str(path)).expanduser()
+        if local.exists():
+            return local.resolve() != Path(str(d.path)).expanduser().resolve()
+        return path != d.path or (e.name or d.name) != d.name or e.split != d.split
+
     def completion_limit(self) -> int:
         """The most tokens a completion can have after its prompt: an episode's env.max_tokens (the model's and
         the observations'), else generate.max_completion_length."""
