@@ -94,6 +94,10 @@ def preflight(cfg: Config) -> None:
     if cfg.warmup is not None:
         check_warmup(cfg)                  # the demonstrations, every row (tasks/sft.py: check): one line, exit 2
     path = base_path(cfg)
+    if cfg.generate.streaming is not None and cfg.generate.engine == "hf" and not Path(path).is_dir():
+        raise UserError(f"model.name_or_path: {cfg.model.name_or_path} is a hub id, and generate.streaming's hf "
+                        f"sampler loads each policy in place into a model folder's weights; download it first "
+                        f"(`hf download {cfg.model.name_or_path} --local-dir DIR`) and name the folder")
     tokenizer = load_tokenizer(path)
     # the rollouts' source (prompts, environments, an agent): its factory, server or agent, one line, exit 2
     source_of(cfg).check(cfg, dict(datasets[0][0]), path, tokenizer)

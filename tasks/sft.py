@@ -34,7 +34,7 @@ from tasks.core.errors import UserError
 from tasks.core.hashing import sha256_file
 from tasks.core.models import ADAPTER_CONFIG, base_path, context_length, load_policy, load_tokenizer
 from tasks.core.processes import stream
-from tasks.core.stage import changed, fingerprint, reuse
+from tasks.core.stage import changed, fingerprint, raise_failure, reuse
 from tasks.core.store import open_store
 from tasks.engines.trainer import drill
 from tasks.engines.training import training_engine
@@ -452,7 +452,7 @@ def _torchrun(cfg: Config) -> None:
         ran = stream([*argv, "-m", "tasks.sft", "--config", str(config), "--iteration", "0"], env,
                      sink=lambda line: print(line, file=sys.stderr, flush=True))
     if ran.code != 0:
-        ran.raise_failure("warm start: the deepspeed group (torchrun)")
+        raise_failure(ran, "warm start: the deepspeed group (torchrun)")
 
 
 if __name__ == "__main__":

@@ -466,14 +466,15 @@ def test_a_group_that_failed_is_raised_as_what_its_processes_said():
     line, exit 2), a corrupt artifact, a full disk, or something else (its last lines)."""
     from tasks.core.errors import DiskFull, UserError
     from tasks.core.processes import Streamed
+    from tasks.core.stage import raise_failure
     from tasks.core.store import CorruptArtifact
 
     with pytest.raises(UserError, match=r"^warmup: changed$"):
-        Streamed(1, "warmup: changed", ["a"]).raise_failure("the group")
+        raise_failure(Streamed(1, "warmup: changed", ["a"]), "the group")
     with pytest.raises(CorruptArtifact) as e:
-        Streamed(1, None, [], corrupt=("run/iter-000001/rewards", "changed")).raise_failure("the group")
+        raise_failure(Streamed(1, None, [], corrupt=("run/iter-000001/rewards", "changed")), "the group")
     assert e.value.key == "run/iter-000001/rewards"
     with pytest.raises(DiskFull, match="no space"):
-        Streamed(1, None, [], disk_full="no space").raise_failure("the group")
+        raise_failure(Streamed(1, None, [], disk_full="no space"), "the group")
     with pytest.raises(RuntimeError, match=r"^the group exited with 1: x \| y$"):
-        Streamed(1, None, ["x", "", "y"]).raise_failure("the group")
+        raise_failure(Streamed(1, None, ["x", "", "y"]), "the group")

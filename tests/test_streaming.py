@@ -22,7 +22,8 @@ from tasks.core.config import load_config
 from tasks.core.contracts import SamplingParams
 from tasks.core.models import base_path, load_model, load_tokenizer
 from tasks.core.store import MANIFEST, Store, open_store
-from tasks.engines.streaming import ContinuousSampler, Row, Stream
+from tasks.engines.hf_stream import ContinuousSampler
+from tasks.engines.streaming import Row, Stream
 from tasks.scoring.functions import load_functions, score_records
 from tasks.scoring.streamed import GroupScorer
 from tasks.scoring.worker import RewardState
@@ -196,6 +197,39 @@ def test_a_stopped_sampler_keeps_its_groups_and_a_new_one_completes_the_rest(tmp
         assert all(store.manifest(layout.stream_scored("again", it, j)) is not None for j in range(4))
     for (it, j), manifest in kept.items():                          # committed once, never again
         assert store.manifest(layout.stream_group("again", it, j)) == manifest
+
+
+def test_groups_sampled_or_scored_under_another_config_are_not_taken(tmp_path):
+    """A run stopped after its sampler committed and scored groups, resumed with its config edited: a group
+    sampled under other generate settings is refused in one line (it would be trained on as this config's,
+    tagged as this policy's), one scored under other reward settings is scored again."""
+    from tasks.core.errors import UserError
+    from tasks.core.stage import scored_here
+    from tasks.scoring.streamed import assembled
+
+    cfg = load_config(TINY, _overrides(tmp_path, "edited", "generate.max_completion_length=4",
+                                       "generate.streaming.on_update=interrupt", iterations=2))
+    store = open_store(cfg)
+    first = Stream.of(cfg, 1, lambda: GroupScorer.start(cfg))
+    records = first.collect(1)[0]
+    assert assembled(cfg, store, 1, records) is not None         # (waits for the scorer to have scored them all)
+    Stream.stop_run("edited")
+    other = load_config(TINY, _overrides(tmp_path, "edited", "generate.max_completion_length=16",
+                                         "generate.streaming.on_update=interrupt", iterations=2))
+    second = Stream(other, 1)
+    with pytest.raises(RuntimeError) as e:
+        second.collect(1)
+    second.stop()
+    user = e.value.__cause__
+    assert isinstance(user, UserError) and "was sampled under another config: generate.max_completion_length " \
+        "4 -> 16" in str(user), e.value
+    rescored = load_config(TINY, _overrides(tmp_path, "edited", "generate.max_completion_length=4",
+                                            "generate.streaming.on_update=interrupt",
+                                            'reward.functions=[{fn: "tasks.rewards.demo:stops_reward", weight: 1}]',
+                                            iterations=2))
+    manifest = store.manifest(layout.stream_scored("edited", 1, 0))
+    assert scored_here(cfg, manifest) and not scored_here(rescored, manifest)
+    assert assembled(cfg, store, 1, records) is not None and assembled(rescored, store, 1, records) is None
 
 
 def _publish_adapter(cfg, version: int, tmp_path):
@@ -620,6 +654,45 @@ def _check_dropped_as_they_complete(cfg, store, it: int, groups: dict) -> int:
     return extra
 
 
+def test_an_iteration_before_the_samplers_first_is_taken_from_the_store_or_refused(tmp_path):
+    """A sampler started by iteration 2's stage (iteration 1 reused on a resume) never picks iteration 1: its
+    stage run again (a repair of its rollouts) takes its groups as the store holds them, and says so in one error
+    where they are not there, instead of waiting for ever."""
+    cfg = load_config(TINY, _overrides(tmp_path, "before", "generate.max_completion_length=4",
+                                       "generate.streaming.on_update=interrupt", iterations=3))
+    try:
+        first = Stream.of(cfg, 1).collect(1)[0]
+    finally:
+        Stream.stop_run("before")
+    try:
+        later = Stream.of(cfg, 2)
+        later.collect(2)
+        again = Stream.of(cfg, 1).collect(1)[0]
+        assert [(r.group, r.row, r.completion_ids) for r in again] == \
+            [(r.group, r.row, r.completion_ids) for r in first]
+        open_store(cfg).delete_folder(layout.stream_group("before", 1, 2))
+        later.taken.pop(1)
+        with pytest.raises(RuntimeError, match=r"^generate.streaming: iteration 1 comes before this sampler's "
+                                               r"first \(2\) and its groups are not all in the store"):
+            later.collect(1)
+    finally:
+        Stream.stop_run("before")
+
+
+def test_an_iteration_collected_again_is_the_same_groups(tmp_path):
+    """A generate stage run again for an iteration its sampler already gave (a retry after the rollouts' write
+    failed, a repair): the same groups, dynamic sampling's extra ones included (they were popped once taken)."""
+    cfg = _dynamic(tmp_path, "again", 2)
+    try:
+        stream = Stream.of(cfg, 1, lambda: GroupScorer.start(cfg))
+        first = stream.collect(1)[0]
+        again = stream.collect(1)[0]
+    finally:
+        Stream.stop_run("again")
+    assert len({r.group for r in first}) > 4                      # (extra groups: the check means something)
+    assert [(r.group, r.row, r.completion_ids) for r in again] == [(r.group, r.row, r.completion_ids) for r in first]
+
+
 def test_a_streamed_run_drops_constant_groups_as_they_complete(tmp_path):
     """generate.dynamic_sampling with streaming: each group scored constant starts one more of its iteration
     (prompts answered before 'e' always score 1: constant), on the stage mode's extra rows in order; the reward
@@ -695,6 +768,21 @@ def test_streaming_it_cannot_do_is_one_line_and_exit_2(tmp_path, extra, says):
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and says in lines[0], out.stderr
     assert not (tmp_path / "store").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_streaming_from_a_hub_id_on_the_hf_engine_is_refused_in_the_preflight(tmp_path, monkeypatch):
+    """Where the Hub answers, a hub id resolves to itself, which the streaming hf sampler cannot load in place:
+    said before the run starts, not as a retried failure of its first stage."""
+    from flows.preflight import preflight
+    from tasks.core.errors import UserError
+
+    monkeypatch.setattr("flows.preflight.base_path", lambda cfg: "HuggingFaceTB/SmolLM2-135M-Instruct")
+    cfg = load_config(TINY, _overrides(tmp_path, "hub", "generate.streaming.on_update=interrupt",
+                                       "model.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct"))
+    with pytest.raises(UserError, match=r"^model.name_or_path: HuggingFaceTB/SmolLM2-135M-Instruct is a hub id, "
+                                        r"and generate.streaming's hf sampler loads each policy in place"):
+        preflight(cfg)
+    assert not (tmp_path / "store").exists()
 
 
 def test_streaming_takes_generate_elsewhere_when_replicas_decode_there(tmp_path):

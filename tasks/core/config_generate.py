@@ -57,7 +57,9 @@ class StreamingConfig(Section):
         "new weights are loaded. Either way no decoded token is thrown away.")
     buffer: int | None = Field(None, ge=1, le=1_000_000, description="Groups sampled ahead of the generate "
                                "stage that takes them, at most (None: (run.max_staleness + 1) x "
-                               "generate.prompts_per_iteration); at least one iteration's groups.")
+                               "generate.prompts_per_iteration); at least one iteration's groups. It counts the "
+                               "iterations' prompts' groups: generate.dynamic_sampling's extra ones (one per group "
+                               "scored constant) come on top.")
     refill_share: float = Field(0.5, gt=0, le=1, description="The batch stops to drop its finished rows and let "
                                 "new groups join when this share of its rows has finished (hf: each stop refills the "
                                 "continuing rows' KV cache: smaller = fewer idle rows, more refills; vllm: its "

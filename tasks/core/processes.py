@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.core.errors import DiskFull, UserError, corrupt_in, disk_full_in, user_error_in
+from tasks.core.errors import corrupt_in, disk_full_in, user_error_in
 from tasks.core.paths import REPO_ROOT
 from tasks.core.process_wide import OutputBudget, environment_variables
 
@@ -106,21 +106,6 @@ class Streamed:
     last: list[str]               # its last lines (without line ends)
     corrupt: tuple[str, str] | None = None    # (key, message) of an `RLFLOW_CORRUPT_ARTIFACT:` line
     disk_full: str | None = None              # the message of an `RLFLOW_DISK_FULL:` line
-
-    def raise_failure(self, what: str) -> None:
-        """What ended a process (a group: torchrun) that exited with a code other than 0, raised here as its
-        own: its user error as one line, a corrupt artifact, a full disk, else `what` failed, with its last
-        lines (torchrun exits 1 whatever its processes' codes were: their marker lines say)."""
-        if self.user_error:
-            raise UserError(self.user_error)
-        if self.corrupt:
-            from tasks.core.store import CorruptArtifact
-
-            raise CorruptArtifact(*self.corrupt)
-        if self.disk_full:
-            raise DiskFull(self.disk_full)
-        raise RuntimeError(f"{what} exited with {self.code}: "
-                           + " | ".join(line.strip() for line in self.last[-20:] if line.strip())[-1500:])
 
 
 def stream(argv: list[str], env: dict[str, str], sink: Callable[[str], object], cwd: str | Path | None = None,

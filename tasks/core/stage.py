@@ -20,11 +20,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tasks.core import layout
-from tasks.core.errors import UserError, corrupt_line, disk_full, disk_full_line, user_error_line
+from tasks.core.errors import DiskFull, UserError, corrupt_line, disk_full, disk_full_line, user_error_line
 from tasks.core.process_wide import set_variable
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
+    from tasks.core.processes import Streamed
     from tasks.core.store import Store
 
 
@@ -285,3 +286,32 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
         print(corrupt_line(e.key, str(e)), file=sys.stderr)      # the flow quarantines and recomputes it
         sys.exit(3)
     print(json.dumps(out))
+
+
+def scored_fingerprint(cfg: Config) -> str:
+    """What a streamed group's scores are made from (the reward settings, tasks/scoring/streamed.py): a group
+    scored under others (a config edited before a resume) is scored again, by the scorer or the reward stage."""
+    return fingerprint(cfg, ("reward", *cfg.env_sections()))[0]
+
+
+def scored_here(cfg: Config, manifest: dict | None) -> bool:
+    """Whether a streamed group's scores (its stream_scored folder's manifest) are this config's (one scored
+    before groups had a fingerprint: taken as they are)."""
+    return manifest is not None and manifest.get("meta", {}).get("fingerprint", scored_fingerprint(cfg)) == \
+        scored_fingerprint(cfg)
+
+
+def raise_failure(ran: Streamed, what: str) -> None:
+    """What ended a process (a group: torchrun) that exited with a code other than 0, raised here as its own: its
+    user error as one line, a corrupt artifact, a full disk, else `what` failed, with its last lines (torchrun
+    exits 1 whatever its processes' codes were: their marker lines say)."""
+    if ran.user_error:
+        raise UserError(ran.user_error)
+    if ran.corrupt:
+        from tasks.core.store import CorruptArtifact
+
+        raise CorruptArtifact(*ran.corrupt)
+    if ran.disk_full:
+        raise DiskFull(ran.disk_full)
+    raise RuntimeError(f"{what} exited with {ran.code}: "
+                       + " | ".join(line.strip() for line in ran.last[-20:] if line.strip())[-1500:])

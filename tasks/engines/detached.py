@@ -34,7 +34,7 @@ from tasks.core.daemon import Daemon, forget
 from tasks.core.errors import DiskFull, UserError
 from tasks.core.paths import cache_root
 from tasks.core.processes import alive, stream
-from tasks.core.stage import by_hand, command
+from tasks.core.stage import by_hand, command, raise_failure
 from tasks.engines.trainer import trainer_key
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class GroupTrainer:
             ran = stream(argv, env, sink=lambda line: print(line, file=sys.stderr, flush=True))
         if ran.code == 0:
             return {"key": layout.checkpoint(self.cfg.run.name, iteration)}
-        ran.raise_failure(f"train[iter {iteration}]: the deepspeed group (torchrun)")
+        raise_failure(ran, f"train[iter {iteration}]: the deepspeed group (torchrun)")
 
     def preload(self, iteration: int) -> int:
         """Nothing to hold: the group of the next train request restores then."""

@@ -4,7 +4,7 @@ group in data order across iterations, instead of a batch per generate stage tha
     stream = Stream.of(cfg, first, listener)   # started by the run's first generate stage (flow's process)
     records, metrics, rows, said = stream.collect(N)   # iteration N's groups, each committed as it completed
 
-The decoder (HFDecoder here, VLLMDecoder in tasks/engines/vllm_stream.py) decodes a batch of rows; when
+The decoder (HFDecoder: tasks/engines/hf_stream.py; VLLMDecoder: vllm_stream.py) decodes a batch of rows; when
 `refill_share` of them have finished, or a newer policy is published, the batch stops between two decode steps,
 finished rows leave, new groups join (continuous batching), and with a newer policy its weights are loaded in
 place first (`on_update: interrupt`: the unfinished rows continue under it, their KV cache refilled by the new
@@ -24,15 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from tasks.algorithms import dynamic_sampling
 from tasks.core import curriculum, data, layout, rollout
 from tasks.core.contracts import Rollout, SamplingParams
+from tasks.core.errors import UserError
 from tasks.core.models import encode_prompt, load_tokenizer, policy_path
 from tasks.core.placement import placement_of
+from tasks.core.stage import changed, fingerprint, scored_here
 from tasks.core.store import open_store
-from tasks.engines.hf import RESIDENT, _identity, _Interrupted, _prefill, _SampleAndRecord
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -144,86 +143,6 @@ class Extras:
         return all(j in self.verdicts for j in [*range(P), *self.started]) and not self.due(P)
 
 
-class ContinuousSampler:
-    """Continuous batching on transformers' `generate`: `step_batch(model, rows, version, stop)` decodes the
-    rows until all have finished, or `stop(finished, rows)` says so after a decode step (then the rows keep their
-    tokens, the one just drawn included, and the caller may add rows, drop the finished ones and load another
-    policy before the next call). Rows of one prompt share its KV cache; each row's tokens so far are filled in
-    after it, so rows that joined at different times decode in one batch (pads between prompt and tokens are
-    masked; positions skip them, as transformers' own left padding does)."""
-
-    def __init__(self, tokenizer, params: SamplingParams, max_new_tokens: int, share_prompts: bool = True):
-        self.tokenizer, self.params, self.limit, self.share = tokenizer, params, max_new_tokens, share_prompts
-        self.generator: torch.Generator | None = None
-
-    def step_batch(self, model, rows: list[Row], version: int, stop) -> bool:
-        """Decode `rows` (unfinished) once under `model` (policy `version`); True when `stop` ended it early."""
-        from transformers import GenerationConfig, LogitsProcessorList
-
-        device = next(model.parameters()).device
-        if self.generator is None:
-            self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
-        tok, eos = self.tokenizer, self.tokenizer.eos_token_id
-        index: dict[tuple, int] = {}
-        rows_of = [index.setdefault(tuple(r.prompt), len(index)) for r in rows]
-        prompts = [list(p) for p in index]
-        L, K = max(len(p) for p in prompts), max(len(r.tokens) for r in rows)
-        base = torch.tensor([[tok.pad_token_id] * (L - len(p)) + p for p in prompts], device=device)
-        base_attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)
-        # each row: its prompt but the last token (cached once per prompt), pads, the prompt's last token and the
-        # row's tokens so far, so every row's last column is a real token whatever its length
-        tails = [[tok.pad_token_id] * (K - len(r.tokens)) + [prompts[p][-1]] + r.tokens for r, p in zip(rows, rows_of)]
-        tail_attn = [[0] * (K - len(r.tokens)) + [1] * (1 + len(r.tokens)) for r in rows]
-        at = torch.tensor(rows_of, device=device)
-        ids = torch.cat([base[at, :L - 1], torch.tensor(tails, device=device)], dim=1)
-        attn = torch.cat([base_attn[at, :L - 1], torch.tensor(tail_attn, device=device)], dim=1)
-        budget = min((self.limit if r.limit is None else r.limit) - len(r.tokens) for r in rows)
-        watch = _Finished(ids.shape[1], eos, stop)
-        temperature, top_p = self.params.temperature, self.params.top_p
-        if any(r.sampling for r in rows):          # rows at their own settings: one per row
-            temperature, top_p = (torch.tensor(v, device=device).unsqueeze(-1)
-                                  for v in zip(*(r.settings(self.params) for r in rows)))
-        recorder = _SampleAndRecord(temperature, top_p, self.generator, self.params.top_k, watch)
-        gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=budget, pad_token_id=tok.pad_token_id,
-                                   eos_token_id=eos)
-        with torch.no_grad():
-            cache = _prefill(model, base, base_attn, rows_of, 0) if self.share else None
-            try:
-                seqs, stopped = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg,
-                                               past_key_values=cache,
-                                               logits_processor=LogitsProcessorList([watch, recorder])), False
-            except _Interrupted:
-                seqs, stopped = recorder.sequences, True
-        logps = recorder.logprobs(seqs)
-        new = seqs[:, ids.shape[1]:].cpu()
-        for j, r in enumerate(rows):
-            toks = new[j].tolist()
-            end = toks.index(eos) + 1 if eos in toks else len(toks)
-            r.tokens += toks[:end]
-            r.logprobs += logps[j, :end].tolist()
-            r.versions += [version] * end
-            r.truncated = eos not in toks and len(r.tokens) >= (self.limit if r.limit is None else r.limit)
-            r.done = eos in toks or r.truncated
-        return stopped
-
-
-class _Finished:
-    """A logits processor placed before the recorder: counts the rows that have drawn EOS, and is the recorder's
-    interruption (`pending`: asks `stop(finished, rows)` after each step)."""
-
-    def __init__(self, start: int, eos: int, stop):
-        self.start, self.eos, self.stop, self.finished = start, eos, stop, 0
-
-    def __call__(self, input_ids, scores):
-        self.finished = int((input_ids[:, self.start:] == self.eos).any(-1).sum()) if input_ids.shape[1] > self.start \
-            else 0
-        self.rows = input_ids.shape[0]
-        return scores
-
-    def pending(self) -> bool:
-        return self.stop(self.finished, self.rows)
-
-
 def decoder_of(cfg: Config, params: SamplingParams, services=None):
     """The run's decoder: the batch's rows spread over generate.replicas (each replica runs this with none), or
     decoded here (hf) or in a vLLM worker process of its own; `services`: how the replicas' router launches them."""
@@ -235,37 +154,9 @@ def decoder_of(cfg: Config, params: SamplingParams, services=None):
         from tasks.engines.vllm_stream import VLLMDecoder
 
         return VLLMDecoder(cfg, params)
+    from tasks.engines.hf_stream import HFDecoder
+
     return HFDecoder(cfg, params)
-
-
-class HFDecoder:
-    """The hf engine's side of the streaming sampler: the policy held resident in the flow's process (loaded in
-    place), decoded by a ContinuousSampler. The vLLM engine's: tasks/engines/vllm_stream.py (VLLMDecoder)."""
-
-    def __init__(self, cfg: Config, params: SamplingParams):
-        self.cfg, self.params, self.sampler = cfg, params, None
-        self.path, self.identity = None, None
-
-    def load(self, key: str, path: str) -> None:
-        identity = _identity(self.cfg, path)
-        if identity is None:
-            raise RuntimeError(f"generate.streaming: {key} is not a model folder or an adapter on one (a hub id?); "
-                               "the streaming sampler loads policies in place")
-        with RESIDENT.lock:
-            RESIDENT.hold(self.cfg, path, identity)
-        self.path, self.identity = path, identity
-
-    def step_batch(self, rows: list[Row], version: int, stop) -> bool:
-        if self.sampler is None:
-            gc = self.cfg.generate
-            self.sampler = ContinuousSampler(load_tokenizer(self.path), self.params, gc.max_completion_length,
-                                             gc.share_prompts)
-        with RESIDENT.lock:        # (another session may have loaded its policy meanwhile: ours again)
-            model = RESIDENT.hold(self.cfg, self.path, self.identity)
-            return self.sampler.step_batch(model, rows, version, stop)
-
-    def close(self) -> None:
-        """Nothing of its own: the resident policy stays for the run's other sessions."""
 
 
 class Stream:
@@ -321,6 +212,10 @@ class Stream:
         self.version, self.path, self.decoder = -1, None, None
         self.ds = gc.dynamic_sampling
         self.extras: dict[int, Extras] = {}        # generate.dynamic_sampling: per iteration not yet collected
+        self.taken: dict[int, list[str]] = {}      # iteration -> the store keys of the groups its stage took
+        # what a group is sampled from, but the policy (its tokens' versions say that): a group committed by a run
+        # of other settings (a config edited before a resume) is refused, not trained on
+        self.fp, self.made = fingerprint(cfg, ("model", "data", "generate", *cfg.env_sections()))
         if listener is not None:
             listener.on_scored = self._scored
         self.thread = threading.Thread(target=self._run, name=f"rlflow-stream-{cfg.run.name}", daemon=True)
@@ -425,18 +320,26 @@ class Stream:
         if self.ds is not None:
             extras = Extras([row for later in by_round[1:] for row in later])
             extras.started = {j for j in range(self.P, self.P + len(extras.rows)) if self._committed(it, j)}
+        # (before the pick is told: a collect takes an iteration as soon as it is picked and its groups are there)
+        committed = {j for j in range(self.P) if self._committed(it, j)} | (extras.started if extras else set())
         with self.changed:
             self.picked[it] = (rows, said)
             if extras is not None:
                 self.extras[it] = extras
             self.changed.notify_all()
-        committed = {j for j in range(self.P) if self._committed(it, j)} | (extras.started if extras else set())
         for j in sorted(committed):          # (a resume: their verdicts, or scored again)
             self._recall(it, j)
         return [(it, j, row) for j, row in enumerate(rows) if j not in committed]
 
     def _committed(self, it: int, j: int) -> bool:
-        return self.store.manifest(layout.stream_group(self.cfg.run.name, it, j)) is not None
+        key = layout.stream_group(self.cfg.run.name, it, j)
+        if (manifest := self.store.manifest(key)) is None:
+            return False
+        meta = manifest.get("meta", {})
+        if meta.get("fingerprint", self.fp) != self.fp:    # (a group committed before groups had one: taken)
+            raise UserError(f"generate.streaming: {self.store.uri(key)} was sampled under another config"
+                            + changed(meta.get("made_of", {}), self.made))
+        return True
 
     def _recall(self, it: int, j: int) -> None:
         """A group committed before this sampler started (a resume): its verdict from its scored records, or it is
@@ -444,7 +347,7 @@ class Stream:
         if self.listener is None:
             return
         run = self.cfg.run.name
-        if self.store.manifest(layout.stream_scored(run, it, j)) is not None:
+        if scored_here(self.cfg, self.store.manifest(layout.stream_scored(run, it, j))):
             if self.ds is not None:
                 self._scored(it, j, rollout.load(self.store, layout.stream_scored(run, it, j)))
         else:
@@ -516,7 +419,8 @@ class Stream:
         with tempfile.TemporaryDirectory(prefix="rlflow-stream-") as tmp:
             rollout.write(records, Path(tmp))
             self.store.put_folder(layout.stream_group(self.cfg.run.name, it, j), Path(tmp),
-                                  meta={"iteration": it, "group": j, "row": row})
+                                  meta={"iteration": it, "group": j, "row": row, "fingerprint": self.fp,
+                                        "made_of": self.made})
         if self.listener is not None:
             self.listener.submit(it, j, records)
         with self.changed:
@@ -528,10 +432,12 @@ class Stream:
         the sampler did since the last collect (its idle share, refills, interruptions, discarded tokens), the
         prompts' rows and what the curriculum said of them."""
         run, t0 = self.cfg.run.name, time.perf_counter()
+        if iteration < self.first and iteration not in self.taken:
+            self.taken[iteration] = self._stored(iteration)
         with self.changed:
             self.collected = max(self.collected, iteration - 1)
             self.changed.notify_all()
-            while (keys := self._complete(iteration)) is None:
+            while (keys := self.taken.get(iteration) or self._complete(iteration)) is None:
                 if self.error is not None:          # (a retry of the stage starts a sampler again)
                     with Stream.LOCK:
                         if Stream.RUNNING.get(run) is self:
@@ -545,8 +451,9 @@ class Stream:
         rows, said = self.picked[iteration]
         now = dict(self.counts)
         d = {k: v - self.seen.get(k, 0) for k, v in now.items()}     # what the sampler did since the last collect
-        self.seen, self.collected = now, iteration
+        self.seen, self.collected = now, max(self.collected, iteration)
         with self.changed:
+            self.taken[iteration] = keys     # (a stage run again, a retry or a repair, takes the same groups)
             self.extras.pop(iteration, None)
             self.changed.notify_all()
         return records, {"generate/discarded_tokens": float(now["discarded_tokens"]),
@@ -568,6 +475,23 @@ class Stream:
         groups = [*range(self.P), *sorted(extras.started if extras else ())]
         keys = [layout.stream_group(self.cfg.run.name, iteration, j) for j in groups]
         return None if any(self.store.manifest(k) is None for k in keys) else keys
+
+    def _stored(self, iteration: int) -> list[str]:
+        """An iteration before this sampler's first, which it never picks (its stage run again after a resume:
+        a repair of its rollouts): its groups as the store holds them (it was collected whole by an earlier
+        sampler), or one line if they are not all there."""
+        run = self.cfg.run.name
+        keys = [layout.stream_group(run, iteration, j) for j in range(self.P)]
+        if any(self.store.manifest(k) is None for k in keys):
+            raise RuntimeError(f"generate.streaming: iteration {iteration} comes before this sampler's first "
+                               f"({self.first}) and its groups are not all in the store; run the flow again")
+        while self.store.manifest(key := layout.stream_group(run, iteration, len(keys))) is not None:
+            keys.append(key)                     # (generate.dynamic_sampling's extra groups, in order)
+        for j in range(len(keys)):
+            self._committed(iteration, j)        # (each sampled under this config: one line if not)
+        by_round, said = curriculum.rounds(self.cfg, self.store, iteration, 1, len(data.load_prompts(self.cfg)))
+        self.picked[iteration] = (by_round[0], said)
+        return keys
 
     def stop(self) -> None:
         self.stopping.set()

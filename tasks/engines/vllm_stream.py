@@ -3,7 +3,7 @@ worker process of its own (tasks/engines/vllm_offline.py's, the protocol's `stre
 tasks/engines/vllm_worker.py) that keeps the batch's rows as running requests, up to STEPS engine steps per
 worker request (fewer when a row finishes).
 
-    decoder = VLLMDecoder(cfg, params)        # Stream's decoder (tasks/engines/streaming.py: HFDecoder's twin)
+    decoder = VLLMDecoder(cfg, params)        # Stream's decoder (tasks/engines/hf_stream.py: HFDecoder's twin)
     decoder.load(key, path)                   # the first call starts the engine; later ones load in place
     decoder.step_batch(rows, version, stop)   # rows join as requests, decode until done or `stop`
 

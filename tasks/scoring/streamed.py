@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from tasks.core import layout, rollout
 from tasks.core.contracts import Rollout, Scored
 from tasks.core.placement import placement_of
+from tasks.core.stage import scored_fingerprint, scored_here
 from tasks.core.store import Store, open_store
 from tasks.scoring.functions import load_functions, score_records
 from tasks.scoring.shaping import add_overlong
@@ -53,6 +54,7 @@ class GroupScorer:
 
     def __init__(self, cfg: Config):
         self.cfg, self.store = cfg, open_store(cfg)
+        self.fp = scored_fingerprint(cfg)
         self.todo: queue.Queue = queue.Queue()
         self.submitted: set[tuple[int, int]] = set()
         self.done: set[tuple[int, int]] = set()
@@ -108,7 +110,8 @@ class GroupScorer:
             rollout.write(records, Path(tmp))
             self.store.put_folder(layout.stream_scored(cfg.run.name, iteration, group), Path(tmp), meta={
                 "names": list(scored.scores), "errors": scored.errors, "nan": scored.nan,
-                "metrics": scored.metrics, "seconds": time.perf_counter() - t0})
+                "metrics": scored.metrics, "seconds": time.perf_counter() - t0, "fingerprint": self.fp})
+
 
 
 def assembled(cfg: Config, store: Store, iteration: int,
@@ -122,7 +125,7 @@ def assembled(cfg: Config, store: Store, iteration: int,
         scorer.wait(iteration)
     keys = [layout.stream_scored(cfg.run.name, iteration, j) for j in sorted({r.group for r in rollouts})]
     manifests = [store.manifest(k) for k in keys]
-    if any(m is None for m in manifests):
+    if not all(scored_here(cfg, m) for m in manifests):
         return None
     records = [r for k in keys for r in rollout.load(store, k)]
     if [(r.row, r.completion_ids) for r in records] != [(r.row, r.completion_ids) for r in rollouts]:
