@@ -34,7 +34,7 @@ from tasks.core.errors import UserError
 from tasks.core.hashing import sha256_file
 from tasks.core.models import ADAPTER_CONFIG, base_path, context_length, load_policy, load_tokenizer
 from tasks.core.processes import stream
-from tasks.core.stage import changed, fingerprint, raise_failure, reuse
+from tasks.core.stage import changed, fingerprint, raise_failure, result, reuse
 from tasks.core.store import open_store
 from tasks.engines.trainer import drill
 from tasks.engines.training import training_engine
@@ -245,9 +245,11 @@ def batch(demos: list[Demo], pad: int, device) -> tuple[torch.Tensor, torch.Tens
 
 # ------------------------------------------------------------------------------------------ the stage
 
-def v0_fingerprint(cfg: Config, store: Store | None = None) -> tuple[str, dict]:
+def v0_fingerprint(cfg: Config, store: Store | None = None, legacy: bool = False) -> tuple[str, dict]:
     """What v0 is made of: the base model, the warmup section, the train fields it uses, the data's bytes (a local
-    file gone since v0 was made from it: the bytes v0's manifest names, `store` given; RL needs it no more)."""
+    file gone since v0 was made from it: the bytes v0's manifest names, `store` given; RL needs it no more), and
+    with an environment the turn limit that cuts the demonstrations' model turns (`legacy`: without it, as v0s
+    and checkpoints made before 2026-12-04 were fingerprinted: still taken)."""
     w, content = cfg.warmup, {}
     if Path(w.path).is_file():
         content = {"data_sha256": sha256_file(Path(w.path))}
@@ -256,7 +258,16 @@ def v0_fingerprint(cfg: Config, store: Store | None = None) -> tuple[str, dict]:
             "data_sha256" in (made := v0.get("meta", {}).get("made_of", {})):
         content = {"data_sha256": made["data_sha256"]}
     used = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k in TRAIN_FIELDS}
+    if cfg.env.episodic() and not legacy:        # (demonstrations(): a model turn is cut where an episode's is)
+        content["turn_limit"] = cfg.generate.max_completion_length
     return fingerprint(cfg, ("model", "warmup"), warmup_train=used, **content)
+
+
+def _legacy(cfg: Config, store: Store | None, made: dict, was: dict | None, found: str | None) -> bool:
+    """Whether an output fingerprinted before the turn limit was (`was`: its made_of, `found`: its fingerprint)
+    is this config's all the same."""
+    return "turn_limit" in made and "turn_limit" not in (was or {}) and \
+        found == v0_fingerprint(cfg, store, legacy=True)[0]
 
 
 def made_v0(cfg: Config, store: Store) -> dict | None:
@@ -265,7 +276,10 @@ def made_v0(cfg: Config, store: Store) -> dict | None:
     try:
         return reuse(store, layout.policy(cfg.run.name, 0), fp, made)
     except UserError:
-        was = store.manifest(layout.policy(cfg.run.name, 0))["meta"].get("made_of", {})
+        manifest = store.manifest(layout.policy(cfg.run.name, 0))
+        was = manifest["meta"].get("made_of", {})
+        if _legacy(cfg, store, made, was, manifest["meta"].get("fingerprint")):
+            return result(store, layout.policy(cfg.run.name, 0), manifest)
         if was.get("data_sha256") not in (None, made.get("data_sha256")) and \
                 {k: v for k, v in was.items() if k != "data_sha256"} == \
                 {k: v for k, v in json.loads(json.dumps(made)).items() if k != "data_sha256"}:
@@ -292,7 +306,7 @@ def resumable(cfg: Config, store: Store) -> str | None:
         return None
     state = store.get_json(latest, layout.CKPT_STATE)
     fp, made = v0_fingerprint(cfg)
-    if state.get("fingerprint") != fp:
+    if state.get("fingerprint") != fp and not _legacy(cfg, None, made, state.get("made_of"), state.get("fingerprint")):
         was = state.get("made_of")
         raise UserError(f"warmup: {store.uri(latest)} (a checkpoint of this run's warm start) was made from other "
                         f"demonstrations or settings" + (changed(was, made) if was is not None else

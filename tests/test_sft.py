@@ -435,3 +435,30 @@ def test_the_text_format_can_be_named_as_auto_finds_it(tmp_path):
     demos = demonstrations(named, load_tokenizer(base_path(named)))
     auto = demonstrations(_cfg(tmp_path, rows), load_tokenizer(base_path(named)))
     assert [d.ids for d in demos] == [d.ids for d in auto] and all(all(d.mask) for d in demos)
+
+
+def test_the_turn_limit_that_cuts_demonstrations_is_part_of_v0s_inputs(tmp_path, monkeypatch):
+    """With an environment the demonstrations' model turns are cut at generate.max_completion_length (where an
+    episode's are): v0 made under one limit is not taken under another (one line), and a v0 made before the limit
+    was fingerprinted (legacy) is still taken."""
+    import tasks.sft as sft_module
+    from tasks.core.errors import UserError
+    from tasks.sft import made_v0
+
+    demos = _letter_demos(tmp_path)
+    args = [f"warmup.path={demos}", "warmup.epochs=1", "warmup.batch_size=8", "run.name=warm",
+            "env.isolation=thread"]
+    cfg = load_config(LETTERS, [*args, f"store.uri={tmp_path / 'store'}"])
+    sft(cfg)
+    store = Store.open(str(tmp_path / "store"))
+    assert made_v0(cfg, store) is not None
+    other = load_config(LETTERS, [*args, f"store.uri={tmp_path / 'store'}", "generate.max_completion_length=4"])
+    with pytest.raises(UserError, match=r"made from a different config or input: the same config, other inputs "
+                                        r"\(turn_limit\)"):
+        made_v0(other, store)
+    original = sft_module.v0_fingerprint
+    monkeypatch.setattr(sft_module, "v0_fingerprint", lambda c, s=None, legacy=False: original(c, s, legacy=True))
+    old = load_config(LETTERS, [*args, f"store.uri={tmp_path / 'legacy'}"])
+    sft(old)
+    monkeypatch.undo()
+    assert made_v0(old, Store.open(str(tmp_path / "legacy"))) is not None
