@@ -679,6 +679,37 @@ def test_an_iteration_before_the_samplers_first_is_taken_from_the_store_or_refus
         Stream.stop_run("before")
 
 
+def test_a_failed_samplers_tokens_in_flight_are_counted_as_discarded(tmp_path, monkeypatch):
+    """A sampler that fails mid-batch (an environment server or the replicas' router gone) leaves its groups in
+    flight to be decoded again by the next: their tokens are discarded, and the retried stage's
+    generate/discarded_tokens says so (it read 0)."""
+    from tasks.engines.hf_stream import HFDecoder
+
+    cfg = load_config(TINY, _overrides(tmp_path, "failed", "generate.max_completion_length=16",
+                                       "generate.streaming.on_update=interrupt", "generate.streaming.refill_share=0.1",
+                                       "generate.temperature=3.0", iterations=3))
+    real, lost = HFDecoder.step_batch, {}
+
+    def flaky(self, rows, version, stop):
+        if sum(len(r.tokens) for r in rows):
+            lost["tokens"] = sum(len(r.tokens) for r in rows)
+            raise ConnectionError("server gone")
+        return real(self, rows, version, stop)
+
+    monkeypatch.setattr(HFDecoder, "step_batch", flaky)
+    try:
+        failed = Stream.of(cfg, 1)
+        with pytest.raises(RuntimeError, match="the sampler failed: server gone"):
+            failed.collect(1)
+        failed.thread.join()
+        assert failed.counts["discarded_tokens"] >= lost["tokens"] > 0
+        monkeypatch.undo()
+        metrics = Stream.of(cfg, 1).collect(1)[1]
+    finally:
+        Stream.stop_run("failed")
+    assert metrics["generate/discarded_tokens"] >= lost["tokens"]
+
+
 def test_an_iteration_collected_again_is_the_same_groups(tmp_path):
     """A generate stage run again for an iteration its sampler already gave (a retry after the rollouts' write
     failed, a repair): the same groups, dynamic sampling's extra ones included (they were popped once taken)."""

@@ -166,6 +166,7 @@ class Stream:
 
     RUNNING: dict[str, Stream] = {}
     LOCK = threading.Lock()
+    CARRIED: dict[str, int] = {}     # run -> tokens a failed sampler discarded, counted on by the one after it
 
     @classmethod
     def of(cls, cfg: Config, first: int, listener=None, groups=None, services=None) -> Stream:
@@ -204,7 +205,8 @@ class Stream:
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.collected = first - 1                 # the last iteration a generate stage took
-        self.counts = {"tokens": 0, "discarded_tokens": 0, "interruptions": 0, "refills": 0, "idle": 0.0,
+        carried = Stream.CARRIED.pop(cfg.run.name, 0)      # (of() holds Stream.LOCK here; a pop is one step)
+        self.counts = {"tokens": 0, "discarded_tokens": carried, "interruptions": 0, "refills": 0, "idle": 0.0,
                        "busy": 0.0}
         self.seen: dict = {}
         self.picked: dict[int, tuple[list[int], dict]] = {}   # iteration -> its prompts' rows, the curriculum's say
@@ -246,6 +248,9 @@ class Stream:
             source = self.groups(cfg, self.tokenizer, self.n)
             try:
                 self._decode(source, ds, pending)
+            except BaseException:                  # (a failed sampler: its groups in flight are decoded again)
+                self.counts["discarded_tokens"] += source.in_flight([])
+                raise
             finally:
                 source.close()                     # (a stopped sampler: what its groups in flight hold)
         finally:
@@ -442,6 +447,7 @@ class Stream:
                     with Stream.LOCK:
                         if Stream.RUNNING.get(run) is self:
                             del Stream.RUNNING[run]
+                            Stream.CARRIED[run] = self.counts["discarded_tokens"]
                     raise RuntimeError(f"generate.streaming: the sampler failed: {self.error}") from self.error
                 if not self.thread.is_alive():
                     raise RuntimeError(f"generate.streaming: the sampler stopped before iteration {iteration}'s "
