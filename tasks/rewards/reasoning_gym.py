@@ -124,8 +124,8 @@ FINAL_WORDS = 4          # final: an answer read from the form has at most this 
 def format_reward(completions: list, answer_format: list[str], **kwargs) -> list[float]:
     """1.0 when the reply gives its answer exactly once, in the asked form, at its end (answer_is: the sentence
     with its full stop, so a reply cut off by the length limit does not count; final: one line whose answer,
-    after a last "answer is", "=" or ": ", is at most FINAL_WORDS words, not a sentence that has a number in
-    it); else 0.0.
+    after a last "answer is", "=" or ": ", else the whole line, is at most FINAL_WORDS words: a longer sentence
+    with a number in it is not in form, a short one such as "The sum is 17" is); else 0.0.
 
     >>> format_reward(["<answer>12</answer>", "<answer>1</answer><answer>2</answer>"], answer_format=["tags"] * 2)
     [1.0, 0.0]
