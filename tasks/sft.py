@@ -339,28 +339,28 @@ def sft(cfg: Config, iteration: int = 0) -> dict:
         raise UserError("warmup: the config has no warmup section (SFT's demonstrations: warmup.path)")
     store, run = open_store(cfg), cfg.run.name
     key = layout.policy(run, 0)
-    fp, made = v0_fingerprint(cfg, store)
     if (done := made_v0(cfg, store)) is not None:
         if store.list_folders(f"{sft_run(cfg)}/trainer"):
             _delete_checkpoints(store, sft_run(cfg))    # (left by a kill between v0's commit and their deletion)
         return done
     check_first(cfg, store)
     demos = check(cfg)
-    resumable(cfg, store)                        # (here too: the deepspeed group would say it once per process)
+    previous = resumable(cfg, store)             # (here too: the deepspeed group would say it once per process)
+    fp, made = v0_fingerprint(cfg, store)
     if cfg.train.engine == "deepspeed" and "RANK" not in os.environ:
         _torchrun(cfg)                           # the group trains and publishes; its result is read back
         if (done := reuse(store, key, fp, made)) is None:
             raise RuntimeError(f"warm start: the deepspeed group ended without publishing {store.uri(key)}")
         return done
-    return _train(cfg, store, demos, key, fp, made)
+    return _train(cfg, store, demos, key, fp, made, previous)
 
 
-def _train(cfg: Config, store: Store, demos: list[Demo], key: str, fp: str, made: dict) -> dict:
+def _train(cfg: Config, store: Store, demos: list[Demo], key: str, fp: str, made: dict,
+           previous: str | None) -> dict:
+    """`previous`: the warm start's checkpoint to resume from (resumable), None: from the base."""
     w, ecfg = cfg.warmup, engine_config(cfg)
     plan = schedule(len(demos), cfg)
-    previous, history = resumable(cfg, store), []
-    if previous is not None:
-        history = list(store.get_json(previous, layout.CKPT_STATE)["history"])
+    history = list(store.get_json(previous, layout.CKPT_STATE)["history"]) if previous is not None else []
     engine = training_engine(ecfg).open(ecfg, store, previous)
     pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else 0
     params = (engine.model.optimizer if cfg.train.engine == "deepspeed" else engine.optimizer).param_groups

@@ -294,11 +294,15 @@ def scored_fingerprint(cfg: Config) -> str:
     return fingerprint(cfg, ("reward", *cfg.env_sections()))[0]
 
 
+def fingerprinted_as(manifest: dict | None, fp: str) -> bool:
+    """Whether an output is there and carries fingerprint `fp` (one written before such outputs carried one:
+    taken as it is)."""
+    return manifest is not None and manifest.get("meta", {}).get("fingerprint", fp) == fp
+
+
 def scored_here(cfg: Config, manifest: dict | None) -> bool:
-    """Whether a streamed group's scores (its stream_scored folder's manifest) are this config's (one scored
-    before groups had a fingerprint: taken as they are)."""
-    return manifest is not None and manifest.get("meta", {}).get("fingerprint", scored_fingerprint(cfg)) == \
-        scored_fingerprint(cfg)
+    """Whether a streamed group's scores (its stream_scored folder's manifest) are this config's."""
+    return fingerprinted_as(manifest, scored_fingerprint(cfg))
 
 
 def raise_failure(ran: Streamed, what: str) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from tasks.core import layout, rollout
 from tasks.core.contracts import Rollout, Scored
 from tasks.core.placement import placement_of
-from tasks.core.stage import scored_fingerprint, scored_here
+from tasks.core.stage import fingerprinted_as, scored_fingerprint
 from tasks.core.store import Store, open_store
 from tasks.scoring.functions import load_functions, score_records
 from tasks.scoring.shaping import add_overlong
@@ -113,7 +113,6 @@ class GroupScorer:
                 "metrics": scored.metrics, "seconds": time.perf_counter() - t0, "fingerprint": self.fp})
 
 
-
 def assembled(cfg: Config, store: Store, iteration: int,
               rollouts: list[Rollout]) -> tuple[list[Rollout], Scored, float] | None:
     """Iteration `iteration`'s records as its groups were scored (in the rollouts' order), what the scoring
@@ -125,7 +124,8 @@ def assembled(cfg: Config, store: Store, iteration: int,
         scorer.wait(iteration)
     keys = [layout.stream_scored(cfg.run.name, iteration, j) for j in sorted({r.group for r in rollouts})]
     manifests = [store.manifest(k) for k in keys]
-    if not all(scored_here(cfg, m) for m in manifests):
+    fp = scored_fingerprint(cfg)
+    if not all(fingerprinted_as(m, fp) for m in manifests):
         return None
     records = [r for k in keys for r in rollout.load(store, k)]
     if [(r.row, r.completion_ids) for r in records] != [(r.row, r.completion_ids) for r in rollouts]:
