@@ -24,6 +24,20 @@ async def say_letters(row, base_url, api_key):
     return score / len(row["letters"])
 
 
+async def picky_letters(row, base_url, api_key):
+    """The letters game asking each call for its own sampling settings (within env.endpoint's bounds): greedy,
+    cooler and narrower, the run's, hotter."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": f"{row['prompt']} {row['letters'][0]}"}]
+    asks = [{"temperature": 0.0}, {"temperature": 0.5, "top_p": 0.8}, {}, {"temperature": 1.4, "top_p": 0.6}]
+    for i, letter in enumerate(row["letters"]):
+        reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3,
+                                                     **asks[(i + row["seed"]) % len(asks)])
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                     {"role": "user", "content": letter}]
+    return 1.0
+
+
 def sync_letters(row, base_url, api_key):
     """The same with the synchronous client, reporting its reward through /rl/set_reward."""
     import httpx

@@ -280,6 +280,34 @@ def test_the_endpoint_refuses_other_models_bounds_and_closed_keys():
             client.chat.completions.create(model="policy", messages=hi)
 
 
+def test_the_trainer_scores_each_call_at_the_temperature_and_top_p_it_was_sampled_at():
+    """An agent asks each call for its own settings within env.endpoint's bounds (greedy, 0.5 at top_p 0.8, the
+    run's 0.9, 1.4 at top_p 0.6): the rollout carries each token's, and the trainer's logprobs of the sampled tokens
+    equal the sampler's (the mismatch is numerics); scored at the run's settings alone they do not."""
+    from tasks.algorithms.batching import prepare_batches
+    from tasks.algorithms.logprobs import Distribution, completion_logprobs
+    from tasks.algorithms.update import logprobs
+    from tasks.core.models import base_path, load_model
+
+    cfg = _cfg("picky_letters", "env.endpoint.temperature=[0, 1.5]", "env.endpoint.min_top_p=0.5",
+               "generate.temperature=0.9")
+    with open_session(cfg, "base") as session:
+        records, _ = run_agents(cfg, dict(enumerate(LETTERS)), list(range(len(LETTERS))), session, SamplingParams(
+            n=2, max_new_tokens=3, temperature=0.9, top_p=1.0, seed=5), "base")
+    drawn = {(t, p) for r in records for t, p, m in zip(r.temperatures, r.top_ps, r.mask) if m}
+    assert drawn == {(1.0, 1.0), (0.5, 0.8), (0.9, 1.0), (1.4, 0.6)}      # (greedy: the logprobs at temperature 1)
+    model = load_model(base_path(cfg)).eval()
+    batches = prepare_batches(records, torch.zeros(len(records)), session.tokenizer.pad_token_id, cfg.train, "cpu")
+    run_only = []
+    with torch.no_grad():
+        for b in batches:
+            mine = logprobs(model, b, Distribution.of(cfg))[0]
+            assert float(((mine - b.behaviour) * b.mask).abs().max()) < 1e-4
+            plain = completion_logprobs(model, b.ids, b.attention, b.positions, b.width, Distribution.of(cfg))[0]
+            run_only.append(float(((plain - b.behaviour) * b.mask).abs().max()))
+    assert max(run_only) > 0.1
+
+
 # ------------------------------------------------------------------------------------------ every learner
 
 @pytest.fixture(scope="module")

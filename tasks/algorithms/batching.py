@@ -61,8 +61,20 @@ def prepare_batches(records: list[Rollout], signal: torch.Tensor, pad_token_id: 
         batches.append(MicroBatch(ids=ids, attention=attn, positions=pos, mask=mask.to(device),
                                   behaviour=behaviour.to(device),
                                   signal=signal[start:start + len(chunk)].to(device), rows=len(chunk),
-                                  share_prompts=tc.share_prompts))
+                                  share_prompts=tc.share_prompts,
+                                  temperature=_per_token(chunk, "temperatures", width, device),
+                                  top_p=_per_token(chunk, "top_ps", width, device)))
     return batches
+
+
+def _per_token(chunk: list[Rollout], name: str, width: int, device) -> torch.Tensor | None:
+    """(b, Lc) of the rows' per-token sampling setting `name` (Rollout.temperatures / top_ps), NaN where a row
+    has none (the run's setting), or None when no row of the chunk has its own."""
+    if all(getattr(r, name) is None for r in chunk):
+        return None
+    nan = float("nan")
+    return torch.tensor([list(getattr(r, name) or [])[:width] + [nan] * (width - len(getattr(r, name) or []))
+                         for r in chunk], dtype=torch.float32, device=device)
 
 
 def shard_batches(records: list[Rollout], signal: torch.Tensor, pad_token_id: int, tc: TrainConfig,

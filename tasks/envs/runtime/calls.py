@@ -34,6 +34,8 @@ class Call:
     reply: dict | None = None          # the assistant message it answered (normalised)
     extends: int | None = None         # the earlier call whose prompt + completion this prompt starts with
     versions: list[int] | None = None  # per completion token, the policy version that drew it (generate.streaming)
+    temperature: float | None = None   # what it was sampled at, where the request asked for other than the pass's
+    top_p: float | None = None         # own settings (env.endpoint's bounds): the trainer scores its tokens so
 
 
 @dataclass

@@ -326,9 +326,11 @@ class Endpoint:
                 self.load_seconds += sampled.load_seconds
         if stop:
             ids, logprobs, truncated = self.cut_at_stop(ids, logprobs, stop, truncated)
+        own = (params.temperature, params.top_p) != (self.params.temperature, self.params.top_p)
         call = Call(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=logprobs, truncated=truncated,
                     messages=messages, tools=tools, extends=extends,
-                    versions=versions[:len(ids)] if versions is not None else None)
+                    versions=versions[:len(ids)] if versions is not None else None,
+                    temperature=params.temperature if own else None, top_p=params.top_p if own else None)
         if used + len(ids) >= ec.max_tokens:
             log.limited = log.limited or f"env.max_tokens ({ec.max_tokens}) tokens"
         return call
