@@ -18,6 +18,7 @@ sampling's rounds.
 from __future__ import annotations
 
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from tasks.core.errors import UserError
 from tasks.core.placement import placement_of
 from tasks.core.stage import check_round, command, fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
+from tasks.core.tracking import metric_key
 from tasks.scoring.functions import load_functions, require_some_score, score_records
 from tasks.scoring.shaping import NAME as SHAPING
 from tasks.scoring.shaping import add_overlong, overlong_metrics, task_reward
@@ -77,14 +79,36 @@ def reward(cfg: Config, iteration: int, round: int = 0, services: Services | Non
         for name in scored.scores:
             metrics[f"reward/{name}/errors"] = float(name in scored.errors)
             metrics[f"reward/{name}/nan"] = float(scored.nan.get(name, 0))
-        metrics.update({f"reward/{k}": v for k, v in scored.metrics.items()})
         metrics.update(shaped)
         metrics.update(_group_shares(cfg, [records]))
+        metrics.update(logged_metrics(scored.metrics, metrics))
         done = _write(store, key, records, {"fingerprint": fp, "made_of": made, "metrics": metrics,
                                             "samples": _samples(cfg, records), "errors": scored.errors,
                                             "groups": _outcomes(cfg, records)})
     done = {**done, "samples": store.manifest(key)["meta"].get("samples", []), "complete": ds is None}
     return done if ds is None else _keep(cfg, store, iteration, round, done)
+
+
+def logged_metrics(logged: dict[str, float], own: dict[str, float]) -> dict[str, float]:
+    """What reward functions logged with log_metric(name, value), as reward/<name> (a name MLflow refuses made one it
+    takes: tracking.metric_key); a name that is one of rlflow's own metrics (`own`: reward/mean, reward/std, a
+    function's /errors ...) becomes reward/log_metric/<name>, said once, so that it neither replaces the run's
+    figure nor is lost."""
+    out = {}
+    for name, value in logged.items():
+        key = f"reward/{metric_key(name)}"
+        if key in own:
+            renamed = f"reward/log_metric/{metric_key(name)}"
+            if key not in _RENAMED:
+                _RENAMED.add(key)
+                print(f"warning: a reward function's log_metric({name!r}) is logged as {renamed}: {key} is rlflow's "
+                      f"own metric", file=sys.stderr)
+            key = renamed
+        out[key] = value
+    return out
+
+
+_RENAMED: set[str] = set()          # log_metric names said to be renamed (once a process)
 
 
 def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -> dict:

@@ -179,6 +179,32 @@ BAD = textwrap.dedent('''
     def last_words(completions, **kw):
         print("last words before the crash", flush=True)
         os.kill(os.getpid(), signal.SIGSEGV)
+
+    def huge_one(completions, **kw):           # past float32's range: 1e39 crashed the stage
+        return [1e39] + [0.5] * (len(completions) - 1)
+
+    def near_the_top(completions, **kw):       # in range, but weighted and summed past float32's
+        return [3e38 * (j % 2) for j in range(len(completions))]
+
+    LIMIT = []
+
+    async def limited(completions, **kw):      # a judge's usual cap, kept across calls: bound to its first loop
+        import asyncio
+        if not LIMIT:
+            LIMIT.append(asyncio.Semaphore(1))
+
+        async def one():
+            async with LIMIT[0]:               # (the second waits: the semaphore takes the running loop)
+                await asyncio.sleep(0.01)
+        await asyncio.gather(one(), one())
+        return [1.0] * len(completions)
+
+    def wanders(completions, **kw):
+        os.chdir("/")
+        return [0.0] * len(completions)
+
+    def reads_here(completions, **kw):         # a relative path, from the run's folder
+        return [float(os.path.exists("bad_rewards.py"))] * len(completions)
 ''')
 
 
@@ -443,6 +469,59 @@ def test_strict_fails_with_the_message(bad_module, bad, expected):
     with pytest.raises(RewardFunctionError) as e:
         score_records(_functions([bad], strict="true", timeout_seconds=1), _records(), "sum")
     assert str(e.value) == expected and isinstance(e.value, UserError)
+
+
+def test_a_score_past_float32s_range_is_missing_and_a_sum_past_it_stays_finite(bad_module):
+    """1e39 is made missing as NaN is (it crashed the stage: a float32 tensor cannot hold it); 3e38 weighted by 2
+    is summed in float64, and the group's advantages (computed in float64) are finite."""
+    from tasks.algorithms.learners.registry import make
+    from tasks.engines.training import episode_signal
+
+    scored = score_records(_functions(["huge_one"]), records := _records(), "sum")
+    assert scored.scores["huge_one"] == [None, 0.5, 0.5, 0.5] and scored.nan == {"huge_one": 1}
+    fns = json.dumps([{"fn": "bad_rewards:near_the_top", "weight": 2.0}])
+    cfg = load_config(TINY, [f"reward.functions={fns}", "generate.num_generations=2"])
+    score_records(load_functions(cfg), records := _records(), "sum")
+    assert [r.reward for r in records] == [0.0, 6e38, 0.0, 6e38]
+    signal = episode_signal(make(cfg, 1), records)
+    assert bool(torch.isfinite(signal).all()) and signal[1] > 0 > signal[0]
+
+
+def test_an_async_function_keeps_its_event_loop_across_calls(bad_module):
+    """A semaphore made in the first call is bound to that call's loop: a loop per call failed every later one."""
+    functions = _functions(["limited"])
+    for _ in range(3):
+        scored = score_records(functions, _records(), "sum")
+        assert scored.errors == {} and scored.scores["limited"] == [1.0] * 4
+
+
+def test_a_function_that_changes_the_working_directory_changes_it_for_no_other(bad_module):
+    scored = score_records(_functions(["wanders", "reads_here"]), _records(), "sum")
+    assert scored.errors == {} and scored.scores["reads_here"] == [1.0] * 4
+
+
+def test_a_module_that_changes_the_working_directory_when_imported_leaves_rlflows(tmp_path, monkeypatch):
+    (tmp_path / "wanders_away.py").write_text(
+        "import os\nos.chdir('/')\n\ndef f(completions, **kw):\n"
+        "    return [float(os.path.exists('wanders_away.py'))] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    functions = load_functions(load_config(TINY, ['reward.functions=[{"fn": "wanders_away:f"}]']))
+    assert os.getcwd() == str(tmp_path)
+    assert score_records(functions, _records(), "sum").scores["f"] == [1.0] * 4
+
+
+def test_log_metric_names_mlflow_refuses_or_rlflow_owns_are_logged_under_names_that_stay_theirs():
+    from mlflow.utils.validation import _validate_metric_name
+
+    from tasks.core.tracking import metric_key
+    from tasks.reward import logged_metrics
+
+    for name in ("pass@1", "a//b", "../up", "./", "", "x" * 300, "x" * 249 + "/.y", "é ok:1"):
+        _validate_metric_name(metric_key(name))
+    assert metric_key("pass@1") == "pass_1" and metric_key("reward/accuracy") == "reward/accuracy"
+    own = {"reward/mean": 0.5, "reward/std": 0.1}
+    assert logged_metrics({"mean": 123.0, "pass@1": 0.25}, own) == {"reward/log_metric/mean": 123.0,
+                                                                     "reward/pass_1": 0.25}
 
 
 def test_log_extra_and_log_metric_reach_the_records(bad_module):

@@ -150,13 +150,15 @@ def test_trl_docs_functions_score_what_trl_scores(docs_module, chat):
     assert scored.scores["scheduled"] == [7.0] * 4
 
 
-def test_chat_completions_are_assistant_messages_with_the_prompts_bootstrap():
-    """An assistant message that ends the prompt is the start of the completion (TRL's 'bootstrap')."""
+def test_chat_completions_are_what_was_generated_after_a_prompt_that_ends_with_an_assistant_message():
+    """TRL 1.16 renders such a prompt with the generation prompt after it (a new assistant turn, as rlflow's
+    generator does) and passes the prompt as it is and the generated text alone: its older 'bootstrap' (the
+    assistant message prefixed to the completion) would pay text the model never wrote."""
     r = _records(True)[0]
     r.prompt = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>"}]
     completions, columns = trl_inputs([r])
-    assert completions == [[{"role": "assistant", "content": "<think>" + r.completion}]]
-    assert columns["prompts"] == [[{"role": "user", "content": "2+2?"}]]
+    assert completions == [[{"role": "assistant", "content": r.completion}]]
+    assert columns["prompts"] == [[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>"}]]
     assert columns["ground_truth"] == ["4"] and columns["completion_ids"] == [[0]]
 
 

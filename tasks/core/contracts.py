@@ -67,7 +67,7 @@ class Scored:
     scores: dict[str, list[float | None]] = field(default_factory=dict)   # function or model name -> a score
     #                                                      per completion (None = missing)
     errors: dict[str, str] = field(default_factory=dict)     # function or model name -> what went wrong
-    nan: dict[str, int] = field(default_factory=dict)        # function name -> NaN/inf scores made missing
+    nan: dict[str, int] = field(default_factory=dict)        # function name -> NaN/inf/huge scores made missing
     extra: dict[str, list] = field(default_factory=dict)     # log_extra columns, one value per completion
     metrics: dict[str, float] = field(default_factory=dict)  # log_metric means
 

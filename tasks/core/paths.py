@@ -69,10 +69,12 @@ def user_code_seconds() -> float:
 def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
     """`module:name` from the working directory first (user modules live where rlflow is run), imported within
     IMPORT_SECONDS: a UserError naming `key` if the module cannot be imported (it raises, calls sys.exit, or
-    does not finish importing in time) or has no such callable."""
+    does not finish importing in time) or has no such callable. A module that changes the working directory
+    when imported leaves rlflow's where it was."""
     module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
     seconds = user_code_seconds()
     try:
         with deadline(seconds), user_code():     # (preflight imports in the main thread: watched there)
@@ -84,6 +86,9 @@ def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
     except (Exception, SystemExit) as e:           # (a module that calls sys.exit when imported)
         raise UserError(f"{key}: cannot import module {module_name!r}: {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    finally:
+        if os.getcwd() != here:
+            os.chdir(here)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UserError(f"{key}: {module_name!r} has no {noun} {attr!r}")

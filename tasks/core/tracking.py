@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import tempfile
 import threading
 import time
@@ -161,6 +162,16 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
 _STOP = object()        # (the Tracker's flushing thread ends on it)
 
 
+def metric_key(name: str) -> str:
+    """`name` as MLflow takes a metric's key: characters it refuses (anything but letters, digits, `_ - . : /` and
+    spaces) as `_`, no empty, `.` or `..` path part, at most 250 characters. A reward function's log_metric("pass@1")
+    is logged as reward/pass_1 where MLflow would refuse the whole batch (and the run with it)."""
+    key = re.sub(r"[^/\w.\- :]", "_", str(name))
+    for _ in range(2):                        # (again after the cut: it may end a part in "." or "/")
+        key = "/".join(p if p != ".." else "__" for p in key.split("/") if p not in ("", "."))[:250] or "_"
+    return key
+
+
 class Tracker:
     """The MLflow side of one training run.
 
@@ -249,7 +260,8 @@ class Tracker:
                 self.client.log_artifacts(self.run_id, tmp, "samples")
                 self._tables(sorted(f"samples/{f.name}" for f in Path(tmp).iterdir()))
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, it) for it, metrics, _, _, _ in pending for k, v in metrics.items()]
+        batch = [Metric(metric_key(k), float(v), now, it) for it, metrics, _, _, _ in pending
+                 for k, v in metrics.items()]
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 

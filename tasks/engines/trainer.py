@@ -209,7 +209,7 @@ class Trainer:
         tc = cfg.train
         learner = make_learner(cfg, iteration)
         records = rollout.load(store, layout.rewards(cfg.run.name, iteration))
-        rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
+        rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records], dtype=torch.float64)
         older = [r for k in learner.replay(iteration) for r in rollout.load(store, layout.rewards(cfg.run.name, k))]
         offline = [r for key in offline_rollouts(cfg, store) for r in rollout.load(store, key)]
         records = offline + older + records

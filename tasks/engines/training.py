@@ -38,12 +38,13 @@ def training_engine(cfg: Config) -> type[TrainingEngine]:
 
 def episode_signal(learner: Learner, records: list[Rollout]) -> torch.Tensor:
     """learner.signal over the episodes: an agent's episode split step-wise (Rollout.part > 0 after its first
-    sample) counts once in the groups' statistics, and each of its samples gets the episode's signal."""
-    rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records])
+    sample) counts once in the groups' statistics, and each of its samples gets the episode's signal. Computed in
+    float64 (a group's rewards of 1e20 square past float32's range: its advantages were NaN), returned in float32."""
+    rewards = torch.tensor([math.nan if r.reward is None else r.reward for r in records], dtype=torch.float64)
     lead = [i for i, r in enumerate(records) if not r.part]
     if len(lead) == len(records):
-        return learner.signal(rewards)
-    own = learner.signal(rewards[lead])
+        return learner.signal(rewards).float()
+    own = learner.signal(rewards[lead]).float()
     episode = (torch.tensor([not r.part for r in records]).cumsum(0) - 1).clamp(min=0)   # each row's episode
     return own[episode]
 

@@ -146,6 +146,8 @@ class _Garbled(Exception):
 
 
 MAX_ANSWER_BYTES = 1 << 31        # an answer's length past this is not an answer
+LARGEST = 3.4e38                  # a score beyond ±this (float32's range, where the update computes) is made missing
+#                                   as NaN and inf are: 1e39 crashed the stage, 1e308 summed to inf and NaN weights
 
 
 class _Worker:
@@ -333,8 +335,9 @@ def _close_workers() -> None:
 
 def trl_inputs(records: list[Rollout]) -> tuple[list, dict]:
     """A batch as TRL hands it to reward functions: `completions` (text; for chat prompts
-    `[{"role": "assistant", "content": ...}]` per completion, an assistant message that ends the prompt
-    prefixed to it and dropped from the prompt, as TRL does; for episodes the messages after the prompt) and
+    `[{"role": "assistant", "content": ...}]` per completion, the prompt's messages as they are, as TRL 1.16 does:
+    the generator starts a new assistant turn after an assistant message that ends the prompt, so what it wrote is
+    the completion; for episodes the messages after the prompt) and
     every other keyword: prompts, completion_ids, the dataset's columns, and for episodes `environments`: each
     episode's environment as its public attributes were when it ended (`env.reward` in TRL's docs' reward
     function), read back from the rollout record."""
@@ -344,10 +347,7 @@ def trl_inputs(records: list[Rollout]) -> tuple[list, dict]:
         if r.turns is not None:          # multi-turn: the messages after the prompt, as TRL passes them
             completions.append(r.turns)
         elif isinstance(prompt, list):
-            bootstrap = ""
-            if prompt and prompt[-1].get("role") == "assistant":
-                prompt, bootstrap = prompt[:-1], prompt[-1].get("content") or ""
-            completions.append([{"role": "assistant", "content": bootstrap + r.completion}])
+            completions.append([{"role": "assistant", "content": r.completion}])
         else:
             completions.append(r.completion)
         prompts.append(prompt)
@@ -416,7 +416,7 @@ def _record(functions: RewardFunctions, out: Scored, name: str, reply: tuple, n:
         out.scores[name] = [None] * n
         return
     _, values, extra, metrics = reply
-    bad = [j for j, v in enumerate(values) if v is not None and not math.isfinite(v)]
+    bad = [j for j, v in enumerate(values) if v is not None and not (math.isfinite(v) and abs(v) <= LARGEST)]
     if bad and functions.strict:
         raise RewardFunctionError(f"reward function {name!r} returned {values[bad[0]]} for completion {bad[0]}")
     if bad:
@@ -480,7 +480,8 @@ def require_some_score(records: list[Rollout], scored: Scored, what: str, skippa
         said = f"every reward call of {what} failed, no completion was scored (nothing to {nothing}); the first: " \
                f"{next(iter(scored.errors.values()))}"
     else:
-        said = "; ".join(f"{name!r} returned NaN or inf for {k}" for name, k in scored.nan.items()) or \
+        said = "; ".join(f"{name!r} returned NaN, inf or beyond ±{LARGEST:g} for {k}"
+                         for name, k in scored.nan.items()) or \
             "every score was None (no function scored any completion)" + _episodes_without_return(records)
         said = f"no completion of {what} was scored (nothing to {nothing}): {said}; expected a finite score for " \
                f"some completion"
@@ -508,10 +509,13 @@ def _episodes_without_return(records: list[Rollout]) -> str:
 
 def combine(rewards: list[dict[str, float | None]], weights: dict[str, float], how: str = "sum") -> torch.Tensor:
     """Weighted sum (TRL's nansum) or mean over the reward functions that scored each completion;
-    NaN where every score is missing. A function of weight 0 is logged, never combined. (N,)"""
-    out = torch.full((len(rewards),), float("nan"))
+    NaN where every weighted score is missing (TRL's nansum gives 0 there; rlflow leaves the completion out of its
+    group's statistics). A function of weight 0 is logged, never combined. (N,) float64: scores up to
+    LARGEST, weighted and summed, stay finite."""
+    out = torch.full((len(rewards),), float("nan"), dtype=torch.float64)
     for i, scores in enumerate(rewards):
         present = [weights[name] * s for name, s in scores.items() if s is not None and weights[name] != 0]
         if present:
-            out[i] = sum(present) if how == "sum" else sum(present) / len(present)
+            total = math.fsum(present) if how == "sum" else math.fsum(present) / len(present)
+            out[i] = total if math.isfinite(total) else math.nan
     return out

@@ -131,7 +131,7 @@ def _call(fn, kwargs: dict, completions: list, columns: dict):
         given = {k: v for k, v in given.items() if k in accepted}
     values = fn(**given)
     if inspect.isawaitable(values):
-        values = asyncio.run(_awaited(values))
+        values = _loop().run_until_complete(_awaited(values))
     values = _clean(values, n)
     extra = {k: [_plain(x) for x in v] for k, v in extra.items() if len(v) == n}   # a column per completion, or none
     metrics = {k: sum(v) / len(v) for k, v in logged.items() if v and all(math.isfinite(x) for x in v)}
@@ -164,6 +164,19 @@ def _as_json(o):
 
 async def _awaited(awaitable):
     return await awaitable
+
+
+_LOOPS: list[asyncio.AbstractEventLoop] = []
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    """The worker's one event loop, kept across calls as TRL keeps its own: what an async function keeps between
+    calls (an asyncio.Semaphore capping a judge's requests, an httpx.AsyncClient) is bound to the loop it was first
+    used in, and a fresh loop per call (asyncio.run) failed every call after the first."""
+    if not _LOOPS or _LOOPS[0].is_closed():
+        _LOOPS[:] = [asyncio.new_event_loop()]
+        asyncio.set_event_loop(_LOOPS[0])
+    return _LOOPS[0]
 
 
 class Forks:
@@ -204,7 +217,9 @@ class Forks:
 
 def die_with_parent() -> None:
     """Linux: SIGKILL this worker when the stage process that started it dies (a preempted machine, a kill):
-    a hung reward function must not outlive its stage."""
+    a hung reward function must not outlive its stage. (Not the subreaper of what the functions start, which would
+    catch a daemon they leave: the code sandbox's orphans would then be its zombies until reaped, counted against
+    the sandbox's process limits; commit 09da1a2.)"""
     try:
         import ctypes
         import signal
@@ -212,6 +227,19 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _at_home(cwd: str):
+    """What puts the worker back in the run's folder after each call: a function that changes the working
+    directory (os.chdir, at import or in a call) changed it for every function after it, whose relative paths then
+    failed and were counted against them."""
+    def home() -> None:
+        try:
+            os.chdir(cwd)
+        except OSError:                       # (the run's folder removed under it: the functions' own business)
+            pass
+    home()
+    return home
 
 
 def main() -> None:
@@ -252,6 +280,7 @@ def main() -> None:
         send(proto_out, ("setup_error", _one_line(e)))
         return
     unless_forked()
+    home = _at_home(setup["cwd"])
     send(proto_out, ("ready", None))
     while True:
         try:
@@ -265,6 +294,7 @@ def main() -> None:
             answer = ("error", _one_line(e))
         unless_forked()
         forks.reap()
+        home()
         try:
             send(proto_out, answer)
         except Exception as e:  # noqa: BLE001 - a value that does not pickle: that function's failure
