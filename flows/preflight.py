@@ -33,7 +33,8 @@ from tasks.scoring.functions import load_functions, start_worker
 
 def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
     """tracking.uri an http(s) MLflow server: it answers (any HTTP reply will do; MLflow's client would retry a
-    refused connection for minutes, saying nothing)."""
+    refused connection for minutes, saying nothing); a sqlite database: a path where one can be made, or one
+    (a folder there retried for minutes after the lease; another file failed the run after its first stage)."""
     import urllib.error
     import urllib.request
 
@@ -41,9 +42,21 @@ def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
     if not uri.startswith(("http://", "https://")):
         from tasks.core.paths import require_creatable
         from tasks.core.tracking import local_folder
+        from tasks.core.tracking_db import sqlite_file
 
         if (folder := local_folder(uri)) is not None:      # a sqlite database's folder, or a file store
             require_creatable(folder, "tracking.uri")
+        if (database := sqlite_file(uri)) is not None and database.exists():
+            try:
+                with open(database, "rb") as f:
+                    head = f.read(16)
+            except OSError as e:
+                raise UserError(f"tracking.uri: {uri}: {database} cannot be read as a database "
+                                f"({e.strerror or type(e).__name__}); expected a sqlite database file, or a path "
+                                f"where none is yet") from None
+            if head and head != b"SQLite format 3\x00":
+                raise UserError(f"tracking.uri: {uri}: {database} is not a sqlite database (another kind of file); "
+                                f"expected a sqlite database file, or a path where none is yet") from None
         return
     try:
         urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()

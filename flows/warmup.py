@@ -117,7 +117,9 @@ def _rows(text: str | None) -> list[int] | None:
     rows: list[int] = []
     try:
         for part in text.split(","):
-            a, _, b = part.strip().partition("-")
+            a, dash, b = part.strip().partition("-")
+            if dash and not b:
+                raise ValueError        # ("3-": a range without its end)
             if b and int(b) < int(a):
                 raise UserError(f"--rows: {part.strip()}: an empty range (its end before its start); expected "
                                 f"FIRST-LAST with FIRST <= LAST")

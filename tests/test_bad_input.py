@@ -18,6 +18,7 @@ from tests.conftest import TINY, run_cli, run_cli_many, s3_overrides
 from tests.gguf_files import write_gguf
 
 pytestmark = pytest.mark.slow
+ARITH = TINY.parent / "smollm2-arith.yaml"
 
 
 def _model_without_chat_template(tmp: Path) -> Path:
@@ -47,6 +48,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "bot.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="},
                                                           {"role": "bot", "content": "b"}], "answer": "bbb"}) + "\n")
     (tmp / "prompts.txt").write_text("a=\n")
+    (tmp / "not_a.db").write_text("not a sqlite database")
+    (tmp / "a_folder.db").mkdir(exist_ok=True)
+    (tmp / "empty_array.json").write_text("[]")
     (tmp / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "bbb"}) + "\n")
     (tmp / "syntax_err.py").write_text("def f(completions, **kw)\n    return [0.0]\n")
     (tmp / "needs_col.py").write_text("def f(completions, solution, **kw):\n    return [0.0] * len(completions)\n")
@@ -238,6 +242,24 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                   "reward: every weight is 0 (reward.functions, reward.models, env.reward_weight)"),
         "a tracking server that does not answer": (["run", str(TINY), "-o", "tracking.uri=http://127.0.0.1:9"],
                                                    "tracking.uri: http://127.0.0.1:9: no MLflow server answers there"),
+        "a reward function's kwargs holding a date": (["run", str(TINY), "-o", f'reward.functions=[{{fn: "{demo}", '
+                                                      f'kwargs: {{when: 2020-01-01}}}}]'],
+                                                      "reward.functions.0.kwargs: when: datetime.date(2020, 1, 1) is "
+                                                      "a date"),
+        "a reasoning-gym prompt column it makes": (["run", str(ARITH), "-o", "data.prompt_column=answer"],
+                                                   "data: prompt_column: 'answer' is a column data.reasoning_gym "
+                                                   "makes"),
+        "a tracking database that is another file": (["run", str(TINY), "-o", f"tracking.uri=sqlite:///{tmp}/not_a.db"],
+                                                     f"tracking.uri: sqlite:///{tmp}/not_a.db: {tmp}/not_a.db is not a "
+                                                     f"sqlite database"),
+        "a tracking database that is a folder": (["run", str(TINY), "-o", f"tracking.uri=sqlite:///{tmp}/a_folder.db"],
+                                                 f"tracking.uri: sqlite:///{tmp}/a_folder.db: {tmp}/a_folder.db cannot "
+                                                 f"be read as a database"),
+        "a JSON data file of no rows": (["run", str(TINY), "-o", f"data.path={tmp}/empty_array.json"],
+                                        f"data.path: {tmp}/empty_array.json: no rows"),
+        "record, a range without its end": (["record", str(TINY), "--policy", "tasks.envs.builtin.games:reference_action",
+                                             "--rows", "3-", "--out", str(tmp / "rec.jsonl")],
+                                            "--rows: expected indices like 0-9,12, got '3-'"),
         "record, an empty range of rows": (["record", str(TINY), "--policy", "tasks.envs.builtin.games:reference_action",
                                             "--rows", "5-2", "--out", str(tmp / "rec.jsonl")],
                                            "--rows: 5-2: an empty range (its end before its start)"),

@@ -29,6 +29,25 @@ class Section(BaseModel):
         return v
 
 
+def plain_json(value: Any, where: str = "") -> Any:
+    """`value` where it is what JSON holds (text, numbers, true/false, null, lists, mappings with text keys), else
+    a ValueError naming where in it: YAML reads `2020-01-01` as a date, `!!set` and `!!binary` as a set and bytes,
+    which a free-form mapping (a function's kwargs, a task's config) would pass on to fail as a traceback later
+    (in the fingerprint, or the worker's setup)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where or 'a key'}: key {k!r} is {type(k).__name__}; expected text keys")
+            plain_json(v, f"{where}.{k}" if where else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            plain_json(v, f"{where}[{i}]")
+    elif value is not None and not isinstance(value, str | int | float | bool):
+        raise ValueError(f"{where or 'the value'}: {value!r} is a {type(value).__name__}; expected text, a number, "
+                         f"true/false, null, a list or a mapping (quote a date: '2020-01-01')")
+    return value
+
+
 def _a_number_only(annotation) -> bool:
     """Whether a field's type holds an int or a float but not a bool (Optional and unions looked into)."""
     if annotation in (int, float):

@@ -13,7 +13,15 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section, ServedSection, moved, values_as_before
+from tasks.core.config_base import (
+    HOW_NOT_WHAT,
+    SINCE_DEFAULT,
+    Section,
+    ServedSection,
+    moved,
+    plain_json,
+    values_as_before,
+)
 
 
 class DynamicSamplingConfig(Section):
@@ -229,6 +237,11 @@ class EnvConfig(ServedSection):
                               "model calls are recorded token for token. Instead of env.factory.")
     endpoint: EndpointConfig = Field(EndpointConfig(), description="The agents' endpoint: what a request may narrow.")
     kwargs: dict[str, Any] = Field({}, description="Keyword arguments for the factory.")
+
+    @field_validator("kwargs")
+    @classmethod
+    def _plain(cls, v):
+        return plain_json(v)
     adapter: Literal["auto", "rlflow", "trl", "gymnasium", "verifiers"] = Field(
         "auto", description="How the environment is driven. rlflow: reset(row) -> messages and step(message) -> "
         "(observation messages, reward, done, info); trl: TRL's environment_factory classes (reset(**row), public "

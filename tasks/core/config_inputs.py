@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from tasks.core.config_base import SINCE_DEFAULT, Section
+from tasks.core.config_base import SINCE_DEFAULT, Section, plain_json
 
 
 class RunConfig(Section):
@@ -53,6 +53,11 @@ class ReasoningGymConfig(Section):
                       "chain_sum, leg_counting, gsm_symbolic.")
     config: dict[str, Any] = Field({}, description="The task's own settings (its config dataclass's fields, e.g. "
                                    "{max_terms: 2, max_digits: 2}); seed and size are set below.")
+
+    @field_validator("config")
+    @classmethod
+    def _plain(cls, v):
+        return plain_json(v)
     size: int = Field(2000, ge=1, le=10_000_000, description="Training prompts.")
     eval_size: int = Field(200, ge=1, le=1_000_000, description="Held-out prompts (the split `eval` reads), made "
                            "at another seed; training prompts never repeat a held-out question.")
@@ -110,4 +115,8 @@ class DataConfig(Section):
         if (self.path is None) == (self.reasoning_gym is None):
             raise ValueError("set exactly one of path (a data file or hub dataset) and reasoning_gym (a "
                              "reasoning-gym task)")
+        made = ("question", "answer", "metadata", "answer_format", "reasoning_gym")    # (procedural.py: _row)
+        if self.reasoning_gym is not None and self.prompt_column in made:
+            raise ValueError(f"prompt_column: {self.prompt_column!r} is a column data.reasoning_gym makes beside the "
+                             f"prompt ({', '.join(made)}); expected another name, or prompt")
         return self

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section, ServedSection
+from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section, ServedSection, plain_json
 from tasks.core.errors import redact
 
 
@@ -24,6 +24,12 @@ class RewardFunction(Section):
                           "e.g. a format check that eval.format_reward reports).")
     kwargs: dict[str, Any] = Field({}, description="Extra keyword arguments for this function (like "
                                    "functools.partial), e.g. {mode: all} for the code reward.")
+
+
+    @field_validator("kwargs")
+    @classmethod
+    def _plain(cls, v):
+        return plain_json(v)
 
 
 class SandboxConfig(Section):

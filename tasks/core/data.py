@@ -149,6 +149,8 @@ def _where_unreadable(path: Path, error: Exception) -> str:
             return f"line {line}: not UTF-8 text ({e.reason} at byte {e.start})"
         if path.suffix.lower() == ".csv" and len([ln for ln in text.splitlines() if ln.strip()]) == 1:
             return "no rows (only a header line)"
+        if path.suffix.lower() == ".json" and text.strip().replace(" ", "").replace("\n", "") in ("[]", "{}"):
+            return f"no rows (the file is an empty {'array' if text.strip()[0] == '[' else 'object'})"
         if (fault := _row_fault(path, text)) is not None:
             return fault
     inner = error
