@@ -123,8 +123,10 @@ class Repair:
         producer = producer_of(run, bad.key)
         moved = store.quarantine(bad.key)
         if producer is None:
-            raise UserError(f"{bad}: corrupt, and no stage makes it (moved to {store.uri(moved)}); restore it "
-                            f"or start a new run.name") from None
+            rebuilt = re.search(r"/(trainer/full-|curriculum/after-)\d+$", bad.key)
+            raise UserError(f"{bad}: corrupt, and no stage makes it (moved to {store.uri(moved)}); "
+                            + ("run the same command again: the run rebuilds it from the state before it"
+                               if rebuilt else "restore it or start a new run.name")) from None
         stage, it, round = producer
         if stage == "reward" and self.ctx.cfg.generate.dynamic_sampling is not None:
             # (the iteration's rewards are made by its last round's reward stage, which reads every round)

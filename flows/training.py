@@ -42,7 +42,7 @@ from tasks.core.errors import UserError, cause_of
 from tasks.core.lease import Lease
 from tasks.core.placement import placement_of
 from tasks.core.stage import STOP
-from tasks.core.store import Store, open_store
+from tasks.core.store import CorruptArtifact, Store, open_store
 from tasks.core.tracking import Tracker, champion_policy_uri
 from tasks.engines.detached import DetachedTrainer
 from tasks.engines.sampling import sampling_engine
@@ -328,7 +328,14 @@ def _clean(cfg: Config, store: Store, log) -> None:
         log.warning("retention skipped: the MLflow champion could not be read (%s)", e)
         return
     protected = {champion[len(store.root.rstrip("/")) + 1:]} if champion else set()
-    if removed := retention.apply(store, cfg, protected):
+    for said in retention.mend_pointers(store, cfg):
+        log.warning(said)
+    try:
+        removed = retention.apply(store, cfg, protected)
+    except CorruptArtifact as e:   # (nothing deleted: the stage that reads it has it made again, flows/repair.py)
+        log.warning("retention skipped: %s", e)
+        return
+    if removed:
         log.info("removed %d checkpoint/policy folder(s) that store.keep does not keep", removed)
 
 

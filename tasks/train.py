@@ -49,6 +49,9 @@ def train(cfg: Config, iteration: int) -> dict:
     store = open_store(cfg)
     run = cfg.run.name
     key = layout.checkpoint(run, iteration)
+    if iteration > 1 and store.manifest(layout.checkpoint(run, iteration - 1)) is None and \
+            (kept := _outlived_its_input(cfg, store, iteration)) is not None:
+        return kept
     src_manifest = require_input(store, cfg, "train", iteration, ("reward", iteration))
     prev_manifest = require_input(store, cfg, "train", iteration, ("train", iteration - 1)) if iteration > 1 else None
     # (the trainer writes ckpt-N with the config part of `made`: TRAIN_SECTIONS, tasks/engines/trainer.py)
@@ -70,6 +73,25 @@ def train(cfg: Config, iteration: int) -> dict:
         raise RuntimeError(f"train[iter {iteration}]: the trainer ({type(handle).__name__}) answered without "
                            f"writing {store.uri(key)}")
     return done
+
+
+def _outlived_its_input(cfg: Config, store, iteration: int) -> dict | None:
+    """ckpt-N, complete and made from this config, where ckpt-(N-1) is gone: store.keep deletes all but the newest
+    checkpoints as a run starts, while a resume walks again from the newest iteration MLflow has logged (its
+    tracker flushes behind the store: a kill left v10 published and MLflow at 8, so train 9 asked for the deleted
+    ckpt-8 and the run could never resume). Its fingerprint names ckpt-(N-1)'s hash, which cannot be read any more:
+    it is taken on its config (the run's own chain, whose older links retention removed). None otherwise."""
+    import json
+
+    from tasks.core.stage import made_of, result
+
+    key = layout.checkpoint(cfg.run.name, iteration)
+    manifest, made = store.manifest(key), json.loads(json.dumps(made_of(cfg, TRAIN_SECTIONS)))   # (as stored)
+    if manifest is None or manifest.get("meta", {}).get("made_of") != made:
+        return None
+    if int(os.environ.get("RANK") or 0) == 0:
+        store.advance_pointer(layout.latest(cfg.run.name, "trainer"), key)
+    return result(store, key, manifest)
 
 
 def open_trainer(cfg: Config) -> TrainerHandle:

@@ -9,7 +9,7 @@ import pytest
 
 from tasks.core import layout, retention
 from tasks.core.config import load_config
-from tasks.core.store import Store
+from tasks.core.store import CorruptArtifact, Store
 from tests.conftest import TINY
 
 
@@ -77,3 +77,57 @@ def test_a_deleted_deepspeed_checkpoint_takes_its_node_folders(store, tmp_path):
     retention.apply(store, _cfg(tmp_path, checkpoints_last=1))
     assert store.manifest(parts[1]) is None and store.manifest(parts[2]) is not None   # 2: the one before 3
     assert store.manifest(parts[3]) is not None
+
+
+def test_a_resume_that_walks_again_from_mlflows_last_iteration_takes_checkpoints_whose_input_retention_removed(
+        tmp_path):
+    """MLflow's tracker flushes behind the store, so a killed run resumes from an iteration before its newest
+    published one, while retention (at the flow's start) has kept only the newest checkpoints: train of that
+    iteration found its input ckpt-(N-1) gone, and the run could never resume. ckpt-N made from this config is
+    taken as it is; made from another config, the missing input is named as before."""
+    from tasks.core.errors import UserError
+    from tasks.generate import generate
+    from tasks.publish import publish
+    from tasks.reward import reward
+    from tasks.train import train
+
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=r", "train.mode=process", "eval.every=0"])
+    done = {}
+    for it in (1, 2, 3):
+        generate(cfg, it, layout.behaviour_policy("r", it, 0))
+        reward(cfg, it)
+        done[it] = train(cfg, it)
+        publish(cfg, it)
+    Store.open(str(tmp_path / "store")).delete_folder(layout.checkpoint("r", 1))     # (as retention does)
+    again = train(cfg, 2)
+    assert again["key"] == done[2]["key"] and again["metrics"] == done[2]["metrics"]
+    other = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=r", "train.mode=process", "eval.every=0",
+                               "train.lr=0.5"])
+    with pytest.raises(UserError, match="no complete checkpoint of iteration 1"):
+        train(other, 2)
+    # a published policy taken again (a resume's walk, a complete run checked) is checked byte for byte
+    weights = tmp_path / "store" / "r" / "policy" / "v000003" / "model.safetensors"
+    flipped = bytearray(weights.read_bytes())
+    flipped[len(flipped) // 2] ^= 0x10
+    weights.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptArtifact, match="v000003/model.safetensors: sha256 does not match"):
+        publish(cfg, 3)
+
+
+def test_pointers_that_are_not_pointers_any_more_are_made_again(store, tmp_path):
+    cfg = _cfg(tmp_path)
+    for it in range(1, 4):
+        _folder(store, tmp_path, layout.checkpoint("r", it), state={"iteration": it})
+        _folder(store, tmp_path, layout.policy("r", it))
+    for it, score in ((0, 0.2), (1, 0.5), (2, 0.7), (3, 0.7)):
+        _folder(store, tmp_path, layout.evaluation("r", it), meta={"metrics": {cfg.eval.metric_key(): score}})
+    for pointer in (layout.latest("r", "policy"), layout.latest("r", "trainer"), layout.best("r")):
+        (tmp_path / "store" / pointer).write_text('{"target": "r/pol')          # (cut short)
+    with pytest.raises(CorruptArtifact):
+        retention.plan(store, cfg)
+    said = retention.mend_pointers(store, cfg)
+    assert len(said) == 3 and all("not a pointer" in line for line in said)
+    assert store.get_pointer(layout.latest("r", "policy")) == layout.policy("r", 3)
+    assert store.get_pointer(layout.latest("r", "trainer")) == layout.checkpoint("r", 3)
+    assert store.get_pointer(layout.best("r")) == layout.policy("r", 2)       # (ties: the earlier)
+    assert retention.mend_pointers(store, cfg) == []

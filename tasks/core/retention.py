@@ -5,7 +5,8 @@
 
 Kept whatever the settings say, because a resume or a user needs them:
   - the two newest `trainer/ckpt-N` (train N+1 names ckpt-N as its input; a resumed flow re-checks the last
-    iteration, whose train step names ckpt-(N-1));
+    iteration, whose train step names ckpt-(N-1); where it walks again from further back, MLflow being behind
+    the store, a train step whose ckpt-N is there takes it without ckpt-(N-1): tasks/train.py);
   - every checkpoint after the newest full one (a resident trainer that was lost replays those iterations and
     checks each against its checkpoint), and the newest full checkpoint itself;
   - the policies `policy/LATEST` and `policy/BEST` name, every evaluated policy (`eval/vN` exists), the
@@ -66,6 +67,50 @@ def plan(store: Store, cfg: Config, protected: set[str] = frozenset()) -> list[s
             kept.add(layout.version_of(anchor))
     doomed += [layout.policy(run, v) for v in versions if v not in kept]
     return doomed
+
+
+def mend_pointers(store: Store, cfg: Config) -> list[str]:
+    """Make again the run's pointers that are not pointers any more (a truncated or edited file: every reader of
+    it failed, retention and the resume first): policy/LATEST and trainer/LATEST name the newest complete folder of
+    theirs, BEST the evaluated policy with the best eval.metric above the starting model's (ties: the earlier).
+    What was mended, said as lines. Only the lease holder calls this, before anything reads them."""
+    from tasks.core.store import CorruptArtifact
+
+    run, said = cfg.run.name, []
+    newest = {layout.latest(run, "policy"): (f"{run}/policy", "v", layout.policy),
+              layout.latest(run, "trainer"): (f"{run}/trainer", "ckpt-", layout.checkpoint)}
+    for pointer in (*newest, layout.best(run)):
+        try:
+            store.get_pointer(pointer)
+            continue
+        except CorruptArtifact as e:
+            bad = str(e)
+        if pointer in newest:
+            folder, prefix, key_of = newest[pointer]
+            found = [n for n in sorted(_numbered(store.list_folders(folder), prefix))
+                     if store.manifest(key_of(run, n)) is not None]
+            target = key_of(run, found[-1]) if found else None
+        else:
+            target = _best(store, cfg)
+        if target is not None:
+            store.set_pointer(pointer, target)
+        else:
+            store.delete_pointer(pointer)
+        said.append(f"{bad}: made again, pointing at {store.uri(target) if target else 'nothing yet'}")
+    return said
+
+
+def _best(store: Store, cfg: Config) -> str | None:
+    """The policy BEST names, from the run's evaluations (tasks/evaluate.py's rule)."""
+    run, name = cfg.run.name, cfg.eval.metric_key()
+    found = {n: store.manifest(layout.evaluation(run, n)) for n in _numbered(store.list_folders(f"{run}/eval"), "v")}
+    scores = {n: m["meta"]["metrics"].get(name) for n, m in found.items() if m is not None}
+    floor = scores.get(0) if cfg.eval.baseline else None
+    best = None
+    for n in sorted(k for k, v in scores.items() if k > 0 and v is not None):
+        if (floor is None or scores[n] > floor) and (best is None or scores[n] > scores[best]):
+            best = n
+    return layout.policy(run, best) if best is not None else None
 
 
 def apply(store: Store, cfg: Config, protected: set[str] = frozenset()) -> int:

@@ -238,9 +238,22 @@ class Store:
         if current is None or current < target:
             self.set_pointer(key, target)
 
+    def delete_pointer(self, key: str) -> None:
+        self._delete(key)
+
     def get_pointer(self, key: str) -> str | None:
+        """The folder `key` points at, None where there is no pointer; CorruptArtifact where it is not one (a
+        truncated or edited file: retention.mend_pointers makes it again)."""
         raw = self._get_bytes(key)
-        return json.loads(raw)["target"] if raw else None
+        if not raw:
+            return None
+        try:
+            target = json.loads(raw)["target"]
+        except (ValueError, KeyError, TypeError):
+            raise CorruptArtifact(key, f"{self.uri(key)}: not a pointer (truncated or altered)") from None
+        if not isinstance(target, str):
+            raise CorruptArtifact(key, f"{self.uri(key)}: not a pointer (truncated or altered)")
+        return target
 
     def delete_folder(self, key: str) -> None:
         """Remove a folder, complete or not: its manifest first, so readers never see a complete folder with
