@@ -38,9 +38,10 @@ def publish(cfg: Config, iteration: int, mlflow_run_id: str | None = None) -> di
     fp, made = fingerprint(cfg, (), iteration=iteration,
                            checkpoint=src_manifest["files"][layout.CKPT_STATE]["sha256"])
     done = reuse(store, key, fp, made)
-    if done is not None:
+    if done is not None and not store.remote:
         store.verify(key)      # (a resume walks again only its last iterations: the policies the next samples load,
-        #                        and a complete run's final one, checked byte for byte: a corrupt one is made again)
+        #                        and a complete run's final one, checked byte for byte: a corrupt one is made again;
+        #                        not downloaded to be checked from a remote store, whose objects carry checksums)
     if done is None:
         t0 = time.perf_counter()
         size = sum(f["size"] for rel, f in src_manifest["files"].items() if rel.startswith(layout.CKPT_MODEL + "/"))
