@@ -803,8 +803,8 @@ def test_every_reward_call_failing_stops_the_run(prefect_api, tmp_path):
 
 @pytest.mark.parametrize("body, line", [
     ("return [float('nan')] * len(completions)",
-     "error: reward: no completion of iteration 1 was scored (nothing to train on): 'f' returned NaN or inf for 128; "
-     "expected a finite score for some completion"),
+     "error: reward: no completion of iteration 1 was scored (nothing to train on): 'f' returned NaN, inf or beyond "
+     "±3.4e+38 for 128; expected a finite score for some completion"),
     ("return 1.0",
      "error: reward: every reward call of iteration 1 failed, no completion was scored (nothing to train on); the "
      "first: reward function 'f' returned float, expected a list of 128 scores (one per completion)"),
