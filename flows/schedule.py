@@ -24,17 +24,20 @@ class Ahead:
     stage on its own launcher, generates one after another and rewards one after another (a lane each). Which
     policy samples an iteration never depends on timing. S = 0: plain calls when the iteration asks, as before.
     `stage` is the flow's stage task (flows/repair.py: Repair), `ctx` its Run, `now` the dict where the loop
-    says which stage it waits for (what an interrupted run reports)."""
+    says which stage it waits for (what an interrupted run reports). `stored`: the last iteration an earlier
+    attempt of the run left outputs of (a resume): nothing runs ahead of one of those until its own stages have
+    been checked against this config, so a resume the train stage refuses (a config edited) has written nothing
+    of a later iteration first."""
 
-    def __init__(self, stage, ctx, first: int, now: dict):
-        self.stage, self.ctx, self.next, self.now = stage, ctx, first, now
+    def __init__(self, stage, ctx, first: int, now: dict, stored: int = 0):
+        self.stage, self.ctx, self.next, self.now, self.stored = stage, ctx, first, now, stored
         self.S, self.last = ctx.cfg.run.max_staleness, ctx.cfg.run.iterations
         self.gen: dict = {}
         self.rew: dict = {}
 
     def take(self, it: int) -> tuple[dict, dict]:
         """Generate's and reward's results of iteration `it` (waiting for them), after starting those of the
-        iterations up to it+S."""
+        iterations up to it+S (up to `it` alone while `it` is one an earlier attempt stored)."""
         run = self.ctx.cfg.run.name
         if self.S == 0:
             self.now.update(stage="generate")
@@ -42,7 +45,7 @@ class Ahead:
             g = self.stage("generate", it, self.ctx, policy)
             self.now.update(stage="reward")
             return self._rounds(it, policy, g, self.stage("reward", it, self.ctx))
-        while self.next <= min(it + self.S, self.last):
+        while self.next <= min(it if it <= self.stored else it + self.S, self.last):
             m = self.next
             self.gen[m] = self.stage.submit("generate", m, self.ctx, layout.behaviour_policy(run, m, self.S),
                                             wait_for=[self.gen[m - 1]] if m - 1 in self.gen else None)

@@ -355,6 +355,16 @@ def _pictures(cfg: Config, store: Store, tracker: Tracker, report: Report, itera
     report.picture(iteration, folder / screens.FOLDER, screens.load_index(folder))
 
 
+def _stored_through(cfg: Config, store: Store, done: int) -> int:
+    """The last iteration after `done` whose rollouts or checkpoint an earlier attempt of the run stored (`done`:
+    none), counting on while they follow one another."""
+    run, it = cfg.run.name, done
+    while it < cfg.run.iterations and any(store.manifest(key) is not None for key in (
+            layout.rollouts(run, it + 1), layout.checkpoint(run, it + 1))):
+        it += 1
+    return it
+
+
 def _iterations(ctx: FlowRun, log) -> dict:
     cfg, store = ctx.cfg, ctx.store
     tracker = Tracker(cfg, store.root)
@@ -383,7 +393,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
     elif min(newest, already_logged):
         progress.note(f"resuming {cfg.run.name}: iterations 1-{min(newest, already_logged)} of "
                       f"{cfg.run.iterations} found in {store.uri(cfg.run.name)}")
-    ahead = Ahead(stage, ctx, first=done + 1, now=NOW)
+    ahead = Ahead(stage, ctx, first=done + 1, now=NOW, stored=_stored_through(cfg, store, done))
     try:
         if cfg.eval.every and cfg.eval.baseline:
             NOW.update(iteration=0, stage="evaluate")

@@ -170,6 +170,16 @@ def test_a_streamed_run_trains_the_stage_modes_prompts_within_the_staleness(pref
     assert [m.value for m in client.get_metric_history(run, "generate/discarded_tokens")] == [0.0] * 4
     assert all(m.value <= 1 for m in client.get_metric_history(run, "generate/staleness"))
     assert Stream.RUNNING == {}                                      # stopped with the flow
+    if on_update == "finish" and not engine:
+        # extended with another learning rate: refused by the train stage of iteration 4, walked again, before
+        # anything of iteration 5 is sampled (the look-ahead and the sampler wait for it: flows/schedule.py)
+        from tasks.core.errors import UserError
+
+        files = sorted(tmp_path.joinpath("store").rglob("*"))
+        with pytest.raises(UserError, match="train.lr 0.01 -> 0.03"):
+            train_flow(str(TINY), _overrides(tmp_path, "stream", "generate.streaming.on_update=finish",
+                                             "train.lr=3e-2", iterations=6))
+        assert sorted(tmp_path.joinpath("store").rglob("*")) == files
 
 
 def test_a_stopped_sampler_keeps_its_groups_and_a_new_one_completes_the_rest(tmp_path):

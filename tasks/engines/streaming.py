@@ -320,13 +320,15 @@ class Stream:
         pick is the stage mode's, whatever the timing."""
         if self.store.manifest(layout.rollouts(self.cfg.run.name, it)) is not None:
             return []
+        # (first: a group sampled under another config is refused before the curriculum's state is written)
+        committed = {j for j in range(self.P) if self._committed(it, j)}
         by_round, said = curriculum.rounds(self.cfg, self.store, it, self.ds.max_rounds if self.ds else 1, n_rows)
         rows, extras = by_round[0], None
         if self.ds is not None:
             extras = Extras([row for later in by_round[1:] for row in later])
             extras.started = {j for j in range(self.P, self.P + len(extras.rows)) if self._committed(it, j)}
         # (before the pick is told: a collect takes an iteration as soon as it is picked and its groups are there)
-        committed = {j for j in range(self.P) if self._committed(it, j)} | (extras.started if extras else set())
+        committed |= extras.started if extras else set()
         with self.changed:
             self.picked[it] = (rows, said)
             if extras is not None:
