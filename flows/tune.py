@@ -244,8 +244,8 @@ class Tune:
         log = open(log_path, "w")
         from tasks.core.processes import spawn
 
-        proc = spawn(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                     preexec_fn=die_with_parent)        # (-m flows.cli: rlflow's)
+        proc = spawn(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, rlflow=True,
+                     preexec_fn=die_with_parent)        # (-c, not -m: told it runs rlflow's, so it gets its path)
         with self.lock:
             self.procs[trial.number] = proc
         values: dict[int, float] = {}            # iteration -> metric

@@ -56,14 +56,21 @@ def _children(client, experiment: str):
 def test_a_metric_the_runs_do_not_log_ends_the_tune_in_one_line(tmp_path, prefect_api):
     """--metric of a name no manifest has (reward/..., but not a metric rlflow logs): the first trial's run
     completes, and the tune ends there with one line naming --metric and what the run did log, exit 2 (not
-    "no trial completed" after every trial has run)."""
+    "no trial completed" after every trial has run). Run from a folder with a `tasks` and a `flows` package of
+    the user's: the trial's run (a child Python) imports rlflow's (tests/test_shadowing.py)."""
+    from tests.test_shadowing import _shadowing
+
+    mark = _shadowing(tmp_path / "project")
     (tmp_path / "space.yaml").write_text("train.lr: {type: log_uniform, low: 1.0e-4, high: 1.0e-2}\n")
-    argv = [sys.executable, "-m", "flows.cli", "tune", str(TINY), "--space", str(tmp_path / "space.yaml"),
+    rlflow = Path(sys.executable).with_name("rlflow")
+    cli = [str(rlflow)] if rlflow.exists() else [sys.executable, "-P", "-m", "flows.cli"]
+    argv = [*cli, "tune", str(TINY), "--space", str(tmp_path / "space.yaml"),
             "--trials", "3", "--metric", "reward/nonexistent", "--out", str(tmp_path / "tune"),
             "-o", "run.iterations=1", "-o", f"store.uri=file://{tmp_path}/store",
             "-o", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
-    out = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "PREFECT_API_URL": prefect_api},
+    out = subprocess.run(argv, cwd=tmp_path / "project", env={**os.environ, "PREFECT_API_URL": prefect_api},
                          capture_output=True, text=True, timeout=600)
+    assert not mark.exists(), out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 2 and last.startswith("error: --metric: reward/nonexistent: the trial's run completed "
                                                    "without logging it; its iteration 1 logged "), out.stderr[-2000:]
