@@ -28,8 +28,11 @@ def _shadowing(folder: Path) -> Path:
 
 
 def test_a_child_gets_rlflows_root_first_and_no_working_directory(tmp_path, monkeypatch):
-    from tasks.core.processes import children_import_rlflow, rlflow_first
+    from tasks.core.processes import children_import_rlflow, rlflow_first, runs_rlflow
 
+    assert runs_rlflow([sys.executable, "-m", "tasks.train"]) and runs_rlflow([sys.executable, "-c", "import sys; "
+                                                                                "from flows.cli import main"])
+    assert not runs_rlflow([sys.executable, "-c", "import importlib.util"]) and not runs_rlflow(["python", "x.py"])
     mark = _shadowing(tmp_path)
     env = rlflow_first({**os.environ, "PYTHONPATH": f"/elsewhere{os.pathsep}{ROOT}"})
     assert env["PYTHONSAFEPATH"] == "1" and env["PYTHONPATH"] == f"{ROOT}{os.pathsep}/elsewhere"

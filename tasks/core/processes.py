@@ -11,6 +11,7 @@ import collections
 import contextlib
 import fcntl
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -30,11 +31,15 @@ SAFEPATH_MARK = "RLFLOW_SAFEPATH"      # PYTHONSAFEPATH was set by rlflow_first:
 
 
 def runs_rlflow(argv: list[str]) -> bool:
-    """Whether argv is a Python running rlflow's packages: `-m tasks...` / `-m flows...`. (A bridge script run by
-    path in another environment, flows/sky_bridge.py or tasks/envs/adapters/*_bridge.py, imports none of rlflow
-    and keeps that environment's own path: not one.)"""
+    """Whether argv is a Python running rlflow's packages: `-m tasks...` / `-m flows...`, or `-c` code that imports
+    them. (A bridge script run by path in another environment, flows/sky_bridge.py or tasks/envs/adapters/
+    *_bridge.py, imports none of rlflow and keeps that environment's own path: not one.)"""
     return any(a == "-m" and argv[i + 1:i + 2] and argv[i + 1].split(".")[0] in ("tasks", "flows")
+               or a == "-c" and argv[i + 1:i + 2] and _IMPORTS_RLFLOW.search(argv[i + 1]) is not None
                for i, a in enumerate(argv))
+
+
+_IMPORTS_RLFLOW = re.compile(r"\b(?:from|import)\s+(?:tasks|flows)\b")
 
 
 def spawn(argv: list[str], env: Mapping[str, str] | None = None, *, rlflow: bool | None = None,
