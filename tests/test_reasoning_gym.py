@@ -10,8 +10,10 @@ Limitations these tests pin down (xfail strict: they turn into failures, to be c
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -119,6 +121,27 @@ def test_training_never_sees_a_held_out_question_even_in_a_small_space():
     assert len(train) == 20 and not held & {r["question"] for r in train}
 
 
+def test_training_never_sees_a_held_out_questions_twin():
+    """A sum with its terms swapped is the held-out sum (`Calculate 2 + 10.` beside `Calculate 10 + 2.`): the training
+    split leaves those out too, and the held-out split is as it was (its questions are the held-out seed's)."""
+    import reasoning_gym
+
+    config = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
+              "allow_parentheses": False, "allow_negation": False}
+    train, held_out = _splits(_config("basic_arithmetic", size=60, eval_size=10, config=config))
+
+    def terms(question: str) -> frozenset:
+        return frozenset(collections.Counter(re.findall(r"\d+", question)).items())
+
+    held = {terms(r["question"]) for r in held_out}
+    stream = reasoning_gym.create_dataset("basic_arithmetic", **config, seed=0, size=240)
+    assert any(terms(e["question"]) in held and e["question"] not in {r["question"] for r in held_out}
+               for e in stream)                                  # twins were there to leave out
+    assert len(train) == 60 and not held & {terms(r["question"]) for r in train}
+    again = reasoning_gym.create_dataset("basic_arithmetic", **config, seed=procedural.HELD_OUT_SEED, size=10)
+    assert [r["question"] for r in held_out] == [e["question"] for e in again]
+
+
 def test_the_prompt_is_chat_messages_ending_with_the_answer_formats_instruction():
     for answer_format in ("tags", "answer_is"):
         train, held_out = _splits(_config("leg_counting", answer_format=answer_format))
@@ -151,7 +174,7 @@ def test_metadata_round_trips_into_what_score_answer_needs(task):
 
     cfg = _config(task, size=4, eval_size=2)
     train, held_out = _splits(cfg)
-    for rows, seed, size in ((train, 0, 16), (held_out, procedural.HELD_OUT_SEED, 2)):
+    for rows, seed, size in ((train, 0, procedural.TRIES * 4), (held_out, procedural.HELD_OUT_SEED, 2)):
         items = reasoning_gym.create_dataset(task, seed=seed, size=size)
         for r in rows:
             meta = procedural.untagged(json.loads(r["metadata"]))
@@ -387,7 +410,8 @@ BAD_SPECS = {
                                   "data.reasoning_gym.config: task 'chain_sum' refuses {\"min_terms\": \"many\"}: "),
     "space too small": ({"task": "count_bits", "config": {"min_n": 1, "max_n": 3}, "size": 5, "eval_size": 20},
                         "data.reasoning_gym: task 'count_bits' with this config gave only 0 training items outside "
-                        "the 20 held-out ones in 20 tries (size 5)"),
+                        "the 20 held-out ones and their twins (the same words and numbers in another order) in 50 "
+                        "tries (size 5)"),
     "fails in the generator": ({"task": "simple_equations", "config": {"operators": ["+", "-"]}, "size": 5,
                                 "eval_size": 5},
                                "data.reasoning_gym.config: task 'simple_equations' fails to make items with "

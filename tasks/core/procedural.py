@@ -6,7 +6,8 @@
 reasoning-gym (PyPI `reasoning-gym`) builds each task's items procedurally from a seed, with the task's own
 answer checker (`score_answer`). Here a task becomes a `datasets.Dataset` with the columns the rest of rlflow
 expects, made the same way on every machine from (task, config, seed, size): a held-out split of `eval_size`
-items and a training split of `size` items none of whose questions is a held-out one. The rewards in
+items and a training split of `size` items none of which is a held-out question or its twin (the same words and
+numbers in another order: `Calculate 2 + 10.` beside a held-out `Calculate 10 + 2.`). The rewards in
 tasks/rewards/reasoning_gym.py read the answer the way the instruction asks for it and score it with the task's
 own `score_answer`. A task, a config key or a config its generator fails on is one UserError line.
 More: docs/internals.md (tasks/core/procedural.py): the splits, a row's columns, the same rows everywhere.
@@ -20,6 +21,7 @@ import functools
 import json
 import os
 import random
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +34,18 @@ if TYPE_CHECKING:
 
 FIELD = "data.reasoning_gym"
 HELD_OUT_SEED = 1_000_000_007       # the held-out items' seed offset: far from any training item's Random(seed + i)
+SPLITS_VERSION = 2                  # 2: training items skip the held-out questions' twins (1: their exact text only)
+TRIES = 10                          # training items visited per one asked for, at most (_build)
+_WORDS = re.compile(r"\d+(?:\.\d+)?|\w+|[^\w\s]")
+
+
+def twin_key(question: str) -> tuple[str, ...]:
+    """What a question and its twins share: its numbers, signs and words (each word's letters in sorted order), in
+    sorted order. `Calculate 10 + 2.` and `Calculate 2 + 10.` are one problem (a model that trained on one answers
+    the other from memory), as are two shufflings of one word to unscramble (letter_jumble), so a training item
+    whose key is a held-out one's is left out; so is `10 - 2` beside `2 - 10` (or an anagram of a held-out word),
+    which costs a training item, never a held-out one's honesty."""
+    return tuple(sorted("".join(sorted(w.lower())) if w.isalpha() else w for w in _WORDS.findall(question)))
 
 # How the prompt asks for the answer, and how the rewards read it back (tasks/rewards/reasoning_gym.py).
 INSTRUCTIONS = {
@@ -124,7 +138,7 @@ def _splits(*spec) -> dict[str, list[dict]]:
 
     from tasks.core.paths import cache_root
 
-    key = hashlib.sha256(json.dumps([version("reasoning-gym"), *spec]).encode()).hexdigest()[:24]
+    key = hashlib.sha256(json.dumps([version("reasoning-gym"), SPLITS_VERSION, *spec]).encode()).hexdigest()[:24]
     kept = cache_root() / "reasoning-gym" / f"{key}.json"
     try:
         return json.loads(kept.read_text())
@@ -167,19 +181,21 @@ def _build(task: str, config_json: str, seed: int, size: int, eval_size: int, an
     config = json.loads(config_json)
     spec = json.dumps({"task": task, "config": config}, sort_keys=True)
     held_out = list(_items(task, config, seed + HELD_OUT_SEED, eval_size))
-    seen = {e["question"] for e in held_out}
-    # Items are made one index at a time (Random(seed + index) for most tasks): up to 4x `size` indices are
-    # visited to find `size` items outside the held-out set.
+    seen = {twin_key(e["question"]) for e in held_out}
+    # Items are made one index at a time (Random(seed + index) for most tasks): up to TRIES x `size` indices are
+    # visited to find `size` items outside the held-out set and its twins (lcm of two numbers up to 12 keeps about
+    # one in four beside 100 held-out ones).
     train = []
-    for entry in _items(task, config, seed, 4 * size):
-        if entry["question"] not in seen:
+    for entry in _items(task, config, seed, TRIES * size):
+        if twin_key(entry["question"]) not in seen:
             train.append(entry)
             if len(train) == size:
                 break
     if len(train) < size:
         raise UserError(f"{FIELD}: task {task!r} with this config gave only {len(train)} training items outside "
-                        f"the {eval_size} held-out ones in {4 * size} tries (size {size}): make the task's space "
-                        f"larger, or size / eval_size smaller")
+                        f"the {eval_size} held-out ones and their twins (the same words and numbers in another "
+                        f"order) in {TRIES * size} tries (size {size}): make the task's space larger, or size / "
+                        f"eval_size smaller")
     return {split: [_row(e, spec, answer_format, instruction, system_prompt) for e in entries]
             for split, entries in (("train", train), ("eval", held_out))}
 
