@@ -238,8 +238,9 @@ def test_one_process_matches_torch_resumes_exactly_and_publishes_16bit(stage, ro
     try:
         for it in (1, 2):
             records = rollout.read(rollouts[it])
-            adv = group_advantages(torch.tensor([r.reward for r in records]), cfg.generate.num_generations,
-                                   cfg.train.learner.scale_rewards)
+            rewards = torch.tensor([r.reward for r in records], dtype=torch.float64)   # (as the trainer: float64,
+            adv = group_advantages(rewards, cfg.generate.num_generations,             # then float32)
+                                   cfg.train.learner.scale_rewards).float()
             stats = optimise(engine, shard_batches(records, adv, engine.tokenizer.pad_token_id, cfg.train,
                                                    engine.device, 0, 1), cfg)
         assert (stats.loss, stats.grad_norm) == (metrics[1]["train/loss"], metrics[1]["train/grad_norm"])

@@ -167,5 +167,5 @@ def test_advantages_equal_trl(trl_scoring_trainer, scale):
         inputs = [{"prompt": "abc"[i // GROUP] + "="} for i in range(N_GROUPS * GROUP)]
         theirs = trainer._generate_and_score_completions(inputs)["advantages"]
         ours = group_advantages(combine(table_ref["table"], WEIGHTS, "sum"), GROUP, scale)
-        assert torch.allclose(ours, theirs, atol=1e-6), (ours, theirs)
+        assert torch.allclose(ours.float(), theirs, atol=1e-6), (ours, theirs)     # (ours: float64, then float32)
         assert ours[1] == 0 and (ours[8:] == 0).all()    # unscorable row; a group with one scored completion

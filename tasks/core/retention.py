@@ -4,9 +4,8 @@
     apply(store, cfg, protected)                                      # deletes them (manifest first)
 
 Kept whatever the settings say, because a resume or a user needs them:
-  - the two newest `trainer/ckpt-N` (train N+1 names ckpt-N as its input; a resumed flow re-checks the last
-    iteration, whose train step names ckpt-(N-1); where it walks again from further back, MLflow being behind
-    the store, a train step whose ckpt-N is there takes it without ckpt-(N-1): tasks/train.py);
+  - the two newest `trainer/ckpt-N` (train N+1 names ckpt-N; a resume re-checks the last iteration, whose train
+    names ckpt-(N-1); one from further back, MLflow lagging, takes a ckpt-N without its input: tasks/train.py);
   - every checkpoint after the newest full one (a resident trainer that was lost replays those iterations and
     checks each against its checkpoint), and the newest full checkpoint itself;
   - the policies `policy/LATEST` and `policy/BEST` name, every evaluated policy (`eval/vN` exists), the
