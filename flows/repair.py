@@ -71,7 +71,7 @@ def producer_of(run: str, key: str) -> tuple[str, int, int] | None:
     """(stage, iteration, round) whose output `key` is, or None (not a stage's output: nothing can make it
     again)."""
     rounds = re.fullmatch(r".*/(rollouts|scored)-r(\d+)", key)
-    for it in {int(d) for d in re.findall(r"\d+", key[len(run):])}:
+    for it in _numbers_in(run, key):
         for stage, out in OUTPUT_KEY.items():
             if it >= 1 and out(run, it) == key:
                 return stage, it, 0
@@ -80,6 +80,11 @@ def producer_of(run: str, key: str) -> tuple[str, int, int] | None:
             if key in (layout.rollouts(run, it, r), layout.scored(run, it, r)):
                 return stage, it, r
     return None
+
+
+def _numbers_in(run: str, key: str) -> set[int]:
+    """The numbers in `key` after the run's name: the iterations it may be an output of."""
+    return {int(d) for d in re.findall(r"\d+", key[len(run):])}
 
 
 class Repair:
@@ -123,7 +128,8 @@ class Repair:
         producer = producer_of(run, bad.key)
         moved = store.quarantine(bad.key)
         if producer is None:
-            rebuilt = re.search(r"/(trainer/full-|curriculum/after-)\d+$", bad.key)
+            rebuilt = any(bad.key in (layout.full_checkpoint(run, it), layout.curriculum(run, it))
+                          for it in _numbers_in(run, bad.key))
             raise UserError(f"{bad}: corrupt, and no stage makes it (moved to {store.uri(moved)}); "
                             + ("run the same command again: the run rebuilds it from the state before it"
                                if rebuilt else "restore it or start a new run.name")) from None

@@ -61,9 +61,7 @@ def train(cfg: Config, iteration: int) -> dict:
                            layout.BASE,
                            **({} if policy_dtype(cfg) == cfg.model.dtype else {"policy_dtype": policy_dtype(cfg)}))
     if (done := reuse(store, key, fp, made)) is not None:
-        if int(os.environ.get("RANK") or 0) == 0:
-            store.advance_pointer(layout.latest(run, "trainer"), key)  # a kill may have come between the two
-        return done
+        return _taken(store, run, key, done)
     handle = open_trainer(cfg)
     try:
         handle.train(iteration, fp)
@@ -89,9 +87,15 @@ def _outlived_its_input(cfg: Config, store, iteration: int) -> dict | None:
     manifest, made = store.manifest(key), json.loads(json.dumps(made_of(cfg, TRAIN_SECTIONS)))   # (as stored)
     if manifest is None or manifest.get("meta", {}).get("made_of") != made:
         return None
+    return _taken(store, cfg.run.name, key, result(store, key, manifest))
+
+
+def _taken(store, run: str, key: str, done: dict) -> dict:
+    """A stored ckpt-N taken as this stage's result (`done`), with trainer/LATEST moved to it by the first rank (a
+    kill may have come between the checkpoint and the pointer)."""
     if int(os.environ.get("RANK") or 0) == 0:
-        store.advance_pointer(layout.latest(cfg.run.name, "trainer"), key)
-    return result(store, key, manifest)
+        store.advance_pointer(layout.latest(run, "trainer"), key)
+    return done
 
 
 def open_trainer(cfg: Config) -> TrainerHandle:

@@ -86,9 +86,9 @@ def mend_pointers(store: Store, cfg: Config) -> list[str]:
             bad = str(e)
         if pointer in newest:
             folder, prefix, key_of = newest[pointer]
-            found = [n for n in sorted(_numbered(store.list_folders(folder), prefix))
-                     if store.manifest(key_of(run, n)) is not None]
-            target = key_of(run, found[-1]) if found else None
+            target = next((key_of(run, n) for n in sorted(_numbered(store.list_folders(folder), prefix),
+                                                          reverse=True) if store.manifest(key_of(run, n)) is not None),
+                          None)                  # (the newest complete one: the manifests read from the newest down)
         else:
             target = _best(store, cfg)
         if target is not None:

@@ -250,7 +250,7 @@ class Store:
         try:
             target = json.loads(raw)["target"]
         except (ValueError, KeyError, TypeError):
-            raise CorruptArtifact(key, f"{self.uri(key)}: not a pointer (truncated or altered)") from None
+            target = None
         if not isinstance(target, str):
             raise CorruptArtifact(key, f"{self.uri(key)}: not a pointer (truncated or altered)")
         return target
