@@ -26,6 +26,7 @@ from tasks.core import data, layout, rollout
 from tasks.core.contracts import SamplingParams
 from tasks.core.errors import UserError
 from tasks.core.placement import Services
+from tasks.core.retention import improves
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
 from tasks.engines.sampling import open_session
@@ -55,18 +56,14 @@ def _update_best(store: Store, cfg: Config, iteration: int, metrics: dict) -> No
     run, name = cfg.run.name, cfg.eval.metric_key()
     if iteration == 0:
         return                                       # the base model is the bar, never BEST itself
-    floor = baseline_metric(store, cfg)
-    if floor is not None and metrics[name] <= floor:
-        return                                       # no better than the model the run started from
-    current = store.get_pointer(layout.best(run))
+    current, best = store.get_pointer(layout.best(run)), None
     if current is not None:
-        best_iter = layout.version_of(current)
-        if best_iter == iteration:
+        if layout.version_of(current) == iteration:
             return
-        best = store.manifest(layout.evaluation(run, best_iter))
-        if best is not None and best["meta"]["metrics"][name] >= metrics[name]:
-            return                                   # ties keep the earlier policy
-    store.set_pointer(layout.best(run), layout.policy(run, iteration))
+        found = store.manifest(layout.evaluation(run, layout.version_of(current)))
+        best = found["meta"]["metrics"][name] if found is not None else None
+    if improves(metrics[name], best, baseline_metric(store, cfg)):
+        store.set_pointer(layout.best(run), layout.policy(run, iteration))
 
 
 def _passes(cfg: Config, records: list, n_prompts: int) -> list[int]:

@@ -121,6 +121,17 @@ async def jittery(row, base_url, api_key):
     return float(len(reply.choices[0].message.content or ""))
 
 
+KEPT: list = []        # the clients kept_open's episodes left open (a test lets them go)
+
+
+async def kept_open(row, base_url, api_key):
+    """One call with a client it never closes (kept, as a cache of clients would keep it)."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    KEPT.append(client)
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    return 1.0
+
+
 def calls_on(row, base_url, api_key):
     """Keeps calling the model, past the endpoint's refusals, a few hundred times, and returns nothing."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)

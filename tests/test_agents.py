@@ -245,6 +245,69 @@ def test_a_stopped_runner_lets_its_agents_unwind_before_its_loop_stops():
     assert unwound.is_set() and not runner.thread.is_alive()
 
 
+def test_calls_into_the_agents_loop_from_another_threads_loop_run_there_at_once():
+    """openai's AsyncClient.__del__ closes an ended episode's connections on the loop running where the garbage
+    collector ran: the endpoint's server thread. What that does to the agents' loop (a transport aborted, a
+    timer set) runs on the agents' loop's own thread and wakes it. A plain loop kept it for its next wake-up
+    and could lose timers (seen under load: an agent's asyncio.sleep never ended and its lockstep round
+    waited env.timeout_seconds)."""
+    import asyncio
+    import threading
+
+    from tasks.envs.runtime.isolation import run_forever, users_loop
+
+    loop = users_loop()
+    threading.Thread(target=run_forever, args=(loop,), daemon=True).start()
+    lost, fired, soon = threading.Event(), threading.Event(), threading.Event()
+
+    class Client(asyncio.Protocol):
+        def connection_lost(self, exc):
+            lost.set()
+
+    async def connect():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        transport, _ = await loop.create_connection(Client, "127.0.0.1", server.sockets[0].getsockname()[1])
+        return server, transport
+
+    server, transport = asyncio.run_coroutine_threadsafe(connect(), loop).result(60)
+
+    async def finalizer_elsewhere():             # (another thread, its own loop running: the endpoint's)
+        transport.abort()
+        loop.call_later(0.01, fired.set)
+        loop.call_soon(soon.set)
+
+    try:
+        asyncio.run(finalizer_elsewhere())
+        assert lost.wait(60) and fired.wait(60) and soon.wait(60)
+    finally:
+        loop.call_soon_threadsafe(server.close)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_the_connections_an_agent_leaves_open_are_closed_with_its_loop():
+    """An agent that never closes its client (kept_open: it keeps them, as a cache of clients would): its
+    connections are aborted on the agents' loop before that closes, so the client's finalizer, run later on
+    another loop, has nothing left to close. They stayed open until then, and that close failed on the closed
+    loop: a traceback printed for each client ('Event loop is closed')."""
+    import asyncio
+    import gc
+
+    from tests import agent_examples
+
+    records, _ = _run(_cfg("kept_open", "env.isolation=thread"), n=1, rows=LETTERS[:2])
+    assert [r.env_error for r in records] == [None, None] and len(agent_examples.KEPT) == 2
+
+    async def finalized() -> list:
+        gc.collect()                    # (clients earlier stages in this process left: not counted below)
+        earlier = asyncio.all_tasks()
+        agent_examples.KEPT.clear()
+        gc.collect()                    # (openai's AsyncClient.__del__: its aclose() on this running loop)
+        assert len(asyncio.all_tasks() - earlier) == 2
+        return await asyncio.gather(*(asyncio.all_tasks() - {asyncio.current_task()}), return_exceptions=True)
+
+    assert [repr(r) for r in asyncio.run(finalized()) if isinstance(r, BaseException)] == []
+
+
 def test_a_bad_agent_spec_is_one_line_before_any_episode():
     for spec, expected in (("tests.no_such_module:run", "env.agent: cannot import module 'tests.no_such_module'"),
                            ("tests.agent_examples:nothing", "has no callable 'nothing'"),

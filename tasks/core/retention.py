@@ -99,15 +99,22 @@ def mend_pointers(store: Store, cfg: Config) -> list[str]:
     return said
 
 
+def improves(score: float, best: float | None, floor: float | None) -> bool:
+    """BEST's rule: a policy's score takes BEST when it beats the base model's (eval.baseline's, when it was
+    evaluated) and the best so far, both strictly (a tie keeps the earlier policy). tasks/evaluate.py moves
+    BEST by it as each evaluation ends; _best makes BEST again by it from all of them."""
+    return (floor is None or score > floor) and (best is None or score > best)
+
+
 def _best(store: Store, cfg: Config) -> str | None:
-    """The policy BEST names, from the run's evaluations (tasks/evaluate.py's rule)."""
+    """The policy BEST names, from the run's evaluations (improves)."""
     run, name = cfg.run.name, cfg.eval.metric_key()
     found = {n: store.manifest(layout.evaluation(run, n)) for n in _numbered(store.list_folders(f"{run}/eval"), "v")}
     scores = {n: m["meta"]["metrics"].get(name) for n, m in found.items() if m is not None}
     floor = scores.get(0) if cfg.eval.baseline else None
     best = None
     for n in sorted(k for k, v in scores.items() if k > 0 and v is not None):
-        if (floor is None or scores[n] > floor) and (best is None or scores[n] > scores[best]):
+        if improves(scores[n], scores[best] if best is not None else None, floor):
             best = n
     return layout.policy(run, best) if best is not None else None
 

@@ -16,6 +16,7 @@ More: docs/internals.md (tasks/envs/runtime/isolation.py): the forkserver, and w
 from __future__ import annotations
 
 import asyncio
+import heapq
 import inspect
 import json
 import multiprocessing
@@ -451,12 +452,69 @@ class Caller:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+class UsersLoop(asyncio.SelectorEventLoop):
+    """The loop of users' coroutines, safe against their objects' finalizers. An object left behind by an ended
+    episode is collected on whichever thread the garbage collector runs, and some close themselves on the loop
+    running there: openai's AsyncClient.__del__ schedules its aclose() on the endpoint's server loop, which then
+    touches this loop's transports (call_soon, a reader removed) from that thread. Not thread-safe, that lost
+    this loop's wake-ups and timers (seen: an agent's asyncio.sleep never ended, every episode of the lockstep
+    round waited for it until env.timeout_seconds). Such calls from another thread are handed to this loop's
+    own thread here (call_soon_threadsafe, which also wakes it)."""
+
+    def _elsewhere(self) -> bool:
+        return self._thread_id is not None and self._thread_id != threading.get_ident()
+
+    def call_soon(self, callback, *args, context=None):
+        if self._elsewhere():
+            return self.call_soon_threadsafe(callback, *args, context=context)
+        return super().call_soon(callback, *args, context=context)
+
+    def call_at(self, when, callback, *args, context=None):
+        if not self._elsewhere():
+            return super().call_at(when, callback, *args, context=context)
+        timer = asyncio.TimerHandle(when, callback, args, self, context)
+        self.call_soon_threadsafe(self._schedule, timer)
+        return timer
+
+    def _schedule(self, timer: asyncio.TimerHandle) -> None:
+        if not timer.cancelled():
+            timer._scheduled = True
+            heapq.heappush(self._scheduled, timer)
+
+    def abort_connections(self) -> None:
+        """Abort the connections still open on this loop (on its thread, before it closes): an agent's client
+        never closed would otherwise be closed by its finalizer after the loop closed, which fails there (a
+        traceback printed for each: 'Event loop is closed') and leaves its socket open until collected."""
+        for transport in list(self._transports.values()):
+            if not transport.is_closing():
+                transport.abort()
+
+    def _here(self, change, *args):
+        """A change of the selector's registrations, made on this loop's thread."""
+        if not self._elsewhere():
+            return change(*args)
+        self.call_soon_threadsafe(change, *args)
+        return True
+
+    def _add_reader(self, fd, callback, *args):
+        return self._here(super()._add_reader, fd, callback, *args)
+
+    def _remove_reader(self, fd):
+        return self._here(super()._remove_reader, fd)
+
+    def _add_writer(self, fd, callback, *args):
+        return self._here(super()._add_writer, fd, callback, *args)
+
+    def _remove_writer(self, fd):
+        return self._here(super()._remove_writer, fd)
+
+
 def users_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop for users' coroutines, whose default executor's threads (asyncio.to_thread,
+    """A new event loop for users' coroutines (UsersLoop), whose default executor's threads (asyncio.to_thread,
     run_in_executor) are marked as running users' code too (process_wide.user_code)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    loop = asyncio.new_event_loop()
+    loop = UsersLoop()
     loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="users-executor",
                                                  initializer=mark_user_thread))
     return loop
