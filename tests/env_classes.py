@@ -76,6 +76,20 @@ class Flaky:
         return Step([{"role": "user", "content": "Say a"}], 1.0, self.turn == 3)
 
 
+class KeepsAConnection(Flaky):
+    """An async environment that opens a connection as it resets and never closes it (a client it keeps)."""
+
+    def __init__(self, port: int):
+        super().__init__(mode="ok")
+        self.port = port
+
+    async def reset(self, row):
+        import asyncio
+
+        self._connection = await asyncio.open_connection("127.0.0.1", self.port)
+        return super().reset(row)
+
+
 class HangsWhenMade(Flaky):
     """An environment whose __init__ never returns (its pid written first, for the test to look for)."""
 

@@ -178,6 +178,25 @@ def test_an_episode_that_hangs_does_not_spend_the_time_of_the_others(isolation, 
     assert [r.env_return for r in records] == [3.0, None, 3.0]
 
 
+def test_what_an_async_environment_leaves_open_is_closed_when_its_episodes_end(tokenizer, tmp_path):
+    """env.isolation: thread, an async environment keeping a connection it opened: the episodes' end aborts it on
+    the environments' loop (isolation.UsersLoop.abort_connections), as the agents' loop does. Was: the loop
+    stopped with the connection open, for as long as the process lived."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(60)
+    cfg = _cfg("tests.env_classes:KeepsAConnection", tmp_path, f"env.kwargs={{port: {listener.getsockname()[1]}}}",
+               "env.isolation=thread")
+    records = _run(cfg, Scripted(lambda ctx: "a"), tokenizer, n=1)
+    assert [(r.env_error, r.env_return) for r in records] == [(None, 3.0), (None, 3.0)]
+    for _ in records:
+        connection, _ = listener.accept()            # (made during the stage: waiting in the backlog)
+        connection.settimeout(60)
+        assert connection.recv(1) == b""             # its other end closed
+    listener.close()
+
+
 @pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_environments_that_hang_as_they_are_made_fail_their_episodes_not_the_stage(isolation, tokenizer, tmp_path):
     """More episodes than env.concurrency whose environment's __init__ never returns: each fails at its timeout

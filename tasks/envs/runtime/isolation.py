@@ -448,8 +448,13 @@ class Caller:
         return done
 
     def stop(self) -> None:
+        """The loop stopped, what the environments left open on it aborted first (UsersLoop.abort_connections)."""
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop.call_soon_threadsafe(self._end)
+
+    def _end(self) -> None:
+        self.loop.abort_connections()
+        self.loop.call_soon(self.loop.stop)           # (after the aborted connections' own callbacks)
 
 
 class UsersLoop(asyncio.SelectorEventLoop):
