@@ -58,9 +58,9 @@ def _update_best(store: Store, cfg: Config, iteration: int, metrics: dict) -> No
         return                                       # the base model is the bar, never BEST itself
     current, best = store.get_pointer(layout.best(run)), None
     if current is not None:
-        if layout.version_of(current) == iteration:
+        if (best_iter := layout.version_of(current)) == iteration:
             return
-        found = store.manifest(layout.evaluation(run, layout.version_of(current)))
+        found = store.manifest(layout.evaluation(run, best_iter))
         best = found["meta"]["metrics"][name] if found is not None else None
     if improves(metrics[name], best, baseline_metric(store, cfg)):
         store.set_pointer(layout.best(run), layout.policy(run, iteration))

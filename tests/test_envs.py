@@ -180,7 +180,7 @@ def test_an_episode_that_hangs_does_not_spend_the_time_of_the_others(isolation, 
 
 def test_what_an_async_environment_leaves_open_is_closed_when_its_episodes_end(tokenizer, tmp_path):
     """env.isolation: thread, an async environment keeping a connection it opened: the episodes' end aborts it on
-    the environments' loop (isolation.UsersLoop.abort_connections), as the agents' loop does. Was: the loop
+    the environments' loop (isolation.UsersLoop.end), as the agents' loop does. Was: the loop
     stopped with the connection open, for as long as the process lived."""
     import socket
 

@@ -162,14 +162,12 @@ class Threads:
                     t.cancel()                  # `finally` would be cut short)
             if tasks:
                 await asyncio.wait(tasks, timeout=UNWIND_SECONDS / 2)     # (one that will not: left as it is)
-            self.loop.abort_connections()       # (what the agents left open: isolation.UsersLoop)
-            await asyncio.sleep(0)
         try:
             asyncio.run_coroutine_threadsafe(unwind(), self.loop).result(UNWIND_SECONDS)
         except Exception:  # noqa: BLE001 - the loop held by an agent that blocks it: left to its daemon thread
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop.call_soon_threadsafe(self.loop.end)
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop.call_soon_threadsafe(self.loop.end)       # (what the agents left open aborted first: UsersLoop.end)
         self.thread.join(UNWIND_SECONDS)
         if not self.thread.is_alive():
             self.loop.close()

@@ -448,13 +448,9 @@ class Caller:
         return done
 
     def stop(self) -> None:
-        """The loop stopped, what the environments left open on it aborted first (UsersLoop.abort_connections)."""
+        """The loop stopped, what the environments left open on it aborted first (UsersLoop.end)."""
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._end)
-
-    def _end(self) -> None:
-        self.loop.abort_connections()
-        self.loop.call_soon(self.loop.stop)           # (after the aborted connections' own callbacks)
+            self.loop.call_soon_threadsafe(self.loop.end)
 
 
 class UsersLoop(asyncio.SelectorEventLoop):
@@ -486,13 +482,15 @@ class UsersLoop(asyncio.SelectorEventLoop):
             timer._scheduled = True
             heapq.heappush(self._scheduled, timer)
 
-    def abort_connections(self) -> None:
-        """Abort the connections still open on this loop (on its thread, before it closes): an agent's client
-        never closed would otherwise be closed by its finalizer after the loop closed, which fails there (a
-        traceback printed for each: 'Event loop is closed') and leaves its socket open until collected."""
+    def end(self) -> None:
+        """Stop, the connections still open on this loop aborted first (called on its thread: by
+        call_soon_threadsafe). A client an agent or environment never closed would otherwise stay open, and be
+        closed by its finalizer later, on a loop stopped or closed by then: a traceback printed for each ('Event
+        loop is closed') and its socket open until collected."""
         for transport in list(self._transports.values()):
             if not transport.is_closing():
                 transport.abort()
+        self.call_soon(self.stop)               # (after the aborted connections' own callbacks)
 
     def _here(self, change, *args):
         """A change of the selector's registrations, made on this loop's thread."""
