@@ -192,12 +192,14 @@ from pathlib import Path
 
 def reward(completions, **kw):
     """Kills its stage process the first {n} times it runs (a lost machine), then scores 0.5. Reward functions
-    run in the stage's reward worker (tasks/scoring/worker.py): the stage process is the worker's parent."""
+    run in the stage's reward worker (tasks/scoring/worker.py): the stage process is the parent of the worker's
+    keeper, the worker's parent."""
     marker = Path(os.environ["KILL_DIR"]) / "kills"
     done = int(marker.read_text()) if marker.exists() else 0
     if done < {n}:
         marker.write_text(str(done + 1))
-        os.kill(os.getppid(), signal.SIGKILL)
+        keeper = Path(f"/proc/{os.getppid()}/stat").read_text()
+        os.kill(int(keeper.rsplit(")", 1)[1].split()[1]), signal.SIGKILL)
     return [0.5] * len(completions)
 
 def wrong_length(completions, **kw):

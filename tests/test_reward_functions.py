@@ -205,6 +205,40 @@ BAD = textwrap.dedent('''
 
     def reads_here(completions, **kw):         # a relative path, from the run's folder
         return [float(os.path.exists("bad_rewards.py"))] * len(completions)
+
+    def leaves_a_daemon(completions, **kw):    # forked away twice, in a session of its own: the worker's no more
+        import subprocess
+        r, w = os.pipe()
+        if os.fork() == 0:
+            os.setsid()
+            os.write(w, str(subprocess.Popen(["sleep", "600"], start_new_session=True).pid).encode())
+            os._exit(0)
+        os.close(w)
+        pid = int(os.read(r, 32))
+        os.wait()
+        with open("daemon.pid", "w") as f:
+            f.write(str(pid))
+        return [1.0] * len(completions)
+
+    def kills_its_parent(completions, **kw):
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(60)
+        return [1.0] * len(completions)
+''')
+
+STAGE = textwrap.dedent('''
+    import json, os, sys
+    from tasks.core.config import load_config
+    from tasks.core.contracts import Rollout
+    from tasks.scoring.functions import load_functions, score_records
+    fns = [{"fn": f"bad_rewards:{name}"} for name in sys.argv[3:]]
+    functions = load_functions(load_config(sys.argv[1], [f"reward.functions={json.dumps(fns)}"]))
+    records = [Rollout(group=0, row=j, prompt="a=", prompt_ids=[1], completion="x", completion_ids=[1],
+                       logprobs=[0.0], truncated=False, columns={}) for j in range(2)]
+    scored = score_records(functions, records, "sum")
+    print(json.dumps({"scores": scored.scores, "errors": scored.errors}), flush=True)
+    if sys.argv[2] == "killed":
+        os.kill(os.getpid(), 9)
 ''')
 
 
@@ -267,6 +301,53 @@ def test_a_worker_that_dies_is_seen_at_once_and_what_it_forked_is_killed(bad_mod
             break
         time.sleep(0.1)
     assert not alive(child)
+
+
+def _stage(bad_module, how: str, *names: str):
+    """A stage process that scores a batch with `names` and then ends (`how`: "ends", or "killed": SIGKILLed, as
+    a preempted machine's processes are): its exit code and what it said."""
+    import subprocess
+    import sys
+
+    from tasks.core.paths import REPO_ROOT
+
+    (bad_module / "stage.py").write_text(STAGE)
+    done = subprocess.run([sys.executable, "stage.py", str(TINY), how, *names], cwd=bad_module, timeout=600,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    said = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return done.returncode, json.loads(said[0]) if said else done.stderr[-2000:]
+
+
+def _gone(pid: int) -> bool:
+    from tasks.core.processes import alive
+
+    for _ in range(600):                 # (killed: wait for it to land, however loaded the machine)
+        if not alive(pid):
+            return True
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    return False
+
+
+@pytest.mark.parametrize("how", ["ends", "killed"])
+def test_what_a_function_leaves_running_ends_with_the_stage(bad_module, how):
+    """A daemon a reward function starts (forked away twice into a session of its own, so that it is no longer
+    the worker's descendant) ends with the worker: when the stage ends as it should, and when it is SIGKILLed (a
+    preempted machine's processes), where nothing of the stage can run (before 2026-12-05: init's, for good)."""
+    code, said = _stage(bad_module, how, "leaves_a_daemon")
+    assert code == (0 if how == "ends" else -9), said
+    assert said["scores"]["leaves_a_daemon"] == [1.0, 1.0]
+    assert _gone(int((bad_module / "daemon.pid").read_text()))
+
+
+def test_a_function_that_kills_its_parent_fails_alone(bad_module):
+    """A reward function that SIGKILLs its parent process kills its worker's keeper, not the stage: that
+    function's failure, counted, and the others' scores kept (before 2026-12-05: the stage died, silently)."""
+    code, said = _stage(bad_module, "ends", "kills_its_parent", "leaves_a_daemon")
+    assert code == 0, said
+    assert said["errors"]["kills_its_parent"].startswith("reward function 'kills_its_parent' killed its reward "
+                                                       "worker (killed by SIGKILL")
+    assert said["scores"]["leaves_a_daemon"] == [1.0, 1.0]
 
 
 def test_an_exit_from_a_thread_a_function_left_running_does_not_end_the_worker(bad_module):

@@ -187,11 +187,13 @@ from pathlib import Path
 from tasks.rewards.demo import successor_reward
 
 def reward(completions, answer, **kw):
-    """Kills its reward stage process (a lost machine) the first time iteration {it} is scored."""
+    """Kills its reward stage process (a lost machine: the parent of the worker's keeper, its parent) the first
+    time iteration {it} is scored."""
     marker = Path(os.environ["KILL_DIR"]) / "killed"
     if os.environ.get("ITERATION") == "{it}" and not marker.exists():
         marker.write_text(os.environ["ITERATION"])
-        os.kill(os.getppid(), signal.SIGKILL)
+        keeper = Path(f"/proc/{os.getppid()}/stat").read_text()
+        os.kill(int(keeper.rsplit(")", 1)[1].split()[1]), signal.SIGKILL)
     return successor_reward(completions, answer)
 '''
 
