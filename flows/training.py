@@ -390,8 +390,8 @@ def _iterations(ctx: FlowRun, log) -> dict:
     if newest >= cfg.run.iterations and already_logged >= cfg.run.iterations:
         progress.note(f"{cfg.run.name} is already complete ({cfg.run.iterations} iterations in "
                       f"{store.uri(cfg.run.name)}); checking its last iteration and ending it")
-    elif min(newest, already_logged):
-        progress.note(f"resuming {cfg.run.name}: iterations 1-{min(newest, already_logged)} of "
+    elif newest:                   # (what the store holds: MLflow may not have the last one, killed before it)
+        progress.note(f"resuming {cfg.run.name}: iterations 1-{min(newest, cfg.run.iterations)} of "
                       f"{cfg.run.iterations} found in {store.uri(cfg.run.name)}")
     ahead = Ahead(stage, ctx, first=done + 1, now=NOW, stored=_stored_through(cfg, store, done))
     try:
