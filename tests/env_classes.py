@@ -59,8 +59,8 @@ class Flaky:
             for _ in range(8):
                 os.write(1, b"x" * (1 << 20))
             subprocess.run(["sh", "-c", "head -c 1000000 /dev/zero | tr '\\0' e >&2"], check=True)
-        if self.mode == "daemonizes" and self.turn == 2:  # forks twice into a session of its own; the middle ends
-            import os
+        if self.mode in ("daemonizes", "daemonizes_and_dies") and self.turn == 2:
+            import os                                     # (forks twice into a session of its own; the middle ends)
             middle = os.fork()
             if middle == 0:
                 os.setsid()
@@ -70,6 +70,9 @@ class Flaky:
                     time.sleep(600)
                 os._exit(0)
             os.waitpid(middle, 0)
+            if self.mode == "daemonizes_and_dies":        # (no cleanup of its own runs: a crash, the OOM killer)
+                import signal
+                os.kill(os.getpid(), signal.SIGKILL)
         if self.mode == "sys_exit" and self.turn == 2:
             import sys
             sys.exit(0)

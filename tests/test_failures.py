@@ -442,18 +442,27 @@ def test_a_full_disk_under_the_data_files_temporary_cache_is_a_full_disk_not_the
         load_table(str(tmp_path / "rows.jsonl"), None, "train")
 
 
-def test_a_daemon_an_environment_leaves_behind_ends_with_its_episode(tmp_path):
+@pytest.mark.parametrize("mode", ["daemonizes", "daemonizes_and_dies"])
+def test_a_daemon_an_environment_leaves_behind_ends_with_its_episode(tmp_path, mode):
     """env.isolation: process: a step that forks twice into a session of its own (a daemon, out of the episode's
     group): the episode's process adopts it and it ends with the episode (was: it ran on after the run), and the
-    episode completes (its output's pipe, which the daemon held, does not hold the stage up)."""
+    episode completes (its output's pipe, which the daemon held, does not hold the stage up). Also where the
+    episode's process is then SIGKILLed, so that nothing of its own ends the daemon: its keeper does (before
+    2026-12-05 the daemon was init's, for good); the episodes fail, as a crash's do."""
+    from tasks.core.errors import UserError
     from tasks.generate import generate
 
     pids = tmp_path / "daemons"
-    cfg = _cfg(tmp_path, "env.factory=tests.env_classes:Flaky", f'env.kwargs={{mode: daemonizes, pids: "{pids}"}}',
+    cfg = _cfg(tmp_path, "env.factory=tests.env_classes:Flaky", f'env.kwargs={{mode: {mode}, pids: "{pids}"}}',
                "env.isolation=process", "env.timeout_seconds=60")
-    generate(cfg, 1, layout.BASE)
-    records = [r for r in rollout.load(open_store(cfg), layout.rollouts(cfg.run.name, 1)) if not r.part]
-    assert len(records) == 4 and not [r.env_error for r in records if r.env_error]
+    if mode == "daemonizes_and_dies":
+        with pytest.raises(UserError, match=r"every episode of iteration 1 failed \(4 of 4\).*the environment's "
+                                            r"process died \(killed by SIGKILL\)"):
+            generate(cfg, 1, layout.BASE)
+    else:
+        generate(cfg, 1, layout.BASE)
+        records = [r for r in rollout.load(open_store(cfg), layout.rollouts(cfg.run.name, 1)) if not r.part]
+        assert len(records) == 4 and not [r.env_error for r in records if r.env_error]
     daemons = pids.read_text().split()
     deadline = time.monotonic() + 120          # (a SIGKILL is delivered after killpg returns: gone soon after)
     while [p for p in daemons if alive(int(p))] and time.monotonic() < deadline:

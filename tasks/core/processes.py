@@ -1,8 +1,9 @@
 """Child processes: `spawn`, the one way rlflow starts one (the safe path for a child that runs rlflow's code),
-streaming one's output while spotting a user-error line, killing a process group, "is this pid alive", and
-starting a process that outlives its caller. Shared by the launchers, the DeepSpeed launcher, the reward worker,
-the sandbox, the vLLM server, the resident trainer, the servers and the lease. Standard library only (and
-tasks.core's errors, paths and process_wide, light as well: tests/test_layout.py).
+streaming one's output while spotting a user-error line, killing a process group, "is this pid alive",
+starting a process that outlives its caller, and a keeper that ends what a process leaves running (fork_keeper).
+Shared by the launchers, the DeepSpeed launcher, the reward worker, the episodes' processes, the sandbox, the vLLM
+server, the resident trainer, the servers and the lease. Standard library only (and tasks.core's errors, paths and
+process_wide, light as well: tests/test_layout.py).
 """
 
 from __future__ import annotations
@@ -398,6 +399,102 @@ def kill_until_gone(find: Callable[[], list[int]], deadline: float, pause: float
                 pass
         time.sleep(pause)
     return True
+
+
+def fork_keeper(parent_death: int = signal.SIGTERM, ignore: tuple[int, ...] = ()) -> bool:
+    """Fork (Linux): the child returns True and goes on as the process; the parent stays behind as its keeper, a
+    child subreaper that does nothing else and never returns. The orphans of what the child starts (a daemon
+    forked away into a session of its own, no longer anyone's descendant to a kill of groups) become the keeper's
+    children: reaped as they end (no zombie counts against a process limit), and killed when the child ends,
+    however it ends (a crash, a SIGKILL: no cleanup of its own ran), or when the keeper's parent dies (its
+    parent-death signal, `parent_death`, which it handles; the child dies with the keeper). Signals in `ignore`
+    (and SIGINT) are left to the child: SIGTERM where the caller's group is asked to end gracefully. The keeper
+    ends as the child did (its signal, its exit code), for whoever waits for it, and holds none of the child's
+    descriptors (their ends of file are the child's alone). Without prctl (not Linux): False, no keeper.
+    Used by the reward worker (tasks/scoring/worker.py) and each episode's and agent's process
+    (tasks/envs/runtime/isolation.py: own_group)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(36, 1, 0, 0, 0) != 0:             # PR_SET_CHILD_SUBREAPER
+            return False
+    except (OSError, AttributeError):
+        return False
+    parent, keeper = os.getppid(), os.getpid()
+    child = os.fork()
+    if child == 0:                                      # (a subreaper's child is not one)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)          # PR_SET_PDEATHSIG: it ends with its keeper
+        if os.getppid() != keeper:
+            os._exit(1)
+        return True
+    status = None
+    try:
+        for sig in (*ignore, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        status = _keep(libc, child, parent, parent_death)
+    finally:                                            # (whatever happened: never back into the caller's code)
+        _end_as(status, parent_death)
+
+
+class _ParentDied(Exception):
+    pass
+
+
+def _keep(libc, child: int, parent: int, parent_death: int) -> int | None:
+    """The keeper's life (fork_keeper): reap until `child` ends (its wait status) or the parent dies (None), then
+    kill every descendant left."""
+    import resource
+
+    def died(*_) -> None:
+        raise _ParentDied
+
+    status = None
+    signal.signal(parent_death, died)
+    try:
+        libc.prctl(1, parent_death, 0, 0, 0)            # PR_SET_PDEATHSIG
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, 1 << 16)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if os.getppid() != parent:                      # (it died before the signal was asked for)
+            raise _ParentDied
+        while status is None:
+            pid, code = os.waitpid(-1, 0)
+            if pid == child:
+                status = code
+    except (_ParentDied, ChildProcessError):
+        pass
+    signal.signal(parent_death, signal.SIG_IGN)
+
+    def left() -> list[int]:
+        while True:                                     # (reaped first: a zombie is never gone otherwise)
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        return [p for p in descendants(os.getpid()) if alive(p)]
+
+    kill_until_gone(left, time.monotonic() + 30.0)
+    return status
+
+
+def _end_as(status: int | None, parent_death: int) -> None:
+    """The keeper's exit, as its child's (`status`, a wait status; None: the parent died)."""
+    try:
+        if status is not None and not os.WIFSIGNALED(status):
+            os._exit(os.waitstatus_to_exitcode(status))
+        sig = parent_death if status is None else os.WTERMSIG(status)
+        try:
+            signal.signal(sig, signal.SIG_DFL)          # (SIGKILL's cannot be set, nor needs to be)
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    finally:
+        os._exit(1)
 
 
 def free_port() -> int:

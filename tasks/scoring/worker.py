@@ -186,7 +186,7 @@ class Forks:
     and reads its exit code), nor one a function waits for itself (it is gone when asked: forgotten). A child a
     function forks in one call and waits for in a later one is reaped here first (its own waitpid then finds no
     child). Programs started through subprocess are never touched (not made by os.fork: Popen waits for them).
-    Orphans a function's children leave behind are the keeper's (keep_what_it_leaves), which reaps them at once."""
+    Orphans a function's children leave behind are the keeper's (processes.fork_keeper), which reaps them at once."""
 
     def __init__(self):
         self.pids: set[int] = set()
@@ -215,89 +215,9 @@ class Forks:
                 self.pids.discard(pid)
 
 
-def keep_what_it_leaves() -> None:
-    """First thing in the worker (Linux): it forks, and the parent stays behind as the worker's keeper, a child
-    subreaper that does nothing else. The orphans of what the functions start (a daemon forked away into a
-    session of its own, no longer a descendant of the worker, so that no kill of its groups found it) become the
-    keeper's children: reaped as they end, killed when the worker ends however it ends, and when the stage
-    process dies (the keeper's parent-death signal, SIGTERM, which it handles: a preempted stage left such
-    daemons running for good before 2026-12-05). A function that kills its parent (os.getppid()) kills the
-    keeper, and the worker with it: that function's failure, where it was the stage's death. The keeper ends as
-    the worker did (its signal, its exit code), for the stage's message. (The code sandbox's orphans go to its
-    harness, their own subreaper; the keeper reaps at once what reaches it, so nothing waits there as a zombie
-    counted against a process limit.)"""
-    import ctypes
-    import resource
-    import signal
-    import time
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(36, 1, 0, 0, 0) != 0:             # PR_SET_CHILD_SUBREAPER
-            return
-    except (OSError, AttributeError):                   # (not Linux: no keeper, as before)
-        return
-    from tasks.core.processes import alive, descendants, kill_until_gone
-
-    stage, keeper = os.getppid(), os.getpid()
-    worker = os.fork()
-    if worker == 0:                                     # (the worker: a subreaper's child is not one)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)          # PR_SET_PDEATHSIG: ends with its keeper
-        if os.getppid() != keeper:
-            os._exit(1)
-        return
-
-    class Ended(Exception):
-        pass
-
-    def ended(*_) -> None:
-        raise Ended
-
-    signal.signal(signal.SIGTERM, ended)
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)              # PR_SET_PDEATHSIG: SIGTERM when the stage's thread ends
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):                                # (the protocol's pipes are the worker's alone: its end
-        os.dup2(null, fd)                               #  of file is the stage's sign that it died)
-    status = None
-    try:
-        if os.getppid() != stage:                       # (the stage died before the signal was asked for)
-            raise Ended
-        while status is None:
-            pid, code = os.waitpid(-1, 0)
-            if pid == worker:
-                status = code
-    except (Ended, ChildProcessError):
-        pass
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-    def left() -> list[int]:
-        while True:                                     # (reaped first: a zombie is never gone otherwise)
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
-            except ChildProcessError:
-                break
-        return [p for p in descendants(os.getpid()) if alive(p)]
-
-    kill_until_gone(left, time.monotonic() + 30.0)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if status is None:
-        sig = signal.SIGTERM
-    elif os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-    else:
-        os._exit(os.waitstatus_to_exitcode(status))
-    try:
-        signal.signal(sig, signal.SIG_DFL)              # (SIGKILL's cannot be set, nor needs to be)
-    except (OSError, ValueError):
-        pass
-    os.kill(os.getpid(), sig)
-    os._exit(128 + sig)
-
-
 def die_with_parent() -> None:
     """Linux: SIGKILL this worker when the stage process that started it dies (a preempted machine, a kill):
-    a hung reward function must not outlive its stage. Under its keeper (keep_what_it_leaves) it ends with the
+    a hung reward function must not outlive its stage. Under its keeper (processes.fork_keeper) it ends with the
     keeper. (Not itself the subreaper of what the functions start: the code sandbox's orphans would then be its
     zombies until reaped, counted against the sandbox's process limits; commit 09da1a2. The keeper is that
     subreaper, and reaps at once.)"""
@@ -325,8 +245,9 @@ def _at_home(cwd: str):
 
 def main() -> None:
     from tasks.core.process_wide import exit_now, user_process
+    from tasks.core.processes import fork_keeper
 
-    keep_what_it_leaves()
+    fork_keeper()                  # (what the functions leave running ends with this worker, or its stage)
     me = os.getpid()
 
     def unless_forked() -> None:

@@ -37,7 +37,14 @@ from tasks.core.process_wide import (
     user_code,
     user_output_limit,
 )
-from tasks.core.processes import BoundedCopy, children_import_rlflow, descendant_groups, how_it_ended, sigkill_groups
+from tasks.core.processes import (
+    BoundedCopy,
+    children_import_rlflow,
+    descendant_groups,
+    fork_keeper,
+    how_it_ended,
+    sigkill_groups,
+)
 from tasks.envs.runtime.protocol import as_step, environment, factory_of, state_of
 from tasks.envs.runtime.tools import tool_schemas
 
@@ -144,18 +151,23 @@ def own_group() -> None:
     its group (os.killpg(0, SIGTERM)) reaches itself and what it started, not the run, and its end (end_group)
     takes what it started with it. It still ends with its parent (the forkserver, which ends with the stage): a
     run killed as a group takes its episodes with it as before. It adopts orphans (a child subreaper): a daemon
-    its code forked away into a session of its own is its child, ended with it (end_descendants)."""
+    its code forked away into a session of its own is its child, ended with it (end_descendants). Behind it
+    stays its keeper (processes.fork_keeper, in its group: the process the forkserver made), which ends what it
+    left running where it ended without end_descendants (a crash, a SIGKILL: before 2026-12-05 init's, for
+    good), and where the forkserver dies."""
     parent = os.getppid()
     os.setsid()
+    kept = fork_keeper(signal.SIGHUP, ignore=(signal.SIGTERM,))     # (SIGTERM: end_group's, for the episode)
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG (Linux)
+        if not kept:
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux; with a keeper: set, to it)
         libc.prctl(36, 1)                  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         pass
-    if os.getppid() != parent or parent == 1:    # (its parent ended before the line above: adopted)
+    if not kept and (os.getppid() != parent or parent == 1):    # (its parent ended before the line above)
         os._exit(1)
 
 
