@@ -424,11 +424,10 @@ def _exit_after_done(code: int) -> None:
 
 
 def cmd_tune(args) -> int:
+    from flows.tune import check_arguments
     from tasks.core.config import load_config
 
-    for flag, value in (("--trials", args.trials), ("--parallel", args.parallel), ("--window", args.window)):
-        if value < 1:
-            raise UserError(f"{flag}: expected a whole number of at least 1, got {value}")
+    check_arguments(args)
     check_path("--space", args.space, "file")
     if args.out:
         check_path("--out", args.out, "folder")

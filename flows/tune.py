@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -136,6 +137,29 @@ def iteration_metric(store, run: str, iteration: int, metric: str) -> float | No
         if value is not None:
             return float(value)
     return None
+
+
+def check_arguments(args) -> None:
+    """The counts, --seed, --study and --storage as Optuna and the study's folder take them: one line, exit 2,
+    before any trial (the last three were: a traceback from Optuna after the trials' folder was made, and a study
+    written outside rlflow-tune/ for --study ../name)."""
+    for flag, value in (("--trials", args.trials), ("--parallel", args.parallel), ("--window", args.window)):
+        if value < 1:
+            raise UserError(f"{flag}: expected a whole number of at least 1, got {value}")
+    if not 0 <= args.seed < 2**32:
+        raise UserError(f"--seed: expected a whole number from 0 to 2^32-1 (Optuna's samplers), got {args.seed}")
+    if args.study is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", args.study):
+        raise UserError(f"--study: {args.study!r}: expected a name of letters, digits, '.', '_' and '-' (at most "
+                        f"100, starting with a letter or digit): it names the folder rlflow-tune/<study>")
+    if args.storage is not None:
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            make_url(args.storage)
+        except ArgumentError:
+            raise UserError(f"--storage: {args.storage!r}: expected a database URL Optuna opens (SQLAlchemy's: "
+                            f"sqlite:///path/study.db, postgresql://user@host/db)") from None
 
 
 def check_metric(metric: str, cfg: Config) -> None:

@@ -60,7 +60,8 @@ class Flaky:
                 os.write(1, b"x" * (1 << 20))
             subprocess.run(["sh", "-c", "head -c 1000000 /dev/zero | tr '\\0' e >&2"], check=True)
         if self.mode in ("daemonizes", "daemonizes_and_dies") and self.turn == 2:
-            import os                                     # (forks twice into a session of its own; the middle ends)
+            # (forks twice into a session of its own; the middle ends)
+            import os
             middle = os.fork()
             if middle == 0:
                 os.setsid()

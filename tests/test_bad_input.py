@@ -68,6 +68,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "shifted.csv").write_text("prompt,answer\na=,bbb,extra,more\nc=,ddd,x,y\n")   # (pandas: 2 columns of index)
     (tmp / "strings.json").write_text('["a=", "b="]')                                  # (datasets: a column `text`)
     (tmp / "huge.jsonl").write_text('{"prompt": "a=", "answer": "b"}\n{"prompt": "b=", "answer": 1e999}\n')
+    (tmp / "nan.jsonl").write_text('{"prompt": "a=", "answer": "b"}\n{"prompt": "b=", "answer": NaN}\n')
+    (tmp / "infinity.json").write_text('[{"prompt": "a=", "answer": "b"}, {"prompt": "b=", "answer": -Infinity}]')
     (tmp / "dup.yaml").write_text("run:\n  name: a\n  iterations: 2\n  name: b\n")
     (tmp / "latin1.yaml").write_bytes("run:\n  name: caf\u00e9\n".encode("latin-1"))
     (tmp / "a_file").write_text("not a folder\n")
@@ -83,7 +85,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
               "empty_range": "train.lr: {type: uniform, low: 0.01, high: 0.01}\n",
               "wrong_type": "train.lr: {type: categorical, choices: [fast, 0.01]}\n",
               "unknown_dist": "train.lr: {type: normal, low: 0, high: 1}\n",
-              "not_a_mapping": "- train.lr\n"}
+              "not_a_mapping": "- train.lr\n",
+              "ok": "train.lr: {type: log_uniform, low: 1.0e-5, high: 1.0e-2}\n"}
     for name, text in spaces.items():
         (tmp / f"space_{name}.yaml").write_text(text)
     no_chat = _model_without_chat_template(tmp)
@@ -311,6 +314,17 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                     "strings.json: row 1 of its array: expected a JSON object (one row), got str"),
         "a number past a float's range": (["run", str(TINY), "-o", f"data.path={tmp}/huge.jsonl"],
                                           "huge.jsonl: line 2: the number 1e999 is past a float's range"),
+        "NaN in a data row": (["run", str(TINY), "-o", f"data.path={tmp}/nan.jsonl"],
+                              "nan.jsonl: line 2: NaN is not JSON (a missing value is null"),
+        "Infinity in a data array": (["run", str(TINY), "-o", f"eval.path={tmp}/infinity.json", "-o", "eval.every=1"],
+                                     "infinity.json: -Infinity is not JSON"),
+        "a seed past 2^32": (["run", str(TINY), "-o", "run.seed=99999999999999999999999"], "run.seed"),
+        "AdamW betas past 1": (["run", str(TINY), "-o", "train.adam_betas=[1.5, 2.0]"],
+                               "train.adam_betas: expected two numbers in [0, 1), got [1.5, 2.0]"),
+        "a temperature that overflows": (["run", str(TINY), "-o", "generate.temperature=1e-300"],
+                                         "generate.temperature"),
+        "a lease of forever": (["run", str(TINY), "-o", "run.lease_seconds=1e300"], "run.lease_seconds"),
+        "config not a regular file": (["run", "/dev/null"], "config: /dev/null is not a regular file"),
         "hub dataset, hub unreachable": (["run", str(TINY), "-o", "data.path=nosuch-org/nosuch-dataset"],
                                          "data.path: cannot load 'nosuch-org/nosuch-dataset'"),
         "missing eval file": (["run", str(TINY), "-o", "eval.every=5", "-o", f"eval.path={tmp}/held-out.jsonl"],
@@ -360,6 +374,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "s3 model outside the store": (["run", str(TINY), "-o", "model.name_or_path=s3://elsewhere/model"],
                                        "model.name_or_path: s3://elsewhere/model: an s3:// model must lie under"),
         # rlflow tune: the space is checked before any trial starts
+        "tune, storage not a URL": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ok.yaml"),
+                                     "--storage", "notaurl"], "--storage: 'notaurl': expected a database URL"),
+        "tune, negative seed": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ok.yaml"),
+                                 "--seed", "-3"], "--seed: expected a whole number from 0 to 2^32-1"),
+        "tune, study outside its folder": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ok.yaml"),
+                                            "--study", "../evil"], "--study: '../evil': expected a name of letters"),
         "tune, unknown key": (["tune", str(TINY), "--trials", "2", "--space", str(tmp / "space_unknown_key.yaml")],
                               "--space: train.learning_rate: 1e-05: unknown key 'train.learning_rate'"),
         "tune, empty range": (["tune", str(TINY), "--trials", "2", "--space", str(tmp / "space_empty_range.yaml")],

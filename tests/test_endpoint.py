@@ -290,6 +290,23 @@ def test_responses_stream_as_the_api_streams(endpoint):
 
 # ------------------------------------------------------------------------------------------ bounds, reward
 
+def test_a_temperature_that_would_overflow_is_refused_and_zero_is_greedy(chatml):
+    """With env.endpoint.temperature from 0, a request's temperature between 0 and 0.001 is refused (400): the
+    sampler divides the logits by it, and 1e-300 made them inf and the draw NaN (the stage's crash); 0 is
+    greedy and served."""
+    cfg = load_config(ROOT / "configs" / "agent.yaml", [f"generate.max_completion_length={MAX_NEW}",
+                                                      "env.endpoint.temperature=[0, 1.0]"])
+    params = SamplingParams(n=1, max_new_tokens=MAX_NEW, temperature=1.0, top_p=1.0, seed=1)
+    with Endpoint(cfg, Scripted(chatml, adder), "base", params) as ep:
+        c = client(ep, ep.open(0, seed=1))
+        hi = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.BadRequestError, match=r"temperature: 1e-300 is below 0.001") as e:
+            c.chat.completions.create(model="policy", messages=hi, temperature=1e-300)
+        assert e.value.status_code == 400
+        assert c.chat.completions.create(model="policy", messages=hi, temperature=0).choices[0].message.content \
+            == "hello there"
+
+
 def test_requests_out_of_bounds_are_refused_naming_the_field(endpoint):
     key = endpoint.open(0, seed=1)
     c = client(endpoint, key)

@@ -450,8 +450,10 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         p = Path(path)
         if p.is_dir():
             raise UserError(f"config: {path} is a folder; expected a YAML config file (such as configs/tiny.yaml)")
-        if not p.is_file():
+        if not p.exists():
             raise UserError(f"config: file not found: {path}")
+        if not p.is_file():
+            raise UserError(f"config: {path} is not a regular file (a device, a pipe); expected a YAML config file")
         try:
             loaded = _load_yaml(p.read_text(encoding="utf-8"), f"config: {path}") or {}
         except UnicodeDecodeError as e:

@@ -77,6 +77,7 @@ class StreamingConfig(Section):
                                  "generate.num_generations); a memory knob.")
 
 
+MIN_TEMPERATURE = 1e-3      # a sampling temperature below this (but 0) overflowed: logits divided by it are inf, NaN
 OLD_GENERATE_MODES = {"offline": "process", "server": "resident"}    # generate.mode's values before issue 41
 
 
@@ -125,7 +126,8 @@ class GenerateConfig(Section):
     num_generations: int = Field(8, ge=2, description="Completions per prompt (the GRPO group size).")
     max_prompt_length: int = Field(512, ge=1, description="Prompts longer than this (tokens) are left-truncated.")
     max_completion_length: int = Field(256, ge=1, description="Maximum new tokens per completion.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer divides logits by it too).")
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, description="Sampling temperature (the trainer divides "
+                               "logits by it too; at least 0.001: logits divided by less overflowed to NaN).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass. Below 1 the behaviour logprobs are "
                          "of the kept tokens renormalized, and the trainer renormalizes its own over the same rule's "
                          "support (with the sampled token): tasks/algorithms/logprobs.py.")

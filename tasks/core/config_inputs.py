@@ -21,15 +21,17 @@ class RunConfig(Section):
     name: str = Field("rlflow-demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
                       description="Run name: the store prefix and MLflow run name. Same name = resume.")
     iterations: int = Field(10, ge=1, le=1_000_000, description="Iterations of generate → reward → train → publish.")
-    seed: int = Field(0, ge=0, description="Seeds prompt order, sampling and initialisation.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seeds prompt order, sampling and initialisation (below "
+                      "2^32, numpy's range: 2^64 and past overflowed in generation).")
     max_staleness: int = Field(
         0, ge=0, le=64, description="Bounded staleness S: iteration N samples from the policy of iteration N-1-S "
         "(the base model before that), so generate and reward of the next S iterations run while N trains. "
         "0 = one stage after another, on-policy. The schedule depends on N and S only: reruns and resumes give "
         "the same numbers. The loss corrects for the stale samples with the behaviour logprobs "
         "(train.importance_sampling_correction / train.off_policy_loss).")
-    lease_seconds: float = Field(120.0, ge=5, description="One writer per run name: a flow holds a lease in the "
-                                 "store, renewed every third of this; a crashed writer's lease expires after it.")
+    lease_seconds: float = Field(120.0, ge=5, le=7 * 86400, description="One writer per run name: a flow holds a "
+                                 "lease in the store, renewed every third of this; a crashed writer's lease expires "
+                                 "after it (a week at most).")
 
 
 class ModelConfig(Section):

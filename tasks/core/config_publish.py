@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section
+from tasks.core.config_generate import MIN_TEMPERATURE
 
 
 class PublishConfig(Section):
@@ -64,7 +65,8 @@ class EvalConfig(Section):
         "whose score 1 means the answer came in the asked form: eval/greedy_format_share and "
         "eval/greedy_pass_at_1_formatted (accuracy among those) beside the accuracy, so that a gain in form "
         "cannot pass for learning (weight 0 logs a function without paying for it).")
-    temperature: float | None = Field(None, gt=0, description="Sampling temperature; None = generate.temperature.")
+    temperature: float | None = Field(None, ge=MIN_TEMPERATURE, description="Sampling temperature (at least "
+                                      "0.001); None = generate.temperature.")
     greedy: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
                          description="Also one greedy completion per prompt (the most likely token each step): "
                          "eval/greedy_pass_at_1, the accuracy a deployed policy shows.")

@@ -228,7 +228,7 @@ class TrainConfig(Section):
                                 "starts one gives it 600 s unless this is set (tasks/train.py: HAND_RUN_IDLE).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     beta: float = Field(0.0, ge=0, description="KL coefficient against the starting policy (k3 estimator); 0 = none.")
     importance_sampling_correction: bool = Field(
@@ -320,6 +320,13 @@ class TrainConfig(Section):
                  f"{algorithm}: ignored")
             del learner[key]
         return {**data, "learner": learner}
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError("expected two numbers in [0, 1)")
+        return betas
 
     @field_validator("algorithm")
     @classmethod

@@ -179,11 +179,16 @@ def _fit_float(text: str) -> float:
     return value
 
 
+def _no_constant(text: str):
+    raise _Unfit(f"{text} is not JSON (a missing value is null; or write it as a string)")
+
+
 def _row_fault(path: Path, text: str | None = None) -> str | None:
     """What keeps a local .jsonl/.json/.csv file from being read as the rows it holds, with where, or None: a
     line that is not JSON, a row that is not a JSON object (a JSON array of strings would be read as a column
-    `text`), a number no column holds, a CSV line with more or fewer fields than its header (pandas would make
-    the extra ones the index: each row shifted). Text that is not UTF-8 is _where_unreadable's to say."""
+    `text`), a number no column holds, NaN or Infinity (not JSON; Python's json and datasets took them), a CSV
+    line with more or fewer fields than its header (pandas would make the extra ones the index: each row
+    shifted). Text that is not UTF-8 is _where_unreadable's to say."""
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".json", ".csv"):
         return None
@@ -207,7 +212,7 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
         except csv.Error:
             return None                                    # (said as datasets says it)
         return None
-    hooks = {"parse_int": _fit_int, "parse_float": _fit_float}
+    hooks = {"parse_int": _fit_int, "parse_float": _fit_float, "parse_constant": _no_constant}
     text = text.lstrip("\ufeff")
     lines = [line.rstrip("\r") for line in text.split("\n")]    # (not splitlines: U+2028 is text in a string)
     if text.lstrip().startswith(("[", "{")):             # one document (an array of rows, an object), or JSON Lines
@@ -215,7 +220,7 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
             items = json.loads(text, **hooks)
         except _Unfit as e:
             if text.lstrip().startswith("["):
-                return f"{e} (write it as a string)"
+                return f"{e}" if "write it" in str(e) else f"{e} (write it as a string)"
             items = None                                   # (said with its line below)
         except ValueError:
             items = None                                   # (not one document: JSON Lines)
@@ -230,7 +235,7 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
             try:
                 obj = json.loads(line, **hooks)
             except _Unfit as e:
-                return f"line {n}: {e} (write it as a string)"
+                return f"line {n}: {e}" if "write it" in str(e) else f"line {n}: {e} (write it as a string)"
             except ValueError as e:
                 return f"line {n}: not JSON ({e})"
             if not isinstance(obj, dict):

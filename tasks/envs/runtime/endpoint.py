@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tasks.core.config_generate import MIN_TEMPERATURE
 from tasks.core.contracts import SamplingParams, SamplingSession
 from tasks.envs.runtime.calls import (
     Call,
@@ -242,6 +243,9 @@ class Endpoint:
             if not isinstance(t, int | float) or not lo <= t <= hi:
                 raise Refused(400, "invalid_request_error", f"temperature: {t!r} is out of bounds ({lo} .. {hi}, "
                               "env.endpoint.temperature)")
+            if 0 < t < MIN_TEMPERATURE:
+                raise Refused(400, "invalid_request_error", f"temperature: {t!r} is below {MIN_TEMPERATURE:g} (the "
+                              f"logits divided by it overflow); 0 samples greedily")
             temperature = float(t)
         top_p = p.top_p
         if body.get("top_p") is not None and p.temperature > 0:
