@@ -104,6 +104,15 @@ def demonstrations(cfg: Config, tokenizer, context: int | None = None) -> list[D
     return out
 
 
+def _a_tool_schema(t) -> bool:
+    """An OpenAI tool schema as chat templates read it: {"type": "function", "function": {"name": ...}}, or the
+    function's part alone ({"name": ...}, which transformers accepts too)."""
+    if not isinstance(t, dict):
+        return False
+    fn = t.get("function", t) if t.get("type", "function") == "function" else None
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str) and bool(fn["name"].strip())
+
+
 def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: bool,
               turn_limit: int | None = None) -> tuple[list[int], list[int]]:
     """A row's ids and mask. Strings as TRL's SFTTrainer tokenises them (EOS added; the completion from where
@@ -133,6 +142,8 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
         prompt, rest = messages[:first], messages[first:]
     if not prompt:
         raise ValueError("the conversation starts with an assistant message; the model needs a prompt first")
+    if not any(m["role"] == "assistant" for m in rest):
+        raise ValueError("the completion has no assistant message (nothing to learn)")
     if not any(m.get("content") or m.get("tool_calls") for m in rest if m["role"] == "assistant"):
         raise ValueError("every assistant message is empty (nothing to learn but the end of a turn)")
     if any(m["role"] == "system" for m in prompt[1:] + rest):
@@ -143,9 +154,10 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
             tools = json.loads(tools)
         except ValueError:
             tools = "not JSON"
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise ValueError(f"column 'tools': expected a list of tool schemas (JSON objects, or their JSON text), got "
-                         f"{json.dumps(row.get('tools'), default=str)[:80]}")
+    if tools is not None and not (isinstance(tools, list) and all(_a_tool_schema(t) for t in tools)):
+        raise ValueError(f"column 'tools': expected a list of tool schemas (JSON objects naming a function: "
+                         f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}} or {{\"name\": ...}}, or "
+                         f"their JSON text), got {json.dumps(row.get('tools'), default=str)[:80]}")
     whole = render.template(prompt + rest, tools, False)       # (the template's checks; parts as their text)
     if any(m.get("tool_calls") for m in rest) and whole == render.template(
             prompt + [{k: v for k, v in m.items() if k != "tool_calls"} for m in rest], tools, False):

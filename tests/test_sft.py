@@ -276,7 +276,11 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
                      b'"completion": "bbb"}\n', [], "demos.jsonl: line 2: the integer 123456789012345678901234... "
                                                     "does not fit in 64 bits"),
         "tools": ([{"messages": [user, bot], "tools": "not a list"}], [],
-                  "row 1: column 'tools': expected a list of tool schemas (JSON objects, or their JSON text)"),
+                  "row 1: column 'tools': expected a list of tool schemas (JSON objects naming a function"),
+        "tools_unnamed": ([{"messages": [user, bot], "tools": [{"foo": 1}]}], [],
+                          "row 1: column 'tools': expected a list of tool schemas (JSON objects naming a function"),
+        "completion_no_assistant": ([{"prompt": [user], "completion": [{"role": "user", "content": "again"}]}], [],
+                                    "row 1: the completion has no assistant message (nothing to learn)"),
         "format": ([{"messages": [user, bot]}], ["warmup.format=prompt_completion"],
                    "warmup.format: prompt_completion reads the columns `prompt` and `completion`, which "),
         "not_utf8": (b'{"messages": [{"role": "user", "content": "a\xff="}, {"role": "assistant", "content": "b"}]}\n',
