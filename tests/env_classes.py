@@ -62,15 +62,20 @@ class Flaky:
         if self.mode in ("daemonizes", "daemonizes_and_dies") and self.turn == 2:
             # (forks twice into a session of its own; the middle ends)
             import os
+            written, told = os.pipe()
             middle = os.fork()
             if middle == 0:
                 os.setsid()
                 if os.fork() == 0:
                     with open(self._pids, "a") as f:
                         f.write(f"{os.getpid()}\n")
+                    os.write(told, b"1")
                     time.sleep(600)
                 os._exit(0)
+            os.close(told)
             os.waitpid(middle, 0)
+            os.read(written, 1)                           # (its pid written before the episode goes on)
+            os.close(written)
             if self.mode == "daemonizes_and_dies":        # (no cleanup of its own runs: a crash, the OOM killer)
                 import signal
                 os.kill(os.getpid(), signal.SIGKILL)
