@@ -64,6 +64,17 @@ def _override(key: str, value: Any) -> str:
     return f"{key}={json.dumps(value)}"
 
 
+def _number(value: Any, kind: str) -> Any:
+    """A bound written `1e-3` (no dot: a string to YAML 1.1) as the number the config's own fields take it for;
+    anything else as it is (checked below)."""
+    if isinstance(value, str) and kind != "int":
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
 def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]:
     """The search space, every bound and choice checked against the config's own schema (one line on error)."""
     try:
@@ -93,7 +104,7 @@ def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]
             param = Param(key, kind, choices=tuple(choices))
             values = list(choices)
         else:
-            low, high = spec.get("low"), spec.get("high")
+            low, high = _number(spec.get("low"), kind), _number(spec.get("high"), kind)
             number = int if kind == "int" else (int, float)
             if any(isinstance(v, bool) or not isinstance(v, number) or not math.isfinite(v) for v in (low, high)):
                 raise UserError(f"{where}: {kind} needs {'integer' if kind == 'int' else 'numeric'} low and high, "

@@ -187,3 +187,18 @@ def test_a_trial_is_done_in_the_study_only_after_its_mlflow_run_has_its_value(tm
     [cut] = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
     again = study.ask()
     assert again.user_attrs["resumes"] == cut.number and {k: p.suggest(again) for k, p in space.items()} == cut.params
+
+
+def test_a_bound_written_without_a_dot_is_the_number_the_config_takes(tmp_path):
+    """`low: 1e-5` is a string to YAML 1.1 (no dot), and a number to the config's own fields (train.lr: 1e-5):
+    the space takes it as that number too (was: 'needs numeric low and high'); text that is no number is still
+    refused in one line."""
+    from flows.tune import load_space
+    from tasks.core.errors import UserError
+
+    (tmp_path / "space.yaml").write_text("train.lr: {type: log_uniform, low: 1e-5, high: 1e-2}\n")
+    lr = load_space(str(tmp_path / "space.yaml"), str(TINY), [])["train.lr"]
+    assert (lr.low, lr.high) == (1e-5, 1e-2)
+    (tmp_path / "space.yaml").write_text("train.lr: {type: uniform, low: small, high: 1e-2}\n")
+    with pytest.raises(UserError, match="needs numeric low and high, got low='small'"):
+        load_space(str(tmp_path / "space.yaml"), str(TINY), [])
