@@ -36,6 +36,7 @@ import yaml
 
 from tasks.core import layout
 from tasks.core.config import Config, load_config
+from tasks.core.config_inputs import NAME
 from tasks.core.errors import UserError
 
 TYPES = ("log_uniform", "uniform", "int", "categorical")
@@ -159,7 +160,7 @@ def check_arguments(args) -> None:
             raise UserError(f"{flag}: expected a whole number of at least 1, got {value}")
     if not 0 <= args.seed < 2**32:
         raise UserError(f"--seed: expected a whole number from 0 to 2^32-1 (Optuna's samplers), got {args.seed}")
-    if args.study is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", args.study):
+    if args.study is not None and not re.fullmatch(NAME, args.study):
         raise UserError(f"--study: {args.study!r}: expected a name of letters, digits, '.', '_' and '-' (at most "
                         f"100, starting with a letter or digit): it names the folder rlflow-tune/<study>")
     if args.storage is not None:

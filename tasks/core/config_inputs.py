@@ -14,11 +14,13 @@ from pydantic import Field, field_validator, model_validator
 
 from tasks.core.config_base import SINCE_DEFAULT, Section, plain_json
 
+NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"     # a run's name (a store prefix); also a tune's study (a folder)
+
 
 class RunConfig(Section):
     """What this training run is called and how long it lasts."""
 
-    name: str = Field("rlflow-demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+    name: str = Field("rlflow-demo", pattern=f"^{NAME}$",
                       description="Run name: the store prefix and MLflow run name. Same name = resume.")
     iterations: int = Field(10, ge=1, le=1_000_000, description="Iterations of generate → reward → train → publish.")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="Seeds prompt order, sampling and initialisation (below "

@@ -164,18 +164,20 @@ _READ_FIRST_BYTES = 256 << 20     # local JSON and CSV files up to this size are
 
 
 class _Unfit(ValueError):
-    """A JSON number no table column holds (an int past 64 bits, a float past its range)."""
+    """A JSON value no table column holds (an int past 64 bits, a float past its range, NaN or Infinity), said
+    with what to write instead."""
 
 
 def _fit_int(text: str) -> int:
     if not -(1 << 63) <= (value := int(text)) < 1 << 63:
-        raise _Unfit(f"the integer {text[:24]}{'...' if len(text) > 24 else ''} does not fit in 64 bits")
+        raise _Unfit(f"the integer {text[:24]}{'...' if len(text) > 24 else ''} does not fit in 64 bits (write it "
+                     f"as a string)")
     return value
 
 
 def _fit_float(text: str) -> float:
     if (value := float(text)) in (float("inf"), float("-inf")):
-        raise _Unfit(f"the number {text[:24]} is past a float's range")
+        raise _Unfit(f"the number {text[:24]} is past a float's range (write it as a string)")
     return value
 
 
@@ -220,7 +222,7 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
             items = json.loads(text, **hooks)
         except _Unfit as e:
             if text.lstrip().startswith("["):
-                return f"{e}" if "write it" in str(e) else f"{e} (write it as a string)"
+                return str(e)
             items = None                                   # (said with its line below)
         except ValueError:
             items = None                                   # (not one document: JSON Lines)
@@ -235,7 +237,7 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
             try:
                 obj = json.loads(line, **hooks)
             except _Unfit as e:
-                return f"line {n}: {e}" if "write it" in str(e) else f"line {n}: {e} (write it as a string)"
+                return f"line {n}: {e}"
             except ValueError as e:
                 return f"line {n}: not JSON ({e})"
             if not isinstance(obj, dict):
