@@ -355,8 +355,13 @@ import subprocess
 
 
 def leftovers() -> list[str]:
-    """Processes and files a sandbox could have left on this machine."""
-    found = []
+    """Processes and files a sandbox of this process could have left on this machine (not those under a sandbox
+    uid another process claimed: the other test worker's sandboxes, running now, were counted as left)."""
+    found, ours = [], sandbox_uids.claimed()
+
+    def another(uid: int) -> bool:
+        return sandbox_uids.is_sandbox_uid(uid) and uid not in ours
+
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -367,7 +372,8 @@ def leftovers() -> list[str]:
             continue
         uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
         zombie = "\nState:\tZ" in status
-        if not zombie and (sandbox.MARKER in cmd or f"sleep {DAEMON_MARK}" in cmd or sandbox_uids.is_sandbox_uid(uid)):
+        marked = sandbox.MARKER in cmd or f"sleep {DAEMON_MARK}" in cmd
+        if not zombie and not another(uid) and (marked or sandbox_uids.is_sandbox_uid(uid)):
             found.append(f"process {name} uid {uid}: {cmd[:80]}")
     if os.stat("/tmp").st_mode != TMP_MODE:
         found.append(f"/tmp's mode changed to {oct(os.stat('/tmp').st_mode)}")
@@ -377,7 +383,8 @@ def leftovers() -> list[str]:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if entry.name.startswith("rlflow-sbx-") or sandbox_uids.is_sandbox_uid(st.st_uid):
+            left = entry.name.startswith("rlflow-sbx-") or sandbox_uids.is_sandbox_uid(st.st_uid)
+            if left and not another(st.st_uid):
                 found.append(f"file {entry.path}")
     return found
 

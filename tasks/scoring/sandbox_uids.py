@@ -97,6 +97,12 @@ def claim_uid(first: int, count: int) -> int:
                     f"processes; widen the range")
 
 
+def claimed() -> set[int]:
+    """The uids this process holds (claim_uid): its sandboxes', not another process's of the same machine."""
+    with _claims_lock:
+        return set(_claims)
+
+
 def is_sandbox_uid(uid: int, uid_range: tuple[int, int] = DEFAULT_UID_RANGE) -> bool:
     return uid_range[0] <= uid < uid_range[0] + uid_range[1]
 
