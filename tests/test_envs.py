@@ -321,6 +321,52 @@ def test_tool_calls_parse_from_hermes_blocks_and_mistakes_are_observations():
     assert schemas([add])[0]["function"]["parameters"]["required"] == ["a", "b"]
 
 
+TOOLS_WITHOUT_TORCH = '''
+import json, sys
+from tasks.envs.runtime.tools import schema
+
+def note(text: str, times: int = 1) -> str:
+    """Note it.
+
+    Args:
+        text: what
+        times: how often
+    """
+
+plain = schema(note)
+print(json.dumps(["torch" in sys.modules, plain["function"]["parameters"]]))
+import torch
+
+def hear(clip: torch.Tensor) -> str:
+    """Hear it.
+
+    Args:
+        clip: the sound
+    """
+
+print(json.dumps(schema(hear)["function"]["parameters"]["properties"]))
+'''
+
+
+def test_a_tools_schema_imports_no_torch_and_a_tensor_hint_is_still_audio():
+    """transformers' schema builder imported torch for any tool (to map a torch.Tensor hint): ~180 MB in the
+    environments' forkserver, paid by each episode's process as it forked and ended. Built here in a fresh
+    interpreter: no torch for a tool of plain types; a tool whose hint is torch.Tensor (its module imported torch)
+    gets transformers' own 'audio' as before."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", TOOLS_WITHOUT_TORCH], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
+    assert first == [False, {"type": "object", "properties": {"text": {"type": "string", "description": "what"},
+                                                               "times": {"type": "integer",
+                                                                         "description": "how often"}},
+                             "required": ["text"]}]
+    assert second == {"clip": {"type": "audio", "description": "the sound"}}
+
+
 def test_the_adapter_is_told_by_the_reset_signature_not_by_a_method_named_step():
     from tasks.envs.adapters.kinds import detect
     from tasks.envs.builtin.games import SayTheLetters

@@ -10,8 +10,9 @@ import time
 
 import pytest
 
+from tasks.core import processes
 from tasks.core.errors import UserError, user_error_in, user_error_line
-from tasks.core.processes import alive, kill_group, stream
+from tasks.core.processes import alive, descendant_groups, descendants, kill_group, stream
 
 
 def test_stream_forwards_lines_spots_the_user_error_and_keeps_the_tail():
@@ -88,6 +89,29 @@ def test_kill_group_takes_the_groups_its_descendants_made(tmp_path):
     while alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(grandchild)
+
+
+def test_descendants_are_found_under_every_thread_and_session_as_a_scan_of_proc_finds_them(tmp_path):
+    """descendants() walks /proc's per-thread `children` files down from a process: a child started from another
+    thread than the main one is listed under that thread alone, a grandchild in a session of its own is still a
+    descendant; the same set as a scan of every /proc entry (the fallback), and their groups."""
+    import threading
+
+    if not processes._children_files():
+        pytest.skip("this kernel has no /proc/PID/task/TID/children files")
+    started = []
+    thread = threading.Thread(target=lambda: started.append(_with_a_grandchild(tmp_path, session=True)))
+    thread.start()
+    thread.join()
+    proc, grandchild = started[0]
+    try:
+        found = descendants(os.getpid())
+        assert proc.pid in found and grandchild in found
+        assert descendants(proc.pid) == processes._descendants_scanned(proc.pid) == [grandchild]
+        assert descendant_groups(proc.pid) == {grandchild}          # (its own group is not counted)
+        assert descendants(grandchild) == [] and descendants(2 ** 22 + 1) == []      # (none; no such process)
+    finally:
+        kill_group(proc)
 
 
 def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):

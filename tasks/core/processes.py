@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import functools
 import os
 import re
 import shlex
@@ -268,22 +269,17 @@ def sigkill_groups(groups) -> None:
 
 def descendant_groups(root: int) -> set[int]:
     """The process groups of `root`'s descendants other than its own (read from /proc; empty elsewhere)."""
-    parent, group = {}, {}
-    try:
-        names = [n for n in os.listdir("/proc") if n.isdigit()]
-    except OSError:
-        return set()
-    for name in names:
+    groups = set()
+    for pid in descendants(root):
         try:
-            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
-            parent[int(name)], group[int(name)] = int(fields[1]), int(fields[2])
-        except (OSError, ValueError, IndexError):
+            groups.add(os.getpgid(pid))
+        except OSError:                                 # (gone meanwhile)
             continue
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, pp in parent.items() if pp in frontier and pid not in found}
-        found |= frontier
-    return {group[pid] for pid in found} - {group.get(root, root), os.getpgrp()}
+    try:
+        own = os.getpgid(root)
+    except OSError:
+        own = root
+    return groups - {own, os.getpgrp()}
 
 
 def alive(pid: int) -> bool:
@@ -368,15 +364,55 @@ def exclusive(path: Path):
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process started (transitively) by `pid` that is still there, from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+    """Every process started (transitively) by `pid` that is still there (a zombie too), from /proc (Linux; none
+    elsewhere). Walked down from `pid` through each thread's `children` file, so it costs what the subtree holds,
+    not what the machine runs (a scan of every /proc entry took ~1.5 ms for 70 processes here: ~20 µs each, and a
+    GPU node lists hundreds of kernel threads; an episode's process asked it 3-4 times). A kernel without those
+    files (CONFIG_PROC_CHILDREN) is scanned whole. What forks meanwhile may be missed either way: callers that
+    must catch it ask again (kill_until_gone)."""
+    if not _children_files():
+        return _descendants_scanned(pid)
+    out, todo, seen = [], [pid], {pid}
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:                                 # (gone meanwhile)
+            continue
+        for task in tasks:
             try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = [int(n) for n in f.read().split()]
+            except (OSError, ValueError):
                 continue
-            children.setdefault(ppid, []).append(int(entry.name))
+            for kid in kids:
+                if kid not in seen:
+                    seen.add(kid)
+                    out.append(kid)
+                    todo.append(kid)
+    return out
+
+
+@functools.cache
+def _children_files() -> bool:
+    """Whether /proc has each thread's `children` file (Linux built with CONFIG_PROC_CHILDREN, as distributions'
+    kernels are)."""
+    return Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists()
+
+
+def _descendants_scanned(pid: int) -> list[int]:
+    """descendants(), from every process's /proc/N/stat (where no `children` files are)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [entry for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

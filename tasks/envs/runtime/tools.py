@@ -21,6 +21,7 @@ import copy
 import inspect
 import json
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -58,10 +59,32 @@ def schema(tool: Callable) -> dict:
     if built is None:
         from transformers.utils import get_json_schema
 
+        _torch_only_once_imported()
         built = get_json_schema(tool)
         if key is not None:
             _built[key] = built
     return copy.deepcopy(built)        # (a caller's edits never reach the next episode's)
+
+
+def _torch_only_once_imported() -> None:
+    """transformers' schema builder imports torch for every tool's parameters when torch is installed (to map a
+    torch.Tensor hint to audio): ~1 s, and ~180 MB in every process that builds a schema, where each episode's
+    process forked from the environments' forkserver then paid its fork and exit (~20 ms an episode here). A hint
+    can be torch.Tensor only where torch was imported (by the hint's own module), so torch counts as available to
+    it only once imported: the same schemas, without the import. Set once per process, kept."""
+    try:
+        from transformers.utils import chat_template_utils as builder
+    except ImportError:                                 # (another layout of transformers: its own way)
+        return
+    available = builder.is_torch_available
+    if getattr(available, "rlflow_imported_only", False):
+        return
+
+    def imported_only() -> bool:
+        return "torch" in sys.modules and available()
+
+    imported_only.rlflow_imported_only = True       # type: ignore[attr-defined]
+    builder.is_torch_available = imported_only
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
