@@ -482,8 +482,12 @@ def _keep(libc, child: int, parent: int, parent_death: int) -> int | None:
     kill every descendant left."""
     import resource
 
+    waiting = [True]
+
     def died(*_) -> None:
-        raise _ParentDied
+        if waiting[0]:                  # (once, and only inside the try below: after it, a parent dying as the
+            waiting[0] = False          # child ended left the keeper without the kill of what was left)
+            raise _ParentDied
 
     status = None
     signal.signal(parent_death, died)
@@ -500,9 +504,9 @@ def _keep(libc, child: int, parent: int, parent_death: int) -> int | None:
             pid, code = os.waitpid(-1, 0)
             if pid == child:
                 status = code
+        waiting[0] = False
     except (_ParentDied, ChildProcessError):
-        pass
-    signal.signal(parent_death, signal.SIG_IGN)
+        waiting[0] = False
 
     def left() -> list[int]:
         while True:                                     # (reaped first: a zombie is never gone otherwise)
