@@ -11,7 +11,7 @@ from a TRL user's script: its __main__ also imports `trl`'s GRPOTrainer (episode
 each episode's process imported it again, seconds each). Each (environment, isolation, checkout) runs in a
 process of its own (one forkserver serves a process, prepared for one config), whose __main__ imports
 tasks.generate as the stage's does (`python -m tasks.generate`). The first episode (the forkserver's start, once
-per process, ~1.5 s) is not counted. With --reference DIR (a checkout of rlflow, e.g.
+per process, about 1 s) is not counted. With --reference DIR (a checkout of rlflow, e.g.
 `git archive <commit> | tar -x -C /tmp/rlflow-before`) each row is measured with that code too, side by side, and the
 ratio printed.
 """
