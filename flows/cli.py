@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 
 from tasks.core.errors import UserError
+from tasks.core.paths import check_path
 from tasks.core.process_wide import exit_now, set_default, set_variable
 
 
@@ -49,23 +50,6 @@ def _command_process() -> None:
     set_default("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-
-
-def check_path(flag: str, path: str | Path, want: str) -> None:
-    """One UserError line, before anything is created, if `path` cannot be the `want` ("folder" or "file") a
-    command writes there: it exists as the other kind, or something on the way to it is a file."""
-    path = Path(path).expanduser()
-    if path.exists():
-        if want == "folder" and not path.is_dir():
-            raise UserError(f"{flag}: {path} is a file, not a folder")
-        if want == "file" and path.is_dir():
-            raise UserError(f"{flag}: {path} is a folder, not a file")
-        return
-    probe = path.absolute().parent
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UserError(f"{flag}: {path}: {probe} is a file, not a folder")
 
 
 def checked_config(args):
@@ -142,16 +126,16 @@ def cmd_export(args) -> int:
     if fmt == "folder":
         if args.quant or args.register:
             raise UserError(f"--{'quant' if args.quant else 'register'}: only with --format gguf")
-        check_path("DEST", dest, "folder")
+        check_path("DEST", args.dest, "folder")
         if dest.exists() and any(dest.iterdir()):
             raise UserError(f"DEST: {dest} exists and is not an empty folder")
     else:
-        check_path("DEST", dest, "file")
+        check_path("DEST", args.dest, "file")
         if dest.exists():
             raise UserError(f"DEST: {dest} exists; a GGUF export writes a new file")
     cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
     store, run, version = open_store(cfg), cfg.run.name, args.version
-    if version.isdigit():
+    if version.isascii() and version.isdigit():
         key = layout.policy(run, int(version))
     elif version in ("latest", "best"):
         key = store.get_pointer(layout.latest(run, "policy") if version == "latest" else layout.best(run))
@@ -428,7 +412,7 @@ def cmd_tune(args) -> int:
     from tasks.core.config import load_config
 
     check_arguments(args)
-    check_path("--space", args.space, "file")
+    check_path("--space", args.space, "file", writes=False)
     if args.out:
         check_path("--out", args.out, "folder")
         if (Path(args.out) / "trials").is_file():

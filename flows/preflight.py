@@ -35,9 +35,6 @@ def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
     """tracking.uri an http(s) MLflow server: it answers (any HTTP reply will do; MLflow's client would retry a
     refused connection for minutes, saying nothing); a sqlite database: a path where one can be made, or one
     (a folder there retried for minutes after the lease; another file failed the run after its first stage)."""
-    import urllib.error
-    import urllib.request
-
     uri = cfg.tracking.uri
     if not uri.startswith(("http://", "https://")):
         from tasks.core.paths import require_creatable
@@ -58,14 +55,9 @@ def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
                 raise UserError(f"tracking.uri: {uri}: {database} is not a sqlite database (another kind of file); "
                                 f"expected a sqlite database file, or a path where none is yet") from None
         return
-    try:
-        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
-    except urllib.error.HTTPError:
-        return                             # (it answered: an auth proxy, an older server without /health)
-    except (urllib.error.URLError, OSError) as e:
-        why = getattr(e, "reason", e)
-        raise UserError(f"tracking.uri: {uri}: no MLflow server answers there ({why}); expected a running "
-                        f"tracking server, or a sqlite:/// or file path") from None
+    from tasks.core.tracking import require_answer
+
+    require_answer(uri, "tracking.uri", timeout)
 
 
 def preflight(cfg: Config) -> None:

@@ -39,12 +39,15 @@ def retryable(task, task_run, state) -> bool:
 def final_line(exc: BaseException, retries: int | None = None) -> tuple[str, int] | None:
     """What `rlflow` says of a run that ended with `exc`, and its exit code, where one line says it all: a user's
     mistake (2); a full disk, or a fault of the machinery retried already and failing every time (1: what is
-    committed stays, the same command resumes; `retries`: the run's launcher.retries, where known). None: an error
-    nobody foresaw (a traceback serves it better)."""
+    committed stays, the same command resumes; `retries`: the run's launcher.retries, where known); a damaged file
+    of the store no stage makes again (1: a policy to export, or to resume from). None: an error nobody foresaw (a
+    traceback serves it better)."""
     if (user := cause_of(exc, UserError)) is not None:
         return f"error: {user}", 2
     if (full := disk_full(exc)) is not None:
         return f"error: {full}", 1
+    if (corrupt := cause_of(exc, CorruptArtifact)) is not None:    # (what reaches here no stage can make again)
+        return f"error: {corrupt}: a file of the store is damaged, and no stage of rlflow makes it again", 1
     from flows.launch import InfraError  # (after the user's mistake: said whatever these import)
     from tasks.envs.runtime.episodes import EnvironmentsStalled
     from tasks.envs.runtime.server import ServerGone

@@ -273,6 +273,26 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "record, a file it would not write": (["record", str(TINY), "--policy",
                                                "tasks.envs.builtin.games:reference_action", "--out", str(tmp / "rec.csv")],
                                               f"--out: {tmp / 'rec.csv'}: rlflow record writes JSON Lines"),
+        "record, episodes past a million": (["record", str(TINY.parent / "letters.yaml"), "--policy",
+                                             "tasks.envs.builtin.games:reference_action", "--rows", "0-1", "--n",
+                                             "1000000", "--out", str(tmp / "rec.jsonl")],
+                                            "--n: 1000000 episodes per row x 2 rows: more than 1,000,000 episodes"),
+        "record, out where nothing can be made": (["record", str(TINY), "--policy",
+                                                   "tasks.envs.builtin.games:reference_action", "--out",
+                                                   "/proc/rlflow-rec.jsonl"], "--out: cannot write /proc/rlflow-rec"),
+        "record, an empty out": (["record", str(TINY), "--policy", "tasks.envs.builtin.games:reference_action",
+                                  "--out", ""], "--out: empty; expected the path of a file"),
+        "export, a version of digits that are not 0-9": (["export", str(TINY), "\u00b2", str(tmp / "out")],
+                                                         "VERSION: expected a number, latest, best or models:/"),
+        "export, a folder where nothing can be made": (["export", str(TINY), "1", "/proc/rlflow-out"],
+                                                       "DEST: cannot write /proc/rlflow-out"),
+        "export, a GGUF file where nothing can be made": (["export", str(TINY), "1", "/proc/rlflow-out.gguf"],
+                                                          "DEST: cannot write /proc/rlflow-out.gguf"),
+        "export, an empty dest": (["export", str(TINY), "1", ""], "DEST: empty; expected the path of a folder"),
+        "export of a registered version, no server": (
+            ["export", str(TINY), "models:/tiny/3", str(tmp / "out"), "-o", "tracking.uri=http://127.0.0.1:9"],
+            "VERSION: models:/tiny/3 (tracking.uri): http://127.0.0.1:9: no MLflow server answers there"),
+        "plan, an empty config path": (["plan", ""], "config: empty; expected the path of a YAML config file"),
         "record, a return of nan": (["record", str(TINY), "--policy", "tasks.envs.builtin.games:reference_action",
                                      "--min-return", "nan", "--out", str(tmp / "rec.jsonl")],
                                     "--min-return: nan: expected a finite return"),
@@ -839,11 +859,27 @@ def test_a_reward_that_scores_nothing_stops_the_run_saying_what_it_returned(pref
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == line, out.stderr[-2000:]
 
 
+def test_an_export_from_a_damaged_store_is_one_line_exit_1_and_nothing_written(prefect_api, tmp_path):
+    """A store whose LATEST pointer was altered: no stage makes it again, so no retry, and no traceback either."""
+    store = tmp_path / "store"
+    (store / "tiny-demo" / "policy").mkdir(parents=True)
+    (store / "tiny-demo" / "policy" / "LATEST").write_text("not a pointer")
+    out = run_cli(["export", str(TINY), "latest", str(tmp_path / "out"), "-o", f"store.uri=file://{store}",
+                   "-o", "run.name=tiny-demo"], tmp_path, prefect_api)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith(f"error: file://{store}/tiny-demo/policy/LATEST: ") and "damaged" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_recording_policy_that_raises_or_exits_is_one_line(prefect_api, tmp_path):
     (tmp_path / "pol.py").write_text("import sys\ndef raises(ctx):\n    raise RuntimeError('boom')\n"
-                                     "def exits(ctx):\n    sys.exit(0)\n")
+                                     "def exits(ctx):\n    sys.exit(0)\n"
+                                     "def surrogate(ctx):\n    return 'ab\\udcff'\n")
     letters = TINY.parent / "letters.yaml"
     for policy, line in (("raises", "error: --policy: pol:raises(context) raised RuntimeError: boom"),
+                         ("surrogate", "error: --policy: pol:surrogate(context) returned text that is not Unicode "
+                                       "('\\udcff' at 2: a lone surrogate)"),
                          ("exits", "error: --policy: pol:exits(context) called sys.exit(0); expected it to return "
                                    "the turn's text")):
         out = run_cli(["record", str(letters), "--policy", f"pol:{policy}", "--rows", "0-1", "--out",

@@ -448,6 +448,8 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         tree["train"] = _migrate_train(tree["train"])
     if path is not None:
         p = Path(path)
+        if not str(path).strip():
+            raise UserError("config: empty; expected the path of a YAML config file (such as configs/tiny.yaml)")
         if p.is_dir():
             raise UserError(f"config: {path} is a folder; expected a YAML config file (such as configs/tiny.yaml)")
         if not p.exists():

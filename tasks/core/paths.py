@@ -1,4 +1,5 @@
-"""Places on the local disk: the cache, the checkout rlflow runs from, and the sibling virtualenvs.
+"""Places on the local disk: the cache, the checkout rlflow runs from, the sibling virtualenvs, and whether a
+path given for an output can be written (check_path, require_creatable: before anything is).
 
 vLLM and SkyPilot pin packages below what the rest of rlflow needs (Makefile), so each lives in a virtualenv
 of its own beside `.venv`: `.venv-vllm` and `.venv-sky`. Their interpreters are found by one rule,
@@ -42,6 +43,35 @@ def require_creatable(folder: Path, field: str) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".rlflow-probe-", dir=probe))
     except OSError as e:
         raise UserError(f"{field}: cannot create {folder} ({e.strerror} in {probe})") from None
+
+
+def check_path(flag: str, path: str | Path, want: str, writes: bool = True) -> None:
+    """One UserError line, before anything is created, if `path` cannot be the `want` ("folder" or "file") a
+    command writes there (`writes`; else reads): empty, it exists as the other kind, something on the way to it
+    is a file, or nothing can be made where it would go (/proc, a read-only filesystem, a missing permission: a
+    folder made and removed at once, so nothing is left)."""
+    import tempfile
+
+    if not str(path).strip():
+        raise UserError(f"{flag}: empty; expected the path of a {want}")
+    path = Path(path).expanduser()
+    if path.exists():
+        if want == "folder" and not path.is_dir():
+            raise UserError(f"{flag}: {path} is a file, not a folder")
+        if want == "file" and path.is_dir():
+            raise UserError(f"{flag}: {path} is a folder, not a file")
+        probe = path if path.is_dir() else path.absolute().parent
+    else:
+        probe = path.absolute().parent
+        while not probe.exists():
+            probe = probe.parent
+        if not probe.is_dir():
+            raise UserError(f"{flag}: {path}: {probe} is a file, not a folder")
+    if writes:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".rlflow-probe-", dir=probe))
+        except OSError as e:
+            raise UserError(f"{flag}: cannot write {path} ({e.strerror} in {probe})") from None
 
 
 def cache_root() -> Path:

@@ -56,7 +56,26 @@ def reading_client(uri: str, field: str):
     database = sqlite_file(uri)
     if database is not None and not database.exists():
         raise UserError(f"{field}: no MLflow database at {database} (tracking.uri {uri}): nothing is registered there")
+    if uri.startswith(("http://", "https://")):
+        require_answer(uri, f"{field} (tracking.uri)")
     return _client(uri)
+
+
+def require_answer(uri: str, field: str, timeout: float = 10.0) -> None:
+    """UserError naming `field` unless the MLflow server at the http(s) `uri` answers (any HTTP reply will do: an
+    auth proxy, an older server without /health). MLflow's client retries a refused connection for minutes,
+    saying nothing."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as e:
+        why = getattr(e, "reason", e)
+        raise UserError(f"{field}: {uri}: no MLflow server answers there ({why}); expected a running tracking "
+                        f"server, or a sqlite:/// or file path") from None
 
 
 def local_folder(uri: str) -> Path | None:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from tasks.core.config import Config
 
 
+MAX_EPISODES = 1_000_000     # episodes `rlflow record` runs in one call (rows x --n)
+
+
 class ScriptedPolicy(SamplingSession):
     """A sampling session whose every completion is `fn(context)`: the context's text (special tokens included,
     as the model sees it) in, the turn's text out; EOS appended, as a model that stops writes it."""
@@ -49,6 +52,11 @@ class ScriptedPolicy(SamplingSession):
                                     f"to return the turn's text") from None
                 if not isinstance(text, str):
                     raise UserError(f"--policy: returned {type(text).__name__}, expected the turn's text (str)")
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:           # (a lone surrogate: no tokenizer takes it)
+                    raise UserError(f"--policy: {_name(self.fn)}(context) returned text that is not Unicode "
+                                    f"({text[e.start:e.end]!r} at {e.start}: a lone surrogate)") from None
                 toks = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
                 truncated = len(toks) > params.max_new_tokens
                 toks = toks[:params.max_new_tokens]
@@ -112,6 +120,9 @@ def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, 
     rows = list(range(len(ds))) if rows is None else rows
     if bad := [i for i in rows if not 0 <= i < len(ds)]:
         raise UserError(f"--rows: row {bad[0]} is not in the {split} split ({len(ds)} rows)")
+    if len(rows) * n > MAX_EPISODES:      # (each is held in memory until written)
+        raise UserError(f"--n: {n} episodes per row x {len(rows)} rows: more than {MAX_EPISODES:,} episodes; "
+                        f"record at most that many at a time")
     table = {i: dict(ds[i]) for i in rows}
     params = SamplingParams(n=n, max_new_tokens=cfg.generate.max_completion_length,
                             temperature=0.0 if policy == "model" else 1.0, top_p=1.0, seed=seed)
