@@ -212,7 +212,7 @@ def cmd_record(args) -> int:
     from tasks.core.config import load_config
     from tasks.core.stage import parse_overrides_json
 
-    check_path("--out", args.out, "file")
+    check_path("--out", args.out, "file", replaces=True)       # (written beside it, then renamed)
     cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
     _command_process()
     return record_command(args, cfg)

@@ -45,28 +45,37 @@ def require_creatable(folder: Path, field: str) -> None:
         raise UserError(f"{field}: cannot create {folder} ({e.strerror} in {probe})") from None
 
 
-def check_path(flag: str, path: str | Path, want: str, writes: bool = True) -> None:
+def check_path(flag: str, path: str | Path, want: str, writes: bool = True, replaces: bool = False) -> None:
     """One UserError line, before anything is created, if `path` cannot be the `want` ("folder" or "file") a
     command writes there (`writes`; else reads): empty, it exists as the other kind, something on the way to it
-    is a file, or nothing can be made where it would go (/proc, a read-only filesystem, a missing permission: a
-    folder made and removed at once, so nothing is left)."""
+    is a file or cannot be entered, or nothing can be made where it would go (/proc, a read-only filesystem, a
+    missing permission: a folder made and removed at once, so nothing is left). An existing file is written in
+    place (it must be writable: /dev/stdout will do), or with `replaces` beside it and renamed over it (its folder
+    must take a new file)."""
     import tempfile
 
     if not str(path).strip():
         raise UserError(f"{flag}: empty; expected the path of a {want}")
     path = Path(path).expanduser()
-    if path.exists():
-        if want == "folder" and not path.is_dir():
-            raise UserError(f"{flag}: {path} is a file, not a folder")
-        if want == "file" and path.is_dir():
-            raise UserError(f"{flag}: {path} is a folder, not a file")
-        probe = path if path.is_dir() else path.absolute().parent
-    else:
-        probe = path.absolute().parent
-        while not probe.exists():
-            probe = probe.parent
-        if not probe.is_dir():
-            raise UserError(f"{flag}: {path}: {probe} is a file, not a folder")
+    try:
+        if path.exists():
+            if want == "folder" and not path.is_dir():
+                raise UserError(f"{flag}: {path} is a file, not a folder")
+            if want == "file" and path.is_dir():
+                raise UserError(f"{flag}: {path} is a folder, not a file")
+            if writes and want == "file" and not replaces:
+                if not os.access(path, os.W_OK):
+                    raise UserError(f"{flag}: {path} is not writable")
+                return
+            probe = path if path.is_dir() else path.absolute().parent
+        else:
+            probe = path.absolute().parent
+            while not probe.exists():
+                probe = probe.parent
+            if not probe.is_dir():
+                raise UserError(f"{flag}: {path}: {probe} is a file, not a folder")
+    except OSError as e:                                 # (a folder on the way that cannot be entered)
+        raise UserError(f"{flag}: {path}: cannot be reached ({e.strerror or type(e).__name__})") from None
     if writes:
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".rlflow-probe-", dir=probe))

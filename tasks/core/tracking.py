@@ -63,8 +63,10 @@ def reading_client(uri: str, field: str):
 
 def require_answer(uri: str, field: str, timeout: float = 10.0) -> None:
     """UserError naming `field` unless the MLflow server at the http(s) `uri` answers (any HTTP reply will do: an
-    auth proxy, an older server without /health). MLflow's client retries a refused connection for minutes,
-    saying nothing."""
+    auth proxy, an older server without /health; a TLS handshake too, with a certificate urllib does not trust
+    where MLflow's own settings may). MLflow's client retries a refused connection for minutes, saying
+    nothing."""
+    import ssl
     import urllib.error
     import urllib.request
 
@@ -74,6 +76,8 @@ def require_answer(uri: str, field: str, timeout: float = 10.0) -> None:
         return
     except (urllib.error.URLError, OSError) as e:
         why = getattr(e, "reason", e)
+        if isinstance(why, ssl.SSLCertVerificationError) or isinstance(e, ssl.SSLCertVerificationError):
+            return               # (it answered TLS: a certificate MLflow's own settings may trust, not urllib)
         raise UserError(f"{field}: {uri}: no MLflow server answers there ({why}); expected a running tracking "
                         f"server, or a sqlite:/// or file path") from None
 
