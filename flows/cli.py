@@ -126,7 +126,7 @@ def cmd_export(args) -> int:
     if fmt == "folder":
         if args.quant or args.register:
             raise UserError(f"--{'quant' if args.quant else 'register'}: only with --format gguf")
-        check_path("DEST", args.dest, "folder")
+        check_path("DEST", args.dest, "folder", replaces=True)     # (written beside it, then renamed)
         if dest.exists() and any(dest.iterdir()):
             raise UserError(f"DEST: {dest} exists and is not an empty folder")
     else:

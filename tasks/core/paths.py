@@ -51,7 +51,7 @@ def check_path(flag: str, path: str | Path, want: str, writes: bool = True, repl
     is a file or cannot be entered, or nothing can be made where it would go (/proc, a read-only filesystem, a
     missing permission: a folder made and removed at once, so nothing is left). An existing file is written in
     place (it must be writable: /dev/stdout will do), or with `replaces` beside it and renamed over it (its folder
-    must take a new file)."""
+    must take a new file); so is an existing (empty) folder with `replaces`, where else what goes inside it."""
     import tempfile
 
     if not str(path).strip():
@@ -67,7 +67,7 @@ def check_path(flag: str, path: str | Path, want: str, writes: bool = True, repl
                 if not os.access(path, os.W_OK):
                     raise UserError(f"{flag}: {path} is not writable")
                 return
-            probe = path if path.is_dir() else path.absolute().parent
+            probe = path if path.is_dir() and not replaces else path.absolute().parent
         else:
             probe = path.absolute().parent
             while not probe.exists():
