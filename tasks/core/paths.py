@@ -26,34 +26,44 @@ REPO_ROOT = Path(__file__).resolve().parents[2]     # the checkout holding tasks
 
 def require_creatable(folder: Path, field: str) -> None:
     """UserError naming `field` unless `folder` is a folder, or one this process can create: its nearest existing
-    ancestor is a folder in which a folder can be made (tried with one made and removed at once, so a read-only
-    filesystem, /proc or a missing permission is found here, before the run, and nothing is left)."""
-    import tempfile
-
-    probe = folder.expanduser().absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    ancestor is a folder in which a folder can be made (_cannot_make_in), found here, before the run."""
+    probe = _nearest_existing(folder.expanduser().absolute())
     if not probe.is_dir():
         raise UserError(f"{field}: {probe} is a file, not a folder")
     if probe == folder.expanduser().absolute():
         if not os.access(probe, os.W_OK):
             raise UserError(f"{field}: {probe} is not writable")
         return
+    if (why := _cannot_make_in(probe)) is not None:
+        raise UserError(f"{field}: cannot create {folder} ({why} in {probe})")
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` if it exists, else its nearest ancestor that does."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _cannot_make_in(folder: Path) -> str | None:
+    """Why nothing can be made in `folder` (a read-only filesystem, /proc, a missing permission), or None: tried
+    with a folder made and removed at once, so nothing is left."""
+    import tempfile
+
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".rlflow-probe-", dir=probe))
+        os.rmdir(tempfile.mkdtemp(prefix=".rlflow-probe-", dir=folder))
     except OSError as e:
-        raise UserError(f"{field}: cannot create {folder} ({e.strerror} in {probe})") from None
+        return e.strerror or type(e).__name__
+    return None
 
 
 def check_path(flag: str, path: str | Path, want: str, writes: bool = True, replaces: bool = False) -> None:
     """One UserError line, before anything is created, if `path` cannot be the `want` ("folder" or "file") a
     command writes there (`writes`; else reads): empty, it exists as the other kind, something on the way to it
     is a file or cannot be entered, or nothing can be made where it would go (/proc, a read-only filesystem, a
-    missing permission: a folder made and removed at once, so nothing is left). An existing file is written in
-    place (it must be writable: /dev/stdout will do), or with `replaces` beside it and renamed over it (its folder
-    must take a new file); so is an existing (empty) folder with `replaces`, where else what goes inside it."""
-    import tempfile
-
+    missing permission: _cannot_make_in). An existing file is written in place (it must be writable: /dev/stdout
+    will do), or with `replaces` beside it and renamed over it (its folder must take a new file); so is an
+    existing (empty) folder with `replaces`, where else what goes inside it."""
     if not str(path).strip():
         raise UserError(f"{flag}: empty; expected the path of a {want}")
     path = Path(path).expanduser()
@@ -69,18 +79,13 @@ def check_path(flag: str, path: str | Path, want: str, writes: bool = True, repl
                 return
             probe = path if path.is_dir() and not replaces else path.absolute().parent
         else:
-            probe = path.absolute().parent
-            while not probe.exists():
-                probe = probe.parent
+            probe = _nearest_existing(path.absolute().parent)
             if not probe.is_dir():
                 raise UserError(f"{flag}: {path}: {probe} is a file, not a folder")
     except OSError as e:                                 # (a folder on the way that cannot be entered)
         raise UserError(f"{flag}: {path}: cannot be reached ({e.strerror or type(e).__name__})") from None
-    if writes:
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".rlflow-probe-", dir=probe))
-        except OSError as e:
-            raise UserError(f"{flag}: cannot write {path} ({e.strerror} in {probe})") from None
+    if writes and (why := _cannot_make_in(probe)) is not None:
+        raise UserError(f"{flag}: cannot write {path} ({why} in {probe})")
 
 
 def cache_root() -> Path:
