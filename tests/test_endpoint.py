@@ -360,7 +360,7 @@ def test_an_integrations_token_route_is_served_with_the_endpoints_checks(chatml,
     served with the episode's key and the model check, its sampler the endpoint's, its refusals answered as any
     call's; the endpoint itself names no integration."""
     from tasks.envs.runtime.calls import Refused
-    from tasks.envs.runtime.endpoint import TOKEN_ROUTES
+    from tasks.envs.runtime.routes import TOKEN_ROUTES
 
     def respond(body: dict, key: str, sampler) -> dict:
         if body.get("bad"):
@@ -505,7 +505,7 @@ def test_an_episodes_call_waiting_for_the_endpoints_threads_is_the_endpoints_tim
     from types import SimpleNamespace
 
     from tasks.envs.runtime.calls import EpisodeLog
-    from tasks.envs.runtime.endpoint import _call
+    from tasks.envs.runtime.routes import _call
 
     ep, log = SimpleNamespace(pool=ThreadPoolExecutor(1)), EpisodeLog(index=0, seed=0)
     release, ran = threading.Event(), []

@@ -30,8 +30,8 @@ from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
 from tasks.envs.adapters.bridge import LineBridge
 from tasks.envs.runtime.calls import Refused
-from tasks.envs.runtime.endpoint import register_token_route
 from tasks.envs.runtime.isolation import EnvironmentDied
+from tasks.envs.runtime.routes import register_token_route
 
 VENV = ".venv-verifiers"
 BRIDGE = Path(__file__).with_name("verifiers_v04_bridge.py")
