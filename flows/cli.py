@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 from tasks.core.errors import UserError
-from tasks.core.paths import check_path
+from tasks.core.paths import check_path, working_directory_on_path
 from tasks.core.process_wide import exit_now, set_default, set_variable
 
 
@@ -48,8 +48,7 @@ def _command_process() -> None:
     set_default("PREFECT_SERVER_ANALYTICS_ENABLED", "false")    # (its telemetry errors offline)
     set_default("TRANSFORMERS_VERBOSITY", "error")
     set_default("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    working_directory_on_path()         # (user modules are found there, rlflow's own packages before it)
 
 
 def checked_config(args):

@@ -174,6 +174,87 @@ def test_an_environments_forkserver_imports_rlflow_and_its_episodes_start_python
     assert [(s["when"], s["code"], s["out"], s["safepath"]) for s in spawned] == [("factory", 0, "sibling", None)]
 
 
+FORKSERVER_ENDED = """
+import os
+import signal
+from multiprocessing import forkserver
+
+from tasks.core.config import load_config
+from tasks.envs.runtime.episodes import environments
+
+if __name__ == "__main__":
+    cfg = load_config({config!r}, ["env.factory=userenv:make", "env.isolation=process"])
+    make, row = environments(cfg), {{"prompt": "Say each letter I name.", "letters": "abc"}}
+    make(row).close()
+    first = forkserver._forkserver._forkserver_pid
+    os.kill(first, signal.SIGKILL)
+    os.waitid(os.P_PID, first, os.WEXITED | os.WNOWAIT)       # (until it has ended; left for multiprocessing to reap)
+    make(row).close()
+    assert forkserver._forkserver._forkserver_pid != first
+"""
+
+
+def test_a_forkserver_that_ended_starts_again_importing_rlflow(tmp_path):
+    """The environments' forkserver killed between two episodes (the OOM killer, a stray kill): the next episode
+    starts it again the way the first was started, where multiprocessing's own restart would put the working
+    directory first on its path and import the user's `tasks` package."""
+    work = tmp_path / "project"
+    mark = _shadowing(work)
+    script, log = _script_with_sibling(tmp_path / "user"), tmp_path / "spawned.jsonl"
+    for name in ("userspawn.py", "userenv.py"):
+        (work / name).write_text(USER_CODE[name].format(script=str(script), log=str(log)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("PYTHONSAFEPATH", None)
+    driver = tmp_path / "driver" / "flow.py"
+    driver.parent.mkdir()
+    driver.write_text(FORKSERVER_ENDED.format(config=str(ROOT / "configs" / "letters.yaml")))
+    out = subprocess.run([sys.executable, str(driver)], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert not mark.exists(), mark.read_text()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "the environments' forkserver had ended: starting it again" in out.stderr
+    spawned = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(s["when"], s["code"], s["out"]) for s in spawned] == [("factory", 0, "sibling")] * 2
+
+
+SPAWNED_BY_USER_CODE = """
+import multiprocessing
+import sys
+
+from tasks.core.paths import import_user
+
+
+def where_tasks_is():
+    import tasks
+    return tasks.__file__
+
+
+if __name__ == "__main__":
+    assert import_user("usermod:make", "env.factory")() == "made"     # (found in the working directory)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        print(pool.apply(where_tasks_is))
+"""
+
+
+def test_a_process_user_code_spawns_imports_rlflows_tasks(tmp_path):
+    """User code in rlflow's process (an environment factory, a reward function) that starts a multiprocessing
+    pool by spawn: its child copies the parent's sys.path and runs the main module (`rlflow`) again, importing
+    rlflow's packages. The working directory, where rlflow finds user modules, is on that path behind rlflow's
+    root, so a user's `tasks` package there is not what the child imports."""
+    work = tmp_path / "project"
+    mark = _shadowing(work)
+    (work / "usermod.py").write_text("def make():\n    return 'made'\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}   # (as `rlflow` runs)
+    driver = tmp_path / "driver" / "flow.py"
+    driver.parent.mkdir()
+    driver.write_text(SPAWNED_BY_USER_CODE)
+    out = subprocess.run([sys.executable, str(driver)], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert not mark.exists(), mark.read_text()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [str(ROOT / "tasks" / "__init__.py")]
+
+
 @AT_LENGTH
 @pytest.mark.slow
 def test_user_code_starts_python_scripts_as_anywhere_else(tmp_path, prefect_api):

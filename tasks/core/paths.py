@@ -110,6 +110,24 @@ def user_code_seconds() -> float:
     return float(os.environ.get("RLFLOW_IMPORT_SECONDS") or IMPORT_SECONDS)
 
 
+def working_directory_on_path(here: str | None = None) -> None:
+    """The working directory on sys.path (user modules live where rlflow is run) ahead of everything but this
+    checkout's root: a child that copies this sys.path and runs the main module again (multiprocessing's spawn
+    and forkserver, started by user code) imports rlflow's `tasks` and `flows`, not a user's package of that
+    name in the working directory. (Installed as a wheel, rlflow's packages sit in site-packages: the working
+    directory goes first, as before.)"""
+    here, root = os.path.abspath(here or os.getcwd()), str(REPO_ROOT)
+    checkout = (REPO_ROOT / "pyproject.toml").is_file() and here != root
+    if checkout and root not in sys.path:
+        sys.path.insert(0, root)
+    first = sys.path.index(root) + 1 if checkout else 0
+    if here in sys.path[first:]:
+        return
+    if here in sys.path:                      # (ahead of the root: moved behind it)
+        sys.path.remove(here)
+    sys.path.insert(sys.path.index(root) + 1 if checkout else 0, here)
+
+
 def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
     """`module:name` from the working directory first (user modules live where rlflow is run), imported within
     IMPORT_SECONDS: a UserError naming `key` if the module cannot be imported (it raises, calls sys.exit, or
@@ -117,8 +135,7 @@ def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
     when imported leaves rlflow's where it was."""
     module_name, _, attr = spec.partition(":")
     here = os.getcwd()
-    if here not in sys.path:
-        sys.path.insert(0, here)
+    working_directory_on_path(here)
     seconds = user_code_seconds()
     try:
         with deadline(seconds), user_code():     # (preflight imports in the main thread: watched there)

@@ -43,6 +43,7 @@ from tasks.envs.runtime.isolation import (
     own_output,
     run_forever,
     users_loop,
+    warm_up,
 )
 
 if TYPE_CHECKING:
@@ -178,12 +179,13 @@ class Processes:
     a hung or crashed one is killed or found dead, nothing else is touched."""
 
     def __init__(self, cfg: Config):
-        from tasks.envs.runtime.isolation import _forkserver, warm_up
+        from tasks.envs.runtime.isolation import _forkserver
 
         warm_up(cfg)
         self.ctx, self.cfg = _forkserver(cfg), cfg
 
     def start(self, run: Running, row: dict, base_url: str) -> None:
+        warm_up(self.cfg)                  # (a forkserver that has ended is started again the safe way)
         parent, child = self.ctx.Pipe(duplex=False)
         copy, into = output_copy(self.ctx, "an agent's process")
         spawned, run.started = time.monotonic(), math.inf      # (its clock waits for its process to run: `ended`)

@@ -72,17 +72,19 @@ def _forkserver(cfg: Config):
 def warm_up(cfg: Config) -> None:
     """Start the forkserver, let it import its modules and prepare for `cfg`'s environment (once per process: one
     forkserver serves a process, prepared for the first config's), so that no episode's env.timeout_seconds
-    pays for it."""
+    pays for it. Before each start: one that has ended (killed, out of memory) is started here again, this way
+    (multiprocessing's restart would put the working directory first on its path: a user's `tasks` package)."""
     global _warm
     with _warming:
-        if _warm:
+        if _warm and _forkserver_alive():
             return
+        if _warm:
+            print("the environments' forkserver had ended: starting it again", file=sys.stderr, flush=True)
         proc = _forkserver(cfg).Process(target=_noop)
         # The forkserver starts with this process's os.environ (it takes no env of its own), and its `-c` would
         # put the working directory first on its path: for this one start rlflow's root is first and the working
         # directory last (env.factory's module, preloaded, is found there). It drops the safe path as it starts
-        # (tasks/__init__.py), so the episodes it forks do not inherit it. The config it prepares for travels the
-        # same way, and it drops that too.
+        # (tasks/__init__.py), so the episodes it forks do not inherit it; nor the config it prepares for (PREPARE).
         with children_import_rlflow(also=os.getcwd()):
             set_variable(PREPARE, json.dumps({"parent": os.getpid(), "config": cfg.model_dump(mode="json")}))
             try:
@@ -95,6 +97,18 @@ def warm_up(cfg: Config) -> None:
 
 def _noop() -> None:
     pass
+
+
+def _forkserver_alive() -> bool:
+    """Whether this process's forkserver runs, asked without reaping it (WNOWAIT: multiprocessing's own check at
+    the next start sees an ended one and starts another)."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", -1)   # (-1: not known here)
+    try:
+        return pid == -1 or pid is not None and os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False
 
 
 def _prepare_forkserver(given: Any) -> None:
