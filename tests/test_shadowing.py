@@ -156,6 +156,14 @@ def test_an_environments_forkserver_imports_rlflow_and_its_episodes_start_python
     the working directory): the forkserver, started with this process's environment, imports rlflow's tasks, not
     the working directory's; the episode it forks makes the user's environment, whose `python script.py` has the
     script's folder first on its path and no PYTHONSAFEPATH."""
+    out, spawned = _driven_from_a_shadowing_folder(tmp_path, FORKSERVER)
+    assert [(s["when"], s["code"], s["out"], s["safepath"]) for s in spawned] == [("factory", 0, "sibling", None)]
+
+
+def _driven_from_a_shadowing_folder(tmp_path: Path, driver_text: str) -> tuple[subprocess.CompletedProcess, list]:
+    """`driver_text` (letters.yaml's environment from the user's userenv) run by path, as `rlflow` is (no -P, no
+    working directory on its path), from a folder with its own `tasks` and `flows`: none of them imported, exit 0;
+    its output and what the user's code started."""
     work = tmp_path / "project"
     mark = _shadowing(work)
     script, log = _script_with_sibling(tmp_path / "user"), tmp_path / "spawned.jsonl"
@@ -163,15 +171,14 @@ def test_an_environments_forkserver_imports_rlflow_and_its_episodes_start_python
         (work / name).write_text(USER_CODE[name].format(script=str(script), log=str(log)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.pop("PYTHONSAFEPATH", None)
-    driver = tmp_path / "driver" / "flow.py"                  # run by path, as `rlflow` is: no -P, no cwd on its path
+    driver = tmp_path / "driver" / "flow.py"
     driver.parent.mkdir()
-    driver.write_text(FORKSERVER.format(config=str(ROOT / "configs" / "letters.yaml")))
+    driver.write_text(driver_text.format(config=str(ROOT / "configs" / "letters.yaml")))
     out = subprocess.run([sys.executable, str(driver)], cwd=work, env=env, capture_output=True, text=True,
                          timeout=120)
     assert not mark.exists(), mark.read_text()
     assert out.returncode == 0, out.stderr[-3000:]
-    spawned = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [(s["when"], s["code"], s["out"], s["safepath"]) for s in spawned] == [("factory", 0, "sibling", None)]
+    return out, [json.loads(line) for line in log.read_text().splitlines()]
 
 
 FORKSERVER_ENDED = """
@@ -198,22 +205,8 @@ def test_a_forkserver_that_ended_starts_again_importing_rlflow(tmp_path):
     """The environments' forkserver killed between two episodes (the OOM killer, a stray kill): the next episode
     starts it again the way the first was started, where multiprocessing's own restart would put the working
     directory first on its path and import the user's `tasks` package."""
-    work = tmp_path / "project"
-    mark = _shadowing(work)
-    script, log = _script_with_sibling(tmp_path / "user"), tmp_path / "spawned.jsonl"
-    for name in ("userspawn.py", "userenv.py"):
-        (work / name).write_text(USER_CODE[name].format(script=str(script), log=str(log)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    env.pop("PYTHONSAFEPATH", None)
-    driver = tmp_path / "driver" / "flow.py"
-    driver.parent.mkdir()
-    driver.write_text(FORKSERVER_ENDED.format(config=str(ROOT / "configs" / "letters.yaml")))
-    out = subprocess.run([sys.executable, str(driver)], cwd=work, env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert not mark.exists(), mark.read_text()
-    assert out.returncode == 0, out.stderr[-3000:]
+    out, spawned = _driven_from_a_shadowing_folder(tmp_path, FORKSERVER_ENDED)
     assert "the environments' forkserver had ended: starting it again" in out.stderr
-    spawned = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(s["when"], s["code"], s["out"]) for s in spawned] == [("factory", 0, "sibling")] * 2
 
 
