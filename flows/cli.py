@@ -17,8 +17,10 @@ More: docs/internals.md (flows/cli.py): stopping, in full.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -406,13 +408,20 @@ def _exit_after_done(code: int) -> None:
     exit_now(code)
 
 
+def whole_number(text: str) -> int:
+    """argparse's type for a count: ASCII digits, an optional sign (int() also reads '٣' and '1_0')."""
+    if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+        raise argparse.ArgumentTypeError(f"expected a whole number in digits 0-9, got {text!r}")
+    return int(text)
+
+
 def cmd_tune(args) -> int:
     from flows.tune import check_arguments
     from tasks.core.config import load_config
 
     check_arguments(args)
     check_path("--space", args.space, "file", writes=False)
-    if args.out:
+    if args.out is not None:
         check_path("--out", args.out, "folder")
         if (Path(args.out) / "trials").is_file():
             raise UserError(f"--out: {Path(args.out) / 'trials'} is a file, not the folder of the trials' logs")
@@ -424,8 +433,11 @@ def cmd_tune(args) -> int:
         check_path("--out (default rlflow-tune/<study>)", Path("rlflow-tune") / (args.study or f"{cfg.run.name}-tune"),
                    "folder")
     space = load_space(args.space, args.config, args.override)
-    _command_process()
-    from flows.tune import tune_flow
+    args.overrides_json = "[]"
+    checked_config(args)            # what `rlflow run` of the base config refuses, before any trial (its data...)
+    from flows.tune import check_study, tune_flow
+
+    check_study(args, cfg, space)   # a study resumed with another space: refused before a trial runs
 
     server = None
     if not os.environ.get("PREFECT_API_URL"):      # one temporary API for the tune and all its trials' flow runs
@@ -509,18 +521,18 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("config", help="the base config; each trial is a run of it with the space's values")
     tune.add_argument("--space", required=True, metavar="SPACE.yaml",
                       help="config key -> {type: log_uniform|uniform|int|categorical, low/high or choices}")
-    tune.add_argument("--trials", type=int, required=True, metavar="N", help="trials in the study, in all")
-    tune.add_argument("--parallel", type=int, default=1, metavar="K", help="trials at once (default 1)")
+    tune.add_argument("--trials", type=whole_number, required=True, metavar="N", help="trials in the study, in all")
+    tune.add_argument("--parallel", type=whole_number, default=1, metavar="K", help="trials at once (default 1)")
     tune.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                       help="dotted config override for every trial (repeatable)")
     tune.add_argument("--metric", default="reward/mean", help="what a trial is judged by: a metric of each "
                       "iteration's reward, train or eval manifest (default reward/mean)")
     tune.add_argument("--direction", choices=["maximize", "minimize"], default="maximize")
-    tune.add_argument("--window", type=int, default=3, help="a trial's value: the mean of its last WINDOW "
+    tune.add_argument("--window", type=whole_number, default=3, help="a trial's value: the mean of its last WINDOW "
                       "iterations' metric (also what is reported for pruning; default 3)")
     tune.add_argument("--pruner", choices=["median", "none"], default="median")
     tune.add_argument("--sampler", choices=["tpe", "random"], default="tpe")
-    tune.add_argument("--seed", type=int, default=0, help="the sampler's seed")
+    tune.add_argument("--seed", type=whole_number, default=0, help="the sampler's seed")
     tune.add_argument("--study", help="the study's name (default <run.name>-tune)")
     tune.add_argument("--storage", help="Optuna storage URL (default sqlite:///<out>/study.db)")
     tune.add_argument("--out", help="where the study, trial logs and best.yaml go (default rlflow-tune/<study>)")
@@ -548,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--overrides-json", default="[]", metavar="JSON")
     from flows.warmup import add_commands
 
-    add_commands(sub, "dotted config override (repeatable)")
+    add_commands(sub, "dotted config override (repeatable)", whole_number)
     args = ap.parse_args(argv)
     if args.command == "run":
         _stop_on_signals()

@@ -53,6 +53,16 @@ class Param:
     choices: tuple | None = None
     log: bool = False
 
+    def distribution(self):
+        """Optuna's distribution of this parameter (what a study records for each trial)."""
+        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+        if self.kind == "categorical":
+            return CategoricalDistribution(list(self.choices))
+        if self.kind == "int":
+            return IntDistribution(int(self.low), int(self.high), log=self.log)
+        return FloatDistribution(float(self.low), float(self.high), log=self.kind == "log_uniform")
+
     def suggest(self, trial) -> Any:
         if self.kind == "categorical":
             return trial.suggest_categorical(self.key, list(self.choices))
@@ -78,20 +88,31 @@ def _number(value: Any, kind: str) -> Any:
 
 def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]:
     """The search space, every bound and choice checked against the config's own schema (one line on error)."""
+    from tasks.core.config import DuplicateKey, load_yaml
+
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = load_yaml(Path(path).read_bytes().decode("utf-8-sig"), f"--space: {path}")
     except FileNotFoundError:
         raise UserError(f"--space: {path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--space: {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except DuplicateKey as e:
+        raise UserError(f"--space: {path}: line {e.problem_mark.line + 1}: key {e.key!r} appears twice") from None
     except yaml.YAMLError as e:
         raise UserError(f"--space: {path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict) or not raw:
         raise UserError(f"--space: {path}: expected a mapping of config keys to distributions, e.g. "
                         f"train.lr: {{type: log_uniform, low: 1.0e-6, high: 1.0e-4}}")
     space = {}
+    base = load_config(config, overrides)
     for key, spec in raw.items():
         where = f"--space: {key}"
         if key in ("run.name", "run.iterations") or not isinstance(key, str):
             raise UserError(f"{where}: not a key to tune (the tune sets run.name; run.iterations is the budget)")
+        if _is_section(base, key):
+            raise UserError(f"{where}: a section, not a key to tune; name one of its keys ({key}.<key>)")
+        if set_too := [o for o in overrides if o.partition("=")[0].strip() == key]:
+            raise UserError(f"{where}: also set by -o {set_too[-1]}; a tuned key is set by each trial (drop one)")
         if not isinstance(spec, dict) or spec.get("type") not in TYPES:
             raise UserError(f"{where}: expected {{type: one of {list(TYPES)}, ...}}, got {spec!r}")
         kind = spec["type"]
@@ -102,6 +123,9 @@ def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]
             choices = spec.get("choices")
             if not isinstance(choices, list) or not choices:
                 raise UserError(f"{where}: categorical needs a non-empty list of choices")
+            if any(c is not None and not isinstance(c, bool | int | float | str) for c in choices):
+                raise UserError(f"{where}: choices must be numbers, strings, booleans or null (what Optuna stores), "
+                                f"got {next(c for c in choices if isinstance(c, list | dict))!r}")
             param = Param(key, kind, choices=tuple(choices))
             values = list(choices)
         else:
@@ -112,17 +136,60 @@ def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]
                                 f"got low={low!r} high={high!r}")
             if not low < high:
                 raise UserError(f"{where}: empty range (low {low} must be below high {high})")
+            if not isinstance(spec.get("log", False), bool):
+                raise UserError(f"{where}: log: expected true or false, got {spec['log']!r}")
             if (kind == "log_uniform" or spec.get("log")) and low <= 0:
                 raise UserError(f"{where}: a log scale needs low > 0, got {low}")
-            param = Param(key, kind, low, high, log=bool(spec.get("log", False)))
-            values = [low, high]
+            param = Param(key, kind, low, high, log=spec.get("log", False))
+            # (a float range draws fractional values: the field must take one, not only the bounds)
+            values = [low, high] if kind == "int" else [low, high, low + (high - low) / math.pi]
         for value in values:                   # the key exists and its type takes the value
             try:
                 load_config(config, [*overrides, _override(key, value)])
             except UserError as e:
-                raise UserError(f"{where}: {value!r}: {str(e).removeprefix('config: ')}") from None
+                hint = (" (a whole-number field: use type: int)" if kind in ("uniform", "log_uniform")
+                        and value == values[-1] else "")
+                raise UserError(f"{where}: {value!r}: {str(e).removeprefix('config: ')}{hint}") from None
         space[key] = param
     return space
+
+
+def _is_section(cfg: Config, key: str) -> bool:
+    """Whether `key` names a whole section of the config (which a trial's value would replace), not one key."""
+    from pydantic import BaseModel
+
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, BaseModel) or part not in type(node).model_fields:
+            return False            # (not a key at all: said as the config says it, below)
+        node = getattr(node, part)
+    return isinstance(node, BaseModel)
+
+
+def check_study(args, cfg: Config, space: dict[str, Param]) -> None:
+    """A study resumed with a space whose distributions differ from those its trials were drawn from (a range, a
+    type, the choices) is refused, one line, before any trial: Optuna would fail each trial of it."""
+    import optuna
+    from optuna.distributions import check_distribution_compatibility
+
+    out = Path(args.out or Path("rlflow-tune") / (args.study or f"{cfg.run.name}-tune"))
+    if args.storage is None and not (out / "study.db").is_file():
+        return                                  # (a new study: nothing to compare, nothing made here)
+    storage = args.storage or f"sqlite:///{(out / 'study.db').absolute()}"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.load_study(study_name=args.study or f"{cfg.run.name}-tune", storage=storage)
+    except KeyError:
+        return                                  # (no such study in that database yet)
+    for trial in study.get_trials(deepcopy=False):
+        for key, old in trial.distributions.items():
+            if key in space:
+                try:
+                    check_distribution_compatibility(old, space[key].distribution())
+                except ValueError:
+                    raise UserError(f"--space: {key}: the study {study.study_name!r} ({storage}) drew it from {old} "
+                                    f"in trial {trial.number}; a changed space is a new study (--study NAME)") \
+                        from None
 
 
 LAG = 2            # iterations a train or evaluation metric may land after its iteration's rewards and be read
@@ -168,10 +235,36 @@ def check_arguments(args) -> None:
         from sqlalchemy.exc import ArgumentError
 
         try:
-            make_url(args.storage)
+            url = make_url(args.storage)
         except ArgumentError:
             raise UserError(f"--storage: {args.storage!r}: expected a database URL Optuna opens (SQLAlchemy's: "
                             f"sqlite:///path/study.db, postgresql://user@host/db)") from None
+        _check_storage(args.storage, url)
+
+
+def _check_storage(text: str, url) -> None:
+    """The database opens: a sqlite file can be made where it would go (nothing made now); any other is connected
+    to once (its driver installed, its server answering)."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from tasks.core.paths import check_path
+
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        if not Path(url.database).absolute().parent.is_dir():
+            raise UserError(f"--storage: {text}: the folder {Path(url.database).absolute().parent} does not exist "
+                            f"(sqlite makes the file, not its folder)")
+        check_path("--storage", url.database, "file")
+        return
+    try:
+        engine = create_engine(url, connect_args={"connect_timeout": 10} if url.get_backend_name() in (
+            "postgresql", "mysql") else {})
+        with engine.connect():
+            pass
+        engine.dispose()
+    except (SQLAlchemyError, ImportError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"--storage: {text}: cannot open it ({why[:200]})") from None
 
 
 def check_metric(metric: str, cfg: Config) -> None:

@@ -68,7 +68,7 @@ def log_metrics(cfg: Config, end: bool = False) -> None:
 
 # ------------------------------------------------------------------------------------------ the commands
 
-def add_commands(sub, override_help: str) -> None:
+def add_commands(sub, override_help: str, whole_number) -> None:
     sft = sub.add_parser("sft", help="the warm start alone: SFT on warmup.path's demonstrations, published as the "
                          "run's starting policy v0 (rlflow run does it first when the config has warmup:)")
     sft.add_argument("config", help="YAML config with a warmup section")
@@ -82,7 +82,7 @@ def add_commands(sub, override_help: str) -> None:
     rec.add_argument("--out", required=True, help="a .jsonl file to write (replaced whole)")
     rec.add_argument("--split", choices=["train", "eval"], default="train")
     rec.add_argument("--rows", help="row indices of the split: 0-9,12 (default: every row)")
-    rec.add_argument("--n", type=int, default=1, help="episodes per row (default 1)")
+    rec.add_argument("--n", type=whole_number, default=1, help="episodes per row (default 1)")
     rec.add_argument("--min-return", type=float, default=1.0, help="keep episodes whose return is at least this "
                      "(default 1.0: solved)")
     rec.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help=override_help)
@@ -118,8 +118,8 @@ def _rows(text: str | None) -> list[int] | None:
     try:
         for part in text.split(","):
             a, dash, b = part.strip().partition("-")
-            if dash and not b:
-                raise ValueError        # ("3-": a range without its end)
+            if dash and not b or not (a + b).isascii():
+                raise ValueError        # ("3-": a range without its end; int() reads '٣' as 3)
             if b and int(b) < int(a):
                 raise UserError(f"--rows: {part.strip()}: an empty range (its end before its start); expected "
                                 f"FIRST-LAST with FIRST <= LAST")

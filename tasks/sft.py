@@ -144,8 +144,8 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
         raise ValueError("the conversation starts with an assistant message; the model needs a prompt first")
     if not any(m["role"] == "assistant" for m in rest):
         raise ValueError("the completion has no assistant message (nothing to learn)")
-    if not any(m.get("content") or m.get("tool_calls") for m in rest if m["role"] == "assistant"):
-        raise ValueError("every assistant message is empty (nothing to learn but the end of a turn)")
+    if not any(_text_of(m.get("content")).strip() or m.get("tool_calls") for m in rest if m["role"] == "assistant"):
+        raise ValueError("every assistant message is empty or blank (nothing to learn but the end of a turn)")
     if any(m["role"] == "system" for m in prompt[1:] + rest):
         raise ValueError("a system message after the first message; the templates take one, first")
     tools = row.get("tools") or None
@@ -171,6 +171,13 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
 
 def _ended(text: str, eos: str) -> str:
     return text if not eos or text.endswith(eos) else text + eos
+
+
+def _text_of(content) -> str:
+    """A message's text: its content as a string, or its text parts' joined (None: no text)."""
+    if isinstance(content, list):
+        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
 
 
 def _string(row: dict, column: str) -> str:

@@ -86,9 +86,17 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
               "wrong_type": "train.lr: {type: categorical, choices: [fast, 0.01]}\n",
               "unknown_dist": "train.lr: {type: normal, low: 0, high: 1}\n",
               "not_a_mapping": "- train.lr\n",
-              "ok": "train.lr: {type: log_uniform, low: 1.0e-5, high: 1.0e-2}\n"}
+              "ok": "train.lr: {type: log_uniform, low: 1.0e-5, high: 1.0e-2}\n",
+              "twice": "train.lr: {type: uniform, low: 0.1, high: 0.2}\ntrain.lr: {type: uniform, low: 0.3, high: 0.4}\n",
+              "log_text": "train.lr: {type: uniform, low: 0.001, high: 0.01, log: 'false'}\n",
+              "section": "train: {type: categorical, choices: [{lr: 0.1}]}\n",
+              "dict_choice": "train.learner: {type: categorical, choices: [{loss_type: grpo}]}\n",
+              "float_on_int": "train.micro_batch_size: {type: uniform, low: 1, high: 8}\n",
+              "linear": "train.lr: {type: uniform, low: 0.001, high: 0.01}\n"}
     for name, text in spaces.items():
         (tmp / f"space_{name}.yaml").write_text(text)
+    _study_of_another_space(tmp / "oldstudy")
+    (tmp / "space_latin1.yaml").write_bytes("train.lr: {type: uniform, low: 0.1, high: 0.2} # \xe9\n".encode("latin-1"))
     no_chat = _model_without_chat_template(tmp)
     (tmp / "not-a-model.gguf").write_text("not GGUF at all\n")
     write_gguf(builtin_models.resolve("builtin:tiny-lm"), tmp / "bert.gguf", arch="bert")
@@ -420,6 +428,38 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                                       str(tmp / "space_empty_range.yaml"), "--metric",
                                                       "eval/greedy_pass_at_1", "-o", "eval.every=0"],
                                                      "--metric: eval/greedy_pass_at_1: the config evaluates nothing"),
+        "tune, storage folder missing": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ok.yaml"),
+                                          "--storage", "sqlite:////nonexistent/dir/study.db"],
+                                         "--storage: sqlite:////nonexistent/dir/study.db: the folder /nonexistent/dir does not exist"),
+        "tune, storage without its driver": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ok.yaml"),
+                                              "--storage", "foo://bar"], "--storage: foo://bar: cannot open it"),
+        "tune, storage that does not answer": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ok.yaml"),
+                                                "--storage", "sqlite:///" + str(tmp / "badrecipes")], "--storage: "),
+        "tune, space not UTF-8": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_latin1.yaml")],
+                                  "space_latin1.yaml: not UTF-8 text"),
+        "tune, a key twice in the space": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_twice.yaml")],
+                                           "space_twice.yaml: line 2: key 'train.lr' appears twice"),
+        "tune, log as text": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_log_text.yaml")],
+                              "--space: train.lr: log: expected true or false, got 'false'"),
+        "tune, a section as the key": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_section.yaml")],
+                                       "--space: train: a section, not a key to tune"),
+        "tune, a section's choices": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_dict_choice.yaml")],
+                                      "--space: train.learner: a section, not a key to tune"),
+        "tune, a fractional range on a whole-number field": (
+            ["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_float_on_int.yaml")],
+            "(a whole-number field: use type: int)"),
+        "tune, a tuned key also overridden": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ok.yaml"),
+                                               "-o", "train.lr=0.5"], "--space: train.lr: also set by -o train.lr=0.5"),
+        "tune, trials in other digits": (["tune", str(TINY), "--trials", "\u0663", "--space", str(tmp / "space_ok.yaml")],
+                                         "argument --trials: expected a whole number in digits 0-9"),
+        "tune, empty out": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ok.yaml"), "--out", ""],
+                            "--out: empty"),
+        "tune, data the run refuses": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ok.yaml"),
+                                        "-o", f"data.path={tmp}/missing.jsonl"], "data.path: "),
+        "tune, a study resumed with another space": (
+            ["tune", str(TINY), "--trials", "2", "--space", str(tmp / "space_twice.yaml").replace("twice", "linear"),
+             "--study", "old", "--out", str(tmp / "oldstudy")],
+            "--space: train.lr: the study 'old' (sqlite:///"),
         "tune, no trials": (["tune", str(TINY), "--trials", "0", "--space", str(tmp / "space_empty_range.yaml")],
                             "--trials: expected a whole number of at least 1, got 0"),
         "plan, bad launcher mode": (["plan", str(TINY), "-o", "launcher.where=cloud"], "launcher.where"),
@@ -521,7 +561,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "missing flag": (["tune", str(TINY), "--space", str(tmp / "space_empty_range.yaml")],
                          "rlflow tune: the following arguments are required: --trials"),
         "malformed flag": (["tune", str(TINY), "--trials", "two", "--space", str(tmp / "space_empty_range.yaml")],
-                           "rlflow tune: argument --trials: invalid int value: 'two'"),
+                           "rlflow tune: argument --trials: expected a whole number in digits 0-9, got 'two'"),
         "unknown command": (["train", str(TINY)], "rlflow: argument command: invalid choice: 'train'"),
         "no command": ([], "rlflow: the following arguments are required: command"),
     }
@@ -618,6 +658,18 @@ def _offline_store(root: Path) -> dict[str, str]:
             store.put_folder(key, Path(tmp), meta={"fingerprint": "x", "policy": "base"} if what == "rollouts" else
                              {"fingerprint": "x", "metrics": {}, "samples": [], "errors": {}})
     return keys
+
+
+def _study_of_another_space(folder: Path) -> None:
+    """A tune's folder whose study (`old`) drew train.lr on a log scale in its one trial."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    folder.mkdir()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="old", storage=f"sqlite:///{folder / 'study.db'}")
+    study.add_trial(optuna.trial.create_trial(params={"train.lr": 1e-3}, value=0.5,
+                                              distributions={"train.lr": FloatDistribution(1e-5, 1e-2, log=True)}))
 
 
 def _reward_model_cases() -> dict[str, tuple[list[str], str]]:

@@ -246,7 +246,8 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
         "empty_completion": ([{"prompt": "a=", "completion": " "}], [],
                              "row 1: an empty completion (nothing to learn but the end of the text)"),
         "empty_assistant": ([{"messages": [user, {"role": "assistant", "content": ""}]}], [],
-                            "row 1: every assistant message is empty (nothing to learn but the end of a turn)"),
+                            "row 1: every assistant message is empty or blank (nothing to learn but the end of a "
+                            "turn)"),
         "max_length_above_context": ([{"messages": [user, bot]}], ["warmup.max_length=2000"],
                                      "warmup.max_length: 2000 tokens is above the model's context "
                                      "(max_position_embeddings) 256; expected at most 256"),
@@ -286,6 +287,12 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
         "not_utf8": (b'{"messages": [{"role": "user", "content": "a\xff="}, {"role": "assistant", "content": "b"}]}\n',
                      [], "demos.jsonl: line 1: not UTF-8 text (invalid start byte at byte 44)"),
         "empty": (b"", [], "demos.jsonl: no rows (the file is empty)"),
+        "blank_assistant": ([{"messages": [user, {"role": "assistant", "content": "   "}]}], [],
+                            "row 1: every assistant message is empty or blank"),
+        "blank_assistant_parts": ([{"messages": [user, {"role": "assistant", "content": [
+            {"type": "text", "text": " \n"}]}]}], [], "row 1: every assistant message is empty or blank"),
+        "key_twice": (b'{"messages": [], "messages": [{"role": "user", "content": "a="}, {"role": "assistant", '
+                      b'"content": "b"}]}\n', [], "demos.jsonl: line 1: key 'messages' appears twice in one object"),
     }
     calls = []
     for name, (rows, more, _) in cases.items():
@@ -466,3 +473,14 @@ def test_the_turn_limit_that_cuts_demonstrations_is_part_of_v0s_inputs(tmp_path,
     sft(old)
     monkeypatch.undo()
     assert made_v0(old, Store.open(str(tmp_path / "legacy"))) is not None
+
+
+def test_an_empty_warmup_path_in_a_config_file_is_refused_as_empty(tmp_path):
+    """`path: ''` written in a config file was resolved against the file's folder (which exists): the warm start
+    then named that folder as its data file, after the model loaded."""
+    from tasks.core.errors import UserError
+
+    config = tmp_path / "c.yaml"
+    config.write_text(TINY.read_text() + "\nwarmup: {path: ''}\n")
+    with pytest.raises(UserError, match=r"warmup.path: string should have at least 1 character"):
+        load_config(config, [])

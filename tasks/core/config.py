@@ -296,7 +296,7 @@ def _what(section: Section) -> dict:
 _PATH_FIELDS = (("data", "path"), ("model", "name_or_path"), ("eval", "path"), ("warmup", "path"))
 
 
-class _DuplicateKey(yaml.YAMLError):
+class DuplicateKey(yaml.YAMLError):
     def __init__(self, key, mark):
         super().__init__(f"duplicate key {key!r}")
         self.key, self.problem_mark = key, mark
@@ -310,7 +310,7 @@ class _StrictLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, str | int | float | bool) and key in seen:
-                raise _DuplicateKey(key, key_node.start_mark)
+                raise DuplicateKey(key, key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -319,7 +319,7 @@ MAX_VALUES = 100_000     # values a config (or an override's value) may hold, ea
 MAX_DEPTH = 64           # levels of nesting
 
 
-def _load_yaml(text: str, where: str):
+def load_yaml(text: str, where: str):
     """The YAML document, refused (one UserError line naming `where`) if it nests deeper than MAX_DEPTH or holds
     more than MAX_VALUES values once its aliases are expanded (an alias bomb takes GBs when validated)."""
     try:
@@ -345,8 +345,8 @@ def _load_yaml(text: str, where: str):
 def _parse_value(raw: str) -> Any:
     """An override value is YAML: `3` is an int, `[1, 2]` a list, `{"fn": ...}` a mapping, else a string."""
     try:
-        return _load_yaml(raw, f"override value {raw[:40]!r}")
-    except _DuplicateKey as e:
+        return load_yaml(raw, f"override value {raw[:40]!r}")
+    except DuplicateKey as e:
         raise UserError(f"override value {raw!r}: key {e.key!r} appears twice") from None
     except yaml.YAMLError:
         return raw
@@ -367,7 +367,7 @@ def _resolve_relative(tree: dict, base: Path) -> None:
     """Relative paths written in a config file are relative to that file, if such a path exists there."""
     for section, key in _PATH_FIELDS:
         value = tree.get(section, {}).get(key) if isinstance(tree.get(section), dict) else None
-        if isinstance(value, str) and not value.startswith(("/", "builtin:")) and "://" not in value:
+        if isinstance(value, str) and value.strip() and not value.startswith(("/", "builtin:")) and "://" not in value:
             candidate = base / value
             if candidate.exists():
                 tree[section][key] = str(candidate.resolve())
@@ -457,7 +457,7 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         if not p.is_file():
             raise UserError(f"config: {path} is not a regular file (a device, a pipe); expected a YAML config file")
         try:
-            loaded = _load_yaml(p.read_text(encoding="utf-8"), f"config: {path}") or {}
+            loaded = load_yaml(p.read_text(encoding="utf-8"), f"config: {path}") or {}
         except UnicodeDecodeError as e:
             raise UserError(f"config: {path}: not UTF-8 text (byte {e.start})") from None
         except OSError as e:
@@ -465,7 +465,7 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
-            what = (f"key {e.key!r} appears twice in one mapping" if isinstance(e, _DuplicateKey)
+            what = (f"key {e.key!r} appears twice in one mapping" if isinstance(e, DuplicateKey)
                     else "a second YAML document starts here; expected one" if "another document" in str(e)
                     else "not valid YAML")
             raise UserError(f"config: {path}{where}: {what}") from None

@@ -12,7 +12,7 @@ import functools
 import json
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -185,6 +185,15 @@ def _no_constant(text: str):
     raise _Unfit(f"{text} is not JSON (a missing value is null; or write it as a string)")
 
 
+def _once_each(pairs: list[tuple[str, Any]]) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _Unfit(f"key {key!r} appears twice in one object (JSON readers keep one of them; write it once)")
+        seen.add(key)
+    return dict(pairs)
+
+
 def _row_fault(path: Path, text: str | None = None) -> str | None:
     """What keeps a local .jsonl/.json/.csv file from being read as the rows it holds, with where, or None: a
     line that is not JSON, a row that is not a JSON object (a JSON array of strings would be read as a column
@@ -214,7 +223,8 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
         except csv.Error:
             return None                                    # (said as datasets says it)
         return None
-    hooks = {"parse_int": _fit_int, "parse_float": _fit_float, "parse_constant": _no_constant}
+    hooks = {"parse_int": _fit_int, "parse_float": _fit_float, "parse_constant": _no_constant,
+             "object_pairs_hook": _once_each}
     text = text.lstrip("\ufeff")
     lines = [line.rstrip("\r") for line in text.split("\n")]    # (not splitlines: U+2028 is text in a string)
     if text.lstrip().startswith(("[", "{")):             # one document (an array of rows, an object), or JSON Lines
