@@ -23,8 +23,12 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))     # this checkout's `tasks` (not installed here)
+# This checkout's `tasks` (not installed here), ahead of any other (a user's on PYTHONPATH) while it is imported,
+# then off the path's front: the checkout's sky/ folder of recipes would shadow SkyPilot's `sky` package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tasks.core.errors import corrupt_in, disk_full_in, user_error_in  # noqa: E402
+
+sys.path.append(sys.path.pop(0))
 
 
 class Tee(io.TextIOBase):

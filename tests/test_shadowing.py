@@ -321,3 +321,22 @@ def test_replicas_a_pool_and_a_judge_started_from_a_folder_with_its_own_tasks(tm
     finally:
         servers.stop()
     assert not mark.exists(), mark.read_text()
+
+
+def test_the_sky_bridge_imports_rlflows_tasks_before_a_users_on_pythonpath(tmp_path):
+    """flows/sky_bridge.py runs by path in SkyPilot's environment, which does not have rlflow installed: it puts
+    the checkout first while it imports rlflow's `tasks` (a user's on PYTHONPATH came first), then off the path's
+    front, where the checkout's sky/ folder would shadow SkyPilot's `sky`."""
+    sky_python = ROOT / ".venv-sky" / "bin" / "python"
+    if not sky_python.exists():
+        pytest.skip("no .venv-sky (make setup builds it)")
+    mark = _shadowing(tmp_path / "user")
+    bridge = ROOT / "flows" / "sky_bridge.py"           # (its --help, then what the path it left imports)
+    code = (f"import runpy, sys\nsys.argv = [{str(bridge)!r}, '--help']\n"
+            f"try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            f"import sky, tasks\nprint(tasks.__file__)\nprint('sky' if hasattr(sky, 'launch') else sky.__path__)")
+    out = subprocess.run([str(sky_python), "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "user")})
+    assert not mark.exists(), mark.read_text()
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == [str(ROOT / "tasks" / "__init__.py"), "sky"]

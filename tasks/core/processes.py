@@ -34,8 +34,8 @@ SAFEPATH_MARK = "RLFLOW_SAFEPATH"      # PYTHONSAFEPATH was set by rlflow_first:
 
 def runs_rlflow(argv: list[str]) -> bool:
     """Whether argv is a Python running rlflow's packages: `-m tasks...` / `-m flows...`, or `-c` code that imports
-    them. (A bridge script run by path in another environment, flows/sky_bridge.py or tasks/envs/adapters/
-    *_bridge.py, imports none of rlflow and keeps that environment's own path: not one.)"""
+    them. (A bridge script run by path in another environment keeps that environment's own path: not one.
+    tasks/envs/adapters/*_bridge.py import none of rlflow; flows/sky_bridge.py puts the checkout first itself.)"""
     return any(a == "-m" and argv[i + 1:i + 2] and argv[i + 1].split(".")[0] in ("tasks", "flows")
                or a == "-c" and argv[i + 1:i + 2] and _IMPORTS_RLFLOW.search(argv[i + 1]) is not None
                for i, a in enumerate(argv))
