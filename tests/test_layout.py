@@ -358,21 +358,36 @@ OS_STARTS = {"system", "popen", "spawnl", "spawnlp", "spawnv", "spawnvp", "posix
              "execvp", "execve", "execl", "execlp"}
 
 
-def _process_starts(path: Path) -> list[str]:
+ASYNC_STARTS = {"create_subprocess_exec", "create_subprocess_shell"}
+# Where a process is started otherwise, and why that is safe: multiprocessing's forkserver (started by warm_up in
+# the safe way, again if it ended; its children are forks), and Prefect's own Popen of its temporary server, wrapped
+# to start it in a session of its own (it runs prefect and uvicorn, nothing of rlflow's).
+OTHER_STARTS = {"tasks.envs.runtime.isolation": {"multiprocessing.get_context"},
+                "flows.cli": {"subprocess.Popen"}}
+
+
+def _process_starts(path: Path, module: str | None = None) -> list[str]:
+    """Each place `path` names a way to start a process: subprocess's and os's starters, asyncio's, multiprocessing
+    contexts and Process classes, by attribute or as imported names, called or not (`popen = subprocess.Popen`)."""
     tree = ast.parse(path.read_text(), str(path))
-    from_subprocess = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                       and n.module == "subprocess" for a in n.names if a.name in STARTS}
+    starters = {"subprocess": STARTS, "os": OS_STARTS, "asyncio": ASYNC_STARTS,
+                "multiprocessing": {"get_context", "Process", "Pool"}}
+    imported = {a.asname or a.name: f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                and n.module in starters for a in n.names if a.name in starters[n.module]}
+    hints = [n.annotation for n in ast.walk(tree) if isinstance(n, (ast.AnnAssign, ast.arg)) and n.annotation] + \
+        [n.returns for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns]
+    in_hints = {id(n) for hint in hints for n in ast.walk(hint)}       # (a type named is not a start)
     out = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
+        if id(node) in in_hints:
             continue
-        f = node.func
-        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (
-                (f.value.id == "subprocess" and f.attr in STARTS) or (f.value.id == "os" and f.attr in OS_STARTS)):
-            out.append(f"{_module_name(path)}:{node.lineno} {f.value.id}.{f.attr}")
-        elif isinstance(f, ast.Name) and f.id in from_subprocess:
-            out.append(f"{_module_name(path)}:{node.lineno} {f.id}")
-    return out
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                node.attr in starters.get(node.value.id, ()):
+            out.append((node.lineno, f"{node.value.id}.{node.attr}"))
+        elif isinstance(node, ast.Name) and node.id in imported:
+            out.append((node.lineno, imported[node.id]))
+    module = module or _module_name(path)
+    return [f"{module}:{line} {what}" for line, what in out if what not in OTHER_STARTS.get(module, set())]
 
 
 def test_every_child_process_starts_through_the_one_spawn_function():
@@ -380,6 +395,16 @@ def test_every_child_process_starts_through_the_one_spawn_function():
              if p != ROOT / "tasks" / "core" / "processes.py" for s in _process_starts(p)]
     # the harness runs inside the sandbox (the model's code: its own rules, docs/sandbox.md), not under rlflow
     assert [s for s in found if not s.startswith("tasks.scoring.harness:")] == []
+
+
+def test_the_start_finder_sees_starts_by_any_name_and_not_type_hints(tmp_path):
+    (tmp_path / "starts.py").write_text(
+        "import asyncio, multiprocessing, os, subprocess\nfrom os import system as sh\n"
+        "popen = subprocess.Popen\nsh('x')\nasyncio.create_subprocess_exec('x')\n"
+        "ctx = multiprocessing.get_context('spawn')\n\n\ndef f(p: subprocess.Popen) -> subprocess.Popen:\n"
+        "    q: subprocess.Popen | None = None\n    return p or q\n")
+    found = [s.split(" ", 1)[1] for s in _process_starts(tmp_path / "starts.py", "starts")]
+    assert found == ["subprocess.Popen", "os.system", "asyncio.create_subprocess_exec", "multiprocessing.get_context"]
 
 
 # Writing the process's environment: only tasks/core/process_wide.py does (set_default, set_variable, take, restore,
