@@ -433,9 +433,12 @@ def cmd_tune(args) -> int:
         check_path("--out (default rlflow-tune/<study>)", Path("rlflow-tune") / (args.study or f"{cfg.run.name}-tune"),
                    "folder")
     space = load_space(args.space, args.config, args.override)
-    args.overrides_json = "[]"
-    checked_config(args)            # what `rlflow run` of the base config refuses, before any trial (its data...)
-    from flows.tune import check_study, tune_flow
+    from flows.tune import check_study, run_name, tune_flow
+
+    # What `rlflow run` of the base config refuses (its data, model, warm start...), before any trial, under a run
+    # name no trial has: what the store holds of the base run (its resume state, its v0) is not a trial's.
+    checked_config(argparse.Namespace(config=args.config, overrides_json="[]", override=[
+        *args.override, f"run.name={run_name(cfg.run.name, {'preflight': True})}"]))
 
     check_study(args, cfg, space)   # a study resumed with another space: refused before a trial runs
 

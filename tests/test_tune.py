@@ -202,3 +202,24 @@ def test_a_bound_written_without_a_dot_is_the_number_the_config_takes(tmp_path):
     (tmp_path / "space.yaml").write_text("train.lr: {type: uniform, low: small, high: 1e-2}\n")
     with pytest.raises(UserError, match="needs numeric low and high, got low='small'"):
         load_space(str(tmp_path / "space.yaml"), str(TINY), [])
+
+
+def test_the_base_runs_own_store_state_does_not_refuse_a_tune(tmp_path, prefect_api):
+    """Before any trial the tune asks what `rlflow run` refuses of the base config, under a run name no trial has:
+    the base run's v0, made by a warm start at other settings, is not a trial's (each trial makes its own), so a
+    tune of warmup.lr is not refused as a resume with changed values (it was, by the base run's name)."""
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text('{"messages": [{"role": "user", "content": "a="}, {"role": "assistant", "content": "bbb"}]}\n')
+    sets = [f"warmup={{path: {demos}}}", f"store.uri={tmp_path}/store", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    made = subprocess.run([sys.executable, "-m", "flows.cli", "sft", str(TINY), *(a for s in sets for a in ("-o", s))],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    (tmp_path / "space.yaml").write_text("train.lr: {type: log_uniform, low: 1.0e-4, high: 1.0e-2}\n")
+    code = ("import sys, flows.tune\nflows.tune.tune_flow = lambda *a: sys.exit(42)   # (reached: no trial run)\n"
+            "from flows.cli import main\nsys.exit(main())")
+    argv = ["tune", str(TINY), "--space", str(tmp_path / "space.yaml"), "--trials", "1", "--out",
+            str(tmp_path / "tune"), *(a for s in [*sets, "warmup.lr=0.002"] for a in ("-o", s))]
+    tune = subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert tune.returncode == 42, tune.stderr[-2000:]
