@@ -484,3 +484,12 @@ def test_an_empty_warmup_path_in_a_config_file_is_refused_as_empty(tmp_path):
     config.write_text(TINY.read_text() + "\nwarmup: {path: ''}\n")
     with pytest.raises(UserError, match=r"warmup.path: string should have at least 1 character"):
         load_config(config, [])
+
+
+def test_a_warm_up_as_long_as_the_steps_is_refused():
+    """warmup.lr_warmup_steps at or past warmup.max_steps: the lr would never reach warmup.lr (was accepted)."""
+    from tasks.core.errors import UserError
+
+    with pytest.raises(UserError, match=r"warmup: lr_warmup_steps 5 is not below max_steps 5"):
+        load_config(TINY, ["warmup={path: x.jsonl, lr_warmup_steps: 5, max_steps: 5}"])
+    assert load_config(TINY, ["warmup={path: x.jsonl, lr_warmup_steps: 4, max_steps: 5}"]).warmup.max_steps == 5

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tasks.core.config_base import HOW_NOT_WHAT, Section
 
@@ -52,3 +52,10 @@ class WarmupConfig(Section):
                                   description="Optimizer steps between checkpoints (<run>/sft/trainer/ckpt-S); a "
                                   "killed warm start resumes from the newest with the same weights as one never "
                                   "killed.")
+
+    @model_validator(mode="after")
+    def _warm_up_within_the_steps(self):
+        if self.max_steps is not None and self.lr_warmup_steps >= self.max_steps:
+            raise ValueError(f"lr_warmup_steps {self.lr_warmup_steps} is not below max_steps {self.max_steps}: the "
+                             f"lr would never reach warmup.lr; expected fewer warm-up steps than steps")
+        return self
