@@ -435,10 +435,15 @@ def cmd_tune(args) -> int:
     space = load_space(args.space, args.config, args.override)
     from flows.tune import check_study, run_name, tune_flow
 
-    # What `rlflow run` of the base config refuses (its data, model, warm start...), before any trial, under a run
-    # name no trial has: what the store holds of the base run (its resume state, its v0) is not a trial's.
-    checked_config(argparse.Namespace(config=args.config, overrides_json="[]", override=[
-        *args.override, f"run.name={run_name(cfg.run.name, {'preflight': True})}"]))
+    # What `rlflow run` of the base config refuses, before any trial, under a run name no trial has (the base run's
+    # v0 or resume state is not a trial's); what it leaves here for trials to inherit (DS_ACCELERATOR, a worker) goes.
+    from tasks.core.process_wide import environment_variables
+    from tasks.scoring.functions import close_workers
+
+    with environment_variables({"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR")}):
+        checked_config(argparse.Namespace(config=args.config, overrides_json="[]", override=[
+            *args.override, f"run.name={run_name(cfg.run.name, {'preflight': True})}"]))
+    close_workers()
 
     check_study(args, cfg, space)   # a study resumed with another space: refused before a trial runs
 

@@ -61,14 +61,15 @@ class Param:
             return CategoricalDistribution(list(self.choices))
         if self.kind == "int":
             return IntDistribution(int(self.low), int(self.high), log=self.log)
-        return FloatDistribution(float(self.low), float(self.high), log=self.kind == "log_uniform")
+        return FloatDistribution(float(self.low), float(self.high), log=self.kind == "log_uniform" or self.log)
 
     def suggest(self, trial) -> Any:
         if self.kind == "categorical":
             return trial.suggest_categorical(self.key, list(self.choices))
         if self.kind == "int":
             return trial.suggest_int(self.key, int(self.low), int(self.high), log=self.log)
-        return trial.suggest_float(self.key, float(self.low), float(self.high), log=self.kind == "log_uniform")
+        log = self.kind == "log_uniform" or self.log
+        return trial.suggest_float(self.key, float(self.low), float(self.high), log=log)
 
 
 def _override(key: str, value: Any) -> str:
@@ -123,9 +124,9 @@ def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]
             choices = spec.get("choices")
             if not isinstance(choices, list) or not choices:
                 raise UserError(f"{where}: categorical needs a non-empty list of choices")
-            if any(c is not None and not isinstance(c, bool | int | float | str) for c in choices):
+            if odd := [c for c in choices if c is not None and not isinstance(c, bool | int | float | str)]:
                 raise UserError(f"{where}: choices must be numbers, strings, booleans or null (what Optuna stores), "
-                                f"got {next(c for c in choices if isinstance(c, list | dict))!r}")
+                                f"got {odd[0]!r}")
             param = Param(key, kind, choices=tuple(choices))
             values = list(choices)
         else:
@@ -167,20 +168,26 @@ def _is_section(cfg: Config, key: str) -> bool:
 
 
 def check_study(args, cfg: Config, space: dict[str, Param]) -> None:
-    """A study resumed with a space whose distributions differ from those its trials were drawn from (a range, a
-    type, the choices) is refused, one line, before any trial: Optuna would fail each trial of it."""
+    """A study resumed with a space whose distributions Optuna cannot mix with those its trials were drawn from
+    (another type, a log scale changed, other choices) is refused, one line, before any trial: Optuna would fail
+    each trial of it. (A range widened or narrowed mixes: it is not refused.)"""
     import optuna
     from optuna.distributions import check_distribution_compatibility
+    from sqlalchemy.engine import make_url
 
     out = Path(args.out or Path("rlflow-tune") / (args.study or f"{cfg.run.name}-tune"))
-    if args.storage is None and not (out / "study.db").is_file():
-        return                                  # (a new study: nothing to compare, nothing made here)
     storage = args.storage or f"sqlite:///{(out / 'study.db').absolute()}"
+    url = make_url(storage)
+    if url.get_backend_name() == "sqlite" and not (url.database and Path(url.database).is_file()):
+        return                                  # (a new study: nothing to compare, nothing made here)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         study = optuna.load_study(study_name=args.study or f"{cfg.run.name}-tune", storage=storage)
     except KeyError:
         return                                  # (no such study in that database yet)
+    except Exception as e:  # noqa: BLE001 - a file that is no database, a damaged one: said as one line
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"--storage: {storage}: cannot open the study's database ({why[:200]})") from None
     for trial in study.get_trials(deepcopy=False):
         for key, old in trial.distributions.items():
             if key in space:
@@ -262,7 +269,7 @@ def _check_storage(text: str, url) -> None:
         with engine.connect():
             pass
         engine.dispose()
-    except (SQLAlchemyError, ImportError) as e:
+    except (SQLAlchemyError, ImportError, TypeError) as e:      # (TypeError: a driver that takes no timeout)
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"--storage: {text}: cannot open it ({why[:200]})") from None
 

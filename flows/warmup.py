@@ -118,8 +118,8 @@ def _rows(text: str | None) -> list[int] | None:
     try:
         for part in text.split(","):
             a, dash, b = part.strip().partition("-")
-            if dash and not b or not (a + b).isascii():
-                raise ValueError        # ("3-": a range without its end; int() reads '٣' as 3)
+            if not a.isdigit() or not a.isascii() or dash and not (b.isdigit() and b.isascii()):
+                raise ValueError        # ("3-": a range without its end; int() reads '٣' as 3, '1_0' as 10)
             if b and int(b) < int(a):
                 raise UserError(f"--rows: {part.strip()}: an empty range (its end before its start); expected "
                                 f"FIRST-LAST with FIRST <= LAST")

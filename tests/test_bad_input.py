@@ -92,7 +92,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
               "section": "train: {type: categorical, choices: [{lr: 0.1}]}\n",
               "dict_choice": "train.learner: {type: categorical, choices: [{loss_type: grpo}]}\n",
               "float_on_int": "train.micro_batch_size: {type: uniform, low: 1, high: 8}\n",
-              "linear": "train.lr: {type: uniform, low: 0.001, high: 0.01}\n"}
+              "linear": "train.lr: {type: uniform, low: 0.001, high: 0.01}\n",
+              "date_choice": "train.lr: {type: categorical, choices: [2024-01-01]}\n"}
     for name, text in spaces.items():
         (tmp / f"space_{name}.yaml").write_text(text)
     _study_of_another_space(tmp / "oldstudy")
@@ -271,6 +272,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "record, a range without its end": (["record", str(TINY), "--policy", "tasks.envs.builtin.games:reference_action",
                                              "--rows", "3-", "--out", str(tmp / "rec.jsonl")],
                                             "--rows: expected indices like 0-9,12, got '3-'"),
+        "record, rows with an underscore": (["record", str(TINY), "--policy", "tasks.envs.builtin.games:reference_action",
+                                             "--rows", "0-1_0", "--out", str(tmp / "rec.jsonl")],
+                                            "--rows: expected indices like 0-9,12, got '0-1_0'"),
+        "record, rows in other digits": (["record", str(TINY), "--policy", "tasks.envs.builtin.games:reference_action",
+                                          "--rows", "\u0663", "--out", str(tmp / "rec.jsonl")],
+                                         "--rows: expected indices like 0-9,12"),
         "record, an empty range of rows": (["record", str(TINY), "--policy", "tasks.envs.builtin.games:reference_action",
                                             "--rows", "5-2", "--out", str(tmp / "rec.jsonl")],
                                            "--rows: 5-2: an empty range (its end before its start)"),
@@ -460,6 +467,11 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             ["tune", str(TINY), "--trials", "2", "--space", str(tmp / "space_twice.yaml").replace("twice", "linear"),
              "--study", "old", "--out", str(tmp / "oldstudy")],
             "--space: train.lr: the study 'old' (sqlite:///"),
+        "tune, a date as a choice": (["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_date_choice.yaml")],
+                                     "--space: train.lr: choices must be numbers, strings, booleans or null"),
+        "tune, storage a file that is no database": (
+            ["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ok.yaml"), "--storage",
+             f"sqlite:///{tmp}/space_ok.yaml"], "--storage: sqlite:///"),
         "tune, no trials": (["tune", str(TINY), "--trials", "0", "--space", str(tmp / "space_empty_range.yaml")],
                             "--trials: expected a whole number of at least 1, got 0"),
         "plan, bad launcher mode": (["plan", str(TINY), "-o", "launcher.where=cloud"], "launcher.where"),

@@ -358,22 +358,39 @@ OS_STARTS = {"system", "popen", "spawnl", "spawnlp", "spawnv", "spawnvp", "posix
              "execvp", "execve", "execl", "execlp"}
 
 
-ASYNC_STARTS = {"create_subprocess_exec", "create_subprocess_shell"}
+# Every way to start a process, by its dotted name (a module imported under another name is followed).
+STARTERS = ({f"subprocess.{n}" for n in STARTS} | {f"os.{n}" for n in OS_STARTS | {"fork", "forkpty"}}
+            | {"asyncio.create_subprocess_exec", "asyncio.create_subprocess_shell", "pty.spawn", "pty.fork",
+               "multiprocessing.get_context", "multiprocessing.Process", "multiprocessing.Pool",
+               "multiprocessing.pool.Pool", "concurrent.futures.ProcessPoolExecutor"})
 # Where a process is started otherwise, and why that is safe: multiprocessing's forkserver (started by warm_up in
-# the safe way, again if it ended; its children are forks), and Prefect's own Popen of its temporary server, wrapped
-# to start it in a session of its own (it runs prefect and uvicorn, nothing of rlflow's).
+# the safe way, again if it ended; its children are forks); Prefect's own Popen of its temporary server, wrapped
+# to start it in a session of its own (it runs prefect and uvicorn, nothing of rlflow's); the reward worker's
+# wrapper of os.fork, which counts the children user functions fork (it starts none).
 OTHER_STARTS = {"tasks.envs.runtime.isolation": {"multiprocessing.get_context"},
-                "flows.cli": {"subprocess.Popen"}}
+                "flows.cli": {"subprocess.Popen"},
+                "tasks.scoring.worker": {"os.fork"}}
+
+
+def _dotted(node: ast.AST, modules: dict[str, str]) -> str | None:
+    """`a.b.c` for an attribute chain on a name, the name read through the module it was imported as."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([modules.get(node.id, node.id), *reversed(parts)])
 
 
 def _process_starts(path: Path, module: str | None = None) -> list[str]:
-    """Each place `path` names a way to start a process: subprocess's and os's starters, asyncio's, multiprocessing
-    contexts and Process classes, by attribute or as imported names, called or not (`popen = subprocess.Popen`)."""
+    """Each place `path` names a way to start a process (STARTERS), by attribute or as an imported name, under
+    any alias, called or not (`popen = subprocess.Popen`); a type hint is not one."""
     tree = ast.parse(path.read_text(), str(path))
-    starters = {"subprocess": STARTS, "os": OS_STARTS, "asyncio": ASYNC_STARTS,
-                "multiprocessing": {"get_context", "Process", "Pool"}}
+    modules = {a.asname or a.name.split(".")[0]: (a.name if a.asname else a.name.split(".")[0])
+               for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported = {a.asname or a.name: f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                and n.module in starters for a in n.names if a.name in starters[n.module]}
+                and n.module for a in n.names if f"{n.module}.{a.name}" in STARTERS}
     hints = [n.annotation for n in ast.walk(tree) if isinstance(n, (ast.AnnAssign, ast.arg)) and n.annotation] + \
         [n.returns for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns]
     in_hints = {id(n) for hint in hints for n in ast.walk(hint)}       # (a type named is not a start)
@@ -381,10 +398,9 @@ def _process_starts(path: Path, module: str | None = None) -> list[str]:
     for node in ast.walk(tree):
         if id(node) in in_hints:
             continue
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
-                node.attr in starters.get(node.value.id, ()):
-            out.append((node.lineno, f"{node.value.id}.{node.attr}"))
-        elif isinstance(node, ast.Name) and node.id in imported:
+        if isinstance(node, ast.Attribute) and (name := _dotted(node, modules)) in STARTERS:
+            out.append((node.lineno, name))
+        elif isinstance(node, ast.Name) and node.id in imported and isinstance(node.ctx, ast.Load):
             out.append((node.lineno, imported[node.id]))
     module = module or _module_name(path)
     return [f"{module}:{line} {what}" for line, what in out if what not in OTHER_STARTS.get(module, set())]
@@ -400,11 +416,16 @@ def test_every_child_process_starts_through_the_one_spawn_function():
 def test_the_start_finder_sees_starts_by_any_name_and_not_type_hints(tmp_path):
     (tmp_path / "starts.py").write_text(
         "import asyncio, multiprocessing, os, subprocess\nfrom os import system as sh\n"
+        "import subprocess as sp, multiprocessing.pool, concurrent.futures\nimport os as _os\n"
+        "from concurrent.futures import ProcessPoolExecutor as PPE\n"
         "popen = subprocess.Popen\nsh('x')\nasyncio.create_subprocess_exec('x')\n"
-        "ctx = multiprocessing.get_context('spawn')\n\n\ndef f(p: subprocess.Popen) -> subprocess.Popen:\n"
+        "ctx = multiprocessing.get_context('spawn')\nsp.run(['x'])\n_os.fork()\nmultiprocessing.pool.Pool()\n"
+        "concurrent.futures.ProcessPoolExecutor()\nPPE()\n\n\ndef f(p: subprocess.Popen) -> subprocess.Popen:\n"
         "    q: subprocess.Popen | None = None\n    return p or q\n")
-    found = [s.split(" ", 1)[1] for s in _process_starts(tmp_path / "starts.py", "starts")]
-    assert found == ["subprocess.Popen", "os.system", "asyncio.create_subprocess_exec", "multiprocessing.get_context"]
+    found = sorted(s.split(" ", 1)[1] for s in _process_starts(tmp_path / "starts.py", "starts"))
+    assert found == sorted(["subprocess.Popen", "os.system", "asyncio.create_subprocess_exec",
+                            "multiprocessing.get_context", "subprocess.run", "os.fork", "multiprocessing.pool.Pool",
+                            "concurrent.futures.ProcessPoolExecutor", "concurrent.futures.ProcessPoolExecutor"])
 
 
 # Writing the process's environment: only tasks/core/process_wide.py does (set_default, set_variable, take, restore,

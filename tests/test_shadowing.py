@@ -223,6 +223,7 @@ def where_tasks_is():
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, "")                                  # (as `python -c` has it: the working directory by name)
     assert import_user("usermod:make", "env.factory")() == "made"     # (found in the working directory)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         print(pool.apply(where_tasks_is))

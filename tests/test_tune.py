@@ -211,13 +211,15 @@ def test_the_base_runs_own_store_state_does_not_refuse_a_tune(tmp_path, prefect_
     demos = tmp_path / "demos.jsonl"
     demos.write_text('{"messages": [{"role": "user", "content": "a="}, {"role": "assistant", "content": "bbb"}]}\n')
     sets = [f"warmup={{path: {demos}}}", f"store.uri={tmp_path}/store", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
-    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    env = {**{k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}, "PREFECT_API_URL": prefect_api}
     made = subprocess.run([sys.executable, "-m", "flows.cli", "sft", str(TINY), *(a for s in sets for a in ("-o", s))],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
     (tmp_path / "space.yaml").write_text("train.lr: {type: log_uniform, low: 1.0e-4, high: 1.0e-2}\n")
-    code = ("import sys, flows.tune\nflows.tune.tune_flow = lambda *a: sys.exit(42)   # (reached: no trial run)\n"
-            "from flows.cli import main\nsys.exit(main())")
+    # reached (no trial run), with nothing left by the preflight for the trials: DS_ACCELERATOR, a reward worker
+    code = ("import os, sys, flows.tune\nfrom tasks.core.processes import descendants\n"
+            "flows.tune.tune_flow = lambda *a: sys.exit(42 if 'DS_ACCELERATOR' not in os.environ and not "
+            "descendants(os.getpid()) else 43)\nfrom flows.cli import main\nsys.exit(main())")
     argv = ["tune", str(TINY), "--space", str(tmp_path / "space.yaml"), "--trials", "1", "--out",
             str(tmp_path / "tune"), *(a for s in [*sets, "warmup.lr=0.002"] for a in ("-o", s))]
     tune = subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,

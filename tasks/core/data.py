@@ -185,6 +185,14 @@ def _no_constant(text: str):
     raise _Unfit(f"{text} is not JSON (a missing value is null; or write it as a string)")
 
 
+def _one_document(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
 def _once_each(pairs: list[tuple[str, Any]]) -> dict:
     seen = set()
     for key, _ in pairs:
@@ -231,8 +239,9 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
         try:
             items = json.loads(text, **hooks)
         except _Unfit as e:
-            if text.lstrip().startswith("["):
-                return str(e)
+            if text.lstrip().startswith("[") or _one_document(text):
+                filled = [n for n, line in enumerate(lines, 1) if line.strip()]
+                return f"line {filled[0]}: {e}" if len(filled) == 1 else str(e)
             items = None                                   # (said with its line below)
         except ValueError:
             items = None                                   # (not one document: JSON Lines)

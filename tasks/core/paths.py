@@ -111,21 +111,17 @@ def user_code_seconds() -> float:
 
 
 def working_directory_on_path(here: str | None = None) -> None:
-    """The working directory on sys.path (user modules live where rlflow is run) ahead of everything but this
-    checkout's root: a child that copies this sys.path and runs the main module again (multiprocessing's spawn
-    and forkserver, started by user code) imports rlflow's `tasks` and `flows`, not a user's package of that
-    name in the working directory. (Installed as a wheel, rlflow's packages sit in site-packages: the working
-    directory goes first, as before.)"""
+    """The working directory first on sys.path (user modules live where rlflow is run), behind only this checkout's
+    root: a child that copies this sys.path and runs the main module again (multiprocessing's spawn and
+    forkserver, started by user code) imports rlflow's `tasks` and `flows`, not a user's package of that name in
+    the working directory. '' and '.' (the working directory by name: `python -c`, notebooks) give way to it.
+    (Installed as a wheel, rlflow's packages sit in site-packages: the working directory goes first, as before.)"""
     here, root = os.path.abspath(here or os.getcwd()), str(REPO_ROOT)
-    checkout = (REPO_ROOT / "pyproject.toml").is_file() and here != root
-    if checkout and root not in sys.path:
-        sys.path.insert(0, root)
-    first = sys.path.index(root) + 1 if checkout else 0
-    if here in sys.path[first:]:
+    if not (REPO_ROOT / "pyproject.toml").is_file() or here == root:
+        if here not in sys.path:
+            sys.path.insert(0, here)
         return
-    if here in sys.path:                      # (ahead of the root: moved behind it)
-        sys.path.remove(here)
-    sys.path.insert(sys.path.index(root) + 1 if checkout else 0, here)
+    sys.path[:] = [root, here, *(p for p in sys.path if p not in (root, here, "", os.curdir))]
 
 
 def import_user(spec: str, key: str, noun: str = "callable") -> Callable:

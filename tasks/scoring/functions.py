@@ -326,7 +326,8 @@ def _key(functions: RewardFunctions) -> str:
 
 
 @atexit.register
-def _close_workers() -> None:
+def close_workers() -> None:
+    """The idle workers killed (at exit; and by `rlflow tune` once its preflight has checked the functions)."""
     with _workers_lock:
         for w in [w for idle in _idle.values() for w in idle]:
             w.kill()
