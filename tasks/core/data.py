@@ -240,8 +240,8 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
             items = json.loads(text, **hooks)
         except _Unfit as e:
             if text.lstrip().startswith("[") or _one_document(text):
-                filled = [n for n, line in enumerate(lines, 1) if line.strip()]
-                return f"line {filled[0]}: {e}" if len(filled) == 1 else str(e)
+                filled = [n for n, line in enumerate(lines, 1) if line.strip()]    # (JSON Lines of one row: its line)
+                return f"line {filled[0]}: {e}" if len(filled) == 1 and text.lstrip()[0] == "{" else str(e)
             items = None                                   # (said with its line below)
         except ValueError:
             items = None                                   # (not one document: JSON Lines)
