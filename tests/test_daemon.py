@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,8 +23,19 @@ MARKER = "--stand-in-for-a-daemon"
 SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)", MARKER]
 
 
+def _execd(state: dict) -> dict | None:
+    """Ready once the stand-in runs Python: between fork and exec its pid is `sh`'s child, and during the exec
+    its command line reads empty for a moment (the new program's arguments not yet in place), so a caller that
+    asks then does not find it (seen under load in CI)."""
+    try:
+        argv = Path(f"/proc/{state['pid']}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return state if argv[0] == sys.executable.encode() and MARKER.encode() in argv else None
+
+
 def _start(daemon: Daemon, key: str = "k") -> dict:
-    return daemon.start(SLEEPER, dict(os.environ), lambda s: s, 30, "the stand-in", {"key": key})
+    return daemon.start(SLEEPER, dict(os.environ), _execd, 30, "the stand-in", {"key": key})
 
 
 def test_the_state_file_is_written_whole_and_private(tmp_path):
