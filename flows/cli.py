@@ -426,12 +426,11 @@ def cmd_tune(args) -> int:
         if (Path(args.out) / "trials").is_file():
             raise UserError(f"--out: {Path(args.out) / 'trials'} is a file, not the folder of the trials' logs")
     cfg = load_config(args.config, args.override)           # one line and exit 2, before any trial starts
-    from flows.tune import check_metric, load_space
+    from flows.tune import check_metric, load_space, out_folder
 
     check_metric(args.metric, cfg)
     if not args.out:
-        check_path("--out (default rlflow-tune/<study>)", Path("rlflow-tune") / (args.study or f"{cfg.run.name}-tune"),
-                   "folder")
+        check_path("--out (default rlflow-tune/<study>)", out_folder(args, cfg), "folder")
     space = load_space(args.space, args.config, args.override)
     from flows.tune import check_study, run_name, tune_flow
 

@@ -175,14 +175,13 @@ def check_study(args, cfg: Config, space: dict[str, Param]) -> None:
     from optuna.distributions import check_distribution_compatibility
     from sqlalchemy.engine import make_url
 
-    out = Path(args.out or Path("rlflow-tune") / (args.study or f"{cfg.run.name}-tune"))
-    storage = args.storage or f"sqlite:///{(out / 'study.db').absolute()}"
+    storage = storage_url(args, out_folder(args, cfg))
     url = make_url(storage)
     if url.get_backend_name() == "sqlite" and not (url.database and Path(url.database).is_file()):
         return                                  # (a new study: nothing to compare, nothing made here)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = optuna.load_study(study_name=args.study or f"{cfg.run.name}-tune", storage=storage)
+        study = optuna.load_study(study_name=study_name(args, cfg), storage=storage)
     except KeyError:
         return                                  # (no such study in that database yet)
     except Exception as e:  # noqa: BLE001 - a file that is no database, a damaged one: said as one line
@@ -297,6 +296,19 @@ def window_mean(values: dict[int, float], window: int) -> float:
     return statistics.fmean([values[i] for i in sorted(values)[-window:]])
 
 
+def study_name(args, cfg: Config) -> str:
+    return args.study or f"{cfg.run.name}-tune"
+
+
+def out_folder(args, cfg: Config) -> Path:
+    """Where the study, the trials' logs and best.yaml go: --out, else rlflow-tune/<study>."""
+    return Path(args.out or Path("rlflow-tune") / study_name(args, cfg))
+
+
+def storage_url(args, out: Path) -> str:
+    return args.storage or f"sqlite:///{(out / 'study.db').absolute()}"
+
+
 def run_name(base: str, params: dict) -> str:
     digest = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:8]
     return f"{base}-{digest}"[:100]
@@ -305,7 +317,7 @@ def run_name(base: str, params: dict) -> str:
 class Tune:
     def __init__(self, args, cfg: Config, space: dict[str, Param]):
         self.args, self.cfg, self.space = args, cfg, space
-        self.out = Path(args.out or Path("rlflow-tune") / self.study_name())
+        self.out = out_folder(args, cfg)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "trials").mkdir(exist_ok=True)
         self.lock = threading.Lock()
@@ -314,7 +326,7 @@ class Tune:
         self.unlogged: str | None = None     # a trial's run completed without logging --metric: said, and the end
 
     def study_name(self) -> str:
-        return self.args.study or f"{self.cfg.run.name}-tune"
+        return study_name(self.args, self.cfg)
 
     # ------------------------------------------------------------------------------------ study
 
@@ -322,7 +334,7 @@ class Tune:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        storage = self.args.storage or f"sqlite:///{(self.out / 'study.db').absolute()}"
+        storage = storage_url(self.args, self.out)
         pruner = (optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=self.args.window)
                   if self.args.pruner == "median" else optuna.pruners.NopPruner())
         from sqlalchemy.exc import SQLAlchemyError
@@ -543,7 +555,7 @@ def tune_flow(args, cfg: Config, space: dict[str, Param]) -> dict:
     from prefect import flow
     from prefect.artifacts import create_table_artifact
 
-    @flow(name="rlflow-tune", flow_run_name=f"tune {args.study or cfg.run.name + '-tune'}", log_prints=False)
+    @flow(name="rlflow-tune", flow_run_name=f"tune {study_name(args, cfg)}", log_prints=False)
     def body() -> dict:
         tune = Tune(args, cfg, space)
         study = tune.study()
