@@ -244,6 +244,7 @@ def _at_home(cwd: str):
 
 
 def main() -> None:
+    from tasks.core.paths import working_directory_on_path
     from tasks.core.process_wide import exit_now, user_process
     from tasks.core.processes import fork_keeper
 
@@ -264,8 +265,7 @@ def main() -> None:
     forks = Forks()
     proto_in = sys.stdin.buffer
     setup = receive(proto_in)
-    if setup["cwd"] not in sys.path:
-        sys.path.insert(0, setup["cwd"])
+    working_directory_on_path(setup["cwd"])       # (the user's modules there; rlflow's root ahead, as the flow has it)
     try:
         functions = []
         for spec in setup["functions"]:
