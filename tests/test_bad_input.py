@@ -354,6 +354,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "Infinity in a data array": (["run", str(TINY), "-o", f"eval.path={tmp}/infinity.json", "-o", "eval.every=1"],
                                      "infinity.json: -Infinity is not JSON"),
         "a seed past 2^32": (["run", str(TINY), "-o", "run.seed=99999999999999999999999"], "run.seed"),
+        "a LoRA rank past any model's": (["run", str(TINY), "-o", "train.lora_r=99999999999999999999"],
+                                         "train.lora_r: input should be less than or equal to 4096"),
         "AdamW betas past 1": (["run", str(TINY), "-o", "train.adam_betas=[1.5, 2.0]"],
                                "train.adam_betas: expected two numbers in [0, 1), got [1.5, 2.0]"),
         "a temperature that overflows": (["run", str(TINY), "-o", "generate.temperature=1e-300"],

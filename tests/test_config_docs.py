@@ -125,3 +125,44 @@ def test_docs_quote_config_files_as_they_are():
     assert quoted >= 1
     for heading in re.findall(r"^## .*$", reference_markdown(), re.M):
         assert heading.count("(") == heading.count(")"), f"a heading cut mid-sentence: {heading}"
+
+
+def test_every_number_in_the_config_has_a_range():
+    """A number with no upper bound reached the libraries (`train.lora_r=1e20`: peft's traceback from preflight;
+    `generate.num_generations=1e20` was planned): every int and float field, of every section and learner, has
+    one, so a value past any real run's is the config's one line."""
+    import typing
+
+    import annotated_types
+    from pydantic import BaseModel
+
+    from tasks.core.config import Config
+    from tasks.core.config_train import LEARNER_CONFIGS
+
+    def models_in(annotation):
+        for arg in typing.get_args(annotation) or (annotation,):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                yield arg
+            elif typing.get_args(arg):
+                yield from models_in(arg)
+
+    unbounded, seen = [], set()
+
+    def walk(model, prefix):
+        if model in seen:
+            return
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            for inner in models_in(field.annotation):
+                walk(inner, f"{prefix}{name}.")
+            if typing.get_origin(field.annotation) is tuple:       # adam_betas, uid_range: their validators bound
+                continue
+            kinds = set(typing.get_args(field.annotation) or (field.annotation,))
+            if kinds & {int, float} and not any(isinstance(m, (annotated_types.Le, annotated_types.Lt))
+                                                for m in field.metadata):
+                unbounded.append(prefix + name)
+
+    walk(Config, "")
+    for algorithm, learner in LEARNER_CONFIGS.items():
+        walk(learner, f"train.learner[{algorithm}].")
+    assert len(seen) > 20 and not unbounded, unbounded

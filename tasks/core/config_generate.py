@@ -122,11 +122,12 @@ class GenerateConfig(Section):
     sleep_when_idle: bool = Field(False, description="generate.mode resident, GPU only: put the server to sleep "
                                   "after each generate (weights to CPU memory, KV cache freed) so a trainer on the "
                                   "same GPU gets the memory; it wakes up before the next generate.")
-    prompts_per_iteration: int = Field(16, ge=1, description="Prompts sampled per iteration (groups).")
-    num_generations: int = Field(8, ge=2, description="Completions per prompt (the GRPO group size).")
-    max_prompt_length: int = Field(512, ge=1, description="Prompts longer than this (tokens) are left-truncated.")
-    max_completion_length: int = Field(256, ge=1, description="Maximum new tokens per completion.")
-    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, description="Sampling temperature (the trainer divides "
+    prompts_per_iteration: int = Field(16, ge=1, le=1_000_000, description="Prompts sampled per iteration (groups).")
+    num_generations: int = Field(8, ge=2, le=65_536, description="Completions per prompt (the GRPO group size).")
+    max_prompt_length: int = Field(512, ge=1, le=10_000_000,
+                                   description="Prompts longer than this (tokens) are left-truncated.")
+    max_completion_length: int = Field(256, ge=1, le=10_000_000, description="Maximum new tokens per completion.")
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=100, description="Sampling temperature (the trainer divides "
                                "logits by it too; at least 0.001: logits divided by less overflowed to NaN).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass. Below 1 the behaviour logprobs are "
                          "of the kept tokens renormalized, and the trainer renormalizes its own over the same rule's "
@@ -142,7 +143,8 @@ class GenerateConfig(Section):
         "vllm with generate.mode process) and the generate stages take their groups as they complete "
         "(tasks/engines/streaming.py); None: each generate stage samples its own batch (run.max_staleness still "
         "overlaps whole stages, and is the reproducible mode).")
-    batch_size: int = Field(64, ge=1, description="hf: prompts per generate() call (memory knob, not semantics); "
+    batch_size: int = Field(64, ge=1, le=1_000_000,
+                            description="hf: prompts per generate() call (memory knob, not semantics); "
                             "vLLM schedules its own batches.")
     share_prompts: bool = Field(True, json_schema_extra=SINCE_DEFAULT,
                                 description="hf: fill the KV cache of each prompt once and copy it to its "
@@ -250,9 +252,11 @@ class EnvConfig(ServedSection):
         "methods as tools, get_reward()); gymnasium: a text gymnasium.Env (step(str)); verifiers: a verifiers "
         "environment (MultiTurnEnv, ToolEnv...: its rollout and rubric). auto: from the instance.")
     max_turns: int = Field(4, ge=1, le=1000, description="Model turns per episode at most.")
-    max_tokens: int = Field(512, ge=1, description="Tokens after the prompt per episode at most, the model's and "
+    max_tokens: int = Field(512, ge=1, le=10_000_000,
+                            description="Tokens after the prompt per episode at most, the model's and "
                             "the observations' together (generate.max_completion_length bounds each model turn).")
-    timeout_seconds: float = Field(120.0, gt=0, description="Wall clock an episode's environment calls may take "
+    timeout_seconds: float = Field(120.0, gt=0, le=7 * 86400,
+                                   description="Wall clock an episode's environment calls may take "
                                    "in all; an environment that raises or passes it ends only its episode (no "
                                    "reward; counted in env/errors).")
     concurrency: int = Field(16, ge=1, le=4096, description="Environment calls (reset, step) in flight at once.")
@@ -263,7 +267,7 @@ class EnvConfig(ServedSection):
         "thread behind).")
     returns: Literal["sum", "final"] = Field("sum", description="An episode's return: the sum of its turn rewards, "
                                              "or the last one.")
-    reward_weight: float = Field(1.0, description="Weight of the return (reward name 'env') beside "
+    reward_weight: float = Field(1.0, ge=-1e6, le=1e6, description="Weight of the return (reward name 'env') beside "
                                  "reward.functions.")
     where: str = Field(
         "stage", json_schema_extra=HOW_NOT_WHAT,

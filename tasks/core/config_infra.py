@@ -25,11 +25,13 @@ class KeepConfig(Section):
     newest full one), rollouts and rewards, evaluated policies, the policies LATEST and BEST name, the MLflow
     champion, the whole policies deltas are built on (tasks/core/retention.py)."""
 
-    checkpoints_last: int = Field(2, ge=0, description="Newest full checkpoints kept (0 = all).")
-    checkpoints_every: int = Field(0, ge=0, description="Also keep the full checkpoint of every N-th iteration "
+    checkpoints_last: int = Field(2, ge=0, le=1_000_000, description="Newest full checkpoints kept (0 = all).")
+    checkpoints_every: int = Field(0, ge=0, le=1_000_000,
+                                   description="Also keep the full checkpoint of every N-th iteration "
                                    "(0 = none).")
-    policies_last: int = Field(0, ge=0, description="Newest published policies kept (0 = all).")
-    policies_every: int = Field(0, ge=0, description="Also keep the policy of every N-th iteration (0 = none).")
+    policies_last: int = Field(0, ge=0, le=1_000_000, description="Newest published policies kept (0 = all).")
+    policies_every: int = Field(0, ge=0, le=1_000_000,
+                                description="Also keep the policy of every N-th iteration (0 = none).")
 
 
 class StoreConfig(Section):
@@ -38,8 +40,9 @@ class StoreConfig(Section):
     uri: str = Field("file://./rlflow-store", description="Store root; each run writes under <uri>/<run.name>/.")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto...); None = AWS.")
     region: str | None = Field(None, description="S3 region; None = boto3's default chain.")
-    multipart_chunk_mb: int = Field(16, ge=5, description="Multipart part size in MiB (S3 minimum is 5).")
-    max_concurrency: int = Field(8, ge=1, description="Parallel part transfers per file.")
+    multipart_chunk_mb: int = Field(16, ge=5, le=5120,
+                                    description="Multipart part size in MiB (S3's limits: 5 MiB to 5 GiB).")
+    max_concurrency: int = Field(8, ge=1, le=1024, description="Parallel part transfers per file.")
     keep: KeepConfig = Field(KeepConfig(), description="Retention of checkpoints and policies.")
     # Credentials never live here: boto3 reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE.
 
@@ -79,13 +82,16 @@ class TrackingConfig(Section):
                      description="MLflow tracking URI (sqlite:///..., http://host:5000); unset: $MLFLOW_TRACKING_URI, "
                      "else sqlite:///mlflow.db in the working directory.")
     experiment: str = Field("rlflow", min_length=1, pattern=r"\S", description="MLflow experiment name.")
-    sample_completions: int = Field(8, ge=0, description="Completions per iteration logged to the samples table.")
+    sample_completions: int = Field(8, ge=0, le=1_000_000,
+                                    description="Completions per iteration logged to the samples table.")
     traces: bool = Field(True, description="Log every evaluated episode, and the samples table's completions, as "
                          "MLflow traces of the run: a span per model call and environment step or tool call, each "
                          "reward function's score as feedback (docs/operations.md, 'Reading episodes').")
-    flush_seconds: float = Field(5.0, ge=0, description="Send metrics/samples/model versions at most this often "
+    flush_seconds: float = Field(5.0, ge=0, le=86400,
+                                 description="Send metrics/samples/model versions at most this often "
                                  "(s); 0 = every iteration. Batching keeps a remote server off the training path.")
-    dashboard_every: int = Field(1, ge=0, description="Update the flow run's Prefect report (one artifact) every N "
+    dashboard_every: int = Field(1, ge=0, le=1_000_000,
+                                 description="Update the flow run's Prefect report (one artifact) every N "
                                  "iterations and after the last; 0 = only after the last.")
 
     @field_validator("uri")
@@ -118,13 +124,13 @@ class LauncherConfig(Section):
     retries: int = Field(3, ge=0, le=20, description="Retries of a stage after an infrastructure failure "
                          "(killed process, preempted or vanished cluster, store error); user errors are "
                          "never retried.")
-    retry_backoff_seconds: float = Field(10.0, ge=0, description="First retry delay; doubles at each retry.")
+    retry_backoff_seconds: float = Field(10.0, ge=0, le=86400, description="First retry delay; doubles at each retry.")
     sky_python: str | None = Field(None, description="Python of the SkyPilot environment (the `sky` launcher "
                                    "calls the SDK there); None = .venv-sky/bin/python in the working directory, "
                                    "else in the repository root (make setup), else `python3`.")
     cluster_prefix: str = Field("rlflow", pattern=r"^[a-z][a-z0-9-]{0,30}$",
                                 description="SkyPilot cluster names: <prefix>-<run>-<recipe>.")
-    idle_minutes_to_autostop: int = Field(10, ge=1, description="SkyPilot autostop of idle clusters.")
+    idle_minutes_to_autostop: int = Field(10, ge=1, le=525_600, description="SkyPilot autostop of idle clusters.")
     down: bool = Field(True, description="Tear the clusters down when the flow ends (else autostop only).")
     managed_jobs: bool = Field(False, description="Run sky stages as SkyPilot managed jobs (sky.jobs.launch): "
                                "SkyPilot itself recovers a preempted spot job.")

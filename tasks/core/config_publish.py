@@ -46,16 +46,18 @@ class PublishConfig(Section):
 class EvalConfig(Section):
     """Scoring published policies on held-out prompts, and keeping the best one (policy/BEST)."""
 
-    every: int = Field(0, ge=0, description="Evaluate every N iterations (and after the last); 0 = never.")
+    every: int = Field(0, ge=0, le=1_000_000,
+                       description="Evaluate every N iterations (and after the last); 0 = never.")
     path: str | None = Field(None, description="Held-out data file or hub id; None = data.path.")
     name: str | None = Field(None, description="Hub dataset configuration name; None = data.name.")
     split: str = Field("test", description="Held-out split.")
-    max_prompts: int = Field(64, ge=1, description="Evaluate on the first N rows of the split.")
-    num_generations: int = Field(4, ge=0, description="Samples per prompt (n of pass@k); 0 with greedy: the "
+    max_prompts: int = Field(64, ge=1, le=1_000_000, description="Evaluate on the first N rows of the split.")
+    num_generations: int = Field(4, ge=0, le=65_536, description="Samples per prompt (n of pass@k); 0 with greedy: the "
                                  "greedy pass alone (eval/greedy_*; half the time of an episode environment's "
                                  "evaluation when only the deployed policy's success matters).")
-    k: int = Field(1, ge=1, description="k of pass@k (unbiased estimator over num_generations samples).")
-    pass_threshold: float = Field(1.0, description="A completion passes when its combined reward (or pass_reward's "
+    k: int = Field(1, ge=1, le=65_536, description="k of pass@k (unbiased estimator over num_generations samples).")
+    pass_threshold: float = Field(1.0, ge=-1e6, le=1e6,
+                                  description="A completion passes when its combined reward (or pass_reward's "
                                   "score) is at least this.")
     pass_reward: str | None = Field(
         None, json_schema_extra=SINCE_DEFAULT, description="The reward function (its name, e.g. answer_reward) whose "
@@ -65,7 +67,7 @@ class EvalConfig(Section):
         "whose score 1 means the answer came in the asked form: eval/greedy_format_share and "
         "eval/greedy_pass_at_1_formatted (accuracy among those) beside the accuracy, so that a gain in form "
         "cannot pass for learning (weight 0 logs a function without paying for it).")
-    temperature: float | None = Field(None, ge=MIN_TEMPERATURE, description="Sampling temperature (at least "
+    temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=100, description="Sampling temperature (at least "
                                       "0.001); None = generate.temperature.")
     greedy: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
                          description="Also one greedy completion per prompt (the most likely token each step): "
@@ -73,7 +75,7 @@ class EvalConfig(Section):
     baseline: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
                            description="Also evaluate the starting model before iteration 1 (eval/v000000, logged at "
                            "step 0); then BEST and the champion move only to a policy that beats it.")
-    screenshots: int = Field(8, ge=0, json_schema_extra=SINCE_DEFAULT,
+    screenshots: int = Field(8, ge=0, le=10_000, json_schema_extra=SINCE_DEFAULT,
                              description="Pictures of the first N evaluated episodes (the greedy ones with "
                              "eval.greedy) where the environment can take them (a factory with a `screenshots` "
                              "keyword, the browser's, made by the stage): the page before each action, with the "

@@ -20,7 +20,8 @@ class RewardFunction(Section):
     """One reward function `module:function`, called as TRL calls them (every argument by keyword)."""
 
     fn: str = Field(..., pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="Import path module:function.")
-    weight: float = Field(1.0, description="Weight in the combined reward (0: scored and logged, not paid: "
+    weight: float = Field(1.0, ge=-1e6, le=1e6,
+                          description="Weight in the combined reward (0: scored and logged, not paid: "
                           "e.g. a format check that eval.format_reward reports).")
     kwargs: dict[str, Any] = Field({}, description="Extra keyword arguments for this function (like "
                                    "functools.partial), e.g. {mode: all} for the code reward.")
@@ -101,7 +102,7 @@ class RewardModel(ServedSection):
                                "sha256 of its weights file (a .gguf, a model.safetensors), or for sharded weights "
                                "of the lines '<file> <sha256>' of each, sorted. Required unless `model` is a "
                                "models:/<name>/<version> (the version pins it) or served at a URL (where).")
-    weight: float = Field(1.0, description="Weight in the combined reward.")
+    weight: float = Field(1.0, ge=-1e6, le=1e6, description="Weight in the combined reward.")
     mode: Literal["pointwise", "pairwise", "group"] = Field(
         "pointwise", description="judge: pointwise: one answer per completion; pairwise: each completion against "
         "the next of its prompt's group, both orders over the group (score = share of its comparisons won, a tie "
@@ -121,12 +122,14 @@ class RewardModel(ServedSection):
                                               "error.")
     verdict_tokens: tuple[str, str] = Field(("Yes", "No"), description="verdict: the answer tokens for a good "
                                             "and a bad completion (each must be one token).")
-    label: int = Field(0, ge=0, description="classifier: the output whose value is the score (0 for a one-logit "
+    label: int = Field(0, ge=0, le=1_000_000,
+                       description="classifier: the output whose value is the score (0 for a one-logit "
                        "reward model).")
     score: Literal["logit", "probability"] = Field("logit", description="classifier: the label's logit (reward "
                                                    "models) or its softmax probability (sigmoid for one logit).")
     max_tokens: int = Field(64, ge=1, le=8192, description="judge: tokens the judge may answer with.")
-    max_length: int = Field(2048, ge=16, description="Prompt tokens a request may have; a longer one loses its "
+    max_length: int = Field(2048, ge=16, le=10_000_000,
+                            description="Prompt tokens a request may have; a longer one loses its "
                             "middle (its first 8 tokens and its end kept; counted in reward/<name>/truncated).")
     where: str = Field(
         "stage", json_schema_extra=HOW_NOT_WHAT,
@@ -148,7 +151,7 @@ class RewardModel(ServedSection):
     batch_size: int = Field(16, ge=1, le=4096, json_schema_extra=HOW_NOT_WHAT,
                             description="Requests in flight at once; a server batches what arrives together "
                             "(the hf engine up to this many per forward pass).")
-    timeout_seconds: float = Field(120.0, gt=0, json_schema_extra=HOW_NOT_WHAT,
+    timeout_seconds: float = Field(120.0, gt=0, le=7 * 86400, json_schema_extra=HOW_NOT_WHAT,
                                    description="Per request; a request that passes it is retried, then an error.")
     retries: int = Field(2, ge=0, le=20, json_schema_extra=HOW_NOT_WHAT,
                          description="Retries of a request that failed in transport (refused, reset, 5xx, timeout).")
@@ -225,7 +228,7 @@ class OverlongConfig(Section):
     `buffer` tokens before the limit (so -penalty at the limit), 0 before; logged as reward/overlong/*, apart
     from the task's rewards (tasks/scoring/shaping.py)."""
 
-    buffer: int = Field(..., ge=1, description="Tokens before the limit where the punishment grows.")
+    buffer: int = Field(..., ge=1, le=10_000_000, description="Tokens before the limit where the punishment grows.")
     penalty: float = Field(1.0, gt=0, le=1000, description="The punishment at the limit.")
 
 
@@ -236,7 +239,8 @@ class RewardConfig(Section):
                                             "unless env.factory is set: the environment's return is then a reward).")
     aggregate: Literal["sum", "mean"] = Field("sum", description="Combine weighted scores by sum (TRL) or mean "
                                               "over the functions that scored the completion.")
-    timeout_seconds: float = Field(300.0, gt=0, description="Per function and batch: a function still running "
+    timeout_seconds: float = Field(300.0, gt=0, le=7 * 86400,
+                                   description="Per function and batch: a function still running "
                                    "after this is killed (it runs in a worker process) and its scores are missing.")
     strict: bool = Field(False, description="A function that raises, hangs, returns the wrong count or a NaN fails "
                          "the stage (exit 2). False: its scores for that batch are missing (advantage 0, as in "

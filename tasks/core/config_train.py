@@ -42,15 +42,19 @@ class SurrogateConfig(LearnerConfig):
         "dapo", description="Objective and aggregation, as TRL defines them (see tasks/algorithms/loss.py).")
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token", description="Importance weight per token, or per sequence (GSPO).")
-    epsilon: float = Field(0.2, gt=0, description="Lower clip range of the importance ratio.")
-    epsilon_high: float | None = Field(None, gt=0, description="Upper clip range; None = epsilon (TRL's fallback), "
+    epsilon: float = Field(0.2, gt=0, le=1e6, description="Lower clip range of the importance ratio.")
+    epsilon_high: float | None = Field(None, gt=0, le=1e6,
+                                       description="Upper clip range; None = epsilon (TRL's fallback), "
                                        "or 5.0 for cispo, where it caps the weight itself.")
     use_bias_correction_kl: bool = Field(True, description="Multiply the KL term (train.beta) by the importance "
                                          "weight (TRL's default since DeepSeek-V3.2: an unbiased reverse-KL "
                                          "gradient).")
-    delta: float | None = Field(None, gt=1, description="Two-sided clipping: cap the unclipped weight at delta.")
-    sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: gate temperature for positive advantages.")
-    sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: gate temperature for non-positive advantages.")
+    delta: float | None = Field(None, gt=1, le=1e6,
+                                description="Two-sided clipping: cap the unclipped weight at delta.")
+    sapo_temperature_pos: float = Field(1.0, gt=0, le=1e6,
+                                        description="sapo: gate temperature for positive advantages.")
+    sapo_temperature_neg: float = Field(1.05, gt=0, le=1e6,
+                                        description="sapo: gate temperature for non-positive advantages.")
 
 
 # The surrogate's settings as they were fingerprinted in `train`, with every algorithm (issue 41 moved them into
@@ -86,8 +90,8 @@ class ValueLearnerConfig(LearnerConfig):
                          "V-trace's).")
     lam: float = Field(0.95, ge=0, le=1, json_schema_extra=SINCE_DEFAULT, description="λ of GAE, or of V-trace's "
                        "traces.")
-    vf_coef: float = Field(0.5, ge=0, json_schema_extra=SINCE_DEFAULT, description="The value loss's weight.")
-    critic_lr: float | None = Field(None, gt=0, json_schema_extra=SINCE_DEFAULT,
+    vf_coef: float = Field(0.5, ge=0, le=1e6, json_schema_extra=SINCE_DEFAULT, description="The value loss's weight.")
+    critic_lr: float | None = Field(None, gt=0, le=1.0, json_schema_extra=SINCE_DEFAULT,
                                     description="The critic's learning rate (None: train.lr).")
 
 
@@ -98,9 +102,9 @@ class PpoConfig(ValueLearnerConfig, SurrogateConfig):
 
     algorithm: Literal["ppo"] = Field("ppo", exclude=True, json_schema_extra=HOW_NOT_WHAT,
                                       description="(train.algorithm, filled in)")
-    value_clip: float | None = Field(0.2, gt=0, json_schema_extra=SINCE_DEFAULT,
+    value_clip: float | None = Field(0.2, gt=0, le=1e6, json_schema_extra=SINCE_DEFAULT,
                                      description="Clip of the value prediction around the old one (None: unclipped).")
-    critic_warmup: int = Field(0, ge=0, json_schema_extra=SINCE_DEFAULT,
+    critic_warmup: int = Field(0, ge=0, le=1_000_000, json_schema_extra=SINCE_DEFAULT,
                                description="The first N iterations train the critic alone; the policy is "
                                "frozen (a value head learns on detached hidden states).")
     kl_in_reward: bool = Field(False, json_schema_extra=SINCE_DEFAULT,
@@ -115,16 +119,18 @@ class VtraceAwrConfig(ValueLearnerConfig):
 
     algorithm: Literal["vtrace_awr"] = Field("vtrace_awr", exclude=True, json_schema_extra=HOW_NOT_WHAT,
                                              description="(train.algorithm, filled in)")
-    rho_bar: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="ρ̄, the truncation of the "
+    rho_bar: float = Field(1.0, gt=0, le=1e6, json_schema_extra=SINCE_DEFAULT, description="ρ̄, the truncation of the "
                            "importance weight in V-trace's TD errors and advantages.")
-    c_bar: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="c̄, the truncation of the trace "
+    c_bar: float = Field(1.0, gt=0, le=1e6, json_schema_extra=SINCE_DEFAULT,
+                         description="c̄, the truncation of the trace "
                          "coefficients (times lam).")
-    awr_temperature: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="τ in the weights "
+    awr_temperature: float = Field(1.0, gt=0, le=1e6, json_schema_extra=SINCE_DEFAULT, description="τ in the weights "
                                    "exp(Â/τ) of the whitened advantages.")
-    awr_max_weight: float = Field(20.0, gt=1, json_schema_extra=SINCE_DEFAULT, description="The weights' cap.")
-    kl_target: float = Field(0.01, gt=0, json_schema_extra=SINCE_DEFAULT, description="ε, the soft target of "
+    awr_max_weight: float = Field(20.0, gt=1, le=1e12, json_schema_extra=SINCE_DEFAULT, description="The weights' cap.")
+    kl_target: float = Field(0.01, gt=0, le=1e6, json_schema_extra=SINCE_DEFAULT, description="ε, the soft target of "
                              "KL(behaviour ‖ policy) per token that the Lagrange multiplier holds.")
-    kl_multiplier_init: float = Field(1.0, gt=0, json_schema_extra=SINCE_DEFAULT, description="The multiplier's "
+    kl_multiplier_init: float = Field(1.0, gt=0, le=1e6, json_schema_extra=SINCE_DEFAULT,
+                                      description="The multiplier's "
                                       "initial value (η = softplus of a learned parameter).")
     value_epochs: int = Field(2, ge=0, le=1000, json_schema_extra=SINCE_DEFAULT, description="Value pre-training "
                               "steps each iteration on the detached hidden states of one forward (the head alone "
@@ -226,16 +232,17 @@ class TrainConfig(Section):
                                 "writes a full checkpoint and exits (0 = never), so a flow killed before its "
                                 "teardown does not leave it holding the machine. A train stage typed by hand that "
                                 "starts one gives it 600 s unless this is set (tasks/train.py: HAND_RUN_IDLE).")
-    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    lr: float = Field(1e-6, gt=0, le=1.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, le=1e6, description="AdamW weight decay.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    beta: float = Field(0.0, ge=0, description="KL coefficient against the starting policy (k3 estimator); 0 = none.")
+    max_grad_norm: float = Field(1.0, gt=0, le=1e12, description="Gradient clipping norm.")
+    beta: float = Field(0.0, ge=0, le=1e6,
+                        description="KL coefficient against the starting policy (k3 estimator); 0 = none.")
     importance_sampling_correction: bool = Field(
         True, description="Weight the loss by π_old/μ against the generator's behaviour logprobs (truncated IS).")
     importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
         "token_truncate", description="Per token or per sequence; truncate caps the weight, mask drops it.")
-    importance_sampling_cap: float = Field(3.0, gt=0, description="Cap on the behaviour importance weight.")
+    importance_sampling_cap: float = Field(3.0, gt=0, le=1e12, description="Cap on the behaviour importance weight.")
     off_policy_loss: Literal["tis", "decoupled"] = Field(
         "tis", description="How the behaviour logprobs (μ: the policy that sampled, run.max_staleness updates "
         "behind) enter the loss. tis: TRL's truncated importance sampling, ρ = π_old/μ by importance_sampling_mode. "
@@ -243,14 +250,14 @@ class TrainConfig(Section):
         "the update), each token weighted by π_old/μ and dropped where that exceeds importance_sampling_cap "
         "(importance_sampling_mode ignored). Needs importance_sampling_correction.")
     mismatch_kl_warn: float = Field(
-        1e-2, gt=0, json_schema_extra=HOW_NOT_WHAT,
+        1e-2, gt=0, le=1e6, json_schema_extra=HOW_NOT_WHAT,
         description="The console warns when train/mismatch_kl (the sampler's logprobs against the trainer's, k3 per "
         "token) passes this (prime-rl's CI gate is 1e-2), or jumps above 10x its median so far (and above 1e-4): "
         "a policy that never reached the sampler, an engine that samples other weights. With run.max_staleness "
         "> 0 it also holds the S updates since the sampler's policy.")
     mask_truncated_completions: bool = Field(False, description="Exclude completions that hit the length limit "
                                              "from the loss.")
-    num_iterations: int = Field(1, ge=1, description="Optimiser passes over each generated batch (TRL's μ).")
+    num_iterations: int = Field(1, ge=1, le=1000, description="Optimiser passes over each generated batch (TRL's μ).")
     algorithm: str = Field(
         "grpo", json_schema_extra=SINCE_DEFAULT,
         description="The learner (tasks/algorithms/learners/), its own settings in train.learner. grpo: advantages "
@@ -265,9 +272,9 @@ class TrainConfig(Section):
     learner: SerializeAsAny[LearnerConfig] = Field(
         GrpoConfig(), json_schema_extra=FLAT_IN_FINGERPRINT,
         description="The settings of train.algorithm's learner (one section per learner; the algorithm picks it).")
-    lora_r: int = Field(0, ge=0, description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapter is "
+    lora_r: int = Field(0, ge=0, le=4096, description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapter is "
                         "trained, checkpointed and published.")
-    lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    lora_alpha: int = Field(16, ge=1, le=1_000_000, description="LoRA scaling numerator (scale = alpha / r).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
     lora_target_modules: list[str] | str = Field("all-linear", description="Modules that get adapters (peft syntax).")
     share_prompts: bool = Field(True, json_schema_extra=SINCE_DEFAULT,
@@ -281,7 +288,8 @@ class TrainConfig(Section):
                     "backward (transformers' gradient checkpointing, non-reentrant): activation memory ~1/layers for "
                     "~1.3x the compute. For long sequences, such as multi-turn episodes: one 4000-token SmolLM2-135M "
                     "sequence's forward and backward peaks at ~9 GB without it, ~4.6 GB with it. The same weights.")
-    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward in each process (gradient "
+    micro_batch_size: int = Field(32, ge=1, le=1_000_000,
+                                  description="Sequences per forward/backward in each process (gradient "
                                   "accumulation): a memory knob, the update is the whole batch's.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
     zero_stage: int = Field(2, ge=1, le=3, description="deepspeed: ZeRO stage; 1 shards the optimizer states over "
