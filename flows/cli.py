@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 
 from tasks.core.errors import UserError
-from tasks.core.paths import check_path, working_directory_on_path
+from tasks.core.paths import check_environment, check_path, working_directory_on_path
 from tasks.core.process_wide import exit_now, set_default, set_variable
 
 
@@ -51,6 +51,7 @@ def _command_process() -> None:
     set_default("TRANSFORMERS_VERBOSITY", "error")
     set_default("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     working_directory_on_path()         # (user modules are found there, rlflow's own packages before it)
+    check_environment()                 # ($RLFLOW_IMPORT_SECONDS, ..._USER_OUTPUT_BYTES, ..._CACHE)
 
 
 def checked_config(args):

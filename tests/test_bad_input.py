@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -1124,3 +1125,30 @@ def test_a_refused_data_file_leaves_nothing_in_datasets_cache(tmp_path, monkeypa
     table = load_prompts(load_config(TINY, [f"data.path={tmp_path / 'good.csv'}"]))
     assert table["prompt"] == ["1+1", "2+2"] and table.map(lambda row: {"n": len(row["prompt"])})["n"] == [3, 3]
     assert not cache.exists() or not any(cache.rglob("*")), sorted(str(p) for p in cache.rglob("*"))
+
+
+def test_rlflows_own_environment_variables_are_checked_before_anything(prefect_api, tmp_path, monkeypatch):
+    """$RLFLOW_IMPORT_SECONDS of 'abc' was float()'s traceback (and -5 or nan a reward module 'that cannot be
+    imported'), $RLFLOW_USER_OUTPUT_BYTES of 1e6 was taken silently as the default, an $RLFLOW_CACHE that cannot
+    be made was mkdir's traceback: each is one line naming the variable, exit 2, nothing written; set and empty,
+    each is unset (an empty $RLFLOW_CACHE was the working directory)."""
+    from tasks.core.paths import cache_root, user_code_seconds
+
+    for variable, value in (("RLFLOW_IMPORT_SECONDS", "abc"), ("RLFLOW_USER_OUTPUT_BYTES", "1e6"),
+                            ("RLFLOW_CACHE", "/proc/rlflow-cache")):
+        cwd = tmp_path / variable
+        cwd.mkdir()
+        out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(TINY)], cwd=cwd, capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "PREFECT_API_URL": prefect_api, variable: value})
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {variable}") and \
+            ("expected" in lines[0] or "cannot create" in lines[0]), out.stderr[-2000:]
+        assert not any(cwd.iterdir()), list(cwd.iterdir())
+    for value in ("nan", "-5", "inf", "0"):
+        monkeypatch.setenv("RLFLOW_IMPORT_SECONDS", value)
+        with pytest.raises(UserError, match=r"^RLFLOW_IMPORT_SECONDS='.*' \(an environment variable\): expected a number from 0.01 to 604800, or unset for 60$"):
+            user_code_seconds()
+    monkeypatch.setenv("RLFLOW_IMPORT_SECONDS", " 2.5 ")
+    assert user_code_seconds() == 2.5
+    monkeypatch.setenv("RLFLOW_CACHE", "")
+    assert cache_root() == Path.home() / ".cache" / "rlflow"

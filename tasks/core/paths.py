@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tasks.core.errors import UserError
-from tasks.core.process_wide import DeadlinePassed, deadline, user_code
+from tasks.core.process_wide import DeadlinePassed, deadline, number_from_environment, user_code, user_output_limit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]     # the checkout holding tasks/ and flows/
 
@@ -89,8 +89,17 @@ def check_path(flag: str, path: str | Path, want: str, writes: bool = True, repl
 
 
 def cache_root() -> Path:
-    """Local cache: builtin models, verified copies of store folders, vLLM server state. $RLFLOW_CACHE."""
-    return Path(os.environ.get("RLFLOW_CACHE", Path.home() / ".cache" / "rlflow"))
+    """Local cache: builtin models, verified copies of store folders, vLLM server state. $RLFLOW_CACHE (set and
+    empty: unset, not the working directory)."""
+    return Path(os.environ.get("RLFLOW_CACHE") or Path.home() / ".cache" / "rlflow")
+
+
+def check_environment() -> None:
+    """rlflow's own environment variables, each read where it is used, checked once before a command starts:
+    $RLFLOW_IMPORT_SECONDS, $RLFLOW_USER_OUTPUT_BYTES and $RLFLOW_CACHE (a folder that can be made)."""
+    user_code_seconds()
+    user_output_limit()
+    require_creatable(cache_root(), "RLFLOW_CACHE")
 
 
 def sibling_python(venv: str) -> str | None:
@@ -107,7 +116,7 @@ IMPORT_SECONDS = 60.0      # a user's module that takes longer to import is take
 
 def user_code_seconds() -> float:
     """How long a user's module may take to import, or a user's object to be made, before it is taken as hung."""
-    return float(os.environ.get("RLFLOW_IMPORT_SECONDS") or IMPORT_SECONDS)
+    return number_from_environment("RLFLOW_IMPORT_SECONDS", IMPORT_SECONDS, 0.01, 7 * 86400)
 
 
 def working_directory_on_path(here: str | None = None) -> None:

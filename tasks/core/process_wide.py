@@ -163,10 +163,7 @@ USER_OUTPUT_BYTES = 4 << 20     # what users' code may print in one process ($RL
 
 
 def user_output_limit() -> int:
-    try:
-        return max(int(os.environ.get("RLFLOW_USER_OUTPUT_BYTES") or USER_OUTPUT_BYTES), 0)
-    except ValueError:
-        return USER_OUTPUT_BYTES
+    return int(number_from_environment("RLFLOW_USER_OUTPUT_BYTES", USER_OUTPUT_BYTES, 0, 1 << 40, whole=True))
 
 
 class OutputBudget:
@@ -351,3 +348,23 @@ def environment_variables(variables: Mapping[str, str | None]) -> Iterator[None]
     finally:
         for k, old in saved.items():
             restore(k, old)
+
+
+def number_from_environment(name: str, default: float, low: float, high: float, whole: bool = False) -> float:
+    """$name as a number in [low, high]; unset or empty: `default`. Anything else is the user's one line."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if whole else float(raw)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:          # (NaN fails both comparisons)
+        from tasks.core.errors import UserError
+
+        def shown(x: float) -> str:
+            return str(int(x)) if whole or x == int(x) else f"{x:g}"
+
+        raise UserError(f"{name}={raw!r} (an environment variable): expected {'a whole' if whole else 'a'} number "
+                        f"from {shown(low)} to {shown(high)}, or unset for {shown(default)}")
+    return value
