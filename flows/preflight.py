@@ -105,7 +105,7 @@ def preflight(cfg: Config) -> None:
                         f"(`hf download {cfg.model.name_or_path} --local-dir DIR`) and name the folder")
     tokenizer = load_tokenizer(path)
     # the rollouts' source (prompts, environments, an agent): its factory, server or agent, one line, exit 2
-    source_of(cfg).check(cfg, dict(datasets[0][0]), path, tokenizer)
+    source_of(cfg).check(cfg, datasets, path, tokenizer)
     chat = cfg.data.system_prompt is not None or any(isinstance(ds[0][cfg.data.prompt_column], list) for ds in datasets)
     if chat and not tokenizer.chat_template:
         raise UserError(f"model.name_or_path: {path}: its tokenizer has no chat template, but the prompts are chat "

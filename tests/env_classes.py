@@ -194,6 +194,11 @@ class Mover:
         return f"at {self.position}"
 
 
+# TRL's multi-environment form, GRPOTrainer(environment_factory={...}): each row's `environment` picks one
+ENVIRONMENTS = {"count": Counter, "move": Mover}
+NOT_ALL_FACTORIES = {"count": Counter, "move": "Mover"}
+
+
 def _marked(hint):
     """A type hint that, each time it is evaluated (typing.get_type_hints: the tool's schema being built), adds this
     process's id to the file $RLFLOW_TEST_MARKS names."""

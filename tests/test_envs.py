@@ -505,3 +505,61 @@ def test_the_letters_demo_runs_through_the_flow_and_resumes_to_the_same_weights(
     assert meta["env/episodes"] == 16 and meta["env/turns_mean"] == 3 and meta["env/errors"] == 0
     rewards = a.manifest(layout.rewards("whole", 1))["meta"]["metrics"]
     assert "reward/env/mean" in rewards
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_trls_dict_of_environments_gives_each_row_the_one_its_environment_column_names(isolation, chatml, tmp_path):
+    """`GRPOTrainer(environment_factory={"count": Counter, "move": Mover})`, TRL's multi-environment form: each
+    row's `environment` names the environment its episode runs in, and only that one's tools are in its prompt
+    (env.factory named such a dict was refused: not a callable)."""
+    cfg = _cfg("tests.env_classes:ENVIRONMENTS", tmp_path, f"env.isolation={isolation}", "env.max_turns=3",
+               "generate.max_completion_length=80", "env.max_tokens=2000")
+    table = {0: {"prompt": "Count.", "letters": "a", "environment": "count"},
+             1: {"prompt": "Move.", "letters": "b", "environment": "move"}}
+
+    def reply(ctx: str) -> str:
+        if "counter is" in ctx or "at 1" in ctx:
+            return "done"
+        if '"name": "increment"' in ctx:
+            return '<tool_call>{"name": "increment", "arguments": {"step": 1}}</tool_call>'
+        return '<tool_call>{"name": "step", "arguments": {"direction": "right"}}</tool_call>'
+
+    records = run_episodes(cfg, table, [0, 1], Scripted(reply).session("base", "unused", chatml),
+                           SamplingParams(n=1, max_new_tokens=80, temperature=1.0, top_p=1.0, seed=3))[0]
+    count, move = sorted(records, key=lambda r: r.row)
+    assert '"name": "increment"' in chatml.decode(count.prompt_ids) and '"name": "step"' not in \
+        chatml.decode(count.prompt_ids)
+    assert '"name": "step"' in chatml.decode(move.prompt_ids) and '"name": "increment"' not in \
+        chatml.decode(move.prompt_ids)
+    assert count.turns[1]["content"] == "counter is 1" and count.env_return == 1.0 and count.env_error is None
+    assert move.turns[1]["content"] == "at 1" and move.env_error is None
+
+
+def test_a_dict_of_environments_is_checked_row_by_row_before_the_run(tmp_path):
+    """Preflight: every row of every split names one of the dict's environments, and each named one is made
+    and reset with its first row; a dict that is empty or holds something not callable is one line too."""
+    from datasets import Dataset
+
+    from tasks.core.errors import UserError
+    from tasks.envs.runtime.protocol import check_environment, factory_of
+
+    cfg = _cfg("tests.env_classes:ENVIRONMENTS", tmp_path)
+    good = Dataset.from_list([{"prompt": "p", "letters": "ab", "environment": "move"},
+                              {"prompt": "p", "letters": "ab", "environment": "count"}])
+    check_environment(cfg, good[0], [good])
+    assert type(factory_of(cfg)(good[1])).__name__ == "Counter"
+    with pytest.raises(UserError, match=r"^env.factory: tests.env_classes:ENVIRONMENTS is a dict of environments by "
+                                        r"name, and row 2 of the evaluation data has environment 'nope'; expected "
+                                        r"one of \['count', 'move'\]$"):
+        check_environment(cfg, good[0], [good, Dataset.from_list([good[0], {**good[1], "environment": "nope"}])])
+    with pytest.raises(UserError, match=r"expected a column 'environment' naming each row's .* and the training "
+                                        r"data has \['prompt', 'letters'\]$"):
+        check_environment(cfg, good[0], [good.remove_columns("environment")])
+    with pytest.raises(UserError, match=r"a row's 'environment' is None; expected one of \['count', 'move'\]$"):
+        factory_of(cfg)({"prompt": "p"})
+    without_letters = Dataset.from_list([{"prompt": "p", "environment": "count"}])
+    with pytest.raises(UserError, match=r"^env.factory: tests.env_classes:ENVIRONMENTS\['count'\].*KeyError"):
+        check_environment(cfg, without_letters[0], [without_letters])     # (Counter.reset reads `letters`)
+    with pytest.raises(UserError, match=r"^env.factory: tests.env_classes:NOT_ALL_FACTORIES is a dict, whose 'move' "
+                                        r"is str; expected callables by name"):
+        factory_of(_cfg("tests.env_classes:NOT_ALL_FACTORIES", tmp_path))

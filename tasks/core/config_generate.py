@@ -232,7 +232,9 @@ class EnvConfig(ServedSection):
     factory: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
                                 json_schema_extra=PATH_AS_BEFORE_THE_MOVE, description="module:callable "
                                 "that returns one environment per episode (a class, or gymnasium:make with "
-                                "kwargs {id: ...}); None = single-turn.")
+                                "kwargs {id: ...}), or module:name of a dict of them by name (TRL's "
+                                "multi-environment environment_factory: each row's `environment` column picks "
+                                "one); None = single-turn.")
     agent: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
                               json_schema_extra=PATH_AS_BEFORE_THE_MOVE, description="module:function, an "
                               "agent as users write them: (async) run(row, base_url, api_key) -> reward | "

@@ -133,11 +133,11 @@ def working_directory_on_path(here: str | None = None) -> None:
     sys.path[:] = [root, here, *(p for p in sys.path if p not in (root, here, "", os.curdir))]
 
 
-def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
+def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = False) -> Callable:
     """`module:name` from the working directory first (user modules live where rlflow is run), imported within
     IMPORT_SECONDS: a UserError naming `key` if the module cannot be imported (it raises, calls sys.exit, or
-    does not finish importing in time) or has no such callable. A module that changes the working directory
-    when imported leaves rlflow's where it was."""
+    does not finish importing in time) or has no such callable (`by_name`: or a dict of them by name, returned
+    as it is). A module that changes the working directory when imported leaves rlflow's where it was."""
     module_name, _, attr = spec.partition(":")
     here = os.getcwd()
     working_directory_on_path(here)
@@ -156,6 +156,13 @@ def import_user(spec: str, key: str, noun: str = "callable") -> Callable:
         if os.getcwd() != here:
             os.chdir(here)
     fn = getattr(module, attr, None)
+    if by_name and isinstance(fn, dict) and fn:
+        for name, value in fn.items():
+            if not isinstance(name, str) or not callable(value):
+                raise UserError(f"{key}: {spec} is a dict, whose {name!r} is {type(value).__name__}; expected "
+                                f"{noun}s by name (str keys)")
+        return fn
     if not callable(fn):
-        raise UserError(f"{key}: {module_name!r} has no {noun} {attr!r}")
+        raise UserError(f"{key}: {module_name!r} has no {noun} {attr!r}"
+                        + (" (or a dict of them by name; it is an empty dict)" if isinstance(fn, dict) else ""))
     return fn

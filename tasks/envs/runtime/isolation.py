@@ -266,7 +266,7 @@ def _answer(conn, cfg_dump: dict, row: dict) -> None:
 
     try:
         cfg = Config.model_validate(cfg_dump)
-        env = environment(cfg, factory_of(cfg, preflight=False)(), row)
+        env = environment(cfg, factory_of(cfg, preflight=False)(row), row)
         conn.send(("ok", tool_schemas(env)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as the episode's failure
         conn.send(("error", why(e)))
@@ -307,7 +307,7 @@ def start_environment(cfg: Config, make, row: dict, opened: Callable[[Any], None
     stage's episode loop and the environment server both open."""
     if cfg.env.isolation == "process":
         return ProcessEnvironment.start(cfg, row, opened)
-    return ThreadEnvironment(environment(cfg, make(), row))
+    return ThreadEnvironment(environment(cfg, make(row), row))
 
 
 class ThreadEnvironment:

@@ -61,34 +61,59 @@ def as_messages(value: Any, what: str) -> list[dict]:
     return value
 
 
-def factory_of(cfg: Config, preflight: bool = True) -> Callable[[], Any]:
+ENVIRONMENT_COLUMN = "environment"    # TRL's multi-environment form: the row's column that names its environment
+
+
+def factories_of(cfg: Config) -> dict[str | None, Callable[..., Any]]:
+    """env.factory imported: {None: the callable}, or TRL's multi-environment form, a dict of callables by name
+    (`GRPOTrainer(environment_factory={...})`), each row's `environment` column naming the one that makes its
+    episode's environment (the tools in its prompt are that environment's)."""
+    given = import_user(cfg.env.factory, "env.factory", by_name=True)
+    return dict(given) if isinstance(given, dict) else {None: given}
+
+
+def environment_name(cfg: Config, factories: dict, row: dict | None) -> str | None:
+    """The name of the factory that makes `row`'s environment (None: env.factory is one callable)."""
+    if None in factories:
+        return None
+    name = (row or {}).get(ENVIRONMENT_COLUMN)
+    if not isinstance(name, str) or name not in factories:
+        raise UserError(f"env.factory: {cfg.env.factory} is a dict of environments by name, and a row's "
+                        f"{ENVIRONMENT_COLUMN!r} is {name!r}; expected one of {sorted(factories)}")
+    return name
+
+
+def factory_of(cfg: Config, preflight: bool = True) -> Callable[[dict | None], Any]:
     """env.factory imported (a user error naming it if it cannot be), called with env.kwargs per episode (once
-    per process for an environment that serves many: adapters.shared). A factory with a `preflight(**kwargs)`
-    (the browser's) has it called first: what it lacks is one line before any episode starts."""
-    make = import_user(cfg.env.factory, "env.factory")
+    per process for an environment that serves many: adapters.shared); a dict of factories by name is called
+    with the row, whose `environment` picks one (environment_name). A factory with a `preflight(**kwargs)` (the
+    browser's) has it called first: what it lacks is one line before any episode starts."""
+    factories = factories_of(cfg)
     kwargs = dict(cfg.env.kwargs)
-    if preflight and callable(getattr(make, "preflight", None)):
-        make.preflight(**kwargs)
-    kept: list = []                   # the instance every episode shares (adapters.shared), once made
-    first = threading.Lock()          # (held while the first is made: is it one to share?)
-    known = threading.Event()
+    for make in factories.values() if preflight else ():
+        if callable(getattr(make, "preflight", None)):
+            make.preflight(**kwargs)
+    kept: dict = {}                   # name -> the instance every episode of it shares (adapters.shared), once made
+    first = threading.Lock()          # (held while a name's first is made: is it one to share?)
+    known: set = set()
 
-    def new() -> Any:
+    def new(name: str | None) -> Any:
         with signals_kept():
-            return make(**kwargs)
+            return factories[name](**kwargs)
 
-    def made() -> Any:
+    def made(row: dict | None = None) -> Any:
         from tasks.envs.adapters.kinds import shared
 
-        if not known.is_set():
+        name = environment_name(cfg, factories, row)
+        if name not in known:
             with first:
-                if not known.is_set():
-                    instance = new()
+                if name not in known:
+                    instance = new(name)
                     if shared(instance):
-                        kept.append(instance)
-                    known.set()
+                        kept[name] = instance
+                    known.add(name)
                     return instance
-        return kept[0] if kept else new()
+        return kept[name] if name in kept else new(name)
     return made
 
 
@@ -193,16 +218,34 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
             raise UserError(f"env.factory: {what}.reset's message {j}: {fault}")
 
 
-def check_environment(cfg: Config, row: dict) -> None:
-    """Preflight (_check_environment), the user's code marked as such: an os._exit it calls is one line too."""
-    try:
-        with user_code():
-            _check_environment(cfg, row)
-    except ExitRefused as e:
-        raise UserError(f"env.factory: {cfg.env.factory}: {e}") from None
+def check_environment(cfg: Config, row: dict, datasets: list | tuple = ()) -> None:
+    """Preflight (_check_environment), the user's code marked as such: an os._exit it calls is one line too.
+    With a dict of factories each is checked with the first row that names it, and every row of `datasets` (the
+    splits a run reads) must name one (else `row`'s name alone is checked)."""
+    factories = factories_of(cfg)
+    firsts: dict = {}
+    for split, ds in enumerate(datasets if None not in factories else ()):
+        if ENVIRONMENT_COLUMN not in ds.column_names:
+            raise UserError(f"env.factory: {cfg.env.factory} is a dict of environments by name; expected a column "
+                            f"{ENVIRONMENT_COLUMN!r} naming each row's (one of {sorted(factories)}), and the "
+                            f"{('training', 'evaluation')[min(split, 1)]} data has {ds.column_names}")
+        for i, name in enumerate(ds[ENVIRONMENT_COLUMN]):
+            if not isinstance(name, str) or name not in factories:
+                raise UserError(f"env.factory: {cfg.env.factory} is a dict of environments by name, and row {i + 1} "
+                                f"of the {('training', 'evaluation')[min(split, 1)]} data has "
+                                f"{ENVIRONMENT_COLUMN} {name!r}; expected one of {sorted(factories)}")
+            if name not in firsts:
+                firsts[name] = dict(ds[i])
+    for name, first in (firsts or {environment_name(cfg, factories, row): row}).items():
+        spec = cfg.env.factory if name is None else f"{cfg.env.factory}[{name!r}]"
+        try:
+            with user_code():
+                _check_environment(cfg, factories[name], spec, first)
+        except ExitRefused as e:
+            raise UserError(f"env.factory: {spec}: {e}") from None
 
 
-def _check_environment(cfg: Config, row: dict) -> None:
+def _check_environment(cfg: Config, make: Callable[..., Any], spec: str, row: dict) -> None:
     """Preflight (env.factory, made on this machine: env.where stage or local): env.factory called with env.kwargs
     once, driven through its adapter (env.adapter) with the data's first `row` as far as can be without an
     episode, its tools read; then closed. What cannot be built is one UserError line naming the field, not a run
@@ -213,8 +256,6 @@ def _check_environment(cfg: Config, row: dict) -> None:
     from tasks.envs.adapters import kinds as adapters
     from tasks.envs.runtime.tools import tool_schemas
 
-    spec = cfg.env.factory
-    make = import_user(spec, "env.factory")
     kwargs = dict(cfg.env.kwargs)
     if (bad := _binds(make, **kwargs)) is not None:
         given = f"with env.kwargs {sorted(kwargs)}" if kwargs else "without env.kwargs"

@@ -41,8 +41,9 @@ def takes_screenshots(cfg: Config) -> bool:
     if placement_of(cfg).env != "stage":
         return False
     try:
-        make = import_user(cfg.env.factory, "env.factory")
-        return "screenshots" in inspect.signature(make).parameters
+        made = import_user(cfg.env.factory, "env.factory", by_name=True)
+        return all("screenshots" in inspect.signature(make).parameters
+                   for make in (made.values() if isinstance(made, dict) else [made]))
     except Exception:  # noqa: BLE001 - a factory that cannot be inspected pictures nothing (preflight says why)
         return False
 

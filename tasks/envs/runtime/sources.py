@@ -4,7 +4,7 @@
     Environments   env.factory: multi-turn episodes against environments (episodes.py: run_episodes)
     Agents         env.agent: an agent's episodes through an endpoint serving the policy (agents.py: run_agents)
 
-Each has `check` (preflight, with the first row, the model's path and tokenizer: what it needs, one line and exit
+Each has `check` (preflight, with the data's splits, the model's path and tokenizer: what it needs, one line and exit
 2 when it is not there), `run` (generate and evaluate: the rollouts and what sampling them took), `streamed`
 (generate.streaming's group source), `require_some` (a stage whose every episode failed stops) and `metrics`
 (generate's source-specific ones); the stages and the preflight call them without asking which source runs.
@@ -26,7 +26,7 @@ class Prompts:
 
     name: ClassVar[str] = "prompts"
 
-    def check(self, cfg: Config, row: dict, model_path: str, tokenizer) -> None:
+    def check(self, cfg: Config, datasets: list, model_path: str, tokenizer) -> None:
         """Nothing beyond the data and the model, which the preflight checks for every source."""
 
     def run(self, cfg: Config, session: SamplingSession, ds, rows: list[int], params: SamplingParams,
@@ -54,8 +54,9 @@ class Environments:
 
     name: ClassVar[str] = "env.factory"
 
-    def check(self, cfg: Config, row: dict, model_path: str, tokenizer) -> None:
-        """The factory imports and builds one environment with env.kwargs where it runs on this machine; a server
+    def check(self, cfg: Config, datasets: list, model_path: str, tokenizer) -> None:
+        """The factory imports and builds one environment with env.kwargs where it runs on this machine (a dict of
+        factories by name: each row names one, and each is built with its first row); a server
         of your own (env.where a URL) answers as an rlflow environment server. (An environment server on sky
         checks its own factory as it starts.)"""
         from tasks.core.placement import placement_of
@@ -64,7 +65,7 @@ class Environments:
         env = placement_of(cfg).env
         if env in ("stage", "local"):
             factory_of(cfg)             # env.factory cannot be imported: one line, exit 2 (here, or the server)
-            check_environment(cfg, row)     # one built with env.kwargs, its adapter and tools
+            check_environment(cfg, dict(datasets[0][0]), datasets)    # one built with env.kwargs, adapter, tools
         elif env == "yours":
             require_env_server(cfg.env.url)    # an rlflow environment server (its /health's shape)
 
@@ -103,7 +104,7 @@ class Agents:
 
     name: ClassVar[str] = "env.agent"
 
-    def check(self, cfg: Config, row: dict, model_path: str, tokenizer) -> None:
+    def check(self, cfg: Config, datasets: list, model_path: str, tokenizer) -> None:
         from tasks.core.errors import UserError
         from tasks.envs.runtime.agents import agent_of
 
