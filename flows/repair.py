@@ -131,11 +131,16 @@ class Repair:
         producer = producer_of(run, bad.key)
         moved = store.quarantine(bad.key)
         if producer is None:
-            rebuilt = any(bad.key in (layout.full_checkpoint(run, it), layout.curriculum(run, it))
-                          for it in _numbers_in(run, bad.key))
-            raise UserError(f"{bad}: corrupt, and no stage makes it (moved to {store.uri(moved)}); "
-                            + ("run the same command again: the run rebuilds it from the state before it"
-                               if rebuilt else "restore it or start a new run.name")) from None
+            if not any(bad.key in (layout.full_checkpoint(run, it), layout.curriculum(run, it))
+                       for it in _numbers_in(run, bad.key)):
+                raise UserError(f"{bad}: corrupt, and no stage makes it (moved to {store.uri(moved)}); restore it "
+                                f"or start a new run.name") from None
+            # a resident trainer's full checkpoint, the curriculum's state: the stage that read it runs again and
+            # rebuilds that state from the one before it (an older full checkpoint and the stored rewards since)
+            said = f"corrupt artifact: {bad}; moved to {store.uri(moved)}, rebuilding it from the state before it"
+            self.log.warning(said)
+            self.note(said)
+            return
         stage, it, round = producer
         if stage == "reward" and self.ctx.cfg.generate.dynamic_sampling is not None:
             # (the iteration's rewards are made by its last round's reward stage, which reads every round)

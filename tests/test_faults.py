@@ -238,3 +238,40 @@ def test_a_corrupt_committed_artifact_is_moved_aside_and_made_again(prefect_api,
         store.verify(layout.policy("rot", it))
         assert store.manifest(layout.policy("rot", it))["files"] == written[it]      # the same weights
     store.verify(layout.policy("rot", 4))
+
+
+@pytest.mark.slow
+def test_a_corrupt_full_checkpoint_or_curriculum_state_is_rebuilt_in_the_same_run(prefect_api, tmp_path):
+    """A resident trainer's full checkpoint and the curriculum's state are made by no stage: found corrupt, each
+    was quarantined and the run ended asking to be run again. Now the stage that read it runs again and rebuilds
+    that state from the one before it (an older full checkpoint, or none, and the stored rewards since), in the
+    same run, and the next policy is the uninterrupted run's, bit for bit."""
+    import shutil
+
+    from tasks.core import layout
+    from tasks.core.store import Store
+    from tests.conftest import TINY, run_cli
+
+    args = ["run", str(TINY), *SMALL, "-o", "data.curriculum={defer: 2}"]
+    out = run_cli([*args, "-o", "run.iterations=3"], tmp_path, prefect_api)
+    assert out.returncode == 0, out.stderr[-2000:]
+    shutil.copytree(tmp_path / "rlflow-store", tmp_path / "before")
+    out = run_cli([*args, "-o", "run.iterations=4"], tmp_path, prefect_api)            # the uninterrupted run
+    assert out.returncode == 0, out.stderr[-2000:]
+    clean = Store.open(str(tmp_path / "rlflow-store")).manifest(layout.policy("rot", 4))["files"]
+
+    shutil.rmtree(tmp_path / "rlflow-store")
+    (tmp_path / "before").rename(tmp_path / "rlflow-store")
+    store = Store.open(str(tmp_path / "rlflow-store"))
+    assert store.manifest(layout.full_checkpoint("rot", 3)) and store.manifest(layout.curriculum("rot", 2))
+    for path in (tmp_path / "rlflow-store" / layout.full_checkpoint("rot", 3) / "optimizer.pt",
+                 tmp_path / "rlflow-store" / layout.curriculum("rot", 2) / "state.json"):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    out = run_cli([*args, "-o", "run.iterations=4"], tmp_path, prefect_api)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("corrupt artifact:")]
+    assert len(said) == 2 and all(line.endswith("rebuilding it from the state before it") for line in said), said
+    assert {"trainer", "curriculum"} <= set(store.list_folders("rot/quarantine"))
+    assert store.manifest(layout.policy("rot", 4))["files"] == clean
