@@ -11,6 +11,7 @@ engines, the launcher's recipes), which is why it is a module of its own and not
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -32,11 +33,14 @@ from tasks.scoring.functions import load_functions, start_worker
 
 
 def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
-    """tracking.uri an http(s) MLflow server: it answers (any HTTP reply will do; MLflow's client would retry a
-    refused connection for minutes, saying nothing); a sqlite database: a path where one can be made, or one
-    (a folder there retried for minutes after the lease; another file failed the run after its first stage)."""
+    """tracking.uri an http(s) MLflow server: it answers as MLflow (MLflow's client would retry a refused
+    connection for minutes, saying nothing); a sqlite database: a path where one can be made, or one (a folder
+    there retried for minutes after the lease; another file failed the run after its first stage); another
+    database: its driver is installed. tracking.experiment not deleted there (read, not written)."""
     uri = cfg.tracking.uri
-    if not uri.startswith(("http://", "https://")):
+    if uri.split(":", 1)[0].split("+", 1)[0] in ("postgresql", "mysql", "mssql"):
+        _require_driver(uri)
+    elif not uri.startswith(("http://", "https://")):
         from tasks.core.paths import require_creatable
         from tasks.core.tracking import local_folder
         from tasks.core.tracking_db import sqlite_file
@@ -54,17 +58,67 @@ def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
             if head and head != b"SQLite format 3\x00":
                 raise UserError(f"tracking.uri: {uri}: {database} is not a sqlite database (another kind of file); "
                                 f"expected a sqlite database file, or a path where none is yet") from None
+            if head and _deleted_in(database, cfg.tracking.experiment):
+                raise UserError(f"tracking.experiment: {cfg.tracking.experiment!r} was deleted in MLflow ({uri}); "
+                                f"restore it (`mlflow experiments restore`) or name another")
         return
     from tasks.core.tracking import require_answer
 
-    require_answer(uri, "tracking.uri", timeout)
+    require_answer(uri, "tracking.uri", timeout, experiment=cfg.tracking.experiment)
+
+
+def _store(cfg: Config):
+    """The run's store; an S3 client that cannot be made (a region that is none, an AWS profile or config file
+    that is not there or does not parse, half a key pair) is one line naming store.uri."""
+    if not cfg.store.uri.startswith("s3://"):
+        return open_store(cfg)
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        return open_store(cfg)
+    except BotoCoreError as e:
+        raise UserError(f"store.uri: {cfg.store.uri}: the S3 client cannot be made ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0]})") from None
+
+
+def _require_driver(uri: str) -> None:
+    """A database URI SQLAlchemy can parse, whose driver (DBAPI module) is installed: imported, not connected."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    shown = uri.split("@")[-1]
+    try:
+        url = make_url(uri)
+        shown = url.render_as_string(hide_password=True)
+        url.get_dialect().import_dbapi()
+    except (ArgumentError, NoSuchModuleError, ValueError) as e:
+        raise UserError(f"tracking.uri: {shown}: {str(e).splitlines()[0]}; expected a database URL SQLAlchemy "
+                        f"reads (postgresql://USER@HOST/DB)") from None
+    except ImportError as e:
+        hint = {"postgresql": " (pip install psycopg2-binary)", "mysql": " (pip install mysqlclient)"}.get(
+            url.get_backend_name(), "")
+        raise UserError(f"tracking.uri: {shown}: its database driver is not installed ({e.name or e}); install it "
+                        f"in this environment{hint}") from None
+
+
+def _deleted_in(database: Path, experiment: str) -> bool:
+    """Whether MLflow's sqlite database holds `experiment` as deleted (read only; a database without MLflow's
+    tables yet: no)."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True)) as db:
+            row = db.execute("SELECT lifecycle_stage FROM experiments WHERE name = ?", (experiment,)).fetchone()
+    except sqlite3.Error:
+        return False
+    return row is not None and row[0] == "deleted"
 
 
 def preflight(cfg: Config) -> None:
     """Raise UserError for any input mistake; writes nothing."""
     place = placement_of(cfg)              # where each stage and service runs (tasks/core/placement.py)
     episode_stages = ["generate"] + (["evaluate"] if cfg.eval.every else [])
-    open_store(cfg).check()
+    _store(cfg).check()                    # reachable, the bucket there, credentials taken
     check_tracking_server(cfg)             # an MLflow server that does not answer: one line, not a silent hang
     check_curriculum(cfg)                  # prompts with stable ids (not a hub dataset): one line
     if cfg.publish.register_model:

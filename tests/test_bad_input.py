@@ -160,6 +160,34 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                              "store.uri: cannot create /proc/rlflow-store ("),
         "tracking database under a file": (["run", str(TINY), "-o", f"tracking.uri=sqlite:///{tmp}/a_file/m.db"],
                                            f"tracking.uri: {tmp}/a_file is a file, not a folder"),
+        # (2026-12-05, a sweep of store/tracking: each was a traceback, most after the store was written)
+        "tracking in a folder": (["run", str(TINY), "-o", f"tracking.uri=file://{tmp}/mlruns"],
+                                 "tracking.uri: MLflow's filesystem backend"),
+        "sqlite URI with two slashes": (["run", str(TINY), "-o", "tracking.uri=sqlite://m.db"],
+                                        "tracking.uri: expected sqlite:///PATH"),
+        "empty tracking URI": (["run", str(TINY), "-o", 'tracking.uri=""'], "tracking.uri: expected an MLflow"),
+        "tracking database without its driver": (["run", str(TINY), "-o",
+                                                  "tracking.uri=postgresql://u:pw@127.0.0.1:9/db"],
+                                                 "postgresql://u:***@127.0.0.1:9/db: its database driver is not "
+                                                 "installed (psycopg2)"),
+        "tracking database in /proc": (["run", str(TINY), "-o", "tracking.uri=sqlite:////proc/rlflow-m.db"],
+                                       "tracking.uri: /proc is not writable"),
+        "experiment name past MLflow's limit": (["run", str(TINY), "-o", f"tracking.experiment={'e' * 501}"],
+                                                "tracking.experiment: string should have at most 500 characters"),
+        "experiment name with a newline": (["run", str(TINY), "-o", 'tracking.experiment="a\\nb"'],
+                                           "tracking.experiment: expected a name without control characters"),
+        "store scheme a slash short": (["run", str(TINY), "-o", "store.uri=s3:/bucket/x"],
+                                       "store.uri: expected file://PATH, s3://BUCKET[/PREFIX] or a local path (a "
+                                       "scheme with two slashes"),
+        "store in the working directory": (["run", str(TINY), "-o", "store.uri=."],
+                                           "store.uri: the working directory itself"),
+        "store path past a name's limit": (["run", str(TINY), "-o", f"store.uri={'a' * 300}"],
+                                           "File name too long"),
+        "S3 region that is none": (["run", str(TINY), "-o", "store.uri=s3://bucket/x", "-o",
+                                    "store.region=not a region!"],
+                                   "store.uri: s3://bucket/x: the S3 client cannot be made (InvalidRegionError"),
+        "true as a price": (["run", str(TINY), "-o", "cost.hourly_usd={train: true}"],
+                            "cost.hourly_usd: expected numbers, not true or false"),
         "lora targets the model lacks": (["run", str(TINY), "-o", "train.lora_r=4", "-o",
                                           "train.lora_target_modules=[nope_proj]"],
                                          "train.lora_target_modules: ['nope_proj']: Target modules"),
@@ -1152,3 +1180,27 @@ def test_rlflows_own_environment_variables_are_checked_before_anything(prefect_a
     assert user_code_seconds() == 2.5
     monkeypatch.setenv("RLFLOW_CACHE", "")
     assert cache_root() == Path.home() / ".cache" / "rlflow"
+
+
+def test_a_tracking_server_or_database_that_cannot_take_the_run_is_one_line(prefect_api, tmp_path):
+    """An http server that answers but is not MLflow (any reply passed: the run failed after writing the store),
+    an experiment deleted in the run's sqlite database (MLflow's traceback, after the store was written), and a
+    bad $MLFLOW_TRACKING_URI (tracking.uri's default was never checked): one line, exit 2, nothing written."""
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient("sqlite:///" + str(tmp_path / "m.db")).delete_experiment(
+        MlflowClient("sqlite:///" + str(tmp_path / "m.db")).create_experiment("gone"))
+    cases = {"not MLflow": ({}, ["-o", f"tracking.uri={prefect_api.rsplit('/api', 1)[0]}"],
+                            "but not as an MLflow tracking server"),
+             "deleted": ({}, ["-o", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}", "-o", "tracking.experiment=gone"],
+                         "tracking.experiment: 'gone' was deleted in MLflow"),
+             "environment": ({"MLFLOW_TRACKING_URI": "ftp://x/y"}, [], "tracking.uri: expected one of sqlite://")}
+    for name, (env, args, expected) in cases.items():
+        cwd = tmp_path / name
+        cwd.mkdir()
+        out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(TINY), *args], cwd=cwd, text=True,
+                             capture_output=True, timeout=300,
+                             env={**os.environ, "PREFECT_API_URL": prefect_api, **env})
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 2 and len(lines) == 1 and expected in lines[0], (name, out.stderr[-2000:])
+        assert not any(cwd.iterdir()), (name, list(cwd.iterdir()))

@@ -38,7 +38,7 @@ def test_a_greedy_only_evaluation_skips_the_sampled_pass_and_scores_as_the_two_p
 
     monkeypatch.chdir(tmp_path)
     both = ["eval.split=test", "eval.max_prompts=4", "eval.greedy=true", "eval.metric=greedy_pass_at_1",
-            "tracking.uri=none"]
+            "tracking.uri=sqlite:///unused.db"]
     two = evaluate(load_config(TINY, ["run.name=two", "eval.num_generations=2", *both]), 0)
     cfg = load_config(TINY, ["run.name=one", "eval.num_generations=0", *both])
     one = evaluate(cfg, 0)

@@ -98,7 +98,7 @@ class Config(Section):
     publish: PublishConfig = PublishConfig()
     eval: EvalConfig = EvalConfig()
     store: StoreConfig = StoreConfig()
-    tracking: TrackingConfig = TrackingConfig()
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)    # (reads $MLFLOW_TRACKING_URI when made)
     launcher: LauncherConfig = LauncherConfig()
     cost: CostConfig = CostConfig()
 

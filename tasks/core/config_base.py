@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 from types import UnionType
-from typing import Any, ClassVar, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
@@ -23,9 +23,17 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_truth_value_for_a_number(cls, v: Any, info) -> Any:
-        """`run.iterations: true` is a mistake, not 1 (pydantic's lax mode reads true as 1 and false as 0)."""
-        if isinstance(v, bool) and _a_number_only(cls.model_fields[info.field_name].annotation):
+        """`run.iterations: true` is a mistake, not 1 (pydantic's lax mode reads true as 1 and false as 0); so is
+        `cost.hourly_usd: {train: true}`, a mapping's or a list's value."""
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(v, bool) and _a_number_only(annotation):
             raise ValueError("expected a number, not true or false")
+        container, args = get_origin(annotation), get_args(annotation)
+        if container in (dict, list, tuple) and args and _a_number_only(get_args(args[-1])[0] if get_origin(
+                args[-1]) is Annotated else args[-1]):
+            values = v.values() if isinstance(v, dict) else v if isinstance(v, list | tuple) else ()
+            if any(isinstance(x, bool) for x in values):
+                raise ValueError("expected numbers, not true or false")
         return v
 
 

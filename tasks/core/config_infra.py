@@ -9,6 +9,8 @@ More: docs/internals.md (tasks/core/config_infra.py): the checks these sections 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlparse
 
@@ -64,11 +66,16 @@ class StoreConfig(Section):
     def _scheme(cls, v: str) -> str:
         if "://" in v and not v.startswith(("file://", "s3://")):
             raise ValueError("expected file://PATH, s3://BUCKET[/PREFIX] or a local path")
+        if "://" not in v and re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", v):       # s3:/bucket, file:/x (a slash short)
+            raise ValueError("expected file://PATH, s3://BUCKET[/PREFIX] or a local path (a scheme with two slashes; "
+                             "./NAME for a local folder whose name has a colon)")
         if v.startswith("s3://") and not v[5:].strip("/"):
             raise ValueError("s3:// URI needs a bucket name")
         if not (v[len("file://"):] if v.startswith("file://") else v).strip():
             raise ValueError("expected a folder: file://PATH (file://./rlflow-store, file:///abs/path) or a local "
                              "path, not an empty one (which would write the store into the working directory)")
+        if Path(v[len("file://"):] if v.startswith("file://") else v).expanduser() in (Path("."), Path.cwd()):
+            raise ValueError("the working directory itself; expected a folder of the store's own (./rlflow-store)")
         return v
 
 
@@ -79,9 +86,13 @@ class TrackingConfig(Section):
     """MLflow."""
 
     uri: str = Field(default_factory=lambda: os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db",
+                     validate_default=True,
                      description="MLflow tracking URI (sqlite:///..., http://host:5000); unset: $MLFLOW_TRACKING_URI, "
-                     "else sqlite:///mlflow.db in the working directory.")
-    experiment: str = Field("rlflow", min_length=1, pattern=r"\S", description="MLflow experiment name.")
+                     "else sqlite:///mlflow.db in the working directory. MLflow's filesystem backend (a folder, "
+                     "file://) only with MLFLOW_ALLOW_FILE_STORE=true, MLflow's own opt-out of its refusal.")
+    experiment: str = Field("rlflow", min_length=1, max_length=500, pattern=r"\S",
+                            description="MLflow experiment name (at most 500 characters, MLflow's limit; no "
+                            "control characters).")
     sample_completions: int = Field(8, ge=0, le=1_000_000,
                                     description="Completions per iteration logged to the samples table.")
     traces: bool = Field(True, description="Log every evaluated episode, and the samples table's completions, as "
@@ -94,13 +105,42 @@ class TrackingConfig(Section):
                                  description="Update the flow run's Prefect report (one artifact) every N "
                                  "iterations and after the last; 0 = only after the last.")
 
+    @field_validator("experiment")
+    @classmethod
+    def _printable(cls, v: str) -> str:
+        if any(ord(c) < 32 or ord(c) == 127 for c in v):
+            raise ValueError("expected a name without control characters (a newline, a tab, NUL)")
+        return v
+
     @field_validator("uri")
     @classmethod
     def _tracking_scheme(cls, v: str) -> str:
-        scheme = v.split("://", 1)[0].split("+", 1)[0] if "://" in v else (v.split(":", 1)[0] if ":" in v else "")
-        if scheme and scheme not in TRACKING_SCHEMES and not (len(scheme) == 1 and v[1:3] in (":\\", ":/")):
-            raise ValueError(f"expected one of {', '.join(s + '://' for s in TRACKING_SCHEMES)} or a local folder")
+        if (fault := tracking_uri_fault(v)) is not None:
+            raise ValueError(fault)
         return v
+
+
+def tracking_uri_fault(v: str) -> str | None:
+    """What is wrong with a tracking URI, from its text alone (what must answer is preflight's), or None."""
+    if not v.strip() or "\x00" in v:
+        return "expected an MLflow tracking URI (sqlite:///mlflow.db, http://host:5000)"
+    scheme = v.split("://", 1)[0].split("+", 1)[0] if "://" in v else (v.split(":", 1)[0] if ":" in v else "")
+    drive = len(scheme) == 1 and v[1:3] in (":\\", ":/")
+    if scheme and scheme not in TRACKING_SCHEMES and not drive:
+        return f"expected one of {', '.join(s + '://' for s in TRACKING_SCHEMES)} or a local folder"
+    if v.startswith("sqlite"):
+        driver, _, rest = v.partition(":")
+        if driver not in ("sqlite", "sqlite+pysqlite"):
+            return f"{driver}: expected sqlite:///PATH (SQLAlchemy's sqlite driver)"
+        path = rest[3:].split("?", 1)[0] if rest.startswith("///") else ""
+        if not path.strip() or path.startswith(":memory:"):
+            return ("expected sqlite:///PATH (relative to the working directory) or sqlite:////PATH (absolute): "
+                    "a database file, which every stage and later run reads")
+    if (drive or scheme in ("", "file")) and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in (
+            "1", "true", "yes"):
+        return ("MLflow's filesystem backend (a folder or file:// URI), which MLflow 3 refuses (maintenance mode); "
+                "expected sqlite:///PATH or an http(s) server (MLFLOW_ALLOW_FILE_STORE=true is MLflow's opt-out)")
+    return None
 
 
 Stage = Literal["generate", "reward", "train", "publish", "evaluate"]
@@ -166,6 +206,6 @@ class LauncherConfig(Section):
 class CostConfig(Section):
     """Prices for the cost metric (cost_usd = stage seconds x hourly price)."""
 
-    hourly_usd: dict[Stage, Annotated[float, Field(ge=0)]] = Field(
+    hourly_usd: dict[Stage, Annotated[float, Field(ge=0, le=1e6)]] = Field(
         {}, description="Hourly price per stage when SkyPilot's catalog cannot tell (inline/local: the price "
                         "of this machine); a stage with no price known logs no cost metric.")

@@ -27,11 +27,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]     # the checkout holding tasks
 def require_creatable(folder: Path, field: str) -> None:
     """UserError naming `field` unless `folder` is a folder, or one this process can create: its nearest existing
     ancestor is a folder in which a folder can be made (_cannot_make_in), found here, before the run."""
-    probe = _nearest_existing(folder.expanduser().absolute())
-    if not probe.is_dir():
+    try:
+        probe = _nearest_existing(folder.expanduser().absolute())
+        is_dir = probe.is_dir()
+    except OSError as e:                         # (a name past the filesystem's limit: ENAMETOOLONG)
+        raise UserError(f"{field}: {str(folder)[:80]}...: {e.strerror or type(e).__name__}") from None
+    if not is_dir:
         raise UserError(f"{field}: {probe} is a file, not a folder")
     if probe == folder.expanduser().absolute():
-        if not os.access(probe, os.W_OK):
+        if not os.access(probe, os.W_OK) or (why := _cannot_make_in(probe)) is not None:     # (/proc: W_OK to root)
             raise UserError(f"{field}: {probe} is not writable")
         return
     if (why := _cannot_make_in(probe)) is not None:

@@ -540,7 +540,8 @@ class S3Store(Store):
             what = {"404": "bucket does not exist", "403": "access denied (check AWS credentials)"}.get(code, code)
             raise UserError(f"store.uri: {where}: {what}") from None
         except BotoCoreError as e:
-            raise UserError(f"store.uri: cannot reach {where}: {type(e).__name__}") from None
+            said = " ".join(str(e).split())[:200]
+            raise UserError(f"store.uri: cannot reach {where}: {type(e).__name__}: {said}") from None
 
     def _put_file(self, key, src):
         self.client.upload_file(str(src), self.bucket, self._k(key), Config=self.transfer)

@@ -61,25 +61,45 @@ def reading_client(uri: str, field: str):
     return _client(uri)
 
 
-def require_answer(uri: str, field: str, timeout: float = 10.0) -> None:
-    """UserError naming `field` unless the MLflow server at the http(s) `uri` answers (any HTTP reply will do: an
-    auth proxy, an older server without /health; a TLS handshake too, with a certificate urllib does not trust
-    where MLflow's own settings may). MLflow's client retries a refused connection for minutes, saying
-    nothing."""
+def require_answer(uri: str, field: str, timeout: float = 10.0, experiment: str | None = None) -> None:
+    """UserError naming `field` unless the MLflow server at the http(s) `uri` answers, and as MLflow does: its
+    REST API's reply to a lookup of `experiment` (default: one that need not exist) is MLflow's JSON, and the
+    experiment is not deleted there. An auth proxy's 401/403, and a TLS certificate urllib does not trust (where
+    MLflow's own settings may), pass: what is behind them is MLflow's to say. MLflow's client retries a refused
+    connection for minutes, saying nothing."""
     import ssl
     import urllib.error
+    import urllib.parse
     import urllib.request
 
+    name = experiment if experiment is not None else "rlflow-preflight"
+    url = (f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?"
+           f"{urllib.parse.urlencode({'experiment_name': name})}")
     try:
-        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout).close()
-    except urllib.error.HTTPError:
-        return
-    except (urllib.error.URLError, OSError) as e:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            status, body = reply.status, reply.read(1 << 20)
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read(1 << 20)
+    except (urllib.error.URLError, OSError, ValueError) as e:
         why = getattr(e, "reason", e)
         if isinstance(why, ssl.SSLCertVerificationError) or isinstance(e, ssl.SSLCertVerificationError):
             return               # (it answered TLS: a certificate MLflow's own settings may trust, not urllib)
         raise UserError(f"{field}: {uri}: no MLflow server answers there ({why}); expected a running tracking "
-                        f"server, or a sqlite:/// or file path") from None
+                        f"server, or sqlite:///PATH") from None
+    if status in (401, 403):
+        return
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    mlflows = isinstance(answer, dict) and ("experiment" in answer if status == 200 else "error_code" in answer)
+    if not mlflows:
+        raise UserError(f"{field}: {uri}: a server answers there, but not as an MLflow tracking server (HTTP "
+                        f"{status} to MLflow's experiments/get-by-name); expected an MLflow server's URL")
+    stage = (answer.get("experiment") or {}).get("lifecycle_stage")
+    if experiment is not None and stage == "deleted":
+        raise UserError(f"tracking.experiment: {experiment!r} was deleted in MLflow at {uri}; restore it (`mlflow "
+                        f"experiments restore`) or name another")
 
 
 def local_folder(uri: str) -> Path | None:
