@@ -106,7 +106,7 @@ class ServedSection(Section):
     @classmethod
     def _old_url_is_where(cls, data: Any) -> Any:
         section, old = cls.OLD_URL_KEY
-        return renamed_key(data, section, old, "where", "stage")
+        return renamed_key(data, section, old, "where")
 
     @field_validator("where", check_fields=False)
     @classmethod
@@ -119,7 +119,7 @@ class ServedSection(Section):
         return self.where if is_url(self.where) else None
 
 
-def renamed_key(data: object, section: str, old: str, new: str, default: object) -> object:
+def renamed_key(data: object, section: str, old: str, new: str) -> object:
     """A before-validator's step: key `old` of a section's input read as `new` (one warning), refused when both
     are given with different values."""
     if not isinstance(data, dict) or old not in data:
@@ -129,7 +129,7 @@ def renamed_key(data: object, section: str, old: str, new: str, default: object)
     moved(f"{section}.{old}", f"{section}.{new}")
     if value is None:
         return data
-    if data.get(new, default) not in (default, value):
+    if new in data and data[new] != value:      # (both given: which was meant cannot be told, even at the default)
         raise ValueError(f"{old} is now {new}; give {new} alone (both were given)")
     data[new] = value
     return data

@@ -71,6 +71,11 @@ class StoreConfig(Section):
                              "./NAME for a local folder whose name has a colon)")
         if v.startswith("s3://") and not v[5:].strip("/"):
             raise ValueError("s3:// URI needs a bucket name")
+        if any(ord(c) < 32 or ord(c) == 127 for c in v):
+            raise ValueError("expected a URI without control characters (a newline, a tab, NUL)")
+        if v.startswith("s3://") and any(part in ("", ".", "..") for part in v[5:].rstrip("/").split("/")[1:]):
+            raise ValueError("s3://BUCKET/PREFIX: a prefix with an empty, '.' or '..' part (S3 keeps them as text in "
+                             "the keys; MinIO refuses them)")
         if not (v[len("file://"):] if v.startswith("file://") else v).strip():
             raise ValueError("expected a folder: file://PATH (file://./rlflow-store, file:///abs/path) or a local "
                              "path, not an empty one (which would write the store into the working directory)")
@@ -184,7 +189,7 @@ class LauncherConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _mode_is_where(cls, data: Any) -> Any:
-        return renamed_key(data, "launcher", "mode", "where", "inline")
+        return renamed_key(data, "launcher", "mode", "where")
 
     @field_validator("accelerators")
     @classmethod
