@@ -17,8 +17,10 @@ More: docs/internals.md (flows/launch.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shlex
 import sys
 import threading
@@ -44,6 +46,38 @@ CLUSTER_OF = {"generate": "gen", "evaluate": "gen", "reward": "reward", "train":
               "env": "env",      # (env.where: sky: the environment server's CPU cluster; EnvServer)
               "replica": "replica",   # (generate.replicas on sky: <cluster>-<i>, one per replica; Launchers)
               "judge": "judge"}       # (reward.models where: sky: <cluster>-<name>, one per model; JudgeServers)
+MAX_CLUSTER_NAME = 60          # (SkyPilot's own rule is [a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?; clouds want less)
+_PLAIN = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")     # kept as it is in a cluster's name
+
+
+def cluster_name(prefix: str, run: str, role: str, member: str | None = None) -> str:
+    """The one SkyPilot cluster of (run name, role) (CLUSTER_OF's values; `member`: one of several, a replica's or
+    environment server's index, `front`, a judge's name): <prefix>-<run>-<role>[-<member>] where that is a name
+    already (lowercase letters, digits, single hyphens, at most MAX_CLUSTER_NAME) that reads back one way only;
+    else the run name lowercased and cut, and `--` and 8 hex of the exact (run, role, member):
+    `Run_A` -> rlflow-run-a-gen--e3718cb5, never run-a's rlflow-run-a-gen (a plain name has no `--`)."""
+    tail = role + (f"-{member}" if member is not None else "")
+    name = f"{prefix}-{run}-{tail}"
+    if (_PLAIN.fullmatch(run) and _PLAIN.fullmatch(tail) and len(name) <= MAX_CLUSTER_NAME
+            and not (role == "judge" and _reads_as_role(tail.split("-")[1:]))):
+        return name
+    digest = hashlib.sha256(f"{run}\0{tail}".encode()).hexdigest()[:8]
+    tail = _slug(tail)[:12].strip("-")
+    room = MAX_CLUSTER_NAME - len(prefix) - len(tail) - len(digest) - 4     # (its hyphens: 1, 1 and 2)
+    return f"{prefix}-{_slug(run)[:room].strip('-')}-{tail}--{digest}"
+
+
+def _slug(text: str) -> str:
+    return "-".join(part for part in re.split(r"[^a-z0-9]+", text.lower()) if part)
+
+
+def _reads_as_role(parts: list[str]) -> bool:
+    """Some end of a judge's name (its parts from one on) is a role's own tail: run `a`'s judge `gen` would be
+    run `a-judge`'s gen cluster."""
+    def role(p: list[str]) -> bool:
+        return (p in (["gen"], ["reward"], ["train"], ["env"]) or (p[0] == "judge" and len(p) > 1)
+                or (len(p) == 2 and p[0] in ("env", "replica") and (p[1].isdigit() or p == ["env", "front"])))
+    return any(role(parts[k:]) for k in range(len(parts)))
 
 
 class InfraError(RuntimeError):
@@ -155,9 +189,9 @@ class Sky:
         self._launching: dict[str, threading.Lock] = {}     # stages of two iterations may ask for one cluster
         self.python = cfg.launcher.sky_python or sibling_python(".venv-sky") or "python3"
 
-    def cluster(self, stage: str) -> str:
-        name = f"{self.cfg.launcher.cluster_prefix}-{self.cfg.run.name}-{CLUSTER_OF[stage]}".lower()
-        return "".join(c if c.isalnum() or c == "-" else "-" for c in name)[:60]
+    def cluster(self, stage: str, member: str | None = None) -> str:
+        """The cluster of a stage or served role (cluster_name: unique per run name and role)."""
+        return cluster_name(self.cfg.launcher.cluster_prefix, self.cfg.run.name, CLUSTER_OF[stage], member)
 
     def _bridge(self, args: list[str], log) -> dict:
         ran = stream([self.python, str(BRIDGE), *args], dict(os.environ), log, cwd=Path.cwd())
@@ -217,7 +251,7 @@ class Sky:
         down with the others by close(). `member`: one of several such servers, on cluster <cluster>-<member>
         (env.servers > 1: the environment pool's members and its front). Asked again (the server stopped
         answering), the cluster's jobs are cancelled first (--fresh): a server that hung holds the port."""
-        cluster = self.cluster(what) + (f"-{member}" if member is not None else "")
+        cluster = self.cluster(what, member)
         args = ["serve", "--cluster", cluster, "--recipe", str(recipe_path(self.cfg, what)), "--port", str(port),
                 "--fresh", "--wait", str(wait), "--idle-minutes", str(self.cfg.launcher.idle_minutes_to_autostop),
                 *[f"--env={k}={v}" for k, v in env.items()],      # launcher.accelerators of the served role:

@@ -153,7 +153,9 @@ def plan(cfg: Config, config_path: str) -> str:
     if sky_replicas:
         recipe = _recipe(*replica_key)
         price, on_sky_usd["generate replicas"] = _priced(prices.get(replica_key, {}), n_replicas)
-        names = f"{sky.cluster('replica')}-0" + (f"..{n_replicas - 1}" if n_replicas > 1 else "")
+        names, last = sky.cluster("replica", "0"), sky.cluster("replica", str(n_replicas - 1))
+        if n_replicas > 1:                 # <cluster>-0..2, or both names where a hash ends them
+            names += f"..{n_replicas - 1}" if last == f"{names[:-1]}{n_replicas - 1}" else f"..{last}"
         rows.append(("generate replicas", f"{n_replicas} sky cluster{'s' if n_replicas > 1 else ''} {names} "
                      f"({replica_key[0]})",
                      (f"{n_replicas} x " if n_replicas > 1 else "") + f"{_machine(recipe)}; {gc.engine} engine",
@@ -188,7 +190,7 @@ def plan(cfg: Config, config_path: str) -> str:
         else:
             recipe = _recipe(*judge_key)
             price, on_sky_usd[f"judge {m.name}"] = _priced(prices.get(judge_key, {}))
-            rows.append((f"judge {m.name}", f"{what}: sky cluster {sky.cluster('judge')}-{m.name} ({judge_key[0]}), "
+            rows.append((f"judge {m.name}", f"{what}: sky cluster {sky.cluster('judge', m.name)} ({judge_key[0]}), "
                          f"port {m.port}", f"{_machine(recipe)}; {m.engine} engine",
                          "spot" if (recipe.get("resources") or {}).get("use_spot") else "on-demand", price))
 

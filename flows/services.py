@@ -413,16 +413,16 @@ class Launchers:
         from tasks.engines.replicas import TOKEN_VAR
 
         sky, lc, gc = self._by_mode["sky"], self.cfg.launcher, self.cfg.generate
-        names = [f"{sky.cluster('replica')}-{i}" for i in range(self.placement.replicas)]
+        names = [sky.cluster("replica", str(i)) for i in range(self.placement.replicas)]
         sky.launched.update(names)
-        start = [sky.python, str(BRIDGE), "serve", "--cluster", f"{sky.cluster('replica')}-{{i}}", "--recipe",
+        start = [sky.python, str(BRIDGE), "serve", "--cluster", "{cluster}", "--recipe",
                  str(recipe_path(self.cfg, "replica")), "--port", "{port}", "--wait", str(int(gc.server_start_timeout)),
                  "--idle-minutes", str(lc.idle_minutes_to_autostop), "--launch", "--fresh",
                  f"--env=CONFIG={self.config_path}", f"--env=OVERRIDES={json.dumps(self.overrides)}",
                  "--env=PORT={port}", f"--env={TOKEN_VAR}={{token}}"]
         if lc.accelerators.get("generate"):
             start += ["--accelerators", lc.accelerators["generate"]]
-        return Services(replica_launch={"start": start, "port_base": gc.replica_port})
+        return Services(replica_launch={"start": start, "port_base": gc.replica_port, "clusters": names})
 
     def close(self, log) -> None:
         if self.env_server is not None:

@@ -380,6 +380,73 @@ def test_sky_launcher_asks_for_each_roles_gpu_type(tmp_path, fake_cloud):
                      ("jobs.launch", "rlflow-gpus-gen-evaluate-1", {"L4": 1, "A10G": 1})]  # its own job: its own
 
 
+def _echo_recipes(tmp_path) -> Path:
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    for role in ("generate", "train", "reward"):
+        (recipes / f"{role}.yaml").write_text(f"name: rlflow-{role}\nrun: echo {role} ran\n")
+    return recipes
+
+
+def test_each_run_and_role_gets_a_cluster_of_its_own(tmp_path, fake_cloud):
+    """Run names that differ only in case or `_` (Run_A, run-a) get clusters of their own, and the end of one run
+    tears down only its own; a run name past the cut (60 characters) still gets one cluster per role, each with
+    its GPU type (was: one cluster, launched with generate's L4 and train's A100:8 sent to it)."""
+    from flows.launch import Sky
+
+    common = ["launcher.where=sky", f"launcher.recipes={_echo_recipes(tmp_path)}",
+              f"launcher.sky_python={fake_cloud.python}"]
+    log: list[str] = []
+    first, second = (Sky(load_config(TINY, [*common, f"run.name={name}"])) for name in ("Run_A", "run-a"))
+    first.run("train", 1, {"ITERATION": "1"}, log.append)
+    second.run("train", 1, {"ITERATION": "1"}, log.append)
+    first.close(log.append)
+    calls = fake_cloud.calls()
+    launched = [c["cluster"] for c in calls if c["call"] == "launch"]
+    assert len(set(launched)) == 2 and launched[1] == "rlflow-run-a-train"     # (a plain name is kept)
+    assert [c["cluster"] for c in calls if c["call"] == "down"] == [launched[0]]    # not run-a's
+    second.close(log.append)
+    before = len(fake_cloud.calls())
+
+    gpus = 'launcher.accelerators={generate: "L4:1", train: "A100:8"}'
+    long = Sky(load_config(TINY, [*common, "run.name=" + "n" * 60, gpus]))
+    try:
+        for stage in ("generate", "train", "reward"):
+            long.run(stage, 1, {"ITERATION": "1"}, log.append)
+    finally:
+        long.close(log.append)
+    asked = [(c["call"], c["accelerators"]) for c in fake_cloud.calls()[before:] if "accelerators" in c]
+    assert asked == [("launch", "L4:1"), ("launch", "A100:8"), ("launch", None)]
+    assert len({c["cluster"] for c in fake_cloud.calls()[before:] if c["call"] == "launch"}) == 3
+
+
+def test_cluster_names_are_skypilots_unique_and_plain_ones_kept():
+    """flows/launch.py cluster_name, every cluster's name: within SkyPilot's rule and 60 characters, one per
+    (run name, role, member) for names that once collided (case, `_`, `.`, past the cut; run `a`'s judge `gen`
+    and run `a-judge`'s generate cluster), and a plain short run name's names as they were (a resumed run finds
+    its clusters)."""
+    import re
+
+    from flows.launch import Sky
+
+    runs = ["sky1", "Run_A", "run-a", "RUN.A", "run_a", "a", "a-judge", "9lives", "n" * 52, "n" * 53, "n" * 60,
+            "n" * 61, "N" * 100]
+    names = {(run, stage): Sky(load_config(TINY, [f"run.name={run}"])).cluster(stage) for run in runs
+             for stage in ("generate", "reward", "train", "env")}    # (judge, replica: with a member)
+    assert len(set(names.values())) == len(names)
+    from flows.launch import cluster_name
+
+    members = [("env", "front"), ("env", "0"), ("replica", "0"), ("replica", "11"), ("judge", "gen"),
+               ("judge", "judge"), ("judge", "My_Judge"), ("judge", "my-judge"), ("judge", "x-env-front")]
+    served = {(run, role, m): cluster_name("rlflow", run, role, m) for run in runs for role, m in members}
+    every = [*names.values(), *served.values()]
+    assert len(set(every)) == len(every)
+    assert all(re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", n) and len(n) <= 60 for n in every), every
+    assert [names["sky1", s] for s in ("generate", "train")] == ["rlflow-sky1-gen", "rlflow-sky1-train"]
+    assert served["a", "replica", "11"] == "rlflow-a-replica-11" and served["a", "env", "front"] == "rlflow-a-env-front"
+    assert served["a", "judge", "judge"] == "rlflow-a-judge-judge"
+
+
 def test_sky_launcher_needs_a_shared_store(tmp_path):
     from flows.training import preflight
     from tasks.core.errors import UserError

@@ -174,7 +174,8 @@ class LauncherConfig(Section):
                                    "calls the SDK there); None = .venv-sky/bin/python in the working directory, "
                                    "else in the repository root (make setup), else `python3`.")
     cluster_prefix: str = Field("rlflow", pattern=r"^[a-z][a-z0-9-]{0,30}$",
-                                description="SkyPilot cluster names: <prefix>-<run>-<recipe>.")
+                                description="SkyPilot cluster names: <prefix>-<run>-<role>; a run name with "
+                                "capitals, `_` or `.`, or too long, is lowercased and cut, and a hash of it added.")
     idle_minutes_to_autostop: int = Field(10, ge=1, le=525_600, description="SkyPilot autostop of idle clusters.")
     down: bool = Field(True, description="Tear the clusters down when the flow ends (else autostop only).")
     managed_jobs: bool = Field(False, description="Run sky stages as SkyPilot managed jobs (sky.jobs.launch): "

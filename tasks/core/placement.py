@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # The variables a stage process finds its services in (the only channel across a process boundary)
 ENV_URL_VAR, ENV_TOKEN_VAR = "RLFLOW_ENV_SERVER", "RLFLOW_ENV_TOKEN"
 JUDGES_VAR, JUDGE_TOKEN_VAR = "RLFLOW_REWARD_MODELS", "RLFLOW_JUDGE_TOKEN"
-REPLICA_LAUNCH_VAR = "RLFLOW_REPLICA_LAUNCH"      # JSON {"start": argv, "port_base": n}, "{i}" filled in (sky)
+REPLICA_LAUNCH_VAR = "RLFLOW_REPLICA_LAUNCH"      # JSON {"start": argv, "port_base": n, "clusters": [...]} (sky)
 
 Where = Literal["inline", "local", "sky"]          # a stage's launcher (launcher.where / launcher.stages)
 ServiceWhere = Literal["none", "yours", "stage", "local", "sky"]

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from tasks.core.contracts import SamplingEngine
 
 MARKER = "tasks.engines.replica"          # the router's and the local replicas' command lines carry it
-LAUNCH_VAR = REPLICA_LAUNCH_VAR           # JSON {"start": argv, "port_base": n}, "{i}" filled in: the flow's (sky)
+LAUNCH_VAR = REPLICA_LAUNCH_VAR           # JSON {"start": argv, "port_base": n, "clusters": [name of i]}: the flow's
 LATE_GRACE = 10.0                         # s after the first replica loaded a policy before the others are late
 STICKY_KEYS = 100_000
 READY = "RLFLOW_REPLICA_READY"            # the line a replica prints once it answers: READY <url>
@@ -277,8 +277,8 @@ class Router:
 
     def _launched(self, i: int) -> str:
         port = str(int(self.launch.get("port_base", 0)) + i)
-        argv = [a.replace("{i}", str(i)).replace("{port}", port).replace("{token}", self.token)
-                for a in self.launch["start"]]
+        argv = [a.replace("{cluster}", (self.launch.get("clusters") or [""] * (i + 1))[i]).replace("{i}", str(i))
+                .replace("{port}", port).replace("{token}", self.token) for a in self.launch["start"]]
         ran = run(argv, {**os.environ, TOKEN_VAR: self.token}, capture_output=True, text=True)
         for line in reversed(ran.stdout.splitlines()):
             if line.startswith("{"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 
 __version__ = "0.0-fake"
 _DIR = Path(os.environ["FAKE_SKY_DIR"])
+CLUSTER_NAME_VALID_REGEX = "[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?"     # (sky.skylet.constants')
 _STATE = _DIR / "state.json"        # clusters up, job results, scenario counters (across bridge processes)
 
 
@@ -36,6 +38,9 @@ class exceptions:  # noqa: N801 - mirrors sky.exceptions
         pass
 
     class ClusterNotUpError(Exception):
+        pass
+
+    class InvalidClusterNameError(ValueError):
         pass
 
 
@@ -187,6 +192,8 @@ def preempt(cluster: str) -> None:
 def launch(task, cluster_name=None, retry_until_up=False, idle_minutes_to_autostop=None, **kw):
     _call("launch", cluster=cluster_name, task=task.name, envs=task.envs, secrets=sorted(task.secrets),
           idle_minutes_to_autostop=idle_minutes_to_autostop, accelerators=task.accelerators)
+    if not re.fullmatch(CLUSTER_NAME_VALID_REGEX, cluster_name or ""):      # (sky.utils.common_utils's check)
+        raise exceptions.InvalidClusterNameError(f'Cluster name "{cluster_name}" is invalid')
     state = _state()
     state["clusters"][cluster_name] = "UP"
     _save(state)
