@@ -223,14 +223,30 @@ def check_warmup(cfg: Config) -> None:
 
 
 def check_sky_python(cfg: Config) -> None:
-    """The Python the sky launcher calls SkyPilot's SDK in (launcher.sky_python, else .venv-sky) has it: one line
-    naming the command that builds it if not (make demo builds only .venv)."""
+    """The Python the sky launcher calls SkyPilot's SDK in (launcher.sky_python, else .venv-sky) runs and has it:
+    one line naming what it is instead (a folder, a file that cannot run, a name not on PATH), or the command that
+    builds it (make demo builds only .venv)."""
+    import shutil
+    import subprocess
+
     from flows.launch import Sky
     from tasks.core.processes import run
 
     python = Sky(cfg).python
-    probe = run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('sky') is None)"],
-                capture_output=True, timeout=60) if os.sep not in python or Path(python).exists() else None
+    expected = "expected a Python executable with SkyPilot (.venv-sky/bin/python; `make setup` builds it)"
+    found = Path(python) if os.sep in python else shutil.which(python)
+    if found is None:
+        raise UserError(f"launcher.sky_python: {python}: no such command on PATH; {expected}")
+    if Path(found).is_dir():
+        raise UserError(f"launcher.sky_python: {python} is a folder; {expected}")
+    if Path(found).exists() and not os.access(found, os.X_OK):
+        raise UserError(f"launcher.sky_python: {python} is not executable; {expected}")
+    try:
+        probe = run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('sky') is None)"],
+                    capture_output=True, timeout=60) if Path(found).exists() else None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise UserError(f"launcher.sky_python: {python} cannot be run "
+                        f"({getattr(e, 'strerror', None) or type(e).__name__}); {expected}") from None
     if probe is None or probe.returncode != 0:
         raise UserError(f"launcher.sky_python: {python} has no SkyPilot; `make setup` builds .venv-sky (SkyPilot "
                         f"0.14.1 in an environment of its own), or set launcher.sky_python")

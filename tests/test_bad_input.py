@@ -49,6 +49,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "bot.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="},
                                                           {"role": "bot", "content": "b"}], "answer": "bbb"}) + "\n")
     (tmp / "prompts.txt").write_text("a=\n")
+    (tmp / "no_interpreter").write_text("")
+    (tmp / "no_interpreter").chmod(0o755)
     (tmp / "not_a.db").write_text("not a sqlite database")
     (tmp / "a_folder.db").mkdir(exist_ok=True)
     (tmp / "empty_array.json").write_text("[]")
@@ -515,6 +517,20 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                   "launcher.recipes: no recipe"),
         "sky launcher, local store": (["run", str(TINY), "-o", "launcher.where=sky"],
                                       "store.uri: file://./rlflow-store: the sky launcher needs a store"),
+        # launcher.sky_python that cannot run (was: PermissionError / FileNotFoundError tracebacks, exit 1)
+        "sky_python a folder": (["run", str(TINY), "-o", "launcher.where=sky", "-o", f"launcher.sky_python={tmp}"],
+                                f"launcher.sky_python: {tmp} is a folder; expected a Python executable"),
+        "sky_python not executable": (["run", str(TINY), "-o", "launcher.where=sky", "-o",
+                                       f"launcher.sky_python={tmp}/prompts.txt"],
+                                      f"launcher.sky_python: {tmp}/prompts.txt is not executable; expected"),
+        "sky_python not on PATH": (["plan", str(TINY), "-o", "launcher.where=sky", "-o",
+                                    "launcher.sky_python=no-such-python-rlflow"],
+                                   "launcher.sky_python: no-such-python-rlflow: no such command on PATH; expected"),
+        "sky_python that cannot be run": (["run", str(TINY), "-o", "launcher.where=sky", "-o",
+                                           f"launcher.sky_python={tmp}/no_interpreter"],
+                                          f"launcher.sky_python: {tmp}/no_interpreter cannot be run (Exec format"),
+        "sky_python empty": (["run", str(TINY), "-o", "launcher.where=sky", "-o", 'launcher.sky_python=""'],
+                             "launcher.sky_python: empty; expected the path or command of a Python with SkyPilot"),
         # environments that cannot be built: refused before the run, not every episode failing
         "environment keyword the factory does not take": (
             ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o", "env.kwargs={size: 3}"],

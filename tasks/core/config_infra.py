@@ -192,6 +192,14 @@ class LauncherConfig(Section):
     def _mode_is_where(cls, data: Any) -> Any:
         return renamed_key(data, "launcher", "mode", "where")
 
+    @field_validator("sky_python")
+    @classmethod
+    def _a_path(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("empty; expected the path or command of a Python with SkyPilot, or null for the "
+                             "default (.venv-sky/bin/python, else python3)")
+        return v
+
     @field_validator("accelerators")
     @classmethod
     def _some_of_each(cls, v: dict) -> dict:
