@@ -118,6 +118,9 @@ def preflight(cfg: Config) -> None:
     """Raise UserError for any input mistake; writes nothing."""
     place = placement_of(cfg)              # where each stage and service runs (tasks/core/placement.py)
     episode_stages = ["generate"] + (["evaluate"] if cfg.eval.every else [])
+    if cfg.model.dtype == "float16":
+        raise UserError("model.dtype: float16 weights trained by AdamW with no loss scaling become NaN/inf (measured: "
+                        "every tensor of the first policy, at lr 1e-6 too); expected bfloat16 or float32")
     _store(cfg).check()                    # reachable, the bucket there, credentials taken
     check_tracking_server(cfg)             # an MLflow server that does not answer: one line, not a silent hang
     check_curriculum(cfg)                  # prompts with stable ids (not a hub dataset): one line

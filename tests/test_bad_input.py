@@ -188,6 +188,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "S3 region that is none": (["run", str(TINY), "-o", "store.uri=s3://bucket/x", "-o",
                                     "store.region=not a region!"],
                                    "store.uri: s3://bucket/x: the S3 client cannot be made (InvalidRegionError"),
+        "float16 weights to train": (["run", str(TINY), "-o", "model.dtype=float16"],
+                                     "model.dtype: float16 weights trained by AdamW"),
         "true as a price": (["run", str(TINY), "-o", "cost.hourly_usd={train: true}"],
                             "cost.hourly_usd: expected numbers, not true or false"),
         "launcher.mode and launcher.where both": (["run", str(TINY), "-o", "launcher.mode=local", "-o",
