@@ -39,6 +39,8 @@ def _model_without_chat_template(tmp: Path) -> Path:
 def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "unknown.yaml").write_text(TINY.read_text() + "\nbogus_section: {x: 1}\n")
     (tmp / "badyaml.yaml").write_text("run: [unclosed\n")
+    (tmp / "no_tokenizer").mkdir(exist_ok=True)
+    (tmp / "no_tokenizer" / "config.json").write_text('{"model_type": "llama"}')
     (tmp / "list.yaml").write_text("- run\n- data\n")
     (tmp / "blank.yaml").write_text("# a config still to be written\n")
     (tmp / "nocol.jsonl").write_text(json.dumps({"question": "a=", "answer": "bbb"}) + "\n")
@@ -188,6 +190,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "S3 region that is none": (["run", str(TINY), "-o", "store.uri=s3://bucket/x", "-o",
                                     "store.region=not a region!"],
                                    "store.uri: s3://bucket/x: the S3 client cannot be made (InvalidRegionError"),
+        "model folder without a tokenizer": (["run", str(TINY), "-o", f"model.name_or_path={tmp}/no_tokenizer"],
+                                             "model.name_or_path: cannot load tokenizer from"),
         "float16 weights to train": (["run", str(TINY), "-o", "model.dtype=float16"],
                                      "model.dtype: float16 weights trained by AdamW"),
         "true as a price": (["run", str(TINY), "-o", "cost.hourly_usd={train: true}"],
@@ -393,7 +397,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                      "infinity.json: -Infinity is not JSON"),
         "a seed past 2^32": (["run", str(TINY), "-o", "run.seed=99999999999999999999999"], "run.seed"),
         "a LoRA rank past any model's": (["run", str(TINY), "-o", "train.lora_r=99999999999999999999"],
-                                         "train.lora_r: input should be less than or equal to 4096"),
+                                         "train.lora_r: input should be less than or equal to 65536"),
         "AdamW betas past 1": (["run", str(TINY), "-o", "train.adam_betas=[1.5, 2.0]"],
                                "train.adam_betas: expected two numbers in [0, 1), got [1.5, 2.0]"),
         "a temperature that overflows": (["run", str(TINY), "-o", "generate.temperature=1e-300"],

@@ -79,7 +79,11 @@ class StoreConfig(Section):
         if not (v[len("file://"):] if v.startswith("file://") else v).strip():
             raise ValueError("expected a folder: file://PATH (file://./rlflow-store, file:///abs/path) or a local "
                              "path, not an empty one (which would write the store into the working directory)")
-        if Path(v[len("file://"):] if v.startswith("file://") else v).expanduser() in (Path("."), Path.cwd()):
+        try:
+            here = Path.cwd()
+        except OSError:                  # (a working directory that was removed: preflight says so)
+            here = Path(".")
+        if Path(v[len("file://"):] if v.startswith("file://") else v).expanduser() in (Path("."), here):
             raise ValueError("the working directory itself; expected a folder of the store's own (./rlflow-store)")
         return v
 
@@ -121,7 +125,8 @@ class TrackingConfig(Section):
     @classmethod
     def _tracking_scheme(cls, v: str) -> str:
         if (fault := tracking_uri_fault(v)) is not None:
-            raise ValueError(fault)
+            raise ValueError(fault + (" (the value of $MLFLOW_TRACKING_URI)" if v == os.environ.get(
+                "MLFLOW_TRACKING_URI") else ""))
         return v
 
 
@@ -129,6 +134,8 @@ def tracking_uri_fault(v: str) -> str | None:
     """What is wrong with a tracking URI, from its text alone (what must answer is preflight's), or None."""
     if not v.strip() or "\x00" in v:
         return "expected an MLflow tracking URI (sqlite:///mlflow.db, http://host:5000)"
+    if v in ("databricks", "databricks-uc") or v.startswith(("databricks:", "databricks-uc:")):
+        return None                      # (MLflow's Databricks URIs: its client finds the workspace and credentials)
     scheme = v.split("://", 1)[0].split("+", 1)[0] if "://" in v else (v.split(":", 1)[0] if ":" in v else "")
     drive = len(scheme) == 1 and v[1:3] in (":\\", ":/")
     if scheme and scheme not in TRACKING_SCHEMES and not drive:
@@ -142,7 +149,7 @@ def tracking_uri_fault(v: str) -> str | None:
             return ("expected sqlite:///PATH (relative to the working directory) or sqlite:////PATH (absolute): "
                     "a database file, which every stage and later run reads")
     if (drive or scheme in ("", "file")) and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in (
-            "1", "true", "yes"):
+            "1", "true"):
         return ("MLflow's filesystem backend (a folder or file:// URI), which MLflow 3 refuses (maintenance mode); "
                 "expected sqlite:///PATH or an http(s) server (MLFLOW_ALLOW_FILE_STORE=true is MLflow's opt-out)")
     return None

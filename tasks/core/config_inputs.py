@@ -65,7 +65,7 @@ class ReasoningGymConfig(Section):
     size: int = Field(2000, ge=1, le=10_000_000, description="Training prompts.")
     eval_size: int = Field(200, ge=1, le=1_000_000, description="Held-out prompts (the split `eval` reads), made "
                            "at another seed; training prompts never repeat a held-out question.")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="The task generator's seed (held-out: seed + 1000000007).")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="The task generator's seed (held-out: seed + 1000000007).")
     answer_format: Literal["tags", "answer_is", "final"] = Field(
         "tags", description="How the prompt asks for the answer and the rewards read it: tags: between <answer> and "
         "</answer> (reasoning-gym's convention; any answer); answer_is: a last sentence 'The answer is X.' (one-line "

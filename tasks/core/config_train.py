@@ -272,7 +272,8 @@ class TrainConfig(Section):
     learner: SerializeAsAny[LearnerConfig] = Field(
         GrpoConfig(), json_schema_extra=FLAT_IN_FINGERPRINT,
         description="The settings of train.algorithm's learner (one section per learner; the algorithm picks it).")
-    lora_r: int = Field(0, ge=0, le=4096, description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapter is "
+    lora_r: int = Field(0, ge=0, le=65_536,
+                        description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapter is "
                         "trained, checkpointed and published.")
     lora_alpha: int = Field(16, ge=1, le=1_000_000, description="LoRA scaling numerator (scale = alpha / r).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")

@@ -228,6 +228,11 @@ def load_tokenizer(path: str):
     except OSError as e:
         raise UserError(f"model.name_or_path: cannot load tokenizer from {path!r}: "
                         f"{str(e).splitlines()[0][:200]}") from None
+    except (ValueError, ImportError, KeyError, TypeError) as e:    # (a folder without tokenizer files, or others')
+        what = " (expected its tokenizer files: tokenizer.json or tokenizer.model, tokenizer_config.json)" \
+            if folder.is_dir() else ""
+        raise UserError(f"model.name_or_path: cannot load tokenizer from {path!r}{what}: {type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:200]}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if key is not None:

@@ -103,7 +103,8 @@ def check_environment() -> None:
     $RLFLOW_IMPORT_SECONDS, $RLFLOW_USER_OUTPUT_BYTES and $RLFLOW_CACHE (a folder that can be made)."""
     user_code_seconds()
     user_output_limit()
-    require_creatable(cache_root(), "RLFLOW_CACHE")
+    if os.environ.get("RLFLOW_CACHE"):        # (unset: ~/.cache/rlflow, made when first used, as before)
+        require_creatable(cache_root(), "RLFLOW_CACHE")
 
 
 def sibling_python(venv: str) -> str | None:

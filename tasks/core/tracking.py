@@ -62,21 +62,38 @@ def reading_client(uri: str, field: str):
 
 
 def require_answer(uri: str, field: str, timeout: float = 10.0, experiment: str | None = None) -> None:
-    """UserError naming `field` unless the MLflow server at the http(s) `uri` answers, and as MLflow does: its
-    REST API's reply to a lookup of `experiment` (default: one that need not exist) is MLflow's JSON, and the
-    experiment is not deleted there. An auth proxy's 401/403, and a TLS certificate urllib does not trust (where
-    MLflow's own settings may), pass: what is behind them is MLflow's to say. MLflow's client retries a refused
-    connection for minutes, saying nothing."""
+    """UserError naming `field` unless the MLflow server at the http(s) `uri` answers, and not as another kind of
+    server: MLflow's REST API's lookup of `experiment` (default: one that need not exist) must not end in an error
+    reply that is not MLflow's JSON (a plain web server's 404, another API's), and the experiment must not be
+    deleted there. A redirect, an auth proxy's 401/403 or login page, and a TLS certificate urllib does not trust
+    pass: what is behind them is MLflow's client's to reach, with its own credentials. MLflow's client retries a
+    refused connection for minutes, saying nothing."""
+    import base64
+    import os
     import ssl
     import urllib.error
     import urllib.parse
     import urllib.request
 
+    parts = urllib.parse.urlsplit(uri)
+    base = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl().rstrip("/")
+    headers = {}
+    user, password = parts.username or os.environ.get("MLFLOW_TRACKING_USERNAME"), \
+        parts.password or os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password or ''}".encode()).decode()
+    elif os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        headers["Authorization"] = f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"
     name = experiment if experiment is not None else "rlflow-preflight"
-    url = (f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?"
-           f"{urllib.parse.urlencode({'experiment_name': name})}")
+    url = f"{base}/api/2.0/mlflow/experiments/get-by-name?{urllib.parse.urlencode({'experiment_name': name})}"
+
+    class Stay(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None                  # (a redirect is answered as what it is: an HTTPError 3xx, which passes)
+
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:
+        with urllib.request.build_opener(Stay).open(urllib.request.Request(url, headers=headers),
+                                                    timeout=timeout) as reply:
             status, body = reply.status, reply.read(1 << 20)
     except urllib.error.HTTPError as e:
         status, body = e.code, e.read(1 << 20)
@@ -84,21 +101,18 @@ def require_answer(uri: str, field: str, timeout: float = 10.0, experiment: str 
         why = getattr(e, "reason", e)
         if isinstance(why, ssl.SSLCertVerificationError) or isinstance(e, ssl.SSLCertVerificationError):
             return               # (it answered TLS: a certificate MLflow's own settings may trust, not urllib)
-        raise UserError(f"{field}: {uri}: no MLflow server answers there ({why}); expected a running tracking "
+        raise UserError(f"{field}: {base}: no MLflow server answers there ({why}); expected a running tracking "
                         f"server, or sqlite:///PATH") from None
-    if status in (401, 403):
-        return
     try:
         answer = json.loads(body)
     except ValueError:
         answer = None
-    mlflows = isinstance(answer, dict) and ("experiment" in answer if status == 200 else "error_code" in answer)
-    if not mlflows:
-        raise UserError(f"{field}: {uri}: a server answers there, but not as an MLflow tracking server (HTTP "
+    if status >= 400 and status not in (401, 403) and not (isinstance(answer, dict) and "error_code" in answer):
+        raise UserError(f"{field}: {base}: a server answers there, but not as an MLflow tracking server (HTTP "
                         f"{status} to MLflow's experiments/get-by-name); expected an MLflow server's URL")
-    stage = (answer.get("experiment") or {}).get("lifecycle_stage")
+    stage = ((answer.get("experiment") or {}) if isinstance(answer, dict) else {}).get("lifecycle_stage")
     if experiment is not None and stage == "deleted":
-        raise UserError(f"tracking.experiment: {experiment!r} was deleted in MLflow at {uri}; restore it (`mlflow "
+        raise UserError(f"tracking.experiment: {experiment!r} was deleted in MLflow at {base}; restore it (`mlflow "
                         f"experiments restore`) or name another")
 
 
