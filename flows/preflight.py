@@ -277,3 +277,6 @@ def check_registered_model_name(cfg: Config) -> None:
                         f"{' '.join(e.message.split())}") from None
     if "@" in name:
         raise UserError(f"{field}: {name!r}: '@' would read as an alias in models:/NAME@ALIAS")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name) or len(name) > 256:
+        raise UserError(f"{field}: {name[:60]!r}{'...' if len(name) > 60 else ''}: expected at most 256 characters "
+                        f"(MLflow's database column) and no control characters (a newline, a tab)")

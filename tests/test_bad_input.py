@@ -192,6 +192,16 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                    "store.uri: s3://bucket/x: the S3 client cannot be made (InvalidRegionError"),
         "model folder without a tokenizer": (["run", str(TINY), "-o", f"model.name_or_path={tmp}/no_tokenizer"],
                                              "model.name_or_path: cannot load tokenizer from"),
+        "off-line rollouts as a URI": (["run", str(TINY), "-o", "train.algorithm=vtrace_awr", "-o",
+                                        "train.learner.offline_rollouts=[s3://b/x/rewards]"],
+                                       "train.learner.offline_rollouts: 's3://b/x/rewards': expected a key in this "
+                                       "run's store"),
+        "registered model name with a newline": (["run", str(TINY), "-o", "publish.register_model=true", "-o",
+                                                  'publish.registered_model_name="a\\nb"'],
+                                                 "publish.registered_model_name: 'a\\nb': expected at most 256 "
+                                                 "characters (MLflow's database column) and no control characters"),
+        "empty registered model name": (["run", str(TINY), "-o", 'publish.registered_model_name=""'],
+                                        "publish.registered_model_name: string should have at least 1 character"),
         "float16 weights to train": (["run", str(TINY), "-o", "model.dtype=float16"],
                                      "model.dtype: float16 weights trained by AdamW"),
         "true as a price": (["run", str(TINY), "-o", "cost.hourly_usd={train: true}"],
@@ -793,9 +803,13 @@ def _reward_model_cases() -> dict[str, tuple[list[str], str]]:
                                            "api_key_env: RLFLOW_TEST_NO_SUCH_KEY, template: '{completion}'"),
                                        "reward.models[0] (j).api_key_env: the variable RLFLOW_TEST_NO_SUCH_KEY is "
                                        "not set"),
+        "judge max_length shorter than its template": (run(judge + ", template: 'Judge this answer with care and "
+                                                           "say yes or no: {completion}', max_length: 16"),
+                                                       "reward.models[0] (j).max_length: 16: the template's own text "
+                                                       "is "),
         "verdict tokens of several tokens": (run(judge.replace("kind: judge", "kind: verdict") +
                                                  ", template: '{completion}', verdict_tokens: ['yes', 'no']"),
-                                             "reward.models[0] (j).verdict_tokens: 'yes' is more than one token"),
+                                             "reward.models[0] (j).verdict_tokens: 'yes' is "),
     }
 
 

@@ -354,3 +354,16 @@ def test_a_judge_on_its_own_cluster_is_launched_again_after_a_preemption(tmp_pat
     judge_here = {**judge, "where": "stage"}
     score_records(load_functions(_cfg(tmp_path, [judge_here]), columns={"answer"}), here, "sum")
     assert [r.rewards["points"] for r in here] == [r.rewards["points"] for r in records]
+
+
+def test_a_classifier_label_past_its_outputs_is_refused_before_the_run(tmp_path, classifier):
+    """`label: 5` of a classifier with one output was a warning each iteration and a run trained without that
+    reward (exit 0): refused by the preflight now, naming the outputs it has."""
+    from tasks.core.errors import UserError
+    from tasks.scoring.judges import check_models
+
+    rm = {"name": "rm", "kind": "classifier", "model": str(classifier), "sha256": pin_of(str(classifier))}
+    check_models(_cfg(tmp_path, [{**rm, "label": 0}]))
+    with pytest.raises(UserError, match=r"^reward.models\[0\] \(rm\).label: 1: the classifier .* has 1 output\(s\); "
+                                        r"expected 0 to 0$"):
+        check_models(_cfg(tmp_path, [{**rm, "label": 1}]))

@@ -40,7 +40,8 @@ class PublishConfig(Section):
                             "full model trains in float32 on a GPU, and always with the deepspeed engine; else "
                             "model.dtype. The trainer keeps its own weights exactly (a full checkpoint stores them "
                             "beside the published ones when the dtypes differ).")
-    registered_model_name: str | None = Field(None, description="MLflow registered model name; None = run.name.")
+    registered_model_name: str | None = Field(None, min_length=1,
+                                              description="MLflow registered model name; None = run.name.")
 
 
 class EvalConfig(Section):

@@ -144,6 +144,15 @@ class VtraceAwrConfig(ValueLearnerConfig):
         "<run>/iter-000003/rewards), added to every update: off-line data, its behaviour logprobs its own "
         "generator's, corrected by V-trace's truncated weights.")
 
+    @field_validator("offline_rollouts")
+    @classmethod
+    def _store_keys(cls, v: list[str]) -> list[str]:
+        for key in v:
+            if "://" in key or key.startswith("/") or any(p in ("", ".", "..") for p in key.rstrip("/").split("/")):
+                raise ValueError(f"{key!r}: expected a key in this run's store (<run>/iter-000003/rewards), not a "
+                                 f"URI, an absolute path or one with an empty, '.' or '..' part")
+        return v
+
     def offline(self) -> list[str]:
         return self.offline_rollouts
 

@@ -26,6 +26,34 @@ def is_classifier(config) -> bool:
     return any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
 
 
+def fault_of_fit(spec, config, path: str, what: str) -> None:
+    """Preflight (judges.check_models): a UserError naming the field where reward model `spec` does not fit the
+    model at `path` (its `config`): a classifier that is not one (or the reverse), a label past its outputs, a
+    template whose own text leaves no room in max_length (every request would lose its completion), verdict
+    answers that are not one token each."""
+    from string import Formatter
+
+    from tasks.core.errors import UserError
+    from tasks.core.models import load_tokenizer
+
+    if (spec.kind == "classifier") != is_classifier(config):
+        needs = "an AutoModelForSequenceClassification" if spec.kind == "classifier" else "a causal LM"
+        raise UserError(f"{what}.kind: {spec.model} is {'not ' if spec.kind == 'classifier' else ''}a sequence "
+                        f"classifier (architectures {config.architectures}); kind {spec.kind} needs {needs}")
+    if spec.kind == "classifier" and spec.label >= getattr(config, "num_labels", spec.label + 1):
+        raise UserError(f"{what}.label: {spec.label}: the classifier {spec.model} has {config.num_labels} "
+                        f"output(s); expected 0 to {config.num_labels - 1}")
+    fixed = "".join(text for text, *_ in Formatter().parse(spec.template or ""))      # (its own text, no fields)
+    if spec.template and (n := len(load_tokenizer(path)(fixed, add_special_tokens=False)["input_ids"])) >= \
+            spec.max_length:
+        raise UserError(f"{what}.max_length: {spec.max_length}: the template's own text is {n} tokens; expected "
+                        f"room beside it for the prompt and the completion")
+    for t in spec.verdict_tokens if spec.kind == "verdict" else ():
+        if (n := len(load_tokenizer(path)(t, add_special_tokens=False)["input_ids"])) != 1:
+            raise UserError(f"{what}.verdict_tokens: {t!r} is {n} tokens for this model's tokenizer; expected "
+                            f"single-token answers")
+
+
 def request_ids(tok, request: dict, generation: bool, max_length: int) -> tuple[list[int], bool]:
     """A request's token ids (a conversation through the chat template, or a text), its middle cut to fit
     max_length (its first 8 tokens, the template's head, and its end kept); (ids, truncated). Both engines."""

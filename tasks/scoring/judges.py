@@ -109,25 +109,14 @@ def check_models(cfg: Config) -> None:
         path = model_path(cfg, spec, what)
         from transformers import AutoConfig
 
-        from tasks.scoring.judge_engine import is_classifier
+        from tasks.scoring.judge_engine import fault_of_fit
 
         try:
             config = AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as e:
             raise UserError(f"{what}.model: cannot read the model's config at {path}: "
                             f"{str(e).splitlines()[0][:200]}") from None
-        if (spec.kind == "classifier") != is_classifier(config):
-            needs = "an AutoModelForSequenceClassification" if spec.kind == "classifier" else "a causal LM"
-            raise UserError(f"{what}.kind: {spec.model} is {'not ' if spec.kind == 'classifier' else ''}a sequence "
-                            f"classifier (architectures {config.architectures}); kind {spec.kind} needs {needs}")
-        if spec.kind == "verdict":
-            from tasks.core.models import load_tokenizer
-
-            tok = load_tokenizer(path)
-            for t in spec.verdict_tokens:
-                if len(tok(t, add_special_tokens=False)["input_ids"]) != 1:
-                    raise UserError(f"{what}.verdict_tokens: {t!r} is more than one token for this model's "
-                                    f"tokenizer; choose single-token answers")
+        fault_of_fit(spec, config, path, what)
 
 
 def _here(cfg: Config, model: str) -> bool:
