@@ -19,6 +19,8 @@ import torch
 
 from flows.launch import recipe_path, recipes_folder
 from tasks.core.config import Config
+from tasks.core.config_base import has_control_character
+from tasks.core.config_infra import tracking_scheme
 from tasks.core.curriculum import check as check_curriculum
 from tasks.core.data import load_prompts
 from tasks.core.errors import UserError
@@ -38,7 +40,7 @@ def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
     there retried for minutes after the lease; another file failed the run after its first stage); another
     database: its driver is installed. tracking.experiment not deleted there (read, not written)."""
     uri = cfg.tracking.uri
-    if uri.split(":", 1)[0].split("+", 1)[0] in ("postgresql", "mysql", "mssql"):
+    if tracking_scheme(uri) in ("postgresql", "mysql", "mssql"):
         _require_driver(uri)
     elif not uri.startswith(("http://", "https://")):
         from tasks.core.paths import require_creatable
@@ -277,6 +279,6 @@ def check_registered_model_name(cfg: Config) -> None:
                         f"{' '.join(e.message.split())}") from None
     if "@" in name:
         raise UserError(f"{field}: {name!r}: '@' would read as an alias in models:/NAME@ALIAS")
-    if any(ord(c) < 32 or ord(c) == 127 for c in name) or len(name) > 256:
+    if has_control_character(name) or len(name) > 256:
         raise UserError(f"{field}: {name[:60]!r}{'...' if len(name) > 60 else ''}: expected at most 256 characters "
                         f"(MLflow's database column) and no control characters (a newline, a tab)")

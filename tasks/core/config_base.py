@@ -56,6 +56,11 @@ def plain_json(value: Any, where: str = "") -> Any:
     return value
 
 
+def has_control_character(text: str) -> bool:
+    """Whether `text` holds a control character (a newline, a tab, NUL, DEL): what no name or URI may."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
 def _a_number_only(annotation) -> bool:
     """Whether a field's type holds an int or a float but not a bool (Optional and unions looked into)."""
     if annotation in (int, float):

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from tasks.core.config_base import HOW_NOT_WHAT, Section, renamed_key
+from tasks.core.config_base import HOW_NOT_WHAT, Section, has_control_character, renamed_key
 
 
 class KeepConfig(Section):
@@ -71,7 +71,7 @@ class StoreConfig(Section):
                              "./NAME for a local folder whose name has a colon)")
         if v.startswith("s3://") and not v[5:].strip("/"):
             raise ValueError("s3:// URI needs a bucket name")
-        if any(ord(c) < 32 or ord(c) == 127 for c in v):
+        if has_control_character(v):
             raise ValueError("expected a URI without control characters (a newline, a tab, NUL)")
         if v.startswith("s3://") and any(part in ("", ".", "..") for part in v[5:].rstrip("/").split("/")[1:]):
             raise ValueError("s3://BUCKET/PREFIX: a prefix with an empty, '.' or '..' part (S3 keeps them as text in "
@@ -117,7 +117,7 @@ class TrackingConfig(Section):
     @field_validator("experiment")
     @classmethod
     def _printable(cls, v: str) -> str:
-        if any(ord(c) < 32 or ord(c) == 127 for c in v):
+        if has_control_character(v):
             raise ValueError("expected a name without control characters (a newline, a tab, NUL)")
         return v
 
@@ -130,13 +130,18 @@ class TrackingConfig(Section):
         return v
 
 
+def tracking_scheme(uri: str) -> str:
+    """A tracking URI's scheme without its driver (postgresql+psycopg2:// -> postgresql); '' for a bare path."""
+    return uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else (uri.split(":", 1)[0] if ":" in uri else "")
+
+
 def tracking_uri_fault(v: str) -> str | None:
     """What is wrong with a tracking URI, from its text alone (what must answer is preflight's), or None."""
     if not v.strip() or "\x00" in v:
         return "expected an MLflow tracking URI (sqlite:///mlflow.db, http://host:5000)"
     if v in ("databricks", "databricks-uc") or v.startswith(("databricks:", "databricks-uc:")):
         return None                      # (MLflow's Databricks URIs: its client finds the workspace and credentials)
-    scheme = v.split("://", 1)[0].split("+", 1)[0] if "://" in v else (v.split(":", 1)[0] if ":" in v else "")
+    scheme = tracking_scheme(v)
     drive = len(scheme) == 1 and v[1:3] in (":\\", ":/")
     if scheme and scheme not in TRACKING_SCHEMES and not drive:
         return f"expected one of {', '.join(s + '://' for s in TRACKING_SCHEMES)} or a local folder"

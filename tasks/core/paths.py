@@ -35,7 +35,7 @@ def require_creatable(folder: Path, field: str) -> None:
     if not is_dir:
         raise UserError(f"{field}: {probe} is a file, not a folder")
     if probe == folder.expanduser().absolute():
-        if not os.access(probe, os.W_OK) or (why := _cannot_make_in(probe)) is not None:     # (/proc: W_OK to root)
+        if not os.access(probe, os.W_OK) or _cannot_make_in(probe) is not None:     # (/proc: W_OK to root)
             raise UserError(f"{field}: {probe} is not writable")
         return
     if (why := _cannot_make_in(probe)) is not None:

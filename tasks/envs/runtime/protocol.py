@@ -225,15 +225,16 @@ def check_environment(cfg: Config, row: dict, datasets: list | tuple = ()) -> No
     factories = factories_of(cfg)
     firsts: dict = {}
     for split, ds in enumerate(datasets if None not in factories else ()):
+        which = ("training", "evaluation")[min(split, 1)]
         if ENVIRONMENT_COLUMN not in ds.column_names:
             raise UserError(f"env.factory: {cfg.env.factory} is a dict of environments by name; expected a column "
                             f"{ENVIRONMENT_COLUMN!r} naming each row's (one of {sorted(factories)}), and the "
-                            f"{('training', 'evaluation')[min(split, 1)]} data has {ds.column_names}")
+                            f"{which} data has {ds.column_names}")
         for i, name in enumerate(ds[ENVIRONMENT_COLUMN]):
             if not isinstance(name, str) or name not in factories:
                 raise UserError(f"env.factory: {cfg.env.factory} is a dict of environments by name, and row {i + 1} "
-                                f"of the {('training', 'evaluation')[min(split, 1)]} data has "
-                                f"{ENVIRONMENT_COLUMN} {name!r}; expected one of {sorted(factories)}")
+                                f"of the {which} data has {ENVIRONMENT_COLUMN} {name!r}; expected one of "
+                                f"{sorted(factories)}")
             if name not in firsts:
                 firsts[name] = dict(ds[i])
     for name, first in (firsts or {environment_name(cfg, factories, row): row}).items():
