@@ -69,20 +69,6 @@ def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
     require_answer(uri, "tracking.uri", timeout, experiment=cfg.tracking.experiment)
 
 
-def _store(cfg: Config):
-    """The run's store; an S3 client that cannot be made (a region that is none, an AWS profile or config file
-    that is not there or does not parse, half a key pair) is one line naming store.uri."""
-    if not cfg.store.uri.startswith("s3://"):
-        return open_store(cfg)
-    from botocore.exceptions import BotoCoreError
-
-    try:
-        return open_store(cfg)
-    except BotoCoreError as e:
-        raise UserError(f"store.uri: {cfg.store.uri}: the S3 client cannot be made ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0]})") from None
-
-
 def _require_driver(uri: str) -> None:
     """A database URI SQLAlchemy can parse, whose driver (DBAPI module) is installed: imported, not connected."""
     from sqlalchemy.engine import make_url
@@ -123,7 +109,7 @@ def preflight(cfg: Config) -> None:
     if cfg.model.dtype == "float16":
         raise UserError("model.dtype: float16 weights trained by AdamW with no loss scaling become NaN/inf (measured: "
                         "every tensor of the first policy, at lr 1e-6 too); expected bfloat16 or float32")
-    _store(cfg).check()                    # reachable, the bucket there, credentials taken
+    open_store(cfg).check()                # made (else one line), reachable, the bucket there, credentials taken
     check_tracking_server(cfg)             # an MLflow server that does not answer: one line, not a silent hang
     check_curriculum(cfg)                  # prompts with stable ids (not a hub dataset): one line
     if cfg.publish.register_model:

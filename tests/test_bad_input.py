@@ -356,6 +356,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "export, a GGUF file where nothing can be made": (["export", str(TINY), "1", "/proc/rlflow-out.gguf"],
                                                           "DEST: cannot write /proc/rlflow-out.gguf"),
         "export, an empty dest": (["export", str(TINY), "1", ""], "DEST: empty; expected the path of a folder"),
+        "export, an S3 client that cannot be made": (["export", str(TINY), "1", str(tmp / "out"), "-o",
+                                                      "store.uri=s3://bucket/x", "-o", "store.region=not a region!"],
+                                                     "store.uri: s3://bucket/x: the S3 client cannot be made "
+                                                     "(InvalidRegionError"),
         "export of a registered version, no server": (
             ["export", str(TINY), "models:/tiny/3", str(tmp / "out"), "-o", "tracking.uri=http://127.0.0.1:9"],
             "VERSION: models:/tiny/3 (tracking.uri): http://127.0.0.1:9: no MLflow server answers there"),
@@ -1029,6 +1033,10 @@ def test_a_recording_policy_that_raises_or_exits_is_one_line(prefect_api, tmp_pa
                                        "got 0"),
     ("train", ["--iteration", "0"], "error: python -m tasks.train: argument --iteration: iterations start at 1, got 0"),
     ("reward", [], "error: python -m tasks.reward: the following arguments are required: --iteration"),
+    # a traceback from boto3 before (only `run` and `plan` caught it, in preflight)
+    ("publish", ["--iteration", "1", "-o", "store.uri=s3://bucket/x", "-o", "store.region=not a region!"],
+     "error: store.uri: s3://bucket/x: the S3 client cannot be made (InvalidRegionError: Provided region_name 'not a "
+     "region!' doesn't match a supported format.)"),
     ("generate", ["--iteration", "one"], "error: python -m tasks.generate: argument --iteration: invalid int value: "
                                          "'one'"),
     # out of order: the missing input, and the first command to run (IncompleteArtifact's traceback, before)

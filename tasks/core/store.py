@@ -518,9 +518,15 @@ class S3Store(Store):
                                 config=BotoConfig(retries={"max_attempts": attempts, "mode": "standard"},
                                                   connect_timeout=10, max_pool_connections=32))
 
+        from botocore.exceptions import BotoCoreError
+
         self._body_errors = _body_errors()
-        self.client = _Resilient(client(5), self._body_errors)    # transient faults are retried with back-off
-        self._probe = client(1)          # check(): a wrong endpoint should fail in seconds, not after retries
+        try:       # a region that is none, a profile or config file not there or unparsable, half a key pair
+            self.client = _Resilient(client(5), self._body_errors)    # transient faults retried with back-off
+            self._probe = client(1)      # check(): a wrong endpoint should fail in seconds, not after retries
+        except BotoCoreError as e:
+            raise UserError(f"store.uri: {uri}: the S3 client cannot be made ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0]})") from None
         chunk = (getattr(cfg, "multipart_chunk_mb", 16) or 16) << 20
         self.transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
                                        max_concurrency=getattr(cfg, "max_concurrency", 8) or 8)
