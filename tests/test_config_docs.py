@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from tasks.core.config import reference_markdown
 
 
@@ -166,3 +168,77 @@ def test_every_number_in_the_config_has_a_range():
     for algorithm, learner in LEARNER_CONFIGS.items():
         walk(learner, f"train.learner[{algorithm}].")
     assert len(seen) > 20 and not unbounded, unbounded
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["train.learner.sapo_temperature_pos=2"], "train.learner.sapo_temperature_pos is set to 2.0 but has no effect: "
+                                               "only loss_type sapo uses it (it is dapo)"),
+    (["train.learner.loss_type=cispo", "train.learner.delta=2"], "train.learner.delta is set to 2.0 but has no "
+                                                                 "effect: the clipped losses"),
+    (["train.learner.loss_type=sapo", "train.learner.epsilon_high=0.3"], "train.learner.epsilon_high is set to 0.3"),
+    (["train.learner.advantage=rloo", "train.learner.scale_rewards=batch"],
+     "train.learner.scale_rewards is set to \"batch\" but has no effect: only advantage group uses it (it is rloo)"),
+    (["train.algorithm=ppo", "train.learner.kl_in_reward=true"], "train.learner.kl_in_reward is set to true but "
+                                                                 "has no effect: it moves the KL term, and "
+                                                                 "train.beta is 0"),
+    (["train.learner.use_bias_correction_kl=false"], "train.learner.use_bias_correction_kl is set to false"),
+    (["train.lora_target_modules=[q_proj]"], "train.lora_target_modules is set to [\"q_proj\"] but has no effect: "
+                                             "train.lora_r is 0 (full fine-tuning)"),
+    (["train.importance_sampling_correction=false", "train.importance_sampling_cap=2"],
+     "train.importance_sampling_cap is set to 2.0 but has no effect: train.importance_sampling_correction is false"),
+    (["train.offload_optimizer=true"], "train.offload_optimizer is set to true but has no effect: train.engine is "
+                                       "torch"),
+    (["train.algorithm=ppo", "train.learner.critic_warmup=5", "run.iterations=5"],
+     "train.learner.critic_warmup 5 with run.iterations 5: the first 5 iterations train the critic alone, so this "
+     "run never updates the policy"),
+])
+def test_a_setting_the_rest_of_the_config_makes_do_nothing_is_warned_of(capsys, monkeypatch, overrides, line):
+    """A value given to a setting that the chosen loss, advantage, engine or KL coefficient never reads (TRL
+    ignores such settings silently: a value tuned there is lost without a word) is one warning line as the
+    config is read; not for the default value, not where it is read, not again where the config is handed on."""
+    from tasks.core import config_base
+    from tasks.core.config import load_config
+    from tests.conftest import TINY
+
+    monkeypatch.setattr(config_base, "_SAID", set())
+    cfg = load_config(TINY, overrides)
+    err = capsys.readouterr().err
+    assert f"warning: config: {line}" in err or f"warning: {line}" in err, err
+    config_base._SAID.clear()
+    type(cfg).model_validate(cfg.model_dump())                 # (a stage process given the config: not again)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_setting_read_or_at_its_default_is_not_warned_of(capsys, monkeypatch):
+    from tasks.core import config_base
+    from tasks.core.config import load_config
+    from tests.conftest import TINY
+
+    monkeypatch.setattr(config_base, "_SAID", set())
+    for overrides in (["train.learner.loss_type=sapo", "train.learner.sapo_temperature_pos=2"],
+                      ["train.learner.sapo_temperature_pos=1.0"],                      # the default
+                      ["train.learner.loss_type=cispo", "train.learner.epsilon_high=4"],
+                      ["train.beta=0.04", "train.learner.use_bias_correction_kl=false"],
+                      ["train.lora_r=4", "train.lora_alpha=8"],
+                      ["train.algorithm=ppo", "train.learner.critic_warmup=2", "run.iterations=5"]):
+        load_config(TINY, overrides)
+        assert "warning" not in capsys.readouterr().err, overrides
+
+
+@pytest.mark.parametrize("kind, setting", [("classifier", "verdict_tokens: [A, B]"), ("verdict", "label: 1"),
+                                           ("judge", "score: probability"), ("classifier", "scale: [0, 10]"),
+                                           ("verdict", "max_tokens: 8"), ("classifier", "system: be fair")])
+def test_a_reward_model_setting_of_another_kind_is_refused(kind, setting):
+    """A reward model's setting that its kind never reads (a classifier's verdict tokens: scored by its label
+    alone) is refused as template and mode are: one line naming it."""
+    from tasks.core.config import load_config
+    from tests.conftest import TINY
+
+    template = "" if kind == "classifier" else ", template: 'Is {completion} right?'"
+    spec = f"{{name: j, kind: {kind}, model: builtin:smollm2-135m, sha256: {'a' * 64}{template}, {setting}}}"
+    key = setting.split(":")[0]
+    from tasks.core.errors import UserError
+
+    with pytest.raises(UserError, match=f"reward.models.0: {key}: a setting of kind .*, which a {kind} does not "
+                                        f"read; remove it"):
+        load_config(TINY, [f"reward.models=[{spec}]"])

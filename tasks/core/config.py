@@ -183,6 +183,11 @@ class Config(Section):
             warn(f"warning: run.max_staleness {s} with run.iterations {n}: iteration N samples from v(N-1-S), so "
                  f"every iteration of this run samples from v0 (the base model, or the warm start's policy) and "
                  f"none from a policy it trained; expected a staleness below run.iterations - 1")
+        warmup = getattr(self.train.learner, "critic_warmup", 0)
+        if warmup >= n and getattr(_HELD, "lines", None) is not None:
+            warn(f"warning: train.learner.critic_warmup {warmup} with run.iterations {n}: the first {warmup} "
+                 f"iterations train the critic alone, so this run never updates the policy; expected a warm-up "
+                 f"below run.iterations")
         return self
 
     @model_validator(mode="after")

@@ -210,6 +210,11 @@ class RewardModel(ServedSection):
             raise ValueError("template: a classifier scores the prompt and completion themselves; remove template")
         if self.kind != "judge" and self.mode != "pointwise":
             raise ValueError(f"mode: {self.mode} is for kind: judge")
+        for key, kinds in (("verdict_tokens", ("verdict",)), ("label", ("classifier",)), ("score", ("classifier",)),
+                           ("scale", ("judge",)), ("max_tokens", ("judge",)), ("system", ("verdict", "judge"))):
+            if self.kind not in kinds and getattr(self, key) != type(self).model_fields[key].default:
+                raise ValueError(f"{key}: a setting of kind {' or '.join(kinds)}, which a {self.kind} does not read; "
+                                 f"remove it")
         if self.url is None and self.api_key_env is not None:
             raise ValueError("api_key_env: only with where a URL, a server of yours (rlflow's own servers use the "
                              "run's token)")
