@@ -273,9 +273,15 @@ def _check_storage(text: str, url) -> None:
         raise UserError(f"--storage: {text}: cannot open it ({why[:200]})") from None
 
 
-def check_metric(metric: str, cfg: Config) -> None:
+def check_metric(args, cfg: Config) -> None:
     """--metric names a metric of the manifests a trial is read from (iteration_metric), and an eval/ one needs
-    evaluations: one line, exit 2, before any trial."""
+    evaluations: one line, exit 2, before any trial. A --window the base config's run never fills is a warning
+    (a trial's space may give it more iterations)."""
+    metric, window, n = args.metric, args.window, cfg.run.iterations
+    if window >= n and getattr(args, "pruner", "none") == "median":
+        print(f"warning: --window {window} with run.iterations {n}: the median pruner waits {window} iterations "
+              f"before it prunes, so no trial of this run's length is ever pruned; expected a window below "
+              f"run.iterations (or --pruner none)", file=sys.stderr)
     if metric.split("/", 1)[0] not in ("reward", "train", "eval") or "/" not in metric:
         raise UserError(f"--metric: {metric!r}: expected a metric of each iteration's reward, train or eval "
                         f"manifest (reward/..., train/..., eval/...; e.g. reward/mean)")
