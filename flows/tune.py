@@ -275,13 +275,12 @@ def _check_storage(text: str, url) -> None:
 
 def check_metric(args, cfg: Config) -> None:
     """--metric names a metric of the manifests a trial is read from (iteration_metric), and an eval/ one needs
-    evaluations: one line, exit 2, before any trial. A --window the base config's run never fills is a warning
-    (a trial's space may give it more iterations)."""
-    metric, window, n = args.metric, args.window, cfg.run.iterations
-    if window >= n and getattr(args, "pruner", "none") == "median":
+    evaluations: one line, exit 2, before any trial. A --window the base run never fills: a warning."""
+    if (window := args.window) >= (n := cfg.run.iterations) and args.pruner == "median":
         print(f"warning: --window {window} with run.iterations {n}: the median pruner waits {window} iterations "
               f"before it prunes, so no trial of this run's length is ever pruned; expected a window below "
               f"run.iterations (or --pruner none)", file=sys.stderr)
+    metric = args.metric
     if metric.split("/", 1)[0] not in ("reward", "train", "eval") or "/" not in metric:
         raise UserError(f"--metric: {metric!r}: expected a metric of each iteration's reward, train or eval "
                         f"manifest (reward/..., train/..., eval/...; e.g. reward/mean)")
