@@ -151,10 +151,7 @@ def preflight(cfg: Config) -> None:
     tokenizer = load_tokenizer(path)
     # the rollouts' source (prompts, environments, an agent): its factory, server or agent, one line, exit 2
     source_of(cfg).check(cfg, datasets, path, tokenizer)
-    chat = cfg.data.system_prompt is not None or any(isinstance(ds[0][cfg.data.prompt_column], list) for ds in datasets)
-    if chat and not tokenizer.chat_template:
-        raise UserError(f"model.name_or_path: {path}: its tokenizer has no chat template, but the prompts are chat "
-                        f"messages (data.prompt_column / data.system_prompt)")
+    _check_chat_rows(cfg, datasets, path, tokenizer)
     if place.where("train") != "sky":
         if cfg.train.device == "cuda" and not torch.cuda.is_available():
             raise UserError("train.device: cuda, but this machine has no CUDA device (torch.cuda.is_available() "
@@ -191,6 +188,37 @@ def preflight(cfg: Config) -> None:
                         f"clusters, which must be the project that holds them; run from {REPO_ROOT}")
     for stage in remote + served:
         recipe_path(cfg, stage)              # (each recipe parsed: one line naming the file and line)
+
+
+def _check_chat_rows(cfg: Config, datasets: list, path: str, tokenizer) -> None:
+    """Every row's prompt as the model's chat template takes it: chat messages (or data.system_prompt) need a
+    template, a content in parts a template that reads them or text parts alone. Each row is looked at (a row
+    past the first was the run's one line after the store was written, naming no row); data.system_prompt beside
+    rows that are messages already (it applies to plain text alone) is a warning."""
+    from tasks.core.config_base import warn
+    from tasks.core.data import row
+    from tasks.core.models import parts_as_text
+
+    col, system, said = cfg.data.prompt_column, cfg.data.system_prompt, False
+    files = [("data.path", cfg.data.path), ("eval.path", cfg.eval.path or cfg.data.path)]
+    for ds, (field, file) in zip(datasets, files):
+        for i, value in enumerate(ds[col]):
+            if not isinstance(value, list) and system is None:
+                continue
+            where = f"{field}: {file} {row(i)} column {col!r}" if file else f"data.reasoning_gym {row(i)}"
+            if not tokenizer.chat_template:
+                how = "" if isinstance(value, list) else " with data.system_prompt"
+                raise UserError(f"model.name_or_path: {path}: its tokenizer has no chat template, but the prompts "
+                                f"are chat messages ({where}{how})")
+            if isinstance(value, list):
+                if system is not None and file and not said:
+                    said = True
+                    warn(f"warning: data.system_prompt applies to plain-text prompts only; {where} is chat messages "
+                         f"already, which keep their own (put the system message in the row)")
+                try:
+                    parts_as_text(tokenizer, value)
+                except ValueError as e:
+                    raise UserError(f"{where}: {e}") from None
 
 
 def check_warmup(cfg: Config) -> None:

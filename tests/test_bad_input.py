@@ -57,6 +57,11 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "a_folder.db").mkdir(exist_ok=True)
     (tmp / "empty_array.json").write_text("[]")
     (tmp / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "bbb"}) + "\n")
+    text_row = json.dumps({"prompt": "a=", "answer": "bbb"}) + "\n"          # (row 1 fine: rows after it were not looked at)
+    (tmp / "chat_second.jsonl").write_text(text_row + json.dumps({"prompt": [{"role": "user", "content": "b="}],
+                                                                 "answer": "ccc"}) + "\n")
+    (tmp / "image_second.jsonl").write_text(text_row + json.dumps({"prompt": [{"role": "user", "content": [
+        {"type": "image", "url": "x.png"}]}], "answer": "ccc"}) + "\n")
     (tmp / "syntax_err.py").write_text("def f(completions, **kw)\n    return [0.0]\n")
     (tmp / "needs_col.py").write_text("def f(completions, solution, **kw):\n    return [0.0] * len(completions)\n")
     (tmp / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
@@ -431,6 +436,17 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "chat prompts, no chat template": (["run", str(TINY), "-o", f"data.path={tmp}/chat.jsonl",
                                            "-o", f"model.name_or_path={no_chat}"],
                                           "model.name_or_path: " + str(no_chat) + ": its tokenizer has no chat template"),
+        # (2026-12-05, a sweep of data/generate/reward/env: only row 1 was looked at; the run's line came after the
+        # store was written, naming no file or row)
+        "chat prompts in row 2, no chat template": (["run", str(TINY), "-o", f"data.path={tmp}/chat_second.jsonl",
+                                                    "-o", f"model.name_or_path={no_chat}"],
+                                                   f"its tokenizer has no chat template, but the prompts are chat "
+                                                   f"messages (data.path: {tmp}/chat_second.jsonl row 2 column "
+                                                   f"'prompt')"),
+        "an image part in row 2, a text model": (["run", str(TINY), "-o", f"data.path={tmp}/image_second.jsonl"],
+                                                 f"data.path: {tmp}/image_second.jsonl row 2 column 'prompt': message "
+                                                 f"0: content parts of kinds ['image']; this model's chat template "
+                                                 f"takes text only"),
         "system prompt, no chat template": (["run", str(TINY), "-o", "data.system_prompt=Answer.",
                                             "-o", f"model.name_or_path={no_chat}"], "has no chat template"),
         "gguf, not a GGUF file": (["run", str(TINY), "-o", f"model.name_or_path={tmp}/not-a-model.gguf"],
@@ -1253,3 +1269,26 @@ def test_a_tracking_server_or_database_that_cannot_take_the_run_is_one_line(pref
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         assert out.returncode == 2 and len(lines) == 1 and expected in lines[0], (name, out.stderr[-2000:])
         assert not any(cwd.iterdir()), (name, list(cwd.iterdir()))
+
+
+def test_a_system_prompt_beside_rows_of_messages_is_said_once(tmp_path, capsys, monkeypatch):
+    """data.system_prompt applies to plain-text prompts; rows that are chat messages keep their own, so it is
+    a warning naming the first such row, once, before the run (it was ignored without a word)."""
+    from flows.preflight import _check_chat_rows
+    from tasks.core import config_base
+    from tasks.core.config import load_config
+    from tasks.core.data import load_prompts
+    from tasks.core.models import base_path, load_tokenizer
+
+    monkeypatch.setattr(config_base, "_SAID", set())
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{c}="}], "answer": c * 2}) + "\n"
+                            for c in "abc"))
+    for system, said in ((None, False), ("Answer briefly.", True)):
+        overrides = [f"data.path={data}", "eval.every=0"] + ([f"data.system_prompt={system}"] if system else [])
+        cfg = load_config(TINY, overrides)
+        _check_chat_rows(cfg, [load_prompts(cfg)], base_path(cfg), load_tokenizer(base_path(cfg)))
+        err = capsys.readouterr().err
+        assert err.count("warning: data.system_prompt applies to plain-text prompts only; data.path: "
+                         f"{data} row 1 column 'prompt' is chat messages already") == said, err
+        assert err.count("warning") == said
