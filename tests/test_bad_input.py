@@ -650,6 +650,13 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             ["run", str(TINY), "-o", 'reward.functions=[{"fn": "strict_sig:f", "kwargs": {"scale": 2}}]'],
             "reward.functions[0].kwargs.scale: strict_sig:f takes no argument 'scale' (it takes completions, answer, "
             "and no **kwargs)"),
+        "reward keyword that replaces the completions": (
+            ["run", str(TINY), "-o", f'reward.functions=[{{"fn": "{demo}", "kwargs": {{"completions": ["bbb"]}}}}]'],
+            "reward.functions[0].kwargs.completions: 'completions' is a keyword TRL's convention passes, given to "
+            "every call; a configured value would replace it for every completion"),
+        "reward keyword that replaces a column": (
+            ["run", str(TINY), "-o", f'reward.functions=[{{"fn": "{demo}", "kwargs": {{"answer": "x"}}}}]'],
+            "reward.functions[0].kwargs.answer: 'answer' is a dataset column, given to every call"),
         "reward needs a column only the eval file lacks": (
             ["run", str(TINY), "-o", f"data.path={tmp}/withsol.jsonl", "-o", f"eval.path={tmp}/nosol.jsonl", "-o",
              'reward.functions=[{"fn": "needs_col:f"}]'],

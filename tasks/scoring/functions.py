@@ -88,8 +88,12 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
         attr = spec.fn.partition(":")[2]
         fn = import_user(spec.fn, f"reward.functions[{i}].fn", noun="function")   # (user modules: the cwd first)
         if columns is not None:
-            check_signature(f"reward.functions[{i}].fn: {spec.fn}", fn,
-                            {*TRL_KEYWORDS, *columns, *spec.kwargs, *(["environments"] if cfg.env.factory else [])},
+            given = {*TRL_KEYWORDS, *columns, *(["environments"] if cfg.env.factory else [])}
+            for key in (k for k in spec.kwargs if k in given):      # (the worker's kwargs go last: they won)
+                kind = "a dataset column" if key in columns else "a keyword TRL's convention passes"
+                raise UserError(f"reward.functions[{i}].kwargs.{key}: {key!r} is {kind}, given to every call; a "
+                                f"configured value would replace it for every completion; expected another name")
+            check_signature(f"reward.functions[{i}].fn: {spec.fn}", fn, {*given, *spec.kwargs},
                             sorted(columns), kwargs=spec.kwargs, kwargs_field=f"reward.functions[{i}].kwargs")
         names.append(attr)
     if len(set(names)) != len(names):
