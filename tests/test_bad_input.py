@@ -438,6 +438,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                           "model.name_or_path: " + str(no_chat) + ": its tokenizer has no chat template"),
         # (2026-12-05, a sweep of data/generate/reward/env: only row 1 was looked at; the run's line came after the
         # store was written, naming no file or row)
+        "environment server URL with a newline": (["run", str(TINY), "-o", 'env.where="http://a\\nb"'],
+                                                  "config: env.where: a URL with a space or a control character; "
+                                                  "expected http(s)://HOST[:PORT][/PATH]"),
+        "agent temperatures past 100": (["run", str(TINY), "-o", "env.endpoint.temperature=[0, 1000]"],
+                                        "config: env.endpoint.temperature: expected [low, high] with 0 <= low <= "
+                                        "high <= 100"),
         "chat prompts in row 2, no chat template": (["run", str(TINY), "-o", f"data.path={tmp}/chat_second.jsonl",
                                                     "-o", f"model.name_or_path={no_chat}"],
                                                    f"its tokenizer has no chat template, but the prompts are chat "

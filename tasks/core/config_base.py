@@ -91,7 +91,11 @@ SERVICE_PLACES = ("stage", "local", "sky")
 def service_where(v: str) -> str:
     """A service's `where` (env.where, reward.models[].where): stage, local, sky, or the http(s):// URL of a
     server you run (rlflow starts none)."""
-    if v in SERVICE_PLACES or (is_url(v) and len(v.split("://", 1)[1].strip()) > 0 and " " not in v):
+    if v in SERVICE_PLACES:
+        return v
+    if is_url(v) and (has_control_character(v) or any(c.isspace() for c in v)):
+        raise ValueError("a URL with a space or a control character; expected http(s)://HOST[:PORT][/PATH]")
+    if is_url(v) and len(v.split("://", 1)[1].strip()) > 0:
         return v
     raise ValueError("expected stage, local, sky, or the http(s):// URL of a server you run")
 

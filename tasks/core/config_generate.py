@@ -197,8 +197,9 @@ class EndpointConfig(Section):
     @field_validator("temperature")
     @classmethod
     def _ordered(cls, v):
-        if v is not None and not 0 <= v[0] <= v[1]:
-            raise ValueError("expected [low, high] with 0 <= low <= high")
+        if v is not None and not 0 <= v[0] <= v[1] <= 100:
+            raise ValueError("expected [low, high] with 0 <= low <= high <= 100 (0: greedy; generate.temperature's "
+                             "own ceiling)")
         return v
 
 
