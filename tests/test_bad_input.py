@@ -438,6 +438,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                           "model.name_or_path: " + str(no_chat) + ": its tokenizer has no chat template"),
         # (2026-12-05, a sweep of data/generate/reward/env: only row 1 was looked at; the run's line came after the
         # store was written, naming no file or row)
+        "a blank split": (["run", str(TINY), "-o", 'data.split=""'], "config: data.split: expected a split's name "
+                          "(train, test[:100], ...): not blank"),              # (was blamed on data.path)
+        "a blank held-out path": (["run", str(TINY), "-o", 'eval.path=" "'], "config: eval.path: expected a data file "
+                                  "or a hub dataset id: not blank"),
         "environment server URL with a newline": (["run", str(TINY), "-o", 'env.where="http://a\\nb"'],
                                                   "config: env.where: a URL with a space or a control character; "
                                                   "expected http(s)://HOST[:PORT][/PATH]"),

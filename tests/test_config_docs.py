@@ -188,6 +188,9 @@ def test_every_number_in_the_config_has_a_range():
      "train.importance_sampling_cap is set to 2.0 but has no effect: train.importance_sampling_correction is false"),
     (["train.offload_optimizer=true"], "train.offload_optimizer is set to true but has no effect: train.engine is "
                                        "torch"),
+    (["data.name=main"], "data.name is set to 'main' but has no effect: a local file has no hub configuration"),
+    (["data.path=null", "data.reasoning_gym={task: basic_arithmetic}", "data.split=test"],
+     "data.split is set to 'test' but has no effect: data.reasoning_gym makes its own train and held-out splits"),
     (["train.algorithm=ppo", "train.learner.critic_warmup=5", "run.iterations=5"],
      "train.learner.critic_warmup 5 with run.iterations 5: the first 5 iterations train the critic alone, so this "
      "run never updates the policy"),
@@ -242,3 +245,15 @@ def test_a_reward_model_setting_of_another_kind_is_refused(kind, setting):
     with pytest.raises(UserError, match=f"reward.models.0: {key}: a setting of kind .*, which a {kind} does not "
                                         f"read; remove it"):
         load_config(TINY, [f"reward.models=[{spec}]"])
+
+
+def test_a_local_files_split_may_be_a_slice():
+    """`datasets`' split syntax (train[:3]) on a local file: the file is the split, the slice taken from it (the
+    split name keyed the file, so a slice was `datasets`' error, blamed on data.path)."""
+    from tasks.core.config import load_config
+    from tasks.core.data import load_prompts
+    from tests.conftest import TINY
+
+    whole = load_prompts(load_config(TINY, []))
+    part = load_prompts(load_config(TINY, ["data.split=train[:3]"]))
+    assert len(whole) > 3 and part["prompt"] == whole["prompt"][:3]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tasks.core.config_base import SINCE_DEFAULT, Section, plain_json
+from tasks.core.config_base import _HELD, SINCE_DEFAULT, Section, has_control_character, plain_json, warn
 
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"     # a run's name (a store prefix); also a tune's study (a folder)
 
@@ -96,6 +96,23 @@ class CurriculumConfig(Section):
         return self
 
 
+DATASET_NAMES = {"path": "a data file or a hub dataset id", "name": "a hub dataset configuration's name",
+                 "split": "a split's name (train, test[:100], ...)"}
+
+
+def dataset_name(v: str | None, info: ValidationInfo) -> str | None:
+    """A data path, hub configuration or split as `datasets` takes it: not blank, no control characters (a
+    blank split was `datasets`' own message, blamed on the data file)."""
+    if v is not None and (not v.strip() or has_control_character(v)):
+        raise ValueError(f"expected {DATASET_NAMES[info.field_name]}: not blank, without control characters")
+    return v
+
+
+def local_file(path: str) -> bool:
+    """Whether a data path names a local file by its suffix (else a hub dataset id or a folder)."""
+    return any(path.lower().endswith(suffix) for suffix in (".json", ".jsonl", ".csv", ".parquet"))
+
+
 class DataConfig(Section):
     """Prompts: a JSON/JSONL/CSV/Parquet file or a hub dataset, loaded with `datasets`; or a reasoning-gym task."""
 
@@ -114,8 +131,16 @@ class DataConfig(Section):
         "(None: every prompt in the seeded order). Needs prompts with stable ids: a local data file or "
         "data.reasoning_gym.")
 
+    _a_name = field_validator("path", "name", "split")(dataset_name)
+
     @model_validator(mode="after")
     def _one_source(self):
+        if getattr(_HELD, "lines", None) is not None:          # (said as the config is read)
+            unread = "data.reasoning_gym makes its own train and held-out splits" if self.reasoning_gym else \
+                "a local file has no hub configuration" if self.path and local_file(self.path) else None
+            for key, default in (("name", None), ("split", "train"))[:2 if self.reasoning_gym else 1]:
+                if unread and getattr(self, key) != default:
+                    warn(f"warning: config: data.{key} is set to {getattr(self, key)!r} but has no effect: {unread}")
         if (self.path is None) == (self.reasoning_gym is None):
             raise ValueError("set exactly one of path (a data file or hub dataset) and reasoning_gym (a "
                              "reasoning-gym task)")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section
 from tasks.core.config_generate import MIN_TEMPERATURE
+from tasks.core.config_inputs import dataset_name
 
 
 class PublishConfig(Section):
@@ -90,6 +91,8 @@ class EvalConfig(Section):
         """The logged metric BEST and champion compare ('@' is not allowed in MLflow metric names)."""
         return {"reward_mean": "eval/reward_mean", "greedy_pass_at_1": "eval/greedy_pass_at_1"}.get(
             self.metric, f"eval/pass_at_{self.k}")
+
+    _a_name = field_validator("path", "name", "split")(dataset_name)
 
     @model_validator(mode="after")
     def _k_le_n(self):

@@ -110,7 +110,8 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
             with tempfile.TemporaryDirectory(prefix="rlflow-data-") if small else contextlib.nullcontext() as cache:
                 try:
                     datasets.logging.set_verbosity(datasets.logging.CRITICAL)    # (it logs the error we report)
-                    table = datasets.load_dataset(_LOCAL_FORMATS[suffix], data_files={split: path}, split=split,
+                    table = datasets.load_dataset(_LOCAL_FORMATS[suffix], split=split,    # (test[:100]: a slice)
+                                                  data_files={split.split("[", 1)[0].strip() or split: path},
                                                   cache_dir=cache, keep_in_memory=small)
                     table.data.table.validate(full=True)  # (JSON strings that are not UTF-8 load, and fail when read)
                     return table
