@@ -188,6 +188,19 @@ def test_every_number_in_the_config_has_a_range():
      "train.importance_sampling_cap is set to 2.0 but has no effect: train.importance_sampling_correction is false"),
     (["train.offload_optimizer=true"], "train.offload_optimizer is set to true but has no effect: train.engine is "
                                        "torch"),
+    (["generate.enforce_eager=true"], "generate.enforce_eager is set to true but has no effect: generate.engine "
+                                      "is hf"),
+    (["generate.replica_threads=1"], "generate.replica_threads is set to 1 but has no effect: generate.replicas is 0"),
+    (["generate.engine=vllm", "generate.share_prompts=false"], "generate.share_prompts is set to false but has no "
+                                                               "effect: vLLM shares prompts' prefixes itself"),
+    (["env.max_turns=9"], "env.max_turns is set to 9 but has no effect: neither env.factory nor env.agent is set"),
+    (["env.factory=tasks.envs.builtin.games:SayTheLetters", "env.endpoint={min_top_p: 0.5}"],
+     "env.endpoint is set to {\"temperature\": null, \"min_top_p\": 0.5} but has no effect: it bounds an agent's "
+     "requests"),
+    (["train.mode=process", "train.checkpoint_every=5"], "train.checkpoint_every is set to 5 but has no effect: "
+                                                         "train.mode process"),
+    (["train.off_policy_loss=decoupled", "train.importance_sampling_mode=sequence_mask"],
+     "train.importance_sampling_mode is set to \"sequence_mask\" but has no effect: off_policy_loss decoupled"),
     (["data.name=main"], "data.name is set to 'main' but has no effect: a local file has no hub configuration"),
     (["data.path=null", "data.reasoning_gym={task: basic_arithmetic}", "data.split=test"],
      "data.split is set to 'test' but has no effect: data.reasoning_gym makes its own train and held-out splits"),
@@ -223,7 +236,11 @@ def test_a_setting_read_or_at_its_default_is_not_warned_of(capsys, monkeypatch):
                       ["train.learner.loss_type=cispo", "train.learner.epsilon_high=4"],
                       ["train.beta=0.04", "train.learner.use_bias_correction_kl=false"],
                       ["train.lora_r=4", "train.lora_alpha=8"],
-                      ["train.algorithm=ppo", "train.learner.critic_warmup=2", "run.iterations=5"]):
+                      ["train.algorithm=ppo", "train.learner.critic_warmup=2", "run.iterations=5"],
+                      ["generate.engine=vllm", "generate.enforce_eager=true", "generate.share_prompts=true"],
+                      ["env.factory=tasks.envs.builtin.games:SayTheLetters", "env.max_turns=9"],
+                      ["env.agent=tasks.envs.builtin.games:letters_agent", "env.endpoint={min_top_p: 0.5}"],
+                      ["train.mode=resident", "train.checkpoint_every=5"]):
         load_config(TINY, overrides)
         assert "warning" not in capsys.readouterr().err, overrides
 

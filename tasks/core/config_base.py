@@ -153,6 +153,24 @@ _SAID: set[str] = set()
 _HELD = threading.local()        # .lines: warnings of a load_config under way, said only if the config is accepted
 
 
+def without_effect(rules: list[tuple[BaseModel, str, str, bool, str]]) -> None:
+    """Each (section, its dotted name, key, whether the rest of the config reads it, why not) whose key was given a
+    value other than its default and is not read: one warning line, as the config is read (a stage process handed
+    the config says nothing again). TRL ignores such settings silently: a value tuned there is lost."""
+    if getattr(_HELD, "lines", None) is None:
+        return
+    import json
+
+    for section, name, key, used, why in rules:
+        field = type(section).model_fields.get(key)
+        if field is None or used or key not in section.model_fields_set:
+            continue
+        value = getattr(section, key)
+        if value != field.get_default(call_default_factory=True):
+            shown = json.dumps(value.model_dump(mode="json") if isinstance(value, BaseModel) else value, default=str)
+            warn(f"warning: config: {name}.{key} is set to {shown} but has no effect: {why}")
+
+
 def warn(line: str) -> None:
     """A warning about the config, once per process: on stderr now, or, while load_config reads one, once it
     accepts it (a refused config's refusal is its only line)."""

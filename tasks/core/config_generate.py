@@ -21,6 +21,7 @@ from tasks.core.config_base import (
     moved,
     plain_json,
     values_as_before,
+    without_effect,
 )
 
 
@@ -176,6 +177,20 @@ class GenerateConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _settings_without_effect(self):
+        """vLLM's settings under the hf engine, the server's under mode process, hf's under vLLM, the replicas'
+        without replicas: a warning line each (config_base.without_effect)."""
+        vllm, hf = self.engine == "vllm", f"generate.engine is {self.engine}"
+        without_effect([*[(self, "generate", k, vllm, hf) for k in ("tensor_parallel_size", "gpu_memory_utilization",
+                                                                      "max_model_len", "enforce_eager")],
+                        (self, "generate", "sleep_when_idle", self.mode == "resident", "generate.mode is process "
+                         "(no server to put to sleep)"),
+                        (self, "generate", "share_prompts", not vllm, "vLLM shares prompts' prefixes itself"),
+                        *[(self, "generate", k, self.replicas > 0, "generate.replicas is 0")
+                          for k in ("replica_port", "replica_threads")]])
+        return self
+
+    @model_validator(mode="after")
     def _server_mode(self):
         if self.mode == "resident" and self.engine != "vllm":
             raise ValueError("mode: resident (a vLLM server kept across iterations) needs engine: vllm")
@@ -305,6 +320,18 @@ class EnvConfig(ServedSection):
     def episodic(self) -> bool:
         """Rollouts are multi-turn episodes: against an environment (factory) or by an agent."""
         return bool(self.factory or self.agent)
+
+    @model_validator(mode="after")
+    def _settings_without_effect(self):
+        """Episode settings with no episodes (neither factory nor agent), the agents' endpoint without an agent,
+        an adapter for an agent: a warning line each (config_base.without_effect)."""
+        none = "neither env.factory nor env.agent is set (single-turn prompts)"
+        without_effect([*[(self, "env", k, self.episodic(), none) for k in type(self).model_fields
+                          if k not in ("factory", "agent")],
+                        (self, "env", "endpoint", not self.factory, "it bounds an agent's requests (env.agent); "
+                         "an env.factory's episodes sample with generate's settings"),
+                        (self, "env", "adapter", not self.agent, "an agent (env.agent) drives its own episodes")])
+        return self
 
     @model_validator(mode="after")
     def _one_driver(self):

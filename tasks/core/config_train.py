@@ -10,12 +10,11 @@ More: docs/internals.md (tasks/core/config_train.py): the learner union and the 
 
 from __future__ import annotations
 
-import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
-from tasks.core.config_base import _HELD, HOW_NOT_WHAT, SINCE_DEFAULT, Section, moved, warn
+from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section, moved, warn, without_effect
 from tasks.core.errors import UserError
 
 # ------------------------------------------------------------------------------------------------ learners
@@ -366,35 +365,31 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _settings_without_effect(self):
-        """A setting given a value other than its default where the rest of `train` makes it do nothing (another
-        loss type's, a KL setting without train.beta, LoRA's without a rank, DeepSpeed's under torch): one
-        warning line each as the config is read (TRL ignores them silently; a value tuned there is lost)."""
-        if getattr(_HELD, "lines", None) is None:
-            return self
+        """A value the rest of `train` never reads (another loss type's, a KL setting without train.beta, LoRA's
+        without a rank, DeepSpeed's under torch, the resident trainer's under mode process): a warning line."""
         lc, clipped = self.learner, ("grpo", "dapo", "bnpo", "dr_grpo")      # tasks/algorithms/loss.py's
-        loss = getattr(lc, "loss_type", None)
-        rules = [(lc, "sapo_temperature_pos", loss == "sapo", f"only loss_type sapo uses it (it is {loss})"),
-                 (lc, "sapo_temperature_neg", loss == "sapo", f"only loss_type sapo uses it (it is {loss})"),
-                 (lc, "delta", loss in clipped, f"the clipped losses ({', '.join(clipped)}) use it, not {loss}"),
-                 (lc, "epsilon", loss not in ("cispo", "sapo"), f"loss_type {loss} does not clip at 1 - epsilon"),
-                 (lc, "epsilon_high", loss != "sapo", "loss_type sapo gates instead of clipping"),
-                 (lc, "scale_rewards", getattr(lc, "advantage", "group") == "group",
-                  f"only advantage group uses it (it is {getattr(lc, 'advantage', None)})"),
-                 (lc, "use_bias_correction_kl", self.beta > 0, "it weights the KL term, and train.beta is 0"),
-                 (lc, "kl_in_reward", self.beta > 0, "it moves the KL term, and train.beta is 0"),
-                 *[(self, k, self.lora_r > 0, "train.lora_r is 0 (full fine-tuning)")
-                   for k in ("lora_alpha", "lora_dropout", "lora_target_modules")],
-                 *[(self, k, self.importance_sampling_correction, "train.importance_sampling_correction is false")
-                   for k in ("importance_sampling_mode", "importance_sampling_cap")],
-                 *[(self, k, self.engine == "deepspeed", "train.engine is torch")
-                   for k in ("zero_stage", "num_processes", "mixed_precision", "offload_optimizer")]]
-        for section, key, used, why in rules:
-            field = type(section).model_fields.get(key)
-            if field is not None and not used and key in section.model_fields_set and \
-                    getattr(section, key) != field.default:
-                where = "train.learner" if section is lc else "train"
-                warn(f"warning: config: {where}.{key} is set to {json.dumps(getattr(section, key))} but has no "
-                     f"effect: {why}")
+        loss, L = getattr(lc, "loss_type", None), "train.learner"
+        tis = self.importance_sampling_correction and self.off_policy_loss == "tis"
+        without_effect([
+            (lc, L, "sapo_temperature_pos", loss == "sapo", f"only loss_type sapo uses it (it is {loss})"),
+            (lc, L, "sapo_temperature_neg", loss == "sapo", f"only loss_type sapo uses it (it is {loss})"),
+            (lc, L, "delta", loss in clipped, f"the clipped losses ({', '.join(clipped)}) use it, not {loss}"),
+            (lc, L, "epsilon", loss not in ("cispo", "sapo"), f"loss_type {loss} does not clip at 1 - epsilon"),
+            (lc, L, "epsilon_high", loss != "sapo", "loss_type sapo gates instead of clipping"),
+            (lc, L, "scale_rewards", getattr(lc, "advantage", "group") == "group",
+             f"only advantage group uses it (it is {getattr(lc, 'advantage', None)})"),
+            (lc, L, "use_bias_correction_kl", self.beta > 0, "it weights the KL term, and train.beta is 0"),
+            (lc, L, "kl_in_reward", self.beta > 0, "it moves the KL term, and train.beta is 0"),
+            *[(self, "train", k, self.lora_r > 0, "train.lora_r is 0 (full fine-tuning)")
+              for k in ("lora_alpha", "lora_dropout", "lora_target_modules")],
+            (self, "train", "importance_sampling_mode", tis, "train.importance_sampling_correction is false"
+             if not self.importance_sampling_correction else "off_policy_loss decoupled drops by the cap alone"),
+            (self, "train", "importance_sampling_cap", self.importance_sampling_correction,
+             "train.importance_sampling_correction is false"),
+            *[(self, "train", k, self.engine == "deepspeed", "train.engine is torch")
+              for k in ("zero_stage", "num_processes", "mixed_precision", "offload_optimizer")],
+            *[(self, "train", k, self.mode != "process", "train.mode process writes a full checkpoint each "
+               "iteration and keeps no trainer") for k in ("checkpoint_every", "idle_timeout", "host")]])
         return self
 
     @model_validator(mode="after")
