@@ -421,6 +421,27 @@ def test_what_a_function_prints_is_bounded(bad_module, monkeypatch, capfd, fn):
     assert err.count("a user's code printed more than 10000 bytes") == 1 and len(out + err) < 12_000
 
 
+def test_a_flush_waits_for_what_the_pipe_holds_however_slow_the_copy(capfd, monkeypatch):
+    """flush() returns once what was in the pipe when it was called has been copied, counted, not after a pause:
+    a copy slowed past the old 2 s pause (a loaded machine) still shows all of it, and the budget's line, before
+    flush returns (test_what_a_function_prints_is_bounded failed so under load)."""
+    from tasks.core.process_wide import OutputBudget
+    from tasks.core.processes import BoundedCopy
+
+    slow_take = OutputBudget.take
+    monkeypatch.setattr(OutputBudget, "take", lambda self, n: (time.sleep(3), slow_take(self, n))[1])
+    r, w = os.pipe()
+    with os.fdopen(r, "rb", buffering=0) as pipe:
+        copy = BoundedCopy(pipe, lambda: 1000, "a test's pipe")
+        os.write(w, b"y" * 4000)
+        copy.flush()
+        err = capfd.readouterr().err
+        os.close(w)
+        copy.wait(60)
+    assert err.startswith("y" * 1000 + "\n[rlflow: a user's code printed more than 1000 bytes in a test's pipe"), \
+        err[-300:]
+
+
 def test_what_a_function_wrote_before_its_worker_died_is_shown(bad_module, capfd):
     """The lines that explain a crash reach the run's output: the parent reads the worker's pipe to its end."""
     scored = score_records(_functions(["last_words"]), _records(), "sum")

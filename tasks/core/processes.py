@@ -183,7 +183,7 @@ class BoundedCopy:
     def __init__(self, pipe, limit: Callable[[], int], what: str):
         self._fd, self._budget, self._what = pipe.fileno(), OutputBudget(limit), what
         self._pipe = pipe                        # (kept: the descriptor is the pipe object's)
-        self._busy = True
+        self._lock, self._taken, self._copied = threading.Lock(), 0, 0   # bytes out of the pipe; copied (or dropped)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"rlflow-copy-{what}")
         self._thread.start()
 
@@ -194,15 +194,23 @@ class BoundedCopy:
         """Until the pipe's end was copied (the child and what it started closed it), `timeout` at most."""
         self._thread.join(timeout)
 
-    def flush(self, timeout: float = 2.0) -> None:
-        """Wait (`timeout` at most: something the child started may write on) until what is in the pipe now has
-        been copied, so that it shows before what this process says next."""
-        import select
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until what is in the pipe now has been copied, so that it shows before what this process says
+        next: the bytes in the pipe (FIONREAD) and those the copier holds, counted (not a pause that a loaded
+        machine outlasts; what a child writes after this call is not waited for). `timeout`: a copier stuck."""
+        import array
+        import fcntl
+        import termios
 
+        with self._lock:
+            pending = array.array("i", [0])
+            try:
+                fcntl.ioctl(self._fd, termios.FIONREAD, pending)
+            except OSError:
+                return                           # (the pipe was closed here)
+            target = self._taken + pending[0]
         deadline = time.monotonic() + timeout
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            if not self._busy and not select.select([self._fd], [], [], 0)[0]:
-                return
+        while self._thread.is_alive() and self._copied < target and time.monotonic() < deadline:
             time.sleep(0.001)
 
     def _run(self) -> None:
@@ -210,10 +218,10 @@ class BoundedCopy:
 
         try:
             while True:
-                self._busy = False
                 select.select([self._fd], [], [])
-                self._busy = True            # (before the read empties the pipe: flush asks both)
-                chunk = os.read(self._fd, 1 << 16)
+                with self._lock:             # (a chunk counted as it leaves the pipe: flush's target is exact)
+                    chunk = os.read(self._fd, 1 << 16)
+                    self._taken += len(chunk)
                 if not chunk:
                     return
                 room, limit = self._budget.take(len(chunk))
@@ -226,10 +234,9 @@ class BoundedCopy:
                         view = view[os.write(2, view):]
                 except OSError:
                     pass                     # (no one reads this process's stderr: the pipe is still drained)
+                self._copied += len(chunk)
         except (OSError, ValueError):
             return                           # (the pipe was closed here)
-        finally:
-            self._busy = False
 
 
 def how_it_ended(code: int | None) -> str:
