@@ -474,6 +474,16 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                                rg + ", config: {max_termz: 3}}"],
                                               "data.reasoning_gym.config.max_termz: task 'chain_sum' has no such "
                                               "setting; did you mean 'max_terms'? (it has: allow_negation, max_digits"),
+        # (a million held-out items took plan 4 minutes and 5 GB before a bound a run can afford)
+        "reasoning gym, held-out split too large": (["run", str(TINY), "-o", "data.path=null", "-o",
+                                                     "data.reasoning_gym={task: leg_counting, size: 10, "
+                                                     "eval_size: 1000000}"],
+                                                    "config: data.reasoning_gym.eval_size: input should be less than "
+                                                    "or equal to 100000, got 1000000"),
+        "reasoning gym, training split too large": (["run", str(TINY), "-o", "data.path=null", "-o",
+                                                     "data.reasoning_gym={task: leg_counting, size: 1000000}"],
+                                                    "config: data.reasoning_gym.size: input should be less than or "
+                                                    "equal to 100000, got 1000000"),
         "reasoning gym and a data file": (["run", str(TINY), "-o", rg + "}"], "config: data: set exactly one of "
                                           "path (a data file or hub dataset) and reasoning_gym"),
         "pass_reward, not a reward function": (["run", str(TINY), "-o", "eval.pass_reward=answer_reward"],
