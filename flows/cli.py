@@ -435,6 +435,7 @@ def cmd_tune(args) -> int:
     space = load_space(args.space, args.config, args.override)
     from flows.tune import check_study, run_name, tune_flow
 
+    check_study(args, cfg, space)   # a study resumed with another space: refused before a trial (and a warning) runs
     # What `rlflow run` of the base config refuses, before any trial, under a run name no trial has (the base run's
     # v0 or resume state is not a trial's); what it leaves here for trials to inherit (DS_ACCELERATOR, a worker) goes.
     from tasks.core.process_wide import environment_variables
@@ -444,8 +445,6 @@ def cmd_tune(args) -> int:
         checked_config(argparse.Namespace(config=args.config, overrides_json="[]", override=[
             *args.override, f"run.name={run_name(cfg.run.name, {'preflight': True})}"]))
     close_workers()
-
-    check_study(args, cfg, space)   # a study resumed with another space: refused before a trial runs
 
     server = None
     if not os.environ.get("PREFECT_API_URL"):      # one temporary API for the tune and all its trials' flow runs
