@@ -1198,7 +1198,8 @@ def test_a_prompt_cut_to_max_prompt_length_is_said_once(capsys, monkeypatch):
     said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert said == [f"warning: generate.max_prompt_length: a prompt of {len(whole)} tokens is cut to its last 3 (it "
                     f"loses its beginning: a chat prompt its template's start); raise generate.max_prompt_length "
-                    f"(said once)"]
+                    f"where the model's context has room (it and max_completion_length together at most the "
+                    f"context: `rlflow plan` says), else shorten the prompts (said once)"]
 
 
 def test_files_and_messages_the_checks_must_leave_alone(tmp_path):

@@ -41,7 +41,8 @@ def cut_prompt(ids: list[int], max_length: int) -> list[int]:
 
         print(f"warning: generate.max_prompt_length: a prompt of {len(ids)} tokens is cut to its last {max_length} "
               f"(it loses its beginning: a chat prompt its template's start); raise generate.max_prompt_length "
-              f"(said once)", file=sys.stderr)
+              f"where the model's context has room (it and max_completion_length together at most the context: "
+              f"`rlflow plan` says), else shorten the prompts (said once)", file=sys.stderr)
     return ids[-max_length:]
 
 
