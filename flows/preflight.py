@@ -19,12 +19,12 @@ import torch
 
 from flows.launch import recipe_path, recipes_folder
 from tasks.core.config import Config
-from tasks.core.config_base import has_control_character
+from tasks.core.config_base import has_control_character, warn
 from tasks.core.config_infra import tracking_scheme
 from tasks.core.curriculum import check as check_curriculum
 from tasks.core.data import load_prompts
 from tasks.core.errors import UserError
-from tasks.core.models import base_path, check_lora_targets, load_tokenizer
+from tasks.core.models import base_path, check_lora_targets, engine_context, load_tokenizer
 from tasks.core.paths import REPO_ROOT
 from tasks.core.placement import placement_of
 from tasks.core.store import open_store
@@ -188,6 +188,35 @@ def preflight(cfg: Config) -> None:
                         f"clusters, which must be the project that holds them; run from {REPO_ROOT}")
     for stage in remote + served:
         recipe_path(cfg, stage)              # (each recipe parsed: one line naming the file and line)
+    check_context(cfg, path)               # (last: the hf engine's is a warning, not said before a refusal)
+
+
+def check_context(cfg: Config, path: str) -> None:
+    """The prompt and completion lengths within the model's context (tasks/core/models.py: engine_context, the
+    bound vLLM derives). vllm: a generate.max_model_len above it keeps the engine from starting, and with none
+    the engine's is capped there, past which a prompt fails the run: one line, exit 2. hf: a warning (rotary
+    positions run past it, degraded; learned positions fail there)."""
+    if (found := engine_context(path)) is None:
+        return
+    context, key, rotary = found
+    gc = cfg.generate
+    need = gc.max_prompt_length + gc.max_completion_length
+    model = f"the model's context ({context}, {key})"
+    lengths = (f"generate.max_prompt_length: {gc.max_prompt_length} + max_completion_length "
+               f"{gc.max_completion_length} = {need} tokens")
+    fits = f"expected at most {context} together" + (f" (max_prompt_length {context - gc.max_completion_length} "
+                                                     f"or less)" if gc.max_completion_length < context else "")
+    if gc.engine == "vllm" and gc.max_model_len is not None and gc.max_model_len > context:
+        raise UserError(f"generate.max_model_len: {gc.max_model_len} is above {model}, which vLLM refuses to start "
+                        f"with; expected at most {context}, or null (max_prompt_length + max_completion_length, "
+                        f"capped there)")
+    if gc.engine == "vllm" and need > context:
+        raise UserError(f"{lengths} is above {model}, where vLLM's max_model_len is capped: a prompt that long "
+                        f"fails the run, a completion after a long prompt is cut short; {fits}")
+    if need > context:
+        happens = "runs past the positions it was trained on, degraded" if rotary else \
+            "fails (its learned positions end there)"
+        warn(f"warning: {lengths} is above {model}: on the hf engine a sequence that long {happens}; {fits}")
 
 
 def _check_chat_rows(cfg: Config, datasets: list, path: str, tokenizer) -> None:

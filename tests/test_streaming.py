@@ -134,7 +134,8 @@ def test_rows_at_their_own_temperature_and_top_p_share_the_batch():
     ("interrupt", []), ("finish", []),
     pytest.param("interrupt", ["generate.replicas=2", "generate.replica_threads=1"], id="interrupt-replicas",
                  marks=AT_LENGTH),     # (CI's smoke of streaming on replicas: tests/test_replicas.py, ~25 s)
-    pytest.param("interrupt", ["generate.engine=vllm", f"generate.vllm_python={VLLM_PYTHON}"], id="interrupt-vllm",
+    pytest.param("interrupt", ["generate.engine=vllm", f"generate.vllm_python={VLLM_PYTHON}",
+                               "generate.max_prompt_length=128"], id="interrupt-vllm",       # (the model's 256)
                  marks=pytest.mark.vllm)])
 def test_a_streamed_run_trains_the_stage_modes_prompts_within_the_staleness(prefect_api, tmp_path, monkeypatch,
                                                                             on_update, engine):

@@ -358,7 +358,7 @@ def test_server_mode_flow_reloads_in_place_and_stops_the_server(prefect_api, tmp
 
     monkeypatch.chdir(tmp_path)
     overrides = [f"store.uri={tmp_path}/store", "run.name=server", "run.iterations=2", "generate.engine=vllm",
-                 "generate.mode=resident", f"generate.vllm_python={VLLM_PYTHON}",
+                 "generate.mode=resident", f"generate.vllm_python={VLLM_PYTHON}", "generate.max_prompt_length=128",
                  f"generate.prompts_per_iteration={N_PROMPTS}", f"generate.num_generations={N_GEN}",
                  f"generate.max_completion_length={MAX_NEW}", f"generate.temperature={TEMPERATURE}", "train.lr=5e-2",
                  "eval.every=2", "eval.num_generations=2", "launcher.stages={generate: local, evaluate: local}",

@@ -107,8 +107,10 @@ class GenerateConfig(Section):
                                       "the CPU memory (one NUMA node) reserved for the KV cache. None = 0.9 on a "
                                       "GPU, 0.1 on CPU.")
     max_model_len: int | None = Field(None, ge=16, le=1_048_576, description="vllm: longest sequence (tokens, "
-                                      "prompt + completion) the engine plans for; None = max_prompt_length + "
-                                      "max_completion_length, capped at the model's max_position_embeddings.")
+                                      "prompt + completion) the engine plans for, at most the model's context (as "
+                                      "vLLM derives it: max_position_embeddings, within the tokenizer's "
+                                      "model_max_length); None = max_prompt_length + max_completion_length, capped "
+                                      "there.")
     enforce_eager: bool | None = Field(None, description="vllm: skip torch.compile / CUDA graphs (faster start, "
                                        "slower decoding). None = eager on CPU, compiled on a GPU.")
     vllm_python: str | None = Field(None, description="Python of the environment that has vllm (its pins clash "
@@ -126,7 +128,9 @@ class GenerateConfig(Section):
     prompts_per_iteration: int = Field(16, ge=1, le=1_000_000, description="Prompts sampled per iteration (groups).")
     num_generations: int = Field(8, ge=2, le=65_536, description="Completions per prompt (the GRPO group size).")
     max_prompt_length: int = Field(512, ge=1, le=10_000_000,
-                                   description="Prompts longer than this (tokens) are left-truncated.")
+                                   description="Prompts longer than this (tokens) are left-truncated. With "
+                                   "max_completion_length within the model's context: past it vllm is refused before "
+                                   "the run, hf warned of (a RoPE model runs past it, degraded).")
     max_completion_length: int = Field(256, ge=1, le=10_000_000, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=100, description="Sampling temperature (the trainer divides "
                                "logits by it too; at least 0.001: logits divided by less overflowed to NaN).")

@@ -373,6 +373,42 @@ def context_length(path: str) -> int | None:
     return getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
 
 
+# The config keys vLLM reads a model's context from, the smallest found (vllm/transformers_utils/
+# model_arch_config_convertor.py), and the RoPE scalings whose context is already the scaled one (vllm/config/model.py)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+_SCALED_ALREADY = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def engine_context(path: str) -> tuple[int, str, bool] | None:
+    """The context vLLM derives for a model as the bound of its max_model_len (vllm/config/model.py:
+    _get_and_verify_max_len): its config's smallest length key, within its tokenizer's model_max_length, times a
+    RoPE scaling factor; with what says it, and whether the positions are rotary (past the context a RoPE model
+    runs, degraded; one with learned positions fails). None when nothing says."""
+    from transformers import AutoConfig
+    from transformers.models.auto.tokenization_auto import get_tokenizer_config
+
+    config = AutoConfig.from_pretrained(path)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = [(v, f"its config's {k}") for k in CONTEXT_KEYS
+             if isinstance(v := getattr(config, k, None), int) and not isinstance(v, bool)]
+    said = get_tokenizer_config(path).get("model_max_length")
+    if found and isinstance(said, int) and not isinstance(said, bool):
+        found.append((said, "its tokenizer's model_max_length"))
+    if not found:
+        return None
+    length, key = min(found)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope = [rope] if "rope_type" in rope or "type" in rope else [r for r in rope.values() if isinstance(r, dict)]
+    factor = 1.0
+    for r in rope:
+        if r.get("rope_type", r.get("type")) not in _SCALED_ALREADY and r.get("factor"):
+            factor = r["factor"]
+    if "gemma3" not in getattr(config, "model_type", ""):
+        length = int(length * factor)
+    return length, key, bool(rope)
+
+
 def policy_gguf(cfg: Config, store, key: str, dest: Path, quant: str) -> dict:
     """The policy at `key` as one GGUF file (tasks/core/gguf.py: write_gguf; `rlflow export --format gguf`); a LoRA
     adapter is merged into the configured base model first. The architecture is checked from config.json before

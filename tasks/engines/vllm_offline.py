@@ -27,7 +27,7 @@ import torch
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
 from tasks.core.layout import BASE
-from tasks.core.models import ADAPTER_CONFIG, base_path, context_length
+from tasks.core.models import ADAPTER_CONFIG, base_path, engine_context
 from tasks.core.paths import REPO_ROOT, sibling_python
 from tasks.core.processes import rlflow_first, run, spawn
 from tasks.engines.vllm_worker import NO_VLLM_EXIT
@@ -97,16 +97,22 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def max_model_len(cfg: Config, model: str) -> int:
+    """The engine's max_model_len: generate.max_model_len, else max_prompt_length + max_completion_length capped at
+    the context vLLM derives for the model (above it vLLM does not start; flows/preflight.py: check_context)."""
+    gc = cfg.generate
+    if gc.max_model_len is not None:
+        return gc.max_model_len
+    context = engine_context(model)
+    need = gc.max_prompt_length + gc.max_completion_length
+    return min(need, context[0]) if context else need
+
+
 def engine_args(cfg: Config, model: str) -> dict:
     """vllm.LLM keyword arguments (the server gets the same as flags): one place decides the engine."""
     gc = cfg.generate
     gpu = on_gpu()
-    max_len = gc.max_model_len
-    if max_len is None:
-        max_len = gc.max_prompt_length + gc.max_completion_length
-        limit = context_length(model)
-        max_len = min(max_len, limit) if limit else max_len
-    args = dict(model=model, dtype=cfg.model.dtype, seed=cfg.run.seed, max_model_len=max_len,
+    args = dict(model=model, dtype=cfg.model.dtype, seed=cfg.run.seed, max_model_len=max_model_len(cfg, model),
                 tensor_parallel_size=gc.tensor_parallel_size,
                 gpu_memory_utilization=gc.gpu_memory_utilization or (0.9 if gpu else 0.1),
                 enforce_eager=gc.enforce_eager if gc.enforce_eager is not None else not gpu,
