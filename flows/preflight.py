@@ -199,24 +199,27 @@ def check_context(cfg: Config, path: str) -> None:
     if (found := engine_context(path)) is None:
         return
     context, key, rotary = found
-    gc = cfg.generate
-    need = gc.max_prompt_length + gc.max_completion_length
+    gc, episodic = cfg.generate, cfg.env.episodic()
+    after, named = (cfg.env.max_tokens, "env.max_tokens") if episodic else (gc.max_completion_length,
+                                                                            "max_completion_length")
+    need = gc.max_prompt_length + after          # (an episode: its first prompt and every token after it)
     model = f"the model's context ({context}, {key})"
-    lengths = (f"generate.max_prompt_length: {gc.max_prompt_length} + max_completion_length "
-               f"{gc.max_completion_length} = {need} tokens")
-    fits = f"expected at most {context} together" + (f" (max_prompt_length {context - gc.max_completion_length} "
-                                                     f"or less)" if gc.max_completion_length < context else "")
+    lengths = f"generate.max_prompt_length: {gc.max_prompt_length} + {named} {after} = {need} tokens"
+    fits = f"expected at most {context} together" + (f" (max_prompt_length {context - after} or less)"
+                                                     if after < context else "")
     if gc.engine == "vllm" and gc.max_model_len is not None and gc.max_model_len > context:
         raise UserError(f"generate.max_model_len: {gc.max_model_len} is above {model}, which vLLM refuses to start "
                         f"with; expected at most {context}, or null (max_prompt_length + max_completion_length, "
                         f"capped there)")
-    if gc.engine == "vllm" and need > context:
+    if gc.engine == "vllm" and need > context and not episodic:
         raise UserError(f"{lengths} is above {model}, where vLLM's max_model_len is capped: a prompt that long "
                         f"fails the run, a completion after a long prompt is cut short; {fits}")
     if need > context:
-        happens = "runs past the positions it was trained on, degraded" if rotary else \
+        happens = "is cut at the engine's max_model_len, the context" if gc.engine == "vllm" else \
+            "runs past the positions it was trained on, degraded" if rotary else \
             "fails (its learned positions end there)"
-        warn(f"warning: {lengths} is above {model}: on the hf engine a sequence that long {happens}; {fits}")
+        warn(f"warning: {lengths} is above {model}: on the {gc.engine} engine a sequence that long {happens}; "
+             f"{fits}")
 
 
 def _check_chat_rows(cfg: Config, datasets: list, path: str, tokenizer) -> None:

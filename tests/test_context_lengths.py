@@ -52,7 +52,7 @@ def test_the_context_is_the_one_vllm_derives(tmp_path):
 
 
 def _cfg(*overrides):
-    return load_config(TINY, ["generate.max_completion_length=4", *overrides])
+    return load_config(TINY, ["generate.max_prompt_length=512", "generate.max_completion_length=4", *overrides])
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
@@ -127,6 +127,7 @@ def test_plan_refuses_vllm_lengths_past_the_context_and_writes_nothing(tmp_path,
     (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "a" * 1001, "answer": "bbb"}) + "\n")
     more = {"max_model_len": "generate.max_model_len=100000", "long prompt": f"data.path={tmp_path / 'long.jsonl'}"}
     args = [str(TINY), "-o", "generate.engine=vllm", "-o", f"generate.vllm_python={VLLM_PYTHON}", "-o", more[case],
+            "-o", "generate.max_prompt_length=512",
             "-o", f"store.uri={tmp_path / 'store'}"]
     out = subprocess.run([sys.executable, "-m", "flows.cli", "plan", *args], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})   # (this checkout's)
@@ -135,3 +136,19 @@ def test_plan_refuses_vllm_lengths_past_the_context_and_writes_nothing(tmp_path,
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {field} "), out.stderr[-2000:]
     assert "is above the model's context (256, its config's max_position_embeddings)" in lines[0]
     assert not (tmp_path / "store").exists()
+
+
+def test_an_episodes_lengths_are_its_first_prompt_and_env_max_tokens(capsys, monkeypatch):
+    """Episodes: the tokens after the first prompt are env.max_tokens (every turn and observation), not
+    max_completion_length (one turn's): that sum is what must fit the context."""
+    from flows.preflight import check_context
+    from tasks.core import config_base
+    from tasks.core.builtin_models import resolve
+
+    monkeypatch.setattr(config_base, "_SAID", set())
+    path, letters = resolve("builtin:tiny-lm"), TINY.parent / "letters.yaml"
+    check_context(load_config(letters, []), path)                         # 128 + 96: within 256
+    assert capsys.readouterr().err == ""
+    check_context(load_config(letters, ["generate.max_prompt_length=200"]), path)
+    assert capsys.readouterr().err.startswith("warning: generate.max_prompt_length: 200 + env.max_tokens 96 = 296 "
+                                              "tokens is above the model's context (256")
