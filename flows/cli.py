@@ -429,7 +429,7 @@ def cmd_tune(args) -> int:
     cfg = load_config(args.config, args.override)           # one line and exit 2, before any trial starts
     from flows.tune import check_metric, load_space, out_folder
 
-    check_metric(args, cfg)
+    check_metric(args.metric, cfg)
     if not args.out:
         check_path("--out (default rlflow-tune/<study>)", out_folder(args, cfg), "folder")
     space = load_space(args.space, args.config, args.override)

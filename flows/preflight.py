@@ -193,29 +193,30 @@ def preflight(cfg: Config) -> None:
 
 def check_context(cfg: Config, path: str) -> None:
     """The prompt and completion lengths within the model's context (tasks/core/models.py: engine_context, the
-    bound vLLM derives). vllm: a generate.max_model_len above it keeps the engine from starting, and with none
-    the engine's is capped there, past which a prompt fails the run: one line, exit 2. hf: a warning (rotary
-    positions run past it, degraded; learned positions fail there)."""
+    bound vLLM derives; an episode's tokens after its first prompt are env.max_tokens). vllm: a
+    generate.max_model_len above it keeps the engine from starting, and a prompt as long as the engine's (capped
+    there) fails the run: one line, exit 2. Past it otherwise, a warning: vLLM stops a completion there (an
+    episode's later turn that reaches it is refused); hf runs rotary positions past it, degraded."""
     if (found := engine_context(path)) is None:
         return
     context, key, rotary = found
-    gc, episodic = cfg.generate, cfg.env.episodic()
-    after, named = (cfg.env.max_tokens, "env.max_tokens") if episodic else (gc.max_completion_length,
-                                                                            "max_completion_length")
+    gc, episodic, after = cfg.generate, cfg.env.episodic(), cfg.completion_limit()
     need = gc.max_prompt_length + after          # (an episode: its first prompt and every token after it)
     model = f"the model's context ({context}, {key})"
-    lengths = f"generate.max_prompt_length: {gc.max_prompt_length} + {named} {after} = {need} tokens"
+    lengths = (f"generate.max_prompt_length: {gc.max_prompt_length} + "
+               f"{'env.max_tokens' if episodic else 'max_completion_length'} {after} = {need} tokens")
     fits = f"expected at most {context} together" + (f" (max_prompt_length {context - after} or less)"
                                                      if after < context else "")
     if gc.engine == "vllm" and gc.max_model_len is not None and gc.max_model_len > context:
         raise UserError(f"generate.max_model_len: {gc.max_model_len} is above {model}, which vLLM refuses to start "
-                        f"with; expected at most {context}, or null (max_prompt_length + max_completion_length, "
+                        f"with; expected at most {context}, or null (max_prompt_length + the completion's limit, "
                         f"capped there)")
-    if gc.engine == "vllm" and need > context and not episodic:
-        raise UserError(f"{lengths} is above {model}, where vLLM's max_model_len is capped: a prompt that long "
-                        f"fails the run, a completion after a long prompt is cut short; {fits}")
+    if gc.engine == "vllm" and gc.max_prompt_length >= context:
+        raise UserError(f"generate.max_prompt_length: {gc.max_prompt_length} is not below {model}, where vLLM's "
+                        f"max_model_len is capped: a prompt that long fails the run; {fits}")
     if need > context:
-        happens = "is cut at the engine's max_model_len, the context" if gc.engine == "vllm" else \
+        happens = ("is stopped at the context (vLLM's max_model_len)" + (", and a later turn's prompt that reaches "
+                   "it is refused" if episodic else "")) if gc.engine == "vllm" else \
             "runs past the positions it was trained on, degraded" if rotary else \
             "fails (its learned positions end there)"
         warn(f"warning: {lengths} is above {model}: on the {gc.engine} engine a sequence that long {happens}; "
@@ -232,7 +233,8 @@ def _check_chat_rows(cfg: Config, datasets: list, path: str, tokenizer) -> None:
     from tasks.core.models import parts_as_text
 
     col, system, said = cfg.data.prompt_column, cfg.data.system_prompt, False
-    files = [("data.path", cfg.data.path), ("eval.path", cfg.eval.path or cfg.data.path)]
+    files = [("data.path", cfg.data.path),
+             ("eval.path" if cfg.eval.path else "data.path", cfg.eval.path or cfg.data.path)]
     for ds, (field, file) in zip(datasets, files):
         for i, value in enumerate(ds[col]):
             if not isinstance(value, list) and system is None:

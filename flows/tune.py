@@ -1,12 +1,5 @@
 """`rlflow tune CONFIG --space SPACE.yaml --trials N --parallel K`: Optuna over a search space of config keys,
-each trial a real rlflow run (docs/operations.md#tuning).
-
-    # SPACE.yaml: config key -> distribution
-    train.lr: {type: log_uniform, low: 1.0e-4, high: 1.0e-1}
-    generate.temperature: {type: uniform, low: 0.6, high: 1.2}
-    train.micro_batch_size: {type: int, low: 8, high: 64, log: true}
-    train.learner.loss_type: {type: categorical, choices: [grpo, dapo]}
-
+each trial a real rlflow run (docs/operations.md#tuning: SPACE.yaml maps config keys to distributions).
 The space is checked before any trial starts (one line, exit 2). Each trial is `rlflow run` in a process of
 its own, K at a time, and reports its metric to Optuna after each iteration (the pruner stops unpromising
 ones); the study lives in a database (`--storage`), so a killed tune, run again, goes on; MLflow has one
@@ -273,20 +266,23 @@ def _check_storage(text: str, url) -> None:
         raise UserError(f"--storage: {text}: cannot open it ({why[:200]})") from None
 
 
-def check_metric(args, cfg: Config) -> None:
+def check_metric(metric: str, cfg: Config) -> None:
     """--metric names a metric of the manifests a trial is read from (iteration_metric), and an eval/ one needs
-    evaluations: one line, exit 2, before any trial. A --window the base run never fills: a warning."""
-    if (window := args.window) >= (n := cfg.run.iterations) and args.pruner == "median":
-        print(f"warning: --window {window} with run.iterations {n}: the median pruner waits {window} iterations "
-              f"before it prunes, so no trial of this run's length is ever pruned; expected a window below "
-              f"run.iterations (or --pruner none)", file=sys.stderr)
-    metric = args.metric
+    evaluations: one line, exit 2, before any trial."""
     if metric.split("/", 1)[0] not in ("reward", "train", "eval") or "/" not in metric:
         raise UserError(f"--metric: {metric!r}: expected a metric of each iteration's reward, train or eval "
                         f"manifest (reward/..., train/..., eval/...; e.g. reward/mean)")
     if metric.startswith("eval/") and not cfg.eval.every:
         raise UserError(f"--metric: {metric}: the config evaluates nothing (eval.every 0); expected a reward/ "
                         f"or train/ metric, or -o eval.every=N")
+
+
+def window_warning(args, cfg: Config) -> str | None:
+    """A --window the base run never fills, with the median pruner: no trial would ever be pruned."""
+    if (window := args.window) >= (n := cfg.run.iterations) and args.pruner == "median":
+        return (f"warning: --window {window} with run.iterations {n}: the median pruner waits {window} iterations, "
+                f"so no trial is ever pruned; expected a window below run.iterations (or --pruner none)")
+    return None
 
 
 def _unlogged(store, run: str, iteration: int, metric: str) -> str:
@@ -559,6 +555,9 @@ def _last_line(path: Path) -> str:
 def tune_flow(args, cfg: Config, space: dict[str, Param]) -> dict:
     from prefect import flow
     from prefect.artifacts import create_table_artifact
+
+    if (said := window_warning(args, cfg)) is not None:     # (said here, after every check that refuses)
+        print(said, file=sys.stderr)
 
     @flow(name="rlflow-tune", flow_run_name=f"tune {study_name(args, cfg)}", log_prints=False)
     def body() -> dict:

@@ -60,17 +60,12 @@ def _cfg(*overrides):
     # the derived max_model_len (max_position_embeddings=256 ..."
     (["generate.max_model_len=100000"],
      "generate.max_model_len: 100000 is above the model's context (256, its config's max_position_embeddings), "
-     "which vLLM refuses to start with; expected at most 256, or null (max_prompt_length + max_completion_length, "
+     "which vLLM refuses to start with; expected at most 256, or null (max_prompt_length + the completion's limit, "
      "capped there)"),
     # the engine's max_model_len capped at 256, and a prompt of 512 tokens: VLLMValidationError in the run
-    ([], "generate.max_prompt_length: 512 + max_completion_length 4 = 516 tokens is above the model's context (256, "
-         "its config's max_position_embeddings), where vLLM's max_model_len is capped: a prompt that long fails the "
-         "run, a completion after a long prompt is cut short; expected at most 256 together (max_prompt_length 252 "
-         "or less)"),
-    (["generate.max_prompt_length=250", "generate.max_completion_length=300"],
-     "generate.max_prompt_length: 250 + max_completion_length 300 = 550 tokens is above the model's context (256, "
-     "its config's max_position_embeddings), where vLLM's max_model_len is capped: a prompt that long fails the "
-     "run, a completion after a long prompt is cut short; expected at most 256 together"),
+    ([], "generate.max_prompt_length: 512 is not below the model's context (256, its config's "
+         "max_position_embeddings), where vLLM's max_model_len is capped: a prompt that long fails the run; expected "
+         "at most 256 together (max_prompt_length 252 or less)"),
 ])
 def test_vllm_lengths_past_the_models_context_are_one_line(overrides, line):
     from flows.preflight import check_context
@@ -92,6 +87,23 @@ def test_vllm_lengths_within_the_context_pass_and_are_the_engines_max_model_len(
         cfg = _cfg("generate.engine=vllm", *overrides)
         check_context(cfg, path)
         assert max_model_len(cfg, path) == engine_len
+
+
+def test_vllm_completions_past_the_context_are_a_warning(capsys, monkeypatch):
+    """A prompt below the context with a completion limit past it: vLLM stops the completion at the context (only
+    a prompt as long as max_model_len fails), so a warning, not a refusal."""
+    from flows.preflight import check_context
+    from tasks.core import config_base
+    from tasks.core.builtin_models import resolve
+
+    monkeypatch.setattr(config_base, "_SAID", set())
+    capsys.readouterr()
+    check_context(_cfg("generate.engine=vllm", "generate.max_prompt_length=250", "generate.max_completion_length=300"),
+                  resolve("builtin:tiny-lm"))
+    assert capsys.readouterr().err.startswith(
+        "warning: generate.max_prompt_length: 250 + max_completion_length 300 = 550 tokens is above the model's "
+        "context (256, its config's max_position_embeddings): on the vllm engine a sequence that long is stopped at "
+        "the context (vLLM's max_model_len); expected at most 256 together")
 
 
 def test_hf_lengths_past_the_models_context_are_a_warning(capsys, monkeypatch):
@@ -134,7 +146,7 @@ def test_plan_refuses_vllm_lengths_past_the_context_and_writes_nothing(tmp_path,
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     field = "generate.max_model_len: 100000" if case == "max_model_len" else "generate.max_prompt_length: 512"
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {field} "), out.stderr[-2000:]
-    assert "is above the model's context (256, its config's max_position_embeddings)" in lines[0]
+    assert "the model's context (256, its config's max_position_embeddings)" in lines[0]
     assert not (tmp_path / "store").exists()
 
 

@@ -332,9 +332,10 @@ class EnvConfig(ServedSection):
         none = "neither env.factory nor env.agent is set (single-turn prompts)"
         without_effect([*[(self, "env", k, self.episodic(), none) for k in type(self).model_fields
                           if k not in ("factory", "agent")],
-                        (self, "env", "endpoint", not self.factory, "it bounds an agent's requests (env.agent); "
-                         "an env.factory's episodes sample with generate's settings"),
-                        (self, "env", "adapter", not self.agent, "an agent (env.agent) drives its own episodes")])
+                        (self, "env", "endpoint", not self.factory or not self.episodic(), "it bounds an agent's "
+                         "requests (env.agent); an env.factory's episodes sample with generate's settings"),
+                        (self, "env", "adapter", not self.agent or not self.episodic(), "an agent (env.agent) drives "
+                         "its own episodes")])
         return self
 
     @model_validator(mode="after")

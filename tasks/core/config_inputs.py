@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tasks.core.config_base import _HELD, SINCE_DEFAULT, Section, has_control_character, plain_json, warn
+from tasks.core.config_base import SINCE_DEFAULT, Section, has_control_character, plain_json, without_effect
 
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"     # a run's name (a store prefix); also a tune's study (a folder)
 
@@ -111,11 +111,6 @@ def dataset_name(v: str | None, info: ValidationInfo) -> str | None:
     return v
 
 
-def local_file(path: str) -> bool:
-    """Whether a data path names a local file by its suffix (else a hub dataset id or a folder)."""
-    return any(path.lower().endswith(suffix) for suffix in (".json", ".jsonl", ".csv", ".parquet"))
-
-
 class DataConfig(Section):
     """Prompts: a JSON/JSONL/CSV/Parquet file or a hub dataset, loaded with `datasets`; or a reasoning-gym task."""
 
@@ -138,12 +133,9 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self):
-        if getattr(_HELD, "lines", None) is not None:          # (said as the config is read)
-            unread = "data.reasoning_gym makes its own train and held-out splits" if self.reasoning_gym else \
-                "a local file has no hub configuration" if self.path and local_file(self.path) else None
-            for key, default in (("name", None), ("split", "train"))[:2 if self.reasoning_gym else 1]:
-                if unread and getattr(self, key) != default:
-                    warn(f"warning: config: data.{key} is set to {getattr(self, key)!r} but has no effect: {unread}")
+        # (data.name is not warned of: eval reads it for a hub eval.path without eval.name)
+        without_effect([(self, "data", "split", self.reasoning_gym is None,
+                         "data.reasoning_gym makes its own train and held-out splits")])
         if (self.path is None) == (self.reasoning_gym is None):
             raise ValueError("set exactly one of path (a data file or hub dataset) and reasoning_gym (a "
                              "reasoning-gym task)")

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section, ServedSection, plain_json
+from tasks.core.config_base import HOW_NOT_WHAT, SINCE_DEFAULT, Section, ServedSection, plain_json, without_effect
 from tasks.core.errors import redact
 
 
@@ -210,11 +210,13 @@ class RewardModel(ServedSection):
             raise ValueError("template: a classifier scores the prompt and completion themselves; remove template")
         if self.kind != "judge" and self.mode != "pointwise":
             raise ValueError(f"mode: {self.mode} is for kind: judge")
-        for key, kinds in (("verdict_tokens", ("verdict",)), ("label", ("classifier",)), ("score", ("classifier",)),
-                           ("scale", ("judge",)), ("max_tokens", ("judge",)), ("system", ("verdict", "judge"))):
-            if self.kind not in kinds and getattr(self, key) != type(self).model_fields[key].default:
-                raise ValueError(f"{key}: a setting of kind {' or '.join(kinds)}, which a {self.kind} does not read; "
-                                 f"remove it")
+        # (a warning, not a refusal: a stored run whose config has one still resumes; max_tokens is every kind's:
+        # a vLLM judge server's max_model_len counts it)
+        without_effect([(self, f"reward.models ({self.name})", key, self.kind in kinds,
+                         f"a {self.kind} does not read it (a setting of kind {' or '.join(kinds)})")
+                        for key, kinds in (("verdict_tokens", ("verdict",)), ("label", ("classifier",)),
+                                           ("score", ("classifier",)), ("scale", ("judge",)),
+                                           ("system", ("verdict", "judge")))])
         if self.url is None and self.api_key_env is not None:
             raise ValueError("api_key_env: only with where a URL, a server of yours (rlflow's own servers use the "
                              "run's token)")

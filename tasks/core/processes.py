@@ -202,14 +202,17 @@ class BoundedCopy:
         import fcntl
         import termios
 
-        with self._lock:
-            pending = array.array("i", [0])
-            try:
-                fcntl.ioctl(self._fd, termios.FIONREAD, pending)
-            except OSError:
-                return                           # (the pipe was closed here)
-            target = self._taken + pending[0]
         deadline = time.monotonic() + timeout
+        if not self._lock.acquire(timeout=timeout):
+            return
+        try:
+            pending = array.array("i", [0])
+            fcntl.ioctl(self._fd, termios.FIONREAD, pending)
+            target = self._taken + pending[0]
+        except OSError:
+            return                               # (the pipe was closed here)
+        finally:
+            self._lock.release()
         while self._thread.is_alive() and self._copied < target and time.monotonic() < deadline:
             time.sleep(0.001)
 

@@ -98,13 +98,14 @@ def on_gpu() -> bool:
 
 
 def max_model_len(cfg: Config, model: str) -> int:
-    """The engine's max_model_len: generate.max_model_len, else max_prompt_length + max_completion_length capped at
-    the context vLLM derives for the model (above it vLLM does not start; flows/preflight.py: check_context)."""
+    """The engine's max_model_len: generate.max_model_len, else max_prompt_length + the completion's limit (an
+    episode's env.max_tokens: its later turns' prompts hold the earlier turns) capped at the context vLLM derives
+    for the model (above it vLLM does not start; flows/preflight.py: check_context)."""
     gc = cfg.generate
     if gc.max_model_len is not None:
         return gc.max_model_len
     context = engine_context(model)
-    need = gc.max_prompt_length + gc.max_completion_length
+    need = gc.max_prompt_length + cfg.completion_limit()
     return min(need, context[0]) if context else need
 
 
