@@ -194,9 +194,9 @@ def preflight(cfg: Config) -> None:
 def check_context(cfg: Config, path: str) -> None:
     """The prompt and completion lengths within the model's context (tasks/core/models.py: engine_context, the
     bound vLLM derives; an episode's tokens after its first prompt are env.max_tokens). vllm: a
-    generate.max_model_len above it keeps the engine from starting, and a prompt as long as the engine's (capped
-    there) fails the run: one line, exit 2. Past it otherwise, a warning: vLLM stops a completion there (an
-    episode's later turn that reaches it is refused); hf runs rotary positions past it, degraded."""
+    generate.max_model_len above it keeps the engine from starting: one line, exit 2. Lengths past it otherwise
+    are a warning (vLLM stops a completion there, and an actual prompt that long fails; a model with learned
+    positions fails past them); hf runs rotary positions past it (degraded, as transformers allows): nothing."""
     if (found := engine_context(path)) is None:
         return
     context, key, rotary = found
@@ -211,14 +211,9 @@ def check_context(cfg: Config, path: str) -> None:
         raise UserError(f"generate.max_model_len: {gc.max_model_len} is above {model}, which vLLM refuses to start "
                         f"with; expected at most {context}, or null (max_prompt_length + the completion's limit, "
                         f"capped there)")
-    if gc.engine == "vllm" and gc.max_prompt_length >= context:
-        raise UserError(f"generate.max_prompt_length: {gc.max_prompt_length} is not below {model}, where vLLM's "
-                        f"max_model_len is capped: a prompt that long fails the run; {fits}")
-    if need > context:
-        happens = ("is stopped at the context (vLLM's max_model_len)" + (", and a later turn's prompt that reaches "
-                   "it is refused" if episodic else "")) if gc.engine == "vllm" else \
-            "runs past the positions it was trained on, degraded" if rotary else \
-            "fails (its learned positions end there)"
+    if need > context and (gc.engine == "vllm" or not rotary):    # (hf runs rotary positions past it: said nothing)
+        happens = ("is stopped at the context (vLLM's max_model_len), and a prompt as long as that fails the run"
+                   if gc.engine == "vllm" else "fails (its learned positions end there)")
         warn(f"warning: {lengths} is above {model}: on the {gc.engine} engine a sequence that long {happens}; "
              f"{fits}")
 

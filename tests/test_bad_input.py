@@ -397,7 +397,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                   f"data.path: {tmp}/header.csv: no rows (only a header line)"),
         "prompt of 600,000 characters": (["run", str(TINY), "-o", f"data.path={tmp}/hugeprompt.jsonl"],
                                          f"data.path: {tmp}/hugeprompt.jsonl row 1 column 'prompt': 600,000 characters, "
-                                         f"over 128,000"),
+                                         f"over 512,000"),
         "unparsable JSON line": (["run", str(TINY), "-o", f"data.path={tmp}/broken.jsonl"],
                                  f"data.path: {tmp}/broken.jsonl: line 3: not JSON"),
         "JSON line not an object": (["run", str(TINY), "-o", f"data.path={tmp}/not_object.jsonl"],

@@ -62,10 +62,6 @@ def _cfg(*overrides):
      "generate.max_model_len: 100000 is above the model's context (256, its config's max_position_embeddings), "
      "which vLLM refuses to start with; expected at most 256, or null (max_prompt_length + the completion's limit, "
      "capped there)"),
-    # the engine's max_model_len capped at 256, and a prompt of 512 tokens: VLLMValidationError in the run
-    ([], "generate.max_prompt_length: 512 is not below the model's context (256, its config's "
-         "max_position_embeddings), where vLLM's max_model_len is capped: a prompt that long fails the run; expected "
-         "at most 256 together (max_prompt_length 252 or less)"),
 ])
 def test_vllm_lengths_past_the_models_context_are_one_line(overrides, line):
     from flows.preflight import check_context
@@ -103,30 +99,30 @@ def test_vllm_completions_past_the_context_are_a_warning(capsys, monkeypatch):
     assert capsys.readouterr().err.startswith(
         "warning: generate.max_prompt_length: 250 + max_completion_length 300 = 550 tokens is above the model's "
         "context (256, its config's max_position_embeddings): on the vllm engine a sequence that long is stopped at "
-        "the context (vLLM's max_model_len); expected at most 256 together")
+        "the context (vLLM's max_model_len), and a prompt as long as that fails the run; expected at most 256 "
+        "together")
 
 
-def test_hf_lengths_past_the_models_context_are_a_warning(capsys, monkeypatch):
-    """The hf engine runs a RoPE model past its context, degraded (a model with learned positions would fail):
-    a warning, and the run goes on."""
+def test_hf_lengths_past_the_context_are_said_only_for_learned_positions(tmp_path, capsys, monkeypatch):
+    """The hf engine runs a rotary model past its context (degraded, as transformers allows): nothing said; a
+    model with learned positions fails there: a warning, and the run goes on."""
     from flows.preflight import check_context
     from tasks.core import config_base
     from tasks.core.builtin_models import resolve
 
     monkeypatch.setattr(config_base, "_SAID", set())
-    path = resolve("builtin:tiny-lm")
     capsys.readouterr()
-    check_context(_cfg("generate.max_prompt_length=252"), path)
+    check_context(_cfg(), resolve("builtin:tiny-lm"))                  # 512 + 4 on a rotary 256
     assert capsys.readouterr().err == ""
-    check_context(_cfg(), path)
+    check_context(_cfg(), _model(tmp_path / "gpt2", model_type="gpt2", n_positions=256))
     assert capsys.readouterr().err == (
         "warning: generate.max_prompt_length: 512 + max_completion_length 4 = 516 tokens is above the model's context "
-        "(256, its config's max_position_embeddings): on the hf engine a sequence that long runs past the positions "
-        "it was trained on, degraded; expected at most 256 together (max_prompt_length 252 or less)\n")
+        "(256, its config's max_position_embeddings): on the hf engine a sequence that long fails (its learned "
+        "positions end there); expected at most 256 together (max_prompt_length 252 or less)\n")
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("case", ["max_model_len", "long prompt"])
+@pytest.mark.parametrize("case", ["max_model_len"])
 def test_plan_refuses_vllm_lengths_past_the_context_and_writes_nothing(tmp_path, case):
     """The sweep's two: `rlflow run` went on for minutes and wrote the store before vLLM refused; plan said 0."""
     import json
@@ -159,8 +155,11 @@ def test_an_episodes_lengths_are_its_first_prompt_and_env_max_tokens(capsys, mon
 
     monkeypatch.setattr(config_base, "_SAID", set())
     path, letters = resolve("builtin:tiny-lm"), TINY.parent / "letters.yaml"
-    check_context(load_config(letters, []), path)                         # 128 + 96: within 256
-    assert capsys.readouterr().err == ""
-    check_context(load_config(letters, ["generate.max_prompt_length=200"]), path)
+    from tasks.engines.vllm_offline import max_model_len
+
+    within = load_config(letters, ["generate.engine=vllm", "generate.max_prompt_length=128"])
+    check_context(within, path)                                           # 128 + 96: within 256
+    assert capsys.readouterr().err == "" and max_model_len(within, path) == 224    # (not 128 + 1: a turn's)
+    check_context(load_config(letters, ["generate.engine=vllm", "generate.max_prompt_length=200"]), path)
     assert capsys.readouterr().err.startswith("warning: generate.max_prompt_length: 200 + env.max_tokens 96 = 296 "
                                               "tokens is above the model's context (256")

@@ -103,11 +103,11 @@ def test_a_file_uri_model_is_that_folder(tmp_path):
     ("cost.hourly_usd={train: -1}", "config: cost.hourly_usd.train: input should be greater than or equal to 0, "
                                     "got -1"),
     ("generate.max_model_len=16", "config: generate: max_model_len (16) leaves no room for a prompt of "
-                                  "max_prompt_length (128) beside max_completion_length (16) tokens; expected at "
-                                  "least 144, or a shorter max_prompt_length"),
-    ("generate.max_model_len=140", "config: generate: max_model_len (140) leaves no room for a prompt of "
-                                   "max_prompt_length (128) beside max_completion_length (16) tokens; expected at "
-                                   "least 144, or a shorter max_prompt_length"),
+                                  "max_prompt_length (512) beside max_completion_length (16) tokens; expected at "
+                                  "least 528, or a shorter max_prompt_length"),
+    ("generate.max_model_len=500", "config: generate: max_model_len (500) leaves no room for a prompt of "
+                                   "max_prompt_length (512) beside max_completion_length (16) tokens; expected at "
+                                   "least 528, or a shorter max_prompt_length"),
     ("env.endpoint={min_top_p: 0.9}", "config: env.endpoint.min_top_p: 0.9 is above generate.top_p (0.8): a request "
                                       "may only narrow top_p, from generate.top_p down to min_top_p; expected "
                                       "min_top_p <= top_p"),
