@@ -202,7 +202,7 @@ def test_every_number_in_the_config_has_a_range():
     (["train.off_policy_loss=decoupled", "train.importance_sampling_mode=sequence_mask"],
      "train.importance_sampling_mode is set to \"sequence_mask\" but has no effect: off_policy_loss decoupled"),
     (["data.path=null", "data.reasoning_gym={task: basic_arithmetic}", "data.split=test"],
-     "data.split is set to 'test' but has no effect: data.reasoning_gym makes its own train and held-out splits"),
+     "data.split is set to \"test\" but has no effect: data.reasoning_gym makes its own train and held-out splits"),
     (["train.algorithm=ppo", "train.learner.critic_warmup=5", "run.iterations=5"],
      "train.learner.critic_warmup 5 with run.iterations 5: the first 5 iterations train the critic alone, so this "
      "run never updates the policy"),
