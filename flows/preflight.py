@@ -22,9 +22,9 @@ from tasks.core.config import Config
 from tasks.core.config_base import has_control_character, warn
 from tasks.core.config_infra import tracking_scheme
 from tasks.core.curriculum import check as check_curriculum
-from tasks.core.data import load_prompts
+from tasks.core.data import load_prompts, row
 from tasks.core.errors import UserError
-from tasks.core.models import base_path, check_lora_targets, engine_context, load_tokenizer
+from tasks.core.models import base_path, check_lora_targets, engine_context, load_tokenizer, parts_as_text
 from tasks.core.paths import REPO_ROOT
 from tasks.core.placement import placement_of
 from tasks.core.store import open_store
@@ -223,10 +223,6 @@ def _check_chat_rows(cfg: Config, datasets: list, path: str, tokenizer) -> None:
     template, a content in parts a template that reads them or text parts alone. Each row is looked at (a row
     past the first was the run's one line after the store was written, naming no row); data.system_prompt beside
     rows that are messages already (it applies to plain text alone) is a warning."""
-    from tasks.core.config_base import warn
-    from tasks.core.data import row
-    from tasks.core.models import parts_as_text
-
     col, system, said = cfg.data.prompt_column, cfg.data.system_prompt, False
     files = [("data.path", cfg.data.path),
              ("eval.path" if cfg.eval.path else "data.path", cfg.eval.path or cfg.data.path)]

@@ -436,8 +436,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "chat prompts, no chat template": (["run", str(TINY), "-o", f"data.path={tmp}/chat.jsonl",
                                            "-o", f"model.name_or_path={no_chat}"],
                                           "model.name_or_path: " + str(no_chat) + ": its tokenizer has no chat template"),
-        # (2026-12-05, a sweep of data/generate/reward/env: only row 1 was looked at; the run's line came after the
-        # store was written, naming no file or row)
+        # (2026-12-05, a sweep of data/generate/reward/env: blank names blamed on data.path, a URL's newline a traceback)
         "a blank split": (["run", str(TINY), "-o", 'data.split=""'], "config: data.split: expected a split's name "
                           "(train, test[:100], ...): not blank"),              # (was blamed on data.path)
         "a blank held-out path": (["run", str(TINY), "-o", 'eval.path=" "'], "config: eval.path: expected a data file "
@@ -448,6 +447,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "agent temperatures past 100": (["run", str(TINY), "-o", "env.endpoint.temperature=[0, 1000]"],
                                         "config: env.endpoint.temperature: expected [low, high] with 0 <= low <= "
                                         "high <= 100"),
+        # (the same sweep: only row 1 was looked at; the run's line came after the store was written, naming no row)
         "chat prompts in row 2, no chat template": (["run", str(TINY), "-o", f"data.path={tmp}/chat_second.jsonl",
                                                     "-o", f"model.name_or_path={no_chat}"],
                                                    f"its tokenizer has no chat template, but the prompts are chat "

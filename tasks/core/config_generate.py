@@ -109,8 +109,8 @@ class GenerateConfig(Section):
     max_model_len: int | None = Field(None, ge=16, le=1_048_576, description="vllm: longest sequence (tokens, "
                                       "prompt + completion) the engine plans for, at most the model's context (as "
                                       "vLLM derives it: max_position_embeddings, within the tokenizer's "
-                                      "model_max_length); None = max_prompt_length + max_completion_length, capped "
-                                      "there.")
+                                      "model_max_length); None = max_prompt_length + max_completion_length (an "
+                                      "episode's: env.max_tokens), capped there.")
     enforce_eager: bool | None = Field(None, description="vllm: skip torch.compile / CUDA graphs (faster start, "
                                        "slower decoding). None = eager on CPU, compiled on a GPU.")
     vllm_python: str | None = Field(None, description="Python of the environment that has vllm (its pins clash "
@@ -129,8 +129,9 @@ class GenerateConfig(Section):
     num_generations: int = Field(8, ge=2, le=65_536, description="Completions per prompt (the GRPO group size).")
     max_prompt_length: int = Field(512, ge=1, le=10_000_000,
                                    description="Prompts longer than this (tokens) are left-truncated. With "
-                                   "max_completion_length within the model's context: past it vllm is refused before "
-                                   "the run, hf warned of (a RoPE model runs past it, degraded).")
+                                   "max_completion_length within the model's context: past it vllm and a model with "
+                                   "learned positions are warned of before the run (a RoPE model on hf runs past it, "
+                                   "degraded).")
     max_completion_length: int = Field(256, ge=1, le=10_000_000, description="Maximum new tokens per completion.")
     temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=100, description="Sampling temperature (the trainer divides "
                                "logits by it too; at least 0.001: logits divided by less overflowed to NaN).")
@@ -332,10 +333,9 @@ class EnvConfig(ServedSection):
         none = "neither env.factory nor env.agent is set (single-turn prompts)"
         without_effect([*[(self, "env", k, self.episodic(), none) for k in type(self).model_fields
                           if k not in ("factory", "agent")],
-                        (self, "env", "endpoint", not self.factory or not self.episodic(), "it bounds an agent's "
-                         "requests (env.agent); an env.factory's episodes sample with generate's settings"),
-                        (self, "env", "adapter", not self.agent or not self.episodic(), "an agent (env.agent) drives "
-                         "its own episodes")])
+                        (self, "env", "endpoint", not self.factory, "it bounds an agent's requests (env.agent); "
+                         "an env.factory's episodes sample with generate's settings"),
+                        (self, "env", "adapter", not self.agent, "an agent (env.agent) drives its own episodes")])
         return self
 
     @model_validator(mode="after")
