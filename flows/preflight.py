@@ -158,10 +158,10 @@ def preflight(cfg: Config) -> None:
                             "is False); use auto or cpu")
         if cfg.train.lora_r:
             check_lora_targets(cfg, path)
-    if cfg.reward.sandbox.isolation == "bubblewrap" and place.where("reward") != "sky":
+    if (cfg.reward.sandbox.isolation == "bubblewrap" or cfg.reward.sandbox.python) and place.where("reward") != "sky":
         from tasks.scoring import sandbox
 
-        sandbox.runner(cfg.reward.sandbox)     # bubblewrap asked for and not working here: one line, exit 2
+        sandbox.runner(cfg.reward.sandbox)     # bubblewrap or an interpreter asked for, not working: one line, exit 2
     if place.where("reward") != "sky":     # (the functions imported in their worker too: what fails there, one line)
         start_worker(functions, keep=place.where("reward") == "inline")
     # The recipes install the engines on their clusters; a stage that runs here needs them here.

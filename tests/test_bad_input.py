@@ -78,6 +78,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "shifted.csv").write_text("prompt,answer\na=,bbb,extra,more\nc=,ddd,x,y\n")   # (pandas: 2 columns of index)
     (tmp / "strings.json").write_text('["a=", "b="]')                                  # (datasets: a column `text`)
     (tmp / "huge.jsonl").write_text('{"prompt": "a=", "answer": "b"}\n{"prompt": "b=", "answer": 1e999}\n')
+    (tmp / "surrogate.jsonl").write_text('{"prompt": "a=", "answer": "b"}\n{"prompt": "b=\\ud800", "answer": "c"}\n')
+    (tmp / "surrogate.json").write_text('[{"prompt": "a=", "answer": "b"},\n {"prompt": "b=", "answer": ["\\udc00"]}]')
+    (tmp / "huge.json").write_text('[{"prompt": "a=", "answer": "b"},\n {"prompt": "b=", "answer": 1e999}]')
     (tmp / "nan.jsonl").write_text('{"prompt": "a=", "answer": "b"}\n{"prompt": "b=", "answer": NaN}\n')
     (tmp / "infinity.json").write_text('[{"prompt": "a=", "answer": "b"}, {"prompt": "b=", "answer": -Infinity}]')
     (tmp / "dup.yaml").write_text("run:\n  name: a\n  iterations: 2\n  name: b\n")
@@ -304,7 +307,19 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                     "env.kwargs.python: '/nonexistent/python' is not an executable"),
         "bad reward timeout": (["run", str(TINY), "-o", "reward.timeout_seconds=0"], "reward.timeout_seconds"),
         # data
+        # (the reward function was blamed: "needs argument 'answer', which is neither a dataset column")
+        "the prompt column a reward needs by name": (["run", str(TINY), "-o", "data.prompt_column=answer"],
+                                                     "data.prompt_column: 'answer' is read as the prompt"),
         "missing data file": (["run", str(TINY), "-o", f"data.path={tmp}/missing.jsonl"], "data.path"),
+        # a value's control characters are written as escapes (an escape sequence reached the user's terminal raw)
+        "control characters in a value": (["run", str(TINY), "-o", "generate.engine=vllm",
+                                           "-o", f"generate.vllm_python={tmp}/a\x1b[31mb"],
+                                          f"generate.vllm_python: {tmp}/a\\x1b[31mb does not exist"),
+        # (the code sandbox's interpreter was first tried by the first code reward's call, after the store was written)
+        "sandbox interpreter missing": (["run", str(TINY), "-o", f"reward.sandbox.python={tmp}/missing/python3"],
+                                        f"reward.sandbox.python: {tmp}/missing/python3 cannot run sandboxed code"),
+        "sandbox interpreter not python": (["run", str(TINY), "-o", f"reward.sandbox.python={tmp}/no_interpreter"],
+                                           f"reward.sandbox.python: {tmp}/no_interpreter cannot run sandboxed code"),
         "unsupported data format": (["run", str(TINY), "-o", f"data.path={tmp}/prompts.txt"],
                                     "expected a .json/.jsonl/.csv/.parquet file"),
         "every reward weight 0": (["run", str(TINY), "-o", f'reward.functions=[{{fn: "{demo}", weight: 0}}]'],
@@ -410,10 +425,17 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                     "strings.json: row 1 of its array: expected a JSON object (one row), got str"),
         "a number past a float's range": (["run", str(TINY), "-o", f"data.path={tmp}/huge.jsonl"],
                                           "huge.jsonl: line 2: the number 1e999 is past a float's range"),
+        # (a lone surrogate was pandas' "Trailing data at position 28"; a fault in a JSON array named no row)
+        "a lone surrogate in a data row": (["run", str(TINY), "-o", f"data.path={tmp}/surrogate.jsonl"],
+                                           "surrogate.jsonl: line 2: the value of 'prompt' holds a lone surrogate"),
+        "a lone surrogate in a JSON array": (["run", str(TINY), "-o", f"data.path={tmp}/surrogate.json"],
+                                             "surrogate.json: row 2 of its array: the value of 'answer' holds a lone"),
+        "a number past a float's range in a JSON array": (["run", str(TINY), "-o", f"data.path={tmp}/huge.json"],
+                                                          "huge.json: row 2 of its array: the number 1e999 is past"),
         "NaN in a data row": (["run", str(TINY), "-o", f"data.path={tmp}/nan.jsonl"],
                               "nan.jsonl: line 2: NaN is not JSON (a missing value is null"),
         "Infinity in a data array": (["run", str(TINY), "-o", f"eval.path={tmp}/infinity.json", "-o", "eval.every=1"],
-                                     "infinity.json: -Infinity is not JSON"),
+                                     "infinity.json: row 2 of its array: -Infinity is not JSON"),
         "a seed past 2^32": (["run", str(TINY), "-o", "run.seed=99999999999999999999999"], "run.seed"),
         "a LoRA rank past any model's": (["run", str(TINY), "-o", "train.lora_r=99999999999999999999"],
                                          "train.lora_r: input should be less than or equal to 65536"),
@@ -826,6 +848,10 @@ def _reward_model_cases() -> dict[str, tuple[list[str], str]]:
                                          "{completion}"),
         "pairwise template without completion_b": (run(judge + ", mode: pairwise, template: '{completion_a}'"),
                                                    "reward.models[0] (j).template: has no field {completion_b}"),
+        # (vLLM's traceback as the judge server started, the store written)
+        "vllm judge past the model's context": (run(judge + ", template: '{completion}', engine: vllm, where: local"),
+                                                "reward.models[0] (j).max_length: 2048 + max_tokens 64 = 2112 tokens "
+                                                "is above the model's context (256"),
         "classifier that is a causal LM": (run(f"name: j, kind: classifier, model: '{tiny}', sha256: {pin}"),
                                            "reward.models[0] (j).kind: " + tiny + " is not a sequence classifier"),
         "judge model pinned to other weights": (run(judge.replace(pin, f"'{'0' * 64}'") + ", template: '{completion}'"),

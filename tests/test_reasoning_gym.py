@@ -250,11 +250,21 @@ def test_answer_is_reads_back_a_sentence_ending_in_a_full_stop():
     assert min(_oracle_scores("sentence_reordering", "answer_is")) == 1.0
 
 
-@pytest.mark.parametrize("task", MULTI_LINE + SENTENCE)
-@pytest.mark.xfail(strict=True, reason="answer_is reads the rest of one line: multi-line answers (and some quoted "
-                                       "sentences) cannot be read back that way; tags can")
-def test_answer_is_reads_back_multi_line_and_sentence_answers(task):
+@pytest.mark.parametrize("task", SENTENCE)
+@pytest.mark.xfail(strict=True, reason="answer_is reads the rest of one line: some quoted sentences cannot be read "
+                                       "back that way; tags can")
+def test_answer_is_reads_back_sentence_answers(task):
     assert min(_oracle_scores(task, "answer_is")) == 1.0
+
+
+@pytest.mark.parametrize("answer_format", ["answer_is", "final"])
+@pytest.mark.parametrize("task", MULTI_LINE)
+def test_an_answer_format_of_one_line_is_refused_for_answers_of_several(task, answer_format):
+    """answer_is and final read one line: a grid or a list of moves would never be read back (every reward 0, the
+    run training on nothing); it was accepted."""
+    with pytest.raises(UserError, match=rf"data\.reasoning_gym\.answer_format: {answer_format} reads an answer of one "
+                                        rf"line, and task '{task}' has answers of several .*; expected tags"):
+        _splits(_config(task, answer_format=answer_format))
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))

@@ -146,6 +146,16 @@ class Config(Section):
         return self.env.max_tokens if self.env.episodic() else self.generate.max_completion_length
 
     @model_validator(mode="after")
+    def _episode_fits_max_model_len(self):
+        gc, need = self.generate, self.generate.max_prompt_length + self.env.max_tokens
+        if gc.engine == "vllm" and self.env.episodic() and gc.max_model_len is not None and gc.max_model_len < need:
+            raise ValueError(f"generate.max_model_len: {gc.max_model_len} leaves no room for an episode: its first "
+                             f"prompt (max_prompt_length {gc.max_prompt_length}) and env.max_tokens "
+                             f"({self.env.max_tokens}) after it; expected at least {need}, a smaller env.max_tokens, "
+                             f"or null (the engine derives it)")
+        return self
+
+    @model_validator(mode="after")
     def _endpoint_bounds_meet(self):
         if self.env.endpoint.min_top_p > self.generate.top_p:
             raise ValueError(f"env.endpoint.min_top_p: {self.env.endpoint.min_top_p:g} is above generate.top_p "

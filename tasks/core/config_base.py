@@ -16,6 +16,8 @@ from typing import Annotated, Any, ClassVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from tasks.core.errors import printable
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, populate_by_name=True)
@@ -174,6 +176,7 @@ def without_effect(rules: list[tuple[BaseModel, str, str, bool, str]]) -> None:
 def warn(line: str) -> None:
     """A warning about the config, once per process: on stderr now, or, while load_config reads one, once it
     accepts it (a refused config's refusal is its only line)."""
+    line = printable(line)
     held = getattr(_HELD, "lines", None)
     if held is not None:
         held.append(line)

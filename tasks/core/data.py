@@ -197,11 +197,43 @@ def _one_document(text: str) -> bool:
 
 def _once_each(pairs: list[tuple[str, Any]]) -> dict:
     seen = set()
-    for key, _ in pairs:
+    for key, value in pairs:
         if key in seen:
             raise _Unfit(f"key {key!r} appears twice in one object (JSON readers keep one of them; write it once)")
         seen.add(key)
+        for text in (key, value):
+            if (half := _lone_surrogate(text)) is not None:
+                raise _Unfit(f"{'key' if text is key else f'the value of {key!r}'} holds a lone surrogate "
+                             f"{half!r} (half of a \\uXXXX pair, not a character: pandas and pyarrow refuse it)")
     return dict(pairs)
+
+
+def _in_row(text: str, fault: _Unfit) -> str:
+    """`fault`, found in a JSON document, said with the row of its array that holds it when one can be told."""
+    try:                    # (read again as Python reads JSON, each row written back and tried: the first that
+        items = json.loads(text)    # fails is the fault's; a key twice is lost in that reading: said without a row)
+    except ValueError:
+        return str(fault)
+    for i, item in enumerate(items if isinstance(items, list) and "appears twice" not in str(fault) else []):
+        try:
+            json.loads(json.dumps(item), parse_int=_fit_int, parse_float=_fit_float, parse_constant=_no_constant,
+                       object_pairs_hook=_once_each)
+        except _Unfit:
+            return f"{row(i)} of its array: {fault}"
+    return str(fault)
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first unpaired UTF-16 surrogate a JSON string (or a list's strings) holds: `\\ud800` alone is JSON that
+    Python reads, and no UTF-8 writer can write."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return value[e.start]
+    elif isinstance(value, list):
+        return next((half for item in value if (half := _lone_surrogate(item)) is not None), None)
+    return None
 
 
 def _row_fault(path: Path, text: str | None = None) -> str | None:
@@ -243,7 +275,7 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
         except _Unfit as e:
             if text.lstrip().startswith("[") or _one_document(text):
                 filled = [n for n, line in enumerate(lines, 1) if line.strip()]    # (JSON Lines of one row: its line)
-                return f"line {filled[0]}: {e}" if len(filled) == 1 and text.lstrip()[0] == "{" else str(e)
+                return f"line {filled[0]}: {e}" if len(filled) == 1 and text.lstrip()[0] == "{" else _in_row(text, e)
             items = None                                   # (said with its line below)
         except ValueError:
             items = None                                   # (not one document: JSON Lines)

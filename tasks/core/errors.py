@@ -28,7 +28,7 @@ class UserError(Exception):
     exit_code = 2
 
     def __init__(self, message: str):
-        super().__init__(redact(message.strip().splitlines()[0]) if message.strip() else "invalid input")
+        super().__init__(printable(redact(message.strip().splitlines()[0])) if message.strip() else "invalid input")
 
 
 # What looks like a credential, wherever a message would quote it (a key pasted where the *name* of its variable
@@ -44,6 +44,18 @@ _SECRET = re.compile(
     r"|(?=[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=]))(?=[A-Za-z0-9/+]*[a-z])(?=[A-Za-z0-9/+]*[A-Z])(?=[A-Za-z0-9/+]*[0-9])"
     r"[A-Za-z0-9/+]{40})")
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]+):[^\s/@]+@")
+
+
+# Control characters a value quoted in a message may hold (an escape sequence would drive the user's terminal).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    r"""`text` with its control characters but tab written as escapes, as Python's repr writes them.
+    >>> print(printable("data.path: a\x1b[2Jb\x07c"))
+    data.path: a\x1b[2Jb\x07c
+    """
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def redact(text: str) -> str:

@@ -251,5 +251,10 @@ def load(cfg: Config, split: str):
     rows = _splits(rg.task, json.dumps(rg.config, sort_keys=True), rg.seed, rg.size, rg.eval_size, rg.answer_format,
                    rg.instruction or INSTRUCTIONS[rg.answer_format], cfg.data.system_prompt)["eval" if split == "eval"
                                                                                              else "train"]
+    lines = next((r for r in rows if "\n" in str(r["answer"]).strip()), None) if rg.answer_format != "tags" else None
+    if lines is not None:       # (read as one line, such an answer would never match: every reward 0)
+        raise UserError(f"{FIELD}.answer_format: {rg.answer_format} reads an answer of one line, and task "
+                        f"{rg.task!r} has answers of several (a grid, a list of moves: "
+                        f"{str(lines['answer']).strip()[:40]!r}); expected tags")
     ds = datasets.Dataset.from_list(rows)
     return ds if cfg.data.prompt_column == "prompt" else ds.rename_column("prompt", cfg.data.prompt_column)

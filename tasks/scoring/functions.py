@@ -94,7 +94,8 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
                 raise UserError(f"reward.functions[{i}].kwargs.{key}: {key!r} is {kind}, given to every call; a "
                                 f"configured value would replace it for every completion; expected another name")
             check_signature(f"reward.functions[{i}].fn: {spec.fn}", fn, {*given, *spec.kwargs},
-                            sorted(columns), kwargs=spec.kwargs, kwargs_field=f"reward.functions[{i}].kwargs")
+                            sorted(columns), kwargs=spec.kwargs, kwargs_field=f"reward.functions[{i}].kwargs",
+                            prompt_column=cfg.data.prompt_column)
         names.append(attr)
     if len(set(names)) != len(names):
         raise UserError(f"reward.functions: two functions share a name ({names}); names key the scores")
@@ -115,7 +116,7 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
 
 
 def check_signature(what: str, fn, available: set[str], columns: list[str], kwargs: dict | None = None,
-                    kwargs_field: str = "kwargs") -> None:
+                    kwargs_field: str = "kwargs", prompt_column: str = "prompt") -> None:
     """One UserError line if `fn` cannot be called the way TRL calls it: a required argument that is neither
     one of TRL's keywords nor a dataset column (nor a configured kwarg), or one that only takes a position; or
     a configured keyword (`kwargs`) that it cannot take (no such parameter and no **kwargs), which the worker
@@ -139,6 +140,10 @@ def check_signature(what: str, fn, available: set[str], columns: list[str], kwar
         if p.kind is p.POSITIONAL_ONLY:
             raise UserError(f"{what}: argument {p.name!r} is positional-only; reward functions are called with "
                             f"every argument by keyword, as TRL calls them")
+        if p.name not in available and p.name == prompt_column:
+            raise UserError(f"data.prompt_column: {p.name!r} is read as the prompt (reward functions get it as "
+                            f"`prompts`, not by its name), and {what} needs an argument {p.name!r}; expected another "
+                            f"column as the prompt, or a function that reads `prompts`")
         if p.name not in available:
             raise UserError(f"{what}: needs argument {p.name!r}, which is neither a dataset column (the data has "
                             f"{columns}) nor one of the keywords reward functions get ({', '.join(TRL_KEYWORDS)})")

@@ -30,11 +30,11 @@ def fault_of_fit(spec, config, path: str, what: str) -> None:
     """Preflight (judges.check_models): a UserError naming the field where reward model `spec` does not fit the
     model at `path` (its `config`): a classifier that is not one (or the reverse), a label past its outputs, a
     template whose own text leaves no room in max_length (every request would lose its completion), verdict
-    answers that are not one token each."""
+    answers that are not one token each, a vLLM engine's max_length + max_tokens past the model's context."""
     from string import Formatter
 
     from tasks.core.errors import UserError
-    from tasks.core.models import load_tokenizer
+    from tasks.core.models import engine_context, load_tokenizer
 
     if (spec.kind == "classifier") != is_classifier(config):
         needs = "an AutoModelForSequenceClassification" if spec.kind == "classifier" else "a causal LM"
@@ -48,6 +48,11 @@ def fault_of_fit(spec, config, path: str, what: str) -> None:
             spec.max_length:
         raise UserError(f"{what}.max_length: {spec.max_length}: the template's own text is {n} tokens; expected "
                         f"room beside it for the prompt and the completion")
+    need = spec.max_length + spec.max_tokens                    # (VLLMJudgeEngine's max_model_len)
+    if spec.engine == "vllm" and (found := engine_context(path)) is not None and need > found[0]:
+        raise UserError(f"{what}.max_length: {spec.max_length} + max_tokens {spec.max_tokens} = {need} tokens is "
+                        f"above the model's context ({found[0]}, {found[1]}), which vLLM refuses to start with; "
+                        f"expected at most {found[0]} together")
     for t in spec.verdict_tokens if spec.kind == "verdict" else ():
         if (n := len(load_tokenizer(path)(t, add_special_tokens=False)["input_ids"])) != 1:
             raise UserError(f"{what}.verdict_tokens: {t!r} is {n} tokens for this model's tokenizer; expected "

@@ -556,10 +556,14 @@ def _interpreter_binds(python: str) -> tuple[str, ...]:
     if real.startswith("/usr/") and python.startswith("/usr/"):
         return ()
     try:
-        out = run([python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"], _clean_env(None),
-                  rlflow=False, capture_output=True, text=True, timeout=30).stdout.split()
-    except (OSError, subprocess.TimeoutExpired):
-        out = []
+        asked = run([python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"], _clean_env(None),
+                    rlflow=False, capture_output=True, text=True, timeout=30)
+        out, why = asked.stdout.split(), f"exit {asked.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        out, why = [], f"{type(e).__name__}: {e}"
+    if len(out) != 2:     # not a Python (an empty file, another program): its folders cannot be told
+        raise UserError(f"reward.sandbox.python: {python} cannot run sandboxed code here (it did not answer as a "
+                        f"Python interpreter: {why}); name a python3, e.g. /usr/bin/python3")
     paths = {os.path.abspath(p) for p in [*out, os.path.dirname(os.path.dirname(real)),
                                           os.path.dirname(os.path.abspath(python))] if p}
     paths = {p for p in paths if p != "/usr" and not p.startswith("/usr/")}

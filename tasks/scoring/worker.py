@@ -276,7 +276,7 @@ def main() -> None:
             from tasks.scoring import sandbox
 
             sandbox.configure(SandboxConfig.model_validate(setup["sandbox"]))
-            if setup["sandbox"]["isolation"] == "bubblewrap":
+            if setup["sandbox"]["isolation"] == "bubblewrap" or setup["sandbox"]["python"]:
                 sandbox.runner()       # asked for explicitly: refuse now (user error) rather than score nothing
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which names the function (sys.exit too)
         unless_forked()
