@@ -99,9 +99,9 @@ class TrackingConfig(Section):
                      description="MLflow tracking URI (sqlite:///..., http://host:5000); unset: $MLFLOW_TRACKING_URI, "
                      "else sqlite:///mlflow.db in the working directory. MLflow's filesystem backend (a folder, "
                      "file://) only with MLFLOW_ALLOW_FILE_STORE=true, MLflow's own opt-out of its refusal.")
-    experiment: str = Field("rlflow", min_length=1, max_length=500, pattern=r"\S",
-                            description="MLflow experiment name (at most 500 characters, MLflow's limit; no "
-                            "control characters).")
+    experiment: str = Field("rlflow", min_length=1, max_length=256, pattern=r"\S",
+                            description="MLflow experiment name (at most 256 characters: MLflow's database column, "
+                            "which PostgreSQL and MySQL enforce; no control characters).")
     sample_completions: int = Field(8, ge=0, le=1_000_000,
                                     description="Completions per iteration logged to the samples table.")
     traces: bool = Field(True, description="Log every evaluated episode, and the samples table's completions, as "
