@@ -47,6 +47,34 @@ def twin_key(question: str) -> tuple[str, ...]:
     which costs a training item, never a held-out one's honesty."""
     return tuple(sorted("".join(sorted(w.lower())) if w.isalpha() else w for w in _WORDS.findall(question)))
 
+def _training(task: str, config: dict, seed: int, size: int, held_out: list[dict], key) -> tuple[list, list]:
+    """`size` training items outside `held_out` and its twins by `key` (fewer if TRIES x size indices hold no
+    more), and every item visited. Items are made one index at a time (Random(seed + index) for most tasks): lcm
+    of two numbers up to 12 keeps about one in four beside 100 held-out ones."""
+    seen, train, visited = {key(e["question"]) for e in held_out}, [], []
+    for entry in _items(task, config, seed, TRIES * size):
+        visited.append(entry)
+        if key(entry["question"]) not in seen:
+            train.append(entry)
+            if len(train) == size:
+                break
+    return train, visited
+
+
+def _exact(question: str) -> tuple[str, ...]:
+    return tuple(question.split())
+
+
+def _twins_tell(items: list[dict]) -> bool:
+    """Whether twin_key tells a task's questions apart: not where they differ by where their tokens stand, not by
+    which (game_of_life's boards of 0 and 1 with as many live cells, rubiks_cube's stickers: 120 questions, 2 keys,
+    every training item a held-out one's "twin"). Such a task, where no training split can be made otherwise, takes
+    exact questions (whitespace aside) as twins. Not a small task's space (lcm of numbers up to 12: each pair and
+    its reverse, at most 2 questions a key): 3 distinct questions a key or more."""
+    questions = {" ".join(e["question"].split()) for e in items}
+    return len(questions) < 3 * len({twin_key(q) for q in questions})
+
+
 # How the prompt asks for the answer, and how the rewards read it back (tasks/rewards/reasoning_gym.py).
 INSTRUCTIONS = {
     # reasoning-gym's own convention (its SYSTEM_PROMPTS): the answer between tags
@@ -169,11 +197,18 @@ def _built_in_a_child(spec: tuple) -> dict[str, list[dict]]:
 
 
 def _child(spec: list) -> None:
-    """The child of _splits: the splits (or the user error) as one JSON line on stdout."""
+    """The child of _splits: the splits (or the user error) as one JSON line on stdout. What the task's generator
+    itself prints (bf's dots, without a newline) goes to stderr: it would have begun that line."""
+    sys.stdout.flush()
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     try:
-        print(json.dumps(_build(*spec)))
+        got = _build(*spec)
     except UserError as e:
-        print(json.dumps({"error": str(e)}))
+        got = {"error": str(e)}
+    sys.stdout.flush()
+    answer.write(json.dumps(got) + "\n")
+    answer.flush()
 
 
 def _build(task: str, config_json: str, seed: int, size: int, eval_size: int, answer_format: str,
@@ -181,16 +216,9 @@ def _build(task: str, config_json: str, seed: int, size: int, eval_size: int, an
     config = json.loads(config_json)
     spec = json.dumps({"task": task, "config": config}, sort_keys=True)
     held_out = list(_items(task, config, seed + HELD_OUT_SEED, eval_size))
-    seen = {twin_key(e["question"]) for e in held_out}
-    # Items are made one index at a time (Random(seed + index) for most tasks): up to TRIES x `size` indices are
-    # visited to find `size` items outside the held-out set and its twins (lcm of two numbers up to 12 keeps about
-    # one in four beside 100 held-out ones).
-    train = []
-    for entry in _items(task, config, seed, TRIES * size):
-        if twin_key(entry["question"]) not in seen:
-            train.append(entry)
-            if len(train) == size:
-                break
+    train, visited = _training(task, config, seed, size, held_out, twin_key)
+    if len(train) < size and not _twins_tell(visited):
+        train, _ = _training(task, config, seed, size, held_out, _exact)
     if len(train) < size:
         raise UserError(f"{FIELD}: task {task!r} with this config gave only {len(train)} training items outside "
                         f"the {eval_size} held-out ones and their twins (the same words and numbers in another "

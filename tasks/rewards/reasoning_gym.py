@@ -61,16 +61,33 @@ def _clean(answer: str) -> str:
 
 
 def readings(text: str, answer_format: str) -> list[str]:
-    """What answer_reward scores (the best counts): the answer read_answer finds; with answer_is also it with a
-    full stop (the sentence's stop cannot be told from an answer's own); with final also the last number in it
-    ("... appears 2 times" -> "2"; the last one only, so listing numbers gains nothing)."""
+    """What answer_reward scores (the best counts): the answer read_answer finds; with answer_is and final also
+    it with a full stop (the sentence's stop cannot be told from an answer's own) and the text it was read from as
+    written (an answer's own quotes: `"Now go," he said.`; final: the whole last line, an answer that holds "=" or
+    ": " itself: `A=7,G=0`, `{"root": 2.5}`); with final also the last number in it ("... appears 2 times" ->
+    "2"; the last one only, so listing numbers gains nothing)."""
     read = read_answer(text, answer_format)
     if read is None:
         return []
-    if answer_format == "answer_is":
-        return [read, read + "."]
+    if answer_format == "tags":
+        return [read]
+    found = [read, read + "."]
+    if (raw := _as_written(text, answer_format)) is not None:
+        found += [raw, raw.removesuffix(".")]
     numbers = _NUMBER.findall(read) if answer_format == "final" else []
-    return [read] + ([numbers[-1]] if numbers and numbers[-1] != read else [])
+    found += [numbers[-1]] if numbers else []
+    return [r for r in dict.fromkeys(found) if r]
+
+
+def _as_written(text: str, answer_format: str) -> str | None:
+    """The text read_answer reads its answer from, only stripped of the spaces around it: what follows the last
+    "answer is", or (final, without one, nor tags) the last line."""
+    if found := _ANSWER_IS.findall(text):
+        return found[-1].strip()
+    if answer_format == "final" and not _TAGS.search(text):
+        lines = [line for line in text.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else None
+    return None
 
 
 @functools.lru_cache(maxsize=16)
@@ -121,11 +138,12 @@ def answer_reward(completions: list, answer: list[str], question: list[str], met
 FINAL_WORDS = 4          # final: an answer read from the form has at most this many words ("federal, ambassador")
 
 
-def format_reward(completions: list, answer_format: list[str], **kwargs) -> list[float]:
+def format_reward(completions: list, answer_format: list[str], answer: list | None = None, **kwargs) -> list[float]:
     """1.0 when the reply gives its answer exactly once, in the asked form, at its end (answer_is: the sentence
     with its full stop, so a reply cut off by the length limit does not count; final: one line whose answer,
-    after a last "answer is", "=" or ": ", else the whole line, is at most FINAL_WORDS words: a longer sentence
-    with a number in it is not in form, a short one such as "The sum is 17" is); else 0.0.
+    after a last "answer is", "=" or ": ", else the whole line, is at most FINAL_WORDS words, or as many as the
+    row's `answer` has where it has more (a sentence, a list of moves): a longer sentence with a number in it is
+    not in form, a short one such as "The sum is 17" is); else 0.0.
 
     >>> format_reward(["<answer>12</answer>", "<answer>1</answer><answer>2</answer>"], answer_format=["tags"] * 2)
     [1.0, 0.0]
@@ -133,14 +151,16 @@ def format_reward(completions: list, answer_format: list[str], **kwargs) -> list
     [1.0, 0.0]
     """
     out = []
-    for completion, fmt in zip(completions, answer_format):
+    for completion, fmt, ans in zip(completions, answer_format, answer if answer is not None else [None] * len(
+            completions)):
         text = text_of(completion).strip()
         if fmt == "tags":
             found = _TAGS.findall(text)
             ok = len(found) == 1 and found[0].strip() != "" and text.endswith("</answer>")
         elif fmt == "final":               # one line, its answer where the form puts it, alone (<= 4 words)
             read = read_answer(text, fmt)
-            ok = "\n" not in text and read is not None and len(read.split()) <= FINAL_WORDS
+            words = max(FINAL_WORDS, len(str(ans).split()) if ans is not None else 0)
+            ok = "\n" not in text and read is not None and len(read.split()) <= words
         else:
             ok = len(_ANSWER_IS.findall(text)) == 1 and _ENDS_WITH_ANSWER_IS.search(text) is not None
         out.append(1.0 if ok else 0.0)
