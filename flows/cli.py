@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tasks.core.errors import UserError
 from tasks.core.paths import check_environment, check_path, working_directory_on_path
-from tasks.core.process_wide import exit_now, set_default, set_variable
+from tasks.core.process_wide import exit_now, set_default, set_variable, wind_down
 
 
 def _command_process() -> None:
@@ -398,12 +398,9 @@ def _exit_after_done(code: int) -> None:
     handlers: Prefect's temporary server stopped), then os._exit. The interpreter's teardown after that (~2 s of
     freeing torch's and the others' modules, on 2 cores) runs no signal handler: a Ctrl-C there ended the process
     by SIGINT (130) without a word; skipped, it cannot happen."""
-    import atexit
-
-    for t in threading.enumerate():
-        if t is not threading.main_thread() and not t.daemon:
-            t.join()
-    atexit._run_exitfuncs()
+    if left := wind_down(60.0):
+        print(f"warning: {', '.join(left[:4])} still running 60 s after the run ended: ended with it (a user's "
+              f"module that starts a thread or registers an exit handler when imported?)", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     exit_now(code)

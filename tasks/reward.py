@@ -202,8 +202,9 @@ def _samples(cfg: Config, records: list) -> list[dict]:
     """The samples table's rows (tasks/core/traces.py: sample_rows picks them, and the same records' traces)."""
     from tasks.core.traces import sample_rows
 
-    return [{"prompt": r.prompt, "completion": r.completion, "reward": r.reward,
-             **{f"reward/{k}": v for k, v in r.rewards.items()}, **r.extra}
+    # (a function's log_extra columns first: one named prompt, completion or reward cannot replace the run's own)
+    return [{**r.extra, "prompt": r.prompt, "completion": r.completion, "reward": r.reward,
+             **{f"reward/{k}": v for k, v in r.rewards.items()}}
             for r in (records[i] for i in sample_rows(len(records), cfg.tracking.sample_completions))]
 
 

@@ -141,3 +141,38 @@ def test_an_integrations_arguments_are_checked_before_the_run(kwargs, line, tmp_
         preflight(cfg)
     assert str(e.value).startswith(line), str(e.value)
     assert not (tmp_path / "store").exists()
+
+
+def test_a_modules_import_leaves_rlflows_signal_handlers_and_warning_filters_as_they_were(tmp_path, monkeypatch):
+    """A module that ignored SIGINT and SIGTERM when imported made Ctrl-C do nothing to the run (preflight imports
+    it in the flow's own process); one that set `warnings.simplefilter('error')` turned MLflow's warnings into
+    errors (no trace recorded, nothing said)."""
+    import signal
+    import warnings
+
+    from tasks.core.paths import import_user
+
+    (tmp_path / "rude.py").write_text("import signal, warnings\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nwarnings.simplefilter('error')\n"
+                                      "def f(completions, **kw):\n    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    filters = list(warnings.filters)
+    assert callable(import_user("rude:f", "reward.functions[0].fn"))
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    assert warnings.filters == filters
+
+
+def test_what_a_finished_run_waits_for_at_its_exit_is_bounded(tmp_path):
+    """A thread a user's module started when imported, or an exit handler it registered, that never ends kept a
+    finished `rlflow run` from exiting (it printed `done:` and hung)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    script = ("import atexit, os, sys, threading, time\natexit.register(time.sleep, 600)\n"
+              "threading.Thread(target=time.sleep, args=(600,), name='users').start()\n"
+              "from tasks.core.process_wide import wind_down\nprint(wind_down(2.0), flush=True)\nos._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "['users', 'exit handlers']", out

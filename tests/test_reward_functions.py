@@ -224,6 +224,39 @@ BAD = textwrap.dedent('''
         os.kill(os.getppid(), signal.SIGKILL)
         time.sleep(60)
         return [1.0] * len(completions)
+
+    def escapes(completions, **kw):
+        raise ValueError("\\x1b[31mRED")
+
+    def sets_a_variable(completions, **kw):
+        os.environ["RLFLOW_TEST_LEAK"] = "1"
+        return [0.0] * len(completions)
+
+    def sees_variables(completions, **kw):
+        return [float("RLFLOW_TEST_LEAK" in os.environ)] * len(completions)
+
+    def a_set(completions, **kw):
+        return {float(j) for j in range(len(completions))}
+
+    def past_floats(completions, **kw):
+        return [10 ** 400] + [0.0] * (len(completions) - 1)
+
+    def leaves_an_alarm(completions, **kw):
+        signal.alarm(1)
+        return [0.0] * len(completions)
+
+    def closes_stdin(completions, **kw):
+        os.close(0)
+        return [0.0] * len(completions)
+
+    def posix_exits_later(completions, **kw):
+        import posix
+        threading.Thread(target=lambda: (time.sleep(0.5), posix._exit(0))).start()
+        return [0.0] * len(completions)
+
+    def slow_good(completions, answer, **kw):
+        time.sleep(1.5)
+        return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
 ''')
 
 STAGE = textwrap.dedent('''
@@ -271,6 +304,7 @@ def _functions(names: list[str], **reward):
     ("interrupts", "reward function 'interrupts' raised KeyboardInterrupt (bad_rewards.py:"),
     ("garbles", "reward function 'garbles' killed its reward worker (broke its answer pipe"),
     ("unprintable", "reward function 'unprintable' raised Unprintable (bad_rewards.py:"),
+    ("escapes", "reward function 'escapes' raised ValueError: \\x1b[31mRED"),    # (the escape sequence was raw)
 ])
 def test_a_failing_function_scores_nothing_for_the_batch_and_the_others_still_count(bad_module, bad, expected):
     functions = _functions(["good", bad])
@@ -282,6 +316,30 @@ def test_a_failing_function_scores_nothing_for_the_batch_and_the_others_still_co
     assert [r.reward for r in records] == [0.0, 1.0, 0.0, 1.0]    # combined over the functions that scored
     # The worker (restarted where it died) serves the next batch.
     assert score_records(_functions(["good"]), _records(), "sum").scores["good"] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_functions_environment_variables_are_not_the_next_ones(bad_module):
+    scored = score_records(_functions(["sets_a_variable", "sees_variables"]), _records(), "sum")
+    assert scored.scores["sees_variables"] == [0.0] * 4
+
+
+def test_a_set_and_an_int_past_a_floats_range_are_that_functions_own_fault(bad_module):
+    """A set was taken in its own arbitrary order (scores given to the wrong completions); 10**400 was an
+    OverflowError that lost the whole batch (a float past the range makes that completion's score missing)."""
+    scored = score_records(_functions(["good", "a_set", "past_floats"]), _records(), "sum")
+    assert scored.errors["a_set"].startswith("reward function 'a_set' returned set, expected a list of 4 scores")
+    assert "past_floats" not in scored.errors and scored.scores["past_floats"][1:] == [0.0] * 3
+    assert scored.scores["past_floats"][0] is None
+
+
+@pytest.mark.parametrize("bad", ["leaves_an_alarm", "closes_stdin", "posix_exits_later"])
+def test_what_a_function_leaves_behind_does_not_fail_the_next_one(bad_module, bad):
+    """A pending alarm, a closed fd 0 (the worker's requests came on it), a thread that calls posix._exit later:
+    each ended the worker under the next function, which was blamed ("killed its reward worker")."""
+    scored = score_records(_functions([bad, "slow_good"], timeout_seconds=60), _records(), "sum")
+    assert scored.scores["slow_good"] == [0.0, 1.0, 0.0, 1.0] and "slow_good" not in scored.errors
+    assert score_records(_functions([bad, "slow_good"], timeout_seconds=60), _records(), "sum").scores[
+        "slow_good"] == [0.0, 1.0, 0.0, 1.0]
 
 
 def test_a_worker_that_dies_is_seen_at_once_and_what_it_forked_is_killed(bad_module):
@@ -738,3 +796,16 @@ def test_the_first_failure_of_each_function_is_on_the_console(bad_module, capsys
     err = capsys.readouterr().err
     assert err.count("warning: reward function 'raises' raised ValueError: cannot parse the answer "
                      "(bad_rewards.py:8); its scores for this batch are missing") == 1
+
+
+def test_a_functions_log_extra_columns_cannot_replace_the_samples_own():
+    """log_extra("reward", ...) and log_extra("prompt", ...) replaced the samples table's own columns."""
+    from tasks.core.config import load_config
+    from tasks.reward import _samples
+
+    records = _records(2)
+    for r in records:
+        r.reward, r.rewards, r.extra = 0.5, {"good": 0.5}, {"reward": "FAKE", "prompt": "FAKE", "note": "kept"}
+    rows = _samples(load_config(TINY), records)
+    assert [(row["prompt"], row["reward"], row["reward/good"], row["note"]) for row in rows] == [("a=", 0.5, 0.5,
+                                                                                                   "kept")] * 2

@@ -15,7 +15,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.core.errors import UserError
@@ -138,6 +140,28 @@ def working_directory_on_path(here: str | None = None) -> None:
     sys.path[:] = [root, here, *(p for p in sys.path if p not in (root, here, "", os.curdir))]
 
 
+@contextmanager
+def _process_state_kept():
+    """What a module's import may change for the whole process, put back after it: the signal handlers (a module
+    that ignored SIGINT and SIGTERM made Ctrl-C do nothing to the run) and the warning filters (`simplefilter(
+    'error')` turned MLflow's warnings into errors: no trace recorded)."""
+    import signal
+    import warnings
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                    signal.SIGALRM, signal.SIGCHLD, signal.SIGPIPE):
+            handlers[sig] = signal.getsignal(sig)
+    with warnings.catch_warnings():
+        try:
+            yield
+        finally:
+            for sig, handler in handlers.items():
+                if handler is not None and signal.getsignal(sig) is not handler:
+                    signal.signal(sig, handler)
+
+
 def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = False) -> Callable:
     """`module:name` from the working directory first (user modules live where rlflow is run), imported within
     IMPORT_SECONDS: a UserError naming `key` if the module cannot be imported (it raises, calls sys.exit, or
@@ -148,7 +172,7 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     working_directory_on_path(here)
     seconds = user_code_seconds()
     try:
-        with deadline(seconds), user_code():     # (preflight imports in the main thread: watched there)
+        with deadline(seconds), user_code(), _process_state_kept():     # (preflight imports in the main thread)
             module = importlib.import_module(module_name)
     except DeadlinePassed:
         raise UserError(f"{key}: module {module_name!r} did not finish importing in {seconds:g} s (it waits or "

@@ -137,9 +137,13 @@ def user_process() -> None:
 
 
 def _install_guards() -> None:
+    import posix  # (os._exit is posix._exit: a user's code may reach for either)
+
     with _GUARD_LOCK:
         if os._exit is not _guarded_exit:
             os._exit = _guarded_exit
+        if posix._exit is not _guarded_exit:
+            posix._exit = _guarded_exit
     cap_output()
 
 
@@ -304,6 +308,37 @@ def deadline(seconds: float) -> Iterator[bool]:
         signal.signal(signal.SIGALRM, before)
         if pending:
             signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 1e-3))
+
+
+def wind_down(seconds: float) -> list[str]:
+    """What Python's exit runs in Python, within `seconds` in all: the other non-daemon threads joined, then the
+    exit handlers (atexit: Prefect's temporary server stopped). Bounded: a thread a user's module started when
+    imported, or an exit handler it registered, that never ends kept a finished run from exiting. Returns what
+    was left running (thread names, "exit handlers"), for the caller to say before its os._exit."""
+    import atexit
+
+    until = time.monotonic() + seconds
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join(max(until - time.monotonic(), 0))
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    said, interrupted = sys.unraisablehook, []
+
+    def hook(unraisable) -> None:       # (atexit reports a handler's exception and runs the ones after it)
+        if isinstance(unraisable.exc_value, DeadlinePassed):
+            interrupted.append(True)
+        else:
+            said(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        with deadline(max(until - time.monotonic(), 1.0)):
+            atexit._run_exitfuncs()
+    except DeadlinePassed:
+        interrupted.append(True)
+    finally:
+        sys.unraisablehook = said
+    return left + (["exit handlers"] if interrupted else [])
 
 
 # ---------------------------------------------------------------------------------------- environment variables

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tasks.core.contracts import Scored
-from tasks.core.errors import UserError
+from tasks.core.errors import UserError, printable
 from tasks.core.paths import REPO_ROOT, import_user, user_code_seconds
 from tasks.core.process_wide import user_output_limit
 from tasks.core.processes import BoundedCopy, how_it_ended, kill_group, peek_exit, spawn
@@ -414,7 +414,7 @@ def _lost(worker: _Worker, e: BaseException, timeout: float) -> str:
 def _record(functions: RewardFunctions, out: Scored, name: str, reply: tuple, n: int) -> None:
     """Function `name`'s reply on a batch of `n` into `out`: its scores, or its failure by the rules above."""
     if reply[0] == "error":
-        message = f"reward function {name!r} {_phrase(reply[1])}"
+        message = printable(f"reward function {name!r} {_phrase(reply[1])}")    # (its text is the user's)
         if functions.strict:
             raise RewardFunctionError(message)
         log.warning("%s; its scores for this batch are missing", message)

@@ -68,7 +68,7 @@ def _one_line(e: BaseException) -> str:
 
 def _clean(values, n: int):
     """Floats (NaN kept, for the parent to count) or None; anything else is the function's error."""
-    if values is None or isinstance(values, str | bytes | dict) or not hasattr(values, "__iter__"):
+    if values is None or isinstance(values, str | bytes | dict | set | frozenset) or not hasattr(values, "__iter__"):
         raise TypeError(f"returned {type(values).__name__ if values is not None else 'None'}, expected a list of "
                         f"{n} scores (one per completion)")
     values = list(values)
@@ -83,6 +83,8 @@ def _clean(values, n: int):
             if isinstance(v, str | bytes | bytearray):     # ("0.5" is text, not a score: float() would read it)
                 raise TypeError
             out.append(float(v))
+        except OverflowError:                              # (an int past a float's range: as a float past it, inf)
+            out.append(float("inf") if v > 0 else float("-inf"))
         except (TypeError, ValueError):
             raise TypeError(f"returned {type(v).__name__} for completion {j}") from None
     return out
@@ -215,6 +217,16 @@ class Forks:
                 self.pids.discard(pid)
 
 
+def _no_timers() -> None:
+    """An alarm or interval timer a function left set (signal.alarm, setitimer) is cancelled after its call: it
+    would end the worker under the next function, which was blamed."""
+    import signal
+
+    signal.alarm(0)
+    for timer in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF):
+        signal.setitimer(timer, 0)
+
+
 def die_with_parent() -> None:
     """Linux: SIGKILL this worker when the stage process that started it dies (a preempted machine, a kill):
     a hung reward function must not outlive its stage. Under its keeper (processes.fork_keeper) it ends with the
@@ -231,14 +243,20 @@ def die_with_parent() -> None:
 
 
 def _at_home(cwd: str):
-    """What puts the worker back in the run's folder after each call: a function that changes the working
-    directory (os.chdir, at import or in a call) changed it for every function after it, whose relative paths then
-    failed and were counted against them."""
+    """What puts the worker back in the run's folder, and its environment variables as they were once the
+    functions were imported, after each call: a function that changed the working directory (os.chdir, at import
+    or in a call) changed it for every function after it, whose relative paths then failed and were counted
+    against them; one that set a variable set it for the others."""
+    environment = dict(os.environ)
+
     def home() -> None:
         try:
             os.chdir(cwd)
         except OSError:                       # (the run's folder removed under it: the functions' own business)
             pass
+        if os.environ != environment:
+            os.environ.clear()
+            os.environ.update(environment)
     home()
     return home
 
@@ -263,7 +281,10 @@ def main() -> None:
     sys.stdout = sys.stderr
     user_process()                 # os._exit in any thread: refused, that call's failure (output: the parent's)
     forks = Forks()
-    proto_in = sys.stdin.buffer
+    proto_in = os.fdopen(os.dup(0), "rb")       # (a function that closes or reads fd 0 leaves the protocol alone)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     setup = receive(proto_in)
     working_directory_on_path(setup["cwd"])       # (the user's modules there; rlflow's root ahead, as the flow has it)
     try:
@@ -298,6 +319,7 @@ def main() -> None:
         unless_forked()
         forks.reap()
         home()
+        _no_timers()
         try:
             send(proto_out, answer)
         except Exception as e:  # noqa: BLE001 - a value that does not pickle: that function's failure
