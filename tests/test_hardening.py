@@ -171,8 +171,13 @@ def test_what_a_finished_run_waits_for_at_its_exit_is_bounded(tmp_path):
 
     from tests.conftest import ROOT
 
-    script = ("import atexit, os, sys, threading, time\natexit.register(time.sleep, 600)\n"
+    script = ("import atexit, os, sys, threading, time\n"
+              "from tasks.core import process_wide\nprocess_wide.EXIT_HANDLER_SECONDS = 1.0\n"
+              "with process_wide.exit_handlers_held():     # (what a user's module registers as it is imported)\n"
+              "    atexit.register(time.sleep, 600)\n    atexit.register(time.sleep, 600)\n"
               "threading.Thread(target=time.sleep, args=(600,), name='users').start()\n"
-              "from tasks.core.process_wide import wind_down\nprint(wind_down(2.0), flush=True)\nos._exit(0)\n")
+              "atexit.register(print, 'own handler ran')\n"
+              "print(process_wide.wind_down(2.0), flush=True)\nos._exit(0)\n")
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "['users', 'exit handlers']", out
+    assert out.returncode == 0 and out.stdout.splitlines() == [
+        "own handler ran", "['users', 'exit handler sleep', 'exit handler sleep']"], out

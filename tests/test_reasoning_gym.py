@@ -568,3 +568,11 @@ def test_final_form_allows_an_answer_as_many_words_as_the_rows():
     assert format_reward([reply], answer_format=["final"], answer=[reply]) == [1.0]
     assert format_reward([reply], answer_format=["final"], answer=["12"]) == [0.0]
     assert format_reward([reply], answer_format=["final"]) == [0.0]
+
+
+def test_final_reads_a_whole_line_only_for_answers_a_lenient_reading_would_cut():
+    """The whole last line as a reading paid "12 + 5 = 17" for 12 where the checker reads a line's first number
+    (gsm_symbolic): it is one only where the row's answer holds "=" or ": ", a quote or its own full stop."""
+    rows = {"answer": ["12"] * 3, "question": ["x"] * 3, "metadata": ["{}"] * 3, "answer_format": ["final"] * 3,
+            "reasoning_gym": ['{"config": {}, "task": "gsm_symbolic"}'] * 3}
+    assert answer_reward(["12 + 5 = 17", "He had 12 apples, so 12 - 4 = 8", "5 + 7 = 12"], **rows) == [0.0, 0.0, 1.0]

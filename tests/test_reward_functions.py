@@ -228,13 +228,6 @@ BAD = textwrap.dedent('''
     def escapes(completions, **kw):
         raise ValueError("\\x1b[31mRED")
 
-    def sets_a_variable(completions, **kw):
-        os.environ["RLFLOW_TEST_LEAK"] = "1"
-        return [0.0] * len(completions)
-
-    def sees_variables(completions, **kw):
-        return [float("RLFLOW_TEST_LEAK" in os.environ)] * len(completions)
-
     def a_set(completions, **kw):
         return {float(j) for j in range(len(completions))}
 
@@ -316,11 +309,6 @@ def test_a_failing_function_scores_nothing_for_the_batch_and_the_others_still_co
     assert [r.reward for r in records] == [0.0, 1.0, 0.0, 1.0]    # combined over the functions that scored
     # The worker (restarted where it died) serves the next batch.
     assert score_records(_functions(["good"]), _records(), "sum").scores["good"] == [0.0, 1.0, 0.0, 1.0]
-
-
-def test_a_functions_environment_variables_are_not_the_next_ones(bad_module):
-    scored = score_records(_functions(["sets_a_variable", "sees_variables"]), _records(), "sum")
-    assert scored.scores["sees_variables"] == [0.0] * 4
 
 
 def test_a_set_and_an_int_past_a_floats_range_are_that_functions_own_fault(bad_module):

@@ -149,10 +149,11 @@ class Config(Section):
     def _episode_fits_max_model_len(self):
         gc, need = self.generate, self.generate.max_prompt_length + self.env.max_tokens
         if gc.engine == "vllm" and self.env.episodic() and gc.max_model_len is not None and gc.max_model_len < need:
-            raise ValueError(f"generate.max_model_len: {gc.max_model_len} leaves no room for an episode: its first "
-                             f"prompt (max_prompt_length {gc.max_prompt_length}) and env.max_tokens "
-                             f"({self.env.max_tokens}) after it; expected at least {need}, a smaller env.max_tokens, "
-                             f"or null (the engine derives it)")
+            # (a warning, as where the model's context caps it: vLLM stops a sequence there; and a stored run resumes)
+            warn(f"warning: generate.max_model_len: {gc.max_model_len} is less than an episode can take: its first "
+                 f"prompt (max_prompt_length {gc.max_prompt_length}) and env.max_tokens ({self.env.max_tokens}) after "
+                 f"it, {need}: vLLM stops an episode's sequence there, and a later turn's prompt as long as that fails "
+                 f"the episode; expected at least {need}, a smaller env.max_tokens, or null")
         return self
 
     @model_validator(mode="after")

@@ -21,7 +21,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.core.errors import UserError
-from tasks.core.process_wide import DeadlinePassed, deadline, number_from_environment, user_code, user_output_limit
+from tasks.core.process_wide import (
+    DeadlinePassed,
+    deadline,
+    exit_handlers_held,
+    number_from_environment,
+    user_code,
+    user_output_limit,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]     # the checkout holding tasks/ and flows/
 
@@ -142,24 +149,28 @@ def working_directory_on_path(here: str | None = None) -> None:
 
 @contextmanager
 def _process_state_kept():
-    """What a module's import may change for the whole process, put back after it: the signal handlers (a module
-    that ignored SIGINT and SIGTERM made Ctrl-C do nothing to the run) and the warning filters (`simplefilter(
-    'error')` turned MLflow's warnings into errors: no trace recorded)."""
+    """What a module's import may change for the whole run, put back after it: the stop signals' handlers (a
+    module that ignored SIGINT and SIGTERM made Ctrl-C do nothing to the run) and warning filters that make
+    warnings errors (`simplefilter('error')` made MLflow's warnings errors: no trace recorded). A library's own
+    filters (ignoring its deprecations) and other signals' handlers (SIGCHLD, SIGPIPE) stay as the import left
+    them."""
     import signal
     import warnings
 
     handlers = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-                    signal.SIGALRM, signal.SIGCHLD, signal.SIGPIPE):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             handlers[sig] = signal.getsignal(sig)
-    with warnings.catch_warnings():
-        try:
-            yield
-        finally:
-            for sig, handler in handlers.items():
-                if handler is not None and signal.getsignal(sig) is not handler:
-                    signal.signal(sig, handler)
+    before = list(warnings.filters)
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+        if any(f[0] == "error" and f not in before for f in warnings.filters):
+            warnings.filters[:] = [f for f in warnings.filters if f[0] != "error" or f in before]
+            warnings._filters_mutated()
 
 
 def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = False) -> Callable:
@@ -172,7 +183,7 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     working_directory_on_path(here)
     seconds = user_code_seconds()
     try:
-        with deadline(seconds), user_code(), _process_state_kept():     # (preflight imports in the main thread)
+        with deadline(seconds), user_code(), _process_state_kept(), exit_handlers_held():   # (main thread)
             module = importlib.import_module(module_name)
     except DeadlinePassed:
         raise UserError(f"{key}: module {module_name!r} did not finish importing in {seconds:g} s (it waits or "

@@ -15,6 +15,7 @@ More: docs/internals.md (tasks/core/process_wide.py): each piece, with the reaso
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
@@ -310,11 +311,60 @@ def deadline(seconds: float) -> Iterator[bool]:
             signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 1e-3))
 
 
+_HELD_EXIT: list[tuple] = []          # exit handlers users' modules registered as they were imported (held_exit)
+_HOLDING = threading.local()          # .on: this thread imports a user's module now
+EXIT_HANDLER_SECONDS = 10.0           # the most wind_down gives each of them
+
+
+@contextmanager
+def exit_handlers_held() -> Iterator[None]:
+    """The body imports a user's module: what it registers with atexit is held apart (run at exit by one handler
+    of ours, as Python would; by wind_down within EXIT_HANDLER_SECONDS each), not among the run's own."""
+    import atexit
+
+    with _GUARD_LOCK:
+        if not isinstance(atexit.register, _Holder):
+            atexit.register(_run_held)              # (the real one: where the process ends another way)
+            atexit.register = _Holder(atexit.register)
+    before, _HOLDING.on = getattr(_HOLDING, "on", False), True
+    try:
+        yield
+    finally:
+        _HOLDING.on = before
+
+
+class _Holder:
+    def __init__(self, real):
+        self.real = real
+
+    def __call__(self, fn, *args, **kwargs):
+        if getattr(_HOLDING, "on", False):
+            _HELD_EXIT.append((fn, args, kwargs))
+            return fn
+        return self.real(fn, *args, **kwargs)
+
+
+def _run_held(seconds: float | None = None) -> list[str]:
+    """The held exit handlers, last registered first, each within `seconds` (None: unbounded); once. Returns the
+    names of those that did not end in time."""
+    late = []
+    while _HELD_EXIT:
+        fn, args, kwargs = _HELD_EXIT.pop()
+        try:
+            with deadline(seconds) if seconds is not None else contextlib.nullcontext():
+                fn(*args, **kwargs)
+        except DeadlinePassed:
+            late.append(f"exit handler {getattr(fn, '__qualname__', fn)!s}")
+        except BaseException:  # noqa: BLE001 - as atexit: one handler's failure does not stop the others
+            pass
+    return late
+
+
 def wind_down(seconds: float) -> list[str]:
-    """What Python's exit runs in Python, within `seconds` in all: the other non-daemon threads joined, then the
-    exit handlers (atexit: Prefect's temporary server stopped). Bounded: a thread a user's module started when
-    imported, or an exit handler it registered, that never ends kept a finished run from exiting. Returns what
-    was left running (thread names, "exit handlers"), for the caller to say before its os._exit."""
+    """What Python's exit runs in Python: the other non-daemon threads joined (within `seconds` in all), the exit
+    handlers users' modules registered as they were imported (held apart: EXIT_HANDLER_SECONDS each), then the
+    run's own (atexit: Prefect's temporary server stopped). Bounded: a thread or an exit handler of a user's module
+    that never ended kept a finished run from exiting. Returns what was left running, for the caller to say."""
     import atexit
 
     until = time.monotonic() + seconds
@@ -322,23 +372,9 @@ def wind_down(seconds: float) -> list[str]:
         if t is not threading.main_thread() and not t.daemon:
             t.join(max(until - time.monotonic(), 0))
     left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
-    said, interrupted = sys.unraisablehook, []
-
-    def hook(unraisable) -> None:       # (atexit reports a handler's exception and runs the ones after it)
-        if isinstance(unraisable.exc_value, DeadlinePassed):
-            interrupted.append(True)
-        else:
-            said(unraisable)
-
-    sys.unraisablehook = hook
-    try:
-        with deadline(max(until - time.monotonic(), 1.0)):
-            atexit._run_exitfuncs()
-    except DeadlinePassed:
-        interrupted.append(True)
-    finally:
-        sys.unraisablehook = said
-    return left + (["exit handlers"] if interrupted else [])
+    left += _run_held(EXIT_HANDLER_SECONDS)
+    atexit._run_exitfuncs()
+    return left
 
 
 # ---------------------------------------------------------------------------------------- environment variables

@@ -60,31 +60,38 @@ def _clean(answer: str) -> str:
     return answer.strip().strip("*`\"' ").rstrip(".").strip("*`\"' ")
 
 
-def readings(text: str, answer_format: str) -> list[str]:
+def readings(text: str, answer_format: str, answer: str | None = None) -> list[str]:
     """What answer_reward scores (the best counts): the answer read_answer finds; with answer_is and final also
     it with a full stop (the sentence's stop cannot be told from an answer's own) and the text it was read from as
-    written (an answer's own quotes: `"Now go," he said.`; final: the whole last line, an answer that holds "=" or
-    ": " itself: `A=7,G=0`, `{"root": 2.5}`); with final also the last number in it ("... appears 2 times" ->
-    "2"; the last one only, so listing numbers gains nothing)."""
+    written (an answer's own quotes: `"Now go," he said.`); under final, where the row's `answer` itself holds
+    "=" or ": " (`A=7,G=0`, `{"root": 2.5}`), a quote or its own full stop, also the whole last line (not for
+    other answers: a checker that reads a line's first number would pay "12 + 5 = 17" for 12); with final also the
+    last number in it ("... appears 2 times" -> "2"; the last one only, so listing numbers gains nothing)."""
     read = read_answer(text, answer_format)
     if read is None:
         return []
     if answer_format == "tags":
         return [read]
     found = [read, read + "."]
-    if (raw := _as_written(text, answer_format)) is not None:
+    if (raw := _as_written(text, answer_format, _cut_by_reading(answer))) is not None:
         found += [raw, raw.removesuffix(".")]
     numbers = _NUMBER.findall(read) if answer_format == "final" else []
     found += [numbers[-1]] if numbers else []
     return [r for r in dict.fromkeys(found) if r]
 
 
-def _as_written(text: str, answer_format: str) -> str | None:
+def _cut_by_reading(answer: str | None) -> bool:
+    """Whether reading a last line leniently would cut such an answer ("=", ": ", quotes, a full stop)."""
+    answer = str(answer).strip() if answer is not None else ""
+    return "=" in answer or ": " in answer or answer[:1] in ("'", '"') or answer.endswith(".")
+
+
+def _as_written(text: str, answer_format: str, whole_line: bool = False) -> str | None:
     """The text read_answer reads its answer from, only stripped of the spaces around it: what follows the last
-    "answer is", or (final, without one, nor tags) the last line."""
+    "answer is", or (final, without one, nor tags, where `whole_line`) the last line."""
     if found := _ANSWER_IS.findall(text):
         return found[-1].strip()
-    if answer_format == "final" and not _TAGS.search(text):
+    if answer_format == "final" and whole_line and not _TAGS.search(text):
         lines = [line for line in text.splitlines() if line.strip()]
         return lines[-1].strip() if lines else None
     return None
@@ -119,7 +126,7 @@ def answer_reward(completions: list, answer: list[str], question: list[str], met
     out = []
     for completion, ans, q, meta, spec, fmt in zip(completions, answer, question, metadata, reasoning_gym,
                                                    answer_format):
-        found = readings(text_of(completion), fmt)
+        found = readings(text_of(completion), fmt, ans)
         if not found:
             out.append(0.0)
             continue

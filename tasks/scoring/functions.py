@@ -140,7 +140,7 @@ def check_signature(what: str, fn, available: set[str], columns: list[str], kwar
         if p.kind is p.POSITIONAL_ONLY:
             raise UserError(f"{what}: argument {p.name!r} is positional-only; reward functions are called with "
                             f"every argument by keyword, as TRL calls them")
-        if p.name not in available and p.name == prompt_column:
+        if p.name not in available and p.name == prompt_column != "prompt":
             raise UserError(f"data.prompt_column: {p.name!r} is read as the prompt (reward functions get it as "
                             f"`prompts`, not by its name), and {what} needs an argument {p.name!r}; expected another "
                             f"column as the prompt, or a function that reads `prompts`")

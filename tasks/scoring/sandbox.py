@@ -545,8 +545,8 @@ def _bwrap_has(bwrap: str, flag: str) -> bool:
 
 
 def resolve_python(configured: str | None) -> str:
-    if configured:
-        return configured
+    if configured:                  # (a name alone, such as python3, is looked up on PATH)
+        return configured if os.sep in configured else shutil.which(configured) or configured
     return "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 
 
@@ -558,7 +558,7 @@ def _interpreter_binds(python: str) -> tuple[str, ...]:
     try:
         asked = run([python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"], _clean_env(None),
                     rlflow=False, capture_output=True, text=True, timeout=30)
-        out, why = asked.stdout.split(), f"exit {asked.returncode}"
+        out, why = asked.stdout.splitlines(), f"exit {asked.returncode}"     # (a prefix may hold spaces)
     except (OSError, subprocess.TimeoutExpired) as e:
         out, why = [], f"{type(e).__name__}: {e}"
     if len(out) != 2:     # not a Python (an empty file, another program): its folders cannot be told

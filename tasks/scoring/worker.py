@@ -243,20 +243,15 @@ def die_with_parent() -> None:
 
 
 def _at_home(cwd: str):
-    """What puts the worker back in the run's folder, and its environment variables as they were once the
-    functions were imported, after each call: a function that changed the working directory (os.chdir, at import
-    or in a call) changed it for every function after it, whose relative paths then failed and were counted
-    against them; one that set a variable set it for the others."""
-    environment = dict(os.environ)
-
+    """What puts the worker back in the run's folder after each call: a function that changes the working
+    directory (os.chdir, at import or in a call) changed it for every function after it, whose relative paths then
+    failed and were counted against them. (Environment variables are left as functions set them: one may set
+    its own once, at its first call.)"""
     def home() -> None:
         try:
             os.chdir(cwd)
         except OSError:                       # (the run's folder removed under it: the functions' own business)
             pass
-        if os.environ != environment:
-            os.environ.clear()
-            os.environ.update(environment)
     home()
     return home
 
