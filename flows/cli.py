@@ -9,10 +9,8 @@
 
 Exit codes: 0 success; 2 a user error (one line on stderr naming the field or row); 1 an internal error;
 130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM.
-Prefect: a temporary API server the run starts and stops, unless PREFECT_API_URL names one (then the run shows
-in that UI).
-Ctrl-C or SIGTERM stops the run where it is, and it says what is kept and how to resume.
-More: docs/internals.md (flows/cli.py): stopping, in full.
+Prefect: a temporary API server the run starts and stops, unless PREFECT_API_URL names one (its UI shows the run).
+Ctrl-C or SIGTERM stops the run where it is, saying what is kept and how to resume (docs/internals.md: stopping).
 """
 
 from __future__ import annotations
@@ -28,9 +26,9 @@ import threading
 import traceback
 from pathlib import Path
 
-from tasks.core.errors import UserError
+from tasks.core.errors import UserError, printable
 from tasks.core.paths import check_environment, check_path, working_directory_on_path
-from tasks.core.process_wide import exit_now, set_default, set_variable, wind_down
+from tasks.core.process_wide import USER_THREADS, exit_now, set_default, set_variable, wind_down
 
 
 def _command_process() -> None:
@@ -394,13 +392,12 @@ def _tidy_up() -> None:
 
 
 def _exit_after_done(code: int) -> None:
-    """The end of a finished `rlflow run`: what Python's exit runs in Python (other threads joined, the atexit
-    handlers: Prefect's temporary server stopped), then os._exit. The interpreter's teardown after that (~2 s of
-    freeing torch's and the others' modules, on 2 cores) runs no signal handler: a Ctrl-C there ended the process
-    by SIGINT (130) without a word; skipped, it cannot happen."""
+    """The end of a finished `rlflow run` (or one with users' threads left): what Python's exit runs in Python
+    (process_wide.wind_down), then os._exit; the interpreter's teardown (~2 s, where a Ctrl-C ended it by SIGINT
+    without a word) is skipped."""
     if left := wind_down(60.0):
-        print(f"warning: {', '.join(left[:4])} still running 60 s after the run ended: ended with it (a user's "
-              f"module that starts a thread or registers an exit handler when imported?)", file=sys.stderr)
+        print(printable(f"warning: {', '.join(left[:4])} still running as the run ended: ended with it (a user's "
+                        f"module that starts a thread or registers an exit handler when imported?)"), file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     exit_now(code)
@@ -509,6 +506,13 @@ def _shield_prefect_server() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    if any(t.is_alive() for t in USER_THREADS):      # (Python's own exit would wait for them: a failed run hung)
+        _exit_after_done(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     from tasks.core.stage import OneLineParser
 
     ap = OneLineParser(prog="rlflow", description="RL post-training as a scheduled, resumable pipeline.")

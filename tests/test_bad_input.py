@@ -1051,6 +1051,18 @@ def test_every_reward_call_failing_stops_the_run(prefect_api, tmp_path):
         "the first: reward function 'boom' raised ValueError: bad answer format (broken.py:2)")
 
 
+def test_a_thread_a_reward_module_starts_when_imported_does_not_hold_a_failed_run(prefect_api, tmp_path):
+    """A module that starts a non-daemon thread when imported (preflight imports it in the flow's process): a run
+    that failed said its line, then Python's exit waited for that thread for good."""
+    (tmp_path / "threads.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), "
+                                         "name='users').start()\ndef f(completions, **kw):\n    return []\n")
+    out = run_cli(["run", str(TINY), "-o", "run.iterations=2", "-o", 'reward.functions=[{"fn": "threads:f"}]'],
+                  tmp_path, prefect_api)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines[-2].startswith("error: reward: every reward call of iteration 1 failed")
+    assert lines[-1].startswith("warning: users still running as the run ended: ended with it")
+
+
 @pytest.mark.parametrize("body, line", [
     ("return [float('nan')] * len(completions)",
      "error: reward: no completion of iteration 1 was scored (nothing to train on): 'f' returned NaN, inf or beyond "

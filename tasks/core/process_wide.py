@@ -312,6 +312,7 @@ def deadline(seconds: float) -> Iterator[bool]:
 
 
 _HELD_EXIT: list[tuple] = []          # exit handlers users' modules registered as they were imported (held_exit)
+USER_THREADS: list[threading.Thread] = []   # non-daemon threads users' modules started as they were imported
 _HOLDING = threading.local()          # .on: this thread imports a user's module now
 EXIT_HANDLER_SECONDS = 10.0           # the most wind_down gives each of them
 
@@ -319,8 +320,11 @@ EXIT_HANDLER_SECONDS = 10.0           # the most wind_down gives each of them
 @contextmanager
 def exit_handlers_held() -> Iterator[None]:
     """The body imports a user's module: what it registers with atexit is held apart (run at exit by one handler
-    of ours, as Python would; by wind_down within EXIT_HANDLER_SECONDS each), not among the run's own."""
+    of ours, as Python would; by wind_down within EXIT_HANDLER_SECONDS each), not among the run's own; the
+    non-daemon threads it starts are noted (USER_THREADS: wind_down does not wait for them)."""
     import atexit
+
+    threads = set(threading.enumerate())
 
     with _GUARD_LOCK:
         if not isinstance(atexit.register, _Holder):
@@ -331,6 +335,7 @@ def exit_handlers_held() -> Iterator[None]:
         yield
     finally:
         _HOLDING.on = before
+        USER_THREADS.extend(t for t in threading.enumerate() if t not in threads and not t.daemon)
 
 
 class _Holder:
@@ -361,15 +366,16 @@ def _run_held(seconds: float | None = None) -> list[str]:
 
 
 def wind_down(seconds: float) -> list[str]:
-    """What Python's exit runs in Python: the other non-daemon threads joined (within `seconds` in all), the exit
-    handlers users' modules registered as they were imported (held apart: EXIT_HANDLER_SECONDS each), then the
-    run's own (atexit: Prefect's temporary server stopped). Bounded: a thread or an exit handler of a user's module
-    that never ended kept a finished run from exiting. Returns what was left running, for the caller to say."""
+    """What Python's exit runs in Python: the other non-daemon threads joined (within `seconds` in all; not those
+    of USER_THREADS), the exit handlers users' modules registered as they were imported (held apart:
+    EXIT_HANDLER_SECONDS each), then the run's own (atexit: Prefect's temporary server stopped). Bounded: a
+    thread or an exit handler of a user's module that never ended kept a run from exiting. Returns what was left
+    running, for the caller to say."""
     import atexit
 
     until = time.monotonic() + seconds
     for t in threading.enumerate():
-        if t is not threading.main_thread() and not t.daemon:
+        if t is not threading.main_thread() and not t.daemon and t not in USER_THREADS:
             t.join(max(until - time.monotonic(), 0))
     left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
     left += _run_held(EXIT_HANDLER_SECONDS)
