@@ -201,7 +201,7 @@ def check_context(cfg: Config, path: str) -> None:
         return
     context, key, rotary = found
     gc, episodic, after = cfg.generate, cfg.env.episodic(), cfg.completion_limit()
-    need = gc.max_prompt_length + after          # (an episode: its first prompt and every token after it)
+    need = cfg.sequence_limit()                  # (an episode: its first prompt and every token after it)
     model = f"the model's context ({context}, {key})"
     lengths = (f"generate.max_prompt_length: {gc.max_prompt_length} + "
                f"{'env.max_tokens' if episodic else 'max_completion_length'} {after} = {need} tokens")

@@ -173,7 +173,7 @@ def test_what_a_finished_run_waits_for_at_its_exit_is_bounded(tmp_path):
 
     script = ("import atexit, os, sys, threading, time\n"
               "from tasks.core import process_wide\nprocess_wide.EXIT_HANDLER_SECONDS = 1.0\n"
-              "with process_wide.exit_handlers_held():     # (what a user's module registers as it is imported)\n"
+              "with process_wide.user_import():     # (what a user's module registers as it is imported)\n"
               "    atexit.register(time.sleep, 600)\n    atexit.register(time.sleep, 600)\n"
               "threading.Thread(target=time.sleep, args=(600,), name='users').start()\n"
               "atexit.register(print, 'own handler ran')\n"

@@ -145,9 +145,13 @@ class Config(Section):
         the observations'), else generate.max_completion_length."""
         return self.env.max_tokens if self.env.episodic() else self.generate.max_completion_length
 
+    def sequence_limit(self) -> int:
+        """The longest sequence a rollout can be: its prompt (generate.max_prompt_length) and completion_limit()."""
+        return self.generate.max_prompt_length + self.completion_limit()
+
     @model_validator(mode="after")
     def _episode_fits_max_model_len(self):
-        gc, need = self.generate, self.generate.max_prompt_length + self.env.max_tokens
+        gc, need = self.generate, self.sequence_limit()
         if gc.engine == "vllm" and self.env.episodic() and gc.max_model_len is not None and gc.max_model_len < need:
             # (a warning, as where the model's context caps it: vLLM stops a sequence there; and a stored run resumes)
             warn(f"warning: generate.max_model_len: {gc.max_model_len} is less than an episode can take: its first "

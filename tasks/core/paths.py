@@ -15,18 +15,16 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import threading
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 from tasks.core.errors import UserError
 from tasks.core.process_wide import (
     DeadlinePassed,
     deadline,
-    exit_handlers_held,
     number_from_environment,
     user_code,
+    user_import,
     user_output_limit,
 )
 
@@ -147,32 +145,6 @@ def working_directory_on_path(here: str | None = None) -> None:
     sys.path[:] = [root, here, *(p for p in sys.path if p not in (root, here, "", os.curdir))]
 
 
-@contextmanager
-def _process_state_kept():
-    """What a module's import may change for the whole run, put back after it: the stop signals' handlers (a
-    module that ignored SIGINT and SIGTERM made Ctrl-C do nothing to the run) and warning filters that make
-    warnings errors (`simplefilter('error')` made MLflow's warnings errors: no trace recorded). A library's own
-    filters (ignoring its deprecations) and other signals' handlers (SIGCHLD, SIGPIPE) stay as the import left
-    them."""
-    import signal
-    import warnings
-
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-            handlers[sig] = signal.getsignal(sig)
-    before = list(warnings.filters)
-    try:
-        yield
-    finally:
-        for sig, handler in handlers.items():
-            if handler is not None and signal.getsignal(sig) is not handler:
-                signal.signal(sig, handler)
-        if any(f[0] == "error" and f not in before for f in warnings.filters):
-            warnings.filters[:] = [f for f in warnings.filters if f[0] != "error" or f in before]
-            warnings._filters_mutated()
-
-
 def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = False) -> Callable:
     """`module:name` from the working directory first (user modules live where rlflow is run), imported within
     IMPORT_SECONDS: a UserError naming `key` if the module cannot be imported (it raises, calls sys.exit, or
@@ -183,7 +155,7 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     working_directory_on_path(here)
     seconds = user_code_seconds()
     try:
-        with deadline(seconds), user_code(), _process_state_kept(), exit_handlers_held():   # (main thread)
+        with deadline(seconds), user_code(), user_import():     # (preflight imports in the main thread: watched there)
             module = importlib.import_module(module_name)
     except DeadlinePassed:
         raise UserError(f"{key}: module {module_name!r} did not finish importing in {seconds:g} s (it waits or "

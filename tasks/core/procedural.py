@@ -47,6 +47,7 @@ def twin_key(question: str) -> tuple[str, ...]:
     which costs a training item, never a held-out one's honesty."""
     return tuple(sorted("".join(sorted(w.lower())) if w.isalpha() else w for w in _WORDS.findall(question)))
 
+
 def _training(task: str, config: dict, seed: int, size: int, held_out: list[dict], key) -> tuple[list, list]:
     """`size` training items outside `held_out` and its twins by `key` (fewer if TRIES x size indices hold no
     more), and every item visited. Items are made one index at a time (Random(seed + index) for most tasks): lcm

@@ -311,21 +311,27 @@ def deadline(seconds: float) -> Iterator[bool]:
             signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 1e-3))
 
 
-_HELD_EXIT: list[tuple] = []          # exit handlers users' modules registered as they were imported (held_exit)
+_HELD_EXIT: list[tuple] = []          # exit handlers users' modules registered as they were imported
 USER_THREADS: list[threading.Thread] = []   # non-daemon threads users' modules started as they were imported
 _HOLDING = threading.local()          # .on: this thread imports a user's module now
 EXIT_HANDLER_SECONDS = 10.0           # the most wind_down gives each of them
 
 
 @contextmanager
-def exit_handlers_held() -> Iterator[None]:
-    """The body imports a user's module: what it registers with atexit is held apart (run at exit by one handler
-    of ours, as Python would; by wind_down within EXIT_HANDLER_SECONDS each), not among the run's own; the
-    non-daemon threads it starts are noted (USER_THREADS: wind_down does not wait for them)."""
+def user_import() -> Iterator[None]:
+    """The body imports a user's module (paths.import_user), in rlflow's own process: what that may change for the
+    whole run is put back or kept apart. The stop signals' handlers are put back (a module that ignored SIGINT and
+    SIGTERM made Ctrl-C do nothing), and warning filters that make warnings errors removed (`simplefilter('error')`
+    made MLflow's warnings errors: no trace recorded); a library's own filters and other signals' handlers stay.
+    What it registers with atexit is held apart (run at exit by one handler of ours, as Python would; by
+    wind_down within EXIT_HANDLER_SECONDS each), and the non-daemon threads it starts are noted (USER_THREADS:
+    wind_down does not wait for them)."""
     import atexit
+    import warnings
 
-    threads = set(threading.enumerate())
-
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+                } if threading.current_thread() is threading.main_thread() else {}
+    filters, threads = list(warnings.filters), set(threading.enumerate())
     with _GUARD_LOCK:
         if not isinstance(atexit.register, _Holder):
             atexit.register(_run_held)              # (the real one: where the process ends another way)
@@ -336,6 +342,12 @@ def exit_handlers_held() -> Iterator[None]:
     finally:
         _HOLDING.on = before
         USER_THREADS.extend(t for t in threading.enumerate() if t not in threads and not t.daemon)
+        for sig, handler in handlers.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+        if any(f[0] == "error" and f not in filters for f in warnings.filters):
+            warnings.filters[:] = [f for f in warnings.filters if f[0] != "error" or f in filters]
+            warnings._filters_mutated()
 
 
 class _Holder:

@@ -105,7 +105,7 @@ def max_model_len(cfg: Config, model: str) -> int:
     if gc.max_model_len is not None:
         return gc.max_model_len
     context = engine_context(model)
-    need = gc.max_prompt_length + cfg.completion_limit()
+    need = cfg.sequence_limit()
     return min(need, context[0]) if context else need
 
 

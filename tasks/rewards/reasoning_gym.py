@@ -157,9 +157,8 @@ def format_reward(completions: list, answer_format: list[str], answer: list | No
     >>> format_reward(["7 + 5 = 12. The answer is 12.", "The answer is 12. Also..."], answer_format=["answer_is"] * 2)
     [1.0, 0.0]
     """
-    out = []
-    for completion, fmt, ans in zip(completions, answer_format, answer if answer is not None else [None] * len(
-            completions)):
+    out, answers = [], answer if answer is not None else [None] * len(completions)
+    for completion, fmt, ans in zip(completions, answer_format, answers):
         text = text_of(completion).strip()
         if fmt == "tags":
             found = _TAGS.findall(text)

@@ -222,8 +222,7 @@ def _no_timers() -> None:
     would end the worker under the next function, which was blamed."""
     import signal
 
-    signal.alarm(0)
-    for timer in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF):
+    for timer in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF):     # (ITIMER_REAL: alarm's too)
         signal.setitimer(timer, 0)
 
 
