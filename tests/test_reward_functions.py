@@ -15,7 +15,7 @@ from tasks.core.config import load_config
 from tasks.core.contracts import Rollout
 from tasks.core.errors import UserError
 from tasks.rewards.math_answer import math_answer_reward
-from tasks.scoring.functions import RewardFunctionError, load_functions, score_records
+from tasks.scoring.functions import RewardFunctionError, close_workers, load_functions, score_records
 from tests.conftest import TINY, run_cli
 
 BAD = textwrap.dedent('''
@@ -459,7 +459,9 @@ def test_logged_values_reach_the_record_as_json(bad_module):
 def test_what_a_function_prints_is_bounded(bad_module, monkeypatch, capfd, fn):
     """Through print, written to descriptors 1 and 2 itself, by a process it starts, or by C code that keeps the
     GIL: 200 KB-2 MB bounded to the budget, said once (the worker's stderr is a pipe its parent copies from:
-    processes.BoundedCopy; a copier in the worker itself would wait for the GIL the writer holds)."""
+    processes.BoundedCopy; a copier in the worker itself would wait for the GIL the writer holds). Earlier tests'
+    idle workers are ended first: what one of them still copies is not this function's."""
+    close_workers()
     monkeypatch.setenv("RLFLOW_USER_OUTPUT_BYTES", "10000")
     scored = score_records(_functions([fn]), _records(), "sum")
     out, err = capfd.readouterr()
@@ -797,3 +799,18 @@ def test_a_functions_log_extra_columns_cannot_replace_the_samples_own():
     rows = _samples(load_config(TINY), records)
     assert [(row["prompt"], row["reward"], row["reward/good"], row["note"]) for row in rows] == [("a=", 0.5, 0.5,
                                                                                                    "kept")] * 2
+
+
+def test_a_budgets_limit_is_read_once_a_budget():
+    """The limit is read at a budget's first write and holds until it is renewed: output counted under one limit
+    (an idle worker's, under the default) is not judged by another read later (a test's smaller one: the bounded
+    test above once saw two lines, one of them another worker's)."""
+    from tasks.core.process_wide import OutputBudget
+
+    limit = [4000]
+    budget = OutputBudget(lambda: limit[0])
+    assert budget.take(3000) == (3000, None)
+    limit[0] = 1000
+    assert budget.take(500) == (500, None)
+    budget.renew()
+    assert budget.take(3000) == (1000, 1000) and budget.take(10) == (0, None)

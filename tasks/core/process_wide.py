@@ -177,17 +177,20 @@ class OutputBudget:
 
     def __init__(self, limit: Callable[[], int] = user_output_limit):
         self._limit, self._lock = limit, threading.Lock()
-        self._used, self._said = 0, False
+        self._used, self._said, self._cap = 0, False, None
 
     def renew(self) -> None:
         with self._lock:
-            self._used, self._said = 0, False
+            self._used, self._said, self._cap = 0, False, None
 
     def take(self, n: int) -> tuple[int, int | None]:
         """Count `n` more: how many of them fit, and the limit where this is the first write that did not fit
-        whole (the drop is said once per budget), else None."""
-        limit = self._limit()
+        whole (the drop is said once per budget), else None. The limit is read once per budget, at its first
+        write: a budget counted under one limit is not judged by a later one (an idle worker's stray output)."""
         with self._lock:
+            if self._cap is None:
+                self._cap = self._limit()
+            limit = self._cap
             room = max(limit - self._used, 0)
             self._used += n
             say, self._said = n > room and not self._said, self._said or n > room
