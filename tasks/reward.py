@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from tasks.algorithms import dynamic_sampling
 from tasks.core import layout, rollout
-from tasks.core.errors import UserError
+from tasks.core.errors import UserError, printable
 from tasks.core.placement import placement_of
 from tasks.core.stage import check_round, command, fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
@@ -91,24 +91,33 @@ def reward(cfg: Config, iteration: int, round: int = 0, services: Services | Non
 
 def logged_metrics(logged: dict[str, float], own: dict[str, float]) -> dict[str, float]:
     """What reward functions logged with log_metric(name, value), as reward/<name> (a name MLflow refuses made one it
-    takes: tracking.metric_key); a name that is one of rlflow's own metrics (`own`: reward/mean, reward/std, a
-    function's /errors ...) becomes reward/log_metric/<name>, said once, so that it neither replaces the run's
-    figure nor is lost."""
-    out = {}
+    takes, 250 characters at most: tracking.metric_key); a name that is one of rlflow's own metrics (`own`:
+    reward/mean, reward/std, a function's /errors ...) becomes reward/log_metric/<name>, and one that comes out as
+    the key of another name logged ("pass@1" and "pass#1"; two long names alike in their first 250 characters)
+    gets "-2", "-3" ..., each said once, so that no figure replaces another or is lost."""
+    out: dict[str, float] = {}
     for name, value in logged.items():
-        key = f"reward/{metric_key(name)}"
+        key = metric_key(f"reward/{name}")
         if key in own:
-            renamed = f"reward/log_metric/{metric_key(name)}"
-            if key not in _RENAMED:
-                _RENAMED.add(key)
-                print(f"warning: a reward function's log_metric({name!r}) is logged as {renamed}: {key} is rlflow's "
-                      f"own metric", file=sys.stderr)
-            key = renamed
+            key = _renamed(name, key, metric_key(f"reward/log_metric/{name}"), "rlflow's own metric")
+        if key in out or key in own:
+            taken, n = key, 2
+            while (key := metric_key(f"{taken[:240]}-{n}")) in out or key in own:
+                n += 1
+            key = _renamed(name, taken, key, "the key another log_metric name made")
         out[key] = value
     return out
 
 
-_RENAMED: set[str] = set()          # log_metric names said to be renamed (once a process)
+def _renamed(name: str, key: str, renamed: str, why: str) -> str:
+    if (name, renamed) not in _RENAMED:
+        _RENAMED.add((name, renamed))
+        print(printable(f"warning: a reward function's log_metric({name!r}) is logged as {renamed}: {key} is "
+                        f"{why}"), file=sys.stderr)
+    return renamed
+
+
+_RENAMED: set[tuple[str, str]] = set()     # log_metric names said to be renamed (once a process)
 
 
 def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -> dict:

@@ -814,3 +814,38 @@ def test_a_budgets_limit_is_read_once_a_budget():
     assert budget.take(500) == (500, None)
     budget.renew()
     assert budget.take(3000) == (1000, 1000) and budget.take(10) == (0, None)
+
+
+def test_log_metric_names_that_come_out_alike_stay_apart_within_mlflows_length():
+    """"pass@1" and "pass#1" both make reward/pass_1, two long names alike in their first 250 characters one key:
+    the second one logged replaced the first, unsaid; and reward/ went before a name already cut to 250, which
+    MLflow refuses (its keys hold 250)."""
+    from tasks.reward import logged_metrics
+
+    own = {"reward/mean": 0.5}
+    assert logged_metrics({"pass@1": 1.0, "pass#1": 2.0, "mean": 3.0, "log_metric/mean": 4.0}, own) == {
+        "reward/pass_1": 1.0, "reward/pass_1-2": 2.0, "reward/log_metric/mean": 3.0, "reward/log_metric/mean-2": 4.0}
+    long = logged_metrics({"x" * 300 + "a": 1.0, "x" * 300 + "b": 2.0, "x" * 300 + "c": 3.0}, own)
+    assert sorted(long.values()) == [1.0, 2.0, 3.0] and all(len(k) <= 250 for k in long)
+
+
+def test_a_log_extra_column_of_another_length_is_said_and_a_long_value_is_cut(tmp_path, monkeypatch, capfd):
+    """A column without one value per completion is left out (TRL's table fails on it) and now said, once; a
+    value of 100 KB is kept as its JSON text cut to 64 KB (the records and the samples table stay small)."""
+    (tmp_path / "odd_logs.py").write_text(
+        "def f(completions, log_extra, **kw):\n"
+        "    log_extra('short', [1, 2, 3])\n"
+        "    log_extra('long', ['y' * 100_000] + ['z'] * (len(completions) - 1))\n"
+        "    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    functions = load_functions(load_config(TINY, ['reward.functions=[{"fn": "odd_logs:f"}]']))
+    records = _records()
+    score_records(functions, records, "sum")
+    score_records(functions, _records(), "sum")
+    err = capfd.readouterr().err
+    assert err.count("reward function 'f' logged 3 values in log_extra('short') for 4 completions; the column "
+                     "is left out") == 1, err
+    assert all("short" not in r.extra for r in records) and [r.extra["long"] for r in records[1:]] == ["z"] * 3
+    long = records[0].extra["long"]
+    assert long.startswith('"yyy') and long.endswith("(cut: 100002 characters as JSON, log_extra keeps 65536)")
+    assert len(long) < 66_000

@@ -262,7 +262,7 @@ def _pythonpath(cwd: str) -> str:
 MAX_IDLE = 8
 _idle: dict[str, list[_Worker]] = {}          # (in the order given back: the least recent key first)
 _workers_lock = threading.Lock()
-_shown: set[str] = set()       # functions whose first failure this process has printed
+_shown: set = set()       # functions whose first failure (columns whose drop) this process has printed
 
 
 # Workers are started from one thread that lives as long as the process: a worker asks to be killed when "its
@@ -425,7 +425,13 @@ def _record(functions: RewardFunctions, out: Scored, name: str, reply: tuple, n:
         out.errors[name] = message
         out.scores[name] = [None] * n
         return
-    _, values, extra, metrics = reply
+    _, values, extra, metrics, dropped = reply
+    for column, length in dropped.items():        # (TRL's table fails on such a column; here it is left out, said)
+        if (name, column) not in _shown:
+            _shown.add((name, column))
+            print(printable(f"warning: reward function {name!r} logged {length} values in log_extra({column!r}) "
+                            f"for {n} completions; the column is left out of the samples (one value per "
+                            f"completion)"), file=sys.stderr)
     bad = [j for j, v in enumerate(values) if v is not None and not (math.isfinite(v) and abs(v) <= LARGEST)]
     if bad and functions.strict:
         raise RewardFunctionError(f"reward function {name!r} returned {values[bad[0]]} for completion {bad[0]}")

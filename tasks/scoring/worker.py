@@ -6,9 +6,9 @@ Protocol: length-prefixed pickles. The parent sends the setup once
 `{"functions": [{"fn": "mod:f", "kwargs": {...}}, ...], "cwd": ..., "sandbox": {...}}`, the worker answers
 `("ready", None)` or `("setup_error", message)`; then per call the parent sends `(index, completions, columns)`
 (columns: every other keyword of the call, TRL's convention: prompts, completion_ids, the dataset's columns,
-trainer_state) and the worker answers `("ok", values, extra, metrics)` or `("error", message)`. `values` are
-floats, NaN or None; `extra` holds the columns the function logged with TRL's `log_extra(column, values)`,
-`metrics` the means of what it logged with `log_metric(name, value)`.
+trainer_state) and the worker answers `("ok", values, extra, metrics, dropped)` or `("error", message)`. `values`
+are floats, NaN or None; `extra` holds the columns the function logged with TRL's `log_extra(column, values)`,
+`dropped` the lengths of those left out, `metrics` the means of what it logged with `log_metric(name, value)`.
 
 Imports stay light (no torch); it lives as long as its stage, and what the functions leave running ends with it
 (its keeper). Only the protocol goes to the real stdout: what the functions write to fds 1 and 2 goes to a stderr
@@ -135,21 +135,30 @@ def _call(fn, kwargs: dict, completions: list, columns: dict):
     if inspect.isawaitable(values):
         values = _loop().run_until_complete(_awaited(values))
     values = _clean(values, n)
-    extra = {k: [_plain(x) for x in v] for k, v in extra.items() if len(v) == n}   # a column per completion, or none
+    # a column per completion, or none: one of another length is dropped, its length said (the parent warns)
+    dropped = {k: len(v) for k, v in extra.items() if len(v) != n}
+    extra = {k: [_plain(x) for x in v] for k, v in extra.items() if k not in dropped}
     metrics = {k: sum(v) / len(v) for k, v in logged.items() if v and all(math.isfinite(x) for x in v)}
-    return values, extra, metrics
+    return values, extra, metrics, dropped
+
+
+MAX_LOGGED_CHARS = 1 << 16      # a logged value's JSON past this is kept as its text, cut (the record stays small)
 
 
 def _plain(value):
     """A logged value as the rollout record can hold it (JSON: a numpy or torch scalar as its number, anything
-    else JSON cannot hold as its text), so that it can neither fail the answer nor the record written later."""
+    else JSON cannot hold as its text), so that it can neither fail the answer nor the record written later; one
+    whose JSON is longer than MAX_LOGGED_CHARS is its JSON text, cut there and saying so."""
     try:
-        return json.loads(json.dumps(value, default=_as_json))
+        text = json.dumps(value, default=_as_json)
     except Exception:  # noqa: BLE001 - a cycle, a key JSON cannot take, a __str__ that raises
         try:
-            return str(value)[:1000]
+            text = json.dumps(str(value)[:1000])
         except Exception:  # noqa: BLE001
             return type(value).__name__
+    if len(text) > MAX_LOGGED_CHARS:
+        return f"{text[:MAX_LOGGED_CHARS]}… (cut: {len(text)} characters as JSON, log_extra keeps {MAX_LOGGED_CHARS})"
+    return json.loads(text)
 
 
 def _as_json(o):
