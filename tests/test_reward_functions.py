@@ -849,3 +849,20 @@ def test_a_log_extra_column_of_another_length_is_said_and_a_long_value_is_cut(tm
     long = records[0].extra["long"]
     assert long.startswith('"yyy') and long.endswith("(cut: 100002 characters as JSON, log_extra keeps 65536)")
     assert len(long) < 66_000
+
+
+def test_a_killed_workers_output_pipe_is_closed_by_its_copier_alone(bad_module):
+    """Killing a worker closed the pipe its output copier was waiting on, and the copier went on with the number:
+    the next pipe opened (a new worker's stdout or stderr) got it, the old copier read from it, and the new
+    worker's "ready" went to the console (its set-up timed out after 120 s) or a flood was said twice (CI,
+    2026-12-06). The copier closes its pipe itself, once it has read the end."""
+    from tasks.scoring.functions import _take
+
+    worker = _take(_functions(["good"]))
+    copy = worker.output
+    worker.kill()
+    with copy._lock:
+        assert not copy._pipe.closed or copy._closed      # (only the copier closes it, and says so under its lock)
+    copy.wait(30)
+    assert copy._pipe.closed and not copy._thread.is_alive()
+    assert score_records(_functions(["good"]), _records(), "sum").scores["good"]

@@ -178,11 +178,13 @@ class BoundedCopy:
     """Copies what a child writes to a pipe (its stdout or stderr) to this process's descriptor 2, at most
     `limit()` bytes per budget (renew: a new one), saying once where it drops the rest. In this process, so it
     bounds everything the child and what it starts write (print, os.write, C code holding the GIL there, a
-    subprocess), and what it wrote just before it died is still copied (the pipe is read to its end)."""
+    subprocess), and what it wrote just before it died is still copied (the pipe is read to its end). The pipe is
+    the copier's: it closes it at the end, and no one else may (closed under a copier waiting in select, its
+    number was the next pipe's, a new worker's: the old copier read that worker's output, or its answers)."""
 
     def __init__(self, pipe, limit: Callable[[], int], what: str):
         self._fd, self._budget, self._what = pipe.fileno(), OutputBudget(limit), what
-        self._pipe = pipe                        # (kept: the descriptor is the pipe object's)
+        self._pipe, self._closed = pipe, False   # (kept: the descriptor is the pipe object's)
         self._lock, self._taken, self._copied = threading.Lock(), 0, 0   # bytes out of the pipe; copied (or dropped)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"rlflow-copy-{what}")
         self._thread.start()
@@ -206,6 +208,8 @@ class BoundedCopy:
         if not self._lock.acquire(timeout=timeout):
             return
         try:
+            if self._closed:
+                return
             pending = array.array("i", [0])
             fcntl.ioctl(self._fd, termios.FIONREAD, pending)
             target = self._taken + pending[0]
@@ -239,7 +243,14 @@ class BoundedCopy:
                     pass                     # (no one reads this process's stderr: the pipe is still drained)
                 self._copied += len(chunk)
         except (OSError, ValueError):
-            return                           # (the pipe was closed here)
+            return
+        finally:
+            with self._lock:                 # (here alone: its number is free for another pipe once closed)
+                self._closed = True
+                try:
+                    self._pipe.close()
+                except OSError:
+                    pass
 
 
 def how_it_ended(code: int | None) -> str:

@@ -167,8 +167,10 @@ class _Worker:
         self.proc = spawn([sys.executable, "-m", "tasks.scoring.worker"], {**os.environ, "PYTHONPATH":
                           _pythonpath(setup["cwd"])}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, start_new_session=True, cwd=setup["cwd"])
-        # what the functions write (prints, os.write, what they start): bounded per batch, here
-        self.output = BoundedCopy(self.proc.stderr, user_output_limit, f"the reward worker {self.proc.pid}")
+        # what the functions write (prints, os.write, what they start): bounded per batch, here; the pipe is the
+        # copier's to close (kill_group closes what Popen holds)
+        stderr, self.proc.stderr = self.proc.stderr, None
+        self.output = BoundedCopy(stderr, user_output_limit, f"the reward worker {self.proc.pid}")
         seconds = 2 * user_code_seconds()          # (the imports, then the sandbox's set-up)
         try:
             send(self.proc.stdin, setup)
