@@ -57,9 +57,9 @@ def checked_config(args):
     everything `rlflow run` checks before it starts Prefect's server, takes the lease or writes a byte): a
     config run refuses, plan refuses with the same line. Returns (cfg, overrides)."""
     from tasks.core.config import load_config
-    from tasks.core.stage import parse_overrides_json
+    from tasks.core.stage import given_overrides
 
-    overrides = parse_overrides_json(args.overrides_json) + args.override
+    overrides = given_overrides(args)
     cfg = load_config(args.config, overrides)       # a bad config is one line and exit 2, before Prefect starts
     _command_process()
     if cfg.train.engine != "deepspeed":   # (accelerate imports deepspeed to unwrap a model; it would warn)
@@ -118,7 +118,7 @@ def cmd_export(args) -> int:
     from tasks.core import layout
     from tasks.core.config import load_config
     from tasks.core.models import policy_gguf
-    from tasks.core.stage import parse_overrides_json
+    from tasks.core.stage import given_overrides
     from tasks.core.store import open_store
 
     dest = Path(args.dest).expanduser()
@@ -133,7 +133,7 @@ def cmd_export(args) -> int:
         check_path("DEST", args.dest, "file")
         if dest.exists():
             raise UserError(f"DEST: {dest} exists; a GGUF export writes a new file")
-    cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
+    cfg = load_config(args.config, given_overrides(args))
     store, run, version = open_store(cfg), cfg.run.name, args.version
     if version.isascii() and version.isdigit():
         key = layout.policy(run, int(version))
@@ -210,10 +210,10 @@ def cmd_sft(args) -> int:
 def cmd_record(args) -> int:
     from flows.warmup import record_command
     from tasks.core.config import load_config
-    from tasks.core.stage import parse_overrides_json
+    from tasks.core.stage import given_overrides
 
     check_path("--out", args.out, "file", replaces=True)       # (written beside it, then renamed)
-    cfg = load_config(args.config, parse_overrides_json(args.overrides_json) + args.override)
+    cfg = load_config(args.config, given_overrides(args))
     _command_process()
     return record_command(args, cfg)
 
@@ -411,8 +411,9 @@ def whole_number(text: str) -> int:
 
 
 def cmd_tune(args) -> int:
-    from flows.tune import check_arguments
+    from flows.tune import check_arguments, check_metric, load_space, not_set_by, out_folder
     from tasks.core.config import load_config
+    from tasks.core.stage import given_overrides
 
     check_arguments(args)
     check_path("--space", args.space, "file", writes=False)
@@ -420,9 +421,7 @@ def cmd_tune(args) -> int:
         check_path("--out", args.out, "folder")
         if (Path(args.out) / "trials").is_file():
             raise UserError(f"--out: {Path(args.out) / 'trials'} is a file, not the folder of the trials' logs")
-    cfg = load_config(args.config, args.override)           # one line and exit 2, before any trial starts
-    from flows.tune import check_metric, load_space, out_folder
-
+    cfg = load_config(args.config, given_overrides(args))   # one line and exit 2, before any trial starts
     check_metric(args.metric, cfg)
     if not args.out:
         check_path("--out (default rlflow-tune/<study>)", out_folder(args, cfg), "folder")
@@ -437,7 +436,7 @@ def cmd_tune(args) -> int:
 
     with environment_variables({"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR")}):
         checked_config(argparse.Namespace(config=args.config, overrides_json="[]", override=[
-            *args.override, f"run.name={run_name(cfg.run.name, {'preflight': True})}"]))
+            *not_set_by(args.override, ["run.name"]), f"run.name={run_name(cfg.run.name, {'preflight': True})}"]))
     close_workers()
 
     server = None

@@ -65,24 +65,18 @@ class Param:
         return trial.suggest_float(self.key, float(self.low), float(self.high), log=log)
 
 
+def not_set_by(overrides: list[str], keys: list[str]) -> list[str]:
+    """The user's overrides but those of `keys` (or under them), which a trial sets itself: a key is given once."""
+    return [o for o in overrides if not any(f"{o.partition('=')[0].strip()}.".startswith(f"{k}.") for k in keys)]
+
+
 def _override(key: str, value: Any) -> str:
     return f"{key}={json.dumps(value)}"
 
 
-def _number(value: Any, kind: str) -> Any:
-    """A bound written `1e-3` (no dot: a string to YAML 1.1) as the number the config's own fields take it for;
-    anything else as it is (checked below)."""
-    if isinstance(value, str) and kind != "int":
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
-
-
 def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]:
     """The search space, every bound and choice checked against the config's own schema (one line on error)."""
-    from tasks.core.config import DuplicateKey, load_yaml
+    from tasks.core.config_yaml import load_yaml, problem
 
     try:
         raw = load_yaml(Path(path).read_bytes().decode("utf-8-sig"), f"--space: {path}")
@@ -90,10 +84,8 @@ def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]
         raise UserError(f"--space: {path}: no such file") from None
     except UnicodeDecodeError as e:
         raise UserError(f"--space: {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except DuplicateKey as e:
-        raise UserError(f"--space: {path}: line {e.problem_mark.line + 1}: key {e.key!r} appears twice") from None
     except yaml.YAMLError as e:
-        raise UserError(f"--space: {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise UserError(f"--space: {path}{problem(e)}") from None
     if not isinstance(raw, dict) or not raw:
         raise UserError(f"--space: {path}: expected a mapping of config keys to distributions, e.g. "
                         f"train.lr: {{type: log_uniform, low: 1.0e-6, high: 1.0e-4}}")
@@ -123,7 +115,7 @@ def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]
             param = Param(key, kind, choices=tuple(choices))
             values = list(choices)
         else:
-            low, high = _number(spec.get("low"), kind), _number(spec.get("high"), kind)
+            low, high = spec.get("low"), spec.get("high")
             number = int if kind == "int" else (int, float)
             if any(isinstance(v, bool) or not isinstance(v, number) or not math.isfinite(v) for v in (low, high)):
                 raise UserError(f"{where}: {kind} needs {'integer' if kind == 'int' else 'numeric'} low and high, "
@@ -383,8 +375,9 @@ class Tune:
         trial.set_user_attr("run", name)
         store, pruned = Store.open(self.cfg.store), False
         child = tracker.child(trial.number, name, store.root)
+        given = not_set_by(self.args.override, [*params, "run.name"])        # (the trial's own win)
         argv = [sys.executable, "-c", "import sys; from flows.cli import main; sys.exit(main())", "run",
-                self.args.config, *[a for o in self.args.override for a in ("-o", o)],
+                self.args.config, *[a for o in given for a in ("-o", o)],
                 *[a for k, v in params.items() for a in ("-o", _override(k, v))], "-o", f"run.name={name}",
                 "--summary-json", str(self.out / "trials" / f"{name}.json")]
         from tasks.scoring.worker import die_with_parent

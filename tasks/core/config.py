@@ -65,7 +65,8 @@ from tasks.core.config_train import (
     _migrate_train,
 )
 from tasks.core.config_warmup import WarmupConfig
-from tasks.core.errors import UserError
+from tasks.core.config_yaml import DuplicateKey, load_yaml, problem
+from tasks.core.errors import UserError, printable
 
 __all__ = [  # the sections' models, re-exported: `from tasks.core.config import X` for every X of the config
     "Section", "HOW_NOT_WHAT", "SINCE_DEFAULT", "moved", "warn",
@@ -316,63 +317,26 @@ def _what(section: Section) -> dict:
 _PATH_FIELDS = (("data", "path"), ("model", "name_or_path"), ("eval", "path"), ("warmup", "path"))
 
 
-class DuplicateKey(yaml.YAMLError):
-    def __init__(self, key, mark):
-        super().__init__(f"duplicate key {key!r}")
-        self.key, self.problem_mark = key, mark
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """YAML that refuses a key written twice in one mapping (PyYAML keeps the last one, silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str | int | float | bool) and key in seen:
-                raise DuplicateKey(key, key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-MAX_VALUES = 100_000     # values a config (or an override's value) may hold, each alias counted where it is used
-MAX_DEPTH = 64           # levels of nesting
-
-
-def load_yaml(text: str, where: str):
-    """The YAML document, refused (one UserError line naming `where`) if it nests deeper than MAX_DEPTH or holds
-    more than MAX_VALUES values once its aliases are expanded (an alias bomb takes GBs when validated)."""
+def _parse_value(key: str, raw: str) -> Any:
+    """An override value is YAML: `3` is an int, `[1, 2]` a list, `{"fn": ...}` a mapping, else a string; one that
+    begins as a list, a mapping or a quoted string and is not valid YAML (JSON is) is refused, not taken as text."""
     try:
-        value = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except RecursionError:
-        raise UserError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
-    count, stack = 0, [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        count += 1
-        if count > MAX_VALUES:
-            raise UserError(f"{where}: holds more than {MAX_VALUES} values once its YAML aliases are expanded; a "
-                            f"config is sections of settings")
-        if depth > MAX_DEPTH:
-            raise UserError(f"{where}: nested deeper than {MAX_DEPTH} levels")
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
-    return value
-
-
-def _parse_value(raw: str) -> Any:
-    """An override value is YAML: `3` is an int, `[1, 2]` a list, `{"fn": ...}` a mapping, else a string."""
-    try:
-        return load_yaml(raw, f"override value {raw[:40]!r}")
+        return load_yaml(raw, f"override {key}")
     except DuplicateKey as e:
-        raise UserError(f"override value {raw!r}: key {e.key!r} appears twice") from None
-    except yaml.YAMLError:
+        raise UserError(printable(f"override value {raw!r}: key {e.key!r} appears twice")) from None
+    except yaml.YAMLError as e:
+        if raw.lstrip().startswith(("[", "{", '"', "'")):
+            mark = getattr(e, "problem_mark", None)
+            at = f" at character {mark.index + 1}" if mark else ""
+            raise UserError(printable(f"override {key}: its value is not valid YAML or JSON: "
+                                      f"{getattr(e, 'problem', None) or 'not read'}{at} (to give text that begins "
+                                      f"so, quote it whole)")) from None
         return raw
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    """`value` at `key`; a mapping given for a mapping is merged into it, key by key (`-o 'run={iterations: 1}'`
+    keeps the file's run.name: it replaced the whole section, and the run trained under the default name)."""
     parts = key.split(".")
     node = tree
     for p in parts[:-1]:
@@ -380,7 +344,35 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
         if not isinstance(nxt, dict):
             raise UserError(f"override {key}: {p} is not a section")
         node = nxt
-    node[parts[-1]] = value
+    node[parts[-1]] = _merged(node.get(parts[-1]), value)
+
+
+def _merged(old: Any, new: Any) -> Any:
+    if isinstance(old, dict) and isinstance(new, dict) and new:
+        return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
+    return new
+
+
+def repeated_override(overrides: list[str]) -> None:
+    """Refuse a key given twice among a command's overrides (`-o train.lr=1e-3 -o train.lr=2e-3`, or `run.name`
+    and then `run={name: ...}`): the last one won unsaid, where a key written twice in a file is refused."""
+    given: dict[tuple, str] = {}
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq:
+            continue                              # (load_config says what is wrong with it)
+        for leaf in _leaves(tuple(key.strip().split(".")), _parse_value(key, raw)):
+            for other, said in given.items():
+                if leaf[:len(other)] == other or other[:len(leaf)] == leaf:
+                    raise UserError(printable(f"override {'.'.join(leaf)}: given twice ({said!r}, then {item!r}); "
+                                              f"give each key once"))
+            given[leaf] = item
+
+
+def _leaves(at: tuple, value: Any) -> list[tuple]:
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaves((*at, str(k)), v)]
+    return [at]
 
 
 def _resolve_relative(tree: dict, base: Path) -> None:
@@ -477,23 +469,20 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         if not p.is_file():
             raise UserError(f"config: {path} is not a regular file (a device, a pipe); expected a YAML config file")
         try:
-            loaded = load_yaml(p.read_text(encoding="utf-8"), f"config: {path}") or {}
+            loaded = load_yaml(p.read_text(encoding="utf-8"), f"config: {path}")
         except UnicodeDecodeError as e:
             raise UserError(f"config: {path}: not UTF-8 text (byte {e.start})") from None
         except OSError as e:
             raise UserError(f"config: {path}: cannot read it ({e.strerror})") from None
         except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            what = (f"key {e.key!r} appears twice in one mapping" if isinstance(e, DuplicateKey)
-                    else "a second YAML document starts here; expected one" if "another document" in str(e)
-                    else "not valid YAML")
-            raise UserError(f"config: {path}{where}: {what}") from None
-        if not loaded and not overrides and not base:
+            raise UserError(f"config: {path}{problem(e)}") from None
+        if loaded is None and not overrides and not base:
             raise UserError(f"config: {path}: holds no settings; expected sections such as model:, data: and "
                             f"reward: (see configs/tiny.yaml)")
+        loaded = {} if loaded is None else loaded
         if not isinstance(loaded, dict):
-            raise UserError(f"config: {path}: expected a mapping of sections at the top level")
+            raise UserError(f"config: {path}: expected a mapping of sections at the top level, got "
+                            f"{type(loaded).__name__}")
         _resolve_relative(loaded, p.parent)
         if isinstance(loaded.get("train"), dict):
             loaded["train"] = _migrate_train(loaded["train"])   # before the overrides, which may name the new keys
@@ -509,7 +498,7 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         if section == "train" and rest.split(".")[0] in LEARNER_KEYS:     # train.gamma=0.9: train.learner.gamma
             moved(key, f"train.learner.{rest}")
             key = f"train.learner.{rest}"
-        _set_dotted(tree, key, _parse_value(raw))
+        _set_dotted(tree, key, _parse_value(key, raw))
     try:
         return Config.model_validate(tree)
     except ValidationError as err:

@@ -9,6 +9,7 @@ More: docs/internals.md (tasks/core/config_base.py): the fingerprint markers and
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from types import UnionType
@@ -52,6 +53,8 @@ def plain_json(value: Any, where: str = "") -> Any:
     elif isinstance(value, list):
         for i, v in enumerate(value):
             plain_json(v, f"{where}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where or 'the value'}: {value} is not a finite number (JSON holds none)")
     elif value is not None and not isinstance(value, str | int | float | bool):
         raise ValueError(f"{where or 'the value'}: {value!r} is a {type(value).__name__}; expected text, a number, "
                          f"true/false, null, a list or a mapping (quote a date: '2020-01-01')")

@@ -181,6 +181,23 @@ LEARNER_KEYS = frozenset(name for c in LEARNER_CONFIGS.values() for name in c.mo
 FLAT_IN_FINGERPRINT = {"fingerprint": "flat"}
 
 
+def _fits(settings: type[LearnerConfig], key: str, value: Any) -> None:
+    """Another learner's setting, ignored under this algorithm, still checked as its own learner checks it: a
+    value no learner takes (`-o train.gamma=abc` under grpo) is a mistake, not a warning."""
+    from typing import Annotated
+
+    from pydantic import TypeAdapter, ValidationError
+
+    field = settings.model_fields[key]
+    try:
+        kind = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+        TypeAdapter(kind).validate_python(value)
+    except ValidationError as e:
+        msg = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ValueError(f"learner.{key}: {msg[:1].lower()}{msg[1:]}, got {value!r} (a setting of "
+                         f"{settings.model_fields['algorithm'].default}, ignored here)") from None
+
+
 def _migrate_train(train: Any, where: str = "train") -> Any:
     """A `train` mapping with the learner's settings flat in it (the shape before issue 28): them moved into
     train.learner, each named once on stderr. A key in both places is an error (which one would win?)."""
@@ -333,7 +350,9 @@ class TrainConfig(Section):
         for key in [k for k in learner if k not in own and k in LEARNER_KEYS]:
             if key == "offline_rollouts" and learner[key]:
                 raise ValueError("offline_rollouts: off-line data needs an off-policy learner: algorithm: vtrace_awr")
+            owners = [c for c in LEARNER_CONFIGS.values() if key in c.model_fields]
             others = ", ".join(a for a, c in LEARNER_CONFIGS.items() if key in c.model_fields)
+            _fits(owners[0], key, learner[key])         # (ignored here, yet what it would be under its own)
             warn(f"warning: config: train.learner.{key} is a setting of {others}; train.algorithm is "
                  f"{algorithm}: ignored")
             del learner[key]

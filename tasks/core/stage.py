@@ -171,6 +171,15 @@ def parse_overrides_json(text: str) -> list[str]:
     return items
 
 
+def given_overrides(args) -> list[str]:
+    """A command's overrides as the user gave them (--overrides-json, then each -o), each key once."""
+    from tasks.core.config import repeated_override
+
+    overrides = parse_overrides_json(getattr(args, "overrides_json", "[]")) + list(args.override)
+    repeated_override(overrides)
+    return overrides
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a missing or malformed flag is one line on stderr naming it (`error: ...`), exit 2: the
     user-error contract, not argparse's usage block."""

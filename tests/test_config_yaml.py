@@ -1,0 +1,111 @@
+"""A config file and its overrides are read as written: YAML 1.2's numbers, merge keys, one line per mistake
+(tasks/core/config_yaml.py, tasks/core/config.py). The contract itself (exit 2, nothing written) for such lines:
+tests/test_bad_input.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.core.config import load_config, repeated_override
+from tasks.core.errors import UserError
+
+TINY = "configs/tiny.yaml"
+DEMO = "tasks.rewards.demo:successor_reward"
+
+
+def _file(tmp_path, text: str) -> str:
+    base = (open(TINY).read()).replace("name: tiny-demo", "name: from-the-file")
+    assert "from-the-file" in base
+    path = tmp_path / "c.yaml"
+    path.write_text(base + text)
+    return str(path)
+
+
+def _refused(path, overrides=()) -> str:
+    with pytest.raises(UserError) as e:
+        load_config(path, list(overrides))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_numbers_are_read_as_yaml_1_2_reads_them(tmp_path):
+    """YAML 1.1 (PyYAML's) read 010 as 8, 1:30 as 90, 0b11 as 3 and 1e-3 as text: the plan showed 8 iterations
+    for 010; a function's kwargs got the string '1e-3'; yes/on were true and 2020-01-01 a date."""
+    cfg = load_config(TINY, ["run.iterations=010", "generate.num_generations=0x4", "train.lr=1e-3",
+                             f"reward.functions=[{{fn: {DEMO}, kwargs: {{scale: 1e-3, flag: yes, day: 2020-01-01}}}}]"])
+    assert cfg.run.iterations == 10 and cfg.generate.num_generations == 4 and cfg.train.lr == 0.001
+    assert cfg.reward.functions[0].kwargs == {"scale": 0.001, "flag": "yes", "day": "2020-01-01"}
+    assert "run.iterations" in _refused(TINY, ["run.iterations=1:30"])
+    assert "generate.num_generations" in _refused(TINY, ["generate.num_generations=0b11"])
+    assert "run.name: input should be a valid string" not in _refused(TINY, ["run.name=2020-01-01", "run.seed=x"])
+
+
+def test_merge_keys_work_and_a_key_twice_is_still_refused(tmp_path):
+    path = _file(tmp_path, f"\nshared: &f {{fn: {DEMO}, weight: 1.0}}\n")
+    refused = _refused(path)
+    assert "unknown key 'shared'" in refused                      # (an anchor's home must be a known key)
+    path = tmp_path / "m.yaml"
+    own = '  functions:\n    - {fn: "tasks.rewards.demo:successor_reward", weight: 1.0}\n'
+    assert own in open(TINY).read()
+    path.write_text(open(TINY).read().replace(own, f"  functions: [&f {{fn: {DEMO}, weight: 1.0}}, "
+                                              "{<<: *f, weight: 0.5}]\n"))
+    cfg = load_config(str(path))
+    assert [(f.fn, f.weight) for f in cfg.reward.functions] == [(DEMO, 1.0), (DEMO, 0.5)]
+    path.write_text(open(TINY).read() + "\nrun: {name: a}\n")
+    assert "appears twice in one mapping" in _refused(str(path))
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("\n? [a, b]\n: 1\n", "not valid YAML: found unhashable key"),                       # (was a traceback)
+    ('\nextra: "open\n  more: 1\n\n', "(while scanning a quoted scalar, from line"),     # (where it began)
+    ("\nextra: !!python/object/apply:os.system ['true']\n", "python/object/apply:os.system' is not a tag"),
+    ("\n1: x\n", "key 1 is int; keys are text"),
+    ("\nnull: x\n", "key null is NoneType; keys are text"),
+])
+def test_a_yaml_mistake_is_one_line_that_says_what_and_where(tmp_path, text, expected):
+    said = _refused(_file(tmp_path, text))
+    assert said.startswith(f"config: {tmp_path / 'c.yaml'}") and expected in said, said
+
+
+@pytest.mark.parametrize("text,expected", [("[]\n", "got list"), ("false\n", "got bool"), ("0\n", "got int")])
+def test_a_file_that_is_not_a_mapping_says_so_with_or_without_overrides(tmp_path, text, expected):
+    (tmp_path / "c.yaml").write_text(text)
+    for overrides in ([], ["run.iterations=1"]):
+        assert f"expected a mapping of sections at the top level, {expected}" in _refused(tmp_path / "c.yaml",
+                                                                                          overrides)
+
+
+def test_a_mapping_given_for_a_section_is_merged_into_it(tmp_path):
+    """-o 'run={iterations: 1}' replaced the whole run section: the file's run.name was dropped and the run
+    trained and published under the default name (it could resume another run)."""
+    cfg = load_config(_file(tmp_path, ""), ["run={iterations: 1}"])
+    assert (cfg.run.name, cfg.run.iterations) == ("from-the-file", 1)
+    assert load_config(_file(tmp_path, ""), ["run.name=other"]).run.name == "other"
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["train.lr=1e-3", "train.lr=2e-3"], "override train.lr: given twice ('train.lr=1e-3', then 'train.lr=2e-3')"),
+    (["run.name=a", "run={name: b}"], "override run.name: given twice"),
+    (["warmup=null", "warmup.path=x"], "override warmup.path: given twice"),
+])
+def test_a_key_given_twice_among_the_overrides_is_refused(overrides, expected):
+    with pytest.raises(UserError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        repeated_override(overrides)
+    repeated_override(["run.name=a", "run={iterations: 2}", "train.lr=1e-3"])
+
+
+@pytest.mark.parametrize("value,expected", [
+    (f'[{{"fn": "{DEMO}"', "override reward.functions: its value is not valid YAML or JSON"),
+    ('"unclosed', "override reward.functions: its value is not valid YAML or JSON"),
+])
+def test_a_value_that_begins_as_json_and_is_not_is_refused_not_taken_as_text(value, expected):
+    assert _refused(TINY, [f"reward.functions={value}"]).startswith(expected)
+
+
+def test_what_json_cannot_hold_and_another_learners_setting_are_checked():
+    """.nan reached a function's kwargs and the fingerprint; train.gamma=abc under grpo was a warning only."""
+    assert "kwargs: a: nan is not a finite number" in _refused(
+        TINY, [f"reward.functions=[{{fn: {DEMO}, kwargs: {{a: .nan}}}}]"])
+    assert "learner.gamma: input should be a valid number" in _refused(TINY, ["train.learner.gamma=abc"])
+    assert "learner.gamma: input should be less than or equal to 1" in _refused(TINY, ["train.learner.gamma=5"])
+    assert load_config(TINY, ["train.learner.replay_iterations=2"]).train.algorithm == "grpo"   # (ignored: said)
