@@ -131,3 +131,20 @@ def test_pointers_that_are_not_pointers_any_more_are_made_again(store, tmp_path)
     assert store.get_pointer(layout.latest("r", "trainer")) == layout.checkpoint("r", 3)
     assert store.get_pointer(layout.best("r")) == layout.policy("r", 2)       # (ties: the earlier)
     assert retention.mend_pointers(store, cfg) == []
+
+
+def test_pointers_that_name_no_complete_folder_of_their_own_are_made_again(store, tmp_path):
+    """policy/LATEST edited to a version that is not there, or to another run's policy, was left so after the
+    run (advance_pointer never moves a pointer back; mend_pointers mended only what did not parse)."""
+    cfg = _cfg(tmp_path)
+    for it in range(1, 4):
+        _folder(store, tmp_path, layout.checkpoint("r", it), state={"iteration": it})
+        _folder(store, tmp_path, layout.policy("r", it))
+    _folder(store, tmp_path, layout.policy("other", 3))
+    for target in (layout.policy("r", 9), layout.policy("other", 3)):
+        (tmp_path / "store" / layout.latest("r", "policy")).write_text(json.dumps({"target": target}))
+        store.set_pointer(layout.latest("r", "trainer"), layout.checkpoint("r", 3))
+        said = retention.mend_pointers(store, cfg)
+        assert len(said) == 1 and f"points at {target}, not a complete folder of its own" in said[0], said
+        assert store.get_pointer(layout.latest("r", "policy")) == layout.policy("r", 3)
+    assert retention.mend_pointers(store, cfg) == []

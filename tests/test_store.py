@@ -247,3 +247,39 @@ def test_each_stage_output_names_its_producer():
     assert producer_of("r", layout.scored("r", 7, 3)) == ("reward", 7, 3)
     assert producer_of("r", layout.full_checkpoint("r", 7)) is None     # not a stage's output
     assert producer_of("r", "r/policy/BEST") is None
+
+
+@pytest.mark.parametrize("manifest,expected", [
+    ([], "not a manifest"), ({"format": 1}, "not a manifest"), ({"files": "x"}, "not a manifest"),
+    ({"files": {"a.bin": {"size": "1000", "sha256": "0" * 64}}}, "files.a.bin: expected {size: bytes"),
+    ({"files": {"a.bin": {"size": 1000}}}, "files.a.bin: expected"),
+    ({"files": {}, "meta": [1]}, "meta: expected a mapping"),
+])
+def test_a_manifest_of_another_shape_is_a_corrupt_folder_not_a_traceback(store, tmp_path, manifest, expected):
+    """A manifest edited into valid JSON of another shape reached its readers: a TypeError in retention, a KeyError
+    in get_folder, an AttributeError in local, each retried by Prefect and a traceback. Now the folder is corrupt
+    (quarantined and made again), as one that is not JSON was."""
+    from tasks.core.store import CorruptArtifact
+
+    key = "run/policy/v000003"
+    store.put_folder(key, _folder(tmp_path))
+    _tamper(store, key, MANIFEST, json.dumps(manifest).encode())
+    with pytest.raises(CorruptArtifact, match=f"MANIFEST.json: {expected}".replace("{", r"\{").replace(".", r"\.")):
+        store.manifest(key)
+
+
+def test_a_file_that_matches_its_manifest_but_does_not_decode_is_corrupt(store, tmp_path):
+    """Bytes edited together with their manifest (a hand edit, a writer's fault) passed verification and failed
+    where they were decoded: a JSONDecodeError traceback after Prefect's retries (curriculum state, get_json)."""
+    import hashlib
+
+    from tasks.core.store import CorruptArtifact
+
+    key = "run/curriculum/after-000002"
+    store.put_folder(key, _folder(tmp_path))
+    manifest = store.manifest(key)
+    manifest["files"]["sub/b.json"] = {"size": 2, "sha256": hashlib.sha256(b"[1").hexdigest()}
+    _tamper(store, key, "sub/b.json", b"[1")
+    _tamper(store, key, MANIFEST, json.dumps(manifest).encode())
+    with pytest.raises(CorruptArtifact, match=r"sub/b\.json: not what rlflow writes there \(JSONDecodeError"):
+        store.get_json(key, "sub/b.json")

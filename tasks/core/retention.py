@@ -68,9 +68,23 @@ def plan(store: Store, cfg: Config, protected: set[str] = frozenset()) -> list[s
     return doomed
 
 
+def _names_its_own(store: Store, pointer: str, target: str) -> bool:
+    """Whether `target` is a complete folder beside `pointer` (policy/LATEST: a policy of this run's); one whose
+    manifest is corrupt counts (flows/repair.py makes it again where it is read)."""
+    from tasks.core.store import CorruptArtifact
+
+    if not target.startswith(pointer.rsplit("/", 1)[0] + "/"):
+        return False
+    try:
+        return store.manifest(target) is not None
+    except CorruptArtifact:
+        return True
+
+
 def mend_pointers(store: Store, cfg: Config) -> list[str]:
     """Make again the run's pointers that are not pointers any more (a truncated or edited file: every reader of
-    it failed, retention and the resume first): policy/LATEST and trainer/LATEST name the newest complete folder of
+    it failed, retention and the resume first), or that name no complete folder of theirs (edited to a version
+    that is not there, or another run's: left so after the run): policy/LATEST and trainer/LATEST name the newest complete folder of
     theirs, BEST the evaluated policy with the best eval.metric above the starting model's (ties: the earlier).
     What was mended, said as lines. Only the lease holder calls this, before anything reads them."""
     from tasks.core.store import CorruptArtifact
@@ -80,8 +94,9 @@ def mend_pointers(store: Store, cfg: Config) -> list[str]:
               layout.latest(run, "trainer"): (f"{run}/trainer", "ckpt-", layout.checkpoint)}
     for pointer in (*newest, layout.best(run)):
         try:
-            store.get_pointer(pointer)
-            continue
+            if (at := store.get_pointer(pointer)) is None or _names_its_own(store, pointer, at):
+                continue
+            bad = f"{store.uri(pointer)}: points at {at}, not a complete folder of its own"     # (edited)
         except CorruptArtifact as e:
             bad = str(e)
         if pointer in newest:

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.core.errors import UserError
+from tasks.core.errors import UserError, printable
 from tasks.core.hashing import REMEMBER_FROM, known_sha256, remember_sha256, sha256_file
 from tasks.core.paths import cache_root, require_creatable
 from tasks.core.processes import exclusive
@@ -52,6 +52,45 @@ class CorruptArtifact(IncompleteArtifact):
     def __init__(self, key: str, message: str):
         super().__init__(message)
         self.key = key
+
+
+@contextlib.contextmanager
+def stored(store: Store, key: str, name: str) -> Iterator[None]:
+    """Decoding file `name` of committed folder `key`: bytes that match their manifest yet do not decode (edited
+    with their manifest, a writer's fault) raise CorruptArtifact (quarantined and made again: flows/repair.py),
+    not a traceback after Prefect's retries. Out of memory is not the file's fault."""
+    import pickle
+
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, EOFError, RuntimeError, pickle.UnpicklingError) as e:
+        if type(e).__name__ == "OutOfMemoryError":
+            raise
+        raise CorruptArtifact(key, _unreadable(store, key, name, e)) from None
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise CorruptArtifact(key, _unreadable(store, key, name, e)) from None
+
+
+def _unreadable(store: Store, key: str, name: str, e: BaseException) -> str:
+    said = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+    return printable(f"{store.uri(key)}/{name}: not what rlflow writes there ({type(e).__name__}"
+                     f"{': ' + said if said else ''})")
+
+
+def _manifest_fault(manifest) -> str | None:
+    """What makes `manifest` not one this store writes (files: name -> {size, sha256}; meta: a mapping), or None."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return "not a manifest (expected a mapping whose files maps each name to its size and sha256)"
+    for rel, entry in files.items():
+        if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+                and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64):
+            return f"files.{rel}: expected {{size: bytes, sha256: 64 hex digits}}, got {str(entry)[:80]}"
+    if not isinstance(manifest.get("meta", {}), dict):
+        return "meta: expected a mapping"
+    return None
 
 
 def _local_files(folder: Path) -> Iterator[tuple[str, Path]]:
@@ -107,9 +146,12 @@ class Store:
         if raw is None:
             return None
         try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
+            manifest = json.loads(raw)
+        except ValueError:
             raise CorruptArtifact(key, f"{self.uri(key)}/{MANIFEST}: not valid JSON") from None
+        if fault := _manifest_fault(manifest):                  # (an edited one: each reader trusted its shape)
+            raise CorruptArtifact(key, f"{self.uri(key)}/{MANIFEST}: {fault}")
+        return manifest
 
     def put_folder(self, key: str, folder: Path, meta: dict[str, Any] | None = None,
                    keep_local: Callable[[str], bool] | None = None, give_up: bool = False) -> dict:
@@ -223,7 +265,8 @@ class Store:
             raise CorruptArtifact(key, f"{where}: missing (listed in {MANIFEST})")
         if len(raw) != want["size"] or hashlib.sha256(raw).hexdigest() != want["sha256"]:
             raise CorruptArtifact(key, f"{where}: does not match {MANIFEST} (truncated or altered)")
-        return json.loads(raw)
+        with stored(self, key, name):
+            return json.loads(raw)
 
     # ---- pointers
     def set_pointer(self, key: str, target: str) -> None:

@@ -190,7 +190,7 @@ class DeepSpeedEngine:
                                            load_lr_scheduler_states=False, load_module_strict=not self.lora)
                 rng = resume / "engine" / layout.CKPT_RNG_RANK.format(rank=self.rank)
                 if rng.exists():
-                    set_rng_state(torch.load(rng, weights_only=False))
+                    set_rng_state(torch.load(rng, weights_only=True))
                 else:                # a process the checkpoint did not have (more processes than before)
                     seed_all(cfg.run.seed * 1_000_003 + state["step"] * 1024 + self.rank)
                 self.global_step = state["step"]

@@ -33,6 +33,7 @@ from tasks.core.models import (
     policy_dtype,
 )
 from tasks.core.process_wide import rng_state, seed_all, set_rng_state
+from tasks.core.store import stored
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -64,7 +65,9 @@ class TorchEngine:
         if previous:
             folder = store.local(previous)
             model_path = str(folder / layout.CKPT_MODEL)
-            state = json.loads((folder / layout.CKPT_STATE).read_text())
+            with stored(store, previous, layout.CKPT_STATE):
+                state = json.loads((folder / layout.CKPT_STATE).read_text())
+                step = int(state["step"])
             if (engine := state.get("engine", "torch")) != "torch":
                 raise UserError(f"train.engine: {store.uri(previous)} was written by the {engine} engine; keep one "
                                 f"engine for a whole run, or start a new run.name")
@@ -72,9 +75,10 @@ class TorchEngine:
             folder, model_path = None, base_path(cfg)
         tokenizer = load_tokenizer(model_path)
         if folder is not None:
-            model = load_policy(cfg, model_path, device, trainable=True)
-            if (folder / layout.CKPT_WEIGHTS).exists():       # model/ holds the policy in publish.dtype
-                _load_exact(model, load_file(folder / layout.CKPT_WEIGHTS, device=str(device)))
+            with stored(store, previous, layout.CKPT_MODEL):
+                model = load_policy(cfg, model_path, device, trainable=True)
+                if (folder / layout.CKPT_WEIGHTS).exists():       # model/ holds the policy in publish.dtype
+                    _load_exact(model, load_file(folder / layout.CKPT_WEIGHTS, device=str(device)))
         else:
             seed_all(cfg.run.seed)                   # before add_lora: adapter init draws from it
             model = load_model(model_path, cfg.model.dtype, device)
@@ -93,15 +97,17 @@ class TorchEngine:
 
             critic = Critic.make(cfg, model, device)
             if folder is not None:
-                critic.load(folder)
+                with stored(store, previous, "critic"):
+                    critic.load(folder)
             params = [{"params": params}, {"params": list(critic.parameters()), "lr": tc.learner.critic_lr or tc.lr}]
         optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
-        step = 0
+        step = 0 if folder is None else step
         if folder is not None:
-            optimizer.load_state_dict(torch.load(folder / layout.CKPT_OPTIMIZER, map_location=device,
-                                                 weights_only=True))
-            set_rng_state(torch.load(folder / layout.CKPT_RNG, weights_only=False))
-            step = state["step"]
+            with stored(store, previous, layout.CKPT_OPTIMIZER):
+                optimizer.load_state_dict(torch.load(folder / layout.CKPT_OPTIMIZER, map_location=device,
+                                                     weights_only=True))
+            with stored(store, previous, layout.CKPT_RNG):     # (tensors and tuples: never code, weights_only)
+                set_rng_state(torch.load(folder / layout.CKPT_RNG, weights_only=True))
         return cls(model, optimizer, cfg, ref_model=ref_model, lora=lora, tokenizer=tokenizer, step=step,
                    critic=critic)
 
