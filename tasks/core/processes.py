@@ -8,15 +8,18 @@ process_wide, light as well: tests/test_layout.py).
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import fcntl
 import functools
 import os
 import re
+import select
 import shlex
 import signal
 import subprocess
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -179,8 +182,7 @@ class BoundedCopy:
     `limit()` bytes per budget (renew: a new one), saying once where it drops the rest. In this process, so it
     bounds everything the child and what it starts write (print, os.write, C code holding the GIL there, a
     subprocess), and what it wrote just before it died is still copied (the pipe is read to its end). The pipe is
-    the copier's: it closes it at the end, and no one else may (closed under a copier waiting in select, its
-    number was the next pipe's, a new worker's: the old copier read that worker's output, or its answers)."""
+    the copier's to close (closed under it as it waited, its number was the next worker's pipe's: it read that)."""
 
     def __init__(self, pipe, limit: Callable[[], int], what: str):
         self._fd, self._budget, self._what = pipe.fileno(), OutputBudget(limit), what
@@ -200,10 +202,6 @@ class BoundedCopy:
         """Wait until what is in the pipe now has been copied, so that it shows before what this process says
         next: the bytes in the pipe (FIONREAD) and those the copier holds, counted (not a pause that a loaded
         machine outlasts; what a child writes after this call is not waited for). `timeout`: a copier stuck."""
-        import array
-        import fcntl
-        import termios
-
         deadline = time.monotonic() + timeout
         if not self._lock.acquire(timeout=timeout):
             return
@@ -221,8 +219,6 @@ class BoundedCopy:
             time.sleep(0.001)
 
     def _run(self) -> None:
-        import select
-
         try:
             while True:
                 select.select([self._fd], [], [])
@@ -236,21 +232,16 @@ class BoundedCopy:
                                       f"{self._what}; the rest of its output is dropped "
                                       f"(RLFLOW_USER_OUTPUT_BYTES)]\n".encode() if limit is not None else b"")
                 view = memoryview(out)
-                try:
+                with contextlib.suppress(OSError):   # (no one reads this process's stderr: the pipe still drains)
                     while view:
                         view = view[os.write(2, view):]
-                except OSError:
-                    pass                     # (no one reads this process's stderr: the pipe is still drained)
                 self._copied += len(chunk)
         except (OSError, ValueError):
             return
         finally:
-            with self._lock:                 # (here alone: its number is free for another pipe once closed)
+            with self._lock, contextlib.suppress(OSError):   # (here alone: once closed, its number is another's)
                 self._closed = True
-                try:
-                    self._pipe.close()
-                except OSError:
-                    pass
+                self._pipe.close()
 
 
 def how_it_ended(code: int | None) -> str:
