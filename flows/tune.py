@@ -460,6 +460,8 @@ class Tune:
     def best(self, study) -> dict | None:
         from optuna.trial import TrialState
 
+        from tasks.core.config_yaml import dump_yaml
+
         done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
         if not done:
             return None
@@ -472,7 +474,7 @@ class Tune:
         tmp = path.with_suffix(".yaml.tmp")
         tmp.write_text(f"# rlflow tune {self.study_name()}: trial {best.number} ({best.user_attrs.get('run')}), "
                        f"{self.args.metric} {best.value:.6g}\n# {json.dumps(best.params)}\n"
-                       + yaml.safe_dump(data, sort_keys=False))
+                       + dump_yaml(data))
         os.replace(tmp, path)
         return {"trial": best.number, "value": best.value, "params": best.params, "run": best.user_attrs.get("run"),
                 "config": str(path)}

@@ -4,6 +4,8 @@ tests/test_bad_input.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tasks.core.config import load_config, repeated_override
@@ -109,3 +111,18 @@ def test_what_json_cannot_hold_and_another_learners_setting_are_checked():
     assert "learner.gamma: input should be a valid number" in _refused(TINY, ["train.learner.gamma=abc"])
     assert "learner.gamma: input should be less than or equal to 1" in _refused(TINY, ["train.learner.gamma=5"])
     assert load_config(TINY, ["train.learner.replay_iterations=2"]).train.algorithm == "grpo"   # (ignored: said)
+
+
+def test_what_rlflow_writes_as_a_config_reads_back_as_itself(tmp_path):
+    """The detached trainer's config and tune's best.yaml were written by SafeDumper, which leaves bare the
+    strings YAML 1.1 reads as text: "1e-3", "08" and "0o17" came back as numbers under the 1.2 rules."""
+    from tasks.core.config_yaml import dump_yaml, load_yaml
+
+    texts = ["1e3", "1e-3", "08", "0o17", "yes", "on", "2020-01-01", "1:30", "010", "True", "null", "", ".5", "é"]
+    kwargs = {f"k{i}": t for i, t in enumerate(texts)} | {"n": [1, -0.0, 1e-5, True, None]}
+    cfg = load_config(TINY, ["run.name=v1e-3", "reward.functions=" + json.dumps(
+        [{"fn": DEMO, "kwargs": kwargs}])])
+    dumped = cfg.model_dump(mode="json")
+    assert load_yaml(dump_yaml(dumped), "t") == dumped
+    (tmp_path / "back.yaml").write_text(dump_yaml(dumped))
+    assert load_config(tmp_path / "back.yaml") == cfg

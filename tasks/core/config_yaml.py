@@ -111,3 +111,14 @@ def problem(e: yaml.YAMLError) -> str:
     if context and begun and mark and begun.line != mark.line:
         what += f" ({context}, from line {begun.line + 1})"
     return printable(f"{where}: not valid YAML" + (f": {what}" if what else ""))
+
+
+class ConfigDumper(yaml.SafeDumper):
+    """SafeDumper that quotes a string wherever ConfigLoader would read it as another type ("1e-3", "08", "0o17":
+    text to YAML 1.1, so SafeDumper left them bare): what rlflow writes as a config reads back as itself."""
+
+    yaml_implicit_resolvers = ConfigLoader.yaml_implicit_resolvers
+
+
+def dump_yaml(data) -> str:
+    return yaml.dump(data, Dumper=ConfigDumper, sort_keys=False)     # (non-ASCII escaped: any locale writes it)

@@ -84,9 +84,10 @@ def _names_its_own(store: Store, pointer: str, target: str) -> bool:
 def mend_pointers(store: Store, cfg: Config) -> list[str]:
     """Make again the run's pointers that are not pointers any more (a truncated or edited file: every reader of
     it failed, retention and the resume first), or that name no complete folder of theirs (edited to a version
-    that is not there, or another run's: left so after the run): policy/LATEST and trainer/LATEST name the newest complete folder of
-    theirs, BEST the evaluated policy with the best eval.metric above the starting model's (ties: the earlier).
-    What was mended, said as lines. Only the lease holder calls this, before anything reads them."""
+    that is not there, or another run's: left so after the run): policy/LATEST and trainer/LATEST name the
+    newest complete folder of theirs, BEST the evaluated policy with the best eval.metric above the starting
+    model's (ties: the earlier). What was mended, said as lines. Only the lease holder calls this, before
+    anything reads them."""
     from tasks.core.store import CorruptArtifact
 
     run, said = cfg.run.name, []

@@ -27,9 +27,8 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
-
 from tasks.core import layout
+from tasks.core.config_yaml import dump_yaml
 from tasks.core.daemon import Daemon, forget
 from tasks.core.errors import DiskFull, UserError
 from tasks.core.paths import cache_root
@@ -82,7 +81,7 @@ class GroupTrainer:
         argv, env = DeepSpeedEngine.torchrun(self.cfg)
         with tempfile.TemporaryDirectory(prefix="rlflow-train-") as tmp:
             config = Path(tmp) / "config.yaml"     # the resolved config: the same fingerprints in every process
-            config.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+            config.write_text(dump_yaml(self.cfg.model_dump(mode="json")))
             argv += ["-m", MARKER, "once", str(config), str(iteration), fingerprint]
             ran = stream(argv, env, sink=lambda line: print(line, file=sys.stderr, flush=True))
         if ran.code == 0:
@@ -224,7 +223,7 @@ class DetachedTrainer:
     def _start(self) -> dict:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         config = self.path.with_suffix(".config.yaml")   # the resolved config: the same fingerprints there
-        config.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+        config.write_text(dump_yaml(self.cfg.model_dump(mode="json")))
         authkey = secrets.token_hex(16)
         if self.cfg.train.engine == "deepspeed":        # a torchrun group: its process 0 writes the state file
             from tasks.engines.deepspeed_engine import DeepSpeedEngine
