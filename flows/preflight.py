@@ -25,7 +25,7 @@ from tasks.core.curriculum import check as check_curriculum
 from tasks.core.data import load_prompts, row
 from tasks.core.errors import UserError
 from tasks.core.models import base_path, check_lora_targets, engine_context, load_tokenizer, parts_as_text
-from tasks.core.paths import REPO_ROOT
+from tasks.core.paths import REPO_ROOT, require_creatable
 from tasks.core.placement import placement_of
 from tasks.core.store import open_store
 from tasks.engines.sampling import sampling_engine
@@ -110,6 +110,9 @@ def preflight(cfg: Config) -> None:
         raise UserError("model.dtype: float16 weights trained by AdamW with no loss scaling become NaN/inf (measured: "
                         "every tensor of the first policy, at lr 1e-6 too); expected bfloat16 or float32")
     open_store(cfg).check()                # made (else one line), reachable, the bucket there, credentials taken
+    if (root := getattr(open_store(cfg), "path", None)) is not None:     # (a folder store: the run's and the lease's
+        for sub in (cfg.run.name, ".locks"):                            # folders in it, where they are files)
+            require_creatable(root / sub, f"store.uri ({sub} in it)")
     check_tracking_server(cfg)             # an MLflow server that does not answer: one line, not a silent hang
     check_curriculum(cfg)                  # prompts with stable ids (not a hub dataset): one line
     if cfg.publish.register_model:

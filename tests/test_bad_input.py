@@ -94,6 +94,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "bomb.yaml").write_text("x: [&a0 [lol,lol,lol,lol,lol,lol,lol,lol,lol]" + "".join(   # 9**6 values
         f", &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 7)) + "]\nrun: {name: *a6}\n")
     (tmp / "listkey.yaml").write_text("? [a, b]\n: 1\n")
+    (tmp / "runfilestore").mkdir()
+    (tmp / "runfilestore" / "tiny-demo").write_text("not a folder\n")
     (tmp / "deep.yaml").write_text("x: " + "{a: " * 1000 + "1" + "}" * 1000 + "\n")
     spaces = {"unknown_key": "train.learning_rate: {type: log_uniform, low: 1.0e-5, high: 1.0e-2}\n",
               "empty_range": "train.lr: {type: uniform, low: 0.01, high: 0.01}\n",
@@ -338,6 +340,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                     "override train.lr: given twice ('train.lr=1e-3', then 'train.lr=2e-3')"),
         "an override that begins as JSON and is not": (["run", str(TINY), "-o", f'reward.functions=[{{"fn": "{demo}"'],
                                                        "override reward.functions: its value is not valid YAML or JSON"),
+        "the run's folder in the store a file": (["run", str(TINY), "-o", f"store.uri={tmp}/runfilestore"],
+                                                 f"store.uri (tiny-demo in it): {tmp}/runfilestore/tiny-demo is a "
+                                                 f"file, not a folder"),
         "a config key that is a list": (["run", str(tmp / "listkey.yaml")], "listkey.yaml line 1: not valid YAML: "
                                         "found unhashable key"),
         "a reasoning-gym prompt column it makes": (["run", str(ARITH), "-o", "data.prompt_column=answer"],
