@@ -84,8 +84,10 @@ def main() -> None:
     from flows.cli import main as rlflow
 
     tmp = tempfile.mkdtemp(prefix="rlflow-footprint-")
-    overrides = ["run.iterations=3", f"store.uri=file://{tmp}/store", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
-                 *args.override]
+    given = {o.partition("=")[0].strip() for o in args.override}       # (the user's win: each key given once)
+    overrides = [o for o in ("run.iterations=3", f"store.uri=file://{tmp}/store",
+                             f"tracking.uri=sqlite:///{tmp}/mlflow.db") if o.partition("=")[0] not in given]
+    overrides += args.override
     argv = ["run", args.config]
     for o in overrides:
         argv += ["-o", o]

@@ -48,14 +48,14 @@ def main() -> int:
     work = work_folder("rlflow-shop-", args.keep)
     t0 = time.perf_counter()
     with serve() as url:
+        demos = ["-o", f"warmup.path={work / 'demos.jsonl'}"]      # (the base arm has no warmup: each key once)
         common = ["-o", f"env.kwargs.base_url={url}", "-o", f"run.iterations={args.iterations}",
-                  "-o", f"eval.every={args.iterations}", "-o", f"warmup.path={work / 'demos.jsonl'}",
-                  *(a for o in args.override for a in ("-o", o))]
+                  "-o", f"eval.every={args.iterations}", *(a for o in args.override for a in ("-o", o))]
         pool = []
         if args.pool:                           # the demonstrations' tasks: the training split and generated orders
             pool = data_file(work / "demo_tasks.jsonl", shop_tasks("train") + order_pool(args.pool, seed=1))
         out = rlflow(["record", str(RECIPE), "--policy", "tasks.envs.builtin.webshop:reference_action", "--out",
-                      str(work / "demos.jsonl"), *common, *pool], work)
+                      str(work / "demos.jsonl"), *common, *demos, *pool], work)
         print(out.stderr.strip().splitlines()[-1], f"({time.perf_counter() - t0:.0f} s)")
         if args.repeat_rare > 1:
             print(f"{repeat_rare(work / 'demos.jsonl', args.repeat_rare)} demonstrations after repeating the rare "
@@ -66,7 +66,7 @@ def main() -> int:
             rows = [t for t in shop_tasks("train") if t["kind"] in args.rl_kinds]
             rl = data_file(work / "rl.jsonl", rows)
             print(f"RL on the {len(rows)} training tasks of kinds {', '.join(args.rl_kinds)}")
-        every = {"base": ["-o", "warmup=null", *rl], "warm start": rl}
+        every = {"base": ["-o", "warmup=null", *rl], "warm start": [*demos, *rl]}
         compare_arms(RECIPE, common, {arm: every[arm] for arm in args.arms}, args.seeds, args.iterations, work)
     return 0
 

@@ -66,8 +66,12 @@ class Param:
 
 
 def not_set_by(overrides: list[str], keys: list[str]) -> list[str]:
-    """The user's overrides but those of `keys` (or under them), which a trial sets itself: a key is given once."""
-    return [o for o in overrides if not any(f"{o.partition('=')[0].strip()}.".startswith(f"{k}.") for k in keys)]
+    """The user's overrides but those of `keys` (or under them), which a trial sets itself: a key is given once
+    (a mapping given for a section, `-o 'run={name: a, iterations: 2}'`, opened into its keys first)."""
+    from tasks.core.config import leaf_overrides
+
+    return [o for o in leaf_overrides(overrides)
+            if not any(f"{o.partition('=')[0].strip()}.".startswith(f"{k}.") for k in keys)]
 
 
 def _override(key: str, value: Any) -> str:
@@ -76,6 +80,7 @@ def _override(key: str, value: Any) -> str:
 
 def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]:
     """The search space, every bound and choice checked against the config's own schema (one line on error)."""
+    from tasks.core.config import leaf_overrides
     from tasks.core.config_yaml import load_yaml, problem
 
     try:
@@ -97,7 +102,7 @@ def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]
             raise UserError(f"{where}: not a key to tune (the tune sets run.name; run.iterations is the budget)")
         if _is_section(base, key):
             raise UserError(f"{where}: a section, not a key to tune; name one of its keys ({key}.<key>)")
-        if set_too := [o for o in overrides if o.partition("=")[0].strip() == key]:
+        if set_too := [o for o in leaf_overrides(overrides) if o.partition("=")[0].strip() == key]:
             raise UserError(f"{where}: also set by -o {set_too[-1]}; a tuned key is set by each trial (drop one)")
         if not isinstance(spec, dict) or spec.get("type") not in TYPES:
             raise UserError(f"{where}: expected {{type: one of {list(TYPES)}, ...}}, got {spec!r}")

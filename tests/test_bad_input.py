@@ -336,8 +336,6 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "a reward function's kwargs holding NaN": (["run", str(TINY), "-o", f'reward.functions=[{{fn: "{demo}", '
                                                    f'kwargs: {{a: .nan}}}}]'],
                                                    "reward.functions.0.kwargs: a: nan is not a finite number"),
-        "an override given twice": (["run", str(TINY), "-o", "train.lr=1e-3", "-o", "train.lr=2e-3"],
-                                    "override train.lr: given twice ('train.lr=1e-3', then 'train.lr=2e-3')"),
         "an override that begins as JSON and is not": (["run", str(TINY), "-o", f'reward.functions=[{{"fn": "{demo}"'],
                                                        "override reward.functions: its value is not valid YAML or JSON"),
         "the run's folder in the store a file": (["run", str(TINY), "-o", f"store.uri={tmp}/runfilestore"],

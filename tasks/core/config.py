@@ -335,8 +335,9 @@ def _parse_value(key: str, raw: str) -> Any:
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
-    """`value` at `key`; a mapping given for a mapping is merged into it, key by key (`-o 'run={iterations: 1}'`
-    keeps the file's run.name: it replaced the whole section, and the run trained under the default name)."""
+    """`value` at `key`; a mapping given for a section is merged into it, key by key, as dotted overrides would
+    be (`-o 'run={iterations: 1}'` kept nothing of the file's run: the run trained under the default name); a
+    free-form mapping (a function's kwargs, env.kwargs, a task's config) is one value: replaced whole."""
     parts = key.split(".")
     node = tree
     for p in parts[:-1]:
@@ -344,35 +345,68 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
         if not isinstance(nxt, dict):
             raise UserError(f"override {key}: {p} is not a section")
         node = nxt
-    node[parts[-1]] = _merged(node.get(parts[-1]), value)
+    node[parts[-1]] = _merged(node.get(parts[-1]), value, parts)
 
 
-def _merged(old: Any, new: Any) -> Any:
-    if isinstance(old, dict) and isinstance(new, dict) and new:
-        return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
+def _merged(old: Any, new: Any, parts: list[str]) -> Any:
+    if isinstance(old, dict) and isinstance(new, dict) and new and _a_section(parts):
+        return {**old, **{k: _merged(old.get(k), v, [*parts, str(k)]) for k, v in new.items()}}
     return new
 
 
+def _a_section(parts: list[str]) -> bool:
+    """Whether the dotted place `parts` holds a section of the config (not a free-form mapping)."""
+    models: list[type[Section]] = [Config]
+    for p in parts:
+        fields = [m.model_fields.get(p) for m in models]
+        models = [s for f in fields if f is not None for s in _sections_in(f.annotation)]
+    return bool(models)
+
+
 def repeated_override(overrides: list[str]) -> None:
-    """Refuse a key given twice among a command's overrides (`-o train.lr=1e-3 -o train.lr=2e-3`, or `run.name`
-    and then `run={name: ...}`): the last one won unsaid, where a key written twice in a file is refused."""
+    """A key given twice among a command's overrides (`-o train.lr=1e-3 -o train.lr=2e-3`, `run.name` and then
+    `run={name: ...}`, train.gamma and train.learner.gamma): the last one is used, as it always was (commands
+    built from a base list and a change rely on it), now said: a warning the next accepted load_config says."""
     given: dict[tuple, str] = {}
     for item in overrides:
-        key, eq, raw = item.partition("=")
-        if not eq:
-            continue                              # (load_config says what is wrong with it)
-        for leaf in _leaves(tuple(key.strip().split(".")), _parse_value(key, raw)):
+        for leaf, _ in _leaves(item):
             for other, said in given.items():
                 if leaf[:len(other)] == other or other[:len(leaf)] == leaf:
-                    raise UserError(printable(f"override {'.'.join(leaf)}: given twice ({said!r}, then {item!r}); "
-                                              f"give each key once"))
+                    _REPEATED.append(f"warning: override {'.'.join(leaf)} given twice ({said!r}, then {item!r}): "
+                                     f"the last one is used")
             given[leaf] = item
 
 
-def _leaves(at: tuple, value: Any) -> list[tuple]:
-    if isinstance(value, dict) and value:
-        return [leaf for k, v in value.items() for leaf in _leaves((*at, str(k)), v)]
-    return [at]
+_REPEATED: list[str] = []        # (said with the next config accepted, as its own warnings are: never before a refusal)
+
+
+def leaf_overrides(overrides: list[str]) -> list[str]:
+    """The same overrides, each key of a section given as a mapping (`run={name: a, iterations: 2}`) a dotted
+    one of its own (`run.name="a"`, `run.iterations=2`): what a caller that sets some keys itself can filter."""
+    return [f"{'.'.join(leaf)}={json.dumps(value)}" if value is not _AS_GIVEN else item
+            for item in overrides for leaf, value in _leaves(item)]
+
+
+_AS_GIVEN = object()
+
+
+def _leaves(item: str) -> list[tuple[tuple, Any]]:
+    """(dotted place, value) of each key an override sets, mappings at sections opened (a learner's key read at
+    its place in train.learner); one load_config refuses, or a single key, is itself (its value _AS_GIVEN)."""
+    key, eq, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if parts[0] == "train" and len(parts) > 1 and parts[1] in LEARNER_KEYS:
+        parts = ["train", "learner", *parts[1:]]
+    if not eq or not (raw.lstrip().startswith("{") and isinstance(value := _parse_value(key, raw), dict)):
+        return [(tuple(parts), _AS_GIVEN)]
+    out, stack = [], [(parts, value)]
+    while stack:
+        at, v = stack.pop(0)
+        if isinstance(v, dict) and v and _a_section(at):
+            stack[:0] = [([*at, str(k)], w) for k, w in v.items()]
+        else:
+            out.append((tuple(at), v))
+    return out
 
 
 def _resolve_relative(tree: dict, base: Path) -> None:
@@ -449,7 +483,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         cfg = _load_config(path, overrides, base)
     finally:
         _HELD.lines = outer
-    for line in held:
+        repeated, _REPEATED[:] = list(_REPEATED), []
+    for line in repeated + held:
         warn(line)
     return cfg
 

@@ -34,23 +34,39 @@ class ConfigLoader(yaml.SafeLoader):
     yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in resolvers if tag not in _NOT_CORE]
                                for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == _MERGE:
-                continue                          # (`<<`: flattened by SafeLoader; the mapping's own keys win)
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                if key in seen:
-                    raise DuplicateKey(key, key_node.start_mark)
-                seen.add(key)
-            except TypeError:
-                pass                              # (an unhashable key: SafeLoader refuses it, with its line)
-        return super().construct_mapping(node, deep=deep)
+    def flatten_mapping(self, node):
+        """The key-twice check on each mapping's own keys, before SafeLoader merges others' into it (`<<`; a
+        mapping merged before it was built had them already), once a node."""
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE:
+                    continue
+                key = self.construct_object(key_node)
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, key_node.start_mark)
+                    seen.add(key)
+                except TypeError:
+                    pass                          # (an unhashable key: SafeLoader refuses it, with its line)
+        super().flatten_mapping(node)
 
     def construct_core_int(self, node):
         text = self.construct_scalar(node)
-        return int(text, 0) if text.lstrip("+-")[:2] in ("0o", "0x") else int(text, 10)   # ("010" is ten)
+        try:
+            return int(text, 0) if text.lstrip("+-")[:2] in ("0o", "0x") else int(text, 10)   # ("010" is ten)
+        except ValueError:
+            raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not an integer",
+                                                    node.start_mark) from None
+
+    def construct_core_float(self, node):
+        try:
+            return self.construct_yaml_float(node)
+        except ValueError:
+            raise yaml.constructor.ConstructorError(None, None, f"{self.construct_scalar(node)!r} is not a number",
+                                                    node.start_mark) from None
 
 
 ConfigLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
@@ -60,6 +76,7 @@ ConfigLoader.add_implicit_resolver(
     _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
                        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
 ConfigLoader.add_constructor(_INT, ConfigLoader.construct_core_int)
+ConfigLoader.add_constructor(_FLOAT, ConfigLoader.construct_core_float)
 
 
 MAX_VALUES = 100_000     # values a config (or an override's value) may hold, each alias counted where it is used
