@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 import threading
 import time
 from datetime import datetime, timezone
@@ -330,6 +331,7 @@ def _clean(cfg: Config, store: Store, log) -> None:
     protected = {champion[len(store.root.rstrip("/")) + 1:]} if champion else set()
     for said in retention.mend_pointers(store, cfg):
         log.warning(said)
+        print(f"pointer mended: {said}", file=sys.stderr, flush=True)    # (the console shows no log warnings)
     try:
         removed = retention.apply(store, cfg, protected)
     except CorruptArtifact as e:   # (nothing deleted: the stage that reads it has it made again, flows/repair.py)

@@ -278,8 +278,11 @@ def test_a_corrupt_full_checkpoint_or_curriculum_state_is_rebuilt_in_the_same_ru
     manifest["files"]["optimizer.pt"] = {"size": 4096, "sha256": hashlib.sha256((folder / "optimizer.pt")
                                                                                 .read_bytes()).hexdigest()}
     (folder / "MANIFEST.json").write_text(json.dumps(manifest))
+    latest = tmp_path / "rlflow-store" / layout.latest("rot", "policy")
+    latest.write_text(json.dumps({"target": "rot/policy/v000009"}))          # (edited: no such version)
     out = run_cli([*args, "-o", "run.iterations=4"], tmp_path, prefect_api)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "pointer mended: " in out.stderr and "points at rot/policy/v000009" in out.stderr    # (said, not logged)
     said = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("corrupt artifact:")]
     assert len(said) == 2 and all(line.endswith("rebuilding it from the state before it") for line in said), said
     assert {"trainer", "curriculum"} <= set(store.list_folders("rot/quarantine"))

@@ -148,3 +148,18 @@ def test_pointers_that_name_no_complete_folder_of_their_own_are_made_again(store
         assert len(said) == 1 and f"points at {target}, not a complete folder of its own" in said[0], said
         assert store.get_pointer(layout.latest("r", "policy")) == layout.policy("r", 3)
     assert retention.mend_pointers(store, cfg) == []
+
+
+def test_best_is_made_again_among_the_policies_still_there(store, tmp_path):
+    """BEST named a policy quarantined (its remaking failed): mending it chose that policy again from the
+    evaluations, and set_pointer refused it (IncompleteArtifact, a traceback at resume)."""
+    cfg = _cfg(tmp_path)
+    for it in range(1, 3):
+        _folder(store, tmp_path, layout.policy("r", it))
+    for it, score in ((1, 0.5), (2, 0.7)):
+        _folder(store, tmp_path, layout.evaluation("r", it), meta={"metrics": {cfg.eval.metric_key(): score}})
+    store.set_pointer(layout.best("r"), layout.policy("r", 2))
+    store.quarantine(layout.policy("r", 2))
+    said = retention.mend_pointers(store, cfg)
+    assert any("BEST: points at r/policy/v000002" in line for line in said), said
+    assert store.get_pointer(layout.best("r")) == layout.policy("r", 1)

@@ -253,7 +253,8 @@ def test_each_stage_output_names_its_producer():
     ([], "not a manifest"), ({"format": 1}, "not a manifest"), ({"files": "x"}, "not a manifest"),
     ({"files": {"a.bin": {"size": "1000", "sha256": "0" * 64}}}, "files.a.bin: expected {size: bytes"),
     ({"files": {"a.bin": {"size": 1000}}}, "files.a.bin: expected"),
-    ({"files": {}, "meta": [1]}, "meta: expected a mapping"),
+    ({"files": {}, "meta": [1]}, "meta: expected a mapping"), ({"format": 1, "files": {}}, "meta: expected a mapping"),
+    ({"format": 99, "files": {}, "meta": {}}, "format 99: expected 1"),
 ])
 def test_a_manifest_of_another_shape_is_a_corrupt_folder_not_a_traceback(store, tmp_path, manifest, expected):
     """A manifest edited into valid JSON of another shape reached its readers: a TypeError in retention, a KeyError
@@ -283,3 +284,31 @@ def test_a_file_that_matches_its_manifest_but_does_not_decode_is_corrupt(store, 
     _tamper(store, key, MANIFEST, json.dumps(manifest).encode())
     with pytest.raises(CorruptArtifact, match=r"sub/b\.json: not what rlflow writes there \(JSONDecodeError"):
         store.get_json(key, "sub/b.json")
+
+
+def test_what_does_not_decode_is_corrupt_and_running_out_of_memory_is_not(tmp_path):
+    """store.stored: a safetensors file or a torch.save file that does not decode (their own errors) is the
+    folder's corruption; out of memory while reading is not the file's fault and passes through."""
+    import torch
+    from safetensors import safe_open
+
+    from tasks.core.store import CorruptArtifact, stored
+
+    store = Store.open(f"file://{tmp_path / 'store'}")
+    (tmp_path / "w.safetensors").write_bytes(os.urandom(4096))
+    (tmp_path / "o.pt").write_bytes(os.urandom(4096))
+    with pytest.raises(CorruptArtifact, match=r"run/trainer/full-000003/model/w\.safetensors: not what rlflow writes "
+                                              r"there \(SafetensorError: Error while deserializing header"):
+        with stored(store, "run/trainer/full-000003", "model/w.safetensors"), \
+                safe_open(str(tmp_path / "w.safetensors"), framework="pt") as opened:
+            opened.keys()
+    with pytest.raises(CorruptArtifact, match=r"o\.pt: not what rlflow writes there \((UnpicklingError|RuntimeError)"):
+        with stored(store, "run/trainer/full-000003", "o.pt"):
+            torch.load(tmp_path / "o.pt", weights_only=True)
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    with pytest.raises(OutOfMemoryError):
+        with stored(store, "run/trainer/full-000003", "o.pt"):
+            raise OutOfMemoryError("CUDA out of memory")

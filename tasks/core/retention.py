@@ -122,14 +122,24 @@ def improves(score: float, best: float | None, floor: float | None) -> bool:
     return (floor is None or score > floor) and (best is None or score > best)
 
 
+def _kept(store: Store, key: str) -> bool:
+    from tasks.core.store import CorruptArtifact
+
+    try:
+        return store.manifest(key) is not None
+    except CorruptArtifact:
+        return False
+
+
 def _best(store: Store, cfg: Config) -> str | None:
-    """The policy BEST names, from the run's evaluations (improves)."""
+    """The policy BEST names, from the run's evaluations (improves), among the policies still complete (one
+    quarantined whose remaking failed cannot be pointed at)."""
     run, name = cfg.run.name, cfg.eval.metric_key()
     found = {n: store.manifest(layout.evaluation(run, n)) for n in _numbered(store.list_folders(f"{run}/eval"), "v")}
-    scores = {n: m["meta"]["metrics"].get(name) for n, m in found.items() if m is not None}
+    scores = {n: m["meta"].get("metrics", {}).get(name) for n, m in found.items() if m is not None}
     floor = scores.get(0) if cfg.eval.baseline else None
     best = None
-    for n in sorted(k for k, v in scores.items() if k > 0 and v is not None):
+    for n in sorted(k for k, v in scores.items() if k > 0 and v is not None and _kept(store, layout.policy(run, k))):
         if improves(scores[n], scores[best] if best is not None else None, floor):
             best = n
     return layout.policy(run, best) if best is not None else None

@@ -88,8 +88,10 @@ def _manifest_fault(manifest) -> str | None:
         if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
                 and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64):
             return f"files.{rel}: expected {{size: bytes, sha256: 64 hex digits}}, got {str(entry)[:80]}"
-    if not isinstance(manifest.get("meta", {}), dict):
+    if not isinstance(manifest.get("meta"), dict):
         return "meta: expected a mapping"
+    if manifest.get("format") != 1:
+        return f"format {str(manifest.get('format'))[:20]}: expected 1 (what this rlflow writes)"
     return None
 
 

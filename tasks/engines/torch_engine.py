@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tasks.algorithms.learners.registry import learner_class
@@ -75,10 +76,13 @@ class TorchEngine:
             folder, model_path = None, base_path(cfg)
         tokenizer = load_tokenizer(model_path)
         if folder is not None:
-            with stored(store, previous, layout.CKPT_MODEL):
-                model = load_policy(cfg, model_path, device, trainable=True)
-                if (folder / layout.CKPT_WEIGHTS).exists():       # model/ holds the policy in publish.dtype
-                    _load_exact(model, load_file(folder / layout.CKPT_WEIGHTS, device=str(device)))
+            for weights in sorted(folder.rglob("*.safetensors")):      # (its own files decode: else it is corrupt,
+                name = weights.relative_to(folder).as_posix()            # not the loading's fault)
+                with stored(store, previous, name), safe_open(str(weights), framework="pt") as opened:
+                    opened.keys()
+            model = load_policy(cfg, model_path, device, trainable=True)
+            if (folder / layout.CKPT_WEIGHTS).exists():       # model/ holds the policy in publish.dtype
+                _load_exact(model, load_file(folder / layout.CKPT_WEIGHTS, device=str(device)))
         else:
             seed_all(cfg.run.seed)                   # before add_lora: adapter init draws from it
             model = load_model(model_path, cfg.model.dtype, device)
@@ -97,15 +101,14 @@ class TorchEngine:
 
             critic = Critic.make(cfg, model, device)
             if folder is not None:
-                with stored(store, previous, "critic"):
-                    critic.load(folder)
+                critic.load(folder)
             params = [{"params": params}, {"params": list(critic.parameters()), "lr": tc.learner.critic_lr or tc.lr}]
         optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
         step = 0 if folder is None else step
         if folder is not None:
-            with stored(store, previous, layout.CKPT_OPTIMIZER):
-                optimizer.load_state_dict(torch.load(folder / layout.CKPT_OPTIMIZER, map_location=device,
-                                                     weights_only=True))
+            with stored(store, previous, layout.CKPT_OPTIMIZER):     # (decoding only: a mismatch is not the file's)
+                saved = torch.load(folder / layout.CKPT_OPTIMIZER, map_location="cpu", weights_only=True)
+            optimizer.load_state_dict(saved)
             with stored(store, previous, layout.CKPT_RNG):     # (tensors and tuples: never code, weights_only)
                 set_rng_state(torch.load(folder / layout.CKPT_RNG, weights_only=True))
         return cls(model, optimizer, cfg, ref_model=ref_model, lora=lora, tokenizer=tokenizer, step=step,
