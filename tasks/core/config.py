@@ -363,23 +363,6 @@ def _a_section(parts: list[str]) -> bool:
     return bool(models)
 
 
-def repeated_override(overrides: list[str]) -> None:
-    """A key given twice among a command's overrides (`-o train.lr=1e-3 -o train.lr=2e-3`, `run.name` and then
-    `run={name: ...}`, train.gamma and train.learner.gamma): the last one is used, as it always was (commands
-    built from a base list and a change rely on it), now said: a warning the next accepted load_config says."""
-    given: dict[tuple, str] = {}
-    for item in overrides:
-        for leaf, _ in _leaves(item):
-            for other, said in given.items():
-                if leaf[:len(other)] == other or other[:len(leaf)] == leaf:
-                    _REPEATED.append(f"warning: override {'.'.join(leaf)} given twice ({said!r}, then {item!r}): "
-                                     f"the last one is used")
-            given[leaf] = item
-
-
-_REPEATED: list[str] = []        # (said with the next config accepted, as its own warnings are: never before a refusal)
-
-
 def leaf_overrides(overrides: list[str]) -> list[str]:
     """The same overrides, each key of a section given as a mapping (`run={name: a, iterations: 2}`) a dotted
     one of its own (`run.name="a"`, `run.iterations=2`): what a caller that sets some keys itself can filter."""
@@ -483,8 +466,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         cfg = _load_config(path, overrides, base)
     finally:
         _HELD.lines = outer
-        repeated, _REPEATED[:] = list(_REPEATED), []
-    for line in repeated + held:
+    for line in held:
         warn(line)
     return cfg
 

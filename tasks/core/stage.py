@@ -172,12 +172,9 @@ def parse_overrides_json(text: str) -> list[str]:
 
 
 def given_overrides(args) -> list[str]:
-    """A command's overrides as the user gave them (--overrides-json, then each -o), each key once."""
-    from tasks.core.config import repeated_override
-
-    overrides = parse_overrides_json(getattr(args, "overrides_json", "[]")) + list(args.override)
-    repeated_override(overrides)
-    return overrides
+    """A command's overrides as the user gave them: --overrides-json, then each -o (of a key given twice, the
+    last is used, as commands built from a base list and a change expect)."""
+    return parse_overrides_json(getattr(args, "overrides_json", "[]")) + list(args.override)
 
 
 class OneLineParser(argparse.ArgumentParser):
