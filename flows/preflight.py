@@ -52,14 +52,17 @@ def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
         if (database := sqlite_file(uri)) is not None and database.exists():
             try:
                 with open(database, "rb") as f:
-                    head = f.read(16)
+                    head, size = f.read(100), os.fstat(f.fileno()).st_size
             except OSError as e:
                 raise UserError(f"tracking.uri: {uri}: {database} cannot be read as a database "
                                 f"({e.strerror or type(e).__name__}); expected a sqlite database file, or a path "
                                 f"where none is yet") from None
-            if head and head != b"SQLite format 3\x00":
+            if head and head[:16] != b"SQLite format 3\x00":
                 raise UserError(f"tracking.uri: {uri}: {database} is not a sqlite database (another kind of file); "
                                 f"expected a sqlite database file, or a path where none is yet") from None
+            if (short := _cut_short(head, size)) is not None:
+                raise UserError(f"tracking.uri: {uri}: {database} is cut short ({size} bytes of the {short} its "
+                                f"header says: truncated or damaged); restore it, or name another database")
             if head and _deleted_in(database, cfg.tracking.experiment):
                 raise UserError(f"tracking.experiment: {cfg.tracking.experiment!r} was deleted in MLflow ({uri}); "
                                 f"restore it (`mlflow experiments restore`) or name another")
@@ -67,6 +70,17 @@ def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
     from tasks.core.tracking import require_answer
 
     require_answer(uri, "tracking.uri", timeout, experiment=cfg.tracking.experiment)
+
+
+def _cut_short(head: bytes, size: int) -> int | None:
+    """The size a sqlite file's header says it has where the file is smaller (a copy or a disk cut short: a
+    traceback from SQLAlchemy after the lease), else None. The header's page count is read only where it is
+    valid (its version-valid-for number equals the change counter)."""
+    if len(head) < 100 or head[92:96] != head[24:28]:
+        return None
+    page = int.from_bytes(head[16:18], "big")
+    want = (65536 if page == 1 else page) * int.from_bytes(head[28:32], "big")
+    return want if size < want else None
 
 
 def _require_driver(uri: str) -> None:

@@ -3,6 +3,7 @@ to the store."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -54,6 +55,13 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "no_interpreter").write_text("")
     (tmp / "no_interpreter").chmod(0o755)
     (tmp / "not_a.db").write_text("not a sqlite database")
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(tmp / "whole.db")) as db:
+        db.execute("CREATE TABLE t (x)")
+        db.executemany("INSERT INTO t VALUES (?)", [("x" * 500,)] * 400)
+        db.commit()
+    (tmp / "cut.db").write_bytes((tmp / "whole.db").read_bytes()[:50_000])
     (tmp / "a_folder.db").mkdir(exist_ok=True)
     (tmp / "empty_array.json").write_text("[]")
     (tmp / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "bbb"}) + "\n")
@@ -349,6 +357,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "a tracking database that is another file": (["run", str(TINY), "-o", f"tracking.uri=sqlite:///{tmp}/not_a.db"],
                                                      f"tracking.uri: sqlite:///{tmp}/not_a.db: {tmp}/not_a.db is not a "
                                                      f"sqlite database"),
+        "a tracking database cut short": (["run", str(TINY), "-o", f"tracking.uri=sqlite:///{tmp}/cut.db"],
+                                          f"tracking.uri: sqlite:///{tmp}/cut.db: {tmp}/cut.db is cut short (50000 "
+                                          f"bytes of the"),
         "a tracking database that is a folder": (["run", str(TINY), "-o", f"tracking.uri=sqlite:///{tmp}/a_folder.db"],
                                                  f"tracking.uri: sqlite:///{tmp}/a_folder.db: {tmp}/a_folder.db cannot "
                                                  f"be read as a database"),
