@@ -249,7 +249,7 @@ def test_a_corrupt_full_checkpoint_or_curriculum_state_is_rebuilt_in_the_same_ru
     that state from the one before it (an older full checkpoint, or none, and the stored rewards since), in the
     same run, and the next policy is the uninterrupted run's, bit for bit. The optimizer's file is replaced with
     bytes its manifest is made to match (edited with it): they do not decode, which was a traceback after
-    Prefect's retries (store.stored)."""
+    Prefect's retries (artifacts.stored)."""
     import shutil
 
     from tasks.core import layout

@@ -287,28 +287,28 @@ def test_a_file_that_matches_its_manifest_but_does_not_decode_is_corrupt(store, 
 
 
 def test_what_does_not_decode_is_corrupt_and_running_out_of_memory_is_not(tmp_path):
-    """store.stored: a safetensors file or a torch.save file that does not decode (their own errors) is the
+    """artifacts.stored: a safetensors file or a torch.save file that does not decode (their own errors) is the
     folder's corruption; out of memory while reading is not the file's fault and passes through."""
     import torch
     from safetensors import safe_open
 
-    from tasks.core.store import CorruptArtifact, stored
+    from tasks.core.artifacts import CorruptArtifact, stored
 
     store = Store.open(f"file://{tmp_path / 'store'}")
     (tmp_path / "w.safetensors").write_bytes(os.urandom(4096))
     (tmp_path / "o.pt").write_bytes(os.urandom(4096))
     with pytest.raises(CorruptArtifact, match=r"run/trainer/full-000003/model/w\.safetensors: not what rlflow writes "
                                               r"there \(SafetensorError: Error while deserializing header"):
-        with stored(store, "run/trainer/full-000003", "model/w.safetensors"), \
+        with stored("run/trainer/full-000003", store.uri("run/trainer/full-000003/model/w.safetensors")), \
                 safe_open(str(tmp_path / "w.safetensors"), framework="pt") as opened:
             opened.keys()
     with pytest.raises(CorruptArtifact, match=r"o\.pt: not what rlflow writes there \((UnpicklingError|RuntimeError)"):
-        with stored(store, "run/trainer/full-000003", "o.pt"):
+        with stored("run/trainer/full-000003", store.uri("run/trainer/full-000003/o.pt")):
             torch.load(tmp_path / "o.pt", weights_only=True)
 
     class OutOfMemoryError(RuntimeError):
         pass
 
     with pytest.raises(OutOfMemoryError):
-        with stored(store, "run/trainer/full-000003", "o.pt"):
+        with stored("run/trainer/full-000003", store.uri("run/trainer/full-000003/o.pt")):
             raise OutOfMemoryError("CUDA out of memory")

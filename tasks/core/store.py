@@ -29,71 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.core.errors import UserError, printable
+from tasks.core.artifacts import MANIFEST, CorruptArtifact, IncompleteArtifact, manifest_fault, stored, verify_file
+from tasks.core.errors import UserError
 from tasks.core.hashing import REMEMBER_FROM, known_sha256, remember_sha256, sha256_file
 from tasks.core.paths import cache_root, require_creatable
 from tasks.core.processes import exclusive
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, StoreConfig
-
-MANIFEST = "MANIFEST.json"
-
-
-class IncompleteArtifact(Exception):
-    """A folder without a valid manifest, or with a file that does not match it."""
-
-
-class CorruptArtifact(IncompleteArtifact):
-    """A committed folder (its manifest written) whose manifest or a file changed afterwards: missing,
-    truncated or altered. `key` is the folder; every stage is deterministic, so its producer can make it again
-    (flows/repair.py quarantines it and has its producer make it again)."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(message)
-        self.key = key
-
-
-@contextlib.contextmanager
-def stored(store: Store, key: str, name: str) -> Iterator[None]:
-    """Decoding file `name` of committed folder `key`: bytes that match their manifest yet do not decode (edited
-    with their manifest, a writer's fault) raise CorruptArtifact (quarantined and made again: flows/repair.py),
-    not a traceback after Prefect's retries. Out of memory is not the file's fault."""
-    import pickle
-
-    try:
-        yield
-    except (ValueError, KeyError, TypeError, EOFError, RuntimeError, pickle.UnpicklingError) as e:
-        if type(e).__name__ == "OutOfMemoryError":
-            raise
-        raise CorruptArtifact(key, _unreadable(store, key, name, e)) from None
-    except Exception as e:
-        if type(e).__name__ != "SafetensorError":
-            raise
-        raise CorruptArtifact(key, _unreadable(store, key, name, e)) from None
-
-
-def _unreadable(store: Store, key: str, name: str, e: BaseException) -> str:
-    said = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-    return printable(f"{store.uri(key)}/{name}: not what rlflow writes there ({type(e).__name__}"
-                     f"{': ' + said if said else ''})")
-
-
-def _manifest_fault(manifest) -> str | None:
-    """What makes `manifest` not one this store writes (files: name -> {size, sha256}; meta: a mapping), or None."""
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict):
-        return "not a manifest (expected a mapping whose files maps each name to its size and sha256)"
-    for rel, entry in files.items():
-        if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
-                and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64):
-            return f"files.{rel}: expected {{size: bytes, sha256: 64 hex digits}}, got {str(entry)[:80]}"
-    if not isinstance(manifest.get("meta"), dict):
-        return "meta: expected a mapping"
-    if manifest.get("format") != 1:
-        return f"format {str(manifest.get('format'))[:20]}: expected 1 (what this rlflow writes)"
-    return None
-
 
 def _local_files(folder: Path) -> Iterator[tuple[str, Path]]:
     for p in sorted(folder.rglob("*")):
@@ -151,7 +94,7 @@ class Store:
             manifest = json.loads(raw)
         except ValueError:
             raise CorruptArtifact(key, f"{self.uri(key)}/{MANIFEST}: not valid JSON") from None
-        if fault := _manifest_fault(manifest):                  # (an edited one: each reader trusted its shape)
+        if fault := manifest_fault(manifest):                  # (an edited one: each reader trusted its shape)
             raise CorruptArtifact(key, f"{self.uri(key)}/{MANIFEST}: {fault}")
         return manifest
 
@@ -193,7 +136,7 @@ class Store:
         files = {rel[len(prefix):]: entry for rel, entry in source["files"].items() if rel.startswith(prefix)}
         if not self.remote:      # the copy shares the files (hard links): never pass a corrupt source on
             for rel, entry in files.items():
-                _verify(self._p(f"{src}/{prefix}{rel}"), entry, src, f"{self.uri(src)}/{prefix}{rel}")
+                verify_file(self._p(f"{src}/{prefix}{rel}"), entry, src, f"{self.uri(src)}/{prefix}{rel}")
         staged = self._copy_files(src, dst, {rel: prefix + rel for rel in files})
         manifest = {"format": 1, "created": time.time(), "files": files, "meta": meta or {}}
         self._commit_folder(dst, staged, json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -234,7 +177,7 @@ class Store:
                 self._get_file(f"{key}/{rel}", target)
             except FileNotFoundError:
                 raise CorruptArtifact(key, f"{self.uri(key)}/{rel}: missing (listed in {MANIFEST})") from None
-            _verify(target, want, key, f"{self.uri(key)}/{rel}")
+            verify_file(target, want, key, f"{self.uri(key)}/{rel}")
         return manifest
 
     def local(self, key: str) -> Path:
@@ -267,7 +210,7 @@ class Store:
             raise CorruptArtifact(key, f"{where}: missing (listed in {MANIFEST})")
         if len(raw) != want["size"] or hashlib.sha256(raw).hexdigest() != want["sha256"]:
             raise CorruptArtifact(key, f"{where}: does not match {MANIFEST} (truncated or altered)")
-        with stored(self, key, name):
+        with stored(key, where):
             return json.loads(raw)
 
     # ---- pointers
@@ -341,14 +284,6 @@ def _link_files(sources: dict[str, Path], dest: Path, link: bool = True) -> None
         os.replace(tmp, target)
 
 
-def _verify(path: Path, want: dict, key: str, where: str) -> None:
-    size = path.stat().st_size
-    if size != want["size"]:
-        raise CorruptArtifact(key, f"{where}: size {size} != {want['size']} in {MANIFEST} (truncated or altered)")
-    if known_sha256(path) != want["sha256"]:
-        raise CorruptArtifact(key, f"{where}: sha256 does not match {MANIFEST} (altered)")
-
-
 LOCKS = ".locks"
 
 
@@ -378,7 +313,7 @@ class FileStore(Store):
         for rel, want in manifest["files"].items():
             if not self._p(f"{key}/{rel}").is_file():
                 raise CorruptArtifact(key, f"{self.uri(key)}/{rel}: missing (listed in {MANIFEST})")
-            _verify(self._p(f"{key}/{rel}"), want, key, f"{self.uri(key)}/{rel}")
+            verify_file(self._p(f"{key}/{rel}"), want, key, f"{self.uri(key)}/{rel}")
         return self._p(key)
 
     def _write_files(self, key, folder, rels, give_up=False):

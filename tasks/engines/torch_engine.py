@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from tasks.algorithms.learners.registry import learner_class
 from tasks.core import layout
+from tasks.core.artifacts import stored
 from tasks.core.errors import UserError
 from tasks.core.models import (
     DTYPES,
@@ -34,7 +35,6 @@ from tasks.core.models import (
     policy_dtype,
 )
 from tasks.core.process_wide import rng_state, seed_all, set_rng_state
-from tasks.core.store import stored
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -65,8 +65,8 @@ class TorchEngine:
         device = device_for(cfg)
         if previous:
             folder = store.local(previous)
-            model_path = str(folder / layout.CKPT_MODEL)
-            with stored(store, previous, layout.CKPT_STATE):
+            model_path, at = str(folder / layout.CKPT_MODEL), store.uri(previous)
+            with stored(previous, f"{at}/{layout.CKPT_STATE}"):
                 state = json.loads((folder / layout.CKPT_STATE).read_text())
                 step = int(state["step"])
             if (engine := state.get("engine", "torch")) != "torch":
@@ -78,7 +78,7 @@ class TorchEngine:
         if folder is not None:
             for weights in sorted(folder.rglob("*.safetensors")):      # (its own files decode: else it is corrupt,
                 name = weights.relative_to(folder).as_posix()            # not the loading's fault)
-                with stored(store, previous, name), safe_open(str(weights), framework="pt") as opened:
+                with stored(previous, f"{at}/{name}"), safe_open(str(weights), framework="pt") as opened:
                     opened.keys()
             model = load_policy(cfg, model_path, device, trainable=True)
             if (folder / layout.CKPT_WEIGHTS).exists():       # model/ holds the policy in publish.dtype
@@ -106,10 +106,10 @@ class TorchEngine:
         optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
         step = 0 if folder is None else step
         if folder is not None:
-            with stored(store, previous, layout.CKPT_OPTIMIZER):     # (decoding only: a mismatch is not the file's)
+            with stored(previous, f"{at}/{layout.CKPT_OPTIMIZER}"):     # (decoding only: a mismatch is not the file's)
                 saved = torch.load(folder / layout.CKPT_OPTIMIZER, map_location="cpu", weights_only=True)
             optimizer.load_state_dict(saved)
-            with stored(store, previous, layout.CKPT_RNG):     # (tensors and tuples: never code, weights_only)
+            with stored(previous, f"{at}/{layout.CKPT_RNG}"):     # (tensors and tuples: never code, weights_only)
                 set_rng_state(torch.load(folder / layout.CKPT_RNG, weights_only=True))
         return cls(model, optimizer, cfg, ref_model=ref_model, lora=lora, tokenizer=tokenizer, step=step,
                    critic=critic)
