@@ -123,8 +123,9 @@ def preflight(cfg: Config) -> None:
     if cfg.model.dtype == "float16":
         raise UserError("model.dtype: float16 weights trained by AdamW with no loss scaling become NaN/inf (measured: "
                         "every tensor of the first policy, at lr 1e-6 too); expected bfloat16 or float32")
-    open_store(cfg).check()                # made (else one line), reachable, the bucket there, credentials taken
-    if (root := getattr(open_store(cfg), "path", None)) is not None:     # (a folder store: the run's and the lease's
+    store = open_store(cfg)
+    store.check()                          # made (else one line), reachable, the bucket there, credentials taken
+    if (root := getattr(store, "path", None)) is not None:     # (a folder store: the run's and the lease's
         for sub in (cfg.run.name, ".locks"):                            # folders in it, where they are files)
             require_creatable(root / sub, f"store.uri ({sub} in it)")
     check_tracking_server(cfg)             # an MLflow server that does not answer: one line, not a silent hang
@@ -189,7 +190,7 @@ def preflight(cfg: Config) -> None:
     if cfg.train.learner.offline():
         from tasks.engines.training import offline_rollouts
 
-        offline_rollouts(cfg, open_store(cfg))  # not scored rollouts, or a row with no reward: one line, exit 2
+        offline_rollouts(cfg, store)            # not scored rollouts, or a row with no reward: one line, exit 2
     remote = [s for s in place.stages if place.where(s) != "inline"]    # (a routed one too)
     sky_stages = any(place.where(s) == "sky" for s in remote)
     served = place.services_on_sky()       # env, replica, judge: servers the flow starts on SkyPilot

@@ -356,11 +356,7 @@ def _merged(old: Any, new: Any, parts: list[str]) -> Any:
 
 def _a_section(parts: list[str]) -> bool:
     """Whether the dotted place `parts` holds a section of the config (not a free-form mapping)."""
-    models: list[type[Section]] = [Config]
-    for p in parts:
-        fields = [m.model_fields.get(p) for m in models]
-        models = [s for f in fields if f is not None for s in _sections_in(f.annotation)]
-    return bool(models)
+    return bool(_models_at(parts))
 
 
 def leaf_overrides(overrides: list[str]) -> list[str]:
@@ -435,18 +431,24 @@ def _sections_in(annotation) -> list[type[Section]]:
     return [m for arg in get_args(annotation) for m in _sections_in(arg)]
 
 
+def _models_at(parts: list) -> list[type[Section]]:
+    """The Section models at the dotted place `parts` of the config (none: not a section there)."""
+    models: list[type[Section]] = [Config]
+    for p in parts:
+        if isinstance(p, int):
+            continue                          # an item of a list of sections
+        fields = [m.model_fields.get(str(p)) for m in models]
+        models = [s for f in fields if f is not None for s in _sections_in(f.annotation)]
+    return models
+
+
 def _near(parts: list) -> str | None:
     """The known key closest to an unknown one, among the keys of the models at the same place: the one whose
     words' initials it spells (train.learning_rate -> train.lr), the only one it begins, or difflib's closest;
     as a dotted key; None if none is close."""
     import difflib
 
-    models: list[type[Section]] = [Config]
-    for p in parts[:-1]:
-        if isinstance(p, int):
-            continue                          # an item of a list of sections
-        fields = [m.model_fields.get(str(p)) for m in models]
-        models = [s for f in fields if f is not None for s in _sections_in(f.annotation)]
+    models = _models_at(parts[:-1])
     names = {name for m in models for name, f in m.model_fields.items() if not f.exclude}
     leaf = str(parts[-1])
     initials = "".join(w[:1] for w in leaf.split("_"))

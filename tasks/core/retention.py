@@ -71,14 +71,7 @@ def plan(store: Store, cfg: Config, protected: set[str] = frozenset()) -> list[s
 def _names_its_own(store: Store, pointer: str, target: str) -> bool:
     """Whether `target` is a complete folder beside `pointer` (policy/LATEST: a policy of this run's); one whose
     manifest is corrupt counts (flows/repair.py makes it again where it is read)."""
-    from tasks.core.store import CorruptArtifact
-
-    if not target.startswith(pointer.rsplit("/", 1)[0] + "/"):
-        return False
-    try:
-        return store.manifest(target) is not None
-    except CorruptArtifact:
-        return True
+    return target.startswith(pointer.rsplit("/", 1)[0] + "/") and _complete(store, target, corrupt=True)
 
 
 def mend_pointers(store: Store, cfg: Config) -> list[str]:
@@ -122,13 +115,14 @@ def improves(score: float, best: float | None, floor: float | None) -> bool:
     return (floor is None or score > floor) and (best is None or score > best)
 
 
-def _kept(store: Store, key: str) -> bool:
+def _complete(store: Store, key: str, corrupt: bool) -> bool:
+    """Whether folder `key` has its manifest; `corrupt`: the answer where that manifest is corrupt."""
     from tasks.core.store import CorruptArtifact
 
     try:
         return store.manifest(key) is not None
     except CorruptArtifact:
-        return False
+        return corrupt
 
 
 def _best(store: Store, cfg: Config) -> str | None:
@@ -139,7 +133,8 @@ def _best(store: Store, cfg: Config) -> str | None:
     scores = {n: m["meta"].get("metrics", {}).get(name) for n, m in found.items() if m is not None}
     floor = scores.get(0) if cfg.eval.baseline else None
     best = None
-    for n in sorted(k for k, v in scores.items() if k > 0 and v is not None and _kept(store, layout.policy(run, k))):
+    candidates = [k for k, v in scores.items() if k > 0 and v is not None]
+    for n in sorted(k for k in candidates if _complete(store, layout.policy(run, k), corrupt=False)):
         if improves(scores[n], scores[best] if best is not None else None, floor):
             best = n
     return layout.policy(run, best) if best is not None else None
