@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -295,14 +296,15 @@ def test_what_does_not_decode_is_corrupt_and_running_out_of_memory_is_not(tmp_pa
     from tasks.core.artifacts import CorruptArtifact, stored
 
     store = Store.open(f"file://{tmp_path / 'store'}")
-    (tmp_path / "w.safetensors").write_bytes(os.urandom(4096))
-    (tmp_path / "o.pt").write_bytes(os.urandom(4096))
+    noise = random.Random(0).randbytes(4096)  # fixed: which decoder error random bytes raise depends on the bytes
+    (tmp_path / "w.safetensors").write_bytes(noise)
+    (tmp_path / "o.pt").write_bytes(noise)
     with pytest.raises(CorruptArtifact, match=r"run/trainer/full-000003/model/w\.safetensors: not what rlflow writes "
                                               r"there \(SafetensorError: Error while deserializing header"):
         with stored("run/trainer/full-000003", store.uri("run/trainer/full-000003/model/w.safetensors")), \
                 safe_open(str(tmp_path / "w.safetensors"), framework="pt") as opened:
             opened.keys()
-    with pytest.raises(CorruptArtifact, match=r"o\.pt: not what rlflow writes there \((UnpicklingError|RuntimeError)"):
+    with pytest.raises(CorruptArtifact, match=r"o\.pt: not what rlflow writes there \(\w+Error: "):
         with stored("run/trainer/full-000003", store.uri("run/trainer/full-000003/o.pt")):
             torch.load(tmp_path / "o.pt", weights_only=True)
 
