@@ -1196,6 +1196,34 @@ def test_a_refused_resume_names_the_fields_that_changed(tmp_path):
         reuse(store, "new", fp3, made3)
 
 
+def test_a_manifest_whose_fingerprint_is_not_that_of_its_made_of_is_corrupt(tmp_path):
+    """A manifest edited so that its fingerprint is not the one its own made_of gives (only the manifest can be
+    wrong: the config did not change) is a corrupt artifact, made again (flows/repair.py); it was refused,
+    blaming the config ("the same config, other inputs"). A real change of the config is still refused."""
+    import tempfile
+
+    from tasks.core.artifacts import CorruptArtifact
+    from tasks.core.stage import fingerprint, reuse
+    from tasks.core.store import Store
+
+    store = Store.open(str(tmp_path))
+    cfg = load_config(TINY)
+    fp, made = fingerprint(cfg, ("model", "train"), iteration=1, rewards="abc")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "x").write_text("x")
+        store.put_folder("edited", Path(tmp), meta={"fingerprint": "0123456789abcdef", "made_of": made})
+    with pytest.raises(CorruptArtifact, match=r"edited: its manifest's fingerprint is not that of what it says it "
+                                              r"was made of") as e:
+        reuse(store, "edited", fp, made)
+    assert e.value.key == "edited"
+    other, made2 = fingerprint(load_config(TINY, ["train.lr=0.5"]), ("model", "train"), iteration=1, rewards="abc")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "x").write_text("x")
+        store.put_folder("changed", Path(tmp), meta={"fingerprint": fp, "made_of": made})
+    with pytest.raises(UserError, match="train.lr"):
+        reuse(store, "changed", other, made2)
+
+
 HANGS = {"sleeps": "import time\nwhile True:\n    time.sleep(1)\n",
          "spins": "while True:\n    try:\n        pass\n    except Exception:\n        pass\n",
          "waits_on_stdin": "import sys\nsys.stdin.read()\n"}

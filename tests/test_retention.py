@@ -163,3 +163,36 @@ def test_best_is_made_again_among_the_policies_still_there(store, tmp_path):
     said = retention.mend_pointers(store, cfg)
     assert any("BEST: points at r/policy/v000002" in line for line in said), said
     assert store.get_pointer(layout.best("r")) == layout.policy("r", 1)
+
+
+def test_an_output_whose_manifest_was_edited_is_made_again_by_its_stage(tmp_path):
+    """iter-1/rewards' manifest edited (its fingerprint): the reward stage's reuse finds it corrupt, Repair moves it
+    to quarantine and the stage makes it again, the same bytes; it was a refusal blaming the config."""
+    from types import SimpleNamespace
+
+    from flows.repair import Repair
+    from flows.training import STAGE_FUNCTIONS
+    from tasks.core import rollout
+    from tasks.generate import generate
+    from tasks.reward import reward
+
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=ed", "generate.prompts_per_iteration=2",
+                             "generate.num_generations=2"])
+    generate(cfg, 1, layout.BASE)
+    reward(cfg, 1)
+    store, key = Store.open(cfg.store), layout.rewards("ed", 1)
+    made = store.manifest(key)["files"][rollout.FILE]["sha256"]
+    manifest = tmp_path / "store" / key / "MANIFEST.json"
+    edited = json.loads(manifest.read_text())
+    edited["meta"]["fingerprint"] = "0" * 16
+    manifest.write_text(json.dumps(edited))
+    said = []
+    repair = Repair(lambda name, it, ctx, *a, **k: STAGE_FUNCTIONS[name](cfg, it, *a, **k),
+                    SimpleNamespace(cfg=cfg, store=store), SimpleNamespace(warning=said.append))
+    repair.note = said.append
+    assert repair("reward", 1, None)["key"] == key
+    assert store.manifest(key)["files"][rollout.FILE]["sha256"] == made
+    assert len(said) == 2 and "its manifest's fingerprint is not that of what it says" in said[0]
+    assert said[0].endswith("making it again (reward of iteration 1)")
+    assert [k.split("-")[0] for k in store.list_folders("ed/quarantine/iter-000001")] == ["rewards"], \
+        store.list_folders("ed/quarantine/iter-000001")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tasks.core import layout
+from tasks.core.artifacts import CorruptArtifact
 from tasks.core.errors import DiskFull, UserError, corrupt_line, disk_full, disk_full_line, user_error_line
 from tasks.core.process_wide import set_variable
 
@@ -95,8 +96,16 @@ def fingerprint(cfg: Config, sections: tuple[str, ...], **inputs) -> tuple[str, 
     """The fingerprint of a stage's output, and what it is made of (the fingerprinted values of `sections`, the
     seed, `inputs`): kept in the output's manifest as `made_of`, so a refused resume can name what changed."""
     made = {**made_of(cfg, sections), **inputs}
-    blob = json.dumps({"config": cfg.section_hash(*sections), "seed": cfg.run.seed, **inputs}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16], made
+    return fingerprint_of(made), made
+
+
+def fingerprint_of(made: dict) -> str:
+    """The fingerprint of what `made` says (fingerprint's `made`, or a manifest's `made_of`: the section values
+    are what Config.section_hash hashes)."""
+    inputs = {k: v for k, v in made.items() if k not in ("config", "seed")}
+    sections = hashlib.sha256(json.dumps(made["config"], sort_keys=True).encode()).hexdigest()[:16]
+    blob = json.dumps({"config": sections, "seed": made["seed"], **inputs}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def made_of(cfg: Config, sections: tuple[str, ...]) -> dict:
@@ -108,12 +117,15 @@ def made_of(cfg: Config, sections: tuple[str, ...]) -> dict:
 def reuse(store: Store, key: str, fp: str, made: dict | None = None) -> dict | None:
     """The result of `key` when it is complete and made from the same inputs (fingerprint `fp`); None when it is
     not there; a UserError when it was made from others, naming the fields that changed (from the manifest's
-    `made_of`, against `made`) and how to go on."""
+    `made_of`, against `made`) and how to go on; a CorruptArtifact when its manifest contradicts itself."""
     manifest = store.manifest(key)
     if manifest is None:
         return None
-    if manifest.get("meta", {}).get("fingerprint") != fp:
+    if (found := manifest.get("meta", {}).get("fingerprint")) != fp:
         was = manifest.get("meta", {}).get("made_of")
+        if made is not None and isinstance(was, dict) and was.keys() == made.keys() and fingerprint_of(was) != found:
+            raise CorruptArtifact(key, f"{store.uri(key)}: its manifest's fingerprint is not that of what it says "
+                                       f"it was made of (the manifest was edited)")
         raise UserError(f"run: {store.uri(key)} was made from a different config or input"
                         + (changed(was, made) if was is not None and made is not None else
                            "; resume with the same config or choose a new run.name"))
