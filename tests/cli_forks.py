@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -69,7 +70,10 @@ def main() -> None:
 
     results: list[dict | None] = [None] * len(cases)
     running: dict[int, tuple[int, str, str, float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    # (a folder no finalizer removes: a process forked inside a case that ends as Python does would run
+    # TemporaryDirectory's, removing the other cases' output files; seen: a case's .out file gone)
+    tmp, parent = tempfile.mkdtemp(), os.getpid()
+    try:
         def reap() -> None:
             pid, status = os.wait()
             i, out, err, start = running.pop(pid)
@@ -87,6 +91,9 @@ def main() -> None:
             running[pid] = (i, out, err, start)
         while running:
             reap()
+    finally:
+        if os.getpid() == parent:
+            shutil.rmtree(tmp, ignore_errors=True)
     json.dump(results, sys.stdout)
 
 
