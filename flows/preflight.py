@@ -63,6 +63,9 @@ def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
             if (short := _cut_short(head, size)) is not None:
                 raise UserError(f"tracking.uri: {uri}: {database} is cut short ({size} bytes of the {short} its "
                                 f"header says: truncated or damaged); restore it, or name another database")
+            if head and (damage := _damaged(database)) is not None:
+                raise UserError(f"tracking.uri: {uri}: {database} is damaged (sqlite: {damage}); restore it, or name "
+                                f"another database")
             if head and _deleted_in(database, cfg.tracking.experiment):
                 raise UserError(f"tracking.experiment: {cfg.tracking.experiment!r} was deleted in MLflow ({uri}); "
                                 f"restore it (`mlflow experiments restore`) or name another")
@@ -101,6 +104,23 @@ def _require_driver(uri: str) -> None:
             url.get_backend_name(), "")
         raise UserError(f"tracking.uri: {shown}: its database driver is not installed ({e.name or e}); install it "
                         f"in this environment{hint}") from None
+
+
+def _damaged(database: Path) -> str | None:
+    """What sqlite's quick check finds wrong inside a database whose header is whole (pages overwritten: a
+    traceback from SQLAlchemy after the lease), else None; read only, and a database locked by a writer is not
+    looked into."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True)) as db:
+            found = [line for row in db.execute("PRAGMA quick_check(3)").fetchall()
+                     for line in str(row[0]).splitlines() if line and not line.startswith("***")]
+    except sqlite3.OperationalError:                  # (locked, busy, unreadable: others say so, or it works)
+        return None
+    except sqlite3.DatabaseError as e:
+        return str(e)
+    return None if found == ["ok"] else "; ".join(found)[:300]
 
 
 def _deleted_in(database: Path, experiment: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         db.executemany("INSERT INTO t VALUES (?)", [("x" * 500,)] * 400)
         db.commit()
     (tmp / "cut.db").write_bytes((tmp / "whole.db").read_bytes()[:50_000])
+    damaged = bytearray((tmp / "whole.db").read_bytes())       # (a page overwritten: the header is whole)
+    damaged[10 * 4096 + 8:10 * 4096 + 4000] = random.Random(0).randbytes(3992)
+    (tmp / "damaged.db").write_bytes(bytes(damaged))
     (tmp / "a_folder.db").mkdir(exist_ok=True)
     (tmp / "empty_array.json").write_text("[]")
     (tmp / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "bbb"}) + "\n")
@@ -360,6 +364,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "a tracking database cut short": (["run", str(TINY), "-o", f"tracking.uri=sqlite:///{tmp}/cut.db"],
                                           f"tracking.uri: sqlite:///{tmp}/cut.db: {tmp}/cut.db is cut short (50000 "
                                           f"bytes of the"),
+        "a tracking database damaged inside": (["run", str(TINY), "-o", f"tracking.uri=sqlite:///{tmp}/damaged.db"],
+                                               f"tracking.uri: sqlite:///{tmp}/damaged.db: {tmp}/damaged.db is "
+                                               f"damaged (sqlite: On tree page 11 cell 7: Offset"),
         "a tracking database that is a folder": (["run", str(TINY), "-o", f"tracking.uri=sqlite:///{tmp}/a_folder.db"],
                                                  f"tracking.uri: sqlite:///{tmp}/a_folder.db: {tmp}/a_folder.db cannot "
                                                  f"be read as a database"),
