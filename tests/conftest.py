@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import shutil
 import stat
 import subprocess
@@ -126,6 +127,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 SHARED_CACHE = ("models", "gguf", "known-files", "mlflow-db")
 
 
+@pytest.fixture(autouse=True)
+def said_afresh(monkeypatch):
+    """What rlflow says once per process (config warnings, the first cut prompt) is said afresh in each test: a
+    file that ran before in the same xdist worker (which ones do changes from run to run) may have said it."""
+    from tasks.core import config_base, data
+
+    monkeypatch.setattr(config_base, "_SAID", set())
+    monkeypatch.setattr(data, "_CUT_SAID", [])
+
+
 @pytest.fixture(scope="session", autouse=True)
 def rlflow_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("rlflow-cache")
@@ -194,11 +205,8 @@ def prefect_api():
 
 
 def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now for a server told it (below the ephemeral range: free_ports)."""
+    return free_ports(1)
 
 
 def once_written(store, key: str, act):
@@ -216,17 +224,20 @@ def once_written(store, key: str, act):
     return thread
 
 
+_PORTS = random.SystemRandom()
+
+
 def free_ports(n: int) -> int:
     """The first of `n` consecutive ports free now, for servers told a fixed port each (generate.replica_port + i,
     as on sky). Drawn below the kernel's ephemeral range, where no other test's server is handed a port by the
     kernel: a port picked there could be taken a moment later by a server that the other xdist worker starts."""
-    import random
     import socket
 
     ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
     low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
     for _ in range(1000):
-        base = random.randrange(10000, low - n)
+        base = _PORTS.randrange(10000, low - n)     # (not the global random: a stage seeds it, the same in both
+        #                                             xdist workers, which then drew the same ports)
         try:
             for port in range(base, base + n):
                 with socket.socket() as sock:

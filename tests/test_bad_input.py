@@ -993,27 +993,18 @@ def test_plan_refuses_what_run_refuses(prefect_api, tmp_path, s3_endpoint, bucke
 
 @pytest.fixture(scope="module")
 def s3_with_auth(tmp_path_factory):
-    """A second moto server that checks credentials (INITIAL_NO_AUTH_ACTION_COUNT=0): ours are unknown to it."""
-    import socket
-    import subprocess
+    """A second moto server that checks credentials (INITIAL_NO_AUTH_ACTION_COUNT=0): ours are unknown to it.
+    Ready when its own API answers (which asks for none), as long as that takes: a loaded machine's imports."""
     import sys
-    import time
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
+    from tests.conftest import _serve, _stop, free_ports
+
+    port = free_ports(1)
+    proc = _serve([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                  {"INITIAL_NO_AUTH_ACTION_COUNT": "0"}, f"http://127.0.0.1:{port}/moto-api/data.json",
+                  tmp_path_factory.mktemp("moto-auth") / "moto.log")
     yield f"http://127.0.0.1:{port}"
-    proc.kill()
-    proc.wait()
+    _stop(proc)
 
 
 def test_unauthorised_store(prefect_api, s3_with_auth, tmp_path):

@@ -83,8 +83,13 @@ def test_a_daemon_that_exits_or_never_answers_fails_with_its_log(tmp_path):
                                           r".*no such model"):
         daemon.start(crash, dict(os.environ), lambda s: None, 30, "the stand-in", {"key": "k"})
     assert not daemon.path.exists()
+    def never_answers(state):            # (once it is up, however long a loaded machine takes to start python)
+        deadline = time.monotonic() + 120
+        while "up" not in (daemon.log.read_text() if daemon.log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     with pytest.raises(DidNotStart, match=r"no answer in 1 s"):
-        daemon.start(SLEEPER, dict(os.environ), lambda s: None, 1, "the stand-in", {"key": "k"})
+        daemon.start(SLEEPER, dict(os.environ), never_answers, 1, "the stand-in", {"key": "k"})
     assert not daemon.path.exists()
     assert daemon.log.read_text().count("up") == 1 and not _stand_ins()    # it had started: stopped, not left
 

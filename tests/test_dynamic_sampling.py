@@ -529,7 +529,7 @@ def test_an_agents_episode_counts_once_in_the_constant_test():
     assert dynamic_sampling.constant_groups(same, 1e-6) == {0: True}
 
 
-def test_an_update_on_uneven_groups_is_the_same_twice():
+def test_an_update_on_uneven_groups_is_the_same_twice(request):
     """Groups that straddle the rows two threads split (12 rows of 4-row groups, dynamic sampling's kept batches):
     the shared prompt's gradient sums its rows in a fixed order, so the same update twice is the same to the bit
     (a replay on a CPU must be exact). With the cache's own gather it was not."""
@@ -537,6 +537,8 @@ def test_an_update_on_uneven_groups_is_the_same_twice():
     from tasks.algorithms.logprobs import completion_logprobs
     from tasks.core.models import base_path, load_policy, load_tokenizer
 
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
     torch.set_num_threads(2)
     cfg = load_config(TINY)
     path = base_path(cfg)

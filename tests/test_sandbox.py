@@ -354,6 +354,15 @@ import subprocess
     }
 
 
+def left_after_dying(which=lambda found: True, seconds: float = 60) -> list[str]:
+    """leftovers() (those `which` picks) once killed processes had the time to finish dying (a killed process
+    freeing its memory on a loaded machine takes its time; it was given 0.2 s): [] as soon as it is."""
+    deadline = time.monotonic() + seconds
+    while (left := [p for p in leftovers() if which(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def leftovers() -> list[str]:
     """Processes and files a sandbox of this process could have left on this machine (not those under a sandbox
     uid another process claimed: the other test worker's sandboxes, running now, were counted as left)."""
@@ -424,8 +433,7 @@ def hostile(tmp_path_factory, s3_endpoint):
             mp.setenv("HOME", str(home))
             verdicts = judge_rows([fence(code) for code, _ in cases.values()], [row for _, row in cases.values()])
         seconds = time.monotonic() - t0
-        time.sleep(0.2)                           # let killed processes finish dying before we look
-        left = leftovers()
+        left = left_after_dying()
         try:
             connection = listener.accept()
         except BlockingIOError:
@@ -602,8 +610,7 @@ def test_rlimits_fallback_kills_timeouts_limits_memory_and_clears_env(rlimits_on
     env_seen = verdicts["env"].outputs[0]
     assert "none" in env_seen and not any(s in env_seen for s in SECRETS.values())
     assert not any(k in env_seen for k in SECRETS)
-    time.sleep(0.2)
-    assert leftovers() == []
+    assert left_after_dying() == []
     ok = judge_rows([fence("print(int(input()) * 2)")], [DOUBLE])[0]
     assert (ok.score, ok.isolation) == (1.0, "rlimits")
 
@@ -631,7 +638,7 @@ def test_cleanup_removes_locked_folders_and_never_follows_planted_links(rlimits_
     assert (ours.stat().st_mode & 0o777, ours.read_text()) == (0o644, "keep")
     if IS_ROOT:                     # a sandbox uid of its own: what it left in /tmp is swept with it
         assert not Path(f"/tmp/rlflow-planted-{TOKEN}").exists()
-        assert leftovers() == []
+        assert left_after_dying() == []
     shutil.rmtree(f"/tmp/rlflow-planted-{TOKEN}", ignore_errors=True)
 
 
@@ -860,7 +867,7 @@ def test_a_cgroup_bounds_the_sandbox_as_a_whole_and_its_init_has_the_limits():
     run = limited.run(f"import os\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/usr/bin/sleep', ['sleep', "
                       f"'{DAEMON_MARK}'])", [sandbox.Test(stdin="")])
     assert run.tests[0].ran and limited._cgroups[0].pids() == []
-    assert not [p for p in leftovers() if DAEMON_MARK in p]
+    assert not left_after_dying(lambda found: DAEMON_MARK in found)
     out = subprocess.run([sys.executable, "-m", "tasks.scoring.sandbox"], cwd=ROOT, capture_output=True, text=True)
     mine = out.stdout.split("cgroup per sandbox: ")[1].split()
     assert mine and not [d for d in mine if Path(d).exists()]       # a process removes its cgroups as it exits
