@@ -370,7 +370,7 @@ def _stored_through(cfg: Config, store: Store, done: int) -> int:
 def _iterations(ctx: FlowRun, log) -> dict:
     cfg, store = ctx.cfg, ctx.store
     tracker = Tracker(cfg, store.root)
-    run_id = tracker.start()
+    run_id = tracker.start(store)
     already_logged = tracker.last_logged_iteration()
     cost_so_far = tracker.last_value("cost_usd")
     links = tracker.links()
@@ -389,6 +389,8 @@ def _iterations(ctx: FlowRun, log) -> dict:
     done = min(newest - 1, already_logged, cfg.run.iterations - 1) if latest else 0
     progress = Progress(cfg.run.iterations, already_logged)
     stage.note = progress.note
+    if tracker.superseded:
+        progress.note(tracker.superseded)
     if newest >= cfg.run.iterations and already_logged >= cfg.run.iterations:
         progress.note(f"{cfg.run.name} is already complete ({cfg.run.iterations} iterations in "
                       f"{store.uri(cfg.run.name)}); checking its last iteration and ending it")

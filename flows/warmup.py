@@ -57,7 +57,9 @@ def log_metrics(cfg: Config, end: bool = False) -> None:
     store = open_store(cfg)
     history = (store.manifest(layout.policy(cfg.run.name, 0)) or {}).get("meta", {}).get("history", [])
     tracker = Tracker(cfg, store.root)
-    run_id = tracker.start()
+    run_id = tracker.start(store)
+    if tracker.superseded:
+        print(tracker.superseded, flush=True)
     if history and not tracker.client.get_metric_history(run_id, "sft/loss"):
         batch = [Metric(f"sft/{k}", float(v), 0, h["step"]) for h in history for k, v in h.items() if k != "step"]
         for i in range(0, len(batch), 1000):

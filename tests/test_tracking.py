@@ -36,3 +36,41 @@ def test_the_flushing_thread_ends_with_the_run_and_what_it_logged_is_there(tmp_p
     tracker.drain()
     assert not set(_trackers()) - before
     assert [m.step for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "reward/mean")] == [1, 2, 3]
+
+
+def test_an_mlflow_run_whose_iterations_the_store_lost_is_left_to_them_and_a_new_one_made(tmp_path):
+    """The store's run folder deleted (to start the run over), MLflow's run kept: the run trains from iteration 1
+    again, and its MLflow run was the earlier one, whose logged iterations made the flow log none of the new
+    ones (the dashboard showed the earlier run's curve). Now that MLflow run is left as it was, said on the
+    console, and a new one takes the run; a store that holds the first iteration keeps its MLflow run."""
+    import tempfile
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from tasks.core import layout
+    from tasks.core.store import Store
+
+    cfg = load_config(TINY, ["run.name=again", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+                             "tracking.flush_seconds=0", "publish.register_model=false"])
+    store = Store.open(str(tmp_path / "store"))
+    earlier = Tracker(cfg, store.root)
+    first = earlier.start(store)
+    earlier.log_iteration(1, {"reward/mean": 0.25})
+    earlier.log_iteration(2, {"reward/mean": 0.5})
+    earlier.end()
+    again = Tracker(cfg, store.root)
+    second = again.start(store)                               # (the store holds no iteration of the run)
+    assert second != first and again.last_logged_iteration() == 0
+    assert again.superseded == (f"MLflow run {first} logged iterations of an earlier run again whose outputs are "
+                                f"gone from {store.uri('again')}: this run logs to a new one")
+    client = MlflowClient(cfg.tracking.uri)
+    assert client.get_run(first).info.status == "FINISHED"                      # left as it was
+    again.log_iteration(1, {"reward/mean": 0.75})
+    again.end()
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "rollouts.jsonl").write_text("{}\n")
+        store.put_folder(layout.rewards("again", 1), Path(tmp), meta={})
+    resumed = Tracker(cfg, store.root)
+    assert resumed.start(store) == second and resumed.superseded is None          # the newest, and its store's
+    resumed.end()

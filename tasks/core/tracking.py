@@ -20,18 +20,21 @@ from __future__ import annotations
 import json
 import queue
 import re
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.core import layout
 from tasks.core.errors import UserError
 from tasks.core.process_wide import set_default
 from tasks.core.tracking_db import create_whole, sqlite_file
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
+    from tasks.core.store import Store
 
 TAG_RUN, TAG_STORE = "rlflow.run", "rlflow.store"
 CURVE_METRIC = "reward/mean"
@@ -134,8 +137,7 @@ def experiment_id(client, cfg: Config) -> str:
 
     try:
         exp = client.get_experiment_by_name(cfg.tracking.experiment)
-        # a new experiment is one of model training (MLflow UIs that read the tag show it so; 3.17's follows the
-        # link's workflowType instead: Tracker.links)
+        # a new experiment is one of model training (3.17's UI follows the link's workflowType: Tracker.links)
         return exp.experiment_id if exp else client.create_experiment(
             cfg.tracking.experiment, tags={EXPERIMENT_KIND: "custom_model_development"})
     except MlflowException as e:
@@ -177,7 +179,6 @@ def mlflow_command() -> str:
     """The `mlflow` of this environment by its absolute path (a line a user pastes from any directory, with no
     virtual environment active); plain `mlflow` when it has none."""
     import shlex
-    import sys
 
     exe = Path(sys.executable).parent / "mlflow"
     return shlex.quote(str(exe)) if exe.exists() else "mlflow"
@@ -238,20 +239,18 @@ class Tracker:
     """
 
     def __init__(self, cfg: Config, store_root: str):
-        self.cfg = cfg
-        self.client = _client(cfg.tracking.uri)
-        self.store_root = store_root
+        self.cfg, self.client, self.store_root = cfg, _client(cfg.tracking.uri), store_root
         self.run_id: str | None = None
         self.status_before: str | None = None     # the MLflow run's status when this flow run found it
         self.model_name = registered_model_name(cfg)
         self._registered: dict[str, str] = {}      # policy URI -> model version, for this MLflow run
         self.floor: float | None = None            # eval.baseline: the starting model's metric; champion must beat it
-        self._lock = threading.Lock()
         self._pending: list[tuple[int, dict, list | None, str | None, list]] = []
         self.experiment_id: str | None = None
+        self.superseded: str | None = None         # the MLflow run found was an earlier run's: the line to say
         self._traced = False                       # some traces queued in MLflow's exporter (drain waits)
         self._last_flush = time.monotonic()
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs, self._lock = queue.Queue(), threading.Lock()
         self._worker: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._ended = False                        # end() ran: no thread flushes any more (see _stop_worker)
@@ -338,7 +337,7 @@ class Tracker:
         """Log the records at each key as traces of the run (tasks/core/traces.py); their cost goes in `metrics`
         (tracking/trace_seconds, tracking/traces). Returns the links of the training records' traces, in the
         samples table's order."""
-        from tasks.core import layout, rollout
+        from tasks.core import rollout
         from tasks.core.store import open_store
         from tasks.core.traces import (
             ITERATION_TAG,
@@ -393,8 +392,9 @@ class Tracker:
 
             mlflow.flush_trace_async_logging()
 
-    def start(self) -> str:
-        """Find this run's MLflow run (same run name and store) or create it; log the resolved config."""
+    def start(self, store: Store | None = None) -> str:
+        """Find this run's MLflow run (same run name and store) or create it; log the resolved config. One that
+        logged iterations whose first `store` lacks (an earlier run's) is left as it is (`superseded` says so)."""
         from mlflow.entities import Param
 
         cfg = self.cfg
@@ -403,6 +403,11 @@ class Tracker:
         found = self.client.search_runs(
             [exp_id], filter_string=f"tags.`{TAG_RUN}` = '{cfg.run.name}' and tags.`{TAG_STORE}` = '{self.store_root}'",
             max_results=1, order_by=["attributes.start_time DESC"])
+        if found and store is not None and self.last_logged_iteration(found[0].info.run_id) and \
+                store.manifest(layout.rewards(cfg.run.name, 1)) is None:
+            self.superseded = (f"MLflow run {found[0].info.run_id} logged iterations of an earlier run {cfg.run.name} "
+                               f"whose outputs are gone from {store.uri(cfg.run.name)}: this run logs to a new one")
+            found = []
         if found:
             self.run_id = found[0].info.run_id
             self.status_before = found[0].info.status      # a refused resume puts it back (see finish)
@@ -427,8 +432,8 @@ class Tracker:
         history = self.client.get_metric_history(self.run_id, metric)
         return max(history, key=lambda m: (m.step, m.timestamp)).value if history else 0.0
 
-    def last_logged_iteration(self) -> int:
-        history = self.client.get_metric_history(self.run_id, CURVE_METRIC)
+    def last_logged_iteration(self, run_id: str | None = None) -> int:
+        history = self.client.get_metric_history(run_id or self.run_id, CURVE_METRIC)
         return max((m.step for m in history), default=0)
 
     def log_reward_curve(self, rewards: list[float], out_dir: Path) -> Path:
