@@ -22,7 +22,7 @@ from tasks.core.config import Config
 from tasks.core.config_base import has_control_character, warn
 from tasks.core.config_infra import tracking_scheme
 from tasks.core.curriculum import check as check_curriculum
-from tasks.core.data import load_prompts, row
+from tasks.core.data import load_prompts, prompt_of, row
 from tasks.core.errors import UserError
 from tasks.core.models import base_path, check_lora_targets, engine_context, load_tokenizer, parts_as_text
 from tasks.core.paths import REPO_ROOT, require_creatable
@@ -257,31 +257,60 @@ def check_context(cfg: Config, path: str) -> None:
 
 
 def _check_chat_rows(cfg: Config, datasets: list, path: str, tokenizer) -> None:
-    """Every row's prompt as the model's chat template takes it: chat messages (or data.system_prompt) need a
-    template, a content in parts a template that reads them or text parts alone. Each row is looked at (a row
-    past the first was the run's one line after the store was written, naming no row); data.system_prompt beside
-    rows that are messages already (it applies to plain text alone) is a warning."""
-    col, system, said = cfg.data.prompt_column, cfg.data.system_prompt, False
+    """Every row's prompt as the model takes it: chat messages (or data.system_prompt) need a template, a content
+    in parts a template that reads them or text parts alone; prompts sampled as they are (no environment, no
+    agent) the template takes (tried once per shape of roles: one that must alternate them refused a row after
+    the store was written) and text of some tokens (a tokenizer with no unknown token reads some as none: a
+    traceback in generate). data.system_prompt beside rows that are messages already is a warning."""
+    col, system, said, shapes = cfg.data.prompt_column, cfg.data.system_prompt, False, set()
+    as_is = not (cfg.env.factory or cfg.env.agent)
     files = [("data.path", cfg.data.path),
              ("eval.path" if cfg.eval.path else "data.path", cfg.eval.path or cfg.data.path)]
     for ds, (field, file) in zip(datasets, files):
-        for i, value in enumerate(ds[col]):
+        def where(i: int, field=field, file=file) -> str:
+            return f"{field}: {file} {row(i)} column {col!r}" if file else f"data.reasoning_gym {row(i)}"
+
+        values = ds[col]
+        if as_is and system is None:
+            _check_some_tokens(values, tokenizer, where)
+        for i, value in enumerate(values):
             if not isinstance(value, list) and system is None:
                 continue
-            where = f"{field}: {file} {row(i)} column {col!r}" if file else f"data.reasoning_gym {row(i)}"
             if not tokenizer.chat_template:
                 how = "" if isinstance(value, list) else " with data.system_prompt"
                 raise UserError(f"model.name_or_path: {path}: its tokenizer has no chat template, but the prompts "
-                                f"are chat messages ({where}{how})")
-            if isinstance(value, list):
-                if system is not None and file and not said:
-                    said = True
-                    warn(f"warning: data.system_prompt applies to plain-text prompts only; {where} is chat messages "
-                         f"already, which keep their own (put the system message in the row)")
+                                f"are chat messages ({where(i)}{how})")
+            if isinstance(value, list) and system is not None and file and not said:
+                said = True
+                warn(f"warning: data.system_prompt applies to plain-text prompts only; {where(i)} is chat messages "
+                     f"already, which keep their own (put the system message in the row)")
+            messages = prompt_of(cfg, {col: value})
+            try:
+                messages = parts_as_text(tokenizer, messages)
+            except ValueError as e:
+                raise UserError(f"{where(i)}: {e}") from None
+            shape = tuple((m.get("role"), type(m.get("content")).__name__, bool(m.get("tool_calls")))
+                          for m in messages)
+            if as_is and shape not in shapes:
+                shapes.add(shape)
                 try:
-                    parts_as_text(tokenizer, value)
-                except ValueError as e:
-                    raise UserError(f"{where}: {e}") from None
+                    tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                except Exception as e:  # noqa: BLE001 - the template's own refusal (jinja's raise_exception, ...)
+                    said_why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                    raise UserError(f"{where(i)}: the model's chat template refuses it ({said_why}); roles "
+                                    f"{[m.get('role') for m in messages]}") from None
+
+
+def _check_some_tokens(values: list, tokenizer, where) -> None:
+    """Each plain-text prompt is some tokens of the model's vocabulary (one line naming the first that is none)."""
+    texts = [(i, v) for i, v in enumerate(values) if isinstance(v, str)]
+    for at in range(0, len(texts), 1000):
+        chunk = texts[at:at + 1000]
+        ids = tokenizer([v for _, v in chunk], add_special_tokens=False)["input_ids"]
+        for (i, v), got in zip(chunk, ids):
+            if not got:
+                raise UserError(f"{where(i)}: {v[:40]!r} is no tokens of this model's vocabulary (its tokenizer "
+                                f"drops what it cannot read); expected text it reads")
 
 
 def check_warmup(cfg: Config) -> None:

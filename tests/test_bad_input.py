@@ -24,6 +24,20 @@ pytestmark = pytest.mark.slow
 ARITH = TINY.parent / "smollm2-arith.yaml"
 
 
+STRICT_TEMPLATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                   "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+                   "{% endif %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def _model_with_a_strict_template(tmp: Path) -> Path:
+    """The tiny model with a chat template that refuses roles that do not alternate user/assistant (as Llama 2's,
+    Mistral's and Gemma's do): no system message, no two user messages in a row."""
+    dest = _model_without_chat_template(tmp).rename(tmp / "strict-chat-model")
+    (dest / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    return dest
+
+
 def _model_without_chat_template(tmp: Path) -> Path:
     """The tiny model with its chat template removed: chat prompts cannot be rendered with it."""
     import shutil
@@ -70,6 +84,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "empty_array.json").write_text("[]")
     (tmp / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "bbb"}) + "\n")
     text_row = json.dumps({"prompt": "a=", "answer": "bbb"}) + "\n"          # (row 1 fine: rows after it were not looked at)
+    two_users = [{"role": "user", "content": "a="}, {"role": "user", "content": "b="}]
+    (tmp / "two_users.jsonl").write_text(text_row * 3 + json.dumps({"prompt": two_users, "answer": "bbb"}) + "\n")
+    (tmp / "no_tokens.jsonl").write_text(text_row + json.dumps({"prompt": "\u65e5\u672c", "answer": "bbb"}) + "\n")
     (tmp / "chat_second.jsonl").write_text(text_row + json.dumps({"prompt": [{"role": "user", "content": "b="}],
                                                                  "answer": "ccc"}) + "\n")
     (tmp / "image_second.jsonl").write_text(text_row + json.dumps({"prompt": [{"role": "user", "content": [
@@ -126,6 +143,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         (tmp / f"space_{name}.yaml").write_text(text)
     _study_of_another_space(tmp / "oldstudy")
     (tmp / "space_latin1.yaml").write_bytes("train.lr: {type: uniform, low: 0.1, high: 0.2} # \xe9\n".encode("latin-1"))
+    strict = _model_with_a_strict_template(tmp)
     no_chat = _model_without_chat_template(tmp)
     (tmp / "not-a-model.gguf").write_text("not GGUF at all\n")
     write_gguf(builtin_models.resolve("builtin:tiny-lm"), tmp / "bert.gguf", arch="bert")
@@ -510,6 +528,19 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                                  f"data.path: {tmp}/image_second.jsonl row 2 column 'prompt': message "
                                                  f"0: content parts of kinds ['image']; this model's chat template "
                                                  f"takes text only"),
+        "chat prompts the template refuses": (["run", str(TINY), "-o", f"data.path={tmp}/two_users.jsonl",
+                                               "-o", f"model.name_or_path={strict}"],
+                                              f"data.path: {tmp}/two_users.jsonl row 4 column 'prompt': the model's "
+                                              f"chat template refuses it (Conversation roles must alternate "
+                                              f"user/assistant/user/assistant); roles ['user', 'user']"),
+        "a system prompt the template refuses": (["run", str(TINY), "-o", f"data.path={tmp}/chat_second.jsonl",
+                                                  "-o", "data.system_prompt=Answer.",
+                                                  "-o", f"model.name_or_path={strict}"],
+                                                 f"data.path: {tmp}/chat_second.jsonl row 1 column 'prompt': the "
+                                                 f"model's chat template refuses it"),
+        "a prompt that is no tokens": (["run", str(TINY), "-o", f"data.path={tmp}/no_tokens.jsonl"],
+                                       f"data.path: {tmp}/no_tokens.jsonl row 2 column 'prompt': '\u65e5\u672c' is no "
+                                       f"tokens of this model's vocabulary"),
         "system prompt, no chat template": (["run", str(TINY), "-o", "data.system_prompt=Answer.",
                                             "-o", f"model.name_or_path={no_chat}"], "has no chat template"),
         "gguf, not a GGUF file": (["run", str(TINY), "-o", f"model.name_or_path={tmp}/not-a-model.gguf"],
