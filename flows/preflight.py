@@ -31,7 +31,7 @@ from tasks.core.store import open_store
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.training import training_engine
 from tasks.envs.runtime.sources import source_of
-from tasks.scoring.functions import load_functions, start_worker
+from tasks.scoring.functions import columns_needed, load_functions, start_worker
 
 
 def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
@@ -164,6 +164,7 @@ def preflight(cfg: Config) -> None:
                       if cfg.data.reasoning_gym is not None else f"data.path {cfg.data.path}")
             where = f"the evaluation split ({source}, split {cfg.eval.split!r}) has "
             raise UserError(str(e).replace("the data has ", where)) from None
+    _check_needed_values(cfg, datasets)
     if cfg.eval.every:
         from tasks.evaluate import check_named_rewards
 
@@ -256,6 +257,29 @@ def check_context(cfg: Config, path: str) -> None:
              f"{fits}")
 
 
+def _files(cfg: Config) -> list[tuple[str, str | None]]:
+    """The field and file of each split preflight reads (training's, then evaluation's); None: reasoning-gym's."""
+    return [("data.path", cfg.data.path),
+            ("eval.path" if cfg.eval.path else "data.path", cfg.eval.path or cfg.data.path)]
+
+
+def _check_needed_values(cfg: Config, datasets: list) -> None:
+    """A column a reward function needs, with no value in any row of a split: one line (every call would fail);
+    in some rows: a warning naming the first (the function is called with None there, which failed its whole
+    batch, an iteration without a training step, where it does not take None)."""
+    for ds, (field, file) in zip(datasets, _files(cfg)):
+        where = f"{field}: {file}" if file else "data.reasoning_gym"
+        for what, column in columns_needed(cfg, ds.column_names):
+            missing = [i for i, v in enumerate(ds[column]) if v is None]
+            if missing and len(missing) == len(ds):
+                raise UserError(f"{where}: column {column!r} has no value in any row, and {what} needs it; expected "
+                                f"a value in each row")
+            if missing:
+                more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+                warn(f"warning: {where} {row(missing[0])}{more} has no value in column {column!r}, which {what} "
+                     f"needs: it is called with None there")
+
+
 def _check_chat_rows(cfg: Config, datasets: list, path: str, tokenizer) -> None:
     """Every row's prompt as the model takes it: chat messages (or data.system_prompt) need a template, a content
     in parts a template that reads them or text parts alone; prompts sampled as they are (no environment, no
@@ -264,9 +288,7 @@ def _check_chat_rows(cfg: Config, datasets: list, path: str, tokenizer) -> None:
     traceback in generate). data.system_prompt beside rows that are messages already is a warning."""
     col, system, said, shapes = cfg.data.prompt_column, cfg.data.system_prompt, False, set()
     as_is = not (cfg.env.factory or cfg.env.agent)
-    files = [("data.path", cfg.data.path),
-             ("eval.path" if cfg.eval.path else "data.path", cfg.eval.path or cfg.data.path)]
-    for ds, (field, file) in zip(datasets, files):
+    for ds, (field, file) in zip(datasets, _files(cfg)):
         def where(i: int, field=field, file=file) -> str:
             return f"{field}: {file} {row(i)} column {col!r}" if file else f"data.reasoning_gym {row(i)}"
 

@@ -84,6 +84,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "empty_array.json").write_text("[]")
     (tmp / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "bbb"}) + "\n")
     text_row = json.dumps({"prompt": "a=", "answer": "bbb"}) + "\n"          # (row 1 fine: rows after it were not looked at)
+    (tmp / "no_answers.jsonl").write_text(json.dumps({"prompt": "a=", "answer": None}) + "\n"
+                                          + json.dumps({"prompt": "b="}) + "\n")
     two_users = [{"role": "user", "content": "a="}, {"role": "user", "content": "b="}]
     (tmp / "two_users.jsonl").write_text(text_row * 3 + json.dumps({"prompt": two_users, "answer": "bbb"}) + "\n")
     (tmp / "no_tokens.jsonl").write_text(text_row + json.dumps({"prompt": "\u65e5\u672c", "answer": "bbb"}) + "\n")
@@ -538,6 +540,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                                   "-o", f"model.name_or_path={strict}"],
                                                  f"data.path: {tmp}/chat_second.jsonl row 1 column 'prompt': the "
                                                  f"model's chat template refuses it"),
+        "a needed column with no value": (["run", str(TINY), "-o", f"data.path={tmp}/no_answers.jsonl"],
+                                          f"data.path: {tmp}/no_answers.jsonl: column 'answer' has no value in any "
+                                          f"row, and reward.functions[0] (tasks.rewards.demo:successor_reward) "
+                                          f"needs it"),
         "a prompt that is no tokens": (["run", str(TINY), "-o", f"data.path={tmp}/no_tokens.jsonl"],
                                        f"data.path: {tmp}/no_tokens.jsonl row 2 column 'prompt': '\u65e5\u672c' is no "
                                        f"tokens of this model's vocabulary"),
@@ -1439,3 +1445,21 @@ def test_a_system_prompt_beside_rows_of_messages_is_said_once(tmp_path, capsys, 
         assert err.count("warning: data.system_prompt applies to plain-text prompts only; data.path: "
                          f"{data} row 1 column 'prompt' is chat messages already") == said, err
         assert err.count("warning") == said
+
+
+def test_a_needed_column_without_a_value_in_some_rows_is_a_warning_naming_the_first(tmp_path, capsys):
+    """A row without the column a reward function needs (others have it): the function is called with None
+    there, which failed its whole batch (an iteration without a training step) unsaid until then: a warning in
+    preflight, naming the first such row and how many more (a function may take None: not refused)."""
+    from flows.preflight import _check_needed_values
+    from tasks.core.data import load_prompts
+
+    data = tmp_path / "some.jsonl"
+    rows = [{"prompt": "a=", "answer": "bbb"}, {"prompt": "b="}, {"prompt": "c=", "answer": "ddd"},
+            {"prompt": "d=", "answer": None}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(TINY, [f"data.path={data}"])
+    _check_needed_values(cfg, [load_prompts(cfg)])
+    assert capsys.readouterr().err.strip() == (
+        f"warning: data.path: {data} row 2 and 1 more has no value in column 'answer', which reward.functions[0] "
+        f"(tasks.rewards.demo:successor_reward) needs: it is called with None there")

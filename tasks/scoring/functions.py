@@ -115,6 +115,21 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
                            env_weight=cfg.env.reward_weight if cfg.env.episodic() else None, cfg=cfg)
 
 
+def columns_needed(cfg: Config, columns: Iterable[str]) -> list[tuple[str, str]]:
+    """(the function, the column) for each of the dataset's `columns` a reward function needs: an argument of it
+    without a default, not a configured kwarg (the functions imported already: load_functions)."""
+    needed = []
+    for i, spec in enumerate(cfg.reward.functions):
+        try:
+            params = inspect.signature(import_user(spec.fn, f"reward.functions[{i}].fn", noun="function")).parameters
+        except (TypeError, ValueError):
+            continue
+        needed += [(f"reward.functions[{i}] ({spec.fn})", p.name) for p in params.values()
+                   if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                   and p.name in columns and p.name not in spec.kwargs]
+    return needed
+
+
 def check_signature(what: str, fn, available: set[str], columns: list[str], kwargs: dict | None = None,
                     kwargs_field: str = "kwargs", prompt_column: str = "prompt") -> None:
     """One UserError line if `fn` cannot be called the way TRL calls it: a required argument that is neither
