@@ -83,7 +83,7 @@ def demonstrations(cfg: Config, tokenizer, context: int | None = None) -> list[D
     render = Renderer(tokenizer, 1 << 30)
     # a model turn of an episode is cut at generate.max_completion_length: a demonstration's turns as it cuts them
     turn_limit = cfg.generate.max_completion_length if cfg.env.episodic() else None
-    out = []
+    out, specials = [], set(tokenizer.all_special_ids)
     for i, row in enumerate(table):
         where = f"warmup.path: {w.path} {data.row(i)}"
         try:
@@ -100,6 +100,9 @@ def demonstrations(cfg: Config, tokenizer, context: int | None = None) -> list[D
                                else ""))
         if not any(mask[1:]):
             raise UserError(f"{where}: no token to learn (its completion or assistant turns are empty)")
+        if not any(m and t not in specials for t, m in zip(ids[1:], mask[1:])):
+            raise UserError(f"{where}: no token to learn but the end of a turn: its completion or assistant turns "
+                            f"are no tokens of this model's vocabulary (its tokenizer drops what it cannot read)")
         out.append(Demo(ids, mask))
     return out
 
@@ -119,6 +122,7 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
     prompt and prompt + completion part); conversations as an episode of the same turns (Renderer.conversation),
     or with assistant_only false as TRL renders them whole (every token counted)."""
     eos = tokenizer.eos_token or ""
+    _no_special_text(tokenizer, row)
     if fmt == "text":
         ids = tokenizer(_ended(_string(row, "text"), eos))["input_ids"]
         return ids, [1] * len(ids)
@@ -167,6 +171,23 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
         ids = render.tok(whole, add_special_tokens=False)["input_ids"]
         return ids, [1] * len(ids)
     return render.conversation(prompt, rest, tools, turn_limit)
+
+
+def _no_special_text(tokenizer, row: dict) -> None:
+    """A demonstration's text holds none of the model's special tokens as text ('</s>' in a turn is read as the
+    token: an end learned in the middle of a turn, or a turn of its own made up): ValueError naming it."""
+    bos, eos = tokenizer.bos_token or "", tokenizer.eos_token or ""
+    texts = [(repr(c), row[c].removeprefix(bos) if c != "completion" else row[c])       # (a string's own ends: as
+             for c in ("text", "prompt", "completion") if isinstance(row.get(c), str)]   # TRL's text rows have them)
+    texts = [(c, t.removesuffix(eos) if c != "'prompt'" and eos else t) for c, t in texts]
+    for c in ("messages", "prompt", "completion"):
+        if isinstance(row.get(c), list):
+            texts += [(f"{c!r} message {j}", _text_of(m.get("content")) if isinstance(m, dict) else "")
+                      for j, m in enumerate(row[c])]
+    for where, text in texts:
+        if (found := next((t for t in tokenizer.all_special_tokens if t and t in text), None)) is not None:
+            raise ValueError(f"column {where}: holds {found!r}, this model's special token, which it would read as "
+                             f"that token (an end or a turn in the middle of the text); expected text without it")
 
 
 def _ended(text: str, eos: str) -> str:
