@@ -1153,19 +1153,33 @@ def test_an_export_from_a_damaged_store_is_one_line_exit_1_and_nothing_written(p
 
 
 def test_a_recording_policy_that_raises_or_exits_is_one_line(prefect_api, tmp_path):
-    (tmp_path / "pol.py").write_text("import sys\ndef raises(ctx):\n    raise RuntimeError('boom')\n"
+    """A scripted policy that raises, exits, returns what is not text, is async, or never answers (a silent hang
+    before: now env.timeout_seconds bounds each turn): one line naming it, exit 2, nothing written."""
+    (tmp_path / "pol.py").write_text("import sys, time\ndef raises(ctx):\n    raise RuntimeError('boom')\n"
                                      "def exits(ctx):\n    sys.exit(0)\n"
-                                     "def surrogate(ctx):\n    return 'ab\\udcff'\n")
+                                     "def surrogate(ctx):\n    return 'ab\\udcff'\n"
+                                     "def sleeps(ctx):\n    time.sleep(10000)\n"
+                                     "async def awaits(ctx):\n    return 'b'\n"
+                                     "def none(ctx):\n    return None\n")
     letters = TINY.parent / "letters.yaml"
-    for policy, line in (("raises", "error: --policy: pol:raises(context) raised RuntimeError: boom"),
-                         ("surrogate", "error: --policy: pol:surrogate(context) returned text that is not Unicode "
-                                       "('\\udcff' at 2: a lone surrogate)"),
-                         ("exits", "error: --policy: pol:exits(context) called sys.exit(0); expected it to return "
-                                   "the turn's text")):
-        out = run_cli(["record", str(letters), "--policy", f"pol:{policy}", "--rows", "0-1", "--out",
-                       str(tmp_path / "o.jsonl"), "-o", "env.isolation=thread"], tmp_path, prefect_api)
-        assert out.returncode == 2 and out.stderr.strip().splitlines() == [line], out.stderr[-2000:]
-        assert not (tmp_path / "o.jsonl").exists()
+    cases = (("raises", "error: --policy: pol:raises(context) raised RuntimeError: boom"),
+             ("surrogate", "error: --policy: pol:surrogate(context) returned text that is not Unicode "
+                           "('\\udcff' at 2: a lone surrogate)"),
+             ("exits", "error: --policy: pol:exits(context) called sys.exit(0); expected it to return the turn's text"),
+             ("sleeps", "error: --policy: pol:sleeps(context) gave no answer in 2 s (env.timeout_seconds); expected "
+                        "it to return the turn's text"),
+             ("awaits", "error: --policy: pol:awaits is a coroutine function (async def); expected a plain function "
+                        "returning the turn's text"),
+             ("none", "error: --policy: pol:none(context) returned NoneType, expected the turn's text (str)"))
+    for policy, _ in cases:
+        (tmp_path / policy).mkdir()
+        (tmp_path / policy / "pol.py").write_text((tmp_path / "pol.py").read_text())
+    outs = run_cli_many([(["record", str(letters), "--policy", f"pol:{policy}", "--rows", "0-1", "--out",
+                           str(tmp_path / policy / "o.jsonl"), "-o", "env.isolation=thread",
+                           "-o", "env.timeout_seconds=2"], tmp_path / policy) for policy, _ in cases], prefect_api)
+    for (policy, line), out in zip(cases, outs):
+        assert out.returncode == 2 and out.stderr.strip().splitlines() == [line], (policy, out.stderr[-2000:])
+        assert not (tmp_path / policy / "o.jsonl").exists()
 
 
 @pytest.mark.parametrize("stage,args,expected", [

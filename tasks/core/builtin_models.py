@@ -74,6 +74,7 @@ def build(path: str | Path, name: str = "tiny-lm", seed: int = 0) -> Path:
     """Write a randomly initialised model + tokenizer to `path` with `save_pretrained`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
@@ -84,7 +85,13 @@ def build(path: str | Path, name: str = "tiny-lm", seed: int = 0) -> Path:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()      # (built on a command's first use: its output is the command's lines)
+    try:
+        model.save_pretrained(path)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(path)
     return path
 

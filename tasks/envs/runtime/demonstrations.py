@@ -35,23 +35,53 @@ class ScriptedPolicy(SamplingSession):
     """A sampling session whose every completion is `fn(context)`: the context's text (special tokens included,
     as the model sees it) in, the turn's text out; EOS appended, as a model that stops writes it."""
 
-    def __init__(self, fn: Callable[[str], str], tokenizer):
-        self.fn, self.tokenizer = fn, tokenizer
+    def __init__(self, fn: Callable[[str], str], tokenizer, timeout: float = 120.0):
+        self.fn, self.tokenizer, self.timeout = fn, tokenizer, timeout
+
+    def _turn(self, context: str):
+        """fn(context) on a thread of its own, within `timeout` seconds (a policy that never answers was a silent
+        hang): what it returned, or what it raised, raised here."""
+        import threading
+
+        got: list = []
+
+        def call() -> None:
+            try:
+                got.append((True, self.fn(context)))
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                got.append((False, e))
+        thread = threading.Thread(target=call, name="rlflow-scripted-policy", daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if not got:
+            raise UserError(f"--policy: {_name(self.fn)}(context) gave no answer in {self.timeout:g} s "
+                            f"(env.timeout_seconds); expected it to return the turn's text")
+        ok, value = got[0]
+        if not ok:
+            raise value
+        return value
 
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams, keys: list[str] | None = None) -> Sampled:
         tok, out = self.tokenizer, []
         for i, ids in enumerate(prompt_ids):
             for _ in range(params.n):
                 try:
-                    text = self.fn(tok.decode(ids))
+                    text = self._turn(tok.decode(ids))
+                except UserError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - the user's policy: one line, naming it
                     raise UserError(f"--policy: {_name(self.fn)}(context) raised {type(e).__name__}: "
                                     f"{(str(e).splitlines() or [''])[0][:200]}") from None
                 except SystemExit as e:
                     raise UserError(f"--policy: {_name(self.fn)}(context) called sys.exit({e.code!r}); expected it "
                                     f"to return the turn's text") from None
+                if inspect.isawaitable(text):
+                    getattr(text, "close", lambda: None)()          # (never awaited: no warning of it)
+                    raise UserError(f"--policy: {_name(self.fn)} is a coroutine function (async def); expected a "
+                                    f"plain function returning the turn's text")
                 if not isinstance(text, str):
-                    raise UserError(f"--policy: returned {type(text).__name__}, expected the turn's text (str)")
+                    raise UserError(f"--policy: {_name(self.fn)}(context) returned {type(text).__name__}, expected "
+                                    f"the turn's text (str)")
                 try:
                     text.encode("utf-8")
                 except UnicodeEncodeError as e:           # (a lone surrogate: no tokenizer takes it)
@@ -132,7 +162,7 @@ def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, 
 
         session = open_session(cfg, layout.BASE)
     else:
-        session = ScriptedPolicy(scripted(policy), load_tokenizer(base_path(cfg)))
+        session = ScriptedPolicy(scripted(policy), load_tokenizer(base_path(cfg)), cfg.env.timeout_seconds)
     with session:
         records, _ = run_episodes(cfg, table, rows, session, params)
         tokenizer = session.tokenizer
