@@ -86,6 +86,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     text_row = json.dumps({"prompt": "a=", "answer": "bbb"}) + "\n"          # (row 1 fine: rows after it were not looked at)
     (tmp / "no_answers.jsonl").write_text(json.dumps({"prompt": "a=", "answer": None}) + "\n"
                                           + json.dumps({"prompt": "b="}) + "\n")
+    os.mkfifo(tmp / "pipe.jsonl")                     # (reading it waited for ever)
+    (tmp / "part_number.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": [
+        {"type": "text", "text": 5}]}], "answer": "bbb"}) + "\n")
     two_users = [{"role": "user", "content": "a="}, {"role": "user", "content": "b="}]
     (tmp / "two_users.jsonl").write_text(text_row * 3 + json.dumps({"prompt": two_users, "answer": "bbb"}) + "\n")
     (tmp / "no_tokens.jsonl").write_text(text_row + json.dumps({"prompt": "\u65e5\u672c", "answer": "bbb"}) + "\n")
@@ -544,6 +547,16 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                           f"data.path: {tmp}/no_answers.jsonl: column 'answer' has no value in any "
                                           f"row, and reward.functions[0] (tasks.rewards.demo:successor_reward) "
                                           f"needs it"),
+        "a named pipe as the data": (["run", str(TINY), "-o", f"data.path={tmp}/pipe.jsonl"],
+                                     f"data.path: {tmp}/pipe.jsonl: not a regular file (a named pipe, a device or a "
+                                     f"socket)"),
+        "a split's slice that is not one": (["run", str(TINY), "-o", f"data.path={tmp}/two_users.jsonl",
+                                             "-o", "data.split=train[:abc]"],
+                                            f"data.split: 'train[:abc]' of {tmp}/two_users.jsonl: Unrecognized "
+                                            f"instruction format"),
+        "a text part that is a number": (["run", str(TINY), "-o", f"data.path={tmp}/part_number.jsonl"],
+                                         f"data.path: {tmp}/part_number.jsonl row 1 column 'prompt' message 0: "
+                                         f"content part 0's text 5, expected a string"),
         "a prompt that is no tokens": (["run", str(TINY), "-o", f"data.path={tmp}/no_tokens.jsonl"],
                                        f"data.path: {tmp}/no_tokens.jsonl row 2 column 'prompt': '\u65e5\u672c' is no "
                                        f"tokens of this model's vocabulary"),

@@ -293,6 +293,9 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
             {"type": "text", "text": " \n"}]}]}], [], "row 1: every assistant message is empty or blank"),
         "key_twice": (b'{"messages": [], "messages": [{"role": "user", "content": "a="}, {"role": "assistant", '
                       b'"content": "b"}]}\n', [], "demos.jsonl: line 1: key 'messages' appears twice in one object"),
+        "part_not_a_mapping": ([{"messages": [user, {"role": "assistant", "content": [1, "bbb"]}]}], [],
+                               "row 1: column 'messages' message 1: content part 0 1, expected a mapping with a "
+                               "\"type\""),
         "assistant_no_tokens": ([{"messages": [user, {"role": "assistant", "content": "\u65e5\u672c"}]}], [],
                                 "row 1: no token to learn but the end of a turn: its completion or assistant turns "
                                 "are no tokens of this model's vocabulary"),

@@ -63,11 +63,18 @@ def message_fault(m) -> str | None:
     if (calls := m.get("tool_calls")) is not None:
         bad = next((k for k, c in enumerate(calls) if not _a_tool_call(c)), None) if isinstance(calls, list) else -1
         if bad is not None:
-            got = json.dumps(calls if bad < 0 else calls[bad], default=str)[:60]
+            got = json.dumps(calls if bad < 0 else calls[bad], default=str)[:120]
             return (f"tool_calls{'' if bad < 0 else f'[{bad}]'} {got}, expected a list of "
                     f'{{"type": "function", "function": {{"name": ..., "arguments": {{...}}}}}}')
     content = m.get("content")
-    if isinstance(content, str | list) or content is None and m.get("tool_calls"):
+    if isinstance(content, list):
+        for k, part in enumerate(content):
+            if not (isinstance(part, dict) and isinstance(part.get("type"), str)):
+                return f"content part {k} {json.dumps(part, default=str)[:40]}, expected a mapping with a \"type\""
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                return f"content part {k}'s text {json.dumps(part.get('text'), default=str)[:40]}, expected a string"
+        return None
+    if isinstance(content, str) or content is None and m.get("tool_calls"):
         return None
     return (f"content {json.dumps(content, default=str)[:40]}, expected a string (or a list of parts, or none "
             f"beside tool_calls)")
@@ -101,6 +108,9 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
         if Path(path).exists():
             if suffix not in _LOCAL_FORMATS:
                 raise UserError(f"{field}: {path}: expected a .json/.jsonl/.csv/.parquet file")
+            if not Path(path).is_file() and not Path(path).is_dir():     # (reading a named pipe waits for ever)
+                raise UserError(f"{field}: {path}: not a regular file (a named pipe, a device or a socket); expected "
+                                f"a .json/.jsonl/.csv/.parquet file")
             small = Path(path).is_file() and Path(path).stat().st_size <= _READ_FIRST_BYTES
             if small and (fault := _row_fault(Path(path))) is not None:   # (what datasets would misread or say badly)
                 raise UserError(f"{field}: {path}: {fault}")
@@ -119,6 +129,9 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
                 except Exception as e:  # noqa: BLE001 - said as one line, with the file's line or row
                     if disk_full(e) is not None:      # (the temporary cache folder's disk, not the file: said below)
                         raise
+                    if "[" in split and "nstruction" in str(e):      # (a slice of the split: its mistake)
+                        raise UserError(f"{field.rsplit('.', 1)[0]}.split: {split!r} of {path}: "
+                                        f"{str(e).strip().splitlines()[0][:200]}") from None
                     raise UserError(f"{field}: {path}: {_where_unreadable(Path(path), e)}") from None
                 finally:
                     datasets.logging.set_verbosity(datasets.logging.WARNING)

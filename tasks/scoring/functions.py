@@ -161,7 +161,8 @@ def check_signature(what: str, fn, available: set[str], columns: list[str], kwar
                             f"column as the prompt, or a function that reads `prompts`")
         if p.name not in available:
             raise UserError(f"{what}: needs argument {p.name!r}, which is neither a dataset column (the data has "
-                            f"{columns}) nor one of the keywords reward functions get ({', '.join(TRL_KEYWORDS)})")
+                            f"{columns or 'no column but its prompt'}) nor one of the keywords reward functions get "
+                            f"({', '.join(TRL_KEYWORDS)})")
 
 
 class _Garbled(Exception):
