@@ -63,7 +63,7 @@ def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
             if (short := _cut_short(head, size)) is not None:
                 raise UserError(f"tracking.uri: {uri}: {database} is cut short ({size} bytes of the {short} its "
                                 f"header says: truncated or damaged); restore it, or name another database")
-            if head and (damage := _damaged(database)) is not None:
+            if head and size <= QUICK_CHECK_BYTES and (damage := _damaged(database)) is not None:
                 raise UserError(f"tracking.uri: {uri}: {database} is damaged (sqlite: {damage}); restore it, or name "
                                 f"another database")
             if head and _deleted_in(database, cfg.tracking.experiment):
@@ -104,6 +104,9 @@ def _require_driver(uri: str) -> None:
             url.get_backend_name(), "")
         raise UserError(f"tracking.uri: {shown}: its database driver is not installed ({e.name or e}); install it "
                         f"in this environment{hint}") from None
+
+
+QUICK_CHECK_BYTES = 256 << 20     # (sqlite's quick check reads every page: a bigger database is not looked into)
 
 
 def _damaged(database: Path) -> str | None:
@@ -264,20 +267,22 @@ def _files(cfg: Config) -> list[tuple[str, str | None]]:
 
 
 def _check_needed_values(cfg: Config, datasets: list) -> None:
-    """A column a reward function needs, with no value in any row of a split: one line (every call would fail);
-    in some rows: a warning naming the first (the function is called with None there, which failed its whole
-    batch, an iteration without a training step, where it does not take None)."""
+    """A column a reward function needs with no value in some rows of a split (or all): a warning naming the
+    first (the function is called with None there; one that does not take it fails its whole batch, an iteration
+    without a training step, which went unsaid until then; TRL's multi-task functions return None for it)."""
+    import pyarrow.compute as pc
+
     for ds, (field, file) in zip(datasets, _files(cfg)):
         where = f"{field}: {file}" if file else "data.reasoning_gym"
         for what, column in columns_needed(cfg, ds.column_names):
-            missing = [i for i, v in enumerate(ds[column]) if v is None]
-            if missing and len(missing) == len(ds):
-                raise UserError(f"{where}: column {column!r} has no value in any row, and {what} needs it; expected "
-                                f"a value in each row")
-            if missing:
-                more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-                warn(f"warning: {where} {row(missing[0])}{more} has no value in column {column!r}, which {what} "
-                     f"needs: it is called with None there")
+            values = ds.data.column(column)                     # (arrow's count: no row read into Python)
+            if not (empty := values.null_count):
+                continue
+            first = pc.index(pc.is_null(values), True).as_py()
+            rows = "every row" if empty == len(values) else \
+                f"{row(first)}{f' and {empty - 1} more' if empty > 1 else ''}"
+            warn(f"warning: {where} {rows} has no value in column {column!r}, which {what} needs: it is called "
+                 f"with None there")
 
 
 def _check_chat_rows(cfg: Config, datasets: list, path: str, tokenizer) -> None:
@@ -323,8 +328,14 @@ def _check_chat_rows(cfg: Config, datasets: list, path: str, tokenizer) -> None:
                                     f"{[m.get('role') for m in messages]}") from None
 
 
+PROBES = ("\u65e5", "\u00e9", "\U0001f642", "~", "\x07")     # (what a tokenizer of some characters drops)
+
+
 def _check_some_tokens(values: list, tokenizer, where) -> None:
-    """Each plain-text prompt is some tokens of the model's vocabulary (one line naming the first that is none)."""
+    """Each plain-text prompt is some tokens of the model's vocabulary (one line naming the first that is none);
+    not looked at where the tokenizer reads any text (bytes, or an unknown token: each probe some tokens)."""
+    if all(tokenizer(probe, add_special_tokens=False)["input_ids"] for probe in PROBES):
+        return
     texts = [(i, v) for i, v in enumerate(values) if isinstance(v, str)]
     for at in range(0, len(texts), 1000):
         chunk = texts[at:at + 1000]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from tasks.core import data, layout
+from tasks.core.artifacts import CorruptArtifact
 from tasks.core.data import load_table, message_fault
 from tasks.core.errors import UserError
 from tasks.core.hashing import sha256_file
@@ -102,7 +104,8 @@ def demonstrations(cfg: Config, tokenizer, context: int | None = None) -> list[D
             raise UserError(f"{where}: no token to learn (its completion or assistant turns are empty)")
         if not any(m and t not in specials for t, m in zip(ids[1:], mask[1:])):
             raise UserError(f"{where}: no token to learn but the end of a turn: its completion or assistant turns "
-                            f"are no tokens of this model's vocabulary (its tokenizer drops what it cannot read)")
+                            f"are empty, or no tokens of this model's vocabulary (its tokenizer drops what it cannot "
+                            f"read)")
         out.append(Demo(ids, mask))
     return out
 
@@ -174,20 +177,20 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
 
 
 def _no_special_text(tokenizer, row: dict) -> None:
-    """A demonstration's text holds none of the model's special tokens as text ('</s>' in a turn is read as the
-    token: an end learned in the middle of a turn, or a turn of its own made up): ValueError naming it."""
-    bos, eos = tokenizer.bos_token or "", tokenizer.eos_token or ""
-    texts = [(repr(c), row[c].removeprefix(bos) if c != "completion" else row[c])       # (a string's own ends: as
-             for c in ("text", "prompt", "completion") if isinstance(row.get(c), str)]   # TRL's text rows have them)
-    texts = [(c, t.removesuffix(eos) if c != "'prompt'" and eos else t) for c, t in texts]
+    """A chat message's text holds none of the model's special tokens as text ('</s>' in a turn is read as the
+    token: an end learned in the middle of a turn, or a turn of its own made up; the template writes the markers
+    itself): ValueError naming it. Strings (`text`, `prompt`, `completion`) are TRL's to hold them: pre-rendered
+    or packed rows put them there on purpose."""
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    if not specials:
+        return
+    found = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
     for c in ("messages", "prompt", "completion"):
-        if isinstance(row.get(c), list):
-            texts += [(f"{c!r} message {j}", _text_of(m.get("content")) if isinstance(m, dict) else "")
-                      for j, m in enumerate(row[c])]
-    for where, text in texts:
-        if (found := next((t for t in tokenizer.all_special_tokens if t and t in text), None)) is not None:
-            raise ValueError(f"column {where}: holds {found!r}, this model's special token, which it would read as "
-                             f"that token (an end or a turn in the middle of the text); expected text without it")
+        for j, m in enumerate(row.get(c) if isinstance(row.get(c), list) else []):
+            if isinstance(m, dict) and (hit := found.search(_text_of(m.get("content")))) is not None:
+                raise ValueError(f"column {c!r} message {j}: holds {hit.group()!r}, this model's special token, "
+                                 f"which it would read as that token (an end or a turn in the middle of the turn); "
+                                 f"expected text without it")
 
 
 def _ended(text: str, eos: str) -> str:
@@ -315,6 +318,9 @@ def made_v0(cfg: Config, store: Store) -> dict | None:
     fp, made = v0_fingerprint(cfg, store)
     try:
         return reuse(store, layout.policy(cfg.run.name, 0), fp, made)
+    except CorruptArtifact as e:      # (found by preflight, out of the flow's repair: the warm start makes it again)
+        raise UserError(f"{e}; delete {store.uri(layout.policy(cfg.run.name, 0))} and the warm start makes it again"
+                        ) from None
     except UserError:
         manifest = store.manifest(layout.policy(cfg.run.name, 0))
         was = manifest["meta"].get("made_of", {})

@@ -235,6 +235,7 @@ def free_ports(n: int) -> int:
 
     ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
     low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    low = low if low > 11000 + n else 60000          # (a machine whose ephemeral range takes nearly every port)
     for _ in range(1000):
         base = _PORTS.randrange(10000, low - n)     # (not the global random: a stage seeds it, the same in both
         #                                             xdist workers, which then drew the same ports)

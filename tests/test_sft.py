@@ -298,11 +298,11 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
                                "\"type\""),
         "assistant_no_tokens": ([{"messages": [user, {"role": "assistant", "content": "\u65e5\u672c"}]}], [],
                                 "row 1: no token to learn but the end of a turn: its completion or assistant turns "
-                                "are no tokens of this model's vocabulary"),
+                                "are empty, or no tokens of this model's vocabulary"),
         "eos_in_a_turn": ([{"messages": [user, {"role": "assistant", "content": "bb</s>b"}]}], [],
                           "row 1: column 'messages' message 1: holds '</s>', this model's special token"),
-        "a_turn_made_up": ([{"prompt": "a=", "completion": "b</s><s>user: hi"}], [],
-                           "row 1: column 'completion': holds '<s>', this model's special token"),
+        "a_turn_made_up": ([{"prompt": [user], "completion": [{"role": "assistant", "content": "b</s><s>user: hi"}]}],
+                           [], "row 1: column 'completion' message 0: holds '</s>', this model's special token"),
     }
     calls = []
     for name, (rows, more, _) in cases.items():

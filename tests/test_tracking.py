@@ -42,7 +42,8 @@ def test_an_mlflow_run_whose_iterations_the_store_lost_is_left_to_them_and_a_new
     """The store's run folder deleted (to start the run over), MLflow's run kept: the run trains from iteration 1
     again, and its MLflow run was the earlier one, whose logged iterations made the flow log none of the new
     ones (the dashboard showed the earlier run's curve). Now that MLflow run is left as it was, said on the
-    console, and a new one takes the run; a store that holds the first iteration keeps its MLflow run."""
+    console, and a new one takes the run; a store that holds the first iteration, or a policy past v0, keeps its
+    MLflow run."""
     import tempfile
     from pathlib import Path
 
@@ -74,3 +75,11 @@ def test_an_mlflow_run_whose_iterations_the_store_lost_is_left_to_them_and_a_new
     resumed = Tracker(cfg, store.root)
     assert resumed.start(store) == second and resumed.superseded is None          # the newest, and its store's
     resumed.end()
+    store.delete_folder(layout.rewards("again", 1))          # (iteration 1's folder deleted by hand to save space:
+    with tempfile.TemporaryDirectory() as tmp:                                          # the run's, all the same)
+        (Path(tmp) / "model.safetensors").write_bytes(b"x")
+        store.put_folder(layout.policy("again", 2), Path(tmp), meta={})
+    store.set_pointer(layout.latest("again", "policy"), layout.policy("again", 2))
+    kept = Tracker(cfg, store.root)
+    assert kept.start(store) == second and kept.superseded is None
+    kept.end()

@@ -154,3 +154,16 @@ def apply(store: Store, cfg: Config, protected: set[str] = frozenset()) -> int:
         for part in parts:
             store.delete_folder(part)
     return len(doomed)
+
+
+def holds_no_iteration(store: Store, run: str) -> bool:
+    """The store holds no iteration of `run`: no policy past v0 published, no rewards of iteration 1 (a folder
+    there that does not read is one): an MLflow run that logged some was an earlier run's (Tracker.start)."""
+    from tasks.core.artifacts import IncompleteArtifact
+    from tasks.core.errors import UserError
+
+    try:
+        latest = store.get_pointer(layout.latest(run, "policy"))
+        return not (latest and layout.version_of(latest)) and store.manifest(layout.rewards(run, 1)) is None
+    except (IncompleteArtifact, UserError):
+        return False

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from tasks.core import layout
 from tasks.core.errors import UserError
 from tasks.core.process_wide import set_default
+from tasks.core.retention import holds_no_iteration
 from tasks.core.tracking_db import create_whole, sqlite_file
 
 if TYPE_CHECKING:
@@ -255,8 +256,7 @@ class Tracker:
         self._failure: BaseException | None = None
         self._ended = False                        # end() ran: no thread flushes any more (see _stop_worker)
 
-    # ---- background flushing
-    def _check(self) -> None:
+    def _check(self) -> None:                     # (background flushing: _check to _flush)
         if self._failure is not None:
             raise RuntimeError(f"MLflow logging failed: {self._failure}") from self._failure
 
@@ -394,7 +394,7 @@ class Tracker:
 
     def start(self, store: Store | None = None) -> str:
         """Find this run's MLflow run (same run name and store) or create it; log the resolved config. One that
-        logged iterations whose first `store` lacks (an earlier run's) is left as it is (`superseded` says so)."""
+        logged iterations the store holds none of (an earlier run's) is left as it is (`superseded` says so)."""
         from mlflow.entities import Param
 
         cfg = self.cfg
@@ -404,10 +404,10 @@ class Tracker:
             [exp_id], filter_string=f"tags.`{TAG_RUN}` = '{cfg.run.name}' and tags.`{TAG_STORE}` = '{self.store_root}'",
             max_results=1, order_by=["attributes.start_time DESC"])
         if found and store is not None and self.last_logged_iteration(found[0].info.run_id) and \
-                store.manifest(layout.rewards(cfg.run.name, 1)) is None:
-            self.superseded = (f"MLflow run {found[0].info.run_id} logged iterations of an earlier run {cfg.run.name} "
-                               f"whose outputs are gone from {store.uri(cfg.run.name)}: this run logs to a new one")
-            found = []
+                holds_no_iteration(store, cfg.run.name):
+            self.superseded, found = (f"MLflow run {found[0].info.run_id} logged iterations of an earlier run "
+                                      f"{cfg.run.name} whose outputs are gone from {store.uri(cfg.run.name)}: this "
+                                      f"run logs to a new one"), []
         if found:
             self.run_id = found[0].info.run_id
             self.status_before = found[0].info.status      # a refused resume puts it back (see finish)

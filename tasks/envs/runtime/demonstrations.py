@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 MAX_EPISODES = 1_000_000     # episodes `rlflow record` runs in one call (rows x --n)
 
 
+class _Late(BaseException):
+    """A scripted policy's turn past its time (raised in it by the timer signal)."""
+
+
 class ScriptedPolicy(SamplingSession):
     """A sampling session whose every completion is `fn(context)`: the context's text (special tokens included,
     as the model sees it) in, the turn's text out; EOS appended, as a model that stops writes it."""
@@ -39,10 +43,26 @@ class ScriptedPolicy(SamplingSession):
         self.fn, self.tokenizer, self.timeout = fn, tokenizer, timeout
 
     def _turn(self, context: str):
-        """fn(context) on a thread of its own, within `timeout` seconds (a policy that never answers was a silent
-        hang): what it returned, or what it raised, raised here."""
+        """fn(context) within `timeout` seconds (a policy that never answers was a silent hang): on the main thread
+        as before, under a timer signal (a policy may use signals, thread-bound objects, its own loop); from another
+        thread, on a thread of its own."""
+        import signal
         import threading
 
+        late = UserError(f"--policy: {_name(self.fn)}(context) gave no answer in {self.timeout:g} s "
+                         f"(env.timeout_seconds); expected it to return the turn's text")
+        if threading.current_thread() is threading.main_thread():
+            def stop(_signum, _frame):
+                raise _Late           # (not an Exception: a policy's `except Exception` does not keep it)
+            before = signal.signal(signal.SIGALRM, stop)
+            signal.setitimer(signal.ITIMER_REAL, self.timeout)
+            try:
+                return self.fn(context)
+            except _Late:
+                raise late from None
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, before)
         got: list = []
 
         def call() -> None:
@@ -54,8 +74,7 @@ class ScriptedPolicy(SamplingSession):
         thread.start()
         thread.join(self.timeout)
         if not got:
-            raise UserError(f"--policy: {_name(self.fn)}(context) gave no answer in {self.timeout:g} s "
-                            f"(env.timeout_seconds); expected it to return the turn's text")
+            raise late
         ok, value = got[0]
         if not ok:
             raise value
