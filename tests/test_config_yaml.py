@@ -127,3 +127,13 @@ def test_what_rlflow_writes_as_a_config_reads_back_as_itself(tmp_path):
     assert load_yaml(dump_yaml(dumped), "t") == dumped
     (tmp_path / "back.yaml").write_text(dump_yaml(dumped))
     assert load_config(tmp_path / "back.yaml") == cfg
+
+
+def test_an_override_of_a_text_field_is_the_text_typed():
+    """`-o run.name=08` was the number 8, refused ("input should be a valid string, got 8"); `1e-3`, `true` and
+    `42` too: for a field of text alone the value is the text as typed. Numbers stay numbers elsewhere."""
+    names = {raw: load_config(TINY, [f"run.name={raw}"]).run.name for raw in ("08", "1e-3", "true", "42")}
+    assert names == {"08": "08", "1e-3": "1e-3", "true": "true", "42": "42"}
+    assert load_config(TINY, ["data.system_prompt=3.5"]).data.system_prompt == "3.5"      # (str or None)
+    assert load_config(TINY, ["run.seed=08"]).run.seed == 8 and load_config(TINY, ["train.lr=1e-3"]).train.lr == 1e-3
+    assert load_config(TINY, ["data.system_prompt=null"]).data.system_prompt is None

@@ -442,6 +442,14 @@ def _models_at(parts: list) -> list[type[Section]]:
     return models
 
 
+def _text_field(parts: list) -> bool:
+    """Whether the dotted place `parts` is a field of text alone (str, or str or None) in every section there."""
+    fields = [m.model_fields.get(str(parts[-1])) for m in _models_at(parts[:-1])]
+    return bool(fields) and all(f is not None and (f.annotation is str or str in get_args(f.annotation)
+                                                   and set(get_args(f.annotation)) <= {str, type(None)})
+                                for f in fields)
+
+
 def _near(parts: list) -> str | None:
     """The known key closest to an unknown one, among the keys of the models at the same place: the one whose
     words' initials it spells (train.learning_rate -> train.lr), the only one it begins, or difflib's closest;
@@ -517,7 +525,10 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         if section == "train" and rest.split(".")[0] in LEARNER_KEYS:     # train.gamma=0.9: train.learner.gamma
             moved(key, f"train.learner.{rest}")
             key = f"train.learner.{rest}"
-        _set_dotted(tree, key, _parse_value(key, raw))
+        value = _parse_value(key, raw)
+        if isinstance(value, int | float) and _text_field(key.split(".")):
+            value = raw                 # (`-o run.name=08` is the text 08, not the number 8 refused as one)
+        _set_dotted(tree, key, value)
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
