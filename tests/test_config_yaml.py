@@ -137,3 +137,9 @@ def test_an_override_of_a_text_field_is_the_text_typed():
     assert load_config(TINY, ["data.system_prompt=3.5"]).data.system_prompt == "3.5"      # (str or None)
     assert load_config(TINY, ["run.seed=08"]).run.seed == 8 and load_config(TINY, ["train.lr=1e-3"]).train.lr == 1e-3
     assert load_config(TINY, ["data.system_prompt=null"]).data.system_prompt is None
+
+
+@pytest.mark.parametrize("key,near", [("TRAIN.lr", "train"), ("train.LR", "train.lr"), ("Run.name", "run")])
+def test_a_key_in_other_letters_case_is_named_as_it_is_spelt(key, near):
+    """`train.LR` had no "did you mean" (difflib found 'lr' too far from 'LR')."""
+    assert _refused(TINY, [f"{key}=1"]).endswith(f"; did you mean {near!r}?")

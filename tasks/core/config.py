@@ -462,7 +462,9 @@ def _near(parts: list) -> str | None:
     initials = "".join(w[:1] for w in leaf.split("_"))
     near = [n for n in sorted(names) if len(n) > 1 and n == initials]
     starts = [n for n in sorted(names) if len(leaf) > 2 and n.startswith(leaf)]    # model.name -> name_or_path
-    near = near or starts[:len(starts) == 1] or difflib.get_close_matches(leaf, sorted(names), n=1, cutoff=0.5)
+    cased = [n for n in sorted(names) if n.lower() == leaf.lower()]                 # TRAIN -> train, LR -> lr
+    near = cased or near or starts[:len(starts) == 1] or difflib.get_close_matches(leaf, sorted(names), n=1,
+                                                                                     cutoff=0.5)
     return ".".join([*map(str, parts[:-1]), near[0]]) if near else None
 
 
