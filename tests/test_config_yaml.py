@@ -143,3 +143,12 @@ def test_an_override_of_a_text_field_is_the_text_typed():
 def test_a_key_in_other_letters_case_is_named_as_it_is_spelt(key, near):
     """`train.LR` had no "did you mean" (difflib found 'lr' too far from 'LR')."""
     assert _refused(TINY, [f"{key}=1"]).endswith(f"; did you mean {near!r}?")
+
+
+def test_a_config_file_past_16_mb_is_one_line_before_it_is_read(tmp_path):
+    """A 60 MB file named as the config was read whole and parsed (about a minute) before any word."""
+    big = tmp_path / "big.yaml"
+    with open(big, "w") as f:
+        f.truncate((16 << 20) + 1)
+    assert _refused(big) == (f"config: {big}: 16,777,217 bytes, past a config's 16,777,216; expected a YAML config "
+                             f"file (data goes in a file data.path names)")

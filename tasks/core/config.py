@@ -483,6 +483,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return cfg
 
 
+CONFIG_BYTES = 16 << 20
+
+
 def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...], base: dict | None) -> Config:
     tree: dict = dict(base or {})
     if isinstance(tree.get("train"), dict):
@@ -497,6 +500,9 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
             raise UserError(f"config: file not found: {path}")
         if not p.is_file():
             raise UserError(f"config: {path} is not a regular file (a device, a pipe); expected a YAML config file")
+        if (size := p.stat().st_size) > CONFIG_BYTES:         # (read whole and parsed: a minute for 60 MB)
+            raise UserError(f"config: {path}: {size:,} bytes, past a config's {CONFIG_BYTES:,}; expected a YAML "
+                            f"config file (data goes in a file data.path names)")
         try:
             loaded = load_yaml(p.read_text(encoding="utf-8"), f"config: {path}")
         except UnicodeDecodeError as e:
