@@ -82,6 +82,13 @@ class Flaky:
         if self.mode == "sys_exit" and self.turn == 2:
             import sys
             sys.exit(0)
+        if self.mode == "base" and self.turn == 2:
+            raise BaseException("base")
+        if self.mode == "huge" and self.turn == 2:       # (50 MB of observation: its rendering took minutes)
+            return Step([{"role": "user", "content": "x" * (50 << 20)}], 1.0, False)
+        if self.mode == "numpy":                          # (gymnasium's kind of reward: numpy's float32)
+            import numpy as np
+            return Step([{"role": "user", "content": "Say a"}], np.float32(1.0), self.turn == 3)
         return Step([{"role": "user", "content": "Say a"}], 1.0, self.turn == 3)
 
 

@@ -166,6 +166,23 @@ def test_an_environment_that_raises_hangs_crashes_or_returns_garbage_costs_only_
 
 
 @pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_a_base_exception_a_huge_observation_and_a_numpy_reward_cost_at_most_their_episode(isolation, tokenizer,
+                                                                                           tmp_path):
+    """raise BaseException in a thread-mode step was a traceback that ended the run; a 50 MB observation was
+    rendered whole (minutes: the run stalled past any timeout), now the episode ends truncated at once, keeping what
+    fits; numpy's float32 reward (gymnasium's kind) was refused as "not a finite number"."""
+    cfg = _cfg("tests.env_classes:Flaky", tmp_path, "env.timeout_seconds=60", f"env.isolation={isolation}")
+    table = {i: {"prompt": "Say each letter I name.", "letters": "abc", "seed": 0, "mode": m}
+             for i, m in enumerate(["base", "huge", "numpy", "ok"])}
+    records = run_episodes(cfg, table, [0, 1, 2, 3], Scripted(lambda ctx: "a").session("base", "unused", tokenizer),
+                           SamplingParams(n=1, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=3))[0]
+    assert records[0].env_error == "step raised BaseException: base", records[0].env_error
+    assert (records[1].env_error, records[1].truncated, records[1].env_return) == (None, True, 2.0)
+    assert 0 < len(records[1].turns[-1]["content"]) <= cfg.env.max_tokens * 256       # (kept: what could fit)
+    assert [r.env_return for r in records[2:]] == [3.0, 3.0] and records[2].env_error is None
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_an_episode_that_hangs_does_not_spend_the_time_of_the_others(isolation, tokenizer, tmp_path):
     """Turns are taken together, so the others wait for a hung call; that wait is not their environment's time:
     they go on and finish with their returns."""

@@ -245,6 +245,27 @@ def model_turn(cfg: Config, e: Episode, ids: list[int], logprobs: list[float], t
         e.truncated = True
 
 
+TOKEN_CHARS = 256      # characters one token holds at most (an observation past room x this cannot fit in it)
+
+
+def _chars(message: dict) -> int:
+    content = message.get("content")
+    if isinstance(content, list):
+        return sum(len(str(p.get("text") or "")) for p in content if isinstance(p, dict))
+    return len(content) if isinstance(content, str) else 0
+
+
+def _cut(message: dict, chars: int) -> dict:
+    """`message` with its text cut to `chars` characters (what an episode keeps of an observation too long)."""
+    content = message.get("content")
+    if isinstance(content, str) and len(content) > chars:
+        return {**message, "content": content[:chars]}
+    if isinstance(content, list):
+        return {**message, "content": [{**p, "text": str(p["text"])[:chars]} if isinstance(p, dict) and
+                                       isinstance(p.get("text"), str) else p for p in content]}
+    return message
+
+
 def step(cfg: Config, caller: Caller, active: list[Episode], ended: list[bool], render: Renderer) -> None:
     """Each episode of `active`, its model turn just taken, steps its environment (all at once): its reward kept,
     and its observation appended as the tokens the template renders (mask 0), or the episode is done (the
@@ -259,6 +280,11 @@ def step(cfg: Config, caller: Caller, active: list[Episode], ended: list[bool], 
             e.fail(f"step: {ex}")
             continue
         e.rewards.append(st.reward)
+        room = max(0, cfg.env.max_tokens - len(e.ids)) * TOKEN_CHARS
+        if sum(map(_chars, st.observation)) > room:      # more tokens than there is room for, whatever they are:
+            e.turns += [_cut(m, room) for m in st.observation]          # not rendered (50 MB took minutes)
+            e.truncated = e.done = True
+            continue
         e.turns += st.observation
         if st.done or e.truncated or e.model_turns >= cfg.env.max_turns or not st.observation:
             e.done = True

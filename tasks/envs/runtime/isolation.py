@@ -349,10 +349,9 @@ class EnvironmentFailed(RuntimeError):
 
 
 def as_failure(e: BaseException) -> BaseException:
-    """What a user's code raised in a thread of the stage, as that call's failure: sys.exit() or a
-    KeyboardInterrupt it raised itself becomes EnvironmentFailed ("SystemExit: 0"), not the stage's end (an exit
-    0 with nothing done) nor the end of an event loop's thread every other episode shares."""
-    return EnvironmentFailed(why(e)) if isinstance(e, SystemExit | KeyboardInterrupt) else e
+    """A user's code's exception in a thread of the stage, as that call's failure: what is not an Exception (sys.exit,
+    KeyboardInterrupt, BaseException) is EnvironmentFailed ("SystemExit: 0"), not the stage's or a loop's end."""
+    return e if isinstance(e, Exception) else EnvironmentFailed(why(e))
 
 
 class EnvironmentDied(RuntimeError):

@@ -44,6 +44,9 @@ def as_step(value: Any) -> Step:
         raise TypeError(f"step returned {type(value).__name__}, not a Step or (observation, reward, done[, info])")
     value.observation = as_messages(value.observation, "step's observation")
     reward = value.reward
+    if not isinstance(reward, bool) and type(reward).__module__ in ("numpy", "torch") and \
+            getattr(reward, "ndim", None) == 0:
+        reward = reward.item()          # (numpy's float32 scalar, a 0-d tensor: what gymnasium-style envs return)
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise TypeError(f"step returned reward {reward!r}, not a finite number")
     value.reward, value.done = float(reward), bool(value.done)
