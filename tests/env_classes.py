@@ -243,3 +243,21 @@ class Stalls:
 
     def step(self, message):
         return Step([], 0.0, True)
+
+
+class FailsWhenMade(Flaky):
+    """An environment whose third construction raises (counted by files `made.N`, in any process or thread)."""
+
+    def __init__(self, made=None):
+        import os
+
+        super().__init__(mode="ok")
+        n = 1
+        while True:                                       # (its number: the first `made.N` it makes, atomically)
+            try:
+                os.close(os.open(f"{made}.{n}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                break
+            except FileExistsError:
+                n += 1
+        if n == 3:
+            raise RuntimeError("third construction")

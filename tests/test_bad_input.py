@@ -696,6 +696,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "environment factory that raises": (
             ["run", str(TINY), "-o", "env.factory=badtools_env:NeedsSize", "-o", "env.kwargs={size: -1}"],
             "env.factory: badtools_env:NeedsSize(**env.kwargs) raised ValueError: size must be positive"),
+        "environment factory that returns None": (
+            ["run", str(TINY), "-o", "env.factory=badtools_env:makes_none"],
+            "env.factory: badtools_env:makes_none(**env.kwargs) returned None; expected the episode's environment"),
         "adapter forced onto a class that does not fit": (
             ["run", str(TINY), "-o", "env.factory=tasks.envs.builtin.games:SayTheLetters", "-o", "env.adapter=gymnasium"],
             "env.adapter: gymnasium: tasks.envs.builtin.games:SayTheLetters made a SayTheLetters, whose reset cannot be "
@@ -837,6 +840,10 @@ class ResetsToNumber(AlwaysFails):
 class NoStep:
     def reset(self, row):
         return [{"role": "user", "content": "a="}]
+
+
+def makes_none():
+    return None
 """
 
 

@@ -183,6 +183,19 @@ def test_a_base_exception_a_huge_observation_and_a_numpy_reward_cost_at_most_the
 
 
 @pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_a_factory_that_raises_is_said_as_the_factorys_not_resets(isolation, tokenizer, tmp_path):
+    """A construction that raised was said as "reset raised ..." (the episode's environment is made, then reset,
+    in one call)."""
+    cfg = _cfg("tests.env_classes:FailsWhenMade", tmp_path, f"env.kwargs={{made: '{tmp_path / 'made'}'}}",
+               f"env.isolation={isolation}")
+    table = {i: {"prompt": "Say each letter I name.", "letters": "abc", "seed": 0} for i in range(4)}
+    records = run_episodes(cfg, table, [0, 1, 2, 3], Scripted(lambda ctx: "a").session("base", "unused", tokenizer),
+                           SamplingParams(n=1, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=3))[0]
+    errors = [r.env_error for r in records if r.env_error is not None]
+    assert errors == ["the environment's factory raised RuntimeError: third construction"], errors
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_an_episode_that_hangs_does_not_spend_the_time_of_the_others(isolation, tokenizer, tmp_path):
     """Turns are taken together, so the others wait for a hung call; that wait is not their environment's time:
     they go on and finish with their returns."""

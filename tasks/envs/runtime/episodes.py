@@ -142,7 +142,13 @@ def require_some_episode(cfg: Config, records: list[Rollout], what: str) -> None
                     f"{' '.join(failed[0].split())[:300]}")
 
 
+class NotMade(RuntimeError):
+    """An episode's environment could not be made (its factory raised, or its process died making it)."""
+
+
 def _failure(what: str, ex: Exception) -> str:
+    if isinstance(ex, NotMade):
+        return str(ex)
     if isinstance(ex, EnvironmentFailed):            # raised in the environment's process: "Type: text"
         return f"{what} raised {ex}"
     if isinstance(ex, EnvironmentDied | InvalidReply):
@@ -208,7 +214,12 @@ def begin(caller: Caller, episodes: list[Episode], open_environment: Callable[..
     """Open each episode's environment and render its first prompt from reset's messages, all at once; a failed
     reset leaves the episode failed with a one-token placeholder prompt (no completion, no reward)."""
     def reset(e: Episode) -> list[dict]:
-        e.env = open_environment(e.data, e.opened)      # (told of its process before it is made: killable)
+        try:
+            e.env = open_environment(e.data, e.opened)  # (told of its process before it is made: killable)
+        except (ServerGone, ServerRefused, UserError):
+            raise
+        except Exception as ex:  # noqa: BLE001 - the factory's own failure: said as its, not reset's
+            raise NotMade(_failure("the environment's factory", ex)) from None
         e.schemas = e.env.tool_schemas
         return e.env.reset(e.data)
 

@@ -278,6 +278,9 @@ def _check_environment(cfg: Config, make: Callable[..., Any], spec: str, row: di
     except Exception as e:  # noqa: BLE001 - the user's factory: its failure is one line
         raise UserError(f"env.factory: {spec}(**env.kwargs) raised {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    if instance is None:
+        raise UserError(f"env.factory: {spec}(**env.kwargs) returned None; expected the episode's environment (an "
+                        f"object with reset and step, or a TRL environment_factory class's instance)")
     env = instance
     try:
         kind = cfg.env.adapter if cfg.env.adapter != "auto" else adapters.detect(instance)
