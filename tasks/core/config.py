@@ -16,7 +16,6 @@ More: docs/internals.md (tasks/core/config.py): how the config is split, loaded 
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 import os
@@ -67,6 +66,7 @@ from tasks.core.config_train import (
 from tasks.core.config_warmup import WarmupConfig
 from tasks.core.config_yaml import DuplicateKey, load_yaml, problem
 from tasks.core.errors import UserError, printable
+from tasks.core.hashing import digest
 
 __all__ = [  # the sections' models, re-exported: `from tasks.core.config import X` for every X of the config
     "Section", "HOW_NOT_WHAT", "SINCE_DEFAULT", "moved", "warn",
@@ -281,8 +281,7 @@ class Config(Section):
     def section_hash(self, *sections: str) -> str:
         """Fingerprint of some sections: a stage's outputs are reused only if its inputs hash the same. Fields
         marked HOW_NOT_WHAT are left out."""
-        blob = json.dumps(self.section_values(*sections), sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return digest(self.section_values(*sections))
 
     def section_values(self, *sections: str) -> dict:
         """What section_hash hashes: the sections' values, without the HOW_NOT_WHAT fields (kept in an output's

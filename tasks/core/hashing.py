@@ -1,12 +1,14 @@
 """File hashes, and the one memo of them: a file this machine hashed (or wrote with a known hash) is remembered by
 its identity (device, inode, size, modification time), so a reader of the same unchanged multi-GB file (a policy
 a store verifies, a GGUF file converted once, a judge's pinned weights) takes the remembered hash instead of reading
-it again; any write to the file changes its modification time, and so its identity.
+it again; any write to the file changes its modification time, and so its identity. And `digest`, the one short
+fingerprint of a JSON value (config sections, a stage's inputs).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import uuid
 from pathlib import Path
@@ -15,6 +17,12 @@ from tasks.core.paths import cache_root
 
 HASH_CHUNK = 8 << 20
 REMEMBER_FROM = 4 << 20     # smaller files are hashed again when read (~1 ms per MB): remembering costs more
+
+
+def digest(value) -> str:
+    """A short fingerprint of a JSON value, its keys sorted: the config's sections, a stage's inputs, a trainer's
+    settings. One formula: stored fingerprints are compared with it."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def sha256_file(path: Path) -> str:

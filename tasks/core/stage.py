@@ -10,7 +10,6 @@ mixing two configs in one run would corrupt it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shlex
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 from tasks.core import layout
 from tasks.core.artifacts import CorruptArtifact
 from tasks.core.errors import DiskFull, UserError, corrupt_line, disk_full, disk_full_line, user_error_line
+from tasks.core.hashing import digest
 from tasks.core.process_wide import set_variable
 
 if TYPE_CHECKING:
@@ -103,9 +103,7 @@ def fingerprint_of(made: dict) -> str:
     """The fingerprint of what `made` says (fingerprint's `made`, or a manifest's `made_of`: the section values
     are what Config.section_hash hashes)."""
     inputs = {k: v for k, v in made.items() if k not in ("config", "seed")}
-    sections = hashlib.sha256(json.dumps(made["config"], sort_keys=True).encode()).hexdigest()[:16]
-    blob = json.dumps({"config": sections, "seed": made["seed"], **inputs}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return digest({"config": digest(made["config"]), "seed": made["seed"], **inputs})
 
 
 def made_of(cfg: Config, sections: tuple[str, ...]) -> dict:

@@ -17,7 +17,6 @@ More: docs/internals.md (tasks/engines/trainer.py): the handles, and what each c
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -36,7 +35,7 @@ from tasks.algorithms.learners.registry import make as make_learner
 from tasks.algorithms.stats import UpdateStats
 from tasks.algorithms.update import optimise
 from tasks.core import data, layout, rollout
-from tasks.core.hashing import sha256_file
+from tasks.core.hashing import digest, sha256_file
 from tasks.core.process_wide import PROCESS_WIDE, rng_state, set_rng_state
 from tasks.core.stage import made_of
 from tasks.core.store import open_store
@@ -61,7 +60,7 @@ def trainer_key(cfg: Config) -> str:
         tree.pop(section)
     for field in ("mode", "host", "idle_timeout"):
         tree["train"].pop(field)
-    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()[:16]
+    return digest(tree)
 
 
 # ------------------------------------------------------------------------------------------- the trainer
