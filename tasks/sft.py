@@ -31,7 +31,7 @@ import torch
 
 from tasks.core import data, layout
 from tasks.core.artifacts import CorruptArtifact
-from tasks.core.data import load_table, message_fault
+from tasks.core.data import load_table, message_fault, message_text
 from tasks.core.errors import UserError
 from tasks.core.hashing import sha256_file
 from tasks.core.models import ADAPTER_CONFIG, base_path, context_length, load_policy, load_tokenizer
@@ -151,7 +151,7 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
         raise ValueError("the conversation starts with an assistant message; the model needs a prompt first")
     if not any(m["role"] == "assistant" for m in rest):
         raise ValueError("the completion has no assistant message (nothing to learn)")
-    if not any(_text_of(m.get("content")).strip() or m.get("tool_calls") for m in rest if m["role"] == "assistant"):
+    if not any(message_text(m.get("content")).strip() or m.get("tool_calls") for m in rest if m["role"] == "assistant"):
         raise ValueError("every assistant message is empty or blank (nothing to learn but the end of a turn)")
     if any(m["role"] == "system" for m in prompt[1:] + rest):
         raise ValueError("a system message after the first message; the templates take one, first")
@@ -187,7 +187,7 @@ def _no_special_text(tokenizer, row: dict) -> None:
     found = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
     for c in ("messages", "prompt", "completion"):
         for j, m in enumerate(row.get(c) if isinstance(row.get(c), list) else []):
-            if isinstance(m, dict) and (hit := found.search(_text_of(m.get("content")))) is not None:
+            if isinstance(m, dict) and (hit := found.search(message_text(m.get("content")))) is not None:
                 raise ValueError(f"column {c!r} message {j}: holds {hit.group()!r}, this model's special token, "
                                  f"which it would read as that token (an end or a turn in the middle of the turn); "
                                  f"expected text without it")
@@ -195,13 +195,6 @@ def _no_special_text(tokenizer, row: dict) -> None:
 
 def _ended(text: str, eos: str) -> str:
     return text if not eos or text.endswith(eos) else text + eos
-
-
-def _text_of(content) -> str:
-    """A message's text: its content as a string, or its text parts' joined (None: no text)."""
-    if isinstance(content, list):
-        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
-    return content if isinstance(content, str) else ""
 
 
 def _string(row: dict, column: str) -> str:

@@ -80,6 +80,13 @@ def message_fault(m) -> str | None:
             f"beside tool_calls)")
 
 
+def message_text(content) -> str:
+    """A message's text: its content as a string, or its text parts' joined (None: no text)."""
+    if isinstance(content, list):
+        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
+
+
 def _a_tool_call(call) -> bool:
     """A tool call as chat templates read it (OpenAI's and TRL's form, or the function itself): a function with a
     name and arguments (an object, or its JSON text; none: no arguments)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.contracts import EnvironmentHandle, Rollout, Sampled, SamplingParams, SamplingSession
+from tasks.core.data import message_text
 from tasks.core.errors import UserError
 from tasks.core.placement import placement_of
 from tasks.envs.runtime.isolation import (
@@ -259,13 +260,6 @@ def model_turn(cfg: Config, e: Episode, ids: list[int], logprobs: list[float], t
 TOKEN_CHARS = 256      # characters one token holds at most (an observation past room x this cannot fit in it)
 
 
-def _chars(message: dict) -> int:
-    content = message.get("content")
-    if isinstance(content, list):
-        return sum(len(str(p.get("text") or "")) for p in content if isinstance(p, dict))
-    return len(content) if isinstance(content, str) else 0
-
-
 def _cut(message: dict, chars: int) -> dict:
     """`message` with its text cut to `chars` characters (what an episode keeps of an observation too long)."""
     content = message.get("content")
@@ -292,8 +286,9 @@ def step(cfg: Config, caller: Caller, active: list[Episode], ended: list[bool], 
             continue
         e.rewards.append(st.reward)
         room = max(0, cfg.env.max_tokens - len(e.ids)) * TOKEN_CHARS
-        if sum(map(_chars, st.observation)) > room:      # more tokens than there is room for, whatever they are:
-            e.turns += [_cut(m, room) for m in st.observation]          # not rendered (50 MB took minutes)
+        # more tokens than there is room for, whatever they are: not rendered (50 MB took minutes)
+        if sum(len(message_text(m.get("content"))) for m in st.observation) > room:
+            e.turns += [_cut(m, room) for m in st.observation]
             e.truncated = e.done = True
             continue
         e.turns += st.observation
