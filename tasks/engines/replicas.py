@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.fleet import START_TRIES, Health, Starts, Sticky, bearer, least_loaded, start_server
+from tasks.core.hashing import digest
 from tasks.core.paths import cache_root
 from tasks.core.placement import REPLICA_LAUNCH_VAR
 from tasks.core.processes import how_it_ended, run
@@ -49,10 +50,6 @@ ANSWERING = ("loading", "ready")          # a member in these states is up (its 
 TOKEN_VAR = "RLFLOW_REPLICA_TOKEN"        # the router's token: only it may load policies into and sample replicas
 
 
-def _say(line: str) -> None:
-    print(line, flush=True)
-
-
 def policy_digest(cfg: Config, policy: str) -> str:
     """What names a policy's exact weights: its store manifest's file digests (a delta policy's name its
     anchor's in its index file, so a rebuilt whole is checked too); the starting model's name for `base`."""
@@ -60,11 +57,11 @@ def policy_digest(cfg: Config, policy: str) -> str:
     from tasks.core.store import open_store
 
     if policy == layout.BASE:
-        return "base:" + hashlib.sha256(cfg.model.name_or_path.encode()).hexdigest()[:16]
+        return "base:" + digest(cfg.model.name_or_path)
     manifest = open_store(cfg).manifest(policy)
     if manifest is None:
         raise RuntimeError(f"policy {policy}: no complete folder in the store")
-    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()[:16]
+    return digest(manifest["files"])
 
 
 def shard_seed(seed: int, shard: int) -> int:
@@ -182,7 +179,7 @@ def ensure_router(cfg: Config, launch_spec: Mapping | None = None) -> dict:
 
     launch = json.dumps(dict(launch_spec)) if launch_spec is not None else ""
     blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
-    key = hashlib.sha256(f"{blob}\n{launch}\n{sys.executable}".encode()).hexdigest()[:20]
+    key = digest([blob, launch, sys.executable])
     daemon = _daemon(cfg)
 
     def answers(state: dict) -> bool:
@@ -253,8 +250,8 @@ class Router:
             if self.launch is None:
                 proc, url, _ = start_server(["-m", "tasks.engines.replica", "--config-json", str(self.config_json),
                                              "--port", "0", "--exit-with-parent"], {TOKEN_VAR: self.token}, READY,
-                                            f"replica {m.index}", f"replica {m.index}", _say,
-                                            self.cfg.generate.server_start_timeout)
+                                            f"replica {m.index}", f"replica {m.index}",
+                                            lambda s: print(s, flush=True), self.cfg.generate.server_start_timeout)
             else:
                 proc, url = None, self._launched(m.index)
             if self.stopping.is_set():             # (started while the router was stopping)
