@@ -1499,3 +1499,18 @@ def test_a_needed_column_without_a_value_in_some_rows_is_a_warning_naming_the_fi
     assert capsys.readouterr().err.strip() == (
         f"warning: data.path: {data} every row has no value in column 'answer', which reward.functions[0] "
         f"(tasks.rewards.demo:successor_reward) needs: it is called with None there")
+
+
+def test_a_csv_cell_is_read_as_written(tmp_path):
+    """A CSV cell whose number would be written otherwise is its text: `007` was 7.0 (its column read as floats),
+    `NA`, `null`, `None` were missing, so a checker comparing answers as text saw 7.0 or None; a column of numbers
+    written as numbers is still numbers (a gap leaves floats, as pandas did), true/false is a truth value."""
+    from tasks.core.data import load_table
+
+    (tmp_path / "cells.csv").write_text('prompt,answer,n,f,b,gap\n"x,y",007,1,0.5,true,3\n'
+                                        "12,NA,2,1e3,False,\nhello,,3,-2,TRUE,4\nnull,None,4,0,false,5\n")
+    table = load_table(str(tmp_path / "cells.csv"), None, "train")
+    assert table["prompt"] == ["x,y", "12", "hello", "null"]
+    assert table["answer"] == ["007", "NA", None, "None"]
+    assert table["n"] == [1, 2, 3, 4] and table["f"] == [0.5, 1000.0, -2.0, 0.0]
+    assert table["b"] == [True, False, True, False] and table["gap"] == [3.0, None, 4.0, 5.0]

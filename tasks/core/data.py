@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,9 +129,10 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
             with tempfile.TemporaryDirectory(prefix="rlflow-data-") if small else contextlib.nullcontext() as cache:
                 try:
                     datasets.logging.set_verbosity(datasets.logging.CRITICAL)    # (it logs the error we report)
+                    kinds = _csv_kinds(Path(path)) if small and suffix == ".csv" else {}
                     table = datasets.load_dataset(_LOCAL_FORMATS[suffix], split=split,    # (test[:100]: a slice)
                                                   data_files={split.split("[", 1)[0].strip() or split: path},
-                                                  cache_dir=cache, keep_in_memory=small)
+                                                  cache_dir=cache, keep_in_memory=small, **kinds)
                     table.data.table.validate(full=True)  # (JSON strings that are not UTF-8 load, and fail when read)
                     return table
                 except Exception as e:  # noqa: BLE001 - said as one line, with the file's line or row
@@ -316,6 +318,47 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
             if not isinstance(obj, dict):
                 return f"line {n}: expected a JSON object (one row), got {type(obj).__name__}"
     return None
+
+
+_CSV_INT = re.compile(r"-?(0|[1-9][0-9]*)")
+_CSV_FLOAT = re.compile(r"-?(0|[1-9][0-9]*)?(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+_CSV_BOOL = {"true", "false", "True", "False", "TRUE", "FALSE"}
+
+
+def _csv_kinds(path: Path) -> dict:
+    """How a small CSV file's columns are read (load_dataset's keyword arguments): a column is a number only
+    where every filled cell is written as that number is (pandas read `007` as 7 and a prompt `12` as an int), a
+    truth value where each is true/false, else text as written (pandas read `NA`, `null`, `nan` and `None` as
+    missing); an empty cell is missing. {} (pandas' own guesses) for a header with empty or repeated names."""
+    import csv
+    import io
+
+    import datasets
+
+    try:
+        records = list(csv.reader(io.StringIO(path.read_bytes().decode("utf-8-sig"))))
+    except (UnicodeDecodeError, csv.Error):
+        return {}                                          # (said as datasets says it)
+    if not records or len(set(records[0])) != len(records[0]) or not all(records[0]):
+        return {}
+    columns = {name: [r[i] for r in records[1:] if i < len(r) and r[i] != ""] for i, name in enumerate(records[0])}
+    blanks = {name: any(len(r) > i and r[i] == "" for r in records[1:] if any(r)) for i, name in
+              enumerate(records[0])}
+
+    def kind(name: str, cells: list[str]) -> str:
+        if not cells:
+            return "large_string"
+        if all(_CSV_INT.fullmatch(c) and abs(int(c)) < 2**63 for c in cells):
+            return "float64" if blanks[name] else "int64"          # (pandas' int column with gaps: floats)
+        if all(_CSV_FLOAT.fullmatch(c) and any(ch.isdigit() for ch in c.split("e")[0].split("E")[0])
+               for c in cells):
+            return "float64"
+        return "bool" if not blanks[name] and all(c in _CSV_BOOL for c in cells) else "large_string"
+
+    features = datasets.Features({name: datasets.Value(kind(name, cells)) for name, cells in columns.items()})
+    return {"features": features, "keep_default_na": False, "na_values": [""],
+            "true_values": sorted(_CSV_BOOL - {"false", "False", "FALSE"}),
+            "false_values": ["false", "False", "FALSE"]}
 
 
 @functools.lru_cache(maxsize=1)
