@@ -1514,3 +1514,17 @@ def test_a_csv_cell_is_read_as_written(tmp_path):
     assert table["answer"] == ["007", "NA", None, "None"]
     assert table["n"] == [1, 2, 3, 4] and table["f"] == [0.5, 1000.0, -2.0, 0.0]
     assert table["b"] == [True, False, True, False] and table["gap"] == [3.0, None, 4.0, 5.0]
+
+
+def test_a_csv_quote_never_closed_is_said_where_it_opens(tmp_path):
+    """A CSV field whose quote is never closed runs to the end of the file: it was said at the file's last line
+    ('line 4: 1 fields where the header has 2') or not at all, as pandas' 'EOF inside string'."""
+    from tasks.core.data import _row_fault
+
+    for text, line in (('prompt,answer\na,1\n"b,2\nc,3\n', 3), ('prompt,answer\n\n\na,"1\n', 4),
+                       ('prompt,answer\r\na,1\r\n"b,2\r\nc,3\r\n', 3)):
+        (tmp_path / "open.csv").write_bytes(text.encode())
+        assert _row_fault(tmp_path / "open.csv") == f"line {line}: a quoted field begins here and its quote is never closed"
+    for text in ('prompt,answer\na,"1\n2"\nb,3\n', 'prompt,answer\n"a""b",1\n'):
+        (tmp_path / "closed.csv").write_bytes(text.encode())
+        assert _row_fault(tmp_path / "closed.csv") is None

@@ -277,6 +277,8 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
         import io
 
         csv.field_size_limit(1 << 31)                      # (pandas has no limit on a field)
+        if (start := _unclosed_quote(text)) is not None:     # (read as one field to the end: said at the end)
+            return f"line {start}: a quoted field begins here and its quote is never closed"
         records = csv.reader(io.StringIO(text))
         try:
             header = next(records, None)
@@ -317,6 +319,20 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
                 return f"line {n}: not JSON ({e})"
             if not isinstance(obj, dict):
                 return f"line {n}: expected a JSON object (one row), got {type(obj).__name__}"
+    return None
+
+
+def _unclosed_quote(text: str) -> int | None:
+    """The line where a CSV record whose quote is never closed begins, or None."""
+    import csv
+    import io
+
+    records, start = csv.reader(io.StringIO(text), strict=True), 1
+    try:
+        for _ in records:
+            start = records.line_num + 1
+    except csv.Error as e:
+        return start if "end of data" in str(e) else None
     return None
 
 
