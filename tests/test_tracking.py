@@ -83,3 +83,25 @@ def test_an_mlflow_run_whose_iterations_the_store_lost_is_left_to_them_and_a_new
     kept = Tracker(cfg, store.root)
     assert kept.start(store) == second and kept.superseded is None
     kept.end()
+
+
+def test_a_policy_uri_registered_by_an_earlier_run_is_a_new_version_for_this_one(tmp_path):
+    """A run started over (its store's folder deleted) publishes the same policy URIs with other weights: the
+    publish stage's registration found the earlier run's version by URI and returned it (the registry's version
+    named the earlier run and its evaluation). Now a version is this MLflow run's; `export --register` takes the
+    newest."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.core.tracking import _find_version, ensure_registered_model, register_policy
+
+    cfg = load_config(TINY, ["run.name=over", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"])
+    client = MlflowClient(cfg.tracking.uri)
+    ensure_registered_model(client, "over")
+    exp = client.create_experiment("over")
+    earlier, later = (client.create_run(exp).info.run_id for _ in range(2))
+    uri = f"file://{tmp_path}/store/over/policy/v000001"
+    assert register_policy(cfg, earlier, uri, 1) == "1"
+    assert register_policy(cfg, later, uri, 1) == "2"
+    assert register_policy(cfg, later, uri, 1) == "2"                      # (again: the same version)
+    assert client.get_model_version("over", "2").run_id == later
+    assert _find_version(client, "over", uri) == "2"

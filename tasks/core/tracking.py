@@ -532,15 +532,13 @@ def ensure_registered_model(client, name: str) -> None:
 
 def register_policy(cfg: Config, run_id: str, policy_uri: str, iteration: int, client=None,
                     checked: bool = False) -> str:
-    """Register `policy_uri` as a model version of `publish.registered_model_name`, once per URI.
-
-    `checked=True`: the caller already knows this URI is not registered (the Tracker reads the run's versions
-    once at start), which saves a registry search per iteration."""
+    """Register `policy_uri` as a model version of `publish.registered_model_name`, once per URI and MLflow run.
+    `checked=True`: the caller knows this URI is not registered (the Tracker reads the run's versions at start)."""
     name = registered_model_name(cfg)
     if client is None:          # standalone (stage CLI): make sure the registered model exists
         client = _client(cfg.tracking.uri)
         ensure_registered_model(client, name)
-    version = None if checked else _find_version(client, name, policy_uri)
+    version = None if checked else _find_version(client, name, policy_uri, run_id)
     if version is None:
         source = policy_uri
         if cfg.tracking.uri.startswith(("http://", "https://")) and policy_uri.startswith("file://"):
@@ -595,6 +593,8 @@ def champion_policy_uri(cfg: Config) -> str | None:
     return mv.tags.get("rlflow.policy_uri") or mv.source
 
 
-def _find_version(client, name: str, policy_uri: str) -> str | None:
-    found = client.search_model_versions(f"name = '{name}' and tags.`rlflow.policy_uri` = '{policy_uri}'")
-    return str(found[0].version) if found else None
+def _find_version(client, name: str, policy_uri: str, run_id: str | None = None) -> str | None:
+    """The newest version of `policy_uri` (MLflow run `run_id`'s: a run started over has the same URIs)."""
+    found = client.search_model_versions(f"name = '{name}' and tags.`rlflow.policy_uri` = '{policy_uri}'"
+                                         + (f" and run_id = '{run_id}'" if run_id else ""))
+    return str(max(int(mv.version) for mv in found)) if found else None
