@@ -105,3 +105,34 @@ def test_a_policy_uri_registered_by_an_earlier_run_is_a_new_version_for_this_one
     assert register_policy(cfg, later, uri, 1) == "2"                      # (again: the same version)
     assert client.get_model_version("over", "2").run_id == later
     assert _find_version(client, "over", uri) == "2"
+
+
+def test_a_champion_of_an_earlier_run_whose_store_is_gone_is_no_champion(tmp_path):
+    """The store's run folder deleted and the run started over: the earlier run's champion named weights that are
+    gone, and the new run's evaluations had to beat its score to move the alias (`start_from: champion` fetched
+    nothing). The alias is removed as the new MLflow run takes the run, and said; a champion of another run stays."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.core.store import Store
+    from tasks.core.tracking import champion, promote_if_better, register_policy
+
+    store = Store.open(str(tmp_path / "store"))
+    for name, theirs in (("gone", True), ("other", False)):
+        cfg = load_config(TINY, [f"run.name={name}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+                                 "tracking.flush_seconds=0", "publish.registered_model_name=shared"])
+        client = MlflowClient(cfg.tracking.uri)
+        earlier = Tracker(cfg, store.root)
+        first = earlier.start(store)
+        earlier.log_iteration(1, {"reward/mean": 0.25})
+        earlier.end()
+        owner = first if theirs else client.create_run(earlier.experiment_id).info.run_id
+        version = register_policy(cfg, owner, f"{store.uri(name)}/policy/v000001", 1, client)
+        assert promote_if_better(client, "shared", version, "eval/reward_mean", 0.9)
+        again = Tracker(cfg, store.root)
+        again.start(store)
+        again.end()
+        if theirs:
+            assert champion(client, "shared") is None
+            assert again.superseded.endswith(f"; its champion (version {version}) is no champion now")
+        else:
+            assert str(champion(client, "shared").version) == version and "no champion" not in again.superseded

@@ -403,11 +403,12 @@ class Tracker:
         found = self.client.search_runs(
             [exp_id], filter_string=f"tags.`{TAG_RUN}` = '{cfg.run.name}' and tags.`{TAG_STORE}` = '{self.store_root}'",
             max_results=1, order_by=["attributes.start_time DESC"])
+        earlier = None                              # (the MLflow run of an earlier run of the name: superseded)
         if found and store is not None and self.last_logged_iteration(found[0].info.run_id) and \
                 holds_no_iteration(store, cfg.run.name):
-            self.superseded, found = (f"MLflow run {found[0].info.run_id} logged iterations of an earlier run "
-                                      f"{cfg.run.name} whose outputs are gone from {store.uri(cfg.run.name)}: this "
-                                      f"run logs to a new one"), []
+            earlier, found = found[0].info.run_id, []
+            self.superseded = (f"MLflow run {earlier} logged iterations of an earlier run {cfg.run.name} whose "
+                               f"outputs are gone from {store.uri(cfg.run.name)}: this run logs to a new one")
         if found:
             self.run_id = found[0].info.run_id
             self.status_before = found[0].info.status      # a refused resume puts it back (see finish)
@@ -420,6 +421,9 @@ class Tracker:
         params = {k: v[:6000] for k, v in _flatten(cfg.model_dump(mode="json")).items() if k not in logged}
         if cfg.publish.register_model:
             ensure_registered_model(self.client, self.model_name)
+            if earlier and (champ := champion(self.client, self.model_name)) and champ.run_id == earlier:
+                self.client.delete_registered_model_alias(self.model_name, CHAMPION)      # (its weights are gone)
+                self.superseded += f"; its champion (version {champ.version}) is no champion now"
             for mv in self.client.search_model_versions(f"name = '{self.model_name}' and run_id = '{self.run_id}'"):
                 self._registered[mv.tags.get("rlflow.policy_uri", mv.source)] = str(mv.version)
         items = [Param(k, v) for k, v in params.items()]
@@ -547,14 +551,12 @@ def register_policy(cfg: Config, run_id: str, policy_uri: str, iteration: int, c
             folder = f"policies/{policy_uri.rstrip('/').rsplit('/', 1)[-1]}"
             client.log_dict(run_id, {"policy_uri": policy_uri, "iteration": iteration}, f"{folder}/policy.json")
             source = f"runs:/{run_id}/{folder}"
-        # (the description names the policy's store URI: what a version page shows that leads back to the store,
-        # whatever its source is)
+        # (the description names the policy's store URI: what leads a version's page back to the store)
         version = client.create_model_version(
             name, source=source, run_id=run_id,
             tags={"rlflow.policy_uri": policy_uri, "rlflow.iteration": str(iteration)},
             description=f"Policy of rlflow run {cfg.run.name} after iteration {iteration}: {policy_uri}").version
-    # No `latest` alias: MLflow reserves that name, and `models:/<name>/latest` already names the newest
-    # version. The evaluation gate moves `champion` (promote_if_better).
+    # No `latest` alias: MLflow reserves it, `models:/<name>/latest` is the newest. promote_if_better moves champion
     return str(version)
 
 
@@ -564,14 +566,8 @@ CHAMPION = "champion"
 def promote_if_better(client, name: str, version: str, metric: str, value: float) -> bool:
     """Tag the version with its evaluation; move alias `champion` to it if it beats the current champion on
     the same metric (or there is none). Ties keep the champion. Returns whether it moved."""
-    from mlflow.exceptions import MlflowException
-
     client.set_model_version_tag(name, version, f"rlflow.{metric}", repr(float(value)))
-    try:
-        champ = client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
-        champ = None
-    if champ is not None:
+    if (champ := champion(client, name)) is not None:
         if str(champ.version) == str(version):
             return False
         theirs = champ.tags.get(f"rlflow.{metric}")
@@ -583,14 +579,18 @@ def promote_if_better(client, name: str, version: str, metric: str, value: float
 
 def champion_policy_uri(cfg: Config) -> str | None:
     """Store URI of the policy behind `models:/<name>@champion`, or None when there is no champion."""
-    from mlflow.exceptions import MlflowException
-
-    name = registered_model_name(cfg)
-    try:
-        mv = _client(cfg.tracking.uri).get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
+    if (mv := champion(_client(cfg.tracking.uri), registered_model_name(cfg))) is None:
         return None
     return mv.tags.get("rlflow.policy_uri") or mv.source
+
+
+def champion(client, name: str):        # the model version alias `champion` names, or None
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None
 
 
 def _find_version(client, name: str, policy_uri: str, run_id: str | None = None) -> str | None:
