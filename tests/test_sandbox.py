@@ -136,7 +136,6 @@ def hostile_cases(ctx: dict) -> dict[str, tuple[str, dict]]:
             print("never the answer")""", DOUBLE),
         "socket_localhost": (f"""
             import socket
-import subprocess
             s = socket.socket()
             s.settimeout(2)
             try:
@@ -198,7 +197,7 @@ import subprocess
                     return True
                 __hash__ = int.__hash__
             def add(a, b):
-                return Sneaky(0)""", ADD),
+                return Sneaky(7)""", ADD),
         "fake_class_attr": ("""
             class Liar:
                 __class__ = int
@@ -497,7 +496,8 @@ def test_hostile_reasons_name_what_happened(hostile):
     assert reason["ctypes_segfault"].startswith("crashed (SIGSEGV)")
     assert reason["exit_before_tests"].startswith("exited before the tests ran")
     assert "not a built-in value" in reason["always_equal"]
-    assert "not a built-in value" in reason["int_subclass_equal"]
+    assert reason["int_subclass_equal"].startswith("wrong answer")     # (read as the int it holds: 7)
+    assert reason["socket_localhost"].startswith(("wrong answer", "runtime error: OSError"))   # (it ran: refused)
     assert reason["os_exit_fake_output"].startswith("wrong answer")
 
 
@@ -940,7 +940,7 @@ def test_expected_sides_that_are_not_literals_never_run_with_the_code():
                                             "def f(xs): pass\ndef g(n): pass")
     sent = repr([c.test.exprs for c in cases])
     assert "expected(" not in sent and "map(" not in sent and "TABLE" not in sent, sent
-    assert [c.expected.exprs for c in cases] == [["expected([3, 1, 2])"], ["' '.join(map(str, [4, 5]))"], ["TABLE[2]"]]
+    assert [c.expected.exprs for c in cases] == [["expected([3, 1, 2])"], ["list(map(str, [4, 5]))"], ["TABLE"]]
     # a builtin the code itself defines, on the actual side, stays the code's
     own = code_rewards.parse_tests(None, ["assert filter([1, 0]) == [1]"], None, "def filter(xs): pass")[0][0]
     assert own.test.exprs == ["filter([1, 0])"] and own.expected is None
@@ -1194,3 +1194,69 @@ def test_machine_wide_calls_and_direct_io_are_refused_in_the_sandbox():
     got = dict(eval(run.tests[0].stdout.strip()))
     assert got["sync"] == -1 and got["sync_errno"] == 1 and got["syncfs"] == -1 and got["syncfs_errno"] == 1, got
     assert got["open_direct"] == "EINVAL" and got["setfl_direct"] == "EINVAL", got
+
+
+ALWAYS_EQUAL = """
+class A:
+    def __eq__(self, other): return True
+    def __ne__(self, other): return False
+    def startswith(self, *a): return True
+    __hash__ = object.__hash__
+"""
+
+
+def test_a_comprehension_or_a_method_in_an_assert_is_decided_on_the_host(quick_sandbox):
+    """A comprehension, a method call, isinstance in an assert ran whole in the sandbox, so an always-equal
+    object, a lying `startswith` or a patched `range`/`isinstance` passed: 1.0 for nothing. Now the sandbox returns
+    the comprehension's bindings and the values its element needs, a method's receiver, and the host computes the
+    rest (a setup's table iterated is checked against its own value, computed without the code); correct code
+    written with these shapes, and with literals' methods, map(), a key= lambda, type(), a Counter or a namedtuple,
+    scores 1 (it scored 0)."""
+    rows = [("assert all([f(i) == 2 * i for i in range(5)])", ""),
+            ("assert all(f(x) == y for x, y in CASES)", "CASES = list(zip([1, 2], [2, 4]))"),
+            ("assert [f(x) for x in range(6) if x % 2 == 0] == [0, 4, 8]", ""),
+            ("assert all(x > 0 for x in g(5))", ""),
+            ("assert s().startswith('He')", ""),
+            ("assert isinstance(n(), int)", ""),
+            ("assert s() == 'ab'.upper() + ','.join(['c'])", ""),
+            ("assert sorted(p(), key=lambda t: t[1]) == [(2, 'a'), (1, 'b')] and p()[0][1] == 'b'", ""),
+            ("assert list(map(f, [1, 2])) == [2, 4] and type(g(1)) == list", ""),
+            ("assert c('aab') == {'a': 2, 'b': 1} and t() == (1, 2)", "")]
+    cheats = {
+        "always equal": ALWAYS_EQUAL + "def f(*a): return A()\ndef g(*a): return [A(), A()]\ns = n = p = c = t = f",
+        "patched builtins": "import builtins\nbuiltins.range = lambda *a: []\nbuiltins.zip = lambda *a: []\n"
+                            "builtins.isinstance = lambda *a: True\ndef f(x): return -1\ndef g(n): return [0, -1]\n"
+                            "def n(): return 'x'\ns = p = c = t = f",
+        "a str that lies": "class S(str):\n    def startswith(self, *a): return True\n"
+                           "    def __eq__(self, o): return True\n    __hash__ = str.__hash__\n"
+                           "def s(): return S('xyz')\nf = g = n = p = c = t = s",
+    }
+    one = lambda program: judge_rows([fence(program)] * len(rows),  # noqa: E731
+                                     [{"test_list": [t], "test_setup_code": setup} for t, setup in rows])
+    for name, program in cheats.items():
+        verdicts = one(program)
+        assert [v.score for v in verdicts] == [0.0] * len(rows), (name, [v.reason for v in verdicts])
+    fair = """
+        from collections import Counter, namedtuple
+        P = namedtuple('P', 'x y')
+        def f(x): return 2 * x
+        def g(n): return list(range(1, n + 1))
+        def s(): return 'Hello'
+        def n(): return 3
+        def p(): return [(1, 'b'), (2, 'a')]
+        def c(x): return Counter(x)
+        def t(): return P(1, 2)"""
+    verdicts = one(fair)
+    by_row = {t: v for (t, _), v in zip(rows, verdicts, strict=True)}
+    wants_other_s = "assert s() == 'ab'.upper() + ','.join(['c'])"
+    assert all(v.score == 1.0 for t, v in by_row.items() if t != wants_other_s), [v.reason for v in verdicts]
+    assert judge_rows([fence(fair.replace("'Hello'", "'ABc'"))], [{"test_list": [wants_other_s]}])[0].score == 1.0
+
+
+def test_a_stdin_tests_output_given_as_a_list_of_lines_is_those_lines(quick_sandbox):
+    """`"output": ["3"]` (lines, as its `input` may be given) was compared as the text "['3']": a correct program
+    scored 0."""
+    row = {"verification_info": {"language": "python", "test_cases": [
+        {"type": "stdin_stdout", "input": ["1 2", "3 4"], "output": ["3", "7"]}]}}
+    program = fence("import sys\nfor line in sys.stdin:\n    print(sum(map(int, line.split())))")
+    assert judge_rows([program], [row])[0].score == 1.0

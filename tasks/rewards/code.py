@@ -227,8 +227,8 @@ def _verification_case(tc: dict, code: str | None) -> Case | None:
     kind = tc.get("type") or "stdin_stdout"
     if kind == "stdin_stdout":
         inp = tc.get("input")
-        inp = "\n".join(map(str, inp)) if isinstance(inp, list) else str(inp or "")
-        return Case(sandbox.Test(stdin=inp), _stdout_check(str(tc.get("output") or "")))
+        inp, out = ("\n".join(map(str, v)) if isinstance(v, list) else str(v or "") for v in (inp, tc.get("output")))
+        return Case(sandbox.Test(stdin=inp), _stdout_check(out))     # (a list of lines, as an input's)
     if kind == "function_call" and tc.get("fn_name"):
         try:
             args, want = (json.loads(v) if isinstance(v, str) else v for v in (tc["input"], tc["output"]))
@@ -287,7 +287,7 @@ def _assert_case(node: ast.expr, setup_names: frozenset[str] = frozenset(),
                  code_names: frozenset[str] = frozenset()) -> Case:
     node = _unroll(node)
     inside: list[ast.expr] = []
-    _split(node, inside)
+    _split(node, inside, (setup_names, code_names))
     if not inside:                    # an assert about literals only: decided here, the code still has to run
         return Case(sandbox.Test(exprs=["None"]), _values_check(lambda v, w: bool(_host_eval(node, {}))))
     at_expected = _expected_positions(node)

@@ -9,7 +9,8 @@
 For the code reward (tasks/rewards/code.py), which makes each assert a sandbox test and its check. Every operation
 on a value the code chose is bounded before it is done (HOST_SIZE, INT_BITS, BUCKET_MAX; past them: TooCostly),
 and nothing the code defines changes how the host computes an assert (docs/sandbox.md).
-More: docs/internals.md (tasks/scoring/asserts.py): the sides of an assert, what is computed here, the bounds.
+One concept: the host's own small evaluator of an assert, every operation bounded (it grows with the shapes
+it computes rather than hands to the code). More: docs/internals.md (tasks/scoring/asserts.py).
 """
 
 from __future__ import annotations
@@ -222,15 +223,90 @@ _HOST_FUNCS = {"abs": abs, "len": len, "sorted": sorted, "list": list, "tuple": 
                "max": max, "sum": _safe_sum, "all": all, "any": any, "set": _safe_set, "frozenset": _safe_frozenset,
                "dict": _safe_dict, "reversed": lambda x: list(reversed(x)), "range": _small_range,
                "enumerate": lambda *a: list(enumerate(*a)), "zip": lambda *a: list(zip(*a, strict=False)),
-               "repr": _safe_text(repr), "ord": ord, "chr": chr}
+               "repr": _safe_text(repr), "ord": ord, "chr": chr, "type": type}
+_TYPES = {"int": int, "str": str, "float": float, "bool": bool, "complex": complex, "list": list, "tuple": tuple,
+          "dict": dict, "set": set, "frozenset": frozenset}      # (a value the sandbox returns is of these exactly)
+
+
+def _isinstance(value, kinds) -> bool:
+    if not all(k in _TYPES.values() or k is type(None) for k in (kinds if isinstance(kinds, tuple) else (kinds,))):
+        raise ValueError("not computable on the host: isinstance of another type")
+    return isinstance(value, kinds)
+
+
+_HOST_FUNCS["isinstance"] = _isinstance
 _MATH = {name: getattr(math, name) for name in ("isclose", "sqrt", "floor", "ceil", "fabs", "log", "log2", "log10",
                                                 "exp", "isnan", "isinf", "isfinite", "gcd", "pi", "e", "inf", "nan")}
 _HOST_NAMES = {*_HOST_FUNCS, "math", "True", "False", "None"}
 
 
-def _mentions_code(node: ast.AST) -> bool:
-    """Whether `node` names anything but the host's builtins: a function or value of the code or the setup."""
-    return any(isinstance(n, ast.Name) and n.id not in _HOST_NAMES for n in ast.walk(node))
+def _mentions_code(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
+    """Whether `node` reads anything but the host's builtins (and `bound`: the names of comprehensions around it,
+    each bound on the host; a lambda's own arguments): a function or value of the code or the setup."""
+    return bool(_free_names(node) - _HOST_NAMES - bound)
+
+
+# Methods computed here on a value the sandbox returned (exact built-in types: no method of the code's runs),
+# each bounded before it is done (_method); the code's own `startswith` cannot decide an assert.
+_METHODS = {str: {"startswith", "endswith", "upper", "lower", "strip", "lstrip", "rstrip", "split", "rsplit",
+                  "splitlines", "count", "find", "rfind", "index", "rindex", "isdigit", "isalpha", "isalnum",
+                  "isspace", "islower", "isupper", "isnumeric", "isdecimal", "istitle", "title", "capitalize",
+                  "swapcase", "casefold", "partition", "rpartition", "removeprefix", "removesuffix", "join",
+                  "replace"},
+            list: {"count", "index"}, tuple: {"count", "index"}, dict: {"get"},
+            set: {"issubset", "issuperset", "isdisjoint"}, frozenset: {"issubset", "issuperset", "isdisjoint"}}
+_METHOD_NAMES = frozenset().union(*_METHODS.values())
+_HOST_NODES = (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.UnaryOp, ast.BinOp, ast.BoolOp, ast.Compare,
+               ast.IfExp, ast.Subscript, ast.Slice, ast.Call, ast.Attribute, ast.Name, ast.keyword, ast.Lambda,
+               ast.expr_context, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
+
+
+def _method_call(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _METHOD_NAMES \
+        and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "math")
+
+
+def _host_computable(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
+    """Whether _host_eval computes `node` itself, given values for the names in `bound` (a literal's method
+    that is not _METHODS', `'{}'.format(1)`, is not: it runs in the sandbox that never holds the code)."""
+    if not isinstance(node, _HOST_NODES) or (isinstance(node, ast.BinOp) and type(node.op) not in _BIN):
+        return False
+    if isinstance(node, ast.Lambda):
+        a = node.args
+        if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs:
+            return False
+        return _host_computable(node.body, bound | {x.arg for x in a.args})
+    if isinstance(node, ast.Call):
+        if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+            return False
+        if _method_call(node):
+            return all(_host_computable(n, bound) for n in [node.func.value, *node.args, *node.keywords])
+        if not _host_call(node):
+            return False
+    elif isinstance(node, ast.Attribute):
+        return isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _MATH
+    elif isinstance(node, ast.Name):
+        return node.id in _HOST_NAMES or node.id in bound
+    elif isinstance(node, ast.Dict) and any(k is None for k in node.keys):
+        return False
+    return all(_host_computable(c, bound) for c in ast.iter_child_nodes(node))
+
+
+def _method(value, name: str, args: list, kwargs: dict):
+    """value.name(*args) for a value of an exact built-in type and one of its _METHODS, bounded before it is done."""
+    if name not in _METHODS.get(type(value), ()):
+        raise ValueError(f"not computable on the host: {type(value).__name__}.{name}")
+    if name == "join":
+        items = list(args[0]) if len(args) == 1 else []
+        if len(args) != 1 or not all(type(x) is str for x in items):
+            raise TypeError("join takes one sequence of text")
+        if len(value) * len(items) + sum(map(len, items)) > HOST_SIZE:
+            raise TooCostly("join too large")
+        args = [items]
+    if name == "replace" and len(args) >= 2 and type(args[0]) is str and type(args[1]) is str and \
+            len(value) + (value.count(args[0]) + 1) * len(args[1]) > HOST_SIZE:
+        raise TooCostly("replace too large")
+    return _light(getattr(value, name)(*args, **kwargs))
 
 
 def _host_call(node: ast.Call) -> bool:
@@ -240,22 +316,79 @@ def _host_call(node: ast.Call) -> bool:
                 and f.attr in _MATH))
 
 
-def _split(node: ast.expr, inside: list[ast.expr]) -> None:
+def _split(node: ast.expr, inside: list[ast.expr], names=(frozenset(), frozenset()), bound=frozenset()) -> None:
     """Collect in `inside` the largest parts of an assert that need the code (f(1), Solution().g(x), a setup
     variable); around them, comparisons, arithmetic, boolean logic and builtin calls are computed on the host.
     So nothing the code defines (a shadowed `abs`, a patched `builtins`) changes how the assert is computed,
-    and the expected side, a literal or a computation on literals, never enters the sandbox."""
-    if not _mentions_code(node):
+    and the expected side, a literal or a computation on literals, never enters the sandbox. A comprehension
+    over the code's values, or the setup's, is a part that returns its bindings and parts (_inside_comprehension);
+    `names`: the setup's and the code's (a setup table a comprehension iterates is checked; the code's own `map`
+    is not Python's)."""
+    if not _mentions_code(node, bound):
+        if not _host_computable(node, bound):
+            inside.append(node)                  # (no code, but not the host's to compute: the no-code sandbox's)
         return
     if isinstance(node, ast.Compare | ast.BinOp | ast.UnaryOp | ast.BoolOp | ast.IfExp | ast.List | ast.Tuple
-                  | ast.Set | ast.Dict) or (isinstance(node, ast.Call) and _host_call(node)):
+                  | ast.Set | ast.Dict | ast.Subscript | ast.Slice) or (isinstance(node, ast.Call) and (
+                      _host_call(node) or _method_call(node)) and not any(isinstance(a, ast.Starred) for a in node.args)
+                      and all(k.arg is not None for k in node.keywords)):
+        for child in [node.func.value] if _method_call(node) else []:
+            _split(child, inside, names, bound)             # (the receiver: its method is computed here)
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.expr):
-                _split(child, inside)
+            if isinstance(child, ast.expr) and not (_method_call(node) and child is node.func):
+                _split(child, inside, names, bound)
             elif isinstance(child, ast.keyword):
-                _split(child.value, inside)
+                _split(child.value, inside, names, bound)
+        return
+    if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp) and not bound and \
+            (part := _inside_comprehension(node, names)) is not None:
+        inside.append(part)
+        if not _host_computable(node.generators[0].iter) and _expected_side(node.generators[0].iter, *names, False):
+            node.checked_iter = node.generators[0].iter          # (the setup's table: its own value, checked)
+            inside.append(node.checked_iter)
+        return
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("map", "filter") and \
+            node.func.id not in names[1]:
+        node.listed = ast.fix_missing_locations(ast.Call(ast.Name("list", ast.Load()), [node], []))
+        inside.append(node.listed)            # (what the host is given is its items: a map is no value)
         return
     inside.append(node)
+
+
+def _targets(target: ast.expr) -> list[str] | None:
+    """The names a comprehension's `for` binds (x, or x, y), or None for other shapes."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, ast.Tuple) and all(isinstance(t, ast.Name) for t in target.elts):
+        return [t.id for t in target.elts]
+    return None
+
+
+def _inside_comprehension(node, names) -> ast.expr | None:
+    """What the sandbox evaluates for `[elt for x in it if c]`: `[((x,), (p1, ...) if c else None) for x in it]`,
+    the bindings and the parts of elt that need the code (plain values); the host then computes elt and c from
+    them, so the code's __eq__, a patched builtin, cannot decide it. None (run whole, the weaker form): more than
+    one `for`, an `if` that needs the code, or targets other than names."""
+    if len(node.generators) != 1 or node.generators[0].is_async:
+        return None
+    gen = node.generators[0]
+    targets = _targets(gen.target)
+    if targets is None or len(set(targets)) != len(targets):
+        return None
+    bound = frozenset(targets)
+    if any(_mentions_code(c, bound) or not _host_computable(c, bound) for c in gen.ifs):
+        return None
+    parts: list[ast.expr] = []
+    _split(node.elt, parts, names, bound)
+    node.parts, node.names = parts, targets
+    load = [ast.Name(n, ast.Load()) for n in targets]
+    values = ast.Tuple(list(parts), ast.Load())
+    kept = values if not gen.ifs else ast.IfExp(ast.BoolOp(ast.And(), gen.ifs) if len(gen.ifs) > 1 else gen.ifs[0],
+                                                values, ast.Constant(None))
+    row = ast.Tuple([ast.Tuple(load, ast.Load()), kept], ast.Load())
+    part = ast.ListComp(row, [ast.comprehension(gen.target, gen.iter, [], 0)])
+    node.inside = ast.fix_missing_locations(part)
+    return node.inside
 
 
 def _host_eval(node: ast.AST, got: dict[int, object]):
@@ -295,21 +428,67 @@ def _host_eval(node: ast.AST, got: dict[int, object]):
         return True
     if isinstance(node, ast.IfExp):
         return ev(node.body) if ev(node.test) else ev(node.orelse)
+    if hasattr(node, "listed") and id(node.listed) in got:              # (map(...) run as list(map(...)))
+        return got[id(node.listed)]
+    if isinstance(node, ast.Subscript):
+        return _light(ev(node.value)[ev(node.slice)])
+    if isinstance(node, ast.Slice):
+        return slice(*(None if p is None else ev(p) for p in (node.lower, node.upper, node.step)))
+    if isinstance(node, ast.Lambda):                                  # (a key= of sorted, min, max)
+        names = [a.arg for a in node.args.args]
+        return lambda *a: _host_eval(node.body, {**got, **{("name", n): v for n, v in zip(names, a, strict=True)}})
+    if _method_call(node):
+        return _method(ev(node.func.value), node.func.attr, [ev(a) for a in node.args],
+                       {k.arg: ev(k.value) for k in node.keywords})
     if isinstance(node, ast.Call) and _host_call(node):
         fn = _HOST_FUNCS[node.func.id] if isinstance(node.func, ast.Name) else _MATH[node.func.attr]
         return _light(fn(*[ev(a) for a in node.args], **{k.arg: ev(k.value) for k in node.keywords}))
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math":
         return _MATH[node.attr]
+    if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp) and hasattr(node, "inside"):
+        return _host_comprehension(node, got)
+    if isinstance(node, ast.Name) and ("name", node.id) in got:          # (a comprehension's binding)
+        return got[("name", node.id)]
+    if isinstance(node, ast.Name) and node.id in _TYPES:
+        return _TYPES[node.id]
     if isinstance(node, ast.Name) and node.id in ("True", "False", "None"):
         return {"True": True, "False": False, "None": None}[node.id]
     raise ValueError(f"not computable on the host: {type(node).__name__}")
+
+
+def _host_comprehension(node, got: dict):
+    """A comprehension computed here from the rows the sandbox returned (_inside_comprehension): each row's
+    bindings, its `if`s, its element; a row the sandbox left out, or skipped where the host's `if` holds, and a
+    setup table iterated otherwise than its own value, are wrong answers."""
+    rows = got[id(node.inside)]
+    gen = node.generators[0]
+    if not isinstance(rows, list) or not all(isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], tuple)
+                                             and len(r[0]) == len(node.names) for r in rows):
+        raise ValueError("not the rows of a comprehension")
+    if hasattr(node, "checked_iter") or _host_computable(gen.iter):
+        items = list(_host_eval(gen.iter, got))         # (the setup's table: its value from the no-code run)
+        if len(items) != len(rows):
+            raise ValueError("a comprehension's rows are not its iterable's")
+        for item, (binding, _) in zip(items, rows, strict=True):
+            if binding != ((item,) if isinstance(gen.target, ast.Name) else tuple(item)):
+                raise ValueError("a comprehension's rows are not its iterable's")
+    out = []
+    for binding, values in rows:
+        env = {**got, **{("name", n): v for n, v in zip(node.names, binding, strict=True)}}
+        if not all(_host_eval(c, env) for c in gen.ifs):
+            continue
+        if not isinstance(values, tuple) or len(values) != len(node.parts):
+            raise ValueError("a row the sandbox skipped")
+        env.update({id(p): v for p, v in zip(node.parts, values, strict=True)})
+        out.append(_host_eval(node.elt, env))
+    return _safe_set(out) if isinstance(node, ast.SetComp) else _light(out)
 
 
 def _unroll(node: ast.expr) -> ast.expr:
     """all(<test> for x in <literal>) / any(...): one test per element, so each is split like a plain assert
     (the expected values of such tables stay on the host too)."""
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("all", "any")
-            and len(node.args) == 1 and isinstance(node.args[0], ast.GeneratorExp)
+            and len(node.args) == 1 and isinstance(node.args[0], ast.GeneratorExp | ast.ListComp)
             and len(node.args[0].generators) == 1 and not node.args[0].generators[0].ifs
             and not node.args[0].generators[0].is_async):
         gen = node.args[0].generators[0]

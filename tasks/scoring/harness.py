@@ -265,14 +265,26 @@ def evaluate(expr, ns):
 PLAIN = (type(None), bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict)
 
 
-def encode(x, depth, _type=type, _repr=repr, _float=float):
-    """A Python literal for a value made only of exact built-in types; anything else (a subclass, an object
-    with its own __eq__) is an error. The host parses it back with ast.literal_eval."""
+# A subclass of a built-in container, text or number (a Counter, a namedtuple, an OrderedDict) is read as that
+# type through the type's own methods, never the subclass's: its contents, not what its __eq__ or __iter__ says.
+AS_PLAIN = ((dict, lambda v: dict(dict.items(v))), (list, lambda v: list(list.__iter__(v))),
+            (tuple, lambda v: tuple(tuple.__iter__(v))), (frozenset, lambda v: frozenset(frozenset.__iter__(v))),
+            (set, lambda v: set(set.__iter__(v))), (str, str.__str__), (int, int.__int__),
+            (float, float.__float__))
+
+
+def encode(x, depth, _type=type, _repr=repr, _float=float, _subclass=issubclass):
+    """A Python literal for a value made only of built-in types (a subclass of one read as it: AS_PLAIN); anything
+    else (an object with its own __eq__) is an error. The host parses it back with ast.literal_eval."""
     t = _type(x)
     if depth > 50:
         raise ValueError("value nested too deeply")
     if t not in PLAIN:
-        raise TypeError("returned a %s, not a built-in value" % t.__name__)
+        read = next((read for base, read in AS_PLAIN if _subclass(t, base)), None)
+        if read is None:
+            raise TypeError("returned a %s, not a built-in value" % t.__name__)
+        x = read(x)
+        t = _type(x)
     if t is float:
         if x != x:
             raise ValueError("returned nan")
