@@ -241,3 +241,75 @@ def test_a_tokenizer_is_shared_only_between_folders_with_the_same_tokenizer_file
     (tmp_path / "c" / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 7}))
     a, b, c = (load_tokenizer(str(tmp_path / name)) for name in ("a", "b", "c"))
     assert a is b and c is not a and c.model_max_length == 7 != a.model_max_length
+
+
+def test_a_delta_rebuilt_before_is_not_taken_for_another_with_the_same_uri(tmp_path):
+    """The rebuilt folder was cached by the policy's URI alone: a run started over (its store folder deleted)
+    published other weights under the same URI, and the generate stage and `export` took the earlier run's
+    rebuilt weights, checked only against the earlier run's own index."""
+    import shutil
+
+    store = Store.open(str(tmp_path / "store"))
+    got = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        old = {"w": torch.randn(64, 64).to(torch.bfloat16)}
+        new = {"w": old["w"].clone()}
+        new["w"][seed, :5] += 1.0
+        shutil.rmtree(tmp_path / "store" / "r", ignore_errors=True)
+        for name in ("anchor", "new", "out"):
+            shutil.rmtree(tmp_path / name, ignore_errors=True)
+        _policy(tmp_path / "anchor", old)
+        _policy(tmp_path / "new", new)
+        store.put_folder("r/policy/v000001", tmp_path / "anchor")
+        (tmp_path / "out").mkdir()
+        write_delta(encode(tmp_path / "new", tmp_path / "anchor"), tmp_path / "new", tmp_path / "out",
+                    "r/policy/v000001")
+        store.put_folder("r/policy/v000002", tmp_path / "out", meta={"anchor": "r/policy/v000001"})
+        got.append(load_file(materialize(store, "r/policy/v000002") / "model.safetensors")["w"])
+        assert torch.equal(got[-1].view(torch.int16), new["w"].view(torch.int16)), seed
+
+
+def test_export_writes_only_what_the_manifest_lists_readable_and_refuses_what_it_cannot_write(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """`rlflow export` copied the store's folder whole: a file the manifest does not list (unverified) went out,
+    the weights kept safetensors' 0600, a failed copy left its `.partial` folder; DEST a symbolic link or the
+    working folder was a traceback; a delta whose anchor is gone was one; `models:/NAME/latest` was refused."""
+    import shutil
+    import stat
+
+    from flows.cli import main
+
+    store = Store.open(str(tmp_path / "store"))
+    torch.manual_seed(0)
+    _policy(tmp_path / "v1", {"w": torch.randn(64, 64).to(torch.bfloat16)})
+    store.put_folder("r/policy/v000001", tmp_path / "v1")
+    os.chmod(tmp_path / "store" / "r/policy/v000001/model.safetensors", 0o600)
+    (tmp_path / "store" / "r/policy/v000001/evil.py").write_text("import os\n")        # (not in the manifest)
+    args = ["-o", "run.name=r", "-o", f"store.uri={tmp_path / 'store'}"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(TINY), "1", "out", *args]) == 0
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert stat.S_IMODE(os.stat(tmp_path / "out" / "model.safetensors").st_mode) & 0o044 == 0o044
+    os.symlink(tmp_path / "empty", tmp_path / "link")
+    (tmp_path / "empty").mkdir()
+    for cwd, dest, said in ((tmp_path, "link", "DEST: link: a symbolic link"),
+                            (tmp_path / "empty", ".", "DEST: .: the working folder")):
+        monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        assert main(["export", str(TINY), "1", dest, *args]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {said}")
+    monkeypatch.chdir(tmp_path)
+    _policy(tmp_path / "new", {"w": load_file(tmp_path / "v1" / "model.safetensors")["w"].clone()})
+    new = load_file(tmp_path / "new" / "model.safetensors")
+    new["w"][0, :3] += 1
+    save_file(new, tmp_path / "new" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "delta").mkdir()
+    write_delta(encode(tmp_path / "new", tmp_path / "v1"), tmp_path / "new", tmp_path / "delta", "r/policy/v000001")
+    store.put_folder("r/policy/v000002", tmp_path / "delta", meta={"anchor": "r/policy/v000001"})
+    shutil.rmtree(tmp_path / "store" / "r/policy/v000001")
+    capsys.readouterr()
+    assert main(["export", str(TINY), "2", "out2", *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and "a file of the store is damaged" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["delta", "empty", "link", "new", "out", "store", "v1"]

@@ -105,6 +105,11 @@ def test_a_policy_uri_registered_by_an_earlier_run_is_a_new_version_for_this_one
     assert register_policy(cfg, later, uri, 1) == "2"                      # (again: the same version)
     assert client.get_model_version("over", "2").run_id == later
     assert _find_version(client, "over", uri) == "2"
+    from flows.export import _mlflow_policy
+    from tasks.core.store import Store
+
+    store = Store.open(str(tmp_path / "store"))                  # (models:/NAME/latest: MLflow's newest version)
+    assert _mlflow_policy(cfg, store, "models:/over/latest") == "over/policy/v000001"
 
 
 def test_a_champion_of_an_earlier_run_whose_store_is_gone_is_no_champion(tmp_path):

@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tasks.core.hashing import digest as digest_of
 from tasks.core.paths import cache_root
 from tasks.core.store import IncompleteArtifact
 
@@ -153,7 +154,8 @@ def materialize(store: Store, key: str) -> Path:
         raise IncompleteArtifact(f"{store.uri(key)}: incomplete artifact (no MANIFEST.json)")
     if DELTA_INDEX not in manifest["files"]:
         return store.local(key)
-    dest = cache_root() / "policies" / hashlib.sha256(store.uri(key).encode()).hexdigest()[:16]
+    # (by the folder's URI and its manifest's files: a run started over writes other weights under the same URI)
+    dest = cache_root() / "policies" / digest_of([store.uri(key), manifest["files"]])
     if (dest / DELTA_INDEX).is_file():           # rebuilt before: written last, so complete; checked again
         _check(dest, json.loads((dest / DELTA_INDEX).read_text()), store.uri(key))
         return dest
@@ -164,11 +166,10 @@ def materialize(store: Store, key: str) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
-        for path in sorted(source.rglob("*")):
-            rel = path.relative_to(source).as_posix()
-            if path.is_file() and rel not in (DELTA_FILE, DELTA_INDEX):
+        for rel in sorted(manifest["files"]):                    # (what the manifest lists, nothing else)
+            if rel not in (DELTA_FILE, DELTA_INDEX):
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(path, tmp / rel)
+                shutil.copyfile(source / rel, tmp / rel)
         for rel, entry in index["files"].items():
             tensors = load_file(anchor / rel) if (anchor / rel).is_file() else {}
             tensors = {name: tensors.get(name) for name in entry["tensors"]}
@@ -205,14 +206,26 @@ def _check(folder: Path, index: dict, where: str) -> None:
 
 
 def export(store: Store, key: str, dest: Path) -> Path:
-    """Policy `key` as a plain folder at `dest` (from_pretrained loads it): rebuilt if it is a delta."""
+    """Policy `key` as a plain folder at `dest` (from_pretrained loads it): rebuilt if it is a delta. Only the
+    files its manifest lists (and a delta's rebuilt ones), each written afresh (readable as the umask says, not
+    0600 as safetensors writes); a copy that fails leaves nothing."""
     source = materialize(store, key)
+    listed = set(store.manifest(key)["files"]) - {DELTA_FILE, DELTA_INDEX}
+    if (source / DELTA_INDEX).is_file():
+        listed |= set(json.loads((source / DELTA_INDEX).read_text())["files"])
     if dest.exists() and any(dest.iterdir()):
         raise FileExistsError(f"{dest} exists and is not empty")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:8]}")
-    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns(DELTA_INDEX, "MANIFEST.json"))
-    if dest.exists():
-        dest.rmdir()
-    os.rename(tmp, dest)
+    try:
+        for rel in sorted(listed):
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source / rel, tmp / rel)
+        tmp.mkdir(exist_ok=True)
+        if dest.exists():
+            dest.rmdir()
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return dest
