@@ -1260,3 +1260,23 @@ def test_a_stdin_tests_output_given_as_a_list_of_lines_is_those_lines(quick_sand
         {"type": "stdin_stdout", "input": ["1 2", "3 4"], "output": ["3", "7"]}]}}
     program = fence("import sys\nfor line in sys.stdin:\n    print(sum(map(int, line.split())))")
     assert judge_rows([program], [row])[0].score == 1.0
+
+
+def test_the_rlimits_fallback_removes_what_the_code_left_in_world_writable_folders_below_tmp(rlimits_only, tmp_path):
+    """Under the rlimits fallback (no bubblewrap) files the code wrote in /run/lock, or in a world-writable folder
+    below /tmp that someone made, outlived the verdict (the sweep read the top of /tmp, /var/tmp, /dev/shm)."""
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="rlflow-test-shared-"))
+    os.chmod(shared, 0o1777)
+    mark = f"rlflow-test-left-{uuid.uuid4().hex[:8]}"
+    try:
+        program = (f"open({str(shared / mark)!r}, 'w').write('x')\n"
+                   f"open('/run/lock/{mark}', 'w').write('x')\nprint(int(input()) * 2)")
+        verdict = judge_rows([fence(program)], [DOUBLE])[0]
+        assert (verdict.score, verdict.isolation) == (1.0, "rlimits"), verdict
+        if os.geteuid() == 0:                   # (a uid of its own to sweep by: root only)
+            assert not (shared / mark).exists() and not Path(f"/run/lock/{mark}").exists()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        Path(f"/run/lock/{mark}").unlink(missing_ok=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -35,6 +36,10 @@ def _claims_dir() -> Path:
         if base.is_dir() and os.access(base, os.W_OK):
             path = base / "rlflow-sandbox-uids"
             path.mkdir(mode=0o700, exist_ok=True)
+            st = os.lstat(path)               # (made by someone else first, it could hold their links, share uids)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                raise UserError(f"reward.sandbox: {path} is not a folder of this user's that only it may write "
+                                f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): remove it")
             return path
     raise OSError("no writable /run/lock or temporary folder for the sandbox uid claims")
 
@@ -140,21 +145,33 @@ def _nproc_counts_per_userns() -> bool:
     return (major, minor) >= (5, 14)
 
 
+WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")    # where any uid may write (/var/lock is /run/lock)
+SWEEP_ENTRIES = 100_000
+
+
 def sweep_uid(uid: int, processes: bool = True) -> None:
     """Kill every process left under a sandbox uid (a daemon that called setsid() left our process group).
     Rounds until none is left: RLIMIT_NPROC bounds how many can appear while we kill. Then remove the files
     it left in world-writable places."""
     if processes:
         kill_until_gone(lambda: find_processes(uid), time.monotonic() + 0.25, pause=0.005)
-    for tmp in ("/tmp", "/var/tmp", "/dev/shm"):     # rlimits mode: files it left in world-writable places
+    # rlimits mode: files it left in world-writable places, and in world-writable folders below them (a /tmp/x
+    # of mode 1777 someone made), never following a link, at most SWEEP_ENTRIES entries looked at
+    todo, looked = [(tmp, 0) for tmp in WRITABLE], 0
+    while todo:
+        folder, depth = todo.pop()
         try:
-            entries = list(os.scandir(tmp))
+            entries = list(os.scandir(folder))
         except OSError:
             continue
-        for entry in entries:
+        for entry in entries[:SWEEP_ENTRIES - looked]:
+            looked += 1
             try:
-                if entry.stat(follow_symlinks=False).st_uid == uid:
-                    _remove_tree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
+                st = entry.stat(follow_symlinks=False)
+                if st.st_uid == uid:
+                    _remove_tree(entry.path) if stat.S_ISDIR(st.st_mode) else os.unlink(entry.path)
+                elif stat.S_ISDIR(st.st_mode) and st.st_mode & 0o002 and depth < 8:
+                    todo.append((entry.path, depth + 1))
             except OSError:
                 pass
 
