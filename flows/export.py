@@ -7,6 +7,7 @@ models:/NAME/latest, models:/NAME@champion). What it writes: tasks/core/policy.p
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 from tasks.core.errors import UserError
@@ -20,7 +21,7 @@ def cmd_export(args) -> int:
     from tasks.core.config import load_config
     from tasks.core.models import policy_gguf
     from tasks.core.stage import given_overrides
-    from tasks.core.store import open_store
+    from tasks.core.store import CorruptArtifact, open_store
 
     check_environment()                           # ($RLFLOW_CACHE: where a delta policy is rebuilt)
     dest = Path(args.dest).expanduser()
@@ -44,9 +45,12 @@ def cmd_export(args) -> int:
     if version.isascii() and version.isdigit():
         key = layout.policy(run, int(version))
     elif version in ("latest", "best"):
-        key = store.get_pointer(layout.latest(run, "policy") if version == "latest" else layout.best(run))
+        pointer = layout.latest(run, "policy") if version == "latest" else layout.best(run)
+        key = store.get_pointer(pointer)
         if key is None:
             raise UserError(f"VERSION: run {run!r} has no {version} policy in {store.uri(run)}")
+        if not re.fullmatch(re.escape(f"{run}/policy/v") + r"[0-9]{6,}", key):      # (a pointer edited by hand)
+            raise CorruptArtifact(pointer, f"{store.uri(pointer)} names {key}, not a policy of run {run!r}")
     elif version.startswith("models:/"):
         key = _mlflow_policy(cfg, store, version)
     else:

@@ -313,3 +313,9 @@ def test_export_writes_only_what_the_manifest_lists_readable_and_refuses_what_it
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err and "a file of the store is damaged" in err, err
     assert sorted(os.listdir(tmp_path)) == ["delta", "empty", "link", "new", "out", "store", "v1"]
+    store.put_folder("other/policy/v000001", tmp_path / "v1")
+    store.set_pointer(layout.latest("r", "policy"), "other/policy/v000001")     # (edited by hand)
+    capsys.readouterr()
+    assert main(["export", str(TINY), "latest", "out3", *args]) == 1
+    assert "names other/policy/v000001, not a policy of run 'r'" in capsys.readouterr().err
+    assert not (tmp_path / "out3").exists()
