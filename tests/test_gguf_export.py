@@ -212,13 +212,19 @@ def test_a_lora_policy_exports_merged_and_its_model_version_carries_the_file(tmp
     assert _worst(want, _logits(base, tok)) > 3 * TOLERANCE["q8_0"]        # the adapter moved it: merged, not base
 
     capsys.readouterr()
-    # refused in one line each, nothing written: a folder's options, a file that exists, a version not registered
+    other = tmp_path / "another-base"
+    base.save_pretrained(other)
+    tok.save_pretrained(other)
+    # refused in one line each, nothing written: a folder's options, a file that exists, a version not registered,
+    # another base than the adapter's
     for argv, says in [
         (["export", str(TINY), "1", str(tmp_path / "folder"), "--quant", "f16", *args],
          "--quant: only with --format gguf"),
         (["export", str(TINY), "1", str(out), *args], f"DEST: {out} exists; a GGUF export writes a new file"),
         (["export", str(TINY), "1", str(tmp_path / "other.gguf"), "--register", *args,
           "-o", "publish.registered_model_name=never-registered"], "--register: "),
+        (["export", str(TINY), "1", str(tmp_path / "other.gguf"), *args, "-o", f"model.name_or_path={other}"],
+         "model.name_or_path: the adapter lora-gguf/policy/v000001 was trained on "),   # (merged into another base)
     ]:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()

@@ -5,6 +5,7 @@ policy, a checkpoint's model), as a full model or a LoRA adapter on the configur
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -420,6 +421,10 @@ def policy_gguf(cfg: Config, store, key: str, dest: Path, quant: str) -> dict:
     quiet_progress_bars()
     folder = materialize(store, key)
     lora = (folder / ADAPTER_CONFIG).exists()
+    if lora and (trained := json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")) \
+            and Path(trained).exists() and Path(trained).resolve() != Path(base_path(cfg)).resolve():
+        raise UserError(f"model.name_or_path: the adapter {key} was trained on {trained}, not on the config's "
+                        f"{cfg.model.name_or_path} ({base_path(cfg)}): merged into it, it would be other weights")
     gguf.exportable(AutoConfig.from_pretrained(base_path(cfg) if lora else folder))
     if lora:
         model = load_policy(cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "float32"})}),
