@@ -1514,6 +1514,11 @@ def test_a_csv_cell_is_read_as_written(tmp_path):
     assert table["answer"] == ["007", "NA", None, "None"]
     assert table["n"] == [1, 2, 3, 4] and table["f"] == [0.5, 1000.0, -2.0, 0.0]
     assert table["b"] == [True, False, True, False] and table["gap"] == [3.0, None, 4.0, 5.0]
+    (tmp_path / "numbers.csv").write_text("prompt,answer\n12,3\n13,4\n")      # (a prompt column of numbers: text)
+    cfg = load_config(TINY, [f"data.path={tmp_path / 'numbers.csv'}"])
+    from tasks.core.data import load_prompts
+
+    assert load_prompts(cfg)["prompt"] == ["12", "13"] and load_prompts(cfg)["answer"] == [3, 4]
 
 
 def test_a_csv_quote_never_closed_is_said_where_it_opens(tmp_path):

@@ -102,9 +102,10 @@ def looks_local(path: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def load_table(path: str, name: str | None, split: str, field: str = "data.path"):
+def load_table(path: str, name: str | None, split: str, field: str = "data.path", text: tuple[str, ...] = ()):
     """A local data file or a hub dataset, as `datasets` loads it (once per arguments in this process); a mistake is
-    one UserError line naming `field` (data.path, eval.path, warmup.path: the warm start's demonstrations)."""
+    one UserError line naming `field` (data.path, eval.path, warmup.path: the warm start's demonstrations).
+    `text`: columns a CSV holds as text whatever its cells look like (the prompt column: `12` is a prompt)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -129,7 +130,7 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
             with tempfile.TemporaryDirectory(prefix="rlflow-data-") if small else contextlib.nullcontext() as cache:
                 try:
                     datasets.logging.set_verbosity(datasets.logging.CRITICAL)    # (it logs the error we report)
-                    kinds = _csv_kinds(Path(path)) if small and suffix == ".csv" else {}
+                    kinds = _csv_kinds(Path(path), text) if small and suffix == ".csv" else {}
                     table = datasets.load_dataset(_LOCAL_FORMATS[suffix], split=split,    # (test[:100]: a slice)
                                                   data_files={split.split("[", 1)[0].strip() or split: path},
                                                   cache_dir=cache, keep_in_memory=small, **kinds)
@@ -341,7 +342,7 @@ _CSV_FLOAT = re.compile(r"-?(0|[1-9][0-9]*)?(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 _CSV_BOOL = {"true", "false", "True", "False", "TRUE", "FALSE"}
 
 
-def _csv_kinds(path: Path) -> dict:
+def _csv_kinds(path: Path, text: tuple[str, ...] = ()) -> dict:
     """How a small CSV file's columns are read (load_dataset's keyword arguments): a column is a number only
     where every filled cell is written as that number is (pandas read `007` as 7 and a prompt `12` as an int), a
     truth value where each is true/false, else text as written (pandas read `NA`, `null`, `nan` and `None` as
@@ -362,7 +363,7 @@ def _csv_kinds(path: Path) -> dict:
               enumerate(records[0])}
 
     def kind(name: str, cells: list[str]) -> str:
-        if not cells:
+        if not cells or name in text:
             return "large_string"
         if all(_CSV_INT.fullmatch(c) and abs(int(c)) < 2**63 for c in cells):
             return "float64" if blanks[name] else "int64"          # (pandas' int column with gaps: floats)
@@ -416,7 +417,7 @@ def load_prompts(cfg: Config, split: str = "train"):
                                  "eval.path")
     else:
         path, name, sp, field = cfg.data.path, cfg.data.name, cfg.data.split, "data.path"
-    ds = load_table(path, name, sp, field)
+    ds = load_table(path, name, sp, field, (cfg.data.prompt_column,))
     col = cfg.data.prompt_column
     if col not in ds.column_names:
         raise UserError(f"data.prompt_column: column {col!r} not in {path} (columns: {ds.column_names})")
