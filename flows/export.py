@@ -123,6 +123,8 @@ def _mlflow_policy(cfg, store, uri: str) -> str:
     from tasks.core.tracking import reading_client
 
     name, _, rest = uri[len("models:/"):].partition("/")
+    if "@" in rest or ("@" in name) == bool(rest):
+        raise UserError(f"VERSION: {uri}: expected models:/NAME/VERSION or models:/NAME@ALIAS")
     if "@" in name:
         name, alias = name.split("@", 1)
     client = reading_client(cfg.tracking.uri, f"VERSION: {uri}")

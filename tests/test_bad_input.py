@@ -1514,6 +1514,9 @@ def test_a_csv_cell_is_read_as_written(tmp_path):
     assert table["answer"] == ["007", "NA", None, "None"]
     assert table["n"] == [1, 2, 3, 4] and table["f"] == [0.5, 1000.0, -2.0, 0.0]
     assert table["b"] == [True, False, True, False] and table["gap"] == [3.0, None, 4.0, 5.0]
+    (tmp_path / "gaps.csv").write_text("prompt,n,big\na,1,1\n,,2\n   \nc,3," + "9" * 5000 + "\n")
+    table = load_table(str(tmp_path / "gaps.csv"), None, "train")       # (a row of empty cells; past int64: text)
+    assert table["n"] == [1.0, None, 3.0] and table["big"] == ["1", "2", "9" * 5000]
     (tmp_path / "numbers.csv").write_text("prompt,answer\n12,3\n13,4\n")      # (a prompt column of numbers: text)
     cfg = load_config(TINY, [f"data.path={tmp_path / 'numbers.csv'}"])
     from tasks.core.data import load_prompts

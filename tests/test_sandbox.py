@@ -1267,6 +1267,9 @@ def test_the_rlimits_fallback_removes_what_the_code_left_in_world_writable_folde
     below /tmp that someone made, outlived the verdict (the sweep read the top of /tmp, /var/tmp, /dev/shm)."""
     import tempfile
 
+    if os.geteuid() != 0:
+        pytest.skip("a uid of its own to sweep by: root only")
+
     shared = Path(tempfile.mkdtemp(prefix="rlflow-test-shared-"))
     os.chmod(shared, 0o1777)
     mark = f"rlflow-test-left-{uuid.uuid4().hex[:8]}"
@@ -1275,8 +1278,41 @@ def test_the_rlimits_fallback_removes_what_the_code_left_in_world_writable_folde
                    f"open('/run/lock/{mark}', 'w').write('x')\nprint(int(input()) * 2)")
         verdict = judge_rows([fence(program)], [DOUBLE])[0]
         assert (verdict.score, verdict.isolation) == (1.0, "rlimits"), verdict
-        if os.geteuid() == 0:                   # (a uid of its own to sweep by: root only)
-            assert not (shared / mark).exists() and not Path(f"/run/lock/{mark}").exists()
+        assert not (shared / mark).exists() and not Path(f"/run/lock/{mark}").exists()
     finally:
         shutil.rmtree(shared, ignore_errors=True)
         Path(f"/run/lock/{mark}").unlink(missing_ok=True)
+
+
+def test_what_a_comprehension_reads_apart_from_its_rows_is_not_the_codes_to_decide(quick_sandbox):
+    """The review of the host's comprehensions: map/filter of a lambda ran in the code's process (an always-equal
+    passed), a loop name reused by a key= lambda was bound over, a setup value read in a comprehension's element
+    came from the code's process (which had changed it), a setup table given as zip(...)/d.items()/range(len(..))
+    was refused, a set's iteration order differed between processes; a host-side comprehension or a set method's
+    argument grew without bound. Each cheat scores 0, each honest program 1."""
+    cases = [  # (test, setup, cheat, honest)
+        ("assert all(map(lambda x: f(x) == 2 * x, range(5)))", "", ALWAYS_EQUAL + "def f(x): return A()",
+         "def f(x): return 2 * x"),
+        ("assert len(list(filter(lambda x: f(x) != 2 * x, range(5)))) == 0", "",
+         ALWAYS_EQUAL + "def f(x): return A()", "def f(x): return 2 * x"),
+        ("assert all(f(x) == EXP[x] for x in range(3) if x >= 0)", "EXP = {0: 0, 1: 2, 2: 4}",
+         "def f(x):\n    globals()['EXP'].update({0: 5, 1: 5, 2: 5})\n    return 5", "def f(x): return 2 * x"),
+        ("assert all([f(a) == b for a, b in zip(INS, OUTS)])", "INS = [1, 2]\nOUTS = [2, 4]",
+         "def f(x): return -1", "def f(x): return 2 * x"),
+        ("assert all([f(k) == v for k, v in CASES.items()]) and all(f(INS[i]) == 2 * INS[i] for i in range(len(INS)))",
+         "CASES = {1: 2, 2: 4}\nINS = [3]", "def f(x): return 0", "def f(x): return 2 * x"),
+        ("assert sorted([f(s) for s in {'ab', 'cd', 'ef', 'gh'}]) == ['AB', 'CD', 'EF', 'GH']", "",
+         "def f(s): return s", "def f(s): return s.upper()"),
+        ("assert sorted(f(), key=len) == ['a', 'bb']", "", "def f(): return ['bb']", "def f(): return ['bb', 'a']"),
+        ("assert {1, 2}.issubset(f())", "", "def f(): return [1, 2] + [k * (2**61 - 1) for k in range(1, 2000)]",
+         "def f(): return [3, 2, 1]"),
+        ("assert ['#' * n for n in f()] == ['#']", "", "def f(): return [499000] * 400", "def f(): return [1]"),
+    ]
+    rows = [{"test_list": [t], "test_setup_code": setup} for t, setup, _, _ in cases]
+    for k, (t, _, cheat, honest) in enumerate(cases):
+        got = judge_rows([fence(cheat), fence(honest)], [rows[k], rows[k]])
+        assert [v.score for v in got] == [0.0, 1.0], (t, [v.reason for v in got])
+    costly = judge_rows([fence(cases[7][2]), fence(cases[8][2])], [rows[7], rows[8]])
+    assert all(v.reason.startswith("too costly to judge") for v in costly), [v.reason for v in costly]
+    unsorted = "assert all(sorted(f(i), key=lambda i: -i) == [2, 1, 3] for i in range(2))"   # (the lambda's own i)
+    assert judge_rows([fence("def f(n): return [2, 1, 3]")], [{"test_list": [unsorted]}])[0].score == 0.0

@@ -110,6 +110,13 @@ def test_a_policy_uri_registered_by_an_earlier_run_is_a_new_version_for_this_one
 
     store = Store.open(str(tmp_path / "store"))                  # (models:/NAME/latest: MLflow's newest version)
     assert _mlflow_policy(cfg, store, "models:/over/latest") == "over/policy/v000001"
+    import pytest
+
+    from tasks.core.errors import UserError
+
+    for bad in ("models:/over/1@x", "models:/over@champion/1", "models:/over"):
+        with pytest.raises(UserError, match="expected models:/NAME/VERSION or models:/NAME@ALIAS"):
+            _mlflow_policy(cfg, store, bad)
 
 
 def test_a_champion_of_an_earlier_run_whose_store_is_gone_is_no_champion(tmp_path):

@@ -358,14 +358,16 @@ def _csv_kinds(path: Path, text: tuple[str, ...] = ()) -> dict:
         return {}                                          # (said as datasets says it)
     if not records or len(set(records[0])) != len(records[0]) or not all(records[0]):
         return {}
-    columns = {name: [r[i] for r in records[1:] if i < len(r) and r[i] != ""] for i, name in enumerate(records[0])}
-    blanks = {name: any(len(r) > i and r[i] == "" for r in records[1:] if any(r)) for i, name in
-              enumerate(records[0])}
+    rows = [r for r in records[1:] if r and (len(r) > 1 or r[0].strip())]     # (pandas skips blank lines)
+    columns = {name: [r[i] for r in rows if i < len(r) and r[i] != ""] for i, name in enumerate(records[0])}
+    blanks = {name: any(len(r) <= i or r[i] == "" for r in rows) for i, name in enumerate(records[0])}
 
     def kind(name: str, cells: list[str]) -> str:
         if not cells or name in text:
             return "large_string"
-        if all(_CSV_INT.fullmatch(c) and abs(int(c)) < 2**63 for c in cells):
+        if all(_CSV_INT.fullmatch(c) for c in cells):
+            if not all(len(c) <= 20 and -2**63 <= int(c) < 2**63 for c in cells):
+                return "large_string"                                # (past int64: its digits, as written)
             return "float64" if blanks[name] else "int64"          # (pandas' int column with gaps: floats)
         if all(_CSV_FLOAT.fullmatch(c) and any(ch.isdigit() for ch in c.split("e")[0].split("E")[0])
                for c in cells):

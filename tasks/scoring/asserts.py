@@ -296,6 +296,8 @@ def _method(value, name: str, args: list, kwargs: dict):
     """value.name(*args) for a value of an exact built-in type and one of its _METHODS, bounded before it is done."""
     if name not in _METHODS.get(type(value), ()):
         raise ValueError(f"not computable on the host: {type(value).__name__}.{name}")
+    if type(value) in (set, frozenset):            # (a list argument is made a set here: its hashes checked first)
+        args = [a if type(a) in (set, frozenset) else _safe_set(a) for a in args]
     if name == "join":
         items = list(args[0]) if len(args) == 1 else []
         if len(args) != 1 or not all(type(x) is str for x in items):
@@ -326,7 +328,7 @@ def _split(node: ast.expr, inside: list[ast.expr], names=(frozenset(), frozenset
     is not Python's)."""
     if not _mentions_code(node, bound):
         if not _host_computable(node, bound):
-            inside.append(node)                  # (no code, but not the host's to compute: the no-code sandbox's)
+            _take(inside, node, bound)            # (no code, but not the host's to compute: the no-code sandbox's)
         return
     if isinstance(node, ast.Compare | ast.BinOp | ast.UnaryOp | ast.BoolOp | ast.IfExp | ast.List | ast.Tuple
                   | ast.Set | ast.Dict | ast.Subscript | ast.Slice) or (isinstance(node, ast.Call) and (
@@ -341,18 +343,53 @@ def _split(node: ast.expr, inside: list[ast.expr], names=(frozenset(), frozenset
                 _split(child.value, inside, names, bound)
         return
     if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp) and not bound and \
-            (part := _inside_comprehension(node, names)) is not None:
+            (part := _inside_comprehension(node, names, inside)) is not None:
         inside.append(part)
         if not _host_computable(node.generators[0].iter) and _expected_side(node.generators[0].iter, *names, False):
-            node.checked_iter = node.generators[0].iter          # (the setup's table: its own value, checked)
+            listed = ast.Call(ast.Name("list", ast.Load()), [node.generators[0].iter], [])   # (zip(...), d.items())
+            node.checked_iter = ast.fix_missing_locations(listed)     # (the setup's table: its own value, checked)
             inside.append(node.checked_iter)
         return
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("map", "filter") and \
             node.func.id not in names[1]:
+        if not bound and (gen := _as_generator(node)) is not None and _inside_comprehension(gen, names) is not None:
+            node.as_generator = gen                 # (map(lambda x: f(x) == y, xs): the lambda's body on the host)
+            _split(gen, inside, names, bound)
+            return
         node.listed = ast.fix_missing_locations(ast.Call(ast.Name("list", ast.Load()), [node], []))
-        inside.append(node.listed)            # (what the host is given is its items: a map is no value)
+        _take(inside, node.listed, bound)       # (what the host is given is its items: a map is no value)
         return
-    inside.append(node)
+    _take(inside, node, bound)
+
+
+class _Parts(list):
+    """The parts of a comprehension's element (evaluated per row, in the comprehension) and, `outer`, the assert's
+    own parts: where a part that reads none of the comprehension's names goes (a setup's value: computed apart)."""
+
+    def __init__(self, outer: list):
+        super().__init__()
+        self.outer = outer
+
+
+def _take(inside: list, node: ast.expr, bound: frozenset) -> None:
+    if isinstance(inside, _Parts) and not _free_names(node) & bound:
+        inside.outer.append(node)
+    else:
+        inside.append(node)
+
+
+def _as_generator(node: ast.Call) -> ast.GeneratorExp | None:
+    """map(lambda x: E, xs) as (E for x in xs); filter(lambda x: C, xs) as (x for x in xs if C); else None."""
+    if len(node.args) != 2 or node.keywords or not isinstance(fn := node.args[0], ast.Lambda):
+        return None
+    a = fn.args
+    if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs or len(a.args) != 1:
+        return None
+    x = a.args[0].arg
+    keep = node.func.id == "filter"
+    gen = ast.GeneratorExp(ast.Name(x, ast.Load()) if keep else fn.body,
+                           [ast.comprehension(ast.Name(x, ast.Store()), node.args[1], [fn.body] if keep else [], 0)])
+    return ast.fix_missing_locations(gen)
 
 
 def _targets(target: ast.expr) -> list[str] | None:
@@ -364,11 +401,12 @@ def _targets(target: ast.expr) -> list[str] | None:
     return None
 
 
-def _inside_comprehension(node, names) -> ast.expr | None:
-    """What the sandbox evaluates for `[elt for x in it if c]`: `[((x,), (p1, ...) if c else None) for x in it]`,
-    the bindings and the parts of elt that need the code (plain values); the host then computes elt and c from
-    them, so the code's __eq__, a patched builtin, cannot decide it. None (run whole, the weaker form): more than
-    one `for`, an `if` that needs the code, or targets other than names."""
+def _inside_comprehension(node, names, outer: list | None = None) -> ast.expr | None:
+    """What the sandbox evaluates for `[elt for x in it if c]`: `[((x,), (q1, ...), (p1, ...) if c else None) for x
+    in it]`, the bindings, the parts of c and of elt that need the code (plain values; elt's only where c holds);
+    the host then computes c and elt from them, so the code's __eq__, a patched builtin, cannot decide it. None (run
+    whole, the weaker form): more than one `for`, targets other than names, an `if` that needs the code and may
+    stop half way (and/or, a conditional)."""
     if len(node.generators) != 1 or node.generators[0].is_async:
         return None
     gen = node.generators[0]
@@ -376,16 +414,20 @@ def _inside_comprehension(node, names) -> ast.expr | None:
     if targets is None or len(set(targets)) != len(targets):
         return None
     bound = frozenset(targets)
-    if any(_mentions_code(c, bound) or not _host_computable(c, bound) for c in gen.ifs):
-        return None
-    parts: list[ast.expr] = []
+    asks = _Parts(outer if outer is not None else [])
+    for c in gen.ifs:
+        if _mentions_code(c, bound) and not any(isinstance(n, ast.BoolOp | ast.IfExp) for n in ast.walk(c)):
+            _split(c, asks, names, bound)            # (an `if` is asked of every item: its parts too)
+        elif _mentions_code(c, bound) or not _host_computable(c, bound):
+            return None
+    parts = _Parts(outer if outer is not None else [])
     _split(node.elt, parts, names, bound)
-    node.parts, node.names = parts, targets
+    node.parts, node.asks, node.names = parts, asks, targets
     load = [ast.Name(n, ast.Load()) for n in targets]
     values = ast.Tuple(list(parts), ast.Load())
     kept = values if not gen.ifs else ast.IfExp(ast.BoolOp(ast.And(), gen.ifs) if len(gen.ifs) > 1 else gen.ifs[0],
                                                 values, ast.Constant(None))
-    row = ast.Tuple([ast.Tuple(load, ast.Load()), kept], ast.Load())
+    row = ast.Tuple([ast.Tuple(load, ast.Load()), ast.Tuple(list(asks), ast.Load()), kept], ast.Load())
     part = ast.ListComp(row, [ast.comprehension(gen.target, gen.iter, [], 0)])
     node.inside = ast.fix_missing_locations(part)
     return node.inside
@@ -451,6 +493,10 @@ def _host_eval(node: ast.AST, got: dict[int, object]):
         return got[("name", node.id)]
     if isinstance(node, ast.Name) and node.id in _TYPES:
         return _TYPES[node.id]
+    if isinstance(node, ast.Name) and node.id in _HOST_FUNCS:          # (key=len)
+        return _HOST_FUNCS[node.id]
+    if hasattr(node, "as_generator"):
+        return ev(node.as_generator)
     if isinstance(node, ast.Name) and node.id in ("True", "False", "None"):
         return {"True": True, "False": False, "None": None}[node.id]
     raise ValueError(f"not computable on the host: {type(node).__name__}")
@@ -462,26 +508,31 @@ def _host_comprehension(node, got: dict):
     setup table iterated otherwise than its own value, are wrong answers."""
     rows = got[id(node.inside)]
     gen = node.generators[0]
-    if not isinstance(rows, list) or not all(isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], tuple)
-                                             and len(r[0]) == len(node.names) for r in rows):
+    if not isinstance(rows, list) or not all(isinstance(r, tuple) and len(r) == 3 and isinstance(r[0], tuple)
+                                             and len(r[0]) == len(node.names) and isinstance(r[1], tuple)
+                                             and len(r[1]) == len(node.asks) for r in rows):
         raise ValueError("not the rows of a comprehension")
     if hasattr(node, "checked_iter") or _host_computable(gen.iter):
-        items = list(_host_eval(gen.iter, got))         # (the setup's table: its value from the no-code run)
-        if len(items) != len(rows):
+        # (the setup's table: its value from the no-code run; a set's order is each process's own: as a multiset)
+        items = list(_host_eval(node.checked_iter if hasattr(node, "checked_iter") else gen.iter, got))
+        want = [(item,) if isinstance(gen.target, ast.Name) else tuple(item) for item in items]
+        have = [row[0] for row in rows]
+        if want != have and sorted(map(repr, want)) != sorted(map(repr, have)):
             raise ValueError("a comprehension's rows are not its iterable's")
-        for item, (binding, _) in zip(items, rows, strict=True):
-            if binding != ((item,) if isinstance(gen.target, ast.Name) else tuple(item)):
-                raise ValueError("a comprehension's rows are not its iterable's")
-    out = []
-    for binding, values in rows:
+    out, weight = [], 0
+    for binding, asked, values in rows:
         env = {**got, **{("name", n): v for n, v in zip(node.names, binding, strict=True)}}
+        env.update({id(q): v for q, v in zip(node.asks, asked, strict=True)})
         if not all(_host_eval(c, env) for c in gen.ifs):
             continue
         if not isinstance(values, tuple) or len(values) != len(node.parts):
             raise ValueError("a row the sandbox skipped")
         env.update({id(p): v for p, v in zip(node.parts, values, strict=True)})
         out.append(_host_eval(node.elt, env))
-    return _safe_set(out) if isinstance(node, ast.SetComp) else _light(out)
+        weight += _weight(out[-1])
+        if weight > HOST_SIZE:                          # (each element bounded, and all of them together)
+            raise TooCostly("comprehension too large")
+    return _safe_set(out) if isinstance(node, ast.SetComp) else out
 
 
 def _unroll(node: ast.expr) -> ast.expr:
@@ -513,6 +564,9 @@ def _bind(elt: ast.expr, target: ast.expr, item) -> ast.expr | None:
         names.update({t.id: v for t, v in zip(target.elts, item, strict=True)})
     else:
         return None
+    if any(isinstance(n, ast.arg) and n.arg in names for n in ast.walk(elt)) or \
+            any(isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id in names for n in ast.walk(elt)):
+        return None                        # (a lambda's or a comprehension's own `x` is not the loop's: not unrolled)
 
     class Sub(ast.NodeTransformer):
         def visit_Name(self, n):  # noqa: N802 - ast's visitor naming
