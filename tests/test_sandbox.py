@@ -940,7 +940,7 @@ def test_expected_sides_that_are_not_literals_never_run_with_the_code():
                                             "def f(xs): pass\ndef g(n): pass")
     sent = repr([c.test.exprs for c in cases])
     assert "expected(" not in sent and "map(" not in sent and "TABLE" not in sent, sent
-    assert [c.expected.exprs for c in cases] == [["expected([3, 1, 2])"], ["list(map(str, [4, 5]))"], ["TABLE"]]
+    assert [c.expected and c.expected.exprs for c in cases] == [["expected([3, 1, 2])"], None, ["TABLE"]]  # (map: here)
     # a builtin the code itself defines, on the actual side, stays the code's
     own = code_rewards.parse_tests(None, ["assert filter([1, 0]) == [1]"], None, "def filter(xs): pass")[0][0]
     assert own.test.exprs == ["filter([1, 0])"] and own.expected is None
@@ -1316,3 +1316,30 @@ def test_what_a_comprehension_reads_apart_from_its_rows_is_not_the_codes_to_deci
     assert all(v.reason.startswith("too costly to judge") for v in costly), [v.reason for v in costly]
     unsorted = "assert all(sorted(f(i), key=lambda i: -i) == [2, 1, 3] for i in range(2))"   # (the lambda's own i)
     assert judge_rows([fence("def f(n): return [2, 1, 3]")], [{"test_list": [unsorted]}])[0].score == 0.0
+
+
+def test_a_comprehensions_parts_run_per_item_and_its_order_and_the_hosts_own_builtins_hold(quick_sandbox):
+    """The second review: map/filter of a function ran whole as list(map(...)) in the code's process (its own
+    `list` answered); a part of an element that reads no item ran once, before the loop (a random `stable_hash`
+    passed, a counter or unique ids failed); rows in another order than the iterable's passed (a reversing
+    `range`); a long %-format string cost seconds; `&`, `|`, `^`, `<<`, `>>` were not computed (correct code 0)."""
+    cases = [  # (test, setup, cheat, honest)
+        ("assert all(map(is_even, [2, 4, 6])) and not any(map(is_neg, [1, 2]))", "",
+         "list = lambda *a: []\ndef is_even(x): return False\ndef is_neg(x): return True",
+         "def is_even(x): return x % 2 == 0\ndef is_neg(x): return x < 0"),
+        ("assert len(list(filter(is_odd, [2, 4, 6]))) == 0", "",
+         "import builtins\nbuiltins.filter = lambda *a: []\ndef is_odd(x): return True", "def is_odd(x): return x % 2"),
+        ("assert len({h('abc') for _ in range(5)}) == 1 and [nxt() for _ in range(3)] == [1, 2, 3]", "",
+         "import random\ndef h(s): return random.random()\nC = [0]\ndef nxt():\n    C[0] += 1\n    return C[0]",
+         "def h(s): return len(s)\nC = [0]\ndef nxt():\n    C[0] += 1\n    return C[0]"),
+        ("assert [sq(x) for x in range(5)] == [0, 1, 4, 9, 16]", "",
+         "import builtins\nr = builtins.range\nbuiltins.range = lambda *a: list(r(*a))[::-1]\n"
+         "def sq(x): return (4 - x) ** 2", "def sq(x): return x * x"),
+        ("assert f(5) & 1 == 1 and f(3) ^ 1 == 2 and f(3) << 1 == 6 and f(4) | 1 == 5 and f(8) >> 1 == 4", "",
+         "def f(x): return 0", "def f(x): return x"),
+        ("assert f(1) % 7 == 3", "", "def f(x): return '%(' * 90000", "def f(x): return 10"),
+    ]
+    for t, setup, cheat, honest in cases:
+        row = {"test_list": [t], "test_setup_code": setup}
+        got = judge_rows([fence(cheat), fence(honest)], [row, row])
+        assert [v.score for v in got] == [0.0, 1.0], (t, [v.reason for v in got])

@@ -291,7 +291,8 @@ def _assert_case(node: ast.expr, setup_names: frozenset[str] = frozenset(),
     if not inside:                    # an assert about literals only: decided here, the code still has to run
         return Case(sandbox.Test(exprs=["None"]), _values_check(lambda v, w: bool(_host_eval(node, {}))))
     at_expected = _expected_positions(node)
-    is_expected = [_expected_side(n, setup_names, code_names, id(n) in at_expected) for n in inside]
+    is_expected = [getattr(n, "expected", False) or _expected_side(n, setup_names, code_names, id(n) in at_expected)
+                   for n in inside]
     actual = [n for n, e in zip(inside, is_expected, strict=True) if not e]
     expected = [n for n, e in zip(inside, is_expected, strict=True) if e]
 

@@ -46,13 +46,15 @@ _CMP = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.Lt
         ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
         ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.BitAnd: operator.and_,
+        ast.BitOr: operator.or_, ast.BitXor: operator.xor, ast.LShift: operator.lshift, ast.RShift: operator.rshift}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_, ast.Invert: operator.invert}
 # Every host-side operation on a value the code chose is bounded before it is done (docs/sandbox.md):
 HOST_SIZE = 1_000_000       # elements, characters or bytes of any host-side result (a sequence, a formatted str)
 INT_BITS = 1 << 16          # bits of any int parsed or computed here (the harness's repr stops at 4300 digits)
 BUCKET_MAX = 8              # distinct values of one hash a set or dict may hold (more: a collision attack)
 LITERAL_CHARS = 1 << 22     # characters of one value's literal
+FORMAT_CHARS = 20_000      # characters of a string the host %-formats
 LITERAL_DEPTH = 64          # nesting of one value's literal (the harness writes at most 51 levels)
 _SEQUENCE = (str, bytes, list, tuple)
 _NUMBER = (int, float, complex)
@@ -210,7 +212,12 @@ def _binop(op: ast.operator, a, b):
         if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and a.bit_length() * b > INT_BITS:
             raise TooCostly("power too large")
     elif kind is ast.Mod and isinstance(a, str | bytes):
+        if len(a) > FORMAT_CHARS:               # (reading its specs is quadratic in `%(`s: a real format is short)
+            raise TooCostly("%-format too long")
         _format_size(a, b)
+    elif kind is ast.LShift and isinstance(a, int) and isinstance(b, int) and b > 0 and \
+            a.bit_length() + b > INT_BITS:
+        raise TooCostly("shift too large")
     result = _BIN[kind](a, b)
     if isinstance(result, int) and result.bit_length() > INT_BITS:
         raise TooCostly("int too large")
@@ -269,6 +276,12 @@ def _method_call(node: ast.AST) -> bool:
 def _host_computable(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
     """Whether _host_eval computes `node` itself, given values for the names in `bound` (a literal's method
     that is not _METHODS', `'{}'.format(1)`, is not: it runs in the sandbox that never holds the code)."""
+    if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp):      # (no code in it: computed here)
+        gen = node.generators[0]
+        if len(node.generators) != 1 or gen.is_async or (targets := _targets(gen.target)) is None:
+            return False
+        inner = bound | frozenset(targets)
+        return _host_computable(gen.iter, bound) and all(_host_computable(c, inner) for c in [*gen.ifs, node.elt])
     if not isinstance(node, _HOST_NODES) or (isinstance(node, ast.BinOp) and type(node.op) not in _BIN):
         return False
     if isinstance(node, ast.Lambda):
@@ -346,8 +359,12 @@ def _split(node: ast.expr, inside: list[ast.expr], names=(frozenset(), frozenset
             (part := _inside_comprehension(node, names, inside)) is not None:
         inside.append(part)
         if not _host_computable(node.generators[0].iter) and _expected_side(node.generators[0].iter, *names, False):
-            listed = ast.Call(ast.Name("list", ast.Load()), [node.generators[0].iter], [])   # (zip(...), d.items())
-            node.checked_iter = ast.fix_missing_locations(listed)     # (the setup's table: its own value, checked)
+            it = node.generators[0].iter           # (the setup's table: its own value, checked; zip(...), d.items())
+            kinds = ast.Tuple([ast.Name("set", ast.Load()), ast.Name("frozenset", ast.Load())], ast.Load())
+            node.checked_iter = ast.fix_missing_locations(ast.Tuple([
+                ast.Call(ast.Name("isinstance", ast.Load()), [it, kinds], []),
+                ast.Call(ast.Name("list", ast.Load()), [it], [])], ast.Load()))
+            node.checked_iter.expected = True          # (run without the code, whatever names the code defines)
             inside.append(node.checked_iter)
         return
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("map", "filter") and \
@@ -356,39 +373,48 @@ def _split(node: ast.expr, inside: list[ast.expr], names=(frozenset(), frozenset
             node.as_generator = gen                 # (map(lambda x: f(x) == y, xs): the lambda's body on the host)
             _split(gen, inside, names, bound)
             return
-        node.listed = ast.fix_missing_locations(ast.Call(ast.Name("list", ast.Load()), [node], []))
-        _take(inside, node.listed, bound)       # (what the host is given is its items: a map is no value)
-        return
     _take(inside, node, bound)
 
 
 class _Parts(list):
     """The parts of a comprehension's element (evaluated per row, in the comprehension) and, `outer`, the assert's
-    own parts: where a part that reads none of the comprehension's names goes (a setup's value: computed apart)."""
+    own parts: where a setup's value the element reads apart from the item goes (computed without the code)."""
 
-    def __init__(self, outer: list):
+    def __init__(self, outer: list, names):
         super().__init__()
-        self.outer = outer
+        self.outer, self.names = outer, names
 
 
 def _take(inside: list, node: ast.expr, bound: frozenset) -> None:
-    if isinstance(inside, _Parts) and not _free_names(node) & bound:
+    if isinstance(inside, _Parts) and not _free_names(node) & bound and _expected_side(node, *inside.names, False) \
+            and not any(isinstance(n, ast.Lambda | ast.comprehension | ast.NamedExpr) for n in ast.walk(node)):
+        node.expected = True                    # (a setup value: one, read without the code)
         inside.outer.append(node)
     else:
         inside.append(node)
 
 
 def _as_generator(node: ast.Call) -> ast.GeneratorExp | None:
-    """map(lambda x: E, xs) as (E for x in xs); filter(lambda x: C, xs) as (x for x in xs if C); else None."""
-    if len(node.args) != 2 or node.keywords or not isinstance(fn := node.args[0], ast.Lambda):
-        return None
-    a = fn.args
-    if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs or len(a.args) != 1:
-        return None
-    x = a.args[0].arg
+    """map(f, xs) as (f(x) for x in xs), map(f, xs, ys) over zip(xs, ys), map(lambda x: E, xs) as (E for x in
+    xs); filter(f, xs) as (x for x in xs if f(x)); else None."""
     keep = node.func.id == "filter"
-    gen = ast.GeneratorExp(ast.Name(x, ast.Load()) if keep else fn.body,
-                           [ast.comprehension(ast.Name(x, ast.Store()), node.args[1], [fn.body] if keep else [], 0)])
+    fn, its = (node.args[0], node.args[1:]) if node.args else (None, [])
+    if node.keywords or not its or (keep and len(its) != 1) or any(isinstance(a, ast.Starred) for a in node.args):
+        return None
+    if isinstance(fn, ast.Lambda):
+        a = fn.args
+        if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs or len(a.args) != len(its):
+            return None
+        xs, body = [p.arg for p in a.args], fn.body
+    else:
+        xs = [f"_rlflow_item{k}" for k in range(len(its))]
+        body = ast.Name(xs[0], ast.Load()) if keep and isinstance(fn, ast.Constant) and fn.value is None else \
+            ast.Call(fn, [ast.Name(x, ast.Load()) for x in xs], [])
+    target = ast.Name(xs[0], ast.Store()) if len(xs) == 1 else ast.Tuple([ast.Name(x, ast.Store()) for x in xs],
+                                                                           ast.Store())
+    it = its[0] if len(its) == 1 else ast.Call(ast.Name("zip", ast.Load()), list(its), [])
+    gen = ast.GeneratorExp(ast.Name(xs[0], ast.Load()) if keep else body,
+                           [ast.comprehension(target, it, [body] if keep else [], 0)])
     return ast.fix_missing_locations(gen)
 
 
@@ -414,13 +440,15 @@ def _inside_comprehension(node, names, outer: list | None = None) -> ast.expr | 
     if targets is None or len(set(targets)) != len(targets):
         return None
     bound = frozenset(targets)
-    asks = _Parts(outer if outer is not None else [])
+    if any(isinstance(n, ast.NamedExpr) for n in ast.walk(node)):
+        return None
+    asks = _Parts(outer if outer is not None else [], names)
     for c in gen.ifs:
         if _mentions_code(c, bound) and not any(isinstance(n, ast.BoolOp | ast.IfExp) for n in ast.walk(c)):
             _split(c, asks, names, bound)            # (an `if` is asked of every item: its parts too)
         elif _mentions_code(c, bound) or not _host_computable(c, bound):
             return None
-    parts = _Parts(outer if outer is not None else [])
+    parts = _Parts(outer if outer is not None else [], names)
     _split(node.elt, parts, names, bound)
     node.parts, node.asks, node.names = parts, asks, targets
     load = [ast.Name(n, ast.Load()) for n in targets]
@@ -470,8 +498,6 @@ def _host_eval(node: ast.AST, got: dict[int, object]):
         return True
     if isinstance(node, ast.IfExp):
         return ev(node.body) if ev(node.test) else ev(node.orelse)
-    if hasattr(node, "listed") and id(node.listed) in got:              # (map(...) run as list(map(...)))
-        return got[id(node.listed)]
     if isinstance(node, ast.Subscript):
         return _light(ev(node.value)[ev(node.slice)])
     if isinstance(node, ast.Slice):
@@ -487,8 +513,15 @@ def _host_eval(node: ast.AST, got: dict[int, object]):
         return _light(fn(*[ev(a) for a in node.args], **{k.arg: ev(k.value) for k in node.keywords}))
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math":
         return _MATH[node.attr]
-    if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp) and hasattr(node, "inside"):
-        return _host_comprehension(node, got)
+    if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp):
+        if hasattr(node, "inside") and id(node.inside) in got:
+            return _host_comprehension(node, got)
+        gen = node.generators[0]                  # (one of literals, computed here: _host_computable)
+        names = _targets(gen.target)
+        rows = [((item,) if isinstance(gen.target, ast.Name) else tuple(item), (), ()) for item in ev(gen.iter)]
+        if any(len(binding) != len(names) for binding, _, _ in rows):
+            raise ValueError("not as many values as names to bind")
+        return _host_rows(node, rows, got)
     if isinstance(node, ast.Name) and ("name", node.id) in got:          # (a comprehension's binding)
         return got[("name", node.id)]
     if isinstance(node, ast.Name) and node.id in _TYPES:
@@ -514,20 +547,32 @@ def _host_comprehension(node, got: dict):
         raise ValueError("not the rows of a comprehension")
     if hasattr(node, "checked_iter") or _host_computable(gen.iter):
         # (the setup's table: its value from the no-code run; a set's order is each process's own: as a multiset)
-        items = list(_host_eval(node.checked_iter if hasattr(node, "checked_iter") else gen.iter, got))
+        if hasattr(node, "checked_iter"):
+            unordered, items = _host_eval(node.checked_iter, got)
+        else:
+            items = _host_eval(gen.iter, got)
+            unordered = isinstance(items, set | frozenset)
         want = [(item,) if isinstance(gen.target, ast.Name) else tuple(item) for item in items]
         have = [row[0] for row in rows]
-        if want != have and sorted(map(repr, want)) != sorted(map(repr, have)):
+        if want != have and not (unordered and sorted(map(repr, want)) == sorted(map(repr, have))):
             raise ValueError("a comprehension's rows are not its iterable's")
+    return _host_rows(node, rows, got)
+
+
+def _host_rows(node, rows: list, got: dict):
+    """The comprehension's value from its rows (bindings, the if-parts' values, the element-parts' values),
+    each element and all of them bounded."""
+    gen = node.generators[0]
+    names, asks, parts = _targets(gen.target), getattr(node, "asks", []), getattr(node, "parts", [])
     out, weight = [], 0
     for binding, asked, values in rows:
-        env = {**got, **{("name", n): v for n, v in zip(node.names, binding, strict=True)}}
-        env.update({id(q): v for q, v in zip(node.asks, asked, strict=True)})
+        env = {**got, **{("name", n): v for n, v in zip(names, binding, strict=True)}}
+        env.update({id(q): v for q, v in zip(asks, asked, strict=True)})
         if not all(_host_eval(c, env) for c in gen.ifs):
             continue
-        if not isinstance(values, tuple) or len(values) != len(node.parts):
+        if not isinstance(values, tuple) or len(values) != len(parts):
             raise ValueError("a row the sandbox skipped")
-        env.update({id(p): v for p, v in zip(node.parts, values, strict=True)})
+        env.update({id(p): v for p, v in zip(parts, values, strict=True)})
         out.append(_host_eval(node.elt, env))
         weight += _weight(out[-1])
         if weight > HOST_SIZE:                          # (each element bounded, and all of them together)
