@@ -1343,3 +1343,20 @@ def test_a_comprehensions_parts_run_per_item_and_its_order_and_the_hosts_own_bui
         row = {"test_list": [t], "test_setup_code": setup}
         got = judge_rows([fence(cheat), fence(honest)], [row, row])
         assert [v.score for v in got] == [0.0, 1.0], (t, [v.reason for v in got])
+
+
+def test_a_function_named_like_a_builtin_the_host_computes_is_the_codes(quick_sandbox):
+    """A task "write `max`": `assert max([1, 5, 3]) == 5` was computed with the host's own `max`, so every
+    completion passed, a wrong one too. The code's `max` is judged now; on the expected side a builtin stays
+    Python's, and `import math` leaves math.isclose the host's."""
+    rows = [{"test_list": ["assert max([1, 5, 3]) == 5", "assert f(2) == max([1, 4])",
+                           "assert math.isclose(f(2), 4.0)"]}] * 3
+    programs = ["def max(xs):\n    return 0\ndef f(x): return 2 * x",
+                "def max(xs):\n    best = xs[0]\n    for x in xs[1:]:\n        best = x if x > best else best\n"
+                "    return best\ndef f(x): return 2 * x",
+                "import math\nmath.isclose = lambda *a, **k: True\ndef max(xs): return 5\ndef f(x): return 3"]
+    got = judge_rows([fence(p) for p in programs], rows)
+    assert [v.passed for v in got] == [2, 3, 1], [v.reason for v in got]
+    checker = {"test_list": ["assert isinstance(g(), int)"]}       # (given the code's value: a checker, ours)
+    cheat = judge_rows([fence("isinstance = lambda *a: True\ndef g(): return 'x'")], [checker])[0]
+    assert cheat.score == 0.0, cheat.reason

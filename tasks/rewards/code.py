@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from tasks.rewards import text_of
 from tasks.scoring import sandbox
 from tasks.scoring.asserts import (
+    SHADOWED,
     TooCostly,
     TooDeep,
     _closed,
@@ -38,6 +39,7 @@ from tasks.scoring.asserts import (
     _unroll,
     bounded_literal,
     parsed,
+    shadowing,
 )
 
 
@@ -285,9 +287,13 @@ def assert_cases(src: str, setup: str = "", code: str | None = None) -> list[Cas
 
 def _assert_case(node: ast.expr, setup_names: frozenset[str] = frozenset(),
                  code_names: frozenset[str] = frozenset()) -> Case:
-    node = _unroll(node)
-    inside: list[ast.expr] = []
-    _split(node, inside, (setup_names, code_names))
+    token = SHADOWED.set(shadowing(code_names))            # (a task "write `max`": max is the code's here)
+    try:
+        node = _unroll(node)
+        inside: list[ast.expr] = []
+        _split(node, inside, (setup_names, code_names))
+    finally:
+        SHADOWED.reset(token)
     if not inside:                    # an assert about literals only: decided here, the code still has to run
         return Case(sandbox.Test(exprs=["None"]), _values_check(lambda v, w: bool(_host_eval(node, {}))))
     at_expected = _expected_positions(node)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextvars
 import functools
 import math
 import operator
@@ -245,12 +246,21 @@ _HOST_FUNCS["isinstance"] = _isinstance
 _MATH = {name: getattr(math, name) for name in ("isclose", "sqrt", "floor", "ceil", "fabs", "log", "log2", "log10",
                                                 "exp", "isnan", "isinf", "isfinite", "gcd", "pi", "e", "inf", "nan")}
 _HOST_NAMES = {*_HOST_FUNCS, "math", "True", "False", "None"}
+# The host's builtins the code being judged defines itself (a task "write `max`"): called on literals they are the
+# code's, run in its sandbox (Python's on the expected side: _expected_side), so the code is what is tested;
+# called on the code's values (isinstance(f(), int)) they check it, and stay the host's.
+SHADOWED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("shadowed", default=frozenset())
+
+
+def shadowing(code_names: frozenset[str]) -> frozenset[str]:
+    """The host names `code_names` redefines (math stays the host's: `import math` is the module)."""
+    return frozenset(code_names & (_HOST_NAMES - {"math", "True", "False", "None"}))
 
 
 def _mentions_code(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
     """Whether `node` reads anything but the host's builtins (and `bound`: the names of comprehensions around it,
     each bound on the host; a lambda's own arguments): a function or value of the code or the setup."""
-    return bool(_free_names(node) - _HOST_NAMES - bound)
+    return bool(_free_names(node) - (_HOST_NAMES - SHADOWED.get()) - bound)
 
 
 # Methods computed here on a value the sandbox returned (exact built-in types: no method of the code's runs),
@@ -299,7 +309,7 @@ def _host_computable(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool
     elif isinstance(node, ast.Attribute):
         return isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _MATH
     elif isinstance(node, ast.Name):
-        return node.id in _HOST_NAMES or node.id in bound
+        return (node.id in _HOST_NAMES and node.id not in SHADOWED.get()) or node.id in bound
     elif isinstance(node, ast.Dict) and any(k is None for k in node.keys):
         return False
     return all(_host_computable(c, bound) for c in ast.iter_child_nodes(node))
@@ -326,6 +336,8 @@ def _method(value, name: str, args: list, kwargs: dict):
 
 def _host_call(node: ast.Call) -> bool:
     f = node.func
+    if isinstance(f, ast.Name) and f.id in SHADOWED.get():       # (the code's `max` on literals; ours as a checker)
+        return any(_free_names(a) - _HOST_NAMES for a in [*node.args, *(k.value for k in node.keywords)])
     return ((isinstance(f, ast.Name) and f.id in _HOST_FUNCS)
             or (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "math"
                 and f.attr in _MATH))
@@ -350,7 +362,7 @@ def _split(node: ast.expr, inside: list[ast.expr], names=(frozenset(), frozenset
         for child in [node.func.value] if _method_call(node) else []:
             _split(child, inside, names, bound)             # (the receiver: its method is computed here)
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.expr) and not (_method_call(node) and child is node.func):
+            if isinstance(child, ast.expr) and not (isinstance(node, ast.Call) and child is node.func):
                 _split(child, inside, names, bound)
             elif isinstance(child, ast.keyword):
                 _split(child.value, inside, names, bound)
@@ -358,7 +370,8 @@ def _split(node: ast.expr, inside: list[ast.expr], names=(frozenset(), frozenset
     if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp) and not bound and \
             (part := _inside_comprehension(node, names, inside)) is not None:
         inside.append(part)
-        if not _host_computable(node.generators[0].iter) and _expected_side(node.generators[0].iter, *names, False):
+        node.host_iter = _host_computable(node.generators[0].iter)     # (decided here: SHADOWED is this assert's)
+        if not node.host_iter and _expected_side(node.generators[0].iter, *names, False):
             it = node.generators[0].iter           # (the setup's table: its own value, checked; zip(...), d.items())
             kinds = ast.Tuple([ast.Name("set", ast.Load()), ast.Name("frozenset", ast.Load())], ast.Load())
             node.checked_iter = ast.fix_missing_locations(ast.Tuple([
@@ -545,7 +558,7 @@ def _host_comprehension(node, got: dict):
                                              and len(r[0]) == len(node.names) and isinstance(r[1], tuple)
                                              and len(r[1]) == len(node.asks) for r in rows):
         raise ValueError("not the rows of a comprehension")
-    if hasattr(node, "checked_iter") or _host_computable(gen.iter):
+    if hasattr(node, "checked_iter") or getattr(node, "host_iter", False):
         # (the setup's table: its value from the no-code run; a set's order is each process's own: as a multiset)
         if hasattr(node, "checked_iter"):
             unordered, items = _host_eval(node.checked_iter, got)
