@@ -26,7 +26,7 @@ import pytest
 from tasks.core.config import SandboxConfig
 from tasks.core.errors import UserError
 from tasks.rewards import code as code_rewards
-from tasks.scoring import asserts, sandbox, sandbox_uids
+from tasks.scoring import bounded, sandbox, sandbox_uids
 
 ROOT = Path(__file__).resolve().parents[1]
 IS_ROOT = os.geteuid() == 0
@@ -678,9 +678,9 @@ def test_values_from_the_sandbox_are_read_with_bounded_work():
     p = (1 << 61) - 1                               # int hashes are taken modulo this prime
     colliding = "{" + ", ".join(str(i * p) for i in range(1, 20_001)) + "}"
     with pytest.raises(ValueError, match="too large"):
-        asserts.bounded_literal(colliding)
-    assert asserts.bounded_literal("{1, 2, 3}") == {1, 2, 3}
-    assert asserts.bounded_literal("[{'a': (1, 2.5)}, None]") == [{"a": (1, 2.5)}, None]
+        bounded.bounded_literal(colliding)
+    assert bounded.bounded_literal("{1, 2, 3}") == {1, 2, 3}
+    assert bounded.bounded_literal("[{'a': (1, 2.5)}, None]") == [{"a": (1, 2.5)}, None]
     run = sandbox.TestRun(ran=True, exit_code=0, values=[("ok", colliding)])
     check = code_rewards.parse_tests(None, ["assert f() == {1}"], None, "def f(): pass")[0][0].check
     assert check(run) == "unreadable value"
@@ -1020,13 +1020,13 @@ def test_values_with_colliding_hashes_or_deep_nesting_are_refused_before_they_ar
                  "{" + ", ".join(f"({big + i * p},): {i}" for i in range(2000)) + "}",
                  "{" + ", ".join(str(i * p) for i in range(1, 50)) + "}",
                  "[" * 100 + "]" * 100, "0x" + "f" * 20_000]:
-        with pytest.raises(asserts.TooCostly, match="share one hash|nested too deeply|int too large"):
-            asserts.bounded_literal(text)
+        with pytest.raises(bounded.TooCostly, match="share one hash|nested too deeply|int too large"):
+            bounded.bounded_literal(text)
     reason, _ = host_check("assert set(f(1)) == {1}", repr([i * p for i in range(1, 50)]))
     assert reason.startswith("too costly to judge") and "share one hash" in reason, reason
-    assert asserts.bounded_literal("{-1: 1, -2: 2, 1.0: (1+2j), (1, 'a'): set()}") == {
+    assert bounded.bounded_literal("{-1: 1, -2: 2, 1.0: (1+2j), (1, 'a'): set()}") == {
         -1: 1, -2: 2, 1.0: 1 + 2j, (1, "a"): set()}
-    assert asserts.bounded_literal("[" * 50 + "]" * 50) is not None
+    assert bounded.bounded_literal("[" * 50 + "]" * 50) is not None
 
 
 # ---------------------------------------------------------------------------------------------- disk bandwidth

@@ -28,7 +28,6 @@ from tasks.rewards import text_of
 from tasks.scoring import sandbox
 from tasks.scoring.asserts import (
     SHADOWED,
-    TooCostly,
     TooDeep,
     _closed,
     _defined_names,
@@ -37,10 +36,10 @@ from tasks.scoring.asserts import (
     _host_eval,
     _split,
     _unroll,
-    bounded_literal,
     parsed,
     shadowing,
 )
+from tasks.scoring.bounded import TooCostly, bounded_literal
 
 
 @dataclass

@@ -4,13 +4,11 @@
     _split(node, inside)             # the largest parts that need the code: they run in a sandbox
     _expected_side(part, ...)        # a part the row's setup computes alone: run in a sandbox without the code
     _host_eval(node, got)            # the rest, here, from the values `got` the sandbox returned for those parts
-    bounded_literal(text)            # such a value, read from the literal the sandbox wrote, with bounded work
 
-For the code reward (tasks/rewards/code.py), which makes each assert a sandbox test and its check. Every operation
-on a value the code chose is bounded before it is done (HOST_SIZE, INT_BITS, BUCKET_MAX; past them: TooCostly),
-and nothing the code defines changes how the host computes an assert (docs/sandbox.md).
-One concept: the host's own small evaluator of an assert, every operation bounded (it grows with the shapes
-it computes rather than hands to the code). More: docs/internals.md (tasks/scoring/asserts.py).
+For the code reward (tasks/rewards/code.py), which makes each assert a sandbox test and its check. What the host
+computes on a value the code chose, and how it reads one back, is tasks/scoring/bounded.py's (every operation
+bounded before it is done); nothing the code defines changes how the host computes an assert (docs/sandbox.md).
+More: docs/internals.md (tasks/scoring/asserts.py).
 """
 
 from __future__ import annotations
@@ -19,9 +17,24 @@ import ast
 import builtins
 import contextvars
 import functools
-import math
-import operator
-import re
+
+from tasks.scoring.bounded import (
+    BIN,
+    CMP,
+    HOST_FUNCS,
+    HOST_SIZE,
+    MATH,
+    METHOD_NAMES,
+    TYPES,
+    UNARY,
+    TooCostly,
+    binop,
+    light,
+    method,
+    safe_dict,
+    safe_set,
+    weight,
+)
 
 MAX_DEPTH = 200              # syntax-tree depth the host walks (the recursive walks need ~3 frames a level)
 
@@ -43,209 +56,7 @@ def parsed(src: str, mode: str = "exec") -> ast.AST:
     return tree
 
 
-_CMP = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-        ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
-        ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
-_BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.BitAnd: operator.and_,
-        ast.BitOr: operator.or_, ast.BitXor: operator.xor, ast.LShift: operator.lshift, ast.RShift: operator.rshift}
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_, ast.Invert: operator.invert}
-# Every host-side operation on a value the code chose is bounded before it is done (docs/sandbox.md):
-HOST_SIZE = 1_000_000       # elements, characters or bytes of any host-side result (a sequence, a formatted str)
-INT_BITS = 1 << 16          # bits of any int parsed or computed here (the harness's repr stops at 4300 digits)
-BUCKET_MAX = 8              # distinct values of one hash a set or dict may hold (more: a collision attack)
-LITERAL_CHARS = 1 << 22     # characters of one value's literal
-FORMAT_CHARS = 20_000      # characters of a string the host %-formats
-LITERAL_DEPTH = 64          # nesting of one value's literal (the harness writes at most 51 levels)
-_SEQUENCE = (str, bytes, list, tuple)
-_NUMBER = (int, float, complex)
-
-
-class TooCostly(ValueError):
-    """A host-side evaluation refused before it was done: its result or its work would pass a bound."""
-
-
-def _weight(x, limit: int = HOST_SIZE) -> int:
-    """What a value costs to print, compare or copy: characters, bytes, bytes of ints and one per container
-    item, shared references counted each time they occur (`[s] * n` weighs n times s). Stops past `limit`."""
-    total, stack = 0, [x]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str | bytes):
-            total += len(v) + 1
-        elif isinstance(v, int):
-            total += v.bit_length() // 8 + 1
-        elif isinstance(v, list | tuple | set | frozenset):
-            total += len(v) + 1
-            stack.extend(v)
-        elif isinstance(v, dict):
-            total += len(v) + 1
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        else:
-            total += 1
-        if total > limit:
-            return total
-    return total
-
-
-def _light(x):
-    """x, when its weight is within HOST_SIZE; else refused."""
-    if _weight(x) > HOST_SIZE:
-        raise TooCostly("value too large")
-    return x
-
-
-def _safe_text(fn):
-    def call(*args, **kw):
-        for a in args:
-            _light(a)                 # str/repr cost what they write: the weight of what they are given
-        return fn(*args, **kw)
-    return call
-
-
-def _check_hashes(items: list) -> list:
-    """Refuse to hash `items` into one set or dict when more than BUCKET_MAX distinct ones share a hash: every
-    insertion and lookup compares with each of them, so a crafted set of colliding big values costs its size
-    squared times their length. Equal values (duplicates) are fine: one comparison each."""
-    if len(items) > HOST_SIZE:
-        raise TooCostly("too large to hash on the host")
-    buckets: dict[int, list] = {}
-    for x in items:
-        buckets.setdefault(hash(x), []).append(x)
-    for bucket in buckets.values():
-        if len(bucket) > BUCKET_MAX and len({(type(x), repr(x)) for x in bucket}) > BUCKET_MAX:
-            raise TooCostly(f"too large to compare safely: {len(bucket)} values share one hash")
-    return items
-
-
-def _safe_set(items=(), kind=set):
-    return kind(_check_hashes(list(items)))
-
-
-def _safe_frozenset(items=()):
-    return _safe_set(items, frozenset)
-
-
-def _safe_dict(items=(), **kw):
-    pairs = list(items.items() if isinstance(items, dict) else items) + list(kw.items())
-    if any(not isinstance(p, list | tuple) or len(p) != 2 for p in pairs):
-        raise TypeError("dict() wants pairs")
-    _check_hashes([k for k, _ in pairs])
-    return dict(pairs)
-
-
-def _small_range(*args):
-    r = range(*args)
-    if len(r) > HOST_SIZE:
-        raise TooCostly("range too long")
-    return list(r)
-
-
-def _safe_sum(items, start=0):
-    """sum(): numbers as Python adds them; sequences (sum(lists, [])) only while their repeated concatenation,
-    quadratic, stays bounded."""
-    items = list(items)
-    if all(isinstance(x, _NUMBER) for x in [*items, start]):
-        if any(isinstance(x, int) and x.bit_length() > INT_BITS for x in items):
-            raise TooCostly("int too large")
-        return sum(items, start)
-    total, work = _weight(start), 0
-    for x in items:
-        total += _weight(x)
-        work += total
-        if total > HOST_SIZE or work > 10 * HOST_SIZE:
-            raise TooCostly("sum too large")
-    return sum(items, start)
-
-
-def _safe_round(x, ndigits=None):
-    if ndigits is not None and isinstance(ndigits, int) and abs(ndigits) > 1000:   # round(5, -10**9): 10**10**9
-        raise TooCostly("round: too many digits")
-    return round(x) if ndigits is None else round(x, ndigits)
-
-
-def _safe_int(*args):
-    value = int(*args)
-    if value.bit_length() > INT_BITS:           # (int(str) in base 2, 4, 16... is linear: bounded after)
-        raise TooCostly("int too large")
-    return value
-
-
-_FORMAT_SPEC = re.compile(rb"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?(.)", re.DOTALL)
-
-
-def _format_size(fmt: str | bytes, args) -> int:
-    """An upper bound of the length of `fmt % args`, found before formatting: the format's own length, its
-    widths and precisions, and the text of every argument. A width or precision taken from the arguments (*)
-    is refused."""
-    raw = fmt.encode("utf-8", "surrogatepass") if isinstance(fmt, str) else fmt
-    size = len(raw)
-    for m in _FORMAT_SPEC.finditer(raw):
-        if b"*" in (m.group(1) or b"") + (m.group(2) or b""):
-            raise TooCostly("%-format with * width")
-        size += sum(int(g) for g in (m.group(1), m.group(2)) if g and g.isdigit())
-        if size > HOST_SIZE:
-            raise TooCostly("%-format too large")
-    values = args.values() if isinstance(args, dict) else (args if isinstance(args, tuple) else (args,))
-    for v in values:
-        size += 400 + 8 * _weight(v)          # %s of a container: its repr; a float's %f: up to 309 digits
-        if size > HOST_SIZE:
-            raise TooCostly("%-format too large")
-    return size
-
-
-def _binop(op: ast.operator, a, b):
-    """a <op> b on the host, refused before it is done when its result would pass HOST_SIZE or INT_BITS."""
-    kind = type(op)
-    if kind is ast.Mult:
-        for seq, n in ((a, b), (b, a)):
-            if isinstance(seq, _SEQUENCE) and isinstance(n, int) and n > 0 and _weight(seq) * n > HOST_SIZE:
-                raise TooCostly("repetition too large")
-        if isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > INT_BITS:
-            raise TooCostly("product too large")
-    elif kind is ast.Add:
-        if isinstance(a, _SEQUENCE) and isinstance(b, _SEQUENCE) and _weight(a) + _weight(b) > HOST_SIZE:
-            raise TooCostly("concatenation too large")
-    elif kind is ast.Pow:
-        if isinstance(b, int) and abs(b) > 10_000:
-            raise TooCostly("exponent too large")
-        if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and a.bit_length() * b > INT_BITS:
-            raise TooCostly("power too large")
-    elif kind is ast.Mod and isinstance(a, str | bytes):
-        if len(a) > FORMAT_CHARS:               # (reading its specs is quadratic in `%(`s: a real format is short)
-            raise TooCostly("%-format too long")
-        _format_size(a, b)
-    elif kind is ast.LShift and isinstance(a, int) and isinstance(b, int) and b > 0 and \
-            a.bit_length() + b > INT_BITS:
-        raise TooCostly("shift too large")
-    result = _BIN[kind](a, b)
-    if isinstance(result, int) and result.bit_length() > INT_BITS:
-        raise TooCostly("int too large")
-    return _light(result)
-
-
-# What an assert may compute on the host, around what the code returns: Python's own builtins, never the code's.
-_HOST_FUNCS = {"abs": abs, "len": len, "sorted": sorted, "list": list, "tuple": tuple, "str": _safe_text(str),
-               "int": _safe_int, "float": float, "bool": bool, "complex": complex, "round": _safe_round, "min": min,
-               "max": max, "sum": _safe_sum, "all": all, "any": any, "set": _safe_set, "frozenset": _safe_frozenset,
-               "dict": _safe_dict, "reversed": lambda x: list(reversed(x)), "range": _small_range,
-               "enumerate": lambda *a: list(enumerate(*a)), "zip": lambda *a: list(zip(*a, strict=False)),
-               "repr": _safe_text(repr), "ord": ord, "chr": chr, "type": type}
-_TYPES = {"int": int, "str": str, "float": float, "bool": bool, "complex": complex, "list": list, "tuple": tuple,
-          "dict": dict, "set": set, "frozenset": frozenset}      # (a value the sandbox returns is of these exactly)
-
-
-def _isinstance(value, kinds) -> bool:
-    if not all(k in _TYPES.values() or k is type(None) for k in (kinds if isinstance(kinds, tuple) else (kinds,))):
-        raise ValueError("not computable on the host: isinstance of another type")
-    return isinstance(value, kinds)
-
-
-_HOST_FUNCS["isinstance"] = _isinstance
-_MATH = {name: getattr(math, name) for name in ("isclose", "sqrt", "floor", "ceil", "fabs", "log", "log2", "log10",
-                                                "exp", "isnan", "isinf", "isfinite", "gcd", "pi", "e", "inf", "nan")}
-_HOST_NAMES = {*_HOST_FUNCS, "math", "True", "False", "None"}
+_HOST_NAMES = {*HOST_FUNCS, "math", "True", "False", "None"}
 # The host's builtins the code being judged defines itself (a task "write `max`"): called on literals they are the
 # code's, run in its sandbox (Python's on the expected side: _expected_side), so the code is what is tested;
 # called on the code's values (isinstance(f(), int)) they check it, and stay the host's.
@@ -263,36 +74,26 @@ def _mentions_code(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
     return bool(_free_names(node) - (_HOST_NAMES - SHADOWED.get()) - bound)
 
 
-# Methods computed here on a value the sandbox returned (exact built-in types: no method of the code's runs),
-# each bounded before it is done (_method); the code's own `startswith` cannot decide an assert.
-_METHODS = {str: {"startswith", "endswith", "upper", "lower", "strip", "lstrip", "rstrip", "split", "rsplit",
-                  "splitlines", "count", "find", "rfind", "index", "rindex", "isdigit", "isalpha", "isalnum",
-                  "isspace", "islower", "isupper", "isnumeric", "isdecimal", "istitle", "title", "capitalize",
-                  "swapcase", "casefold", "partition", "rpartition", "removeprefix", "removesuffix", "join",
-                  "replace"},
-            list: {"count", "index"}, tuple: {"count", "index"}, dict: {"get"},
-            set: {"issubset", "issuperset", "isdisjoint"}, frozenset: {"issubset", "issuperset", "isdisjoint"}}
-_METHOD_NAMES = frozenset().union(*_METHODS.values())
 _HOST_NODES = (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.UnaryOp, ast.BinOp, ast.BoolOp, ast.Compare,
                ast.IfExp, ast.Subscript, ast.Slice, ast.Call, ast.Attribute, ast.Name, ast.keyword, ast.Lambda,
                ast.expr_context, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
 
 
 def _method_call(node: ast.AST) -> bool:
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _METHOD_NAMES \
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in METHOD_NAMES \
         and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "math")
 
 
 def _host_computable(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool:
     """Whether _host_eval computes `node` itself, given values for the names in `bound` (a literal's method
-    that is not _METHODS', `'{}'.format(1)`, is not: it runs in the sandbox that never holds the code)."""
+    that is not METHODS', `'{}'.format(1)`, is not: it runs in the sandbox that never holds the code)."""
     if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp):      # (no code in it: computed here)
         gen = node.generators[0]
         if len(node.generators) != 1 or gen.is_async or (targets := _targets(gen.target)) is None:
             return False
         inner = bound | frozenset(targets)
         return _host_computable(gen.iter, bound) and all(_host_computable(c, inner) for c in [*gen.ifs, node.elt])
-    if not isinstance(node, _HOST_NODES) or (isinstance(node, ast.BinOp) and type(node.op) not in _BIN):
+    if not isinstance(node, _HOST_NODES) or (isinstance(node, ast.BinOp) and type(node.op) not in BIN):
         return False
     if isinstance(node, ast.Lambda):
         a = node.args
@@ -307,7 +108,7 @@ def _host_computable(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool
         if not _host_call(node):
             return False
     elif isinstance(node, ast.Attribute):
-        return isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _MATH
+        return isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in MATH
     elif isinstance(node, ast.Name):
         return (node.id in _HOST_NAMES and node.id not in SHADOWED.get()) or node.id in bound
     elif isinstance(node, ast.Dict) and any(k is None for k in node.keys):
@@ -315,32 +116,13 @@ def _host_computable(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool
     return all(_host_computable(c, bound) for c in ast.iter_child_nodes(node))
 
 
-def _method(value, name: str, args: list, kwargs: dict):
-    """value.name(*args) for a value of an exact built-in type and one of its _METHODS, bounded before it is done."""
-    if name not in _METHODS.get(type(value), ()):
-        raise ValueError(f"not computable on the host: {type(value).__name__}.{name}")
-    if type(value) in (set, frozenset):            # (a list argument is made a set here: its hashes checked first)
-        args = [a if type(a) in (set, frozenset) else _safe_set(a) for a in args]
-    if name == "join":
-        items = list(args[0]) if len(args) == 1 else []
-        if len(args) != 1 or not all(type(x) is str for x in items):
-            raise TypeError("join takes one sequence of text")
-        if len(value) * len(items) + sum(map(len, items)) > HOST_SIZE:
-            raise TooCostly("join too large")
-        args = [items]
-    if name == "replace" and len(args) >= 2 and type(args[0]) is str and type(args[1]) is str and \
-            len(value) + (value.count(args[0]) + 1) * len(args[1]) > HOST_SIZE:
-        raise TooCostly("replace too large")
-    return _light(getattr(value, name)(*args, **kwargs))
-
-
 def _host_call(node: ast.Call) -> bool:
     f = node.func
     if isinstance(f, ast.Name) and f.id in SHADOWED.get():       # (the code's `max` on literals; ours as a checker)
         return any(_free_names(a) - _HOST_NAMES for a in [*node.args, *(k.value for k in node.keywords)])
-    return ((isinstance(f, ast.Name) and f.id in _HOST_FUNCS)
+    return ((isinstance(f, ast.Name) and f.id in HOST_FUNCS)
             or (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "math"
-                and f.attr in _MATH))
+                and f.attr in MATH))
 
 
 def _split(node: ast.expr, inside: list[ast.expr], names=(frozenset(), frozenset()), bound=frozenset()) -> None:
@@ -485,15 +267,15 @@ def _host_eval(node: ast.AST, got: dict[int, object]):
         items = [ev(e) for e in node.elts]
         return items if isinstance(node, ast.List) else tuple(items)
     if isinstance(node, ast.Set):
-        return _safe_set([ev(e) for e in node.elts])
+        return safe_set([ev(e) for e in node.elts])
     if isinstance(node, ast.Dict):
         if any(k is None for k in node.keys):
             raise ValueError("not computable on the host: **")
-        return _safe_dict(list(zip([ev(k) for k in node.keys], [ev(v) for v in node.values], strict=True)))
+        return safe_dict(list(zip([ev(k) for k in node.keys], [ev(v) for v in node.values], strict=True)))
     if isinstance(node, ast.UnaryOp):
-        return _UNARY[type(node.op)](ev(node.operand))
-    if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
-        return _binop(node.op, ev(node.left), ev(node.right))
+        return UNARY[type(node.op)](ev(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in BIN:
+        return binop(node.op, ev(node.left), ev(node.right))
     if isinstance(node, ast.BoolOp):
         value = None
         for v in node.values:
@@ -505,27 +287,27 @@ def _host_eval(node: ast.AST, got: dict[int, object]):
         left = ev(node.left)
         for op, comp in zip(node.ops, node.comparators, strict=True):
             right = ev(comp)
-            if not _CMP[type(op)](left, right):
+            if not CMP[type(op)](left, right):
                 return False
             left = right
         return True
     if isinstance(node, ast.IfExp):
         return ev(node.body) if ev(node.test) else ev(node.orelse)
     if isinstance(node, ast.Subscript):
-        return _light(ev(node.value)[ev(node.slice)])
+        return light(ev(node.value)[ev(node.slice)])
     if isinstance(node, ast.Slice):
         return slice(*(None if p is None else ev(p) for p in (node.lower, node.upper, node.step)))
     if isinstance(node, ast.Lambda):                                  # (a key= of sorted, min, max)
         names = [a.arg for a in node.args.args]
         return lambda *a: _host_eval(node.body, {**got, **{("name", n): v for n, v in zip(names, a, strict=True)}})
     if _method_call(node):
-        return _method(ev(node.func.value), node.func.attr, [ev(a) for a in node.args],
+        return method(ev(node.func.value), node.func.attr, [ev(a) for a in node.args],
                        {k.arg: ev(k.value) for k in node.keywords})
     if isinstance(node, ast.Call) and _host_call(node):
-        fn = _HOST_FUNCS[node.func.id] if isinstance(node.func, ast.Name) else _MATH[node.func.attr]
-        return _light(fn(*[ev(a) for a in node.args], **{k.arg: ev(k.value) for k in node.keywords}))
+        fn = HOST_FUNCS[node.func.id] if isinstance(node.func, ast.Name) else MATH[node.func.attr]
+        return light(fn(*[ev(a) for a in node.args], **{k.arg: ev(k.value) for k in node.keywords}))
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math":
-        return _MATH[node.attr]
+        return MATH[node.attr]
     if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp):
         if hasattr(node, "inside") and id(node.inside) in got:
             return _host_comprehension(node, got)
@@ -537,10 +319,10 @@ def _host_eval(node: ast.AST, got: dict[int, object]):
         return _host_rows(node, rows, got)
     if isinstance(node, ast.Name) and ("name", node.id) in got:          # (a comprehension's binding)
         return got[("name", node.id)]
-    if isinstance(node, ast.Name) and node.id in _TYPES:
-        return _TYPES[node.id]
-    if isinstance(node, ast.Name) and node.id in _HOST_FUNCS:          # (key=len)
-        return _HOST_FUNCS[node.id]
+    if isinstance(node, ast.Name) and node.id in TYPES:
+        return TYPES[node.id]
+    if isinstance(node, ast.Name) and node.id in HOST_FUNCS:          # (key=len)
+        return HOST_FUNCS[node.id]
     if hasattr(node, "as_generator"):
         return ev(node.as_generator)
     if isinstance(node, ast.Name) and node.id in ("True", "False", "None"):
@@ -577,7 +359,7 @@ def _host_rows(node, rows: list, got: dict):
     each element and all of them bounded."""
     gen = node.generators[0]
     names, asks, parts = _targets(gen.target), getattr(node, "asks", []), getattr(node, "parts", [])
-    out, weight = [], 0
+    out, total = [], 0
     for binding, asked, values in rows:
         env = {**got, **{("name", n): v for n, v in zip(names, binding, strict=True)}}
         env.update({id(q): v for q, v in zip(asks, asked, strict=True)})
@@ -587,10 +369,10 @@ def _host_rows(node, rows: list, got: dict):
             raise ValueError("a row the sandbox skipped")
         env.update({id(p): v for p, v in zip(parts, values, strict=True)})
         out.append(_host_eval(node.elt, env))
-        weight += _weight(out[-1])
-        if weight > HOST_SIZE:                          # (each element bounded, and all of them together)
+        total += weight(out[-1])
+        if total > HOST_SIZE:                          # (each element bounded, and all of them together)
             raise TooCostly("comprehension too large")
-    return _safe_set(out) if isinstance(node, ast.SetComp) else out
+    return safe_set(out) if isinstance(node, ast.SetComp) else out
 
 
 def _unroll(node: ast.expr) -> ast.expr:
@@ -721,49 +503,3 @@ def _expected_side(node: ast.expr, setup_names: frozenset[str], code_names: froz
     if not names <= setup_names | _BUILTIN_NAMES:
         return False
     return at_expected or not (names - setup_names) & code_names
-
-
-def bounded_literal(text: str):
-    """A literal written by the sandboxed code, read with bounded work: at most LITERAL_CHARS characters and
-    LITERAL_DEPTH levels, ints of at most INT_BITS bits, and sets and dicts whose values do not collide in
-    their hashes (_check_hashes: more than BUCKET_MAX distinct values of one hash make every insertion and
-    comparison quadratic), all checked while it is built, before any set or dict is. The same bounds hold for
-    what the host computes from it (_binop, the _safe_* builtins)."""
-    if len(text) > LITERAL_CHARS:
-        raise TooCostly("value too large")
-    return _literal(ast.parse(text.strip(), mode="eval").body, 0)
-
-
-def _literal(node: ast.AST, depth: int):
-    if depth > LITERAL_DEPTH:
-        raise TooCostly("value nested too deeply")
-    if isinstance(node, ast.Constant):
-        value = node.value
-        if isinstance(value, int) and value.bit_length() > INT_BITS:
-            raise TooCostly("int too large")
-        if value is Ellipsis:
-            raise ValueError("not a literal")
-        return value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd) \
-            and isinstance(node.operand, ast.Constant) and type(node.operand.value) in _NUMBER:
-        return _UNARY[type(node.op)](node.operand.value)
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub) \
-            and isinstance(node.right, ast.Constant) and type(node.right.value) is complex:   # (1+2j)
-        left = _literal(node.left, depth + 1)
-        if type(left) not in (int, float) or (isinstance(left, int) and left.bit_length() > 64):
-            raise ValueError("not a literal")
-        return _BIN[type(node.op)](left, node.right.value)
-    if isinstance(node, ast.List | ast.Tuple):
-        items = [_literal(e, depth + 1) for e in node.elts]
-        return items if isinstance(node, ast.List) else tuple(items)
-    if isinstance(node, ast.Set):
-        return set(_check_hashes([_literal(e, depth + 1) for e in node.elts]))
-    if isinstance(node, ast.Dict):
-        if any(k is None for k in node.keys):
-            raise ValueError("not a literal")
-        keys = _check_hashes([_literal(k, depth + 1) for k in node.keys])
-        return dict(zip(keys, [_literal(v, depth + 1) for v in node.values], strict=True))
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "set" \
-            and not node.args and not node.keywords:
-        return set()
-    raise ValueError(f"not a literal: {type(node).__name__}")
