@@ -88,20 +88,16 @@ def _host_computable(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool
     """Whether _host_eval computes `node` itself, given values for the names in `bound` (a literal's method
     that is not METHODS', `'{}'.format(1)`, is not: it runs in the sandbox that never holds the code)."""
     if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp):      # (no code in it: computed here)
-        gen = node.generators[0]
-        if len(node.generators) != 1 or gen.is_async or (targets := _targets(gen.target)) is None:
+        if (one := _one_for(node)) is None:
             return False
-        inner = bound | frozenset(targets)
+        gen, inner = one[0], bound | frozenset(one[1])
         return _host_computable(gen.iter, bound) and all(_host_computable(c, inner) for c in [*gen.ifs, node.elt])
     if not isinstance(node, _HOST_NODES) or (isinstance(node, ast.BinOp) and type(node.op) not in BIN):
         return False
     if isinstance(node, ast.Lambda):
-        a = node.args
-        if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs:
-            return False
-        return _host_computable(node.body, bound | {x.arg for x in a.args})
+        return (args := _lambda_args(node)) is not None and _host_computable(node.body, bound | frozenset(args))
     if isinstance(node, ast.Call):
-        if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+        if not _plain_call(node):
             return False
         if _method_call(node):
             return all(_host_computable(n, bound) for n in [node.func.value, *node.args, *node.keywords])
@@ -114,6 +110,17 @@ def _host_computable(node: ast.AST, bound: frozenset[str] = frozenset()) -> bool
     elif isinstance(node, ast.Dict) and any(k is None for k in node.keys):
         return False
     return all(_host_computable(c, bound) for c in ast.iter_child_nodes(node))
+
+
+def _lambda_args(fn: ast.Lambda) -> list[str] | None:
+    """A lambda's argument names, when it takes positional arguments only (no defaults, *args, **kw)."""
+    a = fn.args
+    return None if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs else [x.arg for x in a.args]
+
+
+def _plain_call(node: ast.Call) -> bool:
+    """A call without *args or **kwargs: its arguments are the nodes it shows."""
+    return not any(isinstance(a, ast.Starred) for a in node.args) and all(k.arg is not None for k in node.keywords)
 
 
 def _host_call(node: ast.Call) -> bool:
@@ -139,8 +146,7 @@ def _split(node: ast.expr, inside: list[ast.expr], names=(frozenset(), frozenset
         return
     if isinstance(node, ast.Compare | ast.BinOp | ast.UnaryOp | ast.BoolOp | ast.IfExp | ast.List | ast.Tuple
                   | ast.Set | ast.Dict | ast.Subscript | ast.Slice) or (isinstance(node, ast.Call) and (
-                      _host_call(node) or _method_call(node)) and not any(isinstance(a, ast.Starred) for a in node.args)
-                      and all(k.arg is not None for k in node.keywords)):
+                      _host_call(node) or _method_call(node)) and _plain_call(node)):
         for child in [node.func.value] if _method_call(node) else []:
             _split(child, inside, names, bound)             # (the receiver: its method is computed here)
         for child in ast.iter_child_nodes(node):
@@ -164,7 +170,7 @@ def _split(node: ast.expr, inside: list[ast.expr], names=(frozenset(), frozenset
         return
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("map", "filter") and \
             node.func.id not in names[1]:
-        if not bound and (gen := _as_generator(node)) is not None and _inside_comprehension(gen, names) is not None:
+        if not bound and (gen := _as_generator(node)) is not None:
             node.as_generator = gen                 # (map(lambda x: f(x) == y, xs): the lambda's body on the host)
             _split(gen, inside, names, bound)
             return
@@ -194,13 +200,12 @@ def _as_generator(node: ast.Call) -> ast.GeneratorExp | None:
     xs); filter(f, xs) as (x for x in xs if f(x)); else None."""
     keep = node.func.id == "filter"
     fn, its = (node.args[0], node.args[1:]) if node.args else (None, [])
-    if node.keywords or not its or (keep and len(its) != 1) or any(isinstance(a, ast.Starred) for a in node.args):
+    if node.keywords or not its or (keep and len(its) != 1) or not _plain_call(node):
         return None
     if isinstance(fn, ast.Lambda):
-        a = fn.args
-        if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs or len(a.args) != len(its):
+        if (xs := _lambda_args(fn)) is None or len(xs) != len(its):
             return None
-        xs, body = [p.arg for p in a.args], fn.body
+        body = fn.body
     else:
         xs = [f"_rlflow_item{k}" for k in range(len(its))]
         body = ast.Name(xs[0], ast.Load()) if keep and isinstance(fn, ast.Constant) and fn.value is None else \
@@ -222,30 +227,34 @@ def _targets(target: ast.expr) -> list[str] | None:
     return None
 
 
+def _one_for(node) -> tuple[ast.comprehension, list[str]] | None:
+    """A comprehension's one `for` and the distinct names it binds; None for more `for`s, async, other targets."""
+    gen = node.generators[0]
+    targets = _targets(gen.target)
+    if len(node.generators) != 1 or gen.is_async or targets is None or len(set(targets)) != len(targets):
+        return None
+    return gen, targets
+
+
 def _inside_comprehension(node, names, outer: list | None = None) -> ast.expr | None:
     """What the sandbox evaluates for `[elt for x in it if c]`: `[((x,), (q1, ...), (p1, ...) if c else None) for x
     in it]`, the bindings, the parts of c and of elt that need the code (plain values; elt's only where c holds);
     the host then computes c and elt from them, so the code's __eq__, a patched builtin, cannot decide it. None (run
     whole, the weaker form): more than one `for`, targets other than names, an `if` that needs the code and may
     stop half way (and/or, a conditional)."""
-    if len(node.generators) != 1 or node.generators[0].is_async:
+    if (one := _one_for(node)) is None or any(isinstance(n, ast.NamedExpr) for n in ast.walk(node)):
         return None
-    gen = node.generators[0]
-    targets = _targets(gen.target)
-    if targets is None or len(set(targets)) != len(targets):
-        return None
+    (gen, targets), outer = one, [] if outer is None else outer
     bound = frozenset(targets)
-    if any(isinstance(n, ast.NamedExpr) for n in ast.walk(node)):
-        return None
-    asks = _Parts(outer if outer is not None else [], names)
+    asks = _Parts(outer, names)
     for c in gen.ifs:
         if _mentions_code(c, bound) and not any(isinstance(n, ast.BoolOp | ast.IfExp) for n in ast.walk(c)):
             _split(c, asks, names, bound)            # (an `if` is asked of every item: its parts too)
         elif _mentions_code(c, bound) or not _host_computable(c, bound):
             return None
-    parts = _Parts(outer if outer is not None else [], names)
+    parts = _Parts(outer, names)
     _split(node.elt, parts, names, bound)
-    node.parts, node.asks, node.names = parts, asks, targets
+    node.parts, node.asks = parts, asks
     load = [ast.Name(n, ast.Load()) for n in targets]
     values = ast.Tuple(list(parts), ast.Load())
     kept = values if not gen.ifs else ast.IfExp(ast.BoolOp(ast.And(), gen.ifs) if len(gen.ifs) > 1 else gen.ifs[0],
@@ -298,7 +307,7 @@ def _host_eval(node: ast.AST, got: dict[int, object]):
     if isinstance(node, ast.Slice):
         return slice(*(None if p is None else ev(p) for p in (node.lower, node.upper, node.step)))
     if isinstance(node, ast.Lambda):                                  # (a key= of sorted, min, max)
-        names = [a.arg for a in node.args.args]
+        names = _lambda_args(node)
         return lambda *a: _host_eval(node.body, {**got, **{("name", n): v for n, v in zip(names, a, strict=True)}})
     if _method_call(node):
         return method(ev(node.func.value), node.func.attr, [ev(a) for a in node.args],
@@ -309,13 +318,10 @@ def _host_eval(node: ast.AST, got: dict[int, object]):
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math":
         return MATH[node.attr]
     if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp):
-        if hasattr(node, "inside") and id(node.inside) in got:
+        if hasattr(node, "inside"):
             return _host_comprehension(node, got)
         gen = node.generators[0]                  # (one of literals, computed here: _host_computable)
-        names = _targets(gen.target)
-        rows = [((item,) if isinstance(gen.target, ast.Name) else tuple(item), (), ()) for item in ev(gen.iter)]
-        if any(len(binding) != len(names) for binding, _, _ in rows):
-            raise ValueError("not as many values as names to bind")
+        rows = [(_binding(gen.target, item), (), ()) for item in ev(gen.iter)]
         return _host_rows(node, rows, got)
     if isinstance(node, ast.Name) and ("name", node.id) in got:          # (a comprehension's binding)
         return got[("name", node.id)]
@@ -337,8 +343,8 @@ def _host_comprehension(node, got: dict):
     rows = got[id(node.inside)]
     gen = node.generators[0]
     if not isinstance(rows, list) or not all(isinstance(r, tuple) and len(r) == 3 and isinstance(r[0], tuple)
-                                             and len(r[0]) == len(node.names) and isinstance(r[1], tuple)
-                                             and len(r[1]) == len(node.asks) for r in rows):
+                                             and isinstance(r[1], tuple) and len(r[1]) == len(node.asks)
+                                             for r in rows):
         raise ValueError("not the rows of a comprehension")
     if hasattr(node, "checked_iter") or getattr(node, "host_iter", False):
         # (the setup's table: its value from the no-code run; a set's order is each process's own: as a multiset)
@@ -347,7 +353,7 @@ def _host_comprehension(node, got: dict):
         else:
             items = _host_eval(gen.iter, got)
             unordered = isinstance(items, set | frozenset)
-        want = [(item,) if isinstance(gen.target, ast.Name) else tuple(item) for item in items]
+        want = [_binding(gen.target, item) for item in items]
         have = [row[0] for row in rows]
         if want != have and not (unordered and sorted(map(repr, want)) == sorted(map(repr, have))):
             raise ValueError("a comprehension's rows are not its iterable's")
@@ -359,9 +365,11 @@ def _host_rows(node, rows: list, got: dict):
     each element and all of them bounded."""
     gen = node.generators[0]
     names, asks, parts = _targets(gen.target), getattr(node, "asks", []), getattr(node, "parts", [])
-    out, total = [], 0
+    out, total, env = [], 0, dict(got)          # (each row sets every name and if-part; element-parts where used)
     for binding, asked, values in rows:
-        env = {**got, **{("name", n): v for n, v in zip(names, binding, strict=True)}}
+        if len(binding) != len(names):
+            raise ValueError("not as many values as names to bind")
+        env.update({("name", n): v for n, v in zip(names, binding, strict=True)})
         env.update({id(q): v for q, v in zip(asks, asked, strict=True)})
         if not all(_host_eval(c, env) for c in gen.ifs):
             continue
@@ -373,6 +381,11 @@ def _host_rows(node, rows: list, got: dict):
         if total > HOST_SIZE:                          # (each element bounded, and all of them together)
             raise TooCostly("comprehension too large")
     return safe_set(out) if isinstance(node, ast.SetComp) else out
+
+
+def _binding(target: ast.expr, item) -> tuple:
+    """What a `for` binds of one item, in its names' order (x: the item; x, y: its values)."""
+    return (item,) if isinstance(target, ast.Name) else tuple(item)
 
 
 def _unroll(node: ast.expr) -> ast.expr:
