@@ -102,10 +102,11 @@ def looks_local(path: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def load_table(path: str, name: str | None, split: str, field: str = "data.path", text: tuple[str, ...] = ()):
+def load_table(path: str, name: str | None, split: str, field: str = "data.path",
+               text_columns: tuple[str, ...] = ()):
     """A local data file or a hub dataset, as `datasets` loads it (once per arguments in this process); a mistake is
     one UserError line naming `field` (data.path, eval.path, warmup.path: the warm start's demonstrations).
-    `text`: columns a CSV holds as text whatever its cells look like (the prompt column: `12` is a prompt)."""
+    `text_columns`: columns a CSV holds as text whatever its cells look like (the prompt column: `12` is a prompt)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -121,8 +122,9 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
                 raise UserError(f"{field}: {path}: not a regular file (a named pipe, a device or a socket); expected "
                                 f"a .json/.jsonl/.csv/.parquet file")
             small = Path(path).is_file() and Path(path).stat().st_size <= _READ_FIRST_BYTES
-            if small and (fault := _row_fault(Path(path))) is not None:   # (what datasets would misread or say badly)
-                raise UserError(f"{field}: {path}: {fault}")
+            content = _text_of(Path(path)) if small else None           # (read once, for both checks below)
+            if content is not None and (fault := _row_fault(Path(path), content)) is not None:
+                raise UserError(f"{field}: {path}: {fault}")           # (what datasets would misread or say badly)
             # A file up to _READ_FIRST_BYTES is read into memory through a cache folder removed at once: nothing is
             # left in datasets' cache (~/.cache/huggingface) for a file that is refused (a column missing, a bad
             # row) or edited later, and a .map() of it writes no cache files either. A larger one keeps datasets'
@@ -130,7 +132,7 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
             with tempfile.TemporaryDirectory(prefix="rlflow-data-") if small else contextlib.nullcontext() as cache:
                 try:
                     datasets.logging.set_verbosity(datasets.logging.CRITICAL)    # (it logs the error we report)
-                    kinds = _csv_kinds(Path(path), text) if small and suffix == ".csv" else {}
+                    kinds = _csv_kinds(content, text_columns) if content is not None and suffix == ".csv" else {}
                     table = datasets.load_dataset(_LOCAL_FORMATS[suffix], split=split,    # (test[:100]: a slice)
                                                   data_files={split.split("[", 1)[0].strip() or split: path},
                                                   cache_dir=cache, keep_in_memory=small, **kinds)
@@ -259,6 +261,16 @@ def _lone_surrogate(value: Any) -> str | None:
     return None
 
 
+def _text_of(path: Path) -> str | None:
+    """A local .jsonl/.json/.csv file's text (None: another kind, or not UTF-8: _where_unreadable's to say)."""
+    if path.suffix.lower() not in (".jsonl", ".json", ".csv"):
+        return None
+    try:
+        return path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None
+
+
 def _row_fault(path: Path, text: str | None = None) -> str | None:
     """What keeps a local .jsonl/.json/.csv file from being read as the rows it holds, with where, or None: a
     line that is not JSON, a row that is not a JSON object (a JSON array of strings would be read as a column
@@ -266,13 +278,8 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
     line with more or fewer fields than its header (pandas would make the extra ones the index: each row
     shifted). Text that is not UTF-8 is _where_unreadable's to say."""
     suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".json", ".csv"):
+    if suffix not in (".jsonl", ".json", ".csv") or (text := _text_of(path) if text is None else text) is None:
         return None
-    if text is None:
-        try:
-            text = path.read_bytes().decode("utf-8-sig")
-        except UnicodeDecodeError:
-            return None
     if suffix == ".csv":
         import csv
         import io
@@ -342,7 +349,7 @@ _CSV_FLOAT = re.compile(r"-?(0|[1-9][0-9]*)?(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 _CSV_BOOL = {"true", "false", "True", "False", "TRUE", "FALSE"}
 
 
-def _csv_kinds(path: Path, text: tuple[str, ...] = ()) -> dict:
+def _csv_kinds(content: str, text_columns: tuple[str, ...] = ()) -> dict:
     """How a small CSV file's columns are read (load_dataset's keyword arguments): a column is a number only
     where every filled cell is written as that number is (pandas read `007` as 7 and a prompt `12` as an int), a
     truth value where each is true/false, else text as written (pandas read `NA`, `null`, `nan` and `None` as
@@ -353,8 +360,8 @@ def _csv_kinds(path: Path, text: tuple[str, ...] = ()) -> dict:
     import datasets
 
     try:
-        records = list(csv.reader(io.StringIO(path.read_bytes().decode("utf-8-sig"))))
-    except (UnicodeDecodeError, csv.Error):
+        records = list(csv.reader(io.StringIO(content)))
+    except csv.Error:
         return {}                                          # (said as datasets says it)
     if not records or len(set(records[0])) != len(records[0]) or not all(records[0]):
         return {}
@@ -363,7 +370,7 @@ def _csv_kinds(path: Path, text: tuple[str, ...] = ()) -> dict:
     blanks = {name: any(len(r) <= i or r[i] == "" for r in rows) for i, name in enumerate(records[0])}
 
     def kind(name: str, cells: list[str]) -> str:
-        if not cells or name in text:
+        if not cells or name in text_columns:
             return "large_string"
         if all(_CSV_INT.fullmatch(c) for c in cells):
             if not all(len(c) <= 20 and -2**63 <= int(c) < 2**63 for c in cells):
