@@ -7,7 +7,6 @@ models:/NAME/latest, models:/NAME@champion). What it writes: tasks/core/policy.p
 from __future__ import annotations
 
 import contextlib
-import re
 from pathlib import Path
 
 from tasks.core.errors import UserError
@@ -49,7 +48,7 @@ def cmd_export(args) -> int:
         key = store.get_pointer(pointer)
         if key is None:
             raise UserError(f"VERSION: run {run!r} has no {version} policy in {store.uri(run)}")
-        if not re.fullmatch(re.escape(f"{run}/policy/v") + r"[0-9]{6,}", key):      # (a pointer edited by hand)
+        if not _policy_of(run, key):                                             # (a pointer edited by hand)
             raise CorruptArtifact(pointer, f"{store.uri(pointer)} names {key}, not a policy of run {run!r}")
     elif version.startswith("models:/"):
         key = _mlflow_policy(cfg, store, version)
@@ -72,6 +71,16 @@ def cmd_export(args) -> int:
     if registered is not None:
         print(f"registered: {_attach_gguf(cfg, registered, dest, done['quant'])}")
     return 0
+
+
+def _policy_of(run: str, key: str) -> bool:
+    """Whether `key` names one of run `run`'s published policies (layout.policy's own form)."""
+    from tasks.core import layout
+
+    try:
+        return key == layout.policy(run, layout.version_of(key))
+    except (ValueError, IndexError):
+        return False
 
 
 @contextlib.contextmanager
