@@ -421,11 +421,12 @@ def policy_gguf(cfg: Config, store, key: str, dest: Path, quant: str) -> dict:
     quiet_progress_bars()
     folder = materialize(store, key)
     lora = (folder / ADAPTER_CONFIG).exists()
+    base = base_path(cfg) if lora else None              # (resolved once, for the check and the config)
     if lora and (trained := json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")) \
-            and Path(trained).exists() and Path(trained).resolve() != Path(base_path(cfg)).resolve():
+            and Path(trained).exists() and Path(trained).resolve() != Path(base).resolve():
         raise UserError(f"model.name_or_path: the adapter {key} was trained on {trained}, not on the config's "
-                        f"{cfg.model.name_or_path} ({base_path(cfg)}): merged into it, it would be other weights")
-    gguf.exportable(AutoConfig.from_pretrained(base_path(cfg) if lora else folder))
+                        f"{cfg.model.name_or_path} ({base}): merged into it, it would be other weights")
+    gguf.exportable(AutoConfig.from_pretrained(base if lora else folder))
     if lora:
         model = load_policy(cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "float32"})}),
                             str(folder), torch.device("cpu")).merge_and_unload()
