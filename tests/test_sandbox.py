@@ -1360,3 +1360,109 @@ def test_a_function_named_like_a_builtin_the_host_computes_is_the_codes(quick_sa
     checker = {"test_list": ["assert isinstance(g(), int)"]}       # (given the code's value: a checker, ours)
     cheat = judge_rows([fence("isinstance = lambda *a: True\ndef g(): return 'x'")], [checker])[0]
     assert cheat.score == 0.0, cheat.reason
+
+
+HUMANEVAL = '''
+
+METADATA = {'author': 'jt', 'dataset': 'test'}
+
+
+def check(candidate):
+    assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) == True
+    assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.05) == False
+    assert candidate([1.0, 2.0, 5.9, 4.0, 5.0], 0.95) == True
+    assert True, "This prints if this assert fails 1 (good for debugging!)"
+
+'''
+HUMANEVAL_LOOP = '''
+def check(candidate):
+    import random
+    assert candidate(0, 1) == 1
+    assert candidate(1, 0) == 1
+    rng = random.Random(0)
+    for _ in range(50):
+        x, y = rng.randint(0, 1000), rng.randint(0, 1000)
+        assert candidate(x, y) == x + y
+'''
+EVALPLUS = '''
+import math
+def assertion(out, exp, atol):
+    assert out == exp or (atol and math.isclose(out, exp, abs_tol=atol))
+def check(candidate):
+    inputs = [[1, 2], [3, 4], [10, 20]]
+    results = [3, 7, 30]
+    for inp, exp in zip(inputs, results):
+        assertion(candidate(*inp), exp, 0)
+check(add)
+'''
+PYTEST_MODULE = '''
+from solution import add as plus
+import pytest
+
+def test_small():
+    """Small numbers."""
+    assert plus(1, 2) == 3
+    assert plus(-1, 1) == 0
+
+def test_loop():
+    for i in range(10):
+        assert plus(i, i) == 2 * i
+
+total = 0
+assert plus(2, 2) == 4
+total = plus(total, 5)
+assert total == 5
+
+if __name__ == "__main__":
+    pytest.main()
+'''
+
+
+def test_humaneval_and_pytest_test_modules_are_cases():
+    """A `test` column (HumanEval's check(candidate) with `entry_point`, pytest's test functions, asserts at a
+    module's top level) was not read: every row scored None ("no tests"). Leading asserts are one case each, the
+    rest of a test function one case; HumanEval's `assert True` pays nothing; a module that does not parse gives
+    none."""
+    count = lambda test, entry=None: len(code_rewards.parse_tests(None, None, None, "", test, entry)[0])  # noqa: E731
+    assert count(HUMANEVAL, "has_close_elements") == 3
+    assert count(HUMANEVAL) == 0                           # (no entry point: check(candidate) cannot be called)
+    assert count(HUMANEVAL_LOOP, "add") == 3
+    assert count(PYTEST_MODULE) == 4                      # two asserts, a loop, the top level's statements
+    assert count(EVALPLUS, "add") == 1
+    assert count("def check(candidate):\n    assert candidate(1) ==", "f") == 0
+    assert code_rewards.judge([fence("def f(x): return x")], test=["not python ("], entry_point=["f"])[0].reason \
+        == "no tests"
+
+
+def test_test_modules_are_judged_on_the_host(quick_sandbox):
+    """Each assert of a test function that loops is recorded inside and computed on the host: an always-equal
+    object, or a `range` the code empties, passes none of them."""
+    close = fence("""
+        def has_close_elements(numbers, threshold):
+            return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])""")
+    add, wrong = fence("def add(x, y):\n    return x + y"), fence("def add(x, y):\n    return x + y if y < 5 else 0")
+    always_equal = fence(ALWAYS_EQUAL + "def add(*a): return A()\nhas_close_elements = add")
+    # right for small sums only, and no loop runs: the loops' asserts are not seen, so they do not pass
+    no_loops = fence("import builtins\nbuiltins.range = lambda *a: iter(())\n"
+                     "def add(x, y): return x + y if x + y < 50 else 0\nhas_close_elements = add")
+    # the test functions' names taken by the code: the row's own are the ones run
+    names = fence("def check(candidate): pass\ndef test_loop(): pass\n_rlflow_test_0 = check\n"
+                  "def add(x, y): return x + y if x + y < 50 else 0\nhas_close_elements = add")
+    rows = [(HUMANEVAL, "has_close_elements"), (HUMANEVAL_LOOP, "add"), (PYTEST_MODULE, None)]
+    for completion, want in [(close, [1.0, None, None]), (add, [None, 1.0, 1.0]), (wrong, [None, 2 / 3, 0.5]),
+                             (always_equal, [0.0, 0.0, 0.0]), (no_loops, [0.0, 2 / 3, 0.75]),
+                             (names, [0.0, 2 / 3, 1.0])]:
+        for (test, entry), score in zip(rows, want, strict=True):
+            if score is None:
+                continue
+            got = code_rewards.code_reward([completion], test=[test], entry_point=[entry])
+            assert got == [pytest.approx(score)], (completion, test[:40], got)
+    # evalplus's helper holds the asserts: the test function passes when it does not raise (the weaker form)
+    assert code_rewards.code_reward([add, wrong], test=[EVALPLUS] * 2, entry_point=["add"] * 2) == [1.0, 0.0]
+    # an assert in a branch that rightly never runs (pytest's "should raise" idiom) is not required; `assert False`
+    # is an assert
+    raises = "def test_raises():\n    try:\n        add(None, 1)\n    except TypeError:\n        pass\n" \
+             "    else:\n        assert False, 'should raise'\ndef test_false():\n    if add(1, 1) == 2:\n" \
+             "        return\n    assert False\n"
+    lenient = fence("def add(x, y):\n    return (x or 0) + y")
+    assert code_rewards.code_reward([add, lenient], test=[raises] * 2) == [1.0, 0.5]

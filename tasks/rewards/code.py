@@ -2,14 +2,14 @@
 
     reward.functions: [{fn: "tasks.rewards.code:code_reward", weight: 1.0}]        # share of tests passed
     reward.functions: [{fn: "tasks.rewards.code:code_reward_all", weight: 1.0}]    # 1 only if all pass
-                                                       # (the same: code_reward with kwargs: {mode: all})
 
     >>> code_reward(["```python\\nprint(sum(map(int, input().split())))\\n```"],
     ...             verification_info=[{"test_cases": [{"type": "stdin_stdout", "input": "1 2\\n", "output": "3\\n"}]}])
     [1.0]
 
 The code is the completion's last ```python block, else its last ``` block; the tests come from the row
-(`verification_info` or `test_list`; neither: None). Verdicts are made on the host (asserts: tasks/scoring/asserts.py)
+(`verification_info`, `test_list`, or a `test` module: HumanEval's check(candidate) with `entry_point`, pytest's
+test_* functions; none: None). Verdicts are made on the host (asserts: tasks/scoring/asserts.py)
 and expected outputs never enter the sandbox (tasks/scoring/sandbox.py, docs/sandbox.md): only a plain value or
 stdout judged here counts. Each completion gets a reason ("passed 3/3", "wrong answer (passed 1/3)"...), code/* metrics.
 More: docs/internals.md (tasks/rewards/code.py): test formats, how each verdict is made, reasons and metrics.
@@ -64,9 +64,9 @@ class Case:
 
 def code_reward(completions: list, verification_info: list | None = None, test_list: list | None = None,
                 test_setup_code: list | None = None, mode: str = "fraction", log_extra=None, log_metric=None,
-                **kwargs) -> list[float | None]:
+                test: list | None = None, entry_point: list | None = None, **kwargs) -> list[float | None]:
     """Share of the row's tests the completion's code passes (mode="all": 1.0 only when all pass)."""
-    verdicts = judge(completions, verification_info, test_list, test_setup_code, mode)
+    verdicts = judge(completions, verification_info, test_list, test_setup_code, mode, test, entry_point)
     log_verdicts(verdicts, log_extra, log_metric)
     return [v.score for v in verdicts]
 
@@ -83,7 +83,8 @@ def code_format_reward(completions: list, **kwargs) -> list[float]:
 
 
 def judge(completions: list, verification_info: list | None = None, test_list: list | None = None,
-          test_setup_code: list | None = None, mode: str = "fraction") -> list[Verdict]:
+          test_setup_code: list | None = None, mode: str = "fraction", test: list | None = None,
+          entry_point: list | None = None) -> list[Verdict]:
     """One Verdict per completion; the completions with code and tests run in parallel sandboxes."""
     if mode not in ("fraction", "all"):
         raise ValueError(f"code_reward: mode must be 'fraction' or 'all', got {mode!r}")
@@ -94,7 +95,8 @@ def judge(completions: list, verification_info: list | None = None, test_list: l
     for j, completion in enumerate(completions):
         code = extract_code(text_of(completion)[:MAX_TEXT])
         try:              # (the host's own reading of the code and the row is bounded; past it: this one scores 0)
-            cases, setup = parse_tests(_at(verification_info, j), _at(test_list, j), _at(test_setup_code, j), code)
+            cases, setup = parse_tests(_at(verification_info, j), _at(test_list, j), _at(test_setup_code, j), code,
+                                       _at(test, j), _at(entry_point, j))
         except (RecursionError, MemoryError, TooDeep) as e:
             verdicts[j] = Verdict(0.0, f"the host cannot read this code: {e or type(e).__name__}")
             continue
@@ -196,7 +198,8 @@ def _at(column: list | None, j: int):
 
 # --------------------------------------------------------------------------------------------- the tests
 
-def parse_tests(verification_info, test_list, test_setup_code, code: str | None) -> tuple[list[Case], str]:
+def parse_tests(verification_info, test_list, test_setup_code, code: str | None, test=None,
+                entry_point=None) -> tuple[list[Case], str]:
     """The row's tests as sandbox tests plus host-side checks, and the setup code run before asserts."""
     cases: list[Case] = []
     info = _as_json(verification_info)
@@ -212,7 +215,185 @@ def parse_tests(verification_info, test_list, test_setup_code, code: str | None)
     for src in tests or []:
         if isinstance(src, str):
             cases += assert_cases(src, setup, code)
+    if isinstance(test, str) and test.strip():
+        more, setup = module_cases(test, entry_point, setup, code)
+        cases += more
     return cases, setup
+
+
+def module_cases(src: str, entry_point, setup: str, code: str | None) -> tuple[list[Case], str]:
+    """A row's test module (a `test` column): HumanEval's `def check(candidate)` called on the row's
+    `entry_point`, pytest's `def test_*()` functions (`from solution import ...` names the code's own), or
+    asserts at its top level; its other top-level statements join the setup. A test function's leading asserts
+    are one case each, judged on the host as test_list's are; the rest of it (loops, locals) is one case that
+    runs inside with each assert recording its parts' values, on which the host then computes the assert
+    (_Recorded). A module that does not parse gives no cases (a broken test in the data is skipped)."""
+    try:
+        body = parsed(src.strip()).body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return [], setup
+    entry = entry_point.strip() if isinstance(entry_point, str) and entry_point.strip().isidentifier() else None
+    kept: list[ast.stmt] = []                 # the module's setup
+    strong: list[ast.Assert] = []             # asserts judged on the host, their expected sides without the code
+    recorded: list[list[ast.stmt]] = []       # test bodies run inside, their asserts recorded
+    top: list[ast.stmt] = []                  # the module's top level from its first assert on
+    for s in body:
+        if isinstance(s, ast.ImportFrom) and s.module == "solution" and not s.level:
+            kept += [ast.Assign([ast.Name(a.asname, ast.Store())], ast.Name(a.name, ast.Load()), lineno=0)
+                     for a in s.names if a.asname and a.name != "*"]
+        elif isinstance(s, ast.Import) and any(a.name == "solution" for a in s.names):
+            kept += ast.parse("\n".join(f"{a.asname or a.name} = __import__('types').SimpleNamespace(**globals())"
+                                        for a in s.names if a.name == "solution")).body
+            kept += [ast.Import([a]) for a in s.names if a.name != "solution"]
+        elif isinstance(s, ast.FunctionDef) and (param := _test_function(s, entry)) is not False:
+            stmts = [_renamed(t, param, entry) for t in s.body if not _inert(t)]
+            kept += [t for t in stmts if isinstance(t, ast.Import | ast.ImportFrom)
+                     and getattr(t, "module", None) != "solution"]
+            stmts = [t for t in stmts if not isinstance(t, ast.Import | ast.ImportFrom)]
+            lead = next((i for i, t in enumerate(stmts) if not isinstance(t, ast.Assert)), len(stmts))
+            strong += stmts[:lead]
+            if stmts[lead:]:
+                recorded.append(stmts[lead:])
+        elif _runs_the_tests(s):
+            continue                          # `check(f)`, `if __name__ == "__main__": ...`: the cases run them
+        elif top or isinstance(s, ast.Assert):
+            top.append(s)
+        else:
+            kept.append(s)
+    if top and all(isinstance(t, ast.Assert) for t in top):
+        strong += top
+    elif top:                                 # asserts among statements: run in order, as one test
+        names = sorted({n.id for t in top for n in ast.walk(t) if isinstance(n, ast.Name)
+                        and isinstance(n.ctx, ast.Store)})
+        recorded.append(([ast.Global(names)] if names else []) + top)
+    kept = [ast.Try([t], [ast.ExceptHandler(ast.Name("ImportError", ast.Load()), None, [ast.Pass()])], [], [])
+            if isinstance(t, ast.Import | ast.ImportFrom) else t for t in kept]    # (a test that needs it fails)
+    module_setup = ast.unparse(ast.fix_missing_locations(ast.Module(kept, [])))
+    setup = "\n".join(p for p in (setup, module_setup) if p.strip())
+    cases = assert_cases("\n".join(ast.unparse(a) for a in strong), setup, code) if strong else []
+    names = (_defined_names(setup) if _closed(setup) else frozenset(), _defined_names(code or ""))
+    functions = []
+    for i, stmts in enumerate(recorded):
+        r = _Recorded(f"_rlflow_test_{i}", stmts, names)
+        functions.append(r.source)
+        cases.append(Case(sandbox.Test(exprs=[f"{r.name}()"]), _values_check(r.passes)))
+    return cases, "\n".join(p for p in (setup, *functions) if p.strip())
+
+
+class _Recorded(ast.NodeTransformer):
+    """A test body that cannot be cut into single asserts (a loop, locals), as a function that runs inside: each
+    assert becomes `_rlflow_seen.append((k, (part, ...)))`, its parts cut as _split cuts a test_list assert,
+    and the function returns what it saw; the host computes each assert on those plain values (so an object of
+    the code's never takes part in a comparison). It passes when each assert it saw held and each assert
+    outside an if/try/match was seen (a loop that a `range` the code patched emptied does not pass). Its expected
+    sides run with the code (a local may be anything the test computed), a weaker form than test_list's; a
+    body whose asserts are all in helpers it calls (evalplus's `assertion`) passes when it does not raise."""
+
+    def __init__(self, name: str, stmts: list[ast.stmt], names):
+        self.name, self.names, self.asserts, self.parts, self.depth = name, names, [], [], 0
+        self.required: set[int] = set()       # asserts that run whenever the body does (in loops: at least once)
+        self.branches, self.jumped = 0, False   # (after a return, break, continue or raise: none required)
+        body = [self.visit(t) for t in stmts]
+        fn = ast.parse(f"def {name}():\n    _rlflow_seen = []\n    return _rlflow_seen").body[0]
+        fn.body[1:1] = body
+        if isinstance(body[0] if body else None, ast.Global):      # (a global statement comes first)
+            fn.body.insert(0, fn.body.pop(1))
+        self.source = ast.unparse(ast.fix_missing_locations(fn))
+
+    def visit_Assert(self, node: ast.Assert) -> ast.stmt:
+        token = SHADOWED.set(shadowing(self.names[1]))
+        try:
+            test, inside = _unroll(node.test), []
+            _split(test, inside, self.names)
+        finally:
+            SHADOWED.reset(token)
+        self.asserts.append(test)
+        self.parts.append(inside)
+        if not self.branches and not self.depth and not self.jumped:
+            self.required.add(len(self.asserts) - 1)
+        rec = ast.parse(f"_rlflow_seen.append(({len(self.asserts) - 1}, ()))").body[0]
+        rec.value.args[0].elts[1].elts = list(inside)
+        return ast.copy_location(rec, node)
+
+    def visit_FunctionDef(self, node):            # (a helper defined in the test: its returns are its own)
+        self.depth += 1
+        try:
+            return self.generic_visit(node)
+        finally:
+            self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_Lambda = visit_FunctionDef
+
+    def visit_If(self, node):                     # (an assert in a branch may rightly never run)
+        self.branches += 1
+        try:
+            return self.generic_visit(node)
+        finally:
+            self.branches -= 1
+
+    visit_Try = visit_TryStar = visit_Match = visit_If
+
+    def visit_Return(self, node: ast.Return) -> ast.stmt:
+        if self.depth:
+            return self.generic_visit(node)
+        self.jumped = True
+        return ast.copy_location(ast.Return(ast.Name("_rlflow_seen", ast.Load())), node)
+
+    def visit_Break(self, node):
+        self.jumped = self.jumped or not self.depth
+        return self.generic_visit(node)
+
+    visit_Continue = visit_Raise = visit_Break
+
+    def passes(self, values: list, wanted: list) -> bool:
+        seen = values[0] if values else None
+        if not isinstance(seen, list) or not self.required <= {r[0] for r in seen if isinstance(r, tuple) and r}:
+            return False                      # (no asserts of its own: in helpers it calls; it must not raise)
+        for record in seen:
+            if not (isinstance(record, tuple) and len(record) == 2 and isinstance(record[0], int)
+                    and 0 <= record[0] < len(self.asserts) and isinstance(record[1], tuple)
+                    and len(record[1]) == len(self.parts[record[0]])):
+                return False
+            k, got = record
+            if not _host_eval(self.asserts[k], {id(n): x for n, x in zip(self.parts[k], got, strict=True)}):
+                return False
+        return True
+
+
+def _test_function(fn: ast.FunctionDef, entry: str | None) -> str | None | bool:
+    """A test function's parameter that stands for the code's function (HumanEval's check(candidate): the
+    entry point is passed), None for pytest's test_*() (no parameters), False for any other function."""
+    a = fn.args
+    plain = not (a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults or fn.decorator_list)
+    if fn.name == "check" and entry and plain and len(a.args) == 1:
+        return a.args[0].arg
+    if fn.name.startswith("test") and plain and not a.args:
+        return None
+    return False
+
+
+def _inert(s: ast.stmt) -> bool:
+    """A docstring, `pass`, or HumanEval's `assert True, "..."` (which would pay any code that runs)."""
+    if isinstance(s, ast.Assert):
+        return isinstance(s.test, ast.Constant) and bool(s.test.value)
+    return isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+
+
+def _renamed(node: ast.stmt, param: str | None, entry: str | None) -> ast.stmt:
+    """HumanEval's `candidate` as the entry point's name."""
+    if param is not None and entry is not None:
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and n.id == param:
+                n.id = entry
+    return node
+
+
+def _runs_the_tests(s: ast.stmt) -> bool:
+    if isinstance(s, ast.If):
+        t = s.test
+        return (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and t.left.id == "__name__")
+    call = s.value if isinstance(s, ast.Expr) else None
+    return isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", "")) in ("check", "main")
 
 
 def _as_json(value):
