@@ -576,3 +576,29 @@ def test_final_reads_a_whole_line_only_for_answers_a_lenient_reading_would_cut()
     rows = {"answer": ["12"] * 3, "question": ["x"] * 3, "metadata": ["{}"] * 3, "answer_format": ["final"] * 3,
             "reasoning_gym": ['{"config": {}, "task": "gsm_symbolic"}'] * 3}
     assert answer_reward(["12 + 5 = 17", "He had 12 apples, so 12 - 4 = 8", "5 + 7 = 12"], **rows) == [0.0, 0.0, 1.0]
+
+
+def test_a_reading_with_several_numbers_is_one_guess_not_two():
+    """gsm_symbolic's checker reads a reading's first number, and the readings gave it the last one too: "21 or
+    20" and "20 or 21" were both paid for 20. Where the row's answer is one number, the last number only."""
+    rows = {"answer": ["20"], "question": ["x"], "metadata": ["{}"], "answer_format": ["final"],
+            "reasoning_gym": ['{"config": {}, "task": "gsm_symbolic"}']}
+    assert answer_reward(["20 or 21", "21 or 20", "20"], **{k: v * 3 for k, v in rows.items()}) == [0.0, 1.0, 1.0]
+    rows["answer_format"] = ["answer_is"]
+    assert answer_reward(["The answer is 20 or 21.", "The answer is 20."], **{k: v * 2 for k, v in rows.items()}) \
+        == [0.0, 1.0]
+
+
+def test_unclosed_answer_tags_are_read_in_linear_time_and_nested_tags_are_out_of_form():
+    """Many "<answer>" never closed: each was searched on to the end (64 KB took ~4 s, 1 MB ~18 min, the stage's
+    whole batch lost at its timeout); <answer><answer>12</answer></answer> was in form."""
+    probe = ("from tasks.rewards.reasoning_gym import format_reward, read_answer\n"
+             "flood = '<answer>' * 100_000\n"
+             "print(format_reward([flood, flood + '1</answer>'], answer_format=['tags'] * 2),\n"
+             "      read_answer(flood, 'tags'), read_answer('<answer>7</answer>' + flood, 'tags'))\n")
+    # (a child, killed if it runs on: the old search never returned to Python, so no alarm could stop it; it
+    # takes milliseconds now, ~10^4 times under the limit)
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["[0.0,", "0.0]", "None", "7"], done.stderr[-2000:]
+    assert format_reward(["<answer><answer>12</answer></answer>", "<answer>12</answer>"],
+                         answer_format=["tags"] * 2) == [0.0, 1.0]

@@ -36,3 +36,53 @@ def test_system_prompt_wraps_plain_text_prompts():
     assert msgs[1] == {"role": "user", "content": "What is 2+2?"}
     chat = [{"role": "user", "content": "hi"}]
     assert prompt_of(cfg, {"question": chat}) == chat                # already chat: unchanged
+
+
+def test_the_final_number_is_read_as_written_not_guessed():
+    """A box whose content held braces was skipped for the text's last number (`\\boxed{\\frac{1}{2}}` paid 2,
+    `\\boxed{\\text{71}} not 72` paid 72; `\\boxed{1{,}000}` read "000"); commas that do not separate thousands
+    made a number (`\\boxed{7,2}` paid 72); a tolerance paid 72.0000001; U+2212 and full-width digits were lost;
+    a box in the reasoning beat the answer after it."""
+    cases = [("\\boxed{\\frac{1}{2}}", "#### 2", 0.0), ("\\boxed{\\text{71}} not 72", "72", 0.0),
+             ("\\boxed{1{,}000}", "1000", 1.0), ("\\boxed{\\$1{,}234}", "1234", 1.0), ("\\boxed{7,2}", "72", 0.0),
+             ("1,0,0", "100", 0.0), ("\\boxed{72.0000001}", "72", 0.0), ("The answer is \u22125", "-5", 1.0),
+             ("\\boxed{\uff14\uff12}", "42", 1.0), ("<think>\\boxed{3}</think> so it is 4", "4", 1.0),
+             ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0), ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),
+             ("answer: 1,000,000", "1000000", 1.0), ("\\boxed{}", "0", 0.0)]
+    for completion, ref, want in cases:
+        assert gsm8k_reward([completion], answer=[ref]) == [want], completion
+    assert boxed_format_reward(["\\boxed{}", "\\boxed{1{,}000}", "\\boxed{\\frac{1}{2}}", "<think>\\boxed{1}</think>"
+                                "\\boxed{2}"]) == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_a_conversation_is_scored_by_its_last_assistant_message():
+    """An episode's turns end with what the environment said: a tool's "72" after the model's \\boxed{71} was
+    paid; content given as a list of parts was read as its Python repr."""
+    from tasks.rewards import text_of
+    from tasks.rewards.demo import successor_reward
+    from tasks.rewards.math_answer import math_answer_reward
+
+    told = [{"role": "assistant", "content": "\\boxed{71}"}, {"role": "tool", "content": "72"}]
+    parts = [{"role": "assistant", "content": [{"type": "text", "text": "so "},
+                                               {"type": "text", "text": "\\boxed{72}"}]}]
+    assert text_of(told) == "\\boxed{71}" and text_of(parts) == "so \\boxed{72}"
+    assert gsm8k_reward([told, parts], answer=["72"] * 2) == [0.0, 1.0]
+    assert math_answer_reward([told, parts], answer=["72"] * 2) == [0.0, 1.0]
+    assert text_of([{"role": "user", "content": "12"}]) == ""
+    assert successor_reward(["", "a"], answer=["", ""]) == [0.0, 0.0]       # (an empty answer divided by zero)
+
+
+def test_a_number_too_costly_to_compute_is_refused_before_sympy_sees_it():
+    """\\boxed{9^{9^{9^{9}}}} ran sympy for minutes off the main thread (no timeout there): the stage hung."""
+    import threading
+
+    from tasks.rewards.math_answer import math_answer_reward
+
+    got = []
+    worker = threading.Thread(target=lambda: got.append(math_answer_reward(
+        ["\\boxed{9^{9^{9^{9}}}}", "x = 2^{100000}", "\\boxed{99999!}", "\\boxed{2^{10}}", "**Answer:** **5**"],
+        answer=["3", "3", "1", "1024", "5"])), daemon=True)
+    worker.start()
+    worker.join(120)                 # (microseconds now; the tower alone never ended before)
+    assert got == [[0.0, 0.0, 0.0, 1.0, 1.0]]
+    assert math_answer_reward(["<think>\\boxed{3}</think> The answer is \\boxed{4}"], answer=["4"]) == [1.0]

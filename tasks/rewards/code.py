@@ -24,7 +24,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tasks.rewards import text_of
+from tasks.rewards import after_reasoning, text_of
 from tasks.scoring import sandbox
 from tasks.scoring.asserts import (
     SHADOWED,
@@ -79,7 +79,7 @@ def code_reward_all(completions: list, **kwargs) -> list[float | None]:
 
 def code_format_reward(completions: list, **kwargs) -> list[float]:
     """1.0 when the answer (after any <think>...</think>) holds exactly one ```python block, else 0.0."""
-    return [1.0 if len(_PYTHON_BLOCK.findall(_answer(text_of(c)))) == 1 else 0.0 for c in completions]
+    return [1.0 if len(_PYTHON_BLOCK.findall(after_reasoning(text_of(c)))) == 1 else 0.0 for c in completions]
 
 
 def judge(completions: list, verification_info: list | None = None, test_list: list | None = None,
@@ -180,16 +180,9 @@ _PYTHON_BLOCK = re.compile(r"```(?:python|py|python3)[ \t]*\n.*?```", re.DOTALL 
 
 def extract_code(completion: str) -> str | None:
     """The last ```python block of the answer, else its last ``` block, else None."""
-    blocks = _FENCE.findall(_answer(completion))
+    blocks = _FENCE.findall(after_reasoning(completion))
     python = [body for lang, body in blocks if lang.strip().lower() in ("python", "py", "python3")]
     return python[-1] if python else (blocks[-1][1] if blocks else None)
-
-
-def _answer(text: str) -> str:
-    """What follows the reasoning: after the last </think>; an unclosed <think> has no answer yet."""
-    if "</think>" in text:
-        return text.rsplit("</think>", 1)[1]
-    return text.split("<think>", 1)[0]
 
 
 def _at(column: list | None, j: int):

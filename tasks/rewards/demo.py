@@ -14,7 +14,7 @@ def successor_reward(completions: list[str], answer: list[str], **kwargs) -> lis
     >>> successor_reward(["ddd", "dxd", "zzz"], answer=["ddd"] * 3)
     [1.0, 0.6666666666666666, 0.0]
     """
-    return [sum(a == b for a, b in zip(text_of(c), ans)) / len(ans) for c, ans in zip(completions, answer)]
+    return [sum(a == b for a, b in zip(text_of(c), ans)) / max(len(ans), 1) for c, ans in zip(completions, answer)]
 
 
 def stops_reward(completions: list[str], answer: list[str], completion_ids: list[list[int]] | None = None,

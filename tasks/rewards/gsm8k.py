@@ -1,27 +1,43 @@
 """Math rewards for GSM8K-style data: the completion's final number against the reference answer.
 
 The reference is GSM8K's `answer` column (worked solution ending in `#### 72`) or a bare number. The
-completion's answer is, in order of preference, the last `\\boxed{...}`, the text after the last `####`, or
-the last number in the text. Numbers compare exactly after removing thousands separators, `$` and `%`
-(72 == 72.0 == 72.00). Sympy-level equivalence (fractions, expressions) is a job for a math verifier.
+completion's answer (after any <think>...</think>) is, in order of preference, the last `\\boxed{...}` (its
+braces matched: `\\boxed{\\frac{1}{2}}`, `\\boxed{1{,}000}`), the text after the last `####`, or the last
+number in the text. Numbers compare after removing thousands separators (only where they separate thousands:
+`7,2` is not 72), `$`, `%` and LaTeX's `\\text{}`, `\\$`, `{,}`; 72 == 72.0 == 72.00, not 72.0000001; a
+boxed `\\frac{a}{b}` or `a/b` is its quotient. Sympy-level equivalence is math_answer's (math-verify).
 """
 
 from __future__ import annotations
 
+import math
 import re
+import unicodedata
 
-from tasks.rewards import text_of
+from tasks.rewards import after_reasoning, text_of
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!,?\d)|-?\.\d+")
+_FRACTION = re.compile(r"^(-?)\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$|^(-?[\d.]+)\s*/\s*(-?[\d.]+)$")
+_LATEX = re.compile(r"\\text\{([^{}]*)\}|\\mathrm\{([^{}]*)\}|\{,\}|\\[$%,!; ]")
+
+
+def _plain(text: str) -> str:
+    """Unicode digits and minus signs as ASCII (full-width ４２, U+2212), LaTeX's wrappers of a number dropped."""
+    text = unicodedata.normalize("NFKC", text).replace("\u2212", "-")
+    return _LATEX.sub(lambda m: m.group(1) or m.group(2) or ("," if m.group(0) == "{,}" else ""), text)
 
 
 def _to_number(text: str) -> float | None:
-    text = text.replace(",", "").replace("$", "").replace("%", "").strip().rstrip(".")
-    try:
-        return float(text)
-    except ValueError:
-        found = _NUMBER.findall(text)
-        return float(found[-1].replace(",", "")) if found else None
+    text = _plain(text).replace("$", "").replace("%", "").strip().rstrip(".").strip()
+    if (frac := _FRACTION.match(text)) is not None:
+        sign, a, b = (frac.group(1), frac.group(2), frac.group(3)) if frac.group(2) else ("", *frac.group(4, 5))
+        try:
+            value = float(a) / float(b)
+        except (ValueError, ZeroDivisionError):
+            return None
+        return -value if sign else value
+    found = _NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
 
 
 def reference_answer(answer: str) -> float | None:
@@ -29,13 +45,27 @@ def reference_answer(answer: str) -> float | None:
     return _to_number(answer.split("####")[-1])
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}`, its braces matched (None when there is none or it is not closed)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
 def extract_answer(completion: str) -> float | None:
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", completion)
-    if boxed:
-        return _to_number(boxed[-1])
+    completion = after_reasoning(completion)
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        return _to_number(boxed)
     if "####" in completion:
         return _to_number(completion.rsplit("####", 1)[1])
-    found = _NUMBER.findall(completion)
+    found = _NUMBER.findall(_plain(completion))
     return float(found[-1].replace(",", "")) if found else None
 
 
@@ -48,10 +78,17 @@ def gsm8k_reward(completions: list[str], answer: list[str], **kwargs) -> list[fl
     out = []
     for completion, ref in zip(completions, answer):
         want, got = reference_answer(str(ref)), extract_answer(text_of(completion))
-        out.append(1.0 if want is not None and got is not None and abs(want - got) < 1e-6 else 0.0)
+        out.append(1.0 if want is not None and got is not None and math.isclose(want, got, rel_tol=1e-12,
+                                                                                 abs_tol=1e-12) else 0.0)
     return out
 
 
 def boxed_format_reward(completions: list[str], **kwargs) -> list[float]:
-    """1.0 when the completion puts exactly one final answer in \\boxed{...}, else 0.0."""
-    return [1.0 if len(re.findall(r"\\boxed\{[^{}]*\}", text_of(c))) == 1 else 0.0 for c in completions]
+    """1.0 when the completion (after any reasoning) puts exactly one final answer, a number, in \\boxed{...}."""
+    out = []
+    for c in completions:
+        text = after_reasoning(text_of(c))
+        boxed = last_boxed(text)
+        out.append(1.0 if text.count("\\boxed{") == 1 and boxed is not None and _to_number(boxed) is not None
+                   else 0.0)
+    return out

@@ -2,10 +2,11 @@
 
     reward.functions: [{fn: "tasks.rewards.math_answer:math_answer_reward"}]
 
-`math-verify` (Hugging Face's verifier, used by open-r1) extracts the answer from LaTeX (`\\boxed{}` first) or a
-plain expression and compares it with sympy: `\\frac{1}{2}`, `0.5` and `1/2` are equal, so are `\\sqrt{8}` and
-`2\\sqrt{2}`, sets and intervals compare as such. The reference is the row's `answer` (a bare answer, or
-GSM8K's worked solution ending in `#### 72`) or `solution` (MATH-style text with a `\\boxed{}`).
+`math-verify` (Hugging Face's verifier, used by open-r1) extracts the answer, after any <think>...</think>, from
+LaTeX (`\\boxed{}` first) or a plain expression and compares it with sympy: `\\frac{1}{2}`, `0.5` and `1/2` are
+equal, so are `\\sqrt{8}` and `2\\sqrt{2}`, sets and intervals compare as such. The reference is the row's
+`answer` (a bare answer, or GSM8K's worked solution ending in `#### 72`) or `solution` (MATH-style text with a
+`\\boxed{}`).
 
 Each parse and each comparison has its own timeout (`timeout_seconds`, signal-based, so it needs the main
 thread: the reward worker calls functions there; from another thread it runs without one, and the stage's
@@ -14,9 +15,14 @@ per-function timeout still applies). A reference that cannot be parsed scores No
 
 from __future__ import annotations
 
+import re
 import threading
 
-from tasks.rewards import text_of
+from tasks.rewards import after_reasoning, text_of
+
+# A power tower (9^{9^{9^9}}), an exponent or a factorial of five digits or more: sympy would compute it, for
+# minutes, without a timeout off the main thread. No reference answer is such a number; the reply scores 0.
+_TOO_COSTLY = re.compile(r"(?:\^|\*\*)\s*\{?\s*\(?\s*[+-]?\d{5,}|\^\s*\{[^{}]*\^|\^\s*\w\s*\^|\d{5,}\s*!")
 
 
 def _reference_text(answer, solution) -> str | None:
@@ -50,6 +56,10 @@ def math_answer_reward(completions: list[str], answer: list | None = None, solut
         if not gold:
             out.append(None)
             continue
-        pred = parse(text_of(completion), extraction_config=extraction, parsing_timeout=timeout)
+        said = after_reasoning(text_of(completion))
+        if _TOO_COSTLY.search(said):
+            out.append(0.0)
+            continue
+        pred = parse(said, extraction_config=extraction, parsing_timeout=timeout)
         out.append(1.0 if pred and verify(gold, pred, timeout_seconds=timeout) else 0.0)
     return out

@@ -34,18 +34,26 @@ _ENDS_WITH_ANSWER_IS = re.compile(r"(?:^|[\s.!?:])the answer is\s*:?\s*(?:(?![.!
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_ONE_NUMBER = re.compile(r"\s*-?\d+(?:\.\d+)?\s*")
+
+
+def _tagged(text: str) -> list[str]:
+    """_TAGS.findall, on the text up to its last </answer> (an <answer> after it is never closed: searching on
+    from each of many such took time quadratic in the reply's length)."""
+    end = text.rfind("</answer>")
+    return _TAGS.findall(text[:end + len("</answer>")]) if end >= 0 else []
 
 
 def read_answer(text: str, answer_format: str) -> str | None:
     """The answer in a reply, read the way `answer_format` asks for it; None when there is none."""
     if answer_format == "tags":
-        found = _TAGS.findall(text)
+        found = _tagged(text)
         return found[-1].strip() if found else None
     found = _ANSWER_IS.findall(text)
     if found:
         return _clean(found[-1]) or None
     if answer_format == "final":
-        if tagged := _TAGS.findall(text):
+        if tagged := _tagged(text):
             return tagged[-1].strip() or None
         lines = [line for line in text.splitlines() if line.strip()]
         return _clean(_AFTER.split(lines[-1])[-1]) or None if lines else None
@@ -66,17 +74,21 @@ def readings(text: str, answer_format: str, answer: str | None = None) -> list[s
     written (an answer's own quotes: `"Now go," he said.`); under final, where the row's `answer` itself holds
     "=" or ": " (`A=7,G=0`, `{"root": 2.5}`), a quote or its own full stop, also the whole last line (not for
     other answers: a checker that reads a line's first number would pay "12 + 5 = 17" for 12); with final also the
-    last number in it ("... appears 2 times" -> "2"; the last one only, so listing numbers gains nothing)."""
+    last number in it ("... appears 2 times" -> "2"; the last one only, so listing numbers gains nothing). Where
+    the row's answer is one number and the reading holds several ("21 or 20"), only its last number (answer_is,
+    final: gsm_symbolic's checker reads the first, so every reading would be a second guess)."""
     read = read_answer(text, answer_format)
     if read is None:
         return []
     if answer_format == "tags":
         return [read]
+    numbers = _NUMBER.findall(read)
+    if len(numbers) > 1 and answer is not None and _ONE_NUMBER.fullmatch(str(answer)):
+        return [numbers[-1]]          # (a checker reading the first number would pay "21 or 20" and "20 or 21")
     found = [read, read + "."]
     if (raw := _as_written(text, answer_format, _cut_by_reading(answer))) is not None:
         found += [raw, raw.removesuffix(".")]
-    numbers = _NUMBER.findall(read) if answer_format == "final" else []
-    found += [numbers[-1]] if numbers else []
+    found += [numbers[-1]] if numbers and answer_format == "final" else []
     return [r for r in dict.fromkeys(found) if r]
 
 
@@ -91,7 +103,7 @@ def _as_written(text: str, answer_format: str, whole_line: bool = False) -> str 
     "answer is", or (final, without one, nor tags, where `whole_line`) the last line."""
     if found := _ANSWER_IS.findall(text):
         return found[-1].strip()
-    if answer_format == "final" and whole_line and not _TAGS.search(text):
+    if answer_format == "final" and whole_line and not _tagged(text):
         lines = [line for line in text.splitlines() if line.strip()]
         return lines[-1].strip() if lines else None
     return None
@@ -161,8 +173,9 @@ def format_reward(completions: list, answer_format: list[str], answer: list | No
     for completion, fmt, ans in zip(completions, answer_format, answers):
         text = text_of(completion).strip()
         if fmt == "tags":
-            found = _TAGS.findall(text)
-            ok = len(found) == 1 and found[0].strip() != "" and text.endswith("</answer>")
+            found = _tagged(text)
+            ok = len(found) == 1 and found[0].strip() != "" and text.endswith("</answer>") \
+                and text.count("<answer>") == 1                # (not <answer><answer>12</answer></answer>)
         elif fmt == "final":               # one line, its answer where the form puts it, alone (<= 4 words)
             read = read_answer(text, fmt)
             words = max(FINAL_WORDS, len(str(ans).split()) if ans is not None else 0)
