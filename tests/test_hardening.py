@@ -95,8 +95,8 @@ def test_a_file_uri_model_is_that_folder(tmp_path):
      "got [10, 1]"),
     ('reward.models=[{name: j, kind: verdict, model: builtin:tiny-lm, sha256: "' + "0" * 64 + '", '
      'template: "{completion}", verdict_tokens: ["Yes", "Yes"]}]',
-     "config: reward.models.0.verdict_tokens: the good and the bad verdict are the same token ('Yes'): expected "
-     "two, got [\"Yes\", \"Yes\"]"),
+     "config: reward.models.0.verdict_tokens: the good and the bad verdict are the same token ('Yes', spaces "
+     "aside): expected two, got [\"Yes\", \"Yes\"]"),
     ("launcher.accelerators={train: 'A100:0'}",
      "config: launcher.accelerators: train: 'A100:0' asks for 0 of them; expected a count of 1 or more (or the "
      "type alone, one)"),

@@ -110,18 +110,23 @@ class RewardModel(ServedSection):
     template: str | None = Field(None, description="verdict, judge: the judge's user message, a Python format "
                                  "string. Fields: {prompt}, {completion} (pointwise), {completion_a} / "
                                  "{completion_b} (pairwise), {completions} (group: numbered) and {n}, and any "
-                                 "dataset column. Literal braces doubled.")
+                                 "dataset column (a column named like one of those fields is shadowed: "
+                                 "{completion} is the policy's). Literal braces doubled.")
     system: str | None = Field(None, description="verdict, judge: a system message before the template's.")
-    parser: str = Field("auto", description="judge: how an answer becomes a score. auto: pointwise 'number' (the "
-                        "last number in the answer), pairwise 'choice' (the last standalone A or B, or 'tie'), "
-                        "group 'scores' (a JSON list of n numbers, or lines 'k: x'); or module:function taking "
+    parser: str = Field("auto", description="judge: how an answer becomes a score. auto: the mode's built-in "
+                        "parser: pointwise 'number' (the last 'Score: x', else the last number; '8/10' reads 8), "
+                        "pairwise 'choice' (the last [[A]], 'Answer: A' or 'A is better', else the one capital A or "
+                        "B named, or 'tie'), group 'scores' (the last JSON list of n numbers, or lines 'k: x' for "
+                        "k = 1..n), each also named as such; or module:function taking "
                         "(answer, n) and returning a float (pointwise), 'A' | 'B' | 'tie' (pairwise) or n floats "
                         "(group). An answer that does not parse is an error (the score is missing), not a zero.")
-    scale: tuple[float, float] | None = Field(None, description="judge pointwise / group: [low, high] of the "
+    scale: tuple[float, float] | None = Field(None, description="judge pointwise / group (pairwise: no effect): "
+                                              "[low, high] of the "
                                               "judge's scale; scores map to [0, 1] and an answer outside it is an "
                                               "error.")
     verdict_tokens: tuple[str, str] = Field(("Yes", "No"), description="verdict: the answer tokens for a good "
-                                            "and a bad completion (each must be one token).")
+                                            "and a bad completion (each must be one token; matched with spaces "
+                                            "stripped).")
     label: int = Field(0, ge=0, le=1_000_000,
                        description="classifier: the output whose value is the score (0 for a one-logit "
                        "reward model).")
@@ -152,7 +157,8 @@ class RewardModel(ServedSection):
                             description="Requests in flight at once; a server batches what arrives together "
                             "(the hf engine up to this many per forward pass).")
     timeout_seconds: float = Field(120.0, gt=0, le=7 * 86400, json_schema_extra=HOW_NOT_WHAT,
-                                   description="Per request; a request that passes it is retried, then an error.")
+                                   description="Per try of a request, its whole answer (a server that drips it "
+                                   "is cut off); a try that passes it is retried, then an error.")
     retries: int = Field(2, ge=0, le=20, json_schema_extra=HOW_NOT_WHAT,
                          description="Retries of a request that failed in transport (refused, reset, 5xx, timeout).")
 
@@ -166,8 +172,12 @@ class RewardModel(ServedSection):
     @field_validator("verdict_tokens")
     @classmethod
     def _two_verdicts(cls, v):
-        if v[0] == v[1]:
-            raise ValueError(f"the good and the bad verdict are the same token ({v[0]!r}): expected two")
+        # (an answer's tokens are matched with their spaces stripped: " Yes" and "Yes" are one verdict)
+        if not v[0].strip() or not v[1].strip():
+            raise ValueError("an empty verdict token (or only spaces): expected two tokens, such as Yes and No")
+        if v[0].strip() == v[1].strip():
+            raise ValueError(f"the good and the bad verdict are the same token ({v[0].strip()!r}, spaces aside): "
+                             f"expected two")
         return v
 
     @field_validator("api_key_env")
@@ -217,6 +227,8 @@ class RewardModel(ServedSection):
                         for key, kinds in (("verdict_tokens", ("verdict",)), ("label", ("classifier",)),
                                            ("score", ("classifier",)), ("scale", ("judge",)),
                                            ("system", ("verdict", "judge")))])
+        without_effect([(self, f"reward.models ({self.name})", "scale", self.kind != "judge" or self.mode != "pairwise",
+                         "a pairwise judge's answers are A, B or tie, its score the share of comparisons won")])
         if self.url is None and self.api_key_env is not None:
             raise ValueError("api_key_env: only with where a URL, a server of yours (rlflow's own servers use the "
                              "run's token)")

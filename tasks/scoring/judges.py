@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import os
-import re
 import string
 import sys
 import tempfile
@@ -33,6 +31,7 @@ from tasks.core.contracts import Scored
 from tasks.core.errors import UserError
 from tasks.core.fleet import bearer
 from tasks.core.placement import Services, placement_of
+from tasks.scoring.judge_answers import BUILTIN, Unparsed, answer_text, scores_of
 from tasks.scoring.shaping import NAME as SHAPING
 
 if TYPE_CHECKING:
@@ -82,6 +81,9 @@ def check_specs(cfg: Config, columns: set[str] | None, function_names: list[str]
         if spec.parser != "auto":
             if spec.kind != "judge":
                 raise UserError(f"{what}.parser: only a judge's answers are parsed")
+            if spec.parser in BUILTIN.values() and spec.parser != BUILTIN[spec.mode]:
+                raise UserError(f"{what}.parser: {spec.parser!r} reads another mode's answers; a {spec.mode} "
+                                f"judge's built-in parser is {BUILTIN[spec.mode]!r} (or auto)")
             _parser_fn(spec, what)
 
 
@@ -158,8 +160,11 @@ def model_path(cfg: Config, spec: RewardModel, what: str) -> str:
 
 
 def _parser_fn(spec: RewardModel, what: str):
+    """The user's parser (module:function); None for a built-in one (auto, or its mode's name)."""
     from tasks.core.paths import import_user
 
+    if spec.parser == "auto" or spec.parser in BUILTIN.values():
+        return None
     if ":" not in spec.parser:
         raise UserError(f"{what}.parser: expected 'number', 'choice', 'scores', 'auto' or module:function; "
                         f"{spec.parser!r} names nothing callable")
@@ -175,8 +180,16 @@ def _text(value: Any) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
-        return str(value[0].get("content") or "")
-    return "\n\n".join(f"{m.get('role', '')}: {m.get('content') or ''}" for m in value or [])
+        return _content(value[0].get("content"))
+    return "\n\n".join(f"{m.get('role', '')}: {_content(m.get('content'))}" for m in value or [])
+
+
+def _content(content: Any) -> str:
+    """A message's content: a string, or its parts' text joined ([{"type": "text", "text": ...}], as OpenAI's
+    messages may give it; an image part has no text)."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text") or "") if isinstance(p, dict) else str(p) for p in content)
+    return str(content or "")
 
 
 def _completion(r: Rollout) -> str:
@@ -197,8 +210,10 @@ def questions(spec: RewardModel, records: list[Rollout], pin: str) -> list[Quest
     """What to ask the model for `records`, by kind and mode (pairwise / group: per prompt group)."""
     out: list[Question] = []
 
-    def fields(r: Rollout) -> dict:
-        return {**{k: v for k, v in r.columns.items()}, "prompt": _text(r.prompt)}
+    def fields(r: Rollout, **own) -> dict:
+        # the dataset's columns, then the project's own fields over them: a column named `completion` (a TRL
+        # prompt-completion dataset's reference answer) is not the policy's completion the template asks about
+        return {**r.columns, "prompt": _text(r.prompt), **own}
 
     def chat(text: str) -> dict:
         body = {"messages": ([{"role": "system", "content": spec.system}] if spec.system else []) +
@@ -214,7 +229,7 @@ def questions(spec: RewardModel, records: list[Rollout], pin: str) -> list[Quest
             out.append(Question("classify", {"messages": conv}, [j]))
     elif spec.kind == "verdict" or spec.mode == "pointwise":
         for j, r in enumerate(records):
-            out.append(Question("chat", chat(spec.template.format(**fields(r), completion=_completion(r), n=1)), [j]))
+            out.append(Question("chat", chat(spec.template.format(**fields(r, completion=_completion(r), n=1))), [j]))
     else:
         groups: dict[int, list[int]] = {}
         for j, r in enumerate(records):
@@ -223,107 +238,19 @@ def questions(spec: RewardModel, records: list[Rollout], pin: str) -> list[Quest
             r = records[members[0]]
             if spec.mode == "group":
                 listed = "\n\n".join(f"[{k + 1}]\n{_completion(records[j])}" for k, j in enumerate(members))
-                out.append(Question("chat", chat(spec.template.format(**fields(r), completions=listed,
-                                                                      n=len(members))), members))
+                out.append(Question("chat", chat(spec.template.format(**fields(r, completions=listed,
+                                                                             n=len(members)))), members))
             elif len(members) > 1:           # pairwise: each against the next, so each is A once and B once
                 for k, a in enumerate(members):
                     b = members[(k + 1) % len(members)]
-                    out.append(Question("chat", chat(spec.template.format(
-                        **fields(r), completion_a=_completion(records[a]), completion_b=_completion(records[b]),
-                        n=2)), [a, b]))
+                    out.append(Question("chat", chat(spec.template.format(**fields(
+                        r, completion_a=_completion(records[a]), completion_b=_completion(records[b]), n=2))),
+                        [a, b]))
     for q in out:
         # (the engine too: hf and vLLM round differently, and a run that switches must not mix their answers)
         q.key = hashlib.sha256(json.dumps([pin, spec.engine, spec.kind, spec.mode, q.route, q.body], sort_keys=True,
                                           default=str).encode()).hexdigest()
     return out
-
-
-# ------------------------------------------------------------------------------------------------ answers -> scores
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_CHOICE = re.compile(r"\b(A|B|tie)\b", re.IGNORECASE)
-_LINE = re.compile(r"^\s*\[?(\d+)\]?\s*[:.)=-]\s*(-?\d+(?:\.\d+)?)", re.MULTILINE)
-
-
-class Unparsed(ValueError):
-    """An answer that gives no score (the completion's score is missing, counted)."""
-
-
-def scores_of(spec: RewardModel, q: Question, answer: dict, parser=None) -> list[float]:
-    """The scores `answer` gives the completions of `q`, in q.records' order (pairwise: the winner's 1, the
-    loser's 0, a tie's 0.5 each); Unparsed if it gives none."""
-    if spec.kind == "classifier":
-        values = answer.get("logits" if spec.score == "logit" else "probs")
-        if values is None:
-            raise Unparsed(f"the server gave no {spec.score}s (score: probability reads vLLM's /classify)")
-        if spec.label >= len(values):
-            raise Unparsed(f"label {spec.label} of a classifier with {len(values)} outputs")
-        return [float(values[spec.label])]
-    text = answer.get("text") or ""
-    if spec.kind == "verdict":
-        top = answer.get("top") or {}
-        good, bad = (sum(math.exp(lp) for t, lp in top.items() if t.strip() == v.strip()) for v in spec.verdict_tokens)
-        if good + bad == 0:
-            raise Unparsed(f"neither {spec.verdict_tokens[0]!r} nor {spec.verdict_tokens[1]!r} among the answer's "
-                           f"{len(top)} likeliest first tokens")
-        return [good / (good + bad)]
-    n = len(q.records)
-    if parser is not None:
-        try:
-            got = parser(text, n)
-        except Exception as e:  # noqa: BLE001 - the user's parser: its failure is this answer's
-            raise Unparsed(f"parser {spec.parser} raised {type(e).__name__}: {e}") from None
-    elif spec.mode == "pointwise":
-        found = _NUMBER.findall(text)
-        if not found:
-            raise Unparsed(f"no number in the answer {text[:80]!r}")
-        got = float(found[-1])
-    elif spec.mode == "pairwise":
-        found = _CHOICE.findall(text)
-        if not found:
-            raise Unparsed(f"no A, B or tie in the answer {text[:80]!r}")
-        got = found[-1]
-    else:
-        got = _group_scores(text, n)
-    if spec.mode == "pairwise":
-        choice = str(got).strip().lower()
-        if choice not in ("a", "b", "tie"):
-            raise Unparsed(f"parser gave {got!r}, expected 'A', 'B' or 'tie'")
-        return {"a": [1.0, 0.0], "b": [0.0, 1.0], "tie": [0.5, 0.5]}[choice]
-    values = [got] if spec.mode == "pointwise" else list(got) if isinstance(got, (list, tuple)) else None
-    if values is None or len(values) != n:
-        raise Unparsed(f"expected {n} score{'s' if n > 1 else ''}, got {got!r}")
-    try:
-        values = [float(v) for v in values]
-    except (TypeError, ValueError):
-        raise Unparsed(f"not numbers: {got!r}") from None
-    if not all(math.isfinite(v) for v in values):
-        raise Unparsed(f"not finite: {values}")
-    if spec.scale is not None:
-        lo, hi = spec.scale
-        if not all(lo <= v <= hi for v in values):
-            raise Unparsed(f"{values} outside the scale [{lo:g}, {hi:g}]")
-        values = [(v - lo) / (hi - lo) if hi > lo else 0.0 for v in values]
-    return values
-
-
-def _group_scores(text: str, n: int) -> list[float]:
-    start, end = text.find("["), text.rfind("]")
-    brace, close = text.find("{"), text.rfind("}")
-    for a, b in ((brace, close), (start, end)):
-        if 0 <= a < b:
-            try:
-                got = json.loads(text[a:b + 1])
-            except ValueError:
-                continue
-            if isinstance(got, dict):
-                got = got.get("scores")
-            if isinstance(got, list) and len(got) == n:
-                return got
-    lines = {int(k): float(v) for k, v in _LINE.findall(text)}
-    if set(range(1, n + 1)) <= set(lines):
-        return [lines[k] for k in range(1, n + 1)]
-    raise Unparsed(f"no list of {n} scores in the answer {text[:80]!r}")
 
 
 # ------------------------------------------------------------------------------------------------ the cache
@@ -345,8 +272,12 @@ class AnswerCache:
     def get(self, key: str) -> dict | None:
         return self.answers.get(key)
 
-    def put(self, key: str, answer: dict) -> None:
-        self.answers[key] = self.pending[key] = answer
+    def put(self, key: str, answer: dict, keep: bool = True) -> None:
+        """An answer for this stage; stored only if `keep` (one that gives no score is asked again next time: a
+        server fixed since, or a malformed reply, must not be replayed forever)."""
+        self.answers[key] = answer
+        if keep:
+            self.pending[key] = answer
 
     def flush(self) -> None:
         if not self.pending or self.store is None or self.prefix is None:
@@ -385,8 +316,9 @@ class Asker:
         self.what = what
         self.pin = spec.sha256 or (spec.model if spec.model.startswith("models:/") else f"{spec.url}|{spec.model}")
 
-    def ask(self, qs: list[Question], cache: AnswerCache) -> None:
-        """Answers for `qs` into `cache` (flushed after each batch)."""
+    def ask(self, qs: list[Question], cache: AnswerCache, keep=lambda q, a: True) -> None:
+        """Answers for `qs` into `cache` (flushed after each batch; stored where `keep(question, answer)`), each
+        answer's text capped (judge_answers.MAX_TEXT: what is scored is what is stored)."""
         size = self.spec.batch_size
         if not qs:
             return
@@ -394,10 +326,11 @@ class Asker:
             for start in range(0, len(qs), size):
                 chunk = qs[start:start + size]
                 for q, a in zip(chunk, self._local(chunk)):
-                    cache.put(q.key, a)
+                    a = _capped(a)
+                    cache.put(q.key, a, keep(q, a))
                 cache.flush()
             return
-        asyncio.run(self._remote(qs, cache))
+        asyncio.run(self._remote(qs, cache, keep))
 
     def _engine(self):
         """This process's engine for the model (loaded on the first question the cache does not answer)."""
@@ -420,19 +353,21 @@ class Asker:
                     out[i] = a
         return [out[i] for i in range(len(chunk))]
 
-    async def _remote(self, qs: list[Question], cache: AnswerCache) -> None:
+    async def _remote(self, qs: list[Question], cache: AnswerCache, keep) -> None:
         import httpx
         import openai
 
         spec = self.spec
+        # (retries here, not the client's: each try is bounded as a whole, see _tries)
         client = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.key or "none",
-                                    timeout=spec.timeout_seconds, max_retries=spec.retries)
+                                    timeout=spec.timeout_seconds, max_retries=0)
         http = httpx.AsyncClient(timeout=spec.timeout_seconds, headers=bearer(self.key))
         gate = asyncio.Semaphore(spec.batch_size)
 
         async def one(q: Question) -> None:
             async with gate:
-                cache.put(q.key, await (self._chat(client, q) if q.route == "chat" else self._classify(http, q)))
+                a = _capped(await (self._chat(client, q) if q.route == "chat" else self._classify(http, q)))
+                cache.put(q.key, a, keep(q, a))
 
         try:
             for start in range(0, len(qs), spec.batch_size * 4):   # a cache folder every few batches
@@ -448,17 +383,40 @@ class Asker:
             await client.close()
             await http.aclose()
 
+    async def _tries(self, send, again) -> Any:
+        """`send()` tried up to retries + 1 times, each try bounded as a whole by timeout_seconds (the clients'
+        timeouts are per read: a server dripping a byte at a time would hold the stage for ever); a try that
+        fails where `again(error)` says is transient is tried again after a back-off, else raised."""
+        for attempt in range(self.spec.retries + 1):
+            try:
+                return await asyncio.wait_for(send(), self.spec.timeout_seconds)
+            except Exception as e:  # noqa: BLE001 - again() decides; the last one is raised
+                if attempt == self.spec.retries or not (isinstance(e, TimeoutError) or again(e)):
+                    if isinstance(e, TimeoutError):
+                        raise TimeoutError(f"no whole answer within timeout_seconds ({self.spec.timeout_seconds:g} "
+                                           f"s)") from None
+                    raise
+            await asyncio.sleep(0.5 * 2 ** attempt)
+
     async def _chat(self, client, q: Question) -> dict:
+        import openai
+
         body = q.body
         extra = {"logprobs": True, "top_logprobs": body["top_logprobs"]} if body.get("top_logprobs") else {}
-        reply = await client.chat.completions.create(model=self.model_name, messages=body["messages"],
-                                                     max_tokens=body["max_tokens"], temperature=0.0, seed=0, **extra)
+
+        def again(e: Exception) -> bool:     # (what the openai client retries: transport, 408, 409, 429, 5xx)
+            return isinstance(e, openai.APIConnectionError) or (
+                isinstance(e, openai.APIStatusError) and (e.status_code in (408, 409, 429) or e.status_code >= 500))
+
+        reply = await self._tries(lambda: client.chat.completions.create(
+            model=self.model_name, messages=body["messages"], max_tokens=body["max_tokens"], temperature=0.0, seed=0,
+            **extra), again)
         choice = reply.choices[0]
-        answer = {"text": choice.message.content or ""}
+        answer = {"text": answer_text(choice.message.content)}      # (a string, or a list of text parts)
         if extra and choice.logprobs and choice.logprobs.content:
             answer["top"] = {}
-            for t in choice.logprobs.content[0].top_logprobs:
-                answer["top"].setdefault(t.token, t.logprob)
+            for t in choice.logprobs.content[0].top_logprobs or []:
+                answer["top"].setdefault(str(t.token), t.logprob)     # (judge_answers checks the numbers)
         return answer
 
     async def _classify(self, http, q: Question) -> dict:
@@ -466,17 +424,23 @@ class Asker:
 
         # one conversation, vLLM's chat form of /classify (the server renders it with the model's chat template)
         payload = {"model": self.model_name, "messages": q.body["messages"]}
-        for attempt in range(self.spec.retries + 1):
-            try:
-                r = await http.post(f"{self.url}/classify", json=payload)
-                if r.status_code < 500:
-                    r.raise_for_status()
-                    return r.json()["data"][0]
-            except httpx.TransportError:
-                if attempt == self.spec.retries:
-                    raise
-            await asyncio.sleep(0.5 * 2 ** attempt)
-        raise JudgeUnavailable(f"{self.url}/classify answered {r.status_code}")
+
+        async def send():
+            r = await http.post(f"{self.url}/classify", json=payload)
+            if r.status_code >= 500:
+                raise JudgeUnavailable(f"{self.url}/classify answered {r.status_code}")
+            r.raise_for_status()
+            return r.json()["data"][0]
+
+        return await self._tries(send, lambda e: isinstance(e, (httpx.TransportError, JudgeUnavailable)))
+
+
+def _capped(answer: Any) -> Any:
+    """An answer with its text cut to judge_answers.MAX_TEXT characters (a server may ignore max_tokens)."""
+    if isinstance(answer, dict) and isinstance(answer.get("text"), str) and len(answer["text"]) > len(
+            text := answer_text(answer["text"])):
+        return {**answer, "text": text, "capped": len(answer["text"])}
+    return answer
 
 
 # ------------------------------------------------------------------------------------------------ scoring
@@ -505,16 +469,26 @@ def score_models(cfg: Config, records: list[Rollout], cache_prefix: str | None, 
         t0 = time.perf_counter()
         asker = Asker(cfg, spec, i, services)
         qs = questions(spec, records, asker.pin)
-        todo = [q for q in {q.key: q for q in qs}.values() if cache.get(q.key) is None]
-        asker.ask(todo, cache)
-        parser = _parser_fn(spec, spec.name) if spec.parser != "auto" else None
+        parser = _parser_fn(spec, spec.name)
+
+        def parses(q: Question, answer: Any, spec=spec, parser=parser) -> bool:
+            try:
+                scores_of(spec, len(q.records), answer, parser)
+                return True
+            except Unparsed:
+                return False
+
+        # (an answer stored before that gives no score is asked again: stores from before answers were checked)
+        todo = [q for q in {q.key: q for q in qs}.values()
+                if (a := cache.get(q.key)) is None or not parses(q, a)]
+        asker.ask(todo, cache, parses)
         sums: list[list[float]] = [[] for _ in records]
         failed: set[int] = set()
         first_error = None
         for q in qs:
             answer = cache.get(q.key)
             try:
-                values = scores_of(spec, q, answer, parser)
+                values = scores_of(spec, len(q.records), answer, parser)
             except Unparsed as e:
                 failed.update(q.records)
                 first_error = first_error or str(e)
@@ -523,6 +497,15 @@ def score_models(cfg: Config, records: list[Rollout], cache_prefix: str | None, 
                 sums[j].append(v)
         scores = [None if j in failed or not sums[j] else sum(sums[j]) / len(sums[j]) for j in range(len(records))]
         out.scores[spec.name] = scores
+        # a pairwise judge has nothing to compare in a group of one (eval.greedy, eval.num_generations 1): no
+        # score, counted and said once, not an error (the sampled groups beside it are judged)
+        asked = {j for q in qs for j in q.records}
+        alone = sum(j not in asked for j in range(len(records))) if spec.kind == "judge" else 0
+        if alone and f"{spec.name}/alone" not in _shown:
+            _shown.add(f"{spec.name}/alone")
+            print(f"warning: reward model {spec.name!r} ({spec.mode}): {alone} of {len(records)} completions are "
+                  f"alone in their prompt's group (eval.greedy, eval.num_generations 1): they get no score "
+                  f"(reward/{spec.name}/alone)", file=sys.stderr)
         if failed:
             message = (f"reward model {spec.name!r}: {len(failed)} of {len(records)} completions got an answer that "
                        f"gives no score (first: {first_error})")
@@ -535,7 +518,9 @@ def score_models(cfg: Config, records: list[Rollout], cache_prefix: str | None, 
                       f"true makes it fail the run)", file=sys.stderr)
         out.metrics.update({f"{spec.name}/failed": float(len(failed)), f"{spec.name}/requests": float(len(todo)),
                             f"{spec.name}/cached": float(len(qs) - len(todo)),
-                            f"{spec.name}/truncated": float(sum(bool(cache.get(q.key).get("truncated")) for q in qs)),
+                            f"{spec.name}/truncated": float(sum(isinstance(a := cache.get(q.key), dict) and
+                                                                bool(a.get("truncated")) for q in qs)),
+                            **({f"{spec.name}/alone": float(alone)} if alone else {}),
                             f"{spec.name}/seconds": time.perf_counter() - t0})
     return out
 
