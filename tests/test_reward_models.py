@@ -661,3 +661,73 @@ def test_judge_settings_that_read_nothing_are_refused_and_lone_completions_said(
     scored = _judged(tmp_path, _at(fake_judge.url, scale=None, **pairwise), records)
     assert [r.rewards["j"] for r in records] == [None, None] and scored.metrics["j/alone"] == 2
     assert "2 of 2 completions are alone in their prompt's group" in capsys.readouterr().err
+
+
+def test_a_group_answer_nested_past_the_recursion_limit_is_a_missing_score_not_a_crash(tmp_path, fake_judge):
+    """'[' * 5000, or 'Scores: ' + '[' * 3000 + ']': the JSON decoder's RecursionError was no Unparsed, so it
+    escaped the parser (a crashed stage; at a URL, misreported as the judge being unavailable). That answer is
+    a missing score, counted; the function's reward stays."""
+    model = _at(fake_judge.url, mode="group", template="{n}: {completions}")
+    for answer in ("[" * 5000, "Scores: " + "[" * 3000 + "]", "[1, " * 2000):
+        fake_judge.reply = lambda p, r, answer=answer: (200, _chat_reply(answer))
+        records = [_one("a"), _one("b"), _one("c")]
+        scored = _judged(tmp_path, model, records)
+        assert [r.rewards["j"] for r in records] == [None] * 3 and scored.metrics["j/failed"] == 3, answer[:20]
+        assert all(r.reward == r.rewards["successor_reward"] for r in records)
+    fake_judge.reply = lambda p, r: (200, _chat_reply("[[[1]]] cited; Scores: [2, 5, 9]"))
+    records = [_one("a"), _one("b"), _one("c")]
+    _judged(tmp_path, model, records)
+    assert [r.rewards["j"] for r in records] == pytest.approx([0.2, 0.5, 0.9])
+
+
+def test_the_built_in_parsers_take_linear_time_on_an_answer_of_spaces():
+    """'score' + 700 spaces, 'answer' + 1000 spaces, 64 KiB of blank lines: stacked optional whitespace in the
+    patterns backtracked polynomially (minutes for one answer; an answer may be 64 KiB). Parsed in a child
+    process: the old patterns ran past its 120 s; each now gives no score at once."""
+    code = """
+from tasks.scoring.judge_answers import Unparsed, _choice, _group_scores, _pointwise, answer_text
+cases = [(_pointwise, "score" + " " * 700 + "x"), (_pointwise, "Rating is : ** " + " " * 5000 + "x"),
+         (_choice, "answer" + " " * 1000 + "x"), (_choice, "Final answer is " + " " * 5000 + "x"),
+         (_group_scores, "\\n" * 200_000 + "x")]
+for parse, text in cases:
+    try:
+        got = parse(*((answer_text(text), 3) if parse is _group_scores else (answer_text(text),)))
+    except Unparsed:
+        got = None
+    print(parse.__name__, got)
+print(_pointwise("Score  :  ** 7 (2 mistakes)"), _choice("Winner is " + " " * 5000 + "B"))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == ["_pointwise None", "_pointwise None", "_choice None", "_choice None",
+                                       "_group_scores None", "7.0 B", ""]
+
+
+@pytest.mark.parametrize("answer, want", [
+    ("Answer {l} is more detailed, but {w} is better overall.", [1.0, 0.0]),
+    ("Answer {l} is more detailed, but Answer {w} is better overall.", [1.0, 0.0]),
+    ("Answer {l}: wordy. Answer {w}: right. Verdict = {w}", [1.0, 0.0]),
+    ("Answer {l} has an error. Winner is {w}.", [1.0, 0.0]), ("Answer {w}", [1.0, 0.0]),
+    ("Answer {l} is longer than Answer {w}.", None), ("Answer A and Answer B are both fine.", None),
+    ("Final answer: tie", [0.5, 0.5]), ("The better one is Response {w}.", [1.0, 0.0]),
+])
+def test_a_templates_answer_labels_are_no_verdict(tmp_path, fake_judge, answer, want):
+    """A template that labels the two completions 'Answer A' / 'Answer B': 'Answer A is more detailed, but B is
+    better overall' read as A (an 'Answer A' was taken for a verdict before 'B is better' was looked at). A
+    verdict needs a ':', '=' or 'is' after its keyword ('Answer: A', 'Winner is B', 'Verdict = A'); an answer
+    naming both without one gives no score."""
+    def reply(path, request):
+        text = request["messages"][-1]["content"]
+        w, lose = ("A", "B") if text.index("GOOD") < text.index("BAD") else ("B", "A")
+        return 200, _chat_reply(answer.format(w=w, l=lose))
+
+    fake_judge.reply = reply
+    model = _at(fake_judge.url, mode="pairwise", template="Answer A: {completion_a}\nAnswer B: {completion_b}",
+                scale=None)
+    records = [_one("GOOD"), _one("BAD")]
+    scored = _judged(tmp_path, model, records)
+    got = [r.rewards["j"] for r in records]
+    if want is None:
+        assert got == [None, None] and scored.metrics["j/failed"] == 2, got
+    else:
+        assert got == pytest.approx(want) and not scored.errors, got

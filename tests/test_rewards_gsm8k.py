@@ -86,3 +86,23 @@ def test_a_number_too_costly_to_compute_is_refused_before_sympy_sees_it():
     worker.join(120)                 # (microseconds now; the tower alone never ended before)
     assert got == [[0.0, 0.0, 0.0, 1.0, 1.0]]
     assert math_answer_reward(["<think>\\boxed{3}</think> The answer is \\boxed{4}"], answer=["4"]) == [1.0]
+
+
+def test_what_the_guards_refuse_is_only_what_they_name():
+    """The first guards refused right answers: "**15000**" (bold read as a power), a tower in the working before
+    the box, e^{x^2}; NFKC made "36 m²" read 2; a long run of digits, or "^" and spaces, took time quadratic or
+    worse in its length (run in a child: the old searches never returned to Python)."""
+    import subprocess
+    import sys
+
+    from tasks.rewards.math_answer import math_answer_reward
+
+    assert math_answer_reward(["The answer is **15000**.", "Since $2^{2^3}=2^8$ we get \\boxed{256}",
+                               "\\boxed{2xe^{x^2}}", "The total is 15000!"],
+                              answer=["15000", "256", "2xe^{x^2}", "15000"]) == [1.0, 1.0, 1.0, 1.0]
+    assert gsm8k_reward(["The garden's area is 36 m\u00b2."], answer=["#### 36"]) == [1.0]
+    probe = ("from tasks.rewards.gsm8k import gsm8k_reward\nfrom tasks.rewards.math_answer import math_answer_reward\n"
+             "print(gsm8k_reward(['1' * 200000 + ',1'], answer=['1']), math_answer_reward(['^' + ' ' * 200000 + 'x'],"
+             " answer=['1']))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["[0.0]", "[0.0]"], done.stderr[-2000:]

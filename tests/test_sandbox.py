@@ -1436,13 +1436,13 @@ def test_humaneval_and_pytest_test_modules_are_cases():
 
 def test_test_modules_are_judged_on_the_host(quick_sandbox):
     """Each assert of a test function that loops is recorded inside and computed on the host: an always-equal
-    object, or a `range` the code empties, passes none of them."""
+    object passes none of them, nor does a `range` the code empties (the tests keep the builtins' own)."""
     close = fence("""
         def has_close_elements(numbers, threshold):
             return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])""")
     add, wrong = fence("def add(x, y):\n    return x + y"), fence("def add(x, y):\n    return x + y if y < 5 else 0")
     always_equal = fence(ALWAYS_EQUAL + "def add(*a): return A()\nhas_close_elements = add")
-    # right for small sums only, and no loop runs: the loops' asserts are not seen, so they do not pass
+    # right for small sums only, with `range` emptied: the tests' loops run on the builtins as they were
     no_loops = fence("import builtins\nbuiltins.range = lambda *a: iter(())\n"
                      "def add(x, y): return x + y if x + y < 50 else 0\nhas_close_elements = add")
     # the test functions' names taken by the code: the row's own are the ones run
@@ -1450,7 +1450,7 @@ def test_test_modules_are_judged_on_the_host(quick_sandbox):
                   "def add(x, y): return x + y if x + y < 50 else 0\nhas_close_elements = add")
     rows = [(HUMANEVAL, "has_close_elements"), (HUMANEVAL_LOOP, "add"), (PYTEST_MODULE, None)]
     for completion, want in [(close, [1.0, None, None]), (add, [None, 1.0, 1.0]), (wrong, [None, 2 / 3, 0.5]),
-                             (always_equal, [0.0, 0.0, 0.0]), (no_loops, [0.0, 2 / 3, 0.75]),
+                             (always_equal, [0.0, 0.0, 0.0]), (no_loops, [0.0, 2 / 3, 1.0]),
                              (names, [0.0, 2 / 3, 1.0])]:
         for (test, entry), score in zip(rows, want, strict=True):
             if score is None:
@@ -1466,3 +1466,85 @@ def test_test_modules_are_judged_on_the_host(quick_sandbox):
              "        return\n    assert False\n"
     lenient = fence("def add(x, y):\n    return (x or 0) + y")
     assert code_rewards.code_reward([add, lenient], test=[raises] * 2) == [1.0, 0.5]
+
+
+EVALPLUS_NUMPY = '''
+import numpy as np
+
+def is_floats(x) -> bool:
+    if isinstance(x, float):
+        return True
+    if isinstance(x, (list, tuple)):
+        return all(isinstance(i, float) for i in x)
+    if isinstance(x, np.ndarray):
+        return x.dtype == np.float64 or x.dtype == np.float32
+    return False
+
+def assertion(out, exp, atol):
+    exact_match = out == exp
+    if atol == 0 and is_floats(exp):
+        atol = 1e-6
+    if not exact_match and atol != 0:
+        assert np.allclose(out, exp, rtol=1e-07, atol=atol)
+    else:
+        assert exact_match
+
+def check(candidate):
+    inputs = [[1, 2], [3, 4], [10, 20]]
+    results = [3, 7, 30]
+    for i, (inp, exp) in enumerate(zip(inputs, results)):
+        assertion(candidate(*inp), exp, 0)
+'''
+MBPP_PLUS = EVALPLUS_NUMPY.split("def check(candidate):")[0] + '''
+inputs = [[1, 2], [3, 4], [10, 20]]
+results = [3, 7, 30]
+for i, (inp, exp) in enumerate(zip(inputs, results)):
+    assertion(add(*inp), exp, 0)
+'''
+SHAPES = '''
+import contextlib
+import pytest
+
+@pytest.fixture
+def numbers():
+    return [1, 2]
+
+def test_shadowing_a_builtin():
+    str = "abc" * 2
+    list = [1, 2]
+    assert echo(str) == str
+    assert echo(list) == list
+
+def test_suppressed():
+    with contextlib.suppress(ZeroDivisionError):
+        1 / 0
+        assert echo(1) == 2
+
+assert echo(0) == 0
+
+def test_a_helper_defined_after_an_assert():
+    assert twice(echo(3)) == 6
+
+def twice(x):
+    return 2 * x
+'''
+
+
+def test_test_modules_of_real_datasets_read_right_and_are_not_gamed(quick_sandbox):
+    """evalplus's HumanEval+ (its helper reads numpy, absent from the sandbox's Python) and MBPP+ (its loop at the
+    top level, run as setup before every test) failed every correct program; a test's own `str` was compared as
+    the builtin; an assert under `with suppress` was required; a helper defined after a top-level assert was local
+    to it. Cheats: an always-equal object handed to evalplus's `assertion` helper, and `zip` or `range` patched
+    so a loop runs once or never, passed; the tests now see the builtins as they were before the code ran."""
+    add = fence("def add(x, y):\n    return x + y")
+    cheats = [fence(ALWAYS_EQUAL + "def add(*a): return A()"),
+              fence("import builtins\nbuiltins.zip = lambda *a: iter(())\nbuiltins.enumerate = lambda *a: iter(())\n"
+                    "builtins.range = lambda *a: iter([0])\ndef add(x, y): return 3")]
+    for test, entry in ((EVALPLUS_NUMPY, "add"), (MBPP_PLUS, None)):
+        assert code_rewards.code_reward([add, *cheats], test=[test] * 3, entry_point=[entry] * 3) == [1.0, 0.0, 0.0]
+    echo = fence("def echo(x):\n    return x")
+    assert code_rewards.code_reward([echo], test=[SHAPES]) == [1.0], code_rewards.judge([echo], test=[SHAPES])[0]
+    loop = "def check(candidate):\n    for x in range(10):\n        assert candidate(x) == 2 * x\n"
+    once = fence("import builtins\nbuiltins.range = lambda *a: iter([0])\ndef dbl(x): return 0")
+    assert code_rewards.code_reward([fence("def dbl(x): return 2 * x"), once], test=[loop] * 2,
+                                    entry_point=["dbl"] * 2) == [1.0, 0.0]

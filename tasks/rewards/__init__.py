@@ -25,3 +25,16 @@ def after_reasoning(text: str) -> str:
     if "</think>" in text:
         return text.rsplit("</think>", 1)[1]
     return text.split("<think>", 1)[0]
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}`, its braces matched (None when there is none or it is not closed)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None

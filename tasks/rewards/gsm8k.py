@@ -14,16 +14,21 @@ import math
 import re
 import unicodedata
 
-from tasks.rewards import after_reasoning, text_of
+from tasks.rewards import after_reasoning, last_boxed, text_of
 
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!,?\d)|-?\.\d+")
+# (a number starts where no digit, comma or point stands before it, and its digits are taken whole: searching
+# from inside a long run of digits took time quadratic in its length)
+_NUMBER = re.compile(r"(?<![\d,.])-?(?:\d{1,3}(?:,\d{3})+|(?>\d+))(?:\.\d+)?(?!,?\d)|(?<![\d,.])-?\.\d+")
 _FRACTION = re.compile(r"^(-?)\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$|^(-?[\d.]+)\s*/\s*(-?[\d.]+)$")
 _LATEX = re.compile(r"\\text\{([^{}]*)\}|\\mathrm\{([^{}]*)\}|\{,\}|\\[$%,!; ]")
 
 
 def _plain(text: str) -> str:
-    """Unicode digits and minus signs as ASCII (full-width ４２, U+2212), LaTeX's wrappers of a number dropped."""
-    text = unicodedata.normalize("NFKC", text).replace("\u2212", "-")
+    """Decimal digits of any script as ASCII (full-width ４２; not a superscript: m² is not m2), U+2212 as "-",
+    LaTeX's wrappers of a number dropped."""
+    if not text.isascii():
+        text = "".join(str(unicodedata.decimal(c)) if c.isdecimal() and not c.isascii() else c
+                       for c in text).replace("\u2212", "-")
     return _LATEX.sub(lambda m: m.group(1) or m.group(2) or ("," if m.group(0) == "{,}" else ""), text)
 
 
@@ -43,19 +48,6 @@ def _to_number(text: str) -> float | None:
 def reference_answer(answer: str) -> float | None:
     """`... #### 1,234` -> 1234.0; a bare number is taken as is."""
     return _to_number(answer.split("####")[-1])
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}`, its braces matched (None when there is none or it is not closed)."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1:j]
-    return None
 
 
 def extract_answer(completion: str) -> float | None:

@@ -18,11 +18,14 @@ from __future__ import annotations
 import re
 import threading
 
-from tasks.rewards import after_reasoning, text_of
+from tasks.rewards import after_reasoning, last_boxed, text_of
 
-# A power tower (9^{9^{9^9}}), an exponent or a factorial of five digits or more: sympy would compute it, for
-# minutes, without a timeout off the main thread. No reference answer is such a number; the reply scores 0.
-_TOO_COSTLY = re.compile(r"(?:\^|\*\*)\s*\{?\s*\(?\s*[+-]?\d{5,}|\^\s*\{[^{}]*\^|\^\s*\w\s*\^|\d{5,}\s*!")
+# A tower of numbers (9^{9^{9^9}}), an exponent of five digits or more (2^{100000}, 2**100000), or in a \boxed{} a
+# factorial of such a number: sympy would compute it, for minutes, without a timeout off the main thread. The
+# final answer is checked (the last box where there is one: the working may hold 2^{2^3}); such a reply scores 0.
+_TOO_COSTLY = re.compile(r"\^[\s{(+-]{0,8}\d{5,}|[\w)]\*\*[\s(+-]{0,8}\d{5,}"           # a long exponent
+                         r"|\^[\s{(]{0,8}\d+[\s)]{0,8}\^")                                  # a tower of numbers
+_FACTORIAL = re.compile(r"\d{5,}\s{0,8}!")
 
 
 def _reference_text(answer, solution) -> str | None:
@@ -57,7 +60,8 @@ def math_answer_reward(completions: list[str], answer: list | None = None, solut
             out.append(None)
             continue
         said = after_reasoning(text_of(completion))
-        if _TOO_COSTLY.search(said):
+        boxed = last_boxed(said)
+        if _TOO_COSTLY.search(said if boxed is None else boxed) or (boxed and _FACTORIAL.search(boxed)):
             out.append(0.0)
             continue
         pred = parse(said, extraction_config=extraction, parsing_timeout=timeout)

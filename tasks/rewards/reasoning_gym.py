@@ -35,6 +35,7 @@ _ENDS_WITH_ANSWER_IS = re.compile(r"(?:^|[\s.!?:])the answer is\s*:?\s*(?:(?![.!
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _ONE_NUMBER = re.compile(r"\s*-?\d+(?:\.\d+)?\s*")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")        # 1,000 is one number
 
 
 def _tagged(text: str) -> list[str]:
@@ -82,7 +83,7 @@ def readings(text: str, answer_format: str, answer: str | None = None) -> list[s
         return []
     if answer_format == "tags":
         return [read]
-    numbers = _NUMBER.findall(read)
+    numbers = _NUMBER.findall(_THOUSANDS.sub("", read))
     if len(numbers) > 1 and answer is not None and _ONE_NUMBER.fullmatch(str(answer)):
         return [numbers[-1]]          # (a checker reading the first number would pay "21 or 20" and "20 or 21")
     found = [read, read + "."]

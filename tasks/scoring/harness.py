@@ -222,10 +222,15 @@ def child(code, setup, exprs):
                                                    errors="backslashreplace", newline="\n", write_through=True)
     sys.argv = ["solution.py"]
     ns = {"__name__": "__main__", "__builtins__": builtins}
+    pristine = dict(builtins.__dict__)
     status = 0
     try:
         exec(compile(code, "solution.py", "exec"), ns)
         if exprs is not None:
+            # the tests' own functions and expressions see the builtins as they were before the code ran (a
+            # `range` or `zip` the code patched would empty a test's loop); the code's functions keep theirs
+            ns["__builtins__"] = pristine
+            ns["_rlflow_plain"], ns["_rlflow_missing"] = plain, missing
             if setup:
                 exec(compile(setup, "test_setup.py", "exec"), ns)
             lines = [evaluate(e, ns) for e in exprs]
@@ -271,6 +276,42 @@ AS_PLAIN = ((dict, lambda v: dict(dict.items(v))), (list, lambda v: list(list.__
             (tuple, lambda v: tuple(tuple.__iter__(v))), (frozenset, lambda v: frozenset(frozenset.__iter__(v))),
             (set, lambda v: set(set.__iter__(v))), (str, str.__str__), (int, int.__int__),
             (float, float.__float__))
+
+
+def plain(x, depth=0, _type=type, _subclass=issubclass, _getattr=getattr, _eq=object.__eq__):
+    """`x` as built-in values (a subclass read as its type: AS_PLAIN), what a test module's helper is handed in
+    place of the code's value (tasks/scoring/module_tests.py: _Recorded); an object with an __eq__ of its own is a
+    TypeError (it could equal anything), one without (a tree node: compared by what it holds) passes as it is."""
+    if depth > 50:
+        raise ValueError("value nested too deeply")
+    t = _type(x)
+    if t not in PLAIN:
+        read = next((read for base, read in AS_PLAIN if _subclass(t, base)), None)
+        if read is None:
+            if _getattr(t, "__eq__", None) is not _eq:
+                raise TypeError("returned a %s, not a built-in value" % t.__name__)
+            return x
+        x = read(x)
+        t = _type(x)
+    if t in (list, tuple, set, frozenset):
+        return t(plain(v, depth + 1) for v in x)
+    if t is dict:
+        return {plain(k, depth + 1): plain(v, depth + 1) for k, v in x.items()}
+    return x
+
+
+def missing(name):
+    """A stand-in for a module a test module imports that this Python lacks (numpy, pytest): each attribute a
+    class nothing is an instance of, whose call raises ImportError. `isinstance(x, np.ndarray)` is False; a test
+    that calls `np.allclose` or `pytest.raises` fails, saying why; the others run."""
+    class Absent(object):
+        def __init__(self, *args, **kwargs):
+            raise ImportError("No module named %r in the sandbox's Python (reward.sandbox.python)" % name)
+
+    class Module(object):
+        def __getattr__(self, attr):
+            return Absent
+    return Module()
 
 
 def encode(x, depth, _type=type, _repr=repr, _float=float, _subclass=issubclass):

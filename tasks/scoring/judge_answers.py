@@ -20,18 +20,24 @@ MAX_TEXT = 64 * 1024                   # characters of an answer kept (a URL ser
 
 _NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
 # a number, "N/10" and "N out of 10" read as N (the denominator is the scale, not the score)
-_NUMBER = re.compile(rf"({_NUM})(?:\s*(?:/|out\s+of)\s*{_NUM})?")
+# (every pattern matches in linear time: one possessive `\s*+` between tokens, never two stacked around an optional
+# part, which backtracked polynomially: "score" + 400 spaces took half a minute, and an answer may be 64 KiB)
+_NUMBER = re.compile(rf"({_NUM})(?:\s*+(?:/|out\s++of)\s*+{_NUM})?")
 # "Score: 3 (2 mistakes)": a labelled number wins over the numbers of the reasoning after it
-_LABELLED = re.compile(rf"\b(?:score|rating|grade)\b\s*(?:is\b|of\b)?\s*[:=]?\s*[*_\"'`]*\s*({_NUM})", re.IGNORECASE)
-# pairwise: a final-choice form (MT-Bench's [[A]], [[C]] a tie; "Answer: A"; "A is better")
-_BRACKETED = re.compile(r"\[\[\s*(A|B|C|tie)\s*\]\]", re.IGNORECASE)
-_CHOSEN = re.compile(r"(?i:\b(?:final\s+)?(?:answer|winner|verdict|choice|decision|preferred|better(?:\s+one)?)\b)"
-                     r"\s*(?i:is\b)?\s*[:=]?\s*[*_\"'`(\[]*\s*(?i:(?:response|answer|assistant|completion)\s+)?"
-                     r"(A|B|(?i:tie))\b")
-_WINS = re.compile(r"\b(A|B)\b\s+(?i:is\s+(?:clearly\s+|much\s+)?(?:better|superior|preferred|the\s+better)|wins)\b")
+_LABELLED = re.compile(rf"\b(?:score|rating|grade)\b\s*+(?:(?:is|of)\b\s*+)?(?:[:=]\s*+)?(?:[*_\"'`]++\s*+)?({_NUM})",
+                       re.IGNORECASE)
+# pairwise: a final-choice form (MT-Bench's [[A]], [[C]] a tie; "Answer: A", "Winner is B", "Verdict = A": a ':',
+# '=' or 'is' after the keyword, so a template's "Answer A" / "Answer B" labels are no verdict; "A is better")
+_BRACKETED = re.compile(r"\[\[\s*+(A|B|C|tie)\s*+\]\]", re.IGNORECASE)
+_CHOSEN = re.compile(r"(?i:\b(?:final\s++)?(?:answer|winner|verdict|choice|decision|preferred|better(?:\s++one)?)\b)"
+                     r"\s*+(?i:is\b\s*+[:=]?|[:=])\s*+(?:[*_\"'`(\[]++\s*+)?"
+                     r"(?i:(?:response|answer|assistant|completion)\s++)?(A|B|(?i:tie))\b")
+_WINS = re.compile(r"\b(A|B)\b\s++(?i:is\s++(?:(?:clearly|much)\s++)?(?:better|superior|preferred|the\s++better)"
+                   r"|wins)\b")
 _LETTER = re.compile(r"\b(A|B)\b")               # capitals only: the article "a" is no vote
 _TIE = re.compile(r"\btie\b", re.IGNORECASE)
-_LINE = re.compile(r"^\s*\[?(\d+)\]?\s*[:.)=-]\s*(-?\d+(?:\.\d+)?)", re.MULTILINE)
+# (a line's indent never spans a newline: `^\s*` ran from every line of a run of blank lines to its end, quadratic)
+_LINE = re.compile(r"^[^\S\n]*+\[?(\d++)\]?\s*+[:.)=-]\s*+(-?\d++(?:\.\d+)?)", re.MULTILINE)
 
 
 class Unparsed(ValueError):
@@ -60,7 +66,8 @@ def scores_of(spec: RewardModel, n: int, answer: Any, parser=None) -> list[float
         values = _scores(spec, n, answer, parser)
     except Unparsed:
         raise
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError,
+            MemoryError) as e:
         raise Unparsed(f"a malformed answer ({type(e).__name__}: {str(e)[:80]})") from None
     if not all(math.isfinite(v) and abs(v) <= LARGEST for v in values):
         raise Unparsed(f"not finite or beyond ±{LARGEST:g}: {values}")
@@ -138,7 +145,8 @@ def _pointwise(text: str) -> float:
 
 def _choice(text: str) -> str:
     """'A', 'B' or 'tie': the last final-choice form ([[A]], "Answer: A", "A is better"), else the one letter
-    named (an answer naming both without saying which won gives none)."""
+    named (an answer naming both without saying which won gives none: "Answer A is more detailed" is no verdict,
+    a template's label)."""
     for form in (_BRACKETED, _CHOSEN, _WINS):
         if found := form.findall(text):
             return "tie" if found[-1].upper() in ("C", "TIE") else found[-1].upper()
@@ -160,6 +168,8 @@ def _group_scores(text: str, n: int) -> list[float]:
             got, _ = decoder.raw_decode(text, at)
         except ValueError:
             continue
+        except (RecursionError, MemoryError):     # ("[" * 5000: nested past the interpreter's limit)
+            raise Unparsed(f"a JSON value nested too deep in the answer {text[:80]!r}") from None
         if isinstance(got, dict):
             got = got.get("scores")
         if isinstance(got, list) and len(got) == n and all(isinstance(v, (int, float)) and not isinstance(v, bool)
