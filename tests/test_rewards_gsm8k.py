@@ -102,7 +102,25 @@ def test_what_the_guards_refuse_is_only_what_they_name():
                               answer=["15000", "256", "2xe^{x^2}", "15000"]) == [1.0, 1.0, 1.0, 1.0]
     assert gsm8k_reward(["The garden's area is 36 m\u00b2."], answer=["#### 36"]) == [1.0]
     probe = ("from tasks.rewards.gsm8k import gsm8k_reward\nfrom tasks.rewards.math_answer import math_answer_reward\n"
-             "print(gsm8k_reward(['1' * 200000 + ',1'], answer=['1']), math_answer_reward(['^' + ' ' * 200000 + 'x'],"
+             "print(gsm8k_reward(['1' * 200000 + ',1'], answer=['2']), math_answer_reward(['^' + ' ' * 200000 + 'x'],"
              " answer=['1']))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.stdout.split() == ["[0.0]", "[0.0]"], done.stderr[-2000:]
+
+
+def test_numbers_after_commas_and_boxes_the_second_review_named():
+    """The first mend read no number after a comma ("values 3,4,18"), lost the full-width minus, refused
+    \\boxed{(x^2)^3} as a tower, and its factorial guard was quadratic in a run of digits (a child: the old one
+    never returned to Python)."""
+    import subprocess
+    import sys
+
+    from tasks.rewards.math_answer import math_answer_reward
+
+    assert [extract_answer(t) for t in ("values 3,4,18", "Therefore,18", "\uff0d\uff15", "1,000")] == \
+        [18.0, 18.0, -5.0, 1000.0]
+    assert math_answer_reward(["\\boxed{(x^2)^3}"], answer=["x^6"]) == [1.0]
+    probe = ("from tasks.rewards.math_answer import math_answer_reward\n"
+             "print(math_answer_reward(['\\\\boxed{' + '1' * 300000 + ' x}'], answer=['1']))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["[0.0]"], done.stderr[-2000:]

@@ -1548,3 +1548,31 @@ def test_test_modules_of_real_datasets_read_right_and_are_not_gamed(quick_sandbo
     once = fence("import builtins\nbuiltins.range = lambda *a: iter([0])\ndef dbl(x): return 0")
     assert code_rewards.code_reward([fence("def dbl(x): return 2 * x"), once], test=[loop] * 2,
                                     entry_point=["dbl"] * 2) == [1.0, 0.0]
+
+
+def test_a_test_modules_loop_names_its_modules_and_types_are_its_own(quick_sandbox):
+    """A second review: MBPP+'s loop names were declared global (the code's `return exp` read the expected value,
+    and a correct program's `from math import exp` was shadowed); a metaclass answered `__eq__` for a class whose
+    own always equals; a module the code put in sys.modules was the one the tests imported."""
+    mbpp_plus = "inputs = [[1], [2], [3]]\nresults = [2, 4, 6]\nfor inp, exp in zip(inputs, results):\n" \
+                "    assert dbl(*inp) == exp\n"
+    honest = fence("from math import exp\ndef dbl(x):\n    return int(round(exp(0))) * 2 * x")
+    reads_exp = fence("def dbl(x):\n    return exp")
+    assert code_rewards.code_reward([honest, reads_exp], test=[mbpp_plus] * 2) == [1.0, 0.0]
+    helper = "def same(out, exp):\n    assert out == exp\ndef check(candidate):\n    for x in range(3):\n" \
+             "        same(candidate(x), 2 * x)\n"
+    metaclass = fence("""
+        class Meta(type):
+            def __getattribute__(cls, name):
+                return object.__eq__ if name == '__eq__' else type.__getattribute__(cls, name)
+        class A(metaclass=Meta):
+            def __eq__(self, other): return True
+            __hash__ = object.__hash__
+        def dbl(x): return A()""")
+    assert code_rewards.code_reward([metaclass], test=[helper], entry_point=["dbl"]) == [0.0]
+    statistics = "from statistics import median\ndef check(candidate):\n    for x in range(3):\n" \
+                 "        assert candidate(x) == median([2 * x, 2 * x])\n"
+    fake = fence("import sys, types\nsys.modules['statistics'] = types.SimpleNamespace(median=lambda *a: -1)\n"
+                 "def dbl(x): return -1")
+    assert code_rewards.code_reward([fence("def dbl(x): return 2 * x"), fake], test=[statistics] * 2,
+                                    entry_point=["dbl"] * 2) == [1.0, 0.0]

@@ -16,19 +16,19 @@ import unicodedata
 
 from tasks.rewards import after_reasoning, last_boxed, text_of
 
-# (a number starts where no digit, comma or point stands before it, and its digits are taken whole: searching
+# (a number starts where no digit or point stands before it, and its digits are taken whole: searching
 # from inside a long run of digits took time quadratic in its length)
-_NUMBER = re.compile(r"(?<![\d,.])-?(?:\d{1,3}(?:,\d{3})+|(?>\d+))(?:\.\d+)?(?!,?\d)|(?<![\d,.])-?\.\d+")
+_NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+|(?>\d+))(?:\.\d+)?(?!,?\d)|(?<![\d.])-?\.\d+")
 _FRACTION = re.compile(r"^(-?)\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$|^(-?[\d.]+)\s*/\s*(-?[\d.]+)$")
 _LATEX = re.compile(r"\\text\{([^{}]*)\}|\\mathrm\{([^{}]*)\}|\{,\}|\\[$%,!; ]")
 
 
 def _plain(text: str) -> str:
-    """Decimal digits of any script as ASCII (full-width ４２; not a superscript: m² is not m2), U+2212 as "-",
-    LaTeX's wrappers of a number dropped."""
+    """Decimal digits of any script as ASCII (full-width ４２; not a superscript: m² is not m2), U+2212 and
+    U+FF0D as "-", LaTeX's wrappers of a number dropped."""
     if not text.isascii():
         text = "".join(str(unicodedata.decimal(c)) if c.isdecimal() and not c.isascii() else c
-                       for c in text).replace("\u2212", "-")
+                       for c in text).replace("\u2212", "-").replace("\uff0d", "-")
     return _LATEX.sub(lambda m: m.group(1) or m.group(2) or ("," if m.group(0) == "{,}" else ""), text)
 
 

@@ -24,8 +24,8 @@ from tasks.rewards import after_reasoning, last_boxed, text_of
 # factorial of such a number: sympy would compute it, for minutes, without a timeout off the main thread. The
 # final answer is checked (the last box where there is one: the working may hold 2^{2^3}); such a reply scores 0.
 _TOO_COSTLY = re.compile(r"\^[\s{(+-]{0,8}\d{5,}|[\w)]\*\*[\s(+-]{0,8}\d{5,}"           # a long exponent
-                         r"|\^[\s{(]{0,8}\d+[\s)]{0,8}\^")                                  # a tower of numbers
-_FACTORIAL = re.compile(r"\d{5,}\s{0,8}!")
+                         r"|\^[\s{(]{0,8}(?<!\d)\d++\s{0,8}\^")                           # a tower of numbers
+_FACTORIAL = re.compile(r"(?<!\d)\d{5,}+\s{0,8}!")
 
 
 def _reference_text(answer, solution) -> str | None:

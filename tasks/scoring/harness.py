@@ -222,7 +222,7 @@ def child(code, setup, exprs):
                                                    errors="backslashreplace", newline="\n", write_through=True)
     sys.argv = ["solution.py"]
     ns = {"__name__": "__main__", "__builtins__": builtins}
-    pristine = dict(builtins.__dict__)
+    pristine, modules = dict(builtins.__dict__), dict(sys.modules)
     status = 0
     try:
         exec(compile(code, "solution.py", "exec"), ns)
@@ -230,6 +230,9 @@ def child(code, setup, exprs):
             # the tests' own functions and expressions see the builtins as they were before the code ran (a
             # `range` or `zip` the code patched would empty a test's loop); the code's functions keep theirs
             ns["__builtins__"] = pristine
+            for name in [m for m in sys.modules if m not in modules]:
+                del sys.modules[name]           # (a fake `numpy` the code put there is not what the tests import)
+            sys.modules.update(modules)
             ns["_rlflow_plain"], ns["_rlflow_missing"] = plain, missing
             if setup:
                 exec(compile(setup, "test_setup.py", "exec"), ns)
@@ -278,7 +281,8 @@ AS_PLAIN = ((dict, lambda v: dict(dict.items(v))), (list, lambda v: list(list.__
             (float, float.__float__))
 
 
-def plain(x, depth=0, _type=type, _subclass=issubclass, _getattr=getattr, _eq=object.__eq__):
+def plain(x, depth=0, _type=type, _subclass=issubclass, _object=object,
+          _mro=type.__dict__["__mro__"].__get__, _vars=type.__dict__["__dict__"].__get__):
     """`x` as built-in values (a subclass read as its type: AS_PLAIN), what a test module's helper is handed in
     place of the code's value (tasks/scoring/module_tests.py: _Recorded); an object with an __eq__ of its own is a
     TypeError (it could equal anything), one without (a tree node: compared by what it holds) passes as it is."""
@@ -288,8 +292,9 @@ def plain(x, depth=0, _type=type, _subclass=issubclass, _getattr=getattr, _eq=ob
     if t not in PLAIN:
         read = next((read for base, read in AS_PLAIN if _subclass(t, base)), None)
         if read is None:
-            if _getattr(t, "__eq__", None) is not _eq:
-                raise TypeError("returned a %s, not a built-in value" % t.__name__)
+            # (read through type's own descriptors: a metaclass cannot answer for the class)
+            if any("__eq__" in _vars(k) or "__ne__" in _vars(k) for k in _mro(t) if k is not _object):
+                raise TypeError("returned a %s, not a built-in value" % _type.__dict__["__name__"].__get__(t))
             return x
         x = read(x)
         t = _type(x)

@@ -66,8 +66,10 @@ def module_cases(src: str, entry_point, setup: str, code: str | None) -> tuple[l
     if top and all(isinstance(t, ast.Assert) for t in top):
         strong += top
     elif top:                                 # asserts among statements: run in order, as one test
-        names = sorted({n.id for t in top for n in ast.walk(t) if isinstance(n, ast.Name)
-                        and isinstance(n.ctx, ast.Store)})
+        # (what its plain assignments bind stays the module's; a loop's names stay the test's own: declared
+        # global they were the code's to read, `return exp`, and shadowed its `exp` from math)
+        names = sorted({n.id for t in top if isinstance(t, ast.Assign | ast.AnnAssign | ast.AugAssign)
+                        for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)})
         recorded.append(([ast.Global(names)] if names else []) + top)
     helpers = frozenset(t.name for t in kept if isinstance(t, ast.FunctionDef)
                         and any(isinstance(n, ast.Assert) for n in ast.walk(t)))
