@@ -731,3 +731,13 @@ def test_a_templates_answer_labels_are_no_verdict(tmp_path, fake_judge, answer, 
         assert got == [None, None] and scored.metrics["j/failed"] == 2, got
     else:
         assert got == pytest.approx(want) and not scored.errors, got
+
+
+def test_markdown_around_a_verdicts_keyword_is_read():
+    """Judges write markdown: "**Final Verdict**: B (A has an error)" and "The better response: **B**, since A
+    is wrong" gave no score (read only where the answer named one letter alone)."""
+    from tasks.scoring.judge_answers import _choice
+
+    assert [_choice(t) for t in ("**Final Verdict**: B (A has an error)", "The better response: **B**, since A is "
+                                 "wrong", "**Winner:** A, B rambles", "Final verdict: the better response is **B** "
+                                 "because A errs")] == ["B", "B", "A", "B"]

@@ -29,7 +29,9 @@ _LABELLED = re.compile(rf"\b(?:score|rating|grade)\b\s*+(?:(?:is|of)\b\s*+)?(?:[
 # pairwise: a final-choice form (MT-Bench's [[A]], [[C]] a tie; "Answer: A", "Winner is B", "Verdict = A": a ':',
 # '=' or 'is' after the keyword, so a template's "Answer A" / "Answer B" labels are no verdict; "A is better")
 _BRACKETED = re.compile(r"\[\[\s*+(A|B|C|tie)\s*+\]\]", re.IGNORECASE)
-_CHOSEN = re.compile(r"(?i:\b(?:final\s++)?(?:answer|winner|verdict|choice|decision|preferred|better(?:\s++one)?)\b)"
+# (markdown around the keyword counts as nothing: "**Final Verdict**: B", "The better response: **B**")
+_CHOSEN = re.compile(r"(?i:\b(?:final\s++)?(?:answer|winner|verdict|choice|decision|preferred|better"
+                     r"(?:\s++(?:one|response|answer|completion))?)\b)[*_]*+"
                      r"\s*+(?i:is\b\s*+[:=]?|[:=])\s*+(?:[*_\"'`(\[]++\s*+)?"
                      r"(?i:(?:response|answer|assistant|completion)\s++)?(A|B|(?i:tie))\b")
 _WINS = re.compile(r"\b(A|B)\b\s++(?i:is\s++(?:(?:clearly|much)\s++)?(?:better|superior|preferred|the\s++better)"
