@@ -47,7 +47,10 @@ def _wait(condition, seconds: float) -> bool:
 
 
 def _watchdog(state: dict) -> list[int]:
-    return [p for p in group_members(state["pgid"], "vllm") if p != state["pid"]]
+    """The watchdog once it runs: `vllm_watchdog` in its command line (the `sh` it is exec'd from carries the
+    server's argv, `vllm` included, and while exec replaces it its command line reads empty: counted by `vllm`
+    alone, one poll saw the sh and the next none, on a loaded machine)."""
+    return [p for p in group_members(state["pgid"], "vllm_watchdog") if p != state["pid"]]
 
 
 def test_an_unused_server_is_stopped_and_a_used_one_is_not(tmp_path):
