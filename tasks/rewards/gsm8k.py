@@ -41,6 +41,11 @@ def _to_number(text: str) -> float | None:
         except (ValueError, ZeroDivisionError):
             return None
         return -value if sign else value
+    return _last_number(text)
+
+
+def _last_number(text: str) -> float | None:
+    """The last number in `text` (already _plain), its thousands separators taken off."""
     found = _NUMBER.findall(text)
     return float(found[-1].replace(",", "")) if found else None
 
@@ -57,8 +62,7 @@ def extract_answer(completion: str) -> float | None:
         return _to_number(boxed)
     if "####" in completion:
         return _to_number(completion.rsplit("####", 1)[1])
-    found = _NUMBER.findall(_plain(completion))
-    return float(found[-1].replace(",", "")) if found else None
+    return _last_number(_plain(completion))
 
 
 def gsm8k_reward(completions: list[str], answer: list[str], **kwargs) -> list[float]:
