@@ -124,3 +124,23 @@ def test_numbers_after_commas_and_boxes_the_second_review_named():
              "print(math_answer_reward(['\\\\boxed{' + '1' * 300000 + ' x}'], answer=['1']))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.stdout.split() == ["[0.0]"], done.stderr[-2000:]
+
+
+def test_one_reader_of_message_content_for_rewards_and_judges():
+    """Rewards, judges' prompts and judges' answers read a message's content the same way
+    (tasks.core.contracts.content_text): the Responses API's `output_text` parts were dropped by the rewards'
+    reader (a reply in that form scored 0) and a non-text part that is not a dict was written into a judge's prompt."""
+    from tasks.rewards import text_of
+    from tasks.rewards.gsm8k import gsm8k_reward
+    from tasks.scoring.judge_answers import answer_text
+    from tasks.scoring.judges import _text
+
+    reply = [{"role": "assistant", "content": [{"type": "output_text", "text": "so \\boxed{72}"}]}]
+    assert text_of(reply) == "so \\boxed{72}"
+    assert gsm8k_reward(prompts=[[{"role": "user", "content": "q"}]], completions=[reply],
+                        answer=["#### 72"]) == [1.0]
+    parts = [{"type": "image_url", "image_url": {"url": "data:,"}}, 7, {"type": "text", "text": "how many?"},
+             {"type": "refusal", "refusal": "no"}, {"type": "text", "text": None}]
+    assert text_of([{"role": "assistant", "content": parts}]) == "how many?"
+    assert _text([{"role": "user", "content": parts}]) == "how many?"
+    assert answer_text(parts) == "how many?"

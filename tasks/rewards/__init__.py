@@ -1,22 +1,17 @@
 """Reward functions shipped with rlflow. Each is called as TRL calls reward functions (every argument by keyword;
 for chat prompts each completion is [{"role": "assistant", "content": ...}]) and returns list[float | None]."""
 
+from tasks.core.contracts import content_text
+
 
 def text_of(completion) -> str:
     """A completion as text: a string as it is; a (TRL conversational) list of messages as its last assistant
     message's content (an episode's turns end with what the environment said: that is not the model's answer),
-    its text parts joined where the content is a list of parts ([{"type": "text", "text": ...}], as OpenAI's)."""
+    its text parts joined where the content is a list of parts (tasks.core.contracts.content_text)."""
     if isinstance(completion, list):
         said = [m for m in completion if isinstance(m, dict) and m.get("role", "assistant") == "assistant"]
-        return _content_text(said[-1].get("content")) if said else ""
+        return content_text(said[-1].get("content")) if said else ""
     return completion if isinstance(completion, str) else str(completion or "")
-
-
-def _content_text(content) -> str:
-    if isinstance(content, list):
-        return "".join(p if isinstance(p, str) else str(p.get("text") or "") for p in content
-                       if isinstance(p, str) or (isinstance(p, dict) and p.get("type", "text") == "text"))
-    return content if isinstance(content, str) else str(content or "")
 
 
 def after_reasoning(text: str) -> str:

@@ -11,6 +11,8 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
+from tasks.core.contracts import content_text
+
 if TYPE_CHECKING:
     from tasks.core.config import RewardModel
 
@@ -49,10 +51,7 @@ class Unparsed(ValueError):
 def answer_text(content: Any) -> str:
     """A message's content as text: a string, or the text of its parts (OpenAI's [{"type": "text", "text": ...}]),
     at most MAX_TEXT characters (its head and its end: the final line a score is read from)."""
-    if isinstance(content, list):
-        content = "".join(p.get("text") or "" if isinstance(p, dict) else p if isinstance(p, str) else ""
-                          for p in content)
-    text = content if isinstance(content, str) else ""
+    text = content_text(content)
     if len(text) > MAX_TEXT:              # (at most MAX_TEXT after: a stored answer is not cut again)
         half = (MAX_TEXT - 3) // 2
         text = text[:half] + "\n…\n" + text[-half:]

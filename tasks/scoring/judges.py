@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tasks.core.contracts import Scored
+from tasks.core.contracts import Scored, content_text
 from tasks.core.errors import UserError
 from tasks.core.fleet import bearer
 from tasks.core.placement import Services, placement_of
@@ -180,16 +180,8 @@ def _text(value: Any) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
-        return _content(value[0].get("content"))
-    return "\n\n".join(f"{m.get('role', '')}: {_content(m.get('content'))}" for m in value or [])
-
-
-def _content(content: Any) -> str:
-    """A message's content: a string, or its parts' text joined ([{"type": "text", "text": ...}], as OpenAI's
-    messages may give it; an image part has no text)."""
-    if isinstance(content, list):
-        return "".join(str(p.get("text") or "") if isinstance(p, dict) else str(p) for p in content)
-    return str(content or "")
+        return content_text(value[0].get("content"))
+    return "\n\n".join(f"{m.get('role', '')}: {content_text(m.get('content'))}" for m in value or [])
 
 
 def _completion(r: Rollout) -> str:
