@@ -1576,3 +1576,71 @@ def test_a_test_modules_loop_names_its_modules_and_types_are_its_own(quick_sandb
                  "def dbl(x): return -1")
     assert code_rewards.code_reward([fence("def dbl(x): return 2 * x"), fake], test=[statistics] * 2,
                                     entry_point=["dbl"] * 2) == [1.0, 0.0]
+
+
+def test_a_test_module_runs_split_from_the_code(quick_sandbox):
+    """A test module's tests ran in the code's process, recording values for the host: the code forged the
+    records on their pipe, read the expected value from the test's frame, patched the test's helpers through a
+    trace hook, its globals or an import hook, and every MBPP+ row paid 1.0. Now the test runs in a process that
+    never holds the code (harness.run_split), which it calls through a pipe, plain values and handles across; a
+    parametrized test is one case per listed case; in-place changes, iterators, generators, a class's instances,
+    `import solution`, a test module's own helper beside the code's and large inputs read as Python has them."""
+    mbpp_plus = "import numpy as np\ndef assertion(out, exp, atol):\n    assert out == exp\n" \
+                "inputs = [[3], [5], [10], [0]]\nresults = [6, 10, 20, 0]\n" \
+                "for i, (inp, exp) in enumerate(zip(inputs, results)):\n    assertion(double(*inp), exp, 0)\n"
+    helper = "import math\ndef ref(x):\n    return x * 2\ndef check(candidate):\n    assert candidate(2) == ref(2)\n" \
+             "    for x in range(3):\n        assert candidate(x) == ref(x)\n"
+    honest = fence("def double(x):\n    return 2 * x")
+    cheats = [
+        fence("import os\nos.write(3, b'ok W10=\\n')\nos._exit(0)"),
+        fence("import sys\ndef double(x):\n    return sys._getframe(1).f_locals.get('exp')"),
+        fence("import sys\ndef _t(frame, event, arg):\n    if event == 'call':\n"
+              "        frame.f_globals['assertion'] = lambda *a, **k: None\n        frame.f_globals['ref'] = "
+              "lambda *a: 0\n    return None\nsys.settrace(_t)\nsys.setprofile(_t)\ndef double(x): return 0"),
+        fence("import sys, types\ndef double(*a, **k):\n    g = sys._getframe(1).f_globals\n"
+              "    for n, v in list(g.items()):\n        if isinstance(v, types.FunctionType):\n"
+              "            g[n] = lambda *a, **k: 0\n    return 0"),
+        fence("import gc\ndef double(x):\n    for o in gc.get_objects():\n"
+              "        if isinstance(o, list) and o[:1] == [[3]]:\n            return 0\n    return 0"),
+    ]
+    for test, entry in ((mbpp_plus, None), (helper, "double")):
+        got = code_rewards.code_reward([honest, *cheats], test=[test] * 6, entry_point=[entry] * 6)
+        assert got == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0], (test[:30], got)
+    pytest_module = '''
+import pytest
+import solution
+from solution import Stack, rev, gen as g
+
+def helper(x):
+    return sorted(x)
+
+def test_stack():
+    s = Stack()
+    s.push(1)
+    s.push(2)
+    assert s.pop() == 2 and len(s) == 1 and isinstance(s, Stack)
+
+def test_in_place_and_iterators():
+    a = [1, 2, 3]
+    rev(a)
+    assert a == [3, 2, 1] and list(g(3)) == [0, 1, 2] and helper([2, 1]) == [1, 2]
+    assert any(solution.double(x) == 2 for x in [1, 2] for _ in [0])
+
+def test_large():
+    arr = list(range(100000))
+    assert total(arr) == sum(arr)
+
+@pytest.mark.parametrize("x, y", [(1, 2), (3, 6), (10, 20)])
+def test_param(x, y):
+    assert double(x) == y
+'''
+    good = fence("class Stack:\n    def __init__(self): self.items = []\n    def push(self, x): self.items.append(x)\n"
+                 "    def pop(self): return self.items.pop()\n    def __len__(self): return len(self.items)\n"
+                 "def helper(x): return x + 1\ndef rev(a): a.reverse()\ndef gen(n):\n    yield from range(n)\n"
+                 "def total(a): return sum(a)\ndef double(x): return helper(x) * 2 - 2")
+    zero = fence("def double(x): return 0")
+    assert len(code_rewards.parse_tests(None, None, None, "", pytest_module, None)[0]) == 6
+    assert code_rewards.judge([good], test=[pytest_module])[0].score == 1.0, \
+        code_rewards.judge([good], test=[pytest_module])[0]
+    assert code_rewards.code_reward([zero], test=["@pytest.mark.parametrize('x, y', [(0, 0), (3, 6)])\n"
+                                                  "def test_p(x, y):\n    assert double(x) == y\n"]) == [0.5]

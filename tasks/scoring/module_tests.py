@@ -1,60 +1,49 @@
 """A row's test module for the code reward (a `test` column): HumanEval's `def check(candidate)` with the row's
-`entry_point` (also evalplus's HumanEval+ / MBPP+), pytest-style `def test_*()` functions (KodCode), or asserts
-at its top level, read into the cases tasks/scoring/cases.py decides. What each form becomes, and how weak
-each is: docs/internals.md (tasks/rewards/code.py), docs/sandbox.md."""
+`entry_point` (also evalplus's HumanEval+ / MBPP+), pytest-style `def test_*()` functions (KodCode, with
+`@pytest.mark.parametrize` of listed cases), or asserts at its top level, read into cases that the sandbox runs
+split from the code: the test in a process that never holds it, calling the code's functions in a process of
+their own (tasks/scoring/harness.py: run_split). What each form becomes: docs/internals.md
+(tasks/rewards/code.py); why split: docs/sandbox.md."""
 
 from __future__ import annotations
 
 import ast
+import builtins
 
 from tasks.scoring import sandbox
-from tasks.scoring.asserts import (
-    SHADOWED,
-    _closed,
-    _defined_names,
-    _free_names,
-    _host_eval,
-    _split,
-    _unroll,
-    parsed,
-    shadowing,
-)
-from tasks.scoring.cases import Case, _values_check, assert_cases
+from tasks.scoring.asserts import _defined_names, parsed
+from tasks.scoring.cases import Case, _error_reason, explain_failure
+
+_BUILTINS = frozenset(dir(builtins))
 
 
 def module_cases(src: str, entry_point, setup: str, code: str | None) -> tuple[list[Case], str]:
-    """A row's test module (a `test` column): HumanEval's `def check(candidate)` called on the row's
-    `entry_point`, pytest's `def test_*()` functions (`from solution import ...` names the code's own), or
-    asserts at its top level; its other top-level statements join the setup. A test function's leading asserts
-    are one case each, judged on the host as test_list's are; the rest of it (loops, locals) is one case that
-    runs inside with each assert recording its parts' values, on which the host then computes the assert
-    (_Recorded). A module that does not parse gives no cases (a broken test in the data is skipped)."""
+    """A row's test module (a `test` column) as cases and the setup they share: HumanEval's `check(candidate)`
+    called on the row's `entry_point`, pytest's `test_*()` functions (one per listed case when parametrized), or
+    the statements at its top level; its other top-level statements are the setup. A test function's leading
+    asserts are one case each, the rest of it one case. Each case is a function of the setup that the test's
+    process calls; the names the test takes from the code (the entry point, the code's functions it names,
+    `solution`'s) are the code's, through a pipe. A module that does not parse gives no cases (a broken test in
+    the data is skipped)."""
     try:
         body = parsed(src.strip()).body
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return [], setup
     entry = entry_point.strip() if isinstance(entry_point, str) and entry_point.strip().isidentifier() else None
     kept: list[ast.stmt] = []                 # the module's setup
-    strong: list[ast.Assert] = []             # asserts judged on the host, their expected sides without the code
-    recorded: list[list[ast.stmt]] = []       # test bodies run inside, their asserts recorded
-    top: list[ast.stmt] = []                  # the module's top level from its first assert on
+    tests: list[list[ast.stmt]] = []          # one case each
+    top: list[ast.stmt] = []                  # the module's top level from its first test statement on
     for s in body:
-        if isinstance(s, ast.ImportFrom) and s.module == "solution" and not s.level:
-            kept += [ast.Assign([ast.Name(a.asname, ast.Store())], ast.Name(a.name, ast.Load()), lineno=0)
-                     for a in s.names if a.asname and a.name != "*"]
-        elif isinstance(s, ast.Import) and any(a.name == "solution" for a in s.names):
-            kept += ast.parse("\n".join(f"{a.asname or a.name} = __import__('types').SimpleNamespace(**globals())"
-                                        for a in s.names if a.name == "solution")).body
-            kept += [ast.Import([a]) for a in s.names if a.name != "solution"]
-        elif isinstance(s, ast.FunctionDef) and (param := _test_function(s, entry)) is not False:
+        runs = _parametrized(s) if isinstance(s, ast.FunctionDef) else None
+        if isinstance(s, ast.FunctionDef) and (runs is not None or _test_function(s, entry) is not False):
+            param = _test_function(s, entry) if runs is None else None
             stmts = [_renamed(t, param, entry) for t in s.body if not _inert(t)]
-            kept += [t for t in stmts if isinstance(t, ast.Import | ast.ImportFrom)
-                     and getattr(t, "module", None) != "solution"]
+            kept += [t for t in stmts if isinstance(t, ast.Import | ast.ImportFrom)]
             stmts = [t for t in stmts if not isinstance(t, ast.Import | ast.ImportFrom)]
-            lead = next((i for i, t in enumerate(stmts) if not isinstance(t, ast.Assert)), len(stmts))
-            strong += stmts[:lead]
-            if stmts[lead:]:
-                recorded.append(stmts[lead:])
+            for bind in runs if runs is not None else [[]]:
+                lead = 0 if bind else next((i for i, t in enumerate(stmts) if not isinstance(t, ast.Assert)),
+                                           len(stmts))
+                tests += [[t] for t in stmts[:lead]] + ([bind + stmts[lead:]] if stmts[lead:] else [])
         elif _runs_the_tests(s) or _inert(s):
             continue                          # `check(f)`, `if __name__ == "__main__": ...`: the cases run them
         elif isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Import | ast.ImportFrom):
@@ -64,126 +53,85 @@ def module_cases(src: str, entry_point, setup: str, code: str | None) -> tuple[l
         else:
             kept.append(s)
     if top and all(isinstance(t, ast.Assert) for t in top):
-        strong += top
-    elif top:                                 # asserts among statements: run in order, as one test
-        # (what its plain assignments bind stays the module's; a loop's names stay the test's own: declared
-        # global they were the code's to read, `return exp`, and shadowed its `exp` from math)
+        tests += [[t] for t in top]
+    elif top:                                 # statements among asserts: run in order, as one test, binding
         names = sorted({n.id for t in top if isinstance(t, ast.Assign | ast.AnnAssign | ast.AugAssign)
                         for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)})
-        recorded.append(([ast.Global(names)] if names else []) + top)
-    helpers = frozenset(t.name for t in kept if isinstance(t, ast.FunctionDef)
-                        and any(isinstance(n, ast.Assert) for n in ast.walk(t)))
+        tests.append(([ast.Global(names)] if names else []) + top)     # what the module's top level would
     # each statement guarded: a module the sandbox's Python lacks (numpy, pytest), a fixture's decorator, fail
-    # only the tests that use what they would have made
-    kept = [t if isinstance(t, ast.FunctionDef | ast.ClassDef) and not t.decorator_list else _guarded(t) for t in kept]
-    module_setup = ast.unparse(ast.fix_missing_locations(ast.Module(kept, [])))
-    setup = "\n".join(p for p in (setup, module_setup) if p.strip())
-    cases = assert_cases("\n".join(ast.unparse(a) for a in strong), setup, code) if strong else []
-    names = (_defined_names(setup) if _closed(setup) else frozenset(),
-             _defined_names(code or "") | ({entry} if entry else frozenset()))
-    functions = []
-    for i, stmts in enumerate(recorded):
-        r = _Recorded(f"_rlflow_test_{i}", stmts, names, helpers)
-        functions.append(r.source)
-        cases.append(Case(sandbox.Test(exprs=[f"{r.name}()"]), _values_check(r.passes)))
-    return cases, "\n".join(p for p in (setup, *functions) if p.strip())
+    # only the tests that use what they would have made (`solution`'s names are the code's: not guarded)
+    kept = [t if isinstance(t, ast.FunctionDef | ast.ClassDef) and not t.decorator_list or _from_solution(t)
+            else _guarded(t) for t in kept]
+    functions = [ast.FunctionDef(f"_rlflow_case_{k}", ast.arguments([], [], None, [], [], None, []), stmts, [],
+                                 lineno=0) for k, stmts in enumerate(tests)]
+    module = ast.fix_missing_locations(ast.Module(kept + functions, []))
+    source = "\n".join(p for p in (setup, ast.unparse(module)) if p.strip())
+    own = _top_names(parsed(setup).body if setup.strip() else []) | _top_names(kept)
+    used = {n.id for n in ast.walk(module) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    taken = sorted((used & _defined_names(code or "")) - own - _BUILTINS - {"solution"} | ({entry} if entry else set()))
+    return [Case(sandbox.Test(exprs=[f"_rlflow_case_{k}()"], names=[(n, n) for n in taken]), _split_check)
+            for k in range(len(tests))], source
 
 
-class _Recorded(ast.NodeTransformer):
-    """A test body that cannot be cut into single asserts (a loop, locals), as a function that runs inside: each
-    assert becomes `_rlflow_seen.append((k, (part, ...)))`, its parts cut as _split cuts a test_list assert,
-    and the function returns what it saw; the host computes each assert on those plain values (so an object of
-    the code's never takes part in a comparison). It passes when each assert it saw held and each assert
-    outside an if/try/match was seen (a loop that a `range` the code patched emptied does not pass). Its expected
-    sides run with the code (a local may be anything the test computed), a weaker form than test_list's; a
-    body whose asserts are all in helpers it calls (evalplus's `assertion`) passes when it does not raise."""
+def _split_check(t: sandbox.TestRun, expected: sandbox.TestRun | None = None) -> str | None:
+    """A split case passed when its function returned; an assert that failed is a wrong answer, an exception the
+    code raised (through the pipe) or the test raised a runtime error, the code's process ending its failure."""
+    if t.values is None:
+        return explain_failure(t) or "exited before the tests ran"
+    kind, text = t.values[0]
+    if kind == "ok":
+        return None
+    if text.startswith("AssertionError"):
+        return "wrong answer"
+    if text.startswith("Gone:"):
+        return explain_failure(t) or "exited before the tests ran"
+    return _error_reason(text)
 
-    def __init__(self, name: str, stmts: list[ast.stmt], names, helpers: frozenset[str] = frozenset()):
-        self.name, self.names, self.asserts, self.parts, self.depth = name, names, [], [], 0
-        self.helpers = helpers                # the module's functions that assert: handed plain values (below)
-        # a name the body binds is its own, not the host's builtin (HumanEval/38: `str = ...; assert f(x) == str`)
-        self.shadowed = shadowing(names[1] | _bound_names(stmts))
-        self.required: set[int] = set()       # asserts that run whenever the body does (in loops: at least once)
-        self.branches, self.jumped = 0, False   # (after a return, break, continue or raise: none required)
-        body = [self.visit(t) for t in stmts]
-        fn = ast.parse(f"def {name}():\n    _rlflow_seen = []\n    return _rlflow_seen").body[0]
-        fn.body[1:1] = body
-        if isinstance(body[0] if body else None, ast.Global):      # (a global statement comes first)
-            fn.body.insert(0, fn.body.pop(1))
-        self.source = ast.unparse(ast.fix_missing_locations(fn))
 
-    def visit_Assert(self, node: ast.Assert) -> ast.stmt:
-        token = SHADOWED.set(self.shadowed)
-        try:
-            test, inside = _unroll(node.test), []
-            _split(test, inside, self.names)
-        finally:
-            SHADOWED.reset(token)
-        self.asserts.append(test)
-        self.parts.append(inside)
-        if not self.branches and not self.depth and not self.jumped:
-            self.required.add(len(self.asserts) - 1)
-        rec = ast.parse(f"_rlflow_seen.append(({len(self.asserts) - 1}, ()))").body[0]
-        rec.value.args[0].elts[1].elts = list(inside)
-        return ast.copy_location(rec, node)
+def _parametrized(fn: ast.FunctionDef) -> list[list[ast.stmt]] | None:
+    """A test function under one `@pytest.mark.parametrize("a, b", [...])` whose parameters it names all, as the
+    bindings of each listed case (`a, b = <case>`); None for any other function."""
+    if len(fn.decorator_list) != 1 or not isinstance(call := fn.decorator_list[0], ast.Call):
+        return None
+    if not (isinstance(call.func, ast.Attribute) and call.func.attr == "parametrize" and len(call.args) == 2
+            and isinstance(call.args[1], ast.List | ast.Tuple)):
+        return None
+    first = call.args[0]
+    if isinstance(first, ast.Constant) and isinstance(first.value, str):
+        names = [n.strip() for n in first.value.split(",") if n.strip()]
+    elif isinstance(first, ast.List | ast.Tuple) and all(isinstance(e, ast.Constant) for e in first.elts):
+        names = [e.value for e in first.elts]
+    else:
+        return None
+    a = fn.args
+    if not names or not all(isinstance(n, str) and n.isidentifier() for n in names) \
+            or a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or [x.arg for x in a.args] != names \
+            or any(isinstance(e, ast.Call) and getattr(e.func, "attr", None) == "param" for e in call.args[1].elts):
+        return None
+    target = ast.Name(names[0], ast.Store()) if len(names) == 1 else \
+        ast.Tuple([ast.Name(n, ast.Store()) for n in names], ast.Store())
+    return [[ast.Assign([target], e, lineno=0)] for e in call.args[1].elts]
 
-    def visit_FunctionDef(self, node):            # (a helper defined in the test: its returns are its own)
-        self.depth += 1
-        try:
-            return self.generic_visit(node)
-        finally:
-            self.depth -= 1
 
-    visit_AsyncFunctionDef = visit_Lambda = visit_FunctionDef
+def _from_solution(s: ast.stmt) -> bool:
+    return (isinstance(s, ast.ImportFrom) and s.module == "solution" and not s.level) or \
+        (isinstance(s, ast.Import) and any(a.name == "solution" for a in s.names))
 
-    def visit_If(self, node):                     # (an assert in a branch may rightly never run)
-        self.branches += 1
-        try:
-            return self.generic_visit(node)
-        finally:
-            self.branches -= 1
 
-    visit_Try = visit_TryStar = visit_Match = visit_With = visit_AsyncWith = visit_If   # (suppress, raises)
-
-    def visit_Call(self, node: ast.Call) -> ast.expr:
-        """A call of the module's asserting helper (evalplus's `assertion(candidate(*inp), exp, 0)`) is handed
-        the code's values as plain values (the harness's `plain`): an object with an __eq__ of its own is refused
-        before the helper compares it."""
-        node = self.generic_visit(node)
-        if isinstance(node.func, ast.Name) and node.func.id in self.helpers:
-            def wrap(a: ast.expr) -> ast.expr:
-                return ast.Call(ast.Name("_rlflow_plain", ast.Load()), [a], []) if _free_names(a) & self.names[1] \
-                    else a
-            node.args = [a if isinstance(a, ast.Starred) else wrap(a) for a in node.args]
-            for k in node.keywords:
-                k.value = wrap(k.value) if k.arg is not None else k.value
-        return node
-
-    def visit_Return(self, node: ast.Return) -> ast.stmt:
-        if self.depth:
-            return self.generic_visit(node)
-        self.jumped = True
-        return ast.copy_location(ast.Return(ast.Name("_rlflow_seen", ast.Load())), node)
-
-    def visit_Break(self, node):
-        self.jumped = self.jumped or not self.depth
-        return self.generic_visit(node)
-
-    visit_Continue = visit_Raise = visit_Break
-
-    def passes(self, values: list, wanted: list) -> bool:
-        seen = values[0] if values else None
-        if not isinstance(seen, list) or not self.required <= {r[0] for r in seen if isinstance(r, tuple) and r}:
-            return False                      # (no asserts of its own: in helpers it calls; it must not raise)
-        for record in seen:
-            if not (isinstance(record, tuple) and len(record) == 2 and isinstance(record[0], int)
-                    and 0 <= record[0] < len(self.asserts) and isinstance(record[1], tuple)
-                    and len(record[1]) == len(self.parts[record[0]])):
-                return False
-            k, got = record
-            if not _host_eval(self.asserts[k], {id(n): x for n, x in zip(self.parts[k], got, strict=True)}):
-                return False
-        return True
+def _top_names(stmts: list[ast.stmt]) -> frozenset[str]:
+    """The names a module's top-level statements bind (not their functions' locals)."""
+    out: set[str] = set()
+    for t in stmts:
+        if isinstance(t, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out.add(t.name)
+        elif isinstance(t, ast.Import | ast.ImportFrom):
+            out.update((a.asname or a.name).split(".")[0] for a in t.names if a.name != "*")
+        elif isinstance(t, ast.If | ast.Try):
+            out |= _top_names(t.body + t.orelse + (t.finalbody + [x for h in t.handlers for x in h.body]
+                                                   if isinstance(t, ast.Try) else []))
+        else:
+            out.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+    return frozenset(out)
 
 
 def _guarded(s: ast.stmt) -> ast.Try:
@@ -207,21 +155,6 @@ def _setup_like(s: ast.stmt) -> bool:
                                      if isinstance(s, ast.Try) else [])
         return all(_setup_like(t) for t in inner)
     return False
-
-
-def _bound_names(stmts: list[ast.stmt]) -> frozenset[str]:
-    """The names statements bind (assignments, loop and with targets, imports, defs, except clauses)."""
-    out: set[str] = set()
-    for n in (n for t in stmts for n in ast.walk(t)):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-            out.add(n.id)
-        elif isinstance(n, ast.Import | ast.ImportFrom):
-            out.update((a.asname or a.name).split(".")[0] for a in n.names)
-        elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            out.add(n.name)
-        elif isinstance(n, ast.ExceptHandler) and n.name:
-            out.add(n.name)
-    return frozenset(out)
 
 
 def _test_function(fn: ast.FunctionDef, entry: str | None) -> str | None | bool:

@@ -69,6 +69,7 @@ class Test:
 
     stdin: str | None = None
     exprs: list[str] | None = None
+    names: list[tuple[str, str]] | None = None    # a test module's: run split from the code (harness.run_split)
 
 
 @dataclass
@@ -174,8 +175,8 @@ class Runner:
         request = marshal.dumps({       # marshal: the harness reads it without importing json
             "code": code, "setup": setup, "fd": chan_w, "timeout": float(self.limits.timeout_seconds),
             "kill_all": self.isolation == "bubblewrap" or uid is not None,
-            "tests": [{"stdin": t.stdin, "exprs": t.exprs} for t in tests],
-            "limits": self._child_limits(uid)}, 4)
+            "tests": [{"stdin": t.stdin, "exprs": t.exprs, "names": t.names} for t in tests],
+            "limits": self._child_limits(uid), "harness": HARNESS}, 4)
         proc = None
         cgroup = self._cgroup(slot, uid)
         spawner = self._spawners.get(slot)
