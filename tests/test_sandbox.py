@@ -1644,3 +1644,16 @@ def test_param(x, y):
         code_rewards.judge([good], test=[pytest_module])[0]
     assert code_rewards.code_reward([zero], test=["@pytest.mark.parametrize('x, y', [(0, 0), (3, 6)])\n"
                                                   "def test_p(x, y):\n    assert double(x) == y\n"]) == [0.5]
+
+
+def test_a_builtin_the_code_redefines_is_the_codes_where_nothing_else_tests_it(quick_sandbox):
+    """`assert 5 == max([1, 5])` for a task "write `max`": the call on the expected side was evaluated as the
+    builtin, so the assert tested nothing and `def max(*a): return 0` passed; it is the code's where no other part
+    of the assert is."""
+    cheat = fence("def max(*a): return 0\ndef divmod(*a): return 0")
+    honest = fence("def max(xs):\n    m = xs[0]\n    for x in xs:\n        m = x if x > m else m\n    return m\n"
+                   "def divmod(a, b):\n    return (a // b, a % b)")
+    tests = ["assert 5 == max([1, 5])", "assert (3, 1) == divmod(7, 2)"]
+    assert code_rewards.code_reward([cheat, honest], test_list=[tests] * 2) == [0.0, 1.0]
+    sorts = fence("def f(x): return sorted(x)\ndef sorted(x): return [0]")   # (beside the code's f: the builtin)
+    assert code_rewards.code_reward([sorts], test_list=[["assert f([2, 1]) == sorted([2, 1])"]]) == [0.0]

@@ -18,6 +18,7 @@ from tasks.scoring.asserts import (
     _defined_names,
     _expected_positions,
     _expected_side,
+    _free_names,
     _host_eval,
     _split,
     _unroll,
@@ -67,6 +68,10 @@ def _assert_case(node: ast.expr, setup_names: frozenset[str] = frozenset(),
     at_expected = _expected_positions(node)
     is_expected = [getattr(n, "expected", False) or _expected_side(n, setup_names, code_names, id(n) in at_expected)
                    for n in inside]
+    if all(is_expected):      # (`assert 5 == max([1, 5])`, the code's `max`: a builtin it redefines on the
+        # expected side is the builtin only where another part tests the code; else nothing would)
+        is_expected = [getattr(n, "expected", False) or not (_free_names(n) - setup_names) & code_names
+                       for n in inside]
     actual = [n for n, e in zip(inside, is_expected, strict=True) if not e]
     expected = [n for n, e in zip(inside, is_expected, strict=True) if e]
 
