@@ -1657,3 +1657,14 @@ def test_a_builtin_the_code_redefines_is_the_codes_where_nothing_else_tests_it(q
     assert code_rewards.code_reward([cheat, honest], test_list=[tests] * 2) == [0.0, 1.0]
     sorts = fence("def f(x): return sorted(x)\ndef sorted(x): return [0]")   # (beside the code's f: the builtin)
     assert code_rewards.code_reward([sorts], test_list=[["assert f([2, 1]) == sorted([2, 1])"]]) == [0.0]
+
+
+def test_frozensets_inside_sets_and_as_keys_cross_as_values(quick_sandbox):
+    """A frozenset inside a set or as a dict key was written as a set literal, which cannot be hashed when read
+    back: a correct power-set program scored "unreadable value". Now `frozenset({...})`, read by the host's
+    bounded reader and by the harness's own."""
+    code = fence("def f():\n    return {frozenset({1, 2}), frozenset()}\ndef g():\n    return {frozenset({1}): 1}")
+    tests = ["assert f() == {frozenset({1, 2}), frozenset()}", "assert g() == {frozenset({1}): 1}"]
+    module = "def test_a():\n    x = f()\n    assert frozenset() in x and g() == {frozenset({1}): 1}\n"
+    assert code_rewards.code_reward([code], test_list=[tests]) == [1.0]
+    assert code_rewards.code_reward([code], test=[module]) == [1.0]

@@ -411,8 +411,9 @@ def encode(x, depth, _type=type, _repr=repr, _float=float, _subclass=issubclass)
     if t in (list, tuple):
         inner = ", ".join(encode(v, depth + 1) for v in x)
         return "[%s]" % inner if t is list else "(%s%s)" % (inner, "," if len(x) == 1 else "")
-    if t in (set, frozenset):
-        return "{%s}" % ", ".join(encode(v, depth + 1) for v in x) if x else "set()"
+    if t in (set, frozenset):       # (a frozenset as a call, bounded_literal's and `literal`'s: an element of a set)
+        inner = "{%s}" % ", ".join(encode(v, depth + 1) for v in x) if x else ""
+        return inner or "set()" if t is set else "frozenset(%s)" % inner
     if t is dict:
         return "{%s}" % ", ".join("%s: %s" % (encode(k, depth + 1), encode(v, depth + 1)) for k, v in x.items())
     return _repr(x)
@@ -437,7 +438,6 @@ def serve():
     except BaseException as e:
         flush_and_exit(report(e))
     objects, requests = [], io.BufferedReader(io.FileIO(3, "r"))
-    from ast import literal_eval
 
     def pack(x, depth=0):
         t = type(x)
@@ -460,7 +460,7 @@ def serve():
 
     for line in requests:
         try:
-            kind, target, args, kwargs = unpack(literal_eval(binascii.a2b_base64(line).decode()))
+            kind, target, args, kwargs = unpack(literal(binascii.a2b_base64(line).decode()))
             if kind == "resolve":
                 out = [(1, pack(ns[n])) if n in ns else (0, None) for n in args]
             else:
@@ -538,6 +538,23 @@ def unmarked(x, of):
     return x
 
 
+def literal(text):
+    """What `encode` wrote, read back: ast.literal_eval's literals, and set() / frozenset({...}) calls."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("set", "frozenset") \
+                and not node.keywords and len(node.args) <= 1:
+            return getattr(builtins, node.func.id)(value(node.args[0]) if node.args else ())
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            items = [value(e) for e in node.elts]
+            return items if type(node) is ast.List else tuple(items) if type(node) is ast.Tuple else set(items)
+        if isinstance(node, ast.Dict):
+            return dict((value(k), value(v)) for k, v in zip(node.keys, node.values))
+        return ast.literal_eval(node)
+    return value(ast.parse(text, mode="eval").body)
+
+
 class Gone(Exception):
     """The code's process ended (or answered what is not a reply): the test cannot go on."""
 
@@ -547,8 +564,6 @@ class Link(object):
 
     def __init__(self):
         self.replies = io.BufferedReader(io.FileIO(5, "r"))
-        global literal_eval
-        from ast import literal_eval
 
     def ask(self, kind, target, args=(), kwargs=None):
         message = encode((kind, target, tuple(marked(a) for a in args),
@@ -561,7 +576,7 @@ class Link(object):
             raise Gone("the code's process ended") from None
         line = self.replies.readline(64 << 20)
         try:
-            reply = unmarked(literal_eval(binascii.a2b_base64(line).decode("utf-8", "surrogatepass")), Remote)
+            reply = unmarked(literal(binascii.a2b_base64(line).decode("utf-8", "surrogatepass")), Remote)
             kind, value, after = reply
         except Exception:
             raise Gone("the code's process ended" if not line else "an unreadable reply") from None
