@@ -1668,3 +1668,88 @@ def test_frozensets_inside_sets_and_as_keys_cross_as_values(quick_sandbox):
     module = "def test_a():\n    x = f()\n    assert frozenset() in x and g() == {frozenset({1}): 1}\n"
     assert code_rewards.code_reward([code], test_list=[tests]) == [1.0]
     assert code_rewards.code_reward([code], test=[module]) == [1.0]
+
+
+def test_the_split_test_reads_the_codes_objects_consistently_and_takes_what_python_would(quick_sandbox):
+    """A review of the split form: a handle's length and items were asked of the code one by one, so an object
+    saying `len` 3 and iterating nothing passed a "length, then zip" test, and a context manager's `__exit__`
+    could swallow a failed assert. Now a length is that of the items, read once until the next call, and the
+    test's block is never suppressed. Correct programs that failed: a range, generator, deque, Counter or
+    bytearray argument, a callback, the code's own exception class, operators on its objects, a keyword argument
+    sorted in place, a list changed before a raise, a 100-deep list, nan, KeyError's argument; a pytest.param."""
+    def score(code: str, test: str) -> float:
+        return code_rewards.code_reward([fence(code)], test=[test])[0]
+    floats = "import math\ndef test_floats():\n    r = f([3, 1, 2])\n    e = [0.5, 1.5, 2.5]\n" \
+             "    assert len(r) == len(e)\n    for a, b in zip(r, e):\n        assert math.isclose(a, b)\n"
+    assert score("class R:\n    def __len__(self): return 3\n    def __iter__(self): return iter([])\n"
+                 "def f(x): return R()", floats) == 0.0
+    assert score("def f(x): return [0.5, 1.5, 2.5]", floats) == 1.0
+    assert score("class T:\n    def __enter__(self): return self\n    def __exit__(self, *a): return True\n"
+                 "def f(x): return 0", "def test_a():\n    with T():\n        assert f(1) == 2\n") == 0.0
+    honest = '''
+from collections import Counter, deque
+class NegErr(ValueError):
+    pass
+class V:
+    def __init__(self, x): self.x = x
+    def __add__(self, o): return V(self.x + o.x)
+    def __lt__(self, o): return self.x < o.x
+def total(x): return sum(x)
+def top(c): return c.most_common(1)[0][0]
+def first(d): return d[0]
+def apply(fn, xs): return [fn(x) for x in xs]
+def check(x):
+    if x < 0:
+        raise NegErr("neg")
+    return x
+def sort_it(arr): arr.sort()
+def fill_then_fail(x):
+    x.append(1)
+    raise KeyError("missing")
+def flatten(x):
+    out = []
+    for v in x:
+        out += flatten(v) if isinstance(v, list) else [v]
+    return out
+def nan(): return float("nan")
+'''
+    test = '''
+import math
+import pytest
+from collections import Counter, deque
+from solution import NegErr, V
+
+def test_arguments():
+    assert total(range(5)) == 10 and total(x for x in [1, 2]) == 3 and total(bytearray(b"ab")) == 195
+    assert top(Counter("aab")) == "a" and first(deque([7])) == 7
+
+def test_callbacks_exceptions_operators():
+    assert apply(lambda x: x * 2, [1, 2]) == [2, 4]
+    try:
+        check(-1)
+    except NegErr as e:
+        assert str(e) == "neg" and isinstance(e, ValueError)
+    else:
+        assert False
+    assert (V(1) + V(2)).x == 3 and [v.x for v in sorted([V(3), V(1)])] == [1, 3]
+
+def test_in_place_deep_nan():
+    lst = [3, 1]
+    sort_it(arr=lst)
+    y = []
+    try:
+        fill_then_fail(y)
+    except KeyError as e:
+        assert e.args == ("missing",)
+    assert lst == [1, 3] and y == [1]
+    x = [1]
+    for _ in range(100):
+        x = [x]
+    assert flatten(x) == [1] and math.isnan(nan())
+
+@pytest.mark.parametrize("a, b", [(1, 1), pytest.param(2, 2, id="two")])
+def test_param(a, b):
+    assert total([a]) == b
+'''
+    assert score(honest, test) == 1.0, code_rewards.judge([fence(honest)], test=[test])[0]
+    assert len(code_rewards.parse_tests(None, None, None, "", test, None)[0]) == 7

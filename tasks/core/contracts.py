@@ -63,11 +63,12 @@ class Rollout:
 def content_text(content: Any) -> str:
     """A message's content as text (a prompt's, a turn's, a judge's answer): a string as it is; a list of parts
     (OpenAI's chat `text`, the Responses API's `input_text` / `output_text`) as their text joined, parts without
-    text (an image, a refusal) adding nothing; None as "". The one reader of message content on the scoring side."""
+    text (an image, a refusal) adding nothing; a number as written; anything else "". The one reader of message
+    content on the scoring side."""
     if isinstance(content, list):
         return "".join(p if isinstance(p, str) else p["text"] for p in content
                        if isinstance(p, str) or (isinstance(p, dict) and isinstance(p.get("text"), str)))
-    return content if isinstance(content, str) else "" if content is None else str(content)
+    return content if isinstance(content, str) else str(content) if isinstance(content, int | float) else ""
 
 
 @dataclass

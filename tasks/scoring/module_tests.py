@@ -105,12 +105,18 @@ def _parametrized(fn: ast.FunctionDef) -> list[list[ast.stmt]] | None:
         return None
     a = fn.args
     if not names or not all(isinstance(n, str) and n.isidentifier() for n in names) \
-            or a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or [x.arg for x in a.args] != names \
-            or any(isinstance(e, ast.Call) and getattr(e.func, "attr", None) == "param" for e in call.args[1].elts):
+            or a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or [x.arg for x in a.args] != names:
         return None
     target = ast.Name(names[0], ast.Store()) if len(names) == 1 else \
         ast.Tuple([ast.Name(n, ast.Store()) for n in names], ast.Store())
-    return [[ast.Assign([target], e, lineno=0)] for e in call.args[1].elts]
+    cases = []
+    for e in call.args[1].elts:       # (`pytest.param(a, b, id=...)` is (a, b); one with `marks` (xfail) is left)
+        if isinstance(e, ast.Call) and getattr(e.func, "attr", getattr(e.func, "id", None)) == "param":
+            if any(k.arg == "marks" for k in e.keywords):
+                continue
+            e = e.args[0] if len(names) == 1 and len(e.args) == 1 else ast.Tuple(e.args, ast.Load())
+        cases.append([ast.Assign([target], e, lineno=0)])
+    return cases
 
 
 def _from_solution(s: ast.stmt) -> bool:
