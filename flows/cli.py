@@ -310,7 +310,7 @@ def whole_number(text: str) -> int:
 
 
 def cmd_tune(args) -> int:
-    from flows.tune import check_arguments, check_metric, load_space, not_set_by, out_folder
+    from flows.tune_space import check_arguments, check_metric, load_space, not_set_by, out_folder
     from tasks.core.config import load_config
     from tasks.core.stage import given_overrides
 
@@ -325,7 +325,8 @@ def cmd_tune(args) -> int:
     if not args.out:
         check_path("--out (default rlflow-tune/<study>)", out_folder(args, cfg), "folder")
     space = load_space(args.space, args.config, args.override)
-    from flows.tune import check_study, run_name, tune_flow
+    from flows.tune import run_name, tune_flow
+    from flows.tune_space import check_study
 
     check_study(args, cfg, space)   # a study resumed with another space: refused before a trial (and a warning) runs
     # What `rlflow run` of the base config refuses, before any trial, under a run name no trial has (the base run's

@@ -89,7 +89,7 @@ def test_of_a_key_given_twice_the_last_is_used_and_a_tune_trial_sets_its_own():
     """Commands built from a base list and a change rely on the last one winning (refusing it was tried and
     withdrawn the same day: tests and benches build them so); a mapping for a section is opened into its keys,
     so that a tune trial leaves out the keys it sets itself (`-o 'run={name: a, iterations: 2}'`)."""
-    from flows.tune import not_set_by
+    from flows.tune_space import not_set_by
 
     assert load_config(TINY, ["train.lr=1e-3", "train.lr=2e-3"]).train.lr == 2e-3
     assert load_config(TINY, ["run.name=a", "run={name: b}"]).run.name == "b"

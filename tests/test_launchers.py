@@ -179,7 +179,7 @@ def test_every_config_validates_and_names_what_exists(path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "spaces").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_tune_space_validates_against_the_config_of_its_name(path):
-    from flows.tune import load_space
+    from flows.tune_space import load_space
 
     assert load_space(str(path), str(ROOT / "configs" / path.name), [])
 

@@ -154,7 +154,8 @@ def test_a_trial_is_done_in_the_study_only_after_its_mlflow_run_has_its_value(tm
 
     from optuna.trial import TrialState
 
-    from flows.tune import Tune, load_space
+    from flows.tune import Tune
+    from flows.tune_space import load_space
 
     monkeypatch.setenv("PREFECT_API_URL", prefect_api)
     monkeypatch.chdir(tmp_path)
@@ -193,7 +194,7 @@ def test_a_bound_written_without_a_dot_is_the_number_the_config_takes(tmp_path):
     """`low: 1e-5` is a string to YAML 1.1 (no dot), and a number to the config's own fields (train.lr: 1e-5):
     the space takes it as that number too (was: 'needs numeric low and high'); text that is no number is still
     refused in one line."""
-    from flows.tune import load_space
+    from flows.tune_space import load_space
     from tasks.core.errors import UserError
 
     (tmp_path / "space.yaml").write_text("train.lr: {type: log_uniform, low: 1e-5, high: 1e-2}\n")
@@ -232,10 +233,41 @@ def test_a_window_the_runs_never_fill_is_warned_of():
     pruner waits WINDOW steps), said before any trial; a window the run fills, or no pruner, is not."""
     import argparse
 
-    from flows.tune import window_warning
+    from flows.tune_space import window_warning
 
     cfg = load_config(TINY, ["run.iterations=4"])
     for window, pruner, said in ((4, "median", True), (3, "median", False), (9, "none", False)):
         line = window_warning(argparse.Namespace(metric="reward/mean", window=window, pruner=pruner), cfg) or ""
         assert line.startswith("warning: --window 4 with run.iterations 4: the median pruner waits 4 iterations, so "
                                "no trial is ever pruned") == said, line
+
+
+def test_a_study_resumed_with_another_metric_direction_or_space_is_refused(tmp_path, monkeypatch):
+    """A study started on one space and metric, resumed with `--metric reward/meen` (a typo) or another space,
+    ran and printed its old best labelled with the new metric and space. The study keeps what it was started
+    with; a resume that differs is refused, one line, before any trial."""
+    import argparse
+
+    from flows.tune import Tune
+    from flows.tune_space import check_study, load_space
+    from tasks.core.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.yaml").write_text("train.lr: {type: log_uniform, low: 1.0e-4, high: 1.0e-2}\n")
+    (tmp_path / "other.yaml").write_text("train.lr: {type: log_uniform, low: 1.0e-4, high: 1.0e-2}\n"
+                                         "train.beta: {type: uniform, low: 0.0, high: 0.1}\n")
+    overrides = [f"store.uri=file://{tmp_path}/store", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
+    args = argparse.Namespace(config=str(TINY), override=overrides, out=str(tmp_path / "tune"), study="kept",
+                              storage=None, direction="maximize", pruner="none", window=1, seed=0, sampler="random",
+                              metric="reward/mean", trials=1, parallel=1)
+    cfg = load_config(TINY, overrides)
+    space = load_space(str(tmp_path / "space.yaml"), str(TINY), overrides)
+    Tune(args, cfg, space).study()
+    check_study(args, cfg, space)                                  # (the same: resumed)
+    for change, match in ((dict(metric="reward/meen"), "--metric: .* was started with reward/mean, not reward/meen"),
+                          (dict(direction="minimize"), "--direction: .* started with maximize, not minimize"),
+                          (dict(space="other.yaml"), "--space: .* started with train.lr, not train.beta, train.lr")):
+        other = argparse.Namespace(**{**vars(args), **{k: v for k, v in change.items() if k != "space"}})
+        resumed = load_space(str(tmp_path / change.get("space", "space.yaml")), str(TINY), overrides)
+        with pytest.raises(UserError, match=match):
+            check_study(other, cfg, resumed)
