@@ -55,10 +55,12 @@ def iteration_metric(store, run: str, iteration: int, metric: str) -> float | No
     return None
 
 
-def _unlogged(store, run: str, iteration: int, metric: str) -> str:
-    """What a trial whose run completed without `metric` says: the metrics its last iteration did log."""
+def _unlogged(store, run: str, iteration: int, metric: str, stopped: bool = False) -> str:
+    """What a trial whose run completed (or was stopped: `stopped`) without `metric` says: the metrics its last
+    iteration did log."""
     logged = sorted({k for metrics in _logged(store, run, iteration) for k in metrics})
-    return (f"--metric: {metric}: the trial's run completed without logging it; its iteration {iteration} logged "
+    how = f"logged no such metric in its first {iteration} iterations" if stopped else "completed without logging it"
+    return (f"--metric: {metric}: the trial's run {how}; its iteration {iteration} logged "
             f"{', '.join(logged[:40])}{' ...' if len(logged) > 40 else ''}; expected one of those")
 
 
@@ -141,7 +143,7 @@ class Tune:
         params = {k: p.suggest(trial) for k, p in self.space.items()}
         name = run_name(self.cfg.run.name, params)
         trial.set_user_attr("run", name)
-        store, pruned = Store.open(self.cfg.store), False
+        store, pruned, missing = Store.open(self.cfg.store), False, False
         child = tracker.child(trial.number, name, store.root)
         given = not_set_by(self.args.override, [*params, "run.name"])        # (the trial's own win)
         argv = [sys.executable, "-c", "import sys; from flows.cli import main; sys.exit(main())", "run",
@@ -176,6 +178,10 @@ class Tune:
                         pruned = True
                         proc.send_signal(signal.SIGTERM)
                 unseen = scored + 1
+                if not values and not ended and not missing and scored > 2 * LAG \
+                        and self.args.metric.split("/", 1)[0] in ("reward", "train"):
+                    missing = True      # (each iteration logs its reward and train metrics: not one is a name no
+                    proc.send_signal(signal.SIGTERM)      # run logs; said now, not after the trial's last iteration)
                 if ended or self.stop.wait(POLL_SECONDS):
                     break
             code = proc.wait()
@@ -195,8 +201,8 @@ class Tune:
         else:
             state, value, verdict = "FAILED", None, {"state": TrialState.FAIL}
         tracker.end(child, state, value)
-        unlogged = _unlogged(store, name, scored, self.args.metric) if code == 0 and not values and not pruned \
-            else None
+        unlogged = _unlogged(store, name, scored, self.args.metric, missing) \
+            if (code == 0 or missing) and not values and not pruned else None
         with self.lock:
             if state == "FAILED":
                 trial.set_user_attr("error", unlogged or _last_line(log_path))

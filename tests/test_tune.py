@@ -271,3 +271,22 @@ def test_a_study_resumed_with_another_metric_direction_or_space_is_refused(tmp_p
         resumed = load_space(str(tmp_path / change.get("space", "space.yaml")), str(TINY), overrides)
         with pytest.raises(UserError, match=match):
             check_study(other, cfg, resumed)
+
+
+def test_a_metric_no_iteration_logs_stops_the_first_trial_early(tmp_path, prefect_api):
+    """A misspelled reward/ or train/ metric was found only when the first trial's run completed (a real trial
+    can last hours); each iteration logs those, so one unseen after a few iterations stops the trial and ends the
+    tune, one line, exit 2."""
+    (tmp_path / "space.yaml").write_text("train.lr: {type: log_uniform, low: 1.0e-4, high: 1.0e-2}\n")
+    argv = [sys.executable, "-m", "flows.cli", "tune", str(TINY), "--space", str(tmp_path / "space.yaml"),
+            "--trials", "2", "--metric", "reward/meen", "--out", str(tmp_path / "tune"),
+            "-o", "run.iterations=400", "-o", f"store.uri=file://{tmp_path}/store",
+            "-o", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    out = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "PREFECT_API_URL": prefect_api},
+                         capture_output=True, text=True, timeout=600)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and last.startswith("error: --metric: reward/meen: the trial's run logged no such "
+                                                   "metric in its first "), out.stderr[-2000:]
+    assert "reward/mean" in last and len(_trials(tmp_path)) == 1
+    iterations = list((tmp_path / "store").glob("*/iter-*"))
+    assert 0 < len(iterations) < 100, iterations                # (stopped early, not after 400 iterations)
