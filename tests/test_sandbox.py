@@ -1313,7 +1313,8 @@ def test_what_a_comprehension_reads_apart_from_its_rows_is_not_the_codes_to_deci
         got = judge_rows([fence(cheat), fence(honest)], [rows[k], rows[k]])
         assert [v.score for v in got] == [0.0, 1.0], (t, [v.reason for v in got])
     costly = judge_rows([fence(cases[7][2]), fence(cases[8][2])], [rows[7], rows[8]])
-    assert all(v.reason.startswith("too costly to judge") for v in costly), [v.reason for v in costly]
+    # (a comprehension over the code's values now runs split from the code, its cost the sandbox's, not the host's)
+    assert costly[0].reason.startswith("too costly to judge") and costly[1].score == 0.0, [v.reason for v in costly]
     unsorted = "assert all(sorted(f(i), key=lambda i: -i) == [2, 1, 3] for i in range(2))"   # (the lambda's own i)
     assert judge_rows([fence("def f(n): return [2, 1, 3]")], [{"test_list": [unsorted]}])[0].score == 0.0
 
@@ -1442,7 +1443,8 @@ def test_test_modules_are_judged_on_the_host(quick_sandbox):
             return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])""")
     add, wrong = fence("def add(x, y):\n    return x + y"), fence("def add(x, y):\n    return x + y if y < 5 else 0")
     always_equal = fence(ALWAYS_EQUAL + "def add(*a): return A()\nhas_close_elements = add")
-    # right for small sums only, with `range` emptied: the tests' loops run on the builtins as they were
+    # right for small sums only, with `range` emptied: the tests' loops run on the builtins as they were (and the
+    # code's own process, whose builtins it broke, answers nothing: split from the test, it only harms itself)
     no_loops = fence("import builtins\nbuiltins.range = lambda *a: iter(())\n"
                      "def add(x, y): return x + y if x + y < 50 else 0\nhas_close_elements = add")
     # the test functions' names taken by the code: the row's own are the ones run
@@ -1450,7 +1452,7 @@ def test_test_modules_are_judged_on_the_host(quick_sandbox):
                   "def add(x, y): return x + y if x + y < 50 else 0\nhas_close_elements = add")
     rows = [(HUMANEVAL, "has_close_elements"), (HUMANEVAL_LOOP, "add"), (PYTEST_MODULE, None)]
     for completion, want in [(close, [1.0, None, None]), (add, [None, 1.0, 1.0]), (wrong, [None, 2 / 3, 0.5]),
-                             (always_equal, [0.0, 0.0, 0.0]), (no_loops, [0.0, 2 / 3, 1.0]),
+                             (always_equal, [0.0, 0.0, 0.0]), (no_loops, [0.0, 0.0, 0.0]),
                              (names, [0.0, 2 / 3, 1.0])]:
         for (test, entry), score in zip(rows, want, strict=True):
             if score is None:
@@ -1693,7 +1695,6 @@ class NegErr(ValueError):
 class V:
     def __init__(self, x): self.x = x
     def __add__(self, o): return V(self.x + o.x)
-    def __lt__(self, o): return self.x < o.x
 def total(x): return sum(x)
 def top(c): return c.most_common(1)[0][0]
 def first(d): return d[0]
@@ -1731,7 +1732,7 @@ def test_callbacks_exceptions_operators():
         assert str(e) == "neg" and isinstance(e, ValueError)
     else:
         assert False
-    assert (V(1) + V(2)).x == 3 and [v.x for v in sorted([V(3), V(1)])] == [1, 3]
+    assert (V(1) + V(2)).x == 3
 
 def test_in_place_deep_nan():
     lst = [3, 1]
@@ -1753,3 +1754,82 @@ def test_param(a, b):
 '''
     assert score(honest, test) == 1.0, code_rewards.judge([fence(honest)], test=[test])[0]
     assert len(code_rewards.parse_tests(None, None, None, "", test, None)[0]) == 7
+
+
+def test_the_split_test_never_sends_the_code_a_value_to_compare(quick_sandbox):
+    """A second review: operators and `in` on the code's objects were asked of the code with the test's operand,
+    often the expected value: `abs(f(x) - exp) < tol` with a `__sub__` answering 0, `p in result` with a
+    `__contains__` answering True, `f(x) <= 1` with a `__le__` answering True all paid 1.0. Now an operator
+    whose result is a plain value is refused, comparisons are not asked, `in` reads the items. Correct programs
+    it failed: a callback from the code's threads (the pipes' conversation crossed), a large argument (parsed
+    as a literal: a million items took 1 GB), a builtin type as an argument, an exception class's parent, a
+    suppressing context manager, a callback reading what the call it is made from changes, complex inf, 140-deep
+    lists."""
+    def score(code: str, test: str, entry=None) -> float:
+        return code_rewards.code_reward([fence(code)], test=[test], entry_point=[entry])[0]
+    tol = "def check(candidate):\n    assert abs(candidate(3.5) - 0.5) < 1e-6\n    assert candidate([3]) <= 1\n"
+    assert score("class Z:\n    def __sub__(self, o): return 0\n    def __le__(self, o): return True\n"
+                 "def f(x): return Z()", tol, "f") == 0.0
+    assert score("def f(x): return x - 3 if isinstance(x, float) else 1", tol, "f") == 1.0
+    perm = "def test_perm():\n    result = f('ab')\n    assert len(result) == 2\n    for p in ['ab', 'ba']:\n" \
+           "        assert p in result\n"
+    assert score("class R:\n    def __iter__(s): return iter(['x'] * 2)\n    def __contains__(s, o): return True\n"
+                 "def f(s): return R()", perm) == 0.0
+    honest = '''
+from concurrent.futures import ThreadPoolExecutor
+class BankError(Exception):
+    pass
+class Insufficient(BankError):
+    pass
+class Ignore:
+    def __enter__(self): return self
+    def __exit__(self, t, e, tb): return t is not None and issubclass(t, ZeroDivisionError)
+class C:
+    def __init__(self): self.count, self.subs = 0, []
+    def subscribe(self, fn): self.subs.append(fn)
+    def inc_by(self, n):
+        for _ in range(n):
+            self.count += 1
+            for fn in self.subs:
+                fn(self)
+def pmap(fn, xs):
+    with ThreadPoolExecutor(4) as ex:
+        return list(ex.map(fn, xs))
+def biggest(xs): return max(xs)
+def only(xs, t): return [x for x in xs if isinstance(x, t)]
+def withdraw(x): raise Insufficient("no")
+def same(x): return x
+'''
+    test = '''
+from solution import BankError, Insufficient
+
+def test_a():
+    assert pmap(lambda x: x * x, list(range(50))) == [x * x for x in range(50)]
+    assert biggest(list(range(3 * 10 ** 5))) == 3 * 10 ** 5 - 1 and only([1, "a", 2.0], int) == [1]
+    try:
+        withdraw(1)
+    except BankError:
+        pass
+    with Ignore():
+        1 / 0
+    c, seen = C(), []
+    c.subscribe(lambda o: seen.append(o.count))
+    c.inc_by(2)
+    x = 1
+    for _ in range(140):
+        x = [x]
+    assert seen == [1, 2] and same(complex(float("inf"), 0)) == complex(float("inf"), 0) and same(x) == x
+'''
+    assert score(honest, test) == 1.0, code_rewards.judge([fence(honest)], test=[test])[0]
+
+
+def test_a_test_list_assert_that_decides_inside_runs_split_from_the_code(quick_sandbox):
+    """A `test_list` assert whose part that needs the code compares or decides (a lambda, a comprehension with
+    two `for`s) ran whole in the code's process, the weak form: an always-equal object passed the lambda, and a
+    correct program failed the comprehension ("returned a generator"). Such an assert now runs split from the
+    code, as a test module's do."""
+    rows = [{"test_list": ["assert (lambda v: double(v) == 2 * v)(3)",
+                           "assert any(double(x) == 2 for x in [1, 2] for _ in [0])", "assert double(2) == 4"]}] * 3
+    got = judge_rows([fence("def double(x): return 2 * x"), fence(ALWAYS_EQUAL + "def double(x): return A()"),
+                      fence("def double(x): return 0")], rows)
+    assert [v.score for v in got] == [1.0, 0.0, 0.0], [v.reason for v in got]

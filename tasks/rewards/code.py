@@ -189,8 +189,13 @@ def parse_tests(verification_info, test_list, test_setup_code, code: str | None,
     for src in tests or []:
         if isinstance(src, str):
             cases += assert_cases(src, setup, code)
+    if weak := [c.weak for c in cases if c.weak]:    # (run split from the code, as a test module's asserts)
+        split, setup = module_cases("\n".join(weak), None, setup, code)
+        if len(split) == len(weak):
+            it = iter(split)
+            cases = [next(it) if c.weak else c for c in cases]
     if isinstance(test, str) and test.strip():
-        more, setup = module_cases(test, entry_point, setup, code)
+        more, setup = module_cases(test, entry_point, setup, code, first=len(cases))
         cases += more
     return cases, setup
 

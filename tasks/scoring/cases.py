@@ -34,6 +34,8 @@ class Case:
     check: Callable[..., str | None]      # check(test's run, its expected side's run or None): None = passed
     expected: sandbox.Test | None = None  # the expected side's expressions, run with the setup only (no code)
     expected_setup: str = ""              # the setup that run gets (none when the setup reads the code's names)
+    weak: str = ""                        # an assert whose part that needs the code compares or decides inside
+    #                                       (a lambda, a comprehension): its source, run split instead
 
 
 def assert_cases(src: str, setup: str = "", code: str | None = None) -> list[Case]:
@@ -79,8 +81,15 @@ def _assert_case(node: ast.expr, setup_names: frozenset[str] = frozenset(),
         got = {id(n): x for n, x in zip(actual, v, strict=False)}
         got.update({id(n): x for n, x in zip(expected, w, strict=True)})
         return bool(_host_eval(node, got))
+    weak = any(isinstance(x, _DECIDES) for n in actual for x in ast.walk(n))
     return Case(sandbox.Test(exprs=[ast.unparse(n) for n in actual] or ["None"]), _values_check(passes),
-                sandbox.Test(exprs=[ast.unparse(n) for n in expected]) if expected else None)
+                sandbox.Test(exprs=[ast.unparse(n) for n in expected]) if expected else None,
+                weak=f"assert {ast.unparse(node)}" if weak else "")
+
+
+# what, inside a part that needs the code, would compare or decide there, among the code's objects
+_DECIDES = (ast.Compare, ast.BoolOp, ast.IfExp, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
+            ast.GeneratorExp)
 
 
 def _values_check(passes: Callable[[list, list], bool]) -> Callable[..., str | None]:

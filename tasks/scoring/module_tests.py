@@ -17,7 +17,7 @@ from tasks.scoring.cases import Case, _error_reason, explain_failure
 _BUILTINS = frozenset(dir(builtins))
 
 
-def module_cases(src: str, entry_point, setup: str, code: str | None) -> tuple[list[Case], str]:
+def module_cases(src: str, entry_point, setup: str, code: str | None, first: int = 0) -> tuple[list[Case], str]:
     """A row's test module (a `test` column) as cases and the setup they share: HumanEval's `check(candidate)`
     called on the row's `entry_point`, pytest's `test_*()` functions (one per listed case when parametrized), or
     the statements at its top level; its other top-level statements are the setup. A test function's leading
@@ -63,14 +63,14 @@ def module_cases(src: str, entry_point, setup: str, code: str | None) -> tuple[l
     kept = [t if isinstance(t, ast.FunctionDef | ast.ClassDef) and not t.decorator_list or _from_solution(t)
             else _guarded(t) for t in kept]
     functions = [ast.FunctionDef(f"_rlflow_case_{k}", ast.arguments([], [], None, [], [], None, []), stmts, [],
-                                 lineno=0) for k, stmts in enumerate(tests)]
+                                 lineno=0) for k, stmts in enumerate(tests, first)]
     module = ast.fix_missing_locations(ast.Module(kept + functions, []))
     source = "\n".join(p for p in (setup, ast.unparse(module)) if p.strip())
     own = _top_names(parsed(setup).body if setup.strip() else []) | _top_names(kept)
     used = {n.id for n in ast.walk(module) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     taken = sorted((used & _defined_names(code or "")) - own - _BUILTINS - {"solution"} | ({entry} if entry else set()))
     return [Case(sandbox.Test(exprs=[f"_rlflow_case_{k}()"], names=[(n, n) for n in taken]), _split_check)
-            for k in range(len(tests))], source
+            for k in range(first, first + len(tests))], source
 
 
 def _split_check(t: sandbox.TestRun, expected: sandbox.TestRun | None = None) -> str | None:
