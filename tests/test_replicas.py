@@ -17,7 +17,9 @@ import pytest
 
 from tasks.core import layout
 from tasks.core.config import load_config
+from tasks.core.contracts import SamplingParams
 from tasks.core.placement import Services
+from tasks.core.processes import alive
 from tasks.engines.replicas import LAUNCH_VAR, ensure_router, policy_digest
 from tasks.engines.sampling import sampling_engine
 from tasks.generate import generate
@@ -348,3 +350,47 @@ def test_streaming_on_replicas_loads_each_policy_in_place_and_a_lost_ones_rows_c
                 want = _teacher_forced(models[v], r.prompt_ids, r.completion_ids, cfg.generate.temperature)
                 assert max(abs(a - b) for a, b, w in zip(want, r.logprobs, r.versions) if w == v) < 1e-4
     assert mixed > 0
+
+
+def test_a_session_is_served_while_the_streaming_sampler_holds_the_replicas_and_the_fleet_ends_with_its_owner(
+        tmp_path):
+    """An evaluation's session opened while the streaming sampler's rows decode on the replicas it started (no
+    policy wanted then): each replica loads the session's policy and serves it, the stream goes on (before: the
+    policy request waited out generate.server_start_timeout, the run hung). The fleet's starter (a process here,
+    the flow in a run) killed: the router and its replicas leave, not left orphaned."""
+    import subprocess
+    import sys
+
+    from tasks.core.models import base_path, load_tokenizer
+    from tasks.engines.streaming import Stream
+
+    cfg = _cfg(tmp_path, 2, "run.name=rshare", "run.iterations=2", "run.max_staleness=1",
+               "generate.streaming={}", "generate.prompts_per_iteration=4", "generate.num_generations=2",
+               "generate.server_start_timeout=45")
+    (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
+    owner = subprocess.Popen([sys.executable, "-c", "import sys, time; from tasks.core.config import Config; "
+                              "from tasks.engines.replicas import ensure_router; ensure_router(Config."
+                              f"model_validate_json(open({str(tmp_path / 'cfg.json')!r}).read())); print('up', "
+                              "flush=True); time.sleep(600)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "up"
+        router = ensure_router(cfg)                          # (the owner's, found again)
+        stream = Stream.of(cfg, 1)
+        assert len(stream.collect(1)[0]) == 8                # (iteration 2's rows decode meanwhile)
+        path = base_path(cfg)
+        with sampling_engine(cfg).session(layout.BASE, path, load_tokenizer(path)) as session:
+            assert len(session.sample([[1, 2, 3]] * 4, SamplingParams(2, 4, 1.0, 1.0, seed=1)).samples) == 8
+        assert len(stream.collect(2)[0]) == 8
+        assert Stream.stop_run("rshare") == 0
+        pids = [router["pid"]] + [httpx.get(f"{m['url']}/health", timeout=5).json()["pid"]
+                                  for m in httpx.get(f"{router['url']}/stats", timeout=5).json()["members"].values()]
+        owner.kill()
+        deadline = time.monotonic() + 20
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids)
+    finally:
+        Stream.stop_run("rshare")
+        owner.kill()
+        owner.wait()
+        sampling_engine(cfg).stop(lambda _line: None)

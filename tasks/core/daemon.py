@@ -195,14 +195,15 @@ class Watch:
                   the file has named it once, a missing file counts only after `wait_named` s: for a daemon
                   whose caller writes the state file just after starting it (the vLLM server's watchdog);
       "idle"      `unused()` (seconds since it was last used; None: in use now) exceeds `idle` s (None, 0: never);
-      "orphaned"  the process `parent` that started it is no longer its parent (the flow that holds it ended).
+      "orphaned"  the process `parent` that started it is no longer its parent (the flow that holds it ended),
+                  or the process `owner` (what started a detached daemon, which is no child of it) has exited.
     """
 
     def __init__(self, pid: int | None = None, state: Path | None = None, wait_named: float = 0.0,
                  idle: float | None = None, unused: Callable[[], float | None] = lambda: None,
-                 parent: int | None = None):
+                 parent: int | None = None, owner: int | None = None):
         self.pid, self.state, self.wait_named, self.idle = pid, state, wait_named, idle
-        self.unused, self.parent = unused, parent
+        self.unused, self.parent, self.owner = unused, parent, owner
         self.started, self.named_once = time.monotonic(), False
 
     def check(self) -> str | None:
@@ -214,7 +215,7 @@ class Watch:
                 return "replaced"
         if self.idle and (unused := self.unused()) is not None and unused > self.idle:
             return "idle"
-        if self.parent is not None and os.getppid() != self.parent:
+        if self.parent is not None and os.getppid() != self.parent or self.owner is not None and not alive(self.owner):
             return "orphaned"
         return None
 

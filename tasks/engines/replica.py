@@ -42,7 +42,8 @@ class Replica:
         self.busy = self.served = self.tokens = 0
         self.seconds, self.used = 0.0, time.monotonic()
         self.stream_lock = threading.Lock()     # generate.streaming: the run's decoder and its rows here
-        self.decoder, self.streams, self.interrupt, self.session = None, None, -1, None
+        self.decoder, self.streams, self.interrupt = None, None, -1
+        self.stream_session = None              # the sampler whose rows these are (not `session`: /load's)
         self.rows: dict = {}
 
     def _checked(self, policy: str, digest: str, asker: str) -> str:
@@ -106,8 +107,8 @@ class Replica:
                 if self.streams != want:
                     self.decoder.load(want[0], self._checked(*want, "the sampler"))
                     self.streams = want
-                if self.session != body["session"]:          # (a new sampler: the rows of the last one dropped)
-                    self.rows, self.session = {}, body["session"]
+                if self.stream_session != body["session"]:   # (a new sampler: the rows of the last one dropped)
+                    self.rows, self.stream_session = {}, body["session"]
                 for rid in body["drop"]:
                     self.rows.pop(rid, None)
                 for rid, prompt, tokens, limit, own in body["add"]:

@@ -9,7 +9,8 @@ Routes: GET /health, GET /stats, POST /policy {policy, digest}, POST /sample {po
 params, key}, POST /stream/<i>/stream|interrupt (generate.streaming's, to replica i). The same rollouts whatever
 N (fixed shards, each with its own seed); requests sticky by episode, new work to the least loaded replica; only
 the schedule's policy (each replica version-checked); a failed replica (one that hangs too, once its probes fail)
-is taken out, its requests cut off and sent again to the others, and it is replaced.
+is taken out, its requests cut off and sent again to the others, and it is replaced; the fleet leaves when the
+process that started it has ended (--owner). One concept: the router, its members' lives and its HTTP front.
 More: docs/internals.md (tasks/engines/replicas.py): each of these, and why a router of our own.
 """
 
@@ -48,6 +49,7 @@ STICKY_KEYS = 100_000
 READY = "RLFLOW_REPLICA_READY"            # the line a replica prints once it answers: READY <url>
 ANSWERING = ("loading", "ready")          # a member in these states is up (its /stream answers: streaming)
 TOKEN_VAR = "RLFLOW_REPLICA_TOKEN"        # the router's token: only it may load policies into and sample replicas
+STOP_GRACE = 5.0                          # s a stopped router waits for the requests it forwards before it cuts them
 
 
 def policy_digest(cfg: Config, policy: str) -> str:
@@ -193,7 +195,7 @@ def ensure_router(cfg: Config, launch_spec: Mapping | None = None) -> dict:
         config.write_text(blob)
         port = free_port()
         argv = [sys.executable, "-m", "tasks.engines.replicas", "--config-json", str(config), "--port", str(port),
-                "--state", str(daemon.path)]
+                "--state", str(daemon.path), "--owner", str(os.getpid())]    # (the fleet leaves when it ends)
         token = secrets.token_urlsafe(24)       # (the state file is its owner's only: Daemon.write)
         state = {"port": port, "key": key, "url": f"http://127.0.0.1:{port}", "token": token}
         return daemon.start(argv, {**os.environ, LAUNCH_VAR: launch, TOKEN_VAR: token, "PYTHONUNBUFFERED": "1"},
@@ -221,6 +223,7 @@ class RoutedReplica:
     starts: Starts = dataclasses.field(default_factory=Starts)   # its starts that failed in a row (fleet.py)
     health: Health = dataclasses.field(default_factory=Health)
     life: int = 0                     # which start of this replica (a failure seen late concerns an old one)
+    loading: bool = False             # a thread of _load is at work on it (it loads whatever `want` becomes)
     calls: set = dataclasses.field(default_factory=set)   # its forwarded requests now: (loop, task), Router.forward
 
 
@@ -295,8 +298,10 @@ class Router:
                 if want is None or m.holds == want or m.state == "dead":
                     if want is not None and m.holds == want:
                         m.state = "ready"
+                    m.loading = False
                     self.changed.notify_all()
                     return
+                m.loading = True
             try:
                 r = httpx.post(f"{m.url}/load", json={"policy": want[0], "digest": want[1]},
                                timeout=httpx.Timeout(self.cfg.generate.server_start_timeout, connect=10),
@@ -314,6 +319,15 @@ class Router:
                 continue
             with self.lock:
                 m.holds = want
+
+    def _reload(self, m: RoutedReplica) -> None:
+        """Have up member m load the wanted policy in a thread of its own, unless one is at it (the caller holds
+        the lock). A member started while no policy was wanted (the streaming sampler's requests name their own)
+        is up but holds none: it loads the one a session asks for like a ready one."""
+        m.state = "loading"
+        if not m.loading:
+            m.loading = True
+            threading.Thread(target=self._load, args=(m,), daemon=True).start()
 
     def lost(self, m: RoutedReplica, why: str, life: int | None = None) -> None:
         with self.lock:
@@ -373,9 +387,8 @@ class Router:
         with self.lock:
             self.want = (policy, digest)
             for m in self.members:
-                if m.state == "ready" and m.holds != self.want:
-                    m.state = "loading"
-                    threading.Thread(target=self._load, args=(m,), daemon=True).start()
+                if m.state in ANSWERING and m.holds != self.want:
+                    self._reload(m)
         deadline = time.monotonic() + self.cfg.generate.server_start_timeout
         first = None
         with self.lock:
@@ -385,6 +398,8 @@ class Router:
                     first = time.monotonic()
                 if len(ready) == len(self.members) or (first and time.monotonic() - first > LATE_GRACE):
                     break
+                if self.stopping.is_set():
+                    raise RuntimeError("the generate router is stopping")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no replica holds {policy} after {self.cfg.generate.server_start_timeout} s")
                 if self.launch is None and all(m.starts.given_up() for m in self.members):
@@ -421,7 +436,7 @@ class Router:
         while True:
             m = self.pick(body.get("key"))
             if m is None:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self.stopping.is_set():
                     return 503, {"error": "no replica is ready"}
                 await asyncio.sleep(0.2)
                 continue
@@ -436,8 +451,8 @@ class Router:
                 continue
             if r.status_code == 409:                  # it holds another version: loaded again, not used till then
                 with self.lock:
-                    m.state, m.holds = "loading", None
-                threading.Thread(target=self._load, args=(m,), daemon=True).start()
+                    m.holds = None
+                    self._reload(m)
                 continue
             if r.status_code != 200:
                 return 502, {"error": f"replica {m.index}: HTTP {r.status_code}: {r.text[:500]}"}
@@ -514,7 +529,7 @@ class Router:
                     "replace_seconds": list(self.replace_seconds)}
 
 
-def app(router: Router, state: Path | None):
+def app(router: Router, state: Path | None, owner: int | None = None):
     import contextlib
 
     from starlette.applications import Starlette
@@ -523,7 +538,7 @@ def app(router: Router, state: Path | None):
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from tasks.core.daemon import Watch, leave
+    from tasks.core.daemon import Watch, forget, leave
 
     async def health(request: Request):
         return JSONResponse({"replicas": len(router.members),
@@ -556,8 +571,8 @@ def app(router: Router, state: Path | None):
         threading.Thread(target=router.watch, daemon=True).start()
         idle = router.cfg.generate.server_idle_timeout or None
 
-        def watch() -> None:
-            why = Watch(pid=os.getpid(), state=state, idle=idle,
+        def watch() -> None:            # (`owner`: the process that started the fleet; it never outlives it)
+            why = Watch(pid=os.getpid(), state=state, idle=idle, owner=owner,
                         unused=lambda: time.monotonic() - router.last_used).wait(2.0)
             print(f"router: leaving ({why})", flush=True)
             router.stop_members()
@@ -565,6 +580,7 @@ def app(router: Router, state: Path | None):
         threading.Thread(target=watch, daemon=True).start()
         yield
         router.stop_members()
+        forget(state, os.getpid())
 
     return Starlette(routes=[Route("/health", health), Route("/stats", stats),
                              Route("/policy", policy, methods=["POST"]), Route("/sample", sample, methods=["POST"]),
@@ -581,15 +597,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config-json", required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--state", default=None)
+    ap.add_argument("--owner", type=int, default=None, help="leave (replicas and all) once this process has ended")
     args = ap.parse_args(argv)
     with open(args.config_json) as f:
         cfg = Config.model_validate(json.load(f))
     launch = json.loads(os.environ[LAUNCH_VAR]) if os.environ.get(LAUNCH_VAR) else None
     router = Router(cfg, Path(args.config_json), launch)
     state = Path(args.state) if args.state else None
-    # (uvicorn's own SIGTERM handling ends the app: the lifespan's exit stops the replicas)
-    uvicorn.Server(uvicorn.Config(app(router, state), host="127.0.0.1", port=args.port, log_level="warning",
-                                  access_log=False, lifespan="on")).run()
+
+    class StoppingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            router.stopping.set()       # (a policy request waiting for replicas answers now: nothing holds the exit)
+            super().handle_exit(sig, frame)
+
+    # (uvicorn's own SIGTERM handling ends the app, its requests cut after STOP_GRACE s: the lifespan's exit stops
+    # the replicas)
+    StoppingServer(uvicorn.Config(app(router, state, args.owner), host="127.0.0.1", port=args.port,
+                                  log_level="warning", access_log=False, lifespan="on",
+                                  timeout_graceful_shutdown=STOP_GRACE)).run()
     return 0
 
 
