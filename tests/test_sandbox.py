@@ -1763,8 +1763,7 @@ def test_the_split_test_never_sends_the_code_a_value_to_compare(quick_sandbox):
     whose result is a plain value is refused, comparisons are not asked, `in` reads the items. Correct programs
     it failed: a callback from the code's threads (the pipes' conversation crossed), a large argument (parsed
     as a literal: a million items took 1 GB), a builtin type as an argument, an exception class's parent, a
-    suppressing context manager, a callback reading what the call it is made from changes, complex inf, 140-deep
-    lists."""
+    callback reading what the call it is made from changes, complex inf, 140-deep lists."""
     def score(code: str, test: str, entry=None) -> float:
         return code_rewards.code_reward([fence(code)], test=[test], entry_point=[entry])[0]
     tol = "def check(candidate):\n    assert abs(candidate(3.5) - 0.5) < 1e-6\n    assert candidate([3]) <= 1\n"
@@ -1781,9 +1780,6 @@ class BankError(Exception):
     pass
 class Insufficient(BankError):
     pass
-class Ignore:
-    def __enter__(self): return self
-    def __exit__(self, t, e, tb): return t is not None and issubclass(t, ZeroDivisionError)
 class C:
     def __init__(self): self.count, self.subs = 0, []
     def subscribe(self, fn): self.subs.append(fn)
@@ -1810,8 +1806,6 @@ def test_a():
         withdraw(1)
     except BankError:
         pass
-    with Ignore():
-        1 / 0
     c, seen = C(), []
     c.subscribe(lambda o: seen.append(o.count))
     c.inc_by(2)
@@ -1833,3 +1827,32 @@ def test_a_test_list_assert_that_decides_inside_runs_split_from_the_code(quick_s
     got = judge_rows([fence("def double(x): return 2 * x"), fence(ALWAYS_EQUAL + "def double(x): return A()"),
                       fence("def double(x): return 0")], rows)
     assert [v.score for v in got] == [1.0, 0.0, 0.0], [v.reason for v in got]
+
+
+def test_no_read_of_the_codes_object_lets_the_code_decide_an_assert(quick_sandbox):
+    """A third review: an index or the truth of a handle was asked apart from its items (`r[i] <= r[i + 1]` with
+    `__getitem__` answering i passed a sort test); an operator with the test's value handed the code the expected
+    value, then its result's `__float__` answered (`fabs(f(x) - 3.5) < 1e-6`); a context manager's `__exit__`
+    swallowed the TypeError or KeyError the code's values caused, skipping the asserts; the code's process ending
+    (`os._exit(0)`) was caught by the test's `except Exception`; a StopIteration ended the test's `map`; the code's
+    patched `math` was the test's. Each paid 1.0; each now 0, and an honest program still 1."""
+    def score(code: str, test: str, entry=None) -> float:
+        return code_rewards.code_reward([fence(code)], test=[test], entry_point=[entry])[0]
+    sort = "def test_sort():\n    r = sort_it([3, 1, 2])\n    assert len(r) == 3 and all(r[i] <= r[i + 1] for i in " \
+           "range(2)) and sorted(r) == [1, 2, 3]\n"
+    assert score("class R:\n    def __init__(self, a): self.a = a\n    def __iter__(self): return iter(self.a)\n"
+                 "    def __getitem__(self, i): return i\ndef sort_it(a): return R(a)", sort) == 0.0
+    assert score("def sort_it(a): return sorted(a)", sort) == 1.0
+    close = "import math\ndef check(candidate):\n    assert math.fabs(candidate(2) - 3.5) < 1e-6\n" \
+            "    assert math.isclose(candidate(1), 2.5)\n"
+    assert score("class N:\n    def __sub__(self, o): return self\n    def __float__(self): return 0.0\n"
+                 "def f(x): return N()", close, "f") == 0.0
+    assert score("import math\nmath.isclose = lambda *a, **k: True\ndef f(x): return 0.0", close, "f") == 0.0
+    assert score("def f(x): return x + 1.5", close, "f") == 1.0
+    assert score("class S:\n    def __enter__(self): return self\n    def __exit__(self, kind, *a): return True\n"
+                 "    def compute(self, x): return {}", "def test_w():\n    with S() as s:\n"
+                 "        assert s.compute(2)['value'] == 4\n") == 0.0
+    assert score("import os\ndef f(x): os._exit(0)", "def test_e():\n    try:\n        f(-1)\n"
+                 "    except Exception:\n        pass\n    else:\n        assert False\n") == 0.0
+    assert score("def is_prime(n): raise StopIteration", "def test_p():\n    assert all(map(is_prime, [2, 3]))\n"
+                 "    assert not any(map(is_prime, [4, 6]))\n") == 0.0

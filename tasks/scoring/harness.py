@@ -119,6 +119,9 @@ def run_split(i, test, req, deadline, server):
     fds = {"stdout": server["stdout"], "stderr": server["stderr"], "values": values[0]}
     got, st = collect(test_pid, fds, req["limits"]["output"], deadline, server["pid"])
     status = st["other"] if st["other"] is not None else st["status"]
+    if st["other"] is not None:         # (the code's process ended during the test: it fails, whatever the test
+        got["values"] = b"".join(b"error " + b64(b"Gone: the code's process ended").encode() + b"\n"  # caught)
+                                 for _ in test["exprs"])
     if st["other"] is not None or st["timeout"] or st["limit"] or status != 0:
         stop_server(server, ended=st["other"] is not None)
     exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else "-"
@@ -467,8 +470,9 @@ def flush_and_exit(status):
     os._exit(status)
 
 
-class Gone(Exception):
-    """The code's process ended (or sent what is not a message): the test cannot go on."""
+class Gone(BaseException):
+    """The code's process ended (or sent what is not a message): the test cannot go on (no `except Exception` of
+    the test's catches it: an ended process is no exception the code raised)."""
 
 
 def snapshot(x):
@@ -619,8 +623,9 @@ class Wire(object):
             if result == "raise":
                 cls, eargs = value
                 cls = getattr(builtins, cls, None) if type(cls) is str else cls
-                if not (isinstance(cls, type) and issubclass(cls, Exception)):
-                    cls = RuntimeError
+                if not (isinstance(cls, type) and issubclass(cls, Exception)) or (
+                        issubclass(cls, (StopIteration, StopAsyncIteration)) and kind != "next"):
+                    cls = RuntimeError          # (a StopIteration from a call would end the test's map(): PEP 479)
                 raise cls(*(eargs if type(eargs) is tuple else (eargs,)))
             return value
 
@@ -669,6 +674,9 @@ def unrich(kind, payload):
         return iter(payload)
     if kind == "builtin" and isinstance(getattr(builtins, payload, None), type):
         return getattr(builtins, payload)
+    if kind == "module" and type(payload) is str:
+        import importlib
+        return importlib.import_module(payload)
     raise ValueError("unknown value %r" % (kind,))
 
 
@@ -718,6 +726,8 @@ class CodeSide(Side):
             self.index[id(x)] = len(self.objects)
             self.objects.append(x)
         i = self.index[id(x)]
+        if type(x) is type(sys):           # (a module: the test imports its own, never the code's, patched)
+            return (RICH, "module", x.__name__)
         if isinstance(x, type) and issubclass(x, BaseException):     # (its nearest exception class of the code's
             parent = next((k for k in x.__mro__[1:] if getattr(builtins, k.__name__, None) is not k), None)  # too)
             return (RICH, "exc", (x.__name__[:100], self.error_class(x), i,
@@ -862,8 +872,10 @@ def _ask(kind):
 
 
 def _op(name):
-    def method(self, *args):         # (a plain result is refused: `abs(f(x) - exp) < tol` would send the expected
-        out = ask(self, "op", (name,) + args)    # value to the code, which could answer 0)
+    def method(self, *args):         # (only between the code's own objects: `f(x) - exp` would hand the code the
+        if any(type(a) is not Remote for a in args):      # expected value, and its answer decide the assert)
+            raise TypeError("%s of the code's object with a value of the test's is not asked of the code" % name)
+        out = ask(self, "op", (name,) + args)
         if type(out) is not Remote:
             raise TypeError("an operator of the code's %s object gives a plain value only as its value" % name)
         return out
@@ -905,6 +917,22 @@ class Remote(object):
     def __contains__(self, x):        # (from its items: the code is never asked with the test's value)
         return x in ask(self, "list")
 
+    def __getitem__(self, key):       # (an index of an iterable from its items, as its length is)
+        if type(key) in (int, slice):
+            try:
+                items = ask(self, "list")
+            except TypeError:
+                items = None
+            if items is not None:
+                return items[key]
+        return ask(self, "item", (key,))
+
+    def __bool__(self):
+        try:
+            return bool(ask(self, "list"))
+        except TypeError:
+            return ask(self, "bool")
+
     def __format__(self, spec):
         return ask(self, "format", (spec,))
 
@@ -917,15 +945,15 @@ class Remote(object):
     def __enter__(self):
         return ask(self, "method", ("__enter__",))
 
-    def __exit__(self, kind, exc, tb):   # (never suppresses a failed assert of the test's block)
+    def __exit__(self, kind, exc, tb):   # (never suppresses what the test's block raised: a KeyError or TypeError
         kind = kind if kind is None or getattr(builtins, kind.__name__, None) is kind or \
-            "_rlflow_ref" in kind.__dict__ else Exception
-        return bool(ask(self, "method", ("__exit__", kind, None, None))) and not (
-            kind is not None and issubclass(kind, AssertionError))
+            "_rlflow_ref" in kind.__dict__ else Exception     # the code's values caused would skip its asserts)
+        ask(self, "method", ("__exit__", kind, None, None))
+        return False
 
     __doc__ = property(lambda self: ask(self, "get", ("__doc__",)))
-    __next__, __bool__, __str__, __repr__ = _ask("next"), _ask("bool"), _ask("str"), _ask("repr")
-    __int__, __float__, __index__, __getitem__ = _ask("int"), _ask("float"), _ask("index"), _ask("item")
+    __next__, __str__, __repr__ = _ask("next"), _ask("str"), _ask("repr")
+    __int__, __float__, __index__ = _ask("int"), _ask("float"), _ask("index")
     __setitem__ = _ask("setitem")
     __add__, __sub__, __mul__, __truediv__ = _op("add"), _op("sub"), _op("mul"), _op("truediv")
     __floordiv__, __mod__, __pow__, __neg__, __abs__ = _op("floordiv"), _op("mod"), _op("pow"), _op("neg"), _op("abs")
