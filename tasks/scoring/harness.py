@@ -936,8 +936,8 @@ class Remote(object):
     def __format__(self, spec):
         return ask(self, "format", (spec,))
 
-    def __instancecheck__(self, x):
-        return ask(self, "isinstance", (x,))
+    def __instancecheck__(self, x):   # (a plain value is no instance of the code's classes: the code is not asked)
+        return ask(self, "isinstance", (x,)) if type(x) is Remote else False
 
     def __subclasscheck__(self, x):
         return ask(self, "issubclass", (x,))
