@@ -164,7 +164,7 @@ def check_study(args, cfg: Config, space: dict[str, Param]) -> None:
         raise UserError(f"--storage: {storage}: cannot open the study's database ({why[:200]})") from None
     said = study.user_attrs                      # (what the study was started with: Tune.study)
     for what, now, then in (("--metric", args.metric, said.get("metric")),
-                            ("--direction", args.direction, study.direction.name.lower()),
+                            ("--direction", args.direction, study.direction.name.lower() if said else None),
                             ("--space", sorted(space), said.get("space"))):
         if then is not None and now != then:
             then, now = (", ".join(v) if isinstance(v, list) else v for v in (then, now))
