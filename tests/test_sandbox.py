@@ -1856,3 +1856,35 @@ def test_no_read_of_the_codes_object_lets_the_code_decide_an_assert(quick_sandbo
                  "    except Exception:\n        pass\n    else:\n        assert False\n") == 0.0
     assert score("def is_prime(n): raise StopIteration", "def test_p():\n    assert all(map(is_prime, [2, 3]))\n"
                  "    assert not any(map(is_prime, [4, 6]))\n") == 0.0
+
+
+def test_the_codes_own_subclass_of_a_builtin_container_keeps_its_methods(quick_sandbox):
+    """An `LRUCache(OrderedDict)` or a `Stack(list)` of the code's crossed as its contents (a dict, a list), so
+    `cache.put` and `stack.push` were AttributeErrors and correct programs failed; they are handles now (their
+    length, items and `in` read from their items), and a namedtuple still crosses as the tuple it is."""
+    code = fence('''
+from collections import OrderedDict, namedtuple
+class LRUCache(OrderedDict):
+    def __init__(self, capacity):
+        super().__init__()
+        self.capacity = capacity
+    def get(self, key):
+        if key not in self:
+            return -1
+        self.move_to_end(key)
+        return self[key]
+    def put(self, key, value):
+        self[key] = value
+        self.move_to_end(key)
+        if len(self) > self.capacity:
+            self.popitem(last=False)
+class Stack(list):
+    def push(self, x): self.append(x)
+P = namedtuple("P", "x y")
+def mk(): return P(1, 2)''')
+    test = "def test_lru():\n    c = LRUCache(2)\n    c.put(1, 1)\n    c.put(2, 2)\n    assert c.get(1) == 1\n" \
+           "    c.put(3, 3)\n    assert c.get(2) == -1 and len(c) == 2 and 3 in c\n" \
+           "def test_stack():\n    s = Stack()\n    s.push(3)\n" \
+           "    assert len(s) == 1 and s[0] == 3 and list(s) == [3]\n" \
+           "def test_tuple():\n    assert mk() == (1, 2)\n"
+    assert code_rewards.code_reward([code], test=[test]) == [1.0], code_rewards.judge([code], test=[test])[0]

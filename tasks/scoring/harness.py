@@ -697,7 +697,12 @@ class Side(object):
         if out is not None:
             return out
         read = next((read for base, read in AS_PLAIN if issubclass(t, base)), None)
+        if read is not None and self.own(t):      # (the code's own Stack(list), LRUCache(OrderedDict): an object
+            read = None                           # with methods, a handle; a namedtuple stays a tuple)
         return self.wire(read(x), depth) if read is not None else self.other(x, depth)
+
+    def own(self, t):
+        return False
 
     def unwire(self, x):
         t = type(x)
@@ -738,6 +743,9 @@ class CodeSide(Side):
         if kind == CALLBACK:
             return Callback(i)
         return self.objects[i]
+
+    def own(self, t):
+        return getattr(t, "__module__", None) == "__main__" and issubclass(t, (list, dict, set))
 
     def exception_class(self, name, base, i, parent):
         return self.objects[i]
