@@ -51,9 +51,17 @@ def main():
 
 
 def send(fd, line):
-    data = (line + "\n").encode()
+    write_all(fd, (line + "\n").encode())
+
+
+def write_all(fd, data):
     while data:
         data = data[os.write(fd, data):]
+
+
+def value_lines(lines):
+    """The (kind, text) of each expression as the lines `ok|error <base64>` the host reads (sandbox._values)."""
+    return "".join("%s %s\n" % (kind, b64(text.encode("utf-8", "backslashreplace"))) for kind, text in lines).encode()
 
 
 def b64(data):
@@ -63,9 +71,7 @@ def b64(data):
 def run_test(i, test, req, deadline):
     """Fork a child for one test; one line back: T i ran exit signal timeout limit stdout stderr values."""
     stdin = os.memfd_create("stdin")
-    data = (test["stdin"] or "").encode()
-    while data:
-        data = data[os.write(stdin, data):]
+    write_all(stdin, (test["stdin"] or "").encode())
     os.lseek(stdin, 0, os.SEEK_SET)
     pipes = {"stdout": os.pipe(), "stderr": os.pipe()}
     if test["exprs"] is not None:
@@ -120,8 +126,7 @@ def run_split(i, test, req, deadline, server):
     got, st = collect(test_pid, fds, req["limits"]["output"], deadline, server["pid"])
     status = st["other"] if st["other"] is not None else st["status"]
     if st["other"] is not None:         # (the code's process ended during the test: it fails, whatever the test
-        got["values"] = b"".join(b"error " + b64(b"Gone: the code's process ended").encode() + b"\n"  # caught)
-                                 for _ in test["exprs"])
+        got["values"] = value_lines([("error", "Gone: the code's process ended")] * len(test["exprs"]))  # caught)
     if st["other"] is not None or st["timeout"] or st["limit"] or status != 0:
         stop_server(server, ended=st["other"] is not None)
     exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else "-"
@@ -132,9 +137,7 @@ def run_split(i, test, req, deadline, server):
 
 def start_server(req, server):
     code = os.memfd_create("code")
-    data = req["code"].encode("utf-8", "surrogatepass")
-    while data:
-        data = data[os.write(code, data):]
+    write_all(code, req["code"].encode("utf-8", "surrogatepass"))
     os.lseek(code, 0, os.SEEK_SET)
     calls, replies, out, err = os.pipe(), os.pipe(), os.pipe(), os.pipe()
     pid = fork()
@@ -329,20 +332,12 @@ def child(code, setup, exprs):
             sys.modules.update(modules)
             if setup:
                 exec(compile(setup, "test_setup.py", "exec"), ns)
-            lines = [evaluate(e, ns) for e in exprs]
-            data = "".join("%s %s\n" % (kind, b64(text.encode("utf-8", "backslashreplace")))
-                           for kind, text in lines).encode()
-            while data:
-                data = data[os.write(3, data):]
+            write_all(3, value_lines([evaluate(e, ns) for e in exprs]))
     except SystemExit as e:
         status = exit_status(e.code)
     except BaseException as e:
         status = report(e)
-    try:
-        sys.stdout.flush()
-    except BaseException:
-        status = status or 120
-    os._exit(status)
+    flush_and_exit(status)
 
 
 def report(e):
@@ -550,8 +545,7 @@ class Wire(object):
         data = (self.json.dumps(to_json(message, 0), ensure_ascii=True) + "\n").encode()
         with self.lock:
             try:
-                while data:
-                    data = data[os.write(self.out, data):]
+                write_all(self.out, data)
             except OSError:
                 raise Gone("the code's process ended") from None
 
@@ -781,8 +775,6 @@ class CodeSide(Side):
         if kind == "setitem":
             obj[args[0]] = args[1]
             return None
-        if kind == "contains":
-            return args[0] in obj
         if kind == "op":                 # ("add", other): obj + other; ("radd", other): other + obj
             import operator
             name, rest = args[0], tuple(args[1:])
@@ -988,10 +980,7 @@ def tester(setup, test):
         lines = [("error", "Gone: %s" % e)] * len(test["exprs"])
     except Exception as e:
         lines = [("error", ("%s: %s" % (type(e).__name__, e))[:300])] * len(test["exprs"])
-    data = "".join("%s %s\n" % (kind, b64(text.encode("utf-8", "backslashreplace"))) for kind, text in lines)
-    data = data.encode()
-    while data:
-        data = data[os.write(3, data):]
+    write_all(3, value_lines(lines))
     os._exit(0)
 
 
