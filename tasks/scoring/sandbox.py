@@ -117,10 +117,10 @@ class Limits:
 
 
 # ------------------------------------------------------------------------------------------ the harness
-# tasks/scoring/harness.py runs inside the sandbox as `python -I -c HARNESS rlflow-sandbox`; it is a real file
-# (linted, readable), sent as text because the sandbox cannot see this checkout.
+# tasks/scoring/harness.py runs inside the sandbox as `python -I -c HARNESS rlflow-sandbox`, after wire.py (whose
+# names it uses); real files (linted, readable), sent as one text because the sandbox cannot see this checkout.
 
-HARNESS = (Path(__file__).parent / "harness.py").read_text()
+HARNESS = "".join((Path(__file__).parent / name).read_text() for name in ("wire.py", "harness.py"))
 
 
 # ------------------------------------------------------------------------------------------ the host side
