@@ -1888,3 +1888,27 @@ def mk(): return P(1, 2)''')
            "    assert len(s) == 1 and s[0] == 3 and list(s) == [3]\n" \
            "def test_tuple():\n    assert mk() == (1, 2)\n"
     assert code_rewards.code_reward([code], test=[test]) == [1.0], code_rewards.judge([code], test=[test])[0]
+
+
+def test_the_helpers_a_prompt_defines_are_the_tests_own(quick_sandbox):
+    """HumanEval/50: the prompt defines `encode_shift` whole and asks for `decode_shift`, whose tests call both.
+    Taken from the code, an answer redefining `encode_shift` as the identity (and `decode_shift` too) passed, and a
+    correct answer that did not repeat the helper failed (NameError). Text and chat prompts, fenced or not."""
+    helper = ('import string\n\ndef encode_shift(s: str):\n    """returns encoded string by shifting every '
+              'character by 5."""\n    return "".join([chr(((ord(ch) + 5 - ord("a")) % 26) + ord("a")) for ch in s])'
+              '\n\n\ndef decode_shift(s: str):\n    """takes as input string encoded with encode_shift function."""\n')
+    test = ("def check(candidate):\n    for s in ['abc', 'hello', 'xyz']:\n"
+            "        assert candidate(encode_shift(s)) == s\n")
+    only = fence('def decode_shift(s):\n    return "".join(chr(((ord(c) - 5 - ord("a")) % 26) + ord("a")) for c in s)')
+    whole = fence(helper + '    return "".join(chr(((ord(c) - 5 - ord("a")) % 26) + ord("a")) for c in s)')
+    cheat = fence("def encode_shift(s):\n    return s\ndef decode_shift(s):\n    return s")
+    chat = [{"role": "user", "content": "Complete the function:\n```python\n" + helper + "```\n"}]
+    for prompt in (helper, chat):
+        got = code_rewards.code_reward([only, whole, cheat], test=[test] * 3, entry_point=["decode_shift"] * 3,
+                                       prompts=[prompt] * 3)
+        assert got == [1.0, 1.0, 0.0], code_rewards.judge([only, whole, cheat], test=[test] * 3,
+                                                          entry_point=["decode_shift"] * 3, prompts=[prompt] * 3)
+    # a prompt that defines nothing whole (a stub only, or prose): the code's names, as before
+    stub = [{"role": "user", "content": "Write decode_shift; encode_shift is yours to write too."}]
+    assert code_rewards.code_reward([whole, only], test=[test] * 2, entry_point=["decode_shift"] * 2,
+                                    prompts=[stub] * 2) == [1.0, 0.0]

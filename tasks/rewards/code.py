@@ -26,7 +26,7 @@ from tasks.rewards import after_reasoning, text_of
 from tasks.scoring import sandbox
 from tasks.scoring.asserts import TooDeep
 from tasks.scoring.cases import Case, _values_check, assert_cases, explain_failure, printable
-from tasks.scoring.module_tests import module_cases
+from tasks.scoring.module_tests import module_cases, prompt_definitions
 
 MAX_TEXT = 1 << 20          # characters of a completion the host reads (a code block past them is not read)
 
@@ -45,9 +45,11 @@ class Verdict:
 
 def code_reward(completions: list, verification_info: list | None = None, test_list: list | None = None,
                 test_setup_code: list | None = None, mode: str = "fraction", log_extra=None, log_metric=None,
-                test: list | None = None, entry_point: list | None = None, **kwargs) -> list[float | None]:
-    """Share of the row's tests the completion's code passes (mode="all": 1.0 only when all pass)."""
-    verdicts = judge(completions, verification_info, test_list, test_setup_code, mode, test, entry_point)
+                test: list | None = None, entry_point: list | None = None, prompts: list | None = None,
+                **kwargs) -> list[float | None]:
+    """Share of the row's tests the completion's code passes (mode="all": 1.0 only when all pass). The helpers a
+    prompt defines whole (HumanEval's `encode_shift`, `poly`) are the tests' own, not the code's."""
+    verdicts = judge(completions, verification_info, test_list, test_setup_code, mode, test, entry_point, prompts)
     log_verdicts(verdicts, log_extra, log_metric)
     return [v.score for v in verdicts]
 
@@ -65,7 +67,7 @@ def code_format_reward(completions: list, **kwargs) -> list[float]:
 
 def judge(completions: list, verification_info: list | None = None, test_list: list | None = None,
           test_setup_code: list | None = None, mode: str = "fraction", test: list | None = None,
-          entry_point: list | None = None) -> list[Verdict]:
+          entry_point: list | None = None, prompts: list | None = None) -> list[Verdict]:
     """One Verdict per completion; the completions with code and tests run in parallel sandboxes."""
     if mode not in ("fraction", "all"):
         raise ValueError(f"code_reward: mode must be 'fraction' or 'all', got {mode!r}")
@@ -77,7 +79,7 @@ def judge(completions: list, verification_info: list | None = None, test_list: l
         code = extract_code(text_of(completion)[:MAX_TEXT])
         try:              # (the host's own reading of the code and the row is bounded; past it: this one scores 0)
             cases, setup = parse_tests(_at(verification_info, j), _at(test_list, j), _at(test_setup_code, j), code,
-                                       _at(test, j), _at(entry_point, j))
+                                       _at(test, j), _at(entry_point, j), _at(prompts, j))
         except (RecursionError, MemoryError, TooDeep) as e:
             verdicts[j] = Verdict(0.0, f"the host cannot read this code: {e or type(e).__name__}")
             continue
@@ -173,7 +175,7 @@ def _at(column: list | None, j: int):
 # --------------------------------------------------------------------------------------------- the tests
 
 def parse_tests(verification_info, test_list, test_setup_code, code: str | None, test=None,
-                entry_point=None) -> tuple[list[Case], str]:
+                entry_point=None, prompt=None) -> tuple[list[Case], str]:
     """The row's tests as sandbox tests plus host-side checks, and the setup code run before asserts."""
     cases: list[Case] = []
     info = _as_json(verification_info)
@@ -195,7 +197,8 @@ def parse_tests(verification_info, test_list, test_setup_code, code: str | None,
             it = iter(split)
             cases = [next(it) if c.weak else c for c in cases]
     if isinstance(test, str) and test.strip():
-        more, setup = module_cases(test, entry_point, setup, code, first=len(cases))
+        more, setup = module_cases(test, entry_point, setup, code, first=len(cases),
+                                   given=prompt_definitions(prompt, entry_point))
         cases += more
     return cases, setup
 

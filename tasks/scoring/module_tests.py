@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import ast
 import builtins
+import re
 
+from tasks.core.contracts import content_text
 from tasks.scoring import sandbox
 from tasks.scoring.asserts import _defined_names, parsed
 from tasks.scoring.cases import Case, _error_reason, explain_failure
 
 _BUILTINS = frozenset(dir(builtins))
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_PROMPT_CHARS = 100_000         # a prompt longer than this defines nothing for the tests (the host reads it)
 
 
-def module_cases(src: str, entry_point, setup: str, code: str | None, first: int = 0) -> tuple[list[Case], str]:
+def module_cases(src: str, entry_point, setup: str, code: str | None, first: int = 0,
+                 given: list[ast.stmt] = ()) -> tuple[list[Case], str]:
     """A row's test module (a `test` column) as cases and the setup they share: HumanEval's `check(candidate)`
     called on the row's `entry_point`, pytest's `test_*()` functions (one per listed case when parametrized), or
-    the statements at its top level; its other top-level statements are the setup. A test function's leading
+    the statements at its top level; its other top-level statements are the setup, after `given` (the prompt's
+    helpers: prompt_definitions). A test function's leading
     asserts are one case each, the rest of it one case. Each case is a function of the setup that the test's
     process calls; the names the test takes from the code (the entry point, the code's functions it names,
     `solution`'s) are the code's, through a pipe. A module that does not parse gives no cases (a broken test in
@@ -30,7 +36,7 @@ def module_cases(src: str, entry_point, setup: str, code: str | None, first: int
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return [], setup
     entry = entry_point.strip() if isinstance(entry_point, str) and entry_point.strip().isidentifier() else None
-    kept: list[ast.stmt] = []                 # the module's setup
+    kept: list[ast.stmt] = list(given)        # the module's setup
     tests: list[list[ast.stmt]] = []          # one case each
     top: list[ast.stmt] = []                  # the module's top level from its first test statement on
     for s in body:
@@ -197,3 +203,28 @@ def _runs_the_tests(s: ast.stmt) -> bool:
         return (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and t.left.id == "__name__")
     call = s.value if isinstance(s, ast.Expr) else None
     return isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", "")) in ("check", "main")
+
+
+def prompt_definitions(prompt, entry_point) -> list[ast.stmt]:
+    """The helpers a row's prompt defines whole, for its tests (HumanEval/50's `encode_shift`, /32's `poly`): the
+    prompt's top-level functions with a body (not a stub the model is to write, not the entry point) and its
+    imports. They are the tests' own: taken from the code, an answer that redefined `encode_shift` as the identity
+    passed `decode_shift`'s tests, and one that did not repeat it failed them. The prompt as text (a message list:
+    its messages' text), read whole when it parses, else its fenced code blocks."""
+    text = "\n".join(content_text(m.get("content")) for m in prompt if isinstance(m, dict)) \
+        if isinstance(prompt, list) else prompt if isinstance(prompt, str) else ""
+    if not text.strip() or len(text) > _PROMPT_CHARS:
+        return []
+    entry = entry_point.strip() if isinstance(entry_point, str) else None
+    out: list[ast.stmt] = []
+    for source in [text] + _FENCE.findall(text):
+        try:
+            body = parsed(source.strip()).body
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            continue
+        out += [s for s in body if isinstance(s, ast.Import | ast.ImportFrom) and not _from_solution(s)
+                or isinstance(s, ast.FunctionDef) and not s.decorator_list and s.name != entry
+                and not all(_inert(t) for t in s.body)]
+        if source is text:
+            break
+    return out
