@@ -320,7 +320,7 @@ def _clean(cfg: Config, store: Store, log) -> None:
     """What only the lease holder may delete: half-written staging folders, orphaned engine state, and what
     store.keep does not keep (tasks/core/retention.py)."""
     if removed := store.clean_staging(cfg.run.name):
-        log.info("removed %d half-written staging folder(s) left by an interrupted run", removed)
+        log.info("removed %d half-written staging folder(s) or file(s) left by an interrupted run", removed)
     if removed := training_engine(cfg).clean(store, cfg.run.name):
         log.info("removed %d %s checkpoint attempt(s) that no committed checkpoint names", removed, cfg.train.engine)
     try:

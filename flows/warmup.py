@@ -98,8 +98,11 @@ def sft_command(cfg: Config) -> int:
 
     if cfg.warmup is None:
         raise UserError("warmup: the config has no warmup section (warmup.path: the demonstrations)")
-    lease = Lease(open_store(cfg), cfg.run.name, cfg.run.lease_seconds).acquire()
+    store = open_store(cfg)
+    lease = Lease(store, cfg.run.name, cfg.run.lease_seconds).acquire()
     try:
+        if removed := store.clean_staging(cfg.run.name):        # (the lease holder: what a killed one left)
+            print(f"removed {removed} half-written staging folder(s) or file(s) left by an interrupted run")
         result = sft(cfg)
     finally:
         lease.release()

@@ -314,3 +314,21 @@ def test_what_does_not_decode_is_corrupt_and_running_out_of_memory_is_not(tmp_pa
     with pytest.raises(OutOfMemoryError):
         with stored("run/trainer/full-000003", store.uri("run/trainer/full-000003/o.pt")):
             raise OutOfMemoryError("CUDA out of memory")
+
+
+def test_clean_staging_removes_the_temporary_files_a_killed_writer_left(tmp_path):
+    """A kill between a pointer's (or a file's) temporary write and its rename left `.LATEST.tmp-*` in the run's
+    folder for good (seen after an SFT kill); only hidden temporaries go, a user's `a.tmp-1` stays."""
+    from tasks.core.store import FileStore
+
+    store = FileStore(str(tmp_path / "s"))
+    store._put_bytes("run/policy/LATEST", b"v000001")
+    left = [tmp_path / "s" / "run" / "policy" / ".LATEST.tmp-1234abcd",
+            tmp_path / "s" / "run" / "trainer" / ".state.json.tmp-deadbeef"]
+    for p in left:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"half")
+    (tmp_path / "s" / "run" / "a.tmp-1").write_text("mine")
+    assert store.clean_staging("run") == 2
+    assert not any(p.exists() for p in left)
+    assert (tmp_path / "s" / "run" / "a.tmp-1").exists() and store._get_bytes("run/policy/LATEST") == b"v000001"

@@ -68,8 +68,9 @@ class Store:
     def delete_if(self, key: str, tag: str) -> bool: raise NotImplementedError
 
     def clean_staging(self, prefix: str) -> int:
-        """Remove what killed writers left half-written under `prefix` (invisible to readers either way).
-        Only the holder of the run's lease calls this. Returns how many were removed."""
+        """Remove what killed writers left half-written under `prefix` (invisible to readers either way): staged
+        folders, files and pointers not renamed into place. Only the holder of the run's lease calls this.
+        Returns how many were removed."""
         return 0
     def check(self) -> None: """Raise UserError if the store cannot be reached."""
 
@@ -403,7 +404,10 @@ class FileStore(Store):
         stale = [p for p in base.rglob(".*.partial-*") if p.is_dir()] if base.is_dir() else []
         for p in stale:
             shutil.rmtree(p, ignore_errors=True)
-        return len(stale)
+        files = [p for p in base.rglob(".*.tmp-*") if p.is_file()] if base.is_dir() else []     # (a pointer's,
+        for p in files:                                                 # a file's: killed before their rename)
+            p.unlink(missing_ok=True)
+        return len(stale) + len(files)
 
     @contextlib.contextmanager
     def _locked(self, key):
