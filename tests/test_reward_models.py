@@ -741,3 +741,38 @@ def test_markdown_around_a_verdicts_keyword_is_read():
     assert [_choice(t) for t in ("**Final Verdict**: B (A has an error)", "The better response: **B**, since A is "
                                  "wrong", "**Winner:** A, B rambles", "Final verdict: the better response is **B** "
                                  "because A errs")] == ["B", "B", "A", "B"]
+
+
+@pytest.mark.parametrize("kind", [{}, {"kind": "classifier", "template": None, "scale": None}])
+def test_a_busy_judge_is_asked_again_after_what_its_retry_after_says(tmp_path, fake_judge, kind):
+    """A 429 with `Retry-After: 3` was asked again after 0.5 s (the header unread) and, on /classify, not asked
+    again at all (a 429 there failed the stage); both routes now wait what the server said, then score."""
+    from tasks.scoring import judges
+
+    times = []
+
+    def reply(path, request):
+        times.append(time.monotonic())
+        if len(times) == 1:
+            def busy(handler):
+                handler.send_response(429)
+                handler.send_header("Retry-After", "3")
+                handler.send_header("Content-Type", "application/json")
+                handler.send_header("Content-Length", "2")
+                handler.end_headers()
+                handler.wfile.write(b"{}")
+            return busy
+        return 200, (_chat_reply("7") if not kind else {"data": [{"logits": [1.5]}]})
+
+    fake_judge.reply = reply
+    records = [_one()]
+    _judged(tmp_path, _at(fake_judge.url, retries=1, **kind), records)
+    assert len(times) == 2 and times[1] - times[0] >= 2.9       # (a lower bound: a loaded machine only adds)
+    assert records[0].rewards["j"] == pytest.approx(0.7 if not kind else 1.5)
+    # the header's other forms; what is not 0-60 s is not obeyed (the back-off instead)
+    response = type("R", (), {})
+    for headers, want in (({"retry-after-ms": "1500"}, 1.5), ({"retry-after": "junk"}, 1.0),
+                          ({"retry-after": "3600"}, 1.0), ({"retry-after": "nan"}, 1.0), ({}, 1.0),
+                          ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, 1.0)):
+        response.headers = headers
+        assert judges._backoff(judges.JudgeUnavailable("x", response=response), 1) == want, headers

@@ -160,7 +160,9 @@ class RewardModel(ServedSection):
                                    description="Per try of a request, its whole answer (a server that drips it "
                                    "is cut off); a try that passes it is retried, then an error.")
     retries: int = Field(2, ge=0, le=20, json_schema_extra=HOW_NOT_WHAT,
-                         description="Retries of a request that failed in transport (refused, reset, 5xx, timeout).")
+                         description="Retries of a request that failed in transport (refused, reset, 408, 409, "
+                         "429, 5xx, timeout), each after the server's Retry-After (0-60 s) or a back-off of 0.5 s, "
+                         "doubling.")
 
     @field_validator("scale")
     @classmethod

@@ -49,6 +49,10 @@ class JudgeUnavailable(RuntimeError):
     """A reward model's server did not answer after its retries: the stage fails and is retried (by the flow,
     after it started the server again); the answers already given are cached."""
 
+    def __init__(self, message: str, response=None):
+        super().__init__(message)
+        self.response = response        # (an HTTP answer: its Retry-After is read before the next try)
+
 
 # ------------------------------------------------------------------------------------------------ checks
 
@@ -378,7 +382,7 @@ class Asker:
     async def _tries(self, send, again) -> Any:
         """`send()` tried up to retries + 1 times, each try bounded as a whole by timeout_seconds (the clients'
         timeouts are per read: a server dripping a byte at a time would hold the stage for ever); a try that
-        fails where `again(error)` says is transient is tried again after a back-off, else raised."""
+        fails where `again(error)` says is transient is tried again after a back-off (_backoff), else raised."""
         for attempt in range(self.spec.retries + 1):
             try:
                 return await asyncio.wait_for(send(), self.spec.timeout_seconds)
@@ -388,7 +392,8 @@ class Asker:
                         raise TimeoutError(f"no whole answer within timeout_seconds ({self.spec.timeout_seconds:g} "
                                            f"s)") from None
                     raise
-            await asyncio.sleep(0.5 * 2 ** attempt)
+                wait = _backoff(e, attempt)
+            await asyncio.sleep(wait)
 
     async def _chat(self, client, q: Question) -> dict:
         import openai
@@ -419,12 +424,32 @@ class Asker:
 
         async def send():
             r = await http.post(f"{self.url}/classify", json=payload)
-            if r.status_code >= 500:
-                raise JudgeUnavailable(f"{self.url}/classify answered {r.status_code}")
+            if r.status_code in (408, 409, 429) or r.status_code >= 500:      # (as the chat route's `again`)
+                raise JudgeUnavailable(f"{self.url}/classify answered {r.status_code}", response=r)
             r.raise_for_status()
             return r.json()["data"][0]
 
         return await self._tries(send, lambda e: isinstance(e, (httpx.TransportError, JudgeUnavailable)))
+
+
+def _backoff(e: Exception, attempt: int) -> float:
+    """Seconds before the next try: what the server's answer said (Retry-After in seconds or as an HTTP date,
+    OpenAI's retry-after-ms) where it says 0-60 s, as the openai client honours it; else 0.5 s, doubling."""
+    headers = getattr(getattr(e, "response", None), "headers", None)
+    said = None
+    try:
+        if headers is not None and (ms := headers.get("retry-after-ms")) is not None:
+            said = float(ms) / 1000
+        elif headers is not None and (text := headers.get("retry-after")) is not None:
+            try:
+                said = float(text)
+            except ValueError:
+                from datetime import datetime, timezone
+                from email.utils import parsedate_to_datetime
+                said = (parsedate_to_datetime(text) - datetime.now(timezone.utc)).total_seconds()
+    except (TypeError, ValueError, OverflowError, AttributeError):     # (a naive date, garbage: not said)
+        said = None
+    return said if said is not None and 0 < said <= 60 else 0.5 * 2 ** attempt
 
 
 def _capped(answer: Any) -> Any:
