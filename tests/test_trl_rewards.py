@@ -173,3 +173,24 @@ def test_a_signature_the_data_cannot_satisfy_is_one_line_before_anything_runs(do
         _functions([name], columns={"ground_truth"})
     assert str(e.value).startswith(expected) and "\n" not in str(e.value)
     _functions(["ground_truth_reward", "no_kwargs"], columns={"ground_truth"})    # these are satisfied
+
+
+def test_trainer_state_has_every_field_of_transformers_trainer_state(tmp_path, monkeypatch):
+    """A function reading `trainer_state.epoch` (or log_history, is_world_process_zero), as TRL users' schedules
+    do, raised AttributeError: rlflow passed only global_step and max_steps. Every TrainerState field is there."""
+    import dataclasses
+
+    from transformers import TrainerState
+
+    state = RewardState(global_step=5, max_steps=20)
+    assert {f.name for f in dataclasses.fields(TrainerState)} <= {f.name for f in dataclasses.fields(state)}
+    assert state.epoch == 0.25 and state.num_train_epochs == 1 and state.is_world_process_zero
+    (tmp_path / "sched_rewards.py").write_text(
+        "def by_epoch(completions, trainer_state, **kwargs):\n"
+        "    return [float(trainer_state.epoch) + len(trainer_state.log_history)] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(TINY, [f"reward.functions={json.dumps([{'fn': 'sched_rewards:by_epoch'}])}"])
+    records = _records(chat=False)
+    score_records(load_functions(cfg, columns={"ground_truth"}), records, "sum", state=state)
+    assert [r.rewards["by_epoch"] for r in records] == [0.25] * len(records)

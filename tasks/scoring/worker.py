@@ -27,7 +27,7 @@ import pickle
 import struct
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _HEADER = struct.Struct("!Q")
 
@@ -92,11 +92,37 @@ def _clean(values, n: int):
 
 @dataclass(frozen=True)
 class RewardState:
-    """What TRL passes as `trainer_state` (its TrainerState), as far as reward shaping reads it: the optimiser
-    steps taken before this batch was scored, and how many the run takes."""
+    """What TRL passes as `trainer_state`: every field of transformers' TrainerState, so a function reading any
+    of them runs (`epoch`, `log_history`, `is_world_process_zero` raised AttributeError). `global_step`: the
+    iterations trained before this batch was scored (TRL's optimiser steps at its default of one per generation
+    batch); `max_steps`: the run's iterations; rlflow's run is one pass of them, so `num_train_epochs` is 1 and
+    `epoch` the share done. The others keep TrainerState's defaults (no TRL logging, one process in a reward
+    worker's view)."""
 
     global_step: int
     max_steps: int
+    epoch: float | None = None
+    logging_steps: int = 500
+    eval_steps: int = 500
+    save_steps: int = 500
+    train_batch_size: int | None = None
+    num_train_epochs: int = 1
+    num_input_tokens_seen: int = 0
+    total_flos: float = 0.0
+    log_history: list = field(default_factory=list)
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict | None = None
+    stateful_callbacks: list | None = None
+
+    def __post_init__(self):
+        if self.epoch is None:          # (frozen: set once, here)
+            object.__setattr__(self, "epoch", self.global_step / self.max_steps if self.max_steps > 0 else 0.0)
 
 
 def _accepted(fn) -> set[str] | None:
