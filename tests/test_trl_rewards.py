@@ -194,3 +194,92 @@ def test_trainer_state_has_every_field_of_transformers_trainer_state(tmp_path, m
     records = _records(chat=False)
     score_records(load_functions(cfg, columns={"ground_truth"}), records, "sum", state=state)
     assert [r.rewards["by_epoch"] for r in records] == [0.25] * len(records)
+
+
+# Written as TRL's docs write them; each test's module of its own (tmp_path), so its worker is its own too.
+AUDIT = textwrap.dedent('''
+    def acc_one(completions, log_metric, log_extra, **kwargs):
+        log_metric("acc", 1.0)
+        log_extra("why", ["one"] * len(completions))
+        return [1.0] * len(completions)
+
+    def acc_zero(completions, log_metric, log_extra, **kwargs):
+        log_metric("acc", 0.0)
+        log_extra("why", ["zero"] * len(completions))
+        return [0.0] * len(completions)
+
+    def env_reward(environments, **kwargs):
+        return [env.reward for env in environments]
+
+    def last_content(completions, **kwargs):
+        return [float(len(c[-1]["content"])) for c in completions]
+
+    def sees(completions, **kwargs):
+        return [1.0 if "completion" in kwargs else 0.0 for _ in completions]
+''')
+
+
+def _audit(tmp_path, monkeypatch, names: list[str], config=TINY, columns=None):
+    (tmp_path / "audit_rewards.py").write_text(AUDIT)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(config, [f"reward.functions={json.dumps([{'fn': f'audit_rewards:{n}'} for n in names])}"])
+    return load_functions(cfg, columns=columns)
+
+
+def test_a_metric_two_functions_log_is_their_mean_as_in_trl(tmp_path, monkeypatch, capsys):
+    """Two functions that log_metric one name: only the last value was kept (0.0), where TRL logs their mean; two
+    that log_extra one column keep the last one's values, now said once naming both."""
+    scored = score_records(_audit(tmp_path, monkeypatch, ["acc_one", "acc_zero"], columns={"ground_truth"}),
+                           _records(chat=False), "sum")
+    assert scored.metrics["acc"] == 0.5 and scored.extra["why"] == ["zero"] * 4
+    said = [line for line in capsys.readouterr().err.splitlines() if "log_extra('why')" in line]
+    assert len(said) == 1 and "'acc_one' and 'acc_zero'" in said[0], said
+
+
+@pytest.mark.parametrize("column", ["prompts", "completion_ids", "log_metric", "trainer_state"])
+def test_a_dataset_column_named_as_a_reward_keyword_is_refused_before_the_run(tmp_path, monkeypatch, column):
+    """A column named as one of TRL's keywords was silently replaced by rlflow's own value (TRL raises
+    TypeError "got multiple values"): now one line naming the column, before anything runs."""
+    with pytest.raises(UserError) as e:
+        _audit(tmp_path, monkeypatch, ["acc_one"], columns={column, "ground_truth"})
+    assert str(e.value).startswith(f"data: column {column!r} is named as a keyword") and "\n" not in str(e.value)
+    assert "rename it" in str(e.value)
+
+
+def test_a_completion_column_is_not_forwarded_as_in_trl(tmp_path, monkeypatch):
+    """TRL drops a dataset column named `completion` from what reward functions get; rlflow forwarded it."""
+    functions = _audit(tmp_path, monkeypatch, ["sees"], columns={"completion", "ground_truth"})
+    records = _records(chat=False)
+    for r in records:
+        r.columns["completion"] = "a reference"
+    assert "completion" not in trl_inputs(records)[1]
+    assert score_records(functions, records, "sum").scores["sees"] == [0.0] * 4
+
+
+def test_a_failed_episode_costs_only_itself_the_healthy_ones_are_scored(tmp_path, monkeypatch):
+    """An episode whose environment failed (env_error, no env_state, no messages) was handed to the functions as
+    an empty placeholder: `env.reward` and `c[-1]["content"]` raised, and every completion of the batch lost
+    those functions' scores. Now the functions see the healthy episodes only; the failed one scores None."""
+    prompt = [{"role": "user", "content": "play"}]
+
+    def episode(j: int, ok: bool) -> Rollout:
+        return Rollout(group=j // 2, row=j // 2, prompt=prompt if ok else [], prompt_ids=[1], completion=f"done{j}",
+                       completion_ids=[5, 6] if ok else [], logprobs=[0.0, 0.0] if ok else [], truncated=False,
+                       columns={"ground_truth": "4"}, mask=[1, 1] if ok else [],
+                       turns=[{"role": "assistant", "content": f"done{j}"}] if ok else [],
+                       turn_rewards=[1.0] if ok else [], env_return=1.0 if ok else None,
+                       env_error=None if ok else "reset raised RuntimeError: boom",
+                       env_state={"reward": float(j)} if ok else None)
+
+    records = [episode(0, True), episode(1, True), episode(2, False), episode(3, True)]
+    scored = score_records(_audit(tmp_path, monkeypatch, ["env_reward", "last_content"]), records, "sum")
+    assert not scored.errors, scored.errors
+    assert scored.scores == {"env_reward": [0.0, 1.0, None, 3.0], "last_content": [5.0, 5.0, None, 5.0]}
+    assert [r.reward for r in records] == [5.0, 6.0, None, 8.0]
+
+
+def test_an_agents_function_may_require_environments(tmp_path, monkeypatch):
+    """Under env.agent the functions get `environments` (each agent's state), but the preflight's signature
+    check only knew it under env.factory and refused a function that requires it."""
+    _audit(tmp_path, monkeypatch, ["env_reward"], config=TINY.parent / "agent.yaml", columns=set())

@@ -83,12 +83,17 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
     """Import every configured function here too: a bad path is a user error naming the entry. With the
     dataset's `columns` (preflight), each function's signature is checked against what it will be called
     with."""
-    names = []
+    names, keywords = [], {*TRL_KEYWORDS, *(["environments"] if cfg.env.episodic() else [])}   # (agents' too)
+    columns = None if columns is None else set(columns) - {"completion"}       # (TRL forwards no such column)
+    clash = sorted(keywords & columns) if columns and cfg.reward.functions else []      # (TRL: a TypeError)
+    if clash:
+        raise UserError(f"data: column {clash[0]!r} is named as a keyword reward functions are called with (TRL's "
+                        f"convention), which would be given twice; expected another name for that column (rename it)")
     for i, spec in enumerate(cfg.reward.functions):
         attr = spec.fn.partition(":")[2]
         fn = import_user(spec.fn, f"reward.functions[{i}].fn", noun="function")   # (user modules: the cwd first)
         if columns is not None:
-            given = {*TRL_KEYWORDS, *columns, *(["environments"] if cfg.env.factory else [])}
+            given = {*keywords, *columns}
             for key in (k for k in spec.kwargs if k in given):      # (the worker's kwargs go last: they won)
                 kind = "a dataset column" if key in columns else "a keyword TRL's convention passes"
                 raise UserError(f"reward.functions[{i}].kwargs.{key}: {key!r} is {kind}, given to every call; a "
@@ -379,7 +384,8 @@ def trl_inputs(records: list[Rollout]) -> tuple[list, dict]:
         else:
             completions.append(r.completion)
         prompts.append(prompt)
-    columns: dict[str, list] = {k: [r.columns.get(k) for r in records] for k in (records[0].columns if records else {})}
+    columns: dict[str, list] = {k: [r.columns.get(k) for r in records]        # (TRL drops a `completion` column)
+                                for k in (records[0].columns if records else {}) if k != "completion"}
     columns["prompts"] = prompts
     columns["completion_ids"] = [r.completion_ids for r in records]
     if any(r.env_state is not None for r in records):    # multi-turn: what TRL passes as `environments`
@@ -389,13 +395,19 @@ def trl_inputs(records: list[Rollout]) -> tuple[list, dict]:
 
 def score(functions: RewardFunctions, records: list[Rollout], state: RewardState | None = None) -> Scored:
     """Call each function once on the whole batch (in the worker), with the failure rules above; `state` is
-    what the functions get as `trainer_state`."""
-    completions, columns = trl_inputs(records)
+    what the functions get as `trainer_state`. Failed episodes (env_error: their environment's state, maybe
+    their messages, missing) are left out of the calls, and get no score from them (None): a function written as TRL's
+    (`env.reward`, `c[-1]["content"]`) raised on their placeholders and lost the whole batch's scores."""
+    kept = [j for j, r in enumerate(records) if r.env_error is None]
+    completions, columns = trl_inputs([records[j] for j in kept])
     columns["trainer_state"] = state
     out = Scored()
-    worker = None
+    worker, logged, owners = None, {}, {}
     try:
         for index, name in enumerate(functions.names):
+            if not kept:
+                out.scores[name] = [None] * len(records)
+                continue
             worker = worker or _take(functions)
             try:
                 reply = worker.call(index, completions, columns, functions.timeout_seconds)
@@ -403,7 +415,7 @@ def score(functions: RewardFunctions, records: list[Rollout], state: RewardState
                 reply = ("error", _lost(worker, e, functions.timeout_seconds))
                 worker.kill()
                 worker = None
-            _record(functions, out, name, reply, len(records))
+            _record(functions, out, name, reply, len(kept), logged, owners)
     except RewardFunctionError:
         raise                       # (reward.strict: the worker answered; given back below)
     except BaseException:
@@ -414,6 +426,12 @@ def score(functions: RewardFunctions, records: list[Rollout], state: RewardState
     finally:
         if worker is not None:
             _give_back(functions, worker)
+    if len(kept) < len(records):        # (each list back in place: None for the failed episodes)
+        for part in (out.scores, out.extra):
+            for key, values in part.items():
+                part[key] = [None] * len(records)
+                for j, v in zip(kept, values):
+                    part[key][j] = v
     return out
 
 
@@ -429,8 +447,11 @@ def _lost(worker: _Worker, e: BaseException, timeout: float) -> str:
     return f"killed its reward worker ({how}: a crash or a signal while it ran)"
 
 
-def _record(functions: RewardFunctions, out: Scored, name: str, reply: tuple, n: int) -> None:
-    """Function `name`'s reply on a batch of `n` into `out`: its scores, or its failure by the rules above."""
+def _record(functions: RewardFunctions, out: Scored, name: str, reply: tuple, n: int, logged: dict,
+            owners: dict) -> None:
+    """Function `name`'s reply on a batch of `n` into `out`: its scores, or its failure by the rules above.
+    A metric several functions log is the mean of their values (`logged`: name -> those values), as TRL's; a
+    log_extra column several log is the last one's (`owners`: column -> function), said once."""
     if reply[0] == "error":
         message = printable(f"reward function {name!r} {_phrase(reply[1])}")    # (its text is the user's)
         if functions.strict:
@@ -457,8 +478,16 @@ def _record(functions: RewardFunctions, out: Scored, name: str, reply: tuple, n:
         out.nan[name] = len(bad)
         values = [None if j in set(bad) else v for j, v in enumerate(values)]
     out.scores[name] = values
+    for column in extra:
+        first = owners.setdefault(column, name)
+        if first != name and ("extra", column, first, name) not in _shown:
+            _shown.add(("extra", column, first, name))
+            print(printable(f"warning: reward functions {first!r} and {name!r} both logged log_extra({column!r}); "
+                            f"the samples keep the values of {name!r}"), file=sys.stderr)
     out.extra.update(extra)
-    out.metrics.update(metrics)
+    for key, v in metrics.items():
+        logged.setdefault(key, []).append(v)
+        out.metrics[key] = math.fsum(logged[key]) / len(logged[key])
 
 
 def _phrase(message: str) -> str:
