@@ -17,18 +17,20 @@ first `eval.screenshots` episodes: `<run>/eval/vN/screens` (tasks/envs/runtime/s
 from __future__ import annotations
 
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core import data, layout, rollout
-from tasks.core.contracts import SamplingParams
-from tasks.core.errors import UserError
+from tasks.core.contracts import SamplingParams, Scored
+from tasks.core.errors import UserError, printable
 from tasks.core.placement import Services
 from tasks.core.retention import improves
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
+from tasks.core.tracking import metric_key
 from tasks.engines.sampling import open_session
 from tasks.envs.runtime.screens import file_frames, takes_screenshots, with_screenshots
 from tasks.envs.runtime.sources import source_of
@@ -85,6 +87,31 @@ def format_metrics(cfg: Config, records: list) -> dict[str, float]:
             **({"eval/greedy_pass_at_1_formatted": sum(passed) / len(formatted)} if formatted else {})}
 
 
+def scoring_metrics(prefix: str, scored: Scored, own: dict[str, float]) -> dict[str, float]:
+    """A pass's scoring as the reward stage logs an iteration's, under the pass's `prefix` (eval/ for the sampled
+    pass, eval/greedy_ for the greedy one): each function's <fn>/errors (1: a call failed) and <fn>/nan, and what
+    the functions logged with log_metric (TRL logs them in eval mode too); a logged name that comes out as one of
+    `own` (the eval's metrics: eval/reward_mean ...) or as an earlier one's key is <prefix>log_metric/<name>, then
+    "-2", "-3" ..., as tasks/reward.py's logged_metrics does."""
+    out = {f"{prefix}{name}/errors": float(name in scored.errors) for name in scored.scores}
+    out.update({f"{prefix}{name}/nan": float(scored.nan.get(name, 0)) for name in scored.scores})
+    for name, value in scored.metrics.items():
+        key = metric_key(f"{prefix}{name}")
+        if key in own or key in out:
+            key, n = metric_key(f"{prefix}log_metric/{name}"), 2
+            while key in own or key in out:
+                key, n = metric_key(f"{prefix}log_metric/{name}"[:240] + f"-{n}"), n + 1
+            if (name, key) not in _RENAMED:
+                _RENAMED.add((name, key))
+                print(printable(f"warning: a reward function's log_metric({name!r}) is logged as {key} in the "
+                                f"evaluation: {prefix}{name} is taken"), file=sys.stderr)
+        out[key] = value
+    return out
+
+
+_RENAMED: set[tuple[str, str]] = set()     # log_metric names said to be renamed (once a process)
+
+
 def check_named_rewards(cfg: Config, names: list[str]) -> None:
     """eval.pass_reward and eval.format_reward name reward functions or models of the run: one line if not."""
     for field in ("pass_reward", "format_reward"):
@@ -124,22 +151,27 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
         with open_session(cfg, policy, services) as session:         # one model load / engine start for both passes
             what = f"the evaluation of v{iteration:06d}"
             records, cache = [], layout.judge_cache(cfg.run.name, iteration, "evaluate")
+            passes: list[tuple[str, Scored]] = []           # (each pass's metrics' prefix, what its scoring said)
             if ec.num_generations:                        # (0: the greedy pass alone)
                 records, _ = source.run(cfg if ec.greedy else shot, session, ds, rows, SamplingParams(
                     n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
                     temperature=ec.temperature or cfg.generate.temperature, top_p=cfg.generate.top_p,
                     top_k=cfg.generate.top_k, seed=seed), policy, services)
                 source.require_some(cfg, records, what)   # (no score of 0 recorded, nor a champion gated on it)
-                require_some_score(records, score_records(functions, records, cfg.reward.aggregate, state,
-                                                          judge_cache=cache, services=services), what)
+                scored = score_records(functions, records, cfg.reward.aggregate, state, judge_cache=cache,
+                                       services=services)
+                require_some_score(records, scored, what)
+                passes.append(("eval/", scored))
             greedy = []
             if ec.greedy:
                 greedy, _ = source.run(shot, session, ds, rows, SamplingParams(
                     n=1, max_new_tokens=cfg.generate.max_completion_length, temperature=0.0, top_p=1.0,
                     seed=seed), policy, services)
                 source.require_some(cfg, greedy, f"{what} (greedy)")
-                require_some_score(greedy, score_records(functions, greedy, cfg.reward.aggregate, state,
-                                                         judge_cache=cache, services=services), f"{what} (greedy)")
+                scored = score_records(functions, greedy, cfg.reward.aggregate, state, judge_cache=cache,
+                                       services=services)
+                require_some_score(greedy, scored, f"{what} (greedy)")
+                passes.append(("eval/greedy_", scored))
             routed = session.metrics("eval")               # generate.replicas: per replica, the router's counts
         # per episode: an agent's step-wise samples after its first (Rollout.part > 0) are not counted again
         episodes, greedy_episodes = ([r for r in recs if not r.part] for recs in (records, greedy))
@@ -159,6 +191,8 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
         with tempfile.TemporaryDirectory(prefix="rlflow-eval-") as tmp:
             if pictured:
                 metrics["eval/screens_episodes"] = float(file_frames(greedy or records, Path(tmp), ec.screenshots))
+            for prefix, scored in passes:
+                metrics.update(scoring_metrics(prefix, scored, metrics))
             rollout.write(records, Path(tmp))
             if greedy:
                 (Path(tmp) / layout.GREEDY).mkdir()

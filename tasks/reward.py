@@ -81,10 +81,14 @@ def reward(cfg: Config, iteration: int, round: int = 0, services: Services | Non
             metrics[f"reward/{name}/nan"] = float(scored.nan.get(name, 0))
         metrics.update(shaped)
         metrics.update(_group_shares(cfg, [records]))
-        metrics.update(logged_metrics(scored.metrics, metrics))
+        logged = logged_metrics(scored.metrics, metrics)
+        metrics.update(logged)
+        # ("logged": which of the metrics are what the functions and judges logged, under the names they logged:
+        # dynamic sampling's last round combines the rounds' by those, _logged_of_rounds)
         done = _write(store, key, records, {"fingerprint": fp, "made_of": made, "metrics": metrics,
                                             "samples": _samples(cfg, records), "errors": scored.errors,
-                                            "groups": _outcomes(cfg, records)})
+                                            "groups": _outcomes(cfg, records),
+                                            "logged": dict(zip(logged, scored.metrics))})
     done = {**done, "samples": store.manifest(key)["meta"].get("samples", []), "complete": ds is None}
     return done if ds is None else _keep(cfg, store, iteration, round, done)
 
@@ -127,7 +131,7 @@ def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -
     complete, its groups cut into the stage mode's rounds."""
     ds, P = cfg.generate.dynamic_sampling, cfg.generate.prompts_per_iteration
     keys = [layout.scored(cfg.run.name, iteration, r) for r in range(round + 1)]
-    rounds = [rollout.load(store, k) for k in keys]
+    rounds = scored_rounds = [rollout.load(store, k) for k in keys]
     if cfg.generate.streaming is not None:
         rounds = dynamic_sampling.as_rounds(rounds[0], P, ds.prompts_per_round or P)
     elif round + 1 < ds.max_rounds and not dynamic_sampling.enough(rounds, P, ds.tolerance):
@@ -141,17 +145,36 @@ def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -
         every = [r for records in rounds for r in records]
         scores = {name: [r.rewards.get(name) for r in every] for name in every[0].rewards if name != SHAPING}
         for k in keys:                            # per round: summed (seconds, errors) or of all rounds (means)
-            for name, value in store.manifest(k)["meta"]["metrics"].items():
-                if name.endswith(("seconds", "/errors", "/nan")):
+            meta = store.manifest(k)["meta"]
+            for name, value in meta["metrics"].items():
+                if name.endswith(("seconds", "/errors", "/nan")) and name not in meta.get("logged", {}):
                     metrics[name] = metrics.get(name, 0.0) + value
         metrics.update(_metrics(every, scores))
         metrics.update(overlong_metrics(every))
         metrics.update(_group_shares(cfg, rounds))
         metrics["reward/kept_mean"] = _mean([x for r in kept if (x := task_reward(r)) is not None])
+        metrics.update(logged_metrics(_logged_of_rounds(cfg, store, keys, scored_rounds), metrics))
         errors = {name: e for k in keys for name, e in store.manifest(k)["meta"].get("errors", {}).items()}
         done = _write(store, key, kept, {"fingerprint": fp, "made_of": made, "metrics": metrics,
                                          "samples": _samples(cfg, kept), "errors": errors})
     return {**done, "samples": store.manifest(key)["meta"].get("samples", []), "complete": True}
+
+
+def _logged_of_rounds(cfg: Config, store: Store, keys: list[str], rounds: list[list]) -> dict[str, float]:
+    """What the functions logged with log_metric in the rounds (`keys`, their scored `rounds`), by the names they
+    logged: each name's round values weighted by the completions the round scored, so the mean over every
+    completion's call that one batch of them all logs (as TRL does for a batch, and the stage without dynamic
+    sampling for its one call); a round whose call logged no such name (it failed) is left out of its mean.
+    reward.models' counts and seconds (<model>/requests ...) are summed, as the rounds' seconds and errors are."""
+    judges = tuple(f"{m.name}/" for m in cfg.reward.models)
+    sums: dict[str, list[float]] = {}
+    for k, records in zip(keys, rounds):
+        meta = store.manifest(k)["meta"]
+        for key, name in meta.get("logged", {}).items():
+            total, summed = sums.setdefault(name, [0.0, 0]), name.startswith(judges)
+            total[0] += meta["metrics"][key] * (1 if summed else len(records))
+            total[1] += 0 if summed else len(records)
+    return {name: s / n if n else s for name, (s, n) in sums.items()}
 
 
 def _was_scored(cfg: Config, store: Store, iteration: int) -> bool:

@@ -605,3 +605,55 @@ def test_a_run_killed_between_rounds_resumes_to_the_uninterrupted_weights(tmp_pa
         import json
 
         assert json.loads(got)["files"] == json.loads(want)["files"]
+
+
+LOGS_BATCH = '''
+def logs_batch(completions, log_metric, **kw):
+    log_metric("batch", float(len(completions)))
+    return [1.0] * len(completions)                 # every group constant: each round runs
+'''
+
+
+def test_the_rounds_log_metric_values_reach_the_iterations_metrics(tmp_path, monkeypatch):
+    """Under dynamic sampling the iteration's metrics kept only the rounds' seconds and error counts: what the
+    functions logged with log_metric was lost. It is the mean over every completion scored, rounds weighted."""
+    from tasks.core import rollout
+    from tasks.generate import generate
+    from tasks.reward import reward
+
+    (tmp_path / "logs_batch.py").write_text(LOGS_BATCH)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=lm", "generate.prompts_per_iteration=4",
+                             "reward.functions=[{fn: 'logs_batch:logs_batch'}]", "generate.num_generations=4",
+                             "generate.dynamic_sampling={max_rounds: 2, prompts_per_round: 2}"])
+    generate(cfg, 1, layout.BASE)
+    first = reward(cfg, 1)
+    assert not first["complete"] and first["metrics"]["reward/batch"] == 16.0
+    generate(cfg, 1, layout.BASE, round=1)
+    out = reward(cfg, 1, round=1)
+    sizes = [len(rollout.load(open_store(cfg), layout.scored("lm", 1, r))) for r in (0, 1)]
+    assert out["complete"] and sizes == [16, 8]
+    assert out["metrics"]["reward/batch"] == pytest.approx((16 * 16 + 8 * 8) / 24)      # (not 12: by completions)
+    assert out["metrics"]["reward/logs_batch/errors"] == 0.0 and out["metrics"]["dynamic/rounds"] == 2.0
+
+
+def test_the_log_metric_values_of_a_streamed_iteration_with_dynamic_sampling_reach_its_metrics(tmp_path, monkeypatch):
+    """generate.streaming with dynamic sampling: the groups scored as they completed logged with log_metric, and
+    the iteration's metrics lost it. It is their mean (one call per group of 4 completions)."""
+    from tasks.engines.streaming import Stream
+    from tasks.generate import generate
+    from tasks.reward import reward
+    from tests.test_streaming import _overrides
+
+    (tmp_path / "logs_batch.py").write_text(LOGS_BATCH)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(TINY, _overrides(tmp_path, "slm", "generate.dynamic_sampling={max_rounds: 2, prompts_per_round: "
+                                       "2}", "generate.max_completion_length=8", "generate.streaming.on_update="
+                                       "interrupt", "reward.functions=[{fn: 'logs_batch:logs_batch'}]"))
+    try:
+        generate(cfg, 1, layout.BASE)
+        out = reward(cfg, 1)
+    finally:
+        Stream.stop_run("slm")
+    assert out["complete"] and "reward/streamed_seconds" in out["metrics"]      # (scored as they completed)
+    assert out["metrics"]["reward/batch"] == 4.0

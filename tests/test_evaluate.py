@@ -128,3 +128,33 @@ def test_an_evaluation_of_the_training_file_is_not_called_held_out():
     assert eval_label(load_config(TINY, [*hub, "eval.split=test"])) == "held-out"
     assert eval_label(load_config(TINY, [*hub, "eval.split=train"])) == "train-set"
     assert eval_label(load_config(ROOT / "configs" / "smollm2-arith.yaml")) == "held-out"
+
+
+LOGS = '''
+def logs_batch(completions, log_metric, **kw):
+    log_metric("batch", float(len(completions)))
+    log_metric("reward_mean", -1.0)               # (one of the evaluation's own names)
+    return [1.0] * len(completions)
+
+
+def fails(completions, **kw):
+    raise ValueError("no grader")
+'''
+
+
+def test_the_evaluations_log_metric_values_and_error_counts_are_its_metrics(tmp_path, monkeypatch):
+    """The evaluation threw its scoring's report away: what the functions logged with log_metric (TRL logs it in
+    eval mode too) and each function's errors were in none of its metrics."""
+    from tasks.evaluate import evaluate
+
+    (tmp_path / "eval_logs.py").write_text(LOGS)
+    monkeypatch.chdir(tmp_path)
+    fns = "[{fn: 'eval_logs:logs_batch'}, {fn: 'eval_logs:fails'}]"
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=lm", f"reward.functions={fns}",
+                             "eval.max_prompts=3", "eval.num_generations=2", "eval.greedy=true"])
+    m = evaluate(cfg, 0)["metrics"]
+    assert m["eval/batch"] == 6.0 and m["eval/greedy_batch"] == 3.0          # each pass's one call
+    assert m["eval/reward_mean"] == 1.0 and m["eval/log_metric/reward_mean"] == -1.0
+    assert m["eval/greedy_reward_mean"] == 1.0 and m["eval/greedy_log_metric/reward_mean"] == -1.0
+    assert m["eval/fails/errors"] == m["eval/greedy_fails/errors"] == 1.0
+    assert m["eval/logs_batch/errors"] == m["eval/logs_batch/nan"] == 0.0
