@@ -1903,7 +1903,10 @@ def test_the_helpers_a_prompt_defines_are_the_tests_own(quick_sandbox):
     whole = fence(helper + '    return "".join(chr(((ord(c) - 5 - ord("a")) % 26) + ord("a")) for c in s)')
     cheat = fence("def encode_shift(s):\n    return s\ndef decode_shift(s):\n    return s")
     chat = [{"role": "user", "content": "Complete the function:\n```python\n" + helper + "```\n"}]
-    for prompt in (helper, chat):
+    system = [{"role": "system", "content": "Answer in a single\n```python code block. Define the function."},
+              {"role": "user", "content": "Complete this:\n" + helper + "\nThanks."}]      # (the recipes' shape)
+    template = "<|im_start|>user\n" + helper + "<|im_end|>\n<|im_start|>assistant\n"
+    for prompt in (helper, chat, system, template):
         got = code_rewards.code_reward([only, whole, cheat], test=[test] * 3, entry_point=["decode_shift"] * 3,
                                        prompts=[prompt] * 3)
         assert got == [1.0, 1.0, 0.0], code_rewards.judge([only, whole, cheat], test=[test] * 3,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import re
 
 from tasks.core.contracts import content_text
 from tasks.scoring import sandbox
@@ -17,7 +16,6 @@ from tasks.scoring.asserts import _defined_names, parsed
 from tasks.scoring.cases import Case, _error_reason, explain_failure
 
 _BUILTINS = frozenset(dir(builtins))
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _PROMPT_CHARS = 100_000         # a prompt longer than this defines nothing for the tests (the host reads it)
 
 
@@ -209,22 +207,46 @@ def prompt_definitions(prompt, entry_point) -> list[ast.stmt]:
     """The helpers a row's prompt defines whole, for its tests (HumanEval/50's `encode_shift`, /32's `poly`): the
     prompt's top-level functions with a body (not a stub the model is to write, not the entry point) and its
     imports. They are the tests' own: taken from the code, an answer that redefined `encode_shift` as the identity
-    passed `decode_shift`'s tests, and one that did not repeat it failed them. The prompt as text (a message list:
-    its messages' text), read whole when it parses, else its fenced code blocks."""
-    text = "\n".join(content_text(m.get("content")) for m in prompt if isinstance(m, dict)) \
-        if isinstance(prompt, list) else prompt if isinstance(prompt, str) else ""
-    if not text.strip() or len(text) > _PROMPT_CHARS:
+    passed `decode_shift`'s tests, and one that did not repeat it failed them. Read from each message's text (or
+    the prompt string) as a whole when it parses, else each `def`/`import` at a line's start with its indented
+    body: prose, a system prompt, fences or a chat template around the code do not hide it."""
+    texts = [content_text(m.get("content")) for m in prompt if isinstance(m, dict)] \
+        if isinstance(prompt, list) else [prompt] if isinstance(prompt, str) else []
+    if sum(len(t) for t in texts) > _PROMPT_CHARS:
         return []
     entry = entry_point.strip() if isinstance(entry_point, str) else None
     out: list[ast.stmt] = []
-    for source in [text] + _FENCE.findall(text):
-        try:
-            body = parsed(source.strip()).body
-        except (SyntaxError, ValueError, MemoryError, RecursionError):
+    for text in texts:
+        for source in _code_blocks(text):
+            try:
+                body = parsed(source).body
+            except (SyntaxError, ValueError, MemoryError, RecursionError):
+                continue
+            out += [s for s in body if isinstance(s, ast.Import | ast.ImportFrom) and not _from_solution(s)
+                    or isinstance(s, ast.FunctionDef) and not s.decorator_list and s.name != entry
+                    and not all(_inert(t) for t in s.body)]
+    return out
+
+
+def _code_blocks(text: str) -> list[str]:
+    """`text` whole if it parses as Python, else each top-level `def` (with the indented or blank lines after it)
+    and each `import`/`from` line found at a line's start."""
+    try:
+        parsed(text.strip())
+        return [text.strip()] if text.strip() else []
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        pass
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(("def ", "async def ")):
+            j = i + 1
+            while j < len(lines) and (not lines[j].strip() or lines[j][:1] in (" ", "\t")):
+                j += 1
+            out.append("\n".join(lines[i:j]))
+            i = j
             continue
-        out += [s for s in body if isinstance(s, ast.Import | ast.ImportFrom) and not _from_solution(s)
-                or isinstance(s, ast.FunctionDef) and not s.decorator_list and s.name != entry
-                and not all(_inert(t) for t in s.body)]
-        if source is text:
-            break
+        if line.startswith(("import ", "from ")):
+            out.append(line)
+        i += 1
     return out
