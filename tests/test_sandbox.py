@@ -1915,3 +1915,37 @@ def test_the_helpers_a_prompt_defines_are_the_tests_own(quick_sandbox):
     stub = [{"role": "user", "content": "Write decode_shift; encode_shift is yours to write too."}]
     assert code_rewards.code_reward([whole, only], test=[test] * 2, entry_point=["decode_shift"] * 2,
                                     prompts=[stub] * 2) == [1.0, 0.0]
+
+
+def test_a_split_tests_definitions_never_reach_the_codes_process(quick_sandbox):
+    """A split case's definitions (a test module, or a test_list's weak asserts, expected values included) were the
+    setup of the run's plain asserts too, which run in the code's process: the code found them with
+    gc.get_objects(), kept them in the sandbox's /tmp, and its split process answered from them. An MBPP+ row
+    (test_list and a test module) also failed honest code on the module's `import numpy` there."""
+    spot = f"/tmp/.rlflow-leak-{uuid.uuid4().hex}"
+    cheat = fence(f"""
+        import gc, os, re
+        if not os.path.exists({spot!r}):
+            for o in gc.get_objects():
+                if isinstance(o, dict) and isinstance(o.get("setup"), str) and "_rlflow_case" in o["setup"]:
+                    with open({spot!r}, "w") as fh:
+                        fh.write(o["setup"])
+                    break
+        TABLE = {{}}
+        if os.path.exists({spot!r}):
+            src = open({spot!r}).read()
+            TABLE.update((int(a), int(b)) for b, a in re.findall(r"f\\(v\\) == (\\d+)\\)\\((\\d+)\\)", src))
+            TABLE.update((int(a), int(b)) for a, b in re.findall(r"\\[(\\d+), (\\d+)\\]", src))
+        def f(x):
+            return TABLE.get(x, 2 * x)""")
+    honest = fence("def f(x):\n    return {1: 2, 3: 1234567, 5: 99, 7: 4242}.get(x, 0)")
+    weak = ["assert f(1) == 2", "assert (lambda v: f(v) == 1234567)(3)"]
+    module = "import numpy as np\ninputs = [[7], [5]]\nresults = [4242, 99]\n" \
+             "for inp, exp in zip(inputs, results):\n    assert f(*inp) == exp\n"
+    try:
+        got = code_rewards.code_reward([honest, cheat, honest, cheat], test=[None, None, module, module],
+                                       test_list=[weak, weak, ["assert f(1) == 2"], ["assert f(1) == 2"]])
+    finally:
+        if os.path.exists(spot):
+            os.unlink(spot)
+    assert got == [1.0, 0.5, 1.0, 0.5], got

@@ -176,7 +176,10 @@ def _at(column: list | None, j: int):
 
 def parse_tests(verification_info, test_list, test_setup_code, code: str | None, test=None,
                 entry_point=None, prompt=None) -> tuple[list[Case], str]:
-    """The row's tests as sandbox tests plus host-side checks, and the setup code run before asserts."""
+    """The row's tests as sandbox tests plus host-side checks, and the setup code run before asserts (the row's
+    test_setup_code; a split case's test carries its definitions, which the code's process never holds: before
+    2026-12-06 a test module's, its expected values included, were the setup of the asserts run in the code's
+    process, read there with gc.get_objects() and handed on through /tmp to the split tests)."""
     cases: list[Case] = []
     info = _as_json(verification_info)
     if isinstance(info, dict) and str(info.get("language") or "python").lower().startswith("python"):
@@ -191,15 +194,19 @@ def parse_tests(verification_info, test_list, test_setup_code, code: str | None,
     for src in tests or []:
         if isinstance(src, str):
             cases += assert_cases(src, setup, code)
+    source = setup              # the split cases' definitions: the tests' process alone ever holds them
     if weak := [c.weak for c in cases if c.weak]:    # (run split from the code, as a test module's asserts)
-        split, setup = module_cases("\n".join(weak), None, setup, code)
+        split, source = module_cases("\n".join(weak), None, source, code)
         if len(split) == len(weak):
             it = iter(split)
             cases = [next(it) if c.weak else c for c in cases]
     if isinstance(test, str) and test.strip():
-        more, setup = module_cases(test, entry_point, setup, code, first=len(cases),
-                                   given=prompt_definitions(prompt, entry_point))
+        more, source = module_cases(test, entry_point, source, code, first=len(cases),
+                                    given=prompt_definitions(prompt, entry_point))
         cases += more
+    for c in cases:
+        if c.test.names is not None:
+            c.test.setup = source
     return cases, setup
 
 

@@ -31,14 +31,20 @@ PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
 
 
 def main():
-    req = marshal.loads(sys.stdin.buffer.read())
+    """The tests that are not split first, each in a child forked from here: this process holds only the
+    request's first part then, never a split test's definitions (a test module, its expected values), which it
+    reads from stdin after them (unbuffered: no read-ahead holds them either)."""
+    req = marshal.loads(read_exactly(0, int.from_bytes(read_exactly(0, 8), "little")))
     deadline = time.monotonic() + req["timeout"]
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)     # same uid as the code, but no /proc/<us>/{fd,mem}, no ptrace
     if not req["kill_all"]:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)   # orphans of the code come back to us, to be killed
     server = {}
-    for i, test in enumerate(req["tests"]):
+    tests = list(enumerate(req["tests"]))
+    for i, test in sorted(tests, key=lambda t: t[1].get("names") is not None):
+        if test.get("names") is not None and "split_setup" not in req:
+            req["split_setup"] = marshal.loads(read_exactly(0, None))
         if time.monotonic() >= deadline:
             send(req["fd"], "T %d 0 - - 1 0 - - -" % i)
             continue
@@ -51,6 +57,19 @@ def main():
     stop_server(server)
     sweep(req["kill_all"])              # (what the code's last process left: a daemon it started)
     send(req["fd"], "D")
+
+
+def read_exactly(fd, n):
+    """`n` bytes of `fd` (None: up to its end), read as they are asked for."""
+    out = bytearray()
+    while n is None or len(out) < n:
+        chunk = os.read(fd, 65536 if n is None else min(n - len(out), 65536))
+        if not chunk:
+            if n is None:
+                return bytes(out)
+            raise EOFError("the request ended early")
+        out += chunk
+    return bytes(out)
 
 
 def send(fd, line):
@@ -116,7 +135,7 @@ def run_split(i, test, req, deadline, server):
             null = os.open(os.devnull, os.O_RDWR)
             place([(null, 0), (null, 1), (null, 2), (values[1], 3), (server["calls"], 4), (server["replies"], 5)])
             limit(req["limits"])
-            tester(req["setup"], test)
+            tester(req["split_setup"], test)
         finally:
             os._exit(112)
     os.close(values[1])

@@ -70,6 +70,7 @@ class Test:
     stdin: str | None = None
     exprs: list[str] | None = None
     names: list[tuple[str, str]] | None = None    # a test module's: run split from the code (harness.run_split)
+    setup: str | None = None      # a split test's definitions (the harness reads them after the unsplit tests ran)
 
 
 @dataclass
@@ -116,10 +117,7 @@ class Limits:
         return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
 
-# ------------------------------------------------------------------------------------------ the harness
-# tasks/scoring/harness.py runs inside the sandbox as `python -I -c HARNESS rlflow-sandbox`, after wire.py (whose
-# names it uses); real files (linted, readable), sent as one text because the sandbox cannot see this checkout.
-
+# -------------------- the harness: harness.py after wire.py (whose names it uses), real files sent as one text
 HARNESS = "".join((Path(__file__).parent / name).read_text() for name in ("wire.py", "harness.py"))
 
 
@@ -177,6 +175,8 @@ class Runner:
             "kill_all": self.isolation == "bubblewrap" or uid is not None,
             "tests": [{"stdin": t.stdin, "exprs": t.exprs, "names": t.names} for t in tests],
             "limits": self._child_limits(uid), "harness": HARNESS}, 4)
+        request = len(request).to_bytes(8, "little") + request + marshal.dumps(      # (two parts: harness.main)
+            next((t.setup for t in tests if t.names is not None and t.setup), ""), 4)
         proc = None
         cgroup = self._cgroup(slot, uid)
         spawner = self._spawners.get(slot)
