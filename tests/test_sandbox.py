@@ -1949,3 +1949,13 @@ def test_a_split_tests_definitions_never_reach_the_codes_process(quick_sandbox):
         if os.path.exists(spot):
             os.unlink(spot)
     assert got == [1.0, 0.5, 1.0, 0.5], got
+
+
+def test_an_expected_output_of_zero_is_zero_and_a_missing_one_no_test(quick_sandbox):
+    """A stdin/stdout case whose output was the number 0 was read as "" (an empty program passed, the honest one
+    failed), and a case without an output expected "" too."""
+    zero = {"test_cases": [{"type": "stdin_stdout", "input": "5 5\n", "output": 0}]}
+    honest, empty = fence("a, b = map(int, input().split())\nprint(a - b)"), fence("pass")
+    assert code_rewards.code_reward([honest, empty], verification_info=[zero] * 2) == [1.0, 0.0]
+    missing = {"test_cases": [{"type": "stdin_stdout", "input": "5 5\n"}]}
+    assert code_rewards.judge([empty], verification_info=[missing])[0].score is None

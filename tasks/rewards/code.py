@@ -222,8 +222,10 @@ def _as_json(value):
 def _verification_case(tc: dict, code: str | None) -> Case | None:
     kind = tc.get("type") or "stdin_stdout"
     if kind == "stdin_stdout":
-        inp = tc.get("input")
-        inp, out = ("\n".join(map(str, v)) if isinstance(v, list) else str(v or "") for v in (inp, tc.get("output")))
+        if tc.get("output") is None:      # (no expected output: no test; an empty program printed "" and passed)
+            return None
+        inp, out = ("\n".join(map(str, v)) if isinstance(v, list) else "" if v is None else str(v)    # (0: "0")
+                    for v in (tc.get("input"), tc["output"]))
         return Case(sandbox.Test(stdin=inp), _stdout_check(out))     # (a list of lines, as an input's)
     if kind == "function_call" and tc.get("fn_name"):
         try:
