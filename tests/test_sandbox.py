@@ -1959,3 +1959,17 @@ def test_an_expected_output_of_zero_is_zero_and_a_missing_one_no_test(quick_sand
     assert code_rewards.code_reward([honest, empty], verification_info=[zero] * 2) == [1.0, 0.0]
     missing = {"test_cases": [{"type": "stdin_stdout", "input": "5 5\n"}]}
     assert code_rewards.judge([empty], verification_info=[missing])[0].score is None
+
+
+def test_a_builtin_the_code_redefines_is_pythons_where_another_part_tests_the_code(quick_sandbox):
+    """`assert sorted([3, 1, 2]) == g([3, 1, 2])`: the left side reads only a builtin the code redefines, and was
+    run as the code's, so `def sorted(*a): return 0` with `def g(l): return 0` passed. Where another part tests a
+    function of the code's own, such a part is Python's; alone (a task "write `max`") it stays the code's."""
+    rows = [["assert sorted([3, 1, 2]) == g([3, 1, 2])", "assert len('hello') == g('hello')"],
+            ["assert math.isclose(sum([0.5, 0.25]), g([0.5, 0.25]))"]]
+    honest = [fence("def g(l): return sorted(l)"), fence("def g(l): return sum(l)")]
+    cheat = [fence("def sorted(*a, **k): return 0\ndef len(*a): return 0\ndef g(l): return 0"),
+             fence("def sum(*a): return 0.0\ndef g(l): return 0.0")]
+    for row, good, bad in zip(rows, honest, cheat):
+        assert code_rewards.code_reward([good, bad], test_list=[row] * 2)[1] == 0.0, row
+    assert code_rewards.code_reward([fence("def max(*a): return 5")], test_list=[["assert max([1, 2]) == 5"]]) == [1.0]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from tasks.scoring import sandbox
 from tasks.scoring.asserts import (
+    _BUILTIN_NAMES,
     SHADOWED,
     _closed,
     _defined_names,
@@ -68,8 +69,12 @@ def _assert_case(node: ast.expr, setup_names: frozenset[str] = frozenset(),
     if not inside:                    # an assert about literals only: decided here, the code still has to run
         return Case(sandbox.Test(exprs=["None"]), _values_check(lambda v, w: bool(_host_eval(node, {}))))
     at_expected = _expected_positions(node)
-    is_expected = [getattr(n, "expected", False) or _expected_side(n, setup_names, code_names, id(n) in at_expected)
-                   for n in inside]
+    # a part that reads only builtins (and the setup) is Python's wherever another part tests one of the code's own
+    # functions: `sorted([3, 1, 2]) == g([3, 1, 2])` with the code's `sorted` and `g` paid `return 0` for both
+    tests = [bool((_free_names(n) - setup_names - _BUILTIN_NAMES) & code_names) for n in inside]
+    is_expected = [getattr(n, "expected", False) or _expected_side(
+        n, setup_names, code_names, id(n) in at_expected or any(t for m, t in zip(inside, tests) if m is not n))
+        for n in inside]
     if all(is_expected):      # (`assert 5 == max([1, 5])`, the code's `max`: a builtin it redefines on the
         # expected side is the builtin only where another part tests the code; else nothing would)
         is_expected = [getattr(n, "expected", False) or not (_free_names(n) - setup_names) & code_names
