@@ -1973,3 +1973,21 @@ def test_a_builtin_the_code_redefines_is_pythons_where_another_part_tests_the_co
     for row, good, bad in zip(rows, honest, cheat):
         assert code_rewards.code_reward([good, bad], test_list=[row] * 2)[1] == 0.0, row
     assert code_rewards.code_reward([fence("def max(*a): return 5")], test_list=[["assert max([1, 2]) == 5"]]) == [1.0]
+
+
+def test_a_test_module_with_tests_it_cannot_run_has_no_score(quick_sandbox):
+    """A `Test*` class's methods, a parametrize over a named table, stacked or other decorators, fixtures and
+    unittest.TestCase were dropped while the module's other tests ran: `def f(x): return 0` was paid 1.0 for the
+    trivial `f(0) == 0` left. Such a row has no tests now (no score, no training on it)."""
+    head = "import pytest\nfrom solution import f\ndef test_zero():\n    assert f(0) == 0\n"
+    unrunnable = [head + "class TestF:\n    def test_two(self):\n        assert f(1) == 2\n",
+                  head + "CASES = [(1, 2)]\n@pytest.mark.parametrize('x, y', CASES)\ndef test_t(x, y):\n"
+                         "    assert f(x) == y\n",
+                  head + "@pytest.mark.timeout(2)\ndef test_t():\n    assert f(5) == 10\n",
+                  head + "def test_out(capsys):\n    print(f(2))\n    assert capsys.readouterr().out == '4\\n'\n",
+                  "import unittest\nfrom solution import f\nclass T(unittest.TestCase):\n    def test_a(self):\n"
+                  "        self.assertEqual(f(1), 2)\n"]
+    wrong = fence("def f(x): return 0")
+    assert code_rewards.code_reward([wrong] * len(unrunnable), test=unrunnable) == [None] * len(unrunnable)
+    runnable = head + "@pytest.mark.parametrize('x, y', [(1, 2), (3, 6)])\ndef test_t(x, y):\n    assert f(x) == y\n"
+    assert code_rewards.code_reward([wrong, fence("def f(x): return 2 * x")], test=[runnable] * 2) == [1 / 3, 1.0]

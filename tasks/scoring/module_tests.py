@@ -34,6 +34,8 @@ def module_cases(src: str, entry_point, setup: str, code: str | None, first: int
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return [], setup
     entry = entry_point.strip() if isinstance(entry_point, str) and entry_point.strip().isidentifier() else None
+    if any(_unrunnable(s, entry) for s in body):
+        return [], setup                      # (the tests left would pay a wrong answer for what is left)
     kept: list[ast.stmt] = list(given)        # the module's setup
     tests: list[list[ast.stmt]] = []          # one case each
     top: list[ast.stmt] = []                  # the module's top level from its first test statement on
@@ -121,6 +123,17 @@ def _parametrized(fn: ast.FunctionDef) -> list[list[ast.stmt]] | None:
             e = e.args[0] if len(names) == 1 and len(e.args) == 1 else ast.Tuple(e.args, ast.Load())
         cases.append([ast.Assign([target], e, lineno=0)])
     return cases
+
+
+def _unrunnable(s: ast.stmt, entry: str | None) -> bool:
+    """A test this reading cannot run (the row then has no tests: a score of what is left would pay an answer
+    that fails it): a `test*` function with fixtures, a decorator but one listed parametrize, or a parametrize
+    over a name; a `Test*` class's or a unittest.TestCase's `test*` methods."""
+    if isinstance(s, ast.ClassDef):
+        return (s.name.startswith("Test") or any("TestCase" in ast.unparse(b) for b in s.bases)) and any(
+            isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef) and m.name.startswith("test") for m in s.body)
+    return isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef) and s.name.startswith("test") and (
+        isinstance(s, ast.AsyncFunctionDef) or _parametrized(s) is None and _test_function(s, entry) is False)
 
 
 def _from_solution(s: ast.stmt) -> bool:
