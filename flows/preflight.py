@@ -155,7 +155,7 @@ def preflight(cfg: Config) -> None:
     check_curriculum(cfg)                  # prompts with stable ids (not a hub dataset): one line
     if cfg.publish.register_model:
         check_registered_model_name(cfg)
-    datasets = [load_prompts(cfg)] + ([load_prompts(cfg, split="eval")] if cfg.eval.every else [])
+    datasets = [load_prompts(cfg)] + ([load_prompts(cfg, split="eval", whole=True)] if cfg.eval.every else [])
     # every split's rows reach the reward functions: each split is checked, and a column missing from the
     # evaluation split alone is reported naming that split's file
     functions = load_functions(cfg, columns=set(datasets[0].column_names) - {cfg.data.prompt_column})
@@ -167,11 +167,13 @@ def preflight(cfg: Config) -> None:
                       if cfg.data.reasoning_gym is not None else f"data.path {cfg.data.path}")
             where = f"the evaluation split ({source}, split {cfg.eval.split!r}) has "
             raise UserError(str(e).replace("the data has ", where)) from None
+        # a held-out split's rows that are training prompts too are left out (said once); all of them: one line
+        datasets[1] = load_prompts(cfg, split="eval")
     _check_needed_values(cfg, datasets)
     if cfg.eval.every:
         from tasks.evaluate import check_named_rewards
 
-        check_named_rewards(cfg, functions.all_names)    # eval.pass_reward, eval.format_reward
+        check_named_rewards(cfg, functions.all_names, functions.weights)    # eval.pass_reward, .format_reward
     if cfg.reward.models:
         from tasks.scoring.judges import check_models
 

@@ -223,7 +223,67 @@ def check(cfg: Config) -> list[Demo]:
     if (Path(path) / ADAPTER_CONFIG).exists():
         raise UserError(f"model.name_or_path: {cfg.model.name_or_path} is a LoRA adapter, not a base model; the warm "
                         f"start trains the base (name the base model, and train.lora_r for an adapter)")
+    no_held_out_prompts(cfg)
     return demonstrations(cfg, load_tokenizer(path), context_length(path))
+
+
+def no_held_out_prompts(cfg: Config) -> None:
+    """Demonstrations of the held-out evaluation's prompts (`rlflow record --split eval`, a file that shares them)
+    are refused: the warm start would train on what the held-out score measures, which becomes a training score.
+    A demonstration's prompt is its `prompt`, or its messages before the first assistant turn, compared as the
+    held-out split's rows are with the training prompts (data.prompt_key); with an environment, a recorded
+    episode's first user turn holding a held-out prompt (the task it was given) counts too."""
+    keys = _held_out_keys(cfg)
+    if not keys:
+        return
+    w = cfg.warmup
+    table = load_table(w.path, w.name, w.split, "warmup.path")
+    inside = re.compile("(?<!\\S)(?:" + "|".join(map(re.escape, sorted(keys, key=len, reverse=True))) + ")(?!\\S)") \
+        if cfg.env.episodic() else None
+    hits = [i for i, row in enumerate(table)
+            if (found := _demonstration_keys(row))[0] & keys or
+            (inside is not None and found[1] and inside.search(found[1]) is not None)]
+    if hits:
+        where = f"eval.path {cfg.eval.path}" if cfg.eval.path else f"eval.split {cfg.eval.split!r}"
+        raise UserError(f"warmup.path: {w.path} {data.row(hits[0])}: a demonstration of a held-out eval prompt "
+                        f"({where}), as {len(hits)} of its {len(table)} are; the warm start would train on what "
+                        f"the held-out score measures: expected demonstrations of training prompts (rlflow record "
+                        f"--split train), or those rows left out")
+
+
+def _held_out_keys(cfg: Config) -> frozenset[str]:
+    """The prompt_keys of the prompts a held-out evaluation scores (data.load_prompts(cfg, "eval"), training prompts
+    left out; a chat prompt's user turns' text too, so a demonstration with another system turn is found); empty
+    when the run has no held-out evaluation (eval.every 0, or the training set's)."""
+    if not cfg.eval.every or not cfg.eval_is_held_out():
+        return frozenset()
+    ds, col = data.load_prompts(cfg, "eval"), cfg.data.prompt_column
+    if col not in ds.column_names:
+        return frozenset()
+    keys = set()
+    for value in ds[col]:
+        keys.add(data.prompt_key(value))
+        if isinstance(value, list):
+            keys.add(data.prompt_key([m for m in value if isinstance(m, dict) and m.get("role") == "user"]))
+    return frozenset(keys - {""} - data.training_prompt_keys(cfg))     # (a text every row shares names no task)
+
+
+def _demonstration_keys(row: dict) -> tuple[set[str], str]:
+    """A demonstration's prompt as _held_out_keys compares it: the keys of its prompt (the `prompt` column, or the
+    messages before the first assistant turn: all of them, their user turns', the first user turn's), and the
+    first user turn's key alone (a recorded episode's: an environment writes the task's prompt into it)."""
+    prompt = row.get("prompt")
+    if prompt is None and isinstance(row.get("messages"), list):
+        messages = [m for m in row["messages"] if isinstance(m, dict)]
+        first = next((k for k, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+        prompt = messages[:first]
+    if isinstance(prompt, str):
+        return {data.prompt_key(prompt)}, data.prompt_key(prompt)
+    if not isinstance(prompt, list):
+        return set(), ""
+    users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    first_user = data.prompt_key(users[:1])
+    return {data.prompt_key(prompt), data.prompt_key(users), first_user} - {""}, first_user
 
 
 # ------------------------------------------------------------------------------------------ the schedule and loss

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -501,6 +502,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                          "data.path: cannot load 'nosuch-org/nosuch-dataset'"),
         "missing eval file": (["run", str(TINY), "-o", "eval.every=5", "-o", f"eval.path={tmp}/held-out.jsonl"],
                               "eval.path: " + f"{tmp}/held-out.jsonl: no such file"),
+        "held-out prompts all training ones": (["run", str(TINY), "-o", "eval.every=1", "-o", f"eval.path={tmp}/chat.jsonl"], f"eval.path: {tmp}/chat.jsonl: every held-out prompt (1) is also a training prompt"),
+        "paid format reward, no pass_reward": (["run", str(TINY), "-o", "eval.every=1", "-o", 'reward.functions=[{fn: "tasks.rewards.demo:successor_reward"}, {fn: "tasks.rewards.demo:stops_reward", weight: 0.5}]', "-o", "eval.format_reward=stops_reward"], "eval.pass_reward: unset with eval.format_reward 'stops_reward' paid (weight 0.5)"),
         # model
         "model folder missing": (["run", str(TINY), "-o", f"model.name_or_path={tmp}/nomodel"], "model.name_or_path"),
         # (no Hub here, as for the hub dataset above: one line at once, not ~50 s of retries, a line each)
@@ -1536,3 +1539,87 @@ def test_a_csv_quote_never_closed_is_said_where_it_opens(tmp_path):
     for text in ('prompt,answer\na,"1\n2"\nb,3\n', 'prompt,answer\n"a""b",1\n'):
         (tmp_path / "closed.csv").write_bytes(text.encode())
         assert _row_fault(tmp_path / "closed.csv") is None
+
+
+def test_held_out_rows_that_are_training_prompts_are_left_out_and_said_once(tmp_path, capsys):
+    """An eval.path (or a hub split) that shares prompts with the training data was labelled held-out from its
+    path alone and scored on them: the shared rows (the same text, case, spacing and chat form aside) are left out,
+    said once; a file that is all training prompts is refused (one line)."""
+    from tasks.core import data
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n"
+                                                  for p in ("What is 2+2?", "Name the capital of France.", "q1=")))
+    held = ["what is 2+2?", " Name the capital of   France. ", "q10=", "Spell dog."]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in held)
+                                         + json.dumps({"prompt": [{"role": "user", "content": "Q1="}],
+                                                       "answer": "x"}) + "\n")
+    cfg = load_config(TINY, [f"data.path={tmp_path}/train.jsonl", f"eval.path={tmp_path}/held.jsonl", "eval.every=1"])
+    assert cfg.eval_is_held_out()
+    capsys.readouterr()
+    assert list(data.load_prompts(cfg, "eval")["prompt"]) == ["q10=", "Spell dog."]
+    assert len(data.load_prompts(cfg, "eval")) == 2                         # (said once)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eval:")]
+    assert said == [f"eval: 3 of 5 held-out prompts (eval.path {tmp_path}/held.jsonl) are also training prompts "
+                    f"(same text): left out; scored on the other 2"]
+    shutil.copy(tmp_path / "train.jsonl", tmp_path / "copy.jsonl")
+    copy = load_config(TINY, [f"data.path={tmp_path}/train.jsonl", f"eval.path={tmp_path}/copy.jsonl", "eval.every=1"])
+    with pytest.raises(UserError, match=r"^eval.path: .*copy.jsonl: every held-out prompt \(3\) is also a training "
+                                        r"prompt \(data.path .*train.jsonl split 'train'; the same text"):
+        data.load_prompts(copy, "eval")
+    assert len(data.load_prompts(load_config(TINY, [f"data.path={tmp_path}/train.jsonl"]), "eval")) == 3   # (train)
+
+
+
+def test_a_resume_after_a_data_file_was_rewritten_is_refused_naming_it(tmp_path):
+    """The fingerprints held data.path's and eval.path's path strings only: an eval.path overwritten between two
+    sessions resumed, its later policies scored on other prompts and compared with the earlier ones for BEST. Now
+    each local data file's bytes are part of the stages' inputs, refused as a changed setting is; an output stored
+    before they were is taken as it is."""
+    import tempfile
+
+    from tasks.core.stage import fingerprint, fingerprint_of, reuse
+    from tasks.core.store import Store
+
+    store = Store.open(str(tmp_path / "store"))
+    (tmp_path / "train.jsonl").write_text((TINY.parent / "data" / "successor.jsonl").read_text())
+    (tmp_path / "held.jsonl").write_text(json.dumps({"prompt": "y=", "answer": "zzz"}) + "\n")
+    cfg = load_config(TINY, [f"data.path={tmp_path}/train.jsonl", f"eval.path={tmp_path}/held.jsonl", "eval.every=1"])
+    sections = ("eval", "reward", "data")
+    fp, made = fingerprint(cfg, sections, iteration=2)
+    legacy = fingerprint(cfg, sections, iteration=2)[1]
+    legacy.pop("files", None)
+    for key, meta in (("eval", {"fingerprint": fp, "made_of": made}),
+                      ("before", {"fingerprint": fingerprint_of(legacy), "made_of": legacy})):
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "x").write_text("x")
+            store.put_folder(key, Path(tmp), meta=meta)
+    assert reuse(store, "eval", fp, made) is not None
+    (tmp_path / "held.jsonl").write_text(json.dumps({"prompt": "a=", "answer": "bbb"}) + "\n")     # rewritten
+    fp2, made2 = fingerprint(cfg, sections, iteration=2)
+    with pytest.raises(UserError) as e:
+        reuse(store, "eval", fp2, made2)
+    assert str(e.value) == (f"run: {store.uri('eval')} was made from a different config or input: eval.path "
+                            f"{tmp_path}/held.jsonl changed since this run's outputs were made from it (its bytes "
+                            f"differ); restore the file they were made from, or choose a new run.name")
+    assert reuse(store, "before", fp2, made2) is not None
+    (tmp_path / "train.jsonl").write_text((TINY.parent / "data" / "successor.jsonl").read_text() + "\n")
+    with pytest.raises(UserError, match=r"data.path .*train.jsonl, eval.path .*held.jsonl changed since this run's "
+                                        r"outputs were made from them \(their bytes differ\); restore the files"):
+        reuse(store, "eval", *fingerprint(cfg, sections, iteration=2))
+
+
+def test_an_environments_held_out_rows_are_told_apart_by_the_whole_row(tmp_path):
+    """The letters game's rows share one prompt sentence and differ in `letters`: compared by the prompt alone,
+    every held-out sequence was a training prompt and the run was refused (the warm start's check too). With an
+    environment a row's task is the whole row: only a sequence trained on is left out."""
+    from tasks.core import data
+    from tasks.sft import _held_out_keys
+
+    rows = lambda seqs: "".join(json.dumps({"prompt": "Say each letter I name.", "letters": s}) + "\n"  # noqa: E731
+                                for s in seqs)
+    (tmp_path / "train.jsonl").write_text(rows(["abc", "aaa", "cab"]))
+    (tmp_path / "held.jsonl").write_text(rows(["abd", "aaa", "dcb"]))
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "letters.yaml", [f"data.path={tmp_path}/train.jsonl", "eval.every=1",
+                                                          f"eval.path={tmp_path}/held.jsonl", "eval.split=train"])
+    assert cfg.eval_is_held_out() and list(data.load_prompts(cfg, "eval")["letters"]) == ["abd", "dcb"]
+    assert _held_out_keys(cfg) == frozenset()      # (the shared sentence names no held-out task)

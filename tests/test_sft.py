@@ -503,3 +503,30 @@ def test_a_warm_up_as_long_as_the_steps_is_refused():
     with pytest.raises(UserError, match=r"warmup: lr_warmup_steps 5 is not below max_steps 5"):
         load_config(TINY, ["warmup={path: x.jsonl, lr_warmup_steps: 5, max_steps: 5}"])
     assert load_config(TINY, ["warmup={path: x.jsonl, lr_warmup_steps: 4, max_steps: 5}"]).warmup.max_steps == 5
+
+
+def test_demonstrations_of_held_out_eval_prompts_are_refused_before_anything_is_written(tmp_path):
+    """A warm start trained on demonstrations of the held-out eval prompts (`rlflow record --split eval`, then SFT),
+    and the held-out score became a training score: such a file is refused by the preflight (one line: warmup.path,
+    the first such row, how many), whatever case, spacing or chat form its prompts take; demonstrations of training
+    prompts are taken; without a held-out evaluation nothing is compared."""
+    from flows.preflight import check_warmup
+    from tasks.core.errors import UserError
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in "abc"))
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps({"prompt": f"{p} =", "answer": "x"}) + "\n" for p in "de"))
+    held = ("eval.every=1", f"data.path={tmp_path}/train.jsonl", f"eval.path={tmp_path}/held.jsonl")
+    demos = [{"prompt": "a", "completion": "bbb"}, {"prompt": "D  =", "completion": "eee"},
+             {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " e ="}],
+              "completion": [{"role": "assistant", "content": "fff"}]}]
+    cfg = _cfg(tmp_path, demos, *held)
+    with pytest.raises(UserError) as e:
+        check_warmup(cfg)
+    assert str(e.value) == (f"warmup.path: {tmp_path}/demos.jsonl row 2: a demonstration of a held-out eval prompt "
+                            f"(eval.path {tmp_path}/held.jsonl), as 2 of its 3 are; the warm start would train on "
+                            f"what the held-out score measures: expected demonstrations of training prompts (rlflow "
+                            f"record --split train), or those rows left out")
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.json"))
+    (tmp_path / "train_demos.jsonl").write_text(json.dumps(demos[0]) + "\n")
+    check_warmup(_cfg(tmp_path, tmp_path / "train_demos.jsonl", *held))             # training prompts: taken
+    check_warmup(_cfg(tmp_path, demos, f"data.path={tmp_path}/train.jsonl"))          # eval on the training set

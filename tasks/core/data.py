@@ -413,10 +413,10 @@ def _go_offline(datasets) -> None:
     datasets.config.HF_HUB_OFFLINE = True
 
 
-def load_prompts(cfg: Config, split: str = "train"):
-    """The training split (or, with split="eval", the held-out one), checked: the prompt column exists and
-    holds strings or chat message lists. With data.reasoning_gym, the task's generated splits
-    (tasks/core/procedural.py)."""
+def load_prompts(cfg: Config, split: str = "train", *, whole: bool = False):
+    """The training split (or, with split="eval", the held-out one, less its training prompts unless `whole`:
+    _without_training_prompts), checked: the prompt column exists and holds strings or chat message lists. With
+    data.reasoning_gym, the task's generated splits (tasks/core/procedural.py)."""
     if cfg.data.reasoning_gym is not None and not (split == "eval" and cfg.eval.path):
         from tasks.core import procedural
 
@@ -451,7 +451,86 @@ def load_prompts(cfg: Config, split: str = "train"):
             if (fault := message_fault(m)) is not None:
                 raise UserError(f"{field}: {path} {row(i)} column {col!r} message {j}: {fault}")
     _say_mixed_columns(ds, str(path), col)          # (train and eval from one file: said once)
+    if split == "eval" and not whole and cfg.data.reasoning_gym is None and cfg.eval_is_held_out():
+        ds = _without_training_prompts(cfg, ds, path, name, sp)
     return ds
+
+
+def prompt_key(value) -> str:
+    """A prompt as the held-out checks compare it: its text (a chat prompt: its messages' texts, space-joined),
+    casefolded, each run of whitespace one space: `What is 2+2?` and ` what is  2+2? ` are one prompt."""
+    if isinstance(value, list):
+        value = " ".join(message_text(m.get("content")) for m in value if isinstance(m, dict))
+    return " ".join(str(value or "").casefold().split())
+
+
+def _identity(path: str) -> tuple:
+    """What tells a local file's contents apart cheaply (size, modification time, inode); () for a hub id."""
+    try:
+        st = Path(path).expanduser().stat()
+    except OSError:
+        return ()
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _row_keys(ds, column: str, others: tuple[str, ...]) -> list[str]:
+    """Each row's prompt_key, and with `others` (an environment's rows: the task is the whole row, the letters
+    game's prompt is one sentence for every sequence) those columns' values too."""
+    if not others:
+        return [prompt_key(v) for v in ds[column]]
+    return [prompt_key(r[column]) + "\x00" + prompt_key(json.dumps([r[c] for c in others], default=str))
+            for r in ds]
+
+
+@functools.lru_cache(maxsize=4)
+def _training_keys(path: str, name: str | None, split: str, column: str, others: tuple[str, ...],
+                   identity: tuple) -> frozenset[str]:
+    """The training split's row keys, once per process and file version (`identity`: a file rewritten is read
+    again); load_table's own memo spares reading the table a second time."""
+    ds = load_table(path, name, split, "data.path", (column,))
+    return frozenset(_row_keys(ds, column, others)) if column in ds.column_names else frozenset()
+
+
+def training_prompt_keys(cfg: Config, others: tuple[str, ...] = ()) -> frozenset[str]:
+    """The row keys (_row_keys) of the training split (data.path, data.name, data.split); empty for
+    reasoning-gym tasks, whose held-out split is made apart."""
+    if cfg.data.reasoning_gym is not None:
+        return frozenset()
+    d = cfg.data
+    return _training_keys(d.path, d.name, d.split, d.prompt_column, others, _identity(d.path))
+
+
+_OVERLAP_SAID: set[tuple] = set()
+
+
+def _without_training_prompts(cfg: Config, ds, path: str, name: str | None, split: str):
+    """The held-out split less its rows whose prompt is also a training prompt (prompt_key: the same text, case
+    and spacing aside): a model is scored held-out only on prompts it never trained on, whatever the paths, hub
+    names and split slices say. How many were left out is said once per process; every one of them: one line."""
+    col, d = cfg.data.prompt_column, cfg.data
+    trained = load_table(d.path, d.name, d.split, "data.path", (col,)).column_names if cfg.env.episodic() else []
+    others = tuple(sorted(set(ds.column_names) & set(trained) - {col}))
+    train = training_prompt_keys(cfg, others)
+    keep = [i for i, k in enumerate(_row_keys(ds, col, others)) if k not in train]
+    if len(keep) == len(ds):
+        return ds
+    field = "eval.path" if cfg.eval.path else "eval.split"
+    where = (f"eval.path {path}" if cfg.eval.path else f"eval.split {split!r} of data.path {path}") + \
+        (f" (eval.name {name})" if cfg.eval.name else "")
+    if not keep:
+        raise UserError(f"{field}: {path if cfg.eval.path else repr(split)}"
+                        f"{f' (eval.name {name})' if cfg.eval.name else ''}: every held-out prompt ({len(ds)}) is "
+                        f"also a training prompt (data.path {cfg.data.path} split {cfg.data.split!r}; the same text, "
+                        f"case and spacing aside); expected prompts the model never trains on (another file or "
+                        f"split), or eval.split {cfg.data.split!r} without eval.path to evaluate on the training set")
+    said = (str(path), name, split, len(ds), len(keep))
+    if said not in _OVERLAP_SAID:
+        _OVERLAP_SAID.add(said)
+        import sys
+
+        print(f"eval: {len(ds) - len(keep)} of {len(ds)} held-out prompts ({where}) are also training prompts "
+              f"(same text): left out; scored on the other {len(keep)}", file=sys.stderr)
+    return ds.select(keep)
 
 
 def _say_mixed_columns(ds, where: str, prompt_column: str) -> None:

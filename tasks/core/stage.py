@@ -10,6 +10,7 @@ mixing two configs in one run would corrupt it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -96,7 +97,46 @@ def fingerprint(cfg: Config, sections: tuple[str, ...], **inputs) -> tuple[str, 
     """The fingerprint of a stage's output, and what it is made of (the fingerprinted values of `sections`, the
     seed, `inputs`): kept in the output's manifest as `made_of`, so a refused resume can name what changed."""
     made = {**made_of(cfg, sections), **inputs}
+    if files := data_files(cfg, sections):
+        made["files"] = files
     return fingerprint_of(made), made
+
+
+def data_files(cfg: Config, sections: tuple[str, ...]) -> dict[str, str]:
+    """The sha256 of each local file the fingerprinted sections read as data ({"data.path": ..., "eval.path":
+    ...}): a file whose path stayed and whose bytes changed (a held-out file overwritten between sessions) makes
+    other outputs, as a changed setting does. A hub id, or a path that is not a file here: nothing. (The warm
+    start's warmup.path is v0's input: tasks/sft.py fingerprints its bytes.)"""
+    named = {"data": (("data.path", cfg.data.path),),
+             "eval": (("eval.path", cfg.eval.path),)}
+    out = {}
+    for section in sections:
+        for field, path in named.get(section, ()):
+            if path and (sha := file_sha256(str(path))) is not None:
+                out[field] = sha
+    return out
+
+
+def file_sha256(path: str) -> str | None:
+    """A local file's sha256, read once per process and file version (tasks/core/hashing.py remembers a large
+    one's across processes too); None: not a file here."""
+    from pathlib import Path
+
+    try:
+        st = Path(path).expanduser().stat()
+    except OSError:
+        return None
+    return _sha256_of(str(Path(path).expanduser()), st.st_size, st.st_mtime_ns, st.st_ino) \
+        if Path(path).expanduser().is_file() else None
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256_of(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    from pathlib import Path
+
+    from tasks.core.hashing import known_sha256
+
+    return known_sha256(Path(path))
 
 
 def fingerprint_of(made: dict) -> str:
@@ -121,6 +161,8 @@ def reuse(store: Store, key: str, fp: str, made: dict | None = None) -> dict | N
         return None
     if (found := manifest.get("meta", {}).get("fingerprint")) != fp:
         was = manifest.get("meta", {}).get("made_of")
+        if made_before_files(manifest, made):
+            return result(store, key, manifest)    # (made before outputs named their files' bytes: as it is)
         if made is not None and isinstance(was, dict) and was.keys() == made.keys() and fingerprint_of(was) != found:
             raise CorruptArtifact(key, f"{store.uri(key)}: its manifest's fingerprint is not that of what it says "
                                        f"it was made of (the manifest was edited)")
@@ -138,6 +180,13 @@ def changed(was: dict, now: dict, shown: int = 3) -> str:
     if was.get("seed") != now.get("seed"):
         old["run.seed"], new["run.seed"] = was.get("seed"), now.get("seed")
     fields = sorted(k for k in old.keys() | new.keys() if old.get(k, _UNSET) != new.get(k, _UNSET))
+    files = {k: v for k, v in (was.get("files") or {}).items() if k in (now.get("files") or {}) and
+             now["files"][k] != v}
+    if files and not fields:
+        named = ", ".join(f"{k} {_dotted(now.get('config', {})).get(k, '')}".rstrip() for k in sorted(files))
+        one = len(files) == 1
+        return (f": {named} changed since this run's outputs were made from {'it (its' if one else 'them (their'} "
+                f"bytes differ); restore the file{'' if one else 's'} they were made from, or choose a new run.name")
     if not fields:
         inputs = sorted(k for k in was.keys() - {"config", "seed"} if was[k] != now.get(k))
         what = f" ({', '.join(inputs)})" if inputs else ""
@@ -308,6 +357,15 @@ def scored_fingerprint(cfg: Config) -> str:
     """What a streamed group's scores are made from (the reward settings, tasks/scoring/streamed.py): a group
     scored under others (a config edited before a resume) is scored again, by the scorer or the reward stage."""
     return fingerprint(cfg, ("reward", *cfg.env_sections()))[0]
+
+
+def made_before_files(manifest: dict | None, made: dict | None) -> bool:
+    """Whether an output was made, before outputs named their data files' bytes (data_files), from what `made`
+    says but those: taken as it is."""
+    meta = (manifest or {}).get("meta", {})
+    return made is not None and "files" in made and isinstance(meta.get("made_of"), dict) and \
+        "files" not in meta["made_of"] and fingerprint_of({k: v for k, v in made.items() if k != "files"}) == \
+        meta.get("fingerprint")
 
 
 def fingerprinted_as(manifest: dict | None, fp: str) -> bool:

@@ -30,7 +30,7 @@ from tasks.core.contracts import Rollout, SamplingParams
 from tasks.core.errors import UserError
 from tasks.core.models import encode_prompt, load_tokenizer, policy_path
 from tasks.core.placement import placement_of
-from tasks.core.stage import changed, fingerprint, fingerprinted_as, scored_here
+from tasks.core.stage import changed, fingerprint, fingerprinted_as, made_before_files, scored_here
 from tasks.core.store import open_store
 
 if TYPE_CHECKING:
@@ -342,7 +342,7 @@ class Stream:
         key = layout.stream_group(self.cfg.run.name, it, j)
         if (manifest := self.store.manifest(key)) is None:
             return False
-        if not fingerprinted_as(manifest, self.fp):
+        if not fingerprinted_as(manifest, self.fp) and not made_before_files(manifest, self.made):
             raise UserError(f"generate.streaming: {self.store.uri(key)} was sampled under another config"
                             + changed(manifest["meta"].get("made_of", {}), self.made))
         return True
