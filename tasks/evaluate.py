@@ -112,13 +112,20 @@ def scoring_metrics(prefix: str, scored: Scored, own: dict[str, float]) -> dict[
 _RENAMED: set[tuple[str, str]] = set()     # log_metric names said to be renamed (once a process)
 
 
-def check_named_rewards(cfg: Config, names: list[str]) -> None:
-    """eval.pass_reward and eval.format_reward name reward functions or models of the run: one line if not."""
+def check_named_rewards(cfg: Config, names: list[str], weights: dict[str, float] | None = None) -> None:
+    """eval.pass_reward and eval.format_reward name reward functions or models of the run: one line if not. A
+    paid format reward (`weights`: the functions') with no pass_reward: one line too, since a pass would then be
+    the combined reward, which a well-formed wrong answer can reach."""
     for field in ("pass_reward", "format_reward"):
         name = getattr(cfg.eval, field)
         if name is not None and name not in names:
             raise UserError(f"eval.{field}: {name!r} is not one of the reward functions or models "
                             f"({', '.join(names)})")
+    fmt = cfg.eval.format_reward
+    if fmt is not None and cfg.eval.pass_reward is None and (weights or {}).get(fmt, 0.0) != 0.0:
+        raise UserError(f"eval.pass_reward: unset with eval.format_reward {fmt!r} paid (weight "
+                        f"{weights[fmt]:g}), so a pass would be the combined reward, which a well-formed wrong answer "
+                        f"can reach; expected the reward function that scores correctness alone")
 
 
 def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> dict:
@@ -139,7 +146,7 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
     if done is None:
         t0 = time.perf_counter()
         functions = load_functions(cfg)
-        check_named_rewards(cfg, functions.all_names)
+        check_named_rewards(cfg, functions.all_names, functions.weights)
         ds = data.load_prompts(cfg, split="eval")
         rows = list(range(min(ec.max_prompts, len(ds))))
         seed = cfg.run.seed * 1_000_003 + 500_000_000 + iteration
