@@ -990,7 +990,6 @@ def test_host_side_operations_on_the_codes_values_are_bounded_before_they_run():
               ("assert [f(1)] * f(2) == []", "0", str(2 * 10 ** 7)),                  # 160 MB list
               ("assert f(1) % f(2) == ''", "'%99999999d'", "1"),                        # 100 MB of padding
               ("assert f(1) % f(2) == ''", "'%*d'", "(999999999, 1)"),
-              ("assert sum(f(1), []) == []", repr([[0] * 50] * 1000)),                   # quadratic concatenation
               ("assert f(1) ** 9999 == 0", repr(2 ** 4000)),                              # 40 M bits
               ("assert round(f(1), f(2)) == 0", "5", str(-10 ** 5)),                      # 10 ** 10 ** 5
               ("assert f(1) * f(2) == 0", hex(7 ** 20000), hex(7 ** 20000)),              # over INT_BITS
@@ -1022,8 +1021,9 @@ def test_values_with_colliding_hashes_or_deep_nesting_are_refused_before_they_ar
                  "[" * 100 + "]" * 100, "0x" + "f" * 20_000]:
         with pytest.raises(bounded.TooCostly, match="share one hash|nested too deeply|int too large"):
             bounded.bounded_literal(text)
-    reason, _ = host_check("assert set(f(1)) == {1}", repr([i * p for i in range(1, 50)]))
-    assert reason.startswith("too costly to judge") and "share one hash" in reason, reason
+    # (`set(f(1))` runs split now, where the test's process builds it: here, a set the code returns is not read)
+    reason, _ = host_check("assert f(1) == {1}", "{" + ", ".join(str(i * p) for i in range(1, 50)) + "}")
+    assert reason == "unreadable value", reason
     assert bounded.bounded_literal("{-1: 1, -2: 2, 1.0: (1+2j), (1, 'a'): set()}") == {
         -1: 1, -2: 2, 1.0: 1 + 2j, (1, "a"): set()}
     assert bounded.bounded_literal("[" * 50 + "]" * 50) is not None
@@ -1991,3 +1991,14 @@ def test_a_test_module_with_tests_it_cannot_run_has_no_score(quick_sandbox):
     assert code_rewards.code_reward([wrong] * len(unrunnable), test=unrunnable) == [None] * len(unrunnable)
     runnable = head + "@pytest.mark.parametrize('x, y', [(1, 2), (3, 6)])\ndef test_t(x, y):\n    assert f(x) == y\n"
     assert code_rewards.code_reward([wrong, fence("def f(x): return 2 * x")], test=[runnable] * 2) == [1 / 3, 1.0]
+
+
+def test_an_iterator_the_code_returns_is_read_where_an_assert_consumes_it(quick_sandbox):
+    """`assert list(double([1, 2])) == [2, 4]` with `return map(...)`: the code's part crossed as a value, and a
+    map, generator or dict view is none ("returned a map"): honest code scored 0. Such asserts run split."""
+    asserts = ["assert list(double([1, 2])) == [2, 4]", "assert set(evens([1, 2, 4])) == {2, 4}",
+               "assert sorted(keys({'b': 1, 'a': 2})) == ['a', 'b']", "assert len(tuple(evens([2, 3]))) == 1"]
+    honest = fence("def double(l): return map(lambda x: 2 * x, l)\n"
+                   "def evens(l): return (x for x in l if x % 2 == 0)\ndef keys(d): return d.keys()")
+    wrong = fence("def double(l): return iter([0])\ndef evens(l): return iter([])\ndef keys(d): return iter(['b'])")
+    assert code_rewards.code_reward([honest, wrong], test_list=[asserts] * 2) == [1.0, 0.0]

@@ -86,12 +86,19 @@ def _assert_case(node: ast.expr, setup_names: frozenset[str] = frozenset(),
         got = {id(n): x for n, x in zip(actual, v, strict=False)}
         got.update({id(n): x for n, x in zip(expected, w, strict=True)})
         return bool(_host_eval(node, got))
-    weak = any(isinstance(x, _DECIDES) for n in actual for x in ast.walk(n))
+    mine = {id(n) for n in actual}      # (an iterator the code returns, `list(f(x))`, is read where the test runs)
+    weak = any(isinstance(x, _DECIDES) for n in actual for x in ast.walk(n)) or any(
+        isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in _CONSUMERS
+        and any(id(a) in mine for a in c.args) for c in ast.walk(node))
     return Case(sandbox.Test(exprs=[ast.unparse(n) for n in actual] or ["None"]), _values_check(passes),
                 sandbox.Test(exprs=[ast.unparse(n) for n in expected]) if expected else None,
                 weak=f"assert {ast.unparse(node)}" if weak else "")
 
 
+# builtins that consume an iterable: around a part that needs the code, the assert runs split (the part may be a
+# generator, a map, a dict view: no plain value crosses, where the test's process reads it through its handle)
+_CONSUMERS = frozenset({"list", "set", "frozenset", "tuple", "sorted", "dict", "len", "sum", "min", "max", "any",
+                        "all", "enumerate", "zip", "reversed", "iter", "next"})
 # what, inside a part that needs the code, would compare or decide there, among the code's objects
 _DECIDES = (ast.Compare, ast.BoolOp, ast.IfExp, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
             ast.GeneratorExp)
