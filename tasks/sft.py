@@ -238,17 +238,22 @@ def no_held_out_prompts(cfg: Config) -> None:
         return
     w = cfg.warmup
     table = load_table(w.path, w.name, w.split, "warmup.path")
-    inside = re.compile("(?<!\\S)(?:" + "|".join(map(re.escape, sorted(keys, key=len, reverse=True))) + ")(?!\\S)") \
-        if cfg.env.episodic() else None
+    by_word: dict[str, list[list[str]]] = {}        # (a key's words, under its first: found word by word)
+    for key in keys if cfg.env.episodic() else ():
+        by_word.setdefault(key.split(" ", 1)[0], []).append(key.split(" "))
     hits = [i for i, row in enumerate(table)
-            if (found := _demonstration_keys(row))[0] & keys or
-            (inside is not None and found[1] and inside.search(found[1]) is not None)]
+            if (found := _demonstration_keys(row))[0] & keys or (by_word and _holds(found[1].split(" "), by_word))]
     if hits:
         where = f"eval.path {cfg.eval.path}" if cfg.eval.path else f"eval.split {cfg.eval.split!r}"
         raise UserError(f"warmup.path: {w.path} {data.row(hits[0])}: a demonstration of a held-out eval prompt "
                         f"({where}), as {len(hits)} of its {len(table)} are; the warm start would train on what "
                         f"the held-out score measures: expected demonstrations of training prompts (rlflow record "
                         f"--split train), or those rows left out")
+
+
+def _holds(words: list[str], by_word: dict[str, list[list[str]]]) -> bool:
+    """Whether a text's words (a first user turn's, prompt_key'd) hold one of the keys as whole words."""
+    return any(words[i:i + len(key)] == key for i, w in enumerate(words) for key in by_word.get(w, ()))
 
 
 def _held_out_keys(cfg: Config) -> frozenset[str]:

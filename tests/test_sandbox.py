@@ -2002,3 +2002,19 @@ def test_an_iterator_the_code_returns_is_read_where_an_assert_consumes_it(quick_
                    "def evens(l): return (x for x in l if x % 2 == 0)\ndef keys(d): return d.keys()")
     wrong = fence("def double(l): return iter([0])\ndef evens(l): return iter([])\ndef keys(d): return iter(['b'])")
     assert code_rewards.code_reward([honest, wrong], test_list=[asserts] * 2) == [1.0, 0.0]
+
+
+def test_a_prompts_function_to_mend_and_a_test_helper_the_module_calls_stay_as_they_were(quick_sandbox):
+    """A review found: any whole function of a prompt became the tests' (a prompt showing a buggy `add` to mend
+    failed the mended one), a stub raising NotImplementedError too; and a `test(candidate)` the module calls itself
+    made the row "no tests". Prompt helpers count only in HumanEval's form (an entry point), stubs never."""
+    good, bad = fence("def add(a, b):\n    return a + b"), fence("def add(a, b):\n    return a - b")
+    buggy = "This function is buggy:\n```python\ndef add(a, b):\n    return a - b\n```\nFix it."
+    assert code_rewards.code_reward([good, bad], test=["assert add(1, 2) == 3\n"] * 2, prompts=[buggy] * 2) == \
+        [1.0, 0.0]
+    two = "def helper(x):\n    raise NotImplementedError\n\ndef add(a, b):\n    pass\n"
+    both = fence("def helper(x):\n    return x + 1\ndef add(a, b):\n    return helper(a) + b - 1")
+    check = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert helper(1) == 2\n"
+    assert code_rewards.code_reward([both], test=[check], entry_point=["add"], prompts=[two]) == [1.0]
+    called = "def test(candidate):\n    assert candidate(1, 2) == 3\n\ntest(add)\n"
+    assert code_rewards.code_reward([good, bad], test=[called] * 2) == [1.0, 0.0]

@@ -434,7 +434,8 @@ class Asker:
 
 def _backoff(e: Exception, attempt: int) -> float:
     """Seconds before the next try: what the server's answer said (Retry-After in seconds or as an HTTP date,
-    OpenAI's retry-after-ms) where it says 0-60 s, as the openai client honours it; else 0.5 s, doubling."""
+    OpenAI's retry-after-ms) where it says more than 0 and at most 60 s, as the openai client honours it;
+    else 0.5 s, doubling."""
     headers = getattr(getattr(e, "response", None), "headers", None)
     said = None
     try:

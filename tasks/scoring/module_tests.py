@@ -34,7 +34,9 @@ def module_cases(src: str, entry_point, setup: str, code: str | None, first: int
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return [], setup
     entry = entry_point.strip() if isinstance(entry_point, str) and entry_point.strip().isidentifier() else None
-    if any(_unrunnable(s, entry) for s in body):
+    called = {n.func.id for n in ast.walk(ast.Module(body, [])) if isinstance(n, ast.Call)
+              and isinstance(n.func, ast.Name)}      # (a `test*` helper the module calls itself is no test)
+    if any(_unrunnable(s, entry) and getattr(s, "name", None) not in called for s in body):
         return [], setup                      # (the tests left would pay a wrong answer for what is left)
     kept: list[ast.stmt] = list(given)        # the module's setup
     tests: list[list[ast.stmt]] = []          # one case each
@@ -222,12 +224,14 @@ def prompt_definitions(prompt, entry_point) -> list[ast.stmt]:
     imports. They are the tests' own: taken from the code, an answer that redefined `encode_shift` as the identity
     passed `decode_shift`'s tests, and one that did not repeat it failed them. Read from each message's text (or
     the prompt string) as a whole when it parses, else each `def`/`import` at a line's start with its indented
-    body: prose, a system prompt, fences or a chat template around the code do not hide it."""
-    texts = [content_text(m.get("content")) for m in prompt if isinstance(m, dict)] \
+    body: prose, a system prompt, fences or a chat template around the code do not hide it. Only with an
+    entry point (HumanEval's form: the prompt is the code's start; elsewhere a prompt's function may be the buggy
+    one to mend), and not an assistant turn's."""
+    entry = entry_point.strip() if isinstance(entry_point, str) and entry_point.strip() else None
+    texts = [content_text(m.get("content")) for m in prompt if isinstance(m, dict) and m.get("role") != "assistant"] \
         if isinstance(prompt, list) else [prompt] if isinstance(prompt, str) else []
-    if sum(len(t) for t in texts) > _PROMPT_CHARS:
+    if entry is None or sum(len(t) for t in texts) > _PROMPT_CHARS:
         return []
-    entry = entry_point.strip() if isinstance(entry_point, str) else None
     out: list[ast.stmt] = []
     for text in texts:
         for source in _code_blocks(text):
@@ -237,7 +241,7 @@ def prompt_definitions(prompt, entry_point) -> list[ast.stmt]:
                 continue
             out += [s for s in body if isinstance(s, ast.Import | ast.ImportFrom) and not _from_solution(s)
                     or isinstance(s, ast.FunctionDef) and not s.decorator_list and s.name != entry
-                    and not all(_inert(t) for t in s.body)]
+                    and not all(_inert(t) or _raises_not_implemented(t) for t in s.body)]
     return out
 
 
@@ -263,3 +267,9 @@ def _code_blocks(text: str) -> list[str]:
             out.append(line)
         i += 1
     return out
+
+
+def _raises_not_implemented(s: ast.stmt) -> bool:
+    """`raise NotImplementedError` (or a call of it): a stub's body, left for the model to write."""
+    exc = s.exc.func if isinstance(s, ast.Raise) and isinstance(s.exc, ast.Call) else getattr(s, "exc", None)
+    return isinstance(s, ast.Raise) and isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
