@@ -3,8 +3,10 @@ SFT on demonstrations recorded by the game's reference policy, and after RL from
 
     .venv/bin/python bench/warm_start_letters.py [--seeds 0 1 2] [--iterations 20] [--demos 40]
 
-The 64 rows are every three-letter sequence of a-d: the first `--demos` rows are the training prompts (and the
-recorded demonstrations' rows), the rest are held out (sequences never seen in training). Each arm is a real
+The 64 rows are every three-letter sequence of a-d, once each, in an order fixed by `--order-seed`: the first
+`--demos` are the training prompts (and the recorded demonstrations' rows), the rest are held out (sequences
+never seen in training; checked). (Until 2026-12-06 the rows were configs/data/letters.jsonl's, which repeats
+sequences: 12 of the 24 "held-out" rows were training sequences.) Each arm is a real
 `rlflow run` (eval.baseline: the starting policy's held-out score is the "start" column; eval at the last
 iteration the "after RL" one): greedy accuracy, the share of held-out sequences whose greedy episode says every
 letter back right (eval/greedy_pass_at_1). Always saying one letter passes a sequence of that letter alone (4 of
@@ -14,8 +16,10 @@ letter back right (eval/greedy_pass_at_1). Always saying one letter passes a seq
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -66,10 +70,15 @@ def main() -> int:
     ap.add_argument("--rl-lr", type=float, help="train.lr of the RL after the warm start (default: the config's, "
                     "5e-3, tuned for the random base)")
     ap.add_argument("--arms", nargs="+", default=["base", "warm start"], choices=["base", "warm start"])
+    ap.add_argument("--order-seed", type=int, default=0, help="the order of the 64 sequences (which are held out)")
     keep_option(ap)
     args = ap.parse_args()
     work = work_folder("rlflow-warm-", args.keep)
-    rows = [json.loads(line) for line in (ROOT / "configs" / "data" / "letters.jsonl").read_text().splitlines()]
+    prompt = json.loads((ROOT / "configs" / "data" / "letters.jsonl").read_text().splitlines()[0])["prompt"]
+    rows = [{"prompt": prompt, "letters": "".join(s)} for s in itertools.product("abcd", repeat=3)]
+    random.Random(args.order_seed).shuffle(rows)
+    seen = {r["letters"] for r in rows[:args.demos]}
+    assert not any(r["letters"] in seen for r in rows[args.demos:]), "a held-out sequence is a training one"
     (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:args.demos]))
     (work / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[args.demos:]))
     common = ["-o", f"data.path={work / 'train.jsonl'}", "-o", f"eval.path={work / 'held.jsonl'}",
