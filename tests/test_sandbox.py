@@ -2018,3 +2018,15 @@ def test_a_prompts_function_to_mend_and_a_test_helper_the_module_calls_stay_as_t
     assert code_rewards.code_reward([both], test=[check], entry_point=["add"], prompts=[two]) == [1.0]
     called = "def test(candidate):\n    assert candidate(1, 2) == 3\n\ntest(add)\n"
     assert code_rewards.code_reward([good, bad], test=[called] * 2) == [1.0, 0.0]
+
+
+def test_an_exception_of_the_codes_keeps_its_attributes_across(quick_sandbox):
+    """A test catching the code's exception and reading `e.code` failed honest code: the exception's twin carried
+    its args only."""
+    test = ("from solution import pay, Refused\ndef test_refused():\n    try:\n        pay(-1)\n"
+            "    except Refused as e:\n        assert e.code == 5 and e.args == ('no',)\n    else:\n"
+            "        assert False\n")
+    honest = fence("class Refused(Exception):\n    def __init__(self, msg):\n        super().__init__(msg)\n"
+                   "        self.code = 5\ndef pay(x):\n    raise Refused('no')")
+    wrong = fence("class Refused(Exception):\n    pass\ndef pay(x):\n    raise Refused('no')")
+    assert code_rewards.code_reward([honest, wrong], test=[test] * 2) == [1.0, 0.0]

@@ -174,7 +174,7 @@ class Wire(object):
         except (SystemExit, Gone):
             raise
         except BaseException as e:
-            value, result = (side.error_class(e), tuple(e.args)), "raise"
+            value, result = (side.error_class(e), tuple(e.args), wireable(side, e)), "raise"
         after = []
         for k, text in before:     # (a list, dict or set the call changed in place: sent back)
             a = args[k] if type(k) is int else kwargs[k]
@@ -210,13 +210,33 @@ class Wire(object):
                     a.clear()
                     a.update(v)
             if result == "raise":
-                cls, eargs = value
+                cls, eargs, attrs = (tuple(value) + (None,))[:3] if type(value) is tuple else (value, (), None)
                 cls = getattr(builtins, cls, None) if type(cls) is str else cls
                 if not (isinstance(cls, type) and issubclass(cls, Exception)) or (
                         issubclass(cls, (StopIteration, StopAsyncIteration)) and kind != "next"):
                     cls = RuntimeError          # (a StopIteration from a call would end the test's map(): PEP 479)
-                raise cls(*(eargs if type(eargs) is tuple else (eargs,)))
+                error = cls(*(eargs if type(eargs) is tuple else (eargs,)))
+                for k, v in (attrs.items() if type(attrs) is dict else ()):     # (`e.code`: the code's values)
+                    if type(k) is str and not k.startswith("_"):
+                        try:
+                            setattr(error, k, v)
+                        except Exception:
+                            pass
+                raise error
             return value
+
+
+def wireable(side, e):
+    """An exception's own attributes (`e.code`) that can cross, for its twin on the other side."""
+    out = {}
+    for k, v in list(getattr(e, "__dict__", {}).items()):
+        try:
+            if type(k) is str and not k.startswith("_"):
+                side.wire(v)
+                out[k] = v
+        except Exception:
+            pass
+    return out
 
 
 def rich(x, depth, wire):
