@@ -106,7 +106,8 @@ def cmd_run(args) -> int:
     held = {k: v for k, v in (summary.get("held_out") or {}).items() if k != "metric"}
     if held:
         print(f"  {eval_label(cfg)} {summary['held_out']['metric']}: "
-              + ", ".join(f"{'base' if k == '0' else 'v' + k} {v:.3f}" for k, v in held.items()))
+              + ", ".join(f"{('v0' if cfg.warmup is not None else 'base') if k == '0' else 'v' + k} {v:.3f}"
+                          for k, v in held.items()))       # (v0 after a warm start is no base model)
     if summary.get("cost_usd"):
         print(f"  cost:             {summary['cost_usd']:.4f} USD")
     print(f"  reward curve:     {summary['reward_curve']}")

@@ -406,7 +406,9 @@ def _iterations(ctx: FlowRun, log) -> dict:
             if already_logged == 0:
                 tracker.log_iteration(0, e["metrics"], traces=_eval_traces(cfg, 0))
                 _pictures(cfg, store, tracker, report, 0, e["metrics"])
-            progress.note(f"base model: {eval_label(cfg)} {_held_out_line(cfg, e['metrics'])}")
+            first = "starting policy" if str(cfg.model.name_or_path).startswith(("s3://", "file://")) else \
+                "base model"            # (a warm start's v0 or the champion is no base model)
+            progress.note(f"{first}: {eval_label(cfg)} {_held_out_line(cfg, e['metrics'])}")
         for it in range(1, done + 1):
             reward_means.append(store.manifest(layout.rewards(cfg.run.name, it))["meta"]["metrics"]["reward/mean"])
             report.record(it, {"reward/mean": reward_means[-1]})

@@ -392,6 +392,7 @@ def test_the_letters_game_recorded_warm_started_then_rl_from_v0_through_the_flow
     assert v0["meta"]["metrics"]["sft/steps"] == 80 and v0["meta"]["metrics"]["sft/token_accuracy"] > 0.9
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["iterations_completed"] == 2 and summary["held_out"]["0"] > 0.6     # v0's: warm started
+    assert "starting policy: " in first.stdout and "base model" not in first.stdout    # (v0 is no base model)
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
