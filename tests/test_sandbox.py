@@ -2030,3 +2030,11 @@ def test_an_exception_of_the_codes_keeps_its_attributes_across(quick_sandbox):
                    "        self.code = 5\ndef pay(x):\n    raise Refused('no')")
     wrong = fence("class Refused(Exception):\n    pass\ndef pay(x):\n    raise Refused('no')")
     assert code_rewards.code_reward([honest, wrong], test=[test] * 2) == [1.0, 0.0]
+
+
+def test_a_test_function_the_module_calls_at_its_top_level_is_one_case(quick_sandbox):
+    """`def test_a(): ...` then `test_a()` at the top level: the call became a case of its own, which could not
+    find test_a (a case, not a definition): honest code scored 0.5."""
+    test = "from solution import f\ndef test_a():\n    assert f(1) == 2\n\ntest_a()\n"
+    assert code_rewards.code_reward([fence("def f(x): return 2 * x"), fence("def f(x): return 0")],
+                                    test=[test] * 2) == [1.0, 0.0]

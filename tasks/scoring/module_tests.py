@@ -38,6 +38,8 @@ def module_cases(src: str, entry_point, setup: str, code: str | None, first: int
               and isinstance(n.func, ast.Name)}      # (a `test*` helper the module calls itself is no test)
     if any(_unrunnable(s, entry) and getattr(s, "name", None) not in called for s in body):
         return [], setup                      # (the tests left would pay a wrong answer for what is left)
+    cased = {s.name for s in body if isinstance(s, ast.FunctionDef)      # (a call of one runs it: no more case)
+             and (_parametrized(s) is not None or _test_function(s, entry) is not False)}
     kept: list[ast.stmt] = list(given)        # the module's setup
     tests: list[list[ast.stmt]] = []          # one case each
     top: list[ast.stmt] = []                  # the module's top level from its first test statement on
@@ -52,7 +54,7 @@ def module_cases(src: str, entry_point, setup: str, code: str | None, first: int
                 lead = 0 if bind else next((i for i, t in enumerate(stmts) if not isinstance(t, ast.Assert)),
                                            len(stmts))
                 tests += [[t] for t in stmts[:lead]] + ([bind + stmts[lead:]] if stmts[lead:] else [])
-        elif _runs_the_tests(s) or _inert(s):
+        elif _runs_the_tests(s, cased) or _inert(s):
             continue                          # `check(f)`, `if __name__ == "__main__": ...`: the cases run them
         elif isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Import | ast.ImportFrom):
             kept.append(s)                    # (hoisted: a helper defined among the tests is the module's)
@@ -210,12 +212,14 @@ def _renamed(node: ast.stmt, param: str | None, entry: str | None) -> ast.stmt:
     return node
 
 
-def _runs_the_tests(s: ast.stmt) -> bool:
+def _runs_the_tests(s: ast.stmt, cased: set[str]) -> bool:
+    """`if __name__ == ...`, `check(f)`, `main()`, or a call of a test function the cases run (`test_a()`)."""
     if isinstance(s, ast.If):
         t = s.test
         return (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and t.left.id == "__name__")
     call = s.value if isinstance(s, ast.Expr) else None
-    return isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", "")) in ("check", "main")
+    return isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", "")) in (
+        "check", "main", *cased)
 
 
 def prompt_definitions(prompt, entry_point) -> list[ast.stmt]:
