@@ -2038,3 +2038,14 @@ def test_a_test_function_the_module_calls_at_its_top_level_is_one_case(quick_san
     test = "from solution import f\ndef test_a():\n    assert f(1) == 2\n\ntest_a()\n"
     assert code_rewards.code_reward([fence("def f(x): return 2 * x"), fence("def f(x): return 0")],
                                     test=[test] * 2) == [1.0, 0.0]
+
+
+def test_the_codes_own_dict_subclass_indexed_by_an_int_is_read_by_key(quick_sandbox):
+    """`g[5]` of the code's `Graph(dict)` was read as the 6th of its items (an index of an iterable), not the value
+    at key 5: honest code failed."""
+    test = "from solution import build\ndef test_graph():\n    g = build()\n    assert g[5] == [] and g[1] == [2, 3]\n"
+    honest = fence("class Graph(dict):\n    pass\ndef build():\n    g = Graph()\n    g[1] = [2, 3]\n    g[5] = []\n"
+                   "    return g")
+    wrong = fence("class Graph(dict):\n    pass\ndef build():\n    g = Graph()\n    g[1] = [3]\n    g[5] = []\n"
+                  "    return g")
+    assert code_rewards.code_reward([honest, wrong], test=[test] * 2) == [1.0, 0.0]

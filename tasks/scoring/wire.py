@@ -120,7 +120,7 @@ def from_json(x):
 HANDLE, RICH, CALLBACK = "\x00rlflow-handle", "\x00rlflow-rich", "\x00rlflow-callback"
 DEPTH = 150                 # nesting a value may have on the wire
 READS = ("get", "len", "list", "bool", "str", "repr", "item", "int", "float", "index", "isinstance", "issubclass",
-         "format")      # requests that change nothing: the test's side keeps their answers until the next call
+         "mapping", "format")      # requests that change nothing: the test's side keeps their answers until a call
 
 
 class Wire(object):
@@ -387,6 +387,8 @@ class CodeSide(Side):
             return obj.__index__()
         if kind == "item":
             return obj[args[0]]
+        if kind == "mapping":            # (a dict, a Counter, a Mapping: indexed by key)
+            return hasattr(type(obj), "keys")
         if kind == "setitem":
             obj[args[0]] = args[1]
             return None
@@ -532,8 +534,8 @@ class Remote(object):
     def __contains__(self, x):        # (from its items: the code is never asked with the test's value)
         return x in ask(self, "list")
 
-    def __getitem__(self, key):       # (an index of an iterable from its items, as its length is)
-        if type(key) in (int, slice):
+    def __getitem__(self, key):       # (an index of an iterable from its items, as its length is; a dict's key
+        if type(key) in (int, slice) and not (type(key) is int and ask(self, "mapping")):    # its own)
             try:
                 items = ask(self, "list")
             except TypeError:
