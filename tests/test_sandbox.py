@@ -2049,3 +2049,17 @@ def test_the_codes_own_dict_subclass_indexed_by_an_int_is_read_by_key(quick_sand
     wrong = fence("class Graph(dict):\n    pass\ndef build():\n    g = Graph()\n    g[1] = [3]\n    g[5] = []\n"
                   "    return g")
     assert code_rewards.code_reward([honest, wrong], test=[test] * 2) == [1.0, 0.0]
+
+
+def test_an_endless_generator_of_the_codes_is_read_as_the_test_takes_it(quick_sandbox):
+    """`list(islice(fib(), 5))`: iterating a generator handle read it whole first, so an endless one (the usual
+    answer to "write a generator of ...") filled the memory and honest code failed. It is read a few items at a
+    time; a generator consumed once is empty the second time, as in Python."""
+    test = ("import itertools\nfrom solution import fib\ndef test_f():\n"
+            "    assert list(itertools.islice(fib(), 5)) == [0, 1, 1, 2, 3]\n"
+            "    g = fib()\n    assert [x for _, x in zip(range(3), g)] == [0, 1, 1]\n"
+            "def test_once():\n    g = fib(3)\n    assert list(g) == [0, 1, 1] and list(g) == []\n")
+    honest = fence("def fib(n=None):\n    a, b, i = 0, 1, 0\n    while n is None or i < n:\n        yield a\n"
+                   "        a, b, i = b, a + b, i + 1")
+    wrong = fence("def fib(n=None):\n    while True:\n        yield 1")
+    assert code_rewards.code_reward([honest, wrong], test=[test] * 2) == [1.0, 0.0]

@@ -119,8 +119,9 @@ def from_json(x):
 
 HANDLE, RICH, CALLBACK = "\x00rlflow-handle", "\x00rlflow-rich", "\x00rlflow-callback"
 DEPTH = 150                 # nesting a value may have on the wire
+# requests that change nothing: the test's side keeps their answers until a call
 READS = ("get", "len", "list", "bool", "str", "repr", "item", "int", "float", "index", "isinstance", "issubclass",
-         "mapping", "format")      # requests that change nothing: the test's side keeps their answers until a call
+         "mapping", "iterator", "format")
 
 
 class Wire(object):
@@ -389,6 +390,11 @@ class CodeSide(Side):
             return obj[args[0]]
         if kind == "mapping":            # (a dict, a Counter, a Mapping: indexed by key)
             return hasattr(type(obj), "keys")
+        if kind == "iterator":           # (a generator: read as the test takes it, `take`)
+            return iter(obj) is obj
+        if kind == "take":
+            import itertools
+            return list(itertools.islice(obj, args[0]))
         if kind == "setitem":
             obj[args[0]] = args[1]
             return None
@@ -499,6 +505,27 @@ def _op(name):
     return method
 
 
+def iterator(remote):
+    """Whether a handle is an iterator of the code's (a generator, a map): read as taken, never whole first."""
+    try:
+        return ask(remote, "iterator") is True
+    except Exception:
+        return False
+
+
+def taken(remote):
+    """A generator of the code's, read as the test takes it, a few items at a time (an endless one under islice
+    ends: a whole `list` of it filled the memory)."""
+    n = 1
+    while True:
+        chunk = ask(remote, "take", (n,))
+        for x in chunk:
+            yield x
+        if len(chunk) < n:
+            return
+        n = min(2 * n, 4096)
+
+
 class Remote(object):
     """An object of the code's (a function, a class, an instance, a generator) in the test's process: what the
     test does with it is asked of the code's process. Equal only to itself: the code's __eq__ is never asked.
@@ -523,19 +550,21 @@ class Remote(object):
         ask(self, "set", (name, value))
 
     def __iter__(self):
-        return iter(ask(self, "list"))
+        return taken(self) if iterator(self) else iter(ask(self, "list"))
 
     def __len__(self):
+        if iterator(self):            # (a generator has none: list() then takes it as it goes, not whole first)
+            raise TypeError("object of type 'generator' has no len()")
         try:
             return len(ask(self, "list"))
         except TypeError:
             return ask(self, "len")
 
     def __contains__(self, x):        # (from its items: the code is never asked with the test's value)
-        return x in ask(self, "list")
+        return x in (taken(self) if iterator(self) else ask(self, "list"))
 
     def __getitem__(self, key):       # (an index of an iterable from its items, as its length is; a dict's key
-        if type(key) in (int, slice) and not (type(key) is int and ask(self, "mapping")):    # its own)
+        if type(key) in (int, slice) and not iterator(self) and not (type(key) is int and ask(self, "mapping")):
             try:
                 items = ask(self, "list")
             except TypeError:
@@ -545,6 +574,8 @@ class Remote(object):
         return ask(self, "item", (key,))
 
     def __bool__(self):
+        if iterator(self):
+            return True
         try:
             return bool(ask(self, "list"))
         except TypeError:
