@@ -7,7 +7,9 @@ get twins. The processes at both ends are harness.py's (`serve`, `tester`).
 
 It travels with harness.py: the host sends this file's text, then harness.py's, as one program (sandbox.py:
 HARNESS). So: standard library only, Python 3.8+, and nothing imported from harness.py (which imports from
-here). What crosses and why: docs/sandbox.md, "a test module's tests".
+here). What crosses and why: docs/sandbox.md, "a test module's tests". One concept: what may cross between the
+test and the code (the wire, both sides' rules, the handle); each half read alone would hide what the other
+refuses, which is where the cheats were.
 """
 import binascii
 import builtins
