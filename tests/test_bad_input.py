@@ -1623,3 +1623,24 @@ def test_an_environments_held_out_rows_are_told_apart_by_the_whole_row(tmp_path)
                                                           f"eval.path={tmp_path}/held.jsonl", "eval.split=train"])
     assert cfg.eval_is_held_out() and list(data.load_prompts(cfg, "eval")["letters"]) == ["abd", "dcb"]
     assert _held_out_keys(cfg) == frozenset()      # (the shared sentence names no held-out task)
+
+
+def test_a_folder_datasets_save_to_disk_wrote_is_data(tmp_path):
+    """`Dataset.save_to_disk` / `DatasetDict.save_to_disk` folders were refused ("expected a .json/.jsonl/.csv/
+    .parquet file"): they load as datasets' load_from_disk reads them, a split and its slice as named."""
+    import datasets
+
+    from tasks.core import data
+
+    rows = {"prompt": [f"q{i}=" for i in range(6)], "answer": [str(i) for i in range(6)]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows),
+                          "test": datasets.Dataset.from_dict({"prompt": ["h="], "answer": ["h"]})}
+                         ).save_to_disk(str(tmp_path / "dd"))
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "one"))
+    cfg = load_config(TINY, [f"data.path={tmp_path}/dd", "data.split=train[2:5]", "eval.every=1",
+                             f"eval.path={tmp_path}/dd", "eval.split=test"])
+    assert list(data.load_prompts(cfg)["prompt"]) == ["q2=", "q3=", "q4="]
+    assert list(data.load_prompts(cfg, "eval")["prompt"]) == ["h="]
+    assert len(data.load_prompts(load_config(TINY, [f"data.path={tmp_path}/one"]))) == 6
+    with pytest.raises(UserError, match=r"data.path: cannot load .*split 'dev'.*no split 'dev' \(it has train, test\)"):
+        data.load_prompts(load_config(TINY, [f"data.path={tmp_path}/dd", "data.split=dev"]))

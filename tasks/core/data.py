@@ -116,8 +116,11 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
     offline = False
     try:
         if Path(path).exists():
+            if any((Path(path) / f).exists() for f in ("dataset_dict.json", "state.json")):
+                return _saved(datasets, path, split)        # (a folder `save_to_disk` wrote)
             if suffix not in _LOCAL_FORMATS:
-                raise UserError(f"{field}: {path}: expected a .json/.jsonl/.csv/.parquet file")
+                raise UserError(f"{field}: {path}: expected a .json/.jsonl/.csv/.parquet file (or a folder that "
+                                f"datasets' save_to_disk wrote)")
             if not Path(path).is_file() and not Path(path).is_dir():     # (reading a named pipe waits for ever)
                 raise UserError(f"{field}: {path}: not a regular file (a named pipe, a device or a socket); expected "
                                 f"a .json/.jsonl/.csv/.parquet file")
@@ -159,6 +162,18 @@ def load_table(path: str, name: str | None, split: str, field: str = "data.path"
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         why = " (the Hugging Face Hub is not reachable from here: only its local cache was tried)" if offline else ""
         raise UserError(f"{field}: cannot load {path!r} split {split!r}{why}: {msg[:200]}") from None
+
+
+def _saved(datasets, path: str, split: str):
+    """A folder `save_to_disk` wrote, as load_from_disk reads it: a DatasetDict's split (a slice as load_dataset
+    takes it, `train[:100]`), or the Dataset."""
+    table, base = datasets.load_from_disk(path), split.split("[", 1)[0].strip()
+    if isinstance(table, datasets.DatasetDict):
+        if base not in table:
+            raise ValueError(f"no split {base!r} (it has {', '.join(table)})")
+        table = table[base]
+    cut = datasets.ReadInstruction.from_spec(split).to_absolute({base: len(table)})[0] if "[" in split else None
+    return table.select(range(cut.from_, cut.to)) if cut is not None else table
 
 
 def _where_unreadable(path: Path, error: Exception) -> str:
