@@ -102,8 +102,11 @@ def test_layers_import_only_what_is_below_them(folder, may_use):
     ("tasks/core/processes.py", ()),
     ("tasks/core/daemon.py", ()),                          # the vLLM watchdog imports it in .venv-vllm
     ("tasks/core/process_wide.py", ("torch",)),            # processes.py imports it; torch lazily, for the RNG only
-    ("tasks/scoring/harness.py", ("tasks.scoring.wire",)),  # runs inside the sandbox, on any Python 3.8+, after
-    ("tasks/scoring/wire.py", ()),                         # wire.py's text (imported only on the host)
+    # inside the sandbox, on any Python 3.8+: values.py's, wire.py's and harness.py's texts as one program (each
+    # imports the ones before it only on the host)
+    ("tasks/scoring/harness.py", ("tasks.scoring.wire", "tasks.scoring.values")),
+    ("tasks/scoring/wire.py", ("tasks.scoring.values",)),
+    ("tasks/scoring/values.py", ()),
     ("tasks/scoring/worker.py", ("tasks.scoring.sandbox", "tasks.core.config")),   # lazily, only for code rewards
     ("tasks/engines/vllm_worker.py", ("vllm",)),            # runs in .venv-vllm
     ("tasks/engines/vllm_watchdog.py", ()),                 # runs in .venv-vllm, for the server's whole life

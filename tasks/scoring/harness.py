@@ -24,8 +24,9 @@ import signal
 import sys
 import time
 
-if __name__ != "__main__":     # (in the sandbox, wire.py's text ran first, in this same namespace)
-    from tasks.scoring.wire import WIRE, CodeSide, Gone, Solution, TestSide, Wire, encode, write_all
+if __name__ != "__main__":     # (in the sandbox, values.py's and wire.py's texts ran first, here)
+    from tasks.scoring.values import encode, write_all
+    from tasks.scoring.wire import WIRE, CodeSide, Gone, Solution, TestSide, Wire
 
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
 

@@ -117,8 +117,8 @@ class Limits:
         return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
 
-# -------------------- the harness: harness.py after wire.py (whose names it uses), real files sent as one text
-HARNESS = "".join((Path(__file__).parent / name).read_text() for name in ("wire.py", "harness.py"))
+# ------------ the harness: harness.py after values.py and wire.py (whose names it uses), sent as one text
+HARNESS = "".join((Path(__file__).parent / name).read_text() for name in ("values.py", "wire.py", "harness.py"))
 
 
 # ------------------------------------------------------------------------------------------ the host side

@@ -1,65 +1,20 @@
-"""Values across the process boundaries inside the sandbox: `encode`, the Python literal of a test expression's
-value that the host reads back (tasks/scoring/sandbox.py: _values), and the protocol between a test module's
-test and the code it calls (`Wire`, JSON lines on pipes). Plain values cross; the code's other objects stay in
-its process and reach the test as handles (`Remote`), whose reads are asked of the code and never with the
-test's values to compare; functions of the test's are called back (`Callback`); the code's exception classes
-get twins. The processes at both ends are harness.py's (`serve`, `tester`).
+"""The protocol between a test module's test and the code it calls, inside the sandbox (`Wire`, JSON lines on
+pipes). Plain values cross; the code's other objects stay in its process and reach the test as handles
+(`Remote`), whose reads are asked of the code and never with the test's values to compare; functions of the
+test's are called back (`Callback`); the code's exception classes get twins. The processes at both ends are
+harness.py's (`serve`, `tester`); what a plain value is: values.py.
 
-It travels with harness.py: the host sends this file's text, then harness.py's, as one program (sandbox.py:
-HARNESS). So: standard library only, Python 3.8+, and nothing imported from harness.py (which imports from
-here). What crosses and why: docs/sandbox.md, "a test module's tests". One concept: what may cross between the
-test and the code (the wire, both sides' rules, the handle); each half read alone would hide what the other
-refuses, which is where the cheats were.
+It travels with values.py and harness.py: the host sends their texts as one program (sandbox.py: HARNESS). So:
+standard library only, Python 3.8+, and nothing imported from harness.py (which imports from here). What
+crosses and why: docs/sandbox.md, "a test module's tests".
 """
 import binascii
 import builtins
 import io
-import os
 import sys
 
-
-def write_all(fd, data):
-    while data:
-        data = data[os.write(fd, data):]
-
-
-PLAIN = (type(None), bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict)
-
-
-# A subclass of a built-in container, text or number (a Counter, a namedtuple, an OrderedDict) is read as that
-# type through the type's own methods, never the subclass's: its contents, not what its __eq__ or __iter__ says.
-AS_PLAIN = ((dict, lambda v: dict(dict.items(v))), (list, lambda v: list(list.__iter__(v))),
-            (tuple, lambda v: tuple(tuple.__iter__(v))), (frozenset, lambda v: frozenset(frozenset.__iter__(v))),
-            (set, lambda v: set(set.__iter__(v))), (str, str.__str__), (int, int.__int__),
-            (float, float.__float__))
-
-
-def encode(x, depth, limit=50, _type=type, _repr=repr, _float=float, _subclass=issubclass):
-    """A Python literal for a value made only of built-in types (a subclass of one read as it: AS_PLAIN); anything
-    else (an object with its own __eq__) is an error. The host parses it back with ast.literal_eval."""
-    t = _type(x)
-    if depth > limit:
-        raise ValueError("value nested too deeply")
-    if t not in PLAIN:
-        read = next((read for base, read in AS_PLAIN if _subclass(t, base)), None)
-        if read is None:
-            raise TypeError("returned a %s, not a built-in value" % t.__name__)
-        x = read(x)
-        t = _type(x)
-    if t is float:
-        if x != x:
-            raise ValueError("returned nan")
-        return _repr(x) if x not in (_float("inf"), _float("-inf")) else ("1e999" if x > 0 else "-1e999")
-    if t in (list, tuple):
-        inner = ", ".join(encode(v, depth + 1, limit) for v in x)
-        return "[%s]" % inner if t is list else "(%s%s)" % (inner, "," if len(x) == 1 else "")
-    if t in (set, frozenset):       # (a frozenset as a call, bounded_literal's and `literal`'s: an element of a set)
-        inner = "{%s}" % ", ".join(encode(v, depth + 1, limit) for v in x) if x else ""
-        return inner or "set()" if t is set else "frozenset(%s)" % inner
-    if t is dict:
-        return "{%s}" % ", ".join("%s: %s" % (encode(k, depth + 1, limit), encode(v, depth + 1, limit))
-                                  for k, v in x.items())
-    return _repr(x)
+if __name__ != "__main__":     # (in the sandbox, values.py's text ran first, in this same namespace)
+    from tasks.scoring.values import AS_PLAIN, PLAIN, encode, write_all
 
 
 class Gone(BaseException):
