@@ -17,7 +17,6 @@ first `eval.screenshots` episodes: `<run>/eval/vN/screens` (tasks/envs/runtime/s
 from __future__ import annotations
 
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,16 +24,16 @@ from typing import TYPE_CHECKING
 
 from tasks.core import data, layout, rollout
 from tasks.core.contracts import SamplingParams, Scored
-from tasks.core.errors import UserError, printable
+from tasks.core.errors import UserError
 from tasks.core.placement import Services
 from tasks.core.retention import improves
 from tasks.core.stage import fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
-from tasks.core.tracking import metric_key
 from tasks.engines.sampling import open_session
 from tasks.envs.runtime.screens import file_frames, takes_screenshots, with_screenshots
 from tasks.envs.runtime.sources import source_of
 from tasks.scoring.functions import load_functions, require_some_score, score_records
+from tasks.scoring.logged import logged_metrics
 from tasks.scoring.worker import RewardState
 
 if TYPE_CHECKING:
@@ -91,25 +90,10 @@ def scoring_metrics(prefix: str, scored: Scored, own: dict[str, float]) -> dict[
     """A pass's scoring as the reward stage logs an iteration's, under the pass's `prefix` (eval/ for the sampled
     pass, eval/greedy_ for the greedy one): each function's <fn>/errors (1: a call failed) and <fn>/nan, and what
     the functions logged with log_metric (TRL logs them in eval mode too); a logged name that comes out as one of
-    `own` (the eval's metrics: eval/reward_mean ...) or as an earlier one's key is <prefix>log_metric/<name>, then
-    "-2", "-3" ..., as tasks/reward.py's logged_metrics does."""
+    `own` (the eval's metrics: eval/reward_mean ...) is renamed as the reward stage's are (logged_metrics)."""
     out = {f"{prefix}{name}/errors": float(name in scored.errors) for name in scored.scores}
     out.update({f"{prefix}{name}/nan": float(scored.nan.get(name, 0)) for name in scored.scores})
-    for name, value in scored.metrics.items():
-        key = metric_key(f"{prefix}{name}")
-        if key in own or key in out:
-            key, n = metric_key(f"{prefix}log_metric/{name}"), 2
-            while key in own or key in out:
-                key, n = metric_key(f"{prefix}log_metric/{name}"[:240] + f"-{n}"), n + 1
-            if (name, key) not in _RENAMED:
-                _RENAMED.add((name, key))
-                print(printable(f"warning: a reward function's log_metric({name!r}) is logged as {key} in the "
-                                f"evaluation: {prefix}{name} is taken"), file=sys.stderr)
-        out[key] = value
-    return out
-
-
-_RENAMED: set[tuple[str, str]] = set()     # log_metric names said to be renamed (once a process)
+    return {**out, **logged_metrics(scored.metrics, {**own, **out}, prefix)}
 
 
 def check_named_rewards(cfg: Config, names: list[str], weights: dict[str, float] | None = None) -> None:

@@ -18,7 +18,6 @@ sampling's rounds.
 from __future__ import annotations
 
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,12 +25,12 @@ from typing import TYPE_CHECKING
 
 from tasks.algorithms import dynamic_sampling
 from tasks.core import layout, rollout
-from tasks.core.errors import UserError, printable
+from tasks.core.errors import UserError
 from tasks.core.placement import placement_of
 from tasks.core.stage import check_round, command, fingerprint, require_input, result, reuse, stage_cli
 from tasks.core.store import Store, open_store
-from tasks.core.tracking import metric_key
 from tasks.scoring.functions import load_functions, require_some_score, score_records
+from tasks.scoring.logged import logged_metrics
 from tasks.scoring.shaping import NAME as SHAPING
 from tasks.scoring.shaping import add_overlong, overlong_metrics, task_reward
 from tasks.scoring.streamed import assembled
@@ -93,37 +92,6 @@ def reward(cfg: Config, iteration: int, round: int = 0, services: Services | Non
     return done if ds is None else _keep(cfg, store, iteration, round, done)
 
 
-def logged_metrics(logged: dict[str, float], own: dict[str, float]) -> dict[str, float]:
-    """What reward functions logged with log_metric(name, value), as reward/<name> (a name MLflow refuses made one it
-    takes, 250 characters at most: tracking.metric_key); a name that is one of rlflow's own metrics (`own`:
-    reward/mean, reward/std, a function's /errors ...) becomes reward/log_metric/<name>, and one that comes out as
-    the key of another name logged ("pass@1" and "pass#1"; two long names alike in their first 250 characters)
-    gets "-2", "-3" ..., each said once, so that no figure replaces another or is lost."""
-    out: dict[str, float] = {}
-    for name, value in logged.items():
-        key = metric_key(f"reward/{name}")
-        if key in own:
-            key = _renamed(name, key, metric_key(f"reward/log_metric/{name}"), "rlflow's own metric")
-        if key in out or key in own:
-            taken, n = key, 2
-            while (key := metric_key(f"{taken[:240]}-{n}")) in out or key in own:
-                n += 1
-            key = _renamed(name, taken, key, "the key another log_metric name made")
-        out[key] = value
-    return out
-
-
-def _renamed(name: str, key: str, renamed: str, why: str) -> str:
-    if (name, renamed) not in _RENAMED:
-        _RENAMED.add((name, renamed))
-        print(printable(f"warning: a reward function's log_metric({name!r}) is logged as {renamed}: {key} is "
-                        f"{why}"), file=sys.stderr)
-    return renamed
-
-
-_RENAMED: set[tuple[str, str]] = set()     # log_metric names said to be renamed (once a process)
-
-
 def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -> dict:
     """Dynamic sampling after round `round`: the rounds' kept groups written as the iteration's rewards when
     there are enough of them or no round is left (complete), else this round's result (not complete). Under
@@ -144,8 +112,8 @@ def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -
         kept, metrics = dynamic_sampling.select(rounds, P, ds.tolerance)
         every = [r for records in rounds for r in records]
         scores = {name: [r.rewards.get(name) for r in every] for name in every[0].rewards if name != SHAPING}
-        for k in keys:                            # per round: summed (seconds, errors) or of all rounds (means)
-            meta = store.manifest(k)["meta"]
+        metas = [store.manifest(k)["meta"] for k in keys]
+        for meta in metas:                        # per round: summed (seconds, errors) or of all rounds (means)
             for name, value in meta["metrics"].items():
                 if name.endswith(("seconds", "/errors", "/nan")) and name not in meta.get("logged", {}):
                     metrics[name] = metrics.get(name, 0.0) + value
@@ -153,23 +121,22 @@ def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -
         metrics.update(overlong_metrics(every))
         metrics.update(_group_shares(cfg, rounds))
         metrics["reward/kept_mean"] = _mean([x for r in kept if (x := task_reward(r)) is not None])
-        metrics.update(logged_metrics(_logged_of_rounds(cfg, store, keys, scored_rounds), metrics))
-        errors = {name: e for k in keys for name, e in store.manifest(k)["meta"].get("errors", {}).items()}
+        metrics.update(logged_metrics(_logged_of_rounds(cfg, metas, scored_rounds), metrics))
+        errors = {name: e for meta in metas for name, e in meta.get("errors", {}).items()}
         done = _write(store, key, kept, {"fingerprint": fp, "made_of": made, "metrics": metrics,
                                          "samples": _samples(cfg, kept), "errors": errors})
     return {**done, "samples": store.manifest(key)["meta"].get("samples", []), "complete": True}
 
 
-def _logged_of_rounds(cfg: Config, store: Store, keys: list[str], rounds: list[list]) -> dict[str, float]:
-    """What the functions logged with log_metric in the rounds (`keys`, their scored `rounds`), by the names they
-    logged: each name's round values weighted by the completions the round scored, so the mean over every
-    completion's call that one batch of them all logs (as TRL does for a batch, and the stage without dynamic
+def _logged_of_rounds(cfg: Config, metas: list[dict], rounds: list[list]) -> dict[str, float]:
+    """What the functions logged with log_metric in the rounds (their manifests' `metas`, their scored `rounds`),
+    by the names they logged: each name's round values weighted by the completions the round scored, so the mean
+    over every completion's call that one batch of them all logs (as TRL does for a batch, and the stage without dynamic
     sampling for its one call); a round whose call logged no such name (it failed) is left out of its mean.
     reward.models' counts and seconds (<model>/requests ...) are summed, as the rounds' seconds and errors are."""
     judges = tuple(f"{m.name}/" for m in cfg.reward.models)
     sums: dict[str, list[float]] = {}
-    for k, records in zip(keys, rounds):
-        meta = store.manifest(k)["meta"]
+    for meta, records in zip(metas, rounds):
         for key, name in meta.get("logged", {}).items():
             total, summed = sums.setdefault(name, [0.0, 0]), name.startswith(judges)
             total[0] += meta["metrics"][key] * (1 if summed else len(records))
