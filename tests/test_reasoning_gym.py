@@ -138,8 +138,11 @@ def test_training_never_sees_a_held_out_questions_twin():
     assert any(terms(e["question"]) in held and e["question"] not in {r["question"] for r in held_out}
                for e in stream)                                  # twins were there to leave out
     assert len(train) == 60 and not held & {terms(r["question"]) for r in train}
-    again = reasoning_gym.create_dataset("basic_arithmetic", **config, seed=procedural.HELD_OUT_SEED, size=10)
-    assert [r["question"] for r in held_out] == [e["question"] for e in again]
+    again = reasoning_gym.create_dataset("basic_arithmetic", **config, seed=procedural.HELD_OUT_SEED, size=100)
+    firsts = {}
+    for e in again:
+        firsts.setdefault(terms(e["question"]), e["question"])
+    assert [r["question"] for r in held_out] == list(firsts.values())[:10]      # the held-out seed's, one a problem
 
 
 def test_the_prompt_is_chat_messages_ending_with_the_answer_formats_instruction():
@@ -174,7 +177,8 @@ def test_metadata_round_trips_into_what_score_answer_needs(task):
 
     cfg = _config(task, size=4, eval_size=2)
     train, held_out = _splits(cfg)
-    for rows, seed, size in ((train, 0, procedural.TRIES * 4), (held_out, procedural.HELD_OUT_SEED, 2)):
+    tries = procedural.TRIES
+    for rows, seed, size in ((train, 0, tries * 4), (held_out, procedural.HELD_OUT_SEED, tries * 2)):
         items = reasoning_gym.create_dataset(task, seed=seed, size=size)
         for r in rows:
             meta = procedural.untagged(json.loads(r["metadata"]))
@@ -419,9 +423,12 @@ BAD_SPECS = {
     "wrong type for validate()": ({"task": "chain_sum", "config": {"min_terms": "many"}},
                                   "data.reasoning_gym.config: task 'chain_sum' refuses {\"min_terms\": \"many\"}: "),
     "space too small": ({"task": "count_bits", "config": {"min_n": 1, "max_n": 3}, "size": 5, "eval_size": 20},
-                        "data.reasoning_gym: task 'count_bits' with this config gave only 0 training items outside "
-                        "the 20 held-out ones and their twins (the same words and numbers in another order) in 50 "
-                        "tries (size 5)"),
+                        "data.reasoning_gym: task 'count_bits' with this config gave only 3 different held-out "
+                        "problems in 200 items (eval_size 20): make eval_size smaller or the task's space larger"),
+    "no room to train": ({"task": "count_bits", "config": {"min_n": 1, "max_n": 3}, "size": 5, "eval_size": 3},
+                         "data.reasoning_gym: task 'count_bits' with this config gave only 0 training items outside "
+                         "the 3 held-out ones and their twins (the same words and numbers in another order) in 50 "
+                         "tries (size 5)"),
     "fails in the generator": ({"task": "simple_equations", "config": {"operators": ["+", "-"]}, "size": 5,
                                 "eval_size": 5},
                                "data.reasoning_gym.config: task 'simple_equations' fails to make items with "
@@ -543,8 +550,8 @@ def test_every_task_builds_its_splits(task):
 
 def test_a_small_tasks_space_is_still_refused_rather_than_its_twins_trained_on():
     """(The exact-question rule is for tasks whose questions twin_key cannot tell apart, not a small space.)"""
-    with pytest.raises(UserError, match="gave only .* training items outside the 20 held-out ones and their twins"):
-        _splits(_config("lcm", size=60, eval_size=20, config={"min_numbers": 2, "max_numbers": 2,
+    with pytest.raises(UserError, match="gave only .* training items outside the 10 held-out ones and their twins"):
+        _splits(_config("lcm", size=60, eval_size=10, config={"min_numbers": 2, "max_numbers": 2,
                                                               "min_value": 1, "max_value": 4}))
 
 
@@ -602,3 +609,19 @@ def test_unclosed_answer_tags_are_read_in_linear_time_and_nested_tags_are_out_of
     assert done.stdout.split() == ["[0.0,", "0.0]", "None", "7"], done.stderr[-2000:]
     assert format_reward(["<answer><answer>12</answer></answer>", "<answer>12</answer>"],
                          answer_format=["tags"] * 2) == [0.0, 1.0]
+
+
+def test_held_out_problems_are_all_different():
+    """The recipe's sums (two terms of 1-2 digits) repeat in the generator's stream: its first 100 held-out items
+    were 85 problems, 1-digit sums weighed twice and `eval/prompts` saying 100. The held-out split is now 100
+    different problems (no two twins either), and the training split still leaves all of them out."""
+    import reasoning_gym
+
+    config = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+"],
+              "allow_parentheses": False, "allow_negation": False}
+    stream = reasoning_gym.create_dataset("basic_arithmetic", **config, seed=procedural.HELD_OUT_SEED, size=100)
+    assert len({procedural.twin_key(e["question"]) for e in stream}) < 100          # the stream repeats itself
+    train, held_out = _splits(_config("basic_arithmetic", size=200, eval_size=100, config=config))
+    keys = [procedural.twin_key(r["question"]) for r in held_out]
+    assert len(held_out) == len(set(keys)) == 100
+    assert not set(keys) & {procedural.twin_key(r["question"]) for r in train}

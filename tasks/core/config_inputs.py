@@ -66,8 +66,8 @@ class ReasoningGymConfig(Section):
                       "epoch after epoch). At most 100,000: every item is made in memory before the run (about 25 "
                       "s and 0.5 GB per 100,000 on 2 cores; 1,000,000 took 4 minutes and 5 GB).")
     eval_size: int = Field(200, ge=1, le=100_000, description="Held-out prompts (the split `eval` reads), made "
-                           "at another seed; training prompts never repeat a held-out question. At most 100,000, "
-                           "as size.")
+                           "at another seed, each a different problem; training prompts never repeat a held-out "
+                           "question. At most 100,000, as size.")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="The task generator's seed (held-out: seed + 1000000007).")
     answer_format: Literal["tags", "answer_is", "final"] = Field(
         "tags", description="How the prompt asks for the answer and the rewards read it: tags: between <answer> and "

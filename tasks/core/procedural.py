@@ -6,7 +6,7 @@
 reasoning-gym (PyPI `reasoning-gym`) builds each task's items procedurally from a seed, with the task's own
 answer checker (`score_answer`). Here a task becomes a `datasets.Dataset` with the columns the rest of rlflow
 expects, made the same way on every machine from (task, config, seed, size): a held-out split of `eval_size`
-items and a training split of `size` items none of which is a held-out question or its twin (the same words and
+different problems and a training split of `size` items none of which is a held-out question or its twin (the same words and
 numbers in another order: `Calculate 2 + 10.` beside a held-out `Calculate 10 + 2.`). The rewards in
 tasks/rewards/reasoning_gym.py read the answer the way the instruction asks for it and score it with the task's
 own `score_answer`. A task, a config key or a config its generator fails on is one UserError line.
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 FIELD = "data.reasoning_gym"
 HELD_OUT_SEED = 1_000_000_007       # the held-out items' seed offset: far from any training item's Random(seed + i)
-SPLITS_VERSION = 2                  # 2: training items skip the held-out questions' twins (1: their exact text only)
+SPLITS_VERSION = 3                  # 3: held-out problems distinct; 2: training skips held-out twins; 1: exact text
 TRIES = 10                          # training items visited per one asked for, at most (_build)
 _WORDS = re.compile(r"\d+(?:\.\d+)?|\w+|[^\w\s]")
 
@@ -216,7 +216,7 @@ def _build(task: str, config_json: str, seed: int, size: int, eval_size: int, an
            instruction: str, system_prompt: str | None) -> dict[str, list[dict]]:
     config = json.loads(config_json)
     spec = json.dumps({"task": task, "config": config}, sort_keys=True)
-    held_out = list(_items(task, config, seed + HELD_OUT_SEED, eval_size))
+    held_out = _held_out(task, config, seed + HELD_OUT_SEED, eval_size)
     train, visited = _training(task, config, seed, size, held_out, twin_key)
     if len(train) < size and not _twins_tell(visited):
         train, _ = _training(task, config, seed, size, held_out, _exact)
@@ -227,6 +227,31 @@ def _build(task: str, config_json: str, seed: int, size: int, eval_size: int, an
                         f"eval_size smaller")
     return {split: [_row(e, spec, answer_format, instruction, system_prompt) for e in entries]
             for split, entries in (("train", train), ("eval", held_out))}
+
+
+def _held_out(task: str, config: dict, seed: int, eval_size: int) -> list[dict]:
+    """`eval_size` different problems: the first items at `seed` (of at most TRIES x eval_size) whose twin_key no
+    earlier one has (exact questions where twin_key does not tell the task's questions apart). A generator repeats
+    itself in a small space (sums of two terms of 1-2 digits: 100 items held 85 problems, 1-digit sums weighed
+    twice), so `eval/prompts` counted problems twice and a held-out accuracy weighed them so."""
+    kept, seen, visited = [], set(), []
+    for entry in _items(task, config, seed, TRIES * eval_size):
+        visited.append(entry)
+        if twin_key(entry["question"]) not in seen:
+            seen.add(twin_key(entry["question"]))
+            kept.append(entry)
+            if len(kept) == eval_size:
+                return kept
+    if not _twins_tell(visited):
+        firsts: dict[tuple, dict] = {}
+        for entry in visited:
+            firsts.setdefault(_exact(entry["question"]), entry)
+        kept = list(firsts.values())[:eval_size]
+        if len(kept) == eval_size:
+            return kept
+    raise UserError(f"{FIELD}: task {task!r} with this config gave only {len(kept)} different held-out problems in "
+                    f"{TRIES * eval_size} items (eval_size {eval_size}): make eval_size smaller or the task's space "
+                    f"larger")
 
 
 def _items(task: str, config: dict[str, Any], seed: int, size: int):
