@@ -205,7 +205,8 @@ def in_hub_cache(name: str) -> bool:
 
 
 _tokenizers: dict[bytes, object] = {}     # by the bytes of a folder's tokenizer files (see load_tokenizer)
-_TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", "spiece")
+_TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", "spiece",
+                    "generation_config")      # (its stop ids: stop_token_ids)
 
 
 def load_tokenizer(path: str):
@@ -236,11 +237,39 @@ def load_tokenizer(path: str):
                         f"{(str(e).splitlines() or [''])[0][:200]}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    stop_token_ids(tok, path)              # (read now: a policy's folder may be gone by the time it samples)
     if key is not None:
         if len(_tokenizers) >= 4:
             _tokenizers.clear()
         _tokenizers[key] = tok
     return tok
+
+
+def stop_token_ids(tokenizer, path: str | None = None) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS, then each other eos_token_id of the model's
+    generation_config.json (an int or a list: Qwen2.5-Instruct's <|im_end|> and <|endoftext|>, Llama-3.1-Instruct's
+    three), as transformers' generate under the model's own config and vLLM stop on each; the EOS alone where the
+    model has none. `path`: the model folder or hub id (default: the one the tokenizer was loaded from); read once
+    per tokenizer, then kept on it (load_tokenizer reads it as it loads)."""
+    if path is None and (known := getattr(tokenizer, "_rlflow_stop_ids", None)) is not None:
+        return list(known)
+    from transformers import GenerationConfig
+
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    try:
+        more = GenerationConfig.from_pretrained(path or tokenizer.name_or_path).eos_token_id
+    except Exception:  # noqa: BLE001 - no generation_config.json (a GGUF file's folder, a bare tokenizer)
+        more = None
+    for i in more if isinstance(more, list | tuple) else [more]:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    tokenizer._rlflow_stop_ids = tuple(ids)
+    return ids
+
+
+def ended_at(toks: list[int], stops: list[int]) -> int | None:
+    """The length of `toks` up to its first stop token, that token kept (None: none in it)."""
+    return next((i + 1 for i, t in enumerate(toks) if t in stops), None)
 
 
 def load_model(path: str, dtype: str = "float32", device: torch.device | str = "cpu"):

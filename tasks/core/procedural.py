@@ -6,8 +6,8 @@
 reasoning-gym (PyPI `reasoning-gym`) builds each task's items procedurally from a seed, with the task's own
 answer checker (`score_answer`). Here a task becomes a `datasets.Dataset` with the columns the rest of rlflow
 expects, made the same way on every machine from (task, config, seed, size): a held-out split of `eval_size`
-different problems and a training split of `size` items none of which is a held-out question or its twin (the same words and
-numbers in another order: `Calculate 2 + 10.` beside a held-out `Calculate 10 + 2.`). The rewards in
+different problems and a training split of `size` items none of which is a held-out question or its twin (the
+same words and numbers in another order: `Calculate 2 + 10.` beside a held-out `Calculate 10 + 2.`). The rewards in
 tasks/rewards/reasoning_gym.py read the answer the way the instruction asks for it and score it with the task's
 own `score_answer`. A task, a config key or a config its generator fails on is one UserError line.
 More: docs/internals.md (tasks/core/procedural.py): the splits, a row's columns, the same rows everywhere.

@@ -27,7 +27,15 @@ import torch
 
 from tasks.algorithms.logprobs import cut
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
-from tasks.core.models import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_path, device_for, load_policy
+from tasks.core.models import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    base_path,
+    device_for,
+    ended_at,
+    load_policy,
+    stop_token_ids,
+)
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -307,9 +315,9 @@ def _decode(state: dict, tokenizer, prompts: list[list[int]], rows_of: list[int]
 
     model = state["model"]
     device = next(model.parameters()).device
-    eos = tokenizer.eos_token_id
+    stops = stop_token_ids(tokenizer)     # (every EOS of the model's generation_config, as TRL's generate stops)
     gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=eos)
+                               eos_token_id=stops)
     L, k = max(len(p) for p in prompts), len(partials[0])
     base = torch.tensor([[tokenizer.pad_token_id] * (L - len(p)) + p for p in prompts], device=device)
     base_attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -331,7 +339,7 @@ def _decode(state: dict, tokenizer, prompts: list[list[int]], rows_of: list[int]
     rows, resume = [], []
     for j in range(completions.shape[0]):
         toks = completions[j].tolist()
-        stop = toks.index(eos) + 1 if eos in toks else None
+        stop = ended_at(toks, stops)
         toks = toks[:stop] if stop else toks
         rows.append([toks, logps[j, :len(toks)].tolist(), [state["version"]] * len(toks),
                      stop is None and len(toks) >= max_new_tokens])

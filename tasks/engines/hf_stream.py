@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tasks.core.contracts import SamplingParams
-from tasks.core.models import load_tokenizer
+from tasks.core.models import ended_at, load_tokenizer, stop_token_ids
 from tasks.engines.hf import RESIDENT, _identity, _Interrupted, _prefill, _SampleAndRecord
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class ContinuousSampler:
         device = next(model.parameters()).device
         if self.generator is None:
             self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
-        tok, eos = self.tokenizer, self.tokenizer.eos_token_id
+        tok, stops = self.tokenizer, stop_token_ids(self.tokenizer)
         index: dict[tuple, int] = {}
         rows_of = [index.setdefault(tuple(r.prompt), len(index)) for r in rows]
         prompts = [list(p) for p in index]
@@ -54,14 +54,14 @@ class ContinuousSampler:
         ids = torch.cat([base[at, :L - 1], torch.tensor(tails, device=device)], dim=1)
         attn = torch.cat([base_attn[at, :L - 1], torch.tensor(tail_attn, device=device)], dim=1)
         budget = min((self.limit if r.limit is None else r.limit) - len(r.tokens) for r in rows)
-        watch = _Finished(ids.shape[1], eos, stop)
+        watch = _Finished(ids.shape[1], stops, stop, device)
         temperature, top_p = self.params.temperature, self.params.top_p
         if any(r.sampling for r in rows):          # rows at their own settings: one per row
             temperature, top_p = (torch.tensor(v, device=device).unsqueeze(-1)
                                   for v in zip(*(r.settings(self.params) for r in rows)))
         recorder = _SampleAndRecord(temperature, top_p, self.generator, self.params.top_k, watch)
         gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=budget, pad_token_id=tok.pad_token_id,
-                                   eos_token_id=eos)
+                                   eos_token_id=stops)
         with torch.no_grad():
             cache = _prefill(model, base, base_attn, rows_of, 0) if self.share else None
             try:
@@ -74,25 +74,26 @@ class ContinuousSampler:
         new = seqs[:, ids.shape[1]:].cpu()
         for j, r in enumerate(rows):
             toks = new[j].tolist()
-            end = toks.index(eos) + 1 if eos in toks else len(toks)
+            ended = ended_at(toks, stops)
+            end = len(toks) if ended is None else ended
             r.tokens += toks[:end]
             r.logprobs += logps[j, :end].tolist()
             r.versions += [version] * end
-            r.truncated = eos not in toks and len(r.tokens) >= (self.limit if r.limit is None else r.limit)
-            r.done = eos in toks or r.truncated
+            r.truncated = ended is None and len(r.tokens) >= (self.limit if r.limit is None else r.limit)
+            r.done = ended is not None or r.truncated
         return stopped
 
 
 class _Finished:
-    """A logits processor placed before the recorder: counts the rows that have drawn EOS, and is the recorder's
-    interruption (`pending`: asks `stop(finished, rows)` after each step)."""
+    """A logits processor placed before the recorder: counts the rows that have drawn a stop token, and is the
+    recorder's interruption (`pending`: asks `stop(finished, rows)` after each step)."""
 
-    def __init__(self, start: int, eos: int, stop):
-        self.start, self.eos, self.stop, self.finished = start, eos, stop, 0
+    def __init__(self, start: int, stops: list[int], stop, device: torch.device | None = None):
+        self.start, self.stops, self.stop, self.finished = start, torch.tensor(stops, device=device), stop, 0
 
     def __call__(self, input_ids, scores):
-        self.finished = int((input_ids[:, self.start:] == self.eos).any(-1).sum()) if input_ids.shape[1] > self.start \
-            else 0
+        self.finished = int(torch.isin(input_ids[:, self.start:], self.stops).any(-1).sum()) \
+            if input_ids.shape[1] > self.start else 0
         self.rows = input_ids.shape[0]
         return scores
 

@@ -27,7 +27,7 @@ import torch
 from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSession
 from tasks.core.errors import UserError
 from tasks.core.layout import BASE
-from tasks.core.models import ADAPTER_CONFIG, base_path, engine_context
+from tasks.core.models import ADAPTER_CONFIG, base_path, engine_context, stop_token_ids
 from tasks.core.paths import REPO_ROOT, sibling_python
 from tasks.core.processes import rlflow_first, run, spawn
 from tasks.engines.vllm_worker import NO_VLLM_EXIT
@@ -216,7 +216,7 @@ class OfflineSession(SamplingSession):
                          "sampling": {"n": params.n, "max_tokens": params.max_new_tokens,
                                       "temperature": params.temperature, "top_p": params.top_p,
                                       "top_k": params.top_k,
-                                      "stop_token_ids": [self.tokenizer.eos_token_id]}})
+                                      "stop_token_ids": stop_token_ids(self.tokenizer)}})
         samples = [Sample(g, ids, logps, truncated) for g, ids, logps, truncated in out["samples"]]
         return Sampled(samples, load_seconds=0.0, sampling_seconds=out["sampling_seconds"])
 

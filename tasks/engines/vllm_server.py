@@ -30,6 +30,7 @@ from tasks.core.contracts import Sample, Sampled, SamplingParams, SamplingSessio
 from tasks.core.daemon import Daemon, answers_http
 from tasks.core.errors import UserError
 from tasks.core.layout import BASE
+from tasks.core.models import stop_token_ids
 from tasks.core.paths import cache_root
 from tasks.core.processes import exclusive
 from tasks.engines.vllm_offline import (
@@ -103,7 +104,7 @@ class ServerSession(SamplingSession):
             load_seconds = time.perf_counter() - t0
             t1 = time.perf_counter()
             samples = server.complete(prompt_ids, request_seeds(params.seed, len(prompt_ids)), params,
-                                      stop_token_ids=[self.tokenizer.eos_token_id])
+                                      stop_token_ids=stop_token_ids(self.tokenizer))
             sampling_seconds = time.perf_counter() - t1
             server.verify()                                    # nothing reloaded it while it sampled for us
             if cfg.generate.sleep_when_idle:

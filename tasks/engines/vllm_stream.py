@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core.contracts import SamplingParams
-from tasks.core.models import load_tokenizer
+from tasks.core.models import load_tokenizer, stop_token_ids
 from tasks.engines.vllm_offline import OfflineSession, lora_id, model_of, request_seed
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class VLLMDecoder:
                             r.sampling or {}])
                 self.running[rid] = r
         sampling = {"temperature": self.params.temperature, "top_p": self.params.top_p, "top_k": self.params.top_k,
-                    "stop_token_ids": [tok.eos_token_id]}
+                    "stop_token_ids": stop_token_ids(tok)}
         while True:
             out = self.session.ask({"stream": {"add": add, "abort": abort, "lora": self.session.lora,
                                                "sampling": sampling, "steps": STEPS}})

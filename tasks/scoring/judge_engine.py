@@ -106,12 +106,13 @@ class JudgeEngine:
                  device: str | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-        from tasks.core.models import DTYPES, load_tokenizer
+        from tasks.core.models import DTYPES, load_tokenizer, stop_token_ids
         from tasks.core.process_wide import PROCESS_WIDE
 
         self.kind, self.max_length = kind, max_length
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = load_tokenizer(path)
+        self.stops = stop_token_ids(self.tokenizer)     # (each EOS of its generation_config ends an answer)
         config = AutoConfig.from_pretrained(path)
         classifier = kind == "classifier"
         if classifier != is_classifier(config):
@@ -133,7 +134,9 @@ class JudgeEngine:
     # ------------------------------------------------------------------------------------------ the two kinds
 
     def chat(self, requests: list[dict]) -> list[dict]:
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        from tasks.core.models import ended_at
+
+        stops, pad = self.stops, self.tokenizer.pad_token_id
         out: list[dict] = []
         with self.lock, torch.no_grad():
             encoded = [self._ids(r, generation=True) for r in requests]
@@ -143,13 +146,13 @@ class JudgeEngine:
             steps = max(int(r.get("max_tokens") or 64) for r in requests)
             top_k = max(int(r.get("top_logprobs") or 0) for r in requests)
             gen = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=steps,
-                                      pad_token_id=pad, eos_token_id=eos, return_dict_in_generate=True,
+                                      pad_token_id=pad, eos_token_id=stops, return_dict_in_generate=True,
                                       output_logits=top_k > 0)
             first = torch.log_softmax(gen.logits[0].float(), -1) if top_k > 0 else None
             for j, (r, (_, truncated)) in enumerate(zip(requests, encoded)):
                 toks = gen.sequences[j, L:L + int(r.get("max_tokens") or 64)].tolist()
-                if eos in toks:
-                    toks = toks[:toks.index(eos)]
+                if ended := ended_at(toks, stops):
+                    toks = toks[:ended - 1]
                 answer = {"text": self.tokenizer.decode(toks, skip_special_tokens=True), "truncated": truncated,
                           "tokens": len(toks)}
                 if first is not None and r.get("top_logprobs"):
@@ -188,6 +191,8 @@ class VLLMJudgeEngine:
     def __init__(self, path: str, kind: str, max_length: int = 2048, max_tokens: int = 64):
         from vllm import LLM
 
+        from tasks.core.models import stop_token_ids
+
         gpu = torch.cuda.is_available()
         self.kind, self.max_length = kind, max_length
         args = dict(model=path, seed=0, max_model_len=max_length + max_tokens, enforce_eager=not gpu,
@@ -199,6 +204,7 @@ class VLLMJudgeEngine:
             args.update(runner="pooling", convert="classify")
         self.llm = LLM(**args)
         self.tokenizer = self.llm.get_tokenizer()
+        self.stops = stop_token_ids(self.tokenizer, path)   # (generation_config="vllm": its EOS ids not merged)
         self.lock = threading.Lock()
 
     def answer(self, route: str, requests: list[dict]) -> list[dict]:
@@ -212,7 +218,8 @@ class VLLMJudgeEngine:
                 return [{"probs": list(o.outputs.probs), "logits": None, "truncated": cut}
                         for o, (_, cut) in zip(outs, encoded)]
             params = [SamplingParams(temperature=0.0, max_tokens=int(r.get("max_tokens") or 64),
-                                     logprobs=int(r.get("top_logprobs") or 0) or None, seed=0) for r in requests]
+                                     logprobs=int(r.get("top_logprobs") or 0) or None, seed=0,
+                                     stop_token_ids=self.stops) for r in requests]
             outs = self.llm.generate(prompts, params, use_tqdm=False)
             answers = []
             for r, o, (_, cut) in zip(requests, outs, encoded):

@@ -199,7 +199,7 @@ def run_episodes(cfg: Config, table: dict[int, dict], rows: list[int], session: 
             sampling_seconds += sampled.sampling_seconds
             for e, s, budget in zip(active, sampled.samples, budgets):
                 model_turn(cfg, e, s.completion_ids[:budget], s.logprobs[:budget], tokenizer, sampled.sampling_seconds)
-            ended = [not s.truncated and len(s.completion_ids) <= budget          # by EOS, not by the budget
+            ended = [not s.truncated and len(s.completion_ids) <= budget          # by a stop id, not the budget
                      for s, budget in zip(sampled.samples, budgets)]
             step(cfg, caller, active, ended, render)
     finally:
@@ -296,7 +296,9 @@ def step(cfg: Config, caller: Caller, active: list[Episode], ended: list[bool], 
             e.done = True
             continue
         try:
-            obs = render.observation(st.observation, e.schemas, end)
+            # (the closing loses its EOS only where the turn wrote the tokenizer's: a turn ended by another stop
+            # id of the model's, Qwen's <|endoftext|>, gets the template's closing in full)
+            obs = render.observation(st.observation, e.schemas, end and e.ids[-1:] == [render.tok.eos_token_id])
         except (TypeError, ValueError) as ex:
             e.fail(f"step's observation: {ex}")
             continue
