@@ -165,8 +165,10 @@ def preflight(cfg: Config) -> None:
         except UserError as e:
             source = (f"eval.path {cfg.eval.path}" if cfg.eval.path else "data.reasoning_gym"
                       if cfg.data.reasoning_gym is not None else f"data.path {cfg.data.path}")
-            where = f"the evaluation split ({source}, split {cfg.eval.split!r}) has "
-            raise UserError(str(e).replace("the data has ", where)) from None
+            split = f"the evaluation split ({source}, split {cfg.eval.split!r})"
+            said = str(e)           # (a clash of a column's name: "data: column ..." named the training data)
+            raise UserError(f"{split}: {said[6:]}" if said.startswith("data: ") else
+                            said.replace("the data has ", f"{split} has ")) from None
         # a held-out split's rows that are training prompts too are left out (said once); all of them: one line
         datasets[1] = load_prompts(cfg, split="eval")
     _check_needed_values(cfg, datasets)

@@ -155,6 +155,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "badtools_env.py").write_text(BADTOOLS_ENV)
     (tmp / "withsol.jsonl").write_text(json.dumps({"prompt": "a=", "answer": "bbb", "solution": "bbb"}) + "\n")
     (tmp / "nosol.jsonl").write_text(json.dumps({"prompt": "a=", "answer": "bbb"}) + "\n")
+    (tmp / "evalclash.jsonl").write_text(json.dumps({"prompt": "a=", "answer": "bbb", "trainer_state": 1}) + "\n")
     (tmp / "badrecipes").mkdir()
     (tmp / "badrecipes" / "generate.yaml").write_text("name: generate\nrun: python: -m tasks.generate\nenvs: {}\n")
     not_env_server = _http_server()
@@ -785,6 +786,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
              'reward.functions=[{"fn": "needs_col:f"}]'],
             f"needs argument 'solution', which is neither a dataset column (the evaluation split (eval.path "
             f"{tmp}/nosol.jsonl, split 'test') has ['answer'])"),
+        "eval file has a column named as a reward keyword": (
+            ["run", str(TINY), "-o", f"eval.path={tmp}/evalclash.jsonl"],
+            f"the evaluation split (eval.path {tmp}/evalclash.jsonl, split 'test'): column 'trainer_state' is named "
+            f"as a keyword reward functions are called with"),
         # edge values
         "empty file store uri": (["run", str(TINY), "-o", "store.uri=file://"], "store.uri: expected a folder"),
         "empty store uri": (["run", str(TINY), "-o", 'store.uri=""'], "store.uri: expected a folder"),
