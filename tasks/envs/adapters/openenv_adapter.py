@@ -56,6 +56,58 @@ def openenv_python(python: str | None) -> str | None:
     return python or sibling_python(VENV)
 
 
+def _columns(reset_columns: Any) -> list[str]:
+    """env.kwargs.reset_columns as given (None: ["seed"], where the data has one), or one line."""
+    if reset_columns is None:
+        return ["seed"]
+    if not isinstance(reset_columns, list | tuple) or not all(isinstance(c, str) and c for c in reset_columns):
+        raise UserError(f"env.kwargs.reset_columns: expected a list of the data's column names, e.g. [seed]; got "
+                        f"{reset_columns!r}")
+    return list(reset_columns)
+
+
+def _probe(exe: str, client: str, action: str | None) -> dict:
+    """openenv-core, env.kwargs.client and env.kwargs.action looked for in the OpenEnv Python (openenv_bridge.py
+    --probe); one line naming what is missing."""
+    import subprocess
+
+    try:
+        probe = run([exe, str(BRIDGE), "--probe", json.dumps({"client": client, "action": action})],
+                    capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"env.kwargs.client: importing {client}{f' and {action}' if action else ''} in {exe} did "
+                        f"not finish in 60 s") from None
+    if probe.returncode == 1 and not probe.stdout.strip():
+        raise UserError(f"env.kwargs.python: {exe} has no openenv-core (pip install openenv-core there; make "
+                        f"setup does for {VENV})")
+    try:
+        found = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        tail = (probe.stderr.strip().splitlines() or [""])[-1]
+        raise UserError(f"env.kwargs.python: {exe} could not look for env.kwargs.client and action (exit "
+                        f"{probe.returncode}) {tail}".strip()) from None
+    if found.get("client"):
+        raise UserError(f"env.kwargs.client: {found['client']}; expected module:Class naming an OpenEnv client "
+                        f"class (an EnvClient, with connect, reset and step) importable in {exe}, e.g. "
+                        f"openenv.core:GenericEnvClient")
+    if found.get("action"):
+        raise UserError(f"env.kwargs.action: {found['action']}; expected module:Class naming the environment's "
+                        f"action class (its pydantic Action) importable in {exe}, or none (actions sent as dicts)")
+    return found
+
+
+def _server_schema(base_url: str) -> dict | None:
+    """The action's JSON schema as the server says it (GET /schema: openenv-core's servers), if it does."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/schema", timeout=10) as response:
+            schema = json.loads(response.read(1_000_000)).get("action")
+    except Exception:  # noqa: BLE001 - a server without one: the field is not checked
+        return None
+    return schema if isinstance(schema, dict) else None
+
+
 class OpenEnv:
     """rlflow's protocol over one OpenEnv session per episode."""
 
@@ -64,7 +116,7 @@ class OpenEnv:
                  reset_columns: list[str] | None = None, python: str | None = None, timeout: float = 60.0):
         self.base_url, self.client, self.action_class = base_url, client, action
         self.action_field, self.observation_field = action_field, observation_field
-        self.reset_columns = ["seed"] if reset_columns is None else list(reset_columns)
+        self.reset_columns, self._columns_named = _columns(reset_columns), reset_columns is not None
         self.python, self.timeout = openenv_python(python), timeout
         self.observation: Any = None
         self.done = False
@@ -72,27 +124,41 @@ class OpenEnv:
         self._session = uuid.uuid4().hex
 
     @classmethod
-    def preflight(cls, base_url: str | None = None, python: str | None = None, **_: Any) -> None:
-        """Before the run starts: one line when the OpenEnv Python or the server is missing."""
+    def preflight(cls, base_url: str | None = None, python: str | None = None,
+                  client: str = "openenv.core:GenericEnvClient", action: str | None = None,
+                  action_field: str = "message", reset_columns: Any = None, **_: Any) -> None:
+        """Before the run starts: one line when the OpenEnv Python or the server is missing, when env.kwargs.client
+        or action names no class there, or the action has no field action_field, or reset_columns is no list."""
+        _columns(reset_columns)
+        if not isinstance(action_field, str) or not action_field:
+            raise UserError(f"env.kwargs.action_field: expected the name of the action's field a reply's text is "
+                            f"sent in (e.g. message); got {action_field!r}")
         exe = openenv_python(python)
         if exe is None or not os.access(exe, os.X_OK):
             where = f"{python!r} is not an executable" if python else f"no {VENV} was found"
             raise UserError(f"env.kwargs.python: {where}; the OpenEnv adapter runs openenv-core's client in a Python "
                             f"of its own (make setup builds {VENV})")
-        probe = run([exe, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('openenv') is None)"],
-                    capture_output=True, timeout=60)
-        if probe.returncode != 0:
-            raise UserError(f"env.kwargs.python: {exe} has no openenv-core (pip install openenv-core there; make "
-                            f"setup does for {VENV})")
+        found = _probe(exe, client, action)
         if not base_url:
             raise UserError("env.kwargs.base_url: the OpenEnv adapter needs the environment server's URL, e.g. "
                             "http://127.0.0.1:8000")
         require_answer(base_url.rstrip("/") + "/health", "OpenEnv server")
+        schema = found.get("schema") if action else _server_schema(base_url)
+        fields = (schema or {}).get("properties")
+        if isinstance(fields, dict) and fields and schema.get("additionalProperties") is False \
+                and action_field not in fields:
+            whose = f"env.kwargs.action {action}" if action else f"the server's action ({base_url}/schema)"
+            raise UserError(f"env.kwargs.action_field: {action_field!r} is not a field of {whose}, which has "
+                            f"{sorted(fields)}; expected the one a reply's text is sent in")
 
     def _call(self, op: str, **request: Any) -> Any:
         return self._bridge.call(self.timeout, op=op, session=self._session, **request)
 
     def reset(self, row: dict) -> list[dict]:
+        if self._columns_named and (lacks := [c for c in self.reset_columns if c not in row]):
+            # (preflight is not given the data: the first row read says it, for the run: episodes.py)
+            raise UserError(f"env.kwargs.reset_columns: {lacks[0]!r} is not a column of the data (its rows have "
+                            f"{sorted(row)}); expected the columns passed to the server's reset")
         self._bridge = _OpenEnvClient.of(self.python)
         self._call("open", client=self.client, action=self.action_class, base_url=self.base_url,
                    timeout=self.timeout)
@@ -106,7 +172,13 @@ class OpenEnv:
     def step(self, message: dict) -> Step:
         calls = [c for c in message.get("tool_calls") or [] if c.get("type") == "function"]
         action = dict(calls[0]["function"]["arguments"]) if calls else {self.action_field: message.get("content") or ""}
-        result = self._call("step", action=action)
+        try:
+            result = self._call("step", action=action)
+        except OpenEnvError as e:
+            if calls or not any(k in str(e) for k in ("VALIDATION_ERROR", "ValidationError")):
+                raise
+            raise OpenEnvError(f"{e} (the action sent: {{{self.action_field!r}: the reply's text}}, "
+                               f"env.kwargs.action_field)") from None
         self.observation, self.done = result["observation"], result["done"]
         reward = float(result["reward"] or 0.0)
         if self.done:

@@ -7,12 +7,19 @@ Standard library and openenv only: this file is run by path, never imported by r
 A request is {"id", "op": open | reset | step | close, "session", ...}; each session is one client (one
 WebSocket session on the environment's server: one episode). Requests run concurrently on one event loop. A
 reply is {"id", "ok": value} or {"id", "error": "Type: text"}.
+
+    .venv-openenv/bin/python tasks/envs/adapters/openenv_bridge.py --probe '{"client": ..., "action": ...}'
+
+(the adapter's preflight): exit 1 without openenv-core, else one JSON line, {"client": why | null, "action": why |
+null, "schema": the action class's JSON schema | null}: what is wrong with each class named, resolved here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -39,6 +46,45 @@ def _plain(value: Any) -> Any:
 
 def _result(r: Any) -> dict:
     return {"observation": _plain(r.observation), "reward": r.reward, "done": bool(r.done)}
+
+
+def _class(spec: str | None, methods: tuple[str, ...]) -> tuple[Any, str | None]:
+    """The class `spec` ("module:Class") names, or why it names none (of `methods`)."""
+    module, _, attr = (spec or "").partition(":") if isinstance(spec, str) else ("", "", "")
+    if not module or not attr:
+        return None, f"{spec!r} is not module:Class"
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except AttributeError:
+        return None, f"module {module!r} has no {attr!r}"
+    except Exception as e:  # noqa: BLE001 - the user's module: its failure is the answer
+        text = str(e).splitlines()[0] if str(e) else ""
+        return None, f"importing it raised {type(e).__name__}: {text}".strip()
+    lacks = [m for m in methods if not callable(getattr(found, m, None))]
+    if not isinstance(found, type) or lacks:
+        what = f"a class without {', '.join(lacks)}" if isinstance(found, type) else f"a {type(found).__name__}"
+        return None, f"{spec} is {what}"
+    return found, None
+
+
+def _schema(action: Any) -> dict | None:
+    """The action class's fields as JSON schema (a pydantic model's own; a dataclass's names), if it has them."""
+    if hasattr(action, "model_json_schema"):
+        return action.model_json_schema()
+    if dataclasses.is_dataclass(action):
+        return {"title": action.__name__, "additionalProperties": False,
+                "properties": {f.name: {} for f in dataclasses.fields(action) if f.init}}
+    return None
+
+
+def probe(request: dict) -> dict:
+    client = _class(request.get("client"), ("connect", "reset", "step"))[1]
+    action, why = _class(request["action"], ()) if request.get("action") else (None, None)
+    try:
+        schema = _schema(action) if action is not None else None
+    except Exception:  # noqa: BLE001 - a schema that cannot be read is not checked
+        schema = None
+    return {"client": client, "action": why, "schema": schema}
 
 
 class OpenEnvBridge:
@@ -82,6 +128,14 @@ class OpenEnvBridge:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--probe"]:
+        if importlib.util.find_spec("openenv") is None:
+            sys.exit(1)
+        out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)                                       # (what the user's modules print: not the answer)
+        out.write(json.dumps(probe(json.loads(sys.argv[2])), default=str) + "\n")
+        out.flush()
+        return
     bridge = OpenEnvBridge()
     loop = asyncio.new_event_loop()
 

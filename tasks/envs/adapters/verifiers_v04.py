@@ -182,8 +182,8 @@ async def run(row: dict, base_url: str, api_key: str, *, env: dict, client: Lite
     endpoint at `base_url` with the episode's `api_key`. `client`: `eval` (the harness's calls relayed) or `train`
     (verifiers renders with `tokenizer` and calls /inference/v1/generate). `sampling`: verifiers' SamplingConfig
     (max_tokens, temperature, ...), imposed on every call. `path`: folders the bridge imports packages from."""
-    check(env=env, client=client, tokenizer=tokenizer, model=model, sampling=sampling, path=path, python=python,
-          timeout=timeout)
+    _check_kwargs(env=env, client=client, tokenizer=tokenizer, model=model, sampling=sampling, path=path,
+                  python=python, timeout=timeout)
     bridge = _VerifiersClient.of(verifiers_python(python), _paths(path))
     name = model or await asyncio.to_thread(_model_at, base_url, api_key)
     wire = {"type": client, "base_url": base_url}
@@ -200,7 +200,44 @@ def check(*, env: dict, client: str = "eval", tokenizer: str | None = None, mode
           sampling: dict | None = None, path: str | list[str] | None = None, python: str | None = None,
           timeout: float = 3600.0) -> None:
     """What this agent accepts as env.kwargs, checked before the run starts (tasks/envs/runtime/agents.py: agent_of
-    calls an agent's `check`) and again by each episode: one line naming the key."""
+    calls an agent's `check`): one line naming the key. Each episode checks the kwargs' shape again; the
+    environment config is resolved by verifiers itself (its taskset imported, not loaded) once per process."""
+    _check_kwargs(env=env, client=client, tokenizer=tokenizer, model=model, sampling=sampling, path=path,
+                  python=python, timeout=timeout)
+    _check_env(env, path, python)
+
+
+_RESOLVED: set[str] = set()       # the environment configs verifiers resolved in this process (check)
+
+
+def _check_env(env: dict, path: str | list[str] | None, python: str | None, timeout: float = 300.0) -> None:
+    """env.kwargs.env resolved in the bridge (op check: the taskset's class imported, the config validated as
+    verifiers validates it when it loads the environment); one line naming what it refused."""
+    key = json.dumps([env, _paths(path), python], sort_keys=True, default=str)
+    if key in _RESOLVED:
+        return
+    bridge = _VerifiersClient.of(verifiers_python(python), _paths(path))
+    try:
+        bridge.ready.result(timeout=timeout)
+        fault = bridge.send(op="check", env=env)[1].result(timeout=timeout)
+    except TimeoutError:
+        raise UserError(f"env.kwargs.env: verifiers did not resolve the environment config in {timeout:g} s "
+                        f"(its taskset's import waits or loops)") from None
+    except (VerifiersError, EnvironmentDied) as e:
+        raise UserError(f"env.kwargs.env: the verifiers bridge could not resolve it: {e}") from None
+    if fault is None:
+        _RESOLVED.add(key)
+        return
+    if fault.get("field") == "taskset.id":
+        raise UserError(f"env.kwargs.env.taskset.id: {env['taskset']['id']!r}: {fault['error'].rstrip('.')}; "
+                        f"expected a taskset installed in {verifiers_python(python)} or in a folder of env.kwargs.path")
+    raise UserError(f"env.kwargs.env: verifiers refused the environment config: {fault['error']}")
+
+
+def _check_kwargs(*, env: dict, client: str = "eval", tokenizer: str | None = None, model: str | None = None,
+                  sampling: dict | None = None, path: str | list[str] | None = None, python: str | None = None,
+                  timeout: float = 3600.0) -> None:
+    """The shape of env.kwargs (check's first part; each episode's check)."""
     if not isinstance(env, dict) or not env:
         raise UserError(f"env.kwargs.env: verifiers' environment config (vf-eval's [env] table: {{taskset: ..., "
                         f"agent: ...}}); got {json.dumps(env, default=str)[:80]}")

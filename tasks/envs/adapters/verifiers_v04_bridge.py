@@ -9,7 +9,7 @@ It does for rlflow what verifiers' own env server does for a trainer (verifiers.
 over JSON lines instead of ZMQ and msgpack.
 
 Requests: {"id", "op": "run", "env": {...}, "task_idx" | "task_data", "model", "client": {...}, "key",
-"sampling"}, {"id", "op": "tasks", "env"}, {"id", "op": "cancel", "target"}. Replies: {"id", "ok": value} or
+"sampling"}, {"id", "op": "tasks" | "check", "env"}, {"id", "op": "cancel", "target"}. Replies: {"id", "ok": value} or
 {"id", "error": "Type: text"}; the first line, {"id": null, "ok": "ready"}, says verifiers imported.
 More: docs/internals.md (tasks/envs/adapters/verifiers_v04_bridge.py): what it runs, and why a transport of its own.
 """
@@ -65,6 +65,29 @@ class Loaded:
         return task_cls(data, self.env.config.taskset.task)    # (what EnvServer._build_task does with wire data)
 
 
+def _why(e: Exception) -> str:
+    return " ".join([type(e).__name__ + ":", *(line.strip() for line in str(e).splitlines()[:3])]).strip()
+
+
+def check(config: dict) -> dict | None:
+    """What is wrong with an environment config, resolved as Loaded resolves it but not loaded (no data, no
+    serving: the agent's preflight): {"field": its key under env (None: the config), "error"}, or None."""
+    from verifiers.v1.utils.loaders import resolve_env_config, taskset_class
+
+    taskset = config.get("taskset")
+    taskset_id = taskset.get("id") if isinstance(taskset, dict) else None
+    if taskset_id:
+        try:
+            taskset_class(str(taskset_id))
+        except Exception as e:  # noqa: BLE001 - the taskset's failure is the answer
+            return {"field": "taskset.id", "error": _why(e)}
+    try:
+        resolve_env_config(config)
+    except Exception as e:  # noqa: BLE001 - verifiers' refusal is the answer
+        return {"field": None, "error": _why(e)}
+    return None
+
+
 class VerifiersBridge:
     def __init__(self, out) -> None:
         self.out = out
@@ -113,6 +136,8 @@ class VerifiersBridge:
         if op == "tasks":
             loaded = await self.env(req["env"])
             return [task.data.model_dump(mode="json", exclude_none=True) for task in loaded.env.taskset]
+        if op == "check":
+            return check(req["env"])
         if op == "cancel":
             task = self.running.get(req["target"])
             if task is not None:
