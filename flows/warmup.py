@@ -46,6 +46,9 @@ def warm_start(cfg: Config, log) -> list[str]:
     return overrides_after(result)
 
 
+LOG_BATCH = 1000            # metrics an MLflow call (its log_batch limit)
+
+
 def log_metrics(cfg: Config, end: bool = False) -> None:
     """v0's per-step history (its manifest keeps it) into the run's MLflow run, at the steps, once; `end`: the run
     is then marked finished (`rlflow sft` alone; the flow's iterations go on in the same MLflow run)."""
@@ -60,10 +63,14 @@ def log_metrics(cfg: Config, end: bool = False) -> None:
     run_id = tracker.start(store)
     if tracker.superseded:
         print(tracker.superseded, flush=True)
-    if history and not tracker.client.get_metric_history(run_id, "sft/loss"):
-        batch = [Metric(f"sft/{k}", float(v), 0, h["step"]) for h in history for k, v in h.items() if k != "step"]
-        for i in range(0, len(batch), 1000):
-            tracker.client.log_batch(run_id, metrics=batch[i:i + 1000])
+    # each key's steps not logged yet: a kill between two batches had left the rest unlogged for good (the first
+    # batch's sft/loss read as "logged")
+    keys = sorted({k for h in history for k in h if k != "step"})
+    logged = {k: {m.step for m in tracker.client.get_metric_history(run_id, f"sft/{k}")} for k in keys}
+    batch = [Metric(f"sft/{k}", float(v), 0, h["step"]) for h in history for k, v in h.items()
+             if k != "step" and h["step"] not in logged[k]]
+    for i in range(0, len(batch), LOG_BATCH):
+        tracker.client.log_batch(run_id, metrics=batch[i:i + LOG_BATCH])
     if end:
         tracker.end()
 

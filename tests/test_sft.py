@@ -531,3 +531,27 @@ def test_demonstrations_of_held_out_eval_prompts_are_refused_before_anything_is_
     (tmp_path / "train_demos.jsonl").write_text(json.dumps(demos[0]) + "\n")
     check_warmup(_cfg(tmp_path, tmp_path / "train_demos.jsonl", *held))             # training prompts: taken
     check_warmup(_cfg(tmp_path, demos, f"data.path={tmp_path}/train.jsonl"))          # eval on the training set
+
+
+def test_sft_metrics_cut_short_by_a_kill_are_completed_on_the_next_call(tmp_path, monkeypatch):
+    """A kill after the first of log_metrics' batches (1000 metrics: 200 steps of 5 keys) left every later step
+    unlogged for good: the next call saw sft/loss present and logged nothing. Now each key's missing steps are
+    logged, none twice (the cut made here in MLflow's database: steps 3-6 of every key gone, as after the kill)."""
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.warmup import sft_command
+    from tasks.core.tracking import TAG_RUN
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(tmp_path, MESSAGES, "warmup.epochs=3", "warmup.batch_size=1", f"tracking.uri=sqlite:///{tmp_path}/m.db")
+    assert sft_command(cfg) == 0
+    with sqlite3.connect(tmp_path / "m.db") as db:
+        assert db.execute("DELETE FROM metrics WHERE key LIKE 'sft/%' AND step > 2").rowcount > 0
+    assert sft_command(cfg) == 0
+    client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                             filter_string=f"tags.`{TAG_RUN}` = 'warm'")[0]
+    for key in ("sft/loss", "sft/lr", "sft/tokens"):
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2, 3, 4, 5, 6], key
