@@ -25,7 +25,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from tasks.core.config_base import _HELD, HOW_NOT_WHAT, SINCE_DEFAULT, Section, moved, warn
+from tasks.core.config_base import _HELD, HOW_NOT_WHAT, SINCE_DEFAULT, Section, moved, warn, without_effect
 from tasks.core.config_generate import (
     MOVED_ENV_MODULES,
     PATH_AS_BEFORE_THE_MOVE,
@@ -78,8 +78,7 @@ __all__ = [  # the sections' models, re-exported: `from tasks.core.config import
     "LEARNER_CONFIGS", "BUILT_IN_LEARNERS", "LEARNER_KEYS", "FLAT_IN_FINGERPRINT", "TrainConfig", "WarmupConfig",
     "PublishConfig", "EvalConfig",
     "KeepConfig", "StoreConfig", "TRACKING_SCHEMES", "TrackingConfig", "Stage", "STAGES", "StageWhere",
-    "LauncherConfig", "CostConfig",
-    "Config", "load_config", "reference_markdown",
+    "LauncherConfig", "CostConfig", "Config", "load_config", "reference_markdown",
 ]
 
 
@@ -186,8 +185,7 @@ class Config(Section):
         if ol is not None and ol.buffer >= limit:
             what = "env.max_tokens" if self.env.episodic() else "generate.max_completion_length"
             raise ValueError(f"reward.overlong.buffer: {ol.buffer} tokens is not shorter than the completion limit "
-                             f"({what} {limit}): every completion would be punished; expected a buffer below "
-                             f"{limit}")
+                             f"({what} {limit}): every completion would be punished; expected a buffer below {limit}")
         return self
 
     @model_validator(mode="after")
@@ -271,6 +269,11 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _settings_without_effect(self):
+        without_effect([(self.publish, "publish", "delta", not self.train.lora_r, "LoRA adapters are published whole")])
+        return self
+
+    @model_validator(mode="after")
     def _resident_needs_a_lasting_machine(self):
         if self.train.mode == "resident" and self._managed_train():
             raise ValueError("train.mode: resident needs a train machine that outlives a job; with "
@@ -298,9 +301,8 @@ def _what(section: Section) -> dict:
         elif field.json_schema_extra == FLAT_IN_FINGERPRINT:
             dumped.pop(name)
             dumped.update(_what(getattr(section, name)))
-        elif isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("fingerprint") == \
-                "values-as-before":
-            dumped[name] = field.json_schema_extra["before"].get(dumped[name], dumped[name])
+        elif isinstance(extra := field.json_schema_extra, dict) and extra.get("fingerprint") == "values-as-before":
+            dumped[name] = extra["before"].get(dumped[name], dumped[name])
         elif field.json_schema_extra == PATH_AS_BEFORE_THE_MOVE:
             dumped[name] = path_before_the_move(getattr(section, name))
         elif isinstance(getattr(section, name), Section):
@@ -337,11 +339,9 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     """`value` at `key`; a mapping given for a section is merged into it, key by key, as dotted overrides would
     be (`-o 'run={iterations: 1}'` kept nothing of the file's run: the run trained under the default name); a
     free-form mapping (a function's kwargs, env.kwargs, a task's config) is one value: replaced whole."""
-    parts = key.split(".")
-    node = tree
+    parts, node = key.split("."), tree
     for p in parts[:-1]:
-        nxt = node.setdefault(p, {})
-        if not isinstance(nxt, dict):
+        if not isinstance(nxt := node.setdefault(p, {}), dict):
             raise UserError(f"override {key}: {p} is not a section")
         node = nxt
     node[parts[-1]] = _merged(node.get(parts[-1]), value, parts)
@@ -409,8 +409,7 @@ def _format_error(err: ValidationError) -> str:
     if e["type"] == "missing":
         return f"config: {loc}: required field is missing"
     shown = json.dumps(got, default=str) if not isinstance(got, dict) else "a mapping"
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
+    shown = shown[:77] + "..." if len(shown) > 80 else shown
     msg = e["msg"].removeprefix("Value error, ")
     msg = msg[:1].lower() + msg[1:] if msg[:2] != msg[:2].upper() else msg    # ("Input should..."; a pattern as is)
     if not e["loc"] and isinstance(got, dict):     # a check of the whole config names its own fields
@@ -462,8 +461,7 @@ def _near(parts: list) -> str | None:
     near = [n for n in sorted(names) if len(n) > 1 and n == initials]
     starts = [n for n in sorted(names) if len(leaf) > 2 and n.startswith(leaf)]    # model.name -> name_or_path
     cased = [n for n in sorted(names) if n.lower() == leaf.lower()]                 # TRAIN -> train, LR -> lr
-    near = cased or near or starts[:len(starts) == 1] or difflib.get_close_matches(leaf, sorted(names), n=1,
-                                                                                     cutoff=0.5)
+    near = cased or near or starts[:len(starts) == 1] or difflib.get_close_matches(leaf, sorted(names), n=1, cutoff=0.5)
     return ".".join([*map(str, parts[:-1]), near[0]]) if near else None
 
 
@@ -525,7 +523,11 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         if "=" not in item:
             raise UserError(f"override {item!r}: expected key=value (e.g. train.lr=1e-6)")
         key, raw = item.split("=", 1)
-        if not key or not all(part.isidentifier() for part in key.split(".")):
+        if not key or not all(map(str.isidentifier, parts := key.split("."))):
+            if at := next((i for i, p in enumerate(parts) if i and p.isascii() and p.isdigit()), 0):  # functions.0
+                one = {at + 1: f"..., {raw}", at + 2: f"{{..., {parts[-1]}: {raw}}}"}.get(len(parts), "...")
+                raise UserError(f"override {item!r}: a list item cannot be set by index; set the whole list, e.g. "
+                                f"-o '{'.'.join(parts[:at])}=[{one}]'")
             raise UserError(f"override {item!r}: expected a dotted key such as train.lr")
         key = key.strip()
         section, _, rest = key.partition(".")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -178,31 +179,53 @@ def _binds(fn: Any, *args: Any, **kwargs: Any) -> str | None:
     return None
 
 
-def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
-    """The environment reset on the data's first row (in a thread, waited for at most min(env.timeout_seconds,
-    10) s: a slow reset is the run's to time out): a KeyError or TypeError there is a column the environment reads
-    that the data lacks, or holds another type of, and what it returns must be chat messages whose roles a
-    template renders (data.ROLES): one line now instead of every episode failing. Other failures are the
-    episodes' to report (a row-dependent one, a resource the run provides)."""
+def _reset_reads_the_row(cfg: Config, env, row: dict, what: str, steps: bool = False) -> None:
+    """The environment reset on the data's first row and then (`steps`: rlflow's protocol) stepped once with an empty
+    assistant message, as an episode's first turn would, in one thread waited for at most min(env.timeout_seconds,
+    10) s (a slow one is the run's to time out; an `async def` one awaited there): a KeyError or TypeError in reset
+    is a column the environment reads that the data lacks, or holds another type of; reset must return at least one
+    chat message whose roles a template renders (data.ROLES), and step what the episodes take (as_step): one line
+    now instead of every episode failing. Other failures (step's own exceptions among them) are the episodes' to
+    report (a row-dependent one, a resource the run provides)."""
+    import asyncio
+    import inspect
+
     from tasks.core.data import message_fault
 
     failed: list[BaseException] = []
     returned: list = []
+    stepped: list = []
 
-    def reset() -> None:
-        try:
+    def check() -> None:
+        loop = asyncio.new_event_loop()           # (one for both: what an async reset opens, its step may use)
+
+        def called(method: str, arg: Any) -> Any:
             with user_code():
-                returned.append(env.reset(row))
-        except ExitRefused as e:                # (os._exit in it: said as the check's line, below)
-            failed.append(e)
-        except (KeyError, TypeError) as e:
-            failed.append(e)
-        except Exception:  # noqa: BLE001, S110 - not a column's: left to the run's episodes
-            pass
+                value = getattr(env, method)(arg)
+                return loop.run_until_complete(value) if inspect.isawaitable(value) else value
+        try:
+            try:
+                returned.append(called("reset", row))
+            except ExitRefused as e:                # (os._exit in it: said as the check's line, below)
+                failed.append(e)
+            except (KeyError, TypeError) as e:
+                failed.append(e)
+            except Exception:  # noqa: BLE001, S110 - not a column's: left to the run's episodes
+                pass
+            if steps and returned:
+                try:
+                    stepped.append(called("step", {"role": "assistant", "content": ""}))
+                except ExitRefused as e:
+                    failed.append(e)
+                except Exception:  # noqa: BLE001, S110 - the environment's own failure: the episodes' to report
+                    pass
+        finally:
+            loop.close()
 
-    t = threading.Thread(target=reset, name="rlflow-preflight-reset", daemon=True)
+    t = threading.Thread(target=check, name="rlflow-preflight-reset", daemon=True)
     t.start()
     t.join(min(cfg.env.timeout_seconds, 10.0))
+    failed, returned, stepped = list(failed), list(returned), list(stepped)     # (the thread may go on)
     if failed and isinstance(failed[0], ExitRefused):
         raise failed[0]
     if failed:
@@ -216,9 +239,18 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str) -> None:
         messages = as_messages(returned[0], f"{what}.reset's return")
     except TypeError as e:
         raise UserError(f"env.factory: {e}") from None
+    if not messages:
+        raise UserError(f"env.factory: {what}.reset on the data's first row returned no messages; expected at "
+                        f"least one chat message (the episode's prompt)")
     for j, m in enumerate(messages):
         if (fault := message_fault(m)) is not None:
             raise UserError(f"env.factory: {what}.reset's message {j}: {fault}")
+    if stepped:
+        try:
+            as_step(stepped[0])
+        except (TypeError, ValueError) as e:
+            raise UserError(f"env.factory: {what}.step(message) on the first turn: {e}; expected a Step or "
+                            f"(observation: chat messages, reward: a finite number, done[, info])") from None
 
 
 def check_environment(cfg: Config, row: dict, datasets: list | tuple = ()) -> None:
@@ -291,6 +323,12 @@ def _check_environment(cfg: Config, make: Callable[..., Any], spec: str, row: di
         for method, args, kw in fit:
             fn = getattr(instance, method, None)
             why = "it has none" if not callable(fn) else _binds(fn, *args, **kw)
+            if not callable(fn) and kind == "trl" and cfg.env.adapter == "auto":
+                a = "an" if name[:1].lower() in "aeiou" else "a"
+                value = f" {reprlib.repr(instance)}" if type(instance).__module__ == "builtins" else ""
+                raise UserError(f"env.factory: {spec} made {a} {name}{value}, which has no reset method; expected "
+                                f"an environment: an object with reset(row) and step(message) (rlflow's protocol), or "
+                                f"one with reset(**row) and tools as methods (TRL's environment_factory classes)")
             if why is not None and kind == "trl" and cfg.env.adapter == "auto" and _binds(fn, row) is None:
                 raise UserError(f"env.factory: {spec} made a {name}, whose reset(row) is rlflow's protocol's but it "
                                 f"has no step(message) method; expected one (or reset(**row) and tools as methods, as "
@@ -320,7 +358,7 @@ def _check_environment(cfg: Config, make: Callable[..., Any], spec: str, row: di
             raise UserError(f"env.factory: {spec}: {name}'s tools cannot be described to the model: "
                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         if kind in ("rlflow", "trl"):
-            _reset_reads_the_row(cfg, env, row, f"{spec}: {name}")
+            _reset_reads_the_row(cfg, env, row, f"{spec}: {name}", steps=kind == "rlflow")
     finally:
         close = getattr(env, "close", None) or getattr(instance, "close", None)
         try:
