@@ -212,3 +212,23 @@ def test_the_vllm_requests_stop_on_each_stop_id(qwenish, monkeypatch):
     served.cfg, served.policy, served.path, served.tokenizer = cfg, "base", str(qwenish), tok
     served.model, served.adapter = str(qwenish), False
     assert isinstance(served.sample([[1, 2]], params), Sampled) and asked[-1] == [eos, eot]
+
+
+def test_a_lora_policys_folder_and_a_model_without_generation_config_keep_the_models_stop_ids(qwenish, tmp_path):
+    """A LoRA policy's folder holds the adapter and the tokenizer, no generation_config.json (peft writes none):
+    its stop ids were the tokenizer's EOS alone from the first adapter on, where TRL's generate keeps the base
+    model's. They are the base model's now (adapter_config.json names it); and a model with a config.json alone
+    has transformers' generation config made from it: its eos_token_id."""
+    from tasks.core.models import ADAPTER_CONFIG, stop_token_ids
+
+    a, eot, eos = _ids(qwenish)
+    adapter = _with_generation_config(qwenish, tmp_path / "lora", None)
+    (adapter / "config.json").unlink()
+    (adapter / ADAPTER_CONFIG).write_text(json.dumps({"base_model_name_or_path": str(qwenish), "peft_type": "LORA"}))
+    assert stop_token_ids(load_tokenizer(str(adapter))) == [eos, eot]
+    plain = _with_generation_config(qwenish, tmp_path / "plain", None)
+    config = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**config, "eos_token_id": [eos, eot]}))
+    assert stop_token_ids(load_tokenizer(str(plain))) == [eos, eot]
+    shared = load_tokenizer(str(qwenish))
+    assert stop_token_ids(shared, str(plain / "nowhere")) == [eos] and stop_token_ids(shared) == [eos, eot]

@@ -237,7 +237,7 @@ def load_tokenizer(path: str):
                         f"{(str(e).splitlines() or [''])[0][:200]}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    stop_token_ids(tok, path)              # (read now: a policy's folder may be gone by the time it samples)
+    stop_token_ids(tok, path, keep=True)   # (read now: a policy's folder may be gone by the time it samples)
     if key is not None:
         if len(_tokenizers) >= 4:
             _tokenizers.clear()
@@ -245,26 +245,41 @@ def load_tokenizer(path: str):
     return tok
 
 
-def stop_token_ids(tokenizer, path: str | None = None) -> list[int]:
+def stop_token_ids(tokenizer, path: str | None = None, keep: bool = False) -> list[int]:
     """The ids that end a completion: the tokenizer's EOS, then each other eos_token_id of the model's
-    generation_config.json (an int or a list: Qwen2.5-Instruct's <|im_end|> and <|endoftext|>, Llama-3.1-Instruct's
+    generation config (an int or a list: Qwen2.5-Instruct's <|im_end|> and <|endoftext|>, Llama-3.1-Instruct's
     three), as transformers' generate under the model's own config and vLLM stop on each; the EOS alone where the
-    model has none. `path`: the model folder or hub id (default: the one the tokenizer was loaded from); read once
-    per tokenizer, then kept on it (load_tokenizer reads it as it loads)."""
+    model has none. `path`: the model folder or hub id (default: the one the tokenizer was loaded from; a LoRA
+    adapter's folder reads its base model's). Kept on the tokenizer when read from its own folder, or with `keep`
+    (load_tokenizer reads it as it loads: a policy's folder may be gone by the time it samples)."""
     if path is None and (known := getattr(tokenizer, "_rlflow_stop_ids", None)) is not None:
         return list(known)
-    from transformers import GenerationConfig
-
     ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    try:
-        more = GenerationConfig.from_pretrained(path or tokenizer.name_or_path).eos_token_id
-    except Exception:  # noqa: BLE001 - no generation_config.json (a GGUF file's folder, a bare tokenizer)
-        more = None
+    more = _model_eos(path or tokenizer.name_or_path)
     for i in more if isinstance(more, list | tuple) else [more]:
         if i is not None and int(i) not in ids:
             ids.append(int(i))
-    tokenizer._rlflow_stop_ids = tuple(ids)
+    if keep or path is None:
+        tokenizer._rlflow_stop_ids = tuple(ids)
     return ids
+
+
+def _model_eos(path: str, adapter: bool = True):
+    """eos_token_id of the model's generation_config.json, else of its config.json (from which transformers makes
+    the generation config of a model without one); a LoRA adapter's folder (peft writes neither): its base
+    model's, as adapter_config.json names it. None: no such file (a GGUF file's folder, a bare tokenizer)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    for read in (GenerationConfig.from_pretrained, AutoConfig.from_pretrained):
+        try:
+            return read(path).eos_token_id
+        except Exception:  # noqa: BLE001 - not there, or not readable: the next source
+            pass
+    try:
+        base = json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return _model_eos(base, adapter=False) if adapter and isinstance(base, str) and base else None
 
 
 def ended_at(toks: list[int], stops: list[int]) -> int | None:

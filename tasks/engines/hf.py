@@ -317,7 +317,7 @@ def _decode(state: dict, tokenizer, prompts: list[list[int]], rows_of: list[int]
     device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer)     # (every EOS of the model's generation_config, as TRL's generate stops)
     gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=stops)
+                               eos_token_id=stops or None)
     L, k = max(len(p) for p in prompts), len(partials[0])
     base = torch.tensor([[tokenizer.pad_token_id] * (L - len(p)) + p for p in prompts], device=device)
     base_attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)

@@ -61,7 +61,7 @@ class ContinuousSampler:
                                   for v in zip(*(r.settings(self.params) for r in rows)))
         recorder = _SampleAndRecord(temperature, top_p, self.generator, self.params.top_k, watch)
         gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=budget, pad_token_id=tok.pad_token_id,
-                                   eos_token_id=stops)
+                                   eos_token_id=stops or None)
         with torch.no_grad():
             cache = _prefill(model, base, base_attn, rows_of, 0) if self.share else None
             try:
@@ -89,7 +89,8 @@ class _Finished:
     recorder's interruption (`pending`: asks `stop(finished, rows)` after each step)."""
 
     def __init__(self, start: int, stops: list[int], stop, device: torch.device | None = None):
-        self.start, self.stops, self.stop, self.finished = start, torch.tensor(stops, device=device), stop, 0
+        self.start, self.stop, self.finished = start, stop, 0
+        self.stops = torch.tensor(stops, dtype=torch.long, device=device)
 
     def __call__(self, input_ids, scores):
         self.finished = int(torch.isin(input_ids[:, self.start:], self.stops).any(-1).sum()) \

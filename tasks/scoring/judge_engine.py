@@ -146,7 +146,7 @@ class JudgeEngine:
             steps = max(int(r.get("max_tokens") or 64) for r in requests)
             top_k = max(int(r.get("top_logprobs") or 0) for r in requests)
             gen = self.model.generate(input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=steps,
-                                      pad_token_id=pad, eos_token_id=stops, return_dict_in_generate=True,
+                                      pad_token_id=pad, eos_token_id=stops or None, return_dict_in_generate=True,
                                       output_logits=top_k > 0)
             first = torch.log_softmax(gen.logits[0].float(), -1) if top_k > 0 else None
             for j, (r, (_, truncated)) in enumerate(zip(requests, encoded)):
