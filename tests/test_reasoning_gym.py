@@ -423,8 +423,9 @@ BAD_SPECS = {
     "wrong type for validate()": ({"task": "chain_sum", "config": {"min_terms": "many"}},
                                   "data.reasoning_gym.config: task 'chain_sum' refuses {\"min_terms\": \"many\"}: "),
     "space too small": ({"task": "count_bits", "config": {"min_n": 1, "max_n": 3}, "size": 5, "eval_size": 20},
-                        "data.reasoning_gym: task 'count_bits' with this config gave only 3 different held-out "
-                        "problems in 200 items (eval_size 20): make eval_size smaller or the task's space larger"),
+                        "data.reasoning_gym.eval_size: task 'count_bits' with this config gave only 3 different "
+                        "held-out problems in 200 items (eval_size 20); expected eval_size smaller or the task's "
+                        "space larger"),
     "no room to train": ({"task": "count_bits", "config": {"min_n": 1, "max_n": 3}, "size": 5, "eval_size": 3},
                          "data.reasoning_gym: task 'count_bits' with this config gave only 0 training items outside "
                          "the 3 held-out ones and their twins (the same words and numbers in another order) in 50 "
@@ -625,3 +626,17 @@ def test_held_out_problems_are_all_different():
     keys = [procedural.twin_key(r["question"]) for r in held_out]
     assert len(held_out) == len(set(keys)) == 100
     assert not set(keys) & {procedural.twin_key(r["question"]) for r in train}
+
+
+def test_a_task_twin_key_cannot_tell_apart_makes_its_held_out_split_without_visiting_ten_times_as_many(monkeypatch):
+    """game_of_life's boards share twin_key's token counts: its held-out split is exact questions, found among the
+    first few times eval_size items, not after all TRIES x eval_size (ten times the items made, each build)."""
+    made, items = [], procedural._items
+
+    def counted(*args):
+        for entry in items(*args):
+            made.append(entry)
+            yield entry
+    monkeypatch.setattr(procedural, "_items", counted)
+    held_out = procedural._held_out("game_of_life", {}, procedural.HELD_OUT_SEED, 6)
+    assert len({r["question"] for r in held_out}) == 6 and len(made) <= 3 * 6

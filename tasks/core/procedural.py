@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 FIELD = "data.reasoning_gym"
 HELD_OUT_SEED = 1_000_000_007       # the held-out items' seed offset: far from any training item's Random(seed + i)
-SPLITS_VERSION = 3                  # 3: held-out problems distinct; 2: training skips held-out twins; 1: exact text
+SPLITS_VERSION = 4                  # 3-4: held-out problems distinct; 2: training skips held-out twins; 1: exact
 TRIES = 10                          # training items visited per one asked for, at most (_build)
 _WORDS = re.compile(r"\d+(?:\.\d+)?|\w+|[^\w\s]")
 
@@ -234,24 +234,22 @@ def _held_out(task: str, config: dict, seed: int, eval_size: int) -> list[dict]:
     earlier one has (exact questions where twin_key does not tell the task's questions apart). A generator repeats
     itself in a small space (sums of two terms of 1-2 digits: 100 items held 85 problems, 1-digit sums weighed
     twice), so `eval/prompts` counted problems twice and a held-out accuracy weighed them so."""
-    kept, seen, visited = [], set(), []
-    for entry in _items(task, config, seed, TRIES * eval_size):
+    kept, seen, visited, firsts = [], set(), [], {}
+    for n, entry in enumerate(_items(task, config, seed, TRIES * eval_size), 1):
         visited.append(entry)
+        firsts.setdefault(_exact(entry["question"]), entry)
         if twin_key(entry["question"]) not in seen:
             seen.add(twin_key(entry["question"]))
             kept.append(entry)
             if len(kept) == eval_size:
                 return kept
-    if not _twins_tell(visited):
-        firsts: dict[tuple, dict] = {}
-        for entry in visited:
-            firsts.setdefault(_exact(entry["question"]), entry)
-        kept = list(firsts.values())[:eval_size]
-        if len(kept) == eval_size:
-            return kept
-    raise UserError(f"{FIELD}: task {task!r} with this config gave only {len(kept)} different held-out problems in "
-                    f"{TRIES * eval_size} items (eval_size {eval_size}): make eval_size smaller or the task's space "
-                    f"larger")
+        if n % eval_size == 0 and n >= 2 * eval_size and len(firsts) >= eval_size and not _twins_tell(visited):
+            return list(firsts.values())[:eval_size]         # (without visiting all TRIES x eval_size items)
+    if not _twins_tell(visited) and len(firsts) >= eval_size:
+        return list(firsts.values())[:eval_size]
+    raise UserError(f"{FIELD}.eval_size: task {task!r} with this config gave only {len(kept)} different held-out "
+                    f"problems in {TRIES * eval_size} items (eval_size {eval_size}); expected eval_size smaller or "
+                    f"the task's space larger")
 
 
 def _items(task: str, config: dict[str, Any], seed: int, size: int):
