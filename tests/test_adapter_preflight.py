@@ -97,3 +97,39 @@ def test_a_taskset_verifiers_cannot_find_is_named_before_the_run():
                                         r"'nosuch_taskset' not found"):
         check(env={"taskset": {"id": "nosuch_taskset"}, "agent": SUBPROCESS}, path=[ENVS])
     check(env=SUMS, path=[ENVS])                                               # (a taskset that is there passes)
+
+
+@openenv
+def test_a_preflight_that_passed_is_not_probed_again_in_the_process(game, monkeypatch):
+    """run_episodes calls the factory's preflight at every rollout and evaluation: the probe (a process importing
+    openenv and the user's modules, up to 60 s) and GET /schema ran each time. Once passed, they are not again;
+    the server is still asked whether it answers (a server gone is one line)."""
+    from tasks.envs.adapters import openenv_adapter
+
+    probes, schemas = [], []
+    real_run, real_schema = openenv_adapter.run, openenv_adapter._server_schema
+    monkeypatch.setattr(openenv_adapter, "_CHECKED", set(), raising=False)
+    monkeypatch.setattr(openenv_adapter, "run", lambda argv, **kw: probes.append(argv) or real_run(argv, **kw))
+    monkeypatch.setattr(openenv_adapter, "_server_schema", lambda url: schemas.append(url) or real_schema(url))
+    for _ in range(3):
+        OpenEnv.preflight(base_url=game, reset_columns=["seed"])
+    assert len(probes) == 1 and "--probe" in probes[0] and len(schemas) == 1, (probes, schemas)
+    with pytest.raises(UserError, match=r"^env.kwargs.action_field: 'guess' is not a field"):     # (other kwargs:
+        OpenEnv.preflight(base_url=game, action_field="guess", reset_columns=["seed"])            # looked for)
+    assert len(probes) == 2
+    with pytest.raises(UserError, match=r"^env.kwargs.base_url: no OpenEnv server answers at http://127.0.0.1:9"):
+        OpenEnv.preflight(base_url=NOBODY)
+
+
+@openenv
+def test_a_client_module_that_exits_as_it_is_imported_is_named(tmp_path, monkeypatch):
+    """A sys.exit in the user's module escaped the probe's `except Exception`: the probe's process exited 1 with
+    nothing said, which read as 'has no openenv-core'."""
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(1)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(UserError) as e:
+        OpenEnv.preflight(base_url=NOBODY, client="exits_on_import:Client")
+    assert str(e.value).startswith("env.kwargs.client: importing it raised SystemExit: 1; expected module:Class "
+                                   "naming an OpenEnv client class"), str(e.value)
+    with pytest.raises(UserError, match=r"^env.kwargs.action: importing it raised SystemExit: 1; "):
+        OpenEnv.preflight(base_url=NOBODY, action="exits_on_import:Act")

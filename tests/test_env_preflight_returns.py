@@ -189,3 +189,113 @@ def test_publish_delta_beside_lora_is_warned_of(capsys):
     load_config(TINY, ["publish.delta=always"])                # (read: no LoRA)
     load_config(TINY, ["publish.delta=auto", "train.lora_r=4"])    # (the default)
     assert capsys.readouterr().err == ""
+
+
+def test_an_override_by_list_index_shows_the_item_in_its_place_and_quotes_for_the_shell():
+    """`reward.functions.1.weight=2` suggested a one-item list (`[{..., weight: 2}]`: the first function gone);
+    a value with a ' broke the example's single quotes."""
+    import subprocess
+
+    from tasks.core.config import load_config
+
+    def example(override: str) -> str:
+        with pytest.raises(UserError) as e:
+            load_config(TINY, [override])
+        said = str(e.value)
+        assert "a list item cannot be set by index; set the whole list, e.g. -o " in said, said
+        return said.split("e.g. -o ", 1)[1]
+
+    assert example("reward.functions.1.weight=2") == "'reward.functions=[..., {..., weight: 2}]'"
+    assert example("reward.functions.0.weight=2") == "'reward.functions=[{..., weight: 2}]'"
+    assert example("train.lora_target_modules.0=q_proj") == "'train.lora_target_modules=[q_proj]'"
+    assert example("train.lora_target_modules.3=q_proj") == "'train.lora_target_modules=[..., q_proj]'"
+    for raw in ("it's", "it's \"$HOME\" `x` \\n"):
+        said = example(f"reward.functions.1.name={raw}")
+        word = subprocess.run(["bash", "-c", f"printf %s {said}"], capture_output=True, text=True).stdout
+        assert word == f"reward.functions=[..., {{..., name: {raw}}}]", said       # (one word, as it was given)
+
+
+EMPTY_RESETS = '''
+import asyncio
+
+from tasks.envs.builtin.games import SayTheLetters
+
+
+class ResetEmpty(SayTheLetters):
+    def reset(self, row):
+        super().reset(row)
+        return []
+
+
+class LeavesATask(SayTheLetters):
+    async def reset(self, row):
+        asyncio.get_running_loop().create_task(asyncio.sleep(3600))      # (never awaited: pending at the close)
+        return super().reset(row)
+
+    async def step(self, message):
+        return super().step(message)
+'''
+
+
+class _Renders:
+    """A tokenizer whose chat template renders a prompt from no messages (Qwen's: a default system prompt)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=True):
+        return self.text
+
+
+@pytest.fixture
+def empty_resets(tmp_path, monkeypatch):
+    user_module(tmp_path, monkeypatch, "pf_empty", EMPTY_RESETS)
+
+
+def _check_empty(factory: str) -> None:
+    from tasks.core.config import load_config
+    from tasks.envs.runtime.protocol import check_environment
+
+    check_environment(load_config(LETTERS, [f"env.factory=pf_empty:{factory}"]), dict(ROW))
+
+
+def test_a_reset_of_no_messages_is_refused_only_where_the_template_renders_no_prompt(empty_resets, monkeypatch,
+                                                                                      capsys):
+    """A reset returning [] was refused whatever the policy: a chat template that renders a prompt from none ran
+    such environments. The tiny model's (transformers refuses an empty conversation) is still one line, naming
+    why; a template rendering nothing is too; where the tokenizer cannot be had, a warning."""
+    from tasks.core import models
+
+    with pytest.raises(UserError) as e:
+        _check_empty("ResetEmpty")
+    assert str(e.value).startswith("env.factory: pf_empty:ResetEmpty: ResetEmpty.reset on the data's first row "
+                                   "returned no messages; expected at least one chat message"), str(e.value)
+    assert "empty conversation" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setattr(models, "base_path", lambda cfg: "unused")
+    monkeypatch.setattr(models, "load_tokenizer", lambda path: _Renders("<|im_start|>system\nYou are Qwen.<|im_end|>"
+                                                                        "\n<|im_start|>assistant\n"))
+    _check_empty("ResetEmpty")                                                  # (renders a prompt: passes)
+    monkeypatch.setattr(models, "load_tokenizer", lambda path: _Renders(""))
+    with pytest.raises(UserError, match=r"returned no messages; expected at least one chat message .*renders ''"):
+        _check_empty("ResetEmpty")
+    capsys.readouterr()
+
+    def cannot(path):
+        raise UserError("model.name_or_path: cannot load tokenizer from 'unused'")
+    monkeypatch.setattr(models, "load_tokenizer", cannot)
+    _check_empty("ResetEmpty")
+    err = capsys.readouterr().err
+    assert err.startswith("warning: env.factory: pf_empty:ResetEmpty: ResetEmpty.reset on the data's first row "
+                          "returned no messages; ") and err.count("\n") == 1, err
+
+
+def test_what_an_async_reset_leaves_running_is_cancelled_before_its_loop_closes(empty_resets, caplog):
+    """The check's event loop was closed with the task still pending: 'Task was destroyed but it is pending!'
+    (asyncio's error log) once it was collected."""
+    import gc
+    import logging
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        _check_empty("LeavesATask")
+        gc.collect()
+    assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()], caplog.text

@@ -76,9 +76,8 @@ __all__ = [  # the sections' models, re-exported: `from tasks.core.config import
     "RewardFunction", "SandboxConfig", "RewardModel", "OverlongConfig", "RewardConfig",
     "LearnerConfig", "SurrogateConfig", "GrpoConfig", "ValueLearnerConfig", "PpoConfig", "VtraceAwrConfig",
     "LEARNER_CONFIGS", "BUILT_IN_LEARNERS", "LEARNER_KEYS", "FLAT_IN_FINGERPRINT", "TrainConfig", "WarmupConfig",
-    "PublishConfig", "EvalConfig",
     "KeepConfig", "StoreConfig", "TRACKING_SCHEMES", "TrackingConfig", "Stage", "STAGES", "StageWhere",
-    "LauncherConfig", "CostConfig", "Config", "load_config", "reference_markdown",
+    "PublishConfig", "EvalConfig", "LauncherConfig", "CostConfig", "Config", "load_config", "reference_markdown",
 ]
 
 
@@ -525,9 +524,10 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         key, raw = item.split("=", 1)
         if not key or not all(map(str.isidentifier, parts := key.split("."))):
             if at := next((i for i, p in enumerate(parts) if i and p.isascii() and p.isdigit()), 0):  # functions.0
-                one = {at + 1: f"..., {raw}", at + 2: f"{{..., {parts[-1]}: {raw}}}"}.get(len(parts), "...")
-                raise UserError(f"override {item!r}: a list item cannot be set by index; set the whole list, e.g. "
-                                f"-o '{'.'.join(parts[:at])}=[{one}]'")
+                q, raw = ("'", raw) if "'" not in raw else ('"', "".join("\\" * (c in '"$`\\') + c for c in raw))
+                one = {at + 1: raw, at + 2: f"{{..., {parts[-1]}: {raw}}}"}.get(len(parts), "...")   # in its place
+                raise UserError(f"override {item!r}: a list item cannot be set by index; set the whole list, e.g. -o "
+                                f"{q}{'.'.join(parts[:at])}=[{'..., ' * (int(parts[at]) > 0)}{one}]{q}")
             raise UserError(f"override {item!r}: expected a dotted key such as train.lr")
         key = key.strip()
         section, _, rest = key.partition(".")

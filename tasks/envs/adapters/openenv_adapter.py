@@ -108,6 +108,9 @@ def _server_schema(base_url: str) -> dict | None:
     return schema if isinstance(schema, dict) else None
 
 
+_CHECKED: set[str] = set()    # the preflights that passed in this process (preflight: the probe and /schema, once)
+
+
 class OpenEnv:
     """rlflow's protocol over one OpenEnv session per episode."""
 
@@ -128,8 +131,10 @@ class OpenEnv:
                   client: str = "openenv.core:GenericEnvClient", action: str | None = None,
                   action_field: str = "message", reset_columns: Any = None, **_: Any) -> None:
         """Before the run starts: one line when the OpenEnv Python or the server is missing, when env.kwargs.client
-        or action names no class there, or the action has no field action_field, or reset_columns is no list."""
-        _columns(reset_columns)
+        or action names no class there, or the action has no field action_field, or reset_columns is no list.
+        Called again at every run_episodes: what passed (the probe's process, the server's /schema) is not looked
+        for again in this process; the server is asked whether it answers each time."""
+        columns = _columns(reset_columns)
         if not isinstance(action_field, str) or not action_field:
             raise UserError(f"env.kwargs.action_field: expected the name of the action's field a reply's text is "
                             f"sent in (e.g. message); got {action_field!r}")
@@ -138,11 +143,15 @@ class OpenEnv:
             where = f"{python!r} is not an executable" if python else f"no {VENV} was found"
             raise UserError(f"env.kwargs.python: {where}; the OpenEnv adapter runs openenv-core's client in a Python "
                             f"of its own (make setup builds {VENV})")
-        found = _probe(exe, client, action)
+        key = json.dumps([exe, client, action, action_field, base_url, columns, os.environ.get("PYTHONPATH")],
+                         default=str)        # (what the probe imports: its PYTHONPATH too)
+        found = {} if key in _CHECKED else _probe(exe, client, action)
         if not base_url:
             raise UserError("env.kwargs.base_url: the OpenEnv adapter needs the environment server's URL, e.g. "
                             "http://127.0.0.1:8000")
         require_answer(base_url.rstrip("/") + "/health", "OpenEnv server")
+        if key in _CHECKED:
+            return
         schema = found.get("schema") if action else _server_schema(base_url)
         fields = (schema or {}).get("properties")
         if isinstance(fields, dict) and fields and schema.get("additionalProperties") is False \
@@ -150,6 +159,7 @@ class OpenEnv:
             whose = f"env.kwargs.action {action}" if action else f"the server's action ({base_url}/schema)"
             raise UserError(f"env.kwargs.action_field: {action_field!r} is not a field of {whose}, which has "
                             f"{sorted(fields)}; expected the one a reply's text is sent in")
+        _CHECKED.add(key)
 
     def _call(self, op: str, **request: Any) -> Any:
         return self._bridge.call(self.timeout, op=op, session=self._session, **request)

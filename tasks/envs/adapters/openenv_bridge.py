@@ -57,9 +57,9 @@ def _class(spec: str | None, methods: tuple[str, ...]) -> tuple[Any, str | None]
         found = getattr(importlib.import_module(module), attr)
     except AttributeError:
         return None, f"module {module!r} has no {attr!r}"
-    except Exception as e:  # noqa: BLE001 - the user's module: its failure is the answer
+    except BaseException as e:  # noqa: BLE001 - the user's module: its failure (a sys.exit in it too) is the answer
         text = str(e).splitlines()[0] if str(e) else ""
-        return None, f"importing it raised {type(e).__name__}: {text}".strip()
+        return None, f"importing it raised {type(e).__name__}{': ' + text if text else ''}".strip()
     lacks = [m for m in methods if not callable(getattr(found, m, None))]
     if not isinstance(found, type) or lacks:
         what = f"a class without {', '.join(lacks)}" if isinstance(found, type) else f"a {type(found).__name__}"

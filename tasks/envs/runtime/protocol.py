@@ -220,7 +220,15 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str, steps: bool = F
                 except Exception:  # noqa: BLE001, S110 - the environment's own failure: the episodes' to report
                     pass
         finally:
-            loop.close()
+            try:        # (what reset or step left running on it: cancelled, not "destroyed but pending" at close)
+                if pending := asyncio.all_tasks(loop):
+                    for task in pending:
+                        task.cancel()
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            except BaseException:  # noqa: BLE001, S110 - the check's answer is had: the loop is closed regardless
+                pass
+            finally:
+                loop.close()
 
     t = threading.Thread(target=check, name="rlflow-preflight-reset", daemon=True)
     t.start()
@@ -240,8 +248,7 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str, steps: bool = F
     except TypeError as e:
         raise UserError(f"env.factory: {e}") from None
     if not messages:
-        raise UserError(f"env.factory: {what}.reset on the data's first row returned no messages; expected at "
-                        f"least one chat message (the episode's prompt)")
+        _renders_none(cfg, env, what)
     for j, m in enumerate(messages):
         if (fault := message_fault(m)) is not None:
             raise UserError(f"env.factory: {what}.reset's message {j}: {fault}")
@@ -251,6 +258,36 @@ def _reset_reads_the_row(cfg: Config, env, row: dict, what: str, steps: bool = F
         except (TypeError, ValueError) as e:
             raise UserError(f"env.factory: {what}.step(message) on the first turn: {e}; expected a Step or "
                             f"(observation: chat messages, reward: a finite number, done[, info])") from None
+
+
+def _renders_none(cfg: Config, env: Any, what: str) -> None:
+    """A reset that returned no messages: the episode's prompt is what the policy's chat template renders from
+    none (a template with a default system prompt renders one; transformers' apply_chat_template refuses an empty
+    conversation in its recent versions): one line where it renders nothing or cannot. A warning on stderr where
+    the policy's tokenizer cannot be had here."""
+    import sys
+
+    said = f"env.factory: {what}.reset on the data's first row returned no messages"
+    try:
+        from tasks.core.models import base_path, load_tokenizer
+
+        tokenizer = load_tokenizer(base_path(cfg))       # (preflight loaded it just before: cached)
+    except Exception as e:  # noqa: BLE001 - no tokenizer here (it is the run's preflight to say why)
+        print(f"warning: {said}; the policy's tokenizer could not be loaded to check that its chat template "
+              f"renders a prompt from none ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})",
+              file=sys.stderr)
+        return
+    try:
+        from tasks.envs.runtime.tools import tool_schemas
+
+        text = tokenizer.apply_chat_template([], tools=tool_schemas(env) or None, add_generation_prompt=True,
+                                             tokenize=False)
+        why = None if isinstance(text, str) and text.strip() else f"it renders {text!r}"
+    except Exception as e:  # noqa: BLE001 - the template's (or transformers') refusal is the answer
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    if why is not None:
+        raise UserError(f"{said}; expected at least one chat message (the episode's prompt: the policy's chat "
+                        f"template renders none from no messages, {why})")
 
 
 def check_environment(cfg: Config, row: dict, datasets: list | tuple = ()) -> None:
