@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any, get_args
 
@@ -524,10 +525,9 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         key, raw = item.split("=", 1)
         if not key or not all(map(str.isidentifier, parts := key.split("."))):
             if at := next((i for i, p in enumerate(parts) if i and p.isascii() and p.isdigit()), 0):  # functions.0
-                q, raw = ("'", raw) if "'" not in raw else ('"', "".join("\\" * (c in '"$`\\') + c for c in raw))
                 one = {at + 1: raw, at + 2: f"{{..., {parts[-1]}: {raw}}}"}.get(len(parts), "...")   # in its place
                 raise UserError(f"override {item!r}: a list item cannot be set by index; set the whole list, e.g. -o "
-                                f"{q}{'.'.join(parts[:at])}=[{'..., ' * (int(parts[at]) > 0)}{one}]{q}")
+                                + shlex.quote(f"{'.'.join(parts[:at])}=[{'..., ' * (int(parts[at]) > 0)}{one}]"))
             raise UserError(f"override {item!r}: expected a dotted key such as train.lr")
         key = key.strip()
         section, _, rest = key.partition(".")
