@@ -278,10 +278,10 @@ def _renders_none(cfg: Config, env: Any, what: str) -> None:
               file=sys.stderr)
         return
     try:
+        from tasks.envs.runtime.rendering import chat_text
         from tasks.envs.runtime.tools import tool_schemas
 
-        text = tokenizer.apply_chat_template([], tools=tool_schemas(env) or None, add_generation_prompt=True,
-                                             tokenize=False)
+        text = chat_text(tokenizer, [], tool_schemas(env), True)        # (as the episodes render a prompt)
         why = None if isinstance(text, str) and text.strip() else f"it renders {text!r}"
     except Exception as e:  # noqa: BLE001 - the template's (or transformers') refusal is the answer
         why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"

@@ -11,6 +11,12 @@ from tasks.core.data import cut_prompt
 from tasks.core.models import parts_as_text
 
 
+def chat_text(tok, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
+    """The chat template's text of `messages` (content as parts: their text, to a text model's template)."""
+    return tok.apply_chat_template(parts_as_text(tok, messages), tools=tools or None,
+                                   add_generation_prompt=generation, tokenize=False)
+
+
 class Renderer:
     """Token ids of prompts and observations as the tokenizer's chat template renders them."""
 
@@ -23,9 +29,7 @@ class Renderer:
         self._heads: dict[str, tuple[str, str]] = {}
 
     def template(self, messages: list[dict], tools: list[dict] | None, generation: bool) -> str:
-        # (content as parts: their text, to a text model's template)
-        return self.tok.apply_chat_template(parts_as_text(self.tok, messages), tools=tools or None,
-                                            add_generation_prompt=generation, tokenize=False)
+        return chat_text(self.tok, messages, tools, generation)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         text = self.template(messages, tools, True)
