@@ -555,3 +555,20 @@ def test_sft_metrics_cut_short_by_a_kill_are_completed_on_the_next_call(tmp_path
                              filter_string=f"tags.`{TAG_RUN}` = 'warm'")[0]
     for key in ("sft/loss", "sft/lr", "sft/tokens"):
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2, 3, 4, 5, 6], key
+
+
+def test_recorded_rows_are_written_whole_or_not_at_all_under_a_temporary_name_of_their_own(tmp_path):
+    from tasks.envs.runtime.demonstrations import write
+
+    out = tmp_path / "demos.jsonl"
+    write([{"messages": [{"role": "user", "content": "hi"}]}], out)
+    before = out.read_bytes()
+    theirs = tmp_path / "demos.jsonl.partial"          # (a name another writer, or the user, may hold)
+    theirs.write_text("someone else's")
+    with pytest.raises(TypeError):
+        write([{"messages": []}, {"messages": object()}], out)       # (the second row cannot be written)
+    assert out.read_bytes() == before, "a failed write left a changed file under the final name"
+    assert theirs.read_text() == "someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demos.jsonl", "demos.jsonl.partial"]
+    write([{"messages": []}], out)
+    assert out.read_text() == '{"messages": []}\n' and theirs.read_text() == "someone else's"

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -218,10 +220,18 @@ def _schemas(cfg: Config, row: dict) -> list[dict] | None:
 
 
 def write(rows: list[dict], out: Path) -> None:
-    """JSON Lines, written under a temporary name and renamed: a file that exists is whole."""
+    """JSON Lines, written under a temporary name of this writer's own, flushed to disk and renamed: a file that
+    exists is whole (after a crash, or a power loss, too), two recordings to one file never write into one
+    temporary file, and a failed write leaves the old file and no temporary one."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(out)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
