@@ -133,3 +133,16 @@ def test_a_client_module_that_exits_as_it_is_imported_is_named(tmp_path, monkeyp
                                    "naming an OpenEnv client class"), str(e.value)
     with pytest.raises(UserError, match=r"^env.kwargs.action: importing it raised SystemExit: 1; "):
         OpenEnv.preflight(base_url=NOBODY, action="exits_on_import:Act")
+
+
+@openenv
+def test_a_reset_column_the_data_lacks_is_one_line_before_the_run(game, prefect_api, tmp_path):
+    """The column was looked for at the first episode's reset only: after the MLflow run, the store and the lease
+    (and in an environment server's process). Preflight gives the factory's check_row each split's first row."""
+    out = run_cli(["run", str(TINY), "-o", f"env.factory={FACTORY}", "-o",
+                   f'env.kwargs={{"base_url": "{game}", "reset_columns": ["answer", "level"]}}'], tmp_path, prefect_api)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith("error: env.kwargs.reset_columns: 'level' is not a column of the training data (its "
+                               "rows have ["), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())

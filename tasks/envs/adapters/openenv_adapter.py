@@ -161,14 +161,20 @@ class OpenEnv:
                             f"{sorted(fields)}; expected the one a reply's text is sent in")
         _CHECKED.add(key)
 
+    @classmethod
+    def check_row(cls, row: dict, which: str, /, reset_columns: Any = None, **_: Any) -> None:
+        """Each column env.kwargs.reset_columns names is one of `row`'s (the first of each split the run reads, in
+        the preflight; each row an episode resets on): one line, not the column left out of every reset. The
+        default (seed) is passed where a row has it."""
+        if reset_columns is not None and (lacks := [c for c in _columns(reset_columns) if c not in row]):
+            raise UserError(f"env.kwargs.reset_columns: {lacks[0]!r} is not a column of the {which} (its rows "
+                            f"have {sorted(row)}); expected the columns passed to the server's reset")
+
     def _call(self, op: str, **request: Any) -> Any:
         return self._bridge.call(self.timeout, op=op, session=self._session, **request)
 
     def reset(self, row: dict) -> list[dict]:
-        if self._columns_named and (lacks := [c for c in self.reset_columns if c not in row]):
-            # (preflight is not given the data: the first row read says it, for the run: episodes.py)
-            raise UserError(f"env.kwargs.reset_columns: {lacks[0]!r} is not a column of the data (its rows have "
-                            f"{sorted(row)}); expected the columns passed to the server's reset")
+        self.check_row(row, "data", reset_columns=self.reset_columns if self._columns_named else None)
         self._bridge = _OpenEnvClient.of(self.python)
         self._call("open", client=self.client, action=self.action_class, base_url=self.base_url,
                    timeout=self.timeout)

@@ -316,6 +316,10 @@ def check_environment(cfg: Config, row: dict, datasets: list | tuple = ()) -> No
                 _check_environment(cfg, factories[name], spec, first)
         except ExitRefused as e:
             raise UserError(f"env.factory: {spec}: {e}") from None
+    for split, ds in enumerate(datasets):        # (a factory's check_row: the columns it reads, in every split)
+        if len(ds) and callable(check_row := getattr(factories[environment_name(cfg, factories, ds[0])],
+                                                      "check_row", None)):
+            check_row(dict(ds[0]), ("training", "evaluation")[min(split, 1)] + " data", **cfg.env.kwargs)
 
 
 def _check_environment(cfg: Config, make: Callable[..., Any], spec: str, row: dict) -> None:
