@@ -593,3 +593,37 @@ def test_a_dict_of_environments_is_checked_row_by_row_before_the_run(tmp_path):
     with pytest.raises(UserError, match=r"^env.factory: tests.env_classes:NOT_ALL_FACTORIES is a dict, whose 'move' "
                                         r"is str; expected callables by name"):
         factory_of(_cfg("tests.env_classes:NOT_ALL_FACTORIES", tmp_path))
+
+
+RAISES_LATER = '''
+import os
+from pathlib import Path
+from tasks.core.errors import UserError
+
+class Env:
+    """The config's mistake, found by an episode other than the preflight's: its reset raises UserError."""
+    def reset(self, row):
+        mark = Path(os.environ["KILL_DIR"]) / "reset-once"
+        if mark.exists():
+            raise UserError("env.kwargs.level: expected one of the levels the game has")
+        mark.touch()
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, message):
+        return [{"role": "user", "content": "ok"}], 0.0, True
+'''
+
+
+def test_a_users_error_in_one_episode_ends_the_run_with_its_line_and_the_others_processes(tmp_path, prefect_api,
+                                                                                          monkeypatch):
+    """The episode's UserError ended the stage while the other episodes' calls still ran in their processes; left
+    running, they kept the CLI from exiting (the interpreter joins its children): the run printed its error and
+    hung for good. The other episodes are abandoned and their processes killed."""
+    from tests.conftest import TINY, run_cli, user_module
+
+    user_module(tmp_path, monkeypatch, "raises_later", RAISES_LATER)
+    out = run_cli(["run", str(TINY), "-o", "env.factory=raises_later:Env", "-o", "run.iterations=1"], tmp_path,
+                  prefect_api, timeout=240)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert lines[-1] == "error: env.kwargs.level: expected one of the levels the game has", lines[-5:]

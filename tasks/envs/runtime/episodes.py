@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +88,29 @@ def _each(caller: Caller, episodes: list[Episode], what: str, call, fails: bool 
     costs an episode nothing."""
     t0 = time.monotonic()
     futures = [caller.start(call, e) for e in episodes]
+    try:
+        return _results(episodes, futures, t0, what, fails)
+    except BaseException:
+        _abandon(episodes, futures)
+        raise
+
+
+def _abandon(episodes: list[Episode], futures: list[Future]) -> None:
+    """The stage ends here (the config's mistake, a server gone, an interrupt) while other episodes' calls still
+    run: each is failed and its environment killed (one its call opens later is killed as it opens:
+    Episode.opened), none waited for. Left running, their processes kept the run from exiting: the interpreter
+    joins the children it started, and theirs waited for their next call for good."""
+    for e, f in zip(episodes, futures):
+        if not f.done():
+            f.cancel()
+            e.abandoned = True                                 # (before e.env is read: Episode.opened)
+            e.fail("the stage ended before its call returned")
+            if e.env is not None:
+                e.env.kill()
+
+
+def _results(episodes: list[Episode], futures: list[Future], t0: float, what: str, fails: bool) -> list[Any]:
+    """_each's values, in the episodes' order."""
     out = []
     for e, f in zip(episodes, futures):
         try:
