@@ -180,10 +180,12 @@ def preflight(cfg: Config) -> None:
         from tasks.scoring.judges import check_models
 
         check_models(cfg)          # pins, classifier or not, URLs that answer, key variables: one line, exit 2
-        if any(place.judges[m.name] == "local" and m.engine == "vllm" for m in cfg.reward.models):
+        if on_vllm := [(i, m) for i, m in enumerate(cfg.reward.models)
+                       if place.judges[m.name] == "local" and m.engine == "vllm"]:
             from tasks.engines.vllm_offline import installed_python
 
-            installed_python(cfg)      # a judge server on vLLM here, and no vLLM environment: one line
+            (i, m), *_ = on_vllm      # a judge server on vLLM here, and no vLLM environment: one line naming it
+            installed_python(cfg, f"reward.models[{i}] ({m.name}).engine: vllm")
     if place.env == "local" and any(place.where(s) == "sky" for s in episode_stages):
         raise UserError("env.where: local serves the environments on this machine, which the generate cluster "
                         "(launcher: sky) cannot reach; use env.where: sky, or the URL of a server of yours")

@@ -357,7 +357,7 @@ class JudgeServers:
             from tasks.engines.vllm_offline import installed_python
             from tasks.scoring.judges import model_path
 
-            python = installed_python(self.cfg)
+            python = installed_python(self.cfg, f"reward.models ({spec.name}).engine: vllm")
             resolved = ["--model-path", model_path(self.cfg, spec, f"reward.models ({spec.name})")]
         proc, url, _ = spawn_server(["-m", "tasks.scoring.judge_server", "--config", self.config_path,
                                      "--overrides-json", json.dumps(self.overrides), "--model", spec.name,

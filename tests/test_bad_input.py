@@ -970,6 +970,14 @@ def _reward_model_cases() -> dict[str, tuple[list[str], str]]:
                                                            "say yes or no: {completion}', max_length: 16"),
                                                        "reward.models[0] (j).max_length: 16: the template's own text "
                                                        "is "),
+        # (it named generate.engine, which was hf)
+        "vllm judge, no vllm": (run(judge + ", template: '{completion}', engine: vllm, where: local, max_length: 128, "
+                                            "max_tokens: 4") +
+                                ["-o", f"generate.vllm_python={sys.executable}"],
+                                f"reward.models[0] (j).engine: vllm: {sys.executable} has no vllm"),
+        "two judges of one name": (["run", str(TINY), "-o", f"reward.models=[{{{judge}, template: '{{completion}}'}}, "
+                                                         f"{{{judge}, template: '{{completion}}'}}]"],
+                                   "reward.models[1] (j).name: 'j' is taken"),
         "verdict tokens of several tokens": (run(judge.replace("kind: judge", "kind: verdict") +
                                                  ", template: '{completion}', verdict_tokens: ['yes', 'no']"),
                                              "reward.models[0] (j).verdict_tokens: 'yes' is "),

@@ -50,9 +50,10 @@ class NoVllm(UserError):
     generate.vllm_python that is no interpreter at all fails it)."""
 
 
-def installed_python(cfg: Config) -> str:
-    """The vLLM interpreter, or one UserError line if it is missing or has no vllm. Looks the module up without
-    importing it (importing vllm takes seconds): for the flow's preflight and both vLLM engines."""
+def installed_python(cfg: Config, needs: str = "generate.engine: vllm") -> str:
+    """The vLLM interpreter, or one UserError line if it is missing or has no vllm (`needs`: the setting that
+    asks for vLLM, which the line names). Looks the module up without importing it (importing vllm takes
+    seconds): for the flow's preflight, both vLLM engines and the judges served on vLLM."""
     python = vllm_python(cfg)
     if os.sep in python and not Path(python).exists():
         raise UserError(f"generate.vllm_python: {python} does not exist (make setup builds .venv-vllm)")
@@ -61,7 +62,7 @@ def installed_python(cfg: Config) -> str:
     has_vllm = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     probe = run([python, "-c", has_vllm], stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if probe.returncode != 0:
-        raise NoVllm(f"generate.engine: vllm: {python} has no vllm; make setup builds .venv-vllm, a GPU machine "
+        raise NoVllm(f"{needs}: {python} has no vllm; make setup builds .venv-vllm, a GPU machine "
                         f"needs `pip install vllm`")
     return python
 

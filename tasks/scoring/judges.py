@@ -66,9 +66,12 @@ def check_specs(cfg: Config, columns: set[str] | None, function_names: list[str]
     names = [m.name for m in cfg.reward.models]
     for i, spec in enumerate(cfg.reward.models):
         what = f"reward.models[{i}] ({spec.name})"
-        if spec.name in function_names or names.count(spec.name) > 1 or spec.name in ("env", SHAPING):
-            raise UserError(f"{what}.name: {spec.name!r} is taken (by a reward function, another model, the "
-                            f"episodes' return 'env' or reward.overlong's shaping 'overlong'); names key the scores")
+        if spec.name in function_names or spec.name in names[:i] or spec.name in ("env", SHAPING):
+            by = ("a reward function" if spec.name in function_names else
+                  f"reward.models[{names.index(spec.name)}]" if spec.name in names[:i] else
+                  "the episodes' return" if spec.name == "env" else "reward.overlong's shaping")
+            raise UserError(f"{what}.name: {spec.name!r} is taken (by {by}); names key the scores, so each reward "
+                            f"function and model needs its own")
         if spec.template is not None:
             try:
                 fields = template_fields(spec)
