@@ -29,7 +29,7 @@ from pathlib import Path
 from flows.export import cmd_export
 from tasks.core.errors import UserError, printable
 from tasks.core.paths import check_environment, check_path, working_directory_on_path
-from tasks.core.process_wide import USER_THREADS, exit_now, set_default, set_variable, wind_down
+from tasks.core.process_wide import USER_THREADS, end_children, exit_now, set_default, set_variable, wind_down
 
 
 def _command_process() -> None:
@@ -489,6 +489,7 @@ def _main(argv: list[str] | None) -> int:
         from flows.repair import final_line
 
         said = final_line(e, _run_cfg[-1].launcher.retries if _run_cfg else None)
+        end_children()               # (what a failed stage left running would keep the exit waiting for good)
         if said is not None:         # one line, not a traceback: what is committed stays, the command resumes
             print(said[0], file=sys.stderr)
             return said[1]

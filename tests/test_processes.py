@@ -143,3 +143,24 @@ def test_a_servers_socket_takes_connections_before_it_serves_them():
             pass
     finally:
         sock.close()
+
+
+def _waits_for_its_parent(conn) -> None:
+    conn.recv()                                  # (its parent's next call: never sent)
+
+
+def test_children_left_running_are_ended_so_the_exit_does_not_wait_for_them():
+    """multiprocessing's exit handler joins every child for good: one waiting for its parent's next call (an
+    episode's environment a failed stage left) kept the CLI from exiting. end_children ends them, and says which."""
+    import multiprocessing
+
+    from tasks.core.process_wide import end_children
+
+    ctx = multiprocessing.get_context("forkserver")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_waits_for_its_parent, args=(child,), name="left-behind")
+    proc.start()
+    assert proc.is_alive()
+    assert "process left-behind" in end_children(grace=5.0)
+    assert not proc.is_alive() and proc not in multiprocessing.active_children()
+    parent.close()

@@ -394,8 +394,27 @@ def wind_down(seconds: float) -> list[str]:
             t.join(max(until - time.monotonic(), 0))
     left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
     left += _run_held(EXIT_HANDLER_SECONDS)
+    left += end_children()
     atexit._run_exitfuncs()
     return left
+
+
+def end_children(grace: float = 5.0) -> list[str]:
+    """The multiprocessing children still running (an episode's environment process a failed stage left behind)
+    ended: SIGTERM, then SIGKILL after `grace` seconds. multiprocessing's exit handler joins each for good, so
+    one that waits for its parent's next call kept the run from exiting. Returns their names."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for p in children:
+        p.terminate()
+    until = time.monotonic() + grace
+    for p in children:
+        p.join(max(until - time.monotonic(), 0))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+    return [f"process {p.name}" for p in children]
 
 
 # ---------------------------------------------------------------------------------------- environment variables
