@@ -146,3 +146,14 @@ def test_a_reset_column_the_data_lacks_is_one_line_before_the_run(game, prefect_
     assert lines[0].startswith("error: env.kwargs.reset_columns: 'level' is not a column of the training data (its "
                                "rows have ["), lines
     assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+@openenv
+def test_a_client_module_that_ends_its_process_as_it_is_imported_is_named_not_openenv_missing(tmp_path, monkeypatch):
+    """An os._exit(1) as the user's module was imported ended the probe with no answer and exit 1, which read as
+    'has no openenv-core' (the probe's own exit code for that is now one of its own)."""
+    (tmp_path / "ends_on_import.py").write_text("import os\nos._exit(1)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(UserError, match=r"^env.kwargs.client: importing ends_on_import:Client in .* ended its "
+                                        r"process \(exit 1\) before an answer"):
+        OpenEnv.preflight(base_url=NOBODY, client="ends_on_import:Client")

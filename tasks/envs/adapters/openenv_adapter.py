@@ -27,6 +27,7 @@ from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
 from tasks.core.processes import run
 from tasks.envs.adapters.bridge import LineBridge
+from tasks.envs.adapters.openenv_bridge import NO_OPENENV
 from tasks.envs.runtime.isolation import EnvironmentDied
 from tasks.envs.runtime.protocol import require_answer
 
@@ -77,15 +78,17 @@ def _probe(exe: str, client: str, action: str | None) -> dict:
     except subprocess.TimeoutExpired:
         raise UserError(f"env.kwargs.client: importing {client}{f' and {action}' if action else ''} in {exe} did "
                         f"not finish in 60 s") from None
-    if probe.returncode == 1 and not probe.stdout.strip():
+    if probe.returncode == NO_OPENENV and not probe.stdout.strip():
         raise UserError(f"env.kwargs.python: {exe} has no openenv-core (pip install openenv-core there; make "
                         f"setup does for {VENV})")
     try:
         found = json.loads(probe.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
+        # (an os._exit as a module is imported ends the probe with no answer: that import is named)
         tail = (probe.stderr.strip().splitlines() or [""])[-1]
-        raise UserError(f"env.kwargs.python: {exe} could not look for env.kwargs.client and action (exit "
-                        f"{probe.returncode}) {tail}".strip()) from None
+        raise UserError(f"env.kwargs.client: importing {client}{f' and {action}' if action else ''} in {exe} ended "
+                        f"its process (exit {probe.returncode}) before an answer; expected modules that import "
+                        f"without exiting {tail}".strip()) from None
     if found.get("client"):
         raise UserError(f"env.kwargs.client: {found['client']}; expected module:Class naming an OpenEnv client "
                         f"class (an EnvClient, with connect, reset and step) importable in {exe}, e.g. "

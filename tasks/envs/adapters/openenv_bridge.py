@@ -77,6 +77,9 @@ def _schema(action: Any) -> dict | None:
     return None
 
 
+NO_OPENENV = 3          # the probe's exit code where openenv-core is not installed (1: what a user's module exits)
+
+
 def probe(request: dict) -> dict:
     client = _class(request.get("client"), ("connect", "reset", "step"))[1]
     action, why = _class(request["action"], ()) if request.get("action") else (None, None)
@@ -130,7 +133,7 @@ class OpenEnvBridge:
 def main() -> None:
     if sys.argv[1:2] == ["--probe"]:
         if importlib.util.find_spec("openenv") is None:
-            sys.exit(1)
+            sys.exit(NO_OPENENV)
         out = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)                                       # (what the user's modules print: not the answer)
         out.write(json.dumps(probe(json.loads(sys.argv[2])), default=str) + "\n")
