@@ -570,5 +570,11 @@ def test_recorded_rows_are_written_whole_or_not_at_all_under_a_temporary_name_of
     assert out.read_bytes() == before, "a failed write left a changed file under the final name"
     assert theirs.read_text() == "someone else's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demos.jsonl", "demos.jsonl.partial"]
+    left = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmp_path / f".demos.jsonl.tmp-{int(left.stdout)}-0123abcd"        # (a writer killed: its pid gone)
+    killed.write_text('{"messages": []}\n{"mess')
+    running = tmp_path / f".demos.jsonl.tmp-{os.getpid()}-4567cdef"             # (one that still writes)
+    running.write_text("")
     write([{"messages": []}], out)
     assert out.read_text() == '{"messages": []}\n' and theirs.read_text() == "someone else's"
+    assert not killed.exists() and running.exists()
