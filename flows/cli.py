@@ -29,7 +29,8 @@ from pathlib import Path
 from flows.export import cmd_export
 from tasks.core.errors import UserError, printable
 from tasks.core.paths import check_environment, check_path, working_directory_on_path
-from tasks.core.process_wide import USER_THREADS, end_children, exit_now, set_default, set_variable, wind_down
+from tasks.core.process_wide import USER_THREADS, exit_now, set_default, set_variable, wind_down
+from tasks.core.processes import end_children
 
 
 def _command_process() -> None:
@@ -295,7 +296,7 @@ def _exit_after_done(code: int) -> None:
     """The end of a finished `rlflow run` (or one with users' threads left): what Python's exit runs in Python
     (process_wide.wind_down), then os._exit; the interpreter's teardown (~2 s, where a Ctrl-C ended it by SIGINT
     without a word) is skipped."""
-    if left := wind_down(60.0):
+    if left := wind_down(60.0, end_children):
         print(printable(f"warning: {', '.join(left[:4])} still running as the run ended: ended with it (a user's "
                         f"module that starts a thread or registers an exit handler when imported?)"), file=sys.stderr)
     sys.stdout.flush()

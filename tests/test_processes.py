@@ -134,7 +134,7 @@ def test_a_servers_socket_takes_connections_before_it_serves_them():
     connects in that gap must wait, not be refused (the pool's front reads a refusal as a lost member)."""
     import socket
 
-    from tasks.core.processes import listening_socket
+    from tasks.core.serving import listening_socket
 
     sock, url = listening_socket("127.0.0.1", 0)
     try:
@@ -146,21 +146,31 @@ def test_a_servers_socket_takes_connections_before_it_serves_them():
 
 
 def _waits_for_its_parent(conn) -> None:
-    conn.recv()                                  # (its parent's next call: never sent)
+    """An episode's process as isolation.py starts one (a group of its own, its keeper behind it, which ignores
+    SIGTERM), with a process its code started in a session of its own, waiting for its parent's next call."""
+    from tasks.envs.runtime.isolation import own_group
+
+    own_group()
+    started = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    conn.send(started.pid)
+    conn.recv()                                  # (never sent)
 
 
 def test_children_left_running_are_ended_so_the_exit_does_not_wait_for_them():
     """multiprocessing's exit handler joins every child for good: one waiting for its parent's next call (an
-    episode's environment a failed stage left) kept the CLI from exiting. end_children ends them, and says which."""
+    episode's environment a failed stage left) kept the CLI from exiting. end_children ends them with what they
+    started (a SIGTERM alone reached the keeper, which ignores it), and says which."""
     import multiprocessing
 
-    from tasks.core.process_wide import end_children
+    from tasks.core.processes import end_children
 
     ctx = multiprocessing.get_context("forkserver")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_waits_for_its_parent, args=(child,), name="left-behind")
     proc.start()
-    assert proc.is_alive()
+    started = parent.recv()
+    assert proc.is_alive() and alive(started)
     assert "process left-behind" in end_children(grace=5.0)
     assert not proc.is_alive() and proc not in multiprocessing.active_children()
+    assert not alive(started), "what the episode's code started outlived it"
     parent.close()

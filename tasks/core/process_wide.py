@@ -380,7 +380,7 @@ def _run_held(seconds: float | None = None) -> list[str]:
     return late
 
 
-def wind_down(seconds: float) -> list[str]:
+def wind_down(seconds: float, also: Callable[[], list[str]] | None = None) -> list[str]:
     """What Python's exit runs in Python: the other non-daemon threads joined (within `seconds` in all; not those
     of USER_THREADS), the exit handlers users' modules registered as they were imported (held apart:
     EXIT_HANDLER_SECONDS each), then the run's own (atexit: Prefect's temporary server stopped). Bounded: a
@@ -394,27 +394,10 @@ def wind_down(seconds: float) -> list[str]:
             t.join(max(until - time.monotonic(), 0))
     left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
     left += _run_held(EXIT_HANDLER_SECONDS)
-    left += end_children()
+    left += also() if also is not None else []       # (the CLI's: the children multiprocessing would join)
     atexit._run_exitfuncs()
     return left
 
-
-def end_children(grace: float = 5.0) -> list[str]:
-    """The multiprocessing children still running (an episode's environment process a failed stage left behind)
-    ended: SIGTERM, then SIGKILL after `grace` seconds. multiprocessing's exit handler joins each for good, so
-    one that waits for its parent's next call kept the run from exiting. Returns their names."""
-    import multiprocessing
-
-    children = multiprocessing.active_children()
-    for p in children:
-        p.terminate()
-    until = time.monotonic() + grace
-    for p in children:
-        p.join(max(until - time.monotonic(), 0))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
-    return [f"process {p.name}" for p in children]
 
 
 # ---------------------------------------------------------------------------------------- environment variables

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    from tasks.core.processes import listening_socket
+    from tasks.core.serving import listening_socket
 
     sock, url = listening_socket(args.host, args.port)
     server = uvicorn.Server(uvicorn.Config(

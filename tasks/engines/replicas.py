@@ -177,7 +177,7 @@ def ensure_router(cfg: Config, launch_spec: Mapping | None = None) -> dict:
     answers for this config; `launch_spec`: how it launches replica i on sky (the stage's context), None: a
     process here."""
     from tasks.core.daemon import answers_http
-    from tasks.core.processes import free_port
+    from tasks.core.serving import free_port
 
     launch = json.dumps(dict(launch_spec)) if launch_spec is not None else ""
     blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)

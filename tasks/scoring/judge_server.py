@@ -126,7 +126,7 @@ def app(spec, batcher, token: str | None, parent: int | None, idle: float | None
 def main(argv: list[str] | None = None) -> int:
     from tasks.core.config import load_config
     from tasks.core.errors import UserError, user_error_line
-    from tasks.core.processes import listening_socket, server_arguments
+    from tasks.core.serving import listening_socket, server_arguments
     from tasks.core.stage import parse_overrides_json, quiet_progress_bars
     from tasks.scoring.judge_engine import Batcher, JudgeEngine
     from tasks.scoring.judges import model_path

@@ -30,14 +30,13 @@ from tasks.core.contracts import Rollout, Sampled, SamplingParams, SamplingSessi
 from tasks.core.errors import UserError
 from tasks.core.paths import import_user
 from tasks.core.process_wide import renew_output_budget, user_code
-from tasks.core.processes import how_it_ended
+from tasks.core.processes import end_group, how_it_ended
 from tasks.envs.runtime.calls import Call, EpisodeLog
 from tasks.envs.runtime.endpoint import Endpoint
 from tasks.envs.runtime.isolation import (
     _awaited,
     as_failure,
     end_descendants,
-    end_group,
     output_copy,
     own_group,
     own_output,

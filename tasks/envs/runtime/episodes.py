@@ -106,7 +106,10 @@ def _abandon(episodes: list[Episode], futures: list[Future]) -> None:
             e.abandoned = True                                 # (before e.env is read: Episode.opened)
             e.fail("the stage ended before its call returned")
             if e.env is not None:
-                e.env.kill()
+                try:
+                    e.env.kill()
+                except Exception:  # noqa: BLE001 - (gone already): the stage's own error is the one raised
+                    pass
 
 
 def _results(episodes: list[Episode], futures: list[Future], t0: float, what: str, fails: bool) -> list[Any]:
@@ -245,6 +248,9 @@ def begin(caller: Caller, episodes: list[Episode], open_environment: Callable[..
             raise
         except Exception as ex:  # noqa: BLE001 - the factory's own failure: said as its, not reset's
             raise NotMade(_failure("the environment's factory", ex)) from None
+        if e.abandoned:          # (an environment on the server: made after its call was given up, ended now)
+            e.env.kill()
+            raise NotMade("the environment was opened after its call was given up")
         e.schemas = e.env.tool_schemas
         return e.env.reset(e.data)
 

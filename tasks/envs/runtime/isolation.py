@@ -41,6 +41,7 @@ from tasks.core.processes import (
     BoundedCopy,
     children_import_rlflow,
     descendant_groups,
+    end_group,
     fork_keeper,
     how_it_ended,
     sigkill_groups,
@@ -213,35 +214,6 @@ def end_descendants() -> None:
     sigkill_groups(descendant_groups(os.getpid()))
 
 
-def end_group(proc, grace: float = 1.0) -> None:
-    """An episode's process ended with everything it started (forked children left running): its group asked to
-    end (SIGTERM: a browser driver closes the browser it launched in a group of its own, as Playwright does on
-    SIGTERM), then killed after `grace` seconds at most; the groups of its descendants (what it adopted: a
-    daemon of its code, where it was killed before end_descendants ran) killed with it."""
-    if proc.pid is None:
-        return
-    from multiprocessing.connection import wait
-
-    others = descendant_groups(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        deadline, pause = time.monotonic() + grace, 0.0005
-        # Its keeper (own_group) ends last, once what it kept is gone: its end, seen the moment its parent reaps
-        # it (the sentinel), is nearly always the group's. Polled after that for what was left (no keeper, or
-        # one killed), and with no sentinel. (A first look after a sleep of 20 ms was most of an episode's
-        # process's cost; a sleep of 0.5 ms doubling still ~5 ms an episode.)
-        if getattr(proc, "sentinel", None) is not None:
-            wait([proc.sentinel], grace)
-        while time.monotonic() < deadline:
-            os.killpg(proc.pid, 0)
-            time.sleep(pause)
-            pause = min(2 * pause, 0.02)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):       # (nothing left of it; or own_group had not run yet)
-        pass
-    sigkill_groups(others)
-
-
 def _serve(conn, out, cfg_dump: dict, row: dict, cwd: str, path: list[str]) -> None:
     """The child: make the environment, then answer calls until `close`; then end what its code left running."""
     own_group()
@@ -367,6 +339,7 @@ class ProcessEnvironment:
 
     def __init__(self, proc, conn, copy: BoundedCopy):
         self.proc, self.conn, self.copy = proc, conn, copy
+        self._killing, self._killed = threading.Lock(), False
         self.tool_schemas: list[dict] = []
         self.state: dict | None = None
 
@@ -427,6 +400,11 @@ class ProcessEnvironment:
             self.kill()
 
     def kill(self) -> None:
+        """Once, whoever asks (its episode's timeout, the stage abandoning it, its close): a second caller returns."""
+        with self._killing:
+            if self._killed:
+                return
+            self._killed = True
         end_group(self.proc)
         if self.proc.is_alive():
             self.proc.kill()

@@ -27,7 +27,7 @@ from tasks.core.daemon import leave
 from tasks.core.fleet import Health, authorized, bearer, least_loaded
 from tasks.core.placement import ENV_TOKEN_VAR as TOKEN_VAR
 from tasks.core.placement import ENV_URL_VAR as URL_VAR  # noqa: F401 - the front's URL, as its callers name it
-from tasks.core.processes import listening_socket, server_arguments
+from tasks.core.serving import listening_socket, server_arguments
 from tasks.envs.runtime.server import READY, SLACK_SECONDS, beside
 
 LOST = "of the pool was lost"              # in the error of an episode whose server was lost (episodes.py counts it)

@@ -33,7 +33,7 @@ from tasks.core.fleet import authorized, bearer
 from tasks.core.placement import ENV_TOKEN_VAR as TOKEN_VAR  # (the server's own token: the stages' too)
 from tasks.core.placement import ENV_URL_VAR as URL_VAR  # noqa: F401 - the server's URL, as its callers name it
 from tasks.core.process_wide import renew_output_budget
-from tasks.core.processes import listening_socket, server_arguments
+from tasks.core.serving import listening_socket, server_arguments
 from tasks.envs.runtime.isolation import (
     Caller,
     EnvironmentDied,

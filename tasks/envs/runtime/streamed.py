@@ -54,8 +54,8 @@ class StreamedEpisodes(GroupSource):
         """Group `key`'s episodes opened (reset, their prompts rendered): the rows of their first turns."""
         episodes = [Episode(group=key[1], row=row, data=dict(columns), budget=self.cfg.env.timeout_seconds)
                     for _ in range(self.n)]
+        self.groups[key] = episodes            # (first: where begin raises, close() still ends those it opened)
         begin(self.caller, episodes, self.open_environment, self.render)
-        self.groups[key] = episodes
         return [r for e in episodes if not e.done and (r := self._turn(key, e)) is not None]
 
     def advance(self, finished: list[Row]) -> list[Row]:
