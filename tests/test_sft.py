@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -571,10 +572,17 @@ def test_recorded_rows_are_written_whole_or_not_at_all_under_a_temporary_name_of
     assert theirs.read_text() == "someone else's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demos.jsonl", "demos.jsonl.partial"]
     left = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    killed = tmp_path / f".demos.jsonl.tmp-{int(left.stdout)}-0123abcd"        # (a writer killed: its pid gone)
+    host = socket.gethostname()
+    killed = tmp_path / f".demos.jsonl.tmp-{host}-{int(left.stdout)}-0123abcd"   # (a writer killed: its pid gone)
     killed.write_text('{"messages": []}\n{"mess')
-    running = tmp_path / f".demos.jsonl.tmp-{os.getpid()}-4567cdef"             # (one that still writes)
-    running.write_text("")
+    running = tmp_path / f".demos.jsonl.tmp-{host}-{os.getpid()}-4567cdef"       # (one that still writes)
+    elsewhere = tmp_path / f".demos.jsonl.tmp-{host}x-{int(left.stdout)}-89abcdef"   # (another machine's)
+    for f in (running, elsewhere):
+        f.write_text("")
     write([{"messages": []}], out)
     assert out.read_text() == '{"messages": []}\n' and theirs.read_text() == "someone else's"
-    assert not killed.exists() and running.exists()
+    assert not killed.exists() and running.exists() and elsewhere.exists()
+    odd = tmp_path / "demos[1].jsonl"                  # (a name glob would read as a pattern: its own are swept)
+    (tmp_path / f".demos[1].jsonl.tmp-{host}-{int(left.stdout)}-0123abcd").write_text("")
+    write([{"messages": []}], odd)
+    assert not (tmp_path / f".demos[1].jsonl.tmp-{host}-{int(left.stdout)}-0123abcd").exists() and odd.exists()

@@ -222,16 +222,22 @@ def _schemas(cfg: Config, row: dict) -> list[dict] | None:
 def write(rows: list[dict], out: Path) -> None:
     """JSON Lines, written under a temporary name of this writer's own, flushed to disk and renamed: a file that
     exists is whole (after a crash, or a power loss, too), two recordings to one file never write into one
-    temporary file, and a failed write leaves the old file and no temporary one. What a killed writer left (its
-    process id in the name, that process gone) is removed by the next."""
+    temporary file, and a failed write leaves the old file and no temporary one. What a killed writer of this
+    machine left (its host and process id in the name, that process gone) is removed by the next."""
+    import socket
+
     from tasks.core.processes import alive
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    for left in out.parent.glob(f".{out.name}.tmp-*"):
-        pid = left.name.rsplit(".tmp-", 1)[1].split("-")[0]
+    ours = f".{out.name}.tmp-{socket.gethostname()}-"      # (a shared folder: other machines' writers are not ours)
+    for left in out.parent.iterdir():
+        pid = left.name[len(ours):].split("-")[0] if left.name.startswith(ours) else ""
         if pid.isdigit() and not alive(int(pid)):
-            left.unlink(missing_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            try:
+                left.unlink()
+            except OSError:                # (gone meanwhile, or another user's: left where it is)
+                pass
+    tmp = out.with_name(f"{ours}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "w") as f:
             for row in rows:
