@@ -27,12 +27,12 @@ from tasks.core.errors import UserError
 from tasks.core.paths import sibling_python
 from tasks.core.processes import run
 from tasks.envs.adapters.bridge import LineBridge
-from tasks.envs.adapters.openenv_bridge import NO_OPENENV
 from tasks.envs.runtime.isolation import EnvironmentDied
 from tasks.envs.runtime.protocol import require_answer
 
 VENV = ".venv-openenv"
 BRIDGE = Path(__file__).with_name("openenv_bridge.py")
+NO_OPENENV = 3                # the bridge's --probe exit code where openenv-core is not installed
 
 
 class OpenEnvError(RuntimeError):
@@ -81,14 +81,19 @@ def _probe(exe: str, client: str, action: str | None) -> dict:
     if probe.returncode == NO_OPENENV and not probe.stdout.strip():
         raise UserError(f"env.kwargs.python: {exe} has no openenv-core (pip install openenv-core there; make "
                         f"setup does for {VENV})")
+    lines = probe.stdout.strip().splitlines()
     try:
-        found = json.loads(probe.stdout.strip().splitlines()[-1])
+        found = json.loads(lines[-1])
     except (IndexError, ValueError):
-        # (an os._exit as a module is imported ends the probe with no answer: that import is named)
+        found = None
+    if not isinstance(found, dict) or found.get("importing"):
         tail = (probe.stderr.strip().splitlines() or [""])[-1]
-        raise UserError(f"env.kwargs.client: importing {client}{f' and {action}' if action else ''} in {exe} ended "
-                        f"its process (exit {probe.returncode}) before an answer; expected modules that import "
-                        f"without exiting {tail}".strip()) from None
+        if found:        # (it began importing the classes named, and never answered: an import ended its process)
+            raise UserError(f"env.kwargs.client: importing {client}{f' and {action}' if action else ''} in {exe} "
+                            f"ended its process (exit {probe.returncode}) before an answer; expected modules that "
+                            f"import without exiting {tail}".strip())
+        raise UserError(f"env.kwargs.python: {exe} could not look for env.kwargs.client and action (exit "
+                        f"{probe.returncode}) {tail}".strip())
     if found.get("client"):
         raise UserError(f"env.kwargs.client: {found['client']}; expected module:Class naming an OpenEnv client "
                         f"class (an EnvClient, with connect, reset and step) importable in {exe}, e.g. "

@@ -10,8 +10,9 @@ reply is {"id", "ok": value} or {"id", "error": "Type: text"}.
 
     .venv-openenv/bin/python tasks/envs/adapters/openenv_bridge.py --probe '{"client": ..., "action": ...}'
 
-(the adapter's preflight): exit 1 without openenv-core, else one JSON line, {"client": why | null, "action": why |
-null, "schema": the action class's JSON schema | null}: what is wrong with each class named, resolved here.
+(the adapter's preflight): exit 3 without openenv-core, else {"importing": true} as it starts importing the
+classes named, then one JSON line, {"client": why | null, "action": why | null, "schema": the action class's
+JSON schema | null}: what is wrong with each class named, resolved here (no second line: an import ended it).
 """
 
 from __future__ import annotations
@@ -77,9 +78,6 @@ def _schema(action: Any) -> dict | None:
     return None
 
 
-NO_OPENENV = 3          # the probe's exit code where openenv-core is not installed (1: what a user's module exits)
-
-
 def probe(request: dict) -> dict:
     client = _class(request.get("client"), ("connect", "reset", "step"))[1]
     action, why = _class(request["action"], ()) if request.get("action") else (None, None)
@@ -133,9 +131,11 @@ class OpenEnvBridge:
 def main() -> None:
     if sys.argv[1:2] == ["--probe"]:
         if importlib.util.find_spec("openenv") is None:
-            sys.exit(NO_OPENENV)
+            sys.exit(3)                                     # (the adapter's NO_OPENENV; 1: a module's own exit)
         out = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)                                       # (what the user's modules print: not the answer)
+        out.write(json.dumps({"importing": True}) + "\n")
+        out.flush()
         out.write(json.dumps(probe(json.loads(sys.argv[2])), default=str) + "\n")
         out.flush()
         return

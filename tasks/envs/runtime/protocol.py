@@ -317,9 +317,14 @@ def check_environment(cfg: Config, row: dict, datasets: list | tuple = ()) -> No
         except ExitRefused as e:
             raise UserError(f"env.factory: {spec}: {e}") from None
     for split, ds in enumerate(datasets):        # (a factory's check_row: the columns it reads, in every split)
-        if len(ds) and callable(check_row := getattr(factories[environment_name(cfg, factories, ds[0])],
-                                                      "check_row", None)):
-            check_row(dict(ds[0]), ("training", "evaluation")[min(split, 1)] + " data", **cfg.env.kwargs)
+        make = factories[name := environment_name(cfg, factories, ds[0])] if len(ds) else None
+        if callable(getattr(make, "preflight", None)) and callable(check_row := getattr(make, "check_row", None)):
+            spec = cfg.env.factory if name is None else f"{cfg.env.factory}[{name!r}]"
+            try:
+                with user_code():
+                    check_row(dict(ds[0]), ("training", "evaluation")[min(split, 1)] + " data", **cfg.env.kwargs)
+            except ExitRefused as e:
+                raise UserError(f"env.factory: {spec}.check_row: {e}") from None
 
 
 def _check_environment(cfg: Config, make: Callable[..., Any], spec: str, row: dict) -> None:
