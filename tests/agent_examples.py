@@ -81,6 +81,10 @@ async def _unruly(row, base_url, api_key):
     mode = row["mode"]
     if mode == "raise":
         raise ValueError("the agent broke")
+    if mode == "user_error":                # (the config's mistake, found by the agent: the run's one line)
+        from tasks.core.errors import UserError
+
+        raise UserError("env.agent: the agent needs a column 'level'")
     if mode == "exit":
         os._exit(3)
     if mode == "hang":

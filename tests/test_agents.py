@@ -478,3 +478,15 @@ def test_what_an_agent_returns_is_named_as_it_is():
                                             r"or None$"):
             outcome(value)
     assert outcome((1, {"a": 1})) == (1, {"a": 1}) and outcome(None) == (None, {})
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_a_users_error_an_agent_raises_is_the_stages_one_line_not_its_episodes_failure(isolation):
+    """An environment's UserError was the run's one line (exit 2); an agent's cost its episode alone, and a run
+    whose evaluation's agents all raised it finished with exit 0, the line never said. The other agents end."""
+    from tasks.core.errors import UserError
+
+    rows = [{"prompt": "p", "letters": "abc", "mode": m, "seed": i} for i, m in enumerate(["ok", "user_error", "ok"])]
+    cfg = _cfg("unruly", f"env.isolation={isolation}", "env.timeout_seconds=20")
+    with pytest.raises(UserError, match=r"^env.agent: the agent needs a column 'level'$"):
+        _run(cfg, n=1, rows=rows)

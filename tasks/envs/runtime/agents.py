@@ -324,7 +324,11 @@ def ended(run: Running, log: EpisodeLog, timeout: float) -> tuple[float | None, 
     if run.done():
         try:
             value = run.result()
+        except UserError:
+            raise                     # the config's mistake, as the agent found it: every episode would fail so
         except BaseException as e:  # noqa: BLE001 - costs only this episode
+            if isinstance(e, RuntimeError) and str(e).startswith("UserError: "):
+                raise UserError(str(e)[len("UserError: "):]) from None      # (raised in its own process)
             return None, {}, _why(e)
         try:
             reward, info = outcome(value)
