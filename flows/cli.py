@@ -485,12 +485,12 @@ def _main(argv: list[str] | None) -> int:
     except BaseException as e:  # noqa: BLE001 - the exit code contract is decided here
         if _stopped_by and not _finished:   # what the interrupt turned into on its way up (Prefect's crash handling)
             _interrupted()
+        end_children()               # (what a failed stage left running would keep the exit waiting for good)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         from flows.repair import final_line
 
         said = final_line(e, _run_cfg[-1].launcher.retries if _run_cfg else None)
-        end_children()               # (what a failed stage left running would keep the exit waiting for good)
         if said is not None:         # one line, not a traceback: what is committed stays, the command resumes
             print(said[0], file=sys.stderr)
             return said[1]
