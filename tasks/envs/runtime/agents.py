@@ -34,6 +34,7 @@ from tasks.core.processes import end_group, how_it_ended
 from tasks.envs.runtime.calls import Call, EpisodeLog
 from tasks.envs.runtime.endpoint import Endpoint
 from tasks.envs.runtime.isolation import (
+    EnvironmentFailed,
     _awaited,
     as_failure,
     end_descendants,
@@ -41,6 +42,7 @@ from tasks.envs.runtime.isolation import (
     own_group,
     own_output,
     run_forever,
+    user_error_of,
     users_loop,
     warm_up,
 )
@@ -231,7 +233,7 @@ class Processes:
             if kind == "died":
                 raise RuntimeError(f"the agent's process died ({how_it_ended(proc.exitcode)})")
             if kind == "error":
-                raise RuntimeError(value)
+                raise EnvironmentFailed(value)
             return value
 
         def kill() -> None:
@@ -327,8 +329,8 @@ def ended(run: Running, log: EpisodeLog, timeout: float) -> tuple[float | None, 
         except UserError:
             raise                     # the config's mistake, as the agent found it: every episode would fail so
         except BaseException as e:  # noqa: BLE001 - costs only this episode
-            if isinstance(e, RuntimeError) and str(e).startswith("UserError: "):
-                raise UserError(str(e)[len("UserError: "):]) from None      # (raised in its own process)
+            if (mistake := user_error_of(e)) is not None:
+                raise mistake from None                                     # (raised in its own process)
             return None, {}, _why(e)
         try:
             reward, info = outcome(value)

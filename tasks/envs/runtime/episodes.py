@@ -31,6 +31,7 @@ from tasks.envs.runtime.isolation import (
     EnvironmentFailed,
     InvalidReply,
     start_environment,
+    user_error_of,
     warm_up,
     why,
 )
@@ -134,8 +135,8 @@ def _results(episodes: list[Episode], futures: list[Future], t0: float, what: st
         except UserError:
             raise                     # the config's mistake (an adapter's check): every episode would fail so
         except Exception as ex:  # noqa: BLE001 - costs only this episode
-            if isinstance(ex, EnvironmentFailed) and str(ex).startswith("UserError: "):
-                raise UserError(str(ex)[len("UserError: "):]) from None      # (raised in its own process)
+            if (mistake := user_error_of(ex)) is not None:
+                raise mistake from None                                     # (raised in its own process)
             e.budget -= getattr(f, "finished", time.monotonic()) - t0
             why = _failure(what, ex)
         if fails:

@@ -317,7 +317,18 @@ def why(e: BaseException) -> str:
 
 
 class EnvironmentFailed(RuntimeError):
-    """The environment's own exception, raised in its process: the message is its type and text."""
+    """The environment's (or agent's) own exception, raised in its process: the message is its type and text."""
+
+
+def user_error_of(e: BaseException):
+    """The UserError an environment's or agent's code raised in its own process (EnvironmentFailed "UserError:
+    text", as `why` sent it): the config's mistake, the stage's to raise. None for any other failure."""
+    from tasks.core.errors import UserError
+
+    said = "UserError: "
+    if isinstance(e, EnvironmentFailed) and str(e).startswith(said):
+        return UserError(str(e)[len(said):])
+    return None
 
 
 def as_failure(e: BaseException) -> BaseException:
