@@ -399,7 +399,6 @@ def wind_down(seconds: float, also: Callable[[], list[str]] | None = None) -> li
     return left
 
 
-
 # ---------------------------------------------------------------------------------------- environment variables
 
 def set_default(name: str, value: str) -> None:
