@@ -296,6 +296,17 @@ def check_environment(cfg: Config, row: dict, datasets: list | tuple = ()) -> No
     splits a run reads) must name one (else `row`'s name alone is checked)."""
     factories = factories_of(cfg)
     firsts: dict = {}
+
+    def spec_of(name: str | None) -> str:             # (env.factory as the lines name it: the dict's entry)
+        return cfg.env.factory if name is None else f"{cfg.env.factory}[{name!r}]"
+
+    def as_users(spec: str, check: Callable[..., None], /, *args, **kwargs) -> None:   # (env.kwargs: any names)
+        try:
+            with user_code():
+                check(*args, **kwargs)
+        except ExitRefused as e:
+            raise UserError(f"env.factory: {spec}: {e}") from None
+
     for split, ds in enumerate(datasets if None not in factories else ()):
         which = ("training", "evaluation")[min(split, 1)]
         if ENVIRONMENT_COLUMN not in ds.column_names:
@@ -310,21 +321,12 @@ def check_environment(cfg: Config, row: dict, datasets: list | tuple = ()) -> No
             if name not in firsts:
                 firsts[name] = dict(ds[i])
     for name, first in (firsts or {environment_name(cfg, factories, row): row}).items():
-        spec = cfg.env.factory if name is None else f"{cfg.env.factory}[{name!r}]"
-        try:
-            with user_code():
-                _check_environment(cfg, factories[name], spec, first)
-        except ExitRefused as e:
-            raise UserError(f"env.factory: {spec}: {e}") from None
+        as_users(spec_of(name), _check_environment, cfg, factories[name], spec_of(name), first)
     for split, ds in enumerate(datasets):        # (a factory's check_row: the columns it reads, in every split)
         make = factories[name := environment_name(cfg, factories, ds[0])] if len(ds) else None
         if callable(getattr(make, "preflight", None)) and callable(check_row := getattr(make, "check_row", None)):
-            spec = cfg.env.factory if name is None else f"{cfg.env.factory}[{name!r}]"
-            try:
-                with user_code():
-                    check_row(dict(ds[0]), ("training", "evaluation")[min(split, 1)] + " data", **cfg.env.kwargs)
-            except ExitRefused as e:
-                raise UserError(f"env.factory: {spec}.check_row: {e}") from None
+            as_users(f"{spec_of(name)}.check_row", check_row, dict(ds[0]),
+                     ("training", "evaluation")[min(split, 1)] + " data", **cfg.env.kwargs)
 
 
 def _check_environment(cfg: Config, make: Callable[..., Any], spec: str, row: dict) -> None:
