@@ -627,3 +627,23 @@ def test_a_users_error_in_one_episode_ends_the_run_with_its_line_and_the_others_
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2, out.stderr[-3000:]
     assert lines[-1] == "error: env.kwargs.level: expected one of the levels the game has", lines[-5:]
+
+
+def test_a_call_past_its_time_in_a_thread_no_longer_holds_its_slot(tokenizer, tmp_path):
+    """env.isolation: thread with one slot, the caller kept (as the streaming sampler keeps it for a whole run): a
+    step that hangs for good fails its episode at its time, and the calls after it get the slot. Was: the hung
+    thread held it, and every later call waited out its own episode's time for it (all failed as stalled)."""
+    import threading
+
+    from tasks.envs.runtime.episodes import Episode, _each
+    from tasks.envs.runtime.isolation import Caller
+
+    caller, never = Caller(1), threading.Event()
+    hung = [Episode(group=0, row=0, data={}, budget=0.5)]
+    assert _each(caller, hung, "step", lambda e: never.wait()) == [None]
+    assert hung[0].error == "step did not return within env.timeout_seconds"
+    later = [Episode(group=g, row=g, data={}, budget=60.0) for g in range(1, 4)]
+    assert _each(caller, later, "step", lambda e: e.row * 10) == [10, 20, 30]
+    assert [e.error for e in later] == [None] * 3
+    never.set()
+    caller.stop()

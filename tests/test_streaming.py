@@ -883,3 +883,29 @@ def test_a_streamed_run_killed_and_resumed_trains_every_prompt_once(prefect_api,
     for key, manifest in before.items():
         it, j = map(int, key.split("/"))
         assert store.manifest(layout.stream_group("killed", it, j)) == manifest
+
+
+def test_a_streamed_environment_that_hangs_in_a_thread_costs_only_its_episodes(tmp_path):
+    """env.isolation: thread, one slot (env.concurrency 1), a group whose environment's step hangs past
+    env.timeout_seconds while streaming: its episodes fail at their time, the other groups' are unharmed. Was: the
+    sampler's one caller, kept for the whole run, left the slot to the hung thread, and every later call waited
+    out its own episode's time for it (the healthy groups failed as stalled)."""
+    import json
+
+    from tasks.envs.runtime.streamed import StreamedEpisodes
+
+    modes = ["hang", "ok", "ok", "ok"]
+    path = tmp_path / "hangs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "Say each letter I name.", "letters": "abc", "seed": i,
+                                        "mode": m}) + "\n" for i, m in enumerate(modes)))
+    cfg = load_config(ROOT / "configs" / "letters.yaml", _overrides(
+        tmp_path, "hangs", f"data.path={path}", "env.factory=tests.env_classes:Flaky", "env.isolation=thread",
+        "env.concurrency=1", "env.timeout_seconds=3", "generate.num_generations=2", "env.max_tokens=400",
+        "generate.max_completion_length=3", "generate.streaming.max_rows=8", iterations=1))
+    stream = Stream.of(cfg, 1, groups=StreamedEpisodes.given(None))
+    try:
+        records, _, _, _ = stream.collect(1)
+    finally:
+        assert Stream.stop_run("hangs") == 0
+    errors = sorted(((r.columns["mode"], r.env_error) for r in records), key=str)
+    assert errors == [("hang", "step did not return within env.timeout_seconds")] * 2 + [("ok", None)] * 6, errors

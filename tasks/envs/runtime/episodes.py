@@ -90,7 +90,7 @@ def _each(caller: Caller, episodes: list[Episode], what: str, call, fails: bool 
     t0 = time.monotonic()
     futures = [caller.start(call, e) for e in episodes]
     try:
-        return _results(episodes, futures, t0, what, fails)
+        return _results(caller, episodes, futures, t0, what, fails)
     except BaseException:
         _abandon(episodes, futures)
         raise
@@ -113,7 +113,8 @@ def _abandon(episodes: list[Episode], futures: list[Future]) -> None:
                     pass
 
 
-def _results(episodes: list[Episode], futures: list[Future], t0: float, what: str, fails: bool) -> list[Any]:
+def _results(caller: Caller, episodes: list[Episode], futures: list[Future], t0: float, what: str,
+             fails: bool) -> list[Any]:
     """_each's values, in the episodes' order."""
     out = []
     for e, f in zip(episodes, futures):
@@ -129,6 +130,7 @@ def _results(episodes: list[Episode], futures: list[Future], t0: float, what: st
         except TimeoutError:
             why = f"{what} {STALLED}"
             f.cancel()                                         # (still waiting for a slot: never made)
+            caller.give_up(f)                                  # (hung in a thread: its slot no longer held)
             e.abandoned = True                                 # (before e.env is read: Episode.opened)
             if e.env is not None:                              # (in a process of its own: ended now)
                 e.env.kill()

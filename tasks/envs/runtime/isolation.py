@@ -433,6 +433,7 @@ class Caller:
         self.slots = threading.Semaphore(concurrency)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.made = threading.Lock()
+        self.freeing = threading.Lock()
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         """The one event loop (made by the first call that needs it: calls come from many threads at once, and an
@@ -451,8 +452,9 @@ class Caller:
 
         def run() -> None:
             self.slots.acquire()
+            done.holds = True
             if not done.set_running_or_notify_cancel():     # (its episode timed out waiting: not made)
-                self.slots.release()
+                self.give_up(done)
                 return
             try:
                 with user_code():                           # (an os._exit in it: that call's failure)
@@ -465,10 +467,20 @@ class Caller:
                 done.finished = time.monotonic()
                 done.set_exception(as_failure(e))
             finally:
-                self.slots.release()
+                self.give_up(done)
 
         threading.Thread(target=run, daemon=True, name="env-call").start()
         return done
+
+    def give_up(self, done: Future) -> None:
+        """The call's slot freed: it returned, or it ran out of its episode's time (cancelled first: one still
+        waiting for a slot is never made). A call past its deadline in a thread cannot be stopped and is written
+        off: it holds no slot, or a few that hang for good would hold them all for as long as the caller lives
+        (the streaming sampler's, a whole run: each later call waited out its episode's time for a slot)."""
+        with self.freeing:
+            held, done.holds = getattr(done, "holds", False), False
+        if held:
+            self.slots.release()
 
     def stop(self) -> None:
         """The loop stopped, what the environments left open on it aborted first (UsersLoop.end)."""
