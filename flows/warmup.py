@@ -145,7 +145,7 @@ def _rows(text: str | None) -> list[int] | None:
 
 def record_command(args, cfg: Config) -> int:
     """`rlflow record` (flows/cli.py has checked --out and loaded the config)."""
-    from tasks.envs.runtime.demonstrations import record, write
+    from tasks.envs.runtime.demonstrations import RecordingProgress, job_of, record, write
 
     out = Path(args.out)
     if out.suffix not in (".jsonl", ".json"):
@@ -156,12 +156,17 @@ def record_command(args, cfg: Config) -> int:
     if not math.isfinite(args.min_return):
         raise UserError(f"--min-return: {args.min_return}: expected a finite return")
     rows = _rows(args.rows)
-    kept, records, unrendered = record(cfg, args.policy, rows, args.n, args.min_return, args.split)
-    if not kept:
-        raise UserError(f"--policy: none of its {len(records)} episodes returned {args.min_return:g} or more "
-                        f"without an error; nothing to write")
-    write(kept, out)
-    print(f"{out}: {len(kept)} demonstrations of {len(records)} episodes (return >= {args.min_return:g})"
-          + (f"; {unrendered} left out: they do not render back to their own tokens" if unrendered else ""),
-          file=sys.stderr)
+    with RecordingProgress(out, job_of(cfg, args.policy, rows, args.n, args.split, args.min_return)) as progress:
+        if progress.done:
+            print(f"{out}: going on from an interrupted recording: {len(progress.done)} rows "
+                  f"({progress.episodes} episodes) recorded before", file=sys.stderr)
+        record(cfg, args.policy, rows, args.n, args.min_return, args.split, done=frozenset(progress.done),
+               on_chunk=progress.add)
+        if not progress.kept:
+            raise UserError(f"--policy: none of its {progress.episodes} episodes returned {args.min_return:g} or "
+                            f"more without an error; nothing to write")
+        write(progress.kept, out)
+    print(f"{out}: {len(progress.kept)} demonstrations of {progress.episodes} episodes (return >= "
+          f"{args.min_return:g})" + (f"; {progress.unrendered} left out: they do not render back to their own "
+                                     f"tokens" if progress.unrendered else ""), file=sys.stderr)
     return 0

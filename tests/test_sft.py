@@ -586,3 +586,61 @@ def test_recorded_rows_are_written_whole_or_not_at_all_under_a_temporary_name_of
     (tmp_path / f".demos[1].jsonl.tmp-{host}-{int(left.stdout)}-0123abcd").write_text("")
     write([{"messages": []}], odd)
     assert not (tmp_path / f".demos[1].jsonl.tmp-{host}-{int(left.stdout)}-0123abcd").exists() and odd.exists()
+
+
+KILLS_ITSELF = '''import os, signal
+from tasks.envs.builtin.games import reference_action
+calls = 0
+
+
+def policy(context):
+    global calls
+    calls += 1
+    if calls == int(os.environ.get("KILL_AT_CALL", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)        # (a kill mid-recording: nothing of its own runs)
+    with open(os.environ["CALLS_LOG"], "a") as f:
+        f.write("call\\n")
+    return reference_action(context)
+'''
+
+
+def test_a_recording_killed_midway_goes_on_from_its_last_chunk_and_writes_what_a_whole_one_writes(tmp_path):
+    """`rlflow record` SIGKILLed in its second chunk of episodes (CHUNK_EPISODES), then run again with the same
+    arguments: it says it goes on, runs only the rows the kill left, and writes byte for byte what an uninterrupted
+    recording writes; its progress file is gone after. Was: everything recorded before the kill was lost (held in
+    memory until the end), a long browser recording started over. A second recording to the same file while one
+    records is refused in one line, exit 2."""
+    import fcntl
+
+    from tasks.envs.runtime.demonstrations import CHUNK_EPISODES
+
+    (tmp_path / "killer.py").write_text(KILLS_ITSELF)
+    out, whole = tmp_path / "demos.jsonl", tmp_path / "whole.jsonl"
+
+    def rec(dest: Path, **env) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "flows.cli", "record", str(LETTERS), "--policy", "killer:policy",
+                               "--out", str(dest), "--n", "2", "-o", "env.isolation=thread"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}", "CALLS_LOG": str(tmp_path / "log"),
+                                   **env})
+
+    assert 64 * 2 > CHUNK_EPISODES * 1.5             # (the kill below falls in the second chunk)
+    killed = rec(out, KILL_AT_CALL=str(CHUNK_EPISODES * 3 + 40))        # (3 turns an episode)
+    assert killed.returncode == -signal.SIGKILL and not out.exists(), killed.stderr[-2000:]
+    progress = tmp_path / ".demos.jsonl.progress"
+    assert progress.exists()
+    with open(progress) as held:                     # (held as a recording holds it)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        refused = rec(out)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+        f"error: --out: {out}: another rlflow record is writing it"), refused.stderr[-2000:]
+    (tmp_path / "log").unlink()
+    again = rec(out)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rows_done = CHUNK_EPISODES // 2
+    assert f"going on from an interrupted recording: {rows_done} rows ({CHUNK_EPISODES} episodes)" in again.stderr
+    assert len((tmp_path / "log").read_text().split()) == (64 * 2 - CHUNK_EPISODES) * 3     # (only the rest ran)
+    assert "128 demonstrations of 128 episodes" in again.stderr and not progress.exists()
+    assert rec(whole).returncode == 0
+    assert out.read_bytes() == whole.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

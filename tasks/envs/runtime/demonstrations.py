@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 
 MAX_EPISODES = 1_000_000     # episodes `rlflow record` runs in one call (rows x --n)
+CHUNK_EPISODES = 64          # episodes `rlflow record` runs between two saves of its progress
 
 
 class _Late(BaseException):
@@ -155,12 +156,16 @@ def as_row(r: Rollout, tokenizer, schemas: list[dict] | None) -> dict:
 
 
 def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, min_return: float | None = 1.0,
-           split: str = "train", seed: int = 0) -> tuple[list[dict], list[Rollout], int]:
+           split: str = "train", seed: int = 0, done: frozenset[int] = frozenset(),
+           on_chunk: Callable[[list[int], list[dict], int, int], None] | None = None
+           ) -> tuple[list[dict], list[Rollout], int]:
     """Episodes of `policy` on the dataset's rows (`split`: train, or the held-out eval split; `rows`: their
-    indices, all by default), `n` per row, greedy for a model. Returns the rows of those with a return ≥
-    `min_return` (None: all that ended without an error), every episode, and how many of the first kind were left
-    out because they do not render back to their own tokens and mask (a turn cut at max_completion_length, text
-    that does not round-trip through the tokenizer): a demonstration is kept only where RL's masks agree."""
+    indices, all by default; those in `done` left out), `n` per row, greedy for a model. Returns the rows of those
+    with a return ≥ `min_return` (None: all that ended without an error), every episode, and how many of the first
+    kind were left out because they do not render back to their own tokens and mask (a turn cut at
+    max_completion_length, text that does not round-trip through the tokenizer): a demonstration is kept only where
+    RL's masks agree. With `on_chunk`, the episodes run CHUNK_EPISODES at a time and each chunk's rows, kept rows,
+    episode count and unrendered count go to it instead (nothing returned, nothing held: `rlflow record`'s progress)."""
     from tasks.core.data import load_prompts
     from tasks.core.models import base_path, load_tokenizer
     from tasks.envs.runtime.episodes import run_episodes
@@ -174,7 +179,10 @@ def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, 
     if len(rows) * n > MAX_EPISODES:      # (each is held in memory until written)
         raise UserError(f"--n: {n} episodes per row x {len(rows)} rows: more than {MAX_EPISODES:,} episodes; "
                         f"record at most that many at a time")
-    table = {i: dict(ds[i]) for i in rows}
+    left = [i for i in rows if i not in done]
+    if not left:
+        return [], [], 0
+    table = {i: dict(ds[i]) for i in left}
     params = SamplingParams(n=n, max_new_tokens=cfg.generate.max_completion_length,
                             temperature=0.0 if policy == "model" else 1.0, top_p=1.0, seed=seed)
     if policy == "model":
@@ -184,11 +192,25 @@ def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, 
         session = open_session(cfg, layout.BASE)
     else:
         session = ScriptedPolicy(scripted(policy), load_tokenizer(base_path(cfg)), cfg.env.timeout_seconds)
+    schemas = _schemas(cfg, dict(ds[rows[0]]))
+    kept, records, unrendered = [], [], 0
+    per = max(1, CHUNK_EPISODES // n) if on_chunk else len(left)
     with session:
-        records, _ = run_episodes(cfg, table, rows, session, params)
-        tokenizer = session.tokenizer
-    schemas = _schemas(cfg, table[rows[0]]) if rows else None
-    render = Renderer(tokenizer, 1 << 30)
+        render = Renderer(session.tokenizer, 1 << 30)
+        for at in range(0, len(left), per):
+            chunk = left[at:at + per]
+            got, _ = run_episodes(cfg, table, chunk, session, params)
+            rendered, lost = _demonstrations(cfg, got, session.tokenizer, render, schemas, min_return)
+            if on_chunk is not None:
+                on_chunk(chunk, rendered, len(got), lost)
+            else:
+                kept, records, unrendered = kept + rendered, records + got, unrendered + lost
+    return kept, records, unrendered
+
+
+def _demonstrations(cfg: Config, records: list[Rollout], tokenizer, render: Renderer, schemas: list[dict] | None,
+                    min_return: float | None) -> tuple[list[dict], int]:
+    """The rows of the episodes worth keeping (record's rule), and how many of those did not render back."""
     kept, unrendered = [], 0
     for r in records:
         if r.env_error is not None or r.truncated or (min_return is not None and (r.env_return or 0.0) < min_return):
@@ -202,7 +224,7 @@ def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, 
             unrendered += 1
             continue
         kept.append(row)
-    return kept, records, unrendered
+    return kept, unrendered
 
 
 def _schemas(cfg: Config, row: dict) -> list[dict] | None:
@@ -248,3 +270,84 @@ def write(rows: list[dict], out: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class RecordingProgress:
+    """`rlflow record`'s progress beside its --out (`.NAME.progress`): a line naming the recording (`job`: a digest
+    of the config, the policy and its module's source, the rows, --n, --split, --min-return), then one JSON line
+    per chunk of rows recorded (those rows, their demonstrations, counts), each flushed to disk. A recording killed
+    and run again with the same arguments goes on after its last whole chunk; with others it starts afresh. Locked
+    while it records (a second recording to the same file is refused); removed once --out is written, and by a
+    recording that fails before it kept a demonstration."""
+
+    def __init__(self, out: Path, job: str):
+        self.out, self.job, self.path = out, job, out.with_name(f".{out.name}.progress")
+        self.done: set[int] = set()
+        self.kept: list[dict] = []
+        self.episodes = self.unrendered = 0
+
+    def __enter__(self) -> RecordingProgress:
+        import fcntl
+
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise UserError(f"--out: {self.out}: another rlflow record is writing it (its progress, {self.path}, "
+                            f"is locked); expected one recording per file at a time") from None
+        self.file.seek(0)
+        lines, good = self.file.read().split("\n"), 0
+        if lines[0] == json.dumps({"job": self.job}):
+            good = len(lines[0]) + 1
+            for line in lines[1:]:
+                try:
+                    chunk = json.loads(line)                 # (a torn last line: a write the kill cut short)
+                except ValueError:
+                    break
+                self._take(chunk)
+                good += len(line) + 1
+        self.file.truncate(good)       # (another recording's, or none: afresh, with this one's name)
+        if not good:
+            self._append({"job": self.job})
+        return self
+
+    def _take(self, chunk: dict) -> None:
+        self.done.update(chunk["rows"])
+        self.kept += chunk["kept"]
+        self.episodes += chunk["episodes"]
+        self.unrendered += chunk["unrendered"]
+
+    def _append(self, line: dict) -> None:
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def add(self, rows: list[int], kept: list[dict], episodes: int, unrendered: int) -> None:
+        """One chunk recorded (record's on_chunk)."""
+        chunk = {"rows": rows, "kept": kept, "episodes": episodes, "unrendered": unrendered}
+        self._append(chunk)
+        self._take(chunk)
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None or not self.kept:     # (written, or failed before a demonstration was recorded)
+            self.path.unlink(missing_ok=True)
+        self.file.close()
+
+
+def job_of(cfg: Config, policy: str, rows: list[int] | None, n: int, split: str, min_return: float | None) -> str:
+    """What a recording is: its progress is taken up again only by a recording of the same."""
+    import hashlib
+    import importlib.util
+
+    source = b""
+    if ":" in policy:
+        try:
+            origin = importlib.util.find_spec(policy.split(":", 1)[0]).origin
+            source = Path(origin).read_bytes()
+        except Exception:  # noqa: BLE001 - (not found: record's own import says so, in its line)
+            pass
+    what = json.dumps([cfg.model_dump(mode="json"), policy, rows, n, split, min_return], sort_keys=True, default=str)
+    return hashlib.sha256(what.encode() + hashlib.sha256(source).digest()).hexdigest()[:32]
+
