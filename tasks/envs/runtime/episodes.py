@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -115,36 +115,57 @@ def _abandon(episodes: list[Episode], futures: list[Future]) -> None:
 
 def _results(caller: Caller, episodes: list[Episode], futures: list[Future], t0: float, what: str,
              fails: bool) -> list[Any]:
-    """_each's values, in the episodes' order."""
-    out = []
-    for e, f in zip(episodes, futures):
+    """_each's values, in the episodes' order. A call's time runs from when it got its slot (Caller.start): one
+    waiting for a slot that a call of this batch holds is charged nothing for the wait (with env.concurrency 1
+    and a hung call, the others timed out queued behind it); while none of them holds one, from t0 or the last
+    moment one of them freed its slot."""
+    out: list[Any] = [None] * len(episodes)
+    pending, freed = set(range(len(episodes))), t0
+    while pending:
+        now, holding = time.monotonic(), any(hasattr(futures[i], "started") for i in pending)
+        deadlines = {}
+        for i in sorted(pending):
+            start = getattr(futures[i], "started", None if holding else freed)
+            if futures[i].done() or (start is not None and now >= start + episodes[i].budget):
+                pending.discard(i)
+                out[i] = _outcome(caller, episodes[i], futures[i], what, fails)
+                freed = time.monotonic()
+            elif start is not None:
+                deadlines[i] = start + episodes[i].budget
+        if pending:
+            wait([futures[i] for i in pending], return_when=FIRST_COMPLETED,
+                 timeout=min([0.25, *(d - now for d in deadlines.values())]))
+    return out
+
+
+def _outcome(caller: Caller, e: Episode, f: Future, what: str, fails: bool) -> Any:
+    """One call's value, or None after failing its episode (when `fails`): it raised, or is past its time."""
+    if f.done():
         try:
-            value = f.result(timeout=max(t0 + e.budget - time.monotonic(), 0.0))
-            e.budget -= getattr(f, "finished", time.monotonic()) - t0
-            out.append(value)
-            continue
+            value = f.result(timeout=0)
+            e.budget -= f.finished - f.started
+            return value
         except (ServerGone, ServerRefused) as ex:
             if fails:
                 raise                                          # the whole stage's failure: retried by the flow
             why = str(ex)
-        except TimeoutError:
-            why = f"{what} {STALLED}"
-            f.cancel()                                         # (still waiting for a slot: never made)
-            caller.give_up(f)                                  # (hung in a thread: its slot no longer held)
-            e.abandoned = True                                 # (before e.env is read: Episode.opened)
-            if e.env is not None:                              # (in a process of its own: ended now)
-                e.env.kill()
         except UserError:
             raise                     # the config's mistake (an adapter's check): every episode would fail so
         except Exception as ex:  # noqa: BLE001 - costs only this episode
             if (mistake := user_error_of(ex)) is not None:
                 raise mistake from None                                     # (raised in its own process)
-            e.budget -= getattr(f, "finished", time.monotonic()) - t0
+            e.budget -= getattr(f, "finished", time.monotonic()) - getattr(f, "started", time.monotonic())
             why = _failure(what, ex)
-        if fails:
-            e.fail(why)
-        out.append(None)
-    return out
+    else:
+        why = f"{what} {STALLED}"
+        f.cancel()                                             # (still waiting for a slot: never made)
+        caller.give_up(f)                                      # (hung in a thread: its slot no longer held)
+        e.abandoned = True                                     # (before e.env is read: Episode.opened)
+        if e.env is not None:                                  # (in a process of its own: ended now)
+            e.env.kill()
+    if fails:
+        e.fail(why)
+    return None
 
 
 STALLED = "did not return within env.timeout_seconds"     # an episode's environment stalled (or its server did)

@@ -456,6 +456,7 @@ class Caller:
             if not done.set_running_or_notify_cancel():     # (its episode timed out waiting: not made)
                 self.give_up(done)
                 return
+            done.started = time.monotonic()                 # (its episode's time runs from here)
             try:
                 with user_code():                           # (an os._exit in it: that call's failure)
                     value = fn(*args)
@@ -473,10 +474,9 @@ class Caller:
         return done
 
     def give_up(self, done: Future) -> None:
-        """The call's slot freed: it returned, or it ran out of its episode's time (cancelled first: one still
-        waiting for a slot is never made). A call past its deadline in a thread cannot be stopped and is written
-        off: it holds no slot, or a few that hang for good would hold them all for as long as the caller lives
-        (the streaming sampler's, a whole run: each later call waited out its episode's time for a slot)."""
+        """The call's slot freed: it returned, or ran out of its episode's time (cancelled first: one waiting for a
+        slot is never made; one in a thread cannot be stopped and is written off: hung for good, a few held every
+        slot for the caller's life, the streaming sampler's a whole run, and every later call timed out waiting)."""
         with self.freeing:
             held, done.holds = getattr(done, "holds", False), False
         if held:
