@@ -14,3 +14,15 @@ def early_letters_constant(completions: list[str], answer: list[str], **kwargs) 
 def refuses(completions: list[str], **kwargs) -> list[float]:
     """Raises on every batch (a reward function with a bug)."""
     raise ValueError("cannot parse the answer")
+
+
+def fails_until_fixed(completions: list[str], answer: list[str], **kwargs) -> list[float]:
+    """The demo's successor reward with a bug while the file $RLFLOW_TEST_BUG exists (the user's fix removes it);
+    each call appends its iteration and batch size to $RLFLOW_TEST_CALLS."""
+    import os
+
+    with open(os.environ["RLFLOW_TEST_CALLS"], "a") as f:
+        f.write(f"{kwargs['trainer_state'].global_step + 1}:{len(completions)}\n")
+    if os.path.exists(os.environ["RLFLOW_TEST_BUG"]):
+        raise KeyError("answer")
+    return successor_reward(completions, answer)

@@ -909,3 +909,35 @@ def test_a_streamed_environment_that_hangs_in_a_thread_costs_only_its_episodes(t
         assert Stream.stop_run("hangs") == 0
     errors = sorted(((r.columns["mode"], r.env_error) for r in records), key=str)
     assert errors == [("hang", "step did not return within env.timeout_seconds")] * 2 + [("ok", None)] * 6, errors
+
+
+def test_a_function_that_fails_while_streaming_is_called_once_an_iteration_and_scored_again_once_fixed(
+        tmp_path, monkeypatch):
+    """A reward function that raises while groups are scored as they complete: its first group is not stored and
+    the rest of the iteration is left to the reward stage, which calls it once on the whole batch and says its
+    one line (2 calls, not one a group: a function that hangs cost its timeout once a group, 16 of them at the
+    default). Fixed and run again, the iteration is scored (was: the failed scoring was stored and reused, so the
+    same error came back whatever the user fixed)."""
+    from tasks.core.errors import UserError
+    from tasks.generate import generate
+    from tasks.reward import reward
+
+    bug, calls = tmp_path / "bug", tmp_path / "calls"
+    bug.write_text("")
+    monkeypatch.setenv("RLFLOW_TEST_BUG", str(bug))
+    monkeypatch.setenv("RLFLOW_TEST_CALLS", str(calls))
+    cfg = load_config(TINY, _overrides(tmp_path, "fixed", "generate.streaming.on_update=interrupt",
+                                       'reward.functions=[{"fn": "tests.reward_examples:fails_until_fixed"}]',
+                                       "generate.max_completion_length=4", iterations=2))
+    try:
+        generate(cfg, 1, layout.BASE)
+        with pytest.raises(UserError, match=r"^reward: every reward call of iteration 1 failed.*KeyError"):
+            reward(cfg, 1)
+    finally:
+        Stream.stop_run("fixed")
+    ones = [c for c in calls.read_text().split() if c.startswith("1:")]     # (iteration 2's groups stream too)
+    assert ones == ["1:4", "1:16"]                 # (a group of 4, then the stage's whole batch)
+    bug.unlink()
+    done = reward(cfg, 1)
+    assert done["metrics"]["reward/fails_until_fixed/errors"] == 0.0, done["metrics"]
+    assert done["metrics"].get("reward/missing_share", 0.0) == 0.0, done["metrics"]

@@ -359,12 +359,13 @@ class Stream:
         else:
             self.listener.submit(it, j, rollout.load(self.store, layout.stream_group(run, it, j)))
 
-    def _scored(self, it: int, j: int, records: list[Rollout]) -> None:
+    def _scored(self, it: int, j: int, records: list[Rollout] | None) -> None:
         """The scorer's word on group `j` of iteration `it` (its thread): with dynamic sampling, whether it is
-        constant (tasks/algorithms/dynamic_sampling.py's test; a constant one calls for an extra group)."""
+        constant (tasks/algorithms/dynamic_sampling.py's test; a constant one calls for an extra group). None: left
+        unscored (a function failed in its iteration: the reward stage scores it), taken as not constant."""
         if self.ds is None:
             return
-        constant = dynamic_sampling.constant_groups(records, self.ds.tolerance)[j]
+        constant = records is not None and dynamic_sampling.constant_groups(records, self.ds.tolerance)[j]
         with self.changed:
             if (extras := self.extras.get(it)) is not None:
                 extras.verdicts[j] = constant

@@ -208,9 +208,9 @@ class _Worker:
             self.kill()
             raise UserError(f"reward.functions: the reward worker could not set up: {message}")
 
-    def call(self, index: int, completions: list, columns: dict, timeout: float):
-        if index == 0:
-            self.output.renew()            # (a budget per batch)
+    def call(self, index: int, completions: list, columns: dict, timeout: float, renew: bool = True):
+        if index == 0 and renew:
+            self.output.renew()            # (a budget per batch: per iteration where its groups come one by one)
         send(self.proc.stdin, (index, completions, columns))
         try:
             return self._receive(timeout)
@@ -393,11 +393,13 @@ def trl_inputs(records: list[Rollout]) -> tuple[list, dict]:
     return completions, columns
 
 
-def score(functions: RewardFunctions, records: list[Rollout], state: RewardState | None = None) -> Scored:
+def score(functions: RewardFunctions, records: list[Rollout], state: RewardState | None = None,
+          renew_output: bool = True) -> Scored:
     """Call each function once on the whole batch (in the worker), with the failure rules above; `state` is
     what the functions get as `trainer_state`. Failed episodes (env_error: their environment's state, maybe
     their messages, missing) are left out of the calls, and get no score from them (None): a function written as TRL's
-    (`env.reward`, `c[-1]["content"]`) raised on their placeholders and lost the whole batch's scores."""
+    (`env.reward`, `c[-1]["content"]`) raised on their placeholders and lost the whole batch's scores.
+    `renew_output`: what the functions print gets a new budget (not for another group of the same iteration)."""
     kept = [j for j, r in enumerate(records) if r.env_error is None]
     completions, columns = trl_inputs([records[j] for j in kept])
     columns["trainer_state"] = state
@@ -410,7 +412,7 @@ def score(functions: RewardFunctions, records: list[Rollout], state: RewardState
                 continue
             worker = worker or _take(functions)
             try:
-                reply = worker.call(index, completions, columns, functions.timeout_seconds)
+                reply = worker.call(index, completions, columns, functions.timeout_seconds, renew_output)
             except (TimeoutError, EOFError, OSError, _Garbled) as e:
                 reply = ("error", _lost(worker, e, functions.timeout_seconds))
                 worker.kill()
@@ -501,12 +503,12 @@ def _phrase(message: str) -> str:
 
 def score_records(functions: RewardFunctions, records: list[Rollout], aggregate: str,
                   state: RewardState | None = None, judge_cache: str | None = None,
-                  services: Services | None = None) -> Scored:
+                  services: Services | None = None, renew_output: bool = True) -> Scored:
     """Score `records` in place: per-function (and per reward model) scores in `.rewards`, the combined reward
     in `.reward` (None where nothing scored it), logged columns in `.extra`. Returns what happened.
     `judge_cache`: the store prefix of this stage's reward-model answers (layout.judge_cache); `services`: the
     stage's context (the judge servers the flow started)."""
-    scored = score(functions, records, state)
+    scored = score(functions, records, state, renew_output)
     weights = dict(functions.weights)
     if functions.cfg is not None and functions.cfg.reward.models:
         from tasks.scoring.judges import score_models

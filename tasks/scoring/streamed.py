@@ -9,8 +9,9 @@ takes an iteration's scored groups instead of scoring it at once (tasks/reward.p
 Only reward functions score here (reward.models' judges are the reward stage's services) and only with the reward
 stage inline (in the flow's process, as the sampler is). A function is called on one group at a time (TRL's
 calling convention holds for any batch), its log_metric values averaged over the groups. A scoring that fails
-(reward.strict's error, a worker that cannot start) stops the scorer; the reward stage then scores the iteration
-itself, and says that error there. More: docs/design-notes.md (Generation that never waits).
+(reward.strict's error, a worker that cannot start) stops the scorer; a call that fails leaves its group and the
+rest of its iteration unscored here (nothing stored: a resume scores them again). The reward stage then scores
+the iteration itself, once, and says that error there. More: docs/design-notes.md (Generation that never waits).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class GroupScorer:
         self.todo: queue.Queue = queue.Queue()
         self.submitted: set[tuple[int, int]] = set()
         self.done: set[tuple[int, int]] = set()
+        self.failed: set[int] = set()          # iterations a group's call failed in: the reward stage scores them
+        self.budgeted: int | None = None       # the iteration whose groups' output shares one budget now
         self.error: BaseException | None = None
         self.on_scored = None
         self.changed = threading.Condition()
@@ -88,29 +91,37 @@ class GroupScorer:
         functions = None
         try:
             while (item := self.todo.get()) is not None:
-                functions = functions or load_functions(self.cfg)
-                self._score(functions, *item)
+                if item[0] not in self.failed:
+                    functions = functions or load_functions(self.cfg)
+                    if not self._score(functions, *item):
+                        self.failed.add(item[0])
                 with self.changed:
                     self.done.add(item[:2])
                     self.changed.notify_all()
-                if self.on_scored is not None:
-                    self.on_scored(*item)
+                if self.on_scored is not None:                   # (no verdict from a group left unscored)
+                    self.on_scored(*item[:2], None if item[0] in self.failed else item[2])
         except BaseException as e:  # noqa: BLE001 - the reward stage scores the iteration itself and says it
             self.error = e
         finally:
             with self.changed:
                 self.changed.notify_all()
 
-    def _score(self, functions, iteration: int, group: int, records: list[Rollout]) -> None:
+    def _score(self, functions, iteration: int, group: int, records: list[Rollout]) -> bool:
+        """Group `group` scored and stored; False (nothing stored) where a function's call failed."""
         cfg, t0 = self.cfg, time.perf_counter()
+        renew, self.budgeted = self.budgeted != iteration, iteration
         scored = score_records(functions, records, cfg.reward.aggregate,
-                               RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations))
+                               RewardState(global_step=iteration - 1, max_steps=cfg.run.iterations),
+                               renew_output=renew)
+        if scored.errors:
+            return False
         add_overlong(cfg, records)
         with tempfile.TemporaryDirectory(prefix="rlflow-scored-") as tmp:
             rollout.write(records, Path(tmp))
             self.store.put_folder(layout.stream_scored(cfg.run.name, iteration, group), Path(tmp), meta={
                 "names": list(scored.scores), "errors": scored.errors, "nan": scored.nan,
                 "metrics": scored.metrics, "seconds": time.perf_counter() - t0, "fingerprint": self.fp})
+        return True
 
 
 def assembled(cfg: Config, store: Store, iteration: int,
