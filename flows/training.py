@@ -341,6 +341,30 @@ def _clean(cfg: Config, store: Store, log) -> None:
         log.info("removed %d checkpoint/policy folder(s) that store.keep does not keep", removed)
 
 
+def _walkable(cfg: Config, store: Store, done: int, newest: int) -> int:
+    """The iteration a resume walks again after: `done` (MLflow's last), or a later one where train could not run
+    again from it. Train k+1 needs ckpt-k, or takes ckpt-(k+1) as it is (tasks/train.py: _outlived_its_input); but
+    store.keep keeps the newest checkpoints only, and MLflow lags the store by more than those where a kill came
+    right after the last publish: the run could never resume (train 10 wanted ckpt-9, both gone)."""
+    run = cfg.run.name
+    while 0 < done < newest - 1 and store.manifest(layout.checkpoint(run, done)) is None \
+            and store.manifest(layout.checkpoint(run, done + 1)) is None:
+        done += 1
+    return done
+
+
+def _log_stored(cfg: Config, store: Store, tracker: Tracker, first: int, last: int) -> None:
+    """Iterations first..last, done but not in MLflow and not walked again (_walkable), logged from what the
+    store keeps of them: their rollouts', rewards' and policy's metrics (their checkpoints', the train metrics, are
+    gone)."""
+    run = cfg.run.name
+    for it in range(first, last + 1):
+        metrics: dict[str, float] = {}
+        for key in (layout.rollouts(run, it, 0), layout.rewards(run, it), layout.policy(run, it)):
+            metrics.update((store.manifest(key) or {}).get("meta", {}).get("metrics", {}))
+        tracker.log_iteration(it, metrics)
+
+
 def _eval_traces(cfg, iteration: int) -> list[tuple[str, str]]:
     """The evaluate stage's records of policy v`iteration` to log as traces: sampled and greedy."""
     key = layout.evaluation(cfg.run.name, iteration)
@@ -389,6 +413,11 @@ def _iterations(ctx: FlowRun, log) -> dict:
     done = min(newest - 1, already_logged, cfg.run.iterations - 1) if latest else 0
     progress = Progress(cfg.run.iterations, already_logged)
     stage.note = progress.note
+    if (walkable := _walkable(cfg, store, done, newest)) > done:
+        _log_stored(cfg, store, tracker, done + 1, walkable)
+        progress.note(f"iterations {done + 1}-{walkable}: logged to MLflow from the store (the run was stopped "
+                      f"before MLflow had them, and store.keep has removed their checkpoints: no train metrics)")
+        done = walkable
     if tracker.superseded:
         progress.note(tracker.superseded)
     if newest >= cfg.run.iterations and already_logged >= cfg.run.iterations:

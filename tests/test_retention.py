@@ -196,3 +196,33 @@ def test_an_output_whose_manifest_was_edited_is_made_again_by_its_stage(tmp_path
     assert said[0].endswith("making it again (reward of iteration 1)")
     assert [k.split("-")[0] for k in store.list_folders("ed/quarantine/iter-000001")] == ["rewards"], \
         store.list_folders("ed/quarantine/iter-000001")
+
+
+def test_a_resume_whose_mlflow_lags_past_the_kept_checkpoints_goes_on_and_logs_what_it_lacked(prefect_api, tmp_path):
+    """A kill right after the last publish, MLflow's tracker three iterations behind (it flushes behind the
+    store), retention keeping the two newest checkpoints: the resume walked again from MLflow's last iteration,
+    whose train needed checkpoints retention had removed (`no complete checkpoint of iteration 2`, every time: the
+    run could never be resumed). Now it walks from the first iteration it can train again and logs the ones
+    before from what the store keeps: every iteration's reward/mean is in MLflow once."""
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest import read_summary, run_cli
+
+    db = tmp_path / "mlflow.db"
+    args = ["run", str(TINY), "-o", "run.name=lag", "-o", "run.iterations=5", "-o", "eval.every=0",
+            "-o", "generate.prompts_per_iteration=4", "-o", "generate.num_generations=4",
+            "-o", f"tracking.uri=sqlite:///{db}", "-o", f"store.uri={tmp_path}/store", "--summary-json", "s.json"]
+    first = run_cli(args, tmp_path, prefect_api)
+    assert first.returncode == 0, first.stderr[-3000:]
+    store = Store.open(str(tmp_path / "store"))
+    assert [it for it in range(1, 6) if store.manifest(layout.checkpoint("lag", it))] == [4, 5]
+    with sqlite3.connect(db) as c:                     # (MLflow as the kill left it: iterations 3-5 not flushed)
+        c.execute("DELETE FROM metrics WHERE step > 2")
+    again = run_cli(args, tmp_path, prefect_api)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "iterations 3-3: logged to MLflow from the store" in again.stdout + again.stderr
+    run_id = read_summary(tmp_path / "s.json")["mlflow_run_id"]
+    steps = [m.step for m in MlflowClient(f"sqlite:///{db}").get_metric_history(run_id, "reward/mean")]
+    assert sorted(steps) == [1, 2, 3, 4, 5], steps
