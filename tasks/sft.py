@@ -224,7 +224,13 @@ def check(cfg: Config) -> list[Demo]:
         raise UserError(f"model.name_or_path: {cfg.model.name_or_path} is a LoRA adapter, not a base model; the warm "
                         f"start trains the base (name the base model, and train.lora_r for an adapter)")
     no_held_out_prompts(cfg)
-    return demonstrations(cfg, load_tokenizer(path), context_length(path))
+    demos = demonstrations(cfg, load_tokenizer(path), context_length(path))
+    w = cfg.warmup
+    if w.max_steps is None and w.lr_warmup_steps >= (total := math.ceil(len(demos) / w.batch_size) * w.epochs):
+        raise UserError(f"warmup.lr_warmup_steps: {w.lr_warmup_steps} is not below the warm start's {total} steps "
+                        f"({len(demos)} demonstrations, batch_size {w.batch_size}, epochs {w.epochs}): the lr would "
+                        f"never reach warmup.lr; expected fewer warm-up steps, or more epochs")
+    return demos
 
 
 def no_held_out_prompts(cfg: Config) -> None:

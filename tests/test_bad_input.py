@@ -103,6 +103,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                            "    os.kill(os.getpid(), signal.SIGKILL)\n"
                                            "def f(completions, **kw):\n    return [0.0] * len(completions)\n")
     (tmp / "varargs.py").write_text("def f(*args):\n    return [0.0] * len(args)\n")
+    (tmp / "not_a_function.py").write_text("class C:\n    def __init__(self, completions, **kw):\n        pass\n\n\n"
+                                           "def g(completions, **kw):\n    yield 1.0\n")
     (tmp / "chat_no_role.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "b"})
                                             + "\n" + json.dumps({"prompt": [{"text": "a="}], "answer": "b"}) + "\n")
     (tmp / "broken.jsonl").write_text('{"prompt": "a="}\n\n{"prompt": "b=", \n{"prompt": "c="}\n')
@@ -284,6 +286,11 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "reward takes only *args": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "varargs:f"}]'],
                                     "reward.functions[0].fn: varargs:f: takes no argument by name (only *args, or "
                                     "none); reward functions are called with every argument by keyword"),
+        "reward a class": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "not_a_function:C"}]'],
+                           "reward.functions[0].fn: not_a_function:C is a class (calling it makes an instance); "
+                           "expected a function that returns a list of scores"),
+        "reward a generator": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "not_a_function:g"}]'],
+                               "reward.functions[0].fn: not_a_function:g is a generator function"),
         "reward path syntax": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "no colon"}]'], "reward.functions.0.fn"),
         "reward weight": (["run", str(TINY), "-o", f'reward.functions=[{{"fn": "{demo}", "weight": "heavy"}}]'],
                           "reward.functions.0.weight"),
@@ -991,7 +998,7 @@ def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_pa
     for name in cases:
         (tmp_path / "cwd" / name).mkdir(parents=True)
         for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py",
-                       "varargs.py", "os_exits_on_import.py", "dies_in_worker.py"):
+                       "varargs.py", "os_exits_on_import.py", "dies_in_worker.py", "not_a_function.py"):
             (tmp_path / "cwd" / name / module).write_text((tmp_path / module).read_text())
     outs = dict(zip(cases, run_cli_many([(args, tmp_path / "cwd" / name) for name, (args, _) in cases.items()],
                                         prefect_api)))
@@ -1037,7 +1044,7 @@ def test_plan_refuses_what_run_refuses(prefect_api, tmp_path, s3_endpoint, bucke
     for _, folder in calls:
         (tmp_path / "cwd" / folder).mkdir(parents=True)
         for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py",
-                       "varargs.py", "os_exits_on_import.py", "dies_in_worker.py"):
+                       "varargs.py", "os_exits_on_import.py", "dies_in_worker.py", "not_a_function.py"):
             (tmp_path / "cwd" / folder / module).write_text((tmp_path / module).read_text())
     outs = dict(zip([folder for _, folder in calls],
                     run_cli_many([(args, tmp_path / "cwd" / folder) for args, folder in calls], prefect_api)))
@@ -1657,3 +1664,16 @@ def test_a_folder_datasets_save_to_disk_wrote_is_data(tmp_path):
     assert len(data.load_prompts(load_config(TINY, [f"data.path={tmp_path}/one"]))) == 6
     with pytest.raises(UserError, match=r"data.path: cannot load .*split 'dev'.*no split 'dev' \(it has train, test\)"):
         data.load_prompts(load_config(TINY, [f"data.path={tmp_path}/dd", "data.split=dev"]))
+
+
+def test_an_empty_parquet_file_says_it_holds_no_rows(tmp_path):
+    """A Parquet file with its columns and no row: Arrow's 'BatchSize must be greater than 0, got 0' was the line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.core.data import load_table
+
+    path = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), path)
+    with pytest.raises(UserError, match=rf"^data.path: {path}: no rows \(the Parquet file holds none\)$"):
+        load_table(str(path), None, "train")

@@ -299,3 +299,12 @@ def test_what_an_async_reset_leaves_running_is_cancelled_before_its_loop_closes(
         _check_empty("LeavesATask")
         gc.collect()
     assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()], caplog.text
+
+
+@pytest.mark.parametrize("item", ["=5", "=", "=1e3"])
+def test_an_override_without_a_key_is_one_line(item):
+    """`-o =5`: an UnboundLocalError traceback and exit 1 (the check's short cut skipped naming its parts)."""
+    from tasks.core.config import load_config
+
+    with pytest.raises(UserError, match=rf"^override '{item}': expected a dotted key such as train.lr$"):
+        load_config(TINY, [item])

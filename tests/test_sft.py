@@ -644,3 +644,27 @@ def test_a_recording_killed_midway_goes_on_from_its_last_chunk_and_writes_what_a
     assert rec(whole).returncode == 0
     assert out.read_bytes() == whole.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_warm_up_as_long_as_the_steps_epochs_make_is_refused(tmp_path):
+    """Without warmup.max_steps the epochs decide the steps: a warm-up at or past them was accepted (v0 published
+    after one step at warmup.lr / 1000: the warm start learned nothing)."""
+    from tasks.core.errors import UserError
+    from tasks.sft import check
+
+    with pytest.raises(UserError, match=r"^warmup.lr_warmup_steps: 2 is not below the warm start's 2 steps \(3 "
+                                        r"demonstrations, batch_size 2, epochs 1\)"):
+        check(_cfg(tmp_path, STRINGS, "warmup.batch_size=2", "warmup.lr_warmup_steps=2"))
+    assert len(check(_cfg(tmp_path, STRINGS, "warmup.batch_size=2", "warmup.lr_warmup_steps=2",
+                          "warmup.epochs=2"))) == 3
+
+
+@pytest.mark.parametrize("field", ["path", "split", "name"])
+def test_a_blank_warmup_dataset_name_is_named(field):
+    """warmup.path, .split and .name blank: as data's and eval's, one line naming the field (was: the hub's
+    message for a path, the path blamed for a split, and a blank configuration name accepted)."""
+    from tasks.core.errors import UserError
+
+    given = {"path": "x.jsonl", field: " "}
+    with pytest.raises(UserError, match=rf"warmup.{field}: expected .*: not blank"):
+        load_config(TINY, ["warmup={" + ", ".join(f"{k}: '{v}'" for k, v in given.items()) + "}"])

@@ -523,7 +523,7 @@ def _load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...]
         if "=" not in item:
             raise UserError(f"override {item!r}: expected key=value (e.g. train.lr=1e-6)")
         key, raw = item.split("=", 1)
-        if not key or not all(map(str.isidentifier, parts := key.split("."))):
+        if not all(map(str.isidentifier, parts := key.split("."))):           # ("=5": no key, parts [""])
             if at := next((i for i, p in enumerate(parts) if i and p.isascii() and p.isdigit()), 0):  # functions.0
                 one = {at + 1: raw, at + 2: f"{{..., {parts[-1]}: {raw}}}"}.get(len(parts), "...")   # in its place
                 raise UserError(f"override {item!r}: a list item cannot be set by index; set the whole list, e.g. -o "

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tasks.core.config_base import HOW_NOT_WHAT, Section
+from tasks.core.config_inputs import dataset_name
 
 
 class WarmupConfig(Section):
@@ -52,6 +53,8 @@ class WarmupConfig(Section):
                                   description="Optimizer steps between checkpoints (<run>/sft/trainer/ckpt-S); a "
                                   "killed warm start resumes from the newest with the same weights as one never "
                                   "killed.")
+
+    _a_name = field_validator("path", "name", "split")(dataset_name)
 
     @model_validator(mode="after")
     def _warm_up_within_the_steps(self):

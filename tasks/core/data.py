@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,15 +32,12 @@ _CUT_SAID: list[int] = []           # the length of the first prompt this proces
 
 
 def cut_prompt(ids: list[int], max_length: int) -> list[int]:
-    """A prompt's token ids cut to their last `max_length` (generate.max_prompt_length, as TRL cuts them), said
-    once per process on the console: a cut prompt loses its beginning (a chat prompt its template's start and its
-    system turn, often the task's statement), which no metric shows."""
+    """A prompt's token ids cut to their last `max_length` (generate.max_prompt_length, as TRL cuts them), said once
+    per process: a cut prompt loses its beginning (a chat prompt its template's start, its system turn)."""
     if len(ids) <= max_length:
         return ids
     if not _CUT_SAID:
         _CUT_SAID.append(len(ids))
-        import sys
-
         print(f"warning: generate.max_prompt_length: a prompt of {len(ids)} tokens is cut to its last {max_length} "
               f"(it loses its beginning: a chat prompt its template's start); raise generate.max_prompt_length "
               f"where the model's context has room (it and max_completion_length together at most the context: "
@@ -195,6 +193,10 @@ def _where_unreadable(path: Path, error: Exception) -> str:
             return f"no rows (the file is an empty {'array' if text.strip()[0] == '[' else 'object'})"
         if (fault := _row_fault(path, text)) is not None:
             return fault
+    elif path.suffix.lower() == ".parquet":
+        with contextlib.suppress(Exception):        # (not Parquet: the reader's own message, below, says so)
+            if __import__("pyarrow.parquet").parquet.ParquetFile(path).metadata.num_rows == 0:
+                return "no rows (the Parquet file holds none)"
     inner = error
     while (inner.__cause__ or inner.__context__) is not None:
         inner = inner.__cause__ or inner.__context__
@@ -541,8 +543,6 @@ def _without_training_prompts(cfg: Config, ds, path: str, name: str | None, spli
     said = (str(path), name, split, len(ds), len(keep))
     if said not in _OVERLAP_SAID:
         _OVERLAP_SAID.add(said)
-        import sys
-
         print(f"eval: {len(ds) - len(keep)} of {len(ds)} held-out prompts ({where}) are also training prompts "
               f"(same text): left out; scored on the other {len(keep)}", file=sys.stderr)
     return ds.select(keep)

@@ -92,6 +92,10 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
     for i, spec in enumerate(cfg.reward.functions):
         attr = spec.fn.partition(":")[2]
         fn = import_user(spec.fn, f"reward.functions[{i}].fn", noun="function")   # (user modules: the cwd first)
+        if inspect.isclass(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            kind = "a class (calling it makes an instance)" if inspect.isclass(fn) else "a generator function"
+            raise UserError(f"reward.functions[{i}].fn: {spec.fn} is {kind}; expected a function that returns a "
+                            f"list of scores, one per completion (TRL's convention)")
         if columns is not None:
             given = {*keywords, *columns}
             for key in (k for k in spec.kwargs if k in given):      # (the worker's kwargs go last: they won)
