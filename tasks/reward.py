@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from tasks.algorithms import dynamic_sampling
 from tasks.core import layout, rollout
+from tasks.core.contracts import Scored
 from tasks.core.errors import UserError
 from tasks.core.placement import placement_of
 from tasks.core.stage import check_round, command, fingerprint, require_input, result, reuse, stage_cli
@@ -72,8 +73,9 @@ def reward(cfg: Config, iteration: int, round: int = 0, services: Services | Non
                                    judge_cache=layout.judge_cache(cfg.run.name, iteration, round=round),
                                    services=services)
             shaped = add_overlong(cfg, records)
-        require_some_score(records, scored, f"iteration {iteration}",
-                           skippable=not cfg.reward.strict and _was_scored(cfg, store, iteration - 1))
+        skippable = not cfg.reward.strict and _was_scored(cfg, store, iteration - 1)
+        if not (skippable and ds is not None):   # (dynamic sampling: said once, of all its rounds, _keep)
+            require_some_score(records, scored, f"iteration {iteration}", skippable=skippable)
         metrics = {**_metrics(records, scored.scores), "reward/seconds": time.perf_counter() - t0}
         for name in scored.scores:
             metrics[f"reward/{name}/errors"] = float(name in scored.errors)
@@ -111,6 +113,8 @@ def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -
     if done is None:
         kept, metrics = dynamic_sampling.select(rounds, P, ds.tolerance)
         every = [r for records in rounds for r in records]
+        errors = {name: e for k in keys for name, e in store.manifest(k)["meta"].get("errors", {}).items()}
+        require_some_score(every, Scored(errors=errors), f"iteration {iteration}", skippable=True)   # (warns)
         scores = {name: [r.rewards.get(name) for r in every] for name in every[0].rewards if name != SHAPING}
         metas = [store.manifest(k)["meta"] for k in keys]
         for meta in metas:                        # per round: summed (seconds, errors) or of all rounds (means)
@@ -122,7 +126,6 @@ def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -
         metrics.update(_group_shares(cfg, rounds))
         metrics["reward/kept_mean"] = _mean([x for r in kept if (x := task_reward(r)) is not None])
         metrics.update(logged_metrics(_logged_of_rounds(cfg, metas, scored_rounds), metrics))
-        errors = {name: e for meta in metas for name, e in meta.get("errors", {}).items()}
         done = _write(store, key, kept, {"fingerprint": fp, "made_of": made, "metrics": metrics,
                                          "samples": _samples(cfg, kept), "errors": errors})
     return {**done, "samples": store.manifest(key)["meta"].get("samples", []), "complete": True}

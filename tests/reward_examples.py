@@ -26,3 +26,11 @@ def fails_until_fixed(completions: list[str], answer: list[str], **kwargs) -> li
     if os.path.exists(os.environ["RLFLOW_TEST_BUG"]):
         raise KeyError("answer")
     return successor_reward(completions, answer)
+
+
+def nothing_in_iteration_2(completions: list[str], answer: list[str], trainer_state, **kwargs) -> list:
+    """The demo's successor reward, but None for every completion of iteration 2 (a grader that scores nothing
+    for a while: a judge's network down)."""
+    if trainer_state.global_step == 1:
+        return [None] * len(completions)
+    return successor_reward(completions, answer)

@@ -657,3 +657,17 @@ def test_the_log_metric_values_of_a_streamed_iteration_with_dynamic_sampling_rea
         Stream.stop_run("slm")
     assert out["complete"] and "reward/streamed_seconds" in out["metrics"]      # (scored as they completed)
     assert out["metrics"]["reward/batch"] == 4.0
+
+
+def test_an_iteration_scored_in_no_round_is_said_once_of_its_rounds(tmp_path, capfd):
+    """Without reward.strict, an iteration whose function scored nothing in any round (its previous one scored)
+    trains on nothing and goes on: said once, of the rounds' batch (was: once per round, 3 lines here, and said
+    of a round even where a later round scored and the iteration trained)."""
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=silent", "run.iterations=2", "eval.every=0",
+                             "generate.prompts_per_iteration=4", "generate.num_generations=4",
+                             "generate.dynamic_sampling={max_rounds: 3}",
+                             'reward.functions=[{"fn": "tests.reward_examples:nothing_in_iteration_2"}]'])
+    _iterations(cfg, 1, 2)
+    said = capfd.readouterr().err
+    assert said.count("iteration 2 takes no training step") == 1, said
+    assert said.count("no completion of iteration 2 was scored") == 1, said
