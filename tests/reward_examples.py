@@ -34,3 +34,10 @@ def nothing_in_iteration_2(completions: list[str], answer: list[str], trainer_st
     if trainer_state.global_step == 1:
         return [None] * len(completions)
     return successor_reward(completions, answer)
+
+
+def chatty_in_iteration_1(completions: list[str], answer: list[str], trainer_state, **kwargs) -> list[float]:
+    """The demo's successor reward, printing 80,000 characters a call in iteration 1 (a debug print left in)."""
+    if trainer_state.global_step == 0:
+        print("x" * 80_000)
+    return successor_reward(completions, answer)

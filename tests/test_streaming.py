@@ -941,3 +941,23 @@ def test_a_function_that_fails_while_streaming_is_called_once_an_iteration_and_s
     done = reward(cfg, 1)
     assert done["metrics"]["reward/fails_until_fixed/errors"] == 0.0, done["metrics"]
     assert done["metrics"].get("reward/missing_share", 0.0) == 0.0, done["metrics"]
+
+
+def test_what_a_function_prints_in_one_iterations_groups_shares_one_budget(tmp_path, monkeypatch, capfd):
+    """Groups scored as they complete: what the functions print gets $RLFLOW_USER_OUTPUT_BYTES an iteration, as
+    the stage mode's one call does (was: a budget a group, 16 of them a batch at the defaults)."""
+    from tasks.generate import generate
+    from tasks.reward import reward
+
+    monkeypatch.setenv("RLFLOW_USER_OUTPUT_BYTES", "100000")
+    cfg = load_config(TINY, _overrides(tmp_path, "chatty", "generate.streaming.on_update=interrupt",
+                                       'reward.functions=[{"fn": "tests.reward_examples:chatty_in_iteration_1"}]',
+                                       "generate.max_completion_length=4", iterations=2))
+    try:
+        generate(cfg, 1, layout.BASE)
+        done = reward(cfg, 1)
+    finally:
+        Stream.stop_run("chatty")
+    assert "reward/streamed_seconds" in done["metrics"]              # (scored as the groups completed)
+    printed = capfd.readouterr()
+    assert 80_000 <= (printed.out + printed.err).count("x" * 1000) * 1000 <= 100_000
