@@ -261,3 +261,26 @@ class FailsWhenMade(Flaky):
                 n += 1
         if n == 3:
             raise RuntimeError("third construction")
+
+
+class NotThreadSafe(Flaky):
+    """An environment whose step in a row with `slow` takes 5 s, and that notes in `overlaps` a close made while
+    its step runs (what a driver or a C extension does not survive)."""
+
+    def __init__(self, overlaps: str):
+        super().__init__(mode="ok")
+        self.overlaps, self.busy = overlaps, False
+
+    def step(self, message):
+        self.busy = True
+        try:
+            if self.mode == "slow":
+                time.sleep(5)
+            return super().step(message)
+        finally:
+            self.busy = False
+
+    def close(self):
+        if self.busy:
+            with open(self.overlaps, "a") as f:
+                f.write("closed during a step\n")

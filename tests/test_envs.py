@@ -647,3 +647,19 @@ def test_a_call_past_its_time_in_a_thread_no_longer_holds_its_slot(tokenizer, tm
     assert [e.error for e in later] == [None] * 3
     never.set()
     caller.stop()
+
+
+def test_an_environment_whose_call_is_written_off_is_not_closed_beside_it(tokenizer, tmp_path):
+    """env.isolation: thread, one slot: a step past its time frees its slot but goes on in its thread; the
+    stage's close of that environment must not run beside it (an environment that is not thread-safe broke, or
+    took the stage down). Its episode fails as stalled; the other's ends with its return."""
+    overlaps = tmp_path / "overlaps"
+    cfg = _cfg("tests.env_classes:NotThreadSafe", tmp_path, f'env.kwargs={{overlaps: "{overlaps}"}}',
+               "env.timeout_seconds=2", "env.isolation=thread", "env.concurrency=1")
+    table = {i: {"prompt": "Say each letter I name.", "letters": "abc", "seed": i, "mode": m}
+             for i, m in enumerate(["slow", "ok"])}
+    records = run_episodes(cfg, table, [0, 1], Scripted(lambda ctx: "a").session("base", "unused", tokenizer),
+                           SamplingParams(n=1, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=3))[0]
+    assert [r.env_error for r in records] == ["step did not return within env.timeout_seconds", None]
+    time.sleep(4)                                   # (the written-off step ends meanwhile)
+    assert not overlaps.exists(), overlaps.read_text()

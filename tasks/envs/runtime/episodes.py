@@ -30,6 +30,7 @@ from tasks.envs.runtime.isolation import (
     EnvironmentDied,
     EnvironmentFailed,
     InvalidReply,
+    ThreadEnvironment,
     start_environment,
     user_error_of,
     warm_up,
@@ -70,6 +71,7 @@ class Episode:
     budget: float = 0.0          # seconds its environment's calls may still take (env.timeout_seconds in all)
     state: dict | None = None
     abandoned: bool = False      # a call of it ran out of time: an environment it opens after that is killed
+    hung: Future | None = None   # that call (in a thread: it may still run, on the environment, written off)
 
     def fail(self, why: str) -> None:
         self.error, self.done = why[:500], True
@@ -160,7 +162,7 @@ def _outcome(caller: Caller, e: Episode, f: Future, what: str, fails: bool) -> A
         why = f"{what} {STALLED}"
         f.cancel()                                             # (still waiting for a slot: never made)
         caller.give_up(f)                                      # (hung in a thread: its slot no longer held)
-        e.abandoned = True                                     # (before e.env is read: Episode.opened)
+        e.abandoned, e.hung = True, f                          # (before e.env is read: Episode.opened)
         if e.env is not None:                                  # (in a process of its own: ended now)
             e.env.kill()
     if fails:
@@ -399,8 +401,11 @@ def _timed(e: Episode, call, *args):
 
 def close(caller: Caller, episodes: list[Episode], stop: bool = True) -> None:
     """Keep each environment's state (env_state), then close it (one whose episode failed is killed instead
-    where it can be: it may be hung or gone); `stop`: the caller's threads too (its last use)."""
-    opened = [e for e in episodes if e.env is not None]
+    where it can be: it may be hung or gone); `stop`: the caller's threads too (its last use). An environment in
+    the stage's process whose call past its time still runs is left alone: closed beside that call, one that is
+    not thread-safe (a driver, a C extension) broke, or took the stage down."""
+    opened = [e for e in episodes if e.env is not None and not (
+        isinstance(e.env, ThreadEnvironment) and e.hung is not None and not e.hung.done())]
     for e in opened:
         e.budget = max(e.budget, 0.0) + 5.0
     _each(caller, opened, "close", lambda e: e.env.close(failed=e.error is not None), fails=False)

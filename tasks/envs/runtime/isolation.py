@@ -452,11 +452,11 @@ class Caller:
 
         def run() -> None:
             self.slots.acquire()
-            done.holds = True
+            with self.freeing:
+                done.holds, done.started = True, time.monotonic()    # (its episode's time runs from here)
             if not done.set_running_or_notify_cancel():     # (its episode timed out waiting: not made)
                 self.give_up(done)
                 return
-            done.started = time.monotonic()                 # (its episode's time runs from here)
             try:
                 with user_code():                           # (an os._exit in it: that call's failure)
                     value = fn(*args)
