@@ -158,13 +158,15 @@ def record_command(args, cfg: Config) -> int:
     rows = _rows(args.rows)
     with RecordingProgress(out, job_of(cfg, args.policy, rows, args.n, args.split, args.min_return)) as progress:
         if progress.done:
-            print(f"{out}: going on from an interrupted recording: {len(progress.done)} rows "
+            print(f"{out}: going on from an interrupted recording: {progress.done} rows "
                   f"({progress.episodes} episodes) recorded before", file=sys.stderr)
-        record(cfg, args.policy, rows, args.n, args.min_return, args.split, done=frozenset(progress.done),
+        record(cfg, args.policy, rows, args.n, args.min_return, args.split, skip=progress.done,
                on_chunk=progress.add)
         if not progress.kept:
-            raise UserError(f"--policy: none of its {progress.episodes} episodes returned {args.min_return:g} or "
-                            f"more without an error; nothing to write")
+            episodes = progress.episodes
+            progress.discard()
+            raise UserError(f"--policy: none of its {episodes} episodes returned {args.min_return:g} or more "
+                            f"without an error; nothing to write")
         write(progress.kept, out)
     print(f"{out}: {len(progress.kept)} demonstrations of {progress.episodes} episodes (return >= "
           f"{args.min_return:g})" + (f"; {progress.unrendered} left out: they do not render back to their own "

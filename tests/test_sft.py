@@ -605,11 +605,11 @@ def policy(context):
 
 
 def test_a_recording_killed_midway_goes_on_from_its_last_chunk_and_writes_what_a_whole_one_writes(tmp_path):
-    """`rlflow record` SIGKILLed in its second chunk of episodes (CHUNK_EPISODES), then run again with the same
-    arguments: it says it goes on, runs only the rows the kill left, and writes byte for byte what an uninterrupted
-    recording writes; its progress file is gone after. Was: everything recorded before the kill was lost (held in
-    memory until the end), a long browser recording started over. A second recording to the same file while one
-    records is refused in one line, exit 2."""
+    """`rlflow record` SIGKILLed in its second chunk of episodes (CHUNK_EPISODES; rows named twice: each is
+    recorded twice), then run again with the same arguments: it says it goes on, runs only the rows the kill
+    left, and writes byte for byte what an uninterrupted recording writes; its progress is gone after. Was:
+    everything recorded before the kill was lost (held in memory until the end). A recording with other arguments
+    that fails leaves the first one's progress as it was; the same recording twice at once is refused in one line."""
     import fcntl
 
     from tasks.envs.runtime.demonstrations import CHUNK_EPISODES
@@ -617,54 +617,54 @@ def test_a_recording_killed_midway_goes_on_from_its_last_chunk_and_writes_what_a
     (tmp_path / "killer.py").write_text(KILLS_ITSELF)
     out, whole = tmp_path / "demos.jsonl", tmp_path / "whole.jsonl"
 
-    def rec(dest: Path, **env) -> subprocess.CompletedProcess:
+    def rec(dest: Path, *more: str, **env) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "flows.cli", "record", str(LETTERS), "--policy", "killer:policy",
-                               "--out", str(dest), "--n", "2", "-o", "env.isolation=thread"], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=600,
+                               "--out", str(dest), "--rows", "0-63,0-63", "-o", "env.isolation=thread", *more],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}", "CALLS_LOG": str(tmp_path / "log"),
                                    **env})
 
-    assert 64 * 2 > CHUNK_EPISODES * 1.5             # (the kill below falls in the second chunk)
-    killed = rec(out, KILL_AT_CALL=str(CHUNK_EPISODES * 3 + 40))        # (3 turns an episode)
+    assert CHUNK_EPISODES == 64                      # (the kill below falls in the second chunk: the rows again)
+    killed = rec(out, KILL_AT_CALL=str(64 * 3 + 40))        # (3 turns an episode)
     assert killed.returncode == -signal.SIGKILL and not out.exists(), killed.stderr[-2000:]
-    progress = tmp_path / ".demos.jsonl.progress"
-    assert progress.exists()
+    (progress,) = [p for p in tmp_path.iterdir() if p.name.endswith(".progress")]
+    before = progress.read_bytes()
+    other = rec(out, "--n", "2", "-o", "data.path=nosuch.jsonl")        # (another recording, refused)
+    assert other.returncode == 2 and progress.read_bytes() == before, other.stderr[-2000:]
     with open(progress) as held:                     # (held as a recording holds it)
         fcntl.flock(held, fcntl.LOCK_EX)
         refused = rec(out)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
-        f"error: --out: {out}: another rlflow record is writing it"), refused.stderr[-2000:]
+        f"error: --out: {out}: this recording is being made already"), refused.stderr[-2000:]
     (tmp_path / "log").unlink()
     again = rec(out)
     assert again.returncode == 0, again.stderr[-2000:]
-    rows_done = CHUNK_EPISODES // 2
-    assert f"going on from an interrupted recording: {rows_done} rows ({CHUNK_EPISODES} episodes)" in again.stderr
-    assert len((tmp_path / "log").read_text().split()) == (64 * 2 - CHUNK_EPISODES) * 3     # (only the rest ran)
-    assert "128 demonstrations of 128 episodes" in again.stderr and not progress.exists()
+    assert "going on from an interrupted recording: 64 rows (64 episodes)" in again.stderr
+    assert len((tmp_path / "log").read_text().split()) == 64 * 3     # (only the rest ran)
+    assert "128 demonstrations of 128 episodes" in again.stderr
     assert rec(whole).returncode == 0
     assert out.read_bytes() == whole.read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_a_warm_up_as_long_as_the_steps_epochs_make_is_refused(tmp_path):
-    """Without warmup.max_steps the epochs decide the steps: a warm-up at or past them was accepted (v0 published
-    after one step at warmup.lr / 1000: the warm start learned nothing)."""
-    from tasks.core.errors import UserError
-    from tasks.sft import check
+def test_a_recordings_progress_keeps_whole_lines_only(tmp_path):
+    """A kill can cut the progress's last line anywhere, also just before its newline (the line then parses): only
+    lines ended by their newline are taken, the rest cut away, and the next chunk starts a line of its own (was:
+    the file grew a NUL byte and the next chunk was glued to it, lost at the following resume)."""
+    import json as _json
 
-    with pytest.raises(UserError, match=r"^warmup.lr_warmup_steps: 2 is not below the warm start's 2 steps \(3 "
-                                        r"demonstrations, batch_size 2, epochs 1\)"):
-        check(_cfg(tmp_path, STRINGS, "warmup.batch_size=2", "warmup.lr_warmup_steps=2"))
-    assert len(check(_cfg(tmp_path, STRINGS, "warmup.batch_size=2", "warmup.lr_warmup_steps=2",
-                          "warmup.epochs=2"))) == 3
+    from tasks.envs.runtime.demonstrations import RecordingProgress
 
-
-@pytest.mark.parametrize("field", ["path", "split", "name"])
-def test_a_blank_warmup_dataset_name_is_named(field):
-    """warmup.path, .split and .name blank: as data's and eval's, one line naming the field (was: the hub's
-    message for a path, the path blamed for a split, and a blank configuration name accepted)."""
-    from tasks.core.errors import UserError
-
-    given = {"path": "x.jsonl", field: " "}
-    with pytest.raises(UserError, match=rf"warmup.{field}: expected .*: not blank"):
-        load_config(TINY, ["warmup={" + ", ".join(f"{k}: '{v}'" for k, v in given.items()) + "}"])
+    out = tmp_path / "demos.jsonl"
+    whole = _json.dumps({"done": 2, "kept": [{"messages": []}], "episodes": 2, "unrendered": 0})
+    cut = _json.dumps({"done": 4, "kept": [], "episodes": 2, "unrendered": 0})
+    path = tmp_path / ".demos.jsonl.job.progress"
+    path.write_text(whole + "\n" + cut)                  # (a kill before the last newline)
+    with pytest.raises(KeyboardInterrupt):
+        with RecordingProgress(out, "job") as again:
+            assert again.path == path and (again.done, again.episodes, len(again.kept)) == (2, 2, 1)
+            again.add(4, [], 2, 0)
+            lines = path.read_text().split("\n")
+            assert [_json.loads(x)["done"] for x in lines[:-1]] == [2, 4] and lines[-1] == ""
+            raise KeyboardInterrupt                         # (stopped: its progress kept)
+    assert path.exists()

@@ -156,16 +156,17 @@ def as_row(r: Rollout, tokenizer, schemas: list[dict] | None) -> dict:
 
 
 def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, min_return: float | None = 1.0,
-           split: str = "train", seed: int = 0, done: frozenset[int] = frozenset(),
-           on_chunk: Callable[[list[int], list[dict], int, int], None] | None = None
+           split: str = "train", seed: int = 0, skip: int = 0,
+           on_chunk: Callable[[int, list[dict], int, int], None] | None = None
            ) -> tuple[list[dict], list[Rollout], int]:
     """Episodes of `policy` on the dataset's rows (`split`: train, or the held-out eval split; `rows`: their
-    indices, all by default; those in `done` left out), `n` per row, greedy for a model. Returns the rows of those
-    with a return ≥ `min_return` (None: all that ended without an error), every episode, and how many of the first
-    kind were left out because they do not render back to their own tokens and mask (a turn cut at
+    indices, all by default; the first `skip` of them left out), `n` per row, greedy for a model. Returns the rows
+    of those with a return ≥ `min_return` (None: all that ended without an error), every episode, and how many of
+    the first kind were left out because they do not render back to their own tokens and mask (a turn cut at
     max_completion_length, text that does not round-trip through the tokenizer): a demonstration is kept only where
-    RL's masks agree. With `on_chunk`, the episodes run CHUNK_EPISODES at a time and each chunk's rows, kept rows,
-    episode count and unrendered count go to it instead (nothing returned, nothing held: `rlflow record`'s progress)."""
+    RL's masks agree. With `on_chunk`, the rows run CHUNK_EPISODES // n at a time (chunks from the first row on)
+    and after each, the rows done so far, its kept rows, episode and unrendered counts go to it instead (no
+    episode returned or held: `rlflow record`'s progress)."""
     from tasks.core.data import load_prompts
     from tasks.core.models import base_path, load_tokenizer
     from tasks.envs.runtime.episodes import run_episodes
@@ -179,7 +180,7 @@ def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, 
     if len(rows) * n > MAX_EPISODES:      # (each is held in memory until written)
         raise UserError(f"--n: {n} episodes per row x {len(rows)} rows: more than {MAX_EPISODES:,} episodes; "
                         f"record at most that many at a time")
-    left = [i for i in rows if i not in done]
+    left = rows[skip:]
     if not left:
         return [], [], 0
     table = {i: dict(ds[i]) for i in left}
@@ -202,7 +203,7 @@ def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, 
             got, _ = run_episodes(cfg, table, chunk, session, params)
             rendered, lost = _demonstrations(cfg, got, session.tokenizer, render, schemas, min_return)
             if on_chunk is not None:
-                on_chunk(chunk, rendered, len(got), lost)
+                on_chunk(skip + at + len(chunk), rendered, len(got), lost)
             else:
                 kept, records, unrendered = kept + rendered, records + got, unrendered + lost
     return kept, records, unrendered
@@ -273,65 +274,76 @@ def write(rows: list[dict], out: Path) -> None:
 
 
 class RecordingProgress:
-    """`rlflow record`'s progress beside its --out (`.NAME.progress`): a line naming the recording (`job`: a digest
-    of the config, the policy and its module's source, the rows, --n, --split, --min-return), then one JSON line
-    per chunk of rows recorded (those rows, their demonstrations, counts), each flushed to disk. A recording killed
-    and run again with the same arguments goes on after its last whole chunk; with others it starts afresh. Locked
-    while it records (a second recording to the same file is refused); removed once --out is written, and by a
-    recording that fails before it kept a demonstration."""
+    """`rlflow record`'s progress beside its --out (`.NAME.JOB.progress`, JOB naming the recording: a digest of the
+    config, the policy and its module's source, the rows, --n, --split, --min-return), one JSON line per chunk of
+    rows recorded (how many of the rows are done, their demonstrations, counts), each flushed to disk. A recording
+    killed and run again with the same arguments goes on after its last whole chunk (a line cut short is dropped);
+    with others it has its own file, and the other's is left until a recording to that --out completes. Locked
+    while it records (the same recording twice at once is refused); removed once --out is written, and by one that
+    fails before its first chunk or finds nothing to write."""
 
     def __init__(self, out: Path, job: str):
-        self.out, self.job, self.path = out, job, out.with_name(f".{out.name}.progress")
-        self.done: set[int] = set()
+        self.out, self.job, self.path = out, job, out.with_name(f".{out.name}.{job[:16]}.progress")
+        self.done = 0                               # rows of the recording's (in order) recorded
         self.kept: list[dict] = []
         self.episodes = self.unrendered = 0
 
     def __enter__(self) -> RecordingProgress:
-        import fcntl
-
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "a+")
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.file.close()
-            raise UserError(f"--out: {self.out}: another rlflow record is writing it (its progress, {self.path}, "
-                            f"is locked); expected one recording per file at a time") from None
+        self.file = self._locked(self.path)
+        if self.file is None:
+            raise UserError(f"--out: {self.out}: this recording is being made already (its progress, {self.path}, "
+                            f"is locked); expected one recording per file at a time")
         self.file.seek(0)
-        lines, good = self.file.read().split("\n"), 0
-        if lines[0] == json.dumps({"job": self.job}):
-            good = len(lines[0]) + 1
-            for line in lines[1:]:
-                try:
-                    chunk = json.loads(line)                 # (a torn last line: a write the kill cut short)
-                except ValueError:
-                    break
-                self._take(chunk)
-                good += len(line) + 1
-        self.file.truncate(good)       # (another recording's, or none: afresh, with this one's name)
-        if not good:
-            self._append({"job": self.job})
+        good = 0
+        for line in self.file.read().split("\n")[:-1]:       # (lines ended by their newline: whole)
+            try:
+                self._take(json.loads(line))
+            except (ValueError, KeyError, TypeError):
+                break
+            good += len(line.encode()) + 1
+        self.file.truncate(good)
         return self
 
+    @staticmethod
+    def _locked(path: Path):
+        """`path` opened and locked, None where another process holds it."""
+        import fcntl
+
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return f
+        except BlockingIOError:
+            f.close()
+            return None
+
     def _take(self, chunk: dict) -> None:
-        self.done.update(chunk["rows"])
+        self.done = chunk["done"]
         self.kept += chunk["kept"]
         self.episodes += chunk["episodes"]
         self.unrendered += chunk["unrendered"]
 
-    def _append(self, line: dict) -> None:
-        self.file.write(json.dumps(line) + "\n")
+    def add(self, done: int, kept: list[dict], episodes: int, unrendered: int) -> None:
+        """One chunk recorded (record's on_chunk)."""
+        chunk = {"done": done, "kept": kept, "episodes": episodes, "unrendered": unrendered}
+        self.file.write(json.dumps(chunk) + "\n")
         self.file.flush()
         os.fsync(self.file.fileno())
-
-    def add(self, rows: list[int], kept: list[dict], episodes: int, unrendered: int) -> None:
-        """One chunk recorded (record's on_chunk)."""
-        chunk = {"rows": rows, "kept": kept, "episodes": episodes, "unrendered": unrendered}
-        self._append(chunk)
         self._take(chunk)
 
+    def discard(self) -> None:
+        """Nothing of it worth keeping (nothing to write)."""
+        self.episodes = 0
+
     def __exit__(self, kind, value, tb) -> None:
-        if kind is None or not self.kept:     # (written, or failed before a demonstration was recorded)
+        if kind is None:                  # --out written: every recording's progress to it is done with
+            for left in self.out.parent.iterdir():
+                if left.name.startswith(f".{self.out.name}.") and left.name.endswith(".progress") and \
+                        left != self.path and (theirs := self._locked(left)) is not None:
+                    left.unlink(missing_ok=True)
+                    theirs.close()
+        if kind is None or not self.episodes:
             self.path.unlink(missing_ok=True)
         self.file.close()
 
