@@ -347,8 +347,9 @@ def _walkable(cfg: Config, store: Store, done: int, newest: int) -> int:
     store.keep keeps the newest checkpoints only, and MLflow lags the store by more than those where a kill came
     right after the last publish: the run could never resume (train 10 wanted ckpt-9, both gone)."""
     run = cfg.run.name
-    while 0 < done < newest - 1 and store.manifest(layout.checkpoint(run, done)) is None \
-            and store.manifest(layout.checkpoint(run, done + 1)) is None:
+    while 0 < done < min(newest, cfg.run.iterations) - 1 and store.manifest(layout.checkpoint(run, done)) is None \
+            and store.manifest(layout.checkpoint(run, done + 1)) is None \
+            and store.manifest(layout.rewards(run, done + 1)) is not None:       # (what it is logged from)
         done += 1
     return done
 
