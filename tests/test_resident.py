@@ -487,3 +487,20 @@ def test_process_mode_with_deepspeed_is_a_group_of_one_iteration(tmp_path, monke
         handle.train(3, "fp")
     monkeypatch.setenv("RANK", "0")                       # a torchrun started by hand runs the stage in each process
     assert type(open_trainer(cfg)) is InProcessTrainer
+
+
+def test_a_flow_ends_with_a_full_checkpoint_when_its_trainer_holds_an_older_iteration(tmp_path):
+    """A resume whose trainer restored an iteration before the newest committed one (its preload, the iterations
+    after it reused from the store): finish restored nothing and wrote no full checkpoint of the newest (the run
+    ended on lean checkpoints, a later resume replaying from further back). Now the newest, by replay."""
+    from tasks.engines import trainer
+
+    cfg = _cfg(tmp_path, "behind", host="caller")
+    for it in (1, 2, 3):
+        _iteration(cfg, it)
+    trainer._HELD.pop(cfg.run.name)[1].close()
+    store = open_store(cfg)
+    assert store.manifest(layout.full_checkpoint("behind", 2)) is not None      # (train.checkpoint_every 2)
+    assert open_trainer(cfg).preload(2) == 2
+    assert _finish(cfg) == 3
+    assert store.manifest(layout.full_checkpoint("behind", 3))["meta"]["kind"] == "full"

@@ -129,11 +129,13 @@ class Trainer:
 
     def final_checkpoint(self) -> int | None:
         """A full checkpoint of the current iteration, written now (finish, idle exit). A trainer that holds
-        nothing (new: its predecessor died after committing the run's last iterations) first restores the
-        newest committed one when that has no full checkpoint, so a flow run still ends with one."""
+        nothing or an older iteration (new: its predecessor died after committing the run's last iterations, which
+        this flow run reused) first restores the newest committed one when that has no full checkpoint, so a flow
+        run still ends with one."""
         with self._own_rng():
-            if self.engine is None and (newest := unfinished(self.store, self.cfg.run.name)) is not None:
-                self._restore_to(newest)
+            newest = unfinished(self.store, self.cfg.run.name)
+            if newest is not None and (self.engine is None or (self.at or 0) < newest):
+                self._restore_to(newest)     # (one held behind it too: a resume's preload, those after it reused)
             return self.checkpoint(background=False)
 
     def _train(self, iteration: int, fingerprint: str) -> dict:
