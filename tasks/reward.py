@@ -113,10 +113,10 @@ def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -
     if done is None:
         kept, metrics = dynamic_sampling.select(rounds, P, ds.tolerance)
         every = [r for records in rounds for r in records]
-        errors = {name: e for k in keys for name, e in store.manifest(k)["meta"].get("errors", {}).items()}
+        metas = [store.manifest(k)["meta"] for k in keys]
+        errors = {name: e for meta in metas for name, e in meta.get("errors", {}).items()}
         require_some_score(every, Scored(errors=errors), f"iteration {iteration}", skippable=True)   # (warns)
         scores = {name: [r.rewards.get(name) for r in every] for name in every[0].rewards if name != SHAPING}
-        metas = [store.manifest(k)["meta"] for k in keys]
         for meta in metas:                        # per round: summed (seconds, errors) or of all rounds (means)
             for name, value in meta["metrics"].items():
                 if name.endswith(("seconds", "/errors", "/nan")) and name not in meta.get("logged", {}):

@@ -226,7 +226,7 @@ def check(cfg: Config) -> list[Demo]:
     no_held_out_prompts(cfg)
     demos = demonstrations(cfg, load_tokenizer(path), context_length(path))
     w = cfg.warmup
-    if w.max_steps is None and w.lr_warmup_steps >= (total := math.ceil(len(demos) / w.batch_size) * w.epochs):
+    if w.max_steps is None and w.lr_warmup_steps >= (total := steps_of(len(demos), cfg)):
         raise UserError(f"warmup.lr_warmup_steps: {w.lr_warmup_steps} is not below the warm start's {total} steps "
                         f"({len(demos)} demonstrations, batch_size {w.batch_size}, epochs {w.epochs}): the lr would "
                         f"never reach warmup.lr; expected fewer warm-up steps, or more epochs")
@@ -303,13 +303,19 @@ def schedule(n: int, cfg: Config) -> list[list[int]]:
     """The demonstrations of every optimizer step: each epoch a seeded permutation (run.seed, epoch) cut into
     warmup.batch_size (the last step of an epoch may be smaller); warmup.max_steps cuts or extends it."""
     w = cfg.warmup
-    per_epoch = math.ceil(n / w.batch_size)
-    total = w.max_steps or per_epoch * w.epochs
+    per_epoch, total = math.ceil(n / w.batch_size), steps_of(n, cfg)
     steps = []
     for epoch in range(math.ceil(total / per_epoch)):
         order = np.random.default_rng([cfg.run.seed, epoch]).permutation(n).tolist()
         steps += [order[i:i + w.batch_size] for i in range(0, n, w.batch_size)]
     return steps[:total]
+
+
+def steps_of(n: int, cfg: Config) -> int:
+    """The warm start's optimizer steps on `n` demonstrations: warmup.max_steps, else the epochs' (each
+    ceil(n / warmup.batch_size))."""
+    w = cfg.warmup
+    return w.max_steps or math.ceil(n / w.batch_size) * w.epochs
 
 
 def lr_at(cfg: Config, step: int, total: int) -> float:

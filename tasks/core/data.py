@@ -195,7 +195,8 @@ def _where_unreadable(path: Path, error: Exception) -> str:
             return fault
     elif path.suffix.lower() == ".parquet":
         with contextlib.suppress(Exception):        # (not Parquet: the reader's own message, below, says so)
-            if __import__("pyarrow.parquet").parquet.ParquetFile(path).metadata.num_rows == 0:
+            import pyarrow.parquet as pq
+            if pq.ParquetFile(path).metadata.num_rows == 0:
                 return "no rows (the Parquet file holds none)"
     inner = error
     while (inner.__cause__ or inner.__context__) is not None:
