@@ -504,3 +504,40 @@ def test_a_flow_ends_with_a_full_checkpoint_when_its_trainer_holds_an_older_iter
     assert open_trainer(cfg).preload(2) == 2
     assert _finish(cfg) == 3
     assert store.manifest(layout.full_checkpoint("behind", 3))["meta"]["kind"] == "full"
+
+
+@pytest.mark.drill
+def test_a_trainer_that_stops_answering_is_stopped_and_the_retry_resumes_bit_identically(reference, tmp_path,
+                                                                                          monkeypatch):
+    """A hung trainer (SIGSTOP: a process that neither answers nor dies) mid-request, or between requests: the
+    request's watch stops it once it misses its pings, the retry starts a new one that replays; the next stage
+    to find a stopped one replaces it. The old handle waited for an answer forever."""
+    import signal
+
+    from tasks.engines import detached
+
+    monkeypatch.setattr(detached, "WATCH_SECONDS", 0.5)
+    monkeypatch.setattr(detached, "PING_TIMEOUT", 1.0)
+    monkeypatch.setattr(detached, "HUNG_AFTER", 2)
+    monkeypatch.setenv("RLFLOW_DRILL", "lean-write:3")
+    monkeypatch.setenv("RLFLOW_DRILL_SIGNAL", "STOP")
+    monkeypatch.setenv("RLFLOW_DRILL_ONCE", str(tmp_path / "drilled"))
+    cfg = _cfg(tmp_path, "hung")
+    for it in (1, 2):
+        _iteration(cfg, it)
+    generate(cfg, 3, layout.policy("hung", 2))
+    reward(cfg, 3)
+    stopped = json.loads((state_dir() / "hung.json").read_text())["pid"]
+    with pytest.raises(RuntimeError, match="answered none of 2 pings during train"):
+        train(cfg, 3)
+    assert (tmp_path / "drilled").exists() and not alive(stopped)
+    train(cfg, 3)                                   # the retry: a new trainer, restored by replay
+    publish(cfg, 3)
+    between = json.loads((state_dir() / "hung.json").read_text())["pid"]
+    assert between != stopped
+    os.kill(between, signal.SIGSTOP)                # hung between requests: the next stage replaces it
+    for it in range(4, ITERATIONS + 1):
+        _iteration(cfg, it)
+    assert not alive(between)
+    assert _policies(cfg) == reference
+    assert _finish(cfg) == 6

@@ -352,11 +352,11 @@ def terminate_members(pgid: int | None, marker: str, wait: float) -> None:
             except ProcessLookupError:
                 pass
         pids = [p for p in group_members(pgid, marker) if p != os.getpid()]
-        for pid in pids:
-            try:
+        for pid in pids:                # (SIGCONT after SIGTERM: a stopped process handles it now, not once continued)
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+                if sig == signal.SIGTERM:
+                    os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + after
         while pids and any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -22,6 +22,7 @@ import os
 import secrets
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -42,6 +43,13 @@ if TYPE_CHECKING:
 START_TIMEOUT = 1800.0           # seconds a new trainer may take to import torch and answer (not to load a model)
 MARKER = "tasks.engines.trainer_server"     # the module the trainer's processes run (tasks/engines/trainer_server.py)
 FINISH_WAIT = START_TIMEOUT      # seconds another node's finish waits for the group to run node 0's finish
+# A request's watch: while it runs, the trainer is pinged every WATCH_SECONDS (its pings are answered at once, by
+# a thread of their own, even mid-update); HUNG_AFTER pings in a row unanswered within PING_TIMEOUT s each (a
+# SIGSTOPped or wedged process, a machine that froze) and it is stopped as hung: the request fails, and the
+# retry starts a new one, which resumes by replay. A slow update is not hung: its pings are answered.
+WATCH_SECONDS = 30.0
+PING_TIMEOUT = 30.0
+HUNG_AFTER = 4
 
 
 def state_dir() -> Path:
@@ -179,16 +187,25 @@ class DetachedTrainer:
         """Nothing: the trainer outlives the stage (the flow finishes it; idle, it stops itself)."""
 
     def _request(self, message: dict, start: bool) -> dict:
-        address, authkey = self._ensure() if start else self._address(self.daemon.read())
-        try:
-            with Client(address, authkey=authkey) as conn:
-                conn.send(message)
-                status, payload = conn.recv()
-        except (ConnectionError, EOFError, OSError) as e:
-            raise RuntimeError(f"the resident trainer of run {self.cfg.run.name}"
-                               f"{f' (node {self.node} of {self.nodes})' if self.nodes > 1 else ''} died or went "
-                               f"away during {message['op']} ({type(e).__name__}); a retry starts a new one, which "
-                               f"resumes by replay (log: {self.path.with_suffix('.log')})") from e
+        """Send `message` and return the answer's payload, watching the trainer meanwhile (WATCH_SECONDS): one
+        that stops answering pings is stopped as hung and the request fails (a retry starts a new one)."""
+        state = self._ensure() if start else self.daemon.read()
+        address, authkey = self._address(state)
+        asked = _Asked(address, authkey, message)
+        misses = 0
+        while not asked.done.wait(WATCH_SECONDS):
+            misses = 0 if _ping(address, authkey, PING_TIMEOUT) is not None else misses + 1
+            if misses >= HUNG_AFTER:
+                self.daemon.stop(state)
+                raise RuntimeError(f"{self._who()} answered none of {HUNG_AFTER} pings during {message['op']} "
+                                   f"(stopped by a signal, or hung): it was stopped; a retry starts a new one, "
+                                   f"which resumes by replay (log: {self.path.with_suffix('.log')})")
+        if asked.error is not None:
+            e = asked.error
+            raise RuntimeError(f"{self._who()} died or went away during {message['op']} ({type(e).__name__}); a "
+                               f"retry starts a new one, which resumes by replay (log: "
+                               f"{self.path.with_suffix('.log')})") from e
+        status, payload = asked.answer
         if status == "user_error":
             raise UserError(payload)
         if status == "disk_full":
@@ -197,28 +214,27 @@ class DetachedTrainer:
             raise RuntimeError(f"resident trainer: {payload}")
         return payload
 
+    def _who(self) -> str:
+        return (f"the resident trainer of run {self.cfg.run.name}"
+                + (f" (node {self.node} of {self.nodes})" if self.nodes > 1 else ""))
+
     @staticmethod
     def _address(state: dict) -> tuple[str, bytes]:
         return state["socket"], bytes.fromhex(state["authkey"])
 
-    def _ensure(self) -> tuple[str, bytes]:
-        """The address of this run's trainer with our key; started (detached) if none answers (the daemon
+    def _ensure(self) -> dict:
+        """The state of this run's trainer with our key; started (detached) if none answers (the daemon
         helper, tasks/core/daemon.py: one caller at a time per run on this machine, so a flow's preload and a
         stage process that ask together start one trainer, not two)."""
-        return self._address(self.daemon.ensure(self.key, self._answers, self._start))
+        return self.daemon.ensure(self.key, self._answers, self._start)
 
     def _answers(self, state: dict) -> bool:
         """A ping, answered at once even while the trainer is busy with another request (on several nodes: "ok"
         only while the whole group is linked). A state file without a socket is a start whose caller died."""
         if "socket" not in state:
             return False
-        address, authkey = self._address(state)
-        try:
-            with Client(address, authkey=authkey) as conn:
-                conn.send({"op": "ping"})
-                return conn.poll(30) and conn.recv()[0] == "ok"
-        except (ConnectionError, EOFError, OSError):
-            return False
+        answer = _ping(*self._address(state), PING_TIMEOUT)
+        return answer is not None and answer[0] == "ok"
 
     def _start(self) -> dict:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -254,6 +270,34 @@ class DetachedTrainer:
                   + f"; to stop it now, after a full checkpoint: {command('train finish', 0)}",
                   file=sys.stderr, flush=True)
         return state
+
+
+class _Asked:
+    """One request on a thread of its own (`done` set once it is answered or failed): connecting alone can hang,
+    on a stopped trainer (the socket accepts; the authentication waits for it)."""
+
+    def __init__(self, address: str, authkey: bytes, message: dict):
+        self.answer: tuple | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._ask, args=(address, authkey, message), daemon=True).start()
+
+    def _ask(self, address: str, authkey: bytes, message: dict) -> None:
+        try:
+            with Client(address, authkey=authkey) as conn:
+                conn.send(message)
+                self.answer = conn.recv()
+        except (ConnectionError, EOFError, OSError) as e:
+            self.error = e
+        finally:
+            self.done.set()
+
+
+def _ping(address: str, authkey: bytes, timeout: float) -> tuple | None:
+    """The trainer's answer to a ping, or None when none came within `timeout` s (connecting included) or it is
+    gone. (A thread left waiting on a stopped trainer ends once that one is stopped for good.)"""
+    asked = _Asked(address, authkey, {"op": "ping"})
+    return asked.answer if asked.done.wait(timeout) and asked.error is None else None
 
 
 def _daemon(path: Path) -> Daemon:

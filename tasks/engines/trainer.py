@@ -332,7 +332,8 @@ def drill(point: str, iteration: int) -> None:
     """Fault drills (tests/test_resident.py, tests/test_sft.py): RLFLOW_DRILL=<point>:<iteration> kills this
     process there, once (RLFLOW_DRILL_ONCE names a file that marks it done). Points: lean-write (trained, nothing
     written), full-upload (a full checkpoint written locally, not yet in the store), full-done (committed), answer
-    (everything committed, the stage not yet told); sft-step (the warm start's step N done, not checkpointed)."""
+    (everything committed, the stage not yet told); sft-step (the warm start's step N done, not checkpointed).
+    RLFLOW_DRILL_SIGNAL=STOP stops it there instead (SIGSTOP: a hung trainer, which its callers must stop)."""
     once = os.environ.get("RLFLOW_DRILL_ONCE")
     if os.environ.get("RLFLOW_DRILL") != f"{point}:{iteration}" or not once or os.path.exists(once):
         return
@@ -341,8 +342,10 @@ def drill(point: str, iteration: int) -> None:
     import signal
 
     Path(once).write_text(point)
-    print(f"drill: killing the trainer at {point} of iteration {iteration}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    how = os.environ.get("RLFLOW_DRILL_SIGNAL", "KILL")
+    print(f"drill: {'stopping' if how == 'STOP' else 'killing'} the trainer at {point} of iteration {iteration}",
+          flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP if how == "STOP" else signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------------------------- in this process
