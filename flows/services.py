@@ -30,6 +30,8 @@ from tasks.core.placement import Services, placement_of
 from tasks.envs.runtime.server import READY, TOKEN_VAR
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tasks.core.config import Config
 
 
@@ -81,7 +83,7 @@ class EnvServer:
             self.log = log
             place = self.placement
             if self.stalled and place.env != "yours":
-                log("every episode of the last stage timed out: starting the environment server(s) again")
+                event(log, "every episode of the last stage timed out: starting the environment server(s) again")
                 self.stalled = False
                 if place.env_servers > 1:
                     self._replace(list(range(len(self.members))), log, force=True)
@@ -95,7 +97,7 @@ class EnvServer:
                 if place.env == "yours":
                     raise InfraError(f"the environment server at {self.url} (env.where) does not answer")
                 if self.url:
-                    log(f"the environment server at {self.url} stopped answering: starting it again")
+                    event(log, f"the environment server at {self.url} stopped answering: starting it again")
                 self.url = self._start_local(log) if place.env == "local" else self._start_sky(log)
             return Services(env_url=self.url, env_token=self.token)
 
@@ -172,7 +174,7 @@ class EnvServer:
                              f"{self.members[-1]['starts'].error}")
         if front is None:
             if self.url:
-                log(f"the environment pool's front at {self.url} stopped answering: starting it again")
+                event(log, f"the environment pool's front at {self.url} stopped answering: starting it again")
             self.url = self._start_front(log)
         self._tell_front()
         if self.watcher is None or not self.watcher.is_alive():
@@ -205,7 +207,7 @@ class EnvServer:
             m = self.members[i]
             alive = m["proc"] is None or m["proc"].poll() is None
             if not force and m["url"] and alive and answers_http(f"{m['url']}/health", timeout=10):
-                log(f"environment server {i} of the pool answers again: kept, its open episodes failed")
+                event(log, f"environment server {i} of the pool answers again: kept, its open episodes failed")
                 return None
             self._end(m["proc"])
             m["proc"], m["url"] = None, None
@@ -221,7 +223,7 @@ class EnvServer:
         if not lost:
             return
         if not first or any(self.members[i]["generation"] >= 0 for i in lost):
-            log(f"environment servers {lost} of the pool lost: replacing them")
+            event(log, f"environment servers {lost} of the pool lost: replacing them")
         with ThreadPoolExecutor(min(len(lost), 32)) as ex:
             futures = {i: ex.submit(one, i) for i in lost}
         said = None
@@ -235,7 +237,7 @@ class EnvServer:
             if isinstance(e, UserError):
                 said = said or e
             m["starts"].failure(e)
-            log(f"environment server {i} of the pool did not start: {e}")
+            event(log, f"environment server {i} of the pool did not start: {e}")
         if said is not None:
             raise said
 
@@ -291,7 +293,28 @@ class EnvServer:
                     self._replace(lost, self.log)
                     self._tell_front()
                 except Exception as e:  # noqa: BLE001 - tried again on the next round; env() raises what stays
-                    self.log(f"environment pool: replacing {lost} failed: {e}")
+                    event(self.log, f"environment pool: replacing {lost} failed: {e}")
+
+
+class Told:
+    """Where a fleet's lines go when the flow runs it: each to the flow's log (`log`), and its events (a member
+    lost, replaced, started again, one that did not start) to the console too (`note`), as they happen: a user
+    watching the run learns of a member lost when it is, not from a log file afterwards."""
+
+    def __init__(self, log: Callable[[str], object], note: Callable[[str], object]):
+        self.log, self.note = log, note
+
+    def __call__(self, line: str) -> None:
+        self.log(line)
+
+    def event(self, line: str) -> None:
+        self.log(line)
+        self.note(line)
+
+
+def event(log: Callable[[str], object], line: str) -> None:
+    """A fleet event: Told.event when the flow gave one, else just the line to `log`."""
+    (log.event if isinstance(log, Told) else log)(line)
 
 
 def spawn_server(argv: list[str], env: dict[str, str], ready: str, name: str, short: str, log,
@@ -337,7 +360,7 @@ class JudgeServers:
                 if url and answers_http(f"{url}/health", timeout=10):
                     continue
                 if url:
-                    log(f"the judge server of {spec.name} at {url} stopped answering: starting it again")
+                    event(log, f"the judge server of {spec.name} at {url} stopped answering: starting it again")
                 self.urls[spec.name] = self._start(spec, log)
             return Services(judges=dict(self.urls), judge_token=self.token)
 
@@ -385,6 +408,7 @@ class Launchers:
         self.env_server = (EnvServer(cfg, config_path, overrides or [], self._by_mode["sky"])
                            if self.placement.env_remote() else None)
         self.judges = JudgeServers(cfg, config_path, overrides or [], self._by_mode["sky"])
+        self.note: Callable[[str], object] | None = None    # the console (the flow sets it): fleet events (Told)
 
     def for_stage(self, stage: str):
         if self.placement.routes(stage):
@@ -395,6 +419,7 @@ class Launchers:
         """`stage`'s context: the servers it uses (each checked, started again where it stopped answering) and
         how its router launches replicas."""
         services = Services()
+        log = Told(log, self.note) if self.note is not None else log
         if stage in ("generate", "evaluate") and self.env_server is not None:
             services |= self.env_server.services(log)
         if stage in ("reward", "evaluate") and self.judges.specs:

@@ -151,6 +151,14 @@ class ConsoleWarnings:
                       f"generate.dynamic_sampling.max_rounds ({ds.max_rounds} rounds): trained without a learning "
                       f"signal (dynamic/short counts such iterations' missing groups); said once")
 
+    def replicas(self, it: int, generate: dict) -> None:
+        """Generate replicas lost (and replaced by the router) since the last generate stage: said each time."""
+        if lost := int(generate.get("generate/router/lost", 0)):
+            from tasks.engines.replicas import router_log
+
+            self.note(f"iteration {it}: {lost} generate replica{'s' * (lost > 1)} lost since the last generate "
+                      f"stage, replaced by the router (why, and the new one's start: {router_log(self.cfg)})")
+
     def _say(self, what: str, line: str) -> None:
         if what not in self.warned:
             self.warned.add(what)
@@ -413,7 +421,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
     newest = layout.version_of(latest) if latest else 0
     done = min(newest - 1, already_logged, cfg.run.iterations - 1) if latest else 0
     progress = Progress(cfg.run.iterations, already_logged)
-    stage.note = progress.note
+    stage.note = ctx.launchers.note = progress.note
     if (walkable := _walkable(cfg, store, done, newest)) > done:
         _log_stored(cfg, store, tracker, done + 1, walkable)
         progress.note(f"iterations {done + 1}-{walkable}: logged to MLflow from the store (the run was stopped "
@@ -451,6 +459,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
                                  daemon=True).start()
             NOW.update(iteration=it, stage="generate/reward")
             g, r = ahead.take(it)       # (S > 0: generate and reward of it+1..it+S start now, beside train(it))
+            watch.replicas(it, g["metrics"])
             NOW.update(stage="train")
             t = stage("train", it, ctx)
             NOW.update(stage="publish")

@@ -103,8 +103,12 @@ def test_a_lost_server_fails_its_own_episodes_only_and_is_replaced(pool, tmp_pat
     ("died"), every other one ends with its return, and no call of any episode reached another server than the
     one that made it (sticky). The flow's watcher starts a new server in its place, and the next episodes use
     it."""
+    from flows.services import Told
+
     flag = tmp_path / "killed"
     server = pool(f"env.kwargs={{kill_flag: {flag}}}")
+    logged, noted = [], []
+    server.services(Told(logged.append, noted.append))  # (as the flow's stages ask: the watcher's lines, from now)
     first = _member_pids(server)
     records, metrics = _episodes(server.cfg, n=12)
     killed = int(flag.read_text())
@@ -132,6 +136,9 @@ def test_a_lost_server_fails_its_own_episodes_only_and_is_replaced(pool, tmp_pat
     assert now[lost] in {r.env_state["pids"][0] for r in records}
     assert metrics[f"env/pool_server{lost}_episodes"] >= 3 and metrics["env/pool_replaced"] == 1
     assert all(len(set(r.env_state["pids"])) == 1 for r in records)
+    # the console heard of the loss as it happened (the flow's log has every line; the members' output only there)
+    assert noted == [f"environment servers [{lost}] of the pool lost: replacing them"], noted
+    assert noted[0] in logged and len(logged) > len(noted)
 
 
 @pytest.mark.slow
@@ -299,3 +306,26 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"     # (a zombie has left)
     except (OSError, IndexError):
         return False
+
+
+def test_the_flow_hands_its_console_to_the_fleets_it_asks():
+    """Launchers.services gives the fleets a Told once the flow set its console (flows/training.py); without one
+    (a stage typed by hand, a test) the log as it is."""
+    from flows.services import Launchers, Told
+    from tasks.core.config import load_config
+
+    launchers = Launchers(load_config(LETTERS, ["env.where=local", "env.servers=2"]), str(LETTERS), [])
+    given = []
+
+    class Env:
+        def services(self, log):
+            given.append(log)
+            return Services()
+
+    from tasks.core.placement import Services
+
+    launchers.env_server = Env()
+    launchers.services("generate", print)
+    launchers.note = noted = [].append
+    launchers.services("generate", print)
+    assert given[0] is print and isinstance(given[1], Told) and given[1].note is noted and given[1].log is print

@@ -127,7 +127,7 @@ def _replaced_and_ready(router: dict, within: float) -> dict:
 def test_a_replica_killed_mid_stage_is_replaced_and_the_rollouts_are_unchanged(tmp_path):
     more = ("generate.prompts_per_iteration=32", "generate.max_completion_length=24", "generate.batch_size=2")
     _generate(_cfg(tmp_path, 1, *more))
-    cfg = _cfg(tmp_path, 3, *more)
+    cfg = _cfg(tmp_path, 3, *more, "run.max_staleness=2")      # (iterations 2, 3 below: from the base model too)
     router = ensure_router(cfg)
     killed: list[int] = []
     watcher = _signal_one_while_it_samples(router, signal.SIGKILL, killed)
@@ -140,6 +140,20 @@ def test_a_replica_killed_mid_stage_is_replaced_and_the_rollouts_are_unchanged(t
         stats = _replaced_and_ready(router, within=120)               # replaced, and back with the policy
         assert stats["counts"]["replaced"] == 1 and stats["replace_seconds"], stats
         assert all(x["state"] == "ready" for x in stats["members"].values()), stats
+        assert m["generate/router/lost"] == 1
+        # one lost between stages (while the flow trains): the next stage's metrics, and the console, say it
+        pid = httpx.get(f"{stats['members']['0']['url']}/health", timeout=5).json()["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and httpx.get(f"{router['url']}/stats", timeout=5).json()["lost"] < 2:
+            time.sleep(0.2)
+        m = generate(cfg, 2, layout.BASE)["metrics"]
+        assert m["generate/router/lost"] == 1 and generate(cfg, 3, layout.BASE)["metrics"]["generate/router/lost"] == 0
+        from flows.training import ConsoleWarnings
+
+        noted: list[str] = []
+        ConsoleWarnings(cfg, noted.append, None).replicas(2, m)
+        assert noted and noted[0].startswith("iteration 2: 1 generate replica lost since the last generate stage")
     finally:
         sampling_engine(cfg).stop(lambda _line: None)
 

@@ -147,7 +147,8 @@ class RoutedSession(SamplingSession):
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """What the router did for this session: per replica its requests, tokens and tokens/s; the routing
-        counts (sticky, new, retried) and replacements."""
+        counts (sticky, new, retried) and replacements; and the replicas lost since the last session's metrics
+        (those are then reported: the flow says them on the console)."""
         now, was = self.stats(), self.start_stats
         out = {}
         for i, m in now["members"].items():
@@ -160,6 +161,9 @@ class RoutedSession(SamplingSession):
                 out[f"{prefix}/replica{i}/tokens_per_s"] = tokens / seconds
         for k in ("sticky", "new", "retried", "replaced"):
             out[f"{prefix}/router/{k}"] = now["counts"][k] - was["counts"][k]
+        # replicas lost since the last session reported (between stages too: this one may have found them replaced)
+        out[f"{prefix}/router/lost"] = now["lost"] - now["told"]
+        self._post("/told", {"upto": now["lost"]})
         return out
 
     def close(self) -> None:
@@ -170,6 +174,11 @@ def _daemon(cfg: Config):
     from tasks.core.daemon import Daemon
 
     return Daemon(state_dir() / f"{cfg.run.name}.json", MARKER, stop_wait=30.0)
+
+
+def router_log(cfg: Config) -> Path:
+    """The router's log: what it and its replicas print (why a replica was lost, its replacement's start)."""
+    return _daemon(cfg).log
 
 
 def ensure_router(cfg: Config, launch_spec: Mapping | None = None) -> dict:
@@ -239,6 +248,7 @@ class Router:
         self.sticky = Sticky(STICKY_KEYS)
         self.counts = {"sticky": 0, "new": 0, "retried": 0, "replaced": 0}
         self.replace_seconds: list[float] = []
+        self.lost_count, self.told = 0, 0       # members lost since the start; of them, reported by a session
         self.last_used = time.monotonic()
         self.changed = threading.Condition(self.lock)
         self.client = None                # the forwarding client (httpx.AsyncClient)
@@ -337,6 +347,7 @@ class Router:
             for loop, call in m.calls:        # (a hung member never closes their connections: cut them here)
                 loop.call_soon_threadsafe(call.cancel)
             self.changed.notify_all()
+            self.lost_count += 1
         print(f"replica {m.index}: lost ({why})", flush=True)
 
     def watch(self) -> None:
@@ -526,7 +537,12 @@ class Router:
                                                "routed": m.routed, "tokens": m.tokens, "seconds": m.seconds,
                                                "busy": m.busy, "replaced": m.replaced} for m in self.members},
                     "counts": dict(self.counts), "want": list(self.want) if self.want else None,
-                    "replace_seconds": list(self.replace_seconds)}
+                    "replace_seconds": list(self.replace_seconds), "lost": self.lost_count, "told": self.told}
+
+    def tell(self, upto: int) -> None:
+        """A session reported the members lost through `upto` (the next one reports those after)."""
+        with self.lock:
+            self.told = max(self.told, min(upto, self.lost_count))
 
 
 def app(router: Router, state: Path | None, owner: int | None = None):
@@ -546,6 +562,10 @@ def app(router: Router, state: Path | None, owner: int | None = None):
 
     async def stats(request: Request):
         return JSONResponse(router.stats())
+
+    async def told(request: Request):
+        router.tell(int((await request.json())["upto"]))
+        return JSONResponse({"told": router.told})
 
     async def policy(request: Request):
         body = await request.json()
@@ -582,7 +602,7 @@ def app(router: Router, state: Path | None, owner: int | None = None):
         router.stop_members()
         forget(state, os.getpid())
 
-    return Starlette(routes=[Route("/health", health), Route("/stats", stats),
+    return Starlette(routes=[Route("/health", health), Route("/stats", stats), Route("/told", told, methods=["POST"]),
                              Route("/policy", policy, methods=["POST"]), Route("/sample", sample, methods=["POST"]),
                              Route("/stream/{index:int}/{op:str}", stream, methods=["POST"])],
                      lifespan=lifespan)
