@@ -187,7 +187,9 @@ def _held_out_line(cfg: Config, metrics: dict) -> str:
     """An evaluation's numbers for the console: greedy pass@1 (eval.greedy), pass@k, reward."""
     shown = [("greedy", "eval/greedy_pass_at_1"), ("format", "eval/greedy_format_share"),
              (f"pass@{cfg.eval.k}", f"eval/pass_at_{cfg.eval.k}"), ("reward", "eval/reward_mean")]
-    return " ".join(f"{name} {metrics[key]:.3f}" for name, key in shown if key in metrics)
+    line = " ".join(f"{name} {metrics[key]:.3f}" for name, key in shown if key in metrics)
+    return line or ("not scored (every reward call failed: the warning above)"
+                    if "eval/unscored_passes" in metrics else line)
 
 
 # The names Prefect makes up for a flow run: two words of letters joined by a dash (`sleek-bison` from the server,

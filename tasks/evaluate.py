@@ -63,8 +63,23 @@ def _update_best(store: Store, cfg: Config, iteration: int, metrics: dict) -> No
             return
         found = store.manifest(layout.evaluation(run, best_iter))
         best = found["meta"]["metrics"][name] if found is not None else None
-    if improves(metrics[name], best, baseline_metric(store, cfg)):
+    if name in metrics and improves(metrics[name], best, baseline_metric(store, cfg)):
         store.set_pointer(layout.best(run), layout.policy(run, iteration))
+
+
+def _scored_before(cfg: Config, store: Store, iteration: int) -> bool:
+    """Whether the run's evaluation before v`iteration` (eval.every's schedule; v0 with eval.baseline) has its
+    eval.metric: the functions have scored the evaluation's prompts, so an evaluation whose every score failed
+    now may be a passing fault (a judge's network) and is skipped with a warning when reward.strict is off, as
+    an iteration's rewards are (require_some_score); two in a row stop the run."""
+    every = cfg.eval.every
+    if iteration <= 0 or not every:
+        return False
+    before = (iteration - 1) // every * every
+    if before == 0 and not cfg.eval.baseline:
+        return False
+    found = store.manifest(layout.evaluation(cfg.run.name, before))
+    return found is not None and cfg.eval.metric_key() in found["meta"].get("metrics", {})
 
 
 def _passes(cfg: Config, records: list, n_prompts: int) -> list[int]:
@@ -143,6 +158,7 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
             what = f"the evaluation of v{iteration:06d}"
             records, cache = [], layout.judge_cache(cfg.run.name, iteration, "evaluate")
             passes: list[tuple[str, Scored]] = []           # (each pass's metrics' prefix, what its scoring said)
+            skippable = not cfg.reward.strict and _scored_before(cfg, store, iteration)
             if ec.num_generations:                        # (0: the greedy pass alone)
                 records, _ = source.run(cfg if ec.greedy else shot, session, ds, rows, SamplingParams(
                     n=ec.num_generations, max_new_tokens=cfg.generate.max_completion_length,
@@ -151,7 +167,7 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
                 source.require_some(cfg, records, what)   # (no score of 0 recorded, nor a champion gated on it)
                 scored = score_records(functions, records, cfg.reward.aggregate, state, judge_cache=cache,
                                        services=services)
-                require_some_score(records, scored, what)
+                require_some_score(records, scored, what, skippable=skippable)
                 passes.append(("eval/", scored))
             greedy = []
             if ec.greedy:
@@ -161,18 +177,24 @@ def evaluate(cfg: Config, iteration: int, services: Services | None = None) -> d
                 source.require_some(cfg, greedy, f"{what} (greedy)")
                 scored = score_records(functions, greedy, cfg.reward.aggregate, state, judge_cache=cache,
                                        services=services)
-                require_some_score(greedy, scored, f"{what} (greedy)")
+                require_some_score(greedy, scored, f"{what} (greedy)", skippable=skippable)
                 passes.append(("eval/greedy_", scored))
             routed = session.metrics("eval")               # generate.replicas: per replica, the router's counts
         # per episode: an agent's step-wise samples after its first (Rollout.part > 0) are not counted again
         episodes, greedy_episodes = ([r for r in recs if not r.part] for recs in (records, greedy))
         metrics = {}
-        if ec.num_generations:
+        # a pass whose every score failed (skipped: see _scored_before) has no numbers: not 0s that read as scores
+        sampled = bool(ec.num_generations) and any(r.reward is not None for r in episodes)
+        greedy_scored = ec.greedy and any(r.reward is not None for r in greedy_episodes)
+        if unscored := (bool(ec.num_generations) and not sampled) + (ec.greedy and not greedy_scored):
+            metrics["eval/unscored_passes"] = float(unscored)
+        if sampled:
             passed = _passes(cfg, episodes, len(rows))
             present = [r.reward for r in episodes if r.reward is not None]
-            metrics = {"eval/reward_mean": sum(present) / max(len(present), 1),
-                       f"eval/pass_at_{ec.k}": sum(pass_at_k(ec.num_generations, c, ec.k) for c in passed) / len(rows)}
-        if ec.greedy:
+            metrics.update({"eval/reward_mean": sum(present) / max(len(present), 1),
+                            f"eval/pass_at_{ec.k}": sum(pass_at_k(ec.num_generations, c, ec.k) for c in passed)
+                            / len(rows)})
+        if greedy_scored:
             metrics["eval/greedy_pass_at_1"] = sum(_passes(cfg, greedy_episodes, len(rows))) / len(rows)
             lead = [r.reward for r in greedy_episodes if r.reward is not None]
             metrics["eval/greedy_reward_mean"] = sum(lead) / max(len(lead), 1)

@@ -158,3 +158,45 @@ def test_the_evaluations_log_metric_values_and_error_counts_are_its_metrics(tmp_
     assert m["eval/greedy_reward_mean"] == 1.0 and m["eval/greedy_log_metric/reward_mean"] == -1.0
     assert m["eval/fails/errors"] == m["eval/greedy_fails/errors"] == 1.0
     assert m["eval/logs_batch/errors"] == m["eval/logs_batch/nan"] == 0.0
+
+
+def test_an_evaluation_whose_every_score_failed_after_one_that_scored_is_skipped_not_the_run(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """reward.strict off: an evaluation where every reward call failed, the one before it scored (a passing fault,
+    a judge's network), has no numbers (not 0s), a warning, BEST unchanged, and the run goes on, as an
+    iteration's rewards do; a second in a row, or the first evaluation of the run, stops it (one line, exit 2).
+    It stopped the run at once, hours into training."""
+    from tasks.evaluate import evaluate
+    from tasks.generate import generate
+    from tasks.publish import publish
+    from tasks.reward import reward
+    from tasks.train import train
+
+    bug, calls = tmp_path / "bug", tmp_path / "calls"
+    monkeypatch.setenv("RLFLOW_TEST_BUG", str(bug))
+    monkeypatch.setenv("RLFLOW_TEST_CALLS", str(calls))
+    fns = "[{fn: 'tests.reward_examples:fails_until_fixed'}]"
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=ev", f"reward.functions={fns}",
+                             "eval.every=1", "eval.baseline=true", "eval.max_prompts=3", "eval.num_generations=2",
+                             "eval.greedy=true", "eval.metric=greedy_pass_at_1", "generate.prompts_per_iteration=2",
+                             "generate.num_generations=2", "train.mode=process"])
+    assert "eval/greedy_pass_at_1" in evaluate(cfg, 0)["metrics"]
+    for it in (1, 2):
+        generate(cfg, it, layout.BASE if it == 1 else layout.policy("ev", 1))
+        reward(cfg, it)
+        train(cfg, it)
+        publish(cfg, it)
+    store = Store.open(cfg.store)
+    before = store.get_pointer(layout.best("ev"))
+    bug.touch()
+    m = evaluate(cfg, 1)["metrics"]
+    assert m["eval/unscored_passes"] == 2.0 and m["eval/greedy_fails_until_fixed/errors"] == 1.0
+    assert not {"eval/greedy_pass_at_1", "eval/pass_at_1", "eval/reward_mean", "eval/greedy_reward_mean"} & set(m)
+    assert "has no numbers (eval/unscored_passes" in capsys.readouterr().err
+    assert store.get_pointer(layout.best("ev")) == before
+    with pytest.raises(UserError, match="every reward call of the evaluation of v000002 failed"):
+        evaluate(cfg, 2)                                 # (the one before has no numbers: two in a row)
+    first = load_config(TINY, [f"store.uri={tmp_path}/store2", "run.name=ev", f"reward.functions={fns}",
+                               "eval.max_prompts=3"])
+    with pytest.raises(UserError, match="every reward call of the evaluation of v000000 failed"):
+        evaluate(first, 0)

@@ -556,6 +556,11 @@ def require_some_score(records: list[Rollout], scored: Scored, what: str, skippa
                f"some completion"
     if not skippable:
         raise UserError(f"reward: {said}")
+    if nothing == "evaluate":
+        print(f"warning: reward: {said}; {what} has no numbers (eval/unscored_passes; BEST and the champion "
+              f"unchanged) and the run goes on: the evaluation before was scored; a second such evaluation in a "
+              f"row stops it", file=sys.stderr)
+        return
     print(f"warning: reward: {said}; {what} takes no training step (its policy is the one before, published "
           f"again) and the run goes on: the previous iteration was scored; a second such iteration in a row "
           f"stops it", file=sys.stderr)
