@@ -40,7 +40,7 @@ from tasks.core.stage import changed, fingerprint, raise_failure, result, reuse
 from tasks.core.store import open_store
 from tasks.engines.trainer import drill
 from tasks.engines.training import training_engine
-from tasks.envs.runtime.rendering import Renderer
+from tasks.envs.runtime.rendering import Renderer, turn_fault
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -155,6 +155,8 @@ def _tokenise(fmt: str, row: dict, tokenizer, render: Renderer, assistant_only: 
         raise ValueError("every assistant message is empty or blank (nothing to learn but the end of a turn)")
     if any(m["role"] == "system" for m in prompt[1:] + rest):
         raise ValueError("a system message after the first message; the templates take one, first")
+    if (fault := turn_fault(prompt + rest)) is not None:
+        raise ValueError(fault)
     tools = row.get("tools") or None
     if isinstance(tools, str):      # (TRL's tool datasets keep the schemas as JSON text too)
         try:

@@ -108,3 +108,20 @@ class Renderer:
         if ended_with_eos and self.eos_text and closing.startswith(self.eos_text):
             closing = closing[len(self.eos_text):]
         return self.tok(closing + full[len(prefix):], add_special_tokens=False)["input_ids"]
+
+
+def turn_fault(messages: list[dict]) -> str | None:
+    """Where a conversation's turns do not alternate, or None: after the system message, the user's side (user
+    messages; tool results, after an assistant message or another result) and the assistant take turns. Some
+    chat templates refuse anything else, the rest render a conversation no model was tuned on: one rule for every
+    model, so that data one model takes another does not refuse."""
+    for j, m in enumerate(messages):
+        before = messages[j - 1]["role"] if j else None
+        if m["role"] == "tool" and before not in ("assistant", "tool"):
+            return (f"message {j} (role tool) answers no tool call: it follows "
+                    + (f"a {before} message" if before else "nothing")
+                    + "; a tool result follows the assistant message that called the tool")
+        if m["role"] in ("user", "assistant") and before == m["role"]:
+            return (f"two {m['role']} messages in a row (messages {j - 1} and {j}); the roles must alternate (user, "
+                    f"assistant, user, ..., tool results after an assistant's call): join them into one")
+    return None
