@@ -57,11 +57,34 @@ def iteration_metric(store, run: str, iteration: int, metric: str) -> float | No
 
 def _unlogged(store, run: str, iteration: int, metric: str, stopped: bool = False) -> str:
     """What a trial whose run completed (or was stopped: `stopped`) without `metric` says: the metrics its last
-    iteration did log."""
+    iteration did log (the one `metric` is a slip of first)."""
+    if (meant := misspelled(store, run, iteration, metric)) is not None:
+        return (f"--metric: {metric}: the trial's run logs no such metric; did you mean {meant}? (its iteration "
+                f"{iteration} logged it)")
     logged = sorted({k for metrics in _logged(store, run, iteration) for k in metrics})
     how = f"logged no such metric in its first {iteration} iterations" if stopped else "completed without logging it"
     return (f"--metric: {metric}: the trial's run {how}; its iteration {iteration} logged "
             f"{', '.join(logged[:40])}{' ...' if len(logged) > 40 else ''}; expected one of those")
+
+
+def misspelled(store, run: str, scored: int, metric: str) -> str | None:
+    """The logged name `metric` is a slip of (difflib: at least 0.85 alike), when its trial's last iterations
+    logged that name and not `metric`: a typo said after the first iteration, not after several or the run's end.
+    A function's mean counts as logged where its errors are (an iteration where it scored nothing has none)."""
+    import difflib
+    import re
+
+    if scored < 1:
+        return None
+    known: set[str] = set()
+    for it in range(max(1, scored - LAG), scored + 1):
+        for metrics in _logged(store, run, it):
+            known |= set(metrics)
+    known |= {f"{m.group(1)}/mean" for k in known if (m := re.fullmatch(r"(.+)/errors", k))}
+    if metric in known:
+        return None
+    close = difflib.get_close_matches(metric, sorted(known), n=1, cutoff=0.85)
+    return close[0] if close else None
 
 
 def window_mean(values: dict[int, float], window: int) -> float:
@@ -178,8 +201,8 @@ class Tune:
                         pruned = True
                         proc.send_signal(signal.SIGTERM)
                 unseen = scored + 1
-                if not values and not ended and not missing and scored > 2 * LAG \
-                        and self.args.metric.split("/", 1)[0] in ("reward", "train"):
+                if not values and not ended and not missing and (scored > 2 * LAG and self.args.metric.split(
+                        "/", 1)[0] in ("reward", "train") or misspelled(store, name, scored, self.args.metric)):
                     missing = True      # (each iteration logs its reward and train metrics: not one is a name no
                     proc.send_signal(signal.SIGTERM)      # run logs; said now, not after the trial's last iteration)
                 if ended or self.stop.wait(POLL_SECONDS):

@@ -285,8 +285,8 @@ def test_a_metric_no_iteration_logs_stops_the_first_trial_early(tmp_path, prefec
     out = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "PREFECT_API_URL": prefect_api},
                          capture_output=True, text=True, timeout=600)
     last = out.stderr.strip().splitlines()[-1]
-    assert out.returncode == 2 and last.startswith("error: --metric: reward/meen: the trial's run logged no such "
-                                                   "metric in its first "), out.stderr[-2000:]
-    assert "reward/mean" in last and len(_trials(tmp_path)) == 1
+    assert out.returncode == 2 and last.startswith("error: --metric: reward/meen: the trial's run logs no such "
+                                                   "metric; did you mean reward/mean?"), out.stderr[-2000:]
+    assert len(_trials(tmp_path)) == 1
     iterations = list((tmp_path / "store").glob("*/iter-*"))
-    assert 0 < len(iterations) < 100, iterations                # (stopped early, not after 400 iterations)
+    assert 0 < len(iterations) <= 4, iterations     # (said after the first iteration or so: not 5, nor 400)
