@@ -196,6 +196,8 @@ def preflight(cfg: Config) -> None:
         raise UserError(f"model.name_or_path: {cfg.model.name_or_path} is a hub id, and generate.streaming's hf "
                         f"sampler loads each policy in place into a model folder's weights; download it first "
                         f"(`hf download {cfg.model.name_or_path} --local-dir DIR`) and name the folder")
+    if place.replicas_where == "local" and cfg.generate.engine == "hf":
+        check_replicas_fit(cfg, path)      # N processes each holding the model: within this machine's memory
     tokenizer = load_tokenizer(path)
     # the rollouts' source (prompts, environments, an agent): its factory, server or agent, one line, exit 2
     source_of(cfg).check(cfg, datasets, path, tokenizer)
@@ -237,6 +239,26 @@ def preflight(cfg: Config) -> None:
     for stage in remote + served:
         recipe_path(cfg, stage)              # (each recipe parsed: one line naming the file and line)
     check_context(cfg, path)               # (last: the hf engine's is a warning, not said before a refusal)
+
+
+REPLICA_PROCESS_BYTES = 350 << 20     # a replica's process besides its weights: Python, torch, transformers, its
+                                      # server (measured about 400 MB resident with a 0.1M-parameter model)
+
+
+def check_replicas_fit(cfg: Config, path: str) -> None:
+    """generate.replicas on this machine (hf engine): N processes, each with the model's weights and a Python
+    with torch, must fit in its memory, else the machine swaps or kills them one by one mid-run: one line."""
+    n = cfg.generate.replicas
+    folder = Path(path)
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) + \
+        sum(f.stat().st_size for f in folder.glob("*.bin")) if folder.is_dir() else 0
+    each = weights + REPLICA_PROCESS_BYTES
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if n * each > total:
+        raise UserError(f"generate.replicas: {n} replicas on this machine, each a process holding the model (about "
+                        f"{each / 2**30:.1f} GiB: {weights / 2**30:.2f} GiB of weights and a Python with torch), "
+                        f"need about {n * each / 2**30:.0f} GiB; this machine has {total / 2**30:.0f} GiB; expected "
+                        f"at most {max(total // each, 1)} (or launcher.stages {{generate: sky}}: a cluster each)")
 
 
 def check_context(cfg: Config, path: str) -> None:

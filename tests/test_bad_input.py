@@ -1677,3 +1677,24 @@ def test_an_empty_parquet_file_says_it_holds_no_rows(tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), path)
     with pytest.raises(UserError, match=rf"^data.path: {path}: no rows \(the Parquet file holds none\)$"):
         load_table(str(path), None, "train")
+
+
+def test_more_local_replicas_than_the_machines_memory_holds_are_refused_before_the_run(tmp_path, monkeypatch):
+    """generate.replicas: 256 (the field's bound) on a 2-core, 24 GiB machine was accepted: 256 processes each
+    holding the model, swapped or killed one by one mid-run. Preflight weighs them against the machine's memory
+    (here made 4 GiB, so the test holds on any machine): one line naming the field; what fits passes."""
+    import os
+
+    from flows.preflight import check_replicas_fit
+    from tasks.core.config import load_config
+    from tasks.core.models import base_path
+
+    real = os.sysconf
+    pages = (4 << 30) // real("SC_PAGE_SIZE")
+    monkeypatch.setattr(os, "sysconf", lambda name: pages if name == "SC_PHYS_PAGES" else real(name))
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "generate.replicas=16"])
+    with pytest.raises(UserError, match=r"generate.replicas: 16 replicas on this machine, each a process holding the "
+                                        r"model \(about 0.3 GiB: 0.00 GiB of weights and a Python with torch\), need "
+                                        r"about 5 GiB; this machine has 4 GiB; expected at most 11 \(or launcher"):
+        check_replicas_fit(cfg, base_path(cfg))
+    check_replicas_fit(load_config(TINY, ["generate.replicas=8"]), base_path(cfg))
