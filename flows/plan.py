@@ -101,6 +101,22 @@ def _priced(p: dict, count: int = 1) -> tuple[str, float | None]:
     return text, usd
 
 
+def _context(cfg: Config) -> str:
+    """The model's context beside what a sequence may take (generate.max_prompt_length + max_completion_length):
+    what the prompt-cut warning sends a user here for. '' where the model's config cannot be read here."""
+    from tasks.core.models import base_path, context_length
+
+    try:
+        context = context_length(base_path(cfg))
+    except Exception:  # noqa: BLE001 - a hub id not reachable from here: the plan goes on without it
+        return ""
+    gc = cfg.generate
+    asked = gc.max_prompt_length + gc.max_completion_length
+    return (f" (context {context} tokens; a sequence up to {gc.max_prompt_length} + {gc.max_completion_length} = "
+            f"{asked}: generate.max_prompt_length + max_completion_length"
+            + (", past the context" if context and asked > context else "") + ")") if context else ""
+
+
 def plan(cfg: Config, config_path: str) -> str:
     lc, gc, place = cfg.launcher, cfg.generate, placement_of(cfg)
     n_env, n_replicas = place.env_servers, place.replicas
@@ -202,6 +218,7 @@ def plan(cfg: Config, config_path: str) -> str:
            + (f", generation up to {cfg.run.max_staleness} policies behind" if cfg.run.max_staleness else ""),
            f"  store:     {cfg.store.uri.rstrip('/')}/{cfg.run.name}/"
            + (f" (endpoint {cfg.store.endpoint_url})" if cfg.store.endpoint_url else ""),
+           f"  model:     {cfg.model.name_or_path}{_context(cfg)}",
            f"  tracking:  {cfg.tracking.uri} (from {tracking_from}), experiment {cfg.tracking.experiment!r}",
            f"  prefect:   {prefect} (PREFECT_API_URL)" if prefect else
            "  prefect:   a temporary API server started by `rlflow run` (PREFECT_API_URL unset)", ""]

@@ -197,7 +197,7 @@ def preflight(cfg: Config) -> None:
                         f"sampler loads each policy in place into a model folder's weights; download it first "
                         f"(`hf download {cfg.model.name_or_path} --local-dir DIR`) and name the folder")
     if place.replicas_where == "local" and cfg.generate.engine == "hf":
-        check_replicas_fit(cfg, path)      # N processes each holding the model: within this machine's memory
+        check_replicas_fit(cfg, path, place.replicas)     # N processes each with the model: within this machine's
     tokenizer = load_tokenizer(path)
     # the rollouts' source (prompts, environments, an agent): its factory, server or agent, one line, exit 2
     source_of(cfg).check(cfg, datasets, path, tokenizer)
@@ -245,10 +245,9 @@ REPLICA_PROCESS_BYTES = 350 << 20     # a replica's process besides its weights:
                                       # server (measured about 400 MB resident with a 0.1M-parameter model)
 
 
-def check_replicas_fit(cfg: Config, path: str) -> None:
-    """generate.replicas on this machine (hf engine): N processes, each with the model's weights and a Python
+def check_replicas_fit(cfg: Config, path: str, n: int) -> None:
+    """`n` generate replicas on this machine (hf engine): n processes, each with the model's weights and a Python
     with torch, must fit in its memory, else the machine swaps or kills them one by one mid-run: one line."""
-    n = cfg.generate.replicas
     folder = Path(path)
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) + \
         sum(f.stat().st_size for f in folder.glob("*.bin")) if folder.is_dir() else 0

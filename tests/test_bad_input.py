@@ -1696,5 +1696,5 @@ def test_more_local_replicas_than_the_machines_memory_holds_are_refused_before_t
     with pytest.raises(UserError, match=r"generate.replicas: 16 replicas on this machine, each a process holding the "
                                         r"model \(about 0.3 GiB: 0.00 GiB of weights and a Python with torch\), need "
                                         r"about 5 GiB; this machine has 4 GiB; expected at most 11 \(or launcher"):
-        check_replicas_fit(cfg, base_path(cfg))
-    check_replicas_fit(load_config(TINY, ["generate.replicas=8"]), base_path(cfg))
+        check_replicas_fit(cfg, base_path(cfg), 16)
+    check_replicas_fit(cfg, base_path(cfg), 8)

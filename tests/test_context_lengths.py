@@ -176,3 +176,15 @@ def test_an_episode_that_vllms_max_model_len_cannot_hold_is_said_as_the_config_i
     _cfg(*episodes, "generate.max_model_len=712")
     _cfg(*episodes[:2], "generate.max_model_len=601")        # (hf: not read)
     assert "is less than an episode can take" not in capsys.readouterr().err
+
+
+def test_plan_shows_the_models_context_beside_what_a_sequence_may_take(tmp_path):
+    """The prompt-cut warning sends a user to `rlflow plan` for the context, which plan never printed."""
+    from flows.plan import plan
+
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "generate.max_prompt_length=512"])
+    assert "  model:     builtin:tiny-lm (context 256 tokens; a sequence up to 512 + 4 = 516: " \
+           "generate.max_prompt_length + max_completion_length, past the context)\n" in plan(cfg, str(TINY))
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "generate.max_prompt_length=100"])
+    assert "(context 256 tokens; a sequence up to 100 + 4 = 104: generate.max_prompt_length + " \
+           "max_completion_length)\n" in plan(cfg, str(TINY))

@@ -442,6 +442,21 @@ BAD_SPECS = {
                               "'final'"),
     "unknown section key": ({"task": "chain_sum", "sizes": 4}, "config: unknown key 'data.reasoning_gym.sizes'"),
     "no task": ({"size": 4}, "config: data.reasoning_gym.task"),
+    # composite: its datasets as YAML writes them (a traceback from reasoning-gym's validate() before)
+    "composite entry not a mapping": ({"task": "composite", "config": {"datasets": [5]}},
+                                      "data.reasoning_gym.config.datasets[0]: 5, expected {name: <task>, weight: "),
+    "composite unknown task": ({"task": "composite", "config": {"datasets": [{"name": "chain_summ"}]}},
+                               "data.reasoning_gym.config.datasets[0].name: unknown reasoning-gym task 'chain_summ'; "
+                               "did you mean 'chain_sum'?"),
+    "composite weight": ({"task": "composite", "config": {"datasets": [{"name": "chain_sum", "weight": "x"}]}},
+                         "data.reasoning_gym.config.datasets[0].weight: 'x', expected a number above 0"),
+    "composite setting": ({"task": "composite", "config": {"datasets": [{"name": "chain_sum",
+                                                                           "config": {"max_termz": 2}}]}},
+                          "data.reasoning_gym.config.datasets[0].config.max_termz: task 'chain_sum' has no such "
+                          "setting; did you mean 'max_terms'?"),
+    "composite empty": ({"task": "composite", "config": {"datasets": []}},
+                        "data.reasoning_gym.config: task 'composite' refuses {\"datasets\": []}: Must specify at "
+                        "least one dataset"),
 }
 
 
@@ -640,3 +655,17 @@ def test_a_task_twin_key_cannot_tell_apart_makes_its_held_out_split_without_visi
     monkeypatch.setattr(procedural, "_items", counted)
     held_out = procedural._held_out("game_of_life", {}, procedural.HELD_OUT_SEED, 6)
     assert len({r["question"] for r in held_out}) == 6 and len(made) <= 3 * 6
+
+
+def test_a_composite_of_tasks_written_in_yaml_makes_prompts_its_tasks_score():
+    """reasoning-gym's composite task takes its own DatasetSpec objects; from a config its datasets are mappings,
+    which it refused with a traceback. Now each is made one (weight 1 and no config by default), and each row is
+    scored by its own task's checker (the reward makes the dataset as the prompts were made)."""
+    config = {"datasets": [{"name": "chain_sum", "weight": 1.0, "config": {"max_terms": 2}},
+                           {"name": "basic_arithmetic"}]}
+    train, held_out = _splits(_config("composite", size=12, eval_size=4, config=config))
+    rows = train + held_out
+    assert {json.loads(r["metadata"])["source_dataset"] for r in rows} == {"chain_sum", "basic_arithmetic"}
+    columns = _columns(rows)
+    assert answer_reward([_written(r["answer"], "tags") for r in rows], **columns) == [1.0] * len(rows)
+    assert answer_reward([_written("zq", "tags")] * len(rows), **columns) == [0.0] * len(rows)

@@ -87,7 +87,7 @@ INSTRUCTIONS = {
 }
 
 
-def _create(task: str, config: dict[str, Any], seed: int, size: int):
+def create(task: str, config: dict[str, Any], seed: int, size: int):
     """reasoning_gym.create_dataset, with its errors as one UserError line each."""
     try:
         import reasoning_gym
@@ -102,21 +102,54 @@ def _create(task: str, config: dict[str, Any], seed: int, size: int):
                         + (f"; did you mean {near[0]!r}?" if near else "")
                         + (f" (similar: {', '.join(close)})" if close else "" if near else
                            f" ({len(DATASETS)} tasks; e.g. basic_arithmetic, chain_sum, leg_counting, gsm_symbolic)"))
-    fields = {f.name for f in dataclasses.fields(DATASETS[task][1])} - {"seed", "size"}
-    for key in config:
-        if key in ("seed", "size"):
-            raise UserError(f"{FIELD}.config.{key}: set {FIELD}.{key} instead (it also sets the held-out split)")
-        if key not in fields:
-            near = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.6)
-            raise UserError(f"{FIELD}.config.{key}: task {task!r} has no such setting"
-                            + (f"; did you mean {near[0]!r}?" if near else "") + f" (it has: "
-                            f"{', '.join(sorted(fields))})")
+    _check_settings(task, config, f"{FIELD}.config", DATASETS)
+    if task == "composite" and isinstance(config.get("datasets"), list):
+        config = {**config, "datasets": _composite(config["datasets"], DATASETS)}
     try:
         return reasoning_gym.create_dataset(task, **config, seed=seed, size=size)
-    except (AssertionError, ValueError, TypeError, KeyError) as e:      # the task's own validate()
+    except (AssertionError, ValueError, TypeError, KeyError, AttributeError) as e:  # the task's own validate()
         msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise UserError(f"{FIELD}.config: task {task!r} refuses {json.dumps(config, default=str)}: "
                         f"{msg or type(e).__name__}") from None
+
+
+def _check_settings(task: str, config: dict[str, Any], where: str, tasks: dict) -> None:
+    """Each key of `config` is one of task's settings (seed and size are the section's own)."""
+    fields = {f.name for f in dataclasses.fields(tasks[task][1])} - {"seed", "size"}
+    for key in config:
+        if key in ("seed", "size") and where == f"{FIELD}.config":
+            raise UserError(f"{where}.{key}: set {FIELD}.{key} instead (it also sets the held-out split)")
+        if key not in fields:
+            near = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.6)
+            raise UserError(f"{where}.{key}: task {task!r} has no such setting"
+                            + (f"; did you mean {near[0]!r}?" if near else "") + f" (it has: "
+                            f"{', '.join(sorted(fields))})")
+
+
+def _composite(datasets: list, tasks: dict) -> list:
+    """The composite task's `datasets` as its DatasetSpec objects ({name, weight (default 1), config (default
+    {})} each, as YAML writes them: reasoning-gym takes only its own objects), each checked as a task is."""
+    from reasoning_gym.composite import DatasetSpec
+
+    out = []
+    for i, d in enumerate(datasets):
+        where = f"{FIELD}.config.datasets[{i}]"
+        if not isinstance(d, dict) or not isinstance(d.get("name"), str) or set(d) - {"name", "weight", "config"}:
+            raise UserError(f"{where}: {json.dumps(d, default=str)[:120]}, expected {{name: <task>, weight: <number>, "
+                            f"config: {{...}}}}")
+        if d["name"] not in tasks or d["name"] == "composite":
+            near = difflib.get_close_matches(d["name"], sorted(tasks), n=1, cutoff=0.6)
+            raise UserError(f"{where}.name: unknown reasoning-gym task {d['name']!r}"
+                            + (f"; did you mean {near[0]!r}?" if near else ""))
+        weight, config = d.get("weight", 1.0), d.get("config") or {}
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise UserError(f"{where}.weight: {weight!r}, expected a number above 0")
+        if not isinstance(config, dict):
+            raise UserError(f"{where}.config: {json.dumps(config, default=str)[:80]}, expected a mapping of the "
+                            f"task's settings")
+        _check_settings(d["name"], config, f"{where}.config", tasks)
+        out.append(DatasetSpec(name=d["name"], weight=float(weight), config=config))
+    return out
 
 
 def _row(entry: dict, spec: str, answer_format: str, instruction: str, system_prompt: str | None) -> dict:
@@ -262,7 +295,7 @@ def _items(task: str, config: dict[str, Any], seed: int, size: int):
     try:
         random.seed(seed)
         np.random.seed(seed % 2**32)
-        source = _create(task, config, seed, size)
+        source = create(task, config, seed, size)
         for index in range(size):
             random.seed(seed + index)
             np.random.seed((seed + index) % 2**32)

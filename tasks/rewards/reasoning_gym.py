@@ -112,11 +112,12 @@ def _as_written(text: str, answer_format: str, whole_line: bool = False) -> str 
 
 @functools.lru_cache(maxsize=16)
 def _task(spec: str):
-    """The task's dataset object (for its score_answer), from the row's `reasoning_gym` column."""
-    import reasoning_gym
+    """The task's dataset object (for its score_answer), from the row's `reasoning_gym` column (made as the
+    prompts were: tasks/core/procedural.py)."""
+    from tasks.core.procedural import create
 
     parsed = json.loads(spec)
-    return reasoning_gym.create_dataset(parsed["task"], **parsed["config"], seed=0, size=1)
+    return create(parsed["task"], parsed["config"], seed=0, size=1)
 
 
 def answer_reward(completions: list, answer: list[str], question: list[str], metadata: list[str],
