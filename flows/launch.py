@@ -17,12 +17,15 @@ More: docs/internals.md (flows/launch.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shlex
+import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -140,9 +143,14 @@ def stage_env(cfg_path: str, overrides: list[str], iteration: int, policy: str |
 class Local:
     """Run the recipe's `run` in a subprocess with the recipe's envs, the flow's values for them, and the
     recipe's secrets from this environment: what a SkyPilot node would execute, on this machine. `setup`
-    is not run (this machine is already set up)."""
+    is not run (this machine is already set up). A stage process that stops beating (the file BEAT_VAR names,
+    touched every 5 s: tasks/__init__.py) for HUNG_SECONDS is stopped by a signal or wedged: it is killed, and
+    the stage retried."""
 
     mode = "local"
+    BEAT_VAR = "RLFLOW_HEARTBEAT"
+    HUNG_SECONDS = 120.0
+    WATCH_SECONDS = 5.0
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -157,9 +165,17 @@ class Local:
                 # the recipe says `python`: make it this environment's Python
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         t0 = time.perf_counter()
-        # (the recipe runs `python -m tasks.<stage>`: spawn's safe path, the working directory's tasks/ never wins)
-        ran = stream(["bash", "-c", recipe["run"]], full, log, cwd=Path.cwd(), rlflow=True)
+        hung: list[float] = []
+        with tempfile.NamedTemporaryFile(prefix="rlflow-beat-") as beat:
+            full[self.BEAT_VAR] = beat.name
+            # (the recipe runs `python -m tasks.<stage>`: spawn's safe path, the working directory's tasks/ never
+            # wins)
+            ran = stream(["bash", "-c", recipe["run"]], full, log, cwd=Path.cwd(), rlflow=True,
+                         watch=lambda proc: self._watch(proc, beat.name, hung))
         seconds = time.perf_counter() - t0
+        if hung:
+            raise InfraError(f"{stage}[iter {iteration}]: the local stage process gave no heartbeat for "
+                             f"{hung[0]:.0f} s (stopped by a signal, or wedged): killed; a retry runs it again")
         if ran.code == 0:
             return Ran(seconds)
         if ran.code == 2 and ran.user_error:
@@ -171,6 +187,24 @@ class Local:
         killed = " (killed)" if ran.code < 0 or ran.code in (137, 143) else ""
         raise InfraError(f"{stage}[iter {iteration}]: local stage process exited with {ran.code}{killed}: "
                          + "\n".join(ran.last[-3:]).strip())
+
+    def _watch(self, proc, beat: str, hung: list[float]) -> None:
+        """Until `proc` ends: one whose stage process has not touched `beat` for HUNG_SECONDS is killed, with
+        what it started (it and its processes may be stopped: SIGKILL ends them still)."""
+        from tasks.core.processes import descendants
+
+        while proc.poll() is None:
+            time.sleep(self.WATCH_SECONDS)
+            try:
+                quiet = time.time() - os.stat(beat).st_mtime
+            except OSError:
+                return
+            if quiet > self.HUNG_SECONDS and proc.poll() is None:
+                hung.append(quiet)
+                for pid in [*descendants(proc.pid), proc.pid]:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                return
 
     def close(self, log) -> None:
         pass

@@ -25,4 +25,21 @@ import os as _os
 if _os.environ.get("RLFLOW_SAFEPATH") == "1":
     _os.environ.pop("PYTHONSAFEPATH", None)
     del _os.environ["RLFLOW_SAFEPATH"]
-del _os
+
+# A stage process the local launcher watches (flows/launch.py: Local) beats from its first moment, its imports
+# included: a thread of its own touches the file RLFLOW_HEARTBEAT names every 5 s for the process's whole life, so
+# the beats stop only when the whole process does (stopped by a signal, wedged), never for a long step of its own.
+# Taken out of os.environ here: what the stage starts (its reward worker, a trainer) does not beat for it.
+if _beat := _os.environ.pop("RLFLOW_HEARTBEAT", None):
+    import threading as _threading
+    import time as _time
+
+    def _beating(path: str) -> None:
+        while True:
+            try:
+                _os.utime(path)
+            except OSError:
+                return                  # (the launcher is gone, and its file with it)
+            _time.sleep(5.0)
+
+    _threading.Thread(target=_beating, args=(_beat,), daemon=True, name="rlflow-heartbeat").start()

@@ -472,3 +472,56 @@ def test_sky_launcher_managed_jobs_mode(prefect_api, tmp_path, monkeypatch, s3_e
     assert [c["task"] for c in calls if c["call"] == "jobs.launch"] == \
         ["rlflow-generate", "rlflow-reward", "rlflow-train", "rlflow-publish"]
     assert not [c for c in calls if c["call"] in ("launch", "exec", "down")]
+
+
+@pytest.mark.drill
+def test_a_local_stage_process_that_stops_beating_is_killed_and_the_retry_runs_it(tmp_path, monkeypatch):
+    """launcher.where local: a stage process SIGSTOPped (a process that neither answers nor ends) hung the run
+    for good: the launcher read its output until the end. It beats from its first moment (tasks/__init__.py),
+    and the beats stop with it: killed after HUNG_SECONDS, with what it started, an infrastructure failure
+    (retried). Run again and not stopped, it beats through its imports and its work, and completes."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from flows.launch import InfraError, Local, stage_env
+    from tasks.core.processes import alive, descendants
+
+    monkeypatch.setattr(Local, "HUNG_SECONDS", 12.0)         # (beats come every 5 s)
+    monkeypatch.setattr(Local, "WATCH_SECONDS", 0.2)
+    monkeypatch.chdir(tmp_path)
+    overrides = [f"store.uri={tmp_path}/store", "run.name=beat", "launcher.where=local"]
+    cfg = load_config(TINY, overrides)
+    env = stage_env(str(TINY), overrides, 1)
+    stopped: list[int] = []
+
+    def stop_the_stage() -> None:            # its Python, once it has beaten (its file touched after it was made)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for pid in descendants(os.getpid()):
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                beat = next((e[17:].decode() for e in environ if e.startswith(b"RLFLOW_HEARTBEAT=")), None)
+                if b"-m\0tasks.generate" in cmd and beat:
+                    made = os.stat(beat).st_mtime
+                    while os.stat(beat).st_mtime == made and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+                    return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=stop_the_stage, daemon=True)
+    watcher.start()
+    lines: list[str] = []
+    with pytest.raises(InfraError, match=r"generate\[iter 1\]: the local stage process gave no heartbeat for \d+ s "
+                                         r"\(stopped by a signal, or wedged\): killed; a retry runs it again"):
+        Local(cfg).run("generate", 1, env, lines.append)
+    watcher.join(5)
+    assert stopped and not alive(stopped[0])
+    Local(cfg).run("generate", 1, env, lines.append)        # the retry, not stopped: beating all along
+    assert (tmp_path / "store" / "beat" / "iter-000001" / "rollouts").is_dir()

@@ -119,11 +119,14 @@ class Streamed:
 
 
 def stream(argv: list[str], env: dict[str, str], sink: Callable[[str], object], cwd: str | Path | None = None,
-           keep: int = 50, rlflow: bool | None = None) -> Streamed:
+           keep: int = 50, rlflow: bool | None = None, watch: Callable | None = None) -> Streamed:
     """Run argv (spawn's `rlflow`) with stdout and stderr merged, passing each line (without its line end) to
-    `sink` as it comes. If we are interrupted (an exception, Ctrl-C) the process is terminated, never left behind."""
+    `sink` as it comes. If we are interrupted (an exception, Ctrl-C) the process is terminated, never left behind.
+    `watch(proc)`: run on a thread beside it (the local launcher's heartbeat check)."""
     proc = spawn(argv, env, rlflow=rlflow, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                  bufsize=1)
+    if watch is not None:
+        threading.Thread(target=watch, args=(proc,), daemon=True, name="rlflow-stage-watch").start()
     user_error, corrupt, full, last = None, None, None, collections.deque(maxlen=keep)
     try:
         for line in proc.stdout:
@@ -159,10 +162,8 @@ def kill_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
         pass
     for pipe in (proc.stdin, proc.stdout, proc.stderr):
         if pipe is not None and not pipe.closed:
-            try:
+            with contextlib.suppress(OSError):
                 pipe.close()
-            except OSError:
-                pass
 
 
 def peek_exit(proc: subprocess.Popen) -> int | None:
@@ -347,10 +348,8 @@ def terminate_members(pgid: int | None, marker: str, wait: float) -> None:
         return
     for sig, after in ((signal.SIGTERM, wait), (signal.SIGKILL, 5.0)):
         if not Path("/proc").is_dir():                  # (no /proc, e.g. macOS: the whole group)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, sig)
-            except ProcessLookupError:
-                pass
         pids = [p for p in group_members(pgid, marker) if p != os.getpid()]
         for pid in pids:                # (SIGCONT after SIGTERM: a stopped process handles it now, not once continued)
             with contextlib.suppress(ProcessLookupError):
