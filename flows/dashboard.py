@@ -9,7 +9,10 @@ episodes (eval.screenshots: a strip of the pages per episode, tasks/envs/runtime
 from __future__ import annotations
 
 import base64
+import contextvars
 import re
+import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,6 +68,7 @@ BAR_WIDTH = 20         # the table's bar at the run's highest reward
 BLOCKS = "▁▂▃▄▅▆▇█"
 SAMPLES_SHOWN = 4      # of tracking.sample_completions (MLflow's samples table has them all)
 STRIPS_SHOWN = 3       # pictured episodes in the report (MLflow's artifacts have every frame)
+POST_SECONDS = 30.0    # a report the Prefect API has not taken by then is left to finish on its own: the run goes on
 
 
 class Report:
@@ -77,6 +81,8 @@ class Report:
         self.trend: dict[int, dict[str, float]] = {}
         self.posted: int | None = None         # the iteration the report shows
         self.pictures: list[str] = []          # the latest evaluation's strips, as markdown
+        self.sending: threading.Thread | None = None    # the post on its way to the Prefect API
+        self.late = False                      # a post outlived POST_SECONDS (said once)
         self.id = create_markdown_artifact(key=self.key, markdown=self._markdown(None),
                                            description=self._described(None))
 
@@ -85,14 +91,33 @@ class Report:
         self.trend.setdefault(it, {}).update({k: float(metrics[k]) for k in keep if k in metrics})
 
     def post(self, it: int, metrics: dict, samples: list[dict], policy_uri: str) -> None:
+        """Update the card, waiting at most POST_SECONDS for the Prefect API: one that stopped answering (a hung
+        server) held the run there for good. A post still on its way when the next is due: that one is skipped
+        (its numbers go with the one after)."""
+        self.record(it, metrics)
+        self.posted = it
+        if self.sending is not None and self.sending.is_alive():
+            return
+        update = (self._markdown((it, metrics, samples, policy_uri)), self._described(it))
+        self.sending = threading.Thread(target=contextvars.copy_context().run, args=(self._send, *update),
+                                        daemon=True, name="rlflow-report")     # (the caller's Prefect settings)
+        self.sending.start()
+        self.sending.join(POST_SECONDS)
+        if self.sending.is_alive() and not self.late:
+            self.late = True
+            print(f"warning: the Prefect API did not take the run's report in {POST_SECONDS:g} s (iteration {it}): "
+                  f"the report is behind until it answers; the run goes on (said once)", file=sys.stderr, flush=True)
+
+    def _send(self, data: str, description: str) -> None:
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.actions import ArtifactUpdate
 
-        self.record(it, metrics)
-        self.posted = it
-        with get_client(sync_client=True) as client:
-            client.update_artifact(self.id, ArtifactUpdate(
-                data=self._markdown((it, metrics, samples, policy_uri)), description=self._described(it)))
+        try:
+            with get_client(sync_client=True) as client:
+                client.update_artifact(self.id, ArtifactUpdate(data=data, description=description))
+        except Exception as e:  # noqa: BLE001 - the card is not the run's: said, and the run goes on
+            print(f"warning: the run's report was not updated: {type(e).__name__}: {str(e)[:200]}",
+                  file=sys.stderr, flush=True)
 
     def _described(self, it: int | None) -> str:
         reward = self.trend.get(it or 0, {}).get("reward/mean")

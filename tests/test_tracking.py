@@ -148,3 +148,39 @@ def test_a_champion_of_an_earlier_run_whose_store_is_gone_is_no_champion(tmp_pat
             assert again.superseded.endswith(f"; its champion (version {version}) is no champion now")
         else:
             assert str(champion(client, "shared").version) == version and "no champion" not in again.superseded
+
+
+def test_a_prefect_api_that_stops_answering_holds_the_report_not_the_run(tmp_path, prefect_api, monkeypatch, capsys):
+    """The run's report card is posted to the Prefect API every tracking.dashboard_every iterations; an API that
+    stopped answering (SIGSTOPped: its socket takes the connection, nothing comes back) held the run in that post
+    for good. Now a post waits POST_SECONDS, says so once, and the run goes on; while one is still on its way the
+    next is skipped, and a later one goes out once the API answers again."""
+    import socket
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows import dashboard
+    from tasks.core.config import load_config
+    from tests.conftest import TINY
+
+    monkeypatch.setattr(dashboard, "POST_SECONDS", 1.0)
+    cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "run.name=card"])
+    report = dashboard.Report(cfg, {"run": "r", "view": "v"}, "file://store")
+    metrics = {"reward/mean": 0.5, "train/loss": 0.1}
+    hung = socket.socket()                      # accepts (the kernel's backlog), never answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)
+    try:
+        with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{hung.getsockname()[1]}/api"}):
+            report.post(1, metrics, [], "p1")
+            first = report.sending
+            report.post(2, metrics, [], "p2")                       # the first still waits: skipped
+            assert report.sending is first and first.is_alive() and report.posted == 2
+        assert capsys.readouterr().err.count("warning: the Prefect API did not take the run's report in 1 s") == 1
+    finally:
+        hung.close()                                                # (the waiting post ends: refused)
+    first.join(120)
+    report.post(3, metrics, [], "p3")                               # the API answers: this one goes out
+    with get_client(sync_client=True) as client:
+        assert any((a.description or "").startswith("iteration 3/") for a in client.read_artifacts())
