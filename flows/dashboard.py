@@ -95,9 +95,11 @@ class Report:
         server) held the run there for good. A post still on its way when the next is due: that one is skipped
         (its numbers go with the one after)."""
         self.record(it, metrics)
-        self.posted = it
+        if self.sending is not None and it == self.cfg.run.iterations:
+            self.sending.join(POST_SECONDS)     # (the last: after the one on its way, if that one ends in time)
         if self.sending is not None and self.sending.is_alive():
-            return
+            return                              # (posted stays: the run's end posts its last iteration again)
+        self.posted = it
         update = (self._markdown((it, metrics, samples, policy_uri)), self._described(it))
         self.sending = threading.Thread(target=contextvars.copy_context().run, args=(self._send, *update),
                                         daemon=True, name="rlflow-report")     # (the caller's Prefect settings)

@@ -189,18 +189,28 @@ class Local:
                          + "\n".join(ran.last[-3:]).strip())
 
     def _watch(self, proc, beat: str, hung: list[float]) -> None:
-        """Until `proc` ends: one whose stage process has not touched `beat` for HUNG_SECONDS is killed, with
-        what it started (it and its processes may be stopped: SIGKILL ends them still)."""
+        """Until `proc` ends: one whose stage process has beaten once and then not touched `beat` for HUNG_SECONDS
+        is killed, with what it started (stopped processes too: SIGKILL ends them still). The time is this
+        watcher's checks without a beat, not the clock: a flow paused (Ctrl-Z, a laptop asleep) kills nothing on
+        waking; and nothing counts before the first beat (a user's recipe may install before its Python starts)."""
         from tasks.core.processes import descendants
 
+        try:
+            last = os.stat(beat).st_mtime_ns          # (its creation)
+        except OSError:
+            return
+        beaten, quiet = False, 0
         while proc.poll() is None:
             time.sleep(self.WATCH_SECONDS)
             try:
-                quiet = time.time() - os.stat(beat).st_mtime
+                now = os.stat(beat).st_mtime_ns
             except OSError:
                 return
-            if quiet > self.HUNG_SECONDS and proc.poll() is None:
-                hung.append(quiet)
+            beaten, quiet, last = beaten or now != last, 0 if now != last else quiet + 1, now
+            if not beaten:
+                continue
+            if quiet * self.WATCH_SECONDS > self.HUNG_SECONDS and proc.poll() is None:
+                hung.append(quiet * self.WATCH_SECONDS)
                 for pid in [*descendants(proc.pid), proc.pid]:
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)

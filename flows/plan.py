@@ -104,17 +104,19 @@ def _priced(p: dict, count: int = 1) -> tuple[str, float | None]:
 def _context(cfg: Config) -> str:
     """The model's context beside what a sequence may take (generate.max_prompt_length + max_completion_length):
     what the prompt-cut warning sends a user here for. '' where the model's config cannot be read here."""
-    from tasks.core.models import base_path, context_length
+    from tasks.core.models import base_path, engine_context
 
     try:
-        context = context_length(base_path(cfg))
+        found = engine_context(base_path(cfg))      # (what preflight's check_context weighs: the same bound)
     except Exception:  # noqa: BLE001 - a hub id not reachable from here: the plan goes on without it
         return ""
-    gc = cfg.generate
-    asked = gc.max_prompt_length + gc.max_completion_length
-    return (f" (context {context} tokens; a sequence up to {gc.max_prompt_length} + {gc.max_completion_length} = "
-            f"{asked}: generate.max_prompt_length + max_completion_length"
-            + (", past the context" if context and asked > context else "") + ")") if context else ""
+    if found is None:
+        return ""
+    context, key, _ = found
+    gc, asked, after = cfg.generate, cfg.sequence_limit(), cfg.completion_limit()
+    return (f" (context {context} tokens, {key}; a sequence up to {gc.max_prompt_length} + {after} = {asked}: "
+            f"generate.max_prompt_length + {'env.max_tokens' if cfg.env.episodic() else 'max_completion_length'}"
+            + (", past the context" if asked > context else "") + ")")
 
 
 def plan(cfg: Config, config_path: str) -> str:

@@ -248,9 +248,11 @@ REPLICA_PROCESS_BYTES = 350 << 20     # a replica's process besides its weights:
 def check_replicas_fit(cfg: Config, path: str, n: int) -> None:
     """`n` generate replicas on this machine (hf engine): n processes, each with the model's weights and a Python
     with torch, must fit in its memory, else the machine swaps or kills them one by one mid-run: one line."""
+    if torch.cuda.is_available():       # (hf replicas sample on the GPU there: their weights are not host memory)
+        return
     folder = Path(path)
-    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) + \
-        sum(f.stat().st_size for f in folder.glob("*.bin")) if folder.is_dir() else 0
+    files = (list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))) if folder.is_dir() else []
+    weights = sum(f.stat().st_size for f in files)      # (a hub download may hold both formats: one counted)
     each = weights + REPLICA_PROCESS_BYTES
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if n * each > total:

@@ -128,6 +128,7 @@ class ConsoleWarnings:
         self.cfg, self.note, self.log = cfg, note, log
         self.kl: list[float] = []
         self.warned: set[str] = set()
+        self.replicas_lost = 0          # the router's count of lost replicas at the last line about them
 
     def iteration(self, it: int, reward: dict, train: dict) -> None:
         kl = train.get("train/mismatch_kl")
@@ -152,12 +153,16 @@ class ConsoleWarnings:
                       f"signal (dynamic/short counts such iterations' missing groups); said once")
 
     def replicas(self, it: int, generate: dict) -> None:
-        """Generate replicas lost (and replaced by the router) since the last generate stage: said each time."""
-        if lost := int(generate.get("generate/router/lost", 0)):
+        """Generate replicas the router lost (and replaced) since the last such line: said each time. (The count
+        is the router's since it started: a new router, after a resume, counts from 0 again.)"""
+        if (total := generate.get("generate/router/lost")) is None:
+            return
+        if (lost := int(total) - self.replicas_lost) > 0:
             from tasks.engines.replicas import router_log
 
-            self.note(f"iteration {it}: {lost} generate replica{'s' * (lost > 1)} lost since the last generate "
-                      f"stage, replaced by the router (why, and the new one's start: {router_log(self.cfg)})")
+            self.note(f"iteration {it}: {lost} generate replica{'s' * (lost > 1)} lost, replaced by the router "
+                      f"(why, and the new one's start: {router_log(self.cfg)})")
+        self.replicas_lost = int(total)
 
     def _say(self, what: str, line: str) -> None:
         if what not in self.warned:
@@ -188,7 +193,7 @@ def _held_out_line(cfg: Config, metrics: dict) -> str:
     shown = [("greedy", "eval/greedy_pass_at_1"), ("format", "eval/greedy_format_share"),
              (f"pass@{cfg.eval.k}", f"eval/pass_at_{cfg.eval.k}"), ("reward", "eval/reward_mean")]
     line = " ".join(f"{name} {metrics[key]:.3f}" for name, key in shown if key in metrics)
-    return line or ("not scored (every reward call failed: the warning above)"
+    return line or ("not scored (every reward call failed: eval/unscored_passes; the stage's log says why)"
                     if "eval/unscored_passes" in metrics else line)
 
 

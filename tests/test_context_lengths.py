@@ -183,8 +183,9 @@ def test_plan_shows_the_models_context_beside_what_a_sequence_may_take(tmp_path)
     from flows.plan import plan
 
     cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "generate.max_prompt_length=512"])
-    assert "  model:     builtin:tiny-lm (context 256 tokens; a sequence up to 512 + 4 = 516: " \
-           "generate.max_prompt_length + max_completion_length, past the context)\n" in plan(cfg, str(TINY))
+    assert "  model:     builtin:tiny-lm (context 256 tokens, its config's max_position_embeddings; a sequence up " \
+           "to 512 + 4 = 516: generate.max_prompt_length + max_completion_length, past the context)\n" \
+        in plan(cfg, str(TINY))
     cfg = load_config(TINY, [f"store.uri={tmp_path}/store", "generate.max_prompt_length=100"])
-    assert "(context 256 tokens; a sequence up to 100 + 4 = 104: generate.max_prompt_length + " \
-           "max_completion_length)\n" in plan(cfg, str(TINY))
+    assert "; a sequence up to 100 + 4 = 104: generate.max_prompt_length + max_completion_length)\n" \
+        in plan(cfg, str(TINY))

@@ -482,6 +482,7 @@ def test_a_local_stage_process_that_stops_beating_is_killed_and_the_retry_runs_i
     (retried). Run again and not stopped, it beats through its imports and its work, and completes."""
     import os
     import signal
+    import tempfile
     import threading
     import time
 
@@ -495,25 +496,32 @@ def test_a_local_stage_process_that_stops_beating_is_killed_and_the_retry_runs_i
     cfg = load_config(TINY, overrides)
     env = stage_env(str(TINY), overrides, 1)
     stopped: list[int] = []
+    made: dict[str, int] = {}               # the heartbeat file, and its time when the launcher made it
+    real = tempfile.NamedTemporaryFile
 
-    def stop_the_stage() -> None:            # its Python, once it has beaten (its file touched after it was made)
+    def recorded(*args, **kwargs):
+        f = real(*args, **kwargs)
+        made[f.name] = os.stat(f.name).st_mtime_ns
+        return f
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", recorded)
+
+    def stop_the_stage() -> None:            # its Python, once it has beaten (the file touched after it was made)
         deadline = time.monotonic() + 120
+        while not made and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (beat, at), = made.items()
+        while os.stat(beat).st_mtime_ns == at and time.monotonic() < deadline:
+            time.sleep(0.01)
         while time.monotonic() < deadline:
             for pid in descendants(os.getpid()):
                 try:
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    if b"-m\0tasks.generate" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        os.kill(pid, signal.SIGSTOP)
+                        stopped.append(pid)
+                        return
                 except OSError:
                     continue
-                beat = next((e[17:].decode() for e in environ if e.startswith(b"RLFLOW_HEARTBEAT=")), None)
-                if b"-m\0tasks.generate" in cmd and beat:
-                    made = os.stat(beat).st_mtime
-                    while os.stat(beat).st_mtime == made and time.monotonic() < deadline:
-                        time.sleep(0.02)
-                    os.kill(pid, signal.SIGSTOP)
-                    stopped.append(pid)
-                    return
-            time.sleep(0.05)
+            time.sleep(0.01)
 
     watcher = threading.Thread(target=stop_the_stage, daemon=True)
     watcher.start()

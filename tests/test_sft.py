@@ -239,13 +239,10 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
     cases = {
         "columns": ([{"question": "a=", "answer": "bbb"}], [], "expected a `messages` column, or `prompt` and "),
         "two_assistants": ([{"messages": [user, bot, bot]}], [], "row 1: two assistant messages in a row"),
-        "template": ([{"messages": [{"role": "system", "content": "be brief"}, user, bot]}],
-                     [f"model.name_or_path={strict}"],
+        "template": ([{"messages": [user, user, bot]}], [f"model.name_or_path={strict}"],
                      "row 1: the chat template refused it: Conversation roles must alternate"),
-        "two_users": ([{"messages": [user, user, bot]}], [],      # (this model's template takes them: refused alike)
-                      "row 1: two user messages in a row (messages 0 and 1); the roles must alternate"),
-        "two_users_split": ([{"prompt": [user], "completion": [user, bot]}], [],
-                            "row 1: two user messages in a row (messages 0 and 1)"),
+        "two_assistants_not_learned": ([{"messages": [user, bot, bot, user, bot]}], ["warmup.assistant_only=false"],
+                                       "row 1: two assistant messages in a row (messages 1 and 2)"),
         "tool_answering_nothing": ([{"messages": [user, {"role": "tool", "content": "42"}, bot]}], [],
                                    "row 1: message 1 (role tool) answers no tool call: it follows a user message"),
         "tool_first": ([{"prompt": [{"role": "tool", "content": "42"}], "completion": [bot]}], [],

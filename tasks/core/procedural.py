@@ -117,7 +117,7 @@ def _check_settings(task: str, config: dict[str, Any], where: str, tasks: dict) 
     """Each key of `config` is one of task's settings (seed and size are the section's own)."""
     fields = {f.name for f in dataclasses.fields(tasks[task][1])} - {"seed", "size"}
     for key in config:
-        if key in ("seed", "size") and where == f"{FIELD}.config":
+        if key in ("seed", "size"):         # (a composite's datasets too: the held-out split is made from them)
             raise UserError(f"{where}.{key}: set {FIELD}.{key} instead (it also sets the held-out split)")
         if key not in fields:
             near = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.6)

@@ -200,8 +200,9 @@ class DetachedTrainer:
                 raise RuntimeError(f"{self._who()} answered none of {HUNG_AFTER} pings during {message['op']} "
                                    f"(stopped by a signal, or hung): it was stopped; a retry starts a new one, "
                                    f"which resumes by replay (log: {self.path.with_suffix('.log')})")
-        if asked.error is not None:
-            e = asked.error
+        if (e := asked.error) is not None:
+            if not isinstance(e, (ConnectionError, EOFError, OSError)):
+                raise e                 # (not the trainer going away: its own error, as it came)
             raise RuntimeError(f"{self._who()} died or went away during {message['op']} ({type(e).__name__}); a "
                                f"retry starts a new one, which resumes by replay (log: "
                                f"{self.path.with_suffix('.log')})") from e
@@ -287,7 +288,7 @@ class _Asked:
             with Client(address, authkey=authkey) as conn:
                 conn.send(message)
                 self.answer = conn.recv()
-        except (ConnectionError, EOFError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - given to the caller (a refused key, an answer it cannot read)
             self.error = e
         finally:
             self.done.set()

@@ -147,8 +147,7 @@ class RoutedSession(SamplingSession):
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """What the router did for this session: per replica its requests, tokens and tokens/s; the routing
-        counts (sticky, new, retried) and replacements; and the replicas lost since the last session's metrics
-        (those are then reported: the flow says them on the console)."""
+        counts (sticky, new, retried) and replacements; and how many replicas the router has lost so far."""
         now, was = self.stats(), self.start_stats
         out = {}
         for i, m in now["members"].items():
@@ -161,9 +160,9 @@ class RoutedSession(SamplingSession):
                 out[f"{prefix}/replica{i}/tokens_per_s"] = tokens / seconds
         for k in ("sticky", "new", "retried", "replaced"):
             out[f"{prefix}/router/{k}"] = now["counts"][k] - was["counts"][k]
-        # replicas lost since the last session reported (between stages too: this one may have found them replaced)
-        out[f"{prefix}/router/lost"] = now["lost"] - now["told"]
-        self._post("/told", {"upto": now["lost"]})
+        # replicas the router has lost since it started (between stages too: a session finds them replaced, so a
+        # count per session read 0); the flow says each new one (flows/training.py: ConsoleWarnings.replicas)
+        out[f"{prefix}/router/lost"] = float(now["lost"])
         return out
 
     def close(self) -> None:
@@ -248,7 +247,7 @@ class Router:
         self.sticky = Sticky(STICKY_KEYS)
         self.counts = {"sticky": 0, "new": 0, "retried": 0, "replaced": 0}
         self.replace_seconds: list[float] = []
-        self.lost_count, self.told = 0, 0       # members lost since the start; of them, reported by a session
+        self.lost_count = 0                     # members lost since it started (the flow says each new one)
         self.last_used = time.monotonic()
         self.changed = threading.Condition(self.lock)
         self.client = None                # the forwarding client (httpx.AsyncClient)
@@ -537,12 +536,7 @@ class Router:
                                                "routed": m.routed, "tokens": m.tokens, "seconds": m.seconds,
                                                "busy": m.busy, "replaced": m.replaced} for m in self.members},
                     "counts": dict(self.counts), "want": list(self.want) if self.want else None,
-                    "replace_seconds": list(self.replace_seconds), "lost": self.lost_count, "told": self.told}
-
-    def tell(self, upto: int) -> None:
-        """A session reported the members lost through `upto` (the next one reports those after)."""
-        with self.lock:
-            self.told = max(self.told, min(upto, self.lost_count))
+                    "replace_seconds": list(self.replace_seconds), "lost": self.lost_count}
 
 
 def app(router: Router, state: Path | None, owner: int | None = None):
@@ -562,10 +556,6 @@ def app(router: Router, state: Path | None, owner: int | None = None):
 
     async def stats(request: Request):
         return JSONResponse(router.stats())
-
-    async def told(request: Request):
-        router.tell(int((await request.json())["upto"]))
-        return JSONResponse({"told": router.told})
 
     async def policy(request: Request):
         body = await request.json()
@@ -602,7 +592,7 @@ def app(router: Router, state: Path | None, owner: int | None = None):
         router.stop_members()
         forget(state, os.getpid())
 
-    return Starlette(routes=[Route("/health", health), Route("/stats", stats), Route("/told", told, methods=["POST"]),
+    return Starlette(routes=[Route("/health", health), Route("/stats", stats),
                              Route("/policy", policy, methods=["POST"]), Route("/sample", sample, methods=["POST"]),
                              Route("/stream/{index:int}/{op:str}", stream, methods=["POST"])],
                      lifespan=lifespan)

@@ -70,7 +70,10 @@ def serve(state_path: Path, config_path: Path) -> None:
     busy, last_used = threading.Lock(), [time.monotonic()]
     threading.Thread(target=_watch, args=(host, group, state_path, busy, last_used), daemon=True).start()
     while True:
-        conn = listener.accept()
+        try:
+            conn = listener.accept()
+        except Exception:  # noqa: BLE001 - a caller gone mid-handshake (a ping given up on), or without the key
+            continue
         threading.Thread(target=_answer, args=(conn, host, group, state_path, busy, last_used), daemon=True).start()
 
 

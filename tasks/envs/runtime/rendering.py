@@ -111,17 +111,17 @@ class Renderer:
 
 
 def turn_fault(messages: list[dict]) -> str | None:
-    """Where a conversation's turns do not alternate, or None: after the system message, the user's side (user
-    messages; tool results, after an assistant message or another result) and the assistant take turns. Some
-    chat templates refuse anything else, the rest render a conversation no model was tuned on: one rule for every
-    model, so that data one model takes another does not refuse."""
+    """Where a conversation's turns cannot be an episode's, or None: two assistant messages in a row (the model
+    takes one turn at a time), or a tool result that follows no assistant message. Several user (or tool)
+    messages in a row are an environment's observation as the episode loop keeps it (a reset or a step may
+    answer with several), so they stay; a chat template that refuses them says so itself."""
     for j, m in enumerate(messages):
         before = messages[j - 1]["role"] if j else None
         if m["role"] == "tool" and before not in ("assistant", "tool"):
             return (f"message {j} (role tool) answers no tool call: it follows "
                     + (f"a {before} message" if before else "nothing")
                     + "; a tool result follows the assistant message that called the tool")
-        if m["role"] in ("user", "assistant") and before == m["role"]:
-            return (f"two {m['role']} messages in a row (messages {j - 1} and {j}); the roles must alternate (user, "
-                    f"assistant, user, ..., tool results after an assistant's call): join them into one")
+        if m["role"] == "assistant" and before == "assistant":
+            return (f"two assistant messages in a row (messages {j - 1} and {j}); the model takes one turn at a "
+                    f"time: join them into one, or put the observation between them")
     return None
