@@ -98,7 +98,10 @@ class Report:
         if self.sending is not None and it == self.cfg.run.iterations:
             self.sending.join(POST_SECONDS)     # (the last: after the one on its way, if that one ends in time)
         if self.sending is not None and self.sending.is_alive():
-            return                              # (posted stays: the run's end posts its last iteration again)
+            if it == self.cfg.run.iterations:
+                print(f"warning: the run's report shows an earlier iteration: the Prefect API has not answered a "
+                      f"post for over {POST_SECONDS:g} s", file=sys.stderr, flush=True)
+            return                              # (posted stays: the run's end tries its last iteration again)
         self.posted = it
         update = (self._markdown((it, metrics, samples, policy_uri)), self._described(it))
         self.sending = threading.Thread(target=contextvars.copy_context().run, args=(self._send, *update),

@@ -143,9 +143,10 @@ def stage_env(cfg_path: str, overrides: list[str], iteration: int, policy: str |
 class Local:
     """Run the recipe's `run` in a subprocess with the recipe's envs, the flow's values for them, and the
     recipe's secrets from this environment: what a SkyPilot node would execute, on this machine. `setup`
-    is not run (this machine is already set up). A stage process that stops beating (the file BEAT_VAR names,
-    touched every 5 s: tasks/__init__.py) for HUNG_SECONDS is stopped by a signal or wedged: it is killed, and
-    the stage retried."""
+    is not run (this machine is already set up). A stage process that has beaten (the file BEAT_VAR names,
+    touched every 5 s from its Python's start: tasks/__init__.py) and then stops for HUNG_SECONDS is stopped by a
+    signal or wedged: it is killed, and the stage retried. Before its first beat nothing is timed (a recipe may
+    install for long before its Python starts)."""
 
     mode = "local"
     BEAT_VAR = "RLFLOW_HEARTBEAT"
@@ -168,10 +169,11 @@ class Local:
         hung: list[float] = []
         with tempfile.NamedTemporaryFile(prefix="rlflow-beat-") as beat:
             full[self.BEAT_VAR] = beat.name
+            made = os.stat(beat.name).st_mtime_ns           # (before the stage starts: its first beat differs)
             # (the recipe runs `python -m tasks.<stage>`: spawn's safe path, the working directory's tasks/ never
             # wins)
             ran = stream(["bash", "-c", recipe["run"]], full, log, cwd=Path.cwd(), rlflow=True,
-                         watch=lambda proc: self._watch(proc, beat.name, hung))
+                         watch=lambda proc: self._watch(proc, beat.name, made, hung))
         seconds = time.perf_counter() - t0
         if hung:
             raise InfraError(f"{stage}[iter {iteration}]: the local stage process gave no heartbeat for "
@@ -188,18 +190,14 @@ class Local:
         raise InfraError(f"{stage}[iter {iteration}]: local stage process exited with {ran.code}{killed}: "
                          + "\n".join(ran.last[-3:]).strip())
 
-    def _watch(self, proc, beat: str, hung: list[float]) -> None:
+    def _watch(self, proc, beat: str, last: int, hung: list[float]) -> None:
         """Until `proc` ends: one whose stage process has beaten once and then not touched `beat` for HUNG_SECONDS
         is killed, with what it started (stopped processes too: SIGKILL ends them still). The time is this
         watcher's checks without a beat, not the clock: a flow paused (Ctrl-Z, a laptop asleep) kills nothing on
         waking; and nothing counts before the first beat (a user's recipe may install before its Python starts)."""
         from tasks.core.processes import descendants
 
-        try:
-            last = os.stat(beat).st_mtime_ns          # (its creation)
-        except OSError:
-            return
-        beaten, quiet = False, 0
+        beaten, quiet = False, 0                        # (`last`: the file's time as made)
         while proc.poll() is None:
             time.sleep(self.WATCH_SECONDS)
             try:

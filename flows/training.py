@@ -157,7 +157,8 @@ class ConsoleWarnings:
         is the router's since it started: a new router, after a resume, counts from 0 again.)"""
         if (total := generate.get("generate/router/lost")) is None:
             return
-        if (lost := int(total) - self.replicas_lost) > 0:
+        lost = int(total) - self.replicas_lost if total >= self.replicas_lost else int(total)   # (a new router)
+        if lost > 0:
             from tasks.engines.replicas import router_log
 
             self.note(f"iteration {it}: {lost} generate replica{'s' * (lost > 1)} lost, replaced by the router "

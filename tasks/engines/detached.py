@@ -201,8 +201,9 @@ class DetachedTrainer:
                                    f"(stopped by a signal, or hung): it was stopped; a retry starts a new one, "
                                    f"which resumes by replay (log: {self.path.with_suffix('.log')})")
         if (e := asked.error) is not None:
-            if not isinstance(e, (ConnectionError, EOFError, OSError)):
-                raise e                 # (not the trainer going away: its own error, as it came)
+            if not isinstance(e, (ConnectionError, EOFError, OSError)):       # (a refused key, an unreadable answer)
+                raise RuntimeError(f"{self._who()}: {message['op']} failed: {type(e).__name__}: {e} (log: "
+                                   f"{self.path.with_suffix('.log')})") from e
             raise RuntimeError(f"{self._who()} died or went away during {message['op']} ({type(e).__name__}); a "
                                f"retry starts a new one, which resumes by replay (log: "
                                f"{self.path.with_suffix('.log')})") from e

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def serve(state_path: Path, config_path: Path) -> None:
     while True:
         try:
             conn = listener.accept()
-        except Exception:  # noqa: BLE001 - a caller gone mid-handshake (a ping given up on), or without the key
+        except (AuthenticationError, EOFError, ConnectionError):    # (a caller gone mid-handshake, or keyless)
             continue
         threading.Thread(target=_answer, args=(conn, host, group, state_path, busy, last_used), daemon=True).start()
 
@@ -115,7 +116,7 @@ def _serve_node(listener: Listener, host: Trainer, group: Group) -> None:
     while True:
         try:
             conn = listener.accept()
-        except Exception:  # noqa: BLE001 - a caller without the key: refused, the next one is served
+        except (AuthenticationError, EOFError, ConnectionError):    # (a caller without the key: the next one)
             continue
         threading.Thread(target=_answer_node, args=(conn, host, group), daemon=True).start()
 
