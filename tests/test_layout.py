@@ -531,7 +531,7 @@ PLACEMENT_KEYS = {"launcher": {"where", "stages", "where_of", "remote_stages"}, 
                   "env": {"where", "servers", "remote"}}
 PLACEMENT_READERS = {           # (the config modules, tasks/core/config*.py, define and validate the keys)
     "tasks/core/placement.py": "placement_of: the one reader",
-    "tasks/engines/replicas.py": "the router, in the stage's process, makes one member per generate.replicas",
+    "tasks/engines/replica_router.py": "the router, a process of its own, makes one member per generate.replicas",
     "tasks/envs/runtime/pool.py": "the pool's front started by hand, without --member: env.servers members",
 }
 

@@ -300,7 +300,7 @@ def test_replicas_that_cannot_start_are_said_at_once_not_after_the_start_timeout
     """Local replicas whose every start fails (here: the config they are given cannot be read) fail the policy
     request after START_TRIES starts each, with the replica's own error, instead of waiting out
     generate.server_start_timeout (here 300 s; 15 min by default) while the watch starts them again."""
-    from tasks.engines.replicas import START_TRIES, Router
+    from tasks.engines.replica_router import START_TRIES, Router
 
     cfg = _cfg(tmp_path, 2, "generate.server_start_timeout=300")
     router = Router(cfg, tmp_path / "missing.json", None)

@@ -1,7 +1,7 @@
 """The daemons rlflow starts and finds again: one per run and kind on a machine, alive across stage processes, each
 named by a state file. Three servers are started and found again through `Daemon`: the vLLM server
 (tasks/engines/vllm_server.py, its watchdog tasks/engines/vllm_watchdog.py), the resident trainer
-(tasks/engines/detached.py) and the generate replicas' router (tasks/engines/replicas.py). Four more use only the
+(tasks/engines/detached.py) and the generate replicas' router (tasks/engines/replica_router.py). Four more use only the
 daemon's side (`Watch`, `leave`): the environment server (tasks/envs/runtime/server.py), the environment pool's front
 (tasks/envs/runtime/pool.py), a generate replica (tasks/engines/replica.py) and the judge server
 (tasks/scoring/judge_server.py), each kept by what started it (the flow, the router: tasks/core/fleet.py) and

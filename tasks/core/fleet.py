@@ -1,5 +1,5 @@
 """What every fleet of servers rlflow runs shares, written once: the generate replicas behind their router
-(tasks/engines/replicas.py), the environment servers behind a pool's front (tasks/envs/runtime/pool.py,
+(tasks/engines/replica_router.py), the environment servers behind a pool's front (tasks/envs/runtime/pool.py,
 flows/services.py: EnvServer) and the judge servers (flows/services.py: JudgeServers).
 
     start_server   a member on this machine: spawned with the safe path (processes.spawn), up once it prints

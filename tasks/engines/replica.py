@@ -1,5 +1,5 @@
 """A generate replica: one sampling engine (hf, vLLM offline or vLLM server: generate.engine / generate.mode) on
-its own machine, serving the router (tasks/engines/replicas.py) over HTTP. The model and its weights stay here;
+its own machine, serving the router (tasks/engines/replica_router.py) over HTTP. The model and its weights stay here;
 only token ids travel.
 
     python -m tasks.engines.replica --config-json FILE [--host 0.0.0.0] [--port 8340] [--exit-with-parent]

@@ -1,6 +1,7 @@
 """The streaming sampler's decode steps on replicas (generate.streaming with generate.replicas: N): the batch's
 rows spread over the replicas, each decoding its own with the run's decoder (tasks/engines/replica.py's /stream:
-HFDecoder or VLLMDecoder there), through the run's router (tasks/engines/replicas.py), which starts and replaces them.
+HFDecoder or VLLMDecoder there), through the run's router (tasks/engines/replica_router.py), which starts and
+replaces them.
 
     decoder = ReplicasDecoder(cfg, params, services)   # Stream's decoder when generate.replicas is set
     decoder.load(key, path)                  # each replica loads it in place before its next request
