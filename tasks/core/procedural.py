@@ -96,12 +96,7 @@ def create(task: str, config: dict[str, Any], seed: int, size: int):
         raise UserError(f"{FIELD}: needs the reasoning-gym package (pip install reasoning-gym; make setup "
                         f"installs it)") from None
     if task not in DATASETS:
-        near = difflib.get_close_matches(task, sorted(DATASETS), n=1, cutoff=0.6)
-        close = sorted(n for n in DATASETS if task.split("_")[0] in n and n not in near)[:8]
-        raise UserError(f"{FIELD}.task: unknown reasoning-gym task {task!r}"
-                        + (f"; did you mean {near[0]!r}?" if near else "")
-                        + (f" (similar: {', '.join(close)})" if close else "" if near else
-                           f" ({len(DATASETS)} tasks; e.g. basic_arithmetic, chain_sum, leg_counting, gsm_symbolic)"))
+        raise _unknown(task, f"{FIELD}.task", DATASETS)
     _check_settings(task, config, f"{FIELD}.config", DATASETS)
     if task == "composite" and isinstance(config.get("datasets"), list):
         config = {**config, "datasets": _composite(config["datasets"], DATASETS)}
@@ -111,6 +106,15 @@ def create(task: str, config: dict[str, Any], seed: int, size: int):
         msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise UserError(f"{FIELD}.config: task {task!r} refuses {json.dumps(config, default=str)}: "
                         f"{msg or type(e).__name__}") from None
+
+
+def _unknown(task: str, where: str, tasks: dict) -> UserError:
+    """`task` is no reasoning-gym task: one line, the name it is a slip of or its likes."""
+    near = difflib.get_close_matches(task, sorted(tasks), n=1, cutoff=0.6)
+    close = sorted(n for n in tasks if task.split("_")[0] in n and n not in near)[:8]
+    return UserError(f"{where}: unknown reasoning-gym task {task!r}" + (f"; did you mean {near[0]!r}?" if near else "")
+                     + (f" (similar: {', '.join(close)})" if close else "" if near else
+                        f" ({len(tasks)} tasks; e.g. basic_arithmetic, chain_sum, leg_counting, gsm_symbolic)"))
 
 
 def _check_settings(task: str, config: dict[str, Any], where: str, tasks: dict) -> None:
@@ -138,9 +142,7 @@ def _composite(datasets: list, tasks: dict) -> list:
             raise UserError(f"{where}: {json.dumps(d, default=str)[:120]}, expected {{name: <task>, weight: <number>, "
                             f"config: {{...}}}}")
         if d["name"] not in tasks or d["name"] == "composite":
-            near = difflib.get_close_matches(d["name"], sorted(tasks), n=1, cutoff=0.6)
-            raise UserError(f"{where}.name: unknown reasoning-gym task {d['name']!r}"
-                            + (f"; did you mean {near[0]!r}?" if near else ""))
+            raise _unknown(d["name"], f"{where}.name", {k: v for k, v in tasks.items() if k != "composite"})
         weight, config = d.get("weight", 1.0), d.get("config") or {}
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
             raise UserError(f"{where}.weight: {weight!r}, expected a number above 0")
