@@ -96,7 +96,8 @@ def _damage_said(key: str):
 
 def _registered_version(cfg, policy_uri: str):
     """The MLflow model version registered for `policy_uri` (--register), or one UserError line."""
-    from tasks.core.tracking import _find_version, reading_client, registered_model_name
+    from tasks.core.registry import _find_version, registered_model_name
+    from tasks.core.tracking import reading_client
 
     name = registered_model_name(cfg)
     client = reading_client(cfg.tracking.uri, "--register")
@@ -114,9 +115,9 @@ def _registered_version(cfg, policy_uri: str):
 def _attach_gguf(cfg, mv, file: Path, quant: str) -> str:
     """Log the GGUF file as an artifact of the version's MLflow run and point the version at it (tags
     rlflow.gguf, rlflow.gguf_quant): the model version carries the file."""
-    from tasks.core.tracking import _client
+    from tasks.core.tracking_db import tracking_client
 
-    client = _client(cfg.tracking.uri)
+    client = tracking_client(cfg.tracking.uri)
     folder = f"gguf/v{mv.version}"
     client.log_artifact(mv.run_id, str(file), folder)
     uri = f"runs:/{mv.run_id}/{folder}/{file.name}"

@@ -437,7 +437,7 @@ def check_registered_model_name(cfg: Config) -> None:
     except ImportError:
         from mlflow.utils.validation import _validate_model_name
 
-    from tasks.core.tracking import registered_model_name
+    from tasks.core.registry import registered_model_name
 
     name = registered_model_name(cfg)
     field = "publish.registered_model_name" if cfg.publish.registered_model_name is not None else \

@@ -42,9 +42,10 @@ from tasks.core.config import Config, load_config
 from tasks.core.errors import UserError, cause_of
 from tasks.core.lease import Lease
 from tasks.core.placement import placement_of
+from tasks.core.registry import champion_policy_uri
 from tasks.core.stage import STOP
 from tasks.core.store import CorruptArtifact, Store, open_store
-from tasks.core.tracking import Tracker, champion_policy_uri
+from tasks.core.tracking import Tracker
 from tasks.engines.detached import DetachedTrainer
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.streaming import Stream

@@ -286,9 +286,10 @@ class StudyTracker:
     globals across threads)."""
 
     def __init__(self, cfg: Config, study: str, space: dict[str, Param], metric: str):
-        from tasks.core.tracking import _client, experiment_id
+        from tasks.core.tracking import experiment_id
+        from tasks.core.tracking_db import tracking_client
 
-        self.client = _client(cfg.tracking.uri)
+        self.client = tracking_client(cfg.tracking.uri)
         self.exp = experiment_id(self.client, cfg)
         found = self.client.search_runs([self.exp], f"tags.`{TAG_STUDY}` = '{study}'", max_results=1)
         if found:                              # a resumed tune: its children a kill left running are over

@@ -67,7 +67,7 @@ def publish(cfg: Config, iteration: int, mlflow_run_id: str | None = None) -> di
         done["metrics"] = metrics
     store.advance_pointer(layout.latest(run, "policy"), key)
     if cfg.publish.register_model and mlflow_run_id:
-        from tasks.core.tracking import register_policy
+        from tasks.core.registry import register_policy
         done["model_version"] = register_policy(cfg, mlflow_run_id, done["uri"], iteration)
     return done
 

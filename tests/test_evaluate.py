@@ -97,7 +97,7 @@ def test_flow_evaluates_and_keeps_the_best(prefect_api, tmp_path, monkeypatch):
 def test_promotion_gate_moves_champion_only_on_improvement(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from tasks.core.tracking import ensure_registered_model, promote_if_better
+    from tasks.core.registry import ensure_registered_model, promote_if_better
 
     client = MlflowClient(f"sqlite:///{tmp_path}/m.db", registry_uri=f"sqlite:///{tmp_path}/m.db")
     ensure_registered_model(client, "m")

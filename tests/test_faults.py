@@ -95,9 +95,9 @@ def test_a_lease_holds_through_many_renewals_at_a_fifth_of_requests_faulty(proxy
 
 
 CREATE_DB = ("import sys\n"
-             "from tasks.core.tracking import _client\n"
+             "from tasks.core.tracking_db import tracking_client\n"
              "for uri in sys.argv[1:]:\n"
-             "    c = _client(uri)\n"
+             "    c = tracking_client(uri)\n"
              "    c.search_experiments(); c.search_registered_models()\n"
              "    name = uri.rsplit('/', 1)[1]\n"
              "    if c.get_experiment_by_name(name) is None:\n"
@@ -158,7 +158,7 @@ def test_a_new_database_is_a_copy_of_the_kept_empty_one_equal_to_a_migrated_one(
     import subprocess
     import sys
 
-    from tasks.core import tracking, tracking_db
+    from tasks.core import tracking_db
 
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
     kept = tracking_db._empty_database()
@@ -180,7 +180,7 @@ def test_a_new_database_is_a_copy_of_the_kept_empty_one_equal_to_a_migrated_one(
             db.close()
         if name == "unreadable-cache":
             monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache" / "mlflow-db" / kept.name / "under-a-file"))
-        client = tracking._client(f"sqlite:///{folder}/mlflow.db")
+        client = tracking_db.tracking_client(f"sqlite:///{folder}/mlflow.db")
         made.append(_dump(folder / "mlflow.db"))
         assert client.create_experiment("x") == "1" and client.create_registered_model("m").name == "m"
         tracking_db._dispose_engines(client)

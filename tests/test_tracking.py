@@ -92,7 +92,7 @@ def test_a_policy_uri_registered_by_an_earlier_run_is_a_new_version_for_this_one
     newest."""
     from mlflow.tracking import MlflowClient
 
-    from tasks.core.tracking import _find_version, ensure_registered_model, register_policy
+    from tasks.core.registry import _find_version, ensure_registered_model, register_policy
 
     cfg = load_config(TINY, ["run.name=over", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"])
     client = MlflowClient(cfg.tracking.uri)
@@ -125,8 +125,8 @@ def test_a_champion_of_an_earlier_run_whose_store_is_gone_is_no_champion(tmp_pat
     nothing). The alias is removed as the new MLflow run takes the run, and said; a champion of another run stays."""
     from mlflow.tracking import MlflowClient
 
+    from tasks.core.registry import champion, promote_if_better, register_policy
     from tasks.core.store import Store
-    from tasks.core.tracking import champion, promote_if_better, register_policy
 
     store = Store.open(str(tmp_path / "store"))
     for name, theirs in (("gone", True), ("other", False)):

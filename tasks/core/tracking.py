@@ -29,9 +29,16 @@ from typing import TYPE_CHECKING
 
 from tasks.core import layout
 from tasks.core.errors import UserError
-from tasks.core.process_wide import set_default
+from tasks.core.registry import (
+    CHAMPION,
+    champion,
+    ensure_registered_model,
+    promote_if_better,
+    register_policy,
+    registered_model_name,
+)
 from tasks.core.retention import holds_no_iteration
-from tasks.core.tracking_db import create_whole, sqlite_file
+from tasks.core.tracking_db import sqlite_file, tracking_client
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -45,14 +52,6 @@ UI_MODE = "workflowType=machine_learning"     # MLflow's UI opens on its GenAI v
 LOCAL_UI = "http://127.0.0.1:5000"            # where `mlflow ui` serves a database or folder
 
 
-def _client(uri: str):
-    set_default("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    from mlflow.tracking import MlflowClient
-
-    create_whole(uri)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
-
-
 def reading_client(uri: str, field: str):
     """A client for a command that only reads what the tracking URI holds (a model version to export or to
     score with): a sqlite database that does not exist is one line naming `field`, not a new empty database
@@ -62,7 +61,7 @@ def reading_client(uri: str, field: str):
         raise UserError(f"{field}: no MLflow database at {database} (tracking.uri {uri}): nothing is registered there")
     if uri.startswith(("http://", "https://")):
         require_answer(uri, f"{field} (tracking.uri)")
-    return _client(uri)
+    return tracking_client(uri)
 
 
 def require_answer(uri: str, field: str, timeout: float = 10.0, experiment: str | None = None) -> None:
@@ -240,7 +239,7 @@ class Tracker:
     """
 
     def __init__(self, cfg: Config, store_root: str):
-        self.cfg, self.client, self.store_root = cfg, _client(cfg.tracking.uri), store_root
+        self.cfg, self.client, self.store_root = cfg, tracking_client(cfg.tracking.uri), store_root
         self.run_id: str | None = None
         self.status_before: str | None = None     # the MLflow run's status when this flow run found it
         self.model_name = registered_model_name(cfg)
@@ -517,84 +516,3 @@ class Tracker:
         serve = f"{mlflow_command()} ui --backend-store-uri {absolute_uri(uri)}"
         return {"run": f"{uri} run {self.run_id}", "runs": None, "view": f"{serve}  then open {LOCAL_UI}/{run_page}",
                 "traces": f"{LOCAL_UI}/{traces_page} (served as `view` says)" if self.cfg.tracking.traces else None}
-
-
-def registered_model_name(cfg: Config) -> str:
-    """The MLflow registered model a run's policies become versions of."""
-    return cfg.publish.registered_model_name or cfg.run.name
-
-
-def ensure_registered_model(client, name: str) -> None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.create_registered_model(name)
-    except MlflowException as e:
-        if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code):
-            raise
-
-
-def register_policy(cfg: Config, run_id: str, policy_uri: str, iteration: int, client=None,
-                    checked: bool = False) -> str:
-    """Register `policy_uri` as a model version of `publish.registered_model_name`, once per URI and MLflow run.
-    `checked=True`: the caller knows this URI is not registered (the Tracker reads the run's versions at start)."""
-    name = registered_model_name(cfg)
-    if client is None:          # standalone (stage CLI): make sure the registered model exists
-        client = _client(cfg.tracking.uri)
-        ensure_registered_model(client, name)
-    version = None if checked else _find_version(client, name, policy_uri, run_id)
-    if version is None:
-        source = policy_uri
-        if cfg.tracking.uri.startswith(("http://", "https://")) and policy_uri.startswith("file://"):
-            # A tracking server accepts a local path as a source only inside the run's artifacts (it cannot see
-            # this machine's disk): the version's source is a small artifact of the run naming the policy.
-            folder = f"policies/{policy_uri.rstrip('/').rsplit('/', 1)[-1]}"
-            client.log_dict(run_id, {"policy_uri": policy_uri, "iteration": iteration}, f"{folder}/policy.json")
-            source = f"runs:/{run_id}/{folder}"
-        # (the description names the policy's store URI: what leads a version's page back to the store)
-        version = client.create_model_version(
-            name, source=source, run_id=run_id,
-            tags={"rlflow.policy_uri": policy_uri, "rlflow.iteration": str(iteration)},
-            description=f"Policy of rlflow run {cfg.run.name} after iteration {iteration}: {policy_uri}").version
-    # No `latest` alias: MLflow reserves it, `models:/<name>/latest` is the newest. promote_if_better moves champion
-    return str(version)
-
-
-CHAMPION = "champion"
-
-
-def promote_if_better(client, name: str, version: str, metric: str, value: float) -> bool:
-    """Tag the version with its evaluation; move alias `champion` to it if it beats the current champion on
-    the same metric (or there is none). Ties keep the champion. Returns whether it moved."""
-    client.set_model_version_tag(name, version, f"rlflow.{metric}", repr(float(value)))
-    if (champ := champion(client, name)) is not None:
-        if str(champ.version) == str(version):
-            return False
-        theirs = champ.tags.get(f"rlflow.{metric}")
-        if theirs is not None and float(theirs) >= float(value):
-            return False
-    client.set_registered_model_alias(name, CHAMPION, version)
-    return True
-
-
-def champion_policy_uri(cfg: Config) -> str | None:
-    """Store URI of the policy behind `models:/<name>@champion`, or None when there is no champion."""
-    if (mv := champion(_client(cfg.tracking.uri), registered_model_name(cfg))) is None:
-        return None
-    return mv.tags.get("rlflow.policy_uri") or mv.source
-
-
-def champion(client, name: str):        # the model version alias `champion` names, or None
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
-        return None
-
-
-def _find_version(client, name: str, policy_uri: str, run_id: str | None = None) -> str | None:
-    """The newest version of `policy_uri` (MLflow run `run_id`'s: a run started over has the same URIs)."""
-    found = client.search_model_versions(f"name = '{name}' and tags.`rlflow.policy_uri` = '{policy_uri}'"
-                                         + (f" and run_id = '{run_id}'" if run_id else ""))
-    return str(max(int(mv.version) for mv in found)) if found else None

@@ -1,4 +1,5 @@
-"""The sqlite tracking database: created whole or not at all (MLflow migrates a new one in place, for seconds),
+"""The tracking database and the one way rlflow opens a client to it (`tracking_client`). A sqlite database is
+created whole or not at all (MLflow migrates a new one in place, for seconds),
 and, after an environment's first, as a copy of the empty one kept in the local cache (~3 s become ~0.1 s).
 More: docs/internals.md (tasks/core/tracking_db.py).
 """
@@ -16,6 +17,18 @@ from pathlib import Path
 from tasks.core.errors import disk_full
 
 MIGRATIONS_NEED = 16 << 20     # bytes MLflow's empty sqlite database takes while its migrations run (~1 MB), with room
+
+
+def tracking_client(uri: str):
+    """An MlflowClient for `uri` (its registry too), the database made whole first: every MLflow call of rlflow
+    goes through one of these, nothing through MLflow's global state."""
+    from tasks.core.process_wide import set_default
+
+    set_default("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from mlflow.tracking import MlflowClient
+
+    create_whole(uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def sqlite_file(uri: str) -> Path | None:
