@@ -49,10 +49,13 @@ def final_line(exc: BaseException, retries: int | None = None) -> tuple[str, int
     if (corrupt := cause_of(exc, CorruptArtifact)) is not None:    # (what reaches here no stage can make again)
         return f"error: {corrupt}: a file of the store is damaged, and no stage of rlflow makes it again", 1
     from flows.launch import InfraError  # (after the user's mistake: said whatever these import)
+    from tasks.core.tracking import TrackingUnanswered
     from tasks.envs.runtime.episodes import EnvironmentsStalled
     from tasks.envs.runtime.server import ServerGone
     from tasks.scoring.judges import JudgeUnavailable
 
+    if (gone := cause_of(exc, TrackingUnanswered)) is not None:    # (it says what MLflow lacks, and the way on)
+        return f"error: {gone}", 1
     if (infra := cause_of(exc, (InfraError, EnvironmentsStalled, ServerGone, JudgeUnavailable))) is not None:
         said = " ".join(str(infra).split())[:600]
         tried = ("not retried (launcher.retries: 0)" if retries == 0 else

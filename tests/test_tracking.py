@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from tasks.core.config import load_config
 from tasks.core.tracking import Tracker
 from tests.conftest import TINY
@@ -185,3 +187,58 @@ def test_a_prefect_api_that_stops_answering_holds_the_report_not_the_run(tmp_pat
     report.sending.join(120)
     with get_client(sync_client=True) as client:
         assert any((a.description or "").startswith("iteration 3/") for a in client.read_artifacts())
+
+
+@pytest.mark.server
+def test_a_tracking_server_that_stops_answering_holds_the_run_end_for_a_bounded_time(tmp_path, monkeypatch):
+    """A tracking server stopped mid-run (SIGSTOP: it accepts, never answers): the loop went on (log_iteration
+    returns at once), but the run's end waited on it for good (each MLflow request waits 120 s and retries, and
+    end() drained and closed the run again after a failed drain). Now drain gives up after ANSWER_SECONDS without
+    an answer, saying which iterations MLflow lacks and the way on (the same command logs them from the store),
+    end() sends nothing more, and `rlflow` says it in one line."""
+    import os
+    import signal
+    import sys
+
+    from flows.repair import final_line
+    from tasks.core import tracking
+    from tests.conftest import _free_port, _serve, _stop
+
+    home, port = tmp_path / "server", _free_port()
+    home.mkdir()
+    proc = _serve([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers",
+                   "1", "--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination",
+                   str(home / "artifacts")], {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                  f"http://127.0.0.1:{port}/health", home / "server.log")
+    uri, outcome = f"http://127.0.0.1:{port}", {}
+    try:
+        cfg = load_config(TINY, ["run.name=unanswered", f"tracking.uri={uri}", "tracking.flush_seconds=0",
+                                 "publish.register_model=false"])
+        tracker = Tracker(cfg, f"file://{tmp_path}/store")
+        tracker.start()
+        tracker.log_iteration(1, {"reward/mean": 0.25})
+        tracker.drain()                            # (answered: logged)
+        monkeypatch.setattr(tracking, "ANSWER_SECONDS", 2.0, raising=False)   # (only a stopped server sees it)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        tracker.log_iteration(2, {"reward/mean": 0.5})
+        tracker.log_iteration(3, {"reward/mean": 0.75})
+
+        def ending():
+            try:
+                tracker.drain()
+            except Exception as e:  # noqa: BLE001 - what drain raised is the test's subject
+                outcome["drain"] = e
+            tracker.end("FAILED")
+            outcome["ended"] = True
+
+        waiter = threading.Thread(target=ending, daemon=True)
+        waiter.start()
+        waiter.join(180)
+        assert outcome.get("ended"), "drain/end still waiting on a tracking server that answers nothing"
+        said = final_line(outcome["drain"])
+        assert said == (f"error: MLflow at {uri} has not answered for 2 s: iterations 2-3 are stored but not logged "
+                        "there; the same command run again when it answers logs them (nothing is lost: the store "
+                        "has the run)", 1), said
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+        _stop(proc)

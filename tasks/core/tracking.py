@@ -10,9 +10,9 @@ its GenAI / Model training switch says (GenAI unless told), not the experiment's
 
 All calls go through an explicit MlflowClient for `tracking.uri`; nothing touches MLflow's global state.
 Per-iteration work (metrics, sample table, model registration) runs on one background thread, in order, so
-the training loop never waits on the tracking server; `finish()` drains it and raises what failed there.
-A run killed with work still queued loses nothing: on resume the flow logs every iteration after the last
-one MLflow has, and registration is idempotent.
+the loop never waits on MLflow; `drain()`/`end()` do, raise what failed there, and give up on a server silent for
+ANSWER_SECONDS, saying what it lacks. A run killed (or given up on) with work queued loses nothing: on resume the
+flow logs every iteration after the last one MLflow has, and registration is idempotent.
 """
 
 from __future__ import annotations
@@ -218,6 +218,12 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
 
 
 _STOP = object()        # (the Tracker's flushing thread ends on it)
+ANSWER_SECONDS = 300.0  # how long drain/end wait on a tracking server that answers nothing (one MLflow request
+#                         waits 120 s, then retries): then the run ends without it and says what it lacks
+
+
+class TrackingUnanswered(RuntimeError):
+    """The tracking server stopped answering while the run waited on it (the store has everything)."""
 
 
 def metric_key(name: str) -> str:
@@ -254,35 +260,57 @@ class Tracker:
         self._worker: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._ended = False                        # end() ran: no thread flushes any more (see _stop_worker)
+        self._answered = time.monotonic()          # the worker's last answer from MLflow (or idle since)
+        self._flushing: list[int] = []             # the iterations the worker is sending now
+        self._unanswered = False                   # drain gave up on the server: nothing more is sent to it
 
     def _check(self) -> None:                     # (background flushing: _check to _flush)
         if self._failure is not None:
             raise RuntimeError(f"MLflow logging failed: {self._failure}") from self._failure
 
-    def _request_flush(self) -> None:
+    def _request_flush(self, job=None) -> None:
+        """Queue a flush (or `job`, a call to MLflow) for the worker; returns at once."""
         if self._ended:             # (after end: flushed in the caller's thread, so no thread outlives the run)
             self._last_flush = time.monotonic()
-            self._flush()
+            self._flush() if job is None else job()
             return
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="rlflow-tracking", daemon=True)
             self._worker.start()
-        self._last_flush = time.monotonic()
-        self._jobs.put(None)
+        if job is None:
+            self._last_flush = time.monotonic()
+        if not self._jobs.unfinished_tasks:         # (an idle worker: the wait for an answer starts now)
+            self._answered = time.monotonic()
+        self._jobs.put(job)
 
     def _work(self) -> None:
         while True:
-            if self._jobs.get() is _STOP:
+            if (job := self._jobs.get()) is _STOP:
                 self._jobs.task_done()
                 return
             try:
                 if self._failure is None:
-                    self._flush()
+                    self._flush() if job is None else job()
             except BaseException as e:  # surfaced by the next log_iteration or by drain()
                 self._failure = e
             finally:
+                self._answered = time.monotonic()
                 self._jobs.task_done()
 
+    def _wait(self) -> None:
+        """Wait until the worker has done every queued job, while MLflow answers: after ANSWER_SECONDS with no
+        answer, give up on it (TrackingUnanswered, saying what it lacks; nothing more is sent to it)."""
+        while self._jobs.unfinished_tasks:
+            if time.monotonic() - self._answered > ANSWER_SECONDS:
+                self._unanswered = True
+                its = sorted({*self._flushing, *(p[0] for p in self._pending)})
+                lacks = ("the run's end is not recorded there; " if not its else f"iteration {its[0]} is stored but "
+                         "not logged there; " if len(its) == 1 else f"iterations {its[0]}-{its[-1]} are stored but "
+                         "not logged there; ")
+                raise TrackingUnanswered(
+                    f"MLflow at {self.cfg.tracking.uri} has not answered for {ANSWER_SECONDS:g} s: {lacks}the same "
+                    f"command run again when it answers logs them (nothing is lost: the store has the run)")
+            time.sleep(0.05)
     def _flush(self) -> None:
         from mlflow.entities import Metric
 
@@ -290,6 +318,7 @@ class Tracker:
             pending, self._pending = self._pending, []
         if not pending:
             return
+        self._flushing = [p[0] for p in pending]
         key = self.cfg.eval.metric_key()
         for iteration, metrics, _, policy_uri, _ in pending:
             wanted = (self.cfg.publish.register_versions == "every" or key in metrics    # (evaluated)
@@ -297,9 +326,11 @@ class Tracker:
             if policy_uri and self.cfg.publish.register_model and wanted and policy_uri not in self._registered:
                 self._registered[policy_uri] = register_policy(self.cfg, self.run_id, policy_uri, iteration,
                                                                self.client, checked=True)
+                self._answered = time.monotonic()
             beats_base = self.floor is None or metrics.get(key, self.floor) > self.floor
             if policy_uri in self._registered and key in metrics and beats_base:
                 promote_if_better(self.client, self.model_name, self._registered[policy_uri], key, metrics[key])
+                self._answered = time.monotonic()
         for iteration, metrics, samples, _, traces in pending:
             if traces:
                 links = self._traces(iteration, metrics, traces)
@@ -313,12 +344,15 @@ class Tracker:
                     (Path(tmp) / f"iter-{iteration:06d}.json").write_text(json.dumps({"columns": cols, "data": rows}))
             if any(Path(tmp).iterdir()):
                 self.client.log_artifacts(self.run_id, tmp, "samples")
+                self._answered = time.monotonic()
                 self._tables(sorted(f"samples/{f.name}" for f in Path(tmp).iterdir()))
         now = int(time.time() * 1000)
         batch = [Metric(metric_key(k), float(v), now, it) for it, metrics, _, _, _ in pending
                  for k, v in metrics.items()]
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+            self._answered = time.monotonic()
+        self._flushing = []
 
     def log_iteration(self, iteration: int, metrics: dict[str, float], samples: list[dict] | None = None,
                       policy_uri: str | None = None, traces: list[tuple[str, str]] | None = None) -> None:
@@ -378,13 +412,14 @@ class Tracker:
         return links
 
     def log_folder(self, folder: Path, artifact_path: str) -> None:
-        """A folder's files as the run's artifacts under `artifact_path` (an evaluation's pictures)."""
-        self.client.log_artifacts(self.run_id, str(folder), artifact_path)
+        """A folder's files as the run's artifacts under `artifact_path` (an evaluation's pictures, in the store:
+        they stay), sent by the worker; returns at once."""
+        self._request_flush(lambda: self.client.log_artifacts(self.run_id, str(folder), artifact_path))
 
     def drain(self) -> None:
-        """Flush everything pending and wait for it (traces too); raise if tracking failed."""
+        """Flush everything pending and wait for it (traces too); raise if tracking failed or stopped answering."""
         self._request_flush()
-        self._jobs.join()
+        self._wait()
         self._check()
         if self.cfg.tracking.traces and self._traced:
             import mlflow
@@ -456,7 +491,9 @@ class Tracker:
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
-        self.client.log_artifact(self.run_id, str(path), "plots")
+        self._request_flush(lambda: self.client.log_artifact(self.run_id, str(path), "plots"))
+        self._wait()
+        self._check()
         return path
 
     def _tables(self, paths: list[str]) -> None:
@@ -476,9 +513,14 @@ class Tracker:
         with another config): an earlier run's status is left as it was, not turned FAILED."""
         if refused and self.status_before in ("FINISHED", "KILLED"):
             status = self.status_before
+        if self._unanswered:        # (given up on: the run stays RUNNING there until the command runs again)
+            self._stop_worker()
+            return
         try:
             self.drain()
-            self.client.set_terminated(self.run_id, status=status)
+            self._request_flush(lambda: self.client.set_terminated(self.run_id, status=status))
+            self._wait()
+            self._check()
         except Exception:
             self._stop_worker()
             if status == "FINISHED":
@@ -494,7 +536,8 @@ class Tracker:
         if (worker := self._worker) is not None:
             self._worker = None
             self._jobs.put(_STOP)
-            worker.join()
+            if not self._unanswered:    # (a thread still waiting on the server ends when it answers, or with us)
+                worker.join()
 
     def model_version(self, policy_uri: str) -> str | None:
         """The registered model version of a published policy (after drain; None when registration is off)."""
