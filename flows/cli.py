@@ -333,12 +333,20 @@ def cmd_tune(args) -> int:
     check_study(args, cfg, space)   # a study resumed with another space: refused before a trial (and a warning) runs
     # What `rlflow run` of the base config refuses, before any trial, under a run name no trial has (the base run's
     # v0 or resume state is not a trial's); what it leaves here for trials to inherit (DS_ACCELERATOR, a worker) goes.
+    from flows.tune_space import override_of, values_of
     from tasks.core.process_wide import environment_variables
     from tasks.scoring.functions import close_workers
 
+    checked = [*not_set_by(args.override, ["run.name"]), f"run.name={run_name(cfg.run.name, {'preflight': True})}"]
     with environment_variables({"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR")}):
-        checked_config(argparse.Namespace(config=args.config, overrides_json="[]", override=[
-            *not_set_by(args.override, ["run.name"]), f"run.name={run_name(cfg.run.name, {'preflight': True})}"]))
+        checked_config(argparse.Namespace(config=args.config, overrides_json="[]", override=checked))
+        for key, param in space.items():        # each bound and choice as `rlflow run` would take it (a data
+            for value in values_of(param):      # path that is not there, a warm start's length too short)
+                try:
+                    checked_config(argparse.Namespace(config=args.config, overrides_json="[]",
+                                                      override=[*not_set_by(checked, [key]), override_of(key, value)]))
+                except UserError as e:
+                    raise UserError(f"--space: {key}: {value!r}: {e}") from None
     close_workers()
 
     server = None

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from flows.tune_space import Param, _override, not_set_by, out_folder, storage_url, study_name, window_warning
+from flows.tune_space import Param, not_set_by, out_folder, override_of, storage_url, study_name, window_warning
 from tasks.core import layout
 from tasks.core.config import Config, load_config
 
@@ -171,7 +171,7 @@ class Tune:
         given = not_set_by(self.args.override, [*params, "run.name"])        # (the trial's own win)
         argv = [sys.executable, "-c", "import sys; from flows.cli import main; sys.exit(main())", "run",
                 self.args.config, *[a for o in given for a in ("-o", o)],
-                *[a for k, v in params.items() for a in ("-o", _override(k, v))], "-o", f"run.name={name}",
+                *[a for k, v in params.items() for a in ("-o", override_of(k, v))], "-o", f"run.name={name}",
                 "--summary-json", str(self.out / "trials" / f"{name}.json")]
         from tasks.scoring.worker import die_with_parent
 
@@ -264,7 +264,7 @@ class Tune:
             return None
         best = study.best_trial
         cfg = load_config(self.args.config, [*self.args.override,
-                                             *[_override(k, v) for k, v in best.params.items()]])
+                                             *[override_of(k, v) for k, v in best.params.items()]])
         data = cfg.model_dump(mode="json")
         data["run"]["name"] = f"{self.cfg.run.name}-best"
         path = self.out / "best.yaml"

@@ -1,10 +1,14 @@
 """`rlflow tune`'s search space and what is checked before any trial (flows/tune.py runs the trials): SPACE.yaml
 read into distributions over config keys, the arguments, the metric, and a resumed study's metric, direction and
-space against what it was started with (one line, exit 2, before anything is written).
+space against what it was started with (one line, exit 2, before anything is written). Each bound and choice is
+checked alone against the config's schema and `rlflow run`'s preflight, the corners of the space together against
+the rules that tie keys (a trial of the study would fail on them), and a key the config ignores (another learner's
+setting) is refused: a dimension that changes nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -15,6 +19,7 @@ from typing import Any
 import yaml
 
 from tasks.core.config import Config, load_config
+from tasks.core.config_base import _HELD
 from tasks.core.config_inputs import NAME
 from tasks.core.errors import UserError
 
@@ -58,8 +63,53 @@ def not_set_by(overrides: list[str], keys: list[str]) -> list[str]:
             if not any(f"{o.partition('=')[0].strip()}.".startswith(f"{k}.") for k in keys)]
 
 
-def _override(key: str, value: Any) -> str:
+def override_of(key: str, value: Any) -> str:
+    """The `-o key=value` that sets `key` to `value` (JSON: a string stays a string)."""
     return f"{key}={json.dumps(value)}"
+
+
+CORNERS = 256       # the most corners of a space checked together (every key at a bound or a choice)
+
+
+def values_of(param: Param) -> list:
+    """The values a check tries for a parameter: its choices, or its bounds."""
+    return list(param.choices) if param.kind == "categorical" else [param.low, param.high]
+
+
+def _read(config: str, overrides: list[str]) -> tuple[Config, list[str]]:
+    """load_config, its warnings kept (returned, not said): whether the config ignores a tuned key."""
+    outer = getattr(_HELD, "lines", None)
+    _HELD.lines = lines = []
+    try:
+        return load_config(config, overrides), lines
+    finally:
+        _HELD.lines = outer
+
+
+def _ignored(key: str, read: list[tuple[Config, list[str]]]) -> str | None:
+    """Why the config ignores `key`, given the configs (and warnings) its values made: a warning naming it as
+    ignored or without effect, or no value of it changing the resolved config; None if it is read."""
+    for _, lines in read:
+        for line in lines:
+            if key in line and ("ignored" in line or "no effect" in line):
+                return line.removeprefix("warning: ").removeprefix("config: ")
+    dumps = {json.dumps(cfg.model_dump(mode="json"), sort_keys=True, default=str) for cfg, _ in read}
+    return "no value of it changes the resolved config" if len(read) > 1 and len(dumps) == 1 else None
+
+
+def check_corners(space: dict[str, Param], config: str, overrides: list[str]) -> None:
+    """Every corner of the space (each key at one of its bounds or choices; the first CORNERS of them) against the
+    config's rules that tie keys together: a corner the config refuses is a trial that would fail."""
+    if len(space) < 2:
+        return
+    keys = list(space)
+    for corner in itertools.islice(itertools.product(*(values_of(space[k]) for k in keys)), CORNERS):
+        try:
+            load_config(config, [*overrides, *(override_of(k, v) for k, v in zip(keys, corner))])
+        except UserError as e:
+            given = ", ".join(f"{k}={json.dumps(v)}" for k, v in zip(keys, corner))
+            raise UserError(f"--space: the corner {given} is refused: {str(e).removeprefix('config: ')} (narrow "
+                            f"the ranges so that every trial's config is valid)") from None
 
 
 def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]:
@@ -118,14 +168,18 @@ def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]
             param = Param(key, kind, low, high, log=spec.get("log", False))
             # (a float range draws fractional values: the field must take one, not only the bounds)
             values = [low, high] if kind == "int" else [low, high, low + (high - low) / math.pi]
+        read = []
         for value in values:                   # the key exists and its type takes the value
             try:
-                load_config(config, [*overrides, _override(key, value)])
+                read.append(_read(config, [*overrides, override_of(key, value)]))
             except UserError as e:
                 hint = (" (a whole-number field: use type: int)" if kind in ("uniform", "log_uniform")
                         and value == values[-1] else "")
                 raise UserError(f"{where}: {value!r}: {str(e).removeprefix('config: ')}{hint}") from None
+        if (why := _ignored(key, read)) is not None:
+            raise UserError(f"{where}: the config ignores it ({why}): a dimension that changes nothing")
         space[key] = param
+    check_corners(space, config, overrides)
     return space
 
 

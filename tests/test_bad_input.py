@@ -144,7 +144,14 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
               "dict_choice": "train.learner: {type: categorical, choices: [{loss_type: grpo}]}\n",
               "float_on_int": "train.micro_batch_size: {type: uniform, low: 1, high: 8}\n",
               "linear": "train.lr: {type: uniform, low: 0.001, high: 0.01}\n",
-              "date_choice": "train.lr: {type: categorical, choices: [2024-01-01]}\n"}
+              "date_choice": "train.lr: {type: categorical, choices: [2024-01-01]}\n",
+              # (passed alone through the schema, refused by the run's preflight, together, or ignored: trials
+              # failed, or searched a dimension that changed nothing, before)
+              "missing_data": f"data.path: {{type: categorical, choices: [{TINY.parent}/data/successor.jsonl, "
+                              f"{tmp}/missing.jsonl]}}\n",
+              "corner": "data.curriculum.defer: {type: int, low: 1, high: 4}\n"
+                        "run.max_staleness: {type: int, low: 0, high: 3}\n",
+              "ignored": "train.learner.gamma: {type: uniform, low: 0.9, high: 1.0}\n"}
     for name, text in spaces.items():
         (tmp / f"space_{name}.yaml").write_text(text)
     _study_of_another_space(tmp / "oldstudy")
@@ -674,6 +681,17 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "tune, storage a file that is no database": (
             ["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ok.yaml"), "--storage",
              f"sqlite:///{tmp}/space_ok.yaml"], "--storage: sqlite:///"),
+        "tune, a value the run's preflight refuses": (
+            ["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_missing_data.yaml")],
+            f"--space: data.path: '{tmp}/missing.jsonl': data.path: {tmp}/missing.jsonl: no such file"),
+        "tune, a corner of the space the config refuses": (
+            ["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_corner.yaml")],
+            "--space: the corner data.curriculum.defer=1, run.max_staleness=3 is refused: data.curriculum.defer: 1 "
+            "iteration is not longer than run.max_staleness (3)"),
+        "tune, a key the config ignores": (
+            ["tune", str(TINY), "--trials", "1", "--space", str(tmp / "space_ignored.yaml")],
+            "--space: train.learner.gamma: the config ignores it (train.learner.gamma is a setting of ppo, vtrace_awr; "
+            "train.algorithm is grpo: ignored): a dimension that changes nothing"),
         "tune, no trials": (["tune", str(TINY), "--trials", "0", "--space", str(tmp / "space_empty_range.yaml")],
                             "--trials: expected a whole number of at least 1, got 0"),
         "plan, bad launcher mode": (["plan", str(TINY), "-o", "launcher.where=cloud"], "launcher.where"),
@@ -1191,7 +1209,8 @@ def test_an_export_from_a_damaged_store_is_one_line_exit_1_and_nothing_written(p
 
 def test_a_recording_policy_that_raises_or_exits_is_one_line(prefect_api, tmp_path):
     """A scripted policy that raises, exits, returns what is not text, is async, or never answers (a silent hang
-    before: now env.timeout_seconds bounds each turn): one line naming it, exit 2, nothing written."""
+    before: now env.timeout_seconds bounds each turn): one line naming it, exit 2, nothing written (not the folder
+    --out was to be written in either, which the recording made)."""
     (tmp_path / "pol.py").write_text("import sys, time\ndef raises(ctx):\n    raise RuntimeError('boom')\n"
                                      "def exits(ctx):\n    sys.exit(0)\n"
                                      "def surrogate(ctx):\n    return 'ab\\udcff'\n"
@@ -1213,11 +1232,11 @@ def test_a_recording_policy_that_raises_or_exits_is_one_line(prefect_api, tmp_pa
         (tmp_path / policy).mkdir()
         (tmp_path / policy / "pol.py").write_text((tmp_path / "pol.py").read_text())
     outs = run_cli_many([(["record", str(letters), "--policy", f"pol:{policy}", "--rows", "0-1", "--out",
-                           str(tmp_path / policy / "o.jsonl"), "-o", "env.isolation=thread",
+                           str(tmp_path / policy / "made" / "here" / "o.jsonl"), "-o", "env.isolation=thread",
                            "-o", "env.timeout_seconds=2"], tmp_path / policy) for policy, _ in cases], prefect_api)
     for (policy, line), out in zip(cases, outs):
         assert out.returncode == 2 and out.stderr.strip().splitlines() == [line], (policy, out.stderr[-2000:])
-        assert not (tmp_path / policy / "o.jsonl").exists()
+        assert not (tmp_path / policy / "made").exists(), policy
 
 
 @pytest.mark.parametrize("stage,args,expected", [

@@ -289,6 +289,8 @@ class RecordingProgress:
         self.episodes = self.unrendered = 0
 
     def __enter__(self) -> RecordingProgress:
+        missing = [p for p in (self.out.parent, *self.out.parent.parents) if not p.exists()]
+        self.made = missing[-1] if missing else None        # the outermost folder this recording makes (see exit)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.file = self._locked(self.path)
         if self.file is None:
@@ -346,6 +348,15 @@ class RecordingProgress:
         if kind is None or not self.episodes:
             self.path.unlink(missing_ok=True)
         self.file.close()
+        folder = self.out.parent        # a recording that leaves nothing leaves no folder it made either
+        while self.made is not None and not self.out.exists():
+            try:
+                folder.rmdir()          # (only an empty one)
+            except OSError:
+                break
+            if folder == self.made:
+                break
+            folder = folder.parent
 
 
 def job_of(cfg: Config, policy: str, rows: list[int] | None, n: int, split: str, min_return: float | None) -> str:
