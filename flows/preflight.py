@@ -31,7 +31,8 @@ from tasks.core.store import open_store
 from tasks.engines.sampling import sampling_engine
 from tasks.engines.training import training_engine
 from tasks.envs.runtime.sources import source_of
-from tasks.scoring.functions import columns_needed, load_functions, start_worker
+from tasks.scoring.functions import WorkerSetupFailed, functions_of, load_functions, start_worker
+from tasks.scoring.signatures import columns_needed
 
 
 def check_tracking_server(cfg: Config, timeout: float = 10.0) -> None:
@@ -156,6 +157,17 @@ def preflight(cfg: Config) -> None:
     if cfg.publish.register_model:
         check_registered_model_name(cfg)
     datasets = [load_prompts(cfg)] + ([load_prompts(cfg, split="eval", whole=True)] if cfg.eval.every else [])
+    # The functions imported in their worker first (kept for the first batch where the reward stage runs here): a
+    # module that crashes as it is imported (a signal, a broken C extension) ends that process, not this one. One
+    # that raises, waits or exits by Python is said below by this process's own import, naming the function.
+    deferred = None
+    if place.where("reward") != "sky":
+        try:
+            start_worker(functions_of(cfg), keep=place.where("reward") == "inline")
+        except WorkerSetupFailed as e:
+            if e.crashed:
+                raise
+            deferred = e
     # every split's rows reach the reward functions: each split is checked, and a column missing from the
     # evaluation split alone is reported naming that split's file
     functions = load_functions(cfg, columns=set(datasets[0].column_names) - {cfg.data.prompt_column})
@@ -212,8 +224,8 @@ def preflight(cfg: Config) -> None:
         from tasks.scoring import sandbox
 
         sandbox.runner(cfg.reward.sandbox)     # bubblewrap or an interpreter asked for, not working: one line, exit 2
-    if place.where("reward") != "sky":     # (the functions imported in their worker too: what fails there, one line)
-        start_worker(functions, keep=place.where("reward") == "inline")
+    if deferred is not None:               # (what failed in the worker alone: one line, after this process's checks)
+        raise deferred
     # The recipes install the engines on their clusters; a stage that runs here needs them here.
     if any(place.where(s) != "sky" for s in episode_stages):
         sampling_engine(cfg).check_installed(cfg)

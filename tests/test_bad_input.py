@@ -8,6 +8,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "needs_col.py").write_text("def f(completions, solution, **kw):\n    return [0.0] * len(completions)\n")
     (tmp / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
     (tmp / "os_exits_on_import.py").write_text("import os\nos._exit(0)\n")    # (was: exit 0, nothing done)
+    # (a broken C extension: it took rlflow's own process with it as preflight imported it, exit 139, no line)
+    (tmp / "crashes_on_import.py").write_text("import ctypes\nctypes.string_at(0)\n"
+                                              "def f(completions, **kw):\n    return [0.0] * len(completions)\n")
     (tmp / "dies_in_worker.py").write_text("import os, signal, sys\nif sys.argv[0].endswith('worker.py'):\n"
                                            "    os.kill(os.getpid(), signal.SIGKILL)\n"
                                            "def f(completions, **kw):\n    return [0.0] * len(completions)\n")
@@ -287,6 +291,10 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "reward module calls os._exit(0) on import": (
             ["run", str(TINY), "-o", 'reward.functions=[{"fn": "os_exits_on_import:f"}]'],
             "cannot import module 'os_exits_on_import': ExitRefused: os._exit(0) refused"),
+        "reward module crashes (SIGSEGV) on import": (
+            ["run", str(TINY), "-o", 'reward.functions=[{"fn": "crashes_on_import:f"}]'],
+            "reward.functions: the reward worker could not set up: it ended (killed by SIGSEGV) as it imported the "
+            "functions (a module that exits or crashes when imported)"),
         "reward module dies in its worker": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "dies_in_worker:f"}]'],
                                              "reward.functions: the reward worker could not set up: it ended "
                                              "(killed by SIGKILL) as it imported the functions"),
@@ -1016,7 +1024,8 @@ def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_pa
     for name in cases:
         (tmp_path / "cwd" / name).mkdir(parents=True)
         for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py",
-                       "varargs.py", "os_exits_on_import.py", "dies_in_worker.py", "not_a_function.py"):
+                       "varargs.py", "os_exits_on_import.py", "dies_in_worker.py", "not_a_function.py",
+                       "crashes_on_import.py"):
             (tmp_path / "cwd" / name / module).write_text((tmp_path / module).read_text())
     outs = dict(zip(cases, run_cli_many([(args, tmp_path / "cwd" / name) for name, (args, _) in cases.items()],
                                         prefect_api)))
@@ -1717,3 +1726,39 @@ def test_more_local_replicas_than_the_machines_memory_holds_are_refused_before_t
                                         r"about 5 GiB; this machine has 4 GiB; expected at most 11 \(or launcher"):
         check_replicas_fit(cfg, base_path(cfg), 16)
     check_replicas_fit(cfg, base_path(cfg), 8)
+
+
+def test_a_process_a_module_forks_as_it_is_imported_ends_with_the_run(prefect_api, tmp_path):
+    """A reward module that forks a process as it is imported (a server, a helper; here a `sleep` in a session of
+    its own): rlflow imports it in its own process too (preflight's checks), and that copy outlived the run
+    (ppid 1, running for good). It ends when rlflow exits now; the worker's copy ended with the worker already."""
+    (tmp_path / "forks_on_import.py").write_text(
+        "import os\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    os.setsid()\n"
+        "    os.execvp('sleep', ['sleep', '3600'])\n"
+        "with open('forked.pids', 'a') as f:\n"
+        "    f.write(f'{child}\\n')\n"
+        "def f(completions, answer, **kw):\n"
+        "    return [0.0] * len(completions)\n")
+    out = run_cli(["run", str(TINY), "-o", 'reward.functions=[{"fn": "forks_on_import:f"}]', "-o",
+                   f"data.path={TINY.parent / 'data' / 'letters.jsonl'}"], tmp_path, prefect_api, timeout=300)
+    assert out.returncode == 2 and "needs argument 'answer'" in out.stderr, out.stderr[-2000:]
+    pids = [int(p) for p in (tmp_path / "forked.pids").read_text().split()]
+    assert len(pids) >= 2                          # (this process's import and the worker's)
+
+    def running(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state != "Z"                         # (killed, not yet reaped by whoever adopted it)
+
+    try:
+        assert not [p for p in pids if running(p)], "processes a module forked as it was imported outlived the run"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+

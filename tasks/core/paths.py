@@ -154,6 +154,7 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     here = os.getcwd()
     working_directory_on_path(here)
     seconds = user_code_seconds()
+    before = _children()
     try:
         with deadline(seconds), user_code(), user_import():     # (preflight imports in the main thread: watched there)
             module = importlib.import_module(module_name)
@@ -167,6 +168,8 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     finally:
         if os.getcwd() != here:
             os.chdir(here)
+        if started := _children() - before:
+            _started_by_imports(started)
     fn = getattr(module, attr, None)
     if by_name and isinstance(fn, dict) and fn:
         for name, value in fn.items():
@@ -178,3 +181,37 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
         raise UserError(f"{key}: {module_name!r} has no {noun} {attr!r}"
                         + (" (or a dict of them by name; it is an empty dict)" if isinstance(fn, dict) else ""))
     return fn
+
+
+_STARTED: set[int] = set()      # processes users' modules started (forked) in this process as they were imported
+
+
+def _children() -> set[int]:
+    """This process's children now, from /proc (Linux; none elsewhere)."""
+    found = set()
+    for listing in Path("/proc/self/task").glob("*/children"):
+        try:
+            found |= {int(pid) for pid in listing.read_text().split()}
+        except (OSError, ValueError):
+            continue            # (a thread that ended meanwhile)
+    return found
+
+
+def _started_by_imports(pids: set[int]) -> None:
+    """Processes a user's module forked here as it was imported (a server, a `sleep`, its own worker): ended, with
+    their process groups where they lead one, when this process exits (they outlived `rlflow run` before)."""
+    import atexit
+
+    if not _STARTED:
+        atexit.register(_end_started)
+    _STARTED.update(pids)
+
+
+def _end_started() -> None:
+    import signal
+
+    for pid in _STARTED & _children():      # (still ours, so the pid is theirs: a child is never reused unreaped)
+        try:
+            os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass

@@ -4,7 +4,7 @@ f(prompts=, completions=, completion_ids=, <each dataset column>=, trainer_state
 -> list[float | None]; for chat prompts, prompts are message lists and completions
 [{"role": "assistant", "content": ...}] lists (trl_inputs). A function without **kwargs gets the keywords it
 names; an async one is awaited. Before anything runs, each signature is checked against those keywords and
-the dataset's columns (check_signatures).
+the dataset's columns (tasks/scoring/signatures.py).
 
 A reward function is the user's code and may misbehave: raise, hang, return the wrong count, a non-number or
 NaN. The functions run in a worker process (tasks/scoring/worker.py; one per caller scoring at that moment),
@@ -43,6 +43,7 @@ from tasks.core.paths import REPO_ROOT, import_user, user_code_seconds
 from tasks.core.process_wide import user_output_limit
 from tasks.core.processes import BoundedCopy, how_it_ended, kill_group, peek_exit, spawn
 from tasks.scoring.shaping import NAME as SHAPING
+from tasks.scoring.signatures import TRL_KEYWORDS, check_signature
 from tasks.scoring.worker import _HEADER, RewardState, send
 
 if TYPE_CHECKING:
@@ -52,7 +53,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlflow.reward")
 # What every reward function is called with besides the dataset's columns (TRL's GRPOTrainer passes the same).
-TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+class WorkerSetupFailed(UserError):
+    """The reward worker could not import the functions; `crashed`: it ended as it did (a signal, an exit), where
+    a module that raised, waited or exited by Python is said again, better, by the import here (import_user)."""
+
+    def __init__(self, message: str, crashed: bool):
+        super().__init__(message)
+        self.crashed = crashed
 
 
 class RewardFunctionError(UserError):
@@ -108,8 +117,6 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
         names.append(attr)
     if len(set(names)) != len(names):
         raise UserError(f"reward.functions: two functions share a name ({names}); names key the scores")
-    setup = {"functions": [{"fn": s.fn, "kwargs": s.kwargs} for s in cfg.reward.functions], "cwd": os.getcwd(),
-             "sandbox": cfg.reward.sandbox.model_dump(mode="json")}
     if cfg.env.episodic() and "env" in names:
         raise UserError("reward.functions: 'env' names the episode's return; rename that function")
     if SHAPING in names:
@@ -119,59 +126,18 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
         from tasks.scoring.judges import check_specs
 
         check_specs(cfg, columns, names)
+    return functions_of(cfg)
+
+
+def functions_of(cfg: Config) -> RewardFunctions:
+    """The configured functions as their worker takes them, nothing imported in this process (load_functions
+    imports and checks them: preflight starts their worker with this first, see start_worker)."""
+    names = [spec.fn.partition(":")[2] for spec in cfg.reward.functions]
+    setup = {"functions": [{"fn": s.fn, "kwargs": s.kwargs} for s in cfg.reward.functions], "cwd": os.getcwd(),
+             "sandbox": cfg.reward.sandbox.model_dump(mode="json")}
     return RewardFunctions(names=names, weights={n: s.weight for n, s in zip(names, cfg.reward.functions)},
                            setup=setup, timeout_seconds=cfg.reward.timeout_seconds, strict=cfg.reward.strict,
                            env_weight=cfg.env.reward_weight if cfg.env.episodic() else None, cfg=cfg)
-
-
-def columns_needed(cfg: Config, columns: Iterable[str]) -> list[tuple[str, str]]:
-    """(the function, the column) for each of the dataset's `columns` a reward function needs: an argument of it
-    without a default, not a configured kwarg (the functions imported already: load_functions)."""
-    needed = []
-    for i, spec in enumerate(cfg.reward.functions):
-        try:
-            params = inspect.signature(import_user(spec.fn, f"reward.functions[{i}].fn", noun="function")).parameters
-        except (TypeError, ValueError):
-            continue
-        needed += [(f"reward.functions[{i}] ({spec.fn})", p.name) for p in params.values()
-                   if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                   and p.name in columns and p.name not in spec.kwargs]
-    return needed
-
-
-def check_signature(what: str, fn, available: set[str], columns: list[str], kwargs: dict | None = None,
-                    kwargs_field: str = "kwargs", prompt_column: str = "prompt") -> None:
-    """One UserError line if `fn` cannot be called the way TRL calls it: a required argument that is neither
-    one of TRL's keywords nor a dataset column (nor a configured kwarg), or one that only takes a position; or
-    a configured keyword (`kwargs`) that it cannot take (no such parameter and no **kwargs), which the worker
-    would otherwise drop without a word."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return                                  # a builtin or C callable: nothing to read, it is tried at run time
-    if not any(p.kind is p.VAR_KEYWORD for p in params):
-        takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        if not takes:
-            raise UserError(f"{what}: takes no argument by name (only *args, or none); reward functions are "
-                            f"called with every argument by keyword, as TRL calls them")
-        for key in kwargs or {}:
-            if key not in takes:
-                raise UserError(f"{kwargs_field}.{key}: {what.rsplit(': ', 1)[-1]} takes no argument {key!r} "
-                                f"(it takes {', '.join(takes) or 'none'}, and no **kwargs)")
-    for p in params:
-        if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.kind is p.POSITIONAL_ONLY:
-            raise UserError(f"{what}: argument {p.name!r} is positional-only; reward functions are called with "
-                            f"every argument by keyword, as TRL calls them")
-        if p.name not in available and p.name == prompt_column != "prompt":
-            raise UserError(f"data.prompt_column: {p.name!r} is read as the prompt (reward functions get it as "
-                            f"`prompts`, not by its name), and {what} needs an argument {p.name!r}; expected another "
-                            f"column as the prompt, or a function that reads `prompts`")
-        if p.name not in available:
-            raise UserError(f"{what}: needs argument {p.name!r}, which is neither a dataset column (the data has "
-                            f"{columns or 'no column but its prompt'}) nor one of the keywords reward functions get "
-                            f"({', '.join(TRL_KEYWORDS)})")
 
 
 class _Garbled(Exception):
@@ -206,11 +172,12 @@ class _Worker:
                                    f"that waits or loops when imported: move that work into the function; "
                                    f"RLFLOW_IMPORT_SECONDS allows more)")
         except (EOFError, OSError, _Garbled):
-            status, message = "", (f"it ended ({self.ended(wait=5.0)}) as it imported the functions (a module "
-                                   f"that exits or crashes when imported)")
+            status, message = "crashed", (f"it ended ({self.ended(wait=5.0)}) as it imported the functions (a "
+                                          f"module that exits or crashes when imported)")
         if status != "ready":
             self.kill()
-            raise UserError(f"reward.functions: the reward worker could not set up: {message}")
+            raise WorkerSetupFailed(f"reward.functions: the reward worker could not set up: {message}",
+                                    crashed=status == "crashed")
 
     def call(self, index: int, completions: list, columns: dict, timeout: float, renew: bool = True):
         if index == 0 and renew:
