@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -88,11 +89,13 @@ def cmd_run(args) -> int:
     _finished.append(SUMMARY)       # the run's result is complete: a stop from here on is not an interruption
     public = {k: summary[k] for k in ("run", "iterations_completed", "reward_mean", "policy_uri", "mlflow_run_id",
                                       "held_out")}
+    public["reward_mean"] = [v if math.isfinite(v) else None for v in public["reward_mean"]]  # (JSON: no NaN)
     if args.summary_json:
         Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary_json).write_text(json.dumps(public, indent=2))
+    scored = [v for v in summary["reward_mean"] if math.isfinite(v)]     # (an iteration nothing scored: no mean)
     print(f"\ndone: {summary['iterations_completed']} iterations, mean reward "
-          f"{summary['reward_mean'][0]:.3f} -> {summary['reward_mean'][-1]:.3f}")
+          + (f"{scored[0]:.3f} -> {scored[-1]:.3f}" if scored else "n/a (no iteration scored)"))
     print(f"  MLflow run:       {summary['mlflow']}")          # (a server: its metric charts)
     if summary.get("mlflow_runs"):
         print(f"  MLflow runs:      {summary['mlflow_runs']}")     # (the runs list, reward/eval columns)

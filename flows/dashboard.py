@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextvars
+import math
 import re
 import sys
 import threading
@@ -71,6 +72,11 @@ STRIPS_SHOWN = 3       # pictured episodes in the report (MLflow's artifacts hav
 POST_SECONDS = 30.0    # a report the Prefect API has not taken by then is left to finish on its own: the run goes on
 
 
+def _scored(metrics: dict) -> bool:
+    """Whether an iteration's metrics have a mean reward (a batch nothing scored has NaN: no bar, no point)."""
+    return "reward/mean" in metrics and math.isfinite(metrics["reward/mean"])
+
+
 class Report:
     """The flow run's `<run>-report` artifact. `record` each iteration (the trend, in memory), `post` when the
     dashboard is due: the artifact is updated in place (Prefect's PATCH), never a new card per iteration."""
@@ -125,9 +131,9 @@ class Report:
                   file=sys.stderr, flush=True)
 
     def _described(self, it: int | None) -> str:
-        reward = self.trend.get(it or 0, {}).get("reward/mean")
-        where = (f"iteration {it}/{self.cfg.run.iterations}" + (f", reward {reward:.3f}" if reward is not None else "")
-                 if it else "starting")
+        m = self.trend.get(it or 0, {})
+        where = (f"iteration {it}/{self.cfg.run.iterations}"
+                 + (f", reward {m['reward/mean']:.3f}" if _scored(m) else "") if it else "starting")
         return (f"{where}: rlflow run {self.cfg.run.name}'s report, updated in place (reward per iteration, the "
                 f"latest iteration's metrics, stage times and cost, samples, links to MLflow and the store)")
 
@@ -165,7 +171,7 @@ class Report:
     def _trend(self) -> list[str]:
         """The reward per iteration: a sparkline of the whole run and a table of the newest iterations with a bar
         each (text: any markdown view draws it, Prefect's old UI and new)."""
-        rewards = [(i, m["reward/mean"]) for i, m in sorted(self.trend.items()) if "reward/mean" in m]
+        rewards = [(i, m["reward/mean"]) for i, m in sorted(self.trend.items()) if _scored(m)]
         if not rewards:
             return []
         step = -(-len(rewards) // SPARK_POINTS)           # (ceil: at most SPARK_POINTS bucket means)
@@ -183,7 +189,7 @@ class Report:
                  + (f", {step} per mark" if step > 1 else "") + f"; lowest {low:.3f}, highest {high:.3f})", "",
                  f"| iteration | reward (mean) | | loss | {eval_key} |", "|---:|---:|:---|---:|---:|"]
         for i, m in sorted(self.trend.items(), reverse=True)[:TREND_ROWS]:
-            bar = "█" * level(m["reward/mean"], BAR_WIDTH, min(low, 0.0)) if "reward/mean" in m else ""   # (from 0)
+            bar = "█" * level(m["reward/mean"], BAR_WIDTH, min(low, 0.0)) if _scored(m) else ""   # (from 0)
             cells = [f"{m[k]:.4g}" if k in m else "" for k in ("reward/mean", "train/loss", eval_key)]
             lines.append(f"| {i} | {cells[0]} | `{bar or '·'}` | {cells[1]} | {cells[2]} |")
         return lines

@@ -120,6 +120,11 @@ def run_stage(stage: str, iteration: int, ctx: FlowRun, policy: str | None = Non
     return out
 
 
+def shown(reward: float) -> str:
+    """A mean reward as the console says it: NaN (a batch nothing scored: its step skipped) as "n/a"."""
+    return f"{reward:.3f}" if math.isfinite(reward) else "  n/a"
+
+
 class ConsoleWarnings:
     """What the console warns about as iterations go (each said once, not every iteration): the trainer and the
     sampler disagreeing about the policy (train/mismatch_kl above train.mismatch_kl_warn, or 10x above its median
@@ -497,7 +502,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
                 if (every and it % every == 0) or it == cfg.run.iterations:
                     report.post(it, metrics, r["samples"], p["uri"])
                 failed = sum(v for k, v in r["metrics"].items() if k.startswith("reward/") and k.endswith("/errors"))
-                progress.line(f"iter {it:>4}/{cfg.run.iterations}  reward {r['metrics']['reward/mean']:.3f}  "
+                progress.line(f"iter {it:>4}/{cfg.run.iterations}  reward {shown(r['metrics']['reward/mean'])}  "
                               f"loss {t['metrics']['train/loss']:+.4f}  {time.perf_counter() - t0:5.2f}s"
                               + (f"  reward errors {failed:g}" if failed else "")
                               + (f"  {eval_label(cfg)} {_held_out_line(cfg, e['metrics'])}" if e["metrics"] else ""))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -193,7 +194,8 @@ class Tune:
                     scored += 1
                 # every new iteration, and the newest again (train and evaluation metrics land after the rewards)
                 for it in range(min(unseen, max(1, scored - LAG)), scored + 1):
-                    if it in values or (v := iteration_metric(store, name, it, self.args.metric)) is None:
+                    if it in values or (v := iteration_metric(store, name, it, self.args.metric)) is None or \
+                            not math.isfinite(v):           # (an iteration nothing scored: no value, not a 0)
                         continue
                     values[it] = v
                     trial.report(window_mean(values, self.args.window), it)

@@ -157,9 +157,11 @@ def _was_scored(cfg: Config, store: Store, iteration: int) -> bool:
 def _metrics(records: list, scores: dict[str, list]) -> dict[str, float]:
     """reward/mean, std, missing share and each function's mean, over `records` (the task's rewards: shaping,
     reward.overlong, is reported apart). A function that scored nothing in this batch has no mean (not a 0 that
-    reads as a score; reward/<fn>/errors says why)."""
+    reads as a score; reward/<fn>/errors says why); a batch nothing scored has reward/mean and std NaN (its step
+    is skipped: logged, so that the iteration is there, as no number)."""
     present = [x for r in records if (x := task_reward(r)) is not None]
-    metrics = {"reward/mean": _mean(present), "reward/std": _std(present),
+    metrics = {"reward/mean": _mean(present) if present else math.nan, "reward/std": _std(present) if present
+               else math.nan,
                "reward/missing_share": 1 - len(present) / max(len(records), 1)}
     for name, vals in scores.items():
         if given := [v for v in vals if v is not None]:

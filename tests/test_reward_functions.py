@@ -726,7 +726,10 @@ def test_an_iteration_whose_every_reward_call_fails_takes_no_step_once(prefect_a
                                                                       rc):
     """Not strict: an iteration where the only function fails (a passing fault, after an iteration it scored)
     trains on nothing: no optimiser step, its policy the one before, one warning; the run goes on. A second such
-    iteration in a row stops the run (exit 2) as a first iteration's does."""
+    iteration in a row stops the run (exit 2) as a first iteration's does. Its mean reward is no number (NaN in
+    MLflow, "n/a" on the console, null in the summary): it was logged as 0.0, a collapse that never happened."""
+    import math
+
     import mlflow
     from safetensors.torch import load_file
 
@@ -754,6 +757,13 @@ def test_an_iteration_whose_every_reward_call_fails_takes_no_step_once(prefect_a
     run_id = json.loads((tmp_path / "s.json").read_text())["mlflow_run_id"]
     assert [m.value for m in sorted(client.get_metric_history(run_id, "train/skipped"), key=lambda m: m.step)] == \
         [0.0, 1.0, 0.0]
+    for key in ("reward/mean", "reward/std", "train/reward_mean"):
+        values = [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+        assert len(values) == 3 and math.isnan(values[1]) and not any(map(math.isnan, values[::2])), (key, values)
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["reward_mean"][1] is None and None not in summary["reward_mean"][::2]
+    assert any(line.startswith("iter    2/3  reward   n/a  loss") for line in out.stdout.splitlines()), out.stdout
+    assert f"mean reward {summary['reward_mean'][0]:.3f} -> {summary['reward_mean'][2]:.3f}" in out.stdout
 
 
 @pytest.mark.parametrize("completion,reference,expected", [

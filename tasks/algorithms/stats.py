@@ -149,7 +149,7 @@ class UpdateStats:
             "train/ratio_min": self.ratio_min if math.isfinite(self.ratio_min) else 1.0,
             "train/ratio_max": self.ratio_max,
             "train/advantage_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
-            "train/reward_mean": float(present.mean()) if present.numel() else 0.0,
+            "train/reward_mean": float(present.mean()) if present.numel() else math.nan,     # (nothing scored)
             "train/tokens_per_s": self.num_tokens * tc.num_iterations / max(seconds, 1e-9),
             "train/seconds": seconds,
         }
