@@ -207,9 +207,12 @@ def _string(row: dict, column: str) -> str:
 
 def _messages(row: dict, column: str) -> list[dict]:
     value = row[column]
-    if not (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
+    if not (isinstance(value, list) and value):
         raise TypeError(f"column {column!r}: expected a list of chat messages, got "
                         f"{type(value).__name__}{' (empty)' if value == [] else ''}")
+    if (odd := next((j for j, m in enumerate(value) if not isinstance(m, dict)), None)) is not None:
+        raise TypeError(f"column {column!r} message {odd}: expected a chat message ({{role, content}}), got "
+                        f"{type(value[odd]).__name__}")
     out = []
     for j, m in enumerate(value):
         m = {k: v for k, v in m.items() if v is not None}      # (datasets fills absent keys with None)

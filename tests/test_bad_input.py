@@ -980,6 +980,9 @@ def _reward_model_cases() -> dict[str, tuple[list[str], str]]:
         "judge model pinned to other weights": (run(judge.replace(pin, f"'{'0' * 64}'") + ", template: '{completion}'"),
                                                 f"reward.models[0] (j).sha256: builtin:tiny-lm has weights sha256 "
                                                 f"{pin}, not the pinned"),
+        # (said "must be pinned: run pin /nowhere/judge": a pin of a folder that is not there)
+        "judge model folder missing": (run("name: j, kind: judge, model: /nowhere/judge, template: '{completion}'"),
+                                       "reward.models.0: model: /nowhere/judge: no such file or folder"),
         "judge model not pinned": (run("name: j, kind: judge, model: 'builtin:tiny-lm', template: '{completion}'"),
                                    "sha256: builtin:tiny-lm must be pinned"),
         "judge from the registry, no database": (

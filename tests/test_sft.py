@@ -274,6 +274,9 @@ def test_bad_demonstrations_are_one_line_exit_2_and_nothing_written(tmp_path, pr
             "row 1: the model's chat template does not write tool_calls (a call would be learned as an empty turn)"),
         "image_part": ([{"messages": [{"role": "user", "content": [{"type": "image", "url": "x.png"}]}, bot]}], [],
                        "row 1: message 0: content parts of kinds ['image']; this model's chat template takes text"),
+        "message_not_a_mapping": ([{"messages": [user, "bbb"]}], [],     # (said "got list": the list it is in)
+                                  "row 1: column 'messages' message 1: expected a chat message ({role, content}), "
+                                  "got str"),
         "number_prompt": ([{"prompt": "a=", "completion": "bbb"}, {"prompt": 5, "completion": "bbb"}], [],
                           "row 2: column 'prompt': expected a string or a list of chat messages, got int"),
         "row_not_object": (b'[1, 2, 3]\n{"prompt": "a=", "completion": "bbb"}\n', [],

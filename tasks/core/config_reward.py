@@ -8,6 +8,7 @@ More: docs/internals.md (tasks/core/config_reward.py): the checks this section m
 from __future__ import annotations
 
 import string
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -234,6 +235,10 @@ class RewardModel(ServedSection):
         if self.url is None and self.api_key_env is not None:
             raise ValueError("api_key_env: only with where a URL, a server of yours (rlflow's own servers use the "
                              "run's token)")
+        if self.url is None and self.sha256 is None and self.model.startswith(("/", "./", "../", "~")) and \
+                not Path(self.model).expanduser().exists():       # (said before the pin that cannot be made)
+            raise ValueError(f"model: {self.model}: no such file or folder (a judge's weights: a file or folder "
+                             f"here, a builtin: name, a hub id or models:/<name>/<version>)")
         if self.url is None and self.sha256 is None and not self.model.startswith("models:/"):
             raise ValueError(f"sha256: {self.model} must be pinned: its weights file's sha256 (rlflow prints it "
                              f"when it is missing: run `python -m tasks.scoring.judges pin {self.model}`), or "
