@@ -95,6 +95,12 @@ BAD = textwrap.dedent('''
         log_metric("checked", float(len(completions)))
         return [float(len(c)) for c in completions]
 
+    def logs_nan(completions, log_metric=None, **kw):
+        log_metric("ratio", float("nan"))
+        log_metric("peak", float("inf"))
+        log_metric("fine", 0.5)
+        return [0.0] * len(completions)
+
     def scaled(completions, factor=1.0, **kw):
         return [factor] * len(completions)
 
@@ -292,7 +298,9 @@ def _functions(names: list[str], **reward):
     ("text", "reward function 'text' returned str for completion 0"),
     ("numeric_text", "reward function 'numeric_text' returned str for completion 0"),
     ("exits", "reward function 'exits' raised SystemExit: 0 (bad_rewards.py:"),
-    ("hard_exit", "reward function 'hard_exit' raised ExitRefused: os._exit(3) refused"),
+    # (said it ran "in rlflow's own process" and pointed at the guard, process_wide.py, not the user's line)
+    ("hard_exit", "reward function 'hard_exit' raised ExitRefused: os._exit(3) refused: this code runs in the reward "
+                  "worker (rlflow's process for users' functions), which it would end (bad_rewards.py:33)"),
     ("segfault", "reward function 'segfault' killed its reward worker (killed by SIGSEGV: a crash or a signal"),
     ("interrupts", "reward function 'interrupts' raised KeyboardInterrupt (bad_rewards.py:"),
     ("garbles", "reward function 'garbles' killed its reward worker (broke its answer pipe"),
@@ -680,6 +688,16 @@ def test_log_extra_and_log_metric_reach_the_records(bad_module):
     scored = score_records(_functions(["logs"]), records, "sum")
     assert [r.extra["why"] for r in records] == ["len 1", "len 3", "len 1", "len 3"]
     assert scored.metrics == {"checked": 4.0}
+
+
+def test_a_metric_logged_as_nan_or_inf_is_logged_as_such(bad_module):
+    """log_metric(name, nan) was dropped without a word (the metric missing from MLflow, as if never logged);
+    TRL logs what it is given: NaN and inf stay what they are."""
+    import math
+
+    m = score_records(_functions(["logs_nan"]), _records(), "sum").metrics
+    assert set(m) == {"ratio", "peak", "fine"} and math.isnan(m["ratio"]) and m["peak"] == math.inf
+    assert m["fine"] == 0.5
 
 
 def test_function_kwargs_from_config(bad_module):

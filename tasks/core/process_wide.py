@@ -104,8 +104,10 @@ class ExitRefused(SystemExit):
     agent under env.isolation: thread): raised there instead (a SystemExit: `except Exception` does not swallow
     it), so that it fails that call, not the whole run with the exit code it chose (0 reads as success)."""
 
+    where = "rlflow's own process"
+
     def __str__(self) -> str:
-        return f"os._exit({self.code!r}) refused: this code runs in rlflow's own process, which it would end"
+        return f"os._exit({self.code!r}) refused: this code runs in {self.where}, which it would end"
 
 
 def exit_now(status: int) -> None:
@@ -116,7 +118,10 @@ def exit_now(status: int) -> None:
 
 def _guarded_exit(status):
     if os.getpid() in (getattr(_USER, "pid", None), _WHOLE[0]):
-        raise ExitRefused(status)
+        refused = ExitRefused(status)
+        if os.getpid() == _WHOLE[0]:
+            refused.where = "the reward worker (rlflow's process for users' functions)"
+        raise refused
     _EXIT(status)
 
 

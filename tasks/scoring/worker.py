@@ -21,7 +21,6 @@ import asyncio
 import importlib
 import inspect
 import json
-import math
 import os
 import pickle
 import struct
@@ -55,13 +54,15 @@ def receive(stream):
 
 def _one_line(e: BaseException) -> str:
     """'ValueError: cannot parse (my_rewards.py:12)': the exception and the line of the user's code it came
-    from (the innermost frame outside this worker)."""
+    from (the innermost frame outside this worker, and outside the os._exit guard that raised it)."""
+    from tasks.core import process_wide
+
     try:
         said = str(e).strip()
     except BaseException:  # noqa: BLE001 - an exception whose __str__ raises is still the function's failure
         said = ""
     text = said.splitlines()[0] if said else ""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename not in (__file__, process_wide.__file__)]
     where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
     return (f"{type(e).__name__}: {text}"[:300] if text else type(e).__name__) + where
 
@@ -164,7 +165,7 @@ def _call(fn, kwargs: dict, completions: list, columns: dict):
     # a column per completion, or none: one of another length is dropped, its length said (the parent warns)
     dropped = {k: len(v) for k, v in extra.items() if len(v) != n}
     extra = {k: [_plain(x) for x in v] for k, v in extra.items() if k not in dropped}
-    metrics = {k: sum(v) / len(v) for k, v in logged.items() if v and all(math.isfinite(x) for x in v)}
+    metrics = {k: sum(v) / len(v) for k, v in logged.items() if v}      # (NaN, inf: logged as they are, as TRL's)
     return values, extra, metrics, dropped
 
 
