@@ -248,6 +248,22 @@ BAD = textwrap.dedent('''
         os.close(0)
         return [0.0] * len(completions)
 
+    def closes_stdout(completions, **kw):
+        os.close(1)
+        return [0.0] * len(completions)
+
+    async def async_good(completions, answer, **kw):
+        return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+
+    def closes_pipes(completions, **kw):        # (every descriptor past stderr: the worker's answer pipe among them)
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd > 2:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        return [0.0] * len(completions)
+
     def posix_exits_later(completions, **kw):
         import posix
         threading.Thread(target=lambda: (time.sleep(0.5), posix._exit(0))).start()
@@ -304,6 +320,9 @@ def _functions(names: list[str], **reward):
     ("segfault", "reward function 'segfault' killed its reward worker (killed by SIGSEGV: a crash or a signal"),
     ("interrupts", "reward function 'interrupts' raised KeyboardInterrupt (bad_rewards.py:"),
     ("garbles", "reward function 'garbles' killed its reward worker (broke its answer pipe"),
+    # (the worker printed its own traceback as it tried to answer on a closed pipe, said "exit 1: a crash")
+    ("closes_pipes", "reward function 'closes_pipes' killed its reward worker (closed or replaced the descriptors of "
+                     "its answer pipe, rlflow's)"),
     ("unprintable", "reward function 'unprintable' raised Unprintable (bad_rewards.py:"),
     ("escapes", "reward function 'escapes' raised ValueError: \\x1b[31mRED"),    # (the escape sequence was raw)
 ])
@@ -336,6 +355,15 @@ def test_what_a_function_leaves_behind_does_not_fail_the_next_one(bad_module, ba
     assert scored.scores["slow_good"] == [0.0, 1.0, 0.0, 1.0] and "slow_good" not in scored.errors
     assert score_records(_functions([bad, "slow_good"], timeout_seconds=60), _records(), "sum").scores[
         "slow_good"] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_function_that_closes_its_stdout_does_not_fail_the_next_one_later(bad_module):
+    """A function that closes fd 1 (its stdout) left that number free: the async function after it made its event
+    loop there, which the first one's next call closed, and the async one failed from then on, blamed (Bad file
+    descriptor). The worker puts fd 1 and 2 back after each call."""
+    for _ in range(3):
+        scored = score_records(_functions(["closes_stdout", "async_good"]), _records(), "sum")
+        assert scored.errors == {} and scored.scores["async_good"] == [0.0, 1.0, 0.0, 1.0], scored.errors
 
 
 def test_a_worker_that_dies_is_seen_at_once_and_what_it_forked_is_killed(bad_module):

@@ -44,7 +44,7 @@ from tasks.core.process_wide import user_output_limit
 from tasks.core.processes import BoundedCopy, how_it_ended, kill_group, peek_exit, spawn
 from tasks.scoring.shaping import NAME as SHAPING
 from tasks.scoring.signatures import TRL_KEYWORDS, check_signature
-from tasks.scoring.worker import _HEADER, RewardState, send
+from tasks.scoring.worker import _HEADER, ANSWER_LOST, RewardState, send
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -414,6 +414,8 @@ def _lost(worker: _Worker, e: BaseException, timeout: float) -> str:
     if isinstance(e, TimeoutError):
         return f"timed out after {timeout:g}s (killed)"
     how = "running" if isinstance(e, _Garbled) else worker.ended(wait=5.0)
+    if how == f"exit {ANSWER_LOST}":
+        return "killed its reward worker (closed or replaced the descriptors of its answer pipe, rlflow's)"
     if how == "running":
         return ("killed its reward worker (broke its answer pipe: a process or thread it started wrote to it or "
                 "closed it)")

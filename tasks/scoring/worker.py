@@ -280,15 +280,35 @@ def die_with_parent() -> None:
 def _at_home(cwd: str):
     """What puts the worker back in the run's folder after each call: a function that changes the working
     directory (os.chdir, at import or in a call) changed it for every function after it, whose relative paths then
-    failed and were counted against them. (Environment variables are left as functions set them: one may set
-    its own once, at its first call.)"""
+    failed and were counted against them; one that closes its stdout or stderr (fd 1, 2) left that number free for
+    the next file the worker opens (the event loop of an async function: closed by that function's next call,
+    and the async one failing, blamed). (Environment variables are left as functions set them: one may set its
+    own once, at its first call.)"""
+    output = os.dup(2)                          # (fd 1 is fd 2 here: user prints go to the parent's stderr)
+    kept = os.fstat(output)
+
     def home() -> None:
         try:
             os.chdir(cwd)
         except OSError:                       # (the run's folder removed under it: the functions' own business)
             pass
+        for fd in (1, 2):
+            if not _same(fd, kept):
+                os.dup2(output, fd)
     home()
     return home
+
+
+def _same(fd: int, stat: os.stat_result) -> bool:
+    """Whether descriptor `fd` is still open on the file `stat` describes (not closed, nor another file since)."""
+    try:
+        now = os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (stat.st_dev, stat.st_ino)
+
+
+ANSWER_LOST = 86    # the worker's exit code where a function closed or replaced its answer pipe (functions._lost)
 
 
 def main() -> None:
@@ -335,6 +355,7 @@ def main() -> None:
         return
     unless_forked()
     home = _at_home(setup["cwd"])
+    pipes = {f.fileno(): os.fstat(f.fileno()) for f in (proto_in, proto_out)}
     send(proto_out, ("ready", None))
     while True:
         try:
@@ -350,6 +371,8 @@ def main() -> None:
         forks.reap()
         home()
         _no_timers()
+        if not all(_same(fd, stat) for fd, stat in pipes.items()):     # (the function closed rlflow's pipe: this
+            exit_now(ANSWER_LOST)       # worker can answer no more; said by its exit code, not by the next call)
         try:
             send(proto_out, answer)
         except Exception as e:  # noqa: BLE001 - a value that does not pickle: that function's failure
