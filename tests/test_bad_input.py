@@ -108,7 +108,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                            "def f(completions, **kw):\n    return [0.0] * len(completions)\n")
     (tmp / "varargs.py").write_text("def f(*args):\n    return [0.0] * len(args)\n")
     (tmp / "not_a_function.py").write_text("class C:\n    def __init__(self, completions, **kw):\n        pass\n\n\n"
-                                           "def g(completions, **kw):\n    yield 1.0\n")
+                                           "def g(completions, **kw):\n    yield 1.0\n\n\nTHRESHOLD = 42\n")
     (tmp / "chat_no_role.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "b"})
                                             + "\n" + json.dumps({"prompt": [{"text": "a="}], "answer": "b"}) + "\n")
     (tmp / "broken.jsonl").write_text('{"prompt": "a="}\n\n{"prompt": "b=", \n{"prompt": "c="}\n')
@@ -304,6 +304,9 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "reward a class": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "not_a_function:C"}]'],
                            "reward.functions[0].fn: not_a_function:C is a class (calling it makes an instance); "
                            "expected a function that returns a list of scores"),
+        # (said "'not_a_function' has no function 'THRESHOLD'": it has, a number)
+        "reward a number": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "not_a_function:THRESHOLD"}]'],
+                            "reward.functions[0].fn: not_a_function:THRESHOLD is int 42, not a function"),
         "reward a generator": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "not_a_function:g"}]'],
                                "reward.functions[0].fn: not_a_function:g is a generator function"),
         "reward path syntax": (["run", str(TINY), "-o", 'reward.functions=[{"fn": "no colon"}]'], "reward.functions.0.fn"),

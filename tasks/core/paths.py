@@ -178,8 +178,10 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
                                 f"{noun}s by name (str keys)")
         return fn
     if not callable(fn):
-        raise UserError(f"{key}: {module_name!r} has no {noun} {attr!r}"
-                        + (" (or a dict of them by name; it is an empty dict)" if isinstance(fn, dict) else ""))
+        if isinstance(fn, dict) or not hasattr(module, attr):
+            raise UserError(f"{key}: {module_name!r} has no {noun} {attr!r}"
+                            + (" (or a dict of them by name; it is an empty dict)" if isinstance(fn, dict) else ""))
+        raise UserError(f"{key}: {spec} is {type(fn).__name__} {_short(fn)}, not a {noun}")
     return fn
 
 
@@ -215,3 +217,9 @@ def _end_started() -> None:
             os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+def _short(value) -> str:
+    """A value as a line may show it: its repr, cut."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
