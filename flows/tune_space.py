@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,30 +87,50 @@ def _read(config: str, overrides: list[str]) -> tuple[Config, list[str]]:
         _HELD.lines = outer
 
 
-def _ignored(key: str, read: list[tuple[Config, list[str]]]) -> str | None:
-    """Why the config ignores `key`, given the configs (and warnings) its values made: a warning naming it as
-    ignored or without effect, or no value of it changing the resolved config; None if it is read."""
-    for _, lines in read:
-        for line in lines:
-            if key in line and ("ignored" in line or "no effect" in line):
-                return line.removeprefix("warning: ").removeprefix("config: ")
-    dumps = {json.dumps(cfg.model_dump(mode="json"), sort_keys=True, default=str) for cfg, _ in read}
-    return "no value of it changes the resolved config" if len(read) > 1 and len(dumps) == 1 else None
+def _ignored_as(key: str, lines: list[str]) -> str | None:
+    """The warning, among a config's, that says `key` itself is ignored or has no effect (its subject: not a
+    warning about another key that names this one as the reason), or None."""
+    for line in lines:
+        said = line.removeprefix("warning: ").removeprefix("config: ")
+        if said.startswith(f"{key} ") and ("ignored" in said or "no effect" in said):
+            return said
+    return None
+
+
+def corners(space: dict[str, Param]) -> Iterator[tuple]:
+    """The configs a check tries together, as values of the space's keys in order: every corner (each key at a
+    bound or a choice) where they are at most CORNERS; otherwise each pair of keys at every pair of their values,
+    the others at their first (the rules that tie keys tie two)."""
+    keys, values = list(space), [values_of(space[k]) for k in space]
+    if math.prod(map(len, values)) <= CORNERS:
+        yield from itertools.product(*values)
+        return
+    for a, b in itertools.combinations(range(len(keys)), 2):
+        for va, vb in itertools.product(values[a], values[b]):
+            corner = [v[0] for v in values]
+            corner[a], corner[b] = va, vb
+            yield tuple(corner)
 
 
 def check_corners(space: dict[str, Param], config: str, overrides: list[str]) -> None:
-    """Every corner of the space (each key at one of its bounds or choices; the first CORNERS of them) against the
-    config's rules that tie keys together: a corner the config refuses is a trial that would fail."""
-    if len(space) < 2:
-        return
+    """The space's corners (see `corners`) against the config's rules that tie keys together (a corner the config
+    refuses is a trial that would fail), and a key the config ignores at every corner (another learner's setting
+    under every algorithm tried): a dimension that changes nothing."""
     keys = list(space)
-    for corner in itertools.islice(itertools.product(*(values_of(space[k]) for k in keys)), CORNERS):
+    ignored: dict[str, str | None] = dict.fromkeys(keys, "")        # ("": not seen yet; None: read somewhere)
+    for corner in corners(space):
         try:
-            load_config(config, [*overrides, *(override_of(k, v) for k, v in zip(keys, corner))])
+            _, lines = _read(config, [*overrides, *(override_of(k, v) for k, v in zip(keys, corner))])
         except UserError as e:
             given = ", ".join(f"{k}={json.dumps(v)}" for k, v in zip(keys, corner))
             raise UserError(f"--space: the corner {given} is refused: {str(e).removeprefix('config: ')} (narrow "
                             f"the ranges so that every trial's config is valid)") from None
+        for key in keys:
+            if ignored[key] is not None:
+                ignored[key] = _ignored_as(key, lines)
+    for key, why in ignored.items():
+        if why:
+            raise UserError(f"--space: {key}: the config ignores it ({why}): a dimension that changes nothing")
 
 
 def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]:
@@ -168,16 +189,13 @@ def load_space(path: str, config: str, overrides: list[str]) -> dict[str, Param]
             param = Param(key, kind, low, high, log=spec.get("log", False))
             # (a float range draws fractional values: the field must take one, not only the bounds)
             values = [low, high] if kind == "int" else [low, high, low + (high - low) / math.pi]
-        read = []
         for value in values:                   # the key exists and its type takes the value
             try:
-                read.append(_read(config, [*overrides, override_of(key, value)]))
+                _read(config, [*overrides, override_of(key, value)])
             except UserError as e:
                 hint = (" (a whole-number field: use type: int)" if kind in ("uniform", "log_uniform")
                         and value == values[-1] else "")
                 raise UserError(f"{where}: {value!r}: {str(e).removeprefix('config: ')}{hint}") from None
-        if (why := _ignored(key, read)) is not None:
-            raise UserError(f"{where}: the config ignores it ({why}): a dimension that changes nothing")
         space[key] = param
     check_corners(space, config, overrides)
     return space

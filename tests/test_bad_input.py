@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import boto3
@@ -1761,7 +1762,10 @@ def test_a_process_a_module_forks_as_it_is_imported_ends_with_the_run(prefect_ap
             return False
         return state != "Z"                         # (killed, not yet reaped by whoever adopted it)
 
-    try:
+    try:                                            # (killed as rlflow exited: gone once the kernel has run them)
+        deadline = time.monotonic() + 120
+        while [p for p in pids if running(p)] and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert not [p for p in pids if running(p)], "processes a module forked as it was imported outlived the run"
     finally:
         for pid in pids:

@@ -290,3 +290,24 @@ def test_a_metric_no_iteration_logs_stops_the_first_trial_early(tmp_path, prefec
     assert len(_trials(tmp_path)) == 1
     iterations = list((tmp_path / "store").glob("*/iter-*"))
     assert 0 < len(iterations) < 100, iterations                # (stopped early, not after 400 iterations)
+
+
+def test_a_key_is_refused_as_ignored_only_where_every_corner_ignores_it_itself(tmp_path):
+    """A tuned key another key's warning names as its reason (lora_r 0 makes a set lora_alpha have no effect) is
+    read, and so is another learner's setting where train.algorithm is tuned too: refused before as ignored. One
+    the config ignores at every corner (gamma under grpo alone) is refused."""
+    from flows.tune_space import load_space
+    from tasks.core.errors import UserError
+
+    spaces = {"lora": "train.lora_r: {type: categorical, choices: [0, 8]}\n",
+              "gamma_with_ppo": "train.learner.gamma: {type: uniform, low: 0.9, high: 1.0}\n"
+                                "train.algorithm: {type: categorical, choices: [grpo, ppo]}\n",
+              "gamma": "train.learner.gamma: {type: uniform, low: 0.9, high: 1.0}\n"}
+    for name, text in spaces.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    assert list(load_space(str(tmp_path / "lora.yaml"), str(TINY), ["train.lora_alpha=32"])) == ["train.lora_r"]
+    assert list(load_space(str(tmp_path / "gamma_with_ppo.yaml"), str(TINY), [])) == ["train.learner.gamma",
+                                                                                     "train.algorithm"]
+    with pytest.raises(UserError, match=r"--space: train.learner.gamma: the config ignores it \(train.learner.gamma "
+                                        r"is a setting of ppo, vtrace_awr; train.algorithm is grpo: ignored\)"):
+        load_space(str(tmp_path / "gamma.yaml"), str(TINY), [])

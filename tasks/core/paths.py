@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -154,7 +155,7 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     here = os.getcwd()
     working_directory_on_path(here)
     seconds = user_code_seconds()
-    before = _children()
+    before = _children(threading.get_native_id())
     try:
         with deadline(seconds), user_code(), user_import():     # (preflight imports in the main thread: watched there)
             module = importlib.import_module(module_name)
@@ -168,7 +169,7 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     finally:
         if os.getcwd() != here:
             os.chdir(here)
-        if started := _children() - before:
+        if started := _children(threading.get_native_id()) - before:
             _started_by_imports(started)
     fn = getattr(module, attr, None)
     if by_name and isinstance(fn, dict) and fn:
@@ -185,13 +186,15 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     return fn
 
 
-_STARTED: set[int] = set()      # processes users' modules started (forked) in this process as they were imported
+_STARTED: dict[int, str] = {}   # processes users' modules forked in this process as they were imported: pid ->
+#                                 its start time (/proc's: a pid reused by another process is not taken for it)
 
 
-def _children() -> set[int]:
-    """This process's children now, from /proc (Linux; none elsewhere)."""
+def _children(thread: int | None = None) -> set[int]:
+    """The children `thread` (a native thread id; None: every thread of this process) started and that are still
+    there, from /proc (Linux; none elsewhere)."""
     found = set()
-    for listing in Path("/proc/self/task").glob("*/children"):
+    for listing in Path("/proc/self/task").glob(f"{thread if thread is not None else '*'}/children"):
         try:
             found |= {int(pid) for pid in listing.read_text().split()}
         except (OSError, ValueError):
@@ -199,20 +202,30 @@ def _children() -> set[int]:
     return found
 
 
+def _started_at(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def _started_by_imports(pids: set[int]) -> None:
-    """Processes a user's module forked here as it was imported (a server, a `sleep`, its own worker): ended, with
-    their process groups where they lead one, when this process exits (they outlived `rlflow run` before)."""
+    """Processes a user's module forked here as it was imported (a server, a `sleep`, its own worker), by the thread
+    that imported it: ended, with their process groups where they lead one, when this process exits (they outlived
+    `rlflow run` before)."""
     import atexit
 
     if not _STARTED:
         atexit.register(_end_started)
-    _STARTED.update(pids)
+    _STARTED.update({pid: started for pid in pids if (started := _started_at(pid)) is not None})
 
 
 def _end_started() -> None:
     import signal
 
-    for pid in _STARTED & _children():      # (still ours, so the pid is theirs: a child is never reused unreaped)
+    for pid, started in _STARTED.items():
+        if pid not in _children() or _started_at(pid) != started:      # (gone, or its pid another's now)
+            continue
         try:
             os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
         except OSError:
