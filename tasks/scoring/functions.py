@@ -56,8 +56,9 @@ log = logging.getLogger("rlflow.reward")
 
 
 class WorkerSetupFailed(UserError):
-    """The reward worker could not import the functions; `crashed`: it ended as it did (a signal, an exit), where
-    a module that raised, waited or exited by Python is said again, better, by the import here (import_user)."""
+    """The reward worker could not import the functions; `crashed`: it ended as it did (a signal, an exit) or one
+    module's import did not finish in time (named), where a module that raised or exited by Python is said again,
+    better, by the import here (import_user)."""
 
     def __init__(self, message: str, crashed: bool):
         super().__init__(message)
@@ -162,15 +163,22 @@ class _Worker:
         # copier's to close (kill_group closes what Popen holds)
         stderr, self.proc.stderr = self.proc.stderr, None
         self.output = BoundedCopy(stderr, user_output_limit, f"the reward worker {self.proc.pid}")
-        seconds = 2 * user_code_seconds()          # (the imports, then the sandbox's set-up)
+        seconds, step = user_code_seconds(), None      # (each module's import within it, then the sandbox's set-up)
         try:
             send(self.proc.stdin, setup)
-            status, message = self._receive(timeout=seconds)
+            status, message = self._receive(timeout=seconds + 30.0)      # (Python's start, then the first import)
+            while status in ("importing", "imported"):
+                step = message if status == "importing" else "sandbox"
+                status, message = self._receive(timeout=seconds)
             self.output.flush()
         except TimeoutError:
-            status, message = "", (f"it did not finish importing the functions in {seconds:g} s (a module "
-                                   f"that waits or loops when imported: move that work into the function; "
-                                   f"RLFLOW_IMPORT_SECONDS allows more)")
+            self.kill()
+            if isinstance(step, int):      # (as import_user says it: the module named, its field)
+                module = setup["functions"][step]["fn"].partition(":")[0]
+                raise WorkerSetupFailed(f"reward.functions[{step}].fn: module {module!r} did not finish importing in "
+                                        f"{seconds:g} s (it waits or loops when imported: move that work into the "
+                                        f"function; RLFLOW_IMPORT_SECONDS allows more)", crashed=True) from None
+            status, message = "crashed", f"its {'sandbox set-up' if step else 'start'} did not finish in time"
         except (EOFError, OSError, _Garbled):
             status, message = "crashed", (f"it ended ({self.ended(wait=5.0)}) as it imported the functions (a "
                                           f"module that exits or crashes when imported)")

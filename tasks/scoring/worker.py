@@ -339,9 +339,12 @@ def main() -> None:
     working_directory_on_path(setup["cwd"])       # (the user's modules there; rlflow's root ahead, as the flow has it)
     try:
         functions = []
-        for spec in setup["functions"]:
+        for i, spec in enumerate(setup["functions"]):
+            send(proto_out, ("importing", i))      # (the parent's deadline is each module's: it names the one)
             module_name, _, attr = spec["fn"].partition(":")
             functions.append((getattr(importlib.import_module(module_name), attr), spec.get("kwargs") or {}))
+        unless_forked()
+        send(proto_out, ("imported", None))
         if setup.get("sandbox") is not None:
             from tasks.core.config import SandboxConfig
             from tasks.scoring import sandbox
