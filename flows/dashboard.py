@@ -72,6 +72,11 @@ STRIPS_SHOWN = 3       # pictured episodes in the report (MLflow's artifacts hav
 POST_SECONDS = 30.0    # a report the Prefect API has not taken by then is left to finish on its own: the run goes on
 
 
+def _number(value: float) -> str:
+    """A metric in a table: NaN (nothing scored) as a dash."""
+    return f"{value:.4g}" if math.isfinite(value) else "—"
+
+
 def _scored(metrics: dict) -> bool:
     """Whether an iteration's metrics have a mean reward (a batch nothing scored has NaN: no bar, no point)."""
     return "reward/mean" in metrics and math.isfinite(metrics["reward/mean"])
@@ -190,7 +195,7 @@ class Report:
                  f"| iteration | reward (mean) | | loss | {eval_key} |", "|---:|---:|:---|---:|---:|"]
         for i, m in sorted(self.trend.items(), reverse=True)[:TREND_ROWS]:
             bar = "█" * level(m["reward/mean"], BAR_WIDTH, min(low, 0.0)) if _scored(m) else ""   # (from 0)
-            cells = [f"{m[k]:.4g}" if k in m else "" for k in ("reward/mean", "train/loss", eval_key)]
+            cells = [_number(m[k]) if k in m else "" for k in ("reward/mean", "train/loss", eval_key)]
             lines.append(f"| {i} | {cells[0]} | `{bar or '·'}` | {cells[1]} | {cells[2]} |")
         return lines
 
@@ -200,7 +205,7 @@ class Report:
                 ("mismatch KL", "train/mismatch_kl"), ("clip region", "train/clip_region"),
                 ("completion length", "generate/completion_length"), (cfg.eval.metric_key(), cfg.eval.metric_key())]
         lines = ["", f"### Iteration {it}", "", "| metric | value |", "|---|---:|"]
-        lines += [f"| {label} | {metrics[k]:.4g} |" for label, k in rows if k in metrics]
+        lines += [f"| {label} | {_number(metrics[k])} |" for label, k in rows if k in metrics]
         lines += ["", "| stage | seconds | cost (USD) |", "|---|---:|---:|"]
 
         def usd(key: str) -> str:

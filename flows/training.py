@@ -394,14 +394,14 @@ def _eval_traces(cfg, iteration: int) -> list[tuple[str, str]]:
     return [("eval", key), *([("eval-greedy", key)] if cfg.eval.greedy else [])]
 
 
-def _pictures(cfg: Config, store: Store, tracker: Tracker, report: Report, iteration: int, metrics: dict) -> None:
-    """An evaluation that pictured its episodes (eval.screenshots): every frame to MLflow (artifacts screens/vN),
-    the first strips to the Prefect report."""
+def _pictures(cfg: Config, store: Store, report: Report, iteration: int, metrics: dict) -> list[tuple[Path, str]]:
+    """An evaluation that pictured its episodes (eval.screenshots): the first strips to the Prefect report; returns
+    the folder whose every frame goes to MLflow with the iteration (artifacts screens/vN)."""
     if not metrics.get("eval/screens_episodes"):
-        return
+        return []
     folder = store.local(layout.evaluation(cfg.run.name, iteration))
-    tracker.log_folder(folder / screens.FOLDER, f"screens/v{iteration:06d}")
     report.picture(iteration, folder / screens.FOLDER, screens.load_index(folder))
+    return [(folder / screens.FOLDER, f"screens/v{iteration:06d}")]
 
 
 def _stored_through(cfg: Config, store: Store, done: int) -> int:
@@ -456,8 +456,8 @@ def _iterations(ctx: FlowRun, log) -> dict:
             e = stage("evaluate", 0, ctx)       # (stored once: a resumed run reads it back)
             tracker.floor = e["metrics"][cfg.eval.metric_key()]
             if already_logged == 0:
-                tracker.log_iteration(0, e["metrics"], traces=_eval_traces(cfg, 0))
-                _pictures(cfg, store, tracker, report, 0, e["metrics"])
+                tracker.log_iteration(0, e["metrics"], traces=_eval_traces(cfg, 0),
+                                      folders=_pictures(cfg, store, report, 0, e["metrics"]))
             first = "starting policy" if str(cfg.model.name_or_path).startswith(("s3://", "file://")) else \
                 "base model"            # (a warm start's v0 or the champion is no base model)
             progress.note(f"{first}: {eval_label(cfg)} {_held_out_line(cfg, e['metrics'])}")
@@ -496,8 +496,8 @@ def _iterations(ctx: FlowRun, log) -> dict:
                     metrics["cost_usd"] = cost_so_far
                 tracker.log_iteration(it, metrics, r["samples"], policy_uri=p["uri"],
                                       traces=[("train", layout.rewards(cfg.run.name, it)),
-                                              *(_eval_traces(cfg, it) if e["metrics"] else [])])
-                _pictures(cfg, store, tracker, report, it, e["metrics"])
+                                              *(_eval_traces(cfg, it) if e["metrics"] else [])],
+                                      folders=_pictures(cfg, store, report, it, e["metrics"]))
                 every = cfg.tracking.dashboard_every
                 if (every and it % every == 0) or it == cfg.run.iterations:
                     report.post(it, metrics, r["samples"], p["uri"])

@@ -124,7 +124,8 @@ def _keep(cfg: Config, store: Store, iteration: int, round: int, scored: dict) -
         metrics.update(_metrics(every, scores))
         metrics.update(overlong_metrics(every))
         metrics.update(_group_shares(cfg, rounds))
-        metrics["reward/kept_mean"] = _mean([x for r in kept if (x := task_reward(r)) is not None])
+        given = [x for r in kept if (x := task_reward(r)) is not None]
+        metrics["reward/kept_mean"] = _mean(given) if given else math.nan      # (nothing scored: no mean)
         metrics.update(logged_metrics(_logged_of_rounds(cfg, metas, scored_rounds), metrics))
         done = _write(store, key, kept, {"fingerprint": fp, "made_of": made, "metrics": metrics,
                                          "samples": _samples(cfg, kept), "errors": errors})

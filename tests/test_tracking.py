@@ -242,3 +242,31 @@ def test_a_tracking_server_that_stops_answering_holds_the_run_end_for_a_bounded_
     finally:
         os.killpg(proc.pid, signal.SIGCONT)
         _stop(proc)
+
+
+def test_an_iterations_pictures_reach_mlflow_before_its_metrics(tmp_path, monkeypatch):
+    """An evaluation's pictures were uploaded after the iteration's metrics, whose reward/mean marks it logged: a
+    run killed (or a server given up on) between the two resumed past them, and they were never uploaded. They go
+    with the iteration now, file by file (each an answer of the server's), before its metrics."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = load_config(TINY, ["run.name=pictures", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+                             "tracking.flush_seconds=0", "publish.register_model=false"])
+    tracker = Tracker(cfg, f"file://{tmp_path}/store")
+    run_id = tracker.start()
+    folder = tmp_path / "screens"
+    (folder / "e00").mkdir(parents=True)
+    (folder / "index.json").write_text("{}")
+    (folder / "e00" / "00.jpg").write_bytes(b"\xff\xd8")
+    calls = []
+    for name in ("log_artifact", "log_artifacts", "log_batch"):
+        real = getattr(tracker.client, name)
+        monkeypatch.setattr(tracker.client, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name),
+                                                                                          _real(*a, **k))[1])
+    tracker.log_iteration(1, {"reward/mean": 0.5}, folders=[(folder, "screens/v000001")])
+    tracker.end()
+    assert calls == ["log_artifact", "log_artifact", "log_batch"]
+    client = MlflowClient(cfg.tracking.uri)
+    assert {a.path for a in client.list_artifacts(run_id, "screens/v000001")} == {"screens/v000001/index.json",
+                                                                                 "screens/v000001/e00"}
+    assert [a.path for a in client.list_artifacts(run_id, "screens/v000001/e00")] == ["screens/v000001/e00/00.jpg"]

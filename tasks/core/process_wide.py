@@ -104,10 +104,10 @@ class ExitRefused(SystemExit):
     agent under env.isolation: thread): raised there instead (a SystemExit: `except Exception` does not swallow
     it), so that it fails that call, not the whole run with the exit code it chose (0 reads as success)."""
 
-    where = "rlflow's own process"
+    runs_in = "rlflow's own process"
 
     def __str__(self) -> str:
-        return f"os._exit({self.code!r}) refused: this code runs in {self.where}, which it would end"
+        return f"os._exit({self.code!r}) refused: this code runs in {self.runs_in}, which it would end"
 
 
 def exit_now(status: int) -> None:
@@ -120,7 +120,7 @@ def _guarded_exit(status):
     if os.getpid() in (getattr(_USER, "pid", None), _WHOLE[0]):
         refused = ExitRefused(status)
         if os.getpid() == _WHOLE[0]:
-            refused.where = "the reward worker (rlflow's process for users' functions)"
+            refused.runs_in = "the reward worker (rlflow's process for users' functions)"
         raise refused
     _EXIT(status)
 

@@ -240,7 +240,7 @@ class Tracker:
     """The MLflow side of one training run.
 
     `log_iteration` only appends to a pending buffer; a worker thread flushes it at most every
-    `tracking.flush_seconds` (and on `drain`/`finish`): model versions first, then the iterations' sample
+    `tracking.flush_seconds` (and on `drain`/`end`): model versions first, then the iterations' sample
     tables in one artifact upload, then every metric in one `log_batch` — the resume marker goes last.
     """
 
@@ -251,7 +251,7 @@ class Tracker:
         self.model_name = registered_model_name(cfg)
         self._registered: dict[str, str] = {}      # policy URI -> model version, for this MLflow run
         self.floor: float | None = None            # eval.baseline: the starting model's metric; champion must beat it
-        self._pending: list[tuple[int, dict, list | None, str | None, list]] = []
+        self._pending: list[tuple[int, dict, list | None, str | None, list, list]] = []
         self.experiment_id: str | None = None
         self.superseded: str | None = None         # the MLflow run found was an earlier run's: the line to say
         self._traced = False                       # some traces queued in MLflow's exporter (drain waits)
@@ -265,11 +265,15 @@ class Tracker:
         self._unanswered = False                   # drain gave up on the server: nothing more is sent to it
 
     def _check(self) -> None:                     # (background flushing: _check to _flush)
+        if isinstance(self._failure, TrackingUnanswered):
+            raise self._failure
         if self._failure is not None:
             raise RuntimeError(f"MLflow logging failed: {self._failure}") from self._failure
 
     def _request_flush(self, job=None) -> None:
         """Queue a flush (or `job`, a call to MLflow) for the worker; returns at once."""
+        if self._unanswered:        # (given up on: nothing more is sent to it)
+            return
         if self._ended:             # (after end: flushed in the caller's thread, so no thread outlives the run)
             self._last_flush = time.monotonic()
             self._flush() if job is None else job()
@@ -297,6 +301,10 @@ class Tracker:
                 self._answered = time.monotonic()
                 self._jobs.task_done()
 
+    def _tick(self) -> None:
+        """MLflow answered a request of the worker's (the time a silent server is measured from)."""
+        self._answered = time.monotonic()
+
     def _wait(self) -> None:
         """Wait until the worker has done every queued job, while MLflow answers: after ANSWER_SECONDS with no
         answer, give up on it (TrackingUnanswered, saying what it lacks; nothing more is sent to it)."""
@@ -307,20 +315,28 @@ class Tracker:
                 lacks = ("the run's end is not recorded there; " if not its else f"iteration {its[0]} is stored but "
                          "not logged there; " if len(its) == 1 else f"iterations {its[0]}-{its[-1]} are stored but "
                          "not logged there; ")
-                raise TrackingUnanswered(
+                self._failure = TrackingUnanswered(
                     f"MLflow at {self.cfg.tracking.uri} has not answered for {ANSWER_SECONDS:g} s: {lacks}the same "
                     f"command run again when it answers logs them (nothing is lost: the store has the run)")
+                raise self._failure         # (and the worker runs nothing queued after it, should it answer)
             time.sleep(0.05)
-    def _flush(self) -> None:
-        from mlflow.entities import Metric
 
+    def _flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
         if not pending:
             return
         self._flushing = [p[0] for p in pending]
+        try:
+            self._send(pending)
+        finally:
+            self._flushing = []
+
+    def _send(self, pending: list[tuple]) -> None:
+        from mlflow.entities import Metric
+
         key = self.cfg.eval.metric_key()
-        for iteration, metrics, _, policy_uri, _ in pending:
+        for iteration, metrics, _, policy_uri, _, _ in pending:
             wanted = (self.cfg.publish.register_versions == "every" or key in metrics    # (evaluated)
                       or iteration == self.cfg.run.iterations)
             if policy_uri and self.cfg.publish.register_model and wanted and policy_uri not in self._registered:
@@ -331,13 +347,13 @@ class Tracker:
             if policy_uri in self._registered and key in metrics and beats_base:
                 promote_if_better(self.client, self.model_name, self._registered[policy_uri], key, metrics[key])
                 self._answered = time.monotonic()
-        for iteration, metrics, samples, _, traces in pending:
+        for iteration, metrics, samples, _, traces, _ in pending:
             if traces:
                 links = self._traces(iteration, metrics, traces)
                 for row, link in zip(samples or [], links):
                     row["trace"] = link
         with tempfile.TemporaryDirectory() as tmp:
-            for iteration, _, samples, _, _ in pending:
+            for iteration, _, samples, _, _, _ in pending:
                 if samples:  # mlflow.log_table's format, written directly (log_table re-lists artifacts per call)
                     cols = list(dict.fromkeys(c for s in samples for c in s))
                     rows = [[readable_prompt(s.get(c)) if c == "prompt" else s.get(c) for c in cols] for s in samples]
@@ -347,22 +363,30 @@ class Tracker:
                 self._answered = time.monotonic()
                 self._tables(sorted(f"samples/{f.name}" for f in Path(tmp).iterdir()))
         now = int(time.time() * 1000)
-        batch = [Metric(metric_key(k), float(v), now, it) for it, metrics, _, _, _ in pending
+        for _, _, _, _, _, folders in pending:       # (an evaluation's pictures: before the iteration's metrics, whose
+            for folder, artifact_path in folders:    # reward/mean marks it logged for a resume)
+                for file in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+                    where = Path(artifact_path, file.parent.relative_to(folder)).as_posix()
+                    self.client.log_artifact(self.run_id, str(file), where.removesuffix("/."))
+                    self._answered = time.monotonic()
+        batch = [Metric(metric_key(k), float(v), now, it) for it, metrics, _, _, _, _ in pending
                  for k, v in metrics.items()]
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
             self._answered = time.monotonic()
-        self._flushing = []
 
     def log_iteration(self, iteration: int, metrics: dict[str, float], samples: list[dict] | None = None,
-                      policy_uri: str | None = None, traces: list[tuple[str, str]] | None = None) -> None:
-        """Queue an iteration's metrics, sample table, model version and traces ((split, store key of records):
+                      policy_uri: str | None = None, traces: list[tuple[str, str]] | None = None,
+                      folders: list[tuple[Path, str]] | None = None) -> None:
+        """Queue an iteration's metrics, sample table, model version, traces ((split, store key of records):
         "train" the reward stage's, whose samples-table rows get a trace each; "eval"/"eval-greedy" the evaluate
-        stage's, every one); returns at once."""
+        stage's, every one) and folders of artifacts ((folder, artifact path): an evaluation's pictures, which
+        stay where they are); returns at once."""
         self._check()
         with self._lock:
             self._pending.append((iteration, dict(metrics), [dict(s) for s in samples] if samples else samples,
-                                  policy_uri, list(traces or []) if self.cfg.tracking.traces else []))
+                                  policy_uri, list(traces or []) if self.cfg.tracking.traces else [],
+                                  list(folders or [])))
         if time.monotonic() - self._last_flush >= self.cfg.tracking.flush_seconds:
             self._request_flush()
 
@@ -402,7 +426,7 @@ class Tracker:
                 policy, seconds = (layout.policy(run, iteration) if iteration else layout.BASE), 0.0
             trees = [episode_tree(r, policy=policy, call_seconds=seconds) for r in records]
             ids = log_trees(self.client, self.experiment_id, self.run_id, trees,
-                            {ITERATION_TAG: str(iteration), SPLIT_TAG: split, RUN_TAG: run})
+                            {ITERATION_TAG: str(iteration), SPLIT_TAG: split, RUN_TAG: run}, answered=self._tick)
             n += len(ids)
             self._traced = True
             if split == "train":
@@ -411,20 +435,17 @@ class Tracker:
         metrics["tracking/traces"] = float(n)
         return links
 
-    def log_folder(self, folder: Path, artifact_path: str) -> None:
-        """A folder's files as the run's artifacts under `artifact_path` (an evaluation's pictures, in the store:
-        they stay), sent by the worker; returns at once."""
-        self._request_flush(lambda: self.client.log_artifacts(self.run_id, str(folder), artifact_path))
-
     def drain(self) -> None:
         """Flush everything pending and wait for it (traces too); raise if tracking failed or stopped answering."""
         self._request_flush()
         self._wait()
         self._check()
-        if self.cfg.tracking.traces and self._traced:
-            import mlflow
+        if self.cfg.tracking.traces and self._traced:     # (sent as they are made, unless the user's
+            import mlflow  # (MLFLOW_ENABLE_ASYNC_TRACE_LOGGING queued them: traces.py)
 
-            mlflow.flush_trace_async_logging()
+            self._request_flush(mlflow.flush_trace_async_logging)
+            self._wait()
+            self._check()
 
     def start(self, store: Store | None = None) -> str:
         """Find this run's MLflow run (same run name and store) or create it; log the resolved config. One that
@@ -515,6 +536,8 @@ class Tracker:
             status = self.status_before
         if self._unanswered:        # (given up on: the run stays RUNNING there until the command runs again)
             self._stop_worker()
+            if status == "FINISHED":
+                self._check()
             return
         try:
             self.drain()
