@@ -23,6 +23,12 @@ class StepRewardNone(SayTheLetters):
         return ([{"role": "user", "content": "next"}], None, s.done, {})
 
 
+class StepDoneText(SayTheLetters):
+    def step(self, message):
+        s = super().step(message)
+        return (s.observation, s.reward, "no", {})
+
+
 class StepNoneObs(SayTheLetters):
     def step(self, message):
         super().step(message)
@@ -106,6 +112,7 @@ def _check(factory: str, *more: str) -> None:
     ("StepReturnsStr", "step returned str, not a Step or (observation, reward, done[, info])"),
     ("StepRewardNan", "step returned reward nan, not a finite number"),
     ("AsyncStepRewardNone", "step returned reward None, not a finite number"),
+    ("StepDoneText", "step returned done 'no', not a bool"),        # (read as true: every episode one turn long)
 ])
 def test_a_step_that_returns_what_no_episode_takes_is_one_line_before_the_run(envs, factory, said):
     """Every episode failed with this after the run had started (mlflow.db, the store and a lock written)."""

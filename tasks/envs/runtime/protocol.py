@@ -50,7 +50,11 @@ def as_step(value: Any) -> Step:
         reward = reward.item()          # (numpy's float32 scalar, a 0-d tensor: what gymnasium-style envs return)
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise TypeError(f"step returned reward {reward!r}, not a finite number")
-    value.reward, value.done = float(reward), bool(value.done)
+    done = value.done.item() if type(value.done).__module__ in ("numpy", "torch") and \
+        getattr(value.done, "ndim", None) == 0 else value.done
+    if not isinstance(done, bool) and done not in (0, 1) or isinstance(done, float):   # ("no" read as true before)
+        raise TypeError(f"step returned done {done!r}, not a bool")
+    value.reward, value.done = float(reward), bool(done)
     return value
 
 
