@@ -19,7 +19,7 @@ from tasks.core import layout
 from tasks.core.errors import UserError, cause_of, disk_full
 from tasks.core.lease import LeaseLost
 from tasks.core.stage import STOP
-from tasks.core.store import CorruptArtifact
+from tasks.core.store import CorruptArtifact, store_gone
 
 # Where each stage's output of an iteration lives: the loop checks a launched stage left it, Repair reads it
 # backwards (which stage of which iteration made this key).
@@ -33,7 +33,7 @@ def retryable(task, task_run, state) -> bool:
     a full disk (the same disk is as full at the retry: the run stops with one line, resumable)."""
     exc = state.data if isinstance(state.data, BaseException) else None
     return (cause_of(exc, (UserError, LeaseLost, CorruptArtifact)) is None and disk_full(exc) is None
-            and not STOP.is_set())
+            and store_gone(exc) is None and not STOP.is_set())
 
 
 def final_line(exc: BaseException, retries: int | None = None) -> tuple[str, int] | None:
@@ -46,6 +46,8 @@ def final_line(exc: BaseException, retries: int | None = None) -> tuple[str, int
         return f"error: {user}", 2
     if (full := disk_full(exc)) is not None:
         return f"error: {full}", 1
+    if (gone := store_gone(exc)) is not None:
+        return f"error: {gone}", 1
     if (corrupt := cause_of(exc, CorruptArtifact)) is not None:    # (what reaches here no stage can make again)
         return f"error: {corrupt}: a file of the store is damaged, and no stage of rlflow makes it again", 1
     from flows.launch import InfraError  # (after the user's mistake: said whatever these import)

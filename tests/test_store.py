@@ -332,3 +332,37 @@ def test_clean_staging_removes_the_temporary_files_a_killed_writer_left(tmp_path
     assert store.clean_staging("run") == 2
     assert not any(p.exists() for p in left)
     assert (tmp_path / "s" / "run" / "a.tmp-1").exists() and store._get_bytes("run/policy/LATEST") == b"v000001"
+
+
+def test_a_bucket_gone_mid_run_is_one_line_and_not_retried(s3_endpoint, bucket):
+    """The store's bucket deleted (or an empty S3 answering at the endpoint) while a run goes on: each stage was
+    retried as a passing fault, silent for minutes, and the run ended in botocore's 80-line traceback."""
+    import boto3
+
+    from flows.repair import final_line
+
+    store = Store.open(StoreConfig(uri=f"s3://{bucket}/runs", endpoint_url=s3_endpoint))
+    boto3.client("s3", endpoint_url=s3_endpoint).delete_bucket(Bucket=bucket)
+    with pytest.raises(store.client.exceptions.NoSuchBucket) as e:
+        store.read_tagged("r/LEASE.json")
+    assert final_line(e.value) == (f"error: store.uri: the bucket {bucket} does not exist (it did when the run "
+                                   f"started: deleted, or another server answers at the endpoint now); the run's "
+                                   f"outputs were there", 1)
+
+
+def test_a_store_that_does_not_answer_is_said_while_botocore_tries_again(capfd):
+    """Each S3 request botocore tried again after no answer (60 s each at a stopped server) went unsaid: a run
+    stalled on its store printed nothing for as long as it stalled. A line now, once a minute at most."""
+    import socket
+
+    with socket.socket() as s:          # (a port nothing listens on: refused at once, as a stopped host's)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from botocore.exceptions import EndpointConnectionError
+
+    store = Store.open(StoreConfig(uri="s3://b/runs", endpoint_url=f"http://127.0.0.1:{port}"))
+    with pytest.raises(EndpointConnectionError):
+        store.read_tagged("r/LEASE.json")
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning: store:")]
+    assert said and said[0].startswith(f"warning: store: http://127.0.0.1:{port} did not answer GetObject "
+                                       f"(EndpointConnectionError); trying again (try 1 of 5"), said

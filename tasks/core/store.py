@@ -19,8 +19,10 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.artifacts import MANIFEST, CorruptArtifact, IncompleteArtifact, manifest_fault, stored, verify_file
-from tasks.core.errors import UserError
+from tasks.core.errors import UserError, cause_of
 from tasks.core.hashing import REMEMBER_FROM, known_sha256, remember_sha256, sha256_file
 from tasks.core.paths import cache_root, require_creatable
 from tasks.core.processes import exclusive
@@ -446,6 +448,21 @@ def _body_errors() -> tuple[type[BaseException], ...]:
             ProtocolError, ConnectionError)
 
 
+_SAID_AT = [-math.inf]      # when this process last said a store's request is tried again (S3Store._say_retry)
+
+
+def store_gone(exc: BaseException | None) -> str | None:
+    """What a store call that failed for good says (its bucket gone: deleted, or another server answers at the
+    endpoint now), or None: no retry brings such a bucket back (the stage's retries waited on it, silent)."""
+    from botocore.exceptions import ClientError
+
+    if (e := cause_of(exc, ClientError)) is None or e.response.get("Error", {}).get("Code") != "NoSuchBucket":
+        return None
+    bucket = e.response["Error"].get("BucketName") or "of store.uri"
+    return (f"store.uri: the bucket {bucket} does not exist (it did when the run started: deleted, or another "
+            f"server answers at the endpoint now); the run's outputs were there")
+
+
 class _Resilient:
     """A boto3 S3 client whose calls are tried again when the reply breaks off while its body is read (a reset,
     a truncated body): botocore retries a request that fails, but raises such a read error from the call.
@@ -511,6 +528,7 @@ class S3Store(Store):
         except BotoCoreError as e:
             raise UserError(f"store.uri: {uri}: the S3 client cannot be made ({type(e).__name__}: "
                             f"{str(e).splitlines()[0]})") from None
+        self.client.raw.meta.events.register("needs-retry.s3", self._say_retry)
         chunk = (getattr(cfg, "multipart_chunk_mb", 16) or 16) << 20
         self.transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
                                        max_concurrency=getattr(cfg, "max_concurrency", 8) or 8)
@@ -518,6 +536,20 @@ class S3Store(Store):
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _say_retry(self, attempts=None, caught_exception=None, operation=None, **_) -> None:
+        """botocore is about to try a request again that got no answer (a timeout, a refused or dropped
+        connection): said on stderr, at most once a minute (a stalled store was silent for as long as it
+        stalled: each try waits botocore's 60 s read timeout)."""
+        from botocore.exceptions import ConnectionClosedError, ConnectionError, ReadTimeoutError
+
+        if not isinstance(caught_exception, ConnectionError | ReadTimeoutError | ConnectionClosedError) or \
+                time.monotonic() - _SAID_AT[0] < 60:
+            return
+        _SAID_AT[0] = time.monotonic()
+        print(f"warning: store: {self.endpoint or 'S3'} did not answer {getattr(operation, 'name', 'a request')} "
+              f"({type(caught_exception).__name__}); trying again (try {attempts} of 5; said once a minute while "
+              f"it lasts)", file=sys.stderr, flush=True)
 
     def check(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
