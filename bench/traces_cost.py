@@ -10,7 +10,9 @@ that evaluation (every held-out episode), timed twice:
 - until MLflow has them (the exporter's queue drained: requests to the tracking server, which runs elsewhere in
   a real deployment),
 
-against an MLflow server started here (sqlite behind it) and against a sqlite URI (no server: MLflow writes the
+(Since 2026-12-07 the tracker sends traces synchronously on its own thread: the two timings coincide unless
+MLFLOW_ENABLE_ASYNC_TRACE_LOGGING=true is set.) Against an MLflow server started here (sqlite behind it) and
+against a sqlite URI (no server: MLflow writes the
 database from the flow's process). The share is of the iteration's measured seconds, the evaluation's cost spread
 over eval.every iterations.
 

@@ -29,6 +29,12 @@ class StepDoneText(SayTheLetters):
         return (s.observation, s.reward, "no", {})
 
 
+class StepDoneFloat(SayTheLetters):      # (done = float(terminated): a masking habit of RL code)
+    def step(self, message):
+        s = super().step(message)
+        return (s.observation, s.reward, float(s.done), {})
+
+
 class StepNoneObs(SayTheLetters):
     def step(self, message):
         super().step(message)
@@ -134,6 +140,7 @@ def test_environments_whose_first_step_is_fine_or_their_own_to_fail_still_pass(e
     _check("AsyncLetters")
     _check("StepAsTuple")
     _check("StepRaises")
+    _check("StepDoneFloat")
     check_environment(load_config(LETTERS, ["env.factory=tests.env_classes:Counter"]), dict(ROW))
     check_environment(load_config(LETTERS, []), dict(ROW))
 

@@ -250,6 +250,7 @@ def test_an_iterations_pictures_reach_mlflow_before_its_metrics(tmp_path, monkey
     with the iteration now, file by file (each an answer of the server's), before its metrics."""
     from mlflow.tracking import MlflowClient
 
+    monkeypatch.chdir(tmp_path)                 # (a sqlite database's artifacts go to ./mlruns)
     cfg = load_config(TINY, ["run.name=pictures", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
                              "tracking.flush_seconds=0", "publish.register_model=false"])
     tracker = Tracker(cfg, f"file://{tmp_path}/store")

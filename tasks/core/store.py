@@ -448,6 +448,7 @@ def _body_errors() -> tuple[type[BaseException], ...]:
             ProtocolError, ConnectionError)
 
 
+RETRIES = 5                 # botocore's tries of each S3 request (standard mode, back-off between them)
 _SAID_AT = [-math.inf]      # when this process last said a store's request is tried again (S3Store._say_retry)
 
 
@@ -523,7 +524,7 @@ class S3Store(Store):
 
         self._body_errors = _body_errors()
         try:       # a region that is none, a profile or config file not there or unparsable, half a key pair
-            self.client = _Resilient(client(5), self._body_errors)    # transient faults retried with back-off
+            self.client = _Resilient(client(RETRIES), self._body_errors)   # transient faults retried with back-off
             self._probe = client(1)      # check(): a wrong endpoint should fail in seconds, not after retries
         except BotoCoreError as e:
             raise UserError(f"store.uri: {uri}: the S3 client cannot be made ({type(e).__name__}: "
@@ -544,12 +545,13 @@ class S3Store(Store):
         from botocore.exceptions import ConnectionClosedError, ConnectionError, ReadTimeoutError
 
         if not isinstance(caught_exception, ConnectionError | ReadTimeoutError | ConnectionClosedError) or \
-                time.monotonic() - _SAID_AT[0] < 60:
-            return
+                (attempts or 0) >= RETRIES or time.monotonic() - _SAID_AT[0] < 60:
+            return                  # (after the last try botocore gives up: the error says it)
         _SAID_AT[0] = time.monotonic()
-        print(f"warning: store: {self.endpoint or 'S3'} did not answer {getattr(operation, 'name', 'a request')} "
-              f"({type(caught_exception).__name__}); trying again (try {attempts} of 5; said once a minute while "
-              f"it lasts)", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):      # (a closed stderr must not replace the store's error)
+            print(f"warning: store: {self.endpoint or 'S3'} did not answer {getattr(operation, 'name', 'a request')} "
+                  f"({type(caught_exception).__name__}): try {attempts} of {RETRIES} failed, trying again (said "
+                  f"once a minute while it lasts)", file=sys.stderr, flush=True)
 
     def check(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError

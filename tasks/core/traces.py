@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from tasks.core.contracts import Rollout
-from tasks.core.process_wide import restore, set_default
+from tasks.core.process_wide import environment_variables, restore
 
 SPLIT_TAG, ITERATION_TAG, RUN_TAG = "rlflow.split", "rlflow.iteration", "rlflow.run"
 _TEXT_LIMIT = 20_000          # characters of one message content kept in a span (MLflow stores spans as JSON)
@@ -31,9 +31,6 @@ def trace_to(uri: str) -> None:
     a later run in this process (tracking.uri's default) and a test after it would inherit: that is put back."""
     import mlflow
 
-    # (sent as each trace ends, on the thread that makes it: the Tracker's worker, whose waits are bounded; MLflow's
-    # own queue flushed them at exit with no bound, from a server that had stopped answering too)
-    set_default("MLFLOW_ENABLE_ASYNC_TRACE_LOGGING", "false")
     before = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     restore("MLFLOW_TRACKING_URI", before)
@@ -133,7 +130,16 @@ def episode_tree(r: Rollout, *, policy: str | None, call_seconds: float = 0.0) -
 def log_trees(client, experiment_id: str, run_id: str, trees: list[dict], tags: dict[str, str],
               start_ns: int | None = None, answered=None) -> list[str]:
     """Write each tree as one MLflow trace of the run (spans laid end to end from `start_ns`), its assessments
-    with it; returns the trace ids, in order. Sent as each ends (trace_to), `answered()` called after each."""
+    with it; returns the trace ids, in order. Sent as each ends, `answered()` called after each."""
+    # Sent as each trace ends, on the thread that makes it (the Tracker's worker, whose waits are bounded), unless
+    # the user asked for MLflow's queue: it flushed them at exit with no bound, from a server that had stopped
+    # answering too. Only while these are made (the exporter is made with the first): no child inherits it.
+    with environment_variables({"MLFLOW_ENABLE_ASYNC_TRACE_LOGGING":
+                                os.environ.get("MLFLOW_ENABLE_ASYNC_TRACE_LOGGING", "false")}):
+        return _log_trees(client, experiment_id, run_id, trees, tags, start_ns, answered)
+
+
+def _log_trees(client, experiment_id, run_id, trees, tags, start_ns, answered) -> list[str]:
     import mlflow
     from mlflow.entities import AssessmentSource, Feedback
 

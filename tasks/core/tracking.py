@@ -296,7 +296,8 @@ class Tracker:
                 if self._failure is None:
                     self._flush() if job is None else job()
             except BaseException as e:  # surfaced by the next log_iteration or by drain()
-                self._failure = e
+                if not isinstance(self._failure, TrackingUnanswered):     # (given up on already: that is said)
+                    self._failure = e
             finally:
                 self._answered = time.monotonic()
                 self._jobs.task_done()

@@ -55,6 +55,9 @@ log = logging.getLogger("rlflow.reward")
 # What every reward function is called with besides the dataset's columns (TRL's GRPOTrainer passes the same).
 
 
+SET_UP = 60.0       # seconds the reward worker's own set-up may take after the imports (reward.sandbox's probe)
+
+
 class WorkerSetupFailed(UserError):
     """The reward worker could not import the functions; `crashed`: it ended as it did (a signal, an exit) or one
     module's import did not finish in time (named), where a module that raised or exited by Python is said again,
@@ -169,7 +172,7 @@ class _Worker:
             status, message = self._receive(timeout=seconds + 30.0)      # (Python's start, then the first import)
             while status in ("importing", "imported"):
                 step = message if status == "importing" else "sandbox"
-                status, message = self._receive(timeout=seconds)
+                status, message = self._receive(timeout=seconds if status == "importing" else max(seconds, SET_UP))
             self.output.flush()
         except TimeoutError:
             self.kill()
@@ -178,7 +181,8 @@ class _Worker:
                 raise WorkerSetupFailed(f"reward.functions[{step}].fn: module {module!r} did not finish importing in "
                                         f"{seconds:g} s (it waits or loops when imported: move that work into the "
                                         f"function; RLFLOW_IMPORT_SECONDS allows more)", crashed=True) from None
-            status, message = "crashed", f"its {'sandbox set-up' if step else 'start'} did not finish in time"
+            status, message = "crashed", (f"its reward.sandbox set-up did not finish in {max(seconds, SET_UP):g} s"
+                                          if step else f"it did not start in {seconds + 30:g} s")
         except (EOFError, OSError, _Garbled):
             status, message = "crashed", (f"it ended ({self.ended(wait=5.0)}) as it imported the functions (a "
                                           f"module that exits or crashes when imported)")

@@ -3,7 +3,8 @@
     python -m tasks.scoring.worker         # started by tasks/scoring/functions.py, spoken to over stdin/stdout
 
 Protocol: length-prefixed pickles. The parent sends the setup once
-`{"functions": [{"fn": "mod:f", "kwargs": {...}}, ...], "cwd": ..., "sandbox": {...}}`, the worker answers
+`{"functions": [{"fn": "mod:f", "kwargs": {...}}, ...], "cwd": ..., "sandbox": {...}}`, the worker says
+`("importing", i)` before each function's module and `("imported", None)` after the last, then answers
 `("ready", None)` or `("setup_error", message)`; then per call the parent sends `(index, completions, columns)`
 (columns: every other keyword of the call, TRL's convention: prompts, completion_ids, the dataset's columns,
 trainer_state) and the worker answers `("ok", values, extra, metrics, dropped)` or `("error", message)`. `values`
@@ -340,6 +341,7 @@ def main() -> None:
     try:
         functions = []
         for i, spec in enumerate(setup["functions"]):
+            unless_forked()                        # (a child a module forked as it was imported says nothing)
             send(proto_out, ("importing", i))      # (the parent's deadline is each module's: it names the one)
             module_name, _, attr = spec["fn"].partition(":")
             functions.append((getattr(importlib.import_module(module_name), attr), spec.get("kwargs") or {}))

@@ -52,8 +52,8 @@ def as_step(value: Any) -> Step:
         raise TypeError(f"step returned reward {reward!r}, not a finite number")
     done = value.done.item() if type(value.done).__module__ in ("numpy", "torch") and \
         getattr(value.done, "ndim", None) == 0 else value.done
-    if not isinstance(done, bool) and done not in (0, 1) or isinstance(done, float):   # ("no" read as true before)
-        raise TypeError(f"step returned done {done!r}, not a bool")
+    if done is not None and (isinstance(done, str) or not isinstance(done, bool | int | float) or done not in (0, 1)):
+        raise TypeError(f"step returned done {done!r}, not a bool")     # ("no" read as true before; None: not done)
     value.reward, value.done = float(reward), bool(done)
     return value
 
