@@ -1,6 +1,5 @@
-"""The process reward functions run in, so that one that hangs can be killed without killing the stage.
-
-    python -m tasks.scoring.worker         # started by tasks/scoring/functions.py, spoken to over stdin/stdout
+"""The process reward functions run in, so that one that hangs can be killed without killing the stage
+(`python -m tasks.scoring.worker`, started by tasks/scoring/functions.py, spoken to over stdin/stdout).
 
 Protocol: length-prefixed pickles. The parent sends the setup once
 `{"functions": [{"fn": "mod:f", "kwargs": {...}}, ...], "cwd": ..., "sandbox": {...}}`, the worker says
