@@ -1024,15 +1024,18 @@ def _reward_model_cases() -> dict[str, tuple[list[str], str]]:
     }
 
 
+# The users' modules _cases writes, copied into each case's working directory (where user modules are found).
+USER_MODULES = ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py",
+                "varargs.py", "os_exits_on_import.py", "dies_in_worker.py", "not_a_function.py", "crashes_on_import.py")
+
+
 def test_each_mistake_is_one_line_exit_2_and_nothing_written(prefect_api, tmp_path):
     cases = _cases(tmp_path)
     # Each case in its own working directory, so a store written by one case is seen as that case's failure;
     # each a fork of one process that imported the CLI (run_cli_many), two at a time.
     for name in cases:
         (tmp_path / "cwd" / name).mkdir(parents=True)
-        for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py",
-                       "varargs.py", "os_exits_on_import.py", "dies_in_worker.py", "not_a_function.py",
-                       "crashes_on_import.py"):
+        for module in USER_MODULES:
             (tmp_path / "cwd" / name / module).write_text((tmp_path / module).read_text())
     outs = dict(zip(cases, run_cli_many([(args, tmp_path / "cwd" / name) for name, (args, _) in cases.items()],
                                         prefect_api)))
@@ -1077,8 +1080,7 @@ def test_plan_refuses_what_run_refuses(prefect_api, tmp_path, s3_endpoint, bucke
     calls.append((["plan", str(TINY), *s3, "-o", "launcher.where=local"], "local launcher"))
     for _, folder in calls:
         (tmp_path / "cwd" / folder).mkdir(parents=True)
-        for module in ("syntax_err.py", "needs_col.py", "exits_on_import.py", "strict_sig.py", "badtools_env.py",
-                       "varargs.py", "os_exits_on_import.py", "dies_in_worker.py", "not_a_function.py"):
+        for module in USER_MODULES:
             (tmp_path / "cwd" / folder / module).write_text((tmp_path / module).read_text())
     outs = dict(zip([folder for _, folder in calls],
                     run_cli_many([(args, tmp_path / "cwd" / folder) for args, folder in calls], prefect_api)))
