@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -155,7 +154,6 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     here = os.getcwd()
     working_directory_on_path(here)
     seconds = user_code_seconds()
-    before = _children(threading.get_native_id())
     try:
         with deadline(seconds), user_code(), user_import():     # (preflight imports in the main thread: watched there)
             module = importlib.import_module(module_name)
@@ -169,8 +167,6 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     finally:
         if os.getcwd() != here:
             os.chdir(here)
-        if started := _children(threading.get_native_id()) - before:
-            _started_by_imports(started)
     fn = getattr(module, attr, None)
     if by_name and isinstance(fn, dict) and fn:
         for name, value in fn.items():
@@ -184,52 +180,6 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
                             + (" (or a dict of them by name; it is an empty dict)" if isinstance(fn, dict) else ""))
         raise UserError(f"{key}: {spec} is {type(fn).__name__} {_short(fn)}, not a {noun}")
     return fn
-
-
-_STARTED: dict[int, str] = {}   # processes users' modules forked in this process as they were imported: pid ->
-#                                 its start time (/proc's: a pid reused by another process is not taken for it)
-
-
-def _children(thread: int | None = None) -> set[int]:
-    """The children `thread` (a native thread id; None: every thread of this process) started and that are still
-    there, from /proc (Linux; none elsewhere)."""
-    found = set()
-    for listing in Path("/proc/self/task").glob(f"{thread if thread is not None else '*'}/children"):
-        try:
-            found |= {int(pid) for pid in listing.read_text().split()}
-        except (OSError, ValueError):
-            continue            # (a thread that ended meanwhile)
-    return found
-
-
-def _started_at(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _started_by_imports(pids: set[int]) -> None:
-    """Processes a user's module forked here as it was imported (a server, a `sleep`, its own worker), by the thread
-    that imported it: ended, with their process groups where they lead one, when this process exits (they outlived
-    `rlflow run` before)."""
-    import atexit
-
-    if not _STARTED:
-        atexit.register(_end_started)
-    _STARTED.update({pid: started for pid in pids if (started := _started_at(pid)) is not None})
-
-
-def _end_started() -> None:
-    import signal
-
-    for pid, started in _STARTED.items():
-        if pid not in _children() or _started_at(pid) != started:      # (gone, or its pid another's now)
-            continue
-        try:
-            os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _short(value) -> str:

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
 # ------------------------------------------------------------------------------------ the model-building lock
 
@@ -325,6 +326,48 @@ _HOLDING = threading.local()          # .on: this thread imports a user's module
 EXIT_HANDLER_SECONDS = 10.0           # the most wind_down gives each of them
 
 
+def _children(thread: int | None = None) -> set[int]:
+    """The children `thread` (a native thread id; None: every thread of this process) started and that are still
+    there, from /proc (Linux; none elsewhere)."""
+    found = set()
+    for listing in Path("/proc/self/task").glob(f"{thread if thread is not None else '*'}/children"):
+        try:
+            found |= {int(pid) for pid in listing.read_text().split()}
+        except (OSError, ValueError):
+            continue            # (a thread that ended meanwhile)
+    return found
+
+
+def _started_at(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+_FORKED: dict[int, str] = {}    # processes users' modules forked here as they were imported (by the importing
+#                                 thread): pid -> its start time (a pid reused by another process is not theirs)
+
+
+def _forked_by_imports(pids: set[int]) -> None:
+    import atexit
+
+    if not _FORKED:
+        atexit.register(_end_forked)
+    _FORKED.update({pid: started for pid in pids if (started := _started_at(pid)) is not None})
+
+
+def _end_forked() -> None:
+    """Those processes still running, ended with their process groups where they lead one (at exit)."""
+    for pid, started in _FORKED.items():
+        if pid not in _children() or _started_at(pid) != started:      # (gone, or its pid another's now)
+            continue
+        try:
+            os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 @contextmanager
 def user_import() -> Iterator[None]:
     """The body imports a user's module (paths.import_user), in rlflow's own process: what that may change for the
@@ -332,14 +375,16 @@ def user_import() -> Iterator[None]:
     SIGTERM made Ctrl-C do nothing), and warning filters that make warnings errors removed (`simplefilter('error')`
     made MLflow's warnings errors: no trace recorded); a library's own filters and other signals' handlers stay.
     What it registers with atexit is held apart (run at exit by one handler of ours, as Python would; by
-    wind_down within EXIT_HANDLER_SECONDS each), and the non-daemon threads it starts are noted (USER_THREADS:
-    wind_down does not wait for them)."""
+    wind_down within EXIT_HANDLER_SECONDS each), the non-daemon threads it starts are noted (USER_THREADS:
+    wind_down does not wait for them), and the processes it forks are ended when this process exits (_end_forked:
+    they outlived `rlflow run` before)."""
     import atexit
     import warnings
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
                 } if threading.current_thread() is threading.main_thread() else {}
     filters, threads = list(warnings.filters), set(threading.enumerate())
+    forked = _children(threading.get_native_id())
     with _GUARD_LOCK:
         if not isinstance(atexit.register, _Holder):
             atexit.register(_run_held)              # (the real one: where the process ends another way)
@@ -350,6 +395,8 @@ def user_import() -> Iterator[None]:
     finally:
         _HOLDING.on = before
         USER_THREADS.extend(t for t in threading.enumerate() if t not in threads and not t.daemon)
+        if started := _children(threading.get_native_id()) - forked:
+            _forked_by_imports(started)
         for sig, handler in handlers.items():
             if handler is not None and signal.getsignal(sig) is not handler:
                 signal.signal(sig, handler)
