@@ -44,18 +44,19 @@ def as_step(value: Any) -> Step:
     if not isinstance(value, Step):
         raise TypeError(f"step returned {type(value).__name__}, not a Step or (observation, reward, done[, info])")
     value.observation = as_messages(value.observation, "step's observation")
-    reward = value.reward
-    if not isinstance(reward, bool) and type(reward).__module__ in ("numpy", "torch") and \
-            getattr(reward, "ndim", None) == 0:
-        reward = reward.item()          # (numpy's float32 scalar, a 0-d tensor: what gymnasium-style envs return)
+    reward, done = _plain(value.reward), _plain(value.done)
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise TypeError(f"step returned reward {reward!r}, not a finite number")
-    done = value.done.item() if type(value.done).__module__ in ("numpy", "torch") and \
-        getattr(value.done, "ndim", None) == 0 else value.done
-    if done is not None and (isinstance(done, str) or not isinstance(done, bool | int | float) or done not in (0, 1)):
+    if done is not None and (not isinstance(done, bool | int | float) or done not in (0, 1)):
         raise TypeError(f"step returned done {done!r}, not a bool")     # ("no" read as true before; None: not done)
     value.reward, value.done = float(reward), bool(done)
     return value
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar or 0-d tensor as its Python number (what gymnasium-style environments return); else as is."""
+    return value.item() if type(value).__module__ in ("numpy", "torch") and getattr(value, "ndim", None) == 0 \
+        else value
 
 
 def as_messages(value: Any, what: str) -> list[dict]:
