@@ -262,10 +262,14 @@ class Tracker:
         self._ended = False                        # end() ran: no thread flushes any more (see _stop_worker)
         self._answered = time.monotonic()          # the worker's last answer from MLflow (or idle since)
         self._flushing: list[int] = []             # the iterations the worker is sending now
-        self._unanswered = False                   # drain gave up on the server: nothing more is sent to it
+
+    @property
+    def _unanswered(self) -> bool:
+        """drain gave up on the server: nothing more is sent to it."""
+        return isinstance(self._failure, TrackingUnanswered)
 
     def _check(self) -> None:                     # (background flushing: _check to _flush)
-        if isinstance(self._failure, TrackingUnanswered):
+        if self._unanswered:
             raise self._failure
         if self._failure is not None:
             raise RuntimeError(f"MLflow logging failed: {self._failure}") from self._failure
@@ -284,7 +288,7 @@ class Tracker:
         if job is None:
             self._last_flush = time.monotonic()
         if not self._jobs.unfinished_tasks:         # (an idle worker: the wait for an answer starts now)
-            self._answered = time.monotonic()
+            self._tick()
         self._jobs.put(job)
 
     def _work(self) -> None:
@@ -296,11 +300,17 @@ class Tracker:
                 if self._failure is None:
                     self._flush() if job is None else job()
             except BaseException as e:  # surfaced by the next log_iteration or by drain()
-                if not isinstance(self._failure, TrackingUnanswered):     # (given up on already: that is said)
+                if not self._unanswered:      # (given up on already: that is said)
                     self._failure = e
             finally:
-                self._answered = time.monotonic()
+                self._tick()
                 self._jobs.task_done()
+
+    def _call(self, job) -> None:
+        """`job` (a call to MLflow) on the worker after what is queued, waited for as drain waits; raises its error."""
+        self._request_flush(job)
+        self._wait()
+        self._check()
 
     def _tick(self) -> None:
         """MLflow answered a request of the worker's (the time a silent server is measured from)."""
@@ -311,7 +321,6 @@ class Tracker:
         answer, give up on it (TrackingUnanswered, saying what it lacks; nothing more is sent to it)."""
         while self._jobs.unfinished_tasks:
             if time.monotonic() - self._answered > ANSWER_SECONDS:
-                self._unanswered = True
                 its = sorted({*self._flushing, *(p[0] for p in self._pending)})
                 lacks = ("the run's end is not recorded there; " if not its else f"iteration {its[0]} is stored but "
                          "not logged there; " if len(its) == 1 else f"iterations {its[0]}-{its[-1]} are stored but "
@@ -343,11 +352,11 @@ class Tracker:
             if policy_uri and self.cfg.publish.register_model and wanted and policy_uri not in self._registered:
                 self._registered[policy_uri] = register_policy(self.cfg, self.run_id, policy_uri, iteration,
                                                                self.client, checked=True)
-                self._answered = time.monotonic()
+                self._tick()
             beats_base = self.floor is None or metrics.get(key, self.floor) > self.floor
             if policy_uri in self._registered and key in metrics and beats_base:
                 promote_if_better(self.client, self.model_name, self._registered[policy_uri], key, metrics[key])
-                self._answered = time.monotonic()
+                self._tick()
         for iteration, metrics, samples, _, traces, _ in pending:
             if traces:
                 links = self._traces(iteration, metrics, traces)
@@ -361,7 +370,7 @@ class Tracker:
                     (Path(tmp) / f"iter-{iteration:06d}.json").write_text(json.dumps({"columns": cols, "data": rows}))
             if any(Path(tmp).iterdir()):
                 self.client.log_artifacts(self.run_id, tmp, "samples")
-                self._answered = time.monotonic()
+                self._tick()
                 self._tables(sorted(f"samples/{f.name}" for f in Path(tmp).iterdir()))
         now = int(time.time() * 1000)
         for _, _, _, _, _, folders in pending:       # (an evaluation's pictures: before the iteration's metrics, whose
@@ -369,12 +378,12 @@ class Tracker:
                 for file in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
                     where = Path(artifact_path, file.parent.relative_to(folder)).as_posix()
                     self.client.log_artifact(self.run_id, str(file), where.removesuffix("/."))
-                    self._answered = time.monotonic()
+                    self._tick()
         batch = [Metric(metric_key(k), float(v), now, it) for it, metrics, _, _, _, _ in pending
                  for k, v in metrics.items()]
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
-            self._answered = time.monotonic()
+            self._tick()
 
     def log_iteration(self, iteration: int, metrics: dict[str, float], samples: list[dict] | None = None,
                       policy_uri: str | None = None, traces: list[tuple[str, str]] | None = None,
@@ -444,9 +453,7 @@ class Tracker:
         if self.cfg.tracking.traces and self._traced:     # (sent as they are made, unless the user's
             import mlflow  # (MLFLOW_ENABLE_ASYNC_TRACE_LOGGING queued them: traces.py)
 
-            self._request_flush(mlflow.flush_trace_async_logging)
-            self._wait()
-            self._check()
+            self._call(mlflow.flush_trace_async_logging)
 
     def start(self, store: Store | None = None) -> str:
         """Find this run's MLflow run (same run name and store) or create it; log the resolved config. One that
@@ -513,9 +520,7 @@ class Tracker:
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
-        self._request_flush(lambda: self.client.log_artifact(self.run_id, str(path), "plots"))
-        self._wait()
-        self._check()
+        self._call(lambda: self.client.log_artifact(self.run_id, str(path), "plots"))
         return path
 
     def _tables(self, paths: list[str]) -> None:
@@ -542,9 +547,7 @@ class Tracker:
             return
         try:
             self.drain()
-            self._request_flush(lambda: self.client.set_terminated(self.run_id, status=status))
-            self._wait()
-            self._check()
+            self._call(lambda: self.client.set_terminated(self.run_id, status=status))
         except Exception:
             self._stop_worker()
             if status == "FINISHED":
