@@ -145,6 +145,12 @@ def working_directory_on_path(here: str | None = None) -> None:
     sys.path[:] = [root, here, *(p for p in sys.path if p not in (root, here, "", os.curdir))]
 
 
+def import_hung(key: str, module: str, seconds: float, noun: str) -> str:
+    """The line for a user's module that did not finish importing in time (here, or in the reward worker)."""
+    return (f"{key}: module {module!r} did not finish importing in {seconds:g} s (it waits or loops when imported: "
+            f"move that work into the {noun}; RLFLOW_IMPORT_SECONDS allows more)")
+
+
 def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = False) -> Callable:
     """`module:name` from the working directory first (user modules live where rlflow is run), imported within
     IMPORT_SECONDS: a UserError naming `key` if the module cannot be imported (it raises, calls sys.exit, or
@@ -158,9 +164,7 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
         with deadline(seconds), user_code(), user_import():     # (preflight imports in the main thread: watched there)
             module = importlib.import_module(module_name)
     except DeadlinePassed:
-        raise UserError(f"{key}: module {module_name!r} did not finish importing in {seconds:g} s (it waits or "
-                        f"loops when imported: move that work into the {noun}; RLFLOW_IMPORT_SECONDS allows "
-                        f"more)") from None
+        raise UserError(import_hung(key, module_name, seconds, noun)) from None
     except (Exception, SystemExit) as e:           # (a module that calls sys.exit when imported)
         raise UserError(f"{key}: cannot import module {module_name!r}: {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}") from None

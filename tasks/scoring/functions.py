@@ -39,7 +39,7 @@ import torch
 
 from tasks.core.contracts import Scored
 from tasks.core.errors import UserError, printable
-from tasks.core.paths import REPO_ROOT, import_user, user_code_seconds
+from tasks.core.paths import REPO_ROOT, import_hung, import_user, user_code_seconds
 from tasks.core.process_wide import user_output_limit
 from tasks.core.processes import BoundedCopy, how_it_ended, kill_group, peek_exit, spawn
 from tasks.scoring.shaping import NAME as SHAPING
@@ -96,14 +96,14 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
     """Import every configured function here too: a bad path is a user error naming the entry. With the
     dataset's `columns` (preflight), each function's signature is checked against what it will be called
     with."""
-    names, keywords = [], {*TRL_KEYWORDS, *(["environments"] if cfg.env.episodic() else [])}   # (agents' too)
+    functions = functions_of(cfg)                   # ("environments": an episode's keyword, agents' too)
+    names, keywords = functions.names, {*TRL_KEYWORDS, *(["environments"] if cfg.env.episodic() else [])}
     columns = None if columns is None else set(columns) - {"completion"}       # (TRL forwards no such column)
     clash = sorted(keywords & columns) if columns and cfg.reward.functions else []      # (TRL: a TypeError)
     if clash:
         raise UserError(f"data: column {clash[0]!r} is named as a keyword reward functions are called with (TRL's "
                         f"convention), which would be given twice; expected another name for that column (rename it)")
     for i, spec in enumerate(cfg.reward.functions):
-        attr = spec.fn.partition(":")[2]
         fn = import_user(spec.fn, f"reward.functions[{i}].fn", noun="function")   # (user modules: the cwd first)
         if inspect.isclass(fn) or inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
             kind = "a class (calling it makes an instance)" if inspect.isclass(fn) else "a generator function"
@@ -118,7 +118,6 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
             check_signature(f"reward.functions[{i}].fn: {spec.fn}", fn, {*given, *spec.kwargs},
                             sorted(columns), kwargs=spec.kwargs, kwargs_field=f"reward.functions[{i}].kwargs",
                             prompt_column=cfg.data.prompt_column)
-        names.append(attr)
     if len(set(names)) != len(names):
         raise UserError(f"reward.functions: two functions share a name ({names}); names key the scores")
     if cfg.env.episodic() and "env" in names:
@@ -130,7 +129,7 @@ def load_functions(cfg: Config, columns: Iterable[str] | None = None) -> RewardF
         from tasks.scoring.judges import check_specs
 
         check_specs(cfg, columns, names)
-    return functions_of(cfg)
+    return functions
 
 
 def functions_of(cfg: Config) -> RewardFunctions:
@@ -178,9 +177,8 @@ class _Worker:
             self.kill()
             if isinstance(step, int):      # (as import_user says it: the module named, its field)
                 module = setup["functions"][step]["fn"].partition(":")[0]
-                raise WorkerSetupFailed(f"reward.functions[{step}].fn: module {module!r} did not finish importing in "
-                                        f"{seconds:g} s (it waits or loops when imported: move that work into the "
-                                        f"function; RLFLOW_IMPORT_SECONDS allows more)", crashed=True) from None
+                raise WorkerSetupFailed(import_hung(f"reward.functions[{step}].fn", module, seconds, "function"),
+                                        crashed=True) from None
             status, message = "crashed", (f"its reward.sandbox set-up did not finish in {max(seconds, SET_UP):g} s"
                                           if step else f"it did not start in {seconds + 30:g} s")
         except (EOFError, OSError, _Garbled):
