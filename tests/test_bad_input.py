@@ -734,6 +734,15 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
             ["run", str(TINY), "-o", "env.factory=badtools_env:NeedsSize"],
             "env.kwargs: badtools_env:NeedsSize cannot be called without env.kwargs: missing a required argument: "
             "'size'"),
+        "environment module crashes (SIGSEGV) on import": (
+            ["run", str(TINY), "-o", "env.factory=crashes_on_import:f"],
+            "env.factory: crashes_on_import:f: the environment's code ended the process preflight checks it in "
+            "(killed by SIGSEGV) as it imported module 'crashes_on_import'"),
+        "environment crashes (SIGSEGV) as it is made": (
+            ["run", str(TINY), "-o", "env.factory=badtools_env:CrashesWhenMade"],
+            "env.factory: badtools_env:CrashesWhenMade: the environment's code ended the process preflight checks it "
+            "in (killed by SIGSEGV) as it made one with env.kwargs, then reset and stepped it with the data's first "
+            "row"),
         "environment factory that raises": (
             ["run", str(TINY), "-o", "env.factory=badtools_env:NeedsSize", "-o", "env.kwargs={size: -1}"],
             "env.factory: badtools_env:NeedsSize(**env.kwargs) raised ValueError: size must be positive"),
@@ -841,6 +850,12 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
 
 BADTOOLS_ENV = """
 from tasks.core.contracts import Step
+
+
+class CrashesWhenMade:                        # (a broken C extension: it took `rlflow run` with it, exit 139, no line)
+    def __init__(self):
+        import ctypes
+        ctypes.string_at(0)
 
 
 class NeedsSize:

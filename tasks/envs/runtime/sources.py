@@ -56,14 +56,18 @@ class Environments:
 
     def check(self, cfg: Config, datasets: list, model_path: str, tokenizer) -> None:
         """The factory imports and builds one environment with env.kwargs where it runs on this machine (a dict of
-        factories by name: each row names one, and each is built with its first row); a server
+        factories by name: each row names one, and each is built with its first row), in a process of its own
+        where the episodes' environments run in theirs (env.isolation: process, probe.py); a server
         of your own (env.where a URL) answers as an rlflow environment server. (An environment server on sky
         checks its own factory as it starts.)"""
         from tasks.core.placement import placement_of
+        from tasks.envs.runtime.probe import check_in_process
         from tasks.envs.runtime.protocol import check_environment, factory_of, require_env_server
 
         env = placement_of(cfg).env
-        if env in ("stage", "local"):
+        if env in ("stage", "local") and cfg.env.isolation == "process":
+            check_in_process(cfg, datasets)     # (as below, in a process of its own: as the episodes' will run)
+        elif env in ("stage", "local"):
             factory_of(cfg)             # env.factory cannot be imported: one line, exit 2 (here, or the server)
             check_environment(cfg, dict(datasets[0][0]), datasets)    # one built with env.kwargs, adapter, tools
         elif env == "yours":

@@ -1,0 +1,189 @@
+"""Preflight's check of the environment (protocol.check_environment) in a process of its own, where the episodes'
+environments run in processes of their own (env.isolation: process): env.factory's module imported, one
+environment made with env.kwargs, reset and stepped with the data's first row, there and never in rlflow's
+process. What the user's code does to its process (a crash in a C extension, SIGKILL, os._exit, closing stdout,
+chdir, a process or thread it leaves running, a loop that swallows the deadline) is one line naming env.factory,
+exit 2, as the episodes' own processes would meet it, instead of a run that dies without a word.
+
+    check_in_process(cfg, datasets)     # returns once the child said so, or raises UserError with its line
+
+The child (`python -m tasks.envs.runtime.probe FD`) reads the request from its stdin and says, as JSON lines on
+FD, which step it is at (its deadlines are the parent's) and then its answer; it is killed with its group after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import select
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from tasks.core.errors import UserError
+from tasks.core.paths import import_hung, user_code_seconds
+from tasks.core.processes import how_it_ended, kill_group, peek_exit, spawn
+
+if TYPE_CHECKING:
+    from tasks.core.config import Config
+
+START_SECONDS = 120.0        # the child's Python and rlflow's imports, before it names its first step
+CHECK_SECONDS = 60.0         # beyond the user's own deadlines (the factory's RLFLOW_IMPORT_SECONDS, reset/step's)
+
+
+class Rows:
+    """What check_environment reads of a split, taken here so that the child needs no dataset: its columns, its
+    length, its `environment` column (TRL's multi-environment form) and the rows it makes environments with
+    (the first, and the first of each environment named)."""
+
+    def __init__(self, ds):
+        from tasks.envs.runtime.protocol import ENVIRONMENT_COLUMN
+
+        self.column_names, self.length = list(ds.column_names), len(ds)
+        self.names = list(ds[ENVIRONMENT_COLUMN]) if ENVIRONMENT_COLUMN in self.column_names else None
+        wanted = {0} if self.length else set()
+        seen: set = set()
+        for i, name in enumerate(self.names or ()):
+            if isinstance(name, str) and name not in seen:
+                seen.add(name)
+                wanted.add(i)
+        self.rows = {i: dict(ds[i]) for i in sorted(wanted)}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: int | str) -> Any:
+        return self.names if isinstance(key, str) else self.rows[key]
+
+
+def check_in_process(cfg: Config, datasets: list) -> None:
+    """check_environment(cfg, first row, datasets) run by a child process; its UserError raised here as it is,
+    and its death or silence as one line naming env.factory."""
+    seconds = user_code_seconds()
+    limits = {"start": START_SECONDS, "import": seconds + CHECK_SECONDS, "check": 2 * seconds + CHECK_SECONDS}
+    request = {"config": cfg.model_dump(mode="json"), "datasets": [Rows(ds) for ds in datasets], "cwd": os.getcwd(),
+               "path": list(sys.path)}          # (what this process can import, the child can)
+    read, write = os.pipe()
+    try:
+        # (`-m` from the user's folder: spawn's safe path, so that it imports rlflow's tasks, not a tasks/ there)
+        proc = spawn([sys.executable, "-m", "tasks.envs.runtime.probe", str(write)], stdin=subprocess.PIPE,
+                     pass_fds=(write,), start_new_session=True, cwd=os.getcwd())
+    finally:
+        os.close(write)
+    step, answer = "start", None
+    try:
+        try:
+            proc.stdin.write(pickle.dumps(request))
+            proc.stdin.close()
+        except OSError:
+            pass                                    # (it has ended: said below, as it ended)
+        lines = _Lines(read, proc)
+        while answer is None:
+            said = lines.next(limits[step])
+            if said is None:
+                answer = ("silent", None)
+            elif said[0] == "at":
+                step = said[1]
+            else:
+                answer = said
+    finally:
+        kill_group(proc)            # it, and what the user's code started in its group or in groups of their own
+        os.close(read)
+    kind, value = answer
+    if kind == "ok":
+        return
+    if kind == "user":
+        raise UserError(value)
+    spec, module = cfg.env.factory, str(cfg.env.factory).partition(":")[0]
+    doing = {"start": f"started (before it imported module {module!r})", "import": f"imported module {module!r}",
+             "check": "made one with env.kwargs, then reset and stepped it with the data's first row"}[step]
+    if kind == "ended":
+        raise UserError(f"env.factory: {spec}: the environment's code ended the process preflight checks it in "
+                        f"({how_it_ended(value)}) as it {doing}; expected it to leave its process running (a crash "
+                        f"or an exit there would end each episode's; run it by hand to see why)")
+    if kind == "silent":
+        if step == "import":
+            raise UserError(import_hung("env.factory", module, seconds, "callable"))     # (as import_user says it)
+        raise UserError(f"env.factory: {spec}: preflight's check of the environment did not end in "
+                        f"{limits[step]:g} s as it {doing} (it waits or loops past its deadlines there; "
+                        f"RLFLOW_IMPORT_SECONDS allows more)")
+    raise RuntimeError(f"preflight's check of env.factory ({spec}) failed in its process: {value}")
+
+
+class _Lines:
+    """The child's JSON lines, each within its time, read from the pipe's descriptor (never through a buffer
+    select cannot see): a line, ("ended", its returncode) once it has ended with nothing more said (a process it
+    forked may hold the pipe open: its end is watched, not the pipe's), or None when it says nothing in time."""
+
+    def __init__(self, fd: int, proc: subprocess.Popen):
+        self.fd, self.proc, self.buf = fd, proc, b""
+
+    def next(self, timeout: float) -> tuple | None:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            readable = select.select([self.fd], [], [], min(max(deadline - time.monotonic(), 0), 0.5))[0]
+            chunk = os.read(self.fd, 1 << 16) if readable else b""
+            self.buf += chunk
+            if chunk:
+                continue
+            if (code := self._ended()) is not False:
+                while select.select([self.fd], [], [], 0)[0] and (chunk := os.read(self.fd, 1 << 16)):
+                    self.buf += chunk           # (what it said before it ended comes first)
+                if b"\n" not in self.buf:
+                    return "ended", code
+                break
+            if time.monotonic() >= deadline:
+                return None
+            if readable:
+                time.sleep(0.05)                # (the pipe at its end, the process not yet ended)
+        line, _, self.buf = self.buf.partition(b"\n")
+        try:
+            kind, value = json.loads(line)
+        except ValueError:
+            return "failed", f"an answer it did not write: {line[:200]!r}"
+        return kind, value
+
+    def _ended(self) -> int | None | bool:
+        """Its returncode once it has ended (None: reaped elsewhere, not known), False while it runs."""
+        try:
+            code = peek_exit(self.proc)
+        except ChildProcessError:
+            return None
+        return False if code is None else code
+
+
+# ------------------------------------------------------------------------------------------------ the child
+
+def _main(fd: int) -> None:
+    request = pickle.loads(sys.stdin.buffer.read())
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+
+    def say(kind: str, value: Any = None) -> None:
+        os.write(fd, (json.dumps([kind, value]) + "\n").encode())
+
+    try:
+        from tasks.core.config import Config
+        from tasks.envs.runtime.protocol import check_environment, factories_of, factory_of
+
+        os.chdir(request["cwd"])
+        sys.path[:] = request["path"]
+        cfg, datasets = Config.model_validate(request["config"]), request["datasets"]
+        say("at", "import")
+        factories_of(cfg)              # env.factory cannot be imported: one line
+        say("at", "check")
+        factory_of(cfg)                # (the factory's own preflight, where it has one: the browser's)
+        check_environment(cfg, dict(datasets[0][0]), datasets)
+        say("ok")
+    except UserError as e:
+        say("user", str(e))
+    except BaseException as e:  # noqa: BLE001 - rlflow's own failure, said to the parent
+        say("failed", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:500]}")
+    while True:                        # (the parent kills it with its group: nothing the user's code left runs on)
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]))

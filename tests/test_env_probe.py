@@ -1,0 +1,147 @@
+"""Preflight's check of the environment in a process of its own (tasks/envs/runtime/probe.py), where the episodes'
+environments run in theirs (env.isolation: process): what the user's environment code does to its process is one
+line naming env.factory, and nothing of it reaches rlflow's process. Before, the check ran here: a crash in the
+environment's module or __init__ ended `rlflow run` with exit 139 and no word, a module that swallowed the
+deadline hung the check, a chdir made the next file rlflow read "not found", a process it forked outlived it."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.core.config import load_config
+from tasks.core.errors import UserError
+from tests.conftest import ROOT, user_module
+
+LETTERS = ROOT / "configs" / "letters.yaml"
+ROW = {"prompt": "Say each letter I name.", "letters": "abc", "seed": 0}
+
+HOSTILE = '''
+import ctypes, os, sys, threading, time
+from tasks.envs.builtin.games import SayTheLetters
+
+
+class SegfaultsWhenMade(SayTheLetters):
+    def __init__(self, **kw):
+        ctypes.string_at(0)
+
+
+class KillsItsProcessOnReset(SayTheLetters):
+    def reset(self, row):
+        os.kill(os.getpid(), 9)
+
+
+class LeavesThingsBehind(SayTheLetters):        # a chdir, a forked process, a thread that never ends, closed stdout
+    def __init__(self, **kw):
+        os.chdir("/")
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(600)
+            os._exit(0)
+        open(os.environ["KILL_DIR"] + "/forked", "w").write(str(pid))
+        threading.Thread(target=time.sleep, args=(600,)).start()
+        super().__init__(**kw)
+
+    def reset(self, row):
+        os.close(1)
+        os.close(2)
+        return super().reset(row)
+
+
+class SwallowsTheDeadline(SayTheLetters):
+    def __init__(self, **kw):
+        while True:
+            try:
+                time.sleep(60)
+            except BaseException:
+                pass
+
+
+class Fine(SayTheLetters):
+    pass
+
+
+KINDS = {"one": Fine, "two": SegfaultsWhenMade}
+'''
+
+
+@pytest.fixture
+def hostile(tmp_path, monkeypatch):
+    user_module(tmp_path, monkeypatch, "hostile_envs", HOSTILE)
+    (tmp_path / "mods" / "segfaults_on_import.py").write_text("import ctypes\nctypes.string_at(0)\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _check(factory: str, rows: list[dict] | None = None, *more: str) -> None:
+    from datasets import Dataset
+
+    from tasks.envs.runtime.probe import check_in_process
+
+    cfg = load_config(LETTERS, [f"env.factory={factory}", "env.isolation=process", *more])
+    check_in_process(cfg, [Dataset.from_list(rows or [ROW])])
+
+
+@pytest.mark.parametrize("factory, said", [
+    ("hostile_envs:SegfaultsWhenMade", "(killed by SIGSEGV) as it made one with env.kwargs, then reset and stepped "
+                                       "it with the data's first row"),
+    ("hostile_envs:KillsItsProcessOnReset", "(killed by SIGKILL) as it made one with env.kwargs, then reset"),
+    ("segfaults_on_import:Env", "(killed by SIGSEGV) as it imported module 'segfaults_on_import'"),
+])
+def test_an_environment_that_crashes_its_process_is_one_line_naming_the_factory(hostile, factory, said):
+    with pytest.raises(UserError) as e:
+        _check(factory)
+    line = str(e.value)
+    assert line.startswith(f"env.factory: {factory}: the environment's code ended the process preflight checks it "
+                           f"in {said}"), line
+    assert "\n" not in line and "segfaults_on_import" not in sys.modules and "hostile_envs" not in sys.modules
+
+
+def test_a_dict_of_environments_is_checked_there_each_with_its_first_row(hostile):
+    """TRL's multi-environment form: the row of each name travels to the check (one that crashes is found by the
+    row that names it); a row naming none is refused as before."""
+    rows = [{**ROW, "environment": "one"}, {**ROW, "environment": "one"}, {**ROW, "environment": "two"}]
+    with pytest.raises(UserError, match=r"^env.factory: hostile_envs:KINDS: the environment's code ended the "
+                                        r"process preflight checks it in \(killed by SIGSEGV\)"):
+        _check("hostile_envs:KINDS", rows)
+    _check("hostile_envs:KINDS", rows[:2])
+    with pytest.raises(UserError, match=r"row 2 of the training data has environment 'three'; expected one of "):
+        _check("hostile_envs:KINDS", [rows[0], {**ROW, "environment": "three"}])
+
+
+def test_what_the_environment_leaves_behind_stays_in_its_process(hostile):
+    """A chdir, a process it forked, a thread that never ends and a closed stdout: the check passes (each
+    episode's process meets them, and ends), this process keeps its folder and output, nothing is left running."""
+    _check("hostile_envs:LeavesThingsBehind")
+    from tasks.core.processes import alive
+
+    assert Path.cwd() == hostile
+    os.write(1, b"")                     # (our stdout still open)
+    assert "hostile_envs" not in sys.modules
+    forked, deadline = int((hostile / "forked").read_text()), time.monotonic() + 30
+    while time.monotonic() < deadline and alive(forked):      # (killed at once; reaped by whoever adopted it)
+        time.sleep(0.2)
+    assert not alive(forked)
+
+
+def test_code_that_swallows_its_deadline_is_stopped_by_ours(hostile, monkeypatch):
+    """A loop that catches the deadline's exception and goes on: the check's own deadline, past the user's, ends
+    it (it hung the check for ever)."""
+    from tasks.envs.runtime import probe
+
+    monkeypatch.setenv("RLFLOW_IMPORT_SECONDS", "1")
+    monkeypatch.setattr(probe, "CHECK_SECONDS", 3.0)
+    with pytest.raises(UserError, match=r"^env.factory: hostile_envs:SwallowsTheDeadline: preflight's check of the "
+                                        r"environment did not end in 5 s as it made one with env.kwargs"):
+        _check("hostile_envs:SwallowsTheDeadline")
+
+
+def test_the_checks_own_lines_come_back_as_they_are(hostile):
+    """What check_environment says (here: env.kwargs the factory does not take) comes back word for word."""
+    with pytest.raises(UserError, match=r"^env.kwargs: hostile_envs:Fine cannot be called with env.kwargs \['x'\]"):
+        _check("hostile_envs:Fine", None, "env.kwargs={x: 1}")
+
