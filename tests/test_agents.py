@@ -214,9 +214,13 @@ def test_the_same_stage_samples_the_same_rollouts_whatever_the_timing(tmp_path):
     """Lockstep rounds depend on the agents alone: with fewer slots than episodes (agents ending and starting at
     different times) a rerun of the stage gives the same tokens, what a killed and retried generate needs."""
     cfg = _cfg("jittery", "env.concurrency=5", "env.isolation=thread")
-    runs = [_run(cfg, n=4)[0] for _ in range(2)]
-    assert [(r.completion_ids, r.logprobs, r.env_return) for r in runs[0]] == \
-           [(r.completion_ids, r.logprobs, r.env_return) for r in runs[1]]
+    runs = [_run(cfg, n=4) for _ in range(2)]
+    seen = [[(r.completion_ids, r.logprobs, r.env_return) for r in records] for records, _ in runs]
+    # (said where they differ: each run's rounds, as (size, seed), and its episodes' errors, to tell a round made
+    # of other episodes from an episode that failed)
+    how = [([(len(p), q.seed) for p, q, _ in session.requests], [r.env_error for r in records])
+           for records, session in runs]
+    assert seen[0] == seen[1], f"each run's rounds and errors: {how}"
 
 
 def test_a_stopped_runner_lets_its_agents_unwind_before_its_loop_stops():
