@@ -13,7 +13,7 @@ import boto3
 import pytest
 
 from tasks.core.errors import UserError
-from tasks.core.lease import Lease
+from tasks.core.lease import Lease, LeaseLost
 from tasks.core.store import FileStore, S3Store
 from tests.conftest import AT_LENGTH, TINY, read_summary, run_cli, s3_overrides
 
@@ -149,3 +149,32 @@ def test_cli_refuses_a_second_run_of_the_same_name_and_runs_another_name_beside_
     assert "runs/busy/LEASE.json" in keys and not any(k.startswith("runs/busy/") and k != "runs/busy/LEASE.json"
                                                       for k in keys)
     assert not any(k == "runs/free/LEASE.json" for k in keys)   # released at the end
+
+
+def test_a_holder_whose_renewals_went_unanswered_past_expiry_confirms_before_its_next_stage(store, monkeypatch):
+    """The store stopped answering the renewals (stopped, unreachable) for longer than the lease: it may have
+    expired and been taken over. Before its next stage the holder renews first: still its own (the
+    compare-and-swap holds), it goes on; taken over, it stops (it wrote on beside the new holder until its
+    renewal thread's next tick, or for good where that thread was stuck in the store's retries); while the store
+    still does not answer, no stage starts."""
+    held = Lease(store, "r", 1).acquire()
+    held._stop.set()
+    held._thread.join()                           # (its renewals from here on are the ones that went unanswered)
+    held.check()                                  # (within its time: nothing to confirm)
+    time.sleep(1.2)                               # (at least this long: a loaded machine only makes it longer)
+    before = json.loads(store.read_tagged("r/LEASE.json")[0])["expires_at"]
+    held.check()                                  # nobody took it: renewed, goes on
+    assert json.loads(store.read_tagged("r/LEASE.json")[0])["expires_at"] > before and held.lost is None
+
+    time.sleep(1.2)
+    real = store.write_if
+    monkeypatch.setattr(store, "write_if", lambda *a, **k: (_ for _ in ()).throw(ConnectionError("no answer")))
+    with pytest.raises(RuntimeError, match=r"^run 'r': the run's lease was last renewed \d+ s ago \(past "
+                                           r"run.lease_seconds, 1 s: it may have expired\) and the store does not "
+                                           r"answer its renewal \(ConnectionError: no answer\); no stage starts"):
+        held.check()
+    monkeypatch.setattr(store, "write_if", real)
+    other = Lease(store, "r", 60).acquire()       # the lease expired meanwhile: another flow run takes it over
+    with pytest.raises(LeaseLost, match="taken over by another flow run"):
+        held.check()
+    other.release()

@@ -6,6 +6,10 @@ and stops with one line saying who holds it. A writer that crashed (SIGKILL, los
 lease back: it expires after `run.lease_seconds`, and the next run takes it over — at once when the holder
 was a process on this same machine that no longer exists, or the same Prefect flow run (a flow retry).
 
+A holder whose renewals the store has not answered for `run.lease_seconds` (stopped, unreachable) may have lost
+the lease meanwhile: before its next stage it renews first (`check`), and the compare-and-swap says whether the
+lease is still its own (then it goes on) or another flow run took it over (then it stops writing).
+
 Taking and renewing are compare-and-swap writes (S3 conditional PUT: If-None-Match / If-Match; a file lock
 for the local store), so of two flows racing for a free lease exactly one wins. Different run names have
 different prefixes and different leases: they never touch each other.
@@ -49,6 +53,8 @@ class Lease:
         self._tag: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._renewing = threading.Lock()         # (the thread's renewals and check's, one at a time)
+        self._renewed_at = time.monotonic()       # the last write of the lease the store answered
         self.lost: str | None = None
 
     def _record(self) -> bytes:
@@ -78,7 +84,7 @@ class Lease:
                         f"valid until {_when(cur['expires_at'])}); wait for it to end or use another run.name")
             body = self._record()
             if (new := self.store.write_if(self.key, body, tag)) is not None:
-                self._tag = new
+                self._tag, self._renewed_at = new, time.monotonic()
                 self._thread = threading.Thread(target=self._renew_loop, daemon=True, name="rlflow-lease")
                 self._thread.start()
                 return self
@@ -94,16 +100,17 @@ class Lease:
             return None
 
     def renew(self) -> None:
-        body = self._record()
-        new = self.store.write_if(self.key, body, self._tag)
-        if new is None:
-            current = self._ours()       # our own earlier renewal, applied but unanswered?
-            if current is not None:
-                new = self.store.write_if(self.key, body, current)
-        if new is None:
-            self.lost = f"run {self.run!r}: the lease was taken over by another flow run"
-            raise LeaseLost(self.lost)
-        self._tag = new
+        with self._renewing:
+            body = self._record()
+            new = self.store.write_if(self.key, body, self._tag)
+            if new is None:
+                current = self._ours()       # our own earlier renewal, applied but unanswered?
+                if current is not None:
+                    new = self.store.write_if(self.key, body, current)
+            if new is None:
+                self.lost = f"run {self.run!r}: the lease was taken over by another flow run"
+                raise LeaseLost(self.lost)
+            self._tag, self._renewed_at = new, time.monotonic()
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.seconds / 3):
@@ -115,7 +122,19 @@ class Lease:
                 continue
 
     def check(self) -> None:
-        """Raise if the lease was lost; the flow calls this before each stage."""
+        """Raise if the lease was lost; the flow calls this before each stage. One whose renewals the store has not
+        answered for run.lease_seconds may have expired and been taken over: it is renewed here first (LeaseLost if
+        it was taken over; while the store still does not answer, a RuntimeError: no stage starts unconfirmed)."""
+        if not self.lost and (age := time.monotonic() - self._renewed_at) > self.seconds:
+            try:
+                self.renew()
+            except LeaseLost:
+                pass
+            except Exception as e:  # noqa: BLE001 - the store's failure, said with the lease's state
+                raise RuntimeError(f"run {self.run!r}: the run's lease was last renewed {age:.0f} s ago (past "
+                                   f"run.lease_seconds, {self.seconds:g} s: it may have expired) and the store does "
+                                   f"not answer its renewal ({type(e).__name__}: {str(e)[:200]}); no stage starts "
+                                   f"until it is renewed") from None
         if self.lost:
             raise LeaseLost(self.lost)
 
