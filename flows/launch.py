@@ -145,8 +145,8 @@ class Local:
     recipe's secrets from this environment: what a SkyPilot node would execute, on this machine. `setup`
     is not run (this machine is already set up). A stage process that has beaten (the file BEAT_VAR names,
     touched every 5 s from its Python's start: tasks/__init__.py) and then stops for HUNG_SECONDS is stopped by a
-    signal or wedged: it is killed, and the stage retried. Before its first beat nothing is timed (a recipe may
-    install for long before its Python starts)."""
+    signal or wedged: it is killed, and the stage retried. Before its first beat only a stage whose every process is
+    stopped (SIGSTOP, SIGTSTP) is timed (a recipe may install for long before its Python starts)."""
 
     mode = "local"
     BEAT_VAR = "RLFLOW_HEARTBEAT"
@@ -194,10 +194,11 @@ class Local:
         """Until `proc` ends: one whose stage process has beaten once and then not touched `beat` for HUNG_SECONDS
         is killed, with what it started (stopped processes too: SIGKILL ends them still). The time is this
         watcher's checks without a beat, not the clock: a flow paused (Ctrl-Z, a laptop asleep) kills nothing on
-        waking; and nothing counts before the first beat (a user's recipe may install before its Python starts)."""
+        waking; and before the first beat only checks that found every process of the stage stopped count (a
+        user's recipe may install for long before its Python starts; one stopped there hung the run for good)."""
         from tasks.core.processes import descendants
 
-        beaten, quiet = False, 0                        # (`last`: the file's time as made)
+        beaten, quiet, stopped = False, 0, 0             # (`last`: the file's time as made)
         while proc.poll() is None:
             time.sleep(self.WATCH_SECONDS)
             try:
@@ -205,10 +206,10 @@ class Local:
             except OSError:
                 return
             beaten, quiet, last = beaten or now != last, 0 if now != last else quiet + 1, now
-            if not beaten:
-                continue
-            if quiet * self.WATCH_SECONDS > self.HUNG_SECONDS and proc.poll() is None:
-                hung.append(quiet * self.WATCH_SECONDS)
+            stopped = stopped + 1 if _all_stopped([proc.pid, *descendants(proc.pid)]) else 0
+            silent = max(quiet if beaten else 0, stopped) * self.WATCH_SECONDS
+            if silent > self.HUNG_SECONDS and proc.poll() is None:
+                hung.append(silent)
                 for pid in [*descendants(proc.pid), proc.pid]:
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
@@ -216,6 +217,15 @@ class Local:
 
     def close(self, log) -> None:
         pass
+
+
+def _all_stopped(pids: list[int]) -> bool:
+    """Whether every one of `pids` is stopped by a signal (state T or t in /proc; False where that cannot be read:
+    gone, or no /proc)."""
+    try:
+        return all(Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][:1] in "Tt" for pid in pids)
+    except OSError:
+        return False
 
 
 class Sky:

@@ -533,3 +533,42 @@ def test_a_local_stage_process_that_stops_beating_is_killed_and_the_retry_runs_i
     assert stopped and not alive(stopped[0])
     Local(cfg).run("generate", 1, env, lines.append)        # the retry, not stopped: beating all along
     assert (tmp_path / "store" / "beat" / "iter-000001" / "rollouts").is_dir()
+
+
+def test_a_local_stage_stopped_before_its_first_beat_is_killed_too(tmp_path, monkeypatch):
+    """A stage whose recipe is stopped before its Python starts (here the recipe's shell stops itself; a SIGSTOP
+    or Ctrl-Z of that process alike) never beats: nothing was timed before the first beat, and the run waited for
+    good. Every process of the stage stopped for HUNG_SECONDS of checks is a hung stage too: killed, an
+    infrastructure failure (retried). A recipe at work before its first beat (installing) is not stopped, and waits."""
+    import os
+    import signal
+    import threading
+
+    from flows.launch import InfraError, Local, stage_env
+    from tasks.core.processes import alive
+
+    monkeypatch.setattr(Local, "HUNG_SECONDS", 1.0)
+    monkeypatch.setattr(Local, "WATCH_SECONDS", 0.2)
+    monkeypatch.chdir(tmp_path)
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "generate.yaml").write_text("run: |\n  echo $$ > stopped.pid\n  kill -STOP $$\n  echo never\n")
+    overrides = [f"store.uri={tmp_path}/store", "run.name=stopped", "launcher.where=local",
+                 f"launcher.recipes={recipes}"]
+    cfg = load_config(TINY, overrides)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            Local(cfg).run("generate", 1, stage_env(str(TINY), overrides, 1), lambda line: None)
+        except BaseException as e:  # noqa: BLE001 - what the test reads
+            raised.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)                 # (a bound for the old behaviour, which waited for good; it ends in ~1-2 s)
+    pid = int((tmp_path / "stopped.pid").read_text())
+    if t.is_alive():
+        os.kill(pid, signal.SIGKILL)
+    assert not t.is_alive(), "the launcher still waits on a stage stopped before its first beat"
+    assert len(raised) == 1 and isinstance(raised[0], InfraError), raised
+    assert "gave no heartbeat for" in str(raised[0]) and not alive(pid)
