@@ -115,6 +115,7 @@ bench: setup             ## every benchmark; results go in docs/benchmarks.md
 	$(BIN)/python bench/generate_vs_engine.py
 	$(BIN)/python bench/agents_vs_engine.py
 	$(BIN)/python bench/publish_vs_boto3.py
+	$(BIN)/python bench/store_latency.py                    # a policy folder through a store 25 ms off
 	$(BIN)/python bench/sandbox_throughput.py
 	$(BIN)/python bench/isolation_per_episode.py
 	$(BIN)/python bench/gguf_roundtrip.py                    # SmolLM2 out as f32/f16/q8_0 GGUF and back (~3 min)

@@ -40,6 +40,21 @@ from tasks.core.processes import exclusive
 if TYPE_CHECKING:
     from tasks.core.config import Config, StoreConfig
 
+TRANSFERS = 8       # a remote store's files of one folder moved at once (each a request: its latency, paid once)
+
+
+def _each(fn: Callable[[Any], object], items: list, threads: int) -> None:
+    """fn(item) for each item, `threads` at a time (one after another for 1); the first failure raised once all
+    have ended."""
+    if threads <= 1 or len(items) <= 1:
+        for item in items:
+            fn(item)
+        return
+    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="rlflow-store") as pool:
+        for _ in pool.map(fn, items):
+            pass
+
+
 def _local_files(folder: Path) -> Iterator[tuple[str, Path]]:
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
@@ -151,8 +166,7 @@ class Store:
 
     # Writing a folder is: put its files (possibly in a staging place), then commit it with its manifest.
     def _write_files(self, key: str, folder: Path, rels: list[str], give_up: bool = False):
-        for rel in rels:
-            self._put_file(f"{key}/{rel}", folder / rel)
+        _each(lambda rel: self._put_file(f"{key}/{rel}", folder / rel), rels, TRANSFERS if self.remote else 1)
         return key
 
     def _copy_files(self, src: str, dst: str, pairs: dict[str, str]):
@@ -171,16 +185,19 @@ class Store:
         if manifest is None:
             raise IncompleteArtifact(f"{self.uri(key)}: incomplete artifact (no {MANIFEST})")
         dest = Path(dest)
-        for rel, want in manifest["files"].items():
+
+        def get(item: tuple[str, dict]) -> None:
+            rel, want = item
             target = dest / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             if target.exists() and target.stat().st_size == want["size"] and known_sha256(target) == want["sha256"]:
-                continue                                    # here already (a cache), and verified
+                return                                      # here already (a cache), and verified
             try:
                 self._get_file(f"{key}/{rel}", target)
             except FileNotFoundError:
                 raise CorruptArtifact(key, f"{self.uri(key)}/{rel}: missing (listed in {MANIFEST})") from None
             verify_file(target, want, key, f"{self.uri(key)}/{rel}")
+        _each(get, list(manifest["files"].items()), TRANSFERS if self.remote else 1)
         return manifest
 
     def local(self, key: str) -> Path:
@@ -575,12 +592,15 @@ class S3Store(Store):
         (a single request, much faster than boto3's multipart UploadPartCopy: docs/benchmarks.md), a managed
         multipart copy above it."""
         sizes = {rel: e["size"] for rel, e in (self.manifest(src) or {"files": {}})["files"].items()}
-        for rel, src_rel in pairs.items():
+
+        def copy(pair: tuple[str, str]) -> None:
+            rel, src_rel = pair
             source = {"Bucket": self.bucket, "Key": self._k(f"{src}/{src_rel}")}
             if sizes.get(src_rel, 0) < (5 << 30):
                 self.client.copy_object(CopySource=source, Bucket=self.bucket, Key=self._k(f"{dst}/{rel}"))
             else:
                 self.client.copy(source, self.bucket, self._k(f"{dst}/{rel}"), Config=self.transfer)
+        _each(copy, list(pairs.items()), TRANSFERS)
         return dst
 
     def _get_file(self, key, dest):
