@@ -407,3 +407,34 @@ def test_a_remote_stores_files_of_one_folder_move_at_once(s3_endpoint, bucket, t
     store.client.copy_object = copy_together
     store.copy_folder("run/p", "run/q")
     assert len(copied) == 6 and store.verify("run/q")["files"].keys() == store.manifest("run/p")["files"].keys()
+
+
+def test_a_call_that_failed_after_botocore_waited_out_its_tries_is_not_tried_again(monkeypatch):
+    """A store that answers nothing (SIGSTOPped, its machine gone): botocore tries each request RETRIES times,
+    60 s each, and raises ReadTimeoutError; the reply-body retry then tried the whole call 5 times more (~25 min
+    a call, before the stage's own retries). A failure that took AGAIN_SECONDS is raised at once; a quick one (a
+    reset as the body is read) is still tried again."""
+    import time
+
+    from botocore.exceptions import ReadTimeoutError
+
+    from tasks.core import store as stores
+
+    monkeypatch.setattr(stores, "AGAIN_SECONDS", 2.0, raising=False)
+    calls = []
+
+    def slow():
+        calls.append("slow")
+        time.sleep(2.1)                  # (at least this long: the test does not depend on the machine's speed)
+        raise ReadTimeoutError(endpoint_url="http://stopped")
+
+    def quick():
+        calls.append("quick")
+        if calls.count("quick") < 3:
+            raise ReadTimeoutError(endpoint_url="http://reset")
+        return "answered"
+    errors = stores._body_errors()
+    with pytest.raises(ReadTimeoutError):
+        stores._again(slow, errors)
+    assert stores._again(quick, errors) == "answered"
+    assert calls == ["slow", "quick", "quick", "quick"]

@@ -455,6 +455,7 @@ class FileStore(Store):
 
 
 READ_ATTEMPTS = 5
+AGAIN_SECONDS = 60.0        # a call that failed after this long (botocore waited out its own tries) is not tried again
 
 
 def _body_errors() -> tuple[type[BaseException], ...]:
@@ -503,11 +504,15 @@ class _Resilient:
 
 
 def _again(fn, errors: tuple[type[BaseException], ...], attempts: int = READ_ATTEMPTS):
+    """fn() tried again on `errors`, up to `attempts` in all; not once it failed after AGAIN_SECONDS: a server
+    that answers nothing (stopped, gone) made botocore wait out its own RETRIES tries of 60 s each, and each try
+    here waited that again (~25 min a call; the stage's retries then multiplied it)."""
     for attempt in range(attempts):
+        began = time.monotonic()
         try:
             return fn()
         except errors:
-            if attempt == attempts - 1:
+            if attempt == attempts - 1 or time.monotonic() - began > AGAIN_SECONDS:
                 raise
             time.sleep(0.1 * 2 ** attempt)
     raise AssertionError("unreachable")
