@@ -52,6 +52,44 @@ class LeavesThingsBehind(SayTheLetters):        # a chdir, a forked process, a t
         return super().reset(row)
 
 
+class ExitsWhenMade(SayTheLetters):
+    def __init__(self, **kw):
+        sys.exit(0)
+
+
+class InterruptsItself(SayTheLetters):
+    def reset(self, row):
+        import signal
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+
+
+class ForksADaemonAway(SayTheLetters):        # setsid and a second fork: no one's descendant, no group of ours
+    def __init__(self, **kw):
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                open(os.environ["KILL_DIR"] + "/daemon", "w").write(str(os.getpid()))
+                time.sleep(600)
+            os._exit(0)
+        os.wait()
+        super().__init__(**kw)
+
+
+class ClosesAllAndOpensItsOwn(SayTheLetters):  # a daemon-style closerange, then files of its own in their numbers
+    def reset(self, row):
+        os.closerange(3, 256)
+        self.kept = [open(os.path.join(os.environ["KILL_DIR"], f"log{i}.txt"), "w") for i in range(40)]
+        return super().reset(row)
+
+
+class WritesALot(SayTheLetters):
+    def reset(self, row):
+        for _ in range(8):
+            os.write(2, b"e" * (1 << 20))
+        return super().reset(row)
+
+
 class SwallowsTheDeadline(SayTheLetters):
     def __init__(self, **kw):
         while True:
@@ -145,3 +183,48 @@ def test_the_checks_own_lines_come_back_as_they_are(hostile):
     with pytest.raises(UserError, match=r"^env.kwargs: hostile_envs:Fine cannot be called with env.kwargs \['x'\]"):
         _check("hostile_envs:Fine", None, "env.kwargs={x: 1}")
 
+
+
+@pytest.mark.parametrize("factory, said", [
+    ("hostile_envs:ExitsWhenMade", "the environment's code called sys.exit(0) as preflight made one with env.kwargs"),
+    ("hostile_envs:InterruptsItself", "preflight's check of the environment failed as it made one with env.kwargs, "
+                                      "then reset and stepped it with the data's first row: KeyboardInterrupt"),
+])
+def test_what_the_environments_code_raises_past_exception_is_one_line(hostile, factory, said):
+    """sys.exit and a SIGINT it sends itself are no Exception: the check's child reported them as rlflow's own
+    failure (a traceback, exit 1)."""
+    with pytest.raises(UserError) as e:
+        _check(factory)
+    assert str(e.value).startswith(f"env.factory: {factory}: {said}"), str(e.value)
+
+
+def test_sys_exit_in_the_environment_is_one_line_where_it_runs_in_rlflows_process_too(hostile):
+    """env.isolation: thread checks it here: sys.exit(0) as it was made ended `rlflow run` with exit 0, no word."""
+    from tasks.envs.runtime.protocol import check_environment
+
+    cfg = load_config(LETTERS, ["env.factory=hostile_envs:ExitsWhenMade", "env.isolation=thread"])
+    with pytest.raises(UserError, match=r"^env.factory: hostile_envs:ExitsWhenMade: the environment's code called "
+                                        r"sys.exit\(0\) as preflight made one"):
+        check_environment(cfg, dict(ROW))
+
+
+def test_a_daemon_forked_away_and_descriptors_closed_under_the_check_are_its_own(hostile):
+    """A daemon in a session of its own (setsid, a second fork) outlived the command; a closerange(3, 256) and
+    files opened in those numbers took the check's answer (the run waited 180 s, then blamed a loop)."""
+    from tasks.core.processes import alive
+
+    _check("hostile_envs:ForksADaemonAway")
+    daemon, deadline = int((hostile / "daemon").read_text()), time.monotonic() + 30
+    while time.monotonic() < deadline and alive(daemon):
+        time.sleep(0.2)
+    assert not alive(daemon)
+    _check("hostile_envs:ClosesAllAndOpensItsOwn")
+    assert all((hostile / f"log{i}.txt").read_text() == "" for i in range(40))
+
+
+def test_what_the_check_prints_is_bounded(hostile, monkeypatch, capfd):
+    """Its output reaches this process's stderr within RLFLOW_USER_OUTPUT_BYTES (8 MB went through whole)."""
+    monkeypatch.setenv("RLFLOW_USER_OUTPUT_BYTES", "4096")
+    _check("hostile_envs:WritesALot")
+    err = capfd.readouterr().err
+    assert len(err) < 10_000 and "RLFLOW_USER_OUTPUT_BYTES" in err

@@ -8,7 +8,9 @@ exit 2, as the episodes' own processes would meet it, instead of a run that dies
     check_in_process(cfg, datasets)     # returns once the child said so, or raises UserError with its line
 
 The child (`python -m tasks.envs.runtime.probe FD`) reads the request from its stdin and says, as JSON lines on
-FD, which step it is at (its deadlines are the parent's) and then its answer; it is killed with its group after.
+FD, which step it is at (its deadlines are the parent's) and then its answer; it is killed with its group after,
+and a keeper (processes.fork_keeper) takes in what the user's code forked away, to be killed with it. What it
+prints reaches this process's stderr within $RLFLOW_USER_OUTPUT_BYTES.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import UserError
 from tasks.core.paths import import_hung, user_code_seconds
-from tasks.core.processes import how_it_ended, kill_group, peek_exit, spawn
+from tasks.core.process_wide import user_output_limit
+from tasks.core.processes import BoundedCopy, how_it_ended, kill_group, peek_exit, spawn
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
 
 START_SECONDS = 120.0        # the child's Python and rlflow's imports, before it names its first step
 CHECK_SECONDS = 60.0         # beyond the user's own deadlines (the factory's RLFLOW_IMPORT_SECONDS, reset/step's)
+ANSWER_CLOSED = 70           # the child's exit code when the user's code closed the descriptor it answers on
 
 
 class Rows:
@@ -69,9 +73,12 @@ def check_in_process(cfg: Config, datasets: list) -> None:
     try:
         # (`-m` from the user's folder: spawn's safe path, so that it imports rlflow's tasks, not a tasks/ there)
         proc = spawn([sys.executable, "-m", "tasks.envs.runtime.probe", str(write)], stdin=subprocess.PIPE,
-                     pass_fds=(write,), start_new_session=True, cwd=os.getcwd())
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(write,), start_new_session=True,
+                     cwd=os.getcwd())
     finally:
         os.close(write)
+    out, proc.stdout = proc.stdout, None                # (the copier's to close: kill_group closes what Popen holds)
+    copy = BoundedCopy(out, user_output_limit, "preflight's check of the environment")
     step, answer = "start", None
     try:
         try:
@@ -91,6 +98,7 @@ def check_in_process(cfg: Config, datasets: list) -> None:
     finally:
         kill_group(proc)            # it, and what the user's code started in its group or in groups of their own
         os.close(read)
+        copy.wait(5.0)              # (what it wrote, before what is said of it)
     kind, value = answer
     if kind == "ok":
         return
@@ -99,6 +107,10 @@ def check_in_process(cfg: Config, datasets: list) -> None:
     spec, module = cfg.env.factory, str(cfg.env.factory).partition(":")[0]
     doing = {"start": f"started (before it imported module {module!r})", "import": f"imported module {module!r}",
              "check": "made one with env.kwargs, then reset and stepped it with the data's first row"}[step]
+    if kind == "ended" and value == ANSWER_CLOSED:
+        raise UserError(f"env.factory: {spec}: the environment's code closed the descriptors of the process preflight "
+                        f"checks it in (the one its answer goes out on among them) as it {doing}; expected it to "
+                        f"close only what it opened")
     if kind == "ended":
         raise UserError(f"env.factory: {spec}: the environment's code ended the process preflight checks it in "
                         f"({how_it_ended(value)}) as it {doing}; expected it to leave its process running (a crash "
@@ -109,7 +121,8 @@ def check_in_process(cfg: Config, datasets: list) -> None:
         raise UserError(f"env.factory: {spec}: preflight's check of the environment did not end in "
                         f"{limits[step]:g} s as it {doing} (it waits or loops past its deadlines there; "
                         f"RLFLOW_IMPORT_SECONDS allows more)")
-    raise RuntimeError(f"preflight's check of env.factory ({spec}) failed in its process: {value}")
+    # (raised there: by the user's code, or by rlflow's after the user's code changed the process under it)
+    raise UserError(f"env.factory: {spec}: preflight's check of the environment failed as it {doing}: {value}")
 
 
 class _Lines:
@@ -157,12 +170,26 @@ class _Lines:
 # ------------------------------------------------------------------------------------------------ the child
 
 def _main(fd: int) -> None:
+    import fcntl
+
+    from tasks.core.processes import fork_keeper
+
+    fork_keeper()                      # (what the user's code forks away is the keeper's, killed with it)
+    try:                               # (above the descriptors a daemon-style closerange(3, 256) closes)
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD, 512)
+        os.close(fd)
+        fd = high
+    except OSError:
+        pass
     request = pickle.loads(sys.stdin.buffer.read())
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
 
     def say(kind: str, value: Any = None) -> None:
-        os.write(fd, (json.dumps([kind, value]) + "\n").encode())
+        try:
+            os.write(fd, (json.dumps([kind, value]) + "\n").encode())
+        except OSError:                # (the user's code closed it: said by the parent as this process's end)
+            os._exit(ANSWER_CLOSED)
 
     try:
         from tasks.core.config import Config
@@ -179,8 +206,8 @@ def _main(fd: int) -> None:
         say("ok")
     except UserError as e:
         say("user", str(e))
-    except BaseException as e:  # noqa: BLE001 - rlflow's own failure, said to the parent
-        say("failed", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:500]}")
+    except BaseException as e:  # noqa: BLE001 - a SystemExit, a KeyboardInterrupt (its SIGINT), said to the parent
+        say("failed", type(e).__name__ + "".join(f": {line[:500]}" for line in str(e).splitlines()[:1]))
     while True:                        # (the parent kills it with its group: nothing the user's code left runs on)
         time.sleep(3600)
 
