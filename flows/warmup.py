@@ -165,8 +165,9 @@ def record_command(args, cfg: Config) -> int:
         if not progress.kept:
             episodes = progress.episodes
             progress.discard()
+            failed = f" (the first error: {' '.join(progress.failed.split())[:300]})" if progress.failed else ""
             raise UserError(f"--policy: none of its {episodes} episodes returned {args.min_return:g} or more "
-                            f"without an error; nothing to write")
+                            f"without an error; nothing to write{failed}")
         write(progress.kept, out)
     print(f"{out}: {len(progress.kept)} demonstrations of {progress.episodes} episodes (return >= "
           f"{args.min_return:g})" + (f"; {progress.unrendered} left out: they do not render back to their own "

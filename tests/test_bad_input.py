@@ -1789,3 +1789,19 @@ def test_a_process_a_module_forks_as_it_is_imported_ends_with_the_run(prefect_ap
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
 
+
+
+def test_a_recording_whose_every_episode_failed_says_the_first_failure(prefect_api, tmp_path):
+    """Every episode's environment crashed (a reset that segfaults, in its own process): the line blamed --policy
+    alone ('none of its 2 episodes returned 1 or more without an error'), never the environment or the crash."""
+    (tmp_path / "crashing_env.py").write_text(
+        "from tasks.envs.builtin.games import SayTheLetters\n\n\n"
+        "class Env(SayTheLetters):\n    def reset(self, row):\n        import ctypes\n        ctypes.string_at(0)\n")
+    out = run_cli(["record", str(TINY.parent / "letters.yaml"), "--policy", "tasks.envs.builtin.games:reference_action",
+                   "--rows", "0-1", "--out", str(tmp_path / "o.jsonl"), "-o", "env.factory=crashing_env:Env", "-o",
+                   "env.isolation=process"], tmp_path, prefect_api)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith("error: --policy: none of its 2 episodes returned 1 or more without an error; nothing "
+                               "to write (the first error: ") and "SIGSEGV" in lines[0], lines[0]
+    assert not (tmp_path / "o.jsonl").exists()

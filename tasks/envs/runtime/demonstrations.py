@@ -157,7 +157,7 @@ def as_row(r: Rollout, tokenizer, schemas: list[dict] | None) -> dict:
 
 def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, min_return: float | None = 1.0,
            split: str = "train", seed: int = 0, skip: int = 0,
-           on_chunk: Callable[[int, list[dict], int, int], None] | None = None
+           on_chunk: Callable[[int, list[dict], int, int, str | None], None] | None = None
            ) -> tuple[list[dict], list[Rollout], int]:
     """Episodes of `policy` on the dataset's rows (`split`: train, or the held-out eval split; `rows`: their
     indices, all by default; the first `skip` of them left out), `n` per row, greedy for a model. Returns the rows
@@ -165,8 +165,8 @@ def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, 
     the first kind were left out because they do not render back to their own tokens and mask (a turn cut at
     max_completion_length, text that does not round-trip through the tokenizer): a demonstration is kept only where
     RL's masks agree. With `on_chunk`, the rows run CHUNK_EPISODES // n at a time (chunks from the first row on)
-    and after each, the rows done so far, its kept rows, episode and unrendered counts go to it instead (no
-    episode returned or held: `rlflow record`'s progress)."""
+    and after each, the rows done so far, its kept rows, episode and unrendered counts and its first episode's error
+    (None: none failed) go to it instead (no episode returned or held: `rlflow record`'s progress)."""
     from tasks.core.data import load_prompts
     from tasks.core.models import base_path, load_tokenizer
     from tasks.envs.runtime.episodes import run_episodes
@@ -203,7 +203,8 @@ def record(cfg: Config, policy: str, rows: list[int] | None = None, n: int = 1, 
             got, _ = run_episodes(cfg, table, chunk, session, params)
             rendered, lost = _demonstrations(cfg, got, session.tokenizer, render, schemas, min_return)
             if on_chunk is not None:
-                on_chunk(skip + at + len(chunk), rendered, len(got), lost)
+                on_chunk(skip + at + len(chunk), rendered, len(got), lost,
+                         next((r.env_error for r in got if r.env_error is not None), None))
             else:
                 kept, records, unrendered = kept + rendered, records + got, unrendered + lost
     return kept, records, unrendered
@@ -287,6 +288,7 @@ class RecordingProgress:
         self.done = 0                               # rows of the recording's (in order) recorded
         self.kept: list[dict] = []
         self.episodes = self.unrendered = 0
+        self.failed: str | None = None    # the first episode's error, as it said it
 
     def __enter__(self) -> RecordingProgress:
         missing = [p for p in (self.out.parent, *self.out.parent.parents) if not p.exists()]
@@ -325,10 +327,11 @@ class RecordingProgress:
         self.kept += chunk["kept"]
         self.episodes += chunk["episodes"]
         self.unrendered += chunk["unrendered"]
+        self.failed = self.failed or chunk.get("failed")
 
-    def add(self, done: int, kept: list[dict], episodes: int, unrendered: int) -> None:
+    def add(self, done: int, kept: list[dict], episodes: int, unrendered: int, failed: str | None = None) -> None:
         """One chunk recorded (record's on_chunk)."""
-        chunk = {"done": done, "kept": kept, "episodes": episodes, "unrendered": unrendered}
+        chunk = {"done": done, "kept": kept, "episodes": episodes, "unrendered": unrendered, "failed": failed}
         self.file.write(json.dumps(chunk) + "\n")
         self.file.flush()
         os.fsync(self.file.fileno())
