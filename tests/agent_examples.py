@@ -115,13 +115,16 @@ async def jittery(row, base_url, api_key):
     import random
 
     await asyncio.sleep(random.random() * 0.05)
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    messages = [{"role": "user", "content": row["prompt"]}]
-    for _ in range(len(row["letters"])):
-        reply = await client.chat.completions.create(model="policy", messages=messages)
-        await asyncio.sleep(random.random() * 0.05)
-        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                     {"role": "user", "content": "next"}]
+    # (closed as it ends: an ended episode's connection, left to the garbage collector, held two descriptors of the
+    # stage's process, one per side, for as long as that took; near the process's descriptor limit a later
+    # episode's connect failed with EMFILE, the episode ended early and the rounds after it were of other sizes)
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for _ in range(len(row["letters"])):
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            await asyncio.sleep(random.random() * 0.05)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "next"}]
     return float(len(reply.choices[0].message.content or ""))
 
 

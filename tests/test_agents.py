@@ -220,6 +220,9 @@ def test_the_same_stage_samples_the_same_rollouts_whatever_the_timing(tmp_path):
     # of other episodes from an episode that failed)
     how = [([(len(p), q.seed) for p, q, _ in session.requests], [r.env_error for r in records])
            for records, session in runs]
+    # (an episode that failed, whatever the cause, changes the size of every round after it, so every later
+    # episode's tokens: said as that failure, not as a token diff)
+    assert [[(i, e) for i, e in enumerate(errors) if e] for _, errors in how] == [[], []], how
     assert seen[0] == seen[1], f"each run's rounds and errors: {how}"
 
 
