@@ -487,3 +487,28 @@ def test_a_group_that_failed_is_raised_as_what_its_processes_said():
         raise_failure(Streamed(1, None, [], disk_full="no space"), "the group")
     with pytest.raises(RuntimeError, match=r"^the group exited with 1: x \| y$"):
         raise_failure(Streamed(1, None, ["x", "", "y"]), "the group")
+
+
+def test_an_environment_module_whose_thread_never_ends_does_not_keep_the_runs_output_open(prefect_api, tmp_path):
+    """env.factory's module starts a thread that never ends as it is imported. The forkserver of the episodes'
+    processes imports it too, and that thread kept the forkserver alive after the run had ended (ppid 1, for
+    good), holding the run's stdout: `rlflow run ... | tail` waited for ever. It is killed as the run exits."""
+    from tests.conftest import run_cli
+
+    (tmp_path / "thread_at_import.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), name='user-forever').start()\n"
+        "from tasks.envs.builtin.games import SayTheLetters as Env\n")
+    out = run_cli(["run", str(LETTERS), "-o", "env.factory=thread_at_import:Env", "-o", "env.isolation=process", "-o",
+                   "run.iterations=1", "-o", "generate.prompts_per_iteration=2", "-o", "generate.num_generations=2",
+                   "-o", f"store.uri={tmp_path}/store"], tmp_path, prefect_api, timeout=300)   # (waits for its pipes)
+    assert out.returncode == 0, out.stderr[-2000:]
+    left = [p for p in os.listdir("/proc") if p.isdigit() and b"thread_at_import" in _cmdline(p)]
+    assert not left, left
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

@@ -451,6 +451,31 @@ def wind_down(seconds: float, also: Callable[[], list[str]] | None = None) -> li
     return left
 
 
+def end_forkserver_at_exit() -> None:
+    """At this process's exit (atexit; wind_down runs it), its multiprocessing forkserver killed. It ends by itself
+    when this process's end closes its pipe, unless a thread that a module it preloaded started (env.factory's
+    module, imported there) keeps it alive: then it outlived the run, holding the run's output pipe (a `| tail`
+    waited for good). Registered once."""
+    import atexit
+
+    if not _FORKSERVER_ENDED:
+        _FORKSERVER_ENDED.append(True)
+        atexit.register(_end_forkserver)
+
+
+_FORKSERVER_ENDED: list[bool] = []
+
+
+def _end_forkserver() -> None:
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
 # ---------------------------------------------------------------------------------------- environment variables
 
 def set_default(name: str, value: str) -> None:

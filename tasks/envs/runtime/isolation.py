@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.process_wide import (
+    end_forkserver_at_exit,
     mark_user_thread,
     renew_output_budget,
     set_variable,
@@ -52,8 +53,7 @@ from tasks.envs.runtime.tools import tool_schemas
 if TYPE_CHECKING:
     from tasks.core.config import Config
 
-_context = None
-_warm = False
+_context, _warm = None, False
 _warming = threading.Lock()              # (episodes start from many threads, each calling warm_up)
 PREPARE = "RLFLOW_FORKSERVER_CONFIG"     # the config the forkserver prepares for (warm_up: for its start only)
 
@@ -94,10 +94,10 @@ def warm_up(cfg: Config) -> None:
                 take(PREPARE, None)
         proc.join()
         _warm = True
+        end_forkserver_at_exit()
 
 
-def _noop() -> None:
-    pass
+def _noop() -> None: pass
 
 
 def _forkserver_alive() -> bool:
