@@ -412,11 +412,11 @@ def test_a_remote_stores_files_of_one_folder_move_at_once(s3_endpoint, bucket, t
 def test_a_call_that_failed_after_botocore_waited_out_its_tries_is_not_tried_again(monkeypatch):
     """A store that answers nothing (SIGSTOPped, its machine gone): botocore tries each request RETRIES times,
     60 s each, and raises ReadTimeoutError; the reply-body retry then tried the whole call 5 times more (~25 min
-    a call, before the stage's own retries). A failure that took AGAIN_SECONDS is raised at once; a quick one (a
-    reset as the body is read) is still tried again."""
+    a call, before the stage's own retries). No answer after AGAIN_SECONDS is raised at once; a quick failure (a
+    reset as the body is read), or a long transfer broken off by a reset, is still tried again."""
     import time
 
-    from botocore.exceptions import ReadTimeoutError
+    from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
 
     from tasks.core import store as stores
 
@@ -433,8 +433,15 @@ def test_a_call_that_failed_after_botocore_waited_out_its_tries_is_not_tried_aga
         if calls.count("quick") < 3:
             raise ReadTimeoutError(endpoint_url="http://reset")
         return "answered"
+    def long_then_reset():
+        calls.append("long")
+        if calls.count("long") == 1:
+            time.sleep(2.1)              # (a multi-GB upload's time, then a reset)
+            raise ConnectionClosedError(endpoint_url="http://reset")
+        return "answered"
     errors = stores._body_errors()
     with pytest.raises(ReadTimeoutError):
         stores._again(slow, errors)
     assert stores._again(quick, errors) == "answered"
-    assert calls == ["slow", "quick", "quick", "quick"]
+    assert stores._again(long_then_reset, errors) == "answered"
+    assert calls == ["slow", "quick", "quick", "quick", "long", "long"]

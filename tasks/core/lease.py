@@ -82,9 +82,9 @@ class Lease:
                     raise UserError(
                         f"run.name {self.run!r}: another flow run is writing this run ({cur.get('holder')}, lease "
                         f"valid until {_when(cur['expires_at'])}); wait for it to end or use another run.name")
-            body = self._record()
+            started, body = time.monotonic(), self._record()     # (its expiry counts from here, not the answer)
             if (new := self.store.write_if(self.key, body, tag)) is not None:
-                self._tag, self._renewed_at = new, time.monotonic()
+                self._tag, self._renewed_at = new, started
                 self._thread = threading.Thread(target=self._renew_loop, daemon=True, name="rlflow-lease")
                 self._thread.start()
                 return self
@@ -101,7 +101,7 @@ class Lease:
 
     def renew(self) -> None:
         with self._renewing:
-            body = self._record()
+            started, body = time.monotonic(), self._record()
             new = self.store.write_if(self.key, body, self._tag)
             if new is None:
                 current = self._ours()       # our own earlier renewal, applied but unanswered?
@@ -110,7 +110,7 @@ class Lease:
             if new is None:
                 self.lost = f"run {self.run!r}: the lease was taken over by another flow run"
                 raise LeaseLost(self.lost)
-            self._tag, self._renewed_at = new, time.monotonic()
+            self._tag, self._renewed_at = new, started
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.seconds / 3):
@@ -125,16 +125,17 @@ class Lease:
         """Raise if the lease was lost; the flow calls this before each stage. One whose renewals the store has not
         answered for run.lease_seconds may have expired and been taken over: it is renewed here first (LeaseLost if
         it was taken over; while the store still does not answer, a RuntimeError: no stage starts unconfirmed)."""
-        if not self.lost and (age := time.monotonic() - self._renewed_at) > self.seconds:
+        if not self.lost and time.monotonic() - self._renewed_at > self.seconds:
             try:
                 self.renew()
             except LeaseLost:
                 pass
             except Exception as e:  # noqa: BLE001 - the store's failure, said with the lease's state
+                age = time.monotonic() - self._renewed_at
                 raise RuntimeError(f"run {self.run!r}: the run's lease was last renewed {age:.0f} s ago (past "
                                    f"run.lease_seconds, {self.seconds:g} s: it may have expired) and the store does "
                                    f"not answer its renewal ({type(e).__name__}: {str(e)[:200]}); no stage starts "
-                                   f"until it is renewed") from None
+                                   f"until it is renewed") from e
         if self.lost:
             raise LeaseLost(self.lost)
 

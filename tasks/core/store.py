@@ -50,9 +50,14 @@ def _each(fn: Callable[[Any], object], items: list, threads: int) -> None:
         for item in items:
             fn(item)
         return
-    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="rlflow-store") as pool:
+    pool = ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="rlflow-store")
+    try:
         for _ in pool.map(fn, items):
             pass
+    except BaseException:                  # (a Ctrl-C: not after the transfers under way, as one at a time did)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
 
 
 def _local_files(folder: Path) -> Iterator[tuple[str, Path]]:
@@ -455,7 +460,7 @@ class FileStore(Store):
 
 
 READ_ATTEMPTS = 5
-AGAIN_SECONDS = 60.0        # a call that failed after this long (botocore waited out its own tries) is not tried again
+AGAIN_SECONDS = 60.0        # a call with no answer after this long (botocore waited out its own tries): not again
 
 
 def _body_errors() -> tuple[type[BaseException], ...]:
@@ -504,15 +509,19 @@ class _Resilient:
 
 
 def _again(fn, errors: tuple[type[BaseException], ...], attempts: int = READ_ATTEMPTS):
-    """fn() tried again on `errors`, up to `attempts` in all; not once it failed after AGAIN_SECONDS: a server
-    that answers nothing (stopped, gone) made botocore wait out its own RETRIES tries of 60 s each, and each try
-    here waited that again (~25 min a call; the stage's retries then multiplied it)."""
+    """fn() tried again on `errors`, up to `attempts` in all; not a call that got no answer (a read or connect
+    timeout) after AGAIN_SECONDS: a server that answers nothing (stopped, gone) made botocore wait out its own
+    RETRIES tries of 60 s each, and each try here waited that again (~25 min a call; the stage's retries then
+    multiplied it). A long transfer broken off by a reset is still tried again."""
+    from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+
     for attempt in range(attempts):
         began = time.monotonic()
         try:
             return fn()
-        except errors:
-            if attempt == attempts - 1 or time.monotonic() - began > AGAIN_SECONDS:
+        except errors as e:
+            silent = isinstance(e, ReadTimeoutError | ConnectTimeoutError)
+            if attempt == attempts - 1 or silent and time.monotonic() - began > AGAIN_SECONDS:
                 raise
             time.sleep(0.1 * 2 ** attempt)
     raise AssertionError("unreachable")
@@ -540,7 +549,8 @@ class S3Store(Store):
         def client(attempts: int):
             return boto3.client("s3", endpoint_url=endpoint, region_name=getattr(cfg, "region", None),
                                 config=BotoConfig(retries={"max_attempts": attempts, "mode": "standard"},
-                                                  connect_timeout=10, max_pool_connections=32))
+                                                  connect_timeout=10, max_pool_connections=max(
+                                                      32, TRANSFERS * (getattr(cfg, "max_concurrency", 8) or 8))))
 
         from botocore.exceptions import BotoCoreError
 
