@@ -220,10 +220,10 @@ class Local:
 
 
 def _all_stopped(pids: list[int]) -> bool:
-    """Whether every one of `pids` is stopped by a signal (state T or t in /proc; False where that cannot be read:
-    gone, or no /proc)."""
+    """Whether every one of `pids` is stopped by a signal (state T in /proc; not t, a debugger's stop; False where
+    that cannot be read: gone, or no /proc)."""
     try:
-        return all(Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][:1] in "Tt" for pid in pids)
+        return all(Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][:1] == "T" for pid in pids)
     except OSError:
         return False
 

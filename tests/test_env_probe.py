@@ -174,7 +174,7 @@ def test_code_that_swallows_its_deadline_is_stopped_by_ours(hostile, monkeypatch
     monkeypatch.setenv("RLFLOW_IMPORT_SECONDS", "1")
     monkeypatch.setattr(probe, "CHECK_SECONDS", 3.0)
     with pytest.raises(UserError, match=r"^env.factory: hostile_envs:SwallowsTheDeadline: preflight's check of the "
-                                        r"environment did not end in 5 s as it made one with env.kwargs"):
+                                        r"environment did not end in 14 s as it made one with env.kwargs"):
         _check("hostile_envs:SwallowsTheDeadline")
 
 
@@ -186,7 +186,8 @@ def test_the_checks_own_lines_come_back_as_they_are(hostile):
 
 
 @pytest.mark.parametrize("factory, said", [
-    ("hostile_envs:ExitsWhenMade", "the environment's code called sys.exit(0) as preflight made one with env.kwargs"),
+    ("hostile_envs:ExitsWhenMade", "the environment's code called sys.exit(0) in preflight's check of it (made "
+                                   "with env.kwargs"),
     ("hostile_envs:InterruptsItself", "preflight's check of the environment failed as it made one with env.kwargs, "
                                       "then reset and stepped it with the data's first row: KeyboardInterrupt"),
 ])
@@ -204,7 +205,7 @@ def test_sys_exit_in_the_environment_is_one_line_where_it_runs_in_rlflows_proces
 
     cfg = load_config(LETTERS, ["env.factory=hostile_envs:ExitsWhenMade", "env.isolation=thread"])
     with pytest.raises(UserError, match=r"^env.factory: hostile_envs:ExitsWhenMade: the environment's code called "
-                                        r"sys.exit\(0\) as preflight made one"):
+                                        r"sys.exit\(0\) in preflight's check of it"):
         check_environment(cfg, dict(ROW))
 
 

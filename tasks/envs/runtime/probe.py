@@ -21,6 +21,7 @@ import pickle
 import select
 import subprocess
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,10 @@ class Rows:
         return self.length
 
     def __getitem__(self, key: int | str) -> Any:
+        from tasks.envs.runtime.protocol import ENVIRONMENT_COLUMN
+
+        if isinstance(key, str) and (key != ENVIRONMENT_COLUMN or self.names is None):
+            raise KeyError(key)
         return self.names if isinstance(key, str) else self.rows[key]
 
 
@@ -66,26 +71,34 @@ def check_in_process(cfg: Config, datasets: list) -> None:
     """check_environment(cfg, first row, datasets) run by a child process; its UserError raised here as it is,
     and its death or silence as one line naming env.factory."""
     seconds = user_code_seconds()
-    limits = {"start": START_SECONDS, "import": seconds + CHECK_SECONDS, "check": 2 * seconds + CHECK_SECONDS}
-    request = {"config": cfg.model_dump(mode="json"), "datasets": [Rows(ds) for ds in datasets], "cwd": os.getcwd(),
-               "path": list(sys.path)}          # (what this process can import, the child can)
+    rows = [Rows(ds) for ds in datasets]
+    made = max(1, len({n for r in rows for n in r.names or () if isinstance(n, str)}))   # (a dict: each made in turn)
+    limits = {"start": START_SECONDS, "import": seconds + CHECK_SECONDS,
+              "check": made * (seconds + 10.0) + CHECK_SECONDS}
+    try:        # (where it runs first: sys.path and the folder, then what may need them to unpickle)
+        request = pickle.dumps({"cwd": os.getcwd(), "path": list(sys.path)}) + \
+            pickle.dumps({"config": cfg.model_dump(mode="json"), "datasets": rows})
+    except Exception:  # noqa: BLE001 - a row that cannot travel: checked here, as before
+        from tasks.envs.runtime.protocol import check_environment, factory_of
+
+        factory_of(cfg)
+        check_environment(cfg, dict(datasets[0][0]), datasets)
+        return
     read, write = os.pipe()
-    try:
-        # (`-m` from the user's folder: spawn's safe path, so that it imports rlflow's tasks, not a tasks/ there)
-        proc = spawn([sys.executable, "-m", "tasks.envs.runtime.probe", str(write)], stdin=subprocess.PIPE,
-                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(write,), start_new_session=True,
-                     cwd=os.getcwd())
-    finally:
-        os.close(write)
-    out, proc.stdout = proc.stdout, None                # (the copier's to close: kill_group closes what Popen holds)
-    copy = BoundedCopy(out, user_output_limit, "preflight's check of the environment")
+    proc = copy = None
     step, answer = "start", None
     try:
         try:
-            proc.stdin.write(pickle.dumps(request))
-            proc.stdin.close()
-        except OSError:
-            pass                                    # (it has ended: said below, as it ended)
+            # (`-m` from the user's folder: spawn's safe path, so that it imports rlflow's tasks, not a tasks/ there)
+            proc = spawn([sys.executable, "-m", "tasks.envs.runtime.probe", str(write)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(write,),
+                         start_new_session=True, cwd=os.getcwd())
+        finally:
+            os.close(write)
+        out, proc.stdout = proc.stdout, None            # (the copier's to close: kill_group closes what Popen holds)
+        copy = BoundedCopy(out, user_output_limit, "preflight's check of the environment")
+        # (from a thread: a request larger than the pipe holds must not hold this one past the child's deadline)
+        threading.Thread(target=_send, args=(proc.stdin, request), daemon=True, name="rlflow-probe-request").start()
         lines = _Lines(read, proc)
         while answer is None:
             said = lines.next(limits[step])
@@ -96,15 +109,21 @@ def check_in_process(cfg: Config, datasets: list) -> None:
             else:
                 answer = said
     finally:
-        kill_group(proc)            # it, and what the user's code started in its group or in groups of their own
+        if proc is not None:
+            kill_group(proc)        # it, and what the user's code started in its group or in groups of their own
         os.close(read)
-        copy.wait(5.0)              # (what it wrote, before what is said of it)
+        if copy is not None:
+            copy.wait(5.0)          # (what it wrote, before what is said of it)
     kind, value = answer
     if kind == "ok":
         return
     if kind == "user":
         raise UserError(value)
     spec, module = cfg.env.factory, str(cfg.env.factory).partition(":")[0]
+    if step == "start":             # (before any of the user's code ran: rlflow's, or this machine's)
+        why = how_it_ended(value) if kind == "ended" else f"no word in {START_SECONDS:g} s" if kind == "silent" \
+            else value
+        raise RuntimeError(f"preflight's check of env.factory ({spec}): its process did not start ({why})")
     doing = {"start": f"started (before it imported module {module!r})", "import": f"imported module {module!r}",
              "check": "made one with env.kwargs, then reset and stepped it with the data's first row"}[step]
     if kind == "ended" and value == ANSWER_CLOSED:
@@ -154,7 +173,7 @@ class _Lines:
         line, _, self.buf = self.buf.partition(b"\n")
         try:
             kind, value = json.loads(line)
-        except ValueError:
+        except (ValueError, TypeError):
             return "failed", f"an answer it did not write: {line[:200]!r}"
         return kind, value
 
@@ -169,6 +188,14 @@ class _Lines:
 
 # ------------------------------------------------------------------------------------------------ the child
 
+def _send(stdin, request: bytes) -> None:
+    try:
+        stdin.write(request)
+        stdin.close()
+    except OSError:
+        pass                        # (it has ended: said as it ended)
+
+
 def _main(fd: int) -> None:
     import fcntl
 
@@ -176,12 +203,15 @@ def _main(fd: int) -> None:
 
     fork_keeper()                      # (what the user's code forks away is the keeper's, killed with it)
     try:                               # (above the descriptors a daemon-style closerange(3, 256) closes)
-        high = fcntl.fcntl(fd, fcntl.F_DUPFD, 512)
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 512)
         os.close(fd)
         fd = high
     except OSError:
         pass
-    request = pickle.loads(sys.stdin.buffer.read())
+    where = pickle.load(sys.stdin.buffer)
+    os.chdir(where["cwd"])
+    sys.path[:] = where["path"]
+    request = pickle.load(sys.stdin.buffer)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
 
@@ -193,11 +223,12 @@ def _main(fd: int) -> None:
 
     try:
         from tasks.core.config import Config
+        from tasks.core.config_base import _HELD
         from tasks.envs.runtime.protocol import check_environment, factories_of, factory_of
 
-        os.chdir(request["cwd"])
-        sys.path[:] = request["path"]
+        _HELD.lines = []               # (its warnings were said as rlflow loaded it: not twice)
         cfg, datasets = Config.model_validate(request["config"]), request["datasets"]
+        _HELD.lines = None
         say("at", "import")
         factories_of(cfg)              # env.factory cannot be imported: one line
         say("at", "check")

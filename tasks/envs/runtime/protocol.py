@@ -312,9 +312,9 @@ def check_environment(cfg: Config, row: dict, datasets: list | tuple = ()) -> No
         except ExitRefused as e:
             raise UserError(f"env.factory: {spec}: {e}") from None
         except SystemExit as e:          # (it ended `rlflow run` with its code, 0 read as success, and no word)
-            raise UserError(f"env.factory: {spec}: the environment's code called sys.exit({e.code!r}) as preflight "
-                            f"made one with env.kwargs and reset and stepped it with the data's first row; "
-                            f"expected it to return (or raise an exception)") from None
+            raise UserError(f"env.factory: {spec}: the environment's code called sys.exit({e.code!r}) in preflight's "
+                            f"check of it (made with env.kwargs, then reset and stepped with the data's first row, "
+                            f"or its own check); expected it to return (or raise an exception)") from None
 
     for split, ds in enumerate(datasets if None not in factories else ()):
         which = ("training", "evaluation")[min(split, 1)]
