@@ -57,13 +57,6 @@ class ExitsWhenMade(SayTheLetters):
         sys.exit(0)
 
 
-class InterruptsItself(SayTheLetters):
-    def reset(self, row):
-        import signal
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(5)
-
-
 class ForksADaemonAway(SayTheLetters):        # setsid and a second fork: no one's descendant, no group of ours
     def __init__(self, **kw):
         if os.fork() == 0:
@@ -188,12 +181,9 @@ def test_the_checks_own_lines_come_back_as_they_are(hostile):
 @pytest.mark.parametrize("factory, said", [
     ("hostile_envs:ExitsWhenMade", "the environment's code called sys.exit(0) in preflight's check of it (made "
                                    "with env.kwargs"),
-    ("hostile_envs:InterruptsItself", "preflight's check of the environment failed as it made one with env.kwargs, "
-                                      "then reset and stepped it with the data's first row: KeyboardInterrupt"),
 ])
 def test_what_the_environments_code_raises_past_exception_is_one_line(hostile, factory, said):
-    """sys.exit and a SIGINT it sends itself are no Exception: the check's child reported them as rlflow's own
-    failure (a traceback, exit 1)."""
+    """sys.exit is no Exception: the check's child reported it as rlflow's own failure (a traceback, exit 1)."""
     with pytest.raises(UserError) as e:
         _check(factory)
     assert str(e.value).startswith(f"env.factory: {factory}: {said}"), str(e.value)
