@@ -62,10 +62,13 @@ class ForksADaemonAway(SayTheLetters):        # setsid and a second fork: no one
         if os.fork() == 0:
             os.setsid()
             if os.fork() == 0:
-                open(os.environ["KILL_DIR"] + "/daemon", "w").write(str(os.getpid()))
+                open(os.environ["KILL_DIR"] + "/daemon.tmp", "w").write(str(os.getpid()))
+                os.rename(os.environ["KILL_DIR"] + "/daemon.tmp", os.environ["KILL_DIR"] + "/daemon")
                 time.sleep(600)
             os._exit(0)
         os.wait()
+        while not os.path.exists(os.environ["KILL_DIR"] + "/daemon"):     # (it is running: not killed unborn)
+            time.sleep(0.01)
         super().__init__(**kw)
 
 

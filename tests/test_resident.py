@@ -537,7 +537,8 @@ def test_a_trainer_that_stops_answering_is_stopped_and_the_retry_resumes_bit_ide
     assert (tmp_path / "drilled").exists() and not alive(stopped)
     train(cfg, 3)                                   # the retry: a new trainer, restored by replay
     publish(cfg, 3)
-    between = json.loads((state_dir() / "hung.json").read_text())["pid"]
+    DetachedTrainer(cfg).preload(3)     # (one runs between requests: a new one where a loaded machine's stall made
+    between = json.loads((state_dir() / "hung.json").read_text())["pid"]     # the last miss its short pings)
     assert between != stopped
     os.kill(between, signal.SIGSTOP)                # hung between requests: the next stage replaces it
     for it in range(4, ITERATIONS + 1):
