@@ -18,8 +18,9 @@ import re
 from tasks.core import layout
 from tasks.core.errors import UserError, cause_of, disk_full
 from tasks.core.lease import LeaseLost
+from tasks.core.s3_calls import store_gone
 from tasks.core.stage import STOP
-from tasks.core.store import CorruptArtifact, store_gone
+from tasks.core.store import CorruptArtifact
 
 # Where each stage's output of an iteration lives: the loop checks a launched stage left it, Repair reads it
 # backwards (which stage of which iteration made this key).

@@ -361,7 +361,7 @@ def test_a_store_that_does_not_answer_is_said_while_botocore_tries_again(capfd):
         port = s.getsockname()[1]
     from botocore.exceptions import EndpointConnectionError
 
-    from tasks.core import store as module
+    from tasks.core import s3_calls as module
 
     module._SAID_AT[0] = -math.inf                  # (said once a minute a process: another test may have)
     store = Store.open(StoreConfig(uri="s3://b/runs", endpoint_url=f"http://127.0.0.1:{port}"))
@@ -418,7 +418,7 @@ def test_a_call_that_failed_after_botocore_waited_out_its_tries_is_not_tried_aga
 
     from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
 
-    from tasks.core import store as stores
+    from tasks.core import s3_calls as stores
 
     monkeypatch.setattr(stores, "AGAIN_SECONDS", 2.0, raising=False)
     calls = []
@@ -439,9 +439,9 @@ def test_a_call_that_failed_after_botocore_waited_out_its_tries_is_not_tried_aga
             time.sleep(2.1)              # (a multi-GB upload's time, then a reset)
             raise ConnectionClosedError(endpoint_url="http://reset")
         return "answered"
-    errors = stores._body_errors()
+    errors = stores.body_errors()
     with pytest.raises(ReadTimeoutError):
-        stores._again(slow, errors)
-    assert stores._again(quick, errors) == "answered"
-    assert stores._again(long_then_reset, errors) == "answered"
+        stores.again(slow, errors)
+    assert stores.again(quick, errors) == "answered"
+    assert stores.again(long_then_reset, errors) == "answered"
     assert calls == ["slow", "quick", "quick", "quick", "long", "long"]

@@ -9,7 +9,8 @@ naming it. A pointer (`policy/LATEST`) is replaced only after the manifest it na
     uri = store.put_folder("run/policy/v000003", local_dir, meta={...})
     manifest = store.get_folder("run/policy/v000003", dest_dir)   # verified
 
-One concept: Store's folder logic calls hooks its two backends fill in, and Store.open names both (apart: a cycle).
+One concept: Store's folder logic calls hooks its two backends fill in, and Store.open names both (apart: a cycle);
+how each S3 request is tried again lives apart (tasks/core/s3_calls.py).
 More: docs/internals.md (tasks/core/store.py).
 """
 
@@ -19,10 +20,8 @@ import contextlib
 import functools
 import hashlib
 import json
-import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -32,10 +31,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.artifacts import MANIFEST, CorruptArtifact, IncompleteArtifact, manifest_fault, stored, verify_file
-from tasks.core.errors import UserError, cause_of
+from tasks.core.errors import UserError
 from tasks.core.hashing import REMEMBER_FROM, known_sha256, remember_sha256, sha256_file
 from tasks.core.paths import cache_root, require_creatable
 from tasks.core.processes import exclusive
+from tasks.core.s3_calls import RETRIES, Resilient, again, body_errors, say_retry
 
 if TYPE_CHECKING:
     from tasks.core.config import Config, StoreConfig
@@ -459,74 +459,6 @@ class FileStore(Store):
             return True
 
 
-READ_ATTEMPTS = 5
-AGAIN_SECONDS = 60.0        # a call with no answer after this long (botocore waited out its own tries): not again
-
-
-def _body_errors() -> tuple[type[BaseException], ...]:
-    from botocore import exceptions as bx
-    from urllib3.exceptions import ProtocolError
-
-    return (bx.IncompleteReadError, bx.ResponseStreamingError, bx.ReadTimeoutError, bx.ConnectionClosedError,
-            ProtocolError, ConnectionError)
-
-
-RETRIES = 5                 # botocore's tries of each S3 request (standard mode, back-off between them)
-_SAID_AT = [-math.inf]      # when this process last said a store's request is tried again (S3Store._say_retry)
-
-
-def store_gone(exc: BaseException | None) -> str | None:
-    """What a store call that failed for good says (its bucket gone: deleted, or another server answers at the
-    endpoint now), or None: no retry brings such a bucket back (the stage's retries waited on it, silent)."""
-    from botocore.exceptions import ClientError
-
-    if (e := cause_of(exc, ClientError)) is None or e.response.get("Error", {}).get("Code") != "NoSuchBucket":
-        return None
-    bucket = e.response["Error"].get("BucketName") or "of store.uri"
-    return (f"store.uri: the bucket {bucket} does not exist (it did when the run started: deleted, or another "
-            f"server answers at the endpoint now); the run's outputs were there")
-
-
-class _Resilient:
-    """A boto3 S3 client whose calls are tried again when the reply breaks off while its body is read (a reset,
-    a truncated body): botocore retries a request that fails, but raises such a read error from the call.
-    S3's operations here are idempotent (a conditional PUT answered 412 on the retry is the caller's to
-    read back: the lease does)."""
-
-    def __init__(self, client, errors: tuple[type[BaseException], ...]):
-        self.raw, self._errors = client, errors          # raw: for a caller that retries a wider step itself
-        self.exceptions, self.meta = client.exceptions, client.meta
-
-    def get_paginator(self, name):
-        return self.raw.get_paginator(name)
-
-    def __getattr__(self, name):
-        method = getattr(self.raw, name)
-
-        def call(*args, **kwargs):
-            return _again(lambda: method(*args, **kwargs), self._errors)
-        return call
-
-
-def _again(fn, errors: tuple[type[BaseException], ...], attempts: int = READ_ATTEMPTS):
-    """fn() tried again on `errors`, up to `attempts` in all; not a call that got no answer (a read or connect
-    timeout) after AGAIN_SECONDS: a server that answers nothing (stopped, gone) made botocore wait out its own
-    RETRIES tries of 60 s each, and each try here waited that again (~25 min a call; the stage's retries then
-    multiplied it). A long transfer broken off by a reset is still tried again."""
-    from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
-
-    for attempt in range(attempts):
-        began = time.monotonic()
-        try:
-            return fn()
-        except errors as e:
-            silent = isinstance(e, ReadTimeoutError | ConnectTimeoutError)
-            if attempt == attempts - 1 or silent and time.monotonic() - began > AGAIN_SECONDS:
-                raise
-            time.sleep(0.1 * 2 ** attempt)
-    raise AssertionError("unreachable")
-
-
 class S3Store(Store):
     """S3 or any S3-compatible server. Large files go through boto3's transfer manager (multipart, parallel).
 
@@ -554,14 +486,14 @@ class S3Store(Store):
 
         from botocore.exceptions import BotoCoreError
 
-        self._body_errors = _body_errors()
+        self._body_errors = body_errors()
         try:       # a region that is none, a profile or config file not there or unparsable, half a key pair
-            self.client = _Resilient(client(RETRIES), self._body_errors)   # transient faults retried with back-off
+            self.client = Resilient(client(RETRIES), self._body_errors)   # transient faults retried with back-off
             self._probe = client(1)      # check(): a wrong endpoint should fail in seconds, not after retries
         except BotoCoreError as e:
             raise UserError(f"store.uri: {uri}: the S3 client cannot be made ({type(e).__name__}: "
                             f"{str(e).splitlines()[0]})") from None
-        self.client.raw.meta.events.register("needs-retry.s3", self._say_retry)
+        self.client.raw.meta.events.register("needs-retry.s3", functools.partial(say_retry, store=endpoint))
         chunk = (getattr(cfg, "multipart_chunk_mb", 16) or 16) << 20
         self.transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
                                        max_concurrency=getattr(cfg, "max_concurrency", 8) or 8)
@@ -569,21 +501,6 @@ class S3Store(Store):
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _say_retry(self, attempts=None, caught_exception=None, operation=None, **_) -> None:
-        """botocore is about to try a request again that got no answer (a timeout, a refused or dropped
-        connection): said on stderr, at most once a minute (a stalled store was silent for as long as it
-        stalled: each try waits botocore's 60 s read timeout)."""
-        from botocore.exceptions import ConnectionClosedError, ConnectionError, ReadTimeoutError
-
-        if not isinstance(caught_exception, ConnectionError | ReadTimeoutError | ConnectionClosedError) or \
-                (attempts or 0) >= RETRIES or time.monotonic() - _SAID_AT[0] < 60:
-            return                  # (after the last try botocore gives up: the error says it)
-        _SAID_AT[0] = time.monotonic()
-        with contextlib.suppress(OSError, ValueError):      # (a closed stderr must not replace the store's error)
-            print(f"warning: store: {self.endpoint or 'S3'} did not answer {getattr(operation, 'name', 'a request')} "
-                  f"({type(caught_exception).__name__}): try {attempts} of {RETRIES} failed, trying again (said "
-                  f"once a minute while it lasts)", file=sys.stderr, flush=True)
 
     def check(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -645,7 +562,7 @@ class S3Store(Store):
             except self.client.exceptions.NoSuchKey:
                 return None, None
             return obj["Body"].read(), obj["ETag"]
-        return _again(read, self._body_errors)
+        return again(read, self._body_errors)
 
     def write_if(self, key, data, tag):
         from botocore.exceptions import ClientError
@@ -691,7 +608,7 @@ class S3Store(Store):
                                                                               Delimiter="/"):
                 names |= {p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", [])}
             return names
-        return _again(listing, self._body_errors)
+        return again(listing, self._body_errors)
 
     def _list(self, prefix):
         strip = len(self.prefix) + 1 if self.prefix else 0
@@ -702,7 +619,7 @@ class S3Store(Store):
                                                                               Prefix=self._k(prefix)):
                 out += [o["Key"][strip:] for o in page.get("Contents", [])]
             return out
-        return _again(listing, self._body_errors)
+        return again(listing, self._body_errors)
 
 
 @functools.lru_cache(maxsize=8)
