@@ -44,8 +44,8 @@ TRANSFERS = 8       # a remote store's files of one folder moved at once (each a
 
 
 def _each(fn: Callable[[Any], object], items: list, threads: int) -> None:
-    """fn(item) for each item, `threads` at a time (one after another for 1); the first failure raised once all
-    have ended."""
+    """fn(item) for each item, `threads` at a time (one after another for 1); the first failure raised once the
+    calls under way have ended (the rest not begun, as one at a time stopped there; a Ctrl-C waits for none)."""
     if threads <= 1 or len(items) <= 1:
         for item in items:
             fn(item)
@@ -54,8 +54,8 @@ def _each(fn: Callable[[Any], object], items: list, threads: int) -> None:
     try:
         for _ in pool.map(fn, items):
             pass
-    except BaseException:                  # (a Ctrl-C: not after the transfers under way, as one at a time did)
-        pool.shutdown(wait=False, cancel_futures=True)
+    except BaseException as e:             # (nothing of it writes after it raised, unless a Ctrl-C cut it short)
+        pool.shutdown(wait=not isinstance(e, KeyboardInterrupt | SystemExit), cancel_futures=True)
         raise
     pool.shutdown()
 
