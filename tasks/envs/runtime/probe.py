@@ -79,10 +79,9 @@ def check_in_process(cfg: Config, datasets: list) -> None:
         request = pickle.dumps({"cwd": os.getcwd(), "path": list(sys.path)}) + \
             pickle.dumps({"config": cfg.model_dump(mode="json"), "datasets": rows})
     except Exception:  # noqa: BLE001 - a row that cannot travel: checked here, as before
-        from tasks.envs.runtime.protocol import check_environment, factory_of
+        from tasks.envs.runtime.protocol import check_here
 
-        factory_of(cfg)
-        check_environment(cfg, dict(datasets[0][0]), datasets)
+        check_here(cfg, datasets)
         return
     read, write = os.pipe()
     proc = copy = None
@@ -224,7 +223,7 @@ def _main(fd: int) -> None:
     try:
         from tasks.core.config import Config
         from tasks.core.config_base import _HELD
-        from tasks.envs.runtime.protocol import check_environment, factories_of, factory_of
+        from tasks.envs.runtime.protocol import check_here, factories_of
 
         _HELD.lines = []               # (its warnings were said as rlflow loaded it: not twice)
         cfg, datasets = Config.model_validate(request["config"]), request["datasets"]
@@ -232,8 +231,7 @@ def _main(fd: int) -> None:
         say("at", "import")
         factories_of(cfg)              # env.factory cannot be imported: one line
         say("at", "check")
-        factory_of(cfg)                # (the factory's own preflight, where it has one: the browser's)
-        check_environment(cfg, dict(datasets[0][0]), datasets)
+        check_here(cfg, datasets)      # (the factory's own preflight too, where it has one: the browser's)
         say("ok")
     except UserError as e:
         say("user", str(e))

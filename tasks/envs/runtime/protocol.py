@@ -295,6 +295,13 @@ def _renders_none(cfg: Config, env: Any, what: str) -> None:
                         f"template renders none from no messages, {why})")
 
 
+def check_here(cfg: Config, datasets: list | tuple) -> None:
+    """Preflight's check in this process: env.factory imported and its own preflight run (factory_of: what cannot
+    be is one line, exit 2), then its environments checked with the data's first rows (check_environment)."""
+    factory_of(cfg)
+    check_environment(cfg, dict(datasets[0][0]), datasets)
+
+
 def check_environment(cfg: Config, row: dict, datasets: list | tuple = ()) -> None:
     """Preflight (_check_environment), the user's code marked as such: an os._exit it calls is one line too.
     With a dict of factories each is checked with the first row that names it, and every row of `datasets` (the

@@ -62,14 +62,13 @@ class Environments:
         checks its own factory as it starts.)"""
         from tasks.core.placement import placement_of
         from tasks.envs.runtime.probe import check_in_process
-        from tasks.envs.runtime.protocol import check_environment, factory_of, require_env_server
+        from tasks.envs.runtime.protocol import check_here, require_env_server
 
         env = placement_of(cfg).env
         if env in ("stage", "local") and cfg.env.isolation == "process":
             check_in_process(cfg, datasets)     # (as below, in a process of its own: as the episodes' will run)
         elif env in ("stage", "local"):
-            factory_of(cfg)             # env.factory cannot be imported: one line, exit 2 (here, or the server)
-            check_environment(cfg, dict(datasets[0][0]), datasets)    # one built with env.kwargs, adapter, tools
+            check_here(cfg, datasets)   # one built with env.kwargs, adapter, tools (the server checks its own too)
         elif env == "yours":
             require_env_server(cfg.env.url)    # an rlflow environment server (its /health's shape)
 
