@@ -28,9 +28,9 @@ import traceback
 from pathlib import Path
 
 from flows.export import cmd_export
-from tasks.core.errors import UserError, printable
+from tasks.core.errors import UserError
 from tasks.core.paths import check_environment, check_path, working_directory_on_path
-from tasks.core.process_wide import USER_THREADS, exit_now, set_default, set_variable, wind_down
+from tasks.core.process_wide import USER_THREADS, exit_now, exit_wound_down, set_default, set_variable
 from tasks.core.processes import end_children
 
 
@@ -295,18 +295,6 @@ def _tidy_up() -> None:
     _finished.append(EXITING)
 
 
-def _exit_after_done(code: int) -> None:
-    """The end of a finished `rlflow run` (or one with users' threads left): what Python's exit runs in Python
-    (process_wide.wind_down), then os._exit; the interpreter's teardown (~2 s, where a Ctrl-C ended it by SIGINT
-    without a word) is skipped."""
-    if left := wind_down(60.0, end_children):
-        print(printable(f"warning: {', '.join(left[:4])} still running as the run ended: ended with it (a user's "
-                        f"module that starts a thread or registers an exit handler when imported?)"), file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    exit_now(code)
-
-
 def whole_number(text: str) -> int:
     """argparse's type for a count: ASCII digits, an optional sign (int() also reads '٣' and '1_0')."""
     if not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
@@ -420,7 +408,7 @@ def _shield_prefect_server() -> None:
 def main(argv: list[str] | None = None) -> int:
     code = _main(argv)
     if any(t.is_alive() for t in USER_THREADS):      # (Python's own exit would wait for them: a failed run hung)
-        _exit_after_done(code)
+        exit_wound_down(code, "the run", end_children)
     return code
 
 
@@ -489,7 +477,7 @@ def _main(argv: list[str] | None) -> int:
                 "record": cmd_record}[args.command](args)
         if _finished:
             _tidy_up()
-            _exit_after_done(code)
+            exit_wound_down(code, "the run", end_children)
         elif _stopped_by:
             _interrupted()
         return code

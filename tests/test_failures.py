@@ -512,3 +512,22 @@ def _cmdline(pid: str) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+def test_a_stage_process_ends_though_a_users_module_left_a_thread_running(prefect_api, tmp_path):
+    """launcher.where local: each stage in a process of its own, which imports env.factory's module; a thread
+    that module starts and never ends kept the generate stage's process alive after its rollouts were written, and
+    the flow waited on it for good (the thread's hour here). The stage ends as `rlflow run` does, and says so."""
+    from tests.conftest import run_cli
+
+    (tmp_path / "stage_keeps_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), name='user-forever').start()\n"
+        "from tasks.envs.builtin.games import SayTheLetters as Env\n")
+    out = run_cli(["run", str(LETTERS), "-o", "env.factory=stage_keeps_thread:Env", "-o", "launcher.where=local",
+                   "-o", "run.iterations=1", "-o", "generate.prompts_per_iteration=2", "-o",
+                   "generate.num_generations=2", "-o", f"store.uri={tmp_path}/store"], tmp_path, prefect_api,
+                  timeout=400)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "done: 1 iterations" in out.stdout, out.stdout[-2000:]
+    left = [p for p in os.listdir("/proc") if p.isdigit() and b"stage_keeps_thread" in _cmdline(p)]
+    assert not left, left

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from tasks.core.errors import printable
+
 # ------------------------------------------------------------------------------------ the model-building lock
 
 PROCESS_WIDE = threading.RLock()
@@ -449,6 +451,19 @@ def wind_down(seconds: float, also: Callable[[], list[str]] | None = None) -> li
     left += also() if also is not None else []       # (the CLI's: the children multiprocessing would join)
     atexit._run_exitfuncs()
     return left
+
+
+def exit_wound_down(code: int, what: str, also: Callable[[], list[str]] | None = None) -> None:
+    """The end of `what` (the run, a stage's process), however it ended: wind_down within 60 s, a warning naming
+    what was left running, then os._exit(code). A thread a user's module started as it was imported kept the
+    process alive at Python's exit (the flow waited on a stage's process for good), and the interpreter's teardown
+    costs ~2 s."""
+    if left := wind_down(60.0, also):
+        print(printable(f"warning: {', '.join(left[:4])} still running as {what} ended: ended with it (a user's "
+                        f"module that starts a thread or registers an exit handler when imported?)"), file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    exit_now(code)
 
 
 def end_forkserver_at_exit() -> None:

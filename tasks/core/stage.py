@@ -16,6 +16,7 @@ import os
 import shlex
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -338,19 +339,31 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
         # The second line lets a launcher tell a user error from a crash when only the log comes back; typed by
         # hand, the command says it in one line.
         print(f"error: {e}" if by_hand() else user_error_line(e), file=sys.stderr)
-        sys.exit(2)
+        _end(2)
+    except SystemExit as e:                  # (a user's code; as Python ends: a code, or a message and 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        _end(e.code if isinstance(e.code, int) else 1 if e.code is not None else 0)
     except Exception as e:
-        from tasks.core.store import CorruptArtifact
-
         full = disk_full(e)
         if full is not None:                                      # not retried: the run stops, resumable
             print(f"error: {full}" if by_hand() else disk_full_line(full), file=sys.stderr)
-            sys.exit(full.exit_code)
+            _end(full.exit_code)
         if not isinstance(e, CorruptArtifact):
-            raise
+            traceback.print_exc()
+            _end(1)
         print(corrupt_line(e.key, str(e)), file=sys.stderr)      # the flow quarantines and recomputes it
-        sys.exit(3)
+        _end(3)
     print(json.dumps(out))
+    _end(0)
+
+
+def _end(code: int) -> None:
+    """A stage process's end, however it ends (process_wide.exit_wound_down)."""
+    from tasks.core.process_wide import exit_wound_down
+    from tasks.core.processes import end_children
+
+    exit_wound_down(code, "the stage", end_children)
 
 
 def scored_fingerprint(cfg: Config) -> str:
