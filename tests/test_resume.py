@@ -193,7 +193,7 @@ def test_a_stop_signal_ends_the_run_cleanly_and_the_same_command_resumes_it(pref
         assert lines[-1].startswith("stopped: every committed output is kept, the newest policy ") and \
             lines[-1].endswith("; run the same command to resume"), err
         assert "Traceback" not in err, err
-        deadline = time.monotonic() + 30        # (what was sent SIGTERM at the end winds down: a loaded machine's time)
+        deadline = time.monotonic() + 120       # (what was sent SIGTERM at the end winds down: a loaded machine's time)
         while [p for p in started if _running(p)] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [p for p in started if _running(p)], err                    # nothing left running

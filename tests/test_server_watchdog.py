@@ -33,8 +33,18 @@ def _start(tmp_path: Path, idle: float = IDLE, state_after: float = 0.0) -> tupl
     if state_after:
         assert _wait(lambda: len(_watchdog(state)) == 1, 30)
         time.sleep(state_after)
-    state_path.write_text(json.dumps(state))
+    _write_used(state_path, state, time.time() + 3600)
     return state_path, state
+
+
+def _write_used(state_path: Path, state: dict, at: float) -> None:
+    """The state file as a generate left it at `at` (its mtime, in place at once): an hour ahead reads as used
+    whatever this machine's stalls, an hour back as unused (a loaded machine's pause past IDLE stopped a server
+    the test was still touching every half second)."""
+    new = state_path.with_suffix(".new")
+    new.write_text(json.dumps(state))
+    os.utime(new, (at, at))
+    os.replace(new, state_path)
 
 
 def _wait(condition, seconds: float) -> bool:
@@ -56,12 +66,10 @@ def _watchdog(state: dict) -> list[int]:
 def test_an_unused_server_is_stopped_and_a_used_one_is_not(tmp_path):
     state_path, state = _start(tmp_path)
     assert _wait(lambda: len(_watchdog(state)) == 1, 30)            # beside the server, in its process group
-    used_until = time.monotonic() + 2.5 * IDLE
-    while time.monotonic() < used_until:                            # a generate every half second
-        os.utime(state_path)
-        assert _alive(state["pid"])
-        time.sleep(0.5)
-    assert _wait(lambda: not _alive(state["pid"]), IDLE + 10)        # then nothing: stopped after IDLE seconds
+    time.sleep(2.5 * IDLE)                                          # used (many polls of the watchdog's: 0.2 s)
+    assert _alive(state["pid"]) and len(_watchdog(state)) == 1
+    _write_used(state_path, state, time.time() - 3600)              # then nothing for longer than IDLE: stopped
+    assert _wait(lambda: not _alive(state["pid"]), 120)
     assert not state_path.exists()                                  # and forgotten (first), so a stage starts one
     assert _wait(lambda: not _watchdog(state), 5)
     log = (tmp_path / "server.log").read_text()
