@@ -565,7 +565,8 @@ def _publish(cfg: Config, store: Store, engine, key: str, fp: str, made: dict, h
             return {"key": key, "uri": store.uri(key), "metrics": metrics}
         if engine.lora:
             merged = Path(tmp) / "merged"
-            load_policy(cfg, str(out), "cpu").merge_and_unload().save_pretrained(merged)
+            with engine.loading_whole():
+                load_policy(cfg, str(out), "cpu").merge_and_unload().save_pretrained(merged)
             engine.tokenizer.save_pretrained(merged)
             out = merged
         manifest = store.put_folder(key, out, meta={"fingerprint": fp, "made_of": made, "metrics": metrics,

@@ -15,6 +15,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -28,6 +29,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -198,20 +200,28 @@ class DeepSpeedEngine:
             self.close()
             raise
 
+    @contextlib.contextmanager
+    def loading_whole(self) -> Iterator[None]:
+        """Models loaded in the body are whole, not partitioned as ZeRO-3 has from_pretrained make this engine's
+        (a critic's separate trunk; v0's LoRA merge, which met size-0 weights: tasks/sft.py)."""
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        if self._hf_config is not None:
+            unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            if self._hf_config is not None:
+                set_hf_deepspeed_config(self._hf_config)
+
     def _make_critic(self, model, ckpt: Path | None) -> None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
         from tasks.engines.critic import Critic
 
         tc = self.cfg.train
-        if self._hf_config is not None:      # ZeRO-3: a separate trunk loads whole, not partitioned (not ZeRO's)
-            unset_hf_deepspeed_config()
-        try:
+        with self.loading_whole():           # (a separate trunk: not ZeRO's)
             self.critic = Critic.make(self.cfg, model, self.device)
-        finally:
-            if self._hf_config is not None:
-                set_hf_deepspeed_config(self._hf_config)
         self.critic_optimizer = ZeroRedundancyOptimizer(
             self.critic.parameters(), optimizer_class=torch.optim.AdamW, lr=tc.learner.critic_lr or tc.lr,
             betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)

@@ -9,6 +9,7 @@ adapter disabled.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from collections.abc import Callable
@@ -196,6 +197,10 @@ class TorchEngine:
         torch.save(optim, out / layout.CKPT_OPTIMIZER)
         torch.save(rng, out / layout.CKPT_RNG)
         return {}
+
+    def loading_whole(self) -> contextlib.AbstractContextManager:
+        """Models loaded in the body are whole (they always are here: DeepSpeedEngine's ZeRO-3 partitions)."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass
