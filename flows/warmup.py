@@ -147,10 +147,14 @@ def record_command(args, cfg: Config) -> int:
     """`rlflow record` (flows/cli.py has checked --out and loaded the config)."""
     from tasks.envs.runtime.demonstrations import RecordingProgress, job_of, record, write
 
-    out = Path(args.out)
+    out = Path(args.out).expanduser()
     if out.suffix not in (".jsonl", ".json"):
         raise UserError(f"--out: {out}: rlflow record writes JSON Lines (TRL's `messages` rows, what warmup.path "
                         f"reads); expected a file name ending .jsonl")
+    for field, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path)):
+        if path and Path(path).exists() and Path(path).resolve() == out.resolve():
+            raise UserError(f"--out: {out} is the config's {field} (the prompts it records from), which it would "
+                            f"replace; expected another file")
     if args.n < 1:
         raise UserError(f"--n: expected at least 1 episode per row, got {args.n}")
     if not math.isfinite(args.min_return):

@@ -85,6 +85,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "damaged.db").write_bytes(bytes(damaged))
     (tmp / "a_folder.db").mkdir(exist_ok=True)
     (tmp / "empty_array.json").write_text("[]")
+    (tmp / "twice.csv").write_text("prompt,prompt\na=,b=\n")              # (pandas read the second as prompt.1)
+    (tmp / "own.jsonl").write_text((TINY.parent / "data" / "letters.jsonl").read_text())
     (tmp / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "a="}], "answer": "bbb"}) + "\n")
     text_row = json.dumps({"prompt": "a=", "answer": "bbb"}) + "\n"          # (row 1 fine: rows after it were not looked at)
     os.mkfifo(tmp / "pipe.jsonl")                     # (reading it waited for ever)
@@ -419,6 +421,17 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "a tracking database that is a folder": (["run", str(TINY), "-o", f"tracking.uri=sqlite:///{tmp}/a_folder.db"],
                                                  f"tracking.uri: sqlite:///{tmp}/a_folder.db: {tmp}/a_folder.db cannot "
                                                  f"be read as a database"),
+        "a CSV header naming a column twice": (["run", str(TINY), "-o", f"data.path={tmp}/twice.csv"],
+                                               f"data.path: {tmp}/twice.csv: line 1: column 'prompt' appears twice "
+                                               f"in the header"),
+        "a data path that is an S3 URI": (["run", str(TINY), "-o", "data.path=s3://bucket/rows.jsonl"],
+                                          "data.path: expected a local file's path or a hub dataset id: s3:// is not "
+                                          "read here"),
+        "record, out the prompts it records from": (["record", str(TINY.parent / "letters.yaml"), "--policy",
+                                                     "tasks.envs.builtin.games:reference_action", "--rows", "0-1",
+                                                     "-o", f"data.path={tmp}/own.jsonl", "--out", str(tmp / "own.jsonl")],
+                                                    f"--out: {tmp / 'own.jsonl'} is the config's data.path (the "
+                                                    f"prompts it records from), which it would replace"),
         "a JSON data file of no rows": (["run", str(TINY), "-o", f"data.path={tmp}/empty_array.json"],
                                         f"data.path: {tmp}/empty_array.json: no rows"),
         "record, a range without its end": (["record", str(TINY), "--policy", "tasks.envs.builtin.games:reference_action",
@@ -1805,3 +1818,15 @@ def test_a_recording_whose_every_episode_failed_says_the_first_failure(prefect_a
     assert lines[0].startswith("error: --policy: none of its 2 episodes returned 1 or more without an error; nothing "
                                "to write (the first error: ") and "SIGSEGV" in lines[0], lines[0]
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_data_path_of_home_or_a_file_uri_is_the_local_file(tmp_path, monkeypatch):
+    """`~` in a config file reaches no shell, and store.uri takes file://: data.path (eval.path, warmup.path) read
+    both as the local file; `~/rows.jsonl` was "no such file" beside an existing one."""
+    from tasks.core.config import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(TINY, ["data.path=~/rows.jsonl", "eval.path=file:///data/held%20out.jsonl",
+                             "warmup.path=~/demos.jsonl"])
+    assert (cfg.data.path, cfg.eval.path) == (f"{tmp_path}/rows.jsonl", "/data/held out.jsonl")
+    assert cfg.warmup.path == f"{tmp_path}/demos.jsonl"

@@ -8,6 +8,8 @@ More: docs/internals.md (tasks/core/config_inputs.py): the checks these sections
 
 from __future__ import annotations
 
+import os
+import urllib.parse
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -108,6 +110,14 @@ def dataset_name(v: str | None, info: ValidationInfo) -> str | None:
     blank split was `datasets`' own message, blamed on the data file)."""
     if v is not None and (not v.strip() or has_control_character(v)):
         raise ValueError(f"expected {DATASET_NAMES[info.field_name]}: not blank, without control characters")
+    if v is not None and info.field_name == "path":
+        if v.startswith("file://"):             # (as store.uri takes it)
+            v = urllib.parse.unquote(v.removeprefix("file://"))
+        elif "://" in v:
+            raise ValueError(f"expected a local file's path or a hub dataset id: {v.split('://')[0]}:// is not "
+                             f"read here (copy the file to this machine and name its path)")
+        if v.startswith("~"):                   # (a config file's ~ reaches no shell)
+            v = os.path.expanduser(v)
     return v
 
 

@@ -8,7 +8,9 @@ prompts for the same iteration, and the data cursor saved with a checkpoint is j
 from __future__ import annotations
 
 import contextlib
+import csv
 import functools
+import io
 import json
 import re
 import sys
@@ -294,20 +296,19 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
     line that is not JSON, a row that is not a JSON object (a JSON array of strings would be read as a column
     `text`), a number no column holds, NaN or Infinity (not JSON; Python's json and datasets took them), a CSV
     line with more or fewer fields than its header (pandas would make the extra ones the index: each row
-    shifted). Text that is not UTF-8 is _where_unreadable's to say."""
+    shifted), a column named twice in a CSV header. Text that is not UTF-8 is _where_unreadable's to say."""
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".json", ".csv") or (text := _text_of(path) if text is None else text) is None:
         return None
     if suffix == ".csv":
-        import csv
-        import io
-
         csv.field_size_limit(1 << 31)                      # (pandas has no limit on a field)
         if (start := _unclosed_quote(text)) is not None:     # (read as one field to the end: said at the end)
             return f"line {start}: a quoted field begins here and its quote is never closed"
         records = csv.reader(io.StringIO(text))
         try:
             header = next(records, None)
+            if header and (twice := next((c for c in header if c.strip() and header.count(c) > 1), None)):
+                return f"line 1: column {twice!r} appears twice in the header (the second would be read as {twice}.1)"
             for record in records:
                 if any(f.strip() for f in record) and header and len(record) != len(header):
                     return (f"line {records.line_num}: {len(record)} fields where the header has {len(header)} "
@@ -350,9 +351,6 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
 
 def _unclosed_quote(text: str) -> int | None:
     """The line where a CSV record whose quote is never closed begins, or None."""
-    import csv
-    import io
-
     records, start = csv.reader(io.StringIO(text), strict=True), 1
     try:
         for _ in records:
@@ -372,9 +370,6 @@ def _csv_kinds(content: str, text_columns: tuple[str, ...] = ()) -> dict:
     where every filled cell is written as that number is (pandas read `007` as 7 and a prompt `12` as an int), a
     truth value where each is true/false, else text as written (pandas read `NA`, `null`, `nan` and `None` as
     missing); an empty cell is missing. {} (pandas' own guesses) for a header with empty or repeated names."""
-    import csv
-    import io
-
     import datasets
 
     try:
