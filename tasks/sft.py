@@ -585,8 +585,9 @@ def _torchrun(cfg: Config) -> None:
     with tempfile.TemporaryDirectory(prefix="rlflow-sft-") as tmp:
         config = Path(tmp) / "rlflow-resolved-config.json"
         config.write_text(json.dumps(cfg.model_dump(mode="json")))
+        # (each process's result, the JSON stage_cli prints, is left out: the command says v0 in its own words)
         ran = stream([*argv, "-m", "tasks.sft", "--config", str(config), "--iteration", "0"], env,
-                     sink=lambda line: print(line, file=sys.stderr, flush=True))
+                     sink=lambda line: line.startswith('{"key": ') or print(line, file=sys.stderr, flush=True))
     if ran.code != 0:
         raise_failure(ran, "warm start: the deepspeed group (torchrun)")
 
