@@ -14,6 +14,7 @@ started already). Its per-step metrics go to the run's MLflow run once (sft/loss
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -152,7 +153,7 @@ def record_command(args, cfg: Config) -> int:
         raise UserError(f"--out: {out}: rlflow record writes JSON Lines (TRL's `messages` rows, what warmup.path "
                         f"reads); expected a file name ending .jsonl")
     for field, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path)):
-        if path and Path(path).exists() and Path(path).resolve() == out.resolve():
+        if path and out.exists() and Path(path).exists() and os.path.samefile(path, out):
             raise UserError(f"--out: {out} is the config's {field} (the prompts it records from), which it would "
                             f"replace; expected another file")
     if args.n < 1:

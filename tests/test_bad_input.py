@@ -425,8 +425,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                                f"data.path: {tmp}/twice.csv: line 1: column 'prompt' appears twice "
                                                f"in the header"),
         "a data path that is an S3 URI": (["run", str(TINY), "-o", "data.path=s3://bucket/rows.jsonl"],
-                                          "data.path: expected a local file's path or a hub dataset id: s3:// is not "
-                                          "read here"),
+                                          "data.path: expected a local file's path or a hub dataset id (org/name): "
+                                          "s3:// URIs are not read here"),
         "record, out the prompts it records from": (["record", str(TINY.parent / "letters.yaml"), "--policy",
                                                      "tasks.envs.builtin.games:reference_action", "--rows", "0-1",
                                                      "-o", f"data.path={tmp}/own.jsonl", "--out", str(tmp / "own.jsonl")],
@@ -1826,7 +1826,7 @@ def test_a_data_path_of_home_or_a_file_uri_is_the_local_file(tmp_path, monkeypat
     from tasks.core.config import load_config
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    cfg = load_config(TINY, ["data.path=~/rows.jsonl", "eval.path=file:///data/held%20out.jsonl",
+    cfg = load_config(TINY, ["data.path=~/rows.jsonl", "eval.path=file://localhost/data/held%20out.jsonl",
                              "warmup.path=~/demos.jsonl"])
     assert (cfg.data.path, cfg.eval.path) == (f"{tmp_path}/rows.jsonl", "/data/held out.jsonl")
     assert cfg.warmup.path == f"{tmp_path}/demos.jsonl"

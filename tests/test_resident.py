@@ -516,6 +516,7 @@ def test_a_trainer_that_stops_answering_is_stopped_and_the_retry_resumes_bit_ide
 
     from tasks.engines import detached
 
+    timing = {name: getattr(detached, name) for name in ("WATCH_SECONDS", "PING_TIMEOUT", "HUNG_AFTER")}
     monkeypatch.setattr(detached, "WATCH_SECONDS", 0.5)
     monkeypatch.setattr(detached, "PING_TIMEOUT", 3.0)
     monkeypatch.setattr(detached, "HUNG_AFTER", 2)
@@ -540,7 +541,8 @@ def test_a_trainer_that_stops_answering_is_stopped_and_the_retry_resumes_bit_ide
     DetachedTrainer(cfg).preload(3)     # (one runs between requests: a new one where a loaded machine's stall made
     between = json.loads((state_dir() / "hung.json").read_text())["pid"]     # the last miss its short pings)
     assert between != stopped
-    monkeypatch.undo()      # (the watch's own timing from here: a loaded machine's busy trainer missed 3 s pings)
+    for name, value in timing.items():   # (the watch's own timing from here: a busy trainer missed 3 s pings)
+        monkeypatch.setattr(detached, name, value)
     os.kill(between, signal.SIGSTOP)                # hung between requests: the next stage replaces it
     for it in range(4, ITERATIONS + 1):
         _iteration(cfg, it, retries=1)

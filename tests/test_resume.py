@@ -242,7 +242,7 @@ def test_a_stop_after_done_says_the_run_had_finished_and_exits_0(monkeypatch, ca
             exit_(code)
 
         monkeypatch.setattr(cli, "cmd_run", cmd_run)
-        monkeypatch.setattr(cli, "_exit_after_done", exit_after_done)
+        monkeypatch.setattr(cli, "exit_wound_down", lambda code, what, also=None, ed=exit_after_done: ed(code))
         try:
             with pytest.raises(Exited) as exited:
                 cli.main(["run", str(TINY)])

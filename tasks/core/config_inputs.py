@@ -9,12 +9,13 @@ More: docs/internals.md (tasks/core/config_inputs.py): the checks these sections
 from __future__ import annotations
 
 import os
-import urllib.parse
+import re
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tasks.core.config_base import SINCE_DEFAULT, Section, has_control_character, plain_json, without_effect
+from tasks.core.paths import file_uri_path
 
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"     # a run's name (a store prefix); also a tune's study (a folder)
 
@@ -111,11 +112,10 @@ def dataset_name(v: str | None, info: ValidationInfo) -> str | None:
     if v is not None and (not v.strip() or has_control_character(v)):
         raise ValueError(f"expected {DATASET_NAMES[info.field_name]}: not blank, without control characters")
     if v is not None and info.field_name == "path":
-        if v.startswith("file://"):             # (as store.uri takes it)
-            v = urllib.parse.unquote(v.removeprefix("file://"))
-        elif "://" in v:
-            raise ValueError(f"expected a local file's path or a hub dataset id: {v.split('://')[0]}:// is not "
-                             f"read here (copy the file to this machine and name its path)")
+        v = file_uri_path(v)                    # (as store.uri and model.name_or_path take it)
+        if scheme := re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", v):
+            raise ValueError(f"expected a local file's path or a hub dataset id (org/name): {scheme.group(0)} URIs "
+                             f"are not read here (copy the file to this machine and name its path)")
         if v.startswith("~"):                   # (a config file's ~ reaches no shell)
             v = os.path.expanduser(v)
     return v

@@ -15,6 +15,7 @@ More: docs/internals.md (tasks/core/contracts.py): what each record and Protocol
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -256,6 +257,8 @@ class TrainingEngine(Protocol):
         the exact weights where those differ, optimizer and RNG state; returns what state.json adds."""
     def save_policy(self, out: Path) -> None:
         """Write the policy alone into folder `out` (what a checkpoint's model/ holds): a lean checkpoint."""
+    def loading_whole(self) -> AbstractContextManager[None]:
+        """A context where models loaded are whole, not partitioned as the engine's own (ZeRO-3) may be."""
     def snapshot(self, iteration: int) -> Callable[[Path], dict]:
         """Take what a full checkpoint holds now; the returned function writes it into a folder later, on
         another thread, while training goes on (the resident trainer's background checkpoints)."""

@@ -7,6 +7,7 @@ prompts for the same iteration, and the data cursor saved with a checkpoint is j
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import csv
 import functools
@@ -307,7 +308,8 @@ def _row_fault(path: Path, text: str | None = None) -> str | None:
         records = csv.reader(io.StringIO(text))
         try:
             header = next(records, None)
-            if header and (twice := next((c for c in header if c.strip() and header.count(c) > 1), None)):
+            if header and (twice := next((c for c, k in collections.Counter(header).items() if k > 1 and c.strip()),
+                                         None)):
                 return f"line 1: column {twice!r} appears twice in the header (the second would be read as {twice}.1)"
             for record in records:
                 if any(f.strip() for f in record) and header and len(record) != len(header):

@@ -16,6 +16,7 @@ from tasks.core import builtin_models, gguf, layout
 from tasks.core.data import cut_prompt
 from tasks.core.errors import UserError
 from tasks.core.hashing import known_sha256
+from tasks.core.paths import file_uri_path
 from tasks.core.policy import materialize
 from tasks.core.process_wide import PROCESS_WIDE  # (why it exists: tasks/core/process_wide.py)
 from tasks.core.store import open_store
@@ -123,16 +124,11 @@ def store_key(store, name: str, field: str) -> str | None:
 
 
 def _file_uri_path(name: str, field: str) -> str:
-    """A file:// URI as its path (file:///a/b -> /a/b; file://localhost/a too); anything else unchanged."""
-    if not name.startswith("file://"):
-        return name
-    from urllib.parse import unquote, urlparse
-
-    uri = urlparse(name)
-    if uri.netloc not in ("", "localhost"):
-        raise UserError(f"{field}: {name}: a file:// URI of another host ({uri.netloc}); expected "
-                        f"file:///<folder> on this machine")
-    return unquote(uri.path) or "/"
+    """paths.file_uri_path, its refusal one line naming `field`."""
+    try:
+        return file_uri_path(name)
+    except ValueError as e:
+        raise UserError(f"{field}: {name}: {e}") from None
 
 
 def pin_of(path: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -190,3 +191,14 @@ def _short(value) -> str:
     """A value as a line may show it: its repr, cut."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def file_uri_path(name: str) -> str:
+    """A file:// URI as its path (file:///a/b -> /a/b; file://localhost/a too; FILE:// alike); anything else
+    unchanged. ValueError: a URI of another host."""
+    if name[:7].lower() != "file://":
+        return name
+    uri = urllib.parse.urlparse(name)
+    if uri.netloc not in ("", "localhost"):
+        raise ValueError(f"a file:// URI of another host ({uri.netloc}); expected file:///<path> on this machine")
+    return urllib.parse.unquote(uri.path) or "/"

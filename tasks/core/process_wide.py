@@ -434,18 +434,19 @@ def _run_held(seconds: float | None = None) -> list[str]:
     return late
 
 
-def wind_down(seconds: float, also: Callable[[], list[str]] | None = None) -> list[str]:
-    """What Python's exit runs in Python: the other non-daemon threads joined (within `seconds` in all; not those
-    of USER_THREADS), the exit handlers users' modules registered as they were imported (held apart:
+def wind_down(seconds: float | None, also: Callable[[], list[str]] | None = None) -> list[str]:
+    """What Python's exit runs in Python: the other non-daemon threads joined (within `seconds` in all, None:
+    as long as they take; not those of USER_THREADS), the exit handlers users' modules registered as they were
+    imported (held apart:
     EXIT_HANDLER_SECONDS each), then the run's own (atexit: Prefect's temporary server stopped). Bounded: a
     thread or an exit handler of a user's module that never ended kept a run from exiting. Returns what was left
     running, for the caller to say."""
     import atexit
 
-    until = time.monotonic() + seconds
+    until = time.monotonic() + seconds if seconds is not None else None
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon and t not in USER_THREADS:
-            t.join(max(until - time.monotonic(), 0))
+            t.join(max(until - time.monotonic(), 0) if until is not None else None)
     left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
     left += _run_held(EXIT_HANDLER_SECONDS)
     left += also() if also is not None else []       # (the CLI's: the children multiprocessing would join)
@@ -453,16 +454,18 @@ def wind_down(seconds: float, also: Callable[[], list[str]] | None = None) -> li
     return left
 
 
-def exit_wound_down(code: int, what: str, also: Callable[[], list[str]] | None = None) -> None:
-    """The end of `what` (the run, a stage's process), however it ended: wind_down within 60 s, a warning naming
+def exit_wound_down(code: int, what: str, also: Callable[[], list[str]] | None = None,
+                    seconds: float | None = 60.0) -> None:
+    """The end of `what` (the run, a stage's process), however it ended: wind_down (`seconds`), a warning naming
     what was left running, then os._exit(code). A thread a user's module started as it was imported kept the
     process alive at Python's exit (the flow waited on a stage's process for good), and the interpreter's teardown
     costs ~2 s."""
-    if left := wind_down(60.0, also):
+    if left := wind_down(seconds, also):
         print(printable(f"warning: {', '.join(left[:4])} still running as {what} ended: ended with it (a user's "
                         f"module that starts a thread or registers an exit handler when imported?)"), file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for out in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):     # (a closed pipe: the code still ends the process)
+            out.flush()
     exit_now(code)
 
 

@@ -24,7 +24,7 @@ from tasks.core import layout
 from tasks.core.artifacts import CorruptArtifact
 from tasks.core.errors import DiskFull, UserError, corrupt_line, disk_full, disk_full_line, user_error_line
 from tasks.core.hashing import digest
-from tasks.core.process_wide import set_variable
+from tasks.core.process_wide import ExitRefused, set_variable
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -340,6 +340,9 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
         # hand, the command says it in one line.
         print(f"error: {e}" if by_hand() else user_error_line(e), file=sys.stderr)
         _end(2)
+    except ExitRefused as e:                 # (a user's os._exit in this process, let through: a failure)
+        print(f"error: {e}", file=sys.stderr)
+        _end(1)
     except SystemExit as e:                  # (a user's code; as Python ends: a code, or a message and 1)
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
@@ -354,16 +357,20 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
             _end(1)
         print(corrupt_line(e.key, str(e)), file=sys.stderr)      # the flow quarantines and recomputes it
         _end(3)
+    except BaseException as e:  # noqa: BLE001 - a Ctrl-C, a deadline: said as Python would, then the same end
+        traceback.print_exc()
+        _end(130 if isinstance(e, KeyboardInterrupt) else 1)
     print(json.dumps(out))
     _end(0)
 
 
 def _end(code: int) -> None:
-    """A stage process's end, however it ends (process_wide.exit_wound_down)."""
+    """A stage process's end, however it ends (process_wide.exit_wound_down): rlflow's own threads finish (a
+    trainer's full checkpoint being written takes as long as it takes); users' do not hold it."""
     from tasks.core.process_wide import exit_wound_down
     from tasks.core.processes import end_children
 
-    exit_wound_down(code, "the stage", end_children)
+    exit_wound_down(code, "the stage", end_children, seconds=None)
 
 
 def scored_fingerprint(cfg: Config) -> str:
