@@ -95,6 +95,14 @@ async def _unruly(row, base_url, api_key):
         return "not a reward"
     if mode == "huge":
         return 10 ** 400                    # (past a float's range)
+    if mode == "tensor":                    # (refused as what it is; from a process: was "died (exit 0)")
+        import torch
+
+        return torch.tensor(0.5)
+    if mode == "numpy":                     # (a real number: taken)
+        import numpy
+
+        return numpy.float32(0.5)
     if mode == "chatty_fd":                 # 4 MiB past print (os.write)
         for _ in range(4):
             os.write(1, b"x" * (1 << 20))

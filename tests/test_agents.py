@@ -149,9 +149,10 @@ def test_limits_refuse_the_call_past_them_and_mark_the_episode_truncated():
 
 @pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolation):
-    modes = ["ok", "raise", "exit", "hang", "async_hang", "garbage", "huge", "child_exit", "ok"]
+    modes = ["ok", "raise", "exit", "hang", "async_hang", "garbage", "huge", "tensor", "numpy", "child_exit", "ok"]
     if isolation == "thread":        # (a process's death, or a coroutine blocking the loop they share: process)
-        modes = ["ok", "raise", "exit", "sync_hang", "async_hang", "garbage", "huge", "child_exit", "ok"]
+        modes = ["ok", "raise", "exit", "sync_hang", "async_hang", "garbage", "huge", "tensor", "numpy", "child_exit",
+                 "ok"]
     rows = [{"prompt": "p", "letters": "abc", "mode": m, "seed": i} for i, m in enumerate(modes)]
     # (20 s: on a loaded machine a process-isolated agent that raises at once took more than 6 s to start and say so)
     cfg = _cfg("unruly", f"env.isolation={isolation}", "env.timeout_seconds=20")
@@ -168,6 +169,8 @@ def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolat
         assert by_mode[mode].env_error == "the agent did not return within env.timeout_seconds"
     assert "expected a finite number" in by_mode["garbage"].env_error
     assert "the agent returned an int too large for a float: expected a finite" in by_mode["huge"].env_error
+    assert by_mode["tensor"].env_error == "the agent returned Tensor: expected a finite number, (number, dict) or None"
+    assert by_mode["numpy"].env_error is None and by_mode["numpy"].env_return == 0.5
     assert "SystemExit: 4" in by_mode["child_exit"].env_error   # (the loop they share goes on: the last is ok)
     for mode in ("raise", "async_hang", "garbage"):
         assert by_mode[mode].env_return is None and by_mode[mode].env_state["calls"] == 1   # its tokens kept

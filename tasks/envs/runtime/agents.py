@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import numbers
 import os
 import signal
 import sys
@@ -82,15 +83,24 @@ def _finite(value: int | float) -> bool:
         return False
 
 
+@dataclass
+class Unfit:
+    """What an agent in a process of its own returned that outcome() refused there: its words."""
+
+    why: str
+
+
 def outcome(value: Any) -> tuple[float | None, dict]:
-    """What an agent returned, as (reward, info): a number, (number, dict), or None."""
+    """What an agent returned, as (reward, info): a real number (numpy's too), (number, dict), or None."""
+    if isinstance(value, Unfit):
+        raise TypeError(value.why)
     if value is None:
         return None, {}
     info: Any = {}
     given = value
     if isinstance(value, tuple | list) and len(value) == 2:
         value, info = value
-    if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value) or \
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value) or \
             not isinstance(info, dict):
         def named(v) -> str:
             if isinstance(v, int) and not isinstance(v, bool) and not _finite(v):
@@ -234,7 +244,7 @@ class Processes:
                 raise RuntimeError(f"the agent's process died ({how_it_ended(proc.exitcode)})")
             if kind == "error":
                 raise EnvironmentFailed(value)
-            return value
+            return Unfit(value) if kind == "returned" else value
 
         def kill() -> None:
             end_group(proc)
@@ -266,7 +276,10 @@ def _child(conn, out, spec: str, kwargs: dict, row: dict, base_url: str, key: st
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
         end_descendants()                  # (before the answer: the stage then ends its group)
-        conn.send(("ok", value))
+        try:        # (a plain number across the pipe: a tensor's pickle needs its sender alive, "died (exit 0)")
+            conn.send(("ok", outcome(value)))
+        except TypeError as e:
+            conn.send(("returned", str(e)))
     except BaseException as e:  # noqa: BLE001 - the episode's failure, reported to the parent
         end_descendants()
         try:
