@@ -531,3 +531,20 @@ def test_a_stage_process_ends_though_a_users_module_left_a_thread_running(prefec
     assert "done: 1 iterations" in out.stdout, out.stdout[-2000:]
     left = [p for p in os.listdir("/proc") if p.isdigit() and b"stage_keeps_thread" in _cmdline(p)]
     assert not left, left
+
+
+def test_a_non_daemon_thread_an_environments_reset_left_running_does_not_hold_a_command(prefect_api, tmp_path):
+    """env.isolation thread: reset runs in rlflow's process and starts a thread (daemon=False) that never ends.
+    Python's exit waited for it: `rlflow record` wrote its demonstrations and never returned (a finished run
+    waited 60 s). Threads a user's code starts are noted as its (process_wide.USER_THREADS) and not waited for."""
+    from tests.conftest import run_cli
+
+    (tmp_path / "reset_keeps_thread.py").write_text(
+        "import threading, time\nfrom tasks.envs.builtin.games import SayTheLetters\n"
+        "class Env(SayTheLetters):\n    def reset(self, row):\n"
+        "        threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()\n"
+        "        return super().reset(row)\n")
+    out = run_cli(["record", str(LETTERS), "--policy", "tasks.envs.builtin.games:reference_action", "--out",
+                   str(tmp_path / "demos.jsonl"), "--rows", "0-1", "-o", "env.isolation=thread",
+                   "-o", "env.factory=reset_keeps_thread:Env"], tmp_path, prefect_api, timeout=300)
+    assert out.returncode == 0 and "2 demonstrations of 2 episodes" in out.stderr, out.stderr[-2000:]

@@ -153,7 +153,22 @@ def _install_guards() -> None:
             os._exit = _guarded_exit
         if posix._exit is not _guarded_exit:
             posix._exit = _guarded_exit
+        if threading.Thread.start is not _noted_start:
+            threading.Thread.start = _noted_start
     cap_output()
+
+
+_START = threading.Thread.start
+
+
+def _noted_start(self: threading.Thread) -> None:
+    """Thread.start, noting a non-daemon thread that a user's code starts (USER_THREADS: not waited for at exit).
+    An environment's or agent's call that left one running (daemon=False) held `rlflow record` at Python's exit
+    for good, and a finished run 60 s."""
+    _START(self)
+    if not self.daemon and getattr(_USER, "pid", None) == os.getpid():
+        with _GUARD_LOCK:
+            USER_THREADS[:] = [t for t in USER_THREADS if t.is_alive()] + [self]
 
 
 @contextmanager
@@ -323,7 +338,7 @@ def deadline(seconds: float) -> Iterator[bool]:
 
 
 _HELD_EXIT: list[tuple] = []          # exit handlers users' modules registered as they were imported
-USER_THREADS: list[threading.Thread] = []   # non-daemon threads users' modules started as they were imported
+USER_THREADS: list[threading.Thread] = []   # non-daemon threads users' modules or calls started
 _HOLDING = threading.local()          # .on: this thread imports a user's module now
 EXIT_HANDLER_SECONDS = 10.0           # the most wind_down gives each of them
 
