@@ -277,7 +277,7 @@ def _child(conn, out, spec: str, kwargs: dict, row: dict, base_url: str, key: st
             value = asyncio.run(_awaited(value))
         end_descendants()                  # (before the answer: the stage then ends its group)
         try:        # (a plain number across the pipe: a tensor's pickle needs its sender alive, "died (exit 0)")
-            conn.send(("ok", outcome(value)))
+            conn.send(("ok", value if value is None else outcome(value)))      # (None: set_reward's return)
         except TypeError as e:
             conn.send(("returned", str(e)))
     except BaseException as e:  # noqa: BLE001 - the episode's failure, reported to the parent
