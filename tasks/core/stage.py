@@ -24,7 +24,8 @@ from tasks.core import layout
 from tasks.core.artifacts import CorruptArtifact
 from tasks.core.errors import DiskFull, UserError, corrupt_line, disk_full, disk_full_line, user_error_line
 from tasks.core.hashing import digest
-from tasks.core.process_wide import ExitRefused, set_variable
+from tasks.core.process_wide import ExitRefused, exit_wound_down, set_variable
+from tasks.core.processes import end_children
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -367,9 +368,6 @@ def stage_cli(fn: Callable[..., dict], name: str, takes_policy: bool = False, ta
 def _end(code: int) -> None:
     """A stage process's end, however it ends (process_wide.exit_wound_down): rlflow's own threads finish (a
     trainer's full checkpoint being written takes as long as it takes); users' do not hold it."""
-    from tasks.core.process_wide import exit_wound_down
-    from tasks.core.processes import end_children
-
     exit_wound_down(code, "the stage", end_children, seconds=None)
 
 

@@ -244,7 +244,7 @@ class Processes:
                 raise RuntimeError(f"the agent's process died ({how_it_ended(proc.exitcode)})")
             if kind == "error":
                 raise EnvironmentFailed(value)
-            return Unfit(value) if kind == "returned" else value
+            return value
 
         def kill() -> None:
             end_group(proc)
@@ -279,7 +279,7 @@ def _child(conn, out, spec: str, kwargs: dict, row: dict, base_url: str, key: st
         try:        # (a plain number across the pipe: a tensor's pickle needs its sender alive, "died (exit 0)")
             conn.send(("ok", value if value is None else outcome(value)))      # (None: set_reward's return)
         except TypeError as e:
-            conn.send(("returned", str(e)))
+            conn.send(("ok", Unfit(str(e))))
     except BaseException as e:  # noqa: BLE001 - the episode's failure, reported to the parent
         end_descendants()
         try:
