@@ -106,6 +106,8 @@ async def _unruly(row, base_url, api_key):
     if mode == "chatty_fd":                 # 4 MiB past print (os.write)
         for _ in range(4):
             os.write(1, b"x" * (1 << 20))
+    if mode == "chdir":                     # (its own process's directory: fine; the stage's: refused)
+        os.chdir("/")
     if mode == "child_exit":                # sys.exit() in a task it started, not in its own coroutine
         await asyncio.gather(asyncio.sleep(0), _exits())
     return 1.0

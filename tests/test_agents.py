@@ -6,6 +6,7 @@ and an agent framework: tests/test_endpoint.py; verifiers 0.4 environments: test
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -149,10 +150,11 @@ def test_limits_refuse_the_call_past_them_and_mark_the_episode_truncated():
 
 @pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolation):
-    modes = ["ok", "raise", "exit", "hang", "async_hang", "garbage", "huge", "tensor", "numpy", "child_exit", "ok"]
+    modes = ["ok", "raise", "exit", "hang", "async_hang", "garbage", "huge", "tensor", "numpy", "chdir", "child_exit",
+             "ok"]
     if isolation == "thread":        # (a process's death, or a coroutine blocking the loop they share: process)
-        modes = ["ok", "raise", "exit", "sync_hang", "async_hang", "garbage", "huge", "tensor", "numpy", "child_exit",
-                 "ok"]
+        modes[modes.index("hang")] = "sync_hang"
+    here = os.getcwd()
     rows = [{"prompt": "p", "letters": "abc", "mode": m, "seed": i} for i, m in enumerate(modes)]
     # (20 s: on a loaded machine a process-isolated agent that raises at once took more than 6 s to start and say so)
     cfg = _cfg("unruly", f"env.isolation={isolation}", "env.timeout_seconds=20")
@@ -172,6 +174,11 @@ def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolat
     assert by_mode["tensor"].env_error == "the agent returned Tensor: expected a finite number, (number, dict) or None"
     assert by_mode["numpy"].env_error is None and by_mode["numpy"].env_return == 0.5
     assert "SystemExit: 4" in by_mode["child_exit"].env_error   # (the loop they share goes on: the last is ok)
+    if isolation == "process":
+        assert by_mode["chdir"].env_error is None and by_mode["chdir"].env_return == 1.0
+    else:                           # (the stage's working directory, which its relative paths read: refused)
+        assert "ChdirRefused: os.chdir('/') refused" in by_mode["chdir"].env_error
+    assert os.getcwd() == here
     for mode in ("raise", "async_hang", "garbage"):
         assert by_mode[mode].env_return is None and by_mode[mode].env_state["calls"] == 1   # its tokens kept
         assert sum(by_mode[mode].mask) >= 1

@@ -162,7 +162,7 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     working_directory_on_path(here)
     seconds = user_code_seconds()
     try:
-        with deadline(seconds), user_code(), user_import():     # (preflight imports in the main thread: watched there)
+        with deadline(seconds), user_code(may_chdir=True), user_import():   # (preflight's in the main thread)
             module = importlib.import_module(module_name)
     except DeadlinePassed:
         raise UserError(import_hung(key, module_name, seconds, noun)) from None

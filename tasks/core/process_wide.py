@@ -4,12 +4,11 @@ With the inline launcher and a caller-held trainer (the defaults), generate, rew
 the flow's own process, and with run.max_staleness > 0 on several of its threads at once. Most of what they use
 is passed as arguments; the few things here cannot be, because Python, torch or the operating system keep them
 per process: the PROCESS_WIDE lock, the random streams (rng_state, set_rng_state, seed_all), the signal handlers
-(signals_kept, and the alarm of `deadline`), os._exit in a user's code (user_code, user_process) and the
-environment variables: the only module that writes os.environ
-(set_default, set_variable, take, restore, environment_variables; a stage's servers are not among them: they are
-its context, an argument, tasks/core/placement.py). Not here: caches and registries kept for reuse, which live
-with their users (e.g. tasks/engines/trainer.py: _HELD, tasks/scoring/functions.py: _idle). Standard library
-only when imported (torch is imported by the random streams' functions, as they run).
+(signals_kept, and the alarm of `deadline`), os._exit and os.chdir in a user's code (user_code, user_process)
+and the environment variables: the only module that writes os.environ (set_default, set_variable, take, restore,
+environment_variables; a stage's servers are not among them: they are its context, tasks/core/placement.py).
+Not here: caches and registries kept for reuse, which live with their users (e.g. tasks/engines/trainer.py: _HELD,
+tasks/scoring/functions.py: _idle). Standard library only when imported (torch: by the random streams' functions).
 More: docs/internals.md (tasks/core/process_wide.py): each piece, with the reason it exists.
 """
 
@@ -128,6 +127,31 @@ def _guarded_exit(status):
     _EXIT(status)
 
 
+class ChdirRefused(PermissionError):
+    """os.chdir by a user's code in rlflow's own process (env.isolation: thread), raised there: the run's relative
+    paths (store, MLflow database, config) read the process's directory; an agent's chdir moved the run's store."""
+
+    def __str__(self) -> str:
+        return (f"os.chdir({self.args[0]!r}) refused: this code runs in rlflow's own process (env.isolation: thread), "
+                f"whose directory the run's relative paths read; use absolute paths, or env.isolation: process")
+
+
+def _guarded(real: Callable) -> Callable:
+    def call(where) -> None:
+        if getattr(_USER, "pid", None) == os.getpid() != _FREE[0] and not getattr(_USER, "may_chdir", False):
+            raise ChdirRefused(where)
+        real(where)
+    return call
+
+
+_guarded_chdir, _guarded_fchdir, _FREE = _guarded(os.chdir), _guarded(os.fchdir), [None]
+
+
+def free_directory() -> None:
+    """This process is its user's code's own (a probe's child): an os.chdir there moves nothing of rlflow's."""
+    _FREE[0] = os.getpid()
+
+
 def mark_user_thread() -> None:
     """This thread runs users' code from now on (a thread pool's initializer: an event loop's default executor,
     where `asyncio.to_thread` and `run_in_executor` run an environment's work)."""
@@ -153,6 +177,8 @@ def _install_guards() -> None:
             os._exit = _guarded_exit
         if posix._exit is not _guarded_exit:
             posix._exit = _guarded_exit
+        for module in (os, posix):
+            module.chdir, module.fchdir = _guarded_chdir, _guarded_fchdir
         if threading.Thread.start is not _noted_start:
             threading.Thread.start = _noted_start
     cap_output()
@@ -172,17 +198,18 @@ def _noted_start(self: threading.Thread) -> None:
 
 
 @contextmanager
-def user_code() -> Iterator[None]:
-    """The body runs a user's code on this thread: an os._exit there raises ExitRefused, and what it prints is
+def user_code(may_chdir: bool = False) -> Iterator[None]:
+    """The body runs a user's code on this thread: an os._exit there raises ExitRefused, an os.chdir
+    ChdirRefused (unless `may_chdir`: the caller puts the directory back, alone), and what it prints is
     bounded (cap_output). Not in a child it forks (a fork's child calls os._exit to end itself: the pid is
     compared), nor in threads the user's code starts itself (but see mark_user_thread)."""
     _install_guards()
-    before = getattr(_USER, "pid", None)
+    before = getattr(_USER, "pid", None), getattr(_USER, "may_chdir", False)
     try:
-        _USER.pid = os.getpid()
+        _USER.pid, _USER.may_chdir = os.getpid(), may_chdir
         yield
     finally:
-        _USER.pid = before
+        _USER.pid, _USER.may_chdir = before
 
 
 # ------------------------------------------------------------------------------------- a user's output, bounded

@@ -198,9 +198,11 @@ def _send(stdin, request: bytes) -> None:
 def _main(fd: int) -> None:
     import fcntl
 
+    from tasks.core.process_wide import free_directory
     from tasks.core.processes import fork_keeper
 
     fork_keeper()                      # (what the user's code forks away is the keeper's, killed with it)
+    free_directory()
     try:                               # (above the descriptors a daemon-style closerange(3, 256) closes)
         high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 512)
         os.close(fd)
