@@ -507,3 +507,22 @@ def test_a_users_error_an_agent_raises_is_the_stages_one_line_not_its_episodes_f
     cfg = _cfg("unruly", f"env.isolation={isolation}", "env.timeout_seconds=20")
     with pytest.raises(UserError, match=r"^env.agent: the agent needs a column 'level'$"):
         _run(cfg, n=1, rows=rows)
+
+
+def test_a_coroutine_that_blocks_the_agents_loop_fails_its_episodes_with_why_and_the_next_get_a_loop_of_their_own():
+    """env.isolation: thread: `time.sleep` inside an `async def` agent stops the loop every agent's coroutine runs
+    on. Was: each episode on it ran out its time as if the endpoint stalled ("did not return within
+    env.timeout_seconds"), which a stage reads as the environment's infrastructure failing and retries three
+    times; the episodes started after it ran on the same blocked loop and failed too. Now they fail saying that
+    the loop was blocked (the user's code: a stage whose every episode fails so is one line, exit 2), and the
+    episode after it runs on a new loop and succeeds."""
+    from tasks.envs.runtime.episodes import STALLED, require_some_episode
+
+    rows = [{"prompt": "p", "letters": "abc", "mode": m, "seed": i} for i, m in enumerate(["ok", "hang", "ok"])]
+    cfg = _cfg("unruly", "env.isolation=thread", "env.timeout_seconds=10", "env.concurrency=1")
+    records, _ = _run(cfg, n=1, rows=rows)
+    assert [r.env_return for r in records] == [1.0, None, 1.0]
+    assert records[1].env_error.startswith("the event loop the agents share (env.isolation: thread) ran nothing")
+    assert STALLED not in records[1].env_error and records[1].env_state["calls"] == 1     # (its tokens kept)
+    with pytest.raises(UserError, match=r"^env.agent: every episode of .* failed \(1 of 1\).*the event loop"):
+        require_some_episode(cfg, records[1:2], "iteration 1")

@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 EPISODE_SEED = 7_919_993        # episode e's calls sample with seed params.seed + e * EPISODE_SEED (+ call offsets)
 POLL = 0.01
 UNWIND_SECONDS = 5.0      # what a stopped runner waits for its agents' coroutines to unwind (Threads.stop)
+BEAT_SECONDS = 0.5        # how often the agents' loop notes that it runs (Threads: a coroutine that blocks it)
+BLOCKED = ("the event loop the agents share (env.isolation: thread) ran nothing for longer than "
+           "env.timeout_seconds: a coroutine made a blocking call (time.sleep, a synchronous client); await it, "
+           "use asyncio.to_thread, or env.isolation: process")
 START_SECONDS = 60.0      # an agent's process given this long to start running (a fork, under load) before its
                           # env.timeout_seconds begin: its own time is counted from then (Processes)
 
@@ -123,27 +127,53 @@ class Running:
     done: Any = None          # () -> bool
     result: Any = None        # () -> value (raises the agent's failure)
     kill: Any = None          # () -> None
+    blocked: Any = None       # () -> str | None: why it cannot go on, though its own time has not run out
 
 
 class Threads:
     """env.isolation: thread — `async def` agents on one event loop thread (as environments' coroutines), plain
     functions on a daemon thread each. One past its time is cancelled (a coroutine) or left behind (a blocked
     thread), its episode failed either way. A coroutine that blocks (a synchronous sleep or request inside it)
-    holds up every agent on the loop until it returns: that is what env.isolation: process is for."""
+    holds up every agent on the loop until it returns: once the loop has run nothing for env.timeout_seconds,
+    each episode on it fails with BLOCKED (not a timeout, which an environment's server is retried for: every
+    stage of such a run was retried three times and then blamed the environment) and the episodes after them
+    get a loop of their own. env.isolation: process keeps one agent's block from the others'."""
 
-    def __init__(self, fn, kwargs: dict):
+    def __init__(self, fn, kwargs: dict, timeout: float = math.inf):
         renew_output_budget()                 # (what the agents print in this stage's threads: bounded anew)
-        self.fn, self.kwargs = fn, kwargs
+        self.fn, self.kwargs, self.timeout = fn, kwargs, timeout
         # A loop of its own per stage: what agents keep on it (a client, its pooled connections to this stage's
         # endpoint) ends with it. Kept across stages, a client of a later endpoint that got the same port back
         # reused connections of the earlier one and waited on them (seen: episodes hung until their timeout).
-        self.loop = users_loop()
-        self.thread = threading.Thread(target=run_forever, args=(self.loop,), daemon=True, name="agents")
-        self.thread.start()
+        self.loop, self.thread = self._started()
+
+    @staticmethod
+    def _started() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+        loop = users_loop()
+        loop.beat = time.monotonic()
+
+        def beat() -> None:
+            loop.beat = time.monotonic()
+            loop.call_later(BEAT_SECONDS, beat)
+        loop.call_soon_threadsafe(beat)
+        thread = threading.Thread(target=run_forever, args=(loop,), daemon=True, name="agents")
+        thread.start()
+        return loop, thread
+
+    def _blocked(self, loop: asyncio.AbstractEventLoop) -> str | None:
+        """BLOCKED if `loop` has run nothing for the timeout; the episodes started after this get a new one."""
+        if time.monotonic() - loop.beat <= self.timeout:
+            return None
+        if loop is self.loop:             # (the old one ends once its coroutine lets it: UsersLoop.end)
+            loop.call_soon_threadsafe(loop.end)
+            self.loop, self.thread = self._started()
+        return BLOCKED
 
     def start(self, run: Running, row: dict, base_url: str) -> None:
         from concurrent.futures import Future
 
+        loop = self.loop
+        run.blocked = lambda: self._blocked(loop)
         if inspect.iscoroutinefunction(self.fn):
             future = asyncio.run_coroutine_threadsafe(_awaited(self.fn(row, base_url, run.key, **self.kwargs)),
                                                       self.loop)
@@ -297,7 +327,7 @@ def run_agents(cfg: Config, table: dict[int, dict], rows: list[int], session: Sa
     episodes = [(g, r) for g, r in enumerate(rows) for _ in range(params.n)]
     logs: dict[int, EpisodeLog] = {}
     outcomes: dict[int, tuple[float | None, dict, str | None]] = {}
-    runner = Processes(cfg) if ec.isolation == "process" else Threads(fn, dict(ec.kwargs))
+    runner = Processes(cfg) if ec.isolation == "process" else Threads(fn, dict(ec.kwargs), ec.timeout_seconds)
     with Endpoint(cfg, session, policy, params) as ep:
         ep.lockstep = True                    # rounds of every waiting call, batched (endpoint.py)
         pending = list(range(len(episodes)))
@@ -350,6 +380,9 @@ def ended(run: Running, log: EpisodeLog, timeout: float) -> tuple[float | None, 
         except TypeError as e:                  # (what it returned: it did not raise)
             return None, {}, str(e)
         return reward, info, None
+    if run.blocked is not None and (why := run.blocked()) is not None:
+        run.kill()
+        return None, {}, why
     if time.monotonic() - run.started - log.busy_seconds() > timeout:
         run.kill()
         return None, {}, "the agent did not return within env.timeout_seconds"
