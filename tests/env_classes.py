@@ -106,6 +106,18 @@ class KeepsAConnection(Flaky):
         return super().reset(row)
 
 
+class BlocksItsLoop(Flaky):
+    """An async environment whose reset, for rows 'abc', blocks the event loop it runs on (time.sleep in it)."""
+
+    def __init__(self):
+        super().__init__(mode="ok")
+
+    async def reset(self, row):
+        if row["letters"] == "abc":
+            time.sleep(60)
+        return super().reset(row)
+
+
 class HangsWhenMade(Flaky):
     """An environment whose __init__ never returns (its pid written first, for the test to look for)."""
 

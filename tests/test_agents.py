@@ -272,7 +272,7 @@ def test_calls_into_the_agents_loop_from_another_threads_loop_run_there_at_once(
     import asyncio
     import threading
 
-    from tasks.envs.runtime.isolation import run_forever, users_loop
+    from tasks.envs.runtime.loops import run_forever, users_loop
 
     loop = users_loop()
     threading.Thread(target=run_forever, args=(loop,), daemon=True).start()
@@ -522,7 +522,7 @@ def test_a_coroutine_that_blocks_the_agents_loop_fails_its_episodes_with_why_and
     cfg = _cfg("unruly", "env.isolation=thread", "env.timeout_seconds=10", "env.concurrency=1")
     records, _ = _run(cfg, n=1, rows=rows)
     assert [r.env_return for r in records] == [1.0, None, 1.0]
-    assert records[1].env_error.startswith("the event loop the agents share (env.isolation: thread) ran nothing")
+    assert records[1].env_error.startswith("the event loop the agents share (env.isolation: thread) ran nothing for")
     assert STALLED not in records[1].env_error and records[1].env_state["calls"] == 1     # (its tokens kept)
     with pytest.raises(UserError, match=r"^env.agent: every episode of .* failed \(1 of 1\).*the event loop"):
         require_some_episode(cfg, records[1:2], "iteration 1")

@@ -210,7 +210,7 @@ def test_an_episode_that_hangs_does_not_spend_the_time_of_the_others(isolation, 
 
 def test_what_an_async_environment_leaves_open_is_closed_when_its_episodes_end(tokenizer, tmp_path):
     """env.isolation: thread, an async environment keeping a connection it opened: the episodes' end aborts it on
-    the environments' loop (isolation.UsersLoop.end), as the agents' loop does. Was: the loop
+    the environments' loop (loops.UsersLoop.end), as the agents' loop does. Was: the loop
     stopped with the connection open, for as long as the process lived."""
     import socket
 
@@ -663,3 +663,24 @@ def test_an_environment_whose_call_is_written_off_is_not_closed_beside_it(tokeni
     assert [r.env_error for r in records] == ["step did not return within env.timeout_seconds", None]
     time.sleep(4)                                   # (the written-off step ends meanwhile)
     assert not overlaps.exists(), overlaps.read_text()
+
+
+def test_an_async_environment_that_blocks_its_loop_fails_its_episodes_saying_so_and_the_next_get_a_new_loop(
+        tokenizer, tmp_path):
+    """env.isolation: thread: `time.sleep` in an async environment's reset stops the loop every environment's
+    coroutine runs on. Was: each call on it ran out its time as if the environment stalled ("did not return
+    within env.timeout_seconds"), which a stage reads as the infrastructure failing and retries three times, and
+    the calls after it waited on the same stopped loop. Now they fail saying the loop was blocked (a stage whose
+    every episode fails so: one line, exit 2) and later calls run on a new loop."""
+    from tasks.core.errors import UserError
+    from tasks.envs.runtime.episodes import STALLED, require_some_episode
+
+    cfg = _cfg("tests.env_classes:BlocksItsLoop", tmp_path, "env.isolation=thread", "env.timeout_seconds=6",
+               "env.concurrency=1")
+    records = _run(cfg, Scripted(lambda ctx: "a"), tokenizer, n=2)
+    assert [r.env_return for r in records] == [None, None, 3.0, 3.0]             # rows abc, abc, hgf, hgf
+    for r in records[:2]:
+        assert r.env_error.startswith("reset: the event loop the environments' coroutines share (env.isolation: "
+                                      "thread) ran nothing for") and STALLED not in r.env_error
+    with pytest.raises(UserError, match=r"^env.factory: every episode of .* failed \(2 of 2\).*the event loop"):
+        require_some_episode(cfg, records[:2], "iteration 1")

@@ -114,7 +114,7 @@ def test_rlflow_still_exits_where_a_users_code_runs_and_its_own_captures_are_who
     refused; a coroutine's executor thread is marked; a StringIO a user's code collects output in is not capped."""
     script = ("import asyncio, io, os, contextlib\n"
               "from tasks.core.process_wide import user_code, exit_now, ExitRefused\n"
-              "from tasks.envs.runtime.isolation import users_loop\n"
+              "from tasks.envs.runtime.loops import users_loop\n"
               "loop = users_loop()\n"
               "try:\n    loop.run_until_complete(asyncio.to_thread(lambda: os._exit(9)))\n"
               "except ExitRefused:\n    print('executor: refused')\n"

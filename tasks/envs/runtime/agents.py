@@ -42,11 +42,10 @@ from tasks.envs.runtime.isolation import (
     output_copy,
     own_group,
     own_output,
-    run_forever,
     user_error_of,
-    users_loop,
     warm_up,
 )
+from tasks.envs.runtime.loops import BLOCKED, started_loop, stopped_for
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -54,10 +53,6 @@ if TYPE_CHECKING:
 EPISODE_SEED = 7_919_993        # episode e's calls sample with seed params.seed + e * EPISODE_SEED (+ call offsets)
 POLL = 0.01
 UNWIND_SECONDS = 5.0      # what a stopped runner waits for its agents' coroutines to unwind (Threads.stop)
-BEAT_SECONDS = 0.5        # how often the agents' loop notes that it runs (Threads: a coroutine that blocks it)
-BLOCKED = ("the event loop the agents share (env.isolation: thread) ran nothing for longer than "
-           "env.timeout_seconds: a coroutine made a blocking call (time.sleep, a synchronous client); await it, "
-           "use asyncio.to_thread, or env.isolation: process")
 START_SECONDS = 60.0      # an agent's process given this long to start running (a fork, under load) before its
                           # env.timeout_seconds begin: its own time is counted from then (Processes)
 
@@ -127,15 +122,15 @@ class Running:
     done: Any = None          # () -> bool
     result: Any = None        # () -> value (raises the agent's failure)
     kill: Any = None          # () -> None
-    blocked: Any = None       # () -> str | None: why it cannot go on, though its own time has not run out
+    blocked: Any = None       # () -> str | None: why it ran out of its time, if not its own doing
 
 
 class Threads:
     """env.isolation: thread — `async def` agents on one event loop thread (as environments' coroutines), plain
     functions on a daemon thread each. One past its time is cancelled (a coroutine) or left behind (a blocked
     thread), its episode failed either way. A coroutine that blocks (a synchronous sleep or request inside it)
-    holds up every agent on the loop until it returns: once the loop has run nothing for env.timeout_seconds,
-    each episode on it fails with BLOCKED (not a timeout, which an environment's server is retried for: every
+    holds up every agent on the loop until it returns: an episode past its time on a loop that has run nothing
+    for half of it fails with BLOCKED (not a timeout, which an environment's server is retried for: every
     stage of such a run was retried three times and then blamed the environment) and the episodes after them
     get a loop of their own. env.isolation: process keeps one agent's block from the others'."""
 
@@ -145,29 +140,17 @@ class Threads:
         # A loop of its own per stage: what agents keep on it (a client, its pooled connections to this stage's
         # endpoint) ends with it. Kept across stages, a client of a later endpoint that got the same port back
         # reused connections of the earlier one and waited on them (seen: episodes hung until their timeout).
-        self.loop, self.thread = self._started()
-
-    @staticmethod
-    def _started() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
-        loop = users_loop()
-        loop.beat = time.monotonic()
-
-        def beat() -> None:
-            loop.beat = time.monotonic()
-            loop.call_later(BEAT_SECONDS, beat)
-        loop.call_soon_threadsafe(beat)
-        thread = threading.Thread(target=run_forever, args=(loop,), daemon=True, name="agents")
-        thread.start()
-        return loop, thread
+        self.loop, self.thread = started_loop("agents")
 
     def _blocked(self, loop: asyncio.AbstractEventLoop) -> str | None:
-        """BLOCKED if `loop` has run nothing for the timeout; the episodes started after this get a new one."""
-        if time.monotonic() - loop.beat <= self.timeout:
+        """BLOCKED if `loop` has run nothing for half the timeout at least (an agent past its time: held up by it);
+        the episodes started after this get a new one."""
+        if (stopped := stopped_for(loop)) < max(self.timeout / 2, 2.0):
             return None
         if loop is self.loop:             # (the old one ends once its coroutine lets it: UsersLoop.end)
             loop.call_soon_threadsafe(loop.end)
-            self.loop, self.thread = self._started()
-        return BLOCKED
+            self.loop, self.thread = started_loop("agents")
+        return BLOCKED.format("the agents", stopped)
 
     def start(self, run: Running, row: dict, base_url: str) -> None:
         from concurrent.futures import Future
@@ -380,12 +363,10 @@ def ended(run: Running, log: EpisodeLog, timeout: float) -> tuple[float | None, 
         except TypeError as e:                  # (what it returned: it did not raise)
             return None, {}, str(e)
         return reward, info, None
-    if run.blocked is not None and (why := run.blocked()) is not None:
-        run.kill()
-        return None, {}, why
     if time.monotonic() - run.started - log.busy_seconds() > timeout:
+        why = run.blocked() if run.blocked is not None else None
         run.kill()
-        return None, {}, "the agent did not return within env.timeout_seconds"
+        return None, {}, why or "the agent did not return within env.timeout_seconds"
     return None
 
 

@@ -159,7 +159,7 @@ def _outcome(caller: Caller, e: Episode, f: Future, what: str, fails: bool) -> A
             e.budget -= getattr(f, "finished", time.monotonic()) - getattr(f, "started", time.monotonic())
             why = _failure(what, ex)
     else:
-        why = f"{what} {STALLED}"
+        why = f"{what}: {blocked}" if (blocked := caller.blocked(f)) else f"{what} {STALLED}"
         f.cancel()                                             # (still waiting for a slot: never made)
         caller.give_up(f)                                      # (hung in a thread: its slot no longer held)
         e.abandoned, e.hung = True, f                          # (before e.env is read: Episode.opened)

@@ -16,7 +16,6 @@ More: docs/internals.md (tasks/envs/runtime/isolation.py): the forkserver, and w
 from __future__ import annotations
 
 import asyncio
-import heapq
 import inspect
 import json
 import multiprocessing
@@ -31,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.process_wide import (
     end_forkserver_at_exit,
-    mark_user_thread,
     renew_output_budget,
     set_variable,
     take,
@@ -47,6 +45,7 @@ from tasks.core.processes import (
     how_it_ended,
     sigkill_groups,
 )
+from tasks.envs.runtime.loops import BLOCKED, started_loop, stopped_for
 from tasks.envs.runtime.protocol import as_step, environment, factory_of, state_of
 from tasks.envs.runtime.tools import tool_schemas
 
@@ -440,9 +439,21 @@ class Caller:
         episode's reset and steps must share their loop, as an async environment's futures belong to one)."""
         with self.made:
             if self.loop is None:
-                self.loop = users_loop()
-                threading.Thread(target=run_forever, args=(self.loop,), daemon=True, name="env-loop").start()
+                self.loop, _ = started_loop("env-loop")
             return self.loop
+
+    def blocked(self, done: Future) -> str | None:
+        """Why a call past its time (`done`) did not end, if the loop it awaits on has run nothing for at least
+        half of that time: a coroutine blocks it (every call on it fails so). Later calls get a new loop (this one
+        ends once let)."""
+        loop, now = getattr(done, "on_loop", None), time.monotonic()
+        if loop is None or (stopped := stopped_for(loop)) < max((now - done.started) / 2, 2.0):
+            return None
+        with self.made:
+            if loop is self.loop:
+                loop.call_soon_threadsafe(loop.end)
+                self.loop = None
+        return BLOCKED.format("the environments' coroutines", stopped)
 
     def start(self, fn, *args) -> Future:
         """fn(*args) on a thread of its own once a slot is free (waited for there, not here: calls that hang for
@@ -461,7 +472,8 @@ class Caller:
                 with user_code():                           # (an os._exit in it: that call's failure)
                     value = fn(*args)
                 if inspect.isawaitable(value):
-                    value = asyncio.run_coroutine_threadsafe(_awaited(value), self._loop()).result()
+                    done.on_loop = self._loop()
+                    value = asyncio.run_coroutine_threadsafe(_awaited(value), done.on_loop).result()
                 done.finished = time.monotonic()
                 done.set_result(value)
             except BaseException as e:  # noqa: BLE001 - the episode's failure, reported by wait()
@@ -486,107 +498,6 @@ class Caller:
         """The loop stopped, what the environments left open on it aborted first (UsersLoop.end)."""
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.loop.end)
-
-
-class UsersLoop(asyncio.SelectorEventLoop):
-    """The loop of users' coroutines, safe against their objects' finalizers. An object left behind by an ended
-    episode is collected on whichever thread the garbage collector runs, and some close themselves on the loop
-    running there: openai's AsyncClient.__del__ schedules its aclose() on the endpoint's server loop, which then
-    touches this loop's transports (call_soon, a reader removed) from that thread. Not thread-safe, that lost
-    this loop's wake-ups and timers (seen: an agent's asyncio.sleep never ended, every episode of the lockstep
-    round waited for it until env.timeout_seconds). Such calls from another thread are handed to this loop's
-    own thread here (call_soon_threadsafe, which also wakes it)."""
-
-    def _elsewhere(self) -> bool:
-        return self._thread_id is not None and self._thread_id != threading.get_ident()
-
-    def call_soon(self, callback, *args, context=None):
-        if self._elsewhere():
-            return self.call_soon_threadsafe(callback, *args, context=context)
-        return super().call_soon(callback, *args, context=context)
-
-    def call_at(self, when, callback, *args, context=None):
-        if not self._elsewhere():
-            return super().call_at(when, callback, *args, context=context)
-        timer = asyncio.TimerHandle(when, callback, args, self, context)
-        self.call_soon_threadsafe(self._schedule, timer)
-        return timer
-
-    def _schedule(self, timer: asyncio.TimerHandle) -> None:
-        if not timer.cancelled():
-            timer._scheduled = True
-            heapq.heappush(self._scheduled, timer)
-
-    def end(self) -> None:
-        """Stop, the connections still open on this loop aborted first (called on its thread: by
-        call_soon_threadsafe). A client an agent or environment never closed would otherwise stay open, and be
-        closed by its finalizer later, on a loop stopped or closed by then: a traceback printed for each ('Event
-        loop is closed') and its socket open until collected."""
-        for transport in list(self._transports.values()):
-            if not transport.is_closing():
-                transport.abort()
-        self.call_soon(self._stop_once_closed, time.monotonic() + 5.0)
-
-    def _stop_once_closed(self, deadline: float) -> None:
-        """Stop once every connection's socket is closed (by its own callbacks, run here). A close begun on
-        another thread (a StreamWriter's finalizer, on the garbage collector's thread) marks its transport
-        closing at once but hands its last steps to this loop a moment later: a loop stopped in between never ran
-        them, and that socket stayed open for good (seen under load: about one test run in six). Past
-        `deadline`, what is still open is closed here."""
-        left = [t for t in list(self._transports.values()) if getattr(t, "_sock", None) is not None]
-        if left and time.monotonic() < deadline:
-            self.call_later(0.005, self._stop_once_closed, deadline)
-            return
-        for transport in left:
-            try:
-                transport._sock.close()
-            except (AttributeError, OSError):
-                pass
-        self.stop()
-
-    def _here(self, change, *args):
-        """A change of the selector's registrations, made on this loop's thread."""
-        if not self._elsewhere():
-            return change(*args)
-        self.call_soon_threadsafe(change, *args)
-        return True
-
-    def _add_reader(self, fd, callback, *args):
-        return self._here(super()._add_reader, fd, callback, *args)
-
-    def _remove_reader(self, fd):
-        return self._here(super()._remove_reader, fd)
-
-    def _add_writer(self, fd, callback, *args):
-        return self._here(super()._add_writer, fd, callback, *args)
-
-    def _remove_writer(self, fd):
-        return self._here(super()._remove_writer, fd)
-
-
-def users_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop for users' coroutines (UsersLoop), whose default executor's threads (asyncio.to_thread,
-    run_in_executor) are marked as running users' code too (process_wide.user_code)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    loop = UsersLoop()
-    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="users-executor",
-                                                 initializer=mark_user_thread))
-    return loop
-
-
-def run_forever(loop) -> None:
-    """A shared event loop's thread: runs until loop.stop(). sys.exit() in a task an episode's coroutine started
-    (gather, create_task) leaves run_forever with its SystemExit (that task ends with it, so the episode's own
-    coroutine fails: _awaited); the loop goes on for the other episodes instead of its thread ending. An os._exit
-    in a coroutine raises there (process_wide.user_code): this loop runs users' code only."""
-    with user_code():
-        while True:
-            try:
-                loop.run_forever()
-                return
-            except (SystemExit, KeyboardInterrupt):
-                continue
 
 
 async def _awaited(value):
