@@ -128,7 +128,8 @@ def shown(reward: float) -> str:
 class ConsoleWarnings:
     """What the console warns about as iterations go (each said once, not every iteration): the trainer and the
     sampler disagreeing about the policy (train/mismatch_kl above train.mismatch_kl_warn, or 10x above its median
-    so far: a policy that never reached the sampler), and dynamic sampling finding no group with a signal."""
+    so far: a policy that never reached the sampler; only where the samples are of the policy trained,
+    generate/staleness 0), and dynamic sampling finding no group with a signal."""
 
     def __init__(self, cfg: Config, note, log):
         self.cfg, self.note, self.log = cfg, note, log
@@ -136,9 +137,10 @@ class ConsoleWarnings:
         self.warned: set[str] = set()
         self.replicas_lost = 0          # the router's count of lost replicas at the last line about them
 
-    def iteration(self, it: int, reward: dict, train: dict) -> None:
+    def iteration(self, it: int, reward: dict, train: dict, generate: dict | None = None) -> None:
         kl = train.get("train/mismatch_kl")
-        if kl is not None:
+        if kl is not None and not (generate or {}).get("generate/staleness"):  # (stale: the KL holds the updates
+            # since the sampler's policy too; every run.max_staleness run was warned of at its iteration S+1)
             limit = self.cfg.train.mismatch_kl_warn
             median = sorted(self.kl)[len(self.kl) // 2] if self.kl else None
             jumped = median is not None and kl > max(10 * median, 1e-4)
@@ -484,7 +486,7 @@ def _iterations(ctx: FlowRun, log) -> dict:
                 NOW.update(stage="evaluate")
                 e = stage("evaluate", it, ctx)
             reward_means.append(r["metrics"]["reward/mean"])
-            watch.iteration(it, r["metrics"], t["metrics"])
+            watch.iteration(it, r["metrics"], t["metrics"], g["metrics"])
             report.record(it, {**r["metrics"], **t["metrics"], **e["metrics"]})
             if it > already_logged:
                 metrics = {**g["metrics"], **r["metrics"], **t["metrics"], **p["metrics"], **e["metrics"],
