@@ -1346,6 +1346,13 @@ def test_a_refused_resume_names_the_fields_that_changed(tmp_path):
     fp3, made3 = fingerprint(cfg, ("model", "train"), iteration=1, rewards="other")
     with pytest.raises(UserError, match="the same config, other inputs: an earlier output"):
         reuse(store, "new", fp3, made3)
+    # A rollout sampled from another policy, the config the same: what a changed run.max_staleness does (it is not in
+    # the generate stage's sections). Was: "other inputs (policy): an earlier output of this run was made again".
+    from tasks.core.stage import changed
+
+    assert changed({**made, "policy": "r/policy/v000001"}, {**made, "policy": "base"}) == (
+        ": the same config, another policy sampled (r/policy/v000001 -> base), as a changed run.max_staleness makes "
+        "it; resume with the run.max_staleness it was made with, or choose a new run.name")
 
 
 def test_a_manifest_whose_fingerprint_is_not_that_of_its_made_of_is_corrupt(tmp_path):

@@ -671,3 +671,11 @@ def test_an_iteration_scored_in_no_round_is_said_once_of_its_rounds(tmp_path, ca
     said = capfd.readouterr().err
     assert said.count("iteration 2 takes no training step") == 1, said
     assert said.count("no completion of iteration 2 was scored") == 1, said
+
+
+def test_an_overlong_buffer_no_limit_leaves_room_for_says_what_to_change():
+    """A completion limit of 1 token: no buffer (>= 1) is below it. Was: "expected a buffer below 1", which no
+    value meets."""
+    with pytest.raises(UserError, match=r"expected a buffer below 1 \(none is: raise generate.max_completion_length, "
+                                        r"or drop reward.overlong\)$"):
+        load_config(TINY, ["generate.max_completion_length=1", "reward.overlong={buffer: 1}"])

@@ -185,7 +185,8 @@ class Config(Section):
         if ol is not None and ol.buffer >= limit:
             what = "env.max_tokens" if self.env.episodic() else "generate.max_completion_length"
             raise ValueError(f"reward.overlong.buffer: {ol.buffer} tokens is not shorter than the completion limit "
-                             f"({what} {limit}): every completion would be punished; expected a buffer below {limit}")
+                             f"({what} {limit}): every completion would be punished; expected a buffer below "
+                             f"{limit}{f' (none is: raise {what}, or drop reward.overlong)' * (limit == 1)}")
         return self
 
     @model_validator(mode="after")
@@ -206,8 +207,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _dropped_groups_teach_nothing(self):
-        # (a warning: DAPO's test is for group-relative advantages; elsewhere the user may still want it)
-        lc, advantage = self.train.learner, getattr(self.train.learner, "advantage", "group")
+        lc, advantage = self.train.learner, getattr(self.train.learner, "advantage", "group")   # (warned, not refused)
         if self.generate.dynamic_sampling is not None and getattr(_HELD, "lines", None) is not None and \
                 (self.train.algorithm != "grpo" or advantage == "reinforce_pp"):
             how = f"train.algorithm {self.train.algorithm}" if self.train.algorithm != "grpo" else \

@@ -191,6 +191,10 @@ def changed(was: dict, now: dict, shown: int = 3) -> str:
                 f"bytes differ); restore the file{'' if one else 's'} they were made from, or choose a new run.name")
     if not fields:
         inputs = sorted(k for k in was.keys() - {"config", "seed"} if was[k] != now.get(k))
+        if inputs == ["policy"]:         # (a rollout's: sampled from policy S+1 iterations back, S run.max_staleness)
+            return (f": the same config, another policy sampled ({was['policy']} -> {now.get('policy')}), as a "
+                    f"changed run.max_staleness makes it; resume with the run.max_staleness it was made with, or "
+                    f"choose a new run.name")
         what = f" ({', '.join(inputs)})" if inputs else ""
         return (f": the same config, other inputs{what}: an earlier output of this run was made again; "
                 f"choose a new run.name")
