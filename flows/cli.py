@@ -31,7 +31,7 @@ from flows.export import cmd_export
 from tasks.core.errors import UserError
 from tasks.core.paths import check_environment, check_path, working_directory_on_path
 from tasks.core.process_wide import USER_THREADS, exit_now, exit_wound_down, set_default, set_variable
-from tasks.core.processes import end_children
+from tasks.core.processes import end_children, how_it_ended
 
 
 def _command_process() -> None:
@@ -397,12 +397,50 @@ def _shield_prefect_server() -> None:
 
         server.subprocess.Popen = own_session
         try:
-            return run(self)
+            proc = run(self)
         finally:
             server.subprocess.Popen = popen
+        if threading.current_thread().name != KEEPER:     # (one started again: by the keeper, which goes on)
+            threading.Thread(target=_keep_serving, args=(self, proc), daemon=True, name=KEEPER).start()
+        return proc
+
+    stop = server.SubprocessASGIServer.stop
+
+    def stopping(self):
+        self._rlflow_stopping = True
+        return stop(self)
 
     shielded._rlflow = True
     server.SubprocessASGIServer._run_uvicorn_command = shielded
+    server.SubprocessASGIServer.stop = stopping
+
+
+KEEPER = "rlflow-prefect-server"
+
+
+def _keep_serving(server, proc) -> None:
+    """Prefect's temporary API server started again on its port, with its database, where it ended during the run
+    (a kill by pid, the OOM killer): the flow's client retried every call against the dead port, iterations took
+    11-39 s instead of 0.2 and each wrote a multi-KB error line. Not once stopped (its stop, the run's end). This
+    thread starts it and lives on: the server dies with the thread that started it (PR_SET_PDEATHSIG)."""
+    from tasks.core.stage import STOP
+
+    while True:
+        code = proc.wait()
+        if getattr(server, "_rlflow_stopping", False) or server.server_process is not proc or _finished or \
+                STOP.is_set():
+            return
+        print(f"rlflow: Prefect's temporary API server ended ({how_it_ended(code)}); starting it again on "
+              f"{server.address}", file=sys.stderr, flush=True)
+        try:
+            server.running = False
+            server.start()
+        except Exception as e:  # noqa: BLE001 - said, and the run stopped as a signal stops it
+            print(f"rlflow: Prefect's temporary API server could not start again ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}); stopping", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        proc = server.server_process
 
 
 def main(argv: list[str] | None = None) -> int:

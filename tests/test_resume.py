@@ -289,3 +289,62 @@ def test_a_sigterm_while_prefect_creates_a_task_run_is_still_a_stop(monkeypatch)
             signal.signal(s, h)
         STOP.clear()
     assert exits == [143] and cli._stopped_by == [signal.SIGTERM]
+
+
+HELD_REWARD = '''
+import os, time
+from tasks.rewards.demo import successor_reward
+
+def held(completions, answer, trainer_state, **kwargs):
+    """Holds iteration 2's reward stage while the gate file exists (the test kills the Prefect server then)."""
+    gate = os.environ["GATE_FILE"]
+    if trainer_state.global_step == 1:
+        open(gate + ".entered", "w").close()
+        while os.path.exists(gate):
+            time.sleep(0.05)
+    return successor_reward(completions, answer)
+'''
+
+
+def test_prefects_temporary_server_killed_during_a_run_is_started_again_and_the_run_goes_on(tmp_path):
+    """No PREFECT_API_URL: the flow's API is Prefect's temporary server, a child of `rlflow run`. Killed by pid
+    (the OOM killer's way) in the middle of a run, it was gone for good: every call of the flow's client retried
+    against its dead port, iterations took 11-39 s instead of 0.2 s and each wrote a multi-KB error line until the
+    end. Now it is started again on its port, said in one line, and the run completes."""
+    (tmp_path / "held_reward.py").write_text(HELD_REWARD)
+    gate = tmp_path / "gate"
+    gate.touch()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY), "-o", "run.name=served",
+                             "-o", "run.iterations=2", "-o", "generate.prompts_per_iteration=4",
+                             "-o", "generate.num_generations=4", "-o", 'reward.functions=[{"fn": "held_reward:held"}]'],
+                            cwd=tmp_path, env={**env, "GATE_FILE": str(gate)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(tmp_path / "gate.entered", proc)
+        servers = _prefect_servers(proc.pid)
+        assert len(servers) == 1
+        os.kill(servers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 120                # (the server's start: seconds, a loaded machine's more)
+        while time.monotonic() < deadline and not set(_prefect_servers(proc.pid)) - set(servers):
+            time.sleep(0.2)
+        gate.unlink()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert out.count("rlflow: Prefect's temporary API server ended (killed by SIGKILL); starting it again on "
+                     "http://127.0.0.1:") == 1, out
+    assert "iter    2/2" in out and "done: 2 iterations" in out, out
+    assert "EventsWorker' failed" not in out and "Traceback" not in out, out
+
+
+def _prefect_servers(pid: int) -> list[int]:
+    """The running Prefect API servers among `pid`'s descendants."""
+    def cmdline(p: int) -> bytes:
+        try:
+            return Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            return b""
+    return [p for p in descendants(pid) if _running(p) and b"prefect.server.api.server:create_app" in cmdline(p)]
