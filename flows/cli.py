@@ -423,24 +423,37 @@ def _keep_serving(server, proc) -> None:
     (a kill by pid, the OOM killer): the flow's client retried every call against the dead port, iterations took
     11-39 s instead of 0.2 and each wrote a multi-KB error line. Not once stopped (its stop, the run's end). This
     thread starts it and lives on: the server dies with the thread that started it (PR_SET_PDEATHSIG)."""
+    import time
+
+    import httpx
+
     from tasks.core.stage import STOP
 
     while True:
-        code = proc.wait()
+        while (code := proc.poll()) is None:    # (not wait(): Prefect's start() polls it for uvicorn's exit 3, a
+            time.sleep(0.5)                     # port taken as it starts, which it handles itself)
         if getattr(server, "_rlflow_stopping", False) or server.server_process is not proc or _finished or \
-                STOP.is_set():
+                STOP.is_set() or code == 3:
             return
         print(f"rlflow: Prefect's temporary API server ended ({how_it_ended(code)}); starting it again on "
               f"{server.address}", file=sys.stderr, flush=True)
-        try:
-            server.running = False
-            server.start()
-        except Exception as e:  # noqa: BLE001 - said, and the run stopped as a signal stops it
-            print(f"rlflow: Prefect's temporary API server could not start again ({type(e).__name__}: "
-                  f"{str(e).splitlines()[0] if str(e) else ''}); stopping", file=sys.stderr, flush=True)
+        # Its process only, `running` left True: a start() of Prefect's threads meanwhile stays a no-op (a second
+        # server, or one on another port than the clients' URL, otherwise), the port the one they know.
+        proc = server.server_process = server._run_uvicorn_command()
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{server.api_url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            print(f"rlflow: Prefect's temporary API server could not start again on {server.address} "
+                  f"({how_it_ended(proc.poll()) if proc.poll() is not None else 'no answer in 120 s'}); stopping",
+                  file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        proc = server.server_process
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,14 +107,13 @@ class KeepsAConnection(Flaky):
 
 
 class BlocksItsLoop(Flaky):
-    """An async environment whose reset, for rows 'abc', blocks the event loop it runs on (time.sleep in it)."""
+    """An async environment whose reset blocks the event loop it runs on (time.sleep in it)."""
 
     def __init__(self):
         super().__init__(mode="ok")
 
     async def reset(self, row):
-        if row["letters"] == "abc":
-            time.sleep(60)
+        time.sleep(60)
         return super().reset(row)
 
 

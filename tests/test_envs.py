@@ -665,22 +665,19 @@ def test_an_environment_whose_call_is_written_off_is_not_closed_beside_it(tokeni
     assert not overlaps.exists(), overlaps.read_text()
 
 
-def test_an_async_environment_that_blocks_its_loop_fails_its_episodes_saying_so_and_the_next_get_a_new_loop(
-        tokenizer, tmp_path):
+def test_an_async_environment_that_blocks_its_loop_fails_its_episodes_saying_so(tokenizer, tmp_path):
     """env.isolation: thread: `time.sleep` in an async environment's reset stops the loop every environment's
     coroutine runs on. Was: each call on it ran out its time as if the environment stalled ("did not return
-    within env.timeout_seconds"), which a stage reads as the infrastructure failing and retries three times, and
-    the calls after it waited on the same stopped loop. Now they fail saying the loop was blocked (a stage whose
-    every episode fails so: one line, exit 2) and later calls run on a new loop."""
+    within env.timeout_seconds"), which a stage reads as the infrastructure failing and retries three times. Now
+    they fail saying the loop was blocked, and a stage whose every episode fails so is one line (exit 2)."""
     from tasks.core.errors import UserError
     from tasks.envs.runtime.episodes import STALLED, require_some_episode
 
-    cfg = _cfg("tests.env_classes:BlocksItsLoop", tmp_path, "env.isolation=thread", "env.timeout_seconds=6",
-               "env.concurrency=1")
+    cfg = _cfg("tests.env_classes:BlocksItsLoop", tmp_path, "env.isolation=thread", "env.timeout_seconds=6")
     records = _run(cfg, Scripted(lambda ctx: "a"), tokenizer, n=2)
-    assert [r.env_return for r in records] == [None, None, 3.0, 3.0]             # rows abc, abc, hgf, hgf
-    for r in records[:2]:
+    assert len(records) == 4 and all(r.env_return is None for r in records)
+    for r in records:
         assert r.env_error.startswith("reset: the event loop the environments' coroutines share (env.isolation: "
                                       "thread) ran nothing for") and STALLED not in r.env_error
-    with pytest.raises(UserError, match=r"^env.factory: every episode of .* failed \(2 of 2\).*the event loop"):
-        require_some_episode(cfg, records[:2], "iteration 1")
+    with pytest.raises(UserError, match=r"^env.factory: every episode of .* failed \(4 of 4\).*the event loop"):
+        require_some_episode(cfg, records, "iteration 1")

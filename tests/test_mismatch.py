@@ -107,10 +107,11 @@ def test_a_mismatch_that_is_not_a_number_is_warned_of():
 
 
 def test_the_mismatch_of_stale_samples_holds_the_updates_and_is_not_warned_of():
-    """run.max_staleness S > 0: iterations 1..S train on samples of the policy they update (KL ~1e-14); later
-    ones on samples S updates old, whose KL holds those updates (0.01-0.03 on the tiny model). Was: warned of on
-    every such run at iteration S+1 ("jumped from a median of 2e-14", or "above train.mismatch_kl_warn"): the
-    console looks at iterations whose generate/staleness is 0 only, and still warns there."""
+    """run.max_staleness S > 0: iteration 1 trains on samples of the policy it updates (KL ~1e-14); iteration N
+    on samples of the base model up to N = S+1, then S updates old (generate/staleness N-1, then S), whose KL holds
+    those updates (0.01-0.03 on the tiny model). Was: warned of on every such run at iteration 2 ("jumped from a
+    median of 2e-14", or "above train.mismatch_kl_warn"): the console looks at generate/staleness 0 only, and
+    still warns there."""
     from flows.training import ConsoleWarnings
     from tasks.core.config import load_config
     from tests.conftest import TINY
@@ -119,7 +120,7 @@ def test_the_mismatch_of_stale_samples_holds_the_updates_and_is_not_warned_of():
     watch = ConsoleWarnings(load_config(TINY, ["run.max_staleness=1"]), said.append,
                             type("Log", (), {"warning": lambda *a: None})())
     for it, kl in enumerate([2e-14, 3.2e-2, 8e-3, 9e-3], 1):
-        watch.iteration(it, {}, {"train/mismatch_kl": kl}, {"generate/staleness": min(it - 1, 1)})
+        watch.iteration(it, {}, {"train/mismatch_kl": kl}, {"generate/staleness": it - 1})
     assert said == [] and watch.kl == [2e-14]
     watch.iteration(5, {}, {"train/mismatch_kl": 0.5}, {"generate/staleness": 0})   # (a fresh batch: watched)
     assert len(said) == 1 and "iteration 5: train/mismatch_kl 5.00e-01" in said[0], said

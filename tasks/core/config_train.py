@@ -281,7 +281,7 @@ class TrainConfig(Section):
         "token) passes this (prime-rl's CI gate is 1e-2), or jumps above 10x its median so far (and above 1e-4): "
         "a policy that never reached the sampler, an engine that samples other weights. With run.max_staleness "
         "> 0 it also holds the S updates since the sampler's policy: the console then looks at the iterations "
-        "whose samples are of the policy trained (generate/staleness 0) only.")
+        "whose samples are of the policy trained (generate/staleness 0: iteration 1) only.")
     mask_truncated_completions: bool = Field(False, description="Exclude completions that hit the length limit "
                                              "from the loss.")
     num_iterations: int = Field(1, ge=1, le=1000, description="Optimiser passes over each generated batch (TRL's μ).")

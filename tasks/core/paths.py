@@ -163,15 +163,16 @@ def import_user(spec: str, key: str, noun: str = "callable", by_name: bool = Fal
     seconds = user_code_seconds()
     try:
         with deadline(seconds), user_code(may_chdir=True), user_import():   # (preflight's in the main thread)
-            module = importlib.import_module(module_name)
+            try:
+                module = importlib.import_module(module_name)
+            finally:
+                if os.getcwd() != here:
+                    os.chdir(here)
     except DeadlinePassed:
         raise UserError(import_hung(key, module_name, seconds, noun)) from None
     except (Exception, SystemExit) as e:           # (a module that calls sys.exit when imported)
         raise UserError(f"{key}: cannot import module {module_name!r}: {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
-    finally:
-        if os.getcwd() != here:
-            os.chdir(here)
     fn = getattr(module, attr, None)
     if by_name and isinstance(fn, dict) and fn:
         for name, value in fn.items():

@@ -137,10 +137,10 @@ class ChdirRefused(PermissionError):
 
 
 def _guarded(real: Callable) -> Callable:
-    def call(where) -> None:
+    def call(*args, **kwargs) -> None:
         if getattr(_USER, "pid", None) == os.getpid() != _FREE[0] and not getattr(_USER, "may_chdir", False):
-            raise ChdirRefused(where)
-        real(where)
+            raise ChdirRefused(*args, *kwargs.values())
+        real(*args, **kwargs)
     return call
 
 
@@ -177,8 +177,8 @@ def _install_guards() -> None:
             os._exit = _guarded_exit
         if posix._exit is not _guarded_exit:
             posix._exit = _guarded_exit
-        for module in (os, posix):
-            module.chdir, module.fchdir = _guarded_chdir, _guarded_fchdir
+        os.chdir, os.fchdir, posix.chdir, posix.fchdir = (_guarded_chdir, _guarded_fchdir) * 2
+        os.supports_fd.add(_guarded_chdir)     # (as os.chdir is: it takes a descriptor)
         if threading.Thread.start is not _noted_start:
             threading.Thread.start = _noted_start
     cap_output()

@@ -45,7 +45,7 @@ from tasks.envs.runtime.isolation import (
     user_error_of,
     warm_up,
 )
-from tasks.envs.runtime.loops import BLOCKED, started_loop, stopped_for
+from tasks.envs.runtime.loops import BLOCKED, blocked_for, started_loop
 
 if TYPE_CHECKING:
     from tasks.core.config import Config
@@ -141,15 +141,18 @@ class Threads:
         # endpoint) ends with it. Kept across stages, a client of a later endpoint that got the same port back
         # reused connections of the earlier one and waited on them (seen: episodes hung until their timeout).
         self.loop, self.thread = started_loop("agents")
+        self.left: list[asyncio.AbstractEventLoop] = []       # loops given up as blocked (_blocked)
+        self.swapping = threading.Lock()
 
     def _blocked(self, loop: asyncio.AbstractEventLoop) -> str | None:
         """BLOCKED if `loop` has run nothing for half the timeout at least (an agent past its time: held up by it);
         the episodes started after this get a new one."""
-        if (stopped := stopped_for(loop)) < max(self.timeout / 2, 2.0):
+        if (stopped := blocked_for(loop, max(self.timeout / 2, 2.0))) is None:
             return None
-        if loop is self.loop:             # (the old one ends once its coroutine lets it: UsersLoop.end)
-            loop.call_soon_threadsafe(loop.end)
-            self.loop, self.thread = started_loop("agents")
+        with self.swapping:               # (the old one runs on for the agents still on it: ended at stop)
+            if loop is self.loop:
+                self.left.append(loop)
+                self.loop, self.thread = started_loop("agents")
         return BLOCKED.format("the agents", stopped)
 
     def start(self, run: Running, row: dict, base_url: str) -> None:
@@ -192,6 +195,9 @@ class Threads:
         except Exception:  # noqa: BLE001 - the loop held by an agent that blocks it: left to its daemon thread
             self.loop.call_soon_threadsafe(self.loop.end)
             return
+        finally:
+            for loop in self.left:            # (each ends once its blocking coroutine lets it)
+                loop.call_soon_threadsafe(loop.end)
         self.loop.call_soon_threadsafe(self.loop.end)       # (what the agents left open aborted first: UsersLoop.end)
         self.thread.join(UNWIND_SECONDS)
         if not self.thread.is_alive():

@@ -45,7 +45,7 @@ from tasks.core.processes import (
     how_it_ended,
     sigkill_groups,
 )
-from tasks.envs.runtime.loops import BLOCKED, started_loop, stopped_for
+from tasks.envs.runtime.loops import BLOCKED, blocked_for, started_loop
 from tasks.envs.runtime.protocol import as_step, environment, factory_of, state_of
 from tasks.envs.runtime.tools import tool_schemas
 
@@ -442,18 +442,14 @@ class Caller:
                 self.loop, _ = started_loop("env-loop")
             return self.loop
 
-    def blocked(self, done: Future) -> str | None:
+    @staticmethod
+    def blocked(done: Future) -> str | None:
         """Why a call past its time (`done`) did not end, if the loop it awaits on has run nothing for at least
-        half of that time: a coroutine blocks it (every call on it fails so). Later calls get a new loop (this one
-        ends once let)."""
-        loop, now = getattr(done, "on_loop", None), time.monotonic()
-        if loop is None or (stopped := stopped_for(loop)) < max((now - done.started) / 2, 2.0):
-            return None
-        with self.made:
-            if loop is self.loop:
-                loop.call_soon_threadsafe(loop.end)
-                self.loop = None
-        return BLOCKED.format("the environments' coroutines", stopped)
+        half of that time: a coroutine blocks it (every call on it fails so while it does). The loop is kept: an
+        episode's reset and steps share theirs, and the others on it go on once it is let go."""
+        loop = getattr(done, "on_loop", None)
+        stopped = None if loop is None else blocked_for(loop, max((time.monotonic() - done.started) / 2, 2.0))
+        return None if stopped is None else BLOCKED.format("the environments' coroutines", stopped)
 
     def start(self, fn, *args) -> Future:
         """fn(*args) on a thread of its own once a slot is free (waited for there, not here: calls that hang for

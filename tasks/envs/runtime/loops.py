@@ -6,6 +6,7 @@ is the user's code's doing, not a stalled environment's (stopped_for).
 
     loop, thread = started_loop("agents")      # users_loop() run by run_forever on a daemon thread
     stopped_for(loop)                          # seconds it has run nothing
+    blocked_for(loop, seconds)                 # that, if at least `seconds` and it does not run when asked
 """
 
 from __future__ import annotations
@@ -141,3 +142,16 @@ def _beating(loop) -> None:
 def stopped_for(loop) -> float:
     """Seconds `loop` (started_loop's) has run nothing: 0 while it runs, growing while a coroutine blocks it."""
     return max(0.0, time.monotonic() - loop.beat - BEAT_SECONDS)
+
+
+def blocked_for(loop, at_least: float) -> float | None:
+    """stopped_for(loop) if at least `at_least` and the loop does not run a callback within a second more (the
+    whole process stalled, a SIGSTOP, a frozen VM: its thread gets that second to run first); else None."""
+    if stopped_for(loop) < at_least:
+        return None
+    ran = threading.Event()
+    try:
+        loop.call_soon_threadsafe(ran.set)
+    except RuntimeError:                         # (closed)
+        return None
+    return None if ran.wait(1.0) else stopped_for(loop)

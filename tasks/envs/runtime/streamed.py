@@ -177,8 +177,8 @@ class StreamedAgents(GroupSource):
                                                         top_k=gc.top_k))
         self.endpoint = Endpoint(cfg, self.session, layout.latest(cfg.run.name, "policy"), self.session.params)
         self.endpoint.start()
-        self.runner = Processes(cfg) if cfg.env.isolation == "process" else Threads(agent_of(cfg),
-                                                                                     dict(cfg.env.kwargs))
+        self.runner = Processes(cfg) if cfg.env.isolation == "process" else Threads(
+            agent_of(cfg), dict(cfg.env.kwargs), cfg.env.timeout_seconds)
         self.groups: dict[tuple, dict] = {}     # key -> {"row", "data", "results": {episode: outcome}, "logs"}
         self.waiting: list[tuple[tuple, int]] = []      # (group, episode) not started: no slot yet
         self.running: dict[int, tuple[tuple, Running]] = {}
