@@ -108,6 +108,10 @@ async def _unruly(row, base_url, api_key):
             os.write(1, b"x" * (1 << 20))
     if mode == "chdir":                     # (its own process's directory: fine; the stage's: refused)
         os.chdir("/")
+    if mode == "no_path":                   # (the stage's sys.path: put back after its call)
+        import sys
+
+        sys.path[:] = []
     if mode == "child_exit":                # sys.exit() in a task it started, not in its own coroutine
         await asyncio.gather(asyncio.sleep(0), _exits())
     return 1.0

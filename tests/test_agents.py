@@ -7,6 +7,7 @@ and an agent framework: tests/test_endpoint.py; verifiers 0.4 environments: test
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -150,11 +151,11 @@ def test_limits_refuse_the_call_past_them_and_mark_the_episode_truncated():
 
 @pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolation):
-    modes = ["ok", "raise", "exit", "hang", "async_hang", "garbage", "huge", "tensor", "numpy", "chdir", "child_exit",
-             "ok"]
+    modes = ["ok", "raise", "exit", "hang", "async_hang", "garbage", "huge", "tensor", "numpy", "chdir", "no_path",
+             "child_exit", "ok"]
     if isolation == "thread":        # (a process's death, or a coroutine blocking the loop they share: process)
         modes[modes.index("hang")] = "sync_hang"
-    here = os.getcwd()
+    here, path = os.getcwd(), list(sys.path)
     rows = [{"prompt": "p", "letters": "abc", "mode": m, "seed": i} for i, m in enumerate(modes)]
     # (20 s: on a loaded machine a process-isolated agent that raises at once took more than 6 s to start and say so)
     cfg = _cfg("unruly", f"env.isolation={isolation}", "env.timeout_seconds=20")
@@ -179,6 +180,7 @@ def test_agents_that_crash_hang_or_return_garbage_cost_only_their_episode(isolat
     else:                           # (the stage's working directory, which its relative paths read: refused)
         assert "ChdirRefused: os.chdir('/') refused" in by_mode["chdir"].env_error
     assert os.getcwd() == here
+    assert by_mode["no_path"].env_error is None and set(path) <= set(sys.path)   # (emptied: every import failed)
     for mode in ("raise", "async_hang", "garbage"):
         assert by_mode[mode].env_return is None and by_mode[mode].env_state["calls"] == 1   # its tokens kept
         assert sum(by_mode[mode].mask) >= 1
@@ -526,3 +528,25 @@ def test_a_coroutine_that_blocks_the_agents_loop_fails_its_episodes_with_why_and
     assert STALLED not in records[1].env_error and records[1].env_state["calls"] == 1     # (its tokens kept)
     with pytest.raises(UserError, match=r"^env.agent: every episode of .* failed \(1 of 1\).*the event loop"):
         require_some_episode(cfg, records[1:2], "iteration 1")
+
+
+def test_an_agent_that_empties_sys_path_has_it_put_back_as_its_coroutine_ends():
+    """env.isolation: thread: `sys.path[:] = []` in an async agent emptied the stage's process's import path for
+    as long as the agents' loop ran (its thread's user_code ends with it): every import of rlflow's after it
+    failed, the run with a traceback. The entries it removed are put back as its coroutine ends (what it added
+    stays)."""
+    from tasks.envs.runtime.agents import Running, Threads
+
+    async def agent(row, base_url, key):
+        sys.path[:] = ["/added-by-the-agent"]
+        return 1.0
+    before = list(sys.path)
+    runner = Threads(agent, {})
+    try:
+        run = Running(0, "rl-key", time.monotonic())
+        runner.start(run, {}, "http://127.0.0.1:9/v1")
+        assert run.result() == 1.0                  # (waits for it: the loop goes on running after)
+        assert sys.path[:len(before) + 1] == ["/added-by-the-agent", *before]
+    finally:
+        sys.path[:] = before
+        runner.stop()

@@ -1,4 +1,5 @@
 """What one process shares, and why each piece exists: the state that cannot be an argument.
+One concept: the state one process shares (the guards of users' code in it among it).
 
 With the inline launcher and a caller-held trainer (the defaults), generate, reward, train and publish run in
 the flow's own process, and with run.max_staleness > 0 on several of its threads at once. Most of what they use
@@ -200,16 +201,31 @@ def _noted_start(self: threading.Thread) -> None:
 @contextmanager
 def user_code(may_chdir: bool = False) -> Iterator[None]:
     """The body runs a user's code on this thread: an os._exit there raises ExitRefused, an os.chdir
-    ChdirRefused (unless `may_chdir`: the caller puts the directory back, alone), and what it prints is
-    bounded (cap_output). Not in a child it forks (a fork's child calls os._exit to end itself: the pid is
-    compared), nor in threads the user's code starts itself (but see mark_user_thread)."""
+    ChdirRefused (unless `may_chdir`: the caller puts the directory back, alone), what it prints is bounded
+    (cap_output), and the entries of sys.path it removed are put back after it. Not in a child it forks (a
+    fork's child calls os._exit to end itself: the pid is compared), nor in threads the user's code starts
+    itself (but see mark_user_thread)."""
     _install_guards()
     before = getattr(_USER, "pid", None), getattr(_USER, "may_chdir", False)
     try:
         _USER.pid, _USER.may_chdir = os.getpid(), may_chdir
-        yield
+        with sys_path_kept():
+            yield
     finally:
         _USER.pid, _USER.may_chdir = before
+
+
+@contextmanager
+def sys_path_kept() -> Iterator[None]:
+    """The entries of sys.path the body removed, put back after it (also each coroutine's on a users' loop:
+    isolation._awaited): `sys.path[:] = []` in an agent failed every import of rlflow's after it, and the run
+    with a traceback. What it added stays."""
+    path = list(sys.path)
+    try:
+        yield
+    finally:
+        if lost := [p for p in path if p not in sys.path]:
+            sys.path.extend(lost)
 
 
 # ------------------------------------------------------------------------------------- a user's output, bounded

@@ -32,6 +32,7 @@ from tasks.core.process_wide import (
     end_forkserver_at_exit,
     renew_output_budget,
     set_variable,
+    sys_path_kept,
     take,
     user_code,
     user_output_limit,
@@ -498,7 +499,8 @@ class Caller:
 
 async def _awaited(value):
     try:
-        return await value
+        with sys_path_kept():
+            return await value
     except (SystemExit, KeyboardInterrupt) as e:     # (out of the loop's run_forever otherwise: its thread ends)
         raise as_failure(e) from None
 
